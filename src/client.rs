@@ -1,0 +1,254 @@
+//! The binary client: a sans-IO codec and a blocking `std::net` client on top.
+//!
+//! [`Codec`] turns requests into frames and frames into responses over plain
+//! byte buffers, with no runtime, so any event loop can embed it. [`Client`]
+//! drives it over one TCP connection, pipelines many requests, and enforces
+//! its own timeout on every call.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use crate::wire::{self, FrameError, RequestEncoder, RequestSpec, Response};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("connecting to {addr}: {source}")]
+    Connect {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("no response within {0:?}")]
+    Timeout(Duration),
+    #[error("the server closed the connection")]
+    Closed,
+    #[error("bad frame from the server: {0}")]
+    Frame(#[from] FrameError),
+    #[error("bad response from the server: {0}")]
+    Invalid(#[from] flatbuffers::InvalidFlatbuffer),
+    #[error("response for request {0}, which is not outstanding")]
+    UnexpectedId(u64),
+}
+
+/// Encodes requests and decodes responses; holds no socket.
+pub struct Codec {
+    encoder: RequestEncoder,
+    /// Largest response frame accepted from the server.
+    pub frame_bytes_max: usize,
+    /// Most scores a response may carry.
+    pub scores_max: usize,
+}
+
+impl Default for Codec {
+    fn default() -> Self {
+        Codec {
+            encoder: RequestEncoder::new(),
+            frame_bytes_max: 1 << 20,
+            scores_max: 1 << 16,
+        }
+    }
+}
+
+impl Codec {
+    pub fn encode(&mut self, spec: &RequestSpec, out: &mut Vec<u8>) {
+        self.encoder.encode(spec, out);
+    }
+
+    /// Decodes the first response in `buf`; returns it with the bytes it
+    /// used, or `None` when `buf` does not hold a whole frame yet.
+    pub fn decode(&self, buf: &[u8]) -> Result<Option<(Response, usize)>, ClientError> {
+        match wire::split_frame(buf, self.frame_bytes_max)? {
+            None => Ok(None),
+            Some((payload, used)) => Ok(Some((wire::decode_response(payload, self.scores_max)?, used))),
+        }
+    }
+}
+
+/// A blocking client over one connection.
+pub struct Client {
+    stream: TcpStream,
+    codec: Codec,
+    rbuf: Vec<u8>,
+    rfilled: usize,
+    wbuf: Vec<u8>,
+    timeout: Duration,
+}
+
+impl Client {
+    /// Connects with `timeout` for the connection and for every later call.
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Client, ClientError> {
+        let err = |source| ClientError::Connect {
+            addr: addr.into(),
+            source,
+        };
+        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(err)?.collect();
+        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, timeout) {
+                Ok(stream) => {
+                    stream.set_nodelay(true).map_err(err)?;
+                    return Ok(Client {
+                        stream,
+                        codec: Codec::default(),
+                        rbuf: vec![0; 64 * 1024],
+                        rfilled: 0,
+                        wbuf: Vec::with_capacity(64 * 1024),
+                        timeout,
+                    });
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(err(last))
+    }
+
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// The socket, for tests that need to misbehave on purpose.
+    pub fn stream(&mut self) -> &mut TcpStream {
+        &mut self.stream
+    }
+
+    /// Sends one request without waiting for its response.
+    pub fn send(&mut self, spec: &RequestSpec) -> Result<(), ClientError> {
+        self.wbuf.clear();
+        self.codec.encode(spec, &mut self.wbuf);
+        self.stream.set_write_timeout(Some(self.timeout))?;
+        self.stream.write_all(&self.wbuf).map_err(|e| self.timeout_or(e))?;
+        Ok(())
+    }
+
+    /// Sends raw bytes: for tests of malformed input.
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        self.stream.set_write_timeout(Some(self.timeout))?;
+        self.stream.write_all(bytes).map_err(|e| self.timeout_or(e))?;
+        Ok(())
+    }
+
+    fn timeout_or(&self, e: std::io::Error) -> ClientError {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ClientError::Timeout(self.timeout),
+            _ => ClientError::Io(e),
+        }
+    }
+
+    /// Waits for the next response, whichever request it answers.
+    pub fn recv(&mut self) -> Result<Response, ClientError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some((resp, used)) = self.codec.decode(&self.rbuf[..self.rfilled])? {
+                self.rbuf.copy_within(used..self.rfilled, 0);
+                self.rfilled -= used;
+                return Ok(resp);
+            }
+            if self.rfilled == self.rbuf.len() {
+                let grown = (self.rbuf.len() * 2).min(self.codec.frame_bytes_max + wire::FRAME_PREFIX_BYTES);
+                self.rbuf.resize(grown.max(self.rbuf.len() + 1), 0);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ClientError::Timeout(self.timeout));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+            match self.stream.read(&mut self.rbuf[self.rfilled..]) {
+                Ok(0) => return Err(ClientError::Closed),
+                Ok(n) => self.rfilled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.timeout_or(e)),
+            }
+        }
+    }
+
+    /// Sends one request and waits for its response.
+    pub fn score(&mut self, spec: &RequestSpec) -> Result<Response, ClientError> {
+        self.send(spec)?;
+        let resp = self.recv()?;
+        if resp.request_id != spec.request_id {
+            return Err(ClientError::UnexpectedId(resp.request_id));
+        }
+        Ok(resp)
+    }
+
+    /// Sends all `specs` on this connection with up to `window` outstanding
+    /// and returns their responses in request order. Request ids must be
+    /// distinct; responses may arrive in any order.
+    pub fn pipeline(&mut self, specs: &[RequestSpec], window: usize) -> Result<Vec<Response>, ClientError> {
+        let window = window.max(1);
+        let index: std::collections::HashMap<u64, usize> =
+            specs.iter().enumerate().map(|(i, s)| (s.request_id, i)).collect();
+        assert_eq!(index.len(), specs.len(), "request ids must be distinct");
+        let mut out: Vec<Option<Response>> = vec![None; specs.len()];
+        let (mut sent, mut received) = (0, 0);
+        while received < specs.len() {
+            while sent < specs.len() && sent - received < window {
+                self.send(&specs[sent])?;
+                sent += 1;
+            }
+            let resp = self.recv()?;
+            let i = *index.get(&resp.request_id).ok_or(ClientError::UnexpectedId(resp.request_id))?;
+            if out[i].is_some() {
+                return Err(ClientError::UnexpectedId(resp.request_id));
+            }
+            out[i] = Some(resp);
+            received += 1;
+        }
+        Ok(out.into_iter().map(|r| r.expect("every slot filled")).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{ResponseEncoder, ResponseFields, Status, Tier};
+
+    #[test]
+    fn codec_decodes_byte_by_byte() {
+        let mut bytes = Vec::new();
+        let mut enc = ResponseEncoder::new(4);
+        let scores = [0.5f32; 3];
+        for id in 0..3 {
+            enc.encode(
+                &ResponseFields {
+                    request_id: id,
+                    status: Status::Ok,
+                    scores: &scores,
+                    tier: Tier::Primary,
+                    model_version: 1,
+                    server_us: 5,
+                    features_missing: 0,
+                    error: "",
+                },
+                &mut bytes,
+            );
+        }
+        let codec = Codec::default();
+        let mut buf = Vec::new();
+        let mut got = Vec::new();
+        for b in bytes {
+            buf.push(b);
+            if let Some((resp, used)) = codec.decode(&buf).unwrap() {
+                buf.drain(..used);
+                got.push(resp.request_id);
+            }
+        }
+        assert_eq!(got, vec![0, 1, 2]);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn codec_rejects_an_oversized_frame() {
+        let codec = Codec {
+            frame_bytes_max: 16,
+            ..Codec::default()
+        };
+        assert!(matches!(
+            codec.decode(&[17, 0, 0, 0]),
+            Err(ClientError::Frame(FrameError::TooLarge { .. }))
+        ));
+    }
+}

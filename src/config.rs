@@ -1,0 +1,202 @@
+//! Server configuration: one TOML file holds every limit; CLI flags override it.
+//!
+//! Every field has a default, so an empty file (or none) is a valid config.
+//! Unknown keys are an error, so a typo never silently falls back to a default.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::score::BackendKind;
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address every shard binds with SO_REUSEPORT.
+    pub listen: String,
+    /// Number of shards, placed on cores 0..shards. 0 means one per online core.
+    pub shards: usize,
+    /// Explicit cores, one shard each; overrides `shards` when not empty.
+    pub cores: Vec<usize>,
+    /// Where replica and model files live (and where `--demo` writes).
+    pub data_dir: PathBuf,
+    /// Feature replica of group `user`; default `<data_dir>/user.qrep`.
+    pub user_features: Option<PathBuf>,
+    /// Feature replica of group `item`; default `<data_dir>/item.qrep`.
+    pub item_features: Option<PathBuf>,
+    /// Model file; default `<data_dir>/model.qm`.
+    pub model: Option<PathBuf>,
+    pub backend: BackendKind,
+    pub limits: Limits,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "127.0.0.1:7411".into(),
+            shards: 0,
+            cores: Vec::new(),
+            data_dir: PathBuf::from("quiver-data"),
+            user_features: None,
+            item_features: None,
+            model: None,
+            backend: BackendKind::Int8,
+            limits: Limits::default(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Largest request frame, excluding the 4-byte length prefix.
+    pub frame_bytes_max: usize,
+    pub candidates_max: usize,
+    pub context_len_max: usize,
+    pub connections_per_shard_max: usize,
+    /// Budget for requests that send `budget_us = 0`.
+    pub budget_us_default: u32,
+    /// Larger budgets are clamped to this.
+    pub budget_us_max: u32,
+    /// Responses buffered per connection before the shard stops decoding
+    /// and flushes; bounds memory per pipelining client.
+    pub output_bytes_max: usize,
+    /// A connection with no complete frame for this long is closed.
+    pub idle_timeout_ms: u64,
+    /// A client that does not drain its responses within this is closed.
+    pub write_timeout_ms: u64,
+    /// After SIGTERM, how long connections get to finish before the
+    /// process exits anyway.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            frame_bytes_max: 64 * 1024,
+            candidates_max: 256,
+            context_len_max: 256,
+            connections_per_shard_max: 1024,
+            budget_us_default: 10_000,
+            budget_us_max: 10_000_000,
+            output_bytes_max: 1 << 20,
+            idle_timeout_ms: 60_000,
+            write_timeout_ms: 5_000,
+            shutdown_grace_ms: 5_000,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Parse {
+        path: String,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("limits.{field} = {value} is outside {range}")]
+    Range {
+        field: &'static str,
+        value: u64,
+        range: &'static str,
+    },
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+        Config::parse(&text, &p)
+    }
+
+    pub fn parse(text: &str, path_for_errors: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: path_for_errors.into(),
+            source: Box::new(source),
+        })?;
+        config.limits.validate()?;
+        Ok(config)
+    }
+
+    pub fn user_features_path(&self) -> PathBuf {
+        self.user_features.clone().unwrap_or_else(|| self.data_dir.join("user.qrep"))
+    }
+
+    pub fn item_features_path(&self) -> PathBuf {
+        self.item_features.clone().unwrap_or_else(|| self.data_dir.join("item.qrep"))
+    }
+
+    pub fn model_path(&self) -> PathBuf {
+        self.model.clone().unwrap_or_else(|| self.data_dir.join("model.qm"))
+    }
+}
+
+impl Limits {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let check = |field: &'static str, value: u64, lo: u64, hi: u64, range: &'static str| {
+            if value < lo || value > hi {
+                return Err(ConfigError::Range { field, value, range });
+            }
+            Ok(())
+        };
+        check("frame_bytes_max", self.frame_bytes_max as u64, 64, 16 << 20, "64..=16777216")?;
+        check("candidates_max", self.candidates_max as u64, 1, 8192, "1..=8192")?;
+        check("context_len_max", self.context_len_max as u64, 0, 4096, "0..=4096")?;
+        check(
+            "connections_per_shard_max",
+            self.connections_per_shard_max as u64,
+            1,
+            1 << 20,
+            "1..=1048576",
+        )?;
+        check("budget_us_default", u64::from(self.budget_us_default), 1, u64::from(u32::MAX), "1..")?;
+        check(
+            "budget_us_max",
+            u64::from(self.budget_us_max),
+            u64::from(self.budget_us_default),
+            u64::from(u32::MAX),
+            "budget_us_default..",
+        )?;
+        check("output_bytes_max", self.output_bytes_max as u64, 4096, 1 << 30, "4096..=1073741824")?;
+        check("idle_timeout_ms", self.idle_timeout_ms, 1, 86_400_000, "1..=86400000")?;
+        check("write_timeout_ms", self.write_timeout_ms, 1, 86_400_000, "1..=86400000")?;
+        check("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000, "0..=600000")?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_defaults() {
+        assert_eq!(Config::parse("", "c.toml").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn values_and_typos() {
+        let c = Config::parse(
+            "listen = \"0.0.0.0:9\"\ncores = [1]\nbackend = \"f32\"\n[limits]\ncandidates_max = 64\n",
+            "c.toml",
+        )
+        .unwrap();
+        assert_eq!(c.listen, "0.0.0.0:9");
+        assert_eq!(c.cores, vec![1]);
+        assert_eq!(c.backend, BackendKind::F32);
+        assert_eq!(c.limits.candidates_max, 64);
+        assert_eq!(c.limits.frame_bytes_max, 64 * 1024);
+
+        let err = Config::parse("[limits]\ncandidate_max = 64\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("candidate_max"), "{err}");
+        let err = Config::parse("[limits]\ncandidates_max = 0\n", "c.toml").unwrap_err();
+        assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
+    }
+}

@@ -1,0 +1,32 @@
+//! Quiver: a real-time ML scoring server.
+//!
+//! A request names one user, a few dozen candidate items and some context
+//! floats; Quiver answers with one score per candidate inside the request's
+//! deadline. See `docs/ARCHITECTURE.md` for the map of this crate.
+
+pub mod client;
+pub mod config;
+pub mod deadline;
+pub mod demo;
+pub mod loadgen;
+pub mod model;
+pub mod replica;
+pub mod request;
+pub mod score;
+pub mod shard;
+pub mod wire;
+
+/// Start-up failures: anything that stops the server before it serves.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error(transparent)]
+    Replica(#[from] replica::ReplicaError),
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    #[error(transparent)]
+    Layout(#[from] request::LayoutError),
+    #[error("{0}")]
+    Setup(String),
+}

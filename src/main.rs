@@ -1,0 +1,367 @@
+//! The `quiver` command line: serve, score, bench, and file tools.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use quiver::client::Client;
+use quiver::config::Config;
+use quiver::loadgen::{self, BenchOptions};
+use quiver::model::Model;
+use quiver::replica::{Replica, ReplicaBuilder};
+use quiver::request::Shared;
+use quiver::score::BackendKind;
+use quiver::shard::{self, ShardPlacement};
+use quiver::wire::{status_name, tier_name, RequestSpec, Status};
+use quiver::{demo, Error};
+
+#[derive(Parser)]
+#[command(name = "quiver", version, about = "Real-time ML scoring server")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve scoring requests.
+    Serve(ServeArgs),
+    /// Send one scoring request and print the answer.
+    Score(ScoreArgs),
+    /// Send load to a running server and print rate and latency percentiles.
+    Bench(BenchArgs),
+    /// Feature replica files.
+    #[command(subcommand)]
+    Replica(ReplicaCommand),
+    /// Write the auction-32 demo files (replicas and model) into a directory.
+    Demo {
+        #[arg(long, default_value = "quiver-data")]
+        data_dir: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TOML config file; flags below override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    listen: Option<String>,
+    /// Number of shards (one per core, cores 0..N).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Explicit cores, e.g. 0,1 (one shard each).
+    #[arg(long, value_delimiter = ',')]
+    cores: Option<Vec<usize>>,
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Generate (once) and serve the built-in auction-32 demo.
+    #[arg(long)]
+    demo: bool,
+    #[arg(long, value_enum)]
+    backend: Option<BackendKind>,
+}
+
+#[derive(clap::Args)]
+struct ScoreArgs {
+    #[arg(long, default_value = "127.0.0.1:7411")]
+    addr: String,
+    #[arg(long)]
+    user: u64,
+    /// Candidate item ids, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    items: Vec<u64>,
+    /// Context floats, comma-separated (empty means all zeros).
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
+    context: Vec<f32>,
+    /// Time budget in microseconds; 0 uses the server's default.
+    #[arg(long, default_value_t = 0)]
+    budget_us: u32,
+    #[arg(long, default_value = "")]
+    model: String,
+    #[arg(long, default_value_t = 0)]
+    priority: u8,
+    #[arg(long, default_value_t = 0)]
+    client_id: u32,
+    /// Client-side timeout.
+    #[arg(long, default_value = "2s", value_parser = loadgen::parse_duration)]
+    timeout: Duration,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[arg(long, default_value = "127.0.0.1:7411")]
+    addr: String,
+    #[arg(long, default_value = "10s", value_parser = loadgen::parse_duration)]
+    duration: Duration,
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Offered rate in requests/s (open loop); without it, closed loop.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Requests in flight per connection in closed loop.
+    #[arg(long, default_value_t = 8)]
+    pipeline: usize,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    #[arg(long, default_value_t = demo::CANDIDATES)]
+    candidates: usize,
+    /// Fraction of user and item ids drawn outside the known ranges.
+    #[arg(long, default_value_t = 0.0)]
+    unknown_fraction: f64,
+    #[arg(long, default_value_t = 0)]
+    budget_us: u32,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum ReplicaCommand {
+    /// Build a replica file from a text input file (see docs/REPLICA.md).
+    Build {
+        /// Feature group name: `user` or `item`.
+        #[arg(long)]
+        group: String,
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Verify a replica file and print its header.
+    Inspect {
+        #[arg(long)]
+        group: String,
+        #[arg(long)]
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Score(args) => score(args),
+        Command::Bench(args) => bench(args),
+        Command::Replica(cmd) => replica(cmd),
+        Command::Demo { data_dir } => demo::ensure(&data_dir).map(|_| ExitCode::SUCCESS),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("quiver: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
+    let mut config = match &args.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(v) = args.listen {
+        config.listen = v;
+    }
+    if let Some(v) = args.shards {
+        config.shards = v;
+        config.cores.clear();
+    }
+    if let Some(v) = args.cores {
+        config.cores = v;
+    }
+    if let Some(v) = args.data_dir {
+        config.data_dir = v;
+    }
+    if let Some(v) = args.backend {
+        config.backend = v;
+    }
+    if args.demo {
+        demo::ensure(&config.data_dir)?;
+    }
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores: Vec<usize> = if !config.cores.is_empty() {
+        config.cores.clone()
+    } else {
+        let n = if config.shards == 0 { online } else { config.shards };
+        (0..n).map(|i| i % online).collect()
+    };
+
+    let model = Model::load(&config.model_path())?;
+    let user = Replica::open(&config.user_features_path(), "user")?;
+    let item = Replica::open(&config.item_features_path(), "item")?;
+    tracing::info!(
+        model = %model.name, version = model.version, inputs = model.input_dim(),
+        users = user.header().row_count, items = item.header().row_count,
+        backend = ?config.backend, "loaded"
+    );
+    let shared = Shared {
+        model: Arc::new(model),
+        user: Arc::new(user),
+        item: Arc::new(item),
+        limits: config.limits.clone(),
+        backend: config.backend,
+    };
+    let listen = shard::resolve_listen(&config.listen)?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        // A second signal while draining exits at once.
+        signal_hook::flag::register_conditional_shutdown(sig, 1, stop.clone())
+            .and_then(|_| signal_hook::flag::register(sig, stop.clone()))
+            .map_err(|e| Error::Setup(format!("installing signal handlers: {e}")))?;
+    }
+    let shards = cores.len();
+    let reports = shard::serve(shared, ShardPlacement { listen, cores }, stop, |addr| {
+        tracing::info!(%addr, shards, "serving");
+        println!("quiver listening on {addr} with {shards} shards");
+    })?;
+    for r in &reports {
+        tracing::info!(
+            shard = r.shard, core = r.core, connections = r.connections_accepted,
+            refused = r.connections_refused, rejected_streams = r.streams_rejected,
+            requests = r.counters.requests, ok = r.counters.by_status[usize::from(Status::Ok.0)],
+            features_missing = r.counters.features_missing, "shard stopped"
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
+    let spec = RequestSpec {
+        request_id: 1,
+        model: args.model,
+        budget_us: args.budget_us,
+        priority: args.priority,
+        client_id: args.client_id,
+        user_id: args.user,
+        item_ids: args.items,
+        context: args.context,
+    };
+    let started = Instant::now();
+    let result = Client::connect(&args.addr, args.timeout).and_then(|mut c| c.score(&spec));
+    let rtt_us = started.elapsed().as_micros() as u64;
+    let resp = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if args.json {
+                println!("{}", serde_json::json!({ "error": e.to_string(), "rtt_us": rtt_us }));
+            }
+            return Err(Error::Setup(e.to_string()));
+        }
+    };
+    if args.json {
+        let out = serde_json::json!({
+            "request_id": resp.request_id,
+            "status": status_name(resp.status),
+            "tier": tier_name(resp.tier),
+            "scores": resp.scores,
+            "model_version": resp.model_version,
+            "features_missing": resp.features_missing,
+            "server_us": resp.server_us,
+            "rtt_us": rtt_us,
+            "error": resp.error,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "status {}  tier {}  model v{}  features missing {}  server {} µs  round trip {} µs",
+            status_name(resp.status),
+            tier_name(resp.tier),
+            resp.model_version,
+            resp.features_missing,
+            resp.server_us,
+            rtt_us
+        );
+        if !resp.error.is_empty() {
+            println!("error: {}", resp.error);
+        }
+        for (item, s) in spec.item_ids.iter().zip(&resp.scores) {
+            println!("{item}\t{s:.6}");
+        }
+    }
+    Ok(if resp.status == Status::Ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
+
+fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
+    if args.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+        return Err(Error::Setup("--rate must be a positive number".into()));
+    }
+    if !(0.0..=1.0).contains(&args.unknown_fraction) {
+        return Err(Error::Setup("--unknown-fraction must be within 0..=1".into()));
+    }
+    let opts = BenchOptions {
+        addr: args.addr,
+        duration: args.duration,
+        connections: args.connections.clamp(1, 1024),
+        rate: args.rate,
+        pipeline: args.pipeline.clamp(1, 4096),
+        seed: args.seed,
+        candidates: args.candidates.max(1),
+        unknown_fraction: args.unknown_fraction,
+        budget_us: args.budget_us,
+    };
+    let report = loadgen::run(&opts);
+    if args.json {
+        println!("{}", serde_json::to_string(&report).expect("report serialises"));
+    } else {
+        print!("{report}");
+    }
+    Ok(if report.received > 0 && report.connection_errors.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
+    match cmd {
+        ReplicaCommand::Build { group, input, out } => {
+            if !matches!(group.as_str(), "user" | "item") {
+                return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
+            }
+            let text = std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
+            let builder = ReplicaBuilder::from_text(&group, &text, &input.display().to_string())?;
+            builder.write(&out)?;
+            let r = Replica::open(&out, &group)?;
+            println!(
+                "wrote {}: group {} dim {} rows {}",
+                out.display(),
+                group,
+                r.dim(),
+                r.header().row_count
+            );
+        }
+        ReplicaCommand::Inspect { group, file } => {
+            let r = Replica::open(&file, &group)?;
+            let h = r.header();
+            println!(
+                "{}: ok; group {} dim {} rows {} index slots {}",
+                file.display(),
+                h.group,
+                h.dim,
+                h.row_count,
+                h.slot_count
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,508 @@
+//! The request path, top to bottom in one place:
+//! decode → check → lookup → check → kernel → check → respond.
+//!
+//! The shard reads frames off a socket and hands each payload here with the
+//! time it was read; everything from there to the encoded response happens
+//! in [`RequestPath::handle`]. One [`Deadline`] is derived from the request's
+//! budget at read time and checked at every stage boundary. A request that
+//! can no longer be answered in time gets `DeadlineExceeded` at once.
+//!
+//! A `RequestPath` belongs to one shard: it owns its scratch buffers, its
+//! backend and its counters, and is `!Send` on purpose (the backend is a
+//! `Box<dyn Backend>` without `Send`). What shards share is immutable: the
+//! model and the feature replicas, behind `Arc`.
+
+use std::sync::Arc;
+
+use crate::config::Limits;
+use crate::deadline::{Clock, Deadline};
+use crate::model::{sigmoid, Model, Source};
+use crate::replica::Replica;
+use crate::score::{self, Backend, BackendKind};
+use crate::wire::{self, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
+
+/// The immutable state every shard reads: loaded once at start-up.
+#[derive(Clone, Debug)]
+pub struct Shared {
+    pub model: Arc<Model>,
+    pub user: Arc<Replica>,
+    pub item: Arc<Replica>,
+    pub limits: Limits,
+    pub backend: BackendKind,
+}
+
+/// The model's inputs and the replicas do not fit together.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    #[error("model '{model}' reads {input:?} features of dimension {model_dim}, the replica holds {replica_dim}")]
+    Dim {
+        model: String,
+        input: Source,
+        model_dim: usize,
+        replica_dim: usize,
+    },
+    #[error("model '{model}' declares {model_dim} context floats, above limits.context_len_max = {limit}")]
+    Context {
+        model: String,
+        model_dim: usize,
+        limit: usize,
+    },
+}
+
+/// Where each input segment lands inside one row of the model input.
+#[derive(Clone, Copy, Debug)]
+struct InputLayout {
+    row_dim: usize,
+    user: Option<usize>,
+    item: Option<usize>,
+    context: Option<(usize, usize)>,
+}
+
+impl InputLayout {
+    fn new(shared: &Shared) -> Result<InputLayout, LayoutError> {
+        let model = &shared.model;
+        let mut layout = InputLayout {
+            row_dim: model.input_dim(),
+            user: None,
+            item: None,
+            context: None,
+        };
+        let mut offset = 0;
+        for seg in &model.inputs {
+            let replica = match seg.source {
+                Source::User => Some(&shared.user),
+                Source::Item => Some(&shared.item),
+                Source::Context => None,
+            };
+            if let Some(r) = replica {
+                if r.dim() != seg.dim {
+                    return Err(LayoutError::Dim {
+                        model: model.name.clone(),
+                        input: seg.source,
+                        model_dim: seg.dim,
+                        replica_dim: r.dim(),
+                    });
+                }
+            }
+            match seg.source {
+                Source::User => layout.user = Some(offset),
+                Source::Item => layout.item = Some(offset),
+                Source::Context => {
+                    if seg.dim > shared.limits.context_len_max {
+                        return Err(LayoutError::Context {
+                            model: model.name.clone(),
+                            model_dim: seg.dim,
+                            limit: shared.limits.context_len_max,
+                        });
+                    }
+                    layout.context = Some((offset, seg.dim));
+                }
+            }
+            offset += seg.dim;
+        }
+        Ok(layout)
+    }
+}
+
+/// Per-shard counters, plain integers: only the owning shard touches them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub requests: u64,
+    /// Indexed by `Status.0`.
+    pub by_status: [u64; 8],
+    pub features_missing: u64,
+    pub candidates_scored: u64,
+}
+
+/// A running estimate of the kernel's cost per candidate row, so the path
+/// can refuse work that would finish past the deadline before starting it.
+#[derive(Clone, Copy, Debug)]
+struct KernelCost {
+    ns_per_row: f64,
+}
+
+impl KernelCost {
+    /// Exponentially weighted: recent batches dominate, one outlier does not.
+    const WEIGHT_NEW: f64 = 0.05;
+
+    fn expected_us(&self, rows: usize) -> u64 {
+        (self.ns_per_row * rows as f64 / 1_000.0).ceil() as u64
+    }
+
+    fn observe(&mut self, rows: usize, elapsed_us: u64) {
+        let sample = elapsed_us as f64 * 1_000.0 / rows.max(1) as f64;
+        self.ns_per_row += (sample - self.ns_per_row) * Self::WEIGHT_NEW;
+    }
+}
+
+/// One shard's request path: scratch memory, backend, encoder, counters.
+pub struct RequestPath<C: Clock> {
+    clock: C,
+    shared: Shared,
+    request_limits: RequestLimits,
+    layout: InputLayout,
+    backend: Box<dyn Backend>,
+    /// Model input rows, `candidates_max × row_dim`, reused per request.
+    x: Vec<f32>,
+    logits: Vec<f32>,
+    encoder: ResponseEncoder,
+    kernel_cost: KernelCost,
+    pub counters: Counters,
+}
+
+/// Largest size of one encoded response frame, for output buffer sizing.
+pub fn response_frame_bytes_max(candidates_max: usize) -> usize {
+    wire::FRAME_PREFIX_BYTES + 256 + candidates_max * 4
+}
+
+impl<C: Clock> RequestPath<C> {
+    /// Allocates every buffer the path will use and measures the kernel once
+    /// at full batch size, so the first request's cost check is informed.
+    pub fn new(shared: Shared, clock: C) -> Result<RequestPath<C>, LayoutError> {
+        let layout = InputLayout::new(&shared)?;
+        let rows_max = shared.limits.candidates_max;
+        let backend = score::build(shared.backend, &shared.model, rows_max);
+        let mut path = RequestPath {
+            request_limits: RequestLimits {
+                frame_bytes_max: shared.limits.frame_bytes_max,
+                candidates_max: shared.limits.candidates_max,
+                context_len_max: shared.limits.context_len_max,
+            },
+            x: vec![0.0; rows_max * layout.row_dim],
+            logits: vec![0.0; rows_max],
+            encoder: ResponseEncoder::new(rows_max),
+            kernel_cost: KernelCost { ns_per_row: 0.0 },
+            counters: Counters::default(),
+            layout,
+            backend,
+            clock,
+            shared,
+        };
+        path.warm_up();
+        Ok(path)
+    }
+
+    fn warm_up(&mut self) {
+        let rows = self.shared.limits.candidates_max;
+        let started = self.clock.now_us();
+        self.backend.logits(
+            &self.shared.model,
+            &self.x[..rows * self.layout.row_dim],
+            rows,
+            &mut self.logits[..rows],
+        );
+        let elapsed_us = self.clock.now_us() - started;
+        self.kernel_cost.ns_per_row = elapsed_us as f64 * 1_000.0 / rows as f64;
+    }
+
+    pub fn clock(&self) -> &C {
+        &self.clock
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Expected kernel time for `rows` candidates, from recent measurements.
+    pub fn expected_kernel_us(&self, rows: usize) -> u64 {
+        self.kernel_cost.expected_us(rows)
+    }
+
+    fn fail(&mut self, request_id: u64, status: Status, error: &str, out: &mut Vec<u8>) {
+        self.counters.requests += 1;
+        self.counters.by_status[usize::from(status.0).min(7)] += 1;
+        self.encoder.encode(&ResponseFields::failure(request_id, status, error), out);
+    }
+
+    /// Handles one request payload read at `read_at_us`; appends exactly one
+    /// response frame to `out`.
+    pub fn handle(&mut self, payload: &[u8], read_at_us: u64, out: &mut Vec<u8>) {
+        // Decode: verify the FlatBuffer with limits before reading any field.
+        let request = match wire::decode_request(payload, &self.request_limits) {
+            Ok(r) => r,
+            Err(e) => {
+                let id = wire::salvage_request_id(payload, &self.request_limits);
+                return self.fail(id, Status::BadRequest, &e.to_string(), out);
+            }
+        };
+        let request_id = request.request_id();
+        let limits = &self.shared.limits;
+        let budget_us = match request.budget_us() {
+            0 => limits.budget_us_default,
+            b => b.min(limits.budget_us_max),
+        };
+        let deadline = Deadline::from_budget(read_at_us, budget_us);
+
+        // Check: the request itself.
+        if deadline.cannot_fit(self.clock.now_us(), 0) {
+            return self.fail(request_id, Status::DeadlineExceeded, "budget spent before decode finished", out);
+        }
+        let model_name = request.model();
+        if !model_name.is_empty() && model_name != self.shared.model.name {
+            return self.fail(request_id, Status::ModelNotFound, "unknown model", out);
+        }
+        let context = request.context();
+        let context_dim = self.layout.context.map_or(0, |(_, d)| d);
+        if !context.is_empty() && context.len() != context_dim {
+            let why = format!("context has {} floats, the model takes {context_dim}", context.len());
+            return self.fail(request_id, Status::BadRequest, &why, out);
+        }
+
+        // Lookup: user vector once, then one item vector per candidate.
+        let items = request.item_ids();
+        let rows = items.len();
+        let row_dim = self.layout.row_dim;
+        let x = &mut self.x[..rows * row_dim];
+        let mut missing = 0u32;
+        if let Some(off) = self.layout.user {
+            let dim = self.shared.user.dim();
+            let (first, rest) = x.split_at_mut(row_dim);
+            missing += u32::from(!self.shared.user.read_into(request.user_id(), &mut first[off..off + dim]));
+            for row in rest.chunks_exact_mut(row_dim) {
+                row[off..off + dim].copy_from_slice(&first[off..off + dim]);
+            }
+        }
+        if let Some(off) = self.layout.item {
+            let dim = self.shared.item.dim();
+            for (row, item) in x.chunks_exact_mut(row_dim).zip(items.iter()) {
+                missing += u32::from(!self.shared.item.read_into(item, &mut row[off..off + dim]));
+            }
+        }
+        if let Some((off, dim)) = self.layout.context {
+            for row in x.chunks_exact_mut(row_dim) {
+                let dst = &mut row[off..off + dim];
+                if context.is_empty() {
+                    dst.fill(0.0);
+                } else {
+                    for (d, c) in dst.iter_mut().zip(context.iter()) {
+                        *d = c;
+                    }
+                }
+            }
+        }
+
+        // Check: is there time for the kernel?
+        let before_kernel_us = self.clock.now_us();
+        if deadline.cannot_fit(before_kernel_us, self.kernel_cost.expected_us(rows)) {
+            return self.fail(request_id, Status::DeadlineExceeded, "budget too small for the model", out);
+        }
+
+        // Kernel.
+        let logits = &mut self.logits[..rows];
+        self.backend.logits(&self.shared.model, &self.x[..rows * row_dim], rows, logits);
+        let after_kernel_us = self.clock.now_us();
+        self.kernel_cost.observe(rows, after_kernel_us.saturating_sub(before_kernel_us));
+        for l in logits.iter_mut() {
+            *l = sigmoid(*l);
+        }
+
+        // Check: still in time to respond?
+        if deadline.cannot_fit(self.clock.now_us(), 0) {
+            return self.fail(request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
+        }
+
+        // Respond.
+        self.counters.requests += 1;
+        self.counters.by_status[usize::from(Status::Ok.0)] += 1;
+        self.counters.features_missing += u64::from(missing);
+        self.counters.candidates_scored += rows as u64;
+        let server_us = self.clock.now_us().saturating_sub(read_at_us);
+        self.encoder.encode(
+            &ResponseFields {
+                request_id,
+                status: Status::Ok,
+                scores: &self.logits[..rows],
+                tier: Tier::Primary,
+                model_version: self.shared.model.version,
+                server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
+                features_missing: u16::try_from(missing).unwrap_or(u16::MAX),
+                error: "",
+            },
+            out,
+        );
+    }
+
+    /// Answers a frame the shard could not even split (bad length prefix).
+    pub fn reject_stream(&mut self, error: &wire::FrameError, out: &mut Vec<u8>) {
+        self.fail(0, Status::BadRequest, &error.to_string(), out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::deadline::ManualClock;
+    use crate::model::{InputSegment, Layer};
+    use crate::replica::ReplicaBuilder;
+    use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
+
+    fn shared(dir: &std::path::Path) -> Shared {
+        let mut u = ReplicaBuilder::new("user", 2);
+        u.set_default(&[0.0, 0.0]).unwrap();
+        u.push(1, &[1.0, 0.0]).unwrap();
+        u.write(&dir.join("user.qrep")).unwrap();
+        let mut i = ReplicaBuilder::new("item", 1);
+        i.set_default(&[-1.0]).unwrap();
+        i.push(10, &[2.0]).unwrap();
+        i.push(11, &[0.5]).unwrap();
+        i.write(&dir.join("item.qrep")).unwrap();
+        let model = Model {
+            name: "m".into(),
+            version: 4,
+            inputs: vec![
+                InputSegment {
+                    source: Source::Item,
+                    dim: 1,
+                },
+                InputSegment {
+                    source: Source::Context,
+                    dim: 1,
+                },
+                InputSegment {
+                    source: Source::User,
+                    dim: 2,
+                },
+            ],
+            // logit = item + 2 * context + user[0] - user[1]
+            layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
+        };
+        Shared {
+            model: Arc::new(model),
+            user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
+            item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
+            limits: Limits {
+                candidates_max: 4,
+                ..Limits::default()
+            },
+            backend: BackendKind::F32,
+        }
+    }
+
+    fn dir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("quiver-request-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn run(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec, read_at_us: u64) -> wire::Response {
+        let mut frame = Vec::new();
+        RequestEncoder::new().encode(spec, &mut frame);
+        let mut out = Vec::new();
+        path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us, &mut out);
+        let (payload, used) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
+        assert_eq!(used, out.len(), "exactly one response frame");
+        wire::decode_response(payload, 64).unwrap()
+    }
+
+    fn spec() -> RequestSpec {
+        RequestSpec {
+            request_id: 77,
+            budget_us: 1_000,
+            user_id: 1,
+            item_ids: vec![10, 11, 12],
+            context: vec![0.25],
+            ..RequestSpec::default()
+        }
+    }
+
+    #[test]
+    fn scores_follow_the_input_layout() {
+        let clock = ManualClock::new(1_000);
+        let mut path = RequestPath::new(shared(&dir("layout")), &clock).unwrap();
+        let r = run(&mut path, &spec(), 1_000);
+        assert_eq!((r.request_id, r.status, r.tier, r.model_version), (77, Status::Ok, Tier::Primary, 4));
+        // item 12 is unknown: its default vector (-1) is used and counted.
+        let want = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
+        assert_eq!(r.scores, want);
+        assert_eq!(r.features_missing, 1);
+
+        let mut unknown_user = spec();
+        unknown_user.user_id = 99;
+        unknown_user.context.clear();
+        let r = run(&mut path, &unknown_user, 1_000);
+        assert_eq!(r.scores, [2.0, 0.5, -1.0].map(sigmoid));
+        assert_eq!(r.features_missing, 2);
+        assert_eq!(path.counters.by_status[0], 2);
+    }
+
+    #[test]
+    fn each_stage_boundary_enforces_the_deadline() {
+        // Every clock read advances time by `step`; the request's budget runs
+        // out at a different boundary for each step size.
+        let mut seen = std::collections::BTreeSet::new();
+        let shared = shared(&dir("stages"));
+        for step in [1u64, 100, 249, 250, 300, 499, 500, 700, 999, 1_000, 1_500] {
+            let clock = ManualClock::new(0);
+            let mut path = RequestPath::new(shared.clone(), &clock).unwrap();
+            clock.set_step_us(step);
+            let mut s = spec();
+            s.budget_us = 1_000;
+            let read_at = clock.now_us();
+            let r = run(&mut path, &s, read_at);
+            let now = clock.now_us();
+            if r.status == Status::Ok {
+                assert!(now - read_at <= 1_000 + 2 * step, "ok answer at {now} for read at {read_at}");
+            } else {
+                assert_eq!(r.status, Status::DeadlineExceeded);
+                assert!(r.scores.is_empty());
+                seen.insert(r.error.clone());
+            }
+        }
+        assert_eq!(seen.len(), 3, "all three deadline checks fired: {seen:?}");
+    }
+
+    #[test]
+    fn budget_smaller_than_the_kernel_cost_is_refused_up_front() {
+        let clock = ManualClock::new(0);
+        let mut path = RequestPath::new(shared(&dir("cost")), &clock).unwrap();
+        path.kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
+        let mut s = spec();
+        s.budget_us = 100; // 3 rows need 150 µs
+        let r = run(&mut path, &s, 0);
+        assert_eq!(r.status, Status::DeadlineExceeded);
+        assert_eq!(r.error, "budget too small for the model");
+        s.budget_us = 200;
+        assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
+    }
+
+    #[test]
+    fn bad_requests_get_typed_answers() {
+        let clock = ManualClock::new(0);
+        let mut path = RequestPath::new(shared(&dir("bad")), &clock).unwrap();
+        let mut s = spec();
+        s.item_ids = vec![1; 5];
+        let r = run(&mut path, &s, 0);
+        assert_eq!((r.request_id, r.status), (77, Status::BadRequest));
+        assert!(r.error.contains("5 candidates exceed the limit of 4"), "{}", r.error);
+
+        let mut s = spec();
+        s.context = vec![1.0, 2.0];
+        assert_eq!(run(&mut path, &s, 0).status, Status::BadRequest);
+
+        let mut s = spec();
+        s.model = "other".into();
+        assert_eq!(run(&mut path, &s, 0).status, Status::ModelNotFound);
+        s.model = "m".into();
+        assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
+
+        let mut out = Vec::new();
+        path.handle(b"definitely not a flatbuffer", 0, &mut out);
+        let (payload, _) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
+        let r = wire::decode_response(payload, 64).unwrap();
+        assert_eq!((r.request_id, r.status), (0, Status::BadRequest));
+    }
+
+    #[test]
+    fn budget_zero_means_default_and_large_budgets_are_clamped() {
+        let clock = ManualClock::new(0);
+        let mut path = RequestPath::new(shared(&dir("budget")), &clock).unwrap();
+        let mut s = spec();
+        s.budget_us = 0;
+        clock.set_step_us(2_000); // default budget is 10 ms; five reads fit
+        assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::Ok);
+        path.shared.limits.budget_us_max = 10_000;
+        s.budget_us = u32::MAX;
+        clock.set_step_us(6_000);
+        assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::DeadlineExceeded);
+    }
+}

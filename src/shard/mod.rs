@@ -1,0 +1,296 @@
+//! Shards: one pinned glommio executor per core, each with its own
+//! SO_REUSEPORT listener, connections, request path and counters.
+//!
+//! This is the only module that knows glommio. Everything after "a frame's
+//! bytes were read at time T" lives in `request.rs` and is runtime-agnostic,
+//! so the executor could be replaced by a direct io_uring loop by rewriting
+//! this module alone.
+//!
+//! A connection is served in rounds: read what the socket has, answer every
+//! complete frame in the buffer (pipelining), write all responses in one
+//! write, repeat. A stream that cannot be split into frames (oversized or
+//! zero length prefix) gets one `BadRequest` response and is closed; any
+//! other bad request is answered and the connection goes on.
+
+mod shutdown;
+
+use std::cell::{Cell, RefCell};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::{TcpListener, TcpStream};
+use glommio::{LocalExecutorBuilder, Placement};
+
+use crate::deadline::{Clock, MonotonicClock};
+use crate::request::{response_frame_bytes_max, Counters, RequestPath, Shared};
+use crate::wire::{self, FRAME_PREFIX_BYTES};
+pub use shutdown::ShutdownSignal;
+
+/// How often a shard looks at the process-wide shutdown flag.
+const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
+/// First read buffer size per connection; grows up to one maximal frame.
+const READ_BUFFER_BYTES_MIN: usize = 16 * 1024;
+
+/// What one shard did, reported when it stops.
+#[derive(Clone, Debug, Default)]
+pub struct ShardReport {
+    pub shard: usize,
+    pub core: usize,
+    pub connections_accepted: u64,
+    pub connections_refused: u64,
+    pub streams_rejected: u64,
+    pub counters: Counters,
+}
+
+/// Where the server runs.
+#[derive(Clone, Debug)]
+pub struct ShardPlacement {
+    pub listen: SocketAddr,
+    pub cores: Vec<usize>,
+}
+
+/// Resolves `listen`; a port of 0 is replaced by a free port, which every
+/// shard then binds.
+pub fn resolve_listen(listen: &str) -> Result<SocketAddr, crate::Error> {
+    let addr = listen
+        .to_socket_addrs()
+        .map_err(|e| crate::Error::Setup(format!("listen address '{listen}': {e}")))?
+        .next()
+        .ok_or_else(|| crate::Error::Setup(format!("listen address '{listen}' resolves to nothing")))?;
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    let probe = std::net::TcpListener::bind(addr).map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))?;
+    probe
+        .local_addr()
+        .map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))
+}
+
+/// Runs one shard per core until `stop` is set, then drains and returns
+/// each shard's report. `ready` is called once every shard listens.
+pub fn serve(
+    shared: Shared,
+    placement: ShardPlacement,
+    stop: Arc<AtomicBool>,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<Vec<ShardReport>, crate::Error> {
+    let (bound_tx, bound_rx) = mpsc::channel::<Result<(), String>>();
+    let mut handles = Vec::new();
+    for (shard, &core) in placement.cores.iter().enumerate() {
+        let shared = shared.clone();
+        let stop = stop.clone();
+        let bound_tx = bound_tx.clone();
+        let listen = placement.listen;
+        let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
+            .name(&format!("quiver-shard-{shard}"))
+            .spawn(move || async move { run_shard(shard, core, listen, shared, stop, bound_tx).await })
+            .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
+        handles.push(handle);
+    }
+    drop(bound_tx);
+    let mut failure = None;
+    for _ in 0..handles.len() {
+        match bound_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => failure = failure.or(Some(e)),
+            Err(_) => failure = failure.or(Some("a shard exited before binding".to_string())),
+        }
+    }
+    if failure.is_some() {
+        stop.store(true, Ordering::SeqCst);
+    } else {
+        ready(placement.listen);
+    }
+    let mut reports = Vec::new();
+    for h in handles {
+        match h.join() {
+            Ok(Ok(r)) => reports.push(r),
+            Ok(Err(e)) => failure = failure.or(Some(e)),
+            Err(e) => failure = failure.or(Some(format!("shard failed: {e}"))),
+        }
+    }
+    match failure {
+        Some(e) => Err(crate::Error::Setup(e)),
+        None => Ok(reports),
+    }
+}
+
+async fn run_shard(
+    shard: usize,
+    core: usize,
+    listen: SocketAddr,
+    shared: Shared,
+    stop: Arc<AtomicBool>,
+    bound_tx: mpsc::Sender<Result<(), String>>,
+) -> Result<ShardReport, String> {
+    let limits = shared.limits.clone();
+    let path = match RequestPath::new(shared, MonotonicClock::new()) {
+        Ok(p) => Rc::new(RefCell::new(p)),
+        Err(e) => {
+            let _ = bound_tx.send(Err(e.to_string()));
+            return Err(e.to_string());
+        }
+    };
+    let listener = match TcpListener::bind(listen) {
+        Ok(l) => l,
+        Err(e) => {
+            let msg = format!("shard {shard}: binding {listen}: {e}");
+            let _ = bound_tx.send(Err(msg.clone()));
+            return Err(msg);
+        }
+    };
+    let _ = bound_tx.send(Ok(()));
+    tracing::debug!(shard, core, %listen, backend = path.borrow().backend_name(), "shard listening");
+
+    let shutdown = Rc::new(ShutdownSignal::default());
+    let watcher = glommio::spawn_local({
+        let shutdown = shutdown.clone();
+        async move {
+            while !stop.load(Ordering::Relaxed) {
+                glommio::timer::sleep(SHUTDOWN_POLL).await;
+            }
+            shutdown.trigger();
+        }
+    })
+    .detach();
+
+    let active = Rc::new(Cell::new(0usize));
+    let report = Rc::new(RefCell::new(ShardReport {
+        shard,
+        core,
+        ..ShardReport::default()
+    }));
+    loop {
+        let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
+            shutdown.wait().await;
+            None
+        })
+        .await;
+        let stream = match accepted {
+            None => break,
+            Some(Ok(s)) => s,
+            Some(Err(e)) => {
+                tracing::warn!(shard, error = %e, "accept failed");
+                continue;
+            }
+        };
+        if active.get() >= limits.connections_per_shard_max {
+            report.borrow_mut().connections_refused += 1;
+            tracing::debug!(shard, "connection limit reached; closing new connection");
+            drop(stream);
+            continue;
+        }
+        report.borrow_mut().connections_accepted += 1;
+        active.set(active.get() + 1);
+        let conn = Connection {
+            path: path.clone(),
+            shutdown: shutdown.clone(),
+            limits: limits.clone(),
+            report: report.clone(),
+        };
+        let active = active.clone();
+        glommio::spawn_local(async move {
+            if let Err(e) = conn.serve(stream).await {
+                tracing::debug!(shard, error = %e, "connection closed");
+            }
+            active.set(active.get() - 1);
+        })
+        .detach();
+    }
+    drop(listener);
+
+    // Drain: connections finish the frames they already read, then close.
+    let grace_ms = limits.shutdown_grace_ms;
+    let clock = MonotonicClock::new();
+    while active.get() > 0 && clock.now_us() < grace_ms * 1_000 {
+        glommio::timer::sleep(Duration::from_millis(1)).await;
+    }
+    if active.get() > 0 {
+        tracing::warn!(shard, open = active.get(), "shutdown grace elapsed; closing connections");
+    }
+    drop(watcher);
+    let mut r = report.borrow().clone();
+    r.counters = path.borrow().counters.clone();
+    Ok(r)
+}
+
+struct Connection {
+    path: Rc<RefCell<RequestPath<MonotonicClock>>>,
+    shutdown: Rc<ShutdownSignal>,
+    limits: crate::config::Limits,
+    report: Rc<RefCell<ShardReport>>,
+}
+
+impl Connection {
+    async fn serve(self, mut stream: TcpStream) -> std::io::Result<()> {
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(Duration::from_millis(self.limits.idle_timeout_ms)))?;
+        stream.set_write_timeout(Some(Duration::from_millis(self.limits.write_timeout_ms)))?;
+        let frame_bytes_max = self.limits.frame_bytes_max;
+        let read_bytes_max = frame_bytes_max + FRAME_PREFIX_BYTES;
+        let mut inbuf = vec![0u8; READ_BUFFER_BYTES_MIN.min(read_bytes_max)];
+        let mut filled = 0usize;
+        let out_cap = self.limits.output_bytes_max + response_frame_bytes_max(self.limits.candidates_max);
+        let mut out = Vec::with_capacity(out_cap.min(1 << 20));
+        loop {
+            // Answer every complete frame already buffered, up to the output cap.
+            let mut consumed = 0;
+            let mut broken = false;
+            {
+                let mut path = self.path.borrow_mut();
+                let read_at_us = path.clock().now_us();
+                while out.len() < self.limits.output_bytes_max {
+                    match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
+                        Ok(Some((payload, used))) => {
+                            path.handle(payload, read_at_us, &mut out);
+                            consumed += used;
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            path.reject_stream(&e, &mut out);
+                            self.report.borrow_mut().streams_rejected += 1;
+                            broken = true;
+                            break;
+                        }
+                    }
+                }
+            }
+            inbuf.copy_within(consumed..filled, 0);
+            filled -= consumed;
+            if !out.is_empty() {
+                stream.write_all(&out).await?;
+                out.clear();
+            }
+            if broken {
+                return Ok(());
+            }
+            if consumed > 0 && wire::split_frame(&inbuf[..filled], frame_bytes_max).is_ok_and(|f| f.is_some()) {
+                continue;
+            }
+            if self.shutdown.is_triggered() {
+                return Ok(());
+            }
+            // Make room for the rest of a frame whose prefix we have seen.
+            if filled == inbuf.len() {
+                let grown = (inbuf.len() * 2).min(read_bytes_max);
+                assert!(grown > inbuf.len(), "a complete frame always fits the buffer");
+                inbuf.resize(grown, 0);
+            }
+            let read = futures_lite::future::or(async { Some(stream.read(&mut inbuf[filled..]).await) }, async {
+                self.shutdown.wait().await;
+                None
+            })
+            .await;
+            match read {
+                None => return Ok(()),
+                Some(Ok(0)) => return Ok(()),
+                Some(Ok(n)) => filled += n,
+                Some(Err(e)) => return Err(e),
+            }
+        }
+    }
+}
