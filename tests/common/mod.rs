@@ -1,0 +1,172 @@
+//! Test harness: starts a real `quiver serve` process and talks to it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use quiver::client::Client;
+use quiver::demo;
+use quiver::model::{sigmoid, Model};
+use quiver::replica::Replica;
+use quiver::wire::RequestSpec;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_quiver");
+
+/// Documented INT8 tolerance: |score_int8 - score_f32| ≤ this (see README).
+pub const INT8_SCORE_TOLERANCE: f32 = 0.02;
+
+/// A scratch directory unique to this test process and `name`.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("quiver-it-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The demo data, generated once per test binary.
+pub fn demo_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = scratch("demo");
+        demo::ensure(&d).unwrap();
+        d
+    })
+}
+
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
+    pub stderr: std::sync::Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `quiver serve` on a free port with the demo data and `extra` flags.
+    pub fn start(extra: &[&str]) -> Server {
+        Server::start_with(demo_dir(), extra)
+    }
+
+    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("quiver binary starts");
+        let stderr = std::sync::Arc::new(Mutex::new(String::new()));
+        {
+            let mut pipe = child.stderr.take().unwrap();
+            let stderr = stderr.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = pipe.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    stderr.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            });
+        }
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines.next().and_then(Result::ok).unwrap_or_else(|| {
+            let _ = child.wait();
+            std::thread::sleep(Duration::from_millis(100));
+            panic!("server did not start: {}", stderr.lock().unwrap());
+        });
+        let addr = line
+            .strip_prefix("quiver listening on ")
+            .and_then(|rest| rest.split(' ').next())
+            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+            .to_string();
+        Server { child, addr, stderr }
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.addr, Duration::from_secs(10)).expect("connects")
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Sends SIGTERM and waits for a clean exit; returns the exit code.
+    pub fn terminate(&mut self) -> i32 {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill(1) runs");
+        assert!(status.success());
+        let until = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                std::thread::sleep(Duration::from_millis(50));
+                return status.code().unwrap_or(-1);
+            }
+            assert!(Instant::now() < until, "server did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A demo request: user, items, 16 context floats derived from the id.
+pub fn demo_request(request_id: u64, user_id: u64, item_ids: Vec<u64>) -> RequestSpec {
+    RequestSpec {
+        request_id,
+        budget_us: 1_000_000,
+        user_id,
+        item_ids,
+        context: (0..demo::CONTEXT_LEN).map(|i| ((request_id + i as u64) % 7) as f32 * 0.3 - 0.9).collect(),
+        ..RequestSpec::default()
+    }
+}
+
+/// The f32 reference scores for `spec`, computed from the files directly.
+pub fn reference_scores(data_dir: &Path, spec: &RequestSpec) -> (Vec<f32>, u16) {
+    static CACHE: OnceLock<(Model, Replica, Replica)> = OnceLock::new();
+    assert_eq!(data_dir, demo_dir());
+    let (model, user, item) = CACHE.get_or_init(|| {
+        (
+            Model::load(&data_dir.join("model.qm")).unwrap(),
+            Replica::open(&data_dir.join("user.qrep"), "user").unwrap(),
+            Replica::open(&data_dir.join("item.qrep"), "item").unwrap(),
+        )
+    });
+    let mut missing = 0u16;
+    let mut u = vec![0.0; user.dim()];
+    missing += u16::from(!user.read_into(spec.user_id, &mut u));
+    let mut x = Vec::new();
+    for &id in &spec.item_ids {
+        let mut v = vec![0.0; item.dim()];
+        missing += u16::from(!item.read_into(id, &mut v));
+        // Demo layout: user, item, context.
+        x.extend_from_slice(&u);
+        x.extend_from_slice(&v);
+        if spec.context.is_empty() {
+            x.extend(std::iter::repeat_n(0.0, demo::CONTEXT_LEN));
+        } else {
+            x.extend_from_slice(&spec.context);
+        }
+    }
+    let mut logits = vec![0.0; spec.item_ids.len()];
+    model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
+    (logits.into_iter().map(sigmoid).collect(), missing)
+}
