@@ -25,6 +25,8 @@ pub enum ClientError {
     Timeout(Duration),
     #[error("the server closed the connection")]
     Closed,
+    #[error("the server closed the connection in the middle of a response frame")]
+    ClosedMidFrame,
     #[error("bad frame from the server: {0}")]
     Frame(#[from] FrameError),
     #[error("bad response from the server: {0}")]
@@ -156,6 +158,7 @@ impl Client {
             }
             self.stream.set_read_timeout(Some(left))?;
             match self.stream.read(&mut self.rbuf[self.rfilled..]) {
+                Ok(0) if self.rfilled > 0 => return Err(ClientError::ClosedMidFrame),
                 Ok(0) => return Err(ClientError::Closed),
                 Ok(n) => self.rfilled += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -190,7 +193,9 @@ impl Client {
                 sent += 1;
             }
             let resp = self.recv()?;
-            let i = *index.get(&resp.request_id).ok_or(ClientError::UnexpectedId(resp.request_id))?;
+            let i = *index
+                .get(&resp.request_id)
+                .ok_or(ClientError::UnexpectedId(resp.request_id))?;
             if out[i].is_some() {
                 return Err(ClientError::UnexpectedId(resp.request_id));
             }

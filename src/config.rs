@@ -112,7 +112,10 @@ pub enum ConfigError {
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: p.clone(),
+            source,
+        })?;
         Config::parse(&text, &p)
     }
 
@@ -126,11 +129,15 @@ impl Config {
     }
 
     pub fn user_features_path(&self) -> PathBuf {
-        self.user_features.clone().unwrap_or_else(|| self.data_dir.join("user.qrep"))
+        self.user_features
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("user.qrep"))
     }
 
     pub fn item_features_path(&self) -> PathBuf {
-        self.item_features.clone().unwrap_or_else(|| self.data_dir.join("item.qrep"))
+        self.item_features
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("item.qrep"))
     }
 
     pub fn model_path(&self) -> PathBuf {
@@ -146,7 +153,13 @@ impl Limits {
             }
             Ok(())
         };
-        check("frame_bytes_max", self.frame_bytes_max as u64, 64, 16 << 20, "64..=16777216")?;
+        check(
+            "frame_bytes_max",
+            self.frame_bytes_max as u64,
+            64,
+            16 << 20,
+            "64..=16777216",
+        )?;
         check("candidates_max", self.candidates_max as u64, 1, 8192, "1..=8192")?;
         check("context_len_max", self.context_len_max as u64, 0, 4096, "0..=4096")?;
         check(
@@ -156,7 +169,13 @@ impl Limits {
             1 << 20,
             "1..=1048576",
         )?;
-        check("budget_us_default", u64::from(self.budget_us_default), 1, u64::from(u32::MAX), "1..")?;
+        check(
+            "budget_us_default",
+            u64::from(self.budget_us_default),
+            1,
+            u64::from(u32::MAX),
+            "1..",
+        )?;
         check(
             "budget_us_max",
             u64::from(self.budget_us_max),
@@ -164,7 +183,13 @@ impl Limits {
             u64::from(u32::MAX),
             "budget_us_default..",
         )?;
-        check("output_bytes_max", self.output_bytes_max as u64, 4096, 1 << 30, "4096..=1073741824")?;
+        check(
+            "output_bytes_max",
+            self.output_bytes_max as u64,
+            4096,
+            1 << 30,
+            "4096..=1073741824",
+        )?;
         check("idle_timeout_ms", self.idle_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("write_timeout_ms", self.write_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000, "0..=600000")?;

@@ -27,9 +27,7 @@ pub struct MonotonicClock {
 
 impl MonotonicClock {
     pub fn new() -> MonotonicClock {
-        MonotonicClock {
-            origin: Instant::now(),
-        }
+        MonotonicClock { origin: Instant::now() }
     }
 }
 

@@ -321,7 +321,10 @@ pub fn run(opts: &BenchOptions) -> BenchReport {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("bench threads do not panic")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench threads do not panic"))
+            .collect()
     });
     let elapsed = start.elapsed().as_secs_f64().max(1e-9);
     let mut hist = histogram();
@@ -419,7 +422,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a duration like 5s or 500ms"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration like 5s or 500ms"))?;
     let secs = match unit {
         "" | "s" => n,
         "ms" => n / 1e3,
@@ -427,7 +432,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => n * 60.0,
         _ => return Err(format!("'{s}': unknown unit '{unit}' (us, ms, s, m)")),
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 86_400.0 {
+    if !secs.is_finite() || !(0.0..=86_400.0).contains(&secs) {
         return Err(format!("'{s}' is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))

@@ -232,10 +232,15 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     })?;
     for r in &reports {
         tracing::info!(
-            shard = r.shard, core = r.core, connections = r.connections_accepted,
-            refused = r.connections_refused, rejected_streams = r.streams_rejected,
-            requests = r.counters.requests, ok = r.counters.by_status[usize::from(Status::Ok.0)],
-            features_missing = r.counters.features_missing, "shard stopped"
+            shard = r.shard,
+            core = r.core,
+            connections = r.connections_accepted,
+            refused = r.connections_refused,
+            rejected_streams = r.streams_rejected,
+            requests = r.counters.requests,
+            ok = r.counters.by_status[usize::from(Status::Ok.0)],
+            features_missing = r.counters.features_missing,
+            "shard stopped"
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -338,7 +343,8 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             if !matches!(group.as_str(), "user" | "item") {
                 return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
             }
-            let text = std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
+            let text =
+                std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
             let builder = ReplicaBuilder::from_text(&group, &text, &input.display().to_string())?;
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;

@@ -211,7 +211,8 @@ impl<C: Clock> RequestPath<C> {
     fn fail(&mut self, request_id: u64, status: Status, error: &str, out: &mut Vec<u8>) {
         self.counters.requests += 1;
         self.counters.by_status[usize::from(status.0).min(7)] += 1;
-        self.encoder.encode(&ResponseFields::failure(request_id, status, error), out);
+        self.encoder
+            .encode(&ResponseFields::failure(request_id, status, error), out);
     }
 
     /// Handles one request payload read at `read_at_us`; appends exactly one
@@ -235,7 +236,12 @@ impl<C: Clock> RequestPath<C> {
 
         // Check: the request itself.
         if deadline.cannot_fit(self.clock.now_us(), 0) {
-            return self.fail(request_id, Status::DeadlineExceeded, "budget spent before decode finished", out);
+            return self.fail(
+                request_id,
+                Status::DeadlineExceeded,
+                "budget spent before decode finished",
+                out,
+            );
         }
         let model_name = request.model();
         if !model_name.is_empty() && model_name != self.shared.model.name {
@@ -257,7 +263,12 @@ impl<C: Clock> RequestPath<C> {
         if let Some(off) = self.layout.user {
             let dim = self.shared.user.dim();
             let (first, rest) = x.split_at_mut(row_dim);
-            missing += u32::from(!self.shared.user.read_into(request.user_id(), &mut first[off..off + dim]));
+            missing += u32::from(
+                !self
+                    .shared
+                    .user
+                    .read_into(request.user_id(), &mut first[off..off + dim]),
+            );
             for row in rest.chunks_exact_mut(row_dim) {
                 row[off..off + dim].copy_from_slice(&first[off..off + dim]);
             }
@@ -284,21 +295,33 @@ impl<C: Clock> RequestPath<C> {
         // Check: is there time for the kernel?
         let before_kernel_us = self.clock.now_us();
         if deadline.cannot_fit(before_kernel_us, self.kernel_cost.expected_us(rows)) {
-            return self.fail(request_id, Status::DeadlineExceeded, "budget too small for the model", out);
+            return self.fail(
+                request_id,
+                Status::DeadlineExceeded,
+                "budget too small for the model",
+                out,
+            );
         }
 
         // Kernel.
         let logits = &mut self.logits[..rows];
-        self.backend.logits(&self.shared.model, &self.x[..rows * row_dim], rows, logits);
+        self.backend
+            .logits(&self.shared.model, &self.x[..rows * row_dim], rows, logits);
         let after_kernel_us = self.clock.now_us();
-        self.kernel_cost.observe(rows, after_kernel_us.saturating_sub(before_kernel_us));
+        self.kernel_cost
+            .observe(rows, after_kernel_us.saturating_sub(before_kernel_us));
         for l in logits.iter_mut() {
             *l = sigmoid(*l);
         }
 
         // Check: still in time to respond?
         if deadline.cannot_fit(self.clock.now_us(), 0) {
-            return self.fail(request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
+            return self.fail(
+                request_id,
+                Status::DeadlineExceeded,
+                "kernel finished past the deadline",
+                out,
+            );
         }
 
         // Respond.
@@ -410,7 +433,10 @@ mod tests {
         let clock = ManualClock::new(1_000);
         let mut path = RequestPath::new(shared(&dir("layout")), &clock).unwrap();
         let r = run(&mut path, &spec(), 1_000);
-        assert_eq!((r.request_id, r.status, r.tier, r.model_version), (77, Status::Ok, Tier::Primary, 4));
+        assert_eq!(
+            (r.request_id, r.status, r.tier, r.model_version),
+            (77, Status::Ok, Tier::Primary, 4)
+        );
         // item 12 is unknown: its default vector (-1) is used and counted.
         let want = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
         assert_eq!(r.scores, want);
@@ -441,7 +467,10 @@ mod tests {
             let r = run(&mut path, &s, read_at);
             let now = clock.now_us();
             if r.status == Status::Ok {
-                assert!(now - read_at <= 1_000 + 2 * step, "ok answer at {now} for read at {read_at}");
+                assert!(
+                    now - read_at <= 1_000 + 2 * step,
+                    "ok answer at {now} for read at {read_at}"
+                );
             } else {
                 assert_eq!(r.status, Status::DeadlineExceeded);
                 assert!(r.scores.is_empty());

@@ -26,7 +26,10 @@ fn scores_match_the_f32_reference() {
         let items: Vec<u64> = (0..32).map(|k| (i * 7919 + k * 104_729) % 10_000).collect();
         let spec = demo_request(i, (i * 15_485_863) % 100_000, items);
         let r = c.score(&spec).unwrap();
-        assert_eq!((r.request_id, r.status, r.tier, r.model_version), (i, Status::Ok, Tier::Primary, 1));
+        assert_eq!(
+            (r.request_id, r.status, r.tier, r.model_version),
+            (i, Status::Ok, Tier::Primary, 1)
+        );
         assert_eq!(r.features_missing, 0);
         let (want, _) = reference_scores(demo_dir(), &spec);
         assert_close(&r.scores, &want, INT8_SCORE_TOLERANCE);
@@ -65,7 +68,13 @@ fn a_thousand_pipelined_requests_on_one_connection() {
     let server = Server::start(&["--shards", "2"]);
     let mut c = server.client();
     let specs: Vec<RequestSpec> = (0..1000u64)
-        .map(|i| demo_request(10_000 + i, i * 97 % 100_000, (0..32).map(|k| (i + k * 31) % 10_000).collect()))
+        .map(|i| {
+            demo_request(
+                10_000 + i,
+                i * 97 % 100_000,
+                (0..32).map(|k| (i + k * 31) % 10_000).collect(),
+            )
+        })
         .collect();
     let responses = c.pipeline(&specs, 1000).unwrap();
     assert_eq!(responses.len(), 1000);
@@ -102,13 +111,22 @@ fn fifty_concurrent_connections_spread_over_the_shards() {
         .lines()
         .filter(|l| l.contains("shard stopped"))
         .map(|l| {
-            let v = l.split("connections=").nth(1).unwrap().split_whitespace().next().unwrap();
+            let v = l
+                .split("connections=")
+                .nth(1)
+                .unwrap()
+                .split_whitespace()
+                .next()
+                .unwrap();
             v.parse().unwrap()
         })
         .collect();
     assert_eq!(per_shard.len(), 2, "{log}");
     assert_eq!(per_shard.iter().sum::<u64>(), 50, "{log}");
-    assert!(per_shard.iter().all(|&n| n > 0), "both shards accepted connections: {per_shard:?}");
+    assert!(
+        per_shard.iter().all(|&n| n > 0),
+        "both shards accepted connections: {per_shard:?}"
+    );
 }
 
 #[test]
@@ -227,7 +245,11 @@ fn malformed_input_is_answered_or_closed_and_harms_nobody_else() {
     let too_many = demo_request(77, 1, (0..257).collect());
     let r = c.score(&too_many).unwrap();
     assert_eq!((r.request_id, r.status), (77, Status::BadRequest));
-    assert!(r.error.contains("257 candidates exceed the limit of 256"), "{}", r.error);
+    assert!(
+        r.error.contains("257 candidates exceed the limit of 256"),
+        "{}",
+        r.error
+    );
     // Wrong context length, and an unknown model name.
     let mut bad_ctx = demo_request(78, 1, vec![1]);
     bad_ctx.context = vec![1.0; 3];
@@ -301,7 +323,7 @@ fn sigterm_drains_and_exits_zero() {
             Err(e) => panic!("unexpected {e}"),
         }
     }
-    assert!(answered >= 1 && answered <= 300);
+    assert!((1..=300).contains(&answered));
     assert!(TcpStream::connect(&server.addr).is_err(), "no longer accepting");
 }
 

@@ -92,7 +92,10 @@ impl Layer {
             let max_abs = row.iter().fold(0.0f32, |m, w| m.max(w.abs()));
             let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
             weight_scales.push(scale);
-            weights_i8.extend(row.iter().map(|w| (w / scale).round_ties_even().clamp(-127.0, 127.0) as i8));
+            weights_i8.extend(
+                row.iter()
+                    .map(|w| (w / scale).round_ties_even().clamp(-127.0, 127.0) as i8),
+            );
         }
         Layer {
             in_dim,
@@ -135,7 +138,10 @@ impl Model {
             return Err(bad("an input segment has dimension 0".into()));
         }
         if self.layers.is_empty() || self.layers.len() > LAYERS_MAX {
-            return Err(bad(format!("has {} layers; 1 to {LAYERS_MAX} allowed", self.layers.len())));
+            return Err(bad(format!(
+                "has {} layers; 1 to {LAYERS_MAX} allowed",
+                self.layers.len()
+            )));
         }
         let mut width = self.input_dim();
         for (i, l) in self.layers.iter().enumerate() {
@@ -155,7 +161,9 @@ impl Model {
             let finite = l.weights_f32.iter().chain(&l.bias).all(|x| x.is_finite());
             let scales_ok = l.weight_scales.iter().all(|s| s.is_finite() && *s > 0.0);
             if !finite || !scales_ok {
-                return Err(bad(format!("layer {i} holds a non-finite weight or a non-positive scale")));
+                return Err(bad(format!(
+                    "layer {i} holds a non-finite weight or a non-positive scale"
+                )));
             }
             width = l.out_dim;
         }
@@ -175,7 +183,12 @@ impl Model {
 
     /// Widest activation vector, for sizing scratch buffers.
     pub fn width_max(&self) -> usize {
-        self.layers.iter().map(|l| l.out_dim).chain([self.input_dim()]).max().unwrap_or(0)
+        self.layers
+            .iter()
+            .map(|l| l.out_dim)
+            .chain([self.input_dim()])
+            .max()
+            .unwrap_or(0)
     }
 
     /// Dimension declared for `source`, if the model reads it.
@@ -211,10 +224,16 @@ impl Model {
     /// Reads and validates a model file.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
         let p = path.display().to_string();
-        let io = |source| ModelError::Io { path: p.clone(), source };
+        let io = |source| ModelError::Io {
+            path: p.clone(),
+            source,
+        };
         let bytes_len = std::fs::metadata(path).map_err(io)?.len();
         if bytes_len > MODEL_BYTES_MAX as u64 {
-            return Err(ModelError::TooLarge { path: p, bytes: bytes_len });
+            return Err(ModelError::TooLarge {
+                path: p,
+                bytes: bytes_len,
+            });
         }
         let bytes = std::fs::read(path).map_err(io)?;
         Model::from_bytes(&bytes, &p)
@@ -403,8 +422,11 @@ mod tests {
         let m = tiny();
         let bytes = m.to_bytes();
         assert_eq!(Model::from_bytes(&bytes, "t").unwrap(), m);
-        assert!(matches!(Model::from_bytes(&bytes[..bytes.len() / 2], "t"), Err(_)));
-        assert!(matches!(Model::from_bytes(b"garbage!", "t"), Err(ModelError::Identifier { .. })));
+        assert!(Model::from_bytes(&bytes[..bytes.len() / 2], "t").is_err());
+        assert!(matches!(
+            Model::from_bytes(b"garbage!", "t"),
+            Err(ModelError::Identifier { .. })
+        ));
 
         let mut broken = m.clone();
         broken.layers[1].in_dim = 3;

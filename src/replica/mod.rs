@@ -65,7 +65,12 @@ pub enum ReplicaError {
         expected: String,
     },
     #[error("{path}: index slot {slot} points at row {row}, but there are {rows} rows")]
-    IndexRow { path: String, slot: u64, row: u32, rows: u64 },
+    IndexRow {
+        path: String,
+        slot: u64,
+        row: u32,
+        rows: u64,
+    },
     #[error("{path}:{line}: {what}")]
     Input { path: String, line: usize, what: String },
     #[error("duplicate key {key}")]
@@ -137,7 +142,10 @@ impl Replica {
     /// `expected_group` guards against swapped files.
     pub fn open(path: &Path, expected_group: &str) -> Result<Replica, ReplicaError> {
         let p = path.display().to_string();
-        let io = |source| ReplicaError::Io { path: p.clone(), source };
+        let io = |source| ReplicaError::Io {
+            path: p.clone(),
+            source,
+        };
         let file = File::open(path).map_err(io)?;
         let actual = file.metadata().map_err(io)?.len();
         if actual < HEADER_BYTES as u64 {
@@ -296,7 +304,9 @@ fn parse_header(h: &[u8], path: &str) -> Result<Header, ReplicaError> {
         return Err(bad("dimension out of range"));
     }
     if !slot_count.is_power_of_two() || slot_count < row_count.saturating_mul(2).max(2) {
-        return Err(bad("index slot count is not a power of two at least twice the row count"));
+        return Err(bad(
+            "index slot count is not a power of two at least twice the row count",
+        ));
     }
     if row_count >= u64::from(u32::MAX) {
         return Err(bad("too many rows"));
@@ -325,7 +335,10 @@ pub struct ReplicaBuilder {
 
 impl ReplicaBuilder {
     pub fn new(group: &str, dim: u32) -> ReplicaBuilder {
-        assert!(group.len() <= GROUP_NAME_BYTES_MAX && !group.is_empty(), "group name length");
+        assert!(
+            group.len() <= GROUP_NAME_BYTES_MAX && !group.is_empty(),
+            "group name length"
+        );
         assert!(dim > 0 && dim <= DIM_MAX, "dimension out of range");
         ReplicaBuilder {
             group: group.into(),
@@ -437,7 +450,9 @@ impl ReplicaBuilder {
                 line: n + 1,
                 what,
             };
-            let mut fields = line.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
+            let mut fields = line
+                .split(|c: char| c == ',' || c.is_whitespace())
+                .filter(|f| !f.is_empty());
             let id_field = fields.next().expect("a non-empty line has a field");
             values.clear();
             for f in fields {
@@ -478,7 +493,10 @@ impl ReplicaBuilder {
 /// Writes `bytes` to `path` so that readers see either the old or the new file whole.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ReplicaError> {
     let p = path.display().to_string();
-    let io = |source| ReplicaError::Io { path: p.clone(), source };
+    let io = |source| ReplicaError::Io {
+        path: p.clone(),
+        source,
+    };
     let mut tmp_name = path.as_os_str().to_owned();
     tmp_name.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp_name);
@@ -526,15 +544,21 @@ mod tests {
         for k in 0..1000u64 {
             let key = k * 7919 + 3;
             assert!(r.read_into(key, &mut out));
-            assert_eq!(out, [key as f32, key as f32 + 0.5, key as f32 + 1.0, key as f32 + 1.5, key as f32 + 2.0]);
+            assert_eq!(
+                out,
+                [
+                    key as f32,
+                    key as f32 + 0.5,
+                    key as f32 + 1.0,
+                    key as f32 + 1.5,
+                    key as f32 + 2.0
+                ]
+            );
         }
         assert!(!r.read_into(4, &mut out));
         assert_eq!(out, [-1.0; 5]);
         assert!(!r.read_into(u64::MAX, &mut out));
-        assert!(matches!(
-            Replica::open(&path, "user"),
-            Err(ReplicaError::Group { .. })
-        ));
+        assert!(matches!(Replica::open(&path, "user"), Err(ReplicaError::Group { .. })));
     }
 
     #[test]
@@ -559,7 +583,10 @@ mod tests {
         b.push(5, &[1.0]).unwrap();
         b.push(5, &[2.0]).unwrap();
         assert!(matches!(b.to_bytes(), Err(ReplicaError::DuplicateKey { key: 5 })));
-        assert!(matches!(b.push(6, &[1.0, 2.0]), Err(ReplicaError::Dim { found: 2, dim: 1 })));
+        assert!(matches!(
+            b.push(6, &[1.0, 2.0]),
+            Err(ReplicaError::Dim { found: 2, dim: 1 })
+        ));
     }
 
     #[test]
@@ -579,17 +606,26 @@ mod tests {
         let last = flipped.len() - 1;
         flipped[last] ^= 1;
         std::fs::write(&path, &flipped).unwrap();
-        assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::PayloadChecksum { .. })));
+        assert!(matches!(
+            Replica::open(&path, "item"),
+            Err(ReplicaError::PayloadChecksum { .. })
+        ));
 
         let mut header = good.clone();
         header[13] ^= 1;
         std::fs::write(&path, &header).unwrap();
-        assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::HeaderChecksum { .. })));
+        assert!(matches!(
+            Replica::open(&path, "item"),
+            Err(ReplicaError::HeaderChecksum { .. })
+        ));
 
         let mut magic = good.clone();
         magic[0] = b'X';
         std::fs::write(&path, &magic).unwrap();
-        assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::BadMagic { .. })));
+        assert!(matches!(
+            Replica::open(&path, "item"),
+            Err(ReplicaError::BadMagic { .. })
+        ));
 
         // Flip every single byte in turn: each must be refused, never accepted.
         for at in (0..good.len()).step_by(37) {
@@ -616,7 +652,9 @@ mod tests {
         assert!(!r.read_into(3, &mut out));
         assert_eq!(out, [0.5, 0.5]);
 
-        let err = ReplicaBuilder::from_text("user", "1,1.0\n2,1.0,2.0\n", "in.csv").err().unwrap();
+        let err = ReplicaBuilder::from_text("user", "1,1.0\n2,1.0,2.0\n", "in.csv")
+            .err()
+            .unwrap();
         assert_eq!(err.to_string(), "in.csv:2: 2 values, earlier lines have 1");
         let err = ReplicaBuilder::from_text("user", "x,1.0\n", "in.csv").err().unwrap();
         assert!(err.to_string().contains("not an unsigned 64-bit id"));

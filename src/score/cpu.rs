@@ -140,7 +140,11 @@ fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
             acc[k] += i32::from(ca[k]) * i32::from(cb[k]);
         }
     }
-    let tail: i32 = a[chunks..].iter().zip(&b[chunks..]).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
+    let tail: i32 = a[chunks..]
+        .iter()
+        .zip(&b[chunks..])
+        .map(|(&x, &y)| i32::from(x) * i32::from(y))
+        .sum();
     acc.iter().sum::<i32>() + tail
 }
 
@@ -258,8 +262,9 @@ mod tests {
                     .collect();
                 act = (0..l.out_dim)
                     .map(|o| {
-                        let acc: i32 =
-                            (0..l.in_dim).map(|i| i32::from(l.weights_i8[o * l.in_dim + i]) * q[i]).sum();
+                        let acc: i32 = (0..l.in_dim)
+                            .map(|i| i32::from(l.weights_i8[o * l.in_dim + i]) * q[i])
+                            .sum();
                         let v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
                         if l.relu {
                             v.max(0.0)

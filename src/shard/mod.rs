@@ -210,7 +210,11 @@ async fn run_shard(
         glommio::timer::sleep(Duration::from_millis(1)).await;
     }
     if active.get() > 0 {
-        tracing::warn!(shard, open = active.get(), "shutdown grace elapsed; closing connections");
+        tracing::warn!(
+            shard,
+            open = active.get(),
+            "shutdown grace elapsed; closing connections"
+        );
     }
     drop(watcher);
     let mut r = report.borrow().clone();

@@ -24,7 +24,13 @@ struct Slots {
 impl ShutdownSignal {
     pub fn trigger(&self) {
         self.triggered.set(true);
-        let wakers: Vec<Waker> = self.slots.borrow_mut().wakers.iter_mut().filter_map(Option::take).collect();
+        let wakers: Vec<Waker> = self
+            .slots
+            .borrow_mut()
+            .wakers
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
         for w in wakers {
             w.wake();
         }

@@ -18,8 +18,8 @@ mod generated {
 #[path = "quiver_generated.rs"]
 mod generated;
 
-pub use generated::quiver::wire as fb;
 pub use fb::{Status, Tier};
+pub use generated::quiver::wire as fb;
 
 use flatbuffers::{FlatBufferBuilder, VerifierOptions};
 
@@ -31,10 +31,7 @@ pub const FRAME_PREFIX_BYTES: usize = 4;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
     #[error("frame length {len_bytes} exceeds the limit of {frame_bytes_max} bytes")]
-    TooLarge {
-        len_bytes: usize,
-        frame_bytes_max: usize,
-    },
+    TooLarge { len_bytes: usize, frame_bytes_max: usize },
     #[error("empty frame (length prefix 0)")]
     Empty,
 }
@@ -397,10 +394,16 @@ mod tests {
         let (p1, used1) = split_frame(&out, 1 << 16).unwrap().unwrap();
         let r1 = decode_response(p1, 64).unwrap();
         assert_eq!(r1.scores, scores);
-        assert_eq!((r1.request_id, r1.model_version, r1.server_us, r1.features_missing), (9, 3, 12, 1));
+        assert_eq!(
+            (r1.request_id, r1.model_version, r1.server_us, r1.features_missing),
+            (9, 3, 12, 1)
+        );
         let (p2, _) = split_frame(&out[used1..], 1 << 16).unwrap().unwrap();
         let r2 = decode_response(p2, 64).unwrap();
-        assert_eq!((r2.request_id, r2.status, r2.error.as_str()), (10, Status::BadRequest, "nope"));
+        assert_eq!(
+            (r2.request_id, r2.status, r2.error.as_str()),
+            (10, Status::BadRequest, "nope")
+        );
         assert!(r2.scores.is_empty());
     }
 
@@ -409,7 +412,11 @@ mod tests {
         let mut out = Vec::new();
         RequestEncoder::new().encode(&spec(3), &mut out);
         for cut in 0..out.len() {
-            assert_eq!(split_frame(&out[..cut], LIMITS.frame_bytes_max), Ok(None), "cut at {cut}");
+            assert_eq!(
+                split_frame(&out[..cut], LIMITS.frame_bytes_max),
+                Ok(None),
+                "cut at {cut}"
+            );
         }
     }
 
@@ -439,7 +446,10 @@ mod tests {
         out.clear();
         RequestEncoder::new().encode(&spec(0), &mut out);
         let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
-        assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::NoCandidates)));
+        assert!(matches!(
+            decode_request(payload, &LIMITS),
+            Err(DecodeError::NoCandidates)
+        ));
 
         let mut s = spec(2);
         s.context = vec![0.0; 17];
@@ -462,8 +472,14 @@ mod tests {
             // Cutting only unreferenced padding may still verify; then every
             // field must read as in the whole payload.
             if let Ok(r) = decode_request(&payload[..cut], &LIMITS) {
-                assert_eq!(r.item_ids().iter().collect::<Vec<_>>(), full.item_ids().iter().collect::<Vec<_>>());
-                assert_eq!(r.context().iter().collect::<Vec<_>>(), full.context().iter().collect::<Vec<_>>());
+                assert_eq!(
+                    r.item_ids().iter().collect::<Vec<_>>(),
+                    full.item_ids().iter().collect::<Vec<_>>()
+                );
+                assert_eq!(
+                    r.context().iter().collect::<Vec<_>>(),
+                    full.context().iter().collect::<Vec<_>>()
+                );
                 assert_eq!((r.request_id(), r.user_id(), r.model()), (7, 42, "m"));
                 assert!(cut + 8 >= payload.len(), "cut at {cut} of {} verified", payload.len());
             }

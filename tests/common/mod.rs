@@ -134,7 +134,9 @@ pub fn demo_request(request_id: u64, user_id: u64, item_ids: Vec<u64>) -> Reques
         budget_us: 1_000_000,
         user_id,
         item_ids,
-        context: (0..demo::CONTEXT_LEN).map(|i| ((request_id + i as u64) % 7) as f32 * 0.3 - 0.9).collect(),
+        context: (0..demo::CONTEXT_LEN)
+            .map(|i| ((request_id + i as u64) % 7) as f32 * 0.3 - 0.9)
+            .collect(),
         ..RequestSpec::default()
     }
 }

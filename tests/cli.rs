@@ -1,0 +1,154 @@
+//! The CLI contract that scripts and later work rely on.
+
+mod common;
+
+use std::process::Command;
+
+use common::{Server, BIN};
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(BIN).args(args).output().expect("quiver runs")
+}
+
+#[test]
+fn score_json_prints_exactly_one_object() {
+    let server = Server::start(&["--shards", "1"]);
+    let out = run(&[
+        "score",
+        "--addr",
+        &server.addr,
+        "--user",
+        "42",
+        "--items",
+        "1,2,3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(stdout.trim().lines().count(), 1, "{stdout}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["tier"], "primary");
+    assert_eq!(v["scores"].as_array().unwrap().len(), 3);
+    assert!(v["rtt_us"].as_u64().unwrap() > 0);
+    for s in v["scores"].as_array().unwrap() {
+        let s = s.as_f64().unwrap();
+        assert!(s > 0.0 && s < 1.0);
+    }
+
+    // Context with negative numbers, and a non-OK status exits 2.
+    let out = run(&[
+        "score",
+        "--addr",
+        &server.addr,
+        "--user",
+        "1",
+        "--items",
+        "5",
+        "--context",
+        "-0.5,0.25",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["status"], "bad_request");
+
+    let out = run(&["score", "--addr", &server.addr, "--user", "42", "--items", "1,2,3"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.starts_with("status ok  tier primary"), "{text}");
+    assert_eq!(text.lines().count(), 4);
+}
+
+#[test]
+fn bench_json_reports_rate_and_percentiles() {
+    let server = Server::start(&["--shards", "1"]);
+    for extra in [&[][..], &["--rate", "300"][..]] {
+        let mut args = vec![
+            "bench",
+            "--addr",
+            &server.addr,
+            "--duration",
+            "1s",
+            "--connections",
+            "2",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = run(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(stdout.trim().lines().count(), 1);
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert!(v["received"].as_u64().unwrap() > 0);
+        assert_eq!(v["received"], v["sent"]);
+        let l = &v["latency"];
+        assert!(l["p50_us"].as_u64().unwrap() <= l["p99_us"].as_u64().unwrap());
+        assert!(l["p99_us"].as_u64().unwrap() <= l["max_us"].as_u64().unwrap());
+        assert_eq!(v["by_status"]["ok"], v["received"]);
+    }
+}
+
+#[test]
+fn replica_build_and_inspect() {
+    let dir = common::scratch("replica-cli");
+    let input = dir.join("users.csv");
+    std::fs::write(&input, "# id, f0, f1\ndefault,0,0\n1,0.5,1.5\n2,2.5,3.5\n").unwrap();
+    let out_file = dir.join("user.qrep");
+    let out = run(&[
+        "replica",
+        "build",
+        "--group",
+        "user",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("dim 2 rows 2"));
+    let r = quiver::replica::Replica::open(&out_file, "user").unwrap();
+    let mut v = [0.0; 2];
+    assert!(r.read_into(2, &mut v));
+    assert_eq!(v, [2.5, 3.5]);
+
+    let out = run(&[
+        "replica",
+        "inspect",
+        "--group",
+        "item",
+        "--file",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected 'item'"));
+
+    std::fs::write(&input, "1,0.5\n1,0.7\n").unwrap();
+    let out = run(&[
+        "replica",
+        "build",
+        "--group",
+        "user",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("duplicate key 1"));
+}
+
+#[test]
+fn demo_generation_is_deterministic() {
+    let a = common::scratch("demo-a");
+    let b = common::scratch("demo-b");
+    for d in [&a, &b] {
+        let out = run(&["demo", "--data-dir", d.to_str().unwrap()]);
+        assert!(out.status.success());
+    }
+    for f in ["user.qrep", "item.qrep", "model.qm"] {
+        assert!(
+            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
+}
