@@ -27,6 +27,9 @@ pub struct Config {
     /// Model file; default `<data_dir>/model.qm`.
     pub model: Option<PathBuf>,
     pub backend: BackendKind,
+    /// Benchmark floor: answer every verified request with an empty `Ok`,
+    /// skipping lookup and model, to price the protocol and runtime alone.
+    pub floor: bool,
     pub limits: Limits,
 }
 
@@ -41,6 +44,7 @@ impl Default for Config {
             item_features: None,
             model: None,
             backend: BackendKind::Int8,
+            floor: false,
             limits: Limits::default(),
         }
     }

@@ -149,6 +149,55 @@ pub fn ensure(dir: &Path) -> Result<DemoFiles, crate::Error> {
     Ok(files)
 }
 
+/// How ids are drawn from a group of `n` known ids.
+#[derive(Clone, Debug)]
+pub enum IdDist {
+    Uniform,
+    /// Zipf with exponent `s` over ranks 1..=n; rank r is id r-1, so low ids
+    /// are hot. The cumulative table is built once and shared.
+    Zipf {
+        s: f64,
+        cdf: std::sync::Arc<Vec<f64>>,
+    },
+}
+
+impl IdDist {
+    /// Largest group a Zipf table is built for (8 bytes per id).
+    pub const ZIPF_IDS_MAX: u64 = 1 << 24;
+
+    pub fn zipf(s: f64, n: u64) -> IdDist {
+        assert!(s > 0.0 && s.is_finite(), "Zipf exponent must be positive");
+        assert!(
+            (1..=Self::ZIPF_IDS_MAX).contains(&n),
+            "Zipf over 1..={} ids",
+            Self::ZIPF_IDS_MAX
+        );
+        let mut cdf = Vec::with_capacity(n as usize);
+        let mut acc = 0.0;
+        for rank in 1..=n {
+            acc += 1.0 / (rank as f64).powf(s);
+            cdf.push(acc);
+        }
+        for c in cdf.iter_mut() {
+            *c /= acc;
+        }
+        IdDist::Zipf {
+            s,
+            cdf: std::sync::Arc::new(cdf),
+        }
+    }
+
+    fn draw(&self, n: u64, rng: &mut SplitMix64) -> u64 {
+        match self {
+            IdDist::Uniform => rng.below(n),
+            IdDist::Zipf { cdf, .. } => {
+                let u = rng.unit();
+                (cdf.partition_point(|&c| c < u) as u64).min(n - 1)
+            }
+        }
+    }
+}
+
 /// Generates auction-32 requests (or a variant with other sizes).
 #[derive(Clone, Debug)]
 pub struct Workload {
@@ -159,6 +208,8 @@ pub struct Workload {
     /// Fraction of ids drawn outside the known ranges.
     pub unknown_fraction: f64,
     pub budget_us: u32,
+    pub user_dist: IdDist,
+    pub item_dist: IdDist,
     rng: SplitMix64,
 }
 
@@ -171,32 +222,41 @@ impl Workload {
             context_len: CONTEXT_LEN,
             unknown_fraction: 0.0,
             budget_us: 0,
+            user_dist: IdDist::Uniform,
+            item_dist: IdDist::Uniform,
             rng: SplitMix64::new(seed),
         }
     }
 
-    fn id(&mut self, known: u64) -> u64 {
-        if self.unknown_fraction > 0.0 && self.rng.unit() < self.unknown_fraction {
-            known + self.rng.below(u64::from(u32::MAX))
+    /// Uses Zipf(s) for both users and items.
+    pub fn with_zipf(mut self, s: f64) -> Workload {
+        self.user_dist = IdDist::zipf(s, self.users);
+        self.item_dist = IdDist::zipf(s, self.items);
+        self
+    }
+
+    fn id(rng: &mut SplitMix64, dist: &IdDist, known: u64, unknown_fraction: f64) -> u64 {
+        if unknown_fraction > 0.0 && rng.unit() < unknown_fraction {
+            known + rng.below(u64::from(u32::MAX))
         } else {
-            self.rng.below(known)
+            dist.draw(known, rng)
         }
     }
 
     /// Fills `spec` with the next request, reusing its allocations.
     pub fn fill(&mut self, request_id: u64, spec: &mut RequestSpec) {
+        let rng = &mut self.rng;
         spec.request_id = request_id;
         spec.budget_us = self.budget_us;
-        spec.user_id = self.id(self.users);
+        spec.user_id = Self::id(rng, &self.user_dist, self.users, self.unknown_fraction);
         spec.item_ids.clear();
         for _ in 0..self.candidates {
-            let item = self.id(self.items);
-            spec.item_ids.push(item);
+            spec.item_ids
+                .push(Self::id(rng, &self.item_dist, self.items, self.unknown_fraction));
         }
         spec.context.clear();
         for _ in 0..self.context_len {
-            let c = self.rng.normal();
-            spec.context.push(c);
+            spec.context.push(rng.normal());
         }
     }
 }
@@ -238,5 +298,20 @@ mod tests {
         w.unknown_fraction = 1.0;
         w.fill(2, &mut spec);
         assert!(spec.user_id >= USERS && spec.item_ids.iter().all(|&i| i >= ITEMS));
+    }
+
+    #[test]
+    fn zipf_favours_low_ids() {
+        let mut w = Workload::auction32(4).with_zipf(1.1);
+        let mut spec = RequestSpec::default();
+        let (mut hot, mut total) = (0, 0);
+        for i in 0..500 {
+            w.fill(i, &mut spec);
+            hot += spec.item_ids.iter().filter(|&&id| id < 100).count();
+            total += spec.item_ids.len();
+            assert!(spec.item_ids.iter().all(|&id| id < ITEMS));
+        }
+        // Under Zipf(1.1) over 10,000 ids the top 1% draw well over half.
+        assert!(hot * 2 > total, "{hot} of {total} in the top 100 ids");
     }
 }

@@ -10,6 +10,7 @@ pub mod deadline;
 pub mod demo;
 pub mod loadgen;
 pub mod model;
+pub mod plot;
 pub mod replica;
 pub mod request;
 pub mod score;

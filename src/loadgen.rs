@@ -1,31 +1,51 @@
-//! `quiver bench`: a short load run against a running server.
+//! `quiver bench`: the load generator.
 //!
-//! Two modes. Open loop (`--rate R`): each connection sends on a fixed
-//! schedule whatever the server does, and latency is measured from each
-//! request's *intended* send time, so a stalled server shows up in the tail
-//! (coordinated omission corrected). Closed loop (no `--rate`): each
-//! connection keeps a fixed number of requests in flight; it measures
-//! service time, not latency under a given load, and is labelled as such.
-//! The full benchmark suite (sweeps, plots, floors) builds on this.
+//! One thread drives every connection with non-blocking sockets and spins:
+//! it owns its core (pin it with `taskset`), so a send is never delayed by a
+//! sleeping or descheduled sender thread. Two modes:
+//!
+//! - Open loop (`--rate R`): requests are scheduled at a fixed arrival rate
+//!   (uniform spacing or Poisson, seeded) spread round-robin over the
+//!   connections, whatever the server does. Latency is measured from each
+//!   request's *intended* send time, so a stalled server or a saturated
+//!   generator shows up in the tail (coordinated omission corrected).
+//! - Closed loop (no `--rate`): each connection keeps `--pipeline` requests
+//!   in flight. It measures service time, not latency at a given load, and
+//!   says so.
+//!
+//! The generator reports how busy its own loop was; above ~80% it is close to
+//! being the bottleneck and says so.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::client::{ClientError, Codec};
-use crate::demo::Workload;
-use crate::wire::{status_name, tier_name, RequestSpec, Response};
+use crate::demo::{SplitMix64, Workload};
+use crate::wire::{status_name, tier_name, RequestSpec, Status};
 
-/// Most requests one run may schedule, so a typo in `--rate` cannot exhaust memory.
-pub const REQUESTS_MAX: u64 = 50_000_000;
+/// Most requests one run may schedule, so a typo in `--rate` cannot run away.
+pub const REQUESTS_MAX: u64 = 100_000_000;
+/// Requests in flight across all connections; bounds the send-time ring.
+pub const IN_FLIGHT_MAX: usize = 1 << 20;
 /// Longest time to wait for stragglers after the sending phase.
 const DRAIN_MAX: Duration = Duration::from_secs(2);
+/// Length of one interval in the HdrHistogram interval log.
+const INTERVAL: Duration = Duration::from_secs(1);
+/// Above this fraction of busy loop time the generator may be the bottleneck.
+const BUSY_WARN: f64 = 0.8;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Arrival {
+    Uniform,
+    Poisson,
+}
 
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
@@ -34,15 +54,18 @@ pub struct BenchOptions {
     pub connections: usize,
     /// Total offered rate in requests per second; `None` for closed loop.
     pub rate: Option<f64>,
+    pub arrival: Arrival,
     /// Requests in flight per connection in closed loop.
     pub pipeline: usize,
     pub seed: u64,
     pub candidates: usize,
     pub unknown_fraction: f64,
+    /// Zipf exponent for user and item ids; `None` for uniform.
+    pub zipf: Option<f64>,
     pub budget_us: u32,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Latency {
     pub p50_us: u64,
     pub p90_us: u64,
@@ -53,9 +76,9 @@ pub struct Latency {
     pub mean_us: f64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchReport {
-    pub mode: &'static str,
+    pub mode: String,
     pub connections: usize,
     pub duration_s: f64,
     pub offered_rate: Option<f64>,
@@ -67,101 +90,87 @@ pub struct BenchReport {
     pub by_status: BTreeMap<String, u64>,
     pub by_tier: BTreeMap<String, u64>,
     pub latency: Latency,
-    /// Open loop only: sends that left more than 1 ms after their intended
-    /// time, i.e. the generator itself fell behind.
+    /// Open loop: sends that left more than 1 ms after their intended time.
     pub late_sends: u64,
+    /// Fraction of the generator loop's time spent doing work (0..=1).
+    pub generator_busy: f64,
+    /// CPU seconds the generator process used during the run.
+    pub generator_cpu_s: f64,
+    pub generator_saturated: bool,
 }
 
-fn histogram() -> Histogram<u64> {
+impl BenchReport {
+    /// True when every request was answered `Ok` and nothing went wrong.
+    pub fn clean(&self) -> bool {
+        self.lost == 0
+            && self.connection_errors.is_empty()
+            && self.received > 0
+            && self.by_status.get("ok").copied().unwrap_or(0) == self.received
+    }
+}
+
+/// What `quiver bench --sweep` reports.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SweepReport {
+    pub mode: String,
+    pub p99_max_us: u64,
+    /// Highest offered rate whose run held the bound with every request `Ok`.
+    pub capacity_rate: Option<f64>,
+    pub steps: Vec<BenchReport>,
+}
+
+/// Parses `START:STEP:MAX` (requests per second).
+pub fn parse_sweep(s: &str) -> Result<(f64, f64, f64), String> {
+    let parts: Vec<f64> = s
+        .split(':')
+        .map(|p| p.trim().parse::<f64>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| format!("--sweep '{s}': expected START:STEP:MAX in requests per second"))?;
+    match parts[..] {
+        [start, step, max] if start > 0.0 && step > 0.0 && max >= start && (max - start) / step <= 1_000.0 => {
+            Ok((start, step, max))
+        }
+        _ => Err(format!(
+            "--sweep '{s}': need 0 < START <= MAX, STEP > 0, at most 1000 steps"
+        )),
+    }
+}
+
+/// The full latency record of a run, for files and plots.
+pub struct Recording {
+    pub total: Histogram<u64>,
+    /// One histogram per `INTERVAL`, by response time since the start.
+    pub intervals: Vec<Histogram<u64>>,
+}
+
+pub fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000, 3).expect("static bounds are valid")
 }
 
-struct ConnResult {
-    hist: Histogram<u64>,
-    sent: u64,
-    received: u64,
-    late_sends: u64,
-    by_status: BTreeMap<String, u64>,
-    by_tier: BTreeMap<String, u64>,
-    error: Option<String>,
-}
-
-impl ConnResult {
-    fn new() -> ConnResult {
-        ConnResult {
-            hist: histogram(),
-            sent: 0,
-            received: 0,
-            late_sends: 0,
-            by_status: BTreeMap::new(),
-            by_tier: BTreeMap::new(),
-            error: None,
-        }
-    }
-
-    fn record(&mut self, resp: &Response, latency_us: u64) {
-        self.received += 1;
-        self.hist.saturating_record(latency_us.max(1));
-        *self.by_status.entry(status_name(resp.status).into()).or_default() += 1;
-        if resp.status == crate::wire::Status::Ok {
-            *self.by_tier.entry(tier_name(resp.tier).into()).or_default() += 1;
-        }
-    }
-}
-
-/// Reads responses off a socket with the sans-IO codec.
-struct Reader {
+struct Conn {
     stream: TcpStream,
-    codec: Codec,
-    buf: Vec<u8>,
-    filled: usize,
+    wbuf: Vec<u8>,
+    wsent: usize,
+    rbuf: Vec<u8>,
+    rfilled: usize,
+    in_flight: usize,
+    broken: bool,
 }
 
-impl Reader {
-    fn new(stream: TcpStream) -> Reader {
-        Reader {
-            stream,
-            codec: Codec::default(),
-            buf: vec![0; 256 * 1024],
-            filled: 0,
-        }
-    }
-
-    /// The next response, or `Ok(None)` when `until` passes first.
-    fn next(&mut self, until: Instant) -> Result<Option<Response>, ClientError> {
-        loop {
-            if let Some((resp, used)) = self.codec.decode(&self.buf[..self.filled])? {
-                self.buf.copy_within(used..self.filled, 0);
-                self.filled -= used;
-                return Ok(Some(resp));
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(None);
-            }
-            if self.filled == self.buf.len() {
-                self.buf.resize(self.buf.len() * 2, 0);
-            }
-            self.stream.set_read_timeout(Some(left))?;
-            match self.stream.read(&mut self.buf[self.filled..]) {
-                Ok(0) => return Err(ClientError::Closed),
-                Ok(n) => self.filled += n,
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                    return Ok(None)
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-}
-
-fn workload(opts: &BenchOptions, conn: usize) -> Workload {
-    let mut w = Workload::auction32(opts.seed.wrapping_add(conn as u64 * 0x9E37_79B9));
-    w.candidates = opts.candidates;
-    w.unknown_fraction = opts.unknown_fraction;
-    w.budget_us = opts.budget_us;
-    w
+/// CPU time of this process so far, from /proc (Linux).
+fn process_cpu_s() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are 14 and 15.
+    let Some(rest) = stat.rsplit(')').next() else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields
+        .get(11..13)
+        .map_or(0.0, |f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum());
+    ticks / 100.0
 }
 
 fn connect(addr: &str) -> Result<TcpStream, ClientError> {
@@ -170,171 +179,37 @@ fn connect(addr: &str) -> Result<TcpStream, ClientError> {
         source,
     })?;
     s.set_nodelay(true)?;
+    s.set_nonblocking(true)?;
     Ok(s)
 }
 
-fn open_loop_conn(opts: &BenchOptions, conn: usize, rate_per_conn: f64, start: Instant) -> ConnResult {
-    let mut result = ConnResult::new();
-    let stream = match connect(&opts.addr) {
-        Ok(s) => s,
-        Err(e) => {
-            result.error = Some(e.to_string());
-            return result;
-        }
-    };
-    let interval_ns = 1e9 / rate_per_conn;
-    let planned = ((opts.duration.as_secs_f64() * rate_per_conn).ceil() as u64).clamp(1, REQUESTS_MAX);
-    let intended_ns: Arc<Vec<AtomicU64>> = Arc::new((0..planned).map(|_| AtomicU64::new(0)).collect());
-    let sent = Arc::new(AtomicU64::new(0));
-    let done = Arc::new(AtomicBool::new(false));
-    let mut reader = Reader::new(stream.try_clone().expect("cloning a connected socket"));
-
-    let writer = {
-        let (intended_ns, sent, done) = (intended_ns.clone(), sent.clone(), done.clone());
-        let mut w = workload(opts, conn);
-        let mut stream = stream;
-        std::thread::spawn(move || -> (u64, Option<String>) {
-            let mut codec = Codec::default();
-            let (mut spec, mut buf, mut late) = (RequestSpec::default(), Vec::new(), 0u64);
-            for seq in 0..planned {
-                let due_ns = (seq as f64 * interval_ns) as u64;
-                loop {
-                    let now_ns = start.elapsed().as_nanos() as u64;
-                    if now_ns >= due_ns {
-                        late += u64::from(now_ns - due_ns > 1_000_000);
-                        break;
-                    }
-                    let wait_ns = due_ns - now_ns;
-                    if wait_ns > 200_000 {
-                        std::thread::sleep(Duration::from_nanos(wait_ns - 100_000));
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-                w.fill(seq, &mut spec);
-                buf.clear();
-                codec.encode(&spec, &mut buf);
-                intended_ns[seq as usize].store(due_ns, Ordering::Release);
-                if let Err(e) = stream.write_all(&buf) {
-                    done.store(true, Ordering::Release);
-                    return (late, Some(e.to_string()));
-                }
-                sent.store(seq + 1, Ordering::Release);
-            }
-            done.store(true, Ordering::Release);
-            (late, None)
-        })
-    };
-
-    let drain_until = start + opts.duration + DRAIN_MAX;
-    loop {
-        if done.load(Ordering::Acquire) && result.received >= sent.load(Ordering::Acquire) {
-            break;
-        }
-        match reader.next(drain_until) {
-            Ok(Some(resp)) => {
-                let now_ns = start.elapsed().as_nanos() as u64;
-                let Some(slot) = intended_ns.get(resp.request_id as usize) else {
-                    result.error = Some(format!("response for unknown request {}", resp.request_id));
-                    break;
-                };
-                let latency_us = now_ns.saturating_sub(slot.load(Ordering::Acquire)) / 1_000;
-                result.record(&resp, latency_us);
-            }
-            Ok(None) => break,
-            Err(e) => {
-                result.error = Some(e.to_string());
-                break;
-            }
-        }
-    }
-    let _ = reader.stream.shutdown(std::net::Shutdown::Both);
-    let (late, write_error) = writer.join().expect("writer thread does not panic");
-    result.late_sends = late;
-    result.sent = sent.load(Ordering::Acquire);
-    result.error = result.error.or(write_error);
-    result
+struct Schedule {
+    arrival: Arrival,
+    interval_ns: f64,
+    next_ns: f64,
+    rng: SplitMix64,
 }
 
-fn closed_loop_conn(opts: &BenchOptions, conn: usize, start: Instant) -> ConnResult {
-    let mut result = ConnResult::new();
-    let mut stream = match connect(&opts.addr) {
-        Ok(s) => s,
-        Err(e) => {
-            result.error = Some(e.to_string());
-            return result;
-        }
-    };
-    let mut reader = Reader::new(stream.try_clone().expect("cloning a connected socket"));
-    let mut w = workload(opts, conn);
-    let mut codec = Codec::default();
-    let (mut spec, mut buf) = (RequestSpec::default(), Vec::new());
-    let window = opts.pipeline.max(1);
-    let mut sent_at: Vec<Instant> = Vec::new();
-    let end = start + opts.duration;
-    let drain_until = end + DRAIN_MAX;
-    loop {
-        let now = Instant::now();
-        while now < end && result.sent - result.received < window as u64 && result.sent < REQUESTS_MAX {
-            w.fill(result.sent, &mut spec);
-            buf.clear();
-            codec.encode(&spec, &mut buf);
-            sent_at.push(Instant::now());
-            if let Err(e) = stream.write_all(&buf) {
-                result.error = Some(e.to_string());
-                return result;
-            }
-            result.sent += 1;
-        }
-        if result.received == result.sent {
-            break;
-        }
-        match reader.next(drain_until) {
-            Ok(Some(resp)) => {
-                let Some(t) = sent_at.get(resp.request_id as usize) else {
-                    result.error = Some(format!("response for unknown request {}", resp.request_id));
-                    break;
-                };
-                let latency_us = t.elapsed().as_micros() as u64;
-                result.record(&resp, latency_us);
-            }
-            Ok(None) => break,
-            Err(e) => {
-                result.error = Some(e.to_string());
-                break;
-            }
-        }
+impl Schedule {
+    fn advance(&mut self) {
+        self.next_ns += match self.arrival {
+            Arrival::Uniform => self.interval_ns,
+            Arrival::Poisson => -(1.0 - self.rng.unit()).ln() * self.interval_ns,
+        };
     }
-    result
 }
 
-/// Runs the load and merges every connection's results.
-pub fn run(opts: &BenchOptions) -> BenchReport {
-    let connections = opts.connections.max(1);
-    let start = Instant::now() + Duration::from_millis(20);
-    let results: Vec<ConnResult> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..connections)
-            .map(|c| {
-                s.spawn(move || match opts.rate {
-                    Some(rate) => open_loop_conn(opts, c, rate / connections as f64, start),
-                    None => closed_loop_conn(opts, c, start),
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("bench threads do not panic"))
-            .collect()
-    });
-    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
-    let mut hist = histogram();
+/// Runs the load, returning the report and the latency record.
+pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
+    let n_conns = opts.connections.max(1);
     let mut report = BenchReport {
         mode: if opts.rate.is_some() {
             "open-loop"
         } else {
             "closed-loop"
-        },
-        connections,
+        }
+        .into(),
+        connections: n_conns,
         duration_s: opts.duration.as_secs_f64(),
         offered_rate: opts.rate,
         achieved_rate: 0.0,
@@ -346,33 +221,296 @@ pub fn run(opts: &BenchOptions) -> BenchReport {
         by_tier: BTreeMap::new(),
         latency: Latency::default(),
         late_sends: 0,
+        generator_busy: 0.0,
+        generator_cpu_s: 0.0,
+        generator_saturated: false,
     };
-    for r in results {
-        hist.add(&r.hist).expect("same bounds");
-        report.sent += r.sent;
-        report.received += r.received;
-        report.late_sends += r.late_sends;
-        for (k, v) in r.by_status {
-            *report.by_status.entry(k).or_default() += v;
+    let mut rec = Recording {
+        total: histogram(),
+        intervals: (0..(opts.duration + DRAIN_MAX).as_secs() + 2)
+            .map(|_| histogram())
+            .collect(),
+    };
+    let mut conns = Vec::with_capacity(n_conns);
+    for _ in 0..n_conns {
+        match connect(&opts.addr) {
+            Ok(stream) => conns.push(Conn {
+                stream,
+                wbuf: Vec::with_capacity(64 * 1024),
+                wsent: 0,
+                rbuf: vec![0; 256 * 1024],
+                rfilled: 0,
+                in_flight: 0,
+                broken: false,
+            }),
+            Err(e) => report.connection_errors.push(e.to_string()),
         }
-        for (k, v) in r.by_tier {
-            *report.by_tier.entry(k).or_default() += v;
-        }
-        report.connection_errors.extend(r.error);
     }
-    report.lost = report.sent - report.received.min(report.sent);
+    if conns.is_empty() {
+        return (report, rec);
+    }
+
+    let mut workload = Workload::auction32(opts.seed);
+    if let Some(s) = opts.zipf {
+        workload = workload.with_zipf(s);
+    }
+    workload.candidates = opts.candidates;
+    workload.unknown_fraction = opts.unknown_fraction;
+    workload.budget_us = opts.budget_us;
+    let mut schedule = opts.rate.map(|rate| Schedule {
+        arrival: opts.arrival,
+        interval_ns: 1e9 / rate,
+        next_ns: 0.0,
+        rng: SplitMix64::new(opts.seed ^ 0xA5A5_A5A5),
+    });
+    let codec = Codec::default();
+    let mut encoder = Codec::default();
+    let mut spec = RequestSpec::default();
+    // Send time (open loop: intended time) of request `id`, in ns since start.
+    let mut sent_ns = vec![0u64; IN_FLIGHT_MAX];
+    let mask = (IN_FLIGHT_MAX - 1) as u64;
+    let (mut seq, mut next_conn, mut in_flight_total) = (0u64, 0usize, 0usize);
+    let duration_ns = opts.duration.as_nanos() as u64;
+    let drain_end_ns = duration_ns + DRAIN_MAX.as_nanos() as u64;
+    let (mut busy_ns, mut loop_start_ns) = (0u64, 0u64);
+    let cpu_before = process_cpu_s();
+    let start = Instant::now();
+
+    loop {
+        let now_ns = start.elapsed().as_nanos() as u64;
+        let mut did_work = false;
+        let sending = now_ns < duration_ns && seq < REQUESTS_MAX;
+        if !sending && (in_flight_total == 0 || now_ns >= drain_end_ns) {
+            break;
+        }
+
+        // Send what is due.
+        if sending {
+            match &mut schedule {
+                Some(sched) => {
+                    while (sched.next_ns as u64) <= now_ns && in_flight_total < IN_FLIGHT_MAX {
+                        let due_ns = sched.next_ns as u64;
+                        report.late_sends += u64::from(now_ns - due_ns > 1_000_000);
+                        let c = next_conn % conns.len();
+                        next_conn += 1;
+                        if conns[c].broken {
+                            sched.advance();
+                            continue;
+                        }
+                        workload.fill(seq, &mut spec);
+                        encoder.encode(&spec, &mut conns[c].wbuf);
+                        sent_ns[(seq & mask) as usize] = due_ns;
+                        conns[c].in_flight += 1;
+                        in_flight_total += 1;
+                        seq += 1;
+                        sched.advance();
+                        did_work = true;
+                    }
+                }
+                None => {
+                    for c in conns.iter_mut().filter(|c| !c.broken) {
+                        while c.in_flight < opts.pipeline.max(1) && in_flight_total < IN_FLIGHT_MAX {
+                            workload.fill(seq, &mut spec);
+                            encoder.encode(&spec, &mut c.wbuf);
+                            sent_ns[(seq & mask) as usize] = now_ns;
+                            c.in_flight += 1;
+                            in_flight_total += 1;
+                            seq += 1;
+                            did_work = true;
+                        }
+                    }
+                }
+            }
+        }
+
+        for c in conns.iter_mut().filter(|c| !c.broken) {
+            // Flush.
+            while c.wsent < c.wbuf.len() {
+                match c.stream.write(&c.wbuf[c.wsent..]) {
+                    Ok(n) => {
+                        c.wsent += n;
+                        did_work = true;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        report.connection_errors.push(e.to_string());
+                        c.broken = true;
+                        break;
+                    }
+                }
+            }
+            if c.wsent == c.wbuf.len() {
+                c.wbuf.clear();
+                c.wsent = 0;
+            }
+            // Receive.
+            if c.rfilled == c.rbuf.len() {
+                c.rbuf.resize(c.rbuf.len() * 2, 0);
+            }
+            match c.stream.read(&mut c.rbuf[c.rfilled..]) {
+                Ok(0) => {
+                    report.connection_errors.push("the server closed the connection".into());
+                    c.broken = true;
+                }
+                Ok(n) => {
+                    c.rfilled += n;
+                    did_work = true;
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => {
+                    report.connection_errors.push(e.to_string());
+                    c.broken = true;
+                }
+            }
+            let mut at = 0;
+            let recv_ns = start.elapsed().as_nanos() as u64;
+            loop {
+                match codec.decode(&c.rbuf[at..c.rfilled]) {
+                    Ok(Some((resp, used))) => {
+                        at += used;
+                        if resp.request_id >= seq || seq - resp.request_id > IN_FLIGHT_MAX as u64 {
+                            report
+                                .connection_errors
+                                .push(format!("response for unknown request {}", resp.request_id));
+                            c.broken = true;
+                            break;
+                        }
+                        let latency_us =
+                            (recv_ns.saturating_sub(sent_ns[(resp.request_id & mask) as usize]) / 1_000).max(1);
+                        rec.total.saturating_record(latency_us);
+                        let slot = ((recv_ns / INTERVAL.as_nanos() as u64) as usize).min(rec.intervals.len() - 1);
+                        rec.intervals[slot].saturating_record(latency_us);
+                        report.received += 1;
+                        *report.by_status.entry(status_name(resp.status).into()).or_default() += 1;
+                        if resp.status == Status::Ok {
+                            *report.by_tier.entry(tier_name(resp.tier).into()).or_default() += 1;
+                        }
+                        c.in_flight = c.in_flight.saturating_sub(1);
+                        in_flight_total = in_flight_total.saturating_sub(1);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        report.connection_errors.push(e.to_string());
+                        c.broken = true;
+                        break;
+                    }
+                }
+            }
+            c.rbuf.copy_within(at..c.rfilled, 0);
+            c.rfilled -= at;
+            if c.broken {
+                in_flight_total -= c.in_flight.min(in_flight_total);
+                c.in_flight = 0;
+            }
+        }
+        if conns.iter().all(|c| c.broken) {
+            break;
+        }
+        let end_ns = start.elapsed().as_nanos() as u64;
+        if did_work {
+            busy_ns += end_ns - loop_start_ns.max(now_ns);
+        }
+        loop_start_ns = end_ns;
+        std::hint::spin_loop();
+    }
+
+    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+    report.generator_cpu_s = process_cpu_s() - cpu_before;
+    report.generator_busy = (busy_ns as f64 / 1e9 / elapsed).min(1.0);
+    report.sent = seq;
+    report.lost = report.sent.saturating_sub(report.received);
     // Wall time from the first scheduled send to the last response.
     report.achieved_rate = report.received as f64 / elapsed;
+    report.generator_saturated = report.generator_busy > BUSY_WARN || report.late_sends * 1000 > report.sent.max(1);
+    let h = &rec.total;
     report.latency = Latency {
-        p50_us: hist.value_at_quantile(0.50),
-        p90_us: hist.value_at_quantile(0.90),
-        p99_us: hist.value_at_quantile(0.99),
-        p999_us: hist.value_at_quantile(0.999),
-        p9999_us: hist.value_at_quantile(0.9999),
-        max_us: hist.max(),
-        mean_us: hist.mean(),
+        p50_us: h.value_at_quantile(0.50),
+        p90_us: h.value_at_quantile(0.90),
+        p99_us: h.value_at_quantile(0.99),
+        p999_us: h.value_at_quantile(0.999),
+        p9999_us: h.value_at_quantile(0.9999),
+        max_us: h.max(),
+        mean_us: h.mean(),
     };
-    report
+    (report, rec)
+}
+
+/// Runs the load and returns the report.
+pub fn run(opts: &BenchOptions) -> BenchReport {
+    run_recorded(opts).0
+}
+
+impl Recording {
+    /// Writes the HdrHistogram interval log (one histogram per second).
+    pub fn write_interval_log(&self, path: &Path, tag: &str) -> std::io::Result<()> {
+        use hdrhistogram::serialization::interval_log::{IntervalLogWriterBuilder, Tag};
+        use hdrhistogram::serialization::V2DeflateSerializer;
+        let mut out = Vec::new();
+        let mut serializer = V2DeflateSerializer::new();
+        {
+            let mut writer = IntervalLogWriterBuilder::new()
+                .add_comment("quiver bench: latency in microseconds from intended send time")
+                .with_max_value_divisor(1.0)
+                .begin_log_with(&mut out, &mut serializer)?;
+            for (i, h) in self.intervals.iter().enumerate().filter(|(_, h)| !h.is_empty()) {
+                writer
+                    .write_histogram(h, INTERVAL * i as u32, INTERVAL, Tag::new(tag))
+                    .map_err(|e| std::io::Error::other(format!("{e:?}")))?;
+            }
+        }
+        std::fs::write(path, out)
+    }
+
+    /// Writes the percentile distribution in HdrHistogram's `.hgrm` text form.
+    pub fn write_percentiles(&self, path: &Path) -> std::io::Result<()> {
+        std::fs::write(path, percentile_distribution(&self.total))
+    }
+}
+
+/// HdrHistogram's percentile distribution text (`Value Percentile TotalCount 1/(1-Percentile)`).
+pub fn percentile_distribution(h: &Histogram<u64>) -> String {
+    let mut s = String::from("       Value     Percentile TotalCount 1/(1-Percentile)\n\n");
+    for v in h.iter_quantiles(5) {
+        let q = v.quantile_iterated_to();
+        let inv = if q < 1.0 {
+            format!("{:14.2}", 1.0 / (1.0 - q))
+        } else {
+            String::new()
+        };
+        s.push_str(&format!(
+            "{:12.3} {:14.12} {:10} {inv}\n",
+            v.value_iterated_to() as f64,
+            q,
+            v.count_since_last_iteration()
+        ));
+    }
+    s.push_str(&format!(
+        "#[Mean    = {:12.3}, StdDeviation   = {:12.3}]\n#[Max     = {:12.3}, Total count    = {:12}]\n",
+        h.mean(),
+        h.stdev(),
+        h.max() as f64,
+        h.len()
+    ));
+    s
+}
+
+/// Parses a percentile distribution written by [`percentile_distribution`]
+/// (or any `.hgrm` file) into (percentile, value) points.
+pub fn parse_percentiles(text: &str) -> Vec<(f64, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let value: f64 = f.next()?.parse().ok()?;
+            let q: f64 = f.next()?.parse().ok()?;
+            Some((q * 100.0, value))
+        })
+        .collect()
 }
 
 impl std::fmt::Display for BenchReport {
@@ -403,11 +541,18 @@ impl std::fmt::Display for BenchReport {
         let join = |m: &BTreeMap<String, u64>| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
         writeln!(f, "status: {}", join(&self.by_status))?;
         writeln!(f, "tier: {}", join(&self.by_tier))?;
-        if self.late_sends > 0 {
+        writeln!(
+            f,
+            "generator: loop busy {:.0}%, {:.2} CPU s",
+            self.generator_busy * 100.0,
+            self.generator_cpu_s
+        )?;
+        if self.generator_saturated {
             writeln!(
                 f,
-                "warning: the generator sent {} requests more than 1 ms late: it is saturated, the offered rate was not held",
-                self.late_sends
+                "warning: the generator is saturated ({} sends more than 1 ms late, loop busy {:.0}%): the offered rate was not held",
+                self.late_sends,
+                self.generator_busy * 100.0
             )?;
         }
         for e in &self.connection_errors {
@@ -451,5 +596,42 @@ mod tests {
         assert_eq!(parse_duration("10us").unwrap(), Duration::from_micros(10));
         assert!(parse_duration("5h").is_err());
         assert!(parse_duration("fast").is_err());
+    }
+
+    #[test]
+    fn sweep_specs() {
+        assert_eq!(parse_sweep("1000:500:3000").unwrap(), (1000.0, 500.0, 3000.0));
+        assert!(parse_sweep("1000:0:3000").is_err());
+        assert!(parse_sweep("3000:10:1000").is_err());
+        assert!(parse_sweep("1:1:1000000").is_err());
+        assert!(parse_sweep("fast").is_err());
+    }
+
+    #[test]
+    fn poisson_schedule_keeps_the_mean_rate() {
+        let mut s = Schedule {
+            arrival: Arrival::Poisson,
+            interval_ns: 1_000.0,
+            next_ns: 0.0,
+            rng: SplitMix64::new(1),
+        };
+        for _ in 0..100_000 {
+            s.advance();
+        }
+        let mean = s.next_ns / 100_000.0;
+        assert!((mean - 1_000.0).abs() < 15.0, "mean gap {mean} ns");
+    }
+
+    #[test]
+    fn percentile_file_round_trips() {
+        let mut h = histogram();
+        for v in 1..=1000u64 {
+            h.record(v).unwrap();
+        }
+        let points = parse_percentiles(&percentile_distribution(&h));
+        assert!(points.len() > 10);
+        let p50 = points.iter().find(|(q, _)| *q >= 50.0).unwrap().1;
+        assert!((495.0..=505.0).contains(&p50), "{p50}");
+        assert_eq!(points.last().unwrap().1, 1000.0);
     }
 }

@@ -36,6 +36,9 @@ enum Command {
     /// Feature replica files.
     #[command(subcommand)]
     Replica(ReplicaCommand),
+    /// Draw PNG plots from benchmark output files.
+    #[command(subcommand)]
+    Plot(PlotCommand),
     /// Write the auction-32 demo files (replicas and model) into a directory.
     Demo {
         #[arg(long, default_value = "quiver-data")]
@@ -63,6 +66,10 @@ struct ServeArgs {
     demo: bool,
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
+    /// Protocol floor for benchmarks: verify each request and answer with an
+    /// empty Ok response, skipping lookup and model.
+    #[arg(long)]
+    floor: bool,
 }
 
 #[derive(clap::Args)]
@@ -105,6 +112,9 @@ struct BenchArgs {
     /// Offered rate in requests/s (open loop); without it, closed loop.
     #[arg(long)]
     rate: Option<f64>,
+    /// Open-loop arrival process.
+    #[arg(long, value_enum, default_value = "uniform")]
+    arrival: loadgen::Arrival,
     /// Requests in flight per connection in closed loop.
     #[arg(long, default_value_t = 8)]
     pipeline: usize,
@@ -115,11 +125,49 @@ struct BenchArgs {
     /// Fraction of user and item ids drawn outside the known ranges.
     #[arg(long, default_value_t = 0.0)]
     unknown_fraction: f64,
+    /// Draw user and item ids from Zipf(S) instead of uniformly.
+    #[arg(long)]
+    zipf: Option<f64>,
     #[arg(long, default_value_t = 0)]
     budget_us: u32,
+    /// Rate sweep START:STEP:MAX (req/s): open-loop runs of --duration at
+    /// rising rates until p99 exceeds --p99-max-us or a request fails.
+    #[arg(long)]
+    sweep: Option<String>,
+    /// The p99 bound of a sweep, in microseconds.
+    #[arg(long, default_value_t = 1_000)]
+    p99_max_us: u64,
+    /// Write an HdrHistogram interval log (one histogram per second).
+    #[arg(long)]
+    histogram_log: Option<PathBuf>,
+    /// Write the percentile distribution (HdrHistogram .hgrm text).
+    #[arg(long)]
+    percentiles: Option<PathBuf>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Subcommand)]
+enum PlotCommand {
+    /// Latency by percentile, one line per LABEL=FILE.hgrm, overlaid.
+    Percentiles {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "Latency by percentile")]
+        title: String,
+        #[arg(required = true)]
+        runs: Vec<String>,
+    },
+    /// p99 against offered rate, one line per LABEL=FILE.json from `bench --sweep --json`.
+    Sweep {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "p99 latency against offered rate")]
+        title: String,
+        #[arg(required = true)]
+        sweeps: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -158,6 +206,7 @@ fn main() -> ExitCode {
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
         Command::Replica(cmd) => replica(cmd),
+        Command::Plot(cmd) => plot(cmd),
         Command::Demo { data_dir } => demo::ensure(&data_dir).map(|_| ExitCode::SUCCESS),
     };
     match result {
@@ -190,6 +239,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if let Some(v) = args.backend {
         config.backend = v;
     }
+    if args.floor {
+        config.floor = true;
+    }
     if args.demo {
         demo::ensure(&config.data_dir)?;
     }
@@ -215,6 +267,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         item: Arc::new(item),
         limits: config.limits.clone(),
         backend: config.backend,
+        floor: config.floor,
     };
     let listen = shard::resolve_listen(&config.listen)?;
 
@@ -313,28 +366,124 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     if !(0.0..=1.0).contains(&args.unknown_fraction) {
         return Err(Error::Setup("--unknown-fraction must be within 0..=1".into()));
     }
-    let opts = BenchOptions {
+    if args.zipf.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
+        return Err(Error::Setup("--zipf must be a positive exponent".into()));
+    }
+    let mut opts = BenchOptions {
         addr: args.addr,
         duration: args.duration,
         connections: args.connections.clamp(1, 1024),
         rate: args.rate,
+        arrival: args.arrival,
         pipeline: args.pipeline.clamp(1, 4096),
         seed: args.seed,
         candidates: args.candidates.max(1),
         unknown_fraction: args.unknown_fraction,
+        zipf: args.zipf,
         budget_us: args.budget_us,
     };
-    let report = loadgen::run(&opts);
-    if args.json {
-        println!("{}", serde_json::to_string(&report).expect("report serialises"));
-    } else {
-        print!("{report}");
+    let write_files = |rec: &loadgen::Recording| -> Result<(), Error> {
+        let io = |p: &PathBuf, e: std::io::Error| Error::Setup(format!("{}: {e}", p.display()));
+        if let Some(p) = &args.histogram_log {
+            rec.write_interval_log(p, "quiver").map_err(|e| io(p, e))?;
+        }
+        if let Some(p) = &args.percentiles {
+            rec.write_percentiles(p).map_err(|e| io(p, e))?;
+        }
+        Ok(())
+    };
+    let Some(sweep) = &args.sweep else {
+        let (report, rec) = loadgen::run_recorded(&opts);
+        write_files(&rec)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report).expect("report serialises"));
+        } else {
+            print!("{report}");
+        }
+        return Ok(if report.received > 0 && report.connection_errors.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    };
+    let (start, step, max) = loadgen::parse_sweep(sweep).map_err(Error::Setup)?;
+    let mut steps = Vec::new();
+    let mut capacity = None;
+    let mut rate = start;
+    while rate <= max * (1.0 + 1e-9) {
+        opts.rate = Some(rate);
+        let (report, rec) = loadgen::run_recorded(&opts);
+        let held = report.clean() && report.latency.p99_us <= args.p99_max_us && !report.generator_saturated;
+        if !args.json {
+            eprintln!(
+                "offered {rate:>9.0} req/s  achieved {:>9.0}  p50 {:>7} µs  p99 {:>7} µs  p99.9 {:>7} µs  max {:>7} µs  {}",
+                report.achieved_rate,
+                report.latency.p50_us,
+                report.latency.p99_us,
+                report.latency.p999_us,
+                report.latency.max_us,
+                if held { "held" } else { "NOT held" }
+            );
+        }
+        steps.push(report);
+        if !held {
+            break;
+        }
+        capacity = Some(rate);
+        write_files(&rec)?;
+        rate += step;
     }
-    Ok(if report.received > 0 && report.connection_errors.is_empty() {
-        ExitCode::SUCCESS
+    let summary = loadgen::SweepReport {
+        mode: "sweep".into(),
+        p99_max_us: args.p99_max_us,
+        capacity_rate: capacity,
+        steps,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&summary).expect("report serialises"));
     } else {
-        ExitCode::FAILURE
-    })
+        match capacity {
+            Some(r) => println!("capacity at p99 <= {} µs: {r:.0} req/s", args.p99_max_us),
+            None => println!("no step held p99 <= {} µs", args.p99_max_us),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
+    let split = |arg: &str| -> Result<(String, PathBuf), Error> {
+        let (label, file) = arg
+            .split_once('=')
+            .ok_or_else(|| Error::Setup(format!("'{arg}': expected LABEL=FILE")))?;
+        Ok((label.to_string(), PathBuf::from(file)))
+    };
+    let read = |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| Error::Setup(format!("{}: {e}", p.display())));
+    match cmd {
+        PlotCommand::Percentiles { out, title, runs } => {
+            let mut series = Vec::new();
+            for r in &runs {
+                let (label, file) = split(r)?;
+                series.push((label, loadgen::parse_percentiles(&read(&file)?)));
+            }
+            quiver::plot::percentiles(&out, &title, &series).map_err(Error::Setup)?;
+        }
+        PlotCommand::Sweep { out, title, sweeps } => {
+            let mut series = Vec::new();
+            for s in &sweeps {
+                let (label, file) = split(s)?;
+                let report: loadgen::SweepReport = serde_json::from_str(&read(&file)?)
+                    .map_err(|e| Error::Setup(format!("{}: {e}", file.display())))?;
+                let points = report
+                    .steps
+                    .iter()
+                    .filter_map(|r| Some((r.offered_rate?, r.latency.p99_us as f64)))
+                    .collect();
+                series.push((label, points));
+            }
+            quiver::plot::sweep(&out, &title, &series).map_err(Error::Setup)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {

@@ -29,6 +29,8 @@ pub struct Shared {
     pub item: Arc<Replica>,
     pub limits: Limits,
     pub backend: BackendKind,
+    /// Benchmark floor: verify, then answer `Ok` with no scores.
+    pub floor: bool,
 }
 
 /// The model's inputs and the replicas do not fit together.
@@ -227,6 +229,9 @@ impl<C: Clock> RequestPath<C> {
             }
         };
         let request_id = request.request_id();
+        if self.shared.floor {
+            return self.respond_floor(request_id, read_at_us, out);
+        }
         let limits = &self.shared.limits;
         let budget_us = match request.budget_us() {
             0 => limits.budget_us_default,
@@ -345,6 +350,19 @@ impl<C: Clock> RequestPath<C> {
         );
     }
 
+    /// The protocol floor's answer: `Ok`, no scores, no lookup, no model.
+    fn respond_floor(&mut self, request_id: u64, read_at_us: u64, out: &mut Vec<u8>) {
+        self.counters.requests += 1;
+        self.counters.by_status[usize::from(Status::Ok.0)] += 1;
+        let server_us = self.clock.now_us().saturating_sub(read_at_us);
+        let fields = ResponseFields {
+            server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
+            tier: Tier::Primary,
+            ..ResponseFields::failure(request_id, Status::Ok, "")
+        };
+        self.encoder.encode(&fields, out);
+    }
+
     /// Answers a frame the shard could not even split (bad length prefix).
     pub fn reject_stream(&mut self, error: &wire::FrameError, out: &mut Vec<u8>) {
         self.fail(0, Status::BadRequest, &error.to_string(), out);
@@ -398,6 +416,7 @@ mod tests {
                 ..Limits::default()
             },
             backend: BackendKind::F32,
+            floor: false,
         }
     }
 
@@ -519,6 +538,18 @@ mod tests {
         let (payload, _) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
         let r = wire::decode_response(payload, 64).unwrap();
         assert_eq!((r.request_id, r.status), (0, Status::BadRequest));
+    }
+
+    #[test]
+    fn the_floor_answers_without_scoring() {
+        let clock = ManualClock::new(0);
+        let mut sh = shared(&dir("floor"));
+        sh.floor = true;
+        let mut path = RequestPath::new(sh, &clock).unwrap();
+        let r = run(&mut path, &spec(), 0);
+        assert_eq!((r.request_id, r.status, r.tier), (77, Status::Ok, Tier::Primary));
+        assert!(r.scores.is_empty());
+        assert_eq!(path.counters.candidates_scored, 0);
     }
 
     #[test]

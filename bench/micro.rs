@@ -1,0 +1,186 @@
+//! Microbenchmarks of the request path's stages (criterion).
+//!
+//! - `wire`: verify + decode an auction-32 request; encode its response.
+//! - `replica`: 1 + 32 lookups in a 1M-row × 32-float table, hits and misses,
+//!   one at a time and batched with prefetch.
+//! - `request`: the whole `RequestPath::handle` (decode → lookup → INT8 MLP
+//!   → encode) on the demo data, and the protocol floor.
+//!
+//! Seeded and deterministic. `bench/run.sh` runs these and quotes medians.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use quiver::config::Limits;
+use quiver::deadline::{Clock, MonotonicClock};
+use quiver::demo::{self, SplitMix64, Workload};
+use quiver::model::Model;
+use quiver::replica::{Replica, ReplicaBuilder};
+use quiver::request::{RequestPath, Shared};
+use quiver::score::BackendKind;
+use quiver::wire::{self, RequestEncoder, RequestLimits, RequestSpec, ResponseEncoder, ResponseFields, Status, Tier};
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("quiver-bench-{name}"));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn auction_request(seed: u64) -> Vec<u8> {
+    let mut spec = RequestSpec::default();
+    Workload::auction32(seed).fill(1, &mut spec);
+    spec.budget_us = 1_000_000;
+    let mut frame = Vec::new();
+    RequestEncoder::new().encode(&spec, &mut frame);
+    frame
+}
+
+fn wire_bench(c: &mut Criterion) {
+    let frame = auction_request(1);
+    let payload = &frame[wire::FRAME_PREFIX_BYTES..];
+    let limits = RequestLimits {
+        frame_bytes_max: 65_536,
+        candidates_max: 256,
+        context_len_max: 256,
+    };
+    let mut g = c.benchmark_group("wire");
+    g.bench_function("split+verify+read auction-32 request", |b| {
+        b.iter(|| {
+            let (p, _) = wire::split_frame(black_box(&frame), 65_536).unwrap().unwrap();
+            let r = wire::decode_request(p, &limits).unwrap();
+            let s: u64 = r.item_ids().iter().sum();
+            black_box(s + r.user_id() + r.context().len() as u64)
+        })
+    });
+    g.bench_function("verify only", |b| {
+        b.iter(|| wire::decode_request(black_box(payload), &limits).is_ok())
+    });
+    let scores = [0.5f32; 32];
+    let mut enc = ResponseEncoder::new(256);
+    let mut out = Vec::with_capacity(4096);
+    g.bench_function("encode 32-score response", |b| {
+        b.iter(|| {
+            out.clear();
+            enc.encode(
+                &ResponseFields {
+                    request_id: 1,
+                    status: Status::Ok,
+                    scores: black_box(&scores),
+                    tier: Tier::Primary,
+                    model_version: 1,
+                    server_us: 10,
+                    features_missing: 0,
+                    error: "",
+                },
+                &mut out,
+            );
+            black_box(out.len())
+        })
+    });
+    g.finish();
+}
+
+const TABLE_ROWS: u64 = 1_000_000;
+const DIM: u32 = 32;
+
+fn big_table() -> Replica {
+    let path = scratch("replica").join("item.qrep");
+    if Replica::open(&path, "item").map(|r| r.header().row_count).ok() != Some(TABLE_ROWS) {
+        let mut b = ReplicaBuilder::new("item", DIM);
+        let mut rng = SplitMix64::new(7);
+        let mut v = vec![0.0f32; DIM as usize];
+        for id in 0..TABLE_ROWS {
+            v.iter_mut().for_each(|x| *x = rng.normal());
+            b.push(id * 2, &v).unwrap();
+        }
+        b.write(&path).unwrap();
+    }
+    Replica::open(&path, "item").unwrap()
+}
+
+fn replica_bench(c: &mut Criterion) {
+    let table = big_table();
+    let mut rng = SplitMix64::new(11);
+    // 4096 request-sized key sets, so caches see a realistic spread.
+    let hits: Vec<Vec<u64>> = (0..4096)
+        .map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect())
+        .collect();
+    let misses: Vec<Vec<u64>> = (0..4096)
+        .map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2 + 1).collect())
+        .collect();
+    let mut out = vec![0.0f32; 33 * DIM as usize];
+    let mut rows = vec![0u32; 33];
+    let mut g = c.benchmark_group("replica 1M x 32 f32");
+    g.throughput(Throughput::Elements(33));
+    for (name, sets) in [("hit", &hits), ("miss", &misses)] {
+        let mut i = 0;
+        g.bench_function(format!("1+32 lookups, one by one, {name}"), |b| {
+            b.iter(|| {
+                i = (i + 1) % sets.len();
+                let mut missing = 0;
+                for (k, dst) in sets[i].iter().zip(out.chunks_exact_mut(DIM as usize)) {
+                    missing += usize::from(!table.read_into(*k, dst));
+                }
+                black_box(missing)
+            })
+        });
+        g.bench_function(format!("1+32 lookups, batched with prefetch, {name}"), |b| {
+            b.iter(|| {
+                i = (i + 1) % sets.len();
+                black_box(table.read_many_into(&sets[i], &mut rows, &mut out))
+            })
+        });
+    }
+    g.finish();
+}
+
+fn request_bench(c: &mut Criterion) {
+    let dir = scratch("demo");
+    demo::ensure(&dir).unwrap();
+    let mut g = c.benchmark_group("request path auction-32");
+    g.throughput(Throughput::Elements(1));
+    let frames: Vec<Vec<u8>> = (0..256).map(auction_request).collect();
+    for (name, backend, floor) in [
+        ("handle, int8", BackendKind::Int8, false),
+        ("handle, f32", BackendKind::F32, false),
+        ("protocol floor", BackendKind::Int8, true),
+    ] {
+        let shared = Shared {
+            model: Arc::new(Model::load(&dir.join("model.qm")).unwrap()),
+            user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
+            item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
+            limits: Limits::default(),
+            backend,
+            floor,
+        };
+        let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
+        let mut out = Vec::with_capacity(4096);
+        let mut i = 0;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % frames.len();
+                out.clear();
+                let read_at_us = path.clock().now_us();
+                path.handle(&frames[i][wire::FRAME_PREFIX_BYTES..], read_at_us, &mut out);
+                black_box(out.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .sample_size(30)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = wire_bench, replica_bench, request_bench
+}
+criterion_main!(benches);
