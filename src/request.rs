@@ -146,6 +146,12 @@ pub struct RequestPath<C: Clock> {
     backend: Box<dyn Backend>,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
+    /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
+    item_vectors: Vec<f32>,
+    /// Row index per item from the batched lookup.
+    item_rows: Vec<u32>,
+    /// Item ids copied out of the request, for the batched lookup.
+    item_ids: Vec<u64>,
     logits: Vec<f32>,
     encoder: ResponseEncoder,
     kernel_cost: KernelCost,
@@ -171,6 +177,9 @@ impl<C: Clock> RequestPath<C> {
                 context_len_max: shared.limits.context_len_max,
             },
             x: vec![0.0; rows_max * layout.row_dim],
+            item_vectors: vec![0.0; rows_max * shared.item.dim()],
+            item_rows: vec![0; rows_max],
+            item_ids: Vec::with_capacity(rows_max),
             logits: vec![0.0; rows_max],
             encoder: ResponseEncoder::new(rows_max),
             kernel_cost: KernelCost { ns_per_row: 0.0 },
@@ -279,9 +288,17 @@ impl<C: Clock> RequestPath<C> {
             }
         }
         if let Some(off) = self.layout.item {
+            // Batched so the candidates' memory loads overlap (prefetch).
             let dim = self.shared.item.dim();
-            for (row, item) in x.chunks_exact_mut(row_dim).zip(items.iter()) {
-                missing += u32::from(!self.shared.item.read_into(item, &mut row[off..off + dim]));
+            self.item_ids.clear();
+            self.item_ids.extend(items.iter());
+            let vectors = &mut self.item_vectors[..rows * dim];
+            missing += self
+                .shared
+                .item
+                .read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
+            for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
+                row[off..off + dim].copy_from_slice(v);
             }
         }
         if let Some((off, dim)) = self.layout.context {
