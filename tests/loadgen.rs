@@ -1,0 +1,104 @@
+//! The load generator against a fake server that stalls once: the open loop
+//! must charge the stall to every request scheduled during it (coordinated
+//! omission corrected); the closed loop, by design, sees it once.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::time::Duration;
+
+use quiver::loadgen::{self, Arrival, BenchOptions};
+use quiver::wire::{self, ResponseEncoder, ResponseFields, Status, Tier};
+
+const STALL: Duration = Duration::from_millis(300);
+
+/// Answers every request `Ok` at once, except that it sleeps for `STALL`
+/// before answering request number `stall_at` (counting from 0).
+fn fake_server(stall_at: u64) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut seen = 0u64;
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            s.set_nodelay(true).unwrap();
+            let mut buf = vec![0u8; 1 << 20];
+            let mut filled = 0;
+            let mut enc = ResponseEncoder::new(64);
+            let mut out = Vec::new();
+            loop {
+                let n = match s.read(&mut buf[filled..]) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                filled += n;
+                let mut at = 0;
+                while let Ok(Some((payload, used))) = wire::split_frame(&buf[at..filled], 1 << 16) {
+                    let id = wire::salvage_request_id(
+                        payload,
+                        &wire::RequestLimits {
+                            frame_bytes_max: 1 << 16,
+                            candidates_max: 256,
+                            context_len_max: 256,
+                        },
+                    );
+                    if seen == stall_at {
+                        std::thread::sleep(STALL);
+                    }
+                    seen += 1;
+                    enc.encode(
+                        &ResponseFields {
+                            tier: Tier::Primary,
+                            ..ResponseFields::failure(id, Status::Ok, "")
+                        },
+                        &mut out,
+                    );
+                    at += used;
+                }
+                buf.copy_within(at..filled, 0);
+                filled -= at;
+                if s.write_all(&out).is_err() {
+                    break;
+                }
+                out.clear();
+            }
+        }
+    });
+    addr
+}
+
+fn options(addr: String, rate: Option<f64>) -> BenchOptions {
+    BenchOptions {
+        addr,
+        duration: Duration::from_secs(1),
+        connections: 1,
+        rate,
+        arrival: Arrival::Uniform,
+        pipeline: 1,
+        seed: 1,
+        candidates: 4,
+        unknown_fraction: 0.0,
+        zipf: None,
+        budget_us: 0,
+    }
+}
+
+#[test]
+fn open_loop_charges_a_stall_to_every_request_scheduled_during_it() {
+    let report = loadgen::run(&options(fake_server(200), Some(1_000.0)));
+    assert_eq!(report.received, report.sent);
+    assert!(report.sent >= 990, "{report}");
+    // ~300 of ~1000 requests were due during the stall: p90 must show it.
+    assert!(report.latency.max_us >= 280_000, "{report}");
+    assert!(report.latency.p90_us >= 50_000, "{report}");
+    assert!(report.latency.p50_us < 50_000, "{report}");
+}
+
+#[test]
+fn closed_loop_sees_the_stall_once() {
+    let report = loadgen::run(&options(fake_server(200), None));
+    assert!(report.received > 1_000, "{report}");
+    assert!(report.latency.max_us >= 280_000, "{report}");
+    // One slow request among thousands: p99 stays fast. This is why the
+    // closed loop is labelled service time, not latency at a load.
+    assert!(report.latency.p99_us < 50_000, "{report}");
+}
