@@ -15,10 +15,12 @@
 //!   so activations are stored as `x_q + 128` (u8) and `128 * Σ_k w[o][k]`,
 //!   precomputed here, is subtracted from each accumulator. Both sums fit in
 //!   i32 for any K up to `WIDTH_MAX` (255 · 127 · 16384 < 2³¹).
-//! - `Avx2` and `Portable`: 8 output channels × 2 consecutive k as i16
-//!   (32 bytes, one ymm); K padded to 2, N to 8. Activations are i16; the
-//!   kernel is `vpmaddwd` (sign-extended products, exact, never saturating),
-//!   not `vpmaddubsw`, which saturates to i16.
+//! - `Avx2`: 8 output channels × 2 consecutive k as i16 (32 bytes, one
+//!   ymm); K padded to 2, N to 8. Activations are i16; the kernel is
+//!   `vpmaddwd` (sign-extended products, exact, never saturating), not
+//!   `vpmaddubsw`, which saturates to i16.
+//! - `Portable`: 8 output channels per k as i16, N padded to 8, i16
+//!   activations, left to the compiler's baseline vectoriser.
 //!
 //! Padding weights are zero, so whatever sits in the activations' padding
 //! columns contributes nothing. This file is the only place in the crate
@@ -86,7 +88,8 @@ impl Int8Kernel {
     fn shape(self) -> (usize, usize) {
         match self {
             Int8Kernel::Avx512Vnni => (16, 4),
-            _ => (8, 2),
+            Int8Kernel::Avx2 => (8, 2),
+            Int8Kernel::Scalar | Int8Kernel::Portable => (8, 1),
         }
     }
 }
@@ -335,17 +338,30 @@ impl QuantElem for u8 {
     }
 }
 
-/// The one definition of per-row dynamic quantization, shared by the scalar
-/// reference and every kernel so they cannot drift apart.
+/// Per-row dynamic quantization as the scalar reference defines it, with the
+/// rounding done by `round_clamp_127` so it vectorises on any target.
 #[inline(always)]
-pub(super) fn quantize_row_into<T: QuantElem>(x: &[f32], xq: &mut [T]) -> f32 {
+fn quantize_row_into<T: QuantElem>(x: &[f32], xq: &mut [T]) -> f32 {
     let max_abs = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
     let inv = 1.0 / scale;
     for (q, v) in xq.iter_mut().zip(x) {
-        *q = T::from_q((v * inv).round_ties_even().clamp(-127.0, 127.0) as i8);
+        *q = T::from_q(round_clamp_127(v * inv));
     }
     scale
+}
+
+/// `v.round_ties_even().clamp(-127.0, 127.0) as i8`, without the rounding
+/// call: without SSE4.1, `round_ties_even` is a libm call per element.
+/// Clamping first is equivalent (the bounds are integers), and adding then
+/// subtracting 1.5 · 2²³ rounds any |v| ≤ 127 to an integer with ties to
+/// even, because floats near 1.5 · 2²³ are exactly the integers. NaN stays
+/// NaN through both steps and converts to 0, as in the reference. A release
+/// test checks the equivalence for every f32.
+#[inline(always)]
+pub(super) fn round_clamp_127(v: f32) -> i8 {
+    const MAGIC: f32 = 12_582_912.0;
+    ((v.clamp(-127.0, 127.0) + MAGIC) - MAGIC) as i8
 }
 
 #[inline(always)]
@@ -412,15 +428,15 @@ mod portable {
         y: &mut [f32],
         acc_out: &mut [i32],
     ) {
-        let pairs = p.k_pad / 2;
-        let w = &p.w_i16.as_slice()[b * pairs * 2 * LANES..(b + 1) * pairs * 2 * LANES];
+        let w = &p.w_i16.as_slice()[b * p.k_pad * LANES..(b + 1) * p.k_pad * LANES];
+        let xs: [&[i16]; M] = std::array::from_fn(|r| &xa[(r0 + r) * p.k_pad..][..p.k_pad]);
         let mut acc = [[0i32; LANES]; M];
-        for (kp, wl) in w.chunks_exact(2 * LANES).enumerate() {
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let x = &xa[(r0 + r) * p.k_pad + 2 * kp..][..2];
-                let (x0, x1) = (i32::from(x[0]), i32::from(x[1]));
-                for (j, a) in acc_r.iter_mut().enumerate() {
-                    *a += x0 * i32::from(wl[2 * j]) + x1 * i32::from(wl[2 * j + 1]);
+        // Products of two sign-extended i16 become `pmaddwd` on plain SSE2.
+        for (kk, wl) in w.chunks_exact(LANES).enumerate() {
+            for (acc_r, x_r) in acc.iter_mut().zip(&xs) {
+                let x = i32::from(x_r[kk]);
+                for (a, &wv) in acc_r.iter_mut().zip(wl) {
+                    *a += x * i32::from(wv);
                 }
             }
         }

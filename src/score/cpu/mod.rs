@@ -206,7 +206,13 @@ fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
 /// Quantizes one row; returns its scale.
 #[inline]
 pub fn quantize_row(x: &[f32], xq: &mut [i8]) -> f32 {
-    int8_gemm::quantize_row_into(x, xq)
+    let max_abs = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
+    let inv = 1.0 / scale;
+    for (q, v) in xq.iter_mut().zip(x) {
+        *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    scale
 }
 
 impl Backend for CpuInt8 {
@@ -528,6 +534,27 @@ mod tests {
             assert_eq!(built.is_ok(), kernel.is_available(), "{kernel:?}");
         }
         assert!(Int8Kernel::Scalar.is_available() && Int8Kernel::Portable.is_available());
+    }
+
+    /// Every f32 bit pattern, split over the available cores; runs only in
+    /// release builds (a few seconds there).
+    #[cfg(not(debug_assertions))]
+    #[test]
+    fn the_kernels_rounding_equals_the_reference_rounding_for_every_f32() {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u64;
+        let chunk = (1u64 << 32).div_ceil(threads);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    let end = ((t + 1) * chunk).min(1 << 32);
+                    for bits in (t * chunk)..end {
+                        let v = f32::from_bits(bits as u32);
+                        let want = v.round_ties_even().clamp(-127.0, 127.0) as i8;
+                        assert_eq!(int8_gemm::round_clamp_127(v), want, "{v:e} ({bits:#x})");
+                    }
+                });
+            }
+        });
     }
 
     #[test]
