@@ -5,6 +5,7 @@
 //! applies the sigmoid on the host, so backends only produce logits.
 
 pub mod cpu;
+pub mod fp8;
 
 use crate::model::Model;
 

@@ -1,0 +1,345 @@
+//! The admin HTTP endpoint, on its own thread: `/metrics` (Prometheus text),
+//! `/healthz`, `/readyz`, `/stats.json` (for `quiver stats`), and
+//! `POST /drain` / `POST /undrain` to take the server out of rotation.
+//!
+//! It reads only what shards publish (`metrics::Board`) and the readiness
+//! flag; it never touches a shard. HTTP is served by `tiny_http` and the
+//! exposition format written by `prometheus-client`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::{self, Board, Readiness, Stage, STAGES};
+use crate::wire::{status_name, tier_name, Status, Tier};
+
+/// Upper bounds of the Prometheus histogram buckets, in seconds: fine enough
+/// to tell 5 µs from 10 µs, wide enough to hold a 1 s outlier.
+pub const BUCKETS_S: [f64; 22] = [
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2.5e-3, 5e-3,
+    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
+];
+
+/// What the server is serving, for `quiver_model_info`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub name: String,
+    pub version: u32,
+    pub backend: String,
+}
+
+#[derive(Debug)]
+struct QuiverCollector {
+    board: Board,
+    readiness: Arc<Readiness>,
+    model: ModelInfo,
+}
+
+fn ns_to_s(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+fn encode_hist(
+    encoder: &mut prometheus_client::encoding::MetricEncoder<'_>,
+    h: &hdrhistogram::Histogram<u64>,
+) -> Result<(), std::fmt::Error> {
+    let mut buckets = Vec::with_capacity(BUCKETS_S.len());
+    let mut below = 0u64;
+    for &le in &BUCKETS_S {
+        let le_ns = (le * 1e9) as u64;
+        let upto = if h.is_empty() { 0 } else { h.count_between(0, le_ns) };
+        buckets.push((le, upto.saturating_sub(below)));
+        below = upto.max(below);
+    }
+    let sum = h.mean() * h.len() as f64 / 1e9;
+    encoder.encode_histogram::<NoLabelSet>(sum, h.len(), &buckets, None)
+}
+
+impl prometheus_client::collector::Collector for QuiverCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let m = metrics::merge(&self.board);
+
+        let mut e = encoder.encode_descriptor(
+            "quiver_requests",
+            "Requests answered, by status.",
+            None,
+            MetricType::Counter,
+        )?;
+        for code in 0..=6u8 {
+            let labels = [("status", status_name(Status(code)))];
+            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_status[code as usize], None)?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_responses_by_tier",
+            "Ok responses, by the ladder rung that answered.",
+            None,
+            MetricType::Counter,
+        )?;
+        for code in 0..=3u8 {
+            let labels = [("tier", tier_name(Tier(code)))];
+            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
+        }
+        encoder
+            .encode_descriptor("quiver_candidates_scored", "Candidates scored.", None, MetricType::Counter)?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.candidates_scored, None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_features_missing",
+                "Feature lookups that fell back to the group default.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.features_missing, None)?;
+        encoder
+            .encode_descriptor("quiver_connections_active", "Open client connections.", None, MetricType::Gauge)?
+            .encode_gauge(&(m.connections_active as i64))?;
+        encoder
+            .encode_descriptor("quiver_shards", "Shards serving.", None, MetricType::Gauge)?
+            .encode_gauge(&(m.shards as i64))?;
+        encoder
+            .encode_descriptor(
+                "quiver_ready",
+                "1 when the server takes traffic, 0 while starting or drained.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&i64::from(self.readiness.is_ready()))?;
+        let version = self.model.version.to_string();
+        let labels = [
+            ("model", self.model.name.as_str()),
+            ("version", version.as_str()),
+            ("backend", self.model.backend.as_str()),
+        ];
+        encoder
+            .encode_descriptor("quiver_model", "The model being served.", None, MetricType::Info)?
+            .encode_info(&labels)?;
+
+        let seconds = Unit::Seconds;
+        let mut e = encoder.encode_descriptor(
+            "quiver_request_duration",
+            "Time from reading a request's frame to its encoded response.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        encode_hist(&mut e, &m.total[Stage::EndToEnd as usize])?;
+        let mut e = encoder.encode_descriptor(
+            "quiver_stage_duration",
+            "Time spent in each stage of the request path.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        for stage in STAGES {
+            let labels = [("stage", stage.name())];
+            encode_hist(&mut e.encode_family(&labels)?, &m.total[stage as usize])?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_stage_duration_window",
+            "Stage latency percentiles over the last 10 s (HdrHistogram).",
+            Some(&seconds),
+            MetricType::Gauge,
+        )?;
+        for stage in STAGES {
+            let h = &m.window[stage as usize];
+            for (q, label) in [(0.5, "0.5"), (0.99, "0.99"), (0.999, "0.999")] {
+                let labels = [("stage", stage.name()), ("quantile", label)];
+                let v = if h.is_empty() { 0.0 } else { ns_to_s(h.value_at_quantile(q)) };
+                e.encode_family(&labels)?.encode_gauge(&v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One stage's window percentiles, for `/stats.json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StageStats {
+    pub stage: String,
+    pub count: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+}
+
+/// `/stats.json`: what `quiver stats` shows.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Stats {
+    pub ready: bool,
+    pub shards: usize,
+    pub connections_active: u64,
+    pub requests: u64,
+    pub by_status: std::collections::BTreeMap<String, u64>,
+    pub by_tier: std::collections::BTreeMap<String, u64>,
+    pub candidates_scored: u64,
+    pub features_missing: u64,
+    pub window_s: u64,
+    pub stages: Vec<StageStats>,
+}
+
+fn stats(board: &Board, readiness: &Readiness) -> Stats {
+    let m = metrics::merge(board);
+    let us = |ns: u64| ns as f64 / 1e3;
+    Stats {
+        ready: readiness.is_ready(),
+        shards: m.shards,
+        connections_active: m.connections_active,
+        requests: m.counters.requests,
+        by_status: (0..=6u8)
+            .map(|c| (status_name(Status(c)).to_string(), m.counters.by_status[c as usize]))
+            .collect(),
+        by_tier: (0..=3u8).map(|c| (tier_name(Tier(c)).to_string(), m.counters.by_tier[c as usize])).collect(),
+        candidates_scored: m.counters.candidates_scored,
+        features_missing: m.counters.features_missing,
+        window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
+        stages: STAGES
+            .iter()
+            .map(|&s| {
+                let h = &m.window[s as usize];
+                let q = |q: f64| if h.is_empty() { 0.0 } else { us(h.value_at_quantile(q)) };
+                StageStats {
+                    stage: s.name().into(),
+                    count: h.len(),
+                    p50_us: q(0.5),
+                    p99_us: q(0.99),
+                    p999_us: q(0.999),
+                    max_us: if h.is_empty() { 0.0 } else { us(h.max()) },
+                }
+            })
+            .collect(),
+    }
+}
+
+/// A running admin endpoint.
+pub struct Admin {
+    server: Arc<tiny_http::Server>,
+    thread: Option<JoinHandle<()>>,
+    pub addr: SocketAddr,
+}
+
+impl Admin {
+    /// Binds `addr` and serves on a new thread.
+    pub fn start(
+        addr: &str,
+        board: Board,
+        readiness: Arc<Readiness>,
+        model: ModelInfo,
+    ) -> Result<Admin, crate::Error> {
+        let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("admin {addr}: {e}")))?;
+        let bound = server
+            .server_addr()
+            .to_ip()
+            .ok_or_else(|| crate::Error::Setup(format!("admin {addr}: not an IP address")))?;
+        let server = Arc::new(server);
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(QuiverCollector {
+            board: board.clone(),
+            readiness: readiness.clone(),
+            model,
+        }));
+        let thread = std::thread::Builder::new()
+            .name("quiver-admin".into())
+            .spawn({
+                let server = server.clone();
+                move || serve(&server, &registry, &board, &readiness)
+            })
+            .map_err(|e| crate::Error::Setup(format!("admin thread: {e}")))?;
+        Ok(Admin {
+            server,
+            thread: Some(thread),
+            addr: bound,
+        })
+    }
+
+    /// Stops serving and joins the thread.
+    pub fn stop(mut self) {
+        self.server.unblock();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(server: &tiny_http::Server, registry: &Registry, board: &Board, readiness: &Readiness) {
+    use tiny_http::{Header, Method, Response};
+    let header = |v: &str| Header::from_bytes("Content-Type", v).expect("static header is valid");
+    for request in server.incoming_requests() {
+        let path = request.url().split('?').next().unwrap_or("").to_string();
+        let response = match (request.method(), path.as_str()) {
+            (Method::Get, "/metrics") => {
+                let mut body = String::new();
+                match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
+                    Ok(()) => Response::from_string(body).with_header(header("text/plain; version=0.0.4; charset=utf-8")),
+                    Err(_) => Response::from_string("encoding failed\n").with_status_code(500),
+                }
+            }
+            (Method::Get, "/healthz") => Response::from_string("ok\n"),
+            (Method::Get, "/readyz") => {
+                if readiness.is_ready() {
+                    Response::from_string("ready\n")
+                } else {
+                    Response::from_string("not ready\n").with_status_code(503)
+                }
+            }
+            (Method::Get, "/stats.json") => {
+                let body = serde_json::to_string(&stats(board, readiness)).expect("stats serialise");
+                Response::from_string(body).with_header(header("application/json"))
+            }
+            (Method::Post, "/drain") => {
+                readiness.set(false);
+                tracing::info!("drained: not ready until POST /undrain");
+                Response::from_string("drained\n")
+            }
+            (Method::Post, "/undrain") => {
+                readiness.set(true);
+                tracing::info!("undrained: ready");
+                Response::from_string("ready\n")
+            }
+            _ => Response::from_string("not found\n").with_status_code(404),
+        };
+        let _ = request.respond(response);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::{board, publish, StageTimes};
+    use crate::request::Counters;
+
+    #[test]
+    fn exposition_has_conventional_names_and_consistent_buckets() {
+        let b = board(2);
+        let mut t = StageTimes::default();
+        let mut c = Counters::default();
+        for us in [3u64, 30, 300, 3_000] {
+            t.record_us(Stage::EndToEnd, us);
+        }
+        c.requests = 4;
+        c.by_status[0] = 4;
+        publish(&mut t, &c, 1, &b[1]);
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(QuiverCollector {
+            board: b,
+            readiness: Arc::new(Readiness::ready()),
+            model: ModelInfo {
+                name: "m".into(),
+                version: 2,
+                backend: "cpu-int8".into(),
+            },
+        }));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+        assert!(text.contains("quiver_requests_total{status=\"ok\"} 4"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_count 4"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"1e-5\"} 1"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
+        assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
+        assert!(text.contains("quiver_ready 1"), "{text}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Per-shard metrics, and how they cross to the admin thread.
+//!
+//! Each shard records stage latencies into its own HdrHistograms and counts
+//! into plain integers: nothing on the request path is shared or locked.
+//! Once per `PUBLISH_INTERVAL` a shard timer (off the request path) folds
+//! the interval into the shard's [`Publication`], the one cross-thread type
+//! here: a mutex that only the publishing shard and the admin thread's
+//! scrape ever take. The admin thread merges all shards on read.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+
+use crate::request::Counters;
+
+/// How often shards publish their interval.
+pub const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
+/// Intervals in the sliding window behind the percentile gauges.
+pub const WINDOW_INTERVALS: usize = 10;
+
+/// Stages of the request path that are timed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// From the frame's read to a verified request (includes waiting behind
+    /// earlier frames of the same read).
+    Decode,
+    /// Feature lookups and assembling the model input.
+    Lookup,
+    /// The backend's forward pass.
+    Kernel,
+    /// Encoding the response.
+    Respond,
+    /// From the frame's read to the encoded response.
+    EndToEnd,
+}
+
+pub const STAGES: [Stage; 5] = [Stage::Decode, Stage::Lookup, Stage::Kernel, Stage::Respond, Stage::EndToEnd];
+
+impl Stage {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Decode => "decode",
+            Stage::Lookup => "lookup",
+            Stage::Kernel => "kernel",
+            Stage::Respond => "respond",
+            Stage::EndToEnd => "end_to_end",
+        }
+    }
+}
+
+/// Latency histograms record nanoseconds, 1 ns to 100 s, 3 significant digits.
+pub fn stage_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static bounds are valid")
+}
+
+/// A shard's stage timings for the current interval. `!Send` by ownership:
+/// it lives inside the shard's `RequestPath`.
+pub struct StageTimes {
+    interval: Vec<Histogram<u64>>,
+}
+
+impl Default for StageTimes {
+    fn default() -> Self {
+        StageTimes {
+            interval: STAGES.iter().map(|_| stage_histogram()).collect(),
+        }
+    }
+}
+
+impl StageTimes {
+    #[inline]
+    pub fn record_us(&mut self, stage: Stage, us: u64) {
+        self.interval[stage as usize].saturating_record(us.saturating_mul(1_000).max(1));
+    }
+
+    #[inline]
+    pub fn record_ns(&mut self, stage: Stage, ns: u64) {
+        self.interval[stage as usize].saturating_record(ns.max(1));
+    }
+}
+
+/// What one shard has published: totals since start, and a window of recent
+/// intervals for percentiles.
+pub struct Publication {
+    pub shard: usize,
+    pub counters: Counters,
+    pub total: Vec<Histogram<u64>>,
+    pub window: VecDeque<Vec<Histogram<u64>>>,
+    pub connections_active: u64,
+}
+
+impl Publication {
+    pub fn new(shard: usize) -> Publication {
+        Publication {
+            shard,
+            counters: Counters::default(),
+            total: STAGES.iter().map(|_| stage_histogram()).collect(),
+            window: VecDeque::with_capacity(WINDOW_INTERVALS + 1),
+            connections_active: 0,
+        }
+    }
+}
+
+/// Whether the server takes traffic. Set once every shard listens; an
+/// operator can take the server out of rotation (drain) and back through the
+/// admin endpoint. Read on the request path with one relaxed load: it
+/// changes rarely, so its cache line stays shared and clean.
+#[derive(Debug)]
+pub struct Readiness {
+    ready: std::sync::atomic::AtomicBool,
+}
+
+impl Readiness {
+    pub fn not_ready() -> Readiness {
+        Readiness {
+            ready: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    pub fn ready() -> Readiness {
+        Readiness {
+            ready: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    #[inline]
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set(&self, ready: bool) {
+        self.ready.store(ready, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The publication slots of all shards, shared with the admin thread.
+pub type Board = Arc<Vec<Mutex<Publication>>>;
+
+pub fn board(shards: usize) -> Board {
+    Arc::new((0..shards).map(|s| Mutex::new(Publication::new(s))).collect())
+}
+
+/// Folds a shard's interval into its slot and starts a new interval.
+/// Called from the shard's timer, never from the request path.
+pub fn publish(times: &mut StageTimes, counters: &Counters, connections_active: u64, slot: &Mutex<Publication>) {
+    let mut p = slot.lock().unwrap_or_else(|e| e.into_inner());
+    for (total, h) in p.total.iter_mut().zip(&times.interval) {
+        total.add(h).expect("same bounds");
+    }
+    if p.window.len() == WINDOW_INTERVALS {
+        let mut reuse = p.window.pop_front().expect("window is full");
+        for (dst, src) in reuse.iter_mut().zip(times.interval.iter_mut()) {
+            std::mem::swap(dst, src);
+            src.reset();
+        }
+        p.window.push_back(reuse);
+    } else {
+        let fresh: Vec<_> = STAGES.iter().map(|_| stage_histogram()).collect();
+        let taken = std::mem::replace(&mut times.interval, fresh);
+        p.window.push_back(taken);
+    }
+    p.counters = counters.clone();
+    p.connections_active = connections_active;
+}
+
+/// All shards merged, as the admin thread sees them.
+pub struct Merged {
+    pub counters: Counters,
+    pub total: Vec<Histogram<u64>>,
+    pub window: Vec<Histogram<u64>>,
+    pub connections_active: u64,
+    pub shards: usize,
+}
+
+pub fn merge(board: &Board) -> Merged {
+    let mut m = Merged {
+        counters: Counters::default(),
+        total: STAGES.iter().map(|_| stage_histogram()).collect(),
+        window: STAGES.iter().map(|_| stage_histogram()).collect(),
+        connections_active: 0,
+        shards: board.len(),
+    };
+    for slot in board.iter() {
+        let p = slot.lock().unwrap_or_else(|e| e.into_inner());
+        m.counters.add(&p.counters);
+        m.connections_active += p.connections_active;
+        for (dst, src) in m.total.iter_mut().zip(&p.total) {
+            dst.add(src).expect("same bounds");
+        }
+        for interval in &p.window {
+            for (dst, src) in m.window.iter_mut().zip(interval) {
+                dst.add(src).expect("same bounds");
+            }
+        }
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_keeps_totals_and_a_bounded_window() {
+        let b = board(2);
+        let mut t = StageTimes::default();
+        let mut c = Counters::default();
+        for i in 0..(WINDOW_INTERVALS as u64 + 5) {
+            t.record_us(Stage::Kernel, 100 + i);
+            t.record_ns(Stage::Decode, 500);
+            c.requests += 1;
+            publish(&mut t, &c, 3, &b[0]);
+        }
+        let p = b[0].lock().unwrap();
+        assert_eq!(p.window.len(), WINDOW_INTERVALS);
+        assert_eq!(p.total[Stage::Kernel as usize].len(), WINDOW_INTERVALS as u64 + 5);
+        assert_eq!(p.counters.requests, WINDOW_INTERVALS as u64 + 5);
+        drop(p);
+        let m = merge(&b);
+        assert_eq!(m.window[Stage::Kernel as usize].len(), WINDOW_INTERVALS as u64);
+        // The window holds only the most recent intervals.
+        assert!(m.window[Stage::Kernel as usize].min() >= 105_000 - 100);
+        assert_eq!(m.connections_active, 3);
+        assert_eq!(m.counters.requests, WINDOW_INTERVALS as u64 + 5);
+    }
+}

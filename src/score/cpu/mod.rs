@@ -1,0 +1,566 @@
+//! CPU backends: the f32 oracle and the INT8 kernel.
+//!
+//! INT8 semantics (shared with future GPU kernels, so written down exactly):
+//! weights are symmetric per output channel (`Layer::quantize`); each input
+//! row of a layer is quantized on the fly with one symmetric scale,
+//! `s_x = max|x| / 127`, `x_q = clamp(round_ties_even(x / s_x), -127, 127)`;
+//! the dot product accumulates in i32; the output is
+//! `acc as f32 * (s_w[o] * s_x) + bias[o]`, then ReLU where the layer has
+//! one. The last layer yields the logit in f32.
+//!
+//! `Int8Kernel::Scalar` is that definition transcribed one row and one output
+//! at a time; it stays as the reference. The other INT8 variants
+//! (`int8_gemm`) quantize a whole layer input at once and run a blocked GEMM
+//! on weights repacked at construction, and must match the scalar variant
+//! bit for bit. The best variant the CPU supports is chosen once, when the
+//! backend is built.
+
+mod aligned;
+pub mod int8_gemm;
+
+pub use int8_gemm::Int8Kernel;
+use int8_gemm::{PackedLayer, Scratch};
+
+use super::Backend;
+use crate::model::{Layer, Model};
+
+/// Two activation buffers, ping-ponged between layers, sized at start-up.
+struct Activations {
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+impl Activations {
+    fn new(model: &Model, rows_max: usize) -> Activations {
+        let n = rows_max * model.width_max();
+        Activations {
+            a: vec![0.0; n],
+            b: vec![0.0; n],
+        }
+    }
+
+    /// Runs every layer: layer 0 reads `x` and writes `a`, later layers read
+    /// what the previous one wrote and write the other buffer.
+    /// `layer_kernel(index, layer, input, output)` computes one layer for all
+    /// rows; `input` is `[rows][in_dim]`, `output` `[rows][out_dim]`.
+    fn run_layers(
+        &mut self,
+        model: &Model,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+        mut layer_kernel: impl FnMut(usize, &Layer, &[f32], &mut [f32]),
+    ) {
+        let Activations { a, b } = self;
+        for (i, l) in model.layers.iter().enumerate() {
+            let (src, dst): (&[f32], &mut [f32]) = match i {
+                0 => (x, &mut a[..]),
+                _ if i % 2 == 1 => (&a[..], &mut b[..]),
+                _ => (&b[..], &mut a[..]),
+            };
+            layer_kernel(i, l, &src[..rows * l.in_dim], &mut dst[..rows * l.out_dim]);
+        }
+        let last = if model.layers.len() % 2 == 1 { &a[..] } else { &b[..] };
+        out.copy_from_slice(&last[..rows]);
+    }
+
+    /// `run_layers` with a kernel that computes one row at a time:
+    /// `row_kernel(layer, input_row, output_row)`.
+    fn run(
+        &mut self,
+        model: &Model,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+        mut row_kernel: impl FnMut(&Layer, &[f32], &mut [f32]),
+    ) {
+        self.run_layers(model, x, rows, out, |_, l, src, dst| {
+            for (xr, yr) in src.chunks_exact(l.in_dim).zip(dst.chunks_exact_mut(l.out_dim)) {
+                row_kernel(l, xr, yr);
+            }
+        });
+    }
+}
+
+/// The f32 backend: the oracle other backends are tested against.
+pub struct CpuF32 {
+    rows_max: usize,
+    act: Activations,
+}
+
+impl CpuF32 {
+    pub fn new(model: &Model, rows_max: usize) -> CpuF32 {
+        CpuF32 {
+            rows_max,
+            act: Activations::new(model, rows_max),
+        }
+    }
+}
+
+#[inline]
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent partial sums let the compiler keep a full vector of
+    // accumulators; the fixed order keeps results reproducible.
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8 * 8;
+    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += ca[k] * cb[k];
+        }
+    }
+    let mut tail = 0.0;
+    for (x, y) in a[chunks..].iter().zip(&b[chunks..]) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+impl Backend for CpuF32 {
+    fn name(&self) -> &'static str {
+        "cpu-f32"
+    }
+
+    fn rows_max(&self) -> usize {
+        self.rows_max
+    }
+
+    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        self.act.run(model, x, rows, out, |l, xr, yr| {
+            for (o, y) in yr.iter_mut().enumerate() {
+                let v = dot_f32(&l.weights_f32[o * l.in_dim..(o + 1) * l.in_dim], xr) + l.bias[o];
+                *y = if l.relu { v.max(0.0) } else { v };
+            }
+        });
+    }
+}
+
+/// A requested INT8 kernel needs CPU features this machine lacks.
+#[derive(Debug, thiserror::Error)]
+#[error("the {} INT8 kernel needs CPU features this machine lacks", .0.name())]
+pub struct KernelUnavailable(pub Int8Kernel);
+
+/// The INT8 backend.
+pub struct CpuInt8 {
+    rows_max: usize,
+    kernel: Int8Kernel,
+    act: Activations,
+    /// One quantized input row, for the scalar kernel.
+    xq: Vec<i8>,
+    /// One per model layer; empty for the scalar kernel.
+    packed: Vec<PackedLayer>,
+    scratch: Scratch,
+}
+
+impl CpuInt8 {
+    /// The backend with the fastest kernel this CPU supports.
+    pub fn new(model: &Model, rows_max: usize) -> CpuInt8 {
+        let kernel = Int8Kernel::best();
+        let backend = CpuInt8::with_kernel(model, rows_max, kernel)
+            .unwrap_or_else(|e| panic!("Int8Kernel::best chose an unavailable kernel: {e}"));
+        tracing::info!(kernel = kernel.name(), rows_max, "cpu-int8 backend: INT8 kernel chosen");
+        backend
+    }
+
+    /// The backend running `kernel`, if this CPU supports it.
+    pub fn with_kernel(model: &Model, rows_max: usize, kernel: Int8Kernel) -> Result<CpuInt8, KernelUnavailable> {
+        if !kernel.is_available() {
+            return Err(KernelUnavailable(kernel));
+        }
+        let packed = match kernel {
+            Int8Kernel::Scalar => Vec::new(),
+            _ => model.layers.iter().map(|l| PackedLayer::new(kernel, l)).collect(),
+        };
+        Ok(CpuInt8 {
+            rows_max,
+            kernel,
+            act: Activations::new(model, rows_max),
+            xq: vec![0; model.width_max()],
+            packed,
+            scratch: Scratch::new(kernel, model.width_max(), rows_max),
+        })
+    }
+
+    pub fn kernel(&self) -> Int8Kernel {
+        self.kernel
+    }
+}
+
+#[inline]
+fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
+    let mut acc = [0i32; 16];
+    let chunks = a.len() / 16 * 16;
+    for (ca, cb) in a[..chunks].chunks_exact(16).zip(b[..chunks].chunks_exact(16)) {
+        for k in 0..16 {
+            acc[k] += i32::from(ca[k]) * i32::from(cb[k]);
+        }
+    }
+    let tail: i32 = a[chunks..]
+        .iter()
+        .zip(&b[chunks..])
+        .map(|(&x, &y)| i32::from(x) * i32::from(y))
+        .sum();
+    acc.iter().sum::<i32>() + tail
+}
+
+/// Quantizes one row; returns its scale.
+#[inline]
+pub fn quantize_row(x: &[f32], xq: &mut [i8]) -> f32 {
+    let max_abs = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
+    let inv = 1.0 / scale;
+    for (q, v) in xq.iter_mut().zip(x) {
+        *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    scale
+}
+
+impl Backend for CpuInt8 {
+    fn name(&self) -> &'static str {
+        "cpu-int8"
+    }
+
+    fn rows_max(&self) -> usize {
+        self.rows_max
+    }
+
+    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        if self.kernel != Int8Kernel::Scalar {
+            assert_eq!(
+                model.layers.len(),
+                self.packed.len(),
+                "the backend was built for another model"
+            );
+            let (packed, scratch) = (&self.packed, &mut self.scratch);
+            self.act.run_layers(model, x, rows, out, |i, _, src, dst| {
+                packed[i].forward(src, rows, dst, scratch);
+            });
+            return;
+        }
+        let xq_all = &mut self.xq;
+        self.act.run(model, x, rows, out, |l, xr, yr| {
+            let xq = &mut xq_all[..l.in_dim];
+            let s_x = quantize_row(xr, xq);
+            for (o, y) in yr.iter_mut().enumerate() {
+                let acc = dot_i8(&l.weights_i8[o * l.in_dim..(o + 1) * l.in_dim], xq);
+                let v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
+                *y = if l.relu { v.max(0.0) } else { v };
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{sigmoid, InputSegment, Layer, Source};
+    use crate::score::{build, BackendKind};
+
+    /// A seeded random MLP with odd sizes (not multiples of any vector width).
+    fn random_model(seed: u64, dims: &[usize]) -> Model {
+        let mut rng = crate::demo::SplitMix64::new(seed);
+        let layers = dims
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| {
+                let (n_in, n_out) = (w[0], w[1]);
+                let std = (2.0 / n_in as f32).sqrt();
+                let weights = (0..n_in * n_out).map(|_| rng.normal() * std).collect();
+                let bias = (0..n_out).map(|_| rng.normal() * 0.1).collect();
+                Layer::quantize(n_in, n_out, i + 2 < dims.len(), weights, bias)
+            })
+            .collect();
+        Model {
+            name: "random".into(),
+            version: 1,
+            inputs: vec![InputSegment {
+                source: Source::Context,
+                dim: dims[0],
+            }],
+            layers,
+        }
+    }
+
+    fn inputs(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = crate::demo::SplitMix64::new(seed);
+        (0..n).map(|_| rng.normal()).collect()
+    }
+
+    #[test]
+    fn every_backend_matches_the_reference() {
+        for dims in [vec![80usize, 256, 128, 1], vec![3, 1], vec![37, 33, 17, 1]] {
+            let model = random_model(11, &dims);
+            for rows in [1usize, 31, 33] {
+                let x = inputs(rows as u64, rows * dims[0]);
+                let mut want = vec![0.0; rows];
+                model.forward_f32_reference(&x, rows, &mut want);
+                for (kind, tol) in [(BackendKind::F32, 1e-4f32), (BackendKind::Int8, 0.03)] {
+                    let mut backend = build(kind, &model, 64);
+                    let mut got = vec![0.0; rows];
+                    backend.logits(&model, &x, rows, &mut got);
+                    for (g, w) in got.iter().zip(&want) {
+                        let (gs, ws) = (sigmoid(*g), sigmoid(*w));
+                        assert!(
+                            (gs - ws).abs() <= tol,
+                            "{} dims {dims:?} rows {rows}: score {gs} vs reference {ws}",
+                            backend.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int8_matches_a_scalar_transcription_exactly() {
+        let model = random_model(5, &[19, 7, 1]);
+        let x = inputs(9, 19 * 3);
+        let mut got = vec![0.0; 3];
+        CpuInt8::new(&model, 3).logits(&model, &x, 3, &mut got);
+        for r in 0..3 {
+            let mut act = x[r * 19..(r + 1) * 19].to_vec();
+            for l in &model.layers {
+                let max_abs = act.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let s_x = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
+                let q: Vec<i32> = act
+                    .iter()
+                    .map(|v| (v * (1.0 / s_x)).round_ties_even().clamp(-127.0, 127.0) as i32)
+                    .collect();
+                act = (0..l.out_dim)
+                    .map(|o| {
+                        let acc: i32 = (0..l.in_dim)
+                            .map(|i| i32::from(l.weights_i8[o * l.in_dim + i]) * q[i])
+                            .sum();
+                        let v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
+                        if l.relu {
+                            v.max(0.0)
+                        } else {
+                            v
+                        }
+                    })
+                    .collect();
+            }
+            assert_eq!(got[r].to_bits(), act[0].to_bits(), "row {r}");
+        }
+    }
+
+    /// A layer with uniformly random INT8 weights, or every weight `fill`.
+    fn int8_layer(rng: &mut crate::demo::SplitMix64, k: usize, n: usize, relu: bool, fill: Option<i8>) -> Layer {
+        let weights_i8: Vec<i8> = (0..k * n)
+            .map(|_| fill.unwrap_or_else(|| (rng.below(255) as i32 - 127) as i8))
+            .collect();
+        let weight_scales: Vec<f32> = (0..n).map(|_| 0.001 + rng.unit() as f32 * 0.1).collect();
+        let weights_f32 = weights_i8
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| f32::from(w) * weight_scales[i / k])
+            .collect();
+        Layer {
+            in_dim: k,
+            out_dim: n,
+            relu,
+            weights_f32,
+            weights_i8,
+            weight_scales,
+            bias: (0..n).map(|_| rng.normal() * 0.1).collect(),
+        }
+    }
+
+    const KS: [usize; 8] = [1, 3, 17, 63, 64, 65, 80, 257];
+    const NS: [usize; 6] = [1, 7, 16, 33, 128, 255];
+    const ROWS: [usize; 4] = [1, 31, 32, 33];
+
+    fn blocked_kernels() -> Vec<Int8Kernel> {
+        Int8Kernel::ALL
+            .into_iter()
+            .filter(|k| *k != Int8Kernel::Scalar && k.is_available())
+            .collect()
+    }
+
+    #[test]
+    fn every_int8_kernel_accumulates_exactly_like_the_scalar_dot() {
+        let mut rng = crate::demo::SplitMix64::new(21);
+        let rows_max = 33;
+        for kernel in blocked_kernels() {
+            let mut scratch = Scratch::new(kernel, 257, rows_max);
+            for k in KS {
+                for n in NS {
+                    // Random values, then the extremes: every weight +127 or
+                    // -127 against activations of ±127.
+                    for (fill, extreme_x) in [(None, false), (Some(127i8), true), (Some(-127), true)] {
+                        let layer = int8_layer(&mut rng, k, n, false, fill);
+                        let packed = PackedLayer::new(kernel, &layer);
+                        for rows in ROWS {
+                            let xq: Vec<i8> = (0..rows * k)
+                                .map(|_| match extreme_x {
+                                    true if rng.below(2) == 0 => -127,
+                                    true => 127,
+                                    false => (rng.below(255) as i32 - 127) as i8,
+                                })
+                                .collect();
+                            let mut got = vec![i32::MIN; rows * n];
+                            packed.accumulate(&xq, rows, &mut got, &mut scratch);
+                            for r in 0..rows {
+                                for o in 0..n {
+                                    let want = dot_i8(&layer.weights_i8[o * k..(o + 1) * k], &xq[r * k..(r + 1) * k]);
+                                    assert_eq!(
+                                        got[r * n + o],
+                                        want,
+                                        "{kernel:?} k {k} n {n} rows {rows} fill {fill:?}: acc[{r}][{o}]"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// One layer by the scalar definition, for rows `[rows][k]`.
+    fn scalar_layer(layer: &Layer, x: &[f32], rows: usize) -> Vec<f32> {
+        let (k, n) = (layer.in_dim, layer.out_dim);
+        let mut xq = vec![0i8; k];
+        let mut y = vec![0.0; rows * n];
+        for r in 0..rows {
+            let s_x = quantize_row(&x[r * k..(r + 1) * k], &mut xq);
+            for o in 0..n {
+                let acc = dot_i8(&layer.weights_i8[o * k..(o + 1) * k], &xq);
+                let v = acc as f32 * (layer.weight_scales[o] * s_x) + layer.bias[o];
+                y[r * n + o] = if layer.relu { v.max(0.0) } else { v };
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn every_int8_kernel_computes_layers_bit_for_bit_like_the_scalar_reference() {
+        let mut rng = crate::demo::SplitMix64::new(22);
+        for kernel in blocked_kernels() {
+            let mut scratch = Scratch::new(kernel, 257, 33);
+            for k in KS {
+                for n in NS {
+                    for (fill, relu) in [(None, true), (None, false), (Some(127i8), false), (Some(-127), true)] {
+                        let layer = int8_layer(&mut rng, k, n, relu, fill);
+                        let packed = PackedLayer::new(kernel, &layer);
+                        for rows in ROWS {
+                            let x: Vec<f32> = match fill {
+                                None => (0..rows * k).map(|_| rng.normal()).collect(),
+                                Some(_) => (0..rows * k)
+                                    .map(|_| if rng.below(2) == 0 { -1.0 } else { 1.0 })
+                                    .collect(),
+                            };
+                            let want = scalar_layer(&layer, &x, rows);
+                            let mut got = vec![f32::NAN; rows * n];
+                            packed.forward(&x, rows, &mut got, &mut scratch);
+                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                assert_eq!(
+                                    g.to_bits(),
+                                    w.to_bits(),
+                                    "{kernel:?} k {k} n {n} rows {rows} relu {relu}: y[{}][{}] {g} vs {w}",
+                                    i / n,
+                                    i % n
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_int8_kernel_handles_zero_and_non_finite_rows_like_the_scalar_reference() {
+        let mut rng = crate::demo::SplitMix64::new(23);
+        let (k, n, rows) = (19, 21, 6);
+        let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+        x[..k].fill(0.0);
+        x[k + 3] = f32::INFINITY;
+        x[2 * k + 5] = f32::NEG_INFINITY;
+        x[3 * k + 7] = f32::NAN;
+        x[4 * k..5 * k].fill(f32::NAN);
+        for relu in [false, true] {
+            let layer = int8_layer(&mut rng, k, n, relu, None);
+            let want = scalar_layer(&layer, &x, rows);
+            for kernel in blocked_kernels() {
+                let mut got = vec![0.0; rows * n];
+                PackedLayer::new(kernel, &layer).forward(&x, rows, &mut got, &mut Scratch::new(kernel, k, rows));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{kernel:?} relu {relu}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_int8_kernel_scores_whole_models_bit_for_bit_like_the_scalar_backend() {
+        let models = [
+            crate::demo::model(),
+            random_model(31, &[80, 256, 128, 1]),
+            random_model(32, &[37, 33, 17, 1]),
+            random_model(33, &[257, 255, 65, 1]),
+            random_model(34, &[1, 7, 1]),
+        ];
+        for model in &models {
+            let mut scalar = CpuInt8::with_kernel(model, 64, Int8Kernel::Scalar).unwrap();
+            for kernel in blocked_kernels() {
+                let mut backend = CpuInt8::with_kernel(model, 64, kernel).unwrap();
+                assert_eq!(backend.kernel(), kernel);
+                for rows in [1usize, 8, 31, 32, 33, 64] {
+                    let x = inputs(rows as u64 + 100, rows * model.input_dim());
+                    let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
+                    scalar.logits(model, &x, rows, &mut want);
+                    backend.logits(model, &x, rows, &mut got);
+                    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{kernel:?} {} rows {rows}: row {r}",
+                            model.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unavailable_kernels_are_refused_and_the_chosen_one_is_available() {
+        let model = random_model(35, &[3, 1]);
+        assert!(Int8Kernel::best().is_available());
+        assert_ne!(Int8Kernel::best(), Int8Kernel::Scalar);
+        for kernel in Int8Kernel::ALL {
+            let built = CpuInt8::with_kernel(&model, 4, kernel);
+            assert_eq!(built.is_ok(), kernel.is_available(), "{kernel:?}");
+        }
+        assert!(Int8Kernel::Scalar.is_available() && Int8Kernel::Portable.is_available());
+    }
+
+    /// Every f32 bit pattern, split over the available cores; runs only in
+    /// release builds (a few seconds there).
+    #[cfg(not(debug_assertions))]
+    #[test]
+    fn the_kernels_rounding_equals_the_reference_rounding_for_every_f32() {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u64;
+        let chunk = (1u64 << 32).div_ceil(threads);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    let end = ((t + 1) * chunk).min(1 << 32);
+                    for bits in (t * chunk)..end {
+                        let v = f32::from_bits(bits as u32);
+                        let want = v.round_ties_even().clamp(-127.0, 127.0) as i8;
+                        assert_eq!(int8_gemm::round_clamp_127(v), want, "{v:e} ({bits:#x})");
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn zero_rows_quantize_without_dividing_by_zero() {
+        let mut q = [1i8; 4];
+        assert_eq!(quantize_row(&[0.0; 4], &mut q), 1.0);
+        assert_eq!(q, [0; 4]);
+    }
+}
