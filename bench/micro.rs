@@ -16,6 +16,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
 use quiver::demo::{self, SplitMix64, Workload};
+use quiver::metrics::Readiness;
 use quiver::model::Model;
 use quiver::replica::{Replica, ReplicaBuilder};
 use quiver::request::{RequestPath, Shared};
@@ -154,6 +155,7 @@ fn request_bench(c: &mut Criterion) {
             limits: Limits::default(),
             backend,
             floor,
+            readiness: Arc::new(Readiness::ready()),
         };
         let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
         let mut out = Vec::with_capacity(4096);
@@ -162,8 +164,8 @@ fn request_bench(c: &mut Criterion) {
             b.iter(|| {
                 i = (i + 1) % frames.len();
                 out.clear();
-                let read_at_us = path.clock().now_us();
-                path.handle(&frames[i][wire::FRAME_PREFIX_BYTES..], read_at_us, &mut out);
+                let read_at_ns = path.clock().now_ns();
+                path.handle(&frames[i][wire::FRAME_PREFIX_BYTES..], read_at_ns, &mut out);
                 black_box(out.len())
             })
         });

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
@@ -72,7 +72,8 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         for code in 0..=6u8 {
             let labels = [("status", status_name(Status(code)))];
-            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_status[code as usize], None)?;
+            e.encode_family(&labels)?
+                .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_status[code as usize], None)?;
         }
         let mut e = encoder.encode_descriptor(
             "quiver_responses_by_tier",
@@ -82,10 +83,16 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         for code in 0..=3u8 {
             let labels = [("tier", tier_name(Tier(code)))];
-            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
+            e.encode_family(&labels)?
+                .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
         }
         encoder
-            .encode_descriptor("quiver_candidates_scored", "Candidates scored.", None, MetricType::Counter)?
+            .encode_descriptor(
+                "quiver_candidates_scored",
+                "Candidates scored.",
+                None,
+                MetricType::Counter,
+            )?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.candidates_scored, None)?;
         encoder
             .encode_descriptor(
@@ -96,7 +103,12 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             )?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.features_missing, None)?;
         encoder
-            .encode_descriptor("quiver_connections_active", "Open client connections.", None, MetricType::Gauge)?
+            .encode_descriptor(
+                "quiver_connections_active",
+                "Open client connections.",
+                None,
+                MetricType::Gauge,
+            )?
             .encode_gauge(&(m.connections_active as i64))?;
         encoder
             .encode_descriptor("quiver_shards", "Shards serving.", None, MetricType::Gauge)?
@@ -147,7 +159,11 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let h = &m.window[stage as usize];
             for (q, label) in [(0.5, "0.5"), (0.99, "0.99"), (0.999, "0.999")] {
                 let labels = [("stage", stage.name()), ("quantile", label)];
-                let v = if h.is_empty() { 0.0 } else { ns_to_s(h.value_at_quantile(q)) };
+                let v = if h.is_empty() {
+                    0.0
+                } else {
+                    ns_to_s(h.value_at_quantile(q))
+                };
                 e.encode_family(&labels)?.encode_gauge(&v)?;
             }
         }
@@ -192,7 +208,9 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
         by_status: (0..=6u8)
             .map(|c| (status_name(Status(c)).to_string(), m.counters.by_status[c as usize]))
             .collect(),
-        by_tier: (0..=3u8).map(|c| (tier_name(Tier(c)).to_string(), m.counters.by_tier[c as usize])).collect(),
+        by_tier: (0..=3u8)
+            .map(|c| (tier_name(Tier(c)).to_string(), m.counters.by_tier[c as usize]))
+            .collect(),
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
@@ -223,12 +241,7 @@ pub struct Admin {
 
 impl Admin {
     /// Binds `addr` and serves on a new thread.
-    pub fn start(
-        addr: &str,
-        board: Board,
-        readiness: Arc<Readiness>,
-        model: ModelInfo,
-    ) -> Result<Admin, crate::Error> {
+    pub fn start(addr: &str, board: Board, readiness: Arc<Readiness>, model: ModelInfo) -> Result<Admin, crate::Error> {
         let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("admin {addr}: {e}")))?;
         let bound = server
             .server_addr()
@@ -273,7 +286,9 @@ fn serve(server: &tiny_http::Server, registry: &Registry, board: &Board, readine
             (Method::Get, "/metrics") => {
                 let mut body = String::new();
                 match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
-                    Ok(()) => Response::from_string(body).with_header(header("text/plain; version=0.0.4; charset=utf-8")),
+                    Ok(()) => {
+                        Response::from_string(body).with_header(header("text/plain; version=0.0.4; charset=utf-8"))
+                    }
                     Err(_) => Response::from_string("encoding failed\n").with_status_code(500),
                 }
             }
@@ -336,10 +351,22 @@ mod tests {
         prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
         assert!(text.contains("quiver_requests_total{status=\"ok\"} 4"), "{text}");
         assert!(text.contains("quiver_request_duration_seconds_count 4"), "{text}");
-        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"1e-5\"} 1"), "{text}");
-        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"), "{text}");
-        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
-        assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
+        assert!(
+            text.contains("quiver_request_duration_seconds_bucket{le=\"1e-05\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"),
+            "{text}"
+        );
+        assert!(
+            text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("quiver_ready 1"), "{text}");
     }
 }

@@ -27,6 +27,11 @@ pub struct Config {
     /// Model file; default `<data_dir>/model.qm`.
     pub model: Option<PathBuf>,
     pub backend: BackendKind,
+    /// Admin HTTP endpoint (metrics, health, readiness); "off" disables it.
+    pub admin_listen: String,
+    /// While not ready (starting, or drained by an operator): refuse new
+    /// connections, or accept them and answer `Overloaded`.
+    pub not_ready: NotReadyPolicy,
     /// Benchmark floor: answer every verified request with an empty `Ok`,
     /// skipping lookup and model, to price the protocol and runtime alone.
     pub floor: bool,
@@ -44,10 +49,22 @@ impl Default for Config {
             item_features: None,
             model: None,
             backend: BackendKind::Int8,
+            admin_listen: "127.0.0.1:7412".into(),
+            not_ready: NotReadyPolicy::Overloaded,
             floor: false,
             limits: Limits::default(),
         }
     }
+}
+
+/// What a server that is not ready does with traffic.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum NotReadyPolicy {
+    /// Close new connections at once; requests on open ones get `Overloaded`.
+    Refuse,
+    /// Accept connections and answer every request `Overloaded`.
+    Overloaded,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

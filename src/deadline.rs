@@ -10,12 +10,22 @@ use std::time::Instant;
 /// A source of monotonic time in microseconds since an arbitrary origin.
 pub trait Clock {
     fn now_us(&self) -> u64;
+
+    /// Nanoseconds, for stage timings; test clocks may derive it from µs.
+    fn now_ns(&self) -> u64 {
+        self.now_us() * 1_000
+    }
 }
 
 impl<C: Clock + ?Sized> Clock for &C {
     #[inline]
     fn now_us(&self) -> u64 {
         (**self).now_us()
+    }
+
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        (**self).now_ns()
     }
 }
 
@@ -41,6 +51,11 @@ impl Clock for MonotonicClock {
     #[inline]
     fn now_us(&self) -> u64 {
         self.origin.elapsed().as_micros() as u64
+    }
+
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
     }
 }
 

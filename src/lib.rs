@@ -4,11 +4,13 @@
 //! floats; Quiver answers with one score per candidate inside the request's
 //! deadline. See `docs/ARCHITECTURE.md` for the map of this crate.
 
+pub mod admin;
 pub mod client;
 pub mod config;
 pub mod deadline;
 pub mod demo;
 pub mod loadgen;
+pub mod metrics;
 pub mod model;
 pub mod plot;
 pub mod replica;

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use quiver::admin::{Admin, ModelInfo};
 use quiver::client::Client;
 use quiver::config::Config;
 use quiver::loadgen::{self, BenchOptions};
+use quiver::metrics::{self, Readiness};
 use quiver::model::Model;
 use quiver::replica::{Replica, ReplicaBuilder};
 use quiver::request::Shared;
@@ -36,6 +38,17 @@ enum Command {
     /// Feature replica files.
     #[command(subcommand)]
     Replica(ReplicaCommand),
+    /// Watch a running server: per-stage latency, rates and tiers, every second.
+    Stats {
+        /// The server's admin address.
+        #[arg(long, default_value = "127.0.0.1:7412")]
+        admin: String,
+        #[arg(long, default_value = "1s", value_parser = loadgen::parse_duration)]
+        interval: Duration,
+        /// Stop after this many tables; 0 runs until interrupted.
+        #[arg(long, default_value_t = 0)]
+        count: u64,
+    },
     /// Draw PNG plots from benchmark output files.
     #[command(subcommand)]
     Plot(PlotCommand),
@@ -66,6 +79,12 @@ struct ServeArgs {
     demo: bool,
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
+    /// Admin HTTP address (metrics, health, readiness), or "off".
+    #[arg(long)]
+    admin: Option<String>,
+    /// While not ready: refuse new connections, or answer Overloaded.
+    #[arg(long, value_enum)]
+    not_ready: Option<quiver::config::NotReadyPolicy>,
     /// Protocol floor for benchmarks: verify each request and answer with an
     /// empty Ok response, skipping lookup and model.
     #[arg(long)]
@@ -207,6 +226,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench(args),
         Command::Replica(cmd) => replica(cmd),
         Command::Plot(cmd) => plot(cmd),
+        Command::Stats { admin, interval, count } => stats(&admin, interval, count),
         Command::Demo { data_dir } => demo::ensure(&data_dir).map(|_| ExitCode::SUCCESS),
     };
     match result {
@@ -242,6 +262,12 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if args.floor {
         config.floor = true;
     }
+    if let Some(v) = args.admin {
+        config.admin_listen = v;
+    }
+    if let Some(v) = args.not_ready {
+        config.not_ready = v;
+    }
     if args.demo {
         demo::ensure(&config.data_dir)?;
     }
@@ -261,6 +287,21 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         users = user.header().row_count, items = item.header().row_count,
         backend = ?config.backend, "loaded"
     );
+    let readiness = Arc::new(Readiness::not_ready());
+    let board = metrics::board(cores.len());
+    let admin = if config.admin_listen == "off" {
+        None
+    } else {
+        let info = ModelInfo {
+            name: model.name.clone(),
+            version: model.version,
+            backend: format!("{:?}", config.backend).to_lowercase(),
+        };
+        let admin = Admin::start(&config.admin_listen, board.clone(), readiness.clone(), info)?;
+        tracing::info!(addr = %admin.addr, "admin endpoint");
+        println!("quiver admin on {}", admin.addr);
+        Some(admin)
+    };
     let shared = Shared {
         model: Arc::new(model),
         user: Arc::new(user),
@@ -268,6 +309,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         limits: config.limits.clone(),
         backend: config.backend,
         floor: config.floor,
+        readiness: readiness.clone(),
     };
     let listen = shard::resolve_listen(&config.listen)?;
 
@@ -279,10 +321,19 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             .map_err(|e| Error::Setup(format!("installing signal handlers: {e}")))?;
     }
     let shards = cores.len();
-    let reports = shard::serve(shared, ShardPlacement { listen, cores }, stop, |addr| {
+    let placement = ShardPlacement {
+        listen,
+        cores,
+        not_ready: config.not_ready,
+    };
+    let reports = shard::serve(shared, placement, board, stop, |addr| {
+        readiness.set(true);
         tracing::info!(%addr, shards, "serving");
         println!("quiver listening on {addr} with {shards} shards");
     })?;
+    if let Some(a) = admin {
+        a.stop();
+    }
     for r in &reports {
         tracing::info!(
             shard = r.shard,
@@ -448,6 +499,73 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn fetch_stats(agent: &ureq::Agent, url: &str) -> Result<quiver::admin::Stats, Error> {
+    let mut resp = agent.get(url).call().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    let body = resp
+        .body_mut()
+        .read_to_string()
+        .map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    serde_json::from_str(&body).map_err(|e| Error::Setup(format!("{url}: {e}")))
+}
+
+fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    let url = format!("http://{admin}/stats.json");
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let mut prev: Option<(Instant, quiver::admin::Stats)> = None;
+    let mut shown = 0u64;
+    loop {
+        let now = Instant::now();
+        let s = fetch_stats(&agent, &url)?;
+        let rate = prev.as_ref().map(|(t, p)| {
+            let dt = now.duration_since(*t).as_secs_f64().max(1e-9);
+            (s.requests.saturating_sub(p.requests)) as f64 / dt
+        });
+        if tty {
+            print!("\x1b[2J\x1b[H");
+        }
+        println!(
+            "ready {}  shards {}  connections {}  requests {}{}  candidates {}  features missing {}",
+            if s.ready { "yes" } else { "NO" },
+            s.shards,
+            s.connections_active,
+            s.requests,
+            rate.map_or(String::new(), |r| format!(" ({r:.0}/s)")),
+            s.candidates_scored,
+            s.features_missing
+        );
+        let nonzero = |m: &std::collections::BTreeMap<String, u64>| {
+            m.iter()
+                .filter(|(_, v)| **v > 0)
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!("status: {}", nonzero(&s.by_status));
+        println!("tier:   {}", nonzero(&s.by_tier));
+        println!(
+            "{:<11} {:>9} {:>10} {:>10} {:>10} {:>10}   (last {} s)",
+            "stage", "count", "p50 µs", "p99 µs", "p99.9 µs", "max µs", s.window_s
+        );
+        for st in &s.stages {
+            println!(
+                "{:<11} {:>9} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                st.stage, st.count, st.p50_us, st.p99_us, st.p999_us, st.max_us
+            );
+        }
+        shown += 1;
+        if count > 0 && shown >= count {
+            return Ok(ExitCode::SUCCESS);
+        }
+        println!();
+        prev = Some((now, s));
+        std::thread::sleep(interval);
+    }
 }
 
 fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {

@@ -36,7 +36,13 @@ pub enum Stage {
     EndToEnd,
 }
 
-pub const STAGES: [Stage; 5] = [Stage::Decode, Stage::Lookup, Stage::Kernel, Stage::Respond, Stage::EndToEnd];
+pub const STAGES: [Stage; 5] = [
+    Stage::Decode,
+    Stage::Lookup,
+    Stage::Kernel,
+    Stage::Respond,
+    Stage::EndToEnd,
+];
 
 impl Stage {
     pub fn name(self) -> &'static str {
@@ -83,6 +89,7 @@ impl StageTimes {
 
 /// What one shard has published: totals since start, and a window of recent
 /// intervals for percentiles.
+#[derive(Debug)]
 pub struct Publication {
     pub shard: usize,
     pub counters: Counters,

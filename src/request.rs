@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
+use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
 use crate::replica::Replica;
 use crate::score::{self, Backend, BackendKind};
@@ -31,6 +32,8 @@ pub struct Shared {
     pub backend: BackendKind,
     /// Benchmark floor: verify, then answer `Ok` with no scores.
     pub floor: bool,
+    /// Whether the server takes traffic; requests get `Overloaded` while not.
+    pub readiness: Arc<Readiness>,
 }
 
 /// The model's inputs and the replicas do not fit together.
@@ -112,8 +115,24 @@ pub struct Counters {
     pub requests: u64,
     /// Indexed by `Status.0`.
     pub by_status: [u64; 8],
+    /// Indexed by `Tier.0`, for `Ok` responses.
+    pub by_tier: [u64; 4],
     pub features_missing: u64,
     pub candidates_scored: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, other: &Counters) {
+        self.requests += other.requests;
+        for (a, b) in self.by_status.iter_mut().zip(&other.by_status) {
+            *a += b;
+        }
+        for (a, b) in self.by_tier.iter_mut().zip(&other.by_tier) {
+            *a += b;
+        }
+        self.features_missing += other.features_missing;
+        self.candidates_scored += other.candidates_scored;
+    }
 }
 
 /// A running estimate of the kernel's cost per candidate row, so the path
@@ -156,6 +175,7 @@ pub struct RequestPath<C: Clock> {
     encoder: ResponseEncoder,
     kernel_cost: KernelCost,
     pub counters: Counters,
+    times: StageTimes,
 }
 
 /// Largest size of one encoded response frame, for output buffer sizing.
@@ -184,6 +204,7 @@ impl<C: Clock> RequestPath<C> {
             encoder: ResponseEncoder::new(rows_max),
             kernel_cost: KernelCost { ns_per_row: 0.0 },
             counters: Counters::default(),
+            times: StageTimes::default(),
             layout,
             backend,
             clock,
@@ -226,9 +247,9 @@ impl<C: Clock> RequestPath<C> {
             .encode(&ResponseFields::failure(request_id, status, error), out);
     }
 
-    /// Handles one request payload read at `read_at_us`; appends exactly one
+    /// Handles one request payload read at `read_at_ns`; appends exactly one
     /// response frame to `out`.
-    pub fn handle(&mut self, payload: &[u8], read_at_us: u64, out: &mut Vec<u8>) {
+    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, out: &mut Vec<u8>) {
         // Decode: verify the FlatBuffer with limits before reading any field.
         let request = match wire::decode_request(payload, &self.request_limits) {
             Ok(r) => r,
@@ -239,23 +260,29 @@ impl<C: Clock> RequestPath<C> {
         };
         let request_id = request.request_id();
         if self.shared.floor {
-            return self.respond_floor(request_id, read_at_us, out);
+            return self.respond_floor(request_id, read_at_ns, out);
         }
         let limits = &self.shared.limits;
         let budget_us = match request.budget_us() {
             0 => limits.budget_us_default,
             b => b.min(limits.budget_us_max),
         };
-        let deadline = Deadline::from_budget(read_at_us, budget_us);
+        let deadline = Deadline::from_budget(read_at_ns / 1_000, budget_us);
 
         // Check: the request itself.
-        if deadline.cannot_fit(self.clock.now_us(), 0) {
+        let decoded_ns = self.clock.now_ns();
+        self.times
+            .record_ns(Stage::Decode, decoded_ns.saturating_sub(read_at_ns));
+        if deadline.cannot_fit(decoded_ns / 1_000, 0) {
             return self.fail(
                 request_id,
                 Status::DeadlineExceeded,
                 "budget spent before decode finished",
                 out,
             );
+        }
+        if !self.shared.readiness.is_ready() {
+            return self.fail(request_id, Status::Overloaded, "server is not ready", out);
         }
         let model_name = request.model();
         if !model_name.is_empty() && model_name != self.shared.model.name {
@@ -315,8 +342,10 @@ impl<C: Clock> RequestPath<C> {
         }
 
         // Check: is there time for the kernel?
-        let before_kernel_us = self.clock.now_us();
-        if deadline.cannot_fit(before_kernel_us, self.kernel_cost.expected_us(rows)) {
+        let before_kernel_ns = self.clock.now_ns();
+        self.times
+            .record_ns(Stage::Lookup, before_kernel_ns.saturating_sub(decoded_ns));
+        if deadline.cannot_fit(before_kernel_ns / 1_000, self.kernel_cost.expected_us(rows)) {
             return self.fail(
                 request_id,
                 Status::DeadlineExceeded,
@@ -329,15 +358,16 @@ impl<C: Clock> RequestPath<C> {
         let logits = &mut self.logits[..rows];
         self.backend
             .logits(&self.shared.model, &self.x[..rows * row_dim], rows, logits);
-        let after_kernel_us = self.clock.now_us();
-        self.kernel_cost
-            .observe(rows, after_kernel_us.saturating_sub(before_kernel_us));
+        let after_kernel_ns = self.clock.now_ns();
+        let kernel_ns = after_kernel_ns.saturating_sub(before_kernel_ns);
+        self.times.record_ns(Stage::Kernel, kernel_ns);
+        self.kernel_cost.observe(rows, kernel_ns / 1_000);
         for l in logits.iter_mut() {
             *l = sigmoid(*l);
         }
 
         // Check: still in time to respond?
-        if deadline.cannot_fit(self.clock.now_us(), 0) {
+        if deadline.cannot_fit(after_kernel_ns / 1_000, 0) {
             return self.fail(
                 request_id,
                 Status::DeadlineExceeded,
@@ -349,9 +379,10 @@ impl<C: Clock> RequestPath<C> {
         // Respond.
         self.counters.requests += 1;
         self.counters.by_status[usize::from(Status::Ok.0)] += 1;
+        self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
         self.counters.features_missing += u64::from(missing);
         self.counters.candidates_scored += rows as u64;
-        let server_us = self.clock.now_us().saturating_sub(read_at_us);
+        let server_us = after_kernel_ns.saturating_sub(read_at_ns) / 1_000;
         self.encoder.encode(
             &ResponseFields {
                 request_id,
@@ -365,19 +396,32 @@ impl<C: Clock> RequestPath<C> {
             },
             out,
         );
+        let done_ns = self.clock.now_ns();
+        self.times
+            .record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
+        self.times
+            .record_ns(Stage::EndToEnd, done_ns.saturating_sub(read_at_ns));
     }
 
     /// The protocol floor's answer: `Ok`, no scores, no lookup, no model.
-    fn respond_floor(&mut self, request_id: u64, read_at_us: u64, out: &mut Vec<u8>) {
+    fn respond_floor(&mut self, request_id: u64, read_at_ns: u64, out: &mut Vec<u8>) {
         self.counters.requests += 1;
         self.counters.by_status[usize::from(Status::Ok.0)] += 1;
-        let server_us = self.clock.now_us().saturating_sub(read_at_us);
+        self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
+        let now_ns = self.clock.now_ns();
         let fields = ResponseFields {
-            server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
+            server_us: u32::try_from(now_ns.saturating_sub(read_at_ns) / 1_000).unwrap_or(u32::MAX),
             tier: Tier::Primary,
             ..ResponseFields::failure(request_id, Status::Ok, "")
         };
         self.encoder.encode(&fields, out);
+        self.times
+            .record_ns(Stage::EndToEnd, self.clock.now_ns().saturating_sub(read_at_ns));
+    }
+
+    /// Stage timings of the current interval, for publication.
+    pub fn times_mut(&mut self) -> &mut StageTimes {
+        &mut self.times
     }
 
     /// Answers a frame the shard could not even split (bad length prefix).
@@ -434,6 +478,7 @@ mod tests {
             },
             backend: BackendKind::F32,
             floor: false,
+            readiness: Arc::new(Readiness::ready()),
         }
     }
 
@@ -447,7 +492,7 @@ mod tests {
         let mut frame = Vec::new();
         RequestEncoder::new().encode(spec, &mut frame);
         let mut out = Vec::new();
-        path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us, &mut out);
+        path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, &mut out);
         let (payload, used) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
         assert_eq!(used, out.len(), "exactly one response frame");
         wire::decode_response(payload, 64).unwrap()

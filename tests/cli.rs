@@ -155,3 +155,30 @@ fn demo_generation_is_deterministic() {
         );
     }
 }
+
+#[test]
+fn plots_are_png_files() {
+    let dir = common::scratch("plot");
+    let mut h = quiver::loadgen::histogram();
+    for v in 1..=10_000u64 {
+        h.record(v % 977 + 20).unwrap();
+    }
+    let hgrm = dir.join("a.hgrm");
+    std::fs::write(&hgrm, quiver::loadgen::percentile_distribution(&h)).unwrap();
+    let png = dir.join("p.png");
+    let out = run(&[
+        "plot",
+        "percentiles",
+        "--out",
+        png.to_str().unwrap(),
+        &format!("run a={}", hgrm.display()),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(bytes.len() > 10_000, "a real picture, not an empty canvas");
+
+    let bad = run(&["plot", "percentiles", "--out", png.to_str().unwrap(), "no-equals-sign"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("expected LABEL=FILE"));
+}

@@ -25,7 +25,9 @@ use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
+use crate::config::NotReadyPolicy;
 use crate::deadline::{Clock, MonotonicClock};
+use crate::metrics::{self, Board};
 use crate::request::{response_frame_bytes_max, Counters, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
 pub use shutdown::ShutdownSignal;
@@ -51,6 +53,7 @@ pub struct ShardReport {
 pub struct ShardPlacement {
     pub listen: SocketAddr,
     pub cores: Vec<usize>,
+    pub not_ready: NotReadyPolicy,
 }
 
 /// Resolves `listen`; a port of 0 is replaced by a free port, which every
@@ -75,6 +78,7 @@ pub fn resolve_listen(listen: &str) -> Result<SocketAddr, crate::Error> {
 pub fn serve(
     shared: Shared,
     placement: ShardPlacement,
+    board: Board,
     stop: Arc<AtomicBool>,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<Vec<ShardReport>, crate::Error> {
@@ -84,10 +88,19 @@ pub fn serve(
         let shared = shared.clone();
         let stop = stop.clone();
         let bound_tx = bound_tx.clone();
-        let listen = placement.listen;
+        let board = board.clone();
+        let (listen, not_ready) = (placement.listen, placement.not_ready);
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
             .name(&format!("quiver-shard-{shard}"))
-            .spawn(move || async move { run_shard(shard, core, listen, shared, stop, bound_tx).await })
+            .spawn(move || async move {
+                let place = ShardPlace {
+                    shard,
+                    core,
+                    listen,
+                    not_ready,
+                };
+                run_shard(place, shared, board, stop, bound_tx).await
+            })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
         handles.push(handle);
     }
@@ -119,15 +132,29 @@ pub fn serve(
     }
 }
 
-async fn run_shard(
+/// Where one shard runs.
+struct ShardPlace {
     shard: usize,
     core: usize,
     listen: SocketAddr,
+    not_ready: NotReadyPolicy,
+}
+
+async fn run_shard(
+    place: ShardPlace,
     shared: Shared,
+    board: Board,
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
+    let ShardPlace {
+        shard,
+        core,
+        listen,
+        not_ready,
+    } = place;
     let limits = shared.limits.clone();
+    let readiness = shared.readiness.clone();
     let path = match RequestPath::new(shared, MonotonicClock::new()) {
         Ok(p) => Rc::new(RefCell::new(p)),
         Err(e) => {
@@ -159,6 +186,20 @@ async fn run_shard(
     .detach();
 
     let active = Rc::new(Cell::new(0usize));
+    // Publish this shard's interval to the admin thread, off the request path.
+    let publisher = glommio::spawn_local({
+        let (path, active, shutdown) = (path.clone(), active.clone(), shutdown.clone());
+        let board = board.clone();
+        async move {
+            while !shutdown.is_triggered() {
+                glommio::timer::sleep(metrics::PUBLISH_INTERVAL).await;
+                let mut p = path.borrow_mut();
+                let counters = p.counters.clone();
+                metrics::publish(p.times_mut(), &counters, active.get() as u64, &board[shard]);
+            }
+        }
+    })
+    .detach();
     let report = Rc::new(RefCell::new(ShardReport {
         shard,
         core,
@@ -178,6 +219,11 @@ async fn run_shard(
                 continue;
             }
         };
+        if not_ready == NotReadyPolicy::Refuse && !readiness.is_ready() {
+            report.borrow_mut().connections_refused += 1;
+            drop(stream);
+            continue;
+        }
         if active.get() >= limits.connections_per_shard_max {
             report.borrow_mut().connections_refused += 1;
             tracing::debug!(shard, "connection limit reached; closing new connection");
@@ -217,8 +263,12 @@ async fn run_shard(
         );
     }
     drop(watcher);
+    drop(publisher);
+    let mut p = path.borrow_mut();
+    let counters = p.counters.clone();
+    metrics::publish(p.times_mut(), &counters, 0, &board[shard]);
     let mut r = report.borrow().clone();
-    r.counters = path.borrow().counters.clone();
+    r.counters = counters;
     Ok(r)
 }
 
@@ -246,11 +296,11 @@ impl Connection {
             let mut broken = false;
             {
                 let mut path = self.path.borrow_mut();
-                let read_at_us = path.clock().now_us();
+                let read_at_ns = path.clock().now_ns();
                 while out.len() < self.limits.output_bytes_max {
                     match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
                         Ok(Some((payload, used))) => {
-                            path.handle(payload, read_at_us, &mut out);
+                            path.handle(payload, read_at_ns, &mut out);
                             consumed += used;
                         }
                         Ok(None) => break,

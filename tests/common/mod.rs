@@ -40,6 +40,8 @@ pub fn demo_dir() -> &'static Path {
 pub struct Server {
     pub child: Child,
     pub addr: String,
+    /// The admin endpoint's address.
+    pub admin: String,
     pub stderr: std::sync::Arc<Mutex<String>>,
 }
 
@@ -51,7 +53,14 @@ impl Server {
 
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+                "--data-dir",
+            ])
             .arg(data_dir)
             .args(extra)
             .env("RUST_LOG", "info")
@@ -74,17 +83,29 @@ impl Server {
             });
         }
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let line = lines.next().and_then(Result::ok).unwrap_or_else(|| {
-            let _ = child.wait();
-            std::thread::sleep(Duration::from_millis(100));
-            panic!("server did not start: {}", stderr.lock().unwrap());
-        });
-        let addr = line
-            .strip_prefix("quiver listening on ")
-            .and_then(|rest| rest.split(' ').next())
-            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
-            .to_string();
-        Server { child, addr, stderr }
+        let mut admin = String::new();
+        let addr = loop {
+            let line = lines.next().and_then(Result::ok).unwrap_or_else(|| {
+                let _ = child.wait();
+                std::thread::sleep(Duration::from_millis(100));
+                panic!("server did not start: {}", stderr.lock().unwrap());
+            });
+            if let Some(a) = line.strip_prefix("quiver admin on ") {
+                admin = a.trim().to_string();
+                continue;
+            }
+            break line
+                .strip_prefix("quiver listening on ")
+                .and_then(|rest| rest.split(' ').next())
+                .unwrap_or_else(|| panic!("unexpected line: {line}"))
+                .to_string();
+        };
+        Server {
+            child,
+            addr,
+            admin,
+            stderr,
+        }
     }
 
     pub fn client(&self) -> Client {

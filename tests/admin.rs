@@ -1,0 +1,221 @@
+//! The admin endpoint of a real server: metrics, readiness, `quiver stats`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{demo_request, Server, BIN};
+use quiver::admin::Stats;
+use quiver::wire::Status;
+
+fn get(url: &str) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    let mut r = agent.get(url).call().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+fn post(url: &str) -> u16 {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    agent.post(url).send_empty().unwrap().status().as_u16()
+}
+
+fn stats(server: &Server) -> Stats {
+    serde_json::from_str(&get(&format!("http://{}/stats.json", server.admin)).1).unwrap()
+}
+
+/// Polls until `done(stats)`; shards publish once a second.
+fn wait_for(server: &Server, done: impl Fn(&Stats) -> bool) -> Stats {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = stats(server);
+        if done(&s) {
+            return s;
+        }
+        assert!(Instant::now() < until, "metrics never converged: {s:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Parses Prometheus text with the official Python client's parser and
+/// returns `name{labels} value` lines. `None` when the parser is not
+/// installed (CI installs it and sets QUIVER_REQUIRE_PROMETHEUS_CLIENT=1).
+fn parse_with_prometheus_client(text: &str) -> Option<Vec<String>> {
+    let script = "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
+                  for f in p(sys.stdin.read()):\n    for s in f.samples:\n        \
+                  print(s.name + '{' + ','.join(k+'='+v for k,v in sorted(s.labels.items())) + '} ' + '%g' % s.value)\n";
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .ok()?;
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("No module named 'prometheus_client'") {
+        let required = std::env::var("QUIVER_REQUIRE_PROMETHEUS_CLIENT").is_ok_and(|v| v == "1");
+        assert!(
+            !required,
+            "QUIVER_REQUIRE_PROMETHEUS_CLIENT=1 but prometheus_client is not installed"
+        );
+        eprintln!("SKIPPED the prometheus_client parse check: pip install prometheus_client");
+        return None;
+    }
+    assert!(
+        out.status.success(),
+        "the Prometheus parser rejected /metrics: {stderr}\n{text}"
+    );
+    Some(
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+#[test]
+fn metrics_parse_and_count_what_was_sent() {
+    let server = Server::start(&["--shards", "2"]);
+    let mut clients: Vec<_> = (0..4).map(|_| server.client()).collect();
+    for i in 0..300u64 {
+        let c = &mut clients[(i % 4) as usize];
+        let r = c.score(&demo_request(i, i, vec![1, 2, 3, 1_000_000])).unwrap();
+        assert_eq!(r.status, Status::Ok);
+    }
+    let s = wait_for(&server, |s| s.requests == 300);
+    assert_eq!(s.by_status["ok"], 300);
+    assert_eq!(s.by_tier["primary"], 300);
+    assert_eq!(s.candidates_scored, 1_200);
+    assert_eq!(s.features_missing, 300);
+    assert!(s.ready);
+    assert_eq!(s.connections_active, 4);
+    let e2e = s.stages.iter().find(|st| st.stage == "end_to_end").unwrap();
+    assert_eq!(e2e.count, 300);
+    assert!(e2e.p50_us > 0.0 && e2e.p50_us <= e2e.p99_us && e2e.p99_us <= e2e.max_us);
+
+    let (code, text) = get(&format!("http://{}/metrics", server.admin));
+    assert_eq!(code, 200);
+    assert!(text.contains("quiver_requests_total{status=\"ok\"} 300"), "{text}");
+    if let Some(samples) = parse_with_prometheus_client(&text) {
+        let has = |line: &str| samples.iter().any(|s| s == line);
+        assert!(has("quiver_requests_total{status=ok} 300"), "{samples:?}");
+        assert!(has("quiver_request_duration_seconds_count{} 300"), "{samples:?}");
+        assert!(
+            has("quiver_stage_duration_seconds_count{stage=kernel} 300"),
+            "{samples:?}"
+        );
+        assert!(
+            has("quiver_request_duration_seconds_bucket{le=+Inf} 300"),
+            "{samples:?}"
+        );
+        assert!(has("quiver_ready{} 1"), "{samples:?}");
+        assert!(samples
+            .iter()
+            .any(|s| s.starts_with("quiver_stage_duration_window_seconds{quantile=0.99,stage=end_to_end}")));
+    }
+}
+
+#[test]
+fn percentile_gauges_move_when_latency_changes() {
+    let server = Server::start(&["--shards", "1"]);
+    let mut c = server.client();
+    for i in 0..200u64 {
+        assert_eq!(
+            c.score(&demo_request(i, i, vec![i % 10_000])).unwrap().status,
+            Status::Ok
+        );
+    }
+    let before = wait_for(&server, |s| s.requests == 200);
+    let kernel = |s: &Stats| s.stages.iter().find(|st| st.stage == "kernel").unwrap().p99_us;
+    // The same model over 256 candidates instead of 1: the kernel stage's
+    // p99 over the window must rise with it.
+    for i in 0..200u64 {
+        let big = demo_request(1_000 + i, i, (0..256).collect());
+        assert_eq!(c.score(&big).unwrap().status, Status::Ok);
+    }
+    let after = wait_for(&server, |s| s.requests == 400);
+    assert!(
+        kernel(&after) > 4.0 * kernel(&before),
+        "kernel p99 {} µs before, {} µs after",
+        kernel(&before),
+        kernel(&after)
+    );
+}
+
+#[test]
+fn drain_answers_overloaded_and_undrain_recovers() {
+    let server = Server::start(&["--shards", "1"]);
+    let health = format!("http://{}/healthz", server.admin);
+    let ready = format!("http://{}/readyz", server.admin);
+    assert_eq!(get(&health).0, 200);
+    assert_eq!(get(&ready).0, 200);
+    let mut c = server.client();
+    assert_eq!(c.score(&demo_request(1, 1, vec![1])).unwrap().status, Status::Ok);
+
+    assert_eq!(post(&format!("http://{}/drain", server.admin)), 200);
+    assert_eq!(get(&ready).0, 503);
+    assert_eq!(get(&health).0, 200, "alive while not ready");
+    let r = c.score(&demo_request(2, 1, vec![1])).unwrap();
+    assert_eq!(
+        (r.status, r.error.as_str()),
+        (Status::Overloaded, "server is not ready")
+    );
+    // New connections are accepted and answered Overloaded under this policy.
+    let mut fresh = server.client();
+    assert_eq!(
+        fresh.score(&demo_request(3, 1, vec![1])).unwrap().status,
+        Status::Overloaded
+    );
+
+    assert_eq!(post(&format!("http://{}/undrain", server.admin)), 200);
+    assert_eq!(get(&ready).0, 200);
+    assert_eq!(c.score(&demo_request(4, 1, vec![1])).unwrap().status, Status::Ok);
+    assert_eq!(get(&format!("http://{}/nope", server.admin)).0, 404);
+}
+
+#[test]
+fn drain_with_the_refuse_policy_closes_new_connections() {
+    let server = Server::start(&["--shards", "1", "--not-ready", "refuse"]);
+    let mut c = server.client();
+    assert_eq!(c.score(&demo_request(1, 1, vec![1])).unwrap().status, Status::Ok);
+    assert_eq!(post(&format!("http://{}/drain", server.admin)), 200);
+    // The open connection is told why; a new one is closed at once.
+    assert_eq!(
+        c.score(&demo_request(2, 1, vec![1])).unwrap().status,
+        Status::Overloaded
+    );
+    let mut fresh = server.client();
+    assert!(fresh.score(&demo_request(3, 1, vec![1])).is_err());
+    assert_eq!(post(&format!("http://{}/undrain", server.admin)), 200);
+    let mut again = server.client();
+    assert_eq!(again.score(&demo_request(4, 1, vec![1])).unwrap().status, Status::Ok);
+}
+
+#[test]
+fn quiver_stats_prints_a_table() {
+    let server = Server::start(&["--shards", "1"]);
+    let mut c = server.client();
+    for i in 0..50u64 {
+        c.score(&demo_request(i, i, vec![1, 2])).unwrap();
+    }
+    wait_for(&server, |s| s.requests == 50);
+    let out = std::process::Command::new(BIN)
+        .args(["stats", "--admin", &server.admin, "--count", "2", "--interval", "100ms"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("ready yes  shards 1"), "{text}");
+    assert!(text.contains("requests 50"), "{text}");
+    assert!(text.contains("status: ok=50"), "{text}");
+    for stage in ["decode", "lookup", "kernel", "respond", "end_to_end"] {
+        assert!(text.lines().any(|l| l.starts_with(stage)), "{stage} missing:\n{text}");
+    }
+}
