@@ -17,7 +17,7 @@ use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
 use quiver::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
-use quiver::model::Model;
+use quiver::registry::{Fit, Registry};
 use quiver::replica::{Replica, ReplicaBuilder};
 use quiver::request::{RequestPath, Shared};
 use quiver::score::BackendKind;
@@ -148,8 +148,14 @@ fn request_bench(c: &mut Criterion) {
         ("handle, f32", BackendKind::F32, false),
         ("protocol floor", BackendKind::Int8, true),
     ] {
+        let fit = Fit {
+            user_dim: demo::EMBEDDING_DIM as usize,
+            item_dim: demo::EMBEDDING_DIM as usize,
+            context_len_max: 256,
+        };
+        let registry = Registry::single(&dir.join("model.qm"), fit, backend, 256).unwrap();
         let shared = Shared {
-            model: Arc::new(Model::load(&dir.join("model.qm")).unwrap()),
+            registry: Arc::new(registry),
             user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
             item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
             limits: Limits::default(),

@@ -12,10 +12,11 @@ use std::thread::JoinHandle;
 
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Registry as Registry_, Unit};
 use serde::{Deserialize, Serialize};
 
 use crate::metrics::{self, Board, Readiness, Stage, STAGES};
+use crate::registry::{Registry, RegistryError};
 use crate::wire::{status_name, tier_name, Status, Tier};
 
 /// Upper bounds of the Prometheus histogram buckets, in seconds: fine enough
@@ -25,19 +26,12 @@ pub const BUCKETS_S: [f64; 22] = [
     1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
 ];
 
-/// What the server is serving, for `quiver_model_info`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ModelInfo {
-    pub name: String,
-    pub version: u32,
-    pub backend: String,
-}
-
 #[derive(Debug)]
 struct QuiverCollector {
     board: Board,
     readiness: Arc<Readiness>,
-    model: ModelInfo,
+    registry: Arc<Registry>,
+    backend: String,
 }
 
 fn ns_to_s(ns: u64) -> f64 {
@@ -121,15 +115,17 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 MetricType::Gauge,
             )?
             .encode_gauge(&i64::from(self.readiness.is_ready()))?;
-        let version = self.model.version.to_string();
-        let labels = [
-            ("model", self.model.name.as_str()),
-            ("version", version.as_str()),
-            ("backend", self.model.backend.as_str()),
-        ];
-        encoder
-            .encode_descriptor("quiver_model", "The model being served.", None, MetricType::Info)?
-            .encode_info(&labels)?;
+        let mut e =
+            encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
+        for m in self.registry.status() {
+            let version = m.version.to_string();
+            let labels = [
+                ("model", m.name.as_str()),
+                ("version", version.as_str()),
+                ("backend", self.backend.as_str()),
+            ];
+            e.encode_info(&labels)?;
+        }
 
         let seconds = Unit::Seconds;
         let mut e = encoder.encode_descriptor(
@@ -241,24 +237,31 @@ pub struct Admin {
 
 impl Admin {
     /// Binds `addr` and serves on a new thread.
-    pub fn start(addr: &str, board: Board, readiness: Arc<Readiness>, model: ModelInfo) -> Result<Admin, crate::Error> {
+    pub fn start(
+        addr: &str,
+        board: Board,
+        readiness: Arc<Readiness>,
+        registry: Arc<Registry>,
+        backend: String,
+    ) -> Result<Admin, crate::Error> {
         let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("admin {addr}: {e}")))?;
         let bound = server
             .server_addr()
             .to_ip()
             .ok_or_else(|| crate::Error::Setup(format!("admin {addr}: not an IP address")))?;
         let server = Arc::new(server);
-        let mut registry = Registry::default();
-        registry.register_collector(Box::new(QuiverCollector {
+        let mut prometheus = Registry_::default();
+        prometheus.register_collector(Box::new(QuiverCollector {
             board: board.clone(),
             readiness: readiness.clone(),
-            model,
+            registry: registry.clone(),
+            backend,
         }));
         let thread = std::thread::Builder::new()
             .name("quiver-admin".into())
             .spawn({
                 let server = server.clone();
-                move || serve(&server, &registry, &board, &readiness)
+                move || serve(&server, &prometheus, &board, &readiness, &registry)
             })
             .map_err(|e| crate::Error::Setup(format!("admin thread: {e}")))?;
         Ok(Admin {
@@ -277,7 +280,24 @@ impl Admin {
     }
 }
 
-fn serve(server: &tiny_http::Server, registry: &Registry, board: &Board, readiness: &Readiness) {
+/// The HTTP status and text for a failed load or rollback.
+fn registry_error(e: RegistryError) -> (u16, String) {
+    let code = match e {
+        RegistryError::UnknownModel(_) | RegistryError::UnknownVersion { .. } => 404,
+        RegistryError::NoPrevious(_) | RegistryError::NoDirectory => 409,
+        RegistryError::BadName(_) => 400,
+        _ => 422,
+    };
+    (code, e.to_string())
+}
+
+fn serve(
+    server: &tiny_http::Server,
+    prometheus: &Registry_,
+    board: &Board,
+    readiness: &Readiness,
+    registry: &Registry,
+) {
     use tiny_http::{Header, Method, Response};
     let header = |v: &str| Header::from_bytes("Content-Type", v).expect("static header is valid");
     for request in server.incoming_requests() {
@@ -285,7 +305,7 @@ fn serve(server: &tiny_http::Server, registry: &Registry, board: &Board, readine
         let response = match (request.method(), path.as_str()) {
             (Method::Get, "/metrics") => {
                 let mut body = String::new();
-                match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
+                match prometheus_client::encoding::prometheus_text::encode(&mut body, prometheus) {
                     Ok(()) => {
                         Response::from_string(body).with_header(header("text/plain; version=0.0.4; charset=utf-8"))
                     }
@@ -314,6 +334,34 @@ fn serve(server: &tiny_http::Server, registry: &Registry, board: &Board, readine
                 tracing::info!("undrained: ready");
                 Response::from_string("ready\n")
             }
+            (Method::Get, "/models") => {
+                let body = serde_json::to_string(&registry.status()).expect("status serialises");
+                Response::from_string(body).with_header(header("application/json"))
+            }
+            (Method::Post, p) if p.starts_with("/models/") => {
+                let rest = &p["/models/".len()..];
+                let query = request.url().split_once('?').map_or("", |(_, q)| q);
+                let version = query
+                    .split('&')
+                    .find_map(|kv| kv.strip_prefix("version="))
+                    .map(|v| v.parse::<u32>().map_err(|_| format!("bad version '{v}'")));
+                let outcome = match (rest.rsplit_once('/'), version) {
+                    (_, Some(Err(e))) => Err((400, e)),
+                    (Some((name, "load")), v) => registry
+                        .load(name, v.map(|r| r.expect("checked above")))
+                        .map_err(registry_error),
+                    (Some((name, "rollback")), None) => registry.rollback(name).map_err(registry_error),
+                    _ => Err((
+                        404,
+                        "use /models/<name>/load[?version=N] or /models/<name>/rollback".into(),
+                    )),
+                };
+                match outcome {
+                    Ok(version) => Response::from_string(format!("{{\"version\":{version}}}"))
+                        .with_header(header("application/json")),
+                    Err((code, why)) => Response::from_string(format!("{why}\n")).with_status_code(code),
+                }
+            }
             _ => Response::from_string("not found\n").with_status_code(404),
         };
         let _ = request.respond(response);
@@ -337,15 +385,21 @@ mod tests {
         c.requests = 4;
         c.by_status[0] = 4;
         publish(&mut t, &c, 1, &b[1]);
-        let mut registry = Registry::default();
+        let fit = crate::registry::Fit {
+            user_dim: 32,
+            item_dim: 32,
+            context_len_max: 256,
+        };
+        let mut model = crate::demo::model();
+        model.name = "m".into();
+        model.version = 2;
+        let models = Registry::from_models(vec![model], fit, crate::score::BackendKind::Int8, 8).unwrap();
+        let mut registry = Registry_::default();
         registry.register_collector(Box::new(QuiverCollector {
             board: b,
             readiness: Arc::new(Readiness::ready()),
-            model: ModelInfo {
-                name: "m".into(),
-                version: 2,
-                backend: "cpu-int8".into(),
-            },
+            registry: Arc::new(models),
+            backend: "cpu-int8".into(),
         }));
         let mut text = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();

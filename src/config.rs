@@ -24,8 +24,16 @@ pub struct Config {
     pub user_features: Option<PathBuf>,
     /// Feature replica of group `item`; default `<data_dir>/item.qrep`.
     pub item_features: Option<PathBuf>,
-    /// Model file; default `<data_dir>/model.qm`.
+    /// Model file; default `<data_dir>/model.qm`. Ignored when `models_dir`
+    /// is set.
     pub model: Option<PathBuf>,
+    /// A model registry: `<models_dir>/<name>/<version>/model.qm`. The latest
+    /// version of each name is served; others load through the admin endpoint.
+    pub models_dir: Option<PathBuf>,
+    /// Model for requests that name none; default: the only or first name.
+    pub default_model: Option<String>,
+    /// Poll `models_dir` this often and load new versions; 0 turns it off.
+    pub watch_models_ms: u64,
     pub backend: BackendKind,
     /// Admin HTTP endpoint (metrics, health, readiness); "off" disables it.
     pub admin_listen: String,
@@ -48,6 +56,9 @@ impl Default for Config {
             user_features: None,
             item_features: None,
             model: None,
+            models_dir: None,
+            default_model: None,
+            watch_models_ms: 0,
             backend: BackendKind::Int8,
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,

@@ -13,6 +13,7 @@ pub mod loadgen;
 pub mod metrics;
 pub mod model;
 pub mod plot;
+pub mod registry;
 pub mod replica;
 pub mod request;
 pub mod score;
@@ -30,6 +31,8 @@ pub enum Error {
     Model(#[from] model::ModelError),
     #[error(transparent)]
     Layout(#[from] request::LayoutError),
+    #[error(transparent)]
+    Registry(#[from] registry::RegistryError),
     #[error("{0}")]
     Setup(String),
 }

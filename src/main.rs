@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use quiver::admin::{Admin, ModelInfo};
+use quiver::admin::Admin;
 use quiver::client::Client;
 use quiver::config::Config;
 use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
-use quiver::model::Model;
+use quiver::registry::{Fit, Registry};
 use quiver::replica::{Replica, ReplicaBuilder};
 use quiver::request::Shared;
 use quiver::score::BackendKind;
@@ -74,6 +74,9 @@ struct ServeArgs {
     cores: Option<Vec<usize>>,
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Serve a model registry: <DIR>/<name>/<version>/model.qm.
+    #[arg(long)]
+    models_dir: Option<PathBuf>,
     /// Generate (once) and serve the built-in auction-32 demo.
     #[arg(long)]
     demo: bool,
@@ -256,6 +259,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if let Some(v) = args.data_dir {
         config.data_dir = v;
     }
+    if let Some(v) = args.models_dir {
+        config.models_dir = Some(v);
+    }
     if let Some(v) = args.backend {
         config.backend = v;
     }
@@ -279,31 +285,55 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         (0..n).map(|i| i % online).collect()
     };
 
-    let model = Model::load(&config.model_path())?;
     let user = Replica::open(&config.user_features_path(), "user")?;
     let item = Replica::open(&config.item_features_path(), "item")?;
+    let fit = Fit {
+        user_dim: user.dim(),
+        item_dim: item.dim(),
+        context_len_max: config.limits.context_len_max,
+    };
+    let rows_max = config.limits.candidates_max;
+    let registry = Arc::new(match &config.models_dir {
+        Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
+        None => Registry::single(&config.model_path(), fit, config.backend, rows_max)?,
+    });
+    for m in registry.status() {
+        tracing::info!(model = %m.name, version = m.version, "model loaded");
+    }
     tracing::info!(
-        model = %model.name, version = model.version, inputs = model.input_dim(),
         users = user.header().row_count, items = item.header().row_count,
-        backend = ?config.backend, "loaded"
+        backend = ?config.backend, "replicas loaded"
     );
     let readiness = Arc::new(Readiness::not_ready());
     let board = metrics::board(cores.len());
     let admin = if config.admin_listen == "off" {
         None
     } else {
-        let info = ModelInfo {
-            name: model.name.clone(),
-            version: model.version,
-            backend: format!("{:?}", config.backend).to_lowercase(),
-        };
-        let admin = Admin::start(&config.admin_listen, board.clone(), readiness.clone(), info)?;
+        let backend = format!("{:?}", config.backend).to_lowercase();
+        let admin = Admin::start(
+            &config.admin_listen,
+            board.clone(),
+            readiness.clone(),
+            registry.clone(),
+            backend,
+        )?;
         tracing::info!(addr = %admin.addr, "admin endpoint");
         println!("quiver admin on {}", admin.addr);
         Some(admin)
     };
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = (config.watch_models_ms > 0).then(|| {
+        let (registry, stop) = (registry.clone(), stop.clone());
+        let every = Duration::from_millis(config.watch_models_ms);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                registry.load_newer();
+                std::thread::sleep(every);
+            }
+        })
+    });
     let shared = Shared {
-        model: Arc::new(model),
+        registry,
         user: Arc::new(user),
         item: Arc::new(item),
         limits: config.limits.clone(),
@@ -313,7 +343,6 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     };
     let listen = shard::resolve_listen(&config.listen)?;
 
-    let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         // A second signal while draining exits at once.
         signal_hook::flag::register_conditional_shutdown(sig, 1, stop.clone())
@@ -333,6 +362,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     })?;
     if let Some(a) = admin {
         a.stop();
+    }
+    if let Some(w) = watcher {
+        let _ = w.join();
     }
     for r in &reports {
         tracing::info!(

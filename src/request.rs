@@ -18,14 +18,16 @@ use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
 use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
+use crate::registry::Registry;
 use crate::replica::Replica;
 use crate::score::{self, Backend, BackendKind};
 use crate::wire::{self, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 
-/// The immutable state every shard reads: loaded once at start-up.
+/// The state every shard reads: replicas loaded once at start-up, and the
+/// registry through which new model versions arrive.
 #[derive(Clone, Debug)]
 pub struct Shared {
-    pub model: Arc<Model>,
+    pub registry: Arc<Registry>,
     pub user: Arc<Replica>,
     pub item: Arc<Replica>,
     pub limits: Limits,
@@ -56,7 +58,7 @@ pub enum LayoutError {
 
 /// Where each input segment lands inside one row of the model input.
 #[derive(Clone, Copy, Debug)]
-struct InputLayout {
+pub struct InputLayout {
     row_dim: usize,
     user: Option<usize>,
     item: Option<usize>,
@@ -64,8 +66,14 @@ struct InputLayout {
 }
 
 impl InputLayout {
-    fn new(shared: &Shared) -> Result<InputLayout, LayoutError> {
-        let model = &shared.model;
+    /// Checks `model`'s inputs against the replicas' dimensions and the
+    /// context limit, and computes where each segment goes.
+    pub fn new(
+        model: &Model,
+        user_dim: usize,
+        item_dim: usize,
+        context_len_max: usize,
+    ) -> Result<InputLayout, LayoutError> {
         let mut layout = InputLayout {
             row_dim: model.input_dim(),
             user: None,
@@ -74,30 +82,28 @@ impl InputLayout {
         };
         let mut offset = 0;
         for seg in &model.inputs {
-            let replica = match seg.source {
-                Source::User => Some(&shared.user),
-                Source::Item => Some(&shared.item),
+            let replica_dim = match seg.source {
+                Source::User => Some(user_dim),
+                Source::Item => Some(item_dim),
                 Source::Context => None,
             };
-            if let Some(r) = replica {
-                if r.dim() != seg.dim {
-                    return Err(LayoutError::Dim {
-                        model: model.name.clone(),
-                        input: seg.source,
-                        model_dim: seg.dim,
-                        replica_dim: r.dim(),
-                    });
-                }
+            if let Some(replica_dim) = replica_dim.filter(|&d| d != seg.dim) {
+                return Err(LayoutError::Dim {
+                    model: model.name.clone(),
+                    input: seg.source,
+                    model_dim: seg.dim,
+                    replica_dim,
+                });
             }
             match seg.source {
                 Source::User => layout.user = Some(offset),
                 Source::Item => layout.item = Some(offset),
                 Source::Context => {
-                    if seg.dim > shared.limits.context_len_max {
+                    if seg.dim > context_len_max {
                         return Err(LayoutError::Context {
                             model: model.name.clone(),
                             model_dim: seg.dim,
-                            limit: shared.limits.context_len_max,
+                            limit: context_len_max,
                         });
                     }
                     layout.context = Some((offset, seg.dim));
@@ -156,13 +162,24 @@ impl KernelCost {
     }
 }
 
-/// One shard's request path: scratch memory, backend, encoder, counters.
+/// One served model version on one shard: its own backend instance (with
+/// its repacked weights and scratch) and its kernel cost estimate.
+struct Served {
+    model: Arc<Model>,
+    backend: Box<dyn Backend>,
+    layout: InputLayout,
+    kernel_cost: KernelCost,
+}
+
+/// One shard's request path: scratch memory, backends, encoder, counters.
 pub struct RequestPath<C: Clock> {
     clock: C,
     shared: Shared,
     request_limits: RequestLimits,
-    layout: InputLayout,
-    backend: Box<dyn Backend>,
+    served: Vec<Served>,
+    default_model: usize,
+    /// The registry generation `served` reflects.
+    generation: u64,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
     /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
@@ -173,9 +190,23 @@ pub struct RequestPath<C: Clock> {
     item_ids: Vec<u64>,
     logits: Vec<f32>,
     encoder: ResponseEncoder,
-    kernel_cost: KernelCost,
     pub counters: Counters,
     times: StageTimes,
+}
+
+/// Counts and encodes a response without scores. A free function so the
+/// request path can call it while it holds a served model borrowed.
+fn fail_with(
+    counters: &mut Counters,
+    encoder: &mut ResponseEncoder,
+    request_id: u64,
+    status: Status,
+    error: &str,
+    out: &mut Vec<u8>,
+) {
+    counters.requests += 1;
+    counters.by_status[usize::from(status.0).min(7)] += 1;
+    encoder.encode(&ResponseFields::failure(request_id, status, error), out);
 }
 
 /// Largest size of one encoded response frame, for output buffer sizing.
@@ -184,47 +215,89 @@ pub fn response_frame_bytes_max(candidates_max: usize) -> usize {
 }
 
 impl<C: Clock> RequestPath<C> {
-    /// Allocates every buffer the path will use and measures the kernel once
-    /// at full batch size, so the first request's cost check is informed.
+    /// Allocates every buffer the path will use and builds a backend for
+    /// every served model, measuring each once at full batch size so the
+    /// first request's cost check is informed.
     pub fn new(shared: Shared, clock: C) -> Result<RequestPath<C>, LayoutError> {
-        let layout = InputLayout::new(&shared)?;
         let rows_max = shared.limits.candidates_max;
-        let backend = score::build(shared.backend, &shared.model, rows_max);
         let mut path = RequestPath {
             request_limits: RequestLimits {
                 frame_bytes_max: shared.limits.frame_bytes_max,
                 candidates_max: shared.limits.candidates_max,
                 context_len_max: shared.limits.context_len_max,
             },
-            x: vec![0.0; rows_max * layout.row_dim],
+            served: Vec::new(),
+            default_model: 0,
+            generation: 0,
+            x: Vec::new(),
             item_vectors: vec![0.0; rows_max * shared.item.dim()],
             item_rows: vec![0; rows_max],
             item_ids: Vec::with_capacity(rows_max),
             logits: vec![0.0; rows_max],
             encoder: ResponseEncoder::new(rows_max),
-            kernel_cost: KernelCost { ns_per_row: 0.0 },
             counters: Counters::default(),
             times: StageTimes::default(),
-            layout,
-            backend,
             clock,
             shared,
         };
-        path.warm_up();
+        path.refresh_models()?;
         Ok(path)
     }
 
-    fn warm_up(&mut self) {
-        let rows = self.shared.limits.candidates_max;
-        let started = self.clock.now_us();
-        self.backend.logits(
-            &self.shared.model,
-            &self.x[..rows * self.layout.row_dim],
-            rows,
-            &mut self.logits[..rows],
-        );
-        let elapsed_us = self.clock.now_us() - started;
-        self.kernel_cost.ns_per_row = elapsed_us as f64 * 1_000.0 / rows as f64;
+    /// Picks up model versions the registry published since the last call.
+    /// One atomic load when nothing changed; the shard calls it between
+    /// read rounds, never in the middle of a request. Returns whether the
+    /// served set changed.
+    pub fn refresh_models(&mut self) -> Result<bool, LayoutError> {
+        let registry = self.shared.registry.clone();
+        if registry.generation() == self.generation {
+            return Ok(false);
+        }
+        let snapshot = registry.snapshot();
+        // Whatever happens below, this generation is dealt with: a version
+        // that cannot be served here is not retried on every round.
+        self.generation = snapshot.generation;
+        let rows_max = self.shared.limits.candidates_max;
+        let mut next = Vec::with_capacity(snapshot.models.len());
+        for model in snapshot.models {
+            if let Some(i) = self.served.iter().position(|s| Arc::ptr_eq(&s.model, &model)) {
+                next.push(self.served.swap_remove(i));
+                continue;
+            }
+            let limits = &self.shared.limits;
+            let layout = InputLayout::new(
+                &model,
+                self.shared.user.dim(),
+                self.shared.item.dim(),
+                limits.context_len_max,
+            )?;
+            let mut served = Served {
+                backend: score::build(self.shared.backend, &model, rows_max),
+                layout,
+                kernel_cost: KernelCost { ns_per_row: 0.0 },
+                model,
+            };
+            let x = vec![0.0; rows_max * layout.row_dim];
+            let started_ns = self.clock.now_ns();
+            served
+                .backend
+                .logits(&served.model, &x, rows_max, &mut self.logits[..rows_max]);
+            let elapsed_ns = self.clock.now_ns().saturating_sub(started_ns);
+            served.kernel_cost.ns_per_row = elapsed_ns as f64 / rows_max as f64;
+            tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
+            next.push(served);
+        }
+        self.served = next;
+        self.default_model = self
+            .served
+            .iter()
+            .position(|s| s.model.name == snapshot.default)
+            .unwrap_or(0);
+        let row_dim_max = self.served.iter().map(|s| s.layout.row_dim).max().unwrap_or(0);
+        if self.x.len() < rows_max * row_dim_max {
+            self.x = vec![0.0; rows_max * row_dim_max];
+        }
+        Ok(true)
     }
 
     pub fn clock(&self) -> &C {
@@ -232,12 +305,12 @@ impl<C: Clock> RequestPath<C> {
     }
 
     pub fn backend_name(&self) -> &'static str {
-        self.backend.name()
+        self.served.first().map_or("none", |s| s.backend.name())
     }
 
-    /// Expected kernel time for `rows` candidates, from recent measurements.
+    /// Expected kernel time of the default model for `rows` candidates.
     pub fn expected_kernel_us(&self, rows: usize) -> u64 {
-        self.kernel_cost.expected_us(rows)
+        self.served[self.default_model].kernel_cost.expected_us(rows)
     }
 
     fn fail(&mut self, request_id: u64, status: Status, error: &str, out: &mut Vec<u8>) {
@@ -285,23 +358,41 @@ impl<C: Clock> RequestPath<C> {
             return self.fail(request_id, Status::Overloaded, "server is not ready", out);
         }
         let model_name = request.model();
-        if !model_name.is_empty() && model_name != self.shared.model.name {
+        let chosen = if model_name.is_empty() {
+            Some(self.default_model)
+        } else {
+            self.served.iter().position(|s| s.model.name == model_name)
+        };
+        let Some(chosen) = chosen else {
             return self.fail(request_id, Status::ModelNotFound, "unknown model", out);
-        }
+        };
+        let Served {
+            model,
+            backend,
+            layout,
+            kernel_cost,
+        } = &mut self.served[chosen];
         let context = request.context();
-        let context_dim = self.layout.context.map_or(0, |(_, d)| d);
+        let context_dim = layout.context.map_or(0, |(_, d)| d);
         if !context.is_empty() && context.len() != context_dim {
             let why = format!("context has {} floats, the model takes {context_dim}", context.len());
-            return self.fail(request_id, Status::BadRequest, &why, out);
+            return fail_with(
+                &mut self.counters,
+                &mut self.encoder,
+                request_id,
+                Status::BadRequest,
+                &why,
+                out,
+            );
         }
 
         // Lookup: user vector once, then one item vector per candidate.
         let items = request.item_ids();
         let rows = items.len();
-        let row_dim = self.layout.row_dim;
+        let row_dim = layout.row_dim;
         let x = &mut self.x[..rows * row_dim];
         let mut missing = 0u32;
-        if let Some(off) = self.layout.user {
+        if let Some(off) = layout.user {
             let dim = self.shared.user.dim();
             let (first, rest) = x.split_at_mut(row_dim);
             missing += u32::from(
@@ -314,7 +405,7 @@ impl<C: Clock> RequestPath<C> {
                 row[off..off + dim].copy_from_slice(&first[off..off + dim]);
             }
         }
-        if let Some(off) = self.layout.item {
+        if let Some(off) = layout.item {
             // Batched so the candidates' memory loads overlap (prefetch).
             let dim = self.shared.item.dim();
             self.item_ids.clear();
@@ -328,7 +419,7 @@ impl<C: Clock> RequestPath<C> {
                 row[off..off + dim].copy_from_slice(v);
             }
         }
-        if let Some((off, dim)) = self.layout.context {
+        if let Some((off, dim)) = layout.context {
             for row in x.chunks_exact_mut(row_dim) {
                 let dst = &mut row[off..off + dim];
                 if context.is_empty() {
@@ -345,7 +436,7 @@ impl<C: Clock> RequestPath<C> {
         let before_kernel_ns = self.clock.now_ns();
         self.times
             .record_ns(Stage::Lookup, before_kernel_ns.saturating_sub(decoded_ns));
-        if deadline.cannot_fit(before_kernel_ns / 1_000, self.kernel_cost.expected_us(rows)) {
+        if deadline.cannot_fit(before_kernel_ns / 1_000, kernel_cost.expected_us(rows)) {
             return self.fail(
                 request_id,
                 Status::DeadlineExceeded,
@@ -356,12 +447,11 @@ impl<C: Clock> RequestPath<C> {
 
         // Kernel.
         let logits = &mut self.logits[..rows];
-        self.backend
-            .logits(&self.shared.model, &self.x[..rows * row_dim], rows, logits);
+        backend.logits(model, &self.x[..rows * row_dim], rows, logits);
         let after_kernel_ns = self.clock.now_ns();
         let kernel_ns = after_kernel_ns.saturating_sub(before_kernel_ns);
         self.times.record_ns(Stage::Kernel, kernel_ns);
-        self.kernel_cost.observe(rows, kernel_ns / 1_000);
+        kernel_cost.observe(rows, kernel_ns / 1_000);
         for l in logits.iter_mut() {
             *l = sigmoid(*l);
         }
@@ -389,7 +479,7 @@ impl<C: Clock> RequestPath<C> {
                 status: Status::Ok,
                 scores: &self.logits[..rows],
                 tier: Tier::Primary,
-                model_version: self.shared.model.version,
+                model_version: model.version,
                 server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
                 features_missing: u16::try_from(missing).unwrap_or(u16::MAX),
                 error: "",
@@ -468,8 +558,13 @@ mod tests {
             // logit = item + 2 * context + user[0] - user[1]
             layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
         };
+        let fit = crate::registry::Fit {
+            user_dim: 2,
+            item_dim: 1,
+            context_len_max: 256,
+        };
         Shared {
-            model: Arc::new(model),
+            registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap()),
             user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
             item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
             limits: Limits {
@@ -565,7 +660,7 @@ mod tests {
     fn budget_smaller_than_the_kernel_cost_is_refused_up_front() {
         let clock = ManualClock::new(0);
         let mut path = RequestPath::new(shared(&dir("cost")), &clock).unwrap();
-        path.kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
+        path.served[0].kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
         let mut s = spec();
         s.budget_us = 100; // 3 rows need 150 µs
         let r = run(&mut path, &s, 0);

@@ -176,9 +176,13 @@ async fn run_shard(
     let shutdown = Rc::new(ShutdownSignal::default());
     let watcher = glommio::spawn_local({
         let shutdown = shutdown.clone();
+        let path = path.clone();
         async move {
             while !stop.load(Ordering::Relaxed) {
                 glommio::timer::sleep(SHUTDOWN_POLL).await;
+                // New model versions are usually picked up here, between
+                // requests, rather than at the start of a read round.
+                refresh(&path, shard);
             }
             shutdown.trigger();
         }
@@ -233,6 +237,7 @@ async fn run_shard(
         report.borrow_mut().connections_accepted += 1;
         active.set(active.get() + 1);
         let conn = Connection {
+            shard,
             path: path.clone(),
             shutdown: shutdown.clone(),
             limits: limits.clone(),
@@ -272,7 +277,17 @@ async fn run_shard(
     Ok(r)
 }
 
+/// Swaps in model versions the registry published, logging a failure.
+fn refresh(path: &RefCell<RequestPath<MonotonicClock>>, shard: usize) {
+    match path.borrow_mut().refresh_models() {
+        Ok(true) => tracing::debug!(shard, "model versions refreshed"),
+        Ok(false) => {}
+        Err(e) => tracing::error!(shard, error = %e, "a published model cannot be served; keeping the old ones"),
+    }
+}
+
 struct Connection {
+    shard: usize,
     path: Rc<RefCell<RequestPath<MonotonicClock>>>,
     shutdown: Rc<ShutdownSignal>,
     limits: crate::config::Limits,
@@ -294,6 +309,7 @@ impl Connection {
             // Answer every complete frame already buffered, up to the output cap.
             let mut consumed = 0;
             let mut broken = false;
+            refresh(&self.path, self.shard);
             {
                 let mut path = self.path.borrow_mut();
                 let read_at_ns = path.clock().now_ns();

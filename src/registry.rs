@@ -1,0 +1,413 @@
+//! The model registry: which model versions the server serves, by name, and
+//! how a new version reaches the shards without a restart.
+//!
+//! On disk a registry is a directory `<models_dir>/<name>/<version>/model.qm`.
+//! The server loads the latest version of every name at start (or a single
+//! `model` file when no directory is configured). An operator loads another
+//! version or rolls back through the admin endpoint; the admin thread reads
+//! and validates the file, checks its input layout against the feature
+//! replicas, warms it on a batch, and only then publishes it and bumps a
+//! generation counter. Each shard compares that counter once per read round
+//! (one atomic load) and, when it moved, swaps in its own backend for the new
+//! version between rounds. A request is served start to finish by one
+//! version, and every response names that version.
+//!
+//! This is one of the few cross-thread types (with `metrics`): a mutex taken
+//! by the admin thread and by a shard only when the generation changed.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::model::{Model, ModelError};
+use crate::request::{InputLayout, LayoutError};
+use crate::score::{self, BackendKind};
+
+/// File name of a model inside its version directory.
+pub const MODEL_FILE: &str = "model.qm";
+/// Model names are directory names: a bounded, boring alphabet.
+pub const NAME_BYTES_MAX: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error("no model named '{0}'")]
+    UnknownModel(String),
+    #[error("model '{name}' has no version {version} under {dir}")]
+    UnknownVersion { name: String, version: u32, dir: String },
+    #[error("{path} holds model '{found}' version {found_version}, expected '{name}' version {version}")]
+    Mismatch {
+        path: String,
+        found: String,
+        found_version: u32,
+        name: String,
+        version: u32,
+    },
+    #[error("model '{0}' has no previous version to roll back to")]
+    NoPrevious(String),
+    #[error("no models found under {0}")]
+    Empty(String),
+    #[error("model name '{0}' is not 1 to 64 of [A-Za-z0-9._-]")]
+    BadName(String),
+    #[error("models are loaded from a single file; configure models_dir to load versions")]
+    NoDirectory,
+}
+
+/// What the replicas and limits allow a model's inputs to be.
+#[derive(Clone, Copy, Debug)]
+pub struct Fit {
+    pub user_dim: usize,
+    pub item_dim: usize,
+    pub context_len_max: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Slot {
+    current: Arc<Model>,
+    previous: Option<Arc<Model>>,
+}
+
+/// A served model as a shard sees it after a generation change.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub generation: u64,
+    pub default: String,
+    pub models: Vec<Arc<Model>>,
+}
+
+/// What `GET /models` reports for one name.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ModelStatus {
+    pub name: String,
+    pub version: u32,
+    pub previous: Option<u32>,
+    pub on_disk: Vec<u32>,
+}
+
+#[derive(Debug)]
+pub struct Registry {
+    dir: Option<PathBuf>,
+    fit: Fit,
+    backend: BackendKind,
+    rows_max: usize,
+    default: String,
+    slots: Mutex<BTreeMap<String, Slot>>,
+    generation: AtomicU64,
+    /// Versions `load_newer` failed to load, so a broken file on disk is
+    /// reported once, not on every poll.
+    refused: Mutex<std::collections::BTreeSet<(String, u32)>>,
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= NAME_BYTES_MAX
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && name != "."
+        && name != ".."
+}
+
+/// Versions of `name` present on disk, ascending.
+fn versions_on_disk(dir: &Path, name: &str) -> Result<Vec<u32>, RegistryError> {
+    let d = dir.join(name);
+    let io = |source| RegistryError::Io {
+        path: d.display().to_string(),
+        source,
+    };
+    let mut versions = Vec::new();
+    for entry in std::fs::read_dir(&d).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let Some(v) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if entry.path().join(MODEL_FILE).is_file() {
+            versions.push(v);
+        }
+    }
+    versions.sort_unstable();
+    Ok(versions)
+}
+
+impl Registry {
+    /// Serves one model file (no versions on disk to switch between).
+    pub fn single(path: &Path, fit: Fit, backend: BackendKind, rows_max: usize) -> Result<Registry, RegistryError> {
+        Registry::from_models(vec![Model::load(path)?], fit, backend, rows_max)
+    }
+
+    /// Serves models held in memory; the first is the default.
+    pub fn from_models(
+        models: Vec<Model>,
+        fit: Fit,
+        backend: BackendKind,
+        rows_max: usize,
+    ) -> Result<Registry, RegistryError> {
+        let default = models
+            .first()
+            .map(|m| m.name.clone())
+            .ok_or_else(|| RegistryError::Empty("(memory)".into()))?;
+        let mut slots = BTreeMap::new();
+        for model in models {
+            InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
+            slots.insert(
+                model.name.clone(),
+                Slot {
+                    current: Arc::new(model),
+                    previous: None,
+                },
+            );
+        }
+        Ok(Registry {
+            dir: None,
+            fit,
+            backend,
+            rows_max,
+            default,
+            slots: Mutex::new(slots),
+            generation: AtomicU64::new(1),
+            refused: Mutex::default(),
+        })
+    }
+
+    /// Loads the latest version of every model under `dir`. `default` names
+    /// the model for requests that name none (else the only model, or the
+    /// first name in order).
+    pub fn open(
+        dir: &Path,
+        default: Option<&str>,
+        fit: Fit,
+        backend: BackendKind,
+        rows_max: usize,
+    ) -> Result<Registry, RegistryError> {
+        let io = |source| RegistryError::Io {
+            path: dir.display().to_string(),
+            source,
+        };
+        let mut slots = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if !entry.path().is_dir() || !valid_name(&name) {
+                continue;
+            }
+            let Some(&latest) = versions_on_disk(dir, &name)?.last() else {
+                continue;
+            };
+            let model = load_checked(dir, &name, latest, fit)?;
+            slots.insert(
+                name,
+                Slot {
+                    current: Arc::new(model),
+                    previous: None,
+                },
+            );
+        }
+        let default = match default {
+            Some(d) if slots.contains_key(d) => d.to_string(),
+            Some(d) => return Err(RegistryError::UnknownModel(d.to_string())),
+            None => slots
+                .keys()
+                .next()
+                .cloned()
+                .ok_or_else(|| RegistryError::Empty(dir.display().to_string()))?,
+        };
+        Ok(Registry {
+            dir: Some(dir.to_path_buf()),
+            fit,
+            backend,
+            rows_max,
+            default,
+            slots: Mutex::new(slots),
+            generation: AtomicU64::new(1),
+            refused: Mutex::default(),
+        })
+    }
+
+    /// Changes whenever any served version changes; shards poll it.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        Snapshot {
+            generation: self.generation.load(Ordering::Acquire),
+            default: self.default.clone(),
+            models: slots.values().map(|s| s.current.clone()).collect(),
+        }
+    }
+
+    pub fn status(&self) -> Vec<ModelStatus> {
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        slots
+            .into_iter()
+            .map(|(name, s)| ModelStatus {
+                on_disk: self
+                    .dir
+                    .as_ref()
+                    .and_then(|d| versions_on_disk(d, &name).ok())
+                    .unwrap_or_default(),
+                version: s.current.version,
+                previous: s.previous.as_ref().map(|p| p.version),
+                name,
+            })
+            .collect()
+    }
+
+    /// Loads `version` of `name` (the latest on disk when `None`), warms it
+    /// and makes it current; the old current becomes the rollback target.
+    /// Returns the version now served.
+    pub fn load(&self, name: &str, version: Option<u32>) -> Result<u32, RegistryError> {
+        let dir = self.dir.as_ref().ok_or(RegistryError::NoDirectory)?;
+        if !valid_name(name) {
+            return Err(RegistryError::BadName(name.into()));
+        }
+        let version = match version {
+            Some(v) => v,
+            None => *versions_on_disk(dir, name)?
+                .last()
+                .ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
+        };
+        let model = load_checked(dir, name, version, self.fit)?;
+        self.warm(&model);
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let model = Arc::new(model);
+        match slots.get_mut(name) {
+            Some(slot) => {
+                let old = std::mem::replace(&mut slot.current, model);
+                slot.previous = Some(old);
+            }
+            None => {
+                slots.insert(
+                    name.to_string(),
+                    Slot {
+                        current: model,
+                        previous: None,
+                    },
+                );
+            }
+        }
+        self.generation.fetch_add(1, Ordering::Release);
+        tracing::info!(model = name, version, "model version loaded");
+        Ok(version)
+    }
+
+    /// Returns `name` to its previous version at once (the two swap, so a
+    /// second rollback undoes the first).
+    pub fn rollback(&self, name: &str) -> Result<u32, RegistryError> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = slots
+            .get_mut(name)
+            .ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
+        let previous = slot
+            .previous
+            .take()
+            .ok_or_else(|| RegistryError::NoPrevious(name.into()))?;
+        let old = std::mem::replace(&mut slot.current, previous);
+        slot.previous = Some(old);
+        let version = slot.current.version;
+        self.generation.fetch_add(1, Ordering::Release);
+        tracing::info!(model = name, version, "model rolled back");
+        Ok(version)
+    }
+
+    /// Runs one full batch so the version's first requests do not pay for
+    /// first-touch page faults and lazy initialisation.
+    fn warm(&self, model: &Model) {
+        let mut backend = score::build(self.backend, model, self.rows_max);
+        let x = vec![0.0; self.rows_max * model.input_dim()];
+        let mut out = vec![0.0; self.rows_max];
+        backend.logits(model, &x, self.rows_max, &mut out);
+    }
+
+    /// Loads any version newer than the one served, for every name on disk.
+    /// Returns what changed.
+    pub fn load_newer(&self) -> Vec<(String, u32)> {
+        let Some(dir) = &self.dir else {
+            return Vec::new();
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        let mut changed = Vec::new();
+        for entry in entries.flatten() {
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if !valid_name(&name) {
+                continue;
+            }
+            let latest = versions_on_disk(dir, &name).ok().and_then(|v| v.last().copied());
+            let served = self
+                .slots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&name)
+                .map(|s| s.current.version);
+            let Some(latest) = latest.filter(|&l| served.is_none_or(|s| l > s)) else {
+                continue;
+            };
+            let key = (name.clone(), latest);
+            if self.refused.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+                continue;
+            }
+            match self.load(&name, Some(latest)) {
+                Ok(v) => changed.push((name, v)),
+                Err(e) => {
+                    tracing::warn!(model = %name, version = latest, error = %e, "new version not loaded");
+                    self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
+                }
+            }
+        }
+        changed
+    }
+}
+
+fn load_checked(dir: &Path, name: &str, version: u32, fit: Fit) -> Result<Model, RegistryError> {
+    let path = dir.join(name).join(version.to_string()).join(MODEL_FILE);
+    if !path.is_file() {
+        return Err(RegistryError::UnknownVersion {
+            name: name.into(),
+            version,
+            dir: dir.display().to_string(),
+        });
+    }
+    let model = Model::load(&path)?;
+    if model.name != name || model.version != version {
+        return Err(RegistryError::Mismatch {
+            path: path.display().to_string(),
+            found: model.name,
+            found_version: model.version,
+            name: name.into(),
+            version,
+        });
+    }
+    InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
+    Ok(model)
+}
+
+/// Writes `model` into a registry directory as `<name>/<version>/model.qm`.
+pub fn publish(dir: &Path, model: &Model) -> Result<PathBuf, RegistryError> {
+    if !valid_name(&model.name) {
+        return Err(RegistryError::BadName(model.name.clone()));
+    }
+    let d = dir.join(&model.name).join(model.version.to_string());
+    std::fs::create_dir_all(&d).map_err(|source| RegistryError::Io {
+        path: d.display().to_string(),
+        source,
+    })?;
+    let path = d.join(MODEL_FILE);
+    model.save(&path)?;
+    Ok(path)
+}

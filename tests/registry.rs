@@ -1,0 +1,245 @@
+//! The model registry against a real server: latest version at start, load
+//! and rollback through the admin endpoint, several models by name, hot
+//! reload under load, and new versions picked up from disk.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{demo_dir, demo_request, Server, INT8_SCORE_TOLERANCE};
+use quiver::model::{sigmoid, Layer, Model};
+use quiver::registry::{publish, ModelStatus};
+use quiver::replica::Replica;
+use quiver::wire::{RequestSpec, Status};
+
+/// The demo model with its output bias shifted: same inputs, other scores.
+fn demo_version(version: u32, bias_shift: f32) -> Model {
+    let mut m = quiver::demo::model();
+    m.version = version;
+    let last = m.layers.last_mut().unwrap();
+    last.bias[0] += bias_shift;
+    m
+}
+
+/// A small model with the demo's inputs: 80 → 16 → 1.
+fn small_model(name: &str, version: u32) -> Model {
+    let mut rng = quiver::demo::SplitMix64::new(99);
+    let w1 = (0..80 * 16).map(|_| rng.normal() * 0.15).collect();
+    let w2 = (0..16).map(|_| rng.normal() * 0.3).collect();
+    Model {
+        name: name.into(),
+        version,
+        inputs: quiver::demo::model().inputs,
+        layers: vec![
+            Layer::quantize(80, 16, true, w1, vec![0.0; 16]),
+            Layer::quantize(16, 1, false, w2, vec![0.1]),
+        ],
+    }
+}
+
+fn reference(model: &Model, spec: &RequestSpec) -> Vec<f32> {
+    let user = Replica::open(&demo_dir().join("user.qrep"), "user").unwrap();
+    let item = Replica::open(&demo_dir().join("item.qrep"), "item").unwrap();
+    let mut u = vec![0.0; 32];
+    user.read_into(spec.user_id, &mut u);
+    let mut x = Vec::new();
+    for &id in &spec.item_ids {
+        let mut v = vec![0.0; 32];
+        item.read_into(id, &mut v);
+        x.extend_from_slice(&u);
+        x.extend_from_slice(&v);
+        x.extend_from_slice(&spec.context);
+    }
+    let mut logits = vec![0.0; spec.item_ids.len()];
+    model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
+    logits.into_iter().map(sigmoid).collect()
+}
+
+fn close(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= INT8_SCORE_TOLERANCE)
+}
+
+fn registry_dir(name: &str, models: &[Model]) -> PathBuf {
+    let dir = common::scratch(name);
+    for m in models {
+        publish(&dir, m).unwrap();
+    }
+    dir
+}
+
+fn start(models: &Path, extra: &[&str]) -> Server {
+    let mut args = vec!["--shards", "2", "--models-dir", models.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    Server::start(&args)
+}
+
+fn post(url: &str) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut r = agent.post(url).send_empty().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+fn models(server: &Server) -> Vec<ModelStatus> {
+    let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
+    let body = agent
+        .get(&format!("http://{}/models", server.admin))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    serde_json::from_str(&body).unwrap()
+}
+
+#[test]
+fn latest_version_serves_then_load_and_rollback() {
+    let v1 = demo_version(1, 0.0);
+    let v2 = demo_version(2, 1.5);
+    let dir = registry_dir("reg-versions", &[v1.clone(), v2.clone()]);
+    let server = start(&dir, &[]);
+    let mut c = server.client();
+    let spec = demo_request(1, 42, (0..32).collect());
+    let r = c.score(&spec).unwrap();
+    assert_eq!((r.status, r.model_version), (Status::Ok, 2));
+    assert!(close(&r.scores, &reference(&v2, &spec)));
+    assert!(
+        !close(&r.scores, &reference(&v1, &spec)),
+        "the versions must be distinguishable"
+    );
+
+    let admin = &server.admin;
+    assert_eq!(
+        post(&format!("http://{admin}/models/auction-32/load?version=1")),
+        (200, "{\"version\":1}".into())
+    );
+    let r = c.score(&spec).unwrap();
+    assert_eq!(r.model_version, 1);
+    assert!(close(&r.scores, &reference(&v1, &spec)));
+    assert_eq!(
+        models(&server),
+        vec![ModelStatus {
+            name: "auction-32".into(),
+            version: 1,
+            previous: Some(2),
+            on_disk: vec![1, 2],
+        }]
+    );
+
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/rollback")).0, 200);
+    assert_eq!(c.score(&spec).unwrap().model_version, 2);
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/rollback")).0, 200);
+    assert_eq!(c.score(&spec).unwrap().model_version, 1);
+
+    let (code, body) = post(&format!("http://{admin}/models/auction-32/load?version=9"));
+    assert_eq!(code, 404, "{body}");
+    assert!(body.contains("no version 9"), "{body}");
+    assert_eq!(post(&format!("http://{admin}/models/nope/rollback")).0, 404);
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/load?version=x")).0, 400);
+    assert_eq!(c.score(&spec).unwrap().model_version, 1, "failed loads change nothing");
+}
+
+#[test]
+fn models_are_served_side_by_side_by_name() {
+    let big = demo_version(1, 0.0);
+    let small = small_model("small", 3);
+    let dir = registry_dir("reg-names", &[big.clone(), small.clone()]);
+    let server = start(&dir, &[]);
+    let mut c = server.client();
+    let mut spec = demo_request(1, 7, (100..132).collect());
+    let r = c.score(&spec).unwrap();
+    assert_eq!(r.model_version, 1, "no name: the default model (first name)");
+    assert!(close(&r.scores, &reference(&big, &spec)));
+    spec.model = "small".into();
+    let r = c.score(&spec).unwrap();
+    assert_eq!((r.status, r.model_version), (Status::Ok, 3));
+    assert!(close(&r.scores, &reference(&small, &spec)));
+    spec.model = "auction-32".into();
+    assert_eq!(c.score(&spec).unwrap().model_version, 1);
+    spec.model = "other".into();
+    assert_eq!(c.score(&spec).unwrap().status, Status::ModelNotFound);
+}
+
+#[test]
+fn hot_reload_under_load_never_fails_or_mixes_versions() {
+    let v1 = demo_version(1, 0.0);
+    let v2 = demo_version(2, 1.5);
+    let dir = registry_dir("reg-hot", &[v1.clone(), v2.clone()]);
+    let server = start(&dir, &[]);
+    let stop = AtomicBool::new(false);
+    let (seen, worst) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let mut c = server.client();
+            let specs: Vec<RequestSpec> = (0..64u64)
+                .map(|i| demo_request(i, i * 31, (i..i + 32).collect()))
+                .collect();
+            let want: Vec<[Vec<f32>; 2]> = specs.iter().map(|s| [reference(&v1, s), reference(&v2, s)]).collect();
+            let mut seen = [0u64; 3];
+            let mut worst = Duration::ZERO;
+            let mut id = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let k = (id % 64) as usize;
+                let mut spec = specs[k].clone();
+                spec.request_id = id;
+                let started = Instant::now();
+                let r = c.score(&spec).unwrap();
+                worst = worst.max(started.elapsed());
+                assert_eq!(r.status, Status::Ok, "request {id} failed during reload");
+                let v = r.model_version as usize;
+                assert!(v == 1 || v == 2);
+                assert!(
+                    close(&r.scores, &want[k][v - 1]),
+                    "request {id}: scores are not version {v}'s"
+                );
+                seen[v] += 1;
+                id += 1;
+            }
+            (seen, worst)
+        });
+        for round in 0..10 {
+            std::thread::sleep(Duration::from_millis(60));
+            let (code, body) = post(&format!(
+                "http://{}/models/auction-32/load?version={}",
+                server.admin,
+                1 + round % 2
+            ));
+            assert_eq!(code, 200, "{body}");
+        }
+        std::thread::sleep(Duration::from_millis(60));
+        stop.store(true, Ordering::Relaxed);
+        load.join().unwrap()
+    });
+    eprintln!(
+        "hot reload: {} v1 and {} v2 responses, slowest {worst:?}",
+        seen[1], seen[2]
+    );
+    assert!(seen[1] > 0 && seen[2] > 0, "{seen:?}");
+    assert!(
+        worst < Duration::from_millis(250),
+        "a reload stalled a request for {worst:?}"
+    );
+}
+
+#[test]
+fn new_versions_on_disk_are_picked_up() {
+    let dir = registry_dir("reg-watch", &[demo_version(1, 0.0)]);
+    let cfg = common::scratch("reg-watch-cfg").join("q.toml");
+    std::fs::write(&cfg, "watch_models_ms = 50\n").unwrap();
+    let server = start(&dir, &["--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    let spec = demo_request(1, 1, vec![1, 2, 3]);
+    assert_eq!(c.score(&spec).unwrap().model_version, 1);
+    publish(&dir, &demo_version(2, 1.0)).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while c.score(&spec).unwrap().model_version != 2 {
+        assert!(Instant::now() < until, "version 2 was never picked up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A broken newer version is refused and the served one stays.
+    let bad = dir.join("auction-32").join("3");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(bad.join("model.qm"), b"not a model").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(c.score(&spec).unwrap().model_version, 2);
+}
