@@ -41,11 +41,7 @@ fn auction_request(seed: u64) -> Vec<u8> {
 fn wire_bench(c: &mut Criterion) {
     let frame = auction_request(1);
     let payload = &frame[wire::FRAME_PREFIX_BYTES..];
-    let limits = RequestLimits {
-        frame_bytes_max: 65_536,
-        candidates_max: 256,
-        context_len_max: 256,
-    };
+    let limits = RequestLimits { frame_bytes_max: 65_536, candidates_max: 256, context_len_max: 256 };
     let mut g = c.benchmark_group("wire");
     g.bench_function("split+verify+read auction-32 request", |b| {
         b.iter(|| {
@@ -55,9 +51,7 @@ fn wire_bench(c: &mut Criterion) {
             black_box(s + r.user_id() + r.context().len() as u64)
         })
     });
-    g.bench_function("verify only", |b| {
-        b.iter(|| wire::decode_request(black_box(payload), &limits).is_ok())
-    });
+    g.bench_function("verify only", |b| b.iter(|| wire::decode_request(black_box(payload), &limits).is_ok()));
     let scores = [0.5f32; 32];
     let mut enc = ResponseEncoder::new(256);
     let mut out = Vec::with_capacity(4096);
@@ -105,12 +99,8 @@ fn replica_bench(c: &mut Criterion) {
     let table = big_table();
     let mut rng = SplitMix64::new(11);
     // 4096 request-sized key sets, so caches see a realistic spread.
-    let hits: Vec<Vec<u64>> = (0..4096)
-        .map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect())
-        .collect();
-    let misses: Vec<Vec<u64>> = (0..4096)
-        .map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2 + 1).collect())
-        .collect();
+    let hits: Vec<Vec<u64>> = (0..4096).map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect()).collect();
+    let misses: Vec<Vec<u64>> = (0..4096).map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2 + 1).collect()).collect();
     let mut out = vec![0.0f32; 33 * DIM as usize];
     let mut rows = vec![0u32; 33];
     let mut g = c.benchmark_group("replica 1M x 32 f32");
@@ -171,7 +161,7 @@ fn request_bench(c: &mut Criterion) {
                 i = (i + 1) % frames.len();
                 out.clear();
                 let read_at_ns = path.clock().now_ns();
-                path.handle(&frames[i][wire::FRAME_PREFIX_BYTES..], read_at_ns, &mut out);
+                path.handle(&frames[i][wire::FRAME_PREFIX_BYTES..], read_at_ns, 0, &mut out);
                 black_box(out.len())
             })
         });

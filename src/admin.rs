@@ -58,12 +58,8 @@ impl prometheus_client::collector::Collector for QuiverCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let m = metrics::merge(&self.board);
 
-        let mut e = encoder.encode_descriptor(
-            "quiver_requests",
-            "Requests answered, by status.",
-            None,
-            MetricType::Counter,
-        )?;
+        let mut e =
+            encoder.encode_descriptor("quiver_requests", "Requests answered, by status.", None, MetricType::Counter)?;
         for code in 0..=6u8 {
             let labels = [("status", status_name(Status(code)))];
             e.encode_family(&labels)?
@@ -77,16 +73,10 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         for code in 0..=3u8 {
             let labels = [("tier", tier_name(Tier(code)))];
-            e.encode_family(&labels)?
-                .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
+            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
         }
         encoder
-            .encode_descriptor(
-                "quiver_candidates_scored",
-                "Candidates scored.",
-                None,
-                MetricType::Counter,
-            )?
+            .encode_descriptor("quiver_candidates_scored", "Candidates scored.", None, MetricType::Counter)?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.candidates_scored, None)?;
         encoder
             .encode_descriptor(
@@ -97,12 +87,7 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             )?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.features_missing, None)?;
         encoder
-            .encode_descriptor(
-                "quiver_connections_active",
-                "Open client connections.",
-                None,
-                MetricType::Gauge,
-            )?
+            .encode_descriptor("quiver_connections_active", "Open client connections.", None, MetricType::Gauge)?
             .encode_gauge(&(m.connections_active as i64))?;
         encoder
             .encode_descriptor("quiver_shards", "Shards serving.", None, MetricType::Gauge)?
@@ -119,11 +104,8 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
         for m in self.registry.status() {
             let version = m.version.to_string();
-            let labels = [
-                ("model", m.name.as_str()),
-                ("version", version.as_str()),
-                ("backend", self.backend.as_str()),
-            ];
+            let labels =
+                [("model", m.name.as_str()), ("version", version.as_str()), ("backend", self.backend.as_str())];
             e.encode_info(&labels)?;
         }
 
@@ -155,11 +137,7 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let h = &m.window[stage as usize];
             for (q, label) in [(0.5, "0.5"), (0.99, "0.99"), (0.999, "0.999")] {
                 let labels = [("stage", stage.name()), ("quantile", label)];
-                let v = if h.is_empty() {
-                    0.0
-                } else {
-                    ns_to_s(h.value_at_quantile(q))
-                };
+                let v = if h.is_empty() { 0.0 } else { ns_to_s(h.value_at_quantile(q)) };
                 e.encode_family(&labels)?.encode_gauge(&v)?;
             }
         }
@@ -201,12 +179,8 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
         shards: m.shards,
         connections_active: m.connections_active,
         requests: m.counters.requests,
-        by_status: (0..=6u8)
-            .map(|c| (status_name(Status(c)).to_string(), m.counters.by_status[c as usize]))
-            .collect(),
-        by_tier: (0..=3u8)
-            .map(|c| (tier_name(Tier(c)).to_string(), m.counters.by_tier[c as usize]))
-            .collect(),
+        by_status: (0..=6u8).map(|c| (status_name(Status(c)).to_string(), m.counters.by_status[c as usize])).collect(),
+        by_tier: (0..=3u8).map(|c| (tier_name(Tier(c)).to_string(), m.counters.by_tier[c as usize])).collect(),
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
@@ -264,11 +238,7 @@ impl Admin {
                 move || serve(&server, &prometheus, &board, &readiness, &registry)
             })
             .map_err(|e| crate::Error::Setup(format!("admin thread: {e}")))?;
-        Ok(Admin {
-            server,
-            thread: Some(thread),
-            addr: bound,
-        })
+        Ok(Admin { server, thread: Some(thread), addr: bound })
     }
 
     /// Stops serving and joins the thread.
@@ -347,14 +317,11 @@ fn serve(
                     .map(|v| v.parse::<u32>().map_err(|_| format!("bad version '{v}'")));
                 let outcome = match (rest.rsplit_once('/'), version) {
                     (_, Some(Err(e))) => Err((400, e)),
-                    (Some((name, "load")), v) => registry
-                        .load(name, v.map(|r| r.expect("checked above")))
-                        .map_err(registry_error),
+                    (Some((name, "load")), v) => {
+                        registry.load(name, v.map(|r| r.expect("checked above"))).map_err(registry_error)
+                    }
                     (Some((name, "rollback")), None) => registry.rollback(name).map_err(registry_error),
-                    _ => Err((
-                        404,
-                        "use /models/<name>/load[?version=N] or /models/<name>/rollback".into(),
-                    )),
+                    _ => Err((404, "use /models/<name>/load[?version=N] or /models/<name>/rollback".into())),
                 };
                 match outcome {
                     Ok(version) => Response::from_string(format!("{{\"version\":{version}}}"))
@@ -385,11 +352,7 @@ mod tests {
         c.requests = 4;
         c.by_status[0] = 4;
         publish(&mut t, &c, 1, &b[1]);
-        let fit = crate::registry::Fit {
-            user_dim: 32,
-            item_dim: 32,
-            context_len_max: 256,
-        };
+        let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
         let mut model = crate::demo::model();
         model.name = "m".into();
         model.version = 2;
@@ -405,22 +368,10 @@ mod tests {
         prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
         assert!(text.contains("quiver_requests_total{status=\"ok\"} 4"), "{text}");
         assert!(text.contains("quiver_request_duration_seconds_count 4"), "{text}");
-        assert!(
-            text.contains("quiver_request_duration_seconds_bucket{le=\"1e-05\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"),
-            "{text}"
-        );
-        assert!(
-            text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"),
-            "{text}"
-        );
-        assert!(
-            text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"),
-            "{text}"
-        );
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"1e-05\"} 1"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
+        assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
         assert!(text.contains("quiver_ready 1"), "{text}");
     }
 }

@@ -46,11 +46,7 @@ pub struct Codec {
 
 impl Default for Codec {
     fn default() -> Self {
-        Codec {
-            encoder: RequestEncoder::new(),
-            frame_bytes_max: 1 << 20,
-            scores_max: 1 << 16,
-        }
+        Codec { encoder: RequestEncoder::new(), frame_bytes_max: 1 << 20, scores_max: 1 << 16 }
     }
 }
 
@@ -82,10 +78,7 @@ pub struct Client {
 impl Client {
     /// Connects with `timeout` for the connection and for every later call.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Client, ClientError> {
-        let err = |source| ClientError::Connect {
-            addr: addr.into(),
-            source,
-        };
+        let err = |source| ClientError::Connect { addr: addr.into(), source };
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(err)?.collect();
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
         for a in addrs {
@@ -193,9 +186,7 @@ impl Client {
                 sent += 1;
             }
             let resp = self.recv()?;
-            let i = *index
-                .get(&resp.request_id)
-                .ok_or(ClientError::UnexpectedId(resp.request_id))?;
+            let i = *index.get(&resp.request_id).ok_or(ClientError::UnexpectedId(resp.request_id))?;
             if out[i].is_some() {
                 return Err(ClientError::UnexpectedId(resp.request_id));
             }
@@ -247,13 +238,7 @@ mod tests {
 
     #[test]
     fn codec_rejects_an_oversized_frame() {
-        let codec = Codec {
-            frame_bytes_max: 16,
-            ..Codec::default()
-        };
-        assert!(matches!(
-            codec.decode(&[17, 0, 0, 0]),
-            Err(ClientError::Frame(FrameError::TooLarge { .. }))
-        ));
+        let codec = Codec { frame_bytes_max: 16, ..Codec::default() };
+        assert!(matches!(codec.decode(&[17, 0, 0, 0]), Err(ClientError::Frame(FrameError::TooLarge { .. }))));
     }
 }

@@ -35,6 +35,10 @@ pub struct Config {
     /// Poll `models_dir` this often and load new versions; 0 turns it off.
     pub watch_models_ms: u64,
     pub backend: BackendKind,
+    /// Score on the shard that read the request, or hand batches to a
+    /// dedicated inference thread.
+    pub inference: InferenceMode,
+    pub stage: StageLimits,
     /// Admin HTTP endpoint (metrics, health, readiness); "off" disables it.
     pub admin_listen: String,
     /// While not ready (starting, or drained by an operator): refuse new
@@ -60,11 +64,43 @@ impl Default for Config {
             default_model: None,
             watch_models_ms: 0,
             backend: BackendKind::Int8,
+            inference: InferenceMode::Inline,
+            stage: StageLimits::default(),
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
             limits: Limits::default(),
         }
+    }
+}
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum InferenceMode {
+    /// On the shard, inside the request path: no hop, no batching across
+    /// requests.
+    Inline,
+    /// On a dedicated thread fed by every shard through lock-free rings,
+    /// batched by deadline.
+    Thread,
+}
+
+/// Limits of the inference stage (`inference = "thread"`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageLimits {
+    pub batch_rows_max: usize,
+    pub batch_wait_us_max: u64,
+    /// How long the idle stage thread spins before it parks.
+    pub spin_us: u64,
+    /// Requests each shard may have in the stage at once.
+    pub jobs_per_shard_max: usize,
+}
+
+impl Default for StageLimits {
+    fn default() -> Self {
+        StageLimits { batch_rows_max: 512, batch_wait_us_max: 50, spin_us: 100, jobs_per_shard_max: 256 }
     }
 }
 
@@ -134,42 +170,29 @@ pub enum ConfigError {
         source: Box<toml::de::Error>,
     },
     #[error("limits.{field} = {value} is outside {range}")]
-    Range {
-        field: &'static str,
-        value: u64,
-        range: &'static str,
-    },
+    Range { field: &'static str, value: u64, range: &'static str },
 }
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: p.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
         Config::parse(&text, &p)
     }
 
     pub fn parse(text: &str, path_for_errors: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
-            path: path_for_errors.into(),
-            source: Box::new(source),
-        })?;
+        let config: Config = toml::from_str(text)
+            .map_err(|source| ConfigError::Parse { path: path_for_errors.into(), source: Box::new(source) })?;
         config.limits.validate()?;
         Ok(config)
     }
 
     pub fn user_features_path(&self) -> PathBuf {
-        self.user_features
-            .clone()
-            .unwrap_or_else(|| self.data_dir.join("user.qrep"))
+        self.user_features.clone().unwrap_or_else(|| self.data_dir.join("user.qrep"))
     }
 
     pub fn item_features_path(&self) -> PathBuf {
-        self.item_features
-            .clone()
-            .unwrap_or_else(|| self.data_dir.join("item.qrep"))
+        self.item_features.clone().unwrap_or_else(|| self.data_dir.join("item.qrep"))
     }
 
     pub fn model_path(&self) -> PathBuf {
@@ -185,29 +208,11 @@ impl Limits {
             }
             Ok(())
         };
-        check(
-            "frame_bytes_max",
-            self.frame_bytes_max as u64,
-            64,
-            16 << 20,
-            "64..=16777216",
-        )?;
+        check("frame_bytes_max", self.frame_bytes_max as u64, 64, 16 << 20, "64..=16777216")?;
         check("candidates_max", self.candidates_max as u64, 1, 8192, "1..=8192")?;
         check("context_len_max", self.context_len_max as u64, 0, 4096, "0..=4096")?;
-        check(
-            "connections_per_shard_max",
-            self.connections_per_shard_max as u64,
-            1,
-            1 << 20,
-            "1..=1048576",
-        )?;
-        check(
-            "budget_us_default",
-            u64::from(self.budget_us_default),
-            1,
-            u64::from(u32::MAX),
-            "1..",
-        )?;
+        check("connections_per_shard_max", self.connections_per_shard_max as u64, 1, 1 << 20, "1..=1048576")?;
+        check("budget_us_default", u64::from(self.budget_us_default), 1, u64::from(u32::MAX), "1..")?;
         check(
             "budget_us_max",
             u64::from(self.budget_us_max),
@@ -215,13 +220,7 @@ impl Limits {
             u64::from(u32::MAX),
             "budget_us_default..",
         )?;
-        check(
-            "output_bytes_max",
-            self.output_bytes_max as u64,
-            4096,
-            1 << 30,
-            "4096..=1073741824",
-        )?;
+        check("output_bytes_max", self.output_bytes_max as u64, 4096, 1 << 30, "4096..=1073741824")?;
         check("idle_timeout_ms", self.idle_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("write_timeout_ms", self.write_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000, "0..=600000")?;

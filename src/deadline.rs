@@ -69,10 +69,7 @@ pub struct ManualClock {
 
 impl ManualClock {
     pub fn new(start_us: u64) -> ManualClock {
-        ManualClock {
-            now_us: Cell::new(start_us),
-            step_us: Cell::new(0),
-        }
+        ManualClock { now_us: Cell::new(start_us), step_us: Cell::new(0) }
     }
 
     pub fn advance_us(&self, delta_us: u64) {
@@ -102,9 +99,7 @@ pub struct Deadline {
 impl Deadline {
     /// The deadline of a request read at `read_at_us` with a relative budget.
     pub fn from_budget(read_at_us: u64, budget_us: u32) -> Deadline {
-        Deadline {
-            at_us: read_at_us.saturating_add(u64::from(budget_us)),
-        }
+        Deadline { at_us: read_at_us.saturating_add(u64::from(budget_us)) }
     }
 
     pub fn at_us(self) -> u64 {

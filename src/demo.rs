@@ -70,11 +70,7 @@ pub struct DemoFiles {
 
 impl DemoFiles {
     pub fn in_dir(dir: &Path) -> DemoFiles {
-        DemoFiles {
-            user: dir.join("user.qrep"),
-            item: dir.join("item.qrep"),
-            model: dir.join("model.qm"),
-        }
+        DemoFiles { user: dir.join("user.qrep"), item: dir.join("item.qrep"), model: dir.join("model.qm") }
     }
 }
 
@@ -110,18 +106,9 @@ pub fn model() -> Model {
         name: MODEL_NAME.into(),
         version: MODEL_VERSION,
         inputs: vec![
-            InputSegment {
-                source: Source::User,
-                dim,
-            },
-            InputSegment {
-                source: Source::Item,
-                dim,
-            },
-            InputSegment {
-                source: Source::Context,
-                dim: CONTEXT_LEN,
-            },
+            InputSegment { source: Source::User, dim },
+            InputSegment { source: Source::Item, dim },
+            InputSegment { source: Source::Context, dim: CONTEXT_LEN },
         ],
         layers,
     }
@@ -167,11 +154,7 @@ impl IdDist {
 
     pub fn zipf(s: f64, n: u64) -> IdDist {
         assert!(s > 0.0 && s.is_finite(), "Zipf exponent must be positive");
-        assert!(
-            (1..=Self::ZIPF_IDS_MAX).contains(&n),
-            "Zipf over 1..={} ids",
-            Self::ZIPF_IDS_MAX
-        );
+        assert!((1..=Self::ZIPF_IDS_MAX).contains(&n), "Zipf over 1..={} ids", Self::ZIPF_IDS_MAX);
         let mut cdf = Vec::with_capacity(n as usize);
         let mut acc = 0.0;
         for rank in 1..=n {
@@ -181,10 +164,7 @@ impl IdDist {
         for c in cdf.iter_mut() {
             *c /= acc;
         }
-        IdDist::Zipf {
-            s,
-            cdf: std::sync::Arc::new(cdf),
-        }
+        IdDist::Zipf { s, cdf: std::sync::Arc::new(cdf) }
     }
 
     fn draw(&self, n: u64, rng: &mut SplitMix64) -> u64 {
@@ -251,8 +231,7 @@ impl Workload {
         spec.user_id = Self::id(rng, &self.user_dist, self.users, self.unknown_fraction);
         spec.item_ids.clear();
         for _ in 0..self.candidates {
-            spec.item_ids
-                .push(Self::id(rng, &self.item_dist, self.items, self.unknown_fraction));
+            spec.item_ids.push(Self::id(rng, &self.item_dist, self.items, self.unknown_fraction));
         }
         spec.context.clear();
         for _ in 0..self.context_len {

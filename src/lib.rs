@@ -9,6 +9,7 @@ pub mod client;
 pub mod config;
 pub mod deadline;
 pub mod demo;
+pub mod infer;
 pub mod loadgen;
 pub mod metrics;
 pub mod model;

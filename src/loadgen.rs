@@ -130,9 +130,7 @@ pub fn parse_sweep(s: &str) -> Result<(f64, f64, f64), String> {
         [start, step, max] if start > 0.0 && step > 0.0 && max >= start && (max - start) / step <= 1_000.0 => {
             Ok((start, step, max))
         }
-        _ => Err(format!(
-            "--sweep '{s}': need 0 < START <= MAX, STEP > 0, at most 1000 steps"
-        )),
+        _ => Err(format!("--sweep '{s}': need 0 < START <= MAX, STEP > 0, at most 1000 steps")),
     }
 }
 
@@ -167,17 +165,12 @@ fn process_cpu_s() -> f64 {
         return 0.0;
     };
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = fields
-        .get(11..13)
-        .map_or(0.0, |f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum());
+    let ticks: f64 = fields.get(11..13).map_or(0.0, |f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum());
     ticks / 100.0
 }
 
 fn connect(addr: &str) -> Result<TcpStream, ClientError> {
-    let s = TcpStream::connect(addr).map_err(|source| ClientError::Connect {
-        addr: addr.into(),
-        source,
-    })?;
+    let s = TcpStream::connect(addr).map_err(|source| ClientError::Connect { addr: addr.into(), source })?;
     s.set_nodelay(true)?;
     s.set_nonblocking(true)?;
     Ok(s)
@@ -203,12 +196,7 @@ impl Schedule {
 pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     let n_conns = opts.connections.max(1);
     let mut report = BenchReport {
-        mode: if opts.rate.is_some() {
-            "open-loop"
-        } else {
-            "closed-loop"
-        }
-        .into(),
+        mode: if opts.rate.is_some() { "open-loop" } else { "closed-loop" }.into(),
         connections: n_conns,
         duration_s: opts.duration.as_secs_f64(),
         offered_rate: opts.rate,
@@ -227,9 +215,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     };
     let mut rec = Recording {
         total: histogram(),
-        intervals: (0..(opts.duration + DRAIN_MAX).as_secs() + 2)
-            .map(|_| histogram())
-            .collect(),
+        intervals: (0..(opts.duration + DRAIN_MAX).as_secs() + 2).map(|_| histogram()).collect(),
     };
     let mut conns = Vec::with_capacity(n_conns);
     for _ in 0..n_conns {
@@ -357,11 +343,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                     c.rfilled += n;
                     did_work = true;
                 }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                    ) => {}
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => {}
                 Err(e) => {
                     report.connection_errors.push(e.to_string());
                     c.broken = true;
@@ -374,9 +356,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                     Ok(Some((resp, used))) => {
                         at += used;
                         if resp.request_id >= seq || seq - resp.request_id > IN_FLIGHT_MAX as u64 {
-                            report
-                                .connection_errors
-                                .push(format!("response for unknown request {}", resp.request_id));
+                            report.connection_errors.push(format!("response for unknown request {}", resp.request_id));
                             c.broken = true;
                             break;
                         }
@@ -480,11 +460,7 @@ pub fn percentile_distribution(h: &Histogram<u64>) -> String {
     let mut s = String::from("       Value     Percentile TotalCount 1/(1-Percentile)\n\n");
     for v in h.iter_quantiles(5) {
         let q = v.quantile_iterated_to();
-        let inv = if q < 1.0 {
-            format!("{:14.2}", 1.0 / (1.0 - q))
-        } else {
-            String::new()
-        };
+        let inv = if q < 1.0 { format!("{:14.2}", 1.0 / (1.0 - q)) } else { String::new() };
         s.push_str(&format!(
             "{:12.3} {:14.12} {:10} {inv}\n",
             v.value_iterated_to() as f64,
@@ -544,12 +520,7 @@ impl std::fmt::Display for BenchReport {
         let join = |m: &BTreeMap<String, u64>| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
         writeln!(f, "status: {}", join(&self.by_status))?;
         writeln!(f, "tier: {}", join(&self.by_tier))?;
-        writeln!(
-            f,
-            "generator: loop busy {:.0}%, {:.2} CPU s",
-            self.generator_busy * 100.0,
-            self.generator_cpu_s
-        )?;
+        writeln!(f, "generator: loop busy {:.0}%, {:.2} CPU s", self.generator_busy * 100.0, self.generator_cpu_s)?;
         if self.late_sends > 0 && !self.generator_saturated {
             writeln!(
                 f,
@@ -577,9 +548,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a duration like 5s or 500ms"))?;
+    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a duration like 5s or 500ms"))?;
     let secs = match unit {
         "" | "s" => n,
         "ms" => n / 1e3,
@@ -619,12 +588,7 @@ mod tests {
 
     #[test]
     fn poisson_schedule_keeps_the_mean_rate() {
-        let mut s = Schedule {
-            arrival: Arrival::Poisson,
-            interval_ns: 1_000.0,
-            next_ns: 0.0,
-            rng: SplitMix64::new(1),
-        };
+        let mut s = Schedule { arrival: Arrival::Poisson, interval_ns: 1_000.0, next_ns: 0.0, rng: SplitMix64::new(1) };
         for _ in 0..100_000 {
             s.advance();
         }

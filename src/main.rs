@@ -10,6 +10,8 @@ use clap::{Parser, Subcommand};
 use quiver::admin::Admin;
 use quiver::client::Client;
 use quiver::config::Config;
+use quiver::config::InferenceMode;
+use quiver::infer::{self, StageConfig};
 use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
 use quiver::registry::{Fit, Registry};
@@ -88,6 +90,9 @@ struct ServeArgs {
     /// While not ready: refuse new connections, or answer Overloaded.
     #[arg(long, value_enum)]
     not_ready: Option<quiver::config::NotReadyPolicy>,
+    /// Score inline on the shard, or on a dedicated inference thread.
+    #[arg(long, value_enum)]
+    inference: Option<quiver::config::InferenceMode>,
     /// Protocol floor for benchmarks: verify each request and answer with an
     /// empty Ok response, skipping lookup and model.
     #[arg(long)]
@@ -268,6 +273,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if args.floor {
         config.floor = true;
     }
+    if let Some(v) = args.inference {
+        config.inference = v;
+    }
     if let Some(v) = args.admin {
         config.admin_listen = v;
     }
@@ -287,11 +295,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
 
     let user = Replica::open(&config.user_features_path(), "user")?;
     let item = Replica::open(&config.item_features_path(), "item")?;
-    let fit = Fit {
-        user_dim: user.dim(),
-        item_dim: item.dim(),
-        context_len_max: config.limits.context_len_max,
-    };
+    let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;
     let registry = Arc::new(match &config.models_dir {
         Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
@@ -310,13 +314,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         None
     } else {
         let backend = format!("{:?}", config.backend).to_lowercase();
-        let admin = Admin::start(
-            &config.admin_listen,
-            board.clone(),
-            readiness.clone(),
-            registry.clone(),
-            backend,
-        )?;
+        let admin = Admin::start(&config.admin_listen, board.clone(), readiness.clone(), registry.clone(), backend)?;
         tracing::info!(addr = %admin.addr, "admin endpoint");
         println!("quiver admin on {}", admin.addr);
         Some(admin)
@@ -332,6 +330,30 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             }
         })
     });
+    let stage = match config.inference {
+        InferenceMode::Inline => None,
+        InferenceMode::Thread => {
+            let row_dim_max = registry.snapshot().models.iter().map(|m| m.input_dim()).max().unwrap_or(0);
+            let stage_config = StageConfig {
+                batch_rows_max: config.stage.batch_rows_max.max(1),
+                batch_wait_us_max: config.stage.batch_wait_us_max,
+                spin_us: config.stage.spin_us,
+                jobs_per_shard_max: config.stage.jobs_per_shard_max.clamp(2, 1 << 16),
+                rows_per_job_max: rows_max,
+                // Sized for the models served at start; a wider version
+                // loaded later is scored inline (see RequestPath::handle).
+                row_dim_max,
+            };
+            let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend)
+                .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;
+            tracing::info!(?stage_config, "inference stage started");
+            Some(started)
+        }
+    };
+    let (stage, stage_ends) = match stage {
+        Some((s, ends)) => (Some(s), ends),
+        None => (None, Vec::new()),
+    };
     let shared = Shared {
         registry,
         user: Arc::new(user),
@@ -350,12 +372,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             .map_err(|e| Error::Setup(format!("installing signal handlers: {e}")))?;
     }
     let shards = cores.len();
-    let placement = ShardPlacement {
-        listen,
-        cores,
-        not_ready: config.not_ready,
-    };
-    let reports = shard::serve(shared, placement, board, stop, |addr| {
+    let placement = ShardPlacement { listen, cores, not_ready: config.not_ready };
+    let reports = shard::serve(shared, placement, board, stage_ends, stop, |addr| {
         readiness.set(true);
         tracing::info!(%addr, shards, "serving");
         println!("quiver listening on {addr} with {shards} shards");
@@ -365,6 +383,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     }
     if let Some(w) = watcher {
         let _ = w.join();
+    }
+    if let Some(s) = stage {
+        s.stop();
     }
     for r in &reports {
         tracing::info!(
@@ -435,11 +456,7 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
             println!("{item}\t{s:.6}");
         }
     }
-    Ok(if resp.status == Status::Ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(2)
-    })
+    Ok(if resp.status == Status::Ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
 }
 
 fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
@@ -516,12 +533,8 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         write_files(&rec)?;
         rate += step;
     }
-    let summary = loadgen::SweepReport {
-        mode: "sweep".into(),
-        p99_max_us: args.p99_max_us,
-        capacity_rate: capacity,
-        steps,
-    };
+    let summary =
+        loadgen::SweepReport { mode: "sweep".into(), p99_max_us: args.p99_max_us, capacity_rate: capacity, steps };
     if args.json {
         println!("{}", serde_json::to_string(&summary).expect("report serialises"));
     } else {
@@ -535,18 +548,12 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
 
 fn fetch_stats(agent: &ureq::Agent, url: &str) -> Result<quiver::admin::Stats, Error> {
     let mut resp = agent.get(url).call().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
-    let body = resp
-        .body_mut()
-        .read_to_string()
-        .map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    let body = resp.body_mut().read_to_string().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
     serde_json::from_str(&body).map_err(|e| Error::Setup(format!("{url}: {e}")))
 }
 
 fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .into();
+    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(5))).build().into();
     let url = format!("http://{admin}/stats.json");
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut prev: Option<(Instant, quiver::admin::Stats)> = None;
@@ -572,11 +579,7 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
             s.features_missing
         );
         let nonzero = |m: &std::collections::BTreeMap<String, u64>| {
-            m.iter()
-                .filter(|(_, v)| **v > 0)
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(" ")
+            m.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
         };
         println!("status: {}", nonzero(&s.by_status));
         println!("tier:   {}", nonzero(&s.by_tier));
@@ -602,9 +605,7 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
 
 fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
     let split = |arg: &str| -> Result<(String, PathBuf), Error> {
-        let (label, file) = arg
-            .split_once('=')
-            .ok_or_else(|| Error::Setup(format!("'{arg}': expected LABEL=FILE")))?;
+        let (label, file) = arg.split_once('=').ok_or_else(|| Error::Setup(format!("'{arg}': expected LABEL=FILE")))?;
         Ok((label.to_string(), PathBuf::from(file)))
     };
     let read = |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| Error::Setup(format!("{}: {e}", p.display())));
@@ -623,11 +624,8 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
                 let (label, file) = split(s)?;
                 let report: loadgen::SweepReport = serde_json::from_str(&read(&file)?)
                     .map_err(|e| Error::Setup(format!("{}: {e}", file.display())))?;
-                let points = report
-                    .steps
-                    .iter()
-                    .filter_map(|r| Some((r.offered_rate?, r.latency.p99_us as f64)))
-                    .collect();
+                let points =
+                    report.steps.iter().filter_map(|r| Some((r.offered_rate?, r.latency.p99_us as f64))).collect();
                 series.push((label, points));
             }
             quiver::plot::sweep(&out, &title, &series).map_err(Error::Setup)?;
@@ -647,13 +645,7 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             let builder = ReplicaBuilder::from_text(&group, &text, &input.display().to_string())?;
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;
-            println!(
-                "wrote {}: group {} dim {} rows {}",
-                out.display(),
-                group,
-                r.dim(),
-                r.header().row_count
-            );
+            println!("wrote {}: group {} dim {} rows {}", out.display(), group, r.dim(), r.header().row_count);
         }
         ReplicaCommand::Inspect { group, file } => {
             let r = Replica::open(&file, &group)?;

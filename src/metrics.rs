@@ -28,6 +28,8 @@ pub enum Stage {
     Decode,
     /// Feature lookups and assembling the model input.
     Lookup,
+    /// Waiting in the inference stage's queue (hand-off mode only).
+    Queue,
     /// The backend's forward pass.
     Kernel,
     /// Encoding the response.
@@ -36,19 +38,15 @@ pub enum Stage {
     EndToEnd,
 }
 
-pub const STAGES: [Stage; 5] = [
-    Stage::Decode,
-    Stage::Lookup,
-    Stage::Kernel,
-    Stage::Respond,
-    Stage::EndToEnd,
-];
+pub const STAGES: [Stage; 6] =
+    [Stage::Decode, Stage::Lookup, Stage::Queue, Stage::Kernel, Stage::Respond, Stage::EndToEnd];
 
 impl Stage {
     pub fn name(self) -> &'static str {
         match self {
             Stage::Decode => "decode",
             Stage::Lookup => "lookup",
+            Stage::Queue => "queue",
             Stage::Kernel => "kernel",
             Stage::Respond => "respond",
             Stage::EndToEnd => "end_to_end",
@@ -69,9 +67,7 @@ pub struct StageTimes {
 
 impl Default for StageTimes {
     fn default() -> Self {
-        StageTimes {
-            interval: STAGES.iter().map(|_| stage_histogram()).collect(),
-        }
+        StageTimes { interval: STAGES.iter().map(|_| stage_histogram()).collect() }
     }
 }
 
@@ -121,15 +117,11 @@ pub struct Readiness {
 
 impl Readiness {
     pub fn not_ready() -> Readiness {
-        Readiness {
-            ready: std::sync::atomic::AtomicBool::new(false),
-        }
+        Readiness { ready: std::sync::atomic::AtomicBool::new(false) }
     }
 
     pub fn ready() -> Readiness {
-        Readiness {
-            ready: std::sync::atomic::AtomicBool::new(true),
-        }
+        Readiness { ready: std::sync::atomic::AtomicBool::new(true) }
     }
 
     #[inline]

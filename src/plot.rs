@@ -9,10 +9,8 @@ use std::path::Path;
 use plotters::prelude::*;
 
 /// Where DejaVu Sans is found on Debian-like systems.
-const FONT_PATHS: [&str; 2] = [
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-];
+const FONT_PATHS: [&str; 2] =
+    ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"];
 const SIZE: (u32, u32) = (1100, 700);
 const COLORS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
@@ -45,11 +43,7 @@ pub fn percentiles(out: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]
     register_font()?;
     let nines = |p: f64| -(1.0 - (p / 100.0).min(0.99999)).log10();
     let x_max = 5.0f64;
-    let y_max = series
-        .iter()
-        .flat_map(|(_, pts)| pts.iter().map(|p| p.1))
-        .fold(1.0f64, f64::max)
-        * 1.1;
+    let y_max = series.iter().flat_map(|(_, pts)| pts.iter().map(|p| p.1)).fold(1.0f64, f64::max) * 1.1;
     let root = BitMapBackend::new(out, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mut chart = ChartBuilder::on(&root)
@@ -123,19 +117,11 @@ pub fn sweep(out: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]) -> R
     for (i, (label, pts)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         chart
-            .draw_series(LineSeries::new(
-                pts.iter().map(|&(x, y)| (x, y.max(1.0))),
-                color.stroke_width(2),
-            ))
+            .draw_series(LineSeries::new(pts.iter().map(|&(x, y)| (x, y.max(1.0))), color.stroke_width(2)))
             .map_err(err)?
             .label(label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart
-            .draw_series(
-                pts.iter()
-                    .map(|&(x, y)| Circle::new((x, y.max(1.0)), 4, color.filled())),
-            )
-            .map_err(err)?;
+        chart.draw_series(pts.iter().map(|&(x, y)| Circle::new((x, y.max(1.0)), 4, color.filled()))).map_err(err)?;
     }
     chart
         .configure_series_labels()

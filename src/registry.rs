@@ -46,13 +46,7 @@ pub enum RegistryError {
     #[error("model '{name}' has no version {version} under {dir}")]
     UnknownVersion { name: String, version: u32, dir: String },
     #[error("{path} holds model '{found}' version {found_version}, expected '{name}' version {version}")]
-    Mismatch {
-        path: String,
-        found: String,
-        found_version: u32,
-        name: String,
-        version: u32,
-    },
+    Mismatch { path: String, found: String, found_version: u32, name: String, version: u32 },
     #[error("model '{0}' has no previous version to roll back to")]
     NoPrevious(String),
     #[error("no models found under {0}")]
@@ -119,10 +113,7 @@ fn valid_name(name: &str) -> bool {
 /// Versions of `name` present on disk, ascending.
 fn versions_on_disk(dir: &Path, name: &str) -> Result<Vec<u32>, RegistryError> {
     let d = dir.join(name);
-    let io = |source| RegistryError::Io {
-        path: d.display().to_string(),
-        source,
-    };
+    let io = |source| RegistryError::Io { path: d.display().to_string(), source };
     let mut versions = Vec::new();
     for entry in std::fs::read_dir(&d).map_err(io)? {
         let entry = entry.map_err(io)?;
@@ -150,20 +141,11 @@ impl Registry {
         backend: BackendKind,
         rows_max: usize,
     ) -> Result<Registry, RegistryError> {
-        let default = models
-            .first()
-            .map(|m| m.name.clone())
-            .ok_or_else(|| RegistryError::Empty("(memory)".into()))?;
+        let default = models.first().map(|m| m.name.clone()).ok_or_else(|| RegistryError::Empty("(memory)".into()))?;
         let mut slots = BTreeMap::new();
         for model in models {
             InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
-            slots.insert(
-                model.name.clone(),
-                Slot {
-                    current: Arc::new(model),
-                    previous: None,
-                },
-            );
+            slots.insert(model.name.clone(), Slot { current: Arc::new(model), previous: None });
         }
         Ok(Registry {
             dir: None,
@@ -187,10 +169,7 @@ impl Registry {
         backend: BackendKind,
         rows_max: usize,
     ) -> Result<Registry, RegistryError> {
-        let io = |source| RegistryError::Io {
-            path: dir.display().to_string(),
-            source,
-        };
+        let io = |source| RegistryError::Io { path: dir.display().to_string(), source };
         let mut slots = BTreeMap::new();
         for entry in std::fs::read_dir(dir).map_err(io)? {
             let entry = entry.map_err(io)?;
@@ -204,22 +183,12 @@ impl Registry {
                 continue;
             };
             let model = load_checked(dir, &name, latest, fit)?;
-            slots.insert(
-                name,
-                Slot {
-                    current: Arc::new(model),
-                    previous: None,
-                },
-            );
+            slots.insert(name, Slot { current: Arc::new(model), previous: None });
         }
         let default = match default {
             Some(d) if slots.contains_key(d) => d.to_string(),
             Some(d) => return Err(RegistryError::UnknownModel(d.to_string())),
-            None => slots
-                .keys()
-                .next()
-                .cloned()
-                .ok_or_else(|| RegistryError::Empty(dir.display().to_string()))?,
+            None => slots.keys().next().cloned().ok_or_else(|| RegistryError::Empty(dir.display().to_string()))?,
         };
         Ok(Registry {
             dir: Some(dir.to_path_buf()),
@@ -253,11 +222,7 @@ impl Registry {
         slots
             .into_iter()
             .map(|(name, s)| ModelStatus {
-                on_disk: self
-                    .dir
-                    .as_ref()
-                    .and_then(|d| versions_on_disk(d, &name).ok())
-                    .unwrap_or_default(),
+                on_disk: self.dir.as_ref().and_then(|d| versions_on_disk(d, &name).ok()).unwrap_or_default(),
                 version: s.current.version,
                 previous: s.previous.as_ref().map(|p| p.version),
                 name,
@@ -275,9 +240,7 @@ impl Registry {
         }
         let version = match version {
             Some(v) => v,
-            None => *versions_on_disk(dir, name)?
-                .last()
-                .ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
+            None => *versions_on_disk(dir, name)?.last().ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
         };
         let model = load_checked(dir, name, version, self.fit)?;
         self.warm(&model);
@@ -289,13 +252,7 @@ impl Registry {
                 slot.previous = Some(old);
             }
             None => {
-                slots.insert(
-                    name.to_string(),
-                    Slot {
-                        current: model,
-                        previous: None,
-                    },
-                );
+                slots.insert(name.to_string(), Slot { current: model, previous: None });
             }
         }
         self.generation.fetch_add(1, Ordering::Release);
@@ -307,13 +264,8 @@ impl Registry {
     /// second rollback undoes the first).
     pub fn rollback(&self, name: &str) -> Result<u32, RegistryError> {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = slots
-            .get_mut(name)
-            .ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
-        let previous = slot
-            .previous
-            .take()
-            .ok_or_else(|| RegistryError::NoPrevious(name.into()))?;
+        let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
+        let previous = slot.previous.take().ok_or_else(|| RegistryError::NoPrevious(name.into()))?;
         let old = std::mem::replace(&mut slot.current, previous);
         slot.previous = Some(old);
         let version = slot.current.version;
@@ -349,12 +301,7 @@ impl Registry {
                 continue;
             }
             let latest = versions_on_disk(dir, &name).ok().and_then(|v| v.last().copied());
-            let served = self
-                .slots
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&name)
-                .map(|s| s.current.version);
+            let served = self.slots.lock().unwrap_or_else(|e| e.into_inner()).get(&name).map(|s| s.current.version);
             let Some(latest) = latest.filter(|&l| served.is_none_or(|s| l > s)) else {
                 continue;
             };
@@ -377,11 +324,7 @@ impl Registry {
 fn load_checked(dir: &Path, name: &str, version: u32, fit: Fit) -> Result<Model, RegistryError> {
     let path = dir.join(name).join(version.to_string()).join(MODEL_FILE);
     if !path.is_file() {
-        return Err(RegistryError::UnknownVersion {
-            name: name.into(),
-            version,
-            dir: dir.display().to_string(),
-        });
+        return Err(RegistryError::UnknownVersion { name: name.into(), version, dir: dir.display().to_string() });
     }
     let model = Model::load(&path)?;
     if model.name != name || model.version != version {
@@ -403,10 +346,7 @@ pub fn publish(dir: &Path, model: &Model) -> Result<PathBuf, RegistryError> {
         return Err(RegistryError::BadName(model.name.clone()));
     }
     let d = dir.join(&model.name).join(model.version.to_string());
-    std::fs::create_dir_all(&d).map_err(|source| RegistryError::Io {
-        path: d.display().to_string(),
-        source,
-    })?;
+    std::fs::create_dir_all(&d).map_err(|source| RegistryError::Io { path: d.display().to_string(), source })?;
     let path = d.join(MODEL_FILE);
     model.save(&path)?;
     Ok(path)

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
+use crate::infer::{Done, Job, Outcome, ShardEnd};
 use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
@@ -42,18 +43,9 @@ pub struct Shared {
 #[derive(Debug, thiserror::Error)]
 pub enum LayoutError {
     #[error("model '{model}' reads {input:?} features of dimension {model_dim}, the replica holds {replica_dim}")]
-    Dim {
-        model: String,
-        input: Source,
-        model_dim: usize,
-        replica_dim: usize,
-    },
+    Dim { model: String, input: Source, model_dim: usize, replica_dim: usize },
     #[error("model '{model}' declares {model_dim} context floats, above limits.context_len_max = {limit}")]
-    Context {
-        model: String,
-        model_dim: usize,
-        limit: usize,
-    },
+    Context { model: String, model_dim: usize, limit: usize },
 }
 
 /// Where each input segment lands inside one row of the model input.
@@ -74,12 +66,7 @@ impl InputLayout {
         item_dim: usize,
         context_len_max: usize,
     ) -> Result<InputLayout, LayoutError> {
-        let mut layout = InputLayout {
-            row_dim: model.input_dim(),
-            user: None,
-            item: None,
-            context: None,
-        };
+        let mut layout = InputLayout { row_dim: model.input_dim(), user: None, item: None, context: None };
         let mut offset = 0;
         for seg in &model.inputs {
             let replica_dim = match seg.source {
@@ -171,6 +158,27 @@ struct Served {
     kernel_cost: KernelCost,
 }
 
+/// What `handle` did with a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handled {
+    /// Its response is in the output buffer.
+    Answered,
+    /// It is in the inference stage; `complete` will answer it.
+    Pending,
+}
+
+/// A request waiting for the inference stage.
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    conn: u32,
+    request_id: u64,
+    read_at_ns: u64,
+    deadline: Deadline,
+    missing: u32,
+    model_version: u32,
+    rows: u32,
+}
+
 /// One shard's request path: scratch memory, backends, encoder, counters.
 pub struct RequestPath<C: Clock> {
     clock: C,
@@ -180,6 +188,10 @@ pub struct RequestPath<C: Clock> {
     default_model: usize,
     /// The registry generation `served` reflects.
     generation: u64,
+    /// The inference stage, when scoring is handed off instead of inline.
+    stage: Option<ShardEnd>,
+    /// Requests in the stage, by slot.
+    pending: Vec<Option<Pending>>,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
     /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
@@ -203,10 +215,11 @@ fn fail_with(
     status: Status,
     error: &str,
     out: &mut Vec<u8>,
-) {
+) -> Handled {
     counters.requests += 1;
     counters.by_status[usize::from(status.0).min(7)] += 1;
     encoder.encode(&ResponseFields::failure(request_id, status, error), out);
+    Handled::Answered
 }
 
 /// Largest size of one encoded response frame, for output buffer sizing.
@@ -229,6 +242,8 @@ impl<C: Clock> RequestPath<C> {
             served: Vec::new(),
             default_model: 0,
             generation: 0,
+            stage: None,
+            pending: Vec::new(),
             x: Vec::new(),
             item_vectors: vec![0.0; rows_max * shared.item.dim()],
             item_rows: vec![0; rows_max],
@@ -265,12 +280,8 @@ impl<C: Clock> RequestPath<C> {
                 continue;
             }
             let limits = &self.shared.limits;
-            let layout = InputLayout::new(
-                &model,
-                self.shared.user.dim(),
-                self.shared.item.dim(),
-                limits.context_len_max,
-            )?;
+            let layout =
+                InputLayout::new(&model, self.shared.user.dim(), self.shared.item.dim(), limits.context_len_max)?;
             let mut served = Served {
                 backend: score::build(self.shared.backend, &model, rows_max),
                 layout,
@@ -279,20 +290,14 @@ impl<C: Clock> RequestPath<C> {
             };
             let x = vec![0.0; rows_max * layout.row_dim];
             let started_ns = self.clock.now_ns();
-            served
-                .backend
-                .logits(&served.model, &x, rows_max, &mut self.logits[..rows_max]);
+            served.backend.logits(&served.model, &x, rows_max, &mut self.logits[..rows_max]);
             let elapsed_ns = self.clock.now_ns().saturating_sub(started_ns);
             served.kernel_cost.ns_per_row = elapsed_ns as f64 / rows_max as f64;
             tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
             next.push(served);
         }
         self.served = next;
-        self.default_model = self
-            .served
-            .iter()
-            .position(|s| s.model.name == snapshot.default)
-            .unwrap_or(0);
+        self.default_model = self.served.iter().position(|s| s.model.name == snapshot.default).unwrap_or(0);
         let row_dim_max = self.served.iter().map(|s| s.layout.row_dim).max().unwrap_or(0);
         if self.x.len() < rows_max * row_dim_max {
             self.x = vec![0.0; rows_max * row_dim_max];
@@ -313,16 +318,15 @@ impl<C: Clock> RequestPath<C> {
         self.served[self.default_model].kernel_cost.expected_us(rows)
     }
 
-    fn fail(&mut self, request_id: u64, status: Status, error: &str, out: &mut Vec<u8>) {
-        self.counters.requests += 1;
-        self.counters.by_status[usize::from(status.0).min(7)] += 1;
-        self.encoder
-            .encode(&ResponseFields::failure(request_id, status, error), out);
+    fn fail(&mut self, request_id: u64, status: Status, error: &str, out: &mut Vec<u8>) -> Handled {
+        fail_with(&mut self.counters, &mut self.encoder, request_id, status, error, out)
     }
 
-    /// Handles one request payload read at `read_at_ns`; appends exactly one
-    /// response frame to `out`.
-    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, out: &mut Vec<u8>) {
+    /// Handles one request payload read at `read_at_ns` on connection `conn`.
+    /// Appends exactly one response frame to `out`, or, when the request went
+    /// to the inference stage, returns `Pending`: its response comes later
+    /// from [`RequestPath::complete`].
+    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, conn: u32, out: &mut Vec<u8>) -> Handled {
         // Decode: verify the FlatBuffer with limits before reading any field.
         let request = match wire::decode_request(payload, &self.request_limits) {
             Ok(r) => r,
@@ -344,15 +348,9 @@ impl<C: Clock> RequestPath<C> {
 
         // Check: the request itself.
         let decoded_ns = self.clock.now_ns();
-        self.times
-            .record_ns(Stage::Decode, decoded_ns.saturating_sub(read_at_ns));
+        self.times.record_ns(Stage::Decode, decoded_ns.saturating_sub(read_at_ns));
         if deadline.cannot_fit(decoded_ns / 1_000, 0) {
-            return self.fail(
-                request_id,
-                Status::DeadlineExceeded,
-                "budget spent before decode finished",
-                out,
-            );
+            return self.fail(request_id, Status::DeadlineExceeded, "budget spent before decode finished", out);
         }
         if !self.shared.readiness.is_ready() {
             return self.fail(request_id, Status::Overloaded, "server is not ready", out);
@@ -366,24 +364,12 @@ impl<C: Clock> RequestPath<C> {
         let Some(chosen) = chosen else {
             return self.fail(request_id, Status::ModelNotFound, "unknown model", out);
         };
-        let Served {
-            model,
-            backend,
-            layout,
-            kernel_cost,
-        } = &mut self.served[chosen];
+        let Served { model, backend, layout, kernel_cost } = &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
         if !context.is_empty() && context.len() != context_dim {
             let why = format!("context has {} floats, the model takes {context_dim}", context.len());
-            return fail_with(
-                &mut self.counters,
-                &mut self.encoder,
-                request_id,
-                Status::BadRequest,
-                &why,
-                out,
-            );
+            return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::BadRequest, &why, out);
         }
 
         // Lookup: user vector once, then one item vector per candidate.
@@ -395,12 +381,7 @@ impl<C: Clock> RequestPath<C> {
         if let Some(off) = layout.user {
             let dim = self.shared.user.dim();
             let (first, rest) = x.split_at_mut(row_dim);
-            missing += u32::from(
-                !self
-                    .shared
-                    .user
-                    .read_into(request.user_id(), &mut first[off..off + dim]),
-            );
+            missing += u32::from(!self.shared.user.read_into(request.user_id(), &mut first[off..off + dim]));
             for row in rest.chunks_exact_mut(row_dim) {
                 row[off..off + dim].copy_from_slice(&first[off..off + dim]);
             }
@@ -411,10 +392,7 @@ impl<C: Clock> RequestPath<C> {
             self.item_ids.clear();
             self.item_ids.extend(items.iter());
             let vectors = &mut self.item_vectors[..rows * dim];
-            missing += self
-                .shared
-                .item
-                .read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
+            missing += self.shared.item.read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
             for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
                 row[off..off + dim].copy_from_slice(v);
             }
@@ -434,19 +412,42 @@ impl<C: Clock> RequestPath<C> {
 
         // Check: is there time for the kernel?
         let before_kernel_ns = self.clock.now_ns();
-        self.times
-            .record_ns(Stage::Lookup, before_kernel_ns.saturating_sub(decoded_ns));
+        self.times.record_ns(Stage::Lookup, before_kernel_ns.saturating_sub(decoded_ns));
         if deadline.cannot_fit(before_kernel_ns / 1_000, kernel_cost.expected_us(rows)) {
-            return self.fail(
+            return self.fail(request_id, Status::DeadlineExceeded, "budget too small for the model", out);
+        }
+
+        // Hand-off: the inference stage scores it and the response follows.
+        if let Some(stage) = self.stage.as_mut().filter(|s| s.fits(rows * row_dim)) {
+            let Some(slot) = stage.acquire() else {
+                let why = "every inference slot is in use";
+                return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::Overloaded, why, out);
+            };
+            let data = stage.slot_mut(slot);
+            data.x[..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
+            data.rows = rows;
+            data.model = Some(model.clone());
+            let job = Job { slot, deadline_ns: deadline.at_us() * 1_000, submitted_ns: before_kernel_ns };
+            if stage.submit(job).is_err() {
+                stage.release(slot);
+                let why = "the inference queue is full";
+                return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::Overloaded, why, out);
+            }
+            self.pending[slot as usize] = Some(Pending {
+                conn,
                 request_id,
-                Status::DeadlineExceeded,
-                "budget too small for the model",
-                out,
-            );
+                read_at_ns,
+                deadline,
+                missing,
+                model_version: model.version,
+                rows: rows as u32,
+            });
+            return Handled::Pending;
         }
 
         // Kernel.
         let logits = &mut self.logits[..rows];
+
         backend.logits(model, &self.x[..rows * row_dim], rows, logits);
         let after_kernel_ns = self.clock.now_ns();
         let kernel_ns = after_kernel_ns.saturating_sub(before_kernel_ns);
@@ -458,12 +459,7 @@ impl<C: Clock> RequestPath<C> {
 
         // Check: still in time to respond?
         if deadline.cannot_fit(after_kernel_ns / 1_000, 0) {
-            return self.fail(
-                request_id,
-                Status::DeadlineExceeded,
-                "kernel finished past the deadline",
-                out,
-            );
+            return self.fail(request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
         }
 
         // Respond.
@@ -487,14 +483,13 @@ impl<C: Clock> RequestPath<C> {
             out,
         );
         let done_ns = self.clock.now_ns();
-        self.times
-            .record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
-        self.times
-            .record_ns(Stage::EndToEnd, done_ns.saturating_sub(read_at_ns));
+        self.times.record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
+        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(read_at_ns));
+        Handled::Answered
     }
 
     /// The protocol floor's answer: `Ok`, no scores, no lookup, no model.
-    fn respond_floor(&mut self, request_id: u64, read_at_ns: u64, out: &mut Vec<u8>) {
+    fn respond_floor(&mut self, request_id: u64, read_at_ns: u64, out: &mut Vec<u8>) -> Handled {
         self.counters.requests += 1;
         self.counters.by_status[usize::from(Status::Ok.0)] += 1;
         self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
@@ -505,8 +500,8 @@ impl<C: Clock> RequestPath<C> {
             ..ResponseFields::failure(request_id, Status::Ok, "")
         };
         self.encoder.encode(&fields, out);
-        self.times
-            .record_ns(Stage::EndToEnd, self.clock.now_ns().saturating_sub(read_at_ns));
+        self.times.record_ns(Stage::EndToEnd, self.clock.now_ns().saturating_sub(read_at_ns));
+        Handled::Answered
     }
 
     /// Stage timings of the current interval, for publication.
@@ -517,6 +512,81 @@ impl<C: Clock> RequestPath<C> {
     /// Answers a frame the shard could not even split (bad length prefix).
     pub fn reject_stream(&mut self, error: &wire::FrameError, out: &mut Vec<u8>) {
         self.fail(0, Status::BadRequest, &error.to_string(), out);
+    }
+
+    /// Sends later requests through the inference stage instead of scoring
+    /// them inline.
+    pub fn attach_stage(&mut self, stage: ShardEnd) {
+        self.pending = (0..stage.slots()).map(|_| None).collect();
+        self.stage = Some(stage);
+    }
+
+    /// Takes the next completion from the inference stage, if any.
+    pub fn poll_stage(&mut self) -> Option<Done> {
+        self.stage.as_mut()?.poll()
+    }
+
+    /// Requests handed to the stage and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.stage.as_ref().map_or(0, ShardEnd::in_flight)
+    }
+
+    /// Turns a stage completion into its request's response, appended to
+    /// `out`; returns the connection the response belongs to.
+    pub fn complete(&mut self, done: Done, out: &mut Vec<u8>) -> u32 {
+        let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
+        let stage = self.stage.as_mut().expect("completions come from the stage");
+        self.times.record_ns(Stage::Queue, done.queue_ns);
+        let now_ns = self.clock.now_ns();
+        let rows = p.rows as usize;
+        let outcome = done.outcome;
+        let in_time = !p.deadline.cannot_fit(now_ns / 1_000, 0);
+        if outcome == Outcome::Scored || outcome == Outcome::Late {
+            self.times.record_ns(Stage::Kernel, done.kernel_ns);
+        }
+        if outcome == Outcome::Scored && in_time {
+            let data = stage.slot_mut(done.slot);
+            for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
+                *s = sigmoid(*l);
+            }
+        }
+        stage.release(done.slot);
+        match (outcome, in_time) {
+            (Outcome::Scored, true) => {
+                self.counters.requests += 1;
+                self.counters.by_status[usize::from(Status::Ok.0)] += 1;
+                self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
+                self.counters.features_missing += u64::from(p.missing);
+                self.counters.candidates_scored += rows as u64;
+                let server_us = now_ns.saturating_sub(p.read_at_ns) / 1_000;
+                self.encoder.encode(
+                    &ResponseFields {
+                        request_id: p.request_id,
+                        status: Status::Ok,
+                        scores: &self.logits[..rows],
+                        tier: Tier::Primary,
+                        model_version: p.model_version,
+                        server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
+                        features_missing: u16::try_from(p.missing).unwrap_or(u16::MAX),
+                        error: "",
+                    },
+                    out,
+                );
+            }
+            (Outcome::Expired, _) => {
+                self.fail(p.request_id, Status::DeadlineExceeded, "dropped before the kernel: no time left", out);
+            }
+            (Outcome::Scored | Outcome::Late, _) => {
+                self.fail(p.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
+            }
+            (Outcome::Failed, _) => {
+                self.fail(p.request_id, Status::Internal, "the inference stage could not run the model", out);
+            }
+        }
+        let done_ns = self.clock.now_ns();
+        self.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
+        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(p.read_at_ns));
+        p.conn
     }
 }
 
@@ -542,35 +612,19 @@ mod tests {
             name: "m".into(),
             version: 4,
             inputs: vec![
-                InputSegment {
-                    source: Source::Item,
-                    dim: 1,
-                },
-                InputSegment {
-                    source: Source::Context,
-                    dim: 1,
-                },
-                InputSegment {
-                    source: Source::User,
-                    dim: 2,
-                },
+                InputSegment { source: Source::Item, dim: 1 },
+                InputSegment { source: Source::Context, dim: 1 },
+                InputSegment { source: Source::User, dim: 2 },
             ],
             // logit = item + 2 * context + user[0] - user[1]
             layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
         };
-        let fit = crate::registry::Fit {
-            user_dim: 2,
-            item_dim: 1,
-            context_len_max: 256,
-        };
+        let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
         Shared {
             registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap()),
             user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
             item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
-            limits: Limits {
-                candidates_max: 4,
-                ..Limits::default()
-            },
+            limits: Limits { candidates_max: 4, ..Limits::default() },
             backend: BackendKind::F32,
             floor: false,
             readiness: Arc::new(Readiness::ready()),
@@ -587,7 +641,7 @@ mod tests {
         let mut frame = Vec::new();
         RequestEncoder::new().encode(spec, &mut frame);
         let mut out = Vec::new();
-        path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, &mut out);
+        assert_eq!(path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, 0, &mut out), Handled::Answered);
         let (payload, used) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
         assert_eq!(used, out.len(), "exactly one response frame");
         wire::decode_response(payload, 64).unwrap()
@@ -609,10 +663,7 @@ mod tests {
         let clock = ManualClock::new(1_000);
         let mut path = RequestPath::new(shared(&dir("layout")), &clock).unwrap();
         let r = run(&mut path, &spec(), 1_000);
-        assert_eq!(
-            (r.request_id, r.status, r.tier, r.model_version),
-            (77, Status::Ok, Tier::Primary, 4)
-        );
+        assert_eq!((r.request_id, r.status, r.tier, r.model_version), (77, Status::Ok, Tier::Primary, 4));
         // item 12 is unknown: its default vector (-1) is used and counted.
         let want = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
         assert_eq!(r.scores, want);
@@ -643,10 +694,7 @@ mod tests {
             let r = run(&mut path, &s, read_at);
             let now = clock.now_us();
             if r.status == Status::Ok {
-                assert!(
-                    now - read_at <= 1_000 + 2 * step,
-                    "ok answer at {now} for read at {read_at}"
-                );
+                assert!(now - read_at <= 1_000 + 2 * step, "ok answer at {now} for read at {read_at}");
             } else {
                 assert_eq!(r.status, Status::DeadlineExceeded);
                 assert!(r.scores.is_empty());
@@ -691,7 +739,7 @@ mod tests {
         assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
 
         let mut out = Vec::new();
-        path.handle(b"definitely not a flatbuffer", 0, &mut out);
+        path.handle(b"definitely not a flatbuffer", 0, 0, &mut out);
         let (payload, _) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
         let r = wire::decode_response(payload, 64).unwrap();
         assert_eq!((r.request_id, r.status), (0, Status::BadRequest));

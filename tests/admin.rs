@@ -60,24 +60,12 @@ fn parse_with_prometheus_client(text: &str) -> Option<Vec<String>> {
     let stderr = String::from_utf8_lossy(&out.stderr);
     if stderr.contains("No module named 'prometheus_client'") {
         let required = std::env::var("QUIVER_REQUIRE_PROMETHEUS_CLIENT").is_ok_and(|v| v == "1");
-        assert!(
-            !required,
-            "QUIVER_REQUIRE_PROMETHEUS_CLIENT=1 but prometheus_client is not installed"
-        );
+        assert!(!required, "QUIVER_REQUIRE_PROMETHEUS_CLIENT=1 but prometheus_client is not installed");
         eprintln!("SKIPPED the prometheus_client parse check: pip install prometheus_client");
         return None;
     }
-    assert!(
-        out.status.success(),
-        "the Prometheus parser rejected /metrics: {stderr}\n{text}"
-    );
-    Some(
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(str::to_string)
-            .collect(),
-    )
+    assert!(out.status.success(), "the Prometheus parser rejected /metrics: {stderr}\n{text}");
+    Some(String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect())
 }
 
 #[test]
@@ -107,14 +95,8 @@ fn metrics_parse_and_count_what_was_sent() {
         let has = |line: &str| samples.iter().any(|s| s == line);
         assert!(has("quiver_requests_total{status=ok} 300"), "{samples:?}");
         assert!(has("quiver_request_duration_seconds_count{} 300"), "{samples:?}");
-        assert!(
-            has("quiver_stage_duration_seconds_count{stage=kernel} 300"),
-            "{samples:?}"
-        );
-        assert!(
-            has("quiver_request_duration_seconds_bucket{le=+Inf} 300"),
-            "{samples:?}"
-        );
+        assert!(has("quiver_stage_duration_seconds_count{stage=kernel} 300"), "{samples:?}");
+        assert!(has("quiver_request_duration_seconds_bucket{le=+Inf} 300"), "{samples:?}");
         assert!(has("quiver_ready{} 1"), "{samples:?}");
         assert!(samples
             .iter()
@@ -127,10 +109,7 @@ fn percentile_gauges_move_when_latency_changes() {
     let server = Server::start(&["--shards", "1"]);
     let mut c = server.client();
     for i in 0..200u64 {
-        assert_eq!(
-            c.score(&demo_request(i, i, vec![i % 10_000])).unwrap().status,
-            Status::Ok
-        );
+        assert_eq!(c.score(&demo_request(i, i, vec![i % 10_000])).unwrap().status, Status::Ok);
     }
     let before = wait_for(&server, |s| s.requests == 200);
     let kernel = |s: &Stats| s.stages.iter().find(|st| st.stage == "kernel").unwrap().p99_us;
@@ -163,16 +142,10 @@ fn drain_answers_overloaded_and_undrain_recovers() {
     assert_eq!(get(&ready).0, 503);
     assert_eq!(get(&health).0, 200, "alive while not ready");
     let r = c.score(&demo_request(2, 1, vec![1])).unwrap();
-    assert_eq!(
-        (r.status, r.error.as_str()),
-        (Status::Overloaded, "server is not ready")
-    );
+    assert_eq!((r.status, r.error.as_str()), (Status::Overloaded, "server is not ready"));
     // New connections are accepted and answered Overloaded under this policy.
     let mut fresh = server.client();
-    assert_eq!(
-        fresh.score(&demo_request(3, 1, vec![1])).unwrap().status,
-        Status::Overloaded
-    );
+    assert_eq!(fresh.score(&demo_request(3, 1, vec![1])).unwrap().status, Status::Overloaded);
 
     assert_eq!(post(&format!("http://{}/undrain", server.admin)), 200);
     assert_eq!(get(&ready).0, 200);
@@ -187,10 +160,7 @@ fn drain_with_the_refuse_policy_closes_new_connections() {
     assert_eq!(c.score(&demo_request(1, 1, vec![1])).unwrap().status, Status::Ok);
     assert_eq!(post(&format!("http://{}/drain", server.admin)), 200);
     // The open connection is told why; a new one is closed at once.
-    assert_eq!(
-        c.score(&demo_request(2, 1, vec![1])).unwrap().status,
-        Status::Overloaded
-    );
+    assert_eq!(c.score(&demo_request(2, 1, vec![1])).unwrap().status, Status::Overloaded);
     let mut fresh = server.client();
     assert!(fresh.score(&demo_request(3, 1, vec![1])).is_err());
     assert_eq!(post(&format!("http://{}/undrain", server.admin)), 200);

@@ -13,16 +13,7 @@ fn run(args: &[&str]) -> std::process::Output {
 #[test]
 fn score_json_prints_exactly_one_object() {
     let server = Server::start(&["--shards", "1"]);
-    let out = run(&[
-        "score",
-        "--addr",
-        &server.addr,
-        "--user",
-        "42",
-        "--items",
-        "1,2,3",
-        "--json",
-    ]);
+    let out = run(&["score", "--addr", &server.addr, "--user", "42", "--items", "1,2,3", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert_eq!(stdout.trim().lines().count(), 1, "{stdout}");
@@ -37,18 +28,8 @@ fn score_json_prints_exactly_one_object() {
     }
 
     // Context with negative numbers, and a non-OK status exits 2.
-    let out = run(&[
-        "score",
-        "--addr",
-        &server.addr,
-        "--user",
-        "1",
-        "--items",
-        "5",
-        "--context",
-        "-0.5,0.25",
-        "--json",
-    ]);
+    let out =
+        run(&["score", "--addr", &server.addr, "--user", "1", "--items", "5", "--context", "-0.5,0.25", "--json"]);
     assert_eq!(out.status.code(), Some(2));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["status"], "bad_request");
@@ -114,14 +95,7 @@ fn replica_build_and_inspect() {
     assert!(r.read_into(2, &mut v));
     assert_eq!(v, [2.5, 3.5]);
 
-    let out = run(&[
-        "replica",
-        "inspect",
-        "--group",
-        "item",
-        "--file",
-        out_file.to_str().unwrap(),
-    ]);
+    let out = run(&["replica", "inspect", "--group", "item", "--file", out_file.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected 'item'"));
 
@@ -149,10 +123,7 @@ fn demo_generation_is_deterministic() {
         assert!(out.status.success());
     }
     for f in ["user.qrep", "item.qrep", "model.qm"] {
-        assert!(
-            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
-            "{f} differs"
-        );
+        assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(), "{f} differs");
     }
 }
 
@@ -166,13 +137,7 @@ fn plots_are_png_files() {
     let hgrm = dir.join("a.hgrm");
     std::fs::write(&hgrm, quiver::loadgen::percentile_distribution(&h)).unwrap();
     let png = dir.join("p.png");
-    let out = run(&[
-        "plot",
-        "percentiles",
-        "--out",
-        png.to_str().unwrap(),
-        &format!("run a={}", hgrm.display()),
-    ]);
+    let out = run(&["plot", "percentiles", "--out", png.to_str().unwrap(), &format!("run a={}", hgrm.display())]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let bytes = std::fs::read(&png).unwrap();
     assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");

@@ -20,10 +20,7 @@ fn generated_code_matches_pinned_flatc() {
         }
     };
     if version != format!("flatc version {PINNED}") {
-        assert!(
-            !required,
-            "QUIVER_REQUIRE_FLATC=1 but flatc is '{version}', pinned is {PINNED}"
-        );
+        assert!(!required, "QUIVER_REQUIRE_FLATC=1 but flatc is '{version}', pinned is {PINNED}");
         eprintln!("SKIPPED: flatc on PATH is '{version}', pinned is {PINNED}");
         return;
     }

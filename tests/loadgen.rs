@@ -35,21 +35,14 @@ fn fake_server(stall_at: u64) -> String {
                 while let Ok(Some((payload, used))) = wire::split_frame(&buf[at..filled], 1 << 16) {
                     let id = wire::salvage_request_id(
                         payload,
-                        &wire::RequestLimits {
-                            frame_bytes_max: 1 << 16,
-                            candidates_max: 256,
-                            context_len_max: 256,
-                        },
+                        &wire::RequestLimits { frame_bytes_max: 1 << 16, candidates_max: 256, context_len_max: 256 },
                     );
                     if seen == stall_at {
                         std::thread::sleep(STALL);
                     }
                     seen += 1;
                     enc.encode(
-                        &ResponseFields {
-                            tier: Tier::Primary,
-                            ..ResponseFields::failure(id, Status::Ok, "")
-                        },
+                        &ResponseFields { tier: Tier::Primary, ..ResponseFields::failure(id, Status::Ok, "") },
                         &mut out,
                     );
                     at += used;

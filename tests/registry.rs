@@ -32,10 +32,7 @@ fn small_model(name: &str, version: u32) -> Model {
         name: name.into(),
         version,
         inputs: quiver::demo::model().inputs,
-        layers: vec![
-            Layer::quantize(80, 16, true, w1, vec![0.0; 16]),
-            Layer::quantize(16, 1, false, w2, vec![0.1]),
-        ],
+        layers: vec![Layer::quantize(80, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.1])],
     }
 }
 
@@ -83,13 +80,8 @@ fn post(url: &str) -> (u16, String) {
 
 fn models(server: &Server) -> Vec<ModelStatus> {
     let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
-    let body = agent
-        .get(&format!("http://{}/models", server.admin))
-        .call()
-        .unwrap()
-        .body_mut()
-        .read_to_string()
-        .unwrap();
+    let body =
+        agent.get(&format!("http://{}/models", server.admin)).call().unwrap().body_mut().read_to_string().unwrap();
     serde_json::from_str(&body).unwrap()
 }
 
@@ -104,27 +96,16 @@ fn latest_version_serves_then_load_and_rollback() {
     let r = c.score(&spec).unwrap();
     assert_eq!((r.status, r.model_version), (Status::Ok, 2));
     assert!(close(&r.scores, &reference(&v2, &spec)));
-    assert!(
-        !close(&r.scores, &reference(&v1, &spec)),
-        "the versions must be distinguishable"
-    );
+    assert!(!close(&r.scores, &reference(&v1, &spec)), "the versions must be distinguishable");
 
     let admin = &server.admin;
-    assert_eq!(
-        post(&format!("http://{admin}/models/auction-32/load?version=1")),
-        (200, "{\"version\":1}".into())
-    );
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/load?version=1")), (200, "{\"version\":1}".into()));
     let r = c.score(&spec).unwrap();
     assert_eq!(r.model_version, 1);
     assert!(close(&r.scores, &reference(&v1, &spec)));
     assert_eq!(
         models(&server),
-        vec![ModelStatus {
-            name: "auction-32".into(),
-            version: 1,
-            previous: Some(2),
-            on_disk: vec![1, 2],
-        }]
+        vec![ModelStatus { name: "auction-32".into(), version: 1, previous: Some(2), on_disk: vec![1, 2] }]
     );
 
     assert_eq!(post(&format!("http://{admin}/models/auction-32/rollback")).0, 200);
@@ -171,9 +152,7 @@ fn hot_reload_under_load_never_fails_or_mixes_versions() {
     let (seen, worst) = std::thread::scope(|s| {
         let load = s.spawn(|| {
             let mut c = server.client();
-            let specs: Vec<RequestSpec> = (0..64u64)
-                .map(|i| demo_request(i, i * 31, (i..i + 32).collect()))
-                .collect();
+            let specs: Vec<RequestSpec> = (0..64u64).map(|i| demo_request(i, i * 31, (i..i + 32).collect())).collect();
             let want: Vec<[Vec<f32>; 2]> = specs.iter().map(|s| [reference(&v1, s), reference(&v2, s)]).collect();
             let mut seen = [0u64; 3];
             let mut worst = Duration::ZERO;
@@ -188,10 +167,7 @@ fn hot_reload_under_load_never_fails_or_mixes_versions() {
                 assert_eq!(r.status, Status::Ok, "request {id} failed during reload");
                 let v = r.model_version as usize;
                 assert!(v == 1 || v == 2);
-                assert!(
-                    close(&r.scores, &want[k][v - 1]),
-                    "request {id}: scores are not version {v}'s"
-                );
+                assert!(close(&r.scores, &want[k][v - 1]), "request {id}: scores are not version {v}'s");
                 seen[v] += 1;
                 id += 1;
             }
@@ -199,26 +175,17 @@ fn hot_reload_under_load_never_fails_or_mixes_versions() {
         });
         for round in 0..10 {
             std::thread::sleep(Duration::from_millis(60));
-            let (code, body) = post(&format!(
-                "http://{}/models/auction-32/load?version={}",
-                server.admin,
-                1 + round % 2
-            ));
+            let (code, body) =
+                post(&format!("http://{}/models/auction-32/load?version={}", server.admin, 1 + round % 2));
             assert_eq!(code, 200, "{body}");
         }
         std::thread::sleep(Duration::from_millis(60));
         stop.store(true, Ordering::Relaxed);
         load.join().unwrap()
     });
-    eprintln!(
-        "hot reload: {} v1 and {} v2 responses, slowest {worst:?}",
-        seen[1], seen[2]
-    );
+    eprintln!("hot reload: {} v1 and {} v2 responses, slowest {worst:?}", seen[1], seen[2]);
     assert!(seen[1] > 0 && seen[2] > 0, "{seen:?}");
-    assert!(
-        worst < Duration::from_millis(250),
-        "a reload stalled a request for {worst:?}"
-    );
+    assert!(worst < Duration::from_millis(250), "a reload stalled a request for {worst:?}");
 }
 
 #[test]

@@ -26,10 +26,7 @@ fn scores_match_the_f32_reference() {
         let items: Vec<u64> = (0..32).map(|k| (i * 7919 + k * 104_729) % 10_000).collect();
         let spec = demo_request(i, (i * 15_485_863) % 100_000, items);
         let r = c.score(&spec).unwrap();
-        assert_eq!(
-            (r.request_id, r.status, r.tier, r.model_version),
-            (i, Status::Ok, Tier::Primary, 1)
-        );
+        assert_eq!((r.request_id, r.status, r.tier, r.model_version), (i, Status::Ok, Tier::Primary, 1));
         assert_eq!(r.features_missing, 0);
         let (want, _) = reference_scores(demo_dir(), &spec);
         assert_close(&r.scores, &want, INT8_SCORE_TOLERANCE);
@@ -68,13 +65,7 @@ fn a_thousand_pipelined_requests_on_one_connection() {
     let server = Server::start(&["--shards", "2"]);
     let mut c = server.client();
     let specs: Vec<RequestSpec> = (0..1000u64)
-        .map(|i| {
-            demo_request(
-                10_000 + i,
-                i * 97 % 100_000,
-                (0..32).map(|k| (i + k * 31) % 10_000).collect(),
-            )
-        })
+        .map(|i| demo_request(10_000 + i, i * 97 % 100_000, (0..32).map(|k| (i + k * 31) % 10_000).collect()))
         .collect();
     let responses = c.pipeline(&specs, 1000).unwrap();
     assert_eq!(responses.len(), 1000);
@@ -111,22 +102,13 @@ fn fifty_concurrent_connections_spread_over_the_shards() {
         .lines()
         .filter(|l| l.contains("shard stopped"))
         .map(|l| {
-            let v = l
-                .split("connections=")
-                .nth(1)
-                .unwrap()
-                .split_whitespace()
-                .next()
-                .unwrap();
+            let v = l.split("connections=").nth(1).unwrap().split_whitespace().next().unwrap();
             v.parse().unwrap()
         })
         .collect();
     assert_eq!(per_shard.len(), 2, "{log}");
     assert_eq!(per_shard.iter().sum::<u64>(), 50, "{log}");
-    assert!(
-        per_shard.iter().all(|&n| n > 0),
-        "both shards accepted connections: {per_shard:?}"
-    );
+    assert!(per_shard.iter().all(|&n| n > 0), "both shards accepted connections: {per_shard:?}");
 }
 
 #[test]
@@ -245,11 +227,7 @@ fn malformed_input_is_answered_or_closed_and_harms_nobody_else() {
     let too_many = demo_request(77, 1, (0..257).collect());
     let r = c.score(&too_many).unwrap();
     assert_eq!((r.request_id, r.status), (77, Status::BadRequest));
-    assert!(
-        r.error.contains("257 candidates exceed the limit of 256"),
-        "{}",
-        r.error
-    );
+    assert!(r.error.contains("257 candidates exceed the limit of 256"), "{}", r.error);
     // Wrong context length, and an unknown model name.
     let mut bad_ctx = demo_request(78, 1, vec![1]);
     bad_ctx.context = vec![1.0; 3];
@@ -277,10 +255,7 @@ fn the_connection_limit_closes_extra_connections() {
     assert_eq!(b.score(&demo_request(2, 1, vec![1])).unwrap().status, Status::Ok);
     let mut c = server.client();
     let third = c.score(&demo_request(3, 1, vec![1]));
-    assert!(
-        matches!(third, Err(ClientError::Closed) | Err(ClientError::Io(_))),
-        "{third:?}"
-    );
+    assert!(matches!(third, Err(ClientError::Closed) | Err(ClientError::Io(_))), "{third:?}");
     drop(a);
     // The freed slot is usable again once the server has seen the close.
     let mut ok = false;
@@ -355,4 +330,77 @@ fn corrupt_replica_is_refused_at_start_up() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("truncated"));
+}
+
+#[test]
+fn the_inference_thread_scores_like_inline() {
+    let mut server = Server::start(&["--shards", "2", "--inference", "thread"]);
+    let mut c = server.client();
+    for i in 0..100u64 {
+        let items: Vec<u64> = (0..32).map(|k| (i * 7919 + k * 104_729) % 10_000).collect();
+        let spec = demo_request(i, (i * 15_485_863) % 100_000, items);
+        let r = c.score(&spec).unwrap();
+        assert_eq!((r.request_id, r.status, r.tier), (i, Status::Ok, Tier::Primary));
+        let (want, _) = reference_scores(demo_dir(), &spec);
+        assert_close(&r.scores, &want, INT8_SCORE_TOLERANCE);
+    }
+    // Pipelined, up to the stage's 256 slots per shard: responses may come
+    // back in any order; all must come back.
+    let specs: Vec<RequestSpec> = (0..1000u64)
+        .map(|i| demo_request(50_000 + i, i * 13 % 100_000, (0..32).map(|k| (i + k * 7) % 10_000).collect()))
+        .collect();
+    let responses = c.pipeline(&specs, 200).unwrap();
+    assert!(responses.iter().zip(&specs).all(|(r, s)| r.request_id == s.request_id && r.status == Status::Ok));
+    // An already-expired budget never reaches the kernel.
+    let mut spec = demo_request(9, 1, (0..32).collect());
+    spec.budget_us = 1;
+    assert_eq!(c.score(&spec).unwrap().status, Status::DeadlineExceeded);
+    // Unknown ids, a bad request and an unknown model behave as inline.
+    let r = c.score(&demo_request(10, 1_000_000_000, vec![1, 1_000_000_001])).unwrap();
+    assert_eq!((r.status, r.features_missing), (Status::Ok, 2));
+    let mut bad = demo_request(11, 1, vec![1]);
+    bad.model = "nope".into();
+    assert_eq!(c.score(&bad).unwrap().status, Status::ModelNotFound);
+    // SIGTERM with requests in the stage: every one is answered, exit 0.
+    let mut bytes = Vec::new();
+    let mut enc = RequestEncoder::new();
+    for s in &specs[..200] {
+        enc.encode(s, &mut bytes);
+    }
+    c.send_raw(&bytes).unwrap();
+    assert_eq!(c.recv().unwrap().status, Status::Ok);
+    assert_eq!(server.terminate(), 0);
+    loop {
+        match c.recv() {
+            Ok(r) => assert_eq!(r.status, Status::Ok),
+            Err(ClientError::Closed) => break,
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_full_inference_stage_answers_overloaded_at_once() {
+    let cfg = common::scratch("stage-full").join("q.toml");
+    std::fs::write(&cfg, "inference = \"thread\"\n[stage]\njobs_per_shard_max = 4\nbatch_wait_us_max = 2000\n")
+        .unwrap();
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    let mut bytes = Vec::new();
+    let mut enc = RequestEncoder::new();
+    for i in 0..64u64 {
+        enc.encode(&demo_request(i, i, (0..32).collect()), &mut bytes);
+    }
+    c.send_raw(&bytes).unwrap();
+    let mut by_status = std::collections::BTreeMap::new();
+    for _ in 0..64 {
+        let r = c.recv().unwrap();
+        if r.status == Status::Overloaded {
+            assert_eq!(r.error, "every inference slot is in use");
+        }
+        *by_status.entry(quiver::wire::status_name(r.status)).or_insert(0) += 1;
+    }
+    assert!(by_status.get("ok").copied().unwrap_or(0) >= 4, "{by_status:?}");
+    assert!(by_status.get("overloaded").copied().unwrap_or(0) > 0, "{by_status:?}");
+    assert_eq!(by_status.values().sum::<i32>(), 64);
 }

@@ -92,20 +92,9 @@ impl Layer {
             let max_abs = row.iter().fold(0.0f32, |m, w| m.max(w.abs()));
             let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
             weight_scales.push(scale);
-            weights_i8.extend(
-                row.iter()
-                    .map(|w| (w / scale).round_ties_even().clamp(-127.0, 127.0) as i8),
-            );
+            weights_i8.extend(row.iter().map(|w| (w / scale).round_ties_even().clamp(-127.0, 127.0) as i8));
         }
-        Layer {
-            in_dim,
-            out_dim,
-            relu,
-            weights_f32,
-            weights_i8,
-            weight_scales,
-            bias,
-        }
+        Layer { in_dim, out_dim, relu, weights_f32, weights_i8, weight_scales, bias }
     }
 }
 
@@ -122,10 +111,7 @@ impl Model {
     /// Checks that the layers chain, the arrays have the declared sizes, the
     /// output is one logit and every number is finite.
     pub fn validate(&self) -> Result<(), ModelError> {
-        let bad = |what: String| ModelError::Shape {
-            name: self.name.clone(),
-            what,
-        };
+        let bad = |what: String| ModelError::Shape { name: self.name.clone(), what };
         if self.inputs.is_empty() {
             return Err(bad("declares no inputs".into()));
         }
@@ -138,10 +124,7 @@ impl Model {
             return Err(bad("an input segment has dimension 0".into()));
         }
         if self.layers.is_empty() || self.layers.len() > LAYERS_MAX {
-            return Err(bad(format!(
-                "has {} layers; 1 to {LAYERS_MAX} allowed",
-                self.layers.len()
-            )));
+            return Err(bad(format!("has {} layers; 1 to {LAYERS_MAX} allowed", self.layers.len())));
         }
         let mut width = self.input_dim();
         for (i, l) in self.layers.iter().enumerate() {
@@ -161,9 +144,7 @@ impl Model {
             let finite = l.weights_f32.iter().chain(&l.bias).all(|x| x.is_finite());
             let scales_ok = l.weight_scales.iter().all(|s| s.is_finite() && *s > 0.0);
             if !finite || !scales_ok {
-                return Err(bad(format!(
-                    "layer {i} holds a non-finite weight or a non-positive scale"
-                )));
+                return Err(bad(format!("layer {i} holds a non-finite weight or a non-positive scale")));
             }
             width = l.out_dim;
         }
@@ -183,12 +164,7 @@ impl Model {
 
     /// Widest activation vector, for sizing scratch buffers.
     pub fn width_max(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.out_dim)
-            .chain([self.input_dim()])
-            .max()
-            .unwrap_or(0)
+        self.layers.iter().map(|l| l.out_dim).chain([self.input_dim()]).max().unwrap_or(0)
     }
 
     /// Dimension declared for `source`, if the model reads it.
@@ -224,16 +200,10 @@ impl Model {
     /// Reads and validates a model file.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
         let p = path.display().to_string();
-        let io = |source| ModelError::Io {
-            path: p.clone(),
-            source,
-        };
+        let io = |source| ModelError::Io { path: p.clone(), source };
         let bytes_len = std::fs::metadata(path).map_err(io)?.len();
         if bytes_len > MODEL_BYTES_MAX as u64 {
-            return Err(ModelError::TooLarge {
-                path: p,
-                bytes: bytes_len,
-            });
+            return Err(ModelError::TooLarge { path: p, bytes: bytes_len });
         }
         let bytes = std::fs::read(path).map_err(io)?;
         Model::from_bytes(&bytes, &p)
@@ -250,15 +220,10 @@ impl Model {
             max_apparent_size: MODEL_BYTES_MAX,
             ignore_missing_null_terminator: false,
         };
-        let m = flatbuffers::root_with_opts::<fb::Model>(&opts, bytes).map_err(|source| ModelError::Invalid {
-            path: p.clone(),
-            source,
-        })?;
+        let m = flatbuffers::root_with_opts::<fb::Model>(&opts, bytes)
+            .map_err(|source| ModelError::Invalid { path: p.clone(), source })?;
         let name = m.name().unwrap_or("").to_string();
-        let bad = |what: &str| ModelError::Shape {
-            name: name.clone(),
-            what: what.into(),
-        };
+        let bad = |what: &str| ModelError::Shape { name: name.clone(), what: what.into() };
         let mut inputs = Vec::new();
         for s in m.inputs().unwrap_or_default() {
             let source = match s.source() {
@@ -267,10 +232,7 @@ impl Model {
                 fb::Source::Context => Source::Context,
                 _ => return Err(bad("an input segment has an unknown source")),
             };
-            inputs.push(InputSegment {
-                source,
-                dim: s.dim() as usize,
-            });
+            inputs.push(InputSegment { source, dim: s.dim() as usize });
         }
         let mut layers = Vec::new();
         for l in m.layers().unwrap_or_default() {
@@ -289,12 +251,7 @@ impl Model {
                 bias: l.bias().map(|v| v.iter().collect()).unwrap_or_default(),
             });
         }
-        let model = Model {
-            name: name.clone(),
-            version: m.version(),
-            inputs,
-            layers,
-        };
+        let model = Model { name: name.clone(), version: m.version(), inputs, layers };
         model.validate()?;
         Ok(model)
     }
@@ -310,13 +267,7 @@ impl Model {
                     Source::Item => fb::Source::Item,
                     Source::Context => fb::Source::Context,
                 };
-                fb::InputSegment::create(
-                    &mut b,
-                    &fb::InputSegmentArgs {
-                        source,
-                        dim: s.dim as u32,
-                    },
-                )
+                fb::InputSegment::create(&mut b, &fb::InputSegmentArgs { source, dim: s.dim as u32 })
             })
             .collect();
         let layers: Vec<_> = self
@@ -332,11 +283,7 @@ impl Model {
                     &fb::LayerArgs {
                         in_dim: l.in_dim as u32,
                         out_dim: l.out_dim as u32,
-                        activation: if l.relu {
-                            fb::Activation::Relu
-                        } else {
-                            fb::Activation::None
-                        },
+                        activation: if l.relu { fb::Activation::Relu } else { fb::Activation::None },
                         weights_f32,
                         weights_i8,
                         weight_scales,
@@ -348,15 +295,7 @@ impl Model {
         let name = Some(b.create_string(&self.name));
         let inputs = Some(b.create_vector(&inputs));
         let layers = Some(b.create_vector(&layers));
-        let root = fb::Model::create(
-            &mut b,
-            &fb::ModelArgs {
-                name,
-                version: self.version,
-                inputs,
-                layers,
-            },
-        );
+        let root = fb::Model::create(&mut b, &fb::ModelArgs { name, version: self.version, inputs, layers });
         fb::finish_model_buffer(&mut b, root);
         b.finished_data().to_vec()
     }
@@ -385,14 +324,8 @@ mod tests {
             name: "tiny".into(),
             version: 3,
             inputs: vec![
-                InputSegment {
-                    source: Source::User,
-                    dim: 2,
-                },
-                InputSegment {
-                    source: Source::Context,
-                    dim: 1,
-                },
+                InputSegment { source: Source::User, dim: 2 },
+                InputSegment { source: Source::Context, dim: 1 },
             ],
             layers: vec![
                 Layer::quantize(3, 2, true, vec![1.0, -2.0, 0.5, 0.0, 0.0, 0.0], vec![0.1, 0.2]),
@@ -423,10 +356,7 @@ mod tests {
         let bytes = m.to_bytes();
         assert_eq!(Model::from_bytes(&bytes, "t").unwrap(), m);
         assert!(Model::from_bytes(&bytes[..bytes.len() / 2], "t").is_err());
-        assert!(matches!(
-            Model::from_bytes(b"garbage!", "t"),
-            Err(ModelError::Identifier { .. })
-        ));
+        assert!(matches!(Model::from_bytes(b"garbage!", "t"), Err(ModelError::Identifier { .. })));
 
         let mut broken = m.clone();
         broken.layers[1].in_dim = 3;

@@ -59,18 +59,9 @@ pub enum ReplicaError {
     #[error("{path}: invalid header: {what}")]
     Header { path: String, what: String },
     #[error("{path}: holds group '{found}', expected '{expected}'")]
-    Group {
-        path: String,
-        found: String,
-        expected: String,
-    },
+    Group { path: String, found: String, expected: String },
     #[error("{path}: index slot {slot} points at row {row}, but there are {rows} rows")]
-    IndexRow {
-        path: String,
-        slot: u64,
-        row: u32,
-        rows: u64,
-    },
+    IndexRow { path: String, slot: u64, row: u32, rows: u64 },
     #[error("{path}:{line}: {what}")]
     Input { path: String, line: usize, what: String },
     #[error("duplicate key {key}")]
@@ -105,11 +96,7 @@ impl Header {
         let index_bytes = usize::try_from(self.slot_count).ok()?.checked_mul(SLOT_BYTES)?;
         let rows_offset = index_offset.checked_add(index_bytes)?;
         let row_bytes = usize::try_from(self.row_count).ok()?.checked_mul(dim * 4)?;
-        Some(Layout {
-            index_offset,
-            rows_offset,
-            file_bytes: rows_offset.checked_add(row_bytes)?,
-        })
+        Some(Layout { index_offset, rows_offset, file_bytes: rows_offset.checked_add(row_bytes)? })
     }
 }
 
@@ -142,52 +129,30 @@ impl Replica {
     /// `expected_group` guards against swapped files.
     pub fn open(path: &Path, expected_group: &str) -> Result<Replica, ReplicaError> {
         let p = path.display().to_string();
-        let io = |source| ReplicaError::Io {
-            path: p.clone(),
-            source,
-        };
+        let io = |source| ReplicaError::Io { path: p.clone(), source };
         let file = File::open(path).map_err(io)?;
         let actual = file.metadata().map_err(io)?.len();
         if actual < HEADER_BYTES as u64 {
-            return Err(ReplicaError::Length {
-                path: p,
-                expected: HEADER_BYTES as u64,
-                actual,
-            });
+            return Err(ReplicaError::Length { path: p, expected: HEADER_BYTES as u64, actual });
         }
         // SAFETY: replica files are only ever replaced by rename, never
         // written in place (see ReplicaBuilder::write), so the mapped bytes
         // do not change while this mapping lives.
         let map = unsafe { MmapOptions::new().populate().map(&file) }.map_err(io)?;
         let header = parse_header(&map[..HEADER_BYTES], &p)?;
-        let layout = header.layout().ok_or_else(|| ReplicaError::Header {
-            path: p.clone(),
-            what: "sizes overflow".into(),
-        })?;
+        let layout =
+            header.layout().ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
         if layout.file_bytes as u64 != actual {
-            return Err(ReplicaError::Length {
-                path: p,
-                expected: layout.file_bytes as u64,
-                actual,
-            });
+            return Err(ReplicaError::Length { path: p, expected: layout.file_bytes as u64, actual });
         }
         let stored = u32::from_le_bytes(map[48..52].try_into().expect("4 bytes"));
         if crc32fast::hash(&map[HEADER_BYTES..]) != stored {
             return Err(ReplicaError::PayloadChecksum { path: p });
         }
         if header.group != expected_group {
-            return Err(ReplicaError::Group {
-                path: p,
-                found: header.group,
-                expected: expected_group.into(),
-            });
+            return Err(ReplicaError::Group { path: p, found: header.group, expected: expected_group.into() });
         }
-        let replica = Replica {
-            map,
-            index_offset: layout.index_offset,
-            rows_offset: layout.rows_offset,
-            header,
-        };
+        let replica = Replica { map, index_offset: layout.index_offset, rows_offset: layout.rows_offset, header };
         replica.check_index(&p)?;
         Ok(replica)
     }
@@ -196,12 +161,7 @@ impl Replica {
         for slot in 0..self.header.slot_count {
             let (_, row, tag) = self.slot(slot);
             if tag == SLOT_USED_TAG && u64::from(row) >= self.header.row_count {
-                return Err(ReplicaError::IndexRow {
-                    path: path.into(),
-                    slot,
-                    row,
-                    rows: self.header.row_count,
-                });
+                return Err(ReplicaError::IndexRow { path: path.into(), slot, row, rows: self.header.row_count });
             }
         }
         Ok(())
@@ -334,15 +294,9 @@ fn parse_header(h: &[u8], path: &str) -> Result<Header, ReplicaError> {
     }
     let found = u32_at(8);
     if found != FORMAT_VERSION {
-        return Err(ReplicaError::Version {
-            path: path.into(),
-            found,
-        });
+        return Err(ReplicaError::Version { path: path.into(), found });
     }
-    let bad = |what: &str| ReplicaError::Header {
-        path: path.into(),
-        what: what.into(),
-    };
+    let bad = |what: &str| ReplicaError::Header { path: path.into(), what: what.into() };
     let dim = u32_at(12);
     let row_count = u64_at(16);
     let slot_count = u64_at(24);
@@ -350,24 +304,15 @@ fn parse_header(h: &[u8], path: &str) -> Result<Header, ReplicaError> {
         return Err(bad("dimension out of range"));
     }
     if !slot_count.is_power_of_two() || slot_count < row_count.saturating_mul(2).max(2) {
-        return Err(bad(
-            "index slot count is not a power of two at least twice the row count",
-        ));
+        return Err(bad("index slot count is not a power of two at least twice the row count"));
     }
     if row_count >= u64::from(u32::MAX) {
         return Err(bad("too many rows"));
     }
     let name = &h[32..48];
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    let group = std::str::from_utf8(&name[..end])
-        .map_err(|_| bad("group name is not UTF-8"))?
-        .to_string();
-    Ok(Header {
-        dim,
-        row_count,
-        slot_count,
-        group,
-    })
+    let group = std::str::from_utf8(&name[..end]).map_err(|_| bad("group name is not UTF-8"))?.to_string();
+    Ok(Header { dim, row_count, slot_count, group })
 }
 
 /// Collects rows in memory and writes a replica file atomically.
@@ -381,10 +326,7 @@ pub struct ReplicaBuilder {
 
 impl ReplicaBuilder {
     pub fn new(group: &str, dim: u32) -> ReplicaBuilder {
-        assert!(
-            group.len() <= GROUP_NAME_BYTES_MAX && !group.is_empty(),
-            "group name length"
-        );
+        assert!(group.len() <= GROUP_NAME_BYTES_MAX && !group.is_empty(), "group name length");
         assert!(dim > 0 && dim <= DIM_MAX, "dimension out of range");
         ReplicaBuilder {
             group: group.into(),
@@ -407,10 +349,7 @@ impl ReplicaBuilder {
 
     fn check_dim(&self, v: &[f32]) -> Result<(), ReplicaError> {
         if v.len() != self.dim as usize {
-            return Err(ReplicaError::Dim {
-                found: v.len(),
-                dim: self.dim,
-            });
+            return Err(ReplicaError::Dim { found: v.len(), dim: self.dim });
         }
         Ok(())
     }
@@ -491,14 +430,8 @@ impl ReplicaBuilder {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let err = |what: String| ReplicaError::Input {
-                path: path_for_errors.into(),
-                line: n + 1,
-                what,
-            };
-            let mut fields = line
-                .split(|c: char| c == ',' || c.is_whitespace())
-                .filter(|f| !f.is_empty());
+            let err = |what: String| ReplicaError::Input { path: path_for_errors.into(), line: n + 1, what };
+            let mut fields = line.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
             let id_field = fields.next().expect("a non-empty line has a field");
             values.clear();
             for f in fields {
@@ -519,9 +452,7 @@ impl ReplicaBuilder {
                 default = Some(values.clone());
                 continue;
             }
-            let key: u64 = id_field
-                .parse()
-                .map_err(|_| err(format!("'{id_field}' is not an unsigned 64-bit id")))?;
+            let key: u64 = id_field.parse().map_err(|_| err(format!("'{id_field}' is not an unsigned 64-bit id")))?;
             b.push(key, &values)?;
         }
         let mut b = builder.ok_or_else(|| ReplicaError::Input {
@@ -539,10 +470,7 @@ impl ReplicaBuilder {
 /// Writes `bytes` to `path` so that readers see either the old or the new file whole.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ReplicaError> {
     let p = path.display().to_string();
-    let io = |source| ReplicaError::Io {
-        path: p.clone(),
-        source,
-    };
+    let io = |source| ReplicaError::Io { path: p.clone(), source };
     let mut tmp_name = path.as_os_str().to_owned();
     tmp_name.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp_name);
@@ -590,16 +518,7 @@ mod tests {
         for k in 0..1000u64 {
             let key = k * 7919 + 3;
             assert!(r.read_into(key, &mut out));
-            assert_eq!(
-                out,
-                [
-                    key as f32,
-                    key as f32 + 0.5,
-                    key as f32 + 1.0,
-                    key as f32 + 1.5,
-                    key as f32 + 2.0
-                ]
-            );
+            assert_eq!(out, [key as f32, key as f32 + 0.5, key as f32 + 1.0, key as f32 + 1.5, key as f32 + 2.0]);
         }
         assert!(!r.read_into(4, &mut out));
         assert_eq!(out, [-1.0; 5]);
@@ -613,9 +532,7 @@ mod tests {
         let path = dir.join("item.qrep");
         sample(500, 3).write(&path).unwrap();
         let r = Replica::open(&path, "item").unwrap();
-        let keys: Vec<u64> = (0..64u64)
-            .map(|i| if i % 5 == 0 { i + 1 } else { i * 7919 + 3 })
-            .collect();
+        let keys: Vec<u64> = (0..64u64).map(|i| if i % 5 == 0 { i + 1 } else { i * 7919 + 3 }).collect();
         let mut rows = vec![0u32; 64];
         let mut got = vec![0.0; 64 * 3];
         let missing = r.read_many_into(&keys, &mut rows, &mut got);
@@ -651,10 +568,7 @@ mod tests {
         b.push(5, &[1.0]).unwrap();
         b.push(5, &[2.0]).unwrap();
         assert!(matches!(b.to_bytes(), Err(ReplicaError::DuplicateKey { key: 5 })));
-        assert!(matches!(
-            b.push(6, &[1.0, 2.0]),
-            Err(ReplicaError::Dim { found: 2, dim: 1 })
-        ));
+        assert!(matches!(b.push(6, &[1.0, 2.0]), Err(ReplicaError::Dim { found: 2, dim: 1 })));
     }
 
     #[test]
@@ -674,26 +588,17 @@ mod tests {
         let last = flipped.len() - 1;
         flipped[last] ^= 1;
         std::fs::write(&path, &flipped).unwrap();
-        assert!(matches!(
-            Replica::open(&path, "item"),
-            Err(ReplicaError::PayloadChecksum { .. })
-        ));
+        assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::PayloadChecksum { .. })));
 
         let mut header = good.clone();
         header[13] ^= 1;
         std::fs::write(&path, &header).unwrap();
-        assert!(matches!(
-            Replica::open(&path, "item"),
-            Err(ReplicaError::HeaderChecksum { .. })
-        ));
+        assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::HeaderChecksum { .. })));
 
         let mut magic = good.clone();
         magic[0] = b'X';
         std::fs::write(&path, &magic).unwrap();
-        assert!(matches!(
-            Replica::open(&path, "item"),
-            Err(ReplicaError::BadMagic { .. })
-        ));
+        assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::BadMagic { .. })));
 
         // Flip every single byte in turn: each must be refused, never accepted.
         for at in (0..good.len()).step_by(37) {
@@ -720,9 +625,7 @@ mod tests {
         assert!(!r.read_into(3, &mut out));
         assert_eq!(out, [0.5, 0.5]);
 
-        let err = ReplicaBuilder::from_text("user", "1,1.0\n2,1.0,2.0\n", "in.csv")
-            .err()
-            .unwrap();
+        let err = ReplicaBuilder::from_text("user", "1,1.0\n2,1.0,2.0\n", "in.csv").err().unwrap();
         assert_eq!(err.to_string(), "in.csv:2: 2 values, earlier lines have 1");
         let err = ReplicaBuilder::from_text("user", "x,1.0\n", "in.csv").err().unwrap();
         assert!(err.to_string().contains("not an unsigned 64-bit id"));

@@ -12,6 +12,7 @@
 //! zero length prefix) gets one `BadRequest` response and is closed; any
 //! other bad request is answered and the connection goes on.
 
+mod mailbox;
 mod shutdown;
 
 use std::cell::{Cell, RefCell};
@@ -27,13 +28,19 @@ use glommio::{LocalExecutorBuilder, Placement};
 
 use crate::config::NotReadyPolicy;
 use crate::deadline::{Clock, MonotonicClock};
+use crate::infer::ShardEnd;
 use crate::metrics::{self, Board};
-use crate::request::{response_frame_bytes_max, Counters, RequestPath, Shared};
+use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
+use mailbox::{Mailbox, Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
 
 /// How often a shard looks at the process-wide shutdown flag.
 const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
+/// How long the completion poller spins after its last delivery.
+const POLL_SPIN: Duration = Duration::from_micros(50);
+/// Its sleep between polls once spinning stopped paying.
+const POLL_BACKOFF: Duration = Duration::from_micros(20);
 /// First read buffer size per connection; grows up to one maximal frame.
 const READ_BUFFER_BYTES_MIN: usize = 16 * 1024;
 
@@ -68,9 +75,7 @@ pub fn resolve_listen(listen: &str) -> Result<SocketAddr, crate::Error> {
         return Ok(addr);
     }
     let probe = std::net::TcpListener::bind(addr).map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))?;
-    probe
-        .local_addr()
-        .map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))
+    probe.local_addr().map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))
 }
 
 /// Runs one shard per core until `stop` is set, then drains and returns
@@ -79,9 +84,13 @@ pub fn serve(
     shared: Shared,
     placement: ShardPlacement,
     board: Board,
+    stage_ends: Vec<ShardEnd>,
     stop: Arc<AtomicBool>,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<Vec<ShardReport>, crate::Error> {
+    assert!(stage_ends.is_empty() || stage_ends.len() == placement.cores.len(), "one stage end per shard");
+    let mut stage_ends: Vec<Option<ShardEnd>> = stage_ends.into_iter().map(Some).collect();
+    stage_ends.resize_with(placement.cores.len(), || None);
     let (bound_tx, bound_rx) = mpsc::channel::<Result<(), String>>();
     let mut handles = Vec::new();
     for (shard, &core) in placement.cores.iter().enumerate() {
@@ -89,17 +98,13 @@ pub fn serve(
         let stop = stop.clone();
         let bound_tx = bound_tx.clone();
         let board = board.clone();
+        let stage = stage_ends[shard].take();
         let (listen, not_ready) = (placement.listen, placement.not_ready);
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
             .name(&format!("quiver-shard-{shard}"))
             .spawn(move || async move {
-                let place = ShardPlace {
-                    shard,
-                    core,
-                    listen,
-                    not_ready,
-                };
-                run_shard(place, shared, board, stop, bound_tx).await
+                let place = ShardPlace { shard, core, listen, not_ready };
+                run_shard(place, shared, board, stage, stop, bound_tx).await
             })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
         handles.push(handle);
@@ -144,15 +149,11 @@ async fn run_shard(
     place: ShardPlace,
     shared: Shared,
     board: Board,
+    stage: Option<ShardEnd>,
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
-    let ShardPlace {
-        shard,
-        core,
-        listen,
-        not_ready,
-    } = place;
+    let ShardPlace { shard, core, listen, not_ready } = place;
     let limits = shared.limits.clone();
     let readiness = shared.readiness.clone();
     let path = match RequestPath::new(shared, MonotonicClock::new()) {
@@ -204,11 +205,51 @@ async fn run_shard(
         }
     })
     .detach();
-    let report = Rc::new(RefCell::new(ShardReport {
-        shard,
-        core,
-        ..ShardReport::default()
-    }));
+    let report = Rc::new(RefCell::new(ShardReport { shard, core, ..ShardReport::default() }));
+    let mailboxes = Rc::new(Mailboxes::default());
+    let submitted = Rc::new(Notify::default());
+    let stage_attached = stage.is_some();
+    if let Some(end) = stage {
+        path.borrow_mut().attach_stage(end);
+    }
+    // Hand-off mode: route completions to their connections. While requests
+    // are in flight the poller yields between polls (bounded spinning: it
+    // only spins while the stage owes this shard something); idle, it sleeps
+    // until a connection submits.
+    let poller = stage_attached.then(|| {
+        let (path, mailboxes, submitted) = (path.clone(), mailboxes.clone(), submitted.clone());
+        glommio::spawn_local(async move {
+            let mut bytes = Vec::with_capacity(64 * 1024);
+            let clock = MonotonicClock::new();
+            let mut last_delivery_ns = 0;
+            loop {
+                let mut delivered = 0;
+                {
+                    let mut p = path.borrow_mut();
+                    while let Some(done) = p.poll_stage() {
+                        bytes.clear();
+                        let conn = p.complete(done, &mut bytes);
+                        mailboxes.deliver(conn, &bytes);
+                        delivered += 1;
+                    }
+                }
+                let now_ns = clock.now_ns();
+                if delivered > 0 {
+                    last_delivery_ns = now_ns;
+                } else if path.borrow().in_flight() == 0 {
+                    submitted.notified().await;
+                    last_delivery_ns = clock.now_ns();
+                } else if now_ns - last_delivery_ns < POLL_SPIN.as_nanos() as u64 {
+                    futures_lite::future::yield_now().await;
+                } else {
+                    // The stage is slow to answer: stop spinning so a stage
+                    // thread sharing this core gets to run.
+                    glommio::timer::sleep(POLL_BACKOFF).await;
+                }
+            }
+        })
+        .detach()
+    });
     loop {
         let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
             shutdown.wait().await;
@@ -238,6 +279,8 @@ async fn run_shard(
         active.set(active.get() + 1);
         let conn = Connection {
             shard,
+            mailboxes: mailboxes.clone(),
+            submitted: submitted.clone(),
             path: path.clone(),
             shutdown: shutdown.clone(),
             limits: limits.clone(),
@@ -257,24 +300,29 @@ async fn run_shard(
     // Drain: connections finish the frames they already read, then close.
     let grace_ms = limits.shutdown_grace_ms;
     let clock = MonotonicClock::new();
-    while active.get() > 0 && clock.now_us() < grace_ms * 1_000 {
+    let drain_start_us = clock.now_us();
+    while active.get() > 0 && clock.now_us() - drain_start_us < grace_ms * 1_000 {
         glommio::timer::sleep(Duration::from_millis(1)).await;
     }
     if active.get() > 0 {
-        tracing::warn!(
-            shard,
-            open = active.get(),
-            "shutdown grace elapsed; closing connections"
-        );
+        tracing::warn!(shard, open = active.get(), "shutdown grace elapsed; closing connections");
     }
     drop(watcher);
     drop(publisher);
+    drop(poller);
     let mut p = path.borrow_mut();
     let counters = p.counters.clone();
     metrics::publish(p.times_mut(), &counters, 0, &board[shard]);
     let mut r = report.borrow().clone();
     r.counters = counters;
     Ok(r)
+}
+
+/// What woke a connection waiting between rounds.
+enum Wake {
+    Read(std::io::Result<usize>),
+    Delivered,
+    Shutdown,
 }
 
 /// Swaps in model versions the registry published, logging a failure.
@@ -288,6 +336,8 @@ fn refresh(path: &RefCell<RequestPath<MonotonicClock>>, shard: usize) {
 
 struct Connection {
     shard: usize,
+    mailboxes: Rc<Mailboxes>,
+    submitted: Rc<Notify>,
     path: Rc<RefCell<RequestPath<MonotonicClock>>>,
     shutdown: Rc<ShutdownSignal>,
     limits: crate::config::Limits,
@@ -296,6 +346,23 @@ struct Connection {
 
 impl Connection {
     async fn serve(self, mut stream: TcpStream) -> std::io::Result<()> {
+        let (id, mailbox) = self.mailboxes.open();
+        let result = self.serve_rounds(&mut stream, id, &mailbox).await;
+        // Collect every response the stage still owes this connection (each
+        // ends by its deadline), write what can be written, then close.
+        while mailbox.pending() > 0 {
+            mailbox.delivered().await;
+        }
+        let mut rest = Vec::new();
+        mailbox.take_into(&mut rest);
+        self.mailboxes.close(id);
+        if result.is_ok() && !rest.is_empty() {
+            stream.write_all(&rest).await?;
+        }
+        result
+    }
+
+    async fn serve_rounds(&self, stream: &mut TcpStream, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(Duration::from_millis(self.limits.idle_timeout_ms)))?;
         stream.set_write_timeout(Some(Duration::from_millis(self.limits.write_timeout_ms)))?;
@@ -310,13 +377,17 @@ impl Connection {
             let mut consumed = 0;
             let mut broken = false;
             refresh(&self.path, self.shard);
+            let mut handed_off = false;
             {
                 let mut path = self.path.borrow_mut();
                 let read_at_ns = path.clock().now_ns();
                 while out.len() < self.limits.output_bytes_max {
                     match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
                         Ok(Some((payload, used))) => {
-                            path.handle(payload, read_at_ns, &mut out);
+                            if path.handle(payload, read_at_ns, id, &mut out) == Handled::Pending {
+                                mailbox.expect();
+                                handed_off = true;
+                            }
                             consumed += used;
                         }
                         Ok(None) => break,
@@ -329,8 +400,12 @@ impl Connection {
                     }
                 }
             }
+            if handed_off {
+                self.submitted.notify();
+            }
             inbuf.copy_within(consumed..filled, 0);
             filled -= consumed;
+            mailbox.take_into(&mut out);
             if !out.is_empty() {
                 stream.write_all(&out).await?;
                 out.clear();
@@ -350,16 +425,26 @@ impl Connection {
                 assert!(grown > inbuf.len(), "a complete frame always fits the buffer");
                 inbuf.resize(grown, 0);
             }
-            let read = futures_lite::future::or(async { Some(stream.read(&mut inbuf[filled..]).await) }, async {
-                self.shutdown.wait().await;
-                None
+            let read = futures_lite::future::or(async { Wake::Read(stream.read(&mut inbuf[filled..]).await) }, async {
+                futures_lite::future::or(
+                    async {
+                        self.shutdown.wait().await;
+                        Wake::Shutdown
+                    },
+                    async {
+                        mailbox.delivered().await;
+                        Wake::Delivered
+                    },
+                )
+                .await
             })
             .await;
             match read {
-                None => return Ok(()),
-                Some(Ok(0)) => return Ok(()),
-                Some(Ok(n)) => filled += n,
-                Some(Err(e)) => return Err(e),
+                Wake::Shutdown => return Ok(()),
+                Wake::Delivered => {}
+                Wake::Read(Ok(0)) => return Ok(()),
+                Wake::Read(Ok(n)) => filled += n,
+                Wake::Read(Err(e)) => return Err(e),
             }
         }
     }

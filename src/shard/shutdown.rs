@@ -24,13 +24,7 @@ struct Slots {
 impl ShutdownSignal {
     pub fn trigger(&self) {
         self.triggered.set(true);
-        let wakers: Vec<Waker> = self
-            .slots
-            .borrow_mut()
-            .wakers
-            .iter_mut()
-            .filter_map(Option::take)
-            .collect();
+        let wakers: Vec<Waker> = self.slots.borrow_mut().wakers.iter_mut().filter_map(Option::take).collect();
         for w in wakers {
             w.wake();
         }
@@ -42,10 +36,7 @@ impl ShutdownSignal {
 
     /// Resolves once `trigger` has been called.
     pub fn wait(&self) -> Wait<'_> {
-        Wait {
-            signal: self,
-            slot: None,
-        }
+        Wait { signal: self, slot: None }
     }
 }
 

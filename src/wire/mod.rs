@@ -49,10 +49,7 @@ pub fn split_frame(buf: &[u8], frame_bytes_max: usize) -> Result<Option<(&[u8], 
         return Err(FrameError::Empty);
     }
     if len_bytes > frame_bytes_max {
-        return Err(FrameError::TooLarge {
-            len_bytes,
-            frame_bytes_max,
-        });
+        return Err(FrameError::TooLarge { len_bytes, frame_bytes_max });
     }
     let end = FRAME_PREFIX_BYTES + len_bytes;
     Ok(buf.get(FRAME_PREFIX_BYTES..end).map(|payload| (payload, end)))
@@ -134,17 +131,11 @@ pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Resu
         return Err(DecodeError::NoCandidates);
     }
     if count > limits.candidates_max {
-        return Err(DecodeError::TooManyCandidates {
-            count,
-            candidates_max: limits.candidates_max,
-        });
+        return Err(DecodeError::TooManyCandidates { count, candidates_max: limits.candidates_max });
     }
     let context_len = raw.context().map_or(0, |v| v.len());
     if context_len > limits.context_len_max {
-        return Err(DecodeError::ContextTooLong {
-            count: context_len,
-            context_len_max: limits.context_len_max,
-        });
+        return Err(DecodeError::ContextTooLong { count: context_len, context_len_max: limits.context_len_max });
     }
     Ok(Request { raw })
 }
@@ -192,9 +183,7 @@ pub struct ResponseEncoder {
 impl ResponseEncoder {
     /// `scores_max` sizes the builder so steady-state encoding never grows it.
     pub fn new(scores_max: usize) -> ResponseEncoder {
-        ResponseEncoder {
-            builder: FlatBufferBuilder::with_capacity(256 + scores_max * 4),
-        }
+        ResponseEncoder { builder: FlatBufferBuilder::with_capacity(256 + scores_max * 4) }
     }
 
     /// Appends one response frame to `out`.
@@ -247,9 +236,7 @@ impl Default for RequestEncoder {
 
 impl RequestEncoder {
     pub fn new() -> RequestEncoder {
-        RequestEncoder {
-            builder: FlatBufferBuilder::with_capacity(1024),
-        }
+        RequestEncoder { builder: FlatBufferBuilder::with_capacity(1024) }
     }
 
     /// Appends one request frame to `out`.
@@ -340,11 +327,7 @@ pub fn tier_name(tier: Tier) -> &'static str {
 mod tests {
     use super::*;
 
-    const LIMITS: RequestLimits = RequestLimits {
-        frame_bytes_max: 65_536,
-        candidates_max: 64,
-        context_len_max: 16,
-    };
+    const LIMITS: RequestLimits = RequestLimits { frame_bytes_max: 65_536, candidates_max: 64, context_len_max: 16 };
 
     fn spec(items: usize) -> RequestSpec {
         RequestSpec {
@@ -394,16 +377,10 @@ mod tests {
         let (p1, used1) = split_frame(&out, 1 << 16).unwrap().unwrap();
         let r1 = decode_response(p1, 64).unwrap();
         assert_eq!(r1.scores, scores);
-        assert_eq!(
-            (r1.request_id, r1.model_version, r1.server_us, r1.features_missing),
-            (9, 3, 12, 1)
-        );
+        assert_eq!((r1.request_id, r1.model_version, r1.server_us, r1.features_missing), (9, 3, 12, 1));
         let (p2, _) = split_frame(&out[used1..], 1 << 16).unwrap().unwrap();
         let r2 = decode_response(p2, 64).unwrap();
-        assert_eq!(
-            (r2.request_id, r2.status, r2.error.as_str()),
-            (10, Status::BadRequest, "nope")
-        );
+        assert_eq!((r2.request_id, r2.status, r2.error.as_str()), (10, Status::BadRequest, "nope"));
         assert!(r2.scores.is_empty());
     }
 
@@ -412,11 +389,7 @@ mod tests {
         let mut out = Vec::new();
         RequestEncoder::new().encode(&spec(3), &mut out);
         for cut in 0..out.len() {
-            assert_eq!(
-                split_frame(&out[..cut], LIMITS.frame_bytes_max),
-                Ok(None),
-                "cut at {cut}"
-            );
+            assert_eq!(split_frame(&out[..cut], LIMITS.frame_bytes_max), Ok(None), "cut at {cut}");
         }
     }
 
@@ -425,10 +398,7 @@ mod tests {
         assert_eq!(split_frame(&[0, 0, 0, 0], 100), Err(FrameError::Empty));
         assert_eq!(
             split_frame(&[0xff, 0xff, 0xff, 0x7f, 1], 100),
-            Err(FrameError::TooLarge {
-                len_bytes: 0x7fff_ffff,
-                frame_bytes_max: 100
-            })
+            Err(FrameError::TooLarge { len_bytes: 0x7fff_ffff, frame_bytes_max: 100 })
         );
     }
 
@@ -437,29 +407,20 @@ mod tests {
         let mut out = Vec::new();
         RequestEncoder::new().encode(&spec(65), &mut out);
         let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
-        assert!(matches!(
-            decode_request(payload, &LIMITS),
-            Err(DecodeError::TooManyCandidates { count: 65, .. })
-        ));
+        assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::TooManyCandidates { count: 65, .. })));
         assert_eq!(salvage_request_id(payload, &LIMITS), 7);
 
         out.clear();
         RequestEncoder::new().encode(&spec(0), &mut out);
         let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
-        assert!(matches!(
-            decode_request(payload, &LIMITS),
-            Err(DecodeError::NoCandidates)
-        ));
+        assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::NoCandidates)));
 
         let mut s = spec(2);
         s.context = vec![0.0; 17];
         out.clear();
         RequestEncoder::new().encode(&s, &mut out);
         let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
-        assert!(matches!(
-            decode_request(payload, &LIMITS),
-            Err(DecodeError::ContextTooLong { count: 17, .. })
-        ));
+        assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::ContextTooLong { count: 17, .. })));
     }
 
     #[test]
@@ -472,14 +433,8 @@ mod tests {
             // Cutting only unreferenced padding may still verify; then every
             // field must read as in the whole payload.
             if let Ok(r) = decode_request(&payload[..cut], &LIMITS) {
-                assert_eq!(
-                    r.item_ids().iter().collect::<Vec<_>>(),
-                    full.item_ids().iter().collect::<Vec<_>>()
-                );
-                assert_eq!(
-                    r.context().iter().collect::<Vec<_>>(),
-                    full.context().iter().collect::<Vec<_>>()
-                );
+                assert_eq!(r.item_ids().iter().collect::<Vec<_>>(), full.item_ids().iter().collect::<Vec<_>>());
+                assert_eq!(r.context().iter().collect::<Vec<_>>(), full.context().iter().collect::<Vec<_>>());
                 assert_eq!((r.request_id(), r.user_id(), r.model()), (7, 42, "m"));
                 assert!(cut + 8 >= payload.len(), "cut at {cut} of {} verified", payload.len());
             }

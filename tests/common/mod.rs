@@ -53,14 +53,7 @@ impl Server {
 
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(BIN)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin",
-                "127.0.0.1:0",
-                "--data-dir",
-            ])
+            .args(["serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
             .env("RUST_LOG", "info")
@@ -100,12 +93,7 @@ impl Server {
                 .unwrap_or_else(|| panic!("unexpected line: {line}"))
                 .to_string();
         };
-        Server {
-            child,
-            addr,
-            admin,
-            stderr,
-        }
+        Server { child, addr, admin, stderr }
     }
 
     pub fn client(&self) -> Client {
@@ -118,10 +106,7 @@ impl Server {
 
     /// Sends SIGTERM and waits for a clean exit; returns the exit code.
     pub fn terminate(&mut self) -> i32 {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill(1) runs");
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("kill(1) runs");
         assert!(status.success());
         let until = Instant::now() + Duration::from_secs(15);
         loop {
@@ -155,9 +140,7 @@ pub fn demo_request(request_id: u64, user_id: u64, item_ids: Vec<u64>) -> Reques
         budget_us: 1_000_000,
         user_id,
         item_ids,
-        context: (0..demo::CONTEXT_LEN)
-            .map(|i| ((request_id + i as u64) % 7) as f32 * 0.3 - 0.9)
-            .collect(),
+        context: (0..demo::CONTEXT_LEN).map(|i| ((request_id + i as u64) % 7) as f32 * 0.3 - 0.9).collect(),
         ..RequestSpec::default()
     }
 }

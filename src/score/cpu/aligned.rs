@@ -38,11 +38,7 @@ impl<T: Plain> AlignedBuf<T> {
     /// `len` zeros.
     pub fn zeroed(len: usize) -> AlignedBuf<T> {
         let bytes = len * std::mem::size_of::<T>();
-        AlignedBuf {
-            blocks: vec![Block([0; 64]); bytes.div_ceil(64)],
-            len,
-            _elem: PhantomData,
-        }
+        AlignedBuf { blocks: vec![Block([0; 64]); bytes.div_ceil(64)], len, _elem: PhantomData }
     }
 
     pub fn as_slice(&self) -> &[T] {

@@ -43,12 +43,8 @@ pub enum Int8Kernel {
 }
 
 impl Int8Kernel {
-    pub const ALL: [Int8Kernel; 4] = [
-        Int8Kernel::Scalar,
-        Int8Kernel::Portable,
-        Int8Kernel::Avx2,
-        Int8Kernel::Avx512Vnni,
-    ];
+    pub const ALL: [Int8Kernel; 4] =
+        [Int8Kernel::Scalar, Int8Kernel::Portable, Int8Kernel::Avx2, Int8Kernel::Avx512Vnni];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -144,11 +140,7 @@ impl PackedLayer {
                 }
             }
             for (o, c) in offset_corr.as_mut_slice()[..n].iter_mut().enumerate() {
-                *c = 128
-                    * layer.weights_i8[o * k..(o + 1) * k]
-                        .iter()
-                        .map(|&v| i32::from(v))
-                        .sum::<i32>();
+                *c = 128 * layer.weights_i8[o * k..(o + 1) * k].iter().map(|&v| i32::from(v)).sum::<i32>();
             }
         } else {
             w_i16 = AlignedBuf::zeroed(n_pad * k_pad);
@@ -219,14 +211,7 @@ impl PackedLayer {
                 // sizes as above.
                 unsafe {
                     x86::quantize_rows_avx512(x, rows, k, k_pad, s.x_u8.as_mut_slice(), &mut s.sx);
-                    x86::gemm_vnni::<false>(
-                        self,
-                        s.x_u8.as_slice(),
-                        rows,
-                        &s.sx,
-                        y.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    );
+                    x86::gemm_vnni::<false>(self, s.x_u8.as_slice(), rows, &s.sx, y.as_mut_ptr(), std::ptr::null_mut());
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]

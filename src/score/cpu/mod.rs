@@ -33,10 +33,7 @@ struct Activations {
 impl Activations {
     fn new(model: &Model, rows_max: usize) -> Activations {
         let n = rows_max * model.width_max();
-        Activations {
-            a: vec![0.0; n],
-            b: vec![0.0; n],
-        }
+        Activations { a: vec![0.0; n], b: vec![0.0; n] }
     }
 
     /// Runs every layer: layer 0 reads `x` and writes `a`, later layers read
@@ -90,10 +87,7 @@ pub struct CpuF32 {
 
 impl CpuF32 {
     pub fn new(model: &Model, rows_max: usize) -> CpuF32 {
-        CpuF32 {
-            rows_max,
-            act: Activations::new(model, rows_max),
-        }
+        CpuF32 { rows_max, act: Activations::new(model, rows_max) }
     }
 }
 
@@ -195,11 +189,7 @@ fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
             acc[k] += i32::from(ca[k]) * i32::from(cb[k]);
         }
     }
-    let tail: i32 = a[chunks..]
-        .iter()
-        .zip(&b[chunks..])
-        .map(|(&x, &y)| i32::from(x) * i32::from(y))
-        .sum();
+    let tail: i32 = a[chunks..].iter().zip(&b[chunks..]).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
     acc.iter().sum::<i32>() + tail
 }
 
@@ -227,11 +217,7 @@ impl Backend for CpuInt8 {
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
         if self.kernel != Int8Kernel::Scalar {
-            assert_eq!(
-                model.layers.len(),
-                self.packed.len(),
-                "the backend was built for another model"
-            );
+            assert_eq!(model.layers.len(), self.packed.len(), "the backend was built for another model");
             let (packed, scratch) = (&self.packed, &mut self.scratch);
             self.act.run_layers(model, x, rows, out, |i, _, src, dst| {
                 packed[i].forward(src, rows, dst, scratch);
@@ -274,10 +260,7 @@ mod tests {
         Model {
             name: "random".into(),
             version: 1,
-            inputs: vec![InputSegment {
-                source: Source::Context,
-                dim: dims[0],
-            }],
+            inputs: vec![InputSegment { source: Source::Context, dim: dims[0] }],
             layers,
         }
     }
@@ -323,15 +306,11 @@ mod tests {
             for l in &model.layers {
                 let max_abs = act.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let s_x = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
-                let q: Vec<i32> = act
-                    .iter()
-                    .map(|v| (v * (1.0 / s_x)).round_ties_even().clamp(-127.0, 127.0) as i32)
-                    .collect();
+                let q: Vec<i32> =
+                    act.iter().map(|v| (v * (1.0 / s_x)).round_ties_even().clamp(-127.0, 127.0) as i32).collect();
                 act = (0..l.out_dim)
                     .map(|o| {
-                        let acc: i32 = (0..l.in_dim)
-                            .map(|i| i32::from(l.weights_i8[o * l.in_dim + i]) * q[i])
-                            .sum();
+                        let acc: i32 = (0..l.in_dim).map(|i| i32::from(l.weights_i8[o * l.in_dim + i]) * q[i]).sum();
                         let v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
                         if l.relu {
                             v.max(0.0)
@@ -347,15 +326,10 @@ mod tests {
 
     /// A layer with uniformly random INT8 weights, or every weight `fill`.
     fn int8_layer(rng: &mut crate::demo::SplitMix64, k: usize, n: usize, relu: bool, fill: Option<i8>) -> Layer {
-        let weights_i8: Vec<i8> = (0..k * n)
-            .map(|_| fill.unwrap_or_else(|| (rng.below(255) as i32 - 127) as i8))
-            .collect();
+        let weights_i8: Vec<i8> =
+            (0..k * n).map(|_| fill.unwrap_or_else(|| (rng.below(255) as i32 - 127) as i8)).collect();
         let weight_scales: Vec<f32> = (0..n).map(|_| 0.001 + rng.unit() as f32 * 0.1).collect();
-        let weights_f32 = weights_i8
-            .iter()
-            .enumerate()
-            .map(|(i, &w)| f32::from(w) * weight_scales[i / k])
-            .collect();
+        let weights_f32 = weights_i8.iter().enumerate().map(|(i, &w)| f32::from(w) * weight_scales[i / k]).collect();
         Layer {
             in_dim: k,
             out_dim: n,
@@ -372,10 +346,7 @@ mod tests {
     const ROWS: [usize; 4] = [1, 31, 32, 33];
 
     fn blocked_kernels() -> Vec<Int8Kernel> {
-        Int8Kernel::ALL
-            .into_iter()
-            .filter(|k| *k != Int8Kernel::Scalar && k.is_available())
-            .collect()
+        Int8Kernel::ALL.into_iter().filter(|k| *k != Int8Kernel::Scalar && k.is_available()).collect()
     }
 
     #[test]
@@ -447,9 +418,7 @@ mod tests {
                         for rows in ROWS {
                             let x: Vec<f32> = match fill {
                                 None => (0..rows * k).map(|_| rng.normal()).collect(),
-                                Some(_) => (0..rows * k)
-                                    .map(|_| if rng.below(2) == 0 { -1.0 } else { 1.0 })
-                                    .collect(),
+                                Some(_) => (0..rows * k).map(|_| if rng.below(2) == 0 { -1.0 } else { 1.0 }).collect(),
                             };
                             let want = scalar_layer(&layer, &x, rows);
                             let mut got = vec![f32::NAN; rows * n];
@@ -512,12 +481,7 @@ mod tests {
                     scalar.logits(model, &x, rows, &mut want);
                     backend.logits(model, &x, rows, &mut got);
                     for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "{kernel:?} {} rows {rows}: row {r}",
-                            model.name
-                        );
+                        assert_eq!(g.to_bits(), w.to_bits(), "{kernel:?} {} rows {rows}: row {r}", model.name);
                     }
                 }
             }

@@ -1,0 +1,570 @@
+//! The inference stage: a dedicated thread that takes scoring jobs from every
+//! shard through lock-free rings, batches them with their deadlines in mind,
+//! runs the backend, and hands results back the same way.
+//!
+//! Feature rows never travel through a queue: each shard owns a fixed set of
+//! job slots (allocated at start-up, sized for the largest request) and
+//! writes a request's rows into a free slot; the ring carries only the slot
+//! number and timing. Ownership of a slot passes shard → stage with the job
+//! and stage → shard with the completion; the rings' Release/Acquire order
+//! the slot's contents. A full ring or no free slot is `Overloaded` at once.
+//!
+//! Batching: the thread gathers jobs for one model and launches when the
+//! batch is full (`batch_rows_max`), when the oldest job has waited
+//! `batch_wait_us_max`, or when waiting any longer would make the earliest
+//! deadline in the batch miss given the expected kernel time for that many
+//! rows (a running estimate per batch-size bucket). Jobs already past their
+//! deadline (or that cannot finish by it) are dropped before the kernel, and
+//! every job's deadline is checked again after it.
+//!
+//! Idle, the thread spins for `spin_us` and then parks; a shard unparks it
+//! only if it is parked, so a busy stage costs no syscall per job.
+
+pub mod ring;
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::deadline::{Clock, MonotonicClock};
+use crate::model::Model;
+use crate::registry::Registry;
+use crate::score::{self, Backend, BackendKind};
+use ring::{Consumer, Producer};
+
+/// Sizes and timings of the stage, from config.
+#[derive(Clone, Copy, Debug)]
+pub struct StageConfig {
+    /// Most rows the thread puts in one kernel launch.
+    pub batch_rows_max: usize,
+    /// Longest a job waits for company before its batch launches.
+    pub batch_wait_us_max: u64,
+    /// How long the idle thread spins before it parks.
+    pub spin_us: u64,
+    /// Jobs in flight per shard: the number of slots and the ring capacity.
+    pub jobs_per_shard_max: usize,
+    /// Rows one job may carry (the request candidate limit).
+    pub rows_per_job_max: usize,
+    /// Widest model input row the slots must hold.
+    pub row_dim_max: usize,
+}
+
+/// What one slot holds while a job is in flight.
+pub struct SlotData {
+    pub model: Option<Arc<Model>>,
+    pub rows: usize,
+    /// `rows_per_job_max × row_dim_max` input floats.
+    pub x: Vec<f32>,
+    /// `rows_per_job_max` logits, written by the stage.
+    pub logits: Vec<f32>,
+}
+
+struct Slots {
+    slots: Box<[UnsafeCell<SlotData>]>,
+}
+
+// SAFETY: a slot is touched by one side at a time: the shard until it pushes
+// the job (Release), the stage from popping the job (Acquire) until it pushes
+// the completion (Release), the shard again after popping it (Acquire).
+unsafe impl Sync for Slots {}
+// SAFETY: as above; `SlotData` itself is `Send`.
+unsafe impl Send for Slots {}
+
+/// A scoring job: which slot, how many rows, by when.
+#[derive(Clone, Copy, Debug)]
+pub struct Job {
+    pub slot: u32,
+    pub deadline_ns: u64,
+    pub submitted_ns: u64,
+}
+
+/// How a job ended on the stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Logits are in the slot.
+    Scored,
+    /// Dropped before the kernel: it could not finish by its deadline.
+    Expired,
+    /// Scored, but the kernel ended after the deadline.
+    Late,
+    /// The model could not be run (no backend could be built for it).
+    Failed,
+}
+
+/// A finished job, with the stage's timings for metrics.
+#[derive(Clone, Copy, Debug)]
+pub struct Done {
+    pub slot: u32,
+    pub outcome: Outcome,
+    /// From submission to the start of its kernel (or its drop).
+    pub queue_ns: u64,
+    pub kernel_ns: u64,
+    pub batch_rows: u32,
+}
+
+struct Wake {
+    parked: AtomicBool,
+    thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+impl Wake {
+    fn nudge(&self) {
+        // Pairs with the fence in `run`: either the stage sees the job this
+        // shard just pushed, or this shard sees `parked` and unparks it.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+}
+
+/// A shard's end of the stage. Owned by one shard; `Send` only so it can be
+/// moved onto the shard's thread at start-up.
+pub struct ShardEnd {
+    jobs: Producer<Job>,
+    done: Consumer<Done>,
+    slots: Arc<Slots>,
+    free: Vec<u32>,
+    wake: Arc<Wake>,
+    slot_floats: usize,
+}
+
+impl ShardEnd {
+    /// A free slot to fill, or `None` when every slot is in flight.
+    pub fn acquire(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    /// The slot's memory. Only for a slot this shard holds: acquired and not
+    /// submitted, or returned by a completion and not yet released.
+    pub fn slot_mut(&mut self, slot: u32) -> &mut SlotData {
+        // SAFETY: the shard holds `slot` (see above), so the stage does not
+        // touch it; `&mut self` makes this the only reference on this side.
+        unsafe { &mut *self.slots.slots[slot as usize].get() }
+    }
+
+    /// Hands a filled slot to the stage. On a full ring the job comes back
+    /// and the slot stays with the shard.
+    pub fn submit(&mut self, job: Job) -> Result<(), Job> {
+        self.jobs.push(job)?;
+        self.wake.nudge();
+        Ok(())
+    }
+
+    pub fn poll(&mut self) -> Option<Done> {
+        self.done.pop()
+    }
+
+    /// Returns a slot whose completion has been handled.
+    pub fn release(&mut self, slot: u32) {
+        let data = self.slot_mut(slot);
+        data.model = None;
+        self.free.push(slot);
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.slots.slots.len() - self.free.len()
+    }
+
+    /// Whether a job of `floats` input values fits a slot.
+    pub fn fits(&self, floats: usize) -> bool {
+        self.slot_floats >= floats
+    }
+
+    /// Number of job slots.
+    pub fn slots(&self) -> usize {
+        self.slots.slots.len()
+    }
+}
+
+/// A running stage; dropping the handle does not stop it, `stop` does.
+pub struct Stage {
+    stop: Arc<AtomicBool>,
+    wake: Vec<Arc<Wake>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Stage {
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Release);
+        for w in &self.wake {
+            if let Some(t) = w.thread.get() {
+                t.unpark();
+            }
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct StageEnd {
+    jobs: Consumer<Job>,
+    done: Producer<Done>,
+    slots: Arc<Slots>,
+}
+
+/// A running p99-ish estimate of kernel time for one batch-size bucket:
+/// it rises fast on slow samples and decays slowly, so one fast run does not
+/// make the stage optimistic.
+#[derive(Clone, Copy, Debug, Default)]
+struct CostBucket {
+    ns: f64,
+}
+
+impl CostBucket {
+    fn observe(&mut self, sample_ns: u64) {
+        let s = sample_ns as f64;
+        if s > self.ns {
+            self.ns += (s - self.ns) * 0.5;
+        } else {
+            self.ns += (s - self.ns) * 0.02;
+        }
+    }
+}
+
+/// Kernel cost by batch size, bucketed by powers of two.
+#[derive(Debug)]
+pub struct CostTable {
+    buckets: Vec<CostBucket>,
+}
+
+impl CostTable {
+    fn new(batch_rows_max: usize) -> CostTable {
+        CostTable { buckets: vec![CostBucket::default(); Self::bucket(batch_rows_max) + 1] }
+    }
+
+    fn bucket(rows: usize) -> usize {
+        rows.max(1).next_power_of_two().trailing_zeros() as usize
+    }
+
+    /// Expected kernel time for `rows`, from the nearest measured bucket.
+    pub fn expected_ns(&self, rows: usize) -> u64 {
+        let b = Self::bucket(rows).min(self.buckets.len() - 1);
+        let known = self.buckets[b..].iter().chain(self.buckets[..b].iter().rev()).find(|c| c.ns > 0.0);
+        known.map_or(0, |c| c.ns as u64)
+    }
+
+    fn observe(&mut self, rows: usize, ns: u64) {
+        let b = Self::bucket(rows).min(self.buckets.len() - 1);
+        self.buckets[b].observe(ns);
+    }
+}
+
+/// Starts the stage thread with one end per shard.
+pub fn start(
+    config: StageConfig,
+    shards: usize,
+    registry: Arc<Registry>,
+    backend: BackendKind,
+) -> Result<(Stage, Vec<ShardEnd>), std::io::Error> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let wake = Arc::new(Wake { parked: AtomicBool::new(false), thread: std::sync::OnceLock::new() });
+    let mut shard_ends = Vec::with_capacity(shards);
+    let mut stage_ends = Vec::with_capacity(shards);
+    for _ in 0..shards {
+        let (job_tx, job_rx) = ring::ring::<Job>(config.jobs_per_shard_max);
+        let (done_tx, done_rx) = ring::ring::<Done>(config.jobs_per_shard_max);
+        let slot_count = job_tx.capacity().min(done_tx.capacity());
+        let slots = Arc::new(Slots {
+            slots: (0..slot_count)
+                .map(|_| {
+                    UnsafeCell::new(SlotData {
+                        model: None,
+                        rows: 0,
+                        x: vec![0.0; config.rows_per_job_max * config.row_dim_max],
+                        logits: vec![0.0; config.rows_per_job_max],
+                    })
+                })
+                .collect(),
+        });
+        shard_ends.push(ShardEnd {
+            jobs: job_tx,
+            done: done_rx,
+            slots: slots.clone(),
+            free: (0..slot_count as u32).rev().collect(),
+            wake: wake.clone(),
+            slot_floats: config.rows_per_job_max * config.row_dim_max,
+        });
+        stage_ends.push(StageEnd { jobs: job_rx, done: done_tx, slots });
+    }
+    let thread = std::thread::Builder::new().name("quiver-infer".into()).spawn({
+        let (stop, wake) = (stop.clone(), wake.clone());
+        move || {
+            wake.thread.set(std::thread::current()).expect("set once");
+            run(config, stage_ends, registry, backend, &stop, &wake);
+        }
+    })?;
+    Ok((Stage { stop, wake: vec![wake], thread: Some(thread) }, shard_ends))
+}
+
+/// A job waiting on the stage.
+#[derive(Clone, Copy)]
+struct Waiting {
+    shard: usize,
+    job: Job,
+    rows: usize,
+}
+
+fn run(
+    config: StageConfig,
+    ends: Vec<StageEnd>,
+    registry: Arc<Registry>,
+    kind: BackendKind,
+    stop: &AtomicBool,
+    wake: &Wake,
+) {
+    let clock = MonotonicClock::new();
+    let jobs_max = ends.len() * config.jobs_per_shard_max.next_power_of_two();
+    let mut waiting: Vec<Waiting> = Vec::with_capacity(jobs_max);
+    let mut spare: Vec<Waiting> = Vec::with_capacity(jobs_max);
+    let mut batch: Vec<Waiting> = Vec::with_capacity(jobs_max);
+    let mut x = vec![0.0f32; config.batch_rows_max.max(config.rows_per_job_max) * config.row_dim_max];
+    let mut logits = vec![0.0f32; config.batch_rows_max.max(config.rows_per_job_max)];
+    let mut backends: Vec<(Arc<Model>, Box<dyn Backend>, CostTable)> = Vec::new();
+    let rows_cap = config.batch_rows_max.max(config.rows_per_job_max);
+    let mut idle_since_ns: Option<u64> = None;
+    let slot = |end: &StageEnd, i: u32| -> *mut SlotData { end.slots.slots[i as usize].get() };
+
+    while !stop.load(Ordering::Acquire) {
+        // Gather.
+        for (shard, end) in ends.iter().enumerate() {
+            while let Some(job) = end.jobs.pop() {
+                // SAFETY: the stage owns the slot from this pop until it
+                // pushes the completion.
+                let rows = unsafe { (*slot(end, job.slot)).rows };
+                waiting.push(Waiting { shard, job, rows });
+            }
+        }
+        let now_ns = clock.now_ns();
+        if waiting.is_empty() {
+            let since = *idle_since_ns.get_or_insert(now_ns);
+            if now_ns - since < config.spin_us * 1_000 {
+                std::hint::spin_loop();
+                continue;
+            }
+            wake.parked.store(true, Ordering::SeqCst);
+            // Re-check after announcing: a shard that pushed before it could
+            // see `parked` did not unpark us. The fence orders the store above
+            // before the ring loads below (store-load, so SeqCst).
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if ends.iter().all(|e| e.jobs.is_empty()) && !stop.load(Ordering::Acquire) {
+                std::thread::park_timeout(Duration::from_millis(10));
+            }
+            wake.parked.store(false, Ordering::Release);
+            continue;
+        }
+        idle_since_ns = None;
+
+        // The oldest job decides the model of the next batch.
+        // SAFETY: the stage owns every waiting job's slot.
+        let model = unsafe { (*slot(&ends[waiting[0].shard], waiting[0].job.slot)).model.clone() };
+        let Some(model) = model else {
+            let w = waiting.remove(0);
+            finish(&ends[w.shard], w.job, Outcome::Failed, now_ns, 0, 0);
+            continue;
+        };
+        let b = match backends.iter().position(|(m, _, _)| Arc::ptr_eq(m, &model)) {
+            Some(b) => b,
+            None => {
+                // Drop backends of versions the registry no longer serves.
+                let live = registry.snapshot().models;
+                backends.retain(|(m, _, _)| live.iter().any(|l| Arc::ptr_eq(l, m)));
+                let mut backend = score::build(kind, &model, rows_cap);
+                let mut costs = CostTable::new(rows_cap);
+                // Seed the cost table so the first deadline decisions are informed.
+                for rows in [1, config.rows_per_job_max, rows_cap] {
+                    let started_ns = clock.now_ns();
+                    backend.logits(&model, &x[..rows * model.input_dim()], rows, &mut logits[..rows]);
+                    costs.observe(rows, clock.now_ns() - started_ns);
+                }
+                backends.push((model.clone(), backend, costs));
+                backends.len() - 1
+            }
+        };
+        let (_, backend, costs) = &mut backends[b];
+
+        // Which waiting jobs ride in this batch, and is it time to launch?
+        let mut rows = 0;
+        let mut earliest_deadline_ns = u64::MAX;
+        for w in waiting.iter() {
+            // SAFETY: as above.
+            let same =
+                unsafe { (*slot(&ends[w.shard], w.job.slot)).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, &model)) };
+            if same && rows + w.rows <= config.batch_rows_max.max(w.rows) {
+                rows += w.rows;
+                earliest_deadline_ns = earliest_deadline_ns.min(w.job.deadline_ns);
+            }
+        }
+        let oldest_wait_ns = now_ns.saturating_sub(waiting[0].job.submitted_ns);
+        let expected_ns = costs.expected_ns(rows);
+        let full = rows >= config.batch_rows_max;
+        let waited = oldest_wait_ns >= config.batch_wait_us_max * 1_000;
+        // Margin for the hand-back and the response after the kernel.
+        let urgent = earliest_deadline_ns.saturating_sub(now_ns) <= expected_ns + expected_ns / 4 + 20_000;
+        if !(full || waited || urgent) {
+            std::hint::spin_loop();
+            continue;
+        }
+
+        // Take the batch; drop what cannot finish in time.
+        batch.clear();
+        std::mem::swap(&mut waiting, &mut spare);
+        let mut batch_rows = 0;
+        for w in spare.drain(..) {
+            // SAFETY: as above.
+            let same =
+                unsafe { (*slot(&ends[w.shard], w.job.slot)).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, &model)) };
+            if !same || batch_rows + w.rows > config.batch_rows_max.max(w.rows) {
+                waiting.push(w);
+                continue;
+            }
+            if w.job.deadline_ns < now_ns + expected_ns {
+                finish(&ends[w.shard], w.job, Outcome::Expired, now_ns, 0, 0);
+                continue;
+            }
+            batch_rows += w.rows;
+            batch.push(w);
+        }
+        if batch.is_empty() {
+            continue;
+        }
+
+        // Gather rows, run, scatter.
+        let dim = model.input_dim();
+        let mut at = 0;
+        for w in &batch {
+            // SAFETY: as above.
+            let data = unsafe { &*slot(&ends[w.shard], w.job.slot) };
+            x[at * dim..(at + w.rows) * dim].copy_from_slice(&data.x[..w.rows * dim]);
+            at += w.rows;
+        }
+        let started_ns = clock.now_ns();
+        backend.logits(&model, &x[..batch_rows * dim], batch_rows, &mut logits[..batch_rows]);
+        let ended_ns = clock.now_ns();
+        costs.observe(batch_rows, ended_ns - started_ns);
+        let mut at = 0;
+        for w in &batch {
+            // SAFETY: as above.
+            let data = unsafe { &mut *slot(&ends[w.shard], w.job.slot) };
+            data.logits[..w.rows].copy_from_slice(&logits[at..at + w.rows]);
+            at += w.rows;
+            let outcome = if ended_ns > w.job.deadline_ns { Outcome::Late } else { Outcome::Scored };
+            finish(&ends[w.shard], w.job, outcome, started_ns, ended_ns - started_ns, batch_rows as u32);
+        }
+    }
+}
+
+fn finish(end: &StageEnd, job: Job, outcome: Outcome, started_ns: u64, kernel_ns: u64, batch_rows: u32) {
+    let done =
+        Done { slot: job.slot, outcome, queue_ns: started_ns.saturating_sub(job.submitted_ns), kernel_ns, batch_rows };
+    // The completion ring has as many places as there are slots, and every
+    // slot is in at most one place, so it cannot be full.
+    assert!(end.done.push(done).is_ok(), "completion ring holds every slot");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Fit;
+
+    fn stage(batch_wait_us_max: u64) -> (Stage, Vec<ShardEnd>, Arc<Model>) {
+        let fit = Fit { user_dim: 32, item_dim: 32, context_len_max: 64 };
+        let registry = Arc::new(Registry::from_models(vec![crate::demo::model()], fit, BackendKind::Int8, 32).unwrap());
+        let model = registry.snapshot().models[0].clone();
+        let config = StageConfig {
+            batch_rows_max: 64,
+            batch_wait_us_max,
+            spin_us: 50,
+            jobs_per_shard_max: 8,
+            rows_per_job_max: 32,
+            row_dim_max: model.input_dim(),
+        };
+        let (stage, ends) = start(config, 2, registry, BackendKind::Int8).unwrap();
+        (stage, ends, model)
+    }
+
+    fn fill(end: &mut ShardEnd, model: &Arc<Model>, rows: usize, seed: u64) -> u32 {
+        let slot = end.acquire().unwrap();
+        let data = end.slot_mut(slot);
+        let mut rng = crate::demo::SplitMix64::new(seed);
+        for v in data.x[..rows * model.input_dim()].iter_mut() {
+            *v = rng.normal();
+        }
+        data.rows = rows;
+        data.model = Some(model.clone());
+        slot
+    }
+
+    fn wait(end: &mut ShardEnd) -> Done {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(d) = end.poll() {
+                return d;
+            }
+            assert!(std::time::Instant::now() < until, "the stage never answered");
+            std::hint::spin_loop();
+        }
+    }
+
+    #[test]
+    fn jobs_from_two_shards_are_scored_like_inline() {
+        let (stage, mut ends, model) = stage(200);
+        let clock = MonotonicClock::new();
+        let mut slots = Vec::new();
+        for (shard, end) in ends.iter_mut().enumerate() {
+            for k in 0..3u64 {
+                let slot = fill(end, &model, 5 + k as usize, shard as u64 * 10 + k);
+                let now = clock.now_ns();
+                end.submit(Job { slot, deadline_ns: now + 1_000_000_000, submitted_ns: now }).unwrap();
+                slots.push((shard, slot, 5 + k as usize));
+            }
+        }
+        let mut inline = score::build(BackendKind::Int8, &model, 32);
+        for (shard, slot, rows) in slots {
+            let end = &mut ends[shard];
+            let done = wait(end);
+            let data = end.slot_mut(done.slot);
+            assert_eq!(done.outcome, Outcome::Scored);
+            let mut want = vec![0.0; data.rows];
+            inline.logits(&model, &data.x[..data.rows * model.input_dim()], data.rows, &mut want);
+            assert_eq!(data.logits[..data.rows], want[..], "batched results equal inline results");
+            assert!(done.batch_rows as usize >= data.rows);
+            let _ = (slot, rows);
+            end.release(done.slot);
+        }
+        stage.stop();
+    }
+
+    #[test]
+    fn expired_jobs_never_reach_the_kernel() {
+        let (stage, mut ends, model) = stage(50);
+        let clock = MonotonicClock::new();
+        let end = &mut ends[0];
+        let slot = fill(end, &model, 32, 1);
+        let now = clock.now_ns();
+        end.submit(Job { slot, deadline_ns: now.saturating_sub(1), submitted_ns: now }).unwrap();
+        let done = wait(end);
+        assert_eq!((done.outcome, done.kernel_ns, done.batch_rows), (Outcome::Expired, 0, 0));
+        end.release(done.slot);
+        stage.stop();
+    }
+
+    #[test]
+    fn a_full_shard_end_refuses_more() {
+        let (stage, mut ends, model) = stage(1_000_000);
+        let end = &mut ends[1];
+        let mut held = 0;
+        while end.acquire().is_some() {
+            held += 1;
+        }
+        assert_eq!(held, end.slots());
+        assert_eq!(end.in_flight(), end.slots());
+        let _ = model;
+        stage.stop();
+    }
+}
