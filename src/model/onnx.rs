@@ -378,7 +378,7 @@ fn tensor_f32(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>), OnnxError> {
     } else {
         t.raw_data.len() / 4
     };
-    if stored != numel || t.raw_data.len() % 4 != 0 {
+    if stored != numel || !t.raw_data.len().is_multiple_of(4) {
         return Err(bad(format!(
             "holds {stored} values but its dimensions {dims:?} need {numel}"
         )));
@@ -406,7 +406,7 @@ fn tensor_i64(t: &TensorProto) -> Result<Vec<i64>, OnnxError> {
             .map(|b| i64::from_le_bytes(b.try_into().expect("chunks of 8")))
             .collect()
     };
-    if values.len() != numel || t.raw_data.len() % 8 != 0 {
+    if values.len() != numel || !t.raw_data.len().is_multiple_of(8) {
         return Err(bad(format!(
             "holds {} values but its dimensions {dims:?} need {numel}",
             values.len()
@@ -1041,4 +1041,273 @@ fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
     });
     a.width = n;
     Ok(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use onnx_protobuf::{tensor_shape_proto, TensorShapeProto, TypeProto};
+
+    fn input(name: &str, width: i64) -> ValueInfoProto {
+        let mut batch = tensor_shape_proto::Dimension::new();
+        batch.set_dim_param("batch".into());
+        let mut w = tensor_shape_proto::Dimension::new();
+        w.set_dim_value(width);
+        let mut shape = TensorShapeProto::new();
+        shape.dim = vec![batch, w];
+        let mut t = type_proto::Tensor::new();
+        t.elem_type = DT_FLOAT;
+        t.shape = Some(shape).into();
+        let mut tp = TypeProto::new();
+        tp.set_tensor_type(t);
+        let mut vi = ValueInfoProto::new();
+        vi.name = name.into();
+        vi.type_ = Some(tp).into();
+        vi
+    }
+
+    fn output(name: &str) -> ValueInfoProto {
+        let mut vi = ValueInfoProto::new();
+        vi.name = name.into();
+        vi
+    }
+
+    fn weight(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
+        let mut t = TensorProto::new();
+        t.name = name.into();
+        t.dims = dims.to_vec();
+        t.data_type = DT_FLOAT;
+        t.raw_data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        t
+    }
+
+    fn node(op: &str, name: &str, inputs: &[&str], out: &str) -> NodeProto {
+        let mut n = NodeProto::new();
+        n.op_type = op.into();
+        n.name = name.into();
+        n.input = inputs.iter().map(|s| s.to_string()).collect();
+        n.output = vec![out.into()];
+        n
+    }
+
+    fn with_int(mut n: NodeProto, name: &str, v: i64) -> NodeProto {
+        let mut a = AttributeProto::new();
+        a.name = name.into();
+        a.type_ = AttributeType::INT.into();
+        a.i = v;
+        n.attribute.push(a);
+        n
+    }
+
+    fn with_float(mut n: NodeProto, name: &str, v: f32) -> NodeProto {
+        let mut a = AttributeProto::new();
+        a.name = name.into();
+        a.type_ = AttributeType::FLOAT.into();
+        a.f = v;
+        n.attribute.push(a);
+        n
+    }
+
+    fn graph(inputs: Vec<ValueInfoProto>, nodes: Vec<NodeProto>, inits: Vec<TensorProto>, out: &str) -> GraphProto {
+        let mut g = GraphProto::new();
+        g.input = inputs;
+        g.node = nodes;
+        g.initializer = inits;
+        g.output = vec![output(out)];
+        g
+    }
+
+    fn opts(inputs: &str) -> ImportOptions {
+        ImportOptions {
+            name: "t".into(),
+            version: 1,
+            inputs: inputs.parse().unwrap(),
+            output: None,
+        }
+    }
+
+    #[test]
+    fn mapping_refusals() {
+        let err = |s: &str| s.parse::<InputMapping>().unwrap_err().to_string();
+        assert!(err("user:3,item=i:4").contains("in every entry or in none"));
+        assert!(err("user:3,user:4").contains("user is mapped more than once"));
+        assert!(err("user:0").contains("positive integer"));
+        assert!(err("users:3").contains("'users' is not a source"));
+        assert!(err("user").contains("expected SOURCE:DIM"));
+        assert!(err("").contains("no entries"));
+        let m: InputMapping = "user=u:3,context=u:1".parse().unwrap();
+        assert_eq!(m.entries[1].graph_input.as_deref(), Some("u"));
+    }
+
+    #[test]
+    fn gemm_trans_b_alpha_beta_fold_into_the_layer() {
+        // y = 0.5 * x . B^T + 2 * C with B [1, 2] (transB=1).
+        let g = graph(
+            vec![input("x", 2)],
+            vec![with_float(
+                with_float(
+                    with_int(node("Gemm", "g", &["x", "B", "C"], "y"), "transB", 1),
+                    "alpha",
+                    0.5,
+                ),
+                "beta",
+                2.0,
+            )],
+            vec![weight("B", &[1, 2], &[4.0, -6.0]), weight("C", &[1], &[0.25])],
+            "y",
+        );
+        let m = import_graph(&g, &opts("user:2")).unwrap().model;
+        assert_eq!(m.layers[0].weights_f32, vec![2.0, -3.0]);
+        assert_eq!(m.layers[0].bias, vec![0.5]);
+
+        // transB=0 reads B as [in, out]: a [2, 3] B feeding MatMul to one output.
+        let g = graph(
+            vec![input("x", 2)],
+            vec![
+                node("Gemm", "g", &["x", "B"], "h"),
+                node("MatMul", "m", &["h", "W"], "y_mm"),
+                node("Add", "b", &["bias", "y_mm"], "y"),
+            ],
+            vec![
+                weight("B", &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+                weight("W", &[3, 1], &[1.0, 1.0, 1.0]),
+                weight("bias", &[1, 1], &[-1.0]),
+            ],
+            "y",
+        );
+        let m = import_graph(&g, &opts("user:2")).unwrap().model;
+        assert_eq!(m.layers[0].weights_f32, vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        assert_eq!(m.layers[1].bias, vec![-1.0]);
+        let mut out = [0.0];
+        m.forward_f32_reference(&[1.0, 1.0], 1, &mut out);
+        assert_eq!(out[0], 5.0 + 7.0 + 9.0 - 1.0);
+    }
+
+    #[test]
+    fn layout_follows_concat_order_and_positional_mapping_follows_declared_inputs() {
+        // Declared order ctx, u; concatenated as u, ctx.
+        let g = graph(
+            vec![input("ctx", 1), input("u", 2)],
+            vec![
+                with_int(node("Concat", "cat", &["u", "ctx"], "x"), "axis", 1),
+                node("Gemm", "g", &["x", "B"], "y"),
+            ],
+            vec![weight("B", &[3, 1], &[1.0, 2.0, 3.0])],
+            "y",
+        );
+        let imported = import_graph(&g, &opts("context:1,user:2")).unwrap();
+        assert_eq!(
+            imported.model.inputs,
+            vec![
+                InputSegment {
+                    source: Source::User,
+                    dim: 2
+                },
+                InputSegment {
+                    source: Source::Context,
+                    dim: 1
+                }
+            ]
+        );
+        assert!(imported.summary().contains("input 'u': user 2"));
+        let err = import_graph(&g, &opts("user:2,context:1")).unwrap_err().to_string();
+        assert!(
+            err.contains("graph input 'ctx' is 1 wide but is mapped to user:2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn refusals_name_the_node_and_the_reason() {
+        let dense = |extra: Vec<NodeProto>, out: &str| {
+            let mut nodes = vec![node("Gemm", "dense", &["x", "B"], "h")];
+            nodes.extend(extra);
+            graph(vec![input("x", 2)], nodes, vec![weight("B", &[2, 1], &[1.0, 1.0])], out)
+        };
+        let err = |g: GraphProto| import_graph(&g, &opts("user:2")).unwrap_err().to_string();
+
+        let e = err(dense(vec![node("LeakyRelu", "leaky", &["h"], "y")], "y"));
+        assert!(
+            e.contains("node 'leaky': op LeakyRelu is not supported (the .qm format has only ReLU"),
+            "{e}"
+        );
+        let e = err(dense(vec![node("Relu", "act", &["h"], "y")], "y"));
+        assert!(e.contains("'y' ends in a Relu"), "{e}");
+        let e = err(dense(
+            vec![
+                node("Relu", "act", &["h"], "r"),
+                node("Add", "late_bias", &["r", "B"], "y"),
+            ],
+            "y",
+        ));
+        assert!(e.contains("node 'late_bias' (Add): adds a bias after the Relu"), "{e}");
+        let e = err(dense(
+            vec![node("Sigmoid", "s", &["h"], "p"), node("Relu", "after", &["p"], "y")],
+            "y",
+        ));
+        assert!(e.contains("node 'after' (Relu): follows the Sigmoid"), "{e}");
+        let e = err(dense(vec![node("Add", "twice", &["h", "h"], "y")], "y"));
+        assert!(e.contains("feeds more than one node"), "{e}");
+        let e = err(dense(vec![], "nowhere"));
+        assert!(e.contains("no node produces 'nowhere'"), "{e}");
+
+        let mut ml = dense(vec![node("ZipMap", "zm", &["h"], "y")], "y");
+        ml.node[1].domain = "ai.onnx.ml".into();
+        assert!(err(ml).contains("op ai.onnx.ml::ZipMap is not supported"));
+
+        let mut int_weights = dense(vec![], "h");
+        int_weights.initializer[0].data_type = DT_INT64;
+        let e = err(int_weights);
+        assert!(
+            e.contains("initializer 'B': element type INT64 is not supported"),
+            "{e}"
+        );
+
+        let short = graph(
+            vec![input("x", 3)],
+            vec![node("MatMul", "mm", &["x", "B"], "y")],
+            vec![weight("B", &[2, 1], &[1.0, 1.0])],
+            "y",
+        );
+        let e = import_graph(&short, &opts("user:3")).unwrap_err().to_string();
+        assert!(
+            e.contains("node 'mm' (MatMul): weight 'B' is [2, 1] but its input is 3 wide"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn reshape_must_keep_the_flat_shape() {
+        let mut shape = TensorProto::new();
+        shape.name = "shape".into();
+        shape.dims = vec![2];
+        shape.data_type = DT_INT64;
+        shape.int64_data = vec![-1, 2];
+        let g = |s: TensorProto| {
+            graph(
+                vec![input("x", 2)],
+                vec![
+                    node("Reshape", "r", &["x", "shape"], "x2"),
+                    node("MatMul", "mm", &["x2", "B"], "y"),
+                ],
+                vec![weight("B", &[2, 1], &[1.0, 1.0]), s],
+                "y",
+            )
+        };
+        assert!(import_graph(&g(shape.clone()), &opts("user:2")).is_ok());
+        shape.int64_data = vec![1, -1];
+        let e = import_graph(&g(shape), &opts("user:2")).unwrap_err().to_string();
+        assert!(e.contains("reshapes [batch, 2] to [1, -1]"), "{e}");
+    }
+
+    #[test]
+    fn empty_and_garbage_bytes_are_refused() {
+        let o = opts("user:2");
+        assert!(matches!(
+            import_bytes(b"", "e.onnx", &o),
+            Err(OnnxError::NoGraph { .. })
+        ));
+        let e = import_bytes(&[0x0a, 0xff, 0xff, 0xff], "g.onnx", &o).unwrap_err();
+        assert!(matches!(e, OnnxError::Decode { .. }), "{e}");
+    }
 }
