@@ -1156,6 +1156,10 @@ mod tests {
             vec![weight("B", &[1, 2], &[4.0, -6.0]), weight("C", &[1], &[0.25])],
             "y",
         );
+        // Before IR version 4 initializers were listed as graph inputs too;
+        // they are weights, not features to map.
+        let mut g = g;
+        g.input.push(input("B", 2));
         let m = import_graph(&g, &opts("user:2")).unwrap().model;
         assert_eq!(m.layers[0].weights_f32, vec![2.0, -3.0]);
         assert_eq!(m.layers[0].bias, vec![0.5]);
