@@ -31,6 +31,8 @@ pub enum Error {
     #[error(transparent)]
     Model(#[from] model::ModelError),
     #[error(transparent)]
+    Onnx(#[from] model::onnx::OnnxError),
+    #[error(transparent)]
     Layout(#[from] request::LayoutError),
     #[error(transparent)]
     Registry(#[from] registry::RegistryError),

@@ -37,6 +37,8 @@ enum Command {
     Score(ScoreArgs),
     /// Send load to a running server and print rate and latency percentiles.
     Bench(BenchArgs),
+    /// Import an ONNX MLP into a Quiver model file (.qm).
+    Import(ImportArgs),
     /// Feature replica files.
     #[command(subcommand)]
     Replica(ReplicaCommand),
@@ -175,6 +177,30 @@ struct BenchArgs {
     json: bool,
 }
 
+#[derive(clap::Args)]
+struct ImportArgs {
+    /// The ONNX file (Gemm/MatMul+Add, Relu, a final Sigmoid; see README).
+    #[arg(long)]
+    onnx: PathBuf,
+    /// The model file to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Model name (what requests put in `model`).
+    #[arg(long)]
+    name: String,
+    #[arg(long)]
+    version: u32,
+    /// Input layout: `user:32,item:32,context:16` takes the graph inputs in
+    /// order (a single graph input is split into consecutive segments);
+    /// `user=u:32,item=i:32,context=c:16` names the graph input of each.
+    #[arg(long)]
+    inputs: quiver::model::onnx::InputMapping,
+    /// The tensor holding the logit or the positive-class probability, when
+    /// the graph has several outputs (e.g. label and probabilities).
+    #[arg(long)]
+    output: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum PlotCommand {
     /// Latency by percentile, one line per LABEL=FILE.hgrm, overlaid.
@@ -232,6 +258,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
+        Command::Import(args) => import(args),
         Command::Replica(cmd) => replica(cmd),
         Command::Plot(cmd) => plot(cmd),
         Command::Stats { admin, interval, count } => stats(&admin, interval, count),
@@ -631,6 +658,23 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
             quiver::plot::sweep(&out, &title, &series).map_err(Error::Setup)?;
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn import(args: ImportArgs) -> Result<ExitCode, Error> {
+    let opts = quiver::model::onnx::ImportOptions {
+        name: args.name,
+        version: args.version,
+        inputs: args.inputs,
+        output: args.output,
+    };
+    let imported = quiver::model::onnx::import_file(&args.onnx, &opts)?;
+    imported.model.save(&args.out)?;
+    // Reading the file back checks what the server will load, not just what
+    // was built in memory.
+    let loaded = Model::load(&args.out)?;
+    assert_eq!(loaded, imported.model, "a saved model reads back unchanged");
+    println!("wrote {}: {}", args.out.display(), imported.summary());
     Ok(ExitCode::SUCCESS)
 }
 

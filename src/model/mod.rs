@@ -19,6 +19,7 @@ mod generated {
 #[rustfmt::skip]
 #[path = "model_generated.rs"]
 mod generated;
+pub mod onnx;
 
 use std::path::Path;
 
