@@ -14,6 +14,7 @@ use quiver::config::InferenceMode;
 use quiver::infer::{self, StageConfig};
 use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
+use quiver::model::Model;
 use quiver::registry::{Fit, Registry};
 use quiver::replica::{Replica, ReplicaBuilder};
 use quiver::request::Shared;

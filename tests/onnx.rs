@@ -38,11 +38,7 @@ struct Heldout {
 }
 
 fn floats(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
 }
 
 fn heldout() -> Heldout {
@@ -54,21 +50,11 @@ fn heldout() -> Heldout {
         .unwrap()
         .iter()
         .map(|r| {
-            let items = r["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|i| i.as_u64().unwrap())
-                .collect();
+            let items = r["items"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap()).collect();
             (r["user"].as_u64().unwrap(), items, floats(&r["context"]))
         })
         .collect();
-    Heldout {
-        users: rows("users"),
-        items: rows("items"),
-        requests,
-        json,
-    }
+    Heldout { users: rows("users"), items: rows("items"), requests, json }
 }
 
 impl Heldout {
@@ -135,10 +121,7 @@ fn imported_f32_paths_match_onnxruntime() {
         assert!(imported.sigmoid_dropped, "{file}");
         assert_eq!(m.input_dim(), 20);
         assert_eq!(
-            m.layers
-                .iter()
-                .map(|l| (l.in_dim, l.out_dim, l.relu))
-                .collect::<Vec<_>>(),
+            m.layers.iter().map(|l| (l.in_dim, l.out_dim, l.relu)).collect::<Vec<_>>(),
             vec![(20, 32, true), (32, 16, true), (16, 1, false)],
             "{file}"
         );
@@ -171,10 +154,7 @@ fn imported_int8_stays_within_the_documented_bound() {
             let probs: Vec<f32> = backend_logits(&mut backend, m, &x).into_iter().map(sigmoid).collect();
             let d = max_abs_diff(&probs, &want);
             let mean = probs.iter().zip(&want).map(|(a, b)| (a - b).abs()).sum::<f32>() / rows as f32;
-            eprintln!(
-                "{file} int8 {}: max |probability - ort| {d}, mean {mean}",
-                kernel.name()
-            );
+            eprintln!("{file} int8 {}: max |probability - ort| {d}, mean {mean}", kernel.name());
             assert!(d <= INT8_ONNX_TOLERANCE, "{file}: int8 differs by {d}");
         }
     }
@@ -202,19 +182,10 @@ fn quiver_import(onnx: &Path, out: &Path, inputs: &str, extra: &[&str]) -> (i32,
 fn import_command_writes_a_loadable_model_and_a_summary() {
     let dir = scratch("onnx-cli");
     let out = dir.join("model.qm");
-    let (code, stdout, stderr) = quiver_import(
-        &fixtures().join("ctr_helper.onnx"),
-        &out,
-        "user:8,item:8,context:4",
-        &[],
-    );
+    let (code, stdout, stderr) =
+        quiver_import(&fixtures().join("ctr_helper.onnx"), &out, "user:8,item:8,context:4", &[]);
     assert_eq!(code, 0, "{stderr}");
-    for want in [
-        "layer 0: 20 -> 32, ReLU",
-        "layer 2: 16 -> 1",
-        "MACs per row: 1168",
-        "input 'ctx': context 4",
-    ] {
+    for want in ["layer 0: 20 -> 32, ReLU", "layer 2: 16 -> 1", "MACs per row: 1168", "input 'ctx': context 4"] {
         assert!(stdout.contains(want), "missing '{want}' in:\n{stdout}");
     }
     let m = Model::load(&out).unwrap();
@@ -232,12 +203,7 @@ fn import_errors_say_what_is_wrong() {
     std::fs::write(&corrupt, &bytes[..bytes.len() / 2]).unwrap();
     let cases: Vec<(&Path, &str, Vec<&str>, Vec<&str>)> = vec![
         // skl2onnx's classifier has label and probabilities outputs.
-        (
-            &sk,
-            "user:8,item:8,context:4",
-            vec![],
-            vec!["2 outputs", "--output", "out_activations_result"],
-        ),
+        (&sk, "user:8,item:8,context:4", vec![], vec!["2 outputs", "--output", "out_activations_result"]),
         // Its probabilities are Concat(1 - p, p): Sub is no dense layer.
         (
             &sk,
@@ -246,18 +212,8 @@ fn import_errors_say_what_is_wrong() {
             vec!["node 'Sub': op Sub is not supported", "supported ops: Gemm"],
         ),
         // A hidden layer is 16 wide, not one logit.
-        (
-            &helper,
-            "user:8,item:8,context:4",
-            vec!["--output", "h2"],
-            vec!["'h2' is 16 wide", "width 1"],
-        ),
-        (
-            &helper,
-            "user:8,item:8",
-            vec![],
-            vec!["--inputs: 2 entries for 3 graph inputs", "'ctx' [batch, 4]"],
-        ),
+        (&helper, "user:8,item:8,context:4", vec!["--output", "h2"], vec!["'h2' is 16 wide", "width 1"]),
+        (&helper, "user:8,item:8", vec![], vec!["--inputs: 2 entries for 3 graph inputs", "'ctx' [batch, 4]"]),
         (
             &helper,
             "user=user_emb:8,item=item_emb:8,context=ctx:5",
@@ -270,12 +226,7 @@ fn import_errors_say_what_is_wrong() {
             vec![],
             vec!["no input 'items'", "'item_emb' [batch, 8]"],
         ),
-        (
-            &sk,
-            "user:8,item:8,context:5",
-            vec!["--output", "out_activations_result"],
-            vec!["'X' is 20 wide"],
-        ),
+        (&sk, "user:8,item:8,context:5", vec!["--output", "out_activations_result"], vec!["'X' is 20 wide"]),
         (
             &corrupt,
             "user:8,item:8,context:4",
@@ -335,10 +286,7 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
                 ..RequestSpec::default()
             };
             let resp = c.score(&spec).unwrap();
-            assert_eq!(
-                (resp.status, resp.model_version, resp.features_missing),
-                (Status::Ok, 7, 0)
-            );
+            assert_eq!((resp.status, resp.model_version, resp.features_missing), (Status::Ok, 7, 0));
             worst = worst.max(max_abs_diff(&resp.scores, &want[row..row + items.len()]));
             row += items.len();
         }

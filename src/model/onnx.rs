@@ -109,11 +109,7 @@ impl std::str::FromStr for InputMapping {
             if entries.iter().any(|e: &MappingEntry| e.source == source) {
                 return Err(bad(format!("{} is mapped more than once", source_name(source))));
             }
-            entries.push(MappingEntry {
-                source,
-                graph_input,
-                dim,
-            });
+            entries.push(MappingEntry { source, graph_input, dim });
         }
         if entries.is_empty() {
             return Err(bad("no entries; e.g. user:32,item:32,context:16".into()));
@@ -170,10 +166,7 @@ impl Imported {
         let mut s = String::new();
         let _ = writeln!(s, "model '{}' version {} (from {})", m.name, m.version, self.producer);
         for (input, segs) in &self.layout {
-            let parts: Vec<String> = segs
-                .iter()
-                .map(|g| format!("{} {}", source_name(g.source), g.dim))
-                .collect();
+            let parts: Vec<String> = segs.iter().map(|g| format!("{} {}", source_name(g.source), g.dim)).collect();
             let _ = writeln!(s, "  input '{input}': {}", parts.join(", "));
         }
         let _ = writeln!(s, "  input vector: {} floats", m.input_dim());
@@ -195,16 +188,10 @@ impl Imported {
 /// Reads, decodes and imports an ONNX file.
 pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Imported, OnnxError> {
     let p = path.display().to_string();
-    let io = |source| OnnxError::Io {
-        path: p.clone(),
-        source,
-    };
+    let io = |source| OnnxError::Io { path: p.clone(), source };
     let bytes_len = std::fs::metadata(path).map_err(io)?.len();
     if bytes_len > MODEL_BYTES_MAX as u64 {
-        return Err(OnnxError::TooLarge {
-            path: p,
-            bytes: bytes_len,
-        });
+        return Err(OnnxError::TooLarge { path: p, bytes: bytes_len });
     }
     let bytes = std::fs::read(path).map_err(io)?;
     import_bytes(&bytes, &p, opts)
@@ -212,22 +199,16 @@ pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Imported, OnnxEr
 
 /// Decodes and imports ONNX bytes; `path_for_errors` names them in errors.
 pub fn import_bytes(bytes: &[u8], path_for_errors: &str, opts: &ImportOptions) -> Result<Imported, OnnxError> {
-    let proto = ModelProto::parse_from_bytes(bytes).map_err(|e| OnnxError::Decode {
-        path: path_for_errors.into(),
-        detail: e.to_string(),
-    })?;
+    let proto = ModelProto::parse_from_bytes(bytes)
+        .map_err(|e| OnnxError::Decode { path: path_for_errors.into(), detail: e.to_string() })?;
     let Some(graph) = proto.graph.as_ref() else {
-        return Err(OnnxError::NoGraph {
-            path: path_for_errors.into(),
-        });
+        return Err(OnnxError::NoGraph { path: path_for_errors.into() });
     };
     let mut imported = import_graph(graph, opts)?;
     imported.producer = if proto.producer_name.is_empty() {
         "an unnamed producer".into()
     } else {
-        format!("{} {}", proto.producer_name, proto.producer_version)
-            .trim_end()
-            .to_string()
+        format!("{} {}", proto.producer_name, proto.producer_version).trim_end().to_string()
     };
     Ok(imported)
 }
@@ -292,11 +273,7 @@ fn node_name(node: &NodeProto) -> String {
 }
 
 fn node_err(node: &NodeProto, what: impl Into<String>) -> OnnxError {
-    OnnxError::Node {
-        node: node_name(node),
-        op: node.op_type.clone(),
-        what: what.into(),
-    }
+    OnnxError::Node { node: node_name(node), op: node.op_type.clone(), what: what.into() }
 }
 
 fn attr<'n>(node: &'n NodeProto, name: &str) -> Option<&'n AttributeProto> {
@@ -332,10 +309,7 @@ fn dtype_name(code: i32) -> String {
 
 /// Dimensions of a constant, checked to be non-negative and to fit memory.
 fn tensor_dims(t: &TensorProto) -> Result<(Vec<usize>, usize), OnnxError> {
-    let bad = |what: String| OnnxError::Initializer {
-        name: t.name.clone(),
-        what,
-    };
+    let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
     let mut dims = Vec::with_capacity(t.dims.len());
     let mut numel = 1usize;
     for &d in &t.dims {
@@ -355,10 +329,7 @@ fn tensor_dims(t: &TensorProto) -> Result<(Vec<usize>, usize), OnnxError> {
 /// A float constant's dimensions and values (from `raw_data` or `float_data`).
 fn tensor_f32(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>), OnnxError> {
     let (dims, numel) = tensor_dims(t)?;
-    let bad = |what: String| OnnxError::Initializer {
-        name: t.name.clone(),
-        what,
-    };
+    let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
     if t.data_type != DT_FLOAT {
         return Err(bad(format!(
             "element type {} is not supported; weights must be FLOAT (float32)",
@@ -368,69 +339,42 @@ fn tensor_f32(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>), OnnxError> {
     let values: Vec<f32> = if t.raw_data.is_empty() {
         t.float_data.clone()
     } else {
-        t.raw_data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
+        t.raw_data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
     };
-    let stored = if t.raw_data.is_empty() {
-        values.len()
-    } else {
-        t.raw_data.len() / 4
-    };
+    let stored = if t.raw_data.is_empty() { values.len() } else { t.raw_data.len() / 4 };
     if stored != numel || !t.raw_data.len().is_multiple_of(4) {
-        return Err(bad(format!(
-            "holds {stored} values but its dimensions {dims:?} need {numel}"
-        )));
+        return Err(bad(format!("holds {stored} values but its dimensions {dims:?} need {numel}")));
     }
     Ok((dims, values))
 }
 
 fn tensor_i64(t: &TensorProto) -> Result<Vec<i64>, OnnxError> {
     let (dims, numel) = tensor_dims(t)?;
-    let bad = |what: String| OnnxError::Initializer {
-        name: t.name.clone(),
-        what,
-    };
+    let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
     if t.data_type != DT_INT64 {
-        return Err(bad(format!(
-            "element type {} where INT64 is needed",
-            dtype_name(t.data_type)
-        )));
+        return Err(bad(format!("element type {} where INT64 is needed", dtype_name(t.data_type))));
     }
     let values: Vec<i64> = if t.raw_data.is_empty() {
         t.int64_data.clone()
     } else {
-        t.raw_data
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().expect("chunks of 8")))
-            .collect()
+        t.raw_data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("chunks of 8"))).collect()
     };
     if values.len() != numel || !t.raw_data.len().is_multiple_of(8) {
-        return Err(bad(format!(
-            "holds {} values but its dimensions {dims:?} need {numel}",
-            values.len()
-        )));
+        return Err(bad(format!("holds {} values but its dimensions {dims:?} need {numel}", values.len())));
     }
     Ok(values)
 }
 
 /// Width of a `[batch, width]` float graph input.
 fn input_width(vi: &ValueInfoProto) -> Result<usize, OnnxError> {
-    let bad = |what: &str| OnnxError::Input {
-        input: vi.name.clone(),
-        what: what.into(),
-    };
+    let bad = |what: &str| OnnxError::Input { input: vi.name.clone(), what: what.into() };
     let Some(type_proto::Value::TensorType(t)) = vi.type_.as_ref().and_then(|t| t.value.as_ref()) else {
         return Err(bad("is not a tensor"));
     };
     if t.elem_type != DT_FLOAT {
         return Err(OnnxError::Input {
             input: vi.name.clone(),
-            what: format!(
-                "has element type {}; only FLOAT (float32) inputs are supported",
-                dtype_name(t.elem_type)
-            ),
+            what: format!("has element type {}; only FLOAT (float32) inputs are supported", dtype_name(t.elem_type)),
         });
     }
     let Some(shape) = t.shape.as_ref() else {
@@ -444,9 +388,7 @@ fn input_width(vi: &ValueInfoProto) -> Result<usize, OnnxError> {
     }
     let w = &shape.dim[1];
     if !w.has_dim_value() || w.dim_value() <= 0 {
-        return Err(bad(
-            "has an unknown or zero width; expected [batch, width] with a fixed width",
-        ));
+        return Err(bad("has an unknown or zero width; expected [batch, width] with a fixed width"));
     }
     usize::try_from(w.dim_value()).map_err(|_| bad("width does not fit"))
 }
@@ -489,12 +431,8 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
 
     // Only the nodes the chosen output depends on matter: exporters add label
     // and probability post-processing that the server does not need.
-    let producer: HashMap<&str, usize> = graph
-        .node
-        .iter()
-        .enumerate()
-        .flat_map(|(i, n)| n.output.iter().map(move |o| (o.as_str(), i)))
-        .collect();
+    let producer: HashMap<&str, usize> =
+        graph.node.iter().enumerate().flat_map(|(i, n)| n.output.iter().map(move |o| (o.as_str(), i))).collect();
     let initializers: HashMap<&str, &TensorProto> = graph.initializer.iter().map(|t| (t.name.as_str(), t)).collect();
     let mut needed = vec![false; graph.node.len()];
     let mut needed_tensors: HashSet<&str> = HashSet::new();
@@ -522,55 +460,32 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
             let outs: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
             format!(
                 "no node produces '{output}' (graph outputs: {})",
-                if outs.is_empty() {
-                    "none".into()
-                } else {
-                    outs.join(", ")
-                }
+                if outs.is_empty() { "none".into() } else { outs.join(", ") }
             )
         };
         return Err(OnnxError::Output { what });
     }
     if feature_inputs.is_empty() {
-        return Err(OnnxError::Output {
-            what: format!("'{output}' does not depend on any graph input"),
-        });
+        return Err(OnnxError::Output { what: format!("'{output}' does not depend on any graph input") });
     }
-    let widths = feature_inputs
-        .iter()
-        .map(|vi| input_width(vi))
-        .collect::<Result<Vec<_>, _>>()?;
+    let widths = feature_inputs.iter().map(|vi| input_width(vi)).collect::<Result<Vec<_>, _>>()?;
     let segments = resolve_mapping(&feature_inputs, &widths, &opts.inputs)?;
 
-    let mut interp = Interp {
-        acts: HashMap::new(),
-        consumed: HashSet::new(),
-        consts: initializers,
-    };
+    let mut interp = Interp { acts: HashMap::new(), consumed: HashSet::new(), consts: initializers };
     for (i, vi) in feature_inputs.iter().enumerate() {
-        interp.acts.insert(
-            vi.name.clone(),
-            Act {
-                layout: vec![i],
-                width: widths[i],
-                layers: Vec::new(),
-                sigmoid: false,
-            },
-        );
+        interp
+            .acts
+            .insert(vi.name.clone(), Act { layout: vec![i], width: widths[i], layers: Vec::new(), sigmoid: false });
     }
     for (node, _) in graph.node.iter().zip(&needed).filter(|(_, n)| **n) {
         apply(&mut interp, node)?;
     }
 
     let Some(act) = interp.acts.remove(&output) else {
-        return Err(OnnxError::Output {
-            what: format!("'{output}' is a constant, not computed from the inputs"),
-        });
+        return Err(OnnxError::Output { what: format!("'{output}' is a constant, not computed from the inputs") });
     };
     if act.layers.is_empty() {
-        return Err(OnnxError::Output {
-            what: format!("'{output}' is not computed by any Gemm or MatMul layer"),
-        });
+        return Err(OnnxError::Output { what: format!("'{output}' is not computed by any Gemm or MatMul layer") });
     }
     if act.width != 1 {
         return Err(OnnxError::Output {
@@ -585,11 +500,8 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
             what: format!("'{output}' ends in a Relu; the output layer must be linear (a logit) or a Sigmoid of it"),
         });
     }
-    let layout: Vec<(String, Vec<InputSegment>)> = act
-        .layout
-        .iter()
-        .map(|&i| (feature_inputs[i].name.clone(), segments[i].clone()))
-        .collect();
+    let layout: Vec<(String, Vec<InputSegment>)> =
+        act.layout.iter().map(|&i| (feature_inputs[i].name.clone(), segments[i].clone())).collect();
     let model = Model {
         name: opts.name.clone(),
         version: opts.version,
@@ -601,13 +513,7 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
             .collect(),
     };
     model.validate()?;
-    Ok(Imported {
-        model,
-        output,
-        sigmoid_dropped: act.sigmoid,
-        layout,
-        producer: String::new(),
-    })
+    Ok(Imported { model, output, sigmoid_dropped: act.sigmoid, layout, producer: String::new() })
 }
 
 /// Assigns `--inputs` entries to the graph inputs; returns each input's
@@ -618,17 +524,11 @@ fn resolve_mapping(
     mapping: &InputMapping,
 ) -> Result<Vec<Vec<InputSegment>>, OnnxError> {
     let bad = |what: String| OnnxError::Mapping { what };
-    let described: Vec<String> = inputs
-        .iter()
-        .zip(widths)
-        .map(|(vi, w)| format!("'{}' [batch, {w}]", vi.name))
-        .collect();
+    let described: Vec<String> =
+        inputs.iter().zip(widths).map(|(vi, w)| format!("'{}' [batch, {w}]", vi.name)).collect();
     let described = described.join(", ");
     let mut segments: Vec<Vec<InputSegment>> = vec![Vec::new(); inputs.len()];
-    let seg = |e: &MappingEntry| InputSegment {
-        source: e.source,
-        dim: e.dim,
-    };
+    let seg = |e: &MappingEntry| InputSegment { source: e.source, dim: e.dim };
     let named = mapping.entries.iter().all(|e| e.graph_input.is_some());
     if named {
         for e in &mapping.entries {
@@ -654,17 +554,11 @@ fn resolve_mapping(
     }
     for ((vi, &w), segs) in inputs.iter().zip(widths).zip(&segments) {
         if segs.is_empty() {
-            return Err(bad(format!(
-                "graph input '{}' is not mapped; its inputs are {described}",
-                vi.name
-            )));
+            return Err(bad(format!("graph input '{}' is not mapped; its inputs are {described}", vi.name)));
         }
         let total: usize = segs.iter().map(|s| s.dim).sum();
         if total != w {
-            let parts: Vec<String> = segs
-                .iter()
-                .map(|s| format!("{}:{}", source_name(s.source), s.dim))
-                .collect();
+            let parts: Vec<String> = segs.iter().map(|s| format!("{}:{}", source_name(s.source), s.dim)).collect();
             return Err(bad(format!(
                 "graph input '{}' is {w} wide but is mapped to {} = {total}",
                 vi.name,
@@ -680,10 +574,7 @@ fn expect_act(node: &NodeProto, op: Operand<'_>, role: &str) -> Result<Act, Onnx
         Operand::Act(a) => Ok(a),
         Operand::Const(t) => Err(node_err(
             node,
-            format!(
-                "the {role} '{}' is a constant; it must be computed from the graph inputs",
-                t.name
-            ),
+            format!("the {role} '{}' is a constant; it must be computed from the graph inputs", t.name),
         )),
     }
 }
@@ -702,10 +593,7 @@ fn expect_const<'g>(node: &NodeProto, op: Operand<'g>, role: &str) -> Result<&'g
 /// final Sigmoid; anything else after it is refused.
 fn not_after_sigmoid(node: &NodeProto, a: &Act) -> Result<(), OnnxError> {
     if a.sigmoid {
-        return Err(node_err(
-            node,
-            "follows the Sigmoid; a Sigmoid is supported only as the last op",
-        ));
+        return Err(node_err(node, "follows the Sigmoid; a Sigmoid is supported only as the last op"));
     }
     Ok(())
 }
@@ -717,16 +605,9 @@ fn operands<'g>(
 ) -> Result<Vec<Operand<'g>>, OnnxError> {
     let count = node.input.len();
     if !n.contains(&count) {
-        return Err(node_err(
-            node,
-            format!("has {count} inputs; {}..={} expected", n.start(), n.end()),
-        ));
+        return Err(node_err(node, format!("has {count} inputs; {}..={} expected", n.start(), n.end())));
     }
-    node.input
-        .iter()
-        .filter(|s| !s.is_empty())
-        .map(|s| interp.take(node, s))
-        .collect()
+    node.input.iter().filter(|s| !s.is_empty()).map(|s| interp.take(node, s)).collect()
 }
 
 /// Applies one node to the interpreter state.
@@ -739,17 +620,13 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
             hint: String::new(),
         });
     }
-    const HANDLED: [&str; 11] = [
-        "Constant", "Identity", "Cast", "Flatten", "Reshape", "Concat", "MatMul", "Gemm", "Add", "Relu", "Sigmoid",
-    ];
+    const HANDLED: [&str; 11] =
+        ["Constant", "Identity", "Cast", "Flatten", "Reshape", "Concat", "MatMul", "Gemm", "Add", "Relu", "Sigmoid"];
     if !HANDLED.contains(&op) {
         return Err(unsupported(node));
     }
     if node.output.len() != 1 {
-        return Err(node_err(
-            node,
-            format!("has {} outputs; one expected", node.output.len()),
-        ));
+        return Err(node_err(node, format!("has {} outputs; one expected", node.output.len())));
     }
     let out = node.output[0].clone();
     let result = match op {
@@ -769,10 +646,7 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
             if to != i64::from(DT_FLOAT) {
                 return Err(node_err(
                     node,
-                    format!(
-                        "casts to {}; only a Cast to FLOAT of a float tensor is supported",
-                        dtype_name(to as i32)
-                    ),
+                    format!("casts to {}; only a Cast to FLOAT of a float tensor is supported", dtype_name(to as i32)),
                 ));
             }
             let mut ops = operands(interp, node, 1..=1)?;
@@ -807,19 +681,11 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
         "Concat" => {
             let axis = attr_int(node, "axis", None)?;
             if axis != 1 && axis != -1 {
-                return Err(node_err(
-                    node,
-                    format!("axis {axis}; only the feature axis (1) is supported"),
-                ));
+                return Err(node_err(node, format!("axis {axis}; only the feature axis (1) is supported")));
             }
             let count = node.input.len();
             let ops = operands(interp, node, 1..=count.max(1))?;
-            let mut joined = Act {
-                layout: Vec::new(),
-                width: 0,
-                layers: Vec::new(),
-                sigmoid: false,
-            };
+            let mut joined = Act { layout: Vec::new(), width: 0, layers: Vec::new(), sigmoid: false };
             for o in ops {
                 let a = expect_act(node, o, "input")?;
                 if !a.layers.is_empty() || a.sigmoid {
@@ -836,20 +702,14 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
         "MatMul" => {
             let mut ops = operands(interp, node, 2..=2)?;
             if matches!(ops[0], Operand::Const(_)) {
-                return Err(node_err(
-                    node,
-                    "the weight is the first operand; only activation x weight is supported",
-                ));
+                return Err(node_err(node, "the weight is the first operand; only activation x weight is supported"));
             }
             let w = expect_const(node, ops.remove(1), "weight")?;
             let mut a = expect_act(node, ops.remove(0), "input")?;
             not_after_sigmoid(node, &a)?;
             let (dims, values) = tensor_f32(w)?;
             let [k, n] = dims[..] else {
-                return Err(node_err(
-                    node,
-                    format!("weight '{}' has shape {dims:?}; [in, out] expected", w.name),
-                ));
+                return Err(node_err(node, format!("weight '{}' has shape {dims:?}; [in, out] expected", w.name)));
             };
             if k != a.width {
                 return Err(node_err(
@@ -863,13 +723,7 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
                     weights[o * k + r] = *v;
                 }
             }
-            a.layers.push(Draft {
-                in_dim: k,
-                out_dim: n,
-                weights,
-                bias: vec![0.0; n],
-                relu: false,
-            });
+            a.layers.push(Draft { in_dim: k, out_dim: n, weights, bias: vec![0.0; n], relu: false });
             a.width = n;
             a
         }
@@ -879,20 +733,12 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
             let (a, c) = match <[Operand<'_>; 2]>::try_from(ops) {
                 Ok([Operand::Act(a), Operand::Const(c)]) => (a, c),
                 Ok([Operand::Const(c), Operand::Act(a)]) => (a, c),
-                _ => {
-                    return Err(node_err(
-                        node,
-                        "only the Add of a constant bias to a layer's output is supported",
-                    ))
-                }
+                _ => return Err(node_err(node, "only the Add of a constant bias to a layer's output is supported")),
             };
             let mut a = a;
             not_after_sigmoid(node, &a)?;
             let Some(last) = a.layers.last_mut() else {
-                return Err(node_err(
-                    node,
-                    "adds a constant to a graph input; it must follow a Gemm or MatMul",
-                ));
+                return Err(node_err(node, "adds a constant to a graph input; it must follow a Gemm or MatMul"));
             };
             if last.relu {
                 return Err(node_err(
@@ -906,10 +752,7 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
             if !shape_ok {
                 return Err(node_err(
                     node,
-                    format!(
-                        "bias '{}' has shape {dims:?}; [{n}], [1, {n}] or a scalar expected",
-                        c.name
-                    ),
+                    format!("bias '{}' has shape {dims:?}; [{n}], [1, {n}] or a scalar expected", c.name),
                 ));
             }
             for (o, b) in last.bias.iter_mut().enumerate() {
@@ -922,10 +765,7 @@ fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxErr
             let mut a = expect_act(node, ops.remove(0), "input")?;
             not_after_sigmoid(node, &a)?;
             let Some(last) = a.layers.last_mut() else {
-                return Err(node_err(
-                    node,
-                    "applies to a graph input; an activation must follow a Gemm or MatMul",
-                ));
+                return Err(node_err(node, "applies to a graph input; an activation must follow a Gemm or MatMul"));
             };
             last.relu = true;
             a
@@ -954,11 +794,7 @@ fn unsupported(node: &NodeProto) -> OnnxError {
         "Softmax" => " (a Quiver model outputs one logit; export a single-output binary model)",
         _ => "",
     };
-    OnnxError::UnsupportedOp {
-        op: node.op_type.clone(),
-        node: node_name(node),
-        hint: hint.into(),
-    }
+    OnnxError::UnsupportedOp { op: node.op_type.clone(), node: node_name(node), hint: hint.into() }
 }
 
 fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
@@ -967,20 +803,13 @@ fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
     let alpha = attr_float(node, "alpha", 1.0)?;
     let beta = attr_float(node, "beta", 1.0)?;
     if trans_a != 0 {
-        return Err(node_err(
-            node,
-            "transA=1 is not supported; the input must be [batch, width]",
-        ));
+        return Err(node_err(node, "transA=1 is not supported; the input must be [batch, width]"));
     }
     if trans_b != 0 && trans_b != 1 {
         return Err(node_err(node, format!("transB={trans_b}; 0 or 1 expected")));
     }
     let mut ops = operands(interp, node, 2..=3)?;
-    let c = if ops.len() == 3 {
-        Some(expect_const(node, ops.remove(2), "bias C")?)
-    } else {
-        None
-    };
+    let c = if ops.len() == 3 { Some(expect_const(node, ops.remove(2), "bias C")?) } else { None };
     if matches!(ops[0], Operand::Const(_)) {
         return Err(node_err(node, "A is a constant; only activation x weight is supported"));
     }
@@ -989,10 +818,7 @@ fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
     not_after_sigmoid(node, &a)?;
     let (dims, values) = tensor_f32(b)?;
     let [r, s] = dims[..] else {
-        return Err(node_err(
-            node,
-            format!("weight '{}' has shape {dims:?}; a matrix expected", b.name),
-        ));
+        return Err(node_err(node, format!("weight '{}' has shape {dims:?}; a matrix expected", b.name)));
     };
     let (k, n) = if trans_b == 1 { (s, r) } else { (r, s) };
     if k != a.width {
@@ -1007,11 +833,7 @@ fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
     let mut weights = vec![0.0f32; k * n];
     for o in 0..n {
         for i in 0..k {
-            let v = if trans_b == 1 {
-                values[o * k + i]
-            } else {
-                values[i * n + o]
-            };
+            let v = if trans_b == 1 { values[o * k + i] } else { values[i * n + o] };
             weights[o * k + i] = alpha * v;
         }
     }
@@ -1022,23 +844,14 @@ fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
         if !shape_ok {
             return Err(node_err(
                 node,
-                format!(
-                    "bias '{}' has shape {cdims:?}; [{n}], [1, {n}] or a scalar expected",
-                    c.name
-                ),
+                format!("bias '{}' has shape {cdims:?}; [{n}], [1, {n}] or a scalar expected", c.name),
             ));
         }
         for (o, y) in bias.iter_mut().enumerate() {
             *y = beta * cvals[if cvals.len() == 1 { 0 } else { o }];
         }
     }
-    a.layers.push(Draft {
-        in_dim: k,
-        out_dim: n,
-        weights,
-        bias,
-        relu: false,
-    });
+    a.layers.push(Draft { in_dim: k, out_dim: n, weights, bias, relu: false });
     a.width = n;
     Ok(a)
 }
@@ -1118,12 +931,7 @@ mod tests {
     }
 
     fn opts(inputs: &str) -> ImportOptions {
-        ImportOptions {
-            name: "t".into(),
-            version: 1,
-            inputs: inputs.parse().unwrap(),
-            output: None,
-        }
+        ImportOptions { name: "t".into(), version: 1, inputs: inputs.parse().unwrap(), output: None }
     }
 
     #[test]
@@ -1145,11 +953,7 @@ mod tests {
         let g = graph(
             vec![input("x", 2)],
             vec![with_float(
-                with_float(
-                    with_int(node("Gemm", "g", &["x", "B", "C"], "y"), "transB", 1),
-                    "alpha",
-                    0.5,
-                ),
+                with_float(with_int(node("Gemm", "g", &["x", "B", "C"], "y"), "transB", 1), "alpha", 0.5),
                 "beta",
                 2.0,
             )],
@@ -1192,33 +996,18 @@ mod tests {
         // Declared order ctx, u; concatenated as u, ctx.
         let g = graph(
             vec![input("ctx", 1), input("u", 2)],
-            vec![
-                with_int(node("Concat", "cat", &["u", "ctx"], "x"), "axis", 1),
-                node("Gemm", "g", &["x", "B"], "y"),
-            ],
+            vec![with_int(node("Concat", "cat", &["u", "ctx"], "x"), "axis", 1), node("Gemm", "g", &["x", "B"], "y")],
             vec![weight("B", &[3, 1], &[1.0, 2.0, 3.0])],
             "y",
         );
         let imported = import_graph(&g, &opts("context:1,user:2")).unwrap();
         assert_eq!(
             imported.model.inputs,
-            vec![
-                InputSegment {
-                    source: Source::User,
-                    dim: 2
-                },
-                InputSegment {
-                    source: Source::Context,
-                    dim: 1
-                }
-            ]
+            vec![InputSegment { source: Source::User, dim: 2 }, InputSegment { source: Source::Context, dim: 1 }]
         );
         assert!(imported.summary().contains("input 'u': user 2"));
         let err = import_graph(&g, &opts("user:2,context:1")).unwrap_err().to_string();
-        assert!(
-            err.contains("graph input 'ctx' is 1 wide but is mapped to user:2"),
-            "{err}"
-        );
+        assert!(err.contains("graph input 'ctx' is 1 wide but is mapped to user:2"), "{err}");
     }
 
     #[test]
@@ -1231,24 +1020,12 @@ mod tests {
         let err = |g: GraphProto| import_graph(&g, &opts("user:2")).unwrap_err().to_string();
 
         let e = err(dense(vec![node("LeakyRelu", "leaky", &["h"], "y")], "y"));
-        assert!(
-            e.contains("node 'leaky': op LeakyRelu is not supported (the .qm format has only ReLU"),
-            "{e}"
-        );
+        assert!(e.contains("node 'leaky': op LeakyRelu is not supported (the .qm format has only ReLU"), "{e}");
         let e = err(dense(vec![node("Relu", "act", &["h"], "y")], "y"));
         assert!(e.contains("'y' ends in a Relu"), "{e}");
-        let e = err(dense(
-            vec![
-                node("Relu", "act", &["h"], "r"),
-                node("Add", "late_bias", &["r", "B"], "y"),
-            ],
-            "y",
-        ));
+        let e = err(dense(vec![node("Relu", "act", &["h"], "r"), node("Add", "late_bias", &["r", "B"], "y")], "y"));
         assert!(e.contains("node 'late_bias' (Add): adds a bias after the Relu"), "{e}");
-        let e = err(dense(
-            vec![node("Sigmoid", "s", &["h"], "p"), node("Relu", "after", &["p"], "y")],
-            "y",
-        ));
+        let e = err(dense(vec![node("Sigmoid", "s", &["h"], "p"), node("Relu", "after", &["p"], "y")], "y"));
         assert!(e.contains("node 'after' (Relu): follows the Sigmoid"), "{e}");
         let e = err(dense(vec![node("Add", "twice", &["h", "h"], "y")], "y"));
         assert!(e.contains("feeds more than one node"), "{e}");
@@ -1262,10 +1039,7 @@ mod tests {
         let mut int_weights = dense(vec![], "h");
         int_weights.initializer[0].data_type = DT_INT64;
         let e = err(int_weights);
-        assert!(
-            e.contains("initializer 'B': element type INT64 is not supported"),
-            "{e}"
-        );
+        assert!(e.contains("initializer 'B': element type INT64 is not supported"), "{e}");
 
         let short = graph(
             vec![input("x", 3)],
@@ -1274,10 +1048,7 @@ mod tests {
             "y",
         );
         let e = import_graph(&short, &opts("user:3")).unwrap_err().to_string();
-        assert!(
-            e.contains("node 'mm' (MatMul): weight 'B' is [2, 1] but its input is 3 wide"),
-            "{e}"
-        );
+        assert!(e.contains("node 'mm' (MatMul): weight 'B' is [2, 1] but its input is 3 wide"), "{e}");
     }
 
     #[test]
@@ -1290,10 +1061,7 @@ mod tests {
         let g = |s: TensorProto| {
             graph(
                 vec![input("x", 2)],
-                vec![
-                    node("Reshape", "r", &["x", "shape"], "x2"),
-                    node("MatMul", "mm", &["x2", "B"], "y"),
-                ],
+                vec![node("Reshape", "r", &["x", "shape"], "x2"), node("MatMul", "mm", &["x2", "B"], "y")],
                 vec![weight("B", &[2, 1], &[1.0, 1.0]), s],
                 "y",
             )
@@ -1307,10 +1075,7 @@ mod tests {
     #[test]
     fn empty_and_garbage_bytes_are_refused() {
         let o = opts("user:2");
-        assert!(matches!(
-            import_bytes(b"", "e.onnx", &o),
-            Err(OnnxError::NoGraph { .. })
-        ));
+        assert!(matches!(import_bytes(b"", "e.onnx", &o), Err(OnnxError::NoGraph { .. })));
         let e = import_bytes(&[0x0a, 0xff, 0xff, 0xff], "g.onnx", &o).unwrap_err();
         assert!(matches!(e, OnnxError::Decode { .. }), "{e}");
     }
