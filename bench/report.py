@@ -115,20 +115,45 @@ if fl and opens:
 w("![latency by percentile](bench/open-loop-percentiles.png)\n")
 w("HdrHistogram interval logs (`*.hlog`) and percentile distributions (`*.hgrm`) of every run are in `bench/results/`.\n")
 
-# Sweep.
-sweep = json.load(open(os.path.join(res, "sweep-quiver.json")))
-w(f"## Rate sweep: capacity at p99 ≤ {sweep['p99_max_us']:,} µs\n")
-cap = sweep["capacity_rate"]
-w(f"Open-loop runs of {settings['sweep_duration']} at rising offered rates until p99 passed the bound or a request")
-w("was not answered `Ok`. " + (f"**Highest rate that held: {cap:,.0f} requests/s.**\n" if cap else "No step held the bound.\n"))
-w("| offered req/s | achieved req/s | p50 µs | p99 µs | p99.9 µs | max µs | all ok |")
-w("|---|---|---|---|---|---|---|")
-for s in sweep["steps"]:
-    ok = s["lost"] == 0 and s["by_status"].get("ok", 0) == s["received"]
-    l = s["latency"]
-    w(f"| {s['offered_rate']:,.0f} | {s['achieved_rate']:,.0f} | {l['p50_us']:,} | {l['p99_us']:,} | {l['p999_us']:,} | {l['max_us']:,} | {'yes' if ok else 'no'} |")
-w("\nOne run per step, so read the sweep for its shape; the tables above give medians.\n")
+# Sweeps.
+w("## Rate sweeps: capacity at p99 ≤ {:,} µs, inline and on the inference thread\n".format(settings["p99_max_us"]))
+w(f"Open-loop runs of {settings['sweep_duration']} at rising offered rates until p99 passed the bound, a request")
+w("was not answered `Ok`, or the generator could not hold the rate. *Inline* scores on the shard")
+w("that read the request; *thread* hands each request to the inference thread through the")
+w("lock-free rings and batches across requests. One shard on core 0; the inference thread is")
+w("not pinned, so on this 2-core machine it shares a core with the shard or the generator.\n")
+caps = {}
+for mode in ("inline", "thread"):
+    sweep = json.load(open(os.path.join(res, f"sweep-{mode}.json")))
+    caps[mode] = sweep["capacity_rate"]
+    w(f"### {mode}\n")
+    cap = sweep["capacity_rate"]
+    w((f"**Highest rate that held: {cap:,.0f} requests/s.**\n") if cap else "No step held the bound.\n")
+    w("| offered req/s | achieved req/s | p50 µs | p99 µs | p99.9 µs | max µs | all ok |")
+    w("|---|---|---|---|---|---|---|")
+    for st in sweep["steps"]:
+        ok = st["lost"] == 0 and st["by_status"].get("ok", 0) == st["received"]
+        l = st["latency"]
+        w(f"| {st['offered_rate']:,.0f} | {st['achieved_rate']:,.0f} | {l['p50_us']:,} | {l['p99_us']:,} | {l['p999_us']:,} | {l['max_us']:,} | {'yes' if ok else 'no'} |")
+    w("")
+if caps.get("inline") and caps.get("thread"):
+    w(f"Capacity ratio, thread / inline: {caps['thread'] / caps['inline']:.2f}.\n")
+w("One run per step, so read the sweeps for their shape; the tables above give medians.\n")
 w("![p99 against offered rate](bench/sweep.png)\n")
+
+handoff = os.path.join(res, "handoff-percentiles.json")
+if os.path.exists(handoff):
+    hp = json.load(open(handoff))
+    w("## Hand-off round trip (shard → inference thread → shard)\n")
+    w("20,000 one-row jobs, one at a time, from `bench/handoff.rs` (the kernel is a 4-input dot")
+    w("product, so this is the hop itself). *Spinning*: the idle stage spins 200 µs before parking,")
+    w("so each job finds it awake. *Parked*: the stage parks at once and the sender waits 50 µs")
+    w("between jobs, so every job pays for waking a parked thread.\n")
+    w("| stage | p50 | p99 | p99.9 | max |")
+    w("|---|---|---|---|---|")
+    for name, v in hp.items():
+        w(f"| {name} | {v['p50_ns'] / 1e3:.1f} µs | {v['p99_ns'] / 1e3:.1f} µs | {v['p999_ns'] / 1e3:.1f} µs | {v['max_ns'] / 1e3:.1f} µs |")
+    w("")
 
 # Criterion.
 w("## Microbenchmarks (criterion)\n")

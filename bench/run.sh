@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 RUNS="${RUNS:-3}"
 DURATION="${DURATION:-5s}"
 SWEEP_DURATION="${SWEEP_DURATION:-3s}"
-P99_MAX_US="${P99_MAX_US:-2000}"
+P99_MAX_US="${P99_MAX_US:-1000}"
 CONNECTIONS="${CONNECTIONS:-2}"
 SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
@@ -75,6 +75,7 @@ for root, dirs, files in os.walk("target/criterion"):
                                  "hi_ns": m["confidence_interval"]["upper_bound"], "throughput": bench.get("throughput")}
 json.dump(out, open(sys.argv[1], "w"), indent=1, sort_keys=True)
 PY
+cp target/criterion/handoff-percentiles.json "$RESULTS/handoff-percentiles.json"
 
 "$bin" demo --data-dir "$data" 2>/dev/null
 
@@ -125,12 +126,15 @@ for mode in floor quiver; do
     stop_quiver
 done
 
-echo "== rate sweep, auction-32 (p99 <= $P99_MAX_US µs)"
-start_quiver quiver
+echo "== rate sweeps, auction-32 scored inline and on the inference thread (p99 <= $P99_MAX_US µs)"
 step="$(( rate / 5 ))"
-gen --duration "$SWEEP_DURATION" --sweep "$step:$step:$(( rate * 4 ))" --p99-max-us "$P99_MAX_US" \
-    --json >"$RESULTS/sweep-quiver.json"
-stop_quiver
+for mode in inline thread; do
+    start_quiver "sweep-$mode" --inference "$mode"
+    gen --duration 1s --pipeline 1 --json >/dev/null   # warm up
+    gen --duration "$SWEEP_DURATION" --sweep "$step:$step:$(( rate * 4 ))" --p99-max-us "$P99_MAX_US" \
+        --json >"$RESULTS/sweep-$mode.json"
+    stop_quiver
+done
 
 echo "== outside floor: redis-benchmark GET of a 128-byte value"
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
@@ -155,7 +159,7 @@ echo "== plots"
     "auction-32 uniform=$RESULTS/open-quiver-uniform-1.hgrm" "auction-32 Poisson=$RESULTS/open-quiver-poisson-1.hgrm" \
     "floor uniform=$RESULTS/open-floor-uniform-1.hgrm" "floor Poisson=$RESULTS/open-floor-poisson-1.hgrm"
 "$bin" plot sweep --out "$PLOTS/sweep.png" --title "auction-32: p99 against offered rate" \
-    "auction-32=$RESULTS/sweep-quiver.json"
+    "scored inline on the shard=$RESULTS/sweep-inline.json" "inference thread=$RESULTS/sweep-thread.json"
 
 echo "== report"
 python3 bench/report.py "$RESULTS" >docs/BENCHMARKS.md
