@@ -152,6 +152,8 @@ fn request_bench(c: &mut Criterion) {
             backend,
             floor,
             readiness: Arc::new(Readiness::ready()),
+            admission: Default::default(),
+            shards: 1,
         };
         let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
         let mut out = Vec::with_capacity(4096);

@@ -39,6 +39,8 @@ pub struct Config {
     /// dedicated inference thread.
     pub inference: InferenceMode,
     pub stage: StageLimits,
+    /// Per-client rate limits.
+    pub admission: crate::admission::AdmissionConfig,
     /// Admin HTTP endpoint (metrics, health, readiness); "off" disables it.
     pub admin_listen: String,
     /// While not ready (starting, or drained by an operator): refuse new
@@ -66,6 +68,7 @@ impl Default for Config {
             backend: BackendKind::Int8,
             inference: InferenceMode::Inline,
             stage: StageLimits::default(),
+            admission: crate::admission::AdmissionConfig::default(),
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
@@ -169,6 +172,8 @@ pub enum ConfigError {
         #[source]
         source: Box<toml::de::Error>,
     },
+    #[error("{0}")]
+    Invalid(String),
     #[error("limits.{field} = {value} is outside {range}")]
     Range { field: &'static str, value: u64, range: &'static str },
 }
@@ -184,6 +189,12 @@ impl Config {
         let config: Config = toml::from_str(text)
             .map_err(|source| ConfigError::Parse { path: path_for_errors.into(), source: Box::new(source) })?;
         config.limits.validate()?;
+        config.admission.client_limits().map_err(ConfigError::Invalid)?;
+        if let Some(d) = &config.admission.default {
+            if !(d.rate_per_s > 0.0 && d.burst >= 1.0) {
+                return Err(ConfigError::Invalid("admission.default: rate_per_s must be > 0 and burst >= 1".into()));
+            }
+        }
         Ok(config)
     }
 
@@ -252,6 +263,10 @@ mod tests {
 
         let err = Config::parse("[limits]\ncandidate_max = 64\n", "c.toml").unwrap_err();
         assert!(err.to_string().contains("candidate_max"), "{err}");
+        let err = Config::parse("[admission.clients.x]\nrate_per_s = 1.0\nburst = 1.0\n", "c.toml").unwrap_err();
+        assert_eq!(err.to_string(), "admission.clients.x: not a client id (u32)");
+        let err = Config::parse("[admission.clients.3]\nrate_per_s = 0.0\nburst = 1.0\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("rate_per_s must be > 0"), "{err}");
         let err = Config::parse("[limits]\ncandidates_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
     }

@@ -5,6 +5,7 @@
 //! deadline. See `docs/ARCHITECTURE.md` for the map of this crate.
 
 pub mod admin;
+pub mod admission;
 pub mod client;
 pub mod config;
 pub mod deadline;

@@ -390,6 +390,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         backend: config.backend,
         floor: config.floor,
         readiness: readiness.clone(),
+        admission: config.admission.clone(),
+        shards: cores.len(),
     };
     let listen = shard::resolve_listen(&config.listen)?;
 

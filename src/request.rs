@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use crate::admission::{Admission, AdmissionConfig};
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
 use crate::infer::{Done, Job, Outcome, ShardEnd};
@@ -37,6 +38,9 @@ pub struct Shared {
     pub floor: bool,
     /// Whether the server takes traffic; requests get `Overloaded` while not.
     pub readiness: Arc<Readiness>,
+    /// Per-client rate limits, and how many shards split them.
+    pub admission: AdmissionConfig,
+    pub shards: usize,
 }
 
 /// The model's inputs and the replicas do not fit together.
@@ -192,6 +196,7 @@ pub struct RequestPath<C: Clock> {
     stage: Option<ShardEnd>,
     /// Requests in the stage, by slot.
     pending: Vec<Option<Pending>>,
+    admission: Admission,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
     /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
@@ -244,6 +249,7 @@ impl<C: Clock> RequestPath<C> {
             generation: 0,
             stage: None,
             pending: Vec::new(),
+            admission: Admission::new(shared.admission.clone(), shared.shards),
             x: Vec::new(),
             item_vectors: vec![0.0; rows_max * shared.item.dim()],
             item_rows: vec![0; rows_max],
@@ -354,6 +360,9 @@ impl<C: Clock> RequestPath<C> {
         }
         if !self.shared.readiness.is_ready() {
             return self.fail(request_id, Status::Overloaded, "server is not ready", out);
+        }
+        if !self.admission.admit(request.raw.client_id(), decoded_ns) {
+            return self.fail(request_id, Status::RateLimited, "client over its rate limit", out);
         }
         let model_name = request.model();
         let chosen = if model_name.is_empty() {
@@ -628,6 +637,8 @@ mod tests {
             backend: BackendKind::F32,
             floor: false,
             readiness: Arc::new(Readiness::ready()),
+            admission: AdmissionConfig::default(),
+            shards: 1,
         }
     }
 

@@ -1,0 +1,81 @@
+//! Admission control and slow readers against a real server.
+
+mod common;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use common::{demo_request, Server};
+use quiver::wire::{RequestEncoder, Status};
+
+#[test]
+fn a_client_over_its_rate_is_limited_and_others_are_not() {
+    let cfg = common::scratch("ratelimit").join("q.toml");
+    std::fs::write(&cfg, "[admission.clients.7]\nrate_per_s = 20.0\nburst = 5.0\n").unwrap();
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    let mut statuses = Vec::new();
+    for i in 0..20u64 {
+        let mut spec = demo_request(i, i, vec![1, 2]);
+        spec.client_id = 7;
+        let r = c.score(&spec).unwrap();
+        if r.status == Status::RateLimited {
+            assert!(r.scores.is_empty());
+            assert_eq!(r.error, "client over its rate limit");
+        }
+        statuses.push(r.status);
+    }
+    let ok = statuses.iter().filter(|s| **s == Status::Ok).count();
+    let limited = statuses.iter().filter(|s| **s == Status::RateLimited).count();
+    assert!((5..=7).contains(&ok), "burst of 5 (plus what refilled): {statuses:?}");
+    assert_eq!(ok + limited, 20);
+    // Another client, with no default limit configured, is not affected.
+    for i in 0..50u64 {
+        let mut spec = demo_request(100 + i, i, vec![1, 2]);
+        spec.client_id = 8;
+        assert_eq!(c.score(&spec).unwrap().status, Status::Ok);
+    }
+    // The bucket refills at 20/s.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut spec = demo_request(999, 1, vec![1]);
+    spec.client_id = 7;
+    assert_eq!(c.score(&spec).unwrap().status, Status::Ok);
+}
+
+#[test]
+fn a_connection_that_never_reads_is_closed_and_others_are_served() {
+    let cfg = common::scratch("slowreader").join("q.toml");
+    std::fs::write(&cfg, "[limits]\nwrite_timeout_ms = 300\noutput_bytes_max = 4096\n").unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let addr = server.addr.clone();
+    // Floods requests and never reads a response; returns when the server
+    // closes the connection (its writes start failing).
+    let flooder = std::thread::spawn(move || {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut frame = Vec::new();
+        RequestEncoder::new().encode(&demo_request(1, 1, (0..32).collect()), &mut frame);
+        let batch: Vec<u8> = frame.iter().copied().cycle().take(frame.len() * 100).collect();
+        let started = Instant::now();
+        loop {
+            if s.write_all(&batch).is_err() {
+                return Some(started.elapsed());
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                return None;
+            }
+        }
+    });
+    let mut bystander = server.client();
+    let mut served = 0;
+    while !flooder.is_finished() && served < 100_000 {
+        let r = bystander.score(&demo_request(served, served, vec![1, 2, 3])).unwrap();
+        assert_eq!(r.status, Status::Ok);
+        served += 1;
+    }
+    let closed_after = flooder.join().unwrap().expect("the server closed the non-reading connection");
+    assert!(closed_after < Duration::from_secs(20), "closed after {closed_after:?}");
+    assert!(served > 0);
+    assert_eq!(bystander.score(&demo_request(7, 7, vec![1])).unwrap().status, Status::Ok);
+    assert!(server.is_running());
+}
