@@ -68,6 +68,7 @@ fn wire_bench(c: &mut Criterion) {
                     server_us: 10,
                     features_missing: 0,
                     error: "",
+                    reason: quiver::wire::Reason::None,
                 },
                 &mut out,
             );

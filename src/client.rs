@@ -200,7 +200,7 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{ResponseEncoder, ResponseFields, Status, Tier};
+    use crate::wire::{Reason, ResponseEncoder, ResponseFields, Status, Tier};
 
     #[test]
     fn codec_decodes_byte_by_byte() {
@@ -218,6 +218,7 @@ mod tests {
                     server_us: 5,
                     features_missing: 0,
                     error: "",
+                    reason: Reason::None,
                 },
                 &mut bytes,
             );

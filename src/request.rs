@@ -23,7 +23,7 @@ use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
 use crate::replica::Replica;
 use crate::score::{self, Backend, BackendKind};
-use crate::wire::{self, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
+use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 
 /// The state every shard reads: replicas loaded once at start-up, and the
 /// registry through which new model versions arrive.
@@ -488,6 +488,7 @@ impl<C: Clock> RequestPath<C> {
                 server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
                 features_missing: u16::try_from(missing).unwrap_or(u16::MAX),
                 error: "",
+                reason: Reason::None,
             },
             out,
         );
@@ -578,6 +579,7 @@ impl<C: Clock> RequestPath<C> {
                         server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
                         features_missing: u16::try_from(p.missing).unwrap_or(u16::MAX),
                         error: "",
+                        reason: Reason::None,
                     },
                     out,
                 );

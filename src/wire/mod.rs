@@ -18,7 +18,7 @@ mod generated {
 #[path = "quiver_generated.rs"]
 mod generated;
 
-pub use fb::{Status, Tier};
+pub use fb::{Reason, Status, Tier};
 pub use generated::quiver::wire as fb;
 
 use flatbuffers::{FlatBufferBuilder, VerifierOptions};
@@ -157,6 +157,7 @@ pub struct ResponseFields<'a> {
     pub server_us: u32,
     pub features_missing: u16,
     pub error: &'a str,
+    pub reason: Reason,
 }
 
 impl ResponseFields<'_> {
@@ -171,6 +172,7 @@ impl ResponseFields<'_> {
             server_us: 0,
             features_missing: 0,
             error,
+            reason: Reason::None,
         }
     }
 }
@@ -203,6 +205,7 @@ impl ResponseEncoder {
                 server_us: fields.server_us,
                 features_missing: fields.features_missing,
                 error,
+                reason: fields.reason,
             },
         );
         b.finish_minimal(root);
@@ -275,6 +278,7 @@ pub struct Response {
     pub server_us: u32,
     pub features_missing: u16,
     pub error: String,
+    pub reason: Reason,
 }
 
 /// Verifies and copies out one response payload.
@@ -295,6 +299,7 @@ pub fn decode_response(payload: &[u8], scores_max: usize) -> Result<Response, fl
         server_us: r.server_us(),
         features_missing: r.features_missing(),
         error: r.error().unwrap_or("").to_string(),
+        reason: r.reason(),
     })
 }
 
@@ -308,6 +313,18 @@ pub fn status_name(status: Status) -> &'static str {
         Status::BadRequest => "bad_request",
         Status::ModelNotFound => "model_not_found",
         Status::Internal => "internal",
+        _ => "unknown",
+    }
+}
+
+/// Short lowercase name of a step-down reason.
+pub fn reason_name(reason: Reason) -> &'static str {
+    match reason {
+        Reason::None => "none",
+        Reason::Budget => "budget",
+        Reason::BreakerOpen => "breaker_open",
+        Reason::Overload => "overload",
+        Reason::ModelError => "model_error",
         _ => "unknown",
     }
 }
@@ -370,6 +387,7 @@ mod tests {
             server_us: 12,
             features_missing: 1,
             error: "",
+            reason: Reason::Budget,
         };
         let mut enc = ResponseEncoder::new(64);
         enc.encode(&fields, &mut out);
@@ -378,6 +396,7 @@ mod tests {
         let r1 = decode_response(p1, 64).unwrap();
         assert_eq!(r1.scores, scores);
         assert_eq!((r1.request_id, r1.model_version, r1.server_us, r1.features_missing), (9, 3, 12, 1));
+        assert_eq!(r1.reason, Reason::Budget);
         let (p2, _) = split_frame(&out[used1..], 1 << 16).unwrap().unwrap();
         let r2 = decode_response(p2, 64).unwrap();
         assert_eq!((r2.request_id, r2.status, r2.error.as_str()), (10, Status::BadRequest, "nope"));

@@ -206,6 +206,102 @@ impl<'a> ::flatbuffers::Verifiable for Tier {
 }
 
 impl ::flatbuffers::SimpleToVerifyInSlice for Tier {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_REASON: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_REASON: u8 = 4;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_REASON: [Reason; 5] = [
+  Reason::None,
+  Reason::Budget,
+  Reason::BreakerOpen,
+  Reason::Overload,
+  Reason::ModelError,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct Reason(pub u8);
+#[allow(non_upper_case_globals)]
+impl Reason {
+  pub const None: Self = Self(0);
+  pub const Budget: Self = Self(1);
+  pub const BreakerOpen: Self = Self(2);
+  pub const Overload: Self = Self(3);
+  pub const ModelError: Self = Self(4);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 4;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::None,
+    Self::Budget,
+    Self::BreakerOpen,
+    Self::Overload,
+    Self::ModelError,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::None => Some("None"),
+      Self::Budget => Some("Budget"),
+      Self::BreakerOpen => Some("BreakerOpen"),
+      Self::Overload => Some("Overload"),
+      Self::ModelError => Some("ModelError"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for Reason {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for Reason {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for Reason {
+    type Output = Reason;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for Reason {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for Reason {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for Reason {}
 pub enum ScoreRequestOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -445,6 +541,7 @@ impl<'a> ScoreResponse<'a> {
   pub const VT_SERVER_US: ::flatbuffers::VOffsetT = 14;
   pub const VT_FEATURES_MISSING: ::flatbuffers::VOffsetT = 16;
   pub const VT_ERROR: ::flatbuffers::VOffsetT = 18;
+  pub const VT_REASON: ::flatbuffers::VOffsetT = 20;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -462,6 +559,7 @@ impl<'a> ScoreResponse<'a> {
     builder.add_model_version(args.model_version);
     if let Some(x) = args.scores { builder.add_scores(x); }
     builder.add_features_missing(args.features_missing);
+    builder.add_reason(args.reason);
     builder.add_tier(args.tier);
     builder.add_status(args.status);
     builder.finish()
@@ -524,6 +622,13 @@ impl<'a> ScoreResponse<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(ScoreResponse::VT_ERROR, None)}
   }
+  #[inline]
+  pub fn reason(&self) -> Reason {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<Reason>(ScoreResponse::VT_REASON, Some(Reason::None)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreResponse<'_> {
@@ -540,6 +645,7 @@ impl ::flatbuffers::Verifiable for ScoreResponse<'_> {
      .visit_field::<u32>("server_us", Self::VT_SERVER_US, false)?
      .visit_field::<u16>("features_missing", Self::VT_FEATURES_MISSING, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("error", Self::VT_ERROR, false)?
+     .visit_field::<Reason>("reason", Self::VT_REASON, false)?
      .finish();
     Ok(())
   }
@@ -553,6 +659,7 @@ pub struct ScoreResponseArgs<'a> {
     pub server_us: u32,
     pub features_missing: u16,
     pub error: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub reason: Reason,
 }
 impl<'a> Default for ScoreResponseArgs<'a> {
   #[inline]
@@ -566,6 +673,7 @@ impl<'a> Default for ScoreResponseArgs<'a> {
       server_us: 0,
       features_missing: 0,
       error: None,
+      reason: Reason::None,
     }
   }
 }
@@ -608,6 +716,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreResponseBuilder<'a, 'b, 
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreResponse::VT_ERROR, error);
   }
   #[inline]
+  pub fn add_reason(&mut self, reason: Reason) {
+    self.fbb_.push_slot::<Reason>(ScoreResponse::VT_REASON, reason, Reason::None);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreResponseBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreResponseBuilder {
@@ -633,6 +745,7 @@ impl ::core::fmt::Debug for ScoreResponse<'_> {
       ds.field("server_us", &self.server_us());
       ds.field("features_missing", &self.features_missing());
       ds.field("error", &self.error());
+      ds.field("reason", &self.reason());
       ds.finish()
   }
 }
