@@ -38,8 +38,9 @@ fn start(spin_us: u64) -> (infer::Stage, infer::ShardEnd, Arc<Model>) {
         jobs_per_shard_max: 4,
         rows_per_job_max: 1,
         row_dim_max: 4,
+        core: None,
     };
-    let (stage, mut ends) = infer::start(config, 1, registry, BackendKind::Int8).unwrap();
+    let (stage, mut ends) = infer::start(config, 1, registry, BackendKind::Int8, Arc::default()).unwrap();
     (stage, ends.remove(0), model)
 }
 

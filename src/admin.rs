@@ -15,9 +15,11 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry as Registry_, Unit};
 use serde::{Deserialize, Serialize};
 
+use crate::ladder::Faults;
 use crate::metrics::{self, Board, Readiness, Stage, STAGES};
 use crate::registry::{Registry, RegistryError};
-use crate::wire::{status_name, tier_name, Status, Tier};
+use crate::request::REASONS;
+use crate::wire::{reason_name, status_name, tier_name, Reason, Status, Tier};
 
 /// Upper bounds of the Prometheus histogram buckets, in seconds: fine enough
 /// to tell 5 µs from 10 µs, wide enough to hold a 1 s outlier.
@@ -75,6 +77,25 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let labels = [("tier", tier_name(Tier(code)))];
             e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
         }
+        let mut e = encoder.encode_descriptor(
+            "quiver_step_downs",
+            "Ok responses from a lower rung, by reason.",
+            None,
+            MetricType::Counter,
+        )?;
+        for code in 1..REASONS as u8 {
+            let labels = [("reason", reason_name(Reason(code)))];
+            e.encode_family(&labels)?
+                .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_reason[code as usize], None)?;
+        }
+        encoder
+            .encode_descriptor(
+                "quiver_breakers_open",
+                "Shards whose primary circuit breaker is open or half-open.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&(m.breakers_open as i64))?;
         encoder
             .encode_descriptor("quiver_candidates_scored", "Candidates scored.", None, MetricType::Counter)?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.candidates_scored, None)?;
@@ -165,6 +186,9 @@ pub struct Stats {
     pub requests: u64,
     pub by_status: std::collections::BTreeMap<String, u64>,
     pub by_tier: std::collections::BTreeMap<String, u64>,
+    /// Ok responses from a lower rung, by reason.
+    pub step_downs: std::collections::BTreeMap<String, u64>,
+    pub breakers_open: usize,
     pub candidates_scored: u64,
     pub features_missing: u64,
     pub window_s: u64,
@@ -181,6 +205,10 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
         requests: m.counters.requests,
         by_status: (0..=6u8).map(|c| (status_name(Status(c)).to_string(), m.counters.by_status[c as usize])).collect(),
         by_tier: (0..=3u8).map(|c| (tier_name(Tier(c)).to_string(), m.counters.by_tier[c as usize])).collect(),
+        step_downs: (1..REASONS as u8)
+            .map(|c| (reason_name(Reason(c)).to_string(), m.counters.by_reason[c as usize]))
+            .collect(),
+        breakers_open: m.breakers_open,
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
@@ -217,6 +245,7 @@ impl Admin {
         readiness: Arc<Readiness>,
         registry: Arc<Registry>,
         backend: String,
+        faults: Option<Arc<Faults>>,
     ) -> Result<Admin, crate::Error> {
         let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("admin {addr}: {e}")))?;
         let bound = server
@@ -235,7 +264,7 @@ impl Admin {
             .name("quiver-admin".into())
             .spawn({
                 let server = server.clone();
-                move || serve(&server, &prometheus, &board, &readiness, &registry)
+                move || serve(&server, &prometheus, &board, &readiness, &registry, faults.as_deref())
             })
             .map_err(|e| crate::Error::Setup(format!("admin thread: {e}")))?;
         Ok(Admin { server, thread: Some(thread), addr: bound })
@@ -267,6 +296,7 @@ fn serve(
     board: &Board,
     readiness: &Readiness,
     registry: &Registry,
+    faults: Option<&Faults>,
 ) {
     use tiny_http::{Header, Method, Response};
     let header = |v: &str| Header::from_bytes("Content-Type", v).expect("static header is valid");
@@ -303,6 +333,17 @@ fn serve(
                 readiness.set(true);
                 tracing::info!("undrained: ready");
                 Response::from_string("ready\n")
+            }
+            (Method::Post, "/faults") if faults.is_some() => {
+                let query = request.url().split_once('?').map_or("", |(_, q)| q);
+                match query.split('&').find_map(|kv| kv.strip_prefix("stage_delay_us=")).map(str::parse::<u64>) {
+                    Some(Ok(us)) => {
+                        faults.expect("guarded").set_stage_delay_us(us);
+                        tracing::warn!(stage_delay_us = us, "fault injected");
+                        Response::from_string(format!("stage_delay_us={us}\n"))
+                    }
+                    _ => Response::from_string("use /faults?stage_delay_us=N\n").with_status_code(400),
+                }
             }
             (Method::Get, "/models") => {
                 let body = serde_json::to_string(&registry.status()).expect("status serialises");
@@ -351,7 +392,7 @@ mod tests {
         }
         c.requests = 4;
         c.by_status[0] = 4;
-        publish(&mut t, &c, 1, &b[1]);
+        publish(&mut t, &c, 1, false, &b[1]);
         let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
         let mut model = crate::demo::model();
         model.name = "m".into();

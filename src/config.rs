@@ -41,6 +41,11 @@ pub struct Config {
     pub stage: StageLimits,
     /// Per-client rate limits.
     pub admission: crate::admission::AdmissionConfig,
+    /// The degradation ladder: fallback model, static defaults, breaker.
+    pub ladder: crate::ladder::LadderConfig,
+    /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
+    /// slows the inference stage. Off unless set.
+    pub faults_endpoint: bool,
     /// Admin HTTP endpoint (metrics, health, readiness); "off" disables it.
     pub admin_listen: String,
     /// While not ready (starting, or drained by an operator): refuse new
@@ -69,6 +74,8 @@ impl Default for Config {
             inference: InferenceMode::Inline,
             stage: StageLimits::default(),
             admission: crate::admission::AdmissionConfig::default(),
+            ladder: crate::ladder::LadderConfig::default(),
+            faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
@@ -99,11 +106,14 @@ pub struct StageLimits {
     pub spin_us: u64,
     /// Requests each shard may have in the stage at once.
     pub jobs_per_shard_max: usize,
+    /// Core for the inference thread; default: the first online core no
+    /// shard uses, or none (unpinned) when the shards use them all.
+    pub core: Option<usize>,
 }
 
 impl Default for StageLimits {
     fn default() -> Self {
-        StageLimits { batch_rows_max: 512, batch_wait_us_max: 50, spin_us: 100, jobs_per_shard_max: 256 }
+        StageLimits { batch_rows_max: 512, batch_wait_us_max: 50, spin_us: 100, jobs_per_shard_max: 256, core: None }
     }
 }
 

@@ -29,7 +29,9 @@ impl<C: Clock + ?Sized> Clock for &C {
     }
 }
 
-/// The real clock: `std::time::Instant` relative to when it was created.
+/// The real clock: `std::time::Instant` relative to one process-wide origin,
+/// so readings taken on different threads (a shard and the inference stage)
+/// compare directly.
 #[derive(Clone, Copy, Debug)]
 pub struct MonotonicClock {
     origin: Instant,
@@ -37,7 +39,8 @@ pub struct MonotonicClock {
 
 impl MonotonicClock {
     pub fn new() -> MonotonicClock {
-        MonotonicClock { origin: Instant::now() }
+        static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        MonotonicClock { origin: *ORIGIN.get_or_init(Instant::now) }
     }
 }
 

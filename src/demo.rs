@@ -20,6 +20,7 @@ pub const CANDIDATES: usize = 32;
 pub const HIDDEN: [usize; 2] = [256, 128];
 pub const MODEL_NAME: &str = "auction-32";
 pub const MODEL_VERSION: u32 = 1;
+pub const FALLBACK_NAME: &str = "auction-32-fallback";
 const SEED: u64 = 0x5155_4956_4552_0032;
 
 /// A tiny, dependency-free PRNG whose output never changes between versions,
@@ -66,11 +67,17 @@ pub struct DemoFiles {
     pub user: PathBuf,
     pub item: PathBuf,
     pub model: PathBuf,
+    pub fallback: PathBuf,
 }
 
 impl DemoFiles {
     pub fn in_dir(dir: &Path) -> DemoFiles {
-        DemoFiles { user: dir.join("user.qrep"), item: dir.join("item.qrep"), model: dir.join("model.qm") }
+        DemoFiles {
+            user: dir.join("user.qrep"),
+            item: dir.join("item.qrep"),
+            model: dir.join("model.qm"),
+            fallback: dir.join("fallback.qm"),
+        }
     }
 }
 
@@ -114,10 +121,28 @@ pub fn model() -> Model {
     }
 }
 
+/// The demo's fallback rung: a 16-unit MLP over the same inputs, about 40×
+/// cheaper than the primary. Its weights are seeded, not trained: it stands
+/// in for the small distilled model a deployment would ship.
+pub fn fallback_model() -> Model {
+    let mut rng = SplitMix64::new(SEED ^ 0x4641_4c4c);
+    let n_in = EMBEDDING_DIM as usize * 2 + CONTEXT_LEN;
+    let w1 = (0..n_in * 16).map(|_| rng.normal() * (2.0 / n_in as f32).sqrt()).collect();
+    let w2 = (0..16).map(|_| rng.normal() * 0.5).collect();
+    Model {
+        name: FALLBACK_NAME.into(),
+        version: MODEL_VERSION,
+        inputs: model().inputs,
+        layers: vec![Layer::quantize(n_in, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.0])],
+    }
+}
+
 fn demo_files_ok(files: &DemoFiles) -> bool {
     let replicas_ok = Replica::open(&files.user, "user").is_ok_and(|r| r.header().row_count == USERS)
         && Replica::open(&files.item, "item").is_ok_and(|r| r.header().row_count == ITEMS);
-    replicas_ok && Model::load(&files.model).is_ok_and(|m| m == model())
+    replicas_ok
+        && Model::load(&files.model).is_ok_and(|m| m == model())
+        && Model::load(&files.fallback).is_ok_and(|m| m == fallback_model())
 }
 
 /// Creates the demo's files in `dir` unless valid ones are already there.
@@ -133,6 +158,7 @@ pub fn ensure(dir: &Path) -> Result<DemoFiles, crate::Error> {
     embeddings("user", USERS, &mut rng).write(&files.user)?;
     embeddings("item", ITEMS, &mut rng).write(&files.item)?;
     model().save(&files.model)?;
+    fallback_model().save(&files.fallback)?;
     Ok(files)
 }
 

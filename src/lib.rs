@@ -11,6 +11,7 @@ pub mod config;
 pub mod deadline;
 pub mod demo;
 pub mod infer;
+pub mod ladder;
 pub mod loadgen;
 pub mod metrics;
 pub mod model;

@@ -12,6 +12,7 @@ use quiver::client::Client;
 use quiver::config::Config;
 use quiver::config::InferenceMode;
 use quiver::infer::{self, StageConfig};
+use quiver::ladder::Faults;
 use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
 use quiver::model::Model;
@@ -332,6 +333,22 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     for m in registry.status() {
         tracing::info!(model = %m.name, version = m.version, "model loaded");
     }
+    let fallback_path = config.ladder.fallback_model.clone().or_else(|| {
+        let p = config.data_dir.join("fallback.qm");
+        p.exists().then_some(p)
+    });
+    let fallback = match fallback_path {
+        Some(p) => {
+            let m = Model::load(&p)?;
+            tracing::info!(model = %m.name, version = m.version, "fallback model loaded");
+            Some(Arc::new(m))
+        }
+        None => {
+            tracing::info!("no fallback model: requests that cannot reach the primary get the static default");
+            None
+        }
+    };
+    let faults = Arc::new(Faults::default());
     tracing::info!(
         users = user.header().row_count, items = item.header().row_count,
         backend = ?config.backend, "replicas loaded"
@@ -342,7 +359,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         None
     } else {
         let backend = format!("{:?}", config.backend).to_lowercase();
-        let admin = Admin::start(&config.admin_listen, board.clone(), readiness.clone(), registry.clone(), backend)?;
+        let hooks = config.faults_endpoint.then(|| faults.clone());
+        let admin =
+            Admin::start(&config.admin_listen, board.clone(), readiness.clone(), registry.clone(), backend, hooks)?;
         tracing::info!(addr = %admin.addr, "admin endpoint");
         println!("quiver admin on {}", admin.addr);
         Some(admin)
@@ -371,8 +390,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
                 // Sized for the models served at start; a wider version
                 // loaded later is scored inline (see RequestPath::handle).
                 row_dim_max,
+                core: config.stage.core.or_else(|| (0..online).find(|c| !cores.contains(c))),
             };
-            let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend)
+            let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend, faults.clone())
                 .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;
             tracing::info!(?stage_config, "inference stage started");
             Some(started)
@@ -391,6 +411,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         floor: config.floor,
         readiness: readiness.clone(),
         admission: config.admission.clone(),
+        ladder: config.ladder.clone(),
+        fallback,
         shards: cores.len(),
     };
     let listen = shard::resolve_listen(&config.listen)?;

@@ -92,6 +92,8 @@ pub struct Publication {
     pub total: Vec<Histogram<u64>>,
     pub window: VecDeque<Vec<Histogram<u64>>>,
     pub connections_active: u64,
+    /// The shard's primary breaker is not closed.
+    pub breaker_open: bool,
 }
 
 impl Publication {
@@ -102,6 +104,7 @@ impl Publication {
             total: STAGES.iter().map(|_| stage_histogram()).collect(),
             window: VecDeque::with_capacity(WINDOW_INTERVALS + 1),
             connections_active: 0,
+            breaker_open: false,
         }
     }
 }
@@ -143,7 +146,13 @@ pub fn board(shards: usize) -> Board {
 
 /// Folds a shard's interval into its slot and starts a new interval.
 /// Called from the shard's timer, never from the request path.
-pub fn publish(times: &mut StageTimes, counters: &Counters, connections_active: u64, slot: &Mutex<Publication>) {
+pub fn publish(
+    times: &mut StageTimes,
+    counters: &Counters,
+    connections_active: u64,
+    breaker_open: bool,
+    slot: &Mutex<Publication>,
+) {
     let mut p = slot.lock().unwrap_or_else(|e| e.into_inner());
     for (total, h) in p.total.iter_mut().zip(&times.interval) {
         total.add(h).expect("same bounds");
@@ -162,6 +171,7 @@ pub fn publish(times: &mut StageTimes, counters: &Counters, connections_active: 
     }
     p.counters = counters.clone();
     p.connections_active = connections_active;
+    p.breaker_open = breaker_open;
 }
 
 /// All shards merged, as the admin thread sees them.
@@ -171,6 +181,7 @@ pub struct Merged {
     pub window: Vec<Histogram<u64>>,
     pub connections_active: u64,
     pub shards: usize,
+    pub breakers_open: usize,
 }
 
 pub fn merge(board: &Board) -> Merged {
@@ -180,11 +191,13 @@ pub fn merge(board: &Board) -> Merged {
         window: STAGES.iter().map(|_| stage_histogram()).collect(),
         connections_active: 0,
         shards: board.len(),
+        breakers_open: 0,
     };
     for slot in board.iter() {
         let p = slot.lock().unwrap_or_else(|e| e.into_inner());
         m.counters.add(&p.counters);
         m.connections_active += p.connections_active;
+        m.breakers_open += usize::from(p.breaker_open);
         for (dst, src) in m.total.iter_mut().zip(&p.total) {
             dst.add(src).expect("same bounds");
         }
@@ -210,7 +223,7 @@ mod tests {
             t.record_us(Stage::Kernel, 100 + i);
             t.record_ns(Stage::Decode, 500);
             c.requests += 1;
-            publish(&mut t, &c, 3, &b[0]);
+            publish(&mut t, &c, 3, false, &b[0]);
         }
         let p = b[0].lock().unwrap();
         assert_eq!(p.window.len(), WINDOW_INTERVALS);

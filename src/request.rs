@@ -18,6 +18,7 @@ use crate::admission::{Admission, AdmissionConfig};
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
 use crate::infer::{Done, Job, Outcome, ShardEnd};
+use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
@@ -38,6 +39,9 @@ pub struct Shared {
     pub floor: bool,
     /// Whether the server takes traffic; requests get `Overloaded` while not.
     pub readiness: Arc<Readiness>,
+    /// The lower rungs: fallback model and static defaults; the breaker.
+    pub ladder: LadderConfig,
+    pub fallback: Option<Arc<Model>>,
     /// Per-client rate limits, and how many shards split them.
     pub admission: AdmissionConfig,
     pub shards: usize,
@@ -106,6 +110,9 @@ impl InputLayout {
     }
 }
 
+/// Step-down reasons counted (`Reason` values 0..=4).
+pub const REASONS: usize = 5;
+
 /// Per-shard counters, plain integers: only the owning shard touches them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -114,6 +121,8 @@ pub struct Counters {
     pub by_status: [u64; 8],
     /// Indexed by `Tier.0`, for `Ok` responses.
     pub by_tier: [u64; 4],
+    /// Indexed by `Reason.0`, for `Ok` responses.
+    pub by_reason: [u64; REASONS],
     pub features_missing: u64,
     pub candidates_scored: u64,
 }
@@ -125,6 +134,9 @@ impl Counters {
             *a += b;
         }
         for (a, b) in self.by_tier.iter_mut().zip(&other.by_tier) {
+            *a += b;
+        }
+        for (a, b) in self.by_reason.iter_mut().zip(&other.by_reason) {
             *a += b;
         }
         self.features_missing += other.features_missing;
@@ -171,16 +183,62 @@ pub enum Handled {
     Pending,
 }
 
+/// What the lower rungs need to answer a request.
+#[derive(Clone, Copy, Debug)]
+struct StepDown {
+    request_id: u64,
+    rows: usize,
+    row_dim: usize,
+    read_at_ns: u64,
+    deadline: Deadline,
+    missing: u32,
+    /// The fallback model reads the same inputs as the chosen model.
+    fallback: bool,
+    default_score: f32,
+}
+
 /// A request waiting for the inference stage.
 #[derive(Clone, Copy, Debug)]
 struct Pending {
     conn: u32,
-    request_id: u64,
-    read_at_ns: u64,
-    deadline: Deadline,
-    missing: u32,
+    step: StepDown,
     model_version: u32,
-    rows: u32,
+    submitted_ns: u64,
+    /// When the shard stops waiting and answers from a lower rung.
+    give_up_ns: u64,
+    /// Already answered from a lower rung; the stage's result is dropped.
+    answered: bool,
+}
+
+/// A running estimate of how long the stage takes to hand a job back. It
+/// rises faster on slow samples than it falls on fast ones, and halves for
+/// every 100 ms without a sample, so that a spell of slowness that made the
+/// shard stop sending does not keep it away for ever.
+#[derive(Clone, Copy, Debug, Default)]
+struct Turnaround {
+    ns: f64,
+    at_ns: u64,
+}
+
+impl Turnaround {
+    const HALF_LIFE_NS: f64 = 100e6;
+
+    fn current(&self, now_ns: u64) -> f64 {
+        self.ns * 0.5f64.powf(now_ns.saturating_sub(self.at_ns) as f64 / Self::HALF_LIFE_NS)
+    }
+
+    fn expected_us(&self, now_ns: u64) -> u64 {
+        (self.current(now_ns) / 1_000.0) as u64
+    }
+
+    fn observe(&mut self, sample_ns: u64, now_ns: u64) {
+        let cur = self.current(now_ns);
+        let s = sample_ns as f64;
+        // Up by an eighth of the gap, down by a fiftieth: it settles near a
+        // high percentile of recent samples, and one outlier moves it little.
+        self.ns = if s > cur { cur + (s - cur) * 0.125 } else { cur + (s - cur) * 0.02 };
+        self.at_ns = now_ns;
+    }
 }
 
 /// One shard's request path: scratch memory, backends, encoder, counters.
@@ -196,6 +254,15 @@ pub struct RequestPath<C: Clock> {
     stage: Option<ShardEnd>,
     /// Requests in the stage, by slot.
     pending: Vec<Option<Pending>>,
+    /// Model input rows of handed-off requests, by slot, for a give-up.
+    shadow: Vec<f32>,
+    next_give_up_ns: u64,
+    give_up_bytes: Vec<u8>,
+    turnaround: Turnaround,
+    /// The fallback rung: a small model run inline.
+    fallback: Option<Served>,
+    /// The primary's breaker (the stage, or the inline kernel).
+    breaker: Breaker,
     admission: Admission,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
@@ -249,6 +316,12 @@ impl<C: Clock> RequestPath<C> {
             generation: 0,
             stage: None,
             pending: Vec::new(),
+            shadow: Vec::new(),
+            next_give_up_ns: u64::MAX,
+            give_up_bytes: Vec::with_capacity(response_frame_bytes_max(rows_max)),
+            turnaround: Turnaround::default(),
+            fallback: None,
+            breaker: Breaker::new(shared.ladder.breaker),
             admission: Admission::new(shared.admission.clone(), shared.shards),
             x: Vec::new(),
             item_vectors: vec![0.0; rows_max * shared.item.dim()],
@@ -262,6 +335,17 @@ impl<C: Clock> RequestPath<C> {
             shared,
         };
         path.refresh_models()?;
+        if let Some(model) = path.shared.fallback.clone() {
+            let limits = &path.shared.limits;
+            let layout =
+                InputLayout::new(&model, path.shared.user.dim(), path.shared.item.dim(), limits.context_len_max)?;
+            let mut backend = score::build(path.shared.backend, &model, rows_max);
+            let x = vec![0.0; rows_max * layout.row_dim];
+            let started_ns = path.clock.now_ns();
+            backend.logits(&model, &x, rows_max, &mut path.logits[..rows_max]);
+            let ns_per_row = path.clock.now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
+            path.fallback = Some(Served { model, backend, layout, kernel_cost: KernelCost { ns_per_row } });
+        }
         Ok(path)
     }
 
@@ -419,18 +503,50 @@ impl<C: Clock> RequestPath<C> {
             }
         }
 
-        // Check: is there time for the kernel?
+        // Check: is there still time, and which rung can answer in it?
         let before_kernel_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Lookup, before_kernel_ns.saturating_sub(decoded_ns));
-        if deadline.cannot_fit(before_kernel_ns / 1_000, kernel_cost.expected_us(rows)) {
-            return self.fail(request_id, Status::DeadlineExceeded, "budget too small for the model", out);
+        let now_us = before_kernel_ns / 1_000;
+        if deadline.cannot_fit(now_us, 0) {
+            return self.fail(request_id, Status::DeadlineExceeded, "budget spent during lookup", out);
+        }
+        let handoff = self.stage.as_ref().is_some_and(|s| s.fits(rows * row_dim));
+        let primary_us = if handoff {
+            self.turnaround.expected_us(before_kernel_ns) + self.shared.ladder.reserve_us
+        } else {
+            kernel_cost.expected_us(rows)
+        };
+        let step = StepDown {
+            request_id,
+            rows,
+            row_dim,
+            read_at_ns,
+            deadline,
+            missing,
+            fallback: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
+            default_score: self
+                .shared
+                .ladder
+                .default_scores
+                .get(&model.name)
+                .copied()
+                .unwrap_or(self.shared.ladder.default_score),
+        };
+        // Budget first: a half-open breaker's probe is spent only on a
+        // request that can use it.
+        if self.breaker.state() == BreakerState::Closed && deadline.cannot_fit(now_us, primary_us) {
+            return self.step_down(&step, Reason::Budget, 0, out);
+        }
+        if !self.breaker.allow(before_kernel_ns) {
+            return self.step_down(&step, Reason::BreakerOpen, 0, out);
         }
 
         // Hand-off: the inference stage scores it and the response follows.
-        if let Some(stage) = self.stage.as_mut().filter(|s| s.fits(rows * row_dim)) {
+        if handoff {
+            let stage = self.stage.as_mut().expect("checked above");
             let Some(slot) = stage.acquire() else {
-                let why = "every inference slot is in use";
-                return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::Overloaded, why, out);
+                self.breaker.record(true, before_kernel_ns);
+                return self.step_down(&step, Reason::Overload, 0, out);
             };
             let data = stage.slot_mut(slot);
             data.x[..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
@@ -439,24 +555,30 @@ impl<C: Clock> RequestPath<C> {
             let job = Job { slot, deadline_ns: deadline.at_us() * 1_000, submitted_ns: before_kernel_ns };
             if stage.submit(job).is_err() {
                 stage.release(slot);
-                let why = "the inference queue is full";
-                return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::Overloaded, why, out);
+                self.breaker.record(true, before_kernel_ns);
+                return self.step_down(&step, Reason::Overload, 0, out);
             }
+            let slot_floats = stage.slot_floats();
+            if step.fallback {
+                // The stage owns the slot now; keep the rows for a give-up.
+                let at = slot as usize * slot_floats;
+                self.shadow[at..at + rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
+            }
+            let give_up_ns = (deadline.at_us().saturating_sub(self.shared.ladder.reserve_us)) * 1_000;
+            self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);
             self.pending[slot as usize] = Some(Pending {
                 conn,
-                request_id,
-                read_at_ns,
-                deadline,
-                missing,
+                step,
                 model_version: model.version,
-                rows: rows as u32,
+                submitted_ns: before_kernel_ns,
+                give_up_ns,
+                answered: false,
             });
             return Handled::Pending;
         }
 
         // Kernel.
         let logits = &mut self.logits[..rows];
-
         backend.logits(model, &self.x[..rows * row_dim], rows, logits);
         let after_kernel_ns = self.clock.now_ns();
         let kernel_ns = after_kernel_ns.saturating_sub(before_kernel_ns);
@@ -465,36 +587,101 @@ impl<C: Clock> RequestPath<C> {
         for l in logits.iter_mut() {
             *l = sigmoid(*l);
         }
+        let version = model.version;
 
         // Check: still in time to respond?
-        if deadline.cannot_fit(after_kernel_ns / 1_000, 0) {
+        let late = deadline.cannot_fit(after_kernel_ns / 1_000, 0);
+        self.breaker.record(late, after_kernel_ns);
+        if late {
             return self.fail(request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
         }
 
         // Respond.
-        self.counters.requests += 1;
-        self.counters.by_status[usize::from(Status::Ok.0)] += 1;
-        self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
-        self.counters.features_missing += u64::from(missing);
-        self.counters.candidates_scored += rows as u64;
-        let server_us = after_kernel_ns.saturating_sub(read_at_ns) / 1_000;
-        self.encoder.encode(
-            &ResponseFields {
-                request_id,
-                status: Status::Ok,
-                scores: &self.logits[..rows],
-                tier: Tier::Primary,
-                model_version: model.version,
-                server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
-                features_missing: u16::try_from(missing).unwrap_or(u16::MAX),
-                error: "",
-                reason: Reason::None,
-            },
-            out,
-        );
+        self.respond_ok(&step, Tier::Primary, Reason::None, version, after_kernel_ns, out);
         let done_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
         self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(read_at_ns));
+        Handled::Answered
+    }
+
+    /// Encodes an `Ok` response with the scores in `self.logits`.
+    fn respond_ok(
+        &mut self,
+        step: &StepDown,
+        tier: Tier,
+        reason: Reason,
+        version: u32,
+        now_ns: u64,
+        out: &mut Vec<u8>,
+    ) {
+        self.counters.requests += 1;
+        self.counters.by_status[usize::from(Status::Ok.0)] += 1;
+        self.counters.by_tier[usize::from(tier.0).min(3)] += 1;
+        self.counters.by_reason[usize::from(reason.0).min(REASONS - 1)] += 1;
+        self.counters.features_missing += u64::from(step.missing);
+        self.counters.candidates_scored += step.rows as u64;
+        let server_us = now_ns.saturating_sub(step.read_at_ns) / 1_000;
+        self.encoder.encode(
+            &ResponseFields {
+                request_id: step.request_id,
+                status: Status::Ok,
+                scores: &self.logits[..step.rows],
+                tier,
+                model_version: version,
+                server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
+                features_missing: u16::try_from(step.missing).unwrap_or(u16::MAX),
+                error: "",
+                reason,
+            },
+            out,
+        );
+    }
+
+    /// Answers from the rungs below the primary: the fallback model when it
+    /// reads the same inputs and fits the time left, else the static default.
+    /// The model input rows are in `self.x`, or in the shadow copy of job
+    /// slot `shadow_slot` for a handed-off request given up on (`rows_in_x`
+    /// false).
+    fn step_down(&mut self, step: &StepDown, reason: Reason, shadow_slot: u32, out: &mut Vec<u8>) -> Handled {
+        self.step_down_from(step, reason, shadow_slot, true, out)
+    }
+
+    fn step_down_from(
+        &mut self,
+        step: &StepDown,
+        reason: Reason,
+        shadow_slot: u32,
+        rows_in_x: bool,
+        out: &mut Vec<u8>,
+    ) -> Handled {
+        let now_ns = self.clock.now_ns();
+        let rows = step.rows;
+        let mut tier = Tier::Default;
+        let mut version = 0;
+        if let Some(fb) = self.fallback.as_mut().filter(|_| step.fallback) {
+            if !step.deadline.cannot_fit(now_ns / 1_000, fb.kernel_cost.expected_us(rows)) {
+                let x = if rows_in_x {
+                    &self.x[..rows * step.row_dim]
+                } else {
+                    let at = shadow_slot as usize * self.stage.as_ref().map_or(0, ShardEnd::slot_floats);
+                    &self.shadow[at..at + rows * step.row_dim]
+                };
+                let started_ns = self.clock.now_ns();
+                fb.backend.logits(&fb.model, x, rows, &mut self.logits[..rows]);
+                fb.kernel_cost.observe(rows, self.clock.now_ns().saturating_sub(started_ns) / 1_000);
+                for l in self.logits[..rows].iter_mut() {
+                    *l = sigmoid(*l);
+                }
+                tier = Tier::Fallback;
+                version = fb.model.version;
+            }
+        }
+        if tier == Tier::Default {
+            self.logits[..rows].fill(step.default_score);
+        }
+        let now_ns = self.clock.now_ns();
+        self.respond_ok(step, tier, reason, version, now_ns, out);
+        self.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
         Handled::Answered
     }
 
@@ -528,7 +715,15 @@ impl<C: Clock> RequestPath<C> {
     /// them inline.
     pub fn attach_stage(&mut self, stage: ShardEnd) {
         self.pending = (0..stage.slots()).map(|_| None).collect();
+        if self.fallback.is_some() {
+            self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
+        }
         self.stage = Some(stage);
+    }
+
+    /// The primary's breaker state, for metrics.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.state()
     }
 
     /// Takes the next completion from the inference stage, if any.
@@ -542,62 +737,83 @@ impl<C: Clock> RequestPath<C> {
     }
 
     /// Turns a stage completion into its request's response, appended to
-    /// `out`; returns the connection the response belongs to.
-    pub fn complete(&mut self, done: Done, out: &mut Vec<u8>) -> u32 {
+    /// `out`; returns the connection it belongs to, or `None` when the
+    /// request was already answered from a lower rung (given up on).
+    pub fn complete(&mut self, done: Done, out: &mut Vec<u8>) -> Option<u32> {
         let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
         let stage = self.stage.as_mut().expect("completions come from the stage");
         self.times.record_ns(Stage::Queue, done.queue_ns);
         let now_ns = self.clock.now_ns();
-        let rows = p.rows as usize;
+        let step = p.step;
+        let rows = step.rows;
         let outcome = done.outcome;
-        let in_time = !p.deadline.cannot_fit(now_ns / 1_000, 0);
+        let in_time = !p.answered && !step.deadline.cannot_fit(now_ns / 1_000, 0);
         if outcome == Outcome::Scored || outcome == Outcome::Late {
             self.times.record_ns(Stage::Kernel, done.kernel_ns);
         }
-        if outcome == Outcome::Scored && in_time {
+        self.turnaround.observe(now_ns.saturating_sub(p.submitted_ns), now_ns);
+        let ok = outcome == Outcome::Scored && in_time;
+        if ok {
             let data = stage.slot_mut(done.slot);
             for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
                 *s = sigmoid(*l);
             }
         }
         stage.release(done.slot);
-        match (outcome, in_time) {
-            (Outcome::Scored, true) => {
-                self.counters.requests += 1;
-                self.counters.by_status[usize::from(Status::Ok.0)] += 1;
-                self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
-                self.counters.features_missing += u64::from(p.missing);
-                self.counters.candidates_scored += rows as u64;
-                let server_us = now_ns.saturating_sub(p.read_at_ns) / 1_000;
-                self.encoder.encode(
-                    &ResponseFields {
-                        request_id: p.request_id,
-                        status: Status::Ok,
-                        scores: &self.logits[..rows],
-                        tier: Tier::Primary,
-                        model_version: p.model_version,
-                        server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
-                        features_missing: u16::try_from(p.missing).unwrap_or(u16::MAX),
-                        error: "",
-                        reason: Reason::None,
-                    },
-                    out,
-                );
+        if p.answered {
+            return None;
+        }
+        self.breaker.record(!ok, now_ns);
+        match outcome {
+            _ if ok => self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out),
+            Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
+                // The stage saw it could not finish in time; a lower rung may.
+                self.step_down_from(&step, Reason::Budget, done.slot, false, out);
             }
-            (Outcome::Expired, _) => {
-                self.fail(p.request_id, Status::DeadlineExceeded, "dropped before the kernel: no time left", out);
+            Outcome::Expired => {
+                self.fail(step.request_id, Status::DeadlineExceeded, "dropped before the kernel: no time left", out);
             }
-            (Outcome::Scored | Outcome::Late, _) => {
-                self.fail(p.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
+            Outcome::Scored | Outcome::Late => {
+                self.fail(step.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
             }
-            (Outcome::Failed, _) => {
-                self.fail(p.request_id, Status::Internal, "the inference stage could not run the model", out);
+            Outcome::Failed => {
+                self.step_down_from(&step, Reason::ModelError, done.slot, false, out);
             }
         }
         let done_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
-        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(p.read_at_ns));
-        p.conn
+        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
+        Some(p.conn)
+    }
+
+    /// Answers, from the lower rungs, every handed-off request still waiting
+    /// at its give-up time (its deadline less `ladder.reserve_us`), calling
+    /// `deliver(connection, response bytes)` for each. The stage keeps the
+    /// job slot until it finishes; its late result is then dropped.
+    pub fn give_up_overdue(&mut self, now_ns: u64, deliver: &mut dyn FnMut(u32, &[u8])) {
+        if now_ns < self.next_give_up_ns {
+            return;
+        }
+        let mut next = u64::MAX;
+        let mut bytes = std::mem::take(&mut self.give_up_bytes);
+        for slot in 0..self.pending.len() {
+            let Some(p) = self.pending[slot].filter(|p| !p.answered) else {
+                continue;
+            };
+            if p.give_up_ns > now_ns {
+                next = next.min(p.give_up_ns);
+                continue;
+            }
+            bytes.clear();
+            // A request the stage could not answer in time is a failure for
+            // the breaker now, not when its late result finally comes back.
+            self.breaker.record(true, now_ns);
+            self.step_down_from(&p.step, Reason::Budget, slot as u32, false, &mut bytes);
+            self.pending[slot].as_mut().expect("checked above").answered = true;
+            deliver(p.conn, &bytes);
+        }
+        self.give_up_bytes = bytes;
+        self.next_give_up_ns = next;
     }
 }
 
@@ -640,6 +856,8 @@ mod tests {
             floor: false,
             readiness: Arc::new(Readiness::ready()),
             admission: AdmissionConfig::default(),
+            ladder: LadderConfig::default(),
+            fallback: None,
             shards: 1,
         }
     }
@@ -715,20 +933,23 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 3, "all three deadline checks fired: {seen:?}");
+        assert!(seen.contains("budget spent during lookup"), "{seen:?}");
     }
 
     #[test]
-    fn budget_smaller_than_the_kernel_cost_is_refused_up_front() {
+    fn budget_smaller_than_the_kernel_cost_steps_down_up_front() {
         let clock = ManualClock::new(0);
         let mut path = RequestPath::new(shared(&dir("cost")), &clock).unwrap();
         path.served[0].kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
         let mut s = spec();
         s.budget_us = 100; // 3 rows need 150 µs
         let r = run(&mut path, &s, 0);
-        assert_eq!(r.status, Status::DeadlineExceeded);
-        assert_eq!(r.error, "budget too small for the model");
+        // No fallback model here: the static default answers, in time.
+        assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Default, Reason::Budget));
+        assert_eq!(r.scores, vec![0.0; 3]);
         s.budget_us = 200;
-        assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
+        let r = run(&mut path, &s, 0);
+        assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Primary, Reason::None));
     }
 
     #[test]

@@ -29,6 +29,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::deadline::{Clock, MonotonicClock};
+use crate::ladder::Faults;
 use crate::model::Model;
 use crate::registry::Registry;
 use crate::score::{self, Backend, BackendKind};
@@ -49,6 +50,8 @@ pub struct StageConfig {
     pub rows_per_job_max: usize,
     /// Widest model input row the slots must hold.
     pub row_dim_max: usize,
+    /// The core the stage thread is pinned to, if any.
+    pub core: Option<usize>,
 }
 
 /// What one slot holds while a job is in flight.
@@ -170,6 +173,11 @@ impl ShardEnd {
         self.slots.slots.len() - self.free.len()
     }
 
+    /// Input floats one slot holds.
+    pub fn slot_floats(&self) -> usize {
+        self.slot_floats
+    }
+
     /// Whether a job of `floats` input values fits a slot.
     pub fn fits(&self, floats: usize) -> bool {
         self.slot_floats >= floats
@@ -208,22 +216,41 @@ struct StageEnd {
     slots: Arc<Slots>,
 }
 
-/// A running p99-ish estimate of kernel time for one batch-size bucket:
-/// it rises fast on slow samples and decays slowly, so one fast run does not
-/// make the stage optimistic.
-#[derive(Clone, Copy, Debug, Default)]
+/// A running high-percentile estimate of kernel time for one batch-size
+/// bucket: it rises fast on slow samples and falls slowly on fast ones, so
+/// one fast run does not make the stage optimistic. Without samples its
+/// excess over the fastest run seen halves every 100 ms: a bucket that
+/// became too expensive to launch does not stay that way for ever.
+#[derive(Clone, Copy, Debug)]
 struct CostBucket {
     ns: f64,
+    floor_ns: f64,
+    at_ns: u64,
+}
+
+impl Default for CostBucket {
+    fn default() -> Self {
+        CostBucket { ns: 0.0, floor_ns: f64::INFINITY, at_ns: 0 }
+    }
 }
 
 impl CostBucket {
-    fn observe(&mut self, sample_ns: u64) {
-        let s = sample_ns as f64;
-        if s > self.ns {
-            self.ns += (s - self.ns) * 0.5;
-        } else {
-            self.ns += (s - self.ns) * 0.02;
+    const HALF_LIFE_NS: f64 = 100e6;
+
+    fn current(&self, now_ns: u64) -> f64 {
+        if self.ns <= 0.0 {
+            return 0.0;
         }
+        let decay = 0.5f64.powf(now_ns.saturating_sub(self.at_ns) as f64 / Self::HALF_LIFE_NS);
+        self.floor_ns + (self.ns - self.floor_ns) * decay
+    }
+
+    fn observe(&mut self, sample_ns: u64, now_ns: u64) {
+        let s = sample_ns as f64;
+        self.floor_ns = self.floor_ns.min(s);
+        let cur = self.current(now_ns).max(self.floor_ns);
+        self.ns = if s > cur { cur + (s - cur) * 0.5 } else { cur + (s - cur) * 0.02 };
+        self.at_ns = now_ns;
     }
 }
 
@@ -242,16 +269,16 @@ impl CostTable {
         rows.max(1).next_power_of_two().trailing_zeros() as usize
     }
 
-    /// Expected kernel time for `rows`, from the nearest measured bucket.
-    pub fn expected_ns(&self, rows: usize) -> u64 {
+    /// Expected kernel time for `rows` at `now_ns`, from the nearest measured bucket.
+    pub fn expected_ns(&self, rows: usize, now_ns: u64) -> u64 {
         let b = Self::bucket(rows).min(self.buckets.len() - 1);
         let known = self.buckets[b..].iter().chain(self.buckets[..b].iter().rev()).find(|c| c.ns > 0.0);
-        known.map_or(0, |c| c.ns as u64)
+        known.map_or(0, |c| c.current(now_ns) as u64)
     }
 
-    fn observe(&mut self, rows: usize, ns: u64) {
+    fn observe(&mut self, rows: usize, ns: u64, now_ns: u64) {
         let b = Self::bucket(rows).min(self.buckets.len() - 1);
-        self.buckets[b].observe(ns);
+        self.buckets[b].observe(ns, now_ns);
     }
 }
 
@@ -261,6 +288,7 @@ pub fn start(
     shards: usize,
     registry: Arc<Registry>,
     backend: BackendKind,
+    faults: Arc<Faults>,
 ) -> Result<(Stage, Vec<ShardEnd>), std::io::Error> {
     let stop = Arc::new(AtomicBool::new(false));
     let wake = Arc::new(Wake { parked: AtomicBool::new(false), thread: std::sync::OnceLock::new() });
@@ -295,8 +323,11 @@ pub fn start(
     let thread = std::thread::Builder::new().name("quiver-infer".into()).spawn({
         let (stop, wake) = (stop.clone(), wake.clone());
         move || {
+            if let Some(core) = config.core {
+                pin_to(core);
+            }
             wake.thread.set(std::thread::current()).expect("set once");
-            run(config, stage_ends, registry, backend, &stop, &wake);
+            run(config, stage_ends, registry, backend, &stop, &wake, &faults);
         }
     })?;
     Ok((Stage { stop, wake: vec![wake], thread: Some(thread) }, shard_ends))
@@ -317,6 +348,7 @@ fn run(
     kind: BackendKind,
     stop: &AtomicBool,
     wake: &Wake,
+    faults: &Faults,
 ) {
     let clock = MonotonicClock::new();
     let jobs_max = ends.len() * config.jobs_per_shard_max.next_power_of_two();
@@ -326,11 +358,24 @@ fn run(
     let mut x = vec![0.0f32; config.batch_rows_max.max(config.rows_per_job_max) * config.row_dim_max];
     let mut logits = vec![0.0f32; config.batch_rows_max.max(config.rows_per_job_max)];
     let mut backends: Vec<(Arc<Model>, Box<dyn Backend>, CostTable)> = Vec::new();
-    let rows_cap = config.batch_rows_max.max(config.rows_per_job_max);
+    // Build and measure a backend for every served version before the first
+    // job, and again whenever the registry changes, so no job waits for one.
+    let mut generation = 0;
     let mut idle_since_ns: Option<u64> = None;
     let slot = |end: &StageEnd, i: u32| -> *mut SlotData { end.slots.slots[i as usize].get() };
 
     while !stop.load(Ordering::Acquire) {
+        if registry.generation() != generation {
+            let snapshot = registry.snapshot();
+            generation = snapshot.generation;
+            backends.retain(|(m, _, _)| snapshot.models.iter().any(|l| Arc::ptr_eq(l, m)));
+            for model in snapshot.models {
+                if !backends.iter().any(|(m, _, _)| Arc::ptr_eq(m, &model)) {
+                    let (backend, costs) = prepare(kind, &model, &config, &mut x, &mut logits, &clock);
+                    backends.push((model, backend, costs));
+                }
+            }
+        }
         // Gather.
         for (shard, end) in ends.iter().enumerate() {
             while let Some(job) = end.jobs.pop() {
@@ -371,17 +416,8 @@ fn run(
         let b = match backends.iter().position(|(m, _, _)| Arc::ptr_eq(m, &model)) {
             Some(b) => b,
             None => {
-                // Drop backends of versions the registry no longer serves.
-                let live = registry.snapshot().models;
-                backends.retain(|(m, _, _)| live.iter().any(|l| Arc::ptr_eq(l, m)));
-                let mut backend = score::build(kind, &model, rows_cap);
-                let mut costs = CostTable::new(rows_cap);
-                // Seed the cost table so the first deadline decisions are informed.
-                for rows in [1, config.rows_per_job_max, rows_cap] {
-                    let started_ns = clock.now_ns();
-                    backend.logits(&model, &x[..rows * model.input_dim()], rows, &mut logits[..rows]);
-                    costs.observe(rows, clock.now_ns() - started_ns);
-                }
+                // A version the registry dropped while its jobs were queued.
+                let (backend, costs) = prepare(kind, &model, &config, &mut x, &mut logits, &clock);
                 backends.push((model.clone(), backend, costs));
                 backends.len() - 1
             }
@@ -401,7 +437,7 @@ fn run(
             }
         }
         let oldest_wait_ns = now_ns.saturating_sub(waiting[0].job.submitted_ns);
-        let expected_ns = costs.expected_ns(rows);
+        let expected_ns = costs.expected_ns(rows, now_ns);
         let full = rows >= config.batch_rows_max;
         let waited = oldest_wait_ns >= config.batch_wait_us_max * 1_000;
         // Margin for the hand-back and the response after the kernel.
@@ -424,6 +460,13 @@ fn run(
                 continue;
             }
             if w.job.deadline_ns < now_ns + expected_ns {
+                tracing::trace!(
+                    slot = w.job.slot,
+                    left_ns = w.job.deadline_ns.saturating_sub(now_ns),
+                    expected_ns,
+                    waited_ns = now_ns.saturating_sub(w.job.submitted_ns),
+                    "expired"
+                );
                 finish(&ends[w.shard], w.job, Outcome::Expired, now_ns, 0, 0);
                 continue;
             }
@@ -444,9 +487,19 @@ fn run(
             at += w.rows;
         }
         let started_ns = clock.now_ns();
+        let delay_us = faults.stage_delay_us();
+        if delay_us > 0 {
+            std::thread::sleep(Duration::from_micros(delay_us));
+        }
         backend.logits(&model, &x[..batch_rows * dim], batch_rows, &mut logits[..batch_rows]);
         let ended_ns = clock.now_ns();
-        costs.observe(batch_rows, ended_ns - started_ns);
+        costs.observe(batch_rows, ended_ns - started_ns, ended_ns);
+        tracing::trace!(
+            batch_rows,
+            kernel_ns = ended_ns - started_ns,
+            waited_ns = started_ns.saturating_sub(batch[0].job.submitted_ns),
+            "batch"
+        );
         let mut at = 0;
         for w in &batch {
             // SAFETY: as above.
@@ -457,6 +510,45 @@ fn run(
             finish(&ends[w.shard], w.job, outcome, started_ns, ended_ns - started_ns, batch_rows as u32);
         }
     }
+}
+
+/// Pins the calling thread to `core`; logs and goes on unpinned on failure.
+fn pin_to(core: usize) {
+    // SAFETY: `set` is a plain bit array on the stack, initialised by
+    // CPU_ZERO before use; sched_setaffinity(0, ..) affects only this thread.
+    let ok = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_ZERO(&mut set);
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    if ok {
+        tracing::info!(core, "inference thread pinned");
+    } else {
+        tracing::warn!(core, error = %std::io::Error::last_os_error(), "could not pin the inference thread");
+    }
+}
+
+/// Builds a backend for `model` and seeds its cost table with measured runs,
+/// so the first deadline decisions are informed.
+fn prepare(
+    kind: BackendKind,
+    model: &Model,
+    config: &StageConfig,
+    x: &mut [f32],
+    logits: &mut [f32],
+    clock: &MonotonicClock,
+) -> (Box<dyn Backend>, CostTable) {
+    let rows_cap = config.batch_rows_max.max(config.rows_per_job_max);
+    let mut backend = score::build(kind, model, rows_cap);
+    let mut costs = CostTable::new(rows_cap);
+    for rows in [1, config.rows_per_job_max, rows_cap] {
+        let started_ns = clock.now_ns();
+        backend.logits(model, &x[..rows * model.input_dim()], rows, &mut logits[..rows]);
+        let now_ns = clock.now_ns();
+        costs.observe(rows, now_ns - started_ns, now_ns);
+    }
+    (backend, costs)
 }
 
 fn finish(end: &StageEnd, job: Job, outcome: Outcome, started_ns: u64, kernel_ns: u64, batch_rows: u32) {
@@ -483,8 +575,9 @@ mod tests {
             jobs_per_shard_max: 8,
             rows_per_job_max: 32,
             row_dim_max: model.input_dim(),
+            core: None,
         };
-        let (stage, ends) = start(config, 2, registry, BackendKind::Int8).unwrap();
+        let (stage, ends) = start(config, 2, registry, BackendKind::Int8, Arc::default()).unwrap();
         (stage, ends, model)
     }
 

@@ -29,6 +29,7 @@ use glommio::{LocalExecutorBuilder, Placement};
 use crate::config::NotReadyPolicy;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::ShardEnd;
+use crate::ladder::BreakerState;
 use crate::metrics::{self, Board};
 use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
@@ -200,7 +201,8 @@ async fn run_shard(
                 glommio::timer::sleep(metrics::PUBLISH_INTERVAL).await;
                 let mut p = path.borrow_mut();
                 let counters = p.counters.clone();
-                metrics::publish(p.times_mut(), &counters, active.get() as u64, &board[shard]);
+                let open = p.breaker_state() != BreakerState::Closed;
+                metrics::publish(p.times_mut(), &counters, active.get() as u64, open, &board[shard]);
             }
         }
     })
@@ -228,10 +230,18 @@ async fn run_shard(
                     let mut p = path.borrow_mut();
                     while let Some(done) = p.poll_stage() {
                         bytes.clear();
-                        let conn = p.complete(done, &mut bytes);
-                        mailboxes.deliver(conn, &bytes);
-                        delivered += 1;
+                        if let Some(conn) = p.complete(done, &mut bytes) {
+                            mailboxes.deliver(conn, &bytes);
+                            delivered += 1;
+                        }
                     }
+                    // Requests the stage is too slow for are answered from
+                    // the lower rungs at their give-up time.
+                    let now_ns = clock.now_ns();
+                    p.give_up_overdue(now_ns, &mut |conn, response| {
+                        mailboxes.deliver(conn, response);
+                        delivered += 1;
+                    });
                 }
                 let now_ns = clock.now_ns();
                 if delivered > 0 {
@@ -312,7 +322,8 @@ async fn run_shard(
     drop(poller);
     let mut p = path.borrow_mut();
     let counters = p.counters.clone();
-    metrics::publish(p.times_mut(), &counters, 0, &board[shard]);
+    let open = p.breaker_state() != BreakerState::Closed;
+    metrics::publish(p.times_mut(), &counters, 0, open, &board[shard]);
     let mut r = report.borrow().clone();
     r.counters = counters;
     Ok(r)

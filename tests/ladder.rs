@@ -1,0 +1,104 @@
+//! The seeds' 09:07 scenario against a real server, in its own test binary:
+//! it measures whether answers arrive inside a 4 ms budget, so it must not
+//! share the machine's two cores with the flooding tests of `resilience.rs`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{demo_request, Server};
+use quiver::wire::Status;
+
+fn post(url: &str) -> u16 {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    agent.post(url).send_empty().unwrap().status().as_u16()
+}
+
+fn stats(server: &Server) -> quiver::admin::Stats {
+    let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
+    let body =
+        agent.get(&format!("http://{}/stats.json", server.admin)).call().unwrap().body_mut().read_to_string().unwrap();
+    serde_json::from_str(&body).unwrap()
+}
+
+/// The seeds' 09:07 scenario: the inference stage turns slow, the breaker
+/// trips, the lower rungs answer inside every budget, and when the stage
+/// recovers the breaker closes and the primary answers again.
+#[test]
+fn a_slow_inference_stage_trips_the_breaker_and_fallbacks_answer_in_time() {
+    use quiver::wire::{Reason, Tier};
+    let cfg = common::scratch("0907").join("q.toml");
+    std::fs::write(
+        &cfg,
+        "inference = \"thread\"\nfaults_endpoint = true\n[ladder]\nreserve_us = 800\n\
+         [ladder.breaker]\nwindow = 20\nmin_outcomes = 5\nopen_ms = 200\nopen_ms_max = 800\nprobes = 3\n",
+    )
+    .unwrap();
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    let budget_us = 4_000;
+    let id = std::cell::Cell::new(0u64);
+    let ask = |c: &mut quiver::client::Client| {
+        id.set(id.get() + 1);
+        let id = id.get();
+        let mut spec = demo_request(id, id % 100_000, (0..32).map(|k| (id + k) % 10_000).collect());
+        spec.budget_us = budget_us;
+        let r = c.score(&spec).unwrap();
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        assert!(r.server_us <= budget_us, "answered after its budget: {} µs", r.server_us);
+        assert_eq!(r.scores.len(), 32);
+        r
+    };
+
+    // Warm the connection and the stage with one unhurried request.
+    let mut warm = demo_request(0, 0, (0..32).collect());
+    warm.budget_us = 1_000_000;
+    assert_eq!(c.score(&warm).unwrap().status, Status::Ok);
+
+    // Healthy: the primary answers.
+    let healthy: Vec<_> = (0..100).map(|_| ask(&mut c)).collect();
+    let primary = healthy.iter().filter(|r| r.tier == Tier::Primary).count();
+    assert!(primary >= 90, "{primary} of 100 from the primary while healthy: {:?}", &healthy[..3]);
+
+    // 09:07: every batch now takes 10 ms, far over the 4 ms budget.
+    assert_eq!(post(&format!("http://{}/faults?stage_delay_us=10000", server.admin)), 200);
+    let mut reasons = std::collections::BTreeSet::new();
+    let mut breaker_seen_open = false;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1_500) {
+        let r = ask(&mut c);
+        if r.tier != Tier::Primary {
+            assert!(matches!(r.tier, Tier::Fallback | Tier::Default), "{r:?}");
+            reasons.insert(quiver::wire::reason_name(r.reason));
+        }
+        if id.get().is_multiple_of(50) {
+            breaker_seen_open |= stats(&server).breakers_open > 0;
+        }
+    }
+    assert!(reasons.contains("budget"), "slow answers were given up on: {reasons:?}");
+    assert!(reasons.contains("breaker_open"), "the breaker opened: {reasons:?}");
+    assert!(breaker_seen_open, "the breaker shows in /stats.json");
+    let s = stats(&server);
+    assert!(s.by_tier["fallback"] > 0, "the fallback model answered: {s:?}");
+
+    // Recovery: the breaker half-opens, its probes succeed, it closes.
+    assert_eq!(post(&format!("http://{}/faults?stage_delay_us=0", server.admin)), 200);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let recent: Vec<_> = (0..50).map(|_| ask(&mut c)).collect();
+        if recent.iter().filter(|r| r.tier == Tier::Primary && r.reason == Reason::None).count() >= 45 {
+            break;
+        }
+        let mut seen = std::collections::BTreeMap::new();
+        for r in &recent {
+            *seen.entry(format!("{:?}/{:?}", r.tier, r.reason)).or_insert(0) += 1;
+        }
+        assert!(Instant::now() < until, "the primary never came back: {seen:?}\n{}", server.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while stats(&server).breakers_open != 0 {
+        assert!(Instant::now() < until, "the breaker never showed closed in /stats.json");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
