@@ -385,6 +385,128 @@ impl Backend for CudaInt8 {
     }
 }
 
+/// A seeded MLP with the given widths, for `gpu_check`.
+fn check_model(seed: u64, dims: &[usize]) -> Model {
+    let mut rng = crate::demo::SplitMix64::new(seed);
+    let layers = dims
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| {
+            let std = (2.0 / w[0] as f32).sqrt();
+            let weights = (0..w[0] * w[1]).map(|_| rng.normal() * std).collect();
+            let bias = (0..w[1]).map(|_| rng.normal() * 0.1).collect();
+            Layer::quantize(w[0], w[1], i + 2 < dims.len(), weights, bias)
+        })
+        .collect();
+    Model {
+        name: format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")),
+        version: 1,
+        inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: dims[0] }],
+        layers,
+    }
+}
+
+/// `rows` seeded normal rows of width `k`, with the edge cases planted in
+/// the first rows: all zeros, values near `f32::MAX` (the scale saturates,
+/// small values quantize to 0), +inf, -inf, NaN, and a whole NaN row.
+fn check_inputs(seed: u64, rows: usize, k: usize) -> Vec<f32> {
+    let mut rng = crate::demo::SplitMix64::new(seed);
+    let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+    let mut row = |r: usize, f: &dyn Fn(&mut [f32])| {
+        if r < rows {
+            f(&mut x[r * k..(r + 1) * k]);
+        }
+    };
+    row(0, &|v| v.fill(0.0));
+    row(1, &|v| {
+        v[0] = 3.0e38;
+        v[v.len() / 2] = -3.0e38;
+    });
+    row(2, &|v| v[v.len() - 1] = f32::INFINITY);
+    row(3, &|v| v[0] = f32::NEG_INFINITY);
+    row(4, &|v| v[v.len() / 3] = f32::NAN);
+    row(5, &|v| v.fill(f32::NAN));
+    row(6, &|v| v.iter_mut().for_each(|e| *e *= 1.0e-30));
+    x
+}
+
+fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
+    let i = ((sorted_ns.len() as f64 * p).ceil() as usize).clamp(1, sorted_ns.len()) - 1;
+    sorted_ns[i] as f64 / 1e3
+}
+
+/// `quiver gpu-check`: device and NVRTC versions, INT8 parity with the CPU
+/// scalar reference (bit for bit; two NaNs count as equal, since their
+/// payloads are not specified) at each of `batches` rows on several models,
+/// and host-timed latency percentiles of `logits` after warm-up. Returns the
+/// report, with `"ok": false` when any output differs; an error when there
+/// is no GPU to check.
+pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, CudaError> {
+    let info = probe()?;
+    let rows_max = batches.iter().copied().max().unwrap_or(1);
+    let models = [
+        (crate::demo::model(), rows_max),
+        (check_model(41, &[257, 255, 65, 1]), rows_max),
+        (check_model(42, &[3, 1]), rows_max),
+        // k = 16384: two rows per block in shared memory.
+        (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), rows_max.min(255)),
+    ];
+    let mut parity = Vec::new();
+    let mut ok = true;
+    for (model, model_rows_max) in &models {
+        let mut gpu = CudaInt8::new(model, *model_rows_max)?;
+        let mut cpu = cpu::CpuInt8::with_kernel(model, *model_rows_max, cpu::Int8Kernel::Scalar)
+            .map_err(|e| CudaError::Model(e.to_string()))?;
+        for &rows in batches.iter().filter(|&&r| r <= *model_rows_max) {
+            let x = check_inputs(rows as u64, rows, model.input_dim());
+            let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
+            cpu.logits(model, &x, rows, &mut want);
+            gpu.logits(model, &x, rows, &mut got);
+            let same = |g: f32, w: f32| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+            let bad: Vec<usize> = (0..rows).filter(|&r| !same(got[r], want[r])).collect();
+            ok &= bad.is_empty() && gpu.failed_over.is_none();
+            parity.push(serde_json::json!({
+                "model": model.name,
+                "rows": rows,
+                "mismatches": bad.len(),
+                "first_mismatch": bad.first().map(|&r| serde_json::json!({
+                    "row": r, "gpu": format!("{:e}", got[r]), "cpu": format!("{:e}", want[r]),
+                })),
+                "failed_over_to_cpu": gpu.failed_over.is_some(),
+            }));
+        }
+    }
+    let model = crate::demo::model();
+    let mut gpu = CudaInt8::new(&model, rows_max)?;
+    let mut cpu = cpu::CpuInt8::new(&model, rows_max);
+    let mut timing = Vec::new();
+    for &rows in batches {
+        let x = check_inputs(7, rows, model.input_dim());
+        let mut out = vec![0.0; rows];
+        let mut time = |b: &mut dyn Backend| {
+            for _ in 0..10 {
+                b.logits(&model, &x, rows, &mut out);
+            }
+            let mut ns: Vec<u64> = (0..iters.max(1))
+                .map(|_| {
+                    let t = Instant::now();
+                    b.logits(&model, &x, rows, &mut out);
+                    t.elapsed().as_nanos() as u64
+                })
+                .collect();
+            ns.sort_unstable();
+            (percentile_us(&ns, 0.5), percentile_us(&ns, 0.99))
+        };
+        let (p50, p99) = time(&mut gpu);
+        let (cpu_p50, cpu_p99) = time(&mut cpu);
+        timing.push(serde_json::json!({
+            "model": model.name, "rows": rows, "iters": iters,
+            "gpu_p50_us": p50, "gpu_p99_us": p99, "cpu_int8_p50_us": cpu_p50, "cpu_int8_p99_us": cpu_p99,
+        }));
+    }
+    Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
