@@ -448,7 +448,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         (crate::demo::model(), rows_max),
         (check_model(41, &[257, 255, 65, 1]), rows_max),
         (check_model(42, &[3, 1]), rows_max),
-        // k = 16384: two rows per block in shared memory.
+        // k = 16384: three rows per block in shared memory.
         (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), rows_max.min(255)),
     ];
     let mut parity = Vec::new();

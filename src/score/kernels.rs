@@ -46,7 +46,7 @@ pub const SHARED_BYTES_DEFAULT_MAX: usize = 48 * 1024;
 
 /// Rows one `dense_int8` block quantizes into shared memory for a layer with
 /// `k4` (padded) inputs: as many as fit in the default shared memory, at
-/// most `DENSE_ROWS_MAX`. `k4 <= WIDTH_MAX` (16384) always leaves room for 2.
+/// most `DENSE_ROWS_MAX`. `k4 <= WIDTH_MAX` (16384) always leaves room for 3.
 pub fn dense_rows_per_block(k4: usize) -> usize {
     (SHARED_BYTES_DEFAULT_MAX / k4.max(1)).clamp(1, DENSE_ROWS_MAX)
 }
@@ -73,7 +73,7 @@ mod tests {
             let r = dense_rows_per_block(k4);
             assert!((1..=DENSE_ROWS_MAX).contains(&r) && r * k4 <= SHARED_BYTES_DEFAULT_MAX, "k4 {k4}: {r}");
         }
-        assert_eq!(dense_rows_per_block(16384), 2);
+        assert_eq!(dense_rows_per_block(16384), 3);
         assert_eq!(dense_rows_per_block(256), DENSE_ROWS_MAX);
     }
 }
