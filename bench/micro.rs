@@ -154,6 +154,8 @@ fn request_bench(c: &mut Criterion) {
             floor,
             readiness: Arc::new(Readiness::ready()),
             admission: Default::default(),
+            ladder: Default::default(),
+            fallback: None,
             shards: 1,
         };
         let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();

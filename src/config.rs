@@ -280,4 +280,15 @@ mod tests {
         let err = Config::parse("[limits]\ncandidates_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
     }
+
+    /// `backend = "cuda"` exists only in builds with the feature; elsewhere
+    /// it is refused at start-up, like any unknown value.
+    #[test]
+    fn the_cuda_backend_is_accepted_only_with_the_feature() {
+        let parsed = Config::parse("backend = \"cuda\"\n", "c.toml");
+        #[cfg(feature = "cuda")]
+        assert_eq!(parsed.unwrap().backend, BackendKind::Cuda);
+        #[cfg(not(feature = "cuda"))]
+        assert!(parsed.unwrap_err().to_string().contains("cuda"));
+    }
 }

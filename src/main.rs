@@ -63,6 +63,20 @@ enum Command {
         #[arg(long, default_value = "quiver-data")]
         data_dir: PathBuf,
     },
+    /// Check the CUDA backend on this machine's GPU: versions, INT8 parity
+    /// with the CPU reference, latency. Writes one JSON object.
+    #[cfg(feature = "cuda")]
+    GpuCheck {
+        /// Batch sizes (rows) to check and time.
+        #[arg(long, value_delimiter = ',', default_value = "1,31,32,33,255,1024,4096")]
+        batches: Vec<usize>,
+        /// Timed calls per batch size, after 10 warm-up calls.
+        #[arg(long, default_value_t = 200)]
+        iters: usize,
+        /// Write the JSON here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -265,6 +279,8 @@ fn main() -> ExitCode {
         Command::Plot(cmd) => plot(cmd),
         Command::Stats { admin, interval, count } => stats(&admin, interval, count),
         Command::Demo { data_dir } => demo::ensure(&data_dir).map(|_| ExitCode::SUCCESS),
+        #[cfg(feature = "cuda")]
+        Command::GpuCheck { batches, iters, out } => Ok(gpu_check(&batches, iters, out.as_deref())),
     };
     match result {
         Ok(code) => code,
@@ -730,4 +746,31 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `quiver gpu-check`: exit 0 when every output matched the CPU reference,
+/// 1 when one did not or there is no GPU to check (the JSON says which).
+#[cfg(feature = "cuda")]
+fn gpu_check(batches: &[usize], iters: usize, out: Option<&std::path::Path>) -> ExitCode {
+    let (report, code) = match quiver::score::cuda::gpu_check(batches, iters) {
+        Ok(r) => {
+            let ok = r["ok"].as_bool() == Some(true);
+            (r, if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Err(e) => {
+            eprintln!("quiver gpu-check: no GPU to check: {e}");
+            (serde_json::json!({ "ok": false, "error": e.to_string() }), ExitCode::FAILURE)
+        }
+    };
+    let text = report.to_string();
+    match out {
+        Some(path) => {
+            if let Err(e) = std::fs::write(path, text + "\n") {
+                eprintln!("quiver gpu-check: cannot write {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+        None => println!("{text}"),
+    }
+    code
 }

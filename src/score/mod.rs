@@ -5,7 +5,10 @@
 //! applies the sigmoid on the host, so backends only produce logits.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fp8;
+pub mod kernels;
 
 use crate::model::Model;
 
@@ -27,12 +30,44 @@ pub enum BackendKind {
     Int8,
     /// The f32 reference weights.
     F32,
+    /// The INT8 semantics on the first CUDA GPU (feature `cuda`); falls back
+    /// to `int8` on the CPU, with one warning, where there is no usable GPU.
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 /// Builds the backend `kind` for `model`, with scratch for `rows_max` rows.
+///
+/// Never fails: `Cuda` without a usable GPU gives the CPU INT8 backend,
+/// which computes the same numbers bit for bit.
 pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backend> {
     match kind {
         BackendKind::Int8 => Box::new(cpu::CpuInt8::new(model, rows_max)),
         BackendKind::F32 => Box::new(cpu::CpuF32::new(model, rows_max)),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => match cuda::CudaInt8::new(model, rows_max) {
+            Ok(backend) => Box::new(backend),
+            Err(e) => {
+                cuda_fallback_logged(&e);
+                Box::new(cpu::CpuInt8::new(model, rows_max))
+            }
+        },
+    }
+}
+
+/// Logs why the CUDA backend is not used. Every shard and every model
+/// version builds a backend, so only the first fallback in the process is a
+/// warning (or an error, when the GPU is there but failed); the rest go to
+/// debug.
+#[cfg(feature = "cuda")]
+fn cuda_fallback_logged(e: &cuda::CudaError) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    if LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::debug!(reason = %e, "cuda backend unavailable; using cpu-int8");
+    } else if e.is_absent() {
+        tracing::warn!("backend \"cuda\" unavailable, falling back to the CPU INT8 backend: {e}");
+    } else {
+        tracing::error!("backend \"cuda\" failed to start, falling back to the CPU INT8 backend: {e}");
     }
 }

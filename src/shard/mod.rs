@@ -361,11 +361,14 @@ impl Connection {
         let result = self.serve_rounds(&mut stream, id, &mailbox).await;
         // Collect every response the stage still owes this connection (each
         // ends by its deadline), write what can be written, then close.
-        while mailbox.pending() > 0 {
-            mailbox.delivered().await;
-        }
         let mut rest = Vec::new();
         mailbox.take_into(&mut rest);
+        while mailbox.pending() > 0 {
+            // `delivered` resolves while undelivered bytes wait in the
+            // mailbox, so move them out before waiting for the next one.
+            mailbox.delivered().await;
+            mailbox.take_into(&mut rest);
+        }
         self.mailboxes.close(id);
         if result.is_ok() && !rest.is_empty() {
             stream.write_all(&rest).await?;

@@ -52,11 +52,21 @@ impl Server {
     }
 
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
+        Server::start_with_env(data_dir, extra, &[])
+    }
+
+    /// `start`, with extra environment variables for the server process.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Server::start_with_env(demo_dir(), extra, env)
+    }
+
+    pub fn start_with_env(data_dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(BIN)
             .args(["serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -1,0 +1,542 @@
+//! The CUDA INT8 backend (cargo feature `cuda`): the CPU INT8 semantics,
+//! bit for bit, on the first GPU.
+//!
+//! The only module that touches cudarc, so that everything GPU-specific, and
+//! every `unsafe` call into the driver, is in one file. The driver
+//! (`libcuda.so`) and NVRTC are loaded at run time: a binary built with the
+//! feature runs on a machine without either, and [`CudaInt8::new`] says why
+//! it cannot start (typed [`CudaError`]) instead of panicking, which is what
+//! cudarc does when a library is missing, so it is asked first
+//! (`is_culib_present`). `score::build` turns that error into a fallback to
+//! the CPU INT8 backend.
+//!
+//! Construction compiles `kernels/int8_dense.cu` with NVRTC to a CUBIN for
+//! the device's exact compute capability, uploads every layer's weights
+//! (repacked for `dense_int8`), scales and biases once, and allocates pinned
+//! host buffers and device activations for `rows_max` rows. A `logits` call
+//! is then: copy the rows into pinned memory, one async H2D copy, one launch
+//! per layer, one async D2H copy of the logits, one stream synchronisation.
+//! Nothing is allocated per call.
+//!
+//! If the device fails after start-up (an Xid, a reset), the backend logs
+//! the error once and scores on a CPU INT8 backend from then on, so a request
+//! never sees a panic from the GPU.
+
+use std::ffi::{c_char, CStr, CString};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use cudarc::nvrtc;
+
+use super::kernels::{self, DENSE_THREADS};
+use super::{cpu, Backend};
+use crate::model::{Layer, Model};
+
+/// Why the CUDA backend cannot run here.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("the CUDA driver library (libcuda.so / libcuda.so.1) is not installed or not on the loader path")]
+    NoDriver,
+    #[error("the CUDA driver reports no CUDA device")]
+    NoDevice,
+    #[error("the NVRTC library (libnvrtc.so.12) is not installed or not on the loader path")]
+    NoNvrtc,
+    #[error("device 0 has compute capability {major}.{minor}; the INT8 kernel needs 6.1 or newer (__dp4a)")]
+    Unsupported { major: i32, minor: i32 },
+    #[error("CUDA driver call failed during {during}: {source}")]
+    Driver {
+        during: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    #[error("NVRTC failed on {file} for {arch} ({what}): {log}")]
+    Compile { file: &'static str, arch: String, what: String, log: String },
+    #[error("the model does not fit the INT8 kernel: {0}")]
+    Model(String),
+}
+
+impl CudaError {
+    /// No usable GPU here: an expected operating condition, not a fault.
+    pub fn is_absent(&self) -> bool {
+        matches!(self, CudaError::NoDriver | CudaError::NoDevice | CudaError::NoNvrtc | CudaError::Unsupported { .. })
+    }
+}
+
+fn driver(during: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    move |source| {
+        if source.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE {
+            CudaError::NoDevice
+        } else {
+            CudaError::Driver { during, source }
+        }
+    }
+}
+
+/// What the driver and NVRTC report about this machine.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceInfo {
+    /// `cuDriverGetVersion`, e.g. 12080 for 12.8.
+    pub driver_version: i32,
+    pub nvrtc_version: (i32, i32),
+    pub device_count: i32,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_memory_bytes: usize,
+}
+
+/// Finds the driver, a device and NVRTC; opens device 0's primary context.
+fn open() -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
+    // SAFETY: only tries to dlopen the driver library under its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    let device_count = CudaContext::device_count().map_err(driver("cuInit / cuDeviceGetCount"))?;
+    if device_count < 1 {
+        return Err(CudaError::NoDevice);
+    }
+    let mut driver_version = 0;
+    // SAFETY: the driver library is loaded (checked above); the pointer is
+    // valid for one write.
+    unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result().map_err(driver("cuDriverGetVersion"))?;
+    let ctx = CudaContext::new(0).map_err(driver("creating the context on device 0"))?;
+    let (major, minor) = ctx.compute_capability().map_err(driver("cuDeviceGetAttribute"))?;
+    // SAFETY: only tries to dlopen NVRTC under its usual names.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut nv_major, mut nv_minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked above); both pointers are valid.
+    unsafe { nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) }.result().map_err(|e| CudaError::Compile {
+        file: "-",
+        arch: "-".into(),
+        what: format!("nvrtcVersion: {e:?}"),
+        log: String::new(),
+    })?;
+    let info = DeviceInfo {
+        driver_version,
+        nvrtc_version: (nv_major, nv_minor),
+        device_count,
+        name: ctx.name().map_err(driver("cuDeviceGetName"))?,
+        compute_capability: (major, minor),
+        total_memory_bytes: ctx.total_mem().map_err(driver("cuDeviceTotalMem"))?,
+    };
+    Ok((ctx, info))
+}
+
+/// Probes the machine without building a backend.
+pub fn probe() -> Result<DeviceInfo, CudaError> {
+    open().map(|(_, info)| info)
+}
+
+/// Compiles `kernel` with NVRTC to a CUBIN for `arch` (`sm_XY`).
+fn compile_cubin(kernel: &kernels::KernelSource, arch: &str) -> Result<Vec<u8>, CudaError> {
+    let fail = |what: String, log: String| CudaError::Compile { file: kernel.file, arch: arch.into(), what, log };
+    let src = CString::new(kernel.source).map_err(|e| fail(e.to_string(), String::new()))?;
+    let name = CString::new(kernel.file).map_err(|e| fail(e.to_string(), String::new()))?;
+    let prog = nvrtc::result::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}"), String::new()))?;
+    // Default NVRTC float semantics are what the kernel's bit-exactness
+    // relies on (no flush to zero, IEEE division); say so explicitly.
+    let options = [format!("--gpu-architecture={arch}"), "--ftz=false".into(), "--prec-div=true".into()];
+    // SAFETY: `prog` is live until the `destroy_program` below; buffers for
+    // the CUBIN are sized by NVRTC's own size query.
+    let result = unsafe {
+        match nvrtc::result::compile_program(prog, &options) {
+            Err(e) => {
+                let log = nvrtc::result::get_program_log(prog)
+                    .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(fail(format!("{e:?}"), log))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc::sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .and_then(|()| {
+                        let mut cubin = vec![0u8; size];
+                        nvrtc::sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char).result().map(|()| cubin)
+                    })
+                    .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}"), String::new()))
+            }
+        }
+    };
+    // SAFETY: `prog` came from `create_program` and is destroyed once.
+    let _ = unsafe { nvrtc::result::destroy_program(prog) };
+    result
+}
+
+/// One layer on the device, packed for `dense_int8`.
+struct DeviceLayer {
+    k: i32,
+    k4: i32,
+    n: i32,
+    relu: i32,
+    rows_per_block: usize,
+    /// `[k4 / 4][n]` words, four consecutive k per word (byte 0 = lowest k).
+    weights: CudaSlice<i32>,
+    scales: CudaSlice<f32>,
+    bias: CudaSlice<f32>,
+}
+
+/// Packs `layer.weights_i8` (`[n][k]`) as `dense_int8` reads them.
+fn pack_weights(layer: &Layer) -> Vec<i32> {
+    let (k, n) = (layer.in_dim, layer.out_dim);
+    let kw = k.div_ceil(4);
+    let mut words = vec![0i32; kw * n];
+    for o in 0..n {
+        for j in 0..kw {
+            let mut bytes = [0u8; 4];
+            for (t, b) in bytes.iter_mut().enumerate() {
+                if 4 * j + t < k {
+                    *b = layer.weights_i8[o * k + 4 * j + t] as u8;
+                }
+            }
+            words[j * n + o] = i32::from_le_bytes(bytes);
+        }
+    }
+    words
+}
+
+/// The CUDA INT8 backend.
+pub struct CudaInt8 {
+    rows_max: usize,
+    input_dim: usize,
+    info: DeviceInfo,
+    stream: Arc<CudaStream>,
+    function: CudaFunction,
+    layers: Vec<DeviceLayer>,
+    x_device: CudaSlice<f32>,
+    /// Ping-pong activations, `rows_max × width_max` each.
+    act_a: CudaSlice<f32>,
+    act_b: CudaSlice<f32>,
+    /// Write-combined: the host only writes it.
+    x_pinned: PinnedHostSlice<f32>,
+    /// Cached (not write-combined): the host reads it.
+    out_pinned: PinnedHostSlice<f32>,
+    /// Set after a device failure; scores on the CPU from then on.
+    failed_over: Option<cpu::CpuInt8>,
+}
+
+impl CudaInt8 {
+    /// Builds the backend for `model` on device 0, with room for `rows_max`
+    /// rows per call.
+    pub fn new(model: &Model, rows_max: usize) -> Result<CudaInt8, CudaError> {
+        let started = Instant::now();
+        let (ctx, info) = open()?;
+        let (major, minor) = info.compute_capability;
+        if (major, minor) < (6, 1) {
+            return Err(CudaError::Unsupported { major, minor });
+        }
+        if model.layers.iter().any(|l| l.out_dim > 65_535 * DENSE_THREADS as usize) || rows_max == 0 {
+            return Err(CudaError::Model(format!("rows_max {rows_max} or a layer width is out of range")));
+        }
+        let arch = format!("sm_{major}{minor}");
+        let cubin = compile_cubin(&kernels::INT8_DENSE, &arch)?;
+        // SAFETY: this backend uses one stream, and every buffer it
+        // allocates is used only on that stream and freed after it is
+        // synchronised, so cudarc's cross-stream event tracking (two events
+        // per buffer per launch) buys nothing.
+        unsafe { ctx.disable_event_tracking() };
+        let module = ctx.load_module(nvrtc::Ptx::from_binary(cubin)).map_err(driver("loading the CUBIN"))?;
+        let function = module.load_function("dense_int8").map_err(driver("cuModuleGetFunction"))?;
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for l in &model.layers {
+            let k4 = l.in_dim.next_multiple_of(4);
+            let weights = pack_weights(l);
+            let layer = (|| {
+                Ok::<_, DriverError>(DeviceLayer {
+                    k: l.in_dim as i32,
+                    k4: k4 as i32,
+                    n: l.out_dim as i32,
+                    relu: i32::from(l.relu),
+                    rows_per_block: kernels::dense_rows_per_block(k4),
+                    weights: stream.clone_htod(&weights)?,
+                    scales: stream.clone_htod(&l.weight_scales)?,
+                    bias: stream.clone_htod(&l.bias)?,
+                })
+            })();
+            layers.push(layer.map_err(driver("uploading the model"))?);
+        }
+        let alloc = |n: usize| stream.alloc_zeros::<f32>(n.max(1));
+        let width = rows_max * model.width_max();
+        let x_device = alloc(rows_max * model.input_dim()).map_err(driver("cuMemAlloc"))?;
+        let act_a = alloc(width).map_err(driver("cuMemAlloc"))?;
+        let act_b = alloc(width).map_err(driver("cuMemAlloc"))?;
+        // SAFETY: pinned memory starts uninitialised; both buffers are
+        // written (the inputs by `logits`, the logits by a D2H copy) before
+        // any element is read, and `f32` has no invalid bit patterns.
+        let (x_pinned, out_pinned) = unsafe {
+            (
+                ctx.alloc_pinned::<f32>(rows_max * model.input_dim()).map_err(driver("cuMemHostAlloc"))?,
+                ctx.alloc_pinned_with_flags::<f32>(rows_max, 0).map_err(driver("cuMemHostAlloc"))?,
+            )
+        };
+        stream.synchronize().map_err(driver("uploading the model"))?;
+        tracing::info!(
+            device = info.name,
+            arch,
+            rows_max,
+            layers = layers.len(),
+            setup_ms = started.elapsed().as_millis() as u64,
+            "cuda-int8 backend ready"
+        );
+        Ok(CudaInt8 {
+            rows_max,
+            input_dim: model.input_dim(),
+            info,
+            stream,
+            function,
+            layers,
+            x_device,
+            act_a,
+            act_b,
+            x_pinned,
+            out_pinned,
+            failed_over: None,
+        })
+    }
+
+    pub fn device_info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// One batch on the device.
+    fn run(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), DriverError> {
+        let len = rows * self.input_dim;
+        let host_x = self.x_pinned.as_mut_slice()?;
+        host_x[..len].copy_from_slice(x);
+        self.stream.memcpy_htod(&host_x[..len], &mut self.x_device.slice_mut(..len))?;
+        let rows_arg = rows as i32;
+        let (a, b) = (&mut self.act_a, &mut self.act_b);
+        for (i, l) in self.layers.iter().enumerate() {
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(l.rows_per_block) as u32, (l.n as u32).div_ceil(DENSE_THREADS), 1),
+                block_dim: (DENSE_THREADS, 1, 1),
+                shared_mem_bytes: (l.rows_per_block * l.k4 as usize) as u32,
+            };
+            let rows_per_block = l.rows_per_block as i32;
+            let (src, dst): (&CudaSlice<f32>, &mut CudaSlice<f32>) = match i {
+                0 => (&self.x_device, &mut *a),
+                _ if i % 2 == 1 => (&*a, &mut *b),
+                _ => (&*b, &mut *a),
+            };
+            let mut launch = self.stream.launch_builder(&self.function);
+            launch
+                .arg(src)
+                .arg(&rows_arg)
+                .arg(&l.k)
+                .arg(&l.k4)
+                .arg(&l.n)
+                .arg(&rows_per_block)
+                .arg(&l.weights)
+                .arg(&l.scales)
+                .arg(&l.bias)
+                .arg(&l.relu)
+                .arg(dst);
+            // SAFETY: the arguments match `dense_int8`'s parameter list in
+            // order and type (pointers as device pointers, `int` as i32);
+            // `src` holds `rows × k` floats and `dst` room for `rows × n`
+            // (both sized for rows_max × width_max, rows ≤ rows_max); the
+            // weights hold `k4 / 4 × n` words; the grid covers `rows` rows
+            // and `n` outputs, and the dynamic shared memory is
+            // `rows_per_block × k4` bytes ≤ 48 KiB.
+            unsafe { launch.launch(cfg) }?;
+        }
+        let last = if self.layers.len() % 2 == 1 { &self.act_a } else { &self.act_b };
+        let host_out = self.out_pinned.as_mut_slice()?;
+        self.stream.memcpy_dtoh(&last.slice(..rows), &mut host_out[..rows])?;
+        self.stream.synchronize()?;
+        out.copy_from_slice(&host_out[..rows]);
+        Ok(())
+    }
+}
+
+impl Backend for CudaInt8 {
+    fn name(&self) -> &'static str {
+        if self.failed_over.is_some() {
+            "cpu-int8"
+        } else {
+            "cuda-int8"
+        }
+    }
+
+    fn rows_max(&self) -> usize {
+        self.rows_max
+    }
+
+    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        assert_eq!(model.layers.len(), self.layers.len(), "the backend was built for another model");
+        if rows == 0 {
+            return;
+        }
+        if let Some(cpu) = &mut self.failed_over {
+            return cpu.logits(model, x, rows, out);
+        }
+        if let Err(e) = self.run(x, rows, out) {
+            tracing::error!(error = %e, "cuda-int8: the device failed; scoring on the CPU INT8 backend from now on");
+            let mut cpu = cpu::CpuInt8::new(model, self.rows_max);
+            cpu.logits(model, x, rows, out);
+            self.failed_over = Some(cpu);
+        }
+    }
+}
+
+/// A seeded MLP with the given widths, for `gpu_check`.
+fn check_model(seed: u64, dims: &[usize]) -> Model {
+    let mut rng = crate::demo::SplitMix64::new(seed);
+    let layers = dims
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| {
+            let std = (2.0 / w[0] as f32).sqrt();
+            let weights = (0..w[0] * w[1]).map(|_| rng.normal() * std).collect();
+            let bias = (0..w[1]).map(|_| rng.normal() * 0.1).collect();
+            Layer::quantize(w[0], w[1], i + 2 < dims.len(), weights, bias)
+        })
+        .collect();
+    Model {
+        name: format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")),
+        version: 1,
+        inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: dims[0] }],
+        layers,
+    }
+}
+
+/// `rows` seeded normal rows of width `k`, with the edge cases planted in
+/// the first rows: all zeros, values near `f32::MAX` (the scale saturates,
+/// small values quantize to 0), +inf, -inf, NaN, and a whole NaN row.
+fn check_inputs(seed: u64, rows: usize, k: usize) -> Vec<f32> {
+    let mut rng = crate::demo::SplitMix64::new(seed);
+    let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+    let mut row = |r: usize, f: &dyn Fn(&mut [f32])| {
+        if r < rows {
+            f(&mut x[r * k..(r + 1) * k]);
+        }
+    };
+    row(0, &|v| v.fill(0.0));
+    row(1, &|v| {
+        v[0] = 3.0e38;
+        v[v.len() / 2] = -3.0e38;
+    });
+    row(2, &|v| v[v.len() - 1] = f32::INFINITY);
+    row(3, &|v| v[0] = f32::NEG_INFINITY);
+    row(4, &|v| v[v.len() / 3] = f32::NAN);
+    row(5, &|v| v.fill(f32::NAN));
+    row(6, &|v| v.iter_mut().for_each(|e| *e *= 1.0e-30));
+    x
+}
+
+fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
+    let i = ((sorted_ns.len() as f64 * p).ceil() as usize).clamp(1, sorted_ns.len()) - 1;
+    sorted_ns[i] as f64 / 1e3
+}
+
+/// `quiver gpu-check`: device and NVRTC versions, INT8 parity with the CPU
+/// scalar reference (bit for bit; two NaNs count as equal, since their
+/// payloads are not specified) at each of `batches` rows on several models,
+/// and host-timed latency percentiles of `logits` after warm-up. Returns the
+/// report, with `"ok": false` when any output differs; an error when there
+/// is no GPU to check.
+pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, CudaError> {
+    let info = probe()?;
+    let rows_max = batches.iter().copied().max().unwrap_or(1);
+    let models = [
+        (crate::demo::model(), rows_max),
+        (check_model(41, &[257, 255, 65, 1]), rows_max),
+        (check_model(42, &[3, 1]), rows_max),
+        // k = 16384: three rows per block in shared memory.
+        (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), rows_max.min(255)),
+    ];
+    let mut parity = Vec::new();
+    let mut ok = true;
+    for (model, model_rows_max) in &models {
+        let mut gpu = CudaInt8::new(model, *model_rows_max)?;
+        let mut cpu = cpu::CpuInt8::with_kernel(model, *model_rows_max, cpu::Int8Kernel::Scalar)
+            .map_err(|e| CudaError::Model(e.to_string()))?;
+        for &rows in batches.iter().filter(|&&r| r <= *model_rows_max) {
+            let x = check_inputs(rows as u64, rows, model.input_dim());
+            let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
+            cpu.logits(model, &x, rows, &mut want);
+            gpu.logits(model, &x, rows, &mut got);
+            let same = |g: f32, w: f32| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+            let bad: Vec<usize> = (0..rows).filter(|&r| !same(got[r], want[r])).collect();
+            ok &= bad.is_empty() && gpu.failed_over.is_none();
+            parity.push(serde_json::json!({
+                "model": model.name,
+                "rows": rows,
+                "mismatches": bad.len(),
+                "first_mismatch": bad.first().map(|&r| serde_json::json!({
+                    "row": r, "gpu": format!("{:e}", got[r]), "cpu": format!("{:e}", want[r]),
+                })),
+                "failed_over_to_cpu": gpu.failed_over.is_some(),
+            }));
+        }
+    }
+    let model = crate::demo::model();
+    let mut gpu = CudaInt8::new(&model, rows_max)?;
+    let mut cpu = cpu::CpuInt8::new(&model, rows_max);
+    let mut timing = Vec::new();
+    for &rows in batches {
+        let x = check_inputs(7, rows, model.input_dim());
+        let mut out = vec![0.0; rows];
+        let mut time = |b: &mut dyn Backend| {
+            for _ in 0..10 {
+                b.logits(&model, &x, rows, &mut out);
+            }
+            let mut ns: Vec<u64> = (0..iters.max(1))
+                .map(|_| {
+                    let t = Instant::now();
+                    b.logits(&model, &x, rows, &mut out);
+                    t.elapsed().as_nanos() as u64
+                })
+                .collect();
+            ns.sort_unstable();
+            (percentile_us(&ns, 0.5), percentile_us(&ns, 0.99))
+        };
+        let (p50, p99) = time(&mut gpu);
+        let (cpu_p50, cpu_p99) = time(&mut cpu);
+        timing.push(serde_json::json!({
+            "model": model.name, "rows": rows, "iters": iters,
+            "gpu_p50_us": p50, "gpu_p99_us": p99, "cpu_int8_p50_us": cpu_p50, "cpu_int8_p99_us": cpu_p99,
+        }));
+    }
+    Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_are_packed_four_k_per_word_transposed() {
+        let layer = Layer {
+            in_dim: 5,
+            out_dim: 2,
+            relu: false,
+            weights_f32: vec![0.0; 10],
+            weights_i8: vec![1, 2, 3, 4, 5, -1, -2, -3, -4, -5],
+            weight_scales: vec![1.0; 2],
+            bias: vec![0.0; 2],
+        };
+        let w = pack_weights(&layer);
+        assert_eq!(w.len(), 2 * 2);
+        assert_eq!(w[0], i32::from_le_bytes([1, 2, 3, 4]));
+        assert_eq!(w[1], i32::from_le_bytes([0xFF, 0xFE, 0xFD, 0xFC]));
+        assert_eq!(w[2], i32::from_le_bytes([5, 0, 0, 0]));
+        assert_eq!(w[3], i32::from_le_bytes([0xFB, 0, 0, 0]));
+    }
+
+    #[test]
+    fn without_a_gpu_construction_fails_with_a_typed_error_not_a_panic() {
+        let model = crate::demo::model();
+        match CudaInt8::new(&model, 8) {
+            // A machine with a GPU: nothing to check here.
+            Ok(b) => assert_eq!(b.name(), "cuda-int8"),
+            Err(e) => assert!(e.is_absent() || matches!(e, CudaError::Driver { .. }), "{e}"),
+        }
+    }
+}
