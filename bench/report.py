@@ -120,8 +120,10 @@ w("## Rate sweeps: capacity at p99 ≤ {:,} µs, inline and on the inference thr
 w(f"Open-loop runs of {settings['sweep_duration']} at rising offered rates until p99 passed the bound, a request")
 w("was not answered `Ok`, or the generator could not hold the rate. *Inline* scores on the shard")
 w("that read the request; *thread* hands each request to the inference thread through the")
-w("lock-free rings and batches across requests. One shard on core 0; the inference thread is")
-w("not pinned, so on this 2-core machine it shares a core with the shard or the generator.\n")
+w("lock-free rings and batches across requests. One shard on core 0; with only two cores and")
+w("the generator spinning on the other, the inference thread is pinned to core 0 too, so the")
+w("hop buys no extra core here: this measures its cost, not the gain it brings on a machine")
+w("with a core to spare.\n")
 caps = {}
 for mode in ("inline", "thread"):
     sweep = json.load(open(os.path.join(res, f"sweep-{mode}.json")))
@@ -146,9 +148,10 @@ if os.path.exists(handoff):
     hp = json.load(open(handoff))
     w("## Hand-off round trip (shard → inference thread → shard)\n")
     w("20,000 one-row jobs, one at a time, from `bench/handoff.rs` (the kernel is a 4-input dot")
-    w("product, so this is the hop itself). *Spinning*: the idle stage spins 200 µs before parking,")
-    w("so each job finds it awake. *Parked*: the stage parks at once and the sender waits 50 µs")
-    w("between jobs, so every job pays for waking a parked thread.\n")
+    w("product, so this is the hop itself), sender and stage thread free to use both cores.")
+    w("*Spinning*: the idle stage spins 200 µs before parking, so each job finds it awake.")
+    w("*Parked*: the stage parks at once and the sender waits 50 µs between jobs, so every job")
+    w("pays for waking a parked thread.\n")
     w("| stage | p50 | p99 | p99.9 | max |")
     w("|---|---|---|---|---|")
     for name, v in hp.items():
@@ -158,7 +161,7 @@ if os.path.exists(handoff):
 # Criterion.
 w("## Microbenchmarks (criterion)\n")
 w("Median time per iteration with criterion's 95% confidence interval of the median, one process")
-w(f"pinned to core {settings['server_core']}. Source: `bench/*.rs`.\n")
+w(f"pinned to core {settings['server_core']} (the hand-off benchmark uses both cores). Source: `bench/*.rs`.\n")
 w("| group | benchmark | median | 95% CI | per second |")
 w("|---|---|---|---|---|")
 def human_ns(ns):
