@@ -88,6 +88,18 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             e.encode_family(&labels)?
                 .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_reason[code as usize], None)?;
         }
+        let mut e = encoder.encode_descriptor(
+            "quiver_model_requests",
+            "Requests routed to each served model version (canaries apart).",
+            None,
+            MetricType::Counter,
+        )?;
+        for ((name, version, canary), n) in &m.versions {
+            let version = version.to_string();
+            let role = if *canary { "canary" } else { "current" };
+            let labels = [("model", name.as_str()), ("version", version.as_str()), ("role", role)];
+            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(n, None)?;
+        }
         encoder
             .encode_descriptor(
                 "quiver_breakers_open",
@@ -189,6 +201,8 @@ pub struct Stats {
     /// Ok responses from a lower rung, by reason.
     pub step_downs: std::collections::BTreeMap<String, u64>,
     pub breakers_open: usize,
+    /// Requests by served version, keyed `name@version` (`+canary` for one).
+    pub by_version: std::collections::BTreeMap<String, u64>,
     pub candidates_scored: u64,
     pub features_missing: u64,
     pub window_s: u64,
@@ -209,6 +223,11 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
             .map(|c| (reason_name(Reason(c)).to_string(), m.counters.by_reason[c as usize]))
             .collect(),
         breakers_open: m.breakers_open,
+        by_version: m
+            .versions
+            .iter()
+            .map(|((name, v, canary), n)| (format!("{name}@{v}{}", if *canary { "+canary" } else { "" }), *n))
+            .collect(),
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
@@ -284,7 +303,7 @@ fn registry_error(e: RegistryError) -> (u16, String) {
     let code = match e {
         RegistryError::UnknownModel(_) | RegistryError::UnknownVersion { .. } => 404,
         RegistryError::NoPrevious(_) | RegistryError::NoDirectory => 409,
-        RegistryError::BadName(_) => 400,
+        RegistryError::BadName(_) | RegistryError::BadFraction(_) | RegistryError::NoCanaryVersion => 400,
         _ => 422,
     };
     (code, e.to_string())
@@ -362,6 +381,17 @@ fn serve(
                         registry.load(name, v.map(|r| r.expect("checked above"))).map_err(registry_error)
                     }
                     (Some((name, "rollback")), None) => registry.rollback(name).map_err(registry_error),
+                    (Some((name, "canary")), v) => {
+                        let fraction =
+                            query.split('&').find_map(|kv| kv.strip_prefix("fraction=")).map(str::parse::<f64>);
+                        match fraction {
+                            Some(Ok(f)) => registry
+                                .canary(name, v.map(|r| r.expect("checked above")), f)
+                                .map(|v| v.unwrap_or(0))
+                                .map_err(registry_error),
+                            _ => Err((400, "use /models/<name>/canary?version=N&fraction=F".into())),
+                        }
+                    }
                     _ => Err((404, "use /models/<name>/load[?version=N] or /models/<name>/rollback".into())),
                 };
                 match outcome {
@@ -392,7 +422,7 @@ mod tests {
         }
         c.requests = 4;
         c.by_status[0] = 4;
-        publish(&mut t, &c, 1, false, &b[1]);
+        publish(&mut t, &c, 1, false, Vec::new(), &b[1]);
         let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
         let mut model = crate::demo::model();
         model.name = "m".into();

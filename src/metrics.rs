@@ -94,6 +94,8 @@ pub struct Publication {
     pub connections_active: u64,
     /// The shard's primary breaker is not closed.
     pub breaker_open: bool,
+    /// Requests by served version: (model, version, canary, count).
+    pub versions: Vec<(String, u32, bool, u64)>,
 }
 
 impl Publication {
@@ -105,6 +107,7 @@ impl Publication {
             window: VecDeque::with_capacity(WINDOW_INTERVALS + 1),
             connections_active: 0,
             breaker_open: false,
+            versions: Vec::new(),
         }
     }
 }
@@ -151,6 +154,7 @@ pub fn publish(
     counters: &Counters,
     connections_active: u64,
     breaker_open: bool,
+    versions: Vec<(String, u32, bool, u64)>,
     slot: &Mutex<Publication>,
 ) {
     let mut p = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -172,6 +176,7 @@ pub fn publish(
     p.counters = counters.clone();
     p.connections_active = connections_active;
     p.breaker_open = breaker_open;
+    p.versions = versions;
 }
 
 /// All shards merged, as the admin thread sees them.
@@ -182,6 +187,8 @@ pub struct Merged {
     pub connections_active: u64,
     pub shards: usize,
     pub breakers_open: usize,
+    /// Requests by (model, version, canary), summed over shards.
+    pub versions: std::collections::BTreeMap<(String, u32, bool), u64>,
 }
 
 pub fn merge(board: &Board) -> Merged {
@@ -192,12 +199,16 @@ pub fn merge(board: &Board) -> Merged {
         connections_active: 0,
         shards: board.len(),
         breakers_open: 0,
+        versions: Default::default(),
     };
     for slot in board.iter() {
         let p = slot.lock().unwrap_or_else(|e| e.into_inner());
         m.counters.add(&p.counters);
         m.connections_active += p.connections_active;
         m.breakers_open += usize::from(p.breaker_open);
+        for (name, version, canary, n) in &p.versions {
+            *m.versions.entry((name.clone(), *version, *canary)).or_default() += n;
+        }
         for (dst, src) in m.total.iter_mut().zip(&p.total) {
             dst.add(src).expect("same bounds");
         }
@@ -223,7 +234,7 @@ mod tests {
             t.record_us(Stage::Kernel, 100 + i);
             t.record_ns(Stage::Decode, 500);
             c.requests += 1;
-            publish(&mut t, &c, 3, false, &b[0]);
+            publish(&mut t, &c, 3, false, Vec::new(), &b[0]);
         }
         let p = b[0].lock().unwrap();
         assert_eq!(p.window.len(), WINDOW_INTERVALS);

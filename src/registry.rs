@@ -55,6 +55,10 @@ pub enum RegistryError {
     BadName(String),
     #[error("models are loaded from a single file; configure models_dir to load versions")]
     NoDirectory,
+    #[error("canary fraction {0} is not within 0..=1")]
+    BadFraction(f64),
+    #[error("a canary needs a version (?version=N)")]
+    NoCanaryVersion,
 }
 
 /// What the replicas and limits allow a model's inputs to be.
@@ -69,6 +73,8 @@ pub struct Fit {
 struct Slot {
     current: Arc<Model>,
     previous: Option<Arc<Model>>,
+    /// A candidate version serving a fraction of users (parts per million).
+    canary: Option<(Arc<Model>, u32)>,
 }
 
 /// A served model as a shard sees it after a generation change.
@@ -77,6 +83,9 @@ pub struct Snapshot {
     pub generation: u64,
     pub default: String,
     pub models: Vec<Arc<Model>>,
+    /// Candidate versions and the share of users each serves, in parts per
+    /// million; a canary has the name of the current model it shadows.
+    pub canaries: Vec<(Arc<Model>, u32)>,
 }
 
 /// What `GET /models` reports for one name.
@@ -86,6 +95,8 @@ pub struct ModelStatus {
     pub version: u32,
     pub previous: Option<u32>,
     pub on_disk: Vec<u32>,
+    /// The canary version and the fraction of users it serves.
+    pub canary: Option<(u32, f64)>,
 }
 
 #[derive(Debug)]
@@ -145,7 +156,7 @@ impl Registry {
         let mut slots = BTreeMap::new();
         for model in models {
             InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
-            slots.insert(model.name.clone(), Slot { current: Arc::new(model), previous: None });
+            slots.insert(model.name.clone(), Slot { current: Arc::new(model), previous: None, canary: None });
         }
         Ok(Registry {
             dir: None,
@@ -183,7 +194,7 @@ impl Registry {
                 continue;
             };
             let model = load_checked(dir, &name, latest, fit)?;
-            slots.insert(name, Slot { current: Arc::new(model), previous: None });
+            slots.insert(name, Slot { current: Arc::new(model), previous: None, canary: None });
         }
         let default = match default {
             Some(d) if slots.contains_key(d) => d.to_string(),
@@ -214,7 +225,35 @@ impl Registry {
             generation: self.generation.load(Ordering::Acquire),
             default: self.default.clone(),
             models: slots.values().map(|s| s.current.clone()).collect(),
+            canaries: slots.values().filter_map(|s| s.canary.clone()).collect(),
         }
+    }
+
+    /// Serves `version` of `name` to `fraction` (0..=1) of users, chosen by a
+    /// hash of `user_id` so each user stays on one side; a fraction of 0
+    /// ends the canary. Returns the canary version, if one is running.
+    pub fn canary(&self, name: &str, version: Option<u32>, fraction: f64) -> Result<Option<u32>, RegistryError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(RegistryError::BadFraction(fraction));
+        }
+        let ppm = (fraction * 1e6).round() as u32;
+        let candidate = match (ppm, version) {
+            (0, _) => None,
+            (_, None) => return Err(RegistryError::NoCanaryVersion),
+            (_, Some(v)) => {
+                let dir = self.dir.as_ref().ok_or(RegistryError::NoDirectory)?;
+                let model = load_checked(dir, name, v, self.fit)?;
+                self.warm(&model);
+                Some((Arc::new(model), ppm))
+            }
+        };
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
+        let version = candidate.as_ref().map(|(m, _)| m.version);
+        slot.canary = candidate;
+        self.generation.fetch_add(1, Ordering::Release);
+        tracing::info!(model = name, ?version, fraction, "canary set");
+        Ok(version)
     }
 
     pub fn status(&self) -> Vec<ModelStatus> {
@@ -225,6 +264,7 @@ impl Registry {
                 on_disk: self.dir.as_ref().and_then(|d| versions_on_disk(d, &name).ok()).unwrap_or_default(),
                 version: s.current.version,
                 previous: s.previous.as_ref().map(|p| p.version),
+                canary: s.canary.as_ref().map(|(m, ppm)| (m.version, f64::from(*ppm) / 1e6)),
                 name,
             })
             .collect()
@@ -252,7 +292,7 @@ impl Registry {
                 slot.previous = Some(old);
             }
             None => {
-                slots.insert(name.to_string(), Slot { current: model, previous: None });
+                slots.insert(name.to_string(), Slot { current: model, previous: None, canary: None });
             }
         }
         self.generation.fetch_add(1, Ordering::Release);

@@ -172,6 +172,20 @@ struct Served {
     backend: Box<dyn Backend>,
     layout: InputLayout,
     kernel_cost: KernelCost,
+    /// Parts per million of users this version serves as a canary of the
+    /// current version with the same name; 0 for a current version.
+    canary_ppm: u32,
+    /// Requests it answered, for per-version metrics.
+    requests: u64,
+}
+
+/// A user's fixed position in 0..1_000_000, the same on every shard and
+/// process, so a canary keeps each user on one side.
+fn user_bucket(user_id: u64) -> u32 {
+    let mut z = user_id.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) % 1_000_000) as u32
 }
 
 /// What `handle` did with a request.
@@ -344,7 +358,14 @@ impl<C: Clock> RequestPath<C> {
             let started_ns = path.clock.now_ns();
             backend.logits(&model, &x, rows_max, &mut path.logits[..rows_max]);
             let ns_per_row = path.clock.now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
-            path.fallback = Some(Served { model, backend, layout, kernel_cost: KernelCost { ns_per_row } });
+            path.fallback = Some(Served {
+                model,
+                backend,
+                layout,
+                kernel_cost: KernelCost { ns_per_row },
+                canary_ppm: 0,
+                requests: 0,
+            });
         }
         Ok(path)
     }
@@ -363,10 +384,13 @@ impl<C: Clock> RequestPath<C> {
         // that cannot be served here is not retried on every round.
         self.generation = snapshot.generation;
         let rows_max = self.shared.limits.candidates_max;
-        let mut next = Vec::with_capacity(snapshot.models.len());
-        for model in snapshot.models {
+        let mut next = Vec::with_capacity(snapshot.models.len() + snapshot.canaries.len());
+        let wanted = snapshot.models.into_iter().map(|m| (m, 0)).chain(snapshot.canaries);
+        for (model, canary_ppm) in wanted {
             if let Some(i) = self.served.iter().position(|s| Arc::ptr_eq(&s.model, &model)) {
-                next.push(self.served.swap_remove(i));
+                let mut kept = self.served.swap_remove(i);
+                kept.canary_ppm = canary_ppm;
+                next.push(kept);
                 continue;
             }
             let limits = &self.shared.limits;
@@ -377,6 +401,8 @@ impl<C: Clock> RequestPath<C> {
                 layout,
                 kernel_cost: KernelCost { ns_per_row: 0.0 },
                 model,
+                canary_ppm,
+                requests: 0,
             };
             let x = vec![0.0; rows_max * layout.row_dim];
             let started_ns = self.clock.now_ns();
@@ -387,7 +413,8 @@ impl<C: Clock> RequestPath<C> {
             next.push(served);
         }
         self.served = next;
-        self.default_model = self.served.iter().position(|s| s.model.name == snapshot.default).unwrap_or(0);
+        self.default_model =
+            self.served.iter().position(|s| s.canary_ppm == 0 && s.model.name == snapshot.default).unwrap_or(0);
         let row_dim_max = self.served.iter().map(|s| s.layout.row_dim).max().unwrap_or(0);
         if self.x.len() < rows_max * row_dim_max {
             self.x = vec![0.0; rows_max * row_dim_max];
@@ -452,12 +479,19 @@ impl<C: Clock> RequestPath<C> {
         let chosen = if model_name.is_empty() {
             Some(self.default_model)
         } else {
-            self.served.iter().position(|s| s.model.name == model_name)
+            self.served.iter().position(|s| s.canary_ppm == 0 && s.model.name == model_name)
         };
-        let Some(chosen) = chosen else {
+        let Some(mut chosen) = chosen else {
             return self.fail(request_id, Status::ModelNotFound, "unknown model", out);
         };
-        let Served { model, backend, layout, kernel_cost } = &mut self.served[chosen];
+        let name = &self.served[chosen].model.name;
+        if let Some(c) = self.served.iter().position(|s| s.canary_ppm > 0 && s.model.name == *name) {
+            if user_bucket(request.user_id()) < self.served[c].canary_ppm {
+                chosen = c;
+            }
+        }
+        self.served[chosen].requests += 1;
+        let Served { model, backend, layout, kernel_cost, .. } = &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
         if !context.is_empty() && context.len() != context_dim {
@@ -719,6 +753,11 @@ impl<C: Clock> RequestPath<C> {
             self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
         }
         self.stage = Some(stage);
+    }
+
+    /// Requests answered per served version: (name, version, canary, count).
+    pub fn version_counts(&self) -> Vec<(String, u32, bool, u64)> {
+        self.served.iter().map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests)).collect()
     }
 
     /// The primary's breaker state, for metrics.

@@ -105,7 +105,13 @@ fn latest_version_serves_then_load_and_rollback() {
     assert!(close(&r.scores, &reference(&v1, &spec)));
     assert_eq!(
         models(&server),
-        vec![ModelStatus { name: "auction-32".into(), version: 1, previous: Some(2), on_disk: vec![1, 2] }]
+        vec![ModelStatus {
+            name: "auction-32".into(),
+            version: 1,
+            previous: Some(2),
+            on_disk: vec![1, 2],
+            canary: None
+        }]
     );
 
     assert_eq!(post(&format!("http://{admin}/models/auction-32/rollback")).0, 200);
@@ -209,4 +215,58 @@ fn new_versions_on_disk_are_picked_up() {
     std::fs::write(bad.join("model.qm"), b"not a model").unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(c.score(&spec).unwrap().model_version, 2);
+}
+
+#[test]
+fn a_canary_serves_a_sticky_fraction_of_users_with_its_own_metrics() {
+    let v1 = demo_version(1, 0.0);
+    let v2 = demo_version(2, 1.5);
+    let dir = registry_dir("reg-canary", &[v1.clone(), v2.clone()]);
+    let server = start(&dir, &[]);
+    let admin = &server.admin;
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/load?version=1")).0, 200);
+    assert_eq!(
+        post(&format!("http://{admin}/models/auction-32/canary?version=2&fraction=0.1")),
+        (200, "{\"version\":2}".into())
+    );
+    assert_eq!(models(&server)[0].canary, Some((2, 0.1)));
+
+    // 10,000 users: about 10% on the candidate, each user on one side only.
+    let mut c = server.client();
+    let mut specs: Vec<RequestSpec> = (0..10_000u64).map(|u| demo_request(u, u * 7 + 3, vec![u % 10_000])).collect();
+    let first = c.pipeline(&specs, 256).unwrap();
+    let on_canary = first.iter().filter(|r| r.model_version == 2).count();
+    assert!((800..=1_200).contains(&on_canary), "{on_canary} of 10000 users on the canary (10% ± 2%)");
+    for (i, s) in specs.iter_mut().enumerate() {
+        s.request_id = 20_000 + i as u64;
+    }
+    let again = c.pipeline(&specs, 256).unwrap();
+    for (a, b) in first.iter().zip(&again) {
+        assert_eq!(a.model_version, b.model_version, "a user stays on one side");
+    }
+    // The canary's scores are the candidate's.
+    let k = first.iter().position(|r| r.model_version == 2).unwrap();
+    assert!(close(&first[k].scores, &reference(&v2, &specs[k])));
+
+    // Per-version metrics are kept apart.
+    let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let body =
+            agent.get(&format!("http://{admin}/stats.json")).call().unwrap().body_mut().read_to_string().unwrap();
+        let stats: quiver::admin::Stats = serde_json::from_str(&body).unwrap();
+        let canary = stats.by_version.get("auction-32@2+canary").copied().unwrap_or(0);
+        let current = stats.by_version.get("auction-32@1").copied().unwrap_or(0);
+        if canary + current == 20_000 {
+            assert_eq!(canary, 2 * on_canary as u64);
+            break;
+        }
+        assert!(Instant::now() < until, "{:?}", stats.by_version);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Ending the canary sends everyone back to the current version.
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/canary?fraction=0")).0, 200);
+    let r = c.score(&specs[k]).unwrap();
+    assert_eq!(r.model_version, 1);
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/canary?version=2&fraction=1.5")).0, 400);
 }

@@ -368,8 +368,10 @@ fn run(
         if registry.generation() != generation {
             let snapshot = registry.snapshot();
             generation = snapshot.generation;
-            backends.retain(|(m, _, _)| snapshot.models.iter().any(|l| Arc::ptr_eq(l, m)));
-            for model in snapshot.models {
+            let live: Vec<Arc<Model>> =
+                snapshot.models.into_iter().chain(snapshot.canaries.into_iter().map(|(m, _)| m)).collect();
+            backends.retain(|(m, _, _)| live.iter().any(|l| Arc::ptr_eq(l, m)));
+            for model in live {
                 if !backends.iter().any(|(m, _, _)| Arc::ptr_eq(m, &model)) {
                     let (backend, costs) = prepare(kind, &model, &config, &mut x, &mut logits, &clock);
                     backends.push((model, backend, costs));

@@ -202,7 +202,8 @@ async fn run_shard(
                 let mut p = path.borrow_mut();
                 let counters = p.counters.clone();
                 let open = p.breaker_state() != BreakerState::Closed;
-                metrics::publish(p.times_mut(), &counters, active.get() as u64, open, &board[shard]);
+                let versions = p.version_counts();
+                metrics::publish(p.times_mut(), &counters, active.get() as u64, open, versions, &board[shard]);
             }
         }
     })
@@ -323,7 +324,8 @@ async fn run_shard(
     let mut p = path.borrow_mut();
     let counters = p.counters.clone();
     let open = p.breaker_state() != BreakerState::Closed;
-    metrics::publish(p.times_mut(), &counters, 0, open, &board[shard]);
+    let versions = p.version_counts();
+    metrics::publish(p.times_mut(), &counters, 0, open, versions, &board[shard]);
     let mut r = report.borrow().clone();
     r.counters = counters;
     Ok(r)
