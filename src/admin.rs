@@ -100,6 +100,32 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let labels = [("model", name.as_str()), ("version", version.as_str()), ("role", role)];
             e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(n, None)?;
         }
+        let shadow_n = m.counters.shadow_requests;
+        encoder
+            .encode_descriptor(
+                "quiver_shadow_requests",
+                "Requests also scored by a shadow version after their response.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&shadow_n, None)?;
+        let (mad, rho) = shadow_divergence(&m.counters);
+        encoder
+            .encode_descriptor(
+                "quiver_shadow_mean_abs_diff",
+                "Mean absolute difference between shadow and returned scores, since start.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&mad)?;
+        encoder
+            .encode_descriptor(
+                "quiver_shadow_rank_correlation",
+                "Mean Spearman rank correlation of shadow and returned scores per request, since start.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&rho)?;
         encoder
             .encode_descriptor(
                 "quiver_breakers_open",
@@ -178,6 +204,16 @@ impl prometheus_client::collector::Collector for QuiverCollector {
     }
 }
 
+/// Mean absolute score difference and mean rank correlation of the shadow
+/// comparisons so far (0 and 1 before any).
+fn shadow_divergence(c: &crate::request::Counters) -> (f64, f64) {
+    if c.shadow_requests == 0 {
+        return (0.0, 1.0);
+    }
+    let n = c.shadow_requests as f64;
+    (c.shadow_abs_diff_ppm as f64 / 1e6 / n, c.shadow_rank_corr_ppm as f64 / 1e6 / n)
+}
+
 /// One stage's window percentiles, for `/stats.json`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StageStats {
@@ -203,6 +239,9 @@ pub struct Stats {
     pub breakers_open: usize,
     /// Requests by served version, keyed `name@version` (`+canary` for one).
     pub by_version: std::collections::BTreeMap<String, u64>,
+    pub shadow_requests: u64,
+    pub shadow_mean_abs_diff: f64,
+    pub shadow_rank_correlation: f64,
     pub candidates_scored: u64,
     pub features_missing: u64,
     pub window_s: u64,
@@ -223,6 +262,9 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
             .map(|c| (reason_name(Reason(c)).to_string(), m.counters.by_reason[c as usize]))
             .collect(),
         breakers_open: m.breakers_open,
+        shadow_requests: m.counters.shadow_requests,
+        shadow_mean_abs_diff: shadow_divergence(&m.counters).0,
+        shadow_rank_correlation: shadow_divergence(&m.counters).1,
         by_version: m
             .versions
             .iter()
@@ -381,15 +423,20 @@ fn serve(
                         registry.load(name, v.map(|r| r.expect("checked above"))).map_err(registry_error)
                     }
                     (Some((name, "rollback")), None) => registry.rollback(name).map_err(registry_error),
-                    (Some((name, "canary")), v) => {
+                    (Some((name, kind @ ("canary" | "shadow"))), v) => {
                         let fraction =
                             query.split('&').find_map(|kv| kv.strip_prefix("fraction=")).map(str::parse::<f64>);
                         match fraction {
-                            Some(Ok(f)) => registry
-                                .canary(name, v.map(|r| r.expect("checked above")), f)
-                                .map(|v| v.unwrap_or(0))
-                                .map_err(registry_error),
-                            _ => Err((400, "use /models/<name>/canary?version=N&fraction=F".into())),
+                            Some(Ok(f)) => {
+                                let v = v.map(|r| r.expect("checked above"));
+                                let set = if kind == "canary" {
+                                    registry.canary(name, v, f)
+                                } else {
+                                    registry.shadow(name, v, f)
+                                };
+                                set.map(|v| v.unwrap_or(0)).map_err(registry_error)
+                            }
+                            _ => Err((400, format!("use /models/<name>/{kind}?version=N&fraction=F"))),
                         }
                     }
                     _ => Err((404, "use /models/<name>/load[?version=N] or /models/<name>/rollback".into())),

@@ -30,6 +30,8 @@ pub enum Stage {
     Lookup,
     /// Waiting in the inference stage's queue (hand-off mode only).
     Queue,
+    /// A shadow version's forward pass, after the response was written.
+    Shadow,
     /// The backend's forward pass.
     Kernel,
     /// Encoding the response.
@@ -38,8 +40,8 @@ pub enum Stage {
     EndToEnd,
 }
 
-pub const STAGES: [Stage; 6] =
-    [Stage::Decode, Stage::Lookup, Stage::Queue, Stage::Kernel, Stage::Respond, Stage::EndToEnd];
+pub const STAGES: [Stage; 7] =
+    [Stage::Decode, Stage::Lookup, Stage::Queue, Stage::Kernel, Stage::Respond, Stage::EndToEnd, Stage::Shadow];
 
 impl Stage {
     pub fn name(self) -> &'static str {
@@ -47,6 +49,7 @@ impl Stage {
             Stage::Decode => "decode",
             Stage::Lookup => "lookup",
             Stage::Queue => "queue",
+            Stage::Shadow => "shadow",
             Stage::Kernel => "kernel",
             Stage::Respond => "respond",
             Stage::EndToEnd => "end_to_end",

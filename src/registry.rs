@@ -75,6 +75,9 @@ struct Slot {
     previous: Option<Arc<Model>>,
     /// A candidate version serving a fraction of users (parts per million).
     canary: Option<(Arc<Model>, u32)>,
+    /// A candidate version scored beside the current one for a fraction of
+    /// requests, its scores never returned.
+    shadow: Option<(Arc<Model>, u32)>,
 }
 
 /// A served model as a shard sees it after a generation change.
@@ -86,6 +89,8 @@ pub struct Snapshot {
     /// Candidate versions and the share of users each serves, in parts per
     /// million; a canary has the name of the current model it shadows.
     pub canaries: Vec<(Arc<Model>, u32)>,
+    /// Shadow versions and the share of requests each also scores.
+    pub shadows: Vec<(Arc<Model>, u32)>,
 }
 
 /// What `GET /models` reports for one name.
@@ -97,6 +102,9 @@ pub struct ModelStatus {
     pub on_disk: Vec<u32>,
     /// The canary version and the fraction of users it serves.
     pub canary: Option<(u32, f64)>,
+    /// The shadow version and the fraction of requests it also scores.
+    #[serde(default)]
+    pub shadow: Option<(u32, f64)>,
 }
 
 #[derive(Debug)]
@@ -156,7 +164,10 @@ impl Registry {
         let mut slots = BTreeMap::new();
         for model in models {
             InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
-            slots.insert(model.name.clone(), Slot { current: Arc::new(model), previous: None, canary: None });
+            slots.insert(
+                model.name.clone(),
+                Slot { current: Arc::new(model), previous: None, canary: None, shadow: None },
+            );
         }
         Ok(Registry {
             dir: None,
@@ -194,7 +205,7 @@ impl Registry {
                 continue;
             };
             let model = load_checked(dir, &name, latest, fit)?;
-            slots.insert(name, Slot { current: Arc::new(model), previous: None, canary: None });
+            slots.insert(name, Slot { current: Arc::new(model), previous: None, canary: None, shadow: None });
         }
         let default = match default {
             Some(d) if slots.contains_key(d) => d.to_string(),
@@ -226,6 +237,7 @@ impl Registry {
             default: self.default.clone(),
             models: slots.values().map(|s| s.current.clone()).collect(),
             canaries: slots.values().filter_map(|s| s.canary.clone()).collect(),
+            shadows: slots.values().filter_map(|s| s.shadow.clone()).collect(),
         }
     }
 
@@ -233,6 +245,23 @@ impl Registry {
     /// hash of `user_id` so each user stays on one side; a fraction of 0
     /// ends the canary. Returns the canary version, if one is running.
     pub fn canary(&self, name: &str, version: Option<u32>, fraction: f64) -> Result<Option<u32>, RegistryError> {
+        self.candidate(name, version, fraction, |slot| &mut slot.canary)
+    }
+
+    /// Also scores `fraction` of `name`'s requests with `version`, off the
+    /// critical path, for comparison; its scores are never returned. A
+    /// fraction of 0 ends it.
+    pub fn shadow(&self, name: &str, version: Option<u32>, fraction: f64) -> Result<Option<u32>, RegistryError> {
+        self.candidate(name, version, fraction, |slot| &mut slot.shadow)
+    }
+
+    fn candidate(
+        &self,
+        name: &str,
+        version: Option<u32>,
+        fraction: f64,
+        which: impl Fn(&mut Slot) -> &mut Option<(Arc<Model>, u32)>,
+    ) -> Result<Option<u32>, RegistryError> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(RegistryError::BadFraction(fraction));
         }
@@ -250,9 +279,9 @@ impl Registry {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
         let version = candidate.as_ref().map(|(m, _)| m.version);
-        slot.canary = candidate;
+        *which(slot) = candidate;
         self.generation.fetch_add(1, Ordering::Release);
-        tracing::info!(model = name, ?version, fraction, "canary set");
+        tracing::info!(model = name, ?version, fraction, "candidate version set");
         Ok(version)
     }
 
@@ -265,6 +294,7 @@ impl Registry {
                 version: s.current.version,
                 previous: s.previous.as_ref().map(|p| p.version),
                 canary: s.canary.as_ref().map(|(m, ppm)| (m.version, f64::from(*ppm) / 1e6)),
+                shadow: s.shadow.as_ref().map(|(m, ppm)| (m.version, f64::from(*ppm) / 1e6)),
                 name,
             })
             .collect()
@@ -292,7 +322,7 @@ impl Registry {
                 slot.previous = Some(old);
             }
             None => {
-                slots.insert(name.to_string(), Slot { current: model, previous: None, canary: None });
+                slots.insert(name.to_string(), Slot { current: model, previous: None, canary: None, shadow: None });
             }
         }
         self.generation.fetch_add(1, Ordering::Release);

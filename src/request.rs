@@ -125,6 +125,11 @@ pub struct Counters {
     pub by_reason: [u64; REASONS],
     pub features_missing: u64,
     pub candidates_scored: u64,
+    /// Requests also scored by a shadow version, with the sums of their mean
+    /// absolute score difference and rank correlation, in millionths.
+    pub shadow_requests: u64,
+    pub shadow_abs_diff_ppm: u64,
+    pub shadow_rank_corr_ppm: i64,
 }
 
 impl Counters {
@@ -141,6 +146,9 @@ impl Counters {
         }
         self.features_missing += other.features_missing;
         self.candidates_scored += other.candidates_scored;
+        self.shadow_requests += other.shadow_requests;
+        self.shadow_abs_diff_ppm += other.shadow_abs_diff_ppm;
+        self.shadow_rank_corr_ppm += other.shadow_rank_corr_ppm;
     }
 }
 
@@ -175,8 +183,66 @@ struct Served {
     /// Parts per million of users this version serves as a canary of the
     /// current version with the same name; 0 for a current version.
     canary_ppm: u32,
+    /// Parts per million of requests this version also scores as a shadow
+    /// of the current version with the same name; 0 otherwise.
+    shadow_ppm: u32,
     /// Requests it answered, for per-version metrics.
     requests: u64,
+}
+
+/// Shadow requests waiting for spare time: the model input rows and the
+/// scores that were returned, in a few preallocated slots. When the slots are
+/// full, further shadow samples are skipped rather than queued.
+#[derive(Default)]
+struct ShadowQueue {
+    x: Vec<f32>,
+    returned: Vec<f32>,
+    scores: Vec<f32>,
+    ranks: Vec<(f32, usize, f32)>,
+    rank_a: Vec<f32>,
+    items: Vec<ShadowItem>,
+    slot_floats: usize,
+    rows_max: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ShadowItem {
+    slot: usize,
+    served: usize,
+    rows: usize,
+    row_dim: usize,
+}
+
+/// Shadow requests held at once per shard.
+const SHADOW_SLOTS: usize = 4;
+
+/// Spearman's rank correlation of two equally long score lists (1 when the
+/// candidate orders the items as the returned scores did). `ranks` is scratch.
+fn rank_correlation(a: &[f32], b: &[f32], ranks: &mut Vec<(f32, usize, f32)>, rank_a: &mut Vec<f32>) -> f64 {
+    let n = a.len();
+    if n < 2 {
+        return 1.0;
+    }
+    ranks.clear();
+    ranks.extend(a.iter().enumerate().map(|(i, &v)| (v, i, 0.0)));
+    ranks.sort_by(|x, y| x.0.total_cmp(&y.0));
+    rank_a.clear();
+    rank_a.resize(n, 0.0);
+    for (r, &(_, i, _)) in ranks.iter().enumerate() {
+        rank_a[i] = r as f32;
+    }
+    ranks.clear();
+    ranks.extend(b.iter().enumerate().map(|(i, &v)| (v, i, rank_a[i])));
+    ranks.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let d2: f64 = ranks.iter().enumerate().map(|(r, &(_, _, ra))| (f64::from(ra) - r as f64).powi(2)).sum();
+    let n = n as f64;
+    1.0 - 6.0 * d2 / (n * (n * n - 1.0))
+}
+
+impl Served {
+    fn is_current(&self) -> bool {
+        self.canary_ppm == 0 && self.shadow_ppm == 0
+    }
 }
 
 /// A user's fixed position in 0..1_000_000, the same on every shard and
@@ -268,6 +334,7 @@ pub struct RequestPath<C: Clock> {
     stage: Option<ShardEnd>,
     /// Requests in the stage, by slot.
     pending: Vec<Option<Pending>>,
+    shadow_queue: ShadowQueue,
     /// Model input rows of handed-off requests, by slot, for a give-up.
     shadow: Vec<f32>,
     next_give_up_ns: u64,
@@ -330,6 +397,7 @@ impl<C: Clock> RequestPath<C> {
             generation: 0,
             stage: None,
             pending: Vec::new(),
+            shadow_queue: ShadowQueue::default(),
             shadow: Vec::new(),
             next_give_up_ns: u64::MAX,
             give_up_bytes: Vec::with_capacity(response_frame_bytes_max(rows_max)),
@@ -364,6 +432,7 @@ impl<C: Clock> RequestPath<C> {
                 layout,
                 kernel_cost: KernelCost { ns_per_row },
                 canary_ppm: 0,
+                shadow_ppm: 0,
                 requests: 0,
             });
         }
@@ -385,11 +454,21 @@ impl<C: Clock> RequestPath<C> {
         self.generation = snapshot.generation;
         let rows_max = self.shared.limits.candidates_max;
         let mut next = Vec::with_capacity(snapshot.models.len() + snapshot.canaries.len());
-        let wanted = snapshot.models.into_iter().map(|m| (m, 0)).chain(snapshot.canaries);
-        for (model, canary_ppm) in wanted {
-            if let Some(i) = self.served.iter().position(|s| Arc::ptr_eq(&s.model, &model)) {
+        let wanted = snapshot
+            .models
+            .into_iter()
+            .map(|m| (m, 0, 0))
+            .chain(snapshot.canaries.into_iter().map(|(m, ppm)| (m, ppm, 0)))
+            .chain(snapshot.shadows.into_iter().map(|(m, ppm)| (m, 0, ppm)));
+        // Queued shadow work names served entries by position: drop it.
+        self.shadow_queue.items.clear();
+        for (model, canary_ppm, shadow_ppm) in wanted {
+            let same_role =
+                |s: &Served| (s.canary_ppm > 0) == (canary_ppm > 0) && (s.shadow_ppm > 0) == (shadow_ppm > 0);
+            if let Some(i) = self.served.iter().position(|s| Arc::ptr_eq(&s.model, &model) && same_role(s)) {
                 let mut kept = self.served.swap_remove(i);
                 kept.canary_ppm = canary_ppm;
+                kept.shadow_ppm = shadow_ppm;
                 next.push(kept);
                 continue;
             }
@@ -402,6 +481,7 @@ impl<C: Clock> RequestPath<C> {
                 kernel_cost: KernelCost { ns_per_row: 0.0 },
                 model,
                 canary_ppm,
+                shadow_ppm,
                 requests: 0,
             };
             let x = vec![0.0; rows_max * layout.row_dim];
@@ -414,10 +494,21 @@ impl<C: Clock> RequestPath<C> {
         }
         self.served = next;
         self.default_model =
-            self.served.iter().position(|s| s.canary_ppm == 0 && s.model.name == snapshot.default).unwrap_or(0);
+            self.served.iter().position(|s| s.is_current() && s.model.name == snapshot.default).unwrap_or(0);
         let row_dim_max = self.served.iter().map(|s| s.layout.row_dim).max().unwrap_or(0);
         if self.x.len() < rows_max * row_dim_max {
             self.x = vec![0.0; rows_max * row_dim_max];
+        }
+        let q = &mut self.shadow_queue;
+        if self.served.iter().any(|s| s.shadow_ppm > 0) && q.slot_floats < rows_max * row_dim_max {
+            q.slot_floats = rows_max * row_dim_max;
+            q.rows_max = rows_max;
+            q.x = vec![0.0; SHADOW_SLOTS * q.slot_floats];
+            q.returned = vec![0.0; SHADOW_SLOTS * rows_max];
+            q.scores = vec![0.0; rows_max];
+            q.ranks = Vec::with_capacity(rows_max);
+            q.rank_a = Vec::with_capacity(rows_max);
+            q.items = Vec::with_capacity(SHADOW_SLOTS);
         }
         Ok(true)
     }
@@ -479,7 +570,7 @@ impl<C: Clock> RequestPath<C> {
         let chosen = if model_name.is_empty() {
             Some(self.default_model)
         } else {
-            self.served.iter().position(|s| s.canary_ppm == 0 && s.model.name == model_name)
+            self.served.iter().position(|s| s.is_current() && s.model.name == model_name)
         };
         let Some(mut chosen) = chosen else {
             return self.fail(request_id, Status::ModelNotFound, "unknown model", out);
@@ -491,6 +582,7 @@ impl<C: Clock> RequestPath<C> {
             }
         }
         self.served[chosen].requests += 1;
+        let (user_id, primary) = (request.user_id(), chosen);
         let Served { model, backend, layout, kernel_cost, .. } = &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
@@ -632,6 +724,7 @@ impl<C: Clock> RequestPath<C> {
 
         // Respond.
         self.respond_ok(&step, Tier::Primary, Reason::None, version, after_kernel_ns, out);
+        self.sample_shadow(primary, user_id, rows, row_dim);
         let done_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
         self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(read_at_ns));
@@ -753,6 +846,52 @@ impl<C: Clock> RequestPath<C> {
             self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
         }
         self.stage = Some(stage);
+    }
+
+    /// Scores the queued shadow requests with their candidate versions and
+    /// records how far the candidate's scores are from what was returned.
+    /// The connection calls this after writing a round's responses, when no
+    /// further frame is waiting: off the critical path, and only with time
+    /// to spare.
+    pub fn run_shadows(&mut self) {
+        let ShadowQueue { x, returned, scores, ranks, rank_a, items, slot_floats, rows_max } = &mut self.shadow_queue;
+        for item in items.drain(..) {
+            let Some(served) = self.served.get_mut(item.served) else {
+                continue;
+            };
+            let rows = item.rows;
+            let x = &x[item.slot * *slot_floats..][..rows * item.row_dim];
+            let started_ns = self.clock.now_ns();
+            served.backend.logits(&served.model, x, rows, &mut scores[..rows]);
+            self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
+            for s in scores[..rows].iter_mut() {
+                *s = sigmoid(*s);
+            }
+            let returned = &returned[item.slot * *rows_max..][..rows];
+            let shadow = &scores[..rows];
+            let mad = returned.iter().zip(shadow).map(|(a, b)| (a - b).abs()).sum::<f32>() / rows as f32;
+            let rho = rank_correlation(returned, shadow, ranks, rank_a);
+            self.counters.shadow_requests += 1;
+            self.counters.shadow_abs_diff_ppm += (f64::from(mad) * 1e6) as u64;
+            self.counters.shadow_rank_corr_ppm += (rho * 1e6) as i64;
+        }
+    }
+
+    /// Queues this request for its shadow version, if one samples it and a
+    /// slot is free: rows and returned scores are copied, nothing else.
+    fn sample_shadow(&mut self, primary: usize, user_id: u64, rows: usize, row_dim: usize) {
+        let name = &self.served[primary].model.name;
+        let Some(si) = self.served.iter().position(|s| s.shadow_ppm > 0 && s.model.name == *name) else {
+            return;
+        };
+        let q = &mut self.shadow_queue;
+        if user_bucket(user_id ^ 0x5348_4144_4f57) >= self.served[si].shadow_ppm || q.items.len() == SHADOW_SLOTS {
+            return;
+        }
+        let slot = (0..SHADOW_SLOTS).find(|k| q.items.iter().all(|i| i.slot != *k)).expect("a slot is free");
+        q.x[slot * q.slot_floats..][..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
+        q.returned[slot * q.rows_max..][..rows].copy_from_slice(&self.logits[..rows]);
+        q.items.push(ShadowItem { slot, served: si, rows, row_dim });
     }
 
     /// Requests answered per served version: (name, version, canary, count).

@@ -110,7 +110,8 @@ fn latest_version_serves_then_load_and_rollback() {
             version: 1,
             previous: Some(2),
             on_disk: vec![1, 2],
-            canary: None
+            canary: None,
+            shadow: None,
         }]
     );
 
@@ -269,4 +270,43 @@ fn a_canary_serves_a_sticky_fraction_of_users_with_its_own_metrics() {
     let r = c.score(&specs[k]).unwrap();
     assert_eq!(r.model_version, 1);
     assert_eq!(post(&format!("http://{admin}/models/auction-32/canary?version=2&fraction=1.5")).0, 400);
+}
+
+#[test]
+fn a_shadow_version_is_compared_but_never_returned() {
+    let v1 = demo_version(1, 0.0);
+    let v2 = demo_version(2, 1.5);
+    let dir = registry_dir("reg-shadow", &[v1.clone(), v2.clone()]);
+    let server = start(&dir, &[]);
+    let admin = &server.admin;
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/load?version=1")).0, 200);
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/shadow?version=2&fraction=1")).0, 200);
+    assert_eq!(models(&server)[0].shadow, Some((2, 1.0)));
+    let mut c = server.client();
+    for i in 0..200u64 {
+        let spec = demo_request(i, i * 13, (0..32).map(|k| (i + k * 17) % 10_000).collect());
+        let r = c.score(&spec).unwrap();
+        assert_eq!(r.model_version, 1, "the shadow's scores are never returned");
+        assert!(close(&r.scores, &reference(&v1, &spec)));
+    }
+    let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
+    let until = Instant::now() + Duration::from_secs(10);
+    let stats = loop {
+        let body =
+            agent.get(&format!("http://{admin}/stats.json")).call().unwrap().body_mut().read_to_string().unwrap();
+        let stats: quiver::admin::Stats = serde_json::from_str(&body).unwrap();
+        if stats.requests == 200 && stats.shadow_requests > 0 {
+            break stats;
+        }
+        assert!(Instant::now() < until, "{stats:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // Sequential requests leave time after every write: all are shadowed.
+    assert_eq!(stats.shadow_requests, 200);
+    // v2 only shifts the output bias: scores move, their order does not.
+    assert!(stats.shadow_mean_abs_diff > 0.05, "{stats:?}");
+    assert!(stats.shadow_rank_correlation > 0.99, "{stats:?}");
+    assert!(stats.stages.iter().any(|s| s.stage == "shadow" && s.count > 0), "{stats:?}");
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/shadow?fraction=0")).0, 200);
+    assert_eq!(models(&server)[0].shadow, None);
 }

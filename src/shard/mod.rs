@@ -432,6 +432,8 @@ impl Connection {
             if consumed > 0 && wire::split_frame(&inbuf[..filled], frame_bytes_max).is_ok_and(|f| f.is_some()) {
                 continue;
             }
+            // Responses are written and no frame waits: spare time for shadows.
+            self.path.borrow_mut().run_shadows();
             if self.shutdown.is_triggered() {
                 return Ok(());
             }
