@@ -155,6 +155,7 @@ fn request_bench(c: &mut Criterion) {
             readiness: Arc::new(Readiness::ready()),
             admission: Default::default(),
             ladder: Default::default(),
+            cache: Default::default(),
             fallback: None,
             shards: 1,
         };

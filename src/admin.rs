@@ -100,6 +100,14 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let labels = [("model", name.as_str()), ("version", version.as_str()), ("role", role)];
             e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(n, None)?;
         }
+        let mut e = encoder.encode_descriptor(
+            "quiver_cache_lookups",
+            "Score-cache lookups by result.",
+            None,
+            MetricType::Counter,
+        )?;
+        e.encode_family(&[("result", "hit")])?.encode_counter::<NoLabelSet, _, u64>(&m.counters.cache_hits, None)?;
+        e.encode_family(&[("result", "miss")])?.encode_counter::<NoLabelSet, _, u64>(&m.counters.cache_misses, None)?;
         let shadow_n = m.counters.shadow_requests;
         encoder
             .encode_descriptor(
@@ -239,6 +247,8 @@ pub struct Stats {
     pub breakers_open: usize,
     /// Requests by served version, keyed `name@version` (`+canary` for one).
     pub by_version: std::collections::BTreeMap<String, u64>,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
     pub shadow_requests: u64,
     pub shadow_mean_abs_diff: f64,
     pub shadow_rank_correlation: f64,
@@ -262,6 +272,8 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
             .map(|c| (reason_name(Reason(c)).to_string(), m.counters.by_reason[c as usize]))
             .collect(),
         breakers_open: m.breakers_open,
+        cache_hits: m.counters.cache_hits,
+        cache_misses: m.counters.cache_misses,
         shadow_requests: m.counters.shadow_requests,
         shadow_mean_abs_diff: shadow_divergence(&m.counters).0,
         shadow_rank_correlation: shadow_divergence(&m.counters).1,

@@ -43,6 +43,8 @@ pub struct Config {
     pub admission: crate::admission::AdmissionConfig,
     /// The degradation ladder: fallback model, static defaults, breaker.
     pub ladder: crate::ladder::LadderConfig,
+    /// The per-shard score cache, the ladder's second rung.
+    pub cache: crate::cache::CacheConfig,
     /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
     /// slows the inference stage. Off unless set.
     pub faults_endpoint: bool,
@@ -75,6 +77,7 @@ impl Default for Config {
             stage: StageLimits::default(),
             admission: crate::admission::AdmissionConfig::default(),
             ladder: crate::ladder::LadderConfig::default(),
+            cache: crate::cache::CacheConfig::default(),
             faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,

@@ -2,8 +2,8 @@
 //! ladder's configuration, and the fault hooks tests use to make the
 //! primary slow.
 //!
-//! Rungs, in order: primary model → fallback model → static default (the
-//! cached-score rung is not built yet). The request path steps down when the
+//! Rungs, in order: primary model → cached scores (`cache.rs`) → fallback
+//! model → static default. The request path steps down when the
 //! primary's breaker is open, when the remaining budget is smaller than the
 //! primary's expected cost, when the inference stage has no room, or when a
 //! handed-off request is still unanswered at its give-up time. Every

@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod cache;
 pub mod client;
 pub mod config;
 pub mod deadline;

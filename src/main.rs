@@ -428,6 +428,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         readiness: readiness.clone(),
         admission: config.admission.clone(),
         ladder: config.ladder.clone(),
+        cache: config.cache.clone(),
         fallback,
         shards: cores.len(),
     };

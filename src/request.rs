@@ -15,6 +15,7 @@
 use std::sync::Arc;
 
 use crate::admission::{Admission, AdmissionConfig};
+use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
 use crate::infer::{Done, Job, Outcome, ShardEnd};
@@ -44,6 +45,8 @@ pub struct Shared {
     pub fallback: Option<Arc<Model>>,
     /// Per-client rate limits, and how many shards split them.
     pub admission: AdmissionConfig,
+    /// The per-shard score cache.
+    pub cache: CacheConfig,
     pub shards: usize,
 }
 
@@ -130,6 +133,8 @@ pub struct Counters {
     pub shadow_requests: u64,
     pub shadow_abs_diff_ppm: u64,
     pub shadow_rank_corr_ppm: i64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
 }
 
 impl Counters {
@@ -149,6 +154,8 @@ impl Counters {
         self.shadow_requests += other.shadow_requests;
         self.shadow_abs_diff_ppm += other.shadow_abs_diff_ppm;
         self.shadow_rank_corr_ppm += other.shadow_rank_corr_ppm;
+        self.cache_hits += other.cache_hits;
+        self.cache_misses += other.cache_misses;
     }
 }
 
@@ -274,6 +281,9 @@ struct StepDown {
     missing: u32,
     /// The fallback model reads the same inputs as the chosen model.
     fallback: bool,
+    /// Every candidate's score is in the cache (and in `RequestPath::cached`
+    /// until the next request).
+    cached: bool,
     default_score: f32,
 }
 
@@ -344,6 +354,9 @@ pub struct RequestPath<C: Clock> {
     fallback: Option<Served>,
     /// The primary's breaker (the stage, or the inline kernel).
     breaker: Breaker,
+    cache: ScoreCache,
+    /// Cached scores of the current request's candidates.
+    cached: Vec<f32>,
     admission: Admission,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
@@ -398,6 +411,8 @@ impl<C: Clock> RequestPath<C> {
             stage: None,
             pending: Vec::new(),
             shadow_queue: ShadowQueue::default(),
+            cache: ScoreCache::new(&shared.cache),
+            cached: vec![0.0; rows_max],
             shadow: Vec::new(),
             next_give_up_ns: u64::MAX,
             give_up_bytes: Vec::with_capacity(response_frame_bytes_max(rows_max)),
@@ -636,6 +651,30 @@ impl<C: Clock> RequestPath<C> {
         if deadline.cannot_fit(now_us, 0) {
             return self.fail(request_id, Status::DeadlineExceeded, "budget spent during lookup", out);
         }
+        // The cache rung: are all candidates' scores cached for this version?
+        let cache_key = Key {
+            model: hash_words(model.name.bytes().map(u64::from)),
+            version: model.version,
+            user: request.user_id(),
+            item: 0,
+            context: hash_words(context.iter().map(|c| u64::from(c.to_bits()))),
+        };
+        let mut cached = self.cache.enabled();
+        if cached {
+            self.item_ids.clear();
+            self.item_ids.extend(items.iter());
+            for (slot, &item) in self.cached.iter_mut().zip(&self.item_ids) {
+                match self.cache.get(&Key { item, ..cache_key }, before_kernel_ns) {
+                    Some(score) => *slot = score,
+                    None => {
+                        cached = false;
+                        break;
+                    }
+                }
+            }
+            self.counters.cache_hits = self.cache.hits;
+            self.counters.cache_misses = self.cache.misses;
+        }
         let handoff = self.stage.as_ref().is_some_and(|s| s.fits(rows * row_dim));
         let primary_us = if handoff {
             self.turnaround.expected_us(before_kernel_ns) + self.shared.ladder.reserve_us
@@ -650,6 +689,7 @@ impl<C: Clock> RequestPath<C> {
             deadline,
             missing,
             fallback: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
+            cached,
             default_score: self
                 .shared
                 .ladder
@@ -658,6 +698,12 @@ impl<C: Clock> RequestPath<C> {
                 .copied()
                 .unwrap_or(self.shared.ladder.default_score),
         };
+        if cached && self.shared.cache.before_primary {
+            let version = model.version;
+            self.logits[..rows].copy_from_slice(&self.cached[..rows]);
+            self.respond_ok(&step, Tier::Cached, Reason::None, version, before_kernel_ns, out);
+            return Handled::Answered;
+        }
         // Budget first: a half-open breaker's probe is spent only on a
         // request that can use it.
         if self.breaker.state() == BreakerState::Closed && deadline.cannot_fit(now_us, primary_us) {
@@ -724,6 +770,15 @@ impl<C: Clock> RequestPath<C> {
 
         // Respond.
         self.respond_ok(&step, Tier::Primary, Reason::None, version, after_kernel_ns, out);
+        if self.cache.enabled() {
+            if !cached {
+                self.item_ids.clear();
+                self.item_ids.extend(request.item_ids().iter());
+            }
+            for (&item, &score) in self.item_ids.iter().zip(&self.logits[..rows]) {
+                self.cache.put(Key { item, ..cache_key }, score, after_kernel_ns);
+            }
+        }
         self.sample_shadow(primary, user_id, rows, row_dim);
         let done_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
@@ -785,7 +840,11 @@ impl<C: Clock> RequestPath<C> {
         let rows = step.rows;
         let mut tier = Tier::Default;
         let mut version = 0;
-        if let Some(fb) = self.fallback.as_mut().filter(|_| step.fallback) {
+        if step.cached && rows_in_x {
+            self.logits[..rows].copy_from_slice(&self.cached[..rows]);
+            tier = Tier::Cached;
+        }
+        if let Some(fb) = self.fallback.as_mut().filter(|_| step.fallback && tier == Tier::Default) {
             if !step.deadline.cannot_fit(now_ns / 1_000, fb.kernel_cost.expected_us(rows)) {
                 let x = if rows_in_x {
                     &self.x[..rows * step.row_dim]
@@ -1034,6 +1093,7 @@ mod tests {
             floor: false,
             readiness: Arc::new(Readiness::ready()),
             admission: AdmissionConfig::default(),
+            cache: CacheConfig::default(),
             ladder: LadderConfig::default(),
             fallback: None,
             shards: 1,

@@ -310,3 +310,20 @@ fn a_shadow_version_is_compared_but_never_returned() {
     assert_eq!(post(&format!("http://{admin}/models/auction-32/shadow?fraction=0")).0, 200);
     assert_eq!(models(&server)[0].shadow, None);
 }
+
+#[test]
+fn the_score_cache_never_answers_across_a_version_change() {
+    use quiver::wire::Tier;
+    let dir = registry_dir("reg-cache", &[demo_version(1, 0.0), demo_version(2, 1.5)]);
+    let cfg = common::scratch("reg-cache-cfg").join("q.toml");
+    std::fs::write(&cfg, "[cache]\nbefore_primary = true\n").unwrap();
+    let server = start(&dir, &["--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    let spec = demo_request(1, 42, (0..32).collect());
+    assert_eq!(c.score(&spec).unwrap().tier, Tier::Primary);
+    let cached = c.score(&spec).unwrap();
+    assert_eq!((cached.tier, cached.model_version), (Tier::Cached, 2));
+    assert_eq!(post(&format!("http://{}/models/auction-32/load?version=1", server.admin)).0, 200);
+    let after = c.score(&spec).unwrap();
+    assert_eq!((after.tier, after.model_version), (Tier::Primary, 1), "version 2's cached scores are not served");
+}

@@ -79,3 +79,30 @@ fn a_connection_that_never_reads_is_closed_and_others_are_served() {
     assert_eq!(bystander.score(&demo_request(7, 7, vec![1])).unwrap().status, Status::Ok);
     assert!(server.is_running());
 }
+
+#[test]
+fn the_score_cache_answers_repeats_and_forgets_after_its_ttl() {
+    use quiver::wire::Tier;
+    let cfg = common::scratch("cache").join("q.toml");
+    std::fs::write(&cfg, "[cache]\nbefore_primary = true\nttl_ms = 300\n").unwrap();
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    let spec = demo_request(1, 42, (0..32).collect());
+    let first = c.score(&spec).unwrap();
+    assert_eq!((first.status, first.tier), (Status::Ok, Tier::Primary), "a miss goes to the primary");
+    let second = c.score(&spec).unwrap();
+    assert_eq!(second.tier, Tier::Cached, "a repeat is answered from the cache");
+    assert_eq!(second.scores, first.scores);
+    assert_eq!(second.model_version, first.model_version);
+    // One candidate not cached: the primary answers the whole request.
+    let mut other = spec.clone();
+    other.item_ids[5] = 9_999;
+    assert_eq!(c.score(&other).unwrap().tier, Tier::Primary);
+    // Another context is another key.
+    let mut ctx = spec.clone();
+    ctx.context[0] += 1.0;
+    assert_eq!(c.score(&ctx).unwrap().tier, Tier::Primary);
+    // Past the TTL the entry is gone.
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(c.score(&spec).unwrap().tier, Tier::Primary);
+}
