@@ -117,8 +117,10 @@ w("HdrHistogram interval logs (`*.hlog`) and percentile distributions (`*.hgrm`)
 
 # Sweeps.
 w("## Rate sweeps: capacity at p99 ≤ {:,} µs, inline and on the inference thread\n".format(settings["p99_max_us"]))
-w(f"Open-loop runs of {settings['sweep_duration']} at rising offered rates until p99 passed the bound, a request")
-w("was not answered `Ok`, or the generator could not hold the rate. *Inline* scores on the shard")
+w(f"Open-loop runs of {settings['sweep_duration']} at rising offered rates, three per rate; a rate holds when")
+w("the run with the median p99 is within the bound and no run lost a request, got a non-`Ok`")
+w("answer or saturated the generator. The sweep stops at the first rate that does not hold.")
+w("Tables show the median run of each rate. *Inline* scores on the shard")
 w("that read the request; *thread* hands each request to the inference thread through the")
 w("lock-free rings and batches across requests. One shard on core 0; with only two cores and")
 w("the generator spinning on the other, the inference thread is pinned to core 0 too, so the")
@@ -140,7 +142,7 @@ for mode in ("inline", "thread"):
     w("")
 if caps.get("inline") and caps.get("thread"):
     w(f"Capacity ratio, thread / inline: {caps['thread'] / caps['inline']:.2f}.\n")
-w("One run per step, so read the sweeps for their shape; the tables above give medians.\n")
+w("The median of three runs per rate; read the sweeps for their shape.\n")
 w("![p99 against offered rate](bench/sweep.png)\n")
 
 handoff = os.path.join(res, "handoff-percentiles.json")

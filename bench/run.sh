@@ -139,7 +139,7 @@ for mode in inline thread; do
     start_quiver "sweep-$mode" --inference "$mode" --config "$data/stage.toml"
     gen --duration 1s --pipeline 1 --json >/dev/null   # warm up
     gen --duration "$SWEEP_DURATION" --sweep "$step:$step:$(( rate * 4 ))" --p99-max-us "$P99_MAX_US" \
-        --json >"$RESULTS/sweep-$mode.json"
+        --sweep-repeats 3 --json >"$RESULTS/sweep-$mode.json"
     stop_quiver
 done
 
