@@ -2,7 +2,7 @@
 //! SO_REUSEPORT listener, connections, request path and counters.
 //!
 //! This is the only module that knows glommio. Everything after "a frame's
-//! bytes were read at time T" lives in `request.rs` and is runtime-agnostic,
+//! bytes were read at time T" lives in `src/request/` and is runtime-agnostic,
 //! so the executor could be replaced by a direct io_uring loop by rewriting
 //! this module alone.
 //!

@@ -26,6 +26,11 @@ use crate::registry::Registry;
 use crate::replica::Replica;
 use crate::score::{self, Backend, BackendKind};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
+use handoff::{Pending, Turnaround};
+use shadow::{ShadowQueue, SHADOW_SLOTS};
+
+mod handoff;
+mod shadow;
 
 /// The state every shard reads: replicas loaded once at start-up, and the
 /// registry through which new model versions arrive.
@@ -195,55 +200,12 @@ struct Served {
     shadow_ppm: u32,
     /// Requests it answered, for per-version metrics.
     requests: u64,
-}
-
-/// Shadow requests waiting for spare time: the model input rows and the
-/// scores that were returned, in a few preallocated slots. When the slots are
-/// full, further shadow samples are skipped rather than queued.
-#[derive(Default)]
-struct ShadowQueue {
-    x: Vec<f32>,
-    returned: Vec<f32>,
-    scores: Vec<f32>,
-    ranks: Vec<(f32, usize, f32)>,
-    rank_a: Vec<f32>,
-    items: Vec<ShadowItem>,
-    slot_floats: usize,
-    rows_max: usize,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct ShadowItem {
-    slot: usize,
-    served: usize,
-    rows: usize,
-    row_dim: usize,
-}
-
-/// Shadow requests held at once per shard.
-const SHADOW_SLOTS: usize = 4;
-
-/// Spearman's rank correlation of two equally long score lists (1 when the
-/// candidate orders the items as the returned scores did). `ranks` is scratch.
-fn rank_correlation(a: &[f32], b: &[f32], ranks: &mut Vec<(f32, usize, f32)>, rank_a: &mut Vec<f32>) -> f64 {
-    let n = a.len();
-    if n < 2 {
-        return 1.0;
-    }
-    ranks.clear();
-    ranks.extend(a.iter().enumerate().map(|(i, &v)| (v, i, 0.0)));
-    ranks.sort_by(|x, y| x.0.total_cmp(&y.0));
-    rank_a.clear();
-    rank_a.resize(n, 0.0);
-    for (r, &(_, i, _)) in ranks.iter().enumerate() {
-        rank_a[i] = r as f32;
-    }
-    ranks.clear();
-    ranks.extend(b.iter().enumerate().map(|(i, &v)| (v, i, rank_a[i])));
-    ranks.sort_by(|x, y| x.0.total_cmp(&y.0));
-    let d2: f64 = ranks.iter().enumerate().map(|(r, &(_, _, ra))| (f64::from(ra) - r as f64).powi(2)).sum();
-    let n = n as f64;
-    1.0 - 6.0 * d2 / (n * (n * n - 1.0))
+    /// The model name hashed for score-cache keys.
+    name_hash: u64,
+    /// The static default for this model (`ladder.default_scores`).
+    default_score: f32,
+    /// The fallback model reads the same inputs as this one.
+    fallback_fits: bool,
 }
 
 impl Served {
@@ -285,50 +247,6 @@ struct StepDown {
     /// until the next request).
     cached: bool,
     default_score: f32,
-}
-
-/// A request waiting for the inference stage.
-#[derive(Clone, Copy, Debug)]
-struct Pending {
-    conn: u32,
-    step: StepDown,
-    model_version: u32,
-    submitted_ns: u64,
-    /// When the shard stops waiting and answers from a lower rung.
-    give_up_ns: u64,
-    /// Already answered from a lower rung; the stage's result is dropped.
-    answered: bool,
-}
-
-/// A running estimate of how long the stage takes to hand a job back. It
-/// rises faster on slow samples than it falls on fast ones, and halves for
-/// every 100 ms without a sample, so that a spell of slowness that made the
-/// shard stop sending does not keep it away for ever.
-#[derive(Clone, Copy, Debug, Default)]
-struct Turnaround {
-    ns: f64,
-    at_ns: u64,
-}
-
-impl Turnaround {
-    const HALF_LIFE_NS: f64 = 100e6;
-
-    fn current(&self, now_ns: u64) -> f64 {
-        self.ns * 0.5f64.powf(now_ns.saturating_sub(self.at_ns) as f64 / Self::HALF_LIFE_NS)
-    }
-
-    fn expected_us(&self, now_ns: u64) -> u64 {
-        (self.current(now_ns) / 1_000.0) as u64
-    }
-
-    fn observe(&mut self, sample_ns: u64, now_ns: u64) {
-        let cur = self.current(now_ns);
-        let s = sample_ns as f64;
-        // Up by an eighth of the gap, down by a fiftieth: it settles near a
-        // high percentile of recent samples, and one outlier moves it little.
-        self.ns = if s > cur { cur + (s - cur) * 0.125 } else { cur + (s - cur) * 0.02 };
-        self.at_ns = now_ns;
-    }
 }
 
 /// One shard's request path: scratch memory, backends, encoder, counters.
@@ -431,27 +349,39 @@ impl<C: Clock> RequestPath<C> {
             clock,
             shared,
         };
-        path.refresh_models()?;
+        // The fallback first: served versions record whether it fits them.
         if let Some(model) = path.shared.fallback.clone() {
-            let limits = &path.shared.limits;
-            let layout =
-                InputLayout::new(&model, path.shared.user.dim(), path.shared.item.dim(), limits.context_len_max)?;
-            let mut backend = score::build(path.shared.backend, &model, rows_max);
-            let x = vec![0.0; rows_max * layout.row_dim];
-            let started_ns = path.clock.now_ns();
-            backend.logits(&model, &x, rows_max, &mut path.logits[..rows_max]);
-            let ns_per_row = path.clock.now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
-            path.fallback = Some(Served {
-                model,
-                backend,
-                layout,
-                kernel_cost: KernelCost { ns_per_row },
-                canary_ppm: 0,
-                shadow_ppm: 0,
-                requests: 0,
-            });
+            path.fallback = Some(path.build_served(model, 0, 0)?);
         }
+        path.refresh_models()?;
         Ok(path)
+    }
+
+    /// A backend for `model` with everything the request path derives from
+    /// the version once, measured on a full batch so the first request's
+    /// cost check is informed.
+    fn build_served(&mut self, model: Arc<Model>, canary_ppm: u32, shadow_ppm: u32) -> Result<Served, LayoutError> {
+        let rows_max = self.shared.limits.candidates_max;
+        let context_len_max = self.shared.limits.context_len_max;
+        let layout = InputLayout::new(&model, self.shared.user.dim(), self.shared.item.dim(), context_len_max)?;
+        let mut backend = score::build(self.shared.backend, &model, rows_max);
+        let x = vec![0.0; rows_max * layout.row_dim];
+        let started_ns = self.clock.now_ns();
+        backend.logits(&model, &x, rows_max, &mut self.logits[..rows_max]);
+        let ns_per_row = self.clock.now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
+        let ladder = &self.shared.ladder;
+        Ok(Served {
+            backend,
+            layout,
+            kernel_cost: KernelCost { ns_per_row },
+            canary_ppm,
+            shadow_ppm,
+            requests: 0,
+            name_hash: hash_words(model.name.bytes().map(u64::from)),
+            default_score: ladder.default_scores.get(&model.name).copied().unwrap_or(ladder.default_score),
+            fallback_fits: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
+            model,
+        })
     }
 
     /// Picks up model versions the registry published since the last call.
@@ -487,23 +417,7 @@ impl<C: Clock> RequestPath<C> {
                 next.push(kept);
                 continue;
             }
-            let limits = &self.shared.limits;
-            let layout =
-                InputLayout::new(&model, self.shared.user.dim(), self.shared.item.dim(), limits.context_len_max)?;
-            let mut served = Served {
-                backend: score::build(self.shared.backend, &model, rows_max),
-                layout,
-                kernel_cost: KernelCost { ns_per_row: 0.0 },
-                model,
-                canary_ppm,
-                shadow_ppm,
-                requests: 0,
-            };
-            let x = vec![0.0; rows_max * layout.row_dim];
-            let started_ns = self.clock.now_ns();
-            served.backend.logits(&served.model, &x, rows_max, &mut self.logits[..rows_max]);
-            let elapsed_ns = self.clock.now_ns().saturating_sub(started_ns);
-            served.kernel_cost.ns_per_row = elapsed_ns as f64 / rows_max as f64;
+            let served = self.build_served(model, canary_ppm, shadow_ppm)?;
             tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
             next.push(served);
         }
@@ -598,7 +512,8 @@ impl<C: Clock> RequestPath<C> {
         }
         self.served[chosen].requests += 1;
         let (user_id, primary) = (request.user_id(), chosen);
-        let Served { model, backend, layout, kernel_cost, .. } = &mut self.served[chosen];
+        let Served { model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, .. } =
+            &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
         if !context.is_empty() && context.len() != context_dim {
@@ -610,6 +525,8 @@ impl<C: Clock> RequestPath<C> {
         let items = request.item_ids();
         let rows = items.len();
         let row_dim = layout.row_dim;
+        self.item_ids.clear();
+        self.item_ids.extend(items.iter());
         let x = &mut self.x[..rows * row_dim];
         let mut missing = 0u32;
         if let Some(off) = layout.user {
@@ -623,8 +540,6 @@ impl<C: Clock> RequestPath<C> {
         if let Some(off) = layout.item {
             // Batched so the candidates' memory loads overlap (prefetch).
             let dim = self.shared.item.dim();
-            self.item_ids.clear();
-            self.item_ids.extend(items.iter());
             let vectors = &mut self.item_vectors[..rows * dim];
             missing += self.shared.item.read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
             for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
@@ -653,7 +568,7 @@ impl<C: Clock> RequestPath<C> {
         }
         // The cache rung: are all candidates' scores cached for this version?
         let cache_key = Key {
-            model: hash_words(model.name.bytes().map(u64::from)),
+            model: *name_hash,
             version: model.version,
             user: request.user_id(),
             item: 0,
@@ -661,8 +576,6 @@ impl<C: Clock> RequestPath<C> {
         };
         let mut cached = self.cache.enabled();
         if cached {
-            self.item_ids.clear();
-            self.item_ids.extend(items.iter());
             for (slot, &item) in self.cached.iter_mut().zip(&self.item_ids) {
                 match self.cache.get(&Key { item, ..cache_key }, before_kernel_ns) {
                     Some(score) => *slot = score,
@@ -688,15 +601,9 @@ impl<C: Clock> RequestPath<C> {
             read_at_ns,
             deadline,
             missing,
-            fallback: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
+            fallback: *fallback_fits,
             cached,
-            default_score: self
-                .shared
-                .ladder
-                .default_scores
-                .get(&model.name)
-                .copied()
-                .unwrap_or(self.shared.ladder.default_score),
+            default_score: *default_score,
         };
         if cached && self.shared.cache.before_primary {
             let version = model.version;
@@ -771,10 +678,6 @@ impl<C: Clock> RequestPath<C> {
         // Respond.
         self.respond_ok(&step, Tier::Primary, Reason::None, version, after_kernel_ns, out);
         if self.cache.enabled() {
-            if !cached {
-                self.item_ids.clear();
-                self.item_ids.extend(request.item_ids().iter());
-            }
             for (&item, &score) in self.item_ids.iter().zip(&self.logits[..rows]) {
                 self.cache.put(Key { item, ..cache_key }, score, after_kernel_ns);
             }
@@ -897,62 +800,6 @@ impl<C: Clock> RequestPath<C> {
         self.fail(0, Status::BadRequest, &error.to_string(), out);
     }
 
-    /// Sends later requests through the inference stage instead of scoring
-    /// them inline.
-    pub fn attach_stage(&mut self, stage: ShardEnd) {
-        self.pending = (0..stage.slots()).map(|_| None).collect();
-        if self.fallback.is_some() {
-            self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
-        }
-        self.stage = Some(stage);
-    }
-
-    /// Scores the queued shadow requests with their candidate versions and
-    /// records how far the candidate's scores are from what was returned.
-    /// The connection calls this after writing a round's responses, when no
-    /// further frame is waiting: off the critical path, and only with time
-    /// to spare.
-    pub fn run_shadows(&mut self) {
-        let ShadowQueue { x, returned, scores, ranks, rank_a, items, slot_floats, rows_max } = &mut self.shadow_queue;
-        for item in items.drain(..) {
-            let Some(served) = self.served.get_mut(item.served) else {
-                continue;
-            };
-            let rows = item.rows;
-            let x = &x[item.slot * *slot_floats..][..rows * item.row_dim];
-            let started_ns = self.clock.now_ns();
-            served.backend.logits(&served.model, x, rows, &mut scores[..rows]);
-            self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
-            for s in scores[..rows].iter_mut() {
-                *s = sigmoid(*s);
-            }
-            let returned = &returned[item.slot * *rows_max..][..rows];
-            let shadow = &scores[..rows];
-            let mad = returned.iter().zip(shadow).map(|(a, b)| (a - b).abs()).sum::<f32>() / rows as f32;
-            let rho = rank_correlation(returned, shadow, ranks, rank_a);
-            self.counters.shadow_requests += 1;
-            self.counters.shadow_abs_diff_ppm += (f64::from(mad) * 1e6) as u64;
-            self.counters.shadow_rank_corr_ppm += (rho * 1e6) as i64;
-        }
-    }
-
-    /// Queues this request for its shadow version, if one samples it and a
-    /// slot is free: rows and returned scores are copied, nothing else.
-    fn sample_shadow(&mut self, primary: usize, user_id: u64, rows: usize, row_dim: usize) {
-        let name = &self.served[primary].model.name;
-        let Some(si) = self.served.iter().position(|s| s.shadow_ppm > 0 && s.model.name == *name) else {
-            return;
-        };
-        let q = &mut self.shadow_queue;
-        if user_bucket(user_id ^ 0x5348_4144_4f57) >= self.served[si].shadow_ppm || q.items.len() == SHADOW_SLOTS {
-            return;
-        }
-        let slot = (0..SHADOW_SLOTS).find(|k| q.items.iter().all(|i| i.slot != *k)).expect("a slot is free");
-        q.x[slot * q.slot_floats..][..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
-        q.returned[slot * q.rows_max..][..rows].copy_from_slice(&self.logits[..rows]);
-        q.items.push(ShadowItem { slot, served: si, rows, row_dim });
-    }
-
     /// Requests answered per served version: (name, version, canary, count).
     pub fn version_counts(&self) -> Vec<(String, u32, bool, u64)> {
         self.served.iter().map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests)).collect()
@@ -962,284 +809,7 @@ impl<C: Clock> RequestPath<C> {
     pub fn breaker_state(&self) -> BreakerState {
         self.breaker.state()
     }
-
-    /// Takes the next completion from the inference stage, if any.
-    pub fn poll_stage(&mut self) -> Option<Done> {
-        self.stage.as_mut()?.poll()
-    }
-
-    /// Requests handed to the stage and not yet completed.
-    pub fn in_flight(&self) -> usize {
-        self.stage.as_ref().map_or(0, ShardEnd::in_flight)
-    }
-
-    /// Turns a stage completion into its request's response, appended to
-    /// `out`; returns the connection it belongs to, or `None` when the
-    /// request was already answered from a lower rung (given up on).
-    pub fn complete(&mut self, done: Done, out: &mut Vec<u8>) -> Option<u32> {
-        let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
-        let stage = self.stage.as_mut().expect("completions come from the stage");
-        self.times.record_ns(Stage::Queue, done.queue_ns);
-        let now_ns = self.clock.now_ns();
-        let step = p.step;
-        let rows = step.rows;
-        let outcome = done.outcome;
-        let in_time = !p.answered && !step.deadline.cannot_fit(now_ns / 1_000, 0);
-        if outcome == Outcome::Scored || outcome == Outcome::Late {
-            self.times.record_ns(Stage::Kernel, done.kernel_ns);
-        }
-        self.turnaround.observe(now_ns.saturating_sub(p.submitted_ns), now_ns);
-        let ok = outcome == Outcome::Scored && in_time;
-        if ok {
-            let data = stage.slot_mut(done.slot);
-            for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
-                *s = sigmoid(*l);
-            }
-        }
-        stage.release(done.slot);
-        if p.answered {
-            return None;
-        }
-        self.breaker.record(!ok, now_ns);
-        match outcome {
-            _ if ok => self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out),
-            Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
-                // The stage saw it could not finish in time; a lower rung may.
-                self.step_down_from(&step, Reason::Budget, done.slot, false, out);
-            }
-            Outcome::Expired => {
-                self.fail(step.request_id, Status::DeadlineExceeded, "dropped before the kernel: no time left", out);
-            }
-            Outcome::Scored | Outcome::Late => {
-                self.fail(step.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
-            }
-            Outcome::Failed => {
-                self.step_down_from(&step, Reason::ModelError, done.slot, false, out);
-            }
-        }
-        let done_ns = self.clock.now_ns();
-        self.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
-        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
-        Some(p.conn)
-    }
-
-    /// Answers, from the lower rungs, every handed-off request still waiting
-    /// at its give-up time (its deadline less `ladder.reserve_us`), calling
-    /// `deliver(connection, response bytes)` for each. The stage keeps the
-    /// job slot until it finishes; its late result is then dropped.
-    pub fn give_up_overdue(&mut self, now_ns: u64, deliver: &mut dyn FnMut(u32, &[u8])) {
-        if now_ns < self.next_give_up_ns {
-            return;
-        }
-        let mut next = u64::MAX;
-        let mut bytes = std::mem::take(&mut self.give_up_bytes);
-        for slot in 0..self.pending.len() {
-            let Some(p) = self.pending[slot].filter(|p| !p.answered) else {
-                continue;
-            };
-            if p.give_up_ns > now_ns {
-                next = next.min(p.give_up_ns);
-                continue;
-            }
-            bytes.clear();
-            // A request the stage could not answer in time is a failure for
-            // the breaker now, not when its late result finally comes back.
-            self.breaker.record(true, now_ns);
-            self.step_down_from(&p.step, Reason::Budget, slot as u32, false, &mut bytes);
-            self.pending[slot].as_mut().expect("checked above").answered = true;
-            deliver(p.conn, &bytes);
-        }
-        self.give_up_bytes = bytes;
-        self.next_give_up_ns = next;
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::deadline::ManualClock;
-    use crate::model::{InputSegment, Layer};
-    use crate::replica::ReplicaBuilder;
-    use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
-
-    fn shared(dir: &std::path::Path) -> Shared {
-        let mut u = ReplicaBuilder::new("user", 2);
-        u.set_default(&[0.0, 0.0]).unwrap();
-        u.push(1, &[1.0, 0.0]).unwrap();
-        u.write(&dir.join("user.qrep")).unwrap();
-        let mut i = ReplicaBuilder::new("item", 1);
-        i.set_default(&[-1.0]).unwrap();
-        i.push(10, &[2.0]).unwrap();
-        i.push(11, &[0.5]).unwrap();
-        i.write(&dir.join("item.qrep")).unwrap();
-        let model = Model {
-            name: "m".into(),
-            version: 4,
-            inputs: vec![
-                InputSegment { source: Source::Item, dim: 1 },
-                InputSegment { source: Source::Context, dim: 1 },
-                InputSegment { source: Source::User, dim: 2 },
-            ],
-            // logit = item + 2 * context + user[0] - user[1]
-            layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
-        };
-        let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
-        Shared {
-            registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap()),
-            user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
-            item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
-            limits: Limits { candidates_max: 4, ..Limits::default() },
-            backend: BackendKind::F32,
-            floor: false,
-            readiness: Arc::new(Readiness::ready()),
-            admission: AdmissionConfig::default(),
-            cache: CacheConfig::default(),
-            ladder: LadderConfig::default(),
-            fallback: None,
-            shards: 1,
-        }
-    }
-
-    fn dir(name: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("quiver-request-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    fn run(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec, read_at_us: u64) -> wire::Response {
-        let mut frame = Vec::new();
-        RequestEncoder::new().encode(spec, &mut frame);
-        let mut out = Vec::new();
-        assert_eq!(path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, 0, &mut out), Handled::Answered);
-        let (payload, used) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
-        assert_eq!(used, out.len(), "exactly one response frame");
-        wire::decode_response(payload, 64).unwrap()
-    }
-
-    fn spec() -> RequestSpec {
-        RequestSpec {
-            request_id: 77,
-            budget_us: 1_000,
-            user_id: 1,
-            item_ids: vec![10, 11, 12],
-            context: vec![0.25],
-            ..RequestSpec::default()
-        }
-    }
-
-    #[test]
-    fn scores_follow_the_input_layout() {
-        let clock = ManualClock::new(1_000);
-        let mut path = RequestPath::new(shared(&dir("layout")), &clock).unwrap();
-        let r = run(&mut path, &spec(), 1_000);
-        assert_eq!((r.request_id, r.status, r.tier, r.model_version), (77, Status::Ok, Tier::Primary, 4));
-        // item 12 is unknown: its default vector (-1) is used and counted.
-        let want = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
-        assert_eq!(r.scores, want);
-        assert_eq!(r.features_missing, 1);
-
-        let mut unknown_user = spec();
-        unknown_user.user_id = 99;
-        unknown_user.context.clear();
-        let r = run(&mut path, &unknown_user, 1_000);
-        assert_eq!(r.scores, [2.0, 0.5, -1.0].map(sigmoid));
-        assert_eq!(r.features_missing, 2);
-        assert_eq!(path.counters.by_status[0], 2);
-    }
-
-    #[test]
-    fn each_stage_boundary_enforces_the_deadline() {
-        // Every clock read advances time by `step`; the request's budget runs
-        // out at a different boundary for each step size.
-        let mut seen = std::collections::BTreeSet::new();
-        let shared = shared(&dir("stages"));
-        for step in [1u64, 100, 249, 250, 300, 499, 500, 700, 999, 1_000, 1_500] {
-            let clock = ManualClock::new(0);
-            let mut path = RequestPath::new(shared.clone(), &clock).unwrap();
-            clock.set_step_us(step);
-            let mut s = spec();
-            s.budget_us = 1_000;
-            let read_at = clock.now_us();
-            let r = run(&mut path, &s, read_at);
-            let now = clock.now_us();
-            if r.status == Status::Ok {
-                assert!(now - read_at <= 1_000 + 2 * step, "ok answer at {now} for read at {read_at}");
-            } else {
-                assert_eq!(r.status, Status::DeadlineExceeded);
-                assert!(r.scores.is_empty());
-                seen.insert(r.error.clone());
-            }
-        }
-        assert_eq!(seen.len(), 3, "all three deadline checks fired: {seen:?}");
-        assert!(seen.contains("budget spent during lookup"), "{seen:?}");
-    }
-
-    #[test]
-    fn budget_smaller_than_the_kernel_cost_steps_down_up_front() {
-        let clock = ManualClock::new(0);
-        let mut path = RequestPath::new(shared(&dir("cost")), &clock).unwrap();
-        path.served[0].kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
-        let mut s = spec();
-        s.budget_us = 100; // 3 rows need 150 µs
-        let r = run(&mut path, &s, 0);
-        // No fallback model here: the static default answers, in time.
-        assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Default, Reason::Budget));
-        assert_eq!(r.scores, vec![0.0; 3]);
-        s.budget_us = 200;
-        let r = run(&mut path, &s, 0);
-        assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Primary, Reason::None));
-    }
-
-    #[test]
-    fn bad_requests_get_typed_answers() {
-        let clock = ManualClock::new(0);
-        let mut path = RequestPath::new(shared(&dir("bad")), &clock).unwrap();
-        let mut s = spec();
-        s.item_ids = vec![1; 5];
-        let r = run(&mut path, &s, 0);
-        assert_eq!((r.request_id, r.status), (77, Status::BadRequest));
-        assert!(r.error.contains("5 candidates exceed the limit of 4"), "{}", r.error);
-
-        let mut s = spec();
-        s.context = vec![1.0, 2.0];
-        assert_eq!(run(&mut path, &s, 0).status, Status::BadRequest);
-
-        let mut s = spec();
-        s.model = "other".into();
-        assert_eq!(run(&mut path, &s, 0).status, Status::ModelNotFound);
-        s.model = "m".into();
-        assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
-
-        let mut out = Vec::new();
-        path.handle(b"definitely not a flatbuffer", 0, 0, &mut out);
-        let (payload, _) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
-        let r = wire::decode_response(payload, 64).unwrap();
-        assert_eq!((r.request_id, r.status), (0, Status::BadRequest));
-    }
-
-    #[test]
-    fn the_floor_answers_without_scoring() {
-        let clock = ManualClock::new(0);
-        let mut sh = shared(&dir("floor"));
-        sh.floor = true;
-        let mut path = RequestPath::new(sh, &clock).unwrap();
-        let r = run(&mut path, &spec(), 0);
-        assert_eq!((r.request_id, r.status, r.tier), (77, Status::Ok, Tier::Primary));
-        assert!(r.scores.is_empty());
-        assert_eq!(path.counters.candidates_scored, 0);
-    }
-
-    #[test]
-    fn budget_zero_means_default_and_large_budgets_are_clamped() {
-        let clock = ManualClock::new(0);
-        let mut path = RequestPath::new(shared(&dir("budget")), &clock).unwrap();
-        let mut s = spec();
-        s.budget_us = 0;
-        clock.set_step_us(2_000); // default budget is 10 ms; five reads fit
-        assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::Ok);
-        path.shared.limits.budget_us_max = 10_000;
-        s.budget_us = u32::MAX;
-        clock.set_step_us(6_000);
-        assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::DeadlineExceeded);
-    }
-}
+mod tests;

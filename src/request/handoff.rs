@@ -1,0 +1,151 @@
+//! The shard's side of the inference stage: requests waiting for it, the
+//! running estimate of its turnaround, completions turned into responses,
+//! and give-ups answered from the lower rungs when the stage is too slow.
+
+use super::*;
+
+/// A request waiting for the inference stage.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pending {
+    pub(super) conn: u32,
+    pub(super) step: StepDown,
+    pub(super) model_version: u32,
+    pub(super) submitted_ns: u64,
+    /// When the shard stops waiting and answers from a lower rung.
+    pub(super) give_up_ns: u64,
+    /// Already answered from a lower rung; the stage's result is dropped.
+    pub(super) answered: bool,
+}
+
+/// A running estimate of how long the stage takes to hand a job back. It
+/// rises faster on slow samples than it falls on fast ones, and halves for
+/// every 100 ms without a sample, so that a spell of slowness that made the
+/// shard stop sending does not keep it away for ever.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Turnaround {
+    ns: f64,
+    at_ns: u64,
+}
+
+impl Turnaround {
+    const HALF_LIFE_NS: f64 = 100e6;
+
+    fn current(&self, now_ns: u64) -> f64 {
+        self.ns * 0.5f64.powf(now_ns.saturating_sub(self.at_ns) as f64 / Self::HALF_LIFE_NS)
+    }
+
+    pub(super) fn expected_us(&self, now_ns: u64) -> u64 {
+        (self.current(now_ns) / 1_000.0) as u64
+    }
+
+    pub(super) fn observe(&mut self, sample_ns: u64, now_ns: u64) {
+        let cur = self.current(now_ns);
+        let s = sample_ns as f64;
+        // Up by an eighth of the gap, down by a fiftieth: it settles near a
+        // high percentile of recent samples, and one outlier moves it little.
+        self.ns = if s > cur { cur + (s - cur) * 0.125 } else { cur + (s - cur) * 0.02 };
+        self.at_ns = now_ns;
+    }
+}
+
+impl<C: Clock> RequestPath<C> {
+    /// Sends later requests through the inference stage instead of scoring
+    /// them inline.
+    pub fn attach_stage(&mut self, stage: ShardEnd) {
+        self.pending = (0..stage.slots()).map(|_| None).collect();
+        if self.fallback.is_some() {
+            self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
+        }
+        self.stage = Some(stage);
+    }
+
+    /// Takes the next completion from the inference stage, if any.
+    pub fn poll_stage(&mut self) -> Option<Done> {
+        self.stage.as_mut()?.poll()
+    }
+
+    /// Requests handed to the stage and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.stage.as_ref().map_or(0, ShardEnd::in_flight)
+    }
+
+    /// Turns a stage completion into its request's response, appended to
+    /// `out`; returns the connection it belongs to, or `None` when the
+    /// request was already answered from a lower rung (given up on).
+    pub fn complete(&mut self, done: Done, out: &mut Vec<u8>) -> Option<u32> {
+        let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
+        let stage = self.stage.as_mut().expect("completions come from the stage");
+        self.times.record_ns(Stage::Queue, done.queue_ns);
+        let now_ns = self.clock.now_ns();
+        let step = p.step;
+        let rows = step.rows;
+        let outcome = done.outcome;
+        let in_time = !p.answered && !step.deadline.cannot_fit(now_ns / 1_000, 0);
+        if outcome == Outcome::Scored || outcome == Outcome::Late {
+            self.times.record_ns(Stage::Kernel, done.kernel_ns);
+        }
+        self.turnaround.observe(now_ns.saturating_sub(p.submitted_ns), now_ns);
+        let ok = outcome == Outcome::Scored && in_time;
+        if ok {
+            let data = stage.slot_mut(done.slot);
+            for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
+                *s = sigmoid(*l);
+            }
+        }
+        stage.release(done.slot);
+        if p.answered {
+            return None;
+        }
+        self.breaker.record(!ok, now_ns);
+        match outcome {
+            _ if ok => self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out),
+            Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
+                // The stage saw it could not finish in time; a lower rung may.
+                self.step_down_from(&step, Reason::Budget, done.slot, false, out);
+            }
+            Outcome::Expired => {
+                self.fail(step.request_id, Status::DeadlineExceeded, "dropped before the kernel: no time left", out);
+            }
+            Outcome::Scored | Outcome::Late => {
+                self.fail(step.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
+            }
+            Outcome::Failed => {
+                self.step_down_from(&step, Reason::ModelError, done.slot, false, out);
+            }
+        }
+        let done_ns = self.clock.now_ns();
+        self.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
+        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
+        Some(p.conn)
+    }
+
+    /// Answers, from the lower rungs, every handed-off request still waiting
+    /// at its give-up time (its deadline less `ladder.reserve_us`), calling
+    /// `deliver(connection, response bytes)` for each. The stage keeps the
+    /// job slot until it finishes; its late result is then dropped.
+    pub fn give_up_overdue(&mut self, now_ns: u64, deliver: &mut dyn FnMut(u32, &[u8])) {
+        if now_ns < self.next_give_up_ns {
+            return;
+        }
+        let mut next = u64::MAX;
+        let mut bytes = std::mem::take(&mut self.give_up_bytes);
+        for slot in 0..self.pending.len() {
+            let Some(p) = self.pending[slot].filter(|p| !p.answered) else {
+                continue;
+            };
+            if p.give_up_ns > now_ns {
+                next = next.min(p.give_up_ns);
+                continue;
+            }
+            bytes.clear();
+            // A request the stage could not answer in time is a failure for
+            // the breaker now, not when its late result finally comes back.
+            self.breaker.record(true, now_ns);
+            self.step_down_from(&p.step, Reason::Budget, slot as u32, false, &mut bytes);
+            self.pending[slot].as_mut().expect("checked above").answered = true;
+            deliver(p.conn, &bytes);
+        }
+        self.give_up_bytes = bytes;
+        self.next_give_up_ns = next;
+    }
+}

@@ -1,0 +1,102 @@
+//! Shadow scoring: a candidate version also scores a sample of requests
+//! after their responses are written, and how far its scores are from the
+//! returned ones is counted. Nothing here runs before a response is out.
+
+use super::*;
+
+/// Shadow requests waiting for spare time: the model input rows and the
+/// scores that were returned, in a few preallocated slots. When the slots are
+/// full, further shadow samples are skipped rather than queued.
+#[derive(Default)]
+pub(super) struct ShadowQueue {
+    pub(super) x: Vec<f32>,
+    pub(super) returned: Vec<f32>,
+    pub(super) scores: Vec<f32>,
+    pub(super) ranks: Vec<(f32, usize, f32)>,
+    pub(super) rank_a: Vec<f32>,
+    pub(super) items: Vec<ShadowItem>,
+    pub(super) slot_floats: usize,
+    pub(super) rows_max: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ShadowItem {
+    pub(super) slot: usize,
+    pub(super) served: usize,
+    pub(super) rows: usize,
+    pub(super) row_dim: usize,
+}
+
+/// Shadow requests held at once per shard.
+pub(super) const SHADOW_SLOTS: usize = 4;
+
+/// Spearman's rank correlation of two equally long score lists (1 when the
+/// candidate orders the items as the returned scores did). `ranks` is scratch.
+fn rank_correlation(a: &[f32], b: &[f32], ranks: &mut Vec<(f32, usize, f32)>, rank_a: &mut Vec<f32>) -> f64 {
+    let n = a.len();
+    if n < 2 {
+        return 1.0;
+    }
+    ranks.clear();
+    ranks.extend(a.iter().enumerate().map(|(i, &v)| (v, i, 0.0)));
+    ranks.sort_by(|x, y| x.0.total_cmp(&y.0));
+    rank_a.clear();
+    rank_a.resize(n, 0.0);
+    for (r, &(_, i, _)) in ranks.iter().enumerate() {
+        rank_a[i] = r as f32;
+    }
+    ranks.clear();
+    ranks.extend(b.iter().enumerate().map(|(i, &v)| (v, i, rank_a[i])));
+    ranks.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let d2: f64 = ranks.iter().enumerate().map(|(r, &(_, _, ra))| (f64::from(ra) - r as f64).powi(2)).sum();
+    let n = n as f64;
+    1.0 - 6.0 * d2 / (n * (n * n - 1.0))
+}
+
+impl<C: Clock> RequestPath<C> {
+    /// Scores the queued shadow requests with their candidate versions and
+    /// records how far the candidate's scores are from what was returned.
+    /// The connection calls this after writing a round's responses, when no
+    /// further frame is waiting: off the critical path, and only with time
+    /// to spare.
+    pub fn run_shadows(&mut self) {
+        let ShadowQueue { x, returned, scores, ranks, rank_a, items, slot_floats, rows_max } = &mut self.shadow_queue;
+        for item in items.drain(..) {
+            let Some(served) = self.served.get_mut(item.served) else {
+                continue;
+            };
+            let rows = item.rows;
+            let x = &x[item.slot * *slot_floats..][..rows * item.row_dim];
+            let started_ns = self.clock.now_ns();
+            served.backend.logits(&served.model, x, rows, &mut scores[..rows]);
+            self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
+            for s in scores[..rows].iter_mut() {
+                *s = sigmoid(*s);
+            }
+            let returned = &returned[item.slot * *rows_max..][..rows];
+            let shadow = &scores[..rows];
+            let mad = returned.iter().zip(shadow).map(|(a, b)| (a - b).abs()).sum::<f32>() / rows as f32;
+            let rho = rank_correlation(returned, shadow, ranks, rank_a);
+            self.counters.shadow_requests += 1;
+            self.counters.shadow_abs_diff_ppm += (f64::from(mad) * 1e6) as u64;
+            self.counters.shadow_rank_corr_ppm += (rho * 1e6) as i64;
+        }
+    }
+
+    /// Queues this request for its shadow version, if one samples it and a
+    /// slot is free: rows and returned scores are copied, nothing else.
+    pub(super) fn sample_shadow(&mut self, primary: usize, user_id: u64, rows: usize, row_dim: usize) {
+        let name = &self.served[primary].model.name;
+        let Some(si) = self.served.iter().position(|s| s.shadow_ppm > 0 && s.model.name == *name) else {
+            return;
+        };
+        let q = &mut self.shadow_queue;
+        if user_bucket(user_id ^ 0x5348_4144_4f57) >= self.served[si].shadow_ppm || q.items.len() == SHADOW_SLOTS {
+            return;
+        }
+        let slot = (0..SHADOW_SLOTS).find(|k| q.items.iter().all(|i| i.slot != *k)).expect("a slot is free");
+        q.x[slot * q.slot_floats..][..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
+        q.returned[slot * q.rows_max..][..rows].copy_from_slice(&self.logits[..rows]);
+        q.items.push(ShadowItem { slot, served: si, rows, row_dim });
+    }
+}

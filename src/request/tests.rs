@@ -1,0 +1,188 @@
+//! Tests of the request path with a manual clock.
+
+use super::*;
+use crate::deadline::ManualClock;
+use crate::model::{InputSegment, Layer};
+use crate::replica::ReplicaBuilder;
+use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
+
+fn shared(dir: &std::path::Path) -> Shared {
+    let mut u = ReplicaBuilder::new("user", 2);
+    u.set_default(&[0.0, 0.0]).unwrap();
+    u.push(1, &[1.0, 0.0]).unwrap();
+    u.write(&dir.join("user.qrep")).unwrap();
+    let mut i = ReplicaBuilder::new("item", 1);
+    i.set_default(&[-1.0]).unwrap();
+    i.push(10, &[2.0]).unwrap();
+    i.push(11, &[0.5]).unwrap();
+    i.write(&dir.join("item.qrep")).unwrap();
+    let model = Model {
+        name: "m".into(),
+        version: 4,
+        inputs: vec![
+            InputSegment { source: Source::Item, dim: 1 },
+            InputSegment { source: Source::Context, dim: 1 },
+            InputSegment { source: Source::User, dim: 2 },
+        ],
+        // logit = item + 2 * context + user[0] - user[1]
+        layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
+    };
+    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    Shared {
+        registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap()),
+        user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
+        item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
+        limits: Limits { candidates_max: 4, ..Limits::default() },
+        backend: BackendKind::F32,
+        floor: false,
+        readiness: Arc::new(Readiness::ready()),
+        admission: AdmissionConfig::default(),
+        cache: CacheConfig::default(),
+        ladder: LadderConfig::default(),
+        fallback: None,
+        shards: 1,
+    }
+}
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("quiver-request-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec, read_at_us: u64) -> wire::Response {
+    let mut frame = Vec::new();
+    RequestEncoder::new().encode(spec, &mut frame);
+    let mut out = Vec::new();
+    assert_eq!(path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, 0, &mut out), Handled::Answered);
+    let (payload, used) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
+    assert_eq!(used, out.len(), "exactly one response frame");
+    wire::decode_response(payload, 64).unwrap()
+}
+
+fn spec() -> RequestSpec {
+    RequestSpec {
+        request_id: 77,
+        budget_us: 1_000,
+        user_id: 1,
+        item_ids: vec![10, 11, 12],
+        context: vec![0.25],
+        ..RequestSpec::default()
+    }
+}
+
+#[test]
+fn scores_follow_the_input_layout() {
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(shared(&dir("layout")), &clock).unwrap();
+    let r = run(&mut path, &spec(), 1_000);
+    assert_eq!((r.request_id, r.status, r.tier, r.model_version), (77, Status::Ok, Tier::Primary, 4));
+    // item 12 is unknown: its default vector (-1) is used and counted.
+    let want = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
+    assert_eq!(r.scores, want);
+    assert_eq!(r.features_missing, 1);
+
+    let mut unknown_user = spec();
+    unknown_user.user_id = 99;
+    unknown_user.context.clear();
+    let r = run(&mut path, &unknown_user, 1_000);
+    assert_eq!(r.scores, [2.0, 0.5, -1.0].map(sigmoid));
+    assert_eq!(r.features_missing, 2);
+    assert_eq!(path.counters.by_status[0], 2);
+}
+
+#[test]
+fn each_stage_boundary_enforces_the_deadline() {
+    // Every clock read advances time by `step`; the request's budget runs
+    // out at a different boundary for each step size.
+    let mut seen = std::collections::BTreeSet::new();
+    let shared = shared(&dir("stages"));
+    for step in [1u64, 100, 249, 250, 300, 499, 500, 700, 999, 1_000, 1_500] {
+        let clock = ManualClock::new(0);
+        let mut path = RequestPath::new(shared.clone(), &clock).unwrap();
+        clock.set_step_us(step);
+        let mut s = spec();
+        s.budget_us = 1_000;
+        let read_at = clock.now_us();
+        let r = run(&mut path, &s, read_at);
+        let now = clock.now_us();
+        if r.status == Status::Ok {
+            assert!(now - read_at <= 1_000 + 2 * step, "ok answer at {now} for read at {read_at}");
+        } else {
+            assert_eq!(r.status, Status::DeadlineExceeded);
+            assert!(r.scores.is_empty());
+            seen.insert(r.error.clone());
+        }
+    }
+    assert_eq!(seen.len(), 3, "all three deadline checks fired: {seen:?}");
+    assert!(seen.contains("budget spent during lookup"), "{seen:?}");
+}
+
+#[test]
+fn budget_smaller_than_the_kernel_cost_steps_down_up_front() {
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(shared(&dir("cost")), &clock).unwrap();
+    path.served[0].kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
+    let mut s = spec();
+    s.budget_us = 100; // 3 rows need 150 µs
+    let r = run(&mut path, &s, 0);
+    // No fallback model here: the static default answers, in time.
+    assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Default, Reason::Budget));
+    assert_eq!(r.scores, vec![0.0; 3]);
+    s.budget_us = 200;
+    let r = run(&mut path, &s, 0);
+    assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Primary, Reason::None));
+}
+
+#[test]
+fn bad_requests_get_typed_answers() {
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(shared(&dir("bad")), &clock).unwrap();
+    let mut s = spec();
+    s.item_ids = vec![1; 5];
+    let r = run(&mut path, &s, 0);
+    assert_eq!((r.request_id, r.status), (77, Status::BadRequest));
+    assert!(r.error.contains("5 candidates exceed the limit of 4"), "{}", r.error);
+
+    let mut s = spec();
+    s.context = vec![1.0, 2.0];
+    assert_eq!(run(&mut path, &s, 0).status, Status::BadRequest);
+
+    let mut s = spec();
+    s.model = "other".into();
+    assert_eq!(run(&mut path, &s, 0).status, Status::ModelNotFound);
+    s.model = "m".into();
+    assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
+
+    let mut out = Vec::new();
+    path.handle(b"definitely not a flatbuffer", 0, 0, &mut out);
+    let (payload, _) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
+    let r = wire::decode_response(payload, 64).unwrap();
+    assert_eq!((r.request_id, r.status), (0, Status::BadRequest));
+}
+
+#[test]
+fn the_floor_answers_without_scoring() {
+    let clock = ManualClock::new(0);
+    let mut sh = shared(&dir("floor"));
+    sh.floor = true;
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let r = run(&mut path, &spec(), 0);
+    assert_eq!((r.request_id, r.status, r.tier), (77, Status::Ok, Tier::Primary));
+    assert!(r.scores.is_empty());
+    assert_eq!(path.counters.candidates_scored, 0);
+}
+
+#[test]
+fn budget_zero_means_default_and_large_budgets_are_clamped() {
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(shared(&dir("budget")), &clock).unwrap();
+    let mut s = spec();
+    s.budget_us = 0;
+    clock.set_step_us(2_000); // default budget is 10 ms; five reads fit
+    assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::Ok);
+    path.shared.limits.budget_us_max = 10_000;
+    s.budget_us = u32::MAX;
+    clock.set_step_us(6_000);
+    assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::DeadlineExceeded);
+}
