@@ -17,7 +17,7 @@ use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
 use quiver::model::Model;
 use quiver::registry::{Fit, Registry};
-use quiver::replica::{Replica, ReplicaBuilder};
+use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle, Storage};
 use quiver::request::Shared;
 use quiver::score::BackendKind;
 use quiver::shard::{self, ShardPlacement};
@@ -253,6 +253,9 @@ enum ReplicaCommand {
         input: PathBuf,
         #[arg(long)]
         out: PathBuf,
+        /// How vectors are stored: f32 (exact), f16 or int8 (see docs/REPLICA.md).
+        #[arg(long, default_value = "f32", value_parser = parse_storage)]
+        storage: Storage,
     },
     /// Verify a replica file and print its header.
     Inspect {
@@ -423,8 +426,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     };
     let shared = Shared {
         registry,
-        user: Arc::new(user),
-        item: Arc::new(item),
+        user: Arc::new(ReplicaHandle::new(user)),
+        item: Arc::new(ReplicaHandle::new(item)),
         limits: config.limits.clone(),
         backend: config.backend,
         floor: config.floor,
@@ -728,15 +731,19 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn parse_storage(s: &str) -> Result<Storage, String> {
+    Storage::parse(s).ok_or_else(|| format!("unknown storage '{s}': use f32, f16 or int8"))
+}
+
 fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
     match cmd {
-        ReplicaCommand::Build { group, input, out } => {
+        ReplicaCommand::Build { group, input, out, storage } => {
             if !matches!(group.as_str(), "user" | "item") {
                 return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
             }
             let text =
                 std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
-            let builder = ReplicaBuilder::from_text(&group, &text, &input.display().to_string())?;
+            let builder = ReplicaBuilder::from_text(&group, &text, &input.display().to_string())?.storage(storage);
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;
             println!("wrote {}: group {} dim {} rows {}", out.display(), group, r.dim(), r.header().row_count);
@@ -744,13 +751,18 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
         ReplicaCommand::Inspect { group, file } => {
             let r = Replica::open(&file, &group)?;
             let h = r.header();
+            let c = r.cursor_at_open();
             println!(
-                "{}: ok; group {} dim {} rows {} index slots {}",
+                "{}: ok; group {} dim {} storage {:?} rows {} capacity {} index slots {}; redis epoch {} seq {}",
                 file.display(),
                 h.group,
                 h.dim,
+                h.storage,
                 h.row_count,
-                h.slot_count
+                h.row_capacity,
+                h.slot_count,
+                c.epoch,
+                c.seq
             );
         }
     }

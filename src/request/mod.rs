@@ -23,7 +23,7 @@ use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
-use crate::replica::Replica;
+use crate::replica::ReplicaHandle;
 use crate::score::{self, Backend, BackendKind};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 use handoff::{Pending, Turnaround};
@@ -32,13 +32,13 @@ use shadow::{ShadowQueue, SHADOW_SLOTS};
 mod handoff;
 mod shadow;
 
-/// The state every shard reads: replicas loaded once at start-up, and the
-/// registry through which new model versions arrive.
+/// The state every shard reads: the replica handles (tables the refresher
+/// updates or swaps), and the registry through which new model versions arrive.
 #[derive(Clone, Debug)]
 pub struct Shared {
     pub registry: Arc<Registry>,
-    pub user: Arc<Replica>,
-    pub item: Arc<Replica>,
+    pub user: Arc<ReplicaHandle>,
+    pub item: Arc<ReplicaHandle>,
     pub limits: Limits,
     pub backend: BackendKind,
     /// Benchmark floor: verify, then answer `Ok` with no scores.
@@ -532,7 +532,7 @@ impl<C: Clock> RequestPath<C> {
         if let Some(off) = layout.user {
             let dim = self.shared.user.dim();
             let (first, rest) = x.split_at_mut(row_dim);
-            missing += u32::from(!self.shared.user.read_into(request.user_id(), &mut first[off..off + dim]));
+            missing += u32::from(!self.shared.user.load().read_into(request.user_id(), &mut first[off..off + dim]));
             for row in rest.chunks_exact_mut(row_dim) {
                 row[off..off + dim].copy_from_slice(&first[off..off + dim]);
             }
@@ -541,7 +541,7 @@ impl<C: Clock> RequestPath<C> {
             // Batched so the candidates' memory loads overlap (prefetch).
             let dim = self.shared.item.dim();
             let vectors = &mut self.item_vectors[..rows * dim];
-            missing += self.shared.item.read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
+            missing += self.shared.item.load().read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
             for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
                 row[off..off + dim].copy_from_slice(v);
             }

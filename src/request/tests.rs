@@ -30,8 +30,8 @@ fn shared(dir: &std::path::Path) -> Shared {
     let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
     Shared {
         registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap()),
-        user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
-        item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
+        user: Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
+        item: Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
         limits: Limits { candidates_max: 4, ..Limits::default() },
         backend: BackendKind::F32,
         floor: false,

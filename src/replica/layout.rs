@@ -1,0 +1,283 @@
+//! Byte layout of a replica file: the superblock, the two checkpoint records,
+//! section offsets and the row payload codecs (f32, f16, int8 with a scale).
+//!
+//! Kept apart from the mapping code so that every offset is computed in one
+//! place and checked once, with overflow, before anything is dereferenced.
+
+use super::{ReplicaError, DIM_MAX, FORMAT_VERSION, GROUP_NAME_BYTES_MAX, MAGIC, ROW_CAPACITY_MAX};
+
+pub const SUPERBLOCK_BYTES: usize = 64;
+pub const CHECKPOINT_OFFSETS: [usize; 2] = [64, 128];
+pub const DEFAULT_OFFSET: usize = 192;
+pub const SLOT_BYTES: usize = 16;
+/// seq u32, crc u32, key u64.
+pub const ROW_HEADER_BYTES: usize = 16;
+
+pub const TAG_EMPTY: u32 = 0;
+pub const TAG_USED: u32 = 1;
+pub const TAG_TOMBSTONE: u32 = 2;
+
+/// How a group's vectors are stored. Readers always get f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Storage {
+    /// Exact.
+    #[default]
+    F32,
+    /// Half the bytes; relative error at most 2^-11 for normal values.
+    F16,
+    /// A quarter of the bytes plus a per-row scale (max |x| / 127);
+    /// absolute error at most scale / 2 per element.
+    Int8,
+}
+
+impl Storage {
+    pub fn code(self) -> u32 {
+        match self {
+            Storage::F32 => 0,
+            Storage::F16 => 1,
+            Storage::Int8 => 2,
+        }
+    }
+
+    pub fn from_code(code: u32) -> Option<Storage> {
+        match code {
+            0 => Some(Storage::F32),
+            1 => Some(Storage::F16),
+            2 => Some(Storage::Int8),
+            _ => None,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Storage> {
+        match s {
+            "f32" => Some(Storage::F32),
+            "f16" => Some(Storage::F16),
+            "int8" => Some(Storage::Int8),
+            _ => None,
+        }
+    }
+
+    /// Payload size in 32-bit words, so that every row is read and written
+    /// with aligned word-sized atomics.
+    pub fn payload_words(self, dim: usize) -> usize {
+        match self {
+            Storage::F32 => dim,
+            Storage::F16 => dim.div_ceil(2),
+            Storage::Int8 => 1 + dim.div_ceil(4),
+        }
+    }
+
+    /// Encodes `v` into payload words.
+    pub fn encode(self, v: &[f32], out: &mut [u32]) {
+        debug_assert_eq!(out.len(), self.payload_words(v.len()));
+        match self {
+            Storage::F32 => {
+                for (o, x) in out.iter_mut().zip(v) {
+                    *o = x.to_bits();
+                }
+            }
+            Storage::F16 => {
+                out.fill(0);
+                for (i, x) in v.iter().enumerate() {
+                    let h = u32::from(half::f16::from_f32(*x).to_bits());
+                    out[i / 2] |= h << ((i % 2) * 16);
+                }
+            }
+            Storage::Int8 => {
+                let max = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
+                out.fill(0);
+                out[0] = scale.to_bits();
+                for (i, x) in v.iter().enumerate() {
+                    let q = if scale > 0.0 { (x / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 };
+                    out[1 + i / 4] |= u32::from(q as u8) << ((i % 4) * 8);
+                }
+            }
+        }
+    }
+
+    /// Decodes one payload word `w` (word number `word`) into `out`, the
+    /// row's f32 vector; `scale` is the int8 row scale (word 0), unused otherwise.
+    #[inline(always)]
+    pub fn decode_word(self, word: usize, w: u32, scale: f32, out: &mut [f32]) {
+        match self {
+            Storage::F32 => out[word] = f32::from_bits(w),
+            Storage::F16 => {
+                let i = word * 2;
+                out[i] = half::f16::from_bits(w as u16).to_f32();
+                if i + 1 < out.len() {
+                    out[i + 1] = half::f16::from_bits((w >> 16) as u16).to_f32();
+                }
+            }
+            Storage::Int8 => {
+                let i = (word - 1) * 4;
+                for (j, o) in out.iter_mut().skip(i).take(4).enumerate() {
+                    *o = f32::from(((w >> (j * 8)) as u8) as i8) * scale;
+                }
+            }
+        }
+    }
+}
+
+/// The last change from Redis that this file contains: the stream's epoch,
+/// the sequence number of the last applied entry, and that entry's write time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cursor {
+    pub epoch: u64,
+    pub seq: u64,
+    pub change_unix_ms: u64,
+}
+
+/// The decoded superblock plus the live row count found at open.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub dim: u32,
+    pub storage: Storage,
+    pub slot_count: u64,
+    pub row_capacity: u64,
+    pub group: String,
+    /// Keys present when the file was opened.
+    pub row_count: u64,
+}
+
+/// Section offsets derived from a header, computed with overflow checks.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    pub index_offset: usize,
+    pub rows_offset: usize,
+    pub row_stride: usize,
+    pub payload_words: usize,
+    pub file_bytes: usize,
+}
+
+pub fn align(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+impl Layout {
+    pub fn new(dim: u32, storage: Storage, slot_count: u64, row_capacity: u64) -> Option<Layout> {
+        let dim = dim as usize;
+        let index_offset = align(DEFAULT_OFFSET + dim * 4, 64);
+        let index_bytes = usize::try_from(slot_count).ok()?.checked_mul(SLOT_BYTES)?;
+        let rows_offset = align(index_offset.checked_add(index_bytes)?, 64);
+        let payload_words = storage.payload_words(dim);
+        let row_stride = align(ROW_HEADER_BYTES + payload_words * 4, 16);
+        let rows_bytes = usize::try_from(row_capacity).ok()?.checked_mul(row_stride)?;
+        Some(Layout { index_offset, rows_offset, row_stride, payload_words, file_bytes: rows_offset.checked_add(rows_bytes)? })
+    }
+}
+
+/// Index slots for `row_capacity` rows: a power of two at least twice as
+/// many, so that a probe always meets an empty slot.
+pub fn slot_count_for(row_capacity: u64) -> u64 {
+    (row_capacity * 2).max(2).next_power_of_two()
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Superblock: magic, version, dim, storage, slot count, row capacity, group
+/// name, default-vector CRC, then a CRC of bytes 0..60.
+pub fn encode_superblock(h: &Header, default_crc: u32) -> [u8; SUPERBLOCK_BYTES] {
+    let mut b = [0u8; SUPERBLOCK_BYTES];
+    b[0..8].copy_from_slice(&MAGIC);
+    b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b[12..16].copy_from_slice(&h.dim.to_le_bytes());
+    b[16..20].copy_from_slice(&h.storage.code().to_le_bytes());
+    b[24..32].copy_from_slice(&h.slot_count.to_le_bytes());
+    b[32..40].copy_from_slice(&h.row_capacity.to_le_bytes());
+    b[40..40 + h.group.len()].copy_from_slice(h.group.as_bytes());
+    b[56..60].copy_from_slice(&default_crc.to_le_bytes());
+    let crc = crc32fast::hash(&b[0..60]);
+    b[60..64].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// Decodes and checks a superblock; returns the header (with `row_count` 0)
+/// and the default vector's CRC.
+pub fn decode_superblock(b: &[u8], path: &str) -> Result<(Header, u32), ReplicaError> {
+    if b[0..8] != MAGIC {
+        if b[0..7] == MAGIC[0..7] {
+            return Err(ReplicaError::Version { path: path.into(), found: u32::from(b[7].wrapping_sub(b'0')) });
+        }
+        return Err(ReplicaError::BadMagic { path: path.into() });
+    }
+    if crc32fast::hash(&b[0..60]) != u32_at(b, 60) {
+        return Err(ReplicaError::HeaderChecksum { path: path.into() });
+    }
+    let found = u32_at(b, 8);
+    if found != FORMAT_VERSION {
+        return Err(ReplicaError::Version { path: path.into(), found });
+    }
+    let bad = |what: &str| ReplicaError::Header { path: path.into(), what: what.into() };
+    let dim = u32_at(b, 12);
+    if dim == 0 || dim > DIM_MAX {
+        return Err(bad("dimension out of range"));
+    }
+    let storage = Storage::from_code(u32_at(b, 16)).ok_or_else(|| bad("unknown storage type"))?;
+    let slot_count = u64_at(b, 24);
+    let row_capacity = u64_at(b, 32);
+    if row_capacity > ROW_CAPACITY_MAX {
+        return Err(bad("row capacity above the limit"));
+    }
+    if slot_count != slot_count_for(row_capacity) {
+        return Err(bad("index slot count does not match the row capacity"));
+    }
+    let name = &b[40..40 + GROUP_NAME_BYTES_MAX];
+    let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+    let group = std::str::from_utf8(&name[..end]).map_err(|_| bad("group name is not UTF-8"))?.to_string();
+    Ok((Header { dim, storage, slot_count, row_capacity, group, row_count: 0 }, u32_at(b, 56)))
+}
+
+/// A checkpoint record: counter, cursor, then a CRC of bytes 0..60. The
+/// writer alternates between the two records, so a crash while writing one
+/// leaves the other intact.
+pub fn encode_checkpoint(counter: u64, c: Cursor) -> [u8; 64] {
+    let mut b = [0u8; 64];
+    b[0..8].copy_from_slice(&counter.to_le_bytes());
+    b[8..16].copy_from_slice(&c.epoch.to_le_bytes());
+    b[16..24].copy_from_slice(&c.seq.to_le_bytes());
+    b[24..32].copy_from_slice(&c.change_unix_ms.to_le_bytes());
+    let crc = crc32fast::hash(&b[0..60]);
+    b[60..64].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// The counter and cursor of a record, if it verifies.
+pub fn decode_checkpoint(b: &[u8]) -> Option<(u64, Cursor)> {
+    if crc32fast::hash(&b[0..60]) != u32_at(b, 60) || u64_at(b, 0) == 0 {
+        return None;
+    }
+    Some((u64_at(b, 0), Cursor { epoch: u64_at(b, 8), seq: u64_at(b, 16), change_unix_ms: u64_at(b, 24) }))
+}
+
+/// CRC of a row's key and payload words, as stored in its header.
+pub fn row_crc(key: u64, payload: &[u32]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&key.to_le_bytes());
+    // Feed whole chunks: the hasher is fast on long slices, slow on 4 bytes.
+    let mut buf = [0u8; 256];
+    for chunk in payload.chunks(buf.len() / 4) {
+        for (b, w) in buf.chunks_exact_mut(4).zip(chunk) {
+            b.copy_from_slice(&w.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
+    }
+    h.finalize()
+}
+
+#[inline]
+pub fn slot_of(key: u64, slot_count: u64) -> u64 {
+    // Fibonacci hashing: the top bits of key × 2^64/φ spread sequential ids.
+    let shift = 64 - slot_count.trailing_zeros();
+    if shift == 64 {
+        return 0;
+    }
+    key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift
+}

@@ -1,0 +1,369 @@
+//! One mapped replica file: verification at open, the seqlock read path the
+//! shards use, and the word-level stores the writer uses.
+//!
+//! Every shared byte is accessed through `AtomicU32`/`AtomicU64` references
+//! into the mapping (see the module header of `replica` for the protocol), so
+//! a reader racing the writer sees old or new words, never undefined
+//! behaviour, and the sequence counter tells it whether the words it copied
+//! belong together.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use super::layout::{
+    decode_checkpoint, decode_superblock, row_crc, slot_of, Cursor, Header, Layout, Storage, CHECKPOINT_OFFSETS,
+    DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+};
+use super::ReplicaError;
+
+/// Seqlock retries before a row is served as missing: far above the few
+/// retries a live writer can cause (it holds a row for well under a
+/// microsecond), low enough that a dead writer costs a reader only microseconds.
+const READ_RETRIES_MAX: u32 = 1024;
+
+/// An open, verified, mapped replica of one feature group.
+pub struct Replica {
+    map: MmapRaw,
+    header: Header,
+    layout: Layout,
+    path: String,
+    /// The cursor and record counter found at open.
+    cursor: Cursor,
+    checkpoint_counter: u64,
+    /// Keys present now; maintained by the writer.
+    live_rows: AtomicU64,
+    /// Reads that gave up on a row that stayed busy.
+    torn_reads: AtomicU64,
+}
+
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica").field("path", &self.path).field("header", &self.header).finish()
+    }
+}
+
+/// What a full index scan at open found.
+#[derive(Debug, Default)]
+pub(super) struct Scan {
+    /// One past the highest row any slot refers to: where new rows go.
+    pub rows_used: u64,
+    pub live: u64,
+    /// Slots whose row was mid-write when its writer stopped.
+    pub torn_slots: Vec<u64>,
+}
+
+impl Replica {
+    /// Maps `path` read-only, pre-faults its pages and verifies it
+    /// completely. `expected_group` guards against swapped files. A file
+    /// with rows left mid-write by a killed writer is refused here (a reader
+    /// cannot repair it); the server's writer opens such files instead.
+    pub fn open(path: &Path, expected_group: &str) -> Result<Replica, ReplicaError> {
+        let (replica, scan) = Replica::map(path, expected_group, false)?;
+        if !scan.torn_slots.is_empty() {
+            return Err(ReplicaError::Torn { path: replica.path.clone(), rows: scan.torn_slots.len() as u64 });
+        }
+        Ok(replica)
+    }
+
+    /// Maps and verifies `path`; `writable` maps it shared read-write for the
+    /// writer. Rows left mid-write are reported, not treated as damage.
+    pub(super) fn map(path: &Path, expected_group: &str, writable: bool) -> Result<(Replica, Scan), ReplicaError> {
+        let p = path.display().to_string();
+        let io = |source| ReplicaError::Io { path: p.clone(), source };
+        let file = File::options().read(true).write(writable).open(path).map_err(io)?;
+        let actual = file.metadata().map_err(io)?.len();
+        if actual < DEFAULT_OFFSET as u64 {
+            return Err(ReplicaError::Length { path: p, expected: DEFAULT_OFFSET as u64, actual });
+        }
+        let mut options = MmapOptions::new();
+        options.populate();
+        let map = if writable { options.map_raw(&file) } else { options.map_raw_read_only(&file) }.map_err(io)?;
+        // SAFETY: the mapping is at least DEFAULT_OFFSET bytes long (checked
+        // above) and lives for this borrow; the superblock never changes after
+        // the file is created.
+        let superblock = unsafe { std::slice::from_raw_parts(map.as_ptr(), DEFAULT_OFFSET) };
+        let (mut header, default_crc) = decode_superblock(&superblock[..SUPERBLOCK_BYTES], &p)?;
+        let layout = Layout::new(header.dim, header.storage, header.slot_count, header.row_capacity)
+            .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
+        if layout.file_bytes as u64 != actual {
+            return Err(ReplicaError::Length { path: p, expected: layout.file_bytes as u64, actual });
+        }
+        let (checkpoint_counter, cursor) = CHECKPOINT_OFFSETS
+            .iter()
+            .filter_map(|&at| decode_checkpoint(&superblock[at..at + 64]))
+            .max_by_key(|(counter, _)| *counter)
+            .ok_or_else(|| ReplicaError::Checkpoint { path: p.clone() })?;
+        if header.group != expected_group {
+            return Err(ReplicaError::Group { path: p, found: header.group, expected: expected_group.into() });
+        }
+        let mut replica = Replica {
+            map,
+            header: header.clone(),
+            layout,
+            path: p,
+            cursor,
+            checkpoint_counter,
+            live_rows: AtomicU64::new(0),
+            torn_reads: AtomicU64::new(0),
+        };
+        if crc32fast::hash(&replica.default_bytes()) != default_crc {
+            return Err(ReplicaError::DefaultChecksum { path: replica.path });
+        }
+        let scan = replica.scan()?;
+        header.row_count = scan.live;
+        replica.header = header;
+        replica.live_rows.store(scan.live, Ordering::Relaxed);
+        Ok((replica, scan))
+    }
+
+    fn default_bytes(&self) -> Vec<u8> {
+        (0..self.dim()).flat_map(|i| self.u32_at(DEFAULT_OFFSET + i * 4).load(Ordering::Relaxed).to_le_bytes()).collect()
+    }
+
+    /// Checks every index slot and the row it names.
+    fn scan(&self) -> Result<Scan, ReplicaError> {
+        let mut scan = Scan::default();
+        let mut payload = vec![0u32; self.layout.payload_words];
+        for slot in 0..self.header.slot_count {
+            let (key, row, tag) = self.slot(slot);
+            let damaged = |what: String| ReplicaError::Index { path: self.path.clone(), slot, what };
+            match tag.load(Ordering::Relaxed) {
+                TAG_EMPTY => continue,
+                TAG_USED | TAG_TOMBSTONE => {}
+                other => return Err(damaged(format!("unknown tag {other}"))),
+            }
+            let row = u64::from(row.load(Ordering::Relaxed));
+            if row >= self.header.row_capacity {
+                return Err(damaged(format!("row {row} past the capacity of {}", self.header.row_capacity)));
+            }
+            scan.rows_used = scan.rows_used.max(row + 1);
+            if tag.load(Ordering::Relaxed) == TAG_TOMBSTONE {
+                continue;
+            }
+            let base = self.row_base(row as u32);
+            let seq = self.u32_at(base).load(Ordering::Relaxed);
+            if seq % 2 == 1 {
+                scan.torn_slots.push(slot);
+                continue;
+            }
+            let key = key.load(Ordering::Relaxed);
+            let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
+            if row_key != key {
+                return Err(damaged(format!("key {key} names row {row}, which holds key {row_key}")));
+            }
+            for (i, w) in payload.iter_mut().enumerate() {
+                *w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
+            }
+            if row_crc(key, &payload) != self.u32_at(base + 4).load(Ordering::Relaxed) {
+                return Err(ReplicaError::PayloadChecksum { path: self.path.clone(), row, key });
+            }
+            scan.live += 1;
+        }
+        Ok(scan)
+    }
+
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    pub fn dim(&self) -> usize {
+        self.header.dim as usize
+    }
+
+    pub fn storage(&self) -> Storage {
+        self.header.storage
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The Redis position this file had reached when it was opened.
+    pub fn cursor_at_open(&self) -> Cursor {
+        self.cursor
+    }
+
+    pub(super) fn checkpoint_counter_at_open(&self) -> u64 {
+        self.checkpoint_counter
+    }
+
+    pub(super) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub(super) fn raw(&self) -> &MmapRaw {
+        &self.map
+    }
+
+    /// Keys present now.
+    pub fn live_rows(&self) -> u64 {
+        self.live_rows.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn set_live_rows(&self, n: u64) {
+        self.live_rows.store(n, Ordering::Relaxed);
+    }
+
+    /// Reads that gave up on a busy row and served the default vector.
+    pub fn torn_reads(&self) -> u64 {
+        self.torn_reads.load(Ordering::Relaxed)
+    }
+
+    #[inline(always)]
+    pub(super) fn u32_at(&self, at: usize) -> &AtomicU32 {
+        assert!(at % 4 == 0 && at + 4 <= self.layout.file_bytes);
+        // SAFETY: in bounds and 4-aligned (the mapping is page-aligned);
+        // every access to shared bytes goes through atomics, and the
+        // reference cannot outlive the mapping it borrows from.
+        unsafe { &*self.map.as_ptr().add(at).cast::<AtomicU32>() }
+    }
+
+    #[inline(always)]
+    pub(super) fn u64_at(&self, at: usize) -> &AtomicU64 {
+        assert!(at % 8 == 0 && at + 8 <= self.layout.file_bytes);
+        // SAFETY: as for `u32_at`, with 8-byte alignment.
+        unsafe { &*self.map.as_ptr().add(at).cast::<AtomicU64>() }
+    }
+
+    #[inline(always)]
+    pub(super) fn slot(&self, slot: u64) -> (&AtomicU64, &AtomicU32, &AtomicU32) {
+        let at = self.layout.index_offset + slot as usize * SLOT_BYTES;
+        (self.u64_at(at), self.u32_at(at + 8), self.u32_at(at + 12))
+    }
+
+    #[inline(always)]
+    pub(super) fn row_base(&self, row: u32) -> usize {
+        self.layout.rows_offset + row as usize * self.layout.row_stride
+    }
+
+    /// The index slot holding `key`, and its row, if present.
+    #[inline]
+    pub(super) fn find_slot(&self, key: u64) -> Option<(u64, u32)> {
+        let mask = self.header.slot_count - 1;
+        let mut slot = slot_of(key, self.header.slot_count);
+        // At least half the slots are empty, so this ends well before the bound.
+        for _ in 0..self.header.slot_count {
+            let (k, row, tag) = self.slot(slot);
+            match tag.load(Ordering::Acquire) {
+                TAG_EMPTY => return None,
+                TAG_USED if k.load(Ordering::Relaxed) == key => return Some((slot, row.load(Ordering::Relaxed))),
+                _ => {}
+            }
+            slot = (slot + 1) & mask;
+        }
+        None
+    }
+
+    /// The row of `key`, if present.
+    #[inline]
+    pub fn find(&self, key: u64) -> Option<u32> {
+        self.find_slot(key).map(|(_, row)| row)
+    }
+
+    /// Copies row `row` into `out` if it holds `key` and a consistent copy can
+    /// be taken; false otherwise (the row was deleted and reused, or stayed
+    /// busy past the retry bound).
+    #[inline]
+    fn read_row(&self, row: u32, key: u64, out: &mut [f32]) -> bool {
+        let base = self.row_base(row);
+        let seq = self.u32_at(base);
+        let storage = self.header.storage;
+        let words = self.layout.payload_words;
+        let payload = base + ROW_HEADER_BYTES;
+        for _ in 0..READ_RETRIES_MAX {
+            let before = seq.load(Ordering::Acquire);
+            if before % 2 == 0 {
+                let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
+                let scale = match storage {
+                    Storage::Int8 => f32::from_bits(self.u32_at(payload).load(Ordering::Relaxed)),
+                    _ => 0.0,
+                };
+                let first = usize::from(storage == Storage::Int8);
+                for word in first..words {
+                    let w = self.u32_at(payload + word * 4).load(Ordering::Relaxed);
+                    storage.decode_word(word, w, scale, out);
+                }
+                fence(Ordering::Acquire);
+                if seq.load(Ordering::Relaxed) == before {
+                    return row_key == key;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        self.torn_reads.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    fn copy_default(&self, out: &mut [f32]) {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = f32::from_bits(self.u32_at(DEFAULT_OFFSET + i * 4).load(Ordering::Relaxed));
+        }
+    }
+
+    /// Copies the vector of `key` into `out` (length `dim`); copies the
+    /// default vector and returns false when the key is unknown.
+    #[inline]
+    pub fn read_into(&self, key: u64, out: &mut [f32]) -> bool {
+        assert_eq!(out.len(), self.dim());
+        if let Some(row) = self.find(key) {
+            if self.read_row(row, key, out) {
+                return true;
+            }
+        }
+        self.copy_default(out);
+        false
+    }
+
+    /// Looks up many keys at once, writing `keys.len()` vectors into `out`
+    /// (row-major, `dim` floats each) and returning how many were missing.
+    ///
+    /// Three passes so the memory loads overlap instead of queueing behind
+    /// each other: prefetch every key's index slot, then resolve rows and
+    /// prefetch them, then copy.
+    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
+        let dim = self.dim();
+        assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
+        let base = self.map.as_ptr();
+        for &key in keys {
+            let slot = slot_of(key, self.header.slot_count) as usize;
+            prefetch(base.wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
+        }
+        for (&key, row) in keys.iter().zip(rows.iter_mut()) {
+            *row = self.find(key).unwrap_or(u32::MAX);
+            if *row != u32::MAX {
+                prefetch(base.wrapping_add(self.row_base(*row)));
+            }
+        }
+        let mut missing = 0;
+        for ((row, &key), dst) in rows.iter().zip(keys).zip(out.chunks_exact_mut(dim)) {
+            if *row == u32::MAX || !self.read_row(*row, key, dst) {
+                missing += 1;
+                self.copy_default(dst);
+            }
+        }
+        missing
+    }
+
+    /// The default vector served for unknown keys.
+    pub fn default_vector(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.dim()];
+        self.copy_default(&mut v);
+        v
+    }
+}
+
+/// Asks the CPU to start loading the cache line at `p`.
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

@@ -1,0 +1,347 @@
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::layout::{Storage, CHECKPOINT_OFFSETS};
+use super::*;
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("quiver-replica-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn sample(rows: u64, dim: u32) -> ReplicaBuilder {
+    let mut b = ReplicaBuilder::new("item", dim);
+    b.set_default(&vec![-1.0; dim as usize]).unwrap();
+    for k in 0..rows {
+        let key = k * 7919 + 3;
+        let v: Vec<f32> = (0..dim).map(|j| key as f32 + j as f32 * 0.5).collect();
+        b.push(key, &v).unwrap();
+    }
+    b
+}
+
+#[test]
+fn build_open_lookup() {
+    let dir = tmpdir("lookup");
+    let path = dir.join("item.qrep");
+    sample(1000, 5).write(&path).unwrap();
+    let r = Replica::open(&path, "item").unwrap();
+    assert_eq!(r.header().row_count, 1000);
+    let mut out = [0.0; 5];
+    for k in 0..1000u64 {
+        let key = k * 7919 + 3;
+        assert!(r.read_into(key, &mut out));
+        assert_eq!(out, [key as f32, key as f32 + 0.5, key as f32 + 1.0, key as f32 + 1.5, key as f32 + 2.0]);
+    }
+    assert!(!r.read_into(4, &mut out));
+    assert_eq!(out, [-1.0; 5]);
+    assert!(!r.read_into(u64::MAX, &mut out));
+    assert!(matches!(Replica::open(&path, "user"), Err(ReplicaError::Group { .. })));
+}
+
+#[test]
+fn batched_lookup_matches_single_lookups() {
+    let dir = tmpdir("batch");
+    let path = dir.join("item.qrep");
+    sample(500, 3).write(&path).unwrap();
+    let r = Replica::open(&path, "item").unwrap();
+    let keys: Vec<u64> = (0..64u64).map(|i| if i % 5 == 0 { i + 1 } else { i * 7919 + 3 }).collect();
+    let mut rows = vec![0u32; 64];
+    let mut got = vec![0.0; 64 * 3];
+    let missing = r.read_many_into(&keys, &mut rows, &mut got);
+    let mut want = vec![0.0; 64 * 3];
+    let mut want_missing = 0;
+    for (k, dst) in keys.iter().zip(want.chunks_exact_mut(3)) {
+        want_missing += usize::from(!r.read_into(*k, dst));
+    }
+    assert_eq!(got, want);
+    assert_eq!(missing, want_missing);
+    assert!(missing > 0);
+}
+
+#[test]
+fn empty_and_single_row_files_work() {
+    let dir = tmpdir("tiny");
+    let path = dir.join("user.qrep");
+    let mut b = ReplicaBuilder::new("user", 2);
+    b.push(0, &[1.0, 2.0]).unwrap();
+    b.write(&path).unwrap();
+    let r = Replica::open(&path, "user").unwrap();
+    let mut out = [0.0; 2];
+    assert!(r.read_into(0, &mut out));
+    assert!(!r.read_into(1, &mut out));
+    ReplicaBuilder::new("user", 2).write(&path).unwrap();
+    let r = Replica::open(&path, "user").unwrap();
+    assert!(!r.read_into(0, &mut out));
+}
+
+#[test]
+fn duplicate_keys_are_refused() {
+    let dir = tmpdir("dup");
+    let mut b = ReplicaBuilder::new("user", 1);
+    b.push(5, &[1.0]).unwrap();
+    b.push(5, &[2.0]).unwrap();
+    assert!(matches!(b.write(&dir.join("user.qrep")), Err(ReplicaError::DuplicateKey { key: 5 })));
+    assert!(matches!(b.push(6, &[1.0, 2.0]), Err(ReplicaError::Dim { found: 2, dim: 1 })));
+}
+
+/// Reads every key of `sample(rows, dim)` plus some unknown ones.
+fn snapshot(r: &Replica, rows: u64, dim: usize) -> Vec<f32> {
+    let mut all = Vec::new();
+    let mut out = vec![0.0; dim];
+    for k in 0..rows + 10 {
+        r.read_into(k * 7919 + 3, &mut out);
+        all.extend_from_slice(&out);
+    }
+    all
+}
+
+#[test]
+fn corruption_is_refused_or_harmless() {
+    let dir = tmpdir("corrupt");
+    let path = dir.join("item.qrep");
+    sample(100, 4).write(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let want = snapshot(&Replica::open(&path, "item").unwrap(), 100, 4);
+
+    std::fs::write(&path, &good[..good.len() - 4]).unwrap();
+    assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::Length { .. })));
+    std::fs::write(&path, &good[..10]).unwrap();
+    assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::Length { .. })));
+
+    let mut bad = good.clone();
+    bad[13] ^= 1;
+    std::fs::write(&path, &bad).unwrap();
+    assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::HeaderChecksum { .. })));
+    let mut bad = good.clone();
+    bad[0] = b'X';
+    std::fs::write(&path, &bad).unwrap();
+    assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::BadMagic { .. })));
+    let mut bad = good.clone();
+    bad[CHECKPOINT_OFFSETS[0] + 3] ^= 1;
+    bad[CHECKPOINT_OFFSETS[1] + 3] ^= 1;
+    std::fs::write(&path, &bad).unwrap();
+    assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::Checkpoint { .. })));
+
+    // Flip bytes all over the file: each flip is refused, or it landed in
+    // bytes nothing reads (padding, an empty slot's key) and every lookup
+    // still answers exactly as before. Nothing else is acceptable.
+    let mut refused = 0;
+    for at in (0..good.len()).step_by(7) {
+        let mut bad = good.clone();
+        bad[at] ^= 0x40;
+        std::fs::write(&path, &bad).unwrap();
+        match Replica::open(&path, "item") {
+            Err(e) => {
+                assert!(e.is_damage(), "byte {at}: {e}");
+                refused += 1;
+            }
+            Ok(r) => assert_eq!(snapshot(&r, 100, 4), want, "byte {at} flipped, accepted, and changed answers"),
+        }
+    }
+    assert!(refused > good.len() / 7 / 2, "most flips land in checked bytes");
+    std::fs::write(&path, &good).unwrap();
+    Replica::open(&path, "item").unwrap();
+}
+
+#[test]
+fn text_input_format() {
+    let text = "# users\ndefault, 0.5, 0.5\n1,1.0,2.0\n2 3.0 4.0\n\n";
+    let b = ReplicaBuilder::from_text("user", text, "in.csv").unwrap();
+    let dir = tmpdir("text");
+    let path = dir.join("user.qrep");
+    b.write(&path).unwrap();
+    let r = Replica::open(&path, "user").unwrap();
+    let mut out = [0.0; 2];
+    assert!(r.read_into(2, &mut out));
+    assert_eq!(out, [3.0, 4.0]);
+    assert!(!r.read_into(3, &mut out));
+    assert_eq!(out, [0.5, 0.5]);
+
+    let err = ReplicaBuilder::from_text("user", "1,1.0\n2,1.0,2.0\n", "in.csv").err().unwrap();
+    assert_eq!(err.to_string(), "in.csv:2: 2 values, earlier lines have 1");
+    let err = ReplicaBuilder::from_text("user", "x,1.0\n", "in.csv").err().unwrap();
+    assert!(err.to_string().contains("not an unsigned 64-bit id"));
+    let err = ReplicaBuilder::from_text("user", "1,abc\n", "in.csv").err().unwrap();
+    assert!(err.to_string().contains("'abc' is not a number"));
+}
+
+#[test]
+fn writer_inserts_updates_deletes_grows_and_reopens() {
+    let dir = tmpdir("writer");
+    let path = dir.join("user.qrep");
+    let mut w = ReplicaWriter::create(&path, "user", 3, Storage::F32, 4, &[9.0; 3]).unwrap();
+    let handle = w.handle();
+    for k in 0..5000u64 {
+        w.upsert(k, &[k as f32, 1.0, 2.0]).unwrap();
+    }
+    assert!(handle.load().header().row_capacity >= 5000, "grew past the initial 4 rows");
+    w.upsert(7, &[70.0, 71.0, 72.0]).unwrap();
+    assert!(w.delete(8));
+    assert!(!w.delete(8));
+    assert!(!w.delete(123_456));
+    let mut out = [0.0; 3];
+    let r = handle.load();
+    assert!(r.read_into(7, &mut out));
+    assert_eq!(out, [70.0, 71.0, 72.0]);
+    assert!(!r.read_into(8, &mut out));
+    assert_eq!(out, [9.0; 3]);
+    assert_eq!(r.live_rows(), 4999);
+    // Deleted, then inserted again.
+    w.upsert(8, &[8.5, 0.0, 0.0]).unwrap();
+    assert!(handle.load().read_into(8, &mut out));
+    assert_eq!(out[0], 8.5);
+    let cursor = Cursor { epoch: 11, seq: 42, change_unix_ms: 5 };
+    w.checkpoint(cursor).unwrap();
+    assert!(matches!(ReplicaWriter::open(&path, "user"), Err(ReplicaError::Locked { .. })));
+    drop(w);
+    drop(r);
+
+    let r = Replica::open(&path, "user").unwrap();
+    assert_eq!(r.cursor_at_open(), cursor);
+    assert_eq!(r.live_rows(), 5000);
+    assert!(r.read_into(4999, &mut out));
+    assert_eq!(out, [4999.0, 1.0, 2.0]);
+    let (w, report) = ReplicaWriter::open(&path, "user").unwrap();
+    assert_eq!(report, OpenReport { torn_rows: 0, live_rows: 5000, cursor });
+    assert_eq!(w.cursor(), cursor);
+}
+
+#[test]
+fn rows_left_mid_write_are_dropped_by_the_writer_and_refused_by_readers() {
+    let dir = tmpdir("torn");
+    let path = dir.join("item.qrep");
+    sample(50, 4).write(&path).unwrap();
+    let r = Replica::open(&path, "item").unwrap();
+    let key = 10 * 7919 + 3;
+    let row = r.find(key).unwrap();
+    let seq_at = r.layout().rows_offset + row as usize * r.layout().row_stride;
+    drop(r);
+    // What a writer killed between its two counter stores leaves behind.
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[seq_at] |= 1;
+    bytes[seq_at + 16] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(Replica::open(&path, "item"), Err(ReplicaError::Torn { rows: 1, .. })));
+    let (mut w, report) = ReplicaWriter::open(&path, "item").unwrap();
+    assert_eq!(report.torn_rows, 1);
+    assert_eq!(report.live_rows, 49);
+    let mut out = [0.0; 4];
+    let handle = w.handle();
+    assert!(!handle.load().read_into(key, &mut out), "a torn row is never served");
+    assert_eq!(out, [-1.0; 4]);
+    w.upsert(key, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    assert!(handle.load().read_into(key, &mut out));
+    assert_eq!(out, [1.0, 2.0, 3.0, 4.0]);
+    w.checkpoint(Cursor::default()).unwrap();
+    drop(w);
+    drop(handle);
+    assert_eq!(Replica::open(&path, "item").unwrap().live_rows(), 50);
+}
+
+#[test]
+fn storage_types_round_trip_within_their_documented_error() {
+    let dir = tmpdir("storage");
+    let dim = 37;
+    let v: Vec<f32> = (0..dim).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+    let max = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    for storage in [Storage::F32, Storage::F16, Storage::Int8] {
+        let path = dir.join(format!("{storage:?}.qrep"));
+        let mut b = ReplicaBuilder::new("item", dim as u32).storage(storage);
+        b.push(1, &v).unwrap();
+        b.push(2, &vec![0.0; dim]).unwrap();
+        b.write(&path).unwrap();
+        let r = Replica::open(&path, "item").unwrap();
+        assert_eq!(r.storage(), storage);
+        let mut out = vec![0.0; dim];
+        assert!(r.read_into(1, &mut out));
+        for (x, y) in v.iter().zip(&out) {
+            let err = (x - y).abs();
+            match storage {
+                Storage::F32 => assert_eq!(err, 0.0),
+                Storage::F16 => assert!(err <= x.abs() * 2f32.powi(-11) + 1e-7, "{x} {y}"),
+                Storage::Int8 => assert!(err <= max / 127.0 / 2.0 + 1e-6, "{x} {y}"),
+            }
+        }
+        assert!(r.read_into(2, &mut out));
+        assert!(out.iter().all(|&x| x == 0.0));
+    }
+    let bytes = |s: Storage| Layout::new(64, s, 2, 1).unwrap().row_stride;
+    assert_eq!((bytes(Storage::F32), bytes(Storage::F16), bytes(Storage::Int8)), (272, 144, 96));
+}
+
+use super::layout::Layout;
+
+/// The stress test the concurrency argument rests on: a writer rewrites,
+/// inserts, deletes and grows while readers check every vector they get.
+/// Each vector carries its key and a checksum of its other elements, so a
+/// torn copy or another key's row cannot pass.
+#[test]
+fn readers_never_see_torn_or_foreign_rows_while_the_writer_works() {
+    const DIM: usize = 16;
+    fn vector(key: u64, generation: u64) -> [f32; DIM] {
+        let mut v = [0.0f32; DIM];
+        v[0] = key as f32;
+        for (i, x) in v.iter_mut().enumerate().take(DIM - 1).skip(1) {
+            *x = ((generation * 31 + i as u64 * 7 + key) % 1000) as f32;
+        }
+        v[DIM - 1] = v[..DIM - 1].iter().sum();
+        v
+    }
+    let dir = tmpdir("stress");
+    let path = dir.join("item.qrep");
+    let mut w = ReplicaWriter::create(&path, "item", DIM as u32, Storage::F32, 64, &[-1.0; DIM]).unwrap();
+    for key in 0..2000 {
+        w.upsert(key, &vector(key, 0)).unwrap();
+    }
+    let handle = w.handle();
+    let stop = Arc::new(AtomicBool::new(false));
+    let checked = Arc::new(AtomicU64::new(0));
+    let readers: Vec<_> = (0..2)
+        .map(|seed| {
+            let (handle, stop, checked) = (handle.clone(), stop.clone(), checked.clone());
+            std::thread::spawn(move || {
+                let mut keys = [0u64; 33];
+                let mut rows = [0u32; 33];
+                let mut out = vec![0.0f32; 33 * DIM];
+                let mut x: u64 = seed + 1;
+                while !stop.load(Ordering::Relaxed) {
+                    for k in keys.iter_mut() {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        *k = (x >> 33) % 4000;
+                    }
+                    handle.load().read_many_into(&keys, &mut rows, &mut out);
+                    for (k, v) in keys.iter().zip(out.chunks_exact(DIM)) {
+                        if v == [-1.0; DIM] {
+                            continue;
+                        }
+                        assert_eq!(v[0], *k as f32, "a row of another key was served");
+                        assert_eq!(v[DIM - 1], v[..DIM - 1].iter().sum::<f32>(), "torn row served");
+                    }
+                    checked.fetch_add(33, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let mut generation = 1;
+    while started.elapsed() < Duration::from_millis(1500) {
+        for key in 0..4000u64 {
+            if (key + generation) % 7 == 0 {
+                w.delete(key);
+            } else {
+                w.upsert(key, &vector(key, generation)).unwrap();
+            }
+        }
+        generation += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().expect("reader saw no torn or foreign row");
+    }
+    assert!(generation > 3 && checked.load(Ordering::Relaxed) > 10_000);
+    assert!(handle.load().header().row_capacity > 64, "the table grew while readers read");
+}

@@ -1,0 +1,318 @@
+//! The single writer of a replica file: creates, repairs, updates in place,
+//! checkpoints, grows, and swaps whole files in behind a [`ReplicaHandle`].
+//!
+//! One writer per file is enforced twice: `ReplicaWriter` is not `Clone` and
+//! its methods take `&mut self`, and it holds an exclusive `flock` on the file
+//! so that a second process cannot write the same replica.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+
+use super::layout::{
+    encode_checkpoint, encode_superblock, row_crc, slot_count_for, slot_of, Cursor, Header, Layout, Storage,
+    CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+};
+use super::{temp_path, Replica, ReplicaError, ReplicaHandle, DIM_MAX, GROUP_NAME_BYTES_MAX, ROW_CAPACITY_MAX};
+
+/// Smallest row capacity a grown file gets, so that small tables do not
+/// rehash on every few inserts.
+const GROWN_ROWS_MIN: u64 = 1024;
+
+/// What opening an existing file for writing found and repaired.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenReport {
+    /// Rows that were mid-write when the last writer stopped; dropped from
+    /// the index until the stream replay rewrites them.
+    pub torn_rows: u64,
+    pub live_rows: u64,
+    pub cursor: Cursor,
+}
+
+pub struct ReplicaWriter {
+    table: Arc<Replica>,
+    handle: Option<Arc<ReplicaHandle>>,
+    path: PathBuf,
+    /// Holds the exclusive lock for the writer's life.
+    _lock: File,
+    rows_used: u64,
+    live: u64,
+    counter: u64,
+    cursor: Cursor,
+    payload: Vec<u32>,
+}
+
+impl std::fmt::Debug for ReplicaWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaWriter").field("path", &self.path).field("live", &self.live).finish()
+    }
+}
+
+fn lock(file: &File, path: &str) -> Result<(), ReplicaError> {
+    // SAFETY: flock on a descriptor this process owns has no memory effects.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(ReplicaError::Locked { path: path.into() });
+    }
+    Ok(())
+}
+
+impl ReplicaWriter {
+    /// Creates a new, empty replica file at `path` (replacing any file
+    /// there), with room for `row_capacity` rows before it must grow.
+    pub fn create(
+        path: &Path,
+        group: &str,
+        dim: u32,
+        storage: Storage,
+        row_capacity: u64,
+        default: &[f32],
+    ) -> Result<ReplicaWriter, ReplicaError> {
+        assert!(!group.is_empty() && group.len() <= GROUP_NAME_BYTES_MAX, "group name length");
+        assert!(dim > 0 && dim <= DIM_MAX, "dimension out of range");
+        assert_eq!(default.len(), dim as usize);
+        let p = path.display().to_string();
+        if row_capacity > ROW_CAPACITY_MAX {
+            return Err(ReplicaError::Full { path: p, rows: row_capacity });
+        }
+        let io = |source| ReplicaError::Io { path: p.clone(), source };
+        let header = Header {
+            dim,
+            storage,
+            slot_count: slot_count_for(row_capacity),
+            row_capacity,
+            group: group.into(),
+            row_count: 0,
+        };
+        let layout = Layout::new(dim, storage, header.slot_count, row_capacity).expect("sizes within the row limit fit");
+        let _ = std::fs::remove_file(path);
+        let file = File::options().read(true).write(true).create_new(true).open(path).map_err(io)?;
+        lock(&file, &p)?;
+        let default_bytes: Vec<u8> = default.iter().flat_map(|x| x.to_le_bytes()).collect();
+        file.set_len(layout.file_bytes as u64).map_err(io)?;
+        file.write_all_at(&encode_superblock(&header, crc32fast::hash(&default_bytes)), 0).map_err(io)?;
+        file.write_all_at(&encode_checkpoint(1, Cursor::default()), CHECKPOINT_OFFSETS[1] as u64).map_err(io)?;
+        file.write_all_at(&default_bytes, DEFAULT_OFFSET as u64).map_err(io)?;
+        let (table, _) = Replica::map(path, group, true)?;
+        Ok(ReplicaWriter {
+            payload: vec![0; table.layout().payload_words],
+            table: Arc::new(table),
+            handle: None,
+            path: path.into(),
+            _lock: file,
+            rows_used: 0,
+            live: 0,
+            counter: 1,
+            cursor: Cursor::default(),
+        })
+    }
+
+    /// Opens an existing file for writing: verifies it, drops rows left
+    /// mid-write by a killed writer from the index, and removes temporary
+    /// files a crash may have left beside it.
+    pub fn open(path: &Path, group: &str) -> Result<(ReplicaWriter, OpenReport), ReplicaError> {
+        let p = path.display().to_string();
+        let file = File::options().read(true).write(true).open(path).map_err(|source| ReplicaError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        lock(&file, &p)?;
+        for why in ["grow", "sync", "build"] {
+            let _ = std::fs::remove_file(temp_path(path, why));
+        }
+        let (table, scan) = Replica::map(path, group, true)?;
+        for &slot in &scan.torn_slots {
+            table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
+        }
+        let cursor = table.cursor_at_open();
+        let report = OpenReport { torn_rows: scan.torn_slots.len() as u64, live_rows: scan.live, cursor };
+        let writer = ReplicaWriter {
+            payload: vec![0; table.layout().payload_words],
+            counter: table.checkpoint_counter_at_open(),
+            table: Arc::new(table),
+            handle: None,
+            path: path.into(),
+            _lock: file,
+            rows_used: scan.rows_used,
+            live: scan.live,
+            cursor,
+        };
+        Ok((writer, report))
+    }
+
+    /// The handle readers load this writer's table through; created on
+    /// first call and kept across growth and installs.
+    pub fn handle(&mut self) -> Arc<ReplicaHandle> {
+        let table = self.table.clone();
+        self.handle.get_or_insert_with(|| Arc::new(ReplicaHandle { current: arc_swap::ArcSwap::new(table.clone()), dim: table.dim() })).clone()
+    }
+
+    pub fn table(&self) -> &Arc<Replica> {
+        &self.table
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn live_rows(&self) -> u64 {
+        self.live
+    }
+
+    /// The last change this file holds, as of the last `set_cursor`.
+    pub fn cursor(&self) -> Cursor {
+        self.cursor
+    }
+
+    pub fn contains(&self, key: u64) -> bool {
+        self.table.find(key).is_some()
+    }
+
+    /// Writes `v` as the vector of `key`, inserting the key if new (and
+    /// growing the file if it is full).
+    pub fn upsert(&mut self, key: u64, v: &[f32]) -> Result<(), ReplicaError> {
+        if v.len() != self.table.dim() {
+            return Err(ReplicaError::Dim { found: v.len(), dim: self.table.dim() as u32 });
+        }
+        let mut payload = std::mem::take(&mut self.payload);
+        self.table.storage().encode(v, &mut payload);
+        let result = self.put_words(key, &payload);
+        self.payload = payload;
+        result
+    }
+
+    fn put_words(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
+        let crc = row_crc(key, payload);
+        if let Some(row) = self.table.find(key) {
+            self.write_row(row, key, payload, crc);
+            return Ok(());
+        }
+        if self.rows_used == self.table.header().row_capacity {
+            self.grow()?;
+        }
+        let row = self.rows_used as u32;
+        self.rows_used += 1;
+        self.write_row(row, key, payload, crc);
+        let t = &self.table;
+        let mask = t.header().slot_count - 1;
+        let mut slot = slot_of(key, t.header().slot_count);
+        while t.slot(slot).2.load(Ordering::Relaxed) != TAG_EMPTY {
+            slot = (slot + 1) & mask;
+        }
+        let (k, r, tag) = t.slot(slot);
+        k.store(key, Ordering::Relaxed);
+        r.store(row, Ordering::Relaxed);
+        // Publishes key, row number and the row's contents together.
+        tag.store(TAG_USED, Ordering::Release);
+        self.live += 1;
+        t.set_live_rows(self.live);
+        Ok(())
+    }
+
+    /// The seqlock write: odd counter, contents, even counter.
+    fn write_row(&self, row: u32, key: u64, payload: &[u32], crc: u32) {
+        let t = &self.table;
+        let base = t.row_base(row);
+        let seq = t.u32_at(base);
+        let s = seq.load(Ordering::Relaxed);
+        // A row left odd by a killed writer is never reused, so `s` is even.
+        debug_assert!(s % 2 == 0);
+        seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        t.u32_at(base + 4).store(crc, Ordering::Relaxed);
+        t.u64_at(base + 8).store(key, Ordering::Relaxed);
+        for (i, w) in payload.iter().enumerate() {
+            t.u32_at(base + ROW_HEADER_BYTES + i * 4).store(*w, Ordering::Relaxed);
+        }
+        seq.store(s.wrapping_add(2), Ordering::Release);
+    }
+
+    /// Removes `key`; false if it was not present. Its row stays allocated
+    /// (rows are never reused in place) until the file is next rebuilt.
+    pub fn delete(&mut self, key: u64) -> bool {
+        let Some((slot, _)) = self.table.find_slot(key) else { return false };
+        self.table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
+        self.live -= 1;
+        self.table.set_live_rows(self.live);
+        true
+    }
+
+    /// Records `cursor` as the position the rows now reflect, durably: the
+    /// rows are flushed to disk first, so a checkpoint never claims changes
+    /// the file does not hold, even after a machine crash.
+    pub fn checkpoint(&mut self, cursor: Cursor) -> Result<(), ReplicaError> {
+        let io = |source| ReplicaError::Io { path: self.path.display().to_string(), source };
+        self.table.raw().flush().map_err(io)?;
+        self.counter += 1;
+        let record = encode_checkpoint(self.counter, cursor);
+        let at = CHECKPOINT_OFFSETS[(self.counter % 2) as usize];
+        for (i, word) in record.chunks_exact(8).enumerate() {
+            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            self.table.u64_at(at + i * 8).store(w, Ordering::Relaxed);
+        }
+        self.cursor = cursor;
+        Ok(())
+    }
+
+    /// Notes `cursor` without flushing; the next `checkpoint` makes it durable.
+    pub fn set_cursor(&mut self, cursor: Cursor) {
+        self.cursor = cursor;
+    }
+
+    /// Rehashes the live rows into a new file with room to spare, renames it
+    /// into place and swaps it in; readers never wait.
+    fn grow(&mut self) -> Result<(), ReplicaError> {
+        let want = (self.live + 1).saturating_mul(2).max(GROWN_ROWS_MIN);
+        if self.live + 1 > ROW_CAPACITY_MAX {
+            return Err(ReplicaError::Full { path: self.path.display().to_string(), rows: self.live + 1 });
+        }
+        let capacity = want.min(ROW_CAPACITY_MAX);
+        let tmp = temp_path(&self.path, "grow");
+        let old = self.table.clone();
+        let h = old.header();
+        let mut fresh = ReplicaWriter::create(&tmp, &h.group, h.dim, h.storage, capacity, &old.default_vector())?;
+        let mut payload = vec![0u32; old.layout().payload_words];
+        for slot in 0..h.slot_count {
+            let (k, r, tag) = old.slot(slot);
+            if tag.load(Ordering::Relaxed) != TAG_USED {
+                continue;
+            }
+            let base = old.row_base(r.load(Ordering::Relaxed));
+            for (i, w) in payload.iter_mut().enumerate() {
+                *w = old.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
+            }
+            fresh.put_words(k.load(Ordering::Relaxed), &payload)?;
+        }
+        fresh.checkpoint(self.cursor)?;
+        tracing::info!(path = %self.path.display(), rows = self.live, capacity, "replica grown");
+        self.replace(fresh)
+    }
+
+    /// Makes `fresh` (complete, checkpointed, at a temporary path) the file
+    /// at this writer's path and the table readers see.
+    pub fn replace(&mut self, mut fresh: ReplicaWriter) -> Result<(), ReplicaError> {
+        fresh.rename_to(&self.path)?;
+        if let Some(handle) = self.handle.take() {
+            handle.install(fresh.table.clone());
+            fresh.handle = Some(handle);
+        }
+        *self = fresh;
+        Ok(())
+    }
+
+    /// Flushes the file and renames it to `path`, syncing the directory.
+    pub fn rename_to(&mut self, path: &Path) -> Result<(), ReplicaError> {
+        let p = path.display().to_string();
+        let io = |source| ReplicaError::Io { path: p.clone(), source };
+        self.table.raw().flush().map_err(io)?;
+        std::fs::rename(&self.path, path).map_err(io)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
+        }
+        self.path = path.into();
+        Ok(())
+    }
+}
