@@ -18,7 +18,7 @@ use quiver::deadline::{Clock, MonotonicClock};
 use quiver::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
 use quiver::registry::{Fit, Registry};
-use quiver::replica::{Replica, ReplicaBuilder};
+use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle};
 use quiver::request::{RequestPath, Shared};
 use quiver::score::BackendKind;
 use quiver::wire::{self, RequestEncoder, RequestLimits, RequestSpec, ResponseEncoder, ResponseFields, Status, Tier};
@@ -147,8 +147,8 @@ fn request_bench(c: &mut Criterion) {
         let registry = Registry::single(&dir.join("model.qm"), fit, backend, 256).unwrap();
         let shared = Shared {
             registry: Arc::new(registry),
-            user: Arc::new(Replica::open(&dir.join("user.qrep"), "user").unwrap()),
-            item: Arc::new(Replica::open(&dir.join("item.qrep"), "item").unwrap()),
+            user: Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
+            item: Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
             limits: Limits::default(),
             backend,
             floor,
