@@ -69,6 +69,7 @@ fn wire_bench(c: &mut Criterion) {
                     features_missing: 0,
                     error: "",
                     reason: quiver::wire::Reason::None,
+                    features_stale: false,
                 },
                 &mut out,
             );

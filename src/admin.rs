@@ -15,6 +15,10 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry as Registry_, Unit};
 use serde::{Deserialize, Serialize};
 
+use std::sync::atomic::Ordering::Relaxed;
+
+use crate::deadline::{Clock, MonotonicClock};
+use crate::feed::{FeedStatus, GroupStatus};
 use crate::ladder::Faults;
 use crate::metrics::{self, Board, Readiness, Stage, STAGES};
 use crate::registry::{Registry, RegistryError};
@@ -166,7 +170,18 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 None,
                 MetricType::Gauge,
             )?
-            .encode_gauge(&i64::from(self.readiness.is_ready()))?;
+            .encode_gauge(&i64::from(self.readiness.probe(MonotonicClock::new().now_ns()).is_ok()))?;
+        encoder
+            .encode_descriptor(
+                "quiver_stale_responses",
+                "Ok responses flagged features_stale.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.stale_responses, None)?;
+        if let Some(feed) = self.readiness.feed() {
+            encode_feed(&mut encoder, feed)?;
+        }
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
         for m in self.registry.status() {
@@ -212,6 +227,70 @@ impl prometheus_client::collector::Collector for QuiverCollector {
     }
 }
 
+/// The Redis feed's state: per-group position, staleness and counts, and
+/// the connection.
+fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(), std::fmt::Error> {
+    let now_ns = MonotonicClock::new().now_ns();
+    let now_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let seconds = Unit::Seconds;
+    type Get = fn(&GroupStatus, u64, u64) -> f64;
+    let gauges: [(&str, &str, Option<&Unit>, Get); 5] = [
+        ("quiver_replica_rows", "Keys in the group's replica.", None, |g, _, _| g.live_rows.load(Relaxed) as f64),
+        ("quiver_replica_applied_seq", "Stream sequence number of the last applied change.", None, |g, _, _| {
+            g.applied_seq.load(Relaxed) as f64
+        }),
+        (
+            "quiver_replica_staleness",
+            "Time since the group was last known to hold everything Redis had.",
+            Some(&seconds),
+            |g, now_ns, _| g.staleness_ns(now_ns) as f64 / 1e9,
+        ),
+        ("quiver_replica_contact_age", "Time since the refresher last heard from Redis.", Some(&seconds), |g, now_ns, _| {
+            match g.contact_ns.load(Relaxed) {
+                0 => f64::INFINITY,
+                t => now_ns.saturating_sub(t) as f64 / 1e9,
+            }
+        }),
+        ("quiver_replica_change_age", "Age of the last applied change (its write time in Redis).", Some(&seconds), |g, _, now_ms| {
+            match g.change_unix_ms.load(Relaxed) {
+                0 => f64::INFINITY,
+                t => now_ms.saturating_sub(t) as f64 / 1e3,
+            }
+        }),
+    ];
+    for (name, help, unit, get) in gauges {
+        let mut e = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
+        for g in &feed.groups {
+            e.encode_family(&[("group", g.name.as_str())])?.encode_gauge(&get(g, now_ns, now_unix_ms))?;
+        }
+    }
+    type Count = fn(&GroupStatus) -> u64;
+    let counters: [(&str, &str, Count); 4] = [
+        ("quiver_replica_changes_applied", "Stream entries applied.", |g| g.applied_total.load(Relaxed)),
+        ("quiver_replica_skipped", "Keys and stream entries skipped as bad data.", |g| g.skipped_total.load(Relaxed)),
+        ("quiver_replica_resyncs", "Full resyncs from Redis.", |g| g.resyncs_total.load(Relaxed)),
+        ("quiver_replica_torn_rows_repaired", "Rows found mid-write at open and dropped until replayed.", |g| {
+            g.torn_rows_repaired.load(Relaxed)
+        }),
+    ];
+    for (name, help, get) in counters {
+        let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for g in &feed.groups {
+            e.encode_family(&[("group", g.name.as_str())])?.encode_counter::<NoLabelSet, _, u64>(&get(g), None)?;
+        }
+    }
+    encoder
+        .encode_descriptor("quiver_redis_connected", "1 while the refresher holds a Redis connection.", None, MetricType::Gauge)?
+        .encode_gauge(&i64::from(feed.connected.load(Relaxed)))?;
+    encoder
+        .encode_descriptor("quiver_redis_breaker_open", "1 while the Redis circuit breaker is open.", None, MetricType::Gauge)?
+        .encode_gauge(&i64::from(feed.breaker_open.load(Relaxed)))?;
+    encoder
+        .encode_descriptor("quiver_redis_failures", "Failed Redis connections and sessions.", None, MetricType::Counter)?
+        .encode_counter::<NoLabelSet, _, u64>(&feed.connect_failures_total.load(Relaxed), None)?;
+    Ok(())
+}
+
 /// Mean absolute score difference and mean rank correlation of the shadow
 /// comparisons so far (0 and 1 before any).
 fn shadow_divergence(c: &crate::request::Counters) -> (f64, f64) {
@@ -233,8 +312,22 @@ pub struct StageStats {
     pub max_us: f64,
 }
 
+/// One feature group's feed state, for `/stats.json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FeedGroupStats {
+    pub group: String,
+    pub rows: u64,
+    pub applied_seq: u64,
+    pub staleness_ms: u64,
+    pub applied: u64,
+    pub skipped: u64,
+    pub resyncs: u64,
+    pub redis_connected: bool,
+}
+
 /// `/stats.json`: what `quiver stats` shows.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Stats {
     pub ready: bool,
     pub shards: usize,
@@ -254,6 +347,9 @@ pub struct Stats {
     pub shadow_rank_correlation: f64,
     pub candidates_scored: u64,
     pub features_missing: u64,
+    pub stale_responses: u64,
+    /// Per feature group, when the replicas are fed from Redis.
+    pub feed: Vec<FeedGroupStats>,
     pub window_s: u64,
     pub stages: Vec<StageStats>,
 }
@@ -284,6 +380,23 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
             .collect(),
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
+        stale_responses: m.counters.stale_responses,
+        feed: readiness.feed().map_or_else(Vec::new, |f| {
+            let now_ns = MonotonicClock::new().now_ns();
+            f.groups
+                .iter()
+                .map(|g| FeedGroupStats {
+                    group: g.name.clone(),
+                    rows: g.live_rows.load(Relaxed),
+                    applied_seq: g.applied_seq.load(Relaxed),
+                    staleness_ms: g.staleness_ns(now_ns) / 1_000_000,
+                    applied: g.applied_total.load(Relaxed),
+                    skipped: g.skipped_total.load(Relaxed),
+                    resyncs: g.resyncs_total.load(Relaxed),
+                    redis_connected: f.connected.load(Relaxed),
+                })
+                .collect()
+        }),
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
         stages: STAGES
             .iter()
@@ -386,13 +499,10 @@ fn serve(
                 }
             }
             (Method::Get, "/healthz") => Response::from_string("ok\n"),
-            (Method::Get, "/readyz") => {
-                if readiness.is_ready() {
-                    Response::from_string("ready\n")
-                } else {
-                    Response::from_string("not ready\n").with_status_code(503)
-                }
-            }
+            (Method::Get, "/readyz") => match readiness.probe(MonotonicClock::new().now_ns()) {
+                Ok(()) => Response::from_string("ready\n"),
+                Err(why) => Response::from_string(format!("{why}\n")).with_status_code(503),
+            },
             (Method::Get, "/stats.json") => {
                 let body = serde_json::to_string(&stats(board, readiness)).expect("stats serialise");
                 Response::from_string(body).with_header(header("application/json"))

@@ -219,6 +219,7 @@ mod tests {
                     features_missing: 0,
                     error: "",
                     reason: Reason::None,
+                    features_stale: false,
                 },
                 &mut bytes,
             );

@@ -45,6 +45,9 @@ pub struct Config {
     pub ladder: crate::ladder::LadderConfig,
     /// The per-shard score cache, the ladder's second rung.
     pub cache: crate::cache::CacheConfig,
+    /// Refresh the feature replicas from Redis (see the README's "Publishing
+    /// features"); without it the replica files are served as they are.
+    pub feed: Option<crate::feed::FeedConfig>,
     /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
     /// slows the inference stage. Off unless set.
     pub faults_endpoint: bool,
@@ -78,6 +81,7 @@ impl Default for Config {
             admission: crate::admission::AdmissionConfig::default(),
             ladder: crate::ladder::LadderConfig::default(),
             cache: crate::cache::CacheConfig::default(),
+            feed: None,
             faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,

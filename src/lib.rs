@@ -39,6 +39,8 @@ pub enum Error {
     Layout(#[from] request::LayoutError),
     #[error(transparent)]
     Registry(#[from] registry::RegistryError),
+    #[error(transparent)]
+    Refresh(#[from] feed::RefreshError),
     #[error("{0}")]
     Setup(String),
 }

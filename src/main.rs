@@ -15,7 +15,8 @@ use quiver::infer::{self, StageConfig};
 use quiver::ladder::Faults;
 use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
-use quiver::model::Model;
+use quiver::feed;
+use quiver::model::{Model, Source};
 use quiver::registry::{Fit, Registry};
 use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle, Storage};
 use quiver::request::Shared;
@@ -94,6 +95,10 @@ struct ServeArgs {
     cores: Option<Vec<usize>>,
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Keep the feature replicas in sync with this Redis
+    /// (redis://[user:password@]host:port[/db]); sets `[feed] redis`.
+    #[arg(long)]
+    redis: Option<String>,
     /// Serve a model registry: <DIR>/<name>/<version>/model.qm.
     #[arg(long)]
     models_dir: Option<PathBuf>,
@@ -297,6 +302,41 @@ fn main() -> ExitCode {
     }
 }
 
+/// The user and item replica handles: read-only files, or files the Redis
+/// feed keeps current (then also the running feed).
+fn open_features(
+    config: &Config,
+    stop: &Arc<AtomicBool>,
+) -> Result<(Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>), Error> {
+    let Some(feed_config) = &config.feed else {
+        let user = ReplicaHandle::open(&config.user_features_path(), "user")?;
+        let item = ReplicaHandle::open(&config.item_features_path(), "item")?;
+        return Ok((Arc::new(user), Arc::new(item), None));
+    };
+    // A group with no file yet is created with the dimension the model reads.
+    let model_dims = if config.models_dir.is_none() { Model::load(&config.model_path()).ok() } else { None }
+        .map(|m| {
+            let dim = |source| m.inputs.iter().find(|s| s.source == source).map(|s| s.dim as u32);
+            (dim(Source::User), dim(Source::Item))
+        })
+        .unwrap_or_default();
+    let specs = [
+        feed::GroupSpec {
+            name: "user".into(),
+            path: config.user_features_path(),
+            dim: feed_config.user_dim.or(model_dims.0),
+        },
+        feed::GroupSpec {
+            name: "item".into(),
+            path: config.item_features_path(),
+            dim: feed_config.item_dim.or(model_dims.1),
+        },
+    ];
+    let started = feed::start(feed_config, &specs, stop.clone())?;
+    let (user, item) = (started.handles[0].clone(), started.handles[1].clone());
+    Ok((user, item, Some(started)))
+}
+
 fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     let mut config = match &args.config {
         Some(p) => Config::load(p)?,
@@ -333,6 +373,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if let Some(v) = args.not_ready {
         config.not_ready = v;
     }
+    if let Some(url) = args.redis {
+        config.feed.get_or_insert_with(Default::default).redis = url;
+    }
     if args.demo {
         demo::ensure(&config.data_dir)?;
     }
@@ -344,8 +387,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         (0..n).map(|i| i % online).collect()
     };
 
-    let user = Replica::open(&config.user_features_path(), "user")?;
-    let item = Replica::open(&config.item_features_path(), "item")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (user, item, feed) = open_features(&config, &stop)?;
     let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;
     let registry = Arc::new(match &config.models_dir {
@@ -372,10 +415,13 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     };
     let faults = Arc::new(Faults::default());
     tracing::info!(
-        users = user.header().row_count, items = item.header().row_count,
-        backend = ?config.backend, "replicas loaded"
+        users = user.load().live_rows(), items = item.load().live_rows(),
+        backend = ?config.backend, redis = feed.is_some(), "replicas loaded"
     );
     let readiness = Arc::new(Readiness::not_ready());
+    if let Some(f) = &feed {
+        readiness.attach_feed(f.status.clone());
+    }
     let board = metrics::board(cores.len());
     let admin = if config.admin_listen == "off" {
         None
@@ -388,7 +434,6 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         println!("quiver admin on {}", admin.addr);
         Some(admin)
     };
-    let stop = Arc::new(AtomicBool::new(false));
     let watcher = (config.watch_models_ms > 0).then(|| {
         let (registry, stop) = (registry.clone(), stop.clone());
         let every = Duration::from_millis(config.watch_models_ms);
@@ -426,8 +471,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     };
     let shared = Shared {
         registry,
-        user: Arc::new(ReplicaHandle::new(user)),
-        item: Arc::new(ReplicaHandle::new(item)),
+        user,
+        item,
+        feed: feed.as_ref().map(|f| f.status.clone()),
         limits: config.limits.clone(),
         backend: config.backend,
         floor: config.floor,
@@ -458,6 +504,10 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     }
     if let Some(w) = watcher {
         let _ = w.join();
+    }
+    if let Some(f) = feed {
+        // The refresher checkpoints on its way out, so a restart resumes here.
+        let _ = f.thread.join();
     }
     if let Some(s) = stage {
         s.stop();

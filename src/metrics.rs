@@ -122,15 +122,18 @@ impl Publication {
 #[derive(Debug)]
 pub struct Readiness {
     ready: std::sync::atomic::AtomicBool,
+    /// The Redis feed, when there is one: its staleness can fail `/readyz`
+    /// (by config) without stopping the shards from serving.
+    feed: std::sync::OnceLock<Arc<crate::feed::FeedStatus>>,
 }
 
 impl Readiness {
     pub fn not_ready() -> Readiness {
-        Readiness { ready: std::sync::atomic::AtomicBool::new(false) }
+        Readiness { ready: std::sync::atomic::AtomicBool::new(false), feed: std::sync::OnceLock::new() }
     }
 
     pub fn ready() -> Readiness {
-        Readiness { ready: std::sync::atomic::AtomicBool::new(true) }
+        Readiness { ready: std::sync::atomic::AtomicBool::new(true), feed: std::sync::OnceLock::new() }
     }
 
     #[inline]
@@ -140,6 +143,26 @@ impl Readiness {
 
     pub fn set(&self, ready: bool) {
         self.ready.store(ready, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn attach_feed(&self, feed: Arc<crate::feed::FeedStatus>) {
+        let _ = self.feed.set(feed);
+    }
+
+    pub fn feed(&self) -> Option<&crate::feed::FeedStatus> {
+        self.feed.get().map(|f| &**f)
+    }
+
+    /// What `/readyz` answers: taking traffic, and features not stale past
+    /// the bound when the feed's policy says that should fail readiness.
+    pub fn probe(&self, now_ns: u64) -> Result<(), &'static str> {
+        if !self.is_ready() {
+            return Err("not ready");
+        }
+        if self.feed().is_some_and(|f| f.blocks_readiness(now_ns)) {
+            return Err("not ready: features stale");
+        }
+        Ok(())
     }
 }
 

@@ -23,6 +23,7 @@ use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
+use crate::feed::FeedStatus;
 use crate::replica::ReplicaHandle;
 use crate::score::{self, Backend, BackendKind};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
@@ -52,6 +53,8 @@ pub struct Shared {
     pub admission: AdmissionConfig,
     /// The per-shard score cache.
     pub cache: CacheConfig,
+    /// The Redis feed's state, when features are refreshed from Redis.
+    pub feed: Option<Arc<FeedStatus>>,
     pub shards: usize,
 }
 
@@ -132,6 +135,8 @@ pub struct Counters {
     /// Indexed by `Reason.0`, for `Ok` responses.
     pub by_reason: [u64; REASONS],
     pub features_missing: u64,
+    /// Ok responses flagged `features_stale`.
+    pub stale_responses: u64,
     pub candidates_scored: u64,
     /// Requests also scored by a shadow version, with the sums of their mean
     /// absolute score difference and rank correlation, in millionths.
@@ -155,6 +160,7 @@ impl Counters {
             *a += b;
         }
         self.features_missing += other.features_missing;
+        self.stale_responses += other.stale_responses;
         self.candidates_scored += other.candidates_scored;
         self.shadow_requests += other.shadow_requests;
         self.shadow_abs_diff_ppm += other.shadow_abs_diff_ppm;
@@ -717,6 +723,7 @@ impl<C: Clock> RequestPath<C> {
                 features_missing: u16::try_from(step.missing).unwrap_or(u16::MAX),
                 error: "",
                 reason,
+                features_stale: self.features_stale(now_ns),
             },
             out,
         );
@@ -788,6 +795,14 @@ impl<C: Clock> RequestPath<C> {
         self.encoder.encode(&fields, out);
         self.times.record_ns(Stage::EndToEnd, self.clock.now_ns().saturating_sub(read_at_ns));
         Handled::Answered
+    }
+
+    /// Whether the feed has gone past its staleness bound; responses say so.
+    #[inline]
+    fn features_stale(&mut self, now_ns: u64) -> bool {
+        let stale = self.shared.feed.as_ref().is_some_and(|f| f.is_stale(now_ns));
+        self.counters.stale_responses += u64::from(stale);
+        stale
     }
 
     /// Stage timings of the current interval, for publication.

@@ -158,6 +158,8 @@ pub struct ResponseFields<'a> {
     pub features_missing: u16,
     pub error: &'a str,
     pub reason: Reason,
+    /// Features have not been confirmed current for longer than the bound.
+    pub features_stale: bool,
 }
 
 impl ResponseFields<'_> {
@@ -173,6 +175,7 @@ impl ResponseFields<'_> {
             features_missing: 0,
             error,
             reason: Reason::None,
+            features_stale: false,
         }
     }
 }
@@ -206,6 +209,7 @@ impl ResponseEncoder {
                 features_missing: fields.features_missing,
                 error,
                 reason: fields.reason,
+                features_stale: fields.features_stale,
             },
         );
         b.finish_minimal(root);
@@ -279,6 +283,7 @@ pub struct Response {
     pub features_missing: u16,
     pub error: String,
     pub reason: Reason,
+    pub features_stale: bool,
 }
 
 /// Verifies and copies out one response payload.
@@ -300,6 +305,7 @@ pub fn decode_response(payload: &[u8], scores_max: usize) -> Result<Response, fl
         features_missing: r.features_missing(),
         error: r.error().unwrap_or("").to_string(),
         reason: r.reason(),
+        features_stale: r.features_stale(),
     })
 }
 
@@ -388,6 +394,7 @@ mod tests {
             features_missing: 1,
             error: "",
             reason: Reason::Budget,
+            features_stale: true,
         };
         let mut enc = ResponseEncoder::new(64);
         enc.encode(&fields, &mut out);
@@ -397,6 +404,7 @@ mod tests {
         assert_eq!(r1.scores, scores);
         assert_eq!((r1.request_id, r1.model_version, r1.server_us, r1.features_missing), (9, 3, 12, 1));
         assert_eq!(r1.reason, Reason::Budget);
+        assert!(r1.features_stale);
         let (p2, _) = split_frame(&out[used1..], 1 << 16).unwrap().unwrap();
         let r2 = decode_response(p2, 64).unwrap();
         assert_eq!((r2.request_id, r2.status, r2.error.as_str()), (10, Status::BadRequest, "nope"));

@@ -542,6 +542,7 @@ impl<'a> ScoreResponse<'a> {
   pub const VT_FEATURES_MISSING: ::flatbuffers::VOffsetT = 16;
   pub const VT_ERROR: ::flatbuffers::VOffsetT = 18;
   pub const VT_REASON: ::flatbuffers::VOffsetT = 20;
+  pub const VT_FEATURES_STALE: ::flatbuffers::VOffsetT = 22;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -559,6 +560,7 @@ impl<'a> ScoreResponse<'a> {
     builder.add_model_version(args.model_version);
     if let Some(x) = args.scores { builder.add_scores(x); }
     builder.add_features_missing(args.features_missing);
+    builder.add_features_stale(args.features_stale);
     builder.add_reason(args.reason);
     builder.add_tier(args.tier);
     builder.add_status(args.status);
@@ -629,6 +631,13 @@ impl<'a> ScoreResponse<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<Reason>(ScoreResponse::VT_REASON, Some(Reason::None)).unwrap()}
   }
+  #[inline]
+  pub fn features_stale(&self) -> bool {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<bool>(ScoreResponse::VT_FEATURES_STALE, Some(false)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreResponse<'_> {
@@ -646,6 +655,7 @@ impl ::flatbuffers::Verifiable for ScoreResponse<'_> {
      .visit_field::<u16>("features_missing", Self::VT_FEATURES_MISSING, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("error", Self::VT_ERROR, false)?
      .visit_field::<Reason>("reason", Self::VT_REASON, false)?
+     .visit_field::<bool>("features_stale", Self::VT_FEATURES_STALE, false)?
      .finish();
     Ok(())
   }
@@ -660,6 +670,7 @@ pub struct ScoreResponseArgs<'a> {
     pub features_missing: u16,
     pub error: Option<::flatbuffers::WIPOffset<&'a str>>,
     pub reason: Reason,
+    pub features_stale: bool,
 }
 impl<'a> Default for ScoreResponseArgs<'a> {
   #[inline]
@@ -674,6 +685,7 @@ impl<'a> Default for ScoreResponseArgs<'a> {
       features_missing: 0,
       error: None,
       reason: Reason::None,
+      features_stale: false,
     }
   }
 }
@@ -720,6 +732,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreResponseBuilder<'a, 'b, 
     self.fbb_.push_slot::<Reason>(ScoreResponse::VT_REASON, reason, Reason::None);
   }
   #[inline]
+  pub fn add_features_stale(&mut self, features_stale: bool) {
+    self.fbb_.push_slot::<bool>(ScoreResponse::VT_FEATURES_STALE, features_stale, false);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreResponseBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreResponseBuilder {
@@ -746,6 +762,7 @@ impl ::core::fmt::Debug for ScoreResponse<'_> {
       ds.field("features_missing", &self.features_missing());
       ds.field("error", &self.error());
       ds.field("reason", &self.reason());
+      ds.field("features_stale", &self.features_stale());
       ds.finish()
   }
 }

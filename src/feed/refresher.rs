@@ -1,0 +1,676 @@
+//! The refresher: one thread, off the shards, that keeps every feature
+//! group's replica equal to Redis.
+//!
+//! Protocol (see the data contract in `contract.rs`): each group has a
+//! stream whose entry ids are `{seq}-0` with `seq` dense from an INCR
+//! counter, and an epoch string set once when the stream is first written.
+//! The replica records `(epoch, seq)` of the last change it holds.
+//!
+//! - Incremental: `XREAD BLOCK` from `{seq}-0` on all groups' streams at
+//!   once; each entry must carry exactly `seq + 1`. Entries are applied to the
+//!   replica in order; a checkpoint (rows flushed, then the cursor) follows at
+//!   most every `checkpoint_interval_ms`. After a disconnect the next session
+//!   resumes from the cursor; replaying an entry twice is harmless because
+//!   every entry carries a whole value.
+//! - Full resync when the cursor cannot be continued: a different epoch (the
+//!   data was replaced), a counter below the cursor (the data went back), or
+//!   a gap (the stream was trimmed past the cursor, or deleted). It notes the
+//!   counter first, copies every `{group}:*` key with SCAN + MGET into a fresh
+//!   file, checkpoints it at the noted counter and swaps it in; the stream
+//!   entries written meanwhile are then replayed by the incremental loop, so
+//!   nothing written during the copy is lost.
+//! - Bad data (a key that is not `{group}:{u64}`, a value of the wrong
+//!   length, a non-string key, a malformed stream entry) is skipped, counted
+//!   and logged with the key; the refresh goes on.
+//! - Failures: reconnects with capped exponential backoff and jitter; after
+//!   `breaker_failures` consecutive failures the breaker is open (exported)
+//!   and the thread keeps probing at the capped interval. Shards never wait:
+//!   they keep reading the replica, and staleness grows.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::contract::{self, ContractError};
+use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
+use super::status::{FeedStatus, GroupStatus, StalePolicy};
+use crate::deadline::{Clock, MonotonicClock};
+use crate::replica::{temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
+
+/// The `[feed]` section: where Redis is and how the refresher behaves.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FeedConfig {
+    /// `redis://[user:password@]host:port[/db]`.
+    pub redis: String,
+    /// How long one XREAD waits for new entries.
+    pub block_ms: u64,
+    /// Stream entries read per round trip.
+    pub batch_entries_max: usize,
+    /// Keys per MGET during a full sync.
+    pub sync_batch_keys_max: usize,
+    /// Most time between durable checkpoints while changes arrive.
+    pub checkpoint_interval_ms: u64,
+    /// How often an idle refresher re-checks epoch, counter and stream.
+    pub check_interval_ms: u64,
+    pub backoff_ms_min: u64,
+    pub backoff_ms_max: u64,
+    /// Consecutive failed attempts that open the breaker.
+    pub breaker_failures: u32,
+    /// Staleness (time since a group was last known current) past which
+    /// responses are flagged or readiness fails.
+    pub staleness_max_ms: u64,
+    pub stale_policy: StalePolicy,
+    /// How long start-up may spend on a first full sync when no usable
+    /// replica file exists.
+    pub initial_sync_timeout_ms: u64,
+    pub user_storage: Storage,
+    pub item_storage: Storage,
+    /// Dimensions for groups that have no replica file yet; default: the
+    /// default model's input sizes.
+    pub user_dim: Option<u32>,
+    pub item_dim: Option<u32>,
+}
+
+impl Default for FeedConfig {
+    fn default() -> FeedConfig {
+        FeedConfig {
+            redis: "redis://127.0.0.1:6379".into(),
+            block_ms: 100,
+            batch_entries_max: 1000,
+            sync_batch_keys_max: 1000,
+            checkpoint_interval_ms: 200,
+            check_interval_ms: 1000,
+            backoff_ms_min: 20,
+            backoff_ms_max: 2000,
+            breaker_failures: 3,
+            staleness_max_ms: 5000,
+            stale_policy: StalePolicy::Flag,
+            initial_sync_timeout_ms: 60_000,
+            user_storage: Storage::F32,
+            item_storage: Storage::F32,
+            user_dim: None,
+            item_dim: None,
+        }
+    }
+}
+
+impl FeedConfig {
+    pub fn storage(&self, group: &str) -> Storage {
+        if group == "user" {
+            self.user_storage
+        } else {
+            self.item_storage
+        }
+    }
+}
+
+/// Why a refresh session ended or a sync failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RefreshError {
+    #[error("redis: {0}")]
+    Redis(#[from] RedisError),
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error("redis replied to {command} with an unexpected shape: {what}")]
+    Reply { command: &'static str, what: String },
+    #[error("{0}")]
+    Url(String),
+    #[error("initial sync of '{group}' did not finish: {why}")]
+    InitialSync { group: String, why: String },
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A stream entry id `{ms}-{n}`.
+fn parse_id(id: &[u8]) -> Option<(u64, u64)> {
+    let s = std::str::from_utf8(id).ok()?;
+    let (a, b) = s.split_once('-')?;
+    Some((a.parse().ok()?, b.parse().ok()?))
+}
+
+fn parse_u64(reply: &Reply) -> Option<u64> {
+    match reply {
+        Reply::Nil => Some(0),
+        Reply::Int(n) => u64::try_from(*n).ok(),
+        Reply::Bulk(b) | Reply::Simple(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn shape(command: &'static str, what: impl Into<String>) -> RefreshError {
+    RefreshError::Reply { command, what: what.into() }
+}
+
+/// The epoch and counter Redis holds for a group now (0 when absent).
+fn position(conn: &mut RedisConn, group: &str) -> Result<(u64, u64), RefreshError> {
+    let replies = conn.pipeline(&[
+        vec![b"GET".to_vec(), contract::epoch_key(group).into_bytes()],
+        vec![b"GET".to_vec(), contract::seq_key(group).into_bytes()],
+    ])?;
+    let get = |r: &Reply| parse_u64(r).ok_or_else(|| shape("GET", format!("{r:?}")));
+    Ok((get(&replies[0])?, get(&replies[1])?))
+}
+
+/// Copies every `{group}:*` key from Redis into a fresh replica file at a
+/// temporary name beside `path`; the caller swaps it in. The returned writer
+/// is checkpointed at the counter noted before the copy began.
+pub fn full_sync(
+    conn: &mut RedisConn,
+    group: &str,
+    path: &Path,
+    dim: usize,
+    storage: Storage,
+    default: &[f32],
+    batch_keys_max: usize,
+    status: Option<&GroupStatus>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<ReplicaWriter, RefreshError> {
+    let (epoch, tail) = position(conn, group)?;
+    let tmp = temp_path(path, "sync");
+    let capacity = status.map_or(0, |s| s.live_rows.load(Ordering::Relaxed)).max(1024) * 5 / 4;
+    let mut fresh = ReplicaWriter::create(&tmp, group, dim as u32, storage, capacity, default)?;
+    let pattern = format!("{group}:*");
+    let count = batch_keys_max.max(1).to_string();
+    let mut cursor = b"0".to_vec();
+    let mut copied = 0u64;
+    loop {
+        let reply = conn.command(&[b"SCAN", &cursor, b"MATCH", pattern.as_bytes(), b"COUNT", count.as_bytes()])?;
+        let mut parts = reply.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
+        let (Some(next), Some(keys)) = (parts.next(), parts.next()) else {
+            return Err(shape("SCAN", "fewer than two elements"));
+        };
+        cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "cursor is not a string"))?;
+        let keys: Vec<Vec<u8>> = keys
+            .into_array()
+            .ok_or_else(|| shape("SCAN", "keys are not an array"))?
+            .into_iter()
+            .filter_map(Reply::into_bytes)
+            .collect();
+        for chunk in keys.chunks(batch_keys_max.max(1)) {
+            let mut mget: Vec<&[u8]> = vec![b"MGET"];
+            mget.extend(chunk.iter().map(Vec::as_slice));
+            let values = conn.command(&mget)?.into_array().ok_or_else(|| shape("MGET", "not an array"))?;
+            if values.len() != chunk.len() {
+                return Err(shape("MGET", format!("{} values for {} keys", values.len(), chunk.len())));
+            }
+            for (key, value) in chunk.iter().zip(values) {
+                let applied = match value {
+                    Reply::Bulk(bytes) => entity(group, key, &bytes, dim).map(|(id, v)| fresh.upsert(id, &v)),
+                    // MGET answers nil for a key of another type.
+                    _ => Err(format!("key {} is not a string", String::from_utf8_lossy(key))),
+                };
+                match applied {
+                    Ok(result) => {
+                        result?;
+                        copied += 1;
+                    }
+                    Err(why) => skip(status, group, &why),
+                }
+            }
+            progress(copied);
+            if let Some(s) = status {
+                s.sync_rows.store(copied, Ordering::Relaxed);
+            }
+        }
+        if cursor == b"0" {
+            break;
+        }
+    }
+    fresh.checkpoint(Cursor { epoch, seq: tail, change_unix_ms: 0 })?;
+    Ok(fresh)
+}
+
+/// The id and vector of an entity key and value, or why they are bad data.
+fn entity(group: &str, key: &[u8], value: &[u8], dim: usize) -> Result<(u64, Vec<f32>), String> {
+    let name = || String::from_utf8_lossy(key).into_owned();
+    let id = contract::parse_entity_key(group, key).ok_or_else(|| format!("key {} is not {group}:<u64>", name()))?;
+    let v = contract::decode_vector(value, dim).map_err(|e: ContractError| format!("key {}: {e}", name()))?;
+    Ok((id, v))
+}
+
+fn skip(status: Option<&GroupStatus>, group: &str, why: &str) {
+    tracing::warn!(group, "skipped bad feature data: {why}");
+    if let Some(s) = status {
+        GroupStatus::bump(&s.skipped_total, 1);
+    }
+}
+
+/// One group's writer and where its stream is read from.
+struct Group {
+    name: String,
+    writer: ReplicaWriter,
+    index: usize,
+    dim: usize,
+    storage: Storage,
+    /// Last stream id consumed (applied or skipped); XREAD continues after it.
+    read_id: (u64, u64),
+    unflushed: bool,
+    last_checkpoint_ns: u64,
+}
+
+/// Why the incremental loop must stop for one group.
+enum Needs {
+    Nothing,
+    /// An entry whose sequence number skips past the cursor's successor.
+    Gap { cursor_seq: u64, entry_seq: u64 },
+}
+
+/// The refresher thread's state.
+pub struct Refresher {
+    config: FeedConfig,
+    redis: RedisConfig,
+    groups: Vec<Group>,
+    status: Arc<FeedStatus>,
+    clock: MonotonicClock,
+}
+
+impl Refresher {
+    /// `writers` are opened (or freshly created) replicas, one per group, in
+    /// the order of `status.groups`.
+    pub fn new(
+        config: FeedConfig,
+        writers: Vec<ReplicaWriter>,
+        status: Arc<FeedStatus>,
+    ) -> Result<Refresher, RefreshError> {
+        let redis = RedisConfig::from_url(&config.redis).map_err(|e| RefreshError::Url(e.to_string()))?;
+        let clock = MonotonicClock::new();
+        let groups = writers
+            .into_iter()
+            .enumerate()
+            .map(|(index, writer)| {
+                let name = status.groups[index].name.clone();
+                let cursor = writer.cursor();
+                let s = &status.groups[index];
+                s.applied_seq.store(cursor.seq, Ordering::Relaxed);
+                s.change_unix_ms.store(cursor.change_unix_ms, Ordering::Relaxed);
+                s.live_rows.store(writer.live_rows(), Ordering::Relaxed);
+                Group {
+                    dim: writer.table().dim(),
+                    storage: config.storage(&name),
+                    name,
+                    writer,
+                    index,
+                    read_id: (cursor.seq, 0),
+                    unflushed: false,
+                    last_checkpoint_ns: 0,
+                }
+            })
+            .collect();
+        Ok(Refresher { config, redis, groups, status, clock })
+    }
+
+    fn connect(&self) -> Result<RedisConn, RefreshError> {
+        let mut conn = RedisConn::connect(&self.redis)?;
+        conn.set_read_timeout_ms(self.config.block_ms + self.redis.io_timeout_ms)?;
+        Ok(conn)
+    }
+
+    /// Brings the named groups up to date before serving starts: used when a
+    /// group had no usable replica file. Bounded by `initial_sync_timeout_ms`.
+    pub fn initial_sync(&mut self, names: &[String]) -> Result<(), RefreshError> {
+        let started = self.clock.now_ns();
+        let bound_ns = self.config.initial_sync_timeout_ms * 1_000_000;
+        let mut backoff = Backoff::new(self.config.backoff_ms_min, self.config.backoff_ms_max);
+        for i in 0..self.groups.len() {
+            if !names.contains(&self.groups[i].name) {
+                continue;
+            }
+            loop {
+                let attempt = self.connect().and_then(|mut conn| self.resync(&mut conn, i));
+                match attempt {
+                    Ok(()) => break,
+                    Err(e) if self.clock.now_ns() - started > bound_ns => {
+                        return Err(RefreshError::InitialSync { group: self.groups[i].name.clone(), why: e.to_string() })
+                    }
+                    Err(e) => {
+                        tracing::warn!(group = %self.groups[i].name, "initial sync: {e}; retrying");
+                        std::thread::sleep(backoff.next());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the refresher on its own thread until `stop` is set.
+    pub fn spawn(mut self, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
+        std::thread::Builder::new().name("quiver-feed".into()).spawn(move || self.run(&stop))
+    }
+
+    fn run(&mut self, stop: &AtomicBool) {
+        let mut backoff = Backoff::new(self.config.backoff_ms_min, self.config.backoff_ms_max);
+        let mut failures = 0u32;
+        while !stop.load(Ordering::Relaxed) {
+            let result = self.connect().and_then(|mut conn| {
+                self.status.connected.store(true, Ordering::Relaxed);
+                if failures > 0 {
+                    tracing::info!(addr = %self.redis.addr, "redis reachable again");
+                }
+                failures = 0;
+                backoff.reset();
+                self.status.breaker_open.store(false, Ordering::Relaxed);
+                self.session(&mut conn, stop)
+            });
+            self.status.connected.store(false, Ordering::Relaxed);
+            if let Err(e) = result {
+                failures += 1;
+                GroupStatus::bump(&self.status.connect_failures_total, 1);
+                if failures == 1 {
+                    tracing::warn!(addr = %self.redis.addr, "redis: {e}; serving from the replica, reconnecting");
+                }
+                if failures == self.config.breaker_failures {
+                    self.status.breaker_open.store(true, Ordering::Relaxed);
+                    tracing::warn!(addr = %self.redis.addr, failures, "redis breaker open: probing at the capped interval");
+                }
+                let pause = backoff.next();
+                let until = self.clock.now_ns() + pause.as_nanos() as u64;
+                while !stop.load(Ordering::Relaxed) && self.clock.now_ns() < until {
+                    std::thread::sleep(Duration::from_millis(10).min(pause));
+                }
+            }
+            self.checkpoint_all(true);
+        }
+        self.checkpoint_all(true);
+    }
+
+    fn checkpoint_all(&mut self, force: bool) {
+        let now = self.clock.now_ns();
+        let interval = self.config.checkpoint_interval_ms * 1_000_000;
+        for g in &mut self.groups {
+            if g.unflushed && (force || now - g.last_checkpoint_ns >= interval) {
+                let cursor = g.writer.cursor();
+                match g.writer.checkpoint(cursor) {
+                    Ok(()) => {
+                        g.unflushed = false;
+                        g.last_checkpoint_ns = now;
+                    }
+                    Err(e) => tracing::error!(group = %g.name, "checkpoint failed: {e}"),
+                }
+            }
+        }
+    }
+
+    /// One connected session: check every group's position, then follow the
+    /// streams until an error or `stop`.
+    fn session(&mut self, conn: &mut RedisConn, stop: &AtomicBool) -> Result<(), RefreshError> {
+        for i in 0..self.groups.len() {
+            self.check(conn, i)?;
+        }
+        let mut last_check_ns = self.clock.now_ns();
+        let check_ns = self.config.check_interval_ms * 1_000_000;
+        while !stop.load(Ordering::Relaxed) {
+            let mut args: Vec<Vec<u8>> = vec![
+                b"XREAD".to_vec(),
+                b"COUNT".to_vec(),
+                self.config.batch_entries_max.max(1).to_string().into_bytes(),
+                b"BLOCK".to_vec(),
+                self.config.block_ms.to_string().into_bytes(),
+                b"STREAMS".to_vec(),
+            ];
+            args.extend(self.groups.iter().map(|g| contract::stream_key(&g.name).into_bytes()));
+            args.extend(self.groups.iter().map(|g| format!("{}-{}", g.read_id.0, g.read_id.1).into_bytes()));
+            let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+            let reply = conn.command(&refs)?;
+            let now = self.clock.now_ns();
+            let mut behind = vec![false; self.groups.len()];
+            if let Reply::Array(streams) = reply {
+                for stream in streams {
+                    let mut parts = stream.into_array().ok_or_else(|| shape("XREAD", "stream is not an array"))?;
+                    let entries = parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
+                    let name = parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
+                    let Some(i) = self.groups.iter().position(|g| contract::stream_key(&g.name).as_bytes() == name)
+                    else {
+                        return Err(shape("XREAD", "a stream that was not asked for"));
+                    };
+                    behind[i] = entries.len() >= self.config.batch_entries_max;
+                    if let Needs::Gap { cursor_seq, entry_seq } = self.apply(i, entries)? {
+                        self.gap(conn, i, cursor_seq, entry_seq)?;
+                        behind[i] = true;
+                    }
+                }
+            }
+            for (g, behind) in self.groups.iter().zip(behind) {
+                let s = &self.status.groups[g.index];
+                s.contact_ns.store(now, Ordering::Relaxed);
+                if !behind {
+                    s.caught_up_ns.store(now, Ordering::Relaxed);
+                }
+            }
+            self.checkpoint_all(false);
+            if self.clock.now_ns() - last_check_ns >= check_ns {
+                for i in 0..self.groups.len() {
+                    self.check(conn, i)?;
+                }
+                last_check_ns = self.clock.now_ns();
+            }
+        }
+        Ok(())
+    }
+
+    /// Compares the group's cursor with Redis and resyncs if it cannot be
+    /// continued.
+    fn check(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+        let g = &self.groups[i];
+        let cursor = g.writer.cursor();
+        let (epoch, seq) = position(conn, &g.name)?;
+        let why = if g.writer.table().storage() != g.storage {
+            Some(format!("stored as {:?}, configured as {:?}", g.writer.table().storage(), g.storage))
+        } else if epoch != cursor.epoch {
+            Some(format!("epoch {epoch} in redis, {} in the replica", cursor.epoch))
+        } else if seq < cursor.seq {
+            Some(format!("redis counter {seq} is behind the replica's {}", cursor.seq))
+        } else if seq > cursor.seq {
+            // The next entry must still be in the stream.
+            let from = format!("{}-0", cursor.seq + 1);
+            let reply = conn.command(&[b"XRANGE", contract::stream_key(&g.name).as_bytes(), from.as_bytes(), b"+", b"COUNT", b"1"])?;
+            let first = reply.into_array().unwrap_or_default().into_iter().next();
+            let first_id = first
+                .and_then(Reply::into_array)
+                .and_then(|e| e.into_iter().next())
+                .and_then(Reply::into_bytes)
+                .and_then(|id| parse_id(&id));
+            match first_id {
+                Some((s, 0)) if s == cursor.seq + 1 => None,
+                Some((s, _)) => Some(format!("stream starts at {s}, the replica needs {}", cursor.seq + 1)),
+                None => Some(format!("stream is missing entries after {}", cursor.seq)),
+            }
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            tracing::warn!(group = %g.name, "{why}: full resync");
+            self.resync(conn, i)?;
+        }
+        Ok(())
+    }
+
+    /// An entry skipped past the cursor: either the stream lost entries the
+    /// replica needs (resync), or the entry was not written by the contract's
+    /// script, since its number is beyond the counter (skip it).
+    fn gap(&mut self, conn: &mut RedisConn, i: usize, cursor_seq: u64, entry_seq: u64) -> Result<(), RefreshError> {
+        let (_, counter) = position(conn, &self.groups[i].name)?;
+        let g = &mut self.groups[i];
+        if entry_seq > counter {
+            g.read_id = (entry_seq, 0);
+            let why = format!("stream entry {entry_seq}-0 is beyond the counter {counter}: not written by the contract");
+            skip(Some(&self.status.groups[g.index]), &g.name, &why);
+            return Ok(());
+        }
+        tracing::warn!(group = %g.name, cursor_seq, entry_seq, "gap in the stream: full resync");
+        self.resync(conn, i)
+    }
+
+    /// Replaces group `i`'s replica with a full copy of Redis.
+    fn resync(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+        let g = &mut self.groups[i];
+        let s = &self.status.groups[g.index];
+        let started = self.clock.now_ns();
+        let default = g.writer.table().default_vector();
+        let fresh = full_sync(
+            conn,
+            &g.name,
+            g.writer.path(),
+            g.dim,
+            g.storage,
+            &default,
+            self.config.sync_batch_keys_max,
+            Some(s),
+            &mut |_| {},
+        )?;
+        g.writer.replace(fresh)?;
+        let cursor = g.writer.cursor();
+        g.read_id = (cursor.seq, 0);
+        g.unflushed = false;
+        g.last_checkpoint_ns = self.clock.now_ns();
+        s.applied_seq.store(cursor.seq, Ordering::Relaxed);
+        s.live_rows.store(g.writer.live_rows(), Ordering::Relaxed);
+        GroupStatus::bump(&s.resyncs_total, 1);
+        tracing::info!(
+            group = %g.name, rows = g.writer.live_rows(), seq = cursor.seq,
+            ms = (self.clock.now_ns() - started) / 1_000_000, "full sync done"
+        );
+        Ok(())
+    }
+
+    /// Applies stream entries to group `i` in order.
+    fn apply(&mut self, i: usize, entries: Vec<Reply>) -> Result<Needs, RefreshError> {
+        let g = &mut self.groups[i];
+        let s = &self.status.groups[g.index];
+        for entry in entries {
+            let mut parts = entry.into_array().ok_or_else(|| shape("XREAD", "entry is not an array"))?.into_iter();
+            let id = parts.next().and_then(Reply::into_bytes).and_then(|b| parse_id(&b));
+            let fields = parts.next().and_then(Reply::into_array).unwrap_or_default();
+            let Some(id) = id else {
+                return Err(shape("XREAD", "entry without a valid id"));
+            };
+            let mut cursor = g.writer.cursor();
+            if id.1 != 0 || id.0 <= cursor.seq {
+                // Not written by the contract's script: its ids are `{seq}-0`.
+                g.read_id = id;
+                skip(Some(s), &g.name, &format!("stream entry {}-{} has no contract sequence number", id.0, id.1));
+                continue;
+            }
+            if id.0 != cursor.seq + 1 {
+                return Ok(Needs::Gap { cursor_seq: cursor.seq, entry_seq: id.0 });
+            }
+            g.read_id = id;
+            cursor.seq = id.0;
+            match change(&g.name, &fields, g.dim) {
+                Ok((id, Some(v), t)) => {
+                    g.writer.upsert(id, &v)?;
+                    cursor.change_unix_ms = t;
+                }
+                Ok((id, None, t)) => {
+                    g.writer.delete(id);
+                    cursor.change_unix_ms = t;
+                }
+                Err(why) => skip(Some(s), &g.name, &format!("stream entry {}: {why}", cursor.seq)),
+            }
+            g.writer.set_cursor(cursor);
+            g.unflushed = true;
+            s.applied_seq.store(cursor.seq, Ordering::Relaxed);
+            s.change_unix_ms.store(cursor.change_unix_ms, Ordering::Relaxed);
+            GroupStatus::bump(&s.applied_total, 1);
+        }
+        s.live_rows.store(g.writer.live_rows(), Ordering::Relaxed);
+        Ok(Needs::Nothing)
+    }
+}
+
+/// Decodes a stream entry's fields: `k <key> v <bytes> t <ms>` for a put,
+/// `k <key> d 1 t <ms>` for a delete.
+fn change(group: &str, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<f32>>, u64), String> {
+    let mut key = None;
+    let mut value = None;
+    let mut deleted = false;
+    let mut t = 0;
+    for pair in fields.chunks(2) {
+        let (Some(f), Some(v)) = (pair[0].as_bytes(), pair.get(1).and_then(Reply::as_bytes)) else {
+            return Err("fields are not name/value strings".into());
+        };
+        match f {
+            b"k" => key = Some(v),
+            b"v" => value = Some(v),
+            b"d" => deleted = true,
+            b"t" => t = std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()).unwrap_or(0),
+            _ => {}
+        }
+    }
+    let key = key.ok_or("no key field 'k'")?;
+    match (value, deleted) {
+        (Some(bytes), false) => entity(group, key, bytes, dim).map(|(id, v)| (id, Some(v), t)),
+        (None, true) => contract::parse_entity_key(group, key)
+            .map(|id| (id, None, t))
+            .ok_or_else(|| format!("key {} is not {group}:<u64>", String::from_utf8_lossy(key))),
+        _ => Err(format!("key {}: neither a value 'v' nor a delete 'd'", String::from_utf8_lossy(key))),
+    }
+}
+
+/// Capped exponential backoff with jitter, so that many servers losing the
+/// same Redis do not reconnect in lockstep.
+struct Backoff {
+    min_ms: u64,
+    max_ms: u64,
+    next_ms: u64,
+    rng: u64,
+}
+
+impl Backoff {
+    fn new(min_ms: u64, max_ms: u64) -> Backoff {
+        let seed = unix_ms() ^ u64::from(std::process::id()).rotate_left(32);
+        Backoff { min_ms: min_ms.max(1), max_ms: max_ms.max(min_ms.max(1)), next_ms: min_ms.max(1), rng: seed | 1 }
+    }
+
+    fn reset(&mut self) {
+        self.next_ms = self.min_ms;
+    }
+
+    /// A pause drawn uniformly from [next/2, next], then doubles next.
+    fn next(&mut self) -> Duration {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let half = self.next_ms / 2;
+        let ms = half + self.rng % (self.next_ms - half + 1);
+        self.next_ms = (self.next_ms * 2).min(self.max_ms);
+        Duration::from_millis(ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_cap_with_jitter_and_resets() {
+        let mut b = Backoff::new(20, 1000);
+        let pauses: Vec<u64> = (0..12).map(|_| b.next().as_millis() as u64).collect();
+        assert!((10..=20).contains(&pauses[0]), "{pauses:?}");
+        assert!(pauses[11] >= 500 && pauses[11] <= 1000, "{pauses:?}");
+        assert!(pauses.windows(2).any(|w| w[0] != w[1]));
+        b.reset();
+        assert!(b.next().as_millis() <= 20);
+    }
+
+    #[test]
+    fn stream_entries_decode_or_say_why_not() {
+        let bulk = |s: &[u8]| Reply::Bulk(s.to_vec());
+        let v = contract::encode_vector(&[1.0, 2.0]);
+        let put = [bulk(b"k"), bulk(b"user:7"), bulk(b"v"), Reply::Bulk(v.clone()), bulk(b"t"), bulk(b"123")];
+        assert_eq!(change("user", &put, 2), Ok((7, Some(vec![1.0, 2.0]), 123)));
+        let del = [bulk(b"k"), bulk(b"user:8"), bulk(b"d"), bulk(b"1"), bulk(b"t"), bulk(b"5")];
+        assert_eq!(change("user", &del, 2), Ok((8, None, 5)));
+        assert!(change("user", &put, 3).unwrap_err().contains("user:7"));
+        let foreign = [bulk(b"k"), bulk(b"item:7"), bulk(b"v"), Reply::Bulk(v)];
+        assert!(change("user", &foreign, 2).unwrap_err().contains("item:7"));
+        assert!(change("user", &[bulk(b"x"), bulk(b"y")], 2).unwrap_err().contains("no key"));
+        assert!(change("user", &[bulk(b"k")], 2).is_err());
+        assert_eq!(parse_id(b"17-0"), Some((17, 0)));
+        assert_eq!(parse_id(b"17"), None);
+    }
+}
