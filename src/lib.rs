@@ -11,6 +11,7 @@ pub mod client;
 pub mod config;
 pub mod deadline;
 pub mod demo;
+pub mod feed;
 pub mod infer;
 pub mod ladder;
 pub mod loadgen;
@@ -39,6 +40,8 @@ pub enum Error {
     Layout(#[from] request::LayoutError),
     #[error(transparent)]
     Registry(#[from] registry::RegistryError),
+    #[error(transparent)]
+    Feed(#[from] feed::FeedError),
     #[error("{0}")]
     Setup(String),
 }
