@@ -231,7 +231,8 @@ impl prometheus_client::collector::Collector for QuiverCollector {
 /// the connection.
 fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(), std::fmt::Error> {
     let now_ns = MonotonicClock::new().now_ns();
-    let now_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let now_unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let seconds = Unit::Seconds;
     type Get = fn(&GroupStatus, u64, u64) -> f64;
     let gauges: [(&str, &str, Option<&Unit>, Get); 5] = [
@@ -245,18 +246,24 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
             Some(&seconds),
             |g, now_ns, _| g.staleness_ns(now_ns) as f64 / 1e9,
         ),
-        ("quiver_replica_contact_age", "Time since the refresher last heard from Redis.", Some(&seconds), |g, now_ns, _| {
-            match g.contact_ns.load(Relaxed) {
+        (
+            "quiver_replica_contact_age",
+            "Time since the refresher last heard from Redis.",
+            Some(&seconds),
+            |g, now_ns, _| match g.contact_ns.load(Relaxed) {
                 0 => f64::INFINITY,
                 t => now_ns.saturating_sub(t) as f64 / 1e9,
-            }
-        }),
-        ("quiver_replica_change_age", "Age of the last applied change (its write time in Redis).", Some(&seconds), |g, _, now_ms| {
-            match g.change_unix_ms.load(Relaxed) {
+            },
+        ),
+        (
+            "quiver_replica_change_age",
+            "Age of the last applied change (its write time in Redis).",
+            Some(&seconds),
+            |g, _, now_ms| match g.change_unix_ms.load(Relaxed) {
                 0 => f64::INFINITY,
                 t => now_ms.saturating_sub(t) as f64 / 1e3,
-            }
-        }),
+            },
+        ),
     ];
     for (name, help, unit, get) in gauges {
         let mut e = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
@@ -280,13 +287,28 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         }
     }
     encoder
-        .encode_descriptor("quiver_redis_connected", "1 while the refresher holds a Redis connection.", None, MetricType::Gauge)?
+        .encode_descriptor(
+            "quiver_redis_connected",
+            "1 while the refresher holds a Redis connection.",
+            None,
+            MetricType::Gauge,
+        )?
         .encode_gauge(&i64::from(feed.connected.load(Relaxed)))?;
     encoder
-        .encode_descriptor("quiver_redis_breaker_open", "1 while the Redis circuit breaker is open.", None, MetricType::Gauge)?
+        .encode_descriptor(
+            "quiver_redis_breaker_open",
+            "1 while the Redis circuit breaker is open.",
+            None,
+            MetricType::Gauge,
+        )?
         .encode_gauge(&i64::from(feed.breaker_open.load(Relaxed)))?;
     encoder
-        .encode_descriptor("quiver_redis_failures", "Failed Redis connections and sessions.", None, MetricType::Counter)?
+        .encode_descriptor(
+            "quiver_redis_failures",
+            "Failed Redis connections and sessions.",
+            None,
+            MetricType::Counter,
+        )?
         .encode_counter::<NoLabelSet, _, u64>(&feed.connect_failures_total.load(Relaxed), None)?;
     Ok(())
 }

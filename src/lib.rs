@@ -11,6 +11,7 @@ pub mod client;
 pub mod config;
 pub mod deadline;
 pub mod demo;
+pub mod feed;
 pub mod infer;
 pub mod ladder;
 pub mod loadgen;
@@ -41,6 +42,8 @@ pub enum Error {
     Registry(#[from] registry::RegistryError),
     #[error(transparent)]
     Refresh(#[from] feed::RefreshError),
+    #[error(transparent)]
+    Feed(#[from] feed::FeedError),
     #[error("{0}")]
     Setup(String),
 }

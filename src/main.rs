@@ -15,7 +15,6 @@ use quiver::infer::{self, StageConfig};
 use quiver::ladder::Faults;
 use quiver::loadgen::{self, BenchOptions};
 use quiver::metrics::{self, Readiness};
-use quiver::feed;
 use quiver::model::{Model, Source};
 use quiver::registry::{Fit, Registry};
 use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle, Storage};
@@ -23,7 +22,7 @@ use quiver::request::Shared;
 use quiver::score::BackendKind;
 use quiver::shard::{self, ShardPlacement};
 use quiver::wire::{status_name, tier_name, RequestSpec, Status};
-use quiver::{demo, Error};
+use quiver::{demo, feed, Error};
 
 #[derive(Parser)]
 #[command(name = "quiver", version, about = "Real-time ML scoring server")]
@@ -45,6 +44,9 @@ enum Command {
     /// Feature replica files.
     #[command(subcommand)]
     Replica(ReplicaCommand),
+    /// Write features to Redis, the source of truth that replicas follow.
+    #[command(subcommand)]
+    Features(FeaturesCommand),
     /// Watch a running server: per-stage latency, rates and tiers, every second.
     Stats {
         /// The server's admin address.
@@ -271,6 +273,57 @@ enum ReplicaCommand {
     },
 }
 
+#[derive(Subcommand)]
+enum FeaturesCommand {
+    /// Set one entity's vector.
+    Put {
+        #[command(flatten)]
+        target: FeedTarget,
+        #[arg(long)]
+        id: u64,
+        /// The vector, comma-separated.
+        #[arg(long, value_delimiter = ',', allow_hyphen_values = true, required = true)]
+        values: Vec<f32>,
+    },
+    /// Delete one entity.
+    Delete {
+        #[command(flatten)]
+        target: FeedTarget,
+        #[arg(long)]
+        id: u64,
+    },
+    /// Write every row of a text file (the `replica build` format) to Redis.
+    Load {
+        #[command(flatten)]
+        target: FeedTarget,
+        #[arg(long)]
+        input: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct FeedTarget {
+    /// redis://[user:password@]host:port[/db]
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis: String,
+    /// Feature group, e.g. user or item.
+    #[arg(long)]
+    group: String,
+    /// Approximate bound on the group's change stream (XADD MAXLEN ~).
+    #[arg(long, default_value_t = feed::contract::STREAM_MAXLEN_DEFAULT)]
+    stream_maxlen: u64,
+}
+
+impl FeedTarget {
+    fn publisher(&self) -> Result<feed::Publisher, Error> {
+        feed::contract::check_group(&self.group).map_err(feed::FeedError::from)?;
+        let config = feed::RedisConfig::from_url(&self.redis).map_err(feed::FeedError::from)?;
+        let conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
+        let publisher = feed::Publisher::new(conn).map_err(feed::FeedError::from)?;
+        Ok(publisher.with_stream_maxlen(self.stream_maxlen))
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -287,6 +340,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench(args),
         Command::Import(args) => import(args),
         Command::Replica(cmd) => replica(cmd),
+        Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
         Command::Stats { admin, interval, count } => stats(&admin, interval, count),
         Command::Demo { data_dir } => demo::ensure(&data_dir).map(|_| ExitCode::SUCCESS),
@@ -817,6 +871,68 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn features(cmd: FeaturesCommand) -> Result<ExitCode, Error> {
+    let publish_err = |e: feed::PublishError| Error::Feed(e.into());
+    match cmd {
+        FeaturesCommand::Put { target, id, values } => {
+            let seq = target.publisher()?.put(&target.group, id, &values).map_err(publish_err)?;
+            println!("{} seq {seq}", feed::contract::entity_key(&target.group, id));
+        }
+        FeaturesCommand::Delete { target, id } => {
+            let seq = target.publisher()?.delete(&target.group, id).map_err(publish_err)?;
+            println!("{} deleted, seq {seq}", feed::contract::entity_key(&target.group, id));
+        }
+        FeaturesCommand::Load { target, input } => {
+            let mut publisher = target.publisher()?;
+            let summary = feed::load::load_file(&mut publisher, &target.group, &input, load_progress())?;
+            if summary.defaults_skipped > 0 {
+                eprintln!(
+                    "note: skipped {} 'default' line(s): the default vector belongs to the replica, not Redis",
+                    summary.defaults_skipped
+                );
+            }
+            eprintln!(
+                "loaded {} entities of dim {} into group {} in {:.2} s ({:.0}/s), last seq {}",
+                summary.rows,
+                summary.dim,
+                target.group,
+                summary.elapsed_s,
+                summary.rows as f64 / summary.elapsed_s.max(1e-9),
+                summary.last_seq
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Progress for `features load` on stderr: one line rewritten in place on a terminal, an
+/// occasional plain line otherwise (so logs show the load is alive without flooding them).
+fn load_progress() -> impl FnMut(usize, usize) {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let interval = if tty { Duration::from_millis(200) } else { Duration::from_secs(5) };
+    let mut last: Option<Instant> = None;
+    move |done, total| {
+        let now = Instant::now();
+        let finished = done == total;
+        if !finished && last.is_some_and(|t| now.duration_since(t) < interval) {
+            return;
+        }
+        if last.is_none() && finished && !tty {
+            return;
+        }
+        last = Some(now);
+        let pct = 100.0 * done as f64 / total.max(1) as f64;
+        if tty {
+            eprint!("\r{done}/{total} entities ({pct:.0}%)");
+            if finished {
+                eprintln!();
+            }
+        } else {
+            eprintln!("{done}/{total} entities ({pct:.0}%)");
+        }
+    }
 }
 
 /// `quiver gpu-check`: exit 0 when every output matched the CPU reference,

@@ -257,7 +257,10 @@ struct Group {
 enum Needs {
     Nothing,
     /// An entry whose sequence number skips past the cursor's successor.
-    Gap { cursor_seq: u64, entry_seq: u64 },
+    Gap {
+        cursor_seq: u64,
+        entry_seq: u64,
+    },
 }
 
 /// The refresher thread's state.
@@ -325,7 +328,10 @@ impl Refresher {
                 match attempt {
                     Ok(()) => break,
                     Err(e) if self.clock.now_ns() - started > bound_ns => {
-                        return Err(RefreshError::InitialSync { group: self.groups[i].name.clone(), why: e.to_string() })
+                        return Err(RefreshError::InitialSync {
+                            group: self.groups[i].name.clone(),
+                            why: e.to_string(),
+                        })
                     }
                     Err(e) => {
                         tracing::warn!(group = %self.groups[i].name, "initial sync: {e}; retrying");
@@ -421,8 +427,10 @@ impl Refresher {
             if let Reply::Array(streams) = reply {
                 for stream in streams {
                     let mut parts = stream.into_array().ok_or_else(|| shape("XREAD", "stream is not an array"))?;
-                    let entries = parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
-                    let name = parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
+                    let entries =
+                        parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
+                    let name =
+                        parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
                     let Some(i) = self.groups.iter().position(|g| contract::stream_key(&g.name).as_bytes() == name)
                     else {
                         return Err(shape("XREAD", "a stream that was not asked for"));
@@ -467,7 +475,14 @@ impl Refresher {
         } else if seq > cursor.seq {
             // The next entry must still be in the stream.
             let from = format!("{}-0", cursor.seq + 1);
-            let reply = conn.command(&[b"XRANGE", contract::stream_key(&g.name).as_bytes(), from.as_bytes(), b"+", b"COUNT", b"1"])?;
+            let reply = conn.command(&[
+                b"XRANGE",
+                contract::stream_key(&g.name).as_bytes(),
+                from.as_bytes(),
+                b"+",
+                b"COUNT",
+                b"1",
+            ])?;
             let first = reply.into_array().unwrap_or_default().into_iter().next();
             let first_id = first
                 .and_then(Reply::into_array)
@@ -497,7 +512,8 @@ impl Refresher {
         let g = &mut self.groups[i];
         if entry_seq > counter {
             g.read_id = (entry_seq, 0);
-            let why = format!("stream entry {entry_seq}-0 is beyond the counter {counter}: not written by the contract");
+            let why =
+                format!("stream entry {entry_seq}-0 is beyond the counter {counter}: not written by the contract");
             skip(Some(&self.status.groups[g.index]), &g.name, &why);
             return Ok(());
         }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::refresher::{RefreshError, FeedConfig, Refresher};
+use super::refresher::{FeedConfig, RefreshError, Refresher};
 use super::status::FeedStatus;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::replica::{ReplicaError, ReplicaHandle, ReplicaWriter};

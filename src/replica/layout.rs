@@ -164,7 +164,13 @@ impl Layout {
         let payload_words = storage.payload_words(dim);
         let row_stride = align(ROW_HEADER_BYTES + payload_words * 4, 16);
         let rows_bytes = usize::try_from(row_capacity).ok()?.checked_mul(row_stride)?;
-        Some(Layout { index_offset, rows_offset, row_stride, payload_words, file_bytes: rows_offset.checked_add(rows_bytes)? })
+        Some(Layout {
+            index_offset,
+            rows_offset,
+            row_stride,
+            payload_words,
+            file_bytes: rows_offset.checked_add(rows_bytes)?,
+        })
     }
 }
 

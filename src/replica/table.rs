@@ -120,7 +120,9 @@ impl Replica {
     }
 
     fn default_bytes(&self) -> Vec<u8> {
-        (0..self.dim()).flat_map(|i| self.u32_at(DEFAULT_OFFSET + i * 4).load(Ordering::Relaxed).to_le_bytes()).collect()
+        (0..self.dim())
+            .flat_map(|i| self.u32_at(DEFAULT_OFFSET + i * 4).load(Ordering::Relaxed).to_le_bytes())
+            .collect()
     }
 
     /// Checks every index slot and the row it names.

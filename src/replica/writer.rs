@@ -87,7 +87,8 @@ impl ReplicaWriter {
             group: group.into(),
             row_count: 0,
         };
-        let layout = Layout::new(dim, storage, header.slot_count, row_capacity).expect("sizes within the row limit fit");
+        let layout =
+            Layout::new(dim, storage, header.slot_count, row_capacity).expect("sizes within the row limit fit");
         let _ = std::fs::remove_file(path);
         let file = File::options().read(true).write(true).create_new(true).open(path).map_err(io)?;
         lock(&file, &p)?;
@@ -115,10 +116,11 @@ impl ReplicaWriter {
     /// files a crash may have left beside it.
     pub fn open(path: &Path, group: &str) -> Result<(ReplicaWriter, OpenReport), ReplicaError> {
         let p = path.display().to_string();
-        let file = File::options().read(true).write(true).open(path).map_err(|source| ReplicaError::Io {
-            path: p.clone(),
-            source,
-        })?;
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| ReplicaError::Io { path: p.clone(), source })?;
         lock(&file, &p)?;
         for why in ["grow", "sync", "build"] {
             let _ = std::fs::remove_file(temp_path(path, why));
@@ -147,7 +149,11 @@ impl ReplicaWriter {
     /// first call and kept across growth and installs.
     pub fn handle(&mut self) -> Arc<ReplicaHandle> {
         let table = self.table.clone();
-        self.handle.get_or_insert_with(|| Arc::new(ReplicaHandle { current: arc_swap::ArcSwap::new(table.clone()), dim: table.dim() })).clone()
+        self.handle
+            .get_or_insert_with(|| {
+                Arc::new(ReplicaHandle { current: arc_swap::ArcSwap::new(table.clone()), dim: table.dim() })
+            })
+            .clone()
     }
 
     pub fn table(&self) -> &Arc<Replica> {

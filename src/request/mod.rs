@@ -18,12 +18,12 @@ use crate::admission::{Admission, AdmissionConfig};
 use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
+use crate::feed::FeedStatus;
 use crate::infer::{Done, Job, Outcome, ShardEnd};
 use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes};
 use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
-use crate::feed::FeedStatus;
 use crate::replica::ReplicaHandle;
 use crate::score::{self, Backend, BackendKind};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
@@ -712,6 +712,7 @@ impl<C: Clock> RequestPath<C> {
         self.counters.features_missing += u64::from(step.missing);
         self.counters.candidates_scored += step.rows as u64;
         let server_us = now_ns.saturating_sub(step.read_at_ns) / 1_000;
+        let features_stale = self.features_stale(now_ns);
         self.encoder.encode(
             &ResponseFields {
                 request_id: step.request_id,
@@ -723,7 +724,7 @@ impl<C: Clock> RequestPath<C> {
                 features_missing: u16::try_from(step.missing).unwrap_or(u16::MAX),
                 error: "",
                 reason,
-                features_stale: self.features_stale(now_ns),
+                features_stale,
             },
             out,
         );

@@ -14,6 +14,8 @@ use quiver::model::{sigmoid, Model};
 use quiver::replica::Replica;
 use quiver::wire::RequestSpec;
 
+pub mod redis;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_quiver");
 
 /// Documented INT8 tolerance: |score_int8 - score_f32| ≤ this (see README).

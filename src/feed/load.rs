@@ -1,0 +1,232 @@
+//! Bulk loading of a feature text file into Redis through the publish script.
+//!
+//! The input is the text format `quiver replica build` reads (`id,f0,f1,...` per line, `#`
+//! comments, blank lines ignored), so one file can seed both a replica and Redis. A `default`
+//! line has no meaning in Redis (the default vector belongs to the replica) and is skipped.
+//! The whole file is checked before the first write, so a bad line leaves Redis untouched.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::time::Instant;
+
+use super::contract::{check_group, PUT_BATCH_ROWS};
+use super::{FeedError, Publisher};
+use crate::replica::DIM_MAX;
+
+/// Rows handed to one [`Publisher::put_many`] call: several pipelined batches, so the parsed
+/// rows held in memory stay bounded however long the file is.
+const LOAD_CHUNK_ROWS: usize = 10 * PUT_BATCH_ROWS;
+
+/// What a load wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadSummary {
+    pub rows: usize,
+    pub dim: usize,
+    /// `default` lines skipped.
+    pub defaults_skipped: usize,
+    /// The sequence number of the last change written (0 when no rows).
+    pub last_seq: u64,
+    pub elapsed_s: f64,
+}
+
+/// One meaningful line of the text format.
+#[derive(Debug, PartialEq)]
+enum Line {
+    Row(u64, Vec<f32>),
+    Default(Vec<f32>),
+}
+
+/// What the checking pass learned about a file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FileCheck {
+    pub rows: usize,
+    pub dim: usize,
+    pub defaults: usize,
+}
+
+/// Checks the whole file (numbers, dimension, duplicate ids) without keeping its rows.
+pub fn check_file(path: &Path) -> Result<FileCheck, FeedError> {
+    let mut dim = None;
+    let mut defaults = 0;
+    // (id, line) pairs, sorted afterwards: duplicates become neighbours, at 16 bytes a row
+    // instead of a hash set's overhead.
+    let mut ids: Vec<(u64, usize)> = Vec::new();
+    for_each_line(path, &mut dim, |line_no, line| {
+        match line {
+            Line::Row(id, _) => ids.push((id, line_no)),
+            Line::Default(_) => defaults += 1,
+        }
+        Ok(())
+    })?;
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0].0 == w[1].0) {
+        let (first, second) = if w[0].1 < w[1].1 { (w[0].1, w[1].1) } else { (w[1].1, w[0].1) };
+        return Err(input_err(path, second, format!("duplicate id {} (first on line {first})", w[0].0)));
+    }
+    match dim {
+        Some(dim) => Ok(FileCheck { rows: ids.len(), dim, defaults }),
+        None => Err(input_err(path, 0, "no rows".into())),
+    }
+}
+
+/// Checks `path`, then writes every row to `group` in file order, calling
+/// `progress(done, total)` after each pipelined batch.
+pub fn load_file(
+    publisher: &mut Publisher,
+    group: &str,
+    path: &Path,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<LoadSummary, FeedError> {
+    check_group(group)?;
+    let started = Instant::now();
+    let check = check_file(path)?;
+    let mut chunk: Vec<(u64, Vec<f32>)> = Vec::with_capacity(LOAD_CHUNK_ROWS.min(check.rows));
+    let mut done = 0;
+    let mut last_seq = 0;
+    let mut dim = None;
+    let mut flush = |chunk: &mut Vec<(u64, Vec<f32>)>, done: &mut usize| -> Result<(), FeedError> {
+        let before = *done;
+        let seq = publisher.put_many(group, chunk, |n, _| progress(before + n, check.rows))?;
+        last_seq = last_seq.max(seq);
+        *done += chunk.len();
+        chunk.clear();
+        Ok(())
+    };
+    for_each_line(path, &mut dim, |_, line| {
+        if let Line::Row(id, values) = line {
+            chunk.push((id, values));
+            if chunk.len() == LOAD_CHUNK_ROWS {
+                flush(&mut chunk, &mut done)?;
+            }
+        }
+        Ok(())
+    })?;
+    if !chunk.is_empty() {
+        flush(&mut chunk, &mut done)?;
+    }
+    Ok(LoadSummary {
+        rows: done,
+        dim: check.dim,
+        defaults_skipped: check.defaults,
+        last_seq,
+        elapsed_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn input_err(path: &Path, line: usize, what: String) -> FeedError {
+    FeedError::Input { path: path.display().to_string(), line, what }
+}
+
+/// Calls `f` with each meaningful line and its 1-based number, holding every line (the
+/// `default` one included, as `replica build` does) to the dimension of the first.
+fn for_each_line(
+    path: &Path,
+    dim: &mut Option<usize>,
+    mut f: impl FnMut(usize, Line) -> Result<(), FeedError>,
+) -> Result<(), FeedError> {
+    let io_err = |source| FeedError::Io { path: path.display().to_string(), source };
+    let mut reader = BufReader::new(File::open(path).map_err(io_err)?);
+    let mut text = String::new();
+    let mut line_no = 0;
+    loop {
+        text.clear();
+        line_no += 1;
+        let n = reader.read_line(&mut text).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => input_err(path, line_no, "not UTF-8 text".into()),
+            _ => io_err(e),
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(line) = parse_line(&text).map_err(|what| input_err(path, line_no, what))? else {
+            continue;
+        };
+        let found = match &line {
+            Line::Row(_, values) | Line::Default(values) => values.len(),
+        };
+        match *dim {
+            None => *dim = Some(found),
+            Some(d) if d != found => {
+                return Err(input_err(path, line_no, format!("{found} values, earlier lines have {d}")));
+            }
+            Some(_) => {}
+        }
+        f(line_no, line)?;
+    }
+}
+
+fn fields(text: &str) -> impl Iterator<Item = &str> {
+    text.trim().split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty())
+}
+
+/// `Ok(None)` for blank and comment lines.
+fn parse_line(text: &str) -> Result<Option<Line>, String> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() || trimmed.starts_with('#') {
+        return Ok(None);
+    }
+    let mut parts = fields(trimmed);
+    let Some(id_field) = parts.next() else {
+        return Ok(None);
+    };
+    let mut values = Vec::new();
+    for f in parts {
+        let x: f32 = f.parse().map_err(|_| format!("'{f}' is not a number"))?;
+        if !x.is_finite() {
+            return Err(format!("'{f}' is not finite"));
+        }
+        values.push(x);
+    }
+    if values.is_empty() || values.len() > DIM_MAX as usize {
+        return Err(format!("{} values; expected 1 to {DIM_MAX}", values.len()));
+    }
+    if id_field == "default" {
+        return Ok(Some(Line::Default(values)));
+    }
+    let id: u64 = id_field.parse().map_err(|_| format!("'{id_field}' is not an unsigned 64-bit id"))?;
+    Ok(Some(Line::Row(id, values)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str, text: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("quiver-feed-load-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn lines_parse_like_replica_build() {
+        assert_eq!(parse_line("  # c\n").unwrap(), None);
+        assert_eq!(parse_line("\n").unwrap(), None);
+        assert_eq!(parse_line("7, 1.5 2\n").unwrap(), Some(Line::Row(7, vec![1.5, 2.0])));
+        assert_eq!(parse_line("default,0,0\n").unwrap(), Some(Line::Default(vec![0.0, 0.0])));
+        assert!(parse_line("7\n").unwrap_err().contains("0 values"));
+        assert!(parse_line("x,1\n").unwrap_err().contains("not an unsigned 64-bit id"));
+        assert!(parse_line("1,abc\n").unwrap_err().contains("'abc' is not a number"));
+        assert!(parse_line("1,inf\n").unwrap_err().contains("not finite"));
+    }
+
+    #[test]
+    fn check_names_the_bad_line() {
+        let p = file("ok.txt", "# header\ndefault,0,0\n1,1,2\n\n2,3,4\n");
+        assert_eq!(check_file(&p).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
+
+        let p = file("dim.txt", "1,1,2\n2,3\n");
+        assert_eq!(
+            check_file(&p).unwrap_err().to_string(),
+            format!("{}:2: 1 values, earlier lines have 2", p.display())
+        );
+        let p = file("default-dim.txt", "default,0\n2,3,4\n");
+        assert!(check_file(&p).unwrap_err().to_string().ends_with(":2: 2 values, earlier lines have 1"));
+        let p = file("dup.txt", "5,1\n6,1\n5,2\n");
+        assert!(check_file(&p).unwrap_err().to_string().ends_with(":3: duplicate id 5 (first on line 1)"));
+        let p = file("empty.txt", "# nothing\n");
+        assert!(check_file(&p).unwrap_err().to_string().ends_with("no rows"));
+    }
+}

@@ -1,0 +1,45 @@
+//! The Redis feed: how features get into Redis, the source of truth replicas follow.
+//!
+//! - [`resp`]: a blocking RESP2 connection (the only code that speaks the wire format);
+//! - [`contract`]: the key and stream layout writers and replicas agree on, and the
+//!   [`contract::Publisher`] that writes through the atomic publish script;
+//! - [`load`]: the bulk loader behind `quiver features load`;
+//! - [`refresher`]: the thread that keeps each replica equal to Redis (full
+//!   sync, stream replay, resync on gaps), and [`start`], which opens,
+//!   repairs or first syncs the replicas before serving;
+//! - [`status`]: the atomics through which the refresher reports position and
+//!   staleness to shards and the admin endpoint.
+
+pub mod contract;
+pub mod load;
+pub mod refresher;
+pub mod resp;
+pub mod start;
+pub mod status;
+
+pub use contract::{ContractError, PublishError, Publisher};
+pub use refresher::{FeedConfig, RefreshError};
+pub use resp::{RedisConfig, RedisConn, RedisError, Reply, UrlError};
+pub use start::{start, Feed, GroupSpec};
+pub use status::{FeedStatus, GroupStatus, StalePolicy};
+
+/// Anything the feed tools can fail with, each with a message fit for one line on stderr.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedError {
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    #[error(transparent)]
+    Redis(#[from] RedisError),
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+    #[error(transparent)]
+    Contract(#[from] ContractError),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {what}")]
+    Input { path: String, line: usize, what: String },
+}
