@@ -356,12 +356,11 @@ fn main() -> ExitCode {
     }
 }
 
+type Features = (Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>);
+
 /// The user and item replica handles: read-only files, or files the Redis
 /// feed keeps current (then also the running feed).
-fn open_features(
-    config: &Config,
-    stop: &Arc<AtomicBool>,
-) -> Result<(Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>), Error> {
+fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Error> {
     let Some(feed_config) = &config.feed else {
         let user = ReplicaHandle::open(&config.user_features_path(), "user")?;
         let item = ReplicaHandle::open(&config.item_features_path(), "item")?;

@@ -156,20 +156,27 @@ fn position(conn: &mut RedisConn, group: &str) -> Result<(u64, u64), RefreshErro
     Ok((get(&replies[0])?, get(&replies[1])?))
 }
 
+/// What a full sync writes: a fresh replica of `group` beside `path`.
+pub struct SyncTarget<'a> {
+    pub group: &'a str,
+    pub path: &'a Path,
+    pub dim: usize,
+    pub storage: Storage,
+    pub default: &'a [f32],
+    pub batch_keys_max: usize,
+}
+
 /// Copies every `{group}:*` key from Redis into a fresh replica file at a
-/// temporary name beside `path`; the caller swaps it in. The returned writer
-/// is checkpointed at the counter noted before the copy began.
+/// temporary name beside the target's path; the caller swaps it in. The
+/// returned writer is checkpointed at the counter noted before the copy
+/// began, so replaying the stream from there loses nothing written meanwhile.
 pub fn full_sync(
     conn: &mut RedisConn,
-    group: &str,
-    path: &Path,
-    dim: usize,
-    storage: Storage,
-    default: &[f32],
-    batch_keys_max: usize,
+    target: &SyncTarget<'_>,
     status: Option<&GroupStatus>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<ReplicaWriter, RefreshError> {
+    let SyncTarget { group, path, dim, storage, default, batch_keys_max } = *target;
     let (epoch, tail) = position(conn, group)?;
     let tmp = temp_path(path, "sync");
     let capacity = status.map_or(0, |s| s.live_rows.load(Ordering::Relaxed)).max(1024) * 5 / 4;
@@ -527,17 +534,15 @@ impl Refresher {
         let s = &self.status.groups[g.index];
         let started = self.clock.now_ns();
         let default = g.writer.table().default_vector();
-        let fresh = full_sync(
-            conn,
-            &g.name,
-            g.writer.path(),
-            g.dim,
-            g.storage,
-            &default,
-            self.config.sync_batch_keys_max,
-            Some(s),
-            &mut |_| {},
-        )?;
+        let target = SyncTarget {
+            group: &g.name,
+            path: g.writer.path(),
+            dim: g.dim,
+            storage: g.storage,
+            default: &default,
+            batch_keys_max: self.config.sync_batch_keys_max,
+        };
+        let fresh = full_sync(conn, &target, Some(s), &mut |_| {})?;
         g.writer.replace(fresh)?;
         let cursor = g.writer.cursor();
         g.read_id = (cursor.seq, 0);

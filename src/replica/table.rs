@@ -216,7 +216,7 @@ impl Replica {
 
     #[inline(always)]
     pub(super) fn u32_at(&self, at: usize) -> &AtomicU32 {
-        assert!(at % 4 == 0 && at + 4 <= self.layout.file_bytes);
+        assert!(at.is_multiple_of(4) && at + 4 <= self.layout.file_bytes);
         // SAFETY: in bounds and 4-aligned (the mapping is page-aligned);
         // every access to shared bytes goes through atomics, and the
         // reference cannot outlive the mapping it borrows from.
@@ -225,7 +225,7 @@ impl Replica {
 
     #[inline(always)]
     pub(super) fn u64_at(&self, at: usize) -> &AtomicU64 {
-        assert!(at % 8 == 0 && at + 8 <= self.layout.file_bytes);
+        assert!(at.is_multiple_of(8) && at + 8 <= self.layout.file_bytes);
         // SAFETY: as for `u32_at`, with 8-byte alignment.
         unsafe { &*self.map.as_ptr().add(at).cast::<AtomicU64>() }
     }
@@ -277,7 +277,7 @@ impl Replica {
         let payload = base + ROW_HEADER_BYTES;
         for _ in 0..READ_RETRIES_MAX {
             let before = seq.load(Ordering::Acquire);
-            if before % 2 == 0 {
+            if before.is_multiple_of(2) {
                 let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
                 let scale = match storage {
                     Storage::Int8 => f32::from_bits(self.u32_at(payload).load(Ordering::Relaxed)),

@@ -225,7 +225,7 @@ impl ReplicaWriter {
         let seq = t.u32_at(base);
         let s = seq.load(Ordering::Relaxed);
         // A row left odd by a killed writer is never reused, so `s` is even.
-        debug_assert!(s % 2 == 0);
+        debug_assert!(s.is_multiple_of(2));
         seq.store(s.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
         t.u32_at(base + 4).store(crc, Ordering::Relaxed);

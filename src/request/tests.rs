@@ -38,6 +38,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         readiness: Arc::new(Readiness::ready()),
         admission: AdmissionConfig::default(),
         cache: CacheConfig::default(),
+        feed: None,
         ladder: LadderConfig::default(),
         fallback: None,
         shards: 1,
