@@ -613,6 +613,7 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
             "model_version": resp.model_version,
             "features_missing": resp.features_missing,
             "server_us": resp.server_us,
+            "features_stale": resp.features_stale,
             "rtt_us": rtt_us,
             "error": resp.error,
         });
@@ -629,6 +630,9 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
         );
         if !resp.error.is_empty() {
             println!("error: {}", resp.error);
+        }
+        if resp.features_stale {
+            println!("features stale: the replica has not been confirmed current within the server's bound");
         }
         for (item, s) in spec.item_ids.iter().zip(&resp.scores) {
             println!("{item}\t{s:.6}");
