@@ -264,6 +264,21 @@ enum ReplicaCommand {
         #[arg(long, default_value = "f32", value_parser = parse_storage)]
         storage: Storage,
     },
+    /// Full sync of one group from Redis into a replica file, with progress
+    /// on stderr (the server does the same when it has no usable file).
+    Sync {
+        #[arg(long, default_value = "redis://127.0.0.1:6379")]
+        redis: String,
+        #[arg(long)]
+        group: String,
+        /// Vector dimension of the group.
+        #[arg(long)]
+        dim: u32,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "f32", value_parser = parse_storage)]
+        storage: Storage,
+    },
     /// Verify a replica file and print its header.
     Inspect {
         #[arg(long)]
@@ -854,6 +869,48 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;
             println!("wrote {}: group {} dim {} rows {}", out.display(), group, r.dim(), r.header().row_count);
+        }
+        ReplicaCommand::Sync { redis, group, dim, out, storage } => {
+            if !matches!(group.as_str(), "user" | "item") {
+                return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
+            }
+            if dim == 0 || dim > quiver::replica::DIM_MAX {
+                return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::replica::DIM_MAX)));
+            }
+            let config = feed::RedisConfig::from_url(&redis).map_err(feed::FeedError::from)?;
+            let mut conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
+            let started = Instant::now();
+            let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            let mut last_print = Instant::now();
+            let mut progress = |rows: u64| {
+                if tty && last_print.elapsed() >= Duration::from_millis(200) {
+                    let rate = rows as f64 / started.elapsed().as_secs_f64().max(1e-9);
+                    eprint!("\r{rows} entities copied ({rate:.0}/s)");
+                    last_print = Instant::now();
+                }
+            };
+            let default = vec![0.0; dim as usize];
+            let target = feed::refresher::SyncTarget {
+                group: &group,
+                path: &out,
+                dim: dim as usize,
+                storage,
+                default: &default,
+                batch_keys_max: 1000,
+            };
+            let mut fresh = feed::refresher::full_sync(&mut conn, &target, None, &mut progress)?;
+            fresh.rename_to(&out)?;
+            let secs = started.elapsed().as_secs_f64();
+            let rows = fresh.live_rows();
+            if tty {
+                eprintln!();
+            }
+            println!(
+                "synced {rows} entities of group {group} into {} in {secs:.2} s ({:.0}/s), stream seq {}",
+                out.display(),
+                rows as f64 / secs.max(1e-9),
+                fresh.cursor().seq
+            );
         }
         ReplicaCommand::Inspect { group, file } => {
             let r = Replica::open(&file, &group)?;

@@ -179,53 +179,89 @@ pub fn full_sync(
     let SyncTarget { group, path, dim, storage, default, batch_keys_max } = *target;
     let (epoch, tail) = position(conn, group)?;
     let tmp = temp_path(path, "sync");
-    let capacity = status.map_or(0, |s| s.live_rows.load(Ordering::Relaxed)).max(1024) * 5 / 4;
+    // Sized from the whole database so the copy never stops to grow the
+    // file; DBSIZE counts other groups too, an overestimate at most.
+    let dbsize = conn.command(&[b"DBSIZE"])?.as_int().and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+    let capacity = dbsize.clamp(1024, crate::replica::ROW_CAPACITY_MAX);
     let mut fresh = ReplicaWriter::create(&tmp, group, dim as u32, storage, capacity, default)?;
-    let pattern = format!("{group}:*");
-    let count = batch_keys_max.max(1).to_string();
+    let pattern = format!("{group}:*").into_bytes();
+    let count = batch_keys_max.max(1).to_string().into_bytes();
     let mut cursor = b"0".to_vec();
+    let mut scanned_all = false;
+    let mut pending: Vec<Vec<u8>> = Vec::new();
     let mut copied = 0u64;
-    loop {
-        let reply = conn.command(&[b"SCAN", &cursor, b"MATCH", pattern.as_bytes(), b"COUNT", count.as_bytes()])?;
-        let mut parts = reply.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
-        let (Some(next), Some(keys)) = (parts.next(), parts.next()) else {
-            return Err(shape("SCAN", "fewer than two elements"));
-        };
-        cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "cursor is not a string"))?;
-        let keys: Vec<Vec<u8>> = keys
-            .into_array()
-            .ok_or_else(|| shape("SCAN", "keys are not an array"))?
-            .into_iter()
-            .filter_map(Reply::into_bytes)
-            .collect();
-        for chunk in keys.chunks(batch_keys_max.max(1)) {
-            let mut mget: Vec<&[u8]> = vec![b"MGET"];
-            mget.extend(chunk.iter().map(Vec::as_slice));
-            let values = conn.command(&mget)?.into_array().ok_or_else(|| shape("MGET", "not an array"))?;
-            if values.len() != chunk.len() {
-                return Err(shape("MGET", format!("{} values for {} keys", values.len(), chunk.len())));
-            }
-            for (key, value) in chunk.iter().zip(values) {
-                let applied = match value {
-                    Reply::Bulk(bytes) => entity(group, key, &bytes, dim).map(|(id, v)| fresh.upsert(id, &v)),
-                    // MGET answers nil for a key of another type.
-                    _ => Err(format!("key {} is not a string", String::from_utf8_lossy(key))),
-                };
-                match applied {
-                    Ok(result) => {
-                        result?;
-                        copied += 1;
-                    }
-                    Err(why) => skip(status, group, &why),
+    // Each round trip carries the next SCAN and the MGET of the keys the
+    // previous SCAN returned, so the copy costs one round trip per batch.
+    while !(scanned_all && pending.is_empty()) {
+        let mut commands = Vec::with_capacity(2);
+        if !scanned_all {
+            commands.push(vec![
+                b"SCAN".to_vec(),
+                cursor.clone(),
+                b"MATCH".to_vec(),
+                pattern.clone(),
+                b"COUNT".to_vec(),
+                count.clone(),
+            ]);
+        }
+        let keys = std::mem::take(&mut pending);
+        if !keys.is_empty() {
+            let mut mget = Vec::with_capacity(keys.len() + 1);
+            mget.push(b"MGET".to_vec());
+            mget.extend(keys.iter().cloned());
+            commands.push(mget);
+        }
+        let mut replies = conn.pipeline(&commands)?.into_iter();
+        if !scanned_all {
+            let reply = replies.next().ok_or_else(|| shape("SCAN", "no reply"))?;
+            let mut parts = reply.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
+            let (Some(next), Some(found)) = (parts.next(), parts.next()) else {
+                return Err(shape("SCAN", "fewer than two elements"));
+            };
+            cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "cursor is not a string"))?;
+            scanned_all = cursor == b"0";
+            pending = found
+                .into_array()
+                .ok_or_else(|| shape("SCAN", "keys are not an array"))?
+                .into_iter()
+                .filter_map(Reply::into_bytes)
+                .collect();
+        }
+        if keys.is_empty() {
+            continue;
+        }
+        let values = replies.next().and_then(Reply::into_array).ok_or_else(|| shape("MGET", "not an array"))?;
+        if values.len() != keys.len() {
+            return Err(shape("MGET", format!("{} values for {} keys", values.len(), keys.len())));
+        }
+        for (key, value) in keys.iter().zip(values) {
+            let applied = match value {
+                Reply::Bulk(bytes) => entity(group, key, &bytes, dim).map(|(id, v)| fresh.upsert(id, &v)),
+                // MGET answers nil for a key of another type, and for one
+                // deleted since SCAN saw it (not bad data: the stream replay
+                // after the copy deletes it here too).
+                Reply::Nil => match conn.command(&[b"TYPE", key])? {
+                    Reply::Simple(t) if t == b"none" => continue,
+                    Reply::Simple(t) => Err(format!(
+                        "key {} holds a {}, not a string",
+                        String::from_utf8_lossy(key),
+                        String::from_utf8_lossy(&t)
+                    )),
+                    other => return Err(shape("TYPE", format!("{other:?}"))),
+                },
+                other => Err(format!("key {}: unexpected reply {other:?}", String::from_utf8_lossy(key))),
+            };
+            match applied {
+                Ok(result) => {
+                    result?;
+                    copied += 1;
                 }
-            }
-            progress(copied);
-            if let Some(s) = status {
-                s.sync_rows.store(copied, Ordering::Relaxed);
+                Err(why) => skip(status, group, &why),
             }
         }
-        if cursor == b"0" {
-            break;
+        progress(copied);
+        if let Some(s) = status {
+            s.sync_rows.store(copied, Ordering::Relaxed);
         }
     }
     fresh.checkpoint(Cursor { epoch, seq: tail, change_unix_ms: 0 })?;
