@@ -145,26 +145,47 @@ impl Replica {
             if tag.load(Ordering::Relaxed) == TAG_TOMBSTONE {
                 continue;
             }
-            let base = self.row_base(row as u32);
-            let seq = self.u32_at(base).load(Ordering::Relaxed);
-            if seq % 2 == 1 {
-                scan.torn_slots.push(slot);
-                continue;
-            }
             let key = key.load(Ordering::Relaxed);
-            let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
-            if row_key != key {
-                return Err(damaged(format!("key {key} names row {row}, which holds key {row_key}")));
+            match self.verify_row(row as u32, &mut payload) {
+                None => scan.torn_slots.push(slot),
+                Some((row_key, _)) if row_key != key => {
+                    return Err(damaged(format!("key {key} names row {row}, which holds key {row_key}")));
+                }
+                Some((_, crc)) if crc != row_crc(key, &payload) => {
+                    return Err(ReplicaError::PayloadChecksum { path: self.path.clone(), row, key });
+                }
+                Some(_) => scan.live += 1,
             }
-            for (i, w) in payload.iter_mut().enumerate() {
-                *w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
-            }
-            if row_crc(key, &payload) != self.u32_at(base + 4).load(Ordering::Relaxed) {
-                return Err(ReplicaError::PayloadChecksum { path: self.path.clone(), row, key });
-            }
-            scan.live += 1;
         }
         Ok(scan)
+    }
+
+    /// A consistent copy of a row's key, stored CRC and payload words, taken
+    /// under the seqlock so that opening a file another process is writing
+    /// does not mistake a row in flight for damage; `None` if the row stays
+    /// mid-write (its writer was killed there).
+    fn verify_row(&self, row: u32, payload: &mut [u32]) -> Option<(u64, u32)> {
+        let base = self.row_base(row);
+        let seq = self.u32_at(base);
+        for attempt in 0..READ_RETRIES_MAX {
+            let before = seq.load(Ordering::Acquire);
+            if before.is_multiple_of(2) {
+                let key = self.u64_at(base + 8).load(Ordering::Relaxed);
+                let crc = self.u32_at(base + 4).load(Ordering::Relaxed);
+                for (i, w) in payload.iter_mut().enumerate() {
+                    *w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
+                }
+                fence(Ordering::Acquire);
+                if seq.load(Ordering::Relaxed) == before {
+                    return Some((key, crc));
+                }
+            }
+            if attempt > READ_RETRIES_MAX / 2 {
+                std::thread::yield_now();
+            }
+            std::hint::spin_loop();
+        }
+        None
     }
 
     pub fn header(&self) -> &Header {

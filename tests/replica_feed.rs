@@ -1,0 +1,496 @@
+//! The feature replica fed from a real Redis: full sync, steady updates while
+//! scoring, Redis killed, paused and trimmed, the server killed mid-refresh,
+//! and bad data. Every test starts its own `redis-server` and `quiver serve`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{demo_dir, demo_request, scratch, Server, BIN};
+use quiver::admin::{FeedGroupStats, Stats};
+use quiver::feed::{contract, Publisher, RedisConn, Reply};
+use quiver::replica::{Replica, ReplicaError};
+use quiver::wire::Status;
+
+const DIM: usize = 32;
+
+/// A vector that carries its id and generation and a checksum, so any
+/// reader can tell a genuine write from a torn or foreign one.
+fn vector(id: u64, generation: u64) -> Vec<f32> {
+    let mut v: Vec<f32> =
+        (0..DIM).map(|i| ((id * 31 + generation * 17 + i as u64 * 7) % 1000) as f32 / 1000.0).collect();
+    v[0] = id as f32;
+    v[1] = generation as f32;
+    v[DIM - 1] = v[..DIM - 1].iter().sum();
+    v
+}
+
+fn genuine(id: u64, v: &[f32]) -> bool {
+    v[0] == id as f32 && v[DIM - 1] == v[..DIM - 1].iter().sum::<f32>()
+}
+
+/// A data directory with the demo models and no replica files.
+fn data_dir(name: &str) -> PathBuf {
+    let d = scratch(name);
+    for f in ["model.qm", "fallback.qm"] {
+        std::fs::copy(demo_dir().join(f), d.join(f)).unwrap();
+    }
+    d
+}
+
+fn serve(dir: &Path, redis: &RedisServer, feed_toml: &str) -> Server {
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, format!("[feed]\nredis = \"{}\"\nblock_ms = 50\n{feed_toml}", redis.url())).unwrap();
+    Server::start_with(dir, &["--config", config.to_str().unwrap(), "--shards", "1"])
+}
+
+fn get(url: &str) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    let mut r = agent.get(url).call().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+fn stats(server: &Server) -> Stats {
+    serde_json::from_str(&get(&format!("http://{}/stats.json", server.admin)).1).unwrap()
+}
+
+fn group<'a>(s: &'a Stats, name: &str) -> &'a FeedGroupStats {
+    s.feed.iter().find(|g| g.group == name).unwrap_or_else(|| panic!("no feed group {name} in {s:?}"))
+}
+
+fn wait_for(server: &Server, what: &str, timeout: Duration, done: impl Fn(&Stats) -> bool) -> Stats {
+    let until = Instant::now() + timeout;
+    loop {
+        let s = stats(server);
+        if done(&s) {
+            return s;
+        }
+        assert!(Instant::now() < until, "timed out waiting for {what}: {s:?}\n{}", server.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn redis_seq(conn: &mut RedisConn, group: &str) -> u64 {
+    match conn.command(&[b"GET", contract::seq_key(group).as_bytes()]).unwrap() {
+        Reply::Bulk(b) => std::str::from_utf8(&b).unwrap().parse().unwrap(),
+        Reply::Nil => 0,
+        other => panic!("seq: {other:?}"),
+    }
+}
+
+/// Waits until every group has applied everything Redis has written.
+fn wait_caught_up(server: &Server, redis: &RedisServer) -> Stats {
+    let mut conn = redis.conn();
+    let want: Vec<(&str, u64)> = ["user", "item"].iter().map(|g| (*g, redis_seq(&mut conn, g))).collect();
+    wait_for(server, "the replica to catch up", Duration::from_secs(20), |s| {
+        want.iter().all(|(g, seq)| group(s, g).applied_seq == *seq)
+    })
+}
+
+/// Every `{group}:*` key in Redis, decoded.
+fn redis_entities(conn: &mut RedisConn, group: &str) -> HashMap<u64, Vec<u8>> {
+    let mut out = HashMap::new();
+    let mut cursor = b"0".to_vec();
+    let pattern = format!("{group}:*");
+    loop {
+        let reply = conn.command(&[b"SCAN", &cursor, b"MATCH", pattern.as_bytes(), b"COUNT", b"1000"]).unwrap();
+        let mut parts = reply.into_array().unwrap().into_iter();
+        cursor = parts.next().unwrap().into_bytes().unwrap();
+        let keys: Vec<Vec<u8>> =
+            parts.next().unwrap().into_array().unwrap().into_iter().filter_map(Reply::into_bytes).collect();
+        if !keys.is_empty() {
+            let mut mget: Vec<&[u8]> = vec![b"MGET"];
+            mget.extend(keys.iter().map(Vec::as_slice));
+            let values = conn.command(&mget).unwrap().into_array().unwrap();
+            for (k, v) in keys.iter().zip(values) {
+                if let (Some(id), Reply::Bulk(bytes)) = (contract::parse_entity_key(group, k), v) {
+                    out.insert(id, bytes);
+                }
+            }
+        }
+        if cursor == b"0" {
+            return out;
+        }
+    }
+}
+
+/// The replica file holds exactly what Redis holds, byte for byte.
+fn assert_replica_equals_redis(path: &Path, group: &str, redis: &RedisServer) -> usize {
+    let want = redis_entities(&mut redis.conn(), group);
+    let r = Replica::open(path, group).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(r.live_rows(), want.len() as u64, "{group}: rows in the replica vs keys in redis");
+    let mut out = vec![0.0f32; r.dim()];
+    for (id, bytes) in &want {
+        assert!(r.read_into(*id, &mut out), "{group}:{id} missing from the replica");
+        let got: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(&got, bytes, "{group}:{id} differs from redis");
+    }
+    want.len()
+}
+
+fn load(redis: &RedisServer, group: &str, ids: std::ops::Range<u64>, generation: u64) {
+    let rows: Vec<(u64, Vec<f32>)> = ids.map(|id| (id, vector(id, generation))).collect();
+    Publisher::new(redis.conn()).unwrap().put_many(group, &rows, |_, _| {}).unwrap();
+}
+
+#[test]
+fn full_sync_of_100k_entities_equals_redis_byte_for_byte() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..100_000, 0);
+    load(&redis, "user", 0..1000, 0);
+    let dir = data_dir("feed-full");
+
+    // The command-line sync.
+    let out = Command::new(BIN)
+        .args(["replica", "sync", "--redis", &redis.url(), "--group", "item", "--dim", "32", "--out"])
+        .arg(dir.join("copy.qrep"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("synced 100000 entities"), "{out:?}");
+    assert_eq!(assert_replica_equals_redis(&dir.join("copy.qrep"), "item", &redis), 100_000);
+
+    // The server's first start: no replica files, so it syncs before serving.
+    let server = serve(&dir, &redis, "");
+    assert!(server.stderr().contains("full sync from redis before serving"), "{}", server.stderr());
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 100_000);
+    assert_eq!(assert_replica_equals_redis(&dir.join("user.qrep"), "user", &redis), 1000);
+    let r = server.client().score(&demo_request(1, 7, vec![1, 2, 99_999])).unwrap();
+    assert_eq!((r.status, r.features_missing, r.features_stale), (Status::Ok, 0, false));
+}
+
+#[test]
+fn ten_thousand_updates_at_a_steady_rate_all_land_while_the_server_scores() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..5000, 0);
+    load(&redis, "user", 0..1000, 0);
+    let dir = data_dir("feed-steady");
+    let server = serve(&dir, &redis, "");
+    let stop = Arc::new(AtomicBool::new(false));
+    let scored = Arc::new(AtomicU64::new(0));
+    let scorer = {
+        let (stop, scored, mut client) = (stop.clone(), scored.clone(), server.client());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let items: Vec<u64> = (0..32).map(|i| (n * 97 + i * 131) % 5200).collect();
+                let r = client.score(&demo_request(n, n % 1000, items)).unwrap();
+                assert_eq!(r.status, Status::Ok);
+                scored.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    // 10,000 updates at 5,000 per second, to existing and new items.
+    let mut publisher = Publisher::new(redis.conn()).unwrap();
+    let mut last = HashMap::new();
+    let started = Instant::now();
+    for n in 0..10_000u64 {
+        let id = (n * 7919) % 6000;
+        publisher.put("item", id, &vector(id, n + 1)).unwrap();
+        last.insert(id, n + 1);
+        let due = started + Duration::from_micros(n * 200);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    let s = wait_caught_up(&server, &redis);
+    stop.store(true, Ordering::Relaxed);
+    scorer.join().unwrap();
+    assert!(scored.load(Ordering::Relaxed) > 100, "the server kept scoring");
+    assert_eq!(group(&s, "item").applied, 10_000);
+    assert_eq!(group(&s, "item").resyncs, 1, "only the first sync: every update came through the stream");
+    assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis);
+    let r = Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let mut out = vec![0.0; DIM];
+    for (id, generation) in last {
+        assert!(r.read_into(id, &mut out));
+        assert_eq!(out, vector(id, generation), "item {id}");
+    }
+}
+
+#[test]
+fn redis_killed_mid_stream_then_restarted_converges_with_nothing_lost() {
+    let mut redis = RedisServer::start_with(true);
+    load(&redis, "item", 0..2000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = data_dir("feed-kill-redis");
+    let server = serve(&dir, &redis, "backoff_ms_max = 200\n");
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, config) = (stop.clone(), redis.config());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            let mut publisher = None;
+            while !stop.load(Ordering::Relaxed) {
+                let p = match &mut publisher {
+                    Some(p) => p,
+                    None => match RedisConn::connect(&config)
+                        .map_err(|e| e.to_string())
+                        .and_then(|c| Publisher::new(c).map_err(|e| e.to_string()))
+                    {
+                        Ok(p) => publisher.insert(p),
+                        Err(_) => {
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                    },
+                };
+                let id = n % 3000;
+                if p.put("item", id, &vector(id, n + 1)).is_err() {
+                    publisher = None;
+                    continue;
+                }
+                n += 1;
+                std::thread::sleep(Duration::from_micros(300));
+            }
+            n
+        })
+    };
+    std::thread::sleep(Duration::from_millis(400));
+    redis.kill();
+    std::thread::sleep(Duration::from_millis(400));
+    let r = server.client().score(&demo_request(1, 3, vec![1, 2, 3])).unwrap();
+    assert_eq!(r.status, Status::Ok, "scores keep flowing from the replica while redis is dead");
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(400));
+    stop.store(true, Ordering::Relaxed);
+    let written = writer.join().unwrap();
+    assert!(written > 200, "the writer wrote before and after the restart ({written})");
+    let s = wait_caught_up(&server, &redis);
+    assert_eq!(group(&s, "item").resyncs, 1, "resumed from its position, no resync: {s:?}");
+    assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis);
+}
+
+#[test]
+fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..1000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = data_dir("feed-trim");
+    let mut server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    wait_caught_up(&server, &redis);
+    assert_eq!(server.terminate(), 0);
+
+    // While the server is down: updates, deletes and a trim past its position.
+    let mut p = Publisher::new(redis.conn()).unwrap();
+    for id in 0..200 {
+        p.put("item", id, &vector(id, 5)).unwrap();
+    }
+    for id in 500..550 {
+        p.delete("item", id).unwrap();
+    }
+    p.conn().command(&[b"XTRIM", contract::stream_key("item").as_bytes(), b"MAXLEN", b"10"]).unwrap();
+    let server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    assert!(server.stderr().contains("replica opened: serving it while catching up"), "warm restart");
+    let s = wait_caught_up(&server, &redis);
+    assert_eq!(group(&s, "item").resyncs, 1, "{s:?}");
+    assert_eq!(group(&s, "user").resyncs, 0, "the user stream was intact: {s:?}");
+    assert!(server.stderr().contains("full resync"), "{}", server.stderr());
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 950);
+
+    // Redis replaced under a running server: a new epoch.
+    p.conn().command(&[b"FLUSHALL"]).unwrap();
+    load(&redis, "item", 10_000..10_100, 1);
+    load(&redis, "user", 0..10, 1);
+    // Depending on when the refresher looks, it resyncs to the flushed (empty)
+    // data first and again for the new epoch, or once for the new epoch.
+    let s = wait_for(&server, "a resync for the new epoch", Duration::from_secs(10), |s| {
+        group(s, "item").rows == 100 && group(s, "item").applied_seq == 100
+    });
+    assert!(group(&s, "item").resyncs >= 2, "{s:?}");
+    wait_caught_up(&server, &redis);
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 100);
+}
+
+/// Closed-loop round trips of `n` demo requests; returns the p99 in µs and
+/// whether any response was flagged stale.
+fn p99_us(server: &Server, n: u64) -> (u64, bool) {
+    let mut client = server.client();
+    let mut us = Vec::new();
+    let mut stale = false;
+    for i in 0..n {
+        let started = Instant::now();
+        let r = client.score(&demo_request(i, i % 100, (0..32).map(|j| (i + j) % 1000).collect())).unwrap();
+        us.push(started.elapsed().as_micros() as u64);
+        assert_eq!(r.status, Status::Ok);
+        stale |= r.features_stale;
+    }
+    us.sort_unstable();
+    (us[us.len() * 99 / 100], stale)
+}
+
+#[test]
+fn paused_or_dead_redis_leaves_scoring_latency_alone_while_staleness_grows_and_recovers() {
+    let mut redis = RedisServer::start_with(true);
+    load(&redis, "item", 0..1000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = data_dir("feed-pause");
+    let server = serve(&dir, &redis, "staleness_max_ms = 300\nbackoff_ms_max = 100\n");
+    let (base_p99, stale) = p99_us(&server, 2000);
+    assert!(!stale);
+
+    for outage in ["paused", "dead"] {
+        if outage == "paused" {
+            redis.pause();
+        } else {
+            redis.kill();
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        let (p99, stale) = p99_us(&server, 2000);
+        assert!(stale, "redis {outage} past the bound: responses are flagged");
+        // The request path never touches Redis: a paused Redis blocks the
+        // refresher for seconds, and none of that may show here.
+        assert!(p99 < (base_p99 * 4).max(base_p99 + 2000), "redis {outage}: p99 {p99} µs, before {base_p99} µs");
+        let s = stats(&server);
+        assert!(group(&s, "item").staleness_ms >= 300, "{s:?}");
+        assert_eq!(get(&format!("http://{}/readyz", server.admin)).0, 200, "policy flag keeps readiness");
+        if outage == "paused" {
+            redis.resume();
+        } else {
+            redis.restart();
+        }
+        wait_for(&server, "staleness to recover", Duration::from_secs(10), |s| {
+            s.feed.iter().all(|g| g.staleness_ms < 300 && g.redis_connected)
+        });
+        let (_, stale) = p99_us(&server, 10);
+        assert!(!stale, "recovered after redis came back {outage}");
+    }
+    let s = stats(&server);
+    assert_eq!(group(&s, "item").resyncs, 1, "persistent redis: resumed both times, no resync");
+}
+
+#[test]
+fn stale_features_fail_readiness_when_configured() {
+    let mut redis = RedisServer::start();
+    load(&redis, "item", 0..10, 0);
+    load(&redis, "user", 0..10, 0);
+    let dir = data_dir("feed-ready");
+    let server = serve(&dir, &redis, "staleness_max_ms = 200\nstale_policy = \"not_ready\"\n");
+    let readyz = || get(&format!("http://{}/readyz", server.admin));
+    assert_eq!(readyz().0, 200);
+    redis.pause();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(readyz(), (503, "not ready: features stale\n".into()));
+    let r = server.client().score(&demo_request(1, 1, vec![1, 2])).unwrap();
+    assert!(r.status == Status::Ok && r.features_stale, "still serving, flagged");
+    redis.resume();
+    let until = Instant::now() + Duration::from_secs(10);
+    while readyz().0 != 200 {
+        assert!(Instant::now() < until, "readiness never came back");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn kill_9_during_heavy_refresh_then_restart_serves_no_garbage() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..20_000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = data_dir("feed-kill9");
+    let path = dir.join("item.qrep");
+    let mut server = serve(&dir, &redis, "checkpoint_interval_ms = 50\n");
+    for round in 1..=3u64 {
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (stop, mut p) = (stop.clone(), Publisher::new(redis.conn()).unwrap());
+            std::thread::spawn(move || {
+                let mut generation = round * 1000;
+                while !stop.load(Ordering::Relaxed) {
+                    generation += 1;
+                    let rows: Vec<(u64, Vec<f32>)> = (0..2000)
+                        .map(|i| ((generation * 2000 + i) % 25_000))
+                        .map(|id| (id, vector(id, generation)))
+                        .collect();
+                    p.put_many("item", &rows, |_, _| {}).unwrap();
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(300 + round * 150));
+        server.child.kill().unwrap();
+        server.child.wait().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+
+        // Straight after the kill: the file is consistent or says which rows
+        // were mid-write; whatever it serves is a genuine write.
+        match Replica::open(&path, "item") {
+            Ok(r) => {
+                let mut out = vec![0.0; DIM];
+                for id in 0..25_000 {
+                    if r.read_into(id, &mut out) {
+                        assert!(genuine(id, &out), "round {round}: item {id} is garbage: {out:?}");
+                    }
+                }
+            }
+            Err(ReplicaError::Torn { rows, .. }) => assert!(rows <= 1, "one writer tears at most one row"),
+            Err(e) => panic!("round {round}: {e}"),
+        }
+        server = serve(&dir, &redis, "checkpoint_interval_ms = 50\n");
+        assert!(server.stderr().contains("replica opened: serving it while catching up"), "{}", server.stderr());
+        wait_caught_up(&server, &redis);
+        assert_replica_equals_redis(&path, "item", &redis);
+        let r = server.client().score(&demo_request(round, 1, vec![1, 2, 3])).unwrap();
+        assert_eq!(r.status, Status::Ok);
+    }
+}
+
+#[test]
+fn bad_data_in_redis_is_skipped_counted_and_named_in_the_log() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..100, 0);
+    load(&redis, "user", 0..10, 0);
+    let mut c = redis.conn();
+    let good = contract::encode_vector(&vector(1, 9));
+    let mut nan = vector(2, 9);
+    nan[3] = f32::NAN;
+    let nan: Vec<u8> = nan.iter().flat_map(|x| x.to_le_bytes()).collect();
+    c.command(&[b"SET", b"item:abc", &good]).unwrap();
+    c.command(&[b"SET", b"item:5000", b"twelve bytes"]).unwrap();
+    c.command(&[b"HSET", b"item:5001", b"f", b"v"]).unwrap();
+    c.command(&[b"SET", b"item:5002", &nan]).unwrap();
+    let dir = data_dir("feed-bad");
+    let server = serve(&dir, &redis, "");
+    let s = stats(&server);
+    assert_eq!((group(&s, "item").skipped, group(&s, "item").rows), (4, 100), "{s:?}");
+
+    // Bad stream entries with valid sequence numbers, then a good write.
+    let stream = contract::stream_key("item");
+    let mut xadd = |fields: &[&[u8]]| {
+        let seq = match c.command(&[b"INCR", contract::seq_key("item").as_bytes()]).unwrap() {
+            Reply::Int(n) => n,
+            other => panic!("{other:?}"),
+        };
+        let id = format!("{seq}-0");
+        let mut args: Vec<&[u8]> = vec![b"XADD", stream.as_bytes(), id.as_bytes()];
+        args.extend_from_slice(fields);
+        c.command(&args).unwrap();
+    };
+    xadd(&[b"k", b"item:6000", b"v", b"short"]);
+    xadd(&[b"x", b"y"]);
+    xadd(&[b"k", b"item:zzz", b"v", &good]);
+    xadd(&[b"k", b"item:6001"]);
+    let mut p = Publisher::new(redis.conn()).unwrap();
+    p.put("item", 7000, &vector(7000, 1)).unwrap();
+    let s = wait_caught_up(&server, &redis);
+    assert_eq!(group(&s, "item").skipped, 8, "{s:?}");
+    let log = server.stderr();
+    for key in ["item:abc", "item:5000", "item:5001", "item:5002", "item:6000", "item:zzz", "item:6001"] {
+        assert!(log.contains(key), "the log names {key}:\n{log}");
+    }
+    let r = Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let mut out = vec![0.0; DIM];
+    assert!(r.read_into(7000, &mut out), "the refresh went on after bad entries");
+    assert_eq!(out, vector(7000, 1));
+    assert!(!r.read_into(6000, &mut out) && !r.read_into(5000, &mut out));
+}
