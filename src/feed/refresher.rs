@@ -37,7 +37,7 @@ use super::contract::{self, ContractError};
 use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 use super::status::{FeedStatus, GroupStatus, StalePolicy};
 use crate::deadline::{Clock, MonotonicClock};
-use crate::replica::{temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
+use crate::replica::{temp_path, Cursor, Replica, ReplicaError, ReplicaWriter, Storage};
 
 /// The `[feed]` section: where Redis is and how the refresher behaves.
 #[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -313,6 +313,25 @@ pub struct Refresher {
     groups: Vec<Group>,
     status: Arc<FeedStatus>,
     clock: MonotonicClock,
+    /// Checkpoints go to the flusher thread: their msync takes milliseconds,
+    /// and the refresher must keep applying changes meanwhile.
+    flusher: Option<(std::sync::mpsc::SyncSender<(Arc<Replica>, Cursor)>, JoinHandle<()>)>,
+}
+
+/// Writes checkpoints handed over by the refresher until the channel closes.
+fn spawn_flusher(
+    groups: usize,
+) -> std::io::Result<(std::sync::mpsc::SyncSender<(Arc<Replica>, Cursor)>, JoinHandle<()>)> {
+    // One pending checkpoint per group: a newer one waits for the next interval.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Arc<Replica>, Cursor)>(groups.max(1));
+    let thread = std::thread::Builder::new().name("quiver-flush".into()).spawn(move || {
+        for (table, cursor) in rx {
+            if let Err(e) = table.write_checkpoint(cursor) {
+                tracing::error!(path = table.path(), "checkpoint failed: {e}");
+            }
+        }
+    })?;
+    Ok((tx, thread))
 }
 
 impl Refresher {
@@ -347,7 +366,7 @@ impl Refresher {
                 }
             })
             .collect();
-        Ok(Refresher { config, redis, groups, status, clock })
+        Ok(Refresher { config, redis, groups, status, clock, flusher: None })
     }
 
     fn connect(&self) -> Result<RedisConn, RefreshError> {
@@ -392,6 +411,10 @@ impl Refresher {
     }
 
     fn run(&mut self, stop: &AtomicBool) {
+        match spawn_flusher(self.groups.len()) {
+            Ok(f) => self.flusher = Some(f),
+            Err(e) => tracing::warn!("no flusher thread ({e}): checkpoints run on the refresher"),
+        }
         let mut backoff = Backoff::new(self.config.backoff_ms_min, self.config.backoff_ms_max);
         let mut failures = 0u32;
         while !stop.load(Ordering::Relaxed) {
@@ -424,22 +447,36 @@ impl Refresher {
             }
             self.checkpoint_all(true);
         }
+        if let Some((tx, thread)) = self.flusher.take() {
+            drop(tx);
+            let _ = thread.join();
+        }
         self.checkpoint_all(true);
     }
 
-    fn checkpoint_all(&mut self, force: bool) {
-        let now = self.clock.now_ns();
+    /// Checkpoints groups with unflushed changes: every interval through the
+    /// flusher thread, or here and now when `now` (disconnect, shutdown).
+    fn checkpoint_all(&mut self, now: bool) {
+        let now_ns = self.clock.now_ns();
         let interval = self.config.checkpoint_interval_ms * 1_000_000;
         for g in &mut self.groups {
-            if g.unflushed && (force || now - g.last_checkpoint_ns >= interval) {
-                let cursor = g.writer.cursor();
-                match g.writer.checkpoint(cursor) {
-                    Ok(()) => {
-                        g.unflushed = false;
-                        g.last_checkpoint_ns = now;
+            if !g.unflushed || (!now && now_ns - g.last_checkpoint_ns < interval) {
+                continue;
+            }
+            let cursor = g.writer.cursor();
+            let handed = match (&self.flusher, now) {
+                (Some((tx, _)), false) => tx.try_send((g.writer.table().clone(), cursor)).is_ok(),
+                _ => match g.writer.checkpoint(cursor) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::error!(group = %g.name, "checkpoint failed: {e}");
+                        false
                     }
-                    Err(e) => tracing::error!(group = %g.name, "checkpoint failed: {e}"),
-                }
+                },
+            };
+            if handed {
+                g.unflushed = false;
+                g.last_checkpoint_ns = now_ns;
             }
         }
     }

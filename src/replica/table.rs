@@ -14,8 +14,9 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::layout::{
-    decode_checkpoint, decode_superblock, row_crc, slot_of, Cursor, Header, Layout, Storage, CHECKPOINT_OFFSETS,
-    DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+    decode_checkpoint, decode_superblock, encode_checkpoint, row_crc, slot_of, Cursor, Header, Layout, Storage,
+    CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE,
+    TAG_USED,
 };
 use super::ReplicaError;
 
@@ -30,9 +31,11 @@ pub struct Replica {
     header: Header,
     layout: Layout,
     path: String,
-    /// The cursor and record counter found at open.
+    /// The cursor found at open.
     cursor: Cursor,
-    checkpoint_counter: u64,
+    /// The newest checkpoint record's counter. The lock serialises record
+    /// writers (the refresher's flusher thread and the writer itself).
+    checkpoint_counter: std::sync::Mutex<u64>,
     /// Keys present now; maintained by the writer.
     live_rows: AtomicU64,
     /// Reads that gave up on a row that stayed busy.
@@ -105,7 +108,7 @@ impl Replica {
             layout,
             path: p,
             cursor,
-            checkpoint_counter,
+            checkpoint_counter: std::sync::Mutex::new(checkpoint_counter),
             live_rows: AtomicU64::new(0),
             torn_reads: AtomicU64::new(0),
         };
@@ -209,8 +212,23 @@ impl Replica {
         self.cursor
     }
 
-    pub(super) fn checkpoint_counter_at_open(&self) -> u64 {
-        self.checkpoint_counter
+    /// Makes `cursor` the file's durable position: flushes every dirty page
+    /// (rows included) to disk, then writes the older of the two checkpoint
+    /// records. A checkpoint thus never claims changes the file does not
+    /// hold, even after a machine crash, and a crash while the record is
+    /// written leaves the other record intact. Callable from any thread;
+    /// `cursor` must describe rows already written.
+    pub fn write_checkpoint(&self, cursor: Cursor) -> std::io::Result<()> {
+        let mut counter = self.checkpoint_counter.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.map.flush()?;
+        *counter += 1;
+        let record = encode_checkpoint(*counter, cursor);
+        let at = CHECKPOINT_OFFSETS[(*counter % 2) as usize];
+        for (i, word) in record.chunks_exact(8).enumerate() {
+            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            self.u64_at(at + i * 8).store(w, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     pub(super) fn layout(&self) -> &Layout {

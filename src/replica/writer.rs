@@ -40,7 +40,6 @@ pub struct ReplicaWriter {
     _lock: File,
     rows_used: u64,
     live: u64,
-    counter: u64,
     cursor: Cursor,
     payload: Vec<u32>,
 }
@@ -106,7 +105,6 @@ impl ReplicaWriter {
             _lock: file,
             rows_used: 0,
             live: 0,
-            counter: 1,
             cursor: Cursor::default(),
         })
     }
@@ -133,7 +131,6 @@ impl ReplicaWriter {
         let report = OpenReport { torn_rows: scan.torn_slots.len() as u64, live_rows: scan.live, cursor };
         let writer = ReplicaWriter {
             payload: vec![0; table.layout().payload_words],
-            counter: table.checkpoint_counter_at_open(),
             table: Arc::new(table),
             handle: None,
             path: path.into(),
@@ -246,21 +243,13 @@ impl ReplicaWriter {
         true
     }
 
-    /// Records `cursor` as the position the rows now reflect, durably: the
-    /// rows are flushed to disk first, so a checkpoint never claims changes
-    /// the file does not hold, even after a machine crash.
+    /// Records `cursor` as the position the rows now reflect, durably (see
+    /// [`Replica::write_checkpoint`]), on this thread.
     pub fn checkpoint(&mut self, cursor: Cursor) -> Result<(), ReplicaError> {
-        let io = |source| ReplicaError::Io { path: self.path.display().to_string(), source };
-        self.table.raw().flush().map_err(io)?;
-        self.counter += 1;
-        let record = encode_checkpoint(self.counter, cursor);
-        let at = CHECKPOINT_OFFSETS[(self.counter % 2) as usize];
-        for (i, word) in record.chunks_exact(8).enumerate() {
-            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-            self.table.u64_at(at + i * 8).store(w, Ordering::Relaxed);
-        }
         self.cursor = cursor;
-        Ok(())
+        self.table
+            .write_checkpoint(cursor)
+            .map_err(|source| ReplicaError::Io { path: self.path.display().to_string(), source })
     }
 
     /// Notes `cursor` without flushing; the next `checkpoint` makes it durable.
