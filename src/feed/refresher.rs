@@ -315,13 +315,14 @@ pub struct Refresher {
     clock: MonotonicClock,
     /// Checkpoints go to the flusher thread: their msync takes milliseconds,
     /// and the refresher must keep applying changes meanwhile.
-    flusher: Option<(std::sync::mpsc::SyncSender<(Arc<Replica>, Cursor)>, JoinHandle<()>)>,
+    flusher: Option<Flusher>,
 }
 
+/// The channel to the flusher thread, and the thread.
+type Flusher = (std::sync::mpsc::SyncSender<(Arc<Replica>, Cursor)>, JoinHandle<()>);
+
 /// Writes checkpoints handed over by the refresher until the channel closes.
-fn spawn_flusher(
-    groups: usize,
-) -> std::io::Result<(std::sync::mpsc::SyncSender<(Arc<Replica>, Cursor)>, JoinHandle<()>)> {
+fn spawn_flusher(groups: usize) -> std::io::Result<Flusher> {
     // One pending checkpoint per group: a newer one waits for the next interval.
     let (tx, rx) = std::sync::mpsc::sync_channel::<(Arc<Replica>, Cursor)>(groups.max(1));
     let thread = std::thread::Builder::new().name("quiver-flush".into()).spawn(move || {
