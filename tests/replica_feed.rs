@@ -409,7 +409,7 @@ fn kill_9_during_heavy_refresh_then_restart_serves_no_garbage() {
                 while !stop.load(Ordering::Relaxed) {
                     generation += 1;
                     let rows: Vec<(u64, Vec<f32>)> = (0..2000)
-                        .map(|i| ((generation * 2000 + i) % 25_000))
+                        .map(|i| (generation * 2000 + i) % 25_000)
                         .map(|id| (id, vector(id, generation)))
                         .collect();
                     p.put_many("item", &rows, |_, _| {}).unwrap();
