@@ -77,13 +77,12 @@ fn serve(dir: &std::path::Path, redis: &RedisServer) -> Server {
         .spawn()
         .expect("quiver serve starts");
     let lines = BufReader::new(child.stdout.take().expect("piped"));
-    for line in lines.lines() {
-        let line = line.expect("server stdout");
-        if let Some(rest) = line.strip_prefix("quiver listening on ") {
-            let addr = rest.split(' ').next().expect("an address").to_string();
-            return Server(child, addr);
+    for line in lines.lines().map_while(Result::ok) {
+        if let Some(addr) = line.strip_prefix("quiver listening on ").and_then(|rest| rest.split(' ').next()) {
+            return Server(child, addr.to_string());
         }
     }
+    let _ = child.wait();
     panic!("server exited before listening");
 }
 
