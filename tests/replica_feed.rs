@@ -16,7 +16,7 @@ use common::{demo_dir, demo_request, scratch, Server, BIN};
 use quiver::admin::{FeedGroupStats, Stats};
 use quiver::feed::{contract, Publisher, RedisConn, Reply};
 use quiver::replica::{Replica, ReplicaError};
-use quiver::wire::Status;
+use quiver::wire::{Status, Tier};
 
 const DIM: usize = 32;
 
@@ -324,6 +324,8 @@ fn p99_us(server: &Server, n: u64) -> (u64, bool) {
         let r = client.score(&demo_request(i, i % 100, (0..32).map(|j| (i + j) % 1000).collect())).unwrap();
         us.push(started.elapsed().as_micros() as u64);
         assert_eq!(r.status, Status::Ok);
+        // Redis is not on the request path: the primary keeps answering.
+        assert_eq!(r.tier, Tier::Primary, "{r:?}");
         stale |= r.features_stale;
     }
     us.sort_unstable();
