@@ -156,11 +156,12 @@ fn hot_reload_under_load_never_fails_or_mixes_versions() {
     let dir = registry_dir("reg-hot", &[v1.clone(), v2.clone()]);
     let server = start(&dir, &[]);
     let stop = AtomicBool::new(false);
+    let answered = std::sync::atomic::AtomicU64::new(0);
+    let specs: Vec<RequestSpec> = (0..64u64).map(|i| demo_request(i, i * 31, (i..i + 32).collect())).collect();
+    let want: Vec<[Vec<f32>; 2]> = specs.iter().map(|s| [reference(&v1, s), reference(&v2, s)]).collect();
     let (seen, worst) = std::thread::scope(|s| {
         let load = s.spawn(|| {
             let mut c = server.client();
-            let specs: Vec<RequestSpec> = (0..64u64).map(|i| demo_request(i, i * 31, (i..i + 32).collect())).collect();
-            let want: Vec<[Vec<f32>; 2]> = specs.iter().map(|s| [reference(&v1, s), reference(&v2, s)]).collect();
             let mut seen = [0u64; 3];
             let mut worst = Duration::ZERO;
             let mut id = 0u64;
@@ -177,9 +178,14 @@ fn hot_reload_under_load_never_fails_or_mixes_versions() {
                 assert!(close(&r.scores, &want[k][v - 1]), "request {id}: scores are not version {v}'s");
                 seen[v] += 1;
                 id += 1;
+                answered.store(id, Ordering::Relaxed);
             }
             (seen, worst)
         });
+        // Reloads start once load is flowing, however slow the machine.
+        while answered.load(Ordering::Relaxed) == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         for round in 0..10 {
             std::thread::sleep(Duration::from_millis(60));
             let (code, body) =

@@ -25,6 +25,10 @@ use super::ReplicaError;
 /// microsecond), low enough that a dead writer costs a reader only microseconds.
 const READ_RETRIES_MAX: u32 = 1024;
 
+/// Tables at least this large ask for huge pages: random lookups over them
+/// miss the TLB more often than the lookups' cache misses cost.
+const HUGE_PAGES_FROM_BYTES: u64 = 32 << 20;
+
 /// An open, verified, mapped replica of one feature group.
 pub struct Replica {
     map: MmapRaw,
@@ -84,6 +88,15 @@ impl Replica {
         let mut options = MmapOptions::new();
         options.populate();
         let map = if writable { options.map_raw(&file) } else { options.map_raw_read_only(&file) }.map_err(io)?;
+        if actual >= HUGE_PAGES_FROM_BYTES {
+            // Only a hint: it takes effect where the kernel backs this file
+            // with huge pages (tmpfs mounted with huge=advise or always);
+            // elsewhere it changes nothing, so a refusal is not an error.
+            #[cfg(target_os = "linux")]
+            if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+                tracing::debug!(path = %p, "no huge pages for the replica: {e}");
+            }
+        }
         // SAFETY: the mapping is at least DEFAULT_OFFSET bytes long (checked
         // above) and lives for this borrow; the superblock never changes after
         // the file is created.
