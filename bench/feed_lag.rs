@@ -1,11 +1,15 @@
-//! Refresh lag: how long after a feature write to Redis returns does the
-//! served replica hold it? Starts its own `redis-server` and `quiver serve
-//! --redis`, writes updates at a steady rate through the contract's publisher
-//! and watches the replica file (mapped read-only here: the server updates it
-//! in place) until each update appears. Runs once with the server idle and
-//! once while it scores a steady open-loop load, and prints p50/p99/p99.9/max.
+//! The Redis feed, measured: full-sync throughput, and refresh lag (how long
+//! after a feature write to Redis returns does the served replica hold it?).
 //!
-//!     cargo bench --bench feed_lag [-- --updates N --rate PER_S --score-rate PER_S]
+//! Starts its own `redis-server`, loads `--items` items, times a full sync
+//! of them into a file (`--repeats` times), then starts `quiver serve
+//! --redis`, writes updates at a steady rate through the contract's
+//! publisher and watches the replica file (mapped read-only here: the server
+//! updates it in place) until each update appears. The lag runs with the
+//! server idle and while it scores a steady load, `--repeats` times each;
+//! each line is one run, and the last lines are the medians per percentile.
+//!
+//!     cargo bench --bench feed_lag [-- --items N --updates N --rate PER_S --score-rate PER_S --repeats N]
 //!
 //! Deterministic ids and values; the lag includes the publisher's round trip
 //! (the write is timed from just before the call), so it is an upper bound.
@@ -28,7 +32,8 @@ use redis::RedisServer;
 
 const DIM: usize = 32;
 const USERS: u64 = 10_000;
-const ITEMS: u64 = 50_000;
+/// Scored requests draw their candidates from the first this many items.
+const ITEMS_SCORED: u64 = 50_000;
 
 fn vector(id: u64, marker: u64) -> Vec<f32> {
     let mut v: Vec<f32> = (0..DIM).map(|i| ((id + i as u64 * 13) % 97) as f32 / 97.0).collect();
@@ -37,17 +42,21 @@ fn vector(id: u64, marker: u64) -> Vec<f32> {
 }
 
 struct Args {
+    items: u64,
     updates: u64,
     rate: u64,
     score_rate: u64,
+    repeats: u64,
 }
 
 fn args() -> Args {
-    let mut a = Args { updates: 10_000, rate: 2_000, score_rate: 2_000 };
+    let mut a = Args { items: 1_000_000, updates: 10_000, rate: 2_000, score_rate: 2_000, repeats: 3 };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
         let n = || w[1].parse().unwrap_or_else(|_| panic!("{} takes a number", w[0]));
         match w[0].as_str() {
+            "--items" => a.items = n(),
+            "--repeats" => a.repeats = n(),
             "--updates" => a.updates = n(),
             "--rate" => a.rate = n(),
             "--score-rate" => a.score_rate = n(),
@@ -105,7 +114,7 @@ fn run(dir: &std::path::Path, redis: &RedisServer, server: &Server, a: &Args, sc
                     request_id: n,
                     budget_us: 1_000_000,
                     user_id: n % USERS,
-                    item_ids: (0..32).map(|i| (n * 131 + i * 977) % ITEMS).collect(),
+                    item_ids: (0..32).map(|i| (n * 131 + i * 977) % ITEMS_SCORED).collect(),
                     context: vec![0.1; quiver::demo::CONTEXT_LEN],
                     ..RequestSpec::default()
                 };
@@ -117,15 +126,15 @@ fn run(dir: &std::path::Path, redis: &RedisServer, server: &Server, a: &Args, sc
     let sent_ns: Arc<Vec<AtomicU64>> = Arc::new((0..a.updates).map(|_| AtomicU64::new(0)).collect());
     let origin = Instant::now();
     let publisher = {
-        let (sent_ns, mut p, updates, rate) =
-            (sent_ns.clone(), Publisher::new(redis.conn()).expect("publisher"), a.updates, a.rate);
+        let (sent_ns, mut p, updates, rate, items) =
+            (sent_ns.clone(), Publisher::new(redis.conn()).expect("publisher"), a.updates, a.rate, a.items);
         std::thread::spawn(move || {
             for n in 0..updates {
                 let due = origin + Duration::from_nanos(n * 1_000_000_000 / rate);
                 if let Some(wait) = due.checked_duration_since(Instant::now()) {
                     std::thread::sleep(wait);
                 }
-                let id = (n * 7919) % ITEMS;
+                let id = (n * 7919) % items;
                 let at = origin.elapsed().as_nanos() as u64;
                 p.put("item", id, &vector(id, pass * updates + n + 1)).expect("put");
                 sent_ns[n as usize].store(at.max(1), Ordering::Release);
@@ -138,7 +147,7 @@ fn run(dir: &std::path::Path, redis: &RedisServer, server: &Server, a: &Args, sc
         while sent_ns[n as usize].load(Ordering::Acquire) == 0 {
             std::thread::yield_now();
         }
-        let id = (n * 7919) % ITEMS;
+        let id = (n * 7919) % a.items;
         let marker = (pass * a.updates + n + 1) as f32;
         loop {
             replica.read_into(id, &mut out);
@@ -158,18 +167,22 @@ fn run(dir: &std::path::Path, redis: &RedisServer, server: &Server, a: &Args, sc
     lags
 }
 
-fn report(label: &str, mut lags: Vec<u64>, a: &Args) {
+/// p50, p90, p99, p99.9 and max of one run's lags.
+fn percentiles(mut lags: Vec<u64>) -> [u64; 5] {
     lags.sort_unstable();
     let q = |p: f64| lags[((lags.len() as f64 * p) as usize).min(lags.len() - 1)];
+    [q(0.5), q(0.9), q(0.99), q(0.999), lags[lags.len() - 1]]
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn print_lag(label: &str, p: [u64; 5], a: &Args) {
     println!(
         "{{\"run\":\"{label}\",\"updates\":{},\"rate_per_s\":{},\"lag_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"p999\":{},\"max\":{}}}}}",
-        lags.len(),
-        a.rate,
-        q(0.5),
-        q(0.9),
-        q(0.99),
-        q(0.999),
-        lags[lags.len() - 1]
+        a.updates, a.rate, p[0], p[1], p[2], p[3], p[4]
     );
 }
 
@@ -183,13 +196,55 @@ fn main() {
     }
     let redis = RedisServer::start();
     let mut p = Publisher::new(redis.conn()).expect("publisher");
-    for (group, count) in [("user", USERS), ("item", ITEMS)] {
-        let rows: Vec<(u64, Vec<f32>)> = (0..count).map(|id| (id, vector(id, 0))).collect();
-        p.put_many(group, &rows, |_, _| {}).expect("load");
+    for (group, count) in [("user", USERS), ("item", a.items.max(ITEMS_SCORED))] {
+        for chunk in (0..count).collect::<Vec<u64>>().chunks(100_000) {
+            let rows: Vec<(u64, Vec<f32>)> = chunk.iter().map(|&id| (id, vector(id, 0))).collect();
+            p.put_many(group, &rows, |_, _| {}).expect("load");
+        }
     }
+
+    let mut sync_s = Vec::new();
+    for _ in 0..a.repeats {
+        let out = dir.join("sync.qrep");
+        let target = quiver::feed::refresher::SyncTarget {
+            group: "item",
+            path: &out,
+            dim: DIM,
+            storage: quiver::replica::Storage::F32,
+            default: &[0.0; DIM],
+            batch_keys_max: 1000,
+        };
+        let started = Instant::now();
+        let mut fresh =
+            quiver::feed::refresher::full_sync(&mut redis.conn(), &target, None, &mut |_| {}).expect("sync");
+        fresh.rename_to(&out).expect("rename");
+        let secs = started.elapsed().as_secs_f64();
+        println!("{{\"run\":\"full sync\",\"entities\":{},\"seconds\":{secs:.3}}}", fresh.live_rows());
+        sync_s.push((secs * 1e6) as u64);
+    }
+    let sync_us = median(sync_s);
+    println!(
+        "{{\"median\":\"full sync\",\"entities\":{},\"seconds\":{:.3},\"entities_per_s\":{:.0}}}",
+        a.items.max(ITEMS_SCORED),
+        sync_us as f64 / 1e6,
+        a.items.max(ITEMS_SCORED) as f64 / (sync_us as f64 / 1e6)
+    );
+
     let server = serve(&dir, &redis);
-    report("idle server", run(&dir, &redis, &server, &a, 0, 0), &a);
-    report(&format!("scoring {} req/s", a.score_rate), run(&dir, &redis, &server, &a, a.score_rate, 1), &a);
+    let mut pass = 0;
+    for (label, score_rate) in
+        [("idle server".to_string(), 0), (format!("scoring {} req/s", a.score_rate), a.score_rate)]
+    {
+        let mut runs = Vec::new();
+        for _ in 0..a.repeats {
+            let p = percentiles(run(&dir, &redis, &server, &a, score_rate, pass));
+            pass += 1;
+            print_lag(&label, p, &a);
+            runs.push(p);
+        }
+        let med: Vec<u64> = (0..5).map(|i| median(runs.iter().map(|r| r[i]).collect())).collect();
+        print_lag(&format!("median of {}: {label}", a.repeats), med.try_into().expect("five"), &a);
+    }
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
