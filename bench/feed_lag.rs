@@ -188,6 +188,9 @@ fn print_lag(label: &str, p: [u64; 5], a: &Args) {
 
 fn main() {
     let a = args();
+    let commit = Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok();
+    let commit = commit.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    println!("{{\"commit\":\"{commit}\",\"items\":{},\"repeats\":{}}}", a.items, a.repeats);
     let dir = std::env::temp_dir().join(format!("quiver-feed-lag-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     quiver::demo::ensure(&dir).expect("demo data");

@@ -160,6 +160,33 @@ if os.path.exists(handoff):
         w(f"| {name} | {v['p50_ns'] / 1e3:.1f} µs | {v['p99_ns'] / 1e3:.1f} µs | {v['p999_ns'] / 1e3:.1f} µs | {v['max_ns'] / 1e3:.1f} µs |")
     w("")
 
+feed = os.path.join(res, "feed_lag.jsonl")
+if os.path.exists(feed):
+    rows = [json.loads(l) for l in open(feed) if l.startswith("{")]
+    sync = next((r for r in rows if r.get("median") == "full sync"), None)
+    lags = [r for r in rows if r.get("run", "").startswith("median of")]
+    commit = next((r["commit"] for r in rows if r.get("commit")), "")
+    w("## The Redis feed: full sync and refresh lag\n")
+    if commit:
+        w(f"Measured at commit `{commit}`.")
+    w("From `cargo bench --bench feed_lag` (`bench/feed_lag.rs`): its own `redis-server` and")
+    w("`quiver serve --redis`, one shard, unpinned (Redis, the server's refresher, the publisher and")
+    w("the watcher share both cores).")
+    if sync:
+        w(f"A full sync of {sync['entities']:,} 128-byte items (SCAN + MGET, pipelined, one connection,")
+        w(f"into a fresh replica file) took a median {sync['seconds']:.2f} s: {sync['entities_per_s']:,.0f} entities/s.\n")
+    if lags:
+        w(f"Refresh lag: {lags[0]['updates']:,} updates at {lags[0]['rate_per_s']:,} per second, each timed from just before")
+        w("the publisher's call until the replica file (mapped read-only by the bench) holds it; the")
+        w("medians per percentile of the runs.\n")
+        w("| server | p50 | p90 | p99 | p99.9 | max |")
+        w("|---|---|---|---|---|---|")
+        for r in lags:
+            l = r["lag_us"]
+            label = r["run"].split(": ", 1)[1]
+            w(f"| {label} | {l['p50']:,} µs | {l['p90']:,} µs | {l['p99']:,} µs | {l['p999']:,} µs | {l['max']:,} µs |")
+        w("")
+
 # Criterion.
 w("## Microbenchmarks (criterion)\n")
 w("Median time per iteration with criterion's 95% confidence interval of the median, one process")

@@ -60,6 +60,8 @@ echo "== microbenchmarks (criterion)"
 rm -rf target/criterion
 for b in bench/*.rs; do
     name="$(basename "$b" .rs)"
+    # Not criterion: runs its own redis-server and server (below).
+    [ "$name" = feed_lag ] && continue
     # The hand-off crosses threads: it gets both cores; the rest run on one.
     pin=(taskset -c "$SERVER_CORE")
     [ "$name" = handoff ] && pin=()
@@ -159,6 +161,10 @@ for run in $(seq "$RUNS"); do
     done
 done
 kill -TERM "$redis_pid"; wait "$redis_pid" 2>/dev/null || true
+
+echo "== the Redis feed: full sync and refresh lag (medians of $RUNS)"
+cargo bench --quiet --bench feed_lag -- --repeats "$RUNS" >"$RESULTS/feed_lag.jsonl" \
+    || { cat "$RESULTS/feed_lag.jsonl"; die "cargo bench --bench feed_lag failed"; }
 
 echo "== plots"
 "$bin" plot percentiles --out "$PLOTS/open-loop-percentiles.png" \
