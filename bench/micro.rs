@@ -157,6 +157,7 @@ fn request_bench(c: &mut Criterion) {
             admission: Default::default(),
             ladder: Default::default(),
             cache: Default::default(),
+            shed: Default::default(),
             feed: None,
             fallback: None,
             shards: 1,

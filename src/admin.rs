@@ -23,6 +23,7 @@ use crate::ladder::Faults;
 use crate::metrics::{self, Board, Readiness, Stage, STAGES};
 use crate::registry::{Registry, RegistryError};
 use crate::request::REASONS;
+use crate::shed::{band_name, BANDS};
 use crate::wire::{reason_name, status_name, tier_name, Reason, Status, Tier};
 
 /// Upper bounds of the Prometheus histogram buckets, in seconds: fine enough
@@ -112,6 +113,23 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         e.encode_family(&[("result", "hit")])?.encode_counter::<NoLabelSet, _, u64>(&m.counters.cache_hits, None)?;
         e.encode_family(&[("result", "miss")])?.encode_counter::<NoLabelSet, _, u64>(&m.counters.cache_misses, None)?;
+        let mut e = encoder.encode_descriptor(
+            "quiver_shed_requests",
+            "Requests shed for load before lookup, by priority band.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (b, n) in m.counters.shed_by_band.iter().enumerate() {
+            e.encode_family(&[("band", band_name(b))])?.encode_counter::<NoLabelSet, _, u64>(n, None)?;
+        }
+        encoder
+            .encode_descriptor(
+                "quiver_shed_level",
+                "Priority bands being shed, highest over shards; the fraction is the next band's shed share.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&(m.counters.shed_level_milli as f64 / 1e3))?;
         let shadow_n = m.counters.shadow_requests;
         encoder
             .encode_descriptor(
@@ -364,6 +382,10 @@ pub struct Stats {
     pub by_version: std::collections::BTreeMap<String, u64>,
     pub cache_hits: u64,
     pub cache_misses: u64,
+    /// Requests shed for load, by priority band ("0", "1", "2-3", … "128-255").
+    pub shed_by_band: std::collections::BTreeMap<String, u64>,
+    /// Priority bands being shed now, highest over shards (fractional).
+    pub shed_level: f64,
     pub shadow_requests: u64,
     pub shadow_mean_abs_diff: f64,
     pub shadow_rank_correlation: f64,
@@ -392,6 +414,8 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
         breakers_open: m.breakers_open,
         cache_hits: m.counters.cache_hits,
         cache_misses: m.counters.cache_misses,
+        shed_by_band: (0..BANDS).map(|b| (band_name(b).to_string(), m.counters.shed_by_band[b])).collect(),
+        shed_level: m.counters.shed_level_milli as f64 / 1e3,
         shadow_requests: m.counters.shadow_requests,
         shadow_mean_abs_diff: shadow_divergence(&m.counters).0,
         shadow_rank_correlation: shadow_divergence(&m.counters).1,
@@ -613,6 +637,8 @@ mod tests {
         }
         c.requests = 4;
         c.by_status[0] = 4;
+        c.shed_by_band[4] = 2;
+        c.shed_level_milli = 1_500;
         publish(&mut t, &c, 1, false, Vec::new(), &b[1]);
         let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
         let mut model = crate::demo::model();
@@ -635,5 +661,8 @@ mod tests {
         assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
         assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
         assert!(text.contains("quiver_ready 1"), "{text}");
+        assert!(text.contains("quiver_shed_requests_total{band=\"8-15\"} 2"), "{text}");
+        assert!(text.contains("quiver_shed_requests_total{band=\"0\"} 0"), "{text}");
+        assert!(text.contains("quiver_shed_level 1.5"), "{text}");
     }
 }

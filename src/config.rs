@@ -41,6 +41,8 @@ pub struct Config {
     pub stage: StageLimits,
     /// Per-client rate limits.
     pub admission: crate::admission::AdmissionConfig,
+    /// Load shedding by priority when a shard is over capacity.
+    pub shed: crate::shed::ShedConfig,
     /// The degradation ladder: fallback model, static defaults, breaker.
     pub ladder: crate::ladder::LadderConfig,
     /// The per-shard score cache, the ladder's second rung.
@@ -79,6 +81,7 @@ impl Default for Config {
             inference: InferenceMode::Inline,
             stage: StageLimits::default(),
             admission: crate::admission::AdmissionConfig::default(),
+            shed: crate::shed::ShedConfig::default(),
             ladder: crate::ladder::LadderConfig::default(),
             cache: crate::cache::CacheConfig::default(),
             feed: None,
@@ -212,6 +215,7 @@ impl Config {
                 return Err(ConfigError::Invalid("admission.default: rate_per_s must be > 0 and burst >= 1".into()));
             }
         }
+        config.shed.validate().map_err(ConfigError::Invalid)?;
         Ok(config)
     }
 
@@ -284,6 +288,10 @@ mod tests {
         assert_eq!(err.to_string(), "admission.clients.x: not a client id (u32)");
         let err = Config::parse("[admission.clients.3]\nrate_per_s = 0.0\nburst = 1.0\n", "c.toml").unwrap_err();
         assert!(err.to_string().contains("rate_per_s must be > 0"), "{err}");
+        let err = Config::parse("[shed]\nlow_watermark = 0.9\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("low_watermark < high_watermark"), "{err}");
+        let c = Config::parse("[shed]\nenabled = true\nanswer = \"default\"\n", "c.toml").unwrap();
+        assert_eq!((c.shed.enabled, c.shed.answer), (true, crate::shed::ShedAnswer::Default));
         let err = Config::parse("[limits]\ncandidates_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
     }

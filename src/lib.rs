@@ -23,6 +23,7 @@ pub mod replica;
 pub mod request;
 pub mod score;
 pub mod shard;
+pub mod shed;
 pub mod wire;
 
 /// Start-up failures: anything that stops the server before it serves.

@@ -15,6 +15,10 @@
 //!
 //! The generator reports how busy its own loop was; above ~80% it is close to
 //! being the bottleneck and says so.
+//!
+//! With a priority mix (`--priority-mix 0:0.75,9:0.25`) each request draws
+//! its priority from the mix (seeded), and the report breaks latency and
+//! statuses down by priority, to see what load shedding keeps for whom.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -39,6 +43,8 @@ const DRAIN_MAX: Duration = Duration::from_secs(2);
 const INTERVAL: Duration = Duration::from_secs(1);
 /// Above this fraction of busy loop time the generator may be the bottleneck.
 const BUSY_WARN: f64 = 0.8;
+/// Most priorities in one mix.
+pub const PRIORITY_MIX_MAX: usize = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -63,6 +69,8 @@ pub struct BenchOptions {
     /// Zipf exponent for user and item ids; `None` for uniform.
     pub zipf: Option<f64>,
     pub budget_us: u32,
+    /// (priority, share) pairs, shares summing to 1; empty sends priority 0.
+    pub priority_mix: Vec<(u8, f64)>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -97,6 +105,65 @@ pub struct BenchReport {
     /// CPU seconds the generator process used during the run.
     pub generator_cpu_s: f64,
     pub generator_saturated: bool,
+    /// With a priority mix: the same figures per priority, keyed by it.
+    #[serde(default)]
+    pub by_priority: BTreeMap<String, PriorityReport>,
+}
+
+/// One priority's share of a run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PriorityReport {
+    pub sent: u64,
+    pub received: u64,
+    pub by_status: BTreeMap<String, u64>,
+    pub by_tier: BTreeMap<String, u64>,
+    pub latency: Latency,
+}
+
+/// Parses `P:SHARE,…` (priority 0..=255, positive shares, normalised to 1).
+pub fn parse_priority_mix(s: &str) -> Result<Vec<(u8, f64)>, String> {
+    let bad = || format!("--priority-mix '{s}': expected PRIORITY:SHARE,... (e.g. 0:0.75,9:0.25)");
+    let mut mix = Vec::new();
+    for part in s.split(',') {
+        let (p, share) = part.split_once(':').ok_or_else(bad)?;
+        let p: u8 = p.trim().parse().map_err(|_| bad())?;
+        let share: f64 = share.trim().parse().map_err(|_| bad())?;
+        if !(share > 0.0 && share.is_finite()) || mix.iter().any(|&(q, _)| q == p) {
+            return Err(bad());
+        }
+        mix.push((p, share));
+    }
+    if mix.len() > PRIORITY_MIX_MAX {
+        return Err(format!("--priority-mix '{s}': at most {PRIORITY_MIX_MAX} priorities"));
+    }
+    let total: f64 = mix.iter().map(|(_, w)| w).sum();
+    Ok(mix.into_iter().map(|(p, w)| (p, w / total)).collect())
+}
+
+/// An index into `mix`, drawn by share; `None` for no mix.
+fn pick_priority(mix: &[(u8, f64)], rng: &mut SplitMix64) -> Option<usize> {
+    if mix.is_empty() {
+        return None;
+    }
+    let u = rng.unit();
+    let mut acc = 0.0;
+    let i = mix.iter().position(|&(_, w)| {
+        acc += w;
+        u < acc
+    });
+    Some(i.unwrap_or(mix.len() - 1))
+}
+
+fn latency_of(h: &Histogram<u64>) -> Latency {
+    Latency {
+        p50_us: h.value_at_quantile(0.50),
+        p90_us: h.value_at_quantile(0.90),
+        p99_us: h.value_at_quantile(0.99),
+        p999_us: h.value_at_quantile(0.999),
+        p9999_us: h.value_at_quantile(0.9999),
+        max_us: h.max(),
+        mean_us: h.mean(),
+    }
 }
 
 impl BenchReport {
@@ -212,6 +279,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         generator_busy: 0.0,
         generator_cpu_s: 0.0,
         generator_saturated: false,
+        by_priority: BTreeMap::new(),
     };
     let mut rec = Recording {
         total: histogram(),
@@ -252,6 +320,12 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     let codec = Codec::default();
     let mut encoder = Codec::default();
     let mut spec = RequestSpec::default();
+    // Per priority of the mix: its draw, what was sent and how it came back.
+    let mut mix_rng = SplitMix64::new(opts.seed ^ 0x5052_494F);
+    let mut by_priority: Vec<(PriorityReport, Histogram<u64>)> =
+        opts.priority_mix.iter().map(|_| (PriorityReport::default(), histogram())).collect();
+    // Index into the mix of request `id`, by the same ring as `sent_ns`.
+    let mut sent_mix = vec![0u8; if opts.priority_mix.is_empty() { 0 } else { IN_FLIGHT_MAX }];
     // Send time (open loop: intended time) of request `id`, in ns since start.
     let mut sent_ns = vec![0u64; IN_FLIGHT_MAX];
     let mask = (IN_FLIGHT_MAX - 1) as u64;
@@ -284,6 +358,11 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                             continue;
                         }
                         workload.fill(seq, &mut spec);
+                        if let Some(i) = pick_priority(&opts.priority_mix, &mut mix_rng) {
+                            spec.priority = opts.priority_mix[i].0;
+                            sent_mix[(seq & mask) as usize] = i as u8;
+                            by_priority[i].0.sent += 1;
+                        }
                         encoder.encode(&spec, &mut conns[c].wbuf);
                         sent_ns[(seq & mask) as usize] = due_ns;
                         conns[c].in_flight += 1;
@@ -297,6 +376,11 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                     for c in conns.iter_mut().filter(|c| !c.broken) {
                         while c.in_flight < opts.pipeline.max(1) && in_flight_total < IN_FLIGHT_MAX {
                             workload.fill(seq, &mut spec);
+                            if let Some(i) = pick_priority(&opts.priority_mix, &mut mix_rng) {
+                                spec.priority = opts.priority_mix[i].0;
+                                sent_mix[(seq & mask) as usize] = i as u8;
+                                by_priority[i].0.sent += 1;
+                            }
                             encoder.encode(&spec, &mut c.wbuf);
                             sent_ns[(seq & mask) as usize] = now_ns;
                             c.in_flight += 1;
@@ -370,6 +454,15 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                         if resp.status == Status::Ok {
                             *report.by_tier.entry(tier_name(resp.tier).into()).or_default() += 1;
                         }
+                        let mix = sent_mix.get((resp.request_id & mask) as usize);
+                        if let Some((p, h)) = mix.and_then(|&i| by_priority.get_mut(usize::from(i))) {
+                            h.saturating_record(latency_us);
+                            p.received += 1;
+                            *p.by_status.entry(status_name(resp.status).into()).or_default() += 1;
+                            if resp.status == Status::Ok {
+                                *p.by_tier.entry(tier_name(resp.tier).into()).or_default() += 1;
+                            }
+                        }
                         c.in_flight = c.in_flight.saturating_sub(1);
                         in_flight_total = in_flight_total.saturating_sub(1);
                     }
@@ -410,16 +503,11 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     // vCPU descheduled for a few ms); many of them, or a busy loop, mean the
     // generator cannot keep up with the offered rate.
     report.generator_saturated = report.generator_busy > BUSY_WARN || report.late_sends * 100 > report.sent.max(1);
-    let h = &rec.total;
-    report.latency = Latency {
-        p50_us: h.value_at_quantile(0.50),
-        p90_us: h.value_at_quantile(0.90),
-        p99_us: h.value_at_quantile(0.99),
-        p999_us: h.value_at_quantile(0.999),
-        p9999_us: h.value_at_quantile(0.9999),
-        max_us: h.max(),
-        mean_us: h.mean(),
-    };
+    report.latency = latency_of(&rec.total);
+    for (&(priority, _), (mut p, h)) in opts.priority_mix.iter().zip(by_priority) {
+        p.latency = latency_of(&h);
+        report.by_priority.insert(priority.to_string(), p);
+    }
     (report, rec)
 }
 
@@ -536,6 +624,19 @@ impl std::fmt::Display for BenchReport {
                 self.generator_busy * 100.0
             )?;
         }
+        for (priority, p) in &self.by_priority {
+            let l = &p.latency;
+            writeln!(
+                f,
+                "priority {priority}: {} sent, {} answered; p50 {} µs  p99 {} µs  max {} µs; status: {}",
+                p.sent,
+                p.received,
+                l.p50_us,
+                l.p99_us,
+                l.max_us,
+                join(&p.by_status)
+            )?;
+        }
         for e in &self.connection_errors {
             writeln!(f, "connection error: {e}")?;
         }
@@ -575,6 +676,20 @@ mod tests {
         assert_eq!(parse_duration("10us").unwrap(), Duration::from_micros(10));
         assert!(parse_duration("5h").is_err());
         assert!(parse_duration("fast").is_err());
+    }
+
+    #[test]
+    fn priority_mixes() {
+        assert_eq!(parse_priority_mix("0:3,9:1").unwrap(), vec![(0, 0.75), (9, 0.25)]);
+        assert!(parse_priority_mix("0:1,0:1").is_err(), "a priority twice");
+        assert!(parse_priority_mix("256:1").is_err());
+        assert!(parse_priority_mix("1:0").is_err());
+        assert!(parse_priority_mix("1").is_err());
+        let mix = parse_priority_mix("0:0.75,9:0.25").unwrap();
+        let mut rng = SplitMix64::new(7);
+        let high = (0..100_000).filter(|_| pick_priority(&mix, &mut rng) == Some(1)).count();
+        assert!((24_000..26_000).contains(&high), "{high} of 100000 drew priority 9");
+        assert_eq!(pick_priority(&[], &mut rng), None);
     }
 
     #[test]

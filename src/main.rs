@@ -182,6 +182,10 @@ struct BenchArgs {
     zipf: Option<f64>,
     #[arg(long, default_value_t = 0)]
     budget_us: u32,
+    /// Priorities to send, with shares: `0:0.75,9:0.25` (higher is more
+    /// important); the report breaks results down by priority. Default: all 0.
+    #[arg(long)]
+    priority_mix: Option<String>,
     /// Rate sweep START:STEP:MAX (req/s): open-loop runs of --duration at
     /// rising rates until p99 exceeds --p99-max-us or a request fails.
     #[arg(long)]
@@ -549,6 +553,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         admission: config.admission.clone(),
         ladder: config.ladder.clone(),
         cache: config.cache.clone(),
+        shed: config.shed.clone(),
         fallback,
         shards: cores.len(),
     };
@@ -678,6 +683,10 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         unknown_fraction: args.unknown_fraction,
         zipf: args.zipf,
         budget_us: args.budget_us,
+        priority_mix: match &args.priority_mix {
+            Some(mix) => loadgen::parse_priority_mix(mix).map_err(Error::Setup)?,
+            None => Vec::new(),
+        },
     };
     let write_files = |rec: &loadgen::Recording| -> Result<(), Error> {
         let io = |p: &PathBuf, e: std::io::Error| Error::Setup(format!("{}: {e}", p.display()));

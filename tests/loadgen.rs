@@ -72,6 +72,7 @@ fn options(addr: String, rate: Option<f64>) -> BenchOptions {
         unknown_fraction: 0.0,
         zipf: None,
         budget_us: 0,
+        priority_mix: Vec::new(),
     }
 }
 

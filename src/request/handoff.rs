@@ -1,6 +1,11 @@
 //! The shard's side of the inference stage: requests waiting for it, the
 //! running estimate of its turnaround, completions turned into responses,
 //! and give-ups answered from the lower rungs when the stage is too slow.
+//!
+//! The score cache works as it does inline: the stage's scores fill it when
+//! they are returned in time, and a request stepped down after its hand-off
+//! looks it up again (each slot keeps its request's item ids), since entries
+//! may have come or gone while it waited.
 
 use super::*;
 
@@ -9,6 +14,8 @@ use super::*;
 pub(super) struct Pending {
     pub(super) conn: u32,
     pub(super) step: StepDown,
+    /// Its score-cache key, item left 0.
+    pub(super) cache_key: Key,
     pub(super) model_version: u32,
     pub(super) submitted_ns: u64,
     /// When the shard stops waiting and answers from a lower rung.
@@ -53,6 +60,9 @@ impl<C: Clock> RequestPath<C> {
     /// them inline.
     pub fn attach_stage(&mut self, stage: ShardEnd) {
         self.pending = (0..stage.slots()).map(|_| None).collect();
+        if self.cache.enabled() {
+            self.pending_items = vec![0; stage.slots() * self.shared.limits.candidates_max];
+        }
         if self.fallback.is_some() {
             self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
         }
@@ -98,9 +108,13 @@ impl<C: Clock> RequestPath<C> {
         }
         self.breaker.record(!ok, now_ns);
         match outcome {
-            _ if ok => self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out),
+            _ if ok => {
+                self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out);
+                self.cache_slot_scores(&p, done.slot, now_ns);
+            }
             Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
                 // The stage saw it could not finish in time; a lower rung may.
+                let step = self.recheck_cache(&p, done.slot, now_ns);
                 self.step_down_from(&step, Reason::Budget, done.slot, false, out);
             }
             Outcome::Expired => {
@@ -110,6 +124,7 @@ impl<C: Clock> RequestPath<C> {
                 self.fail(step.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
             }
             Outcome::Failed => {
+                let step = self.recheck_cache(&p, done.slot, now_ns);
                 self.step_down_from(&step, Reason::ModelError, done.slot, false, out);
             }
         }
@@ -141,11 +156,48 @@ impl<C: Clock> RequestPath<C> {
             // A request the stage could not answer in time is a failure for
             // the breaker now, not when its late result finally comes back.
             self.breaker.record(true, now_ns);
-            self.step_down_from(&p.step, Reason::Budget, slot as u32, false, &mut bytes);
+            let step = self.recheck_cache(&p, slot as u32, now_ns);
+            self.step_down_from(&step, Reason::Budget, slot as u32, false, &mut bytes);
             self.pending[slot].as_mut().expect("checked above").answered = true;
             deliver(p.conn, &bytes);
         }
         self.give_up_bytes = bytes;
         self.next_give_up_ns = next;
+    }
+}
+
+impl<C: Clock> RequestPath<C> {
+    /// Caches the scores in `self.logits` that the stage returned for `p`.
+    fn cache_slot_scores(&mut self, p: &Pending, slot: u32, now_ns: u64) {
+        if !self.cache.enabled() {
+            return;
+        }
+        let rows = p.step.rows;
+        let at = slot as usize * self.shared.limits.candidates_max;
+        for (&item, &score) in self.pending_items[at..at + rows].iter().zip(&self.logits[..rows]) {
+            self.cache.put(Key { item, ..p.cache_key }, score, now_ns);
+        }
+    }
+
+    /// `p`'s step-down with the cache looked up again at `now_ns`: cached
+    /// (scores in `self.cached`) only if every candidate is still there.
+    fn recheck_cache(&mut self, p: &Pending, slot: u32, now_ns: u64) -> StepDown {
+        let mut step = p.step;
+        step.cached = self.cache.enabled();
+        if step.cached {
+            let at = slot as usize * self.shared.limits.candidates_max;
+            for (dst, &item) in self.cached.iter_mut().zip(&self.pending_items[at..at + step.rows]) {
+                match self.cache.get(&Key { item, ..p.cache_key }, now_ns) {
+                    Some(score) => *dst = score,
+                    None => {
+                        step.cached = false;
+                        break;
+                    }
+                }
+            }
+            self.counters.cache_hits = self.cache.hits;
+            self.counters.cache_misses = self.cache.misses;
+        }
+        step
     }
 }

@@ -26,11 +26,13 @@ use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
 use crate::replica::ReplicaHandle;
 use crate::score::{self, Backend, BackendKind};
+use crate::shed::{ShedConfig, Shedder, BANDS};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 use handoff::{Pending, Turnaround};
 use shadow::{ShadowQueue, SHADOW_SLOTS};
 
 mod handoff;
+mod overload;
 mod shadow;
 
 /// The state every shard reads: the replica handles (tables the refresher
@@ -53,6 +55,8 @@ pub struct Shared {
     pub admission: AdmissionConfig,
     /// The per-shard score cache.
     pub cache: CacheConfig,
+    /// Load shedding by priority.
+    pub shed: ShedConfig,
     /// The Redis feed's state, when features are refreshed from Redis.
     pub feed: Option<Arc<FeedStatus>>,
     pub shards: usize,
@@ -145,6 +149,11 @@ pub struct Counters {
     pub shadow_rank_corr_ppm: i64,
     pub cache_hits: u64,
     pub cache_misses: u64,
+    /// Requests shed, by priority band (`shed::band`).
+    pub shed_by_band: [u64; BANDS],
+    /// The shed level in thousandths of a band: a gauge, merged as the
+    /// highest over shards.
+    pub shed_level_milli: u64,
 }
 
 impl Counters {
@@ -167,6 +176,10 @@ impl Counters {
         self.shadow_rank_corr_ppm += other.shadow_rank_corr_ppm;
         self.cache_hits += other.cache_hits;
         self.cache_misses += other.cache_misses;
+        for (a, b) in self.shed_by_band.iter_mut().zip(&other.shed_by_band) {
+            *a += b;
+        }
+        self.shed_level_milli = self.shed_level_milli.max(other.shed_level_milli);
     }
 }
 
@@ -282,6 +295,10 @@ pub struct RequestPath<C: Clock> {
     /// Cached scores of the current request's candidates.
     cached: Vec<f32>,
     admission: Admission,
+    shedder: Shedder,
+    /// Item ids of handed-off requests, by slot (`candidates_max` each), so
+    /// their scores can be cached and a give-up can look the cache up.
+    pending_items: Vec<u64>,
     /// Model input rows, `candidates_max × row_dim`, reused per request.
     x: Vec<f32>,
     /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
@@ -344,6 +361,8 @@ impl<C: Clock> RequestPath<C> {
             fallback: None,
             breaker: Breaker::new(shared.ladder.breaker),
             admission: Admission::new(shared.admission.clone(), shared.shards),
+            shedder: Shedder::new(shared.shed.clone()),
+            pending_items: Vec::new(),
             x: Vec::new(),
             item_vectors: vec![0.0; rows_max * shared.item.dim()],
             item_rows: vec![0; rows_max],
@@ -516,6 +535,10 @@ impl<C: Clock> RequestPath<C> {
                 chosen = c;
             }
         }
+        if self.shedder.enabled() && self.shed_now(request.raw.priority(), read_at_ns, decoded_ns) {
+            let rows = request.item_ids().len();
+            return self.answer_shed(request_id, chosen, rows, read_at_ns, deadline, out);
+        }
         self.served[chosen].requests += 1;
         let (user_id, primary) = (request.user_id(), chosen);
         let Served { model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, .. } =
@@ -651,9 +674,14 @@ impl<C: Clock> RequestPath<C> {
             }
             let give_up_ns = (deadline.at_us().saturating_sub(self.shared.ladder.reserve_us)) * 1_000;
             self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);
+            if self.cache.enabled() {
+                let at = slot as usize * self.shared.limits.candidates_max;
+                self.pending_items[at..at + rows].copy_from_slice(&self.item_ids);
+            }
             self.pending[slot as usize] = Some(Pending {
                 conn,
                 step,
+                cache_key,
                 model_version: model.version,
                 submitted_ns: before_kernel_ns,
                 give_up_ns,
@@ -730,7 +758,8 @@ impl<C: Clock> RequestPath<C> {
         );
     }
 
-    /// Answers from the rungs below the primary: the fallback model when it
+    /// Answers from the rungs below the primary: the cached scores when
+    /// `step.cached` (they are in `self.cached`), the fallback model when it
     /// reads the same inputs and fits the time left, else the static default.
     /// The model input rows are in `self.x`, or in the shadow copy of job
     /// slot `shadow_slot` for a handed-off request given up on (`rows_in_x`
@@ -751,7 +780,7 @@ impl<C: Clock> RequestPath<C> {
         let rows = step.rows;
         let mut tier = Tier::Default;
         let mut version = 0;
-        if step.cached && rows_in_x {
+        if step.cached {
             self.logits[..rows].copy_from_slice(&self.cached[..rows]);
             tier = Tier::Cached;
         }

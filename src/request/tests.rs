@@ -38,6 +38,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         readiness: Arc::new(Readiness::ready()),
         admission: AdmissionConfig::default(),
         cache: CacheConfig::default(),
+        shed: ShedConfig::default(),
         feed: None,
         ladder: LadderConfig::default(),
         fallback: None,
@@ -186,4 +187,164 @@ fn budget_zero_means_default_and_large_budgets_are_clamped() {
     s.budget_us = u32::MAX;
     clock.set_step_us(6_000);
     assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::DeadlineExceeded);
+}
+
+/// A request's frame payload.
+fn payload(spec: &RequestSpec) -> Vec<u8> {
+    let mut frame = Vec::new();
+    RequestEncoder::new().encode(spec, &mut frame);
+    frame.split_off(FRAME_PREFIX_BYTES)
+}
+
+fn decode(out: &[u8]) -> wire::Response {
+    let (payload, used) = wire::split_frame(out, 1 << 16).unwrap().unwrap();
+    assert_eq!(used, out.len(), "exactly one response frame");
+    wire::decode_response(payload, 64).unwrap()
+}
+
+#[test]
+fn a_long_wait_in_the_read_buffer_sheds_low_priorities_before_lookup() {
+    let clock = ManualClock::new(1_000_000);
+    let mut sh = shared(&dir("shed"));
+    sh.shed = ShedConfig { enabled: true, ..ShedConfig::default() };
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let (mut low, mut high) = (spec(), spec());
+    high.priority = 9;
+    // Read 100 µs ago (a tenth of queue_delay_max_us): nothing is shed.
+    assert_eq!(run(&mut path, &low, 999_900).status, Status::Ok);
+    // Requests that waited half of queue_delay_max_us raise the level a
+    // quarter band each millisecond.
+    for _ in 0..5 {
+        clock.advance_us(1_000);
+        assert_eq!(run(&mut path, &high, clock.now_us() - 500).status, Status::Ok);
+    }
+    let missing = path.counters.features_missing;
+    let r = run(&mut path, &low, clock.now_us() - 500);
+    assert_eq!(
+        (r.status, r.error.as_str()),
+        (Status::Overloaded, "shed: over capacity, priority below the shed level")
+    );
+    assert_eq!(path.counters.features_missing, missing, "no lookup for a shed request");
+    assert_eq!(run(&mut path, &high, clock.now_us() - 500).status, Status::Ok, "priority 9 is four bands up");
+    assert_eq!(path.counters.shed_by_band[0], 1);
+    assert_eq!(path.counters.shed_level_milli, 1_250);
+    // No more waiting; after release_ms (50 ms per band) priority 0 is back.
+    low.request_id = 78;
+    clock.advance_us(10_000);
+    assert_eq!(run(&mut path, &low, clock.now_us()).status, Status::Overloaded, "10 ms is not enough");
+    clock.advance_us(90_000);
+    assert_eq!(run(&mut path, &low, clock.now_us()).status, Status::Ok);
+    assert_eq!(path.counters.shed_by_band[0], 2);
+}
+
+#[test]
+fn shed_requests_can_get_the_static_default() {
+    let clock = ManualClock::new(1_000_000);
+    let mut sh = shared(&dir("shed-default"));
+    sh.shed = ShedConfig { enabled: true, answer: crate::shed::ShedAnswer::Default, ..ShedConfig::default() };
+    sh.ladder.default_score = 0.125;
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let mut s = spec();
+    s.budget_us = 10_000;
+    for _ in 0..4 {
+        clock.advance_us(1_000);
+        run(&mut path, &s, clock.now_us() - 2_000);
+    }
+    let r = run(&mut path, &s, clock.now_us() - 2_000);
+    assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Default, Reason::Overload));
+    assert_eq!(r.scores, vec![0.125; 3]);
+}
+
+/// A request path handing off to a real inference stage, with a manual
+/// clock kept on the stage's (monotonic) time line.
+fn threaded<'c>(
+    name: &str,
+    faults: Arc<crate::ladder::Faults>,
+    clock: &'c ManualClock,
+) -> (RequestPath<&'c ManualClock>, crate::infer::Stage) {
+    let sh = shared(&dir(name));
+    let config = crate::infer::StageConfig {
+        batch_rows_max: 16,
+        batch_wait_us_max: 0,
+        spin_us: 100,
+        jobs_per_shard_max: 4,
+        rows_per_job_max: 4,
+        row_dim_max: 4,
+        core: None,
+    };
+    let (stage, mut ends) = crate::infer::start(config, 1, sh.registry.clone(), BackendKind::F32, faults).unwrap();
+    let mut path = RequestPath::new(sh, clock).unwrap();
+    path.attach_stage(ends.pop().unwrap());
+    (path, stage)
+}
+
+/// Hands `spec` off and answers it from the stage's completion.
+fn through_stage(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec) -> wire::Response {
+    let mut out = Vec::new();
+    let read_at_ns = path.clock().now_ns();
+    assert_eq!(path.handle(&payload(spec), read_at_ns, 0, &mut out), Handled::Pending);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if let Some(done) = path.poll_stage() {
+            assert_eq!(path.complete(done, &mut out), Some(0));
+            return decode(&out);
+        }
+        assert!(std::time::Instant::now() < until, "the stage never answered");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn stage_scores_fill_the_cache() {
+    let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
+    let (mut path, stage) = threaded("stage-cache", Arc::default(), &clock);
+    path.shared.cache.before_primary = true;
+    let mut s = spec();
+    s.budget_us = 1_000_000;
+    let first = through_stage(&mut path, &s);
+    assert_eq!((first.status, first.tier), (Status::Ok, Tier::Primary));
+    // The repeat is answered from the cache, inline, with the same scores.
+    let r = run(&mut path, &s, clock.now_us());
+    assert_eq!((r.status, r.tier, r.scores), (Status::Ok, Tier::Cached, first.scores));
+    stage.stop();
+}
+
+#[test]
+fn a_give_up_answers_from_the_cache() {
+    let faults = Arc::new(crate::ladder::Faults::default());
+    let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
+    let (mut path, stage) = threaded("stage-give-up", faults.clone(), &clock);
+    let mut s = spec();
+    s.budget_us = 1_000_000;
+    let first = through_stage(&mut path, &s);
+    assert_eq!((first.status, first.tier), (Status::Ok, Tier::Primary));
+    // The stage turns slow; the same request is given up on at its
+    // deadline less the reserve and answered from the cache rung.
+    faults.set_stage_delay_us(20_000);
+    let mut out = Vec::new();
+    let read_at_ns = clock.now_ns();
+    assert_eq!(path.handle(&payload(&s), read_at_ns, 0, &mut out), Handled::Pending);
+    let mut answers = Vec::new();
+    path.give_up_overdue(read_at_ns + 500_000_000, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    assert!(answers.is_empty(), "not yet due");
+    clock.advance_us(1_000_000 - path.shared.ladder.reserve_us);
+    let now_ns = clock.now_ns();
+    path.give_up_overdue(now_ns, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    assert_eq!(answers.len(), 1);
+    let r = decode(&answers[0].1);
+    assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Cached, Reason::Budget));
+    assert_eq!(r.scores, first.scores);
+    // Past the TTL nothing is cached: a give-up then falls to the default.
+    clock.advance_us(61_000_000);
+    let read_at_ns = path.clock().now_ns();
+    s.request_id = 78;
+    assert_eq!(path.handle(&payload(&s), read_at_ns, 0, &mut out), Handled::Pending);
+    clock.advance_us(1_000_000);
+    let now_ns = clock.now_ns();
+    answers.clear();
+    path.give_up_overdue(now_ns, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    assert_eq!(answers.len(), 1);
+    assert_eq!(decode(&answers[0].1).tier, Tier::Default);
+    faults.set_stage_delay_us(0);
+    stage.stop();
 }
