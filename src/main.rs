@@ -234,6 +234,16 @@ struct ImportArgs {
     /// How activation ranges are chosen: max-abs or percentile:P.
     #[arg(long, default_value = "max-abs", requires = "calibration")]
     calibration_method: quiver::model::calibrate::Method,
+    /// The quantized path the import reports against f32 on the calibration
+    /// set. The file serves both: pick one at serve time with `--backend`.
+    #[arg(long, value_enum, default_value = "int8")]
+    precision: Precision,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Precision {
+    Int8,
+    Fp8,
 }
 
 #[derive(Subcommand)]
@@ -854,7 +864,7 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
     };
     let mut imported = quiver::model::onnx::import_file(&args.onnx, &opts)?;
     let calibration_report = match &args.calibration {
-        Some(path) => Some(calibrate_import(&mut imported.model, path, args.calibration_method)?),
+        Some(path) => Some(calibrate_import(&mut imported.model, path, args.calibration_method, args.precision)?),
         None => None,
     };
     imported.model.save(&args.out)?;
@@ -876,6 +886,7 @@ fn calibrate_import(
     model: &mut Model,
     path: &std::path::Path,
     method: quiver::model::calibrate::Method,
+    precision: Precision,
 ) -> Result<String, Error> {
     use quiver::model::calibrate::{calibrate, read_npy};
     use std::io::Write as _;
@@ -894,9 +905,14 @@ fn calibrate_import(
     let bins = calibration.scores.counts.len();
     model.calibration = Some(calibration);
     model.validate()?;
-    let (worst, mean) = score_error(model, &set, BackendKind::Int8);
+    let (kind, label) = match precision {
+        Precision::Int8 => (BackendKind::Int8, "int8"),
+        Precision::Fp8 => (BackendKind::Fp8, "fp8"),
+    };
+    let (worst, mean) = score_error(model, &set, kind);
     Ok(format!(
-        "  calibration: {} rows, {}; activation ranges per layer: {}\n  score histogram: {bins} bins\n  int8 vs f32 on the calibration set: max |score diff| {worst:.5}, mean {mean:.5}",
+        "  calibration: {} rows, {}; activation ranges per layer: {}\n  score histogram: {bins} bins\n  \
+         {label} vs f32 on the calibration set: max |score diff| {worst:.5}, mean {mean:.5}",
         set.rows,
         model.calibration.as_ref().map_or("", |c| c.method.as_str()),
         ranges.join(", ")

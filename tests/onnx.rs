@@ -15,7 +15,7 @@ use quiver::model::calibrate::{calibrate, read_npy, Matrix, Method};
 use quiver::model::onnx::{import_file, ImportOptions, Imported};
 use quiver::model::{sigmoid, Model};
 use quiver::replica::ReplicaBuilder;
-use quiver::score::cpu::{CpuF32, CpuInt8, Int8Kernel};
+use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
 use quiver::score::Backend;
 use quiver::wire::{RequestSpec, Status};
 
@@ -336,6 +336,9 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
 /// |AUC(quantized) - AUC(f32)| and max |score(quantized) - score(f32)|.
 const INT8_AUC_DELTA_MAX: f64 = 0.002;
 const INT8_STATIC_SCORE_ERROR_MAX: f32 = 0.06;
+/// The same for the FP8 E4M3 path (calibrated, max-abs).
+const FP8_AUC_DELTA_MAX: f64 = 0.005;
+const FP8_SCORE_ERROR_MAX: f32 = 0.25;
 
 /// The area under the ROC curve: the probability that a random positive
 /// scores above a random negative, ties counting one half (average ranks).
@@ -437,4 +440,22 @@ fn calibrated_int8_keeps_auc_and_scores_within_the_documented_bounds() {
     let worst = max_abs_diff(&scores, &f32_scores);
     eprintln!("dynamic int8: AUC {a:.5} vs f32 {b:.5}; max |score - f32| {worst:.5}");
     assert!((a - b).abs() <= INT8_AUC_DELTA_MAX && worst <= INT8_STATIC_SCORE_ERROR_MAX);
+}
+
+#[test]
+fn calibrated_fp8_keeps_auc_and_scores_within_the_documented_bounds() {
+    let set = auc_set();
+    for calibrated in [true, false] {
+        let m = if calibrated { calibrated_helper(Method::MaxAbs) } else { import_both().remove(0).1.model };
+        let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
+        let scores = probabilities(&mut CpuFp8::new(&m, 512), &m, &set.x);
+        let (a, b) = (auc(&scores, &set.labels), auc(&f32_scores, &set.labels));
+        let worst = max_abs_diff(&scores, &f32_scores);
+        let mean = scores.iter().zip(&f32_scores).map(|(p, q)| (p - q).abs()).sum::<f32>() / scores.len() as f32;
+        eprintln!(
+            "fp8 calibrated {calibrated}: AUC {a:.5} vs f32 {b:.5}; max |score - f32| {worst:.5}, mean {mean:.5}"
+        );
+        assert!((a - b).abs() <= FP8_AUC_DELTA_MAX, "calibrated {calibrated}: AUC moved");
+        assert!(worst <= FP8_SCORE_ERROR_MAX, "calibrated {calibrated}: score error {worst}");
+    }
 }

@@ -1,4 +1,4 @@
-//! CPU backends: the f32 oracle and the INT8 kernel.
+//! CPU backends: the f32 oracle and the INT8 kernel (FP8 E4M3 in `fp8.rs`).
 //!
 //! INT8 semantics (shared with the GPU kernels, so written down exactly).
 //! Weights are symmetric per output channel (`Layer::quantize`); dot
@@ -29,8 +29,10 @@
 //! backend is built.
 
 mod aligned;
+pub mod fp8;
 pub mod int8_gemm;
 
+pub use fp8::CpuFp8;
 pub use int8_gemm::Int8Kernel;
 use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 
