@@ -41,6 +41,20 @@ enum Command {
     Bench(BenchArgs),
     /// Import an ONNX MLP into a Quiver model file (.qm).
     Import(ImportArgs),
+    /// Time one backend's forward pass on a model file, single thread, at
+    /// several batch sizes; one JSON line per batch size (for
+    /// bench/ort_side_by_side.py).
+    TimeModel {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, value_enum, default_value = "int8")]
+        backend: BackendKind,
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,256,1024")]
+        rows: Vec<usize>,
+        /// Timed calls per batch size (after warm-up); the median is reported.
+        #[arg(long, default_value_t = 200)]
+        iters: usize,
+    },
     /// Feature replica files.
     #[command(subcommand)]
     Replica(ReplicaCommand),
@@ -373,6 +387,7 @@ fn main() -> ExitCode {
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
         Command::Import(args) => import(args),
+        Command::TimeModel { model, backend, rows, iters } => time_model(&model, backend, &rows, iters),
         Command::Replica(cmd) => replica(cmd),
         Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
@@ -917,6 +932,43 @@ fn calibrate_import(
         model.calibration.as_ref().map_or("", |c| c.method.as_str()),
         ranges.join(", ")
     ))
+}
+
+/// `quiver time-model`: median wall time of `Backend::logits` per batch
+/// size on seeded normal inputs, printed as JSON lines.
+fn time_model(path: &std::path::Path, kind: BackendKind, rows: &[usize], iters: usize) -> Result<ExitCode, Error> {
+    let model = Model::load(path)?;
+    let rows_max = rows.iter().copied().max().unwrap_or(1);
+    let mut backend = quiver::score::build(kind, &model, rows_max);
+    let mut rng = quiver::demo::SplitMix64::new(7);
+    let x: Vec<f32> = (0..rows_max * model.input_dim()).map(|_| rng.normal()).collect();
+    let macs_per_row: usize = model.layers.iter().map(|l| l.in_dim * l.out_dim).sum();
+    for &n in rows {
+        let mut out = vec![0.0; n];
+        let x = &x[..n * model.input_dim()];
+        for _ in 0..10 {
+            backend.logits(&model, x, n, &mut out);
+        }
+        let mut ns: Vec<u64> = (0..iters.max(1))
+            .map(|_| {
+                let t = Instant::now();
+                backend.logits(&model, x, n, &mut out);
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        ns.sort_unstable();
+        let median_ns = ns[ns.len() / 2];
+        let line = serde_json::json!({
+            "backend": backend.name(),
+            "rows": n,
+            "iters": ns.len(),
+            "median_us": median_ns as f64 / 1e3,
+            "rows_per_s": n as f64 / (median_ns as f64 / 1e9),
+            "gmac_per_s": (n * macs_per_row) as f64 / median_ns as f64,
+        });
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Max and mean |sigmoid(quantized) - sigmoid(f32)| over the rows of `set`.
