@@ -21,6 +21,13 @@ Outputs (all small, committed):
                     candidates) and, per model, onnxruntime's logit (the
                     Sigmoid's input, read as an extra graph output) and
                     probability for every (request, candidate) row.
+  calibration.npy   16384 rows [16384, 20] float32 from the training
+                    distribution, for `quiver import --calibration`.
+  auc_heldout.npy   8192 fresh rows [8192, 22] float32: the 20 features, a
+                    label drawn with a rare-positive rate (the generating
+                    logit shifted by -4, about 4% positives), and
+                    onnxruntime's probability for ctr_helper.onnx; for the
+                    INT8/FP8 AUC tests.
 
 Rerun (from the repository root; it is deterministic for these versions):
   pip install numpy==2.4.6 onnx==1.23.2 onnxruntime==1.32.0 \
@@ -199,6 +206,18 @@ def main():
     with open(os.path.join(OUT_DIR, "heldout.json"), "w") as f:
         json.dump(heldout, f, indent=1)
         f.write("\n")
+    # Drawn after everything above, so the older fixtures stay identical.
+    x_cal, _ = draw(rng, 2048, 8192, 16384)
+    np.save(os.path.join(OUT_DIR, "calibration.npy"), np.ascontiguousarray(x_cal, dtype=np.float32))
+    x_auc, _ = draw(rng, 256, 1024, 8192)
+    rare = 1.0 / (1.0 + np.exp(-(click_logit(x_auc[:, :8], x_auc[:, 8:16], x_auc[:, 16:]) - 4.0)))
+    y_auc = (rng.random(len(x_auc)) < rare).astype(np.float32)
+    feeds = {"user_emb": x_auc[:, :8], "item_emb": x_auc[:, 8:16], "ctx": x_auc[:, 16:]}
+    (p_auc,) = run(hm, feeds, ["probability"])
+    table = np.hstack([x_auc, y_auc[:, None], p_auc.reshape(-1, 1)]).astype(np.float32)
+    np.save(os.path.join(OUT_DIR, "auc_heldout.npy"), np.ascontiguousarray(table))
+    print(f"auc_heldout.npy: {int(y_auc.sum())} positives in {len(y_auc)} rows")
+
     acc = ((h_prob.ravel() > 0.5) == labels).mean()
     print(f"held-out accuracy against sampled labels: {acc:.3f}; files in {os.path.normpath(OUT_DIR)}")
 

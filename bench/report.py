@@ -209,4 +209,8 @@ for full_id, e in sorted(crit.items()):
         per_s = f"{t['Bytes'] / (e['median_ns'] / 1e9) / 1e9:.2f} GB/s"
     w(f"| {group} | {name} | {human_ns(e['median_ns'])} | {human_ns(e['lo_ns'])}–{human_ns(e['hi_ns'])} | {per_s} |")
 w("")
+# Figures recorded by hand (not produced by run.sh) are kept verbatim.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_side_by_side.md")) as f:
+    w(f.read().rstrip("\n"))
+    w("")
 print("\n".join(out))

@@ -118,6 +118,7 @@ pub fn model() -> Model {
             InputSegment { source: Source::Context, dim: CONTEXT_LEN },
         ],
         layers,
+        calibration: None,
     }
 }
 
@@ -134,6 +135,7 @@ pub fn fallback_model() -> Model {
         version: MODEL_VERSION,
         inputs: model().inputs,
         layers: vec![Layer::quantize(n_in, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.0])],
+        calibration: None,
     }
 }
 

@@ -38,6 +38,8 @@ pub enum Error {
     #[error(transparent)]
     Onnx(#[from] model::onnx::OnnxError),
     #[error(transparent)]
+    Calibration(#[from] model::calibrate::CalibrationError),
+    #[error(transparent)]
     Layout(#[from] request::LayoutError),
     #[error(transparent)]
     Registry(#[from] registry::RegistryError),

@@ -41,6 +41,20 @@ enum Command {
     Bench(BenchArgs),
     /// Import an ONNX MLP into a Quiver model file (.qm).
     Import(ImportArgs),
+    /// Time one backend's forward pass on a model file, single thread, at
+    /// several batch sizes; one JSON line per batch size (for
+    /// bench/ort_side_by_side.py).
+    TimeModel {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, value_enum, default_value = "int8")]
+        backend: BackendKind,
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,256,1024")]
+        rows: Vec<usize>,
+        /// Timed calls per batch size (after warm-up); the median is reported.
+        #[arg(long, default_value_t = 200)]
+        iters: usize,
+    },
     /// Feature replica files.
     #[command(subcommand)]
     Replica(ReplicaCommand),
@@ -229,6 +243,25 @@ struct ImportArgs {
     /// the graph has several outputs (e.g. label and probabilities).
     #[arg(long)]
     output: Option<String>,
+    /// Calibration set: a .npy file of float32 rows [rows, input width] in
+    /// the model's input order. Sets static activation ranges and stores the
+    /// set's score histogram; without it the INT8 backend quantizes
+    /// activations per row (dynamic fallback).
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// How activation ranges are chosen: max-abs or percentile:P.
+    #[arg(long, default_value = "max-abs", requires = "calibration")]
+    calibration_method: quiver::model::calibrate::Method,
+    /// The quantized path the import reports against f32 on the calibration
+    /// set. The file serves both: pick one at serve time with `--backend`.
+    #[arg(long, value_enum, default_value = "int8")]
+    precision: Precision,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Precision {
+    Int8,
+    Fp8,
 }
 
 #[derive(Subcommand)]
@@ -358,6 +391,7 @@ fn main() -> ExitCode {
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
         Command::Import(args) => import(args),
+        Command::TimeModel { model, backend, rows, iters } => time_model(&model, backend, &rows, iters),
         Command::Replica(cmd) => replica(cmd),
         Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
@@ -852,14 +886,118 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
         inputs: args.inputs,
         output: args.output,
     };
-    let imported = quiver::model::onnx::import_file(&args.onnx, &opts)?;
+    let mut imported = quiver::model::onnx::import_file(&args.onnx, &opts)?;
+    let calibration_report = match &args.calibration {
+        Some(path) => Some(calibrate_import(&mut imported.model, path, args.calibration_method, args.precision)?),
+        None => None,
+    };
     imported.model.save(&args.out)?;
     // Reading the file back checks what the server will load, not just what
     // was built in memory.
     let loaded = Model::load(&args.out)?;
     assert_eq!(loaded, imported.model, "a saved model reads back unchanged");
     println!("wrote {}: {}", args.out.display(), imported.summary());
+    match calibration_report {
+        Some(report) => println!("{report}"),
+        None => println!("  uncalibrated: the INT8 backend quantizes activations per row (pass --calibration)"),
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Calibrates `model` on the `.npy` set at `path` and returns the summary
+/// lines: the ranges and how far INT8 scores move from f32 on that set.
+fn calibrate_import(
+    model: &mut Model,
+    path: &std::path::Path,
+    method: quiver::model::calibrate::Method,
+    precision: Precision,
+) -> Result<String, Error> {
+    use quiver::model::calibrate::{calibrate, read_npy};
+    use std::io::Write as _;
+    let set = read_npy(path).map_err(quiver::model::calibrate::CalibrationError::from)?;
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut last_percent = usize::MAX;
+    let calibration = calibrate(model, &set, method, |done, total| {
+        let percent = done * 100 / total.max(1);
+        if tty && percent != last_percent {
+            last_percent = percent;
+            let _ = write!(std::io::stderr(), "\rcalibrating on {} rows: {percent:3}%", set.rows);
+        }
+    })?;
+    eprintln!("{}calibrated on {} rows ({})", if tty { "\r" } else { "" }, set.rows, calibration.method);
+    let ranges: Vec<String> = calibration.input_ranges.iter().map(|r| format!("{r:.4}")).collect();
+    let bins = calibration.scores.counts.len();
+    model.calibration = Some(calibration);
+    model.validate()?;
+    let (kind, label) = match precision {
+        Precision::Int8 => (BackendKind::Int8, "int8"),
+        Precision::Fp8 => (BackendKind::Fp8, "fp8"),
+    };
+    let (worst, mean) = score_error(model, &set, kind);
+    Ok(format!(
+        "  calibration: {} rows, {}; activation ranges per layer: {}\n  score histogram: {bins} bins\n  \
+         {label} vs f32 on the calibration set: max |score diff| {worst:.5}, mean {mean:.5}",
+        set.rows,
+        model.calibration.as_ref().map_or("", |c| c.method.as_str()),
+        ranges.join(", ")
+    ))
+}
+
+/// `quiver time-model`: median wall time of `Backend::logits` per batch
+/// size on seeded normal inputs, printed as JSON lines.
+fn time_model(path: &std::path::Path, kind: BackendKind, rows: &[usize], iters: usize) -> Result<ExitCode, Error> {
+    let model = Model::load(path)?;
+    let rows_max = rows.iter().copied().max().unwrap_or(1);
+    let mut backend = quiver::score::build(kind, &model, rows_max);
+    let mut rng = quiver::demo::SplitMix64::new(7);
+    let x: Vec<f32> = (0..rows_max * model.input_dim()).map(|_| rng.normal()).collect();
+    let macs_per_row: usize = model.layers.iter().map(|l| l.in_dim * l.out_dim).sum();
+    for &n in rows {
+        let mut out = vec![0.0; n];
+        let x = &x[..n * model.input_dim()];
+        for _ in 0..10 {
+            backend.logits(&model, x, n, &mut out);
+        }
+        let mut ns: Vec<u64> = (0..iters.max(1))
+            .map(|_| {
+                let t = Instant::now();
+                backend.logits(&model, x, n, &mut out);
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        ns.sort_unstable();
+        let median_ns = ns[ns.len() / 2];
+        let line = serde_json::json!({
+            "backend": backend.name(),
+            "rows": n,
+            "iters": ns.len(),
+            "median_us": median_ns as f64 / 1e3,
+            "rows_per_s": n as f64 / (median_ns as f64 / 1e9),
+            "gmac_per_s": (n * macs_per_row) as f64 / median_ns as f64,
+        });
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Max and mean |sigmoid(quantized) - sigmoid(f32)| over the rows of `set`.
+fn score_error(model: &Model, set: &quiver::model::calibrate::Matrix, kind: BackendKind) -> (f32, f32) {
+    const CHUNK: usize = 256;
+    let mut f32_backend = quiver::score::build(BackendKind::F32, model, CHUNK);
+    let mut quantized = quiver::score::build(kind, model, CHUNK);
+    let (mut worst, mut sum) = (0.0f32, 0.0f64);
+    let (mut a, mut b) = (vec![0.0; CHUNK], vec![0.0; CHUNK]);
+    for x in set.data.chunks(CHUNK * set.cols) {
+        let rows = x.len() / set.cols;
+        f32_backend.logits(model, x, rows, &mut a[..rows]);
+        quantized.logits(model, x, rows, &mut b[..rows]);
+        for (p, q) in a[..rows].iter().zip(&b[..rows]) {
+            let d = (quiver::model::sigmoid(*p) - quiver::model::sigmoid(*q)).abs();
+            worst = worst.max(d);
+            sum += f64::from(d);
+        }
+    }
+    (worst, (sum / set.rows.max(1) as f64) as f32)
 }
 
 fn parse_storage(s: &str) -> Result<Storage, String> {

@@ -1,7 +1,9 @@
 //! ONNX import parity: models exported by skl2onnx and built with
 //! onnx.helper (`bench/onnx_fixtures.py`) are imported and scored by the f32
 //! reference, both CPU backends and a real server, and compared with the
-//! outputs onnxruntime recorded in `tests/fixtures/onnx/heldout.json`.
+//! outputs onnxruntime recorded in `tests/fixtures/onnx/heldout.json`; the
+//! quantized paths of a calibrated import are held to documented bounds on
+//! score error and AUC against f32 on `auc_heldout.npy` (rare positives).
 
 mod common;
 
@@ -9,10 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{scratch, Server, BIN};
+use quiver::model::calibrate::{calibrate, read_npy, Matrix, Method};
 use quiver::model::onnx::{import_file, ImportOptions, Imported};
 use quiver::model::{sigmoid, Model};
 use quiver::replica::ReplicaBuilder;
-use quiver::score::cpu::{CpuF32, CpuInt8, Int8Kernel};
+use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
 use quiver::score::Backend;
 use quiver::wire::{RequestSpec, Status};
 
@@ -248,6 +251,37 @@ fn import_errors_say_what_is_wrong() {
     assert!(stderr.contains("'ctx' is not a source"), "{stderr}");
 }
 
+#[test]
+fn import_with_calibration_stores_ranges_and_the_score_histogram() {
+    let dir = scratch("onnx-calibrate");
+    let out = dir.join("model.qm");
+    let helper = fixtures().join("ctr_helper.onnx");
+    let calib = fixtures().join("calibration.npy");
+    let (code, stdout, stderr) =
+        quiver_import(&helper, &out, "user:8,item:8,context:4", &["--calibration", calib.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("calibration: 16384 rows, max-abs"), "{stdout}");
+    assert!(stdout.contains("int8 vs f32 on the calibration set: max |score diff|"), "{stdout}");
+    let m = Model::load(&out).unwrap();
+    let c = m.calibration.as_ref().expect("calibrated");
+    assert_eq!((c.rows, c.input_ranges.len()), (16384, 3));
+    assert_eq!(c.scores.counts.iter().sum::<u64>(), 16384);
+    assert!(c.scores.counts.len() >= 10, "{:?}", c.scores);
+    assert!(CpuInt8::new(&m, 1).is_static());
+
+    std::fs::remove_file(&out).unwrap();
+    let wrong_width = fixtures().join("auc_heldout.npy");
+    let (code, _, stderr) =
+        quiver_import(&helper, &out, "user:8,item:8,context:4", &["--calibration", wrong_width.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("the calibration set has 22 columns; the model's input vector has 20"), "{stderr}");
+    let (code, _, stderr) =
+        quiver_import(&helper, &out, "user:8,item:8,context:4", &["--calibration", helper.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("ctr_helper.onnx: not a .npy file"), "{stderr}");
+    assert!(!out.exists());
+}
+
 fn write_replica(path: &Path, group: &str, rows: &[Vec<f32>]) {
     let mut b = ReplicaBuilder::new(group, rows[0].len() as u32);
     for (id, v) in rows.iter().enumerate() {
@@ -293,5 +327,135 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
         assert_eq!(row, want.len());
         eprintln!("served {backend}: max |score - onnxruntime| {worst}");
         assert!(worst <= tolerance, "{backend}: served scores differ by {worst}");
+    }
+}
+
+/// Documented bounds for a calibrated import (README, "Importing models"),
+/// on the 8192 held-out rows of `auc_heldout.npy` (327 positives, about 4%),
+/// calibrated on the 16384 rows of `calibration.npy`:
+/// |AUC(quantized) - AUC(f32)| and max |score(quantized) - score(f32)|.
+const INT8_AUC_DELTA_MAX: f64 = 0.002;
+const INT8_STATIC_SCORE_ERROR_MAX: f32 = 0.06;
+/// The same for the FP8 E4M3 path (calibrated, max-abs).
+const FP8_AUC_DELTA_MAX: f64 = 0.005;
+const FP8_SCORE_ERROR_MAX: f32 = 0.25;
+
+/// The area under the ROC curve: the probability that a random positive
+/// scores above a random negative, ties counting one half (average ranks).
+fn auc(scores: &[f32], labels: &[bool]) -> f64 {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]));
+    let mut rank_sum_pos = 0.0f64;
+    let mut i = 0;
+    while i < order.len() {
+        let mut j = i;
+        while j + 1 < order.len() && scores[order[j + 1]] == scores[order[i]] {
+            j += 1;
+        }
+        let avg_rank = (i + j) as f64 / 2.0 + 1.0;
+        rank_sum_pos += avg_rank * order[i..=j].iter().filter(|&&k| labels[k]).count() as f64;
+        i = j + 1;
+    }
+    let pos = labels.iter().filter(|l| **l).count() as f64;
+    let neg = labels.len() as f64 - pos;
+    (rank_sum_pos - pos * (pos + 1.0) / 2.0) / (pos * neg)
+}
+
+#[test]
+fn auc_helper_by_hand() {
+    assert_eq!(auc(&[0.1, 0.2, 0.3, 0.4], &[false, false, true, true]), 1.0);
+    assert_eq!(auc(&[0.4, 0.3, 0.2, 0.1], &[false, false, true, true]), 0.0);
+    // One tie between a positive and a negative counts one half.
+    assert_eq!(auc(&[0.1, 0.5, 0.5, 0.9], &[false, false, true, true]), 0.875);
+}
+
+struct AucSet {
+    x: Vec<f32>,
+    labels: Vec<bool>,
+    ort_probability: Vec<f32>,
+}
+
+fn auc_set() -> AucSet {
+    let m = read_npy(&fixtures().join("auc_heldout.npy")).unwrap();
+    assert_eq!(m.cols, 22);
+    let mut x = Vec::with_capacity(m.rows * 20);
+    for r in 0..m.rows {
+        x.extend_from_slice(&m.row(r)[..20]);
+    }
+    let labels = (0..m.rows).map(|r| m.row(r)[20] == 1.0).collect();
+    let ort_probability = (0..m.rows).map(|r| m.row(r)[21]).collect();
+    AucSet { x, labels, ort_probability }
+}
+
+fn calibrated_helper(method: Method) -> Model {
+    let mut m = import_both().remove(0).1.model;
+    let set: Matrix = read_npy(&fixtures().join("calibration.npy")).unwrap();
+    m.calibration = Some(calibrate(&m, &set, method, |_, _| {}).unwrap());
+    Model::from_bytes(&m.to_bytes(), "calibrated").unwrap()
+}
+
+fn probabilities(backend: &mut dyn Backend, model: &Model, x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for chunk in x.chunks(backend.rows_max() * model.input_dim()) {
+        out.extend(backend_logits(backend, model, chunk).into_iter().map(sigmoid));
+    }
+    out
+}
+
+#[test]
+fn calibrated_int8_keeps_auc_and_scores_within_the_documented_bounds() {
+    let set = auc_set();
+    let positives = set.labels.iter().filter(|l| **l).count();
+    assert!(positives * 10 < set.labels.len() && positives >= 100, "{positives} positives: rare but measurable");
+    for method in [Method::MaxAbs, Method::Percentile(99.99)] {
+        let m = calibrated_helper(method);
+        let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
+        let d = max_abs_diff(&f32_scores, &set.ort_probability);
+        assert!(d <= F32_TOLERANCE, "f32 vs onnxruntime: {d}");
+        let auc_f32 = auc(&f32_scores, &set.labels);
+        for kernel in [Int8Kernel::Scalar, Int8Kernel::best()] {
+            let mut backend = CpuInt8::with_kernel(&m, 512, kernel).unwrap();
+            assert!(backend.is_static());
+            let scores = probabilities(&mut backend, &m, &set.x);
+            let auc_int8 = auc(&scores, &set.labels);
+            let worst = max_abs_diff(&scores, &f32_scores);
+            let mean = scores.iter().zip(&f32_scores).map(|(a, b)| (a - b).abs()).sum::<f32>() / scores.len() as f32;
+            eprintln!(
+                "{} int8 {}: AUC {auc_int8:.5} vs f32 {auc_f32:.5}; max |score - f32| {worst:.5}, mean {mean:.5}",
+                method.name(),
+                kernel.name()
+            );
+            assert!((auc_int8 - auc_f32).abs() <= INT8_AUC_DELTA_MAX, "{}: AUC moved", method.name());
+            // The bound is documented for the default method only.
+            if method == Method::default() {
+                assert!(worst <= INT8_STATIC_SCORE_ERROR_MAX, "{}: score error {worst}", method.name());
+            }
+        }
+    }
+    // The dynamic fallback, for comparison, under the same bounds.
+    let m = import_both().remove(0).1.model;
+    let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
+    let scores = probabilities(&mut CpuInt8::new(&m, 512), &m, &set.x);
+    let (a, b) = (auc(&scores, &set.labels), auc(&f32_scores, &set.labels));
+    let worst = max_abs_diff(&scores, &f32_scores);
+    eprintln!("dynamic int8: AUC {a:.5} vs f32 {b:.5}; max |score - f32| {worst:.5}");
+    assert!((a - b).abs() <= INT8_AUC_DELTA_MAX && worst <= INT8_STATIC_SCORE_ERROR_MAX);
+}
+
+#[test]
+fn calibrated_fp8_keeps_auc_and_scores_within_the_documented_bounds() {
+    let set = auc_set();
+    for calibrated in [true, false] {
+        let m = if calibrated { calibrated_helper(Method::MaxAbs) } else { import_both().remove(0).1.model };
+        let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
+        let scores = probabilities(&mut CpuFp8::new(&m, 512), &m, &set.x);
+        let (a, b) = (auc(&scores, &set.labels), auc(&f32_scores, &set.labels));
+        let worst = max_abs_diff(&scores, &f32_scores);
+        let mean = scores.iter().zip(&f32_scores).map(|(p, q)| (p - q).abs()).sum::<f32>() / scores.len() as f32;
+        eprintln!(
+            "fp8 calibrated {calibrated}: AUC {a:.5} vs f32 {b:.5}; max |score - f32| {worst:.5}, mean {mean:.5}"
+        );
+        assert!((a - b).abs() <= FP8_AUC_DELTA_MAX, "calibrated {calibrated}: AUC moved");
+        assert!(worst <= FP8_SCORE_ERROR_MAX, "calibrated {calibrated}: score error {worst}");
     }
 }

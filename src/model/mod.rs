@@ -4,9 +4,12 @@
 //! against) and INT8 weights quantized when the file is built, with one
 //! symmetric scale per output channel. It also declares the input layout:
 //! which slice of the input vector comes from the `user` feature group, which
-//! from the `item` group and which from the request context. Loading copies
-//! everything into owned, validated arrays; a file that does not describe a
-//! consistent network is refused with the reason.
+//! from the `item` group and which from the request context. A model imported
+//! with a calibration set also carries [`Calibration`]: per-layer activation
+//! ranges, which turn on the static INT8 semantics ([`StaticInt8Layer`]), and
+//! the calibration set's score histogram, the baseline for drift measures.
+//! Loading copies everything into owned, validated arrays; a file that does
+//! not describe a consistent network is refused with the reason.
 
 #[cfg(quiver_flatc_generated)]
 #[allow(clippy::all, clippy::pedantic, unsafe_op_in_unsafe_fn, mismatched_lifetime_syntaxes, deprecated)]
@@ -19,6 +22,7 @@ mod generated {
 #[rustfmt::skip]
 #[path = "model_generated.rs"]
 mod generated;
+pub mod calibrate;
 pub mod onnx;
 
 use std::path::Path;
@@ -99,6 +103,28 @@ impl Layer {
     }
 }
 
+/// Probabilities of the calibration set, binned; the baseline a drift
+/// measure (PSI) compares live scores with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScoreHistogram {
+    /// Ascending, `counts.len() + 1` of them, the first 0 and the last 1.
+    pub edges: Vec<f32>,
+    /// Rows with `edges[i] <= score < edges[i + 1]`; the last bin includes 1.
+    pub counts: Vec<u64>,
+}
+
+/// What `quiver import --calibration` measured (`model::calibrate`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    /// How the ranges were chosen, e.g. `max-abs` or `percentile:99.99`.
+    pub method: String,
+    pub rows: u64,
+    /// Per layer, the clipping range of its input activations; the INT8
+    /// activation scale is `range / 127`.
+    pub input_ranges: Vec<f32>,
+    pub scores: ScoreHistogram,
+}
+
 /// A loaded, validated model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Model {
@@ -106,6 +132,46 @@ pub struct Model {
     pub version: u32,
     pub inputs: Vec<InputSegment>,
     pub layers: Vec<Layer>,
+    /// `None` for a model imported without a calibration set: the INT8
+    /// backend then falls back to dynamic per-row activation scales.
+    pub calibration: Option<Calibration>,
+}
+
+/// Largest |bias| in accumulator units. With |acc| ≤ 128 · 127 · `WIDTH_MAX`
+/// < 2²⁸, `acc + bias_q` can never overflow i32.
+pub const BIAS_Q_MAX: i32 = 1 << 30;
+
+/// One layer's constants for the static INT8 semantics, derived on the host
+/// from the model and its calibration (the CPU kernels and any GPU port use
+/// this one function, so they cannot disagree on them).
+///
+/// With `s_in` this layer's activation scale (`input_ranges[i] / 127`),
+/// `s_out` the next layer's, and `s_w[o]` the weight scale of channel `o`:
+/// - `bias_q[o] = clamp(round_ties_even(bias[o] / (s_w[o] · s_in)), ±2³⁰)`,
+///   the bias in accumulator units (computed in f64);
+/// - hidden layer: `scale[o] = f32(s_w[o] · s_in / s_out)` (f64, rounded
+///   once) and the output is the int8
+///   `clamp(round_ties_even(f32(acc + bias_q[o]) · scale[o]), lo, 127)` with
+///   `lo = 0` after a ReLU, -128 without;
+/// - output layer: `scale[o] = f32(s_w[o] · s_in)` and the logit is
+///   `f32(acc + bias_q[o]) · scale[o]`, in f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StaticInt8Layer {
+    /// The activation scale of this layer's input.
+    pub in_scale: f32,
+    pub bias_q: Vec<i32>,
+    pub scale: Vec<f32>,
+    /// Whether the output is requantized to int8 (every layer but the last).
+    pub requantize: bool,
+    /// The requantized output's lower bound: 0 with a fused ReLU, else -128.
+    pub lo: i8,
+}
+
+/// `clamp(round_ties_even(v), lo, 127)` as the static INT8 semantics define
+/// it; NaN gives 0. The kernels compute it without the rounding call.
+#[inline]
+pub fn round_clamp_i8(v: f32, lo: i8) -> i8 {
+    v.round_ties_even().clamp(f32::from(lo), 127.0) as i8
 }
 
 impl Model {
@@ -155,7 +221,57 @@ impl Model {
         if self.layers.last().is_some_and(|l| l.relu) {
             return Err(bad("the output layer must not have an activation".into()));
         }
+        if let Some(c) = &self.calibration {
+            if c.input_ranges.len() != self.layers.len() {
+                return Err(bad(format!(
+                    "calibration has {} activation ranges for {} layers",
+                    c.input_ranges.len(),
+                    self.layers.len()
+                )));
+            }
+            if !c.input_ranges.iter().all(|r| r.is_finite() && *r > 0.0 && (*r / 127.0) > 0.0) {
+                return Err(bad("calibration holds a non-finite or non-positive activation range".into()));
+            }
+            let h = &c.scores;
+            let edges_ok = h.edges.len() == h.counts.len() + 1
+                && h.edges.first() == Some(&0.0)
+                && h.edges.last() == Some(&1.0)
+                && h.edges.windows(2).all(|w| w[0] < w[1]);
+            if !edges_ok {
+                return Err(bad("calibration score histogram edges are not ascending from 0 to 1".into()));
+            }
+        }
         Ok(())
+    }
+
+    /// The static INT8 constants per layer, or `None` when the model has no
+    /// calibration (the INT8 backend then quantizes activations per row).
+    pub fn static_int8(&self) -> Option<Vec<StaticInt8Layer>> {
+        let c = self.calibration.as_ref()?;
+        let s_act: Vec<f32> = c.input_ranges.iter().map(|r| r / 127.0).collect();
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let s_in = s_act[i];
+                let requantize = i + 1 < self.layers.len();
+                let bias_q = l
+                    .bias
+                    .iter()
+                    .zip(&l.weight_scales)
+                    .map(|(&b, &s_w)| {
+                        let q = (f64::from(b) / (f64::from(s_w) * f64::from(s_in))).round_ties_even();
+                        q.clamp(-f64::from(BIAS_Q_MAX), f64::from(BIAS_Q_MAX)) as i32
+                    })
+                    .collect();
+                let s_out = if requantize { f64::from(s_act[i + 1]) } else { 1.0 };
+                let scale =
+                    l.weight_scales.iter().map(|&s_w| (f64::from(s_w) * f64::from(s_in) / s_out) as f32).collect();
+                StaticInt8Layer { in_scale: s_in, bias_q, scale, requantize, lo: if l.relu { 0 } else { -128 } }
+            })
+            .collect();
+        Some(layers)
     }
 
     /// Length of the concatenated input vector.
@@ -252,7 +368,16 @@ impl Model {
                 bias: l.bias().map(|v| v.iter().collect()).unwrap_or_default(),
             });
         }
-        let model = Model { name: name.clone(), version: m.version(), inputs, layers };
+        let calibration = m.calibration().map(|c| Calibration {
+            method: c.method().unwrap_or("").to_string(),
+            rows: c.rows(),
+            input_ranges: c.input_ranges().map(|v| v.iter().collect()).unwrap_or_default(),
+            scores: ScoreHistogram {
+                edges: c.scores().and_then(|h| h.edges()).map(|v| v.iter().collect()).unwrap_or_default(),
+                counts: c.scores().and_then(|h| h.counts()).map(|v| v.iter().collect()).unwrap_or_default(),
+            },
+        });
+        let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration };
         model.validate()?;
         Ok(model)
     }
@@ -293,10 +418,19 @@ impl Model {
                 )
             })
             .collect();
+        let calibration = self.calibration.as_ref().map(|c| {
+            let edges = Some(b.create_vector(&c.scores.edges));
+            let counts = Some(b.create_vector(&c.scores.counts));
+            let scores = Some(fb::ScoreHistogram::create(&mut b, &fb::ScoreHistogramArgs { edges, counts }));
+            let method = Some(b.create_string(&c.method));
+            let input_ranges = Some(b.create_vector(&c.input_ranges));
+            fb::Calibration::create(&mut b, &fb::CalibrationArgs { method, rows: c.rows, input_ranges, scores })
+        });
         let name = Some(b.create_string(&self.name));
         let inputs = Some(b.create_vector(&inputs));
         let layers = Some(b.create_vector(&layers));
-        let root = fb::Model::create(&mut b, &fb::ModelArgs { name, version: self.version, inputs, layers });
+        let root =
+            fb::Model::create(&mut b, &fb::ModelArgs { name, version: self.version, inputs, layers, calibration });
         fb::finish_model_buffer(&mut b, root);
         b.finished_data().to_vec()
     }
@@ -332,6 +466,19 @@ mod tests {
                 Layer::quantize(3, 2, true, vec![1.0, -2.0, 0.5, 0.0, 0.0, 0.0], vec![0.1, 0.2]),
                 Layer::quantize(2, 1, false, vec![1.5, -1.0], vec![-0.25]),
             ],
+            calibration: None,
+        }
+    }
+
+    fn calibrated() -> Model {
+        Model {
+            calibration: Some(Calibration {
+                method: "max-abs".into(),
+                rows: 4,
+                input_ranges: vec![2.0, 1.27],
+                scores: ScoreHistogram { edges: vec![0.0, 0.5, 1.0], counts: vec![1, 3] },
+            }),
+            ..tiny()
         }
     }
 
@@ -371,5 +518,53 @@ mod tests {
         let mut nan = m;
         nan.layers[0].weights_f32[0] = f32::NAN;
         assert!(Model::from_bytes(&nan.to_bytes(), "t").is_err());
+    }
+
+    #[test]
+    fn calibration_round_trips_and_bad_calibrations_are_refused() {
+        let m = calibrated();
+        assert_eq!(Model::from_bytes(&m.to_bytes(), "t").unwrap(), m);
+        let refused = |edit: &dyn Fn(&mut Calibration)| {
+            let mut bad = calibrated();
+            edit(bad.calibration.as_mut().unwrap());
+            Model::from_bytes(&bad.to_bytes(), "t").unwrap_err().to_string()
+        };
+        assert!(refused(&|c| c.input_ranges.pop().map(drop).unwrap_or(())).contains("1 activation ranges for 2"));
+        assert!(refused(&|c| c.input_ranges[1] = 0.0).contains("non-positive activation range"));
+        assert!(refused(&|c| c.input_ranges[0] = f32::INFINITY).contains("non-finite"));
+        assert!(refused(&|c| c.scores.edges[1] = 1.0).contains("not ascending"));
+        assert!(refused(&|c| c.scores.counts.push(0)).contains("not ascending"));
+    }
+
+    #[test]
+    fn static_int8_constants_follow_the_documented_formulas() {
+        assert!(tiny().static_int8().is_none());
+        let m = calibrated();
+        let s = m.static_int8().unwrap();
+        let (s0, s1) = (2.0f32 / 127.0, 1.27f32 / 127.0);
+        assert_eq!(s[0].in_scale, s0);
+        assert!(s[0].requantize && s[0].lo == 0 && !s[1].requantize && s[1].lo == -128);
+        let l0 = &m.layers[0];
+        for o in 0..2 {
+            let acc_unit = f64::from(l0.weight_scales[o]) * f64::from(s0);
+            assert_eq!(s[0].bias_q[o], (f64::from(l0.bias[o]) / acc_unit).round_ties_even() as i32);
+            assert_eq!(s[0].scale[o], (acc_unit / f64::from(s1)) as f32);
+        }
+        // Channel 1 has all-zero weights, scale 1: bias 0.2 is 0.2 * 63.5 units.
+        assert_eq!(s[0].bias_q[1], 13);
+        assert_eq!(s[1].scale[0], (f64::from(m.layers[1].weight_scales[0]) * f64::from(s1)) as f32);
+        // A bias far beyond the accumulator range is clamped, not wrapped.
+        let mut huge = calibrated();
+        huge.layers[1].bias[0] = 1e30;
+        assert_eq!(huge.static_int8().unwrap()[1].bias_q[0], BIAS_Q_MAX);
+    }
+
+    #[test]
+    fn files_without_calibration_read_as_uncalibrated() {
+        // The builder omits an absent table, so these bytes are what a writer
+        // from before the `calibration` field produced.
+        let bytes = tiny().to_bytes();
+        assert!(flatbuffers::root::<fb::Model>(&bytes).unwrap().calibration().is_none());
+        assert_eq!(Model::from_bytes(&bytes, "old.qm").unwrap().calibration, None);
     }
 }

@@ -493,6 +493,266 @@ impl ::core::fmt::Debug for Layer<'_> {
       ds.finish()
   }
 }
+pub enum ScoreHistogramOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct ScoreHistogram<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for ScoreHistogram<'a> {
+  type Inner = ScoreHistogram<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> ScoreHistogram<'a> {
+  pub const VT_EDGES: ::flatbuffers::VOffsetT = 4;
+  pub const VT_COUNTS: ::flatbuffers::VOffsetT = 6;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    ScoreHistogram { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args ScoreHistogramArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<ScoreHistogram<'bldr>> {
+    let mut builder = ScoreHistogramBuilder::new(_fbb);
+    if let Some(x) = args.counts { builder.add_counts(x); }
+    if let Some(x) = args.edges { builder.add_edges(x); }
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn edges(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(ScoreHistogram::VT_EDGES, None)}
+  }
+  #[inline]
+  pub fn counts(&self) -> Option<::flatbuffers::Vector<'a, u64>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u64>>>(ScoreHistogram::VT_COUNTS, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for ScoreHistogram<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("edges", Self::VT_EDGES, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("counts", Self::VT_COUNTS, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct ScoreHistogramArgs<'a> {
+    pub edges: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub counts: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
+}
+impl<'a> Default for ScoreHistogramArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    ScoreHistogramArgs {
+      edges: None,
+      counts: None,
+    }
+  }
+}
+
+pub struct ScoreHistogramBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreHistogramBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_edges(&mut self, edges: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreHistogram::VT_EDGES, edges);
+  }
+  #[inline]
+  pub fn add_counts(&mut self, counts: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u64>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreHistogram::VT_COUNTS, counts);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreHistogramBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    ScoreHistogramBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<ScoreHistogram<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for ScoreHistogram<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("ScoreHistogram");
+      ds.field("edges", &self.edges());
+      ds.field("counts", &self.counts());
+      ds.finish()
+  }
+}
+pub enum CalibrationOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct Calibration<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Calibration<'a> {
+  type Inner = Calibration<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Calibration<'a> {
+  pub const VT_METHOD: ::flatbuffers::VOffsetT = 4;
+  pub const VT_ROWS: ::flatbuffers::VOffsetT = 6;
+  pub const VT_INPUT_RANGES: ::flatbuffers::VOffsetT = 8;
+  pub const VT_SCORES: ::flatbuffers::VOffsetT = 10;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Calibration { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args CalibrationArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<Calibration<'bldr>> {
+    let mut builder = CalibrationBuilder::new(_fbb);
+    builder.add_rows(args.rows);
+    if let Some(x) = args.scores { builder.add_scores(x); }
+    if let Some(x) = args.input_ranges { builder.add_input_ranges(x); }
+    if let Some(x) = args.method { builder.add_method(x); }
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn method(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Calibration::VT_METHOD, None)}
+  }
+  #[inline]
+  pub fn rows(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(Calibration::VT_ROWS, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn input_ranges(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Calibration::VT_INPUT_RANGES, None)}
+  }
+  #[inline]
+  pub fn scores(&self) -> Option<ScoreHistogram<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<ScoreHistogram>>(Calibration::VT_SCORES, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Calibration<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("method", Self::VT_METHOD, false)?
+     .visit_field::<u64>("rows", Self::VT_ROWS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("input_ranges", Self::VT_INPUT_RANGES, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<ScoreHistogram>>("scores", Self::VT_SCORES, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct CalibrationArgs<'a> {
+    pub method: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub rows: u64,
+    pub input_ranges: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub scores: Option<::flatbuffers::WIPOffset<ScoreHistogram<'a>>>,
+}
+impl<'a> Default for CalibrationArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    CalibrationArgs {
+      method: None,
+      rows: 0,
+      input_ranges: None,
+      scores: None,
+    }
+  }
+}
+
+pub struct CalibrationBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> CalibrationBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_method(&mut self, method: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Calibration::VT_METHOD, method);
+  }
+  #[inline]
+  pub fn add_rows(&mut self, rows: u64) {
+    self.fbb_.push_slot::<u64>(Calibration::VT_ROWS, rows, 0);
+  }
+  #[inline]
+  pub fn add_input_ranges(&mut self, input_ranges: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Calibration::VT_INPUT_RANGES, input_ranges);
+  }
+  #[inline]
+  pub fn add_scores(&mut self, scores: ::flatbuffers::WIPOffset<ScoreHistogram<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<ScoreHistogram>>(Calibration::VT_SCORES, scores);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> CalibrationBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    CalibrationBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Calibration<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Calibration<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Calibration");
+      ds.field("method", &self.method());
+      ds.field("rows", &self.rows());
+      ds.field("input_ranges", &self.input_ranges());
+      ds.field("scores", &self.scores());
+      ds.finish()
+  }
+}
 pub enum ModelOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -513,6 +773,7 @@ impl<'a> Model<'a> {
   pub const VT_VERSION: ::flatbuffers::VOffsetT = 6;
   pub const VT_INPUTS: ::flatbuffers::VOffsetT = 8;
   pub const VT_LAYERS: ::flatbuffers::VOffsetT = 10;
+  pub const VT_CALIBRATION: ::flatbuffers::VOffsetT = 12;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -524,6 +785,7 @@ impl<'a> Model<'a> {
     args: &'args ModelArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Model<'bldr>> {
     let mut builder = ModelBuilder::new(_fbb);
+    if let Some(x) = args.calibration { builder.add_calibration(x); }
     if let Some(x) = args.layers { builder.add_layers(x); }
     if let Some(x) = args.inputs { builder.add_inputs(x); }
     builder.add_version(args.version);
@@ -560,6 +822,13 @@ impl<'a> Model<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Layer>>>>(Model::VT_LAYERS, None)}
   }
+  #[inline]
+  pub fn calibration(&self) -> Option<Calibration<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<Calibration>>(Model::VT_CALIBRATION, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Model<'_> {
@@ -572,6 +841,7 @@ impl ::flatbuffers::Verifiable for Model<'_> {
      .visit_field::<u32>("version", Self::VT_VERSION, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<InputSegment>>>>("inputs", Self::VT_INPUTS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<Layer>>>>("layers", Self::VT_LAYERS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<Calibration>>("calibration", Self::VT_CALIBRATION, false)?
      .finish();
     Ok(())
   }
@@ -581,6 +851,7 @@ pub struct ModelArgs<'a> {
     pub version: u32,
     pub inputs: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<InputSegment<'a>>>>>,
     pub layers: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Layer<'a>>>>>,
+    pub calibration: Option<::flatbuffers::WIPOffset<Calibration<'a>>>,
 }
 impl<'a> Default for ModelArgs<'a> {
   #[inline]
@@ -590,6 +861,7 @@ impl<'a> Default for ModelArgs<'a> {
       version: 0,
       inputs: None,
       layers: None,
+      calibration: None,
     }
   }
 }
@@ -616,6 +888,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ModelBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Model::VT_LAYERS, layers);
   }
   #[inline]
+  pub fn add_calibration(&mut self, calibration: ::flatbuffers::WIPOffset<Calibration<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<Calibration>>(Model::VT_CALIBRATION, calibration);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ModelBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ModelBuilder {
@@ -637,6 +913,7 @@ impl ::core::fmt::Debug for Model<'_> {
       ds.field("version", &self.version());
       ds.field("inputs", &self.inputs());
       ds.field("layers", &self.layers());
+      ds.field("calibration", &self.calibration());
       ds.finish()
   }
 }

@@ -511,6 +511,7 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
             .into_iter()
             .map(|d| Layer::quantize(d.in_dim, d.out_dim, d.relu, d.weights, d.bias))
             .collect(),
+        calibration: None,
     };
     model.validate()?;
     Ok(Imported { model, output, sigmoid_dropped: act.sigmoid, layout, producer: String::new() })

@@ -56,12 +56,25 @@ pub enum CudaError {
     Compile { file: &'static str, arch: String, what: String, log: String },
     #[error("the model does not fit the INT8 kernel: {0}")]
     Model(String),
+    #[error(
+        "the model is calibrated (static INT8 activations); kernels/int8_dense.cu implements only the dynamic \
+         per-row semantics, so it is scored on the CPU"
+    )]
+    Calibrated,
 }
 
 impl CudaError {
-    /// No usable GPU here: an expected operating condition, not a fault.
+    /// No usable GPU (or none for this model) here: an expected operating
+    /// condition, not a fault.
     pub fn is_absent(&self) -> bool {
-        matches!(self, CudaError::NoDriver | CudaError::NoDevice | CudaError::NoNvrtc | CudaError::Unsupported { .. })
+        matches!(
+            self,
+            CudaError::NoDriver
+                | CudaError::NoDevice
+                | CudaError::NoNvrtc
+                | CudaError::Unsupported { .. }
+                | CudaError::Calibrated
+        )
     }
 }
 
@@ -223,6 +236,9 @@ impl CudaInt8 {
     /// Builds the backend for `model` on device 0, with room for `rows_max`
     /// rows per call.
     pub fn new(model: &Model, rows_max: usize) -> Result<CudaInt8, CudaError> {
+        if model.calibration.is_some() {
+            return Err(CudaError::Calibrated);
+        }
         let started = Instant::now();
         let (ctx, info) = open()?;
         let (major, minor) = info.compute_capability;
@@ -403,6 +419,7 @@ fn check_model(seed: u64, dims: &[usize]) -> Model {
         version: 1,
         inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: dims[0] }],
         layers,
+        calibration: None,
     }
 }
 

@@ -26,10 +26,14 @@ pub trait Backend {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
-    /// INT8 weights, per-row dynamic INT8 activations, int32 accumulation.
+    /// INT8 weights and activations, int32 accumulation: static activation
+    /// scales for a calibrated model, per-row dynamic ones otherwise.
     Int8,
     /// The f32 reference weights.
     F32,
+    /// FP8 E4M3 weights and activations, f32 accumulation in k order
+    /// (`cpu::fp8`), the specification of `kernels/fp8_dense.cu`.
+    Fp8,
     /// The INT8 semantics on the first CUDA GPU (feature `cuda`); falls back
     /// to `int8` on the CPU, with one warning, where there is no usable GPU.
     #[cfg(feature = "cuda")]
@@ -44,6 +48,7 @@ pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backe
     match kind {
         BackendKind::Int8 => Box::new(cpu::CpuInt8::new(model, rows_max)),
         BackendKind::F32 => Box::new(cpu::CpuF32::new(model, rows_max)),
+        BackendKind::Fp8 => Box::new(cpu::CpuFp8::new(model, rows_max)),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => match cuda::CudaInt8::new(model, rows_max) {
             Ok(backend) => Box::new(backend),

@@ -25,9 +25,19 @@
 //! Padding weights are zero, so whatever sits in the activations' padding
 //! columns contributes nothing. This file is the only place in the crate
 //! with SIMD intrinsics.
+//!
+//! Two activation semantics share the GEMMs. Dynamic (uncalibrated models):
+//! `forward` quantizes each row with its own scale and applies the float
+//! epilogue in the tile. Static (calibrated models, `StaticLayers`): the
+//! input is quantized once with the calibrated scale, every layer's i32
+//! accumulators are requantized to int8 straight into the next layer's
+//! activation matrix in the kernel's own format (`q + 128` bytes or i16), and
+//! only the last layer produces floats. The static requantization runs as a
+//! separate pass over each layer's accumulators (compiled with the kernel's
+//! instruction set), not yet inside the tile.
 
 use super::aligned::{AlignedBuf, Plain};
-use crate::model::Layer;
+use crate::model::{Layer, StaticInt8Layer};
 
 /// Which INT8 kernel a `CpuInt8` backend runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,6 +279,155 @@ impl PackedLayer {
     }
 }
 
+/// The activation matrix of one layer for the static path, in the layout
+/// the kernel reads.
+enum ActRef<'a> {
+    U8(&'a [u8]),
+    I16(&'a [i16]),
+}
+
+impl PackedLayer {
+    /// Raw accumulators for an activation matrix already in this kernel's
+    /// format (`[rows][k_pad]`).
+    fn accumulate_prepared(&self, xa: ActRef<'_>, rows: usize, acc: &mut [i32]) {
+        assert!(acc.len() >= rows * self.n);
+        let no_scales = [0.0f32; 0];
+        match (self.kernel, xa) {
+            (Int8Kernel::Portable, ActRef::I16(xa)) => {
+                assert!(xa.len() >= rows * self.k_pad);
+                portable::gemm::<true>(self, xa, rows, &no_scales, &mut [], acc);
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Int8Kernel::Avx2, ActRef::I16(xa)) => {
+                // SAFETY: `new` checked AVX2; `gemm_avx2` asserts the
+                // activation size and writes `rows * n` accumulators, which
+                // `acc` holds (asserted above). RAW mode reads no scales.
+                unsafe { x86::gemm_avx2::<true>(self, xa, rows, &no_scales, std::ptr::null_mut(), acc.as_mut_ptr()) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Int8Kernel::Avx512Vnni, ActRef::U8(xa)) => {
+                // SAFETY: as above, with AVX-512 F/BW/VNNI checked by `new`.
+                unsafe { x86::gemm_vnni::<true>(self, xa, rows, &no_scales, std::ptr::null_mut(), acc.as_mut_ptr()) }
+            }
+            (kernel, _) => unreachable!("{kernel:?}: activation format does not match the kernel"),
+        }
+    }
+}
+
+/// A calibrated model's layers for the static path of a blocked kernel,
+/// with the scratch it runs in (sized once for `rows_max` rows).
+pub struct StaticLayers {
+    kernel: Int8Kernel,
+    /// `1 / s_in` of layer 0, rounded to f32 once.
+    inv_in_scale: f32,
+    layers: Vec<StaticInt8Layer>,
+    /// Ping-pong activation matrices, `rows_max × width_max` (padded).
+    act_u8: [AlignedBuf<u8>; 2],
+    act_i16: [AlignedBuf<i16>; 2],
+    acc: Vec<i32>,
+}
+
+impl StaticLayers {
+    pub fn new(kernel: Int8Kernel, layers: Vec<StaticInt8Layer>, width_max: usize, rows_max: usize) -> StaticLayers {
+        assert!(kernel != Int8Kernel::Scalar && kernel.is_available() && !layers.is_empty());
+        let len = rows_max * width_max.next_multiple_of(4);
+        let (u8_len, i16_len) = if kernel == Int8Kernel::Avx512Vnni { (len, 0) } else { (0, len) };
+        StaticLayers {
+            kernel,
+            inv_in_scale: 1.0 / layers[0].in_scale,
+            layers,
+            act_u8: [AlignedBuf::zeroed(u8_len), AlignedBuf::zeroed(u8_len)],
+            act_i16: [AlignedBuf::zeroed(i16_len), AlignedBuf::zeroed(i16_len)],
+            acc: vec![0; rows_max * width_max],
+        }
+    }
+
+    /// Scores `rows` rows of `x` through `packed` (one per layer, packed for
+    /// the same kernel) into `out`, with the static INT8 semantics.
+    pub fn logits(&mut self, packed: &[PackedLayer], x: &[f32], rows: usize, out: &mut [f32]) {
+        assert_eq!(packed.len(), self.layers.len());
+        assert!(out.len() >= rows && rows * packed[0].k <= x.len());
+        assert!(packed.iter().all(|p| rows * p.n <= self.acc.len() && rows * p.k_pad <= self.act_len()));
+        let kernel = self.kernel;
+        let (k0, k0_pad) = (packed[0].k, packed[0].k_pad);
+        let inv = self.inv_in_scale;
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `new` checked the CPU features; sizes asserted above.
+            Int8Kernel::Avx512Vnni => unsafe {
+                x86::quantize_static_avx512(x, rows, k0, k0_pad, inv, self.act_u8[0].as_mut_slice())
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Int8Kernel::Avx2 => unsafe {
+                x86::quantize_static_avx2(x, rows, k0, k0_pad, inv, self.act_i16[0].as_mut_slice())
+            },
+            _ => quantize_static(x, rows, k0, k0_pad, inv, self.act_i16[0].as_mut_slice()),
+        }
+        for (i, (p, l)) in packed.iter().zip(&self.layers).enumerate() {
+            let (cur, next) = (i % 2, 1 - i % 2);
+            let acc = &mut self.acc[..rows * p.n];
+            let xa = if kernel == Int8Kernel::Avx512Vnni {
+                ActRef::U8(self.act_u8[cur].as_slice())
+            } else {
+                ActRef::I16(self.act_i16[cur].as_slice())
+            };
+            p.accumulate_prepared(xa, rows, acc);
+            if !l.requantize {
+                assert_eq!(p.n, 1, "the output layer has one logit");
+                for (y, &a) in out[..rows].iter_mut().zip(acc.iter()) {
+                    *y = (a + l.bias_q[0]) as f32 * l.scale[0];
+                }
+                return;
+            }
+            let stride = packed[i + 1].k_pad;
+            match kernel {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `new` checked the CPU features.
+                Int8Kernel::Avx512Vnni => unsafe {
+                    x86::requantize_avx512(acc, rows, l, stride, self.act_u8[next].as_mut_slice())
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Int8Kernel::Avx2 => unsafe {
+                    x86::requantize_avx2(acc, rows, l, stride, self.act_i16[next].as_mut_slice())
+                },
+                _ => requantize(acc, rows, l, stride, self.act_i16[next].as_mut_slice()),
+            }
+        }
+        unreachable!("the last layer returns");
+    }
+
+    fn act_len(&self) -> usize {
+        self.act_u8[0].as_slice().len().max(self.act_i16[0].as_slice().len())
+    }
+}
+
+/// Layer 0's input quantization with the calibrated scale:
+/// `clamp(round_ties_even(x · inv), -128, 127)`, NaN to 0.
+#[inline(always)]
+fn quantize_static<T: QuantElem>(x: &[f32], rows: usize, k: usize, k_pad: usize, inv: f32, xq: &mut [T]) {
+    for r in 0..rows {
+        for (q, v) in xq[r * k_pad..r * k_pad + k].iter_mut().zip(&x[r * k..(r + 1) * k]) {
+            *q = T::from_q(round_clamp(v * inv, -128.0));
+        }
+    }
+}
+
+/// Requantizes `[rows][n]` accumulators into the next layer's activation
+/// matrix (row stride `stride`), as `model::StaticInt8Layer` defines it.
+#[inline(always)]
+fn requantize<T: QuantElem>(acc: &[i32], rows: usize, l: &StaticInt8Layer, stride: usize, dst: &mut [T]) {
+    let n = l.scale.len();
+    let lo = f32::from(l.lo);
+    for r in 0..rows {
+        let row = &acc[r * n..(r + 1) * n];
+        for (o, (d, &a)) in dst[r * stride..r * stride + n].iter_mut().zip(row).enumerate() {
+            *d = T::from_q(round_clamp((a + l.bias_q[o]) as f32 * l.scale[o], lo));
+        }
+    }
+}
+
 /// Per-backend scratch: the quantized activation matrix and row scales,
 /// sized once for `rows_max` rows of the widest layer.
 pub struct Scratch {
@@ -345,8 +504,15 @@ fn quantize_row_into<T: QuantElem>(x: &[f32], xq: &mut [T]) -> f32 {
 /// test checks the equivalence for every f32.
 #[inline(always)]
 pub(super) fn round_clamp_127(v: f32) -> i8 {
+    round_clamp(v, -127.0)
+}
+
+/// `v.round_ties_even().clamp(lo, 127.0) as i8` for an integer `lo` in
+/// -128..=0, by the same trick as `round_clamp_127`.
+#[inline(always)]
+pub(super) fn round_clamp(v: f32, lo: f32) -> i8 {
     const MAGIC: f32 = 12_582_912.0;
-    ((v.clamp(-127.0, 127.0) + MAGIC) - MAGIC) as i8
+    ((v.clamp(lo, 127.0) + MAGIC) - MAGIC) as i8
 }
 
 #[inline(always)]
@@ -445,7 +611,70 @@ mod portable {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{quantize_rows, PackedLayer};
+    use super::{quantize_rows, quantize_static, requantize, PackedLayer};
+    use crate::model::StaticInt8Layer;
+
+    /// `quantize_static` compiled with AVX-512, for the VNNI kernel.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn quantize_static_avx512(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        k_pad: usize,
+        inv: f32,
+        xq: &mut [u8],
+    ) {
+        quantize_static(x, rows, k, k_pad, inv, xq);
+    }
+
+    /// `quantize_static` compiled with AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_static_avx2(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        k_pad: usize,
+        inv: f32,
+        xq: &mut [i16],
+    ) {
+        quantize_static(x, rows, k, k_pad, inv, xq);
+    }
+
+    /// `requantize` compiled with AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn requantize_avx512(
+        acc: &[i32],
+        rows: usize,
+        l: &StaticInt8Layer,
+        stride: usize,
+        dst: &mut [u8],
+    ) {
+        requantize(acc, rows, l, stride, dst);
+    }
+
+    /// `requantize` compiled with AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn requantize_avx2(
+        acc: &[i32],
+        rows: usize,
+        l: &StaticInt8Layer,
+        stride: usize,
+        dst: &mut [i16],
+    ) {
+        requantize(acc, rows, l, stride, dst);
+    }
 
     /// `quantize_rows` compiled with AVX2 so its rounding and conversions
     /// become vector instructions; the arithmetic is unchanged.
@@ -501,7 +730,7 @@ mod x86 {
         y: *mut f32,
         acc: *mut i32,
     ) {
-        assert!(xa.len() >= rows * p.k_pad && sx.len() >= rows);
+        assert!(xa.len() >= rows * p.k_pad && (RAW || sx.len() >= rows));
         let blocks = p.n_pad / VNNI_LANES;
         let mut r = 0;
         // SAFETY (all tile calls): the caller's contract, plus `r + M <= rows`
@@ -633,7 +862,7 @@ mod x86 {
         y: *mut f32,
         acc: *mut i32,
     ) {
-        assert!(xa.len() >= rows * p.k_pad && sx.len() >= rows);
+        assert!(xa.len() >= rows * p.k_pad && (RAW || sx.len() >= rows));
         let blocks = p.n_pad / AVX2_LANES;
         let mut r = 0;
         // SAFETY (all tile calls): the caller's contract, plus `r + M <= rows`

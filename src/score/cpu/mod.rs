@@ -1,14 +1,27 @@
-//! CPU backends: the f32 oracle and the INT8 kernel.
+//! CPU backends: the f32 oracle and the INT8 kernel (FP8 E4M3 in `fp8.rs`).
 //!
-//! INT8 semantics (shared with future GPU kernels, so written down exactly):
-//! weights are symmetric per output channel (`Layer::quantize`); each input
-//! row of a layer is quantized on the fly with one symmetric scale,
-//! `s_x = max|x| / 127`, `x_q = clamp(round_ties_even(x / s_x), -127, 127)`;
-//! the dot product accumulates in i32; the output is
-//! `acc as f32 * (s_w[o] * s_x) + bias[o]`, then ReLU where the layer has
-//! one. The last layer yields the logit in f32.
+//! INT8 semantics (shared with the GPU kernels, so written down exactly).
+//! Weights are symmetric per output channel (`Layer::quantize`); dot
+//! products accumulate in i32. Activations follow one of two semantics,
+//! fixed by the model file:
 //!
-//! `Int8Kernel::Scalar` is that definition transcribed one row and one output
+//! - **Static** (the model has a `Calibration`, from `quiver import
+//!   --calibration`): layer 0's input is quantized with the calibrated scale
+//!   `s_in`, `x_q = clamp(round_ties_even(x · (1 / s_in)), -128, 127)` (the
+//!   reciprocal rounded to f32 once, NaN to 0); each hidden layer's output is
+//!   requantized in integer form,
+//!   `clamp(round_ties_even(f32(acc + bias_q[o]) · scale[o]), lo, 127)` with
+//!   ReLU fused as `lo = 0`; the output layer's logit is
+//!   `f32(acc + bias_q[o]) · scale[o]`. `bias_q` and `scale` are defined by
+//!   `model::StaticInt8Layer`.
+//! - **Dynamic** (the fallback for models without calibration, e.g. the
+//!   demo model or an import without `--calibration`): each input row of a
+//!   layer is quantized on the fly with its own scale, `s_x = max|x| / 127`,
+//!   `x_q = clamp(round_ties_even(x / s_x), -127, 127)`; the output is
+//!   `acc as f32 * (s_w[o] * s_x) + bias[o]`, then ReLU where the layer has
+//!   one, in f32.
+//!
+//! `Int8Kernel::Scalar` is each definition transcribed one row and one output
 //! at a time; it stays as the reference. The other INT8 variants
 //! (`int8_gemm`) quantize a whole layer input at once and run a blocked GEMM
 //! on weights repacked at construction, and must match the scalar variant
@@ -16,13 +29,15 @@
 //! backend is built.
 
 mod aligned;
+pub mod fp8;
 pub mod int8_gemm;
 
+pub use fp8::CpuFp8;
 pub use int8_gemm::Int8Kernel;
-use int8_gemm::{PackedLayer, Scratch};
+use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 
 use super::Backend;
-use crate::model::{Layer, Model};
+use crate::model::{round_clamp_i8, Layer, Model, StaticInt8Layer};
 
 /// Two activation buffers, ping-ponged between layers, sized at start-up.
 struct Activations {
@@ -141,9 +156,16 @@ pub struct CpuInt8 {
     act: Activations,
     /// One quantized input row, for the scalar kernel.
     xq: Vec<i8>,
+    /// The second quantized row of the scalar static path.
+    xq_next: Vec<i8>,
     /// One per model layer; empty for the scalar kernel.
     packed: Vec<PackedLayer>,
     scratch: Scratch,
+    /// The static semantics' constants, for a calibrated model.
+    statics: Option<Vec<StaticInt8Layer>>,
+    /// The blocked kernels' static path; `None` for the scalar kernel or an
+    /// uncalibrated model.
+    static_layers: Option<StaticLayers>,
 }
 
 impl CpuInt8 {
@@ -152,7 +174,12 @@ impl CpuInt8 {
         let kernel = Int8Kernel::best();
         let backend = CpuInt8::with_kernel(model, rows_max, kernel)
             .unwrap_or_else(|e| panic!("Int8Kernel::best chose an unavailable kernel: {e}"));
-        tracing::info!(kernel = kernel.name(), rows_max, "cpu-int8 backend: INT8 kernel chosen");
+        tracing::info!(
+            kernel = kernel.name(),
+            activations = if backend.is_static() { "static (calibrated)" } else { "dynamic (uncalibrated model)" },
+            rows_max,
+            "cpu-int8 backend: INT8 kernel chosen"
+        );
         backend
     }
 
@@ -165,18 +192,58 @@ impl CpuInt8 {
             Int8Kernel::Scalar => Vec::new(),
             _ => model.layers.iter().map(|l| PackedLayer::new(kernel, l)).collect(),
         };
+        let statics = model.static_int8();
+        let static_layers = match (&statics, kernel) {
+            (Some(s), k) if k != Int8Kernel::Scalar => {
+                Some(StaticLayers::new(kernel, s.clone(), model.width_max(), rows_max))
+            }
+            _ => None,
+        };
         Ok(CpuInt8 {
             rows_max,
             kernel,
             act: Activations::new(model, rows_max),
             xq: vec![0; model.width_max()],
+            xq_next: vec![0; model.width_max()],
             packed,
             scratch: Scratch::new(kernel, model.width_max(), rows_max),
+            statics,
+            static_layers,
         })
     }
 
     pub fn kernel(&self) -> Int8Kernel {
         self.kernel
+    }
+
+    /// Whether the model is calibrated, so activations use static scales.
+    pub fn is_static(&self) -> bool {
+        self.statics.is_some()
+    }
+
+    /// The scalar reference of the static semantics, one row at a time.
+    fn logits_static_scalar(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        let statics = self.statics.as_ref().expect("called for calibrated models");
+        let inv = 1.0 / statics[0].in_scale;
+        let k0 = model.input_dim();
+        for (r, y) in out[..rows].iter_mut().enumerate() {
+            for (q, v) in self.xq.iter_mut().zip(&x[r * k0..(r + 1) * k0]) {
+                *q = round_clamp_i8(v * inv, -128);
+            }
+            for (l, s) in model.layers.iter().zip(statics) {
+                let xq = &self.xq[..l.in_dim];
+                for o in 0..l.out_dim {
+                    let acc = dot_i8(&l.weights_i8[o * l.in_dim..(o + 1) * l.in_dim], xq) + s.bias_q[o];
+                    let v = acc as f32 * s.scale[o];
+                    if s.requantize {
+                        self.xq_next[o] = round_clamp_i8(v, s.lo);
+                    } else {
+                        *y = v;
+                    }
+                }
+                std::mem::swap(&mut self.xq, &mut self.xq_next);
+            }
+        }
     }
 }
 
@@ -216,6 +283,14 @@ impl Backend for CpuInt8 {
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        if let Some(st) = &mut self.static_layers {
+            assert_eq!(model.layers.len(), self.packed.len(), "the backend was built for another model");
+            st.logits(&self.packed, x, rows, out);
+            return;
+        }
+        if self.statics.is_some() {
+            return self.logits_static_scalar(model, x, rows, out);
+        }
         if self.kernel != Int8Kernel::Scalar {
             assert_eq!(model.layers.len(), self.packed.len(), "the backend was built for another model");
             let (packed, scratch) = (&self.packed, &mut self.scratch);
@@ -262,7 +337,35 @@ mod tests {
             version: 1,
             inputs: vec![InputSegment { source: Source::Context, dim: dims[0] }],
             layers,
+            calibration: None,
         }
+    }
+
+    /// `model` calibrated (max-abs) on 64 seeded normal rows, every range
+    /// then multiplied by `shrink`: below 1, activations saturate often.
+    fn calibrated(mut model: Model, shrink: f32) -> Model {
+        use crate::model::calibrate::{calibrate, Matrix, Method};
+        let k = model.input_dim();
+        let set = Matrix { rows: 64, cols: k, data: inputs(77, 64 * k) };
+        let mut c = calibrate(&model, &set, Method::MaxAbs, |_, _| {}).unwrap();
+        c.input_ranges.iter_mut().for_each(|r| *r *= shrink);
+        model.calibration = Some(c);
+        model.name = format!("{}-calibrated-{shrink}", model.name);
+        model
+    }
+
+    /// Calibrated models at odd sizes, one with a hidden layer without ReLU
+    /// (so requantized activations reach -128).
+    fn calibrated_models() -> Vec<Model> {
+        let mut linear_hidden = random_model(36, &[37, 33, 17, 1]);
+        linear_hidden.layers[0].relu = false;
+        vec![
+            calibrated(random_model(31, &[80, 256, 128, 1]), 1.0),
+            calibrated(random_model(32, &[37, 33, 17, 1]), 0.6),
+            calibrated(random_model(33, &[257, 255, 65, 1]), 1.0),
+            calibrated(random_model(34, &[1, 7, 1]), 0.3),
+            calibrated(linear_hidden, 0.5),
+        ]
     }
 
     fn inputs(seed: u64, n: usize) -> Vec<f32> {
@@ -289,6 +392,92 @@ mod tests {
                             "{} dims {dims:?} rows {rows}: score {gs} vs reference {ws}",
                             backend.name()
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn calibrated_int8_stays_close_to_the_reference() {
+        for model in
+            [calibrated(random_model(11, &[80, 256, 128, 1]), 1.0), calibrated(random_model(12, &[37, 33, 17, 1]), 1.0)]
+        {
+            let k = model.input_dim();
+            let rows = 33;
+            let x = inputs(5, rows * k);
+            let mut want = vec![0.0; rows];
+            model.forward_f32_reference(&x, rows, &mut want);
+            let mut backend = CpuInt8::new(&model, rows);
+            assert!(backend.is_static());
+            let mut got = vec![0.0; rows];
+            backend.logits(&model, &x, rows, &mut got);
+            let worst = got.iter().zip(&want).map(|(g, w)| (sigmoid(*g) - sigmoid(*w)).abs()).fold(0.0, f32::max);
+            assert!(worst <= 0.03, "{}: score differs by {worst}", model.name);
+        }
+    }
+
+    #[test]
+    fn static_int8_matches_a_scalar_transcription_exactly() {
+        let model = calibrated(random_model(5, &[19, 7, 5, 1]), 0.5);
+        let st = model.static_int8().unwrap();
+        let rows = 4;
+        let x = inputs(9, 19 * rows);
+        let mut got = vec![0.0; rows];
+        CpuInt8::with_kernel(&model, rows, Int8Kernel::Scalar).unwrap().logits(&model, &x, rows, &mut got);
+        let mut saturated = 0;
+        for r in 0..rows {
+            let inv = 1.0 / (model.calibration.as_ref().unwrap().input_ranges[0] / 127.0);
+            let mut q: Vec<i32> = x[r * 19..(r + 1) * 19]
+                .iter()
+                .map(|v| (v * inv).round_ties_even().clamp(-128.0, 127.0) as i32)
+                .collect();
+            let mut logit = f32::NAN;
+            for (l, s) in model.layers.iter().zip(&st) {
+                let acc: Vec<i32> = (0..l.out_dim)
+                    .map(|o| (0..l.in_dim).map(|i| i32::from(l.weights_i8[o * l.in_dim + i]) * q[i]).sum::<i32>())
+                    .collect();
+                if s.requantize {
+                    q = (0..l.out_dim)
+                        .map(|o| {
+                            let v = ((acc[o] + s.bias_q[o]) as f32 * s.scale[o]).round_ties_even();
+                            let lo = if l.relu { 0.0 } else { -128.0 };
+                            v.clamp(lo, 127.0) as i32
+                        })
+                        .collect();
+                    saturated += q.iter().filter(|v| **v == 127).count();
+                } else {
+                    logit = (acc[0] + s.bias_q[0]) as f32 * s.scale[0];
+                }
+            }
+            assert_eq!(got[r].to_bits(), logit.to_bits(), "row {r}");
+        }
+        assert!(saturated > 0, "the shrunken ranges exercise saturation");
+    }
+
+    #[test]
+    fn every_int8_kernel_scores_calibrated_models_bit_for_bit_like_the_scalar_backend() {
+        for model in &calibrated_models() {
+            let k = model.input_dim();
+            let mut scalar = CpuInt8::with_kernel(model, 64, Int8Kernel::Scalar).unwrap();
+            assert!(scalar.is_static());
+            for kernel in blocked_kernels() {
+                let mut backend = CpuInt8::with_kernel(model, 64, kernel).unwrap();
+                for rows in [1usize, 8, 31, 32, 33, 64] {
+                    let mut x = inputs(rows as u64 + 200, rows * k);
+                    // Zero, infinite, NaN and huge inputs in the first rows.
+                    x[..k].fill(0.0);
+                    if rows > 4 {
+                        x[k] = f32::INFINITY;
+                        x[2 * k] = f32::NEG_INFINITY;
+                        x[3 * k + k / 2] = f32::NAN;
+                        x[4 * k] = 3.0e38;
+                    }
+                    let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
+                    scalar.logits(model, &x, rows, &mut want);
+                    backend.logits(model, &x, rows, &mut got);
+                    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), w.to_bits(), "{kernel:?} {} rows {rows}: row {r}", model.name);
                     }
                 }
             }
@@ -515,6 +704,13 @@ mod tests {
                         let v = f32::from_bits(bits as u32);
                         let want = v.round_ties_even().clamp(-127.0, 127.0) as i8;
                         assert_eq!(int8_gemm::round_clamp_127(v), want, "{v:e} ({bits:#x})");
+                        for lo in [-128i8, 0] {
+                            assert_eq!(
+                                int8_gemm::round_clamp(v, f32::from(lo)),
+                                round_clamp_i8(v, lo),
+                                "{v:e} lo {lo}"
+                            );
+                        }
                     }
                 });
             }

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU timing: onnxruntime f32 and onnxruntime INT8 (static
+quantization by onnxruntime.quantization, per-channel, QOperator) against
+`quiver time-model` (int8, f32, fp8) on the same model and batch sizes, in
+one run, single thread, printing medians and ratios.
+
+Why: issue 3's targets are relative to the runtime users would otherwise
+pick: at batch 32, quiver INT8 >= 3x onnxruntime f32 and >= 1.5x onnxruntime
+INT8, single thread.
+
+The model is the demo's shape (80 -> 256 -> ReLU -> 128 -> ReLU -> 1,
+Sigmoid), seeded random weights, written with onnx.helper; both sides
+quantize it with the same 4096-row calibration set (quiver: max-abs).
+onnxruntime is timed through `InferenceSession.run` from Python, so its
+figures include the Python call overhead (a few microseconds), which weighs
+most at batch 1; quiver's are `Backend::logits` inside the process.
+
+Run from the repository root after `cargo build --release`:
+  pip install numpy onnx onnxruntime
+  python3 bench/ort_side_by_side.py [--iters 200] [--rows 1,8,32,256,1024]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+DIMS = (80, 256, 128, 1)
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+QUIVER = os.path.join(ROOT, "target", "release", "quiver")
+
+
+def build_model(path, rng):
+    inits, nodes, prev = [], [], "x"
+    for i, (k, n) in enumerate(zip(DIMS[:-1], DIMS[1:])):
+        w = (rng.normal(size=(n, k)) * np.sqrt(2.0 / k)).astype(np.float32)
+        b = (rng.normal(size=n) * 0.1).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        out = f"h{i}"
+        nodes.append(helper.make_node("Gemm", [prev, f"w{i}", f"b{i}"], [out], name=f"dense{i}", transB=1))
+        if i + 2 < len(DIMS):
+            nodes.append(helper.make_node("Relu", [out], [out + "_relu"], name=f"relu{i}"))
+            out += "_relu"
+        prev = out
+    nodes.append(helper.make_node("Sigmoid", [prev], ["probability"], name="sigmoid"))
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", DIMS[0]])],
+        [helper.make_tensor_value_info("probability", TensorProto.FLOAT, ["batch", 1])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+
+
+class Reader(CalibrationDataReader):
+    def __init__(self, x):
+        self.batches = iter([{"x": x[i : i + 256]} for i in range(0, len(x), 256)])
+
+    def get_next(self):
+        return next(self.batches, None)
+
+
+def time_ort(path, rows, iters, rng):
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    out = {}
+    for n in rows:
+        x = rng.normal(size=(n, DIMS[0])).astype(np.float32)
+        for _ in range(10):
+            sess.run(None, {"x": x})
+        ns = []
+        for _ in range(iters):
+            t = time.perf_counter_ns()
+            sess.run(None, {"x": x})
+            ns.append(time.perf_counter_ns() - t)
+        out[n] = float(np.median(ns)) / 1e3
+    return out
+
+
+def time_quiver(qm, backend, rows, iters):
+    cmd = [QUIVER, "time-model", "--model", qm, "--backend", backend, "--iters", str(iters)]
+    cmd += ["--rows", ",".join(map(str, rows))]
+    lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
+    return {(j := json.loads(line))["rows"]: j["median_us"] for line in lines}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rows", default="1,8,32,256,1024")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    if not os.path.exists(QUIVER):
+        sys.exit(f"{QUIVER} not found: run cargo build --release first")
+    rng = np.random.default_rng(20_261_129)
+    with tempfile.TemporaryDirectory() as d:
+        f32_path, int8_path = os.path.join(d, "mlp.onnx"), os.path.join(d, "mlp_int8.onnx")
+        calib_path, qm = os.path.join(d, "calib.npy"), os.path.join(d, "mlp.qm")
+        build_model(f32_path, rng)
+        calib = rng.normal(size=(4096, DIMS[0])).astype(np.float32)
+        np.save(calib_path, calib)
+        quantize_static(
+            f32_path,
+            int8_path,
+            Reader(calib),
+            quant_format=QuantFormat.QOperator,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+        )
+        subprocess.run(
+            [QUIVER, "import", "--onnx", f32_path, "--out", qm, "--name", "mlp", "--version", "1",
+             "--inputs", "user:32,item:32,context:16", "--calibration", calib_path],
+            check=True, capture_output=True,
+        )
+        t = {
+            "ort-f32": time_ort(f32_path, rows, args.iters, rng),
+            "ort-int8": time_ort(int8_path, rows, args.iters, rng),
+            "quiver-int8": time_quiver(qm, "int8", rows, args.iters),
+            "quiver-f32": time_quiver(qm, "f32", rows, args.iters),
+            "quiver-fp8": time_quiver(qm, "fp8", rows, args.iters),
+        }
+    print(f"onnxruntime {ort.__version__}, single thread, median of {args.iters} calls, microseconds per call")
+    cols = list(t)
+    print("rows  " + "".join(f"{c:>13}" for c in cols) + "  int8/ort-f32  int8/ort-int8")
+    for n in rows:
+        r1 = t["ort-f32"][n] / t["quiver-int8"][n]
+        r2 = t["ort-int8"][n] / t["quiver-int8"][n]
+        print(f"{n:<6}" + "".join(f"{t[c][n]:>13.2f}" for c in cols) + f"  {r1:>11.2f}x  {r2:>12.2f}x")
+    print("(ratios: onnxruntime time / quiver int8 time; above 1 means quiver is faster)")
+
+
+if __name__ == "__main__":
+    main()
