@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering::Relaxed;
 
 use crate::deadline::{Clock, MonotonicClock};
+use crate::drift::{DriftConfig, DriftReport, FeatureDrift};
 use crate::feed::{FeedStatus, GroupStatus};
 use crate::ladder::Faults;
 use crate::metrics::{self, Board, Readiness, Stage, STAGES};
@@ -200,6 +201,7 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         if let Some(feed) = self.readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }
+        encode_drift(&mut encoder, &drift_reports(&m, self.registry.drift()))?;
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
         for m in self.registry.status() {
@@ -331,6 +333,68 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
     Ok(())
 }
 
+/// The drift of every calibrated version served, over the window.
+fn drift_reports(m: &metrics::Merged, config: &DriftConfig) -> Vec<DriftReport> {
+    m.drift.iter().map(|t| DriftReport::new(t, config)).collect()
+}
+
+/// Drift gauges per calibrated version; a measure is absent while the window
+/// holds fewer than `drift.min_count` rows, and for uncalibrated versions.
+fn encode_drift(encoder: &mut DescriptorEncoder, reports: &[DriftReport]) -> Result<(), std::fmt::Error> {
+    let versions: Vec<String> = reports.iter().map(|r| r.version.to_string()).collect();
+    let labels = |i: usize| [("model", reports[i].model.as_str()), ("version", versions[i].as_str())];
+    let mut e = encoder.encode_descriptor(
+        "quiver_score_drift_window_scores",
+        "Primary-tier scores in the drift window.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (i, r) in reports.iter().enumerate() {
+        e.encode_family(&labels(i))?.encode_gauge(&(r.scores as i64))?;
+    }
+    let mut e = encoder.encode_descriptor(
+        "quiver_score_psi",
+        "Population stability index of the window's scores against the calibration histogram.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (i, r) in reports.iter().enumerate() {
+        if let Some(psi) = r.psi {
+            e.encode_family(&labels(i))?.encode_gauge(&psi)?;
+        }
+    }
+    let mut e = encoder.encode_descriptor(
+        "quiver_score_drift_alert",
+        "1 while the score PSI is at least drift.psi_alert.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (i, r) in reports.iter().enumerate() {
+        if r.psi.is_some() {
+            e.encode_family(&labels(i))?.encode_gauge(&i64::from(r.alert))?;
+        }
+    }
+    type Get = fn(&FeatureDrift) -> f64;
+    let gauges: [(&str, &str, Get); 3] = [
+        ("quiver_input_drift", "Shift of a context input's window mean, in calibration standard deviations.", |f| {
+            f.mean_shift
+        }),
+        ("quiver_input_mean", "Mean of a context input over the drift window.", |f| f.mean),
+        ("quiver_input_variance", "Variance of a context input over the drift window.", |f| f.variance),
+    ];
+    for (name, help, get) in gauges {
+        let mut e = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for (i, r) in reports.iter().enumerate() {
+            for f in &r.features {
+                let feature = format!("context_{}", f.feature);
+                let [model, version] = labels(i);
+                e.encode_family(&[model, version, ("feature", feature.as_str())])?.encode_gauge(&get(f))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Mean absolute score difference and mean rank correlation of the shadow
 /// comparisons so far (0 and 1 before any).
 fn shadow_divergence(c: &crate::request::Counters) -> (f64, f64) {
@@ -394,11 +458,15 @@ pub struct Stats {
     pub stale_responses: u64,
     /// Per feature group, when the replicas are fed from Redis.
     pub feed: Vec<FeedGroupStats>,
+    /// Score and input drift per calibrated version served.
+    pub drift: Vec<DriftReport>,
+    /// The window the drift measures cover.
+    pub drift_window_s: u64,
     pub window_s: u64,
     pub stages: Vec<StageStats>,
 }
 
-fn stats(board: &Board, readiness: &Readiness) -> Stats {
+fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
     let m = metrics::merge(board);
     let us = |ns: u64| ns as f64 / 1e3;
     Stats {
@@ -443,6 +511,8 @@ fn stats(board: &Board, readiness: &Readiness) -> Stats {
                 })
                 .collect()
         }),
+        drift: drift_reports(&m, drift),
+        drift_window_s: drift.window_s,
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
         stages: STAGES
             .iter()
@@ -550,7 +620,7 @@ fn serve(
                 Err(why) => Response::from_string(format!("{why}\n")).with_status_code(503),
             },
             (Method::Get, "/stats.json") => {
-                let body = serde_json::to_string(&stats(board, readiness)).expect("stats serialise");
+                let body = serde_json::to_string(&stats(board, readiness, registry.drift())).expect("stats serialise");
                 Response::from_string(body).with_header(header("application/json"))
             }
             (Method::Post, "/drain") => {
@@ -639,7 +709,7 @@ mod tests {
         c.by_status[0] = 4;
         c.shed_by_band[4] = 2;
         c.shed_level_milli = 1_500;
-        publish(&mut t, &c, 1, false, Vec::new(), &b[1]);
+        publish(&mut t, &c, 1, false, Default::default(), &b[1]);
         let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
         let mut model = crate::demo::model();
         model.name = "m".into();

@@ -47,6 +47,8 @@ pub struct Config {
     pub ladder: crate::ladder::LadderConfig,
     /// The per-shard score cache, the ladder's second rung.
     pub cache: crate::cache::CacheConfig,
+    /// Score and input drift of calibrated models against their calibration.
+    pub drift: crate::drift::DriftConfig,
     /// Refresh the feature replicas from Redis (see the README's "Publishing
     /// features"); without it the replica files are served as they are.
     pub feed: Option<crate::feed::FeedConfig>,
@@ -84,6 +86,7 @@ impl Default for Config {
             shed: crate::shed::ShedConfig::default(),
             ladder: crate::ladder::LadderConfig::default(),
             cache: crate::cache::CacheConfig::default(),
+            drift: crate::drift::DriftConfig::default(),
             feed: None,
             faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
@@ -216,6 +219,7 @@ impl Config {
             }
         }
         config.shed.validate().map_err(ConfigError::Invalid)?;
+        config.drift.validate().map_err(ConfigError::Invalid)?;
         Ok(config)
     }
 
@@ -292,6 +296,10 @@ mod tests {
         assert!(err.to_string().contains("low_watermark < high_watermark"), "{err}");
         let c = Config::parse("[shed]\nenabled = true\nanswer = \"default\"\n", "c.toml").unwrap();
         assert_eq!((c.shed.enabled, c.shed.answer), (true, crate::shed::ShedAnswer::Default));
+        let c = Config::parse("[drift]\nwindow_s = 5\npsi_alert = 0.1\n", "c.toml").unwrap();
+        assert_eq!((c.drift.window_s, c.drift.psi_alert, c.drift.context_features_max), (5, 0.1, 8));
+        let err = Config::parse("[drift]\nwindow_s = 0\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("drift.window_s = 0 is outside 1..=3600"), "{err}");
         let err = Config::parse("[limits]\ncandidates_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
     }

@@ -11,6 +11,7 @@ pub mod client;
 pub mod config;
 pub mod deadline;
 pub mod demo;
+pub mod drift;
 pub mod feed;
 pub mod infer;
 pub mod ladder;

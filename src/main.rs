@@ -497,10 +497,13 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     let (user, item, feed) = open_features(&config, &stop)?;
     let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;
-    let registry = Arc::new(match &config.models_dir {
-        Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
-        None => Registry::single(&config.model_path(), fit, config.backend, rows_max)?,
-    });
+    let registry = Arc::new(
+        match &config.models_dir {
+            Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
+            None => Registry::single(&config.model_path(), fit, config.backend, rows_max)?,
+        }
+        .with_drift(config.drift.clone()),
+    );
     for m in registry.status() {
         tracing::info!(model = %m.name, version = m.version, "model loaded");
     }

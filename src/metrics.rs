@@ -5,7 +5,9 @@
 //! Once per `PUBLISH_INTERVAL` a shard timer (off the request path) folds
 //! the interval into the shard's [`Publication`], the one cross-thread type
 //! here: a mutex that only the publishing shard and the admin thread's
-//! scrape ever take. The admin thread merges all shards on read.
+//! scrape ever take. The admin thread merges all shards on read. Drift counts
+//! (`crate::drift`) travel the same way: per served version, one interval a
+//! publication, kept in the slot as a sliding window.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -13,6 +15,8 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
+use crate::drift::{self, Interval, VersionWindow, WindowTotals};
+use crate::model::Model;
 use crate::request::Counters;
 
 /// How often shards publish their interval.
@@ -99,6 +103,20 @@ pub struct Publication {
     pub breaker_open: bool,
     /// Requests by served version: (model, version, canary, count).
     pub versions: Vec<(String, u32, bool, u64)>,
+    /// Drift counts of the calibrated versions served, the last
+    /// `drift.window_s` intervals each.
+    pub drift: Vec<VersionWindow>,
+}
+
+/// What a shard publishes about the versions it serves.
+#[derive(Debug, Default)]
+pub struct VersionReport {
+    /// Requests by served version: (model, version, canary, count).
+    pub counts: Vec<(String, u32, bool, u64)>,
+    /// This interval's drift counts of each calibrated version served.
+    pub drift: Vec<(Arc<Model>, Interval)>,
+    /// How many intervals the drift window keeps.
+    pub drift_intervals: usize,
 }
 
 impl Publication {
@@ -111,6 +129,7 @@ impl Publication {
             connections_active: 0,
             breaker_open: false,
             versions: Vec::new(),
+            drift: Vec::new(),
         }
     }
 }
@@ -180,7 +199,7 @@ pub fn publish(
     counters: &Counters,
     connections_active: u64,
     breaker_open: bool,
-    versions: Vec<(String, u32, bool, u64)>,
+    versions: VersionReport,
     slot: &Mutex<Publication>,
 ) {
     let mut p = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -202,7 +221,8 @@ pub fn publish(
     p.counters = counters.clone();
     p.connections_active = connections_active;
     p.breaker_open = breaker_open;
-    p.versions = versions;
+    p.versions = versions.counts;
+    drift::push_intervals(&mut p.drift, versions.drift, versions.drift_intervals);
 }
 
 /// All shards merged, as the admin thread sees them.
@@ -215,6 +235,8 @@ pub struct Merged {
     pub breakers_open: usize,
     /// Requests by (model, version, canary), summed over shards.
     pub versions: std::collections::BTreeMap<(String, u32, bool), u64>,
+    /// Drift windows summed over shards, per calibrated version.
+    pub drift: Vec<WindowTotals>,
 }
 
 pub fn merge(board: &Board) -> Merged {
@@ -226,6 +248,7 @@ pub fn merge(board: &Board) -> Merged {
         shards: board.len(),
         breakers_open: 0,
         versions: Default::default(),
+        drift: Vec::new(),
     };
     for slot in board.iter() {
         let p = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -234,6 +257,9 @@ pub fn merge(board: &Board) -> Merged {
         m.breakers_open += usize::from(p.breaker_open);
         for (name, version, canary, n) in &p.versions {
             *m.versions.entry((name.clone(), *version, *canary)).or_default() += n;
+        }
+        for w in &p.drift {
+            drift::add_window(&mut m.drift, w);
         }
         for (dst, src) in m.total.iter_mut().zip(&p.total) {
             dst.add(src).expect("same bounds");
@@ -260,7 +286,7 @@ mod tests {
             t.record_us(Stage::Kernel, 100 + i);
             t.record_ns(Stage::Decode, 500);
             c.requests += 1;
-            publish(&mut t, &c, 3, false, Vec::new(), &b[0]);
+            publish(&mut t, &c, 3, false, VersionReport::default(), &b[0]);
         }
         let p = b[0].lock().unwrap();
         assert_eq!(p.window.len(), WINDOW_INTERVALS);

@@ -12,6 +12,10 @@
 //! version between rounds. A request is served start to finish by one
 //! version, and every response names that version.
 //!
+//! It also carries how served versions are watched for drift
+//! (`crate::drift::DriftConfig`), read by the shards when they build a
+//! version's counters and by the admin thread when it reports.
+//!
 //! This is one of the few cross-thread types (with `metrics`): a mutex taken
 //! by the admin thread and by a shard only when the generation changed.
 
@@ -20,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::drift::DriftConfig;
 use crate::model::{Model, ModelError};
 use crate::request::{InputLayout, LayoutError};
 use crate::score::{self, BackendKind};
@@ -119,6 +124,7 @@ pub struct Registry {
     /// Versions `load_newer` failed to load, so a broken file on disk is
     /// reported once, not on every poll.
     refused: Mutex<std::collections::BTreeSet<(String, u32)>>,
+    drift: DriftConfig,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -178,6 +184,7 @@ impl Registry {
             slots: Mutex::new(slots),
             generation: AtomicU64::new(1),
             refused: Mutex::default(),
+            drift: DriftConfig::default(),
         })
     }
 
@@ -221,7 +228,18 @@ impl Registry {
             slots: Mutex::new(slots),
             generation: AtomicU64::new(1),
             refused: Mutex::default(),
+            drift: DriftConfig::default(),
         })
+    }
+
+    /// Watches served versions for drift with `config` (default otherwise).
+    pub fn with_drift(mut self, config: DriftConfig) -> Registry {
+        self.drift = config;
+        self
+    }
+
+    pub fn drift(&self) -> &DriftConfig {
+        &self.drift
     }
 
     /// Changes whenever any served version changes; shards poll it.

@@ -16,13 +16,16 @@
 //! percentile clips hidden activations that held-out rows do reach, and
 //! raises the largest score error (README, "Importing models").
 //!
+//! The mean and variance of each context input over the set are stored too
+//! (`context_moments`), as the baseline input drift is measured against.
+//!
 //! The calibration set is a `.npy` file (`read_npy`): little-endian f32, C
 //! order, two dimensions, rows of the model's input vector.
 
 use std::io::Read as _;
 use std::path::Path;
 
-use super::{sigmoid, Calibration, Model, ScoreHistogram};
+use super::{sigmoid, Calibration, Model, ScoreHistogram, Source};
 
 /// Bins of the score histogram stored in the model file.
 pub const SCORE_BINS: usize = 20;
@@ -283,7 +286,46 @@ pub fn calibrate(
         }
     };
     progress(total, total);
-    Ok(Calibration { method: method.name(), rows: set.rows as u64, input_ranges, scores: score_histogram(&scores) })
+    let (input_means, input_variances) = context_moments(model, set);
+    Ok(Calibration {
+        method: method.name(),
+        rows: set.rows as u64,
+        input_ranges,
+        scores: score_histogram(&scores),
+        input_means,
+        input_variances,
+    })
+}
+
+/// The mean and population variance of each context column of `set` (empty
+/// when the model reads no context), the baseline of input drift. Computed
+/// in f64 with each column shifted by its first value, so a large common
+/// offset does not cancel the variance away.
+pub fn context_moments(model: &Model, set: &Matrix) -> (Vec<f32>, Vec<f32>) {
+    let mut offset = 0;
+    let mut context = None;
+    for seg in &model.inputs {
+        if seg.source == Source::Context {
+            context = Some((offset, seg.dim));
+        }
+        offset += seg.dim;
+    }
+    let Some((at, dim)) = context.filter(|_| set.rows > 0) else {
+        return (Vec::new(), Vec::new());
+    };
+    let shift: Vec<f64> = set.row(0)[at..at + dim].iter().map(|&v| f64::from(v)).collect();
+    let (mut sum, mut sum_sq) = (vec![0.0f64; dim], vec![0.0f64; dim]);
+    for r in 0..set.rows {
+        for (j, &v) in set.row(r)[at..at + dim].iter().enumerate() {
+            let d = f64::from(v) - shift[j];
+            sum[j] += d;
+            sum_sq[j] += d * d;
+        }
+    }
+    let n = set.rows as f64;
+    let means = (0..dim).map(|j| (shift[j] + sum[j] / n) as f32).collect();
+    let variances = (0..dim).map(|j| (sum_sq[j] / n - (sum[j] / n).powi(2)).max(0.0) as f32).collect();
+    (means, variances)
 }
 
 /// `SCORE_BINS` bins with (about) equal counts on these scores, the edges
@@ -312,7 +354,7 @@ pub fn score_histogram(scores: &[f32]) -> ScoreHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{InputSegment, Layer, Source};
+    use crate::model::{InputSegment, Layer};
 
     fn model() -> Model {
         // Layer 0 copies the input's two columns (and their negatives through
@@ -386,6 +428,23 @@ mod tests {
         .unwrap();
         assert_eq!(c.input_ranges[0], 100.0);
         assert!(calls > 10);
+        // Both columns are context inputs: their moments are stored.
+        let c = calibrate(&model(), &set(&[1.0, 10.0, 3.0, 10.0]), Method::MaxAbs, |_, _| {}).unwrap();
+        assert_eq!((c.input_means, c.input_variances), (vec![2.0, 10.0], vec![1.0, 0.0]));
+    }
+
+    #[test]
+    fn context_moments_cover_only_the_context_segment() {
+        let mut m = model();
+        m.inputs =
+            vec![InputSegment { source: Source::User, dim: 1 }, InputSegment { source: Source::Context, dim: 1 }];
+        // A large common offset must not cancel the variance away.
+        let values: Vec<f32> = (0..1000).flat_map(|i| [i as f32, 1e6 + (i % 2) as f32]).collect();
+        let (means, variances) = context_moments(&m, &set(&values));
+        assert_eq!(means, vec![1e6 + 0.5]);
+        assert!((variances[0] - 0.25).abs() < 1e-6, "{variances:?}");
+        m.inputs[1].source = Source::Item;
+        assert_eq!(context_moments(&m, &set(&values)), (Vec::new(), Vec::new()));
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! from the `item` group and which from the request context. A model imported
 //! with a calibration set also carries [`Calibration`]: per-layer activation
 //! ranges, which turn on the static INT8 semantics ([`StaticInt8Layer`]), and
-//! the calibration set's score histogram, the baseline for drift measures.
+//! the calibration set's score histogram and context input moments, the
+//! baselines of drift measures (`crate::drift`).
 //! Loading copies everything into owned, validated arrays; a file that does
 //! not describe a consistent network is refused with the reason.
 
@@ -123,6 +124,11 @@ pub struct Calibration {
     /// activation scale is `range / 127`.
     pub input_ranges: Vec<f32>,
     pub scores: ScoreHistogram,
+    /// The mean and population variance of each context input over the
+    /// calibration set, the baseline of input drift; both empty in files
+    /// written before they were stored (no input drift for those).
+    pub input_means: Vec<f32>,
+    pub input_variances: Vec<f32>,
 }
 
 /// A loaded, validated model.
@@ -239,6 +245,19 @@ impl Model {
                 && h.edges.windows(2).all(|w| w[0] < w[1]);
             if !edges_ok {
                 return Err(bad("calibration score histogram edges are not ascending from 0 to 1".into()));
+            }
+            let context_dim = self.input_dim_of(Source::Context).unwrap_or(0);
+            let moments = c.input_means.len();
+            if moments != c.input_variances.len() || (moments != 0 && moments != context_dim) {
+                return Err(bad(format!(
+                    "calibration has {moments} context means and {} variances for {context_dim} context inputs",
+                    c.input_variances.len()
+                )));
+            }
+            let moments_ok = c.input_means.iter().all(|m| m.is_finite())
+                && c.input_variances.iter().all(|v| v.is_finite() && *v >= 0.0);
+            if !moments_ok {
+                return Err(bad("calibration holds a non-finite context mean or a bad variance".into()));
             }
         }
         Ok(())
@@ -376,6 +395,8 @@ impl Model {
                 edges: c.scores().and_then(|h| h.edges()).map(|v| v.iter().collect()).unwrap_or_default(),
                 counts: c.scores().and_then(|h| h.counts()).map(|v| v.iter().collect()).unwrap_or_default(),
             },
+            input_means: c.input_means().map(|v| v.iter().collect()).unwrap_or_default(),
+            input_variances: c.input_variances().map(|v| v.iter().collect()).unwrap_or_default(),
         });
         let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration };
         model.validate()?;
@@ -424,7 +445,13 @@ impl Model {
             let scores = Some(fb::ScoreHistogram::create(&mut b, &fb::ScoreHistogramArgs { edges, counts }));
             let method = Some(b.create_string(&c.method));
             let input_ranges = Some(b.create_vector(&c.input_ranges));
-            fb::Calibration::create(&mut b, &fb::CalibrationArgs { method, rows: c.rows, input_ranges, scores })
+            // Absent rather than empty, as older writers left them.
+            let input_means = (!c.input_means.is_empty()).then(|| b.create_vector(&c.input_means));
+            let input_variances = (!c.input_variances.is_empty()).then(|| b.create_vector(&c.input_variances));
+            fb::Calibration::create(
+                &mut b,
+                &fb::CalibrationArgs { method, rows: c.rows, input_ranges, scores, input_means, input_variances },
+            )
         });
         let name = Some(b.create_string(&self.name));
         let inputs = Some(b.create_vector(&inputs));
@@ -477,6 +504,8 @@ mod tests {
                 rows: 4,
                 input_ranges: vec![2.0, 1.27],
                 scores: ScoreHistogram { edges: vec![0.0, 0.5, 1.0], counts: vec![1, 3] },
+                input_means: vec![0.25],
+                input_variances: vec![2.0],
             }),
             ..tiny()
         }
@@ -534,6 +563,16 @@ mod tests {
         assert!(refused(&|c| c.input_ranges[0] = f32::INFINITY).contains("non-finite"));
         assert!(refused(&|c| c.scores.edges[1] = 1.0).contains("not ascending"));
         assert!(refused(&|c| c.scores.counts.push(0)).contains("not ascending"));
+        assert!(refused(&|c| c.input_means.push(0.0)).contains("2 context means and 1 variances for 1"));
+        assert!(refused(&|c| c.input_variances[0] = -1.0).contains("bad variance"));
+        assert!(refused(&|c| c.input_means[0] = f32::NAN).contains("non-finite context mean"));
+        // A calibration written before the moments were stored still reads.
+        let mut older = calibrated();
+        let c = older.calibration.as_mut().unwrap();
+        (c.input_means, c.input_variances) = (Vec::new(), Vec::new());
+        let bytes = older.to_bytes();
+        assert!(flatbuffers::root::<fb::Model>(&bytes).unwrap().calibration().unwrap().input_means().is_none());
+        assert_eq!(Model::from_bytes(&bytes, "t").unwrap(), older);
     }
 
     #[test]

@@ -626,6 +626,8 @@ impl<'a> Calibration<'a> {
   pub const VT_ROWS: ::flatbuffers::VOffsetT = 6;
   pub const VT_INPUT_RANGES: ::flatbuffers::VOffsetT = 8;
   pub const VT_SCORES: ::flatbuffers::VOffsetT = 10;
+  pub const VT_INPUT_MEANS: ::flatbuffers::VOffsetT = 12;
+  pub const VT_INPUT_VARIANCES: ::flatbuffers::VOffsetT = 14;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -638,6 +640,8 @@ impl<'a> Calibration<'a> {
   ) -> ::flatbuffers::WIPOffset<Calibration<'bldr>> {
     let mut builder = CalibrationBuilder::new(_fbb);
     builder.add_rows(args.rows);
+    if let Some(x) = args.input_variances { builder.add_input_variances(x); }
+    if let Some(x) = args.input_means { builder.add_input_means(x); }
     if let Some(x) = args.scores { builder.add_scores(x); }
     if let Some(x) = args.input_ranges { builder.add_input_ranges(x); }
     if let Some(x) = args.method { builder.add_method(x); }
@@ -673,6 +677,20 @@ impl<'a> Calibration<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<ScoreHistogram>>(Calibration::VT_SCORES, None)}
   }
+  #[inline]
+  pub fn input_means(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Calibration::VT_INPUT_MEANS, None)}
+  }
+  #[inline]
+  pub fn input_variances(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Calibration::VT_INPUT_VARIANCES, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Calibration<'_> {
@@ -685,6 +703,8 @@ impl ::flatbuffers::Verifiable for Calibration<'_> {
      .visit_field::<u64>("rows", Self::VT_ROWS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("input_ranges", Self::VT_INPUT_RANGES, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<ScoreHistogram>>("scores", Self::VT_SCORES, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("input_means", Self::VT_INPUT_MEANS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("input_variances", Self::VT_INPUT_VARIANCES, false)?
      .finish();
     Ok(())
   }
@@ -694,6 +714,8 @@ pub struct CalibrationArgs<'a> {
     pub rows: u64,
     pub input_ranges: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub scores: Option<::flatbuffers::WIPOffset<ScoreHistogram<'a>>>,
+    pub input_means: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub input_variances: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
 }
 impl<'a> Default for CalibrationArgs<'a> {
   #[inline]
@@ -703,6 +725,8 @@ impl<'a> Default for CalibrationArgs<'a> {
       rows: 0,
       input_ranges: None,
       scores: None,
+      input_means: None,
+      input_variances: None,
     }
   }
 }
@@ -729,6 +753,14 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> CalibrationBuilder<'a, 'b, A>
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<ScoreHistogram>>(Calibration::VT_SCORES, scores);
   }
   #[inline]
+  pub fn add_input_means(&mut self, input_means: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Calibration::VT_INPUT_MEANS, input_means);
+  }
+  #[inline]
+  pub fn add_input_variances(&mut self, input_variances: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Calibration::VT_INPUT_VARIANCES, input_variances);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> CalibrationBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     CalibrationBuilder {
@@ -750,6 +782,8 @@ impl ::core::fmt::Debug for Calibration<'_> {
       ds.field("rows", &self.rows());
       ds.field("input_ranges", &self.input_ranges());
       ds.field("scores", &self.scores());
+      ds.field("input_means", &self.input_means());
+      ds.field("input_variances", &self.input_variances());
       ds.finish()
   }
 }

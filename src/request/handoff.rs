@@ -17,6 +17,13 @@ pub(super) struct Pending {
     /// Its score-cache key, item left 0.
     pub(super) cache_key: Key,
     pub(super) model_version: u32,
+    /// The version's place in `served`, valid while `generation` lasts; after
+    /// a swap of versions the request is left out of drift counts and shadow
+    /// samples (rare, and those are samples anyway).
+    pub(super) served: usize,
+    pub(super) generation: u64,
+    /// For the shadow sample's choice of users.
+    pub(super) user_id: u64,
     pub(super) submitted_ns: u64,
     /// When the shard stops waiting and answers from a lower rung.
     pub(super) give_up_ns: u64,
@@ -101,6 +108,11 @@ impl<C: Clock> RequestPath<C> {
             for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
                 *s = sigmoid(*l);
             }
+            if p.generation == self.generation {
+                // The slot still holds the rows the stage scored, until released.
+                let (x, returned) = (&data.x[..rows * step.row_dim], &self.logits[..rows]);
+                self.shadow_queue.sample(&self.served, p.served, p.user_id, x, returned, step.row_dim);
+            }
         }
         stage.release(done.slot);
         if p.answered {
@@ -111,6 +123,11 @@ impl<C: Clock> RequestPath<C> {
             _ if ok => {
                 self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out);
                 self.cache_slot_scores(&p, done.slot, now_ns);
+                if p.generation == self.generation {
+                    if let Some(d) = self.served.get_mut(p.served).and_then(|s| s.drift.as_mut()) {
+                        d.record_scores(&self.logits[..rows]);
+                    }
+                }
             }
             Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
                 // The stage saw it could not finish in time; a lower rung may.

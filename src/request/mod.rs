@@ -18,10 +18,11 @@ use crate::admission::{Admission, AdmissionConfig};
 use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
+use crate::drift::DriftCounts;
 use crate::feed::FeedStatus;
 use crate::infer::{Done, Job, Outcome, ShardEnd};
 use crate::ladder::{Breaker, BreakerState, LadderConfig};
-use crate::metrics::{Readiness, Stage, StageTimes};
+use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
 use crate::model::{sigmoid, Model, Source};
 use crate::registry::Registry;
 use crate::replica::ReplicaHandle;
@@ -225,6 +226,10 @@ struct Served {
     default_score: f32,
     /// The fallback model reads the same inputs as this one.
     fallback_fits: bool,
+    /// Scores returned by the primary and context inputs received since the
+    /// last publication; `None` for a version without calibration (no
+    /// baseline to compare with) and for a shadow (its scores are not served).
+    drift: Option<DriftCounts>,
 }
 
 impl Served {
@@ -395,7 +400,10 @@ impl<C: Clock> RequestPath<C> {
         backend.logits(&model, &x, rows_max, &mut self.logits[..rows_max]);
         let ns_per_row = self.clock.now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
         let ladder = &self.shared.ladder;
+        let context_features_max = self.shared.registry.drift().context_features_max;
+        let drift = model.calibration.as_ref().filter(|_| shadow_ppm == 0);
         Ok(Served {
+            drift: drift.map(|c| DriftCounts::new(c, context_features_max)),
             backend,
             layout,
             kernel_cost: KernelCost { ns_per_row },
@@ -541,7 +549,7 @@ impl<C: Clock> RequestPath<C> {
         }
         self.served[chosen].requests += 1;
         let (user_id, primary) = (request.user_id(), chosen);
-        let Served { model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, .. } =
+        let Served { model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, drift, .. } =
             &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
@@ -584,6 +592,13 @@ impl<C: Clock> RequestPath<C> {
                     for (d, c) in dst.iter_mut().zip(context.iter()) {
                         *d = c;
                     }
+                }
+            }
+            if let Some(d) = drift {
+                if context.is_empty() {
+                    d.record_context(std::iter::repeat(0.0), rows);
+                } else {
+                    d.record_context(context.iter(), rows);
                 }
             }
         }
@@ -683,6 +698,9 @@ impl<C: Clock> RequestPath<C> {
                 step,
                 cache_key,
                 model_version: model.version,
+                served: primary,
+                generation: self.generation,
+                user_id,
                 submitted_ns: before_kernel_ns,
                 give_up_ns,
                 answered: false,
@@ -711,12 +729,16 @@ impl<C: Clock> RequestPath<C> {
 
         // Respond.
         self.respond_ok(&step, Tier::Primary, Reason::None, version, after_kernel_ns, out);
+        if let Some(d) = &mut self.served[primary].drift {
+            d.record_scores(&self.logits[..rows]);
+        }
         if self.cache.enabled() {
             for (&item, &score) in self.item_ids.iter().zip(&self.logits[..rows]) {
                 self.cache.put(Key { item, ..cache_key }, score, after_kernel_ns);
             }
         }
-        self.sample_shadow(primary, user_id, rows, row_dim);
+        let (x, returned) = (&self.x[..rows * row_dim], &self.logits[..rows]);
+        self.shadow_queue.sample(&self.served, primary, user_id, x, returned, row_dim);
         let done_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
         self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(read_at_ns));
@@ -845,9 +867,18 @@ impl<C: Clock> RequestPath<C> {
         self.fail(0, Status::BadRequest, &error.to_string(), out);
     }
 
-    /// Requests answered per served version: (name, version, canary, count).
-    pub fn version_counts(&self) -> Vec<(String, u32, bool, u64)> {
-        self.served.iter().map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests)).collect()
+    /// Requests answered per served version, and the drift counts of the
+    /// interval (which start again from zero), for publication.
+    pub fn version_report(&mut self) -> VersionReport {
+        VersionReport {
+            counts: self
+                .served
+                .iter()
+                .map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests))
+                .collect(),
+            drift: self.served.iter_mut().filter_map(|s| Some((s.model.clone(), s.drift.as_mut()?.take()))).collect(),
+            drift_intervals: self.shared.registry.drift().window_intervals(),
+        }
     }
 
     /// The primary's breaker state, for metrics.

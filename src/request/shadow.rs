@@ -1,6 +1,12 @@
 //! Shadow scoring: a candidate version also scores a sample of requests
 //! after their responses are written, and how far its scores are from the
 //! returned ones is counted. Nothing here runs before a response is out.
+//!
+//! Both inference modes sample: inline requests from the shard's input rows,
+//! handed-off ones from their job slot when the stage's scores come back. The
+//! shadow itself always runs inline on the shard, with the shard's own
+//! backend for the shadow version: the stage thread serves only the current
+//! versions, and a shadow must never take its batch room.
 
 use super::*;
 
@@ -82,21 +88,33 @@ impl<C: Clock> RequestPath<C> {
             self.counters.shadow_rank_corr_ppm += (rho * 1e6) as i64;
         }
     }
+}
 
-    /// Queues this request for its shadow version, if one samples it and a
-    /// slot is free: rows and returned scores are copied, nothing else.
-    pub(super) fn sample_shadow(&mut self, primary: usize, user_id: u64, rows: usize, row_dim: usize) {
-        let name = &self.served[primary].model.name;
-        let Some(si) = self.served.iter().position(|s| s.shadow_ppm > 0 && s.model.name == *name) else {
+impl ShadowQueue {
+    /// Queues a request answered by `served[primary]` for its shadow version,
+    /// if one samples it and a slot is free: its model input rows `x`
+    /// (`row_dim` floats each) and the `returned` scores are copied, nothing
+    /// else.
+    pub(super) fn sample(
+        &mut self,
+        served: &[Served],
+        primary: usize,
+        user_id: u64,
+        x: &[f32],
+        returned: &[f32],
+        row_dim: usize,
+    ) {
+        let name = &served[primary].model.name;
+        let Some(si) = served.iter().position(|s| s.shadow_ppm > 0 && s.model.name == *name) else {
             return;
         };
-        let q = &mut self.shadow_queue;
-        if user_bucket(user_id ^ 0x5348_4144_4f57) >= self.served[si].shadow_ppm || q.items.len() == SHADOW_SLOTS {
+        if user_bucket(user_id ^ 0x5348_4144_4f57) >= served[si].shadow_ppm || self.items.len() == SHADOW_SLOTS {
             return;
         }
-        let slot = (0..SHADOW_SLOTS).find(|k| q.items.iter().all(|i| i.slot != *k)).expect("a slot is free");
-        q.x[slot * q.slot_floats..][..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
-        q.returned[slot * q.rows_max..][..rows].copy_from_slice(&self.logits[..rows]);
-        q.items.push(ShadowItem { slot, served: si, rows, row_dim });
+        let rows = returned.len();
+        let slot = (0..SHADOW_SLOTS).find(|k| self.items.iter().all(|i| i.slot != *k)).expect("a slot is free");
+        self.x[slot * self.slot_floats..][..rows * row_dim].copy_from_slice(&x[..rows * row_dim]);
+        self.returned[slot * self.rows_max..][..rows].copy_from_slice(returned);
+        self.items.push(ShadowItem { slot, served: si, rows, row_dim });
     }
 }

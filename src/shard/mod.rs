@@ -202,7 +202,7 @@ async fn run_shard(
                 let mut p = path.borrow_mut();
                 let counters = p.counters.clone();
                 let open = p.breaker_state() != BreakerState::Closed;
-                let versions = p.version_counts();
+                let versions = p.version_report();
                 metrics::publish(p.times_mut(), &counters, active.get() as u64, open, versions, &board[shard]);
             }
         }
@@ -324,7 +324,7 @@ async fn run_shard(
     let mut p = path.borrow_mut();
     let counters = p.counters.clone();
     let open = p.breaker_state() != BreakerState::Closed;
-    let versions = p.version_counts();
+    let versions = p.version_report();
     metrics::publish(p.times_mut(), &counters, 0, open, versions, &board[shard]);
     let mut r = report.borrow().clone();
     r.counters = counters;
