@@ -281,10 +281,21 @@ fn a_canary_serves_a_sticky_fraction_of_users_with_its_own_metrics() {
 
 #[test]
 fn a_shadow_version_is_compared_but_never_returned() {
+    shadow_scenario("reg-shadow", &[]);
+}
+
+/// With the primary on the inference thread, the shadow still runs on the
+/// shard after the response is written.
+#[test]
+fn a_shadow_version_is_compared_in_thread_mode_too() {
+    shadow_scenario("reg-shadow-thread", &["--inference", "thread"]);
+}
+
+fn shadow_scenario(name: &str, extra: &[&str]) {
     let v1 = demo_version(1, 0.0);
     let v2 = demo_version(2, 1.5);
-    let dir = registry_dir("reg-shadow", &[v1.clone(), v2.clone()]);
-    let server = start(&dir, &[]);
+    let dir = registry_dir(name, &[v1.clone(), v2.clone()]);
+    let server = start(&dir, extra);
     let admin = &server.admin;
     assert_eq!(post(&format!("http://{admin}/models/auction-32/load?version=1")).0, 200);
     assert_eq!(post(&format!("http://{admin}/models/auction-32/shadow?version=2&fraction=1")).0, 200);
@@ -293,7 +304,7 @@ fn a_shadow_version_is_compared_but_never_returned() {
     for i in 0..200u64 {
         let spec = demo_request(i, i * 13, (0..32).map(|k| (i + k * 17) % 10_000).collect());
         let r = c.score(&spec).unwrap();
-        assert_eq!(r.model_version, 1, "the shadow's scores are never returned");
+        assert_eq!((r.tier, r.model_version), (quiver::wire::Tier::Primary, 1), "shadow scores are never returned");
         assert!(close(&r.scores, &reference(&v1, &spec)));
     }
     let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
