@@ -496,3 +496,44 @@ fn bad_data_in_redis_is_skipped_counted_and_named_in_the_log() {
     assert_eq!(out, vector(7000, 1));
     assert!(!r.read_into(6000, &mut out) && !r.read_into(5000, &mut out));
 }
+
+#[test]
+fn the_refresher_authenticates_and_reads_its_database_index() {
+    let redis = RedisServer::start_opts(false, &["--requirepass", "s3cret"]);
+    let mut db3 = redis.config();
+    db3.db = 3;
+    let mut p = Publisher::new(RedisConn::connect(&db3).unwrap()).unwrap();
+    p.put_many("item", &(0..50).map(|id| (id, vector(id, 3))).collect::<Vec<_>>(), |_, _| {}).unwrap();
+    p.put_many("user", &(0..5).map(|id| (id, vector(id, 3))).collect::<Vec<_>>(), |_, _| {}).unwrap();
+    // Database 0 holds other data under the same names: it must not be read.
+    load(&redis, "item", 1000..1010, 0);
+    let dir = data_dir("feed-auth");
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, format!("[feed]\nredis = \"{}/3\"\n", redis.url())).unwrap();
+    let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
+    let s = stats(&server);
+    assert_eq!((group(&s, "item").rows, group(&s, "user").rows), (50, 5), "{s:?}");
+    p.put("item", 7, &vector(7, 4)).unwrap();
+    wait_for(&server, "the update in db 3", Duration::from_secs(10), |s| group(s, "item").applied_seq == 51);
+    let r = Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let mut out = vec![0.0; DIM];
+    assert!(r.read_into(7, &mut out) && out == vector(7, 4));
+    assert!(!r.read_into(1000, &mut out), "nothing from database 0");
+    drop(server);
+
+    // A wrong password is an error at start-up that says so, not a hang.
+    let dir = data_dir("feed-badauth");
+    let url = redis.url().replace("s3cret", "wrong");
+    std::fs::write(dir.join("quiver.toml"), format!("[feed]\nredis = \"{url}\"\ninitial_sync_timeout_ms = 500\n"))
+        .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--admin", "off", "--data-dir"])
+        .arg(&dir)
+        .arg("--config")
+        .arg(dir.join("quiver.toml"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("initial sync") && err.to_lowercase().contains("auth"), "{err}");
+}
