@@ -195,7 +195,7 @@ impl CpuInt8 {
         let statics = model.static_int8();
         let static_layers = match (&statics, kernel) {
             (Some(s), k) if k != Int8Kernel::Scalar => {
-                Some(StaticLayers::new(kernel, s.clone(), model.width_max(), rows_max))
+                Some(StaticLayers::new(kernel, s.clone(), &packed, model.width_max(), rows_max))
             }
             _ => None,
         };
