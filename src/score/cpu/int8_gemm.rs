@@ -427,9 +427,9 @@ fn requantize<T: QuantElem>(acc: &[i32], rows: usize, l: &StaticInt8Layer, strid
     let n = l.scale.len();
     let lo = f32::from(l.lo);
     for r in 0..rows {
-        let row = &acc[r * n..(r + 1) * n];
-        for (o, (d, &a)) in dst[r * stride..r * stride + n].iter_mut().zip(row).enumerate() {
-            *d = T::from_q(round_clamp((a + l.bias_q[o]) as f32 * l.scale[o], lo));
+        let row = acc[r * n..(r + 1) * n].iter().zip(&l.bias_q).zip(&l.scale);
+        for (d, ((&a, &b), &s)) in dst[r * stride..r * stride + n].iter_mut().zip(row) {
+            *d = T::from_q(round_clamp((a + b) as f32 * s, lo));
         }
     }
 }
@@ -514,11 +514,20 @@ pub(super) fn round_clamp_127(v: f32) -> i8 {
 }
 
 /// `v.round_ties_even().clamp(lo, 127.0) as i8` for an integer `lo` in
-/// -128..=0, by the same trick as `round_clamp_127`.
+/// -128..=0, by the same trick as `round_clamp_127`. The rounded sum's
+/// bits are `bits(MAGIC) + round(v)` (every value in reach shares MAGIC's
+/// exponent), so the integer comes from an integer subtraction rather than
+/// a saturating float-to-int cast, which the compiler does not vectorise;
+/// NaN, whose bits carry no integer, is selected to 0.
 #[inline(always)]
 pub(super) fn round_clamp(v: f32, lo: f32) -> i8 {
     const MAGIC: f32 = 12_582_912.0;
-    ((v.clamp(lo, 127.0) + MAGIC) - MAGIC) as i8
+    let q = (v.clamp(lo, 127.0) + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits()) as i8;
+    if v.is_nan() {
+        0
+    } else {
+        q
+    }
 }
 
 #[inline(always)]
@@ -575,16 +584,11 @@ mod portable {
         }
     }
 
-    #[inline(always)]
-    fn tile<const M: usize, const RAW: bool>(
-        p: &PackedLayer,
-        xa: &[i16],
-        r0: usize,
-        b: usize,
-        sx: &[f32],
-        y: &mut [f32],
-        acc_out: &mut [i32],
-    ) {
+    /// The tile's sums, kept out of line so that both epilogues get the
+    /// same vectorised loop (inlined into the raw one, the compiler left it
+    /// scalar).
+    #[inline(never)]
+    fn sums<const M: usize>(p: &PackedLayer, xa: &[i16], r0: usize, b: usize) -> [[i32; LANES]; M] {
         let w = &p.w_i16.as_slice()[b * p.k_pad * LANES..(b + 1) * p.k_pad * LANES];
         let xs: [&[i16]; M] = std::array::from_fn(|r| &xa[(r0 + r) * p.k_pad..][..p.k_pad]);
         let mut acc = [[0i32; LANES]; M];
@@ -597,6 +601,20 @@ mod portable {
                 }
             }
         }
+        acc
+    }
+
+    #[inline(always)]
+    fn tile<const M: usize, const RAW: bool>(
+        p: &PackedLayer,
+        xa: &[i16],
+        r0: usize,
+        b: usize,
+        sx: &[f32],
+        y: &mut [f32],
+        acc_out: &mut [i32],
+    ) {
+        let acc = sums::<M>(p, xa, r0, b);
         let o0 = b * LANES;
         let lanes = (p.n - o0).min(LANES);
         for (r, acc_r) in acc.iter().enumerate() {
