@@ -818,7 +818,7 @@ mod x86 {
     ) {
         assert!(x.len() >= rows * k && xq.len() >= rows * k_pad && sx.len() >= rows && k <= k_pad);
         let (lo, flip) = (_mm512_set1_ps(-127.0), _mm512_set1_epi32(0x80));
-        for r in 0..rows {
+        for (r, s) in sx[..rows].iter_mut().enumerate() {
             let mut mx = _mm512_setzero_ps();
             for c in (0..k).step_by(16) {
                 // SAFETY: masked to the elements left in row `r`.
@@ -830,7 +830,7 @@ mod x86 {
             let max_abs = _mm512_reduce_max_ps(mx);
             let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
             let vinv = _mm512_set1_ps(1.0 / scale);
-            sx[r] = scale;
+            *s = scale;
             for c in (0..k).step_by(16) {
                 let m = mask16(k - c);
                 // SAFETY: as above, for both buffers.
