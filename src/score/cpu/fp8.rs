@@ -16,9 +16,15 @@
 //!   `acc = fmaf(x, w, acc)` chain: only the additions round;
 //! - `y = acc · (s_w · s_x) + bias[o]`, unfused, then ReLU (`max(y, 0)`).
 //!
-//! The loop runs k outside and 8-wide output blocks inside, so each output
+//! Each layer runs over all rows at once: the activations of every row are
+//! encoded and decoded into one matrix, then tiles of 4 rows × 16 outputs
+//! keep their 64 sums in registers while k runs from 0 up, so each output
 //! keeps its own sequential k order while the compiler vectorises across
-//! outputs.
+//! the 16 outputs (weights transposed to `[k][n]`, n padded to 16 with
+//! zeros). The same safe code is compiled three times, for AVX-512 F, for
+//! AVX2 and for the baseline, and the widest this CPU runs is chosen at
+//! construction; Rust never contracts `a + x · w` into a fused
+//! multiply-add, so every build rounds the same way.
 
 use super::super::fp8;
 use super::super::Backend;
@@ -29,12 +35,18 @@ fn decode_table() -> [f32; 256] {
     std::array::from_fn(|c| fp8::to_f32(c as u8))
 }
 
+/// Outputs per tile (one zmm of f32) and rows per tile.
+const TILE_N: usize = 16;
+const TILE_R: usize = 4;
+
 /// One layer's FP8 constants.
 struct Fp8Layer {
     k: usize,
     n: usize,
+    /// `n` rounded up to `TILE_N`.
+    n_pad: usize,
     relu: bool,
-    /// Decoded weight codes, transposed to `[k][n]`.
+    /// Decoded weight codes, transposed to `[k][n_pad]`, zero padded.
     w_t: Vec<f32>,
     s_w: f32,
     s_x: f32,
@@ -42,12 +54,39 @@ struct Fp8Layer {
     bias: Vec<f32>,
 }
 
+/// Which build of the layer loop runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    }
+}
+
 /// The CPU FP8 backend.
 pub struct CpuFp8 {
     rows_max: usize,
     table: [f32; 256],
     layers: Vec<Fp8Layer>,
-    /// Decoded activations of one row and two ping-pong outputs.
+    isa: Isa,
+    /// Decoded activations of every row, and two ping-pong outputs, each
+    /// `rows_max × width_max`.
     xd: Vec<f32>,
     a: Vec<f32>,
     b: Vec<f32>,
@@ -64,17 +103,18 @@ impl CpuFp8 {
             .map(|(i, l)| {
                 let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
                 let s_w = if max_abs > 0.0 { max_abs / fp8::MAX } else { 1.0 };
-                let mut w_t = vec![0.0; l.in_dim * l.out_dim];
+                let n_pad = l.out_dim.next_multiple_of(TILE_N);
+                let mut w_t = vec![0.0; l.in_dim * n_pad];
                 for o in 0..l.out_dim {
                     for k in 0..l.in_dim {
-                        w_t[k * l.out_dim + o] =
-                            table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))];
+                        w_t[k * n_pad + o] = table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))];
                     }
                 }
                 let s_x = ranges.map_or(1.0, |r| r[i] / fp8::MAX);
                 Fp8Layer {
                     k: l.in_dim,
                     n: l.out_dim,
+                    n_pad,
                     relu: l.relu,
                     w_t,
                     s_w,
@@ -84,28 +124,79 @@ impl CpuFp8 {
                 }
             })
             .collect();
-        let width = model.width_max();
-        CpuFp8 { rows_max, table, layers, xd: vec![0.0; width], a: vec![0.0; width], b: vec![0.0; width] }
+        let len = rows_max * model.width_max();
+        CpuFp8 { rows_max, table, layers, isa: Isa::best(), xd: vec![0.0; len], a: vec![0.0; len], b: vec![0.0; len] }
     }
 }
 
-/// One layer for one row: `x` in, `y` out.
-fn layer_row(l: &Fp8Layer, table: &[f32; 256], x: &[f32], xd: &mut [f32], y: &mut [f32]) {
-    for (d, v) in xd[..l.k].iter_mut().zip(x) {
+/// One layer for `rows` rows: `x` (`[rows][k]`) in, `y` (`[rows][n]`) out.
+#[inline(always)]
+fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
+    let xd = &mut xd[..rows * l.k];
+    for (d, v) in xd.iter_mut().zip(&x[..rows * l.k]) {
         *d = table[usize::from(fp8::from_f32(v * l.inv_s_x))];
     }
-    let y = &mut y[..l.n];
-    y.fill(0.0);
-    for (k, &xk) in xd[..l.k].iter().enumerate() {
-        for (acc, &w) in y.iter_mut().zip(&l.w_t[k * l.n..(k + 1) * l.n]) {
-            *acc += xk * w;
+    let mut r = 0;
+    while r + TILE_R <= rows {
+        for o0 in (0..l.n).step_by(TILE_N) {
+            tile::<TILE_R>(l, xd, r, o0, y);
+        }
+        r += TILE_R;
+    }
+    for r in r..rows {
+        for o0 in (0..l.n).step_by(TILE_N) {
+            tile::<1>(l, xd, r, o0, y);
+        }
+    }
+}
+
+/// Rows `r0..r0 + R` × outputs `o0..o0 + TILE_N` (those below `n` stored).
+#[inline(always)]
+fn tile<const R: usize>(l: &Fp8Layer, xd: &[f32], r0: usize, o0: usize, y: &mut [f32]) {
+    let xs: [&[f32]; R] = std::array::from_fn(|r| &xd[(r0 + r) * l.k..(r0 + r + 1) * l.k]);
+    let mut acc = [[0.0f32; TILE_N]; R];
+    for (kk, w) in l.w_t.chunks_exact(l.n_pad).enumerate() {
+        let w: &[f32; TILE_N] = w[o0..o0 + TILE_N].try_into().expect("n_pad is a multiple of TILE_N");
+        for (acc_r, x_r) in acc.iter_mut().zip(&xs) {
+            let xk = x_r[kk];
+            for (a, &wv) in acc_r.iter_mut().zip(w) {
+                *a += xk * wv;
+            }
         }
     }
     let scale = l.s_w * l.s_x;
-    for (v, b) in y.iter_mut().zip(&l.bias) {
-        let out = *v * scale + b;
-        *v = if l.relu { out.max(0.0) } else { out };
+    let lanes = (l.n - o0).min(TILE_N);
+    for (r, acc_r) in acc.iter().enumerate() {
+        let out = &mut y[(r0 + r) * l.n + o0..][..lanes];
+        for ((v, a), b) in out.iter_mut().zip(acc_r).zip(&l.bias[o0..o0 + lanes]) {
+            let o = a * scale + b;
+            *v = if l.relu { o.max(0.0) } else { o };
+        }
     }
+}
+
+/// Every layer for `rows` rows of `x`; the logits go to `out`.
+#[inline(always)]
+fn forward(fp: &mut CpuFp8, x: &[f32], rows: usize, out: &mut [f32]) {
+    let CpuFp8 { table, layers, xd, a, b, .. } = fp;
+    layer_rows(&layers[0], table, x, rows, xd, a);
+    for l in &layers[1..] {
+        layer_rows(l, table, a, rows, xd, b);
+        std::mem::swap(a, b);
+    }
+    out[..rows].copy_from_slice(&a[..rows]);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn forward_avx512(fp: &mut CpuFp8, x: &[f32], rows: usize, out: &mut [f32]) {
+    forward(fp, x, rows, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn forward_avx2(fp: &mut CpuFp8, x: &[f32], rows: usize, out: &mut [f32]) {
+    forward(fp, x, rows, out);
 }
 
 impl Backend for CpuFp8 {
@@ -120,15 +211,16 @@ impl Backend for CpuFp8 {
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
         assert_eq!(model.layers.len(), self.layers.len(), "the backend was built for another model");
-        let k0 = model.input_dim();
-        for (r, y) in out.iter_mut().enumerate() {
-            let CpuFp8 { table, layers, xd, a, b, .. } = self;
-            layer_row(&layers[0], table, &x[r * k0..(r + 1) * k0], xd, a);
-            for l in &layers[1..] {
-                layer_row(l, table, &a[..l.k], xd, b);
-                std::mem::swap(a, b);
-            }
-            *y = a[0];
+        assert_eq!(self.layers.last().map(|l| l.n), Some(1), "one logit per row");
+        match self.isa {
+            Isa::Baseline => forward(self, x, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::best` chose this build because the CPU has
+            // AVX2; the function is safe code compiled for it.
+            Isa::Avx2 => unsafe { forward_avx2(self, x, rows, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, with AVX-512 F.
+            Isa::Avx512 => unsafe { forward_avx512(self, x, rows, out) },
         }
     }
 }
@@ -197,6 +289,21 @@ mod tests {
             .collect()
     }
 
+    /// Every build of the layer loop this CPU runs.
+    fn available_isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") {
+                v.push(Isa::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
     #[test]
     fn fp8_matches_the_kernel_contract_bit_for_bit() {
         for (seed, dims, calibrate) in
@@ -208,17 +315,26 @@ mod tests {
                 let set = Matrix { rows: 64, cols: dims[0], data: inputs(seed + 10, 64 * dims[0]) };
                 m.calibration = Some(calibrate(&m, &set, Method::MaxAbs, |_, _| {}).unwrap());
             }
-            for rows in [1usize, 31, 33] {
+            // Every leftover of the 4-row tiles, alone and after whole ones.
+            for rows in [1usize, 2, 3, 4, 5, 31, 33] {
                 let mut x = inputs(rows as u64, rows * dims[0]);
                 x[0] = 1.0e6; // saturates at 448 · s_x
                 if rows > 1 {
                     x[dims[0]] = -0.0;
                 }
-                let mut got = vec![0.0; rows];
-                CpuFp8::new(&m, rows).logits(&m, &x, rows, &mut got);
                 let want = transcription(&m, &x, rows);
-                for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(g.to_bits(), w.to_bits(), "dims {dims:?} calibrated {calibrate} rows {rows}: row {r}");
+                for isa in available_isas() {
+                    let mut backend = CpuFp8::new(&m, rows);
+                    backend.isa = isa;
+                    let mut got = vec![0.0; rows];
+                    backend.logits(&m, &x, rows, &mut got);
+                    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{isa:?} dims {dims:?} calibrated {calibrate} rows {rows}: row {r}"
+                        );
+                    }
                 }
             }
         }

@@ -1,20 +1,22 @@
 //! INT8 GEMM kernels for the CPU INT8 backend, one variant per instruction set.
 //!
 //! A layer's input rows are quantized together into one activation matrix,
-//! multiplied by weights repacked once at construction, and the epilogue
-//! (scale, bias, ReLU) is applied to each output tile while it is still in
+//! multiplied by weights repacked once at construction, and the epilogue is
+//! applied to each output tile while its accumulators are still in
 //! registers. Every variant reproduces the scalar reference in `super` bit
 //! for bit: the integer sums are exact, and the float steps are the same IEEE
 //! operations in the same order (`acc as f32 * (s_w * s_x) + bias`, never a
-//! fused multiply-add).
+//! fused multiply-add; rounding is round-to-nearest-even on clamped values,
+//! NaN to 0).
 //!
 //! Layouts, chosen so that one vector load fetches the weights a kernel step
 //! needs and activations are broadcast:
 //! - `Avx512Vnni`: 16 output channels × 4 consecutive k as 64 bytes (one zmm);
 //!   K padded to 4, N to 16. `vpdpbusd` multiplies unsigned by signed bytes,
 //!   so activations are stored as `x_q + 128` (u8) and `128 * Σ_k w[o][k]`,
-//!   precomputed here, is subtracted from each accumulator. Both sums fit in
-//!   i32 for any K up to `WIDTH_MAX` (255 · 127 · 16384 < 2³¹).
+//!   precomputed here, is subtracted from each accumulator (for the static
+//!   path it is folded into the bias once, at construction). Both sums fit
+//!   in i32 for any K up to `WIDTH_MAX` (255 · 127 · 16384 < 2³¹).
 //! - `Avx2`: 8 output channels × 2 consecutive k as i16 (32 bytes, one
 //!   ymm); K padded to 2, N to 8. Activations are i16; the kernel is
 //!   `vpmaddwd` (sign-extended products, exact, never saturating), not
@@ -26,15 +28,18 @@
 //! columns contributes nothing. This file is the only place in the crate
 //! with SIMD intrinsics.
 //!
-//! Two activation semantics share the GEMMs. Dynamic (uncalibrated models):
-//! `forward` quantizes each row with its own scale and applies the float
-//! epilogue in the tile. Static (calibrated models, `StaticLayers`): the
-//! input is quantized once with the calibrated scale, every layer's i32
-//! accumulators are requantized to int8 straight into the next layer's
-//! activation matrix in the kernel's own format (`q + 128` bytes or i16), and
-//! only the last layer produces floats. The static requantization runs as a
-//! separate pass over each layer's accumulators (compiled with the kernel's
-//! instruction set), not yet inside the tile.
+//! Two activation semantics share the GEMMs; what a tile does with its
+//! finished sums is the GEMM's output type (`x86::VnniOut`, `x86::Avx2Out`).
+//! Dynamic (uncalibrated models): `forward` quantizes each row with its own
+//! scale (a vector max-abs pass, then a vector rounding pass) and the tile
+//! applies the float epilogue. Static (calibrated models, `StaticLayers`):
+//! the input is quantized once with the calibrated scale, and each hidden
+//! layer's tile requantizes its accumulators (bias, scale, ReLU as the lower
+//! clamp, rounding) straight into the next layer's activation matrix in the
+//! kernel's own format (`q + 128` bytes or i16), so activations go from
+//! layer to layer as int8 with no pass in between; only the output layer's
+//! tile writes floats. The portable variant keeps a separate requantization
+//! pass.
 
 use super::aligned::{AlignedBuf, Plain};
 use crate::model::{Layer, StaticInt8Layer};
@@ -75,6 +80,7 @@ impl Int8Kernel {
             Int8Kernel::Avx512Vnni => {
                 is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -201,27 +207,20 @@ impl PackedLayer {
             #[cfg(target_arch = "x86_64")]
             Int8Kernel::Avx2 => {
                 // SAFETY: `new` checked that the CPU has AVX2; the buffer
-                // sizes were asserted above, and `gemm` writes only inside
-                // `[rows][n]` of `y`.
+                // sizes were asserted above, and the output writes only
+                // inside `[rows][n]` of `y`.
                 unsafe {
                     x86::quantize_rows_avx2(x, rows, k, k_pad, s.x_i16.as_mut_slice(), &mut s.sx);
-                    x86::gemm_avx2::<false>(
-                        self,
-                        s.x_i16.as_slice(),
-                        rows,
-                        &s.sx,
-                        y.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    );
+                    x86::gemm_avx2(self, s.x_i16.as_slice(), rows, &x86::Dynamic { sx: &s.sx, y: y.as_mut_ptr() });
                 }
             }
             #[cfg(target_arch = "x86_64")]
             Int8Kernel::Avx512Vnni => {
-                // SAFETY: `new` checked that the CPU has AVX-512 F/BW/VNNI;
+                // SAFETY: `new` checked that the CPU has AVX-512 F/BW/VL/VNNI;
                 // sizes as above.
                 unsafe {
                     x86::quantize_rows_avx512(x, rows, k, k_pad, s.x_u8.as_mut_slice(), &mut s.sx);
-                    x86::gemm_vnni::<false>(self, s.x_u8.as_slice(), rows, &s.sx, y.as_mut_ptr(), std::ptr::null_mut());
+                    x86::gemm_vnni(self, s.x_u8.as_slice(), rows, &x86::Dynamic { sx: &s.sx, y: y.as_mut_ptr() });
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -245,33 +244,15 @@ impl PackedLayer {
             #[cfg(target_arch = "x86_64")]
             Int8Kernel::Avx2 => {
                 widen_rows(xq, rows, k, k_pad, s.x_i16.as_mut_slice());
-                // SAFETY: as in `forward`; `gemm` writes only inside
+                // SAFETY: as in `forward`; the output writes only inside
                 // `[rows][n]` of `acc`.
-                unsafe {
-                    x86::gemm_avx2::<true>(
-                        self,
-                        s.x_i16.as_slice(),
-                        rows,
-                        &s.sx,
-                        std::ptr::null_mut(),
-                        acc.as_mut_ptr(),
-                    );
-                }
+                unsafe { x86::gemm_avx2(self, s.x_i16.as_slice(), rows, &x86::Raw(acc.as_mut_ptr())) }
             }
             #[cfg(target_arch = "x86_64")]
             Int8Kernel::Avx512Vnni => {
                 widen_rows(xq, rows, k, k_pad, s.x_u8.as_mut_slice());
                 // SAFETY: as in `forward`.
-                unsafe {
-                    x86::gemm_vnni::<true>(
-                        self,
-                        s.x_u8.as_slice(),
-                        rows,
-                        &s.sx,
-                        std::ptr::null_mut(),
-                        acc.as_mut_ptr(),
-                    );
-                }
+                unsafe { x86::gemm_vnni(self, s.x_u8.as_slice(), rows, &x86::Raw(acc.as_mut_ptr())) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni => unreachable!("PackedLayer::new refuses unavailable kernels"),
@@ -279,38 +260,30 @@ impl PackedLayer {
     }
 }
 
-/// The activation matrix of one layer for the static path, in the layout
-/// the kernel reads.
-enum ActRef<'a> {
-    U8(&'a [u8]),
-    I16(&'a [i16]),
+/// One layer's constants for the static epilogue, padded to `n_pad` with
+/// zeros so whole vectors load them.
+struct StaticConsts {
+    /// Added to the raw sums: `bias_q[o]`, minus the `x + 128` correction
+    /// for VNNI. The subtraction wraps, which is exact: the true sum fits
+    /// in i32, so adding it modulo 2³² gives the same value.
+    add: AlignedBuf<i32>,
+    scale: AlignedBuf<f32>,
+    /// The lower clamp: 0 with ReLU, -128 without.
+    lo: f32,
+    requantize: bool,
 }
 
-impl PackedLayer {
-    /// Raw accumulators for an activation matrix already in this kernel's
-    /// format (`[rows][k_pad]`).
-    fn accumulate_prepared(&self, xa: ActRef<'_>, rows: usize, acc: &mut [i32]) {
-        assert!(acc.len() >= rows * self.n);
-        let no_scales = [0.0f32; 0];
-        match (self.kernel, xa) {
-            (Int8Kernel::Portable, ActRef::I16(xa)) => {
-                assert!(xa.len() >= rows * self.k_pad);
-                portable::gemm::<true>(self, xa, rows, &no_scales, &mut [], acc);
-            }
-            #[cfg(target_arch = "x86_64")]
-            (Int8Kernel::Avx2, ActRef::I16(xa)) => {
-                // SAFETY: `new` checked AVX2; `gemm_avx2` asserts the
-                // activation size and writes `rows * n` accumulators, which
-                // `acc` holds (asserted above). RAW mode reads no scales.
-                unsafe { x86::gemm_avx2::<true>(self, xa, rows, &no_scales, std::ptr::null_mut(), acc.as_mut_ptr()) }
-            }
-            #[cfg(target_arch = "x86_64")]
-            (Int8Kernel::Avx512Vnni, ActRef::U8(xa)) => {
-                // SAFETY: as above, with AVX-512 F/BW/VNNI checked by `new`.
-                unsafe { x86::gemm_vnni::<true>(self, xa, rows, &no_scales, std::ptr::null_mut(), acc.as_mut_ptr()) }
-            }
-            (kernel, _) => unreachable!("{kernel:?}: activation format does not match the kernel"),
+impl StaticConsts {
+    fn new(p: &PackedLayer, l: &StaticInt8Layer) -> StaticConsts {
+        assert_eq!(l.bias_q.len(), p.n);
+        let mut add = AlignedBuf::zeroed(p.n_pad);
+        let corr = p.offset_corr.as_slice();
+        for (o, a) in add.as_mut_slice()[..p.n].iter_mut().enumerate() {
+            *a = l.bias_q[o].wrapping_sub(corr[o]);
         }
+        let mut scale = AlignedBuf::zeroed(p.n_pad);
+        scale.as_mut_slice()[..p.n].copy_from_slice(&l.scale);
+        StaticConsts { add, scale, lo: f32::from(l.lo), requantize: l.requantize }
     }
 }
 
@@ -321,81 +294,116 @@ pub struct StaticLayers {
     /// `1 / s_in` of layer 0, rounded to f32 once.
     inv_in_scale: f32,
     layers: Vec<StaticInt8Layer>,
+    consts: Vec<StaticConsts>,
     /// Ping-pong activation matrices, `rows_max × width_max` (padded).
     act_u8: [AlignedBuf<u8>; 2],
     act_i16: [AlignedBuf<i16>; 2],
+    /// The portable variant's accumulators; empty for the others.
     acc: Vec<i32>,
 }
 
 impl StaticLayers {
-    pub fn new(kernel: Int8Kernel, layers: Vec<StaticInt8Layer>, width_max: usize, rows_max: usize) -> StaticLayers {
+    /// `packed` are the model's layers packed for `kernel`, one per entry
+    /// of `layers`.
+    pub fn new(
+        kernel: Int8Kernel,
+        layers: Vec<StaticInt8Layer>,
+        packed: &[PackedLayer],
+        width_max: usize,
+        rows_max: usize,
+    ) -> StaticLayers {
         assert!(kernel != Int8Kernel::Scalar && kernel.is_available() && !layers.is_empty());
+        assert!(packed.len() == layers.len() && packed.iter().all(|p| p.kernel == kernel));
         let len = rows_max * width_max.next_multiple_of(4);
         let (u8_len, i16_len) = if kernel == Int8Kernel::Avx512Vnni { (len, 0) } else { (0, len) };
+        let acc_len = if kernel == Int8Kernel::Portable { rows_max * width_max } else { 0 };
         StaticLayers {
             kernel,
             inv_in_scale: 1.0 / layers[0].in_scale,
+            consts: packed.iter().zip(&layers).map(|(p, l)| StaticConsts::new(p, l)).collect(),
             layers,
             act_u8: [AlignedBuf::zeroed(u8_len), AlignedBuf::zeroed(u8_len)],
             act_i16: [AlignedBuf::zeroed(i16_len), AlignedBuf::zeroed(i16_len)],
-            acc: vec![0; rows_max * width_max],
+            acc: vec![0; acc_len],
         }
     }
 
-    /// Scores `rows` rows of `x` through `packed` (one per layer, packed for
-    /// the same kernel) into `out`, with the static INT8 semantics.
+    /// Scores `rows` rows of `x` through `packed` (the layers given to
+    /// `new`) into `out`, with the static INT8 semantics.
     pub fn logits(&mut self, packed: &[PackedLayer], x: &[f32], rows: usize, out: &mut [f32]) {
         assert_eq!(packed.len(), self.layers.len());
-        assert!(out.len() >= rows && rows * packed[0].k <= x.len());
-        assert!(packed.iter().all(|p| rows * p.n <= self.acc.len() && rows * p.k_pad <= self.act_len()));
-        let kernel = self.kernel;
+        assert!(rows * packed[0].k <= x.len());
+        assert!(packed.iter().all(|p| rows * p.k_pad <= self.act_len()));
+        let last = packed.last().expect("at least one layer");
+        assert!(out.len() >= rows * last.n && !self.layers.last().is_some_and(|l| l.requantize));
+        assert!(self.layers[..packed.len() - 1].iter().all(|l| l.requantize));
+        for (p, next) in packed.iter().zip(&packed[1..]) {
+            assert_eq!(p.n, next.k, "layer widths chain");
+        }
         let (k0, k0_pad) = (packed[0].k, packed[0].k_pad);
         let inv = self.inv_in_scale;
-        match kernel {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `new` checked the CPU features; sizes asserted above.
-            Int8Kernel::Avx512Vnni => unsafe {
-                x86::quantize_static_avx512(x, rows, k0, k0_pad, inv, self.act_u8[0].as_mut_slice())
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Int8Kernel::Avx2 => unsafe {
-                x86::quantize_static_avx2(x, rows, k0, k0_pad, inv, self.act_i16[0].as_mut_slice())
-            },
-            _ => quantize_static(x, rows, k0, k0_pad, inv, self.act_i16[0].as_mut_slice()),
-        }
-        for (i, (p, l)) in packed.iter().zip(&self.layers).enumerate() {
-            let (cur, next) = (i % 2, 1 - i % 2);
-            let acc = &mut self.acc[..rows * p.n];
-            let xa = if kernel == Int8Kernel::Avx512Vnni {
-                ActRef::U8(self.act_u8[cur].as_slice())
-            } else {
-                ActRef::I16(self.act_i16[cur].as_slice())
-            };
-            p.accumulate_prepared(xa, rows, acc);
-            if !l.requantize {
-                assert_eq!(p.n, 1, "the output layer has one logit");
-                for (y, &a) in out[..rows].iter_mut().zip(acc.iter()) {
-                    *y = (a + l.bias_q[0]) as f32 * l.scale[0];
+        match self.kernel {
+            Int8Kernel::Scalar => unreachable!("StaticLayers::new refuses the scalar kernel"),
+            Int8Kernel::Portable => {
+                quantize_static(x, rows, k0, k0_pad, inv, self.act_i16[0].as_mut_slice());
+                for (i, (p, l)) in packed.iter().zip(&self.layers).enumerate() {
+                    let acc = &mut self.acc[..rows * p.n];
+                    let xa = self.act_i16[i % 2].as_slice();
+                    portable::gemm::<true>(p, xa, rows, &[], &mut [], acc);
+                    if !l.requantize {
+                        for (y, &a) in out[..rows].iter_mut().zip(acc.iter()) {
+                            *y = (a + l.bias_q[0]) as f32 * l.scale[0];
+                        }
+                        return;
+                    }
+                    requantize(acc, rows, l, packed[i + 1].k_pad, self.act_i16[1 - i % 2].as_mut_slice());
                 }
-                return;
             }
-            let stride = packed[i + 1].k_pad;
-            match kernel {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `new` checked the CPU features.
-                Int8Kernel::Avx512Vnni => unsafe {
-                    x86::requantize_avx512(acc, rows, l, stride, self.act_u8[next].as_mut_slice())
-                },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                Int8Kernel::Avx2 => unsafe {
-                    x86::requantize_avx2(acc, rows, l, stride, self.act_i16[next].as_mut_slice())
-                },
-                _ => requantize(acc, rows, l, stride, self.act_i16[next].as_mut_slice()),
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Avx2 => {
+                let [a, b] = &mut self.act_i16;
+                // SAFETY: `new` checked AVX2; every activation matrix holds
+                // `rows` rows of each layer's `k_pad` (asserted above), the
+                // widths chain, so each requantizing output writes the `n`
+                // first columns of `rows` rows of stride `next.k_pad >= n`
+                // in the other buffer, and the last layer writes `rows * n`
+                // floats of `out`.
+                unsafe {
+                    x86::quantize_static_avx2(x, rows, k0, k0_pad, inv, a.as_mut_slice());
+                    for (i, (p, c)) in packed.iter().zip(&self.consts).enumerate() {
+                        let (src, dst) = if i % 2 == 0 { (&*a, &mut *b) } else { (&*b, &mut *a) };
+                        if c.requantize {
+                            let out =
+                                x86::Requant { c, dst: dst.as_mut_slice().as_mut_ptr(), stride: packed[i + 1].k_pad };
+                            x86::gemm_avx2(p, src.as_slice(), rows, &out);
+                        } else {
+                            x86::gemm_avx2(p, src.as_slice(), rows, &x86::Logits { c, y: out.as_mut_ptr() });
+                        }
+                    }
+                }
             }
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Avx512Vnni => {
+                let [a, b] = &mut self.act_u8;
+                // SAFETY: as for AVX2, with AVX-512 F/BW/VL/VNNI checked by
+                // `new`.
+                unsafe {
+                    x86::quantize_static_avx512(x, rows, k0, k0_pad, inv, a.as_mut_slice());
+                    for (i, (p, c)) in packed.iter().zip(&self.consts).enumerate() {
+                        let (src, dst) = if i % 2 == 0 { (&*a, &mut *b) } else { (&*b, &mut *a) };
+                        if c.requantize {
+                            let out =
+                                x86::Requant { c, dst: dst.as_mut_slice().as_mut_ptr(), stride: packed[i + 1].k_pad };
+                            x86::gemm_vnni(p, src.as_slice(), rows, &out);
+                        } else {
+                            x86::gemm_vnni(p, src.as_slice(), rows, &x86::Logits { c, y: out.as_mut_ptr() });
+                        }
+                    }
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni => unreachable!("StaticLayers::new refuses unavailable kernels"),
         }
-        unreachable!("the last layer returns");
     }
 
     fn act_len(&self) -> usize {
@@ -405,7 +413,6 @@ impl StaticLayers {
 
 /// Layer 0's input quantization with the calibrated scale:
 /// `clamp(round_ties_even(x · inv), -128, 127)`, NaN to 0.
-#[inline(always)]
 fn quantize_static<T: QuantElem>(x: &[f32], rows: usize, k: usize, k_pad: usize, inv: f32, xq: &mut [T]) {
     for r in 0..rows {
         for (q, v) in xq[r * k_pad..r * k_pad + k].iter_mut().zip(&x[r * k..(r + 1) * k]) {
@@ -416,14 +423,13 @@ fn quantize_static<T: QuantElem>(x: &[f32], rows: usize, k: usize, k_pad: usize,
 
 /// Requantizes `[rows][n]` accumulators into the next layer's activation
 /// matrix (row stride `stride`), as `model::StaticInt8Layer` defines it.
-#[inline(always)]
 fn requantize<T: QuantElem>(acc: &[i32], rows: usize, l: &StaticInt8Layer, stride: usize, dst: &mut [T]) {
     let n = l.scale.len();
     let lo = f32::from(l.lo);
     for r in 0..rows {
-        let row = &acc[r * n..(r + 1) * n];
-        for (o, (d, &a)) in dst[r * stride..r * stride + n].iter_mut().zip(row).enumerate() {
-            *d = T::from_q(round_clamp((a + l.bias_q[o]) as f32 * l.scale[o], lo));
+        let row = acc[r * n..(r + 1) * n].iter().zip(&l.bias_q).zip(&l.scale);
+        for (d, ((&a, &b), &s)) in dst[r * stride..r * stride + n].iter_mut().zip(row) {
+            *d = T::from_q(round_clamp((a + b) as f32 * s, lo));
         }
     }
 }
@@ -508,11 +514,20 @@ pub(super) fn round_clamp_127(v: f32) -> i8 {
 }
 
 /// `v.round_ties_even().clamp(lo, 127.0) as i8` for an integer `lo` in
-/// -128..=0, by the same trick as `round_clamp_127`.
+/// -128..=0, by the same trick as `round_clamp_127`. The rounded sum's
+/// bits are `bits(MAGIC) + round(v)` (every value in reach shares MAGIC's
+/// exponent), so the integer comes from an integer subtraction rather than
+/// a saturating float-to-int cast, which the compiler does not vectorise;
+/// NaN, whose bits carry no integer, is selected to 0.
 #[inline(always)]
 pub(super) fn round_clamp(v: f32, lo: f32) -> i8 {
     const MAGIC: f32 = 12_582_912.0;
-    ((v.clamp(lo, 127.0) + MAGIC) - MAGIC) as i8
+    let q = (v.clamp(lo, 127.0) + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits()) as i8;
+    if v.is_nan() {
+        0
+    } else {
+        q
+    }
 }
 
 #[inline(always)]
@@ -569,16 +584,11 @@ mod portable {
         }
     }
 
-    #[inline(always)]
-    fn tile<const M: usize, const RAW: bool>(
-        p: &PackedLayer,
-        xa: &[i16],
-        r0: usize,
-        b: usize,
-        sx: &[f32],
-        y: &mut [f32],
-        acc_out: &mut [i32],
-    ) {
+    /// The tile's sums, kept out of line so that both epilogues get the
+    /// same vectorised loop (inlined into the raw one, the compiler left it
+    /// scalar).
+    #[inline(never)]
+    fn sums<const M: usize>(p: &PackedLayer, xa: &[i16], r0: usize, b: usize) -> [[i32; LANES]; M] {
         let w = &p.w_i16.as_slice()[b * p.k_pad * LANES..(b + 1) * p.k_pad * LANES];
         let xs: [&[i16]; M] = std::array::from_fn(|r| &xa[(r0 + r) * p.k_pad..][..p.k_pad]);
         let mut acc = [[0i32; LANES]; M];
@@ -591,6 +601,20 @@ mod portable {
                 }
             }
         }
+        acc
+    }
+
+    #[inline(always)]
+    fn tile<const M: usize, const RAW: bool>(
+        p: &PackedLayer,
+        xa: &[i16],
+        r0: usize,
+        b: usize,
+        sx: &[f32],
+        y: &mut [f32],
+        acc_out: &mut [i32],
+    ) {
+        let acc = sums::<M>(p, xa, r0, b);
         let o0 = b * LANES;
         let lanes = (p.n - o0).min(LANES);
         for (r, acc_r) in acc.iter().enumerate() {
@@ -611,14 +635,111 @@ mod portable {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{quantize_rows, quantize_static, requantize, PackedLayer};
-    use crate::model::StaticInt8Layer;
+    use super::{PackedLayer, StaticConsts};
 
-    /// `quantize_static` compiled with AVX-512, for the VNNI kernel.
+    /// Round to nearest, ties to even, whatever MXCSR says.
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    /// `round_clamp(v, lo)` on 16 lanes: `max` maps a NaN lane to `lo`, and
+    /// the ordered-compare mask then turns it into 0, as `as i8` does; the
+    /// conversion rounds ties to even. A release test compares it with the
+    /// scalar rounding for every f32.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
+    /// The caller must enable AVX-512 F.
+    #[inline(always)]
+    unsafe fn round_clamp_512(v: __m512, lo: __m512) -> __m512i {
+        // SAFETY: register-only intrinsics; the caller enables AVX-512 F.
+        unsafe {
+            let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(v, v);
+            let c = _mm512_min_ps(_mm512_max_ps(v, lo), _mm512_set1_ps(127.0));
+            _mm512_maskz_cvt_roundps_epi32::<RNE>(ordered, c)
+        }
+    }
+
+    /// `round_clamp(v, lo)` on 8 lanes, as `round_clamp_512`.
+    ///
+    /// # Safety
+    /// The caller must enable AVX2.
+    #[inline(always)]
+    unsafe fn round_clamp_256(v: __m256, lo: __m256) -> __m256i {
+        // SAFETY: register-only intrinsics; the caller enables AVX2.
+        unsafe {
+            let ordered = _mm256_cmp_ps::<_CMP_ORD_Q>(v, v);
+            let c = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(v, lo), _mm256_set1_ps(127.0)), ordered);
+            _mm256_cvttps_epi32(_mm256_round_ps::<RNE>(c))
+        }
+    }
+
+    /// Eight i32 lanes in [-32768, 32767] as eight i16, in order.
+    ///
+    /// # Safety
+    /// The caller must enable AVX2.
+    #[inline(always)]
+    unsafe fn narrow_256(q: __m256i) -> __m128i {
+        // SAFETY: register-only intrinsics; the caller enables AVX2.
+        unsafe { _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)) }
+    }
+
+    /// The mask of the first `lanes` (at most 16) lanes.
+    #[inline(always)]
+    fn mask16(lanes: usize) -> __mmask16 {
+        if lanes >= 16 {
+            !0
+        } else {
+            (1 << lanes) - 1
+        }
+    }
+
+    /// `round_clamp` over a slice with the AVX-512 rounding, for the
+    /// every-f32 test.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn round_clamp_slice_avx512(v: &[f32], lo: f32, out: &mut [i8]) {
+        assert_eq!(v.len(), out.len());
+        for (c, o) in v.chunks(16).zip(out.chunks_mut(16)) {
+            let m = mask16(c.len());
+            // SAFETY: masked loads and stores of `c.len()` elements of
+            // slices that long.
+            unsafe {
+                let q = round_clamp_512(_mm512_maskz_loadu_ps(m, c.as_ptr()), _mm512_set1_ps(lo));
+                _mm512_mask_cvtepi32_storeu_epi8(o.as_mut_ptr(), m, q);
+            }
+        }
+    }
+
+    /// As `round_clamp_slice_avx512`, with the AVX2 rounding.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn round_clamp_slice_avx2(v: &[f32], lo: f32, out: &mut [i8]) {
+        assert_eq!(v.len(), out.len());
+        for (c, o) in v.chunks(8).zip(out.chunks_mut(8)) {
+            let mut buf = [0f32; 8];
+            buf[..c.len()].copy_from_slice(c);
+            let mut q = [0i32; 8];
+            // SAFETY: loads and stores of 8-element stack arrays.
+            unsafe {
+                let r = round_clamp_256(_mm256_loadu_ps(buf.as_ptr()), _mm256_set1_ps(lo));
+                _mm256_storeu_si256(q.as_mut_ptr().cast(), r);
+            }
+            for (d, s) in o.iter_mut().zip(q) {
+                *d = s as i8;
+            }
+        }
+    }
+
+    /// Layer 0's static quantization (`super::quantize_static`) into
+    /// `q + 128` bytes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn quantize_static_avx512(
         x: &[f32],
         rows: usize,
@@ -627,10 +748,27 @@ mod x86 {
         inv: f32,
         xq: &mut [u8],
     ) {
-        quantize_static(x, rows, k, k_pad, inv, xq);
+        assert!(x.len() >= rows * k && xq.len() >= rows * k_pad && k <= k_pad);
+        let (vinv, lo, flip) = (_mm512_set1_ps(inv), _mm512_set1_ps(-128.0), _mm512_set1_epi32(0x80));
+        for r in 0..rows {
+            for c in (0..k).step_by(16) {
+                let m = mask16(k - c);
+                // SAFETY: masked to the `k - c` elements left in row `r`,
+                // inside both buffers (asserted above).
+                unsafe {
+                    let v = _mm512_maskz_loadu_ps(m, x.as_ptr().add(r * k + c));
+                    let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
+                    _mm512_mask_cvtepi32_storeu_epi8(
+                        xq.as_mut_ptr().add(r * k_pad + c).cast(),
+                        m,
+                        _mm512_xor_si512(q, flip),
+                    );
+                }
+            }
+        }
     }
 
-    /// `quantize_static` compiled with AVX2.
+    /// Layer 0's static quantization into i16.
     ///
     /// # Safety
     /// The CPU must support AVX2.
@@ -643,41 +781,73 @@ mod x86 {
         inv: f32,
         xq: &mut [i16],
     ) {
-        quantize_static(x, rows, k, k_pad, inv, xq);
+        assert!(x.len() >= rows * k && xq.len() >= rows * k_pad && k <= k_pad);
+        let (vinv, lo) = (_mm256_set1_ps(inv), _mm256_set1_ps(-128.0));
+        let body = k / 8 * 8;
+        for r in 0..rows {
+            for c in (0..body).step_by(8) {
+                // SAFETY: `c + 8 <= k`, inside row `r` of both buffers.
+                unsafe {
+                    let v = _mm256_loadu_ps(x.as_ptr().add(r * k + c));
+                    let q = round_clamp_256(_mm256_mul_ps(v, vinv), lo);
+                    _mm_storeu_si128(xq.as_mut_ptr().add(r * k_pad + c).cast(), narrow_256(q));
+                }
+            }
+            for c in body..k {
+                xq[r * k_pad + c] = i16::from(super::round_clamp(x[r * k + c] * inv, -128.0));
+            }
+        }
     }
 
-    /// `requantize` compiled with AVX-512.
+    /// The dynamic per-row quantization (`super::quantize_rows`) into
+    /// `q + 128` bytes: a max-abs pass, then a rounding pass. `max` is
+    /// exact and `maxps` returns its second operand for a NaN lane, as
+    /// `f32::max` ignores NaN, so the lane-wise maximum equals the
+    /// reference's fold.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn requantize_avx512(
-        acc: &[i32],
+    /// The CPU must support AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn quantize_rows_avx512(
+        x: &[f32],
         rows: usize,
-        l: &StaticInt8Layer,
-        stride: usize,
-        dst: &mut [u8],
+        k: usize,
+        k_pad: usize,
+        xq: &mut [u8],
+        sx: &mut [f32],
     ) {
-        requantize(acc, rows, l, stride, dst);
+        assert!(x.len() >= rows * k && xq.len() >= rows * k_pad && sx.len() >= rows && k <= k_pad);
+        let (lo, flip) = (_mm512_set1_ps(-127.0), _mm512_set1_epi32(0x80));
+        for (r, s) in sx[..rows].iter_mut().enumerate() {
+            let mut mx = _mm512_setzero_ps();
+            for c in (0..k).step_by(16) {
+                // SAFETY: masked to the elements left in row `r`.
+                unsafe {
+                    let v = _mm512_maskz_loadu_ps(mask16(k - c), x.as_ptr().add(r * k + c));
+                    mx = _mm512_max_ps(_mm512_abs_ps(v), mx);
+                }
+            }
+            let max_abs = _mm512_reduce_max_ps(mx);
+            let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
+            let vinv = _mm512_set1_ps(1.0 / scale);
+            *s = scale;
+            for c in (0..k).step_by(16) {
+                let m = mask16(k - c);
+                // SAFETY: as above, for both buffers.
+                unsafe {
+                    let v = _mm512_maskz_loadu_ps(m, x.as_ptr().add(r * k + c));
+                    let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
+                    _mm512_mask_cvtepi32_storeu_epi8(
+                        xq.as_mut_ptr().add(r * k_pad + c).cast(),
+                        m,
+                        _mm512_xor_si512(q, flip),
+                    );
+                }
+            }
+        }
     }
 
-    /// `requantize` compiled with AVX2.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn requantize_avx2(
-        acc: &[i32],
-        rows: usize,
-        l: &StaticInt8Layer,
-        stride: usize,
-        dst: &mut [i16],
-    ) {
-        requantize(acc, rows, l, stride, dst);
-    }
-
-    /// `quantize_rows` compiled with AVX2 so its rounding and conversions
-    /// become vector instructions; the arithmetic is unchanged.
+    /// The dynamic per-row quantization into i16.
     ///
     /// # Safety
     /// The CPU must support AVX2.
@@ -690,23 +860,239 @@ mod x86 {
         xq: &mut [i16],
         sx: &mut [f32],
     ) {
-        quantize_rows(x, rows, k, k_pad, xq, sx);
+        assert!(x.len() >= rows * k && xq.len() >= rows * k_pad && sx.len() >= rows && k <= k_pad);
+        let (lo, abs_mask) = (_mm256_set1_ps(-127.0), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
+        let body = k / 8 * 8;
+        for r in 0..rows {
+            let row = &x[r * k..(r + 1) * k];
+            let mut mx = _mm256_setzero_ps();
+            for c in (0..body).step_by(8) {
+                // SAFETY: `c + 8 <= k`, inside `row`.
+                unsafe { mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(row.as_ptr().add(c)), abs_mask), mx) };
+            }
+            let mut lanes = [0f32; 8];
+            // SAFETY: a store to an 8-element stack array.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mx) };
+            let max_abs = lanes.iter().chain(&row[body..]).fold(0.0f32, |m, v| m.max(v.abs()));
+            let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
+            let inv = 1.0 / scale;
+            sx[r] = scale;
+            let vinv = _mm256_set1_ps(inv);
+            for c in (0..body).step_by(8) {
+                // SAFETY: `c + 8 <= k`, inside row `r` of both buffers.
+                unsafe {
+                    let q = round_clamp_256(_mm256_mul_ps(_mm256_loadu_ps(row.as_ptr().add(c)), vinv), lo);
+                    _mm_storeu_si128(xq.as_mut_ptr().add(r * k_pad + c).cast(), narrow_256(q));
+                }
+            }
+            for c in body..k {
+                xq[r * k_pad + c] = i16::from(super::round_clamp_127(row[c] * inv));
+            }
+        }
     }
 
-    /// As `quantize_rows_avx2`, with AVX-512.
+    /// What a VNNI tile does with 16 finished channels of one row: `acc` are
+    /// the raw `vpdpbusd` sums of `x_q + 128` against the weights, for
+    /// channels `o0..o0 + 16` of row `row`, `mask` covering those below `n`.
+    pub(super) trait VnniOut {
+        /// # Safety
+        /// The caller enables AVX-512 F/BW/VL; `row` is below the rows the
+        /// output was built for and `o0` is a multiple of 16 below `p.n_pad`.
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, mask: __mmask16, acc: __m512i);
+    }
+
+    /// What an AVX2 tile does with 8 finished channels of one row (`lanes`
+    /// of them below `n`).
+    pub(super) trait Avx2Out {
+        /// # Safety
+        /// As `VnniOut::finish`, with AVX2 and `o0` a multiple of 8.
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, lanes: usize, acc: __m256i);
+    }
+
+    /// The exact i32 sums, into `[rows][n]`.
+    pub(super) struct Raw(pub *mut i32);
+
+    /// The dynamic float epilogue, `acc as f32 * (s_w * s_x) + bias` and
+    /// ReLU, into `[rows][n]` floats.
+    pub(super) struct Dynamic<'a> {
+        pub sx: &'a [f32],
+        pub y: *mut f32,
+    }
+
+    /// The static requantization into the next layer's activation matrix
+    /// (`[rows][stride]`, `q + 128` bytes for VNNI, i16 for AVX2).
+    pub(super) struct Requant<'a, T> {
+        pub c: &'a StaticConsts,
+        pub dst: *mut T,
+        pub stride: usize,
+    }
+
+    /// The static output layer: `f32(acc + bias_q) · scale` into
+    /// `[rows][n]` floats.
+    pub(super) struct Logits<'a> {
+        pub c: &'a StaticConsts,
+        pub y: *mut f32,
+    }
+
+    /// # Safety
+    /// The caller enables AVX-512 F; `o0` is a multiple of 16 below `n_pad`.
+    #[inline(always)]
+    unsafe fn corrected_512(p: &PackedLayer, o0: usize, acc: __m512i) -> __m512i {
+        // SAFETY: an aligned load of 16 of the `n_pad` corrections.
+        unsafe { _mm512_sub_epi32(acc, _mm512_load_si512(p.offset_corr.as_slice().as_ptr().add(o0).cast())) }
+    }
+
+    /// `f32(acc + add) · scale` for 16 channels, the static epilogue's float.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn quantize_rows_avx512(
-        x: &[f32],
-        rows: usize,
-        k: usize,
-        k_pad: usize,
-        xq: &mut [u8],
-        sx: &mut [f32],
-    ) {
-        quantize_rows(x, rows, k, k_pad, xq, sx);
+    /// As `corrected_512`, for `c`'s `n_pad` constants.
+    #[inline(always)]
+    unsafe fn static_value_512(c: &StaticConsts, o0: usize, acc: __m512i) -> __m512 {
+        // SAFETY: aligned loads of 16 of the `n_pad` constants.
+        unsafe {
+            let a = _mm512_add_epi32(acc, _mm512_load_si512(c.add.as_slice().as_ptr().add(o0).cast()));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_load_ps(c.scale.as_slice().as_ptr().add(o0)))
+        }
+    }
+
+    impl VnniOut for Raw {
+        #[inline(always)]
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, mask: __mmask16, acc: __m512i) {
+            // SAFETY: the store is masked to channels below `n` of a row
+            // below `rows`, inside `[rows][n]`.
+            unsafe { _mm512_mask_storeu_epi32(self.0.add(row * p.n + o0), mask, corrected_512(p, o0, acc)) }
+        }
+    }
+
+    impl VnniOut for Dynamic<'_> {
+        #[inline(always)]
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, mask: __mmask16, acc: __m512i) {
+            // SAFETY: aligned loads of the `n_pad` constants; the store as
+            // for `Raw`.
+            unsafe {
+                let a = corrected_512(p, o0, acc);
+                let s_w = _mm512_load_ps(p.scales.as_slice().as_ptr().add(o0));
+                let bias = _mm512_load_ps(p.bias.as_slice().as_ptr().add(o0));
+                let scale = _mm512_mul_ps(s_w, _mm512_set1_ps(self.sx[row]));
+                let mut v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), scale), bias);
+                if p.relu {
+                    // `maxps` returns its second operand for NaN, as
+                    // `f32::max(v, 0.0)` returns 0.0.
+                    v = _mm512_max_ps(v, _mm512_setzero_ps());
+                }
+                _mm512_mask_storeu_ps(self.y.add(row * p.n + o0), mask, v);
+            }
+        }
+    }
+
+    impl VnniOut for Requant<'_, u8> {
+        #[inline(always)]
+        unsafe fn finish(&self, _: &PackedLayer, row: usize, o0: usize, mask: __mmask16, acc: __m512i) {
+            // SAFETY: the store is masked to channels below `n <= stride`
+            // of a row below `rows`, inside `[rows][stride]`.
+            unsafe {
+                let q = round_clamp_512(static_value_512(self.c, o0, acc), _mm512_set1_ps(self.c.lo));
+                let dst = self.dst.add(row * self.stride + o0).cast();
+                _mm512_mask_cvtepi32_storeu_epi8(dst, mask, _mm512_xor_si512(q, _mm512_set1_epi32(0x80)));
+            }
+        }
+    }
+
+    impl VnniOut for Logits<'_> {
+        #[inline(always)]
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, mask: __mmask16, acc: __m512i) {
+            // SAFETY: as for `Raw`.
+            unsafe { _mm512_mask_storeu_ps(self.y.add(row * p.n + o0), mask, static_value_512(self.c, o0, acc)) }
+        }
+    }
+
+    /// Stores the first `lanes` of eight 32-bit lanes at `dst`.
+    ///
+    /// # Safety
+    /// The caller enables AVX2; `dst` is valid for `lanes` writes.
+    #[inline(always)]
+    unsafe fn store_lanes_256<T: Copy>(dst: *mut T, lanes: usize, v: __m256i) {
+        // SAFETY: a full store when all 8 fit, otherwise through a stack
+        // array of exactly 8 lanes.
+        unsafe {
+            if lanes == 8 {
+                _mm256_storeu_si256(dst.cast(), v);
+            } else {
+                let mut tmp = [0u32; 8];
+                _mm256_storeu_si256(tmp.as_mut_ptr().cast(), v);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr().cast::<T>(), dst, lanes);
+            }
+        }
+    }
+
+    /// `f32(acc + add) · scale` for 8 channels.
+    ///
+    /// # Safety
+    /// The caller enables AVX2; `o0` is a multiple of 8 below `n_pad`.
+    #[inline(always)]
+    unsafe fn static_value_256(c: &StaticConsts, o0: usize, acc: __m256i) -> __m256 {
+        // SAFETY: aligned loads of 8 of the `n_pad` constants.
+        unsafe {
+            let a = _mm256_add_epi32(acc, _mm256_load_si256(c.add.as_slice().as_ptr().add(o0).cast()));
+            _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_load_ps(c.scale.as_slice().as_ptr().add(o0)))
+        }
+    }
+
+    impl Avx2Out for Raw {
+        #[inline(always)]
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, lanes: usize, acc: __m256i) {
+            // SAFETY: `lanes` channels below `n` of a row below `rows`.
+            unsafe { store_lanes_256(self.0.add(row * p.n + o0), lanes, acc) }
+        }
+    }
+
+    impl Avx2Out for Dynamic<'_> {
+        #[inline(always)]
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, lanes: usize, acc: __m256i) {
+            // SAFETY: aligned loads of the `n_pad` constants; the store as
+            // for `Raw`.
+            unsafe {
+                let s_w = _mm256_load_ps(p.scales.as_slice().as_ptr().add(o0));
+                let bias = _mm256_load_ps(p.bias.as_slice().as_ptr().add(o0));
+                let scale = _mm256_mul_ps(s_w, _mm256_set1_ps(self.sx[row]));
+                let mut v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), scale), bias);
+                if p.relu {
+                    v = _mm256_max_ps(v, _mm256_setzero_ps());
+                }
+                store_lanes_256(self.y.add(row * p.n + o0), lanes, _mm256_castps_si256(v));
+            }
+        }
+    }
+
+    impl Avx2Out for Requant<'_, i16> {
+        #[inline(always)]
+        unsafe fn finish(&self, _: &PackedLayer, row: usize, o0: usize, lanes: usize, acc: __m256i) {
+            // SAFETY: `lanes` i16 below `n <= stride` of a row below `rows`,
+            // inside `[rows][stride]`; partial blocks go through a stack
+            // array of exactly 8.
+            unsafe {
+                let q = narrow_256(round_clamp_256(static_value_256(self.c, o0, acc), _mm256_set1_ps(self.c.lo)));
+                let dst = self.dst.add(row * self.stride + o0);
+                if lanes == 8 {
+                    _mm_storeu_si128(dst.cast(), q);
+                } else {
+                    let mut tmp = [0i16; 8];
+                    _mm_storeu_si128(tmp.as_mut_ptr().cast(), q);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
+                }
+            }
+        }
+    }
+
+    impl Avx2Out for Logits<'_> {
+        #[inline(always)]
+        unsafe fn finish(&self, p: &PackedLayer, row: usize, o0: usize, lanes: usize, acc: __m256i) {
+            // SAFETY: as for `Raw`.
+            unsafe {
+                let v = static_value_256(self.c, o0, acc);
+                store_lanes_256(self.y.add(row * p.n + o0), lanes, _mm256_castps_si256(v));
+            }
+        }
     }
 
     const VNNI_LANES: usize = 16;
@@ -715,74 +1101,76 @@ mod x86 {
 
     /// Rows in blocks of 4, output channels in blocks of 4 × 16: 16 zmm
     /// accumulators, so each weight load feeds 4 rows and each activation
-    /// broadcast feeds 64 channels.
+    /// broadcast feeds 64 channels; 1 to 3 leftover rows get a tile of their
+    /// own height rather than one row at a time.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F/BW/VNNI; `p` must be packed for
-    /// `Avx512Vnni`; `xa` must hold `rows` rows of `p.k_pad` bytes; when
-    /// `RAW`, `acc` must be valid for `rows * p.n` writes, otherwise `y`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn gemm_vnni<const RAW: bool>(
-        p: &PackedLayer,
-        xa: &[u8],
-        rows: usize,
-        sx: &[f32],
-        y: *mut f32,
-        acc: *mut i32,
-    ) {
-        assert!(xa.len() >= rows * p.k_pad && (RAW || sx.len() >= rows));
-        let blocks = p.n_pad / VNNI_LANES;
+    /// The CPU must support AVX-512 F/BW/VL/VNNI; `p` must be packed for
+    /// `Avx512Vnni`; `xa` must hold `rows` rows of `p.k_pad` bytes; `out`
+    /// must be valid for `rows` rows of `p.n` channels.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn gemm_vnni<O: VnniOut>(p: &PackedLayer, xa: &[u8], rows: usize, out: &O) {
+        assert!(xa.len() >= rows * p.k_pad && p.w_i8.as_slice().len() == p.n_pad * p.k_pad);
         let mut r = 0;
-        // SAFETY (all tile calls): the caller's contract, plus `r + M <= rows`
-        // and `b + NB <= blocks` at every call.
+        // SAFETY (all row blocks): the caller's contract, with every block
+        // inside `rows`.
         while r + VNNI_MR <= rows {
-            let mut b = 0;
-            while b + VNNI_NB <= blocks {
-                unsafe { tile_vnni::<VNNI_MR, VNNI_NB, RAW>(p, xa, r, b, sx, y, acc) };
-                b += VNNI_NB;
-            }
-            for b in b..blocks {
-                unsafe { tile_vnni::<VNNI_MR, 1, RAW>(p, xa, r, b, sx, y, acc) };
-            }
+            unsafe { row_block_vnni::<VNNI_MR, O>(p, xa, r, out) };
             r += VNNI_MR;
         }
-        for r in r..rows {
-            let mut b = 0;
+        match rows - r {
+            0 => {}
+            1 => unsafe { row_block_vnni::<1, O>(p, xa, r, out) },
+            2 => unsafe { row_block_vnni::<2, O>(p, xa, r, out) },
+            _ => unsafe { row_block_vnni::<3, O>(p, xa, r, out) },
+        }
+    }
+
+    /// Rows `r0..r0 + M` across every channel block.
+    ///
+    /// # Safety
+    /// As `gemm_vnni`, with `r0 + M <= rows`; only called from `gemm_vnni`,
+    /// which enables the features it inlines into.
+    #[inline(always)]
+    unsafe fn row_block_vnni<const M: usize, O: VnniOut>(p: &PackedLayer, xa: &[u8], r0: usize, out: &O) {
+        let blocks = p.n_pad / VNNI_LANES;
+        let mut b = 0;
+        // SAFETY: the caller's contract, with `b + NB <= blocks` at each call.
+        unsafe {
             while b + VNNI_NB <= blocks {
-                unsafe { tile_vnni::<1, VNNI_NB, RAW>(p, xa, r, b, sx, y, acc) };
+                tile_vnni::<M, VNNI_NB, O>(p, xa, r0, b, out);
                 b += VNNI_NB;
             }
-            for b in b..blocks {
-                unsafe { tile_vnni::<1, 1, RAW>(p, xa, r, b, sx, y, acc) };
+            match blocks - b {
+                0 => {}
+                1 => tile_vnni::<M, 1, O>(p, xa, r0, b, out),
+                2 => tile_vnni::<M, 2, O>(p, xa, r0, b, out),
+                _ => tile_vnni::<M, 3, O>(p, xa, r0, b, out),
             }
         }
     }
 
-    /// Rows `r0..r0+M` × channel blocks `b0..b0+NB`.
+    /// Rows `r0..r0+M` × channel blocks `b0..b0+NB`, then `out` per row and
+    /// block while the sums are in registers.
     ///
     /// # Safety
-    /// As `gemm_vnni`, with the tile inside `rows` × `n_pad / 16`. Only
-    /// called from `gemm_vnni`, which enables the features it inlines into.
+    /// As `gemm_vnni`, with the tile inside `rows` × `n_pad / 16`.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile_vnni<const M: usize, const NB: usize, const RAW: bool>(
+    unsafe fn tile_vnni<const M: usize, const NB: usize, O: VnniOut>(
         p: &PackedLayer,
         xa: &[u8],
         r0: usize,
         b0: usize,
-        sx: &[f32],
-        y: *mut f32,
-        acc_out: *mut i32,
+        out: &O,
     ) {
         let groups = p.k_pad / 4;
         let w = p.w_i8.as_slice().as_ptr();
         let xp = xa.as_ptr();
         // SAFETY: every pointer below stays inside its buffer: weights span
         // `n_pad / 16` blocks of `groups` 64-byte lines, activations `rows`
-        // rows of `k_pad` bytes (4 read at `4 * g < k_pad`), the per-channel
-        // constants `n_pad` values; stores are masked to the `n` real
-        // channels of rows `< rows`. The CPU features are enabled by the
-        // only caller.
+        // rows of `k_pad` bytes (4 read at `4 * g < k_pad`); `out` gets
+        // channel blocks below `n_pad` of rows below `rows`. The CPU
+        // features are enabled by the only caller.
         unsafe {
             let mut acc = [[_mm512_setzero_si512(); NB]; M];
             for g in 0..groups {
@@ -799,26 +1187,9 @@ mod x86 {
             }
             for b in 0..NB {
                 let o0 = (b0 + b) * VNNI_LANES;
-                let lanes = (p.n - o0).min(VNNI_LANES);
-                let mask: __mmask16 = if lanes == VNNI_LANES { !0 } else { (1 << lanes) - 1 };
-                let corr = _mm512_load_si512(p.offset_corr.as_slice().as_ptr().add(o0).cast());
-                let s_w = _mm512_load_ps(p.scales.as_slice().as_ptr().add(o0));
-                let bias = _mm512_load_ps(p.bias.as_slice().as_ptr().add(o0));
+                let mask = mask16(p.n - o0.min(p.n));
                 for (r, acc_r) in acc.iter().enumerate() {
-                    let row = r0 + r;
-                    let a = _mm512_sub_epi32(acc_r[b], corr);
-                    if RAW {
-                        _mm512_mask_storeu_epi32(acc_out.add(row * p.n + o0), mask, a);
-                    } else {
-                        let scale = _mm512_mul_ps(s_w, _mm512_set1_ps(sx[row]));
-                        let mut v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), scale), bias);
-                        if p.relu {
-                            // `maxps` returns its second operand for NaN, as
-                            // `f32::max(v, 0.0)` returns 0.0.
-                            v = _mm512_max_ps(v, _mm512_setzero_ps());
-                        }
-                        _mm512_mask_storeu_ps(y.add(row * p.n + o0), mask, v);
-                    }
+                    out.finish(p, r0 + r, o0, mask, acc_r[b]);
                 }
             }
         }
@@ -851,41 +1222,40 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU must support AVX2; `p` must be packed for `Avx2`; `xa` must
-    /// hold `rows` rows of `p.k_pad` i16; when `RAW`, `acc` must be valid for
-    /// `rows * p.n` writes, otherwise `y`.
+    /// hold `rows` rows of `p.k_pad` i16; `out` must be valid for `rows`
+    /// rows of `p.n` channels.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn gemm_avx2<const RAW: bool>(
-        p: &PackedLayer,
-        xa: &[i16],
-        rows: usize,
-        sx: &[f32],
-        y: *mut f32,
-        acc: *mut i32,
-    ) {
-        assert!(xa.len() >= rows * p.k_pad && (RAW || sx.len() >= rows));
-        let blocks = p.n_pad / AVX2_LANES;
+    pub(super) unsafe fn gemm_avx2<O: Avx2Out>(p: &PackedLayer, xa: &[i16], rows: usize, out: &O) {
+        assert!(xa.len() >= rows * p.k_pad && p.w_i16.as_slice().len() == p.n_pad * p.k_pad);
         let mut r = 0;
-        // SAFETY (all tile calls): the caller's contract, plus `r + M <= rows`
-        // and `b + NB <= blocks` at every call.
+        // SAFETY (all row blocks): the caller's contract, with every block
+        // inside `rows`.
         while r + AVX2_MR <= rows {
-            let mut b = 0;
-            while b + AVX2_NB <= blocks {
-                unsafe { tile_avx2::<AVX2_MR, AVX2_NB, RAW>(p, xa, r, b, sx, y, acc) };
-                b += AVX2_NB;
-            }
-            for b in b..blocks {
-                unsafe { tile_avx2::<AVX2_MR, 1, RAW>(p, xa, r, b, sx, y, acc) };
-            }
+            unsafe { row_block_avx2::<AVX2_MR, O>(p, xa, r, out) };
             r += AVX2_MR;
         }
-        for r in r..rows {
-            let mut b = 0;
+        match rows - r {
+            0 => {}
+            1 => unsafe { row_block_avx2::<1, O>(p, xa, r, out) },
+            2 => unsafe { row_block_avx2::<2, O>(p, xa, r, out) },
+            _ => unsafe { row_block_avx2::<3, O>(p, xa, r, out) },
+        }
+    }
+
+    /// # Safety
+    /// As `gemm_avx2`, with `r0 + M <= rows`; only called from `gemm_avx2`.
+    #[inline(always)]
+    unsafe fn row_block_avx2<const M: usize, O: Avx2Out>(p: &PackedLayer, xa: &[i16], r0: usize, out: &O) {
+        let blocks = p.n_pad / AVX2_LANES;
+        let mut b = 0;
+        // SAFETY: the caller's contract, with `b + NB <= blocks` at each call.
+        unsafe {
             while b + AVX2_NB <= blocks {
-                unsafe { tile_avx2::<1, AVX2_NB, RAW>(p, xa, r, b, sx, y, acc) };
+                tile_avx2::<M, AVX2_NB, O>(p, xa, r0, b, out);
                 b += AVX2_NB;
             }
-            for b in b..blocks {
-                unsafe { tile_avx2::<1, 1, RAW>(p, xa, r, b, sx, y, acc) };
+            if b < blocks {
+                tile_avx2::<M, 1, O>(p, xa, r0, b, out);
             }
         }
     }
@@ -894,22 +1264,18 @@ mod x86 {
     /// As `gemm_avx2`, with the tile inside `rows` × `n_pad / 8`. Only called
     /// from `gemm_avx2`, which enables the features it inlines into.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile_avx2<const M: usize, const NB: usize, const RAW: bool>(
+    unsafe fn tile_avx2<const M: usize, const NB: usize, O: Avx2Out>(
         p: &PackedLayer,
         xa: &[i16],
         r0: usize,
         b0: usize,
-        sx: &[f32],
-        y: *mut f32,
-        acc_out: *mut i32,
+        out: &O,
     ) {
         let pairs = p.k_pad / 2;
         let w = p.w_i16.as_slice().as_ptr();
         let xp = xa.as_ptr();
         // SAFETY: as in `tile_vnni`, with 32-byte weight lines of 8 channels
-        // × 2 k, activation pairs read at `2 * kp < k_pad`, and partial
-        // blocks stored through a stack array instead of a masked store.
+        // × 2 k and activation pairs read at `2 * kp < k_pad`.
         unsafe {
             let mut acc = [[_mm256_setzero_si256(); NB]; M];
             for kp in 0..pairs {
@@ -926,30 +1292,31 @@ mod x86 {
             }
             for b in 0..NB {
                 let o0 = (b0 + b) * AVX2_LANES;
-                let lanes = (p.n - o0).min(AVX2_LANES);
-                let s_w = _mm256_load_ps(p.scales.as_slice().as_ptr().add(o0));
-                let bias = _mm256_load_ps(p.bias.as_slice().as_ptr().add(o0));
+                let lanes = (p.n - o0.min(p.n)).min(AVX2_LANES);
                 for (r, acc_r) in acc.iter().enumerate() {
-                    let row = r0 + r;
-                    if RAW {
-                        let mut tmp = [0i32; AVX2_LANES];
-                        _mm256_storeu_si256(tmp.as_mut_ptr().cast(), acc_r[b]);
-                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), acc_out.add(row * p.n + o0), lanes);
-                    } else {
-                        let scale = _mm256_mul_ps(s_w, _mm256_set1_ps(sx[row]));
-                        let mut v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc_r[b]), scale), bias);
-                        if p.relu {
-                            v = _mm256_max_ps(v, _mm256_setzero_ps());
-                        }
-                        if lanes == AVX2_LANES {
-                            _mm256_storeu_ps(y.add(row * p.n + o0), v);
-                        } else {
-                            let mut tmp = [0f32; AVX2_LANES];
-                            _mm256_storeu_ps(tmp.as_mut_ptr(), v);
-                            std::ptr::copy_nonoverlapping(tmp.as_ptr(), y.add(row * p.n + o0), lanes);
-                        }
-                    }
+                    out.finish(p, r0 + r, o0, lanes, acc_r[b]);
                 }
+            }
+        }
+    }
+}
+
+/// `round_clamp(v, lo)` over a slice with `kernel`'s vector rounding (the
+/// scalar one for the others), so a test can compare each with the
+/// reference for every f32.
+#[cfg(test)]
+pub(super) fn round_clamp_slice(kernel: Int8Kernel, v: &[f32], lo: f32, out: &mut [i8]) {
+    assert!(kernel.is_available());
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU features were just checked.
+        Int8Kernel::Avx512Vnni => unsafe { x86::round_clamp_slice_avx512(v, lo, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Int8Kernel::Avx2 => unsafe { x86::round_clamp_slice_avx2(v, lo, out) },
+        _ => {
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o = round_clamp(x, lo);
             }
         }
     }

@@ -195,7 +195,7 @@ impl CpuInt8 {
         let statics = model.static_int8();
         let static_layers = match (&statics, kernel) {
             (Some(s), k) if k != Int8Kernel::Scalar => {
-                Some(StaticLayers::new(kernel, s.clone(), model.width_max(), rows_max))
+                Some(StaticLayers::new(kernel, s.clone(), &packed, model.width_max(), rows_max))
             }
             _ => None,
         };
@@ -365,6 +365,10 @@ mod tests {
             calibrated(random_model(33, &[257, 255, 65, 1]), 1.0),
             calibrated(random_model(34, &[1, 7, 1]), 0.3),
             calibrated(linear_hidden, 0.5),
+            // Channel blocks that leave 1, 2 and 3 blocks of 16 after the
+            // tiles of 4 blocks (80 = 5 · 16, 160 = 10 · 16, 48 = 3 · 16).
+            calibrated(random_model(37, &[64, 80, 48, 1]), 0.8),
+            calibrated(random_model(38, &[20, 160, 32, 1]), 1.0),
         ]
     }
 
@@ -463,7 +467,7 @@ mod tests {
             assert!(scalar.is_static());
             for kernel in blocked_kernels() {
                 let mut backend = CpuInt8::with_kernel(model, 64, kernel).unwrap();
-                for rows in [1usize, 8, 31, 32, 33, 64] {
+                for rows in TILE_ROWS {
                     let mut x = inputs(rows as u64 + 200, rows * k);
                     // Zero, infinite, NaN and huge inputs in the first rows.
                     x[..k].fill(0.0);
@@ -472,6 +476,10 @@ mod tests {
                         x[2 * k] = f32::NEG_INFINITY;
                         x[3 * k + k / 2] = f32::NAN;
                         x[4 * k] = 3.0e38;
+                    }
+                    if rows > 6 {
+                        // The last column, past any whole vector of inputs.
+                        x[6 * k - 1] = f32::NAN;
                     }
                     let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
                     scalar.logits(model, &x, rows, &mut want);
@@ -533,6 +541,9 @@ mod tests {
     const KS: [usize; 8] = [1, 3, 17, 63, 64, 65, 80, 257];
     const NS: [usize; 6] = [1, 7, 16, 33, 128, 255];
     const ROWS: [usize; 4] = [1, 31, 32, 33];
+    /// Whole-model batch sizes: every leftover of the 4-row tiles (1 to 3
+    /// rows, alone and after whole tiles) and a few whole-tile counts.
+    const TILE_ROWS: [usize; 11] = [1, 2, 3, 5, 6, 7, 8, 31, 32, 33, 64];
 
     fn blocked_kernels() -> Vec<Int8Kernel> {
         Int8Kernel::ALL.into_iter().filter(|k| *k != Int8Kernel::Scalar && k.is_available()).collect()
@@ -658,13 +669,14 @@ mod tests {
             random_model(32, &[37, 33, 17, 1]),
             random_model(33, &[257, 255, 65, 1]),
             random_model(34, &[1, 7, 1]),
+            random_model(37, &[64, 80, 48, 1]),
         ];
         for model in &models {
             let mut scalar = CpuInt8::with_kernel(model, 64, Int8Kernel::Scalar).unwrap();
             for kernel in blocked_kernels() {
                 let mut backend = CpuInt8::with_kernel(model, 64, kernel).unwrap();
                 assert_eq!(backend.kernel(), kernel);
-                for rows in [1usize, 8, 31, 32, 33, 64] {
+                for rows in TILE_ROWS {
                     let x = inputs(rows as u64 + 100, rows * model.input_dim());
                     let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
                     scalar.logits(model, &x, rows, &mut want);
@@ -689,8 +701,9 @@ mod tests {
         assert!(Int8Kernel::Scalar.is_available() && Int8Kernel::Portable.is_available());
     }
 
-    /// Every f32 bit pattern, split over the available cores; runs only in
-    /// release builds (a few seconds there).
+    /// Every f32 bit pattern, split over the available cores, through the
+    /// scalar rounding helpers and each vector kernel's rounding; runs only
+    /// in release builds (under a minute there on 2 cores).
     #[cfg(not(debug_assertions))]
     #[test]
     fn the_kernels_rounding_equals_the_reference_rounding_for_every_f32() {
@@ -710,6 +723,30 @@ mod tests {
                                 round_clamp_i8(v, lo),
                                 "{v:e} lo {lo}"
                             );
+                        }
+                    }
+                    // The vector roundings of the x86 kernels (portable
+                    // uses the scalar one above), a chunk of consecutive
+                    // bit patterns at a time.
+                    let kernels: Vec<_> =
+                        blocked_kernels().into_iter().filter(|k| *k != Int8Kernel::Portable).collect();
+                    let (mut v, mut want, mut got) = (vec![0f32; 4096], vec![0i8; 4096], vec![0i8; 4096]);
+                    for start in ((t * chunk)..end).step_by(4096) {
+                        let n = (end - start).min(4096) as usize;
+                        for (i, x) in v[..n].iter_mut().enumerate() {
+                            *x = f32::from_bits((start + i as u64) as u32);
+                        }
+                        for lo in [-127i8, -128, 0] {
+                            for (w, x) in want[..n].iter_mut().zip(&v[..n]) {
+                                *w = round_clamp_i8(*x, lo);
+                            }
+                            for &kernel in &kernels {
+                                int8_gemm::round_clamp_slice(kernel, &v[..n], f32::from(lo), &mut got[..n]);
+                                if got[..n] != want[..n] {
+                                    let i = (0..n).find(|&i| got[i] != want[i]).unwrap_or(0);
+                                    panic!("{kernel:?} lo {lo}: {:e} gives {} not {}", v[i], got[i], want[i]);
+                                }
+                            }
                         }
                     }
                 });
