@@ -304,8 +304,29 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
     write_replica(&dir.join("user.qrep"), "user", &h.users);
     write_replica(&dir.join("item.qrep"), "item", &h.items);
     let want = h.expected("ctr_helper.onnx", "probability");
-    for (backend, tolerance) in [("int8", INT8_ONNX_TOLERANCE), ("f32", F32_TOLERANCE)] {
-        let server = Server::start_with(&dir, &["--shards", "1", "--backend", backend]);
+    // The same model imported with a calibration set, served with static
+    // INT8 and FP8 semantics.
+    let calibrated = scratch("onnx-serve-calibrated");
+    let calibration = fixtures().join("calibration.npy");
+    let (code, _, stderr) = quiver_import(
+        &fixtures().join("ctr_helper.onnx"),
+        &calibrated.join("model.qm"),
+        "user=user_emb:8,item=item_emb:8,context=ctx:4",
+        &["--calibration", calibration.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(Model::load(&calibrated.join("model.qm")).unwrap().calibration.is_some());
+    for f in ["user.qrep", "item.qrep"] {
+        std::fs::copy(dir.join(f), calibrated.join(f)).unwrap();
+    }
+    let runs = [
+        (&dir, "int8", INT8_ONNX_TOLERANCE),
+        (&dir, "f32", F32_TOLERANCE),
+        (&calibrated, "int8", INT8_STATIC_SCORE_ERROR_MAX),
+        (&calibrated, "fp8", FP8_SCORE_ERROR_MAX),
+    ];
+    for (dir, backend, tolerance) in runs {
+        let server = Server::start_with(dir, &["--shards", "1", "--backend", backend]);
         let mut c = server.client();
         let mut worst = 0.0f32;
         let mut row = 0;
@@ -325,7 +346,7 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
             row += items.len();
         }
         assert_eq!(row, want.len());
-        eprintln!("served {backend}: max |score - onnxruntime| {worst}");
+        eprintln!("served {backend} ({}): max |score - onnxruntime| {worst}", dir.display());
         assert!(worst <= tolerance, "{backend}: served scores differ by {worst}");
     }
 }
