@@ -916,18 +916,14 @@ fn calibrate_import(
     precision: Precision,
 ) -> Result<String, Error> {
     use quiver::model::calibrate::{calibrate, read_npy};
-    use std::io::Write as _;
     let set = read_npy(path).map_err(quiver::model::calibrate::CalibrationError::from)?;
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let mut last_percent = usize::MAX;
+    let bar = progress_bar(0, &format!("calibrating on {} rows", set.rows));
     let calibration = calibrate(model, &set, method, |done, total| {
-        let percent = done * 100 / total.max(1);
-        if tty && percent != last_percent {
-            last_percent = percent;
-            let _ = write!(std::io::stderr(), "\rcalibrating on {} rows: {percent:3}%", set.rows);
-        }
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
     })?;
-    eprintln!("{}calibrated on {} rows ({})", if tty { "\r" } else { "" }, set.rows, calibration.method);
+    bar.finish_and_clear();
+    eprintln!("calibrated on {} rows ({})", set.rows, calibration.method);
     let ranges: Vec<String> = calibration.input_ranges.iter().map(|r| format!("{r:.4}")).collect();
     let bins = calibration.scores.counts.len();
     model.calibration = Some(calibration);
@@ -1030,15 +1026,12 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             let config = feed::RedisConfig::from_url(&redis).map_err(feed::FeedError::from)?;
             let mut conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
             let started = Instant::now();
-            let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let mut last_print = Instant::now();
-            let mut progress = |rows: u64| {
-                if tty && last_print.elapsed() >= Duration::from_millis(200) {
-                    let rate = rows as f64 / started.elapsed().as_secs_f64().max(1e-9);
-                    eprint!("\r{rows} entities copied ({rate:.0}/s)");
-                    last_print = Instant::now();
-                }
-            };
+            let spinner = indicatif::ProgressBar::new_spinner().with_style(
+                indicatif::ProgressStyle::with_template("{spinner} {human_pos} entities copied ({per_sec}, {elapsed})")
+                    .expect("a valid template"),
+            );
+            spinner.enable_steady_tick(Duration::from_millis(100));
+            let mut progress = |rows: u64| spinner.set_position(rows);
             let default = vec![0.0; dim as usize];
             let target = feed::refresher::SyncTarget {
                 group: &group,
@@ -1050,11 +1043,9 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             };
             let mut fresh = feed::refresher::full_sync(&mut conn, &target, None, &mut progress)?;
             fresh.rename_to(&out)?;
+            spinner.finish_and_clear();
             let secs = started.elapsed().as_secs_f64();
             let rows = fresh.live_rows();
-            if tty {
-                eprintln!();
-            }
             println!(
                 "synced {rows} entities of group {group} into {} in {secs:.2} s ({:.0}/s), stream seq {}",
                 out.display(),
@@ -1117,31 +1108,42 @@ fn features(cmd: FeaturesCommand) -> Result<ExitCode, Error> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Progress for `features load` on stderr: one line rewritten in place on a terminal, an
-/// occasional plain line otherwise (so logs show the load is alive without flooding them).
+/// A progress bar on stderr for a long command (import, load); indicatif
+/// draws it only when stderr is a terminal.
+fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    let style = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {human_pos}/{human_len} ({percent}%, {per_sec}, eta {eta})",
+    )
+    .expect("a valid template")
+    .progress_chars("=> ");
+    indicatif::ProgressBar::new(len).with_style(style).with_message(what.to_string())
+}
+
+/// Progress for `features load` on stderr: a bar on a terminal, an occasional
+/// plain line otherwise (so logs show the load is alive without flooding them).
 fn load_progress() -> impl FnMut(usize, usize) {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let interval = if tty { Duration::from_millis(200) } else { Duration::from_secs(5) };
+    let bar = progress_bar(0, "loading");
     let mut last: Option<Instant> = None;
     move |done, total| {
-        let now = Instant::now();
-        let finished = done == total;
-        if !finished && last.is_some_and(|t| now.duration_since(t) < interval) {
+        if tty {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            if done == total {
+                bar.finish_and_clear();
+            }
             return;
         }
-        if last.is_none() && finished && !tty {
+        let now = Instant::now();
+        let finished = done == total;
+        if !finished && last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(5)) {
+            return;
+        }
+        if last.is_none() && finished {
             return;
         }
         last = Some(now);
-        let pct = 100.0 * done as f64 / total.max(1) as f64;
-        if tty {
-            eprint!("\r{done}/{total} entities ({pct:.0}%)");
-            if finished {
-                eprintln!();
-            }
-        } else {
-            eprintln!("{done}/{total} entities ({pct:.0}%)");
-        }
+        eprintln!("{done}/{total} entities ({:.0}%)", 100.0 * done as f64 / total.max(1) as f64);
     }
 }
 
