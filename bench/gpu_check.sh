@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One prepared check of the CUDA backend on a machine with an NVIDIA GPU
 # (written for a few minutes on a lent H100/H200): prints the driver, device
-# and NVRTC versions, checks INT8 parity with the CPU reference at batch 1,
-# 31, 32, 33, 255, 1024 and 4096 (zero, saturating, inf and NaN rows
-# included), times each batch size after warm-up (p50/p99, host timing around
-# the whole logits call: H2D, kernels, D2H, synchronise), and writes it all as
-# one JSON object. Exits non-zero, saying why, when there is no GPU or a
-# result differs from the CPU.
+# and NVRTC versions, checks INT8 parity with the CPU scalar reference, bit
+# for bit, at batch 1, 31, 32, 33, 255, 1024 and 4096 (zero, saturating, inf
+# and NaN rows included) for uncalibrated models (dynamic semantics,
+# dense_int8) and calibrated ones (static semantics, dense_int8_static),
+# times each batch size after warm-up for the demo model in both semantics
+# (p50/p99, host timing around the whole logits call: H2D, kernels, D2H,
+# synchronise), and writes it all as one JSON object. Exits non-zero, saying
+# why, when there is no GPU or a result differs from the CPU.
 #
 # usage: bench/gpu_check.sh [out.json]
 #   QUIVER_BIN=path  use a prebuilt `quiver` (built with --features cuda)
@@ -54,10 +56,10 @@ d = r["device"]
 print(f"device {d['name']} sm_{d['compute_capability'][0]}{d['compute_capability'][1]}, "
       f"driver {d['driver_version']}, nvrtc {d['nvrtc_version'][0]}.{d['nvrtc_version'][1]}")
 for p in r["parity"]:
-    print(f"parity {p['model']:>24} rows {p['rows']:>5}: {p['mismatches']} mismatches"
+    print(f"parity {p['activations']:>7} {p['model']:>28} rows {p['rows']:>5}: {p['mismatches']} mismatches"
           + (f" first {p['first_mismatch']}" if p["first_mismatch"] else ""))
 for t in r["timing"]:
-    print(f"timing rows {t['rows']:>5}: gpu p50 {t['gpu_p50_us']:9.1f} us p99 {t['gpu_p99_us']:9.1f} us"
+    print(f"timing {t['activations']:>7} rows {t['rows']:>5}: gpu p50 {t['gpu_p50_us']:9.1f} us p99 {t['gpu_p99_us']:9.1f} us"
           f" | cpu-int8 p50 {t['cpu_int8_p50_us']:9.1f} us")
 print("OK" if r["ok"] else "PARITY FAILURE")
 PY

@@ -244,6 +244,29 @@ fn every_kernel_compiles_for_sm89_and_sm90_without_spills() {
     }
 }
 
+/// The static INT8 entry is what `--backend cuda` launches for calibrated
+/// models: compile it with the float options the backend passes
+/// (`src/score/cuda.rs`), on which its bit-exactness relies, and hold it to
+/// the same spill and register limits as every entry.
+#[test]
+fn the_static_int8_kernel_compiles_with_the_backends_options_without_spills() {
+    let kernel = kernels::INT8_DENSE;
+    assert!(kernel.entries.contains(&"dense_int8_static"), "int8_dense.cu must export dense_int8_static");
+    let Some(nvrtc) = Nvrtc::load() else { return };
+    for arch in ARCHS {
+        let Some(mut opts) = options(arch, &kernel) else { return };
+        opts.extend(["--ftz=false", "--prec-div=true"].map(String::from));
+        let c = nvrtc.compile(kernel.file, kernel.source, &opts);
+        assert_eq!(c.code, 0, "{} for {arch}: {}\n{}", kernel.file, nvrtc.error(c.code), c.log);
+        let reports = parse_ptxas_log(&c.log);
+        let Some((_, r)) = reports.iter().find(|(n, _)| n == "dense_int8_static") else {
+            panic!("{arch}: no ptxas report for dense_int8_static in:\n{}", c.log);
+        };
+        assert_eq!((r.spill_store_bytes, r.spill_load_bytes), (Some(0), Some(0)), "{arch} spills:\n{}", c.log);
+        assert!(r.registers.is_some_and(|n| n <= REGISTERS_MAX), "{arch}: {:?} registers", r.registers);
+    }
+}
+
 #[test]
 fn a_broken_kernel_is_reported_as_a_compile_error() {
     let Some(nvrtc) = Nvrtc::load() else { return };

@@ -1,5 +1,6 @@
 //! The CUDA INT8 backend (cargo feature `cuda`): the CPU INT8 semantics,
-//! bit for bit, on the first GPU.
+//! static for calibrated models and dynamic otherwise, bit for bit, on the
+//! first GPU.
 //!
 //! The only module that touches cudarc, so that everything GPU-specific, and
 //! every `unsafe` call into the driver, is in one file. The driver
@@ -12,11 +13,15 @@
 //!
 //! Construction compiles `kernels/int8_dense.cu` with NVRTC to a CUBIN for
 //! the device's exact compute capability, uploads every layer's weights
-//! (repacked for `dense_int8`), scales and biases once, and allocates pinned
-//! host buffers and device activations for `rows_max` rows. A `logits` call
-//! is then: copy the rows into pinned memory, one async H2D copy, one launch
-//! per layer, one async D2H copy of the logits, one stream synchronisation.
-//! Nothing is allocated per call.
+//! (repacked for the kernels) once with the epilogue constants of the
+//! model's semantics: weight scales and float biases for `dense_int8`
+//! (dynamic), or `Model::static_int8`'s `bias_q` and requantization scales
+//! for `dense_int8_static` (static; the same host function the CPU kernels
+//! take them from, so the two cannot disagree), and allocates pinned host
+//! buffers and device activations (f32, or int8 between static layers) for
+//! `rows_max` rows. A `logits` call is then: copy the rows into pinned
+//! memory, one async H2D copy, one launch per layer, one async D2H copy of
+//! the logits, one stream synchronisation. Nothing is allocated per call.
 //!
 //! If the device fails after start-up (an Xid, a reset), the backend logs
 //! the error once and scores on a CPU INT8 backend from then on, so a request
@@ -56,25 +61,13 @@ pub enum CudaError {
     Compile { file: &'static str, arch: String, what: String, log: String },
     #[error("the model does not fit the INT8 kernel: {0}")]
     Model(String),
-    #[error(
-        "the model is calibrated (static INT8 activations); kernels/int8_dense.cu implements only the dynamic \
-         per-row semantics, so it is scored on the CPU"
-    )]
-    Calibrated,
 }
 
 impl CudaError {
     /// No usable GPU (or none for this model) here: an expected operating
     /// condition, not a fault.
     pub fn is_absent(&self) -> bool {
-        matches!(
-            self,
-            CudaError::NoDriver
-                | CudaError::NoDevice
-                | CudaError::NoNvrtc
-                | CudaError::Unsupported { .. }
-                | CudaError::Calibrated
-        )
+        matches!(self, CudaError::NoDriver | CudaError::NoDevice | CudaError::NoNvrtc | CudaError::Unsupported { .. })
     }
 }
 
@@ -180,20 +173,28 @@ fn compile_cubin(kernel: &kernels::KernelSource, arch: &str) -> Result<Vec<u8>, 
     result
 }
 
-/// One layer on the device, packed for `dense_int8`.
+/// One layer on the device, packed for `dense_int8` or `dense_int8_static`.
 struct DeviceLayer {
     k: i32,
     k4: i32,
     n: i32,
-    relu: i32,
     rows_per_block: usize,
     /// `[k4 / 4][n]` words, four consecutive k per word (byte 0 = lowest k).
     weights: CudaSlice<i32>,
-    scales: CudaSlice<f32>,
-    bias: CudaSlice<f32>,
+    epilogue: Epilogue,
 }
 
-/// Packs `layer.weights_i8` (`[n][k]`) as `dense_int8` reads them.
+/// A layer's epilogue constants, in the model's activation semantics.
+enum Epilogue {
+    /// `dense_int8`: `acc · (s_w[o] · s_x) + bias[o]`, then ReLU.
+    Dynamic { scales: CudaSlice<f32>, bias: CudaSlice<f32>, relu: i32 },
+    /// `dense_int8_static`, with `model::StaticInt8Layer`'s constants and
+    /// layer 0's `f32(1 / s_in)` (rounded once on the host exactly as the
+    /// CPU backend does; only read by the launch of layer 0).
+    Static { bias_q: CudaSlice<i32>, scale: CudaSlice<f32>, requantize: i32, lo: i32, inv_s_in: f32 },
+}
+
+/// Packs `layer.weights_i8` (`[n][k]`) as both INT8 kernels read them.
 fn pack_weights(layer: &Layer) -> Vec<i32> {
     let (k, n) = (layer.in_dim, layer.out_dim);
     let kw = k.div_ceil(4);
@@ -218,12 +219,21 @@ pub struct CudaInt8 {
     input_dim: usize,
     info: DeviceInfo,
     stream: Arc<CudaStream>,
+    /// `dense_int8` for an uncalibrated model, `dense_int8_static` for a
+    /// calibrated one.
     function: CudaFunction,
+    /// Whether the model is calibrated, so the static semantics run.
+    is_static: bool,
     layers: Vec<DeviceLayer>,
     x_device: CudaSlice<f32>,
-    /// Ping-pong activations, `rows_max × width_max` each.
+    /// Dynamic: ping-pong f32 activations, `rows_max × width_max` each.
+    /// Static: `act_a` holds the output layer's logits, `act_b` is unused.
     act_a: CudaSlice<f32>,
     act_b: CudaSlice<f32>,
+    /// Static: ping-pong int8 activations between layers, `rows_max ×
+    /// width_max` bytes each; unused (one byte) for the dynamic semantics.
+    act_q_a: CudaSlice<i8>,
+    act_q_b: CudaSlice<i8>,
     /// Write-combined: the host only writes it.
     x_pinned: PinnedHostSlice<f32>,
     /// Cached (not write-combined): the host reads it.
@@ -236,9 +246,6 @@ impl CudaInt8 {
     /// Builds the backend for `model` on device 0, with room for `rows_max`
     /// rows per call.
     pub fn new(model: &Model, rows_max: usize) -> Result<CudaInt8, CudaError> {
-        if model.calibration.is_some() {
-            return Err(CudaError::Calibrated);
-        }
         let started = Instant::now();
         let (ctx, info) = open()?;
         let (major, minor) = info.compute_capability;
@@ -256,31 +263,56 @@ impl CudaInt8 {
         // per buffer per launch) buys nothing.
         unsafe { ctx.disable_event_tracking() };
         let module = ctx.load_module(nvrtc::Ptx::from_binary(cubin)).map_err(driver("loading the CUBIN"))?;
-        let function = module.load_function("dense_int8").map_err(driver("cuModuleGetFunction"))?;
+        let statics = model.static_int8();
+        if statics.as_ref().is_some_and(|s| s.len() != model.layers.len()) {
+            return Err(CudaError::Model("the calibration does not cover every layer".into()));
+        }
+        let is_static = statics.is_some();
+        let entry = if is_static { "dense_int8_static" } else { "dense_int8" };
+        // The CPU's `1.0 / statics[0].in_scale`, in f32.
+        let inv_s_in = statics.as_ref().map_or(1.0, |st| 1.0f32 / st[0].in_scale);
+        let function = module.load_function(entry).map_err(driver("cuModuleGetFunction"))?;
         let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
         let mut layers = Vec::with_capacity(model.layers.len());
-        for l in &model.layers {
+        for (i, l) in model.layers.iter().enumerate() {
             let k4 = l.in_dim.next_multiple_of(4);
             let weights = pack_weights(l);
             let layer = (|| {
+                let epilogue = match &statics {
+                    Some(st) => Epilogue::Static {
+                        bias_q: stream.clone_htod(&st[i].bias_q)?,
+                        scale: stream.clone_htod(&st[i].scale)?,
+                        requantize: i32::from(st[i].requantize),
+                        lo: i32::from(st[i].lo),
+                        inv_s_in,
+                    },
+                    None => Epilogue::Dynamic {
+                        scales: stream.clone_htod(&l.weight_scales)?,
+                        bias: stream.clone_htod(&l.bias)?,
+                        relu: i32::from(l.relu),
+                    },
+                };
                 Ok::<_, DriverError>(DeviceLayer {
                     k: l.in_dim as i32,
                     k4: k4 as i32,
                     n: l.out_dim as i32,
-                    relu: i32::from(l.relu),
                     rows_per_block: kernels::dense_rows_per_block(k4),
                     weights: stream.clone_htod(&weights)?,
-                    scales: stream.clone_htod(&l.weight_scales)?,
-                    bias: stream.clone_htod(&l.bias)?,
+                    epilogue,
                 })
             })();
             layers.push(layer.map_err(driver("uploading the model"))?);
         }
         let alloc = |n: usize| stream.alloc_zeros::<f32>(n.max(1));
+        let alloc_q = |n: usize| stream.alloc_zeros::<i8>(n.max(1));
         let width = rows_max * model.width_max();
+        let logits_len = rows_max * model.layers.last().map_or(1, |l| l.out_dim);
+        let (f32_len, q_len) = if is_static { (logits_len, width) } else { (width, 0) };
         let x_device = alloc(rows_max * model.input_dim()).map_err(driver("cuMemAlloc"))?;
-        let act_a = alloc(width).map_err(driver("cuMemAlloc"))?;
-        let act_b = alloc(width).map_err(driver("cuMemAlloc"))?;
+        let act_a = alloc(f32_len).map_err(driver("cuMemAlloc"))?;
+        let act_b = alloc(if is_static { 0 } else { f32_len }).map_err(driver("cuMemAlloc"))?;
+        let act_q_a = alloc_q(q_len).map_err(driver("cuMemAlloc"))?;
+        let act_q_b = alloc_q(q_len).map_err(driver("cuMemAlloc"))?;
         // SAFETY: pinned memory starts uninitialised; both buffers are
         // written (the inputs by `logits`, the logits by a D2H copy) before
         // any element is read, and `f32` has no invalid bit patterns.
@@ -296,6 +328,7 @@ impl CudaInt8 {
             arch,
             rows_max,
             layers = layers.len(),
+            activations = if is_static { "static (calibrated)" } else { "dynamic (uncalibrated model)" },
             setup_ms = started.elapsed().as_millis() as u64,
             "cuda-int8 backend ready"
         );
@@ -305,10 +338,13 @@ impl CudaInt8 {
             info,
             stream,
             function,
+            is_static,
             layers,
             x_device,
             act_a,
             act_b,
+            act_q_a,
+            act_q_b,
             x_pinned,
             out_pinned,
             failed_over: None,
@@ -327,6 +363,7 @@ impl CudaInt8 {
         self.stream.memcpy_htod(&host_x[..len], &mut self.x_device.slice_mut(..len))?;
         let rows_arg = rows as i32;
         let (a, b) = (&mut self.act_a, &mut self.act_b);
+        let (qa, qb) = (&mut self.act_q_a, &mut self.act_q_b);
         for (i, l) in self.layers.iter().enumerate() {
             let cfg = LaunchConfig {
                 grid_dim: (rows.div_ceil(l.rows_per_block) as u32, (l.n as u32).div_ceil(DENSE_THREADS), 1),
@@ -334,34 +371,77 @@ impl CudaInt8 {
                 shared_mem_bytes: (l.rows_per_block * l.k4 as usize) as u32,
             };
             let rows_per_block = l.rows_per_block as i32;
-            let (src, dst): (&CudaSlice<f32>, &mut CudaSlice<f32>) = match i {
-                0 => (&self.x_device, &mut *a),
-                _ if i % 2 == 1 => (&*a, &mut *b),
-                _ => (&*b, &mut *a),
-            };
             let mut launch = self.stream.launch_builder(&self.function);
-            launch
-                .arg(src)
-                .arg(&rows_arg)
-                .arg(&l.k)
-                .arg(&l.k4)
-                .arg(&l.n)
-                .arg(&rows_per_block)
-                .arg(&l.weights)
-                .arg(&l.scales)
-                .arg(&l.bias)
-                .arg(&l.relu)
-                .arg(dst);
-            // SAFETY: the arguments match `dense_int8`'s parameter list in
-            // order and type (pointers as device pointers, `int` as i32);
-            // `src` holds `rows × k` floats and `dst` room for `rows × n`
-            // (both sized for rows_max × width_max, rows ≤ rows_max); the
-            // weights hold `k4 / 4 × n` words; the grid covers `rows` rows
-            // and `n` outputs, and the dynamic shared memory is
-            // `rows_per_block × k4` bytes ≤ 48 KiB.
-            unsafe { launch.launch(cfg) }?;
+            match &l.epilogue {
+                Epilogue::Dynamic { scales, bias, relu } => {
+                    let (src, dst): (&CudaSlice<f32>, &mut CudaSlice<f32>) = match i {
+                        0 => (&self.x_device, &mut *a),
+                        _ if i % 2 == 1 => (&*a, &mut *b),
+                        _ => (&*b, &mut *a),
+                    };
+                    launch
+                        .arg(src)
+                        .arg(&rows_arg)
+                        .arg(&l.k)
+                        .arg(&l.k4)
+                        .arg(&l.n)
+                        .arg(&rows_per_block)
+                        .arg(&l.weights)
+                        .arg(scales)
+                        .arg(bias)
+                        .arg(relu)
+                        .arg(dst);
+                    // SAFETY: the arguments match `dense_int8`'s parameter
+                    // list in order and type (pointers as device pointers,
+                    // `int` as i32); `src` holds `rows × k` floats and `dst`
+                    // room for `rows × n` (both sized for rows_max ×
+                    // width_max, rows ≤ rows_max); the weights hold `k4 / 4 ×
+                    // n` words; the grid covers `rows` rows and `n` outputs,
+                    // and the dynamic shared memory is `rows_per_block × k4`
+                    // bytes ≤ 48 KiB.
+                    unsafe { launch.launch(cfg) }?;
+                }
+                Epilogue::Static { bias_q, scale, requantize, lo, inv_s_in } => {
+                    // Layer i reads the int8 rows layer i - 1 wrote (layer 0
+                    // reads and quantizes the f32 input instead) and writes
+                    // int8 into the other buffer, or the f32 logits into
+                    // `act_a` when it is the output layer.
+                    let (src_q, dst_q): (&CudaSlice<i8>, &mut CudaSlice<i8>) =
+                        if i % 2 == 0 { (&*qb, &mut *qa) } else { (&*qa, &mut *qb) };
+                    let input_f32 = i32::from(i == 0);
+                    launch
+                        .arg(&self.x_device)
+                        .arg(src_q)
+                        .arg(&input_f32)
+                        .arg(inv_s_in)
+                        .arg(&rows_arg)
+                        .arg(&l.k)
+                        .arg(&l.k4)
+                        .arg(&l.n)
+                        .arg(&rows_per_block)
+                        .arg(&l.weights)
+                        .arg(bias_q)
+                        .arg(scale)
+                        .arg(requantize)
+                        .arg(lo)
+                        .arg(dst_q)
+                        .arg(&mut *a);
+                    // SAFETY: the arguments match `dense_int8_static`'s
+                    // parameter list in order and type (pointers as device
+                    // pointers, `int` as i32, `float` as f32). The input it
+                    // reads (`x_device` when `input_f32`, else `src_q`) holds
+                    // `rows × k` elements; the output it writes (`dst_q` when
+                    // `requantize`, else `act_a`) has room for `rows × n`:
+                    // the int8 buffers are rows_max × width_max bytes and
+                    // `act_a` rows_max × n of the output layer, rows ≤
+                    // rows_max. The four buffers are distinct allocations, so
+                    // the kernel's `__restrict__` holds. Weights, grid and
+                    // shared memory are as for `dense_int8`.
+                    unsafe { launch.launch(cfg) }?;
+                }
+            }
         }
-        let last = if self.layers.len() % 2 == 1 { &self.act_a } else { &self.act_b };
+        let last = if self.is_static || self.layers.len() % 2 == 1 { &self.act_a } else { &self.act_b };
         let host_out = self.out_pinned.as_mut_slice()?;
         self.stream.memcpy_dtoh(&last.slice(..rows), &mut host_out[..rows])?;
         self.stream.synchronize()?;
@@ -423,6 +503,43 @@ fn check_model(seed: u64, dims: &[usize]) -> Model {
     }
 }
 
+/// `model` calibrated (max-abs over 64 seeded normal rows, as `quiver import
+/// --calibration` would), every range then multiplied by `shrink`: below 1,
+/// requantized activations saturate at 127 (and -128 without a ReLU).
+fn check_calibrated(mut model: Model, shrink: f32) -> Result<Model, CudaError> {
+    use crate::model::calibrate::{calibrate, Matrix, Method};
+    let k = model.input_dim();
+    let mut rng = crate::demo::SplitMix64::new(77);
+    let set = Matrix { rows: 64, cols: k, data: (0..64 * k).map(|_| rng.normal()).collect() };
+    let mut c = calibrate(&model, &set, Method::MaxAbs, |_, _| {}).map_err(|e| CudaError::Model(e.to_string()))?;
+    c.input_ranges.iter_mut().for_each(|r| *r *= shrink);
+    model.calibration = Some(c);
+    model.name = format!("{}-static-{shrink}", model.name);
+    Ok(model)
+}
+
+/// The models `gpu_check` compares, each with its `rows_max`: uncalibrated
+/// ones (dynamic semantics, `dense_int8`) and calibrated ones (static,
+/// `dense_int8_static`) at odd widths, a single-layer model (layer 0 is the
+/// output layer), a hidden layer without ReLU (requantized to -128), and
+/// k = 16384 (three rows per block in shared memory).
+fn check_models(rows_max: usize) -> Result<Vec<(Model, usize)>, CudaError> {
+    let wide = rows_max.min(255);
+    let mut linear_hidden = check_model(45, &[37, 33, 17, 1]);
+    linear_hidden.layers[0].relu = false;
+    Ok(vec![
+        (crate::demo::model(), rows_max),
+        (check_model(41, &[257, 255, 65, 1]), rows_max),
+        (check_model(42, &[3, 1]), rows_max),
+        (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), wide),
+        (check_calibrated(crate::demo::model(), 1.0)?, rows_max),
+        (check_calibrated(check_model(44, &[257, 255, 65, 1]), 0.6)?, rows_max),
+        (check_calibrated(linear_hidden, 0.5)?, rows_max),
+        (check_calibrated(check_model(46, &[3, 1]), 0.3)?, rows_max),
+        (check_calibrated(check_model(47, &[crate::model::WIDTH_MAX, 33, 1]), 1.0)?, wide),
+    ])
+}
+
 /// `rows` seeded normal rows of width `k`, with the edge cases planted in
 /// the first rows: all zeros, values near `f32::MAX` (the scale saturates,
 /// small values quantize to 0), +inf, -inf, NaN, and a whole NaN row.
@@ -455,19 +572,14 @@ fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
 /// `quiver gpu-check`: device and NVRTC versions, INT8 parity with the CPU
 /// scalar reference (bit for bit; two NaNs count as equal, since their
 /// payloads are not specified) at each of `batches` rows on several models,
-/// and host-timed latency percentiles of `logits` after warm-up. Returns the
-/// report, with `"ok": false` when any output differs; an error when there
-/// is no GPU to check.
+/// uncalibrated (dynamic semantics) and calibrated (static), and host-timed
+/// latency percentiles of `logits` after warm-up for the demo model in both
+/// semantics. Returns the report, with `"ok": false` when any output
+/// differs; an error when there is no GPU to check.
 pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, CudaError> {
     let info = probe()?;
     let rows_max = batches.iter().copied().max().unwrap_or(1);
-    let models = [
-        (crate::demo::model(), rows_max),
-        (check_model(41, &[257, 255, 65, 1]), rows_max),
-        (check_model(42, &[3, 1]), rows_max),
-        // k = 16384: three rows per block in shared memory.
-        (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), rows_max.min(255)),
-    ];
+    let models = check_models(rows_max)?;
     let mut parity = Vec::new();
     let mut ok = true;
     for (model, model_rows_max) in &models {
@@ -484,6 +596,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
             ok &= bad.is_empty() && gpu.failed_over.is_none();
             parity.push(serde_json::json!({
                 "model": model.name,
+                "activations": if model.calibration.is_some() { "static" } else { "dynamic" },
                 "rows": rows,
                 "mismatches": bad.len(),
                 "first_mismatch": bad.first().map(|&r| serde_json::json!({
@@ -493,21 +606,35 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
             }));
         }
     }
-    let model = crate::demo::model();
-    let mut gpu = CudaInt8::new(&model, rows_max)?;
-    let mut cpu = cpu::CpuInt8::new(&model, rows_max);
+    let mut timing = Vec::new();
+    for model in [crate::demo::model(), check_calibrated(crate::demo::model(), 1.0)?] {
+        timing.extend(time_model(&model, batches, iters, rows_max)?);
+    }
+    Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
+}
+
+/// Host-timed p50/p99 of `logits` at each of `batches` rows, GPU and CPU
+/// INT8 (best kernel), after 10 warm-up calls.
+fn time_model(
+    model: &Model,
+    batches: &[usize],
+    iters: usize,
+    rows_max: usize,
+) -> Result<Vec<serde_json::Value>, CudaError> {
+    let mut gpu = CudaInt8::new(model, rows_max)?;
+    let mut cpu = cpu::CpuInt8::new(model, rows_max);
     let mut timing = Vec::new();
     for &rows in batches {
         let x = check_inputs(7, rows, model.input_dim());
         let mut out = vec![0.0; rows];
         let mut time = |b: &mut dyn Backend| {
             for _ in 0..10 {
-                b.logits(&model, &x, rows, &mut out);
+                b.logits(model, &x, rows, &mut out);
             }
             let mut ns: Vec<u64> = (0..iters.max(1))
                 .map(|_| {
                     let t = Instant::now();
-                    b.logits(&model, &x, rows, &mut out);
+                    b.logits(model, &x, rows, &mut out);
                     t.elapsed().as_nanos() as u64
                 })
                 .collect();
@@ -517,11 +644,13 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         let (p50, p99) = time(&mut gpu);
         let (cpu_p50, cpu_p99) = time(&mut cpu);
         timing.push(serde_json::json!({
-            "model": model.name, "rows": rows, "iters": iters,
+            "model": model.name,
+            "activations": if model.calibration.is_some() { "static" } else { "dynamic" },
+            "rows": rows, "iters": iters,
             "gpu_p50_us": p50, "gpu_p99_us": p99, "cpu_int8_p50_us": cpu_p50, "cpu_int8_p99_us": cpu_p99,
         }));
     }
-    Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
+    Ok(timing)
 }
 
 #[cfg(test)]
@@ -549,11 +678,27 @@ mod tests {
 
     #[test]
     fn without_a_gpu_construction_fails_with_a_typed_error_not_a_panic() {
-        let model = crate::demo::model();
-        match CudaInt8::new(&model, 8) {
-            // A machine with a GPU: nothing to check here.
-            Ok(b) => assert_eq!(b.name(), "cuda-int8"),
-            Err(e) => assert!(e.is_absent() || matches!(e, CudaError::Driver { .. }), "{e}"),
+        let calibrated = check_calibrated(crate::demo::model(), 1.0).unwrap();
+        for model in [crate::demo::model(), calibrated] {
+            match CudaInt8::new(&model, 8) {
+                // A machine with a GPU: a calibrated model is accepted too.
+                Ok(b) => assert_eq!(b.name(), "cuda-int8"),
+                Err(e) => assert!(e.is_absent() || matches!(e, CudaError::Driver { .. }), "{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_check_models_cover_both_semantics_and_the_static_edge_cases() {
+        let models = check_models(64).unwrap();
+        let statics: Vec<_> = models.iter().filter_map(|(m, _)| m.static_int8()).collect();
+        assert!(statics.len() >= 4 && statics.len() < models.len(), "both semantics are checked");
+        // A single-layer model, whose layer 0 writes the logit, and a hidden
+        // layer requantized without ReLU (down to -128).
+        assert!(statics.iter().any(|s| s.len() == 1 && !s[0].requantize));
+        assert!(statics.iter().any(|s| s.iter().any(|l| l.requantize && l.lo == -128)));
+        for (m, _) in &models {
+            m.validate().unwrap();
         }
     }
 }

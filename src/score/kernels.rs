@@ -18,10 +18,12 @@ pub struct KernelSource {
     pub needs_cuda_headers: bool,
 }
 
-/// The fused INT8 dense layer the CUDA backend runs.
+/// The fused INT8 dense layers the CUDA backend runs: `dense_int8` for the
+/// dynamic semantics (uncalibrated models), `dense_int8_static` for the
+/// static one (calibrated models).
 pub const INT8_DENSE: KernelSource = KernelSource {
     file: "int8_dense.cu",
-    entries: &["dense_int8"],
+    entries: &["dense_int8", "dense_int8_static"],
     source: include_str!("../../kernels/int8_dense.cu"),
     needs_cuda_headers: false,
 };
@@ -37,14 +39,14 @@ pub const FP8_DENSE: KernelSource = KernelSource {
 /// Every kernel source; `tests/nvrtc.rs` compiles each for every target.
 pub const ALL: [KernelSource; 2] = [INT8_DENSE, FP8_DENSE];
 
-/// Launch geometry shared by `kernels/int8_dense.cu` and its host code: the
-/// values of its `DENSE_THREADS` and `DENSE_ROWS_MAX`.
+/// Launch geometry shared by both entries of `kernels/int8_dense.cu` and its
+/// host code: the values of its `DENSE_THREADS` and `DENSE_ROWS_MAX`.
 pub const DENSE_THREADS: u32 = 128;
 pub const DENSE_ROWS_MAX: usize = 8;
 /// Dynamic shared memory a block may take without opting in to more.
 pub const SHARED_BYTES_DEFAULT_MAX: usize = 48 * 1024;
 
-/// Rows one `dense_int8` block quantizes into shared memory for a layer with
+/// Rows one `dense_int8` or `dense_int8_static` block quantizes into shared memory for a layer with
 /// `k4` (padded) inputs: as many as fit in the default shared memory, at
 /// most `DENSE_ROWS_MAX`. `k4 <= WIDTH_MAX` (16384) always leaves room for 3.
 pub fn dense_rows_per_block(k4: usize) -> usize {
