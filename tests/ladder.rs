@@ -50,10 +50,12 @@ fn a_slow_inference_stage_trips_the_breaker_and_fallbacks_answer_in_time() {
         r
     };
 
-    // Warm the connection and the stage with one unhurried request.
+    // Warm the connection and the stage with unhurried requests.
     let mut warm = demo_request(0, 0, (0..32).collect());
     warm.budget_us = 1_000_000;
-    assert_eq!(c.score(&warm).unwrap().status, Status::Ok);
+    for _ in 0..50 {
+        assert_eq!(c.score(&warm).unwrap().status, Status::Ok);
+    }
 
     // Healthy: the primary answers.
     let healthy: Vec<_> = (0..100).map(|_| ask(&mut c)).collect();
