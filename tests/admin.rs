@@ -9,22 +9,15 @@ use quiver::admin::Stats;
 use quiver::wire::Status;
 
 fn get(url: &str) -> (u16, String) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .into();
-    let mut r = agent.get(url).call().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    common::http_get(url)
 }
 
 fn post(url: &str) -> u16 {
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
-    agent.post(url).send_empty().unwrap().status().as_u16()
+    common::http_post(url).0
 }
 
 fn stats(server: &Server) -> Stats {
-    serde_json::from_str(&get(&format!("http://{}/stats.json", server.admin)).1).unwrap()
+    server.stats()
 }
 
 /// Polls until `done(stats)`; shards publish once a second.

@@ -66,13 +66,8 @@ fn calibrated_data_dir(name: &str) -> (PathBuf, Matrix, Model) {
     (dir, set, model)
 }
 
-fn get(url: &str) -> String {
-    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(5))).build().into();
-    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
-}
-
 fn drift(server: &Server) -> (Option<DriftReport>, Stats) {
-    let stats: Stats = serde_json::from_str(&get(&format!("http://{}/stats.json", server.admin))).unwrap();
+    let stats: Stats = server.stats();
     (stats.drift.iter().find(|r| (r.model.as_str(), r.version) == ("ctr", 7)).cloned(), stats)
 }
 
@@ -144,7 +139,7 @@ fn scenario(name: &str, extra: &[&str]) {
         let ratio = f.variance / f.calibration_variance;
         assert!((0.7..1.4).contains(&ratio), "context input {} variance ratio {ratio}: {calm:?}", f.feature);
     }
-    let text = get(&format!("http://{}/metrics", server.admin));
+    let text = common::http_get(&format!("http://{}/metrics", server.admin)).1;
     assert!(text.contains("quiver_score_psi{model=\"ctr\",version=\"7\"} "), "{text}");
     assert!(text.contains("quiver_score_drift_alert{model=\"ctr\",version=\"7\"} 0"), "{text}");
     assert!(text.contains("quiver_input_drift{model=\"ctr\",version=\"7\",feature=\"context_3\"} "), "{text}");
@@ -156,7 +151,7 @@ fn scenario(name: &str, extra: &[&str]) {
         r.alert && r.features.len() == 4 && r.features.iter().all(|f| f.mean_shift > 0.9 * f64::from(SHIFT_SIGMAS))
     });
     eprintln!("{name} shifted: {shifted:?}");
-    let text = get(&format!("http://{}/metrics", server.admin));
+    let text = common::http_get(&format!("http://{}/metrics", server.admin)).1;
     assert!(text.contains("quiver_score_drift_alert{model=\"ctr\",version=\"7\"} 1"), "{text}");
     mode.store(STOP, Ordering::Relaxed);
     let sent = traffic.join().unwrap();
@@ -191,7 +186,7 @@ fn an_uncalibrated_model_reports_no_drift() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(stats.drift.is_empty(), "{stats:?}");
-    let text = get(&format!("http://{}/metrics", server.admin));
+    let text = common::http_get(&format!("http://{}/metrics", server.admin)).1;
     assert!(text.contains("# TYPE quiver_score_psi gauge"), "{text}");
     assert!(!text.contains("quiver_score_psi{"), "{text}");
     assert!(!text.contains("quiver_input_drift{"), "{text}");

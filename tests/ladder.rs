@@ -10,15 +10,11 @@ use common::{demo_request, Server};
 use quiver::wire::Status;
 
 fn post(url: &str) -> u16 {
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
-    agent.post(url).send_empty().unwrap().status().as_u16()
+    common::http_post(url).0
 }
 
 fn stats(server: &Server) -> quiver::admin::Stats {
-    let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
-    let body =
-        agent.get(&format!("http://{}/stats.json", server.admin)).call().unwrap().body_mut().read_to_string().unwrap();
-    serde_json::from_str(&body).unwrap()
+    server.stats()
 }
 
 /// The seeds' 09:07 scenario: the inference stage turns slow, the breaker

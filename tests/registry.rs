@@ -74,9 +74,7 @@ fn start(models: &Path, extra: &[&str]) -> Server {
 }
 
 fn post(url: &str) -> (u16, String) {
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
-    let mut r = agent.post(url).send_empty().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    common::http_post(url)
 }
 
 fn models(server: &Server) -> Vec<ModelStatus> {

@@ -51,17 +51,11 @@ fn serve(dir: &Path, redis: &RedisServer, feed_toml: &str) -> Server {
 }
 
 fn get(url: &str) -> (u16, String) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .into();
-    let mut r = agent.get(url).call().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    common::http_get(url)
 }
 
 fn stats(server: &Server) -> Stats {
-    serde_json::from_str(&get(&format!("http://{}/stats.json", server.admin)).1).unwrap()
+    server.stats()
 }
 
 fn group<'a>(s: &'a Stats, name: &str) -> &'a FeedGroupStats {

@@ -20,10 +20,7 @@ fn rss_kib(server: &Server) -> u64 {
 }
 
 fn stats(server: &Server) -> quiver::admin::Stats {
-    let agent: ureq::Agent = ureq::Agent::config_builder().build().into();
-    let body =
-        agent.get(&format!("http://{}/stats.json", server.admin)).call().unwrap().body_mut().read_to_string().unwrap();
-    serde_json::from_str(&body).unwrap()
+    server.stats()
 }
 
 fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)>) -> BenchOptions {

@@ -134,6 +134,33 @@ impl Server {
     pub fn stderr(&self) -> String {
         self.stderr.lock().unwrap().clone()
     }
+
+    /// The admin endpoint's `/stats.json`.
+    pub fn stats(&self) -> quiver::admin::Stats {
+        let (code, body) = http_get(&format!("http://{}/stats.json", self.admin));
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+}
+
+fn http_agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into()
+}
+
+/// GET `url`: the status and the body; an HTTP error status is a result, not a failure.
+pub fn http_get(url: &str) -> (u16, String) {
+    let mut r = http_agent().get(url).call().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+/// POST `url` with no body: the status and the body.
+pub fn http_post(url: &str) -> (u16, String) {
+    let mut r = http_agent().post(url).send_empty().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
 }
 
 impl Drop for Server {
