@@ -831,6 +831,37 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
         };
         println!("status: {}", nonzero(&s.by_status));
         println!("tier:   {}", nonzero(&s.by_tier));
+        let shed = nonzero(&s.shed_by_band);
+        if !shed.is_empty() || s.shed_level > 0.0 {
+            println!("shed:   level {:.2}  {shed}", s.shed_level);
+        }
+        for g in &s.feed {
+            println!(
+                "feed {:<5} rows {}  seq {}  stale {} ms  applied {}  skipped {}  resyncs {}  redis {}",
+                g.group,
+                g.rows,
+                g.applied_seq,
+                g.staleness_ms,
+                g.applied,
+                g.skipped,
+                g.resyncs,
+                if g.redis_connected { "up" } else { "DOWN" }
+            );
+        }
+        if s.stale_responses > 0 {
+            println!("stale responses: {}", s.stale_responses);
+        }
+        for d in &s.drift {
+            let psi = d.psi.map_or_else(|| "n/a (too few scores)".to_string(), |p| format!("{p:.3}"));
+            let worst = d.features.iter().map(|f| f.mean_shift).fold(0.0f64, f64::max);
+            println!(
+                "drift {}@{}: psi {psi}{}  scores {}  largest input mean shift {worst:.2}σ",
+                d.model,
+                d.version,
+                if d.alert { " ALERT" } else { "" },
+                d.scores
+            );
+        }
         println!(
             "{:<11} {:>9} {:>10} {:>10} {:>10} {:>10}   (last {} s)",
             "stage", "count", "p50 µs", "p99 µs", "p99.9 µs", "max µs", s.window_s

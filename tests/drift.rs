@@ -153,6 +153,9 @@ fn scenario(name: &str, extra: &[&str]) {
     eprintln!("{name} shifted: {shifted:?}");
     let text = common::http_get(&format!("http://{}/metrics", server.admin)).1;
     assert!(text.contains("quiver_score_drift_alert{model=\"ctr\",version=\"7\"} 1"), "{text}");
+    let out = Command::new(BIN).args(["stats", "--admin", &server.admin, "--count", "1"]).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.lines().any(|l| l.starts_with("drift ctr@7: psi ") && l.contains("ALERT")), "{table}");
     mode.store(STOP, Ordering::Relaxed);
     let sent = traffic.join().unwrap();
     assert!(sent >= 4_000, "{sent} requests");

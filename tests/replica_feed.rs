@@ -513,6 +513,9 @@ fn the_refresher_authenticates_and_reads_its_database_index() {
     let mut out = vec![0.0; DIM];
     assert!(r.read_into(7, &mut out) && out == vector(7, 4));
     assert!(!r.read_into(1000, &mut out), "nothing from database 0");
+    let stats = Command::new(BIN).args(["stats", "--admin", &server.admin, "--count", "1"]).output().unwrap();
+    let table = String::from_utf8_lossy(&stats.stdout);
+    assert!(table.lines().any(|l| l.starts_with("feed item  rows 50  seq 51") && l.ends_with("redis up")), "{table}");
     drop(server);
 
     // A wrong password is an error at start-up that says so, not a hang.
