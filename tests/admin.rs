@@ -33,34 +33,6 @@ fn wait_for(server: &Server, done: impl Fn(&Stats) -> bool) -> Stats {
     }
 }
 
-/// Parses Prometheus text with the official Python client's parser and
-/// returns `name{labels} value` lines. `None` when the parser is not
-/// installed (CI installs it and sets QUIVER_REQUIRE_PROMETHEUS_CLIENT=1).
-fn parse_with_prometheus_client(text: &str) -> Option<Vec<String>> {
-    let script = "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
-                  for f in p(sys.stdin.read()):\n    for s in f.samples:\n        \
-                  print(s.name + '{' + ','.join(k+'='+v for k,v in sorted(s.labels.items())) + '} ' + '%g' % s.value)\n";
-    let mut child = std::process::Command::new("python3")
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .ok()?;
-    use std::io::Write;
-    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if stderr.contains("No module named 'prometheus_client'") {
-        let required = std::env::var("QUIVER_REQUIRE_PROMETHEUS_CLIENT").is_ok_and(|v| v == "1");
-        assert!(!required, "QUIVER_REQUIRE_PROMETHEUS_CLIENT=1 but prometheus_client is not installed");
-        eprintln!("SKIPPED the prometheus_client parse check: pip install prometheus_client");
-        return None;
-    }
-    assert!(out.status.success(), "the Prometheus parser rejected /metrics: {stderr}\n{text}");
-    Some(String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect())
-}
-
 #[test]
 fn metrics_parse_and_count_what_was_sent() {
     let server = Server::start(&["--shards", "2"]);
@@ -84,7 +56,7 @@ fn metrics_parse_and_count_what_was_sent() {
     let (code, text) = get(&format!("http://{}/metrics", server.admin));
     assert_eq!(code, 200);
     assert!(text.contains("quiver_requests_total{status=\"ok\"} 300"), "{text}");
-    if let Some(samples) = parse_with_prometheus_client(&text) {
+    if let Some(samples) = common::parse_with_prometheus_client(&text) {
         let has = |line: &str| samples.iter().any(|s| s == line);
         assert!(has("quiver_requests_total{status=ok} 300"), "{samples:?}");
         assert!(has("quiver_request_duration_seconds_count{} 300"), "{samples:?}");

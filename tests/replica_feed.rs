@@ -513,6 +513,15 @@ fn the_refresher_authenticates_and_reads_its_database_index() {
     let mut out = vec![0.0; DIM];
     assert!(r.read_into(7, &mut out) && out == vector(7, 4));
     assert!(!r.read_into(1000, &mut out), "nothing from database 0");
+    let metrics = get(&format!("http://{}/metrics", server.admin)).1;
+    if let Some(samples) = common::parse_with_prometheus_client(&metrics) {
+        let has = |line: &str| samples.iter().any(|s| s == line);
+        assert!(has("quiver_replica_rows{group=item} 50"), "{samples:?}");
+        assert!(has("quiver_replica_applied_seq{group=item} 51"), "{samples:?}");
+        assert!(has("quiver_redis_connected{} 1"), "{samples:?}");
+        assert!(samples.iter().any(|s| s.starts_with("quiver_replica_staleness_seconds{group=user} ")), "{samples:?}");
+        assert!(has("quiver_replica_change_age_seconds{group=user} inf"), "never changed: {samples:?}");
+    }
     let stats = Command::new(BIN).args(["stats", "--admin", &server.admin, "--count", "1"]).output().unwrap();
     let table = String::from_utf8_lossy(&stats.stdout);
     assert!(table.lines().any(|l| l.starts_with("feed item  rows 50  seq 51") && l.ends_with("redis up")), "{table}");

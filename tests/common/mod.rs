@@ -157,6 +157,34 @@ pub fn http_get(url: &str) -> (u16, String) {
     (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
 }
 
+/// Parses Prometheus text with the official Python client's parser and
+/// returns `name{labels} value` lines. `None` when the parser is not
+/// installed (CI installs it and sets QUIVER_REQUIRE_PROMETHEUS_CLIENT=1).
+pub fn parse_with_prometheus_client(text: &str) -> Option<Vec<String>> {
+    let script = "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
+                  for f in p(sys.stdin.read()):\n    for s in f.samples:\n        \
+                  print(s.name + '{' + ','.join(k+'='+v for k,v in sorted(s.labels.items())) + '} ' + '%g' % s.value)\n";
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .ok()?;
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("No module named 'prometheus_client'") {
+        let required = std::env::var("QUIVER_REQUIRE_PROMETHEUS_CLIENT").is_ok_and(|v| v == "1");
+        assert!(!required, "QUIVER_REQUIRE_PROMETHEUS_CLIENT=1 but prometheus_client is not installed");
+        eprintln!("SKIPPED the prometheus_client parse check: pip install prometheus_client");
+        return None;
+    }
+    assert!(out.status.success(), "the Prometheus parser rejected /metrics: {stderr}\n{text}");
+    Some(String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect())
+}
+
 /// POST `url` with no body: the status and the body.
 pub fn http_post(url: &str) -> (u16, String) {
     let mut r = http_agent().post(url).send_empty().unwrap();
