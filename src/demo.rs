@@ -93,22 +93,40 @@ fn embeddings(group: &str, count: u64, rng: &mut SplitMix64) -> ReplicaBuilder {
     b
 }
 
-/// The demo model with seeded He-initialised weights.
-pub fn model() -> Model {
-    let mut rng = SplitMix64::new(SEED ^ 0x4d4f_4445_4c00);
-    let dim = EMBEDDING_DIM as usize;
-    let dims = [dim * 2 + CONTEXT_LEN, HIDDEN[0], HIDDEN[1], 1];
-    let layers = dims
-        .windows(2)
+/// Seeded He-initialised MLP layers of widths `dims` (ReLU on every layer
+/// but the last), biases normal with `bias_std`: the demo model's layers,
+/// and the random models kernel tests and `quiver gpu-check` score.
+pub fn he_layers(rng: &mut SplitMix64, dims: &[usize], bias_std: f32) -> Vec<Layer> {
+    dims.windows(2)
         .enumerate()
         .map(|(i, w)| {
             let (n_in, n_out) = (w[0], w[1]);
             let std = (2.0 / n_in as f32).sqrt();
             let weights = (0..n_in * n_out).map(|_| rng.normal() * std).collect();
-            let bias = (0..n_out).map(|_| rng.normal() * 0.05).collect();
+            let bias = (0..n_out).map(|_| rng.normal() * bias_std).collect();
             Layer::quantize(n_in, n_out, i + 2 < dims.len(), weights, bias)
         })
-        .collect();
+        .collect()
+}
+
+/// An uncalibrated MLP over `dims[0]` context floats with layers from
+/// [`he_layers`] (bias std 0.1), for tests and checks that need odd shapes.
+pub fn context_mlp(name: &str, seed: u64, dims: &[usize]) -> Model {
+    let mut rng = SplitMix64::new(seed);
+    Model {
+        name: name.into(),
+        version: 1,
+        inputs: vec![InputSegment { source: Source::Context, dim: dims[0] }],
+        layers: he_layers(&mut rng, dims, 0.1),
+        calibration: None,
+    }
+}
+
+/// The demo model with seeded He-initialised weights.
+pub fn model() -> Model {
+    let mut rng = SplitMix64::new(SEED ^ 0x4d4f_4445_4c00);
+    let dim = EMBEDDING_DIM as usize;
+    let layers = he_layers(&mut rng, &[dim * 2 + CONTEXT_LEN, HIDDEN[0], HIDDEN[1], 1], 0.05);
     Model {
         name: MODEL_NAME.into(),
         version: MODEL_VERSION,

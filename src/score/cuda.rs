@@ -483,24 +483,8 @@ impl Backend for CudaInt8 {
 
 /// A seeded MLP with the given widths, for `gpu_check`.
 fn check_model(seed: u64, dims: &[usize]) -> Model {
-    let mut rng = crate::demo::SplitMix64::new(seed);
-    let layers = dims
-        .windows(2)
-        .enumerate()
-        .map(|(i, w)| {
-            let std = (2.0 / w[0] as f32).sqrt();
-            let weights = (0..w[0] * w[1]).map(|_| rng.normal() * std).collect();
-            let bias = (0..w[1]).map(|_| rng.normal() * 0.1).collect();
-            Layer::quantize(w[0], w[1], i + 2 < dims.len(), weights, bias)
-        })
-        .collect();
-    Model {
-        name: format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")),
-        version: 1,
-        inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: dims[0] }],
-        layers,
-        calibration: None,
-    }
+    let name = format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x"));
+    crate::demo::context_mlp(&name, seed, dims)
 }
 
 /// `model` calibrated (max-abs over 64 seeded normal rows, as `quiver import

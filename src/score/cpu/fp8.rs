@@ -228,27 +228,10 @@ impl Backend for CpuFp8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{sigmoid, InputSegment, Layer, Source};
+    use crate::model::sigmoid;
 
     fn model(seed: u64, dims: &[usize]) -> Model {
-        let mut rng = crate::demo::SplitMix64::new(seed);
-        let layers = dims
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| {
-                let std = (2.0 / w[0] as f32).sqrt();
-                let weights = (0..w[0] * w[1]).map(|_| rng.normal() * std).collect();
-                let bias = (0..w[1]).map(|_| rng.normal() * 0.1).collect();
-                Layer::quantize(w[0], w[1], i + 2 < dims.len(), weights, bias)
-            })
-            .collect();
-        Model {
-            name: "fp8".into(),
-            version: 1,
-            inputs: vec![InputSegment { source: Source::Context, dim: dims[0] }],
-            layers,
-            calibration: None,
-        }
+        crate::demo::context_mlp("fp8", seed, dims)
     }
 
     fn inputs(seed: u64, n: usize) -> Vec<f32> {

@@ -315,30 +315,12 @@ impl Backend for CpuInt8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{sigmoid, InputSegment, Layer, Source};
+    use crate::model::{sigmoid, Layer};
     use crate::score::{build, BackendKind};
 
     /// A seeded random MLP with odd sizes (not multiples of any vector width).
     fn random_model(seed: u64, dims: &[usize]) -> Model {
-        let mut rng = crate::demo::SplitMix64::new(seed);
-        let layers = dims
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| {
-                let (n_in, n_out) = (w[0], w[1]);
-                let std = (2.0 / n_in as f32).sqrt();
-                let weights = (0..n_in * n_out).map(|_| rng.normal() * std).collect();
-                let bias = (0..n_out).map(|_| rng.normal() * 0.1).collect();
-                Layer::quantize(n_in, n_out, i + 2 < dims.len(), weights, bias)
-            })
-            .collect();
-        Model {
-            name: "random".into(),
-            version: 1,
-            inputs: vec![InputSegment { source: Source::Context, dim: dims[0] }],
-            layers,
-            calibration: None,
-        }
+        crate::demo::context_mlp("random", seed, dims)
     }
 
     /// `model` calibrated (max-abs) on 64 seeded normal rows, every range
