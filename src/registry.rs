@@ -175,17 +175,7 @@ impl Registry {
                 Slot { current: Arc::new(model), previous: None, canary: None, shadow: None },
             );
         }
-        Ok(Registry {
-            dir: None,
-            fit,
-            backend,
-            rows_max,
-            default,
-            slots: Mutex::new(slots),
-            generation: AtomicU64::new(1),
-            refused: Mutex::default(),
-            drift: DriftConfig::default(),
-        })
+        Ok(Registry::with_slots(None, fit, backend, rows_max, default, slots))
     }
 
     /// Loads the latest version of every model under `dir`. `default` names
@@ -219,8 +209,19 @@ impl Registry {
             Some(d) => return Err(RegistryError::UnknownModel(d.to_string())),
             None => slots.keys().next().cloned().ok_or_else(|| RegistryError::Empty(dir.display().to_string()))?,
         };
-        Ok(Registry {
-            dir: Some(dir.to_path_buf()),
+        Ok(Registry::with_slots(Some(dir.to_path_buf()), fit, backend, rows_max, default, slots))
+    }
+
+    fn with_slots(
+        dir: Option<PathBuf>,
+        fit: Fit,
+        backend: BackendKind,
+        rows_max: usize,
+        default: String,
+        slots: BTreeMap<String, Slot>,
+    ) -> Registry {
+        Registry {
+            dir,
             fit,
             backend,
             rows_max,
@@ -229,7 +230,7 @@ impl Registry {
             generation: AtomicU64::new(1),
             refused: Mutex::default(),
             drift: DriftConfig::default(),
-        })
+        }
     }
 
     /// Watches served versions for drift with `config` (default otherwise).

@@ -283,12 +283,11 @@ fn skip(status: Option<&GroupStatus>, group: &str, why: &str) {
     }
 }
 
-/// One group's writer and where its stream is read from.
+/// One group's writer and where its stream is read from; `groups[i]`
+/// reports through `status.groups[i]`.
 struct Group {
     name: String,
     writer: ReplicaWriter,
-    index: usize,
-    dim: usize,
     storage: Storage,
     /// Last stream id consumed (applied or skipped); XREAD continues after it.
     read_id: (u64, u64),
@@ -348,19 +347,17 @@ impl Refresher {
         let groups = writers
             .into_iter()
             .enumerate()
-            .map(|(index, writer)| {
-                let name = status.groups[index].name.clone();
+            .map(|(i, writer)| {
+                let s = &status.groups[i];
+                let name = s.name.clone();
                 let cursor = writer.cursor();
-                let s = &status.groups[index];
                 s.applied_seq.store(cursor.seq, Ordering::Relaxed);
                 s.change_unix_ms.store(cursor.change_unix_ms, Ordering::Relaxed);
                 s.live_rows.store(writer.live_rows(), Ordering::Relaxed);
                 Group {
-                    dim: writer.table().dim(),
                     storage: config.storage(&name),
                     name,
                     writer,
-                    index,
                     read_id: (cursor.seq, 0),
                     unflushed: false,
                     last_checkpoint_ns: 0,
@@ -523,8 +520,7 @@ impl Refresher {
                     }
                 }
             }
-            for (g, behind) in self.groups.iter().zip(behind) {
-                let s = &self.status.groups[g.index];
+            for (s, behind) in self.status.groups.iter().zip(behind) {
                 s.contact_ns.store(now, Ordering::Relaxed);
                 if !behind {
                     s.caught_up_ns.store(now, Ordering::Relaxed);
@@ -595,7 +591,7 @@ impl Refresher {
             g.read_id = (entry_seq, 0);
             let why =
                 format!("stream entry {entry_seq}-0 is beyond the counter {counter}: not written by the contract");
-            skip(Some(&self.status.groups[g.index]), &g.name, &why);
+            skip(Some(&self.status.groups[i]), &g.name, &why);
             return Ok(());
         }
         tracing::warn!(group = %g.name, cursor_seq, entry_seq, "gap in the stream: full resync");
@@ -605,13 +601,13 @@ impl Refresher {
     /// Replaces group `i`'s replica with a full copy of Redis.
     fn resync(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
         let g = &mut self.groups[i];
-        let s = &self.status.groups[g.index];
+        let s = &self.status.groups[i];
         let started = self.clock.now_ns();
         let default = g.writer.table().default_vector();
         let target = SyncTarget {
             group: &g.name,
             path: g.writer.path(),
-            dim: g.dim,
+            dim: g.writer.table().dim(),
             storage: g.storage,
             default: &default,
             batch_keys_max: self.config.sync_batch_keys_max,
@@ -635,7 +631,7 @@ impl Refresher {
     /// Applies stream entries to group `i` in order.
     fn apply(&mut self, i: usize, entries: Vec<Reply>) -> Result<Needs, RefreshError> {
         let g = &mut self.groups[i];
-        let s = &self.status.groups[g.index];
+        let s = &self.status.groups[i];
         for entry in entries {
             let mut parts = entry.into_array().ok_or_else(|| shape("XREAD", "entry is not an array"))?.into_iter();
             let id = parts.next().and_then(Reply::into_bytes).and_then(|b| parse_id(&b));
@@ -655,7 +651,7 @@ impl Refresher {
             }
             g.read_id = id;
             cursor.seq = id.0;
-            match change(&g.name, &fields, g.dim) {
+            match change(&g.name, &fields, g.writer.table().dim()) {
                 Ok((id, Some(v), t)) => {
                     g.writer.upsert(id, &v)?;
                     cursor.change_unix_ms = t;

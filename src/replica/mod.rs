@@ -147,8 +147,11 @@ impl std::fmt::Debug for ReplicaHandle {
 
 impl ReplicaHandle {
     pub fn new(replica: Replica) -> ReplicaHandle {
-        let dim = replica.dim();
-        ReplicaHandle { current: ArcSwap::from_pointee(replica), dim }
+        ReplicaHandle::serving(Arc::new(replica))
+    }
+
+    fn serving(table: Arc<Replica>) -> ReplicaHandle {
+        ReplicaHandle { dim: table.dim(), current: ArcSwap::new(table) }
     }
 
     /// Opens `path` read-only (see [`Replica::open`]).

@@ -146,11 +146,7 @@ impl ReplicaWriter {
     /// first call and kept across growth and installs.
     pub fn handle(&mut self) -> Arc<ReplicaHandle> {
         let table = self.table.clone();
-        self.handle
-            .get_or_insert_with(|| {
-                Arc::new(ReplicaHandle { current: arc_swap::ArcSwap::new(table.clone()), dim: table.dim() })
-            })
-            .clone()
+        self.handle.get_or_insert_with(|| Arc::new(ReplicaHandle::serving(table))).clone()
     }
 
     pub fn table(&self) -> &Arc<Replica> {
