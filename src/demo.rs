@@ -119,6 +119,7 @@ pub fn context_mlp(name: &str, seed: u64, dims: &[usize]) -> Model {
         inputs: vec![InputSegment { source: Source::Context, dim: dims[0] }],
         layers: he_layers(&mut rng, dims, 0.1),
         calibration: None,
+        graph: None,
     }
 }
 
@@ -137,6 +138,7 @@ pub fn model() -> Model {
         ],
         layers,
         calibration: None,
+        graph: None,
     }
 }
 
@@ -154,6 +156,7 @@ pub fn fallback_model() -> Model {
         inputs: model().inputs,
         layers: vec![Layer::quantize(n_in, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.0])],
         calibration: None,
+        graph: None,
     }
 }
 

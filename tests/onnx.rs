@@ -85,6 +85,8 @@ fn options(inputs: &str, output: Option<&str>) -> ImportOptions {
         version: 7,
         inputs: inputs.parse().unwrap(),
         output: output.map(str::to_string),
+        output_kind: quiver::model::OutputKind::Logit,
+        base_dir: None,
     }
 }
 

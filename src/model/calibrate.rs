@@ -368,6 +368,7 @@ mod tests {
                 Layer::quantize(2, 1, false, vec![1.0, -1.0], vec![0.0]),
             ],
             calibration: None,
+            graph: None,
         }
     }
 

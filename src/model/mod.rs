@@ -24,12 +24,14 @@ mod generated {
 #[path = "model_generated.rs"]
 mod generated;
 pub mod calibrate;
+pub mod graph;
 pub mod onnx;
 
 use std::path::Path;
 
-use flatbuffers::{FlatBufferBuilder, VerifierOptions};
+use flatbuffers::{FlatBufferBuilder, VerifierOptions, WIPOffset};
 pub use generated::quiver::model as fb;
+pub use graph::{Act, Graph, Node, Op, OutputKind};
 
 /// Largest model file accepted, and the verifier's size bound.
 pub const MODEL_BYTES_MAX: usize = 1 << 30;
@@ -141,6 +143,9 @@ pub struct Model {
     /// `None` for a model imported without a calibration set: the INT8
     /// backend then falls back to dynamic per-row activation scales.
     pub calibration: Option<Calibration>,
+    /// A graph model (file v2): `layers` is then empty and the graph is the
+    /// network. `None` for the v1 MLP of `layers`.
+    pub graph: Option<Graph>,
 }
 
 /// Largest |bias| in accumulator units. With |acc| ≤ 128 · 127 · `WIDTH_MAX`
@@ -195,6 +200,15 @@ impl Model {
         }
         if self.inputs.iter().any(|i| i.dim == 0) {
             return Err(bad("an input segment has dimension 0".into()));
+        }
+        if let Some(g) = &self.graph {
+            if !self.layers.is_empty() {
+                return Err(bad("has both layers and a graph".into()));
+            }
+            if self.calibration.is_some() {
+                return Err(bad("is a graph model with a calibration; graph models are not calibrated yet".into()));
+            }
+            return g.validate(self.input_dim()).map_err(bad);
         }
         if self.layers.is_empty() || self.layers.len() > LAYERS_MAX {
             return Err(bad(format!("has {} layers; 1 to {LAYERS_MAX} allowed", self.layers.len())));
@@ -300,7 +314,29 @@ impl Model {
 
     /// Widest activation vector, for sizing scratch buffers.
     pub fn width_max(&self) -> usize {
-        self.layers.iter().map(|l| l.out_dim).chain([self.input_dim()]).max().unwrap_or(0)
+        let graph = self.graph.as_ref().map_or(0, Graph::width_max);
+        self.layers.iter().map(|l| l.out_dim).chain([self.input_dim(), graph]).max().unwrap_or(0)
+    }
+
+    /// What the network's output is: a logit for every v1 model.
+    pub fn output_kind(&self) -> OutputKind {
+        self.graph.as_ref().map_or(OutputKind::Logit, |g| g.output)
+    }
+
+    /// The score returned for an output value: its sigmoid for a logit,
+    /// the value itself for a raw (regression) output.
+    #[inline]
+    pub fn score(&self, output: f32) -> f32 {
+        match self.output_kind() {
+            OutputKind::Logit => sigmoid(output),
+            OutputKind::Raw => output,
+        }
+    }
+
+    /// Multiply-accumulates per scored row.
+    pub fn macs_per_row(&self) -> usize {
+        let layers: usize = self.layers.iter().map(|l| l.in_dim * l.out_dim).sum();
+        layers + self.graph.as_ref().map_or(0, Graph::macs_per_row)
     }
 
     /// Dimension declared for `source`, if the model reads it.
@@ -314,6 +350,12 @@ impl Model {
     pub fn forward_f32_reference(&self, x: &[f32], rows: usize, out: &mut [f32]) {
         assert_eq!(x.len(), rows * self.input_dim());
         assert_eq!(out.len(), rows);
+        if let Some(g) = &self.graph {
+            for (r, y) in out.iter_mut().enumerate() {
+                *y = g.forward_row(&x[r * self.input_dim()..(r + 1) * self.input_dim()]);
+            }
+            return;
+        }
         for r in 0..rows {
             let mut act: Vec<f32> = x[r * self.input_dim()..(r + 1) * self.input_dim()].to_vec();
             for l in &self.layers {
@@ -352,7 +394,7 @@ impl Model {
         }
         let opts = VerifierOptions {
             max_depth: 8,
-            max_tables: 2 + LAYERS_MAX + 16,
+            max_tables: 2 + LAYERS_MAX + 16 + 2 * graph::NODES_MAX,
             max_apparent_size: MODEL_BYTES_MAX,
             ignore_missing_null_terminator: false,
         };
@@ -372,20 +414,7 @@ impl Model {
         }
         let mut layers = Vec::new();
         for l in m.layers().unwrap_or_default() {
-            let relu = match l.activation() {
-                fb::Activation::None => false,
-                fb::Activation::Relu => true,
-                _ => return Err(bad("a layer has an unknown activation")),
-            };
-            layers.push(Layer {
-                in_dim: l.in_dim() as usize,
-                out_dim: l.out_dim() as usize,
-                relu,
-                weights_f32: l.weights_f32().map(|v| v.iter().collect()).unwrap_or_default(),
-                weights_i8: l.weights_i8().map(|v| v.iter().collect()).unwrap_or_default(),
-                weight_scales: l.weight_scales().map(|v| v.iter().collect()).unwrap_or_default(),
-                bias: l.bias().map(|v| v.iter().collect()).unwrap_or_default(),
-            });
+            layers.push(layer_from_fb(&l).ok_or_else(|| bad("a layer has an unknown activation"))?);
         }
         let calibration = m.calibration().map(|c| Calibration {
             method: c.method().unwrap_or("").to_string(),
@@ -398,7 +427,11 @@ impl Model {
             input_means: c.input_means().map(|v| v.iter().collect()).unwrap_or_default(),
             input_variances: c.input_variances().map(|v| v.iter().collect()).unwrap_or_default(),
         });
-        let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration };
+        let graph = match m.graph() {
+            Some(g) => Some(graph_from_fb(&g).map_err(|what| bad(&what))?),
+            None => None,
+        };
+        let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration, graph };
         model.validate()?;
         Ok(model)
     }
@@ -417,28 +450,8 @@ impl Model {
                 fb::InputSegment::create(&mut b, &fb::InputSegmentArgs { source, dim: s.dim as u32 })
             })
             .collect();
-        let layers: Vec<_> = self
-            .layers
-            .iter()
-            .map(|l| {
-                let weights_f32 = Some(b.create_vector(&l.weights_f32));
-                let weights_i8 = Some(b.create_vector(&l.weights_i8));
-                let weight_scales = Some(b.create_vector(&l.weight_scales));
-                let bias = Some(b.create_vector(&l.bias));
-                fb::Layer::create(
-                    &mut b,
-                    &fb::LayerArgs {
-                        in_dim: l.in_dim as u32,
-                        out_dim: l.out_dim as u32,
-                        activation: if l.relu { fb::Activation::Relu } else { fb::Activation::None },
-                        weights_f32,
-                        weights_i8,
-                        weight_scales,
-                        bias,
-                    },
-                )
-            })
-            .collect();
+        let layers: Vec<_> = self.layers.iter().map(|l| layer_to_fb(&mut b, l)).collect();
+        let graph = self.graph.as_ref().map(|g| graph_to_fb(&mut b, g));
         let calibration = self.calibration.as_ref().map(|c| {
             let edges = Some(b.create_vector(&c.scores.edges));
             let counts = Some(b.create_vector(&c.scores.counts));
@@ -456,8 +469,10 @@ impl Model {
         let name = Some(b.create_string(&self.name));
         let inputs = Some(b.create_vector(&inputs));
         let layers = Some(b.create_vector(&layers));
-        let root =
-            fb::Model::create(&mut b, &fb::ModelArgs { name, version: self.version, inputs, layers, calibration });
+        let root = fb::Model::create(
+            &mut b,
+            &fb::ModelArgs { name, version: self.version, inputs, layers, calibration, graph },
+        );
         fb::finish_model_buffer(&mut b, root);
         b.finished_data().to_vec()
     }
@@ -469,6 +484,181 @@ impl Model {
             source: std::io::Error::other(e.to_string()),
         })
     }
+}
+
+fn layer_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, l: &Layer) -> WIPOffset<fb::Layer<'b>> {
+    let weights_f32 = Some(b.create_vector(&l.weights_f32));
+    let weights_i8 = Some(b.create_vector(&l.weights_i8));
+    let weight_scales = Some(b.create_vector(&l.weight_scales));
+    let bias = Some(b.create_vector(&l.bias));
+    fb::Layer::create(
+        b,
+        &fb::LayerArgs {
+            in_dim: l.in_dim as u32,
+            out_dim: l.out_dim as u32,
+            activation: if l.relu { fb::Activation::Relu } else { fb::Activation::None },
+            weights_f32,
+            weights_i8,
+            weight_scales,
+            bias,
+        },
+    )
+}
+
+/// A v1 layer; `None` for an activation other than None or ReLU.
+fn layer_from_fb(l: &fb::Layer<'_>) -> Option<Layer> {
+    let relu = match l.activation() {
+        fb::Activation::None => false,
+        fb::Activation::Relu => true,
+        _ => return None,
+    };
+    Some(Layer {
+        in_dim: l.in_dim() as usize,
+        out_dim: l.out_dim() as usize,
+        relu,
+        weights_f32: l.weights_f32().map(|v| v.iter().collect()).unwrap_or_default(),
+        weights_i8: l.weights_i8().map(|v| v.iter().collect()).unwrap_or_default(),
+        weight_scales: l.weight_scales().map(|v| v.iter().collect()).unwrap_or_default(),
+        bias: l.bias().map(|v| v.iter().collect()).unwrap_or_default(),
+    })
+}
+
+fn act_to_fb(a: Act) -> (fb::Activation, f32) {
+    match a {
+        Act::None => (fb::Activation::None, 0.0),
+        Act::Relu => (fb::Activation::Relu, 0.0),
+        Act::LeakyRelu(alpha) => (fb::Activation::LeakyRelu, alpha),
+        Act::Tanh => (fb::Activation::Tanh, 0.0),
+        Act::Sigmoid => (fb::Activation::Sigmoid, 0.0),
+        Act::GeluErf => (fb::Activation::GeluErf, 0.0),
+        Act::GeluTanh => (fb::Activation::GeluTanh, 0.0),
+        Act::Silu => (fb::Activation::Silu, 0.0),
+        Act::Erf => (fb::Activation::Erf, 0.0),
+    }
+}
+
+fn act_from_fb(a: fb::Activation, alpha: f32) -> Option<Act> {
+    Some(match a {
+        fb::Activation::None => Act::None,
+        fb::Activation::Relu => Act::Relu,
+        fb::Activation::LeakyRelu => Act::LeakyRelu(alpha),
+        fb::Activation::Tanh => Act::Tanh,
+        fb::Activation::Sigmoid => Act::Sigmoid,
+        fb::Activation::GeluErf => Act::GeluErf,
+        fb::Activation::GeluTanh => Act::GeluTanh,
+        fb::Activation::Silu => Act::Silu,
+        fb::Activation::Erf => Act::Erf,
+        _ => return None,
+    })
+}
+
+fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph) -> WIPOffset<fb::Graph<'b>> {
+    let nodes: Vec<_> = g
+        .nodes
+        .iter()
+        .map(|n| {
+            let inputs: Vec<u32> = n.inputs.iter().map(|&i| i as u32).collect();
+            let inputs = Some(b.create_vector(&inputs));
+            let mut args = fb::NodeArgs { inputs, width: n.width as u32, ..Default::default() };
+            let floats = |b: &mut FlatBufferBuilder<'b>, v: &[f32]| Some(b.create_vector(v));
+            match &n.op {
+                Op::Input { offset } => {
+                    args.op = fb::NodeOp::Input;
+                    args.offset = *offset as u32;
+                }
+                Op::Dense { layer, act } => {
+                    args.op = fb::NodeOp::Dense;
+                    args.dense = Some(layer_to_fb(b, layer));
+                    (args.activation, args.alpha) = act_to_fb(*act);
+                }
+                Op::Act(act) => {
+                    args.op = fb::NodeOp::Activation;
+                    (args.activation, args.alpha) = act_to_fb(*act);
+                }
+                Op::Add => args.op = fb::NodeOp::Add,
+                Op::Sub => args.op = fb::NodeOp::Sub,
+                Op::Mul => args.op = fb::NodeOp::Mul,
+                Op::Affine { center, scale, shift } => {
+                    args.op = fb::NodeOp::Affine;
+                    args.center = floats(b, center);
+                    args.scale = floats(b, scale);
+                    args.shift = floats(b, shift);
+                }
+                Op::Concat => args.op = fb::NodeOp::Concat,
+                Op::LayerNorm { epsilon, scale, shift } => {
+                    args.op = fb::NodeOp::LayerNorm;
+                    args.epsilon = *epsilon;
+                    args.scale = floats(b, scale);
+                    args.shift = floats(b, shift);
+                }
+                Op::Dot => args.op = fb::NodeOp::Dot,
+                Op::Sum => args.op = fb::NodeOp::Sum,
+                Op::Embedding { dim: _, rows, table, default } => {
+                    args.op = fb::NodeOp::Embedding;
+                    args.table_rows = *rows as u32;
+                    args.table = floats(b, table);
+                    args.table_default = floats(b, default);
+                }
+            }
+            fb::Node::create(b, &args)
+        })
+        .collect();
+    let nodes = Some(b.create_vector(&nodes));
+    let output = match g.output {
+        OutputKind::Logit => fb::OutputKind::Logit,
+        OutputKind::Raw => fb::OutputKind::Raw,
+    };
+    fb::Graph::create(b, &fb::GraphArgs { nodes, output })
+}
+
+fn graph_from_fb(g: &fb::Graph<'_>) -> Result<Graph, String> {
+    let output = match g.output() {
+        fb::OutputKind::Logit => OutputKind::Logit,
+        fb::OutputKind::Raw => OutputKind::Raw,
+        _ => return Err("the graph has an unknown output kind".into()),
+    };
+    let fb_nodes = g.nodes().unwrap_or_default();
+    if fb_nodes.len() > graph::NODES_MAX {
+        return Err(format!("the graph has {} nodes; the limit is {}", fb_nodes.len(), graph::NODES_MAX));
+    }
+    let mut nodes = Vec::with_capacity(fb_nodes.len());
+    for (i, n) in fb_nodes.iter().enumerate() {
+        let floats = |v: Option<flatbuffers::Vector<'_, f32>>| v.map(|v| v.iter().collect()).unwrap_or_default();
+        let act =
+            || act_from_fb(n.activation(), n.alpha()).ok_or_else(|| format!("node {i} has an unknown activation"));
+        let width = n.width() as usize;
+        let op = match n.op() {
+            fb::NodeOp::Input => Op::Input { offset: n.offset() as usize },
+            fb::NodeOp::Dense => {
+                let layer = n
+                    .dense()
+                    .and_then(|l| layer_from_fb(&l))
+                    .ok_or_else(|| format!("node {i} (Dense) has no layer or an unknown layer activation"))?;
+                Op::Dense { layer, act: act()? }
+            }
+            fb::NodeOp::Activation => Op::Act(act()?),
+            fb::NodeOp::Add => Op::Add,
+            fb::NodeOp::Sub => Op::Sub,
+            fb::NodeOp::Mul => Op::Mul,
+            fb::NodeOp::Affine => {
+                Op::Affine { center: floats(n.center()), scale: floats(n.scale()), shift: floats(n.shift()) }
+            }
+            fb::NodeOp::Concat => Op::Concat,
+            fb::NodeOp::LayerNorm => {
+                Op::LayerNorm { epsilon: n.epsilon(), scale: floats(n.scale()), shift: floats(n.shift()) }
+            }
+            fb::NodeOp::Dot => Op::Dot,
+            fb::NodeOp::Sum => Op::Sum,
+            fb::NodeOp::Embedding => {
+                let default: Vec<f32> = floats(n.table_default());
+                Op::Embedding { dim: default.len(), rows: n.table_rows() as usize, table: floats(n.table()), default }
+            }
+            _ => return Err(format!("node {i} has an unknown op")),
+        };
+        let inputs = n.inputs().map(|v| v.iter().map(|x| x as usize).collect()).unwrap_or_default();
+        nodes.push(Node { op, inputs, width });
+    }
+    Ok(Graph { nodes, output })
 }
 
 /// The logistic function applied on the host to the output logit.
@@ -494,6 +684,7 @@ mod tests {
                 Layer::quantize(2, 1, false, vec![1.5, -1.0], vec![-0.25]),
             ],
             calibration: None,
+            graph: None,
         }
     }
 

@@ -101,12 +101,19 @@ impl ::flatbuffers::SimpleToVerifyInSlice for Source {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_ACTIVATION: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_ACTIVATION: u8 = 1;
+pub const ENUM_MAX_ACTIVATION: u8 = 8;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_ACTIVATION: [Activation; 2] = [
+pub const ENUM_VALUES_ACTIVATION: [Activation; 9] = [
   Activation::None,
   Activation::Relu,
+  Activation::LeakyRelu,
+  Activation::Tanh,
+  Activation::Sigmoid,
+  Activation::GeluErf,
+  Activation::GeluTanh,
+  Activation::Silu,
+  Activation::Erf,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -116,18 +123,39 @@ pub struct Activation(pub u8);
 impl Activation {
   pub const None: Self = Self(0);
   pub const Relu: Self = Self(1);
+  pub const LeakyRelu: Self = Self(2);
+  pub const Tanh: Self = Self(3);
+  pub const Sigmoid: Self = Self(4);
+  pub const GeluErf: Self = Self(5);
+  pub const GeluTanh: Self = Self(6);
+  pub const Silu: Self = Self(7);
+  pub const Erf: Self = Self(8);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 1;
+  pub const ENUM_MAX: u8 = 8;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::None,
     Self::Relu,
+    Self::LeakyRelu,
+    Self::Tanh,
+    Self::Sigmoid,
+    Self::GeluErf,
+    Self::GeluTanh,
+    Self::Silu,
+    Self::Erf,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
     match self {
       Self::None => Some("None"),
       Self::Relu => Some("Relu"),
+      Self::LeakyRelu => Some("LeakyRelu"),
+      Self::Tanh => Some("Tanh"),
+      Self::Sigmoid => Some("Sigmoid"),
+      Self::GeluErf => Some("GeluErf"),
+      Self::GeluTanh => Some("GeluTanh"),
+      Self::Silu => Some("Silu"),
+      Self::Erf => Some("Erf"),
       _ => None,
     }
   }
@@ -182,6 +210,214 @@ impl<'a> ::flatbuffers::Verifiable for Activation {
 }
 
 impl ::flatbuffers::SimpleToVerifyInSlice for Activation {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_NODE_OP: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_NODE_OP: u8 = 11;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_NODE_OP: [NodeOp; 12] = [
+  NodeOp::Input,
+  NodeOp::Dense,
+  NodeOp::Activation,
+  NodeOp::Add,
+  NodeOp::Sub,
+  NodeOp::Mul,
+  NodeOp::Affine,
+  NodeOp::Concat,
+  NodeOp::LayerNorm,
+  NodeOp::Dot,
+  NodeOp::Sum,
+  NodeOp::Embedding,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct NodeOp(pub u8);
+#[allow(non_upper_case_globals)]
+impl NodeOp {
+  pub const Input: Self = Self(0);
+  pub const Dense: Self = Self(1);
+  pub const Activation: Self = Self(2);
+  pub const Add: Self = Self(3);
+  pub const Sub: Self = Self(4);
+  pub const Mul: Self = Self(5);
+  pub const Affine: Self = Self(6);
+  pub const Concat: Self = Self(7);
+  pub const LayerNorm: Self = Self(8);
+  pub const Dot: Self = Self(9);
+  pub const Sum: Self = Self(10);
+  pub const Embedding: Self = Self(11);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 11;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::Input,
+    Self::Dense,
+    Self::Activation,
+    Self::Add,
+    Self::Sub,
+    Self::Mul,
+    Self::Affine,
+    Self::Concat,
+    Self::LayerNorm,
+    Self::Dot,
+    Self::Sum,
+    Self::Embedding,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::Input => Some("Input"),
+      Self::Dense => Some("Dense"),
+      Self::Activation => Some("Activation"),
+      Self::Add => Some("Add"),
+      Self::Sub => Some("Sub"),
+      Self::Mul => Some("Mul"),
+      Self::Affine => Some("Affine"),
+      Self::Concat => Some("Concat"),
+      Self::LayerNorm => Some("LayerNorm"),
+      Self::Dot => Some("Dot"),
+      Self::Sum => Some("Sum"),
+      Self::Embedding => Some("Embedding"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for NodeOp {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for NodeOp {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for NodeOp {
+    type Output = NodeOp;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for NodeOp {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for NodeOp {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for NodeOp {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_OUTPUT_KIND: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_OUTPUT_KIND: u8 = 1;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_OUTPUT_KIND: [OutputKind; 2] = [
+  OutputKind::Logit,
+  OutputKind::Raw,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct OutputKind(pub u8);
+#[allow(non_upper_case_globals)]
+impl OutputKind {
+  pub const Logit: Self = Self(0);
+  pub const Raw: Self = Self(1);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 1;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::Logit,
+    Self::Raw,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::Logit => Some("Logit"),
+      Self::Raw => Some("Raw"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for OutputKind {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for OutputKind {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for OutputKind {
+    type Output = OutputKind;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for OutputKind {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for OutputKind {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for OutputKind {}
 pub enum InputSegmentOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -787,6 +1023,436 @@ impl ::core::fmt::Debug for Calibration<'_> {
       ds.finish()
   }
 }
+pub enum NodeOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct Node<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Node<'a> {
+  type Inner = Node<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Node<'a> {
+  pub const VT_OP: ::flatbuffers::VOffsetT = 4;
+  pub const VT_INPUTS: ::flatbuffers::VOffsetT = 6;
+  pub const VT_WIDTH: ::flatbuffers::VOffsetT = 8;
+  pub const VT_ACTIVATION: ::flatbuffers::VOffsetT = 10;
+  pub const VT_ALPHA: ::flatbuffers::VOffsetT = 12;
+  pub const VT_OFFSET: ::flatbuffers::VOffsetT = 14;
+  pub const VT_DENSE: ::flatbuffers::VOffsetT = 16;
+  pub const VT_CENTER: ::flatbuffers::VOffsetT = 18;
+  pub const VT_SCALE: ::flatbuffers::VOffsetT = 20;
+  pub const VT_SHIFT: ::flatbuffers::VOffsetT = 22;
+  pub const VT_EPSILON: ::flatbuffers::VOffsetT = 24;
+  pub const VT_TABLE_ROWS: ::flatbuffers::VOffsetT = 26;
+  pub const VT_TABLE: ::flatbuffers::VOffsetT = 28;
+  pub const VT_TABLE_DEFAULT: ::flatbuffers::VOffsetT = 30;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Node { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args NodeArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<Node<'bldr>> {
+    let mut builder = NodeBuilder::new(_fbb);
+    if let Some(x) = args.table_default { builder.add_table_default(x); }
+    if let Some(x) = args.table { builder.add_table(x); }
+    builder.add_table_rows(args.table_rows);
+    builder.add_epsilon(args.epsilon);
+    if let Some(x) = args.shift { builder.add_shift(x); }
+    if let Some(x) = args.scale { builder.add_scale(x); }
+    if let Some(x) = args.center { builder.add_center(x); }
+    if let Some(x) = args.dense { builder.add_dense(x); }
+    builder.add_offset(args.offset);
+    builder.add_alpha(args.alpha);
+    builder.add_width(args.width);
+    if let Some(x) = args.inputs { builder.add_inputs(x); }
+    builder.add_activation(args.activation);
+    builder.add_op(args.op);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn op(&self) -> NodeOp {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<NodeOp>(Node::VT_OP, Some(NodeOp::Input)).unwrap()}
+  }
+  #[inline]
+  pub fn inputs(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(Node::VT_INPUTS, None)}
+  }
+  #[inline]
+  pub fn width(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Node::VT_WIDTH, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn activation(&self) -> Activation {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<Activation>(Node::VT_ACTIVATION, Some(Activation::None)).unwrap()}
+  }
+  #[inline]
+  pub fn alpha(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(Node::VT_ALPHA, Some(0.0)).unwrap()}
+  }
+  #[inline]
+  pub fn offset(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Node::VT_OFFSET, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn dense(&self) -> Option<Layer<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<Layer>>(Node::VT_DENSE, None)}
+  }
+  #[inline]
+  pub fn center(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Node::VT_CENTER, None)}
+  }
+  #[inline]
+  pub fn scale(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Node::VT_SCALE, None)}
+  }
+  #[inline]
+  pub fn shift(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Node::VT_SHIFT, None)}
+  }
+  #[inline]
+  pub fn epsilon(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(Node::VT_EPSILON, Some(0.0)).unwrap()}
+  }
+  #[inline]
+  pub fn table_rows(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Node::VT_TABLE_ROWS, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn table(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Node::VT_TABLE, None)}
+  }
+  #[inline]
+  pub fn table_default(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Node::VT_TABLE_DEFAULT, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Node<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<NodeOp>("op", Self::VT_OP, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("inputs", Self::VT_INPUTS, false)?
+     .visit_field::<u32>("width", Self::VT_WIDTH, false)?
+     .visit_field::<Activation>("activation", Self::VT_ACTIVATION, false)?
+     .visit_field::<f32>("alpha", Self::VT_ALPHA, false)?
+     .visit_field::<u32>("offset", Self::VT_OFFSET, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<Layer>>("dense", Self::VT_DENSE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("center", Self::VT_CENTER, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("scale", Self::VT_SCALE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("shift", Self::VT_SHIFT, false)?
+     .visit_field::<f32>("epsilon", Self::VT_EPSILON, false)?
+     .visit_field::<u32>("table_rows", Self::VT_TABLE_ROWS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("table", Self::VT_TABLE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("table_default", Self::VT_TABLE_DEFAULT, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct NodeArgs<'a> {
+    pub op: NodeOp,
+    pub inputs: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub width: u32,
+    pub activation: Activation,
+    pub alpha: f32,
+    pub offset: u32,
+    pub dense: Option<::flatbuffers::WIPOffset<Layer<'a>>>,
+    pub center: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub scale: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub shift: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub epsilon: f32,
+    pub table_rows: u32,
+    pub table: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub table_default: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+}
+impl<'a> Default for NodeArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    NodeArgs {
+      op: NodeOp::Input,
+      inputs: None,
+      width: 0,
+      activation: Activation::None,
+      alpha: 0.0,
+      offset: 0,
+      dense: None,
+      center: None,
+      scale: None,
+      shift: None,
+      epsilon: 0.0,
+      table_rows: 0,
+      table: None,
+      table_default: None,
+    }
+  }
+}
+
+pub struct NodeBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> NodeBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_op(&mut self, op: NodeOp) {
+    self.fbb_.push_slot::<NodeOp>(Node::VT_OP, op, NodeOp::Input);
+  }
+  #[inline]
+  pub fn add_inputs(&mut self, inputs: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_INPUTS, inputs);
+  }
+  #[inline]
+  pub fn add_width(&mut self, width: u32) {
+    self.fbb_.push_slot::<u32>(Node::VT_WIDTH, width, 0);
+  }
+  #[inline]
+  pub fn add_activation(&mut self, activation: Activation) {
+    self.fbb_.push_slot::<Activation>(Node::VT_ACTIVATION, activation, Activation::None);
+  }
+  #[inline]
+  pub fn add_alpha(&mut self, alpha: f32) {
+    self.fbb_.push_slot::<f32>(Node::VT_ALPHA, alpha, 0.0);
+  }
+  #[inline]
+  pub fn add_offset(&mut self, offset: u32) {
+    self.fbb_.push_slot::<u32>(Node::VT_OFFSET, offset, 0);
+  }
+  #[inline]
+  pub fn add_dense(&mut self, dense: ::flatbuffers::WIPOffset<Layer<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<Layer>>(Node::VT_DENSE, dense);
+  }
+  #[inline]
+  pub fn add_center(&mut self, center: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_CENTER, center);
+  }
+  #[inline]
+  pub fn add_scale(&mut self, scale: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_SCALE, scale);
+  }
+  #[inline]
+  pub fn add_shift(&mut self, shift: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_SHIFT, shift);
+  }
+  #[inline]
+  pub fn add_epsilon(&mut self, epsilon: f32) {
+    self.fbb_.push_slot::<f32>(Node::VT_EPSILON, epsilon, 0.0);
+  }
+  #[inline]
+  pub fn add_table_rows(&mut self, table_rows: u32) {
+    self.fbb_.push_slot::<u32>(Node::VT_TABLE_ROWS, table_rows, 0);
+  }
+  #[inline]
+  pub fn add_table(&mut self, table: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_TABLE, table);
+  }
+  #[inline]
+  pub fn add_table_default(&mut self, table_default: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_TABLE_DEFAULT, table_default);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> NodeBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    NodeBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Node<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Node<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Node");
+      ds.field("op", &self.op());
+      ds.field("inputs", &self.inputs());
+      ds.field("width", &self.width());
+      ds.field("activation", &self.activation());
+      ds.field("alpha", &self.alpha());
+      ds.field("offset", &self.offset());
+      ds.field("dense", &self.dense());
+      ds.field("center", &self.center());
+      ds.field("scale", &self.scale());
+      ds.field("shift", &self.shift());
+      ds.field("epsilon", &self.epsilon());
+      ds.field("table_rows", &self.table_rows());
+      ds.field("table", &self.table());
+      ds.field("table_default", &self.table_default());
+      ds.finish()
+  }
+}
+pub enum GraphOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct Graph<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Graph<'a> {
+  type Inner = Graph<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Graph<'a> {
+  pub const VT_NODES: ::flatbuffers::VOffsetT = 4;
+  pub const VT_OUTPUT: ::flatbuffers::VOffsetT = 6;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Graph { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args GraphArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<Graph<'bldr>> {
+    let mut builder = GraphBuilder::new(_fbb);
+    if let Some(x) = args.nodes { builder.add_nodes(x); }
+    builder.add_output(args.output);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn nodes(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Node<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Node>>>>(Graph::VT_NODES, None)}
+  }
+  #[inline]
+  pub fn output(&self) -> OutputKind {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<OutputKind>(Graph::VT_OUTPUT, Some(OutputKind::Logit)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Graph<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<Node>>>>("nodes", Self::VT_NODES, false)?
+     .visit_field::<OutputKind>("output", Self::VT_OUTPUT, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct GraphArgs<'a> {
+    pub nodes: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Node<'a>>>>>,
+    pub output: OutputKind,
+}
+impl<'a> Default for GraphArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    GraphArgs {
+      nodes: None,
+      output: OutputKind::Logit,
+    }
+  }
+}
+
+pub struct GraphBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> GraphBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_nodes(&mut self, nodes: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<Node<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Graph::VT_NODES, nodes);
+  }
+  #[inline]
+  pub fn add_output(&mut self, output: OutputKind) {
+    self.fbb_.push_slot::<OutputKind>(Graph::VT_OUTPUT, output, OutputKind::Logit);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> GraphBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    GraphBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Graph<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Graph<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Graph");
+      ds.field("nodes", &self.nodes());
+      ds.field("output", &self.output());
+      ds.finish()
+  }
+}
 pub enum ModelOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -808,6 +1474,7 @@ impl<'a> Model<'a> {
   pub const VT_INPUTS: ::flatbuffers::VOffsetT = 8;
   pub const VT_LAYERS: ::flatbuffers::VOffsetT = 10;
   pub const VT_CALIBRATION: ::flatbuffers::VOffsetT = 12;
+  pub const VT_GRAPH: ::flatbuffers::VOffsetT = 14;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -819,6 +1486,7 @@ impl<'a> Model<'a> {
     args: &'args ModelArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Model<'bldr>> {
     let mut builder = ModelBuilder::new(_fbb);
+    if let Some(x) = args.graph { builder.add_graph(x); }
     if let Some(x) = args.calibration { builder.add_calibration(x); }
     if let Some(x) = args.layers { builder.add_layers(x); }
     if let Some(x) = args.inputs { builder.add_inputs(x); }
@@ -863,6 +1531,13 @@ impl<'a> Model<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<Calibration>>(Model::VT_CALIBRATION, None)}
   }
+  #[inline]
+  pub fn graph(&self) -> Option<Graph<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<Graph>>(Model::VT_GRAPH, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Model<'_> {
@@ -876,6 +1551,7 @@ impl ::flatbuffers::Verifiable for Model<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<InputSegment>>>>("inputs", Self::VT_INPUTS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<Layer>>>>("layers", Self::VT_LAYERS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<Calibration>>("calibration", Self::VT_CALIBRATION, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<Graph>>("graph", Self::VT_GRAPH, false)?
      .finish();
     Ok(())
   }
@@ -886,6 +1562,7 @@ pub struct ModelArgs<'a> {
     pub inputs: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<InputSegment<'a>>>>>,
     pub layers: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Layer<'a>>>>>,
     pub calibration: Option<::flatbuffers::WIPOffset<Calibration<'a>>>,
+    pub graph: Option<::flatbuffers::WIPOffset<Graph<'a>>>,
 }
 impl<'a> Default for ModelArgs<'a> {
   #[inline]
@@ -896,6 +1573,7 @@ impl<'a> Default for ModelArgs<'a> {
       inputs: None,
       layers: None,
       calibration: None,
+      graph: None,
     }
   }
 }
@@ -926,6 +1604,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ModelBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<Calibration>>(Model::VT_CALIBRATION, calibration);
   }
   #[inline]
+  pub fn add_graph(&mut self, graph: ::flatbuffers::WIPOffset<Graph<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<Graph>>(Model::VT_GRAPH, graph);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ModelBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ModelBuilder {
@@ -948,6 +1630,7 @@ impl ::core::fmt::Debug for Model<'_> {
       ds.field("inputs", &self.inputs());
       ds.field("layers", &self.layers());
       ds.field("calibration", &self.calibration());
+      ds.field("graph", &self.graph());
       ds.finish()
   }
 }

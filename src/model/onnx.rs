@@ -1,15 +1,21 @@
-//! ONNX import: turns the MLP graphs that standard tools export for CTR and
-//! fraud models into a Quiver [`Model`].
+//! ONNX import: turns the graphs that standard tools export for CTR, fraud
+//! and pricing models into a Quiver [`Model`].
 //!
 //! Training happens elsewhere (scikit-learn, PyTorch, Keras) and ONNX is what
 //! those tools write, so this is how a trained model reaches the server. The
 //! graph is decoded with `onnx-protobuf` (generated types, pure Rust, no
-//! runtime) and evaluated symbolically: graph inputs and their `Concat` become
-//! the input layout, `Gemm` or `MatMul` + `Add` become dense layers, `Relu`
-//! their activation, and a final `Sigmoid` is dropped because the server
-//! applies it on the host. Everything else is refused with the node and the
-//! reason rather than approximated, so an imported model computes what the
-//! ONNX graph computes or is not imported at all.
+//! runtime) and interpreted op by op into a `model::graph::Graph`: graph
+//! inputs become input slices, `Gemm`/`MatMul` dense nodes, constants in
+//! `Add`/`Sub`/`Mul`/`Div`, `BatchNormalization` and `Scaler` affine nodes,
+//! and so on; a final `Sigmoid` is dropped because the server applies it on
+//! the host, and a two-class probability output is read at its positive
+//! class. The exact rewrites of `Graph::simplify` follow (BatchNorm folded
+//! into the dense layer before it, activations fused, GELU recognised), and
+//! a graph that is then a plain chain of ReLU dense layers is stored as the
+//! v1 MLP, which keeps the fused INT8 kernels and calibration. Everything
+//! else is refused with the node and the reason rather than approximated, so
+//! an imported model computes what the ONNX graph computes or is not
+//! imported at all.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
@@ -19,15 +25,19 @@ use onnx_protobuf::{attribute_proto::AttributeType, tensor_proto, type_proto, Me
 use onnx_protobuf::{AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto};
 use protobuf::Enum as _;
 
+use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
 use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_BYTES_MAX};
 
 /// The ops the importer understands, for error messages.
-pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add (a bias after Gemm/MatMul), Relu, Sigmoid (last op only), \
-     Identity, Cast (to float), Flatten and Reshape (of an already flat tensor), Concat (of graph inputs), Constant";
+pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add, Sub, Mul, Div (by a constant), Relu, LeakyRelu, Tanh, Sigmoid, \
+     Erf, Gelu, BatchNormalization, LayerNormalization, Softmax (two classes), ReduceSum (feature axis), Concat, \
+     Slice (of a graph input), Gather (embeddings), Identity, Dropout, Cast, Flatten, Reshape, Constant; \
+     ai.onnx.ml Scaler, LinearClassifier, LinearRegressor, Normalizer (L1), ZipMap";
 
 /// ONNX `TensorProto.DataType` codes this module reads.
 const DT_FLOAT: i32 = 1;
 const DT_INT64: i32 = 7;
+const DT_INT32: i32 = 6;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OnnxError {
@@ -139,6 +149,11 @@ pub struct ImportOptions {
     /// The tensor holding the logit or its sigmoid; `None` takes the graph's
     /// only output.
     pub output: Option<String>,
+    /// Whether the output is a logit (scores are its sigmoid) or a raw value.
+    pub output_kind: OutputKind,
+    /// Where external data files (weights beside the `.onnx`) are found;
+    /// the ONNX file's folder.
+    pub base_dir: Option<std::path::PathBuf>,
 }
 
 /// An imported model and what the import found, for the summary.
@@ -152,12 +167,14 @@ pub struct Imported {
     /// `(graph input, Quiver segments)` in input-vector order.
     pub layout: Vec<(String, Vec<InputSegment>)>,
     pub producer: String,
+    /// The rewrites made on the way (Dropout removed, BatchNorm folded, …).
+    pub rewrites: Vec<String>,
 }
 
 impl Imported {
     /// Multiply-accumulates per scored row.
     pub fn macs_per_row(&self) -> usize {
-        self.model.layers.iter().map(|l| l.in_dim * l.out_dim).sum()
+        self.model.macs_per_row()
     }
 
     /// A human-readable account of the model: layout, layers, cost.
@@ -174,12 +191,40 @@ impl Imported {
             let act = if l.relu { ", ReLU" } else { "" };
             let _ = writeln!(s, "  layer {i}: {} -> {}{act}", l.in_dim, l.out_dim);
         }
+        if let Some(g) = &m.graph {
+            let _ = writeln!(s, "  graph model (file v2), {} nodes:", g.nodes.len());
+            for (i, n) in g.nodes.iter().enumerate() {
+                let reads: Vec<String> = n.inputs.iter().map(|j| j.to_string()).collect();
+                let what = match &n.op {
+                    Op::Input { offset } => format!("Input columns {offset}..{}", offset + n.width),
+                    Op::Dense { layer, act: Act::None } => format!("Dense {} -> {}", layer.in_dim, layer.out_dim),
+                    Op::Dense { layer, act } => format!("Dense {} -> {}, {}", layer.in_dim, layer.out_dim, act.name()),
+                    Op::Act(a) => a.name(),
+                    Op::Embedding { rows, dim, .. } => format!("Embedding {rows} x {dim}"),
+                    op => op.name().to_string(),
+                };
+                let reads = if reads.is_empty() { String::new() } else { format!(" of {}", reads.join(", ")) };
+                let _ = writeln!(s, "  node {i}: {what}{reads} (width {})", n.width);
+            }
+        } else {
+            let _ = writeln!(s, "  plain MLP (file v1): fused INT8 kernels, calibration available");
+        }
+        for r in &self.rewrites {
+            let _ = writeln!(s, "  rewrite: {r}");
+        }
         let tail = if self.sigmoid_dropped {
             "its Sigmoid is applied by the server"
         } else {
             "the server applies the sigmoid"
         };
-        let _ = writeln!(s, "  output '{}': one logit; {tail}", self.output);
+        match m.output_kind() {
+            OutputKind::Logit => {
+                let _ = writeln!(s, "  output '{}': one logit; {tail}", self.output);
+            }
+            OutputKind::Raw => {
+                let _ = writeln!(s, "  output '{}': one raw value, returned as is", self.output);
+            }
+        }
         let _ = write!(s, "  MACs per row: {}", self.macs_per_row());
         s
     }
@@ -194,7 +239,11 @@ pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Imported, OnnxEr
         return Err(OnnxError::TooLarge { path: p, bytes: bytes_len });
     }
     let bytes = std::fs::read(path).map_err(io)?;
-    import_bytes(&bytes, &p, opts)
+    let mut opts = opts.clone();
+    if opts.base_dir.is_none() {
+        opts.base_dir = Some(path.parent().map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf));
+    }
+    import_bytes(&bytes, &p, &opts)
 }
 
 /// Decodes and imports ONNX bytes; `path_for_errors` names them in errors.
@@ -211,57 +260,6 @@ pub fn import_bytes(bytes: &[u8], path_for_errors: &str, opts: &ImportOptions) -
         format!("{} {}", proto.producer_name, proto.producer_version).trim_end().to_string()
     };
     Ok(imported)
-}
-
-/// A dense layer under construction; weights row-major `[out][in]`.
-#[derive(Clone, Debug)]
-struct Draft {
-    in_dim: usize,
-    out_dim: usize,
-    weights: Vec<f32>,
-    bias: Vec<f32>,
-    relu: bool,
-}
-
-/// The value of a non-constant tensor: the graph inputs it reads (in
-/// column order), the layers applied so far and whether a Sigmoid ended it.
-/// Every such tensor is `[batch, width]`.
-#[derive(Debug)]
-struct Act {
-    layout: Vec<usize>,
-    width: usize,
-    layers: Vec<Draft>,
-    sigmoid: bool,
-}
-
-enum Operand<'g> {
-    Act(Act),
-    Const(&'g TensorProto),
-}
-
-/// Where the interpreter is: the live activations and the constants.
-struct Interp<'g> {
-    acts: HashMap<String, Act>,
-    consumed: HashSet<String>,
-    consts: HashMap<&'g str, &'g TensorProto>,
-}
-
-impl<'g> Interp<'g> {
-    fn take(&mut self, node: &NodeProto, name: &str) -> Result<Operand<'g>, OnnxError> {
-        if let Some(a) = self.acts.remove(name) {
-            self.consumed.insert(name.to_string());
-            return Ok(Operand::Act(a));
-        }
-        if let Some(t) = self.consts.get(name) {
-            return Ok(Operand::Const(t));
-        }
-        let what = if self.consumed.contains(name) {
-            format!("tensor '{name}' feeds more than one node; only a chain of layers is supported")
-        } else {
-            format!("tensor '{name}' is not produced by an earlier node, an initializer or a graph input")
-        };
-        Err(node_err(node, what))
-    }
 }
 
 fn node_name(node: &NodeProto) -> String {
@@ -425,98 +423,6 @@ fn select_output(graph: &GraphProto, opts: &ImportOptions) -> Result<String, Onn
     }
 }
 
-/// Imports a decoded graph.
-pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported, OnnxError> {
-    let output = select_output(graph, opts)?;
-
-    // Only the nodes the chosen output depends on matter: exporters add label
-    // and probability post-processing that the server does not need.
-    let producer: HashMap<&str, usize> =
-        graph.node.iter().enumerate().flat_map(|(i, n)| n.output.iter().map(move |o| (o.as_str(), i))).collect();
-    let initializers: HashMap<&str, &TensorProto> = graph.initializer.iter().map(|t| (t.name.as_str(), t)).collect();
-    let mut needed = vec![false; graph.node.len()];
-    let mut needed_tensors: HashSet<&str> = HashSet::new();
-    let mut stack = vec![output.as_str()];
-    while let Some(t) = stack.pop() {
-        if !needed_tensors.insert(t) {
-            continue;
-        }
-        if let Some(&i) = producer.get(t) {
-            if !needed[i] {
-                needed[i] = true;
-                stack.extend(graph.node[i].input.iter().map(String::as_str).filter(|s| !s.is_empty()));
-            }
-        }
-    }
-    let feature_inputs: Vec<&ValueInfoProto> = graph
-        .input
-        .iter()
-        .filter(|vi| !initializers.contains_key(vi.name.as_str()) && needed_tensors.contains(vi.name.as_str()))
-        .collect();
-    if !producer.contains_key(output.as_str()) {
-        let what = if feature_inputs.iter().any(|vi| vi.name == output) {
-            format!("'{output}' is a graph input, not computed by any layer")
-        } else {
-            let outs: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
-            format!(
-                "no node produces '{output}' (graph outputs: {})",
-                if outs.is_empty() { "none".into() } else { outs.join(", ") }
-            )
-        };
-        return Err(OnnxError::Output { what });
-    }
-    if feature_inputs.is_empty() {
-        return Err(OnnxError::Output { what: format!("'{output}' does not depend on any graph input") });
-    }
-    let widths = feature_inputs.iter().map(|vi| input_width(vi)).collect::<Result<Vec<_>, _>>()?;
-    let segments = resolve_mapping(&feature_inputs, &widths, &opts.inputs)?;
-
-    let mut interp = Interp { acts: HashMap::new(), consumed: HashSet::new(), consts: initializers };
-    for (i, vi) in feature_inputs.iter().enumerate() {
-        interp
-            .acts
-            .insert(vi.name.clone(), Act { layout: vec![i], width: widths[i], layers: Vec::new(), sigmoid: false });
-    }
-    for (node, _) in graph.node.iter().zip(&needed).filter(|(_, n)| **n) {
-        apply(&mut interp, node)?;
-    }
-
-    let Some(act) = interp.acts.remove(&output) else {
-        return Err(OnnxError::Output { what: format!("'{output}' is a constant, not computed from the inputs") });
-    };
-    if act.layers.is_empty() {
-        return Err(OnnxError::Output { what: format!("'{output}' is not computed by any Gemm or MatMul layer") });
-    }
-    if act.width != 1 {
-        return Err(OnnxError::Output {
-            what: format!(
-                "'{output}' is {} wide; a Quiver model ends in one logit (width 1), or a Sigmoid of it",
-                act.width
-            ),
-        });
-    }
-    if act.layers.last().is_some_and(|l| l.relu) {
-        return Err(OnnxError::Output {
-            what: format!("'{output}' ends in a Relu; the output layer must be linear (a logit) or a Sigmoid of it"),
-        });
-    }
-    let layout: Vec<(String, Vec<InputSegment>)> =
-        act.layout.iter().map(|&i| (feature_inputs[i].name.clone(), segments[i].clone())).collect();
-    let model = Model {
-        name: opts.name.clone(),
-        version: opts.version,
-        inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
-        layers: act
-            .layers
-            .into_iter()
-            .map(|d| Layer::quantize(d.in_dim, d.out_dim, d.relu, d.weights, d.bias))
-            .collect(),
-        calibration: None,
-    };
-    model.validate()?;
-    Ok(Imported { model, output, sigmoid_dropped: act.sigmoid, layout, producer: String::new() })
-}
-
 /// Assigns `--inputs` entries to the graph inputs; returns each input's
 /// segments, in column order.
 fn resolve_mapping(
@@ -570,9 +476,61 @@ fn resolve_mapping(
     Ok(segments)
 }
 
-fn expect_act(node: &NodeProto, op: Operand<'_>, role: &str) -> Result<Act, OnnxError> {
+/// A tensor the interpreter computes: a graph node, the per-row shape it
+/// has in ONNX (`[width]` for `[batch, width]`; `[k, d]` for an embedding
+/// gather), and whether it was cast to an integer type (embedding indices).
+#[derive(Clone, Debug)]
+struct Val {
+    node: usize,
+    dims: Vec<usize>,
+    ints: bool,
+}
+
+enum Operand<'g> {
+    Val(Val),
+    Const(&'g TensorProto),
+}
+
+/// The graph under construction: nodes in topological order, the ONNX
+/// tensors bound to them, and the constants.
+struct Builder<'g> {
+    nodes: Vec<GNode>,
+    vals: HashMap<String, Val>,
+    consts: HashMap<&'g str, &'g TensorProto>,
+    notes: Vec<String>,
+}
+
+impl<'g> Builder<'g> {
+    fn operand(&self, node: &NodeProto, name: &str) -> Result<Operand<'g>, OnnxError> {
+        if let Some(v) = self.vals.get(name) {
+            return Ok(Operand::Val(v.clone()));
+        }
+        if let Some(t) = self.consts.get(name) {
+            return Ok(Operand::Const(t));
+        }
+        Err(node_err(
+            node,
+            format!("tensor '{name}' is not produced by an earlier node, an initializer or a graph input"),
+        ))
+    }
+
+    fn push(&mut self, op: Op, inputs: Vec<usize>, width: usize) -> usize {
+        self.nodes.push(GNode { op, inputs, width });
+        self.nodes.len() - 1
+    }
+
+    fn flat(&mut self, op: Op, inputs: Vec<usize>, width: usize) -> Val {
+        Val { node: self.push(op, inputs, width), dims: vec![width], ints: false }
+    }
+
+    fn width(&self, v: &Val) -> usize {
+        self.nodes[v.node].width
+    }
+}
+
+fn expect_val(node: &NodeProto, op: Operand<'_>, role: &str) -> Result<Val, OnnxError> {
     match op {
-        Operand::Act(a) => Ok(a),
+        Operand::Val(v) => Ok(v),
         Operand::Const(t) => Err(node_err(
             node,
             format!("the {role} '{}' is a constant; it must be computed from the graph inputs", t.name),
@@ -583,24 +541,25 @@ fn expect_act(node: &NodeProto, op: Operand<'_>, role: &str) -> Result<Act, Onnx
 fn expect_const<'g>(node: &NodeProto, op: Operand<'g>, role: &str) -> Result<&'g TensorProto, OnnxError> {
     match op {
         Operand::Const(t) => Ok(t),
-        Operand::Act(_) => Err(node_err(
+        Operand::Val(_) => Err(node_err(
             node,
             format!("the {role} must be an initializer or a Constant, not computed from the inputs"),
         )),
     }
 }
 
-/// Ops that leave a `[batch, width]` tensor unchanged are allowed after the
-/// final Sigmoid; anything else after it is refused.
-fn not_after_sigmoid(node: &NodeProto, a: &Act) -> Result<(), OnnxError> {
-    if a.sigmoid {
-        return Err(node_err(node, "follows the Sigmoid; a Sigmoid is supported only as the last op"));
+/// A `[batch, width]` tensor, or an error naming its shape.
+fn expect_flat(node: &NodeProto, v: &Val) -> Result<usize, OnnxError> {
+    match v.dims[..] {
+        [w] => Ok(w),
+        _ => {
+            Err(node_err(node, format!("reads a [batch, {:?}] tensor; only [batch, width] is supported here", v.dims)))
+        }
     }
-    Ok(())
 }
 
 fn operands<'g>(
-    interp: &mut Interp<'g>,
+    b: &Builder<'g>,
     node: &NodeProto,
     n: std::ops::RangeInclusive<usize>,
 ) -> Result<Vec<Operand<'g>>, OnnxError> {
@@ -608,197 +567,472 @@ fn operands<'g>(
     if !n.contains(&count) {
         return Err(node_err(node, format!("has {count} inputs; {}..={} expected", n.start(), n.end())));
     }
-    node.input.iter().filter(|s| !s.is_empty()).map(|s| interp.take(node, s)).collect()
+    node.input.iter().filter(|s| !s.is_empty()).map(|s| b.operand(node, s)).collect()
 }
 
-/// Applies one node to the interpreter state.
-fn apply<'g>(interp: &mut Interp<'g>, node: &'g NodeProto) -> Result<(), OnnxError> {
+/// A float constant broadcast to `width` values: a scalar, or exactly
+/// `width` values (`[w]` or `[1, w]`).
+fn const_vec(node: &NodeProto, t: &TensorProto, width: usize) -> Result<Vec<f32>, OnnxError> {
+    let (dims, values) = tensor_f32(t)?;
+    if values.len() == 1 && dims.iter().all(|d| *d == 1) {
+        return Ok(vec![values[0]; width]);
+    }
+    if matches!(dims[..], [x] | [1, x] if x == width) {
+        return Ok(values);
+    }
+    Err(node_err(
+        node,
+        format!("constant '{}' has shape {dims:?}; a scalar, [{width}] or [1, {width}] expected", t.name),
+    ))
+}
+
+fn attr_floats(node: &NodeProto, name: &str) -> Vec<f32> {
+    attr(node, name).map(|a| a.floats.clone()).unwrap_or_default()
+}
+
+fn attr_string(node: &NodeProto, name: &str) -> Option<String> {
+    attr(node, name).map(|a| String::from_utf8_lossy(&a.s).into_owned())
+}
+
+fn attr_ints(node: &NodeProto, name: &str) -> Option<Vec<i64>> {
+    attr(node, name).map(|a| a.ints.clone())
+}
+
+/// The affine node `(x − center) · scale + shift` over `v`.
+fn affine(b: &mut Builder<'_>, v: &Val, center: Vec<f32>, scale: Vec<f32>, shift: Vec<f32>) -> Val {
+    let w = b.width(v);
+    let node = b.push(Op::Affine { center, scale, shift }, vec![v.node], w);
+    Val { node, dims: v.dims.clone(), ints: false }
+}
+
+/// A dense node from row-major `[out][in]` f32 weights.
+fn dense(b: &mut Builder<'_>, v: &Val, k: usize, n: usize, weights: Vec<f32>, bias: Vec<f32>) -> Val {
+    let layer = Layer::quantize(k, n, false, weights, bias);
+    b.flat(Op::Dense { layer, act: Act::None }, vec![v.node], n)
+}
+
+/// The two-class probability tensor `[1 − p, p]` for the positive-class
+/// probability node `p`, as classifiers output it; the output selection
+/// takes column 1 back out.
+fn two_class(b: &mut Builder<'_>, p: Val) -> Val {
+    let neg = affine(b, &p, vec![0.0], vec![-1.0], vec![1.0]);
+    b.flat(Op::Concat, vec![neg.node, p.node], 2)
+}
+
+/// The erf form of GELU is written out node by node by exporters; `Gelu`
+/// (opset 20) names it.
+fn act_node(b: &mut Builder<'_>, node: &NodeProto, x: Val, act: Act) -> Result<Val, OnnxError> {
+    if let Act::LeakyRelu(a) = act {
+        if !a.is_finite() {
+            return Err(node_err(node, format!("alpha {a} is not finite")));
+        }
+    }
+    let w = b.width(&x);
+    let n = b.push(Op::Act(act), vec![x.node], w);
+    Ok(Val { node: n, dims: x.dims, ints: false })
+}
+
+/// Applies one node.
+fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> {
     let op = node.op_type.as_str();
-    if !(node.domain.is_empty() || node.domain == "ai.onnx") {
+    let ml = node.domain == "ai.onnx.ml";
+    if !(node.domain.is_empty() || node.domain == "ai.onnx" || ml) {
         return Err(OnnxError::UnsupportedOp {
             op: format!("{}::{op}", node.domain),
             node: node_name(node),
             hint: String::new(),
         });
     }
-    const HANDLED: [&str; 11] =
-        ["Constant", "Identity", "Cast", "Flatten", "Reshape", "Concat", "MatMul", "Gemm", "Add", "Relu", "Sigmoid"];
-    if !HANDLED.contains(&op) {
+    if ml {
+        return apply_ml(b, node);
+    }
+    if op == "Constant" {
+        let t = attr(node, "value")
+            .and_then(|a| a.t.as_ref())
+            .ok_or_else(|| node_err(node, "only a Constant with a tensor 'value' attribute is supported"))?;
+        b.consts.insert(node.output[0].as_str(), t);
+        return Ok(());
+    }
+    const HANDLED: [&str; 29] = [
+        "Identity",
+        "Dropout",
+        "Cast",
+        "Flatten",
+        "Reshape",
+        "Concat",
+        "MatMul",
+        "Gemm",
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Relu",
+        "LeakyRelu",
+        "Tanh",
+        "Sigmoid",
+        "Erf",
+        "Gelu",
+        "BatchNormalization",
+        "LayerNormalization",
+        "Softmax",
+        "ReduceSum",
+        "Slice",
+        "Gather",
+        "Squeeze",
+        "Unsqueeze",
+        "HardSigmoid",
+        "Elu",
+        "Softplus",
+    ];
+    if !HANDLED.contains(&op) || matches!(op, "HardSigmoid" | "Elu" | "Softplus" | "Squeeze" | "Unsqueeze") {
         return Err(unsupported(node));
     }
-    if node.output.len() != 1 {
+    // Dropout's mask and LayerNormalization's statistics are extra outputs
+    // nothing in an inference graph reads; reading them fails as unbound.
+    let extra_ok = matches!(op, "Dropout" | "LayerNormalization" | "BatchNormalization");
+    if node.output.is_empty() || (node.output.len() > 1 && !extra_ok) {
         return Err(node_err(node, format!("has {} outputs; one expected", node.output.len())));
     }
     let out = node.output[0].clone();
-    let result = match op {
-        "Constant" => {
-            let t = attr(node, "value")
-                .and_then(|a| a.t.as_ref())
-                .ok_or_else(|| node_err(node, "only a Constant with a tensor 'value' attribute is supported"))?;
-            interp.consts.insert(node.output[0].as_str(), t);
-            return Ok(());
-        }
-        "Identity" => {
-            let mut ops = operands(interp, node, 1..=1)?;
-            expect_act(node, ops.remove(0), "input")?
+    let result: Val = match op {
+        "Identity" => expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?,
+        "Dropout" => {
+            let mut ops = operands(b, node, 1..=3)?;
+            if node.input.len() == 3 && !node.input[2].is_empty() {
+                let t = expect_const(node, ops.remove(2), "training_mode")?;
+                let on = tensor_bool(t)?;
+                if on {
+                    return Err(node_err(node, "training_mode is true; export the model in eval mode"));
+                }
+            }
+            b.notes.push(format!("removed Dropout '{}' (inference is the identity)", node_name(node)));
+            expect_val(node, ops.remove(0), "input")?
         }
         "Cast" => {
             let to = attr_int(node, "to", None)?;
-            if to != i64::from(DT_FLOAT) {
-                return Err(node_err(
-                    node,
-                    format!("casts to {}; only a Cast to FLOAT of a float tensor is supported", dtype_name(to as i32)),
-                ));
+            let mut v = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            match to as i32 {
+                DT_FLOAT => {}
+                // Indices for Gather: the values stay floats here, and the
+                // embedding reads them as integers (or takes its default row).
+                DT_INT64 | DT_INT32 => v.ints = true,
+                other => {
+                    return Err(node_err(
+                        node,
+                        format!("casts to {}; only casts to FLOAT, INT64 or INT32 are supported", dtype_name(other)),
+                    ))
+                }
             }
-            let mut ops = operands(interp, node, 1..=1)?;
-            expect_act(node, ops.remove(0), "input")?
+            v
         }
         "Flatten" => {
             let axis = attr_int(node, "axis", Some(1))?;
-            if axis != 1 && axis != -1 {
-                return Err(node_err(
-                    node,
-                    format!("axis {axis}; only axis 1 of a [batch, width] tensor is supported"),
-                ));
+            let mut v = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            if axis != 1 && !(axis == -1 && v.dims.len() == 1) {
+                return Err(node_err(node, format!("axis {axis}; only axis 1 (keep the batch) is supported")));
             }
-            let mut ops = operands(interp, node, 1..=1)?;
-            expect_act(node, ops.remove(0), "input")?
+            v.dims = vec![v.dims.iter().product()];
+            v
         }
         "Reshape" => {
-            let mut ops = operands(interp, node, 2..=2)?;
-            let shape = expect_const(node, ops.remove(1), "shape")?;
-            let a = expect_act(node, ops.remove(0), "data input")?;
-            let shape = tensor_i64(shape)?;
-            let w = a.width as i64;
-            let flat = matches!(shape.as_slice(), [-1 | 0, x] if *x == w) || shape.as_slice() == [0, -1];
-            if !flat {
-                return Err(node_err(
+            let mut ops = operands(b, node, 2..=2)?;
+            let shape = tensor_i64(expect_const(node, ops.remove(1), "shape")?)?;
+            let mut v = expect_val(node, ops.remove(0), "data input")?;
+            let total: usize = v.dims.iter().product();
+            let shown =
+                if v.dims.len() == 1 { format!("[batch, {}]", total) } else { format!("[batch, {:?}]", v.dims) };
+            let refuse = || {
+                node_err(
                     node,
-                    format!("reshapes [batch, {w}] to {shape:?}; only a reshape that keeps [batch, {w}] is supported"),
-                ));
+                    format!(
+                        "reshapes {shown} to {shape:?}; only a reshape that keeps the batch dimension is supported"
+                    ),
+                )
+            };
+            let Some((&first, rest)) = shape.split_first() else { return Err(refuse()) };
+            if first != -1 && first != 0 {
+                return Err(refuse());
             }
-            a
+            let mut dims = Vec::with_capacity(rest.len());
+            let mut infer = None;
+            for (i, &d) in rest.iter().enumerate() {
+                match d {
+                    0 => dims.push(*v.dims.get(i).ok_or_else(refuse)?),
+                    -1 if infer.is_none() && first == 0 => {
+                        infer = Some(i);
+                        dims.push(1);
+                    }
+                    d if d > 0 => dims.push(d as usize),
+                    _ => return Err(refuse()),
+                }
+            }
+            let known: usize = dims.iter().product();
+            if let Some(i) = infer {
+                if known == 0 || total % known != 0 {
+                    return Err(refuse());
+                }
+                dims[i] = total / known;
+            }
+            if dims.is_empty() || dims.iter().product::<usize>() != total {
+                return Err(refuse());
+            }
+            v.dims = dims;
+            v
         }
         "Concat" => {
             let axis = attr_int(node, "axis", None)?;
+            let ops = operands(b, node, 1..=node.input.len().max(1))?;
+            let mut inputs = Vec::new();
+            let mut width = 0;
+            for o in ops {
+                let v = expect_val(node, o, "input")?;
+                width += expect_flat(node, &v)?;
+                inputs.push(v.node);
+            }
             if axis != 1 && axis != -1 {
                 return Err(node_err(node, format!("axis {axis}; only the feature axis (1) is supported")));
             }
-            let count = node.input.len();
-            let ops = operands(interp, node, 1..=count.max(1))?;
-            let mut joined = Act { layout: Vec::new(), width: 0, layers: Vec::new(), sigmoid: false };
-            for o in ops {
-                let a = expect_act(node, o, "input")?;
-                if !a.layers.is_empty() || a.sigmoid {
-                    return Err(node_err(
-                        node,
-                        "concatenates the output of a layer; only graph inputs may be concatenated (into the input vector)",
-                    ));
-                }
-                joined.layout.extend(a.layout);
-                joined.width += a.width;
-            }
-            joined
+            b.flat(Op::Concat, inputs, width)
         }
         "MatMul" => {
-            let mut ops = operands(interp, node, 2..=2)?;
+            let mut ops = operands(b, node, 2..=2)?;
             if matches!(ops[0], Operand::Const(_)) {
                 return Err(node_err(node, "the weight is the first operand; only activation x weight is supported"));
             }
             let w = expect_const(node, ops.remove(1), "weight")?;
-            let mut a = expect_act(node, ops.remove(0), "input")?;
-            not_after_sigmoid(node, &a)?;
+            let v = expect_val(node, ops.remove(0), "input")?;
+            let width = expect_flat(node, &v)?;
             let (dims, values) = tensor_f32(w)?;
             let [k, n] = dims[..] else {
                 return Err(node_err(node, format!("weight '{}' has shape {dims:?}; [in, out] expected", w.name)));
             };
-            if k != a.width {
-                return Err(node_err(
-                    node,
-                    format!("weight '{}' is [{k}, {n}] but its input is {} wide", w.name, a.width),
-                ));
+            if k != width {
+                return Err(node_err(node, format!("weight '{}' is [{k}, {n}] but its input is {width} wide", w.name)));
             }
             let mut weights = vec![0.0f32; k * n];
             for (r, row) in values.chunks_exact(n.max(1)).enumerate() {
-                for (o, v) in row.iter().enumerate() {
-                    weights[o * k + r] = *v;
+                for (o, x) in row.iter().enumerate() {
+                    weights[o * k + r] = *x;
                 }
             }
-            a.layers.push(Draft { in_dim: k, out_dim: n, weights, bias: vec![0.0; n], relu: false });
-            a.width = n;
-            a
+            dense(b, &v, k, n, weights, vec![0.0; n])
         }
-        "Gemm" => gemm(interp, node)?,
-        "Add" => {
-            let ops = operands(interp, node, 2..=2)?;
-            let (a, c) = match <[Operand<'_>; 2]>::try_from(ops) {
-                Ok([Operand::Act(a), Operand::Const(c)]) => (a, c),
-                Ok([Operand::Const(c), Operand::Act(a)]) => (a, c),
-                _ => return Err(node_err(node, "only the Add of a constant bias to a layer's output is supported")),
+        "Gemm" => gemm(b, node)?,
+        "Add" | "Sub" | "Mul" | "Div" => binary(b, node)?,
+        "Relu" | "LeakyRelu" | "Tanh" | "Sigmoid" | "Erf" | "Gelu" => {
+            let act = match op {
+                "Relu" => Act::Relu,
+                "LeakyRelu" => Act::LeakyRelu(attr_float(node, "alpha", 0.01)?),
+                "Tanh" => Act::Tanh,
+                "Sigmoid" => Act::Sigmoid,
+                "Erf" => Act::Erf,
+                _ => match attr_string(node, "approximate").as_deref() {
+                    None | Some("none") => Act::GeluErf,
+                    Some("tanh") => Act::GeluTanh,
+                    Some(other) => return Err(node_err(node, format!("approximate = '{other}' is not known"))),
+                },
             };
-            let mut a = a;
-            not_after_sigmoid(node, &a)?;
-            let Some(last) = a.layers.last_mut() else {
-                return Err(node_err(node, "adds a constant to a graph input; it must follow a Gemm or MatMul"));
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            act_node(b, node, x, act)?
+        }
+        "BatchNormalization" => {
+            if attr_int(node, "training_mode", Some(0))? != 0 || node.output.len() > 1 {
+                return Err(node_err(node, "runs in training mode; export the model in eval mode"));
+            }
+            let mut ops = operands(b, node, 5..=5)?;
+            let var = expect_const(node, ops.remove(4), "running variance")?;
+            let mean = expect_const(node, ops.remove(3), "running mean")?;
+            let beta = expect_const(node, ops.remove(2), "bias")?;
+            let gamma = expect_const(node, ops.remove(1), "scale")?;
+            let x = expect_val(node, ops.remove(0), "input")?;
+            let w = expect_flat(node, &x)?;
+            let eps = attr_float(node, "epsilon", 1e-5)?;
+            let (gamma, beta) = (const_vec(node, gamma, w)?, const_vec(node, beta, w)?);
+            let (mean, var) = (const_vec(node, mean, w)?, const_vec(node, var, w)?);
+            let scale = gamma.iter().zip(&var).map(|(g, v)| g / (v + eps).sqrt()).collect();
+            affine(b, &x, mean, scale, beta)
+        }
+        "LayerNormalization" => {
+            let axis = attr_int(node, "axis", Some(-1))?;
+            let mut ops = operands(b, node, 2..=3)?;
+            let beta = if ops.len() == 3 { Some(expect_const(node, ops.remove(2), "bias B")?) } else { None };
+            let gamma = expect_const(node, ops.remove(1), "scale")?;
+            let x = expect_val(node, ops.remove(0), "input")?;
+            let w = expect_flat(node, &x)?;
+            if axis != -1 && axis != 1 {
+                return Err(node_err(node, format!("axis {axis}; only the feature axis is supported")));
+            }
+            let epsilon = attr_float(node, "epsilon", 1e-5)?;
+            let scale = const_vec(node, gamma, w)?;
+            let shift = match beta {
+                Some(t) => const_vec(node, t, w)?,
+                None => vec![0.0; w],
             };
-            if last.relu {
+            b.flat(Op::LayerNorm { epsilon, scale, shift }, vec![x.node], w)
+        }
+        "Softmax" => {
+            let axis = attr_int(node, "axis", Some(-1))?;
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let w = expect_flat(node, &x)?;
+            if (axis != -1 && axis != 1) || w != 2 {
                 return Err(node_err(
                     node,
-                    "adds a bias after the Relu; only a bias before the activation is supported",
+                    format!("is a Softmax over {w} values (axis {axis}); only a two-class head is supported"),
                 ));
             }
-            let (dims, values) = tensor_f32(c)?;
-            let n = last.out_dim;
-            let shape_ok = matches!(dims[..], [] | [1] | [1, 1]) || matches!(dims[..], [x] | [1, x] if x == n);
-            if !shape_ok {
+            // softmax([z0, z1])[1] = sigmoid(z1 - z0): one dense row of weight
+            // differences when z comes from a dense layer.
+            let Op::Dense { layer, act: Act::None } = &b.nodes[x.node].op else {
                 return Err(node_err(
                     node,
-                    format!("bias '{}' has shape {dims:?}; [{n}], [1, {n}] or a scalar expected", c.name),
+                    "follows something other than a dense layer; a two-class Softmax must read one",
+                ));
+            };
+            let k = layer.in_dim;
+            let weights: Vec<f32> = (0..k).map(|i| layer.weights_f32[k + i] - layer.weights_f32[i]).collect();
+            let bias = vec![layer.bias[1] - layer.bias[0]];
+            let src = Val { node: b.nodes[x.node].inputs[0], dims: vec![k], ints: false };
+            let z = dense(b, &src, k, 1, weights, bias);
+            let p = act_node(b, node, z, Act::Sigmoid)?;
+            b.notes.push(format!("two-class Softmax '{}' as the sigmoid of the logit difference", node_name(node)));
+            two_class(b, p)
+        }
+        "ReduceSum" => {
+            let mut ops = operands(b, node, 1..=2)?;
+            let axes = if ops.len() == 2 {
+                tensor_i64(expect_const(node, ops.remove(1), "axes")?)?
+            } else {
+                attr_ints(node, "axes").unwrap_or_default()
+            };
+            let x = expect_val(node, ops.remove(0), "input")?;
+            expect_flat(node, &x)?;
+            if axes != [1] && axes != [-1] {
+                return Err(node_err(
+                    node,
+                    format!("axes {axes:?}; only a sum over the feature axis (1) is supported"),
                 ));
             }
-            for (o, b) in last.bias.iter_mut().enumerate() {
-                *b += values[if values.len() == 1 { 0 } else { o }];
-            }
-            a
+            // keepdims or not, the row sum is one value per candidate.
+            b.flat(Op::Sum, vec![x.node], 1)
         }
-        "Relu" => {
-            let mut ops = operands(interp, node, 1..=1)?;
-            let mut a = expect_act(node, ops.remove(0), "input")?;
-            not_after_sigmoid(node, &a)?;
-            let Some(last) = a.layers.last_mut() else {
-                return Err(node_err(node, "applies to a graph input; an activation must follow a Gemm or MatMul"));
+        "Slice" => {
+            let mut ops = operands(b, node, 3..=5)?;
+            let consts: Vec<Vec<i64>> = ops
+                .drain(1..)
+                .map(|o| expect_const(node, o, "starts, ends, axes and steps").and_then(tensor_i64))
+                .collect::<Result<_, _>>()?;
+            let x = expect_val(node, ops.remove(0), "data input")?;
+            let w = expect_flat(node, &x)?;
+            let (starts, ends) = (&consts[0], &consts[1]);
+            let axes = consts.get(2).cloned().unwrap_or_else(|| vec![1]);
+            let steps = consts.get(3).cloned().unwrap_or_else(|| vec![1]);
+            if starts.len() != 1 || ends.len() != 1 || (axes != [1] && axes != [-1]) || steps != [1] {
+                return Err(node_err(node, "only a slice of the feature axis with step 1 is supported"));
+            }
+            let clamp = |v: i64| if v < 0 { (w as i64 + v).max(0) as usize } else { (v as usize).min(w) };
+            let (start, end) = (clamp(starts[0]), clamp(ends[0]));
+            if start >= end {
+                return Err(node_err(node, format!("selects columns {start}..{end}, which is empty")));
+            }
+            let Op::Input { offset } = b.nodes[x.node].op else {
+                return Err(node_err(node, "slices a computed tensor; only slices of a graph input are supported"));
             };
-            last.relu = true;
-            a
+            b.flat(Op::Input { offset: offset + start }, vec![], end - start)
         }
-        "Sigmoid" => {
-            let mut ops = operands(interp, node, 1..=1)?;
-            let mut a = expect_act(node, ops.remove(0), "input")?;
-            not_after_sigmoid(node, &a)?;
-            if a.layers.is_empty() {
-                return Err(node_err(node, "applies to a graph input; it must end the network"));
+        "Gather" => {
+            let axis = attr_int(node, "axis", Some(0))?;
+            let mut ops = operands(b, node, 2..=2)?;
+            let idx = expect_val(node, ops.remove(1), "indices")?;
+            let table = expect_const(node, ops.remove(0), "data (the embedding table)")?;
+            if axis != 0 {
+                return Err(node_err(node, format!("axis {axis}; only row lookups (axis 0) are supported")));
             }
-            a.sigmoid = true;
-            a
+            if !idx.ints {
+                return Err(node_err(node, "its indices do not come from a Cast to an integer type"));
+            }
+            let k = expect_flat(node, &idx)?;
+            let (dims, values) = tensor_f32(table)?;
+            let [rows, dim] = dims[..] else {
+                return Err(node_err(node, format!("table '{}' has shape {dims:?}; [rows, dim] expected", table.name)));
+            };
+            let op = Op::Embedding { dim, rows, table: values, default: vec![0.0; dim] };
+            let n = b.push(op, vec![idx.node], k * dim);
+            Val { node: n, dims: vec![k, dim], ints: false }
         }
         _ => return Err(unsupported(node)),
     };
-    interp.acts.insert(out, result);
+    b.vals.insert(out, result);
     Ok(())
 }
 
-fn unsupported(node: &NodeProto) -> OnnxError {
-    let hint = match node.op_type.as_str() {
-        "LeakyRelu" | "Elu" | "Selu" | "Tanh" | "PRelu" | "Softplus" | "Gelu" => {
-            " (the .qm format has only ReLU or no activation between layers)"
-        }
-        "Softmax" => " (a Quiver model outputs one logit; export a single-output binary model)",
-        _ => "",
-    };
-    OnnxError::UnsupportedOp { op: node.op_type.clone(), node: node_name(node), hint: hint.into() }
+fn tensor_bool(t: &TensorProto) -> Result<bool, OnnxError> {
+    let bad = || OnnxError::Initializer { name: t.name.clone(), what: "is not a boolean scalar".into() };
+    let v =
+        if !t.raw_data.is_empty() { t.raw_data.first().copied().map(i32::from) } else { t.int32_data.first().copied() };
+    v.map(|x| x != 0).ok_or_else(bad)
 }
 
-fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
+/// `Add`, `Sub`, `Mul`, `Div` of two computed tensors (elementwise, the
+/// second may be 1 wide) or of a tensor and a constant (an affine node).
+fn binary(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
+    let op = node.op_type.as_str();
+    let ops = operands(b, node, 2..=2)?;
+    let [p, q] = <[Operand<'_>; 2]>::try_from(ops).map_err(|_| node_err(node, "two inputs expected"))?;
+    match (p, q) {
+        (Operand::Val(x), Operand::Val(y)) => {
+            let (wx, wy) = (expect_flat(node, &x)?, expect_flat(node, &y)?);
+            let (x, y) = if wx == 1 && wy > 1 && (op == "Add" || op == "Mul") { (y, x) } else { (x, y) };
+            let (wx, wy) = (b.width(&x), b.width(&y));
+            if wx != wy && wy != 1 {
+                return Err(node_err(
+                    node,
+                    format!("its inputs are {wx} and {wy} wide; equal widths or a scalar expected"),
+                ));
+            }
+            let gop = match op {
+                "Add" => Op::Add,
+                "Sub" => Op::Sub,
+                "Mul" => Op::Mul,
+                _ => return Err(node_err(node, "divides two computed tensors, which is not supported")),
+            };
+            Ok(b.flat(gop, vec![x.node, y.node], wx))
+        }
+        (Operand::Val(x), Operand::Const(c)) => {
+            let w = expect_flat(node, &x)?;
+            let c = const_vec(node, c, w)?;
+            let zero = vec![0.0; w];
+            let one = vec![1.0; w];
+            Ok(match op {
+                "Add" => affine(b, &x, zero, one, c),
+                "Sub" => affine(b, &x, c, one, zero),
+                "Mul" => affine(b, &x, zero.clone(), c, zero),
+                _ => {
+                    if c.contains(&0.0) {
+                        return Err(node_err(node, "divides by a constant that holds 0"));
+                    }
+                    let inv = c.iter().map(|v| 1.0 / v).collect();
+                    affine(b, &x, zero.clone(), inv, zero)
+                }
+            })
+        }
+        (Operand::Const(c), Operand::Val(x)) => {
+            let w = expect_flat(node, &x)?;
+            let c = const_vec(node, c, w)?;
+            let zero = vec![0.0; w];
+            Ok(match op {
+                "Add" => affine(b, &x, zero, vec![1.0; w], c),
+                "Sub" => affine(b, &x, zero, vec![-1.0; w], c),
+                "Mul" => affine(b, &x, zero.clone(), c, zero),
+                _ => return Err(node_err(node, "divides a constant by a computed tensor, which is not supported")),
+            })
+        }
+        (Operand::Const(_), Operand::Const(_)) => {
+            Err(node_err(node, "combines two constants; fold them before export (onnx-simplifier does)"))
+        }
+    }
+}
+
+fn gemm(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
     let trans_a = attr_int(node, "transA", Some(0))?;
     let trans_b = attr_int(node, "transB", Some(0))?;
     let alpha = attr_float(node, "alpha", 1.0)?;
@@ -809,52 +1043,388 @@ fn gemm(interp: &mut Interp<'_>, node: &NodeProto) -> Result<Act, OnnxError> {
     if trans_b != 0 && trans_b != 1 {
         return Err(node_err(node, format!("transB={trans_b}; 0 or 1 expected")));
     }
-    let mut ops = operands(interp, node, 2..=3)?;
+    let mut ops = operands(b, node, 2..=3)?;
     let c = if ops.len() == 3 { Some(expect_const(node, ops.remove(2), "bias C")?) } else { None };
     if matches!(ops[0], Operand::Const(_)) {
         return Err(node_err(node, "A is a constant; only activation x weight is supported"));
     }
-    let b = expect_const(node, ops.remove(1), "weight B")?;
-    let mut a = expect_act(node, ops.remove(0), "input A")?;
-    not_after_sigmoid(node, &a)?;
-    let (dims, values) = tensor_f32(b)?;
+    let w = expect_const(node, ops.remove(1), "weight B")?;
+    let v = expect_val(node, ops.remove(0), "input A")?;
+    let width = expect_flat(node, &v)?;
+    let (dims, values) = tensor_f32(w)?;
     let [r, s] = dims[..] else {
-        return Err(node_err(node, format!("weight '{}' has shape {dims:?}; a matrix expected", b.name)));
+        return Err(node_err(node, format!("weight '{}' has shape {dims:?}; a matrix expected", w.name)));
     };
     let (k, n) = if trans_b == 1 { (s, r) } else { (r, s) };
-    if k != a.width {
+    if k != width {
         return Err(node_err(
             node,
             format!(
-                "weight '{}' is {dims:?} (transB={trans_b}), taking {k} inputs, but its input is {} wide",
-                b.name, a.width
+                "weight '{}' is {dims:?} (transB={trans_b}), taking {k} inputs, but its input is {width} wide",
+                w.name
             ),
         ));
     }
     let mut weights = vec![0.0f32; k * n];
     for o in 0..n {
         for i in 0..k {
-            let v = if trans_b == 1 { values[o * k + i] } else { values[i * n + o] };
-            weights[o * k + i] = alpha * v;
+            let x = if trans_b == 1 { values[o * k + i] } else { values[i * n + o] };
+            weights[o * k + i] = alpha * x;
         }
     }
-    let mut bias = vec![0.0f32; n];
-    if let Some(c) = c {
-        let (cdims, cvals) = tensor_f32(c)?;
-        let shape_ok = matches!(cdims[..], [] | [1] | [1, 1]) || matches!(cdims[..], [x] | [1, x] if x == n);
-        if !shape_ok {
-            return Err(node_err(
-                node,
-                format!("bias '{}' has shape {cdims:?}; [{n}], [1, {n}] or a scalar expected", c.name),
-            ));
+    let bias = match c {
+        Some(c) => const_vec(node, c, n)?.into_iter().map(|y| beta * y).collect(),
+        None => vec![0.0f32; n],
+    };
+    Ok(dense(b, &v, k, n, weights, bias))
+}
+
+/// The `ai.onnx.ml` ops scikit-learn pipelines export through skl2onnx.
+fn apply_ml<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> {
+    match node.op_type.as_str() {
+        "Scaler" => {
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let w = expect_flat(node, &x)?;
+            let broadcast = |v: Vec<f32>, what: &str| match v.len() {
+                1 => Ok(vec![v[0]; w]),
+                n if n == w => Ok(v),
+                n => Err(node_err(node, format!("{what} has {n} values for {w} features"))),
+            };
+            let center = broadcast(attr_floats(node, "offset"), "offset")?;
+            let scale = broadcast(attr_floats(node, "scale"), "scale")?;
+            let v = affine(b, &x, center, scale, vec![0.0; w]);
+            b.notes.push(format!("Scaler '{}' kept in f32 ahead of the first dense layer", node_name(node)));
+            b.vals.insert(node.output[0].clone(), v);
+            Ok(())
         }
-        for (o, y) in bias.iter_mut().enumerate() {
-            *y = beta * cvals[if cvals.len() == 1 { 0 } else { o }];
+        "LinearClassifier" | "LinearRegressor" => {
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let k = expect_flat(node, &x)?;
+            let regressor = node.op_type == "LinearRegressor";
+            let coef = attr_floats(node, "coefficients");
+            let intercepts = attr_floats(node, "intercepts");
+            let classes = if k == 0 { 0 } else { coef.len() / k };
+            if classes == 0 || coef.len() != classes * k || !(intercepts.is_empty() || intercepts.len() == classes) {
+                return Err(node_err(
+                    node,
+                    format!("has {} coefficients and {} intercepts for {k} features", coef.len(), intercepts.len()),
+                ));
+            }
+            let intercept = |c: usize| intercepts.get(c).copied().unwrap_or(0.0);
+            let post = attr_string(node, "post_transform").unwrap_or_else(|| "NONE".into());
+            // The positive class's score: class 1 of two, or the only one.
+            let (weights, bias) = match classes {
+                1 => (coef.clone(), intercept(0)),
+                2 if post == "SOFTMAX" => {
+                    ((0..k).map(|i| coef[k + i] - coef[i]).collect(), intercept(1) - intercept(0))
+                }
+                2 => (coef[k..].to_vec(), intercept(1)),
+                c => return Err(node_err(node, format!("has {c} classes; only binary classifiers are supported"))),
+            };
+            let z = dense(b, &x, k, 1, weights, vec![bias]);
+            let out = if regressor {
+                if post != "NONE" {
+                    return Err(node_err(node, format!("post_transform {post} is not supported for a regressor")));
+                }
+                b.vals.insert(node.output[0].clone(), z);
+                return Ok(());
+            } else {
+                match post.as_str() {
+                    "LOGISTIC" | "SOFTMAX" => {
+                        let p = act_node(b, node, z, Act::Sigmoid)?;
+                        two_class(b, p)
+                    }
+                    "NONE" if classes == 1 => z,
+                    other => {
+                        return Err(node_err(node, format!("post_transform {other} is not supported")));
+                    }
+                }
+            };
+            b.notes.push(format!("{} '{}' as a dense layer", node.op_type, node_name(node)));
+            // Output 0 is the label, output 1 the scores.
+            if let Some(scores) = node.output.get(1) {
+                b.vals.insert(scores.clone(), out);
+            }
+            Ok(())
+        }
+        "Normalizer" => {
+            // An L1 normalization of [1 - p, p] is the identity.
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let norm = attr_string(node, "norm").unwrap_or_default();
+            let pair = matches!(b.nodes[x.node].op, Op::Concat) && b.nodes[x.node].width == 2;
+            if norm != "L1" || !pair {
+                return Err(node_err(node, "only the L1 normalization of a two-class probability pair is supported"));
+            }
+            b.vals.insert(node.output[0].clone(), x);
+            Ok(())
+        }
+        _ => Err(OnnxError::UnsupportedOp {
+            op: format!("ai.onnx.ml::{}", node.op_type),
+            node: node_name(node),
+            hint: String::new(),
+        }),
+    }
+}
+
+fn unsupported(node: &NodeProto) -> OnnxError {
+    let hint = match node.op_type.as_str() {
+        "Elu" | "Selu" | "PRelu" | "Softplus" | "HardSigmoid" => {
+            " (graph activations: Relu, LeakyRelu, Tanh, Sigmoid, Erf, Gelu)"
+        }
+        "Softmax" => " (a Quiver model outputs one value; a two-class Softmax head is supported)",
+        _ => "",
+    };
+    OnnxError::UnsupportedOp { op: node.op_type.clone(), node: node_name(node), hint: hint.into() }
+}
+
+/// Imports a decoded graph. External data (weights in a side file) is read
+/// from `opts.base_dir`.
+pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported, OnnxError> {
+    let inlined;
+    let graph = if graph.initializer.iter().any(is_external) {
+        inlined = inline_external_data(graph, opts.base_dir.as_deref())?;
+        &inlined
+    } else {
+        graph
+    };
+    let mut output = select_output(graph, opts)?;
+    // A ZipMap turns class probabilities into a map for Python callers; the
+    // tensor it reads is what the server reproduces.
+    if let Some(zm) = graph.node.iter().find(|n| n.op_type == "ZipMap" && n.output.iter().any(|o| *o == output)) {
+        output = zm.input.first().cloned().unwrap_or_default();
+    }
+
+    // Only the nodes the chosen output depends on matter: exporters add label
+    // and probability post-processing that the server does not need.
+    let producer: HashMap<&str, usize> =
+        graph.node.iter().enumerate().flat_map(|(i, n)| n.output.iter().map(move |o| (o.as_str(), i))).collect();
+    let initializers: HashMap<&str, &TensorProto> = graph.initializer.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut needed = vec![false; graph.node.len()];
+    let mut needed_tensors: HashSet<&str> = HashSet::new();
+    let mut stack = vec![output.as_str()];
+    while let Some(t) = stack.pop() {
+        if !needed_tensors.insert(t) {
+            continue;
+        }
+        if let Some(&i) = producer.get(t) {
+            if !needed[i] {
+                needed[i] = true;
+                stack.extend(graph.node[i].input.iter().map(String::as_str).filter(|s| !s.is_empty()));
+            }
         }
     }
-    a.layers.push(Draft { in_dim: k, out_dim: n, weights, bias, relu: false });
-    a.width = n;
-    Ok(a)
+    let feature_inputs: Vec<&ValueInfoProto> = graph
+        .input
+        .iter()
+        .filter(|vi| !initializers.contains_key(vi.name.as_str()) && needed_tensors.contains(vi.name.as_str()))
+        .collect();
+    if !producer.contains_key(output.as_str()) {
+        let what = if feature_inputs.iter().any(|vi| vi.name == output) {
+            format!("'{output}' is a graph input, not computed by any layer")
+        } else {
+            let outs: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
+            format!(
+                "no node produces '{output}' (graph outputs: {})",
+                if outs.is_empty() { "none".into() } else { outs.join(", ") }
+            )
+        };
+        return Err(OnnxError::Output { what });
+    }
+    if feature_inputs.is_empty() {
+        return Err(OnnxError::Output { what: format!("'{output}' does not depend on any graph input") });
+    }
+    let widths = feature_inputs.iter().map(|vi| input_width(vi)).collect::<Result<Vec<_>, _>>()?;
+    let segments = resolve_mapping(&feature_inputs, &widths, &opts.inputs)?;
+
+    let mut b = Builder { nodes: Vec::new(), vals: HashMap::new(), consts: initializers, notes: Vec::new() };
+    let mut offset = 0;
+    for (vi, &w) in feature_inputs.iter().zip(&widths) {
+        let v = b.flat(Op::Input { offset }, vec![], w);
+        b.vals.insert(vi.name.clone(), v);
+        offset += w;
+    }
+    for (node, _) in graph.node.iter().zip(&needed).filter(|(_, n)| **n) {
+        apply(&mut b, node)?;
+    }
+
+    let Some(out) = b.vals.get(&output).cloned() else {
+        return Err(OnnxError::Output { what: format!("'{output}' is a constant, not computed from the inputs") });
+    };
+    let mut node = out.node;
+    let width = b.nodes[node].width;
+    if width == 2 {
+        // A two-class probability tensor: the positive class is column 1.
+        match &b.nodes[node] {
+            GNode { op: Op::Concat, inputs, .. } if inputs.len() == 2 && b.nodes[inputs[1]].width == 1 => {
+                node = inputs[1];
+            }
+            _ => {
+                return Err(OnnxError::Output {
+                    what: format!("'{output}' is 2 wide but is not a two-class probability tensor [1 - p, p]"),
+                })
+            }
+        }
+    } else if width != 1 {
+        return Err(OnnxError::Output {
+            what: format!(
+                "'{output}' is {width} wide; a Quiver model ends in one value per candidate (width 1), a Sigmoid \
+                 of it, or a two-class probability tensor"
+            ),
+        });
+    }
+    let mut sigmoid_dropped = false;
+    if opts.output_kind == OutputKind::Logit {
+        if let GNode { op: Op::Act(Act::Sigmoid), inputs, .. } = &b.nodes[node] {
+            node = inputs[0];
+            sigmoid_dropped = true;
+        }
+    }
+    if matches!(b.nodes[node].op, Op::Input { .. }) {
+        return Err(OnnxError::Output { what: format!("'{output}' is not computed by any layer") });
+    }
+    // Nodes after the output cannot feed it.
+    b.nodes.truncate(node + 1);
+    let input_notes = std::mem::take(&mut b.notes);
+    let (g, mut notes) = Graph { nodes: b.nodes, output: opts.output_kind }.simplify();
+    notes.splice(0..0, input_notes);
+
+    let (layout, model) = match as_chain(&g, &widths) {
+        Some((order, layers)) => {
+            let layout: Vec<(String, Vec<InputSegment>)> =
+                order.iter().map(|&i| (feature_inputs[i].name.clone(), segments[i].clone())).collect();
+            let model = Model {
+                name: opts.name.clone(),
+                version: opts.version,
+                inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
+                layers,
+                calibration: None,
+                graph: None,
+            };
+            (layout, model)
+        }
+        None => {
+            let layout: Vec<(String, Vec<InputSegment>)> =
+                feature_inputs.iter().zip(&segments).map(|(vi, s)| (vi.name.clone(), s.clone())).collect();
+            let model = Model {
+                name: opts.name.clone(),
+                version: opts.version,
+                inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
+                layers: Vec::new(),
+                calibration: None,
+                graph: Some(g),
+            };
+            (layout, model)
+        }
+    };
+    model.validate()?;
+    Ok(Imported { model, output, sigmoid_dropped, layout, producer: String::new(), rewrites: notes })
+}
+
+/// The v1 MLP a graph is, if it is a plain chain: whole graph inputs
+/// (concatenated, in the order returned) into dense layers with ReLU or
+/// no activation, ending in a linear logit. Such models keep the fused
+/// INT8 kernels and the static (calibrated) INT8 path.
+fn as_chain(g: &Graph, widths: &[usize]) -> Option<(Vec<usize>, Vec<Layer>)> {
+    if g.output != OutputKind::Logit {
+        return None;
+    }
+    let offsets: Vec<usize> = widths.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w))).collect();
+    let whole_input = |n: &GNode| match n.op {
+        Op::Input { offset } => offsets.iter().zip(widths).position(|(o, w)| *o == offset && *w == n.width),
+        _ => None,
+    };
+    let mut order = Vec::new();
+    let mut i = 0;
+    while i < g.nodes.len() {
+        match whole_input(&g.nodes[i]) {
+            Some(k) => order.push(k),
+            None => break,
+        }
+        i += 1;
+    }
+    let inputs = i;
+    if inputs != widths.len() || inputs == 0 {
+        return None;
+    }
+    let mut prev = if inputs == 1 {
+        0
+    } else {
+        let n = g.nodes.get(i)?;
+        if !matches!(n.op, Op::Concat) || n.inputs.len() != inputs {
+            return None;
+        }
+        order = n.inputs.iter().map(|&j| whole_input(&g.nodes[j])).collect::<Option<Vec<_>>>()?;
+        i += 1;
+        i - 1
+    };
+    let mut layers = Vec::new();
+    for (j, n) in g.nodes.iter().enumerate().skip(i) {
+        let Op::Dense { layer, act } = &n.op else { return None };
+        if n.inputs != [prev] {
+            return None;
+        }
+        let relu = match act {
+            Act::None => false,
+            Act::Relu => true,
+            _ => return None,
+        };
+        layers.push(Layer { relu, ..layer.clone() });
+        prev = j;
+    }
+    if layers.is_empty() || layers.last().is_some_and(|l| l.relu) {
+        return None;
+    }
+    Some((order, layers))
+}
+
+fn is_external(t: &TensorProto) -> bool {
+    t.data_location.enum_value() == Ok(tensor_proto::DataLocation::EXTERNAL)
+}
+
+/// A copy of `graph` whose externally stored initializers hold their data
+/// inline, read from files next to the model (`location` must be a plain
+/// relative path inside `base_dir`).
+fn inline_external_data(graph: &GraphProto, base_dir: Option<&Path>) -> Result<GraphProto, OnnxError> {
+    let mut g = graph.clone();
+    for t in g.initializer.iter_mut().filter(|t| is_external(t)) {
+        let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
+        let Some(base) = base_dir else {
+            return Err(bad("is stored in an external data file; import the model from its file path".into()));
+        };
+        let entry = |key: &str| t.external_data.iter().find(|e| e.key == key).map(|e| e.value.clone());
+        let location = entry("location").ok_or_else(|| bad("external data without a 'location'".into()))?;
+        let rel = Path::new(&location);
+        let plain = rel.components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !plain {
+            return Err(bad(format!("external data location '{location}' is not a plain relative path")));
+        }
+        let number = |key: &str| -> Result<Option<u64>, OnnxError> {
+            entry(key)
+                .map(|v| v.parse::<u64>().map_err(|_| bad(format!("external data {key} '{v}' is not a number"))))
+                .transpose()
+        };
+        let (offset, length) = (number("offset")?.unwrap_or(0), number("length")?);
+        let path = base.join(rel);
+        let io = |e: std::io::Error| bad(format!("external data file {}: {e}", path.display()));
+        let size = std::fs::metadata(&path).map_err(io)?.len();
+        let length = length.unwrap_or(size.saturating_sub(offset));
+        if offset.checked_add(length).is_none_or(|end| end > size) || length > MODEL_BYTES_MAX as u64 {
+            return Err(bad(format!(
+                "external data {}: bytes {offset}..{} are outside its {size} bytes",
+                path.display(),
+                offset.saturating_add(length)
+            )));
+        }
+        use std::io::{Read as _, Seek as _};
+        let mut f = std::fs::File::open(&path).map_err(io)?;
+        f.seek(std::io::SeekFrom::Start(offset)).map_err(io)?;
+        let mut data = vec![0u8; length as usize];
+        f.read_exact(&mut data).map_err(io)?;
+        t.raw_data = data;
+        t.external_data.clear();
+        t.data_location = tensor_proto::DataLocation::DEFAULT.into();
+    }
+    Ok(g)
 }
 
 #[cfg(test)]
@@ -932,7 +1502,14 @@ mod tests {
     }
 
     fn opts(inputs: &str) -> ImportOptions {
-        ImportOptions { name: "t".into(), version: 1, inputs: inputs.parse().unwrap(), output: None }
+        ImportOptions {
+            name: "t".into(),
+            version: 1,
+            inputs: inputs.parse().unwrap(),
+            output: None,
+            output_kind: OutputKind::Logit,
+            base_dir: None,
+        }
     }
 
     #[test]
@@ -1020,22 +1597,20 @@ mod tests {
         };
         let err = |g: GraphProto| import_graph(&g, &opts("user:2")).unwrap_err().to_string();
 
-        let e = err(dense(vec![node("LeakyRelu", "leaky", &["h"], "y")], "y"));
-        assert!(e.contains("node 'leaky': op LeakyRelu is not supported (the .qm format has only ReLU"), "{e}");
-        let e = err(dense(vec![node("Relu", "act", &["h"], "y")], "y"));
-        assert!(e.contains("'y' ends in a Relu"), "{e}");
-        let e = err(dense(vec![node("Relu", "act", &["h"], "r"), node("Add", "late_bias", &["r", "B"], "y")], "y"));
-        assert!(e.contains("node 'late_bias' (Add): adds a bias after the Relu"), "{e}");
-        let e = err(dense(vec![node("Sigmoid", "s", &["h"], "p"), node("Relu", "after", &["p"], "y")], "y"));
-        assert!(e.contains("node 'after' (Relu): follows the Sigmoid"), "{e}");
-        let e = err(dense(vec![node("Add", "twice", &["h", "h"], "y")], "y"));
-        assert!(e.contains("feeds more than one node"), "{e}");
+        let e = err(dense(vec![node("Elu", "elu", &["h"], "y")], "y"));
+        assert!(e.contains("node 'elu': op Elu is not supported (graph activations:"), "{e}");
+        let e = err(dense(vec![node("Div", "ratio", &["h", "h"], "y")], "y"));
+        assert!(e.contains("node 'ratio' (Div): divides two computed tensors"), "{e}");
+        let e = err(dense(vec![with_int(node("Softmax", "sm", &["h"], "y"), "axis", 1)], "y"));
+        assert!(e.contains("node 'sm' (Softmax): is a Softmax over 1 values"), "{e}");
+        let e = err(dense(vec![node("Gather", "emb", &["B", "h"], "y")], "y"));
+        assert!(e.contains("node 'emb' (Gather): its indices do not come from a Cast"), "{e}");
         let e = err(dense(vec![], "nowhere"));
         assert!(e.contains("no node produces 'nowhere'"), "{e}");
 
-        let mut ml = dense(vec![node("ZipMap", "zm", &["h"], "y")], "y");
+        let mut ml = dense(vec![node("TreeEnsembleClassifier", "trees", &["h"], "y")], "y");
         ml.node[1].domain = "ai.onnx.ml".into();
-        assert!(err(ml).contains("op ai.onnx.ml::ZipMap is not supported"));
+        assert!(err(ml).contains("op ai.onnx.ml::TreeEnsembleClassifier is not supported"));
 
         let mut int_weights = dense(vec![], "h");
         int_weights.initializer[0].data_type = DT_INT64;
@@ -1070,7 +1645,7 @@ mod tests {
         assert!(import_graph(&g(shape.clone()), &opts("user:2")).is_ok());
         shape.int64_data = vec![1, -1];
         let e = import_graph(&g(shape), &opts("user:2")).unwrap_err().to_string();
-        assert!(e.contains("reshapes [batch, 2] to [1, -1]"), "{e}");
+        assert!(e.contains("reshapes [batch, 2] to [1, -1]; only a reshape that keeps the batch"), "{e}");
     }
 
     #[test]

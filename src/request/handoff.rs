@@ -105,8 +105,9 @@ impl<C: Clock> RequestPath<C> {
         let ok = outcome == Outcome::Scored && in_time;
         if ok {
             let data = stage.slot_mut(done.slot);
+            let model = data.model.as_ref().expect("a submitted slot carries its model");
             for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
-                *s = sigmoid(*l);
+                *s = model.score(*l);
             }
             if p.generation == self.generation {
                 // The slot still holds the rows the stage scored, until released.

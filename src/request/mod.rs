@@ -23,7 +23,7 @@ use crate::feed::FeedStatus;
 use crate::infer::{Done, Job, Outcome, ShardEnd};
 use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
-use crate::model::{sigmoid, Model, Source};
+use crate::model::{Model, Source};
 use crate::registry::Registry;
 use crate::replica::ReplicaHandle;
 use crate::score::{self, Backend, BackendKind};
@@ -716,7 +716,7 @@ impl<C: Clock> RequestPath<C> {
         self.times.record_ns(Stage::Kernel, kernel_ns);
         kernel_cost.observe(rows, kernel_ns / 1_000);
         for l in logits.iter_mut() {
-            *l = sigmoid(*l);
+            *l = model.score(*l);
         }
         let version = model.version;
 
@@ -818,7 +818,7 @@ impl<C: Clock> RequestPath<C> {
                 fb.backend.logits(&fb.model, x, rows, &mut self.logits[..rows]);
                 fb.kernel_cost.observe(rows, self.clock.now_ns().saturating_sub(started_ns) / 1_000);
                 for l in self.logits[..rows].iter_mut() {
-                    *l = sigmoid(*l);
+                    *l = fb.model.score(*l);
                 }
                 tier = Tier::Fallback;
                 version = fb.model.version;

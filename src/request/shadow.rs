@@ -77,7 +77,7 @@ impl<C: Clock> RequestPath<C> {
             served.backend.logits(&served.model, x, rows, &mut scores[..rows]);
             self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
             for s in scores[..rows].iter_mut() {
-                *s = sigmoid(*s);
+                *s = served.model.score(*s);
             }
             let returned = &returned[item.slot * *rows_max..][..rows];
             let shadow = &scores[..rows];

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::deadline::ManualClock;
-use crate::model::{InputSegment, Layer};
+use crate::model::{sigmoid, InputSegment, Layer};
 use crate::replica::ReplicaBuilder;
 use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
 
@@ -27,6 +27,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         // logit = item + 2 * context + user[0] - user[1]
         layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
         calibration: None,
+        graph: None,
     };
     let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
     Shared {

@@ -61,6 +61,8 @@ pub enum CudaError {
     Compile { file: &'static str, arch: String, what: String, log: String },
     #[error("the model does not fit the INT8 kernel: {0}")]
     Model(String),
+    #[error("model '{0}' is a graph model (model file v2), which the CUDA backend does not run yet")]
+    GraphModel(String),
 }
 
 impl CudaError {
@@ -246,6 +248,9 @@ impl CudaInt8 {
     /// Builds the backend for `model` on device 0, with room for `rows_max`
     /// rows per call.
     pub fn new(model: &Model, rows_max: usize) -> Result<CudaInt8, CudaError> {
+        if model.graph.is_some() {
+            return Err(CudaError::GraphModel(model.name.clone()));
+        }
         let started = Instant::now();
         let (ctx, info) = open()?;
         let (major, minor) = info.compute_capability;

@@ -28,10 +28,11 @@
 
 use super::super::fp8;
 use super::super::Backend;
-use crate::model::Model;
+use super::graph::{DenseMode, GraphExec};
+use crate::model::{Layer, Model};
 
 /// `fp8::to_f32` of every code.
-fn decode_table() -> [f32; 256] {
+pub(super) fn decode_table() -> [f32; 256] {
     std::array::from_fn(|c| fp8::to_f32(c as u8))
 }
 
@@ -40,7 +41,7 @@ const TILE_N: usize = 16;
 const TILE_R: usize = 4;
 
 /// One layer's FP8 constants.
-struct Fp8Layer {
+pub(super) struct Fp8Layer {
     k: usize,
     n: usize,
     /// `n` rounded up to `TILE_N`.
@@ -90,6 +91,8 @@ pub struct CpuFp8 {
     xd: Vec<f32>,
     a: Vec<f32>,
     b: Vec<f32>,
+    /// The executor of a graph model (its dense nodes in FP8).
+    graph: Option<GraphExec>,
 }
 
 impl CpuFp8 {
@@ -100,38 +103,40 @@ impl CpuFp8 {
             .layers
             .iter()
             .enumerate()
-            .map(|(i, l)| {
-                let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
-                let s_w = if max_abs > 0.0 { max_abs / fp8::MAX } else { 1.0 };
-                let n_pad = l.out_dim.next_multiple_of(TILE_N);
-                let mut w_t = vec![0.0; l.in_dim * n_pad];
-                for o in 0..l.out_dim {
-                    for k in 0..l.in_dim {
-                        w_t[k * n_pad + o] = table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))];
-                    }
-                }
-                let s_x = ranges.map_or(1.0, |r| r[i] / fp8::MAX);
-                Fp8Layer {
-                    k: l.in_dim,
-                    n: l.out_dim,
-                    n_pad,
-                    relu: l.relu,
-                    w_t,
-                    s_w,
-                    s_x,
-                    inv_s_x: 1.0 / s_x,
-                    bias: l.bias.clone(),
-                }
-            })
+            .map(|(i, l)| layer(l, &table, ranges.map_or(1.0, |r| r[i] / fp8::MAX)))
             .collect();
+        let graph = model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Fp8, rows_max));
         let len = rows_max * model.width_max();
-        CpuFp8 { rows_max, table, layers, isa: Isa::best(), xd: vec![0.0; len], a: vec![0.0; len], b: vec![0.0; len] }
+        CpuFp8 {
+            rows_max,
+            table,
+            layers,
+            isa: Isa::best(),
+            xd: vec![0.0; len],
+            a: vec![0.0; len],
+            b: vec![0.0; len],
+            graph,
+        }
     }
+}
+
+/// One layer's FP8 constants, with activation scale `s_x`.
+pub(super) fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
+    let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+    let s_w = if max_abs > 0.0 { max_abs / fp8::MAX } else { 1.0 };
+    let n_pad = l.out_dim.next_multiple_of(TILE_N);
+    let mut w_t = vec![0.0; l.in_dim * n_pad];
+    for o in 0..l.out_dim {
+        for k in 0..l.in_dim {
+            w_t[k * n_pad + o] = table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))];
+        }
+    }
+    Fp8Layer { k: l.in_dim, n: l.out_dim, n_pad, relu: l.relu, w_t, s_w, s_x, inv_s_x: 1.0 / s_x, bias: l.bias.clone() }
 }
 
 /// One layer for `rows` rows: `x` (`[rows][k]`) in, `y` (`[rows][n]`) out.
 #[inline(always)]
-fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
+pub(super) fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
     let xd = &mut xd[..rows * l.k];
     for (d, v) in xd.iter_mut().zip(&x[..rows * l.k]) {
         *d = table[usize::from(fp8::from_f32(v * l.inv_s_x))];
@@ -210,6 +215,9 @@ impl Backend for CpuFp8 {
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
+            return exec.run(g, x, model.input_dim(), rows, out);
+        }
         assert_eq!(model.layers.len(), self.layers.len(), "the backend was built for another model");
         assert_eq!(self.layers.last().map(|l| l.n), Some(1), "one logit per row");
         match self.isa {

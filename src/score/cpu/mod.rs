@@ -30,6 +30,7 @@
 
 mod aligned;
 pub mod fp8;
+pub mod graph;
 pub mod int8_gemm;
 
 pub use fp8::CpuFp8;
@@ -38,6 +39,7 @@ use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 
 use super::Backend;
 use crate::model::{round_clamp_i8, Layer, Model, StaticInt8Layer};
+use graph::{DenseMode, GraphExec};
 
 /// Two activation buffers, ping-ponged between layers, sized at start-up.
 struct Activations {
@@ -98,11 +100,13 @@ impl Activations {
 pub struct CpuF32 {
     rows_max: usize,
     act: Activations,
+    graph: Option<GraphExec>,
 }
 
 impl CpuF32 {
     pub fn new(model: &Model, rows_max: usize) -> CpuF32 {
-        CpuF32 { rows_max, act: Activations::new(model, rows_max) }
+        let graph = model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::F32, rows_max));
+        CpuF32 { rows_max, act: Activations::new(model, rows_max), graph }
     }
 }
 
@@ -135,6 +139,9 @@ impl Backend for CpuF32 {
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
+            return exec.run(g, x, model.input_dim(), rows, out);
+        }
         self.act.run(model, x, rows, out, |l, xr, yr| {
             for (o, y) in yr.iter_mut().enumerate() {
                 let v = dot_f32(&l.weights_f32[o * l.in_dim..(o + 1) * l.in_dim], xr) + l.bias[o];
@@ -166,6 +173,8 @@ pub struct CpuInt8 {
     /// The blocked kernels' static path; `None` for the scalar kernel or an
     /// uncalibrated model.
     static_layers: Option<StaticLayers>,
+    /// The executor of a graph model (its dense nodes dynamic INT8).
+    graph: Option<GraphExec>,
 }
 
 impl CpuInt8 {
@@ -209,6 +218,7 @@ impl CpuInt8 {
             scratch: Scratch::new(kernel, model.width_max(), rows_max),
             statics,
             static_layers,
+            graph: model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Int8(kernel), rows_max)),
         })
     }
 
@@ -283,6 +293,9 @@ impl Backend for CpuInt8 {
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
+            return exec.run(g, x, model.input_dim(), rows, out);
+        }
         if let Some(st) = &mut self.static_layers {
             assert_eq!(model.layers.len(), self.packed.len(), "the backend was built for another model");
             st.logits(&self.packed, x, rows, out);
