@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{scratch, Server, BIN};
+use common::{auc, scratch, Server, BIN};
 use quiver::model::calibrate::{calibrate, read_npy, Matrix, Method};
 use quiver::model::onnx::{import_file, ImportOptions, Imported};
 use quiver::model::{sigmoid, Model};
@@ -362,27 +362,6 @@ const INT8_STATIC_SCORE_ERROR_MAX: f32 = 0.06;
 /// The same for the FP8 E4M3 path (calibrated, max-abs).
 const FP8_AUC_DELTA_MAX: f64 = 0.005;
 const FP8_SCORE_ERROR_MAX: f32 = 0.25;
-
-/// The area under the ROC curve: the probability that a random positive
-/// scores above a random negative, ties counting one half (average ranks).
-fn auc(scores: &[f32], labels: &[bool]) -> f64 {
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]));
-    let mut rank_sum_pos = 0.0f64;
-    let mut i = 0;
-    while i < order.len() {
-        let mut j = i;
-        while j + 1 < order.len() && scores[order[j + 1]] == scores[order[i]] {
-            j += 1;
-        }
-        let avg_rank = (i + j) as f64 / 2.0 + 1.0;
-        rank_sum_pos += avg_rank * order[i..=j].iter().filter(|&&k| labels[k]).count() as f64;
-        i = j + 1;
-    }
-    let pos = labels.iter().filter(|l| **l).count() as f64;
-    let neg = labels.len() as f64 - pos;
-    (rank_sum_pos - pos * (pos + 1.0) / 2.0) / (pos * neg)
-}
 
 #[test]
 fn auc_helper_by_hand() {

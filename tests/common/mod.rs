@@ -243,3 +243,24 @@ pub fn reference_scores(data_dir: &Path, spec: &RequestSpec) -> (Vec<f32>, u16) 
     model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
     (logits.into_iter().map(sigmoid).collect(), missing)
 }
+
+/// The area under the ROC curve: the probability that a random positive
+/// scores above a random negative, ties counting one half (average ranks).
+pub fn auc(scores: &[f32], labels: &[bool]) -> f64 {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]));
+    let mut rank_sum_pos = 0.0f64;
+    let mut i = 0;
+    while i < order.len() {
+        let mut j = i;
+        while j + 1 < order.len() && scores[order[j + 1]] == scores[order[i]] {
+            j += 1;
+        }
+        let avg_rank = (i + j) as f64 / 2.0 + 1.0;
+        rank_sum_pos += avg_rank * order[i..=j].iter().filter(|&&k| labels[k]).count() as f64;
+        i = j + 1;
+    }
+    let pos = labels.iter().filter(|l| **l).count() as f64;
+    let neg = labels.len() as f64 - pos;
+    (rank_sum_pos - pos * (pos + 1.0) / 2.0) / (pos * neg)
+}
