@@ -30,7 +30,9 @@ Models (tests/fixtures/zoo/<name>.onnx):
   Linear = Gemm(alpha=1, beta=1, transB=1) with weight [out, in]; literals
   as Constant nodes; seeded He-initialised hidden layers, and the last
   linear map(s) into the logit fitted by LogisticRegression on the hidden
-  activations, a random-features model whose logits land in about [-8, 0]):
+  activations, a random-features model whose logits land in about [-8, 0];
+  two_tower's, fitted on unshifted labels since a dot product has no bias,
+  in about [-6, 6]):
     torch_bn_mlp, layernorm_mlp, residual_mlp, wide_deep, dcn_v2, deepfm,
     two_tower (inputs user and item only; item is a precomputed item-tower
     output), leaky_tanh, external_data (every initializer in
@@ -48,6 +50,9 @@ logit, read as follows:
     post_transform set to NONE gives the raw scores [-s, s] (skl2onnx writes
     both classes for a binary model); the logit is s, the class-1 score.
   - regression: the raw output `variable` itself (no sigmoid).
+The label column is always the rare click label: for regression it is drawn
+from the click function of the same row (the bid-shading target is not
+recorded), for two_tower from a context that is drawn but not an input.
 The script asserts that the chosen output of the unmodified graph equals
 sigmoid(logit) (class-1 column for [N, 2] outputs) within 1e-5, that
 scikit-learn's predict_proba / predict / decision_function agree with
@@ -58,8 +63,13 @@ zoo.json indexes the models: file, the `--inputs` mapping string, the
 `--output` tensor (null when the graph's only output is the right one),
 output_kind (logit | raw), output_form (sigmoid | probabilities2 | logit |
 raw: what the chosen output tensor holds), ops (sorted; ai.onnx.ml ops
-prefixed), rows, dim, positives, max_abs_logit, data, and logit_from (how the
-recorded logit was read).
+prefixed), rows, dim, positives, max_abs_logit, data, logit_from (how the
+recorded logit was read) and, for external_data, external_data (the file).
+
+skl2onnx's graphs are kept as it writes them (including the duplicate
+default-domain opset import it writes for LinearClassifier), except that the
+order of the opset imports, which skl2onnx varies from run to run, is fixed
+with the default domain first.
 
 Rerun (from the repository root; it is deterministic for these versions):
   pip install numpy==2.4.6 onnx==1.23.2 onnxruntime==1.32.0 \
@@ -68,7 +78,7 @@ Rerun (from the repository root; it is deterministic for these versions):
   python3 bench/zoo_fixtures.py --check    # regenerate into a temporary
                                            # directory and compare; exits 1
                                            # naming the file that differs
-(onnxmltools is pinned with the converter stack; nothing here imports it.)
+(onnxmltools is pinned with the converter stack; only its version is read.)
 BLAS and onnxruntime run single-threaded, which keeps the run cheap and the
 trained weights reproducible.
 """
@@ -262,7 +272,20 @@ def last_sigmoid_input(model):
     return sig[0].input[0]
 
 
+def canonical_opsets(model):
+    """skl2onnx lists its opset imports in an order that changes from run to
+    run (the default domain first or ai.onnx.ml first); fix it, default
+    domain first, so that the files are reproducible. Duplicates, which
+    skl2onnx writes for LinearClassifier, are kept as it writes them."""
+    ordered = sorted(model.opset_import, key=lambda o: (o.domain not in ("", "ai.onnx"), o.domain))
+    ordered = [helper.make_opsetid(o.domain, o.version) for o in ordered]
+    del model.opset_import[:]
+    model.opset_import.extend(ordered)
+    return model
+
+
 def skl_spec(model, est, output, output_form, logit_names, logit_fn, logit_from, reference, **kw):
+    canonical_opsets(model)
     spec = dict(
         model=model,
         est=est,
@@ -575,11 +598,14 @@ def deepfm_weights(rng):
 
 
 def deepfm_graph(t):
-    def ints(name, vals):
-        return t.init(name, np.array(vals, dtype=np.int64))
+    def slice_ctx(prefix, start, end):
+        # starts / ends / axes as int64 initializers (the opset-10+ inputs).
+        args = [t.init(f"{prefix}.{k}", np.array([v], dtype=np.int64)) for k, v in
+                (("starts", start), ("ends", end), ("axes", 1))]
+        return t.op("Slice", ["ctx", *args])
 
-    num_ctx = t.op("Slice", ["ctx", ints("slice_num.starts", [0]), ints("slice_num.ends", [2]), ints("slice_num.axes", [1])])
-    id_ctx = t.op("Slice", ["ctx", ints("slice_ids.starts", [2]), ints("slice_ids.ends", [4]), ints("slice_ids.axes", [1])])
+    num_ctx = slice_ctx("slice_num", 0, 2)
+    id_ctx = slice_ctx("slice_ids", 2, 4)
     numeric = t.op("Concat", ["user", "item", num_ctx], axis=1)
     ids = t.op("Cast", [id_ctx], to=TensorProto.INT64)
     emb = t.op("Gather", [t.param("emb.weight"), ids], scope="/emb", axis=0)
@@ -601,7 +627,8 @@ def two_tower_weights(rng):
 
 
 def two_tower_graph(t):
-    h = t.op("Relu", [t.linear("user", "user_tower.0", scope="/user_tower/user_tower.0")], scope="/user_tower/user_tower.1")
+    h = t.linear("user", "user_tower.0", scope="/user_tower/user_tower.0")
+    h = t.op("Relu", [h], scope="/user_tower/user_tower.1")
     u = t.linear(h, "user_tower.2", scope="/user_tower/user_tower.2")
     z = t.op("ReduceSum", [t.op("Mul", [u, "item"]), t.init("reduce_axes", np.array([1], dtype=np.int64))], keepdims=1)
     return sigmoid_head(t, z), z, [h]
@@ -943,17 +970,22 @@ def rank_auc(score, y):
 
 
 def versions():
-    import onnxmltools
     import skl2onnx
     import sklearn
 
+    try:
+        import onnxmltools
+
+        onnxmltools_version = onnxmltools.__version__
+    except ImportError:  # pinned alongside, but nothing here needs it
+        onnxmltools_version = None
     return {
         "numpy": np.__version__,
         "onnx": onnx.__version__,
         "onnxruntime": ort.__version__,
         "scikit-learn": sklearn.__version__,
         "skl2onnx": skl2onnx.__version__,
-        "onnxmltools": onnxmltools.__version__,
+        "onnxmltools": onnxmltools_version,
     }
 
 

@@ -209,12 +209,12 @@ fn import_errors_say_what_is_wrong() {
     let cases: Vec<(&Path, &str, Vec<&str>, Vec<&str>)> = vec![
         // skl2onnx's classifier has label and probabilities outputs.
         (&sk, "user:8,item:8,context:4", vec![], vec!["2 outputs", "--output", "out_activations_result"]),
-        // Its probabilities are Concat(1 - p, p): Sub is no dense layer.
+        // Its label is an ArgMax of the probabilities: not a score.
         (
             &sk,
             "user:8,item:8,context:4",
-            vec!["--output", "probabilities"],
-            vec!["node 'Sub': op Sub is not supported", "supported ops: Gemm"],
+            vec!["--output", "label"],
+            vec!["op ArgMax is not supported", "supported ops: Gemm"],
         ),
         // A hidden layer is 16 wide, not one logit.
         (&helper, "user:8,item:8,context:4", vec!["--output", "h2"], vec!["'h2' is 16 wide", "width 1"]),

@@ -254,3 +254,69 @@ fn sigmoid_is_applied_to_logits_and_not_to_raw_outputs() {
     let logit = import(zoo.iter().find(|z| z.name == "torch_bn_mlp").unwrap());
     assert_eq!(logit.score(0.25), sigmoid(0.25));
 }
+
+fn quiver_import(args: &[&str]) -> (i32, String, String) {
+    let o = std::process::Command::new(common::BIN).arg("import").args(args).output().unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn import_command_summarises_graphs_and_refuses_what_it_cannot_do() {
+    let dir = scratch("zoo-cli");
+    let out = dir.join("m.qm");
+    let onnx = zoo_dir().join("torch_bn_mlp.onnx");
+    let base = ["--onnx", onnx.to_str().unwrap(), "--out", out.to_str().unwrap(), "--name", "ctr", "--version", "2"];
+    let inputs = ["--inputs", "user=user:8,item=item:8,context=ctx:4"];
+    let (code, stdout, stderr) = quiver_import(&[&base[..], &inputs[..]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    for want in [
+        "graph model (file v2)",
+        "Dense 20 -> 32",
+        "GELU (erf)",
+        "rewrite: removed Dropout",
+        "rewrite: folded a per-channel scale and shift (e.g. BatchNorm)",
+        "rewrite: fused the erf form of GELU",
+        "its Sigmoid is applied by the server",
+    ] {
+        assert!(stdout.contains(want), "missing '{want}' in:\n{stdout}");
+    }
+    assert!(Model::load(&out).unwrap().graph.is_some());
+    std::fs::remove_file(&out).unwrap();
+
+    // Graph models are not calibrated yet: said, and nothing written.
+    let calib = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/onnx/calibration.npy");
+    let (code, _, stderr) =
+        quiver_import(&[&base[..], &inputs[..], &["--calibration", calib.to_str().unwrap()]].concat());
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("--calibration is not supported for graph models yet"), "{stderr}");
+    assert!(!out.exists());
+
+    // Widths that do not match --inputs name the graph input.
+    let (code, _, stderr) =
+        quiver_import(&[&base[..], &["--inputs", "user=user:8,item=item:8,context=ctx:5"]].concat());
+    assert_eq!(code, 1);
+    assert!(stderr.contains("graph input 'ctx' is 4 wide but is mapped to context:5"), "{stderr}");
+
+    // A regression declared raw says so.
+    let onnx = zoo_dir().join("regression.onnx");
+    let (code, stdout, stderr) = quiver_import(&[
+        "--onnx",
+        onnx.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--name",
+        "price",
+        "--version",
+        "1",
+        "--inputs",
+        "user:8,item:8,context:4",
+        "--output-kind",
+        "raw",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("one raw value, returned as is"), "{stdout}");
+}

@@ -1649,6 +1649,58 @@ mod tests {
     }
 
     #[test]
+    fn a_cycle_and_a_bad_external_location_are_refused() {
+        // h = Gemm(x + h): a cycle in ONNX shows as a tensor that no
+        // earlier node produces.
+        let cycle = graph(
+            vec![input("x", 2)],
+            vec![node("Add", "first", &["x", "h"], "r"), node("Gemm", "dense", &["r", "B"], "h")],
+            vec![weight("B", &[2, 1], &[1.0, 1.0])],
+            "h",
+        );
+        let e = import_graph(&cycle, &opts("user:2")).unwrap_err().to_string();
+        assert!(e.contains("node 'first' (Add): tensor 'h' is not produced by an earlier node"), "{e}");
+
+        let external = |location: &str| {
+            let mut g = graph(
+                vec![input("x", 2)],
+                vec![node("Gemm", "dense", &["x", "B"], "h")],
+                vec![weight("B", &[2, 1], &[1.0, 1.0])],
+                "h",
+            );
+            let t = &mut g.initializer[0];
+            t.raw_data.clear();
+            t.float_data.clear();
+            t.data_location = tensor_proto::DataLocation::EXTERNAL.into();
+            let mut e = onnx_protobuf::StringStringEntryProto::new();
+            e.key = "location".into();
+            e.value = location.into();
+            t.external_data.push(e);
+            g
+        };
+        let mut o = opts("user:2");
+        let e = import_graph(&external("w.bin"), &o).unwrap_err().to_string();
+        assert!(e.contains("initializer 'B': is stored in an external data file"), "{e}");
+        let dir = std::env::temp_dir().join(format!("quiver-ext-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        o.base_dir = Some(dir.clone());
+        for bad in ["../w.bin", "/etc/passwd"] {
+            let e = import_graph(&external(bad), &o).unwrap_err().to_string();
+            assert!(e.contains("is not a plain relative path"), "{bad}: {e}");
+        }
+        let e = import_graph(&external("missing.bin"), &o).unwrap_err().to_string();
+        assert!(e.contains("missing.bin"), "{e}");
+        std::fs::write(dir.join("short.bin"), [0u8; 4]).unwrap();
+        let e = import_graph(&external("short.bin"), &o).unwrap_err().to_string();
+        assert!(e.contains("holds 1 values but its dimensions [2, 1] need 2"), "{e}");
+        std::fs::write(dir.join("w.bin"), [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+            .unwrap();
+        let m = import_graph(&external("w.bin"), &o).unwrap().model;
+        assert_eq!(m.layers[0].weights_f32, vec![1.0, 2.0]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn empty_and_garbage_bytes_are_refused() {
         let o = opts("user:2");
         assert!(matches!(import_bytes(b"", "e.onnx", &o), Err(OnnxError::NoGraph { .. })));
