@@ -191,7 +191,7 @@ fn served_zoo_scores_match_onnxruntime() {
     let zoo = zoo();
     let (mut users, mut items) = (ReplicaBuilder::new("user", 8), ReplicaBuilder::new("item", 8));
     for (m, z) in zoo.iter().enumerate() {
-        let model = import(&z);
+        let model = import(z);
         let at = models_dir.join(&z.name).join("1");
         std::fs::create_dir_all(&at).unwrap();
         model.save(&at.join("model.qm")).unwrap();

@@ -768,7 +768,7 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
             }
             let known: usize = dims.iter().product();
             if let Some(i) = infer {
-                if known == 0 || total % known != 0 {
+                if known == 0 || !total.is_multiple_of(known) {
                     return Err(refuse());
                 }
                 dims[i] = total / known;
@@ -1103,7 +1103,7 @@ fn apply_ml<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxErro
             let regressor = node.op_type == "LinearRegressor";
             let coef = attr_floats(node, "coefficients");
             let intercepts = attr_floats(node, "intercepts");
-            let classes = if k == 0 { 0 } else { coef.len() / k };
+            let classes = coef.len().checked_div(k).unwrap_or(0);
             if classes == 0 || coef.len() != classes * k || !(intercepts.is_empty() || intercepts.len() == classes) {
                 return Err(node_err(
                     node,
@@ -1190,7 +1190,7 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
     let mut output = select_output(graph, opts)?;
     // A ZipMap turns class probabilities into a map for Python callers; the
     // tensor it reads is what the server reproduces.
-    if let Some(zm) = graph.node.iter().find(|n| n.op_type == "ZipMap" && n.output.iter().any(|o| *o == output)) {
+    if let Some(zm) = graph.node.iter().find(|n| n.op_type == "ZipMap" && n.output.contains(&output)) {
         output = zm.input.first().cloned().unwrap_or_default();
     }
 
