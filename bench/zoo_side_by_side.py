@@ -324,6 +324,15 @@ def versions():
     return v
 
 
+def command_line():
+    """This run's command, with the taskset pinning it ran under, if any."""
+    cmd = " ".join(["python3", "bench/zoo_side_by_side.py", *sys.argv[1:]])
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cpus and len(cpus) < (os.cpu_count() or 0):
+        cmd = f"taskset -c {','.join(map(str, cpus))} {cmd}"
+    return cmd
+
+
 def is_num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -514,7 +523,7 @@ def main():
         "what": "µs per call (median of per-run medians), single thread; ratios = ort time / quiver time "
                 "(median of per-run ratios; above 1: quiver faster); onnxruntime times include Python call overhead",
         "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(["python3", "bench/zoo_side_by_side.py", *sys.argv[1:]]),
+        "command": command_line(),
         "wall_s": round(time.time() - started, 1),
         "machine": machine(),
         "versions": versions(),

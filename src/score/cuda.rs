@@ -647,6 +647,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn graph_models_are_refused_with_a_typed_error_and_served_on_the_cpu() {
+        use crate::model::{Act, Graph, Node, Op, OutputKind};
+        let mlp = crate::demo::context_mlp("graph", 5, &[6, 4, 1]);
+        let dense = |l: &Layer, input: usize, act: Act| Node {
+            op: Op::Dense { layer: Layer { relu: false, ..l.clone() }, act },
+            inputs: vec![input],
+            width: l.out_dim,
+        };
+        let nodes = vec![
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 6 },
+            dense(&mlp.layers[0], 0, Act::Tanh),
+            dense(&mlp.layers[1], 1, Act::None),
+        ];
+        let g = Model { layers: Vec::new(), graph: Some(Graph { nodes, output: OutputKind::Logit }), ..mlp };
+        g.validate().unwrap();
+        assert!(matches!(CudaInt8::new(&g, 8), Err(CudaError::GraphModel(name)) if name == "graph"));
+        let mut backend = crate::score::build(crate::score::BackendKind::Cuda, &g, 8);
+        assert_eq!(backend.name(), "cpu-int8");
+        let x = [0.5f32, -1.0, 0.25, 2.0, 0.0, -0.5];
+        let mut out = [0.0];
+        backend.logits(&g, &x, 1, &mut out);
+        let mut reference = [0.0];
+        g.forward_f32_reference(&x, 1, &mut reference);
+        assert!((out[0] - reference[0]).abs() < 0.05, "{} vs {}", out[0], reference[0]);
+    }
+
+    #[test]
     fn weights_are_packed_four_k_per_word_transposed() {
         let layer = Layer {
             in_dim: 5,
