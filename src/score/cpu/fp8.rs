@@ -57,7 +57,7 @@ pub(super) struct Fp8Layer {
 
 /// Which build of the layer loop runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
+pub(super) enum Isa {
     Baseline,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -66,7 +66,7 @@ enum Isa {
 }
 
 impl Isa {
-    fn best() -> Isa {
+    pub(super) fn best() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f") {

@@ -28,6 +28,7 @@
 //! bit for bit. The best variant the CPU supports is chosen once, when the
 //! backend is built.
 
+mod activation;
 mod aligned;
 pub mod fp8;
 pub mod graph;
