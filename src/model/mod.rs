@@ -318,6 +318,21 @@ impl Model {
         self.layers.iter().map(|l| l.out_dim).chain([self.input_dim(), graph]).max().unwrap_or(0)
     }
 
+    /// The network as a graph: the graph of a v2 model, or a v1 MLP's layers
+    /// as an input node followed by a chain of dense nodes.
+    pub fn to_graph(&self) -> Graph {
+        if let Some(g) = &self.graph {
+            return g.clone();
+        }
+        let mut nodes = vec![Node { op: Op::Input { offset: 0 }, inputs: vec![], width: self.input_dim() }];
+        for (i, l) in self.layers.iter().enumerate() {
+            let act = if l.relu { Act::Relu } else { Act::None };
+            let layer = Layer { relu: false, ..l.clone() };
+            nodes.push(Node { op: Op::Dense { layer, act }, inputs: vec![i], width: l.out_dim });
+        }
+        Graph { nodes, output: OutputKind::Logit }
+    }
+
     /// What the network's output is: a logit for every v1 model.
     pub fn output_kind(&self) -> OutputKind {
         self.graph.as_ref().map_or(OutputKind::Logit, |g| g.output)

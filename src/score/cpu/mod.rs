@@ -39,7 +39,7 @@ pub use int8_gemm::Int8Kernel;
 use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 
 use super::Backend;
-use crate::model::{round_clamp_i8, Layer, Model, StaticInt8Layer};
+use crate::model::{round_clamp_i8, Graph, Layer, Model, StaticInt8Layer};
 use graph::{DenseMode, GraphExec};
 
 /// Two activation buffers, ping-ponged between layers, sized at start-up.
@@ -97,36 +97,21 @@ impl Activations {
     }
 }
 
-/// The f32 backend: the oracle other backends are tested against.
+/// The f32 backend: the oracle other backends are tested against. Every
+/// model, a v1 MLP included, runs as a graph on the executor's tiled f32
+/// dense layers.
 pub struct CpuF32 {
     rows_max: usize,
-    act: Activations,
-    graph: Option<GraphExec>,
+    graph: Graph,
+    exec: GraphExec,
 }
 
 impl CpuF32 {
     pub fn new(model: &Model, rows_max: usize) -> CpuF32 {
-        let graph = model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::F32, rows_max));
-        CpuF32 { rows_max, act: Activations::new(model, rows_max), graph }
+        let graph = model.to_graph();
+        let exec = GraphExec::new(&graph, DenseMode::F32, rows_max);
+        CpuF32 { rows_max, graph, exec }
     }
-}
-
-#[inline]
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent partial sums let the compiler keep a full vector of
-    // accumulators; the fixed order keeps results reproducible.
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8 * 8;
-    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
-        for k in 0..8 {
-            acc[k] += ca[k] * cb[k];
-        }
-    }
-    let mut tail = 0.0;
-    for (x, y) in a[chunks..].iter().zip(&b[chunks..]) {
-        tail += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 impl Backend for CpuF32 {
@@ -140,15 +125,7 @@ impl Backend for CpuF32 {
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
-        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
-            return exec.run(g, x, model.input_dim(), rows, out);
-        }
-        self.act.run(model, x, rows, out, |l, xr, yr| {
-            for (o, y) in yr.iter_mut().enumerate() {
-                let v = dot_f32(&l.weights_f32[o * l.in_dim..(o + 1) * l.in_dim], xr) + l.bias[o];
-                *y = if l.relu { v.max(0.0) } else { v };
-            }
-        });
+        self.exec.run(&self.graph, x, model.input_dim(), rows, out);
     }
 }
 
