@@ -213,4 +213,11 @@ w("")
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_side_by_side.md")) as f:
     w(f.read().rstrip("\n"))
     w("")
+# The model zoo against onnxruntime, as bench/zoo_side_by_side.py wrote it
+# (run by hand: `taskset -c 1 python3 bench/zoo_side_by_side.py --repeats 3`).
+zoo_md = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "zoo_side_by_side.md")
+if os.path.exists(zoo_md):
+    with open(zoo_md) as f:
+        w(f.read().rstrip("\n"))
+        w("")
 print("\n".join(out))

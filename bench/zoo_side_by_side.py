@@ -346,13 +346,24 @@ def fmt(x, suffix=""):
     return f"{x:.2f}{suffix}" if is_num(x) else "n/a"
 
 
+def git_commit():
+    """The commit measured, with '+dirty' when the tree has changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def markdown(report):
     rows, lines = report["settings"]["rows"], []
     m, s = report["machine"], report["settings"]
     lines.append("## Model zoo side by side with onnxruntime")
     lines.append("")
     lines.append(
-        f"Written by `bench/zoo_side_by_side.py` ({report['generated']}). Machine: {m.get('Model name', '?')}, "
+        f"Written by `bench/zoo_side_by_side.py` ({report['generated']}, commit `{report.get('commit', '?')}`). "
+        f"Machine: {m.get('Model name', '?')}, "
         f"{m.get('CPU(s)', '?')} CPUs ({', '.join(m.get('isa', []))}), affinity {m.get('affinity')}. "
         f"onnxruntime {report['versions']['onnxruntime']}, onnx {report['versions']['onnx']}, "
         f"numpy {report['versions']['numpy']}. Single thread on both sides; each cell is the median of "
@@ -523,6 +534,7 @@ def main():
         "what": "µs per call (median of per-run medians), single thread; ratios = ort time / quiver time "
                 "(median of per-run ratios; above 1: quiver faster); onnxruntime times include Python call overhead",
         "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
         "command": command_line(),
         "wall_s": round(time.time() - started, 1),
         "machine": machine(),
