@@ -324,6 +324,9 @@ mod tests {
             scores: ScoreHistogram { edges: vec![0.0, 0.25, 0.5, 0.75, 1.0], counts: vec![100; 4] },
             input_means: vec![1.0, -2.0, 5.0],
             input_variances: vec![4.0, 0.0, 1.0],
+            activations: Default::default(),
+            static_error: None,
+            dynamic_error: None,
         }
     }
 

@@ -936,13 +936,6 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
         base_dir: None,
     };
     let mut imported = quiver::model::onnx::import_file(&args.onnx, &opts)?;
-    if args.calibration.is_some() && imported.model.graph.is_some() {
-        return Err(Error::Setup(format!(
-            "{}: --calibration is not supported for graph models yet (only plain MLPs); import without it and \
-             the INT8 backend quantizes activations per row",
-            args.onnx.display()
-        )));
-    }
     let calibration_report = match &args.calibration {
         Some(path) => Some(calibrate_import(&mut imported.model, path, args.calibration_method, args.precision)?),
         None => None,
@@ -986,19 +979,35 @@ fn calibrate_import(
     let ranges: Vec<String> = calibration.input_ranges.iter().map(|r| format!("{r:.4}")).collect();
     let bins = calibration.scores.counts.len();
     model.calibration = Some(calibration);
+    quiver::score::accuracy::choose_int8_activations(model, &set);
     model.validate()?;
-    let (kind, label) = match precision {
-        Precision::Int8 => (BackendKind::Int8, "int8"),
-        Precision::Fp8 => (BackendKind::Fp8, "fp8"),
+    let c = model.calibration.as_ref().expect("set above");
+    let measured = |e: Option<quiver::model::MeasuredError>| {
+        e.map_or("not measured (no static path for graph models)".to_string(), |e| {
+            format!("max |score diff| {:.5}, mean {:.5}", e.max, e.mean)
+        })
     };
-    let (worst, mean) = score_error(model, &set, kind);
-    Ok(format!(
+    let chosen = match c.activations {
+        quiver::model::ActivationScales::Static => "static (one calibrated scale per layer)",
+        quiver::model::ActivationScales::Dynamic => "dynamic (per-row scales)",
+    };
+    let mut report = format!(
         "  calibration: {} rows, {}; activation ranges per layer: {}\n  score histogram: {bins} bins\n  \
-         {label} vs f32 on the calibration set: max |score diff| {worst:.5}, mean {mean:.5}",
+         int8 vs f32 on the calibration set: static {}; dynamic {}\n  int8 activations: {chosen}",
         set.rows,
-        model.calibration.as_ref().map_or("", |c| c.method.as_str()),
-        ranges.join(", ")
-    ))
+        c.method,
+        if ranges.is_empty() { "none".to_string() } else { ranges.join(", ") },
+        measured(c.static_error),
+        measured(c.dynamic_error),
+    );
+    if let Precision::Fp8 = precision {
+        let e = quiver::score::accuracy::score_error(model, &set, BackendKind::Fp8);
+        report.push_str(&format!(
+            "\n  fp8 vs f32 on the calibration set: max |score diff| {:.5}, mean {:.5}",
+            e.max, e.mean
+        ));
+    }
+    Ok(report)
 }
 
 /// `quiver time-model`: median wall time of `Backend::logits` per batch
@@ -1036,26 +1045,6 @@ fn time_model(path: &std::path::Path, kind: BackendKind, rows: &[usize], iters: 
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Max and mean |sigmoid(quantized) - sigmoid(f32)| over the rows of `set`.
-fn score_error(model: &Model, set: &quiver::model::calibrate::Matrix, kind: BackendKind) -> (f32, f32) {
-    const CHUNK: usize = 256;
-    let mut f32_backend = quiver::score::build(BackendKind::F32, model, CHUNK);
-    let mut quantized = quiver::score::build(kind, model, CHUNK);
-    let (mut worst, mut sum) = (0.0f32, 0.0f64);
-    let (mut a, mut b) = (vec![0.0; CHUNK], vec![0.0; CHUNK]);
-    for x in set.data.chunks(CHUNK * set.cols) {
-        let rows = x.len() / set.cols;
-        f32_backend.logits(model, x, rows, &mut a[..rows]);
-        quantized.logits(model, x, rows, &mut b[..rows]);
-        for (p, q) in a[..rows].iter().zip(&b[..rows]) {
-            let d = (quiver::model::sigmoid(*p) - quiver::model::sigmoid(*q)).abs();
-            worst = worst.max(d);
-            sum += f64::from(d);
-        }
-    }
-    (worst, (sum / set.rows.max(1) as f64) as f32)
 }
 
 fn parse_storage(s: &str) -> Result<Storage, String> {

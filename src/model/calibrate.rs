@@ -25,7 +25,7 @@
 use std::io::Read as _;
 use std::path::Path;
 
-use super::{sigmoid, Calibration, Model, ScoreHistogram, Source};
+use super::{sigmoid, ActivationScales, Calibration, Model, OutputKind, ScoreHistogram, Source};
 
 /// Bins of the score histogram stored in the model file.
 pub const SCORE_BINS: usize = 20;
@@ -150,6 +150,10 @@ pub enum Method {
     MaxAbs,
     /// The percentile of |activation|, in (0, 100].
     Percentile(f64),
+    /// The range that minimises the INT8 quantization error (rounding
+    /// inside the range, clipping beyond it) of the layer's input over the
+    /// set, estimated from its |activation| histogram.
+    Mse,
 }
 
 impl Method {
@@ -157,6 +161,7 @@ impl Method {
         match self {
             Method::MaxAbs => "max-abs".into(),
             Method::Percentile(p) => format!("percentile:{p}"),
+            Method::Mse => "mse".into(),
         }
     }
 }
@@ -168,10 +173,13 @@ impl std::str::FromStr for Method {
         if s == "max-abs" {
             return Ok(Method::MaxAbs);
         }
+        if s == "mse" {
+            return Ok(Method::Mse);
+        }
         let p = s.strip_prefix("percentile:").and_then(|p| p.parse::<f64>().ok());
         match p {
             Some(p) if p > 0.0 && p <= 100.0 => Ok(Method::Percentile(p)),
-            _ => Err(format!("'{s}': use max-abs or percentile:P with 0 < P <= 100, e.g. percentile:99.99")),
+            _ => Err(format!("'{s}': use max-abs, mse or percentile:P with 0 < P <= 100, e.g. percentile:99.99")),
         }
     }
 }
@@ -188,6 +196,10 @@ pub enum CalibrationError {
     NonFinite { row: usize, col: usize, value: f32 },
     #[error("layer {layer}'s input is zero on every calibration row; no activation range can be chosen")]
     Degenerate { layer: usize },
+    #[error(
+        "the model's output is a raw value, not a probability; calibration (a score histogram) needs a logit output"
+    )]
+    RawOutput,
 }
 
 /// Runs every layer of the f32 model over one row, calling `visit(i, input)`
@@ -235,6 +247,12 @@ pub fn calibrate(
     if let Some(i) = set.data.iter().position(|v| !v.is_finite()) {
         return Err(CalibrationError::NonFinite { row: i / set.cols, col: i % set.cols, value: set.data[i] });
     }
+    if model.output_kind() == OutputKind::Raw {
+        return Err(CalibrationError::RawOutput);
+    }
+    if model.graph.is_some() {
+        return Ok(calibrate_graph(model, set, progress));
+    }
     let layers = model.layers.len();
     let total = 2 * set.rows;
     let step = (set.rows / 100).max(1);
@@ -255,7 +273,7 @@ pub fn calibrate(
     }
     let input_ranges = match method {
         Method::MaxAbs => max_abs.clone(),
-        Method::Percentile(p) => {
+        Method::Percentile(_) | Method::Mse => {
             let mut hist = vec![vec![0u64; RANGE_BINS]; layers];
             for r in 0..set.rows {
                 forward_visiting(model, set.row(r), &mut act, &mut next, |i, input| {
@@ -272,6 +290,7 @@ pub fn calibrate(
             hist.iter()
                 .zip(&max_abs)
                 .map(|(h, &m)| {
+                    let Method::Percentile(p) = method else { return mse_range(h, m) };
                     let n: u64 = h.iter().sum();
                     let target = ((p / 100.0) * n as f64).ceil() as u64;
                     let mut seen = 0;
@@ -294,7 +313,65 @@ pub fn calibrate(
         scores: score_histogram(&scores),
         input_means,
         input_variances,
+        activations: ActivationScales::Static,
+        static_error: None,
+        dynamic_error: None,
     })
+}
+
+/// A graph model's calibration: the score histogram and context moments,
+/// the drift baselines; its INT8 path stays dynamic (no static ranges).
+fn calibrate_graph(model: &Model, set: &Matrix, mut progress: impl FnMut(usize, usize)) -> Calibration {
+    let step = (set.rows / 100).max(1);
+    let mut scores = Vec::with_capacity(set.rows);
+    let mut out = [0.0f32];
+    for r in 0..set.rows {
+        model.forward_f32_reference(set.row(r), 1, &mut out);
+        scores.push(sigmoid(out[0]));
+        if r % step == 0 {
+            progress(r, set.rows);
+        }
+    }
+    progress(set.rows, set.rows);
+    let (input_means, input_variances) = context_moments(model, set);
+    Calibration {
+        method: "none (graph model: dynamic INT8)".into(),
+        rows: set.rows as u64,
+        input_ranges: Vec::new(),
+        scores: score_histogram(&scores),
+        input_means,
+        input_variances,
+        activations: ActivationScales::Dynamic,
+        static_error: None,
+        dynamic_error: None,
+    }
+}
+
+/// The range among 1/16 to 16/16 of `max` (in 256 steps) that minimises
+/// the estimated squared INT8 error over histogram `h` of |activation| on
+/// `[0, max]`: `s² / 12` for a value inside the range (rounding, with
+/// `s = r / 127`), `(v − r)²` beyond it (clipping).
+fn mse_range(h: &[u64], max: f32) -> f32 {
+    let bin = f64::from(max) / h.len() as f64;
+    let mut best = (f64::INFINITY, max);
+    for k in 16..=256 {
+        let r = f64::from(max) * k as f64 / 256.0;
+        let s = r / 127.0;
+        let err: f64 = h
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c > 0)
+            .map(|(b, &c)| {
+                let v = (b as f64 + 0.5) * bin;
+                let e = if v <= r { s * s / 12.0 } else { (v - r) * (v - r) };
+                c as f64 * e
+            })
+            .sum();
+        if err < best.0 {
+            best = (err, r as f32);
+        }
+    }
+    best.1
 }
 
 /// The mean and population variance of each context column of `set` (empty
@@ -432,6 +509,25 @@ mod tests {
         // Both columns are context inputs: their moments are stored.
         let c = calibrate(&model(), &set(&[1.0, 10.0, 3.0, 10.0]), Method::MaxAbs, |_, _| {}).unwrap();
         assert_eq!((c.input_means, c.input_variances), (vec![2.0, 10.0], vec![1.0, 0.0]));
+    }
+
+    #[test]
+    fn the_mse_range_trades_rounding_against_clipping() {
+        // Nearly all mass below 1 and one value at 10: the range clips the
+        // tail (its squared error is cheaper than a scale ten times coarser
+        // for every value) but keeps the bulk.
+        let mut h = vec![0u64; RANGE_BINS];
+        for (b, c) in h.iter_mut().enumerate().take(RANGE_BINS / 10) {
+            *c = 1000 + b as u64 % 7;
+        }
+        h[RANGE_BINS - 1] = 1;
+        let r = mse_range(&h, 10.0);
+        assert!(r > 1.0 && r < 5.0, "{r}");
+        // Mass spread evenly up to the max: no clipping pays.
+        let flat = vec![100u64; RANGE_BINS];
+        let r = mse_range(&flat, 10.0);
+        assert!(r > 9.0, "{r}");
+        assert_eq!("mse".parse::<Method>().unwrap(), Method::Mse);
     }
 
     #[test]

@@ -116,6 +116,25 @@ pub struct ScoreHistogram {
     pub counts: Vec<u64>,
 }
 
+/// Which INT8 activation semantics a calibrated model runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActivationScales {
+    /// One calibrated scale per layer (`Calibration::input_ranges`).
+    #[default]
+    Static,
+    /// Per-row scales, as for an uncalibrated model: chosen when the
+    /// calibration set measured them as more accurate, and always for a
+    /// graph model.
+    Dynamic,
+}
+
+/// Max and mean |score − f32 score| over a calibration set.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MeasuredError {
+    pub max: f32,
+    pub mean: f32,
+}
+
 /// What `quiver import --calibration` measured (`model::calibrate`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Calibration {
@@ -131,6 +150,12 @@ pub struct Calibration {
     /// written before they were stored (no input drift for those).
     pub input_means: Vec<f32>,
     pub input_variances: Vec<f32>,
+    /// The INT8 semantics chosen; `Static` in files written before the
+    /// choice existed.
+    pub activations: ActivationScales,
+    /// What each semantics measured on the calibration set, when measured.
+    pub static_error: Option<MeasuredError>,
+    pub dynamic_error: Option<MeasuredError>,
 }
 
 /// A loaded, validated model.
@@ -205,10 +230,14 @@ impl Model {
             if !self.layers.is_empty() {
                 return Err(bad("has both layers and a graph".into()));
             }
-            if self.calibration.is_some() {
-                return Err(bad("is a graph model with a calibration; graph models are not calibrated yet".into()));
+            g.validate(self.input_dim()).map_err(bad)?;
+            if let Some(c) = &self.calibration {
+                if c.activations != ActivationScales::Dynamic || !c.input_ranges.is_empty() {
+                    return Err(bad("is a graph model with static INT8 ranges; graph models run dynamic INT8".into()));
+                }
+                return validate_calibration_tables(self, c).map_err(bad);
             }
-            return g.validate(self.input_dim()).map_err(bad);
+            return Ok(());
         }
         if self.layers.is_empty() || self.layers.len() > LAYERS_MAX {
             return Err(bad(format!("has {} layers; 1 to {LAYERS_MAX} allowed", self.layers.len())));
@@ -252,27 +281,7 @@ impl Model {
             if !c.input_ranges.iter().all(|r| r.is_finite() && *r > 0.0 && (*r / 127.0) > 0.0) {
                 return Err(bad("calibration holds a non-finite or non-positive activation range".into()));
             }
-            let h = &c.scores;
-            let edges_ok = h.edges.len() == h.counts.len() + 1
-                && h.edges.first() == Some(&0.0)
-                && h.edges.last() == Some(&1.0)
-                && h.edges.windows(2).all(|w| w[0] < w[1]);
-            if !edges_ok {
-                return Err(bad("calibration score histogram edges are not ascending from 0 to 1".into()));
-            }
-            let context_dim = self.input_dim_of(Source::Context).unwrap_or(0);
-            let moments = c.input_means.len();
-            if moments != c.input_variances.len() || (moments != 0 && moments != context_dim) {
-                return Err(bad(format!(
-                    "calibration has {moments} context means and {} variances for {context_dim} context inputs",
-                    c.input_variances.len()
-                )));
-            }
-            let moments_ok = c.input_means.iter().all(|m| m.is_finite())
-                && c.input_variances.iter().all(|v| v.is_finite() && *v >= 0.0);
-            if !moments_ok {
-                return Err(bad("calibration holds a non-finite context mean or a bad variance".into()));
-            }
+            validate_calibration_tables(self, c).map_err(bad)?;
         }
         Ok(())
     }
@@ -280,7 +289,7 @@ impl Model {
     /// The static INT8 constants per layer, or `None` when the model has no
     /// calibration (the INT8 backend then quantizes activations per row).
     pub fn static_int8(&self) -> Option<Vec<StaticInt8Layer>> {
-        let c = self.calibration.as_ref()?;
+        let c = self.calibration.as_ref().filter(|c| c.activations == ActivationScales::Static)?;
         let s_act: Vec<f32> = c.input_ranges.iter().map(|r| r / 127.0).collect();
         let layers = self
             .layers
@@ -441,6 +450,13 @@ impl Model {
             },
             input_means: c.input_means().map(|v| v.iter().collect()).unwrap_or_default(),
             input_variances: c.input_variances().map(|v| v.iter().collect()).unwrap_or_default(),
+            activations: if c.activations() == fb::ActivationScales::Dynamic {
+                ActivationScales::Dynamic
+            } else {
+                ActivationScales::Static
+            },
+            static_error: measured(c.static_error_max(), c.static_error_mean()),
+            dynamic_error: measured(c.dynamic_error_max(), c.dynamic_error_mean()),
         });
         let graph = match m.graph() {
             Some(g) => Some(graph_from_fb(&g).map_err(|what| bad(&what))?),
@@ -476,9 +492,29 @@ impl Model {
             // Absent rather than empty, as older writers left them.
             let input_means = (!c.input_means.is_empty()).then(|| b.create_vector(&c.input_means));
             let input_variances = (!c.input_variances.is_empty()).then(|| b.create_vector(&c.input_variances));
+            let (static_error_max, static_error_mean) =
+                c.static_error.map_or((f32::NAN, f32::NAN), |e| (e.max, e.mean));
+            let (dynamic_error_max, dynamic_error_mean) =
+                c.dynamic_error.map_or((f32::NAN, f32::NAN), |e| (e.max, e.mean));
+            let activations = match c.activations {
+                ActivationScales::Static => fb::ActivationScales::Static,
+                ActivationScales::Dynamic => fb::ActivationScales::Dynamic,
+            };
             fb::Calibration::create(
                 &mut b,
-                &fb::CalibrationArgs { method, rows: c.rows, input_ranges, scores, input_means, input_variances },
+                &fb::CalibrationArgs {
+                    method,
+                    rows: c.rows,
+                    input_ranges,
+                    scores,
+                    input_means,
+                    input_variances,
+                    activations,
+                    static_error_max,
+                    static_error_mean,
+                    dynamic_error_max,
+                    dynamic_error_mean,
+                },
             )
         });
         let name = Some(b.create_string(&self.name));
@@ -499,6 +535,40 @@ impl Model {
             source: std::io::Error::other(e.to_string()),
         })
     }
+}
+
+/// The checks of a calibration's score histogram and context moments that
+/// hold for every model kind.
+fn validate_calibration_tables(m: &Model, c: &Calibration) -> Result<(), String> {
+    let h = &c.scores;
+    let edges_ok = h.edges.len() == h.counts.len() + 1
+        && h.edges.first() == Some(&0.0)
+        && h.edges.last() == Some(&1.0)
+        && h.edges.windows(2).all(|w| w[0] < w[1]);
+    if !edges_ok {
+        return Err("calibration score histogram edges are not ascending from 0 to 1".into());
+    }
+    let context_dim = m.input_dim_of(Source::Context).unwrap_or(0);
+    let moments = c.input_means.len();
+    if moments != c.input_variances.len() || (moments != 0 && moments != context_dim) {
+        return Err(format!(
+            "calibration has {moments} context means and {} variances for {context_dim} context inputs",
+            c.input_variances.len()
+        ));
+    }
+    let moments_ok =
+        c.input_means.iter().all(|m| m.is_finite()) && c.input_variances.iter().all(|v| v.is_finite() && *v >= 0.0);
+    if !moments_ok {
+        return Err("calibration holds a non-finite context mean or a bad variance".into());
+    }
+    let errors_ok = [c.static_error, c.dynamic_error]
+        .iter()
+        .flatten()
+        .all(|e| e.max.is_finite() && e.mean.is_finite() && e.max >= 0.0 && e.mean >= 0.0);
+    if !errors_ok {
+        return Err("calibration holds a negative or non-finite measured error".into());
+    }
+    Ok(())
 }
 
 fn layer_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, l: &Layer) -> WIPOffset<fb::Layer<'b>> {
@@ -536,6 +606,11 @@ fn layer_from_fb(l: &fb::Layer<'_>) -> Option<Layer> {
         weight_scales: l.weight_scales().map(|v| v.iter().collect()).unwrap_or_default(),
         bias: l.bias().map(|v| v.iter().collect()).unwrap_or_default(),
     })
+}
+
+/// A measured error read back; NaN (the schema default) is "not measured".
+fn measured(max: f32, mean: f32) -> Option<MeasuredError> {
+    (!max.is_nan() && !mean.is_nan()).then_some(MeasuredError { max, mean })
 }
 
 fn act_to_fb(a: Act) -> (fb::Activation, f32) {
@@ -712,6 +787,9 @@ mod tests {
                 scores: ScoreHistogram { edges: vec![0.0, 0.5, 1.0], counts: vec![1, 3] },
                 input_means: vec![0.25],
                 input_variances: vec![2.0],
+                activations: ActivationScales::Static,
+                static_error: Some(MeasuredError { max: 0.25, mean: 0.125 }),
+                dynamic_error: None,
             }),
             ..tiny()
         }

@@ -211,6 +211,90 @@ impl<'a> ::flatbuffers::Verifiable for Activation {
 
 impl ::flatbuffers::SimpleToVerifyInSlice for Activation {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_ACTIVATION_SCALES: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_ACTIVATION_SCALES: u8 = 1;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_ACTIVATION_SCALES: [ActivationScales; 2] = [
+  ActivationScales::Static,
+  ActivationScales::Dynamic,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct ActivationScales(pub u8);
+#[allow(non_upper_case_globals)]
+impl ActivationScales {
+  pub const Static: Self = Self(0);
+  pub const Dynamic: Self = Self(1);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 1;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::Static,
+    Self::Dynamic,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::Static => Some("Static"),
+      Self::Dynamic => Some("Dynamic"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for ActivationScales {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for ActivationScales {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for ActivationScales {
+    type Output = ActivationScales;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for ActivationScales {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for ActivationScales {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for ActivationScales {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_NODE_OP: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MAX_NODE_OP: u8 = 11;
@@ -864,6 +948,11 @@ impl<'a> Calibration<'a> {
   pub const VT_SCORES: ::flatbuffers::VOffsetT = 10;
   pub const VT_INPUT_MEANS: ::flatbuffers::VOffsetT = 12;
   pub const VT_INPUT_VARIANCES: ::flatbuffers::VOffsetT = 14;
+  pub const VT_ACTIVATIONS: ::flatbuffers::VOffsetT = 16;
+  pub const VT_STATIC_ERROR_MAX: ::flatbuffers::VOffsetT = 18;
+  pub const VT_STATIC_ERROR_MEAN: ::flatbuffers::VOffsetT = 20;
+  pub const VT_DYNAMIC_ERROR_MAX: ::flatbuffers::VOffsetT = 22;
+  pub const VT_DYNAMIC_ERROR_MEAN: ::flatbuffers::VOffsetT = 24;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -876,11 +965,16 @@ impl<'a> Calibration<'a> {
   ) -> ::flatbuffers::WIPOffset<Calibration<'bldr>> {
     let mut builder = CalibrationBuilder::new(_fbb);
     builder.add_rows(args.rows);
+    builder.add_dynamic_error_mean(args.dynamic_error_mean);
+    builder.add_dynamic_error_max(args.dynamic_error_max);
+    builder.add_static_error_mean(args.static_error_mean);
+    builder.add_static_error_max(args.static_error_max);
     if let Some(x) = args.input_variances { builder.add_input_variances(x); }
     if let Some(x) = args.input_means { builder.add_input_means(x); }
     if let Some(x) = args.scores { builder.add_scores(x); }
     if let Some(x) = args.input_ranges { builder.add_input_ranges(x); }
     if let Some(x) = args.method { builder.add_method(x); }
+    builder.add_activations(args.activations);
     builder.finish()
   }
 
@@ -927,6 +1021,41 @@ impl<'a> Calibration<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Calibration::VT_INPUT_VARIANCES, None)}
   }
+  #[inline]
+  pub fn activations(&self) -> ActivationScales {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<ActivationScales>(Calibration::VT_ACTIVATIONS, Some(ActivationScales::Static)).unwrap()}
+  }
+  #[inline]
+  pub fn static_error_max(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(Calibration::VT_STATIC_ERROR_MAX, Some(f32::NAN)).unwrap()}
+  }
+  #[inline]
+  pub fn static_error_mean(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(Calibration::VT_STATIC_ERROR_MEAN, Some(f32::NAN)).unwrap()}
+  }
+  #[inline]
+  pub fn dynamic_error_max(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(Calibration::VT_DYNAMIC_ERROR_MAX, Some(f32::NAN)).unwrap()}
+  }
+  #[inline]
+  pub fn dynamic_error_mean(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(Calibration::VT_DYNAMIC_ERROR_MEAN, Some(f32::NAN)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Calibration<'_> {
@@ -941,6 +1070,11 @@ impl ::flatbuffers::Verifiable for Calibration<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<ScoreHistogram>>("scores", Self::VT_SCORES, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("input_means", Self::VT_INPUT_MEANS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("input_variances", Self::VT_INPUT_VARIANCES, false)?
+     .visit_field::<ActivationScales>("activations", Self::VT_ACTIVATIONS, false)?
+     .visit_field::<f32>("static_error_max", Self::VT_STATIC_ERROR_MAX, false)?
+     .visit_field::<f32>("static_error_mean", Self::VT_STATIC_ERROR_MEAN, false)?
+     .visit_field::<f32>("dynamic_error_max", Self::VT_DYNAMIC_ERROR_MAX, false)?
+     .visit_field::<f32>("dynamic_error_mean", Self::VT_DYNAMIC_ERROR_MEAN, false)?
      .finish();
     Ok(())
   }
@@ -952,6 +1086,11 @@ pub struct CalibrationArgs<'a> {
     pub scores: Option<::flatbuffers::WIPOffset<ScoreHistogram<'a>>>,
     pub input_means: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub input_variances: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub activations: ActivationScales,
+    pub static_error_max: f32,
+    pub static_error_mean: f32,
+    pub dynamic_error_max: f32,
+    pub dynamic_error_mean: f32,
 }
 impl<'a> Default for CalibrationArgs<'a> {
   #[inline]
@@ -963,6 +1102,11 @@ impl<'a> Default for CalibrationArgs<'a> {
       scores: None,
       input_means: None,
       input_variances: None,
+      activations: ActivationScales::Static,
+      static_error_max: f32::NAN,
+      static_error_mean: f32::NAN,
+      dynamic_error_max: f32::NAN,
+      dynamic_error_mean: f32::NAN,
     }
   }
 }
@@ -997,6 +1141,26 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> CalibrationBuilder<'a, 'b, A>
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Calibration::VT_INPUT_VARIANCES, input_variances);
   }
   #[inline]
+  pub fn add_activations(&mut self, activations: ActivationScales) {
+    self.fbb_.push_slot::<ActivationScales>(Calibration::VT_ACTIVATIONS, activations, ActivationScales::Static);
+  }
+  #[inline]
+  pub fn add_static_error_max(&mut self, static_error_max: f32) {
+    self.fbb_.push_slot::<f32>(Calibration::VT_STATIC_ERROR_MAX, static_error_max, f32::NAN);
+  }
+  #[inline]
+  pub fn add_static_error_mean(&mut self, static_error_mean: f32) {
+    self.fbb_.push_slot::<f32>(Calibration::VT_STATIC_ERROR_MEAN, static_error_mean, f32::NAN);
+  }
+  #[inline]
+  pub fn add_dynamic_error_max(&mut self, dynamic_error_max: f32) {
+    self.fbb_.push_slot::<f32>(Calibration::VT_DYNAMIC_ERROR_MAX, dynamic_error_max, f32::NAN);
+  }
+  #[inline]
+  pub fn add_dynamic_error_mean(&mut self, dynamic_error_mean: f32) {
+    self.fbb_.push_slot::<f32>(Calibration::VT_DYNAMIC_ERROR_MEAN, dynamic_error_mean, f32::NAN);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> CalibrationBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     CalibrationBuilder {
@@ -1020,6 +1184,11 @@ impl ::core::fmt::Debug for Calibration<'_> {
       ds.field("scores", &self.scores());
       ds.field("input_means", &self.input_means());
       ds.field("input_variances", &self.input_variances());
+      ds.field("activations", &self.activations());
+      ds.field("static_error_max", &self.static_error_max());
+      ds.field("static_error_mean", &self.static_error_mean());
+      ds.field("dynamic_error_max", &self.dynamic_error_max());
+      ds.field("dynamic_error_mean", &self.dynamic_error_mean());
       ds.finish()
   }
 }

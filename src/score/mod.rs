@@ -4,6 +4,7 @@
 //! backend is the oracle the others are compared against. The request path
 //! applies the sigmoid on the host, so backends only produce logits.
 
+pub mod accuracy;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,0 +1,89 @@
+//! How far a quantized backend's scores are from the f32 oracle's on a set
+//! of input rows, and the choice `quiver import --calibration` makes with
+//! it: a calibrated model runs static INT8 (one scale per layer) only where
+//! that measured at least as accurate as dynamic per-row INT8 on the
+//! calibration set, in both the largest and the mean score error. Static
+//! scales are the faster path, but one scale per layer for raw features
+//! that differ in spread (or a layer whose activations vary a lot from row
+//! to row) can cost more accuracy than per-row scales do; the measurement,
+//! not a rule, decides.
+
+use super::{build, BackendKind};
+use crate::model::calibrate::Matrix;
+use crate::model::{ActivationScales, MeasuredError, Model};
+
+/// Max and mean |score(kind) − score(f32)| over the rows of `set`.
+pub fn score_error(model: &Model, set: &Matrix, kind: BackendKind) -> MeasuredError {
+    const CHUNK: usize = 256;
+    assert_eq!(set.cols, model.input_dim(), "rows of the model's input vector");
+    let mut oracle = build(BackendKind::F32, model, CHUNK);
+    let mut quantized = build(kind, model, CHUNK);
+    let (mut max, mut sum) = (0.0f32, 0.0f64);
+    let (mut a, mut b) = (vec![0.0; CHUNK], vec![0.0; CHUNK]);
+    for x in set.data.chunks(CHUNK * set.cols) {
+        let rows = x.len() / set.cols;
+        oracle.logits(model, x, rows, &mut a[..rows]);
+        quantized.logits(model, x, rows, &mut b[..rows]);
+        for (p, q) in a[..rows].iter().zip(&b[..rows]) {
+            let d = (model.score(*p) - model.score(*q)).abs();
+            max = max.max(d);
+            sum += f64::from(d);
+        }
+    }
+    MeasuredError { max, mean: (sum / set.rows.max(1) as f64) as f32 }
+}
+
+/// Measures static and dynamic INT8 on `set` for a calibrated model and
+/// records the errors and the choice in its calibration. A graph model has
+/// no static path: only dynamic is measured, and chosen.
+pub fn choose_int8_activations(model: &mut Model, set: &Matrix) {
+    assert!(model.calibration.is_some(), "called on a calibrated model");
+    let with = |model: &mut Model, a: ActivationScales| {
+        model.calibration.as_mut().expect("checked above").activations = a;
+    };
+    with(model, ActivationScales::Dynamic);
+    let dynamic = score_error(model, set, BackendKind::Int8);
+    let fixed = if model.graph.is_none() {
+        with(model, ActivationScales::Static);
+        Some(score_error(model, set, BackendKind::Int8))
+    } else {
+        None
+    };
+    let choice = match fixed {
+        Some(s) if s.max <= dynamic.max && s.mean <= dynamic.mean => ActivationScales::Static,
+        _ => ActivationScales::Dynamic,
+    };
+    let c = model.calibration.as_mut().expect("checked above");
+    c.activations = choice;
+    c.static_error = fixed;
+    c.dynamic_error = Some(dynamic);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::calibrate::{calibrate, Method};
+
+    #[test]
+    fn the_choice_follows_the_measured_errors() {
+        for seed in [3u64, 4, 5] {
+            let mut model = crate::demo::context_mlp("choice", seed, &[12, 24, 8, 1]);
+            let mut rng = crate::demo::SplitMix64::new(seed + 100);
+            // Rows of similar spread, where one scale per layer loses little.
+            let data: Vec<f32> = (0..512 * 12).map(|_| rng.normal().clamp(-2.0, 2.0)).collect();
+            let set = Matrix { rows: 512, cols: 12, data };
+            model.calibration = Some(calibrate(&model, &set, Method::MaxAbs, |_, _| {}).unwrap());
+            choose_int8_activations(&mut model, &set);
+            model.validate().unwrap();
+            let c = model.calibration.clone().unwrap();
+            let (s, d) = (c.static_error.unwrap(), c.dynamic_error.unwrap());
+            let want =
+                if s.max <= d.max && s.mean <= d.mean { ActivationScales::Static } else { ActivationScales::Dynamic };
+            assert_eq!(c.activations, want, "{s:?} {d:?}");
+            // The recorded figures are what the chosen semantics score.
+            let chosen = score_error(&model, &set, BackendKind::Int8);
+            assert_eq!(chosen, if want == ActivationScales::Static { s } else { d });
+            assert_eq!(model.static_int8().is_some(), want == ActivationScales::Static);
+        }
+    }
+}
