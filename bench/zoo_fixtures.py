@@ -3,7 +3,7 @@
 
 Why: `quiver import` has to reproduce what onnxruntime computes for the
 graphs that real exporters write, not only the two hand-picked graphs in
-tests/fixtures/onnx/. This script builds fifteen small CTR-style models in the
+tests/fixtures/onnx/. This script builds sixteen small CTR-style models in the
 shapes scikit-learn (through skl2onnx) and torch.onnx.export (opset 17, eval
 mode) emit, records onnxruntime's logit for 2048 held-out rows of each, and
 writes an index, so `cargo test` can check import parity without Python.
@@ -36,7 +36,11 @@ Models (tests/fixtures/zoo/<name>.onnx):
     torch_bn_mlp, layernorm_mlp, residual_mlp, wide_deep, dcn_v2, deepfm,
     two_tower (inputs user and item only; item is a precomputed item-tower
     output), leaky_tanh, external_data (every initializer in
-    external_data.onnx.data), softmax_head (output probabilities [batch, 2]).
+    external_data.onnx.data), softmax_head (output probabilities [batch, 2]),
+    deepfm_ids (deepfm's weights, its category ids as their own int64
+    input `ids` [batch, 2] beside `ctx` [batch, 2]: served with the
+    request's context_ids; --inputs user=user:8,item=item:8,context=ctx:2,
+    context_ids=ids:2, the same 20-column rows as deepfm).
 
 Per model, <name>.npy is float32 [2048, D + 2] (D = 20, or 16 for two_tower):
 the D input columns, a 0/1 label, and onnxruntime's (CPUExecutionProvider)
@@ -125,6 +129,7 @@ TORCH_PRODUCER = "quiver-zoo-fixtures (torch-style)"
 SKL_INPUTS = "user:8,item:8,context:4"
 TORCH_INPUTS = "user=user:8,item=item:8,context=ctx:4"
 TWO_TOWER_INPUTS = "user=user:8,item=item:8"
+IDS_INPUTS = "user=user:8,item=item:8,context=ctx:2,context_ids=ids:2"
 EXTERNAL_DATA = "external_data.onnx.data"
 # scaler_mlp's raw feature scales and offsets (training and recorded rows).
 RAW_SCALE = np.round(np.geomspace(0.5, 20.0, DIM), 3)
@@ -219,6 +224,18 @@ def feeds_three(x):
         "user": np.ascontiguousarray(x[:, :USER_DIM]),
         "item": np.ascontiguousarray(x[:, USER_DIM : USER_DIM + ITEM_DIM]),
         "ctx": np.ascontiguousarray(x[:, USER_DIM + ITEM_DIM :]),
+    }
+
+
+def feeds_ids(x):
+    """deepfm_ids: the numeric context and the category ids as separate
+    inputs, the ids as int64 (the request's `context_ids`)."""
+    c = USER_DIM + ITEM_DIM
+    return {
+        "user": np.ascontiguousarray(x[:, :USER_DIM]),
+        "item": np.ascontiguousarray(x[:, USER_DIM:c]),
+        "ctx": np.ascontiguousarray(x[:, c : c + 2]),
+        "ids": np.ascontiguousarray(x[:, c + 2 : c + 4].astype(np.int64)),
     }
 
 
@@ -619,6 +636,30 @@ def deepfm_graph(t):
     return sigmoid_head(t, z), z, [h]
 
 
+def deepfm_ids_graph(t):
+    """deepfm with its category ids as their own int64 input (`ids`
+    [batch, 2]) and two numeric context floats (`ctx` [batch, 2]): no Slice
+    or Cast, as a model served with the request's `context_ids` is written."""
+    numeric = t.op("Concat", ["user", "item", "ctx"], axis=1)
+    emb = t.op("Gather", [t.param("emb.weight"), "ids"], scope="/emb", axis=0)
+    emb_flat = t.op("Reshape", [emb, t.const([-1, 2 * EMB_DIM], np.int64)])
+    first = t.op("Gather", [t.param("first_order.weight"), "ids"], scope="/first_order", axis=0)
+    first = t.op("Reshape", [first, t.const([-1, 2], np.int64)])
+    first = t.op("ReduceSum", [first, t.const([1], np.int64)], keepdims=1)
+    deep_in = t.op("Concat", [numeric, emb_flat], axis=1)
+    h = t.op("Relu", [t.linear(deep_in, "fc1")])
+    z = t.op("Add", [t.linear(h, "fc2"), first])
+    return sigmoid_head(t, z), z, [h]
+
+
+IDS_GRAPH_INPUTS = [
+    helper.make_tensor_value_info("user", TensorProto.FLOAT, ["batch", USER_DIM]),
+    helper.make_tensor_value_info("item", TensorProto.FLOAT, ["batch", ITEM_DIM]),
+    helper.make_tensor_value_info("ctx", TensorProto.FLOAT, ["batch", 2]),
+    helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 2]),
+]
+
+
 def two_tower_weights(rng):
     w = {}
     linear_weights(rng, w, "user_tower.0", USER_DIM, 16)
@@ -745,14 +786,16 @@ def two_tower_head():
     return dict(features=features, apply=apply, intercept=False, label_shift=0.0)
 
 
-def build_torch(name, weights_fn, graph_fn, head, form="sigmoid", categorical=False, two=False, external=False):
+def build_torch(
+    name, weights_fn, graph_fn, head, form="sigmoid", categorical=False, two=False, external=False, ids=False
+):
     """A torch-style graph: seeded He-initialised hidden layers, then the
     last linear map(s) into the logit fitted by LogisticRegression on the
     hidden activations onnxruntime computes for training rows (a
     random-features model: not well trained, but its logits rank clicks)."""
     w = weights_fn(model_rng(name + "/weights"))
-    inputs = [vi("user", USER_DIM), vi("item", ITEM_DIM)] if two else THREE_INPUTS
-    feeds = feeds_two if two else feeds_three
+    inputs = [vi("user", USER_DIM), vi("item", ITEM_DIM)] if two else IDS_GRAPH_INPUTS if ids else THREE_INPUTS
+    feeds = feeds_two if two else feeds_ids if ids else feeds_three
     logit_fn = logit_diff if form == "probabilities2" else logit_flat
     dim = USER_DIM + ITEM_DIM if two else DIM
 
@@ -781,7 +824,7 @@ def build_torch(name, weights_fn, graph_fn, head, form="sigmoid", categorical=Fa
     )
     return dict(
         model=model,
-        inputs=TWO_TOWER_INPUTS if two else TORCH_INPUTS,
+        inputs=TWO_TOWER_INPUTS if two else IDS_INPUTS if ids else TORCH_INPUTS,
         feeds=feeds,
         output=None,
         output_form=form,
@@ -817,6 +860,7 @@ ZOO = [
     ("regression", build_regression),
     torch("external_data", external_weights, external_graph, dense_head("fc2"), external=True),
     torch("softmax_head", softmax_weights, softmax_graph, softmax_head_fit("fc2"), form="probabilities2"),
+    torch("deepfm_ids", deepfm_weights, deepfm_ids_graph, deepfm_head(), categorical=True, ids=True),
 ]
 
 

@@ -143,7 +143,11 @@ def make_feeds(sess, name, rows, rng):
         dim = i.shape[1]
         if not isinstance(dim, int):
             raise ValueError(f"input {i.name} has no fixed width: {i.shape}")
-        x = rng.normal(size=(rows, dim)).astype(np.float32)
+        if i.type == "tensor(int64)":
+            # Category ids (deepfm_ids' `ids`, the request's context_ids).
+            x = rng.integers(0, N_CAT, size=(rows, dim)).astype(np.int64)
+        else:
+            x = rng.normal(size=(rows, dim)).astype(np.float32)
         if name == "deepfm" and i.name == "ctx":
             x[:, 2:4] = rng.integers(0, N_CAT, size=(rows, 2)).astype(np.float32)
         feeds[i.name] = np.ascontiguousarray(x)

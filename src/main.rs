@@ -150,6 +150,10 @@ struct ScoreArgs {
     /// Context floats, comma-separated (empty means all zeros).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     context: Vec<f32>,
+    /// Categorical context ids, comma-separated, for models that embed them
+    /// (empty means none: the embeddings' default rows).
+    #[arg(long, value_delimiter = ',')]
+    context_ids: Vec<u64>,
     /// Time budget in microseconds; 0 uses the server's default.
     #[arg(long, default_value_t = 0)]
     budget_us: u32,
@@ -658,6 +662,7 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
         user_id: args.user,
         item_ids: args.items,
         context: args.context,
+        context_ids: args.context_ids,
     };
     let started = Instant::now();
     let result = Client::connect(&args.addr, args.timeout).and_then(|mut c| c.score(&spec));

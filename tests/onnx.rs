@@ -309,8 +309,9 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
     write_replica(&dir.join("user.qrep"), "user", &h.users);
     write_replica(&dir.join("item.qrep"), "item", &h.items);
     let want = h.expected("ctr_helper.onnx", "probability");
-    // The same model imported with a calibration set, served with static
-    // INT8 and FP8 semantics.
+    // The same model imported with a calibration set (which keeps static
+    // INT8 only where it measured no worse than dynamic), served on INT8
+    // and FP8.
     let calibrated = scratch("onnx-serve-calibrated");
     let calibration = fixtures().join("calibration.npy");
     let (code, _, stderr) = quiver_import(

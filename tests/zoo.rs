@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use common::{auc, scratch, Server};
 use quiver::model::calibrate::read_npy;
 use quiver::model::onnx::{import_file, ImportOptions};
-use quiver::model::{sigmoid, Model, OutputKind};
+use quiver::model::{sigmoid, Model, OutputKind, Source};
 use quiver::replica::ReplicaBuilder;
 use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
 use quiver::score::Backend;
@@ -69,7 +69,7 @@ fn zoo() -> Vec<Zoo> {
             want,
         });
     }
-    assert_eq!(out.len(), 15, "the zoo has 15 models");
+    assert_eq!(out.len(), 16, "the zoo has 16 models");
     out
 }
 
@@ -176,6 +176,18 @@ fn quantized_backends_stay_within_the_documented_bounds() {
     }
 }
 
+/// The columns of input vector `row` that `source` fills.
+fn segment<'r>(model: &Model, row: &'r [f32], source: Source) -> &'r [f32] {
+    let mut at = 0;
+    for s in &model.inputs {
+        if s.source == source {
+            return &row[at..at + s.dim];
+        }
+        at += s.dim;
+    }
+    &[]
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
@@ -222,7 +234,8 @@ fn served_zoo_scores_match_onnxruntime() {
                     model: z.name.clone(),
                     user_id: id,
                     item_ids: vec![id],
-                    context: row[16..].to_vec(),
+                    context: segment(&model, row, Source::Context).to_vec(),
+                    context_ids: segment(&model, row, Source::ContextIds).iter().map(|v| *v as u64).collect(),
                     ..RequestSpec::default()
                 };
                 let resp = c.score(&spec).unwrap();
@@ -306,6 +319,23 @@ fn import_command_summarises_graphs_and_refuses_what_it_cannot_do() {
     assert_eq!(code, 1);
     assert!(stderr.contains("graph input 'ctx' is 4 wide but is mapped to context:5"), "{stderr}");
 
+    // Integer graph inputs are categorical ids: only context_ids takes them.
+    let ids_onnx = zoo_dir().join("deepfm_ids.onnx");
+    let (code, _, stderr) = quiver_import(&[
+        "--onnx",
+        ids_onnx.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--name",
+        "ids",
+        "--version",
+        "1",
+        "--inputs",
+        "user=user:8,item=item:8,context_ids=ctx:2,context=ids:2",
+    ]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("graph input 'ids' holds integers; map it to context_ids"), "{stderr}");
+
     // A regression declared raw says so.
     let onnx = zoo_dir().join("regression.onnx");
     let (code, stdout, stderr) = quiver_import(&[
@@ -367,5 +397,68 @@ fn calibrated_int8_is_no_worse_than_dynamic_on_held_out_rows() {
             );
             assert!(cm <= dm && cmean <= dmean, "{} {}: calibrated is worse than dynamic", z.name, method.name());
         }
+    }
+}
+
+/// `context_ids` through a real server: the exact count or none, and an id
+/// beyond the embedding table (or none sent) reads its default row and
+/// counts in `features_missing`.
+#[test]
+fn context_ids_are_checked_and_unknown_ids_count_as_missing() {
+    let z = zoo().into_iter().find(|z| z.name == "deepfm_ids").unwrap();
+    let model = import(&z);
+    let dir = scratch("zoo-ids");
+    let at = dir.join("models/deepfm_ids/1");
+    std::fs::create_dir_all(&at).unwrap();
+    model.save(&at.join("model.qm")).unwrap();
+    let row = &z.x[..z.dim];
+    let (mut users, mut items) = (ReplicaBuilder::new("user", 8), ReplicaBuilder::new("item", 8));
+    users.push(1, &row[..8]).unwrap();
+    items.push(1, &row[8..16]).unwrap();
+    users.write(&dir.join("user.qrep")).unwrap();
+    items.write(&dir.join("item.qrep")).unwrap();
+    let models = dir.join("models");
+    let server =
+        Server::start_with(&dir, &["--shards", "1", "--backend", "f32", "--models-dir", models.to_str().unwrap()]);
+    let mut c = server.client();
+    let ask = |c: &mut quiver::client::Client, ids: Vec<u64>| {
+        let spec = RequestSpec {
+            request_id: 1,
+            budget_us: 1_000_000,
+            model: "deepfm_ids".into(),
+            user_id: 1,
+            item_ids: vec![1],
+            context: row[16..18].to_vec(),
+            context_ids: ids,
+            ..RequestSpec::default()
+        };
+        c.score(&spec).unwrap()
+    };
+    let reference = |ids: [f32; 2]| {
+        let mut x = row.to_vec();
+        x[18..20].copy_from_slice(&ids);
+        let mut out = [0.0];
+        model.forward_f32_reference(&x, 1, &mut out);
+        sigmoid(out[0])
+    };
+    let known = [row[18] as u64, row[19] as u64];
+    let r = ask(&mut c, known.to_vec());
+    assert_eq!((r.status, r.features_missing), (Status::Ok, 0));
+    assert!((r.scores[0] - sigmoid(z.want[0])).abs() < 1e-5);
+
+    let r = ask(&mut c, vec![known[0]]);
+    assert_eq!(r.status, Status::BadRequest);
+    assert!(r.error.contains("context_ids has 1 ids, the model takes 2"), "{}", r.error);
+
+    // Id 50 is past the 50-row tables; 2^40 is no float-exact id at all.
+    for (ids, want_missing, as_floats) in [
+        (vec![known[0], 50], 1, [known[0] as f32, -1.0]),
+        (vec![1 << 40, known[1]], 1, [-1.0, known[1] as f32]),
+        (vec![], 2, [-1.0, -1.0]),
+    ] {
+        let r = ask(&mut c, ids.clone());
+        assert_eq!((r.status, r.features_missing), (Status::Ok, want_missing), "{ids:?}");
+        assert!((r.scores[0] - reference(as_floats)).abs() < 1e-5, "{ids:?}");
+        assert!((r.scores[0] - sigmoid(z.want[0])).abs() > 1e-4, "{ids:?}: the default row changes the score");
     }
 }

@@ -68,6 +68,8 @@ pub enum Source {
     User,
     Item,
     Context,
+    /// The request's categorical ids, as floats (`schemas/model.fbs`).
+    ContextIds,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -218,7 +220,7 @@ impl Model {
         if self.inputs.is_empty() {
             return Err(bad("declares no inputs".into()));
         }
-        for s in [Source::User, Source::Item, Source::Context] {
+        for s in [Source::User, Source::Item, Source::Context, Source::ContextIds] {
             if self.inputs.iter().filter(|i| i.source == s).count() > 1 {
                 return Err(bad(format!("declares the {s:?} input more than once")));
             }
@@ -342,6 +344,36 @@ impl Model {
         Graph { nodes, output: OutputKind::Logit }
     }
 
+    /// For each column of the `ContextIds` segment, the rows of the
+    /// embedding table that reads it (an id at or beyond it takes the
+    /// default row); `u64::MAX` for a column no embedding reads directly.
+    pub fn context_id_rows(&self) -> Vec<u64> {
+        let mut at = 0;
+        let Some(dim) = self.inputs.iter().find_map(|s| {
+            let found = (s.source == Source::ContextIds).then_some(s.dim);
+            if found.is_none() {
+                at += s.dim;
+            }
+            found
+        }) else {
+            return Vec::new();
+        };
+        let mut rows = vec![u64::MAX; dim];
+        if let Some(g) = &self.graph {
+            for n in &g.nodes {
+                let Op::Embedding { rows: table_rows, .. } = &n.op else { continue };
+                let src = &g.nodes[n.inputs[0]];
+                let Op::Input { offset } = src.op else { continue };
+                for (c, r) in rows.iter_mut().enumerate() {
+                    if (offset..offset + src.width).contains(&(at + c)) {
+                        *r = (*r).min(*table_rows as u64);
+                    }
+                }
+            }
+        }
+        rows
+    }
+
     /// What the network's output is: a logit for every v1 model.
     pub fn output_kind(&self) -> OutputKind {
         self.graph.as_ref().map_or(OutputKind::Logit, |g| g.output)
@@ -432,6 +464,7 @@ impl Model {
                 fb::Source::User => Source::User,
                 fb::Source::Item => Source::Item,
                 fb::Source::Context => Source::Context,
+                fb::Source::ContextIds => Source::ContextIds,
                 _ => return Err(bad("an input segment has an unknown source")),
             };
             inputs.push(InputSegment { source, dim: s.dim() as usize });
@@ -477,6 +510,7 @@ impl Model {
                     Source::User => fb::Source::User,
                     Source::Item => fb::Source::Item,
                     Source::Context => fb::Source::Context,
+                    Source::ContextIds => fb::Source::ContextIds,
                 };
                 fb::InputSegment::create(&mut b, &fb::InputSegmentArgs { source, dim: s.dim as u32 })
             })

@@ -13,13 +13,14 @@ pub mod model {
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_SOURCE: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_SOURCE: u8 = 2;
+pub const ENUM_MAX_SOURCE: u8 = 3;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_SOURCE: [Source; 3] = [
+pub const ENUM_VALUES_SOURCE: [Source; 4] = [
   Source::User,
   Source::Item,
   Source::Context,
+  Source::ContextIds,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -30,13 +31,15 @@ impl Source {
   pub const User: Self = Self(0);
   pub const Item: Self = Self(1);
   pub const Context: Self = Self(2);
+  pub const ContextIds: Self = Self(3);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 2;
+  pub const ENUM_MAX: u8 = 3;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::User,
     Self::Item,
     Self::Context,
+    Self::ContextIds,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -44,6 +47,7 @@ impl Source {
       Self::User => Some("User"),
       Self::Item => Some("Item"),
       Self::Context => Some("Context"),
+      Self::ContextIds => Some("ContextIds"),
       _ => None,
     }
   }

@@ -114,7 +114,8 @@ impl std::str::FromStr for InputMapping {
                 "user" => Source::User,
                 "item" => Source::Item,
                 "context" => Source::Context,
-                other => return Err(bad(format!("'{other}' is not a source; use user, item or context"))),
+                "context_ids" => Source::ContextIds,
+                other => return Err(bad(format!("'{other}' is not a source; use user, item, context or context_ids"))),
             };
             if entries.iter().any(|e: &MappingEntry| e.source == source) {
                 return Err(bad(format!("{} is mapped more than once", source_name(source))));
@@ -137,6 +138,7 @@ fn source_name(s: Source) -> &'static str {
         Source::User => "user",
         Source::Item => "item",
         Source::Context => "context",
+        Source::ContextIds => "context_ids",
     }
 }
 
@@ -364,15 +366,21 @@ fn tensor_i64(t: &TensorProto) -> Result<Vec<i64>, OnnxError> {
 }
 
 /// Width of a `[batch, width]` float graph input.
-fn input_width(vi: &ValueInfoProto) -> Result<usize, OnnxError> {
+/// Width of a `[batch, width]` graph input, and whether it holds integers
+/// (INT64 or INT32: categorical ids, mapped to `context_ids`).
+fn input_width(vi: &ValueInfoProto) -> Result<(usize, bool), OnnxError> {
     let bad = |what: &str| OnnxError::Input { input: vi.name.clone(), what: what.into() };
     let Some(type_proto::Value::TensorType(t)) = vi.type_.as_ref().and_then(|t| t.value.as_ref()) else {
         return Err(bad("is not a tensor"));
     };
-    if t.elem_type != DT_FLOAT {
+    let ints = t.elem_type == DT_INT64 || t.elem_type == DT_INT32;
+    if t.elem_type != DT_FLOAT && !ints {
         return Err(OnnxError::Input {
             input: vi.name.clone(),
-            what: format!("has element type {}; only FLOAT (float32) inputs are supported", dtype_name(t.elem_type)),
+            what: format!(
+                "has element type {}; only FLOAT (float32) inputs, and INT64 or INT32 ids, are supported",
+                dtype_name(t.elem_type)
+            ),
         });
     }
     let Some(shape) = t.shape.as_ref() else {
@@ -388,7 +396,8 @@ fn input_width(vi: &ValueInfoProto) -> Result<usize, OnnxError> {
     if !w.has_dim_value() || w.dim_value() <= 0 {
         return Err(bad("has an unknown or zero width; expected [batch, width] with a fixed width"));
     }
-    usize::try_from(w.dim_value()).map_err(|_| bad("width does not fit"))
+    let width = usize::try_from(w.dim_value()).map_err(|_| bad("width does not fit"))?;
+    Ok((width, ints))
 }
 
 /// Picks the tensor to reproduce.
@@ -1233,13 +1242,23 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
     if feature_inputs.is_empty() {
         return Err(OnnxError::Output { what: format!("'{output}' does not depend on any graph input") });
     }
-    let widths = feature_inputs.iter().map(|vi| input_width(vi)).collect::<Result<Vec<_>, _>>()?;
+    let typed = feature_inputs.iter().map(|vi| input_width(vi)).collect::<Result<Vec<_>, _>>()?;
+    let widths: Vec<usize> = typed.iter().map(|(w, _)| *w).collect();
     let segments = resolve_mapping(&feature_inputs, &widths, &opts.inputs)?;
+    for ((vi, (_, ints)), segs) in feature_inputs.iter().zip(&typed).zip(&segments) {
+        let ids = segs.iter().all(|s| s.source == Source::ContextIds);
+        if *ints && !ids {
+            return Err(OnnxError::Mapping {
+                what: format!("graph input '{}' holds integers; map it to context_ids (categorical ids)", vi.name),
+            });
+        }
+    }
 
     let mut b = Builder { nodes: Vec::new(), vals: HashMap::new(), consts: initializers, notes: Vec::new() };
     let mut offset = 0;
-    for (vi, &w) in feature_inputs.iter().zip(&widths) {
-        let v = b.flat(Op::Input { offset }, vec![], w);
+    for (vi, &(w, ints)) in feature_inputs.iter().zip(&typed) {
+        let mut v = b.flat(Op::Input { offset }, vec![], w);
+        v.ints = ints;
         b.vals.insert(vi.name.clone(), v);
         offset += w;
     }

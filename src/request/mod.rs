@@ -70,6 +70,8 @@ pub enum LayoutError {
     Dim { model: String, input: Source, model_dim: usize, replica_dim: usize },
     #[error("model '{model}' declares {model_dim} context floats, above limits.context_len_max = {limit}")]
     Context { model: String, model_dim: usize, limit: usize },
+    #[error("model '{model}' declares {model_dim} context ids, above limits.context_len_max = {limit}")]
+    ContextIds { model: String, model_dim: usize, limit: usize },
 }
 
 /// Where each input segment lands inside one row of the model input.
@@ -79,6 +81,7 @@ pub struct InputLayout {
     user: Option<usize>,
     item: Option<usize>,
     context: Option<(usize, usize)>,
+    context_ids: Option<(usize, usize)>,
 }
 
 impl InputLayout {
@@ -90,13 +93,14 @@ impl InputLayout {
         item_dim: usize,
         context_len_max: usize,
     ) -> Result<InputLayout, LayoutError> {
-        let mut layout = InputLayout { row_dim: model.input_dim(), user: None, item: None, context: None };
+        let mut layout =
+            InputLayout { row_dim: model.input_dim(), user: None, item: None, context: None, context_ids: None };
         let mut offset = 0;
         for seg in &model.inputs {
             let replica_dim = match seg.source {
                 Source::User => Some(user_dim),
                 Source::Item => Some(item_dim),
-                Source::Context => None,
+                Source::Context | Source::ContextIds => None,
             };
             if let Some(replica_dim) = replica_dim.filter(|&d| d != seg.dim) {
                 return Err(LayoutError::Dim {
@@ -119,10 +123,31 @@ impl InputLayout {
                     }
                     layout.context = Some((offset, seg.dim));
                 }
+                Source::ContextIds => {
+                    if seg.dim > context_len_max {
+                        return Err(LayoutError::ContextIds {
+                            model: model.name.clone(),
+                            model_dim: seg.dim,
+                            limit: context_len_max,
+                        });
+                    }
+                    layout.context_ids = Some((offset, seg.dim));
+                }
             }
             offset += seg.dim;
         }
         Ok(layout)
+    }
+}
+
+/// A categorical id as the model reads it: the id as a float where that is
+/// exact (below 2^24), else -1, which no embedding row has (its default).
+#[inline]
+pub fn context_id_value(id: u64) -> f32 {
+    if id < 1 << 24 {
+        id as f32
+    } else {
+        -1.0
     }
 }
 
@@ -226,6 +251,9 @@ struct Served {
     default_score: f32,
     /// The fallback model reads the same inputs as this one.
     fallback_fits: bool,
+    /// Per context id, the rows of the embedding that reads it
+    /// (`Model::context_id_rows`): an id beyond them counts as missing.
+    id_rows: Vec<u64>,
     /// Scores returned by the primary and context inputs received since the
     /// last publication; `None` for a version without calibration (no
     /// baseline to compare with) and for a shadow (its scores are not served).
@@ -413,6 +441,7 @@ impl<C: Clock> RequestPath<C> {
             name_hash: hash_words(model.name.bytes().map(u64::from)),
             default_score: ladder.default_scores.get(&model.name).copied().unwrap_or(ladder.default_score),
             fallback_fits: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
+            id_rows: model.context_id_rows(),
             model,
         })
     }
@@ -549,12 +578,19 @@ impl<C: Clock> RequestPath<C> {
         }
         self.served[chosen].requests += 1;
         let (user_id, primary) = (request.user_id(), chosen);
-        let Served { model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, drift, .. } =
-            &mut self.served[chosen];
+        let Served {
+            model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, drift, id_rows, ..
+        } = &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
         if !context.is_empty() && context.len() != context_dim {
             let why = format!("context has {} floats, the model takes {context_dim}", context.len());
+            return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::BadRequest, &why, out);
+        }
+        let context_ids = request.context_ids();
+        let ids_dim = layout.context_ids.map_or(0, |(_, d)| d);
+        if !context_ids.is_empty() && context_ids.len() != ids_dim {
+            let why = format!("context_ids has {} ids, the model takes {ids_dim}", context_ids.len());
             return fail_with(&mut self.counters, &mut self.encoder, request_id, Status::BadRequest, &why, out);
         }
 
@@ -603,6 +639,24 @@ impl<C: Clock> RequestPath<C> {
             }
         }
 
+        if let Some((off, dim)) = layout.context_ids {
+            missing += if context_ids.is_empty() {
+                dim as u32
+            } else {
+                context_ids.iter().zip(id_rows.iter()).filter(|(id, rows)| id >= *rows || *id >= 1 << 24).count() as u32
+            };
+            for row in x.chunks_exact_mut(row_dim) {
+                let dst = &mut row[off..off + dim];
+                if context_ids.is_empty() {
+                    dst.fill(-1.0);
+                } else {
+                    for (d, id) in dst.iter_mut().zip(context_ids.iter()) {
+                        *d = context_id_value(id);
+                    }
+                }
+            }
+        }
+
         // Check: is there still time, and which rung can answer in it?
         let before_kernel_ns = self.clock.now_ns();
         self.times.record_ns(Stage::Lookup, before_kernel_ns.saturating_sub(decoded_ns));
@@ -616,7 +670,7 @@ impl<C: Clock> RequestPath<C> {
             version: model.version,
             user: request.user_id(),
             item: 0,
-            context: hash_words(context.iter().map(|c| u64::from(c.to_bits()))),
+            context: hash_words(context.iter().map(|c| u64::from(c.to_bits())).chain(context_ids.iter())),
         };
         let mut cached = self.cache.enabled();
         if cached {

@@ -74,6 +74,8 @@ pub enum DecodeError {
     NoCandidates,
     #[error("{count} context floats exceed the limit of {context_len_max}")]
     ContextTooLong { count: usize, context_len_max: usize },
+    #[error("{count} context ids exceed the limit of {context_len_max}")]
+    ContextIdsTooLong { count: usize, context_len_max: usize },
 }
 
 /// Limits a request must satisfy before the server looks at it.
@@ -121,6 +123,9 @@ impl<'buf> Request<'buf> {
     pub fn context(&self) -> flatbuffers::Vector<'buf, f32> {
         self.raw.context().unwrap_or_default()
     }
+    pub fn context_ids(&self) -> flatbuffers::Vector<'buf, u64> {
+        self.raw.context_ids().unwrap_or_default()
+    }
 }
 
 /// Verifies `payload` and checks it against `limits`.
@@ -136,6 +141,10 @@ pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Resu
     let context_len = raw.context().map_or(0, |v| v.len());
     if context_len > limits.context_len_max {
         return Err(DecodeError::ContextTooLong { count: context_len, context_len_max: limits.context_len_max });
+    }
+    let ids = raw.context_ids().map_or(0, |v| v.len());
+    if ids > limits.context_len_max {
+        return Err(DecodeError::ContextIdsTooLong { count: ids, context_len_max: limits.context_len_max });
     }
     Ok(Request { raw })
 }
@@ -228,6 +237,7 @@ pub struct RequestSpec {
     pub user_id: u64,
     pub item_ids: Vec<u64>,
     pub context: Vec<f32>,
+    pub context_ids: Vec<u64>,
 }
 
 /// Encodes requests into frames, reusing one builder.
@@ -253,6 +263,7 @@ impl RequestEncoder {
         let model = (!spec.model.is_empty()).then(|| b.create_string(&spec.model));
         let item_ids = Some(b.create_vector(&spec.item_ids));
         let context = (!spec.context.is_empty()).then(|| b.create_vector(&spec.context));
+        let context_ids = (!spec.context_ids.is_empty()).then(|| b.create_vector(&spec.context_ids));
         let root = fb::ScoreRequest::create(
             b,
             &fb::ScoreRequestArgs {
@@ -264,6 +275,7 @@ impl RequestEncoder {
                 user_id: spec.user_id,
                 item_ids,
                 context,
+                context_ids,
             },
         );
         b.finish_minimal(root);
@@ -362,6 +374,7 @@ mod tests {
             user_id: 42,
             item_ids: (0..items as u64).collect(),
             context: vec![0.5, -1.0],
+            context_ids: vec![3, 1 << 40],
         }
     }
 
@@ -378,6 +391,7 @@ mod tests {
         assert_eq!(r.model(), "m");
         assert_eq!(r.item_ids().iter().collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(r.context().iter().collect::<Vec<_>>(), vec![0.5, -1.0]);
+        assert_eq!(r.context_ids().iter().collect::<Vec<_>>(), vec![3, 1 << 40]);
     }
 
     #[test]
@@ -448,6 +462,13 @@ mod tests {
         RequestEncoder::new().encode(&s, &mut out);
         let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
         assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::ContextTooLong { count: 17, .. })));
+
+        let mut s = spec(2);
+        s.context_ids = vec![1; 17];
+        out.clear();
+        RequestEncoder::new().encode(&s, &mut out);
+        let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
+        assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::ContextIdsTooLong { count: 17, .. })));
     }
 
     #[test]

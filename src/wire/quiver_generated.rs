@@ -326,6 +326,7 @@ impl<'a> ScoreRequest<'a> {
   pub const VT_USER_ID: ::flatbuffers::VOffsetT = 14;
   pub const VT_ITEM_IDS: ::flatbuffers::VOffsetT = 16;
   pub const VT_CONTEXT: ::flatbuffers::VOffsetT = 18;
+  pub const VT_CONTEXT_IDS: ::flatbuffers::VOffsetT = 20;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -339,6 +340,7 @@ impl<'a> ScoreRequest<'a> {
     let mut builder = ScoreRequestBuilder::new(_fbb);
     builder.add_user_id(args.user_id);
     builder.add_request_id(args.request_id);
+    if let Some(x) = args.context_ids { builder.add_context_ids(x); }
     if let Some(x) = args.context { builder.add_context(x); }
     if let Some(x) = args.item_ids { builder.add_item_ids(x); }
     builder.add_client_id(args.client_id);
@@ -405,6 +407,13 @@ impl<'a> ScoreRequest<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(ScoreRequest::VT_CONTEXT, None)}
   }
+  #[inline]
+  pub fn context_ids(&self) -> Option<::flatbuffers::Vector<'a, u64>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u64>>>(ScoreRequest::VT_CONTEXT_IDS, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
@@ -421,6 +430,7 @@ impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
      .visit_field::<u64>("user_id", Self::VT_USER_ID, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("item_ids", Self::VT_ITEM_IDS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("context", Self::VT_CONTEXT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("context_ids", Self::VT_CONTEXT_IDS, false)?
      .finish();
     Ok(())
   }
@@ -434,6 +444,7 @@ pub struct ScoreRequestArgs<'a> {
     pub user_id: u64,
     pub item_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
     pub context: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub context_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
 }
 impl<'a> Default for ScoreRequestArgs<'a> {
   #[inline]
@@ -447,6 +458,7 @@ impl<'a> Default for ScoreRequestArgs<'a> {
       user_id: 0,
       item_ids: None,
       context: None,
+      context_ids: None,
     }
   }
 }
@@ -489,6 +501,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreRequestBuilder<'a, 'b, A
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreRequest::VT_CONTEXT, context);
   }
   #[inline]
+  pub fn add_context_ids(&mut self, context_ids: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u64>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreRequest::VT_CONTEXT_IDS, context_ids);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreRequestBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreRequestBuilder {
@@ -514,6 +530,7 @@ impl ::core::fmt::Debug for ScoreRequest<'_> {
       ds.field("user_id", &self.user_id());
       ds.field("item_ids", &self.item_ids());
       ds.field("context", &self.context());
+      ds.field("context_ids", &self.context_ids());
       ds.finish()
   }
 }
