@@ -32,7 +32,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
     // `big`'s low mantissa bits hold n (two's complement, offset by the
     // bits of ROUND): 2ⁿ from integer arithmetic alone, no float-to-int
@@ -64,7 +64,7 @@ fn erfc_pos(a: f32) -> f32 {
     let mut p = 0.170_872_77f32;
     p = p * t - 0.822_152_23;
     p = p * t + 1.488_515_9;
-    p = p * t - 1.135_203_98;
+    p = p * t - 1.135_204;
     p = p * t + 0.278_868_07;
     p = p * t - 0.186_288_06;
     p = p * t + 0.096_784_18;
@@ -100,7 +100,7 @@ pub fn gelu_erf(x: f32) -> f32 {
 
 #[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
-    const C: f32 = 0.797_884_56;
+    const C: f32 = 0.797_884_6;
     0.5 * x * (1.0 + tanh(C * (x + 0.044_715 * x * x * x)))
 }
 
