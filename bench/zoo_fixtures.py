@@ -3,7 +3,7 @@
 
 Why: `quiver import` has to reproduce what onnxruntime computes for the
 graphs that real exporters write, not only the two hand-picked graphs in
-tests/fixtures/onnx/. This script builds sixteen small CTR-style models in the
+tests/fixtures/onnx/. This script builds seventeen small CTR-style models in the
 shapes scikit-learn (through skl2onnx) and torch.onnx.export (opset 17, eval
 mode) emit, records onnxruntime's logit for 2048 held-out rows of each, and
 writes an index, so `cargo test` can check import parity without Python.
@@ -40,7 +40,10 @@ Models (tests/fixtures/zoo/<name>.onnx):
     deepfm_ids (deepfm's weights, its category ids as their own int64
     input `ids` [batch, 2] beside `ctx` [batch, 2]: served with the
     request's context_ids; --inputs user=user:8,item=item:8,context=ctx:2,
-    context_ids=ids:2, the same 20-column rows as deepfm).
+    context_ids=ids:2, the same 20-column rows as deepfm),
+    layernorm_mlp_opset13 (layernorm_mlp's shape at opset 13, where torch
+    writes LayerNorm as ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div,
+    Mul, Add).
 
 Per model, <name>.npy is float32 [2048, D + 2] (D = 20, or 16 for two_tower):
 the D input columns, a 0/1 label, and onnxruntime's (CPUExecutionProvider)
@@ -455,9 +458,10 @@ class TorchStyle:
             scope=scope, alpha=1.0, beta=1.0, transB=1,
         )
 
-    def model(self, graph_name, inputs, outputs):
+    def model(self, graph_name, inputs, outputs, opset=None):
         graph = helper.make_graph(self.nodes, graph_name, inputs, outputs, self.inits)
-        m = helper.make_model(graph, producer_name=TORCH_PRODUCER, opset_imports=[helper.make_opsetid("", OPSET)])
+        opset = opset or OPSET
+        m = helper.make_model(graph, producer_name=TORCH_PRODUCER, opset_imports=[helper.make_opsetid("", opset)])
         m.ir_version = IR_VERSION
         return m
 
@@ -541,6 +545,25 @@ def layernorm_graph(t):
     h = t.linear(concat_inputs(t), "fc1")
     h = t.op("LayerNormalization", [h, t.param("ln.weight"), t.param("ln.bias")], scope="/ln", axis=-1, epsilon=1e-5)
     h = t.op("Relu", [h], scope="/act")
+    z = t.linear(h, "fc2")
+    return sigmoid_head(t, z), z, [h]
+
+
+def layernorm13_graph(t):
+    """layernorm_mlp as torch.onnx.export writes nn.LayerNorm below opset 17:
+    ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add (opset 13,
+    ReduceMean's axes as an attribute)."""
+    h = t.linear(concat_inputs(t), "fc1")
+    mean = t.op("ReduceMean", [h], scope="/ln", axes=[-1], keepdims=1)
+    d = t.op("Sub", [h, mean], scope="/ln")
+    p = t.op("Pow", [d, t.const(2.0, F32, "/ln")], scope="/ln")
+    var = t.op("ReduceMean", [p], scope="/ln", axes=[-1], keepdims=1)
+    v = t.op("Add", [var, t.const(1e-5, F32, "/ln")], scope="/ln")
+    sd = t.op("Sqrt", [v], scope="/ln")
+    n = t.op("Div", [d, sd], scope="/ln")
+    y = t.op("Mul", [n, t.param("ln.weight")], scope="/ln")
+    y = t.op("Add", [y, t.param("ln.bias")], scope="/ln")
+    h = t.op("Relu", [y], scope="/act")
     z = t.linear(h, "fc2")
     return sigmoid_head(t, z), z, [h]
 
@@ -787,7 +810,8 @@ def two_tower_head():
 
 
 def build_torch(
-    name, weights_fn, graph_fn, head, form="sigmoid", categorical=False, two=False, external=False, ids=False
+    name, weights_fn, graph_fn, head, form="sigmoid", categorical=False, two=False, external=False, ids=False,
+    opset=None,
 ):
     """A torch-style graph: seeded He-initialised hidden layers, then the
     last linear map(s) into the logit fitted by LogisticRegression on the
@@ -802,7 +826,7 @@ def build_torch(
     def make(weights):
         t = TorchStyle(weights)
         outputs, z, feats = graph_fn(t)
-        return t.model("main_graph", inputs, outputs), z, feats
+        return t.model("main_graph", inputs, outputs, opset), z, feats
 
     model, z, feats = make(w)
     rng = model_rng(name + "/train")
@@ -861,6 +885,7 @@ ZOO = [
     torch("external_data", external_weights, external_graph, dense_head("fc2"), external=True),
     torch("softmax_head", softmax_weights, softmax_graph, softmax_head_fit("fc2"), form="probabilities2"),
     torch("deepfm_ids", deepfm_weights, deepfm_ids_graph, deepfm_head(), categorical=True, ids=True),
+    torch("layernorm_mlp_opset13", layernorm_weights, layernorm13_graph, dense_head("fc2"), opset=13),
 ]
 
 
@@ -878,7 +903,8 @@ def check_graph(name, model):
     onnx.checker.check_model(model, full_check=True)
     assert model.ir_version == IR_VERSION, f"{name}: ir_version {model.ir_version}"
     default = {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")}
-    assert default == {OPSET}, f"{name}: default-domain opsets {default}"
+    want = 13 if name.endswith("_opset13") else OPSET
+    assert default == {want}, f"{name}: default-domain opsets {default}"
     assert all(o.domain in ("", "ai.onnx", "ai.onnx.ml") for o in model.opset_import), name
 
 

@@ -69,7 +69,7 @@ fn zoo() -> Vec<Zoo> {
             want,
         });
     }
-    assert_eq!(out.len(), 16, "the zoo has 16 models");
+    assert_eq!(out.len(), 17, "the zoo has 17 models");
     out
 }
 

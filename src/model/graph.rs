@@ -42,6 +42,7 @@ pub enum Act {
     /// `x · sigmoid(x)`.
     Silu,
     Erf,
+    Sqrt,
 }
 
 impl Act {
@@ -68,6 +69,7 @@ impl Act {
             }
             Act::Silu => x / (1.0 + (-x).exp()),
             Act::Erf => libm::erff(x),
+            Act::Sqrt => x.sqrt(),
         }
     }
 
@@ -82,6 +84,7 @@ impl Act {
             Act::GeluTanh => "GELU (tanh)".into(),
             Act::Silu => "SiLU".into(),
             Act::Erf => "Erf".into(),
+            Act::Sqrt => "Sqrt".into(),
         }
     }
 }
@@ -103,6 +106,7 @@ pub enum Op {
     Add,
     Sub,
     Mul,
+    Div,
     /// `(x − center[i]) · scale[i] + shift[i]`, kept in f32.
     Affine {
         center: Vec<f32>,
@@ -140,6 +144,7 @@ impl Op {
             Op::Add => "Add",
             Op::Sub => "Sub",
             Op::Mul => "Mul",
+            Op::Div => "Div",
             Op::Affine { .. } => "Affine",
             Op::Concat => "Concat",
             Op::LayerNorm { .. } => "LayerNorm",
@@ -279,7 +284,7 @@ impl Graph {
                     same_width(0)?;
                     act_ok(*act).map_err(at)?;
                 }
-                Op::Add | Op::Sub | Op::Mul => {
+                Op::Add | Op::Sub | Op::Mul | Op::Div => {
                     arity(2)?;
                     same_width(0)?;
                     if w(1) != node.width && w(1) != 1 {
@@ -391,7 +396,7 @@ impl Graph {
                     })
                     .collect(),
                 Op::Act(act) => a(0).iter().map(|v| act.apply(*v)).collect(),
-                Op::Add | Op::Sub | Op::Mul => {
+                Op::Add | Op::Sub | Op::Mul | Op::Div => {
                     let (p, q) = (a(0), a(1));
                     (0..node.width)
                         .map(|i| {
@@ -399,7 +404,8 @@ impl Graph {
                             match node.op {
                                 Op::Add => p[i] + r,
                                 Op::Sub => p[i] - r,
-                                _ => p[i] * r,
+                                Op::Mul => p[i] * r,
+                                _ => p[i] / r,
                             }
                         })
                         .collect()

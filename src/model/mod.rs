@@ -658,6 +658,7 @@ fn act_to_fb(a: Act) -> (fb::Activation, f32) {
         Act::GeluTanh => (fb::Activation::GeluTanh, 0.0),
         Act::Silu => (fb::Activation::Silu, 0.0),
         Act::Erf => (fb::Activation::Erf, 0.0),
+        Act::Sqrt => (fb::Activation::Sqrt, 0.0),
     }
 }
 
@@ -672,6 +673,7 @@ fn act_from_fb(a: fb::Activation, alpha: f32) -> Option<Act> {
         fb::Activation::GeluTanh => Act::GeluTanh,
         fb::Activation::Silu => Act::Silu,
         fb::Activation::Erf => Act::Erf,
+        fb::Activation::Sqrt => Act::Sqrt,
         _ => return None,
     })
 }
@@ -702,6 +704,7 @@ fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph) -> WIPOffset<fb::Gr
                 Op::Add => args.op = fb::NodeOp::Add,
                 Op::Sub => args.op = fb::NodeOp::Sub,
                 Op::Mul => args.op = fb::NodeOp::Mul,
+                Op::Div => args.op = fb::NodeOp::Div,
                 Op::Affine { center, scale, shift } => {
                     args.op = fb::NodeOp::Affine;
                     args.center = floats(b, center);
@@ -764,6 +767,7 @@ fn graph_from_fb(g: &fb::Graph<'_>) -> Result<Graph, String> {
             fb::NodeOp::Add => Op::Add,
             fb::NodeOp::Sub => Op::Sub,
             fb::NodeOp::Mul => Op::Mul,
+            fb::NodeOp::Div => Op::Div,
             fb::NodeOp::Affine => {
                 Op::Affine { center: floats(n.center()), scale: floats(n.scale()), shift: floats(n.shift()) }
             }

@@ -105,10 +105,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for Source {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_ACTIVATION: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_ACTIVATION: u8 = 8;
+pub const ENUM_MAX_ACTIVATION: u8 = 9;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_ACTIVATION: [Activation; 9] = [
+pub const ENUM_VALUES_ACTIVATION: [Activation; 10] = [
   Activation::None,
   Activation::Relu,
   Activation::LeakyRelu,
@@ -118,6 +118,7 @@ pub const ENUM_VALUES_ACTIVATION: [Activation; 9] = [
   Activation::GeluTanh,
   Activation::Silu,
   Activation::Erf,
+  Activation::Sqrt,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -134,9 +135,10 @@ impl Activation {
   pub const GeluTanh: Self = Self(6);
   pub const Silu: Self = Self(7);
   pub const Erf: Self = Self(8);
+  pub const Sqrt: Self = Self(9);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 8;
+  pub const ENUM_MAX: u8 = 9;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::None,
     Self::Relu,
@@ -147,6 +149,7 @@ impl Activation {
     Self::GeluTanh,
     Self::Silu,
     Self::Erf,
+    Self::Sqrt,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -160,6 +163,7 @@ impl Activation {
       Self::GeluTanh => Some("GeluTanh"),
       Self::Silu => Some("Silu"),
       Self::Erf => Some("Erf"),
+      Self::Sqrt => Some("Sqrt"),
       _ => None,
     }
   }
@@ -301,10 +305,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for ActivationScales {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_NODE_OP: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_NODE_OP: u8 = 11;
+pub const ENUM_MAX_NODE_OP: u8 = 12;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_NODE_OP: [NodeOp; 12] = [
+pub const ENUM_VALUES_NODE_OP: [NodeOp; 13] = [
   NodeOp::Input,
   NodeOp::Dense,
   NodeOp::Activation,
@@ -317,6 +321,7 @@ pub const ENUM_VALUES_NODE_OP: [NodeOp; 12] = [
   NodeOp::Dot,
   NodeOp::Sum,
   NodeOp::Embedding,
+  NodeOp::Div,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -336,9 +341,10 @@ impl NodeOp {
   pub const Dot: Self = Self(9);
   pub const Sum: Self = Self(10);
   pub const Embedding: Self = Self(11);
+  pub const Div: Self = Self(12);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 11;
+  pub const ENUM_MAX: u8 = 12;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::Input,
     Self::Dense,
@@ -352,6 +358,7 @@ impl NodeOp {
     Self::Dot,
     Self::Sum,
     Self::Embedding,
+    Self::Div,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -368,6 +375,7 @@ impl NodeOp {
       Self::Dot => Some("Dot"),
       Self::Sum => Some("Sum"),
       Self::Embedding => Some("Embedding"),
+      Self::Div => Some("Div"),
       _ => None,
     }
   }

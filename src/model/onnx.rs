@@ -29,8 +29,9 @@ use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
 use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_BYTES_MAX};
 
 /// The ops the importer understands, for error messages.
-pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add, Sub, Mul, Div (by a constant), Relu, LeakyRelu, Tanh, Sigmoid, \
-     Erf, Gelu, BatchNormalization, LayerNormalization, Softmax (two classes), ReduceSum (feature axis), Concat, \
+pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Pow (2, 0.5), Relu, LeakyRelu, Tanh, Sigmoid, \
+     Erf, Gelu, Sqrt, BatchNormalization, LayerNormalization, Softmax (two classes), ReduceSum and ReduceMean \
+     (feature axis), Concat, \
      Slice (of a graph input), Gather (embeddings), Identity, Dropout, Cast, Flatten, Reshape, Constant; \
      ai.onnx.ml Scaler, LinearClassifier, LinearRegressor, Normalizer (L1), ZipMap";
 
@@ -662,7 +663,7 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
         b.consts.insert(node.output[0].as_str(), t);
         return Ok(());
     }
-    const HANDLED: [&str; 29] = [
+    const HANDLED: [&str; 27] = [
         "Identity",
         "Dropout",
         "Cast",
@@ -681,19 +682,17 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
         "Sigmoid",
         "Erf",
         "Gelu",
+        "Sqrt",
+        "Pow",
         "BatchNormalization",
         "LayerNormalization",
         "Softmax",
         "ReduceSum",
+        "ReduceMean",
         "Slice",
         "Gather",
-        "Squeeze",
-        "Unsqueeze",
-        "HardSigmoid",
-        "Elu",
-        "Softplus",
     ];
-    if !HANDLED.contains(&op) || matches!(op, "HardSigmoid" | "Elu" | "Softplus" | "Squeeze" | "Unsqueeze") {
+    if !HANDLED.contains(&op) {
         return Err(unsupported(node));
     }
     // Dropout's mask and LayerNormalization's statistics are extra outputs
@@ -828,13 +827,27 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
         }
         "Gemm" => gemm(b, node)?,
         "Add" | "Sub" | "Mul" | "Div" => binary(b, node)?,
-        "Relu" | "LeakyRelu" | "Tanh" | "Sigmoid" | "Erf" | "Gelu" => {
+        "Pow" => {
+            let mut ops = operands(b, node, 2..=2)?;
+            let e = expect_const(node, ops.remove(1), "exponent")?;
+            let x = expect_val(node, ops.remove(0), "base")?;
+            let w = expect_flat(node, &x)?;
+            let (_, e) = tensor_f32(e)?;
+            match e[..] {
+                [2.0] => b.flat(Op::Mul, vec![x.node, x.node], w),
+                [0.5] => act_node(b, node, x, Act::Sqrt)?,
+                [1.0] => x,
+                _ => return Err(node_err(node, format!("exponent {e:?}; only 2, 1 and 0.5 are supported"))),
+            }
+        }
+        "Relu" | "LeakyRelu" | "Tanh" | "Sigmoid" | "Erf" | "Gelu" | "Sqrt" => {
             let act = match op {
                 "Relu" => Act::Relu,
                 "LeakyRelu" => Act::LeakyRelu(attr_float(node, "alpha", 0.01)?),
                 "Tanh" => Act::Tanh,
                 "Sigmoid" => Act::Sigmoid,
                 "Erf" => Act::Erf,
+                "Sqrt" => Act::Sqrt,
                 _ => match attr_string(node, "approximate").as_deref() {
                     None | Some("none") => Act::GeluErf,
                     Some("tanh") => Act::GeluTanh,
@@ -906,7 +919,7 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
             b.notes.push(format!("two-class Softmax '{}' as the sigmoid of the logit difference", node_name(node)));
             two_class(b, p)
         }
-        "ReduceSum" => {
+        "ReduceSum" | "ReduceMean" => {
             let mut ops = operands(b, node, 1..=2)?;
             let axes = if ops.len() == 2 {
                 tensor_i64(expect_const(node, ops.remove(1), "axes")?)?
@@ -922,7 +935,13 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
                 ));
             }
             // keepdims or not, the row sum is one value per candidate.
-            b.flat(Op::Sum, vec![x.node], 1)
+            let sum = b.flat(Op::Sum, vec![x.node], 1);
+            if op == "ReduceMean" {
+                let n = b.width(&x) as f32;
+                affine(b, &sum, vec![0.0], vec![1.0 / n], vec![0.0])
+            } else {
+                sum
+            }
         }
         "Slice" => {
             let mut ops = operands(b, node, 3..=5)?;
@@ -991,6 +1010,9 @@ fn binary(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
         (Operand::Val(x), Operand::Val(y)) => {
             let (wx, wy) = (expect_flat(node, &x)?, expect_flat(node, &y)?);
             let (x, y) = if wx == 1 && wy > 1 && (op == "Add" || op == "Mul") { (y, x) } else { (x, y) };
+            if b.width(&x) == 1 && b.width(&y) > 1 {
+                return Err(node_err(node, format!("{op} of a 1-wide tensor by a wider one is not supported")));
+            }
             let (wx, wy) = (b.width(&x), b.width(&y));
             if wx != wy && wy != 1 {
                 return Err(node_err(
@@ -1002,7 +1024,7 @@ fn binary(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
                 "Add" => Op::Add,
                 "Sub" => Op::Sub,
                 "Mul" => Op::Mul,
-                _ => return Err(node_err(node, "divides two computed tensors, which is not supported")),
+                _ => Op::Div,
             };
             Ok(b.flat(gop, vec![x.node, y.node], wx))
         }
@@ -1178,7 +1200,7 @@ fn apply_ml<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxErro
 fn unsupported(node: &NodeProto) -> OnnxError {
     let hint = match node.op_type.as_str() {
         "Elu" | "Selu" | "PRelu" | "Softplus" | "HardSigmoid" => {
-            " (graph activations: Relu, LeakyRelu, Tanh, Sigmoid, Erf, Gelu)"
+            " (graph activations: Relu, LeakyRelu, Tanh, Sigmoid, Erf, Gelu, Sqrt)"
         }
         "Softmax" => " (a Quiver model outputs one value; a two-class Softmax head is supported)",
         _ => "",
@@ -1618,8 +1640,10 @@ mod tests {
 
         let e = err(dense(vec![node("Elu", "elu", &["h"], "y")], "y"));
         assert!(e.contains("node 'elu': op Elu is not supported (graph activations:"), "{e}");
-        let e = err(dense(vec![node("Div", "ratio", &["h", "h"], "y")], "y"));
-        assert!(e.contains("node 'ratio' (Div): divides two computed tensors"), "{e}");
+        let mut cube = dense(vec![node("Pow", "cube", &["h", "three"], "y")], "y");
+        cube.initializer.push(weight("three", &[], &[3.0]));
+        let e = err(cube);
+        assert!(e.contains("node 'cube' (Pow): exponent [3.0]; only 2, 1 and 0.5 are supported"), "{e}");
         let e = err(dense(vec![with_int(node("Softmax", "sm", &["h"], "y"), "axis", 1)], "y"));
         assert!(e.contains("node 'sm' (Softmax): is a Softmax over 1 values"), "{e}");
         let e = err(dense(vec![node("Gather", "emb", &["B", "h"], "y")], "y"));

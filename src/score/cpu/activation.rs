@@ -152,6 +152,11 @@ pub fn apply(act: Act, y: &mut [f32]) {
                 *v = erf(*v);
             }
         }
+        Act::Sqrt => {
+            for v in y {
+                *v = v.sqrt();
+            }
+        }
     }
 }
 

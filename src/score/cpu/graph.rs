@@ -204,13 +204,14 @@ impl GraphExec {
                     y.copy_from_slice(input(0));
                     activation::apply(*act, y);
                 }
-                Op::Add | Op::Sub | Op::Mul => {
+                Op::Add | Op::Sub | Op::Mul | Op::Div => {
                     let (a, b) = (input(0), input(1));
                     let wb = widths[node.inputs[1]];
                     match node.op {
                         Op::Add => elementwise(y, a, b, w, wb, |p, q| p + q),
                         Op::Sub => elementwise(y, a, b, w, wb, |p, q| p - q),
-                        _ => elementwise(y, a, b, w, wb, |p, q| p * q),
+                        Op::Mul => elementwise(y, a, b, w, wb, |p, q| p * q),
+                        _ => elementwise(y, a, b, w, wb, |p, q| p / q),
                     }
                 }
                 Op::Affine { center, scale, shift } => {
