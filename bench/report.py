@@ -215,9 +215,11 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_side_by_
     w("")
 # The model zoo against onnxruntime, as bench/zoo_side_by_side.py wrote it
 # (run by hand: `taskset -c 1 python3 bench/zoo_side_by_side.py --repeats 3`).
-zoo_md = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "zoo_side_by_side.md")
-if os.path.exists(zoo_md):
-    with open(zoo_md) as f:
-        w(f.read().rstrip("\n"))
-        w("")
+# Per-request parts computed once (run by hand: bench/one_request.py).
+for extra in ["zoo_side_by_side.md", "one_request.md"]:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", extra)
+    if os.path.exists(path):
+        with open(path) as f:
+            w(f.read().rstrip("\n"))
+            w("")
 print("\n".join(out))

@@ -54,6 +54,11 @@ enum Command {
         /// Timed calls per batch size (after warm-up); the median is reported.
         #[arg(long, default_value_t = 200)]
         iters: usize,
+        /// Rows are one request's candidates (the first row's user and
+        /// context columns in every row), scored with `logits_request`, as
+        /// the server scores inline.
+        #[arg(long)]
+        one_request: bool,
     },
     /// Feature replica files.
     #[command(subcommand)]
@@ -405,7 +410,9 @@ fn main() -> ExitCode {
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
         Command::Import(args) => import(args),
-        Command::TimeModel { model, backend, rows, iters } => time_model(&model, backend, &rows, iters),
+        Command::TimeModel { model, backend, rows, iters, one_request } => {
+            time_model(&model, backend, &rows, iters, one_request)
+        }
         Command::Replica(cmd) => replica(cmd),
         Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
@@ -1017,23 +1024,45 @@ fn calibrate_import(
 
 /// `quiver time-model`: median wall time of `Backend::logits` per batch
 /// size on seeded normal inputs, printed as JSON lines.
-fn time_model(path: &std::path::Path, kind: BackendKind, rows: &[usize], iters: usize) -> Result<ExitCode, Error> {
+fn time_model(
+    path: &std::path::Path,
+    kind: BackendKind,
+    rows: &[usize],
+    iters: usize,
+    one_request: bool,
+) -> Result<ExitCode, Error> {
     let model = Model::load(path)?;
     let rows_max = rows.iter().copied().max().unwrap_or(1);
     let mut backend = quiver::score::build(kind, &model, rows_max);
     let mut rng = quiver::demo::SplitMix64::new(7);
-    let x: Vec<f32> = (0..rows_max * model.input_dim()).map(|_| rng.normal()).collect();
+    let dim = model.input_dim();
+    let mut x: Vec<f32> = (0..rows_max * dim).map(|_| rng.normal()).collect();
+    if one_request {
+        let shared = model.request_columns();
+        for r in 1..rows_max {
+            for c in (0..dim).filter(|&c| shared[c]) {
+                x[r * dim + c] = x[c];
+            }
+        }
+    }
     let macs_per_row = model.macs_per_row();
     for &n in rows {
         let mut out = vec![0.0; n];
-        let x = &x[..n * model.input_dim()];
+        let x = &x[..n * dim];
+        let mut call = |out: &mut [f32]| {
+            if one_request {
+                backend.logits_request(&model, x, n, out);
+            } else {
+                backend.logits(&model, x, n, out);
+            }
+        };
         for _ in 0..10 {
-            backend.logits(&model, x, n, &mut out);
+            call(&mut out);
         }
         let mut ns: Vec<u64> = (0..iters.max(1))
             .map(|_| {
                 let t = Instant::now();
-                backend.logits(&model, x, n, &mut out);
+                call(&mut out);
                 t.elapsed().as_nanos() as u64
             })
             .collect();
@@ -1041,6 +1070,7 @@ fn time_model(path: &std::path::Path, kind: BackendKind, rows: &[usize], iters: 
         let median_ns = ns[ns.len() / 2];
         let line = serde_json::json!({
             "backend": backend.name(),
+            "one_request": one_request,
             "rows": n,
             "iters": ns.len(),
             "median_us": median_ns as f64 / 1e3,

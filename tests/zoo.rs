@@ -462,3 +462,35 @@ fn context_ids_are_checked_and_unknown_ids_count_as_missing() {
         assert!((r.scores[0] - sigmoid(z.want[0])).abs() > 1e-4, "{ids:?}: the default row changes the score");
     }
 }
+
+/// One request's candidates share the user and context columns: every
+/// backend's `logits_request`, which may compute those parts once, gives
+/// exactly `logits`'s numbers on such rows.
+#[test]
+fn one_request_scoring_equals_row_by_row_scoring() {
+    for z in zoo() {
+        let model = import(&z);
+        let shared = model.request_columns();
+        let rows = 32;
+        let mut x = z.x[..rows * z.dim].to_vec();
+        for r in 1..rows {
+            for (c, s) in shared.iter().enumerate() {
+                if *s {
+                    x[r * z.dim + c] = x[c];
+                }
+            }
+        }
+        let backends: Vec<Box<dyn Backend>> = vec![
+            Box::new(CpuF32::new(&model, rows)),
+            Box::new(CpuInt8::new(&model, rows)),
+            Box::new(CpuInt8::with_kernel(&model, rows, Int8Kernel::Scalar).unwrap()),
+            Box::new(CpuFp8::new(&model, rows)),
+        ];
+        for mut b in backends {
+            let (mut each, mut once) = (vec![0.0; rows], vec![0.0; rows]);
+            b.logits(&model, &x, rows, &mut each);
+            b.logits_request(&model, &x, rows, &mut once);
+            assert_eq!(each, once, "{} on {}", z.name, b.name());
+        }
+    }
+}

@@ -344,6 +344,12 @@ impl Model {
         Graph { nodes, output: OutputKind::Logit }
     }
 
+    /// For each column of the input vector, whether it holds a per-request
+    /// value (user, context, context ids: the same for every candidate).
+    pub fn request_columns(&self) -> Vec<bool> {
+        self.inputs.iter().flat_map(|s| std::iter::repeat_n(s.source != Source::Item, s.dim)).collect()
+    }
+
     /// For each column of the `ContextIds` segment, the rows of the
     /// embedding table that reads it (an id at or beyond it takes the
     /// default row); `u64::MAX` for a column no embedding reads directly.
@@ -372,6 +378,64 @@ impl Model {
             }
         }
         rows
+    }
+
+    /// `to_graph` with a v1 MLP's first layer split by input kind, for one
+    /// request's candidates to compute its per-request columns (user,
+    /// context) once: `relu(W_c x_c + (W_r x_r + b))`, where `x_r` are the
+    /// per-request columns and `x_c` the candidate's. Exact in real
+    /// arithmetic; in f32 the first layer's sums are grouped differently.
+    pub fn to_graph_split(&self) -> Graph {
+        let request = self.request_columns();
+        let first = match self.layers.first() {
+            Some(l) if self.graph.is_none() && request.contains(&true) && request.contains(&false) => l,
+            _ => return self.to_graph(),
+        };
+        let mut nodes = Vec::new();
+        let (mut shared, mut per_candidate) = (Vec::new(), Vec::new());
+        let mut offset = 0;
+        for s in &self.inputs {
+            let i = nodes.len();
+            nodes.push(Node { op: Op::Input { offset }, inputs: vec![], width: s.dim });
+            if s.source == Source::Item {
+                per_candidate.push((i, offset, s.dim));
+            } else {
+                shared.push((i, offset, s.dim));
+            }
+            offset += s.dim;
+        }
+        let k = first.in_dim;
+        let part = |nodes: &mut Vec<Node>, segs: &[(usize, usize, usize)], bias: bool| {
+            let input = if segs.len() == 1 {
+                segs[0].0
+            } else {
+                let width = segs.iter().map(|s| s.2).sum();
+                nodes.push(Node { op: Op::Concat, inputs: segs.iter().map(|s| s.0).collect(), width });
+                nodes.len() - 1
+            };
+            let cols: Vec<usize> = segs.iter().flat_map(|&(_, at, dim)| at..at + dim).collect();
+            let mut w = Vec::with_capacity(cols.len() * first.out_dim);
+            for o in 0..first.out_dim {
+                w.extend(cols.iter().map(|&c| first.weights_f32[o * k + c]));
+            }
+            let b = if bias { first.bias.clone() } else { vec![0.0; first.out_dim] };
+            let layer = Layer::quantize(cols.len(), first.out_dim, false, w, b);
+            nodes.push(Node { op: Op::Dense { layer, act: Act::None }, inputs: vec![input], width: first.out_dim });
+            nodes.len() - 1
+        };
+        let s = part(&mut nodes, &shared, true);
+        let c = part(&mut nodes, &per_candidate, false);
+        nodes.push(Node { op: Op::Add, inputs: vec![c, s], width: first.out_dim });
+        if first.relu {
+            let i = nodes.len() - 1;
+            nodes.push(Node { op: Op::Act(Act::Relu), inputs: vec![i], width: first.out_dim });
+        }
+        for l in &self.layers[1..] {
+            let i = nodes.len() - 1;
+            let act = if l.relu { Act::Relu } else { Act::None };
+            nodes.push(Node { op: Op::Dense { layer: Layer { relu: false, ..l.clone() }, act }, inputs: vec![i], width: l.out_dim });
+        }
+        Graph { nodes, output: OutputKind::Logit }
     }
 
     /// What the network's output is: a logit for every v1 model.

@@ -764,7 +764,7 @@ impl<C: Clock> RequestPath<C> {
 
         // Kernel.
         let logits = &mut self.logits[..rows];
-        backend.logits(model, &self.x[..rows * row_dim], rows, logits);
+        backend.logits_request(model, &self.x[..rows * row_dim], rows, logits);
         let after_kernel_ns = self.clock.now_ns();
         let kernel_ns = after_kernel_ns.saturating_sub(before_kernel_ns);
         self.times.record_ns(Stage::Kernel, kernel_ns);
@@ -869,7 +869,7 @@ impl<C: Clock> RequestPath<C> {
                     &self.shadow[at..at + rows * step.row_dim]
                 };
                 let started_ns = self.clock.now_ns();
-                fb.backend.logits(&fb.model, x, rows, &mut self.logits[..rows]);
+                fb.backend.logits_request(&fb.model, x, rows, &mut self.logits[..rows]);
                 fb.kernel_cost.observe(rows, self.clock.now_ns().saturating_sub(started_ns) / 1_000);
                 for l in self.logits[..rows].iter_mut() {
                     *l = fb.model.score(*l);

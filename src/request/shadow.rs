@@ -74,7 +74,7 @@ impl<C: Clock> RequestPath<C> {
             let rows = item.rows;
             let x = &x[item.slot * *slot_floats..][..rows * item.row_dim];
             let started_ns = self.clock.now_ns();
-            served.backend.logits(&served.model, x, rows, &mut scores[..rows]);
+            served.backend.logits_request(&served.model, x, rows, &mut scores[..rows]);
             self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
             for s in scores[..rows].iter_mut() {
                 *s = served.model.score(*s);

@@ -21,6 +21,14 @@ pub trait Backend {
     fn name(&self) -> &'static str;
     fn rows_max(&self) -> usize;
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]);
+
+    /// `logits` for the candidates of one request: every row holds the
+    /// same per-request columns (user, context, context ids), so a backend
+    /// may compute what depends only on them once. The same numbers as
+    /// `logits`, except where a backend documents otherwise.
+    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.logits(model, x, rows, out);
+    }
 }
 
 /// Which backend the server scores with.

@@ -105,7 +105,8 @@ impl CpuFp8 {
             .enumerate()
             .map(|(i, l)| layer(l, &table, ranges.map_or(1.0, |r| r[i] / fp8::MAX)))
             .collect();
-        let graph = model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Fp8, rows_max));
+        let graph =
+            model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Fp8, rows_max, &model.request_columns()));
         let len = rows_max * model.width_max();
         CpuFp8 {
             rows_max,
@@ -211,6 +212,16 @@ impl Backend for CpuFp8 {
 
     fn rows_max(&self) -> usize {
         self.rows_max
+    }
+
+    /// As `CpuInt8::logits_request`: graph models compute their
+    /// per-request nodes once (exactly).
+    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
+            assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+            return exec.run_request(g, x, model.input_dim(), rows, out);
+        }
+        self.logits(model, x, rows, out);
     }
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {

@@ -76,6 +76,8 @@ pub struct GraphExec {
     /// follow node order, so a node's inputs lie before its own.
     offsets: Vec<usize>,
     widths: Vec<usize>,
+    /// Nodes that read only per-request input columns (`run_request`).
+    shared: Vec<bool>,
     buf: Vec<f32>,
     dense: Vec<Option<Dense>>,
     scratch: Scratch,
@@ -85,8 +87,18 @@ pub struct GraphExec {
 }
 
 impl GraphExec {
-    pub fn new(graph: &Graph, mode: DenseMode, rows_max: usize) -> GraphExec {
+    /// `request_cols[c]` says whether input column `c` holds a per-request
+    /// value (the same for every candidate of a request).
+    pub fn new(graph: &Graph, mode: DenseMode, rows_max: usize, request_cols: &[bool]) -> GraphExec {
         let widths: Vec<usize> = graph.nodes.iter().map(|n| n.width).collect();
+        let mut shared = Vec::with_capacity(graph.nodes.len());
+        for n in &graph.nodes {
+            let s = match n.op {
+                Op::Input { offset } => request_cols.get(offset..offset + n.width).is_some_and(|c| c.iter().all(|b| *b)),
+                _ => n.inputs.iter().all(|&j| shared[j]),
+            };
+            shared.push(s);
+        }
         let mut offsets = Vec::with_capacity(widths.len());
         let mut total = 0;
         for w in &widths {
@@ -121,6 +133,7 @@ impl GraphExec {
             nodes: graph.nodes.len(),
             offsets,
             widths,
+            shared,
             buf: vec![0.0; total],
             dense,
             scratch: Scratch::new(kernel, width_max, rows_max),
@@ -133,42 +146,58 @@ impl GraphExec {
     /// Runs `graph` (the one this was built for) on `rows` input rows of
     /// `x`, `input_dim` floats each; one output value per row to `out`.
     pub fn run(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+        self.dispatch(graph, x, input_dim, rows, false, out);
+    }
+
+    /// `run` for the candidates of one request, whose rows share every
+    /// per-request column (user, context, context ids): the nodes that read
+    /// only those are computed once and copied to every row. Each row is
+    /// computed alone in every node, so this gives `run`'s numbers exactly.
+    pub fn run_request(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+        self.dispatch(graph, x, input_dim, rows, true, out);
+    }
+
+    fn dispatch(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, once: bool, out: &mut [f32]) {
         assert_eq!(graph.nodes.len(), self.nodes, "the executor was built for another graph");
         assert!(rows <= self.rows_max && x.len() == rows * input_dim && out.len() == rows);
         match self.isa {
-            Isa::Baseline => self.walk(graph, x, input_dim, rows, out),
+            Isa::Baseline => self.walk(graph, x, input_dim, rows, once, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::best` chose this build because the CPU has
             // AVX2; the function is safe code compiled for it.
-            Isa::Avx2 => unsafe { self.walk_avx2(graph, x, input_dim, rows, out) },
+            Isa::Avx2 => unsafe { self.walk_avx2(graph, x, input_dim, rows, once, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX-512 F.
-            Isa::Avx512 => unsafe { self.walk_avx512(graph, x, input_dim, rows, out) },
+            Isa::Avx512 => unsafe { self.walk_avx512(graph, x, input_dim, rows, once, out) },
         }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn walk_avx2(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        self.walk(graph, x, input_dim, rows, out);
+    fn walk_avx2(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, once: bool, out: &mut [f32]) {
+        self.walk(graph, x, input_dim, rows, once, out);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn walk_avx512(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        self.walk(graph, x, input_dim, rows, out);
+    fn walk_avx512(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, once: bool, out: &mut [f32]) {
+        self.walk(graph, x, input_dim, rows, once, out);
     }
 
     #[inline(always)]
-    fn walk(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+    fn walk(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, one_request: bool, out: &mut [f32]) {
         for (i, node) in graph.nodes.iter().enumerate() {
             let (before, rest) = self.buf.split_at_mut(self.offsets[i]);
             let w = node.width;
-            let y = &mut rest[..rows * w];
+            // A node of the request's own inputs alone, for one request's
+            // rows: computed for the first row and copied to the others.
+            let once = one_request && self.shared[i];
+            let n = if once { 1 } else { rows };
+            let (y, copies) = rest[..rows * w].split_at_mut(n * w);
             let (offsets, widths) = (&self.offsets, &self.widths);
             let input = |k: usize| {
                 let j = node.inputs[k];
-                &before[offsets[j]..offsets[j] + rows * widths[j]]
+                &before[offsets[j]..offsets[j] + n * widths[j]]
             };
             match &node.op {
                 Op::Input { offset } => {
@@ -180,7 +209,7 @@ impl GraphExec {
                     let src = input(0);
                     let fused_relu = match self.dense[i].as_ref().expect("built for every dense node") {
                         Dense::F32(d) => {
-                            dense_f32(d, src, rows, y);
+                            dense_f32(d, src, n, y);
                             false
                         }
                         Dense::Int8Scalar => {
@@ -188,11 +217,11 @@ impl GraphExec {
                             false
                         }
                         Dense::Int8(p) => {
-                            p.forward(src, rows, y, &mut self.scratch);
+                            p.forward(src, n, y, &mut self.scratch);
                             true
                         }
                         Dense::Fp8(l) => {
-                            cpu_fp8::layer_rows(l, &self.fp8_table, src, rows, &mut self.fp8_xd, y);
+                            cpu_fp8::layer_rows(l, &self.fp8_table, src, n, &mut self.fp8_xd, y);
                             true
                         }
                     };
@@ -225,7 +254,7 @@ impl GraphExec {
                     let mut at = 0;
                     for &j in &node.inputs {
                         let wj = widths[j];
-                        let src = &before[offsets[j]..offsets[j] + rows * wj];
+                        let src = &before[offsets[j]..offsets[j] + n * wj];
                         for (yr, sr) in y.chunks_exact_mut(w).zip(src.chunks_exact(wj)) {
                             yr[at..at + wj].copy_from_slice(sr);
                         }
@@ -267,6 +296,9 @@ impl GraphExec {
                         }
                     }
                 }
+            }
+            for r in copies.chunks_exact_mut(w) {
+                r.copy_from_slice(&y[..w]);
             }
         }
         let last = self.nodes - 1;

@@ -99,7 +99,10 @@ impl Activations {
 
 /// The f32 backend: the oracle other backends are tested against. Every
 /// model, a v1 MLP included, runs as a graph on the executor's tiled f32
-/// dense layers.
+/// dense layers; a v1 MLP's first layer is split by input kind
+/// (`Model::to_graph_split`), so that `logits_request` computes its user
+/// and context part once per request (its first-layer sums are grouped
+/// differently from the reference pass's, within f32 rounding).
 pub struct CpuF32 {
     rows_max: usize,
     graph: Graph,
@@ -108,8 +111,8 @@ pub struct CpuF32 {
 
 impl CpuF32 {
     pub fn new(model: &Model, rows_max: usize) -> CpuF32 {
-        let graph = model.to_graph();
-        let exec = GraphExec::new(&graph, DenseMode::F32, rows_max);
+        let graph = model.to_graph_split();
+        let exec = GraphExec::new(&graph, DenseMode::F32, rows_max, &model.request_columns());
         CpuF32 { rows_max, graph, exec }
     }
 }
@@ -126,6 +129,11 @@ impl Backend for CpuF32 {
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
         self.exec.run(&self.graph, x, model.input_dim(), rows, out);
+    }
+
+    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+        self.exec.run_request(&self.graph, x, model.input_dim(), rows, out);
     }
 }
 
@@ -196,7 +204,10 @@ impl CpuInt8 {
             scratch: Scratch::new(kernel, model.width_max(), rows_max),
             statics,
             static_layers,
-            graph: model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Int8(kernel), rows_max)),
+            graph: model
+                .graph
+                .as_ref()
+                .map(|g| GraphExec::new(g, DenseMode::Int8(kernel), rows_max, &model.request_columns())),
         })
     }
 
@@ -267,6 +278,16 @@ impl Backend for CpuInt8 {
 
     fn rows_max(&self) -> usize {
         self.rows_max
+    }
+
+    /// Graph models compute their per-request nodes once (exact: every
+    /// row is quantized on its own); v1 MLPs score every row.
+    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
+            assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
+            return exec.run_request(g, x, model.input_dim(), rows, out);
+        }
+        self.logits(model, x, rows, out);
     }
 
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
