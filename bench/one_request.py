@@ -86,7 +86,8 @@ def main():
         "context part on the f32 backend (its INT8 and FP8 paths quantize whole rows, so they score every "
         "row), and on every backend a graph model's nodes of the user and context alone (two-tower's user "
         "tower). A graph whose first layer reads the concatenation of all inputs (Wide&Deep) has nothing to "
-        "share: its rows are a control, and their differences are this machine's noise."
+        "share: its rows are a control, and their differences (of either sign, up to about 30 % between "
+        "processes here) are this machine's run-to-run noise."
     )
     lines.append("")
     text = "\n".join(lines)
