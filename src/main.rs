@@ -1012,6 +1012,14 @@ fn calibrate_import(
         measured(c.static_error),
         measured(c.dynamic_error),
     );
+    let typical = quiver::model::calibrate::median_row_ranges(model, &set);
+    for (i, (r, m)) in c.input_ranges.iter().zip(&typical).enumerate() {
+        let coarser = if *m > 0.0 { format!("{:.2}x", r / m) } else { "n/a".into() };
+        report.push_str(&format!(
+            "\n  layer {i}: static range {r:.4}; median row range {m:.4}: the static step is {coarser} a typical \
+             row's dynamic step"
+        ));
+    }
     if let Precision::Fp8 = precision {
         let e = quiver::score::accuracy::score_error(model, &set, BackendKind::Fp8);
         report.push_str(&format!(

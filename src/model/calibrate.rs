@@ -319,6 +319,30 @@ pub fn calibrate(
     })
 }
 
+/// Per layer of a plain MLP, the median over `set`'s rows of the row's
+/// largest |input|: what a dynamic (per-row) INT8 scale covers for a typical
+/// row, to set beside the static range, which must cover every row. Empty
+/// for a graph model.
+pub fn median_row_ranges(model: &Model, set: &Matrix) -> Vec<f32> {
+    if model.graph.is_some() || set.cols != model.input_dim() {
+        return Vec::new();
+    }
+    let (mut act, mut next) = (Vec::new(), Vec::new());
+    let mut per_layer: Vec<Vec<f32>> = vec![Vec::with_capacity(set.rows); model.layers.len()];
+    for r in 0..set.rows {
+        forward_visiting(model, set.row(r), &mut act, &mut next, |i, input| {
+            per_layer[i].push(input.iter().fold(0.0f32, |m, v| m.max(v.abs())));
+        });
+    }
+    per_layer
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(f32::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        })
+        .collect()
+}
+
 /// A graph model's calibration: the score histogram and context moments,
 /// the drift baselines; its INT8 path stays dynamic (no static ranges).
 fn calibrate_graph(model: &Model, set: &Matrix, mut progress: impl FnMut(usize, usize)) -> Calibration {

@@ -433,7 +433,11 @@ impl Model {
         for l in &self.layers[1..] {
             let i = nodes.len() - 1;
             let act = if l.relu { Act::Relu } else { Act::None };
-            nodes.push(Node { op: Op::Dense { layer: Layer { relu: false, ..l.clone() }, act }, inputs: vec![i], width: l.out_dim });
+            nodes.push(Node {
+                op: Op::Dense { layer: Layer { relu: false, ..l.clone() }, act },
+                inputs: vec![i],
+                width: l.out_dim,
+            });
         }
         Graph { nodes, output: OutputKind::Logit }
     }

@@ -105,8 +105,7 @@ impl CpuFp8 {
             .enumerate()
             .map(|(i, l)| layer(l, &table, ranges.map_or(1.0, |r| r[i] / fp8::MAX)))
             .collect();
-        let graph =
-            model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Fp8, rows_max, &model.request_columns()));
+        let graph = model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Fp8, rows_max, &model.request_columns()));
         let len = rows_max * model.width_max();
         CpuFp8 {
             rows_max,

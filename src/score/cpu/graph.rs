@@ -94,7 +94,9 @@ impl GraphExec {
         let mut shared = Vec::with_capacity(graph.nodes.len());
         for n in &graph.nodes {
             let s = match n.op {
-                Op::Input { offset } => request_cols.get(offset..offset + n.width).is_some_and(|c| c.iter().all(|b| *b)),
+                Op::Input { offset } => {
+                    request_cols.get(offset..offset + n.width).is_some_and(|c| c.iter().all(|b| *b))
+                }
                 _ => n.inputs.iter().all(|&j| shared[j]),
             };
             shared.push(s);
