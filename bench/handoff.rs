@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use quiver::infer::{self, Job, StageConfig};
+use quiver::infer::{self, StageConfig};
 use quiver::model::{InputSegment, Layer, Model, Source};
 use quiver::registry::{Fit, Registry};
 use quiver::score::BackendKind;
@@ -47,23 +47,23 @@ fn start(spin_us: u64) -> (infer::Stage, infer::ShardEnd, Arc<Model>) {
 }
 
 fn round_trip(end: &mut infer::ShardEnd, model: &Arc<Model>, origin: Instant) -> Duration {
-    let slot = end.acquire().expect("one job in flight at a time");
-    let data = end.slot_mut(slot);
+    let token = end.acquire().expect("one job in flight at a time");
+    let data = end.slot_mut(&token);
     data.rows = 1;
     data.model = Some(model.clone());
     data.x[..4].copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
     let started = Instant::now();
     let now_ns = started.duration_since(origin).as_nanos() as u64;
-    end.submit(Job { slot, deadline_ns: u64::MAX / 2, submitted_ns: now_ns }).unwrap();
-    let done = loop {
+    end.submit(token, u64::MAX / 2, now_ns).unwrap();
+    let (_, token) = loop {
         if let Some(d) = end.poll() {
             break d;
         }
         std::hint::spin_loop();
     };
     let elapsed = started.elapsed();
-    black_box(end.slot_mut(done.slot).logits[0]);
-    end.release(done.slot);
+    black_box(end.slot_mut(&token).logits[0]);
+    end.release(token);
     elapsed
 }
 

@@ -75,12 +75,12 @@ unsafe impl Sync for Slots {}
 // SAFETY: as above; `SlotData` itself is `Send`.
 unsafe impl Send for Slots {}
 
-/// A scoring job: which slot, how many rows, by when.
+/// A scoring job on the ring: which slot, by when.
 #[derive(Clone, Copy, Debug)]
-pub struct Job {
-    pub slot: u32,
-    pub deadline_ns: u64,
-    pub submitted_ns: u64,
+struct Job {
+    slot: u32,
+    deadline_ns: u64,
+    submitted_ns: u64,
 }
 
 /// How a job ended on the stage.
@@ -125,9 +125,31 @@ impl Wake {
     }
 }
 
+/// The shard's ownership of one job slot, as a value: `acquire` and a
+/// completion (`poll`) hand one out, `submit` and `release` consume it, and
+/// only its holder can reach the slot's memory (`slot_mut`). It is neither
+/// `Copy` nor `Clone` nor constructible outside this module, so safe code
+/// cannot touch a slot the stage owns; it names its `ShardEnd`, so it cannot
+/// open another shard's slot either.
+#[must_use = "a slot token must be submitted or released, or the slot is lost"]
+#[derive(Debug)]
+pub struct SlotToken {
+    slot: u32,
+    end: u32,
+}
+
+impl SlotToken {
+    /// The slot's number, for the shard's own per-slot bookkeeping.
+    pub fn index(&self) -> u32 {
+        self.slot
+    }
+}
+
 /// A shard's end of the stage. Owned by one shard; `Send` only so it can be
 /// moved onto the shard's thread at start-up.
 pub struct ShardEnd {
+    /// Which shard's end: the tokens it hands out carry it.
+    id: u32,
     jobs: Producer<Job>,
     done: Consumer<Done>,
     slots: Arc<Slots>,
@@ -138,35 +160,41 @@ pub struct ShardEnd {
 
 impl ShardEnd {
     /// A free slot to fill, or `None` when every slot is in flight.
-    pub fn acquire(&mut self) -> Option<u32> {
-        self.free.pop()
+    pub fn acquire(&mut self) -> Option<SlotToken> {
+        self.free.pop().map(|slot| SlotToken { slot, end: self.id })
     }
 
-    /// The slot's memory. Only for a slot this shard holds: acquired and not
-    /// submitted, or returned by a completion and not yet released.
-    pub fn slot_mut(&mut self, slot: u32) -> &mut SlotData {
-        // SAFETY: the shard holds `slot` (see above), so the stage does not
-        // touch it; `&mut self` makes this the only reference on this side.
-        unsafe { &mut *self.slots.slots[slot as usize].get() }
+    /// The memory of the slot `token` holds.
+    pub fn slot_mut(&mut self, token: &SlotToken) -> &mut SlotData {
+        assert_eq!(token.end, self.id, "a slot token is used only with the end that issued it");
+        // SAFETY: a token exists only while this shard owns its slot (from
+        // `acquire` or a completion until `submit` or `release` consume it),
+        // so the stage does not touch the slot; `&mut self` makes this the
+        // only reference on this side.
+        unsafe { &mut *self.slots.slots[token.slot as usize].get() }
     }
 
-    /// Hands a filled slot to the stage. On a full ring the job comes back
-    /// and the slot stays with the shard.
-    pub fn submit(&mut self, job: Job) -> Result<(), Job> {
-        self.jobs.push(job)?;
+    /// Hands the filled slot to the stage, to be scored by `deadline_ns`.
+    /// On a full ring the token comes back and the slot stays with the shard.
+    pub fn submit(&mut self, token: SlotToken, deadline_ns: u64, submitted_ns: u64) -> Result<(), SlotToken> {
+        assert_eq!(token.end, self.id, "a slot token is used only with the end that issued it");
+        let job = Job { slot: token.slot, deadline_ns, submitted_ns };
+        if self.jobs.push(job).is_err() {
+            return Err(token);
+        }
         self.wake.nudge();
         Ok(())
     }
 
-    pub fn poll(&mut self) -> Option<Done> {
-        self.done.pop()
+    /// A finished job and the slot it gives back to the shard.
+    pub fn poll(&mut self) -> Option<(Done, SlotToken)> {
+        self.done.pop().map(|d| (d, SlotToken { slot: d.slot, end: self.id }))
     }
 
     /// Returns a slot whose completion has been handled.
-    pub fn release(&mut self, slot: u32) {
-        let data = self.slot_mut(slot);
-        data.model = None;
-        self.free.push(slot);
+    pub fn release(&mut self, token: SlotToken) {
+        self.slot_mut(&token).model = None;
+        self.free.push(token.slot);
     }
 
     pub fn in_flight(&self) -> usize {
@@ -311,6 +339,7 @@ pub fn start(
                 .collect(),
         });
         shard_ends.push(ShardEnd {
+            id: shard_ends.len() as u32,
             jobs: job_tx,
             done: done_rx,
             slots: slots.clone(),
@@ -583,19 +612,19 @@ mod tests {
         (stage, ends, model)
     }
 
-    fn fill(end: &mut ShardEnd, model: &Arc<Model>, rows: usize, seed: u64) -> u32 {
-        let slot = end.acquire().unwrap();
-        let data = end.slot_mut(slot);
+    fn fill(end: &mut ShardEnd, model: &Arc<Model>, rows: usize, seed: u64) -> SlotToken {
+        let token = end.acquire().unwrap();
+        let data = end.slot_mut(&token);
         let mut rng = crate::demo::SplitMix64::new(seed);
         for v in data.x[..rows * model.input_dim()].iter_mut() {
             *v = rng.normal();
         }
         data.rows = rows;
         data.model = Some(model.clone());
-        slot
+        token
     }
 
-    fn wait(end: &mut ShardEnd) -> Done {
+    fn wait(end: &mut ShardEnd) -> (Done, SlotToken) {
         let until = std::time::Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(d) = end.poll() {
@@ -613,24 +642,25 @@ mod tests {
         let mut slots = Vec::new();
         for (shard, end) in ends.iter_mut().enumerate() {
             for k in 0..3u64 {
-                let slot = fill(end, &model, 5 + k as usize, shard as u64 * 10 + k);
+                let token = fill(end, &model, 5 + k as usize, shard as u64 * 10 + k);
                 let now = clock.now_ns();
-                end.submit(Job { slot, deadline_ns: now + 1_000_000_000, submitted_ns: now }).unwrap();
-                slots.push((shard, slot, 5 + k as usize));
+                slots.push((shard, token.index(), 5 + k as usize));
+                end.submit(token, now + 1_000_000_000, now).unwrap();
             }
         }
         let mut inline = score::build(BackendKind::Int8, &model, 32);
-        for (shard, slot, rows) in slots {
-            let end = &mut ends[shard];
-            let done = wait(end);
-            let data = end.slot_mut(done.slot);
-            assert_eq!(done.outcome, Outcome::Scored);
+        for (shard, _, _) in &slots {
+            let end = &mut ends[*shard];
+            let (done, token) = wait(end);
+            assert_eq!(token.index(), done.slot);
+            let &(_, _, rows) = slots.iter().find(|(s, slot, _)| s == shard && *slot == done.slot).unwrap();
+            let data = end.slot_mut(&token);
+            assert_eq!((done.outcome, data.rows), (Outcome::Scored, rows));
             let mut want = vec![0.0; data.rows];
             inline.logits(&model, &data.x[..data.rows * model.input_dim()], data.rows, &mut want);
             assert_eq!(data.logits[..data.rows], want[..], "batched results equal inline results");
             assert!(done.batch_rows as usize >= data.rows);
-            let _ = (slot, rows);
-            end.release(done.slot);
+            end.release(token);
         }
         stage.stop();
     }
@@ -640,12 +670,26 @@ mod tests {
         let (stage, mut ends, model) = stage(50);
         let clock = MonotonicClock::new();
         let end = &mut ends[0];
-        let slot = fill(end, &model, 32, 1);
+        let token = fill(end, &model, 32, 1);
         let now = clock.now_ns();
-        end.submit(Job { slot, deadline_ns: now.saturating_sub(1), submitted_ns: now }).unwrap();
-        let done = wait(end);
+        end.submit(token, now.saturating_sub(1), now).unwrap();
+        let (done, token) = wait(end);
         assert_eq!((done.outcome, done.kernel_ns, done.batch_rows), (Outcome::Expired, 0, 0));
-        end.release(done.slot);
+        end.release(token);
+        stage.stop();
+    }
+
+    #[test]
+    fn a_token_opens_only_its_own_shards_slots() {
+        let (stage, mut ends, model) = stage(1_000_000);
+        let token = fill(&mut ends[0], &model, 1, 1);
+        let (first, second) = ends.split_at_mut(1);
+        let foreign = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = second[0].slot_mut(&token);
+        }));
+        assert!(foreign.is_err(), "shard 1 refuses shard 0's token");
+        first[0].release(token);
+        assert_eq!(first[0].in_flight(), 0);
         stage.stop();
     }
 
@@ -653,12 +697,15 @@ mod tests {
     fn a_full_shard_end_refuses_more() {
         let (stage, mut ends, model) = stage(1_000_000);
         let end = &mut ends[1];
-        let mut held = 0;
-        while end.acquire().is_some() {
-            held += 1;
+        let mut held = Vec::new();
+        while let Some(token) = end.acquire() {
+            held.push(token);
         }
-        assert_eq!(held, end.slots());
+        assert_eq!(held.len(), end.slots());
         assert_eq!(end.in_flight(), end.slots());
+        for token in held {
+            end.release(token);
+        }
         let _ = model;
         stage.stop();
     }

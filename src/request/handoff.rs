@@ -77,7 +77,8 @@ impl<C: Clock> RequestPath<C> {
     }
 
     /// Takes the next completion from the inference stage, if any.
-    pub fn poll_stage(&mut self) -> Option<Done> {
+    /// A stage completion and the slot it returns, if one is waiting.
+    pub fn poll_stage(&mut self) -> Option<(Done, SlotToken)> {
         self.stage.as_mut()?.poll()
     }
 
@@ -89,7 +90,7 @@ impl<C: Clock> RequestPath<C> {
     /// Turns a stage completion into its request's response, appended to
     /// `out`; returns the connection it belongs to, or `None` when the
     /// request was already answered from a lower rung (given up on).
-    pub fn complete(&mut self, done: Done, out: &mut Vec<u8>) -> Option<u32> {
+    pub fn complete(&mut self, done: Done, token: SlotToken, out: &mut Vec<u8>) -> Option<u32> {
         let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
         let stage = self.stage.as_mut().expect("completions come from the stage");
         self.times.record_ns(Stage::Queue, done.queue_ns);
@@ -104,7 +105,7 @@ impl<C: Clock> RequestPath<C> {
         self.turnaround.observe(now_ns.saturating_sub(p.submitted_ns), now_ns);
         let ok = outcome == Outcome::Scored && in_time;
         if ok {
-            let data = stage.slot_mut(done.slot);
+            let data = stage.slot_mut(&token);
             let model = data.model.as_ref().expect("a submitted slot carries its model");
             for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
                 *s = model.score(*l);
@@ -115,7 +116,7 @@ impl<C: Clock> RequestPath<C> {
                 self.shadow_queue.sample(&self.served, p.served, p.user_id, x, returned, step.row_dim);
             }
         }
-        stage.release(done.slot);
+        stage.release(token);
         if p.answered {
             return None;
         }

@@ -20,7 +20,7 @@ use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
 use crate::drift::DriftCounts;
 use crate::feed::FeedStatus;
-use crate::infer::{Done, Job, Outcome, ShardEnd};
+use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
 use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
 use crate::model::{Model, Source};
@@ -721,17 +721,17 @@ impl<C: Clock> RequestPath<C> {
         // Hand-off: the inference stage scores it and the response follows.
         if handoff {
             let stage = self.stage.as_mut().expect("checked above");
-            let Some(slot) = stage.acquire() else {
+            let Some(token) = stage.acquire() else {
                 self.breaker.record(true, before_kernel_ns);
                 return self.step_down(&step, Reason::Overload, 0, out);
             };
-            let data = stage.slot_mut(slot);
+            let slot = token.index();
+            let data = stage.slot_mut(&token);
             data.x[..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
             data.rows = rows;
             data.model = Some(model.clone());
-            let job = Job { slot, deadline_ns: deadline.at_us() * 1_000, submitted_ns: before_kernel_ns };
-            if stage.submit(job).is_err() {
-                stage.release(slot);
+            if let Err(token) = stage.submit(token, deadline.at_us() * 1_000, before_kernel_ns) {
+                stage.release(token);
                 self.breaker.record(true, before_kernel_ns);
                 return self.step_down(&step, Reason::Overload, 0, out);
             }

@@ -287,8 +287,8 @@ fn through_stage(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec) -> wi
     assert_eq!(path.handle(&payload(spec), read_at_ns, 0, &mut out), Handled::Pending);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        if let Some(done) = path.poll_stage() {
-            assert_eq!(path.complete(done, &mut out), Some(0));
+        if let Some((done, token)) = path.poll_stage() {
+            assert_eq!(path.complete(done, token, &mut out), Some(0));
             return decode(&out);
         }
         assert!(std::time::Instant::now() < until, "the stage never answered");

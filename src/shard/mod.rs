@@ -229,9 +229,9 @@ async fn run_shard(
                 let mut delivered = 0;
                 {
                     let mut p = path.borrow_mut();
-                    while let Some(done) = p.poll_stage() {
+                    while let Some((done, token)) = p.poll_stage() {
                         bytes.clear();
-                        if let Some(conn) = p.complete(done, &mut bytes) {
+                        if let Some(conn) = p.complete(done, token, &mut bytes) {
                             mailboxes.deliver(conn, &bytes);
                             delivered += 1;
                         }
