@@ -350,3 +350,36 @@ fn a_give_up_answers_from_the_cache() {
     faults.set_stage_delay_us(0);
     stage.stop();
 }
+
+#[test]
+fn a_fallback_that_finishes_late_answers_deadline_exceeded() {
+    // The primary is far too slow for the budget, so every request steps
+    // down to the fallback model (the same small model); each clock read
+    // advances time by `step`, so for some steps the fallback's kernel
+    // ends past the deadline. No `Ok` may follow a read past it.
+    let mut sh = shared(&dir("late-fallback"));
+    let model = sh.registry.snapshot().models[0].clone();
+    sh.fallback = Some(model);
+    let mut late = 0;
+    for step in 1..=400u64 {
+        let clock = ManualClock::new(0);
+        let mut path = RequestPath::new(sh.clone(), &clock).unwrap();
+        path.served[0].kernel_cost.ns_per_row = 1e9;
+        path.fallback.as_mut().unwrap().kernel_cost.ns_per_row = 0.0;
+        clock.set_step_us(step);
+        let mut s = spec();
+        s.budget_us = 1_000;
+        let read_at = clock.now_us();
+        let r = run(&mut path, &s, read_at);
+        // The last read inside the request path was one step before this.
+        let last_read = clock.now_us() - 2 * step;
+        match (r.status, r.tier) {
+            (Status::Ok, Tier::Fallback) => {
+                assert!(last_read <= read_at + 1_000, "step {step}: Ok at {last_read} past {}", read_at + 1_000)
+            }
+            (Status::DeadlineExceeded, _) if r.error.contains("fallback model finished after") => late += 1,
+            _ => {}
+        }
+    }
+    assert!(late > 0, "some step makes the fallback finish late");
+}
