@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use super::contract::{check_group, PUT_BATCH_ROWS};
 use super::{FeedError, Publisher};
-use crate::replica::DIM_MAX;
+use crate::replica::{parse_text_line as parse_line, TextLine as Line};
 
 /// Rows handed to one [`Publisher::put_many`] call: several pipelined batches, so the parsed
 /// rows held in memory stay bounded however long the file is.
@@ -28,13 +28,6 @@ pub struct LoadSummary {
     /// The sequence number of the last change written (0 when no rows).
     pub last_seq: u64,
     pub elapsed_s: f64,
-}
-
-/// One meaningful line of the text format.
-#[derive(Debug, PartialEq)]
-enum Line {
-    Row(u64, Vec<f32>),
-    Default(Vec<f32>),
 }
 
 /// What the checking pass learned about a file.
@@ -156,38 +149,6 @@ fn for_each_line(
     }
 }
 
-fn fields(text: &str) -> impl Iterator<Item = &str> {
-    text.trim().split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty())
-}
-
-/// `Ok(None)` for blank and comment lines.
-fn parse_line(text: &str) -> Result<Option<Line>, String> {
-    let trimmed = text.trim();
-    if trimmed.is_empty() || trimmed.starts_with('#') {
-        return Ok(None);
-    }
-    let mut parts = fields(trimmed);
-    let Some(id_field) = parts.next() else {
-        return Ok(None);
-    };
-    let mut values = Vec::new();
-    for f in parts {
-        let x: f32 = f.parse().map_err(|_| format!("'{f}' is not a number"))?;
-        if !x.is_finite() {
-            return Err(format!("'{f}' is not finite"));
-        }
-        values.push(x);
-    }
-    if values.is_empty() || values.len() > DIM_MAX as usize {
-        return Err(format!("{} values; expected 1 to {DIM_MAX}", values.len()));
-    }
-    if id_field == "default" {
-        return Ok(Some(Line::Default(values)));
-    }
-    let id: u64 = id_field.parse().map_err(|_| format!("'{id_field}' is not an unsigned 64-bit id"))?;
-    Ok(Some(Line::Row(id, values)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,6 +171,25 @@ mod tests {
         assert!(parse_line("x,1\n").unwrap_err().contains("not an unsigned 64-bit id"));
         assert!(parse_line("1,abc\n").unwrap_err().contains("'abc' is not a number"));
         assert!(parse_line("1,inf\n").unwrap_err().contains("not finite"));
+        assert!(parse_line(" , ,\n").unwrap_err().contains("only separators"));
+    }
+
+    #[test]
+    fn replica_build_and_features_load_read_a_file_alike() {
+        // One parser: the same lines are accepted, and the same line is
+        // refused, by `quiver replica build` and `quiver features load`.
+        let text = "# h\ndefault,0,0\n1,1,2\n,\n2,3,4\n";
+        let p = file("separators.txt", text);
+        let load = check_file(&p).unwrap_err().to_string();
+        assert!(load.ends_with(":4: the line holds only separators; expected id,f0,f1,..."), "{load}");
+        let Err(build) = crate::replica::ReplicaBuilder::from_text("user", text, &p.display().to_string()) else {
+            panic!("replica build accepted a line of separators");
+        };
+        assert_eq!(build.to_string(), load);
+        let ok = "default,0,0\n1,1,2\n2,3,4\n";
+        let p = file("ok2.txt", ok);
+        assert_eq!(check_file(&p).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
+        assert!(crate::replica::ReplicaBuilder::from_text("user", ok, "ok2.txt").is_ok());
     }
 
     #[test]

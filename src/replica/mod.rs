@@ -187,6 +187,45 @@ pub struct ReplicaBuilder {
     values: Vec<f32>,
 }
 
+/// One meaningful line of the text input format (`docs/REPLICA.md`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum TextLine {
+    Row(u64, Vec<f32>),
+    Default(Vec<f32>),
+}
+
+/// Parses one line of the text format: `id,f0,f1,…` or `default,f0,…`,
+/// fields separated by commas or whitespace; `Ok(None)` for a blank line or
+/// a `#` comment. The one parser behind `quiver replica build` and
+/// `quiver features load`: a line of separators only, like `,`, is an
+/// error, never skipped or a panic.
+pub fn parse_text_line(text: &str) -> Result<Option<TextLine>, String> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() || trimmed.starts_with('#') {
+        return Ok(None);
+    }
+    let mut parts = trimmed.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
+    let Some(id_field) = parts.next() else {
+        return Err("the line holds only separators; expected id,f0,f1,...".into());
+    };
+    let mut values = Vec::new();
+    for f in parts {
+        let x: f32 = f.parse().map_err(|_| format!("'{f}' is not a number"))?;
+        if !x.is_finite() {
+            return Err(format!("'{f}' is not finite"));
+        }
+        values.push(x);
+    }
+    if values.is_empty() || values.len() > DIM_MAX as usize {
+        return Err(format!("{} values; expected 1 to {DIM_MAX}", values.len()));
+    }
+    if id_field == "default" {
+        return Ok(Some(TextLine::Default(values)));
+    }
+    let id: u64 = id_field.parse().map_err(|_| format!("'{id_field}' is not an unsigned 64-bit id"))?;
+    Ok(Some(TextLine::Row(id, values)))
+}
+
 impl ReplicaBuilder {
     pub fn new(group: &str, dim: u32) -> ReplicaBuilder {
         assert!(group.len() <= GROUP_NAME_BYTES_MAX && !group.is_empty(), "group name length");
@@ -249,43 +288,28 @@ impl ReplicaBuilder {
         w.rename_to(path)
     }
 
-    /// Parses the documented text input format (see `docs/REPLICA.md`):
-    /// one entity per line, `id,f0,f1,…`; a line `default,f0,…` sets the
-    /// default vector; blank lines and lines starting with `#` are skipped.
-    /// Fields may be separated by commas or whitespace.
+    /// Parses the documented text input format (see `docs/REPLICA.md`)
+    /// line by line with `parse_text_line`, the parser `quiver features
+    /// load` uses too.
     pub fn from_text(group: &str, text: &str, path_for_errors: &str) -> Result<ReplicaBuilder, ReplicaError> {
         let mut builder: Option<ReplicaBuilder> = None;
         let mut default: Option<Vec<f32>> = None;
-        let mut values = Vec::new();
         for (n, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
             let err = |what: String| ReplicaError::Input { path: path_for_errors.into(), line: n + 1, what };
-            let mut fields = line.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
-            let id_field = fields.next().expect("a non-empty line has a field");
-            values.clear();
-            for f in fields {
-                let x: f32 = f.parse().map_err(|_| err(format!("'{f}' is not a number")))?;
-                if !x.is_finite() {
-                    return Err(err(format!("'{f}' is not finite")));
-                }
-                values.push(x);
-            }
-            if values.is_empty() || values.len() > DIM_MAX as usize {
-                return Err(err(format!("{} values; expected 1 to {DIM_MAX}", values.len())));
-            }
+            let Some(line) = parse_text_line(line).map_err(err)? else {
+                continue;
+            };
+            let values = match &line {
+                TextLine::Row(_, v) | TextLine::Default(v) => v,
+            };
             let b = builder.get_or_insert_with(|| ReplicaBuilder::new(group, values.len() as u32));
             if values.len() != b.dim as usize {
                 return Err(err(format!("{} values, earlier lines have {}", values.len(), b.dim)));
             }
-            if id_field == "default" {
-                default = Some(values.clone());
-                continue;
+            match line {
+                TextLine::Default(values) => default = Some(values),
+                TextLine::Row(key, values) => b.push(key, &values)?,
             }
-            let key: u64 = id_field.parse().map_err(|_| err(format!("'{id_field}' is not an unsigned 64-bit id")))?;
-            b.push(key, &values)?;
         }
         let mut b = builder.ok_or_else(|| ReplicaError::Input {
             path: path_for_errors.into(),
