@@ -364,7 +364,7 @@ fn fail_with(
 
 /// Largest size of one encoded response frame, for output buffer sizing.
 pub fn response_frame_bytes_max(candidates_max: usize) -> usize {
-    wire::FRAME_PREFIX_BYTES + 256 + candidates_max * 4
+    wire::FRAME_PREFIX_BYTES + 256 + wire::ERROR_BYTES_MAX + candidates_max * 4
 }
 
 impl<C: Clock> RequestPath<C> {

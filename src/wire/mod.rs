@@ -189,6 +189,35 @@ impl ResponseFields<'_> {
     }
 }
 
+/// Longest `error` string a response carries, in bytes.
+pub const ERROR_BYTES_MAX: usize = 160;
+
+/// `error` as the protocol documents it: one line of printable ASCII, runs
+/// of whitespace and control characters (FlatBuffers verifier messages
+/// carry newlines and tabs) as one space, other characters as `?`, at most
+/// `ERROR_BYTES_MAX` bytes. Written into `buf`, so nothing is allocated.
+fn one_line<'b>(error: &str, buf: &'b mut [u8; ERROR_BYTES_MAX]) -> &'b str {
+    let mut n = 0;
+    let mut space = false;
+    for c in error.trim().chars() {
+        if n == ERROR_BYTES_MAX {
+            break;
+        }
+        if c.is_whitespace() || c.is_control() {
+            space = true;
+            continue;
+        }
+        if space && n + 1 < ERROR_BYTES_MAX {
+            buf[n] = b' ';
+            n += 1;
+        }
+        space = false;
+        buf[n] = if c.is_ascii_graphic() { c as u8 } else { b'?' };
+        n += 1;
+    }
+    std::str::from_utf8(&buf[..n]).expect("printable ASCII only")
+}
+
 /// Encodes responses into frames, reusing one builder (no allocation once warm).
 pub struct ResponseEncoder {
     builder: FlatBufferBuilder<'static>,
@@ -205,7 +234,8 @@ impl ResponseEncoder {
         let b = &mut self.builder;
         b.reset();
         let scores = (!fields.scores.is_empty()).then(|| b.create_vector(fields.scores));
-        let error = (!fields.error.is_empty()).then(|| b.create_string(fields.error));
+        let mut line = [0u8; ERROR_BYTES_MAX];
+        let error = (!fields.error.is_empty()).then(|| b.create_string(one_line(fields.error, &mut line)));
         let root = fb::ScoreResponse::create(
             b,
             &fb::ScoreResponseArgs {
@@ -432,6 +462,30 @@ mod tests {
         for cut in 0..out.len() {
             assert_eq!(split_frame(&out[..cut], LIMITS.frame_bytes_max), Ok(None), "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn errors_are_one_short_ascii_line() {
+        let mut buf = [0u8; ERROR_BYTES_MAX];
+        assert_eq!(one_line("  a\n\tb  c\r\nd ", &mut buf), "a b c d");
+        assert_eq!(one_line("caf\u{e9} \u{1}x", &mut buf), "caf? x");
+        let long = "x".repeat(1000);
+        assert_eq!(one_line(&long, &mut buf).len(), ERROR_BYTES_MAX);
+        // A FlatBuffers verifier message, as a garbage frame produces it.
+        let mut good = Vec::new();
+        RequestEncoder::new().encode(&spec(2), &mut good);
+        let mut payload = good[FRAME_PREFIX_BYTES..].to_vec();
+        let at = payload.len() - 12;
+        payload[at..].fill(0xff);
+        let Err(e) = decode_request(&payload, &LIMITS) else { panic!("a damaged request verified") };
+        let e = e.to_string();
+        assert!(e.contains('\n') || e.contains('\t'), "the verifier's message spans lines: {e:?}");
+        let mut out = Vec::new();
+        ResponseEncoder::new(4).encode(&ResponseFields::failure(1, Status::BadRequest, &e), &mut out);
+        let (payload, _) = split_frame(&out, 1 << 16).unwrap().unwrap();
+        let r = decode_response(payload, 4).unwrap();
+        assert!(!r.error.is_empty() && r.error.len() <= ERROR_BYTES_MAX, "{:?}", r.error);
+        assert!(r.error.bytes().all(|c| c.is_ascii_graphic() || c == b' '), "{:?}", r.error);
     }
 
     #[test]
