@@ -310,6 +310,9 @@ pub struct RequestPath<C: Clock> {
     default_model: usize,
     /// The registry generation `served` reflects.
     generation: u64,
+    /// A registry generation whose versions could not all be built here:
+    /// the served set stayed as it was, and it is not retried.
+    failed_generation: Option<u64>,
     /// The inference stage, when scoring is handed off instead of inline.
     stage: Option<ShardEnd>,
     /// Requests in the stage, by slot.
@@ -382,6 +385,7 @@ impl<C: Clock> RequestPath<C> {
             served: Vec::new(),
             default_model: 0,
             generation: 0,
+            failed_generation: None,
             stage: None,
             pending: Vec::new(),
             shadow_queue: ShadowQueue::default(),
@@ -452,38 +456,71 @@ impl<C: Clock> RequestPath<C> {
     /// served set changed.
     pub fn refresh_models(&mut self) -> Result<bool, LayoutError> {
         let registry = self.shared.registry.clone();
-        if registry.generation() == self.generation {
+        let generation = registry.generation();
+        // A generation that could not be served is not retried on every
+        // round (a build runs on the reactor); the next one is.
+        if generation == self.generation || Some(generation) == self.failed_generation {
             return Ok(false);
         }
         let snapshot = registry.snapshot();
-        // Whatever happens below, this generation is dealt with: a version
-        // that cannot be served here is not retried on every round.
-        self.generation = snapshot.generation;
         let rows_max = self.shared.limits.candidates_max;
-        let mut next = Vec::with_capacity(snapshot.models.len() + snapshot.canaries.len());
-        let wanted = snapshot
+        let wanted: Vec<(Arc<Model>, u32, u32)> = snapshot
             .models
             .into_iter()
             .map(|m| (m, 0, 0))
             .chain(snapshot.canaries.into_iter().map(|(m, ppm)| (m, ppm, 0)))
-            .chain(snapshot.shadows.into_iter().map(|(m, ppm)| (m, 0, ppm)));
-        // Queued shadow work names served entries by position: drop it.
-        self.shadow_queue.items.clear();
+            .chain(snapshot.shadows.into_iter().map(|(m, ppm)| (m, 0, ppm)))
+            .collect();
+        // The next set is built aside: an entry kept from the current set
+        // (by index) or a new one. Nothing served changes until every new
+        // version has been built, so a failure leaves the old set intact.
+        enum Next {
+            Kept(usize, u32, u32),
+            Built(Served),
+        }
+        let mut taken = vec![false; self.served.len()];
+        let mut plan = Vec::with_capacity(wanted.len());
         for (model, canary_ppm, shadow_ppm) in wanted {
             let same_role =
                 |s: &Served| (s.canary_ppm > 0) == (canary_ppm > 0) && (s.shadow_ppm > 0) == (shadow_ppm > 0);
-            if let Some(i) = self.served.iter().position(|s| Arc::ptr_eq(&s.model, &model) && same_role(s)) {
-                let mut kept = self.served.swap_remove(i);
-                kept.canary_ppm = canary_ppm;
-                kept.shadow_ppm = shadow_ppm;
-                next.push(kept);
+            let found = self
+                .served
+                .iter()
+                .enumerate()
+                .position(|(i, s)| !taken[i] && Arc::ptr_eq(&s.model, &model) && same_role(s));
+            if let Some(i) = found {
+                taken[i] = true;
+                plan.push(Next::Kept(i, canary_ppm, shadow_ppm));
                 continue;
             }
-            let served = self.build_served(model, canary_ppm, shadow_ppm)?;
-            tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
-            next.push(served);
+            match self.build_served(model, canary_ppm, shadow_ppm) {
+                Ok(served) => plan.push(Next::Built(served)),
+                Err(e) => {
+                    self.failed_generation = Some(snapshot.generation);
+                    return Err(e);
+                }
+            }
         }
-        self.served = next;
+        // Commit: queued shadow work names served entries by position.
+        self.generation = snapshot.generation;
+        self.failed_generation = None;
+        self.shadow_queue.items.clear();
+        let mut old: Vec<Option<Served>> = std::mem::take(&mut self.served).into_iter().map(Some).collect();
+        self.served = plan
+            .into_iter()
+            .map(|n| match n {
+                Next::Kept(i, canary_ppm, shadow_ppm) => {
+                    let mut kept = old[i].take().expect("each entry is kept once");
+                    kept.canary_ppm = canary_ppm;
+                    kept.shadow_ppm = shadow_ppm;
+                    kept
+                }
+                Next::Built(served) => {
+                    tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
+                    served
+                }
+            })
+            .collect();
         self.default_model =
             self.served.iter().position(|s| s.is_current() && s.model.name == snapshot.default).unwrap_or(0);
         let row_dim_max = self.served.iter().map(|s| s.layout.row_dim).max().unwrap_or(0);

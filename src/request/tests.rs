@@ -383,3 +383,54 @@ fn a_fallback_that_finishes_late_answers_deadline_exceeded() {
     }
     assert!(late > 0, "some step makes the fallback finish late");
 }
+
+#[test]
+fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
+    let d = dir("refresh-fail");
+    let base = shared(&d);
+    let models = d.join("models");
+    let _ = std::fs::remove_dir_all(&models);
+    let mut a = base.registry.snapshot().models[0].as_ref().clone();
+    a.name = "a".into();
+    crate::registry::publish(&models, &a).unwrap();
+    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let registry = Arc::new(Registry::open(&models, Some("a"), fit, BackendKind::F32, 4).unwrap());
+    let mut sh = base.clone();
+    sh.registry = registry.clone();
+    sh.limits.context_len_max = 1;
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let ask = |path: &mut RequestPath<&ManualClock>, model: &str| {
+        let mut s = spec();
+        s.model = model.into();
+        s.context.clear();
+        run(path, &s, clock.now_us())
+    };
+    assert_eq!(ask(&mut path, "a").status, Status::Ok);
+
+    // "b" reads 4 context floats: the registry (up to 256) loads it, but
+    // this path (up to 1) cannot build it.
+    let b = Model {
+        name: "b".into(),
+        version: 1,
+        inputs: vec![
+            InputSegment { source: Source::Item, dim: 1 },
+            InputSegment { source: Source::Context, dim: 4 },
+            InputSegment { source: Source::User, dim: 2 },
+        ],
+        layers: vec![Layer::quantize(7, 1, false, vec![1.0; 7], vec![0.0])],
+        calibration: None,
+        graph: None,
+    };
+    crate::registry::publish(&models, &b).unwrap();
+    registry.load("b", None).unwrap();
+    let err = path.refresh_models().unwrap_err();
+    assert!(matches!(err, LayoutError::Context { model_dim: 4, limit: 1, .. }), "{err}");
+    // Everything that was served still is, and the failed generation is
+    // not retried on the next round.
+    assert_eq!(ask(&mut path, "a").status, Status::Ok);
+    assert_eq!(ask(&mut path, "b").status, Status::ModelNotFound);
+    assert!(!path.refresh_models().unwrap());
+    assert_eq!(path.served.len(), 1);
+    let _ = std::fs::remove_dir_all(&models);
+}
