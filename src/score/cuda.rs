@@ -1,6 +1,6 @@
 //! The CUDA INT8 backend (cargo feature `cuda`): the CPU INT8 semantics,
-//! static for calibrated models and dynamic otherwise, bit for bit, on the
-//! first GPU.
+//! static for calibrated models and dynamic otherwise, designed to match
+//! the CPU bit for bit on the first GPU (not yet verified on one).
 //!
 //! The only module that touches cudarc, so that everything GPU-specific, and
 //! every `unsafe` call into the driver, is in one file. The driver
@@ -21,7 +21,9 @@
 //! buffers and device activations (f32, or int8 between static layers) for
 //! `rows_max` rows. A `logits` call is then: copy the rows into pinned
 //! memory, one async H2D copy, one launch per layer, one async D2H copy of
-//! the logits, one stream synchronisation. Nothing is allocated per call.
+//! the logits, one stream synchronisation. No device or pinned memory is
+//! allocated per call; cudarc's launch builder still keeps its argument
+//! list in a small heap vector per launch (one per layer).
 //!
 //! If the device fails after start-up (an Xid, a reset), the backend logs
 //! the error once and scores on a CPU INT8 backend from then on, so a request
