@@ -191,6 +191,12 @@ if os.path.exists(feed):
 w("## Microbenchmarks (criterion)\n")
 w("Median time per iteration with criterion's 95% confidence interval of the median, one process")
 w(f"pinned to core {settings['server_core']} (the hand-off benchmark uses both cores). Source: `bench/*.rs`.\n")
+commits_file = os.path.join(res, "criterion-commits.json")
+if os.path.exists(commits_file):
+    commits = json.load(open(commits_file))
+    w("Measured at: " + "; ".join(f"`{k}` at commit {v}" for k, v in sorted(commits.items())) + ".\n")
+w("The request path's figure to quote is the one over 65,536 distinct requests: the 256 cycled requests")
+w("keep their replica rows hot.\n")
 w("| group | benchmark | median | 95% CI | per second |")
 w("|---|---|---|---|---|")
 def human_ns(ns):

@@ -74,9 +74,10 @@ impl DriftConfig {
         Ok(())
     }
 
-    /// Publication intervals in the window.
-    pub fn window_intervals(&self) -> usize {
-        let interval_s = crate::metrics::PUBLISH_INTERVAL.as_secs().max(1);
+    /// Publication intervals of `interval` (the shards' publication period,
+    /// `metrics::PUBLISH_INTERVAL`) in the window.
+    pub fn window_intervals(&self, interval: std::time::Duration) -> usize {
+        let interval_s = interval.as_secs().max(1);
         (self.window_s / interval_s).max(1) as usize
     }
 }
@@ -436,7 +437,7 @@ mod tests {
     #[test]
     fn config_bounds() {
         assert!(DriftConfig::default().validate().is_ok());
-        assert_eq!(DriftConfig::default().window_intervals(), 60);
+        assert_eq!(DriftConfig::default().window_intervals(std::time::Duration::from_secs(1)), 60);
         let bad = DriftConfig { window_s: 0, ..DriftConfig::default() };
         assert!(bad.validate().unwrap_err().contains("window_s = 0"));
         let bad = DriftConfig { psi_alert: f64::NAN, ..DriftConfig::default() };

@@ -41,7 +41,7 @@ pub enum Error {
     #[error(transparent)]
     Calibration(#[from] model::calibrate::CalibrationError),
     #[error(transparent)]
-    Layout(#[from] request::LayoutError),
+    Layout(#[from] model::layout::LayoutError),
     #[error(transparent)]
     Registry(#[from] registry::RegistryError),
     #[error(transparent)]

@@ -17,7 +17,7 @@ use hdrhistogram::Histogram;
 
 use crate::drift::{self, Interval, VersionWindow, WindowTotals};
 use crate::model::Model;
-use crate::request::Counters;
+use crate::shed::BANDS;
 
 /// How often shards publish their interval.
 pub const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
@@ -271,6 +271,64 @@ pub fn merge(board: &Board) -> Merged {
         }
     }
     m
+}
+
+/// Step-down reasons counted (`Reason` values 0..=4).
+pub const REASONS: usize = 5;
+
+/// Per-shard counters, plain integers: only the owning shard touches them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub requests: u64,
+    /// Indexed by `Status.0`.
+    pub by_status: [u64; 8],
+    /// Indexed by `Tier.0`, for `Ok` responses.
+    pub by_tier: [u64; 4],
+    /// Indexed by `Reason.0`, for `Ok` responses.
+    pub by_reason: [u64; REASONS],
+    pub features_missing: u64,
+    /// Ok responses flagged `features_stale`.
+    pub stale_responses: u64,
+    pub candidates_scored: u64,
+    /// Requests also scored by a shadow version, with the sums of their mean
+    /// absolute score difference and rank correlation, in millionths.
+    pub shadow_requests: u64,
+    pub shadow_abs_diff_ppm: u64,
+    pub shadow_rank_corr_ppm: i64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    /// Requests shed, by priority band (`shed::band`).
+    pub shed_by_band: [u64; BANDS],
+    /// The shed level in thousandths of a band: a gauge, merged as the
+    /// highest over shards.
+    pub shed_level_milli: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, other: &Counters) {
+        self.requests += other.requests;
+        for (a, b) in self.by_status.iter_mut().zip(&other.by_status) {
+            *a += b;
+        }
+        for (a, b) in self.by_tier.iter_mut().zip(&other.by_tier) {
+            *a += b;
+        }
+        for (a, b) in self.by_reason.iter_mut().zip(&other.by_reason) {
+            *a += b;
+        }
+        self.features_missing += other.features_missing;
+        self.stale_responses += other.stale_responses;
+        self.candidates_scored += other.candidates_scored;
+        self.shadow_requests += other.shadow_requests;
+        self.shadow_abs_diff_ppm += other.shadow_abs_diff_ppm;
+        self.shadow_rank_corr_ppm += other.shadow_rank_corr_ppm;
+        self.cache_hits += other.cache_hits;
+        self.cache_misses += other.cache_misses;
+        for (a, b) in self.shed_by_band.iter_mut().zip(&other.shed_by_band) {
+            *a += b;
+        }
+        self.shed_level_milli = self.shed_level_milli.max(other.shed_level_milli);
+    }
 }
 
 #[cfg(test)]

@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::drift::DriftConfig;
+use crate::model::layout::{InputLayout, LayoutError};
 use crate::model::{Model, ModelError};
-use crate::request::{InputLayout, LayoutError};
 use crate::score::{self, BackendKind};
 
 /// File name of a model inside its version directory.

@@ -25,6 +25,7 @@ mod generated {
 mod generated;
 pub mod calibrate;
 pub mod graph;
+pub mod layout;
 pub mod onnx;
 
 use std::path::Path;

@@ -23,11 +23,11 @@ use crate::feed::FeedStatus;
 use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
 use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
-use crate::model::{Model, Source};
+use crate::model::Model;
 use crate::registry::Registry;
 use crate::replica::ReplicaHandle;
 use crate::score::{self, Backend, BackendKind};
-use crate::shed::{ShedConfig, Shedder, BANDS};
+use crate::shed::{ShedConfig, Shedder};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 use handoff::{Pending, Turnaround};
 use shadow::{ShadowQueue, SHADOW_SLOTS};
@@ -63,82 +63,7 @@ pub struct Shared {
     pub shards: usize,
 }
 
-/// The model's inputs and the replicas do not fit together.
-#[derive(Debug, thiserror::Error)]
-pub enum LayoutError {
-    #[error("model '{model}' reads {input:?} features of dimension {model_dim}, the replica holds {replica_dim}")]
-    Dim { model: String, input: Source, model_dim: usize, replica_dim: usize },
-    #[error("model '{model}' declares {model_dim} context floats, above limits.context_len_max = {limit}")]
-    Context { model: String, model_dim: usize, limit: usize },
-    #[error("model '{model}' declares {model_dim} context ids, above limits.context_len_max = {limit}")]
-    ContextIds { model: String, model_dim: usize, limit: usize },
-}
-
-/// Where each input segment lands inside one row of the model input.
-#[derive(Clone, Copy, Debug)]
-pub struct InputLayout {
-    row_dim: usize,
-    user: Option<usize>,
-    item: Option<usize>,
-    context: Option<(usize, usize)>,
-    context_ids: Option<(usize, usize)>,
-}
-
-impl InputLayout {
-    /// Checks `model`'s inputs against the replicas' dimensions and the
-    /// context limit, and computes where each segment goes.
-    pub fn new(
-        model: &Model,
-        user_dim: usize,
-        item_dim: usize,
-        context_len_max: usize,
-    ) -> Result<InputLayout, LayoutError> {
-        let mut layout =
-            InputLayout { row_dim: model.input_dim(), user: None, item: None, context: None, context_ids: None };
-        let mut offset = 0;
-        for seg in &model.inputs {
-            let replica_dim = match seg.source {
-                Source::User => Some(user_dim),
-                Source::Item => Some(item_dim),
-                Source::Context | Source::ContextIds => None,
-            };
-            if let Some(replica_dim) = replica_dim.filter(|&d| d != seg.dim) {
-                return Err(LayoutError::Dim {
-                    model: model.name.clone(),
-                    input: seg.source,
-                    model_dim: seg.dim,
-                    replica_dim,
-                });
-            }
-            match seg.source {
-                Source::User => layout.user = Some(offset),
-                Source::Item => layout.item = Some(offset),
-                Source::Context => {
-                    if seg.dim > context_len_max {
-                        return Err(LayoutError::Context {
-                            model: model.name.clone(),
-                            model_dim: seg.dim,
-                            limit: context_len_max,
-                        });
-                    }
-                    layout.context = Some((offset, seg.dim));
-                }
-                Source::ContextIds => {
-                    if seg.dim > context_len_max {
-                        return Err(LayoutError::ContextIds {
-                            model: model.name.clone(),
-                            model_dim: seg.dim,
-                            limit: context_len_max,
-                        });
-                    }
-                    layout.context_ids = Some((offset, seg.dim));
-                }
-            }
-            offset += seg.dim;
-        }
-        Ok(layout)
-    }
-}
+pub use crate::model::layout::{InputLayout, LayoutError};
 
 /// A categorical id as the model reads it: the id as a float where that is
 /// exact (below 2^24), else -1, which no embedding row has (its default).
@@ -151,63 +76,7 @@ pub fn context_id_value(id: u64) -> f32 {
     }
 }
 
-/// Step-down reasons counted (`Reason` values 0..=4).
-pub const REASONS: usize = 5;
-
-/// Per-shard counters, plain integers: only the owning shard touches them.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Counters {
-    pub requests: u64,
-    /// Indexed by `Status.0`.
-    pub by_status: [u64; 8],
-    /// Indexed by `Tier.0`, for `Ok` responses.
-    pub by_tier: [u64; 4],
-    /// Indexed by `Reason.0`, for `Ok` responses.
-    pub by_reason: [u64; REASONS],
-    pub features_missing: u64,
-    /// Ok responses flagged `features_stale`.
-    pub stale_responses: u64,
-    pub candidates_scored: u64,
-    /// Requests also scored by a shadow version, with the sums of their mean
-    /// absolute score difference and rank correlation, in millionths.
-    pub shadow_requests: u64,
-    pub shadow_abs_diff_ppm: u64,
-    pub shadow_rank_corr_ppm: i64,
-    pub cache_hits: u64,
-    pub cache_misses: u64,
-    /// Requests shed, by priority band (`shed::band`).
-    pub shed_by_band: [u64; BANDS],
-    /// The shed level in thousandths of a band: a gauge, merged as the
-    /// highest over shards.
-    pub shed_level_milli: u64,
-}
-
-impl Counters {
-    pub fn add(&mut self, other: &Counters) {
-        self.requests += other.requests;
-        for (a, b) in self.by_status.iter_mut().zip(&other.by_status) {
-            *a += b;
-        }
-        for (a, b) in self.by_tier.iter_mut().zip(&other.by_tier) {
-            *a += b;
-        }
-        for (a, b) in self.by_reason.iter_mut().zip(&other.by_reason) {
-            *a += b;
-        }
-        self.features_missing += other.features_missing;
-        self.stale_responses += other.stale_responses;
-        self.candidates_scored += other.candidates_scored;
-        self.shadow_requests += other.shadow_requests;
-        self.shadow_abs_diff_ppm += other.shadow_abs_diff_ppm;
-        self.shadow_rank_corr_ppm += other.shadow_rank_corr_ppm;
-        self.cache_hits += other.cache_hits;
-        self.cache_misses += other.cache_misses;
-        for (a, b) in self.shed_by_band.iter_mut().zip(&other.shed_by_band) {
-            *a += b;
-        }
-        self.shed_level_milli = self.shed_level_milli.max(other.shed_level_milli);
-    }
-}
+pub use crate::metrics::{Counters, REASONS};
 
 /// A running estimate of the kernel's cost per candidate row, so the path
 /// can refuse work that would finish past the deadline before starting it.
@@ -979,7 +848,7 @@ impl<C: Clock> RequestPath<C> {
                 .map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests))
                 .collect(),
             drift: self.served.iter_mut().filter_map(|s| Some((s.model.clone(), s.drift.as_mut()?.take()))).collect(),
-            drift_intervals: self.shared.registry.drift().window_intervals(),
+            drift_intervals: self.shared.registry.drift().window_intervals(crate::metrics::PUBLISH_INTERVAL),
         }
     }
 

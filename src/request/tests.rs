@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::deadline::ManualClock;
-use crate::model::{sigmoid, InputSegment, Layer};
+use crate::model::{sigmoid, InputSegment, Layer, Source};
 use crate::replica::ReplicaBuilder;
 use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
 
