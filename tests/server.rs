@@ -302,6 +302,37 @@ fn sigterm_drains_and_exits_zero() {
     assert!(TcpStream::connect(&server.addr).is_err(), "no longer accepting");
 }
 
+/// A client that saw the listening line, connected and wrote its requests
+/// gets every one answered even when SIGTERM arrives right after its write:
+/// the shards accept what is queued and read what is in the socket before
+/// they drain (12 trials, the signal a moment after the write).
+#[test]
+fn sigterm_right_after_start_answers_what_was_already_sent() {
+    for trial in 0..12u64 {
+        let mut server = Server::start(&["--shards", "1"]);
+        let mut c = server.client();
+        let mut bytes = Vec::new();
+        let mut enc = RequestEncoder::new();
+        for i in 0..32u64 {
+            enc.encode(&demo_request(trial * 100 + i, i, (0..32).collect()), &mut bytes);
+        }
+        c.send_raw(&bytes).unwrap();
+        assert_eq!(server.terminate(), 0, "trial {trial}");
+        let mut answered = 0;
+        loop {
+            match c.recv() {
+                Ok(r) => {
+                    assert_eq!(r.status, Status::Ok, "trial {trial}");
+                    answered += 1;
+                }
+                Err(ClientError::Closed) => break,
+                Err(e) => panic!("trial {trial}: after {answered} answers: {e}"),
+            }
+        }
+        assert_eq!(answered, 32, "trial {trial}: every request already sent is answered");
+    }
+}
+
 #[test]
 fn corrupt_replica_is_refused_at_start_up() {
     let dir = common::scratch("corrupt");

@@ -42,6 +42,10 @@ const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
 const POLL_SPIN: Duration = Duration::from_micros(50);
 /// Its sleep between polls once spinning stopped paying.
 const POLL_BACKOFF: Duration = Duration::from_micros(20);
+/// After shutdown, how long accept and read wait for what a client already
+/// sent (a queued connection, bytes in the socket) before giving up: such
+/// data is there at once, so this only bounds the wait for nothing.
+const QUEUED_WAIT: Duration = Duration::from_millis(3);
 /// First read buffer size per connection; grows up to one maximal frame.
 const READ_BUFFER_BYTES_MIN: usize = 16 * 1024;
 
@@ -262,13 +266,22 @@ async fn run_shard(
         .detach()
     });
     loop {
+        // Once shutdown is triggered, connections already queued in the
+        // backlog are still accepted (a client that saw the listening line
+        // and connected gets its requests answered); then the listener closes.
+        let closing = shutdown.is_triggered();
         let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
-            shutdown.wait().await;
+            if closing {
+                glommio::timer::sleep(QUEUED_WAIT).await;
+            } else {
+                shutdown.wait().await;
+            }
             None
         })
         .await;
         let stream = match accepted {
-            None => break,
+            None if closing => break,
+            None => continue,
             Some(Ok(s)) => s,
             Some(Err(e)) => {
                 tracing::warn!(shard, error = %e, "accept failed");
@@ -434,19 +447,24 @@ impl Connection {
             }
             // Responses are written and no frame waits: spare time for shadows.
             self.path.borrow_mut().run_shadows();
-            if self.shutdown.is_triggered() {
-                return Ok(());
-            }
+            let closing = self.shutdown.is_triggered();
             // Make room for the rest of a frame whose prefix we have seen.
             if filled == inbuf.len() {
                 let grown = (inbuf.len() * 2).min(read_bytes_max);
                 assert!(grown > inbuf.len(), "a complete frame always fits the buffer");
                 inbuf.resize(grown, 0);
             }
+            // Draining, the connection still reads what the client already
+            // sent (it is in the socket at once) and answers it; it closes
+            // when nothing more arrives within `QUEUED_WAIT`.
             let read = futures_lite::future::or(async { Wake::Read(stream.read(&mut inbuf[filled..]).await) }, async {
                 futures_lite::future::or(
                     async {
-                        self.shutdown.wait().await;
+                        if closing {
+                            glommio::timer::sleep(QUEUED_WAIT).await;
+                        } else {
+                            self.shutdown.wait().await;
+                        }
                         Wake::Shutdown
                     },
                     async {
@@ -458,7 +476,9 @@ impl Connection {
             })
             .await;
             match read {
-                Wake::Shutdown => return Ok(()),
+                // Responses the stage still owes are collected by `serve`.
+                Wake::Shutdown if closing => return Ok(()),
+                Wake::Shutdown => {}
                 Wake::Delivered => {}
                 Wake::Read(Ok(0)) => return Ok(()),
                 Wake::Read(Ok(n)) => filled += n,
