@@ -648,6 +648,12 @@ def deepfm_graph(t):
     id_ctx = slice_ctx("slice_ids", 2, 4)
     numeric = t.op("Concat", ["user", "item", num_ctx], axis=1)
     ids = t.op("Cast", [id_ctx], to=TensorProto.INT64)
+    return deepfm_tail(t, numeric, ids)
+
+
+def deepfm_tail(t, numeric, ids):
+    """Both DeepFM forms from the numeric features and the int64 ids on:
+    embeddings and first-order terms by Gather, then the deep part."""
     emb = t.op("Gather", [t.param("emb.weight"), ids], scope="/emb", axis=0)
     emb_flat = t.op("Reshape", [emb, t.const([-1, 2 * EMB_DIM], np.int64)])
     first = t.op("Gather", [t.param("first_order.weight"), ids], scope="/first_order", axis=0)
@@ -664,15 +670,7 @@ def deepfm_ids_graph(t):
     [batch, 2]) and two numeric context floats (`ctx` [batch, 2]): no Slice
     or Cast, as a model served with the request's `context_ids` is written."""
     numeric = t.op("Concat", ["user", "item", "ctx"], axis=1)
-    emb = t.op("Gather", [t.param("emb.weight"), "ids"], scope="/emb", axis=0)
-    emb_flat = t.op("Reshape", [emb, t.const([-1, 2 * EMB_DIM], np.int64)])
-    first = t.op("Gather", [t.param("first_order.weight"), "ids"], scope="/first_order", axis=0)
-    first = t.op("Reshape", [first, t.const([-1, 2], np.int64)])
-    first = t.op("ReduceSum", [first, t.const([1], np.int64)], keepdims=1)
-    deep_in = t.op("Concat", [numeric, emb_flat], axis=1)
-    h = t.op("Relu", [t.linear(deep_in, "fc1")])
-    z = t.op("Add", [t.linear(h, "fc2"), first])
-    return sigmoid_head(t, z), z, [h]
+    return deepfm_tail(t, numeric, "ids")
 
 
 IDS_GRAPH_INPUTS = [
