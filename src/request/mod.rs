@@ -345,7 +345,7 @@ impl<C: Clock> RequestPath<C> {
         // version has been built, so a failure leaves the old set intact.
         enum Next {
             Kept(usize, u32, u32),
-            Built(Served),
+            Built(Box<Served>),
         }
         let mut taken = vec![false; self.served.len()];
         let mut plan = Vec::with_capacity(wanted.len());
@@ -363,7 +363,7 @@ impl<C: Clock> RequestPath<C> {
                 continue;
             }
             match self.build_served(model, canary_ppm, shadow_ppm) {
-                Ok(served) => plan.push(Next::Built(served)),
+                Ok(served) => plan.push(Next::Built(Box::new(served))),
                 Err(e) => {
                     self.failed_generation = Some(snapshot.generation);
                     return Err(e);
@@ -386,7 +386,7 @@ impl<C: Clock> RequestPath<C> {
                 }
                 Next::Built(served) => {
                     tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
-                    served
+                    *served
                 }
             })
             .collect();
