@@ -349,6 +349,11 @@ pub fn start(
         });
         stage_ends.push(StageEnd { jobs: job_rx, done: done_tx, slots });
     }
+    // The stage reports once it has built and measured a backend for every
+    // served version; `start` returns only then, so the server does not
+    // listen while the first jobs would wait for those builds (the cause of
+    // thread mode's late first requests).
+    let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<()>(1);
     let thread = std::thread::Builder::new().name("quiver-infer".into()).spawn({
         let (stop, wake) = (stop.clone(), wake.clone());
         move || {
@@ -356,9 +361,14 @@ pub fn start(
                 pin_to(core);
             }
             wake.thread.set(std::thread::current()).expect("set once");
-            run(config, stage_ends, registry, backend, &stop, &wake, &faults);
+            run(config, stage_ends, registry, backend, &stop, &wake, &faults, ready_tx);
         }
     })?;
+    // A stage that died before it was ready has dropped the sender.
+    if ready_rx.recv().is_err() {
+        let _ = thread.join();
+        return Err(std::io::Error::other("the inference stage stopped before it was ready"));
+    }
     Ok((Stage { stop, wake: vec![wake], thread: Some(thread) }, shard_ends))
 }
 
@@ -378,7 +388,9 @@ fn run(
     stop: &AtomicBool,
     wake: &Wake,
     faults: &Faults,
+    ready: std::sync::mpsc::SyncSender<()>,
 ) {
+    let mut ready = Some(ready);
     let clock = MonotonicClock::new();
     let jobs_max = ends.len() * config.jobs_per_shard_max.next_power_of_two();
     let mut waiting: Vec<Waiting> = Vec::with_capacity(jobs_max);
@@ -406,6 +418,9 @@ fn run(
                     backends.push((model, backend, costs));
                 }
             }
+        }
+        if let Some(r) = ready.take() {
+            let _ = r.send(());
         }
         // Gather.
         for (shard, end) in ends.iter().enumerate() {
@@ -573,11 +588,31 @@ fn prepare(
     let rows_cap = config.batch_rows_max.max(config.rows_per_job_max);
     let mut backend = score::build(kind, model, rows_cap);
     let mut costs = CostTable::new(rows_cap);
-    for rows in [1, config.rows_per_job_max, rows_cap] {
-        let started_ns = clock.now_ns();
-        backend.logits(model, &x[..rows * model.input_dim()], rows, &mut logits[..rows]);
-        let now_ns = clock.now_ns();
-        costs.observe(rows, now_ns - started_ns, now_ns);
+    // Every bucket gets its own estimate, from warm runs: the first calls
+    // touch fresh scratch pages and cold weights, and a bucket without a
+    // sample borrowed a larger bucket's cost, so a cold or oversized
+    // estimate made the stage drop the first jobs as unable to finish in
+    // time. The median of a few warm runs seeds each bucket.
+    const WARM_RUNS: usize = 2;
+    const TIMED_RUNS: usize = 5;
+    let dim = model.input_dim();
+    let mut rows = 1;
+    loop {
+        let rows_now = rows.min(rows_cap);
+        let mut ns = [0u64; TIMED_RUNS];
+        for i in 0..WARM_RUNS + TIMED_RUNS {
+            let started_ns = clock.now_ns();
+            backend.logits(model, &x[..rows_now * dim], rows_now, &mut logits[..rows_now]);
+            if i >= WARM_RUNS {
+                ns[i - WARM_RUNS] = clock.now_ns() - started_ns;
+            }
+        }
+        ns.sort_unstable();
+        costs.observe(rows_now, ns[TIMED_RUNS / 2], clock.now_ns());
+        if rows_now == rows_cap {
+            break;
+        }
+        rows *= 2;
     }
     (backend, costs)
 }
