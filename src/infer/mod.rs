@@ -361,7 +361,8 @@ pub fn start(
                 pin_to(core);
             }
             wake.thread.set(std::thread::current()).expect("set once");
-            run(config, stage_ends, registry, backend, &stop, &wake, &faults, ready_tx);
+            let controls = Controls { stop: &stop, wake: &wake, faults: &faults, ready: ready_tx };
+            run(config, stage_ends, registry, backend, controls);
         }
     })?;
     // A stage that died before it was ready has dropped the sender.
@@ -380,16 +381,17 @@ struct Waiting {
     rows: usize,
 }
 
-fn run(
-    config: StageConfig,
-    ends: Vec<StageEnd>,
-    registry: Arc<Registry>,
-    kind: BackendKind,
-    stop: &AtomicBool,
-    wake: &Wake,
-    faults: &Faults,
+/// What the stage thread is steered by: the stop flag, its wake-up, the
+/// fault hooks, and where it reports that it is ready.
+struct Controls<'a> {
+    stop: &'a AtomicBool,
+    wake: &'a Wake,
+    faults: &'a Faults,
     ready: std::sync::mpsc::SyncSender<()>,
-) {
+}
+
+fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: BackendKind, controls: Controls<'_>) {
+    let Controls { stop, wake, faults, ready } = controls;
     let mut ready = Some(ready);
     let clock = MonotonicClock::new();
     let jobs_max = ends.len() * config.jobs_per_shard_max.next_power_of_two();
