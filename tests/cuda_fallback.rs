@@ -82,15 +82,17 @@ fn without_a_driver_library_the_server_serves_cpu_int8_and_says_why() {
     serve_and_check(&[], "CUDA driver library");
 }
 
-/// Builds `libcuda.so.1` exporting `cuInit` (result from the environment)
-/// and `cuDeviceGetCount` (0 devices): a driver with no GPU behind it.
+/// Builds `libcuda.so.1` exporting `cuInit` (result from the environment),
+/// `cuDeviceGetCount` (0 devices) and `cuDriverGetVersion` (12.9, or
+/// `FAKE_DRIVER_VERSION`): a driver with no GPU behind it.
 fn fake_driver(dir: &Path) -> Option<PathBuf> {
     let src = dir.join("fake_cuda.c");
     std::fs::write(
         &src,
         "#include <stdlib.h>\n\
          int cuInit(unsigned int flags) { const char* r = getenv(\"FAKE_CUINIT_RESULT\"); (void)flags; return r ? atoi(r) : 0; }\n\
-         int cuDeviceGetCount(int* count) { *count = 0; return 0; }\n",
+         int cuDeviceGetCount(int* count) { *count = 0; return 0; }\n\
+         int cuDriverGetVersion(int* v) { const char* r = getenv(\"FAKE_DRIVER_VERSION\"); *v = r ? atoi(r) : 12090; return 0; }\n",
     )
     .unwrap();
     let lib = dir.join("libcuda.so.1");
@@ -120,4 +122,10 @@ fn with_a_driver_but_no_device_the_server_serves_cpu_int8_and_says_why() {
     serve_and_check(&[("LD_LIBRARY_PATH", &path)], "no CUDA device");
     // cuInit itself says CUDA_ERROR_NO_DEVICE (100), as a real driver does.
     serve_and_check(&[("LD_LIBRARY_PATH", &path), ("FAKE_CUINIT_RESULT", "100")], "no CUDA device");
+    // A driver older than the API this build targets is refused by its
+    // version, before cudarc could call a symbol it lacks (and panic).
+    serve_and_check(
+        &[("LD_LIBRARY_PATH", &path), ("FAKE_DRIVER_VERSION", "11080")],
+        "the CUDA driver is version 11.8; this build uses the CUDA 12.4 driver API",
+    );
 }

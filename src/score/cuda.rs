@@ -49,6 +49,11 @@ pub enum CudaError {
     NoDriver,
     #[error("the CUDA driver reports no CUDA device")]
     NoDevice,
+    #[error(
+        "the CUDA driver is version {}.{}; this build uses the CUDA {}.{} driver API and needs that driver or newer",
+        .found / 1000, (.found % 1000) / 10, DRIVER_VERSION_MIN / 1000, (DRIVER_VERSION_MIN % 1000) / 10
+    )]
+    DriverTooOld { found: i32 },
     #[error("the NVRTC library (libnvrtc.so.12) is not installed or not on the loader path")]
     NoNvrtc,
     #[error("device 0 has compute capability {major}.{minor}; the INT8 kernel needs 6.1 or newer (__dp4a)")]
@@ -71,7 +76,14 @@ impl CudaError {
     /// No usable GPU (or none for this model) here: an expected operating
     /// condition, not a fault.
     pub fn is_absent(&self) -> bool {
-        matches!(self, CudaError::NoDriver | CudaError::NoDevice | CudaError::NoNvrtc | CudaError::Unsupported { .. })
+        matches!(
+            self,
+            CudaError::NoDriver
+                | CudaError::NoDevice
+                | CudaError::NoNvrtc
+                | CudaError::Unsupported { .. }
+                | CudaError::DriverTooOld { .. }
+        )
     }
 }
 
@@ -98,19 +110,28 @@ pub struct DeviceInfo {
 }
 
 /// Finds the driver, a device and NVRTC; opens device 0's primary context.
+/// The driver API version this build is compiled against (cudarc's
+/// `cuda-12040` feature). cudarc's loader panics when a driver lacks one of
+/// the symbols it calls, so an older driver is refused before any other call.
+const DRIVER_VERSION_MIN: i32 = 12_040;
+
 fn open() -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
     // SAFETY: only tries to dlopen the driver library under its usual names.
     if !unsafe { sys::is_culib_present() } {
         return Err(CudaError::NoDriver);
     }
+    let mut driver_version = 0;
+    // SAFETY: the driver library is loaded (checked above); cuDriverGetVersion
+    // exists in every driver since CUDA 2.2 and needs no cuInit; the pointer
+    // is valid for one write.
+    unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result().map_err(driver("cuDriverGetVersion"))?;
+    if driver_version < DRIVER_VERSION_MIN {
+        return Err(CudaError::DriverTooOld { found: driver_version });
+    }
     let device_count = CudaContext::device_count().map_err(driver("cuInit / cuDeviceGetCount"))?;
     if device_count < 1 {
         return Err(CudaError::NoDevice);
     }
-    let mut driver_version = 0;
-    // SAFETY: the driver library is loaded (checked above); the pointer is
-    // valid for one write.
-    unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result().map_err(driver("cuDriverGetVersion"))?;
     let ctx = CudaContext::new(0).map_err(driver("creating the context on device 0"))?;
     let (major, minor) = ctx.compute_capability().map_err(driver("cuDeviceGetAttribute"))?;
     // SAFETY: only tries to dlopen NVRTC under its usual names.
