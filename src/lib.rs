@@ -23,6 +23,7 @@ pub mod registry;
 pub mod replica;
 pub mod request;
 pub mod score;
+pub mod seeded;
 pub mod shard;
 pub mod shed;
 pub mod wire;

@@ -11,7 +11,7 @@
 //!
 //! [`Graph::forward_row`] is the f32 specification every backend is
 //! compared with: slow and allocating on purpose. The serving executors
-//! live in `crate::score::cpu::graph`. The rewrites in this module
+//! live in the scoring layer (`score::cpu::graph`). The rewrites in this module
 //! ([`Graph::simplify`]) are exact in f32 and are what `quiver import`
 //! reports in its summary.
 
@@ -644,7 +644,7 @@ mod tests {
     use super::*;
 
     fn dense(input: usize, k: usize, n: usize, seed: u64, act: Act) -> Node {
-        let mut rng = crate::demo::SplitMix64::new(seed);
+        let mut rng = crate::seeded::SplitMix64::new(seed);
         let w = (0..k * n).map(|_| rng.normal() * 0.5).collect();
         let b = (0..n).map(|_| rng.normal() * 0.1).collect();
         Node { op: Op::Dense { layer: Layer::quantize(k, n, false, w, b), act }, inputs: vec![input], width: n }
@@ -692,7 +692,7 @@ mod tests {
         // layer before it has one reader, so it folds.
         assert!(notes.iter().any(|n| n.contains("folded")), "{notes:?}");
         assert!(s.nodes.len() < g.nodes.len());
-        let mut rng = crate::demo::SplitMix64::new(9);
+        let mut rng = crate::seeded::SplitMix64::new(9);
         for _ in 0..64 {
             let x: Vec<f32> = (0..4).map(|_| rng.normal()).collect();
             let (a, b) = (g.forward_row(&x), s.forward_row(&x));

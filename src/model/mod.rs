@@ -8,7 +8,7 @@
 //! with a calibration set also carries [`Calibration`]: per-layer activation
 //! ranges, which turn on the static INT8 semantics ([`StaticInt8Layer`]), and
 //! the calibration set's score histogram and context input moments, the
-//! baselines of drift measures (`crate::drift`).
+//! baselines of drift measures (the `drift` module).
 //! Loading copies everything into owned, validated arrays; a file that does
 //! not describe a consistent network is refused with the reason.
 
