@@ -25,17 +25,10 @@ import subprocess
 import sys
 import tempfile
 
+from provenance import git_commit
+
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 QUIVER = os.path.join(ROOT, "target", "release", "quiver")
-
-
-def commit():
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_model(model, backend, rows, iters, one_request):
@@ -61,7 +54,7 @@ def main():
     lines = [
         "## One request's candidates: per-request parts computed once",
         "",
-        f"Written by `bench/one_request.py` (commit `{commit()}`): `quiver time-model --rows {args.rows}` per "
+        f"Written by `bench/one_request.py` (commit `{git_commit()}`): `quiver time-model --rows {args.rows}` per "
         f"backend, independent rows (`logits`) against one request's candidates (`--one-request`, "
         f"`logits_request`), alternated in each of {args.repeats} runs; medians of the runs' medians "
         f"({args.iters} calls each), µs per call.",

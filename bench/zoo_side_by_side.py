@@ -63,6 +63,8 @@ import platform
 import subprocess
 import sys
 import tempfile
+
+from provenance import git_commit
 import time
 
 import numpy as np
@@ -348,16 +350,6 @@ def median_or_na(values):
 
 def fmt(x, suffix=""):
     return f"{x:.2f}{suffix}" if is_num(x) else "n/a"
-
-
-def git_commit():
-    """The commit measured, with '+dirty' when the tree has changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def markdown(report):

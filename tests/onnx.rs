@@ -8,9 +8,8 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use common::{auc, scratch, Server, BIN};
+use common::{auc, max_abs_diff, run_quiver, scratch, Server};
 use quiver::model::calibrate::{calibrate, read_npy, Matrix, Method};
 use quiver::model::onnx::{import_file, ImportOptions, Imported};
 use quiver::model::{sigmoid, Model};
@@ -105,11 +104,6 @@ fn import_both() -> Vec<(&'static str, Imported)> {
     vec![("ctr_helper.onnx", helper), ("ctr_sklearn.onnx", sklearn)]
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
 fn backend_logits(backend: &mut dyn Backend, model: &Model, x: &[f32]) -> Vec<f32> {
     let rows = x.len() / model.input_dim();
     let mut out = vec![0.0; rows];
@@ -167,20 +161,11 @@ fn imported_int8_stays_within_the_documented_bound() {
 
 /// Runs `quiver import` and returns (exit code, stdout, stderr).
 fn quiver_import(onnx: &Path, out: &Path, inputs: &str, extra: &[&str]) -> (i32, String, String) {
-    let o = Command::new(BIN)
-        .args(["import", "--onnx"])
-        .arg(onnx)
-        .arg("--out")
-        .arg(out)
-        .args(["--name", "ctr", "--version", "7", "--inputs", inputs])
-        .args(extra)
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    let mut args: Vec<std::ffi::OsString> =
+        vec!["import".into(), "--onnx".into(), onnx.into(), "--out".into(), out.into()];
+    args.extend(["--name", "ctr", "--version", "7", "--inputs", inputs].iter().map(Into::into));
+    args.extend(extra.iter().map(Into::into));
+    run_quiver(args)
 }
 
 #[test]

@@ -9,7 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{auc, scratch, Server};
+use common::{auc, max_abs_diff, run_quiver, scratch, Server};
 use quiver::model::calibrate::read_npy;
 use quiver::model::onnx::{import_file, ImportOptions};
 use quiver::model::{sigmoid, Model, OutputKind, Source};
@@ -157,7 +157,7 @@ fn quantized_backends_stay_within_the_documented_bounds() {
         assert_eq!(run(&mut scalar, &model, &z.x), int8_out, "{}: blocked INT8 differs from scalar", z.name);
         let (int8_p, fp8_p) = (scores(&model, &int8_out), scores(&model, &fp8_out));
         let (e8, ef) = match z.kind {
-            OutputKind::Logit => (max_abs(&int8_p, &want_p), max_abs(&fp8_p, &want_p)),
+            OutputKind::Logit => (max_abs_diff(&int8_p, &want_p), max_abs_diff(&fp8_p, &want_p)),
             OutputKind::Raw => (rel_err(&int8_out, &z.want), rel_err(&fp8_out, &z.want)),
         };
         let ort_auc = auc(&want_p, &z.labels);
@@ -186,10 +186,6 @@ fn segment<'r>(model: &Model, row: &'r [f32], source: Source) -> &'r [f32] {
         at += s.dim;
     }
     &[]
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Every zoo model served by name from one registry, through a real
@@ -269,12 +265,7 @@ fn sigmoid_is_applied_to_logits_and_not_to_raw_outputs() {
 }
 
 fn quiver_import(args: &[&str]) -> (i32, String, String) {
-    let o = std::process::Command::new(common::BIN).arg("import").args(args).output().unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    run_quiver(std::iter::once("import").chain(args.iter().copied()))
 }
 
 #[test]

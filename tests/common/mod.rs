@@ -264,3 +264,19 @@ pub fn auc(scores: &[f32], labels: &[bool]) -> f64 {
     let neg = labels.len() as f64 - pos;
     (rank_sum_pos - pos * (pos + 1.0) / 2.0) / (pos * neg)
 }
+
+/// Runs the `quiver` binary with `args`; its exit code, stdout and stderr.
+pub fn run_quiver<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> (i32, String, String) {
+    let o = Command::new(BIN).args(args).output().expect("quiver binary runs");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Largest |a[i] − b[i]| of two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
