@@ -29,6 +29,7 @@
 use super::super::fp8;
 use super::super::Backend;
 use super::graph::{DenseMode, GraphExec};
+use super::tiles::KMajor;
 use crate::model::{Layer, Model};
 
 /// `fp8::to_f32` of every code.
@@ -36,19 +37,11 @@ pub(super) fn decode_table() -> [f32; 256] {
     std::array::from_fn(|c| fp8::to_f32(c as u8))
 }
 
-/// Outputs per tile (one zmm of f32) and rows per tile.
-const TILE_N: usize = 16;
-const TILE_R: usize = 4;
-
 /// One layer's FP8 constants.
 pub(super) struct Fp8Layer {
-    k: usize,
-    n: usize,
-    /// `n` rounded up to `TILE_N`.
-    n_pad: usize,
+    /// Decoded weight codes in the tile layout.
+    w: KMajor,
     relu: bool,
-    /// Decoded weight codes, transposed to `[k][n_pad]`, zero padded.
-    w_t: Vec<f32>,
     s_w: f32,
     s_x: f32,
     inv_s_x: f32,
@@ -124,60 +117,29 @@ impl CpuFp8 {
 pub(super) fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
     let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
     let s_w = if max_abs > 0.0 { max_abs / fp8::MAX } else { 1.0 };
-    let n_pad = l.out_dim.next_multiple_of(TILE_N);
-    let mut w_t = vec![0.0; l.in_dim * n_pad];
-    for o in 0..l.out_dim {
-        for k in 0..l.in_dim {
-            w_t[k * n_pad + o] = table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))];
-        }
-    }
-    Fp8Layer { k: l.in_dim, n: l.out_dim, n_pad, relu: l.relu, w_t, s_w, s_x, inv_s_x: 1.0 / s_x, bias: l.bias.clone() }
+    let w = KMajor::new(l.in_dim, l.out_dim, |o, k| {
+        table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))]
+    });
+    Fp8Layer { w, relu: l.relu, s_w, s_x, inv_s_x: 1.0 / s_x, bias: l.bias.clone() }
 }
 
 /// One layer for `rows` rows: `x` (`[rows][k]`) in, `y` (`[rows][n]`) out.
 #[inline(always)]
 pub(super) fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
-    let xd = &mut xd[..rows * l.k];
-    for (d, v) in xd.iter_mut().zip(&x[..rows * l.k]) {
+    let k = l.w.k;
+    let xd = &mut xd[..rows * k];
+    for (d, v) in xd.iter_mut().zip(&x[..rows * k]) {
         *d = table[usize::from(fp8::from_f32(v * l.inv_s_x))];
     }
-    let mut r = 0;
-    while r + TILE_R <= rows {
-        for o0 in (0..l.n).step_by(TILE_N) {
-            tile::<TILE_R>(l, xd, r, o0, y);
-        }
-        r += TILE_R;
-    }
-    for r in r..rows {
-        for o0 in (0..l.n).step_by(TILE_N) {
-            tile::<1>(l, xd, r, o0, y);
-        }
-    }
-}
-
-/// Rows `r0..r0 + R` × outputs `o0..o0 + TILE_N` (those below `n` stored).
-#[inline(always)]
-fn tile<const R: usize>(l: &Fp8Layer, xd: &[f32], r0: usize, o0: usize, y: &mut [f32]) {
-    let xs: [&[f32]; R] = std::array::from_fn(|r| &xd[(r0 + r) * l.k..(r0 + r + 1) * l.k]);
-    let mut acc = [[0.0f32; TILE_N]; R];
-    for (kk, w) in l.w_t.chunks_exact(l.n_pad).enumerate() {
-        let w: &[f32; TILE_N] = w[o0..o0 + TILE_N].try_into().expect("n_pad is a multiple of TILE_N");
-        for (acc_r, x_r) in acc.iter_mut().zip(&xs) {
-            let xk = x_r[kk];
-            for (a, &wv) in acc_r.iter_mut().zip(w) {
-                *a += xk * wv;
-            }
-        }
-    }
     let scale = l.s_w * l.s_x;
-    let lanes = (l.n - o0).min(TILE_N);
-    for (r, acc_r) in acc.iter().enumerate() {
-        let out = &mut y[(r0 + r) * l.n + o0..][..lanes];
-        for ((v, a), b) in out.iter_mut().zip(acc_r).zip(&l.bias[o0..o0 + lanes]) {
-            let o = a * scale + b;
-            *v = if l.relu { o.max(0.0) } else { o };
+    l.w.rows(xd, rows, y, &l.bias, |a, b| {
+        let v = a * scale + b;
+        if l.relu {
+            v.max(0.0)
+        } else {
+            v
         }
-    }
+    });
 }
 
 /// Every layer for `rows` rows of `x`; the logits go to `out`.
@@ -229,7 +191,7 @@ impl Backend for CpuFp8 {
             return exec.run(g, x, model.input_dim(), rows, out);
         }
         assert_eq!(model.layers.len(), self.layers.len(), "the backend was built for another model");
-        assert_eq!(self.layers.last().map(|l| l.n), Some(1), "one logit per row");
+        assert_eq!(self.layers.last().map(|l| l.w.n), Some(1), "one logit per row");
         match self.isa {
             Isa::Baseline => forward(self, x, rows, out),
             #[cfg(target_arch = "x86_64")]

@@ -1,9 +1,8 @@
 //! The CPU executor of graph models (`model::graph`), shared by the f32,
 //! INT8 and FP8 backends: only its dense layers differ between them.
 //!
-//! The f32 dense layers run register tiles of 4 rows × 16 outputs over
-//! weights transposed to `[k][n]` at construction, each output summed in k
-//! order (so every build rounds alike); activations are the vectorisable
+//! The f32 dense layers run the register tiles of `tiles.rs` (each output
+//! summed in k order, so every build rounds alike); activations are the vectorisable
 //! approximations of `activation.rs`. The whole walk is compiled for
 //! AVX-512 F, AVX2 and the baseline, and the widest build this CPU runs is
 //! chosen at construction.
@@ -21,6 +20,7 @@
 use super::activation;
 use super::fp8::{self as cpu_fp8, Fp8Layer, Isa};
 use super::int8_gemm::{Int8Kernel, PackedLayer, Scratch};
+use super::tiles::KMajor;
 use super::{dot_i8, quantize_row};
 use crate::model::graph::{embedding_index, Act, Graph, Op};
 use crate::model::Layer;
@@ -33,30 +33,15 @@ pub enum DenseMode {
     Fp8,
 }
 
-/// A dense layer's f32 weights in the tile layout.
+/// A dense layer's f32 weights in the tile layout, and its bias.
 struct F32Dense {
-    k: usize,
-    n: usize,
-    /// `n` rounded up to `TILE_N`.
-    n_pad: usize,
-    /// `[k][n_pad]`, zero padded.
-    w_t: Vec<f32>,
+    w: KMajor,
     bias: Vec<f32>,
 }
 
-const TILE_N: usize = 16;
-const TILE_R: usize = 4;
-
 impl F32Dense {
     fn new(l: &Layer) -> F32Dense {
-        let n_pad = l.out_dim.next_multiple_of(TILE_N);
-        let mut w_t = vec![0.0; l.in_dim * n_pad];
-        for o in 0..l.out_dim {
-            for k in 0..l.in_dim {
-                w_t[k * n_pad + o] = l.weights_f32[o * l.in_dim + k];
-            }
-        }
-        F32Dense { k: l.in_dim, n: l.out_dim, n_pad, w_t, bias: l.bias.clone() }
+        F32Dense { w: KMajor::new(l.in_dim, l.out_dim, |o, k| l.weights_f32[o * l.in_dim + k]), bias: l.bias.clone() }
     }
 }
 
@@ -368,41 +353,7 @@ fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
 /// `y[r][o] = Σ_k x[r][k] · w[o][k] + bias[o]`, k in order.
 #[inline(always)]
 fn dense_f32(d: &F32Dense, x: &[f32], rows: usize, y: &mut [f32]) {
-    let mut r = 0;
-    while r + TILE_R <= rows {
-        for o0 in (0..d.n).step_by(TILE_N) {
-            tile::<TILE_R>(d, x, r, o0, y);
-        }
-        r += TILE_R;
-    }
-    for r in r..rows {
-        for o0 in (0..d.n).step_by(TILE_N) {
-            tile::<1>(d, x, r, o0, y);
-        }
-    }
-}
-
-/// Rows `r0..r0 + R` × outputs `o0..o0 + TILE_N` (those below `n` stored).
-#[inline(always)]
-fn tile<const R: usize>(d: &F32Dense, x: &[f32], r0: usize, o0: usize, y: &mut [f32]) {
-    let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(r0 + r) * d.k..(r0 + r + 1) * d.k]);
-    let mut acc = [[0.0f32; TILE_N]; R];
-    for (kk, w) in d.w_t.chunks_exact(d.n_pad).enumerate() {
-        let w: &[f32; TILE_N] = w[o0..o0 + TILE_N].try_into().expect("n_pad is a multiple of TILE_N");
-        for (acc_r, x_r) in acc.iter_mut().zip(&xs) {
-            let xk = x_r[kk];
-            for (a, &wv) in acc_r.iter_mut().zip(w) {
-                *a += xk * wv;
-            }
-        }
-    }
-    let lanes = (d.n - o0).min(TILE_N);
-    for (r, acc_r) in acc.iter().enumerate() {
-        let out = &mut y[(r0 + r) * d.n + o0..][..lanes];
-        for ((v, a), b) in out.iter_mut().zip(acc_r).zip(&d.bias[o0..o0 + lanes]) {
-            *v = a + b;
-        }
-    }
+    d.w.rows(x, rows, y, &d.bias, |a, b| a + b);
 }
 
 fn dense_int8_scalar(l: &Layer, x: &[f32], y: &mut [f32], xq: &mut [i8]) {

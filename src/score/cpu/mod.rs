@@ -33,6 +33,7 @@ mod aligned;
 pub mod fp8;
 pub mod graph;
 pub mod int8_gemm;
+mod tiles;
 
 pub use fp8::CpuFp8;
 pub use int8_gemm::Int8Kernel;
