@@ -15,6 +15,7 @@
 //! ([`Graph::simplify`]) are exact in f32 and are what `quiver import`
 //! reports in its summary.
 
+use super::trees::Ensemble;
 use super::{Layer, WIDTH_MAX};
 
 /// Most nodes in one graph.
@@ -133,6 +134,8 @@ pub enum Op {
         table: Vec<f32>,
         default: Vec<f32>,
     },
+    /// A tree ensemble over the input's columns (`model::trees`): one value.
+    Trees(Ensemble),
 }
 
 impl Op {
@@ -151,6 +154,7 @@ impl Op {
             Op::Dot => "Dot",
             Op::Sum => "Sum",
             Op::Embedding { .. } => "Embedding",
+            Op::Trees(_) => "Trees",
         }
     }
 
@@ -160,6 +164,7 @@ impl Op {
             Op::Affine { center, scale, shift } => center.len() + scale.len() + shift.len(),
             Op::LayerNorm { scale, shift, .. } => scale.len() + shift.len(),
             Op::Embedding { table, default, .. } => table.len() + default.len(),
+            Op::Trees(e) => 4 * e.nodes.len() + e.cat_words.len(),
             _ => 0,
         }
     }
@@ -344,6 +349,13 @@ impl Graph {
                         return Err(at(format!("its table is not {rows} x {dim} finite floats with a default row")));
                     }
                 }
+                Op::Trees(e) => {
+                    arity(1)?;
+                    if node.width != 1 {
+                        return Err(at(format!("declares width {}; a tree ensemble is 1 wide", node.width)));
+                    }
+                    e.validate(w(0)).map_err(at)?;
+                }
             }
             params = params.saturating_add(node.op.params());
             row_floats = row_floats.saturating_add(node.width);
@@ -432,6 +444,7 @@ impl Graph {
                     })
                     .copied()
                     .collect(),
+                Op::Trees(e) => vec![e.predict_row(a(0))],
             };
             t.push(y);
         }

@@ -27,12 +27,14 @@ pub mod calibrate;
 pub mod graph;
 pub mod layout;
 pub mod onnx;
+pub mod trees;
 
 use std::path::Path;
 
 use flatbuffers::{FlatBufferBuilder, VerifierOptions, WIPOffset};
 pub use generated::quiver::model as fb;
 pub use graph::{Act, Graph, Node, Op, OutputKind};
+use trees::{Ensemble, Split, TreeNode};
 
 /// Largest model file accepted, and the verifier's size bound.
 pub const MODEL_BYTES_MAX: usize = 1 << 30;
@@ -795,6 +797,10 @@ fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph) -> WIPOffset<fb::Gr
                     args.table = floats(b, table);
                     args.table_default = floats(b, default);
                 }
+                Op::Trees(e) => {
+                    args.op = fb::NodeOp::Trees;
+                    args.trees = Some(ensemble_to_fb(b, e));
+                }
             }
             fb::Node::create(b, &args)
         })
@@ -850,12 +856,100 @@ fn graph_from_fb(g: &fb::Graph<'_>) -> Result<Graph, String> {
                 let default: Vec<f32> = floats(n.table_default());
                 Op::Embedding { dim: default.len(), rows: n.table_rows() as usize, table: floats(n.table()), default }
             }
+            fb::NodeOp::Trees => {
+                let e = n.trees().ok_or_else(|| format!("node {i} (Trees) has no ensemble"))?;
+                Op::Trees(ensemble_from_fb(&e).map_err(|what| format!("node {i} (Trees): {what}"))?)
+            }
             _ => return Err(format!("node {i} has an unknown op")),
         };
         let inputs = n.inputs().map(|v| v.iter().map(|x| x as usize).collect()).unwrap_or_default();
         nodes.push(Node { op, inputs, width });
     }
     Ok(Graph { nodes, output })
+}
+
+const TREE_LEAF: u8 = 1;
+const TREE_CATEGORICAL: u8 = 2;
+const TREE_MISSING_LEFT: u8 = 4;
+const TREE_ZERO_MISSING: u8 = 8;
+
+fn ensemble_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, e: &Ensemble) -> WIPOffset<fb::TreeEnsemble<'b>> {
+    let n = e.nodes.len();
+    let (mut feature, mut threshold, mut flags) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut cat_ranges = Vec::new();
+    for node in &e.nodes {
+        let (f, t, fl) = match node.split {
+            Split::Leaf { value } => (0, value, TREE_LEAF),
+            Split::Numeric { feature, threshold, missing_left, zero_missing } => {
+                let fl =
+                    if missing_left { TREE_MISSING_LEFT } else { 0 } | if zero_missing { TREE_ZERO_MISSING } else { 0 };
+                (feature, threshold, fl)
+            }
+            Split::Categorical { feature, start, len } => {
+                cat_ranges.extend([start, len]);
+                (feature, 0.0, TREE_CATEGORICAL)
+            }
+        };
+        feature.push(f);
+        threshold.push(t);
+        flags.push(fl);
+    }
+    let left: Vec<u32> = e.nodes.iter().map(|n| n.left).collect();
+    let right: Vec<u32> = e.nodes.iter().map(|n| n.right).collect();
+    let args = fb::TreeEnsembleArgs {
+        tree_starts: Some(b.create_vector(&e.starts)),
+        feature: Some(b.create_vector(&feature)),
+        threshold: Some(b.create_vector(&threshold)),
+        left: Some(b.create_vector(&left)),
+        right: Some(b.create_vector(&right)),
+        flags: Some(b.create_vector(&flags)),
+        cat_ranges: Some(b.create_vector(&cat_ranges)),
+        cat_words: Some(b.create_vector(&e.cat_words)),
+        base: e.base,
+    };
+    fb::TreeEnsemble::create(b, &args)
+}
+
+/// Reads an ensemble; `Graph::validate` checks it as a tree afterwards.
+fn ensemble_from_fb(e: &fb::TreeEnsemble<'_>) -> Result<Ensemble, String> {
+    let u32s = |v: Option<flatbuffers::Vector<'_, u32>>| v.map(|v| v.iter().collect::<Vec<u32>>()).unwrap_or_default();
+    let starts = u32s(e.tree_starts());
+    let feature = u32s(e.feature());
+    let left = u32s(e.left());
+    let right = u32s(e.right());
+    let threshold: Vec<f32> = e.threshold().map(|v| v.iter().collect()).unwrap_or_default();
+    let flags: Vec<u8> = e.flags().map(|v| v.iter().collect()).unwrap_or_default();
+    let cat_ranges = u32s(e.cat_ranges());
+    let n = feature.len();
+    if [threshold.len(), left.len(), right.len(), flags.len()].iter().any(|l| *l != n) {
+        return Err("its per-node arrays differ in length".into());
+    }
+    if n > trees::ENSEMBLE_NODES_MAX {
+        return Err(format!("{n} nodes; the limit is {}", trees::ENSEMBLE_NODES_MAX));
+    }
+    let mut nodes = Vec::with_capacity(n);
+    let mut cats = cat_ranges.chunks_exact(2);
+    for i in 0..n {
+        let fl = flags[i];
+        let split = if fl & TREE_LEAF != 0 {
+            Split::Leaf { value: threshold[i] }
+        } else if fl & TREE_CATEGORICAL != 0 {
+            let r = cats.next().ok_or("a categorical split has no bitset range")?;
+            Split::Categorical { feature: feature[i], start: r[0], len: r[1] }
+        } else {
+            Split::Numeric {
+                feature: feature[i],
+                threshold: threshold[i],
+                missing_left: fl & TREE_MISSING_LEFT != 0,
+                zero_missing: fl & TREE_ZERO_MISSING != 0,
+            }
+        };
+        nodes.push(TreeNode { split, left: left[i], right: right[i] });
+    }
+    if cats.next().is_some() || cat_ranges.len() % 2 != 0 {
+        return Err("more bitset ranges than categorical splits".into());
+    }
+    Ok(Ensemble { starts, nodes, cat_words: u32s(e.cat_words()), base: e.base() })
 }
 
 /// The logistic function applied on the host to the output logit.

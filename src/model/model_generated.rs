@@ -305,10 +305,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for ActivationScales {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_NODE_OP: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_NODE_OP: u8 = 12;
+pub const ENUM_MAX_NODE_OP: u8 = 13;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_NODE_OP: [NodeOp; 13] = [
+pub const ENUM_VALUES_NODE_OP: [NodeOp; 14] = [
   NodeOp::Input,
   NodeOp::Dense,
   NodeOp::Activation,
@@ -322,6 +322,7 @@ pub const ENUM_VALUES_NODE_OP: [NodeOp; 13] = [
   NodeOp::Sum,
   NodeOp::Embedding,
   NodeOp::Div,
+  NodeOp::Trees,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -342,9 +343,10 @@ impl NodeOp {
   pub const Sum: Self = Self(10);
   pub const Embedding: Self = Self(11);
   pub const Div: Self = Self(12);
+  pub const Trees: Self = Self(13);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 12;
+  pub const ENUM_MAX: u8 = 13;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::Input,
     Self::Dense,
@@ -359,6 +361,7 @@ impl NodeOp {
     Self::Sum,
     Self::Embedding,
     Self::Div,
+    Self::Trees,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -376,6 +379,7 @@ impl NodeOp {
       Self::Sum => Some("Sum"),
       Self::Embedding => Some("Embedding"),
       Self::Div => Some("Div"),
+      Self::Trees => Some("Trees"),
       _ => None,
     }
   }
@@ -1234,6 +1238,7 @@ impl<'a> Node<'a> {
   pub const VT_TABLE_ROWS: ::flatbuffers::VOffsetT = 26;
   pub const VT_TABLE: ::flatbuffers::VOffsetT = 28;
   pub const VT_TABLE_DEFAULT: ::flatbuffers::VOffsetT = 30;
+  pub const VT_TREES: ::flatbuffers::VOffsetT = 32;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1245,6 +1250,7 @@ impl<'a> Node<'a> {
     args: &'args NodeArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Node<'bldr>> {
     let mut builder = NodeBuilder::new(_fbb);
+    if let Some(x) = args.trees { builder.add_trees(x); }
     if let Some(x) = args.table_default { builder.add_table_default(x); }
     if let Some(x) = args.table { builder.add_table(x); }
     builder.add_table_rows(args.table_rows);
@@ -1361,6 +1367,13 @@ impl<'a> Node<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(Node::VT_TABLE_DEFAULT, None)}
   }
+  #[inline]
+  pub fn trees(&self) -> Option<TreeEnsemble<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<TreeEnsemble>>(Node::VT_TREES, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Node<'_> {
@@ -1383,6 +1396,7 @@ impl ::flatbuffers::Verifiable for Node<'_> {
      .visit_field::<u32>("table_rows", Self::VT_TABLE_ROWS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("table", Self::VT_TABLE, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("table_default", Self::VT_TABLE_DEFAULT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<TreeEnsemble>>("trees", Self::VT_TREES, false)?
      .finish();
     Ok(())
   }
@@ -1402,6 +1416,7 @@ pub struct NodeArgs<'a> {
     pub table_rows: u32,
     pub table: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub table_default: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub trees: Option<::flatbuffers::WIPOffset<TreeEnsemble<'a>>>,
 }
 impl<'a> Default for NodeArgs<'a> {
   #[inline]
@@ -1421,6 +1436,7 @@ impl<'a> Default for NodeArgs<'a> {
       table_rows: 0,
       table: None,
       table_default: None,
+      trees: None,
     }
   }
 }
@@ -1487,6 +1503,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> NodeBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Node::VT_TABLE_DEFAULT, table_default);
   }
   #[inline]
+  pub fn add_trees(&mut self, trees: ::flatbuffers::WIPOffset<TreeEnsemble<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<TreeEnsemble>>(Node::VT_TREES, trees);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> NodeBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     NodeBuilder {
@@ -1518,6 +1538,239 @@ impl ::core::fmt::Debug for Node<'_> {
       ds.field("table_rows", &self.table_rows());
       ds.field("table", &self.table());
       ds.field("table_default", &self.table_default());
+      ds.field("trees", &self.trees());
+      ds.finish()
+  }
+}
+pub enum TreeEnsembleOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct TreeEnsemble<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for TreeEnsemble<'a> {
+  type Inner = TreeEnsemble<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> TreeEnsemble<'a> {
+  pub const VT_TREE_STARTS: ::flatbuffers::VOffsetT = 4;
+  pub const VT_FEATURE: ::flatbuffers::VOffsetT = 6;
+  pub const VT_THRESHOLD: ::flatbuffers::VOffsetT = 8;
+  pub const VT_LEFT: ::flatbuffers::VOffsetT = 10;
+  pub const VT_RIGHT: ::flatbuffers::VOffsetT = 12;
+  pub const VT_FLAGS: ::flatbuffers::VOffsetT = 14;
+  pub const VT_CAT_RANGES: ::flatbuffers::VOffsetT = 16;
+  pub const VT_CAT_WORDS: ::flatbuffers::VOffsetT = 18;
+  pub const VT_BASE: ::flatbuffers::VOffsetT = 20;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    TreeEnsemble { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args TreeEnsembleArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<TreeEnsemble<'bldr>> {
+    let mut builder = TreeEnsembleBuilder::new(_fbb);
+    builder.add_base(args.base);
+    if let Some(x) = args.cat_words { builder.add_cat_words(x); }
+    if let Some(x) = args.cat_ranges { builder.add_cat_ranges(x); }
+    if let Some(x) = args.flags { builder.add_flags(x); }
+    if let Some(x) = args.right { builder.add_right(x); }
+    if let Some(x) = args.left { builder.add_left(x); }
+    if let Some(x) = args.threshold { builder.add_threshold(x); }
+    if let Some(x) = args.feature { builder.add_feature(x); }
+    if let Some(x) = args.tree_starts { builder.add_tree_starts(x); }
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn tree_starts(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(TreeEnsemble::VT_TREE_STARTS, None)}
+  }
+  #[inline]
+  pub fn feature(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(TreeEnsemble::VT_FEATURE, None)}
+  }
+  #[inline]
+  pub fn threshold(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(TreeEnsemble::VT_THRESHOLD, None)}
+  }
+  #[inline]
+  pub fn left(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(TreeEnsemble::VT_LEFT, None)}
+  }
+  #[inline]
+  pub fn right(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(TreeEnsemble::VT_RIGHT, None)}
+  }
+  #[inline]
+  pub fn flags(&self) -> Option<::flatbuffers::Vector<'a, u8>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u8>>>(TreeEnsemble::VT_FLAGS, None)}
+  }
+  #[inline]
+  pub fn cat_ranges(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(TreeEnsemble::VT_CAT_RANGES, None)}
+  }
+  #[inline]
+  pub fn cat_words(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(TreeEnsemble::VT_CAT_WORDS, None)}
+  }
+  #[inline]
+  pub fn base(&self) -> f32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f32>(TreeEnsemble::VT_BASE, Some(0.0)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for TreeEnsemble<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("tree_starts", Self::VT_TREE_STARTS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("feature", Self::VT_FEATURE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("threshold", Self::VT_THRESHOLD, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("left", Self::VT_LEFT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("right", Self::VT_RIGHT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u8>>>("flags", Self::VT_FLAGS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("cat_ranges", Self::VT_CAT_RANGES, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("cat_words", Self::VT_CAT_WORDS, false)?
+     .visit_field::<f32>("base", Self::VT_BASE, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct TreeEnsembleArgs<'a> {
+    pub tree_starts: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub feature: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub threshold: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub left: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub right: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub flags: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u8>>>,
+    pub cat_ranges: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub cat_words: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub base: f32,
+}
+impl<'a> Default for TreeEnsembleArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    TreeEnsembleArgs {
+      tree_starts: None,
+      feature: None,
+      threshold: None,
+      left: None,
+      right: None,
+      flags: None,
+      cat_ranges: None,
+      cat_words: None,
+      base: 0.0,
+    }
+  }
+}
+
+pub struct TreeEnsembleBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> TreeEnsembleBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_tree_starts(&mut self, tree_starts: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_TREE_STARTS, tree_starts);
+  }
+  #[inline]
+  pub fn add_feature(&mut self, feature: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_FEATURE, feature);
+  }
+  #[inline]
+  pub fn add_threshold(&mut self, threshold: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_THRESHOLD, threshold);
+  }
+  #[inline]
+  pub fn add_left(&mut self, left: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_LEFT, left);
+  }
+  #[inline]
+  pub fn add_right(&mut self, right: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_RIGHT, right);
+  }
+  #[inline]
+  pub fn add_flags(&mut self, flags: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u8>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_FLAGS, flags);
+  }
+  #[inline]
+  pub fn add_cat_ranges(&mut self, cat_ranges: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_CAT_RANGES, cat_ranges);
+  }
+  #[inline]
+  pub fn add_cat_words(&mut self, cat_words: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_CAT_WORDS, cat_words);
+  }
+  #[inline]
+  pub fn add_base(&mut self, base: f32) {
+    self.fbb_.push_slot::<f32>(TreeEnsemble::VT_BASE, base, 0.0);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> TreeEnsembleBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    TreeEnsembleBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<TreeEnsemble<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for TreeEnsemble<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("TreeEnsemble");
+      ds.field("tree_starts", &self.tree_starts());
+      ds.field("feature", &self.feature());
+      ds.field("threshold", &self.threshold());
+      ds.field("left", &self.left());
+      ds.field("right", &self.right());
+      ds.field("flags", &self.flags());
+      ds.field("cat_ranges", &self.cat_ranges());
+      ds.field("cat_words", &self.cat_words());
+      ds.field("base", &self.base());
       ds.finish()
   }
 }

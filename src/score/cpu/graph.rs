@@ -21,6 +21,7 @@ use super::activation;
 use super::fp8::{self as cpu_fp8, Fp8Layer, Isa};
 use super::int8_gemm::{Int8Kernel, PackedLayer, Scratch};
 use super::tiles::KMajor;
+use super::trees::CompiledTrees;
 use super::{dot_i8, quantize_row};
 use crate::model::graph::{embedding_index, Act, Graph, Op};
 use crate::model::Layer;
@@ -65,6 +66,7 @@ pub struct GraphExec {
     shared: Vec<bool>,
     buf: Vec<f32>,
     dense: Vec<Option<Dense>>,
+    trees: Vec<Option<CompiledTrees>>,
     scratch: Scratch,
     xq: Vec<i8>,
     fp8_table: [f32; 256],
@@ -108,6 +110,14 @@ impl GraphExec {
                 _ => None,
             })
             .collect();
+        let trees = graph
+            .nodes
+            .iter()
+            .map(|n| match &n.op {
+                Op::Trees(e) => Some(CompiledTrees::new(e)),
+                _ => None,
+            })
+            .collect();
         let width_max = graph.width_max();
         let kernel = match mode {
             DenseMode::Int8(k) => k,
@@ -123,6 +133,7 @@ impl GraphExec {
             shared,
             buf: vec![0.0; total],
             dense,
+            trees,
             scratch: Scratch::new(kernel, width_max, rows_max),
             xq: vec![0; width_max],
             fp8_table,
@@ -270,6 +281,11 @@ impl GraphExec {
                     for (o, ar) in y.iter_mut().zip(input(0).chunks_exact(wa)) {
                         *o = lanes_sum(ar, |v| v);
                     }
+                }
+                Op::Trees(_) => {
+                    let wa = widths[node.inputs[0]];
+                    let t = self.trees[i].as_ref().expect("built for every Trees node");
+                    t.eval(input(0), wa, n, y);
                 }
                 Op::Embedding { dim, rows: table_rows, table, default } => {
                     let wa = widths[node.inputs[0]];

@@ -34,6 +34,7 @@ pub mod fp8;
 pub mod graph;
 pub mod int8_gemm;
 mod tiles;
+pub mod trees;
 
 pub use fp8::CpuFp8;
 pub use int8_gemm::Int8Kernel;
