@@ -40,6 +40,8 @@ pub enum Error {
     #[error(transparent)]
     Onnx(#[from] model::onnx::OnnxError),
     #[error(transparent)]
+    Gbdt(#[from] model::gbdt::GbdtError),
+    #[error(transparent)]
     Calibration(#[from] model::calibrate::CalibrationError),
     #[error(transparent)]
     Layout(#[from] model::layout::LayoutError),

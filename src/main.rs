@@ -59,6 +59,11 @@ enum Command {
         /// the server scores inline.
         #[arg(long)]
         one_request: bool,
+        /// Rows to score instead of seeded normals: a float32 .npy
+        /// [rows, >= input width] whose first columns are the input vector
+        /// (cycled when shorter than the largest batch).
+        #[arg(long)]
+        data: Option<PathBuf>,
     },
     /// Feature replica files.
     #[command(subcommand)]
@@ -231,10 +236,17 @@ struct BenchArgs {
 }
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["onnx", "lightgbm", "xgboost"])))]
 struct ImportArgs {
-    /// The ONNX file (MLPs and graph models; README, "Importing models").
+    /// An ONNX file (MLPs, graph models, tree ensembles; README, "Importing models").
     #[arg(long)]
-    onnx: PathBuf,
+    onnx: Option<PathBuf>,
+    /// A LightGBM text model (`Booster.save_model`).
+    #[arg(long)]
+    lightgbm: Option<PathBuf>,
+    /// An XGBoost JSON model (`save_model("m.json")`).
+    #[arg(long)]
+    xgboost: Option<PathBuf>,
     /// The model file to write.
     #[arg(long)]
     out: PathBuf,
@@ -244,18 +256,21 @@ struct ImportArgs {
     #[arg(long)]
     version: u32,
     /// Input layout: `user:32,item:32,context:16` takes the graph inputs in
-    /// order (a single graph input is split into consecutive segments);
-    /// `user=u:32,item=i:32,context=c:16` names the graph input of each.
+    /// order (a single graph input, or a tree model's features, is split
+    /// into consecutive segments); `user=u:32,item=i:32,context=c:16` names
+    /// the graph input of each.
     #[arg(long)]
     inputs: quiver::model::onnx::InputMapping,
     /// The tensor holding the logit or the positive-class probability, when
     /// the graph has several outputs (e.g. label and probabilities).
-    #[arg(long)]
+    #[arg(long, requires = "onnx")]
     output: Option<String>,
     /// What the output is: `logit` (scores are its sigmoid; a final Sigmoid
-    /// in the graph is dropped) or `raw` (a regression value, returned as is).
-    #[arg(long, value_enum, default_value = "logit")]
-    output_kind: OutputKindArg,
+    /// in the graph is dropped) or `raw` (a regression value, or a tree
+    /// model's margin, returned as is). Default: logit for ONNX; what the
+    /// objective says for LightGBM and XGBoost.
+    #[arg(long, value_enum)]
+    output_kind: Option<OutputKindArg>,
     /// Calibration set: a .npy file of float32 rows [rows, input width] in
     /// the model's input order. Sets static activation ranges and stores the
     /// set's score histogram; without it the INT8 backend quantizes
@@ -410,8 +425,8 @@ fn main() -> ExitCode {
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
         Command::Import(args) => import(args),
-        Command::TimeModel { model, backend, rows, iters, one_request } => {
-            time_model(&model, backend, &rows, iters, one_request)
+        Command::TimeModel { model, backend, rows, iters, one_request, data } => {
+            time_model(&model, backend, &rows, iters, one_request, data.as_deref())
         }
         Command::Replica(cmd) => replica(cmd),
         Command::Features(cmd) => features(cmd),
@@ -936,18 +951,33 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
 }
 
 fn import(args: ImportArgs) -> Result<ExitCode, Error> {
-    let opts = quiver::model::onnx::ImportOptions {
-        name: args.name,
-        version: args.version,
-        inputs: args.inputs,
-        output: args.output,
-        output_kind: match args.output_kind {
-            OutputKindArg::Logit => quiver::model::OutputKind::Logit,
-            OutputKindArg::Raw => quiver::model::OutputKind::Raw,
-        },
-        base_dir: None,
+    let output_kind = args.output_kind.map(|k| match k {
+        OutputKindArg::Logit => quiver::model::OutputKind::Logit,
+        OutputKindArg::Raw => quiver::model::OutputKind::Raw,
+    });
+    let mut imported = if let Some(onnx) = &args.onnx {
+        let opts = quiver::model::onnx::ImportOptions {
+            name: args.name,
+            version: args.version,
+            inputs: args.inputs,
+            output: args.output,
+            output_kind: output_kind.unwrap_or(quiver::model::OutputKind::Logit),
+            base_dir: None,
+        };
+        quiver::model::onnx::import_file(onnx, &opts)?
+    } else {
+        let opts = quiver::model::gbdt::GbdtOptions {
+            name: args.name,
+            version: args.version,
+            inputs: args.inputs,
+            output_kind,
+        };
+        match (&args.lightgbm, &args.xgboost) {
+            (Some(path), _) => quiver::model::gbdt::import_lightgbm_file(path, &opts)?,
+            (_, Some(path)) => quiver::model::gbdt::import_xgboost_file(path, &opts)?,
+            _ => unreachable!("clap requires one source"),
+        }
     };
-    let mut imported = quiver::model::onnx::import_file(&args.onnx, &opts)?;
     let calibration_report = match &args.calibration {
         Some(path) => Some(calibrate_import(&mut imported.model, path, args.calibration_method, args.precision)?),
         None => None,
@@ -1038,13 +1068,24 @@ fn time_model(
     rows: &[usize],
     iters: usize,
     one_request: bool,
+    data: Option<&std::path::Path>,
 ) -> Result<ExitCode, Error> {
     let model = Model::load(path)?;
     let rows_max = rows.iter().copied().max().unwrap_or(1);
     let mut backend = quiver::score::build(kind, &model, rows_max);
     let mut rng = quiver::demo::SplitMix64::new(7);
     let dim = model.input_dim();
-    let mut x: Vec<f32> = (0..rows_max * dim).map(|_| rng.normal()).collect();
+    let mut x: Vec<f32> = match data {
+        None => (0..rows_max * dim).map(|_| rng.normal()).collect(),
+        Some(p) => {
+            let t = quiver::model::calibrate::read_npy(p).map_err(|e| Error::Setup(format!("{}: {e}", p.display())))?;
+            if t.cols < dim || t.data.is_empty() {
+                return Err(Error::Setup(format!("{}: {} columns; the model reads {dim}", p.display(), t.cols)));
+            }
+            let rows_in = t.data.len() / t.cols;
+            (0..rows_max).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
+        }
+    };
     if one_request {
         let shared = model.request_columns();
         for r in 1..rows_max {

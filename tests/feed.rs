@@ -86,7 +86,7 @@ fn publisher_follows_the_contract() {
 fn bad_values_are_refused_and_write_nothing() {
     let server = RedisServer::start();
     let mut p = Publisher::new(server.conn()).unwrap();
-    let err = p.put("user", 1, &[1.0, f32::NAN]).unwrap_err();
+    let err = p.put("user", 1, &[1.0, f32::NEG_INFINITY]).unwrap_err();
     assert!(matches!(err, PublishError::Contract(ContractError::NonFinite { index: 1, .. })), "{err}");
     assert!(matches!(p.put("user", 1, &[]), Err(PublishError::Contract(ContractError::Dim { found: 0 }))));
     let too_long = vec![0.0; contract::DIM_MAX + 1];
@@ -94,7 +94,7 @@ fn bad_values_are_refused_and_write_nothing() {
     assert!(matches!(p.put("us:er", 1, &[1.0]), Err(PublishError::Contract(ContractError::Group { .. }))));
     let rows = vec![(1, vec![1.0]), (2, vec![f32::INFINITY])];
     let err = p.put_many("user", &rows, |_, _| {}).unwrap_err();
-    assert!(err.to_string().starts_with("entity 2: value 0 is not finite"), "{err}");
+    assert!(err.to_string().starts_with("entity 2: value 0 is infinite"), "{err}");
     assert_eq!(p.conn().command(&[b"DBSIZE"]).unwrap(), Reply::Int(0));
 }
 
@@ -223,7 +223,7 @@ fn cli_errors_are_one_clear_line() {
         (&["--redis", "http://127.0.0.1:1", "--group", "user", "--id", "1", "--values", "1"], "Redis URL"),
         (&["--redis", "redis://127.0.0.1:1", "--group", "user", "--id", "1", "--values", "1"], "redis 127.0.0.1:1"),
         (&["--redis", &server.url(), "--group", "us:er", "--id", "1", "--values", "1"], "feature group 'us:er'"),
-        (&["--redis", &server.url(), "--group", "user", "--id", "1", "--values", "1,inf"], "not finite"),
+        (&["--redis", &server.url(), "--group", "user", "--id", "1", "--values", "1,inf"], "infinite"),
     ];
     for (args, expected) in cases {
         let mut full = vec!["features", "put"];

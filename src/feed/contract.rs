@@ -36,7 +36,7 @@ pub const PUT_BATCH_ROWS: usize = 1000;
 pub enum ContractError {
     #[error("vector of {found_bytes} bytes, expected {dim} f32 values ({} bytes)", dim * 4)]
     WrongLength { found_bytes: usize, dim: usize },
-    #[error("value {index} is not finite ({value})")]
+    #[error("value {index} is infinite ({value}); NaN marks a missing value")]
     NonFinite { index: usize, value: f32 },
     #[error("vector of {found} values; expected 1 to {DIM_MAX}")]
     Dim { found: usize },
@@ -121,12 +121,13 @@ pub fn decode_vector(bytes: &[u8], dim: usize) -> Result<Vec<f32>, ContractError
     Ok(values)
 }
 
-/// The publish-side rule for vectors: 1 to [`DIM_MAX`] values, all finite.
+/// The publish-side rule for vectors: 1 to [`DIM_MAX`] values, none
+/// infinite (NaN is a missing value).
 pub fn check_values(values: &[f32]) -> Result<(), ContractError> {
     if values.is_empty() || values.len() > DIM_MAX {
         return Err(ContractError::Dim { found: values.len() });
     }
-    match values.iter().position(|v| !v.is_finite()) {
+    match values.iter().position(|v| v.is_infinite()) {
         Some(index) => Err(ContractError::NonFinite { index, value: values[index] }),
         None => Ok(()),
     }
@@ -313,8 +314,10 @@ mod tests {
         assert_eq!(decode_vector(&bytes, 4).unwrap(), v);
         assert!(matches!(decode_vector(&bytes, 3), Err(ContractError::WrongLength { found_bytes: 16, dim: 3 })));
         assert!(matches!(decode_vector(&bytes[..15], 4), Err(ContractError::WrongLength { .. })));
-        let nan = encode_vector(&[1.0, f32::NAN]);
-        assert!(matches!(decode_vector(&nan, 2), Err(ContractError::NonFinite { index: 1, .. })));
+        let inf = encode_vector(&[1.0, f32::INFINITY]);
+        assert!(matches!(decode_vector(&inf, 2), Err(ContractError::NonFinite { index: 1, .. })));
+        let nan = decode_vector(&encode_vector(&[1.0, f32::NAN]), 2).unwrap();
+        assert!(nan[1].is_nan(), "NaN is a missing value and passes");
         assert!(matches!(check_values(&[]), Err(ContractError::Dim { found: 0 })));
         assert!(matches!(check_values(&vec![0.0; DIM_MAX + 1]), Err(ContractError::Dim { .. })));
         assert!(check_values(&vec![0.0; DIM_MAX]).is_ok());

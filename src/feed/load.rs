@@ -170,7 +170,9 @@ mod tests {
         assert!(parse_line("7\n").unwrap_err().contains("0 values"));
         assert!(parse_line("x,1\n").unwrap_err().contains("not an unsigned 64-bit id"));
         assert!(parse_line("1,abc\n").unwrap_err().contains("'abc' is not a number"));
-        assert!(parse_line("1,inf\n").unwrap_err().contains("not finite"));
+        assert!(parse_line("1,inf\n").unwrap_err().contains("infinite"));
+        // NaN marks a missing feature.
+        assert!(matches!(parse_line("1,nan,2\n").unwrap(), Some(Line::Row(1, v)) if v[0].is_nan() && v[1] == 2.0));
         assert!(parse_line(" , ,\n").unwrap_err().contains("only separators"));
     }
 

@@ -400,7 +400,11 @@ impl Graph {
         for node in &self.nodes {
             let a = |k: usize| &t[node.inputs[k]];
             let y: Vec<f32> = match &node.op {
-                Op::Input { offset } => x[*offset..offset + node.width].to_vec(),
+                // A NaN (missing) input reads as 0, except in a tree
+                // ensemble that reads the input itself.
+                Op::Input { offset } => {
+                    x[*offset..offset + node.width].iter().map(|v| if v.is_nan() { 0.0 } else { *v }).collect()
+                }
                 Op::Dense { layer, act } => (0..layer.out_dim)
                     .map(|o| {
                         let w = &layer.weights_f32[o * layer.in_dim..(o + 1) * layer.in_dim];
@@ -444,7 +448,10 @@ impl Graph {
                     })
                     .copied()
                     .collect(),
-                Op::Trees(e) => vec![e.predict_row(a(0))],
+                Op::Trees(e) => match self.nodes[node.inputs[0]].op {
+                    Op::Input { offset } => vec![e.predict_row(&x[offset..offset + self.nodes[node.inputs[0]].width])],
+                    _ => vec![e.predict_row(a(0))],
+                },
             };
             t.push(y);
         }

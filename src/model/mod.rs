@@ -24,6 +24,7 @@ mod generated {
 #[path = "model_generated.rs"]
 mod generated;
 pub mod calibrate;
+pub mod gbdt;
 pub mod graph;
 pub mod layout;
 pub mod onnx;

@@ -28,12 +28,15 @@ use protobuf::Enum as _;
 use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
 use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_BYTES_MAX};
 
+mod tree_ensemble;
+
 /// The ops the importer understands, for error messages.
 pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Pow (2, 0.5), Relu, LeakyRelu, Tanh, Sigmoid, \
      Erf, Gelu, Sqrt, BatchNormalization, LayerNormalization, Softmax (two classes), ReduceSum and ReduceMean \
      (feature axis), Concat, \
      Slice (of a graph input), Gather (embeddings), Identity, Dropout, Cast, Flatten, Reshape, Constant; \
-     ai.onnx.ml Scaler, LinearClassifier, LinearRegressor, Normalizer (L1), ZipMap";
+     ai.onnx.ml Scaler, LinearClassifier, LinearRegressor, Normalizer (L1), ZipMap, TreeEnsembleClassifier \
+     (binary), TreeEnsembleRegressor";
 
 /// ONNX `TensorProto.DataType` codes this module reads.
 const DT_FLOAT: i32 = 1;
@@ -204,6 +207,7 @@ impl Imported {
                     Op::Dense { layer, act } => format!("Dense {} -> {}, {}", layer.in_dim, layer.out_dim, act.name()),
                     Op::Act(a) => a.name(),
                     Op::Embedding { rows, dim, .. } => format!("Embedding {rows} x {dim}"),
+                    Op::Trees(e) => format!("Trees: {}", e.describe()),
                     op => op.name().to_string(),
                 };
                 let reads = if reads.is_empty() { String::new() } else { format!(" of {}", reads.join(", ")) };
@@ -1033,6 +1037,14 @@ fn binary(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
             let c = const_vec(node, c, w)?;
             let zero = vec![0.0; w];
             let one = vec![1.0; w];
+            // Exporters scale a classifier's probabilities by 1 (onnxmltools'
+            // LightGBM converter): the identity keeps the tensor's shape
+            // visible to the output selection.
+            let identity = if matches!(op, "Mul" | "Div") { c == one } else { c == zero };
+            if identity {
+                b.notes.push(format!("removed {op} '{}' by an identity constant", node_name(node)));
+                return Ok(x);
+            }
             Ok(match op {
                 "Add" => affine(b, &x, zero, one, c),
                 "Sub" => affine(b, &x, c, one, zero),
@@ -1175,6 +1187,17 @@ fn apply_ml<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxErro
             // Output 0 is the label, output 1 the scores.
             if let Some(scores) = node.output.get(1) {
                 b.vals.insert(scores.clone(), out);
+            }
+            Ok(())
+        }
+        "TreeEnsembleClassifier" | "TreeEnsembleRegressor" => {
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let k = expect_flat(node, &x)?;
+            let out = tree_ensemble::apply(b, node, x, k)?;
+            // A classifier's outputs are the label and the probabilities.
+            let at = if node.op_type == "TreeEnsembleClassifier" { 1 } else { 0 };
+            if let Some(name) = node.output.get(at) {
+                b.vals.insert(name.clone(), out);
             }
             Ok(())
         }

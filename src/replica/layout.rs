@@ -90,7 +90,14 @@ impl Storage {
                 out.fill(0);
                 out[0] = scale.to_bits();
                 for (i, x) in v.iter().enumerate() {
-                    let q = if scale > 0.0 { (x / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 };
+                    // -128 is never a quantized value: it stores a NaN.
+                    let q = if x.is_nan() {
+                        i8::MIN
+                    } else if scale > 0.0 {
+                        (x / scale).round().clamp(-127.0, 127.0) as i8
+                    } else {
+                        0
+                    };
                     out[1 + i / 4] |= u32::from(q as u8) << ((i % 4) * 8);
                 }
             }
@@ -113,7 +120,8 @@ impl Storage {
             Storage::Int8 => {
                 let i = (word - 1) * 4;
                 for (j, o) in out.iter_mut().skip(i).take(4).enumerate() {
-                    *o = f32::from(((w >> (j * 8)) as u8) as i8) * scale;
+                    let q = ((w >> (j * 8)) as u8) as i8;
+                    *o = if q == i8::MIN { f32::NAN } else { f32::from(q) * scale };
                 }
             }
         }

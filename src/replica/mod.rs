@@ -211,8 +211,10 @@ pub fn parse_text_line(text: &str) -> Result<Option<TextLine>, String> {
     let mut values = Vec::new();
     for f in parts {
         let x: f32 = f.parse().map_err(|_| format!("'{f}' is not a number"))?;
-        if !x.is_finite() {
-            return Err(format!("'{f}' is not finite"));
+        // NaN is a missing value (tree models follow their default
+        // direction); an infinity is an error.
+        if x.is_infinite() {
+            return Err(format!("'{f}' is infinite; write nan for a missing value"));
         }
         values.push(x);
     }

@@ -253,6 +253,9 @@ fn storage_types_round_trip_within_their_documented_error() {
         let mut b = ReplicaBuilder::new("item", dim as u32).storage(storage);
         b.push(1, &v).unwrap();
         b.push(2, &vec![0.0; dim]).unwrap();
+        let mut missing = vec![1.0; dim];
+        (missing[0], missing[1], missing[2]) = (f32::NAN, 2.0, f32::NAN);
+        b.push(3, &missing).unwrap();
         b.write(&path).unwrap();
         let r = Replica::open(&path, "item").unwrap();
         assert_eq!(r.storage(), storage);
@@ -268,6 +271,10 @@ fn storage_types_round_trip_within_their_documented_error() {
         }
         assert!(r.read_into(2, &mut out));
         assert!(out.iter().all(|&x| x == 0.0));
+        // A missing feature (NaN) stays missing in every storage.
+        assert!(r.read_into(3, &mut out));
+        assert!(out[0].is_nan() && out[2].is_nan(), "{storage:?}");
+        assert!((out[1] - 2.0).abs() <= 2.0 / 127.0, "{storage:?}: {}", out[1]);
     }
     let bytes = |s: Storage| Layout::new(64, s, 2, 1).unwrap().row_stride;
     assert_eq!((bytes(Storage::F32), bytes(Storage::F16), bytes(Storage::Int8)), (272, 144, 96));

@@ -434,3 +434,56 @@ fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
     assert_eq!(path.served.len(), 1);
     let _ = std::fs::remove_dir_all(&models);
 }
+
+/// A tree model over `shared`'s layout: item value (column 0) <= 1 scores
+/// logit -1, else 1, plus 0.5.
+fn tree_model() -> Model {
+    use crate::model::graph::{Graph, Node, Op, OutputKind};
+    use crate::model::trees::{Ensemble, Split, TreeNode};
+    let mut e = Ensemble { base: 0.5, ..Ensemble::default() };
+    let split = Split::Numeric { feature: 0, threshold: 1.0, missing_left: true, zero_missing: false };
+    e.push_tree(&[TreeNode { split, left: 1, right: 2 }, TreeNode::leaf(-1.0), TreeNode::leaf(1.0)]);
+    let base = shared(&dir("tree-base")).registry.snapshot().models[0].clone();
+    Model {
+        name: "trees".into(),
+        layers: Vec::new(),
+        graph: Some(Graph {
+            nodes: vec![
+                Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 4 },
+                Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
+            ],
+            output: OutputKind::Logit,
+        }),
+        ..(*base).clone()
+    }
+}
+
+#[test]
+fn trees_and_mlps_serve_as_each_others_fallback() {
+    let mlp_scores = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
+    let tree_scores = [1.5, -0.5, -0.5].map(sigmoid);
+    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    for trees_primary in [true, false] {
+        let mut sh = shared(&dir("tree-ladder"));
+        let mlp = sh.registry.snapshot().models[0].clone();
+        let trees = Arc::new(tree_model());
+        let (primary, fallback) = if trees_primary { (trees, mlp) } else { (mlp, trees) };
+        sh.registry = Arc::new(Registry::from_models(vec![(*primary).clone()], fit, BackendKind::F32, 4).unwrap());
+        sh.fallback = Some(fallback);
+        // The cache would answer the second request before the fallback.
+        sh.cache.entries_max = 0;
+        let clock = ManualClock::new(0);
+        let mut path = RequestPath::new(sh, &clock).unwrap();
+        let mut s = spec();
+        s.model = primary.name.clone();
+        let r = run(&mut path, &s, 0);
+        assert_eq!((r.status, r.tier), (Status::Ok, Tier::Primary));
+        assert_eq!(r.scores, if trees_primary { tree_scores } else { mlp_scores });
+        // A primary too slow for the budget steps down to the other kind.
+        path.served[0].kernel_cost.ns_per_row = 1e9;
+        path.fallback.as_mut().unwrap().kernel_cost.ns_per_row = 0.0;
+        let r = run(&mut path, &s, 0);
+        assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Fallback, Reason::Budget), "{trees_primary}");
+        assert_eq!(r.scores, if trees_primary { mlp_scores } else { tree_scores });
+    }
+}

@@ -199,8 +199,12 @@ impl GraphExec {
             };
             match &node.op {
                 Op::Input { offset } => {
+                    // A NaN (a missing feature) reads as 0 here; tree
+                    // ensembles read the input itself (below).
                     for (yr, xr) in y.chunks_exact_mut(w).zip(x.chunks_exact(input_dim)) {
-                        yr.copy_from_slice(&xr[*offset..offset + w]);
+                        for (o, v) in yr.iter_mut().zip(&xr[*offset..offset + w]) {
+                            *o = if v.is_nan() { 0.0 } else { *v };
+                        }
                     }
                 }
                 Op::Dense { layer, act } => {
@@ -283,9 +287,12 @@ impl GraphExec {
                     }
                 }
                 Op::Trees(_) => {
-                    let wa = widths[node.inputs[0]];
                     let t = self.trees[i].as_ref().expect("built for every Trees node");
-                    t.eval(input(0), wa, n, y);
+                    match graph.nodes[node.inputs[0]].op {
+                        // Missing values reach the trees as NaN.
+                        Op::Input { offset } => t.eval(&x[offset..], input_dim, n, y),
+                        _ => t.eval(input(0), widths[node.inputs[0]], n, y),
+                    }
                 }
                 Op::Embedding { dim, rows: table_rows, table, default } => {
                     let wa = widths[node.inputs[0]];

@@ -167,7 +167,10 @@ impl CompiledTrees {
     /// `out[r]` = the ensemble's value for row `r` of `x` (`rows` rows of
     /// `stride` floats).
     pub fn eval(&self, x: &[f32], stride: usize, rows: usize, out: &mut [f32]) {
-        assert!(stride >= self.width_min && x.len() >= rows * stride && out.len() >= rows);
+        // The last row may end at its last column read: `x` can be a window
+        // into a wider input vector.
+        let needed = if rows == 0 { 0 } else { (rows - 1) * stride + self.width_min };
+        assert!(stride >= self.width_min && x.len() >= needed && out.len() >= rows);
         assert!(rows * stride <= i32::MAX as usize, "gather offsets are 32-bit");
         let done = match self.kernel {
             TreeKernel::Scalar => 0,

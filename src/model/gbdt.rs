@@ -1,0 +1,583 @@
+//! `quiver import --lightgbm` and `--xgboost`: gradient-boosted trees from
+//! the frameworks' own files (LightGBM's text model, `Booster.save_model`;
+//! XGBoost's JSON model, `save_model("m.json")`) into a graph model of one
+//! `Trees` node over the input vector.
+//!
+//! Each format's split rule is translated here into the canonical one of
+//! `model::trees` (see there); what a format can express that Quiver does not
+//! serve (multiclass, linear trees, ranking and count objectives, DART
+//! weights, XGBoost categorical splits) is refused with the reason.
+
+use std::path::Path;
+
+use super::graph::{Graph, Node, Op, OutputKind};
+use super::onnx::{Imported, InputMapping};
+use super::trees::{f32_at_most, f32_below, Ensemble, Split, TreeNode};
+use super::{InputSegment, Model, ModelError, MODEL_BYTES_MAX};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GbdtError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: file is {bytes} bytes, the limit is {MODEL_BYTES_MAX}")]
+    TooLarge { path: String, bytes: u64 },
+    #[error("{path}: not a valid {format} model (truncated or corrupt?): {what}")]
+    Parse { path: String, format: &'static str, what: String },
+    #[error("{path}: {what}")]
+    Unsupported { path: String, what: String },
+    #[error("--inputs: {what}")]
+    Mapping { what: String },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// What a tree-model import needs besides the file.
+#[derive(Clone, Debug)]
+pub struct GbdtOptions {
+    pub name: String,
+    pub version: u32,
+    pub inputs: InputMapping,
+    /// `None`: what the objective says (binary: logit; regression: raw).
+    /// `Some(Raw)` on a binary model serves its margin as is.
+    pub output_kind: Option<OutputKind>,
+}
+
+/// A parsed ensemble and what its objective makes of the sum.
+#[derive(Clone, Debug)]
+pub struct Parsed {
+    pub ensemble: Ensemble,
+    pub features: usize,
+    pub kind: OutputKind,
+    /// The logit is this times the margin (LightGBM's `sigmoid:` parameter).
+    pub logit_scale: f32,
+    pub objective: String,
+    pub producer: String,
+}
+
+/// Why a parse failed, before the path is attached.
+enum Fail {
+    Parse(String),
+    Unsupported(String),
+}
+
+fn parse_err(what: impl Into<String>) -> Fail {
+    Fail::Parse(what.into())
+}
+
+fn read(path: &Path) -> Result<String, GbdtError> {
+    let p = path.display().to_string();
+    let io = |source| GbdtError::Io { path: p.clone(), source };
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len > MODEL_BYTES_MAX as u64 {
+        return Err(GbdtError::TooLarge { path: p, bytes: len });
+    }
+    let bytes = std::fs::read(path).map_err(io)?;
+    String::from_utf8(bytes).map_err(|_| GbdtError::Parse {
+        path: p,
+        format: "text",
+        what: "the file is not UTF-8 text (an XGBoost .ubj or a binary model? save it as text or JSON)".into(),
+    })
+}
+
+fn attach(path: &str, format: &'static str, f: Fail) -> GbdtError {
+    match f {
+        Fail::Parse(what) => GbdtError::Parse { path: path.into(), format, what },
+        Fail::Unsupported(what) => GbdtError::Unsupported { path: path.into(), what },
+    }
+}
+
+/// Reads and imports a LightGBM text model.
+pub fn import_lightgbm_file(path: &Path, opts: &GbdtOptions) -> Result<Imported, GbdtError> {
+    let text = read(path)?;
+    let p = path.display().to_string();
+    let parsed = parse_lightgbm(&text).map_err(|f| attach(&p, "LightGBM text", f))?;
+    build(parsed, opts, &p)
+}
+
+/// Reads and imports an XGBoost JSON model.
+pub fn import_xgboost_file(path: &Path, opts: &GbdtOptions) -> Result<Imported, GbdtError> {
+    let text = read(path)?;
+    let p = path.display().to_string();
+    let parsed = parse_xgboost(&text).map_err(|f| attach(&p, "XGBoost JSON", f))?;
+    build(parsed, opts, &p)
+}
+
+/// The model for a parsed ensemble: `Input` of all features, `Trees`, and
+/// for a scaled sigmoid an `Affine` of the margin.
+pub fn build(parsed: Parsed, opts: &GbdtOptions, path: &str) -> Result<Imported, GbdtError> {
+    let bad = |what: String| GbdtError::Mapping { what };
+    if opts.inputs.entries.iter().any(|e| e.graph_input.is_some()) {
+        return Err(bad("a tree model has one input vector; write SOURCE:DIM entries without '=' names".into()));
+    }
+    let total: usize = opts.inputs.entries.iter().map(|e| e.dim).sum();
+    if total != parsed.features {
+        return Err(bad(format!(
+            "the entries add up to {total} features but the model has {} (its features in order are split \
+             into the segments as written)",
+            parsed.features
+        )));
+    }
+    let kind = match (opts.output_kind, parsed.kind) {
+        (None, k) => k,
+        (Some(OutputKind::Raw), _) => OutputKind::Raw,
+        (Some(OutputKind::Logit), OutputKind::Logit) => OutputKind::Logit,
+        (Some(OutputKind::Logit), OutputKind::Raw) => {
+            return Err(GbdtError::Unsupported {
+                path: path.into(),
+                what: format!(
+                    "objective '{}' gives a raw value, not a logit; drop --output-kind logit",
+                    parsed.objective
+                ),
+            })
+        }
+    };
+    let mut rewrites = Vec::new();
+    let mut nodes = vec![
+        Node { op: Op::Input { offset: 0 }, inputs: vec![], width: parsed.features },
+        Node { op: Op::Trees(parsed.ensemble), inputs: vec![0], width: 1 },
+    ];
+    if kind == OutputKind::Logit && parsed.logit_scale != 1.0 {
+        let s = parsed.logit_scale;
+        nodes.push(Node {
+            op: Op::Affine { center: vec![0.0], scale: vec![s], shift: vec![0.0] },
+            inputs: vec![1],
+            width: 1,
+        });
+        rewrites.push(format!("the logit is {s} x the trees' sum (objective sigmoid:{s})"));
+    }
+    let inputs: Vec<InputSegment> =
+        opts.inputs.entries.iter().map(|e| InputSegment { source: e.source, dim: e.dim }).collect();
+    let model = Model {
+        name: opts.name.clone(),
+        version: opts.version,
+        inputs: inputs.clone(),
+        layers: Vec::new(),
+        calibration: None,
+        graph: Some(Graph { nodes, output: kind }),
+    };
+    model.validate()?;
+    Ok(Imported {
+        model,
+        output: format!("objective {}", parsed.objective),
+        sigmoid_dropped: false,
+        layout: vec![("features".into(), inputs)],
+        producer: parsed.producer,
+        rewrites,
+    })
+}
+
+fn numbers<T: std::str::FromStr>(s: &str, key: &str) -> Result<Vec<T>, Fail> {
+    s.split_whitespace()
+        .map(|v| v.parse::<T>().map_err(|_| parse_err(format!("{key}: '{v}' is not a number"))))
+        .collect()
+}
+
+/// Parses LightGBM's text model format (the `tree` header, `Tree=N`
+/// blocks, `end of trees`).
+fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
+    let mut lines = text.lines().map(str::trim_end);
+    if lines.next().map(str::trim) != Some("tree") {
+        return Err(parse_err("a LightGBM text model starts with the line 'tree'"));
+    }
+    let mut header = std::collections::HashMap::new();
+    let mut flags = Vec::new();
+    let mut blocks: Vec<std::collections::HashMap<&str, &str>> = Vec::new();
+    let mut ended = false;
+    for line in lines {
+        if line == "end of trees" {
+            ended = true;
+            break;
+        }
+        if line.starts_with("Tree=") {
+            blocks.push(Default::default());
+            continue;
+        }
+        if line.is_empty() {
+            continue;
+        }
+        match (line.split_once('='), blocks.last_mut()) {
+            (Some((k, v)), Some(b)) => {
+                b.insert(k, v);
+            }
+            (Some((k, v)), None) => {
+                header.insert(k, v);
+            }
+            (None, None) => flags.push(line),
+            (None, Some(_)) => return Err(parse_err(format!("unexpected line '{line}' in a tree"))),
+        }
+    }
+    if !ended {
+        return Err(parse_err("no 'end of trees' line (the file is truncated)"));
+    }
+    let unsupported = |w: String| Err(Fail::Unsupported(w));
+    let int = |k: &str| -> Result<i64, Fail> {
+        header
+            .get(k)
+            .ok_or_else(|| parse_err(format!("no {k}= line")))?
+            .trim()
+            .parse()
+            .map_err(|_| parse_err(format!("{k} is not an integer")))
+    };
+    if int("num_class")? != 1 || int("num_tree_per_iteration")? != 1 {
+        return unsupported("multiclass models are not supported yet (num_class must be 1)".into());
+    }
+    if flags.contains(&"average_output") {
+        return unsupported("random-forest mode (average_output) is not supported yet".into());
+    }
+    let features =
+        usize::try_from(int("max_feature_idx")? + 1).map_err(|_| parse_err("max_feature_idx is negative"))?;
+    let objective_line = header.get("objective").copied().unwrap_or("").trim();
+    let mut words = objective_line.split_whitespace();
+    let objective = words.next().unwrap_or("").to_string();
+    let params: Vec<&str> = words.collect();
+    let (kind, logit_scale) = match objective.as_str() {
+        "binary" => {
+            let s = params.iter().find_map(|p| p.strip_prefix("sigmoid:")).unwrap_or("1");
+            let s: f32 = s.parse().map_err(|_| parse_err(format!("objective sigmoid '{s}' is not a number")))?;
+            if !(s.is_finite() && s > 0.0) {
+                return Err(parse_err(format!("objective sigmoid {s} is not positive")));
+            }
+            (OutputKind::Logit, s)
+        }
+        "cross_entropy" | "xentropy" => (OutputKind::Logit, 1.0),
+        "regression" | "regression_l2" | "l2" | "mean_squared_error" | "mse" | "regression_l1" | "l1" | "huber"
+        | "fair" | "quantile" | "mape" => {
+            if params.contains(&"sqrt") {
+                return unsupported(format!("objective '{objective_line}' (sqrt-transformed labels) is not supported"));
+            }
+            (OutputKind::Raw, 1.0)
+        }
+        "" => return Err(parse_err("no objective= line")),
+        other => {
+            return unsupported(format!(
+                "objective '{other}' is not supported (binary, cross_entropy and the regression objectives are; \
+                 multiclass, ranking and exp-linked objectives such as poisson are not, yet)"
+            ))
+        }
+    };
+    if blocks.is_empty() {
+        return Err(parse_err("the model has no trees"));
+    }
+    let mut e = Ensemble::default();
+    for (t, b) in blocks.iter().enumerate() {
+        let at = |what: String| parse_err(format!("tree {t}: {what}"));
+        let get = |k: &str| b.get(k).copied().ok_or_else(|| at(format!("no {k}= line")));
+        if b.get("is_linear").is_some_and(|v| v.trim() == "1") {
+            return unsupported(format!("tree {t} is a linear tree (linear_tree=true), which is not supported"));
+        }
+        let leaves: usize = get("num_leaves")?.trim().parse().map_err(|_| at("num_leaves is not a number".into()))?;
+        let leaf_value: Vec<f64> = numbers(get("leaf_value")?, "leaf_value")?;
+        if leaves == 0 || leaf_value.len() != leaves {
+            return Err(at(format!("{} leaf values for {leaves} leaves", leaf_value.len())));
+        }
+        if leaves == 1 {
+            e.push_tree(&[TreeNode::leaf(leaf_value[0] as f32)]);
+            continue;
+        }
+        let splits = leaves - 1;
+        let feature: Vec<u32> = numbers(get("split_feature")?, "split_feature")?;
+        let threshold: Vec<f64> = numbers(get("threshold")?, "threshold")?;
+        let decision: Vec<u8> = numbers(get("decision_type")?, "decision_type")?;
+        let left: Vec<i64> = numbers(get("left_child")?, "left_child")?;
+        let right: Vec<i64> = numbers(get("right_child")?, "right_child")?;
+        if [feature.len(), threshold.len(), decision.len(), left.len(), right.len()].iter().any(|l| *l != splits) {
+            return Err(at(format!("the split arrays are not all {splits} long")));
+        }
+        let num_cat: usize = b.get("num_cat").map_or(Ok(0), |v| v.trim().parse()).map_err(|_| at("num_cat".into()))?;
+        let (bounds, words): (Vec<usize>, Vec<u32>) = if num_cat > 0 {
+            (numbers(get("cat_boundaries")?, "cat_boundaries")?, numbers(get("cat_threshold")?, "cat_threshold")?)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        if num_cat > 0
+            && (bounds.len() != num_cat + 1 || bounds.windows(2).any(|w| w[1] < w[0]) || bounds[num_cat] > words.len())
+        {
+            return Err(at("cat_boundaries do not index cat_threshold".into()));
+        }
+        let child = |c: i64| -> Result<u32, Fail> {
+            let i = if c >= 0 { c as usize } else { splits + (!c) as usize };
+            if (c >= 0 && i >= splits) || i >= splits + leaves {
+                return Err(at(format!("child {c} is out of range")));
+            }
+            Ok(i as u32)
+        };
+        let mut nodes = Vec::with_capacity(splits + leaves);
+        for i in 0..splits {
+            let dt = decision[i];
+            let split = if dt & 1 != 0 {
+                let k = threshold[i];
+                if !(k >= 0.0 && k.fract() == 0.0 && (k as usize) < num_cat) {
+                    return Err(at(format!("categorical split {i} names bitset {k} of {num_cat}")));
+                }
+                let k = k as usize;
+                let (start, len) = e.push_words(&words[bounds[k]..bounds[k + 1]]);
+                if len == 0 {
+                    return Err(at(format!("categorical split {i} has an empty bitset")));
+                }
+                Split::Categorical { feature: feature[i], start, len }
+            } else {
+                let t = threshold[i];
+                let default_left = dt & 2 != 0;
+                let (missing_left, zero_missing) = match (dt >> 2) & 3 {
+                    // None: a NaN is read as 0 and compared.
+                    0 => (0.0 <= t, false),
+                    // Zero: NaN is read as 0, and zero (|x| <= 1e-35) is missing.
+                    1 => (default_left, true),
+                    2 => (default_left, false),
+                    m => return Err(at(format!("split {i} has missing type {m}"))),
+                };
+                Split::Numeric { feature: feature[i], threshold: f32_at_most(t), missing_left, zero_missing }
+            };
+            nodes.push(TreeNode { split, left: child(left[i])?, right: child(right[i])? });
+        }
+        nodes.extend(leaf_value.iter().map(|v| TreeNode::leaf(*v as f32)));
+        e.push_tree(&nodes);
+    }
+    let version = header.get("version").copied().unwrap_or("?");
+    Ok(Parsed {
+        ensemble: e,
+        features,
+        kind,
+        logit_scale,
+        objective,
+        producer: format!("LightGBM text model {version}"),
+    })
+}
+
+/// Parses XGBoost's JSON model (`save_model("m.json")`, XGBoost 1.0 and later).
+fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
+    use serde_json::Value;
+    let root: Value = serde_json::from_str(text).map_err(|e| parse_err(format!("not JSON: {e}")))?;
+    let learner = root.get("learner").ok_or_else(|| parse_err("no 'learner' object (is this an XGBoost model?)"))?;
+    let field = |v: &Value, path: &str| -> Result<Value, Fail> {
+        let mut cur = v;
+        for k in path.split('.') {
+            cur = cur.get(k).ok_or_else(|| parse_err(format!("no '{path}'")))?;
+        }
+        Ok(cur.clone())
+    };
+    // XGBoost writes its parameters as strings ("5E-1", "[5E-1]" since 3.1).
+    let num = |v: &Value, what: &str| -> Result<f64, Fail> {
+        let s = match v {
+            Value::String(s) => s.trim().trim_start_matches('[').trim_end_matches(']').to_string(),
+            Value::Number(n) => n.to_string(),
+            _ => return Err(parse_err(format!("{what} is not a number"))),
+        };
+        if s.contains(',') {
+            return Err(Fail::Unsupported(format!("{what} has several values (a multi-output model)")));
+        }
+        s.parse().map_err(|_| parse_err(format!("{what} '{s}' is not a number")))
+    };
+    let params = field(learner, "learner_model_param")?;
+    let booster = field(learner, "gradient_booster")?;
+    let booster_name = booster.get("name").and_then(Value::as_str).unwrap_or("");
+    if booster_name != "gbtree" {
+        return Err(Fail::Unsupported(format!(
+            "booster '{booster_name}' is not supported (gbtree is; dart's tree weights and gblinear are not)"
+        )));
+    }
+    let classes = num(&field(&params, "num_class")?, "num_class")?;
+    let targets = params.get("num_target").map_or(Ok(1.0), |v| num(v, "num_target"))?;
+    if classes > 1.0 || targets > 1.0 {
+        return Err(Fail::Unsupported("multiclass and multi-target models are not supported yet".into()));
+    }
+    let features = num(&field(&params, "num_feature")?, "num_feature")? as usize;
+    let base_score = num(&field(&params, "base_score")?, "base_score")?;
+    let objective = field(learner, "objective.name")?.as_str().unwrap_or("").to_string();
+    // base_score is in the objective's output space; the margin starts at
+    // its link: the logit for the logistic objectives.
+    let (kind, base) = match objective.as_str() {
+        "binary:logistic" | "reg:logistic" => {
+            if !(base_score > 0.0 && base_score < 1.0) {
+                return Err(parse_err(format!("base_score {base_score} is not a probability")));
+            }
+            (OutputKind::Logit, (base_score / (1.0 - base_score)).ln())
+        }
+        "binary:logitraw" => (OutputKind::Logit, base_score),
+        "reg:squarederror" | "reg:absoluteerror" | "reg:pseudohubererror" | "reg:linear" => {
+            (OutputKind::Raw, base_score)
+        }
+        other => {
+            return Err(Fail::Unsupported(format!(
+                "objective '{other}' is not supported (binary:logistic, binary:logitraw, reg:logistic and the \
+                 squared, absolute and pseudo-Huber regressions are)"
+            )))
+        }
+    };
+    let trees = field(&booster, "model.trees")?;
+    let trees = trees.as_array().ok_or_else(|| parse_err("model.trees is not an array"))?;
+    if trees.is_empty() {
+        return Err(parse_err("the model has no trees"));
+    }
+    let mut e = Ensemble { base: base as f32, ..Ensemble::default() };
+    for (t, tree) in trees.iter().enumerate() {
+        let at = |what: String| parse_err(format!("tree {t}: {what}"));
+        let arr = |k: &str| -> Result<Vec<f64>, Fail> {
+            let v = tree.get(k).and_then(Value::as_array).ok_or_else(|| at(format!("no '{k}' array")))?;
+            v.iter()
+                .map(|x| match x {
+                    Value::Bool(b) => Ok(*b as u8 as f64),
+                    _ => x.as_f64().ok_or_else(|| at(format!("'{k}' holds a non-number"))),
+                })
+                .collect()
+        };
+        let left = arr("left_children")?;
+        let right = arr("right_children")?;
+        let feature = arr("split_indices")?;
+        let cond = arr("split_conditions")?;
+        let default_left = arr("default_left")?;
+        let n = left.len();
+        if [right.len(), feature.len(), cond.len(), default_left.len()].iter().any(|l| *l != n) || n == 0 {
+            return Err(at("its node arrays differ in length".into()));
+        }
+        if tree.get("split_type").and_then(Value::as_array).is_some_and(|s| s.iter().any(|v| v.as_f64() != Some(0.0))) {
+            return Err(Fail::Unsupported(format!("tree {t} has categorical splits, which are not supported yet")));
+        }
+        if let Some(size) = tree.get("tree_param").and_then(|p| p.get("size_leaf_vector")) {
+            if num(size, "size_leaf_vector")? > 1.0 {
+                return Err(Fail::Unsupported("vector leaves (multi-target trees) are not supported".into()));
+            }
+        }
+        // Walk from the root, so deleted (unreachable) nodes are left out.
+        let mut slot = vec![u32::MAX; n];
+        let mut order = vec![0usize];
+        slot[0] = 0;
+        let mut k = 0;
+        while k < order.len() {
+            let i = order[k];
+            if left[i] >= 0.0 {
+                for c in [left[i], right[i]] {
+                    let c = c as usize;
+                    if c >= n || slot[c] != u32::MAX {
+                        return Err(at(format!("node {i} has child {c}, out of range or reached twice")));
+                    }
+                    slot[c] = order.len() as u32;
+                    order.push(c);
+                }
+            }
+            k += 1;
+        }
+        let nodes: Vec<TreeNode> = order
+            .iter()
+            .map(|&i| {
+                if left[i] < 0.0 {
+                    TreeNode::leaf(cond[i] as f32)
+                } else {
+                    TreeNode {
+                        split: Split::Numeric {
+                            feature: feature[i] as u32,
+                            // XGBoost goes left iff x < t.
+                            threshold: f32_below(cond[i] as f32),
+                            missing_left: default_left[i] != 0.0,
+                            zero_missing: false,
+                        },
+                        left: slot[left[i] as usize],
+                        right: slot[right[i] as usize],
+                    }
+                }
+            })
+            .collect();
+        e.push_tree(&nodes);
+    }
+    let version: Vec<String> = root
+        .get("version")
+        .and_then(Value::as_array)
+        .map(|v| v.iter().map(|x| x.to_string()).collect())
+        .unwrap_or_default();
+    Ok(Parsed {
+        ensemble: e,
+        features,
+        kind,
+        logit_scale: 1.0,
+        objective,
+        producer: format!("XGBoost JSON model {}", version.join(".")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LGB: &str = "tree\nversion=v4\nnum_class=1\nnum_tree_per_iteration=1\nlabel_index=0\nmax_feature_idx=2\n\
+objective=binary sigmoid:1\nfeature_names=a b c\n\nTree=0\nnum_leaves=3\nnum_cat=1\nsplit_feature=0 2\n\
+threshold=0.5 0\ndecision_type=10 1\nleft_child=1 -1\nright_child=-2 -3\nleaf_value=0.1 -0.2 0.3\n\
+cat_boundaries=0 1\ncat_threshold=6\nis_linear=0\nshrinkage=1\n\n\nTree=1\nnum_leaves=1\nnum_cat=0\n\
+leaf_value=0.05\nis_linear=0\nshrinkage=1\n\n\nend of trees\n\nparameters:\nend of parameters\n";
+
+    #[test]
+    fn lightgbm_text_splits_translate_to_the_canonical_rule() {
+        let p = parse_lightgbm(LGB).ok().unwrap();
+        assert_eq!(p.features, 3);
+        assert_eq!(p.kind, OutputKind::Logit);
+        let e = &p.ensemble;
+        e.validate(3).unwrap();
+        assert_eq!(e.trees(), 2);
+        // decision_type 10 = default left (2) | missing type NaN (8).
+        assert!(matches!(e.nodes[0].split, Split::Numeric { missing_left: true, zero_missing: false, .. }));
+        let f = |x: [f32; 3]| e.predict_row(&x);
+        // x0 <= 0.5 goes to the categorical split on x2 (bits 1, 2 left).
+        assert_eq!(f([0.5, 0.0, 1.0]), 0.1 + 0.05);
+        assert_eq!(f([0.0, 0.0, 2.0]), 0.1 + 0.05);
+        assert_eq!(f([0.0, 0.0, 3.0]), 0.3 + 0.05);
+        assert_eq!(f([f32::NAN, 0.0, f32::NAN]), 0.3 + 0.05);
+        assert_eq!(f([0.6, 0.0, 1.0]), -0.2 + 0.05);
+    }
+
+    #[test]
+    fn lightgbm_refusals_say_why() {
+        let refused = |text: String| match parse_lightgbm(&text) {
+            Err(Fail::Parse(w)) | Err(Fail::Unsupported(w)) => w,
+            Ok(_) => panic!("accepted"),
+        };
+        assert!(refused(LGB.replace("num_class=1", "num_class=3")).contains("multiclass"));
+        assert!(refused(LGB.replace("binary sigmoid:1", "lambdarank")).contains("'lambdarank' is not supported"));
+        assert!(refused(LGB.replace("binary sigmoid:1", "poisson")).contains("poisson"));
+        assert!(refused(LGB.replace("is_linear=0\nshrinkage=1\n\n\nTree=1", "is_linear=1\n\nTree=1"))
+            .contains("linear tree"));
+        assert!(refused(LGB[..LGB.find("end of trees").unwrap()].to_string()).contains("truncated"));
+        assert!(refused(LGB.replace("left_child=1 -1", "left_child=5 -1")).contains("child 5 is out of range"));
+        assert!(refused("{\"learner\": {}}".into()).contains("starts with the line 'tree'"));
+        assert!(refused(LGB.replace("leaf_value=0.1 -0.2 0.3", "leaf_value=0.1 x 0.3")).contains("'x' is not a number"));
+    }
+
+    fn xgb(objective: &str, base: &str) -> String {
+        format!(
+            r#"{{"learner": {{"learner_model_param": {{"base_score": "{base}", "num_class": "0", "num_feature": "2",
+            "num_target": "1"}}, "objective": {{"name": "{objective}"}}, "gradient_booster": {{"name": "gbtree",
+            "model": {{"trees": [{{"left_children": [1, -1, -1], "right_children": [2, -1, -1],
+            "split_indices": [1, 0, 0], "split_conditions": [0.25, -0.5, 0.75], "default_left": [0, 0, 0],
+            "split_type": [0, 0, 0]}}]}}}}}}, "version": [3, 2, 0]}}"#
+        )
+    }
+
+    #[test]
+    fn xgboost_json_uses_strict_less_than_and_the_margin_base() {
+        let p = parse_xgboost(&xgb("binary:logistic", "[2.5E-1]")).ok().unwrap();
+        let e = &p.ensemble;
+        e.validate(2).unwrap();
+        let base = (0.25f64 / 0.75).ln() as f32;
+        assert_eq!(e.base, base);
+        // x1 < 0.25 goes left; equal goes right; NaN follows default (right).
+        assert_eq!(e.predict_row(&[0.0, 0.2]), base + -0.5);
+        assert_eq!(e.predict_row(&[0.0, 0.25]), base + 0.75);
+        assert_eq!(e.predict_row(&[0.0, f32::NAN]), base + 0.75);
+        let r = parse_xgboost(&xgb("reg:squarederror", "1.5")).ok().unwrap();
+        assert_eq!((r.kind, r.ensemble.base), (OutputKind::Raw, 1.5));
+        for (text, want) in [
+            (xgb("multi:softprob", "0.5"), "multi:softprob"),
+            (xgb("binary:logistic", "0.5").replace("gbtree", "dart"), "dart"),
+            (xgb("binary:logistic", "0.5").replace("[0, 0, 0]}", "[1, 0, 0]}"), "categorical"),
+            (xgb("binary:logistic", "0.5").replace("[1, -1, -1]", "[1, 1, -1]"), "reached twice"),
+            ("not json".into(), "not JSON"),
+        ] {
+            match parse_xgboost(&text) {
+                Err(Fail::Parse(w)) | Err(Fail::Unsupported(w)) => assert!(w.contains(want), "{w}"),
+                Ok(_) => panic!("accepted {want}"),
+            }
+        }
+    }
+}
