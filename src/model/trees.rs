@@ -19,8 +19,9 @@
 
 /// Most trees in one ensemble.
 pub const TREES_MAX: usize = 20_000;
-/// Most nodes in one tree (leaves and splits): 32,768 leaves.
-pub const TREE_NODES_MAX: usize = 65_535;
+/// Most nodes in one tree (leaves and splits): 16,384 leaves. The
+/// evaluator packs a child index, the feature and the flags in 32 bits.
+pub const TREE_NODES_MAX: usize = 32_767;
 /// Most nodes in one ensemble, all trees together.
 pub const ENSEMBLE_NODES_MAX: usize = 1 << 24;
 /// Longest root-to-leaf path, in splits; the evaluator walks every tree
