@@ -156,7 +156,8 @@ impl DriftCounts {
         let w = rows as f64;
         i.rows += rows as u64;
         for ((v, shift), (sum, sum_sq)) in context.zip(&self.shift).zip(i.sum.iter_mut().zip(i.sum_sq.iter_mut())) {
-            let d = f64::from(v) - shift;
+            // A missing value (NaN) counts at the calibration mean.
+            let d = if v.is_nan() { 0.0 } else { f64::from(v) - shift };
             *sum += w * d;
             *sum_sq += w * d * d;
         }

@@ -192,7 +192,7 @@ pub enum CalibrationError {
     Width { cols: usize, want: usize },
     #[error("the calibration set has no rows")]
     Empty,
-    #[error("calibration row {row}, column {col} is {value}; every value must be finite")]
+    #[error("calibration row {row}, column {col} is {value}; every value must be finite (NaN, a missing value, only for graph and tree models)")]
     NonFinite { row: usize, col: usize, value: f32 },
     #[error("layer {layer}'s input is zero on every calibration row; no activation range can be chosen")]
     Degenerate { layer: usize },
@@ -244,7 +244,11 @@ pub fn calibrate(
     if set.rows == 0 {
         return Err(CalibrationError::Empty);
     }
-    if let Some(i) = set.data.iter().position(|v| !v.is_finite()) {
+    // NaN is a missing value, as in requests and replicas, for a graph
+    // model (which reads it as 0, or as missing in its trees); the v1 MLP's
+    // static ranges need every value.
+    let bad = |v: &f32| v.is_infinite() || (v.is_nan() && model.graph.is_none());
+    if let Some(i) = set.data.iter().position(bad) {
         return Err(CalibrationError::NonFinite { row: i / set.cols, col: i % set.cols, value: set.data[i] });
     }
     if model.output_kind() == OutputKind::Raw {
@@ -414,18 +418,26 @@ pub fn context_moments(model: &Model, set: &Matrix) -> (Vec<f32>, Vec<f32>) {
     let Some((at, dim)) = context.filter(|_| set.rows > 0) else {
         return (Vec::new(), Vec::new());
     };
-    let shift: Vec<f64> = set.row(0)[at..at + dim].iter().map(|&v| f64::from(v)).collect();
-    let (mut sum, mut sum_sq) = (vec![0.0f64; dim], vec![0.0f64; dim]);
+    // Missing values (NaN) are left out of a column's moments; live
+    // traffic counts them at the mean (`drift::DriftCounts::record_context`).
+    let shift: Vec<f64> = (0..dim)
+        .map(|j| (0..set.rows).map(|r| set.row(r)[at + j]).find(|v| !v.is_nan()).map_or(0.0, f64::from))
+        .collect();
+    let (mut sum, mut sum_sq, mut count) = (vec![0.0f64; dim], vec![0.0f64; dim], vec![0u64; dim]);
     for r in 0..set.rows {
         for (j, &v) in set.row(r)[at..at + dim].iter().enumerate() {
+            if v.is_nan() {
+                continue;
+            }
             let d = f64::from(v) - shift[j];
             sum[j] += d;
             sum_sq[j] += d * d;
+            count[j] += 1;
         }
     }
-    let n = set.rows as f64;
-    let means = (0..dim).map(|j| (shift[j] + sum[j] / n) as f32).collect();
-    let variances = (0..dim).map(|j| (sum_sq[j] / n - (sum[j] / n).powi(2)).max(0.0) as f32).collect();
+    let n = |j: usize| count[j].max(1) as f64;
+    let means = (0..dim).map(|j| (shift[j] + sum[j] / n(j)) as f32).collect();
+    let variances = (0..dim).map(|j| (sum_sq[j] / n(j) - (sum[j] / n(j)).powi(2)).max(0.0) as f32).collect();
     (means, variances)
 }
 
@@ -566,6 +578,10 @@ mod tests {
         assert!((variances[0] - 0.25).abs() < 1e-6, "{variances:?}");
         m.inputs[1].source = Source::Item;
         assert_eq!(context_moments(&m, &set(&values)), (Vec::new(), Vec::new()));
+        // Missing values (NaN, the first row's too) are left out.
+        m.inputs[1].source = Source::Context;
+        let (means, variances) = context_moments(&m, &set(&[0.0, f32::NAN, 0.0, 1.0, 0.0, f32::NAN, 0.0, 3.0]));
+        assert_eq!((means, variances), (vec![2.0], vec![1.0]));
     }
 
     #[test]
