@@ -315,3 +315,28 @@ fn a_nan_feature_follows_the_default_direction() {
     b.logits(&model, &zero, 1, &mut z);
     assert_ne!(y[0], z[0], "missing is not zero for this row's trees");
 }
+
+/// A model file whose ensemble is damaged is refused at load, naming it.
+#[test]
+fn a_damaged_tree_model_file_is_refused_at_load() {
+    let all = fixtures();
+    let model = import(all.iter().find(|f| f.name == "xgb_binary").unwrap());
+    let damage = |edit: &dyn Fn(&mut quiver::model::trees::Ensemble)| {
+        let mut m = model.clone();
+        let g = m.graph.as_mut().unwrap();
+        let Op::Trees(e) = &mut g.nodes[1].op else { panic!("node 1 is the ensemble") };
+        edit(e);
+        Model::from_bytes(&m.to_bytes(), "damaged.qm").unwrap_err().to_string()
+    };
+    use quiver::model::trees::Split;
+    let past = damage(&|e| {
+        if let Split::Numeric { feature, .. } = &mut e.nodes[0].split {
+            *feature = 99;
+        }
+    });
+    assert!(past.contains("tree 0 node 0: splits on feature 99, past the input's 12 features"), "{past}");
+    assert!(damage(&|e| e.nodes[0].left = 0).contains("reached twice"));
+    assert!(damage(&|e| e.starts.push(1)).contains("tree boundaries"));
+    let bytes = model.to_bytes();
+    assert!(Model::from_bytes(&bytes[..bytes.len() / 2], "cut.qm").is_err());
+}
