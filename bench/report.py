@@ -219,10 +219,32 @@ w("")
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_side_by_side.md")) as f:
     w(f.read().rstrip("\n"))
     w("")
+# A tree model end to end beside the MLP (run by hand: bench/trees_serve.sh).
+serve_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trees-serve.json")
+if os.path.exists(serve_path):
+    ts = json.load(open(serve_path))
+    w("## A tree model end to end: capacity at p99 ≤ 1 ms on the auction-32 shape")
+    w("")
+    w(f"Written by `bench/trees_serve.sh` (commit `{ts['commit']}`; {ts['machine']['cpu']}, "
+      f"{ts['machine']['cores']} cores): one shard on core 0, `quiver bench --sweep` on core 1, open loop, "
+      "uniform arrivals, 2 connections, each rate 3 s and repeated 3 times (the median p99 decides). "
+      f"The tree model: {ts['model']}, trained by the script on a seeded synthetic set and imported with "
+      "`quiver import --lightgbm`; the MLP: the demo's auction-32 (80 → 256 → 128 → 1, INT8). Same requests "
+      "(one user, 32 candidates, 16 context floats), same replicas, one run.")
+    w("")
+    w("| model | capacity req/s (p99 ≤ 1 ms) | at that rate: p50 µs | p99 µs | p99.9 µs |")
+    w("|---|---:|---:|---:|---:|")
+    for m in ["mlp", "trees"]:
+        sw = ts[m]
+        cap = sw["capacity_rate"]
+        step = next((st for st in sw["steps"] if st["offered_rate"] == cap), None)
+        lat = step["latency"] if step else {}
+        w(f"| {m} | {cap:,.0f} | {lat.get('p50_us', '—')} | {lat.get('p99_us', '—')} | {lat.get('p999_us', '—')} |")
+    w("")
 # The model zoo against onnxruntime, as bench/zoo_side_by_side.py wrote it
 # (run by hand: `taskset -c 1 python3 bench/zoo_side_by_side.py --repeats 3`).
 # Per-request parts computed once (run by hand: bench/one_request.py).
-for extra in ["zoo_side_by_side.md", "one_request.md"]:
+for extra in ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md"]:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", extra)
     if os.path.exists(path):
         with open(path) as f:

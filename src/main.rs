@@ -60,8 +60,8 @@ enum Command {
         #[arg(long)]
         one_request: bool,
         /// Rows to score instead of seeded normals: a float32 .npy
-        /// [rows, >= input width] whose first columns are the input vector
-        /// (cycled when shorter than the largest batch).
+        /// [rows, >= input width] whose first columns are the input vector;
+        /// each call scores the next window of rows (wrapping around).
         #[arg(long)]
         data: Option<PathBuf>,
     },
@@ -1075,6 +1075,8 @@ fn time_model(
     let mut backend = quiver::score::build(kind, &model, rows_max);
     let mut rng = quiver::demo::SplitMix64::new(7);
     let dim = model.input_dim();
+    // With `--data`, call k scores the window of rows starting at k * rows
+    // (wrapping), so successive calls see different rows, as traffic does.
     let mut x: Vec<f32> = match data {
         None => (0..rows_max * dim).map(|_| rng.normal()).collect(),
         Some(p) => {
@@ -1083,12 +1085,14 @@ fn time_model(
                 return Err(Error::Setup(format!("{}: {} columns; the model reads {dim}", p.display(), t.cols)));
             }
             let rows_in = t.data.len() / t.cols;
-            (0..rows_max).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
+            let total = rows_in.max(rows_max);
+            (0..total).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
         }
     };
+    let total_rows = x.len() / dim;
     if one_request {
         let shared = model.request_columns();
-        for r in 1..rows_max {
+        for r in 1..total_rows {
             for c in (0..dim).filter(|&c| shared[c]) {
                 x[r * dim + c] = x[c];
             }
@@ -1097,8 +1101,12 @@ fn time_model(
     let macs_per_row = model.macs_per_row();
     for &n in rows {
         let mut out = vec![0.0; n];
-        let x = &x[..n * dim];
+        let windows = total_rows - n + 1;
+        let mut k = 0;
         let mut call = |out: &mut [f32]| {
+            let at = (k * n) % windows;
+            k += 1;
+            let x = &x[at * dim..(at + n) * dim];
             if one_request {
                 backend.logits_request(&model, x, n, out);
             } else {

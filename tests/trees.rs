@@ -247,7 +247,7 @@ fn import_summarises_trees_and_refuses_bad_files() {
     let base = ["--out", out_s, "--name", "fraud", "--version", "1", "--inputs", "user:4,item:4,context:4"];
     let (code, stdout, stderr) = quiver_import(&[&["--lightgbm", lgb.to_str().unwrap()][..], &base[..]].concat());
     assert_eq!(code, 0, "{stderr}");
-    for want in ["LightGBM text model v4", "Trees: 100 trees, depth 6", "categorical splits", "12 features used"] {
+    for want in ["LightGBM text model v4", "Trees (100 trees, depth 6", "categorical splits", "12 features used"] {
         assert!(stdout.contains(want), "missing '{want}' in:\n{stdout}");
     }
     let xgb = dir().join("xgb_regression.json");

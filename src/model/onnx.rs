@@ -207,7 +207,7 @@ impl Imported {
                     Op::Dense { layer, act } => format!("Dense {} -> {}, {}", layer.in_dim, layer.out_dim, act.name()),
                     Op::Act(a) => a.name(),
                     Op::Embedding { rows, dim, .. } => format!("Embedding {rows} x {dim}"),
-                    Op::Trees(e) => format!("Trees: {}", e.describe()),
+                    Op::Trees(e) => format!("Trees ({})", e.describe()),
                     op => op.name().to_string(),
                 };
                 let reads = if reads.is_empty() { String::new() } else { format!(" of {}", reads.join(", ")) };

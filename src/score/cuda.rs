@@ -68,7 +68,10 @@ pub enum CudaError {
     Compile { file: &'static str, arch: String, what: String, log: String },
     #[error("the model does not fit the INT8 kernel: {0}")]
     Model(String),
-    #[error("model '{0}' is a graph model (model file v2), which the CUDA backend does not run yet")]
+    #[error(
+        "model '{0}' is a graph model (model file v2: layers beyond a ReLU chain, or tree ensembles), which the \
+         CUDA backend does not run yet"
+    )]
     GraphModel(String),
 }
 
@@ -694,6 +697,21 @@ mod tests {
         let mut reference = [0.0];
         g.forward_f32_reference(&x, 1, &mut reference);
         assert!((out[0] - reference[0]).abs() < 0.05, "{} vs {}", out[0], reference[0]);
+
+        // A tree model likewise, scored on the CPU exactly.
+        use crate::model::trees::{Ensemble, Split, TreeNode};
+        let mut e = Ensemble { base: 0.25, ..Ensemble::default() };
+        let split = Split::Numeric { feature: 3, threshold: 1.0, missing_left: false, zero_missing: false };
+        e.push_tree(&[TreeNode { split, left: 1, right: 2 }, TreeNode::leaf(-1.0), TreeNode::leaf(1.0)]);
+        let nodes = vec![
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 6 },
+            Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
+        ];
+        let t = Model { name: "trees".into(), graph: Some(Graph { nodes, output: OutputKind::Logit }), ..g };
+        assert!(matches!(CudaInt8::new(&t, 8), Err(CudaError::GraphModel(name)) if name == "trees"));
+        let mut backend = crate::score::build(crate::score::BackendKind::Cuda, &t, 8);
+        backend.logits(&t, &x, 1, &mut out);
+        assert_eq!(out[0], 0.25 + 1.0);
     }
 
     #[test]
