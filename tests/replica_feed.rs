@@ -448,13 +448,14 @@ fn bad_data_in_redis_is_skipped_counted_and_named_in_the_log() {
     load(&redis, "user", 0..10, 0);
     let mut c = redis.conn();
     let good = contract::encode_vector(&vector(1, 9));
-    let mut nan = vector(2, 9);
-    nan[3] = f32::NAN;
-    let nan: Vec<u8> = nan.iter().flat_map(|x| x.to_le_bytes()).collect();
+    // NaN marks a missing value and is served; an infinity is bad data.
+    let mut inf = vector(2, 9);
+    inf[3] = f32::INFINITY;
+    let inf: Vec<u8> = inf.iter().flat_map(|x| x.to_le_bytes()).collect();
     c.command(&[b"SET", b"item:abc", &good]).unwrap();
     c.command(&[b"SET", b"item:5000", b"twelve bytes"]).unwrap();
     c.command(&[b"HSET", b"item:5001", b"f", b"v"]).unwrap();
-    c.command(&[b"SET", b"item:5002", &nan]).unwrap();
+    c.command(&[b"SET", b"item:5002", &inf]).unwrap();
     let dir = data_dir("feed-bad");
     let server = serve(&dir, &redis, "");
     let s = stats(&server);

@@ -1674,9 +1674,13 @@ mod tests {
         let e = err(dense(vec![], "nowhere"));
         assert!(e.contains("no node produces 'nowhere'"), "{e}");
 
-        let mut ml = dense(vec![node("TreeEnsembleClassifier", "trees", &["h"], "y")], "y");
+        let mut ml = dense(vec![node("SVMClassifier", "svm", &["h"], "y")], "y");
         ml.node[1].domain = "ai.onnx.ml".into();
-        assert!(err(ml).contains("op ai.onnx.ml::TreeEnsembleClassifier is not supported"));
+        assert!(err(ml).contains("op ai.onnx.ml::SVMClassifier is not supported"));
+        let mut trees = dense(vec![node("TreeEnsembleClassifier", "trees", &["h"], "y")], "y");
+        trees.node[1].domain = "ai.onnx.ml".into();
+        let e = err(trees);
+        assert!(e.contains("node 'trees' (TreeEnsembleClassifier): attribute 'nodes_treeids' is missing"), "{e}");
 
         let mut int_weights = dense(vec![], "h");
         int_weights.initializer[0].data_type = DT_INT64;
