@@ -384,6 +384,39 @@ impl Model {
         rows
     }
 
+    /// The input columns outside the `ContextIds` segment that an
+    /// embedding reads directly as row indices (a categorical id sent as a
+    /// context float, or stored in a feature group), with the rows of the
+    /// smallest table reading each, in column order. A value there that is
+    /// not an integer index of the table takes the default row, and the
+    /// request path counts it as a missing feature.
+    pub fn float_index_columns(&self) -> Vec<(usize, usize)> {
+        let mut ids = vec![false; self.input_dim()];
+        let mut at = 0;
+        for s in &self.inputs {
+            if s.source == Source::ContextIds {
+                ids[at..at + s.dim].fill(true);
+            }
+            at += s.dim;
+        }
+        let mut cols: Vec<(usize, usize)> = Vec::new();
+        if let Some(g) = &self.graph {
+            for n in &g.nodes {
+                let Op::Embedding { rows, .. } = &n.op else { continue };
+                let src = &g.nodes[n.inputs[0]];
+                let Op::Input { offset } = src.op else { continue };
+                for c in (offset..offset + src.width).filter(|c| !ids[*c]) {
+                    match cols.iter_mut().find(|(col, _)| *col == c) {
+                        Some((_, r)) => *r = (*r).min(*rows),
+                        None => cols.push((c, *rows)),
+                    }
+                }
+            }
+        }
+        cols.sort_unstable();
+        cols
+    }
+
     /// `to_graph` with a v1 MLP's first layer split by input kind, for one
     /// request's candidates to compute its per-request columns (user,
     /// context) once: `relu(W_c x_c + (W_r x_r + b))`, where `x_r` are the

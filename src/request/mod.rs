@@ -23,6 +23,7 @@ use crate::feed::FeedStatus;
 use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
 use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
+use crate::model::graph::embedding_index;
 use crate::model::Model;
 use crate::registry::Registry;
 use crate::replica::ReplicaHandle;
@@ -123,6 +124,9 @@ struct Served {
     /// Per context id, the rows of the embedding that reads it
     /// (`Model::context_id_rows`): an id beyond them counts as missing.
     id_rows: Vec<u64>,
+    /// `Model::float_index_columns`, with whether each column is
+    /// per-request (checked once) or per candidate.
+    index_cols: Vec<(usize, usize, bool)>,
     /// Scores returned by the primary and context inputs received since the
     /// last publication; `None` for a version without calibration (no
     /// baseline to compare with) and for a shadow (its scores are not served).
@@ -315,6 +319,10 @@ impl<C: Clock> RequestPath<C> {
             default_score: ladder.default_scores.get(&model.name).copied().unwrap_or(ladder.default_score),
             fallback_fits: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
             id_rows: model.context_id_rows(),
+            index_cols: {
+                let per_request = model.request_columns();
+                model.float_index_columns().into_iter().map(|(c, rows)| (c, rows, per_request[c])).collect()
+            },
             model,
         })
     }
@@ -485,7 +493,17 @@ impl<C: Clock> RequestPath<C> {
         self.served[chosen].requests += 1;
         let (user_id, primary) = (request.user_id(), chosen);
         let Served {
-            model, backend, layout, kernel_cost, name_hash, default_score, fallback_fits, drift, id_rows, ..
+            model,
+            backend,
+            layout,
+            kernel_cost,
+            name_hash,
+            default_score,
+            fallback_fits,
+            drift,
+            id_rows,
+            index_cols,
+            ..
         } = &mut self.served[chosen];
         let context = request.context();
         let context_dim = layout.context.map_or(0, |(_, d)| d);
@@ -561,6 +579,17 @@ impl<C: Clock> RequestPath<C> {
                     }
                 }
             }
+        }
+
+        // Categorical ids in float columns that no embedding row matches
+        // read the default row: missing, like an unknown key.
+        for &(c, table_rows, per_request) in index_cols.iter() {
+            let bad = |row: &[f32]| embedding_index(row[c], table_rows).is_none();
+            missing += if per_request {
+                u32::from(bad(&x[..row_dim]))
+            } else {
+                x.chunks_exact(row_dim).filter(|r| bad(r)).count() as u32
+            };
         }
 
         // Check: is there still time, and which rung can answer in it?

@@ -487,3 +487,44 @@ fn trees_and_mlps_serve_as_each_others_fallback() {
         assert_eq!(r.scores, if trees_primary { mlp_scores } else { tree_scores });
     }
 }
+
+#[test]
+fn categorical_ids_in_float_columns_that_match_no_row_count_as_missing() {
+    use crate::model::graph::{Graph, Node, Op, OutputKind};
+    let mut sh = shared(&dir("float-ids"));
+    let base = sh.registry.snapshot().models[0].clone();
+    let embedding = |input: usize| Node {
+        op: Op::Embedding { dim: 1, rows: 3, table: vec![0.1, 0.2, 0.3], default: vec![0.0] },
+        inputs: vec![input],
+        width: 1,
+    };
+    // Column 0 is the item value, column 1 the context float.
+    let model = Model {
+        name: "ids".into(),
+        layers: Vec::new(),
+        graph: Some(Graph {
+            nodes: vec![
+                Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 1 },
+                embedding(0),
+                Node { op: Op::Input { offset: 1 }, inputs: vec![], width: 1 },
+                embedding(2),
+                Node { op: Op::Add, inputs: vec![1, 3], width: 1 },
+            ],
+            output: OutputKind::Logit,
+        }),
+        ..(*base).clone()
+    };
+    assert_eq!(model.float_index_columns(), vec![(0, 3), (1, 3)]);
+    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    sh.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    // Items 10 and 11 hold 2.0 (row 2) and 0.5 (no row): one missing per
+    // request from the items; the context adds one unless it names a row.
+    for (context, missing, second) in [(1.0, 1, 0.2), (2.5, 2, 0.0), (7.0, 2, 0.0), (-1.0, 2, 0.0)] {
+        let s = RequestSpec { model: "ids".into(), item_ids: vec![10, 11], context: vec![context], ..spec() };
+        let r = run(&mut path, &s, 0);
+        assert_eq!((r.status, r.features_missing), (Status::Ok, missing), "context {context}");
+        assert_eq!(r.scores, vec![sigmoid(0.3 + second), sigmoid(second)], "context {context}");
+    }
+}
