@@ -390,7 +390,11 @@ impl CudaInt8 {
     fn run(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), DriverError> {
         let len = rows * self.input_dim;
         let host_x = self.x_pinned.as_mut_slice()?;
-        host_x[..len].copy_from_slice(x);
+        // A missing value (NaN) reads as 0, as the CPU INT8 reference's
+        // quantizer reads it.
+        for (d, v) in host_x[..len].iter_mut().zip(x) {
+            *d = if v.is_nan() { 0.0 } else { *v };
+        }
         self.stream.memcpy_htod(&host_x[..len], &mut self.x_device.slice_mut(..len))?;
         let rows_arg = rows as i32;
         let (a, b) = (&mut self.act_a, &mut self.act_b);

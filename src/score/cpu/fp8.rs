@@ -86,6 +86,8 @@ pub struct CpuFp8 {
     b: Vec<f32>,
     /// The executor of a graph model (its dense nodes in FP8).
     graph: Option<GraphExec>,
+    /// Rows with their missing values (NaN) read as 0, `rows_max × input`.
+    x_clean: Vec<f32>,
 }
 
 impl CpuFp8 {
@@ -109,6 +111,7 @@ impl CpuFp8 {
             a: vec![0.0; len],
             b: vec![0.0; len],
             graph,
+            x_clean: Vec::with_capacity(if model.graph.is_none() { rows_max * model.input_dim() } else { 0 }),
         }
     }
 }
@@ -192,6 +195,16 @@ impl Backend for CpuFp8 {
         }
         assert_eq!(model.layers.len(), self.layers.len(), "the backend was built for another model");
         assert_eq!(self.layers.last().map(|l| l.w.n), Some(1), "one logit per row");
+        // A missing value (NaN) reads as 0, as in graph models' inputs and
+        // the INT8 quantizer; the kernels' contract is for finite inputs.
+        let mut cleaned = None;
+        if x.iter().any(|v| v.is_nan()) {
+            let mut buf = std::mem::take(&mut self.x_clean);
+            buf.clear();
+            buf.extend(x.iter().map(|v| if v.is_nan() { 0.0 } else { *v }));
+            cleaned = Some(buf);
+        }
+        let x = cleaned.as_deref().unwrap_or(x);
         match self.isa {
             Isa::Baseline => forward(self, x, rows, out),
             #[cfg(target_arch = "x86_64")]
@@ -201,6 +214,9 @@ impl Backend for CpuFp8 {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX-512 F.
             Isa::Avx512 => unsafe { forward_avx512(self, x, rows, out) },
+        }
+        if let Some(buf) = cleaned {
+            self.x_clean = buf;
         }
     }
 }

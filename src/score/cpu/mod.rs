@@ -337,6 +337,26 @@ mod tests {
         crate::demo::context_mlp("random", seed, dims)
     }
 
+    #[test]
+    fn a_missing_value_reads_as_zero_in_every_mlp_backend() {
+        let model = random_model(3, &[7, 5, 1]);
+        let mut x = inputs(5, 7 * 9);
+        let mut zeroed = x.clone();
+        for i in [3, 12, 30, 62] {
+            (x[i], zeroed[i]) = (f32::NAN, 0.0);
+        }
+        for kind in [BackendKind::F32, BackendKind::Int8, BackendKind::Fp8] {
+            let mut b = build(kind, &model, 9);
+            let (mut got, mut want) = (vec![0.0; 9], vec![0.0; 9]);
+            b.logits(&model, &x, 9, &mut got);
+            b.logits(&model, &zeroed, 9, &mut want);
+            assert_eq!(got, want, "{kind:?}");
+            b.logits_request(&model, &x, 9, &mut got);
+            b.logits_request(&model, &zeroed, 9, &mut want);
+            assert_eq!(got, want, "{kind:?} one request");
+        }
+    }
+
     /// `model` calibrated (max-abs) on 64 seeded normal rows, every range
     /// then multiplied by `shrink`: below 1, activations saturate often.
     fn calibrated(mut model: Model, shrink: f32) -> Model {
