@@ -99,10 +99,16 @@ impl CompiledTrees {
     /// AMD Zen 4, where AVX2 wins). Every build gives the same bits.
     pub fn new(e: &Ensemble) -> CompiledTrees {
         let mut c = CompiledTrees::with_kernel(e, TreeKernel::Scalar).expect("the scalar build runs anywhere");
-        let kernels: Vec<TreeKernel> = TreeKernel::ALL.into_iter().filter(|k| k.available()).collect();
-        if kernels.len() > 1 {
-            c.kernel = c.fastest(&kernels);
-        }
+        // The scalar build is the fallback, never the fastest where a SIMD
+        // one runs (see `cargo bench --bench trees`); the
+        // timing, a few milliseconds for a large ensemble, is for the rest.
+        let simd: Vec<TreeKernel> =
+            [TreeKernel::Avx2, TreeKernel::Avx512].into_iter().filter(|k| k.available()).collect();
+        c.kernel = match simd[..] {
+            [] => TreeKernel::Scalar,
+            [one] => one,
+            _ => c.fastest(&simd),
+        };
         c
     }
 
@@ -117,7 +123,7 @@ impl CompiledTrees {
         for &k in kernels {
             self.kernel = k;
             self.eval(&x, stride, ROWS, &mut out);
-            let ns = (0..5)
+            let ns = (0..3)
                 .map(|_| {
                     let t = std::time::Instant::now();
                     self.eval(&x, stride, ROWS, &mut out);
