@@ -17,9 +17,11 @@
 //! `bench/trees_side_by_side.py`.
 //!
 //! Every build computes `Ensemble::predict_row` bit for bit: the base, then
-//! each tree's leaf added in f32 in tree order. Trees with categorical
-//! splits take the numeric step for all lanes and then redo the lanes that
-//! sit on a categorical split in scalar code.
+//! each tree's leaf added in f32 in tree order. Categorical splits whose
+//! bitset is one word (categories below 32, LightGBM's usual case) are
+//! tested in registers by the AVX2 build, the word held in the node's
+//! threshold slot; otherwise the lanes that sit on a categorical split are
+//! redone in scalar code after the numeric step.
 
 use crate::model::trees::{category, Ensemble, Split, TREE_NODES_MAX, ZERO_THRESHOLD};
 
@@ -88,6 +90,10 @@ pub struct CompiledTrees {
     trees: Vec<Tree>,
     base: f32,
     zero_missing: bool,
+    /// Every categorical split's bitset is one word (categories below 32):
+    /// the AVX2 build then tests it in registers, the word stored in the
+    /// node's threshold slot, instead of redoing those lanes in scalar code.
+    cat_inline: bool,
     /// The feature columns read lie below this.
     width_min: usize,
 }
@@ -154,6 +160,7 @@ impl CompiledTrees {
             trees: Vec::with_capacity(e.trees()),
             base: e.base,
             zero_missing: false,
+            cat_inline: e.nodes.iter().all(|n| !matches!(n.split, Split::Categorical { len, .. } if len != 1)),
             width_min: e.features_used().last().map_or(0, |f| *f as usize + 1),
         };
         let any_cat = e.has_categorical();
@@ -193,7 +200,7 @@ impl CompiledTrees {
                         categorical = true;
                         // The numeric step's answer is replaced for these lanes.
                         let meta = slot[node.left as usize] | feature << FEATURE_SHIFT | CATEGORICAL;
-                        (f32::INFINITY, meta, 0.0, (start, len))
+                        (f32::from_bits(e.cat_words[start as usize]), meta, 0.0, (start, len))
                     }
                 };
                 c.threshold.push(thr);
@@ -393,9 +400,16 @@ mod simd {
                     }
                     let right = _mm256_blendv_ps(gt, _mm256_castsi256_ps(meta), missing);
                     let right = _mm256_srai_epi32::<31>(_mm256_castps_si256(right));
-                    let rel = _mm256_sub_epi32(_mm256_and_si256(meta, child_mask), right);
+                    let mut rel = _mm256_sub_epi32(_mm256_and_si256(meta, child_mask), right);
+                    if c.cat_inline {
+                        rel = categorical_avx2(meta, xv, thr, rel, child_mask);
+                    }
                     idx[g] = _mm256_add_epi32(roots[g], rel);
-                    let lanes = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32::<1>(meta))) as u32;
+                    let lanes = if c.cat_inline {
+                        0
+                    } else {
+                        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32::<1>(meta))) as u32
+                    };
                     if lanes != 0 {
                         let (mut cur_a, mut next_a) = ([0u32; 8], [0u32; 8]);
                         // SAFETY: 8 lanes to and from 8-element arrays.
@@ -476,6 +490,28 @@ mod simd {
         let third16 = blend(pick(load(4)), pick(load(5)), b3);
         let fourth16 = blend(pick(load(6)), pick(load(7)), b3);
         blend(first32, blend(third16, fourth16, b4), _mm256_slli_epi32::<26>(idx))
+    }
+
+    /// `next` with the lanes that stood on a categorical split (meta bit
+    /// 30) redone in registers: left iff `x` truncates to a category
+    /// `0 <= c < 32` whose bit is set in the one-word bitset held in `thr`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn categorical_avx2(meta: __m256i, xv: __m256, thr: __m256, next: __m256i, child_mask: __m256i) -> __m256i {
+        let is_cat = _mm256_srai_epi32::<31>(_mm256_slli_epi32::<1>(meta));
+        // NaN compares false, so it is out of range (goes right).
+        let in_range = _mm256_and_ps(
+            _mm256_cmp_ps::<_CMP_GT_OQ>(xv, _mm256_set1_ps(-1.0)),
+            _mm256_cmp_ps::<_CMP_LT_OQ>(xv, _mm256_set1_ps(32.0)),
+        );
+        // Truncation toward zero: (-1, 0) is category 0.
+        let category = _mm256_cvttps_epi32(xv);
+        let bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_castps_si256(thr), category), _mm256_set1_epi32(1));
+        let left = _mm256_and_si256(_mm256_castps_si256(in_range), _mm256_cmpeq_epi32(bit, _mm256_set1_epi32(1)));
+        // right = 1 unless left.
+        let cat_next =
+            _mm256_add_epi32(_mm256_and_si256(meta, child_mask), _mm256_andnot_si256(left, _mm256_set1_epi32(1)));
+        _mm256_blendv_epi8(next, cat_next, is_cat)
     }
 
     /// Evaluates whole groups of 8 rows; returns how many rows it did.
@@ -599,7 +635,9 @@ mod simd {
                     let right = _mm256_srai_epi32::<31>(_mm256_castps_si256(right));
                     // right is all ones (-1) or 0.
                     idx[t][v] = _mm256_sub_epi32(_mm256_and_si256(meta, child_mask), right);
-                    if tree.categorical {
+                    if tree.categorical && c.cat_inline {
+                        idx[t][v] = categorical_avx2(meta, xv, thr, idx[t][v], child_mask);
+                    } else if tree.categorical {
                         // Bit 30: categorical.
                         let lanes = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32::<1>(meta))) as u32;
                         if lanes != 0 {
@@ -790,8 +828,9 @@ mod tests {
     use crate::seeded::SplitMix64;
 
     /// A random ensemble over `width` features: unbalanced trees of mixed
-    /// depth, every missing-value rule, categorical splits if asked.
-    pub(crate) fn random_ensemble(seed: u64, trees: usize, depth: usize, width: usize, cats: bool) -> Ensemble {
+    /// depth, every missing-value rule, and categorical splits of 1 to
+    /// `cat_words` bitset words (none for 0).
+    pub(crate) fn random_ensemble(seed: u64, trees: usize, depth: usize, width: usize, cat_words: u64) -> Ensemble {
         let mut rng = SplitMix64::new(seed);
         let mut e = Ensemble { base: rng.normal() * 0.1, ..Ensemble::default() };
         for _ in 0..trees {
@@ -805,8 +844,8 @@ mod tests {
                     continue;
                 }
                 let feature = (rng.next_u64() % width as u64) as u32;
-                let split = if cats && rng.below(4) == 0 {
-                    let words: Vec<u32> = (0..1 + rng.next_u64() % 3).map(|_| rng.next_u64() as u32).collect();
+                let split = if cat_words > 0 && rng.below(4) == 0 {
+                    let words: Vec<u32> = (0..1 + rng.below(cat_words)).map(|_| rng.next_u64() as u32).collect();
                     let (start, len) = e.push_words(&words);
                     Split::Categorical { feature, start, len }
                 } else {
@@ -844,7 +883,8 @@ mod tests {
 
     #[test]
     fn every_kernel_computes_the_specification_bit_for_bit() {
-        for (seed, cats) in [(1, false), (2, true), (3, true)] {
+        // Bitsets of one word take the AVX2 build's in-register test.
+        for (seed, cats) in [(1, 0), (2, 3), (3, 3), (4, 1), (5, 1)] {
             let width = 13;
             let e = random_ensemble(seed, 40, 7, width, cats);
             e.validate(width).unwrap();
