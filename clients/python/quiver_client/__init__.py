@@ -1,0 +1,77 @@
+"""quiver_client: a Python client for the Quiver scoring server.
+
+Quiver speaks length-prefixed FlatBuffers over TCP (``schemas/quiver.fbs``):
+a ``ScoreRequest`` frame in, a ``ScoreResponse`` frame with the same
+``request_id`` out, pipelined, answers possibly out of order.
+
+- ``Client``: blocking; one connection per node, ``score`` and pipelined
+  ``score_many``, round-robin over a node list with failover.
+- ``AsyncClient``: asyncio; concurrent calls pipelined on one connection.
+- ``encode_request`` / ``split_frames`` / ``decode_response`` /
+  ``FrameReader``: the sans-IO codec both are built on.
+- ``QuiverError`` and one subclass per non-Ok status.
+
+    from quiver_client import Client
+    with Client("127.0.0.1:7411") as c:
+        r = c.score(user_id=42, item_ids=[1, 2, 3], budget_us=5000)
+        print(r.scores, r.tier.name, r.model_version)
+"""
+
+from .aio import AsyncClient
+from .client import Client, parse_address
+from .codec import (
+    DEFAULT_LIMITS,
+    FRAME_PREFIX_BYTES,
+    FrameReader,
+    Limits,
+    Request,
+    Response,
+    decode_response,
+    encode_request,
+    response_request_id,
+    split_frames,
+)
+from .enums import Reason, Status, Tier
+from .errors import (
+    AllNodesFailed,
+    BadRequest,
+    ConnectionClosed,
+    DeadlineExceeded,
+    Internal,
+    ModelNotFound,
+    Overloaded,
+    ProtocolError,
+    QuiverError,
+    RateLimited,
+    error_for,
+)
+
+__all__ = [
+    "AllNodesFailed",
+    "AsyncClient",
+    "BadRequest",
+    "Client",
+    "ConnectionClosed",
+    "DEFAULT_LIMITS",
+    "DeadlineExceeded",
+    "FRAME_PREFIX_BYTES",
+    "FrameReader",
+    "Internal",
+    "Limits",
+    "ModelNotFound",
+    "Overloaded",
+    "ProtocolError",
+    "QuiverError",
+    "RateLimited",
+    "Reason",
+    "Request",
+    "Response",
+    "Status",
+    "Tier",
+    "decode_response",
+    "encode_request",
+    "error_for",
+    "parse_address",
+    "response_request_id",
+    "split_frames",
+]

@@ -1,0 +1,211 @@
+"""The sans-IO codec, without a server: encoding, framing, decoding, limits."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+import quiver_client as q
+from helpers import encode_response, f32, f32_bits
+from quiver_client._generated.quiver.wire import ScoreRequest as fb_req
+
+
+def parse(frame: bytes):
+    payloads, used = q.split_frames(frame, 1 << 20)
+    assert used == len(frame) and len(payloads) == 1
+    return fb_req.ScoreRequest.GetRootAs(payloads[0], 0)
+
+
+def test_request_round_trip_every_field():
+    req = q.Request(
+        user_id=2**64 - 1,
+        item_ids=[0, 1, 2**63],
+        context=[0.5, -1.0, 0.1],
+        context_ids=[3, 1 << 40],
+        model="auction-32",
+        budget_us=2**32 - 1,
+        priority=255,
+        client_id=7,
+    )
+    r = parse(q.encode_request(req, 99))
+    assert (r.RequestId(), r.UserId(), r.Model(), r.BudgetUs(), r.Priority(), r.ClientId()) == (
+        99,
+        2**64 - 1,
+        b"auction-32",
+        2**32 - 1,
+        255,
+        7,
+    )
+    assert [r.ItemIds(j) for j in range(r.ItemIdsLength())] == [0, 1, 2**63]
+    assert [r.Context(j) for j in range(r.ContextLength())] == [0.5, -1.0, f32(0.1)]
+    assert [r.ContextIds(j) for j in range(r.ContextIdsLength())] == [3, 1 << 40]
+
+
+def test_empty_optional_fields_are_left_out_like_the_rust_encoder():
+    r = parse(q.encode_request(q.Request(user_id=1, item_ids=[5]), 1))
+    assert r.Model() is None
+    assert r.ContextIsNone() and r.ContextIdsIsNone() and not r.ItemIdsIsNone()
+
+
+def test_numpy_inputs_encode_the_same_bytes_as_lists():
+    np = pytest.importorskip("numpy")
+    ctx = [f32(x / 7) for x in range(16)]
+    as_list = q.Request(user_id=3, item_ids=[9, 8, 7], context=ctx, context_ids=[1, 2])
+    as_np = q.Request(
+        user_id=3,
+        item_ids=np.array([9, 8, 7], dtype=np.int32),
+        context=np.array(ctx),
+        context_ids=np.array([1, 2], dtype=np.uint64),
+    )
+    assert q.encode_request(as_list, 5) == q.encode_request(as_np, 5)
+    with pytest.raises(ValueError, match="negative"):
+        q.encode_request(q.Request(user_id=1, item_ids=np.array([-1])), 1)
+    with pytest.raises(TypeError, match="integers"):
+        q.encode_request(q.Request(user_id=1, item_ids=np.array([1.5])), 1)
+    with pytest.raises(ValueError, match="float32 range"):
+        q.encode_request(q.Request(user_id=1, item_ids=[1], context=np.array([1e39])), 1)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(item_ids=[]), "at least one candidate"),
+        (dict(item_ids=list(range(257))), "257 candidates exceed the limit of 256"),
+        (dict(context=[0.0] * 257), "257 context floats exceed"),
+        (dict(context_ids=[1] * 257), "257 context ids exceed"),
+        (dict(model="m" * 70_000), "exceeds the limit of 65536"),
+        (dict(user_id=-1), "user_id"),
+        (dict(budget_us=2**32), "budget_us"),
+        (dict(priority=256), "priority"),
+        (dict(context=[1e39]), "float32 range"),
+    ],
+)
+def test_limits_raise_value_error(change, message):
+    fields = dict(user_id=1, item_ids=[1, 2])
+    fields.update(change)
+    with pytest.raises(ValueError, match=message):
+        q.encode_request(q.Request(**fields), 1)
+
+
+def test_limits_follow_the_configured_server():
+    big = q.Request(user_id=1, item_ids=list(range(300)))
+    q.encode_request(big, 1, q.Limits(candidates_max=512))
+    with pytest.raises(ValueError):
+        q.encode_request(q.Request(user_id=1, item_ids=[1, 2, 3]), 1, q.Limits(candidates_max=2))
+
+
+def test_response_frames_split_byte_by_byte():
+    stream = b"".join(
+        encode_response(
+            i,
+            scores=[0.25 * i, 0.5],
+            tier=1,
+            model_version=3,
+            server_us=12,
+            features_missing=1,
+            reason=1,
+            features_stale=True,
+        )
+        for i in range(3)
+    )
+    reader, got = q.FrameReader(), []
+    for b in stream:
+        got += [q.decode_response(p) for p in reader.feed(bytes([b]))]
+    assert reader.pending_bytes == 0
+    assert [r.request_id for r in got] == [0, 1, 2]
+    r = got[2]
+    assert (
+        r.status,
+        r.scores,
+        r.tier,
+        r.model_version,
+        r.server_us,
+        r.features_missing,
+        r.error,
+        r.reason,
+        r.features_stale,
+    ) == (q.Status.OK, [0.5, 0.5], q.Tier.CACHED, 3, 12, 1, "", q.Reason.BUDGET, True)
+
+
+def test_scores_keep_their_float32_bits():
+    values = [f32(x) for x in (0.1, 1 / 3, 1e-38, -0.0, 0.999999)]
+    payload = encode_response(1, scores=values)[4:]
+    assert f32_bits(q.decode_response(payload).scores) == f32_bits(values)
+    np = pytest.importorskip("numpy")
+    arr = q.decode_response(payload, as_numpy=True).scores
+    assert arr.dtype == np.float32 and arr.flags.writeable
+    assert arr.view(np.uint32).tolist() == f32_bits(values)
+
+
+def test_bad_prefixes_are_protocol_errors():
+    with pytest.raises(q.ProtocolError, match="length prefix 0"):
+        q.split_frames(b"\0\0\0\0", 100)
+    with pytest.raises(q.ProtocolError, match="exceeds the limit"):
+        q.split_frames(struct.pack("<I", 101) + b"x", 100)
+    assert q.split_frames(b"\5\0\0", 100) == ([], 0)
+
+
+def test_unknown_enum_values_read_as_the_schema_says():
+    r = q.decode_response(encode_response(1, status=200, tier=99, reason=77)[4:])
+    assert (r.status, r.tier, r.reason) == (q.Status.INTERNAL, q.Tier.DEFAULT, q.Reason.NONE)
+    with pytest.raises(q.Internal):
+        r.raise_for_status()
+
+
+def test_garbage_responses_raise_protocol_error_or_decode():
+    rng = random.Random(7)
+    good = encode_response(5, scores=[0.5] * 8, error="x")[4:]
+    for n in range(2000):
+        if n % 2:
+            soup = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 96)))
+        else:
+            soup = bytearray(good)
+            for _ in range(3):
+                soup[rng.randrange(len(soup))] = rng.randrange(256)
+            soup = bytes(soup[: rng.randrange(1, len(soup) + 1)])
+        try:
+            q.decode_response(soup)
+        except q.ProtocolError:
+            pass
+
+
+def test_one_exception_class_per_non_ok_status():
+    expected = {
+        q.Status.DEADLINE_EXCEEDED: q.DeadlineExceeded,
+        q.Status.OVERLOADED: q.Overloaded,
+        q.Status.RATE_LIMITED: q.RateLimited,
+        q.Status.BAD_REQUEST: q.BadRequest,
+        q.Status.MODEL_NOT_FOUND: q.ModelNotFound,
+        q.Status.INTERNAL: q.Internal,
+    }
+    assert set(expected) == set(q.Status) - {q.Status.OK}
+    for status, cls in expected.items():
+        resp = q.decode_response(encode_response(41, status=status, error="why")[4:])
+        err = q.error_for(resp)
+        assert type(err) is cls and isinstance(err, q.QuiverError)
+        assert (err.status, err.error, err.request_id, err.response) == (status, "why", 41, resp)
+
+
+def test_enums_mirror_the_generated_bindings():
+    from quiver_client._generated.quiver.wire import Reason, Status
+
+    assert q.Status.DEADLINE_EXCEEDED == Status.Status.DeadlineExceeded
+    assert q.Reason.NONE == Reason.Reason.None_ and q.Reason.BREAKER_OPEN == Reason.Reason.BreakerOpen
+    assert [t.name for t in q.Tier] == ["PRIMARY", "CACHED", "FALLBACK", "DEFAULT"]
+    assert len(q.Status) == 7 and len(q.Reason) == 5
+
+
+def test_without_numpy_lists_still_work_and_as_numpy_says_what_is_missing(monkeypatch):
+    import quiver_client.codec as codec
+
+    frame = q.encode_request(q.Request(user_id=3, item_ids=[9, 8], context=[0.5]), 5)
+    monkeypatch.setattr(codec, "np", None)
+    assert q.encode_request(q.Request(user_id=3, item_ids=[9, 8], context=[0.5]), 5) == frame
+    payload = encode_response(1, scores=[0.5])[4:]
+    assert q.decode_response(payload).scores == [0.5]
+    with pytest.raises(ImportError, match=r"quiver-client\[numpy\]"):
+        q.decode_response(payload, as_numpy=True)
+    with pytest.raises(ImportError), q.Client("127.0.0.1:1") as c:
+        c.score(user_id=1, item_ids=[1], as_numpy=True)
