@@ -21,7 +21,7 @@ use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle, Storage};
 use quiver::request::Shared;
 use quiver::score::BackendKind;
 use quiver::shard::{self, ShardPlacement};
-use quiver::wire::{status_name, tier_name, RequestSpec, Status};
+use quiver::wire::{reason_name, status_name, tier_name, RequestSpec, Status};
 use quiver::{demo, feed, Error};
 
 #[derive(Parser)]
@@ -703,6 +703,7 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
             "request_id": resp.request_id,
             "status": status_name(resp.status),
             "tier": tier_name(resp.tier),
+            "reason": reason_name(resp.reason),
             "scores": resp.scores,
             "model_version": resp.model_version,
             "features_missing": resp.features_missing,
@@ -714,9 +715,14 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
         println!("{out}");
     } else {
         println!(
-            "status {}  tier {}  model v{}  features missing {}  server {} µs  round trip {} µs",
+            "status {}  tier {}{}  model v{}  features missing {}  server {} µs  round trip {} µs",
             status_name(resp.status),
             tier_name(resp.tier),
+            if resp.reason == quiver::wire::Reason::None {
+                String::new()
+            } else {
+                format!(" ({})", reason_name(resp.reason))
+            },
             resp.model_version,
             resp.features_missing,
             resp.server_us,

@@ -19,7 +19,7 @@ fn score_json_prints_exactly_one_object() {
     assert_eq!(stdout.trim().lines().count(), 1, "{stdout}");
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["status"], "ok");
-    assert_eq!(v["tier"], "primary");
+    assert_eq!((v["tier"].as_str(), v["reason"].as_str()), (Some("primary"), Some("none")));
     assert_eq!(v["scores"].as_array().unwrap().len(), 3);
     assert!(v["rtt_us"].as_u64().unwrap() > 0);
     for s in v["scores"].as_array().unwrap() {
