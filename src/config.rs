@@ -155,6 +155,11 @@ pub struct Limits {
     /// Responses buffered per connection before the shard stops decoding
     /// and flushes; bounds memory per pipelining client.
     pub output_bytes_max: usize,
+    /// Frames a connection answers before its responses are written and it
+    /// yields the reactor to the shard's other connections and tasks: a
+    /// client pipelining thousands of requests cannot hold the shard for
+    /// the whole burst.
+    pub frames_per_round_max: usize,
     /// A connection with no complete frame for this long is closed.
     pub idle_timeout_ms: u64,
     /// A client that does not drain its responses within this is closed.
@@ -174,6 +179,7 @@ impl Default for Limits {
             budget_us_default: 10_000,
             budget_us_max: 10_000_000,
             output_bytes_max: 1 << 20,
+            frames_per_round_max: 64,
             idle_timeout_ms: 60_000,
             write_timeout_ms: 5_000,
             shutdown_grace_ms: 5_000,
@@ -257,6 +263,7 @@ impl Limits {
             "budget_us_default..",
         )?;
         check("output_bytes_max", self.output_bytes_max as u64, 4096, 1 << 30, "4096..=1073741824")?;
+        check("frames_per_round_max", self.frames_per_round_max as u64, 1, 1 << 16, "1..=65536")?;
         check("idle_timeout_ms", self.idle_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("write_timeout_ms", self.write_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000, "0..=600000")?;
@@ -302,6 +309,8 @@ mod tests {
         assert!(err.to_string().contains("drift.window_s = 0 is outside 1..=3600"), "{err}");
         let err = Config::parse("[limits]\ncandidates_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
+        let err = Config::parse("[limits]\nframes_per_round_max = 0\n", "c.toml").unwrap_err();
+        assert_eq!(err.to_string(), "limits.frames_per_round_max = 0 is outside 1..=65536");
     }
 
     /// `backend = "cuda"` exists only in builds with the feature; elsewhere

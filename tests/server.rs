@@ -78,6 +78,32 @@ fn a_thousand_pipelined_requests_on_one_connection() {
     assert_eq!(again.scores, responses[500].scores);
 }
 
+/// One frame a round: every buffered frame is still answered, in order,
+/// with nothing left waiting for another read, while a second connection on
+/// the same shard is served between the burst's rounds.
+#[test]
+fn a_burst_answered_one_frame_a_round_loses_nothing() {
+    let cfg = common::scratch("frames-per-round").join("q.toml");
+    std::fs::write(&cfg, "[limits]\nframes_per_round_max = 1\n").unwrap();
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let specs: Vec<RequestSpec> = (0..1000u64)
+        .map(|i| demo_request(20_000 + i, i * 89 % 100_000, (0..32).map(|k| (i + k * 17) % 10_000).collect()))
+        .collect();
+    std::thread::scope(|s| {
+        let burst = s.spawn(|| server.client().pipeline(&specs, 1000).unwrap());
+        let mut other = server.client();
+        for i in 0..20u64 {
+            let r = other.score(&demo_request(i, i, vec![i, i + 1])).unwrap();
+            assert_eq!((r.request_id, r.status), (i, Status::Ok));
+        }
+        let responses = burst.join().unwrap();
+        assert_eq!(responses.len(), 1000);
+        for (spec, r) in specs.iter().zip(&responses) {
+            assert_eq!((r.request_id, r.status, r.scores.len()), (spec.request_id, Status::Ok, 32));
+        }
+    });
+}
+
 #[test]
 fn fifty_concurrent_connections_spread_over_the_shards() {
     let mut server = Server::start(&["--shards", "2"]);

@@ -402,17 +402,20 @@ impl Connection {
         let out_cap = self.limits.output_bytes_max + response_frame_bytes_max(self.limits.candidates_max);
         let mut out = Vec::with_capacity(out_cap.min(1 << 20));
         loop {
-            // Answer every complete frame already buffered, up to the output cap.
+            // Answer the complete frames already buffered, up to the output
+            // cap and `frames_per_round_max`.
             let mut consumed = 0;
+            let mut frames = 0;
             let mut broken = false;
             refresh(&self.path, self.shard);
             let mut handed_off = false;
             {
                 let mut path = self.path.borrow_mut();
                 let read_at_ns = path.clock().now_ns();
-                while out.len() < self.limits.output_bytes_max {
+                while out.len() < self.limits.output_bytes_max && frames < self.limits.frames_per_round_max {
                     match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
                         Ok(Some((payload, used))) => {
+                            frames += 1;
                             if path.handle(payload, read_at_ns, id, &mut out) == Handled::Pending {
                                 mailbox.expect();
                                 handed_off = true;
@@ -443,6 +446,8 @@ impl Connection {
                 return Ok(());
             }
             if consumed > 0 && wire::split_frame(&inbuf[..filled], frame_bytes_max).is_ok_and(|f| f.is_some()) {
+                // More frames wait: let the shard's other work run first.
+                futures_lite::future::yield_now().await;
                 continue;
             }
             // Responses are written and no frame waits: spare time for shadows.
