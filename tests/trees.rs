@@ -9,7 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{run_quiver, scratch, Server};
+use common::{logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
 use quiver::model::calibrate::read_npy;
 use quiver::model::gbdt::{import_lightgbm_file, import_xgboost_file, GbdtOptions};
 use quiver::model::onnx::{import_file, ImportOptions};
@@ -106,36 +106,16 @@ fn import(f: &Fixture) -> Model {
     model
 }
 
-fn run(backend: &mut dyn Backend, model: &Model, x: &[f32]) -> Vec<f32> {
-    let dim = model.input_dim();
-    let mut out = Vec::new();
-    for chunk in x.chunks(256 * dim) {
-        let rows = chunk.len() / dim;
-        let mut y = vec![0.0; rows];
-        backend.logits(model, chunk, rows, &mut y);
-        out.extend(y);
-    }
-    out
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
-}
-
-fn abs_err(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
 #[test]
 fn every_tree_model_matches_its_framework_on_every_cpu_backend() {
     for f in fixtures() {
         let model = import(&f);
         let rows = f.margin.len();
-        let margin = run(&mut CpuF32::new(&model, 256), &model, &f.x);
+        let margin = logits_in_batches(&mut CpuF32::new(&model, 256), &model, &f.x);
         let scores: Vec<f32> = margin.iter().map(|v| model.score(*v)).collect();
         let em = rel_err(&margin, &f.margin);
         let (es, score_tolerance) = match f.kind {
-            OutputKind::Logit => (abs_err(&scores, &f.score), SCORE_TOLERANCE),
+            OutputKind::Logit => (max_abs_diff(&scores, &f.score), SCORE_TOLERANCE),
             OutputKind::Raw => (rel_err(&scores, &f.score), MARGIN_TOLERANCE),
         };
         let nan_rows = f.x.chunks_exact(f.dim).filter(|r| r.iter().any(|v| v.is_nan())).count();
@@ -147,8 +127,8 @@ fn every_tree_model_matches_its_framework_on_every_cpu_backend() {
         let mut reference = vec![0.0; rows];
         model.forward_f32_reference(&f.x, rows, &mut reference);
         assert_eq!(reference, margin, "{}: the f32 backend is not the specification", f.name);
-        assert_eq!(run(&mut CpuInt8::new(&model, 256), &model, &f.x), margin, "{} int8", f.name);
-        assert_eq!(run(&mut CpuFp8::new(&model, 256), &model, &f.x), margin, "{} fp8", f.name);
+        assert_eq!(logits_in_batches(&mut CpuInt8::new(&model, 256), &model, &f.x), margin, "{} int8", f.name);
+        assert_eq!(logits_in_batches(&mut CpuFp8::new(&model, 256), &model, &f.x), margin, "{} fp8", f.name);
     }
 }
 
@@ -158,8 +138,8 @@ fn onnx_exports_agree_with_their_native_twins() {
     for (native, onnx) in [("lgb_numeric", "lgb_binary_onnx"), ("xgb_binary", "xgb_binary_onnx")] {
         let (a, b) = (all.iter().find(|f| f.name == native).unwrap(), all.iter().find(|f| f.name == onnx).unwrap());
         let (ma, mb) = (import(a), import(b));
-        let ya = run(&mut CpuF32::new(&ma, 256), &ma, &a.x);
-        let yb = run(&mut CpuF32::new(&mb, 256), &mb, &b.x);
+        let ya = logits_in_batches(&mut CpuF32::new(&ma, 256), &ma, &a.x);
+        let yb = logits_in_batches(&mut CpuF32::new(&mb, 256), &mb, &b.x);
         let err = rel_err(&ya, &yb);
         assert!(err <= MARGIN_TOLERANCE, "{native} vs {onnx}: {err}");
     }

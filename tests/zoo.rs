@@ -9,7 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{auc, max_abs_diff, run_quiver, scratch, Server};
+use common::{auc, logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
 use quiver::model::calibrate::read_npy;
 use quiver::model::onnx::{import_file, ImportOptions};
 use quiver::model::{sigmoid, Model, OutputKind, Source};
@@ -91,23 +91,6 @@ fn import(z: &Zoo) -> Model {
     model
 }
 
-fn run(backend: &mut dyn Backend, model: &Model, x: &[f32]) -> Vec<f32> {
-    let dim = model.input_dim();
-    let mut out = Vec::new();
-    for chunk in x.chunks(256 * dim) {
-        let rows = chunk.len() / dim;
-        let mut y = vec![0.0; rows];
-        backend.logits(model, chunk, rows, &mut y);
-        out.extend(y);
-    }
-    out
-}
-
-/// Largest |a − b| / max(1, |b|).
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
-}
-
 fn scores(model: &Model, out: &[f32]) -> Vec<f32> {
     out.iter().map(|v| model.score(*v)).collect()
 }
@@ -131,7 +114,7 @@ fn every_zoo_model_imports_and_f32_matches_onnxruntime() {
         let model = import(&z);
         let rows = z.labels.len();
         let mut f32b = CpuF32::new(&model, 256);
-        let got = run(&mut f32b, &model, &z.x);
+        let got = logits_in_batches(&mut f32b, &model, &z.x);
         let err = rel_err(&got, &z.want);
         eprintln!("{:<20} f32 max |Δ logit| {err:.2e} ({rows} rows)", z.name);
         assert!(err <= F32_TOLERANCE, "{}: f32 differs from onnxruntime by {err}", z.name);
@@ -150,11 +133,16 @@ fn quantized_backends_stay_within_the_documented_bounds() {
         let want_p = scores(&model, &z.want);
         let mut int8 = CpuInt8::new(&model, 256);
         let mut fp8 = CpuFp8::new(&model, 256);
-        let int8_out = run(&mut int8, &model, &z.x);
-        let fp8_out = run(&mut fp8, &model, &z.x);
+        let int8_out = logits_in_batches(&mut int8, &model, &z.x);
+        let fp8_out = logits_in_batches(&mut fp8, &model, &z.x);
         // The blocked INT8 kernels compute the scalar reference bit for bit.
         let mut scalar = CpuInt8::with_kernel(&model, 256, Int8Kernel::Scalar).unwrap();
-        assert_eq!(run(&mut scalar, &model, &z.x), int8_out, "{}: blocked INT8 differs from scalar", z.name);
+        assert_eq!(
+            logits_in_batches(&mut scalar, &model, &z.x),
+            int8_out,
+            "{}: blocked INT8 differs from scalar",
+            z.name
+        );
         let (int8_p, fp8_p) = (scores(&model, &int8_out), scores(&model, &fp8_out));
         let (e8, ef) = match z.kind {
             OutputKind::Logit => (max_abs_diff(&int8_p, &want_p), max_abs_diff(&fp8_p, &want_p)),
@@ -372,7 +360,7 @@ fn calibrated_int8_is_no_worse_than_dynamic_on_held_out_rows() {
             calibrated.validate().unwrap();
             let c = calibrated.calibration.as_ref().unwrap();
             let err = |m: &Model| {
-                let out = run(&mut CpuInt8::new(m, 256), m, x);
+                let out = logits_in_batches(&mut CpuInt8::new(m, 256), m, x);
                 let d: Vec<f32> = out.iter().zip(want).map(|(a, b)| (sigmoid(*a) - sigmoid(*b)).abs()).collect();
                 (d.iter().copied().fold(0.0, f32::max), d.iter().sum::<f32>() / d.len() as f32)
             };

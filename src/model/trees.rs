@@ -94,6 +94,16 @@ pub fn f32_below(t: f32) -> f32 {
     t.next_down()
 }
 
+/// The largest f32 `< t` for an f64 `t` (exact for an f32 widened to f64).
+pub fn f32_below_f64(t: f64) -> f32 {
+    let f = f32_at_most(t);
+    if f as f64 == t {
+        f.next_down()
+    } else {
+        f
+    }
+}
+
 /// Whether `x` takes the left branch of `split` (not a leaf).
 #[inline]
 pub fn goes_left(split: &Split, x: f32, cat_words: &[u32]) -> bool {
@@ -392,8 +402,15 @@ pub(crate) mod tests {
         }
         for t in [0.0f32, 0.1, -2.5, f32::MIN_POSITIVE] {
             let f = f32_below(t);
+            assert_eq!(f32_below_f64(t as f64), f);
             for x in [t, t.next_down(), t.next_up(), -0.0] {
                 assert_eq!(x < t, x <= f, "t {t} x {x}");
+            }
+        }
+        for t in [0.1f64, -0.3, 1e-40, 1e39] {
+            let f = f32_below_f64(t);
+            for x in [f, f.next_up(), t as f32] {
+                assert_eq!((x as f64) < t, x <= f, "t {t} x {x}");
             }
         }
     }

@@ -280,3 +280,22 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// `backend`'s outputs for every row of `x` (`model.input_dim()` floats a
+/// row), scored 256 rows a call.
+pub fn logits_in_batches(backend: &mut dyn quiver::score::Backend, model: &Model, x: &[f32]) -> Vec<f32> {
+    let dim = model.input_dim();
+    let mut out = Vec::new();
+    for chunk in x.chunks(256 * dim) {
+        let rows = chunk.len() / dim;
+        let mut y = vec![0.0; rows];
+        backend.logits(model, chunk, rows, &mut y);
+        out.extend(y);
+    }
+    out
+}
+
+/// Largest |a − b| / max(1, |b|).
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+}

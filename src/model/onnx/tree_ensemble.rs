@@ -17,7 +17,7 @@ use onnx_protobuf::{AttributeProto, NodeProto};
 
 use super::{attr, attr_ints, attr_string, node_err, Builder, OnnxError, Val};
 use crate::model::graph::{Act, Op};
-use crate::model::trees::{f32_at_most, Ensemble, Split, TreeNode, TREES_MAX};
+use crate::model::trees::{f32_at_most, f32_below_f64, Ensemble, Split, TreeNode, TREES_MAX};
 
 /// Floats of `name`, or of `name_as_tensor` (float or double) as f64.
 fn floats_f64(node: &NodeProto, name: &str) -> Result<Option<Vec<f64>>, OnnxError> {
@@ -47,12 +47,6 @@ fn tensor_values(node: &NodeProto, a: &AttributeProto, name: &str) -> Result<Vec
     })
 }
 
-/// Whether the thresholds came as doubles (they are then rounded down).
-fn values_are_double(node: &NodeProto) -> bool {
-    attr(node, "nodes_values").is_none()
-        && attr(node, "nodes_values_as_tensor").and_then(|a| a.t.as_ref()).is_some_and(|t| t.data_type == 11)
-}
-
 pub(super) fn apply(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize) -> Result<Val, OnnxError> {
     let classifier = node.op_type == "TreeEnsembleClassifier";
     let err = |what: String| node_err(node, what);
@@ -63,7 +57,6 @@ pub(super) fn apply(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize)
     let true_ids = ints("nodes_truenodeids")?;
     let false_ids = ints("nodes_falsenodeids")?;
     let values = floats_f64(node, "nodes_values")?.ok_or_else(|| err("attribute 'nodes_values' is missing".into()))?;
-    let double = values_are_double(node);
     let modes: Vec<String> = attr(node, "nodes_modes")
         .map(|a| a.strings.iter().map(|s| String::from_utf8_lossy(s).into_owned()).collect())
         .ok_or_else(|| err("attribute 'nodes_modes' is missing".into()))?;
@@ -156,22 +149,14 @@ pub(super) fn apply(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize)
                 continue;
             }
             let v = values[at];
-            let below = |v: f64| {
-                let f = f32_at_most(v);
-                if f as f64 == v {
-                    f.next_down()
-                } else {
-                    f
-                }
-            };
-            let at_most = |v: f64| if double { f32_at_most(v) } else { v as f32 };
-            let below_t = |v: f64| if double { below(v) } else { (v as f32).next_down() };
+            // A float threshold widened to f64 rounds to itself, so one rule
+            // serves thresholds stored as floats and as doubles.
             // (threshold, true branch on the left?)
             let (threshold, true_left) = match mode {
-                "BRANCH_LEQ" => (at_most(v), true),
-                "BRANCH_LT" => (below_t(v), true),
-                "BRANCH_GTE" => (below_t(v), false),
-                "BRANCH_GT" => (at_most(v), false),
+                "BRANCH_LEQ" => (f32_at_most(v), true),
+                "BRANCH_LT" => (f32_below_f64(v), true),
+                "BRANCH_GTE" => (f32_below_f64(v), false),
+                "BRANCH_GT" => (f32_at_most(v), false),
                 other => {
                     return Err(err(format!(
                         "tree {t} node {id}: mode {other} is not supported (BRANCH_LEQ, BRANCH_LT, BRANCH_GTE, \
