@@ -21,7 +21,7 @@ use crate::deadline::{Clock, MonotonicClock};
 use crate::drift::{DriftConfig, DriftReport, FeatureDrift};
 use crate::feed::{FeedStatus, GroupStatus};
 use crate::ladder::Faults;
-use crate::metrics::{self, Board, Readiness, Stage, STAGES};
+use crate::metrics::{self, Board, Readiness, Stage, StallTask, STAGES};
 use crate::registry::{Registry, RegistryError};
 use crate::request::REASONS;
 use crate::shed::{band_name, BANDS};
@@ -229,6 +229,27 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let labels = [("stage", stage.name())];
             encode_hist(&mut e.encode_family(&labels)?, &m.total[stage as usize])?;
         }
+        let mut e = encoder.encode_descriptor(
+            "quiver_shard_stalls",
+            "Times a shard's reactor was held longer than reactor.stall_threshold_us, by the task that held it \
+             (reactor: a timer of the shard's fired that late, cause unseen).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (shard, by_task) in m.stalls_by_shard.iter().enumerate() {
+            let shard = shard.to_string();
+            for task in StallTask::ALL {
+                let labels = [("shard", shard.as_str()), ("task", task.name())];
+                e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&by_task[task as usize], None)?;
+            }
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_shard_stall_duration",
+            "How long each counted reactor stall lasted.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        encode_hist(&mut e, &m.total[metrics::STALL])?;
         let mut e = encoder.encode_descriptor(
             "quiver_stage_duration_window",
             "Stage latency percentiles over the last 10 s (HdrHistogram).",
@@ -463,7 +484,15 @@ pub struct Stats {
     /// The window the drift measures cover.
     pub drift_window_s: u64,
     pub window_s: u64,
+    /// Stage latencies over the window, then a `stall` row: the lengths of
+    /// the reactor stalls counted in it.
     pub stages: Vec<StageStats>,
+    /// Reactor stalls since start, by the task that held the reactor.
+    #[serde(default)]
+    pub stalls_by_task: std::collections::BTreeMap<String, u64>,
+    /// Reactor stalls since start, per shard.
+    #[serde(default)]
+    pub stalls_by_shard: Vec<u64>,
 }
 
 fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
@@ -516,11 +545,13 @@ fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
         window_s: (metrics::WINDOW_INTERVALS as u64) * metrics::PUBLISH_INTERVAL.as_secs(),
         stages: STAGES
             .iter()
-            .map(|&s| {
-                let h = &m.window[s as usize];
+            .map(|&s| (s.name(), s as usize))
+            .chain([("stall", metrics::STALL)])
+            .map(|(name, i)| {
+                let h = &m.window[i];
                 let q = |q: f64| if h.is_empty() { 0.0 } else { us(h.value_at_quantile(q)) };
                 StageStats {
-                    stage: s.name().into(),
+                    stage: name.into(),
                     count: h.len(),
                     p50_us: q(0.5),
                     p99_us: q(0.99),
@@ -529,6 +560,11 @@ fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
                 }
             })
             .collect(),
+        stalls_by_task: StallTask::ALL
+            .iter()
+            .map(|&t| (t.name().to_string(), m.counters.stalls_by_task[t as usize]))
+            .collect(),
+        stalls_by_shard: m.stalls_by_shard.iter().map(|s| s.iter().sum()).collect(),
     }
 }
 
@@ -694,22 +730,33 @@ fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{board, publish, StageTimes};
+    use crate::metrics::{board, fold, Report};
     use crate::request::Counters;
 
     #[test]
     fn exposition_has_conventional_names_and_consistent_buckets() {
         let b = board(2);
-        let mut t = StageTimes::default();
+        let mut times: Vec<_> = (0..metrics::HISTOGRAMS).map(|_| metrics::stage_histogram()).collect();
         let mut c = Counters::default();
         for us in [3u64, 30, 300, 3_000] {
-            t.record_us(Stage::EndToEnd, us);
+            times[Stage::EndToEnd as usize].record(us * 1_000).unwrap();
         }
         c.requests = 4;
         c.by_status[0] = 4;
         c.shed_by_band[4] = 2;
         c.shed_level_milli = 1_500;
-        publish(&mut t, &c, 1, false, Default::default(), &b[1]);
+        c.stalls_by_task[StallTask::Refresh as usize] = 3;
+        times[metrics::STALL].record(2_000_000).unwrap();
+        let report = Report {
+            shard: 1,
+            times,
+            counters: c,
+            connections_active: 1,
+            breaker_open: false,
+            versions: Default::default(),
+            longest_stall: None,
+        };
+        fold(report, &b[1]);
         let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
         let mut model = crate::demo::model();
         model.name = "m".into();
@@ -734,5 +781,8 @@ mod tests {
         assert!(text.contains("quiver_shed_requests_total{band=\"8-15\"} 2"), "{text}");
         assert!(text.contains("quiver_shed_requests_total{band=\"0\"} 0"), "{text}");
         assert!(text.contains("quiver_shed_level 1.5"), "{text}");
+        assert!(text.contains("quiver_shard_stalls_total{shard=\"1\",task=\"refresh\"} 3"), "{text}");
+        assert!(text.contains("quiver_shard_stalls_total{shard=\"0\",task=\"connection\"} 0"), "{text}");
+        assert!(text.contains("quiver_shard_stall_duration_seconds_count 1"), "{text}");
     }
 }

@@ -64,6 +64,7 @@ pub struct Config {
     /// skipping lookup and model, to price the protocol and runtime alone.
     pub floor: bool,
     pub limits: Limits,
+    pub reactor: ReactorConfig,
 }
 
 impl Default for Config {
@@ -93,6 +94,7 @@ impl Default for Config {
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
             limits: Limits::default(),
+            reactor: ReactorConfig::default(),
         }
     }
 }
@@ -127,6 +129,41 @@ pub struct StageLimits {
 impl Default for StageLimits {
     fn default() -> Self {
         StageLimits { batch_rows_max: 512, batch_wait_us_max: 50, spin_us: 100, jobs_per_shard_max: 256, core: None }
+    }
+}
+
+/// How each shard's reactor (its glommio executor) runs. The defaults are
+/// tuned for latency on small VMs; docs/BENCHMARKS.md has their measured
+/// effect.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReactorConfig {
+    /// How long an idle reactor polls before it parks in the kernel. A
+    /// parked vCPU takes tens of microseconds to wake; spinning this long
+    /// after the last event keeps a shard under steady load awake between
+    /// requests, at the cost of that much CPU per idle gap. 0 parks at once.
+    pub spin_before_park_us: u64,
+    /// How long one task queue runs before the reactor checks for I/O and
+    /// other queues (glommio's preemption timer).
+    pub preempt_timer_us: u64,
+    /// A reactor turn longer than this is a stall: counted in
+    /// `quiver_shard_stalls_total`, timed, and logged (rate-limited) with
+    /// the task queue that ran. 0 turns the detector off.
+    pub stall_threshold_us: u64,
+    /// Cores for the threads that are not shards (admin, refresher, flusher,
+    /// model watcher). Default: the online cores no shard or inference
+    /// stage uses, or unpinned when there are none.
+    pub housekeeping_cores: Option<Vec<usize>>,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> Self {
+        ReactorConfig {
+            spin_before_park_us: 50,
+            preempt_timer_us: 1_000,
+            stall_threshold_us: 500,
+            housekeeping_cores: None,
+        }
     }
 }
 

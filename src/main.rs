@@ -185,6 +185,13 @@ struct ScoreArgs {
 struct BenchArgs {
     #[arg(long, default_value = "127.0.0.1:7411")]
     addr: String,
+    /// What to send: Quiver scoring requests, or Redis GETs of values the
+    /// bench writes first (the outside floor, by the same generator).
+    #[arg(long, value_enum, default_value = "quiver")]
+    protocol: loadgen::Protocol,
+    /// With --protocol redis: bytes in each value.
+    #[arg(long, default_value_t = 128)]
+    redis_value_bytes: usize,
     #[arg(long, default_value = "10s", value_parser = loadgen::parse_duration)]
     duration: Duration,
     #[arg(long, default_value_t = 4)]
@@ -568,6 +575,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         readiness.attach_feed(f.status.clone());
     }
     let board = metrics::board(cores.len());
+    let (collector, publishers) =
+        metrics::Collector::start(board.clone()).map_err(|e| Error::Setup(format!("metrics collector thread: {e}")))?;
     let admin = if config.admin_listen == "off" {
         None
     } else {
@@ -639,12 +648,13 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             .map_err(|e| Error::Setup(format!("installing signal handlers: {e}")))?;
     }
     let shards = cores.len();
-    let placement = ShardPlacement { listen, cores, not_ready: config.not_ready };
-    let reports = shard::serve(shared, placement, board, stage_ends, stop, |addr| {
+    let placement = ShardPlacement { listen, cores, not_ready: config.not_ready, reactor: config.reactor.clone() };
+    let reports = shard::serve(shared, placement, publishers, stage_ends, stop, |addr| {
         readiness.set(true);
         tracing::info!(%addr, shards, "serving");
         println!("quiver listening on {addr} with {shards} shards");
     })?;
+    collector.join();
     if let Some(a) = admin {
         a.stop();
     }
@@ -751,8 +761,13 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     if args.zipf.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
         return Err(Error::Setup("--zipf must be a positive exponent".into()));
     }
+    if args.redis_value_bytes > loadgen::resp::VALUE_BYTES_MAX {
+        return Err(Error::Setup(format!("--redis-value-bytes: at most {}", loadgen::resp::VALUE_BYTES_MAX)));
+    }
     let mut opts = BenchOptions {
         addr: args.addr,
+        protocol: args.protocol,
+        redis_value_bytes: args.redis_value_bytes,
         duration: args.duration,
         connections: args.connections.clamp(1, 1024),
         rate: args.rate,
@@ -893,6 +908,12 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
         }
         if s.stale_responses > 0 {
             println!("stale responses: {}", s.stale_responses);
+        }
+        let stalls: u64 = s.stalls_by_task.values().sum();
+        if stalls > 0 {
+            let by: Vec<_> = s.stalls_by_task.iter().filter(|(_, &n)| n > 0).map(|(t, n)| format!("{t}={n}")).collect();
+            let shards: Vec<_> = s.stalls_by_shard.iter().map(u64::to_string).collect();
+            println!("reactor stalls: {stalls} ({})  by shard: {}", by.join(" "), shards.join(" "));
         }
         for d in &s.drift {
             let psi = d.psi.map_or_else(|| "n/a (too few scores)".to_string(), |p| format!("{p:.3}"));

@@ -2,14 +2,18 @@
 //!
 //! Each shard records stage latencies into its own HdrHistograms and counts
 //! into plain integers: nothing on the request path is shared or locked.
-//! Once per `PUBLISH_INTERVAL` a shard timer (off the request path) folds
-//! the interval into the shard's [`Publication`], the one cross-thread type
-//! here: a mutex that only the publishing shard and the admin thread's
-//! scrape ever take. The admin thread merges all shards on read. Drift counts
-//! (`crate::drift`) travel the same way: per served version, one interval a
-//! publication, kept in the slot as a sliding window.
+//! Once per `PUBLISH_INTERVAL` a shard timer (off the request path) hands
+//! its interval to the collector thread over a bounded channel
+//! ([`ShardPublisher`]) and takes an empty set of histograms back from it:
+//! the shard never merges, allocates or waits, and takes no lock. The
+//! collector folds each interval into that shard's [`Publication`] (totals
+//! and a sliding window); the admin thread merges the slots on read. Those
+//! slot mutexes are taken only by the collector and the admin side, so a
+//! scrape can never hold up a shard. Drift counts (`crate::drift`) travel
+//! the same way: per served version, one interval a publication.
 
 use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,9 +65,22 @@ impl Stage {
     }
 }
 
-/// Latency histograms record nanoseconds, 1 ns to 100 s, 3 significant digits.
+/// Latency histograms record nanoseconds, 100 ns to 10 s, 2 significant
+/// digits (1% resolution): about 22 KB each, so a shard's whole set is
+/// cheap to hand over and to merge. Shorter values count as 100 ns, longer
+/// ones as 10 s.
 pub fn stage_histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static bounds are valid")
+    Histogram::new_with_bounds(100, 10_000_000_000, 2).expect("static bounds are valid")
+}
+
+/// Index of the reactor-stall lengths in a set of histograms, after the
+/// stages (`crate::shard` measures them; they are not a request stage).
+pub const STALL: usize = STAGES.len();
+/// Histograms in one set: the stages, then stalls.
+pub const HISTOGRAMS: usize = STAGES.len() + 1;
+
+fn histogram_set() -> Vec<Histogram<u64>> {
+    (0..HISTOGRAMS).map(|_| stage_histogram()).collect()
 }
 
 /// A shard's stage timings for the current interval. `!Send` by ownership:
@@ -74,11 +91,22 @@ pub struct StageTimes {
 
 impl Default for StageTimes {
     fn default() -> Self {
-        StageTimes { interval: STAGES.iter().map(|_| stage_histogram()).collect() }
+        StageTimes { interval: histogram_set() }
     }
 }
 
 impl StageTimes {
+    /// A reactor stall of `ns`.
+    #[inline]
+    pub fn record_stall_ns(&mut self, ns: u64) {
+        self.interval[STALL].saturating_record(ns.max(1));
+    }
+
+    /// Adds stall lengths measured elsewhere on the shard.
+    pub fn add_stalls(&mut self, stalls: &Histogram<u64>) {
+        self.interval[STALL].add(stalls).expect("same bounds");
+    }
+
     #[inline]
     pub fn record_us(&mut self, stage: Stage, us: u64) {
         self.interval[stage as usize].saturating_record(us.saturating_mul(1_000).max(1));
@@ -124,7 +152,7 @@ impl Publication {
         Publication {
             shard,
             counters: Counters::default(),
-            total: STAGES.iter().map(|_| stage_histogram()).collect(),
+            total: histogram_set(),
             window: VecDeque::with_capacity(WINDOW_INTERVALS + 1),
             connections_active: 0,
             breaker_open: false,
@@ -185,44 +213,183 @@ impl Readiness {
     }
 }
 
-/// The publication slots of all shards, shared with the admin thread.
+/// The publication slots of all shards, shared by the collector and the
+/// admin thread (never by a shard).
 pub type Board = Arc<Vec<Mutex<Publication>>>;
 
 pub fn board(shards: usize) -> Board {
     Arc::new((0..shards).map(|s| Mutex::new(Publication::new(s))).collect())
 }
 
-/// Folds a shard's interval into its slot and starts a new interval.
-/// Called from the shard's timer, never from the request path.
-pub fn publish(
-    times: &mut StageTimes,
-    counters: &Counters,
-    connections_active: u64,
-    breaker_open: bool,
-    versions: VersionReport,
-    slot: &Mutex<Publication>,
-) {
+/// One shard's interval on its way to the collector.
+pub struct Report {
+    pub shard: usize,
+    pub times: Vec<Histogram<u64>>,
+    pub counters: Counters,
+    pub connections_active: u64,
+    pub breaker_open: bool,
+    pub versions: VersionReport,
+    /// The interval's longest stall, for the collector's log line.
+    pub longest_stall: Option<(StallTask, u64)>,
+}
+
+/// Reports in flight to the collector, per shard: a collector that falls this
+/// far behind makes shards skip publications (their intervals grow), never
+/// wait.
+const REPORTS_IN_FLIGHT_PER_SHARD: usize = 2;
+/// Empty histogram sets a shard holds for its next publications: one is
+/// swapped in at each, and the collector returns the window's oldest.
+const SPARE_SETS_PER_SHARD: usize = 2;
+
+/// A shard's end of the publication channel. Lives on the shard.
+pub struct ShardPublisher {
+    shard: usize,
+    reports: SyncSender<Report>,
+    spares: Receiver<Vec<Histogram<u64>>>,
+    /// Publications skipped because the collector was behind or had not
+    /// returned a histogram set yet.
+    pub skipped: u64,
+}
+
+impl ShardPublisher {
+    /// Hands the interval to the collector, swapping in an empty set. When
+    /// no empty set is at hand or the channel is full the interval keeps
+    /// growing until the next publication: nothing blocks, nothing is lost.
+    pub fn publish(
+        &mut self,
+        times: &mut StageTimes,
+        counters: &Counters,
+        connections_active: u64,
+        breaker_open: bool,
+        versions: VersionReport,
+        longest_stall: Option<(StallTask, u64)>,
+    ) {
+        let Ok(spare) = self.spares.try_recv() else {
+            self.skipped += 1;
+            return;
+        };
+        let taken = std::mem::replace(&mut times.interval, spare);
+        let report = Report {
+            shard: self.shard,
+            times: taken,
+            counters: counters.clone(),
+            connections_active,
+            breaker_open,
+            versions,
+            longest_stall,
+        };
+        match self.reports.try_send(report) {
+            Ok(()) => {}
+            Err(TrySendError::Full(r) | TrySendError::Disconnected(r)) => {
+                // Put the interval back (the spare was empty): it carries on.
+                let spare = std::mem::replace(&mut times.interval, r.times);
+                debug_assert!(spare.iter().all(|h| h.is_empty()));
+                self.skipped += 1;
+            }
+        }
+    }
+
+    /// The last publication, as a shard stops: waits for room, so the final
+    /// counts reach the board.
+    pub fn publish_final(
+        self,
+        times: &mut StageTimes,
+        counters: &Counters,
+        breaker_open: bool,
+        versions: VersionReport,
+    ) {
+        let taken = std::mem::replace(&mut times.interval, histogram_set());
+        let report = Report {
+            shard: self.shard,
+            times: taken,
+            counters: counters.clone(),
+            connections_active: 0,
+            breaker_open,
+            versions,
+            longest_stall: None,
+        };
+        let _ = self.reports.send(report);
+    }
+}
+
+/// The collector thread: folds shard reports into the board.
+pub struct Collector {
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Collector {
+    /// Starts the collector for `board` and returns one publisher per shard.
+    pub fn start(board: Board) -> std::io::Result<(Collector, Vec<ShardPublisher>)> {
+        let shards = board.len();
+        let (reports_tx, reports_rx) = mpsc::sync_channel::<Report>(shards.max(1) * REPORTS_IN_FLIGHT_PER_SHARD);
+        let mut publishers = Vec::with_capacity(shards);
+        let mut spare_txs = Vec::with_capacity(shards);
+        for shard in 0..shards {
+            // Room for every set that can be away from the shard at once.
+            let (tx, rx) = mpsc::sync_channel(SPARE_SETS_PER_SHARD + REPORTS_IN_FLIGHT_PER_SHARD + WINDOW_INTERVALS);
+            for _ in 0..SPARE_SETS_PER_SHARD {
+                tx.send(histogram_set()).expect("the receiver is alive");
+            }
+            spare_txs.push(tx);
+            publishers.push(ShardPublisher { shard, reports: reports_tx.clone(), spares: rx, skipped: 0 });
+        }
+        drop(reports_tx);
+        let thread = std::thread::Builder::new().name("quiver-metrics".into()).spawn(move || {
+            // Ends when every shard's publisher is gone.
+            for report in reports_rx {
+                let shard = report.shard;
+                // The shard only counts its stalls; saying so is I/O, done
+                // here, at most one line per shard per publication.
+                if let Some((task, ns)) = report.longest_stall {
+                    let before = board[shard].lock().unwrap_or_else(|e| e.into_inner()).counters.stalls();
+                    let stalls = report.counters.stalls().saturating_sub(before);
+                    tracing::warn!(
+                        shard,
+                        stalls,
+                        longest_us = ns / 1_000,
+                        task = task.name(),
+                        "reactor stalls in the last interval"
+                    );
+                }
+                let back = fold(report, &board[shard]);
+                // A shard that has stopped no longer takes sets back.
+                let _ = spare_txs[shard].try_send(back);
+            }
+        })?;
+        Ok((Collector { thread: Some(thread) }, publishers))
+    }
+
+    /// Waits until every publisher is dropped and the last report folded.
+    pub fn join(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Folds one report into its shard's slot and returns an empty histogram set
+/// for the shard's next interval (the window's oldest, reset, once the
+/// window is full).
+pub fn fold(report: Report, slot: &Mutex<Publication>) -> Vec<Histogram<u64>> {
+    let Report { times, counters, connections_active, breaker_open, versions, .. } = report;
     let mut p = slot.lock().unwrap_or_else(|e| e.into_inner());
-    for (total, h) in p.total.iter_mut().zip(&times.interval) {
+    for (total, h) in p.total.iter_mut().zip(&times) {
         total.add(h).expect("same bounds");
     }
-    if p.window.len() == WINDOW_INTERVALS {
-        let mut reuse = p.window.pop_front().expect("window is full");
-        for (dst, src) in reuse.iter_mut().zip(times.interval.iter_mut()) {
-            std::mem::swap(dst, src);
-            src.reset();
-        }
-        p.window.push_back(reuse);
+    p.window.push_back(times);
+    let back = if p.window.len() > WINDOW_INTERVALS {
+        let mut oldest = p.window.pop_front().expect("window is full");
+        oldest.iter_mut().for_each(Histogram::reset);
+        oldest
     } else {
-        let fresh: Vec<_> = STAGES.iter().map(|_| stage_histogram()).collect();
-        let taken = std::mem::replace(&mut times.interval, fresh);
-        p.window.push_back(taken);
-    }
-    p.counters = counters.clone();
+        histogram_set()
+    };
+    p.counters = counters;
     p.connections_active = connections_active;
     p.breaker_open = breaker_open;
     p.versions = versions.counts;
     drift::push_intervals(&mut p.drift, versions.drift, versions.drift_intervals);
+    back
 }
 
 /// All shards merged, as the admin thread sees them.
@@ -237,22 +404,26 @@ pub struct Merged {
     pub versions: std::collections::BTreeMap<(String, u32, bool), u64>,
     /// Drift windows summed over shards, per calibrated version.
     pub drift: Vec<WindowTotals>,
+    /// Each shard's reactor stalls by task, in shard order.
+    pub stalls_by_shard: Vec<[u64; STALL_TASKS]>,
 }
 
 pub fn merge(board: &Board) -> Merged {
     let mut m = Merged {
         counters: Counters::default(),
-        total: STAGES.iter().map(|_| stage_histogram()).collect(),
-        window: STAGES.iter().map(|_| stage_histogram()).collect(),
+        total: histogram_set(),
+        window: histogram_set(),
         connections_active: 0,
         shards: board.len(),
         breakers_open: 0,
         versions: Default::default(),
         drift: Vec::new(),
+        stalls_by_shard: Vec::with_capacity(board.len()),
     };
     for slot in board.iter() {
         let p = slot.lock().unwrap_or_else(|e| e.into_inner());
         m.counters.add(&p.counters);
+        m.stalls_by_shard.push(p.counters.stalls_by_task);
         m.connections_active += p.connections_active;
         m.breakers_open += usize::from(p.breaker_open);
         for (name, version, canary, n) in &p.versions {
@@ -302,6 +473,9 @@ pub struct Counters {
     /// The shed level in thousandths of a band: a gauge, merged as the
     /// highest over shards.
     pub shed_level_milli: u64,
+    /// Reactor stalls over `reactor.stall_threshold_us`, by the task that
+    /// ran (`StallTask`).
+    pub stalls_by_task: [u64; STALL_TASKS],
 }
 
 impl Counters {
@@ -328,6 +502,57 @@ impl Counters {
             *a += b;
         }
         self.shed_level_milli = self.shed_level_milli.max(other.shed_level_milli);
+        for (a, b) in self.stalls_by_task.iter_mut().zip(&other.stalls_by_task) {
+            *a += b;
+        }
+    }
+
+    pub fn stalls(&self) -> u64 {
+        self.stalls_by_task.iter().sum()
+    }
+}
+
+/// Stall counts by task.
+pub const STALL_TASKS: usize = 6;
+
+/// What held a shard's reactor when it stalled: one of the shard's own
+/// tasks running too long between two awaits, or, seen only as a late
+/// timer, anything else (the runtime itself, a page fault, the vCPU paused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StallTask {
+    /// A connection's round: decode, score and encode its frames.
+    Connection,
+    /// Shadow versions scored after a round's responses were written.
+    Shadow,
+    /// The model watcher swapping in new versions.
+    Refresh,
+    /// The publisher handing an interval to the collector.
+    Publish,
+    /// The hand-off completion poller.
+    Poller,
+    /// None of the above: the shard's timer fired this late.
+    Reactor,
+}
+
+impl StallTask {
+    pub const ALL: [StallTask; STALL_TASKS] = [
+        StallTask::Connection,
+        StallTask::Shadow,
+        StallTask::Refresh,
+        StallTask::Publish,
+        StallTask::Poller,
+        StallTask::Reactor,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StallTask::Connection => "connection",
+            StallTask::Shadow => "shadow",
+            StallTask::Refresh => "refresh",
+            StallTask::Publish => "publish",
+            StallTask::Poller => "poller",
+            StallTask::Reactor => "reactor",
+        }
     }
 }
 
@@ -335,27 +560,89 @@ impl Counters {
 mod tests {
     use super::*;
 
+    /// Publishes one interval through `publisher` and waits until the
+    /// collector has folded it (its set comes back).
+    fn publish_and_wait(publisher: &mut ShardPublisher, times: &mut StageTimes, counters: &Counters, active: u64) {
+        let skipped = publisher.skipped;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            publisher.publish(times, counters, active, false, VersionReport::default(), None);
+            if publisher.skipped == skipped {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the collector never returned a set");
+            publisher.skipped = skipped;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     #[test]
-    fn publish_keeps_totals_and_a_bounded_window() {
+    fn publications_keep_totals_and_a_bounded_window() {
         let b = board(2);
+        let (collector, mut publishers) = Collector::start(b.clone()).unwrap();
         let mut t = StageTimes::default();
         let mut c = Counters::default();
         for i in 0..(WINDOW_INTERVALS as u64 + 5) {
             t.record_us(Stage::Kernel, 100 + i);
             t.record_ns(Stage::Decode, 500);
+            t.record_stall_ns(700_000);
             c.requests += 1;
-            publish(&mut t, &c, 3, false, VersionReport::default(), &b[0]);
+            c.stalls_by_task[StallTask::Refresh as usize] += 1;
+            publish_and_wait(&mut publishers[0], &mut t, &c, 3);
         }
+        let mut publishers = publishers.into_iter();
+        let last = publishers.next().unwrap();
+        drop(publishers);
+        last.publish_final(&mut t, &c, false, VersionReport::default());
+        collector.join();
         let p = b[0].lock().unwrap();
         assert_eq!(p.window.len(), WINDOW_INTERVALS);
         assert_eq!(p.total[Stage::Kernel as usize].len(), WINDOW_INTERVALS as u64 + 5);
+        assert_eq!(p.total[STALL].len(), WINDOW_INTERVALS as u64 + 5);
         assert_eq!(p.counters.requests, WINDOW_INTERVALS as u64 + 5);
         drop(p);
         let m = merge(&b);
-        assert_eq!(m.window[Stage::Kernel as usize].len(), WINDOW_INTERVALS as u64);
-        // The window holds only the most recent intervals.
-        assert!(m.window[Stage::Kernel as usize].min() >= 105_000 - 100);
-        assert_eq!(m.connections_active, 3);
+        // The final publication was an empty interval: the window holds the
+        // most recent ones.
+        assert_eq!(m.window[Stage::Kernel as usize].len(), WINDOW_INTERVALS as u64 - 1);
+        assert!(m.window[Stage::Kernel as usize].min() >= 106_000 - 1_000);
+        assert_eq!(m.connections_active, 0, "a stopped shard has no connections");
         assert_eq!(m.counters.requests, WINDOW_INTERVALS as u64 + 5);
+        assert_eq!(m.counters.stalls(), WINDOW_INTERVALS as u64 + 5);
+    }
+
+    #[test]
+    fn a_collector_that_falls_behind_makes_the_shard_skip_not_wait_or_lose() {
+        let b = board(1);
+        let (collector, mut publishers) = Collector::start(b.clone()).unwrap();
+        let mut publisher = publishers.pop().unwrap();
+        // Hold the slot: the collector blocks on it, as under a long scrape.
+        let held = b[0].lock().unwrap();
+        let mut t = StageTimes::default();
+        let c = Counters::default();
+        let start = std::time::Instant::now();
+        for _ in 0..50 {
+            t.record_us(Stage::EndToEnd, 10);
+            publisher.publish(&mut t, &c, 1, false, VersionReport::default(), None);
+        }
+        assert!(start.elapsed() < Duration::from_millis(500), "publishing never waits");
+        assert!(publisher.skipped >= 45, "skipped {}", publisher.skipped);
+        drop(held);
+        publisher.publish_final(&mut t, &c, false, VersionReport::default());
+        collector.join();
+        // Every recorded value reached the totals, skipped or not.
+        assert_eq!(b[0].lock().unwrap().total[Stage::EndToEnd as usize].len(), 50);
+    }
+
+    #[test]
+    fn histograms_are_small_and_keep_one_percent() {
+        let mut h = stage_histogram();
+        assert!(h.distinct_values() <= 4_096, "{} counters", h.distinct_values());
+        h.record(123_456).unwrap();
+        let v = h.value_at_quantile(0.5) as f64;
+        assert!((v / 123_456.0 - 1.0).abs() < 0.01, "{v}");
+        h.saturating_record(1);
+        h.saturating_record(u64::MAX);
+        assert_eq!(h.len(), 3);
     }
 }

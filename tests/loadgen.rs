@@ -1,12 +1,17 @@
 //! The load generator against a fake server that stalls once: the open loop
 //! must charge the stall to every request scheduled during it (coordinated
-//! omission corrected); the closed loop, by design, sees it once.
+//! omission corrected); the closed loop, by design, sees it once. And the
+//! same generator against a real Redis (`--protocol redis`), whose pause it
+//! must see the same way.
+
+mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::time::Duration;
 
-use quiver::loadgen::{self, Arrival, BenchOptions};
+use common::redis::RedisServer;
+use quiver::loadgen::{self, Arrival, BenchOptions, Protocol};
 use quiver::wire::{self, ResponseEncoder, ResponseFields, Status, Tier};
 
 const STALL: Duration = Duration::from_millis(300);
@@ -61,6 +66,8 @@ fn fake_server(stall_at: u64) -> String {
 
 fn options(addr: String, rate: Option<f64>) -> BenchOptions {
     BenchOptions {
+        protocol: quiver::loadgen::Protocol::Quiver,
+        redis_value_bytes: 128,
         addr,
         duration: Duration::from_secs(1),
         connections: 1,
@@ -95,4 +102,40 @@ fn closed_loop_sees_the_stall_once() {
     // One slow request among thousands: p99 stays fast. This is why the
     // closed loop is labelled service time, not latency at a load.
     assert!(report.latency.p99_us < 50_000, "{report}");
+}
+
+#[test]
+fn redis_gets_are_sent_on_the_same_schedule_and_a_pause_shows_in_the_tail() {
+    let redis = RedisServer::start();
+    let mut opts = options(redis.addr(), Some(2_000.0));
+    opts.protocol = Protocol::Redis;
+    opts.connections = 2;
+    let pid = redis.pid();
+    let pauser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(400));
+        // SIGSTOP for 200 ms: every GET due meanwhile waits.
+        let pid = pid.expect("redis-server runs").to_string();
+        std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    });
+    let report = loadgen::run(&opts);
+    pauser.join().unwrap();
+    assert!(report.connection_errors.is_empty(), "{report}");
+    assert_eq!(report.received, report.sent, "{report}");
+    assert!(report.sent >= 1_980, "{report}");
+    assert_eq!(report.by_status.get("ok"), Some(&report.sent), "every GET finds its value: {report}");
+    assert_eq!(report.protocol, Protocol::Redis);
+    assert!(report.latency.max_us >= 180_000, "{report}");
+    assert!(report.latency.p90_us >= 20_000, "~400 of ~2000 were due during the pause: {report}");
+}
+
+#[test]
+fn a_quiver_server_is_not_a_redis() {
+    // A Quiver-protocol peer (the fake server) does not answer RESP: the
+    // run reports a broken connection instead of hanging or panicking.
+    let mut opts = options(fake_server(u64::MAX), Some(100.0));
+    opts.protocol = Protocol::Redis;
+    let report = loadgen::run(&opts);
+    assert!(!report.connection_errors.is_empty(), "{report}");
 }

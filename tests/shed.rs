@@ -25,6 +25,8 @@ fn stats(server: &Server) -> quiver::admin::Stats {
 
 fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)>) -> BenchOptions {
     BenchOptions {
+        protocol: quiver::loadgen::Protocol::Quiver,
+        redis_value_bytes: 128,
         addr: addr.into(),
         duration,
         connections: 4,

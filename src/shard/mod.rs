@@ -14,6 +14,7 @@
 
 mod mailbox;
 mod shutdown;
+mod stall;
 
 use std::cell::{Cell, RefCell};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -26,15 +27,16 @@ use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
-use crate::config::NotReadyPolicy;
+use crate::config::{NotReadyPolicy, ReactorConfig};
 use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::ShardEnd;
 use crate::ladder::BreakerState;
-use crate::metrics::{self, Board};
+use crate::metrics::{ShardPublisher, StallTask};
 use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
 use mailbox::{Mailbox, Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
+use stall::StallMeter;
 
 /// How often a shard looks at the process-wide shutdown flag.
 const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
@@ -66,6 +68,7 @@ pub struct ShardPlacement {
     pub listen: SocketAddr,
     pub cores: Vec<usize>,
     pub not_ready: NotReadyPolicy,
+    pub reactor: ReactorConfig,
 }
 
 /// Resolves `listen`; a port of 0 is replaced by a free port, which every
@@ -88,12 +91,14 @@ pub fn resolve_listen(listen: &str) -> Result<SocketAddr, crate::Error> {
 pub fn serve(
     shared: Shared,
     placement: ShardPlacement,
-    board: Board,
+    publishers: Vec<ShardPublisher>,
     stage_ends: Vec<ShardEnd>,
     stop: Arc<AtomicBool>,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<Vec<ShardReport>, crate::Error> {
     assert!(stage_ends.is_empty() || stage_ends.len() == placement.cores.len(), "one stage end per shard");
+    assert_eq!(publishers.len(), placement.cores.len(), "one publisher per shard");
+    let mut publishers = publishers.into_iter();
     let mut stage_ends: Vec<Option<ShardEnd>> = stage_ends.into_iter().map(Some).collect();
     stage_ends.resize_with(placement.cores.len(), || None);
     let (bound_tx, bound_rx) = mpsc::channel::<Result<(), String>>();
@@ -102,14 +107,17 @@ pub fn serve(
         let shared = shared.clone();
         let stop = stop.clone();
         let bound_tx = bound_tx.clone();
-        let board = board.clone();
+        let publisher = publishers.next().expect("one publisher per shard");
         let stage = stage_ends[shard].take();
         let (listen, not_ready) = (placement.listen, placement.not_ready);
+        let stall_threshold_us = placement.reactor.stall_threshold_us;
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
             .name(&format!("quiver-shard-{shard}"))
+            .spin_before_park(Duration::from_micros(placement.reactor.spin_before_park_us))
+            .preempt_timer(Duration::from_micros(placement.reactor.preempt_timer_us.max(10)))
             .spawn(move || async move {
-                let place = ShardPlace { shard, core, listen, not_ready };
-                run_shard(place, shared, board, stage, stop, bound_tx).await
+                let place = ShardPlace { shard, core, listen, not_ready, stall_threshold_us };
+                run_shard(place, shared, publisher, stage, stop, bound_tx).await
             })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
         handles.push(handle);
@@ -148,17 +156,19 @@ struct ShardPlace {
     core: usize,
     listen: SocketAddr,
     not_ready: NotReadyPolicy,
+    stall_threshold_us: u64,
 }
 
 async fn run_shard(
     place: ShardPlace,
     shared: Shared,
-    board: Board,
+    publisher: ShardPublisher,
     stage: Option<ShardEnd>,
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
-    let ShardPlace { shard, core, listen, not_ready } = place;
+    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us } = place;
+    let stalls = Rc::new(StallMeter::new(stall_threshold_us));
     let limits = shared.limits.clone();
     let readiness = shared.readiness.clone();
     let path = match RequestPath::new(shared, MonotonicClock::new()) {
@@ -181,14 +191,20 @@ async fn run_shard(
 
     let shutdown = Rc::new(ShutdownSignal::default());
     let watcher = glommio::spawn_local({
-        let shutdown = shutdown.clone();
-        let path = path.clone();
+        let (shutdown, path, stalls) = (shutdown.clone(), path.clone(), stalls.clone());
+        let clock = MonotonicClock::new();
         async move {
             while !stop.load(Ordering::Relaxed) {
+                let due_ns = clock.now_ns() + SHUTDOWN_POLL.as_nanos() as u64;
                 glommio::timer::sleep(SHUTDOWN_POLL).await;
+                // This timer firing late is the one sign of a stall that no
+                // task of ours caused.
+                stalls.timer_fired(due_ns);
                 // New model versions are usually picked up here, between
                 // requests, rather than at the start of a read round.
+                let t = stalls.start();
                 refresh(&path, shard);
+                stalls.end(StallTask::Refresh, t);
             }
             shutdown.trigger();
         }
@@ -196,18 +212,23 @@ async fn run_shard(
     .detach();
 
     let active = Rc::new(Cell::new(0usize));
-    // Publish this shard's interval to the admin thread, off the request path.
-    let publisher = glommio::spawn_local({
+    // Publish this shard's interval to the collector, off the request path.
+    let publisher = Rc::new(RefCell::new(publisher));
+    let publishing = glommio::spawn_local({
         let (path, active, shutdown) = (path.clone(), active.clone(), shutdown.clone());
-        let board = board.clone();
+        let (publisher, stalls) = (publisher.clone(), stalls.clone());
         async move {
             while !shutdown.is_triggered() {
-                glommio::timer::sleep(metrics::PUBLISH_INTERVAL).await;
+                glommio::timer::sleep(crate::metrics::PUBLISH_INTERVAL).await;
+                let t = stalls.start();
                 let mut p = path.borrow_mut();
-                let counters = p.counters.clone();
+                let mut counters = p.counters.clone();
+                let longest = stalls.drain_into(p.times_mut(), &mut counters);
                 let open = p.breaker_state() != BreakerState::Closed;
                 let versions = p.version_report();
-                metrics::publish(p.times_mut(), &counters, active.get() as u64, open, versions, &board[shard]);
+                publisher.borrow_mut().publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
+                drop(p);
+                stalls.end(StallTask::Publish, t);
             }
         }
     })
@@ -225,12 +246,14 @@ async fn run_shard(
     // until a connection submits.
     let poller = stage_attached.then(|| {
         let (path, mailboxes, submitted) = (path.clone(), mailboxes.clone(), submitted.clone());
+        let stalls = stalls.clone();
         glommio::spawn_local(async move {
             let mut bytes = Vec::with_capacity(64 * 1024);
             let clock = MonotonicClock::new();
             let mut last_delivery_ns = 0;
             loop {
                 let mut delivered = 0;
+                let t = stalls.start();
                 {
                     let mut p = path.borrow_mut();
                     while let Some((done, token)) = p.poll_stage() {
@@ -248,6 +271,7 @@ async fn run_shard(
                         delivered += 1;
                     });
                 }
+                stalls.end(StallTask::Poller, t);
                 let now_ns = clock.now_ns();
                 if delivered > 0 {
                     last_delivery_ns = now_ns;
@@ -309,6 +333,7 @@ async fn run_shard(
             shutdown: shutdown.clone(),
             limits: limits.clone(),
             report: report.clone(),
+            stalls: stalls.clone(),
         };
         let active = active.clone();
         glommio::spawn_local(async move {
@@ -332,13 +357,15 @@ async fn run_shard(
         tracing::warn!(shard, open = active.get(), "shutdown grace elapsed; closing connections");
     }
     drop(watcher);
-    drop(publisher);
+    drop(publishing);
     drop(poller);
     let mut p = path.borrow_mut();
-    let counters = p.counters.clone();
+    let mut counters = p.counters.clone();
+    stalls.drain_into(p.times_mut(), &mut counters);
     let open = p.breaker_state() != BreakerState::Closed;
     let versions = p.version_report();
-    metrics::publish(p.times_mut(), &counters, 0, open, versions, &board[shard]);
+    let publisher = Rc::try_unwrap(publisher).ok().expect("the publishing task is dropped").into_inner();
+    publisher.publish_final(p.times_mut(), &counters, open, versions);
     let mut r = report.borrow().clone();
     r.counters = counters;
     Ok(r)
@@ -368,6 +395,7 @@ struct Connection {
     shutdown: Rc<ShutdownSignal>,
     limits: crate::config::Limits,
     report: Rc<RefCell<ShardReport>>,
+    stalls: Rc<StallMeter>,
 }
 
 impl Connection {
@@ -407,8 +435,11 @@ impl Connection {
             let mut consumed = 0;
             let mut frames = 0;
             let mut broken = false;
+            let t = self.stalls.start();
             refresh(&self.path, self.shard);
+            self.stalls.end(StallTask::Refresh, t);
             let mut handed_off = false;
+            let t = self.stalls.start();
             {
                 let mut path = self.path.borrow_mut();
                 let read_at_ns = path.clock().now_ns();
@@ -438,6 +469,7 @@ impl Connection {
             inbuf.copy_within(consumed..filled, 0);
             filled -= consumed;
             mailbox.take_into(&mut out);
+            self.stalls.end(StallTask::Connection, t);
             if !out.is_empty() {
                 stream.write_all(&out).await?;
                 out.clear();
@@ -451,7 +483,9 @@ impl Connection {
                 continue;
             }
             // Responses are written and no frame waits: spare time for shadows.
+            let t = self.stalls.start();
             self.path.borrow_mut().run_shadows();
+            self.stalls.end(StallTask::Shadow, t);
             let closing = self.shutdown.is_triggered();
             // Make room for the rest of a frame whose prefix we have seen.
             if filled == inbuf.len() {

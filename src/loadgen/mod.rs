@@ -16,6 +16,10 @@
 //! The generator reports how busy its own loop was; above ~80% it is close to
 //! being the bottleneck and says so.
 //!
+//! With `--protocol redis` the same schedule sends `GET`s to a Redis
+//! instead (`resp`), so the environment's floor is measured by the same
+//! generator in the same run.
+//!
 //! With a priority mix (`--priority-mix 0:0.75,9:0.25`) each request draws
 //! its priority from the mix (seeded), and the report breaks latency and
 //! statuses down by priority, to see what load shedding keeps for whom.
@@ -32,6 +36,8 @@ use serde::{Deserialize, Serialize};
 use crate::client::{ClientError, Codec};
 use crate::demo::{SplitMix64, Workload};
 use crate::wire::{status_name, tier_name, RequestSpec, Status};
+
+pub mod resp;
 
 /// Most requests one run may schedule, so a typo in `--rate` cannot run away.
 pub const REQUESTS_MAX: u64 = 100_000_000;
@@ -53,9 +59,22 @@ pub enum Arrival {
     Poisson,
 }
 
+/// What the generator speaks to the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// Quiver's scoring requests.
+    Quiver,
+    /// Redis `GET`s of values the bench writes first (the outside floor).
+    Redis,
+}
+
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
     pub addr: String,
+    pub protocol: Protocol,
+    /// With `Protocol::Redis`: the size of each value.
+    pub redis_value_bytes: usize,
     pub duration: Duration,
     pub connections: usize,
     /// Total offered rate in requests per second; `None` for closed loop.
@@ -87,6 +106,8 @@ pub struct Latency {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchReport {
     pub mode: String,
+    #[serde(default = "default_protocol")]
+    pub protocol: Protocol,
     pub connections: usize,
     pub duration_s: f64,
     pub offered_rate: Option<f64>,
@@ -108,6 +129,10 @@ pub struct BenchReport {
     /// With a priority mix: the same figures per priority, keyed by it.
     #[serde(default)]
     pub by_priority: BTreeMap<String, PriorityReport>,
+}
+
+fn default_protocol() -> Protocol {
+    Protocol::Quiver
 }
 
 /// One priority's share of a run.
@@ -219,6 +244,9 @@ struct Conn {
     rbuf: Vec<u8>,
     rfilled: usize,
     in_flight: usize,
+    /// Redis answers in order: the ids of this connection's requests in
+    /// flight, oldest first.
+    fifo: std::collections::VecDeque<u64>,
     broken: bool,
 }
 
@@ -264,6 +292,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     let n_conns = opts.connections.max(1);
     let mut report = BenchReport {
         mode: if opts.rate.is_some() { "open-loop" } else { "closed-loop" }.into(),
+        protocol: opts.protocol,
         connections: n_conns,
         duration_s: opts.duration.as_secs_f64(),
         offered_rate: opts.rate,
@@ -285,6 +314,13 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         total: histogram(),
         intervals: (0..(opts.duration + DRAIN_MAX).as_secs() + 2).map(|_| histogram()).collect(),
     };
+    if opts.protocol == Protocol::Redis {
+        if let Err(e) = resp::prepare(&opts.addr, opts.redis_value_bytes) {
+            report.connection_errors.push(e);
+            return (report, rec);
+        }
+    }
+    let fifo_cap = if opts.protocol == Protocol::Redis { IN_FLIGHT_MAX / n_conns + 1 } else { 0 };
     let mut conns = Vec::with_capacity(n_conns);
     for _ in 0..n_conns {
         match connect(&opts.addr) {
@@ -295,6 +331,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                 rbuf: vec![0; 256 * 1024],
                 rfilled: 0,
                 in_flight: 0,
+                fifo: std::collections::VecDeque::with_capacity(fifo_cap),
                 broken: false,
             }),
             Err(e) => report.connection_errors.push(e.to_string()),
@@ -319,6 +356,15 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     });
     let codec = Codec::default();
     let mut encoder = Codec::default();
+    let mut key_scratch = String::with_capacity(64);
+    let protocol = opts.protocol;
+    let mut send = |c: &mut Conn, seq: u64, spec: &RequestSpec| match protocol {
+        Protocol::Quiver => encoder.encode(spec, &mut c.wbuf),
+        Protocol::Redis => {
+            resp::encode_get(seq, &mut c.wbuf, &mut key_scratch);
+            c.fifo.push_back(seq);
+        }
+    };
     let mut spec = RequestSpec::default();
     // Per priority of the mix: its draw, what was sent and how it came back.
     let mut mix_rng = SplitMix64::new(opts.seed ^ 0x5052_494F);
@@ -363,7 +409,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                             sent_mix[(seq & mask) as usize] = i as u8;
                             by_priority[i].0.sent += 1;
                         }
-                        encoder.encode(&spec, &mut conns[c].wbuf);
+                        send(&mut conns[c], seq, &spec);
                         sent_ns[(seq & mask) as usize] = due_ns;
                         conns[c].in_flight += 1;
                         in_flight_total += 1;
@@ -381,7 +427,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                                 sent_mix[(seq & mask) as usize] = i as u8;
                                 by_priority[i].0.sent += 1;
                             }
-                            encoder.encode(&spec, &mut c.wbuf);
+                            send(c, seq, &spec);
                             sent_ns[(seq & mask) as usize] = now_ns;
                             c.in_flight += 1;
                             in_flight_total += 1;
@@ -436,31 +482,46 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
             let mut at = 0;
             let recv_ns = start.elapsed().as_nanos() as u64;
             loop {
-                match codec.decode(&c.rbuf[at..c.rfilled]) {
-                    Ok(Some((resp, used))) => {
+                // (request id, status name, tier name when answered, bytes used)
+                let next = match protocol {
+                    Protocol::Quiver => codec.decode(&c.rbuf[at..c.rfilled]).map_err(|e| e.to_string()).map(|r| {
+                        r.map(|(resp, used)| {
+                            let tier = (resp.status == Status::Ok).then(|| tier_name(resp.tier));
+                            (resp.request_id, status_name(resp.status), tier, used)
+                        })
+                    }),
+                    Protocol::Redis => resp::decode(&c.rbuf[at..c.rfilled]).and_then(|r| match r {
+                        None => Ok(None),
+                        Some((reply, used)) => match c.fifo.pop_front() {
+                            Some(id) => Ok(Some((id, reply.name(), None, used))),
+                            None => Err("a Redis reply to no request".into()),
+                        },
+                    }),
+                };
+                match next {
+                    Ok(Some((request_id, status, tier, used))) => {
                         at += used;
-                        if resp.request_id >= seq || seq - resp.request_id > IN_FLIGHT_MAX as u64 {
-                            report.connection_errors.push(format!("response for unknown request {}", resp.request_id));
+                        if request_id >= seq || seq - request_id > IN_FLIGHT_MAX as u64 {
+                            report.connection_errors.push(format!("response for unknown request {request_id}"));
                             c.broken = true;
                             break;
                         }
-                        let latency_us =
-                            (recv_ns.saturating_sub(sent_ns[(resp.request_id & mask) as usize]) / 1_000).max(1);
+                        let latency_us = (recv_ns.saturating_sub(sent_ns[(request_id & mask) as usize]) / 1_000).max(1);
                         rec.total.saturating_record(latency_us);
                         let slot = ((recv_ns / INTERVAL.as_nanos() as u64) as usize).min(rec.intervals.len() - 1);
                         rec.intervals[slot].saturating_record(latency_us);
                         report.received += 1;
-                        *report.by_status.entry(status_name(resp.status).into()).or_default() += 1;
-                        if resp.status == Status::Ok {
-                            *report.by_tier.entry(tier_name(resp.tier).into()).or_default() += 1;
+                        *report.by_status.entry(status.into()).or_default() += 1;
+                        if let Some(tier) = tier {
+                            *report.by_tier.entry(tier.into()).or_default() += 1;
                         }
-                        let mix = sent_mix.get((resp.request_id & mask) as usize);
+                        let mix = sent_mix.get((request_id & mask) as usize);
                         if let Some((p, h)) = mix.and_then(|&i| by_priority.get_mut(usize::from(i))) {
                             h.saturating_record(latency_us);
                             p.received += 1;
-                            *p.by_status.entry(status_name(resp.status).into()).or_default() += 1;
-                            if resp.status == Status::Ok {
-                                *p.by_tier.entry(tier_name(resp.tier).into()).or_default() += 1;
+                            *p.by_status.entry(status.into()).or_default() += 1;
+                            if let Some(tier) = tier {
+                                *p.by_tier.entry(tier.into()).or_default() += 1;
                             }
                         }
                         c.in_flight = c.in_flight.saturating_sub(1);
@@ -468,7 +529,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                     }
                     Ok(None) => break,
                     Err(e) => {
-                        report.connection_errors.push(e.to_string());
+                        report.connection_errors.push(e);
                         c.broken = true;
                         break;
                     }
