@@ -63,6 +63,10 @@ pub struct Config {
     /// Benchmark floor: answer every verified request with an empty `Ok`,
     /// skipping lookup and model, to price the protocol and runtime alone.
     pub floor: bool,
+    /// Lock the replica files in memory (mlock), so a lookup never waits on
+    /// a page the kernel evicted. Needs RLIMIT_MEMLOCK (or CAP_IPC_LOCK) of
+    /// at least the files' size; start-up fails, naming it, when too low.
+    pub replica_lock: bool,
     pub limits: Limits,
     pub reactor: ReactorConfig,
 }
@@ -93,6 +97,7 @@ impl Default for Config {
             admin_listen: "127.0.0.1:7412".into(),
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
+            replica_lock: false,
             limits: Limits::default(),
             reactor: ReactorConfig::default(),
         }

@@ -9,6 +9,7 @@ pub mod admission;
 pub mod cache;
 pub mod client;
 pub mod config;
+pub mod cores;
 pub mod deadline;
 pub mod demo;
 pub mod drift;

@@ -528,14 +528,36 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if args.demo {
         demo::ensure(&config.data_dir)?;
     }
-    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The cores `taskset` (or a cgroup) allows; shards default to one each.
+    let allowed = quiver::cores::allowed();
     let cores: Vec<usize> = if !config.cores.is_empty() {
         config.cores.clone()
     } else {
-        let n = if config.shards == 0 { online } else { config.shards };
-        (0..n).map(|i| i % online).collect()
+        let n = if config.shards == 0 { allowed.len() } else { config.shards };
+        (0..n).map(|i| allowed[i % allowed.len()]).collect()
     };
 
+    // Every thread but the shards and the inference stage runs on the
+    // housekeeping cores: pin this thread before it starts any of them.
+    let stage_core = match config.inference {
+        InferenceMode::Inline => None,
+        InferenceMode::Thread => config.stage.core.or_else(|| allowed.iter().copied().find(|c| !cores.contains(c))),
+    };
+    let busy: Vec<usize> = cores.iter().copied().chain(stage_core).collect();
+    let housekeeping =
+        config.reactor.housekeeping_cores.clone().unwrap_or_else(|| quiver::cores::spare(&allowed, &busy));
+    if housekeeping.is_empty() {
+        tracing::info!("no spare core for housekeeping threads: they run unpinned, beside the shards");
+    } else {
+        if housekeeping.iter().any(|c| busy.contains(c)) {
+            tracing::warn!(?housekeeping, shards = ?cores, ?stage_core, "housekeeping cores overlap shard or stage cores");
+        }
+        quiver::cores::pin_current_thread(&housekeeping)
+            .map_err(|e| Error::Setup(format!("pinning housekeeping threads to cores {housekeeping:?}: {e}")))?;
+        tracing::info!(?housekeeping, "housekeeping threads pinned");
+    }
+
+    quiver::replica::lock_pages(config.replica_lock);
     let stop = Arc::new(AtomicBool::new(false));
     let (user, item, feed) = open_features(&config, &stop)?;
     let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
@@ -611,7 +633,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
                 // Sized for the models served at start; a wider version
                 // loaded later is scored inline (see RequestPath::handle).
                 row_dim_max,
-                core: config.stage.core.or_else(|| (0..online).find(|c| !cores.contains(c))),
+                core: stage_core,
             };
             let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend, faults.clone())
                 .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;

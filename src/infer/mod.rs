@@ -562,18 +562,9 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
 
 /// Pins the calling thread to `core`; logs and goes on unpinned on failure.
 fn pin_to(core: usize) {
-    // SAFETY: `set` is a plain bit array on the stack, initialised by
-    // CPU_ZERO before use; sched_setaffinity(0, ..) affects only this thread.
-    let ok = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_ZERO(&mut set);
-        libc::CPU_SET(core, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    };
-    if ok {
-        tracing::info!(core, "inference thread pinned");
-    } else {
-        tracing::warn!(core, error = %std::io::Error::last_os_error(), "could not pin the inference thread");
+    match crate::cores::pin_current_thread(&[core]) {
+        Ok(()) => tracing::info!(core, "inference thread pinned"),
+        Err(error) => tracing::warn!(core, %error, "could not pin the inference thread"),
     }
 }
 

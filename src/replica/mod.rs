@@ -56,7 +56,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 pub use layout::{Cursor, Header, Storage};
-pub use table::Replica;
+pub use table::{lock_pages, Replica};
 pub use writer::{OpenReport, ReplicaWriter};
 
 pub const MAGIC: [u8; 8] = *b"QVREPL02";
@@ -101,6 +101,18 @@ pub enum ReplicaError {
     Index { path: String, slot: u64, what: String },
     #[error("{path}: another process is writing this replica")]
     Locked { path: String },
+    #[error(
+        "{path}: cannot lock its {bytes} bytes in memory (replica_lock = true): {source}; RLIMIT_MEMLOCK is \
+         {limit}: raise it to at least the replica files' total size (ulimit -l, LimitMEMLOCK= in a systemd \
+         unit) or set replica_lock = false"
+    )]
+    MemoryLock {
+        path: String,
+        bytes: u64,
+        limit: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}:{line}: {what}")]
     Input { path: String, line: usize, what: String },
     #[error("duplicate key {key}")]

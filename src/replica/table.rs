@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::path::Path;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -62,6 +62,31 @@ pub(super) struct Scan {
     pub torn_slots: Vec<u64>,
 }
 
+/// Whether replica mappings are locked in memory (`replica_lock`).
+static LOCK_PAGES: AtomicBool = AtomicBool::new(false);
+
+/// Locks every replica mapped from now on in memory (mlock), so a lookup
+/// never takes a major fault after the kernel evicted a page: set once at
+/// start-up from `replica_lock`, before any replica is opened. A mapping
+/// that cannot be locked fails to open, naming RLIMIT_MEMLOCK.
+pub fn lock_pages(on: bool) {
+    LOCK_PAGES.store(on, Ordering::Relaxed);
+}
+
+/// RLIMIT_MEMLOCK in words, for the error that names it.
+fn memlock_limit() -> String {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
+        return "unknown".into();
+    }
+    if limit.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".into()
+    } else {
+        format!("{} bytes", limit.rlim_cur)
+    }
+}
+
 impl Replica {
     /// Maps `path` read-only, pre-faults its pages and verifies it
     /// completely. `expected_group` guards against swapped files. A file
@@ -88,6 +113,14 @@ impl Replica {
         let mut options = MmapOptions::new();
         options.populate();
         let map = if writable { options.map_raw(&file) } else { options.map_raw_read_only(&file) }.map_err(io)?;
+        if LOCK_PAGES.load(Ordering::Relaxed) {
+            map.lock().map_err(|source| ReplicaError::MemoryLock {
+                path: p.clone(),
+                bytes: actual,
+                limit: memlock_limit(),
+                source,
+            })?;
+        }
         if actual >= HUGE_PAGES_FROM_BYTES {
             // Only a hint: it takes effect where the kernel backs this file
             // with huge pages (tmpfs mounted with huge=advise or always);

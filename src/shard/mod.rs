@@ -213,7 +213,8 @@ async fn run_shard(
 
     let active = Rc::new(Cell::new(0usize));
     // Publish this shard's interval to the collector, off the request path.
-    let publisher = Rc::new(RefCell::new(publisher));
+    // Taken out for the final publication when the shard stops.
+    let publisher = Rc::new(RefCell::new(Some(publisher)));
     let publishing = glommio::spawn_local({
         let (path, active, shutdown) = (path.clone(), active.clone(), shutdown.clone());
         let (publisher, stalls) = (publisher.clone(), stalls.clone());
@@ -226,7 +227,9 @@ async fn run_shard(
                 let longest = stalls.drain_into(p.times_mut(), &mut counters);
                 let open = p.breaker_state() != BreakerState::Closed;
                 let versions = p.version_report();
-                publisher.borrow_mut().publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
+                if let Some(publisher) = publisher.borrow_mut().as_mut() {
+                    publisher.publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
+                }
                 drop(p);
                 stalls.end(StallTask::Publish, t);
             }
@@ -364,7 +367,7 @@ async fn run_shard(
     stalls.drain_into(p.times_mut(), &mut counters);
     let open = p.breaker_state() != BreakerState::Closed;
     let versions = p.version_report();
-    let publisher = Rc::try_unwrap(publisher).ok().expect("the publishing task is dropped").into_inner();
+    let publisher = publisher.borrow_mut().take().expect("only the shard's end takes the publisher");
     publisher.publish_final(p.times_mut(), &counters, open, versions);
     let mut r = report.borrow().clone();
     r.counters = counters;
