@@ -41,6 +41,7 @@ fn start(spin_us: u64) -> (infer::Stage, infer::ShardEnd, Arc<Model>) {
         rows_per_job_max: 1,
         row_dim_max: 4,
         core: None,
+        shares_core: false,
     };
     let (stage, mut ends) = infer::start(config, 1, registry, BackendKind::Int8, Arc::default()).unwrap();
     (stage, ends.remove(0), model)

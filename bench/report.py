@@ -161,6 +161,29 @@ if os.path.exists(handoff):
         w(f"| {name} | {v['p50_ns'] / 1e3:.1f} µs | {v['p99_ns'] / 1e3:.1f} µs | {v['p999_ns'] / 1e3:.1f} µs | {v['max_ns'] / 1e3:.1f} µs |")
     w("")
 
+tail = os.path.join(res, "tail", "tail-summary.json")
+if os.path.exists(tail):
+    t = json.load(open(tail))
+    w("## Tail latency side by side with Redis\n")
+    w(f"From `bench/tail.sh`{' at commit `' + t['commit'] + '`' if t.get('commit') else ''}: `redis-server` answering `GET` of")
+    w("128-byte values, Quiver's protocol floor (`serve --floor`) and auction-32, each on one core")
+    w(f"(core {settings['server_core']}), all three driven by the same open-loop generator (`quiver bench`, uniform")
+    w(f"arrivals, latency from the intended send time; `--protocol redis` for Redis) on core {settings['gen_core']},")
+    w(f"{t['connections']} connections, {t['duration']} per run. The runs interleave (run 1 of every server at every")
+    w(f"rate, then run 2, ...), so a noisy minute of the VM falls on all of them. Medians of {t['runs']} runs, in µs;")
+    w("the ratios are to Redis's median at the same rate.\n")
+    w("| offered req/s | server | p50 | p99 | p99.9 | max | p99 / Redis | p99.9 / Redis |")
+    w("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for rate, by in sorted(t["rates"].items(), key=lambda kv: int(kv[0])):
+        for server in ["redis", "floor", "quiver", "base"]:
+            m = by.get(server)
+            if not m:
+                continue
+            name = {"redis": "Redis GET", "floor": "protocol floor", "quiver": "auction-32", "base": "auction-32, before"}[server]
+            w(f"| {int(rate):,} | {name} | {m['p50_us']:,.0f} | {m['p99_us']:,.0f} | {m['p999_us']:,.0f} | {m['max_us']:,.0f} | "
+              f"{m.get('p99_ratio_to_redis', float('nan')):.2f} | {m.get('p999_ratio_to_redis', float('nan')):.2f} |")
+    w("")
+
 feed = os.path.join(res, "feed_lag.jsonl")
 if os.path.exists(feed):
     rows = [json.loads(l) for l in open(feed) if l.startswith("{")]

@@ -10,6 +10,9 @@
 #
 # usage: bench/tail.sh     (RUNS=5 DURATION=5s RATES="10000 30000 60000 90000")
 #        QUIVER_FLAGS="--inference thread" bench/tail.sh   (extra serve flags)
+#        BASE_BIN=/path/to/older/quiver bench/tail.sh      (adds "base":
+#            auction-32 served by that binary, for a before/after in one run;
+#            BASE_FLAGS are its serve flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +24,9 @@ SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
 OUT="${OUT:-bench/results/tail}"
 QUIVER_FLAGS="${QUIVER_FLAGS:-}"
-SERVERS="${SERVERS:-redis floor quiver}"
+BASE_BIN="${BASE_BIN:-}"
+BASE_FLAGS="${BASE_FLAGS:-}"
+SERVERS="${SERVERS:-redis floor quiver${BASE_BIN:+ base}}"
 
 die() { echo "tail: $*" >&2; exit 1; }
 command -v taskset >/dev/null || die "required tool 'taskset' is missing (apt-get install util-linux)"
@@ -51,13 +56,17 @@ for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; slee
 redis-cli -p "$port" ping >/dev/null || die "redis-server did not start"
 addr[redis]="127.0.0.1:$port"
 
-# Both Quiver servers run for the whole script, one shard each on $SERVER_CORE.
-for mode in floor quiver; do
+# The Quiver servers run for the whole script, one shard each on $SERVER_CORE.
+for mode in floor quiver ${BASE_BIN:+base}; do
     flags=()
+    serve_bin="$bin"
     [ "$mode" = floor ] && flags=(--floor)
     # shellcheck disable=SC2206
     [ "$mode" = quiver ] && flags=($QUIVER_FLAGS)
-    taskset -c "$SERVER_CORE" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
+    [ "$mode" = base ] && serve_bin="$BASE_BIN"
+    # shellcheck disable=SC2206
+    [ "$mode" = base ] && flags=($BASE_FLAGS)
+    taskset -c "$SERVER_CORE" "$serve_bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --cores "$SERVER_CORE" "${flags[@]}" >"$data/$mode.out" 2>"$data/$mode.log" &
     pids+=("$!")
     for _ in $(seq 600); do grep -q "listening on" "$data/$mode.out" 2>/dev/null && break; sleep 0.05; done
@@ -84,14 +93,17 @@ for run in $(seq "$RUNS"); do
     done
 done
 
-python3 - "$OUT" "$RUNS" "$DURATION" "$CONNECTIONS" "$QUIVER_FLAGS" <<'PY'
+python3 - "$OUT" "$RUNS" "$DURATION" "$CONNECTIONS" "$QUIVER_FLAGS" "$BASE_BIN" <<'PY'
 import glob, json, os, statistics, sys
-out, runs, duration, conns, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+out, runs, duration, conns, flags, base = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
 rows = {}
 for f in glob.glob(os.path.join(out, "tail-*-*-*.json")):
     server, rate, run = os.path.basename(f)[5:-5].rsplit("-", 2)
     rows.setdefault((server, int(rate)), []).append(json.load(open(f)))
-summary = {"runs": runs, "duration": duration, "connections": conns, "quiver_flags": flags, "rates": {}}
+import subprocess
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+summary = {"runs": runs, "duration": duration, "connections": conns, "quiver_flags": flags,
+           "base_bin": base or None, "commit": commit, "rates": {}}
 keys = ["p50_us", "p99_us", "p999_us", "max_us"]
 for (server, rate), rs in sorted(rows.items()):
     med = {k: statistics.median(r["latency"][k] for r in rs) for k in keys}

@@ -159,6 +159,10 @@ pub struct ReactorConfig {
     /// model watcher). Default: the online cores no shard or inference
     /// stage uses, or unpinned when there are none.
     pub housekeeping_cores: Option<Vec<usize>>,
+    /// Read with the kernel's receive timestamps (`SO_TIMESTAMPNS`), so each
+    /// request's wait in the socket before its shard read it is measured
+    /// (`socket_wait` in the stage histograms).
+    pub socket_timestamps: bool,
 }
 
 impl Default for ReactorConfig {
@@ -168,6 +172,7 @@ impl Default for ReactorConfig {
             preempt_timer_us: 1_000,
             stall_threshold_us: 500,
             housekeeping_cores: None,
+            socket_timestamps: true,
         }
     }
 }

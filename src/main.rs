@@ -634,6 +634,11 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
                 // loaded later is scored inline (see RequestPath::handle).
                 row_dim_max,
                 core: stage_core,
+                // Unpinned, it shares a core whenever the shards use them all.
+                shares_core: match stage_core {
+                    Some(c) => cores.contains(&c),
+                    None => allowed.iter().all(|c| cores.contains(c)),
+                },
             };
             let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend, faults.clone())
                 .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;

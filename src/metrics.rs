@@ -46,10 +46,21 @@ pub enum Stage {
     Respond,
     /// From the frame's read to the encoded response.
     EndToEnd,
+    /// Before the frame's read: from the kernel's receive of the newest
+    /// bytes of that read to the read (`reactor.socket_timestamps`).
+    SocketWait,
 }
 
-pub const STAGES: [Stage; 7] =
-    [Stage::Decode, Stage::Lookup, Stage::Queue, Stage::Kernel, Stage::Respond, Stage::EndToEnd, Stage::Shadow];
+pub const STAGES: [Stage; 8] = [
+    Stage::SocketWait,
+    Stage::Decode,
+    Stage::Lookup,
+    Stage::Queue,
+    Stage::Kernel,
+    Stage::Respond,
+    Stage::EndToEnd,
+    Stage::Shadow,
+];
 
 impl Stage {
     pub fn name(self) -> &'static str {
@@ -61,6 +72,7 @@ impl Stage {
             Stage::Kernel => "kernel",
             Stage::Respond => "respond",
             Stage::EndToEnd => "end_to_end",
+            Stage::SocketWait => "socket_wait",
         }
     }
 }

@@ -9,16 +9,22 @@
 //! and stage → shard with the completion; the rings' Release/Acquire order
 //! the slot's contents. A full ring or no free slot is `Overloaded` at once.
 //!
-//! Batching: the thread gathers jobs for one model and launches when the
-//! batch is full (`batch_rows_max`), when the oldest job has waited
-//! `batch_wait_us_max`, or when waiting any longer would make the earliest
-//! deadline in the batch miss given the expected kernel time for that many
-//! rows (a running estimate per batch-size bucket). Jobs already past their
+//! Batching: the thread gathers jobs for one model and launches when no
+//! more jobs arrived since its last look (a lone job does not wait for
+//! company: under load, jobs pile up while the kernel runs and form the next
+//! batch by themselves), when the batch is full (`batch_rows_max`), when
+//! the oldest job has waited `batch_wait_us_max` while others kept
+//! arriving, or when waiting any longer would make the earliest deadline in
+//! the batch miss given the expected kernel time for that many rows (a
+//! running estimate per batch-size bucket). Jobs already past their
 //! deadline (or that cannot finish by it) are dropped before the kernel, and
 //! every job's deadline is checked again after it.
 //!
 //! Idle, the thread spins for `spin_us` and then parks; a shard unparks it
-//! only if it is parked, so a busy stage costs no syscall per job.
+//! only if it is parked, so a busy stage costs no syscall per job. A stage
+//! whose core also runs a shard (`shares_core`) never spins: it parks at
+//! once and yields instead of polling, since every cycle it spins is taken
+//! from the shard whose jobs it waits for.
 
 pub mod ring;
 
@@ -40,7 +46,8 @@ use ring::{Consumer, Producer};
 pub struct StageConfig {
     /// Most rows the thread puts in one kernel launch.
     pub batch_rows_max: usize,
-    /// Longest a job waits for company before its batch launches.
+    /// Longest a job waits for company, while more jobs keep arriving,
+    /// before its batch launches.
     pub batch_wait_us_max: u64,
     /// How long the idle thread spins before it parks.
     pub spin_us: u64,
@@ -52,6 +59,8 @@ pub struct StageConfig {
     pub row_dim_max: usize,
     /// The core the stage thread is pinned to, if any.
     pub core: Option<usize>,
+    /// That core (or, unpinned, every core) also runs a shard.
+    pub shares_core: bool,
 }
 
 /// What one slot holds while a job is in flight.
@@ -425,6 +434,7 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
             let _ = r.send(());
         }
         // Gather.
+        let waiting_before = waiting.len();
         for (shard, end) in ends.iter().enumerate() {
             while let Some(job) = end.jobs.pop() {
                 // SAFETY: the stage owns the slot from this pop until it
@@ -436,7 +446,7 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         let now_ns = clock.now_ns();
         if waiting.is_empty() {
             let since = *idle_since_ns.get_or_insert(now_ns);
-            if now_ns - since < config.spin_us * 1_000 {
+            if !config.shares_core && now_ns - since < config.spin_us * 1_000 {
                 std::hint::spin_loop();
                 continue;
             }
@@ -488,10 +498,16 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         let expected_ns = costs.expected_ns(rows, now_ns);
         let full = rows >= config.batch_rows_max;
         let waited = oldest_wait_ns >= config.batch_wait_us_max * 1_000;
+        // No company arrived since the last look: waiting is a guess.
+        let quiet = waiting.len() == waiting_before;
         // Margin for the hand-back and the response after the kernel.
         let urgent = earliest_deadline_ns.saturating_sub(now_ns) <= expected_ns + expected_ns / 4 + 20_000;
-        if !(full || waited || urgent) {
-            std::hint::spin_loop();
+        if !(full || waited || quiet || urgent) {
+            if config.shares_core {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             continue;
         }
 
@@ -635,6 +651,7 @@ mod tests {
             rows_per_job_max: 32,
             row_dim_max: model.input_dim(),
             core: None,
+            shares_core: false,
         };
         let (stage, ends) = start(config, 2, registry, BackendKind::Int8, Arc::default()).unwrap();
         (stage, ends, model)

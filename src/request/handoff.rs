@@ -193,9 +193,7 @@ impl<C: Clock> RequestPath<C> {
         }
         let rows = p.step.rows;
         let at = slot as usize * self.shared.limits.candidates_max;
-        for (&item, &score) in self.pending_items[at..at + rows].iter().zip(&self.logits[..rows]) {
-            self.cache.put(Key { item, ..p.cache_key }, score, now_ns);
-        }
+        self.cache.put_all(&p.cache_key, &self.pending_items[at..at + rows], &self.logits[..rows], now_ns);
     }
 
     /// `p`'s step-down with the cache looked up again at `now_ns`: cached

@@ -721,11 +721,7 @@ impl<C: Clock> RequestPath<C> {
         if let Some(d) = &mut self.served[primary].drift {
             d.record_scores(&self.logits[..rows]);
         }
-        if self.cache.enabled() {
-            for (&item, &score) in self.item_ids.iter().zip(&self.logits[..rows]) {
-                self.cache.put(Key { item, ..cache_key }, score, after_kernel_ns);
-            }
-        }
+        self.cache.put_all(&cache_key, &self.item_ids[..rows], &self.logits[..rows], after_kernel_ns);
         let (x, returned) = (&self.x[..rows * row_dim], &self.logits[..rows]);
         self.shadow_queue.sample(&self.served, primary, user_id, x, returned, row_dim);
         let done_ns = self.clock.now_ns();

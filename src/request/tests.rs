@@ -273,6 +273,7 @@ fn threaded<'c>(
         rows_per_job_max: 4,
         row_dim_max: 4,
         core: None,
+        shares_core: false,
     };
     let (stage, mut ends) = crate::infer::start(config, 1, sh.registry.clone(), BackendKind::F32, faults).unwrap();
     let mut path = RequestPath::new(sh, clock).unwrap();

@@ -15,6 +15,7 @@
 mod mailbox;
 mod shutdown;
 mod stall;
+mod stamped;
 
 use std::cell::{Cell, RefCell};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -31,7 +32,7 @@ use crate::config::{NotReadyPolicy, ReactorConfig};
 use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::ShardEnd;
 use crate::ladder::BreakerState;
-use crate::metrics::{ShardPublisher, StallTask};
+use crate::metrics::{self, ShardPublisher, StallTask};
 use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
 use mailbox::{Mailbox, Mailboxes, Notify};
@@ -111,12 +112,13 @@ pub fn serve(
         let stage = stage_ends[shard].take();
         let (listen, not_ready) = (placement.listen, placement.not_ready);
         let stall_threshold_us = placement.reactor.stall_threshold_us;
+        let socket_timestamps = placement.reactor.socket_timestamps;
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
             .name(&format!("quiver-shard-{shard}"))
             .spin_before_park(Duration::from_micros(placement.reactor.spin_before_park_us))
             .preempt_timer(Duration::from_micros(placement.reactor.preempt_timer_us.max(10)))
             .spawn(move || async move {
-                let place = ShardPlace { shard, core, listen, not_ready, stall_threshold_us };
+                let place = ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps };
                 run_shard(place, shared, publisher, stage, stop, bound_tx).await
             })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
@@ -157,6 +159,7 @@ struct ShardPlace {
     listen: SocketAddr,
     not_ready: NotReadyPolicy,
     stall_threshold_us: u64,
+    socket_timestamps: bool,
 }
 
 async fn run_shard(
@@ -167,7 +170,7 @@ async fn run_shard(
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
-    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us } = place;
+    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps } = place;
     let stalls = Rc::new(StallMeter::new(stall_threshold_us));
     let limits = shared.limits.clone();
     let readiness = shared.readiness.clone();
@@ -337,6 +340,7 @@ async fn run_shard(
             limits: limits.clone(),
             report: report.clone(),
             stalls: stalls.clone(),
+            socket_timestamps,
         };
         let active = active.clone();
         glommio::spawn_local(async move {
@@ -376,7 +380,8 @@ async fn run_shard(
 
 /// What woke a connection waiting between rounds.
 enum Wake {
-    Read(std::io::Result<usize>),
+    /// Bytes read, and how long the newest of them waited in the socket.
+    Read(std::io::Result<(usize, Option<u64>)>),
     Delivered,
     Shutdown,
 }
@@ -399,6 +404,7 @@ struct Connection {
     limits: crate::config::Limits,
     report: Rc<RefCell<ShardReport>>,
     stalls: Rc<StallMeter>,
+    socket_timestamps: bool,
 }
 
 impl Connection {
@@ -422,8 +428,41 @@ impl Connection {
         result
     }
 
+    /// Reads what the socket has, waiting for it if need be; with socket
+    /// timestamps, also how long the newest bytes waited in the socket.
+    async fn read(
+        &self,
+        stream: &mut TcpStream,
+        buf: &mut [u8],
+        stamps: bool,
+    ) -> std::io::Result<(usize, Option<u64>)> {
+        if !stamps {
+            return stream.read(buf).await.map(|n| (n, None));
+        }
+        loop {
+            if let Some((n, stamp)) = stamped::try_recv(stream, buf)? {
+                return Ok((n, stamp.map(|s| stamped::realtime_ns().saturating_sub(s))));
+            }
+            // Wait for bytes without taking them: the next `try_recv` reads
+            // them with their stamp.
+            let mut one = [0u8; 1];
+            let idle = Duration::from_millis(self.limits.idle_timeout_ms);
+            futures_lite::future::or(
+                async { stream.peek(&mut one).await.map(|_| ()).map_err(std::io::Error::from) },
+                async {
+                    glommio::timer::sleep(idle).await;
+                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no frame within idle_timeout_ms"))
+                },
+            )
+            .await?;
+        }
+    }
+
     async fn serve_rounds(&self, stream: &mut TcpStream, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         stream.set_nodelay(true)?;
+        let stamps = self.socket_timestamps && stamped::enable(stream).is_ok();
+        // How long the bytes of the last read waited in the socket.
+        let mut socket_wait_ns: Option<u64> = None;
         stream.set_read_timeout(Some(Duration::from_millis(self.limits.idle_timeout_ms)))?;
         stream.set_write_timeout(Some(Duration::from_millis(self.limits.write_timeout_ms)))?;
         let frame_bytes_max = self.limits.frame_bytes_max;
@@ -450,6 +489,9 @@ impl Connection {
                     match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
                         Ok(Some((payload, used))) => {
                             frames += 1;
+                            if let Some(wait_ns) = socket_wait_ns {
+                                path.times_mut().record_ns(metrics::Stage::SocketWait, wait_ns);
+                            }
                             if path.handle(payload, read_at_ns, id, &mut out) == Handled::Pending {
                                 mailbox.expect();
                                 handed_off = true;
@@ -499,31 +541,37 @@ impl Connection {
             // Draining, the connection still reads what the client already
             // sent (it is in the socket at once) and answers it; it closes
             // when nothing more arrives within `QUEUED_WAIT`.
-            let read = futures_lite::future::or(async { Wake::Read(stream.read(&mut inbuf[filled..]).await) }, async {
-                futures_lite::future::or(
-                    async {
-                        if closing {
-                            glommio::timer::sleep(QUEUED_WAIT).await;
-                        } else {
-                            self.shutdown.wait().await;
-                        }
-                        Wake::Shutdown
-                    },
-                    async {
-                        mailbox.delivered().await;
-                        Wake::Delivered
-                    },
-                )
-                .await
-            })
+            let read = futures_lite::future::or(
+                async { Wake::Read(self.read(stream, &mut inbuf[filled..], stamps).await) },
+                async {
+                    futures_lite::future::or(
+                        async {
+                            if closing {
+                                glommio::timer::sleep(QUEUED_WAIT).await;
+                            } else {
+                                self.shutdown.wait().await;
+                            }
+                            Wake::Shutdown
+                        },
+                        async {
+                            mailbox.delivered().await;
+                            Wake::Delivered
+                        },
+                    )
+                    .await
+                },
+            )
             .await;
             match read {
                 // Responses the stage still owes are collected by `serve`.
                 Wake::Shutdown if closing => return Ok(()),
                 Wake::Shutdown => {}
                 Wake::Delivered => {}
-                Wake::Read(Ok(0)) => return Ok(()),
-                Wake::Read(Ok(n)) => filled += n,
+                Wake::Read(Ok((0, _))) => return Ok(()),
+                Wake::Read(Ok((n, wait_ns))) => {
+                    filled += n;
+                    socket_wait_ns = wait_ns;
+                }
                 Wake::Read(Err(e)) => return Err(e),
             }
         }
