@@ -620,6 +620,14 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             }
         })
     });
+    // The shard cores the stage thread also runs on: pinned to one, that
+    // one; unpinned with no spare core, all of them.
+    let stage_shares: Vec<usize> = match (config.inference, stage_core) {
+        (InferenceMode::Inline, _) => Vec::new(),
+        (InferenceMode::Thread, Some(c)) => cores.iter().copied().filter(|&s| s == c).collect(),
+        (InferenceMode::Thread, None) if allowed.iter().all(|c| cores.contains(c)) => cores.clone(),
+        (InferenceMode::Thread, None) => Vec::new(),
+    };
     let stage = match config.inference {
         InferenceMode::Inline => None,
         InferenceMode::Thread => {
@@ -634,11 +642,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
                 // loaded later is scored inline (see RequestPath::handle).
                 row_dim_max,
                 core: stage_core,
-                // Unpinned, it shares a core whenever the shards use them all.
-                shares_core: match stage_core {
-                    Some(c) => cores.contains(&c),
-                    None => allowed.iter().all(|c| cores.contains(c)),
-                },
+                shares_core: !stage_shares.is_empty(),
             };
             let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend, faults.clone())
                 .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;
@@ -675,7 +679,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             .map_err(|e| Error::Setup(format!("installing signal handlers: {e}")))?;
     }
     let shards = cores.len();
-    let placement = ShardPlacement { listen, cores, not_ready: config.not_ready, reactor: config.reactor.clone() };
+    let placement =
+        ShardPlacement { listen, cores, not_ready: config.not_ready, reactor: config.reactor.clone(), stage_shares };
     let reports = shard::serve(shared, placement, publishers, stage_ends, stop, |addr| {
         readiness.set(true);
         tracing::info!(%addr, shards, "serving");

@@ -191,3 +191,26 @@ fn replica_lock_beyond_rlimit_memlock_fails_at_start_naming_it() {
     assert!(stderr.contains("RLIMIT_MEMLOCK is 65536 bytes"), "{stderr}");
     assert!(stderr.contains("replica_lock = false"), "{stderr}");
 }
+
+#[test]
+fn a_stage_sharing_the_shard_s_core_answers_through_its_bell() {
+    let core = quiver::cores::allowed()[0];
+    let cfg = config("reactor-shared-stage", &format!("inference = \"thread\"\n[stage]\ncore = {core}\n"));
+    let mut server = Server::start(&["--cores", &core.to_string(), "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    // One at a time: each answer comes only once the stage rang the shard,
+    // which sleeps on its bell (it does not poll on a shared core).
+    for id in 0..300u64 {
+        let r = c.score(&demo_request(id, id % 1000, (0..32).map(|i| (id * 7 + i) % 5000).collect())).unwrap();
+        assert_eq!(r.status, Status::Ok, "request {id}");
+        assert_eq!(r.tier, quiver::wire::Tier::Primary, "request {id} was scored by the stage: {r:?}");
+    }
+    std::thread::sleep(Duration::from_millis(1_200));
+    let stats = server.stats();
+    let queue = stats.stages.iter().find(|s| s.stage == "queue").unwrap();
+    assert_eq!(queue.count, 300, "every request went through the stage");
+    let log = server.stderr();
+    assert!(log.contains("shares_core: true"), "{log}");
+    assert!(log.contains("higher priority") || log.contains("could not raise its priority"), "{log}");
+    assert_eq!(server.terminate(), 0);
+}

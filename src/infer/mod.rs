@@ -134,6 +134,28 @@ impl Wake {
     }
 }
 
+/// How the stage wakes a shard that sleeps waiting for its completions
+/// (one whose core the stage thread shares, and which therefore must not
+/// spin): a socket pair the shard's runtime can wait on. The stage writes a
+/// byte only when the shard said it waits, so a shard that polls costs the
+/// stage no syscall.
+struct Bell {
+    waiting: AtomicBool,
+    tx: std::os::unix::net::UnixStream,
+}
+
+impl Bell {
+    fn ring(&self) {
+        // Pairs with the fence in `ShardEnd::will_wait`: either the shard
+        // sees the completion just pushed, or the stage sees `waiting`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) && self.waiting.swap(false, Ordering::SeqCst) {
+            // Non-blocking: a full socket already holds a wake-up.
+            let _ = std::io::Write::write(&mut &self.tx, &[1]);
+        }
+    }
+}
+
 /// The shard's ownership of one job slot, as a value: `acquire` and a
 /// completion (`poll`) hand one out, `submit` and `release` consume it, and
 /// only its holder can reach the slot's memory (`slot_mut`). It is neither
@@ -165,6 +187,9 @@ pub struct ShardEnd {
     free: Vec<u32>,
     wake: Arc<Wake>,
     slot_floats: usize,
+    bell: Arc<Bell>,
+    /// The end of the bell the shard waits on, until its runtime takes it.
+    bell_rx: Option<std::os::unix::net::UnixStream>,
 }
 
 impl ShardEnd {
@@ -210,6 +235,29 @@ impl ShardEnd {
         self.slots.slots.len() - self.free.len()
     }
 
+    /// The socket the stage rings when this shard waits (`will_wait`): its
+    /// runtime waits for it to be readable. Taken once.
+    pub fn take_bell(&mut self) -> Option<std::os::unix::net::UnixStream> {
+        self.bell_rx.take()
+    }
+
+    /// Announces that the shard is about to wait on the bell; `false` (and
+    /// no wait) when a completion is already there.
+    pub fn will_wait(&self) -> bool {
+        self.bell.waiting.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.done.is_empty() {
+            return true;
+        }
+        self.bell.waiting.store(false, Ordering::SeqCst);
+        false
+    }
+
+    /// The wait on the bell ended (rung or timed out).
+    pub fn woke(&self) {
+        self.bell.waiting.store(false, Ordering::SeqCst);
+    }
+
     /// Input floats one slot holds.
     pub fn slot_floats(&self) -> usize {
         self.slot_floats
@@ -251,6 +299,7 @@ struct StageEnd {
     jobs: Consumer<Job>,
     done: Producer<Done>,
     slots: Arc<Slots>,
+    bell: Arc<Bell>,
 }
 
 /// A running high-percentile estimate of kernel time for one batch-size
@@ -332,6 +381,9 @@ pub fn start(
     let mut shard_ends = Vec::with_capacity(shards);
     let mut stage_ends = Vec::with_capacity(shards);
     for _ in 0..shards {
+        let (bell_tx, bell_rx) = std::os::unix::net::UnixStream::pair()?;
+        bell_tx.set_nonblocking(true)?;
+        let bell = Arc::new(Bell { waiting: AtomicBool::new(false), tx: bell_tx });
         let (job_tx, job_rx) = ring::ring::<Job>(config.jobs_per_shard_max);
         let (done_tx, done_rx) = ring::ring::<Done>(config.jobs_per_shard_max);
         let slot_count = job_tx.capacity().min(done_tx.capacity());
@@ -355,8 +407,10 @@ pub fn start(
             free: (0..slot_count as u32).rev().collect(),
             wake: wake.clone(),
             slot_floats: config.rows_per_job_max * config.row_dim_max,
+            bell: bell.clone(),
+            bell_rx: Some(bell_rx),
         });
-        stage_ends.push(StageEnd { jobs: job_rx, done: done_tx, slots });
+        stage_ends.push(StageEnd { jobs: job_rx, done: done_tx, slots, bell });
     }
     // The stage reports once it has built and measured a backend for every
     // served version; `start` returns only then, so the server does not
@@ -368,6 +422,9 @@ pub fn start(
         move || {
             if let Some(core) = config.core {
                 pin_to(core);
+            }
+            if config.shares_core {
+                prefer_over_shards();
             }
             wake.thread.set(std::thread::current()).expect("set once");
             let controls = Controls { stop: &stop, wake: &wake, faults: &faults, ready: ready_tx };
@@ -503,11 +560,7 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         // Margin for the hand-back and the response after the kernel.
         let urgent = earliest_deadline_ns.saturating_sub(now_ns) <= expected_ns + expected_ns / 4 + 20_000;
         if !(full || waited || quiet || urgent) {
-            if config.shares_core {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            std::hint::spin_loop();
             continue;
         }
 
@@ -576,6 +629,23 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
     }
 }
 
+/// On a core it shares with a shard, the stage's work is short and the
+/// shard waits for it: a higher scheduling priority lets a woken stage take
+/// the core at once and finish its batch before the shard resumes, instead
+/// of queueing behind it. Needs CAP_SYS_NICE; without it, logs and goes on.
+fn prefer_over_shards() {
+    const NICE: libc::c_int = -10;
+    // SAFETY: setpriority on this thread's own id (gettid) changes only its
+    // scheduling priority.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, NICE) };
+    if rc == 0 {
+        tracing::info!(nice = NICE, "inference thread shares a shard's core: it runs at a higher priority");
+    } else {
+        tracing::warn!(error = %std::io::Error::last_os_error(),
+            "inference thread shares a shard's core and could not raise its priority (CAP_SYS_NICE)");
+    }
+}
+
 /// Pins the calling thread to `core`; logs and goes on unpinned on failure.
 fn pin_to(core: usize) {
     match crate::cores::pin_current_thread(&[core]) {
@@ -632,6 +702,7 @@ fn finish(end: &StageEnd, job: Job, outcome: Outcome, started_ns: u64, kernel_ns
     // The completion ring has as many places as there are slots, and every
     // slot is in at most one place, so it cannot be full.
     assert!(end.done.push(done).is_ok(), "completion ring holds every slot");
+    end.bell.ring();
 }
 
 #[cfg(test)]

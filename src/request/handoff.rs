@@ -82,6 +82,23 @@ impl<C: Clock> RequestPath<C> {
         self.stage.as_mut()?.poll()
     }
 
+    /// The stage's bell for this shard (`ShardEnd::take_bell`).
+    pub fn take_stage_bell(&mut self) -> Option<std::os::unix::net::UnixStream> {
+        self.stage.as_mut()?.take_bell()
+    }
+
+    /// See `ShardEnd::will_wait`.
+    pub fn stage_will_wait(&self) -> bool {
+        self.stage.as_ref().is_some_and(ShardEnd::will_wait)
+    }
+
+    /// See `ShardEnd::woke`.
+    pub fn stage_woke(&self) {
+        if let Some(s) = &self.stage {
+            s.woke();
+        }
+    }
+
     /// Requests handed to the stage and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.stage.as_ref().map_or(0, ShardEnd::in_flight)

@@ -45,6 +45,9 @@ const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
 const POLL_SPIN: Duration = Duration::from_micros(50);
 /// Its sleep between polls once spinning stopped paying.
 const POLL_BACKOFF: Duration = Duration::from_micros(20);
+/// Sharing a core with the stage, the longest the poller sleeps on the
+/// stage's bell before it looks for requests to give up on.
+const BELL_WAIT_MAX: Duration = Duration::from_micros(200);
 /// After shutdown, how long accept and read wait for what a client already
 /// sent (a queued connection, bytes in the socket) before giving up: such
 /// data is there at once, so this only bounds the wait for nothing.
@@ -70,6 +73,10 @@ pub struct ShardPlacement {
     pub cores: Vec<usize>,
     pub not_ready: NotReadyPolicy,
     pub reactor: ReactorConfig,
+    /// Shard cores the inference thread also runs on. Such a shard never
+    /// spins (not before parking, not waiting for completions): each cycle
+    /// it spins is one the stage cannot use to answer it.
+    pub stage_shares: Vec<usize>,
 }
 
 /// Resolves `listen`; a port of 0 is replaced by a free port, which every
@@ -113,12 +120,15 @@ pub fn serve(
         let (listen, not_ready) = (placement.listen, placement.not_ready);
         let stall_threshold_us = placement.reactor.stall_threshold_us;
         let socket_timestamps = placement.reactor.socket_timestamps;
+        let shares_stage = placement.stage_shares.contains(&core);
+        let spin_us = if shares_stage { 0 } else { placement.reactor.spin_before_park_us };
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
             .name(&format!("quiver-shard-{shard}"))
-            .spin_before_park(Duration::from_micros(placement.reactor.spin_before_park_us))
+            .spin_before_park(Duration::from_micros(spin_us))
             .preempt_timer(Duration::from_micros(placement.reactor.preempt_timer_us.max(10)))
             .spawn(move || async move {
-                let place = ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps };
+                let place =
+                    ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps, shares_stage };
                 run_shard(place, shared, publisher, stage, stop, bound_tx).await
             })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
@@ -160,6 +170,8 @@ struct ShardPlace {
     not_ready: NotReadyPolicy,
     stall_threshold_us: u64,
     socket_timestamps: bool,
+    /// The inference thread runs on this shard's core too.
+    shares_stage: bool,
 }
 
 async fn run_shard(
@@ -170,7 +182,8 @@ async fn run_shard(
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
-    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps } = place;
+    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps, shares_stage } = place;
+    let poll_spin_ns = POLL_SPIN.as_nanos() as u64;
     let stalls = Rc::new(StallMeter::new(stall_threshold_us));
     let limits = shared.limits.clone();
     let readiness = shared.readiness.clone();
@@ -253,8 +266,21 @@ async fn run_shard(
     let poller = stage_attached.then(|| {
         let (path, mailboxes, submitted) = (path.clone(), mailboxes.clone(), submitted.clone());
         let stalls = stalls.clone();
+        // Sharing its core with the stage, the poller sleeps on the stage's
+        // bell instead of polling.
+        let bell = if shares_stage { path.borrow_mut().take_stage_bell() } else { None };
+        let mut bell = bell.map(|std| {
+            // SAFETY: `into_raw_fd` hands over sole ownership of an open
+            // socket, which the glommio stream now owns and closes.
+            unsafe {
+                <glommio::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(
+                    std,
+                ))
+            }
+        });
         glommio::spawn_local(async move {
             let mut bytes = Vec::with_capacity(64 * 1024);
+            let mut rung = [0u8; 64];
             let clock = MonotonicClock::new();
             let mut last_delivery_ns = 0;
             loop {
@@ -284,7 +310,19 @@ async fn run_shard(
                 } else if path.borrow().in_flight() == 0 {
                     submitted.notified().await;
                     last_delivery_ns = clock.now_ns();
-                } else if now_ns - last_delivery_ns < POLL_SPIN.as_nanos() as u64 {
+                } else if let Some(bell) = &mut bell {
+                    if path.borrow().stage_will_wait() {
+                        // Woken by the stage, or in time for the next give-up.
+                        futures_lite::future::or(
+                            async {
+                                let _ = bell.read(&mut rung).await;
+                            },
+                            glommio::timer::sleep(BELL_WAIT_MAX),
+                        )
+                        .await;
+                        path.borrow().stage_woke();
+                    }
+                } else if now_ns - last_delivery_ns < poll_spin_ns {
                     futures_lite::future::yield_now().await;
                 } else {
                     // The stage is slow to answer: stop spinning so a stage
