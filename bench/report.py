@@ -175,14 +175,45 @@ if os.path.exists(tail):
     w("| offered req/s | server | p50 | p99 | p99.9 | max | p99 / Redis | p99.9 / Redis |")
     w("|---:|---|---:|---:|---:|---:|---:|---:|")
     for rate, by in sorted(t["rates"].items(), key=lambda kv: int(kv[0])):
-        for server in ["redis", "floor", "quiver", "base"]:
+        for server in ["redis", "floor", "quiver", "thread", "base"]:
             m = by.get(server)
             if not m:
                 continue
-            name = {"redis": "Redis GET", "floor": "protocol floor", "quiver": "auction-32", "base": "auction-32, before"}[server]
+            name = {"redis": "Redis GET", "floor": "protocol floor", "quiver": "auction-32 inline",
+                    "thread": "auction-32, inference thread", "base": "auction-32 inline, before"}[server]
             w(f"| {int(rate):,} | {name} | {m['p50_us']:,.0f} | {m['p99_us']:,.0f} | {m['p999_us']:,.0f} | {m['max_us']:,.0f} | "
               f"{m.get('p99_ratio_to_redis', float('nan')):.2f} | {m.get('p999_ratio_to_redis', float('nan')):.2f} |")
     w("")
+    # The issue-14 targets, checked against the medians above.
+    def ratio(rate, server, key):
+        m = t["rates"].get(str(rate), {}).get(server)
+        return m.get(key) if m else None
+    checks = [
+        ("auction-32 p99 within 2x of Redis's at 30,000 req/s", ratio(30000, "quiver", "p99_ratio_to_redis"), 2.0),
+        ("auction-32 p99 within 2x of Redis's at 60,000 req/s", ratio(60000, "quiver", "p99_ratio_to_redis"), 2.0),
+        ("auction-32 p99.9 within 1.5x of Redis's at 30,000 req/s", ratio(30000, "quiver", "p999_ratio_to_redis"), 1.5),
+    ]
+    w("Targets (medians above):\n")
+    for text, value, bound in checks:
+        if value is None:
+            w(f"- {text}: not measured in this run.")
+        else:
+            w(f"- {text}: {value:.2f}x, {'met' if value <= bound else 'not met'}.")
+    w("")
+
+stalls_path = os.path.join(res, "stalls.json")
+if os.path.exists(stalls_path):
+    st = json.load(open(stalls_path))
+    total = sum(st["stalls_by_task"].values())
+    w("## Reactor stalls under load and scraping\n")
+    w(f"From `bench/stalls.sh` at commit `{st['commit']}`: one shard serving auction-32 at {st['rate']:,.0f} req/s")
+    w(f"for {st['duration']} (open loop, 4 connections) while `/metrics` is scraped {st['scrapes_per_s']:.0f} times a second.")
+    w("A stall is a stretch over `reactor.stall_threshold_us` (500 µs) in which one task held the shard's reactor,")
+    w("or a timer of the shard's that fired that late (`reactor`: the cause was none of the shard's tasks).\n")
+    w(f"Stalls counted: {total}, by task: " + ", ".join(f"{k} {v}" for k, v in sorted(st["stalls_by_task"].items())) + ".")
+    l = st["latency"]
+    w(f"The run's latency: p50 {l['p50_us']} µs, p99 {l['p99_us']:,} µs, p99.9 {l['p999_us']:,} µs, max {l['max_us']:,} µs; "
+      f"{st['late_sends']} sends left the generator more than 1 ms late.\n")
 
 feed = os.path.join(res, "feed_lag.jsonl")
 if os.path.exists(feed):

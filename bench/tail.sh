@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tail latency side by side in one run: Redis GET (the environment's floor),
-# Quiver's protocol floor (`serve --floor`) and auction-32, each served on
+# Quiver's protocol floor (`serve --floor`) and auction-32 (scored inline, and
+# on the inference thread sharing the shard's core), each served on
 # core $SERVER_CORE and driven by the same open-loop generator (`quiver bench`,
 # `--protocol redis` for Redis) on core $GEN_CORE, at each rate of $RATES,
 # $RUNS runs each, interleaved (run 1 of every server, then run 2, ...) so a
@@ -26,7 +27,7 @@ OUT="${OUT:-bench/results/tail}"
 QUIVER_FLAGS="${QUIVER_FLAGS:-}"
 BASE_BIN="${BASE_BIN:-}"
 BASE_FLAGS="${BASE_FLAGS:-}"
-SERVERS="${SERVERS:-redis floor quiver${BASE_BIN:+ base}}"
+SERVERS="${SERVERS:-redis floor quiver thread${BASE_BIN:+ base}}"
 
 die() { echo "tail: $*" >&2; exit 1; }
 command -v taskset >/dev/null || die "required tool 'taskset' is missing (apt-get install util-linux)"
@@ -57,12 +58,16 @@ redis-cli -p "$port" ping >/dev/null || die "redis-server did not start"
 addr[redis]="127.0.0.1:$port"
 
 # The Quiver servers run for the whole script, one shard each on $SERVER_CORE.
-for mode in floor quiver ${BASE_BIN:+base}; do
+# "thread" is auction-32 scored on the inference thread, which shares
+# $SERVER_CORE with the shard (a 2-core box has no spare core for it).
+printf 'inference = "thread"\n[stage]\ncore = %s\n' "$SERVER_CORE" >"$data/thread.toml"
+for mode in floor quiver thread ${BASE_BIN:+base}; do
     flags=()
     serve_bin="$bin"
     [ "$mode" = floor ] && flags=(--floor)
     # shellcheck disable=SC2206
     [ "$mode" = quiver ] && flags=($QUIVER_FLAGS)
+    [ "$mode" = thread ] && flags=(--config "$data/thread.toml")
     [ "$mode" = base ] && serve_bin="$BASE_BIN"
     # shellcheck disable=SC2206
     [ "$mode" = base ] && flags=($BASE_FLAGS)

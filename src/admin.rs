@@ -493,6 +493,9 @@ pub struct Stats {
     /// Reactor stalls since start, per shard.
     #[serde(default)]
     pub stalls_by_shard: Vec<u64>,
+    /// Open connections per shard.
+    #[serde(default)]
+    pub connections_by_shard: Vec<u64>,
 }
 
 fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
@@ -565,6 +568,7 @@ fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
             .map(|&t| (t.name().to_string(), m.counters.stalls_by_task[t as usize]))
             .collect(),
         stalls_by_shard: m.stalls_by_shard.iter().map(|s| s.iter().sum()).collect(),
+        connections_by_shard: m.connections_by_shard.clone(),
     }
 }
 

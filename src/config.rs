@@ -163,16 +163,20 @@ pub struct ReactorConfig {
     /// request's wait in the socket before its shard read it is measured
     /// (`socket_wait` in the stage histograms).
     pub socket_timestamps: bool,
+    /// Spread connections evenly over the shards: a shard serving two more
+    /// than the least-loaded one hands a newly accepted connection to it.
+    pub balance_connections: bool,
 }
 
 impl Default for ReactorConfig {
     fn default() -> Self {
         ReactorConfig {
             spin_before_park_us: 50,
-            preempt_timer_us: 1_000,
+            preempt_timer_us: 100_000,
             stall_threshold_us: 500,
             housekeeping_cores: None,
             socket_timestamps: true,
+            balance_connections: true,
         }
     }
 }

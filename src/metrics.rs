@@ -418,6 +418,8 @@ pub struct Merged {
     pub drift: Vec<WindowTotals>,
     /// Each shard's reactor stalls by task, in shard order.
     pub stalls_by_shard: Vec<[u64; STALL_TASKS]>,
+    /// Each shard's open connections, in shard order.
+    pub connections_by_shard: Vec<u64>,
 }
 
 pub fn merge(board: &Board) -> Merged {
@@ -431,11 +433,13 @@ pub fn merge(board: &Board) -> Merged {
         versions: Default::default(),
         drift: Vec::new(),
         stalls_by_shard: Vec::with_capacity(board.len()),
+        connections_by_shard: Vec::with_capacity(board.len()),
     };
     for slot in board.iter() {
         let p = slot.lock().unwrap_or_else(|e| e.into_inner());
         m.counters.add(&p.counters);
         m.stalls_by_shard.push(p.counters.stalls_by_task);
+        m.connections_by_shard.push(p.connections_active);
         m.connections_active += p.connections_active;
         m.breakers_open += usize::from(p.breaker_open);
         for (name, version, canary, n) in &p.versions {

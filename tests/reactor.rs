@@ -214,3 +214,23 @@ fn a_stage_sharing_the_shard_s_core_answers_through_its_bell() {
     assert!(log.contains("higher priority") || log.contains("could not raise its priority"), "{log}");
     assert_eq!(server.terminate(), 0);
 }
+
+#[test]
+fn persistent_connections_spread_within_one_of_their_share() {
+    const CONNECTIONS: usize = 32;
+    const SHARDS: usize = 2;
+    let server = Server::start(&["--shards", &SHARDS.to_string()]);
+    // Each connection answers one request, so each is being served.
+    let mut clients: Vec<_> = (0..CONNECTIONS).map(|_| server.client()).collect();
+    for (i, c) in clients.iter_mut().enumerate() {
+        let r = c.score(&demo_request(i as u64, i as u64, vec![1, 2, 3])).unwrap();
+        assert_eq!(r.status, Status::Ok);
+    }
+    // Publications are once a second.
+    std::thread::sleep(Duration::from_millis(1_300));
+    let by_shard = server.stats().connections_by_shard;
+    assert_eq!(by_shard.iter().sum::<u64>(), CONNECTIONS as u64, "{by_shard:?}");
+    let share = (CONNECTIONS / SHARDS) as u64;
+    assert!(by_shard.iter().all(|&n| n.abs_diff(share) <= 1), "{by_shard:?}: each within ±1 of {share}");
+    drop(clients);
+}

@@ -352,3 +352,26 @@ fn readers_never_see_torn_or_foreign_rows_while_the_writer_works() {
     assert!(generation > 3 && checked.load(Ordering::Relaxed) > 10_000);
     assert!(handle.load().header().row_capacity > 64, "the table grew while readers read");
 }
+
+#[test]
+fn a_replaced_table_is_released_by_the_writer_not_by_its_last_reader() {
+    let dir = tmpdir("retired");
+    let path = dir.join("user.qrep");
+    let mut w = ReplicaWriter::create(&path, "user", 2, Storage::F32, 4, &[0.0; 2]).unwrap();
+    let handle = w.handle();
+    w.upsert(1, &[1.0, 2.0]).unwrap();
+    // A reader holds the first table across a growth that replaces it.
+    let held = Arc::clone(&*handle.load());
+    for k in 2..100u64 {
+        w.upsert(k, &[k as f32, 0.0]).unwrap();
+    }
+    assert!(!Arc::ptr_eq(&held, &*handle.load()), "the table was replaced");
+    assert!(w.retired_held() >= 1, "the writer keeps the replaced table while a reader holds it");
+    // The reader lets go: its drop is not the last one.
+    let weak = Arc::downgrade(&held);
+    drop(held);
+    assert!(weak.upgrade().is_some(), "still mapped: the writer holds it");
+    w.reap_retired();
+    assert!(weak.upgrade().is_none(), "released on the writer's side");
+    assert_eq!(w.retired_held(), 0);
+}

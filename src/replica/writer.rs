@@ -42,6 +42,11 @@ pub struct ReplicaWriter {
     live: u64,
     cursor: Cursor,
     payload: Vec<u32>,
+    /// Tables this writer replaced that readers may still hold. The writer
+    /// drops each once it holds the last reference, so the unmapping of a
+    /// possibly multi-GB file happens on the writer's thread, never on a
+    /// shard that happened to read it last.
+    retired: Vec<Arc<Replica>>,
 }
 
 impl std::fmt::Debug for ReplicaWriter {
@@ -98,6 +103,7 @@ impl ReplicaWriter {
         file.write_all_at(&default_bytes, DEFAULT_OFFSET as u64).map_err(io)?;
         let (table, _) = Replica::map(path, group, true)?;
         Ok(ReplicaWriter {
+            retired: Vec::new(),
             payload: vec![0; table.layout().payload_words],
             table: Arc::new(table),
             handle: None,
@@ -130,6 +136,7 @@ impl ReplicaWriter {
         let cursor = table.cursor_at_open();
         let report = OpenReport { torn_rows: scan.torn_slots.len() as u64, live_rows: scan.live, cursor };
         let writer = ReplicaWriter {
+            retired: Vec::new(),
             payload: vec![0; table.layout().payload_words],
             table: Arc::new(table),
             handle: None,
@@ -242,6 +249,7 @@ impl ReplicaWriter {
     /// Records `cursor` as the position the rows now reflect, durably (see
     /// [`Replica::write_checkpoint`]), on this thread.
     pub fn checkpoint(&mut self, cursor: Cursor) -> Result<(), ReplicaError> {
+        self.reap_retired();
         self.cursor = cursor;
         self.table
             .write_checkpoint(cursor)
@@ -290,8 +298,21 @@ impl ReplicaWriter {
             handle.install(fresh.table.clone());
             fresh.handle = Some(handle);
         }
+        fresh.retired = std::mem::take(&mut self.retired);
+        fresh.retired.push(self.table.clone());
         *self = fresh;
+        self.reap_retired();
         Ok(())
+    }
+
+    /// Drops the replaced tables no reader holds any more.
+    pub fn reap_retired(&mut self) {
+        self.retired.retain(|t| Arc::strong_count(t) > 1);
+    }
+
+    /// Replaced tables some reader still holds.
+    pub fn retired_held(&self) -> usize {
+        self.retired.iter().filter(|t| Arc::strong_count(t) > 1).count()
     }
 
     /// Flushes the file and renames it to `path`, syncing the directory.

@@ -12,6 +12,7 @@
 //! zero length prefix) gets one `BadRequest` response and is closed; any
 //! other bad request is answered and the connection goes on.
 
+mod balance;
 mod mailbox;
 mod shutdown;
 mod stall;
@@ -19,6 +20,7 @@ mod stamped;
 
 use std::cell::{Cell, RefCell};
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -35,6 +37,7 @@ use crate::ladder::BreakerState;
 use crate::metrics::{self, ShardPublisher, StallTask};
 use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
+use balance::ShardBalance;
 use mailbox::{Mailbox, Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
 use stall::StallMeter;
@@ -62,6 +65,8 @@ pub struct ShardReport {
     pub core: usize,
     pub connections_accepted: u64,
     pub connections_refused: u64,
+    /// Accepted here and handed to a less loaded shard.
+    pub connections_handed_over: u64,
     pub streams_rejected: u64,
     pub counters: Counters,
 }
@@ -107,6 +112,7 @@ pub fn serve(
     assert!(stage_ends.is_empty() || stage_ends.len() == placement.cores.len(), "one stage end per shard");
     assert_eq!(publishers.len(), placement.cores.len(), "one publisher per shard");
     let mut publishers = publishers.into_iter();
+    let mut balances = balance::sides(placement.cores.len(), placement.reactor.balance_connections).into_iter();
     let mut stage_ends: Vec<Option<ShardEnd>> = stage_ends.into_iter().map(Some).collect();
     stage_ends.resize_with(placement.cores.len(), || None);
     let (bound_tx, bound_rx) = mpsc::channel::<Result<(), String>>();
@@ -116,6 +122,7 @@ pub fn serve(
         let stop = stop.clone();
         let bound_tx = bound_tx.clone();
         let publisher = publishers.next().expect("one publisher per shard");
+        let balance = balances.next().expect("one balance side per shard");
         let stage = stage_ends[shard].take();
         let (listen, not_ready) = (placement.listen, placement.not_ready);
         let stall_threshold_us = placement.reactor.stall_threshold_us;
@@ -129,7 +136,7 @@ pub fn serve(
             .spawn(move || async move {
                 let place =
                     ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps, shares_stage };
-                run_shard(place, shared, publisher, stage, stop, bound_tx).await
+                run_shard(place, shared, (publisher, balance), stage, stop, bound_tx).await
             })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
         handles.push(handle);
@@ -177,7 +184,7 @@ struct ShardPlace {
 async fn run_shard(
     place: ShardPlace,
     shared: Shared,
-    publisher: ShardPublisher,
+    (publisher, balance): (ShardPublisher, ShardBalance),
     stage: Option<ShardEnd>,
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
@@ -253,6 +260,7 @@ async fn run_shard(
     })
     .detach();
     let report = Rc::new(RefCell::new(ShardReport { shard, core, ..ShardReport::default() }));
+    let balance = Rc::new(balance);
     let mailboxes = Rc::new(Mailboxes::default());
     let submitted = Rc::new(Notify::default());
     let stage_attached = stage.is_some();
@@ -333,6 +341,36 @@ async fn run_shard(
         })
         .detach()
     });
+    let conns = Rc::new(Conns {
+        shard,
+        mailboxes: mailboxes.clone(),
+        submitted: submitted.clone(),
+        path: path.clone(),
+        shutdown: shutdown.clone(),
+        limits: limits.clone(),
+        report: report.clone(),
+        stalls: stalls.clone(),
+        socket_timestamps,
+        active: active.clone(),
+        balance: balance.clone(),
+    });
+    // Sockets other shards handed over, adopted on a slow tick: connection
+    // set-up is not latency-critical.
+    let adopter = glommio::spawn_local({
+        let (conns, balance, shutdown) = (conns.clone(), balance.clone(), shutdown.clone());
+        async move {
+            while !shutdown.is_triggered() {
+                glommio::timer::sleep(SHUTDOWN_POLL).await;
+                for std in balance.adopt() {
+                    // SAFETY: `into_raw_fd` hands over sole ownership of an
+                    // open socket, which the glommio stream now owns.
+                    let stream = unsafe { TcpStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(std)) };
+                    conns.spawn(stream);
+                }
+            }
+        }
+    })
+    .detach();
     loop {
         // Once shutdown is triggered, connections already queued in the
         // backlog are still accepted (a client that saw the listening line
@@ -367,27 +405,24 @@ async fn run_shard(
             drop(stream);
             continue;
         }
-        report.borrow_mut().connections_accepted += 1;
-        active.set(active.get() + 1);
-        let conn = Connection {
-            shard,
-            mailboxes: mailboxes.clone(),
-            submitted: submitted.clone(),
-            path: path.clone(),
-            shutdown: shutdown.clone(),
-            limits: limits.clone(),
-            report: report.clone(),
-            stalls: stalls.clone(),
-            socket_timestamps,
-        };
-        let active = active.clone();
-        glommio::spawn_local(async move {
-            if let Err(e) = conn.serve(stream).await {
-                tracing::debug!(shard, error = %e, "connection closed");
+        match balance.place() {
+            None => conns.spawn(stream),
+            Some(to) => {
+                // SAFETY: dup of an open socket's fd; the new fd is owned
+                // here and closed by its OwnedFd.
+                let fd = unsafe { libc::dup(stream.as_raw_fd()) };
+                if fd < 0 {
+                    balance.keep_instead(to);
+                    conns.spawn(stream);
+                    continue;
+                }
+                // SAFETY: `fd` was just returned by dup and is owned by no one else.
+                let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+                drop(stream);
+                balance.hand_over(to, owned);
+                report.borrow_mut().connections_handed_over += 1;
             }
-            active.set(active.get() - 1);
-        })
-        .detach();
+        }
     }
     drop(listener);
 
@@ -402,6 +437,7 @@ async fn run_shard(
         tracing::warn!(shard, open = active.get(), "shutdown grace elapsed; closing connections");
     }
     drop(watcher);
+    drop(adopter);
     drop(publishing);
     drop(poller);
     let mut p = path.borrow_mut();
@@ -430,6 +466,50 @@ fn refresh(path: &RefCell<RequestPath<MonotonicClock>>, shard: usize) {
         Ok(true) => tracing::debug!(shard, "model versions refreshed"),
         Ok(false) => {}
         Err(e) => tracing::error!(shard, error = %e, "a published model cannot be served; keeping the old ones"),
+    }
+}
+
+/// What a shard needs to start serving a connection, accepted or handed over.
+struct Conns {
+    shard: usize,
+    mailboxes: Rc<Mailboxes>,
+    submitted: Rc<Notify>,
+    path: Rc<RefCell<RequestPath<MonotonicClock>>>,
+    shutdown: Rc<ShutdownSignal>,
+    limits: crate::config::Limits,
+    report: Rc<RefCell<ShardReport>>,
+    stalls: Rc<StallMeter>,
+    socket_timestamps: bool,
+    active: Rc<Cell<usize>>,
+    balance: Rc<ShardBalance>,
+}
+
+impl Conns {
+    /// Serves `stream` on this shard until it closes. Its place in the
+    /// balance counts was taken when it was placed here.
+    fn spawn(self: &Rc<Self>, stream: TcpStream) {
+        self.report.borrow_mut().connections_accepted += 1;
+        self.active.set(self.active.get() + 1);
+        let conn = Connection {
+            shard: self.shard,
+            mailboxes: self.mailboxes.clone(),
+            submitted: self.submitted.clone(),
+            path: self.path.clone(),
+            shutdown: self.shutdown.clone(),
+            limits: self.limits.clone(),
+            report: self.report.clone(),
+            stalls: self.stalls.clone(),
+            socket_timestamps: self.socket_timestamps,
+        };
+        let this = self.clone();
+        glommio::spawn_local(async move {
+            if let Err(e) = conn.serve(stream).await {
+                tracing::debug!(shard = this.shard, error = %e, "connection closed");
+            }
+            this.active.set(this.active.get() - 1);
+            this.balance.closed();
+        })
+        .detach();
     }
 }
 
@@ -474,25 +554,23 @@ impl Connection {
         buf: &mut [u8],
         stamps: bool,
     ) -> std::io::Result<(usize, Option<u64>)> {
-        if !stamps {
+        let waited = |stamp: Option<u64>| stamp.map(|s| stamped::realtime_ns().saturating_sub(s));
+        if !stamps || buf.len() < 2 {
             return stream.read(buf).await.map(|n| (n, None));
         }
-        loop {
-            if let Some((n, stamp)) = stamped::try_recv(stream, buf)? {
-                return Ok((n, stamp.map(|s| stamped::realtime_ns().saturating_sub(s))));
-            }
-            // Wait for bytes without taking them: the next `try_recv` reads
-            // them with their stamp.
-            let mut one = [0u8; 1];
-            let idle = Duration::from_millis(self.limits.idle_timeout_ms);
-            futures_lite::future::or(
-                async { stream.peek(&mut one).await.map(|_| ()).map_err(std::io::Error::from) },
-                async {
-                    glommio::timer::sleep(idle).await;
-                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no frame within idle_timeout_ms"))
-                },
-            )
-            .await?;
+        if let Some((n, stamp)) = stamped::try_recv(stream, buf)? {
+            return Ok((n, waited(stamp)));
+        }
+        // Wait through the runtime's own read path for one byte, then take
+        // the rest of what arrived with its stamp. (Waiting by a peek costs
+        // more: io_uring may hand a pending receive to a worker thread.)
+        let n = stream.read(&mut buf[..1]).await?;
+        if n == 0 {
+            return Ok((0, None));
+        }
+        match stamped::try_recv(stream, &mut buf[1..])? {
+            Some((m, stamp)) => Ok((1 + m, waited(stamp))),
+            None => Ok((1, None)),
         }
     }
 
