@@ -18,6 +18,7 @@ OUT="${OUT:-bench/results/stalls.json}"
 
 die() { echo "stalls: $*" >&2; exit 1; }
 command -v curl >/dev/null || die "required tool 'curl' is missing (apt-get install curl)"
+command -v python3 >/dev/null || die "required tool 'python3' is missing (apt-get install python3)"
 command -v taskset >/dev/null || die "required tool 'taskset' is missing (apt-get install util-linux)"
 [ "$(nproc)" -ge 2 ] || die "needs at least 2 cores (server and generator on separate cores)"
 
@@ -31,8 +32,12 @@ cleanup() {
 }
 trap cleanup EXIT
 "$bin" demo --data-dir "$data" 2>/dev/null
-taskset -c "$SERVER_CORE" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
-    --cores "$SERVER_CORE" >"$data/serve.out" 2>"$data/serve.log" &
+# The shard alone on $SERVER_CORE; the admin thread that answers the scrapes,
+# the collector and the scraper itself on $GEN_CORE, beside the generator
+# (a 2-core box has no third core for them).
+printf '[reactor]\nhousekeeping_cores = [%s]\n' "$GEN_CORE" >"$data/stalls.toml"
+"$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 --cores "$SERVER_CORE" \
+    --config "$data/stalls.toml" >"$data/serve.out" 2>"$data/serve.log" &
 pids+=("$!")
 for _ in $(seq 600); do grep -q "listening on" "$data/serve.out" 2>/dev/null && break; sleep 0.05; done
 addr="$(awk '/listening on/ {print $4}' "$data/serve.out")"
@@ -40,13 +45,17 @@ admin="$(awk '/admin on/ {print $4}' "$data/serve.out")"
 [ -n "$addr" ] && [ -n "$admin" ] || { cat "$data/serve.log"; die "server did not start within 30 s"; }
 
 secs="${DURATION%s}"
-(
-    end=$(( $(date +%s) + secs ))
-    while [ "$(date +%s)" -lt "$end" ]; do
-        curl -s -o /dev/null "http://$admin/metrics"
-        sleep "$(python3 -c "print(1/$SCRAPES_PER_S)")"
-    done
-) &
+# One long-lived scraper process, pinned beside the generator.
+taskset -c "$GEN_CORE" python3 - "$admin" "$secs" "$SCRAPES_PER_S" >"$data/scrapes.txt" <<'PY' &
+import sys, time, urllib.request
+admin, secs, per_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+end, n = time.monotonic() + secs, 0
+while time.monotonic() < end:
+    urllib.request.urlopen(f"http://{admin}/metrics", timeout=5).read()
+    n += 1
+    time.sleep(1 / per_s)
+print(n)
+PY
 pids+=("$!")
 taskset -c "$GEN_CORE" "$bin" bench --addr "$addr" --connections 4 --rate "$RATE" --duration "$DURATION" \
     --budget-us 1000000 --json >"$data/bench.json"
@@ -62,6 +71,7 @@ commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=
 print(json.dumps({"commit": commit, "rate": float(sys.argv[3]), "duration": sys.argv[4],
                   "scrapes_per_s": float(sys.argv[5]),
                   "stalls_by_task": stats["stalls_by_task"], "stall_lengths_last_10s_us": stall,
+                  "stages_last_10s_us": {s["stage"]: s for s in stats["stages"]},
                   "latency": bench["latency"], "late_sends": bench["late_sends"],
                   "received": bench["received"], "sent": bench["sent"]}, indent=1))
 PY

@@ -13,7 +13,7 @@
 #        QUIVER_FLAGS="--inference thread" bench/tail.sh   (extra serve flags)
 #        BASE_BIN=/path/to/older/quiver bench/tail.sh      (adds "base":
 #            auction-32 served by that binary, for a before/after in one run;
-#            BASE_FLAGS are its serve flags)
+#            BASE_FLAGS are its serve flags, BASE_LABEL says what it is)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +27,7 @@ OUT="${OUT:-bench/results/tail}"
 QUIVER_FLAGS="${QUIVER_FLAGS:-}"
 BASE_BIN="${BASE_BIN:-}"
 BASE_FLAGS="${BASE_FLAGS:-}"
+BASE_LABEL="${BASE_LABEL:-an earlier build}"
 SERVERS="${SERVERS:-redis floor quiver thread${BASE_BIN:+ base}}"
 
 die() { echo "tail: $*" >&2; exit 1; }
@@ -98,9 +99,10 @@ for run in $(seq "$RUNS"); do
     done
 done
 
-python3 - "$OUT" "$RUNS" "$DURATION" "$CONNECTIONS" "$QUIVER_FLAGS" "$BASE_BIN" <<'PY'
+python3 - "$OUT" "$RUNS" "$DURATION" "$CONNECTIONS" "$QUIVER_FLAGS" "$BASE_BIN" "$BASE_FLAGS" "$BASE_LABEL" <<'PY'
 import glob, json, os, statistics, sys
 out, runs, duration, conns, flags, base = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
+base_flags, base_label = sys.argv[7], sys.argv[8]
 rows = {}
 for f in glob.glob(os.path.join(out, "tail-*-*-*.json")):
     server, rate, run = os.path.basename(f)[5:-5].rsplit("-", 2)
@@ -108,7 +110,8 @@ for f in glob.glob(os.path.join(out, "tail-*-*-*.json")):
 import subprocess
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 summary = {"runs": runs, "duration": duration, "connections": conns, "quiver_flags": flags,
-           "base_bin": base or None, "commit": commit, "rates": {}}
+           "base_bin": base or None, "base_flags": base_flags if base else None,
+           "base_label": base_label if base else None, "commit": commit, "rates": {}}
 keys = ["p50_us", "p99_us", "p999_us", "max_us"]
 for (server, rate), rs in sorted(rows.items()):
     med = {k: statistics.median(r["latency"][k] for r in rs) for k in keys}

@@ -490,17 +490,7 @@ impl Conns {
     fn spawn(self: &Rc<Self>, stream: TcpStream) {
         self.report.borrow_mut().connections_accepted += 1;
         self.active.set(self.active.get() + 1);
-        let conn = Connection {
-            shard: self.shard,
-            mailboxes: self.mailboxes.clone(),
-            submitted: self.submitted.clone(),
-            path: self.path.clone(),
-            shutdown: self.shutdown.clone(),
-            limits: self.limits.clone(),
-            report: self.report.clone(),
-            stalls: self.stalls.clone(),
-            socket_timestamps: self.socket_timestamps,
-        };
+        let conn = Connection { shard: self.clone() };
         let this = self.clone();
         glommio::spawn_local(async move {
             if let Err(e) = conn.serve(stream).await {
@@ -513,21 +503,14 @@ impl Conns {
     }
 }
 
+/// One connection being served: what it needs is its shard's.
 struct Connection {
-    shard: usize,
-    mailboxes: Rc<Mailboxes>,
-    submitted: Rc<Notify>,
-    path: Rc<RefCell<RequestPath<MonotonicClock>>>,
-    shutdown: Rc<ShutdownSignal>,
-    limits: crate::config::Limits,
-    report: Rc<RefCell<ShardReport>>,
-    stalls: Rc<StallMeter>,
-    socket_timestamps: bool,
+    shard: Rc<Conns>,
 }
 
 impl Connection {
     async fn serve(self, mut stream: TcpStream) -> std::io::Result<()> {
-        let (id, mailbox) = self.mailboxes.open();
+        let (id, mailbox) = self.shard.mailboxes.open();
         let result = self.serve_rounds(&mut stream, id, &mailbox).await;
         // Collect every response the stage still owes this connection (each
         // ends by its deadline), write what can be written, then close.
@@ -539,7 +522,7 @@ impl Connection {
             mailbox.delivered().await;
             mailbox.take_into(&mut rest);
         }
-        self.mailboxes.close(id);
+        self.shard.mailboxes.close(id);
         if result.is_ok() && !rest.is_empty() {
             stream.write_all(&rest).await?;
         }
@@ -576,16 +559,16 @@ impl Connection {
 
     async fn serve_rounds(&self, stream: &mut TcpStream, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         stream.set_nodelay(true)?;
-        let stamps = self.socket_timestamps && stamped::enable(stream).is_ok();
+        let stamps = self.shard.socket_timestamps && stamped::enable(stream).is_ok();
         // How long the bytes of the last read waited in the socket.
         let mut socket_wait_ns: Option<u64> = None;
-        stream.set_read_timeout(Some(Duration::from_millis(self.limits.idle_timeout_ms)))?;
-        stream.set_write_timeout(Some(Duration::from_millis(self.limits.write_timeout_ms)))?;
-        let frame_bytes_max = self.limits.frame_bytes_max;
+        stream.set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
+        stream.set_write_timeout(Some(Duration::from_millis(self.shard.limits.write_timeout_ms)))?;
+        let frame_bytes_max = self.shard.limits.frame_bytes_max;
         let read_bytes_max = frame_bytes_max + FRAME_PREFIX_BYTES;
         let mut inbuf = vec![0u8; READ_BUFFER_BYTES_MIN.min(read_bytes_max)];
         let mut filled = 0usize;
-        let out_cap = self.limits.output_bytes_max + response_frame_bytes_max(self.limits.candidates_max);
+        let out_cap = self.shard.limits.output_bytes_max + response_frame_bytes_max(self.shard.limits.candidates_max);
         let mut out = Vec::with_capacity(out_cap.min(1 << 20));
         loop {
             // Answer the complete frames already buffered, up to the output
@@ -593,15 +576,16 @@ impl Connection {
             let mut consumed = 0;
             let mut frames = 0;
             let mut broken = false;
-            let t = self.stalls.start();
-            refresh(&self.path, self.shard);
-            self.stalls.end(StallTask::Refresh, t);
+            let t = self.shard.stalls.start();
+            refresh(&self.shard.path, self.shard.shard);
+            self.shard.stalls.end(StallTask::Refresh, t);
             let mut handed_off = false;
-            let t = self.stalls.start();
+            let t = self.shard.stalls.start();
             {
-                let mut path = self.path.borrow_mut();
+                let mut path = self.shard.path.borrow_mut();
                 let read_at_ns = path.clock().now_ns();
-                while out.len() < self.limits.output_bytes_max && frames < self.limits.frames_per_round_max {
+                while out.len() < self.shard.limits.output_bytes_max && frames < self.shard.limits.frames_per_round_max
+                {
                     match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
                         Ok(Some((payload, used))) => {
                             frames += 1;
@@ -617,7 +601,7 @@ impl Connection {
                         Ok(None) => break,
                         Err(e) => {
                             path.reject_stream(&e, &mut out);
-                            self.report.borrow_mut().streams_rejected += 1;
+                            self.shard.report.borrow_mut().streams_rejected += 1;
                             broken = true;
                             break;
                         }
@@ -625,12 +609,12 @@ impl Connection {
                 }
             }
             if handed_off {
-                self.submitted.notify();
+                self.shard.submitted.notify();
             }
             inbuf.copy_within(consumed..filled, 0);
             filled -= consumed;
             mailbox.take_into(&mut out);
-            self.stalls.end(StallTask::Connection, t);
+            self.shard.stalls.end(StallTask::Connection, t);
             if !out.is_empty() {
                 stream.write_all(&out).await?;
                 out.clear();
@@ -644,10 +628,10 @@ impl Connection {
                 continue;
             }
             // Responses are written and no frame waits: spare time for shadows.
-            let t = self.stalls.start();
-            self.path.borrow_mut().run_shadows();
-            self.stalls.end(StallTask::Shadow, t);
-            let closing = self.shutdown.is_triggered();
+            let t = self.shard.stalls.start();
+            self.shard.path.borrow_mut().run_shadows();
+            self.shard.stalls.end(StallTask::Shadow, t);
+            let closing = self.shard.shutdown.is_triggered();
             // Make room for the rest of a frame whose prefix we have seen.
             if filled == inbuf.len() {
                 let grown = (inbuf.len() * 2).min(read_bytes_max);
@@ -665,7 +649,7 @@ impl Connection {
                             if closing {
                                 glommio::timer::sleep(QUEUED_WAIT).await;
                             } else {
-                                self.shutdown.wait().await;
+                                self.shard.shutdown.wait().await;
                             }
                             Wake::Shutdown
                         },
