@@ -1110,6 +1110,31 @@ def same_json(a, b, path=""):
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
+def models_close(path_a, path_b):
+    """The same graph, and weights within TOL: a model trained again (the
+    scikit-learn MLPs) can differ in the last bits of its weights with the
+    BLAS kernels the CPU picks, and that is not a different fixture."""
+    a, b = onnx.load(path_a), onnx.load(path_b)
+    wa = {i.name: numpy_helper.to_array(i) for i in a.graph.initializer}
+    wb = {i.name: numpy_helper.to_array(i) for i in b.graph.initializer}
+    if wa.keys() != wb.keys():
+        return False
+    for k, x in wa.items():
+        y = wb[k]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.dtype.kind == "f":
+            if not np.abs(x.astype(np.float64) - y).max(initial=0.0) <= TOL:
+                return False
+        elif not np.array_equal(x, y):
+            return False
+    for m in (a, b):
+        for i in m.graph.initializer:
+            for field in ("raw_data", "float_data", "double_data", "int32_data", "int64_data"):
+                i.ClearField(field)
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
 def compare(committed, fresh, index):
     problems = []
     expected = expected_files(index)
@@ -1127,8 +1152,8 @@ def compare(committed, fresh, index):
                 problems.append(f"{f}: cannot be loaded ({e})")
             else:
                 b = onnx.load(os.path.join(fresh, f)).SerializeToString(deterministic=True)
-                if a != b:
-                    problems.append(f"{f}: model differs from the regenerated one")
+                if a != b and not models_close(os.path.join(committed, f), os.path.join(fresh, f)):
+                    problems.append(f"{f}: model differs from the regenerated one (graph, or weights by more than {TOL})")
         f = entry["data"]
         if f in present:
             a = np.load(os.path.join(committed, f))

@@ -640,6 +640,21 @@ mod x86 {
     /// Round to nearest, ties to even, whatever MXCSR says.
     const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
+    /// Narrows 16 i32 lanes to bytes (truncating) and stores the lanes in
+    /// `m` at `dst`: VPMOVDB into a register, then a masked byte store. The
+    /// memory form (`_mm512_mask_cvtepi32_storeu_epi8`) is the same
+    /// operation in more micro-ops on Zen 4; the dynamic INT8 forward of the
+    /// demo MLP at 32 rows is about 3% faster this way (`bench/kernels.rs`).
+    ///
+    /// # Safety
+    /// The caller must enable AVX-512 F/BW/VL, and `dst + i` must be
+    /// writable for every lane `i` set in `m`.
+    #[inline(always)]
+    unsafe fn store_epi8_512(dst: *mut i8, m: __mmask16, v: __m512i) {
+        // SAFETY: forwarded to the caller.
+        unsafe { _mm_mask_storeu_epi8(dst, m, _mm512_cvtepi32_epi8(v)) }
+    }
+
     /// `round_clamp(v, lo)` on 16 lanes: `max` maps a NaN lane to `lo`, and
     /// the ordered-compare mask then turns it into 0, as `as i8` does; the
     /// conversion rounds ties to even. A release test compares it with the
@@ -706,7 +721,7 @@ mod x86 {
             // slices that long.
             unsafe {
                 let q = round_clamp_512(_mm512_maskz_loadu_ps(m, c.as_ptr()), _mm512_set1_ps(lo));
-                _mm512_mask_cvtepi32_storeu_epi8(o.as_mut_ptr(), m, q);
+                store_epi8_512(o.as_mut_ptr(), m, q);
             }
         }
     }
@@ -758,11 +773,7 @@ mod x86 {
                 unsafe {
                     let v = _mm512_maskz_loadu_ps(m, x.as_ptr().add(r * k + c));
                     let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
-                    _mm512_mask_cvtepi32_storeu_epi8(
-                        xq.as_mut_ptr().add(r * k_pad + c).cast(),
-                        m,
-                        _mm512_xor_si512(q, flip),
-                    );
+                    store_epi8_512(xq.as_mut_ptr().add(r * k_pad + c).cast(), m, _mm512_xor_si512(q, flip));
                 }
             }
         }
@@ -837,11 +848,7 @@ mod x86 {
                 unsafe {
                     let v = _mm512_maskz_loadu_ps(m, x.as_ptr().add(r * k + c));
                     let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
-                    _mm512_mask_cvtepi32_storeu_epi8(
-                        xq.as_mut_ptr().add(r * k_pad + c).cast(),
-                        m,
-                        _mm512_xor_si512(q, flip),
-                    );
+                    store_epi8_512(xq.as_mut_ptr().add(r * k_pad + c).cast(), m, _mm512_xor_si512(q, flip));
                 }
             }
         }
@@ -993,7 +1000,7 @@ mod x86 {
             unsafe {
                 let q = round_clamp_512(static_value_512(self.c, o0, acc), _mm512_set1_ps(self.c.lo));
                 let dst = self.dst.add(row * self.stride + o0).cast();
-                _mm512_mask_cvtepi32_storeu_epi8(dst, mask, _mm512_xor_si512(q, _mm512_set1_epi32(0x80)));
+                store_epi8_512(dst, mask, _mm512_xor_si512(q, _mm512_set1_epi32(0x80)));
             }
         }
     }
