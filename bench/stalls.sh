@@ -16,22 +16,14 @@ SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
 OUT="${OUT:-bench/results/stalls.json}"
 
-die() { echo "stalls: $*" >&2; exit 1; }
-command -v curl >/dev/null || die "required tool 'curl' is missing (apt-get install curl)"
-command -v python3 >/dev/null || die "required tool 'python3' is missing (apt-get install python3)"
-command -v taskset >/dev/null || die "required tool 'taskset' is missing (apt-get install util-linux)"
-[ "$(nproc)" -ge 2 ] || die "needs at least 2 cores (server and generator on separate cores)"
-
-cargo build --release --quiet
-bin=target/release/quiver
-data="$(mktemp -d)"
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-    rm -rf "$data"
-}
-trap cleanup EXIT
-"$bin" demo --data-dir "$data" 2>/dev/null
+BENCH_NAME=stalls
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
+need curl curl
+need python3 python3
+need taskset util-linux
+need_two_cores
+bench_setup
 # The shard alone on $SERVER_CORE; the admin thread that answers the scrapes,
 # the collector and the scraper itself on $GEN_CORE, beside the generator
 # (a 2-core box has no third core for them).
@@ -39,10 +31,10 @@ printf '[reactor]\nhousekeeping_cores = [%s]\n' "$GEN_CORE" >"$data/stalls.toml"
 "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 --cores "$SERVER_CORE" \
     --config "$data/stalls.toml" >"$data/serve.out" 2>"$data/serve.log" &
 pids+=("$!")
-for _ in $(seq 600); do grep -q "listening on" "$data/serve.out" 2>/dev/null && break; sleep 0.05; done
-addr="$(awk '/listening on/ {print $4}' "$data/serve.out")"
-admin="$(awk '/admin on/ {print $4}' "$data/serve.out")"
-[ -n "$addr" ] && [ -n "$admin" ] || { cat "$data/serve.log"; die "server did not start within 30 s"; }
+wait_listening "$data/serve.out" "$data/serve.log"
+addr="$listen_addr"
+admin="$admin_addr"
+[ -n "$admin" ] || die "the server has no admin endpoint"
 
 secs="${DURATION%s}"
 # One long-lived scraper process, pinned beside the generator.

@@ -30,24 +30,17 @@ BASE_FLAGS="${BASE_FLAGS:-}"
 BASE_LABEL="${BASE_LABEL:-an earlier build}"
 SERVERS="${SERVERS:-redis floor quiver thread${BASE_BIN:+ base}}"
 
-die() { echo "tail: $*" >&2; exit 1; }
-command -v taskset >/dev/null || die "required tool 'taskset' is missing (apt-get install util-linux)"
-command -v redis-server >/dev/null || die "required tool 'redis-server' is missing (apt-get install redis-server)"
-command -v redis-cli >/dev/null || die "required tool 'redis-cli' is missing (apt-get install redis-tools)"
-[ "$(nproc)" -ge 2 ] || die "needs at least 2 cores (server and generator on separate cores)"
-
-cargo build --release --quiet
-bin=target/release/quiver
+BENCH_NAME=tail
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
+need taskset util-linux
+need redis-server redis-server
+need redis-cli redis-tools
+need python3 python3
+need_two_cores
+bench_setup
 mkdir -p "$OUT"
 rm -f "$OUT"/tail-*.json
-data="$(mktemp -d)"
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-    rm -rf "$data"
-}
-trap cleanup EXIT
-"$bin" demo --data-dir "$data" 2>/dev/null
 
 declare -A addr
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
@@ -75,9 +68,8 @@ for mode in floor quiver thread ${BASE_BIN:+base}; do
     taskset -c "$SERVER_CORE" "$serve_bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --cores "$SERVER_CORE" "${flags[@]}" >"$data/$mode.out" 2>"$data/$mode.log" &
     pids+=("$!")
-    for _ in $(seq 600); do grep -q "listening on" "$data/$mode.out" 2>/dev/null && break; sleep 0.05; done
-    addr[$mode]="$(awk '/listening on/ {print $4}' "$data/$mode.out")"
-    [ -n "${addr[$mode]}" ] || { cat "$data/$mode.log"; die "$mode server did not start within 30 s"; }
+    wait_listening "$data/$mode.out" "$data/$mode.log"
+    addr[$mode]="$listen_addr"
 done
 
 gen() {

@@ -1,0 +1,42 @@
+# What the bench scripts share (bench/run.sh, tail.sh, stalls.sh): sourced,
+# not run. Set BENCH_NAME before sourcing; it prefixes every message.
+#
+#   die MESSAGE              print "NAME: MESSAGE" and exit 1
+#   need TOOL PACKAGE        die unless TOOL is on PATH, naming its package
+#   need_two_cores           die on a machine with one core
+#   bench_setup              build the release binary ($bin), make a scratch
+#                            directory with the demo data ($data), and stop
+#                            every process in $pids and remove $data on exit
+#   wait_listening OUT LOG   wait (30 s at most) for the listening line of the
+#                            `quiver serve` whose stdout is OUT; set
+#                            $listen_addr and $admin_addr; on failure print LOG
+BENCH_NAME="${BENCH_NAME:-bench}"
+
+die() { echo "$BENCH_NAME: $*" >&2; exit 1; }
+
+need() { command -v "$1" >/dev/null 2>&1 || die "required tool '$1' is missing (apt-get install $2)"; }
+
+need_two_cores() {
+    [ "$(nproc)" -ge 2 ] || die "needs at least 2 cores (server and generator on separate cores)"
+}
+
+bench_cleanup() {
+    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+    rm -rf "$data"
+}
+
+bench_setup() {
+    cargo build --release --quiet
+    bin=target/release/quiver
+    data="$(mktemp -d)"
+    pids=()
+    trap bench_cleanup EXIT
+    "$bin" demo --data-dir "$data" 2>/dev/null
+}
+
+wait_listening() {
+    for _ in $(seq 600); do grep -q "listening on" "$1" 2>/dev/null && break; sleep 0.05; done
+    listen_addr="$(awk '/listening on/ {print $4}' "$1")"
+    admin_addr="$(awk '/admin on/ {print $4}' "$1")"
+    [ -n "$listen_addr" ] || { cat "$2"; die "server did not start within 30 s"; }
+}
