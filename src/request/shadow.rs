@@ -65,6 +65,11 @@ impl<C: Clock> RequestPath<C> {
     /// The connection calls this after writing a round's responses, when no
     /// further frame is waiting: off the critical path, and only with time
     /// to spare.
+    /// Sampled requests waiting for their shadow versions.
+    pub fn shadows_pending(&self) -> bool {
+        !self.shadow_queue.items.is_empty()
+    }
+
     pub fn run_shadows(&mut self) {
         let ShadowQueue { x, returned, scores, ranks, rank_a, items, slot_floats, rows_max } = &mut self.shadow_queue;
         for item in items.drain(..) {

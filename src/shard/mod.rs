@@ -42,6 +42,8 @@ use mailbox::{Mailbox, Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
 use stall::StallMeter;
 
+/// The background task queue's shares against the default queue's 1000.
+const BACKGROUND_SHARES: usize = 50;
 /// How often a shard looks at the process-wide shutdown flag.
 const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
 /// How long the completion poller spins after its last delivery.
@@ -238,29 +240,43 @@ async fn run_shard(
     // Publish this shard's interval to the collector, off the request path.
     // Taken out for the final publication when the shard stops.
     let publisher = Rc::new(RefCell::new(Some(publisher)));
-    let publishing = glommio::spawn_local({
-        let (path, active, shutdown) = (path.clone(), active.clone(), shutdown.clone());
-        let (publisher, stalls) = (publisher.clone(), stalls.clone());
-        async move {
-            while !shutdown.is_triggered() {
-                glommio::timer::sleep(crate::metrics::PUBLISH_INTERVAL).await;
-                let t = stalls.start();
-                let mut p = path.borrow_mut();
-                let mut counters = p.counters.clone();
-                let longest = stalls.drain_into(p.times_mut(), &mut counters);
-                let open = p.breaker_state() != BreakerState::Closed;
-                let versions = p.version_report();
-                if let Some(publisher) = publisher.borrow_mut().as_mut() {
-                    publisher.publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
+    // Work that is not a request runs in a low-share task queue: while
+    // connections have work, it gets a small part of the reactor's time.
+    // (The watcher stays in the default queue: its timer's lateness is the
+    // stall detector's measure of the reactor, not of this queue's turn.)
+    let background = glommio::executor().create_task_queue(
+        glommio::Shares::Static(BACKGROUND_SHARES),
+        glommio::Latency::NotImportant,
+        "background",
+    );
+    let publishing = glommio::spawn_local_into(
+        {
+            let (path, active, shutdown) = (path.clone(), active.clone(), shutdown.clone());
+            let (publisher, stalls) = (publisher.clone(), stalls.clone());
+            async move {
+                while !shutdown.is_triggered() {
+                    glommio::timer::sleep(crate::metrics::PUBLISH_INTERVAL).await;
+                    let t = stalls.start();
+                    let mut p = path.borrow_mut();
+                    let mut counters = p.counters.clone();
+                    let longest = stalls.drain_into(p.times_mut(), &mut counters);
+                    let open = p.breaker_state() != BreakerState::Closed;
+                    let versions = p.version_report();
+                    if let Some(publisher) = publisher.borrow_mut().as_mut() {
+                        publisher.publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
+                    }
+                    drop(p);
+                    stalls.end(StallTask::Publish, t);
                 }
-                drop(p);
-                stalls.end(StallTask::Publish, t);
             }
-        }
-    })
+        },
+        background,
+    )
+    .map_err(|e| format!("shard {shard}: spawning the publisher: {e}"))?
     .detach();
     let report = Rc::new(RefCell::new(ShardReport { shard, core, ..ShardReport::default() }));
     let balance = Rc::new(balance);
+    let shadow_wanted = Rc::new(Notify::default());
     let mailboxes = Rc::new(Mailboxes::default());
     let submitted = Rc::new(Notify::default());
     let stage_attached = stage.is_some();
@@ -353,23 +369,59 @@ async fn run_shard(
         socket_timestamps,
         active: active.clone(),
         balance: balance.clone(),
+        shadow_wanted: shadow_wanted.clone(),
     });
     // Sockets other shards handed over, adopted on a slow tick: connection
     // set-up is not latency-critical.
-    let adopter = glommio::spawn_local({
-        let (conns, balance, shutdown) = (conns.clone(), balance.clone(), shutdown.clone());
-        async move {
-            while !shutdown.is_triggered() {
-                glommio::timer::sleep(SHUTDOWN_POLL).await;
-                for std in balance.adopt() {
-                    // SAFETY: `into_raw_fd` hands over sole ownership of an
-                    // open socket, which the glommio stream now owns.
-                    let stream = unsafe { TcpStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(std)) };
-                    conns.spawn(stream);
+    // Shadow versions score sampled requests after their responses are out.
+    let shadowing = glommio::spawn_local_into(
+        {
+            let (path, shadow_wanted, shutdown, stalls) =
+                (path.clone(), shadow_wanted.clone(), shutdown.clone(), stalls.clone());
+            async move {
+                loop {
+                    let wanted = futures_lite::future::or(
+                        async {
+                            shadow_wanted.notified().await;
+                            true
+                        },
+                        async {
+                            shutdown.wait().await;
+                            false
+                        },
+                    )
+                    .await;
+                    if !wanted {
+                        break;
+                    }
+                    let t = stalls.start();
+                    path.borrow_mut().run_shadows();
+                    stalls.end(StallTask::Shadow, t);
                 }
             }
-        }
-    })
+        },
+        background,
+    )
+    .map_err(|e| format!("shard {shard}: spawning the shadow task: {e}"))?
+    .detach();
+    let adopter = glommio::spawn_local_into(
+        {
+            let (conns, balance, shutdown) = (conns.clone(), balance.clone(), shutdown.clone());
+            async move {
+                while !shutdown.is_triggered() {
+                    glommio::timer::sleep(SHUTDOWN_POLL).await;
+                    for std in balance.adopt() {
+                        // SAFETY: `into_raw_fd` hands over sole ownership of an
+                        // open socket, which the glommio stream now owns.
+                        let stream = unsafe { TcpStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(std)) };
+                        conns.spawn(stream);
+                    }
+                }
+            }
+        },
+        background,
+    )
+    .map_err(|e| format!("shard {shard}: spawning the adopter: {e}"))?
     .detach();
     loop {
         // Once shutdown is triggered, connections already queued in the
@@ -438,6 +490,7 @@ async fn run_shard(
     }
     drop(watcher);
     drop(adopter);
+    drop(shadowing);
     drop(publishing);
     drop(poller);
     let mut p = path.borrow_mut();
@@ -482,6 +535,8 @@ struct Conns {
     socket_timestamps: bool,
     active: Rc<Cell<usize>>,
     balance: Rc<ShardBalance>,
+    /// Wakes the shard's shadow task.
+    shadow_wanted: Rc<Notify>,
 }
 
 impl Conns {
@@ -627,10 +682,10 @@ impl Connection {
                 futures_lite::future::yield_now().await;
                 continue;
             }
-            // Responses are written and no frame waits: spare time for shadows.
-            let t = self.shard.stalls.start();
-            self.shard.path.borrow_mut().run_shadows();
-            self.shard.stalls.end(StallTask::Shadow, t);
+            // Responses are written and no frame waits: shadows may run.
+            if self.shard.path.borrow().shadows_pending() {
+                self.shard.shadow_wanted.notify();
+            }
             let closing = self.shard.shutdown.is_triggered();
             // Make room for the rest of a frame whose prefix we have seen.
             if filled == inbuf.len() {
