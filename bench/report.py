@@ -227,20 +227,28 @@ if os.path.exists(tail):
             w(f"- {text}: {value:.2f}x, {'met' if value <= bound else 'not met'}.")
     w("")
 
-if os.path.exists(stalls_path):
-    st = json.load(open(stalls_path))
-    total = sum(st["stalls_by_task"].values())
+stall_runs = [p for p in (stalls_path, os.path.join(res, "stalls-swaps.json")) if os.path.exists(p)]
+if stall_runs:
     w("## Reactor stalls under load and scraping\n")
-    w(f"From `bench/stalls.sh` at commit `{st['commit']}`: one shard serving auction-32 at {st['rate']:,.0f} req/s")
-    w(f"for {st['duration']} (open loop, 4 connections) while `/metrics` is scraped {st['scrapes_per_s']:.0f} times a second.")
-    w("A stall is a stretch over `reactor.stall_threshold_us` (500 µs) in which one task held the shard's reactor,")
-    w("or a timer of the shard's that fired that late (`reactor`: the cause was none of the shard's tasks).\n")
-    w("A connection round answers up to `limits.frames_per_round_max` (64) frames before it yields; after a pause")
-    w("of the VM the backlog makes such rounds of several hundred µs, counted as `connection` stalls.\n")
-    w(f"Stalls counted: {total}, by task: " + ", ".join(f"{k} {v}" for k, v in sorted(st["stalls_by_task"].items())) + ".")
-    l = st["latency"]
-    w(f"The run's latency: p50 {l['p50_us']} µs, p99 {l['p99_us']:,} µs, p99.9 {l['p999_us']:,} µs, max {l['max_us']:,} µs; "
-      f"{st['late_sends']} sends left the generator more than 1 ms late.\n")
+    w("From `bench/stalls.sh`: one shard serving auction-32 (open loop, 4 connections) while `/metrics` is scraped;")
+    w("the admin thread, the collector and the scraper run on the generator's core. A stall is a stretch over")
+    w("`reactor.stall_threshold_us` (500 µs) in which one task held the shard's reactor, or a timer of the shard's that")
+    w("fired that late (`reactor`: the cause was none of the shard's tasks). A connection round answers up to")
+    w("`limits.frames_per_round_max` (64) frames before it yields; after a pause of the VM the backlog makes such")
+    w("rounds of several hundred µs, counted as `connection` stalls. With swaps, the served model version is")
+    w("swapped every second (`POST /models/auction-32/load`); the new version's backend is built on the shard.\n")
+    w("| run | commit | stalls | connection | reactor | refresh | publish | shadow | poller | p50 µs | p99 µs | p99.9 µs | late sends |")
+    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for path in stall_runs:
+        st = json.load(open(path))
+        by = st["stalls_by_task"]
+        l = st["latency"]
+        run = f"{st['rate']:,.0f} req/s, {st['duration']}, {st['scrapes_per_s']:.0f} scrapes/s"
+        if st.get("swaps_per_s"):
+            run += f", {st['swaps_per_s']:.0f} swap/s"
+        w(f"| {run} | `{st['commit']}` | {sum(by.values())} | {by['connection']} | {by['reactor']} | {by['refresh']} | "
+          f"{by['publish']} | {by['shadow']} | {by['poller']} | {l['p50_us']} | {l['p99_us']:,} | {l['p999_us']:,} | {st['late_sends']:,} |")
+    w("")
 
 feed = os.path.join(res, "feed_lag.jsonl")
 if os.path.exists(feed):

@@ -43,7 +43,7 @@ mkdir -p "$RESULTS" "$PLOTS"
 # (zoo, one request, trees) stay, and the page keeps rendering them.
 rm -rf "$RESULTS"/closed-* "$RESULTS"/open-* "$RESULTS"/sweep-* "$RESULTS"/redis-p* "$RESULTS"/criterion-*.txt \
     "$RESULTS"/criterion.json "$RESULTS"/machine.json "$RESULTS"/settings.json "$RESULTS"/handoff-percentiles.json \
-    "$RESULTS"/feed_lag.jsonl "$RESULTS"/tail "$RESULTS"/stalls.json
+    "$RESULTS"/feed_lag.jsonl "$RESULTS"/tail "$RESULTS"/stalls.json "$RESULTS"/stalls-swaps.json
 
 python3 - >"$RESULTS/machine.json" <<'PY'
 import json, os, platform, subprocess
@@ -163,6 +163,7 @@ RUNS=5 OUT="$RESULTS/tail" SERVER_CORE="$SERVER_CORE" GEN_CORE="$GEN_CORE" bash 
 
 echo "== reactor stalls: 60 s at 30k req/s with /metrics scraped 20 times a second (bench/stalls.sh)"
 OUT="$RESULTS/stalls.json" SERVER_CORE="$SERVER_CORE" GEN_CORE="$GEN_CORE" bash bench/stalls.sh >/dev/null
+OUT="$RESULTS/stalls-swaps.json" SWAPS=1 SERVER_CORE="$SERVER_CORE" GEN_CORE="$GEN_CORE" bash bench/stalls.sh >/dev/null
 
 echo "== the Redis feed: full sync and refresh lag (medians of $RUNS)"
 cargo bench --quiet --bench feed_lag -- --repeats "$RUNS" >"$RESULTS/feed_lag.jsonl" \

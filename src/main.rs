@@ -1,6 +1,6 @@
 //! The `quiver` command line: serve, score, bench, and file tools.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -89,6 +89,10 @@ enum Command {
     Demo {
         #[arg(long, default_value = "quiver-data")]
         data_dir: PathBuf,
+        /// Also publish the demo model as versions 1 and 2 of auction-32 in
+        /// this registry directory (for `serve --models-dir`: hot swaps to try).
+        #[arg(long)]
+        models_dir: Option<PathBuf>,
     },
     /// Check the CUDA backend on this machine's GPU: versions, INT8 parity
     /// with the CPU reference, latency. Writes one JSON object.
@@ -439,7 +443,7 @@ fn main() -> ExitCode {
         Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
         Command::Stats { admin, interval, count } => stats(&admin, interval, count),
-        Command::Demo { data_dir } => demo::ensure(&data_dir).map(|_| ExitCode::SUCCESS),
+        Command::Demo { data_dir, models_dir } => demo_cmd(&data_dir, models_dir.as_deref()),
         #[cfg(feature = "cuda")]
         Command::GpuCheck { batches, iters, out } => Ok(gpu_check(&batches, iters, out.as_deref())),
     };
@@ -781,6 +785,18 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
         }
     }
     Ok(if resp.status == Status::Ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+fn demo_cmd(data_dir: &Path, models_dir: Option<&Path>) -> Result<ExitCode, Error> {
+    demo::ensure(data_dir)?;
+    if let Some(dir) = models_dir {
+        for version in [1, 2] {
+            let model = quiver::model::Model { version, ..demo::model() };
+            let path = quiver::registry::publish(dir, &model).map_err(|e| Error::Setup(e.to_string()))?;
+            println!("published {}", path.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn bench(args: BenchArgs) -> Result<ExitCode, Error> {

@@ -147,3 +147,18 @@ fn plots_are_png_files() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("expected LABEL=FILE"));
 }
+
+#[test]
+fn demo_publishes_two_versions_to_a_registry_when_asked() {
+    let data = common::scratch("demo-registry-data");
+    let models = common::scratch("demo-registry-models");
+    let (code, out, err) =
+        common::run_quiver(["demo", "--data-dir", data.to_str().unwrap(), "--models-dir", models.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    for version in [1u32, 2] {
+        let path = models.join("auction-32").join(version.to_string()).join("model.qm");
+        assert!(out.contains(&path.display().to_string()), "{out}");
+        let model = quiver::model::Model::load(&path).unwrap();
+        assert_eq!((model.name.as_str(), model.version), ("auction-32", version));
+    }
+}
