@@ -159,10 +159,12 @@ pub struct ReactorConfig {
     /// model watcher). Default: the online cores no shard or inference
     /// stage uses, or unpinned when there are none.
     pub housekeeping_cores: Option<Vec<usize>>,
-    /// Read with the kernel's receive timestamps (`SO_TIMESTAMPNS`), so each
-    /// request's wait in the socket before its shard read it is measured
-    /// (`socket_wait` in the stage histograms).
-    pub socket_timestamps: bool,
+    /// Every this many reads of a connection, read with the kernel's receive
+    /// timestamps (`SO_TIMESTAMPNS`), so the wait in the socket before the
+    /// shard read it is measured for the frames of that read (`socket_wait`
+    /// in the stage histograms). A stamped read costs an extra syscall or
+    /// two; 1 stamps every read, 0 none.
+    pub socket_wait_every_reads: u32,
     /// Spread connections evenly over the shards: a shard serving two more
     /// than the least-loaded one hands a newly accepted connection to it.
     pub balance_connections: bool,
@@ -175,7 +177,7 @@ impl Default for ReactorConfig {
             preempt_timer_us: 100_000,
             stall_threshold_us: 500,
             housekeeping_cores: None,
-            socket_timestamps: true,
+            socket_wait_every_reads: 8,
             balance_connections: true,
         }
     }

@@ -47,7 +47,8 @@ pub enum Stage {
     /// From the frame's read to the encoded response.
     EndToEnd,
     /// Before the frame's read: from the kernel's receive of the newest
-    /// bytes of that read to the read (`reactor.socket_timestamps`).
+    /// bytes of that read to the read, for a sample of reads
+    /// (`reactor.socket_wait_every_reads`).
     SocketWait,
 }
 

@@ -84,6 +84,11 @@ fn scraping_and_model_swaps_keep_answers_flowing_and_stalls_show_in_metrics() {
     assert_eq!(stats.stalls_by_shard.len(), 1);
     assert!(stats.stalls_by_task["connection"] > 0);
     assert!(stats.stages.iter().any(|s| s.stage == "stall"));
+    // One read in eight of each connection carries kernel receive stamps.
+    let socket_wait = stats.stages.iter().find(|s| s.stage == "socket_wait").expect("a socket_wait stage");
+    assert!(socket_wait.count > 0, "no socket_wait recorded: {:?}", stats.stages);
+    let end_to_end = stats.stages.iter().find(|s| s.stage == "end_to_end").unwrap();
+    assert!(socket_wait.count < end_to_end.count, "sampled, not every frame");
     assert!(server.stderr().contains("reactor stalls in the last interval"), "the collector logs stalls");
 }
 

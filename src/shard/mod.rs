@@ -128,7 +128,7 @@ pub fn serve(
         let stage = stage_ends[shard].take();
         let (listen, not_ready) = (placement.listen, placement.not_ready);
         let stall_threshold_us = placement.reactor.stall_threshold_us;
-        let socket_timestamps = placement.reactor.socket_timestamps;
+        let socket_wait_every_reads = placement.reactor.socket_wait_every_reads;
         let shares_stage = placement.stage_shares.contains(&core);
         let spin_us = if shares_stage { 0 } else { placement.reactor.spin_before_park_us };
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
@@ -136,8 +136,15 @@ pub fn serve(
             .spin_before_park(Duration::from_micros(spin_us))
             .preempt_timer(Duration::from_micros(placement.reactor.preempt_timer_us.max(10)))
             .spawn(move || async move {
-                let place =
-                    ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps, shares_stage };
+                let place = ShardPlace {
+                    shard,
+                    core,
+                    listen,
+                    not_ready,
+                    stall_threshold_us,
+                    socket_wait_every_reads,
+                    shares_stage,
+                };
                 run_shard(place, shared, (publisher, balance), stage, stop, bound_tx).await
             })
             .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
@@ -178,7 +185,7 @@ struct ShardPlace {
     listen: SocketAddr,
     not_ready: NotReadyPolicy,
     stall_threshold_us: u64,
-    socket_timestamps: bool,
+    socket_wait_every_reads: u32,
     /// The inference thread runs on this shard's core too.
     shares_stage: bool,
 }
@@ -191,7 +198,8 @@ async fn run_shard(
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
-    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_timestamps, shares_stage } = place;
+    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_wait_every_reads, shares_stage } =
+        place;
     let poll_spin_ns = POLL_SPIN.as_nanos() as u64;
     let stalls = Rc::new(StallMeter::new(stall_threshold_us));
     let limits = shared.limits.clone();
@@ -366,7 +374,7 @@ async fn run_shard(
         limits: limits.clone(),
         report: report.clone(),
         stalls: stalls.clone(),
-        socket_timestamps,
+        socket_wait_every_reads,
         active: active.clone(),
         balance: balance.clone(),
         shadow_wanted: shadow_wanted.clone(),
@@ -532,7 +540,7 @@ struct Conns {
     limits: crate::config::Limits,
     report: Rc<RefCell<ShardReport>>,
     stalls: Rc<StallMeter>,
-    socket_timestamps: bool,
+    socket_wait_every_reads: u32,
     active: Rc<Cell<usize>>,
     balance: Rc<ShardBalance>,
     /// Wakes the shard's shadow task.
@@ -614,9 +622,12 @@ impl Connection {
 
     async fn serve_rounds(&self, stream: &mut TcpStream, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         stream.set_nodelay(true)?;
-        let stamps = self.shard.socket_timestamps && stamped::enable(stream).is_ok();
-        // How long the bytes of the last read waited in the socket.
+        let every = self.shard.socket_wait_every_reads;
+        let stamps = every > 0 && stamped::enable(stream).is_ok();
+        // How long the bytes of the last read waited in the socket, when it
+        // was a stamped one; reads since the last stamped one.
         let mut socket_wait_ns: Option<u64> = None;
+        let mut reads = 0u32;
         stream.set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
         stream.set_write_timeout(Some(Duration::from_millis(self.shard.limits.write_timeout_ms)))?;
         let frame_bytes_max = self.shard.limits.frame_bytes_max;
@@ -697,7 +708,9 @@ impl Connection {
             // sent (it is in the socket at once) and answers it; it closes
             // when nothing more arrives within `QUEUED_WAIT`.
             let read = futures_lite::future::or(
-                async { Wake::Read(self.read(stream, &mut inbuf[filled..], stamps).await) },
+                async {
+                    Wake::Read(self.read(stream, &mut inbuf[filled..], stamps && reads.is_multiple_of(every)).await)
+                },
                 async {
                     futures_lite::future::or(
                         async {
@@ -726,6 +739,7 @@ impl Connection {
                 Wake::Read(Ok((n, wait_ns))) => {
                     filled += n;
                     socket_wait_ns = wait_ns;
+                    reads = reads.wrapping_add(1);
                 }
                 Wake::Read(Err(e)) => return Err(e),
             }
