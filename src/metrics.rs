@@ -87,7 +87,8 @@ pub fn stage_histogram() -> Histogram<u64> {
 }
 
 /// Index of the reactor-stall lengths in a set of histograms, after the
-/// stages (`crate::shard` measures them; they are not a request stage).
+/// stages (each shard's stall detector measures them; they are not a
+/// request stage).
 pub const STALL: usize = STAGES.len();
 /// Histograms in one set: the stages, then stalls.
 pub const HISTOGRAMS: usize = STAGES.len() + 1;

@@ -187,7 +187,8 @@ pub struct ShardEnd {
     free: Vec<u32>,
     wake: Arc<Wake>,
     slot_floats: usize,
-    bell: Arc<Bell>,
+    /// Only when the stage shares a shard's core (`shares_core`).
+    bell: Option<Arc<Bell>>,
     /// The end of the bell the shard waits on, until its runtime takes it.
     bell_rx: Option<std::os::unix::net::UnixStream>,
 }
@@ -244,18 +245,21 @@ impl ShardEnd {
     /// Announces that the shard is about to wait on the bell; `false` (and
     /// no wait) when a completion is already there.
     pub fn will_wait(&self) -> bool {
-        self.bell.waiting.store(true, Ordering::SeqCst);
+        let Some(bell) = &self.bell else { return false };
+        bell.waiting.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.done.is_empty() {
             return true;
         }
-        self.bell.waiting.store(false, Ordering::SeqCst);
+        bell.waiting.store(false, Ordering::SeqCst);
         false
     }
 
     /// The wait on the bell ended (rung or timed out).
     pub fn woke(&self) {
-        self.bell.waiting.store(false, Ordering::SeqCst);
+        if let Some(bell) = &self.bell {
+            bell.waiting.store(false, Ordering::SeqCst);
+        }
     }
 
     /// Input floats one slot holds.
@@ -299,7 +303,7 @@ struct StageEnd {
     jobs: Consumer<Job>,
     done: Producer<Done>,
     slots: Arc<Slots>,
-    bell: Arc<Bell>,
+    bell: Option<Arc<Bell>>,
 }
 
 /// A running high-percentile estimate of kernel time for one batch-size
@@ -381,9 +385,15 @@ pub fn start(
     let mut shard_ends = Vec::with_capacity(shards);
     let mut stage_ends = Vec::with_capacity(shards);
     for _ in 0..shards {
-        let (bell_tx, bell_rx) = std::os::unix::net::UnixStream::pair()?;
-        bell_tx.set_nonblocking(true)?;
-        let bell = Arc::new(Bell { waiting: AtomicBool::new(false), tx: bell_tx });
+        // A shard polls a stage on a core of its own; only one sharing its
+        // core sleeps on a bell.
+        let (bell, bell_rx) = if config.shares_core {
+            let (tx, rx) = std::os::unix::net::UnixStream::pair()?;
+            tx.set_nonblocking(true)?;
+            (Some(Arc::new(Bell { waiting: AtomicBool::new(false), tx })), Some(rx))
+        } else {
+            (None, None)
+        };
         let (job_tx, job_rx) = ring::ring::<Job>(config.jobs_per_shard_max);
         let (done_tx, done_rx) = ring::ring::<Done>(config.jobs_per_shard_max);
         let slot_count = job_tx.capacity().min(done_tx.capacity());
@@ -408,7 +418,7 @@ pub fn start(
             wake: wake.clone(),
             slot_floats: config.rows_per_job_max * config.row_dim_max,
             bell: bell.clone(),
-            bell_rx: Some(bell_rx),
+            bell_rx,
         });
         stage_ends.push(StageEnd { jobs: job_rx, done: done_tx, slots, bell });
     }
@@ -702,7 +712,9 @@ fn finish(end: &StageEnd, job: Job, outcome: Outcome, started_ns: u64, kernel_ns
     // The completion ring has as many places as there are slots, and every
     // slot is in at most one place, so it cannot be full.
     assert!(end.done.push(done).is_ok(), "completion ring holds every slot");
-    end.bell.ring();
+    if let Some(bell) = &end.bell {
+        bell.ring();
+    }
 }
 
 #[cfg(test)]

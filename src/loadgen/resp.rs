@@ -33,15 +33,13 @@ pub fn prepare(addr: &str, value_bytes: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Appends `GET` of the key request `seq` reads.
+/// Appends `GET` of the key request `seq` reads (no allocation once `out`
+/// and `scratch` have grown).
 pub fn encode_get(seq: u64, out: &mut Vec<u8>, scratch: &mut String) {
     scratch.clear();
     write!(scratch, "quiver:bench:{}", seq % KEYS).expect("writing to a String cannot fail");
-    out.extend_from_slice(b"*2\r\n$3\r\nGET\r\n$");
-    out.extend_from_slice(scratch.len().to_string().as_bytes());
-    out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(scratch.as_bytes());
-    out.extend_from_slice(b"\r\n");
+    std::io::Write::write_fmt(out, format_args!("*2\r\n$3\r\nGET\r\n${}\r\n{scratch}\r\n", scratch.len()))
+        .expect("writing to a Vec cannot fail");
 }
 
 /// What one `GET` reply said.

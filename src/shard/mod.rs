@@ -200,7 +200,6 @@ async fn run_shard(
 ) -> Result<ShardReport, String> {
     let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_wait_every_reads, shares_stage } =
         place;
-    let poll_spin_ns = POLL_SPIN.as_nanos() as u64;
     let stalls = Rc::new(StallMeter::new(stall_threshold_us));
     let limits = shared.limits.clone();
     let readiness = shared.readiness.clone();
@@ -354,7 +353,7 @@ async fn run_shard(
                         .await;
                         path.borrow().stage_woke();
                     }
-                } else if now_ns - last_delivery_ns < poll_spin_ns {
+                } else if now_ns - last_delivery_ns < POLL_SPIN.as_nanos() as u64 {
                     futures_lite::future::yield_now().await;
                 } else {
                     // The stage is slow to answer: stop spinning so a stage

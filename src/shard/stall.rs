@@ -107,17 +107,20 @@ mod tests {
     #[test]
     fn only_stretches_over_the_threshold_count() {
         let meter = StallMeter::new(1_000);
+        // The clock counts from its first use: let 60 ms pass so the times
+        // below are not before it.
+        std::thread::sleep(std::time::Duration::from_millis(60));
         let start = meter.start();
         meter.end(StallTask::Connection, start);
-        std::thread::sleep(std::time::Duration::from_millis(3));
-        meter.end(StallTask::Refresh, start);
+        // A 2 ms stretch and a timer 50 ms late: the late timer is longest.
+        meter.end(StallTask::Refresh, meter.clock.now_ns() - 2_000_000);
         meter.timer_fired(meter.clock.now_ns() + 1_000_000);
-        meter.timer_fired(meter.clock.now_ns() - 5_000_000);
+        meter.timer_fired(meter.clock.now_ns() - 50_000_000);
         let mut times = StageTimes::default();
         let mut counters = Counters::default();
         let (task, ns) = meter.drain_into(&mut times, &mut counters).expect("two stalls");
         assert_eq!(task, StallTask::Reactor);
-        assert!(ns >= 5_000_000);
+        assert!(ns >= 50_000_000);
         assert_eq!(counters.stalls_by_task[StallTask::Refresh as usize], 1);
         assert_eq!(counters.stalls_by_task[StallTask::Reactor as usize], 1);
         assert_eq!(counters.stalls(), 2);
