@@ -1,6 +1,8 @@
 //! The admin HTTP endpoint, on its own thread: `/metrics` (Prometheus text),
 //! `/healthz`, `/readyz`, `/stats.json` (for `quiver stats`), and
-//! `POST /drain` / `POST /undrain` to take the server out of rotation.
+//! `POST /drain` / `POST /undrain` to take the server out of rotation,
+//! model loads and rollbacks, and `POST /replica/{group}/accept` to accept a
+//! held resync.
 //!
 //! It reads only what shards publish (`metrics::Board`) and the readiness
 //! flag; it never touches a shard. HTTP is served by `tiny_http` and the
@@ -276,10 +278,19 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let seconds = Unit::Seconds;
     type Get = fn(&GroupStatus, u64, u64) -> f64;
-    let gauges: [(&str, &str, Option<&Unit>, Get); 5] = [
+    let gauges: [(&str, &str, Option<&Unit>, Get); 7] = [
         ("quiver_replica_rows", "Keys in the group's replica.", None, |g, _, _| g.live_rows.load(Relaxed) as f64),
         ("quiver_replica_applied_seq", "Stream sequence number of the last applied change.", None, |g, _, _| {
             g.applied_seq.load(Relaxed) as f64
+        }),
+        (
+            "quiver_replica_resync_held",
+            "1 while a full resync that would shrink the replica past resync_shrink_max is held.",
+            None,
+            |g, _, _| f64::from(u8::from(g.resync_held.load(Relaxed))),
+        ),
+        ("quiver_replica_resync_held_rows", "Rows in the held resync's copy.", None, |g, _, _| {
+            g.held_rows.load(Relaxed) as f64
         }),
         (
             "quiver_replica_staleness",
@@ -313,10 +324,13 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         }
     }
     type Count = fn(&GroupStatus) -> u64;
-    let counters: [(&str, &str, Count); 4] = [
+    let counters: [(&str, &str, Count); 5] = [
         ("quiver_replica_changes_applied", "Stream entries applied.", |g| g.applied_total.load(Relaxed)),
         ("quiver_replica_skipped", "Keys and stream entries skipped as bad data.", |g| g.skipped_total.load(Relaxed)),
         ("quiver_replica_resyncs", "Full resyncs from Redis.", |g| g.resyncs_total.load(Relaxed)),
+        ("quiver_replica_resync_restarts", "Resync copies begun again because Redis moved under them.", |g| {
+            g.resync_restarts_total.load(Relaxed)
+        }),
         ("quiver_replica_torn_rows_repaired", "Rows found mid-write at open and dropped until replayed.", |g| {
             g.torn_rows_repaired.load(Relaxed)
         }),
@@ -448,6 +462,12 @@ pub struct FeedGroupStats {
     pub skipped: u64,
     pub resyncs: u64,
     pub redis_connected: bool,
+    /// A resync is held: the replica serves its last-known-good rows.
+    pub resync_held: bool,
+    /// Rows in the held copy (what Redis has), while held.
+    pub held_rows: u64,
+    /// Copies begun again because Redis moved under them.
+    pub resync_restarts: u64,
 }
 
 /// `/stats.json`: what `quiver stats` shows.
@@ -540,6 +560,9 @@ fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
                     skipped: g.skipped_total.load(Relaxed),
                     resyncs: g.resyncs_total.load(Relaxed),
                     redis_connected: f.connected.load(Relaxed),
+                    resync_held: g.resync_held.load(Relaxed),
+                    held_rows: g.held_rows.load(Relaxed),
+                    resync_restarts: g.resync_restarts_total.load(Relaxed),
                 })
                 .collect()
         }),
@@ -621,6 +644,42 @@ impl Admin {
     }
 }
 
+/// How long `POST /replica/{group}/accept` waits for the refresher to act.
+const ACCEPT_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// What an accept of a held resync answers: 200 when the refresher acted
+/// (the copy swapped in, or the next copy to be taken whatever its size),
+/// 202 when it has not yet (it may be copying or reconnecting), 404 for an
+/// unknown group, 409 when nothing is held.
+fn accept_resync(readiness: &Readiness, rest: &str) -> (u16, String) {
+    let json = |code: u16, v: serde_json::Value| (code, format!("{v}\n"));
+    let err = |code: u16, why: String| json(code, serde_json::json!({ "error": why }));
+    let Some(name) = rest.strip_suffix("/accept") else {
+        return err(404, "use POST /replica/<group>/accept".into());
+    };
+    let Some(feed) = readiness.feed() else {
+        return err(409, "no [feed]: the replicas do not follow redis".into());
+    };
+    let Some(g) = feed.group(name) else {
+        return err(404, format!("no feature group '{name}'"));
+    };
+    if !g.resync_held.load(Relaxed) {
+        return err(409, format!("nothing held for '{name}': its replica follows redis"));
+    }
+    let before = g.accepts_total.load(Relaxed);
+    g.accept_requested.store(true, std::sync::atomic::Ordering::Release);
+    tracing::warn!(group = name, "held resync accept requested on the admin endpoint");
+    let until = std::time::Instant::now() + ACCEPT_WAIT;
+    while g.accepts_total.load(Relaxed) == before {
+        if std::time::Instant::now() >= until {
+            return json(202, serde_json::json!({ "group": name, "accepted": false, "requested": true, "held": true }));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let held = g.resync_held.load(Relaxed);
+    json(200, serde_json::json!({ "group": name, "accepted": true, "held": held, "rows": g.live_rows.load(Relaxed) }))
+}
+
 /// The HTTP status and text for a failed load or rollback.
 fn registry_error(e: RegistryError) -> (u16, String) {
     let code = match e {
@@ -683,6 +742,10 @@ fn serve(
                     }
                     _ => Response::from_string("use /faults?stage_delay_us=N\n").with_status_code(400),
                 }
+            }
+            (Method::Post, p) if p.starts_with("/replica/") => {
+                let (code, body) = accept_resync(readiness, &p["/replica/".len()..]);
+                Response::from_string(body).with_status_code(code).with_header(header("application/json"))
             }
             (Method::Get, "/models") => {
                 let body = serde_json::to_string(&registry.status()).expect("status serialises");

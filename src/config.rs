@@ -279,6 +279,9 @@ impl Config {
         }
         config.shed.validate().map_err(ConfigError::Invalid)?;
         config.drift.validate().map_err(ConfigError::Invalid)?;
+        if let Some(feed) = &config.feed {
+            feed.validate().map_err(ConfigError::Invalid)?;
+        }
         Ok(config)
     }
 
@@ -364,6 +367,19 @@ mod tests {
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
         let err = Config::parse("[limits]\nframes_per_round_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.frames_per_round_max = 0 is outside 1..=65536");
+    }
+
+    #[test]
+    fn the_resync_guard_is_set_per_group_and_checked() {
+        let c = Config::parse("[feed]\nresync_shrink_max_by_group = { item = 0.9 }\n", "c.toml").unwrap();
+        let feed = c.feed.unwrap();
+        assert_eq!((feed.resync_shrink_max("item"), feed.resync_shrink_max("user")), (0.9, 0.5));
+        let err = Config::parse("[feed]\nresync_shrink_max = 1.5\n", "c.toml").unwrap_err();
+        assert_eq!(err.to_string(), "feed.resync_shrink_max = 1.5: must be a fraction from 0 to 1");
+        let err = Config::parse("[feed]\nresync_shrink_max_by_group = { user = -1.0 }\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("resync_shrink_max_by_group.user"), "{err}");
+        let err = Config::parse("[feed]\nresync_attempts_max = 0\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("resync_attempts_max"), "{err}");
     }
 
     /// `backend = "cuda"` exists only in builds with the feature; elsewhere

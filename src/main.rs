@@ -368,6 +368,15 @@ enum ReplicaCommand {
         #[arg(long)]
         file: PathBuf,
     },
+    /// Accept a held resync on a running server: the copy of what Redis has
+    /// now replaces the replica's last-known-good rows (see docs/REPLICA.md).
+    Accept {
+        /// The server's admin address.
+        #[arg(long, default_value = "127.0.0.1:7412")]
+        admin: String,
+        #[arg(long)]
+        group: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -382,12 +391,17 @@ enum FeaturesCommand {
         #[arg(long, value_delimiter = ',', allow_hyphen_values = true, required = true)]
         values: Vec<f32>,
     },
-    /// Delete one entity.
+    /// Delete entities: the ids given, and those listed in a file.
     Delete {
         #[command(flatten)]
         target: FeedTarget,
+        /// Ids to delete, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        id: Vec<u64>,
+        /// A file of ids to delete, one per line (`#` comments and blank
+        /// lines skipped); checked whole before the first delete.
         #[arg(long)]
-        id: u64,
+        ids_from: Option<PathBuf>,
     },
     /// Write every row of a text file (the `replica build` format) to Redis.
     Load {
@@ -943,7 +957,7 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
         }
         for g in &s.feed {
             println!(
-                "feed {:<5} rows {}  seq {}  stale {} ms  applied {}  skipped {}  resyncs {}  redis {}",
+                "feed {:<5} rows {}  seq {}  stale {} ms  applied {}  skipped {}  resyncs {}  redis {}{}",
                 g.group,
                 g.rows,
                 g.applied_seq,
@@ -951,7 +965,12 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
                 g.applied,
                 g.skipped,
                 g.resyncs,
-                if g.redis_connected { "up" } else { "DOWN" }
+                if g.redis_connected { "up" } else { "DOWN" },
+                if g.resync_held {
+                    format!("  RESYNC HELD (redis has {} rows; quiver replica accept --group {})", g.held_rows, g.group)
+                } else {
+                    String::new()
+                }
             );
         }
         if s.stale_responses > 0 {
@@ -1268,6 +1287,37 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
                 fresh.cursor().seq
             );
         }
+        ReplicaCommand::Accept { admin, group } => {
+            let url = format!("http://{admin}/replica/{group}/accept");
+            let agent: ureq::Agent = ureq::Agent::config_builder()
+                .timeout_global(Some(Duration::from_secs(10)))
+                .http_status_as_error(false)
+                .build()
+                .into();
+            let mut resp = agent.post(&url).send_empty().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+            let code = resp.status().as_u16();
+            let body = resp.body_mut().read_to_string().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+            let reply: serde_json::Value = serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body));
+            return match code {
+                200 => {
+                    println!("accepted: group {group} now serves {} rows", reply["rows"]);
+                    if reply["held"] == true {
+                        println!("the next copy from redis is swapped in whatever its size");
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                202 => {
+                    println!(
+                        "requested: the server has not acted on it yet (copying or reconnecting); watch quiver stats"
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                _ => Err(Error::Setup(format!(
+                    "{url}: {code}: {}",
+                    reply["error"].as_str().unwrap_or(&reply.to_string())
+                ))),
+            };
+        }
         ReplicaCommand::Inspect { group, file } => {
             let r = Replica::open(&file, &group)?;
             let h = r.header();
@@ -1296,9 +1346,32 @@ fn features(cmd: FeaturesCommand) -> Result<ExitCode, Error> {
             let seq = target.publisher()?.put(&target.group, id, &values).map_err(publish_err)?;
             println!("{} seq {seq}", feed::contract::entity_key(&target.group, id));
         }
-        FeaturesCommand::Delete { target, id } => {
-            let seq = target.publisher()?.delete(&target.group, id).map_err(publish_err)?;
-            println!("{} deleted, seq {seq}", feed::contract::entity_key(&target.group, id));
+        FeaturesCommand::Delete { target, mut id, ids_from } => {
+            if let Some(path) = &ids_from {
+                id.extend(feed::load::read_ids(path)?);
+            }
+            match id.as_slice() {
+                [] => return Err(Error::Setup("nothing to delete: give --id or --ids-from".into())),
+                [one] => {
+                    let seq = target.publisher()?.delete(&target.group, *one).map_err(publish_err)?;
+                    println!("{} deleted, seq {seq}", feed::contract::entity_key(&target.group, *one));
+                }
+                many => {
+                    let started = Instant::now();
+                    let bar = indicatif::ProgressBar::new(many.len() as u64);
+                    let seq = target
+                        .publisher()?
+                        .delete_many(&target.group, many, |done, _| bar.set_position(done as u64))
+                        .map_err(publish_err)?;
+                    bar.finish_and_clear();
+                    println!(
+                        "deleted {} entities of group {} in {:.2} s, last seq {seq}",
+                        many.len(),
+                        target.group,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            }
         }
         FeaturesCommand::Load { target, input } => {
             let mut publisher = target.publisher()?;

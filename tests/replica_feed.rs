@@ -1,10 +1,11 @@
 //! The feature replica fed from a real Redis: full sync, steady updates while
 //! scoring, Redis killed, paused and trimmed, the server killed mid-refresh,
-//! and bad data. Every test starts its own `redis-server` and `quiver serve`.
+//! and bad data; a source that comes back empty or is reloaded never empties
+//! the replica. Every test starts its own `redis-server` and `quiver serve`.
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -272,7 +273,10 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     load(&redis, "item", 0..1000, 0);
     load(&redis, "user", 0..100, 0);
     let dir = data_dir("feed-trim");
-    let mut server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    // The guard against a source that lost its data is off: this test
+    // replaces the data on purpose (the guard has tests of its own below).
+    let feed_toml = "check_interval_ms = 100\nresync_shrink_max = 1.0\n";
+    let mut server = serve(&dir, &redis, feed_toml);
     wait_caught_up(&server, &redis);
     assert_eq!(server.terminate(), 0);
 
@@ -285,7 +289,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
         p.delete("item", id).unwrap();
     }
     p.conn().command(&[b"XTRIM", contract::stream_key("item").as_bytes(), b"MAXLEN", b"10"]).unwrap();
-    let server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    let server = serve(&dir, &redis, feed_toml);
     assert!(server.stderr().contains("replica opened: serving it while catching up"), "warm restart");
     let s = wait_caught_up(&server, &redis);
     assert_eq!(group(&s, "item").resyncs, 1, "{s:?}");
@@ -543,4 +547,194 @@ fn the_refresher_authenticates_and_reads_its_database_index() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("initial sync") && err.to_lowercase().contains("auth"), "{err}");
+}
+
+/// Redis restarted without persistence comes back empty: the resync that
+/// would empty the replica is held, the last-known-good rows keep serving,
+/// flagged stale, until an operator accepts it.
+#[test]
+fn redis_restarted_empty_holds_the_resync_until_an_operator_accepts_it() {
+    let mut redis = RedisServer::start();
+    load(&redis, "item", 0..2000, 0);
+    load(&redis, "user", 0..500, 0);
+    let dir = data_dir("feed-held");
+    let feed_toml = "check_interval_ms = 100\nstale_policy = \"not_ready\"\nstaleness_max_ms = 60000\n";
+    let server = serve(&dir, &redis, feed_toml);
+    wait_caught_up(&server, &redis);
+    let admin = server.admin.to_string();
+    let readyz = || get(&format!("http://{admin}/readyz")).0;
+    assert_eq!(readyz(), 200);
+    let ask = |n| server.client().score(&demo_request(n, 7, vec![1, 2, 1999])).unwrap();
+    let r = ask(1);
+    assert_eq!((r.status, r.features_missing, r.features_stale), (Status::Ok, 0, false));
+
+    redis.restart(); // No persistence: it comes back empty.
+    let s = wait_for(&server, "both groups held", Duration::from_secs(10), |s| {
+        group(s, "item").resync_held && group(s, "user").resync_held
+    });
+    assert_eq!((group(&s, "item").rows, group(&s, "item").held_rows), (2000, 0), "{s:?}");
+    assert_eq!(group(&s, "user").rows, 500, "{s:?}");
+    let resyncs_at_hold = group(&s, "item").resyncs;
+    let r = ask(2);
+    assert_eq!(
+        (r.status, r.tier, r.features_missing, r.features_stale),
+        (Status::Ok, Tier::Primary, 0, true),
+        "the last-known-good rows answer, flagged stale"
+    );
+    assert_eq!(readyz(), 503, "stale_policy = not_ready fails readiness while held");
+    let (_, metrics) = get(&format!("http://{admin}/metrics"));
+    assert!(metrics.contains("quiver_replica_resync_held{group=\"item\"} 1"), "{metrics}");
+    let log = server.stderr();
+    assert!(log.contains("a full resync would drop 2000 of 2000 rows"), "{log}");
+
+    // While redis stands still the hold stays, and nothing is copied again.
+    std::thread::sleep(Duration::from_millis(500));
+    let s = stats(&server);
+    let item = group(&s, "item");
+    assert!(item.resync_held, "{s:?}");
+    assert_eq!((item.rows, item.resyncs, item.resync_restarts), (2000, resyncs_at_hold, 0), "{s:?}");
+
+    // The operator accepts the item group: its replica becomes what redis
+    // has (nothing); the user group stays held.
+    let (code, out, err) = common::run_quiver(["replica", "accept", "--admin", &admin, "--group", "item"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("accepted: group item now serves 0 rows"), "{out}");
+    let s = stats(&server);
+    assert!(!group(&s, "item").resync_held && group(&s, "user").resync_held, "{s:?}");
+    assert_eq!(group(&s, "item").rows, 0, "{s:?}");
+    assert!(server.stderr().contains("held resync accepted by an operator"));
+    let r = ask(3);
+    assert!(r.features_missing >= 3 && r.features_stale, "items gone, user still held: {r:?}");
+    let (code, _, err) = common::run_quiver(["replica", "accept", "--admin", &admin, "--group", "item"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("nothing held for 'item'"), "{err}");
+    assert_eq!(common::http_post(&format!("http://{admin}/replica/nope/accept")).0, 404);
+    let (code, body) = common::http_post(&format!("http://{admin}/replica/user/accept"));
+    assert_eq!(code, 200, "{body}");
+
+    // From here new writes flow into the emptied replicas as usual.
+    load(&redis, "item", 0..10, 1);
+    load(&redis, "user", 0..10, 1);
+    wait_caught_up(&server, &redis);
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 10);
+    assert_eq!(assert_replica_equals_redis(&dir.join("user.qrep"), "user", &redis), 10);
+    let until = Instant::now() + Duration::from_secs(10);
+    while readyz() != 200 {
+        assert!(Instant::now() < until, "readiness never came back");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// FLUSHALL, then a reload in chunks: the replica keeps its rows through
+/// the empty source (held) and the reload (copies made while it runs are
+/// thrown away), and takes the reloaded data once it is complete.
+#[test]
+fn flushall_then_a_reload_never_swaps_in_an_empty_or_partial_table() {
+    const N: u64 = 50_000;
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..N, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = data_dir("feed-reload");
+    let server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    wait_caught_up(&server, &redis);
+    let stop = AtomicBool::new(false);
+    let seen = std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| {
+            let mut seen = BTreeSet::new();
+            while !stop.load(Ordering::Relaxed) {
+                seen.insert(group(&stats(&server), "item").rows);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            seen
+        });
+        redis.conn().command(&[b"FLUSHALL"]).unwrap();
+        wait_for(&server, "the empty source to be held", Duration::from_secs(10), |s| group(s, "item").resync_held);
+        for start in (0..N).step_by(2000) {
+            load(&redis, "item", start..(start + 2000).min(N), 1);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        load(&redis, "user", 0..100, 1);
+        // The old data's counter ended where the new one does: wait for the
+        // holds to be released, not just for the counters to agree.
+        wait_for(&server, "the reloaded copies", Duration::from_secs(20), |s| {
+            !group(s, "item").resync_held && !group(s, "user").resync_held
+        });
+        wait_caught_up(&server, &redis);
+        stop.store(true, Ordering::Relaxed);
+        sampler.join().unwrap()
+    });
+    assert_eq!(seen, BTreeSet::from([N]), "the item replica only ever held its {N} rows");
+    let s = stats(&server);
+    assert!(!group(&s, "item").resync_held && !group(&s, "user").resync_held, "{s:?}");
+    assert!(group(&s, "item").resync_restarts > 0, "copies made during the reload were thrown away: {s:?}");
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), N as usize);
+    let r = Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let mut out = vec![0.0; DIM];
+    assert!(r.read_into(N - 1, &mut out));
+    assert_eq!(out, vector(N - 1, 1), "the reloaded generation");
+}
+
+/// Deleting 90% of the keys through the publisher arrives through the
+/// stream, one change at a time: applied as it comes, never held.
+#[test]
+fn a_mass_deletion_through_the_publisher_is_applied_not_held() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..5000, 0);
+    load(&redis, "user", 0..10, 0);
+    let dir = data_dir("feed-mass-delete");
+    let server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    wait_caught_up(&server, &redis);
+    let ids = dir.join("doomed.txt");
+    std::fs::write(&ids, (500..5000u64).map(|i| format!("{i}\n")).collect::<String>()).unwrap();
+    let url = redis.url();
+    let args = |extra: &[&str]| {
+        let mut a = vec!["features", "delete", "--redis", url.as_str(), "--group", "item"];
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let (code, out, err) = common::run_quiver(args(&["--ids-from", ids.to_str().unwrap()]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("deleted 4500 entities of group item"), "{out}");
+    let (code, out, err) = common::run_quiver(args(&["--id", "498,499"]));
+    assert_eq!(code, 0, "{out}{err}");
+    let s = wait_caught_up(&server, &redis);
+    let item = group(&s, "item");
+    assert_eq!((item.rows, item.resync_held, item.resyncs), (498, false, 1), "{s:?}");
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 498);
+
+    // A bad id file deletes nothing and names its line.
+    std::fs::write(&ids, "1\n# a comment\n\nseven\n").unwrap();
+    let (code, _, err) = common::run_quiver(args(&["--ids-from", ids.to_str().unwrap()]));
+    assert_ne!(code, 0);
+    assert!(err.contains("doomed.txt:4") && err.contains("'seven' is not an id"), "{err}");
+    let s = wait_caught_up(&server, &redis);
+    assert_eq!(group(&s, "item").rows, 498);
+}
+
+/// A new epoch found while the new data is still being loaded: copies made
+/// while the counter moves are thrown away, and the one swapped in is the
+/// complete data set.
+#[test]
+fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
+    const N: u64 = 50_000;
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..10, 0);
+    load(&redis, "user", 0..10, 0);
+    let dir = data_dir("feed-settle");
+    let server = serve(&dir, &redis, "check_interval_ms = 50\n");
+    wait_caught_up(&server, &redis);
+    // The data is replaced: a new epoch, then the new rows as fast as the
+    // publisher writes them.
+    redis.conn().command(&[b"DEL", contract::epoch_key("item").as_bytes()]).unwrap();
+    load(&redis, "item", 0..N, 1);
+    let s = wait_for(&server, "the new epoch's copy", Duration::from_secs(20), |s| {
+        group(s, "item").resyncs >= 2 && group(s, "item").rows == N
+    });
+    wait_caught_up(&server, &redis);
+    assert!(group(&s, "item").resync_restarts > 0, "copies made during the load were thrown away: {s:?}");
+    let log = server.stderr();
+    let last_sync = log.lines().rfind(|l| l.contains("full sync done") && l.contains("group=item")).unwrap();
+    assert!(last_sync.contains(&format!("rows={N}")), "the copy swapped in was complete: {last_sync}\n{log}");
+    assert!(log.contains("copying again"), "{log}");
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), N as usize);
 }

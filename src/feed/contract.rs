@@ -163,7 +163,7 @@ impl Publisher {
     pub fn put(&mut self, group: &str, id: u64, values: &[f32]) -> Result<u64, PublishError> {
         check_group(group)?;
         check_values(values)?;
-        let cmd = self.publish_command(group, id, Op::Put(&encode_vector(values)));
+        let cmd = self.publish_command(group, id, &Op::Put(encode_vector(values)));
         self.run_one(cmd)
     }
 
@@ -171,7 +171,7 @@ impl Publisher {
     /// still records the change, so replicas that missed the put agree as well.
     pub fn delete(&mut self, group: &str, id: u64) -> Result<u64, PublishError> {
         check_group(group)?;
-        let cmd = self.publish_command(group, id, Op::Delete);
+        let cmd = self.publish_command(group, id, &Op::Delete);
         self.run_one(cmd)
     }
 
@@ -182,16 +182,39 @@ impl Publisher {
         &mut self,
         group: &str,
         rows: &[(u64, Vec<f32>)],
-        mut progress: impl FnMut(usize, usize),
+        progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
         check_group(group)?;
         for (id, values) in rows {
             check_values(values).map_err(|e| PublishError::Row { id: *id, source: Box::new(e.into()) })?;
         }
+        self.publish_many(group, rows.len(), |i| (rows[i].0, Op::Put(encode_vector(&rows[i].1))), progress)
+    }
+
+    /// Deletes `group:{id}` for every id, in order, [`PUT_BATCH_ROWS`] per round trip, with
+    /// progress as [`Publisher::put_many`]; returns the last sequence number (0 for no ids).
+    pub fn delete_many(
+        &mut self,
+        group: &str,
+        ids: &[u64],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        check_group(group)?;
+        self.publish_many(group, ids.len(), |i| (ids[i], Op::Delete), progress)
+    }
+
+    /// Runs the `n` changes `change(i)` gives, pipelined by batch.
+    fn publish_many(
+        &mut self,
+        group: &str,
+        n: usize,
+        change: impl Fn(usize) -> (u64, Op),
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
         let mut last_seq = 0;
-        for (batch_index, batch) in rows.chunks(PUT_BATCH_ROWS).enumerate() {
-            let cmds: Vec<Vec<Vec<u8>>> =
-                batch.iter().map(|(id, v)| self.publish_command(group, *id, Op::Put(&encode_vector(v)))).collect();
+        for start in (0..n).step_by(PUT_BATCH_ROWS) {
+            let batch: Vec<(u64, Op)> = (start..n.min(start + PUT_BATCH_ROWS)).map(&change).collect();
+            let cmds: Vec<Vec<Vec<u8>>> = batch.iter().map(|(id, op)| self.publish_command(group, *id, op)).collect();
             let mut replies = self.conn.pipeline(&cmds)?;
             // A server restart or SCRIPT FLUSH between batches (or within one) drops the script:
             // reload it and redo, in order, just the commands that did not run.
@@ -207,7 +230,7 @@ impl Publisher {
                 last_seq =
                     self.seq_from(reply).map_err(|e| PublishError::Row { id: *id, source: Box::new(e) })?.max(last_seq);
             }
-            progress((batch_index * PUT_BATCH_ROWS + batch.len()).min(rows.len()), rows.len());
+            progress(start + batch.len(), n);
         }
         Ok(last_seq)
     }
@@ -221,7 +244,7 @@ impl Publisher {
         Ok(())
     }
 
-    fn publish_command(&self, group: &str, id: u64, op: Op<'_>) -> Vec<Vec<u8>> {
+    fn publish_command(&self, group: &str, id: u64, op: &Op) -> Vec<Vec<u8>> {
         let (op_name, bytes): (&[u8], &[u8]) = match op {
             Op::Put(bytes) => (b"put", bytes),
             Op::Delete => (b"del", b""),
@@ -264,8 +287,8 @@ impl Publisher {
     }
 }
 
-enum Op<'a> {
-    Put(&'a [u8]),
+enum Op {
+    Put(Vec<u8>),
     Delete,
 }
 

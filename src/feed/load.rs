@@ -38,6 +38,23 @@ pub struct FileCheck {
     pub defaults: usize,
 }
 
+/// The ids listed in `path`, one per line; `#` comments and blank lines are
+/// skipped, anything else that is not a u64 is an error naming the line.
+pub fn read_ids(path: &Path) -> Result<Vec<u64>, FeedError> {
+    let file = File::open(path).map_err(|source| FeedError::Io { path: path.display().to_string(), source })?;
+    let mut ids = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|source| FeedError::Io { path: path.display().to_string(), source })?;
+        let text = line.split('#').next().unwrap_or("").trim();
+        if text.is_empty() {
+            continue;
+        }
+        let id = text.parse().map_err(|_| input_err(path, i + 1, format!("'{text}' is not an id (a u64)")))?;
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
 /// Checks the whole file (numbers, dimension, duplicate ids) without keeping its rows.
 pub fn check_file(path: &Path) -> Result<FileCheck, FeedError> {
     let mut dim = None;

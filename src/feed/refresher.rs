@@ -19,6 +19,17 @@
 //!   file, checkpoints it at the noted counter and swaps it in; the stream
 //!   entries written meanwhile are then replayed by the incremental loop, so
 //!   nothing written during the copy is lost.
+//! - A resync is taken only from a settled source, and never silently
+//!   shrinks the replica. A copy during which the epoch changed, the counter
+//!   went back, or the stream lost the entry the replay needs is thrown away
+//!   and made again after a back-off; so is one during which the counter
+//!   moved, unless the copy before it had the same number of rows (within
+//!   `resync_rows_drift_max`): a source that is busy but keeps its size is
+//!   being written, one that grows between copies is being reloaded. The
+//!   group keeps its last-known-good rows meanwhile. A settled copy that would drop
+//!   more than `resync_shrink_max` of the rows (Redis restarted empty, a
+//!   FLUSHALL) is held: not swapped in, reported, responses flagged stale,
+//!   until the source comes back or an operator accepts it.
 //! - Bad data (a key that is not `{group}:{u64}`, a value of the wrong
 //!   length, a non-string key, a malformed stream entry) is skipped, counted
 //!   and logged with the key; the refresh goes on.
@@ -27,6 +38,7 @@
 //!   and the thread keeps probing at the capped interval. Shards never wait:
 //!   they keep reading the replica, and staleness grows.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,6 +84,18 @@ pub struct FeedConfig {
     /// default model's input sizes.
     pub user_dim: Option<u32>,
     pub item_dim: Option<u32>,
+    /// A full resync whose copy would drop more than this fraction of the
+    /// group's rows is held, not swapped in; 1.0 turns the guard off.
+    pub resync_shrink_max: f64,
+    /// Per-group overrides of `resync_shrink_max`, e.g. `{ item = 0.9 }`.
+    pub resync_shrink_max_by_group: BTreeMap<String, f64>,
+    /// A copy during which the counter moved is used only when the copy
+    /// before it had the same number of rows within this fraction (a busy
+    /// source); otherwise the source is taken to be reloading and copied again.
+    pub resync_rows_drift_max: f64,
+    /// Copies one resync makes before it takes the last one although the
+    /// source kept moving (the stream replay still brings it up to date).
+    pub resync_attempts_max: u32,
 }
 
 impl Default for FeedConfig {
@@ -93,11 +117,39 @@ impl Default for FeedConfig {
             item_storage: Storage::F32,
             user_dim: None,
             item_dim: None,
+            resync_shrink_max: 0.5,
+            resync_shrink_max_by_group: BTreeMap::new(),
+            resync_rows_drift_max: 0.01,
+            resync_attempts_max: 20,
         }
     }
 }
 
 impl FeedConfig {
+    /// The fraction of `group`'s rows a resync may drop before it is held.
+    pub fn resync_shrink_max(&self, group: &str) -> f64 {
+        self.resync_shrink_max_by_group.get(group).copied().unwrap_or(self.resync_shrink_max)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let fraction = |name: &str, v: f64| {
+            if (0.0..=1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!("feed.{name} = {v}: must be a fraction from 0 to 1"))
+            }
+        };
+        fraction("resync_shrink_max", self.resync_shrink_max)?;
+        for (group, &v) in &self.resync_shrink_max_by_group {
+            fraction(&format!("resync_shrink_max_by_group.{group}"), v)?;
+        }
+        fraction("resync_rows_drift_max", self.resync_rows_drift_max)?;
+        if self.resync_attempts_max == 0 {
+            return Err("feed.resync_attempts_max must be at least 1".into());
+        }
+        Ok(())
+    }
+
     pub fn storage(&self, group: &str) -> Storage {
         if group == "user" {
             self.user_storage
@@ -154,6 +206,50 @@ fn position(conn: &mut RedisConn, group: &str) -> Result<(u64, u64), RefreshErro
     ])?;
     let get = |r: &Reply| parse_u64(r).ok_or_else(|| shape("GET", format!("{r:?}")));
     Ok((get(&replies[0])?, get(&replies[1])?))
+}
+
+/// The id of the first entry of `group`'s stream at or after `{from_seq}-0`.
+fn stream_first_from(conn: &mut RedisConn, group: &str, from_seq: u64) -> Result<Option<(u64, u64)>, RefreshError> {
+    let from = format!("{from_seq}-0");
+    let reply =
+        conn.command(&[b"XRANGE", contract::stream_key(group).as_bytes(), from.as_bytes(), b"+", b"COUNT", b"1"])?;
+    let first = reply.into_array().unwrap_or_default().into_iter().next();
+    Ok(first
+        .and_then(Reply::into_array)
+        .and_then(|e| e.into_iter().next())
+        .and_then(Reply::into_bytes)
+        .and_then(|id| parse_id(&id)))
+}
+
+/// Why a finished copy, begun at `noted` (epoch, counter) with `copied` rows,
+/// does not show a settled source, if it does not. `previous_rows` is what
+/// the copy before this one of the same resync held: a source that moved
+/// during the copy but kept its size is busy, not being reloaded.
+fn unsettled(
+    conn: &mut RedisConn,
+    group: &str,
+    noted: (u64, u64),
+    copied: u64,
+    previous_rows: Option<u64>,
+    rows_drift_max: f64,
+) -> Result<Option<String>, RefreshError> {
+    let (epoch, seq) = position(conn, group)?;
+    if epoch != noted.0 {
+        return Ok(Some(format!("the epoch changed from {} to {epoch} during the copy", noted.0)));
+    }
+    if seq < noted.1 {
+        return Ok(Some(format!("the counter went back from {} to {seq} during the copy", noted.1)));
+    }
+    let moved = seq - noted.1;
+    if moved > 0 && stream_first_from(conn, group, noted.1 + 1)? != Some((noted.1 + 1, 0)) {
+        return Ok(Some(format!("the stream no longer holds entry {} the copy needs replayed", noted.1 + 1)));
+    }
+    let same_size = previous_rows.is_some_and(|p| p.abs_diff(copied) as f64 <= rows_drift_max * copied as f64);
+    if moved > 0 && !same_size {
+        let was = previous_rows.map_or(String::new(), |p| format!(" (the copy before had {p})"));
+        return Ok(Some(format!("{moved} changes arrived while {copied} rows were copied{was}")));
+    }
+    Ok(None)
 }
 
 /// What a full sync writes: a fresh replica of `group` beside `path`.
@@ -293,6 +389,23 @@ struct Group {
     read_id: (u64, u64),
     unflushed: bool,
     last_checkpoint_ns: u64,
+    state: State,
+    /// An operator accepted a held resync that had no copy to swap in: the
+    /// next settled copy is taken whatever its size.
+    accept_unguarded: bool,
+}
+
+/// Where a group stands with Redis.
+enum State {
+    /// Following the stream.
+    Following,
+    /// A copy found the source moving; another starts at `at_ns`.
+    Settling { at_ns: u64, attempt: u32, last_rows: u64 },
+    /// A settled copy would have shrunk the replica past the bound. The copy
+    /// (absent while a new one is made or after a failed one) waits here,
+    /// with the position Redis had when it began, for the source to move or
+    /// an operator to accept it; the replica serves its last-known-good rows.
+    Held { copy: Option<ReplicaWriter>, position: (u64, u64) },
 }
 
 /// Why the incremental loop must stop for one group.
@@ -361,6 +474,8 @@ impl Refresher {
                     read_id: (cursor.seq, 0),
                     unflushed: false,
                     last_checkpoint_ns: 0,
+                    state: State::Following,
+                    accept_unguarded: false,
                 }
             })
             .collect();
@@ -384,7 +499,8 @@ impl Refresher {
                 continue;
             }
             loop {
-                let attempt = self.connect().and_then(|mut conn| self.resync(&mut conn, i));
+                let attempt =
+                    self.connect().and_then(|mut conn| self.sync_until_settled(&mut conn, i, started + bound_ns));
                 match attempt {
                     Ok(()) => break,
                     Err(e) if self.clock.now_ns() - started > bound_ns => {
@@ -401,6 +517,26 @@ impl Refresher {
             }
         }
         Ok(())
+    }
+
+    /// Resyncs group `i`, and again after each back-off while the source is
+    /// moving, until a copy is taken or `deadline_ns` passes.
+    fn sync_until_settled(&mut self, conn: &mut RedisConn, i: usize, deadline_ns: u64) -> Result<(), RefreshError> {
+        loop {
+            self.resync(conn, i)?;
+            let State::Settling { at_ns, .. } = self.groups[i].state else {
+                return Ok(());
+            };
+            if at_ns > deadline_ns {
+                return Err(RefreshError::InitialSync {
+                    group: self.groups[i].name.clone(),
+                    why: "the source kept changing under every copy".into(),
+                });
+            }
+            while self.clock.now_ns() < at_ns {
+                std::thread::sleep(Duration::from_nanos(at_ns - self.clock.now_ns()));
+            }
+        }
     }
 
     /// Runs the refresher on its own thread until `stop` is set.
@@ -440,6 +576,7 @@ impl Refresher {
                 let pause = backoff.next();
                 let until = self.clock.now_ns() + pause.as_nanos() as u64;
                 while !stop.load(Ordering::Relaxed) && self.clock.now_ns() < until {
+                    self.take_accepts();
                     std::thread::sleep(Duration::from_millis(10).min(pause));
                 }
             }
@@ -488,38 +625,53 @@ impl Refresher {
         let mut last_check_ns = self.clock.now_ns();
         let check_ns = self.config.check_interval_ms * 1_000_000;
         while !stop.load(Ordering::Relaxed) {
-            let mut args: Vec<Vec<u8>> = vec![
-                b"XREAD".to_vec(),
-                b"COUNT".to_vec(),
-                self.config.batch_entries_max.max(1).to_string().into_bytes(),
-                b"BLOCK".to_vec(),
-                self.config.block_ms.to_string().into_bytes(),
-                b"STREAMS".to_vec(),
-            ];
-            args.extend(self.groups.iter().map(|g| contract::stream_key(&g.name).into_bytes()));
-            args.extend(self.groups.iter().map(|g| format!("{}-{}", g.read_id.0, g.read_id.1).into_bytes()));
-            let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-            let reply = conn.command(&refs)?;
-            let now = self.clock.now_ns();
-            let mut behind = vec![false; self.groups.len()];
-            if let Reply::Array(streams) = reply {
-                for stream in streams {
-                    let mut parts = stream.into_array().ok_or_else(|| shape("XREAD", "stream is not an array"))?;
-                    let entries =
-                        parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
-                    let name =
-                        parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
-                    let Some(i) = self.groups.iter().position(|g| contract::stream_key(&g.name).as_bytes() == name)
-                    else {
-                        return Err(shape("XREAD", "a stream that was not asked for"));
-                    };
-                    behind[i] = entries.len() >= self.config.batch_entries_max;
-                    if let Needs::Gap { cursor_seq, entry_seq } = self.apply(i, entries)? {
-                        self.gap(conn, i, cursor_seq, entry_seq)?;
-                        behind[i] = true;
+            self.take_accepts();
+            self.due_resyncs(conn)?;
+            // Only groups following their stream read it; the others are
+            // behind, serving what they have, until their copy is taken.
+            let following: Vec<usize> =
+                (0..self.groups.len()).filter(|&i| matches!(self.groups[i].state, State::Following)).collect();
+            let mut behind: Vec<bool> = (0..self.groups.len()).map(|i| !following.contains(&i)).collect();
+            if following.is_empty() {
+                std::thread::sleep(Duration::from_millis(self.config.block_ms.max(1)));
+                conn.command(&[b"PING"])?;
+            } else {
+                let mut args: Vec<Vec<u8>> = vec![
+                    b"XREAD".to_vec(),
+                    b"COUNT".to_vec(),
+                    self.config.batch_entries_max.max(1).to_string().into_bytes(),
+                    b"BLOCK".to_vec(),
+                    self.config.block_ms.to_string().into_bytes(),
+                    b"STREAMS".to_vec(),
+                ];
+                args.extend(following.iter().map(|&i| contract::stream_key(&self.groups[i].name).into_bytes()));
+                args.extend(following.iter().map(|&i| {
+                    let id = self.groups[i].read_id;
+                    format!("{}-{}", id.0, id.1).into_bytes()
+                }));
+                let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+                let reply = conn.command(&refs)?;
+                if let Reply::Array(streams) = reply {
+                    for stream in streams {
+                        let mut parts = stream.into_array().ok_or_else(|| shape("XREAD", "stream is not an array"))?;
+                        let entries =
+                            parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
+                        let name =
+                            parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
+                        let Some(&i) =
+                            following.iter().find(|&&i| contract::stream_key(&self.groups[i].name).as_bytes() == name)
+                        else {
+                            return Err(shape("XREAD", "a stream that was not asked for"));
+                        };
+                        behind[i] = entries.len() >= self.config.batch_entries_max;
+                        if let Needs::Gap { cursor_seq, entry_seq } = self.apply(i, entries)? {
+                            self.gap(conn, i, cursor_seq, entry_seq)?;
+                            behind[i] = true;
+                        }
                     }
                 }
             }
+            let now = self.clock.now_ns();
             for (s, behind) in self.status.groups.iter().zip(behind) {
                 s.contact_ns.store(now, Ordering::Relaxed);
                 if !behind {
@@ -537,13 +689,13 @@ impl Refresher {
         Ok(())
     }
 
-    /// Compares the group's cursor with Redis and resyncs if it cannot be
-    /// continued.
-    fn check(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+    /// Why group `i`'s replica cannot continue from its own cursor with what
+    /// Redis holds now, if it cannot.
+    fn cannot_continue(&self, conn: &mut RedisConn, i: usize) -> Result<Option<String>, RefreshError> {
         let g = &self.groups[i];
         let cursor = g.writer.cursor();
         let (epoch, seq) = position(conn, &g.name)?;
-        let why = if g.writer.table().storage() != g.storage {
+        Ok(if g.writer.table().storage() != g.storage {
             Some(format!("stored as {:?}, configured as {:?}", g.writer.table().storage(), g.storage))
         } else if epoch != cursor.epoch {
             Some(format!("epoch {epoch} in redis, {} in the replica", cursor.epoch))
@@ -551,34 +703,110 @@ impl Refresher {
             Some(format!("redis counter {seq} is behind the replica's {}", cursor.seq))
         } else if seq > cursor.seq {
             // The next entry must still be in the stream.
-            let from = format!("{}-0", cursor.seq + 1);
-            let reply = conn.command(&[
-                b"XRANGE",
-                contract::stream_key(&g.name).as_bytes(),
-                from.as_bytes(),
-                b"+",
-                b"COUNT",
-                b"1",
-            ])?;
-            let first = reply.into_array().unwrap_or_default().into_iter().next();
-            let first_id = first
-                .and_then(Reply::into_array)
-                .and_then(|e| e.into_iter().next())
-                .and_then(Reply::into_bytes)
-                .and_then(|id| parse_id(&id));
-            match first_id {
+            match stream_first_from(conn, &g.name, cursor.seq + 1)? {
                 Some((s, 0)) if s == cursor.seq + 1 => None,
                 Some((s, _)) => Some(format!("stream starts at {s}, the replica needs {}", cursor.seq + 1)),
                 None => Some(format!("stream is missing entries after {}", cursor.seq)),
             }
         } else {
             None
-        };
-        if let Some(why) = why {
-            tracing::warn!(group = %g.name, "{why}: full resync");
-            self.resync(conn, i)?;
+        })
+    }
+
+    /// Compares the group's cursor with Redis and resyncs if it cannot be
+    /// continued. A held group is released when Redis is back at the
+    /// replica's position, and copied again when Redis moved since its copy.
+    fn check(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+        match self.groups[i].state {
+            // Its back-off timer brings it back (`due_resyncs`).
+            State::Settling { .. } => Ok(()),
+            State::Held { position: held_at, .. } => {
+                if self.cannot_continue(conn, i)?.is_none() {
+                    self.release(i);
+                    return Ok(());
+                }
+                let now_at = position(conn, &self.groups[i].name)?;
+                if now_at != held_at {
+                    tracing::info!(
+                        group = %self.groups[i].name, epoch = now_at.0, seq = now_at.1,
+                        "redis changed while a resync was held: copying again"
+                    );
+                    self.resync(conn, i)?;
+                }
+                Ok(())
+            }
+            State::Following => {
+                if let Some(why) = self.cannot_continue(conn, i)? {
+                    tracing::warn!(group = %self.groups[i].name, "{why}: full resync");
+                    self.resync(conn, i)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Redis came back to where the replica is (restored from a backup, for
+    /// one): the held copy is dropped and the group follows its stream again.
+    fn release(&mut self, i: usize) {
+        let g = &mut self.groups[i];
+        if let State::Held { copy: Some(copy), .. } = std::mem::replace(&mut g.state, State::Following) {
+            copy.discard();
+        }
+        let s = &self.status.groups[i];
+        s.resync_held.store(false, Ordering::Relaxed);
+        s.held_rows.store(0, Ordering::Relaxed);
+        tracing::warn!(
+            group = %g.name, rows = g.writer.live_rows(),
+            "redis is back at the replica's position: held resync released, following the stream"
+        );
+    }
+
+    /// Starts the copies whose back-off has passed.
+    fn due_resyncs(&mut self, conn: &mut RedisConn) -> Result<(), RefreshError> {
+        for i in 0..self.groups.len() {
+            if let State::Settling { at_ns, .. } = self.groups[i].state {
+                if self.clock.now_ns() >= at_ns {
+                    self.resync(conn, i)?;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Acts on accepts the admin endpoint asked for: a held copy is swapped
+    /// in; a hold without a copy takes its next copy whatever its size.
+    fn take_accepts(&mut self) {
+        for i in 0..self.groups.len() {
+            if !self.status.groups[i].accept_requested.swap(false, Ordering::AcqRel) {
+                continue;
+            }
+            let started = self.clock.now_ns();
+            let g = &mut self.groups[i];
+            match std::mem::replace(&mut g.state, State::Following) {
+                State::Held { copy: Some(copy), .. } => {
+                    let (before, after) = (g.writer.live_rows(), copy.live_rows());
+                    tracing::warn!(group = %g.name, rows = after, replaced_rows = before, "held resync accepted by an operator");
+                    if let Err(e) = self.swap_in(i, copy, started) {
+                        tracing::error!(group = %self.groups[i].name, "accepted resync failed to swap in: {e}; copying again");
+                        self.groups[i].accept_unguarded = true;
+                        self.groups[i].state = State::Settling { at_ns: 0, attempt: 0, last_rows: 0 };
+                    }
+                }
+                State::Held { copy: None, .. } => {
+                    tracing::warn!(
+                        group = %g.name,
+                        "held resync accepted by an operator: the next copy from redis is taken whatever its size"
+                    );
+                    g.accept_unguarded = true;
+                    g.state = State::Settling { at_ns: 0, attempt: 0, last_rows: 0 };
+                }
+                other => {
+                    tracing::info!(group = %g.name, "accept asked for with no resync held: nothing to do");
+                    g.state = other;
+                }
+            }
+            GroupStatus::bump(&self.status.groups[i].accepts_total, 1);
+        }
     }
 
     /// An entry skipped past the cursor: either the stream lost entries the
@@ -598,32 +826,98 @@ impl Refresher {
         self.resync(conn, i)
     }
 
-    /// Replaces group `i`'s replica with a full copy of Redis.
+    /// Copies Redis for group `i` and swaps the copy in, unless the source
+    /// moved under it (the group settles and copies again later) or the copy
+    /// would shrink the replica past `resync_shrink_max` (the copy is held).
     fn resync(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+        let (attempt, last_rows) = match self.groups[i].state {
+            State::Settling { attempt, last_rows, .. } => (attempt, (attempt > 0).then_some(last_rows)),
+            _ => (0, None),
+        };
+        // A held copy lives at the temporary path this copy writes: drop it
+        // first. The group stays held (serving its rows) until this resolves.
+        if let State::Held { copy, .. } = &mut self.groups[i].state {
+            if let Some(c) = copy.take() {
+                c.discard();
+            }
+        }
+        let started = self.clock.now_ns();
+        let fresh = {
+            let g = &self.groups[i];
+            let default = g.writer.table().default_vector();
+            let target = SyncTarget {
+                group: &g.name,
+                path: g.writer.path(),
+                dim: g.writer.table().dim(),
+                storage: g.storage,
+                default: &default,
+                batch_keys_max: self.config.sync_batch_keys_max,
+            };
+            full_sync(conn, &target, Some(&self.status.groups[i]), &mut |_| {})?
+        };
+        let noted = (fresh.cursor().epoch, fresh.cursor().seq);
+        let copied = fresh.live_rows();
+        let name = self.groups[i].name.clone();
+        let s = &self.status.groups[i];
+        if let Some(why) = unsettled(conn, &name, noted, copied, last_rows, self.config.resync_rows_drift_max)? {
+            if attempt + 1 < self.config.resync_attempts_max {
+                fresh.discard();
+                GroupStatus::bump(&s.resync_restarts_total, 1);
+                let pause_ms =
+                    (self.config.backoff_ms_min.max(1) << attempt.min(16)).min(self.config.backoff_ms_max.max(1));
+                tracing::warn!(group = %name, attempt = attempt + 1, "{why}: redis is being written or reloaded; copying again in {pause_ms} ms");
+                if !matches!(self.groups[i].state, State::Held { .. }) {
+                    self.groups[i].state = State::Settling {
+                        at_ns: self.clock.now_ns() + pause_ms * 1_000_000,
+                        attempt: attempt + 1,
+                        last_rows: copied,
+                    };
+                } else {
+                    // Held groups copy again when Redis moves (`check`); the
+                    // back-off is the check interval.
+                    self.groups[i].state = State::Held { copy: None, position: noted };
+                }
+                return Ok(());
+            }
+            tracing::warn!(group = %name, "{why}, after {} copies: taking the last one; the stream replay brings it up to date", attempt + 1);
+        }
+        let current = self.groups[i].writer.live_rows();
+        let shrink_max = self.config.resync_shrink_max(&name);
+        let dropped = current.saturating_sub(copied);
+        let unguarded = std::mem::take(&mut self.groups[i].accept_unguarded);
+        if !unguarded && dropped as f64 > shrink_max * current as f64 {
+            tracing::warn!(
+                group = %name, rows = current, copy_rows = copied, epoch = noted.0, seq = noted.1,
+                "a full resync would drop {dropped} of {current} rows (more than resync_shrink_max {shrink_max}): held; \
+                 serving the last-known-good rows, flagged stale, until redis recovers or POST /replica/{name}/accept"
+            );
+            s.resync_held.store(true, Ordering::Relaxed);
+            s.held_rows.store(copied, Ordering::Relaxed);
+            self.groups[i].state = State::Held { copy: Some(fresh), position: noted };
+            return Ok(());
+        }
+        self.swap_in(i, fresh, started)
+    }
+
+    /// Makes `fresh` group `i`'s replica; the group follows its stream from
+    /// the copy's position.
+    fn swap_in(&mut self, i: usize, fresh: ReplicaWriter, started_ns: u64) -> Result<(), RefreshError> {
         let g = &mut self.groups[i];
         let s = &self.status.groups[i];
-        let started = self.clock.now_ns();
-        let default = g.writer.table().default_vector();
-        let target = SyncTarget {
-            group: &g.name,
-            path: g.writer.path(),
-            dim: g.writer.table().dim(),
-            storage: g.storage,
-            default: &default,
-            batch_keys_max: self.config.sync_batch_keys_max,
-        };
-        let fresh = full_sync(conn, &target, Some(s), &mut |_| {})?;
         g.writer.replace(fresh)?;
+        g.state = State::Following;
         let cursor = g.writer.cursor();
         g.read_id = (cursor.seq, 0);
         g.unflushed = false;
         g.last_checkpoint_ns = self.clock.now_ns();
         s.applied_seq.store(cursor.seq, Ordering::Relaxed);
         s.live_rows.store(g.writer.live_rows(), Ordering::Relaxed);
+        s.resync_held.store(false, Ordering::Relaxed);
+        s.held_rows.store(0, Ordering::Relaxed);
         GroupStatus::bump(&s.resyncs_total, 1);
         tracing::info!(
             group = %g.name, rows = g.writer.live_rows(), seq = cursor.seq,
-            ms = (self.clock.now_ns() - started) / 1_000_000, "full sync done"
+            ms = (self.clock.now_ns() - started_ns) / 1_000_000, "full sync done"
         );
         Ok(())
     }

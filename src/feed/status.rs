@@ -43,6 +43,20 @@ pub struct GroupStatus {
     /// Rows copied so far by a running full sync (for progress), and how
     /// many the last full sync wrote.
     pub sync_rows: AtomicU64,
+    /// Set while a full resync is held because it would have dropped more
+    /// than `resync_shrink_max` of the rows: the last-known-good rows keep
+    /// serving and responses are flagged stale.
+    pub resync_held: AtomicBool,
+    /// Rows in the held copy (what Redis had), while held.
+    pub held_rows: AtomicU64,
+    /// Copies thrown away and begun again because the source moved under
+    /// them (a reload in progress).
+    pub resync_restarts_total: AtomicU64,
+    /// Set by the admin endpoint (`POST /replica/{group}/accept`); the
+    /// refresher clears it when it acts on it.
+    pub accept_requested: AtomicBool,
+    /// Accepts the refresher has acted on.
+    pub accepts_total: AtomicU64,
 }
 
 impl GroupStatus {
@@ -59,6 +73,11 @@ impl GroupStatus {
             torn_rows_repaired: AtomicU64::new(0),
             live_rows: AtomicU64::new(0),
             sync_rows: AtomicU64::new(0),
+            resync_held: AtomicBool::new(false),
+            held_rows: AtomicU64::new(0),
+            resync_restarts_total: AtomicU64::new(0),
+            accept_requested: AtomicBool::new(false),
+            accepts_total: AtomicU64::new(0),
         }
     }
 
@@ -101,10 +120,13 @@ impl FeedStatus {
         self.groups.iter().find(|g| g.name == name)
     }
 
-    /// Whether any group has gone longer than the bound without being current.
+    /// Whether any group has gone longer than the bound without being
+    /// current, or is serving its last-known-good rows with a resync held.
     #[inline]
     pub fn is_stale(&self, now_ns: u64) -> bool {
-        self.groups.iter().any(|g| g.staleness_ns(now_ns) > self.staleness_max_ns)
+        self.groups
+            .iter()
+            .any(|g| g.resync_held.load(Ordering::Relaxed) || g.staleness_ns(now_ns) > self.staleness_max_ns)
     }
 
     /// Whether staleness should fail the readiness check now.

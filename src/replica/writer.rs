@@ -305,6 +305,15 @@ impl ReplicaWriter {
         Ok(())
     }
 
+    /// Drops a copy that will not be swapped in, and removes its file.
+    pub fn discard(self) {
+        let path = self.path.clone();
+        drop(self);
+        if let Err(e) = std::fs::remove_file(&path) {
+            tracing::warn!(path = %path.display(), "could not remove a discarded replica copy: {e}");
+        }
+    }
+
     /// Drops the replaced tables no reader holds any more.
     pub fn reap_retired(&mut self) {
         self.retired.retain(|t| Arc::strong_count(t) > 1);
