@@ -55,8 +55,15 @@ pub struct Config {
     /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
     /// slows the inference stage. Off unless set.
     pub faults_endpoint: bool,
-    /// Admin HTTP endpoint (metrics, health, readiness); "off" disables it.
+    /// Admin HTTP endpoint (metrics, health, readiness, and the controls:
+    /// drain, model loads, resync accepts); "off" disables it.
     pub admin_listen: String,
+    /// A file holding the bearer token the admin endpoint's controls need
+    /// (see the README's "Operations"); required when `admin_listen` is not loopback.
+    pub admin_token_file: Option<PathBuf>,
+    /// A read-only listener: metrics, health, readiness and stats, no
+    /// controls, so it can face the network; "off" (the default) disables it.
+    pub metrics_listen: String,
     /// While not ready (starting, or drained by an operator): refuse new
     /// connections, or accept them and answer `Overloaded`.
     pub not_ready: NotReadyPolicy,
@@ -95,6 +102,8 @@ impl Default for Config {
             feed: None,
             faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
+            admin_token_file: None,
+            metrics_listen: "off".into(),
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
             replica_lock: false,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use quiver::admin::Admin;
+use quiver::admin::{auth::AdminToken, Admin, AdminState, Surface};
 use quiver::client::Client;
 use quiver::config::Config;
 use quiver::config::InferenceMode;
@@ -81,6 +81,9 @@ enum Command {
         /// Stop after this many tables; 0 runs until interrupted.
         #[arg(long, default_value_t = 0)]
         count: u64,
+        /// The admin bearer token file, sent with the request.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
     },
     /// Draw PNG plots from benchmark output files.
     #[command(subcommand)]
@@ -137,9 +140,15 @@ struct ServeArgs {
     demo: bool,
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
-    /// Admin HTTP address (metrics, health, readiness), or "off".
+    /// Admin HTTP address (metrics, health, readiness and the controls), or "off".
     #[arg(long)]
     admin: Option<String>,
+    /// The bearer token file the admin controls need; sets `admin_token_file`.
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// A read-only metrics/health listener with no controls; sets `metrics_listen`.
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// While not ready: refuse new connections, or answer Overloaded.
     #[arg(long, value_enum)]
     not_ready: Option<quiver::config::NotReadyPolicy>,
@@ -376,6 +385,9 @@ enum ReplicaCommand {
         admin: String,
         #[arg(long)]
         group: String,
+        /// The admin bearer token file (the server's `admin_token_file`).
+        #[arg(long)]
+        token_file: Option<PathBuf>,
     },
 }
 
@@ -456,7 +468,7 @@ fn main() -> ExitCode {
         Command::Replica(cmd) => replica(cmd),
         Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
-        Command::Stats { admin, interval, count } => stats(&admin, interval, count),
+        Command::Stats { admin, interval, count, token_file } => stats(&admin, interval, count, token_file.as_deref()),
         Command::Demo { data_dir, models_dir } => demo_cmd(&data_dir, models_dir.as_deref()),
         #[cfg(feature = "cuda")]
         Command::GpuCheck { batches, iters, out } => Ok(gpu_check(&batches, iters, out.as_deref())),
@@ -533,6 +545,12 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     }
     if let Some(v) = args.inference {
         config.inference = v;
+    }
+    if let Some(v) = args.admin_token_file {
+        config.admin_token_file = Some(v);
+    }
+    if let Some(v) = args.metrics_listen {
+        config.metrics_listen = v;
     }
     if let Some(v) = args.admin {
         config.admin_listen = v;
@@ -617,17 +635,30 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     let board = metrics::board(cores.len());
     let (collector, publishers) =
         metrics::Collector::start(board.clone()).map_err(|e| Error::Setup(format!("metrics collector thread: {e}")))?;
-    let admin = if config.admin_listen == "off" {
-        None
-    } else {
-        let backend = format!("{:?}", config.backend).to_lowercase();
-        let hooks = config.faults_endpoint.then(|| faults.clone());
-        let admin =
-            Admin::start(&config.admin_listen, board.clone(), readiness.clone(), registry.clone(), backend, hooks)?;
-        tracing::info!(addr = %admin.addr, "admin endpoint");
-        println!("quiver admin on {}", admin.addr);
-        Some(admin)
+    let token = match &config.admin_token_file {
+        Some(path) => Some(AdminToken::load(path).map_err(Error::Setup)?),
+        None => None,
     };
+    let admin_state = Arc::new(AdminState {
+        board: board.clone(),
+        readiness: readiness.clone(),
+        registry: registry.clone(),
+        backend: format!("{:?}", config.backend).to_lowercase(),
+        faults: config.faults_endpoint.then(|| faults.clone()),
+        token,
+        refusals: Default::default(),
+    });
+    let mut admins = Vec::new();
+    for (listen, surface, name) in
+        [(&config.admin_listen, Surface::Control, "admin"), (&config.metrics_listen, Surface::ReadOnly, "metrics")]
+    {
+        if listen != "off" {
+            let admin = Admin::start(listen, surface, admin_state.clone())?;
+            tracing::info!(addr = %admin.addr, controls = surface == Surface::Control, "{name} endpoint");
+            println!("quiver {name} on {}", admin.addr);
+            admins.push(admin);
+        }
+    }
     let watcher = (config.watch_models_ms > 0).then(|| {
         let (registry, stop) = (registry.clone(), stop.clone());
         let every = Duration::from_millis(config.watch_models_ms);
@@ -705,7 +736,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
         println!("quiver listening on {addr} with {shards} shards");
     })?;
     collector.join();
-    if let Some(a) = admin {
+    for a in admins {
         a.stop();
     }
     if let Some(w) = watcher {
@@ -914,13 +945,27 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn fetch_stats(agent: &ureq::Agent, url: &str) -> Result<quiver::admin::Stats, Error> {
-    let mut resp = agent.get(url).call().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+/// The `Authorization` header value for a token file, if one is given.
+fn bearer(token_file: Option<&std::path::Path>) -> Result<Option<String>, Error> {
+    let Some(path) = token_file else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| Error::Setup(format!("{}: {e}", path.display())))?;
+    Ok(Some(format!("Bearer {}", text.trim())))
+}
+
+fn fetch_stats(agent: &ureq::Agent, url: &str, auth: Option<&str>) -> Result<quiver::admin::Stats, Error> {
+    let mut req = agent.get(url);
+    if let Some(a) = auth {
+        req = req.header("Authorization", a);
+    }
+    let mut resp = req.call().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
     let body = resp.body_mut().read_to_string().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
     serde_json::from_str(&body).map_err(|e| Error::Setup(format!("{url}: {e}")))
 }
 
-fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error> {
+fn stats(admin: &str, interval: Duration, count: u64, token_file: Option<&std::path::Path>) -> Result<ExitCode, Error> {
+    let auth = bearer(token_file)?;
     let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(5))).build().into();
     let url = format!("http://{admin}/stats.json");
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
@@ -928,7 +973,7 @@ fn stats(admin: &str, interval: Duration, count: u64) -> Result<ExitCode, Error>
     let mut shown = 0u64;
     loop {
         let now = Instant::now();
-        let s = fetch_stats(&agent, &url)?;
+        let s = fetch_stats(&agent, &url, auth.as_deref())?;
         let rate = prev.as_ref().map(|(t, p)| {
             let dt = now.duration_since(*t).as_secs_f64().max(1e-9);
             (s.requests.saturating_sub(p.requests)) as f64 / dt
@@ -1287,14 +1332,18 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
                 fresh.cursor().seq
             );
         }
-        ReplicaCommand::Accept { admin, group } => {
+        ReplicaCommand::Accept { admin, group, token_file } => {
             let url = format!("http://{admin}/replica/{group}/accept");
             let agent: ureq::Agent = ureq::Agent::config_builder()
                 .timeout_global(Some(Duration::from_secs(10)))
                 .http_status_as_error(false)
                 .build()
                 .into();
-            let mut resp = agent.post(&url).send_empty().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+            let mut req = agent.post(&url);
+            if let Some(a) = bearer(token_file.as_deref())? {
+                req = req.header("Authorization", a);
+            }
+            let mut resp = req.send_empty().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
             let code = resp.status().as_u16();
             let body = resp.body_mut().read_to_string().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
             let reply: serde_json::Value = serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body));

@@ -77,9 +77,13 @@ fn percentile_gauges_move_when_latency_changes() {
         assert_eq!(c.score(&demo_request(i, i, vec![i % 10_000])).unwrap().status, Status::Ok);
     }
     let before = wait_for(&server, |s| s.requests == 200);
-    let kernel = |s: &Stats| s.stages.iter().find(|st| st.stage == "kernel").unwrap().p99_us;
+    // The median, not the p99: on a 2-core VM shared with the other tests,
+    // one preempted request of the first 200 is their p99 (167 µs for one
+    // candidate was seen), and the test is about the window's quantiles
+    // following the latency, which the median shows without that noise.
+    let kernel = |s: &Stats| s.stages.iter().find(|st| st.stage == "kernel").unwrap().p50_us;
     // The same model over 256 candidates instead of 1: the kernel stage's
-    // p99 over the window must rise with it.
+    // median over the window must rise with it.
     for i in 0..200u64 {
         let big = demo_request(1_000 + i, i, (0..256).collect());
         assert_eq!(c.score(&big).unwrap().status, Status::Ok);
@@ -87,7 +91,7 @@ fn percentile_gauges_move_when_latency_changes() {
     let after = wait_for(&server, |s| s.requests == 400);
     assert!(
         kernel(&after) > 4.0 * kernel(&before),
-        "kernel p99 {} µs before, {} µs after",
+        "kernel p50 {} µs before, {} µs after",
         kernel(&before),
         kernel(&after)
     );
@@ -153,4 +157,109 @@ fn quiver_stats_prints_a_table() {
     for stage in ["decode", "lookup", "kernel", "respond", "end_to_end"] {
         assert!(text.lines().any(|l| l.starts_with(stage)), "{stage} missing:\n{text}");
     }
+}
+
+/// POST with an optional bearer token: the status and the body.
+fn post_as(url: &str, token: Option<&str>) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    let mut req = agent.post(url);
+    if let Some(t) = token {
+        req = req.header("Authorization", format!("Bearer {t}"));
+    }
+    let mut r = req.send_empty().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+#[test]
+fn controls_need_the_token_and_the_metrics_listener_has_none() {
+    const TOKEN: &str = "s3cret-admin-token-0123456789";
+    let dir = common::scratch("admin-token");
+    let token_file = dir.join("admin.token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let server = Server::start(&[
+        "--shards",
+        "1",
+        "--admin-token-file",
+        token_file.to_str().unwrap(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let drain = format!("http://{}/drain", server.admin);
+    let (code, body) = post_as(&drain, None);
+    assert_eq!(code, 401, "{body}");
+    assert!(body.contains("Bearer"), "{body}");
+    let (code, body) = post_as(&drain, Some("wrong-token-wrong-token"));
+    assert_eq!(code, 401);
+    assert!(!body.contains("wrong-token"), "a refused token is never echoed: {body}");
+    assert_eq!(get(&format!("http://{}/readyz", server.admin)).0, 200, "nothing was drained");
+    for path in ["/models/auction-32/rollback", "/undrain", "/replica/item/accept"] {
+        assert_eq!(post_as(&format!("http://{}{path}", server.admin), None).0, 401, "{path}");
+    }
+    assert_eq!(post_as(&drain, Some(TOKEN)).0, 200);
+    assert_eq!(get(&format!("http://{}/readyz", server.admin)).0, 503, "drained with the token");
+    assert_eq!(post_as(&format!("http://{}/undrain", server.admin), Some(TOKEN)).0, 200);
+
+    // Reads need no token; the refusals are counted, and logged without the token.
+    let (code, text) = get(&format!("http://{}/metrics", server.admin));
+    assert_eq!(code, 200);
+    assert!(text.contains("quiver_admin_unauthorized_total 5"), "{text}");
+    let log = server.stderr();
+    assert!(log.contains("request without a valid bearer token refused"), "{log}");
+    assert!(!log.contains(TOKEN) && !log.contains("wrong-token"), "{log}");
+
+    // The metrics listener serves reads and no controls, token or not.
+    assert!(!server.metrics.is_empty(), "the server printed its metrics address");
+    for path in ["/metrics", "/healthz", "/readyz", "/stats.json"] {
+        assert_eq!(get(&format!("http://{}{path}", server.metrics)).0, 200, "{path}");
+    }
+    let (code, body) = post_as(&format!("http://{}/drain", server.metrics), Some(TOKEN));
+    assert_eq!(code, 404, "{body}");
+    assert_eq!(get(&format!("http://{}/readyz", server.admin)).0, 200);
+
+    // The CLI sends the token.
+    let out = std::process::Command::new(BIN)
+        .args(["stats", "--admin", &server.admin, "--count", "1", "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = std::process::Command::new(BIN)
+        .args(["replica", "accept", "--admin", &server.admin, "--group", "item"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"), "{out:?}");
+    let out = std::process::Command::new(BIN)
+        .args(["replica", "accept", "--admin", &server.admin, "--group", "item", "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("409"), "past the token, nothing is held: {out:?}");
+}
+
+#[test]
+fn controls_on_a_routable_address_without_a_token_refuse_to_start() {
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--admin", "0.0.0.0:0", "--shards", "1", "--data-dir"])
+        .arg(common::demo_dir())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("admin_listen") && err.contains("admin_token_file"), "{err}");
+    let short = common::scratch("admin-short-token").join("t");
+    std::fs::write(&short, "short\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--shards", "1", "--admin-token-file"])
+        .arg(&short)
+        .arg("--data-dir")
+        .arg(common::demo_dir())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 16"), "{out:?}");
 }

@@ -460,6 +460,34 @@ fn encode_command(out: &mut Vec<u8>, args: &[&[u8]]) {
     out.truncate(offset + written);
 }
 
+/// Every reply in `bytes`, read as the connection reads them (the framing
+/// scan, then the decoder) with the bytes arriving `chunk_bytes` at a time;
+/// what is left after the last whole reply must be empty. For fuzzing and
+/// tests: replies are untrusted input, and this is their one parser.
+pub fn decode_all(bytes: &[u8], reply_bytes_max: usize, chunk_bytes: usize) -> Result<Vec<Reply>, String> {
+    struct Chunks<'a>(&'a [u8], usize);
+    impl Read for Chunks<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = self.0.len().min(self.1).min(out.len());
+            out[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    let mut src = Chunks(bytes, chunk_bytes.max(1));
+    let mut reader = ReplyReader::new(reply_bytes_max);
+    let mut replies = Vec::new();
+    loop {
+        match reader.read_reply(&mut src) {
+            Ok(reply) => replies.push(reply),
+            Err(ReadFailure::Closed) if reader.start == reader.end => return Ok(replies),
+            Err(ReadFailure::Closed) => return Err("the bytes end inside a reply".into()),
+            Err(ReadFailure::Protocol(what)) => return Err(what),
+            Err(ReadFailure::Io(e)) => return Err(e.to_string()),
+        }
+    }
+}
+
 /// A failure while reading a reply, before it is tied to an address.
 #[derive(Debug)]
 enum ReadFailure {

@@ -550,7 +550,9 @@ impl Model {
 
     pub fn from_bytes(bytes: &[u8], path_for_errors: &str) -> Result<Model, ModelError> {
         let p = path_for_errors.to_string();
-        if !fb::model_buffer_has_identifier(bytes) {
+        // The generated check asserts the buffer holds a root offset and an
+        // identifier (8 bytes); a shorter file is simply not a model file.
+        if bytes.len() < 8 || !fb::model_buffer_has_identifier(bytes) {
             return Err(ModelError::Identifier { path: p });
         }
         let opts = VerifierOptions {

@@ -44,6 +44,8 @@ pub struct Server {
     pub addr: String,
     /// The admin endpoint's address.
     pub admin: String,
+    /// The read-only metrics listener's address, when `--metrics-listen` was given.
+    pub metrics: String,
     pub stderr: std::sync::Arc<Mutex<String>>,
 }
 
@@ -89,6 +91,7 @@ impl Server {
         }
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let mut admin = String::new();
+        let mut metrics = String::new();
         let addr = loop {
             let line = lines.next().and_then(Result::ok).unwrap_or_else(|| {
                 let _ = child.wait();
@@ -99,13 +102,17 @@ impl Server {
                 admin = a.trim().to_string();
                 continue;
             }
+            if let Some(a) = line.strip_prefix("quiver metrics on ") {
+                metrics = a.trim().to_string();
+                continue;
+            }
             break line
                 .strip_prefix("quiver listening on ")
                 .and_then(|rest| rest.split(' ').next())
                 .unwrap_or_else(|| panic!("unexpected line: {line}"))
                 .to_string();
         };
-        Server { child, addr, admin, stderr }
+        Server { child, addr, admin, metrics, stderr }
     }
 
     pub fn client(&self) -> Client {

@@ -6,7 +6,11 @@
 //!
 //! It reads only what shards publish (`metrics::Board`) and the readiness
 //! flag; it never touches a shard. HTTP is served by `tiny_http` and the
-//! exposition format written by `prometheus-client`.
+//! exposition format written by `prometheus-client`. The same state can be
+//! served twice: with its controls (`admin_listen`, behind a token where
+//! configured, see [`auth`]) and read-only (`metrics_listen`).
+
+pub mod auth;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,12 +40,33 @@ pub const BUCKETS_S: [f64; 22] = [
     1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
 ];
 
+/// What both listeners serve from.
+#[derive(Debug)]
+pub struct AdminState {
+    pub board: Board,
+    pub readiness: Arc<Readiness>,
+    pub registry: Arc<Registry>,
+    /// The backend's name, for `quiver_model_info`.
+    pub backend: String,
+    /// The fault hooks, when `faults_endpoint` is set.
+    pub faults: Option<Arc<Faults>>,
+    /// Required on every control request when set.
+    pub token: Option<auth::AdminToken>,
+    pub refusals: auth::Refusals,
+}
+
+/// Which routes a listener serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Surface {
+    /// Reads and controls (`admin_listen`).
+    Control,
+    /// Reads only (`metrics_listen`): metrics, health, readiness, stats, models.
+    ReadOnly,
+}
+
 #[derive(Debug)]
 struct QuiverCollector {
-    board: Board,
-    readiness: Arc<Readiness>,
-    registry: Arc<Registry>,
-    backend: String,
+    state: Arc<AdminState>,
 }
 
 fn ns_to_s(ns: u64) -> f64 {
@@ -66,7 +91,8 @@ fn encode_hist(
 
 impl prometheus_client::collector::Collector for QuiverCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let m = metrics::merge(&self.board);
+        let AdminState { board, readiness, registry, backend, refusals, .. } = &*self.state;
+        let m = metrics::merge(board);
 
         let mut e =
             encoder.encode_descriptor("quiver_requests", "Requests answered, by status.", None, MetricType::Counter)?;
@@ -191,7 +217,15 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 None,
                 MetricType::Gauge,
             )?
-            .encode_gauge(&i64::from(self.readiness.probe(MonotonicClock::new().now_ns()).is_ok()))?;
+            .encode_gauge(&i64::from(readiness.probe(MonotonicClock::new().now_ns()).is_ok()))?;
+        encoder
+            .encode_descriptor(
+                "quiver_admin_unauthorized",
+                "Control requests refused for a missing or wrong bearer token.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&refusals.total(), None)?;
         encoder
             .encode_descriptor(
                 "quiver_stale_responses",
@@ -200,16 +234,15 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 MetricType::Counter,
             )?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.stale_responses, None)?;
-        if let Some(feed) = self.readiness.feed() {
+        if let Some(feed) = readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }
-        encode_drift(&mut encoder, &drift_reports(&m, self.registry.drift()))?;
+        encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
-        for m in self.registry.status() {
+        for m in registry.status() {
             let version = m.version.to_string();
-            let labels =
-                [("model", m.name.as_str()), ("version", version.as_str()), ("backend", self.backend.as_str())];
+            let labels = [("model", m.name.as_str()), ("version", version.as_str()), ("backend", backend.as_str())];
             e.encode_info(&labels)?;
         }
 
@@ -603,35 +636,31 @@ pub struct Admin {
 }
 
 impl Admin {
-    /// Binds `addr` and serves on a new thread.
-    pub fn start(
-        addr: &str,
-        board: Board,
-        readiness: Arc<Readiness>,
-        registry: Arc<Registry>,
-        backend: String,
-        faults: Option<Arc<Faults>>,
-    ) -> Result<Admin, crate::Error> {
-        let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("admin {addr}: {e}")))?;
+    /// Binds `addr` and serves `surface` on a new thread. A control surface
+    /// on an address that is not loopback needs a token.
+    pub fn start(addr: &str, surface: Surface, state: Arc<AdminState>) -> Result<Admin, crate::Error> {
+        let what = match surface {
+            Surface::Control => "admin",
+            Surface::ReadOnly => "metrics",
+        };
+        let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("{what} {addr}: {e}")))?;
         let bound = server
             .server_addr()
             .to_ip()
-            .ok_or_else(|| crate::Error::Setup(format!("admin {addr}: not an IP address")))?;
+            .ok_or_else(|| crate::Error::Setup(format!("{what} {addr}: not an IP address")))?;
+        if surface == Surface::Control {
+            auth::check_exposure(addr, bound, state.token.is_some()).map_err(crate::Error::Setup)?;
+        }
         let server = Arc::new(server);
         let mut prometheus = Registry_::default();
-        prometheus.register_collector(Box::new(QuiverCollector {
-            board: board.clone(),
-            readiness: readiness.clone(),
-            registry: registry.clone(),
-            backend,
-        }));
+        prometheus.register_collector(Box::new(QuiverCollector { state: state.clone() }));
         let thread = std::thread::Builder::new()
-            .name("quiver-admin".into())
+            .name(format!("quiver-{what}"))
             .spawn({
                 let server = server.clone();
-                move || serve(&server, &prometheus, &board, &readiness, &registry, faults.as_deref())
+                move || serve(&server, &prometheus, &state, surface)
             })
-            .map_err(|e| crate::Error::Setup(format!("admin thread: {e}")))?;
+            .map_err(|e| crate::Error::Setup(format!("{what} thread: {e}")))?;
         Ok(Admin { server, thread: Some(thread), addr: bound })
     }
 
@@ -651,12 +680,9 @@ const ACCEPT_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 /// (the copy swapped in, or the next copy to be taken whatever its size),
 /// 202 when it has not yet (it may be copying or reconnecting), 404 for an
 /// unknown group, 409 when nothing is held.
-fn accept_resync(readiness: &Readiness, rest: &str) -> (u16, String) {
+fn accept_resync(readiness: &Readiness, name: &str) -> (u16, String) {
     let json = |code: u16, v: serde_json::Value| (code, format!("{v}\n"));
     let err = |code: u16, why: String| json(code, serde_json::json!({ "error": why }));
-    let Some(name) = rest.strip_suffix("/accept") else {
-        return err(404, "use POST /replica/<group>/accept".into());
-    };
     let Some(feed) = readiness.feed() else {
         return err(409, "no [feed]: the replicas do not follow redis".into());
     };
@@ -691,20 +717,136 @@ fn registry_error(e: RegistryError) -> (u16, String) {
     (code, e.to_string())
 }
 
-fn serve(
-    server: &tiny_http::Server,
-    prometheus: &Registry_,
-    board: &Board,
-    readiness: &Readiness,
-    registry: &Registry,
-    faults: Option<&Faults>,
-) {
-    use tiny_http::{Header, Method, Response};
+/// Whether `request` may use a control route: always on a loopback surface
+/// without a token, else only with the token. Refusals are counted.
+fn authorized(state: &AdminState, request: &tiny_http::Request, path: &str) -> bool {
+    let Some(token) = &state.token else {
+        return true;
+    };
+    let authorization = request.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str());
+    if token.admits(authorization) {
+        return true;
+    }
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    state.refusals.record(now_s, request.remote_addr().copied(), request.method().as_str(), path);
+    false
+}
+
+/// What an admin request asks for, read from its method and URL alone:
+/// the one place the admin endpoint parses what a client sent.
+#[derive(Debug, PartialEq)]
+pub enum Route {
+    Metrics,
+    Healthz,
+    Readyz,
+    Stats,
+    Models,
+    Drain,
+    Undrain,
+    /// `None`: the query did not say `stage_delay_us=N`.
+    Faults {
+        stage_delay_us: Option<u64>,
+    },
+    Model {
+        name: String,
+        action: ModelAction,
+    },
+    ReplicaAccept {
+        group: String,
+    },
+    /// Answered with this status and text.
+    Bad {
+        code: u16,
+        why: String,
+    },
+}
+
+#[derive(Debug, PartialEq)]
+pub enum ModelAction {
+    Load { version: Option<u32> },
+    Rollback,
+    Canary { version: Option<u32>, fraction: f64 },
+    Shadow { version: Option<u32>, fraction: f64 },
+}
+
+impl Route {
+    /// Whether it changes what the server does (and so needs the token).
+    pub fn is_control(&self) -> bool {
+        !matches!(
+            self,
+            Route::Metrics | Route::Healthz | Route::Readyz | Route::Stats | Route::Models | Route::Bad { .. }
+        )
+    }
+}
+
+/// Parses a request line's method and URL into a [`Route`].
+pub fn route(method: &str, url: &str) -> Route {
+    let (path, query) = url.split_once('?').unwrap_or((url, ""));
+    let param = |key: &str| query.split('&').find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='));
+    let not_found = || Route::Bad { code: 404, why: "not found".into() };
+    match (method, path) {
+        ("GET" | "HEAD", "/metrics") => Route::Metrics,
+        ("GET" | "HEAD", "/healthz") => Route::Healthz,
+        ("GET" | "HEAD", "/readyz") => Route::Readyz,
+        ("GET" | "HEAD", "/stats.json") => Route::Stats,
+        ("GET" | "HEAD", "/models") => Route::Models,
+        ("POST", "/drain") => Route::Drain,
+        ("POST", "/undrain") => Route::Undrain,
+        ("POST", "/faults") => Route::Faults { stage_delay_us: param("stage_delay_us").and_then(|v| v.parse().ok()) },
+        ("POST", p) if p.starts_with("/replica/") => match p["/replica/".len()..].strip_suffix("/accept") {
+            Some(group) if !group.is_empty() && !group.contains('/') => Route::ReplicaAccept { group: group.into() },
+            _ => Route::Bad { code: 404, why: "use POST /replica/<group>/accept".into() },
+        },
+        ("POST", p) if p.starts_with("/models/") => {
+            let usage = "use /models/<name>/load[?version=N] or /models/<name>/rollback";
+            let Some((name, verb)) = p["/models/".len()..].rsplit_once('/') else {
+                return Route::Bad { code: 404, why: usage.into() };
+            };
+            let version = match param("version").map(|v| v.parse::<u32>().map_err(|_| format!("bad version '{v}'"))) {
+                Some(Err(why)) => return Route::Bad { code: 400, why },
+                Some(Ok(v)) => Some(v),
+                None => None,
+            };
+            let fraction = param("fraction").and_then(|f| f.parse::<f64>().ok());
+            let action = match (verb, version, fraction) {
+                ("load", version, _) => ModelAction::Load { version },
+                ("rollback", None, _) => ModelAction::Rollback,
+                ("canary", version, Some(fraction)) => ModelAction::Canary { version, fraction },
+                ("shadow", version, Some(fraction)) => ModelAction::Shadow { version, fraction },
+                (kind @ ("canary" | "shadow"), _, None) => {
+                    return Route::Bad { code: 400, why: format!("use /models/<name>/{kind}?version=N&fraction=F") }
+                }
+                _ => return Route::Bad { code: 404, why: usage.into() },
+            };
+            Route::Model { name: name.into(), action }
+        }
+        _ => not_found(),
+    }
+}
+
+fn serve(server: &tiny_http::Server, prometheus: &Registry_, state: &AdminState, surface: Surface) {
+    use tiny_http::{Header, Response};
+    let AdminState { board, readiness, registry, faults, .. } = state;
+    let faults = faults.as_deref();
     let header = |v: &str| Header::from_bytes("Content-Type", v).expect("static header is valid");
     for request in server.incoming_requests() {
         let path = request.url().split('?').next().unwrap_or("").to_string();
-        let response = match (request.method(), path.as_str()) {
-            (Method::Get, "/metrics") => {
+        let route = route(request.method().as_str(), request.url());
+        let control = route.is_control();
+        if control && surface == Surface::ReadOnly {
+            let body = "not found: this listener serves metrics, health, readiness and stats only\n";
+            let _ = request.respond(Response::from_string(body).with_status_code(404));
+            continue;
+        }
+        if control && !authorized(state, &request, &path) {
+            let body = "unauthorized: control requests need Authorization: Bearer <the admin_token_file token>\n";
+            let www = Header::from_bytes("WWW-Authenticate", "Bearer").expect("static header is valid");
+            let _ = request.respond(Response::from_string(body).with_status_code(401).with_header(www));
+            continue;
+        }
+        let json = |body: String| Response::from_string(body).with_header(header("application/json"));
+        let response = match route {
+            Route::Metrics => {
                 let mut body = String::new();
                 match prometheus_client::encoding::prometheus_text::encode(&mut body, prometheus) {
                     Ok(()) => {
@@ -713,82 +855,55 @@ fn serve(
                     Err(_) => Response::from_string("encoding failed\n").with_status_code(500),
                 }
             }
-            (Method::Get, "/healthz") => Response::from_string("ok\n"),
-            (Method::Get, "/readyz") => match readiness.probe(MonotonicClock::new().now_ns()) {
+            Route::Healthz => Response::from_string("ok\n"),
+            Route::Readyz => match readiness.probe(MonotonicClock::new().now_ns()) {
                 Ok(()) => Response::from_string("ready\n"),
                 Err(why) => Response::from_string(format!("{why}\n")).with_status_code(503),
             },
-            (Method::Get, "/stats.json") => {
-                let body = serde_json::to_string(&stats(board, readiness, registry.drift())).expect("stats serialise");
-                Response::from_string(body).with_header(header("application/json"))
+            Route::Stats => {
+                json(serde_json::to_string(&stats(board, readiness, registry.drift())).expect("stats serialise"))
             }
-            (Method::Post, "/drain") => {
+            Route::Models => json(serde_json::to_string(&registry.status()).expect("status serialises")),
+            Route::Drain => {
                 readiness.set(false);
                 tracing::info!("drained: not ready until POST /undrain");
                 Response::from_string("drained\n")
             }
-            (Method::Post, "/undrain") => {
+            Route::Undrain => {
                 readiness.set(true);
                 tracing::info!("undrained: ready");
                 Response::from_string("ready\n")
             }
-            (Method::Post, "/faults") if faults.is_some() => {
-                let query = request.url().split_once('?').map_or("", |(_, q)| q);
-                match query.split('&').find_map(|kv| kv.strip_prefix("stage_delay_us=")).map(str::parse::<u64>) {
-                    Some(Ok(us)) => {
-                        faults.expect("guarded").set_stage_delay_us(us);
-                        tracing::warn!(stage_delay_us = us, "fault injected");
-                        Response::from_string(format!("stage_delay_us={us}\n"))
-                    }
-                    _ => Response::from_string("use /faults?stage_delay_us=N\n").with_status_code(400),
+            Route::Faults { stage_delay_us } => match (faults, stage_delay_us) {
+                (None, _) => Response::from_string("not found\n").with_status_code(404),
+                (Some(f), Some(us)) => {
+                    f.set_stage_delay_us(us);
+                    tracing::warn!(stage_delay_us = us, "fault injected");
+                    Response::from_string(format!("stage_delay_us={us}\n"))
                 }
+                (Some(_), None) => Response::from_string("use /faults?stage_delay_us=N\n").with_status_code(400),
+            },
+            Route::ReplicaAccept { group } => {
+                let (code, body) = accept_resync(readiness, &group);
+                json(body).with_status_code(code)
             }
-            (Method::Post, p) if p.starts_with("/replica/") => {
-                let (code, body) = accept_resync(readiness, &p["/replica/".len()..]);
-                Response::from_string(body).with_status_code(code).with_header(header("application/json"))
-            }
-            (Method::Get, "/models") => {
-                let body = serde_json::to_string(&registry.status()).expect("status serialises");
-                Response::from_string(body).with_header(header("application/json"))
-            }
-            (Method::Post, p) if p.starts_with("/models/") => {
-                let rest = &p["/models/".len()..];
-                let query = request.url().split_once('?').map_or("", |(_, q)| q);
-                let version = query
-                    .split('&')
-                    .find_map(|kv| kv.strip_prefix("version="))
-                    .map(|v| v.parse::<u32>().map_err(|_| format!("bad version '{v}'")));
-                let outcome = match (rest.rsplit_once('/'), version) {
-                    (_, Some(Err(e))) => Err((400, e)),
-                    (Some((name, "load")), v) => {
-                        registry.load(name, v.map(|r| r.expect("checked above"))).map_err(registry_error)
+            Route::Model { name, action } => {
+                let outcome = match action {
+                    ModelAction::Load { version } => registry.load(&name, version),
+                    ModelAction::Rollback => registry.rollback(&name),
+                    ModelAction::Canary { version, fraction } => {
+                        registry.canary(&name, version, fraction).map(|v| v.unwrap_or(0))
                     }
-                    (Some((name, "rollback")), None) => registry.rollback(name).map_err(registry_error),
-                    (Some((name, kind @ ("canary" | "shadow"))), v) => {
-                        let fraction =
-                            query.split('&').find_map(|kv| kv.strip_prefix("fraction=")).map(str::parse::<f64>);
-                        match fraction {
-                            Some(Ok(f)) => {
-                                let v = v.map(|r| r.expect("checked above"));
-                                let set = if kind == "canary" {
-                                    registry.canary(name, v, f)
-                                } else {
-                                    registry.shadow(name, v, f)
-                                };
-                                set.map(|v| v.unwrap_or(0)).map_err(registry_error)
-                            }
-                            _ => Err((400, format!("use /models/<name>/{kind}?version=N&fraction=F"))),
-                        }
+                    ModelAction::Shadow { version, fraction } => {
+                        registry.shadow(&name, version, fraction).map(|v| v.unwrap_or(0))
                     }
-                    _ => Err((404, "use /models/<name>/load[?version=N] or /models/<name>/rollback".into())),
                 };
-                match outcome {
-                    Ok(version) => Response::from_string(format!("{{\"version\":{version}}}"))
-                        .with_header(header("application/json")),
+                match outcome.map_err(registry_error) {
+                    Ok(version) => json(format!("{{\"version\":{version}}}")),
                     Err((code, why)) => Response::from_string(format!("{why}\n")).with_status_code(code),
                 }
             }
-            _ => Response::from_string("not found\n").with_status_code(404),
+            Route::Bad { code, why } => Response::from_string(format!("{why}\n")).with_status_code(code),
         };
         let _ = request.respond(response);
     }
@@ -799,6 +914,25 @@ mod tests {
     use super::*;
     use crate::metrics::{board, fold, Report};
     use crate::request::Counters;
+
+    #[test]
+    fn routes_parse_what_the_controls_need() {
+        assert_eq!(route("GET", "/metrics?x=1"), Route::Metrics);
+        assert_eq!(route("POST", "/faults?stage_delay_us=7"), Route::Faults { stage_delay_us: Some(7) });
+        assert_eq!(route("POST", "/faults?stage_delay_us=x"), Route::Faults { stage_delay_us: None });
+        let canary = route("POST", "/models/m/canary?version=2&fraction=0.25");
+        assert_eq!(
+            canary,
+            Route::Model { name: "m".into(), action: ModelAction::Canary { version: Some(2), fraction: 0.25 } }
+        );
+        assert!(canary.is_control() && !route("GET", "/stats.json").is_control());
+        assert!(matches!(route("POST", "/models/m/load?version=-1"), Route::Bad { code: 400, .. }));
+        assert!(matches!(route("POST", "/models/m/shadow"), Route::Bad { code: 400, .. }));
+        assert!(matches!(route("POST", "/models/m/rollback?version=2"), Route::Bad { code: 404, .. }));
+        assert_eq!(route("POST", "/replica/item/accept"), Route::ReplicaAccept { group: "item".into() });
+        assert!(matches!(route("POST", "/replica//accept"), Route::Bad { code: 404, .. }));
+        assert!(matches!(route("GET", "/drain"), Route::Bad { code: 404, .. }));
+    }
 
     #[test]
     fn exposition_has_conventional_names_and_consistent_buckets() {
@@ -830,12 +964,17 @@ mod tests {
         model.version = 2;
         let models = Registry::from_models(vec![model], fit, crate::score::BackendKind::Int8, 8).unwrap();
         let mut registry = Registry_::default();
-        registry.register_collector(Box::new(QuiverCollector {
+        let state = AdminState {
             board: b,
             readiness: Arc::new(Readiness::ready()),
             registry: Arc::new(models),
             backend: "cpu-int8".into(),
-        }));
+            faults: None,
+            token: None,
+            refusals: auth::Refusals::default(),
+        };
+        state.refusals.record(1, None, "POST", "/drain");
+        registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));
         let mut text = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
         assert!(text.contains("quiver_requests_total{status=\"ok\"} 4"), "{text}");
@@ -845,6 +984,7 @@ mod tests {
         assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
         assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
         assert!(text.contains("quiver_ready 1"), "{text}");
+        assert!(text.contains("quiver_admin_unauthorized_total 1"), "{text}");
         assert!(text.contains("quiver_shed_requests_total{band=\"8-15\"} 2"), "{text}");
         assert!(text.contains("quiver_shed_requests_total{band=\"0\"} 0"), "{text}");
         assert!(text.contains("quiver_shed_level 1.5"), "{text}");
