@@ -177,7 +177,13 @@ fn request_bench(c: &mut Criterion) {
                 i = (i + 1) % frames.len();
                 out.clear();
                 let read_at_ns = path.clock().now_ns();
-                path.handle(&frames[i][wire::FRAME_PREFIX_BYTES..], read_at_ns, 0, &mut out);
+                path.handle(
+                    &frames[i][wire::FRAME_PREFIX_BYTES..],
+                    read_at_ns,
+                    0,
+                    std::net::Ipv4Addr::LOCALHOST.into(),
+                    &mut out,
+                );
                 black_box(out.len())
             })
         });

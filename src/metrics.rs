@@ -494,6 +494,8 @@ pub struct Counters {
     /// Reactor stalls over `reactor.stall_threshold_us`, by the task that
     /// ran (`StallTask`).
     pub stalls_by_task: [u64; STALL_TASKS],
+    /// Requests refused for naming a client bound to other source networks.
+    pub admission_wrong_source: u64,
 }
 
 impl Counters {
@@ -520,6 +522,7 @@ impl Counters {
             *a += b;
         }
         self.shed_level_milli = self.shed_level_milli.max(other.shed_level_milli);
+        self.admission_wrong_source += other.admission_wrong_source;
         for (a, b) in self.stalls_by_task.iter_mut().zip(&other.stalls_by_task) {
             *a += b;
         }

@@ -43,6 +43,60 @@ fn a_client_over_its_rate_is_limited_and_others_are_not() {
 }
 
 #[test]
+fn client_ids_are_bound_to_their_source_networks() {
+    let config = |on_mismatch: &str| {
+        let cfg = common::scratch(&format!("bound-{on_mismatch}")).join("q.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "[admission]\non_mismatch = \"{on_mismatch}\"\n[admission.default]\nrate_per_s = 20.0\nburst = 10.0\n\
+                 [admission.clients.7]\nrate_per_s = 1000.0\nburst = 1000.0\nfrom = [\"10.9.0.0/16\"]\n\
+                 [admission.clients.9]\nrate_per_s = 1000.0\nburst = 1000.0\nfrom = [\"127.0.0.0/8\", \"::1\"]\n"
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let ask = |c: &mut quiver::client::Client, id: u64, client_id: u32| {
+        let mut spec = demo_request(id, id, vec![1, 2]);
+        spec.client_id = client_id;
+        c.score(&spec).unwrap()
+    };
+    let cfg = config("reject");
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    // Client 7 may only come from 10.9.0.0/16; this connection is loopback.
+    let r = ask(&mut c, 1, 7);
+    assert_eq!(r.status, Status::RateLimited);
+    assert!(r.error.contains("bound to other source networks"), "{r:?}");
+    // Client 9 is bound to loopback: its own large bucket.
+    assert!((0..100).all(|i| ask(&mut c, 10 + i, 9).status == Status::Ok));
+    // Ids nobody configured share this source's one default bucket (burst
+    // 10), however many of them a client sends.
+    let ok = (0..100).filter(|&i| ask(&mut c, 1000 + i, 5000 + i as u32).status == Status::Ok).count();
+    assert!((10..=14).contains(&ok), "{ok} of 100 sprayed ids admitted");
+    let until = Instant::now() + Duration::from_secs(10);
+    while server.stats().admission_wrong_source != 1 {
+        assert!(Instant::now() < until, "the refusal was not counted: {:?}", server.stats());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, metrics) = common::http_get(&format!("http://{}/metrics", server.admin));
+    assert!(metrics.contains("quiver_admission_wrong_source_total 1"), "{metrics}");
+
+    // With on_mismatch = "default" the same request is an unknown client of
+    // its source: admitted within the default bucket.
+    let cfg = config("default");
+    let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
+    let mut c = server.client();
+    assert_eq!(ask(&mut c, 1, 7).status, Status::Ok);
+    let bad = common::scratch("bound-bad").join("q.toml");
+    std::fs::write(&bad, "[admission.clients.7]\nrate_per_s = 1.0\nburst = 1.0\nfrom = [\"10.0.0.0/40\"]\n").unwrap();
+    let (code, _, err) = common::run_quiver(["serve", "--config", bad.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("admission.clients.7.from") && err.contains("0 to 32"), "{err}");
+}
+
+#[test]
 fn a_connection_that_never_reads_is_closed_and_others_are_served() {
     let cfg = common::scratch("slowreader").join("q.toml");
     std::fs::write(&cfg, "[limits]\nwrite_timeout_ms = 300\noutput_bytes_max = 4096\n").unwrap();

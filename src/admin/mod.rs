@@ -234,6 +234,14 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 MetricType::Counter,
             )?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.stale_responses, None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_admission_wrong_source",
+                "Requests refused for naming a client bound to other source networks.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.admission_wrong_source, None)?;
         if let Some(feed) = readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }
@@ -530,6 +538,8 @@ pub struct Stats {
     pub candidates_scored: u64,
     pub features_missing: u64,
     pub stale_responses: u64,
+    /// Requests refused for naming a client bound to other source networks.
+    pub admission_wrong_source: u64,
     /// Per feature group, when the replicas are fed from Redis.
     pub feed: Vec<FeedGroupStats>,
     /// Score and input drift per calibrated version served.
@@ -580,6 +590,7 @@ fn stats(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
         stale_responses: m.counters.stale_responses,
+        admission_wrong_source: m.counters.admission_wrong_source,
         feed: readiness.feed().map_or_else(Vec::new, |f| {
             let now_ns = MonotonicClock::new().now_ns();
             f.groups

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use crate::admission::{Admission, AdmissionConfig};
+use crate::admission::{Admission, AdmissionConfig, Admit};
 use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
 use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
@@ -435,11 +435,19 @@ impl<C: Clock> RequestPath<C> {
         fail_with(&mut self.counters, &mut self.encoder, request_id, status, error, out)
     }
 
-    /// Handles one request payload read at `read_at_ns` on connection `conn`.
+    /// Handles one request payload read at `read_at_ns` on connection `conn`,
+    /// whose peer is `source` (what admission binds client ids to).
     /// Appends exactly one response frame to `out`, or, when the request went
     /// to the inference stage, returns `Pending`: its response comes later
     /// from [`RequestPath::complete`].
-    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, conn: u32, out: &mut Vec<u8>) -> Handled {
+    pub fn handle(
+        &mut self,
+        payload: &[u8],
+        read_at_ns: u64,
+        conn: u32,
+        source: std::net::IpAddr,
+        out: &mut Vec<u8>,
+    ) -> Handled {
         // Decode: verify the FlatBuffer with limits before reading any field.
         let request = match wire::decode_request(payload, &self.request_limits) {
             Ok(r) => r,
@@ -468,8 +476,14 @@ impl<C: Clock> RequestPath<C> {
         if !self.shared.readiness.is_ready() {
             return self.fail(request_id, Status::Overloaded, "server is not ready", out);
         }
-        if !self.admission.admit(request.raw.client_id(), decoded_ns) {
-            return self.fail(request_id, Status::RateLimited, "client over its rate limit", out);
+        match self.admission.admit(request.raw.client_id(), source, decoded_ns) {
+            Admit::Admitted => {}
+            Admit::OverRate => return self.fail(request_id, Status::RateLimited, "client over its rate limit", out),
+            Admit::WrongSource => {
+                self.counters.admission_wrong_source += 1;
+                let why = "client_id is bound to other source networks than this connection's";
+                return self.fail(request_id, Status::RateLimited, why, out);
+            }
         }
         let model_name = request.model();
         let chosen = if model_name.is_empty() {

@@ -6,6 +6,9 @@ use crate::model::{sigmoid, InputSegment, Layer, Source};
 use crate::replica::ReplicaBuilder;
 use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
 
+/// The peer of every test request.
+const LOCAL: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
 fn shared(dir: &std::path::Path) -> Shared {
     let mut u = ReplicaBuilder::new("user", 2);
     u.set_default(&[0.0, 0.0]).unwrap();
@@ -58,7 +61,7 @@ fn run(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec, read_at_us: u64
     let mut frame = Vec::new();
     RequestEncoder::new().encode(spec, &mut frame);
     let mut out = Vec::new();
-    assert_eq!(path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, 0, &mut out), Handled::Answered);
+    assert_eq!(path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_us * 1_000, 0, LOCAL, &mut out), Handled::Answered);
     let (payload, used) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
     assert_eq!(used, out.len(), "exactly one response frame");
     wire::decode_response(payload, 64).unwrap()
@@ -159,7 +162,7 @@ fn bad_requests_get_typed_answers() {
     assert_eq!(run(&mut path, &s, 0).status, Status::Ok);
 
     let mut out = Vec::new();
-    path.handle(b"definitely not a flatbuffer", 0, 0, &mut out);
+    path.handle(b"definitely not a flatbuffer", 0, 0, LOCAL, &mut out);
     let (payload, _) = wire::split_frame(&out, 1 << 16).unwrap().unwrap();
     let r = wire::decode_response(payload, 64).unwrap();
     assert_eq!((r.request_id, r.status), (0, Status::BadRequest));
@@ -285,7 +288,7 @@ fn threaded<'c>(
 fn through_stage(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec) -> wire::Response {
     let mut out = Vec::new();
     let read_at_ns = path.clock().now_ns();
-    assert_eq!(path.handle(&payload(spec), read_at_ns, 0, &mut out), Handled::Pending);
+    assert_eq!(path.handle(&payload(spec), read_at_ns, 0, LOCAL, &mut out), Handled::Pending);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         if let Some((done, token)) = path.poll_stage() {
@@ -326,7 +329,7 @@ fn a_give_up_answers_from_the_cache() {
     faults.set_stage_delay_us(20_000);
     let mut out = Vec::new();
     let read_at_ns = clock.now_ns();
-    assert_eq!(path.handle(&payload(&s), read_at_ns, 0, &mut out), Handled::Pending);
+    assert_eq!(path.handle(&payload(&s), read_at_ns, 0, LOCAL, &mut out), Handled::Pending);
     let mut answers = Vec::new();
     path.give_up_overdue(read_at_ns + 500_000_000, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
     assert!(answers.is_empty(), "not yet due");
@@ -341,7 +344,7 @@ fn a_give_up_answers_from_the_cache() {
     clock.advance_us(61_000_000);
     let read_at_ns = path.clock().now_ns();
     s.request_id = 78;
-    assert_eq!(path.handle(&payload(&s), read_at_ns, 0, &mut out), Handled::Pending);
+    assert_eq!(path.handle(&payload(&s), read_at_ns, 0, LOCAL, &mut out), Handled::Pending);
     clock.advance_us(1_000_000);
     let now_ns = clock.now_ns();
     answers.clear();

@@ -621,6 +621,8 @@ impl Connection {
 
     async fn serve_rounds(&self, stream: &mut TcpStream, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         stream.set_nodelay(true)?;
+        // Admission binds client ids to it; an unknown peer matches no network.
+        let source = stream.peer_addr().map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
         let every = self.shard.socket_wait_every_reads;
         let stamps = every > 0 && stamped::enable(stream).is_ok();
         // How long the bytes of the last read waited in the socket, when it
@@ -657,7 +659,7 @@ impl Connection {
                             if let Some(wait_ns) = socket_wait_ns {
                                 path.times_mut().record_ns(metrics::Stage::SocketWait, wait_ns);
                             }
-                            if path.handle(payload, read_at_ns, id, &mut out) == Handled::Pending {
+                            if path.handle(payload, read_at_ns, id, source, &mut out) == Handled::Pending {
                                 mailbox.expect();
                                 handed_off = true;
                             }
