@@ -7,6 +7,7 @@
 //! - [`refresher`]: the thread that keeps each replica equal to Redis (full
 //!   sync, stream replay, resync on gaps), and [`start`], which opens,
 //!   repairs or first syncs the replicas before serving;
+//! - [`tls`]: `rediss://`, rustls over the blocking connection;
 //! - [`status`]: the atomics through which the refresher reports position and
 //!   staleness to shards and the admin endpoint.
 
@@ -16,6 +17,7 @@ pub mod refresher;
 pub mod resp;
 pub mod start;
 pub mod status;
+pub mod tls;
 
 pub use contract::{ContractError, PublishError, Publisher};
 pub use refresher::{FeedConfig, RefreshError};

@@ -17,6 +17,8 @@ use redis_protocol::resp2::encode::encode_borrowed;
 use redis_protocol::resp2::types::{BorrowedFrame, OwnedFrame};
 use serde::Deserialize;
 
+use super::tls::{self, RedisTls, Stream};
+
 /// The largest reply accepted. A longer reply (or a length prefix announcing one) is a protocol
 /// error: far beyond any sane feature read, and it keeps a confused or hostile peer from making
 /// us allocate without limit.
@@ -51,6 +53,9 @@ pub struct RedisConfig {
     /// Bound on each read and write; 0 means wait forever.
     #[serde(default = "default_io_timeout_ms")]
     pub io_timeout_ms: u64,
+    /// TLS (`rediss://`); `None` is plain TCP.
+    #[serde(default)]
+    pub tls: Option<RedisTls>,
 }
 
 fn default_connect_timeout_ms() -> u64 {
@@ -80,6 +85,7 @@ impl fmt::Debug for RedisConfig {
             .field("db", &self.db)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("io_timeout_ms", &self.io_timeout_ms)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -94,23 +100,46 @@ impl RedisConfig {
             db: 0,
             connect_timeout_ms: default_connect_timeout_ms(),
             io_timeout_ms: default_io_timeout_ms(),
+            tls: None,
         }
     }
 
     /// Parses `redis://[user:password@]host[:port][/db]`; the port defaults to 6379. User and
-    /// password may be percent-encoded (a password holding `@` or `/` must be).
+    /// password may be percent-encoded (a password holding `@` or `/` must be). `rediss://` is
+    /// TLS, with optional `?ca=FILE&cert=FILE&key=FILE&sni=NAME` (see [`RedisTls`]).
     pub fn from_url(url: &str) -> Result<RedisConfig, UrlError> {
         let bad = |what: &str| UrlError { url: redact_url(url), what: what.into() };
-        let rest = match url.split_once("://") {
-            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("redis") => rest,
-            Some((scheme, _)) if scheme.eq_ignore_ascii_case("rediss") => {
-                return Err(bad("TLS (rediss://) is not supported"))
-            }
-            _ => return Err(bad("the scheme must be redis://")),
+        let (tls, rest) = match url.split_once("://") {
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("redis") => (false, rest),
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("rediss") => (true, rest),
+            _ => return Err(bad("the scheme must be redis:// or rediss://")),
         };
-        if rest.contains(['?', '#']) {
-            return Err(bad("query strings and fragments are not supported"));
+        if rest.contains('#') {
+            return Err(bad("fragments are not supported"));
         }
+        let (rest, query) = rest.split_once('?').map_or((rest, None), |(r, q)| (r, Some(q)));
+        let tls = match (tls, query) {
+            (false, Some(_)) => return Err(bad("query strings are only for rediss:// (TLS options)")),
+            (false, None) => None,
+            (true, query) => {
+                let mut t = RedisTls::default();
+                for kv in query.unwrap_or("").split('&').filter(|kv| !kv.is_empty()) {
+                    let (k, v) = kv.split_once('=').ok_or_else(|| bad(&format!("'{kv}' is not key=value")))?;
+                    let v = percent_decode(v).ok_or_else(|| bad(&format!("bad percent-encoding in '{k}'")))?;
+                    match k {
+                        "ca" => t.ca_file = Some(v.into()),
+                        "cert" => t.cert_file = Some(v.into()),
+                        "key" => t.key_file = Some(v.into()),
+                        "sni" => t.server_name = Some(v),
+                        _ => return Err(bad(&format!("unknown TLS option '{k}' (ca, cert, key, sni)"))),
+                    }
+                }
+                if t.cert_file.is_some() != t.key_file.is_some() {
+                    return Err(bad("a client certificate needs both cert= and key="));
+                }
+                Some(t)
+            }
+        };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i + 1..]),
             None => (rest, ""),
@@ -158,6 +187,7 @@ impl RedisConfig {
             },
         };
         config.addr = format!("{host}:{port}");
+        config.tls = tls;
         config.db = match path {
             "" => 0,
             p => p.parse().map_err(|_| bad(&format!("'{p}' is not a database index")))?,
@@ -277,6 +307,8 @@ pub enum RedisError {
     Auth { addr: String, message: String },
     #[error("redis {addr}: connection closed by the server")]
     Closed { addr: String },
+    #[error("redis {addr}: TLS: {what}")]
+    Tls { addr: String, what: String },
     /// An earlier I/O or protocol failure left the stream at an unknown point of a reply; the
     /// caller must reconnect.
     #[error("redis {addr}: connection unusable after an earlier failure; reconnect")]
@@ -285,7 +317,7 @@ pub enum RedisError {
 
 /// A blocking connection to one Redis server.
 pub struct RedisConn {
-    stream: TcpStream,
+    stream: Stream,
     addr: String,
     reader: ReplyReader,
     out: Vec<u8>,
@@ -320,6 +352,16 @@ impl RedisConn {
             None => return Err(io_err(last_err)),
         };
         stream.set_nodelay(true).map_err(io_err)?;
+        // The handshake is bounded like any read or write.
+        stream.set_read_timeout(timeout(config.io_timeout_ms)).map_err(io_err)?;
+        stream.set_write_timeout(timeout(config.io_timeout_ms)).map_err(io_err)?;
+        let stream = match &config.tls {
+            None => Stream::Plain(stream),
+            Some(tls) => {
+                let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+                tls::connect(stream, host, tls).map_err(|what| RedisError::Tls { addr: addr.clone(), what })?
+            }
+        };
         let mut conn = RedisConn {
             stream,
             addr: addr.clone(),
@@ -331,7 +373,7 @@ impl RedisConn {
         };
         conn.set_read_timeout_ms(config.io_timeout_ms)?;
         conn.write_timeout_ms = config.io_timeout_ms;
-        conn.stream.set_write_timeout(timeout(config.io_timeout_ms)).map_err(io_err)?;
+        conn.stream.tcp().set_write_timeout(timeout(config.io_timeout_ms)).map_err(io_err)?;
 
         // Without a password, a PING still proves the server will take our commands: a server
         // that wants one answers NOAUTH, and that is better reported at connect than later.
@@ -364,6 +406,7 @@ impl RedisConn {
     /// a bound longer than its own block time, or every idle wait reads as a timeout.
     pub fn set_read_timeout_ms(&mut self, ms: u64) -> Result<(), RedisError> {
         self.stream
+            .tcp()
             .set_read_timeout(timeout(ms))
             .map_err(|source| RedisError::Io { addr: self.addr.clone(), source })?;
         self.read_timeout_ms = ms;
@@ -778,10 +821,19 @@ mod tests {
         let c = RedisConfig::from_url("redis://alice:pw@[::1]/2").unwrap();
         assert_eq!((c.addr.as_str(), c.db, c.username.as_deref()), ("[::1]:6379", 2, Some("alice")));
         assert_eq!(RedisConfig::from_url("REDIS://h").unwrap().addr, "h:6379");
+        let c = RedisConfig::from_url("rediss://:pw@h:6380/1?ca=/etc/ca%20file.pem&sni=r.example").unwrap();
+        let tls = c.tls.unwrap();
+        assert_eq!((c.addr.as_str(), c.db), ("h:6380", 1));
+        assert_eq!(tls.ca_file.as_deref(), Some(std::path::Path::new("/etc/ca file.pem")));
+        assert_eq!((tls.server_name.as_deref(), tls.cert_file), (Some("r.example"), None));
+        assert_eq!(RedisConfig::from_url("rediss://h").unwrap().tls, Some(RedisTls::default()));
+        assert_eq!(RedisConfig::from_url("redis://h").unwrap().tls, None);
 
         for bad in [
             "http://h:1",
-            "rediss://h:1",
+            "rediss://h:1?verify=no",
+            "rediss://h:1?key=k.pem",
+            "redis://h:1?ca=x",
             "redis://",
             "redis://h:port",
             "redis://h:0",

@@ -187,7 +187,7 @@ impl Drop for RedisServer {
 
 /// A port nothing listens on right now (the OS picks it; the tiny window before redis-server
 /// binds it is accepted).
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local address of a bound listener").port()
 }

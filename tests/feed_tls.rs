@@ -1,0 +1,214 @@
+//! The Redis feed over TLS (`rediss://`) against a real `redis-server`
+//! started with `--tls-port`, with a CA, server and client certificates made
+//! by the test with `openssl`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::redis::{free_port, RedisServer};
+use common::{demo_dir, run_quiver, scratch, Server};
+use quiver::feed::{Publisher, RedisConfig, RedisConn};
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl").current_dir(dir).args(args).output().unwrap_or_else(|e| {
+        panic!("openssl is needed for the TLS tests (apt-get install openssl): {e}");
+    });
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A CA named `name` in `dir`, and a certificate it signs for `cn` with
+/// these extensions: `{prefix}.crt`, `{prefix}.key`.
+fn make_ca(dir: &Path, name: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.crt"),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+    );
+}
+
+fn make_cert(dir: &Path, ca: &str, prefix: &str, cn: &str, ext: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{prefix}.key"),
+            "-out",
+            &format!("{prefix}.csr"),
+            "-subj",
+            &format!("/CN={cn}"),
+        ],
+    );
+    std::fs::write(dir.join(format!("{prefix}.ext")), ext).unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{prefix}.csr"),
+            "-CA",
+            &format!("{ca}.crt"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-out",
+            &format!("{prefix}.crt"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{prefix}.ext"),
+        ],
+    );
+}
+
+struct Pki {
+    dir: PathBuf,
+}
+
+impl Pki {
+    fn new(name: &str) -> Pki {
+        let dir = scratch(name);
+        make_ca(&dir, "ca");
+        make_ca(&dir, "other-ca");
+        make_cert(
+            &dir,
+            "ca",
+            "server",
+            "localhost",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        );
+        make_cert(&dir, "ca", "client", "quiver", "extendedKeyUsage=clientAuth\n");
+        Pki { dir }
+    }
+
+    fn path(&self, f: &str) -> String {
+        self.dir.join(f).display().to_string()
+    }
+
+    /// A redis-server with a plain port (for the harness) and a TLS port.
+    fn redis(&self, auth_clients: &str) -> (RedisServer, u16) {
+        let tls_port = free_port().to_string();
+        let (cert, key, ca) = (self.path("server.crt"), self.path("server.key"), self.path("ca.crt"));
+        let args = [
+            "--tls-port",
+            tls_port.as_str(),
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            auth_clients,
+        ];
+        (RedisServer::start_opts(false, &args), tls_port.parse().unwrap())
+    }
+}
+
+fn connect(url: &str) -> Result<RedisConn, String> {
+    let config = RedisConfig::from_url(url).map_err(|e| e.to_string())?;
+    let mut conn = RedisConn::connect(&config).map_err(|e| e.to_string())?;
+    conn.command(&[b"PING"]).map_err(|e| e.to_string())?;
+    Ok(conn)
+}
+
+#[test]
+fn the_feed_follows_redis_over_tls_and_refuses_what_it_cannot_verify() {
+    let pki = Pki::new("feed-tls");
+    let (redis, port) = pki.redis("optional");
+    let url = format!("rediss://localhost:{port}?ca={}", pki.path("ca.crt"));
+
+    // The publisher and the CLI speak TLS.
+    let mut p = Publisher::new(connect(&url).unwrap()).unwrap();
+    let rows: Vec<(u64, Vec<f32>)> = (0..1000u64).map(|id| (id, vec![id as f32; 32])).collect();
+    p.put_many("item", &rows, |_, _| {}).unwrap();
+    p.put_many("user", &rows[..100], |_, _| {}).unwrap();
+    let (code, out, err) = run_quiver(
+        ["features", "put", "--redis", &url, "--group", "item", "--id", "5000", "--values"]
+            .into_iter()
+            .map(String::from)
+            .chain([vec!["0.5"; 32].join(",")]),
+    );
+    assert_eq!(code, 0, "{out}{err}");
+
+    // The server's feed: a first full sync over TLS, then the stream.
+    let dir = scratch("feed-tls-data");
+    for f in ["model.qm", "fallback.qm"] {
+        std::fs::copy(demo_dir().join(f), dir.join(f)).unwrap();
+    }
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, format!("[feed]\nredis = \"{url}\"\nblock_ms = 50\n")).unwrap();
+    let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
+    p.put("item", 7, &[7.5; 32]).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = server.stats();
+        let item = s.feed.iter().find(|g| g.group == "item").unwrap();
+        if item.rows == 1001 && item.applied_seq == 1002 {
+            break;
+        }
+        assert!(Instant::now() < until, "the TLS feed did not catch up: {s:?}\n{}", server.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = quiver::replica::Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let mut v = vec![0.0f32; 32];
+    assert!(r.read_into(7, &mut v) && v == vec![7.5; 32], "the streamed change arrived over TLS");
+    assert!(r.read_into(5000, &mut v) && v == vec![0.5; 32]);
+    drop(redis);
+
+    // What cannot be verified is refused at connect, saying why.
+    let (redis, port) = pki.redis("optional");
+    let wrong_ca = format!("rediss://localhost:{port}?ca={}", pki.path("other-ca.crt"));
+    let err = connect(&wrong_ca).err().expect("a wrong CA is refused");
+    assert!(err.contains("TLS") && err.contains("UnknownIssuer"), "{err}");
+    let wrong_name = format!("rediss://localhost:{port}?ca={}&sni=redis.example.com", pki.path("ca.crt"));
+    let err = connect(&wrong_name).err().expect("a wrong name is refused");
+    assert!(err.contains("TLS") && err.contains("not valid for name"), "{err}");
+    let (code, _, err) = run_quiver(
+        ["replica", "sync", "--redis", &wrong_ca, "--group", "item", "--dim", "32", "--out"]
+            .into_iter()
+            .map(String::from)
+            .chain([dir.join("x.qrep").display().to_string()]),
+    );
+    assert_ne!(code, 0);
+    assert!(err.contains("UnknownIssuer"), "{err}");
+    assert!(RedisConfig::from_url(&format!("redis://localhost:{port}?ca=x")).is_err(), "options are for rediss://");
+    let err = RedisConfig::from_url(&format!("rediss://localhost:{port}?cert=x")).unwrap_err().to_string();
+    assert!(err.contains("both cert= and key="), "{err}");
+    drop(redis);
+
+    // A server that verifies clients takes only a client with a certificate.
+    let (_redis, port) = pki.redis("yes");
+    let bare = format!("rediss://localhost:{port}?ca={}", pki.path("ca.crt"));
+    assert!(connect(&bare).is_err(), "no client certificate");
+    let with_cert = format!("{bare}&cert={}&key={}", pki.path("client.crt"), pki.path("client.key"));
+    connect(&with_cert).unwrap();
+}
