@@ -1,6 +1,7 @@
 //! Seeded mutation fuzzing of every parser that reads untrusted bytes:
-//! request frames, model files, replica files, ONNX import, `.npy`
-//! calibration files, RESP replies, TOML config and admin routes.
+//! request frames, model files, replica files, ONNX import, tree models
+//! (LightGBM text, XGBoost JSON), `.npy` calibration files, RESP replies,
+//! TOML config and admin routes.
 //!
 //! Stable Rust has no coverage-guided fuzzer here, so each target starts
 //! from valid seeds and stacks random mutations (bit flips, interesting
@@ -212,9 +213,14 @@ fn scratch_dir(name: &str) -> PathBuf {
 /// Runs `target` on its regression inputs, then on its seeds and
 /// `QUIVER_FUZZ_INPUTS` mutations of them, on every core.
 fn fuzz(name: &str, seeds: Vec<Vec<u8>>, mem_bytes_max: usize, run: Run<'_>) {
+    fuzz_scaled(name, seeds, mem_bytes_max, 1, run);
+}
+
+/// `fuzz`, with `1/scale` of the inputs, for targets whose inputs are large.
+fn fuzz_scaled(name: &str, seeds: Vec<Vec<u8>>, mem_bytes_max: usize, scale: u64, run: Run<'_>) {
     assert!(!seeds.is_empty(), "{name}: no seeds");
     let seed = env_u64("QUIVER_FUZZ_SEED", 1);
-    let inputs = env_u64("QUIVER_FUZZ_INPUTS", 20_000).max(seeds.len() as u64);
+    let inputs = (env_u64("QUIVER_FUZZ_INPUTS", 20_000) / scale.max(1)).max(seeds.len() as u64);
     let dir = scratch_dir(name);
     let mut scratch = Scratch { dir: dir.clone(), worker: 0 };
 
@@ -589,5 +595,46 @@ fn admin_routes() {
         let (method, url) = text.split_once(' ').unwrap_or((&text, "/"));
         let route = quiver::admin::route(method, url);
         std::hint::black_box(route.is_control());
+    });
+}
+
+/// Tree ensembles as LightGBM text and XGBoost JSON. Their seeds are large
+/// (77 KB to 190 KB of real models), so this target runs a twentieth of the
+/// inputs the others do.
+#[test]
+fn tree_model_text() {
+    use quiver::model::gbdt::{import_lightgbm_text, import_xgboost_text, GbdtOptions};
+    let trees = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trees");
+    let files = ["lgb_regression.txt", "lgb_zero_missing.txt", "xgb_regression.json"];
+    let seeds: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(trees.join(f)).unwrap()).collect();
+    let opts = GbdtOptions {
+        name: "t".into(),
+        version: 1,
+        inputs: "user:4,item:4,context:4".parse().unwrap(),
+        output_kind: None,
+    };
+    for (f, s) in files.iter().zip(&seeds) {
+        let text = std::str::from_utf8(s).unwrap();
+        let imported = if f.ends_with(".txt") {
+            import_lightgbm_text(text, f, &opts)
+        } else {
+            import_xgboost_text(text, f, &opts)
+        };
+        imported.unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+    let scale = 20;
+    fuzz_scaled("tree_model_text", seeds, 256 * MIB, scale, &|bytes, from, _| {
+        let text = String::from_utf8_lossy(bytes);
+        let imported = if from < 2 {
+            import_lightgbm_text(&text, "fuzz.txt", &opts)
+        } else {
+            import_xgboost_text(&text, "fuzz.json", &opts)
+        };
+        if let Ok(imported) = imported {
+            let saved = imported.model.to_bytes();
+            if let Err(e) = quiver::model::Model::from_bytes(&saved, "fuzz.qm") {
+                panic!("an imported tree model does not load back: {e}");
+            }
+        }
     });
 }

@@ -92,18 +92,24 @@ fn attach(path: &str, format: &'static str, f: Fail) -> GbdtError {
 
 /// Reads and imports a LightGBM text model.
 pub fn import_lightgbm_file(path: &Path, opts: &GbdtOptions) -> Result<Imported, GbdtError> {
-    let text = read(path)?;
-    let p = path.display().to_string();
-    let parsed = parse_lightgbm(&text).map_err(|f| attach(&p, "LightGBM text", f))?;
-    build(parsed, opts, &p)
+    import_lightgbm_text(&read(path)?, &path.display().to_string(), opts)
+}
+
+/// Imports a LightGBM text model already in memory.
+pub fn import_lightgbm_text(text: &str, path_for_errors: &str, opts: &GbdtOptions) -> Result<Imported, GbdtError> {
+    let parsed = parse_lightgbm(text).map_err(|f| attach(path_for_errors, "LightGBM text", f))?;
+    build(parsed, opts, path_for_errors)
 }
 
 /// Reads and imports an XGBoost JSON model.
 pub fn import_xgboost_file(path: &Path, opts: &GbdtOptions) -> Result<Imported, GbdtError> {
-    let text = read(path)?;
-    let p = path.display().to_string();
-    let parsed = parse_xgboost(&text).map_err(|f| attach(&p, "XGBoost JSON", f))?;
-    build(parsed, opts, &p)
+    import_xgboost_text(&read(path)?, &path.display().to_string(), opts)
+}
+
+/// Imports an XGBoost JSON model already in memory.
+pub fn import_xgboost_text(text: &str, path_for_errors: &str, opts: &GbdtOptions) -> Result<Imported, GbdtError> {
+    let parsed = parse_xgboost(text).map_err(|f| attach(path_for_errors, "XGBoost JSON", f))?;
+    build(parsed, opts, path_for_errors)
 }
 
 /// The model for a parsed ensemble: `Input` of all features, `Trees`, and
