@@ -25,6 +25,7 @@ pub mod replica;
 pub mod request;
 pub mod score;
 pub mod seeded;
+pub mod server;
 pub mod shard;
 pub mod shed;
 pub mod wire;

@@ -7,20 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use quiver::admin::{auth::AdminToken, Admin, AdminState, Surface};
 use quiver::client::Client;
 use quiver::config::Config;
-use quiver::config::InferenceMode;
-use quiver::infer::{self, StageConfig};
-use quiver::ladder::Faults;
 use quiver::loadgen::{self, BenchOptions};
-use quiver::metrics::{self, Readiness};
-use quiver::model::{Model, Source};
-use quiver::registry::{Fit, Registry};
-use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle, Storage};
-use quiver::request::Shared;
+use quiver::model::Model;
+use quiver::replica::{Replica, ReplicaBuilder, Storage};
 use quiver::score::BackendKind;
-use quiver::shard::{self, ShardPlacement};
 use quiver::wire::{reason_name, status_name, tier_name, RequestSpec, Status};
 use quiver::{demo, feed, Error};
 
@@ -482,40 +474,6 @@ fn main() -> ExitCode {
     }
 }
 
-type Features = (Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>);
-
-/// The user and item replica handles: read-only files, or files the Redis
-/// feed keeps current (then also the running feed).
-fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Error> {
-    let Some(feed_config) = &config.feed else {
-        let user = ReplicaHandle::open(&config.user_features_path(), "user")?;
-        let item = ReplicaHandle::open(&config.item_features_path(), "item")?;
-        return Ok((Arc::new(user), Arc::new(item), None));
-    };
-    // A group with no file yet is created with the dimension the model reads.
-    let model_dims = if config.models_dir.is_none() { Model::load(&config.model_path()).ok() } else { None }
-        .map(|m| {
-            let dim = |source| m.inputs.iter().find(|s| s.source == source).map(|s| s.dim as u32);
-            (dim(Source::User), dim(Source::Item))
-        })
-        .unwrap_or_default();
-    let specs = [
-        feed::GroupSpec {
-            name: "user".into(),
-            path: config.user_features_path(),
-            dim: feed_config.user_dim.or(model_dims.0),
-        },
-        feed::GroupSpec {
-            name: "item".into(),
-            path: config.item_features_path(),
-            dim: feed_config.item_dim.or(model_dims.1),
-        },
-    ];
-    let started = feed::start(feed_config, &specs, stop.clone())?;
-    let (user, item) = (started.handles[0].clone(), started.handles[1].clone());
-    Ok((user, item, Some(started)))
-}
-
 fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     let mut config = match &args.config {
         Some(p) => Config::load(p)?,
@@ -564,204 +522,17 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if args.demo {
         demo::ensure(&config.data_dir)?;
     }
-    // The cores `taskset` (or a cgroup) allows; shards default to one each.
-    let allowed = quiver::cores::allowed();
-    let cores: Vec<usize> = if !config.cores.is_empty() {
-        config.cores.clone()
-    } else {
-        let n = if config.shards == 0 { allowed.len() } else { config.shards };
-        (0..n).map(|i| allowed[i % allowed.len()]).collect()
-    };
-
-    // Every thread but the shards and the inference stage runs on the
-    // housekeeping cores: pin this thread before it starts any of them.
-    let stage_core = match config.inference {
-        InferenceMode::Inline => None,
-        InferenceMode::Thread => config.stage.core.or_else(|| allowed.iter().copied().find(|c| !cores.contains(c))),
-    };
-    let busy: Vec<usize> = cores.iter().copied().chain(stage_core).collect();
-    let housekeeping =
-        config.reactor.housekeeping_cores.clone().unwrap_or_else(|| quiver::cores::spare(&allowed, &busy));
-    if housekeeping.is_empty() {
-        tracing::info!("no spare core for housekeeping threads: they run unpinned, beside the shards");
-    } else {
-        if housekeeping.iter().any(|c| busy.contains(c)) {
-            tracing::warn!(?housekeeping, shards = ?cores, ?stage_core, "housekeeping cores overlap shard or stage cores");
-        }
-        quiver::cores::pin_current_thread(&housekeeping)
-            .map_err(|e| Error::Setup(format!("pinning housekeeping threads to cores {housekeeping:?}: {e}")))?;
-        tracing::info!(?housekeeping, "housekeeping threads pinned");
-    }
-
-    quiver::replica::lock_pages(config.replica_lock);
     let stop = Arc::new(AtomicBool::new(false));
-    let (user, item, feed) = open_features(&config, &stop)?;
-    let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
-    let rows_max = config.limits.candidates_max;
-    let registry = Arc::new(
-        match &config.models_dir {
-            Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
-            None => Registry::single(&config.model_path(), fit, config.backend, rows_max)?,
-        }
-        .with_drift(config.drift.clone()),
-    );
-    for m in registry.status() {
-        tracing::info!(model = %m.name, version = m.version, "model loaded");
-    }
-    let fallback_path = config.ladder.fallback_model.clone().or_else(|| {
-        let p = config.data_dir.join("fallback.qm");
-        p.exists().then_some(p)
-    });
-    let fallback = match fallback_path {
-        Some(p) => {
-            let m = Model::load(&p)?;
-            tracing::info!(model = %m.name, version = m.version, "fallback model loaded");
-            Some(Arc::new(m))
-        }
-        None => {
-            tracing::info!("no fallback model: requests that cannot reach the primary get the static default");
-            None
-        }
-    };
-    let faults = Arc::new(Faults::default());
-    tracing::info!(
-        users = user.load().live_rows(), items = item.load().live_rows(),
-        backend = ?config.backend, redis = feed.is_some(), "replicas loaded"
-    );
-    let readiness = Arc::new(Readiness::not_ready());
-    if let Some(f) = &feed {
-        readiness.attach_feed(f.status.clone());
-    }
-    let board = metrics::board(cores.len());
-    let (collector, publishers) =
-        metrics::Collector::start(board.clone()).map_err(|e| Error::Setup(format!("metrics collector thread: {e}")))?;
-    let token = match &config.admin_token_file {
-        Some(path) => Some(AdminToken::load(path).map_err(Error::Setup)?),
-        None => None,
-    };
-    let admin_state = Arc::new(AdminState {
-        board: board.clone(),
-        readiness: readiness.clone(),
-        registry: registry.clone(),
-        backend: format!("{:?}", config.backend).to_lowercase(),
-        faults: config.faults_endpoint.then(|| faults.clone()),
-        token,
-        refusals: Default::default(),
-    });
-    let mut admins = Vec::new();
-    for (listen, surface, name) in
-        [(&config.admin_listen, Surface::Control, "admin"), (&config.metrics_listen, Surface::ReadOnly, "metrics")]
-    {
-        if listen != "off" {
-            let admin = Admin::start(listen, surface, admin_state.clone())?;
-            tracing::info!(addr = %admin.addr, controls = surface == Surface::Control, "{name} endpoint");
-            println!("quiver {name} on {}", admin.addr);
-            admins.push(admin);
-        }
-    }
-    let watcher = (config.watch_models_ms > 0).then(|| {
-        let (registry, stop) = (registry.clone(), stop.clone());
-        let every = Duration::from_millis(config.watch_models_ms);
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                registry.load_newer();
-                std::thread::sleep(every);
-            }
-        })
-    });
-    // The shard cores the stage thread also runs on: pinned to one, that
-    // one; unpinned with no spare core, all of them.
-    let stage_shares: Vec<usize> = match (config.inference, stage_core) {
-        (InferenceMode::Inline, _) => Vec::new(),
-        (InferenceMode::Thread, Some(c)) => cores.iter().copied().filter(|&s| s == c).collect(),
-        (InferenceMode::Thread, None) if allowed.iter().all(|c| cores.contains(c)) => cores.clone(),
-        (InferenceMode::Thread, None) => Vec::new(),
-    };
-    let stage = match config.inference {
-        InferenceMode::Inline => None,
-        InferenceMode::Thread => {
-            let row_dim_max = registry.snapshot().models.iter().map(|m| m.input_dim()).max().unwrap_or(0);
-            let stage_config = StageConfig {
-                batch_rows_max: config.stage.batch_rows_max.max(1),
-                batch_wait_us_max: config.stage.batch_wait_us_max,
-                spin_us: config.stage.spin_us,
-                jobs_per_shard_max: config.stage.jobs_per_shard_max.clamp(2, 1 << 16),
-                rows_per_job_max: rows_max,
-                // Sized for the models served at start; a wider version
-                // loaded later is scored inline (see RequestPath::handle).
-                row_dim_max,
-                core: stage_core,
-                shares_core: !stage_shares.is_empty(),
-            };
-            let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend, faults.clone())
-                .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;
-            tracing::info!(?stage_config, "inference stage started");
-            Some(started)
-        }
-    };
-    let (stage, stage_ends) = match stage {
-        Some((s, ends)) => (Some(s), ends),
-        None => (None, Vec::new()),
-    };
-    let shared = Shared {
-        registry,
-        user,
-        item,
-        feed: feed.as_ref().map(|f| f.status.clone()),
-        limits: config.limits.clone(),
-        backend: config.backend,
-        floor: config.floor,
-        readiness: readiness.clone(),
-        admission: config.admission.clone(),
-        ladder: config.ladder.clone(),
-        cache: config.cache.clone(),
-        shed: config.shed.clone(),
-        fallback,
-        shards: cores.len(),
-    };
-    let listen = shard::resolve_listen(&config.listen)?;
-
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         // A second signal while draining exits at once.
         signal_hook::flag::register_conditional_shutdown(sig, 1, stop.clone())
             .and_then(|_| signal_hook::flag::register(sig, stop.clone()))
             .map_err(|e| Error::Setup(format!("installing signal handlers: {e}")))?;
     }
-    let shards = cores.len();
-    let placement =
-        ShardPlacement { listen, cores, not_ready: config.not_ready, reactor: config.reactor.clone(), stage_shares };
-    let reports = shard::serve(shared, placement, publishers, stage_ends, stop, |addr| {
-        readiness.set(true);
-        tracing::info!(%addr, shards, "serving");
-        println!("quiver listening on {addr} with {shards} shards");
+    quiver::server::run(config, stop, |event| match event {
+        quiver::server::Event::Listening { what, addr } => println!("quiver {what} on {addr}"),
+        quiver::server::Event::Serving { addr, shards } => println!("quiver listening on {addr} with {shards} shards"),
     })?;
-    collector.join();
-    for a in admins {
-        a.stop();
-    }
-    if let Some(w) = watcher {
-        let _ = w.join();
-    }
-    if let Some(f) = feed {
-        // The refresher checkpoints on its way out, so a restart resumes here.
-        let _ = f.thread.join();
-    }
-    if let Some(s) = stage {
-        s.stop();
-    }
-    for r in &reports {
-        tracing::info!(
-            shard = r.shard,
-            core = r.core,
-            connections = r.connections_accepted,
-            refused = r.connections_refused,
-            rejected_streams = r.streams_rejected,
-            requests = r.counters.requests,
-            ok = r.counters.by_status[usize::from(Status::Ok.0)],
-            features_missing = r.counters.features_missing,
-            "shard stopped"
-        );
-    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -465,3 +465,43 @@ fn a_full_inference_stage_steps_down_at_once() {
     assert!(by_rung.get("fallback").copied().unwrap_or(0) > 0, "{by_rung:?}");
     assert_eq!(by_rung.values().sum::<i32>(), 64);
 }
+
+/// `quiver::server::run` serves in-process: a library user (or a test) gets
+/// the listening address as an event, scores, sets `stop`, and gets each
+/// shard's report back.
+#[test]
+fn the_library_runs_a_server_in_process_until_stopped() {
+    use quiver::server::{run, Event};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
+    let mut config = quiver::config::Config::default();
+    config.listen = "127.0.0.1:0".into();
+    config.admin_listen = "127.0.0.1:0".into();
+    config.shards = 1;
+    config.data_dir = demo_dir().to_path_buf();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel();
+    let server = std::thread::spawn({
+        let stop = stop.clone();
+        move || run(config, stop, move |e| tx.send(e).unwrap())
+    });
+    let mut events = Vec::new();
+    let addr = loop {
+        match rx.recv_timeout(Duration::from_secs(30)).expect("the server starts") {
+            Event::Serving { addr, shards } => {
+                assert_eq!(shards, 1);
+                break addr;
+            }
+            e => events.push(e),
+        }
+    };
+    assert!(matches!(events.as_slice(), [Event::Listening { what: "admin", .. }]), "{events:?}");
+    let mut c = quiver::client::Client::connect(&addr.to_string(), Duration::from_secs(5)).unwrap();
+    for i in 0..10 {
+        assert_eq!(c.score(&demo_request(i, i, vec![1, 2, 3])).unwrap().status, Status::Ok);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reports = server.join().unwrap().expect("a clean stop");
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0].counters.requests, 10);
+}

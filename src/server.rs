@@ -1,0 +1,267 @@
+//! The composition root: a [`Config`] becomes a running server.
+//!
+//! [`run`] places shards and the stage on cores, opens the replicas (and the
+//! Redis feed), loads the models, starts the metrics collector, the admin
+//! listeners, the model watcher and the inference stage, serves until `stop`
+//! is set, then stops everything in order and returns each shard's report.
+//! It installs no signal handler and prints nothing: the caller owns the
+//! process (`main.rs` turns signals into `stop` and events into the lines
+//! scripts wait for), so tests can run a server in-process.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::admin::{auth::AdminToken, Admin, AdminState, Surface};
+use crate::config::{Config, InferenceMode};
+use crate::infer::{self, StageConfig};
+use crate::ladder::Faults;
+use crate::metrics::{self, Readiness};
+use crate::model::{Model, Source};
+use crate::registry::{Fit, Registry};
+use crate::replica::ReplicaHandle;
+use crate::request::Shared;
+use crate::shard::{self, ShardPlacement, ShardReport};
+use crate::wire::Status;
+use crate::{feed, Error};
+
+/// What a starting server reports as it comes up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// An admin listener (`what`: "admin" or "metrics") is bound.
+    Listening { what: &'static str, addr: SocketAddr },
+    /// Every shard listens on `addr`: requests are served from now on.
+    Serving { addr: SocketAddr, shards: usize },
+}
+
+type Features = (Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>);
+
+/// The user and item replica handles: read-only files, or files the Redis
+/// feed keeps current (then also the running feed).
+fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Error> {
+    let Some(feed_config) = &config.feed else {
+        let user = ReplicaHandle::open(&config.user_features_path(), "user")?;
+        let item = ReplicaHandle::open(&config.item_features_path(), "item")?;
+        return Ok((Arc::new(user), Arc::new(item), None));
+    };
+    // A group with no file yet is created with the dimension the model reads.
+    let model_dims = if config.models_dir.is_none() { Model::load(&config.model_path()).ok() } else { None }
+        .map(|m| {
+            let dim = |source| m.inputs.iter().find(|s| s.source == source).map(|s| s.dim as u32);
+            (dim(Source::User), dim(Source::Item))
+        })
+        .unwrap_or_default();
+    let specs = [
+        feed::GroupSpec {
+            name: "user".into(),
+            path: config.user_features_path(),
+            dim: feed_config.user_dim.or(model_dims.0),
+        },
+        feed::GroupSpec {
+            name: "item".into(),
+            path: config.item_features_path(),
+            dim: feed_config.item_dim.or(model_dims.1),
+        },
+    ];
+    let started = feed::start(feed_config, &specs, stop.clone())?;
+    let (user, item) = (started.handles[0].clone(), started.handles[1].clone());
+    Ok((user, item, Some(started)))
+}
+
+/// Serves `config` until `stop` is set; `on_event` hears of each listener
+/// as it binds. Returns each shard's report once everything has stopped.
+pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event)) -> Result<Vec<ShardReport>, Error> {
+    // The cores `taskset` (or a cgroup) allows; shards default to one each.
+    let allowed = crate::cores::allowed();
+    let cores: Vec<usize> = if !config.cores.is_empty() {
+        config.cores.clone()
+    } else {
+        let n = if config.shards == 0 { allowed.len() } else { config.shards };
+        (0..n).map(|i| allowed[i % allowed.len()]).collect()
+    };
+
+    // Every thread but the shards and the inference stage runs on the
+    // housekeeping cores: pin this thread before it starts any of them.
+    let stage_core = match config.inference {
+        InferenceMode::Inline => None,
+        InferenceMode::Thread => config.stage.core.or_else(|| allowed.iter().copied().find(|c| !cores.contains(c))),
+    };
+    let busy: Vec<usize> = cores.iter().copied().chain(stage_core).collect();
+    let housekeeping =
+        config.reactor.housekeeping_cores.clone().unwrap_or_else(|| crate::cores::spare(&allowed, &busy));
+    if housekeeping.is_empty() {
+        tracing::info!("no spare core for housekeeping threads: they run unpinned, beside the shards");
+    } else {
+        if housekeeping.iter().any(|c| busy.contains(c)) {
+            tracing::warn!(?housekeeping, shards = ?cores, ?stage_core, "housekeeping cores overlap shard or stage cores");
+        }
+        crate::cores::pin_current_thread(&housekeeping)
+            .map_err(|e| Error::Setup(format!("pinning housekeeping threads to cores {housekeeping:?}: {e}")))?;
+        tracing::info!(?housekeeping, "housekeeping threads pinned");
+    }
+
+    crate::replica::lock_pages(config.replica_lock);
+    let (user, item, feed) = open_features(&config, &stop)?;
+    let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
+    let rows_max = config.limits.candidates_max;
+    let registry = Arc::new(
+        match &config.models_dir {
+            Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
+            None => Registry::single(&config.model_path(), fit, config.backend, rows_max)?,
+        }
+        .with_drift(config.drift.clone()),
+    );
+    for m in registry.status() {
+        tracing::info!(model = %m.name, version = m.version, "model loaded");
+    }
+    let fallback_path = config.ladder.fallback_model.clone().or_else(|| {
+        let p = config.data_dir.join("fallback.qm");
+        p.exists().then_some(p)
+    });
+    let fallback = match fallback_path {
+        Some(p) => {
+            let m = Model::load(&p)?;
+            tracing::info!(model = %m.name, version = m.version, "fallback model loaded");
+            Some(Arc::new(m))
+        }
+        None => {
+            tracing::info!("no fallback model: requests that cannot reach the primary get the static default");
+            None
+        }
+    };
+    let faults = Arc::new(Faults::default());
+    tracing::info!(
+        users = user.load().live_rows(), items = item.load().live_rows(),
+        backend = ?config.backend, redis = feed.is_some(), "replicas loaded"
+    );
+    let readiness = Arc::new(Readiness::not_ready());
+    if let Some(f) = &feed {
+        readiness.attach_feed(f.status.clone());
+    }
+    let board = metrics::board(cores.len());
+    let (collector, publishers) =
+        metrics::Collector::start(board.clone()).map_err(|e| Error::Setup(format!("metrics collector thread: {e}")))?;
+    let token = match &config.admin_token_file {
+        Some(path) => Some(AdminToken::load(path).map_err(Error::Setup)?),
+        None => None,
+    };
+    let admin_state = Arc::new(AdminState {
+        board: board.clone(),
+        readiness: readiness.clone(),
+        registry: registry.clone(),
+        backend: format!("{:?}", config.backend).to_lowercase(),
+        faults: config.faults_endpoint.then(|| faults.clone()),
+        token,
+        refusals: Default::default(),
+    });
+    let mut admins = Vec::new();
+    for (listen, surface, name) in
+        [(&config.admin_listen, Surface::Control, "admin"), (&config.metrics_listen, Surface::ReadOnly, "metrics")]
+    {
+        if listen != "off" {
+            let admin = Admin::start(listen, surface, admin_state.clone())?;
+            tracing::info!(addr = %admin.addr, controls = surface == Surface::Control, "{name} endpoint");
+            on_event(Event::Listening { what: name, addr: admin.addr });
+            admins.push(admin);
+        }
+    }
+    let watcher = (config.watch_models_ms > 0).then(|| {
+        let (registry, stop) = (registry.clone(), stop.clone());
+        let every = Duration::from_millis(config.watch_models_ms);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                registry.load_newer();
+                std::thread::sleep(every);
+            }
+        })
+    });
+    // The shard cores the stage thread also runs on: pinned to one, that
+    // one; unpinned with no spare core, all of them.
+    let stage_shares: Vec<usize> = match (config.inference, stage_core) {
+        (InferenceMode::Inline, _) => Vec::new(),
+        (InferenceMode::Thread, Some(c)) => cores.iter().copied().filter(|&s| s == c).collect(),
+        (InferenceMode::Thread, None) if allowed.iter().all(|c| cores.contains(c)) => cores.clone(),
+        (InferenceMode::Thread, None) => Vec::new(),
+    };
+    let stage = match config.inference {
+        InferenceMode::Inline => None,
+        InferenceMode::Thread => {
+            let row_dim_max = registry.snapshot().models.iter().map(|m| m.input_dim()).max().unwrap_or(0);
+            let stage_config = StageConfig {
+                batch_rows_max: config.stage.batch_rows_max.max(1),
+                batch_wait_us_max: config.stage.batch_wait_us_max,
+                spin_us: config.stage.spin_us,
+                jobs_per_shard_max: config.stage.jobs_per_shard_max.clamp(2, 1 << 16),
+                rows_per_job_max: rows_max,
+                // Sized for the models served at start; a wider version
+                // loaded later is scored inline (see RequestPath::handle).
+                row_dim_max,
+                core: stage_core,
+                shares_core: !stage_shares.is_empty(),
+            };
+            let started = infer::start(stage_config, cores.len(), registry.clone(), config.backend, faults.clone())
+                .map_err(|e| Error::Setup(format!("starting the inference thread: {e}")))?;
+            tracing::info!(?stage_config, "inference stage started");
+            Some(started)
+        }
+    };
+    let (stage, stage_ends) = match stage {
+        Some((s, ends)) => (Some(s), ends),
+        None => (None, Vec::new()),
+    };
+    let shared = Shared {
+        registry,
+        user,
+        item,
+        feed: feed.as_ref().map(|f| f.status.clone()),
+        limits: config.limits.clone(),
+        backend: config.backend,
+        floor: config.floor,
+        readiness: readiness.clone(),
+        admission: config.admission.clone(),
+        ladder: config.ladder.clone(),
+        cache: config.cache.clone(),
+        shed: config.shed.clone(),
+        fallback,
+        shards: cores.len(),
+    };
+    let listen = shard::resolve_listen(&config.listen)?;
+
+    let shards = cores.len();
+    let placement =
+        ShardPlacement { listen, cores, not_ready: config.not_ready, reactor: config.reactor.clone(), stage_shares };
+    let reports = shard::serve(shared, placement, publishers, stage_ends, stop, |addr| {
+        readiness.set(true);
+        tracing::info!(%addr, shards, "serving");
+        on_event(Event::Serving { addr, shards });
+    })?;
+    collector.join();
+    for a in admins {
+        a.stop();
+    }
+    if let Some(w) = watcher {
+        let _ = w.join();
+    }
+    if let Some(f) = feed {
+        // The refresher checkpoints on its way out, so a restart resumes here.
+        let _ = f.thread.join();
+    }
+    if let Some(s) = stage {
+        s.stop();
+    }
+    for r in &reports {
+        tracing::info!(
+            shard = r.shard,
+            core = r.core,
+            connections = r.connections_accepted,
+            refused = r.connections_refused,
+            rejected_streams = r.streams_rejected,
+            requests = r.counters.requests,
+            ok = r.counters.by_status[usize::from(Status::Ok.0)],
+            features_missing = r.counters.features_missing,
+            "shard stopped"
+        );
+    }
+    Ok(reports)
+}
