@@ -1,5 +1,6 @@
 //! Seeded mutation fuzzing of every parser that reads untrusted bytes:
-//! request frames, model files, replica files, ONNX import, tree models
+//! request frames, model files, replica files, ONNX import (bytes, and graph
+//! structure: `onnx_graphs`), tree models
 //! (LightGBM text, XGBoost JSON), `.npy` calibration files, RESP replies,
 //! TOML config and admin routes.
 //!
@@ -446,14 +447,116 @@ fn replica_files() {
 
 #[test]
 fn onnx_import() {
-    use quiver::model::onnx::{import_bytes, ImportOptions};
+    let (seeds, options) = zoo();
+    fuzz("onnx_import", seeds, 256 * MIB, &|bytes, from, _| import_checked(bytes, &options[from]));
+}
+
+const INTERESTING_DIMS: [i64; 10] = [0, 1, 2, -1, 3, 1 << 20, 1 << 31, 1 << 40, i64::MAX, i64::MIN];
+
+/// A mutation of an ONNX model's structure, not its bytes: the protobuf
+/// stays well formed, so the importer's own checks meet odd dims, data
+/// types, tensors too short for their dims, missing or duplicated nodes,
+/// rewired inputs and odd attributes.
+fn mutate_onnx(rng: &mut SplitMix64, bytes: &[u8]) -> Vec<u8> {
+    use onnx_protobuf::{Message as _, ModelProto};
+    let Ok(mut m) = ModelProto::parse_from_bytes(bytes) else {
+        return bytes.to_vec();
+    };
+    let g = m.graph.mut_or_insert_default();
+    let pick = |rng: &mut SplitMix64, n: usize| rng.below(n.max(1) as u64) as usize;
+    let dim = |rng: &mut SplitMix64| INTERESTING_DIMS[rng.below(INTERESTING_DIMS.len() as u64) as usize];
+    for _ in 0..1 + rng.below(4) {
+        match rng.below(10) {
+            0 | 1 if !g.initializer.is_empty() => {
+                let i = pick(rng, g.initializer.len());
+                let t = &mut g.initializer[i];
+                if t.dims.is_empty() || rng.below(4) == 0 {
+                    t.dims.push(dim(rng));
+                } else {
+                    let k = pick(rng, t.dims.len());
+                    t.dims[k] = dim(rng);
+                }
+            }
+            2 if !g.initializer.is_empty() => {
+                let i = pick(rng, g.initializer.len());
+                let t = &mut g.initializer[i];
+                let keep = pick(rng, t.raw_data.len() + 1);
+                t.raw_data.truncate(keep);
+                let keep = pick(rng, t.float_data.len() + 1);
+                t.float_data.truncate(keep);
+            }
+            3 if !g.initializer.is_empty() => {
+                let i = pick(rng, g.initializer.len());
+                g.initializer[i].data_type = rng.below(24) as i32;
+            }
+            4 if !g.node.is_empty() => {
+                let i = pick(rng, g.node.len());
+                g.node.remove(i);
+            }
+            5 if !g.node.is_empty() => {
+                let i = pick(rng, g.node.len());
+                let n = g.node[i].clone();
+                let to = pick(rng, g.node.len() + 1);
+                g.node.insert(to, n);
+            }
+            6 if !g.node.is_empty() => {
+                let i = pick(rng, g.node.len());
+                let j = pick(rng, g.node.len());
+                let names: Vec<String> = g.node[j].output.iter().chain(&g.node[j].input).cloned().collect();
+                let n = &mut g.node[i];
+                if !n.input.is_empty() && !names.is_empty() {
+                    let k = pick(rng, n.input.len());
+                    n.input[k] = names[pick(rng, names.len())].clone();
+                }
+            }
+            7 if !g.node.is_empty() => {
+                let i = pick(rng, g.node.len());
+                let n = &mut g.node[i];
+                if !n.attribute.is_empty() {
+                    let k = pick(rng, n.attribute.len());
+                    let a = &mut n.attribute[k];
+                    a.i = dim(rng);
+                    a.f = [0.0, -1.0, f32::NAN, f32::INFINITY, 1e30][rng.below(5) as usize];
+                    if let Some(x) = a.ints.first_mut() {
+                        *x = dim(rng);
+                    }
+                    if let Some(t) = a.t.as_mut() {
+                        if let Some(d) = t.dims.first_mut() {
+                            *d = dim(rng);
+                        }
+                    }
+                }
+            }
+            8 if !g.node.is_empty() => {
+                let i = pick(rng, g.node.len());
+                let j = pick(rng, g.node.len());
+                g.node[i].op_type = g.node[j].op_type.clone();
+            }
+            _ if !g.input.is_empty() => {
+                let i = pick(rng, g.input.len());
+                let shape = g.input[i].type_.mut_or_insert_default().mut_tensor_type().shape.mut_or_insert_default();
+                if shape.dim.is_empty() {
+                    shape.dim.push(Default::default());
+                }
+                let k = pick(rng, shape.dim.len());
+                shape.dim[k].set_dim_value(dim(rng));
+            }
+            _ => {}
+        }
+    }
+    m.write_to_bytes().unwrap_or_else(|_| bytes.to_vec())
+}
+
+/// The zoo's models and how each imports.
+fn zoo() -> (Vec<Vec<u8>>, Vec<quiver::model::onnx::ImportOptions>) {
+    use quiver::model::onnx::ImportOptions;
     let zoo = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/zoo");
     let index: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(zoo.join("zoo.json")).unwrap()).unwrap();
     let mut seeds = Vec::new();
     let mut options = Vec::new();
     for (name, z) in index["models"].as_object().unwrap() {
-        let bytes = std::fs::read(zoo.join(z["file"].as_str().unwrap())).unwrap();
+        seeds.push(std::fs::read(zoo.join(z["file"].as_str().unwrap())).unwrap());
         options.push(ImportOptions {
             name: name.clone(),
             version: 1,
@@ -465,15 +568,36 @@ fn onnx_import() {
             },
             base_dir: None,
         });
-        seeds.push(bytes);
     }
-    fuzz("onnx_import", seeds, 256 * MIB, &|bytes, from, _| {
-        if let Ok(imported) = import_bytes(bytes, "fuzz.onnx", &options[from]) {
-            let saved = imported.model.to_bytes();
-            if let Err(e) = quiver::model::Model::from_bytes(&saved, "fuzz.qm") {
-                panic!("an imported model does not load back: {e}");
-            }
+    (seeds, options)
+}
+
+/// What an import must do with any input: an error, or a model that saves
+/// and loads back.
+fn import_checked(bytes: &[u8], opts: &quiver::model::onnx::ImportOptions) {
+    if let Ok(imported) = quiver::model::onnx::import_bytes(bytes, "fuzz.onnx", opts) {
+        let saved = imported.model.to_bytes();
+        if let Err(e) = quiver::model::Model::from_bytes(&saved, "fuzz.qm") {
+            panic!("an imported model does not load back: {e}");
         }
+    }
+}
+
+/// The zoo's graphs with structural mutations (see [`mutate_onnx`]); the
+/// mutation happens inside the run, from the input's bytes as a seed.
+#[test]
+fn onnx_graphs() {
+    let (seeds, options) = zoo();
+    // Each input is a seed model's index and 8 bytes of mutation seed.
+    let inputs: Vec<Vec<u8>> = (0..seeds.len()).map(|i| (i as u64).to_le_bytes().to_vec()).collect();
+    fuzz_scaled("onnx_graphs", inputs, 256 * MIB, 4, &|bytes, from, _| {
+        let mut word = [0u8; 8];
+        for (i, b) in bytes.iter().enumerate() {
+            word[i % 8] ^= *b;
+        }
+        let mut rng = SplitMix64::new(u64::from_le_bytes(word) ^ (bytes.len() as u64).rotate_left(17));
+        let mutated = mutate_onnx(&mut rng, &seeds[from]);
+        import_checked(&mutated, &options[from]);
     });
 }
 

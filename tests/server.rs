@@ -474,11 +474,13 @@ fn the_library_runs_a_server_in_process_until_stopped() {
     use quiver::server::{run, Event};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{mpsc, Arc};
-    let mut config = quiver::config::Config::default();
-    config.listen = "127.0.0.1:0".into();
-    config.admin_listen = "127.0.0.1:0".into();
-    config.shards = 1;
-    config.data_dir = demo_dir().to_path_buf();
+    let config = quiver::config::Config {
+        listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
+        shards: 1,
+        data_dir: demo_dir().to_path_buf(),
+        ..Default::default()
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel();
     let server = std::thread::spawn({
