@@ -738,3 +738,29 @@ fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
     assert!(log.contains("copying again"), "{log}");
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), N as usize);
 }
+
+/// A hold outlives the server: restarted while Redis is still empty, it
+/// opens its last-known-good file, finds the same empty source, and holds
+/// again instead of emptying the replica.
+#[test]
+fn a_held_resync_is_held_again_after_a_restart() {
+    let mut redis = RedisServer::start();
+    load(&redis, "item", 0..300, 0);
+    load(&redis, "user", 0..30, 0);
+    let dir = data_dir("feed-held-restart");
+    let feed_toml = "check_interval_ms = 100\n";
+    let mut server = serve(&dir, &redis, feed_toml);
+    wait_caught_up(&server, &redis);
+    redis.restart();
+    wait_for(&server, "the hold", Duration::from_secs(10), |s| group(s, "item").resync_held);
+    assert_eq!(server.terminate(), 0);
+
+    let server = serve(&dir, &redis, feed_toml);
+    assert!(server.stderr().contains("replica opened: serving it while catching up"), "{}", server.stderr());
+    let s = wait_for(&server, "the hold after the restart", Duration::from_secs(10), |s| {
+        group(s, "item").resync_held && group(s, "user").resync_held
+    });
+    assert_eq!((group(&s, "item").rows, group(&s, "user").rows), (300, 30), "{s:?}");
+    let r = server.client().score(&demo_request(1, 7, vec![1, 2, 299])).unwrap();
+    assert_eq!((r.status, r.features_missing, r.features_stale), (Status::Ok, 0, true));
+}
