@@ -1154,6 +1154,15 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
                 c.epoch,
                 c.seq
             );
+            let (entities, bytes) = (r.live_rows(), r.file_bytes());
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            println!(
+                "size: {entities} entities, {:.1} MiB file ({:.0} bytes per entity), {:.1} MiB resident when served \
+                 (pages are pre-faulted at open; replica_lock locks them)",
+                mib(bytes),
+                bytes as f64 / entities.max(1) as f64,
+                mib(r.resident_bytes())
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

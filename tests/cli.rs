@@ -95,6 +95,13 @@ fn replica_build_and_inspect() {
     assert!(r.read_into(2, &mut v));
     assert_eq!(v, [2.5, 3.5]);
 
+    let out = run(&["replica", "inspect", "--group", "user", "--file", out_file.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let bytes = std::fs::metadata(&out_file).unwrap().len();
+    let per_entity = format!("({:.0} bytes per entity)", bytes as f64 / 2.0);
+    assert!(text.contains("size: 2 entities") && text.contains(&per_entity), "{text}");
+    assert!(text.contains("resident when served"), "{text}");
     let out = run(&["replica", "inspect", "--group", "item", "--file", out_file.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected 'item'"));

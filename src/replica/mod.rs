@@ -113,6 +113,12 @@ pub enum ReplicaError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "{path}: replica_lock = true would lock its {bytes} bytes in memory, more than the {available} bytes \
+         this machine has available (MemAvailable): give the node more memory, store the group as f16 or int8 \
+         (docs/REPLICA.md), or set replica_lock = false"
+    )]
+    LockTooLarge { path: String, bytes: u64, available: u64 },
     #[error("{path}:{line}: {what}")]
     Input { path: String, line: usize, what: String },
     #[error("duplicate key {key}")]

@@ -87,6 +87,27 @@ fn memlock_limit() -> String {
     }
 }
 
+/// `MemAvailable` from `/proc/meminfo`, in bytes, where it can be read.
+fn mem_available_bytes() -> Option<u64> {
+    parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses to lock a mapping larger than the memory available: mlock would
+/// succeed under a generous RLIMIT_MEMLOCK and then push the node into swap
+/// or the OOM killer, long after start-up said yes.
+fn check_lockable(path: &str, bytes: u64, available: Option<u64>) -> Result<(), ReplicaError> {
+    match available {
+        Some(available) if bytes > available => Err(ReplicaError::LockTooLarge { path: path.into(), bytes, available }),
+        _ => Ok(()),
+    }
+}
+
 impl Replica {
     /// Maps `path` read-only, pre-faults its pages and verifies it
     /// completely. `expected_group` guards against swapped files. A file
@@ -110,10 +131,14 @@ impl Replica {
         if actual < DEFAULT_OFFSET as u64 {
             return Err(ReplicaError::Length { path: p, expected: DEFAULT_OFFSET as u64, actual });
         }
+        let locking = LOCK_PAGES.load(Ordering::Relaxed);
+        if locking {
+            check_lockable(&p, actual, mem_available_bytes())?;
+        }
         let mut options = MmapOptions::new();
         options.populate();
         let map = if writable { options.map_raw(&file) } else { options.map_raw_read_only(&file) }.map_err(io)?;
-        if LOCK_PAGES.load(Ordering::Relaxed) {
+        if locking {
             map.lock().map_err(|source| ReplicaError::MemoryLock {
                 path: p.clone(),
                 bytes: actual,
@@ -290,6 +315,27 @@ impl Replica {
         self.live_rows.load(Ordering::Relaxed)
     }
 
+    /// The file's size, all mapped.
+    pub fn file_bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// How much of the mapping is in memory now (`mincore`); right after an
+    /// open, which pre-faults every page, what serving it keeps resident.
+    pub fn resident_bytes(&self) -> u64 {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        let len = self.map.len();
+        let mut pages = vec![0u8; len.div_ceil(page)];
+        // SAFETY: the mapping is `len` bytes from a page-aligned address and
+        // lives for this borrow; `pages` has one byte per page of it.
+        let rc = unsafe { libc::mincore(self.map.as_mut_ptr().cast(), len, pages.as_mut_ptr()) };
+        if rc != 0 {
+            return 0;
+        }
+        (pages.iter().filter(|&&p| p & 1 == 1).count() * page).min(len) as u64
+    }
+
     pub(super) fn set_live_rows(&self, n: u64) {
         self.live_rows.store(n, Ordering::Relaxed);
     }
@@ -453,4 +499,21 @@ fn prefetch(p: *const u8) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+#[cfg(test)]
+mod lock_tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_larger_than_available_memory_is_refused_at_open() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(parse_mem_available(meminfo), Some(20_000_000 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+        assert!(check_lockable("u.qrep", 1 << 30, Some(2 << 30)).is_ok());
+        assert!(check_lockable("u.qrep", 1 << 30, None).is_ok(), "unknown: mlock decides");
+        let err = check_lockable("u.qrep", 3 << 30, Some(2 << 30)).unwrap_err().to_string();
+        assert!(err.contains("u.qrep") && err.contains("MemAvailable") && err.contains("replica_lock"), "{err}");
+        assert!(mem_available_bytes().is_some_and(|b| b > 0), "this machine's /proc/meminfo reads");
+    }
 }
