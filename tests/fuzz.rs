@@ -2,7 +2,7 @@
 //! request frames, model files, replica files, ONNX import (bytes, and graph
 //! structure: `onnx_graphs`), tree models
 //! (LightGBM text, XGBoost JSON), `.npy` calibration files, RESP replies,
-//! TOML config and admin routes.
+//! TOML config, admin routes, and raw HTTP bytes at a live admin listener.
 //!
 //! Stable Rust has no coverage-guided fuzzer here, so each target starts
 //! from valid seeds and stacks random mutations (bit flips, interesting
@@ -761,4 +761,46 @@ fn tree_model_text() {
             }
         }
     });
+}
+
+/// Raw HTTP bytes at a live server's admin listener (with a token, so the
+/// controls' refusal path runs too): whatever arrives, the admin thread
+/// keeps answering and the server keeps scoring. A fiftieth of the inputs:
+/// each is a connection.
+#[test]
+fn admin_http_bytes() {
+    use std::io::{Read, Write};
+    let dir = common::scratch("fuzz-admin-token");
+    let token = dir.join("t");
+    std::fs::write(&token, "fuzz-token-0123456789").unwrap();
+    let server = common::Server::start(&["--shards", "1", "--admin-token-file", token.to_str().unwrap()]);
+    let seeds: Vec<Vec<u8>> = [
+        "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+        "POST /drain HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\nContent-Length: 0\r\n\r\n",
+        "POST /models/auction-32/canary?version=2&fraction=0.5 HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc",
+        "GET /stats.json HTTP/1.0\r\n\r\n",
+        "POST /replica/item/accept HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect();
+    let admin = server.admin.clone();
+    fuzz_scaled("admin_http_bytes", seeds, 16 * MIB, 50, &|bytes, _, _| {
+        let Ok(mut s) = std::net::TcpStream::connect(&admin) else {
+            panic!("the admin listener stopped accepting");
+        };
+        s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        let _ = s.write_all(bytes);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut sink = [0u8; 4096];
+        while let Ok(n) = s.read(&mut sink) {
+            if n == 0 {
+                break;
+            }
+        }
+    });
+    assert_eq!(common::http_get(&format!("http://{admin}/healthz")).0, 200, "the admin thread still answers");
+    let r = server.client().score(&common::demo_request(1, 1, vec![1, 2])).unwrap();
+    assert_eq!(r.status, quiver::wire::Status::Ok, "and the server still scores");
+    assert_eq!(common::http_get(&format!("http://{admin}/readyz")).0, 200, "no fuzzed request drained it");
 }
