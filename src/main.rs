@@ -792,6 +792,9 @@ fn stats(admin: &str, interval: Duration, count: u64, token_file: Option<&std::p
         if s.stale_responses > 0 {
             println!("stale responses: {}", s.stale_responses);
         }
+        if s.admission_wrong_source > 0 {
+            println!("refused for a client_id bound to other networks: {}", s.admission_wrong_source);
+        }
         let stalls: u64 = s.stalls_by_task.values().sum();
         if stalls > 0 {
             let by: Vec<_> = s.stalls_by_task.iter().filter(|(_, &n)| n > 0).map(|(t, n)| format!("{t}={n}")).collect();

@@ -82,6 +82,9 @@ fn client_ids_are_bound_to_their_source_networks() {
     }
     let (_, metrics) = common::http_get(&format!("http://{}/metrics", server.admin));
     assert!(metrics.contains("quiver_admission_wrong_source_total 1"), "{metrics}");
+    let (code, table, err) = common::run_quiver(["stats", "--admin", server.admin.as_str(), "--count", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(table.contains("refused for a client_id bound to other networks: 1"), "{table}");
 
     // With on_mismatch = "default" the same request is an unknown client of
     // its source: admitted within the default bucket.
