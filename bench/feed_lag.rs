@@ -209,7 +209,7 @@ fn main() {
     let mut sync_s = Vec::new();
     for _ in 0..a.repeats {
         let out = dir.join("sync.qrep");
-        let target = quiver::feed::refresher::SyncTarget {
+        let target = quiver::feed::sync::SyncTarget {
             group: "item",
             path: &out,
             dim: DIM,
@@ -218,8 +218,7 @@ fn main() {
             batch_keys_max: 1000,
         };
         let started = Instant::now();
-        let mut fresh =
-            quiver::feed::refresher::full_sync(&mut redis.conn(), &target, None, &mut |_| {}).expect("sync");
+        let mut fresh = quiver::feed::sync::full_sync(&mut redis.conn(), &target, None, &mut |_| {}).expect("sync");
         fresh.rename_to(&out).expect("rename");
         let secs = started.elapsed().as_secs_f64();
         println!("{{\"run\":\"full sync\",\"entities\":{},\"seconds\":{secs:.3}}}", fresh.live_rows());

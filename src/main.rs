@@ -1086,7 +1086,7 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             spinner.enable_steady_tick(Duration::from_millis(100));
             let mut progress = |rows: u64| spinner.set_position(rows);
             let default = vec![0.0; dim as usize];
-            let target = feed::refresher::SyncTarget {
+            let target = feed::sync::SyncTarget {
                 group: &group,
                 path: &out,
                 dim: dim as usize,
@@ -1094,7 +1094,7 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
                 default: &default,
                 batch_keys_max: 1000,
             };
-            let mut fresh = feed::refresher::full_sync(&mut conn, &target, None, &mut progress)?;
+            let mut fresh = feed::sync::full_sync(&mut conn, &target, None, &mut progress)?;
             fresh.rename_to(&out)?;
             spinner.finish_and_clear();
             let secs = started.elapsed().as_secs_f64();

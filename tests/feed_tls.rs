@@ -19,27 +19,29 @@ fn openssl(dir: &Path, args: &[&str]) {
     assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// A CA named `name` in `dir`, and a certificate it signs for `cn` with
-/// these extensions: `{prefix}.crt`, `{prefix}.key`.
+/// `openssl req` with a new P-256 key written to `{prefix}.key`, the rest of
+/// the arguments after.
+fn req_with_new_key(dir: &Path, prefix: &str, rest: &[&str]) {
+    let key = format!("{prefix}.key");
+    let mut args = vec!["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", &key];
+    args.extend_from_slice(rest);
+    openssl(dir, &args);
+}
+
+/// A self-signed CA named `name` in `dir`: `{name}.crt`, `{name}.key`.
 fn make_ca(dir: &Path, name: &str) {
-    openssl(
+    let (crt, subject) = (format!("{name}.crt"), format!("/CN={name}"));
+    req_with_new_key(
         dir,
+        name,
         &[
-            "req",
             "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
             "-out",
-            &format!("{name}.crt"),
+            &crt,
             "-days",
             "2",
             "-subj",
-            &format!("/CN={name}"),
+            &subject,
             "-addext",
             "basicConstraints=critical,CA:TRUE",
             "-addext",
@@ -48,24 +50,11 @@ fn make_ca(dir: &Path, name: &str) {
     );
 }
 
+/// A certificate for `cn` signed by the CA `ca`, with the extensions in
+/// `ext`: `{prefix}.crt`, `{prefix}.key`.
 fn make_cert(dir: &Path, ca: &str, prefix: &str, cn: &str, ext: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &format!("{prefix}.key"),
-            "-out",
-            &format!("{prefix}.csr"),
-            "-subj",
-            &format!("/CN={cn}"),
-        ],
-    );
+    let (csr, subject) = (format!("{prefix}.csr"), format!("/CN={cn}"));
+    req_with_new_key(dir, prefix, &["-out", &csr, "-subj", &subject]);
     std::fs::write(dir.join(format!("{prefix}.ext")), ext).unwrap();
     openssl(
         dir,
@@ -73,7 +62,7 @@ fn make_cert(dir: &Path, ca: &str, prefix: &str, cn: &str, ext: &str) {
             "x509",
             "-req",
             "-in",
-            &format!("{prefix}.csr"),
+            &csr,
             "-CA",
             &format!("{ca}.crt"),
             "-CAkey",

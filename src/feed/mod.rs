@@ -4,6 +4,8 @@
 //! - [`contract`]: the key and stream layout writers and replicas agree on, and the
 //!   [`contract::Publisher`] that writes through the atomic publish script;
 //! - [`load`]: the bulk loader behind `quiver features load`;
+//! - [`config`]: the `[feed]` section;
+//! - [`sync`]: one full copy of a group, and whether its source was settled;
 //! - [`refresher`]: the thread that keeps each replica equal to Redis (full
 //!   sync, stream replay, resync on gaps), and [`start`], which opens,
 //!   repairs or first syncs the replicas before serving;
@@ -11,19 +13,22 @@
 //! - [`status`]: the atomics through which the refresher reports position and
 //!   staleness to shards and the admin endpoint.
 
+pub mod config;
 pub mod contract;
 pub mod load;
 pub mod refresher;
 pub mod resp;
 pub mod start;
 pub mod status;
+pub mod sync;
 pub mod tls;
 
+pub use config::FeedConfig;
 pub use contract::{ContractError, PublishError, Publisher};
-pub use refresher::{FeedConfig, RefreshError};
 pub use resp::{RedisConfig, RedisConn, RedisError, Reply, UrlError};
 pub use start::{start, Feed, GroupSpec};
 pub use status::{FeedStatus, GroupStatus, StalePolicy};
+pub use sync::RefreshError;
 
 /// Anything the feed tools can fail with, each with a message fit for one line on stderr.
 #[derive(Debug, thiserror::Error)]

@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::refresher::{FeedConfig, RefreshError, Refresher};
+use super::config::FeedConfig;
+use super::refresher::Refresher;
 use super::status::FeedStatus;
+use super::sync::RefreshError;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::replica::{ReplicaError, ReplicaHandle, ReplicaWriter};
 

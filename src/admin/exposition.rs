@@ -1,0 +1,497 @@
+//! `/metrics`: what the board, the readiness flag, the registry and the
+//! feed say, written in the Prometheus text format by `prometheus-client`.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Unit;
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::stats::{drift_reports, shadow_divergence};
+use super::AdminState;
+use crate::deadline::{Clock, MonotonicClock};
+use crate::drift::{DriftReport, FeatureDrift};
+use crate::feed::{FeedStatus, GroupStatus};
+use crate::metrics::{self, Stage, StallTask, STAGES};
+use crate::request::REASONS;
+use crate::shed::band_name;
+use crate::wire::{reason_name, status_name, tier_name, Reason, Status, Tier};
+
+/// Upper bounds of the Prometheus histogram buckets, in seconds: fine enough
+/// to tell 5 µs from 10 µs, wide enough to hold a 1 s outlier.
+pub const BUCKETS_S: [f64; 22] = [
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2.5e-3, 5e-3,
+    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
+];
+
+#[derive(Debug)]
+pub(super) struct QuiverCollector {
+    pub(super) state: Arc<AdminState>,
+}
+
+fn ns_to_s(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+fn encode_hist(
+    encoder: &mut prometheus_client::encoding::MetricEncoder<'_>,
+    h: &hdrhistogram::Histogram<u64>,
+) -> Result<(), std::fmt::Error> {
+    let mut buckets = Vec::with_capacity(BUCKETS_S.len());
+    let mut below = 0u64;
+    for &le in &BUCKETS_S {
+        let le_ns = (le * 1e9) as u64;
+        let upto = if h.is_empty() { 0 } else { h.count_between(0, le_ns) };
+        buckets.push((le, upto.saturating_sub(below)));
+        below = upto.max(below);
+    }
+    let sum = h.mean() * h.len() as f64 / 1e9;
+    encoder.encode_histogram::<NoLabelSet>(sum, h.len(), &buckets, None)
+}
+
+impl prometheus_client::collector::Collector for QuiverCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let AdminState { board, readiness, registry, backend, refusals, .. } = &*self.state;
+        let m = metrics::merge(board);
+
+        let mut e =
+            encoder.encode_descriptor("quiver_requests", "Requests answered, by status.", None, MetricType::Counter)?;
+        for code in 0..=6u8 {
+            let labels = [("status", status_name(Status(code)))];
+            e.encode_family(&labels)?
+                .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_status[code as usize], None)?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_responses_by_tier",
+            "Ok responses, by the ladder rung that answered.",
+            None,
+            MetricType::Counter,
+        )?;
+        for code in 0..=3u8 {
+            let labels = [("tier", tier_name(Tier(code)))];
+            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&m.counters.by_tier[code as usize], None)?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_step_downs",
+            "Ok responses from a lower rung, by reason.",
+            None,
+            MetricType::Counter,
+        )?;
+        for code in 1..REASONS as u8 {
+            let labels = [("reason", reason_name(Reason(code)))];
+            e.encode_family(&labels)?
+                .encode_counter::<NoLabelSet, _, u64>(&m.counters.by_reason[code as usize], None)?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_model_requests",
+            "Requests routed to each served model version (canaries apart).",
+            None,
+            MetricType::Counter,
+        )?;
+        for ((name, version, canary), n) in &m.versions {
+            let version = version.to_string();
+            let role = if *canary { "canary" } else { "current" };
+            let labels = [("model", name.as_str()), ("version", version.as_str()), ("role", role)];
+            e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(n, None)?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_cache_lookups",
+            "Score-cache lookups by result.",
+            None,
+            MetricType::Counter,
+        )?;
+        e.encode_family(&[("result", "hit")])?.encode_counter::<NoLabelSet, _, u64>(&m.counters.cache_hits, None)?;
+        e.encode_family(&[("result", "miss")])?.encode_counter::<NoLabelSet, _, u64>(&m.counters.cache_misses, None)?;
+        let mut e = encoder.encode_descriptor(
+            "quiver_shed_requests",
+            "Requests shed for load before lookup, by priority band.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (b, n) in m.counters.shed_by_band.iter().enumerate() {
+            e.encode_family(&[("band", band_name(b))])?.encode_counter::<NoLabelSet, _, u64>(n, None)?;
+        }
+        encoder
+            .encode_descriptor(
+                "quiver_shed_level",
+                "Priority bands being shed, highest over shards; the fraction is the next band's shed share.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&(m.counters.shed_level_milli as f64 / 1e3))?;
+        let shadow_n = m.counters.shadow_requests;
+        encoder
+            .encode_descriptor(
+                "quiver_shadow_requests",
+                "Requests also scored by a shadow version after their response.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&shadow_n, None)?;
+        let (mad, rho) = shadow_divergence(&m.counters);
+        encoder
+            .encode_descriptor(
+                "quiver_shadow_mean_abs_diff",
+                "Mean absolute difference between shadow and returned scores, since start.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&mad)?;
+        encoder
+            .encode_descriptor(
+                "quiver_shadow_rank_correlation",
+                "Mean Spearman rank correlation of shadow and returned scores per request, since start.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&rho)?;
+        encoder
+            .encode_descriptor(
+                "quiver_breakers_open",
+                "Shards whose primary circuit breaker is open or half-open.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&(m.breakers_open as i64))?;
+        encoder
+            .encode_descriptor("quiver_candidates_scored", "Candidates scored.", None, MetricType::Counter)?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.candidates_scored, None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_features_missing",
+                "Feature lookups that fell back to the group default.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.features_missing, None)?;
+        encoder
+            .encode_descriptor("quiver_connections_active", "Open client connections.", None, MetricType::Gauge)?
+            .encode_gauge(&(m.connections_active as i64))?;
+        encoder
+            .encode_descriptor("quiver_shards", "Shards serving.", None, MetricType::Gauge)?
+            .encode_gauge(&(m.shards as i64))?;
+        encoder
+            .encode_descriptor(
+                "quiver_ready",
+                "1 when the server takes traffic, 0 while starting or drained.",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&i64::from(readiness.probe(MonotonicClock::new().now_ns()).is_ok()))?;
+        encoder
+            .encode_descriptor(
+                "quiver_admin_unauthorized",
+                "Control requests refused for a missing or wrong bearer token.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&refusals.total(), None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_stale_responses",
+                "Ok responses flagged features_stale.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.stale_responses, None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_admission_wrong_source",
+                "Requests refused for naming a client bound to other source networks.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.admission_wrong_source, None)?;
+        if let Some(feed) = readiness.feed() {
+            encode_feed(&mut encoder, feed)?;
+        }
+        encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
+        let mut e =
+            encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
+        for m in registry.status() {
+            let version = m.version.to_string();
+            let labels = [("model", m.name.as_str()), ("version", version.as_str()), ("backend", backend.as_str())];
+            e.encode_info(&labels)?;
+        }
+
+        let seconds = Unit::Seconds;
+        let mut e = encoder.encode_descriptor(
+            "quiver_request_duration",
+            "Time from reading a request's frame to its encoded response.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        encode_hist(&mut e, &m.total[Stage::EndToEnd as usize])?;
+        let mut e = encoder.encode_descriptor(
+            "quiver_stage_duration",
+            "Time spent in each stage of the request path.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        for stage in STAGES {
+            let labels = [("stage", stage.name())];
+            encode_hist(&mut e.encode_family(&labels)?, &m.total[stage as usize])?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_shard_stalls",
+            "Times a shard's reactor was held longer than reactor.stall_threshold_us, by the task that held it \
+             (reactor: a timer of the shard's fired that late, cause unseen).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (shard, by_task) in m.stalls_by_shard.iter().enumerate() {
+            let shard = shard.to_string();
+            for task in StallTask::ALL {
+                let labels = [("shard", shard.as_str()), ("task", task.name())];
+                e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&by_task[task as usize], None)?;
+            }
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_shard_stall_duration",
+            "How long each counted reactor stall lasted.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        encode_hist(&mut e, &m.total[metrics::STALL])?;
+        let mut e = encoder.encode_descriptor(
+            "quiver_stage_duration_window",
+            "Stage latency percentiles over the last 10 s (HdrHistogram).",
+            Some(&seconds),
+            MetricType::Gauge,
+        )?;
+        for stage in STAGES {
+            let h = &m.window[stage as usize];
+            for (q, label) in [(0.5, "0.5"), (0.99, "0.99"), (0.999, "0.999")] {
+                let labels = [("stage", stage.name()), ("quantile", label)];
+                let v = if h.is_empty() { 0.0 } else { ns_to_s(h.value_at_quantile(q)) };
+                e.encode_family(&labels)?.encode_gauge(&v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The Redis feed's state: per-group position, staleness and counts, and
+/// the connection.
+fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(), std::fmt::Error> {
+    let now_ns = MonotonicClock::new().now_ns();
+    let now_unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let seconds = Unit::Seconds;
+    type Get = fn(&GroupStatus, u64, u64) -> f64;
+    let gauges: [(&str, &str, Option<&Unit>, Get); 7] = [
+        ("quiver_replica_rows", "Keys in the group's replica.", None, |g, _, _| g.live_rows.load(Relaxed) as f64),
+        ("quiver_replica_applied_seq", "Stream sequence number of the last applied change.", None, |g, _, _| {
+            g.applied_seq.load(Relaxed) as f64
+        }),
+        (
+            "quiver_replica_resync_held",
+            "1 while a full resync that would shrink the replica past resync_shrink_max is held.",
+            None,
+            |g, _, _| f64::from(u8::from(g.resync_held.load(Relaxed))),
+        ),
+        ("quiver_replica_resync_held_rows", "Rows in the held resync's copy.", None, |g, _, _| {
+            g.held_rows.load(Relaxed) as f64
+        }),
+        (
+            "quiver_replica_staleness",
+            "Time since the group was last known to hold everything Redis had.",
+            Some(&seconds),
+            |g, now_ns, _| g.staleness_ns(now_ns) as f64 / 1e9,
+        ),
+        (
+            "quiver_replica_contact_age",
+            "Time since the refresher last heard from Redis.",
+            Some(&seconds),
+            |g, now_ns, _| match g.contact_ns.load(Relaxed) {
+                0 => f64::INFINITY,
+                t => now_ns.saturating_sub(t) as f64 / 1e9,
+            },
+        ),
+        (
+            "quiver_replica_change_age",
+            "Age of the last applied change (its write time in Redis).",
+            Some(&seconds),
+            |g, _, now_ms| match g.change_unix_ms.load(Relaxed) {
+                0 => f64::INFINITY,
+                t => now_ms.saturating_sub(t) as f64 / 1e3,
+            },
+        ),
+    ];
+    for (name, help, unit, get) in gauges {
+        let mut e = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
+        for g in &feed.groups {
+            e.encode_family(&[("group", g.name.as_str())])?.encode_gauge(&get(g, now_ns, now_unix_ms))?;
+        }
+    }
+    type Count = fn(&GroupStatus) -> u64;
+    let counters: [(&str, &str, Count); 5] = [
+        ("quiver_replica_changes_applied", "Stream entries applied.", |g| g.applied_total.load(Relaxed)),
+        ("quiver_replica_skipped", "Keys and stream entries skipped as bad data.", |g| g.skipped_total.load(Relaxed)),
+        ("quiver_replica_resyncs", "Full resyncs from Redis.", |g| g.resyncs_total.load(Relaxed)),
+        ("quiver_replica_resync_restarts", "Resync copies begun again because Redis moved under them.", |g| {
+            g.resync_restarts_total.load(Relaxed)
+        }),
+        ("quiver_replica_torn_rows_repaired", "Rows found mid-write at open and dropped until replayed.", |g| {
+            g.torn_rows_repaired.load(Relaxed)
+        }),
+    ];
+    for (name, help, get) in counters {
+        let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for g in &feed.groups {
+            e.encode_family(&[("group", g.name.as_str())])?.encode_counter::<NoLabelSet, _, u64>(&get(g), None)?;
+        }
+    }
+    encoder
+        .encode_descriptor(
+            "quiver_redis_connected",
+            "1 while the refresher holds a Redis connection.",
+            None,
+            MetricType::Gauge,
+        )?
+        .encode_gauge(&i64::from(feed.connected.load(Relaxed)))?;
+    encoder
+        .encode_descriptor(
+            "quiver_redis_breaker_open",
+            "1 while the Redis circuit breaker is open.",
+            None,
+            MetricType::Gauge,
+        )?
+        .encode_gauge(&i64::from(feed.breaker_open.load(Relaxed)))?;
+    encoder
+        .encode_descriptor(
+            "quiver_redis_failures",
+            "Failed Redis connections and sessions.",
+            None,
+            MetricType::Counter,
+        )?
+        .encode_counter::<NoLabelSet, _, u64>(&feed.connect_failures_total.load(Relaxed), None)?;
+    Ok(())
+}
+
+/// Drift gauges per calibrated version; a measure is absent while the window
+/// holds fewer than `drift.min_count` rows, and for uncalibrated versions.
+fn encode_drift(encoder: &mut DescriptorEncoder, reports: &[DriftReport]) -> Result<(), std::fmt::Error> {
+    let versions: Vec<String> = reports.iter().map(|r| r.version.to_string()).collect();
+    let labels = |i: usize| [("model", reports[i].model.as_str()), ("version", versions[i].as_str())];
+    let mut e = encoder.encode_descriptor(
+        "quiver_score_drift_window_scores",
+        "Primary-tier scores in the drift window.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (i, r) in reports.iter().enumerate() {
+        e.encode_family(&labels(i))?.encode_gauge(&(r.scores as i64))?;
+    }
+    let mut e = encoder.encode_descriptor(
+        "quiver_score_psi",
+        "Population stability index of the window's scores against the calibration histogram.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (i, r) in reports.iter().enumerate() {
+        if let Some(psi) = r.psi {
+            e.encode_family(&labels(i))?.encode_gauge(&psi)?;
+        }
+    }
+    let mut e = encoder.encode_descriptor(
+        "quiver_score_drift_alert",
+        "1 while the score PSI is at least drift.psi_alert.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (i, r) in reports.iter().enumerate() {
+        if r.psi.is_some() {
+            e.encode_family(&labels(i))?.encode_gauge(&i64::from(r.alert))?;
+        }
+    }
+    type Get = fn(&FeatureDrift) -> f64;
+    let gauges: [(&str, &str, Get); 3] = [
+        ("quiver_input_drift", "Shift of a context input's window mean, in calibration standard deviations.", |f| {
+            f.mean_shift
+        }),
+        ("quiver_input_mean", "Mean of a context input over the drift window.", |f| f.mean),
+        ("quiver_input_variance", "Variance of a context input over the drift window.", |f| f.variance),
+    ];
+    for (name, help, get) in gauges {
+        let mut e = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for (i, r) in reports.iter().enumerate() {
+            for f in &r.features {
+                let feature = format!("context_{}", f.feature);
+                let [model, version] = labels(i);
+                e.encode_family(&[model, version, ("feature", feature.as_str())])?.encode_gauge(&get(f))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::auth;
+    use crate::metrics::{board, fold, Readiness, Report};
+    use crate::registry::Registry;
+    use crate::request::Counters;
+    use prometheus_client::registry::Registry as Registry_;
+
+    #[test]
+    fn exposition_has_conventional_names_and_consistent_buckets() {
+        let b = board(2);
+        let mut times: Vec<_> = (0..metrics::HISTOGRAMS).map(|_| metrics::stage_histogram()).collect();
+        let mut c = Counters::default();
+        for us in [3u64, 30, 300, 3_000] {
+            times[Stage::EndToEnd as usize].record(us * 1_000).unwrap();
+        }
+        c.requests = 4;
+        c.by_status[0] = 4;
+        c.shed_by_band[4] = 2;
+        c.shed_level_milli = 1_500;
+        c.stalls_by_task[StallTask::Refresh as usize] = 3;
+        times[metrics::STALL].record(2_000_000).unwrap();
+        let report = Report {
+            shard: 1,
+            times,
+            counters: c,
+            connections_active: 1,
+            breaker_open: false,
+            versions: Default::default(),
+            longest_stall: None,
+        };
+        fold(report, &b[1]);
+        let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
+        let mut model = crate::demo::model();
+        model.name = "m".into();
+        model.version = 2;
+        let models = Registry::from_models(vec![model], fit, crate::score::BackendKind::Int8, 8).unwrap();
+        let mut registry = Registry_::default();
+        let state = AdminState {
+            board: b,
+            readiness: Arc::new(Readiness::ready()),
+            registry: Arc::new(models),
+            backend: "cpu-int8".into(),
+            faults: None,
+            token: None,
+            refusals: auth::Refusals::default(),
+        };
+        state.refusals.record(1, None, "POST", "/drain");
+        registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+        assert!(text.contains("quiver_requests_total{status=\"ok\"} 4"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_count 4"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"1e-05\"} 1"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"), "{text}");
+        assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
+        assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
+        assert!(text.contains("quiver_ready 1"), "{text}");
+        assert!(text.contains("quiver_admin_unauthorized_total 1"), "{text}");
+        assert!(text.contains("quiver_shed_requests_total{band=\"8-15\"} 2"), "{text}");
+        assert!(text.contains("quiver_shed_requests_total{band=\"0\"} 0"), "{text}");
+        assert!(text.contains("quiver_shed_level 1.5"), "{text}");
+        assert!(text.contains("quiver_shard_stalls_total{shard=\"1\",task=\"refresh\"} 3"), "{text}");
+        assert!(text.contains("quiver_shard_stalls_total{shard=\"0\",task=\"connection\"} 0"), "{text}");
+        assert!(text.contains("quiver_shard_stall_duration_seconds_count 1"), "{text}");
+    }
+}
