@@ -2,13 +2,15 @@
 //!
 //! [`Codec`] turns requests into frames and frames into responses over plain
 //! byte buffers, with no runtime, so any event loop can embed it. [`Client`]
-//! drives it over one TCP connection, pipelines many requests, and enforces
-//! its own timeout on every call.
+//! drives it over one TCP connection (or TLS over it, for a server with
+//! `[tls]`), pipelines many requests, and enforces its own timeout on every
+//! call.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use crate::tls::{ClientTls, Stream};
 use crate::wire::{self, FrameError, RequestEncoder, RequestSpec, Response};
 
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +23,8 @@ pub enum ClientError {
     },
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    #[error("TLS to {addr}: {what}")]
+    Tls { addr: String, what: String },
     #[error("no response within {0:?}")]
     Timeout(Duration),
     #[error("the server closed the connection")]
@@ -67,7 +71,7 @@ impl Codec {
 
 /// A blocking client over one connection.
 pub struct Client {
-    stream: TcpStream,
+    stream: Stream,
     codec: Codec,
     rbuf: Vec<u8>,
     rfilled: usize,
@@ -78,6 +82,13 @@ pub struct Client {
 impl Client {
     /// Connects with `timeout` for the connection and for every later call.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Client, ClientError> {
+        Client::connect_with(addr, timeout, None)
+    }
+
+    /// [`Client::connect`], through TLS when `tls` is given; the handshake
+    /// completes here, within `timeout`, so a certificate problem is a
+    /// connect error.
+    pub fn connect_with(addr: &str, timeout: Duration, tls: Option<&ClientTls>) -> Result<Client, ClientError> {
         let err = |source| ClientError::Connect { addr: addr.into(), source };
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(err)?.collect();
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
@@ -85,6 +96,15 @@ impl Client {
             match TcpStream::connect_timeout(&a, timeout) {
                 Ok(stream) => {
                     stream.set_nodelay(true).map_err(err)?;
+                    let stream = match tls {
+                        None => Stream::Plain(stream),
+                        Some(tls) => {
+                            stream.set_read_timeout(Some(timeout)).map_err(err)?;
+                            stream.set_write_timeout(Some(timeout)).map_err(err)?;
+                            crate::tls::connect(stream, addr, tls)
+                                .map_err(|what| ClientError::Tls { addr: addr.into(), what })?
+                        }
+                    };
                     return Ok(Client {
                         stream,
                         codec: Codec::default(),
@@ -104,23 +124,24 @@ impl Client {
         self.timeout = timeout;
     }
 
-    /// The socket, for tests that need to misbehave on purpose.
+    /// The socket (under TLS, if any), for tests that need to misbehave on
+    /// purpose.
     pub fn stream(&mut self) -> &mut TcpStream {
-        &mut self.stream
+        self.stream.tcp_mut()
     }
 
     /// Sends one request without waiting for its response.
     pub fn send(&mut self, spec: &RequestSpec) -> Result<(), ClientError> {
         self.wbuf.clear();
         self.codec.encode(spec, &mut self.wbuf);
-        self.stream.set_write_timeout(Some(self.timeout))?;
+        self.stream.tcp().set_write_timeout(Some(self.timeout))?;
         self.stream.write_all(&self.wbuf).map_err(|e| self.timeout_or(e))?;
         Ok(())
     }
 
     /// Sends raw bytes: for tests of malformed input.
     pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
-        self.stream.set_write_timeout(Some(self.timeout))?;
+        self.stream.tcp().set_write_timeout(Some(self.timeout))?;
         self.stream.write_all(bytes).map_err(|e| self.timeout_or(e))?;
         Ok(())
     }
@@ -149,7 +170,7 @@ impl Client {
             if left.is_zero() {
                 return Err(ClientError::Timeout(self.timeout));
             }
-            self.stream.set_read_timeout(Some(left))?;
+            self.stream.tcp().set_read_timeout(Some(left))?;
             match self.stream.read(&mut self.rbuf[self.rfilled..]) {
                 Ok(0) if self.rfilled > 0 => return Err(ClientError::ClosedMidFrame),
                 Ok(0) => return Err(ClientError::Closed),

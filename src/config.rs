@@ -76,6 +76,8 @@ pub struct Config {
     pub replica_lock: bool,
     pub limits: Limits,
     pub reactor: ReactorConfig,
+    /// TLS on the scoring port (see the README's "TLS"); plain TCP without it.
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Default for Config {
@@ -109,6 +111,7 @@ impl Default for Config {
             replica_lock: false,
             limits: Limits::default(),
             reactor: ReactorConfig::default(),
+            tls: None,
         }
     }
 }
@@ -290,6 +293,9 @@ impl Config {
         config.drift.validate().map_err(ConfigError::Invalid)?;
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
+        }
+        if let Some(tls) = &config.tls {
+            tls.validate().map_err(ConfigError::Invalid)?;
         }
         Ok(config)
     }

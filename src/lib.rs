@@ -28,6 +28,7 @@ pub mod seeded;
 pub mod server;
 pub mod shard;
 pub mod shed;
+pub mod tls;
 pub mod wire;
 
 /// Start-up failures: anything that stops the server before it serves.

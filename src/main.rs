@@ -151,6 +151,45 @@ struct ServeArgs {
     /// empty Ok response, skipping lookup and model.
     #[arg(long)]
     floor: bool,
+    /// Speak TLS on the scoring port with this PEM certificate chain (and
+    /// --tls-key); sets `[tls] cert_file`.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's PEM private key; sets `[tls] key_file`.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+}
+
+/// How `score` and `bench` reach a scoring port that speaks TLS.
+#[derive(clap::Args)]
+struct ClientTlsArgs {
+    /// Speak TLS, trusting the system's CA certificates (or --tls-ca's).
+    #[arg(long)]
+    tls: bool,
+    /// PEM file of the CA (or the self-signed certificate) to trust; implies --tls.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate chain and key (PEM), for a server with `tls.client_ca_file`.
+    #[arg(long, requires = "tls_client_key")]
+    tls_client_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_client_cert")]
+    tls_client_key: Option<PathBuf>,
+    /// The name the server's certificate must carry; default: the host of --addr.
+    #[arg(long)]
+    tls_server_name: Option<String>,
+}
+
+impl ClientTlsArgs {
+    fn settings(&self) -> Option<quiver::tls::ClientTls> {
+        let wanted =
+            self.tls || self.tls_ca.is_some() || self.tls_client_cert.is_some() || self.tls_server_name.is_some();
+        wanted.then(|| quiver::tls::ClientTls {
+            ca_file: self.tls_ca.clone(),
+            cert_file: self.tls_client_cert.clone(),
+            key_file: self.tls_client_key.clone(),
+            server_name: self.tls_server_name.clone(),
+        })
+    }
 }
 
 #[derive(clap::Args)]
@@ -181,6 +220,8 @@ struct ScoreArgs {
     /// Client-side timeout.
     #[arg(long, default_value = "2s", value_parser = loadgen::parse_duration)]
     timeout: Duration,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -242,6 +283,8 @@ struct BenchArgs {
     /// Write the percentile distribution (HdrHistogram .hgrm text).
     #[arg(long)]
     percentiles: Option<PathBuf>,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -519,6 +562,16 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     if let Some(url) = args.redis {
         config.feed.get_or_insert_with(Default::default).redis = url;
     }
+    if let (Some(cert_file), Some(key_file)) = (args.tls_cert, args.tls_key) {
+        let tls = config.tls.get_or_insert_with(|| quiver::tls::ServerTls {
+            cert_file: PathBuf::new(),
+            key_file: PathBuf::new(),
+            client_ca_file: None,
+            handshake_timeout_ms: quiver::tls::HANDSHAKE_TIMEOUT_MS_DEFAULT,
+        });
+        tls.cert_file = cert_file;
+        tls.key_file = key_file;
+    }
     if args.demo {
         demo::ensure(&config.data_dir)?;
     }
@@ -531,7 +584,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     }
     quiver::server::run(config, stop, |event| match event {
         quiver::server::Event::Listening { what, addr } => println!("quiver {what} on {addr}"),
-        quiver::server::Event::Serving { addr, shards } => println!("quiver listening on {addr} with {shards} shards"),
+        quiver::server::Event::Serving { addr, shards, tls } => {
+            println!("quiver listening on {addr} with {shards} shards{}", if tls { " (TLS)" } else { "" })
+        }
     })?;
     Ok(ExitCode::SUCCESS)
 }
@@ -549,7 +604,8 @@ fn score(args: ScoreArgs) -> Result<ExitCode, Error> {
         context_ids: args.context_ids,
     };
     let started = Instant::now();
-    let result = Client::connect(&args.addr, args.timeout).and_then(|mut c| c.score(&spec));
+    let tls = args.tls.settings();
+    let result = Client::connect_with(&args.addr, args.timeout, tls.as_ref()).and_then(|mut c| c.score(&spec));
     let rtt_us = started.elapsed().as_micros() as u64;
     let resp = match result {
         Ok(r) => r,
@@ -646,6 +702,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
             Some(mix) => loadgen::parse_priority_mix(mix).map_err(Error::Setup)?,
             None => Vec::new(),
         },
+        tls: args.tls.settings(),
     };
     let write_files = |rec: &loadgen::Recording| -> Result<(), Error> {
         let io = |p: &PathBuf, e: std::io::Error| Error::Setup(format!("{}: {e}", p.display()));
@@ -794,6 +851,9 @@ fn stats(admin: &str, interval: Duration, count: u64, token_file: Option<&std::p
         }
         if s.admission_wrong_source > 0 {
             println!("refused for a client_id bound to other networks: {}", s.admission_wrong_source);
+        }
+        if s.tls_handshakes + s.tls_handshake_failures > 0 {
+            println!("TLS handshakes: {} completed, {} failed", s.tls_handshakes, s.tls_handshake_failures);
         }
         let stalls: u64 = s.stalls_by_task.values().sum();
         if stalls > 0 {

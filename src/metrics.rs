@@ -496,6 +496,10 @@ pub struct Counters {
     pub stalls_by_task: [u64; STALL_TASKS],
     /// Requests refused for naming a client bound to other source networks.
     pub admission_wrong_source: u64,
+    /// TLS handshakes of the scoring port completed, and failed (a bad or
+    /// untrusted certificate, a plain-TCP client, a stalled handshake).
+    pub tls_handshakes: u64,
+    pub tls_handshake_failures: u64,
 }
 
 impl Counters {
@@ -523,6 +527,8 @@ impl Counters {
         }
         self.shed_level_milli = self.shed_level_milli.max(other.shed_level_milli);
         self.admission_wrong_source += other.admission_wrong_source;
+        self.tls_handshakes += other.tls_handshakes;
+        self.tls_handshake_failures += other.tls_handshake_failures;
         for (a, b) in self.stalls_by_task.iter_mut().zip(&other.stalls_by_task) {
             *a += b;
         }

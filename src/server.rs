@@ -31,8 +31,9 @@ use crate::{feed, Error};
 pub enum Event {
     /// An admin listener (`what`: "admin" or "metrics") is bound.
     Listening { what: &'static str, addr: SocketAddr },
-    /// Every shard listens on `addr`: requests are served from now on.
-    Serving { addr: SocketAddr, shards: usize },
+    /// Every shard listens on `addr`: requests are served from now on,
+    /// over TLS when `tls`.
+    Serving { addr: SocketAddr, shards: usize, tls: bool },
 }
 
 type Features = (Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>);
@@ -72,6 +73,14 @@ fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Er
 /// Serves `config` until `stop` is set; `on_event` hears of each listener
 /// as it binds. Returns each shard's report once everything has stopped.
 pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event)) -> Result<Vec<ShardReport>, Error> {
+    // First, so a certificate problem is told before anything else starts.
+    let tls = match &config.tls {
+        None => None,
+        Some(t) => Some(shard::ListenerTls {
+            config: crate::tls::server_config(t).map_err(|e| Error::Setup(format!("[tls]: {e}")))?,
+            handshake_timeout: Duration::from_millis(t.handshake_timeout_ms),
+        }),
+    };
     // The cores `taskset` (or a cgroup) allows; shards default to one each.
     let allowed = crate::cores::allowed();
     let cores: Vec<usize> = if !config.cores.is_empty() {
@@ -229,12 +238,19 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let listen = shard::resolve_listen(&config.listen)?;
 
     let shards = cores.len();
-    let placement =
-        ShardPlacement { listen, cores, not_ready: config.not_ready, reactor: config.reactor.clone(), stage_shares };
+    let serves_tls = tls.is_some();
+    let placement = ShardPlacement {
+        listen,
+        cores,
+        not_ready: config.not_ready,
+        reactor: config.reactor.clone(),
+        stage_shares,
+        tls,
+    };
     let reports = shard::serve(shared, placement, publishers, stage_ends, stop, |addr| {
         readiness.set(true);
-        tracing::info!(%addr, shards, "serving");
-        on_event(Event::Serving { addr, shards });
+        tracing::info!(%addr, shards, tls = serves_tls, "serving");
+        on_event(Event::Serving { addr, shards, tls: serves_tls });
     })?;
     collector.join();
     for a in admins {

@@ -4,122 +4,30 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::pki::Pki;
 use common::redis::{free_port, RedisServer};
 use common::{demo_dir, run_quiver, scratch, Server};
 use quiver::feed::{Publisher, RedisConfig, RedisConn};
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl").current_dir(dir).args(args).output().unwrap_or_else(|e| {
-        panic!("openssl is needed for the TLS tests (apt-get install openssl): {e}");
-    });
-    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-/// `openssl req` with a new P-256 key written to `{prefix}.key`, the rest of
-/// the arguments after.
-fn req_with_new_key(dir: &Path, prefix: &str, rest: &[&str]) {
-    let key = format!("{prefix}.key");
-    let mut args = vec!["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", &key];
-    args.extend_from_slice(rest);
-    openssl(dir, &args);
-}
-
-/// A self-signed CA named `name` in `dir`: `{name}.crt`, `{name}.key`.
-fn make_ca(dir: &Path, name: &str) {
-    let (crt, subject) = (format!("{name}.crt"), format!("/CN={name}"));
-    req_with_new_key(
-        dir,
-        name,
-        &[
-            "-x509",
-            "-out",
-            &crt,
-            "-days",
-            "2",
-            "-subj",
-            &subject,
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ],
-    );
-}
-
-/// A certificate for `cn` signed by the CA `ca`, with the extensions in
-/// `ext`: `{prefix}.crt`, `{prefix}.key`.
-fn make_cert(dir: &Path, ca: &str, prefix: &str, cn: &str, ext: &str) {
-    let (csr, subject) = (format!("{prefix}.csr"), format!("/CN={cn}"));
-    req_with_new_key(dir, prefix, &["-out", &csr, "-subj", &subject]);
-    std::fs::write(dir.join(format!("{prefix}.ext")), ext).unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &format!("{ca}.crt"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-out",
-            &format!("{prefix}.crt"),
-            "-days",
-            "2",
-            "-extfile",
-            &format!("{prefix}.ext"),
-        ],
-    );
-}
-
-struct Pki {
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn new(name: &str) -> Pki {
-        let dir = scratch(name);
-        make_ca(&dir, "ca");
-        make_ca(&dir, "other-ca");
-        make_cert(
-            &dir,
-            "ca",
-            "server",
-            "localhost",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-        );
-        make_cert(&dir, "ca", "client", "quiver", "extendedKeyUsage=clientAuth\n");
-        Pki { dir }
-    }
-
-    fn path(&self, f: &str) -> String {
-        self.dir.join(f).display().to_string()
-    }
-
-    /// A redis-server with a plain port (for the harness) and a TLS port.
-    fn redis(&self, auth_clients: &str) -> (RedisServer, u16) {
-        let tls_port = free_port().to_string();
-        let (cert, key, ca) = (self.path("server.crt"), self.path("server.key"), self.path("ca.crt"));
-        let args = [
-            "--tls-port",
-            tls_port.as_str(),
-            "--tls-cert-file",
-            &cert,
-            "--tls-key-file",
-            &key,
-            "--tls-ca-cert-file",
-            &ca,
-            "--tls-auth-clients",
-            auth_clients,
-        ];
-        (RedisServer::start_opts(false, &args), tls_port.parse().unwrap())
-    }
+/// A redis-server with a plain port (for the harness) and a TLS port.
+fn tls_redis(pki: &Pki, auth_clients: &str) -> (RedisServer, u16) {
+    let tls_port = free_port().to_string();
+    let (cert, key, ca) = (pki.path("server.crt"), pki.path("server.key"), pki.path("ca.crt"));
+    let args = [
+        "--tls-port",
+        tls_port.as_str(),
+        "--tls-cert-file",
+        &cert,
+        "--tls-key-file",
+        &key,
+        "--tls-ca-cert-file",
+        &ca,
+        "--tls-auth-clients",
+        auth_clients,
+    ];
+    (RedisServer::start_opts(false, &args), tls_port.parse().unwrap())
 }
 
 fn connect(url: &str) -> Result<RedisConn, String> {
@@ -132,7 +40,7 @@ fn connect(url: &str) -> Result<RedisConn, String> {
 #[test]
 fn the_feed_follows_redis_over_tls_and_refuses_what_it_cannot_verify() {
     let pki = Pki::new("feed-tls");
-    let (redis, port) = pki.redis("optional");
+    let (redis, port) = tls_redis(&pki, "optional");
     let url = format!("rediss://localhost:{port}?ca={}", pki.path("ca.crt"));
 
     // The publisher and the CLI speak TLS.
@@ -174,7 +82,7 @@ fn the_feed_follows_redis_over_tls_and_refuses_what_it_cannot_verify() {
     drop(redis);
 
     // What cannot be verified is refused at connect, saying why.
-    let (redis, port) = pki.redis("optional");
+    let (redis, port) = tls_redis(&pki, "optional");
     let wrong_ca = format!("rediss://localhost:{port}?ca={}", pki.path("other-ca.crt"));
     let err = connect(&wrong_ca).err().expect("a wrong CA is refused");
     assert!(err.contains("TLS") && err.contains("UnknownIssuer"), "{err}");
@@ -195,7 +103,7 @@ fn the_feed_follows_redis_over_tls_and_refuses_what_it_cannot_verify() {
     drop(redis);
 
     // A server that verifies clients takes only a client with a certificate.
-    let (_redis, port) = pki.redis("yes");
+    let (_redis, port) = tls_redis(&pki, "yes");
     let bare = format!("rediss://localhost:{port}?ca={}", pki.path("ca.crt"));
     assert!(connect(&bare).is_err(), "no client certificate");
     let with_cert = format!("{bare}&cert={}&key={}", pki.path("client.crt"), pki.path("client.key"));

@@ -2,7 +2,8 @@
 //! request frames, model files, replica files, ONNX import (bytes, and graph
 //! structure: `onnx_graphs`), tree models
 //! (LightGBM text, XGBoost JSON), `.npy` calibration files, RESP replies,
-//! TOML config, admin routes, and raw HTTP bytes at a live admin listener.
+//! TOML config, admin routes, raw HTTP bytes at a live admin listener, and
+//! ClientHellos at a live TLS scoring port.
 //!
 //! Stable Rust has no coverage-guided fuzzer here, so each target starts
 //! from valid seeds and stacks random mutations (bit flips, interesting
@@ -803,4 +804,52 @@ fn admin_http_bytes() {
     let r = server.client().score(&common::demo_request(1, 1, vec![1, 2])).unwrap();
     assert_eq!(r.status, quiver::wire::Status::Ok, "and the server still scores");
     assert_eq!(common::http_get(&format!("http://{admin}/readyz")).0, 200, "no fuzzed request drained it");
+}
+
+/// Mutated ClientHellos (and whatever else mutation makes of them) at a live
+/// server whose scoring port speaks TLS: each input is a connection that
+/// sends its bytes and hangs up. Afterwards the server still completes real
+/// handshakes and scores. A fiftieth of the inputs.
+#[test]
+fn tls_client_hellos() {
+    use std::io::{Read, Write};
+    let pki = common::pki::Pki::new("fuzz-tls");
+    let server = common::Server::start(&[
+        "--shards",
+        "1",
+        "--tls-cert",
+        &pki.path("server.crt"),
+        "--tls-key",
+        &pki.path("server.key"),
+    ]);
+    let tls = quiver::tls::ClientTls { ca_file: Some(pki.dir.join("ca.crt")), ..Default::default() };
+    let config = quiver::tls::client_config(&tls).unwrap();
+    let seeds: Vec<Vec<u8>> = ["localhost", "127.0.0.1"]
+        .iter()
+        .map(|name| {
+            let name = rustls::pki_types::ServerName::try_from(name.to_string()).unwrap();
+            let mut conn = rustls::ClientConnection::new(config.clone(), name).unwrap();
+            let mut hello = Vec::new();
+            conn.write_tls(&mut hello).unwrap();
+            hello
+        })
+        .collect();
+    let addr = server.addr.clone();
+    fuzz_scaled("tls_client_hellos", seeds, 16 * MIB, 50, &|bytes, _, _| {
+        let Ok(mut s) = std::net::TcpStream::connect(&addr) else {
+            panic!("the TLS listener stopped accepting");
+        };
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let _ = s.write_all(bytes);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut sink = [0u8; 4096];
+        while let Ok(n) = s.read(&mut sink) {
+            if n == 0 {
+                break;
+            }
+        }
+    });
+    let mut c = quiver::client::Client::connect_with(&server.addr, Duration::from_secs(10), Some(&tls)).unwrap();
+    let r = c.score(&common::demo_request(1, 1, vec![1, 2])).unwrap();
+    assert_eq!(r.status, quiver::wire::Status::Ok, "the server still completes handshakes and scores");
 }

@@ -80,6 +80,7 @@ fn options(addr: String, rate: Option<f64>) -> BenchOptions {
         zipf: None,
         budget_us: 0,
         priority_mix: Vec::new(),
+        tls: None,
     }
 }
 

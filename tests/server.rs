@@ -490,7 +490,8 @@ fn the_library_runs_a_server_in_process_until_stopped() {
     let mut events = Vec::new();
     let addr = loop {
         match rx.recv_timeout(Duration::from_secs(30)).expect("the server starts") {
-            Event::Serving { addr, shards } => {
+            Event::Serving { addr, shards, tls } => {
+                assert!(!tls);
                 assert_eq!(shards, 1);
                 break addr;
             }

@@ -40,6 +40,7 @@ fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)
         // The server's default budget (10 ms).
         budget_us: 0,
         priority_mix: mix,
+        tls: None,
     }
 }
 

@@ -203,6 +203,22 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 MetricType::Counter,
             )?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.admission_wrong_source, None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_tls_handshakes",
+                "TLS handshakes completed on the scoring port.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.tls_handshakes, None)?;
+        encoder
+            .encode_descriptor(
+                "quiver_tls_handshake_failures",
+                "TLS handshakes on the scoring port that failed or timed out.",
+                None,
+                MetricType::Counter,
+            )?
+            .encode_counter::<NoLabelSet, _, u64>(&m.counters.tls_handshake_failures, None)?;
         if let Some(feed) = readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }

@@ -85,6 +85,11 @@ pub struct Stats {
     pub stale_responses: u64,
     /// Requests refused for naming a client bound to other source networks.
     pub admission_wrong_source: u64,
+    /// TLS handshakes of the scoring port completed, and failed.
+    #[serde(default)]
+    pub tls_handshakes: u64,
+    #[serde(default)]
+    pub tls_handshake_failures: u64,
     /// Per feature group, when the replicas are fed from Redis.
     pub feed: Vec<FeedGroupStats>,
     /// Score and input drift per calibrated version served.
@@ -136,6 +141,8 @@ pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig
         features_missing: m.counters.features_missing,
         stale_responses: m.counters.stale_responses,
         admission_wrong_source: m.counters.admission_wrong_source,
+        tls_handshakes: m.counters.tls_handshakes,
+        tls_handshake_failures: m.counters.tls_handshake_failures,
         feed: readiness.feed().map_or_else(Vec::new, |f| {
             let now_ns = MonotonicClock::new().now_ns();
             f.groups

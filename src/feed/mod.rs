@@ -1,6 +1,7 @@
 //! The Redis feed: how features get into Redis, the source of truth replicas follow.
 //!
-//! - [`resp`]: a blocking RESP2 connection (the only code that speaks the wire format);
+//! - [`resp`]: a blocking RESP2 connection (the only code that speaks the wire format),
+//!   through `crate::tls` for `rediss://`;
 //! - [`contract`]: the key and stream layout writers and replicas agree on, and the
 //!   [`contract::Publisher`] that writes through the atomic publish script;
 //! - [`load`]: the bulk loader behind `quiver features load`;
@@ -9,7 +10,6 @@
 //! - [`refresher`]: the thread that keeps each replica equal to Redis (full
 //!   sync, stream replay, resync on gaps), and [`start`], which opens,
 //!   repairs or first syncs the replicas before serving;
-//! - [`tls`]: `rediss://`, rustls over the blocking connection;
 //! - [`status`]: the atomics through which the refresher reports position and
 //!   staleness to shards and the admin endpoint.
 
@@ -21,7 +21,6 @@ pub mod resp;
 pub mod start;
 pub mod status;
 pub mod sync;
-pub mod tls;
 
 pub use config::FeedConfig;
 pub use contract::{ContractError, PublishError, Publisher};

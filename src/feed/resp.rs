@@ -17,7 +17,7 @@ use redis_protocol::resp2::encode::encode_borrowed;
 use redis_protocol::resp2::types::{BorrowedFrame, OwnedFrame};
 use serde::Deserialize;
 
-use super::tls::{self, RedisTls, Stream};
+use crate::tls::{self, ClientTls, Stream};
 
 /// The largest reply accepted. A longer reply (or a length prefix announcing one) is a protocol
 /// error: far beyond any sane feature read, and it keeps a confused or hostile peer from making
@@ -55,7 +55,7 @@ pub struct RedisConfig {
     pub io_timeout_ms: u64,
     /// TLS (`rediss://`); `None` is plain TCP.
     #[serde(default)]
-    pub tls: Option<RedisTls>,
+    pub tls: Option<ClientTls>,
 }
 
 fn default_connect_timeout_ms() -> u64 {
@@ -106,7 +106,7 @@ impl RedisConfig {
 
     /// Parses `redis://[user:password@]host[:port][/db]`; the port defaults to 6379. User and
     /// password may be percent-encoded (a password holding `@` or `/` must be). `rediss://` is
-    /// TLS, with optional `?ca=FILE&cert=FILE&key=FILE&sni=NAME` (see [`RedisTls`]).
+    /// TLS, with optional `?ca=FILE&cert=FILE&key=FILE&sni=NAME` (see [`ClientTls`]).
     pub fn from_url(url: &str) -> Result<RedisConfig, UrlError> {
         let bad = |what: &str| UrlError { url: redact_url(url), what: what.into() };
         let (tls, rest) = match url.split_once("://") {
@@ -122,7 +122,7 @@ impl RedisConfig {
             (false, Some(_)) => return Err(bad("query strings are only for rediss:// (TLS options)")),
             (false, None) => None,
             (true, query) => {
-                let mut t = RedisTls::default();
+                let mut t = ClientTls::default();
                 for kv in query.unwrap_or("").split('&').filter(|kv| !kv.is_empty()) {
                     let (k, v) = kv.split_once('=').ok_or_else(|| bad(&format!("'{kv}' is not key=value")))?;
                     let v = percent_decode(v).ok_or_else(|| bad(&format!("bad percent-encoding in '{k}'")))?;
@@ -358,8 +358,7 @@ impl RedisConn {
         let stream = match &config.tls {
             None => Stream::Plain(stream),
             Some(tls) => {
-                let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
-                tls::connect(stream, host, tls).map_err(|what| RedisError::Tls { addr: addr.clone(), what })?
+                tls::connect(stream, &addr, tls).map_err(|what| RedisError::Tls { addr: addr.clone(), what })?
             }
         };
         let mut conn = RedisConn {
@@ -826,7 +825,7 @@ mod tests {
         assert_eq!((c.addr.as_str(), c.db), ("h:6380", 1));
         assert_eq!(tls.ca_file.as_deref(), Some(std::path::Path::new("/etc/ca file.pem")));
         assert_eq!((tls.server_name.as_deref(), tls.cert_file), (Some("r.example"), None));
-        assert_eq!(RedisConfig::from_url("rediss://h").unwrap().tls, Some(RedisTls::default()));
+        assert_eq!(RedisConfig::from_url("rediss://h").unwrap().tls, Some(ClientTls::default()));
         assert_eq!(RedisConfig::from_url("redis://h").unwrap().tls, None);
 
         for bad in [

@@ -23,21 +23,25 @@
 //! With a priority mix (`--priority-mix 0:0.75,9:0.25`) each request draws
 //! its priority from the mix (seeded), and the report breaks latency and
 //! statuses down by priority, to see what load shedding keeps for whom.
+//!
+//! With `tls` the connections speak TLS to a server with `[tls]`
+//! (`transport`), so its cost is measured by the same schedule.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{ClientError, Codec};
+use crate::client::Codec;
 use crate::demo::{SplitMix64, Workload};
 use crate::wire::{status_name, tier_name, RequestSpec, Status};
 
 pub mod resp;
+mod transport;
+
+use transport::Transport;
 
 /// Most requests one run may schedule, so a typo in `--rate` cannot run away.
 pub const REQUESTS_MAX: u64 = 100_000_000;
@@ -90,6 +94,8 @@ pub struct BenchOptions {
     pub budget_us: u32,
     /// (priority, share) pairs, shares summing to 1; empty sends priority 0.
     pub priority_mix: Vec<(u8, f64)>,
+    /// Speak TLS to the server (Quiver with `[tls]`).
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -238,7 +244,7 @@ pub fn histogram() -> Histogram<u64> {
 }
 
 struct Conn {
-    stream: TcpStream,
+    stream: Transport,
     wbuf: Vec<u8>,
     wsent: usize,
     rbuf: Vec<u8>,
@@ -264,11 +270,14 @@ fn process_cpu_s() -> f64 {
     ticks / 100.0
 }
 
-fn connect(addr: &str) -> Result<TcpStream, ClientError> {
-    let s = TcpStream::connect(addr).map_err(|source| ClientError::Connect { addr: addr.into(), source })?;
-    s.set_nodelay(true)?;
-    s.set_nonblocking(true)?;
-    Ok(s)
+/// The TLS every connection of a run uses, built once.
+fn tls_of(opts: &BenchOptions) -> Result<Option<transport::Tls>, String> {
+    let Some(tls) = &opts.tls else {
+        return Ok(None);
+    };
+    let config = crate::tls::client_config(tls).map_err(|e| format!("TLS: {e}"))?;
+    let name = crate::tls::server_name(&opts.addr, tls).map_err(|e| format!("TLS: {e}"))?;
+    Ok(Some(transport::Tls { config, name }))
 }
 
 struct Schedule {
@@ -321,9 +330,16 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         }
     }
     let fifo_cap = if opts.protocol == Protocol::Redis { IN_FLIGHT_MAX / n_conns + 1 } else { 0 };
+    let tls = match tls_of(opts) {
+        Ok(t) => t,
+        Err(e) => {
+            report.connection_errors.push(e);
+            return (report, rec);
+        }
+    };
     let mut conns = Vec::with_capacity(n_conns);
     for _ in 0..n_conns {
-        match connect(&opts.addr) {
+        match Transport::connect(&opts.addr, tls.as_ref()) {
             Ok(stream) => conns.push(Conn {
                 stream,
                 wbuf: Vec::with_capacity(64 * 1024),
@@ -441,7 +457,11 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
 
         for c in conns.iter_mut().filter(|c| !c.broken) {
             // Flush.
-            while c.wsent < c.wbuf.len() {
+            if let Err(e) = c.stream.flush() {
+                report.connection_errors.push(e.to_string());
+                c.broken = true;
+            }
+            while !c.broken && c.wsent < c.wbuf.len() {
                 match c.stream.write(&c.wbuf[c.wsent..]) {
                     Ok(n) => {
                         c.wsent += n;

@@ -11,12 +11,17 @@
 //! write, repeat. A stream that cannot be split into frames (oversized or
 //! zero length prefix) gets one `BadRequest` response and is closed; any
 //! other bad request is answered and the connection goes on.
+//!
+//! With `[tls]`, a connection first completes a TLS handshake (bounded by
+//! `tls.handshake_timeout_ms`) and is then served by the same rounds over
+//! the decrypted bytes (`tls`).
 
 mod balance;
 mod mailbox;
 mod shutdown;
 mod stall;
 mod stamped;
+mod tls;
 
 use std::cell::{Cell, RefCell};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -41,6 +46,7 @@ use balance::ShardBalance;
 use mailbox::{Mailbox, Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
 use stall::StallMeter;
+pub use tls::ListenerTls;
 
 /// The background task queue's shares against the default queue's 1000.
 const BACKGROUND_SHARES: usize = 50;
@@ -84,6 +90,8 @@ pub struct ShardPlacement {
     /// spins (not before parking, not waiting for completions): each cycle
     /// it spins is one the stage cannot use to answer it.
     pub stage_shares: Vec<usize>,
+    /// The scoring port speaks TLS only, with this configuration.
+    pub tls: Option<ListenerTls>,
 }
 
 /// Resolves `listen`; a port of 0 is replaced by a free port, which every
@@ -130,6 +138,7 @@ pub fn serve(
         let stall_threshold_us = placement.reactor.stall_threshold_us;
         let socket_wait_every_reads = placement.reactor.socket_wait_every_reads;
         let shares_stage = placement.stage_shares.contains(&core);
+        let tls = placement.tls.clone();
         let spin_us = if shares_stage { 0 } else { placement.reactor.spin_before_park_us };
         let handle = LocalExecutorBuilder::new(Placement::Fixed(core))
             .name(&format!("quiver-shard-{shard}"))
@@ -144,6 +153,7 @@ pub fn serve(
                     stall_threshold_us,
                     socket_wait_every_reads,
                     shares_stage,
+                    tls,
                 };
                 run_shard(place, shared, (publisher, balance), stage, stop, bound_tx).await
             })
@@ -188,6 +198,7 @@ struct ShardPlace {
     socket_wait_every_reads: u32,
     /// The inference thread runs on this shard's core too.
     shares_stage: bool,
+    tls: Option<ListenerTls>,
 }
 
 async fn run_shard(
@@ -198,7 +209,7 @@ async fn run_shard(
     stop: Arc<AtomicBool>,
     bound_tx: mpsc::Sender<Result<(), String>>,
 ) -> Result<ShardReport, String> {
-    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_wait_every_reads, shares_stage } =
+    let ShardPlace { shard, core, listen, not_ready, stall_threshold_us, socket_wait_every_reads, shares_stage, tls } =
         place;
     let stalls = Rc::new(StallMeter::new(stall_threshold_us));
     let limits = shared.limits.clone();
@@ -377,6 +388,7 @@ async fn run_shard(
         active: active.clone(),
         balance: balance.clone(),
         shadow_wanted: shadow_wanted.clone(),
+        tls,
     });
     // Sockets other shards handed over, adopted on a slow tick: connection
     // set-up is not latency-critical.
@@ -544,6 +556,7 @@ struct Conns {
     balance: Rc<ShardBalance>,
     /// Wakes the shard's shadow task.
     shadow_wanted: Rc<Notify>,
+    tls: Option<ListenerTls>,
 }
 
 impl Conns {
@@ -565,13 +578,53 @@ impl Conns {
     }
 }
 
+/// A connection's bytes: the socket's own, or decrypted from TLS.
+enum Transport {
+    Plain(TcpStream),
+    Tls(Box<tls::TlsStream>),
+}
+
+impl Transport {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Transport::Plain(s) => s,
+            Transport::Tls(s) => s.tcp(),
+        }
+    }
+
+    async fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match self {
+            Transport::Plain(s) => s.write_all(buf).await,
+            Transport::Tls(s) => s.write_all(buf).await,
+        }
+    }
+}
+
 /// One connection being served: what it needs is its shard's.
 struct Connection {
     shard: Rc<Conns>,
 }
 
 impl Connection {
-    async fn serve(self, mut stream: TcpStream) -> std::io::Result<()> {
+    async fn serve(self, stream: TcpStream) -> std::io::Result<()> {
+        stream.set_nodelay(true)?;
+        let mut stream = match &self.shard.tls {
+            None => Transport::Plain(stream),
+            Some(tls) => {
+                let handshake = self.handshake(stream, tls).await;
+                let mut path = self.shard.path.borrow_mut();
+                match handshake {
+                    Ok(s) => {
+                        path.counters.tls_handshakes += 1;
+                        Transport::Tls(Box::new(s))
+                    }
+                    Err(e) => {
+                        path.counters.tls_handshake_failures += 1;
+                        return Err(e);
+                    }
+                }
+            }
+        };
         let (id, mailbox) = self.shard.mailboxes.open();
         let result = self.serve_rounds(&mut stream, id, &mailbox).await;
         // Collect every response the stage still owes this connection (each
@@ -591,14 +644,30 @@ impl Connection {
         result
     }
 
+    /// A TLS handshake on `stream`, within the configured time.
+    async fn handshake(&self, stream: TcpStream, tls: &ListenerTls) -> std::io::Result<tls::TlsStream> {
+        let timeout = tls.handshake_timeout;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        futures_lite::future::or(tls::TlsStream::accept(stream, tls.config.clone()), async {
+            glommio::timer::sleep(timeout).await;
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))
+        })
+        .await
+    }
+
     /// Reads what the socket has, waiting for it if need be; with socket
     /// timestamps, also how long the newest bytes waited in the socket.
     async fn read(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut Transport,
         buf: &mut [u8],
         stamps: bool,
     ) -> std::io::Result<(usize, Option<u64>)> {
+        let stream = match stream {
+            Transport::Plain(s) => s,
+            Transport::Tls(s) => return s.read(buf).await.map(|n| (n, None)),
+        };
         let waited = |stamp: Option<u64>| stamp.map(|s| stamped::realtime_ns().saturating_sub(s));
         if !stamps || buf.len() < 2 {
             return stream.read(buf).await.map(|n| (n, None));
@@ -619,18 +688,18 @@ impl Connection {
         }
     }
 
-    async fn serve_rounds(&self, stream: &mut TcpStream, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
-        stream.set_nodelay(true)?;
+    async fn serve_rounds(&self, stream: &mut Transport, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         // Admission binds client ids to it; an unknown peer matches no network.
-        let source = stream.peer_addr().map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
+        let source = stream.tcp().peer_addr().map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
         let every = self.shard.socket_wait_every_reads;
-        let stamps = every > 0 && stamped::enable(stream).is_ok();
+        // The kernel's stamps would be of ciphertext: TLS reads go unstamped.
+        let stamps = every > 0 && matches!(stream, Transport::Plain(_)) && stamped::enable(stream.tcp()).is_ok();
         // How long the bytes of the last read waited in the socket, when it
         // was a stamped one; reads since the last stamped one.
         let mut socket_wait_ns: Option<u64> = None;
         let mut reads = 0u32;
-        stream.set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
-        stream.set_write_timeout(Some(Duration::from_millis(self.shard.limits.write_timeout_ms)))?;
+        stream.tcp().set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
+        stream.tcp().set_write_timeout(Some(Duration::from_millis(self.shard.limits.write_timeout_ms)))?;
         let frame_bytes_max = self.shard.limits.frame_bytes_max;
         let read_bytes_max = frame_bytes_max + FRAME_PREFIX_BYTES;
         let mut inbuf = vec![0u8; READ_BUFFER_BYTES_MIN.min(read_bytes_max)];

@@ -14,6 +14,7 @@ use quiver::model::{sigmoid, Model};
 use quiver::replica::Replica;
 use quiver::wire::RequestSpec;
 
+pub mod pki;
 pub mod redis;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_quiver");

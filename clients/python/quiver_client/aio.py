@@ -12,6 +12,7 @@ answer, if one comes, is dropped.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from .client import Address, parse_address
@@ -35,11 +36,21 @@ class AsyncClient:
     """An asyncio client of one node (``"host:port"``).
 
     ``timeout`` (seconds) bounds each call, connecting included; ``limits``
-    and ``as_numpy`` as for ``Client``. Use it from one event loop.
+    and ``as_numpy`` as for ``Client``; ``tls`` (an ``ssl.SSLContext``) speaks
+    TLS, the handshake part of connecting. Use it from one event loop.
     """
 
-    def __init__(self, addr: Address, *, timeout: float = 2.0, limits: Limits = DEFAULT_LIMITS, as_numpy: bool = False):
+    def __init__(
+        self,
+        addr: Address,
+        *,
+        timeout: float = 2.0,
+        limits: Limits = DEFAULT_LIMITS,
+        as_numpy: bool = False,
+        tls: Optional[ssl.SSLContext] = None,
+    ):
         self.addr = parse_address(addr)
+        self.tls = tls
         self.timeout = timeout
         self.limits = limits
         self.as_numpy = as_numpy
@@ -68,7 +79,9 @@ class AsyncClient:
         async with self._connect_lock:
             if self._writer is not None:
                 return
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.addr), self.timeout)
+            host, port = self.addr
+            opened = asyncio.open_connection(host, port, ssl=self.tls, server_hostname=host if self.tls else None)
+            reader, writer = await asyncio.wait_for(opened, self.timeout)
             self._writer = writer
             self._reader_task = asyncio.ensure_future(self._read_loop(reader, writer))
 

@@ -67,3 +67,24 @@ def singles(server):
     """Demo request i's answer when sent alone: the reference for pipelining."""
     with q.Client(server.addr) as c:
         return [c.score(demo_request(i)) for i in range(N)]
+
+
+@pytest.fixture(scope="session")
+def tls_cert(tmp_path_factory) -> Path:
+    """A self-signed certificate for 127.0.0.1 and localhost, its key beside it (``.key``)."""
+    d = tmp_path_factory.mktemp("tls")
+    crt, key = d / "server.crt", d / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-days", "2", "-keyout", str(key), "-out", str(crt), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-addext", "basicConstraints=critical,CA:FALSE"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return crt
+
+
+@pytest.fixture(scope="session")
+def tls_server(demo_dir, tmp_path_factory, tls_cert):
+    """``quiver serve --tls-cert/--tls-key``: the scoring port speaks TLS only."""
+    yield from _server(demo_dir, tmp_path_factory, "tls", "--tls-cert", str(tls_cert),
+                       "--tls-key", str(tls_cert.with_suffix(".key")))

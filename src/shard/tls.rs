@@ -1,0 +1,160 @@
+//! TLS on the scoring port: rustls's sans-IO server connection driven over
+//! a shard's own glommio stream, so a TLS connection is served by the same
+//! rounds as a plain one (read, answer every complete frame, one write).
+//!
+//! Ciphertext is handed to rustls only once the plaintext before it has
+//! been read, so rustls's received-plaintext buffer (one record) never
+//! overflows whatever a client pipelines, and nothing read from the socket
+//! is ever dropped. `read` is cancel-safe like a plain socket read (the
+//! connection races it against shutdown and deliveries): it only awaits the
+//! socket's own read and writes nothing. Records rustls queues meanwhile (a
+//! key update's answer) go out with the next `write_all`.
+//!
+//! The handshake's key exchange and signature run on the reactor: tens of
+//! microseconds of CPU once per connection, which bidders keep open.
+
+use std::io::{self, Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::TcpStream;
+
+/// TLS on the scoring port: the configuration every shard shares, built
+/// once at start-up, and the bound on one handshake.
+#[derive(Clone)]
+pub struct ListenerTls {
+    pub config: Arc<rustls::ServerConfig>,
+    pub handshake_timeout: Duration,
+}
+
+impl std::fmt::Debug for ListenerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerTls").field("handshake_timeout", &self.handshake_timeout).finish_non_exhaustive()
+    }
+}
+
+/// Ciphertext read from the socket at once: one largest TLS record.
+const CIPHER_IN_BYTES: usize = 16 * 1024 + 2048;
+
+/// A TLS connection over a shard's stream.
+pub(super) struct TlsStream {
+    tcp: TcpStream,
+    conn: rustls::ServerConnection,
+    /// Ciphertext read and not yet given to rustls: `cipher_in[start..end]`.
+    cipher_in: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// Records rustls produced, on their way to the socket.
+    cipher_out: Vec<u8>,
+}
+
+fn tls_error(e: rustls::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {e}"))
+}
+
+impl TlsStream {
+    /// Completes the server side of a handshake on `tcp`. A failure has
+    /// already sent its alert, when there was one to send.
+    pub(super) async fn accept(tcp: TcpStream, config: Arc<rustls::ServerConfig>) -> io::Result<TlsStream> {
+        let conn = rustls::ServerConnection::new(config).map_err(tls_error)?;
+        let mut s = TlsStream {
+            tcp,
+            conn,
+            cipher_in: vec![0u8; CIPHER_IN_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            cipher_out: Vec::with_capacity(CIPHER_IN_BYTES),
+        };
+        while s.conn.is_handshaking() {
+            if s.conn.wants_write() {
+                s.flush().await?;
+                continue;
+            }
+            match s.feed() {
+                Ok(true) => {}
+                Ok(false) => {
+                    if !s.fill().await? {
+                        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed during the TLS handshake"));
+                    }
+                }
+                Err(e) => {
+                    // rustls queued the alert that tells the client why.
+                    let _ = s.flush().await;
+                    return Err(e);
+                }
+            }
+        }
+        // The server's last flight (and any session tickets).
+        s.flush().await?;
+        Ok(s)
+    }
+
+    /// The socket underneath, for its options and timeouts.
+    pub(super) fn tcp(&self) -> &TcpStream {
+        &self.tcp
+    }
+
+    /// Reads plaintext; 0 when the client closed (with or without
+    /// `close_notify`).
+    pub(super) async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.conn.reader().read(buf) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            if !self.feed()? && !self.fill().await? {
+                return Ok(0);
+            }
+        }
+    }
+
+    /// Encrypts and writes all of `buf`, and whatever rustls had queued.
+    pub(super) async fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        let mut at = 0;
+        while at < buf.len() {
+            // rustls takes what fits its bounded send buffer; flushing
+            // empties it for the rest.
+            at += self.conn.writer().write(&buf[at..])?;
+            self.flush().await?;
+        }
+        self.flush().await
+    }
+
+    /// Gives buffered ciphertext to rustls, if the plaintext before it was
+    /// read; false when there was none to give.
+    fn feed(&mut self) -> io::Result<bool> {
+        if self.start == self.end {
+            return Ok(false);
+        }
+        let mut pending = &self.cipher_in[self.start..self.end];
+        let used = self.conn.read_tls(&mut pending)?;
+        if used == 0 {
+            // rustls refused bytes it had room for: stop rather than spin.
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "TLS: records left unread"));
+        }
+        self.start += used;
+        self.conn.process_new_packets().map_err(tls_error)?;
+        Ok(true)
+    }
+
+    /// Reads ciphertext from the socket into the empty buffer; false at end
+    /// of stream.
+    async fn fill(&mut self) -> io::Result<bool> {
+        debug_assert_eq!(self.start, self.end, "only an empty buffer is refilled");
+        let n = self.tcp.read(&mut self.cipher_in).await?;
+        self.start = 0;
+        self.end = n;
+        Ok(n > 0)
+    }
+
+    async fn flush(&mut self) -> io::Result<()> {
+        while self.conn.wants_write() {
+            self.cipher_out.clear();
+            self.conn.write_tls(&mut self.cipher_out)?;
+            self.tcp.write_all(&self.cipher_out).await?;
+        }
+        Ok(())
+    }
+}
