@@ -162,6 +162,7 @@ fn request_bench(c: &mut Criterion) {
             floor,
             readiness: Arc::new(Readiness::ready()),
             admission: Default::default(),
+            client_usage: Arc::new(quiver::admission::ClientUsage::new(&Default::default(), 1)),
             ladder: Default::default(),
             cache: Default::default(),
             shed: Default::default(),

@@ -16,7 +16,9 @@
 #     (`spin_before_park_us = 0`: otherwise each of a handshake's round trips
 #     adds the default 50 µs of spinning): the server's CPU per connection.
 #
-# Runs interleave (run 1 of every server, then run 2, ...). Writes one JSON
+# Each server runs only while it is measured (started, warmed up for 1 s,
+# measured, stopped), and runs interleave (run 1 of every server, then run
+# 2, ...). Writes one JSON
 # per run to $OUT, the medians to bench/results/tls_cost.json and their
 # table to bench/results/tls_cost.md (rendered into docs/BENCHMARKS.md by
 # bench/report.py).
@@ -53,9 +55,11 @@ openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 
     -addext "extendedKeyUsage=serverAuth" 2>/dev/null || die "openssl could not make a certificate"
 
 printf '[reactor]\nspin_before_park_us = 0\n' >"$data/nospin.toml"
+# Each server runs only while it is measured: idle servers on the same
+# core would wake it with their timers, into the others' tails.
 declare -A addr pid
-for server in $SERVERS $CONN_SERVERS; do
-    flags=()
+start_server() {
+    local server="$1" flags=()
     case "$server" in floor*) flags+=(--floor) ;; conn*) flags+=(--floor --config "$data/nospin.toml") ;; esac
     case "$server" in *-tls) flags+=(--tls-cert "$data/server.crt" --tls-key "$data/server.key") ;; esac
     taskset -c "$SERVER_CORE" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
@@ -64,7 +68,8 @@ for server in $SERVERS $CONN_SERVERS; do
     pid[$server]="$!"
     wait_listening "$data/$server.out" "$data/$server.log"
     addr[$server]="$listen_addr"
-done
+}
+stop_server() { kill -TERM "${pid[$1]}"; wait "${pid[$1]}" || true; }
 
 # CPU time of a process so far, in ns: the sum over its threads of the
 # scheduler's run time (/proc/PID/task/*/schedstat; clock ticks would be too
@@ -96,10 +101,10 @@ for _ in range(int(sys.argv[3])):
 PY
 }
 
-for server in $SERVERS; do gen "$server" --duration 1s --rate 5000 --json >/dev/null; done   # warm up
-
 for run in $(seq "$RUNS"); do
     for server in $SERVERS; do
+        start_server "$server"
+        gen "$server" --duration 1s --rate 5000 --json >/dev/null   # warm up
         f="$OUT/tls-$server-$run.json"
         before="$(cpu_ns "${pid[$server]}")"
         gen "$server" --duration "$DURATION" --pipeline 1 --json >"$data/closed.json"
@@ -133,8 +138,10 @@ cl = out["closed"]
 print(f"run {run} {server:>10}: closed {cl['achieved_rate']:>8.0f}/s {cl['server_cpu_us_per_request']:6.2f} µs CPU/request; "
       + "; ".join(f"{rate}/s p99 {o['p99_us']} µs" for rate, o in out["open"].items()), file=sys.stderr)
 PY
+        stop_server "$server"
     done
     for server in $CONN_SERVERS; do
+        start_server "$server"
         before="$(cpu_ns "${pid[$server]}")"
         start="$(date +%s.%N)"
         connections "$server"
@@ -150,6 +157,7 @@ out = {"server": server, "run": int(run), "connections": n,
 json.dump(out, open(f, "w"), indent=1, sort_keys=True)
 print(f"run {run} {server:>10}: {out['server_cpu_us_per_connection']:.0f} µs CPU a connection", file=sys.stderr)
 PY
+        stop_server "$server"
     done
 done
 
@@ -221,9 +229,9 @@ w(f"- A new connection costs the server {cp['cpu_us_per_connection']:,.0f} µs o
   "connections a run, opened one after another and closed at once, to two floor servers that park at once "
   "(`spin_before_park_us = 0`; with the default 50 µs each round trip of a handshake adds that much spinning). "
   "A cost bidders keeping their connections open pay once; a reconnect storm of N clients costs a shard N times it.")
-w("- The open-loop tails of one shard on this VM move between runs by more than TLS adds (see \"Tail latency "
-  "side by side with Redis\" above): read the p99 and p99.9 ratios as \"no worse within that noise\", and the "
-  "server's CPU per request as TLS's cost.")
+w("- The open-loop tails of one shard on this VM move between runs, in either direction, by more than TLS's CPU "
+  "cost could explain (see \"Tail latency side by side with Redis\" above): the p99 and p99.9 ratios here are "
+  "of medians of noisy runs and do not isolate TLS; the server's CPU per request does.")
 lost = sum(s.get("lost", 0) for s in S.values())
 errors = sum(s.get("errors", 0) for s in S.values())
 w(f"- Requests lost over all runs: {lost}; connection errors: {errors}.")

@@ -1,10 +1,16 @@
 //! Admission control: per-client token buckets, one set per shard.
 //!
 //! A request from a client over its rate gets `RateLimited` at once, before
-//! any lookup or scoring. Buckets are shard-local (no sharing, no locks); a
-//! client's configured rate is split evenly over the shards, since its
-//! connections spread over them by SO_REUSEPORT hashing. The table holds at
-//! most `clients_max` buckets; clients beyond that share one overflow bucket
+//! any lookup or scoring. Buckets are shard-local (no sharing, no locks on
+//! the request path). A configured client's rate holds for the client as a
+//! whole, however its connections spread over the shards: every few
+//! milliseconds, off the request path, each shard publishes how many
+//! requests named each configured client ([`ClientUsage`], one counter per
+//! shard and client, each written by its shard alone), reads the others',
+//! and sets its bucket to the client's rate times its share of the client's
+//! recent demand. The default limit of unconfigured clients (one bucket per
+//! source address) is split evenly over the shards. The table holds at most
+//! `clients_max` buckets; clients beyond that share one overflow bucket
 //! with the default rate, so memory stays bounded whatever ids clients send.
 //!
 //! `client_id` is a field the client fills in, so it is trusted only as far
@@ -16,6 +22,8 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -116,6 +124,13 @@ impl AdmissionConfig {
     /// limit that is not positive or a network that does not parse is an
     /// error.
     pub fn client_limits(&self) -> Result<HashMap<u32, Client>, String> {
+        if self.clients.len() > self.clients_max {
+            return Err(format!(
+                "admission.clients: {} clients configured, more than clients_max = {}",
+                self.clients.len(),
+                self.clients_max
+            ));
+        }
         self.clients
             .iter()
             .map(|(k, v)| {
@@ -158,9 +173,18 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn new(limit: ClientLimit, shards: usize, now_ns: u64) -> Bucket {
-        let burst = (limit.burst / shards as f64).max(1.0);
-        Bucket { tokens: burst, last_ns: now_ns, rate_per_ns: limit.rate_per_s / shards as f64 / 1e9, burst }
+    /// A bucket for `share` (0..=1) of `limit`.
+    fn new(limit: ClientLimit, share: f64, now_ns: u64) -> Bucket {
+        let burst = (limit.burst * share).max(1.0);
+        Bucket { tokens: burst, last_ns: now_ns, rate_per_ns: limit.rate_per_s * share / 1e9, burst }
+    }
+
+    /// Serves `share` of `limit` from now on, keeping what it holds up to
+    /// the new burst.
+    fn reshare(&mut self, limit: ClientLimit, share: f64) {
+        self.burst = (limit.burst * share).max(1.0);
+        self.rate_per_ns = limit.rate_per_s * share / 1e9;
+        self.tokens = self.tokens.min(self.burst);
     }
 
     fn take(&mut self, now_ns: u64) -> bool {
@@ -176,14 +200,6 @@ impl Bucket {
     }
 }
 
-/// Whose bucket a request spends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Key {
-    Client(u32),
-    /// Requests naming no configured client share their source's bucket.
-    Source(IpAddr),
-}
-
 /// What admission says of one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Admit {
@@ -194,52 +210,197 @@ pub enum Admit {
     WrongSource,
 }
 
+/// Smoothing of each shard's demand per exchange (an exponential moving
+/// average): at the watcher's 5 ms tick, demand that moved to another shard
+/// is followed within a few tens of milliseconds.
+const DEMAND_SMOOTHING: f64 = 0.2;
+/// Demand (requests/s) counted for every shard on top of its own: an idle
+/// client splits evenly, and a shard that starts seeing a client starts
+/// from a share above zero.
+const DEMAND_FLOOR_PER_S: f64 = 1.0;
+
+/// The one cross-thread part of admission: for each shard and configured
+/// client, how many requests named that client on that shard, published by
+/// the shard at each exchange (a plain store: each counter has one writer).
+#[derive(Debug)]
+pub struct ClientUsage {
+    shards: usize,
+    /// Configured client ids, sorted: the column of each.
+    ids: Vec<u32>,
+    /// `counts[shard * ids.len() + column]`.
+    counts: Box<[AtomicU64]>,
+    next_row: AtomicUsize,
+}
+
+impl ClientUsage {
+    /// `config` must have passed `client_limits` (the config loader checks it).
+    pub fn new(config: &AdmissionConfig, shards: usize) -> ClientUsage {
+        let mut ids: Vec<u32> =
+            config.client_limits().expect("admission config was validated at load").into_keys().collect();
+        ids.sort_unstable();
+        let shards = shards.max(1);
+        ClientUsage {
+            shards,
+            counts: (0..shards * ids.len()).map(|_| AtomicU64::new(0)).collect(),
+            ids,
+            next_row: AtomicUsize::new(0),
+        }
+    }
+
+    /// A row of counters for one shard; `None` once every shard has one
+    /// (only tests build more request paths than shards: those split rates
+    /// evenly instead).
+    fn join(&self) -> Option<usize> {
+        let row = self.next_row.fetch_add(1, Ordering::Relaxed);
+        (row < self.shards).then_some(row)
+    }
+}
+
+/// How a shard takes part in the exchange of configured clients' demand.
+struct Exchange {
+    usage: Arc<ClientUsage>,
+    /// This shard's row.
+    row: usize,
+    /// Requests that named each column's client here, since start.
+    demand: Vec<u64>,
+    /// `[shard * columns + column]`: each counter as last read, and the
+    /// smoothed demand it showed, in requests/s.
+    seen: Vec<u64>,
+    smoothed: Vec<f64>,
+    last_ns: Option<u64>,
+}
+
 /// One shard's buckets.
 pub struct Admission {
     config: AdmissionConfig,
-    clients: HashMap<u32, Client>,
+    /// Configured clients, with their column in the usage table.
+    clients: HashMap<u32, (Client, usize)>,
     shards: usize,
-    buckets: HashMap<Key, Bucket>,
+    /// This shard's share of each column's client's rate.
+    share: Vec<f64>,
+    exchange: Option<Exchange>,
+    /// Each configured client's bucket, by column, made at its first
+    /// request: a configured client always has its own.
+    client_buckets: Vec<Option<Bucket>>,
+    /// Requests naming no configured client share their source's bucket:
+    /// at most `clients_max` of them.
+    buckets: HashMap<IpAddr, Bucket>,
     overflow: Option<Bucket>,
 }
 
 impl Admission {
-    /// `config` must have passed `client_limits` (the config loader checks it).
-    pub fn new(config: AdmissionConfig, shards: usize) -> Admission {
-        let clients = config.client_limits().expect("admission config was validated at load");
-        let capacity = config.clients_max.min(clients.len() + 64);
-        Admission { config, clients, shards: shards.max(1), buckets: HashMap::with_capacity(capacity), overflow: None }
+    /// `config` must have passed `client_limits` (the config loader checks
+    /// it), and `usage` be built from it for `shards` shards.
+    pub fn new(config: AdmissionConfig, shards: usize, usage: Arc<ClientUsage>) -> Admission {
+        let shards = shards.max(1);
+        let limits = config.client_limits().expect("admission config was validated at load");
+        assert_eq!(limits.len(), usage.ids.len(), "the usage table is the config's");
+        let clients: HashMap<u32, (Client, usize)> = limits
+            .into_iter()
+            .map(|(id, c)| {
+                let column = usage.ids.binary_search(&id).expect("the usage table is the config's");
+                (id, (c, column))
+            })
+            .collect();
+        let columns = clients.len();
+        let exchange = usage.join().map(|row| Exchange {
+            row,
+            demand: vec![0; columns],
+            seen: vec![0; usage.shards * columns],
+            smoothed: vec![0.0; usage.shards * columns],
+            last_ns: None,
+            usage: usage.clone(),
+        });
+        let capacity = config.clients_max.min(64);
+        Admission {
+            config,
+            clients,
+            shards,
+            share: vec![1.0 / shards as f64; columns],
+            exchange,
+            client_buckets: vec![None; columns],
+            buckets: HashMap::with_capacity(capacity),
+            overflow: None,
+        }
+    }
+
+    /// Publishes this shard's demand for each configured client, reads the
+    /// other shards', and sets each client's bucket to this shard's share
+    /// of its recent demand. Off the request path: the shard's watcher
+    /// calls it every few milliseconds. O(shards × configured clients).
+    pub fn exchange(&mut self, now_ns: u64) {
+        let Some(x) = &mut self.exchange else {
+            return;
+        };
+        let columns = x.demand.len();
+        for (col, &d) in x.demand.iter().enumerate() {
+            x.usage.counts[x.row * columns + col].store(d, Ordering::Relaxed);
+        }
+        let Some(last_ns) = x.last_ns.replace(now_ns) else {
+            for (seen, count) in x.seen.iter_mut().zip(x.usage.counts.iter()) {
+                *seen = count.load(Ordering::Relaxed);
+            }
+            return;
+        };
+        let dt_s = now_ns.saturating_sub(last_ns) as f64 / 1e9;
+        if dt_s <= 0.0 {
+            return;
+        }
+        let shards = x.usage.shards;
+        for (col, &id) in x.usage.ids.iter().enumerate() {
+            let mut total = 0.0;
+            for s in 0..shards {
+                let k = s * columns + col;
+                let count = x.usage.counts[k].load(Ordering::Relaxed);
+                let rate = count.saturating_sub(x.seen[k]) as f64 / dt_s;
+                x.seen[k] = count;
+                x.smoothed[k] += DEMAND_SMOOTHING * (rate - x.smoothed[k]);
+                total += x.smoothed[k];
+            }
+            let mine = x.smoothed[x.row * columns + col];
+            let share = (mine + DEMAND_FLOOR_PER_S) / (total + shards as f64 * DEMAND_FLOOR_PER_S);
+            self.share[col] = share;
+            if let Some(b) = &mut self.client_buckets[col] {
+                b.reshare(self.clients[&id].0.limit, share);
+            }
+        }
     }
 
     /// Whether a request naming `client_id`, on a connection from `source`,
     /// may proceed at `now_ns`.
     pub fn admit(&mut self, client_id: u32, source: IpAddr, now_ns: u64) -> Admit {
-        let configured = self.clients.get(&client_id).map(|c| {
+        let configured = self.clients.get(&client_id).map(|(c, column)| {
             if c.from.is_empty() || c.from.iter().any(|n| n.contains(source)) {
-                Ok(c.limit)
+                Ok((c.limit, *column))
             } else {
                 Err(())
             }
         });
-        let (key, limit) = match configured {
-            Some(Ok(limit)) => (Key::Client(client_id), limit),
+        let even = 1.0 / self.shards as f64;
+        let taken = match configured {
+            Some(Ok((limit, column))) => {
+                if let Some(x) = &mut self.exchange {
+                    x.demand[column] += 1;
+                }
+                let share = self.share[column];
+                self.client_buckets[column].get_or_insert_with(|| Bucket::new(limit, share, now_ns)).take(now_ns)
+            }
             Some(Err(())) if self.config.on_mismatch == OnMismatch::Reject => return Admit::WrongSource,
-            _ => match self.config.default {
-                Some(l) => (Key::Source(source), l),
-                None => return Admit::Admitted,
-            },
-        };
-        let taken = if let Some(b) = self.buckets.get_mut(&key) {
-            b.take(now_ns)
-        } else if self.buckets.len() < self.config.clients_max {
-            let mut b = Bucket::new(limit, self.shards, now_ns);
-            let ok = b.take(now_ns);
-            self.buckets.insert(key, b);
-            ok
-        } else {
-            let shards = self.shards;
-            let default = self.config.default.unwrap_or(limit);
-            self.overflow.get_or_insert_with(|| Bucket::new(default, shards, now_ns)).take(now_ns)
+            _ => {
+                let Some(limit) = self.config.default else {
+                    return Admit::Admitted;
+                };
+                if let Some(b) = self.buckets.get_mut(&source) {
+                    b.take(now_ns)
+                } else if self.buckets.len() < self.config.clients_max {
+                    let mut b = Bucket::new(limit, even, now_ns);
+                    let ok = b.take(now_ns);
+                    self.buckets.insert(source, b);
+                    ok
+                } else {
+                    self.overflow.get_or_insert_with(|| Bucket::new(limit, even, now_ns)).take(now_ns)
+                }
+            }
         };
         if taken {
             Admit::Admitted
@@ -272,13 +433,78 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn admission(cfg: AdmissionConfig, shards: usize) -> Admission {
+        let usage = Arc::new(ClientUsage::new(&cfg, shards));
+        Admission::new(cfg, shards, usage)
+    }
+
+    /// `shards` shards sharing one usage table; each offers client 7
+    /// `offered_per_s[shard]` requests/s (evenly spaced) for `seconds`, and
+    /// exchanges every 5 ms. Returns what each admitted.
+    fn run_shards(offered_per_s: &[f64], seconds: f64) -> Vec<u64> {
+        let cfg = config();
+        let usage = Arc::new(ClientUsage::new(&cfg, offered_per_s.len()));
+        let mut shards: Vec<Admission> =
+            offered_per_s.iter().map(|_| Admission::new(cfg.clone(), offered_per_s.len(), usage.clone())).collect();
+        let mut admitted = vec![0u64; shards.len()];
+        let mut next_ns: Vec<f64> = vec![0.0; shards.len()];
+        let step_ns = 50_000u64;
+        let end_ns = (seconds * 1e9) as u64;
+        let mut t = 0;
+        while t < end_ns {
+            for (i, a) in shards.iter_mut().enumerate() {
+                while offered_per_s[i] > 0.0 && next_ns[i] <= t as f64 {
+                    admitted[i] += u64::from(a.admit(7, ip("127.0.0.1"), t) == Admit::Admitted);
+                    next_ns[i] += 1e9 / offered_per_s[i];
+                }
+                if t % 5_000_000 == 0 {
+                    a.exchange(t);
+                }
+            }
+            t += step_ns;
+        }
+        admitted
+    }
+
+    #[test]
+    fn a_clients_rate_holds_across_shards_however_its_demand_spreads() {
+        // Client 7: 1,000/s, burst 10. Two seconds, 4,000/s offered.
+        let want = 2_000.0 + 10.0;
+        for offered in [vec![4_000.0, 0.0], vec![2_000.0, 2_000.0], vec![3_500.0, 500.0], vec![1_000.0; 4]] {
+            let admitted = run_shards(&offered, 2.0);
+            let total: u64 = admitted.iter().sum();
+            assert!((total as f64 - want).abs() <= 0.05 * want, "{offered:?}: {admitted:?} admitted");
+        }
+        // A client under its rate is never refused, whichever shard it uses.
+        let admitted = run_shards(&[400.0, 200.0], 2.0);
+        assert!(admitted[0] >= 799 && admitted[1] >= 399, "{admitted:?}");
+    }
+
+    #[test]
+    fn more_request_paths_than_shards_split_evenly() {
+        let cfg = config();
+        let usage = Arc::new(ClientUsage::new(&cfg, 1));
+        let _first = Admission::new(cfg.clone(), 1, usage.clone());
+        let mut second = Admission::new(cfg, 2, usage);
+        assert!(second.exchange.is_none());
+        second.exchange(5_000_000);
+        assert_eq!((0..20).filter(|_| ok(second.admit(7, ip("127.0.0.1"), 0))).count(), 5, "half the burst");
+    }
+
+    #[test]
+    fn more_configured_clients_than_buckets_is_refused() {
+        let mut cfg = config();
+        cfg.clients_max = 1;
+        assert!(cfg.client_limits().unwrap_err().contains("more than clients_max = 1"));
+    }
+
     fn ok(a: Admit) -> bool {
         a == Admit::Admitted
     }
 
     #[test]
     fn burst_then_rate() {
-        let mut a = Admission::new(config(), 1);
+        let mut a = admission(config(), 1);
         let here = ip("127.0.0.1");
         let admitted = (0..20).filter(|_| ok(a.admit(7, here, 0))).count();
         assert_eq!(admitted, 10, "the burst");
@@ -289,7 +515,7 @@ mod tests {
 
     #[test]
     fn unknown_ids_share_their_sources_bucket_and_sources_share_overflow() {
-        let mut a = Admission::new(config(), 1);
+        let mut a = admission(config(), 1);
         let one = ip("192.0.2.1");
         // Ids 1, 2, 3 from one source: one bucket of burst 2.
         assert!(ok(a.admit(1, one, 0)) && ok(a.admit(2, one, 0)) && !ok(a.admit(3, one, 0)));
@@ -304,7 +530,7 @@ mod tests {
 
     #[test]
     fn a_bound_client_is_admitted_only_from_its_networks() {
-        let mut a = Admission::new(config(), 1);
+        let mut a = admission(config(), 1);
         assert!(ok(a.admit(8, ip("10.1.200.3"), 0)));
         assert!(ok(a.admit(8, ip("::1"), 0)));
         assert!(ok(a.admit(8, ip("::ffff:10.1.0.9"), 0)), "a v4 client on a v6 socket");
@@ -312,7 +538,7 @@ mod tests {
         assert_eq!(a.admit(8, ip("127.0.0.1"), 0), Admit::WrongSource);
         let mut cfg = config();
         cfg.on_mismatch = OnMismatch::Default;
-        let mut a = Admission::new(cfg, 1);
+        let mut a = admission(cfg, 1);
         let there = ip("10.2.0.1");
         // Treated as an unknown client of its source: the default burst of 2.
         assert!(ok(a.admit(8, there, 0)) && ok(a.admit(8, there, 0)));
@@ -339,7 +565,7 @@ mod tests {
     fn no_default_admits_everyone_else_and_shards_split_the_rate() {
         let mut cfg = config();
         cfg.default = None;
-        let mut a = Admission::new(cfg, 2);
+        let mut a = admission(cfg, 2);
         let here = ip("127.0.0.1");
         assert!((0..1000).all(|_| ok(a.admit(99, here, 0))));
         assert_eq!((0..20).filter(|_| ok(a.admit(7, here, 0))).count(), 5, "half the burst per shard");

@@ -229,6 +229,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         floor: config.floor,
         readiness: readiness.clone(),
         admission: config.admission.clone(),
+        client_usage: Arc::new(crate::admission::ClientUsage::new(&config.admission, cores.len())),
         ladder: config.ladder.clone(),
         cache: config.cache.clone(),
         shed: config.shed.clone(),

@@ -42,6 +42,71 @@ fn a_client_over_its_rate_is_limited_and_others_are_not() {
     assert_eq!(c.score(&spec).unwrap().status, Status::Ok);
 }
 
+/// `connections` connections each offer client 7 `per_connection_per_s`
+/// requests a second (a batch every 10 ms) for `seconds`; returns how many
+/// were admitted, and the seconds from the first send to the last.
+fn offer_client_7(addr: &str, connections: usize, per_connection_per_s: f64, seconds: f64) -> (usize, f64) {
+    let started = Instant::now();
+    let threads: Vec<_> = (0..connections)
+        .map(|t| {
+            let addr = addr.to_string();
+            std::thread::spawn(move || {
+                let mut c = quiver::client::Client::connect(&addr, Duration::from_secs(10)).unwrap();
+                let batch = (per_connection_per_s / 100.0).round().max(1.0) as u64;
+                let (mut ok, mut round, mut next_id) = (0, 0u32, (t as u64) << 40);
+                let mut last_send = Duration::ZERO;
+                while started.elapsed().as_secs_f64() < seconds {
+                    let specs: Vec<_> = (0..batch)
+                        .map(|_| {
+                            next_id += 1;
+                            let mut spec = demo_request(next_id, next_id % 1000, vec![1, 2]);
+                            spec.client_id = 7;
+                            spec
+                        })
+                        .collect();
+                    last_send = started.elapsed();
+                    for r in c.pipeline(&specs, specs.len()).unwrap() {
+                        assert!(matches!(r.status, Status::Ok | Status::RateLimited), "{r:?}");
+                        ok += usize::from(r.status == Status::Ok);
+                    }
+                    round += 1;
+                    let due = Duration::from_millis(10 * u64::from(round));
+                    if let Some(wait) = due.checked_sub(started.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+                (ok, last_send.as_secs_f64())
+            })
+        })
+        .collect();
+    let results: Vec<(usize, f64)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    (results.iter().map(|r| r.0).sum(), results.iter().map(|r| r.1).fold(0.0, f64::max))
+}
+
+/// Shards trade each configured client's demand every few milliseconds, so
+/// its rate holds for the client as a whole: one connection (on one of two
+/// shards) gets the whole rate, not half of it, and many connections spread
+/// over both shards share it.
+#[test]
+fn a_clients_rate_holds_across_shards_with_one_connection_or_many() {
+    let cfg = common::scratch("ratelimit-shards").join("q.toml");
+    let (rate, burst) = (1_000.0, 50.0);
+    std::fs::write(&cfg, format!("[admission.clients.7]\nrate_per_s = {rate:.1}\nburst = {burst:.1}\n")).unwrap();
+    let server = Server::start(&["--shards", "2", "--config", cfg.to_str().unwrap()]);
+    // Three times the rate offered, for three seconds, from one connection
+    // and then from eight (the balance spreads them over both shards).
+    for connections in [1, 8] {
+        let (ok, seconds) = offer_client_7(&server.addr, connections, 3.0 * rate / connections as f64, 3.0);
+        let want = rate * seconds + burst;
+        assert!(
+            (ok as f64 - want).abs() <= 0.1 * want,
+            "{connections} connection(s): {ok} admitted in {seconds:.2} s, want {want:.0} within 10%"
+        );
+        // Let the buckets refill before the next round.
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 #[test]
 fn client_ids_are_bound_to_their_source_networks() {
     let config = |on_mismatch: &str| {

@@ -55,6 +55,9 @@ pub struct Shared {
     pub fallback: Option<Arc<Model>>,
     /// Per-client rate limits, and how many shards split them.
     pub admission: AdmissionConfig,
+    /// Each shard's demand of each configured client, which the shards
+    /// exchange to hold a client's rate across them.
+    pub client_usage: Arc<crate::admission::ClientUsage>,
     /// The per-shard score cache.
     pub cache: CacheConfig,
     /// Load shedding by priority.
@@ -270,7 +273,7 @@ impl<C: Clock> RequestPath<C> {
             turnaround: Turnaround::default(),
             fallback: None,
             breaker: Breaker::new(shared.ladder.breaker),
-            admission: Admission::new(shared.admission.clone(), shared.shards),
+            admission: Admission::new(shared.admission.clone(), shared.shards, shared.client_usage.clone()),
             shedder: Shedder::new(shared.shed.clone()),
             pending_items: Vec::new(),
             x: Vec::new(),
@@ -328,6 +331,13 @@ impl<C: Clock> RequestPath<C> {
     }
 
     /// Picks up model versions the registry published since the last call.
+    /// Trades configured clients' demand with the other shards so each
+    /// client's rate holds across them (`Admission::exchange`); the shard's
+    /// watcher calls it every few milliseconds, between requests.
+    pub fn exchange_admission(&mut self, now_ns: u64) {
+        self.admission.exchange(now_ns);
+    }
+
     /// One atomic load when nothing changed; the shard calls it between
     /// read rounds, never in the middle of a request. Returns whether the
     /// served set changed.

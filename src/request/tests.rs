@@ -42,6 +42,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         floor: false,
         readiness: Arc::new(Readiness::ready()),
         admission: AdmissionConfig::default(),
+        client_usage: Arc::new(crate::admission::ClientUsage::new(&AdmissionConfig::default(), 1)),
         cache: CacheConfig::default(),
         shed: ShedConfig::default(),
         feed: None,

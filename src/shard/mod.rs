@@ -244,9 +244,12 @@ async fn run_shard(
                 // task of ours caused.
                 stalls.timer_fired(due_ns);
                 // New model versions are usually picked up here, between
-                // requests, rather than at the start of a read round.
+                // requests, rather than at the start of a read round; and
+                // the shards trade configured clients' demand here (timed
+                // with the model swap, as housekeeping).
                 let t = stalls.start();
                 refresh(&path, shard);
+                path.borrow_mut().exchange_admission(clock.now_ns());
                 stalls.end(StallTask::Refresh, t);
             }
             shutdown.trigger();
