@@ -47,7 +47,7 @@ need python3 python3
 need_two_cores
 bench_setup
 mkdir -p "$OUT"
-rm -f "$OUT"/tls-*.json
+[ -n "${SUMMARY_ONLY:-}" ] || rm -f "$OUT"/tls-*.json
 
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
     -keyout "$data/server.key" -out "$data/server.crt" -subj /CN=localhost \
@@ -101,6 +101,10 @@ for _ in range(int(sys.argv[3])):
 PY
 }
 
+COMMIT="$(git rev-parse --short HEAD)"
+export COMMIT
+# SUMMARY_ONLY=1 renders the runs already in $OUT again, measuring nothing.
+[ -n "${SUMMARY_ONLY:-}" ] && RUNS=0
 for run in $(seq "$RUNS"); do
     for server in $SERVERS; do
         start_server "$server"
@@ -115,12 +119,12 @@ for run in $(seq "$RUNS"); do
             opens+=("$data/open-$rate.json")
         done
         python3 - "$f" "$server" "$run" "$before" "$after" "$data/closed.json" "${opens[@]}" <<'PY'
-import json, sys
+import json, os, sys
 (f, server, run, before, after, closed), opens = sys.argv[1:7], sys.argv[7:]
 c = json.load(open(closed))
 tls = server.endswith("-tls")
 out = {
-    "server": server, "run": int(run),
+    "server": server, "run": int(run), "commit": os.environ["COMMIT"],
     "closed": {"achieved_rate": c["achieved_rate"], "received": c["received"], "lost": c["lost"],
                "errors": len(c["connection_errors"]), "p50_us": c["latency"]["p50_us"],
                "p99_us": c["latency"]["p99_us"],
@@ -148,10 +152,10 @@ PY
         end="$(date +%s.%N)"
         after="$(cpu_ns "${pid[$server]}")"
         python3 - "$OUT/tls-$server-$run.json" "$server" "$run" "$before" "$after" "$start" "$end" "$HANDSHAKES" <<'PY'
-import json, sys
+import json, os, sys
 f, server, run, before, after, start, end, n = sys.argv[1:9]
 n = int(n)
-out = {"server": server, "run": int(run), "connections": n,
+out = {"server": server, "run": int(run), "commit": os.environ["COMMIT"], "connections": n,
        "server_cpu_us_per_connection": (int(after) - int(before)) / 1e3 / n,
        "client_wall_us_per_connection": (float(end) - float(start)) * 1e6 / n}
 json.dump(out, open(f, "w"), indent=1, sort_keys=True)
@@ -161,15 +165,17 @@ PY
     done
 done
 
-python3 - "$OUT" "$RUNS" "$DURATION" "$CONNECTIONS" "$HANDSHAKES" <<'PY'
+python3 - "$OUT" "$DURATION" "$CONNECTIONS" "$HANDSHAKES" <<'PY'
 import glob, json, os, platform, statistics, subprocess, sys
-out, runs, duration, conns, n_hs = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+out, duration, conns, n_hs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 by = {}
 for f in glob.glob(os.path.join(out, "tls-*.json")):
     r = json.load(open(f))
     by.setdefault(r["server"], []).append(r)
 med = statistics.median
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+runs = max(r["run"] for rs in by.values() for r in rs)
+# The commit measured, as the runs recorded it (a re-render keeps it).
+commit = next(iter(by.values()))[0].get("commit") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
 summary = {"runs": runs, "duration": duration, "connections": conns, "commit": commit,
            "machine": {"cpu": cpu, "cores": os.cpu_count()}, "servers": {}}
@@ -179,8 +185,9 @@ for server, rs in sorted(by.items()):
             "cpu_us_per_connection": med(r["server_cpu_us_per_connection"] for r in rs),
             "wall_us_per_connection": med(r["client_wall_us_per_connection"] for r in rs)}
         continue
+    cpus = [r["closed"]["server_cpu_us_per_request"] for r in rs]
     s = {"closed_rate": med(r["closed"]["achieved_rate"] for r in rs),
-         "cpu_us_per_request": med(r["closed"]["server_cpu_us_per_request"] for r in rs),
+         "cpu_us_per_request": med(cpus), "cpu_us_per_request_min": min(cpus), "cpu_us_per_request_max": max(cpus),
          "lost": sum(r["closed"]["lost"] for r in rs) + sum(o["lost"] for r in rs for o in r["open"].values()),
          "errors": sum(r["closed"]["errors"] for r in rs) + sum(o["errors"] for r in rs for o in r["open"].values()),
          "open": {}}
@@ -205,7 +212,7 @@ w(f"Written by `bench/tls_cost.sh` (commit `{commit}`; {cpu}, {os.cpu_count()} c
   "per request is its threads' run time (`/proc/PID/task/*/schedstat`) over the requests answered. Open loop: uniform arrivals, "
   f"latency from the intended send time, {duration} per rate. Runs interleave; medians of {runs} runs.")
 w("")
-w("| server | closed-loop req/s | server CPU µs / request | TLS extra µs / request | "
+w("| server | closed-loop req/s | server CPU µs / request (min–max) | TLS extra µs / request (medians) | "
   + " | ".join(f"{int(r):,}/s p50 · p99 · p99.9 µs" for r in rates) + " |")
 w("|---|---:|---:|---:|" + "---:|" * len(rates))
 for key in ["floor", "floor-tls", "quiver", "quiver-tls"]:
@@ -214,7 +221,8 @@ for key in ["floor", "floor-tls", "quiver", "quiver-tls"]:
     if key.endswith("-tls"):
         extra = f"{s['cpu_us_per_request'] - S[key[:-4]]['cpu_us_per_request']:+.2f}"
     cells = [f"{s['open'][r]['p50_us']:,.0f} · {s['open'][r]['p99_us']:,.0f} · {s['open'][r]['p999_us']:,.0f}" for r in rates]
-    w(f"| {names[key]} | {s['closed_rate']:,.0f} | {s['cpu_us_per_request']:.2f} | {extra} | " + " | ".join(cells) + " |")
+    cpu = f"{s['cpu_us_per_request']:.2f} ({s['cpu_us_per_request_min']:.2f}–{s['cpu_us_per_request_max']:.2f})"
+    w(f"| {names[key]} | {s['closed_rate']:,.0f} | {cpu} | {extra} | " + " | ".join(cells) + " |")
 w("")
 for key in ["floor", "quiver"]:
     p, t = S[key], S[key + "-tls"]
@@ -231,7 +239,8 @@ w(f"- A new connection costs the server {cp['cpu_us_per_connection']:,.0f} µs o
   "A cost bidders keeping their connections open pay once; a reconnect storm of N clients costs a shard N times it.")
 w("- The open-loop tails of one shard on this VM move between runs, in either direction, by more than TLS's CPU "
   "cost could explain (see \"Tail latency side by side with Redis\" above): the p99 and p99.9 ratios here are "
-  "of medians of noisy runs and do not isolate TLS; the server's CPU per request does.")
+  "of medians of noisy runs and do not isolate TLS. The server's CPU per request is the cost figure; its "
+  "range over the runs (in the table) is the noise to read it against.")
 lost = sum(s.get("lost", 0) for s in S.values())
 errors = sum(s.get("errors", 0) for s in S.values())
 w(f"- Requests lost over all runs: {lost}; connection errors: {errors}.")

@@ -684,7 +684,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     if args.redis_value_bytes > loadgen::resp::VALUE_BYTES_MAX {
         return Err(Error::Setup(format!("--redis-value-bytes: at most {}", loadgen::resp::VALUE_BYTES_MAX)));
     }
-    let mut opts = BenchOptions {
+    let opts = BenchOptions {
         addr: args.addr,
         protocol: args.protocol,
         redis_value_bytes: args.redis_value_bytes,
@@ -729,18 +729,8 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         });
     };
     let (start, step, max) = loadgen::parse_sweep(sweep).map_err(Error::Setup)?;
-    let mut steps = Vec::new();
-    let mut capacity = None;
-    let mut rate = start;
-    while rate <= max * (1.0 + 1e-9) {
-        opts.rate = Some(rate);
-        // Each step runs `sweep_repeats` times and keeps the run with the
-        // median p99, so one pause of a shared VM does not end the sweep.
-        let mut runs: Vec<_> = (0..args.sweep_repeats.max(1)).map(|_| loadgen::run_recorded(&opts)).collect();
-        runs.sort_by_key(|(r, _)| r.latency.p99_us);
-        let all_clean = runs.iter().all(|(r, _)| r.clean() && !r.generator_saturated);
-        let (report, rec) = runs.swap_remove(runs.len() / 2);
-        let held = all_clean && report.latency.p99_us <= args.p99_max_us;
+    let plan = loadgen::Sweep { start, step, max, repeats: args.sweep_repeats, p99_max_us: args.p99_max_us };
+    let summary = loadgen::sweep(&opts, &plan, |rate, report, rec, held| {
         if !args.json {
             eprintln!(
                 "offered {rate:>9.0} req/s  achieved {:>9.0}  p50 {:>7} µs  p99 {:>7} µs  p99.9 {:>7} µs  max {:>7} µs  {}",
@@ -752,16 +742,12 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
                 if held { "held" } else { "NOT held" }
             );
         }
-        steps.push(report);
-        if !held {
-            break;
+        if held {
+            write_files(rec)?;
         }
-        capacity = Some(rate);
-        write_files(&rec)?;
-        rate += step;
-    }
-    let summary =
-        loadgen::SweepReport { mode: "sweep".into(), p99_max_us: args.p99_max_us, capacity_rate: capacity, steps };
+        Ok::<(), Error>(())
+    })?;
+    let capacity = summary.capacity_rate;
     if args.json {
         println!("{}", serde_json::to_string(&summary).expect("report serialises"));
     } else {
@@ -809,79 +795,7 @@ fn stats(admin: &str, interval: Duration, count: u64, token_file: Option<&std::p
         if tty {
             print!("\x1b[2J\x1b[H");
         }
-        println!(
-            "ready {}  shards {}  connections {}  requests {}{}  candidates {}  features missing {}",
-            if s.ready { "yes" } else { "NO" },
-            s.shards,
-            s.connections_active,
-            s.requests,
-            rate.map_or(String::new(), |r| format!(" ({r:.0}/s)")),
-            s.candidates_scored,
-            s.features_missing
-        );
-        let nonzero = |m: &std::collections::BTreeMap<String, u64>| {
-            m.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
-        };
-        println!("status: {}", nonzero(&s.by_status));
-        println!("tier:   {}", nonzero(&s.by_tier));
-        let shed = nonzero(&s.shed_by_band);
-        if !shed.is_empty() || s.shed_level > 0.0 {
-            println!("shed:   level {:.2}  {shed}", s.shed_level);
-        }
-        for g in &s.feed {
-            println!(
-                "feed {:<5} rows {}  seq {}  stale {} ms  applied {}  skipped {}  resyncs {}  redis {}{}",
-                g.group,
-                g.rows,
-                g.applied_seq,
-                g.staleness_ms,
-                g.applied,
-                g.skipped,
-                g.resyncs,
-                if g.redis_connected { "up" } else { "DOWN" },
-                if g.resync_held {
-                    format!("  RESYNC HELD (redis has {} rows; quiver replica accept --group {})", g.held_rows, g.group)
-                } else {
-                    String::new()
-                }
-            );
-        }
-        if s.stale_responses > 0 {
-            println!("stale responses: {}", s.stale_responses);
-        }
-        if s.admission_wrong_source > 0 {
-            println!("refused for a client_id bound to other networks: {}", s.admission_wrong_source);
-        }
-        if s.tls_handshakes + s.tls_handshake_failures > 0 {
-            println!("TLS handshakes: {} completed, {} failed", s.tls_handshakes, s.tls_handshake_failures);
-        }
-        let stalls: u64 = s.stalls_by_task.values().sum();
-        if stalls > 0 {
-            let by: Vec<_> = s.stalls_by_task.iter().filter(|(_, &n)| n > 0).map(|(t, n)| format!("{t}={n}")).collect();
-            let shards: Vec<_> = s.stalls_by_shard.iter().map(u64::to_string).collect();
-            println!("reactor stalls: {stalls} ({})  by shard: {}", by.join(" "), shards.join(" "));
-        }
-        for d in &s.drift {
-            let psi = d.psi.map_or_else(|| "n/a (too few scores)".to_string(), |p| format!("{p:.3}"));
-            let worst = d.features.iter().map(|f| f.mean_shift).fold(0.0f64, f64::max);
-            println!(
-                "drift {}@{}: psi {psi}{}  scores {}  largest input mean shift {worst:.2}σ",
-                d.model,
-                d.version,
-                if d.alert { " ALERT" } else { "" },
-                d.scores
-            );
-        }
-        println!(
-            "{:<11} {:>9} {:>10} {:>10} {:>10} {:>10}   (last {} s)",
-            "stage", "count", "p50 µs", "p99 µs", "p99.9 µs", "max µs", s.window_s
-        );
-        for st in &s.stages {
-            println!(
-                "{:<11} {:>9} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-                st.stage, st.count, st.p50_us, st.p99_us, st.p999_us, st.max_us
-            );
-        }
+        print!("{}", quiver::admin::render_stats(&s, rate));
         shown += 1;
         if count > 0 && shown >= count {
             return Ok(ExitCode::SUCCESS);
@@ -974,67 +888,28 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Calibrates `model` on the `.npy` set at `path` and returns the summary
-/// lines: the ranges and how far INT8 scores move from f32 on that set.
+/// Calibrates `model` on the `.npy` set at `path` (with a progress bar) and
+/// returns the summary lines (`score::accuracy::calibrate`).
 fn calibrate_import(
     model: &mut Model,
     path: &std::path::Path,
     method: quiver::model::calibrate::Method,
     precision: Precision,
 ) -> Result<String, Error> {
-    use quiver::model::calibrate::{calibrate, read_npy};
-    let set = read_npy(path).map_err(quiver::model::calibrate::CalibrationError::from)?;
+    let set = quiver::model::calibrate::read_npy(path).map_err(quiver::model::calibrate::CalibrationError::from)?;
     let bar = progress_bar(0, &format!("calibrating on {} rows", set.rows));
-    let calibration = calibrate(model, &set, method, |done, total| {
+    let also_fp8 = matches!(precision, Precision::Fp8);
+    let report = quiver::score::accuracy::calibrate(model, &set, method, also_fp8, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })?;
+    });
     bar.finish_and_clear();
-    eprintln!("calibrated on {} rows ({})", set.rows, calibration.method);
-    let ranges: Vec<String> = calibration.input_ranges.iter().map(|r| format!("{r:.4}")).collect();
-    let bins = calibration.scores.counts.len();
-    model.calibration = Some(calibration);
-    quiver::score::accuracy::choose_int8_activations(model, &set);
-    model.validate()?;
-    let c = model.calibration.as_ref().expect("set above");
-    let measured = |e: Option<quiver::model::MeasuredError>| {
-        e.map_or("not measured (no static path for graph models)".to_string(), |e| {
-            format!("max |score diff| {:.5}, mean {:.5}", e.max, e.mean)
-        })
-    };
-    let chosen = match c.activations {
-        quiver::model::ActivationScales::Static => "static (one calibrated scale per layer)",
-        quiver::model::ActivationScales::Dynamic => "dynamic (per-row scales)",
-    };
-    let mut report = format!(
-        "  calibration: {} rows, {}; activation ranges per layer: {}\n  score histogram: {bins} bins\n  \
-         int8 vs f32 on the calibration set: static {}; dynamic {}\n  int8 activations: {chosen}",
-        set.rows,
-        c.method,
-        if ranges.is_empty() { "none".to_string() } else { ranges.join(", ") },
-        measured(c.static_error),
-        measured(c.dynamic_error),
-    );
-    let typical = quiver::model::calibrate::median_row_ranges(model, &set);
-    for (i, (r, m)) in c.input_ranges.iter().zip(&typical).enumerate() {
-        let coarser = if *m > 0.0 { format!("{:.2}x", r / m) } else { "n/a".into() };
-        report.push_str(&format!(
-            "\n  layer {i}: static range {r:.4}; median row range {m:.4}: the static step is {coarser} a typical \
-             row's dynamic step"
-        ));
-    }
-    if let Precision::Fp8 = precision {
-        let e = quiver::score::accuracy::score_error(model, &set, BackendKind::Fp8);
-        report.push_str(&format!(
-            "\n  fp8 vs f32 on the calibration set: max |score diff| {:.5}, mean {:.5}",
-            e.max, e.mean
-        ));
-    }
+    let report = report?;
+    eprintln!("calibrated on {} rows ({})", set.rows, method.name());
     Ok(report)
 }
 
-/// `quiver time-model`: median wall time of `Backend::logits` per batch
-/// size on seeded normal inputs, printed as JSON lines.
+/// `quiver time-model`: `score::timing::time_model`'s figures as JSON lines.
 fn time_model(
     path: &std::path::Path,
     kind: BackendKind,
@@ -1044,70 +919,16 @@ fn time_model(
     data: Option<&std::path::Path>,
 ) -> Result<ExitCode, Error> {
     let model = Model::load(path)?;
-    let rows_max = rows.iter().copied().max().unwrap_or(1);
-    let mut backend = quiver::score::build(kind, &model, rows_max);
-    let mut rng = quiver::demo::SplitMix64::new(7);
-    let dim = model.input_dim();
-    // With `--data`, call k scores the window of rows starting at k * rows
-    // (wrapping), so successive calls see different rows, as traffic does.
-    let mut x: Vec<f32> = match data {
-        None => (0..rows_max * dim).map(|_| rng.normal()).collect(),
+    let rows_from = match data {
+        None => None,
         Some(p) => {
-            let t = quiver::model::calibrate::read_npy(p).map_err(|e| Error::Setup(format!("{}: {e}", p.display())))?;
-            if t.cols < dim || t.data.is_empty() {
-                return Err(Error::Setup(format!("{}: {} columns; the model reads {dim}", p.display(), t.cols)));
-            }
-            let rows_in = t.data.len() / t.cols;
-            let total = rows_in.max(rows_max);
-            (0..total).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
+            Some(quiver::model::calibrate::read_npy(p).map_err(|e| Error::Setup(format!("{}: {e}", p.display())))?)
         }
     };
-    let total_rows = x.len() / dim;
-    if one_request {
-        let shared = model.request_columns();
-        for r in 1..total_rows {
-            for c in (0..dim).filter(|&c| shared[c]) {
-                x[r * dim + c] = x[c];
-            }
-        }
-    }
-    let macs_per_row = model.macs_per_row();
-    for &n in rows {
-        let mut out = vec![0.0; n];
-        let windows = total_rows - n + 1;
-        let mut k = 0;
-        let mut call = |out: &mut [f32]| {
-            let at = (k * n) % windows;
-            k += 1;
-            let x = &x[at * dim..(at + n) * dim];
-            if one_request {
-                backend.logits_request(&model, x, n, out);
-            } else {
-                backend.logits(&model, x, n, out);
-            }
-        };
-        for _ in 0..10 {
-            call(&mut out);
-        }
-        let mut ns: Vec<u64> = (0..iters.max(1))
-            .map(|_| {
-                let t = Instant::now();
-                call(&mut out);
-                t.elapsed().as_nanos() as u64
-            })
-            .collect();
-        ns.sort_unstable();
-        let median_ns = ns[ns.len() / 2];
-        let line = serde_json::json!({
-            "backend": backend.name(),
-            "one_request": one_request,
-            "rows": n,
-            "iters": ns.len(),
-            "median_us": median_ns as f64 / 1e3,
-            "rows_per_s": n as f64 / (median_ns as f64 / 1e9),
-            "gmac_per_s": (n * macs_per_row) as f64 / median_ns as f64,
-        });
-        println!("{line}");
+    let timings = quiver::score::timing::time_model(&model, kind, rows, iters, one_request, rows_from.as_ref())
+        .map_err(|e| Error::Setup(format!("{}: {e}", data.unwrap_or(path).display())))?;
+    for t in timings {
+        println!("{}", serde_json::to_string(&t).expect("a timing serializes"));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -140,3 +140,38 @@ fn a_quiver_server_is_not_a_redis() {
     let report = loadgen::run(&opts);
     assert!(!report.connection_errors.is_empty(), "{report}");
 }
+
+#[test]
+fn a_sweep_raises_the_rate_until_one_does_not_hold() {
+    // Whether a rate holds also depends on the generator keeping its
+    // schedule, which a loaded machine can spoil: the first sweep checks
+    // how the sweep proceeds, not that every rate held.
+    let plan = loadgen::Sweep { start: 500.0, step: 500.0, max: 1_500.0, repeats: 1, p99_max_us: 10_000_000 };
+    let mut seen = Vec::new();
+    let report = loadgen::sweep(&options(fake_server(u64::MAX), None), &plan, |rate, r, _, held| {
+        seen.push((rate, held, r.offered_rate));
+        Ok::<(), String>(())
+    })
+    .unwrap();
+    assert_eq!(report.steps.len(), seen.len());
+    for (i, (rate, held, offered)) in seen.iter().enumerate() {
+        assert_eq!((*rate, *offered), (500.0 * (i + 1) as f64, Some(*rate)), "{seen:?}");
+        assert!(*held || i == seen.len() - 1, "the sweep stops at the first rate that does not hold: {seen:?}");
+    }
+    let last_held = seen.iter().rev().find(|s| s.1).map(|s| s.0);
+    assert_eq!(report.capacity_rate, last_held);
+    assert!(seen.len() == 3 || !seen.last().unwrap().1, "{seen:?}");
+    // A 300 ms stall at request 600 falls in the second rate's run (or the
+    // first already failed): no rate above 500/s holds a 100 ms p99.
+    let plan = loadgen::Sweep { p99_max_us: 100_000, ..plan };
+    let report = loadgen::sweep(&options(fake_server(600), None), &plan, |_, _, _, _| Ok::<(), String>(())).unwrap();
+    assert!(report.capacity_rate.unwrap_or(0.0) <= 500.0, "{:?}", report.capacity_rate);
+    assert!(report.steps.len() <= 2);
+    // An error from the caller ends it at once.
+    let mut calls = 0;
+    let err = loadgen::sweep(&options(fake_server(u64::MAX), None), &plan, |_, _, _, _| {
+        calls += 1;
+        Err("disk full")
+    });
+    assert_eq!((err.unwrap_err(), calls), ("disk full", 1));
+}

@@ -17,7 +17,7 @@ mod exposition;
 mod stats;
 
 pub use exposition::BUCKETS_S;
-pub use stats::{FeedGroupStats, StageStats, Stats};
+pub use stats::{render as render_stats, FeedGroupStats, StageStats, Stats};
 
 use std::net::SocketAddr;
 use std::sync::Arc;

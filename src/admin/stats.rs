@@ -190,3 +190,127 @@ pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig
         connections_by_shard: m.connections_by_shard.clone(),
     }
 }
+
+/// `quiver stats`'s table for one snapshot: `rate` is the request rate
+/// since the previous one (none for the first). Lines that would show
+/// nothing (no feed, no stalls, no drift) are left out.
+pub fn render(s: &Stats, rate: Option<f64>) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    macro_rules! w {
+        ($($arg:tt)*) => { let _ = writeln!(out, $($arg)*); };
+    }
+    w!(
+        "ready {}  shards {}  connections {}  requests {}{}  candidates {}  features missing {}",
+        if s.ready { "yes" } else { "NO" },
+        s.shards,
+        s.connections_active,
+        s.requests,
+        rate.map_or(String::new(), |r| format!(" ({r:.0}/s)")),
+        s.candidates_scored,
+        s.features_missing
+    );
+    let nonzero = |m: &std::collections::BTreeMap<String, u64>| {
+        m.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    };
+    w!("status: {}", nonzero(&s.by_status));
+    w!("tier:   {}", nonzero(&s.by_tier));
+    let shed = nonzero(&s.shed_by_band);
+    if !shed.is_empty() || s.shed_level > 0.0 {
+        w!("shed:   level {:.2}  {shed}", s.shed_level);
+    }
+    for g in &s.feed {
+        w!(
+            "feed {:<5} rows {}  seq {}  stale {} ms  applied {}  skipped {}  resyncs {}  redis {}{}",
+            g.group,
+            g.rows,
+            g.applied_seq,
+            g.staleness_ms,
+            g.applied,
+            g.skipped,
+            g.resyncs,
+            if g.redis_connected { "up" } else { "DOWN" },
+            if g.resync_held {
+                format!("  RESYNC HELD (redis has {} rows; quiver replica accept --group {})", g.held_rows, g.group)
+            } else {
+                String::new()
+            }
+        );
+    }
+    if s.stale_responses > 0 {
+        w!("stale responses: {}", s.stale_responses);
+    }
+    if s.admission_wrong_source > 0 {
+        w!("refused for a client_id bound to other networks: {}", s.admission_wrong_source);
+    }
+    if s.tls_handshakes + s.tls_handshake_failures > 0 {
+        w!("TLS handshakes: {} completed, {} failed", s.tls_handshakes, s.tls_handshake_failures);
+    }
+    let stalls: u64 = s.stalls_by_task.values().sum();
+    if stalls > 0 {
+        let by: Vec<_> = s.stalls_by_task.iter().filter(|(_, &n)| n > 0).map(|(t, n)| format!("{t}={n}")).collect();
+        let shards: Vec<_> = s.stalls_by_shard.iter().map(u64::to_string).collect();
+        w!("reactor stalls: {stalls} ({})  by shard: {}", by.join(" "), shards.join(" "));
+    }
+    for d in &s.drift {
+        let psi = d.psi.map_or_else(|| "n/a (too few scores)".to_string(), |p| format!("{p:.3}"));
+        let worst = d.features.iter().map(|f| f.mean_shift).fold(0.0f64, f64::max);
+        w!(
+            "drift {}@{}: psi {psi}{}  scores {}  largest input mean shift {worst:.2}σ",
+            d.model,
+            d.version,
+            if d.alert { " ALERT" } else { "" },
+            d.scores
+        );
+    }
+    w!(
+        "{:<11} {:>9} {:>10} {:>10} {:>10} {:>10}   (last {} s)",
+        "stage",
+        "count",
+        "p50 µs",
+        "p99 µs",
+        "p99.9 µs",
+        "max µs",
+        s.window_s
+    );
+    for st in &s.stages {
+        w!(
+            "{:<11} {:>9} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            st.stage,
+            st.count,
+            st.p50_us,
+            st.p99_us,
+            st.p999_us,
+            st.max_us
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_shows_what_there_is_and_leaves_out_the_rest() {
+        let mut s = Stats { ready: true, shards: 2, requests: 1_000, window_s: 10, ..Stats::default() };
+        s.by_status.insert("ok".into(), 990);
+        s.by_status.insert("rate_limited".into(), 10);
+        s.by_status.insert("bad_request".into(), 0);
+        s.stages.push(StageStats { stage: "kernel".into(), count: 990, p50_us: 4.0, ..StageStats::default() });
+        let table = render(&s, Some(250.0));
+        assert!(table.starts_with("ready yes  shards 2  connections 0  requests 1000 (250/s)"), "{table}");
+        assert!(table.contains("status: ok=990 rate_limited=10\n"), "{table}");
+        assert!(table.contains("kernel"), "{table}");
+        assert!(!table.contains("TLS") && !table.contains("feed ") && !table.contains("stalls"), "{table}");
+        s.tls_handshakes = 3;
+        s.tls_handshake_failures = 1;
+        s.stalls_by_task.insert("connection".into(), 2);
+        s.stalls_by_shard = vec![2, 0];
+        let table = render(&s, None);
+        assert!(table.contains("TLS handshakes: 3 completed, 1 failed"), "{table}");
+        assert!(table.contains("reactor stalls: 2 (connection=2)  by shard: 2 0"), "{table}");
+        assert!(table.contains("requests 1000  candidates"), "no rate before a second snapshot: {table}");
+    }
+}

@@ -597,6 +597,52 @@ pub fn run(opts: &BenchOptions) -> BenchReport {
     run_recorded(opts).0
 }
 
+/// A rate sweep: open-loop runs of `opts` at `start`, `start + step`, ...
+/// up to `max` requests/s.
+#[derive(Clone, Copy, Debug)]
+pub struct Sweep {
+    pub start: f64,
+    pub step: f64,
+    pub max: f64,
+    /// Runs per rate; the rate's figures are its run with the median p99,
+    /// so one pause of a shared VM does not end the sweep.
+    pub repeats: usize,
+    /// A rate holds when every run of it was clean (every request `Ok`,
+    /// the generator not saturated) and the median run's p99 is within this.
+    pub p99_max_us: u64,
+}
+
+/// Raises the offered rate until a rate does not hold (or `max`), and
+/// returns each rate's median run and the highest rate that held.
+/// `on_step` hears each rate, its median run's report and recording, and
+/// whether it held; an error from it ends the sweep.
+pub fn sweep<E>(
+    opts: &BenchOptions,
+    sweep: &Sweep,
+    mut on_step: impl FnMut(f64, &BenchReport, &Recording, bool) -> Result<(), E>,
+) -> Result<SweepReport, E> {
+    let mut opts = opts.clone();
+    let mut steps = Vec::new();
+    let mut capacity = None;
+    let mut rate = sweep.start;
+    while rate <= sweep.max * (1.0 + 1e-9) && sweep.step > 0.0 {
+        opts.rate = Some(rate);
+        let mut runs: Vec<_> = (0..sweep.repeats.max(1)).map(|_| run_recorded(&opts)).collect();
+        runs.sort_by_key(|(r, _)| r.latency.p99_us);
+        let all_clean = runs.iter().all(|(r, _)| r.clean() && !r.generator_saturated);
+        let (report, rec) = runs.swap_remove(runs.len() / 2);
+        let held = all_clean && report.latency.p99_us <= sweep.p99_max_us;
+        on_step(rate, &report, &rec, held)?;
+        steps.push(report);
+        if !held {
+            break;
+        }
+        capacity = Some(rate);
+        rate += sweep.step;
+    }
+    Ok(SweepReport { mode: "sweep".into(), p99_max_us: sweep.p99_max_us, capacity_rate: capacity, steps })
+}
+
 impl Recording {
     /// Writes the HdrHistogram interval log (one histogram per second).
     pub fn write_interval_log(&self, path: &Path, tag: &str) -> std::io::Result<()> {

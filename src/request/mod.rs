@@ -330,7 +330,6 @@ impl<C: Clock> RequestPath<C> {
         })
     }
 
-    /// Picks up model versions the registry published since the last call.
     /// Trades configured clients' demand with the other shards so each
     /// client's rate holds across them (`Admission::exchange`); the shard's
     /// watcher calls it every few milliseconds, between requests.
@@ -338,6 +337,7 @@ impl<C: Clock> RequestPath<C> {
         self.admission.exchange(now_ns);
     }
 
+    /// Picks up model versions the registry published since the last call.
     /// One atomic load when nothing changed; the shard calls it between
     /// read rounds, never in the middle of a request. Returns whether the
     /// served set changed.

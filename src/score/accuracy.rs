@@ -59,6 +59,62 @@ pub fn choose_int8_activations(model: &mut Model, set: &Matrix) {
     c.dynamic_error = Some(dynamic);
 }
 
+/// `quiver import --calibration`: calibrates `model` on `set` by `method`
+/// (`progress` hears rows done of total), measures static against dynamic
+/// INT8 and records the choice (`choose_int8_activations`), checks the
+/// result, and returns the import summary's lines: the ranges, both
+/// errors, what was chosen, each layer's static step against a typical
+/// row's dynamic one, and with `also_fp8` FP8's error on the set.
+pub fn calibrate(
+    model: &mut Model,
+    set: &Matrix,
+    method: crate::model::calibrate::Method,
+    also_fp8: bool,
+    progress: impl FnMut(usize, usize),
+) -> Result<String, crate::Error> {
+    let calibration = crate::model::calibrate::calibrate(model, set, method, progress)?;
+    let ranges: Vec<String> = calibration.input_ranges.iter().map(|r| format!("{r:.4}")).collect();
+    let bins = calibration.scores.counts.len();
+    model.calibration = Some(calibration);
+    choose_int8_activations(model, set);
+    model.validate()?;
+    let c = model.calibration.as_ref().expect("set above");
+    let measured = |e: Option<MeasuredError>| {
+        e.map_or("not measured (no static path for graph models)".to_string(), |e| {
+            format!("max |score diff| {:.5}, mean {:.5}", e.max, e.mean)
+        })
+    };
+    let chosen = match c.activations {
+        ActivationScales::Static => "static (one calibrated scale per layer)",
+        ActivationScales::Dynamic => "dynamic (per-row scales)",
+    };
+    let mut report = format!(
+        "  calibration: {} rows, {}; activation ranges per layer: {}\n  score histogram: {bins} bins\n  \
+         int8 vs f32 on the calibration set: static {}; dynamic {}\n  int8 activations: {chosen}",
+        set.rows,
+        c.method,
+        if ranges.is_empty() { "none".to_string() } else { ranges.join(", ") },
+        measured(c.static_error),
+        measured(c.dynamic_error),
+    );
+    let typical = crate::model::calibrate::median_row_ranges(model, set);
+    for (i, (r, m)) in c.input_ranges.iter().zip(&typical).enumerate() {
+        let coarser = if *m > 0.0 { format!("{:.2}x", r / m) } else { "n/a".into() };
+        report.push_str(&format!(
+            "\n  layer {i}: static range {r:.4}; median row range {m:.4}: the static step is {coarser} a typical \
+             row's dynamic step"
+        ));
+    }
+    if also_fp8 {
+        let e = score_error(model, set, BackendKind::Fp8);
+        report.push_str(&format!(
+            "\n  fp8 vs f32 on the calibration set: max |score diff| {:.5}, mean {:.5}",
+            e.max, e.mean
+        ));
+    }
+    Ok(report)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod fp8;
 pub mod kernels;
+pub mod timing;
 
 use crate::model::Model;
 

@@ -1,0 +1,129 @@
+//! `quiver time-model`: the median wall time of one backend's `logits` per
+//! batch size, on seeded normal inputs or on rows from a file. A
+//! measurement tool for people comparing backends and peers, not a test:
+//! nothing asserts on its figures.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::demo::SplitMix64;
+use crate::model::calibrate::Matrix;
+use crate::model::Model;
+use crate::score::{self, BackendKind};
+
+/// Calls before the timed ones, so caches, branch predictors and lazily
+/// built state are warm.
+const WARM_UP_CALLS: usize = 10;
+
+/// One batch size's figures (a JSON line of `quiver time-model`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Timing {
+    pub backend: &'static str,
+    pub one_request: bool,
+    pub rows: usize,
+    pub iters: usize,
+    pub median_us: f64,
+    pub rows_per_s: f64,
+    pub gmac_per_s: f64,
+}
+
+/// Times `kind` on `model` at each batch size of `rows`, `iters` calls each.
+/// With `data`, call k scores the window of rows starting at k * rows
+/// (wrapping), so successive calls see different rows, as traffic does.
+/// With `one_request`, every row carries the first row's per-request
+/// columns (user, context) and the backend's per-request path is timed.
+pub fn time_model(
+    model: &Model,
+    kind: BackendKind,
+    rows: &[usize],
+    iters: usize,
+    one_request: bool,
+    data: Option<&Matrix>,
+) -> Result<Vec<Timing>, String> {
+    let rows_max = rows.iter().copied().max().unwrap_or(1).max(1);
+    let dim = model.input_dim();
+    let mut x: Vec<f32> = match data {
+        None => {
+            let mut rng = SplitMix64::new(7);
+            (0..rows_max * dim).map(|_| rng.normal()).collect()
+        }
+        Some(t) => {
+            if t.cols < dim || t.data.is_empty() {
+                return Err(format!("{} columns; the model reads {dim}", t.cols));
+            }
+            let rows_in = t.data.len() / t.cols;
+            let total = rows_in.max(rows_max);
+            (0..total).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
+        }
+    };
+    let total_rows = x.len() / dim.max(1);
+    if one_request {
+        let shared = model.request_columns();
+        for r in 1..total_rows {
+            for c in (0..dim).filter(|&c| shared[c]) {
+                x[r * dim + c] = x[c];
+            }
+        }
+    }
+    let mut backend = score::build(kind, model, rows_max);
+    let macs_per_row = model.macs_per_row();
+    let mut timings = Vec::with_capacity(rows.len());
+    for &n in rows.iter().filter(|&&n| n > 0) {
+        let mut out = vec![0.0; n];
+        let windows = total_rows - n + 1;
+        let mut k = 0;
+        let mut call = |out: &mut [f32]| {
+            let at = (k * n) % windows;
+            k += 1;
+            let x = &x[at * dim..(at + n) * dim];
+            if one_request {
+                backend.logits_request(model, x, n, out);
+            } else {
+                backend.logits(model, x, n, out);
+            }
+        };
+        for _ in 0..WARM_UP_CALLS {
+            call(&mut out);
+        }
+        let mut ns: Vec<u64> = (0..iters.max(1))
+            .map(|_| {
+                let t = Instant::now();
+                call(&mut out);
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        ns.sort_unstable();
+        let median_ns = ns[ns.len() / 2].max(1);
+        timings.push(Timing {
+            backend: backend.name(),
+            one_request,
+            rows: n,
+            iters: ns.len(),
+            median_us: median_ns as f64 / 1e3,
+            rows_per_s: n as f64 / (median_ns as f64 / 1e9),
+            gmac_per_s: (n * macs_per_row) as f64 / median_ns as f64,
+        });
+    }
+    Ok(timings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_per_batch_size_with_the_rows_it_timed() {
+        let model = crate::demo::model();
+        let t = time_model(&model, BackendKind::Int8, &[1, 8], 3, false, None).unwrap();
+        assert_eq!(t.iter().map(|t| (t.rows, t.iters)).collect::<Vec<_>>(), vec![(1, 3), (8, 3)]);
+        assert!(t.iter().all(|t| t.median_us > 0.0 && t.rows_per_s > 0.0 && t.gmac_per_s > 0.0));
+        let narrow = Matrix { rows: 2, cols: 3, data: vec![0.0; 6] };
+        let err = time_model(&model, BackendKind::F32, &[1], 1, false, Some(&narrow)).unwrap_err();
+        assert!(err.contains("3 columns"), "{err}");
+        let rows = Matrix { rows: 4, cols: model.input_dim(), data: vec![0.5; 4 * model.input_dim()] };
+        let t = time_model(&model, BackendKind::F32, &[2, 16], 2, true, Some(&rows)).unwrap();
+        assert_eq!(t.len(), 2);
+        assert!(t[1].one_request);
+    }
+}
