@@ -9,7 +9,9 @@
 //! shard and client, each written by its shard alone), reads the others',
 //! and sets its bucket to the client's rate times its share of the client's
 //! recent demand. The default limit of unconfigured clients (one bucket per
-//! source address) is split evenly over the shards. The table holds at most
+//! source address) is shared the same way, by the demand of the source's
+//! slot among `SOURCE_SLOTS` (sources that hash to one slot pool their
+//! demand, so their shares are approximate). The table holds at most
 //! `clients_max` buckets; clients beyond that share one overflow bucket
 //! with the default rate, so memory stays bounded whatever ids clients send.
 //!
@@ -219,15 +221,38 @@ const DEMAND_SMOOTHING: f64 = 0.2;
 /// from a share above zero.
 const DEMAND_FLOOR_PER_S: f64 = 1.0;
 
-/// The one cross-thread part of admission: for each shard and configured
-/// client, how many requests named that client on that shard, published by
-/// the shard at each exchange (a plain store: each counter has one writer).
+/// Slots the sources of unconfigured clients hash into for the exchange:
+/// the table traded stays bounded whatever addresses connect.
+pub const SOURCE_SLOTS: usize = 256;
+
+/// The slot of `source` (the same on every shard).
+fn source_slot(source: IpAddr) -> usize {
+    let bits = match source {
+        IpAddr::V4(v4) => u64::from(u32::from(v4)),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => u64::from(u32::from(v4)),
+            None => {
+                let x = u128::from(v6);
+                (x as u64) ^ ((x >> 64) as u64)
+            }
+        },
+    };
+    // Fibonacci hashing: the top bits of the product are well mixed.
+    (bits.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SOURCE_SLOTS
+}
+
+/// The one cross-thread part of admission: for each shard and column (a
+/// configured client, or a slot of unconfigured clients' sources), how many
+/// requests it got on that shard, published by the shard at each exchange
+/// (a plain store: each counter has one writer).
 #[derive(Debug)]
 pub struct ClientUsage {
     shards: usize,
-    /// Configured client ids, sorted: the column of each.
+    /// Configured client ids, sorted: the column of each. The source slots
+    /// follow them, when a default limit is set.
     ids: Vec<u32>,
-    /// `counts[shard * ids.len() + column]`.
+    columns: usize,
+    /// `counts[shard * columns + column]`.
     counts: Box<[AtomicU64]>,
     next_row: AtomicUsize,
 }
@@ -239,10 +264,12 @@ impl ClientUsage {
             config.client_limits().expect("admission config was validated at load").into_keys().collect();
         ids.sort_unstable();
         let shards = shards.max(1);
+        let columns = ids.len() + if config.default.is_some() { SOURCE_SLOTS } else { 0 };
         ClientUsage {
             shards,
-            counts: (0..shards * ids.len()).map(|_| AtomicU64::new(0)).collect(),
+            counts: (0..shards * columns).map(|_| AtomicU64::new(0)).collect(),
             ids,
+            columns,
             next_row: AtomicUsize::new(0),
         }
     }
@@ -261,7 +288,7 @@ struct Exchange {
     usage: Arc<ClientUsage>,
     /// This shard's row.
     row: usize,
-    /// Requests that named each column's client here, since start.
+    /// Requests each column got here, since start.
     demand: Vec<u64>,
     /// `[shard * columns + column]`: each counter as last read, and the
     /// smoothed demand it showed, in requests/s.
@@ -276,7 +303,7 @@ pub struct Admission {
     /// Configured clients, with their column in the usage table.
     clients: HashMap<u32, (Client, usize)>,
     shards: usize,
-    /// This shard's share of each column's client's rate.
+    /// This shard's share of each column's rate.
     share: Vec<f64>,
     exchange: Option<Exchange>,
     /// Each configured client's bucket, by column, made at its first
@@ -302,7 +329,7 @@ impl Admission {
                 (id, (c, column))
             })
             .collect();
-        let columns = clients.len();
+        let columns = usage.columns;
         let exchange = usage.join().map(|row| Exchange {
             row,
             demand: vec![0; columns],
@@ -318,16 +345,17 @@ impl Admission {
             shards,
             share: vec![1.0 / shards as f64; columns],
             exchange,
-            client_buckets: vec![None; columns],
+            client_buckets: vec![None; usage.ids.len()],
             buckets: HashMap::with_capacity(capacity),
             overflow: None,
         }
     }
 
-    /// Publishes this shard's demand for each configured client, reads the
-    /// other shards', and sets each client's bucket to this shard's share
-    /// of its recent demand. Off the request path: the shard's watcher
-    /// calls it every few milliseconds. O(shards × configured clients).
+    /// Publishes this shard's demand for each configured client and source
+    /// slot, reads the other shards', and sets each bucket to this shard's
+    /// share of its column's recent demand. Off the request path: the
+    /// shard's watcher calls it every few milliseconds. O(shards × (clients
+    /// + SOURCE_SLOTS) + source buckets).
     pub fn exchange(&mut self, now_ns: u64) {
         let Some(x) = &mut self.exchange else {
             return;
@@ -347,7 +375,7 @@ impl Admission {
             return;
         }
         let shards = x.usage.shards;
-        for (col, &id) in x.usage.ids.iter().enumerate() {
+        for col in 0..columns {
             let mut total = 0.0;
             for s in 0..shards {
                 let k = s * columns + col;
@@ -358,10 +386,17 @@ impl Admission {
                 total += x.smoothed[k];
             }
             let mine = x.smoothed[x.row * columns + col];
-            let share = (mine + DEMAND_FLOOR_PER_S) / (total + shards as f64 * DEMAND_FLOOR_PER_S);
-            self.share[col] = share;
+            self.share[col] = (mine + DEMAND_FLOOR_PER_S) / (total + shards as f64 * DEMAND_FLOOR_PER_S);
+        }
+        for (col, &id) in x.usage.ids.iter().enumerate() {
             if let Some(b) = &mut self.client_buckets[col] {
-                b.reshare(self.clients[&id].0.limit, share);
+                b.reshare(self.clients[&id].0.limit, self.share[col]);
+            }
+        }
+        if let Some(limit) = self.config.default {
+            let first_slot = x.usage.ids.len();
+            for (&source, b) in self.buckets.iter_mut() {
+                b.reshare(limit, self.share[first_slot + source_slot(source)]);
             }
         }
     }
@@ -390,10 +425,14 @@ impl Admission {
                 let Some(limit) = self.config.default else {
                     return Admit::Admitted;
                 };
+                let column = self.client_buckets.len() + source_slot(source);
+                if let Some(x) = &mut self.exchange {
+                    x.demand[column] += 1;
+                }
                 if let Some(b) = self.buckets.get_mut(&source) {
                     b.take(now_ns)
                 } else if self.buckets.len() < self.config.clients_max {
-                    let mut b = Bucket::new(limit, even, now_ns);
+                    let mut b = Bucket::new(limit, self.share[column], now_ns);
                     let ok = b.take(now_ns);
                     self.buckets.insert(source, b);
                     ok
@@ -442,6 +481,11 @@ mod tests {
     /// `offered_per_s[shard]` requests/s (evenly spaced) for `seconds`, and
     /// exchanges every 5 ms. Returns what each admitted.
     fn run_shards(offered_per_s: &[f64], seconds: f64) -> Vec<u64> {
+        run_shards_as(7, offered_per_s, seconds)
+    }
+
+    /// `run_shards` for requests naming `client_id` from 127.0.0.1.
+    fn run_shards_as(client_id: u32, offered_per_s: &[f64], seconds: f64) -> Vec<u64> {
         let cfg = config();
         let usage = Arc::new(ClientUsage::new(&cfg, offered_per_s.len()));
         let mut shards: Vec<Admission> =
@@ -454,7 +498,7 @@ mod tests {
         while t < end_ns {
             for (i, a) in shards.iter_mut().enumerate() {
                 while offered_per_s[i] > 0.0 && next_ns[i] <= t as f64 {
-                    admitted[i] += u64::from(a.admit(7, ip("127.0.0.1"), t) == Admit::Admitted);
+                    admitted[i] += u64::from(a.admit(client_id, ip("127.0.0.1"), t) == Admit::Admitted);
                     next_ns[i] += 1e9 / offered_per_s[i];
                 }
                 if t % 5_000_000 == 0 {
@@ -478,6 +522,22 @@ mod tests {
         // A client under its rate is never refused, whichever shard it uses.
         let admitted = run_shards(&[400.0, 200.0], 2.0);
         assert!(admitted[0] >= 799 && admitted[1] >= 399, "{admitted:?}");
+    }
+
+    #[test]
+    fn an_unconfigured_sources_default_rate_holds_across_shards_too() {
+        // The default: 100/s, burst 2. Client 99 is not configured.
+        let want = 2.0 * 100.0 + 2.0;
+        for offered in [vec![400.0, 0.0], vec![200.0, 200.0]] {
+            let admitted = run_shards_as(99, &offered, 2.0);
+            let total: u64 = admitted.iter().sum();
+            assert!((total as f64 - want).abs() <= 0.05 * want, "{offered:?}: {admitted:?} admitted");
+        }
+        // Every source maps to one slot, the same on every shard.
+        let slots: std::collections::HashSet<usize> =
+            (0..=255u8).map(|i| source_slot(IpAddr::from([10, 0, 0, i]))).collect();
+        assert!(slots.len() > 100, "{} distinct slots of 256 addresses", slots.len());
+        assert_eq!(source_slot(ip("10.0.0.1")), source_slot(ip("::ffff:10.0.0.1")));
     }
 
     #[test]

@@ -764,13 +764,31 @@ fn tree_model_text() {
     });
 }
 
+/// One live-target input: a connection to `addr` that sends `bytes`, hangs
+/// up its side, and reads whatever comes back until the server closes (or
+/// `read_timeout` passes with nothing).
+fn send_and_drain(addr: &str, bytes: &[u8], read_timeout: Duration, what: &str) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        panic!("{what} stopped accepting");
+    };
+    s.set_read_timeout(Some(read_timeout)).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut sink = [0u8; 4096];
+    while let Ok(n) = s.read(&mut sink) {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
 /// Raw HTTP bytes at a live server's admin listener (with a token, so the
 /// controls' refusal path runs too): whatever arrives, the admin thread
 /// keeps answering and the server keeps scoring. A fiftieth of the inputs:
 /// each is a connection.
 #[test]
 fn admin_http_bytes() {
-    use std::io::{Read, Write};
     let dir = common::scratch("fuzz-admin-token");
     let token = dir.join("t");
     std::fs::write(&token, "fuzz-token-0123456789").unwrap();
@@ -787,18 +805,7 @@ fn admin_http_bytes() {
     .collect();
     let admin = server.admin.clone();
     fuzz_scaled("admin_http_bytes", seeds, 16 * MIB, 50, &|bytes, _, _| {
-        let Ok(mut s) = std::net::TcpStream::connect(&admin) else {
-            panic!("the admin listener stopped accepting");
-        };
-        s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
-        let _ = s.write_all(bytes);
-        let _ = s.shutdown(std::net::Shutdown::Write);
-        let mut sink = [0u8; 4096];
-        while let Ok(n) = s.read(&mut sink) {
-            if n == 0 {
-                break;
-            }
-        }
+        send_and_drain(&admin, bytes, Duration::from_millis(500), "the admin listener");
     });
     assert_eq!(common::http_get(&format!("http://{admin}/healthz")).0, 200, "the admin thread still answers");
     let r = server.client().score(&common::demo_request(1, 1, vec![1, 2])).unwrap();
@@ -812,7 +819,6 @@ fn admin_http_bytes() {
 /// handshakes and scores. A fiftieth of the inputs.
 #[test]
 fn tls_client_hellos() {
-    use std::io::{Read, Write};
     let pki = common::pki::Pki::new("fuzz-tls");
     let server = common::Server::start(&[
         "--shards",
@@ -836,18 +842,7 @@ fn tls_client_hellos() {
         .collect();
     let addr = server.addr.clone();
     fuzz_scaled("tls_client_hellos", seeds, 16 * MIB, 50, &|bytes, _, _| {
-        let Ok(mut s) = std::net::TcpStream::connect(&addr) else {
-            panic!("the TLS listener stopped accepting");
-        };
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        let _ = s.write_all(bytes);
-        let _ = s.shutdown(std::net::Shutdown::Write);
-        let mut sink = [0u8; 4096];
-        while let Ok(n) = s.read(&mut sink) {
-            if n == 0 {
-                break;
-            }
-        }
+        send_and_drain(&addr, bytes, Duration::from_secs(3), "the TLS listener");
     });
     let mut c = quiver::client::Client::connect_with(&server.addr, Duration::from_secs(10), Some(&tls)).unwrap();
     let r = c.score(&common::demo_request(1, 1, vec![1, 2])).unwrap();

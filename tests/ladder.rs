@@ -36,8 +36,11 @@ fn a_slow_inference_stage_trips_the_breaker_and_fallbacks_answer_in_time() {
     let id = std::cell::Cell::new(0u64);
     // The server answers DeadlineExceeded, rightly, when this VM pauses the
     // shard past a 4 ms budget (pauses of 40-60 ms are seen, more under a
-    // concurrent build); those may be at most 1% of the answers. Every other
-    // answer is Ok, inside its budget.
+    // concurrent build). A pause after the server's last deadline check
+    // (between it and the write) makes an Ok late, which no check can see.
+    // Late answers of either kind may be at most 1% of them; every other
+    // answer is Ok, inside its budget. (A rung that answered without its
+    // check would be late far more often.)
     let late = std::cell::Cell::new(0u64);
     let ask = |c: &mut quiver::client::Client| loop {
         id.set(id.get() + 1);
@@ -45,13 +48,13 @@ fn a_slow_inference_stage_trips_the_breaker_and_fallbacks_answer_in_time() {
         let mut spec = demo_request(id, id % 100_000, (0..32).map(|k| (id + k) % 10_000).collect());
         spec.budget_us = budget_us;
         let r = c.score(&spec).unwrap();
-        if r.status == Status::DeadlineExceeded {
+        let late_ok = r.status == Status::Ok && r.server_us > budget_us;
+        if r.status == Status::DeadlineExceeded || late_ok {
             late.set(late.get() + 1);
             assert!(late.get() <= 3 + id / 100, "{} of {id} answers late, the last {r:?}", late.get());
             continue;
         }
         assert_eq!(r.status, Status::Ok, "{r:?}");
-        assert!(r.server_us <= budget_us, "answered after its budget: {} µs", r.server_us);
         assert_eq!(r.scores.len(), 32);
         break r;
     };

@@ -42,10 +42,10 @@ fn a_client_over_its_rate_is_limited_and_others_are_not() {
     assert_eq!(c.score(&spec).unwrap().status, Status::Ok);
 }
 
-/// `connections` connections each offer client 7 `per_connection_per_s`
+/// `connections` connections each offer `client_id` `per_connection_per_s`
 /// requests a second (a batch every 10 ms) for `seconds`; returns how many
 /// were admitted, and the seconds from the first send to the last.
-fn offer_client_7(addr: &str, connections: usize, per_connection_per_s: f64, seconds: f64) -> (usize, f64) {
+fn offer(addr: &str, client_id: u32, connections: usize, per_connection_per_s: f64, seconds: f64) -> (usize, f64) {
     let started = Instant::now();
     let threads: Vec<_> = (0..connections)
         .map(|t| {
@@ -60,7 +60,7 @@ fn offer_client_7(addr: &str, connections: usize, per_connection_per_s: f64, sec
                         .map(|_| {
                             next_id += 1;
                             let mut spec = demo_request(next_id, next_id % 1000, vec![1, 2]);
-                            spec.client_id = 7;
+                            spec.client_id = client_id;
                             spec
                         })
                         .collect();
@@ -83,27 +83,38 @@ fn offer_client_7(addr: &str, connections: usize, per_connection_per_s: f64, sec
     (results.iter().map(|r| r.0).sum(), results.iter().map(|r| r.1).fold(0.0, f64::max))
 }
 
-/// Shards trade each configured client's demand every few milliseconds, so
-/// its rate holds for the client as a whole: one connection (on one of two
-/// shards) gets the whole rate, not half of it, and many connections spread
-/// over both shards share it.
+/// Shards trade each client's demand every few milliseconds, so its rate
+/// holds for the client as a whole: one connection (on one of two shards)
+/// gets the whole rate, not half of it, and many connections spread over
+/// both shards share it. Client 7 is configured; client 0 is not, and gets
+/// the default limit of its source (loopback).
 #[test]
 fn a_clients_rate_holds_across_shards_with_one_connection_or_many() {
     let cfg = common::scratch("ratelimit-shards").join("q.toml");
     let (rate, burst) = (1_000.0, 50.0);
-    std::fs::write(&cfg, format!("[admission.clients.7]\nrate_per_s = {rate:.1}\nburst = {burst:.1}\n")).unwrap();
+    std::fs::write(
+        &cfg,
+        format!(
+            "[admission.default]\nrate_per_s = {rate:.1}\nburst = {burst:.1}\n\
+             [admission.clients.7]\nrate_per_s = {rate:.1}\nburst = {burst:.1}\n"
+        ),
+    )
+    .unwrap();
     let server = Server::start(&["--shards", "2", "--config", cfg.to_str().unwrap()]);
     // Three times the rate offered, for three seconds, from one connection
     // and then from eight (the balance spreads them over both shards).
-    for connections in [1, 8] {
-        let (ok, seconds) = offer_client_7(&server.addr, connections, 3.0 * rate / connections as f64, 3.0);
-        let want = rate * seconds + burst;
-        assert!(
-            (ok as f64 - want).abs() <= 0.1 * want,
-            "{connections} connection(s): {ok} admitted in {seconds:.2} s, want {want:.0} within 10%"
-        );
-        // Let the buckets refill before the next round.
-        std::thread::sleep(Duration::from_millis(500));
+    for client_id in [7, 0] {
+        for connections in [1, 8] {
+            let (ok, seconds) = offer(&server.addr, client_id, connections, 3.0 * rate / connections as f64, 3.0);
+            let want = rate * seconds + burst;
+            assert!(
+                (ok as f64 - want).abs() <= 0.1 * want,
+                "client {client_id}, {connections} connection(s): {ok} admitted in {seconds:.2} s, \
+                 want {want:.0} within 10%"
+            );
+            // Let the buckets refill before the next round.
+            std::thread::sleep(Duration::from_millis(500));
+        }
     }
 }
 

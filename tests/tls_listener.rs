@@ -188,36 +188,17 @@ fn mutual_tls_admits_only_clients_the_ca_signed() {
 fn a_server_with_unusable_certificates_refuses_to_start() {
     let pki = Pki::new("tls-refused");
     let data = demo_dir().to_str().unwrap();
+    let serve = |cert: &str, key: &str| {
+        let (cert, key) = (pki.path(cert), pki.path(key));
+        let args = ["serve", "--listen", "127.0.0.1:0", "--admin", "off", "--data-dir", data];
+        run_quiver(args.into_iter().chain(["--tls-cert", cert.as_str(), "--tls-key", key.as_str()]))
+    };
     // A missing key file.
-    let (code, out, err) = run_quiver([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "off",
-        "--data-dir",
-        data,
-        "--tls-cert",
-        &pki.path("server.crt"),
-        "--tls-key",
-        &pki.path("absent.key"),
-    ]);
+    let (code, out, err) = serve("server.crt", "absent.key");
     assert_ne!(code, 0, "{out}");
     assert!(err.contains("[tls]") && err.contains("absent.key"), "{err}");
     // A key that is not the certificate's.
-    let (code, out, err) = run_quiver([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "off",
-        "--data-dir",
-        data,
-        "--tls-cert",
-        &pki.path("server.crt"),
-        "--tls-key",
-        &pki.path("client.key"),
-    ]);
+    let (code, out, err) = serve("server.crt", "client.key");
     assert_ne!(code, 0, "{out}");
     assert!(err.contains("[tls]"), "{err}");
     // A typo in the section is named.
