@@ -59,17 +59,10 @@ fn a_slow_inference_stage_trips_the_breaker_and_fallbacks_answer_in_time() {
         break r;
     };
 
-    // Warm the connection and the stage with unhurried requests. The stage
-    // now builds and measures its backends before the server listens, which
-    // removed most late first requests; without this warm-up one run in six
-    // still saw its first 4 ms request finish late (the unpinned stage thread
-    // shares this 2-core VM with the shard and the client).
-    let mut warm = demo_request(0, 0, (0..32).collect());
-    warm.budget_us = 1_000_000;
-    for _ in 0..50 {
-        assert_eq!(c.score(&warm).unwrap().status, Status::Ok);
-    }
-
+    // No warm-up: the stage builds its backends and seeds every cost bucket
+    // from warm runs before the server listens, so the first 4 ms requests
+    // are in time; what the VM's pauses make late counts in the allowance
+    // above, like any other request's.
     // Healthy: the primary answers.
     let healthy: Vec<_> = (0..100).map(|_| ask(&mut c)).collect();
     let primary = healthy.iter().filter(|r| r.tier == Tier::Primary).count();

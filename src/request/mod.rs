@@ -837,16 +837,17 @@ impl<C: Clock> RequestPath<C> {
             self.logits[..rows].fill(step.default_score);
         }
         let now_ns = self.clock.now_ns();
-        if tier == Tier::Fallback && step.deadline.cannot_fit(now_ns / 1_000, 0) {
-            // The fallback model finished late: no `Ok` once the deadline
-            // was seen to pass.
+        if step.deadline.cannot_fit(now_ns / 1_000, 0) {
+            // No `Ok` once the deadline was seen to pass: the fallback model
+            // finished late, or the step-down itself came late (a give-up
+            // the shard reached after the deadline).
             self.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
-            return self.fail(
-                step.request_id,
-                Status::DeadlineExceeded,
-                "the fallback model finished after the deadline",
-                out,
-            );
+            let why = if tier == Tier::Fallback {
+                "the fallback model finished after the deadline"
+            } else {
+                "the deadline passed before a lower rung could answer"
+            };
+            return self.fail(step.request_id, Status::DeadlineExceeded, why, out);
         }
         self.respond_ok(step, tier, reason, version, now_ns, out);
         self.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));

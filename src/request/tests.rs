@@ -357,6 +357,38 @@ fn a_give_up_answers_from_the_cache() {
 }
 
 #[test]
+fn a_give_up_reached_after_the_deadline_answers_deadline_exceeded() {
+    // The stage is slow; the shard gets to the give-up only after the
+    // deadline (its reactor was held): a static default then would be an
+    // `Ok` after the deadline was seen to pass.
+    let faults = Arc::new(crate::ladder::Faults::default());
+    let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
+    let (mut path, stage) = threaded("stage-late-give-up", faults.clone(), &clock);
+    faults.set_stage_delay_us(20_000);
+    let mut s = spec();
+    s.budget_us = 4_000;
+    let mut out = Vec::new();
+    assert_eq!(path.handle(&payload(&s), clock.now_ns(), 0, LOCAL, &mut out), Handled::Pending);
+    clock.advance_us(4_001);
+    let mut answers = Vec::new();
+    path.give_up_overdue(clock.now_ns(), &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    assert_eq!(answers.len(), 1);
+    let r = decode(&answers[0].1);
+    assert_eq!(r.status, Status::DeadlineExceeded, "{r:?}");
+    assert_eq!(r.error, "the deadline passed before a lower rung could answer");
+    // In time, the same give-up is the default rung's Ok.
+    s.request_id = 2;
+    assert_eq!(path.handle(&payload(&s), clock.now_ns(), 0, LOCAL, &mut out), Handled::Pending);
+    clock.advance_us(4_000 - path.shared.ladder.reserve_us);
+    answers.clear();
+    path.give_up_overdue(clock.now_ns(), &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    let r = decode(&answers[0].1);
+    assert_eq!((r.status, r.tier), (Status::Ok, Tier::Default), "{r:?}");
+    faults.set_stage_delay_us(0);
+    stage.stop();
+}
+
+#[test]
 fn a_fallback_that_finishes_late_answers_deadline_exceeded() {
     // The primary is far too slow for the budget, so every request steps
     // down to the fallback model (the same small model); each clock read
