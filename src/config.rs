@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::request::Limits;
 use crate::score::BackendKind;
+pub use crate::shard::{NotReadyPolicy, ReactorConfig};
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -149,109 +151,6 @@ impl Default for StageLimits {
     }
 }
 
-/// How each shard's reactor (its glommio executor) runs. The defaults are
-/// tuned for latency on small VMs; docs/BENCHMARKS.md has their measured
-/// effect.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct ReactorConfig {
-    /// How long an idle reactor polls before it parks in the kernel. A
-    /// parked vCPU takes tens of microseconds to wake; spinning this long
-    /// after the last event keeps a shard under steady load awake between
-    /// requests, at the cost of that much CPU per idle gap. 0 parks at once.
-    pub spin_before_park_us: u64,
-    /// How long one task queue runs before the reactor checks for I/O and
-    /// other queues (glommio's preemption timer).
-    pub preempt_timer_us: u64,
-    /// A reactor turn longer than this is a stall: counted in
-    /// `quiver_shard_stalls_total`, timed, and logged (rate-limited) with
-    /// the task queue that ran. 0 turns the detector off.
-    pub stall_threshold_us: u64,
-    /// Cores for the threads that are not shards (admin, refresher, flusher,
-    /// model watcher). Default: the online cores no shard or inference
-    /// stage uses, or unpinned when there are none.
-    pub housekeeping_cores: Option<Vec<usize>>,
-    /// Every this many reads of a connection, read with the kernel's receive
-    /// timestamps (`SO_TIMESTAMPNS`), so the wait in the socket before the
-    /// shard read it is measured for the frames of that read (`socket_wait`
-    /// in the stage histograms). A stamped read costs an extra syscall or
-    /// two; 1 stamps every read, 0 none.
-    pub socket_wait_every_reads: u32,
-    /// Spread connections evenly over the shards: a shard serving two more
-    /// than the least-loaded one hands a newly accepted connection to it.
-    pub balance_connections: bool,
-}
-
-impl Default for ReactorConfig {
-    fn default() -> Self {
-        ReactorConfig {
-            spin_before_park_us: 50,
-            preempt_timer_us: 100_000,
-            stall_threshold_us: 500,
-            housekeeping_cores: None,
-            socket_wait_every_reads: 8,
-            balance_connections: true,
-        }
-    }
-}
-
-/// What a server that is not ready does with traffic.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum NotReadyPolicy {
-    /// Close new connections at once; requests on open ones get `Overloaded`.
-    Refuse,
-    /// Accept connections and answer every request `Overloaded`.
-    Overloaded,
-}
-
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct Limits {
-    /// Largest request frame, excluding the 4-byte length prefix.
-    pub frame_bytes_max: usize,
-    pub candidates_max: usize,
-    pub context_len_max: usize,
-    pub connections_per_shard_max: usize,
-    /// Budget for requests that send `budget_us = 0`.
-    pub budget_us_default: u32,
-    /// Larger budgets are clamped to this.
-    pub budget_us_max: u32,
-    /// Responses buffered per connection before the shard stops decoding
-    /// and flushes; bounds memory per pipelining client.
-    pub output_bytes_max: usize,
-    /// Frames a connection answers before its responses are written and it
-    /// yields the reactor to the shard's other connections and tasks: a
-    /// client pipelining thousands of requests cannot hold the shard for
-    /// the whole burst.
-    pub frames_per_round_max: usize,
-    /// A connection with no complete frame for this long is closed.
-    pub idle_timeout_ms: u64,
-    /// A client that does not drain its responses within this is closed.
-    pub write_timeout_ms: u64,
-    /// After SIGTERM, how long connections get to finish before the
-    /// process exits anyway.
-    pub shutdown_grace_ms: u64,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            frame_bytes_max: 64 * 1024,
-            candidates_max: 256,
-            context_len_max: 256,
-            connections_per_shard_max: 1024,
-            budget_us_default: 10_000,
-            budget_us_max: 10_000_000,
-            output_bytes_max: 1 << 20,
-            frames_per_round_max: 64,
-            idle_timeout_ms: 60_000,
-            write_timeout_ms: 5_000,
-            shutdown_grace_ms: 5_000,
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: {source}")]
@@ -268,8 +167,8 @@ pub enum ConfigError {
     },
     #[error("{0}")]
     Invalid(String),
-    #[error("limits.{field} = {value} is outside {range}")]
-    Range { field: &'static str, value: u64, range: &'static str },
+    #[error(transparent)]
+    Range(#[from] crate::request::LimitError),
 }
 
 impl Config {
@@ -310,35 +209,6 @@ impl Config {
 
     pub fn model_path(&self) -> PathBuf {
         self.model.clone().unwrap_or_else(|| self.data_dir.join("model.qm"))
-    }
-}
-
-impl Limits {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let check = |field: &'static str, value: u64, lo: u64, hi: u64, range: &'static str| {
-            if value < lo || value > hi {
-                return Err(ConfigError::Range { field, value, range });
-            }
-            Ok(())
-        };
-        check("frame_bytes_max", self.frame_bytes_max as u64, 64, 16 << 20, "64..=16777216")?;
-        check("candidates_max", self.candidates_max as u64, 1, 8192, "1..=8192")?;
-        check("context_len_max", self.context_len_max as u64, 0, 4096, "0..=4096")?;
-        check("connections_per_shard_max", self.connections_per_shard_max as u64, 1, 1 << 20, "1..=1048576")?;
-        check("budget_us_default", u64::from(self.budget_us_default), 1, u64::from(u32::MAX), "1..")?;
-        check(
-            "budget_us_max",
-            u64::from(self.budget_us_max),
-            u64::from(self.budget_us_default),
-            u64::from(u32::MAX),
-            "budget_us_default..",
-        )?;
-        check("output_bytes_max", self.output_bytes_max as u64, 4096, 1 << 30, "4096..=1073741824")?;
-        check("frames_per_round_max", self.frames_per_round_max as u64, 1, 1 << 16, "1..=65536")?;
-        check("idle_timeout_ms", self.idle_timeout_ms, 1, 86_400_000, "1..=86400000")?;
-        check("write_timeout_ms", self.write_timeout_ms, 1, 86_400_000, "1..=86400000")?;
-        check("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000, "0..=600000")?;
-        Ok(())
     }
 }
 

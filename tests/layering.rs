@@ -159,3 +159,15 @@ fn the_cycle_finder_finds_a_cycle() {
     assert!(code.contains("crate::b") && !code.contains("crate::c") && !code.contains("crate::d"));
     assert!(code.contains("crate::e") && !code.contains("crate::f"));
 }
+
+/// `config` gathers every section's type from the stage that reads it;
+/// nothing but the composition root (`server`) and `main` depends on it.
+#[test]
+fn only_the_composition_root_reads_config() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mods = top_level_modules(&src);
+    let graph = edges(&src, &mods);
+    let readers: Vec<&String> =
+        graph.iter().filter(|(m, to)| m.as_str() != "server" && to.contains("config")).map(|(m, _)| m).collect();
+    assert!(readers.is_empty(), "modules that read crate::config: {readers:?}");
+}

@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use crate::admission::{Admission, AdmissionConfig, Admit};
 use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
-use crate::config::Limits;
 use crate::deadline::{Clock, Deadline};
 use crate::drift::DriftCounts;
 use crate::feed::FeedStatus;
@@ -34,6 +33,7 @@ use handoff::{Pending, Turnaround};
 use shadow::{ShadowQueue, SHADOW_SLOTS};
 
 mod handoff;
+mod limits;
 mod overload;
 mod shadow;
 
@@ -68,6 +68,7 @@ pub struct Shared {
 }
 
 pub use crate::model::layout::{InputLayout, LayoutError};
+pub use limits::{LimitError, Limits};
 
 /// A categorical id as the model reads it: the id as a float where that is
 /// exact (below 2^24), else -1, which no embedding row has (its default).

@@ -35,7 +35,8 @@ use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
-use crate::config::{NotReadyPolicy, ReactorConfig};
+use serde::{Deserialize, Serialize};
+
 use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::ShardEnd;
 use crate::ladder::BreakerState;
@@ -65,6 +66,62 @@ const BELL_WAIT_MAX: Duration = Duration::from_micros(200);
 const QUEUED_WAIT: Duration = Duration::from_millis(3);
 /// First read buffer size per connection; grows up to one maximal frame.
 const READ_BUFFER_BYTES_MIN: usize = 16 * 1024;
+
+/// How each shard's reactor (its glommio executor) runs. The defaults are
+/// tuned for latency on small VMs; docs/BENCHMARKS.md has their measured
+/// effect.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReactorConfig {
+    /// How long an idle reactor polls before it parks in the kernel. A
+    /// parked vCPU takes tens of microseconds to wake; spinning this long
+    /// after the last event keeps a shard under steady load awake between
+    /// requests, at the cost of that much CPU per idle gap. 0 parks at once.
+    pub spin_before_park_us: u64,
+    /// How long one task queue runs before the reactor checks for I/O and
+    /// other queues (glommio's preemption timer).
+    pub preempt_timer_us: u64,
+    /// A reactor turn longer than this is a stall: counted in
+    /// `quiver_shard_stalls_total`, timed, and logged (rate-limited) with
+    /// the task queue that ran. 0 turns the detector off.
+    pub stall_threshold_us: u64,
+    /// Cores for the threads that are not shards (admin, refresher, flusher,
+    /// model watcher). Default: the online cores no shard or inference
+    /// stage uses, or unpinned when there are none.
+    pub housekeeping_cores: Option<Vec<usize>>,
+    /// Every this many reads of a connection, read with the kernel's receive
+    /// timestamps (`SO_TIMESTAMPNS`), so the wait in the socket before the
+    /// shard read it is measured for the frames of that read (`socket_wait`
+    /// in the stage histograms). A stamped read costs an extra syscall or
+    /// two; 1 stamps every read, 0 none.
+    pub socket_wait_every_reads: u32,
+    /// Spread connections evenly over the shards: a shard serving two more
+    /// than the least-loaded one hands a newly accepted connection to it.
+    pub balance_connections: bool,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> Self {
+        ReactorConfig {
+            spin_before_park_us: 50,
+            preempt_timer_us: 100_000,
+            stall_threshold_us: 500,
+            housekeeping_cores: None,
+            socket_wait_every_reads: 8,
+            balance_connections: true,
+        }
+    }
+}
+
+/// What a server that is not ready does with traffic.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum NotReadyPolicy {
+    /// Close new connections at once; requests on open ones get `Overloaded`.
+    Refuse,
+    /// Accept connections and answer every request `Overloaded`.
+    Overloaded,
+}
 
 /// What one shard did, reported when it stops.
 #[derive(Clone, Debug, Default)]
@@ -551,7 +608,7 @@ struct Conns {
     submitted: Rc<Notify>,
     path: Rc<RefCell<RequestPath<MonotonicClock>>>,
     shutdown: Rc<ShutdownSignal>,
-    limits: crate::config::Limits,
+    limits: crate::request::Limits,
     report: Rc<RefCell<ShardReport>>,
     stalls: Rc<StallMeter>,
     socket_wait_every_reads: u32,
