@@ -34,6 +34,11 @@ fn ns_to_s(ns: u64) -> f64 {
     ns as f64 / 1e9
 }
 
+/// One counter with no labels.
+fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> Result<(), std::fmt::Error> {
+    encoder.encode_descriptor(name, help, None, MetricType::Counter)?.encode_counter::<NoLabelSet, _, u64>(&value, None)
+}
+
 fn encode_hist(
     encoder: &mut prometheus_client::encoding::MetricEncoder<'_>,
     h: &hdrhistogram::Histogram<u64>,
@@ -120,15 +125,12 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 MetricType::Gauge,
             )?
             .encode_gauge(&(m.counters.shed_level_milli as f64 / 1e3))?;
-        let shadow_n = m.counters.shadow_requests;
-        encoder
-            .encode_descriptor(
-                "quiver_shadow_requests",
-                "Requests also scored by a shadow version after their response.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&shadow_n, None)?;
+        counter(
+            &mut encoder,
+            "quiver_shadow_requests",
+            "Requests also scored by a shadow version after their response.",
+            m.counters.shadow_requests,
+        )?;
         let (mad, rho) = shadow_divergence(&m.counters);
         encoder
             .encode_descriptor(
@@ -157,14 +159,12 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         encoder
             .encode_descriptor("quiver_candidates_scored", "Candidates scored.", None, MetricType::Counter)?
             .encode_counter::<NoLabelSet, _, u64>(&m.counters.candidates_scored, None)?;
-        encoder
-            .encode_descriptor(
-                "quiver_features_missing",
-                "Feature lookups that fell back to the group default.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&m.counters.features_missing, None)?;
+        counter(
+            &mut encoder,
+            "quiver_features_missing",
+            "Feature lookups that fell back to the group default.",
+            m.counters.features_missing,
+        )?;
         encoder
             .encode_descriptor("quiver_connections_active", "Open client connections.", None, MetricType::Gauge)?
             .encode_gauge(&(m.connections_active as i64))?;
@@ -179,46 +179,36 @@ impl prometheus_client::collector::Collector for QuiverCollector {
                 MetricType::Gauge,
             )?
             .encode_gauge(&i64::from(readiness.probe(MonotonicClock::new().now_ns()).is_ok()))?;
-        encoder
-            .encode_descriptor(
-                "quiver_admin_unauthorized",
-                "Control requests refused for a missing or wrong bearer token.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&refusals.total(), None)?;
-        encoder
-            .encode_descriptor(
-                "quiver_stale_responses",
-                "Ok responses flagged features_stale.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&m.counters.stale_responses, None)?;
-        encoder
-            .encode_descriptor(
-                "quiver_admission_wrong_source",
-                "Requests refused for naming a client bound to other source networks.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&m.counters.admission_wrong_source, None)?;
-        encoder
-            .encode_descriptor(
-                "quiver_tls_handshakes",
-                "TLS handshakes completed on the scoring port.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&m.counters.tls_handshakes, None)?;
-        encoder
-            .encode_descriptor(
-                "quiver_tls_handshake_failures",
-                "TLS handshakes on the scoring port that failed or timed out.",
-                None,
-                MetricType::Counter,
-            )?
-            .encode_counter::<NoLabelSet, _, u64>(&m.counters.tls_handshake_failures, None)?;
+        counter(
+            &mut encoder,
+            "quiver_admin_unauthorized",
+            "Control requests refused for a missing or wrong bearer token.",
+            refusals.total(),
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_stale_responses",
+            "Ok responses flagged features_stale.",
+            m.counters.stale_responses,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_admission_wrong_source",
+            "Requests refused for naming a client bound to other source networks.",
+            m.counters.admission_wrong_source,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_tls_handshakes",
+            "TLS handshakes completed on the scoring port.",
+            m.counters.tls_handshakes,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_tls_handshake_failures",
+            "TLS handshakes on the scoring port that failed or timed out.",
+            m.counters.tls_handshake_failures,
+        )?;
         if let Some(feed) = readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }

@@ -704,11 +704,10 @@ impl Connection {
         result
     }
 
-    /// A TLS handshake on `stream`, within the configured time.
+    /// A TLS handshake on `stream`, within the configured time (the whole
+    /// handshake, however the client trickles its bytes).
     async fn handshake(&self, stream: TcpStream, tls: &ListenerTls) -> std::io::Result<tls::TlsStream> {
         let timeout = tls.handshake_timeout;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
         futures_lite::future::or(tls::TlsStream::accept(stream, tls.config.clone()), async {
             glommio::timer::sleep(timeout).await;
             Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))
