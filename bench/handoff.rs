@@ -26,6 +26,7 @@ fn tiny() -> Model {
         layers: vec![Layer::quantize(4, 1, false, vec![0.5, -0.25, 0.125, 1.0], vec![0.0])],
         calibration: None,
         graph: None,
+        onnx: None,
     }
 }
 

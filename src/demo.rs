@@ -84,6 +84,7 @@ pub fn context_mlp(name: &str, seed: u64, dims: &[usize]) -> Model {
         layers: he_layers(&mut rng, dims, 0.1),
         calibration: None,
         graph: None,
+        onnx: None,
     }
 }
 
@@ -103,6 +104,7 @@ pub fn model() -> Model {
         layers,
         calibration: None,
         graph: None,
+        onnx: None,
     }
 }
 
@@ -121,6 +123,7 @@ pub fn fallback_model() -> Model {
         layers: vec![Layer::quantize(n_in, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.0])],
         calibration: None,
         graph: None,
+        onnx: None,
     }
 }
 

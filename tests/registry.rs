@@ -35,6 +35,7 @@ fn small_model(name: &str, version: u32) -> Model {
         layers: vec![Layer::quantize(80, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.1])],
         calibration: None,
         graph: None,
+        onnx: None,
     }
 }
 

@@ -618,8 +618,15 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         if delay_us > 0 {
             std::thread::sleep(Duration::from_micros(delay_us));
         }
-        backend.logits(&model, &x[..batch_rows * dim], batch_rows, &mut logits[..batch_rows]);
+        let scored = backend.try_logits(&model, &x[..batch_rows * dim], batch_rows, &mut logits[..batch_rows]);
         let ended_ns = clock.now_ns();
+        if scored.is_err() {
+            // The shards step these requests down (reason model_error).
+            for w in &batch {
+                finish(&ends[w.shard], w.job, Outcome::Failed, started_ns, ended_ns - started_ns, batch_rows as u32);
+            }
+            continue;
+        }
         costs.observe(batch_rows, ended_ns - started_ns, ended_ns);
         tracing::trace!(
             batch_rows,

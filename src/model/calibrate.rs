@@ -482,6 +482,7 @@ mod tests {
             ],
             calibration: None,
             graph: None,
+            onnx: None,
         }
     }
 

@@ -164,12 +164,14 @@ pub fn build(parsed: Parsed, opts: &GbdtOptions, path: &str) -> Result<Imported,
         layers: Vec::new(),
         calibration: None,
         graph: Some(Graph { nodes, output: kind }),
+        onnx: None,
     };
     model.validate()?;
     Ok(Imported {
         model,
         output: format!("objective {}", parsed.objective),
         sigmoid_dropped: false,
+        output_column: 0,
         layout: vec![("features".into(), inputs)],
         producer: parsed.producer,
         rewrites,

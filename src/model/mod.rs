@@ -28,6 +28,7 @@ pub mod gbdt;
 pub mod graph;
 pub mod layout;
 pub mod onnx;
+pub mod onnx_graph;
 pub mod trees;
 
 use std::path::Path;
@@ -35,6 +36,7 @@ use std::path::Path;
 use flatbuffers::{FlatBufferBuilder, VerifierOptions, WIPOffset};
 pub use generated::quiver::model as fb;
 pub use graph::{Act, Graph, Node, Op, OutputKind};
+pub use onnx_graph::{OnnxElement, OnnxGraph, OnnxInput};
 use trees::{Ensemble, Split, TreeNode};
 
 /// Largest model file accepted, and the verifier's size bound.
@@ -177,6 +179,10 @@ pub struct Model {
     /// A graph model (file v2): `layers` is then empty and the graph is the
     /// network. `None` for the v1 MLP of `layers`.
     pub graph: Option<Graph>,
+    /// The ONNX graph kept for the onnxruntime backend: beside the native
+    /// network (`--keep-onnx`), or instead of it (`--onnxruntime`, where
+    /// `layers` is empty and `graph` is `None`).
+    pub onnx: Option<OnnxGraph>,
 }
 
 /// Largest |bias| in accumulator units. With |acc| ≤ 128 · 127 · `WIDTH_MAX`
@@ -231,6 +237,18 @@ impl Model {
         }
         if self.inputs.iter().any(|i| i.dim == 0) {
             return Err(bad("an input segment has dimension 0".into()));
+        }
+        if let Some(o) = &self.onnx {
+            o.validate(self.input_dim()).map_err(bad)?;
+        }
+        if !self.is_native() && self.onnx.is_some() {
+            if let Some(c) = &self.calibration {
+                if c.activations != ActivationScales::Dynamic || !c.input_ranges.is_empty() {
+                    return Err(bad("is served through onnxruntime and holds static INT8 ranges".into()));
+                }
+                return validate_calibration_tables(self, c).map_err(bad);
+            }
+            return Ok(());
         }
         if let Some(g) = &self.graph {
             if !self.layers.is_empty() {
@@ -479,9 +497,19 @@ impl Model {
         Graph { nodes, output: OutputKind::Logit }
     }
 
+    /// Whether a native backend can run it: a v1 MLP or a graph model. A
+    /// model that is only an ONNX graph runs on onnxruntime alone.
+    pub fn is_native(&self) -> bool {
+        !self.layers.is_empty() || self.graph.is_some()
+    }
+
     /// What the network's output is: a logit for every v1 model.
     pub fn output_kind(&self) -> OutputKind {
-        self.graph.as_ref().map_or(OutputKind::Logit, |g| g.output)
+        match (&self.graph, &self.onnx) {
+            (Some(g), _) => g.output,
+            (None, Some(o)) if self.layers.is_empty() => o.output_kind,
+            _ => OutputKind::Logit,
+        }
     }
 
     /// The score returned for an output value: its sigmoid for a logit,
@@ -509,6 +537,7 @@ impl Model {
     /// logits go to `out`. Slow and allocating on purpose: it is the
     /// specification, not the serving path.
     pub fn forward_f32_reference(&self, x: &[f32], rows: usize, out: &mut [f32]) {
+        assert!(self.is_native(), "an onnxruntime-only model has no native specification");
         assert_eq!(x.len(), rows * self.input_dim());
         assert_eq!(out.len(), rows);
         if let Some(g) = &self.graph {
@@ -557,7 +586,7 @@ impl Model {
         }
         let opts = VerifierOptions {
             max_depth: 8,
-            max_tables: 2 + LAYERS_MAX + 16 + 2 * graph::NODES_MAX,
+            max_tables: 2 + LAYERS_MAX + 16 + 2 * graph::NODES_MAX + 1 + onnx_graph::ONNX_INPUTS_MAX,
             max_apparent_size: MODEL_BYTES_MAX,
             ignore_missing_null_terminator: false,
         };
@@ -602,7 +631,11 @@ impl Model {
             Some(g) => Some(graph_from_fb(&g).map_err(|what| bad(&what))?),
             None => None,
         };
-        let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration, graph };
+        let onnx = match m.onnx() {
+            Some(o) => Some(OnnxGraph::from_fb(&o).map_err(|what| bad(&what))?),
+            None => None,
+        };
+        let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration, graph, onnx };
         model.validate()?;
         Ok(model)
     }
@@ -624,6 +657,7 @@ impl Model {
             .collect();
         let layers: Vec<_> = self.layers.iter().map(|l| layer_to_fb(&mut b, l)).collect();
         let graph = self.graph.as_ref().map(|g| graph_to_fb(&mut b, g));
+        let onnx = self.onnx.as_ref().map(|o| o.to_fb(&mut b));
         let calibration = self.calibration.as_ref().map(|c| {
             let edges = Some(b.create_vector(&c.scores.edges));
             let counts = Some(b.create_vector(&c.scores.counts));
@@ -663,7 +697,7 @@ impl Model {
         let layers = Some(b.create_vector(&layers));
         let root = fb::Model::create(
             &mut b,
-            &fb::ModelArgs { name, version: self.version, inputs, layers, calibration, graph },
+            &fb::ModelArgs { name, version: self.version, inputs, layers, calibration, graph, onnx },
         );
         fb::finish_model_buffer(&mut b, root);
         b.finished_data().to_vec()
@@ -1012,6 +1046,7 @@ mod tests {
             ],
             calibration: None,
             graph: None,
+            onnx: None,
         }
     }
 

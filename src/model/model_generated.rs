@@ -518,6 +518,94 @@ impl<'a> ::flatbuffers::Verifiable for OutputKind {
 }
 
 impl ::flatbuffers::SimpleToVerifyInSlice for OutputKind {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_ONNX_ELEMENT: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_ONNX_ELEMENT: u8 = 2;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_ONNX_ELEMENT: [OnnxElement; 3] = [
+  OnnxElement::Float,
+  OnnxElement::Int64,
+  OnnxElement::Int32,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct OnnxElement(pub u8);
+#[allow(non_upper_case_globals)]
+impl OnnxElement {
+  pub const Float: Self = Self(0);
+  pub const Int64: Self = Self(1);
+  pub const Int32: Self = Self(2);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 2;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::Float,
+    Self::Int64,
+    Self::Int32,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::Float => Some("Float"),
+      Self::Int64 => Some("Int64"),
+      Self::Int32 => Some("Int32"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for OnnxElement {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for OnnxElement {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for OnnxElement {
+    type Output = OnnxElement;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for OnnxElement {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for OnnxElement {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for OnnxElement {}
 pub enum InputSegmentOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -1887,6 +1975,334 @@ impl ::core::fmt::Debug for Graph<'_> {
       ds.finish()
   }
 }
+pub enum OnnxInputOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct OnnxInput<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for OnnxInput<'a> {
+  type Inner = OnnxInput<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> OnnxInput<'a> {
+  pub const VT_NAME: ::flatbuffers::VOffsetT = 4;
+  pub const VT_WIDTH: ::flatbuffers::VOffsetT = 6;
+  pub const VT_ELEMENT: ::flatbuffers::VOffsetT = 8;
+  pub const VT_RANK: ::flatbuffers::VOffsetT = 10;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    OnnxInput { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args OnnxInputArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<OnnxInput<'bldr>> {
+    let mut builder = OnnxInputBuilder::new(_fbb);
+    builder.add_width(args.width);
+    if let Some(x) = args.name { builder.add_name(x); }
+    builder.add_rank(args.rank);
+    builder.add_element(args.element);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn name(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(OnnxInput::VT_NAME, None)}
+  }
+  #[inline]
+  pub fn width(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(OnnxInput::VT_WIDTH, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn element(&self) -> OnnxElement {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<OnnxElement>(OnnxInput::VT_ELEMENT, Some(OnnxElement::Float)).unwrap()}
+  }
+  #[inline]
+  pub fn rank(&self) -> u8 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u8>(OnnxInput::VT_RANK, Some(2)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for OnnxInput<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("name", Self::VT_NAME, false)?
+     .visit_field::<u32>("width", Self::VT_WIDTH, false)?
+     .visit_field::<OnnxElement>("element", Self::VT_ELEMENT, false)?
+     .visit_field::<u8>("rank", Self::VT_RANK, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct OnnxInputArgs<'a> {
+    pub name: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub width: u32,
+    pub element: OnnxElement,
+    pub rank: u8,
+}
+impl<'a> Default for OnnxInputArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    OnnxInputArgs {
+      name: None,
+      width: 0,
+      element: OnnxElement::Float,
+      rank: 2,
+    }
+  }
+}
+
+pub struct OnnxInputBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> OnnxInputBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_name(&mut self, name: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(OnnxInput::VT_NAME, name);
+  }
+  #[inline]
+  pub fn add_width(&mut self, width: u32) {
+    self.fbb_.push_slot::<u32>(OnnxInput::VT_WIDTH, width, 0);
+  }
+  #[inline]
+  pub fn add_element(&mut self, element: OnnxElement) {
+    self.fbb_.push_slot::<OnnxElement>(OnnxInput::VT_ELEMENT, element, OnnxElement::Float);
+  }
+  #[inline]
+  pub fn add_rank(&mut self, rank: u8) {
+    self.fbb_.push_slot::<u8>(OnnxInput::VT_RANK, rank, 2);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> OnnxInputBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    OnnxInputBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<OnnxInput<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for OnnxInput<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("OnnxInput");
+      ds.field("name", &self.name());
+      ds.field("width", &self.width());
+      ds.field("element", &self.element());
+      ds.field("rank", &self.rank());
+      ds.finish()
+  }
+}
+pub enum OnnxGraphOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct OnnxGraph<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for OnnxGraph<'a> {
+  type Inner = OnnxGraph<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> OnnxGraph<'a> {
+  pub const VT_MODEL: ::flatbuffers::VOffsetT = 4;
+  pub const VT_INPUTS: ::flatbuffers::VOffsetT = 6;
+  pub const VT_OUTPUT: ::flatbuffers::VOffsetT = 8;
+  pub const VT_OUTPUT_COLUMN: ::flatbuffers::VOffsetT = 10;
+  pub const VT_OUTPUT_PROBABILITY: ::flatbuffers::VOffsetT = 12;
+  pub const VT_OUTPUT_KIND: ::flatbuffers::VOffsetT = 14;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    OnnxGraph { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args OnnxGraphArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<OnnxGraph<'bldr>> {
+    let mut builder = OnnxGraphBuilder::new(_fbb);
+    builder.add_output_column(args.output_column);
+    if let Some(x) = args.output { builder.add_output(x); }
+    if let Some(x) = args.inputs { builder.add_inputs(x); }
+    if let Some(x) = args.model { builder.add_model(x); }
+    builder.add_output_kind(args.output_kind);
+    builder.add_output_probability(args.output_probability);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn model(&self) -> Option<::flatbuffers::Vector<'a, u8>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u8>>>(OnnxGraph::VT_MODEL, None)}
+  }
+  #[inline]
+  pub fn inputs(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<OnnxInput<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<OnnxInput>>>>(OnnxGraph::VT_INPUTS, None)}
+  }
+  #[inline]
+  pub fn output(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(OnnxGraph::VT_OUTPUT, None)}
+  }
+  #[inline]
+  pub fn output_column(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(OnnxGraph::VT_OUTPUT_COLUMN, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn output_probability(&self) -> bool {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<bool>(OnnxGraph::VT_OUTPUT_PROBABILITY, Some(false)).unwrap()}
+  }
+  #[inline]
+  pub fn output_kind(&self) -> OutputKind {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<OutputKind>(OnnxGraph::VT_OUTPUT_KIND, Some(OutputKind::Logit)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for OnnxGraph<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u8>>>("model", Self::VT_MODEL, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<OnnxInput>>>>("inputs", Self::VT_INPUTS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("output", Self::VT_OUTPUT, false)?
+     .visit_field::<u32>("output_column", Self::VT_OUTPUT_COLUMN, false)?
+     .visit_field::<bool>("output_probability", Self::VT_OUTPUT_PROBABILITY, false)?
+     .visit_field::<OutputKind>("output_kind", Self::VT_OUTPUT_KIND, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct OnnxGraphArgs<'a> {
+    pub model: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u8>>>,
+    pub inputs: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<OnnxInput<'a>>>>>,
+    pub output: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub output_column: u32,
+    pub output_probability: bool,
+    pub output_kind: OutputKind,
+}
+impl<'a> Default for OnnxGraphArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    OnnxGraphArgs {
+      model: None,
+      inputs: None,
+      output: None,
+      output_column: 0,
+      output_probability: false,
+      output_kind: OutputKind::Logit,
+    }
+  }
+}
+
+pub struct OnnxGraphBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> OnnxGraphBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_model(&mut self, model: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u8>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(OnnxGraph::VT_MODEL, model);
+  }
+  #[inline]
+  pub fn add_inputs(&mut self, inputs: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<OnnxInput<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(OnnxGraph::VT_INPUTS, inputs);
+  }
+  #[inline]
+  pub fn add_output(&mut self, output: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(OnnxGraph::VT_OUTPUT, output);
+  }
+  #[inline]
+  pub fn add_output_column(&mut self, output_column: u32) {
+    self.fbb_.push_slot::<u32>(OnnxGraph::VT_OUTPUT_COLUMN, output_column, 0);
+  }
+  #[inline]
+  pub fn add_output_probability(&mut self, output_probability: bool) {
+    self.fbb_.push_slot::<bool>(OnnxGraph::VT_OUTPUT_PROBABILITY, output_probability, false);
+  }
+  #[inline]
+  pub fn add_output_kind(&mut self, output_kind: OutputKind) {
+    self.fbb_.push_slot::<OutputKind>(OnnxGraph::VT_OUTPUT_KIND, output_kind, OutputKind::Logit);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> OnnxGraphBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    OnnxGraphBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<OnnxGraph<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for OnnxGraph<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("OnnxGraph");
+      ds.field("model", &self.model());
+      ds.field("inputs", &self.inputs());
+      ds.field("output", &self.output());
+      ds.field("output_column", &self.output_column());
+      ds.field("output_probability", &self.output_probability());
+      ds.field("output_kind", &self.output_kind());
+      ds.finish()
+  }
+}
 pub enum ModelOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -1909,6 +2325,7 @@ impl<'a> Model<'a> {
   pub const VT_LAYERS: ::flatbuffers::VOffsetT = 10;
   pub const VT_CALIBRATION: ::flatbuffers::VOffsetT = 12;
   pub const VT_GRAPH: ::flatbuffers::VOffsetT = 14;
+  pub const VT_ONNX: ::flatbuffers::VOffsetT = 16;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1920,6 +2337,7 @@ impl<'a> Model<'a> {
     args: &'args ModelArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Model<'bldr>> {
     let mut builder = ModelBuilder::new(_fbb);
+    if let Some(x) = args.onnx { builder.add_onnx(x); }
     if let Some(x) = args.graph { builder.add_graph(x); }
     if let Some(x) = args.calibration { builder.add_calibration(x); }
     if let Some(x) = args.layers { builder.add_layers(x); }
@@ -1972,6 +2390,13 @@ impl<'a> Model<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<Graph>>(Model::VT_GRAPH, None)}
   }
+  #[inline]
+  pub fn onnx(&self) -> Option<OnnxGraph<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<OnnxGraph>>(Model::VT_ONNX, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Model<'_> {
@@ -1986,6 +2411,7 @@ impl ::flatbuffers::Verifiable for Model<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<Layer>>>>("layers", Self::VT_LAYERS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<Calibration>>("calibration", Self::VT_CALIBRATION, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<Graph>>("graph", Self::VT_GRAPH, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<OnnxGraph>>("onnx", Self::VT_ONNX, false)?
      .finish();
     Ok(())
   }
@@ -1997,6 +2423,7 @@ pub struct ModelArgs<'a> {
     pub layers: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<Layer<'a>>>>>,
     pub calibration: Option<::flatbuffers::WIPOffset<Calibration<'a>>>,
     pub graph: Option<::flatbuffers::WIPOffset<Graph<'a>>>,
+    pub onnx: Option<::flatbuffers::WIPOffset<OnnxGraph<'a>>>,
 }
 impl<'a> Default for ModelArgs<'a> {
   #[inline]
@@ -2008,6 +2435,7 @@ impl<'a> Default for ModelArgs<'a> {
       layers: None,
       calibration: None,
       graph: None,
+      onnx: None,
     }
   }
 }
@@ -2042,6 +2470,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ModelBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<Graph>>(Model::VT_GRAPH, graph);
   }
   #[inline]
+  pub fn add_onnx(&mut self, onnx: ::flatbuffers::WIPOffset<OnnxGraph<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<OnnxGraph>>(Model::VT_ONNX, onnx);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ModelBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ModelBuilder {
@@ -2065,6 +2497,7 @@ impl ::core::fmt::Debug for Model<'_> {
       ds.field("layers", &self.layers());
       ds.field("calibration", &self.calibration());
       ds.field("graph", &self.graph());
+      ds.field("onnx", &self.onnx());
       ds.finish()
   }
 }

@@ -28,7 +28,10 @@ use protobuf::Enum as _;
 use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
 use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_BYTES_MAX};
 
+mod keep;
 mod tree_ensemble;
+
+pub use keep::KeepOnnx;
 
 /// The ops the importer understands, for error messages.
 pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Pow (2, 0.5), Relu, LeakyRelu, Tanh, Sigmoid, \
@@ -170,6 +173,9 @@ pub struct Imported {
     pub output: String,
     /// Whether that tensor was a Sigmoid of the logit (dropped on import).
     pub sigmoid_dropped: bool,
+    /// The column of that tensor the model reproduces: 1 of a two-class
+    /// probability tensor, else 0.
+    pub output_column: usize,
     /// `(graph input, Quiver segments)` in input-vector order.
     pub layout: Vec<(String, Vec<InputSegment>)>,
     pub producer: String,
@@ -232,13 +238,42 @@ impl Imported {
                 let _ = writeln!(s, "  output '{}': one raw value, returned as is", self.output);
             }
         }
-        let _ = write!(s, "  MACs per row: {}", self.macs_per_row());
+        match (&m.onnx, m.is_native()) {
+            (Some(o), true) => {
+                let _ = writeln!(
+                    s,
+                    "  backend: native; the ONNX graph is kept ({} bytes) for backend = \"onnxruntime\"",
+                    o.bytes.len()
+                );
+            }
+            (Some(o), false) => {
+                let _ = writeln!(
+                    s,
+                    "  backend: onnxruntime (the graph is kept whole, {} bytes; output column {})",
+                    o.bytes.len(),
+                    o.output_column
+                );
+            }
+            (None, _) => {
+                let _ = writeln!(s, "  backend: native");
+            }
+        }
+        if m.is_native() {
+            let _ = write!(s, "  MACs per row: {}", self.macs_per_row());
+        } else {
+            let _ = write!(s, "  MACs per row: not known (onnxruntime runs the graph)");
+        }
         s
     }
 }
 
 /// Reads, decodes and imports an ONNX file.
 pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Imported, OnnxError> {
+    import_file_keeping(path, opts, KeepOnnx::No)
+}
+
+/// `import_file`, keeping the graph for onnxruntime as `keep` says.
+pub fn import_file_keeping(path: &Path, opts: &ImportOptions, keep: KeepOnnx) -> Result<Imported, OnnxError> {
     let p = path.display().to_string();
     let io = |source| OnnxError::Io { path: p.clone(), source };
     let bytes_len = std::fs::metadata(path).map_err(io)?.len();
@@ -250,17 +285,36 @@ pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Imported, OnnxEr
     if opts.base_dir.is_none() {
         opts.base_dir = Some(path.parent().map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf));
     }
-    import_bytes(&bytes, &p, &opts)
+    import_bytes_keeping(&bytes, &p, &opts, keep)
 }
 
 /// Decodes and imports ONNX bytes; `path_for_errors` names them in errors.
 pub fn import_bytes(bytes: &[u8], path_for_errors: &str, opts: &ImportOptions) -> Result<Imported, OnnxError> {
+    import_bytes_keeping(bytes, path_for_errors, opts, KeepOnnx::No)
+}
+
+/// `import_bytes`, keeping the graph for onnxruntime as `keep` says.
+pub fn import_bytes_keeping(
+    bytes: &[u8],
+    path_for_errors: &str,
+    opts: &ImportOptions,
+    keep: KeepOnnx,
+) -> Result<Imported, OnnxError> {
     let proto = ModelProto::parse_from_bytes(bytes)
         .map_err(|e| OnnxError::Decode { path: path_for_errors.into(), detail: e.to_string() })?;
     let Some(graph) = proto.graph.as_ref() else {
         return Err(OnnxError::NoGraph { path: path_for_errors.into() });
     };
-    let mut imported = import_graph(graph, opts)?;
+    let mut imported = match keep {
+        KeepOnnx::No => import_graph(graph, opts)?,
+        KeepOnnx::Beside => {
+            let mut imported = import_graph(graph, opts)?;
+            imported.model.onnx = Some(keep::beside(&proto, opts, &imported)?);
+            imported.model.validate()?;
+            imported
+        }
+        KeepOnnx::Only { output_kind } => keep::only(&proto, opts, output_kind)?,
+    };
     imported.producer = if proto.producer_name.is_empty() {
         "an unnamed producer".into()
     } else {
@@ -1316,6 +1370,7 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
     };
     let mut node = out.node;
     let width = b.nodes[node].width;
+    let output_column = usize::from(width == 2);
     if width == 2 {
         // A two-class probability tensor: the positive class is column 1.
         match &b.nodes[node] {
@@ -1363,6 +1418,7 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
                 layers,
                 calibration: None,
                 graph: None,
+                onnx: None,
             };
             (layout, model)
         }
@@ -1376,12 +1432,13 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
                 layers: Vec::new(),
                 calibration: None,
                 graph: Some(g),
+                onnx: None,
             };
             (layout, model)
         }
     };
     model.validate()?;
-    Ok(Imported { model, output, sigmoid_dropped, layout, producer: String::new(), rewrites: notes })
+    Ok(Imported { model, output, sigmoid_dropped, output_column, layout, producer: String::new(), rewrites: notes })
 }
 
 /// The v1 MLP a graph is, if it is a plain chain: whole graph inputs

@@ -506,13 +506,16 @@ impl<C: Clock> RequestPath<C> {
                     &self.shadow[at..at + rows * step.row_dim]
                 };
                 let started_ns = self.clock.now_ns();
-                fb.backend.logits_request(&fb.model, x, rows, &mut self.logits[..rows]);
+                let scored = fb.backend.try_logits_request(&fb.model, x, rows, &mut self.logits[..rows]);
                 fb.kernel_cost.observe(rows, self.clock.now_ns().saturating_sub(started_ns) / 1_000);
-                for l in self.logits[..rows].iter_mut() {
-                    *l = fb.model.score(*l);
+                // A fallback that cannot score leaves the static default.
+                if scored.is_ok() {
+                    for l in self.logits[..rows].iter_mut() {
+                        *l = fb.model.score(*l);
+                    }
+                    tier = Tier::Fallback;
+                    version = fb.model.version;
                 }
-                tier = Tier::Fallback;
-                version = fb.model.version;
             }
         }
         if tier == Tier::Default {

@@ -383,13 +383,19 @@ impl<C: Clock> RequestPath<C> {
         Ok(())
     }
 
-    /// Runs the primary on the shard, then checks it finished in time.
+    /// Runs the primary on the shard, then checks it finished in time. A
+    /// backend that fails (onnxruntime's error, or one that could not be
+    /// built) steps down with reason `model_error`.
     fn run(&mut self, a: Assembled) -> Result<Ran, Rejection> {
         let (rows, row_dim) = (a.step.rows, a.step.row_dim);
         let s = &mut self.served[a.chosen];
         let logits = &mut self.logits[..rows];
-        s.backend.logits_request(&s.model, &self.x[..rows * row_dim], rows, logits);
+        let scored = s.backend.try_logits_request(&s.model, &self.x[..rows * row_dim], rows, logits);
         let after_kernel_ns = self.clock.now_ns();
+        if scored.is_err() {
+            self.breaker.record(true, after_kernel_ns);
+            return Err(Rejection::StepDown { step: a.step, reason: Reason::ModelError });
+        }
         let kernel_ns = after_kernel_ns.saturating_sub(a.at_ns);
         self.times.record_ns(Stage::Kernel, kernel_ns);
         s.kernel_cost.observe(rows, kernel_ns / 1_000);

@@ -31,6 +31,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
         calibration: None,
         graph: None,
+        onnx: None,
     };
     let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
     Shared {
@@ -458,6 +459,7 @@ fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
         layers: vec![Layer::quantize(7, 1, false, vec![1.0; 7], vec![0.0])],
         calibration: None,
         graph: None,
+        onnx: None,
     };
     crate::registry::publish(&models, &b).unwrap();
     registry.load("b", None).unwrap();

@@ -10,6 +10,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod fp8;
 pub mod kernels;
+#[cfg(feature = "onnxruntime")]
+pub mod ort;
 pub mod timing;
 
 use crate::model::Model;
@@ -30,6 +32,78 @@ pub trait Backend {
     fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
         self.logits(model, x, rows, out);
     }
+
+    /// `logits`, for a backend that can fail at run time (onnxruntime, or
+    /// one that could not be built): the request path and the stage call
+    /// this and step down the ladder on an error. Native backends cannot
+    /// fail once built.
+    fn try_logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
+        self.logits(model, x, rows, out);
+        Ok(())
+    }
+
+    /// `logits_request`, fallibly, as `try_logits`.
+    fn try_logits_request(
+        &mut self,
+        model: &Model,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        self.logits_request(model, x, rows, out);
+        Ok(())
+    }
+}
+
+/// Why a backend cannot score: operating conditions, each with what to do.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("the onnxruntime library could not be loaded from {path}: {detail}; {hint}")]
+    OnnxruntimeMissing { path: String, detail: String, hint: &'static str },
+    #[error("onnxruntime: {0}")]
+    Onnxruntime(String),
+    #[error(
+        "this binary was built without the onnxruntime feature; rebuild with `cargo build --release --features \
+         onnxruntime` to serve models kept for onnxruntime"
+    )]
+    OnnxruntimeNotBuilt,
+    #[error("the model file keeps no ONNX graph (import it with --keep-onnx or --onnxruntime)")]
+    NoOnnxGraph,
+}
+
+/// The backend of a model version that could not be built (onnxruntime
+/// missing, say): every call fails, so the ladder answers instead.
+pub struct Unavailable {
+    error: BackendError,
+    rows_max: usize,
+}
+
+impl Backend for Unavailable {
+    fn name(&self) -> &'static str {
+        "unavailable"
+    }
+
+    fn rows_max(&self) -> usize {
+        self.rows_max
+    }
+
+    fn logits(&mut self, _model: &Model, _x: &[f32], _rows: usize, out: &mut [f32]) {
+        out.fill(f32::NAN);
+    }
+
+    fn try_logits(&mut self, _model: &Model, _x: &[f32], _rows: usize, _out: &mut [f32]) -> Result<(), BackendError> {
+        Err(self.error.clone())
+    }
+
+    fn try_logits_request(
+        &mut self,
+        model: &Model,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        self.try_logits(model, x, rows, out)
+    }
 }
 
 /// Which backend the server scores with.
@@ -48,13 +122,46 @@ pub enum BackendKind {
     /// to `int8` on the CPU, with one warning, where there is no usable GPU.
     #[cfg(feature = "cuda")]
     Cuda,
+    /// onnxruntime (feature `onnxruntime`) for every version that keeps its
+    /// ONNX graph (`import --keep-onnx`), for comparison; the others run on
+    /// `int8`. Versions kept only for onnxruntime (`import --onnxruntime`)
+    /// use it whatever the backend.
+    #[cfg(feature = "onnxruntime")]
+    Onnxruntime,
 }
 
 /// Builds the backend `kind` for `model`, with scratch for `rows_max` rows.
 ///
 /// Never fails: `Cuda` without a usable GPU gives the CPU INT8 backend,
-/// which computes the same numbers bit for bit.
+/// which computes the same numbers bit for bit. A model that only
+/// onnxruntime can run goes to onnxruntime whatever `kind` says; when that
+/// cannot be built (no library, or a binary without the feature) the version
+/// gets an [`Unavailable`] backend, so its requests step down the ladder,
+/// and the first such failure in the process is logged as a warning.
 pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backend> {
+    if !model.is_native() {
+        return match build_onnxruntime(model, rows_max) {
+            Ok(backend) => backend,
+            Err(error) => {
+                onnxruntime_fallback_logged(model, &error, "its requests step down the ladder");
+                Box::new(Unavailable { error, rows_max })
+            }
+        };
+    }
+    #[cfg(feature = "onnxruntime")]
+    if kind == BackendKind::Onnxruntime {
+        if model.onnx.is_none() {
+            onnxruntime_fallback_logged(model, &BackendError::NoOnnxGraph, "it runs on cpu-int8");
+            return Box::new(cpu::CpuInt8::new(model, rows_max));
+        }
+        return match build_onnxruntime(model, rows_max) {
+            Ok(backend) => backend,
+            Err(error) => {
+                onnxruntime_fallback_logged(model, &error, "it runs on cpu-int8");
+                Box::new(cpu::CpuInt8::new(model, rows_max))
+            }
+        };
+    }
     match kind {
         BackendKind::Int8 => Box::new(cpu::CpuInt8::new(model, rows_max)),
         BackendKind::F32 => Box::new(cpu::CpuF32::new(model, rows_max)),
@@ -67,6 +174,31 @@ pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backe
                 Box::new(cpu::CpuInt8::new(model, rows_max))
             }
         },
+        #[cfg(feature = "onnxruntime")]
+        BackendKind::Onnxruntime => unreachable!("handled above"),
+    }
+}
+
+#[cfg(feature = "onnxruntime")]
+fn build_onnxruntime(model: &Model, rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
+    Ok(Box::new(ort::OrtBackend::new(model, rows_max)?))
+}
+
+#[cfg(not(feature = "onnxruntime"))]
+fn build_onnxruntime(_model: &Model, _rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
+    Err(BackendError::OnnxruntimeNotBuilt)
+}
+
+/// Logs why a version does not run on onnxruntime: every shard and every
+/// version builds a backend, so only the first failure in the process is a
+/// warning; the rest go to debug.
+fn onnxruntime_fallback_logged(model: &Model, e: &BackendError, instead: &str) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    if LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::debug!(model = %model.name, version = model.version, reason = %e, "onnxruntime backend unavailable");
+    } else {
+        tracing::warn!("model '{}' version {}: onnxruntime unavailable, {instead}: {e}", model.name, model.version);
     }
 }
 
