@@ -37,6 +37,11 @@ pub struct Config {
     /// Poll `models_dir` this often and load new versions; 0 turns it off.
     pub watch_models_ms: u64,
     pub backend: BackendKind,
+    /// The onnxruntime shared library (`onnxruntime/capi/libonnxruntime.so.*`
+    /// from the PyPI wheel, or a system install) for versions served through
+    /// onnxruntime; default `ORT_DYLIB_PATH`, else the loader's search path.
+    /// Read by a binary built with the `onnxruntime` feature.
+    pub onnxruntime_lib: Option<PathBuf>,
     /// Score on the shard that read the request, or hand batches to a
     /// dedicated inference thread.
     pub inference: InferenceMode,
@@ -96,6 +101,7 @@ impl Default for Config {
             default_model: None,
             watch_models_ms: 0,
             backend: BackendKind::Int8,
+            onnxruntime_lib: None,
             inference: InferenceMode::Inline,
             stage: StageLimits::default(),
             admission: crate::admission::AdmissionConfig::default(),

@@ -56,6 +56,10 @@ enum Command {
         /// each call scores the next window of rows (wrapping around).
         #[arg(long)]
         data: Option<PathBuf>,
+        /// The onnxruntime library, for `--backend onnxruntime` or a model
+        /// kept only for onnxruntime; default ORT_DYLIB_PATH.
+        #[arg(long)]
+        onnxruntime_lib: Option<PathBuf>,
     },
     /// Feature replica files.
     #[command(subcommand)]
@@ -132,6 +136,10 @@ struct ServeArgs {
     demo: bool,
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
+    /// The onnxruntime library (`onnxruntime_lib`), for versions served
+    /// through onnxruntime (a binary built with `--features onnxruntime`).
+    #[arg(long)]
+    onnxruntime_lib: Option<PathBuf>,
     /// Admin HTTP address (metrics, health, readiness and the controls), or "off".
     #[arg(long)]
     admin: Option<String>,
@@ -339,6 +347,16 @@ struct ImportArgs {
     /// set. The file serves both: pick one at serve time with `--backend`.
     #[arg(long, value_enum, default_value = "int8")]
     precision: Precision,
+    /// Keep the ONNX graph in the model file beside the native network, so
+    /// the version can also be served with `backend = "onnxruntime"`.
+    #[arg(long, requires = "onnx", conflicts_with = "onnxruntime")]
+    keep_onnx: bool,
+    /// Store the ONNX graph whole and serve it through onnxruntime (a
+    /// server built with `--features onnxruntime`), for a graph the native
+    /// compiler refuses. The output is returned as the graph computes it
+    /// when it is a probability; `--output-kind logit` applies the sigmoid.
+    #[arg(long, requires = "onnx", conflicts_with = "calibration")]
+    onnxruntime: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -497,7 +515,10 @@ fn main() -> ExitCode {
         Command::Score(args) => score(args),
         Command::Bench(args) => bench(args),
         Command::Import(args) => import(args),
-        Command::TimeModel { model, backend, rows, iters, one_request, data } => {
+        Command::TimeModel { model, backend, rows, iters, one_request, data, onnxruntime_lib } => {
+            if let Some(lib) = &onnxruntime_lib {
+                quiver::score::configure_onnxruntime(lib);
+            }
             time_model(&model, backend, &rows, iters, one_request, data.as_deref())
         }
         Command::Replica(cmd) => replica(cmd),
@@ -540,6 +561,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     }
     if let Some(v) = args.backend {
         config.backend = v;
+    }
+    if let Some(v) = args.onnxruntime_lib {
+        config.onnxruntime_lib = Some(v);
     }
     if args.floor {
         config.floor = true;
@@ -851,7 +875,25 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
             output_kind: output_kind.unwrap_or(quiver::model::OutputKind::Logit),
             base_dir: None,
         };
-        quiver::model::onnx::import_file(onnx, &opts)?
+        let keep = if args.onnxruntime {
+            quiver::model::onnx::KeepOnnx::Only { output_kind }
+        } else if args.keep_onnx {
+            quiver::model::onnx::KeepOnnx::Beside
+        } else {
+            quiver::model::onnx::KeepOnnx::No
+        };
+        match quiver::model::onnx::import_file_keeping(onnx, &opts, keep) {
+            Ok(imported) => imported,
+            Err(e) if e.is_refusal() => {
+                return Err(Error::Setup(format!(
+                    "{}: the native compiler refuses this graph: {e}\n  it can still be served through \
+                     onnxruntime: rerun with --onnxruntime (stores the graph whole; serve it with a binary built \
+                     with --features onnxruntime)",
+                    onnx.display()
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        }
     } else {
         let opts = quiver::model::gbdt::GbdtOptions {
             name: args.name,
@@ -883,7 +925,10 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
     println!("wrote {}: {}", args.out.display(), imported.summary());
     match calibration_report {
         Some(report) => println!("{report}"),
-        None => println!("  uncalibrated: the INT8 backend quantizes activations per row (pass --calibration)"),
+        None if imported.model.is_native() => {
+            println!("  uncalibrated: the INT8 backend quantizes activations per row (pass --calibration)")
+        }
+        None => {}
     }
     Ok(ExitCode::SUCCESS)
 }

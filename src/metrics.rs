@@ -143,8 +143,8 @@ pub struct Publication {
     pub connections_active: u64,
     /// The shard's primary breaker is not closed.
     pub breaker_open: bool,
-    /// Requests by served version: (model, version, canary, count).
-    pub versions: Vec<(String, u32, bool, u64)>,
+    /// Requests by served version: (model, version, canary, count, backend).
+    pub versions: Vec<(String, u32, bool, u64, &'static str)>,
     /// Drift counts of the calibrated versions served, the last
     /// `drift.window_s` intervals each.
     pub drift: Vec<VersionWindow>,
@@ -153,8 +153,9 @@ pub struct Publication {
 /// What a shard publishes about the versions it serves.
 #[derive(Debug, Default)]
 pub struct VersionReport {
-    /// Requests by served version: (model, version, canary, count).
-    pub counts: Vec<(String, u32, bool, u64)>,
+    /// Requests by served version: (model, version, canary, count, and the
+    /// name of the backend that scores it on this shard).
+    pub counts: Vec<(String, u32, bool, u64, &'static str)>,
     /// This interval's drift counts of each calibrated version served.
     pub drift: Vec<(Arc<Model>, Interval)>,
     /// How many intervals the drift window keeps.
@@ -416,6 +417,9 @@ pub struct Merged {
     pub breakers_open: usize,
     /// Requests by (model, version, canary), summed over shards.
     pub versions: std::collections::BTreeMap<(String, u32, bool), u64>,
+    /// The backend scoring each served version (the last shard's, should
+    /// shards differ: they build the same backend for a version).
+    pub backends: std::collections::BTreeMap<(String, u32, bool), &'static str>,
     /// Drift windows summed over shards, per calibrated version.
     pub drift: Vec<WindowTotals>,
     /// Each shard's reactor stalls by task, in shard order.
@@ -433,6 +437,7 @@ pub fn merge(board: &Board) -> Merged {
         shards: board.len(),
         breakers_open: 0,
         versions: Default::default(),
+        backends: Default::default(),
         drift: Vec::new(),
         stalls_by_shard: Vec::with_capacity(board.len()),
         connections_by_shard: Vec::with_capacity(board.len()),
@@ -444,8 +449,9 @@ pub fn merge(board: &Board) -> Merged {
         m.connections_by_shard.push(p.connections_active);
         m.connections_active += p.connections_active;
         m.breakers_open += usize::from(p.breaker_open);
-        for (name, version, canary, n) in &p.versions {
+        for (name, version, canary, n, backend) in &p.versions {
             *m.versions.entry((name.clone(), *version, *canary)).or_default() += n;
+            m.backends.insert((name.clone(), *version, *canary), backend);
         }
         for w in &p.drift {
             drift::add_window(&mut m.drift, w);

@@ -111,6 +111,9 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     }
 
     crate::replica::lock_pages(config.replica_lock);
+    if let Some(lib) = &config.onnxruntime_lib {
+        crate::score::configure_onnxruntime(lib);
+    }
     let (user, item, feed) = open_features(&config, &stop)?;
     let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;

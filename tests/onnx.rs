@@ -451,3 +451,61 @@ fn calibrated_fp8_keeps_auc_and_scores_within_the_documented_bounds() {
         assert!(worst <= FP8_SCORE_ERROR_MAX, "calibrated {calibrated}: score error {worst}");
     }
 }
+
+/// A binary built without the `onnxruntime` feature still imports a graph
+/// for onnxruntime (`--onnxruntime`), and serving it says what to rebuild
+/// (one warning) while the ladder answers.
+#[cfg(not(feature = "onnxruntime"))]
+#[test]
+fn without_the_feature_an_onnxruntime_model_steps_down_and_says_what_to_rebuild() {
+    use quiver::wire::{Reason, Tier};
+    let dir = scratch("ort-not-built");
+    let models = dir.join("models");
+    let at = models.join("relu6_mlp").join("1");
+    std::fs::create_dir_all(&at).unwrap();
+    let onnx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ort/relu6_mlp.onnx");
+    let out = at.join("model.qm");
+    let inputs = "user=features:8,item=features:8,context=ctx:4";
+    let (code, stdout, err) = run_quiver([
+        "import",
+        "--onnx",
+        onnx.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--name",
+        "relu6_mlp",
+        "--version",
+        "1",
+        "--inputs",
+        inputs,
+        "--onnxruntime",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("backend: onnxruntime"), "{stdout}");
+    let (mut users, mut items) = (ReplicaBuilder::new("user", 8), ReplicaBuilder::new("item", 8));
+    for id in 0..8u64 {
+        users.push(id, &[0.1; 8]).unwrap();
+        items.push(id, &[0.2; 8]).unwrap();
+    }
+    users.write(&dir.join("user.qrep")).unwrap();
+    items.write(&dir.join("item.qrep")).unwrap();
+    let server = Server::start_with(&dir, &["--shards", "1", "--models-dir", models.to_str().unwrap()]);
+    let mut c = server.client();
+    for r in 0..10 {
+        let spec = RequestSpec {
+            request_id: r,
+            budget_us: 1_000_000,
+            model: "relu6_mlp".into(),
+            user_id: r % 8,
+            item_ids: (0..4).collect(),
+            context: vec![0.5; 4],
+            ..RequestSpec::default()
+        };
+        let resp = c.score(&spec).unwrap();
+        assert_eq!((resp.status, resp.tier), (Status::Ok, Tier::Default), "{resp:?}");
+        assert!(matches!(resp.reason, Reason::ModelError | Reason::BreakerOpen), "{:?}", resp.reason);
+    }
+    let log = server.stderr();
+    assert_eq!(log.matches("onnxruntime unavailable").count(), 1, "{log}");
+    assert!(log.contains("--features onnxruntime"), "{log}");
+}

@@ -7,10 +7,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use common::zoo::{segment, zoo, zoo_dir, Zoo};
 use common::{auc, logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
-use quiver::model::calibrate::read_npy;
 use quiver::model::onnx::{import_file, ImportOptions};
 use quiver::model::{sigmoid, Model, OutputKind, Source};
 use quiver::replica::ReplicaBuilder;
@@ -26,52 +26,6 @@ const F32_TOLERANCE: f32 = 1e-5;
 /// the 2048 held-out rows: |ΔAUC| and, per model, max |Δp| (below).
 const INT8_AUC_DELTA_MAX: f64 = 0.002;
 const FP8_AUC_DELTA_MAX: f64 = 0.005;
-
-struct Zoo {
-    name: String,
-    file: PathBuf,
-    inputs: String,
-    output: Option<String>,
-    kind: OutputKind,
-    dim: usize,
-    x: Vec<f32>,
-    labels: Vec<bool>,
-    want: Vec<f32>,
-}
-
-fn zoo_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/zoo")
-}
-
-fn zoo() -> Vec<Zoo> {
-    let index: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(zoo_dir().join("zoo.json")).unwrap()).unwrap();
-    let mut out = Vec::new();
-    for (name, m) in index["models"].as_object().unwrap() {
-        let dim = m["dim"].as_u64().unwrap() as usize;
-        let table = read_npy(&zoo_dir().join(m["data"].as_str().unwrap())).unwrap();
-        assert_eq!(table.cols, dim + 2, "{name}");
-        let (mut x, mut labels, mut want) = (Vec::new(), Vec::new(), Vec::new());
-        for row in table.data.chunks_exact(table.cols) {
-            x.extend_from_slice(&row[..dim]);
-            labels.push(row[dim] > 0.5);
-            want.push(row[dim + 1]);
-        }
-        out.push(Zoo {
-            name: name.clone(),
-            file: zoo_dir().join(m["file"].as_str().unwrap()),
-            inputs: m["inputs"].as_str().unwrap().to_string(),
-            output: m["output"].as_str().map(str::to_string),
-            kind: if m["output_kind"] == "raw" { OutputKind::Raw } else { OutputKind::Logit },
-            dim,
-            x,
-            labels,
-            want,
-        });
-    }
-    assert_eq!(out.len(), 17, "the zoo has 17 models");
-    out
-}
 
 fn import(z: &Zoo) -> Model {
     let opts = ImportOptions {
@@ -165,17 +119,6 @@ fn quantized_backends_stay_within_the_documented_bounds() {
 }
 
 /// The columns of input vector `row` that `source` fills.
-fn segment<'r>(model: &Model, row: &'r [f32], source: Source) -> &'r [f32] {
-    let mut at = 0;
-    for s in &model.inputs {
-        if s.source == source {
-            return &row[at..at + s.dim];
-        }
-        at += s.dim;
-    }
-    &[]
-}
-
 /// Every zoo model served by name from one registry, through a real
 /// server on each CPU backend: each request is one held-out row (its user
 /// and item vectors in the replicas, its context in the request).

@@ -215,9 +215,12 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
-        for m in registry.status() {
-            let version = m.version.to_string();
-            let labels = [("model", m.name.as_str()), ("version", version.as_str()), ("backend", backend.as_str())];
+        for st in registry.status() {
+            let version = st.version.to_string();
+            // What the shards report scoring the version with; the
+            // configured backend until a shard has published.
+            let serving = m.backends.get(&(st.name.clone(), st.version, false)).copied().unwrap_or(backend.as_str());
+            let labels = [("model", st.name.as_str()), ("version", version.as_str()), ("backend", serving)];
             e.encode_info(&labels)?;
         }
 

@@ -71,6 +71,9 @@ pub struct Stats {
     pub breakers_open: usize,
     /// Requests by served version, keyed `name@version` (`+canary` for one).
     pub by_version: std::collections::BTreeMap<String, u64>,
+    /// The backend scoring each served version, keyed as `by_version`
+    /// (`cpu-int8`, `onnxruntime`, `unavailable`, …).
+    pub backend_by_version: std::collections::BTreeMap<String, String>,
     pub cache_hits: u64,
     pub cache_misses: u64,
     /// Requests shed for load, by priority band ("0", "1", "2-3", … "128-255").
@@ -136,6 +139,13 @@ pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig
             .versions
             .iter()
             .map(|((name, v, canary), n)| (format!("{name}@{v}{}", if *canary { "+canary" } else { "" }), *n))
+            .collect(),
+        backend_by_version: m
+            .backends
+            .iter()
+            .map(|((name, v, canary), b)| {
+                (format!("{name}@{v}{}", if *canary { "+canary" } else { "" }), (*b).to_string())
+            })
             .collect(),
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
@@ -216,6 +226,10 @@ pub fn render(s: &Stats, rate: Option<f64>) -> String {
     };
     w!("status: {}", nonzero(&s.by_status));
     w!("tier:   {}", nonzero(&s.by_tier));
+    if !s.backend_by_version.is_empty() {
+        let served: Vec<String> = s.backend_by_version.iter().map(|(v, b)| format!("{v} on {b}")).collect();
+        w!("served: {}", served.join(", "));
+    }
     let shed = nonzero(&s.shed_by_band);
     if !shed.is_empty() || s.shed_level > 0.0 {
         w!("shed:   level {:.2}  {shed}", s.shed_level);

@@ -76,6 +76,15 @@ pub enum OnnxError {
     Model(#[from] ModelError),
 }
 
+impl OnnxError {
+    /// Whether the native compiler refused what the graph computes (an op
+    /// or a node it does not run), as opposed to a file, input or mapping
+    /// problem: such a graph may still run on onnxruntime.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, OnnxError::UnsupportedOp { .. } | OnnxError::Node { .. } | OnnxError::Output { .. })
+    }
+}
+
 /// One entry of `--inputs`: which Quiver source fills the next `dim` columns,
 /// optionally naming the ONNX graph input they come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -219,7 +228,7 @@ impl Imported {
                 let reads = if reads.is_empty() { String::new() } else { format!(" of {}", reads.join(", ")) };
                 let _ = writeln!(s, "  node {i}: {what}{reads} (width {})", n.width);
             }
-        } else {
+        } else if m.is_native() {
             let _ = writeln!(s, "  plain MLP (file v1): fused INT8 kernels, calibration available");
         }
         for r in &self.rewrites {
@@ -233,6 +242,9 @@ impl Imported {
         match m.output_kind() {
             OutputKind::Logit => {
                 let _ = writeln!(s, "  output '{}': one logit; {tail}", self.output);
+            }
+            OutputKind::Raw if !m.is_native() => {
+                let _ = writeln!(s, "  output '{}': returned as onnxruntime computes it", self.output);
             }
             OutputKind::Raw => {
                 let _ = writeln!(s, "  output '{}': one raw value, returned as is", self.output);

@@ -62,7 +62,10 @@ impl OnnxGraph {
             return Err("the kept ONNX graph is empty".into());
         }
         if self.inputs.is_empty() || self.inputs.len() > ONNX_INPUTS_MAX {
-            return Err(format!("the ONNX interface lists {} inputs; 1 to {ONNX_INPUTS_MAX} allowed", self.inputs.len()));
+            return Err(format!(
+                "the ONNX interface lists {} inputs; 1 to {ONNX_INPUTS_MAX} allowed",
+                self.inputs.len()
+            ));
         }
         for i in &self.inputs {
             if i.name.is_empty() || i.width == 0 {
@@ -141,5 +144,55 @@ impl OnnxGraph {
             output_probability: g.output_probability(),
             output_kind,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{InputSegment, Model, Source};
+
+    fn kept() -> Model {
+        let input = |name: &str, width, element, rank| OnnxInput { name: name.into(), width, element, rank };
+        Model {
+            name: "kept".into(),
+            version: 3,
+            inputs: vec![
+                InputSegment { source: Source::User, dim: 4 },
+                InputSegment { source: Source::ContextIds, dim: 1 },
+            ],
+            layers: Vec::new(),
+            calibration: None,
+            graph: None,
+            onnx: Some(OnnxGraph {
+                bytes: vec![8u8, 1, 2, 3].into(),
+                inputs: vec![input("x", 4, OnnxElement::Float, 2), input("id", 1, OnnxElement::Int64, 1)],
+                output: "p".into(),
+                output_column: 1,
+                output_probability: false,
+                output_kind: OutputKind::Raw,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_kept_graph_round_trips_and_bad_interfaces_are_refused() {
+        let m = kept();
+        assert!(!m.is_native());
+        assert_eq!(m.output_kind(), OutputKind::Raw);
+        let back = Model::from_bytes(&m.to_bytes(), "kept").unwrap();
+        assert_eq!(back, m);
+
+        let refused = |edit: fn(&mut Model), why: &str| {
+            let mut bad = kept();
+            edit(&mut bad);
+            let e = Model::from_bytes(&bad.to_bytes(), "kept").unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        };
+        refused(|m| m.onnx.as_mut().unwrap().inputs[0].width = 3, "take 4 columns");
+        refused(|m| m.onnx.as_mut().unwrap().inputs[0].rank = 1, "has rank 1 and width 4");
+        refused(|m| m.onnx.as_mut().unwrap().bytes = Vec::new().into(), "is empty");
+        refused(|m| m.onnx.as_mut().unwrap().output.clear(), "names no output");
+        refused(|m| m.onnx = None, "has 0 layers");
     }
 }

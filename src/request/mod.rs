@@ -580,7 +580,7 @@ impl<C: Clock> RequestPath<C> {
             counts: self
                 .served
                 .iter()
-                .map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests))
+                .map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests, s.backend.name()))
                 .collect(),
             drift: self.served.iter_mut().filter_map(|s| Some((s.model.clone(), s.drift.as_mut()?.take()))).collect(),
             drift_intervals: self.shared.registry.drift().window_intervals(crate::metrics::PUBLISH_INTERVAL),

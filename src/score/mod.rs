@@ -179,6 +179,19 @@ pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backe
     }
 }
 
+/// Names the onnxruntime shared library (`onnxruntime_lib`), before any
+/// backend is built. A binary without the feature has nothing to load and
+/// says so.
+pub fn configure_onnxruntime(library: &std::path::Path) {
+    #[cfg(feature = "onnxruntime")]
+    ort::configure(library.to_path_buf());
+    #[cfg(not(feature = "onnxruntime"))]
+    tracing::warn!(
+        library = %library.display(),
+        "onnxruntime_lib is set, but this binary was built without the onnxruntime feature"
+    );
+}
+
 #[cfg(feature = "onnxruntime")]
 fn build_onnxruntime(model: &Model, rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
     Ok(Box::new(ort::OrtBackend::new(model, rows_max)?))

@@ -165,7 +165,11 @@ impl OrtBackend {
             .find(|o| o.name() == kept.output)
             .ok_or_else(|| mismatch(format!("the graph has no output '{}'", kept.output)))?;
         if !matches!(output.dtype(), ValueType::Tensor { ty: TensorElementType::Float32, .. }) {
-            return Err(mismatch(format!("output '{}' is {:?}; the server reads float32", kept.output, output.dtype())));
+            return Err(mismatch(format!(
+                "output '{}' is {:?}; the server reads float32",
+                kept.output,
+                output.dtype()
+            )));
         }
         Ok(OrtBackend {
             session,

@@ -67,6 +67,9 @@ pub fn time_model(
         }
     }
     let mut backend = score::build(kind, model, rows_max);
+    // A backend that cannot score (onnxruntime missing) has nothing to time.
+    let mut probe = vec![0.0; 1];
+    backend.try_logits(model, &x[..dim], 1, &mut probe).map_err(|e| e.to_string())?;
     let macs_per_row = model.macs_per_row();
     let mut timings = Vec::with_capacity(rows.len());
     for &n in rows.iter().filter(|&&n| n > 0) {

@@ -15,8 +15,8 @@ use onnx_protobuf::{type_proto, GraphProto, ModelProto, TypeProto, ValueInfoProt
 use protobuf::{Message as _, MessageField};
 
 use super::{
-    inline_external_data, is_external, resolve_mapping, select_output, source_name, ImportOptions, Imported,
-    OnnxError, DT_FLOAT, DT_INT32, DT_INT64,
+    inline_external_data, is_external, resolve_mapping, select_output, source_name, ImportOptions, Imported, OnnxError,
+    DT_FLOAT, DT_INT32, DT_INT64,
 };
 use crate::model::onnx_graph::{OnnxElement, OnnxGraph, OnnxInput};
 use crate::model::{InputSegment, Model, OutputKind, Source};
@@ -82,7 +82,11 @@ fn servable_bytes(proto: &ModelProto, opts: &ImportOptions, output: &str) -> Res
     if !graph.output.iter().any(|o| o.name == output) {
         let tensor = type_proto::Tensor { elem_type: DT_FLOAT, ..Default::default() };
         let type_ = TypeProto { value: Some(type_proto::Value::TensorType(tensor)), ..Default::default() };
-        graph.output.push(ValueInfoProto { name: output.into(), type_: MessageField::some(type_), ..Default::default() });
+        graph.output.push(ValueInfoProto {
+            name: output.into(),
+            type_: MessageField::some(type_),
+            ..Default::default()
+        });
     }
     proto.write_to_bytes().map_err(|e| OnnxError::Output { what: format!("re-encoding the graph: {e}") })
 }

@@ -1,0 +1,330 @@
+//! The onnxruntime backend (feature `onnxruntime`) against the real library:
+//! graphs the native compiler refuses import with `--onnxruntime` and are
+//! served, by the CPU-only request path around them, with exactly the scores
+//! onnxruntime computes in Python (`bench/ort_fixtures.py` recorded them
+//! with the same library and graph); native models forced onto onnxruntime
+//! match the native f32 path; a library that cannot be loaded is a typed
+//! error and the ladder answers.
+//!
+//! The library is the pinned PyPI wheel's (`ORT_DYLIB_PATH`, else found
+//! through `python3 -c "import onnxruntime"`). Without it these tests skip
+//! loudly, or fail when `QUIVER_REQUIRE_ONNXRUNTIME=1` (CI).
+#![cfg(feature = "onnxruntime")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::zoo::{segment, zoo};
+use common::{http_get, run_quiver, scratch, Server};
+use quiver::model::calibrate::read_npy;
+use quiver::model::onnx::{import_file_keeping, ImportOptions, KeepOnnx};
+use quiver::model::{Model, Source};
+use quiver::replica::ReplicaBuilder;
+use quiver::score::{self, BackendKind};
+use quiver::wire::{Reason, RequestSpec, Status, Tier};
+
+/// Native f32 against onnxruntime on the same graph, on the score.
+const FORCED_TOLERANCE: f32 = 1e-5;
+
+fn required() -> bool {
+    std::env::var("QUIVER_REQUIRE_ONNXRUNTIME").is_ok_and(|v| v == "1")
+}
+
+/// The onnxruntime shared library, configured for this process; `None`
+/// (after saying why) when there is none and it is not required.
+fn library() -> Option<PathBuf> {
+    let found = match std::env::var_os("ORT_DYLIB_PATH") {
+        Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
+        _ => std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import glob, os, onnxruntime; \
+                 print(sorted(glob.glob(os.path.dirname(onnxruntime.__file__) + '/capi/libonnxruntime.so*'))[0])",
+            ])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())),
+    };
+    match found.filter(|p| p.exists()) {
+        Some(p) => {
+            score::configure_onnxruntime(&p);
+            Some(p)
+        }
+        None => {
+            let why = "no onnxruntime library: set ORT_DYLIB_PATH or pip install onnxruntime==1.32.0";
+            assert!(!required(), "QUIVER_REQUIRE_ONNXRUNTIME=1 but {why}");
+            eprintln!("SKIPPED: {why}");
+            None
+        }
+    }
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ort")
+}
+
+/// One refused-graph fixture: its `--inputs`, rows and onnxruntime's scores.
+struct Fixture {
+    name: String,
+    inputs: String,
+    dim: usize,
+    x: Vec<f32>,
+    want: Vec<f32>,
+}
+
+fn refused() -> (Vec<Fixture>, usize) {
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("ort.json")).unwrap()).unwrap();
+    let candidates = index["candidates"].as_u64().unwrap() as usize;
+    let mut out = Vec::new();
+    for (name, m) in index["models"].as_object().unwrap() {
+        let dim = m["dim"].as_u64().unwrap() as usize;
+        let table = read_npy(&fixtures().join(format!("{name}.npy"))).unwrap();
+        assert_eq!(table.cols, dim + 1, "{name}");
+        let (mut x, mut want) = (Vec::new(), Vec::new());
+        for row in table.data.chunks_exact(table.cols) {
+            x.extend_from_slice(&row[..dim]);
+            want.push(row[dim]);
+        }
+        out.push(Fixture { name: name.clone(), inputs: m["inputs"].as_str().unwrap().into(), dim, x, want });
+    }
+    assert_eq!(out.len(), 2);
+    (out, candidates)
+}
+
+/// `quiver import --onnxruntime` of fixture `f` into `out`.
+fn import_cli(f: &Fixture, out: &Path, version: u32) -> (i32, String, String) {
+    let file = fixtures().join(format!("{}.onnx", f.name));
+    let version = version.to_string();
+    run_quiver([
+        "import",
+        "--onnx",
+        file.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--name",
+        &f.name,
+        "--version",
+        &version,
+        "--inputs",
+        &f.inputs,
+        "--onnxruntime",
+    ])
+}
+
+#[test]
+fn refused_graphs_import_for_onnxruntime_and_score_as_onnxruntime_does() {
+    let Some(_) = library() else { return };
+    let dir = scratch("ort-import");
+    let (fixtures_, candidates) = refused();
+    for f in &fixtures_ {
+        // The native compiler refuses it and says what to do instead.
+        let out = dir.join(format!("{}.qm", f.name));
+        let file = fixtures().join(format!("{}.onnx", f.name));
+        let (code, _, err) = run_quiver([
+            "import",
+            "--onnx",
+            file.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--name",
+            &f.name,
+            "--version",
+            "1",
+            "--inputs",
+            &f.inputs,
+        ]);
+        assert_ne!(code, 0, "{}", f.name);
+        assert!(err.contains("is not supported") && err.contains("rerun with --onnxruntime"), "{err}");
+        assert!(!out.exists());
+
+        let (code, stdout, err) = import_cli(f, &out, 1);
+        assert_eq!(code, 0, "{}: {err}", f.name);
+        assert!(stdout.contains("backend: onnxruntime"), "{stdout}");
+        let model = Model::load(&out).unwrap();
+        assert!(!model.is_native() && model.onnx.is_some());
+        assert_eq!(model.input_dim(), f.dim);
+
+        // Whatever the configured backend, the version runs on onnxruntime,
+        // and each request's scores are onnxruntime's, bit for bit.
+        let mut backend = score::build(BackendKind::Int8, &model, 64);
+        assert_eq!(backend.name(), "onnxruntime");
+        for (r, (x, want)) in f.x.chunks(candidates * f.dim).zip(f.want.chunks(candidates)).enumerate() {
+            let mut out = vec![0.0; candidates];
+            backend.try_logits_request(&model, x, candidates, &mut out).unwrap();
+            let got: Vec<u32> = out.iter().map(|v| model.score(*v).to_bits()).collect();
+            let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{} request {r}", f.name);
+        }
+        // A batch of every request's rows, as the stage runs them.
+        let rows = f.want.len();
+        let mut big = score::build(BackendKind::Int8, &model, rows);
+        let mut out = vec![0.0; rows];
+        big.try_logits(&model, &f.x, rows, &mut out).unwrap();
+        let err = out.iter().zip(&f.want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(err <= 1e-6, "{}: batched scores differ by {err}", f.name);
+    }
+}
+
+/// The replicas and requests that give the server each fixture's rows:
+/// user id = request, item id = row (ids offset per model).
+fn serve_fixtures(dir: &Path, fixtures_: &[Fixture], candidates: usize) -> PathBuf {
+    let models = dir.join("models");
+    let (mut users, mut items) = (ReplicaBuilder::new("user", 8), ReplicaBuilder::new("item", 8));
+    for (m, f) in fixtures_.iter().enumerate() {
+        let at = models.join(&f.name).join("1");
+        std::fs::create_dir_all(&at).unwrap();
+        let (code, _, err) = import_cli(f, &at.join("model.qm"), 1);
+        assert_eq!(code, 0, "{err}");
+        for (r, row) in f.x.chunks_exact(f.dim).enumerate() {
+            let base = (m * 10_000) as u64;
+            if r % candidates == 0 {
+                users.push(base + (r / candidates) as u64, &row[..8]).unwrap();
+            }
+            items.push(base + r as u64, &row[8..16]).unwrap();
+        }
+    }
+    users.write(&dir.join("user.qrep")).unwrap();
+    items.write(&dir.join("item.qrep")).unwrap();
+    models
+}
+
+#[test]
+fn refused_graphs_are_served_by_the_real_server_with_onnxruntimes_scores() {
+    let Some(lib) = library() else { return };
+    let dir = scratch("ort-serve");
+    let (fixtures_, candidates) = refused();
+    let models = serve_fixtures(&dir, &fixtures_, candidates);
+    for inference in ["inline", "thread"] {
+        let server = Server::start_with(
+            &dir,
+            &[
+                "--shards",
+                "1",
+                "--inference",
+                inference,
+                "--models-dir",
+                models.to_str().unwrap(),
+                "--onnxruntime-lib",
+                lib.to_str().unwrap(),
+            ],
+        );
+        let mut c = server.client();
+        for (m, f) in fixtures_.iter().enumerate() {
+            let model = Model::load(&models.join(&f.name).join("1/model.qm")).unwrap();
+            for (r, (x, want)) in f.x.chunks(candidates * f.dim).zip(f.want.chunks(candidates)).enumerate() {
+                let base = (m * 10_000) as u64;
+                let first = &x[..f.dim];
+                let spec = RequestSpec {
+                    request_id: r as u64,
+                    budget_us: 1_000_000,
+                    model: f.name.clone(),
+                    user_id: base + r as u64,
+                    item_ids: (0..candidates).map(|k| base + (r * candidates + k) as u64).collect(),
+                    context: segment(&model, first, Source::Context).to_vec(),
+                    context_ids: segment(&model, first, Source::ContextIds).iter().map(|v| *v as u64).collect(),
+                    ..RequestSpec::default()
+                };
+                let resp = c.score(&spec).unwrap();
+                assert_eq!((resp.status, resp.tier, resp.features_missing), (Status::Ok, Tier::Primary, 0), "{resp:?}");
+                let got: Vec<u32> = resp.scores.iter().map(|v| v.to_bits()).collect();
+                let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{inference} {} request {r}", f.name);
+            }
+        }
+        // /metrics and quiver stats say which backend serves each version.
+        std::thread::sleep(std::time::Duration::from_millis(1_300));
+        let (status, text) = http_get(&format!("http://{}/metrics", server.admin));
+        assert_eq!(status, 200);
+        for f in &fixtures_ {
+            let line = format!("quiver_model_info{{model=\"{}\",version=\"1\",backend=\"onnxruntime\"}} 1", f.name);
+            assert!(text.contains(&line), "{line} not in\n{text}");
+        }
+        let (code, stdout, err) = run_quiver(["stats", "--admin", &server.admin, "--count", "1"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(stdout.contains("relu6_mlp@1 on onnxruntime"), "{stdout}");
+    }
+}
+
+#[test]
+fn native_models_forced_onto_onnxruntime_match_the_native_f32_path() {
+    let Some(_) = library() else { return };
+    let mut checked = 0;
+    for z in zoo() {
+        let opts = ImportOptions {
+            name: z.name.clone(),
+            version: 1,
+            inputs: z.inputs.parse().unwrap(),
+            output: z.output.clone(),
+            output_kind: z.kind,
+            base_dir: None,
+        };
+        let model = import_file_keeping(&z.file, &opts, KeepOnnx::Beside)
+            .unwrap_or_else(|e| panic!("{}: --keep-onnx: {e}", z.name))
+            .model;
+        assert!(model.is_native() && model.onnx.is_some());
+        assert_eq!(Model::from_bytes(&model.to_bytes(), &z.name).unwrap(), model, "{}", z.name);
+        let rows = 256;
+        let x = &z.x[..rows * z.dim];
+        let mut native = score::build(BackendKind::F32, &model, rows);
+        let mut forced = score::build(BackendKind::Onnxruntime, &model, rows);
+        assert_eq!((native.name(), forced.name()), ("cpu-f32", "onnxruntime"), "{}", z.name);
+        let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
+        native.logits(&model, x, rows, &mut a);
+        forced.try_logits(&model, x, rows, &mut b).unwrap();
+        let err = a.iter().zip(&b).map(|(p, q)| (model.score(*p) - model.score(*q)).abs()).fold(0.0f32, f32::max);
+        eprintln!("{:<22} native f32 vs onnxruntime, max |Δ score| {err:.2e}", z.name);
+        assert!(err <= FORCED_TOLERANCE, "{}: forced onto onnxruntime, scores differ by {err}", z.name);
+        checked += 1;
+    }
+    assert_eq!(checked, 17);
+}
+
+#[test]
+fn a_missing_library_is_a_typed_error_and_the_ladder_answers() {
+    let Some(_) = library() else { return };
+    let dir = scratch("ort-missing");
+    let (fixtures_, candidates) = refused();
+    let models = serve_fixtures(&dir, &fixtures_, candidates);
+    let server = Server::start_with(
+        &dir,
+        &[
+            "--shards",
+            "2",
+            "--models-dir",
+            models.to_str().unwrap(),
+            "--onnxruntime-lib",
+            "/nonexistent/libonnxruntime.so.1.32.0",
+        ],
+    );
+    let mut c = server.client();
+    for r in 0..40u64 {
+        let spec = RequestSpec {
+            request_id: r,
+            budget_us: 1_000_000,
+            model: "relu6_mlp".into(),
+            user_id: r % 32,
+            item_ids: (0..candidates as u64).collect(),
+            context: vec![0.5; 4],
+            ..RequestSpec::default()
+        };
+        let resp = c.score(&spec).unwrap();
+        // The static default rung, saying why.
+        assert_eq!((resp.status, resp.tier), (Status::Ok, Tier::Default), "{resp:?}");
+        assert!(matches!(resp.reason, Reason::ModelError | Reason::BreakerOpen), "{:?}", resp.reason);
+        assert_eq!(resp.scores.len(), candidates);
+    }
+    let log = server.stderr();
+    let warnings = log.matches("onnxruntime unavailable").count();
+    assert_eq!(warnings, 1, "one warning for every shard and version:\n{log}");
+    assert!(log.contains("/nonexistent/libonnxruntime.so.1.32.0") && log.contains("pip install onnxruntime"), "{log}");
+    let (_, text) = http_get(&format!("http://{}/metrics", server.admin));
+    std::thread::sleep(std::time::Duration::from_millis(1_300));
+    let (_, text2) = http_get(&format!("http://{}/metrics", server.admin));
+    assert!(
+        text2.contains("quiver_model_info{model=\"relu6_mlp\",version=\"1\",backend=\"unavailable\"} 1"),
+        "{text}\n{text2}"
+    );
+}
