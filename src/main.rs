@@ -355,8 +355,12 @@ struct ImportArgs {
     /// server built with `--features onnxruntime`), for a graph the native
     /// compiler refuses. The output is returned as the graph computes it
     /// when it is a probability; `--output-kind logit` applies the sigmoid.
-    #[arg(long, requires = "onnx", conflicts_with = "calibration")]
+    #[arg(long, requires = "onnx")]
     onnxruntime: bool,
+    /// The onnxruntime library, to score the calibration set of a model
+    /// imported with `--onnxruntime`; default ORT_DYLIB_PATH.
+    #[arg(long, requires = "onnxruntime")]
+    onnxruntime_lib: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -862,6 +866,9 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
 }
 
 fn import(args: ImportArgs) -> Result<ExitCode, Error> {
+    if let Some(lib) = &args.onnxruntime_lib {
+        quiver::score::configure_onnxruntime(lib);
+    }
     let output_kind = args.output_kind.map(|k| match k {
         OutputKindArg::Logit => quiver::model::OutputKind::Logit,
         OutputKindArg::Raw => quiver::model::OutputKind::Raw,

@@ -95,10 +95,10 @@ fn refused() -> (Vec<Fixture>, usize) {
 }
 
 /// `quiver import --onnxruntime` of fixture `f` into `out`.
-fn import_cli(f: &Fixture, out: &Path, version: u32) -> (i32, String, String) {
+fn import_cli(f: &Fixture, out: &Path, version: u32, extra: &[&str]) -> (i32, String, String) {
     let file = fixtures().join(format!("{}.onnx", f.name));
     let version = version.to_string();
-    run_quiver([
+    let args = [
         "import",
         "--onnx",
         file.to_str().unwrap(),
@@ -111,7 +111,8 @@ fn import_cli(f: &Fixture, out: &Path, version: u32) -> (i32, String, String) {
         "--inputs",
         &f.inputs,
         "--onnxruntime",
-    ])
+    ];
+    run_quiver(args.iter().copied().chain(extra.iter().copied()))
 }
 
 #[test]
@@ -140,7 +141,7 @@ fn refused_graphs_import_for_onnxruntime_and_score_as_onnxruntime_does() {
         assert!(err.contains("is not supported") && err.contains("rerun with --onnxruntime"), "{err}");
         assert!(!out.exists());
 
-        let (code, stdout, err) = import_cli(f, &out, 1);
+        let (code, stdout, err) = import_cli(f, &out, 1, &[]);
         assert_eq!(code, 0, "{}: {err}", f.name);
         assert!(stdout.contains("backend: onnxruntime"), "{stdout}");
         let model = Model::load(&out).unwrap();
@@ -170,14 +171,29 @@ fn refused_graphs_import_for_onnxruntime_and_score_as_onnxruntime_does() {
 
 /// The replicas and requests that give the server each fixture's rows:
 /// user id = request, item id = row (ids offset per model).
-fn serve_fixtures(dir: &Path, fixtures_: &[Fixture], candidates: usize) -> PathBuf {
+fn serve_fixtures(dir: &Path, fixtures_: &[Fixture], candidates: usize, lib: &Path) -> PathBuf {
     let models = dir.join("models");
     let (mut users, mut items) = (ReplicaBuilder::new("user", 8), ReplicaBuilder::new("item", 8));
     for (m, f) in fixtures_.iter().enumerate() {
         let at = models.join(&f.name).join("1");
         std::fs::create_dir_all(&at).unwrap();
-        let (code, _, err) = import_cli(f, &at.join("model.qm"), 1);
+        // Calibrated from the fixture's own rows: drift baselines scored by
+        // onnxruntime.
+        let set = dir.join(format!("{}.npy", f.name));
+        let rows = f.want.len();
+        let matrix = quiver::model::calibrate::Matrix { rows, cols: f.dim, data: f.x.clone() };
+        std::fs::write(&set, quiver::model::calibrate::npy_bytes(&matrix)).unwrap();
+        let (code, stdout, err) = import_cli(
+            f,
+            &at.join("model.qm"),
+            1,
+            &["--calibration", set.to_str().unwrap(), "--onnxruntime-lib", lib.to_str().unwrap()],
+        );
         assert_eq!(code, 0, "{err}");
+        assert!(stdout.contains("rows scored by onnxruntime"), "{stdout}");
+        let model = Model::load(&at.join("model.qm")).unwrap();
+        let c = model.calibration.expect("calibrated");
+        assert_eq!(c.scores.counts.iter().sum::<u64>(), rows as u64);
         for (r, row) in f.x.chunks_exact(f.dim).enumerate() {
             let base = (m * 10_000) as u64;
             if r % candidates == 0 {
@@ -196,7 +212,7 @@ fn refused_graphs_are_served_by_the_real_server_with_onnxruntimes_scores() {
     let Some(lib) = library() else { return };
     let dir = scratch("ort-serve");
     let (fixtures_, candidates) = refused();
-    let models = serve_fixtures(&dir, &fixtures_, candidates);
+    let models = serve_fixtures(&dir, &fixtures_, candidates, &lib);
     for inference in ["inline", "thread"] {
         let server = Server::start_with(
             &dir,
@@ -241,6 +257,10 @@ fn refused_graphs_are_served_by_the_real_server_with_onnxruntimes_scores() {
         for f in &fixtures_ {
             let line = format!("quiver_model_info{{model=\"{}\",version=\"1\",backend=\"onnxruntime\"}} 1", f.name);
             assert!(text.contains(&line), "{line} not in\n{text}");
+            // Drift is measured as for a native version.
+            let drift =
+                format!("quiver_score_drift_window_scores{{model=\"{}\",version=\"1\"}} {}", f.name, f.want.len());
+            assert!(text.contains(&drift), "{drift} not in\n{text}");
         }
         let (code, stdout, err) = run_quiver(["stats", "--admin", &server.admin, "--count", "1"]);
         assert_eq!(code, 0, "{err}");
@@ -284,10 +304,10 @@ fn native_models_forced_onto_onnxruntime_match_the_native_f32_path() {
 
 #[test]
 fn a_missing_library_is_a_typed_error_and_the_ladder_answers() {
-    let Some(_) = library() else { return };
+    let Some(lib) = library() else { return };
     let dir = scratch("ort-missing");
     let (fixtures_, candidates) = refused();
-    let models = serve_fixtures(&dir, &fixtures_, candidates);
+    let models = serve_fixtures(&dir, &fixtures_, candidates, &lib);
     let server = Server::start_with(
         &dir,
         &[
@@ -327,4 +347,100 @@ fn a_missing_library_is_a_typed_error_and_the_ladder_answers() {
         text2.contains("quiver_model_info{model=\"relu6_mlp\",version=\"1\",backend=\"unavailable\"} 1"),
         "{text}\n{text2}"
     );
+}
+
+/// onnxruntime on the lower rungs and beside the cache: a native primary
+/// (thread mode) whose stage is made slow steps down to an onnxruntime
+/// fallback, which answers in time with onnxruntime's scores; with the cache
+/// answering first, an onnxruntime primary's scores come back cached.
+#[test]
+fn an_onnxruntime_model_is_the_fallback_rung_and_its_scores_are_cached() {
+    use quiver::wire::Tier;
+    let Some(lib) = library() else { return };
+    let dir = scratch("ort-rungs");
+    let (fixtures_, candidates) = refused();
+    let models = serve_fixtures(&dir, &fixtures_, candidates, &lib);
+    let relu6 = fixtures_.iter().position(|f| f.name == "relu6_mlp").unwrap();
+    let f = &fixtures_[relu6];
+    let fallback = models.join("relu6_mlp/1/model.qm");
+    // A native primary reading the same inputs (user 8, item 8, context 4).
+    let z = zoo().into_iter().find(|z| z.name == "torch_bn_mlp").unwrap();
+    std::fs::create_dir_all(models.join("torch_bn_mlp/1")).unwrap();
+    let (code, _, err) = run_quiver([
+        "import",
+        "--onnx",
+        z.file.to_str().unwrap(),
+        "--out",
+        models.join("torch_bn_mlp/1/model.qm").to_str().unwrap(),
+        "--name",
+        "torch_bn_mlp",
+        "--version",
+        "1",
+        "--inputs",
+        &z.inputs,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let spec = |r: usize, model: &str| {
+        let base = (relu6 * 10_000) as u64;
+        let first = &f.x[r * candidates * f.dim..][..f.dim];
+        RequestSpec {
+            request_id: r as u64,
+            budget_us: 40_000,
+            model: model.into(),
+            user_id: base + r as u64,
+            item_ids: (0..candidates).map(|k| base + (r * candidates + k) as u64).collect(),
+            context: first[16..20].to_vec(),
+            ..RequestSpec::default()
+        }
+    };
+    let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+
+    let cfg = dir.join("rungs.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "inference = \"thread\"\nfaults_endpoint = true\nonnxruntime_lib = \"{}\"\n[ladder]\n\
+             fallback_model = \"{}\"\nreserve_us = 20000\n",
+            lib.display(),
+            fallback.display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start_with(
+        &dir,
+        &["--shards", "1", "--models-dir", models.to_str().unwrap(), "--config", cfg.to_str().unwrap()],
+    );
+    let mut c = server.client();
+    assert_eq!(common::http_post(&format!("http://{}/faults?stage_delay_us=60000", server.admin)).0, 200);
+    let mut fallbacks = 0;
+    for r in 0..f.want.len() / candidates {
+        let resp = c.score(&spec(r, "torch_bn_mlp")).unwrap();
+        assert_eq!(resp.status, Status::Ok, "{resp:?}");
+        if resp.tier == Tier::Fallback {
+            fallbacks += 1;
+            assert_eq!(bits(&resp.scores), bits(&f.want[r * candidates..][..candidates]), "request {r}");
+        }
+    }
+    assert!(fallbacks >= 24, "{fallbacks} of 32 from the onnxruntime fallback");
+    drop(server);
+
+    let cfg = dir.join("cache.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "onnxruntime_lib = \"{}\"\n[cache]\nentries_max = 4096\nttl_ms = 60000\nbefore_primary = true\n",
+            lib.display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start_with(
+        &dir,
+        &["--shards", "1", "--models-dir", models.to_str().unwrap(), "--config", cfg.to_str().unwrap()],
+    );
+    let mut c = server.client();
+    for tier in [Tier::Primary, Tier::Cached] {
+        let resp = c.score(&spec(3, "relu6_mlp")).unwrap();
+        assert_eq!((resp.status, resp.tier), (Status::Ok, tier), "{resp:?}");
+        assert_eq!(bits(&resp.scores), bits(&f.want[3 * candidates..][..candidates]));
+    }
 }

@@ -361,12 +361,36 @@ fn calibrate_graph(model: &Model, set: &Matrix, mut progress: impl FnMut(usize, 
         }
     }
     progress(set.rows, set.rows);
+    drift_baselines(model, set, &scores, "none (graph model: dynamic INT8)")
+}
+
+/// The calibration of a model served only through onnxruntime: the drift
+/// baselines (score histogram, context moments) from `scores`, the set's
+/// scores as onnxruntime computed them; no INT8 ranges.
+pub fn calibrate_from_scores(model: &Model, set: &Matrix, scores: &[f32]) -> Result<Calibration, CalibrationError> {
+    if set.cols != model.input_dim() {
+        return Err(CalibrationError::Width { cols: set.cols, want: model.input_dim() });
+    }
+    if set.rows == 0 {
+        return Err(CalibrationError::Empty);
+    }
+    assert_eq!(scores.len(), set.rows, "one score per row");
+    if let Some(i) = set.data.iter().position(|v| v.is_infinite()) {
+        return Err(CalibrationError::NonFinite { row: i / set.cols, col: i % set.cols, value: set.data[i] });
+    }
+    if !scores.iter().all(|s| (0.0..=1.0).contains(s)) {
+        return Err(CalibrationError::RawOutput);
+    }
+    Ok(drift_baselines(model, set, scores, "none (onnxruntime: drift baselines only)"))
+}
+
+fn drift_baselines(model: &Model, set: &Matrix, scores: &[f32], method: &str) -> Calibration {
     let (input_means, input_variances) = context_moments(model, set);
     Calibration {
-        method: "none (graph model: dynamic INT8)".into(),
+        method: method.into(),
         rows: set.rows as u64,
         input_ranges: Vec::new(),
-        scores: score_histogram(&scores),
+        scores: score_histogram(scores),
         input_means,
         input_variances,
         activations: ActivationScales::Dynamic,

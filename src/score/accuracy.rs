@@ -72,6 +72,9 @@ pub fn calibrate(
     also_fp8: bool,
     progress: impl FnMut(usize, usize),
 ) -> Result<String, crate::Error> {
+    if !model.is_native() {
+        return calibrate_onnxruntime(model, set);
+    }
     let calibration = crate::model::calibrate::calibrate(model, set, method, progress)?;
     let ranges: Vec<String> = calibration.input_ranges.iter().map(|r| format!("{r:.4}")).collect();
     let bins = calibration.scores.counts.len();
@@ -113,6 +116,36 @@ pub fn calibrate(
         ));
     }
     Ok(report)
+}
+
+/// The drift baselines of a model served only through onnxruntime, from
+/// the calibration set's scores as onnxruntime computes them (so importing
+/// one with `--calibration` needs the library, like serving it).
+fn calibrate_onnxruntime(model: &mut Model, set: &Matrix) -> Result<String, crate::Error> {
+    const ROWS_PER_CALL: usize = 256;
+    let mut backend = super::build(BackendKind::Int8, model, ROWS_PER_CALL);
+    let dim = model.input_dim();
+    if set.cols != dim {
+        return Err(crate::model::calibrate::CalibrationError::Width { cols: set.cols, want: dim }.into());
+    }
+    let mut scores = vec![0.0; set.rows];
+    for (x, out) in set.data.chunks(ROWS_PER_CALL * dim).zip(scores.chunks_mut(ROWS_PER_CALL)) {
+        backend
+            .try_logits(model, x, out.len(), out)
+            .map_err(|e| crate::Error::Setup(format!("calibration scores need onnxruntime: {e}")))?;
+        for s in out.iter_mut() {
+            *s = model.score(*s);
+        }
+    }
+    let calibration = crate::model::calibrate::calibrate_from_scores(model, set, &scores)?;
+    let bins = calibration.scores.counts.len();
+    model.calibration = Some(calibration);
+    model.validate()?;
+    Ok(format!(
+        "  calibration: {} rows scored by onnxruntime; score histogram: {bins} bins (drift baselines; no INT8 \
+         ranges: onnxruntime runs the graph in f32)",
+        set.rows
+    ))
 }
 
 #[cfg(test)]
