@@ -33,6 +33,14 @@ enum Command {
     Bench(BenchArgs),
     /// Import an ONNX MLP into a Quiver model file (.qm).
     Import(ImportArgs),
+    /// Write a plain-MLP model file (.qm) as ONNX (input `x`, output
+    /// `logit`), e.g. to run the same network on onnxruntime.
+    ExportOnnx {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Time one backend's forward pass on a model file, single thread, at
     /// several batch sizes; one JSON line per batch size (for
     /// bench/ort_side_by_side.py).
@@ -528,6 +536,7 @@ fn main() -> ExitCode {
         Command::Replica(cmd) => replica(cmd),
         Command::Features(cmd) => features(cmd),
         Command::Plot(cmd) => plot(cmd),
+        Command::ExportOnnx { model, out } => export_onnx(&model, &out),
         Command::Stats { admin, interval, count, token_file } => stats(&admin, interval, count, token_file.as_deref()),
         Command::Demo { data_dir, models_dir } => demo_cmd(&data_dir, models_dir.as_deref()),
         #[cfg(feature = "cuda")]
@@ -937,6 +946,16 @@ fn import(args: ImportArgs) -> Result<ExitCode, Error> {
         }
         None => {}
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn export_onnx(model: &Path, out: &Path) -> Result<ExitCode, Error> {
+    let m = Model::load(model)?;
+    let bytes = quiver::model::onnx::export_mlp(&m)?;
+    std::fs::write(out, &bytes).map_err(|e| Error::Setup(format!("{}: {e}", out.display())))?;
+    let inputs: Vec<String> =
+        m.inputs.iter().map(|s| format!("{}:{}", quiver::model::onnx::source_name(s.source), s.dim)).collect();
+    println!("wrote {} ({} bytes): input 'x' = {}, output 'logit'", out.display(), bytes.len(), inputs.join(","));
     Ok(ExitCode::SUCCESS)
 }
 

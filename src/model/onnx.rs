@@ -28,9 +28,11 @@ use protobuf::Enum as _;
 use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
 use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_BYTES_MAX};
 
+mod export;
 mod keep;
 mod tree_ensemble;
 
+pub use export::export_mlp;
 pub use keep::KeepOnnx;
 
 /// The ops the importer understands, for error messages.
@@ -149,7 +151,8 @@ impl std::str::FromStr for InputMapping {
     }
 }
 
-fn source_name(s: Source) -> &'static str {
+/// The `--inputs` spelling of a source.
+pub fn source_name(s: Source) -> &'static str {
     match s {
         Source::User => "user",
         Source::Item => "item",
