@@ -271,6 +271,10 @@ struct BenchArgs {
     seed: u64,
     #[arg(long, default_value_t = demo::CANDIDATES)]
     candidates: usize,
+    /// Context floats per request: the model's context width (16 for the
+    /// demo; 0 sends none, which the server fills with zeros).
+    #[arg(long, default_value_t = demo::CONTEXT_LEN)]
+    context_len: usize,
     /// Fraction of user and item ids drawn outside the known ranges.
     #[arg(long, default_value_t = 0.0)]
     unknown_fraction: f64,
@@ -732,6 +736,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         pipeline: args.pipeline.clamp(1, 4096),
         seed: args.seed,
         candidates: args.candidates.max(1),
+        context_len: args.context_len,
         unknown_fraction: args.unknown_fraction,
         zipf: args.zipf,
         budget_us: args.budget_us,

@@ -400,10 +400,23 @@ fn model_files() {
             seeds.push(imported.model.to_bytes());
         }
     }
+    // A graph kept for onnxruntime: the OnnxGraph table and its interface.
+    let ort = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ort/hashed_ids.onnx");
+    let opts = quiver::model::onnx::ImportOptions {
+        name: "kept".into(),
+        version: 1,
+        inputs: "user=dense:8,item=dense:8,context_ids=ids:2".parse().unwrap(),
+        output: None,
+        output_kind: quiver::model::OutputKind::Logit,
+        base_dir: None,
+    };
+    let only = quiver::model::onnx::KeepOnnx::Only { output_kind: None };
+    seeds.push(quiver::model::onnx::import_file_keeping(&ort, &opts, only).unwrap().model.to_bytes());
     fuzz("model_files", seeds, 64 * MIB, &|bytes, _, _| {
         if let Ok(m) = Model::from_bytes(bytes, "fuzz.qm") {
             let d = m.input_dim();
-            if d <= 4096 {
+            // An onnxruntime-only model has no native network to run.
+            if d <= 4096 && m.is_native() {
                 let x: Vec<f32> = (0..2 * d).map(|k| (k % 7) as f32 * 0.25 - 0.5).collect();
                 let mut out = [0.0f32; 2];
                 m.forward_f32_reference(&x, 2, &mut out);

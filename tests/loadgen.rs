@@ -76,6 +76,7 @@ fn options(addr: String, rate: Option<f64>) -> BenchOptions {
         pipeline: 1,
         seed: 1,
         candidates: 4,
+        context_len: quiver::demo::CONTEXT_LEN,
         unknown_fraction: 0.0,
         zipf: None,
         budget_us: 0,

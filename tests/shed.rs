@@ -35,6 +35,7 @@ fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)
         pipeline: 8,
         seed: 7,
         candidates: 32,
+        context_len: quiver::demo::CONTEXT_LEN,
         unknown_fraction: 0.0,
         zipf: None,
         // The server's default budget (10 ms).

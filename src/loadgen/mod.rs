@@ -88,6 +88,8 @@ pub struct BenchOptions {
     pub pipeline: usize,
     pub seed: u64,
     pub candidates: usize,
+    /// Context floats per request.
+    pub context_len: usize,
     pub unknown_fraction: f64,
     /// Zipf exponent for user and item ids; `None` for uniform.
     pub zipf: Option<f64>,
@@ -362,6 +364,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         workload = workload.with_zipf(s);
     }
     workload.candidates = opts.candidates;
+    workload.context_len = opts.context_len;
     workload.unknown_fraction = opts.unknown_fraction;
     workload.budget_us = opts.budget_us;
     let mut schedule = opts.rate.map(|rate| Schedule {
