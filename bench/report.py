@@ -339,7 +339,8 @@ if os.path.exists(serve_path):
 # (run by hand: `taskset -c 1 python3 bench/zoo_side_by_side.py --repeats 3`).
 # Per-request parts computed once (run by hand: bench/one_request.py).
 # TLS on the scoring port against plain TCP (run by hand: bench/tls_cost.sh).
-for extra in ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md"]:
+# onnxruntime as a backend beside the native ones (run by hand: bench/ort_backend.sh).
+for extra in ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "ort_backend.md"]:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", extra)
     if os.path.exists(path):
         with open(path) as f:

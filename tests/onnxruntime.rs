@@ -395,21 +395,20 @@ fn an_onnxruntime_model_is_the_fallback_rung_and_its_scores_are_cached() {
     };
     let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
 
-    let cfg = dir.join("rungs.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "inference = \"thread\"\nfaults_endpoint = true\nonnxruntime_lib = \"{}\"\n[ladder]\n\
-             fallback_model = \"{}\"\nreserve_us = 20000\n",
-            lib.display(),
-            fallback.display()
-        ),
-    )
-    .unwrap();
-    let server = Server::start_with(
-        &dir,
-        &["--shards", "1", "--models-dir", models.to_str().unwrap(), "--config", cfg.to_str().unwrap()],
+    // One shard serving the models with `toml` (and the library) as config.
+    let serve = |name: &str, toml: String| {
+        let cfg = dir.join(name);
+        std::fs::write(&cfg, format!("onnxruntime_lib = \"{}\"\n{toml}", lib.display())).unwrap();
+        Server::start_with(
+            &dir,
+            &["--shards", "1", "--models-dir", models.to_str().unwrap(), "--config", cfg.to_str().unwrap()],
+        )
+    };
+    let rungs = format!(
+        "inference = \"thread\"\nfaults_endpoint = true\n[ladder]\nfallback_model = \"{}\"\nreserve_us = 20000\n",
+        fallback.display()
     );
+    let server = serve("rungs.toml", rungs);
     let mut c = server.client();
     assert_eq!(common::http_post(&format!("http://{}/faults?stage_delay_us=60000", server.admin)).0, 200);
     let mut fallbacks = 0;
@@ -424,19 +423,7 @@ fn an_onnxruntime_model_is_the_fallback_rung_and_its_scores_are_cached() {
     assert!(fallbacks >= 24, "{fallbacks} of 32 from the onnxruntime fallback");
     drop(server);
 
-    let cfg = dir.join("cache.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "onnxruntime_lib = \"{}\"\n[cache]\nentries_max = 4096\nttl_ms = 60000\nbefore_primary = true\n",
-            lib.display()
-        ),
-    )
-    .unwrap();
-    let server = Server::start_with(
-        &dir,
-        &["--shards", "1", "--models-dir", models.to_str().unwrap(), "--config", cfg.to_str().unwrap()],
-    );
+    let server = serve("cache.toml", "[cache]\nentries_max = 4096\nttl_ms = 60000\nbefore_primary = true\n".into());
     let mut c = server.client();
     for tier in [Tier::Primary, Tier::Cached] {
         let resp = c.score(&spec(3, "relu6_mlp")).unwrap();
