@@ -31,7 +31,7 @@ enum Command {
     Score(ScoreArgs),
     /// Send load to a running server and print rate and latency percentiles.
     Bench(BenchArgs),
-    /// Import an ONNX MLP into a Quiver model file (.qm).
+    /// Import an ONNX, LightGBM or XGBoost model into a Quiver model file (.qm).
     Import(ImportArgs),
     /// Write a plain-MLP model file (.qm) as ONNX (input `x`, output
     /// `logit`), e.g. to run the same network on onnxruntime.
