@@ -8,6 +8,7 @@ pub mod admin;
 pub mod admission;
 pub mod cache;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod cores;
 pub mod deadline;

@@ -101,9 +101,33 @@ mod tests {
     use crate::model::onnx::{import_bytes, ImportOptions};
     use crate::model::OutputKind;
 
+    /// A small MLP made here (model sits below demo in the layering).
+    fn mlp() -> Model {
+        use crate::model::{InputSegment, Layer, Source};
+        let mut rng = crate::seeded::SplitMix64::new(3);
+        let mut layer = |i: usize, o: usize, relu| {
+            let w: Vec<f32> = (0..i * o).map(|_| rng.normal() * 0.3).collect();
+            let b: Vec<f32> = (0..o).map(|_| rng.normal() * 0.1).collect();
+            Layer::quantize(i, o, relu, w, b)
+        };
+        Model {
+            name: "exported".into(),
+            version: 2,
+            inputs: vec![
+                InputSegment { source: Source::User, dim: 4 },
+                InputSegment { source: Source::Item, dim: 4 },
+                InputSegment { source: Source::Context, dim: 4 },
+            ],
+            layers: vec![layer(12, 24, true), layer(24, 8, true), layer(8, 1, false)],
+            calibration: None,
+            graph: None,
+            onnx: None,
+        }
+    }
+
     #[test]
     fn an_exported_mlp_imports_back_as_the_same_network() {
-        let model = crate::demo::context_mlp("exported", 3, &[12, 24, 8, 1]);
+        let model = mlp();
         let bytes = export_mlp(&model).unwrap();
         let inputs = model
             .inputs
@@ -124,7 +148,7 @@ mod tests {
         for (a, b) in back.layers.iter().zip(&model.layers) {
             assert_eq!((a.relu, &a.weights_f32, &a.bias), (b.relu, &b.weights_f32, &b.bias));
         }
-        let mut not_mlp = crate::demo::context_mlp("g", 1, &[4, 1]);
+        let mut not_mlp = mlp();
         not_mlp.layers.clear();
         assert!(export_mlp(&not_mlp).is_err());
     }

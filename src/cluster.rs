@@ -1,0 +1,637 @@
+//! A client over several Quiver nodes: balancing, health, failover and
+//! hedged requests ("The Tail at Scale"), on non-blocking sockets driven by
+//! one `poll(2)` loop in the caller's thread.
+//!
+//! Nodes are stateless apart from their replicas, so any node can answer any
+//! request, and scoring is read-only, so sending a request twice is safe.
+//! [`Cluster::submit`] picks a node by the power of two choices on
+//! outstanding requests (a slow node accumulates them and is picked less),
+//! among nodes not ejected; [`Cluster::poll`] moves bytes and hands back
+//! completed requests. A node's health comes from its answers: a connection
+//! error, a timeout or `Overloaded` is a failure, and `eject_failures`
+//! failures in a row eject it for a back-off that doubles (capped, with
+//! jitter); afterwards one probe request decides whether it is re-admitted.
+//! A request whose node failed is retried once on another node if its budget
+//! still allows, else answered as failed with the reason: nothing hangs past
+//! its deadline. A request still unanswered after the hedge delay (fixed, or
+//! the node's recent p95) is sent to a second node with its remaining budget;
+//! the first answer wins. Hedges are limited to a fraction of requests (a
+//! token bucket, default 5%), so a slow cluster is not flooded.
+//!
+//! Limits: `connections_per_node` pooled connections each, at most
+//! `in_flight_max` outstanding requests overall (`submit` refuses more).
+//! Plain TCP only (TLS nodes take `Client`).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use crate::client::Codec;
+use crate::seeded::SplitMix64;
+use crate::wire::{RequestSpec, Response, Status};
+
+/// When a request is hedged.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Hedge {
+    Off,
+    /// After this long without an answer.
+    After(Duration),
+    /// After the first node's recent p95 (fixed `floor` until it has
+    /// enough samples, and never below it).
+    NodeP95 {
+        floor: Duration,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub connections_per_node: usize,
+    /// Outstanding requests over all nodes.
+    pub in_flight_max: usize,
+    /// A request without a budget (0) fails after this long.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub hedge: Hedge,
+    /// Hedges as a fraction of submitted requests, at most.
+    pub hedge_fraction: f64,
+    /// Consecutive failures that eject a node.
+    pub eject_failures: u32,
+    pub eject_min: Duration,
+    pub eject_max: Duration,
+    pub seed: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            connections_per_node: 2,
+            in_flight_max: 4096,
+            timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(200),
+            hedge: Hedge::Off,
+            hedge_fraction: 0.05,
+            eject_failures: 3,
+            eject_min: Duration::from_millis(50),
+            eject_max: Duration::from_secs(5),
+            seed: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClusterError {
+    #[error("no node is available (all ejected or unreachable)")]
+    NoNode,
+    #[error("{0} requests are outstanding, the limit")]
+    Full(usize),
+    #[error("node {node} failed ({why}) and the budget left no time for a retry")]
+    NodeFailed { node: String, why: String },
+    #[error("no answer within the request's budget")]
+    Timeout,
+}
+
+/// A submitted request, until [`Cluster::poll`] returns it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket(pub u64);
+
+/// What one node did, for reports.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct NodeStats {
+    pub addr: String,
+    /// Attempts sent (first tries, retries and hedges).
+    pub sent: u64,
+    /// Answers that completed a request.
+    pub won: u64,
+    pub failures: u64,
+    pub ejections: u64,
+    pub hedges_sent: u64,
+}
+
+struct Conn {
+    stream: Option<TcpStream>,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+    /// Wire ids sent on this connection and not yet answered.
+    in_flight: Vec<u64>,
+}
+
+struct Node {
+    addr: String,
+    resolved: Vec<SocketAddr>,
+    conns: Vec<Conn>,
+    next_conn: usize,
+    outstanding: usize,
+    failures_in_row: u32,
+    ejected_until: Option<Instant>,
+    eject_for: Duration,
+    /// Re-admission is on trial: one request decides.
+    probing: bool,
+    /// Recent answer times (µs), for the p95 hedge delay.
+    recent_us: VecDeque<u64>,
+    stats: NodeStats,
+}
+
+/// One send of a request to a node.
+#[derive(Clone, Copy)]
+struct Attempt {
+    node: usize,
+    wire_id: u64,
+    sent: Instant,
+}
+
+struct Pending {
+    spec: RequestSpec,
+    deadline: Instant,
+    attempts: Vec<Attempt>,
+    hedge_at: Option<Instant>,
+    retried: bool,
+}
+
+const RECENT_MAX: usize = 256;
+const RECENT_MIN_FOR_P95: usize = 20;
+
+pub struct Cluster {
+    config: ClusterConfig,
+    nodes: Vec<Node>,
+    pending: HashMap<u64, Pending>,
+    /// Wire id → ticket of the attempts outstanding.
+    by_wire: HashMap<u64, u64>,
+    next_ticket: u64,
+    next_wire: u64,
+    hedge_tokens: f64,
+    codec: Codec,
+    rng: SplitMix64,
+    done: Vec<(Ticket, Result<Response, ClusterError>)>,
+    pub hedges: u64,
+    pub retries: u64,
+}
+
+impl Cluster {
+    /// Nodes `addrs` (host:port each); nothing connects until a request
+    /// needs it.
+    pub fn new(addrs: &[String], config: ClusterConfig) -> Result<Cluster, ClusterError> {
+        if addrs.is_empty() {
+            return Err(ClusterError::NoNode);
+        }
+        let nodes = addrs
+            .iter()
+            .map(|a| Node {
+                addr: a.clone(),
+                resolved: a.to_socket_addrs().map(Iterator::collect).unwrap_or_default(),
+                conns: (0..config.connections_per_node.max(1))
+                    .map(|_| Conn { stream: None, rbuf: Vec::new(), wbuf: Vec::new(), in_flight: Vec::new() })
+                    .collect(),
+                next_conn: 0,
+                outstanding: 0,
+                failures_in_row: 0,
+                ejected_until: None,
+                eject_for: config.eject_min,
+                probing: false,
+                recent_us: VecDeque::with_capacity(RECENT_MAX),
+                stats: NodeStats { addr: a.clone(), ..NodeStats::default() },
+            })
+            .collect();
+        Ok(Cluster {
+            rng: SplitMix64::new(config.seed),
+            config,
+            nodes,
+            pending: HashMap::new(),
+            by_wire: HashMap::new(),
+            next_ticket: 1,
+            next_wire: 1,
+            hedge_tokens: 1.0,
+            codec: Codec::default(),
+            done: Vec::new(),
+            hedges: 0,
+            retries: 0,
+        })
+    }
+
+    pub fn node_stats(&self) -> Vec<NodeStats> {
+        self.nodes.iter().map(|n| n.stats.clone()).collect()
+    }
+
+    /// Requests submitted and not yet returned by `poll`.
+    pub fn outstanding(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Whether node `i` may take a request now; a node whose ejection has
+    /// passed takes one probe.
+    fn available(&mut self, i: usize, now: Instant) -> bool {
+        let n = &mut self.nodes[i];
+        match n.ejected_until {
+            Some(t) if now < t => false,
+            Some(_) => {
+                n.ejected_until = None;
+                n.probing = true;
+                n.outstanding == 0
+            }
+            None => !n.probing || n.outstanding == 0,
+        }
+    }
+
+    /// Power of two choices on outstanding requests, skipping `exclude`.
+    fn pick(&mut self, exclude: &[usize], now: Instant) -> Option<usize> {
+        let candidates: Vec<usize> =
+            (0..self.nodes.len()).filter(|i| !exclude.contains(i)).filter(|&i| self.available(i, now)).collect();
+        match candidates.len() {
+            0 => None,
+            1 => Some(candidates[0]),
+            k => {
+                let a = candidates[self.rng.below(k as u64) as usize];
+                let mut b = candidates[self.rng.below(k as u64 - 1) as usize];
+                if b == a {
+                    b = candidates[k - 1];
+                }
+                let (oa, ob) = (self.nodes[a].outstanding, self.nodes[b].outstanding);
+                Some(if ob < oa { b } else { a })
+            }
+        }
+    }
+
+    /// Submits `spec`; its answer comes from [`Cluster::poll`].
+    pub fn submit(&mut self, spec: &RequestSpec) -> Result<Ticket, ClusterError> {
+        if self.pending.len() >= self.config.in_flight_max {
+            return Err(ClusterError::Full(self.pending.len()));
+        }
+        let now = Instant::now();
+        let budget =
+            if spec.budget_us == 0 { self.config.timeout } else { Duration::from_micros(spec.budget_us.into()) };
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.hedge_tokens = (self.hedge_tokens + self.config.hedge_fraction).min(10.0);
+        let pending = Pending {
+            spec: spec.clone(),
+            deadline: now + budget,
+            attempts: Vec::new(),
+            hedge_at: None,
+            retried: false,
+        };
+        self.pending.insert(ticket, pending);
+        if let Err(e) = self.send_attempt(ticket, &[], now) {
+            self.pending.remove(&ticket);
+            return Err(e);
+        }
+        Ok(Ticket(ticket))
+    }
+
+    /// Sends `ticket` to a node not in `exclude`, with the budget left.
+    fn send_attempt(&mut self, ticket: u64, exclude: &[usize], now: Instant) -> Result<(), ClusterError> {
+        let mut tried: Vec<usize> = exclude.to_vec();
+        loop {
+            let node = self.pick(&tried, now).ok_or(ClusterError::NoNode)?;
+            match self.send_to(ticket, node, now) {
+                Ok(()) => return Ok(()),
+                Err(why) => {
+                    self.node_failed(node, &why, now);
+                    tried.push(node);
+                }
+            }
+        }
+    }
+
+    fn send_to(&mut self, ticket: u64, node: usize, now: Instant) -> Result<(), String> {
+        let wire_id = self.next_wire;
+        self.next_wire += 1;
+        let p = self.pending.get_mut(&ticket).expect("sending a pending request");
+        let left_us = p.deadline.saturating_duration_since(now).as_micros().max(1);
+        let mut spec = p.spec.clone();
+        spec.request_id = wire_id;
+        // The remaining budget travels with every attempt.
+        spec.budget_us = u32::try_from(left_us).unwrap_or(u32::MAX);
+        let n = &mut self.nodes[node];
+        let c = n.next_conn % n.conns.len();
+        n.next_conn += 1;
+        let conn = &mut n.conns[c];
+        if conn.stream.is_none() {
+            conn.stream = Some(connect(&n.resolved, self.config.connect_timeout).map_err(|e| format!("connect: {e}"))?);
+            conn.rbuf.clear();
+            conn.wbuf.clear();
+        }
+        self.codec.encode(&spec, &mut conn.wbuf);
+        conn.in_flight.push(wire_id);
+        flush(conn).map_err(|e| format!("write: {e}"))?;
+        n.outstanding += 1;
+        n.stats.sent += 1;
+        let p = self.pending.get_mut(&ticket).expect("as above");
+        if p.attempts.is_empty() {
+            p.hedge_at = match self.config.hedge {
+                Hedge::Off => None,
+                Hedge::After(d) => Some(now + d),
+                Hedge::NodeP95 { floor } => Some(now + p95(&n.recent_us).max(floor)),
+            };
+        }
+        p.attempts.push(Attempt { node, wire_id, sent: now });
+        self.by_wire.insert(wire_id, ticket);
+        Ok(())
+    }
+
+    /// Counts a failure of `node`; ejects it after too many in a row or a
+    /// failed probe; closes nothing (the caller does for I/O errors).
+    fn node_failed(&mut self, node: usize, why: &str, now: Instant) {
+        let n = &mut self.nodes[node];
+        n.stats.failures += 1;
+        n.failures_in_row += 1;
+        if n.probing || n.failures_in_row >= self.config.eject_failures {
+            let jitter = 0.75 + 0.5 * self.rng.unit();
+            n.ejected_until = Some(now + n.eject_for.mul_f64(jitter));
+            n.eject_for = (n.eject_for * 2).min(self.config.eject_max);
+            n.probing = false;
+            n.stats.ejections += 1;
+            tracing::debug!(node = %n.addr, why, "node ejected");
+        }
+    }
+
+    fn node_ok(&mut self, node: usize, took: Duration) {
+        let n = &mut self.nodes[node];
+        n.failures_in_row = 0;
+        if n.probing {
+            n.probing = false;
+            n.eject_for = self.config.eject_min;
+        }
+        if n.recent_us.len() == RECENT_MAX {
+            n.recent_us.pop_front();
+        }
+        n.recent_us.push_back(took.as_micros() as u64);
+    }
+
+    /// Drops connection `c` of `node` after an I/O error: its requests are
+    /// retried elsewhere or failed.
+    fn conn_failed(&mut self, node: usize, c: usize, why: String, now: Instant) {
+        let lost = {
+            let conn = &mut self.nodes[node].conns[c];
+            conn.stream = None;
+            conn.rbuf.clear();
+            conn.wbuf.clear();
+            std::mem::take(&mut conn.in_flight)
+        };
+        self.nodes[node].outstanding -= lost.len();
+        self.node_failed(node, &why, now);
+        for wire_id in lost {
+            if let Some(ticket) = self.by_wire.remove(&wire_id) {
+                self.attempt_lost(ticket, wire_id, node, &why, now);
+            }
+        }
+    }
+
+    /// An attempt ended without an answer: retry once elsewhere while
+    /// another attempt is not still out and the budget allows, else fail.
+    fn attempt_lost(&mut self, ticket: u64, wire_id: u64, node: usize, why: &str, now: Instant) {
+        let Some(p) = self.pending.get_mut(&ticket) else { return };
+        p.attempts.retain(|a| a.wire_id != wire_id);
+        if !p.attempts.is_empty() {
+            return;
+        }
+        let can_retry = !p.retried && now < p.deadline;
+        if can_retry {
+            p.retried = true;
+            self.retries += 1;
+            if self.send_attempt(ticket, &[node], now).is_ok() {
+                return;
+            }
+        }
+        self.pending.remove(&ticket);
+        let e = ClusterError::NodeFailed { node: self.nodes[node].addr.clone(), why: why.into() };
+        self.done.push((Ticket(ticket), Err(e)));
+    }
+
+    fn answered(&mut self, node: usize, c: usize, resp: Response, now: Instant) {
+        let wire_id = resp.request_id;
+        let conn = &mut self.nodes[node].conns[c];
+        let Some(at) = conn.in_flight.iter().position(|w| *w == wire_id) else {
+            self.conn_failed(node, c, format!("answer to request {wire_id}, which it was not sent"), now);
+            return;
+        };
+        conn.in_flight.swap_remove(at);
+        self.nodes[node].outstanding -= 1;
+        let Some(ticket) = self.by_wire.remove(&wire_id) else {
+            // A hedge that lost: its request was answered already.
+            return;
+        };
+        let p = self.pending.get_mut(&ticket).expect("a mapped wire id has its request");
+        let sent = p.attempts.iter().find(|a| a.wire_id == wire_id).map_or(now, |a| a.sent);
+        if resp.status == Status::Overloaded {
+            // Backed off; another attempt still out, or a retry the budget
+            // allows, answers instead.
+            self.node_failed(node, "overloaded", now);
+            let p = self.pending.get_mut(&ticket).expect("as above");
+            if p.attempts.len() > 1 || (!p.retried && now < p.deadline) {
+                self.attempt_lost(ticket, wire_id, node, "overloaded", now);
+                return;
+            }
+        } else {
+            self.node_ok(node, now - sent);
+        }
+        let p = self.pending.remove(&ticket).expect("as above");
+        for a in &p.attempts {
+            self.by_wire.remove(&a.wire_id);
+        }
+        self.nodes[node].stats.won += 1;
+        let mut resp = resp;
+        resp.request_id = p.spec.request_id;
+        self.done.push((Ticket(ticket), Ok(resp)));
+    }
+
+    /// Moves bytes for up to `wait` (returning early once something
+    /// completes) and returns the requests completed since the last call.
+    pub fn poll(&mut self, wait: Duration) -> Vec<(Ticket, Result<Response, ClusterError>)> {
+        let until = Instant::now() + wait;
+        loop {
+            let now = Instant::now();
+            self.expire_and_hedge(now);
+            if !self.done.is_empty() {
+                return std::mem::take(&mut self.done);
+            }
+            let mut fds = Vec::new();
+            let mut owners = Vec::new();
+            for (i, n) in self.nodes.iter().enumerate() {
+                for (c, conn) in n.conns.iter().enumerate() {
+                    if let Some(s) = &conn.stream {
+                        let mut events = libc::POLLIN;
+                        if !conn.wbuf.is_empty() {
+                            events |= libc::POLLOUT;
+                        }
+                        fds.push(libc::pollfd { fd: s.as_raw_fd(), events, revents: 0 });
+                        owners.push((i, c));
+                    }
+                }
+            }
+            let next_timer = self.next_timer().map_or(until, |t| t.min(until));
+            let timeout = next_timer.saturating_duration_since(now);
+            let ts = libc::timespec { tv_sec: timeout.as_secs() as _, tv_nsec: timeout.subsec_nanos() as _ };
+            // SAFETY: `fds` is a live array of `fds.len()` pollfd structs; the
+            // timeout and the (absent) signal mask are valid for the call.
+            let ready = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+            let now = Instant::now();
+            if ready > 0 {
+                for (fd, &(i, c)) in fds.iter().zip(&owners) {
+                    if fd.revents == 0 {
+                        continue;
+                    }
+                    if let Err(why) = self.service(i, c, now) {
+                        self.conn_failed(i, c, why, now);
+                    }
+                }
+            }
+            if !self.done.is_empty() || now >= until {
+                self.expire_and_hedge(now);
+                return std::mem::take(&mut self.done);
+            }
+        }
+    }
+
+    /// Reads what connection `c` of `node` has and writes what it owes.
+    fn service(&mut self, node: usize, c: usize, now: Instant) -> Result<(), String> {
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            let conn = &mut self.nodes[node].conns[c];
+            let Some(stream) = conn.stream.as_mut() else { return Ok(()) };
+            match stream.read(&mut chunk) {
+                Ok(0) => return Err("the node closed the connection".into()),
+                Ok(k) => conn.rbuf.extend_from_slice(&chunk[..k]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("read: {e}")),
+            }
+        }
+        loop {
+            let conn = &mut self.nodes[node].conns[c];
+            let decoded = self.codec.decode(&conn.rbuf).map_err(|e| e.to_string())?;
+            let Some((resp, used)) = decoded else { break };
+            conn.rbuf.drain(..used);
+            self.answered(node, c, resp, now);
+            if self.nodes[node].conns[c].stream.is_none() {
+                return Ok(());
+            }
+        }
+        flush(&mut self.nodes[node].conns[c]).map_err(|e| format!("write: {e}"))
+    }
+
+    fn next_timer(&self) -> Option<Instant> {
+        self.pending.values().map(|p| p.hedge_at.map_or(p.deadline, |h| h.min(p.deadline))).min()
+    }
+
+    /// Fails requests past their deadline and sends the hedges due.
+    fn expire_and_hedge(&mut self, now: Instant) {
+        let expired: Vec<u64> = self.pending.iter().filter(|(_, p)| now >= p.deadline).map(|(t, _)| *t).collect();
+        for t in expired {
+            let p = self.pending.remove(&t).expect("listed above");
+            for a in &p.attempts {
+                self.by_wire.remove(&a.wire_id);
+                // The node still owes the answer; it is dropped when it comes.
+                self.node_failed(a.node, "timeout", now);
+            }
+            self.done.push((Ticket(t), Err(ClusterError::Timeout)));
+        }
+        let due: Vec<u64> =
+            self.pending.iter().filter(|(_, p)| p.hedge_at.is_some_and(|h| now >= h)).map(|(t, _)| *t).collect();
+        for t in due {
+            let p = self.pending.get_mut(&t).expect("listed above");
+            p.hedge_at = None;
+            if self.hedge_tokens < 1.0 {
+                continue;
+            }
+            let exclude: Vec<usize> = p.attempts.iter().map(|a| a.node).collect();
+            let Some(node) = self.pick(&exclude, now) else { continue };
+            self.hedge_tokens -= 1.0;
+            match self.send_to(t, node, now) {
+                Ok(()) => {
+                    self.hedges += 1;
+                    self.nodes[node].stats.hedges_sent += 1;
+                }
+                Err(why) => self.node_failed(node, &why, now),
+            }
+        }
+    }
+
+    /// Submits `spec` and waits for its answer (other completions that
+    /// arrive meanwhile are kept for the next `poll`).
+    pub fn score(&mut self, spec: &RequestSpec) -> Result<Response, ClusterError> {
+        let ticket = self.submit(spec)?;
+        let mut others = Vec::new();
+        let result = loop {
+            let mut got = None;
+            for (t, r) in self.poll(Duration::from_millis(50)) {
+                if t == ticket {
+                    got = Some(r);
+                } else {
+                    others.push((t, r));
+                }
+            }
+            if let Some(r) = got {
+                break r;
+            }
+        };
+        self.done.extend(others);
+        result
+    }
+}
+
+/// The p95 of `recent` (µs), or zero without enough samples.
+fn p95(recent: &VecDeque<u64>) -> Duration {
+    if recent.len() < RECENT_MIN_FOR_P95 {
+        return Duration::ZERO;
+    }
+    let mut v: Vec<u64> = recent.iter().copied().collect();
+    let k = (v.len() * 95).div_ceil(100) - 1;
+    let (_, p, _) = v.select_nth_unstable(k);
+    Duration::from_micros(*p)
+}
+
+fn connect(addrs: &[SocketAddr], timeout: Duration) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(ErrorKind::NotFound, "the address did not resolve");
+    for a in addrs {
+        match TcpStream::connect_timeout(a, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Writes what the socket takes now; the rest waits for POLLOUT.
+fn flush(conn: &mut Conn) -> std::io::Result<()> {
+    let Some(stream) = conn.stream.as_mut() else { return Ok(()) };
+    while !conn.wbuf.is_empty() {
+        match stream.write(&conn.wbuf) {
+            Ok(0) => return Err(std::io::Error::new(ErrorKind::WriteZero, "wrote nothing")),
+            Ok(k) => {
+                conn.wbuf.drain(..k);
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_p95_needs_samples_and_takes_the_high_tail() {
+        let mut r: VecDeque<u64> = (1..=10).collect();
+        assert_eq!(p95(&r), Duration::ZERO);
+        r = (1..=100).collect();
+        assert_eq!(p95(&r), Duration::from_micros(95));
+    }
+
+    #[test]
+    fn no_nodes_and_unreachable_nodes_are_errors_not_hangs() {
+        assert!(matches!(Cluster::new(&[], ClusterConfig::default()), Err(ClusterError::NoNode)));
+        // A port nothing listens on (bound, then dropped).
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        let mut c = Cluster::new(&[addr], ClusterConfig::default()).unwrap();
+        let spec = RequestSpec { item_ids: vec![1], budget_us: 50_000, ..RequestSpec::default() };
+        assert!(matches!(c.score(&spec), Err(ClusterError::NoNode)));
+    }
+}
