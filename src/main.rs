@@ -245,8 +245,20 @@ struct ScoreArgs {
 
 #[derive(clap::Args)]
 struct BenchArgs {
+    /// One node, or several (`a:7411,b:7411,c:7411`): then through the
+    /// multi-node client (balancing, failover, hedges), reported per node.
     #[arg(long, default_value = "127.0.0.1:7411")]
     addr: String,
+    /// With several nodes: hedge a request unanswered after this long.
+    #[arg(long, conflicts_with = "hedge_p95")]
+    hedge_after_us: Option<u64>,
+    /// With several nodes: hedge after the first node's recent p95 (at
+    /// least 100 µs).
+    #[arg(long)]
+    hedge_p95: bool,
+    /// Hedges as a fraction of requests, at most.
+    #[arg(long, default_value_t = 0.05)]
+    hedge_fraction: f64,
     /// What to send: Quiver scoring requests, or Redis GETs of values the
     /// bench writes first (the outside floor, by the same generator).
     #[arg(long, value_enum, default_value = "quiver")]
@@ -725,8 +737,19 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     if args.redis_value_bytes > loadgen::resp::VALUE_BYTES_MAX {
         return Err(Error::Setup(format!("--redis-value-bytes: at most {}", loadgen::resp::VALUE_BYTES_MAX)));
     }
+    let addrs: Vec<String> = args.addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect();
+    let multi = addrs.len() > 1;
+    if !multi && (args.hedge_after_us.is_some() || args.hedge_p95) {
+        return Err(Error::Setup("hedging needs several nodes: --addr a:7411,b:7411".into()));
+    }
+    if !(0.0..=1.0).contains(&args.hedge_fraction) {
+        return Err(Error::Setup("--hedge-fraction must be within 0..=1".into()));
+    }
+    if multi && (args.sweep.is_some() || args.tls.settings().is_some() || args.protocol != loadgen::Protocol::Quiver) {
+        return Err(Error::Setup("several nodes take plain Quiver load: no --sweep, --tls or --protocol redis".into()));
+    }
     let opts = BenchOptions {
-        addr: args.addr,
+        addr: args.addr.clone(),
         protocol: args.protocol,
         redis_value_bytes: args.redis_value_bytes,
         duration: args.duration,
@@ -756,6 +779,21 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         }
         Ok(())
     };
+    if multi {
+        let hedge = match (args.hedge_after_us, args.hedge_p95) {
+            (Some(us), _) => quiver::cluster::Hedge::After(Duration::from_micros(us)),
+            (None, true) => quiver::cluster::Hedge::NodeP95 { floor: Duration::from_micros(100) },
+            (None, false) => quiver::cluster::Hedge::Off,
+        };
+        let nodes = loadgen::nodes::NodesOptions { addrs, hedge, hedge_fraction: args.hedge_fraction };
+        let report = loadgen::nodes::run(&opts, &nodes).map_err(|e| Error::Setup(e.to_string()))?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report).expect("report serialises"));
+        } else {
+            print!("{report}");
+        }
+        return Ok(if report.received > 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+    }
     let Some(sweep) = &args.sweep else {
         let (report, rec) = loadgen::run_recorded(&opts);
         write_files(&rec)?;

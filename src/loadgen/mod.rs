@@ -38,6 +38,7 @@ use crate::client::Codec;
 use crate::demo::{SplitMix64, Workload};
 use crate::wire::{status_name, tier_name, RequestSpec, Status};
 
+pub mod nodes;
 pub mod resp;
 mod transport;
 

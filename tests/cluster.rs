@@ -1,0 +1,165 @@
+//! The multi-node client (`quiver::cluster`) against three real server
+//! processes on 127.0.0.1: healthy nodes share the traffic, a node killed
+//! with SIGKILL mid-run loses no request whose budget allowed a retry, a
+//! node answering `Overloaded` is backed off, and a node made slow (its
+//! inference stage delayed through the fault hook) gets less traffic while
+//! hedges answer for it, within the hedge budget.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{demo_request, http_post, scratch, Server};
+use quiver::cluster::{Cluster, ClusterConfig, Hedge, NodeStats};
+use quiver::wire::{Response, Status};
+
+/// The tests run one at a time: each starts three servers, and the spread
+/// they measure depends on the nodes being equally fast.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn nodes(extra: &[&str]) -> Vec<Server> {
+    (0..3).map(|_| Server::start(&[&["--shards", "1"], extra].concat())).collect()
+}
+
+/// Sends `n` demo requests with at most `window` outstanding, calling
+/// `between(done)` after each completion; returns every result in order of
+/// completion.
+fn drive(
+    c: &mut Cluster,
+    n: u64,
+    window: usize,
+    mut between: impl FnMut(u64),
+) -> Vec<Result<Response, quiver::cluster::ClusterError>> {
+    let (mut sent, mut out) = (0u64, Vec::new());
+    let until = Instant::now() + Duration::from_secs(60);
+    while (out.len() as u64) < n {
+        while sent < n && c.outstanding() < window {
+            sent += 1;
+            c.submit(&demo_request(sent, sent % 100_000, (0..8).map(|k| (sent + k) % 10_000).collect())).unwrap();
+        }
+        for (_, r) in c.poll(Duration::from_millis(20)) {
+            out.push(r);
+            between(out.len() as u64);
+        }
+        assert!(Instant::now() < until, "{} of {n} answered in 60 s", out.len());
+    }
+    out
+}
+
+fn addrs(servers: &[Server]) -> Vec<String> {
+    servers.iter().map(|s| s.addr.clone()).collect()
+}
+
+fn won(stats: &[NodeStats]) -> Vec<u64> {
+    stats.iter().map(|s| s.won).collect()
+}
+
+#[test]
+fn healthy_nodes_share_the_traffic_within_ten_percent() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let servers = nodes(&[]);
+    let mut c = Cluster::new(&addrs(&servers), ClusterConfig::default()).unwrap();
+    let results = drive(&mut c, 3_000, 24, |_| {});
+    assert!(results.iter().all(|r| r.as_ref().is_ok_and(|r| r.status == Status::Ok && r.scores.len() == 8)));
+    let w = won(&c.node_stats());
+    for n in &w {
+        assert!((900..=1100).contains(n), "spread {w:?}");
+    }
+}
+
+#[test]
+fn a_node_killed_mid_run_loses_no_request_that_could_be_retried() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut servers = nodes(&[]);
+    let mut c = Cluster::new(&addrs(&servers), ClusterConfig::default()).unwrap();
+    let mut victim = Some(servers.remove(1));
+    let results = drive(&mut c, 3_000, 24, |done| {
+        if done == 1_000 {
+            let mut s = victim.take().unwrap();
+            s.child.kill().unwrap();
+            s.child.wait().unwrap();
+        }
+    });
+    let failed: Vec<_> = results.iter().filter(|r| !r.as_ref().is_ok_and(|r| r.status == Status::Ok)).collect();
+    assert!(failed.is_empty(), "{} failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
+    let stats = c.node_stats();
+    assert!(stats[1].failures > 0 && stats[1].ejections > 0, "{stats:?}");
+    assert!(c.retries > 0, "the killed node's in-flight requests were retried");
+    // After the kill the other two took the rest.
+    assert!(stats[0].won + stats[2].won >= 2_000, "{stats:?}");
+}
+
+#[test]
+fn a_node_answering_overloaded_is_backed_off() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let servers = nodes(&[]);
+    assert_eq!(http_post(&format!("http://{}/drain", servers[0].admin)).0, 200);
+    let mut c = Cluster::new(&addrs(&servers), ClusterConfig::default()).unwrap();
+    let results = drive(&mut c, 2_000, 16, |_| {});
+    assert!(
+        results.iter().all(|r| r.as_ref().is_ok_and(|r| r.status == Status::Ok)),
+        "every request retried elsewhere"
+    );
+    let stats = c.node_stats();
+    assert_eq!(stats[0].won, 0, "{stats:?}");
+    assert!(stats[0].ejections > 0, "{stats:?}");
+    // Ejected with a doubling back-off, it sees a few probes, not a third.
+    assert!(stats[0].sent < 200, "the drained node was sent {} of 2,000", stats[0].sent);
+}
+
+#[test]
+fn a_slow_node_gets_less_traffic_and_hedges_answer_for_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = scratch("cluster-slow").join("q.toml");
+    std::fs::write(&cfg, "inference = \"thread\"\nfaults_endpoint = true\n").unwrap();
+    let servers = nodes(&["--config", cfg.to_str().unwrap()]);
+    assert_eq!(http_post(&format!("http://{}/faults?stage_delay_us=20000", servers[2].admin)).0, 200);
+    let config = ClusterConfig { hedge: Hedge::After(Duration::from_millis(5)), ..ClusterConfig::default() };
+    let mut c = Cluster::new(&addrs(&servers), config).unwrap();
+    let n = 2_000;
+    let results = drive(&mut c, n, 8, |_| {});
+    assert!(results.iter().all(|r| r.as_ref().is_ok_and(|r| r.status == Status::Ok)));
+    let stats = c.node_stats();
+    let w = won(&stats);
+    assert!(w[2] * 4 < w[0].min(w[1]), "the slow node answered {w:?}");
+    assert!(c.hedges > 0, "requests stuck on the slow node were hedged");
+    // The budget: 5% of requests, plus the bucket's start.
+    assert!(c.hedges as f64 <= 0.05 * n as f64 + 11.0, "{} hedges for {n} requests", c.hedges);
+    let hedge_wins: u64 = stats[..2].iter().map(|s| s.hedges_sent).sum();
+    assert!(hedge_wins > 0, "{stats:?}");
+}
+
+#[test]
+fn quiver_bench_over_several_nodes_reports_each_node_and_the_hedge_rate() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let servers = nodes(&[]);
+    let list = addrs(&servers).join(",");
+    let (code, out, err) = common::run_quiver([
+        "bench",
+        "--addr",
+        &list,
+        "--rate",
+        "2000",
+        "--duration",
+        "1s",
+        "--hedge-after-us",
+        "2000",
+        "--budget-us",
+        "100000",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["mode"], "open loop");
+    assert_eq!(r["received"], r["sent"], "{r}");
+    assert!(r["sent"].as_u64().unwrap() >= 1_800, "{r}");
+    let nodes = r["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 3);
+    assert!(nodes.iter().all(|n| n["won"].as_u64().unwrap() > 300), "{r}");
+    assert!(r["hedge_rate"].as_f64().unwrap() <= 0.06, "{r}");
+    assert!(r["latency"]["p99_us"].as_u64().unwrap() > 0);
+    // Hedging needs more than one node.
+    let (code, _, err) = common::run_quiver(["bench", "--addr", &servers[0].addr, "--hedge-after-us", "100"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("several nodes"), "{err}");
+}
