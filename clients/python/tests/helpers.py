@@ -78,7 +78,12 @@ def thread_batch():
         reqs.append(demo_request(i, request_id=rid))
         good[rid] = i
         if i % 4 == 3:
-            reqs.append(Request(user_id=i, item_ids=[1, 2], model="no-such-model", request_id=rid + 1))
+            # The demo requests' budget: with the default (10 ms) a VM pause
+            # while 1,000 frames queue answered DeadlineExceeded before the
+            # model lookup (seen in CI under load).
+            reqs.append(
+                Request(user_id=i, item_ids=[1, 2], model="no-such-model", request_id=rid + 1, budget_us=BIG_BUDGET_US)
+            )
     return reqs, good
 
 
