@@ -431,3 +431,80 @@ fn an_onnxruntime_model_is_the_fallback_rung_and_its_scores_are_cached() {
         assert_eq!(bits(&resp.scores), bits(&f.want[3 * candidates..][..candidates]));
     }
 }
+
+/// An onnxruntime version as the shadow of a native one: the torch_bn_mlp
+/// graph served natively as version 1 and through onnxruntime as version 2
+/// (the same network): every request is shadowed, the shadow's scores agree
+/// with the served ones, and the served answer stays version 1's.
+#[test]
+fn an_onnxruntime_version_shadows_a_native_one() {
+    use quiver::wire::Tier;
+    let Some(lib) = library() else { return };
+    let dir = scratch("ort-shadow");
+    let (fixtures_, candidates) = refused();
+    let models = serve_fixtures(&dir, &fixtures_, candidates, &lib);
+    let z = zoo().into_iter().find(|z| z.name == "torch_bn_mlp").unwrap();
+    for (version, flag) in [("1", "--keep-onnx"), ("2", "--onnxruntime")] {
+        let at = models.join("torch_bn_mlp").join(version);
+        std::fs::create_dir_all(&at).unwrap();
+        let (code, _, err) = run_quiver([
+            "import",
+            "--onnx",
+            z.file.to_str().unwrap(),
+            "--out",
+            at.join("model.qm").to_str().unwrap(),
+            "--name",
+            "torch_bn_mlp",
+            "--version",
+            version,
+            "--inputs",
+            &z.inputs,
+            flag,
+        ]);
+        assert_eq!(code, 0, "{err}");
+    }
+    let server = Server::start_with(
+        &dir,
+        &[
+            "--shards",
+            "1",
+            "--backend",
+            "f32",
+            "--models-dir",
+            models.to_str().unwrap(),
+            "--onnxruntime-lib",
+            lib.to_str().unwrap(),
+        ],
+    );
+    let admin = &server.admin;
+    assert_eq!(common::http_post(&format!("http://{admin}/models/torch_bn_mlp/load?version=1")).0, 200);
+    assert_eq!(common::http_post(&format!("http://{admin}/models/torch_bn_mlp/shadow?version=2&fraction=1")).0, 200);
+    let mut c = server.client();
+    let f = &fixtures_[fixtures_.iter().position(|f| f.name == "relu6_mlp").unwrap()];
+    let base = (fixtures_.iter().position(|f| f.name == "relu6_mlp").unwrap() * 10_000) as u64;
+    for r in 0..32usize {
+        let spec = RequestSpec {
+            request_id: r as u64,
+            budget_us: 1_000_000,
+            model: "torch_bn_mlp".into(),
+            user_id: base + r as u64,
+            item_ids: (0..candidates).map(|k| base + (r * candidates + k) as u64).collect(),
+            context: f.x[r * candidates * f.dim..][16..20].to_vec(),
+            ..RequestSpec::default()
+        };
+        let resp = c.score(&spec).unwrap();
+        assert_eq!((resp.status, resp.tier, resp.model_version), (Status::Ok, Tier::Primary, 1), "{resp:?}");
+    }
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let stats = loop {
+        let s = server.stats();
+        if s.shadow_requests >= 32 {
+            break s;
+        }
+        assert!(std::time::Instant::now() < until, "{s:?}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(stats.shadow_requests, 32);
+    assert!(stats.shadow_mean_abs_diff < 1e-5, "native f32 and onnxruntime disagree: {stats:?}");
+    assert_eq!(stats.backend_by_version.get("torch_bn_mlp@1").map(String::as_str), Some("cpu-f32"), "{stats:?}");
+}
