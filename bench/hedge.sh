@@ -51,20 +51,22 @@ done
 list="$(IFS=,; echo "${addrs[*]}")"
 slow() { curl -fsS -X POST "http://${admins[2]}/faults?stage_delay_us=$1" >/dev/null; }
 gen() {
-    taskset -c "$GEN_CORE" "$bin" bench --addr "$list" --rate "$RATE" --duration "$DURATION" \
+    local duration="$1"
+    shift
+    taskset -c "$GEN_CORE" "$bin" bench --addr "$list" --rate "$RATE" --duration "$duration" \
         --budget-us "$BUDGET_US" --connections 1 --json "$@"
 }
-gen --duration 1s >/dev/null   # warm up
+gen 1s >/dev/null   # warm up
 
 SETTINGS=(healthy slow-off slow-after slow-p95)
 for r in $(seq "$REPEATS"); do
     for s in "${SETTINGS[@]}"; do
         echo "== repeat $r: $s"
         case "$s" in
-            healthy) slow 0; gen >"$data/$s-$r.json" ;;
-            slow-off) slow "$SLOW_US"; gen >"$data/$s-$r.json" ;;
-            slow-after) slow "$SLOW_US"; gen --hedge-after-us "$HEDGE_AFTER_US" >"$data/$s-$r.json" ;;
-            slow-p95) slow "$SLOW_US"; gen --hedge-p95 >"$data/$s-$r.json" ;;
+            healthy) slow 0; gen "$DURATION" >"$data/$s-$r.json" ;;
+            slow-off) slow "$SLOW_US"; gen "$DURATION" >"$data/$s-$r.json" ;;
+            slow-after) slow "$SLOW_US"; gen "$DURATION" --hedge-after-us "$HEDGE_AFTER_US" >"$data/$s-$r.json" ;;
+            slow-p95) slow "$SLOW_US"; gen "$DURATION" --hedge-p95 >"$data/$s-$r.json" ;;
         esac
     done
 done
