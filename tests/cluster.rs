@@ -67,7 +67,7 @@ fn healthy_nodes_share_the_traffic_within_ten_percent() {
     // share of this VM's two cores shows: the last one started answers
     // measurably slower (it stays the slow one when the list is reversed),
     // accumulates outstanding requests, and the balancer rightly sends it
-    // less (7-19% less at 6 to 24 outstanding).
+    // less (7-25% less at 6 to 24 outstanding).
     let results = drive(&mut c, 3_000, 3, |_| {});
     assert!(results.iter().all(|r| r.as_ref().is_ok_and(|r| r.status == Status::Ok && r.scores.len() == 8)));
     let w = won(&c.node_stats());
