@@ -353,6 +353,30 @@ fn a_missing_library_is_a_typed_error_and_the_ladder_answers() {
 /// (thread mode) whose stage is made slow steps down to an onnxruntime
 /// fallback, which answers in time with onnxruntime's scores; with the cache
 /// answering first, an onnxruntime primary's scores come back cached.
+/// `quiver import` of the zoo's torch_bn_mlp (inputs user 8, item 8,
+/// context 4) as `models/torch_bn_mlp/<version>`, with `extra` flags.
+fn import_torch_bn_mlp(models: &Path, version: &str, extra: &[&str]) {
+    let z = zoo().into_iter().find(|z| z.name == "torch_bn_mlp").unwrap();
+    let at = models.join("torch_bn_mlp").join(version);
+    std::fs::create_dir_all(&at).unwrap();
+    let out = at.join("model.qm");
+    let args = [
+        "import",
+        "--onnx",
+        z.file.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--name",
+        "torch_bn_mlp",
+        "--version",
+        version,
+        "--inputs",
+        &z.inputs,
+    ];
+    let (code, _, err) = run_quiver(args.iter().copied().chain(extra.iter().copied()));
+    assert_eq!(code, 0, "{err}");
+}
+
 #[test]
 fn an_onnxruntime_model_is_the_fallback_rung_and_its_scores_are_cached() {
     use quiver::wire::Tier;
@@ -364,22 +388,7 @@ fn an_onnxruntime_model_is_the_fallback_rung_and_its_scores_are_cached() {
     let f = &fixtures_[relu6];
     let fallback = models.join("relu6_mlp/1/model.qm");
     // A native primary reading the same inputs (user 8, item 8, context 4).
-    let z = zoo().into_iter().find(|z| z.name == "torch_bn_mlp").unwrap();
-    std::fs::create_dir_all(models.join("torch_bn_mlp/1")).unwrap();
-    let (code, _, err) = run_quiver([
-        "import",
-        "--onnx",
-        z.file.to_str().unwrap(),
-        "--out",
-        models.join("torch_bn_mlp/1/model.qm").to_str().unwrap(),
-        "--name",
-        "torch_bn_mlp",
-        "--version",
-        "1",
-        "--inputs",
-        &z.inputs,
-    ]);
-    assert_eq!(code, 0, "{err}");
+    import_torch_bn_mlp(&models, "1", &[]);
     let spec = |r: usize, model: &str| {
         let base = (relu6 * 10_000) as u64;
         let first = &f.x[r * candidates * f.dim..][..f.dim];
@@ -443,26 +452,8 @@ fn an_onnxruntime_version_shadows_a_native_one() {
     let dir = scratch("ort-shadow");
     let (fixtures_, candidates) = refused();
     let models = serve_fixtures(&dir, &fixtures_, candidates, &lib);
-    let z = zoo().into_iter().find(|z| z.name == "torch_bn_mlp").unwrap();
-    for (version, flag) in [("1", "--keep-onnx"), ("2", "--onnxruntime")] {
-        let at = models.join("torch_bn_mlp").join(version);
-        std::fs::create_dir_all(&at).unwrap();
-        let (code, _, err) = run_quiver([
-            "import",
-            "--onnx",
-            z.file.to_str().unwrap(),
-            "--out",
-            at.join("model.qm").to_str().unwrap(),
-            "--name",
-            "torch_bn_mlp",
-            "--version",
-            version,
-            "--inputs",
-            &z.inputs,
-            flag,
-        ]);
-        assert_eq!(code, 0, "{err}");
-    }
+    import_torch_bn_mlp(&models, "1", &["--keep-onnx"]);
+    import_torch_bn_mlp(&models, "2", &["--onnxruntime"]);
     let server = Server::start_with(
         &dir,
         &[

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 use ort::environment::Environment;
 use ort::session::{Session, SessionInputValue};
-use ort::value::{TensorElementType, TensorRef, ValueType};
+use ort::value::{Shape, TensorElementType, TensorRef, ValueType};
 
 use super::{Backend, BackendError};
 use crate::model::{Model, OnnxElement, OnnxGraph};
@@ -219,8 +219,9 @@ impl OrtBackend {
         let mut values: Vec<(Cow<'_, str>, SessionInputValue<'_>)> = Vec::with_capacity(self.inputs.len());
         for input in &self.inputs {
             let n = rows * input.width;
-            let shape: Vec<i64> =
-                if input.rank == 1 { vec![rows as i64] } else { vec![rows as i64, input.width as i64] };
+            // A `Shape` keeps up to four dimensions inline: no allocation.
+            let dims = [rows as i64, input.width as i64];
+            let shape = Shape::new(dims.into_iter().take(usize::from(input.rank)));
             let value: SessionInputValue<'_> = match &input.staged {
                 Staged::InPlace => TensorRef::from_array_view((shape, x)).map_err(ort_error)?.into(),
                 Staged::F32(buf) => TensorRef::from_array_view((shape, &buf[..n])).map_err(ort_error)?.into(),
