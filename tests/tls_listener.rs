@@ -179,7 +179,9 @@ fn mutual_tls_admits_only_clients_the_ca_signed() {
     // a refusal may surface at the first request rather than at connect.
     assert!(score(&trusting(&pki, "ca.crt")).is_err(), "no client certificate");
     assert!(score(&with("stranger.crt", "stranger.key")).is_err(), "a certificate another CA signed");
-    let s = stats_until(&server, |s| s.tls_handshake_failures >= 2);
+    // Each shard publishes on its own period, and SO_REUSEPORT may have put
+    // the accepted connection and the refused ones on different shards.
+    let s = stats_until(&server, |s| s.tls_handshakes >= 1 && s.tls_handshake_failures >= 2);
     assert_eq!(s.tls_handshakes, 1);
     assert!(s.tls_handshake_failures >= 2, "{}", s.tls_handshake_failures);
 }
