@@ -250,7 +250,9 @@ fn import_with_calibration_stores_ranges_and_the_score_histogram() {
     assert!(stdout.contains("calibration: 16384 rows, max-abs"), "{stdout}");
     assert!(stdout.contains("int8 vs f32 on the calibration set: static max |score diff|"), "{stdout}");
     assert!(stdout.contains("int8 activations: "), "{stdout}");
-    assert!(stdout.contains("layer 0: static range 4.5610; median row range"), "{stdout}");
+    let layer0 = stdout.lines().find(|l| l.contains("layer 0: runs ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(layer0.contains("static range 4.5610; median row range"), "{layer0}");
+    assert!(layer0.contains("% static, ") && layer0.contains("% dynamic (relative RMS)"), "{layer0}");
     let m = Model::load(&out).unwrap();
     let c = m.calibration.as_ref().expect("calibrated");
     assert_eq!((c.rows, c.input_ranges.len()), (16384, 3));

@@ -347,6 +347,71 @@ pub fn median_row_ranges(model: &Model, set: &Matrix) -> Vec<f32> {
         .collect()
 }
 
+/// Rows of the set that [`input_quantization_errors`] reads, at most: the
+/// first ones, enough for a stable figure at a bounded cost.
+const LAYER_ERROR_ROWS_MAX: usize = 4096;
+
+/// How much a layer's pre-activation output moves when only its input is
+/// quantized to INT8, the rest in f32: relative RMS error over the rows,
+/// `sqrt(Σ |W(x̂ − x)|² / Σ |Wx + b|²)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerError {
+    /// `x̂` on the layer's calibrated (static) step.
+    pub static_rel: f32,
+    /// `x̂` on each row's own step (dynamic).
+    pub dynamic_rel: f32,
+}
+
+/// Per layer of a calibrated plain MLP, what quantizing its input costs on
+/// its output, static against dynamic, over (the first rows of) `set`, with
+/// every layer's input taken from the f32 forward pass, so each figure is
+/// that layer's alone. Empty for a graph model or an uncalibrated one. It
+/// says which layer a static scale hurts, where the score errors only say
+/// that one does.
+pub fn input_quantization_errors(model: &Model, set: &Matrix) -> Vec<LayerError> {
+    let Some(c) = model.calibration.as_ref() else { return Vec::new() };
+    if model.graph.is_some() || set.cols != model.input_dim() || c.input_ranges.len() != model.layers.len() {
+        return Vec::new();
+    }
+    let quantized = |x: &[f32], step: f32, out: &mut Vec<f32>| {
+        out.clear();
+        out.extend(x.iter().map(|v| {
+            if step > 0.0 {
+                (v / step).round_ties_even().clamp(-127.0, 127.0) * step
+            } else {
+                0.0
+            }
+        }));
+    };
+    let n = model.layers.len();
+    let (mut err_static, mut err_dynamic, mut norm) = (vec![0.0f64; n], vec![0.0f64; n], vec![0.0f64; n]);
+    let (mut act, mut next, mut xs, mut xd) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for r in 0..set.rows.min(LAYER_ERROR_ROWS_MAX) {
+        forward_visiting(model, set.row(r), &mut act, &mut next, |i, x| {
+            let l = &model.layers[i];
+            quantized(x, c.input_ranges[i] / 127.0, &mut xs);
+            quantized(x, x.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0, &mut xd);
+            for o in 0..l.out_dim {
+                let w = &l.weights_f32[o * l.in_dim..(o + 1) * l.in_dim];
+                let (mut y, mut ds, mut dd) = (f64::from(l.bias[o]), 0.0f64, 0.0f64);
+                for k in 0..l.in_dim {
+                    let wk = f64::from(w[k]);
+                    y += wk * f64::from(x[k]);
+                    ds += wk * f64::from(xs[k] - x[k]);
+                    dd += wk * f64::from(xd[k] - x[k]);
+                }
+                norm[i] += y * y;
+                err_static[i] += ds * ds;
+                err_dynamic[i] += dd * dd;
+            }
+        });
+    }
+    let rel = |e: f64, n: f64| if n > 0.0 { (e / n).sqrt() as f32 } else { 0.0 };
+    (0..n)
+        .map(|i| LayerError { static_rel: rel(err_static[i], norm[i]), dynamic_rel: rel(err_dynamic[i], norm[i]) })
+        .collect()
+}
+
 /// A graph model's calibration: the score histogram and context moments,
 /// the drift baselines; its INT8 path stays dynamic (no static ranges).
 fn calibrate_graph(model: &Model, set: &Matrix, mut progress: impl FnMut(usize, usize)) -> Calibration {
@@ -570,6 +635,31 @@ mod tests {
         // Both columns are context inputs: their moments are stored.
         let c = calibrate(&model(), &set(&[1.0, 10.0, 3.0, 10.0]), Method::MaxAbs, |_, _| {}).unwrap();
         assert_eq!((c.input_means, c.input_variances), (vec![2.0, 10.0], vec![1.0, 0.0]));
+    }
+
+    #[test]
+    fn a_layer_whose_static_range_an_outlier_set_loses_more_than_dynamic() {
+        // Rows of small values and one outlier row: max-abs makes the static
+        // step a hundred times a typical row's, so static costs more on
+        // every layer; the outlier row itself is exact either way.
+        let mut values: Vec<f32> = (0..400).flat_map(|i| [0.3 + i as f32 / 997.0, 0.2 - i as f32 / 1511.0]).collect();
+        values[0] = 100.0;
+        let mut m = model();
+        let set = set(&values);
+        assert!(input_quantization_errors(&m, &set).is_empty(), "uncalibrated");
+        m.calibration = Some(calibrate(&m, &set, Method::MaxAbs, |_, _| {}).unwrap());
+        let e = input_quantization_errors(&m, &set);
+        assert_eq!(e.len(), 2);
+        for l in &e {
+            assert!(l.static_rel > 10.0 * l.dynamic_rel && l.dynamic_rel > 0.0, "{e:?}");
+            assert!(l.static_rel < 1.0, "{e:?}");
+        }
+        // Ranges that are each row's own: static and dynamic agree.
+        let same = Matrix { rows: 1, cols: 2, data: vec![0.7, -0.35] };
+        m.calibration = Some(calibrate(&m, &same, Method::MaxAbs, |_, _| {}).unwrap());
+        for l in input_quantization_errors(&m, &same) {
+            assert!((l.static_rel - l.dynamic_rel).abs() < 1e-7, "{l:?}");
+        }
     }
 
     #[test]

@@ -101,11 +101,19 @@ pub fn calibrate(
         measured(c.dynamic_error),
     );
     let typical = crate::model::calibrate::median_row_ranges(model, set);
-    for (i, (r, m)) in c.input_ranges.iter().zip(&typical).enumerate() {
+    let errors = crate::model::calibrate::input_quantization_errors(model, set);
+    let short = match c.activations {
+        ActivationScales::Static => "static",
+        ActivationScales::Dynamic => "dynamic",
+    };
+    for (i, ((r, m), e)) in c.input_ranges.iter().zip(&typical).zip(&errors).enumerate() {
         let coarser = if *m > 0.0 { format!("{:.2}x", r / m) } else { "n/a".into() };
         report.push_str(&format!(
-            "\n  layer {i}: static range {r:.4}; median row range {m:.4}: the static step is {coarser} a typical \
-             row's dynamic step"
+            "\n  layer {i}: runs {short}; static range {r:.4}; median row range {m:.4}: the static step is {coarser} \
+             a typical row's dynamic step; its input quantized moves its output by {:.3}% static, {:.3}% dynamic \
+             (relative RMS)",
+            100.0 * e.static_rel,
+            100.0 * e.dynamic_rel
         ));
     }
     if also_fp8 {
