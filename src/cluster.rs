@@ -4,9 +4,17 @@
 //!
 //! Nodes are stateless apart from their replicas, so any node can answer any
 //! request, and scoring is read-only, so sending a request twice is safe.
-//! [`Cluster::submit`] picks a node by the power of two choices on
-//! outstanding requests (a slow node accumulates them and is picked less),
-//! among nodes not ejected; [`Cluster::poll`] moves bytes and hands back
+//! [`Cluster::submit`] picks a node by the power of two choices among nodes
+//! not ejected: of the two drawn, the one with fewer outstanding requests,
+//! unless one node's recent latency is more than twice the other's, when
+//! the lower (outstanding + 1) × latency wins. Outstanding requests alone
+//! let a slow node that happens to be idle win every tie, which at light
+//! load is most picks; the factor of two keeps small differences between
+//! healthy nodes from skewing the spread. A node's latency estimate is
+//! the median of its last 16 answers (after 5), so one answer caught in a
+//! pause does not shun a healthy node; it is forgotten after
+//! [`LATENCY_MEMORY`] without an answer, so a slow node that recovered is
+//! tried again. [`Cluster::poll`] moves bytes and hands back
 //! completed requests. A node's health comes from its answers: a connection
 //! error, a timeout or `Overloaded` is a failure, and `eject_failures`
 //! failures in a row eject it for a back-off that doubles (capped, with
@@ -107,6 +115,9 @@ pub struct NodeStats {
     pub failures: u64,
     pub ejections: u64,
     pub hedges_sent: u64,
+    /// The latency estimate the balancer used last (µs; the median of
+    /// recent answers), 0 before it had enough.
+    pub latency_us: u64,
 }
 
 struct Conn {
@@ -130,7 +141,24 @@ struct Node {
     probing: bool,
     /// Recent answer times (µs), for the p95 hedge delay.
     recent_us: VecDeque<u64>,
+    /// The median of the last [`LATENCY_SAMPLES`] answer times (µs), once
+    /// there are [`LATENCY_SAMPLES_MIN`], and when the last answer came.
+    latency_median_us: Option<f64>,
+    last_answer: Option<Instant>,
     stats: NodeStats,
+}
+
+impl Node {
+    /// The node's recent latency (µs), if it answered within
+    /// [`LATENCY_MEMORY`].
+    fn latency_us(&self, now: Instant) -> Option<f64> {
+        let at = self.last_answer?;
+        if now.saturating_duration_since(at) < LATENCY_MEMORY {
+            self.latency_median_us
+        } else {
+            None
+        }
+    }
 }
 
 /// One send of a request to a node.
@@ -152,6 +180,19 @@ struct Pending {
 const RECENT_MAX: usize = 256;
 const RECENT_MIN_FOR_P95: usize = 20;
 
+/// How long a latency estimate stands without a new answer. A node that is
+/// shunned as slow gets no answers to update it; once this passes it
+/// competes on outstanding requests alone until one comes back.
+pub const LATENCY_MEMORY: Duration = Duration::from_secs(1);
+/// Latencies within this factor of each other count as alike.
+const LATENCY_ALIKE_FACTOR: f64 = 2.0;
+/// The estimate is the median of this many recent answers, not an average:
+/// one answer caught in a pause (a few ms on a VM, at its p99.9) must not
+/// shun a healthy node for [`LATENCY_MEMORY`]; a node slow on every answer
+/// is shunned after [`LATENCY_SAMPLES_MIN`] of them.
+const LATENCY_SAMPLES: usize = 16;
+const LATENCY_SAMPLES_MIN: usize = 5;
+
 pub struct Cluster {
     config: ClusterConfig,
     nodes: Vec<Node>,
@@ -165,6 +206,8 @@ pub struct Cluster {
     rng: SplitMix64,
     done: Vec<(Ticket, Result<Response, ClusterError>)>,
     pub hedges: u64,
+    /// Hedges that were due but found the hedge budget spent.
+    pub hedges_denied: u64,
     pub retries: u64,
 }
 
@@ -190,6 +233,8 @@ impl Cluster {
                 eject_for: config.eject_min,
                 probing: false,
                 recent_us: VecDeque::with_capacity(RECENT_MAX),
+                latency_median_us: None,
+                last_answer: None,
                 stats: NodeStats { addr: a.clone(), ..NodeStats::default() },
             })
             .collect();
@@ -205,12 +250,16 @@ impl Cluster {
             codec: Codec::default(),
             done: Vec::new(),
             hedges: 0,
+            hedges_denied: 0,
             retries: 0,
         })
     }
 
     pub fn node_stats(&self) -> Vec<NodeStats> {
-        self.nodes.iter().map(|n| n.stats.clone()).collect()
+        self.nodes
+            .iter()
+            .map(|n| NodeStats { latency_us: n.latency_median_us.map_or(0, |l| l.round() as u64), ..n.stats.clone() })
+            .collect()
     }
 
     /// Requests submitted and not yet returned by `poll`.
@@ -233,7 +282,7 @@ impl Cluster {
         }
     }
 
-    /// Power of two choices on outstanding requests, skipping `exclude`.
+    /// Power of two choices (see the module header), skipping `exclude`.
     fn pick(&mut self, exclude: &[usize], now: Instant) -> Option<usize> {
         let candidates: Vec<usize> =
             (0..self.nodes.len()).filter(|i| !exclude.contains(i)).filter(|&i| self.available(i, now)).collect();
@@ -246,8 +295,7 @@ impl Cluster {
                 if b == a {
                     b = candidates[k - 1];
                 }
-                let (oa, ob) = (self.nodes[a].outstanding, self.nodes[b].outstanding);
-                Some(if ob < oa { b } else { a })
+                Some(if prefers_second(&self.nodes[a], &self.nodes[b], now) { b } else { a })
             }
         }
     }
@@ -345,17 +393,31 @@ impl Cluster {
         }
     }
 
-    fn node_ok(&mut self, node: usize, took: Duration) {
+    fn node_ok(&mut self, node: usize, took: Duration, now: Instant) {
         let n = &mut self.nodes[node];
         n.failures_in_row = 0;
         if n.probing {
             n.probing = false;
             n.eject_for = self.config.eject_min;
         }
+        if n.last_answer.is_some_and(|at| now.saturating_duration_since(at) >= LATENCY_MEMORY) {
+            // Answers from before the gap describe another time.
+            n.recent_us.clear();
+        }
+        n.last_answer = Some(now);
         if n.recent_us.len() == RECENT_MAX {
             n.recent_us.pop_front();
         }
         n.recent_us.push_back(took.as_micros() as u64);
+        n.latency_median_us = (n.recent_us.len() >= LATENCY_SAMPLES_MIN).then(|| {
+            let mut last = [0u64; LATENCY_SAMPLES];
+            let k = n.recent_us.len().min(LATENCY_SAMPLES);
+            for (slot, v) in last.iter_mut().zip(n.recent_us.iter().rev()) {
+                *slot = *v;
+            }
+            let (_, m, _) = last[..k].select_nth_unstable(k / 2);
+            *m as f64
+        });
     }
 
     /// Drops connection `c` of `node` after an I/O error: its requests are
@@ -423,7 +485,7 @@ impl Cluster {
                 return;
             }
         } else {
-            self.node_ok(node, now - sent);
+            self.node_ok(node, now - sent, now);
         }
         let p = self.pending.remove(&ticket).expect("as above");
         for a in &p.attempts {
@@ -532,6 +594,7 @@ impl Cluster {
             let p = self.pending.get_mut(&t).expect("listed above");
             p.hedge_at = None;
             if self.hedge_tokens < 1.0 {
+                self.hedges_denied += 1;
                 continue;
             }
             let exclude: Vec<usize> = p.attempts.iter().map(|a| a.node).collect();
@@ -567,6 +630,17 @@ impl Cluster {
         };
         self.done.extend(others);
         result
+    }
+}
+
+/// Whether the power of two choices takes `b` over `a` (ties go to `a`).
+fn prefers_second(a: &Node, b: &Node, now: Instant) -> bool {
+    let (oa, ob) = (a.outstanding as f64, b.outstanding as f64);
+    match (a.latency_us(now), b.latency_us(now)) {
+        (Some(la), Some(lb)) if la > LATENCY_ALIKE_FACTOR * lb || lb > LATENCY_ALIKE_FACTOR * la => {
+            (ob + 1.0) * lb < (oa + 1.0) * la
+        }
+        _ => ob < oa,
     }
 }
 
@@ -623,6 +697,43 @@ mod tests {
         assert_eq!(p95(&r), Duration::ZERO);
         r = (1..=100).collect();
         assert_eq!(p95(&r), Duration::from_micros(95));
+    }
+
+    fn node(outstanding: usize, latency_us: f64, answered: Option<Instant>) -> Node {
+        Node {
+            addr: String::new(),
+            resolved: Vec::new(),
+            conns: Vec::new(),
+            next_conn: 0,
+            outstanding,
+            failures_in_row: 0,
+            ejected_until: None,
+            eject_for: Duration::ZERO,
+            probing: false,
+            recent_us: VecDeque::new(),
+            latency_median_us: Some(latency_us),
+            last_answer: answered,
+            stats: NodeStats::default(),
+        }
+    }
+
+    #[test]
+    fn a_node_over_twice_as_slow_loses_ties_and_a_forgotten_one_competes_again() {
+        let now = Instant::now();
+        let fresh = Some(now);
+        // Alike latencies: outstanding requests decide, ties go to the first.
+        assert!(!prefers_second(&node(0, 300.0, fresh), &node(0, 500.0, fresh), now));
+        assert!(prefers_second(&node(2, 300.0, fresh), &node(1, 500.0, fresh), now));
+        // Ten times slower: idle, it still loses to a fast node with
+        // fewer than nine outstanding.
+        assert!(prefers_second(&node(0, 4_000.0, fresh), &node(0, 400.0, fresh), now));
+        assert!(prefers_second(&node(0, 4_000.0, fresh), &node(8, 400.0, fresh), now));
+        assert!(!prefers_second(&node(0, 4_000.0, fresh), &node(10, 400.0, fresh), now));
+        assert!(!prefers_second(&node(0, 400.0, fresh), &node(0, 4_000.0, fresh), now));
+        // No answer for LATENCY_MEMORY: the estimate no longer counts.
+        let later = now + LATENCY_MEMORY;
+        assert!(!prefers_second(&node(0, 4_000.0, fresh), &node(0, 400.0, Some(later)), later));
+        assert!(!prefers_second(&node(0, 4_000.0, None), &node(0, 400.0, fresh), now));
     }
 
     #[test]

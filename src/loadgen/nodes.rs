@@ -46,6 +46,8 @@ pub struct NodesReport {
     pub latency: Latency,
     pub hedges: u64,
     pub hedge_rate: f64,
+    /// Hedges that were due but found the budget (`--hedge-fraction`) spent.
+    pub hedges_denied: u64,
     pub retries: u64,
     pub nodes: Vec<NodeStats>,
 }
@@ -62,16 +64,17 @@ impl std::fmt::Display for NodesReport {
         )?;
         writeln!(
             f,
-            "  hedges    {} ({:.2}% of requests), retries {}",
+            "  hedges    {} ({:.2}% of requests, {} more due but over the budget), retries {}",
             self.hedges,
             self.hedge_rate * 100.0,
+            self.hedges_denied,
             self.retries
         )?;
         for n in &self.nodes {
             writeln!(
                 f,
-                "  node {:<21} sent {:>8}  won {:>8}  failures {:>5}  ejections {:>3}  hedges sent {:>6}",
-                n.addr, n.sent, n.won, n.failures, n.ejections, n.hedges_sent
+                "  node {:<21} sent {:>8}  won {:>8}  failures {:>5}  ejections {:>3}  hedges sent {:>6}  latency {:>6} µs",
+                n.addr, n.sent, n.won, n.failures, n.ejections, n.hedges_sent, n.latency_us
             )?;
         }
         if !self.failed.is_empty() {
@@ -167,6 +170,7 @@ pub fn run(opts: &BenchOptions, nodes: &NodesOptions) -> Result<NodesReport, cra
         latency: latency_of(&hist),
         hedges: cluster.hedges,
         hedge_rate: cluster.hedges as f64 / sent.max(1) as f64,
+        hedges_denied: cluster.hedges_denied,
         retries: cluster.retries,
         nodes: cluster.node_stats(),
     })
