@@ -124,8 +124,11 @@ struct Conn {
     stream: Option<TcpStream>,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
-    /// Wire ids sent on this connection and not yet answered.
-    in_flight: Vec<u64>,
+    /// Wire ids sent on this connection and not yet answered, with when
+    /// they were sent: every answer is a latency sample, also one that lost
+    /// to a hedge or came after its request's deadline (a slow node's
+    /// answers are mostly those).
+    in_flight: Vec<(u64, Instant)>,
 }
 
 struct Node {
@@ -166,7 +169,6 @@ impl Node {
 struct Attempt {
     node: usize,
     wire_id: u64,
-    sent: Instant,
 }
 
 struct Pending {
@@ -360,7 +362,7 @@ impl Cluster {
             conn.wbuf.clear();
         }
         self.codec.encode(&spec, &mut conn.wbuf);
-        conn.in_flight.push(wire_id);
+        conn.in_flight.push((wire_id, now));
         flush(conn).map_err(|e| format!("write: {e}"))?;
         n.outstanding += 1;
         n.stats.sent += 1;
@@ -372,7 +374,7 @@ impl Cluster {
                 Hedge::NodeP95 { floor } => Some(now + p95(&n.recent_us).max(floor)),
             };
         }
-        p.attempts.push(Attempt { node, wire_id, sent: now });
+        p.attempts.push(Attempt { node, wire_id });
         self.by_wire.insert(wire_id, ticket);
         Ok(())
     }
@@ -400,6 +402,11 @@ impl Cluster {
             n.probing = false;
             n.eject_for = self.config.eject_min;
         }
+        self.observe_latency(node, took, now);
+    }
+
+    fn observe_latency(&mut self, node: usize, took: Duration, now: Instant) {
+        let n = &mut self.nodes[node];
         if n.last_answer.is_some_and(|at| now.saturating_duration_since(at) >= LATENCY_MEMORY) {
             // Answers from before the gap describe another time.
             n.recent_us.clear();
@@ -432,7 +439,7 @@ impl Cluster {
         };
         self.nodes[node].outstanding -= lost.len();
         self.node_failed(node, &why, now);
-        for wire_id in lost {
+        for (wire_id, _) in lost {
             if let Some(ticket) = self.by_wire.remove(&wire_id) {
                 self.attempt_lost(ticket, wire_id, node, &why, now);
             }
@@ -463,18 +470,21 @@ impl Cluster {
     fn answered(&mut self, node: usize, c: usize, resp: Response, now: Instant) {
         let wire_id = resp.request_id;
         let conn = &mut self.nodes[node].conns[c];
-        let Some(at) = conn.in_flight.iter().position(|w| *w == wire_id) else {
+        let Some(at) = conn.in_flight.iter().position(|(w, _)| *w == wire_id) else {
             self.conn_failed(node, c, format!("answer to request {wire_id}, which it was not sent"), now);
             return;
         };
-        conn.in_flight.swap_remove(at);
+        let (_, sent) = conn.in_flight.swap_remove(at);
         self.nodes[node].outstanding -= 1;
         let Some(ticket) = self.by_wire.remove(&wire_id) else {
-            // A hedge that lost: its request was answered already.
+            // An attempt that lost to another, or came after the deadline:
+            // its time still says how fast the node is, but not that it is
+            // healthy (a late answer does not undo its timeout).
+            if resp.status != Status::Overloaded {
+                self.observe_latency(node, now - sent, now);
+            }
             return;
         };
-        let p = self.pending.get_mut(&ticket).expect("a mapped wire id has its request");
-        let sent = p.attempts.iter().find(|a| a.wire_id == wire_id).map_or(now, |a| a.sent);
         if resp.status == Status::Overloaded {
             // Backed off; another attempt still out, or a retry the budget
             // allows, answers instead.
