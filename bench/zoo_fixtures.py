@@ -3,9 +3,9 @@
 
 Why: `quiver import` has to reproduce what onnxruntime computes for the
 graphs that real exporters write, not only the two hand-picked graphs in
-tests/fixtures/onnx/. This script builds seventeen small CTR-style models in the
-shapes scikit-learn (through skl2onnx) and torch.onnx.export (opset 17, eval
-mode) emit, records onnxruntime's logit for 2048 held-out rows of each, and
+tests/fixtures/onnx/. This script builds nineteen small CTR-style models in the
+shapes scikit-learn (through skl2onnx), torch.onnx.export (opset 17, eval
+mode) and Keras (through tf2onnx) emit, records onnxruntime's logit for 2048 held-out rows of each, and
 writes an index, so `cargo test` can check import parity without Python.
 
 Data: synthetic clicks with a known generating function (the one in
@@ -44,6 +44,17 @@ Models (tests/fixtures/zoo/<name>.onnx):
     layernorm_mlp_opset13 (layernorm_mlp's shape at opset 13, where torch
     writes LayerNorm as ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div,
     Mul, Add).
+
+  tf2onnx.convert.from_keras (opset 17; inputs user, item, ctx as above;
+  tf2onnx's own node names; seeded He-initialised hidden layers, non-trivial
+  normalisation parameters, the head fitted as the torch-style ones):
+    keras_bn_mlp         Concatenate, Dense(32, relu), BatchNormalization,
+                         Dropout, Dense(16, relu), Dense(1, sigmoid)
+    keras_ln_residual    Dense(32, tanh-form GELU), LayerNormalization (which
+                         tf2onnx writes with Neg and Reciprocal), a residual
+                         Dense(32, tanh) added back, Dense(16), LeakyReLU(0.1)
+  Their onnxruntime probabilities are checked against Keras's own within
+  the tolerance.
 
 Per model, <name>.npy is float32 [2048, D + 2] (D = 20, or 16 for two_tower):
 the D input columns, a 0/1 label, and onnxruntime's (CPUExecutionProvider)
@@ -866,6 +877,91 @@ def torch(name, weights_fn, graph_fn, head, **kw):
     return name, lambda: build_torch(name, weights_fn, graph_fn, head, **kw)
 
 
+# ---------------------------------------------------------------- keras
+
+KERAS_INPUTS = (("user", USER_DIM), ("item", ITEM_DIM), ("ctx", CTX_DIM))
+
+
+def keras_bn_mlp(tf):
+    """Concatenate, Dense(32, relu), BatchNormalization, Dropout,
+    Dense(16, relu), Dense(1, sigmoid) named head."""
+    layers = tf.keras.layers
+    user, item, ctx = (tf.keras.Input(shape=(d,), name=n) for n, d in KERAS_INPUTS)
+    h = layers.Concatenate(name="concat")([user, item, ctx])
+    h = layers.Dense(32, activation="relu", name="fc1")(h)
+    h = layers.BatchNormalization(name="bn1")(h)
+    h = layers.Dropout(0.2, name="drop1")(h)
+    h = layers.Dense(16, activation="relu", name="fc2")(h)
+    out = layers.Dense(1, activation="sigmoid", name="head")(h)
+    return tf.keras.Model([user, item, ctx], out, name="keras_bn_mlp"), h
+
+
+def keras_ln_residual(tf):
+    """Dense(32) with the tanh-form GELU, LayerNormalization, a residual
+    Dense(32, tanh) added back, Dense(16), LeakyReLU(0.1), Dense(1, sigmoid)."""
+    layers = tf.keras.layers
+    user, item, ctx = (tf.keras.Input(shape=(d,), name=n) for n, d in KERAS_INPUTS)
+    h = layers.Concatenate(name="concat")([user, item, ctx])
+    h = layers.Dense(32, activation=lambda t: tf.keras.activations.gelu(t, approximate=True), name="fc1")(h)
+    h = layers.LayerNormalization(name="ln1")(h)
+    h = layers.Add(name="residual")([h, layers.Dense(32, activation="tanh", name="fc2")(h)])
+    h = layers.LeakyReLU(negative_slope=0.1, name="leaky")(layers.Dense(16, name="fc3")(h))
+    out = layers.Dense(1, activation="sigmoid", name="head")(h)
+    return tf.keras.Model([user, item, ctx], out, name="keras_ln_residual"), h
+
+
+def build_keras(name, make):
+    """A Keras model exported by tf2onnx.convert.from_keras (opset 17), the
+    exporter a Keras user calls: seeded He-initialised hidden layers,
+    non-trivial BatchNormalization and LayerNormalization parameters, and
+    the head fitted by LogisticRegression on the hidden activations Keras
+    computes for training rows, as the torch-style models are."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    import tf2onnx
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.keras.backend.clear_session()
+    model, hidden = make(tf)
+    rng = model_rng(name + "/weights")
+    weights = []
+    for v in model.weights:
+        shape, path = tuple(v.shape), v.path
+        if path.endswith("kernel"):
+            weights.append(rng.normal(0.0, math.sqrt(2.0 / shape[0]), size=shape))
+        elif path.endswith("moving_variance"):
+            weights.append(rng.uniform(0.5, 2.0, size=shape))
+        elif path.endswith("gamma"):
+            weights.append(rng.uniform(0.7, 1.3, size=shape))
+        else:  # biases, beta, moving_mean
+            weights.append(rng.normal(0.0, 0.2, size=shape))
+    model.set_weights([w.astype(F32) for w in weights])
+    train = model_rng(name + "/train")
+    x_fit = draw_rows(train, N_TRAIN, 512, 2048)
+    y_fit = rare_labels(train, x_fit)
+    feats = tf.keras.Model(model.inputs, hidden)(list(feeds_three(x_fit).values()), training=False)
+    lr = fit(LogisticRegression(C=1.0, max_iter=500), np.asarray(feats, dtype=np.float64), y_fit)
+    model.get_layer("head").set_weights([lr.coef_[0][:, None].astype(F32), lr.intercept_.astype(F32)])
+    spec = tuple(tf.TensorSpec((None, d), tf.float32, name=n) for n, d in KERAS_INPUTS)
+    onnx_model, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=OPSET)
+    z = last_sigmoid_input(onnx_model)
+    return dict(
+        model=onnx_model,
+        inputs=TORCH_INPUTS,
+        feeds=feeds_three,
+        output=None,
+        output_form="sigmoid",
+        output_kind="logit",
+        logit_model=with_extra_outputs(onnx_model, [z]),
+        logit_names=[z],
+        logit_fn=logit_flat,
+        logit_from=f"input of the final Sigmoid ({z}), read as an extra output",
+        reference=lambda x: model(list(feeds_three(x).values()), training=False).numpy(),
+        dim=DIM,
+    )
+
+
 ZOO = [
     ("sklearn_mlp", build_sklearn_mlp),
     ("sklearn_mlp_zipmap", build_sklearn_mlp_zipmap),
@@ -884,6 +980,8 @@ ZOO = [
     torch("softmax_head", softmax_weights, softmax_graph, softmax_head_fit("fc2"), form="probabilities2"),
     torch("deepfm_ids", deepfm_weights, deepfm_ids_graph, deepfm_head(), categorical=True, ids=True),
     torch("layernorm_mlp_opset13", layernorm_weights, layernorm13_graph, dense_head("fc2"), opset=13),
+    ("keras_bn_mlp", lambda: build_keras("keras_bn_mlp", keras_bn_mlp)),
+    ("keras_ln_residual", lambda: build_keras("keras_ln_residual", keras_ln_residual)),
 ]
 
 
@@ -1047,8 +1145,13 @@ def versions():
         onnxmltools_version = onnxmltools.__version__
     except ImportError:  # pinned alongside, but nothing here needs it
         onnxmltools_version = None
+    import tensorflow
+    import tf2onnx
+
     return {
         "numpy": np.__version__,
+        "tensorflow": tensorflow.__version__,
+        "tf2onnx": tf2onnx.__version__,
         "onnx": onnx.__version__,
         "onnxruntime": ort.__version__,
         "scikit-learn": sklearn.__version__,

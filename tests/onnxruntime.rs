@@ -299,7 +299,7 @@ fn native_models_forced_onto_onnxruntime_match_the_native_f32_path() {
         assert!(err <= FORCED_TOLERANCE, "{}: forced onto onnxruntime, scores differ by {err}", z.name);
         checked += 1;
     }
-    assert_eq!(checked, 17);
+    assert_eq!(checked, 19);
 }
 
 #[test]

@@ -36,7 +36,8 @@ pub use export::export_mlp;
 pub use keep::KeepOnnx;
 
 /// The ops the importer understands, for error messages.
-pub const SUPPORTED_OPS: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Pow (2, 0.5), Relu, LeakyRelu, Tanh, Sigmoid, \
+pub const SUPPORTED_OPS: &str =
+    "Gemm, MatMul, Add, Sub, Mul, Div, Pow (3, 2, 0.5), Neg, Reciprocal, Relu, LeakyRelu, Tanh, Sigmoid, \
      Erf, Gelu, Sqrt, BatchNormalization, LayerNormalization, Softmax (two classes), ReduceSum and ReduceMean \
      (feature axis), Concat, \
      Slice (of a graph input), Gather (embeddings), Identity, Dropout, Cast, Flatten, Reshape, Constant; \
@@ -655,6 +656,15 @@ fn operands<'g>(
 
 /// A float constant broadcast to `width` values: a scalar, or exactly
 /// `width` values (`[w]` or `[1, w]`).
+/// How many values constant `t` holds when it is a vector (`[w]` or
+/// `[1, w]`); 1 for anything else, which `const_vec` then judges.
+fn const_width(t: &TensorProto) -> usize {
+    match t.dims[..] {
+        [w] | [1, w] => usize::try_from(w).unwrap_or(1).max(1),
+        _ => 1,
+    }
+}
+
 fn const_vec(node: &NodeProto, t: &TensorProto, width: usize) -> Result<Vec<f32>, OnnxError> {
     let (dims, values) = tensor_f32(t)?;
     if values.len() == 1 && dims.iter().all(|d| *d == 1) {
@@ -736,7 +746,7 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
         b.consts.insert(node.output[0].as_str(), t);
         return Ok(());
     }
-    const HANDLED: [&str; 27] = [
+    const HANDLED: [&str; 29] = [
         "Identity",
         "Dropout",
         "Cast",
@@ -757,6 +767,8 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
         "Gelu",
         "Sqrt",
         "Pow",
+        "Neg",
+        "Reciprocal",
         "BatchNormalization",
         "LayerNormalization",
         "Softmax",
@@ -900,6 +912,19 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
         }
         "Gemm" => gemm(b, node)?,
         "Add" | "Sub" | "Mul" | "Div" => binary(b, node)?,
+        // tf2onnx writes Keras's LayerNormalization with these (the mean's
+        // negation, the reciprocal of the standard deviation).
+        "Neg" => {
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let w = expect_flat(node, &x)?;
+            affine(b, &x, vec![0.0; w], vec![-1.0; w], vec![0.0; w])
+        }
+        "Reciprocal" => {
+            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+            let w = expect_flat(node, &x)?;
+            let ones = affine(b, &x, vec![0.0; w], vec![0.0; w], vec![1.0; w]);
+            b.flat(Op::Div, vec![ones.node, x.node], w)
+        }
         "Pow" => {
             let mut ops = operands(b, node, 2..=2)?;
             let e = expect_const(node, ops.remove(1), "exponent")?;
@@ -908,9 +933,14 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
             let (_, e) = tensor_f32(e)?;
             match e[..] {
                 [2.0] => b.flat(Op::Mul, vec![x.node, x.node], w),
+                // The cube of the tanh-form GELU as Keras writes it.
+                [3.0] => {
+                    let square = b.flat(Op::Mul, vec![x.node, x.node], w);
+                    b.flat(Op::Mul, vec![square.node, x.node], w)
+                }
                 [0.5] => act_node(b, node, x, Act::Sqrt)?,
                 [1.0] => x,
-                _ => return Err(node_err(node, format!("exponent {e:?}; only 2, 1 and 0.5 are supported"))),
+                _ => return Err(node_err(node, format!("exponent {e:?}; only 3, 2, 1 and 0.5 are supported"))),
             }
         }
         "Relu" | "LeakyRelu" | "Tanh" | "Sigmoid" | "Erf" | "Gelu" | "Sqrt" => {
@@ -1100,6 +1130,17 @@ fn binary(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
                 _ => Op::Div,
             };
             Ok(b.flat(gop, vec![x.node, y.node], wx))
+        }
+        (Operand::Val(x), Operand::Const(c)) | (Operand::Const(c), Operand::Val(x))
+            if op == "Mul" && b.width(&x) == 1 && const_width(c) > 1 =>
+        {
+            // A 1-wide tensor times a vector (tf2onnx's LayerNormalization:
+            // the reciprocal standard deviation times γ): the tensor repeated
+            // to the vector's width, then scaled.
+            let w = const_width(c);
+            let c = const_vec(node, c, w)?;
+            let wide = b.flat(Op::Concat, vec![x.node; w], w);
+            Ok(affine(b, &wide, vec![0.0; w], c, vec![0.0; w]))
         }
         (Operand::Val(x), Operand::Const(c)) => {
             let w = expect_flat(node, &x)?;
@@ -1735,10 +1776,10 @@ mod tests {
 
         let e = err(dense(vec![node("Elu", "elu", &["h"], "y")], "y"));
         assert!(e.contains("node 'elu': op Elu is not supported (graph activations:"), "{e}");
-        let mut cube = dense(vec![node("Pow", "cube", &["h", "three"], "y")], "y");
-        cube.initializer.push(weight("three", &[], &[3.0]));
-        let e = err(cube);
-        assert!(e.contains("node 'cube' (Pow): exponent [3.0]; only 2, 1 and 0.5 are supported"), "{e}");
+        let mut fourth = dense(vec![node("Pow", "fourth", &["h", "four"], "y")], "y");
+        fourth.initializer.push(weight("four", &[], &[4.0]));
+        let e = err(fourth);
+        assert!(e.contains("node 'fourth' (Pow): exponent [4.0]; only 3, 2, 1 and 0.5 are supported"), "{e}");
         let e = err(dense(vec![with_int(node("Softmax", "sm", &["h"], "y"), "axis", 1)], "y"));
         assert!(e.contains("node 'sm' (Softmax): is a Softmax over 1 values"), "{e}");
         let e = err(dense(vec![node("Gather", "emb", &["B", "h"], "y")], "y"));

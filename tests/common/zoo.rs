@@ -50,7 +50,7 @@ pub fn zoo() -> Vec<Zoo> {
             want,
         });
     }
-    assert_eq!(out.len(), 17, "the zoo has 17 models");
+    assert_eq!(out.len(), 19, "the zoo has 19 models");
     out
 }
 
