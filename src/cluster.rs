@@ -26,11 +26,13 @@
 //! the first answer wins. Hedges are limited to a fraction of requests (a
 //! token bucket, default 5%), so a slow cluster is not flooded.
 //!
-//! Limits: `connections_per_node` pooled connections each, at most
-//! `in_flight_max` outstanding requests overall (`submit` refuses more).
+//! Limits: at most [`NODES_MAX`] nodes, `connections_per_node` pooled
+//! connections each, at most `in_flight_max` outstanding requests overall
+//! (`submit` refuses more).
 //! Plain TCP only (TLS nodes take `Client`).
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
@@ -92,6 +94,8 @@ impl Default for ClusterConfig {
 pub enum ClusterError {
     #[error("no node is available (all ejected or unreachable)")]
     NoNode,
+    #[error("{0} nodes listed; at most {NODES_MAX}")]
+    TooManyNodes(usize),
     #[error("{0} requests are outstanding, the limit")]
     Full(usize),
     #[error("node {node} failed ({why}) and the budget left no time for a retry")]
@@ -179,6 +183,10 @@ struct Pending {
     retried: bool,
 }
 
+/// Nodes one client spreads over, at most: the balancer keeps the nodes it
+/// may pick in a 64-bit mask, so picking allocates nothing.
+pub const NODES_MAX: usize = 64;
+
 const RECENT_MAX: usize = 256;
 const RECENT_MIN_FOR_P95: usize = 20;
 
@@ -199,6 +207,12 @@ pub struct Cluster {
     config: ClusterConfig,
     nodes: Vec<Node>,
     pending: HashMap<u64, Pending>,
+    /// Each pending request's deadline and hedge time, earliest first, as
+    /// (when, ticket). An entry stays when its request completes or its
+    /// hedge time moves and is checked against the request when it comes
+    /// due, so a timer costs O(log n) a request instead of a scan of every
+    /// pending request a poll.
+    timers: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Wire id → ticket of the attempts outstanding.
     by_wire: HashMap<u64, u64>,
     next_ticket: u64,
@@ -219,6 +233,9 @@ impl Cluster {
     pub fn new(addrs: &[String], config: ClusterConfig) -> Result<Cluster, ClusterError> {
         if addrs.is_empty() {
             return Err(ClusterError::NoNode);
+        }
+        if addrs.len() > NODES_MAX {
+            return Err(ClusterError::TooManyNodes(addrs.len()));
         }
         let nodes = addrs
             .iter()
@@ -245,6 +262,7 @@ impl Cluster {
             config,
             nodes,
             pending: HashMap::new(),
+            timers: BinaryHeap::new(),
             by_wire: HashMap::new(),
             next_ticket: 1,
             next_wire: 1,
@@ -286,17 +304,31 @@ impl Cluster {
 
     /// Power of two choices (see the module header), skipping `exclude`.
     fn pick(&mut self, exclude: &[usize], now: Instant) -> Option<usize> {
-        let candidates: Vec<usize> =
-            (0..self.nodes.len()).filter(|i| !exclude.contains(i)).filter(|&i| self.available(i, now)).collect();
-        match candidates.len() {
+        let mut mask = 0u64;
+        for i in 0..self.nodes.len() {
+            if !exclude.contains(&i) && self.available(i, now) {
+                mask |= 1 << i;
+            }
+        }
+        // The k-th node of the mask, counting from the lowest.
+        let nth = |mut k: u32| {
+            let mut m = mask;
+            while k > 0 {
+                m &= m - 1;
+                k -= 1;
+            }
+            m.trailing_zeros() as usize
+        };
+        match mask.count_ones() {
             0 => None,
-            1 => Some(candidates[0]),
+            1 => Some(nth(0)),
             k => {
-                let a = candidates[self.rng.below(k as u64) as usize];
-                let mut b = candidates[self.rng.below(k as u64 - 1) as usize];
-                if b == a {
-                    b = candidates[k - 1];
+                let ia = self.rng.below(u64::from(k)) as u32;
+                let mut ib = self.rng.below(u64::from(k) - 1) as u32;
+                if ib == ia {
+                    ib = k - 1;
                 }
+                let (a, b) = (nth(ia), nth(ib));
                 Some(if prefers_second(&self.nodes[a], &self.nodes[b], now) { b } else { a })
             }
         }
@@ -320,6 +352,7 @@ impl Cluster {
             hedge_at: None,
             retried: false,
         };
+        self.timers.push(Reverse((pending.deadline, ticket)));
         self.pending.insert(ticket, pending);
         if let Err(e) = self.send_attempt(ticket, &[], now) {
             self.pending.remove(&ticket);
@@ -373,6 +406,9 @@ impl Cluster {
                 Hedge::After(d) => Some(now + d),
                 Hedge::NodeP95 { floor } => Some(now + p95(&n.recent_us).max(floor)),
             };
+            if let Some(at) = p.hedge_at {
+                self.timers.push(Reverse((at, ticket)));
+            }
         }
         p.attempts.push(Attempt { node, wire_id });
         self.by_wire.insert(wire_id, ticket);
@@ -583,25 +619,31 @@ impl Cluster {
     }
 
     fn next_timer(&self) -> Option<Instant> {
-        self.pending.values().map(|p| p.hedge_at.map_or(p.deadline, |h| h.min(p.deadline))).min()
+        self.timers.peek().map(|Reverse((at, _))| *at)
     }
 
     /// Fails requests past their deadline and sends the hedges due.
     fn expire_and_hedge(&mut self, now: Instant) {
-        let expired: Vec<u64> = self.pending.iter().filter(|(_, p)| now >= p.deadline).map(|(t, _)| *t).collect();
-        for t in expired {
-            let p = self.pending.remove(&t).expect("listed above");
-            for a in &p.attempts {
-                self.by_wire.remove(&a.wire_id);
-                // The node still owes the answer; it is dropped when it comes.
-                self.node_failed(a.node, "timeout", now);
+        while let Some(&Reverse((at, t))) = self.timers.peek() {
+            if at > now {
+                break;
             }
-            self.done.push((Ticket(t), Err(ClusterError::Timeout)));
-        }
-        let due: Vec<u64> =
-            self.pending.iter().filter(|(_, p)| p.hedge_at.is_some_and(|h| now >= h)).map(|(t, _)| *t).collect();
-        for t in due {
-            let p = self.pending.get_mut(&t).expect("listed above");
+            self.timers.pop();
+            // Gone or moved: the request completed, or its hedge was reset.
+            let Some(p) = self.pending.get_mut(&t) else { continue };
+            if now >= p.deadline {
+                let p = self.pending.remove(&t).expect("looked up above");
+                for a in &p.attempts {
+                    self.by_wire.remove(&a.wire_id);
+                    // The node still owes the answer; it is dropped when it comes.
+                    self.node_failed(a.node, "timeout", now);
+                }
+                self.done.push((Ticket(t), Err(ClusterError::Timeout)));
+                continue;
+            }
+            if p.hedge_at.is_none_or(|h| now < h) {
+                continue;
+            }
             p.hedge_at = None;
             if self.hedge_tokens < 1.0 {
                 self.hedges_denied += 1;
@@ -747,8 +789,57 @@ mod tests {
     }
 
     #[test]
+    fn picks_spread_over_the_nodes_allowed_and_never_an_excluded_one() {
+        let addrs: Vec<String> = (0..5).map(|p| format!("127.0.0.1:{}", 1000 + p)).collect();
+        let mut c = Cluster::new(&addrs, ClusterConfig::default()).unwrap();
+        let now = Instant::now();
+        let mut counts = [0u32; 5];
+        for _ in 0..30_000 {
+            counts[c.pick(&[1, 3], now).unwrap()] += 1;
+        }
+        assert_eq!((counts[1], counts[3]), (0, 0), "{counts:?}");
+        for i in [0, 2, 4] {
+            assert!((9_000..=11_000).contains(&counts[i]), "{counts:?}");
+        }
+        assert_eq!(c.pick(&[0, 1, 2, 3], now), Some(4));
+        assert_eq!(c.pick(&[0, 1, 2, 3, 4], now), None);
+    }
+
+    #[test]
+    fn silent_nodes_are_hedged_then_timed_out_at_the_deadline() {
+        // Listening sockets nobody accepts from: connects succeed, nothing
+        // ever answers.
+        let silent: Vec<std::net::TcpListener> =
+            (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<String> = silent.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
+        let config = ClusterConfig { hedge: Hedge::After(Duration::from_millis(5)), ..ClusterConfig::default() };
+        let mut c = Cluster::new(&addrs, config).unwrap();
+        let spec = RequestSpec { item_ids: vec![1], budget_us: 40_000, ..RequestSpec::default() };
+        let started = Instant::now();
+        let first = c.submit(&spec).unwrap();
+        let second = c.submit(&RequestSpec { budget_us: 20_000, ..spec.clone() }).unwrap();
+        let mut order = Vec::new();
+        while order.len() < 2 {
+            for (t, r) in c.poll(Duration::from_millis(100)) {
+                assert!(matches!(r, Err(ClusterError::Timeout)), "{r:?}");
+                order.push((t, started.elapsed()));
+            }
+            assert!(started.elapsed() < Duration::from_secs(2), "hung");
+        }
+        // The shorter budget ends first; each ends at its own deadline.
+        assert_eq!((order[0].0, order[1].0), (second, first));
+        assert!(order[0].1 >= Duration::from_millis(20) && order[1].1 >= Duration::from_millis(40), "{order:?}");
+        // The bucket starts with one hedge and earns a twentieth a request.
+        assert_eq!((c.hedges, c.hedges_denied, c.outstanding()), (1, 1, 0));
+    }
+
+    #[test]
     fn no_nodes_and_unreachable_nodes_are_errors_not_hangs() {
         assert!(matches!(Cluster::new(&[], ClusterConfig::default()), Err(ClusterError::NoNode)));
+        let many: Vec<String> = (0..=NODES_MAX).map(|p| format!("127.0.0.1:{}", 1000 + p)).collect();
+        let e = Cluster::new(&many, ClusterConfig::default()).err().expect("over the limit");
+        assert_eq!(e.to_string(), "65 nodes listed; at most 64");
+        assert!(Cluster::new(&many[..NODES_MAX], ClusterConfig::default()).is_ok());
         // A port nothing listens on (bound, then dropped).
         let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
         let mut c = Cluster::new(&[addr], ClusterConfig::default()).unwrap();
