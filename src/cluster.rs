@@ -13,8 +13,9 @@
 //! healthy nodes from skewing the spread. A node's latency estimate is
 //! the median of its last 16 answers (after 5), so one answer caught in a
 //! pause does not shun a healthy node; it is forgotten after
-//! [`LATENCY_MEMORY`] without an answer, so a slow node that recovered is
-//! tried again. [`Cluster::poll`] moves bytes and hands back
+//! [`LATENCY_MEMORY`] without an answer, and every 256th pick probes a
+//! shunned node, so a node that was slow (or cold) and recovered is tried
+//! again. [`Cluster::poll`] moves bytes and hands back
 //! completed requests. A node's health comes from its answers: a connection
 //! error, a timeout or `Overloaded` is a failure, and `eject_failures`
 //! failures in a row eject it for a back-off that doubles (capped, with
@@ -202,6 +203,10 @@ const LATENCY_ALIKE_FACTOR: f64 = 2.0;
 /// is shunned after [`LATENCY_SAMPLES_MIN`] of them.
 const LATENCY_SAMPLES: usize = 16;
 const LATENCY_SAMPLES_MIN: usize = 5;
+/// One pick in this many probes a shunned node: 0.4% of requests, under
+/// any p99, and often enough that a node shunned while cold is back within
+/// a few hundred requests.
+const PROBE_PICKS: u64 = 256;
 
 pub struct Cluster {
     config: ClusterConfig,
@@ -217,6 +222,8 @@ pub struct Cluster {
     by_wire: HashMap<u64, u64>,
     next_ticket: u64,
     next_wire: u64,
+    /// Picks made, for the probes of shunned nodes.
+    picks: u64,
     hedge_tokens: f64,
     codec: Codec,
     rng: SplitMix64,
@@ -266,6 +273,7 @@ impl Cluster {
             by_wire: HashMap::new(),
             next_ticket: 1,
             next_wire: 1,
+            picks: 0,
             hedge_tokens: 1.0,
             codec: Codec::default(),
             done: Vec::new(),
@@ -302,12 +310,34 @@ impl Cluster {
         }
     }
 
+    /// The lowest latency estimate among the nodes in `mask`.
+    fn best_latency_us(&self, mask: u64, now: Instant) -> Option<f64> {
+        let known = self.nodes.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0);
+        known.filter_map(|(_, n)| n.latency_us(now)).min_by(f64::total_cmp)
+    }
+
     /// Power of two choices (see the module header), skipping `exclude`.
+    /// Every [`PROBE_PICKS`]th pick goes to the shunned node (over twice the
+    /// best latency) that answered longest ago, if any: a node shunned for
+    /// answers it gave while cold, or that since recovered, would otherwise
+    /// see no request to show it.
     fn pick(&mut self, exclude: &[usize], now: Instant) -> Option<usize> {
         let mut mask = 0u64;
         for i in 0..self.nodes.len() {
             if !exclude.contains(&i) && self.available(i, now) {
                 mask |= 1 << i;
+            }
+        }
+        self.picks += 1;
+        if self.picks.is_multiple_of(PROBE_PICKS) {
+            if let Some(best) = self.best_latency_us(mask, now) {
+                let shunned = (0..self.nodes.len())
+                    .filter(|&i| mask & (1 << i) != 0)
+                    .filter(|&i| self.nodes[i].latency_us(now).is_some_and(|l| l > LATENCY_ALIKE_FACTOR * best))
+                    .min_by_key(|&i| self.nodes[i].last_answer);
+                if shunned.is_some() {
+                    return shunned;
+                }
             }
         }
         // The k-th node of the mask, counting from the lowest.
@@ -442,9 +472,16 @@ impl Cluster {
     }
 
     fn observe_latency(&mut self, node: usize, took: Duration, now: Instant) {
+        let best = self.best_latency_us(!(1u64 << node), now);
+        let took_us = took.as_micros() as f64;
         let n = &mut self.nodes[node];
-        if n.last_answer.is_some_and(|at| now.saturating_duration_since(at) >= LATENCY_MEMORY) {
-            // Answers from before the gap describe another time.
+        let shunned = matches!((n.latency_us(now), best), (Some(l), Some(b)) if l > LATENCY_ALIKE_FACTOR * b);
+        if n.last_answer.is_some_and(|at| now.saturating_duration_since(at) >= LATENCY_MEMORY)
+            || (shunned && best.is_some_and(|b| took_us <= LATENCY_ALIKE_FACTOR * b))
+        {
+            // Answers from before the gap describe another time; and a
+            // shunned node that answers like the others starts afresh
+            // rather than wait for its slow answers to age out of the median.
             n.recent_us.clear();
         }
         n.last_answer = Some(now);
@@ -803,6 +840,31 @@ mod tests {
         }
         assert_eq!(c.pick(&[0, 1, 2, 3], now), Some(4));
         assert_eq!(c.pick(&[0, 1, 2, 3, 4], now), None);
+    }
+
+    #[test]
+    fn a_shunned_node_gets_every_256th_pick_and_one_fast_answer_lifts_the_shun() {
+        let addrs: Vec<String> = (0..3).map(|p| format!("127.0.0.1:{}", 1000 + p)).collect();
+        let mut c = Cluster::new(&addrs, ClusterConfig::default()).unwrap();
+        let now = Instant::now();
+        for (i, took_us) in [(0, 100), (1, 100), (2, 5_000)] {
+            for _ in 0..LATENCY_SAMPLES {
+                c.observe_latency(i, Duration::from_micros(took_us), now);
+            }
+        }
+        let mut counts = [0u32; 3];
+        for _ in 0..2_560 {
+            counts[c.pick(&[], now).unwrap()] += 1;
+        }
+        assert_eq!(counts[2], 10, "{counts:?}");
+        // One answer like the others': the old slow ones no longer count.
+        c.observe_latency(2, Duration::from_micros(120), now);
+        assert_eq!(c.nodes[2].latency_us(now), None);
+        let mut counts = [0u32; 3];
+        for _ in 0..3_000 {
+            counts[c.pick(&[], now).unwrap()] += 1;
+        }
+        assert!(counts[2] > 800, "{counts:?}");
     }
 
     #[test]
