@@ -28,7 +28,7 @@ if [ -n "$(git status --porcelain -- src bench/kernels.rs Cargo.toml Cargo.lock)
     echo "int8_before_after: commit first (the figures name HEAD, $head)" >&2
     exit 1
 fi
-work="$(mktemp -d /tmp/quiver-before-after.XXXXXX)"
+work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/base" "$RESULTS"
 git archive "$base" | tar -x -C "$work/base"

@@ -316,15 +316,16 @@ impl Cluster {
         known.filter_map(|(_, n)| n.latency_us(now)).min_by(f64::total_cmp)
     }
 
-    /// Power of two choices (see the module header), skipping `exclude`.
+    /// Power of two choices (see the module header), skipping the nodes
+    /// whose bits `exclude` sets.
     /// Every [`PROBE_PICKS`]th pick goes to the shunned node (over twice the
     /// best latency) that answered longest ago, if any: a node shunned for
     /// answers it gave while cold, or that since recovered, would otherwise
     /// see no request to show it.
-    fn pick(&mut self, exclude: &[usize], now: Instant) -> Option<usize> {
+    fn pick(&mut self, exclude: u64, now: Instant) -> Option<usize> {
         let mut mask = 0u64;
         for i in 0..self.nodes.len() {
-            if !exclude.contains(&i) && self.available(i, now) {
+            if exclude & (1 << i) == 0 && self.available(i, now) {
                 mask |= 1 << i;
             }
         }
@@ -384,7 +385,7 @@ impl Cluster {
         };
         self.timers.push(Reverse((pending.deadline, ticket)));
         self.pending.insert(ticket, pending);
-        if let Err(e) = self.send_attempt(ticket, &[], now) {
+        if let Err(e) = self.send_attempt(ticket, 0, now) {
             self.pending.remove(&ticket);
             return Err(e);
         }
@@ -392,15 +393,15 @@ impl Cluster {
     }
 
     /// Sends `ticket` to a node not in `exclude`, with the budget left.
-    fn send_attempt(&mut self, ticket: u64, exclude: &[usize], now: Instant) -> Result<(), ClusterError> {
-        let mut tried: Vec<usize> = exclude.to_vec();
+    fn send_attempt(&mut self, ticket: u64, exclude: u64, now: Instant) -> Result<(), ClusterError> {
+        let mut tried = exclude;
         loop {
-            let node = self.pick(&tried, now).ok_or(ClusterError::NoNode)?;
+            let node = self.pick(tried, now).ok_or(ClusterError::NoNode)?;
             match self.send_to(ticket, node, now) {
                 Ok(()) => return Ok(()),
                 Err(why) => {
                     self.node_failed(node, &why, now);
-                    tried.push(node);
+                    tried |= 1 << node;
                 }
             }
         }
@@ -473,11 +474,11 @@ impl Cluster {
 
     fn observe_latency(&mut self, node: usize, took: Duration, now: Instant) {
         let best = self.best_latency_us(!(1u64 << node), now);
-        let took_us = took.as_micros() as f64;
+        let took_us = took.as_micros() as u64;
         let n = &mut self.nodes[node];
         let shunned = matches!((n.latency_us(now), best), (Some(l), Some(b)) if l > LATENCY_ALIKE_FACTOR * b);
         if n.last_answer.is_some_and(|at| now.saturating_duration_since(at) >= LATENCY_MEMORY)
-            || (shunned && best.is_some_and(|b| took_us <= LATENCY_ALIKE_FACTOR * b))
+            || (shunned && best.is_some_and(|b| took_us as f64 <= LATENCY_ALIKE_FACTOR * b))
         {
             // Answers from before the gap describe another time; and a
             // shunned node that answers like the others starts afresh
@@ -488,7 +489,7 @@ impl Cluster {
         if n.recent_us.len() == RECENT_MAX {
             n.recent_us.pop_front();
         }
-        n.recent_us.push_back(took.as_micros() as u64);
+        n.recent_us.push_back(took_us);
         n.latency_median_us = (n.recent_us.len() >= LATENCY_SAMPLES_MIN).then(|| {
             let mut last = [0u64; LATENCY_SAMPLES];
             let k = n.recent_us.len().min(LATENCY_SAMPLES);
@@ -531,7 +532,7 @@ impl Cluster {
         if can_retry {
             p.retried = true;
             self.retries += 1;
-            if self.send_attempt(ticket, &[node], now).is_ok() {
+            if self.send_attempt(ticket, 1 << node, now).is_ok() {
                 return;
             }
         }
@@ -686,8 +687,8 @@ impl Cluster {
                 self.hedges_denied += 1;
                 continue;
             }
-            let exclude: Vec<usize> = p.attempts.iter().map(|a| a.node).collect();
-            let Some(node) = self.pick(&exclude, now) else { continue };
+            let exclude = p.attempts.iter().fold(0u64, |m, a| m | 1 << a.node);
+            let Some(node) = self.pick(exclude, now) else { continue };
             self.hedge_tokens -= 1.0;
             match self.send_to(t, node, now) {
                 Ok(()) => {
@@ -832,14 +833,14 @@ mod tests {
         let now = Instant::now();
         let mut counts = [0u32; 5];
         for _ in 0..30_000 {
-            counts[c.pick(&[1, 3], now).unwrap()] += 1;
+            counts[c.pick(0b1010, now).unwrap()] += 1;
         }
         assert_eq!((counts[1], counts[3]), (0, 0), "{counts:?}");
         for i in [0, 2, 4] {
             assert!((9_000..=11_000).contains(&counts[i]), "{counts:?}");
         }
-        assert_eq!(c.pick(&[0, 1, 2, 3], now), Some(4));
-        assert_eq!(c.pick(&[0, 1, 2, 3, 4], now), None);
+        assert_eq!(c.pick(0b1111, now), Some(4));
+        assert_eq!(c.pick(0b11111, now), None);
     }
 
     #[test]
@@ -854,7 +855,7 @@ mod tests {
         }
         let mut counts = [0u32; 3];
         for _ in 0..2_560 {
-            counts[c.pick(&[], now).unwrap()] += 1;
+            counts[c.pick(0, now).unwrap()] += 1;
         }
         assert_eq!(counts[2], 10, "{counts:?}");
         // One answer like the others': the old slow ones no longer count.
@@ -862,7 +863,7 @@ mod tests {
         assert_eq!(c.nodes[2].latency_us(now), None);
         let mut counts = [0u32; 3];
         for _ in 0..3_000 {
-            counts[c.pick(&[], now).unwrap()] += 1;
+            counts[c.pick(0, now).unwrap()] += 1;
         }
         assert!(counts[2] > 800, "{counts:?}");
     }

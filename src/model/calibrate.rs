@@ -25,7 +25,7 @@
 use std::io::Read as _;
 use std::path::Path;
 
-use super::{sigmoid, ActivationScales, Calibration, Model, OutputKind, ScoreHistogram, Source};
+use super::{round_clamp_i8, sigmoid, ActivationScales, Calibration, Model, OutputKind, ScoreHistogram, Source};
 
 /// Bins of the score histogram stored in the model file.
 pub const SCORE_BINS: usize = 20;
@@ -375,13 +375,7 @@ pub fn input_quantization_errors(model: &Model, set: &Matrix) -> Vec<LayerError>
     }
     let quantized = |x: &[f32], step: f32, out: &mut Vec<f32>| {
         out.clear();
-        out.extend(x.iter().map(|v| {
-            if step > 0.0 {
-                (v / step).round_ties_even().clamp(-127.0, 127.0) * step
-            } else {
-                0.0
-            }
-        }));
+        out.extend(x.iter().map(|v| if step > 0.0 { f32::from(round_clamp_i8(v / step, -127)) * step } else { 0.0 }));
     };
     let n = model.layers.len();
     let (mut err_static, mut err_dynamic, mut norm) = (vec![0.0f64; n], vec![0.0f64; n], vec![0.0f64; n]);
