@@ -185,6 +185,28 @@ fn served_zoo_scores_match_onnxruntime() {
     }
 }
 
+/// What each exporter spells as a dozen elementwise nodes (tf2onnx's
+/// Keras LayerNormalization and tanh-form GELU, torch's LayerNorm below
+/// opset 17) imports as the one node the native LayerNormalization op maps
+/// to, so it runs as one pass over the row.
+#[test]
+fn decomposed_layer_norms_and_gelus_import_as_one_node() {
+    use quiver::model::graph::{Act, Op};
+    let zoo = zoo();
+    for (name, gelu) in [("keras_ln_residual", true), ("layernorm_mlp_opset13", false), ("layernorm_mlp", false)] {
+        let z = zoo.iter().find(|z| z.name == name).unwrap_or_else(|| panic!("{name} is in the zoo"));
+        let model = import(z);
+        let graph = model.graph.as_ref().expect("a graph model");
+        let ops: Vec<&str> = graph.nodes.iter().map(|n| n.op.name()).collect();
+        assert_eq!(ops.iter().filter(|o| **o == "LayerNorm").count(), 1, "{name}: {ops:?}");
+        for gone in ["Sum", "Sub", "Mul", "Div", "Affine"] {
+            assert!(!ops.contains(&gone), "{name}: {gone} left in {ops:?}");
+        }
+        let tanh_gelu = graph.nodes.iter().any(|n| matches!(n.op, Op::Dense { act: Act::GeluTanh, .. }));
+        assert_eq!(tanh_gelu, gelu, "{name}: {ops:?}");
+    }
+}
+
 #[test]
 fn sigmoid_is_applied_to_logits_and_not_to_raw_outputs() {
     let zoo = zoo();

@@ -18,6 +18,8 @@
 use super::trees::Ensemble;
 use super::{Layer, WIDTH_MAX};
 
+mod fuse;
+
 /// Most nodes in one graph.
 pub const NODES_MAX: usize = 256;
 /// Most rows in one embedding table.
@@ -398,64 +400,70 @@ impl Graph {
     pub fn forward_row(&self, x: &[f32]) -> f32 {
         let mut t: Vec<Vec<f32>> = Vec::with_capacity(self.nodes.len());
         for node in &self.nodes {
-            let a = |k: usize| &t[node.inputs[k]];
-            let y: Vec<f32> = match &node.op {
-                // A NaN (missing) input reads as 0, except in a tree
-                // ensemble that reads the input itself.
-                Op::Input { offset } => {
-                    x[*offset..offset + node.width].iter().map(|v| if v.is_nan() { 0.0 } else { *v }).collect()
-                }
-                Op::Dense { layer, act } => (0..layer.out_dim)
-                    .map(|o| {
-                        let w = &layer.weights_f32[o * layer.in_dim..(o + 1) * layer.in_dim];
-                        act.apply(w.iter().zip(a(0)).map(|(p, q)| p * q).sum::<f32>() + layer.bias[o])
-                    })
-                    .collect(),
-                Op::Act(act) => a(0).iter().map(|v| act.apply(*v)).collect(),
-                Op::Add | Op::Sub | Op::Mul | Op::Div => {
-                    let (p, q) = (a(0), a(1));
-                    (0..node.width)
-                        .map(|i| {
-                            let r = q[if q.len() == 1 { 0 } else { i }];
-                            match node.op {
-                                Op::Add => p[i] + r,
-                                Op::Sub => p[i] - r,
-                                Op::Mul => p[i] * r,
-                                _ => p[i] / r,
-                            }
-                        })
-                        .collect()
-                }
-                Op::Affine { center, scale, shift } => {
-                    a(0).iter().enumerate().map(|(i, v)| (v - center[i]) * scale[i] + shift[i]).collect()
-                }
-                Op::Concat => node.inputs.iter().flat_map(|&j| t[j].iter().copied()).collect(),
-                Op::LayerNorm { epsilon, scale, shift } => {
-                    let v = a(0);
-                    let n = v.len() as f32;
-                    let mean = v.iter().sum::<f32>() / n;
-                    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n;
-                    let inv = 1.0 / (var + epsilon).sqrt();
-                    v.iter().enumerate().map(|(i, x)| (x - mean) * inv * scale[i] + shift[i]).collect()
-                }
-                Op::Dot => vec![a(0).iter().zip(a(1)).map(|(p, q)| p * q).sum()],
-                Op::Sum => vec![a(0).iter().sum()],
-                Op::Embedding { dim, rows, table, default } => a(0)
-                    .iter()
-                    .flat_map(|&v| match embedding_index(v, *rows) {
-                        Some(r) => table[r * dim..(r + 1) * dim].iter(),
-                        None => default.iter(),
-                    })
-                    .copied()
-                    .collect(),
-                Op::Trees(e) => match self.nodes[node.inputs[0]].op {
-                    Op::Input { offset } => vec![e.predict_row(&x[offset..offset + self.nodes[node.inputs[0]].width])],
-                    _ => vec![e.predict_row(a(0))],
-                },
-            };
+            let y = self.node_value(node, &t, x);
             t.push(y);
         }
         t.last().expect("validated graphs have nodes")[0]
+    }
+
+    /// One node's tensor in f32, from the tensors `t` of the nodes before
+    /// it and the input row `x`.
+    fn node_value(&self, node: &Node, t: &[Vec<f32>], x: &[f32]) -> Vec<f32> {
+        let a = |k: usize| &t[node.inputs[k]];
+        match &node.op {
+            // A NaN (missing) input reads as 0, except in a tree
+            // ensemble that reads the input itself.
+            Op::Input { offset } => {
+                x[*offset..offset + node.width].iter().map(|v| if v.is_nan() { 0.0 } else { *v }).collect()
+            }
+            Op::Dense { layer, act } => (0..layer.out_dim)
+                .map(|o| {
+                    let w = &layer.weights_f32[o * layer.in_dim..(o + 1) * layer.in_dim];
+                    act.apply(w.iter().zip(a(0)).map(|(p, q)| p * q).sum::<f32>() + layer.bias[o])
+                })
+                .collect(),
+            Op::Act(act) => a(0).iter().map(|v| act.apply(*v)).collect(),
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
+                let (p, q) = (a(0), a(1));
+                (0..node.width)
+                    .map(|i| {
+                        let r = q[if q.len() == 1 { 0 } else { i }];
+                        match node.op {
+                            Op::Add => p[i] + r,
+                            Op::Sub => p[i] - r,
+                            Op::Mul => p[i] * r,
+                            _ => p[i] / r,
+                        }
+                    })
+                    .collect()
+            }
+            Op::Affine { center, scale, shift } => {
+                a(0).iter().enumerate().map(|(i, v)| (v - center[i]) * scale[i] + shift[i]).collect()
+            }
+            Op::Concat => node.inputs.iter().flat_map(|&j| t[j].iter().copied()).collect(),
+            Op::LayerNorm { epsilon, scale, shift } => {
+                let v = a(0);
+                let n = v.len() as f32;
+                let mean = v.iter().sum::<f32>() / n;
+                let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n;
+                let inv = 1.0 / (var + epsilon).sqrt();
+                v.iter().enumerate().map(|(i, x)| (x - mean) * inv * scale[i] + shift[i]).collect()
+            }
+            Op::Dot => vec![a(0).iter().zip(a(1)).map(|(p, q)| p * q).sum()],
+            Op::Sum => vec![a(0).iter().sum()],
+            Op::Embedding { dim, rows, table, default } => a(0)
+                .iter()
+                .flat_map(|&v| match embedding_index(v, *rows) {
+                    Some(r) => table[r * dim..(r + 1) * dim].iter(),
+                    None => default.iter(),
+                })
+                .copied()
+                .collect(),
+            Op::Trees(e) => match self.nodes[node.inputs[0]].op {
+                Op::Input { offset } => vec![e.predict_row(&x[offset..offset + self.nodes[node.inputs[0]].width])],
+                _ => vec![e.predict_row(a(0))],
+            },
+        }
     }
 
     /// Exact rewrites, in order, returning what each did (for the import
@@ -463,8 +471,9 @@ impl Graph {
     /// is folded into its weights (per-output-channel INT8 scales absorb
     /// the per-channel factor, so this costs no INT8 accuracy); an
     /// activation right after such a `Dense` is fused into it; the erf form
-    /// of GELU becomes one activation; a row sum of a product is a dot
-    /// product; unread nodes are dropped.
+    /// of GELU becomes one activation; a LayerNorm or an activation spelled
+    /// out node by node becomes one node (`fuse`, checked by evaluation); a
+    /// row sum of a product is a dot product; unread nodes are dropped.
     /// An `Affine` *before* a dense layer (a scaler) is never folded: raw
     /// features of very different spreads would then share one INT8 input
     /// scale.
@@ -526,7 +535,7 @@ impl Graph {
                     break;
                 }
             }
-            if !changed && !self.fuse_gelu(&mut notes) {
+            if !changed && !self.fuse_gelu(&mut notes) && !self.fuse_regions(&mut notes) {
                 break;
             }
         }
