@@ -236,7 +236,7 @@ if stall_runs:
     w("fired that late (`reactor`: the cause was none of the shard's tasks). A connection round answers up to")
     w("`limits.frames_per_round_max` (64) frames before it yields; after a pause of the VM the backlog makes such")
     w("rounds of several hundred µs, counted as `connection` stalls. With swaps, the served model version is")
-    w("swapped every second (`POST /models/auction-32/load`); the new version's backend is built on the shard.\n")
+    w("swapped every second (`POST /models/auction-32/load`); the admin side builds the new version's backend for each shard before it publishes it (at `0fd4a9d` the shard built its own).\n")
     w("| run | commit | stalls | connection | reactor | refresh | publish | shadow | poller | p50 µs | p99 µs | p99.9 µs | late sends |")
     w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path in stall_runs:

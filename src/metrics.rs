@@ -506,6 +506,11 @@ pub struct Counters {
     /// untrusted certificate, a plain-TCP client, a stalled handshake).
     pub tls_handshakes: u64,
     pub tls_handshake_failures: u64,
+    /// Backends of newly served versions: taken ready-built from the
+    /// registry, and built on the shard's reactor (start-up, or a version
+    /// the registry did not build ahead).
+    pub backends_prebuilt: u64,
+    pub backends_built_on_shard: u64,
 }
 
 impl Counters {
@@ -535,6 +540,8 @@ impl Counters {
         self.admission_wrong_source += other.admission_wrong_source;
         self.tls_handshakes += other.tls_handshakes;
         self.tls_handshake_failures += other.tls_handshake_failures;
+        self.backends_prebuilt += other.backends_prebuilt;
+        self.backends_built_on_shard += other.backends_built_on_shard;
         for (a, b) in self.stalls_by_task.iter_mut().zip(&other.stalls_by_task) {
             *a += b;
         }

@@ -12,6 +12,13 @@
 //! version between rounds. A request is served start to finish by one
 //! version, and every response names that version.
 //!
+//! Building a backend (packing weights, SIMD tree layouts, an onnxruntime
+//! session) and timing it on a full batch takes milliseconds, too long for
+//! a shard's reactor. So the admin side builds one backend per shard
+//! ([`Registry::with_shards`]) before it publishes a version, and a shard
+//! only takes its own ([`Registry::take_prebuilt`]); a shard builds one
+//! itself only for what was never published through here (start-up, tests).
+//!
 //! It also carries how served versions are watched for drift
 //! (`crate::drift::DriftConfig`), read by the shards when they build a
 //! version's counters and by the admin thread when it reports.
@@ -27,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use crate::drift::DriftConfig;
 use crate::model::layout::{InputLayout, LayoutError};
 use crate::model::{Model, ModelError};
-use crate::score::{self, BackendKind};
+use crate::score::{self, Backend, BackendKind};
 
 /// File name of a model inside its version directory.
 pub const MODEL_FILE: &str = "model.qm";
@@ -64,6 +71,8 @@ pub enum RegistryError {
     BadFraction(f64),
     #[error("a canary needs a version (?version=N)")]
     NoCanaryVersion,
+    #[error("model '{0}' changed while its rollback was being prepared; retry")]
+    Concurrent(String),
 }
 
 /// What the replicas and limits allow a model's inputs to be.
@@ -125,6 +134,47 @@ pub struct Registry {
     /// reported once, not on every poll.
     refused: Mutex<std::collections::BTreeSet<(String, u32)>>,
     drift: DriftConfig,
+    /// Shards that take a prebuilt backend of each published version; 0
+    /// builds none.
+    shards: usize,
+    /// Per published version, the backends its shards have not taken yet,
+    /// by shard. Versions no longer served are dropped at the next publish.
+    prebuilt: Mutex<Vec<BuiltAhead>>,
+}
+
+/// A published version and the backends its shards have not taken, by shard.
+type BuiltAhead = (Arc<Model>, Vec<Option<Prebuilt>>);
+
+/// A backend built for one shard ahead of a swap, with its measured cost.
+pub struct Prebuilt {
+    pub backend: Box<dyn Backend>,
+    /// Kernel time per row on a full batch of `rows_max` rows.
+    pub ns_per_row: f64,
+}
+
+impl std::fmt::Debug for Prebuilt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prebuilt").field("backend", &self.backend.name()).field("ns_per_row", &self.ns_per_row).finish()
+    }
+}
+
+/// Builds a backend for `model` and times one full batch of `rows_max`
+/// zero rows, which also warms it (first-touch page faults, lazy
+/// initialisation). `now_ns` is the clock it is timed by.
+pub fn build_timed(
+    kind: BackendKind,
+    model: &Model,
+    rows_max: usize,
+    row_dim: usize,
+    out: &mut [f32],
+    now_ns: impl Fn() -> u64,
+) -> Prebuilt {
+    let mut backend = score::build(kind, model, rows_max);
+    let x = vec![0.0; rows_max * row_dim];
+    let started_ns = now_ns();
+    backend.logits(model, &x, rows_max, &mut out[..rows_max]);
+    let ns_per_row = now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
+    Prebuilt { backend, ns_per_row }
 }
 
 fn valid_name(name: &str) -> bool {
@@ -230,7 +280,68 @@ impl Registry {
             generation: AtomicU64::new(1),
             refused: Mutex::default(),
             drift: DriftConfig::default(),
+            shards: 0,
+            prebuilt: Mutex::default(),
         }
+    }
+
+    /// Builds a backend for each of `shards` shards whenever a version is
+    /// published, so the shards' swaps only take them.
+    pub fn with_shards(mut self, shards: usize) -> Registry {
+        self.shards = shards;
+        self
+    }
+
+    /// The backend built for `shard` when `model` was published, once; `None`
+    /// when there is none (the shard then builds its own). A shard calls
+    /// this only after the generation moved.
+    pub fn take_prebuilt(&self, model: &Arc<Model>, shard: usize) -> Option<Prebuilt> {
+        let mut prebuilt = self.prebuilt.lock().unwrap_or_else(|e| e.into_inner());
+        let at = prebuilt.iter().position(|(m, _)| Arc::ptr_eq(m, model))?;
+        let taken = prebuilt[at].1.get_mut(shard).and_then(Option::take);
+        if prebuilt[at].1.iter().all(Option::is_none) {
+            prebuilt.swap_remove(at);
+        }
+        taken
+    }
+
+    /// One backend per shard for `model`, built and timed here (the admin
+    /// side), or one warm-up run when no shard takes them.
+    fn prebuild(&self, model: &Model) -> Vec<Option<Prebuilt>> {
+        let clock = crate::deadline::MonotonicClock::new();
+        let mut out = vec![0.0; self.rows_max];
+        let mut build = || {
+            use crate::deadline::Clock;
+            build_timed(self.backend, model, self.rows_max, model.input_dim(), &mut out, || clock.now_ns())
+        };
+        if self.shards == 0 {
+            build();
+            return Vec::new();
+        }
+        (0..self.shards).map(|_| Some(build())).collect()
+    }
+
+    /// Keeps the backends built for a newly published version, if any, and
+    /// drops what was built for versions no longer served; call with the
+    /// new version in `slots`. Returns the dropped backends, for the caller
+    /// to free after it released the lock.
+    fn stash(
+        &self,
+        slots: &BTreeMap<String, Slot>,
+        new: Option<BuiltAhead>,
+    ) -> Vec<BuiltAhead> {
+        let mut prebuilt = self.prebuilt.lock().unwrap_or_else(|e| e.into_inner());
+        prebuilt.extend(new.filter(|(_, built)| !built.is_empty()));
+        let served = |m: &Arc<Model>| {
+            slots.values().any(|s| {
+                Arc::ptr_eq(&s.current, m)
+                    || s.canary.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, m))
+                    || s.shadow.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, m))
+            })
+        };
+        let (kept, dropped) = std::mem::take(&mut *prebuilt).into_iter().partition(|(m, _)| served(m));
+        *prebuilt = kept;
+        dropped
     }
 
     /// Watches served versions for drift with `config` (default otherwise).
@@ -291,15 +402,18 @@ impl Registry {
             (_, Some(v)) => {
                 let dir = self.dir.as_ref().ok_or(RegistryError::NoDirectory)?;
                 let model = load_checked(dir, name, v, self.fit)?;
-                self.warm(&model);
-                Some((Arc::new(model), ppm))
+                let built = self.prebuild(&model);
+                Some((Arc::new(model), ppm, built))
             }
         };
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
-        let version = candidate.as_ref().map(|(m, _)| m.version);
-        *which(slot) = candidate;
+        let version = candidate.as_ref().map(|(m, _, _)| m.version);
+        *which(slot) = candidate.as_ref().map(|(m, ppm, _)| (m.clone(), *ppm));
+        let dropped = self.stash(&slots, candidate.map(|(m, _, built)| (m, built)));
         self.generation.fetch_add(1, Ordering::Release);
+        drop(slots);
+        drop(dropped);
         tracing::info!(model = name, ?version, fraction, "candidate version set");
         Ok(version)
     }
@@ -332,44 +446,53 @@ impl Registry {
             None => *versions_on_disk(dir, name)?.last().ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
         };
         let model = load_checked(dir, name, version, self.fit)?;
-        self.warm(&model);
+        let built = self.prebuild(&model);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let model = Arc::new(model);
         match slots.get_mut(name) {
             Some(slot) => {
-                let old = std::mem::replace(&mut slot.current, model);
+                let old = std::mem::replace(&mut slot.current, model.clone());
                 slot.previous = Some(old);
             }
             None => {
-                slots.insert(name.to_string(), Slot { current: model, previous: None, canary: None, shadow: None });
+                let slot = Slot { current: model.clone(), previous: None, canary: None, shadow: None };
+                slots.insert(name.to_string(), slot);
             }
         }
+        let dropped = self.stash(&slots, Some((model, built)));
         self.generation.fetch_add(1, Ordering::Release);
+        drop(slots);
+        drop(dropped);
         tracing::info!(model = name, version, "model version loaded");
         Ok(version)
     }
 
-    /// Returns `name` to its previous version at once (the two swap, so a
-    /// second rollback undoes the first).
+    /// Returns `name` to its previous version (the two swap, so a second
+    /// rollback undoes the first). The shards' backends for it are built
+    /// first, so the swap itself is at once.
     pub fn rollback(&self, name: &str) -> Result<u32, RegistryError> {
+        let previous = {
+            let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let slot = slots.get(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
+            slot.previous.clone().ok_or_else(|| RegistryError::NoPrevious(name.into()))?
+        };
+        // Built outside the lock; the swap below checks nothing moved since.
+        let built = self.prebuild(&previous);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
-        let previous = slot.previous.take().ok_or_else(|| RegistryError::NoPrevious(name.into()))?;
-        let old = std::mem::replace(&mut slot.current, previous);
+        if !slot.previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, &previous)) {
+            return Err(RegistryError::Concurrent(name.into()));
+        }
+        let previous = slot.previous.take().expect("checked above");
+        let old = std::mem::replace(&mut slot.current, previous.clone());
         slot.previous = Some(old);
         let version = slot.current.version;
+        let dropped = self.stash(&slots, Some((previous, built)));
         self.generation.fetch_add(1, Ordering::Release);
+        drop(slots);
+        drop(dropped);
         tracing::info!(model = name, version, "model rolled back");
         Ok(version)
-    }
-
-    /// Runs one full batch so the version's first requests do not pay for
-    /// first-touch page faults and lazy initialisation.
-    fn warm(&self, model: &Model) {
-        let mut backend = score::build(self.backend, model, self.rows_max);
-        let x = vec![0.0; self.rows_max * model.input_dim()];
-        let mut out = vec![0.0; self.rows_max];
-        backend.logits(model, &x, self.rows_max, &mut out);
     }
 
     /// Loads any version newer than the one served, for every name on disk.

@@ -122,7 +122,8 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
             Some(dir) => Registry::open(dir, config.default_model.as_deref(), fit, config.backend, rows_max)?,
             None => Registry::single(&config.model_path(), fit, config.backend, rows_max)?,
         }
-        .with_drift(config.drift.clone()),
+        .with_drift(config.drift.clone())
+        .with_shards(cores.len()),
     );
     for m in registry.status() {
         tracing::info!(model = %m.name, version = m.version, "model loaded");

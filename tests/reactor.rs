@@ -80,6 +80,11 @@ fn scraping_and_model_swaps_keep_answers_flowing_and_stalls_show_in_metrics() {
     assert!(connection > 0, "no connection stalls counted at a 1 µs threshold:\n{text}");
     assert!(text.contains("quiver_shard_stalls_total{shard=\"0\",task=\"reactor\"}"), "{text}");
     assert!(counter(&text, "quiver_shard_stall_duration_seconds_count", "") > 0, "{text}");
+    // Every swap's backend was built on the admin side; the shard built
+    // only what it served at start (the model and the demo's fallback).
+    let prebuilt = counter(&text, "quiver_backends_prebuilt", "");
+    let on_shard = counter(&text, "quiver_backends_built_on_shard", "");
+    assert!(prebuilt >= 7 && on_shard == 2, "prebuilt {prebuilt}, built on the shard {on_shard} after 8 swaps");
     let stats = server.stats();
     assert_eq!(stats.stalls_by_shard.len(), 1);
     assert!(stats.stalls_by_task["connection"] > 0);

@@ -209,6 +209,18 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             "TLS handshakes on the scoring port that failed or timed out.",
             m.counters.tls_handshake_failures,
         )?;
+        counter(
+            &mut encoder,
+            "quiver_backends_prebuilt",
+            "Backends of newly served model versions a shard took ready-built from the admin side.",
+            m.counters.backends_prebuilt,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_backends_built_on_shard",
+            "Backends a shard built on its own reactor (start-up, or a version not built ahead).",
+            m.counters.backends_built_on_shard,
+        )?;
         if let Some(feed) = readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }

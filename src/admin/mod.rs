@@ -138,7 +138,7 @@ fn accept_resync(readiness: &Readiness, name: &str) -> (u16, String) {
 fn registry_error(e: RegistryError) -> (u16, String) {
     let code = match e {
         RegistryError::UnknownModel(_) | RegistryError::UnknownVersion { .. } => 404,
-        RegistryError::NoPrevious(_) | RegistryError::NoDirectory => 409,
+        RegistryError::NoPrevious(_) | RegistryError::NoDirectory | RegistryError::Concurrent(_) => 409,
         RegistryError::BadName(_) | RegistryError::BadFraction(_) | RegistryError::NoCanaryVersion => 400,
         _ => 422,
     };

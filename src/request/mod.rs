@@ -25,9 +25,9 @@ use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
 use crate::model::graph::embedding_index;
 use crate::model::Model;
-use crate::registry::Registry;
+use crate::registry::{build_timed, Prebuilt, Registry};
 use crate::replica::ReplicaHandle;
-use crate::score::{self, Backend, BackendKind};
+use crate::score::{Backend, BackendKind};
 use crate::shed::{ShedConfig, Shedder};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 use handoff::{Pending, Turnaround};
@@ -184,6 +184,8 @@ struct StepDown {
 pub struct RequestPath<C: Clock> {
     clock: C,
     shared: Shared,
+    /// Which shard this is: the one whose prebuilt backends it takes.
+    shard: usize,
     request_limits: RequestLimits,
     served: Vec<Served>,
     default_model: usize,
@@ -246,6 +248,7 @@ impl<C: Clock> RequestPath<C> {
                 context_len_max: shared.limits.context_len_max,
             },
             served: Vec::new(),
+            shard: 0,
             default_model: 0,
             generation: 0,
             failed_generation: None,
@@ -289,11 +292,20 @@ impl<C: Clock> RequestPath<C> {
         let rows_max = self.shared.limits.candidates_max;
         let context_len_max = self.shared.limits.context_len_max;
         let layout = InputLayout::new(&model, self.shared.user.dim(), self.shared.item.dim(), context_len_max)?;
-        let mut backend = score::build(self.shared.backend, &model, rows_max);
-        let x = vec![0.0; rows_max * layout.row_dim];
-        let started_ns = self.clock.now_ns();
-        backend.logits(&model, &x, rows_max, &mut self.logits[..rows_max]);
-        let ns_per_row = self.clock.now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
+        // Built ahead by the admin side when it was published through the
+        // registry; built here (milliseconds on the reactor) only otherwise.
+        let Prebuilt { backend, ns_per_row } = match self.shared.registry.take_prebuilt(&model, self.shard) {
+            Some(built) => {
+                self.counters.backends_prebuilt += 1;
+                built
+            }
+            None => {
+                self.counters.backends_built_on_shard += 1;
+                let clock = &self.clock;
+                let (kind, row_dim) = (self.shared.backend, layout.row_dim);
+                build_timed(kind, &model, rows_max, row_dim, &mut self.logits, || clock.now_ns())
+            }
+        };
         let ladder = &self.shared.ladder;
         let context_features_max = self.shared.registry.drift().context_features_max;
         let drift = model.calibration.as_ref().filter(|_| shadow_ppm == 0);
@@ -317,6 +329,12 @@ impl<C: Clock> RequestPath<C> {
         })
     }
 
+    /// Makes this the path of shard `shard` (0 until set), whose backends
+    /// the registry builds ahead of each swap.
+    pub fn set_shard(&mut self, shard: usize) {
+        self.shard = shard;
+    }
+
     /// Trades configured clients' demand with the other shards so each
     /// client's rate holds across them (`Admission::exchange`); the shard's
     /// watcher calls it every few milliseconds, between requests.
@@ -332,7 +350,8 @@ impl<C: Clock> RequestPath<C> {
         let registry = self.shared.registry.clone();
         let generation = registry.generation();
         // A generation that could not be served is not retried on every
-        // round (a build runs on the reactor); the next one is.
+        // round (a layout check, or a build, runs on the reactor); the next
+        // one is.
         if generation == self.generation || Some(generation) == self.failed_generation {
             return Ok(false);
         }

@@ -567,3 +567,61 @@ fn categorical_ids_in_float_columns_that_match_no_row_count_as_missing() {
         assert_eq!(r.scores, vec![sigmoid(0.3 + second), sigmoid(second)], "context {context}");
     }
 }
+
+#[test]
+fn versions_published_through_the_registry_arrive_built_for_each_shard() {
+    let d = dir("prebuilt");
+    let base = shared(&d);
+    let models = d.join("models");
+    let _ = std::fs::remove_dir_all(&models);
+    let mut a = base.registry.snapshot().models[0].as_ref().clone();
+    a.name = "a".into();
+    crate::registry::publish(&models, &a).unwrap();
+    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let registry = Arc::new(Registry::open(&models, Some("a"), fit, BackendKind::F32, 4).unwrap().with_shards(2));
+    let mut sh = base.clone();
+    sh.registry = registry.clone();
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    path.set_shard(1);
+    // Start-up builds on the shard: nothing was published yet.
+    assert_eq!((path.counters.backends_prebuilt, path.counters.backends_built_on_shard), (0, 1));
+    let version = |v: u32| {
+        let mut m = a.clone();
+        m.version = v;
+        m.layers = vec![Layer::quantize(4, 1, false, vec![v as f32; 4], vec![0.0])];
+        crate::registry::publish(&models, &m).unwrap();
+    };
+    let served_version = |path: &mut RequestPath<&ManualClock>| {
+        let mut s = spec();
+        s.model = "a".into();
+        s.context = vec![0.5];
+        run(path, &s, clock.now_us()).model_version
+    };
+
+    version(5);
+    registry.load("a", None).unwrap();
+    let v5 = registry.snapshot().models[0].clone();
+    assert!(path.refresh_models().unwrap());
+    assert_eq!((path.counters.backends_prebuilt, path.counters.backends_built_on_shard), (1, 1));
+    assert_eq!(served_version(&mut path), 5);
+    // Shard 1 took its own; shard 0's is still there, once.
+    assert!(registry.take_prebuilt(&v5, 1).is_none());
+    assert!(registry.take_prebuilt(&v5, 0).is_some_and(|p| p.ns_per_row >= 0.0));
+    assert!(registry.take_prebuilt(&v5, 0).is_none());
+
+    // What was built for a version replaced before a shard took it is dropped.
+    version(6);
+    registry.load("a", None).unwrap();
+    let v6 = registry.snapshot().models[0].clone();
+    version(7);
+    registry.load("a", None).unwrap();
+    assert!(registry.take_prebuilt(&v6, 0).is_none());
+
+    // A rollback (to 6) is built ahead too.
+    assert_eq!(registry.rollback("a").unwrap(), 6);
+    assert!(path.refresh_models().unwrap());
+    assert_eq!((path.counters.backends_prebuilt, path.counters.backends_built_on_shard), (2, 1));
+    assert_eq!(served_version(&mut path), 6);
+    let _ = std::fs::remove_dir_all(&models);
+}

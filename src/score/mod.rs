@@ -20,7 +20,7 @@ use crate::model::Model;
 ///
 /// Implementations own their scratch memory, sized at construction for at
 /// most `rows_max` rows, and never allocate on this call.
-pub trait Backend {
+pub trait Backend: Send {
     fn name(&self) -> &'static str;
     fn rows_max(&self) -> usize;
     fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]);

@@ -272,7 +272,10 @@ async fn run_shard(
     let limits = shared.limits.clone();
     let readiness = shared.readiness.clone();
     let path = match RequestPath::new(shared, MonotonicClock::new()) {
-        Ok(p) => Rc::new(RefCell::new(p)),
+        Ok(mut p) => {
+            p.set_shard(shard);
+            Rc::new(RefCell::new(p))
+        }
         Err(e) => {
             let _ = bound_tx.send(Err(e.to_string()));
             return Err(e.to_string());
