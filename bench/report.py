@@ -227,7 +227,8 @@ if os.path.exists(tail):
             w(f"- {text}: {value:.2f}x, {'met' if value <= bound else 'not met'}.")
     w("")
 
-stall_runs = [p for p in (stalls_path, os.path.join(res, "stalls-swaps.json")) if os.path.exists(p)]
+stall_names = ("stalls.json", "stalls-swaps.json", "stalls-before.json", "stalls-swaps-before.json")
+stall_runs = [p for p in (os.path.join(res, n) for n in stall_names) if os.path.exists(p)]
 if stall_runs:
     w("## Reactor stalls under load and scraping\n")
     w("From `bench/stalls.sh`: one shard serving auction-32 (open loop, 4 connections) while `/metrics` is scraped;")
@@ -236,7 +237,12 @@ if stall_runs:
     w("fired that late (`reactor`: the cause was none of the shard's tasks). A connection round answers up to")
     w("`limits.frames_per_round_max` (64) frames before it yields; after a pause of the VM the backlog makes such")
     w("rounds of several hundred µs, counted as `connection` stalls. With swaps, the served model version is")
-    w("swapped every second (`POST /models/auction-32/load`); the admin side builds the new version's backend for each shard before it publishes it (at `0fd4a9d` the shard built its own).\n")
+    w("swapped every second (`POST /models/auction-32/load`); the admin side builds the new version's backend for each shard before it publishes it; at `a3b6d41`, the commit before that change, the shard built its own.")
+    w("All four runs are from one session on one VM, one after another (commands: `bench/stalls.sh`, `SWAPS=1 bench/stalls.sh`, in a checkout of each commit).")
+    w("This VM pauses far more than the one earlier figures were taken on (at `057bc27` the same run counted 285 stalls): the `reactor` stalls,")
+    w("which none of the shard's tasks caused, and the backlogs they leave (`connection`) are most of every row. The swaps' own cost is the `refresh` column:")
+    w("5 stalls with swaps when the shard built each backend, 2 when it takes them built, 1 without swaps. The demo model builds in under the")
+    w("500 µs threshold most of the time, so that share was small; a tree ensemble or an onnxruntime session takes milliseconds to build.\n")
     w("| run | commit | stalls | connection | reactor | refresh | publish | shadow | poller | p50 µs | p99 µs | p99.9 µs | late sends |")
     w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path in stall_runs:
