@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use quiver::cache::CacheConfig;
 use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
 use quiver::demo::{self, SplitMix64, Workload};
@@ -140,12 +141,16 @@ fn request_bench(c: &mut Criterion) {
     // service, and the figure to quote.
     let hot: Vec<Vec<u8>> = (0..256).map(auction_request).collect();
     let spread: Vec<Vec<u8>> = (0..65_536).map(|s| auction_request(1_000_000 + s)).collect();
-    for (name, backend, floor, frames) in [
-        ("handle, int8", BackendKind::Int8, false, &hot),
-        ("handle, f32", BackendKind::F32, false, &hot),
-        ("handle, int8, 65536 distinct requests", BackendKind::Int8, false, &spread),
-        ("handle, f32, 65536 distinct requests", BackendKind::F32, false, &spread),
-        ("protocol floor", BackendKind::Int8, true, &hot),
+    // The score cache is on by default and filled after every primary
+    // answer; "cache off" is what that fill costs a request.
+    let cache_off = CacheConfig { entries_max: 0, ..CacheConfig::default() };
+    for (name, backend, floor, frames, cache) in [
+        ("handle, int8", BackendKind::Int8, false, &hot, CacheConfig::default()),
+        ("handle, f32", BackendKind::F32, false, &hot, CacheConfig::default()),
+        ("handle, int8, 65536 distinct requests", BackendKind::Int8, false, &spread, CacheConfig::default()),
+        ("handle, int8, 65536 distinct requests, cache off", BackendKind::Int8, false, &spread, cache_off),
+        ("handle, f32, 65536 distinct requests", BackendKind::F32, false, &spread, CacheConfig::default()),
+        ("protocol floor", BackendKind::Int8, true, &hot, CacheConfig::default()),
     ] {
         let fit = Fit {
             user_dim: demo::EMBEDDING_DIM as usize,
@@ -164,7 +169,7 @@ fn request_bench(c: &mut Criterion) {
             admission: Default::default(),
             client_usage: Arc::new(quiver::admission::ClientUsage::new(&Default::default(), 1)),
             ladder: Default::default(),
-            cache: Default::default(),
+            cache,
             shed: Default::default(),
             feed: None,
             fallback: None,

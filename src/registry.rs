@@ -325,11 +325,7 @@ impl Registry {
     /// drops what was built for versions no longer served; call with the
     /// new version in `slots`. Returns the dropped backends, for the caller
     /// to free after it released the lock.
-    fn stash(
-        &self,
-        slots: &BTreeMap<String, Slot>,
-        new: Option<BuiltAhead>,
-    ) -> Vec<BuiltAhead> {
+    fn stash(&self, slots: &BTreeMap<String, Slot>, new: Option<BuiltAhead>) -> Vec<BuiltAhead> {
         let mut prebuilt = self.prebuilt.lock().unwrap_or_else(|e| e.into_inner());
         prebuilt.extend(new.filter(|(_, built)| !built.is_empty()));
         let served = |m: &Arc<Model>| {
