@@ -422,16 +422,23 @@ fn a_fallback_that_finishes_late_answers_deadline_exceeded() {
     assert!(late > 0, "some step makes the fallback finish late");
 }
 
-#[test]
-fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
-    let d = dir("refresh-fail");
-    let base = shared(&d);
+/// `shared`'s setup with its model published as "a" under `d/models`, for
+/// tests that load versions through a registry directory.
+fn models_dir_with_a(d: &std::path::Path) -> (Shared, std::path::PathBuf, Model, crate::registry::Fit) {
+    let base = shared(d);
     let models = d.join("models");
     let _ = std::fs::remove_dir_all(&models);
     let mut a = base.registry.snapshot().models[0].as_ref().clone();
     a.name = "a".into();
     crate::registry::publish(&models, &a).unwrap();
     let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    (base, models, a, fit)
+}
+
+#[test]
+fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
+    let d = dir("refresh-fail");
+    let (base, models, _, fit) = models_dir_with_a(&d);
     let registry = Arc::new(Registry::open(&models, Some("a"), fit, BackendKind::F32, 4).unwrap());
     let mut sh = base.clone();
     sh.registry = registry.clone();
@@ -571,13 +578,7 @@ fn categorical_ids_in_float_columns_that_match_no_row_count_as_missing() {
 #[test]
 fn versions_published_through_the_registry_arrive_built_for_each_shard() {
     let d = dir("prebuilt");
-    let base = shared(&d);
-    let models = d.join("models");
-    let _ = std::fs::remove_dir_all(&models);
-    let mut a = base.registry.snapshot().models[0].as_ref().clone();
-    a.name = "a".into();
-    crate::registry::publish(&models, &a).unwrap();
-    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let (base, models, a, fit) = models_dir_with_a(&d);
     let registry = Arc::new(Registry::open(&models, Some("a"), fit, BackendKind::F32, 4).unwrap().with_shards(2));
     let mut sh = base.clone();
     sh.registry = registry.clone();
