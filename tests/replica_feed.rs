@@ -294,7 +294,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     let s = wait_caught_up(&server, &redis);
     assert_eq!(group(&s, "item").resyncs, 1, "{s:?}");
     assert_eq!(group(&s, "user").resyncs, 0, "the user stream was intact: {s:?}");
-    assert!(server.stderr().contains("full resync"), "{}", server.stderr());
+    server.wait_stderr("full resync");
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 950);
 
     // Redis replaced under a running server: a new epoch.
@@ -495,9 +495,8 @@ fn bad_data_in_redis_is_skipped_counted_and_named_in_the_log() {
     p.put("item", 7000, &vector(7000, 1)).unwrap();
     let s = wait_caught_up(&server, &redis);
     assert_eq!(group(&s, "item").skipped, 8, "{s:?}");
-    let log = server.stderr();
     for key in ["item:abc", "item:5000", "item:5001", "item:5002", "item:6000", "item:zzz", "item:6001"] {
-        assert!(log.contains(key), "the log names {key}:\n{log}");
+        server.wait_stderr(key);
     }
     let r = Replica::open(&dir.join("item.qrep"), "item").unwrap();
     let mut out = vec![0.0; DIM];
@@ -594,8 +593,7 @@ fn redis_restarted_empty_holds_the_resync_until_an_operator_accepts_it() {
     assert_eq!(readyz(), 503, "stale_policy = not_ready fails readiness while held");
     let (_, metrics) = get(&format!("http://{admin}/metrics"));
     assert!(metrics.contains("quiver_replica_resync_held{group=\"item\"} 1"), "{metrics}");
-    let log = server.stderr();
-    assert!(log.contains("a full resync would drop 2000 of 2000 rows"), "{log}");
+    server.wait_stderr("a full resync would drop 2000 of 2000 rows");
 
     // While redis stands still the hold stays, and nothing is copied again.
     std::thread::sleep(Duration::from_millis(500));
@@ -612,7 +610,7 @@ fn redis_restarted_empty_holds_the_resync_until_an_operator_accepts_it() {
     let s = stats(&server);
     assert!(!group(&s, "item").resync_held && group(&s, "user").resync_held, "{s:?}");
     assert_eq!(group(&s, "item").rows, 0, "{s:?}");
-    assert!(server.stderr().contains("held resync accepted by an operator"));
+    server.wait_stderr("held resync accepted by an operator");
     let r = ask(3);
     assert!(r.features_missing >= 3 && r.features_stale, "items gone, user still held: {r:?}");
     let (code, _, err) = common::run_quiver(["replica", "accept", "--admin", &admin, "--group", "item"]);
@@ -742,7 +740,7 @@ fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
     });
     wait_caught_up(&server, &redis);
     assert!(group(&s, "item").resync_restarts > 0, "copies made during the load were thrown away: {s:?}");
-    let log = server.stderr();
+    let log = server.wait_stderr("copying again");
     let last_sync = log.lines().rfind(|l| l.contains("full sync done") && l.contains("group=item")).unwrap();
     assert!(last_sync.contains(&format!("rows={N}")), "the copy swapped in was complete: {last_sync}\n{log}");
     assert!(log.contains("copying again"), "{log}");

@@ -144,6 +144,21 @@ impl Server {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// The server's log once it contains `needle`: a line logged after an
+    /// event the test saw (a counter in `/stats.json`) reaches the test
+    /// through the stderr pipe later. Panics after 10 s with the log.
+    pub fn wait_stderr(&self, needle: &str) -> String {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.stderr();
+            if log.contains(needle) {
+                return log;
+            }
+            assert!(Instant::now() < until, "the log never said {needle:?}:\n{log}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The admin endpoint's `/stats.json`.
     pub fn stats(&self) -> quiver::admin::Stats {
         let (code, body) = http_get(&format!("http://{}/stats.json", self.admin));
