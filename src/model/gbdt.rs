@@ -13,7 +13,7 @@ use std::path::Path;
 use super::graph::{Graph, Node, Op, OutputKind};
 use super::onnx::{Imported, InputMapping};
 use super::trees::{f32_at_most, f32_below, Ensemble, Split, TreeNode};
-use super::{InputSegment, Model, ModelError, MODEL_BYTES_MAX};
+use super::{InputSegment, Model, ModelError, MODEL_HEAP_BYTES_MAX};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GbdtError {
@@ -23,7 +23,7 @@ pub enum GbdtError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: file is {bytes} bytes, the limit is {MODEL_BYTES_MAX}")]
+    #[error("{path}: file is {bytes} bytes, the limit is {MODEL_HEAP_BYTES_MAX}")]
     TooLarge { path: String, bytes: u64 },
     #[error("{path}: not a valid {format} model (truncated or corrupt?): {what}")]
     Parse { path: String, format: &'static str, what: String },
@@ -72,7 +72,7 @@ fn read(path: &Path) -> Result<String, GbdtError> {
     let p = path.display().to_string();
     let io = |source| GbdtError::Io { path: p.clone(), source };
     let len = std::fs::metadata(path).map_err(io)?.len();
-    if len > MODEL_BYTES_MAX as u64 {
+    if len > MODEL_HEAP_BYTES_MAX as u64 {
         return Err(GbdtError::TooLarge { path: p, bytes: len });
     }
     let bytes = std::fs::read(path).map_err(io)?;

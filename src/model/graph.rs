@@ -15,6 +15,7 @@
 //! ([`Graph::simplify`]) are exact in f32 and are what `quiver import`
 //! reports in its summary.
 
+use super::table::EmbeddingTable;
 use super::trees::Ensemble;
 use super::{Layer, WIDTH_MAX};
 
@@ -22,9 +23,16 @@ mod fuse;
 
 /// Most nodes in one graph.
 pub const NODES_MAX: usize = 256;
-/// Most rows in one embedding table.
-pub const EMBEDDING_ROWS_MAX: usize = 1 << 22;
-/// Most parameters (floats) in one graph, all nodes together.
+/// Most rows in one embedding table: a row index arrives as an f32, exact
+/// for integers up to 2^24 (the request path sends larger ids as missing).
+pub const EMBEDDING_ROWS_MAX: usize = 1 << 24;
+/// Most floats in one graph's embedding tables together (16 GiB). Loading
+/// serves them from the mapped model file, not the heap, so they are bounded
+/// apart from the other parameters; loading still reads every one of them
+/// once (the finiteness check).
+pub const EMBEDDING_FLOATS_MAX: usize = 1 << 32;
+/// Most parameters (floats) in one graph besides its embedding tables, all
+/// nodes together: what loading copies into the heap.
 pub const PARAMS_MAX: usize = 1 << 28;
 /// Most floats all of a graph's tensors take for one row; bounds the
 /// executors' buffers (rows × this).
@@ -129,11 +137,12 @@ pub enum Op {
     Sum,
     /// Each input value indexes a row of `table` (`[rows][dim]`); the rows
     /// go side by side. A value that is not an integer in `0..rows` reads
-    /// `default` instead.
+    /// `default` instead. A loaded model's table is a view of its mapped
+    /// file, shared by every clone (`model::table`).
     Embedding {
         dim: usize,
         rows: usize,
-        table: Vec<f32>,
+        table: EmbeddingTable,
         default: Vec<f32>,
     },
     /// A tree ensemble over the input's columns (`model::trees`): one value.
@@ -165,7 +174,7 @@ impl Op {
             Op::Dense { layer, .. } => layer.weights_f32.len() + layer.bias.len(),
             Op::Affine { center, scale, shift } => center.len() + scale.len() + shift.len(),
             Op::LayerNorm { scale, shift, .. } => scale.len() + shift.len(),
-            Op::Embedding { table, default, .. } => table.len() + default.len(),
+            Op::Embedding { default, .. } => default.len(),
             Op::Trees(e) => 4 * e.nodes.len() + e.cat_words.len(),
             _ => 0,
         }
@@ -211,6 +220,7 @@ impl Graph {
             return Err(format!("the graph has {n} nodes; 1 to {NODES_MAX} allowed"));
         }
         let mut params = 0usize;
+        let mut table_floats = 0usize;
         let mut row_floats = 0usize;
         let mut used = vec![false; n];
         for (i, node) in self.nodes.iter().enumerate() {
@@ -347,9 +357,11 @@ impl Graph {
                     if *dim == 0 || w(0) * dim != node.width {
                         return Err(at(format!("reads {} indices of {dim} floats into width {}", w(0), node.width)));
                     }
-                    if table.len() != rows * dim || default.len() != *dim || !finite(table) || !finite(default) {
+                    let shape_ok = rows.checked_mul(*dim) == Some(table.len()) && default.len() == *dim;
+                    if !shape_ok || !all_finite(table) || !finite(default) {
                         return Err(at(format!("its table is not {rows} x {dim} finite floats with a default row")));
                     }
+                    table_floats = table_floats.saturating_add(table.len());
                 }
                 Op::Trees(e) => {
                     arity(1)?;
@@ -363,7 +375,14 @@ impl Graph {
             row_floats = row_floats.saturating_add(node.width);
         }
         if params > PARAMS_MAX {
-            return Err(format!("the graph has {params} parameters; the limit is {PARAMS_MAX}"));
+            return Err(format!(
+                "the graph has {params} parameters besides its embedding tables; the limit is {PARAMS_MAX}"
+            ));
+        }
+        if table_floats > EMBEDDING_FLOATS_MAX {
+            return Err(format!(
+                "the graph's embedding tables hold {table_floats} floats; the limit is {EMBEDDING_FLOATS_MAX}"
+            ));
         }
         if row_floats > ROW_FLOATS_MAX {
             return Err(format!("the graph's tensors take {row_floats} floats per row; the limit is {ROW_FLOATS_MAX}"));
@@ -661,6 +680,14 @@ impl Graph {
     }
 }
 
+/// Whether every value is finite. Reads every value, so every page of a
+/// loaded table (the price of checking it, linear in its size); written to
+/// vectorise, with no early exit inside a block.
+pub fn all_finite(v: &[f32]) -> bool {
+    const EXPONENT: u32 = 0x7f80_0000;
+    v.chunks(4096).all(|block| block.iter().fold(true, |ok, x| ok & (x.to_bits() & EXPONENT != EXPONENT)))
+}
+
 fn act_ok(a: Act) -> Result<(), String> {
     match a {
         Act::LeakyRelu(alpha) if !alpha.is_finite() => Err(format!("LeakyReLU alpha {alpha} is not finite")),
@@ -779,7 +806,7 @@ mod tests {
             g.nodes.insert(
                 1,
                 Node {
-                    op: Op::Embedding { dim: 2, rows: 3, table: vec![0.0; 5], default: vec![0.0; 2] },
+                    op: Op::Embedding { dim: 2, rows: 3, table: vec![0.0; 5].into(), default: vec![0.0; 2] },
                     inputs: vec![0],
                     width: 8,
                 },
@@ -787,6 +814,20 @@ mod tests {
             g.nodes[2] = dense(1, 8, 1, 1, Act::None);
         };
         assert!(refused(&bad_emb, 4).contains("node 1 (Embedding): its table is not 3 x 2"));
+    }
+
+    #[test]
+    fn all_finite_finds_one_bad_value_anywhere() {
+        let mut v = vec![1.0f32; 10_000];
+        assert!(all_finite(&v) && all_finite(&[]));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 4095, 4096, 9_999] {
+                v[at] = bad;
+                assert!(!all_finite(&v), "{bad} at {at}");
+                v[at] = f32::MAX;
+            }
+        }
+        assert!(all_finite(&v));
     }
 
     #[test]

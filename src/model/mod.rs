@@ -9,8 +9,12 @@
 //! ranges, which turn on the static INT8 semantics ([`StaticInt8Layer`]), and
 //! the calibration set's score histogram and context input moments, the
 //! baselines of drift measures (the `drift` module).
-//! Loading copies everything into owned, validated arrays; a file that does
-//! not describe a consistent network is refused with the reason.
+//! Loading maps the file read-only and copies everything but the embedding
+//! tables of a graph model into owned, validated arrays; the tables, which
+//! can be gigabytes, are served from the mapping (`table`), and a file whose
+//! tables are too large to be inline stores them after the FlatBuffer
+//! (`Node.table_at`). A file that does not describe a consistent network is
+//! refused with the reason.
 
 #[cfg(quiver_flatc_generated)]
 #[allow(clippy::all, clippy::pedantic, unsafe_op_in_unsafe_fn, mismatched_lifetime_syntaxes, deprecated)]
@@ -29,18 +33,43 @@ pub mod graph;
 pub mod layout;
 pub mod onnx;
 pub mod onnx_graph;
+pub mod table;
 pub mod trees;
 
+use std::fs::File;
+use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
-use flatbuffers::{FlatBufferBuilder, VerifierOptions, WIPOffset};
+use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, VerifierOptions, WIPOffset};
 pub use generated::quiver::model as fb;
 pub use graph::{Act, Graph, Node, Op, OutputKind};
 pub use onnx_graph::{OnnxElement, OnnxGraph, OnnxInput};
+pub use table::{EmbeddingTable, ModelFile, TableError};
 use trees::{Ensemble, Split, TreeNode};
 
-/// Largest model file accepted, and the verifier's size bound.
-pub const MODEL_BYTES_MAX: usize = 1 << 30;
+/// Most bytes of a model file that loading copies into the heap: all of it
+/// but the embedding tables, counted as the FlatBuffers verifier counts
+/// (every byte each reference reaches). Also the most an importer reads of
+/// its input file.
+pub const MODEL_HEAP_BYTES_MAX: usize = 1 << 30;
+/// Largest model file accepted: room for `graph::EMBEDDING_FLOATS_MAX`
+/// floats of embedding tables (16 GiB) beside `MODEL_HEAP_BYTES_MAX` of the
+/// rest, with some to spare. The file is mapped, not read, so this bounds
+/// address space, and the load time through the one pass over the tables.
+pub const MODEL_MAPPED_BYTES_MAX: u64 = 18 << 30;
+const _: () = assert!(
+    MODEL_MAPPED_BYTES_MAX
+        >= (MODEL_HEAP_BYTES_MAX + 4 * graph::EMBEDDING_FLOATS_MAX + graph::NODES_MAX * TABLE_ALIGN_BYTES) as u64
+);
+/// Embedding tables of more bytes than this, all together, are written
+/// after the FlatBuffer rather than in it: FlatBuffers caps a buffer at
+/// 2 GiB, and written apart they are streamed to the file from the model's
+/// memory, not copied into the builder first. Smaller ones stay inline,
+/// where servers from before `table_at` read them too.
+pub const EMBEDDING_INLINE_BYTES_MAX: usize = 64 << 20;
+/// A table written after the FlatBuffer starts at a multiple of this.
+const TABLE_ALIGN_BYTES: usize = 64;
 /// Widest layer accepted; bounds per-shard scratch buffers.
 pub const WIDTH_MAX: usize = 16_384;
 /// Deepest network accepted.
@@ -60,8 +89,20 @@ pub enum ModelError {
         #[source]
         source: flatbuffers::InvalidFlatbuffer,
     },
-    #[error("{path}: model file is {bytes} bytes, the limit is {MODEL_BYTES_MAX}")]
+    #[error("{path}: model file is {bytes} bytes, the limit is {MODEL_MAPPED_BYTES_MAX} (MODEL_MAPPED_BYTES_MAX)")]
     TooLarge { path: String, bytes: u64 },
+    #[error(
+        "{path}: the model besides its embedding tables is over {MODEL_HEAP_BYTES_MAX} bytes \
+         (MODEL_HEAP_BYTES_MAX), which loading would copy into memory"
+    )]
+    HeapTooLarge { path: String },
+    #[error("{path}: the embedding table of node {node}: {source}")]
+    Table {
+        path: String,
+        node: usize,
+        #[source]
+        source: TableError,
+    },
     #[error("{path}: not a Quiver model file (file identifier is not QVM1)")]
     Identifier { path: String },
     #[error("model '{name}': {what}")]
@@ -565,33 +606,75 @@ impl Model {
         }
     }
 
-    /// Reads and validates a model file.
+    /// Maps and validates a model file.
+    ///
+    /// What this reads: the FlatBuffer's structure (verified without
+    /// walking scalar vectors), every byte outside the embedding tables
+    /// (copied into owned arrays, at most `MODEL_HEAP_BYTES_MAX`), and every
+    /// float of every embedding table once, for the finiteness check, which
+    /// brings the tables into the page cache: its time grows with their
+    /// size (90 ms for 1.28 GB already cached, 0.6-0.8 s from the disk, on
+    /// a 2-core VM). The tables themselves are not copied: the model serves
+    /// them from the mapping.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
         let p = path.display().to_string();
         let io = |source| ModelError::Io { path: p.clone(), source };
-        let bytes_len = std::fs::metadata(path).map_err(io)?.len();
-        if bytes_len > MODEL_BYTES_MAX as u64 {
+        let file = File::open(path).map_err(io)?;
+        // The open file's length, not the path's: a rename between a stat
+        // and the open would pair one file's length with another's bytes.
+        let bytes_len = file.metadata().map_err(io)?.len();
+        if bytes_len > MODEL_MAPPED_BYTES_MAX {
             return Err(ModelError::TooLarge { path: p, bytes: bytes_len });
         }
-        let bytes = std::fs::read(path).map_err(io)?;
-        Model::from_bytes(&bytes, &p)
+        if bytes_len < 8 {
+            return Err(ModelError::Identifier { path: p });
+        }
+        // SAFETY: model files are replaced only by renaming a new file over
+        // the old one, never truncated or rewritten in place: this crate
+        // writes them only through `write_atomically` (temporary file, then
+        // rename), and README tells operators to do the same (`mv`, not
+        // `cp` over a served file). A rename leaves the inode mapped here
+        // untouched, so the mapping stays valid while the old model serves.
+        let file = Arc::new(unsafe { ModelFile::map(&file) }.map_err(io)?);
+        Model::parse(file.bytes(), Some(&file), &p)
     }
 
+    /// Validates a model file held in memory; its embedding tables are
+    /// copied out (owned), unlike `load`'s.
     pub fn from_bytes(bytes: &[u8], path_for_errors: &str) -> Result<Model, ModelError> {
+        Model::parse(bytes, None, path_for_errors)
+    }
+
+    /// `bytes` are all of `file`'s when it is given, and the embedding
+    /// tables are then views of it.
+    fn parse(bytes: &[u8], file: Option<&Arc<ModelFile>>, path_for_errors: &str) -> Result<Model, ModelError> {
         let p = path_for_errors.to_string();
         // The generated check asserts the buffer holds a root offset and an
         // identifier (8 bytes); a shorter file is simply not a model file.
         if bytes.len() < 8 || !fb::model_buffer_has_identifier(bytes) {
             return Err(ModelError::Identifier { path: p });
         }
-        let opts = VerifierOptions {
+        let opts = |max_apparent_size| VerifierOptions {
             max_depth: 8,
             max_tables: 2 + LAYERS_MAX + 16 + 2 * graph::NODES_MAX + 1 + onnx_graph::ONNX_INPUTS_MAX,
-            max_apparent_size: MODEL_BYTES_MAX,
+            max_apparent_size,
             ignore_missing_null_terminator: false,
         };
-        let m = flatbuffers::root_with_opts::<fb::Model>(&opts, bytes)
-            .map_err(|source| ModelError::Invalid { path: p.clone(), source })?;
+        // The verifier counts every byte each reference reaches (a table
+        // read twice counts twice) against `max_apparent_size`, in one
+        // check per vector: it never walks a scalar vector's elements, so
+        // verifying a big table costs nothing. The first pass only makes
+        // the buffer safe to read, with a bound no valid file reaches; the
+        // second holds the heap parts to MODEL_HEAP_BYTES_MAX, now that the
+        // inline tables it may exceed that by are known.
+        let invalid = |source| ModelError::Invalid { path: p.clone(), source };
+        let loose = usize::try_from(MODEL_MAPPED_BYTES_MAX).unwrap_or(usize::MAX);
+        let m = flatbuffers::root_with_opts::<fb::Model>(&opts(loose), bytes).map_err(invalid)?;
+        let heap_bound = MODEL_HEAP_BYTES_MAX.saturating_add(inline_table_bytes(&m));
+        flatbuffers::root_with_opts::<fb::Model>(&opts(heap_bound), bytes).map_err(|source| match source {
+            InvalidFlatbuffer::ApparentSizeTooLarge => ModelError::HeapTooLarge { path: p.clone() },
+            source => invalid(source),
+        })?;
         let name = m.name().unwrap_or("").to_string();
         let bad = |what: &str| ModelError::Shape { name: name.clone(), what: what.into() };
         let mut inputs = Vec::new();
@@ -628,7 +711,10 @@ impl Model {
             dynamic_error: measured(c.dynamic_error_max(), c.dynamic_error_mean()),
         });
         let graph = match m.graph() {
-            Some(g) => Some(graph_from_fb(&g).map_err(|what| bad(&what))?),
+            Some(g) => Some(graph_from_fb(&g, bytes, file).map_err(|e| match e {
+                FromFb::Shape(what) => bad(&what),
+                FromFb::Table { node, source } => ModelError::Table { path: p.clone(), node, source },
+            })?),
             None => None,
         };
         let onnx = match m.onnx() {
@@ -640,7 +726,78 @@ impl Model {
         Ok(model)
     }
 
+    /// The model file's bytes, as `save` writes them.
     pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.write_file(&mut out, EMBEDDING_INLINE_BYTES_MAX).expect("writing into a Vec cannot fail");
+        out
+    }
+
+    /// Writes the model file atomically: a new file renamed over `path`.
+    pub fn save(&self, path: &Path) -> Result<(), ModelError> {
+        write_atomically(path, |w| self.write_file(w, EMBEDDING_INLINE_BYTES_MAX))
+    }
+
+    /// Writes the file: the FlatBuffer, then, when the embedding tables
+    /// together are over `inline_bytes_max`, each table at its `table_at`
+    /// (zeros between), streamed from the model's memory.
+    fn write_file(&self, w: &mut impl Write, inline_bytes_max: usize) -> std::io::Result<()> {
+        let (b, tables) = self.encode(inline_bytes_max);
+        let head = b.finished_data();
+        w.write_all(head)?;
+        let mut written = head.len() as u64;
+        let mut le = Vec::with_capacity(1 << 16);
+        for (at, t) in tables {
+            w.write_all(&[0; TABLE_ALIGN_BYTES][..(at - written) as usize])?;
+            for chunk in t.chunks(1 << 14) {
+                le.clear();
+                le.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+                w.write_all(&le)?;
+            }
+            written = at + 4 * t.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// The FlatBuffer and the tables to write after it, by file offset.
+    fn encode(&self, inline_bytes_max: usize) -> (FlatBufferBuilder<'static>, Vec<(u64, &[f32])>) {
+        let tables: Vec<(usize, &[f32])> = self.graph.as_ref().map_or_else(Vec::new, |g| {
+            g.nodes
+                .iter()
+                .enumerate()
+                .filter_map(|(i, n)| match &n.op {
+                    Op::Embedding { table, .. } => Some((i, &**table)),
+                    _ => None,
+                })
+                .collect()
+        });
+        let bytes: usize = tables.iter().map(|(_, t)| 4 * t.len()).sum();
+        if bytes <= inline_bytes_max {
+            return (self.build(&[]), Vec::new());
+        }
+        // Where the tables go depends on the FlatBuffer's length, which does
+        // not depend on the offsets' values (a scalar field not at its
+        // default takes the same bytes whatever it holds): a first build
+        // with placeholders measures it.
+        let placeholders: Vec<(usize, u64)> = tables.iter().map(|&(i, _)| (i, u64::MAX)).collect();
+        let head_bytes = self.build(&placeholders).finished_data().len();
+        let mut at = head_bytes;
+        let mut table_at = Vec::with_capacity(tables.len());
+        let mut placed = Vec::with_capacity(tables.len());
+        for (i, t) in tables {
+            at = at.next_multiple_of(TABLE_ALIGN_BYTES);
+            table_at.push((i, at as u64));
+            placed.push((at as u64, t));
+            at += 4 * t.len();
+        }
+        let b = self.build(&table_at);
+        assert_eq!(b.finished_data().len(), head_bytes, "the offsets' values changed the FlatBuffer's length");
+        (b, placed)
+    }
+
+    /// The FlatBuffer, with the embedding table of each node named in
+    /// `table_at` stored at that file offset instead of inline.
+    fn build(&self, table_at: &[(usize, u64)]) -> FlatBufferBuilder<'static> {
         let mut b = FlatBufferBuilder::new();
         let inputs: Vec<_> = self
             .inputs
@@ -656,7 +813,7 @@ impl Model {
             })
             .collect();
         let layers: Vec<_> = self.layers.iter().map(|l| layer_to_fb(&mut b, l)).collect();
-        let graph = self.graph.as_ref().map(|g| graph_to_fb(&mut b, g));
+        let graph = self.graph.as_ref().map(|g| graph_to_fb(&mut b, g, table_at));
         let onnx = self.onnx.as_ref().map(|o| o.to_fb(&mut b));
         let calibration = self.calibration.as_ref().map(|c| {
             let edges = Some(b.create_vector(&c.scores.edges));
@@ -700,16 +857,48 @@ impl Model {
             &fb::ModelArgs { name, version: self.version, inputs, layers, calibration, graph, onnx },
         );
         fb::finish_model_buffer(&mut b, root);
-        b.finished_data().to_vec()
+        b
     }
+}
 
-    /// Writes the model file atomically.
-    pub fn save(&self, path: &Path) -> Result<(), ModelError> {
-        crate::replica::write_atomically(path, &self.to_bytes()).map_err(|e| ModelError::Io {
-            path: path.display().to_string(),
-            source: std::io::Error::other(e.to_string()),
-        })
+/// Writes a model file as a new file renamed over `path`, never in place: a
+/// server may have the file at `path` mapped (`Model::load`), and a rename
+/// leaves that inode, and its mapping, as they were, where truncating it
+/// would make the server's next read of a lost page a SIGBUS. (Streams the
+/// file, unlike `replica::write_atomically`, so that gigabytes of tables
+/// need no second copy in memory.)
+fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>,
+) -> Result<(), ModelError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".write.tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    let written = (|| {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        write(&mut w)?;
+        w.into_inner().map_err(std::io::IntoInnerError::into_error)?.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            Some(dir) => File::open(dir)?.sync_all(),
+            None => Ok(()),
+        }
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
+    written.map_err(|source| ModelError::Io { path: path.display().to_string(), source })
+}
+
+/// The bytes of the embedding tables stored inline, as the verifier counts
+/// them (once per node that reads them).
+fn inline_table_bytes(m: &fb::Model<'_>) -> usize {
+    let nodes = m.graph().and_then(|g| g.nodes()).unwrap_or_default();
+    nodes
+        .iter()
+        .filter(|n| n.op() == fb::NodeOp::Embedding)
+        .map(|n| n.table().map_or(0, |t| 4 * t.len()))
+        .fold(0, usize::saturating_add)
 }
 
 /// The checks of a calibration's score histogram and context moments that
@@ -819,11 +1008,12 @@ fn act_from_fb(a: fb::Activation, alpha: f32) -> Option<Act> {
     })
 }
 
-fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph) -> WIPOffset<fb::Graph<'b>> {
+fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph, table_at: &[(usize, u64)]) -> WIPOffset<fb::Graph<'b>> {
     let nodes: Vec<_> = g
         .nodes
         .iter()
-        .map(|n| {
+        .enumerate()
+        .map(|(i, n)| {
             let inputs: Vec<u32> = n.inputs.iter().map(|&i| i as u32).collect();
             let inputs = Some(b.create_vector(&inputs));
             let mut args = fb::NodeArgs { inputs, width: n.width as u32, ..Default::default() };
@@ -864,7 +1054,10 @@ fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph) -> WIPOffset<fb::Gr
                 Op::Embedding { dim: _, rows, table, default } => {
                     args.op = fb::NodeOp::Embedding;
                     args.table_rows = *rows as u32;
-                    args.table = floats(b, table);
+                    match table_at.iter().find(|(node, _)| *node == i) {
+                        Some(&(_, at)) => args.table_at = at,
+                        None => args.table = floats(b, table),
+                    }
                     args.table_default = floats(b, default);
                 }
                 Op::Trees(e) => {
@@ -883,15 +1076,29 @@ fn graph_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, g: &Graph) -> WIPOffset<fb::Gr
     fb::Graph::create(b, &fb::GraphArgs { nodes, output })
 }
 
-fn graph_from_fb(g: &fb::Graph<'_>) -> Result<Graph, String> {
+/// Why `graph_from_fb` refused a graph.
+enum FromFb {
+    Shape(String),
+    Table { node: usize, source: TableError },
+}
+
+impl From<String> for FromFb {
+    fn from(what: String) -> FromFb {
+        FromFb::Shape(what)
+    }
+}
+
+/// The graph of a file whose bytes are `bytes`; with `file` (the mapping of
+/// those bytes) its embedding tables are views of it, else copies.
+fn graph_from_fb(g: &fb::Graph<'_>, bytes: &[u8], file: Option<&Arc<ModelFile>>) -> Result<Graph, FromFb> {
     let output = match g.output() {
         fb::OutputKind::Logit => OutputKind::Logit,
         fb::OutputKind::Raw => OutputKind::Raw,
-        _ => return Err("the graph has an unknown output kind".into()),
+        _ => return Err(FromFb::Shape("the graph has an unknown output kind".into())),
     };
     let fb_nodes = g.nodes().unwrap_or_default();
     if fb_nodes.len() > graph::NODES_MAX {
-        return Err(format!("the graph has {} nodes; the limit is {}", fb_nodes.len(), graph::NODES_MAX));
+        return Err(format!("the graph has {} nodes; the limit is {}", fb_nodes.len(), graph::NODES_MAX).into());
     }
     let mut nodes = Vec::with_capacity(fb_nodes.len());
     for (i, n) in fb_nodes.iter().enumerate() {
@@ -924,18 +1131,56 @@ fn graph_from_fb(g: &fb::Graph<'_>) -> Result<Graph, String> {
             fb::NodeOp::Sum => Op::Sum,
             fb::NodeOp::Embedding => {
                 let default: Vec<f32> = floats(n.table_default());
-                Op::Embedding { dim: default.len(), rows: n.table_rows() as usize, table: floats(n.table()), default }
+                let rows = n.table_rows() as usize;
+                let table = embedding_table(&n, rows, default.len(), bytes, file).map_err(|e| match e {
+                    Some(source) => FromFb::Table { node: i, source },
+                    None => FromFb::Shape(format!("node {i} (Embedding) has its table both inline and at table_at")),
+                })?;
+                Op::Embedding { dim: default.len(), rows, table, default }
             }
             fb::NodeOp::Trees => {
                 let e = n.trees().ok_or_else(|| format!("node {i} (Trees) has no ensemble"))?;
                 Op::Trees(ensemble_from_fb(&e).map_err(|what| format!("node {i} (Trees): {what}"))?)
             }
-            _ => return Err(format!("node {i} has an unknown op")),
+            _ => return Err(format!("node {i} has an unknown op").into()),
         };
         let inputs = n.inputs().map(|v| v.iter().map(|x| x as usize).collect()).unwrap_or_default();
         nodes.push(Node { op, inputs, width });
     }
     Ok(Graph { nodes, output })
+}
+
+/// An Embedding node's `rows x dim` table, inline or at `table_at`: a view
+/// of `file` when given (which `bytes` are all of), else a copy. A node with
+/// no table gets an empty one, which validation refuses with the shape it
+/// should have had. `Err(None)`: the node has both.
+fn embedding_table(
+    n: &fb::Node<'_>,
+    rows: usize,
+    dim: usize,
+    bytes: &[u8],
+    file: Option<&Arc<ModelFile>>,
+) -> Result<EmbeddingTable, Option<TableError>> {
+    let (at, floats) = match (n.table(), n.table_at()) {
+        (Some(_), 1..) => return Err(None),
+        // The verifier checked the vector lies in `bytes`.
+        (Some(t), 0) => (t.bytes().as_ptr() as usize - bytes.as_ptr() as usize, t.len()),
+        (None, 0) => return Ok(Vec::new().into()),
+        (None, at) => {
+            let out_of_file = || TableError::OutOfFile {
+                at,
+                floats: (rows as u64).saturating_mul(dim as u64),
+                file_bytes: bytes.len() as u64,
+            };
+            let at = usize::try_from(at).map_err(|_| out_of_file())?;
+            (at, rows.checked_mul(dim).ok_or_else(out_of_file)?)
+        }
+    };
+    match file {
+        Some(f) => EmbeddingTable::mapped(f, at, floats),
+        None => EmbeddingTable::copied(bytes, at, floats),
+    }
+    .map_err(Some)
 }
 
 const TREE_LEAF: u8 = 1;
@@ -1152,6 +1397,167 @@ mod tests {
         let mut huge = calibrated();
         huge.layers[1].bias[0] = 1e30;
         assert_eq!(huge.static_int8().unwrap()[1].bias_q[0], BIAS_Q_MAX);
+    }
+
+    /// A user vector and two context ids, each read by its own table.
+    fn embedded(rows: usize) -> Model {
+        let table = |seed: usize| -> EmbeddingTable {
+            (0..rows * 3).map(|i| ((i * 7 + seed) % 101) as f32 / 101.0).collect::<Vec<f32>>().into()
+        };
+        let nodes = vec![
+            Node { op: Op::Input { offset: 2 }, inputs: vec![], width: 1 },
+            Node {
+                op: Op::Embedding { dim: 3, rows, table: table(1), default: vec![0.5; 3] },
+                inputs: vec![0],
+                width: 3,
+            },
+            Node { op: Op::Input { offset: 3 }, inputs: vec![], width: 1 },
+            Node {
+                op: Op::Embedding { dim: 3, rows, table: table(2), default: vec![-0.5; 3] },
+                inputs: vec![2],
+                width: 3,
+            },
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 2 },
+            Node { op: Op::Concat, inputs: vec![1, 3, 4], width: 8 },
+            Node {
+                op: Op::Dense { layer: Layer::quantize(8, 1, false, vec![0.25; 8], vec![0.0]), act: Act::None },
+                inputs: vec![5],
+                width: 1,
+            },
+        ];
+        Model {
+            name: "emb".into(),
+            version: 1,
+            inputs: vec![
+                InputSegment { source: Source::User, dim: 2 },
+                InputSegment { source: Source::ContextIds, dim: 2 },
+            ],
+            layers: vec![],
+            calibration: None,
+            graph: Some(Graph { nodes, output: OutputKind::Logit }),
+            onnx: None,
+        }
+    }
+
+    fn tables(m: &Model) -> Vec<&EmbeddingTable> {
+        let nodes = m.graph.as_ref().map_or(&[][..], |g| &g.nodes[..]);
+        nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                Op::Embedding { table, .. } => Some(table),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("quiver-model-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn embedding_tables_round_trip_inline_and_after_the_flatbuffer_and_load_mapped() {
+        let m = embedded(1000);
+        let dir = scratch("tables");
+        for (k, inline_bytes_max) in [usize::MAX, 0].into_iter().enumerate() {
+            let mut bytes = Vec::new();
+            m.write_file(&mut bytes, inline_bytes_max).unwrap();
+            let root = flatbuffers::root::<fb::Model>(&bytes).unwrap();
+            let nodes = root.graph().and_then(|g| g.nodes()).unwrap();
+            for n in nodes.iter().filter(|n| n.op() == fb::NodeOp::Embedding) {
+                if inline_bytes_max == 0 {
+                    assert!(n.table().is_none() && n.table_at() > 0 && n.table_at() % TABLE_ALIGN_BYTES as u64 == 0);
+                } else {
+                    assert!(n.table().is_some() && n.table_at() == 0);
+                }
+            }
+            let copied = Model::from_bytes(&bytes, "t").unwrap();
+            assert_eq!(copied, m);
+            assert!(tables(&copied).iter().all(|t| !t.is_mapped()));
+            // A new file each time: writing over a mapped one in place is
+            // exactly what the mapping forbids.
+            let path = dir.join(format!("{k}.qm"));
+            std::fs::write(&path, &bytes).unwrap();
+            let loaded = Model::load(&path).unwrap();
+            assert_eq!(loaded, m);
+            for t in tables(&loaded) {
+                let file = t.file().unwrap();
+                assert!(file.bytes().as_ptr_range().contains(&t.as_ptr().cast()), "{t:?}");
+                assert_eq!(file.bytes().len(), bytes.len());
+            }
+            let x = [0.5, -1.0, 999.0, 1000.0, 0.25, 0.75, 3.0, -2.0];
+            let (mut want, mut got) = ([0.0; 2], [0.0; 2]);
+            m.forward_f32_reference(&x, 2, &mut want);
+            loaded.forward_f32_reference(&x, 2, &mut got);
+            assert_eq!(want, got);
+        }
+        // Small tables stay inline, where older servers read them too.
+        let mut inline = Vec::new();
+        m.write_file(&mut inline, usize::MAX).unwrap();
+        assert_eq!(m.to_bytes(), inline);
+        let saved = dir.join("saved.qm");
+        m.save(&saved).unwrap();
+        assert_eq!(std::fs::read(&saved).unwrap(), inline);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn tables_after_the_flatbuffer_are_refused_when_the_file_is_short() {
+        let m = embedded(1000);
+        let mut bytes = Vec::new();
+        m.write_file(&mut bytes, 0).unwrap();
+        for cut in [4, 3 * 4 * 1000, 3 * 4 * 1000 + 1] {
+            let e = Model::from_bytes(&bytes[..bytes.len() - cut], "t").unwrap_err();
+            assert!(
+                matches!(e, ModelError::Table { node: 3, source: TableError::OutOfFile { floats: 3000, .. }, .. }),
+                "{cut}: {e}"
+            );
+        }
+        let e = Model::from_bytes(&bytes[..bytes.len() - 2 * 3 * 4 * 1000], "t").unwrap_err();
+        assert!(matches!(e, ModelError::Table { node: 1, .. }), "{e}");
+        assert!(e.to_string().contains("node 1"), "{e}");
+    }
+
+    #[test]
+    fn heap_parts_over_the_limit_are_refused_even_when_the_file_is_small() {
+        // One 64 MiB weight vector that 17 dense layers all point at: a small
+        // file, but loading would copy 17 x 64 MiB, over MODEL_HEAP_BYTES_MAX.
+        let k = 1 << 12;
+        let mut b = FlatBufferBuilder::new();
+        let weights = b.create_vector(&vec![0.5f32; k * k]);
+        let weights_i8 = b.create_vector(&[1i8; 16]);
+        let ones = b.create_vector(&vec![1.0f32; k]);
+        let layer = fb::Layer::create(
+            &mut b,
+            &fb::LayerArgs {
+                in_dim: k as u32,
+                out_dim: k as u32,
+                activation: fb::Activation::None,
+                weights_f32: Some(weights),
+                weights_i8: Some(weights_i8),
+                weight_scales: Some(ones),
+                bias: Some(ones),
+            },
+        );
+        let nodes: Vec<_> = (0..17)
+            .map(|i| {
+                let inputs = Some(b.create_vector(&[i as u32]));
+                let args = fb::NodeArgs { op: fb::NodeOp::Dense, inputs, dense: Some(layer), ..Default::default() };
+                fb::Node::create(&mut b, &args)
+            })
+            .collect();
+        let nodes = Some(b.create_vector(&nodes));
+        let graph = Some(fb::Graph::create(&mut b, &fb::GraphArgs { nodes, output: fb::OutputKind::Logit }));
+        let name = Some(b.create_string("shared"));
+        let root = fb::Model::create(&mut b, &fb::ModelArgs { name, graph, ..Default::default() });
+        fb::finish_model_buffer(&mut b, root);
+        let bytes = b.finished_data();
+        assert!(bytes.len() < MODEL_HEAP_BYTES_MAX / 8);
+        let e = Model::from_bytes(bytes, "shared.qm").unwrap_err();
+        assert!(matches!(e, ModelError::HeapTooLarge { .. }), "{e}");
+        assert!(e.to_string().contains("MODEL_HEAP_BYTES_MAX"), "{e}");
     }
 
     #[test]

@@ -1327,6 +1327,7 @@ impl<'a> Node<'a> {
   pub const VT_TABLE: ::flatbuffers::VOffsetT = 28;
   pub const VT_TABLE_DEFAULT: ::flatbuffers::VOffsetT = 30;
   pub const VT_TREES: ::flatbuffers::VOffsetT = 32;
+  pub const VT_TABLE_AT: ::flatbuffers::VOffsetT = 34;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1338,6 +1339,7 @@ impl<'a> Node<'a> {
     args: &'args NodeArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Node<'bldr>> {
     let mut builder = NodeBuilder::new(_fbb);
+    builder.add_table_at(args.table_at);
     if let Some(x) = args.trees { builder.add_trees(x); }
     if let Some(x) = args.table_default { builder.add_table_default(x); }
     if let Some(x) = args.table { builder.add_table(x); }
@@ -1462,6 +1464,13 @@ impl<'a> Node<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<TreeEnsemble>>(Node::VT_TREES, None)}
   }
+  #[inline]
+  pub fn table_at(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(Node::VT_TABLE_AT, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Node<'_> {
@@ -1485,6 +1494,7 @@ impl ::flatbuffers::Verifiable for Node<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("table", Self::VT_TABLE, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("table_default", Self::VT_TABLE_DEFAULT, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<TreeEnsemble>>("trees", Self::VT_TREES, false)?
+     .visit_field::<u64>("table_at", Self::VT_TABLE_AT, false)?
      .finish();
     Ok(())
   }
@@ -1505,6 +1515,7 @@ pub struct NodeArgs<'a> {
     pub table: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub table_default: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub trees: Option<::flatbuffers::WIPOffset<TreeEnsemble<'a>>>,
+    pub table_at: u64,
 }
 impl<'a> Default for NodeArgs<'a> {
   #[inline]
@@ -1525,6 +1536,7 @@ impl<'a> Default for NodeArgs<'a> {
       table: None,
       table_default: None,
       trees: None,
+      table_at: 0,
     }
   }
 }
@@ -1595,6 +1607,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> NodeBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<TreeEnsemble>>(Node::VT_TREES, trees);
   }
   #[inline]
+  pub fn add_table_at(&mut self, table_at: u64) {
+    self.fbb_.push_slot::<u64>(Node::VT_TABLE_AT, table_at, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> NodeBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     NodeBuilder {
@@ -1627,6 +1643,7 @@ impl ::core::fmt::Debug for Node<'_> {
       ds.field("table", &self.table());
       ds.field("table_default", &self.table_default());
       ds.field("trees", &self.trees());
+      ds.field("table_at", &self.table_at());
       ds.finish()
   }
 }

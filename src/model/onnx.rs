@@ -26,7 +26,7 @@ use onnx_protobuf::{AttributeProto, GraphProto, ModelProto, NodeProto, TensorPro
 use protobuf::Enum as _;
 
 use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
-use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_BYTES_MAX};
+use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_HEAP_BYTES_MAX};
 
 mod export;
 mod keep;
@@ -57,7 +57,7 @@ pub enum OnnxError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: file is {bytes} bytes, the limit is {MODEL_BYTES_MAX}")]
+    #[error("{path}: file is {bytes} bytes, the limit is {MODEL_HEAP_BYTES_MAX}")]
     TooLarge { path: String, bytes: u64 },
     #[error("{path}: not a valid ONNX file (truncated or corrupt): {detail}")]
     Decode { path: String, detail: String },
@@ -293,7 +293,7 @@ pub fn import_file_keeping(path: &Path, opts: &ImportOptions, keep: KeepOnnx) ->
     let p = path.display().to_string();
     let io = |source| OnnxError::Io { path: p.clone(), source };
     let bytes_len = std::fs::metadata(path).map_err(io)?.len();
-    if bytes_len > MODEL_BYTES_MAX as u64 {
+    if bytes_len > MODEL_HEAP_BYTES_MAX as u64 {
         return Err(OnnxError::TooLarge { path: p, bytes: bytes_len });
     }
     let bytes = std::fs::read(path).map_err(io)?;
@@ -382,7 +382,10 @@ fn dtype_name(code: i32) -> String {
     }
 }
 
-/// Dimensions of a constant, checked to be non-negative and to fit memory.
+/// Dimensions of a constant, checked to be non-negative and to fit memory:
+/// as many floats as the largest embedding table (values are only ever
+/// read from data the file or its external data holds, never made up to
+/// fill dimensions; the graph's own limits apply after import).
 fn tensor_dims(t: &TensorProto) -> Result<(Vec<usize>, usize), OnnxError> {
     let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
     let mut dims = Vec::with_capacity(t.dims.len());
@@ -391,7 +394,7 @@ fn tensor_dims(t: &TensorProto) -> Result<(Vec<usize>, usize), OnnxError> {
         let d = usize::try_from(d).map_err(|_| bad(format!("negative dimension in {:?}", t.dims)))?;
         numel = numel
             .checked_mul(d)
-            .filter(|n| *n <= MODEL_BYTES_MAX / 4)
+            .filter(|n| *n <= super::graph::EMBEDDING_FLOATS_MAX)
             .ok_or_else(|| bad(format!("dimensions {:?} are too large", t.dims)))?;
         dims.push(d);
     }
@@ -1086,7 +1089,7 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
             let [rows, dim] = dims[..] else {
                 return Err(node_err(node, format!("table '{}' has shape {dims:?}; [rows, dim] expected", table.name)));
             };
-            let op = Op::Embedding { dim, rows, table: values, default: vec![0.0; dim] };
+            let op = Op::Embedding { dim, rows, table: values.into(), default: vec![0.0; dim] };
             let n = b.push(op, vec![idx.node], k * dim);
             Val { node: n, dims: vec![k, dim], ints: false }
         }
@@ -1585,12 +1588,17 @@ fn inline_external_data(graph: &GraphProto, base_dir: Option<&Path>) -> Result<G
         let io = |e: std::io::Error| bad(format!("external data file {}: {e}", path.display()));
         let size = std::fs::metadata(&path).map_err(io)?.len();
         let length = length.unwrap_or(size.saturating_sub(offset));
-        if offset.checked_add(length).is_none_or(|end| end > size) || length > MODEL_BYTES_MAX as u64 {
+        if offset.checked_add(length).is_none_or(|end| end > size) {
             return Err(bad(format!(
                 "external data {}: bytes {offset}..{} are outside its {size} bytes",
                 path.display(),
                 offset.saturating_add(length)
             )));
+        }
+        // Read whole into memory: as large as the largest embedding table.
+        let bytes_max = 4 * super::graph::EMBEDDING_FLOATS_MAX as u64;
+        if length > bytes_max {
+            return Err(bad(format!("external data {}: {length} bytes; the limit is {bytes_max}", path.display())));
         }
         use std::io::{Read as _, Seek as _};
         let mut f = std::fs::File::open(&path).map_err(io)?;

@@ -540,7 +540,7 @@ fn categorical_ids_in_float_columns_that_match_no_row_count_as_missing() {
     let mut sh = shared(&dir("float-ids"));
     let base = sh.registry.snapshot().models[0].clone();
     let embedding = |input: usize| Node {
-        op: Op::Embedding { dim: 1, rows: 3, table: vec![0.1, 0.2, 0.3], default: vec![0.0] },
+        op: Op::Embedding { dim: 1, rows: 3, table: vec![0.1, 0.2, 0.3].into(), default: vec![0.0] },
         inputs: vec![input],
         width: 1,
     };

@@ -295,6 +295,7 @@ impl GraphExec {
                     }
                 }
                 Op::Embedding { dim, rows: table_rows, table, default } => {
+                    let table: &[f32] = table;
                     let wa = widths[node.inputs[0]];
                     for (yr, ar) in y.chunks_exact_mut(w).zip(input(0).chunks_exact(wa)) {
                         for (slot, &v) in yr.chunks_exact_mut(*dim).zip(ar) {

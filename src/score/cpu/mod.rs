@@ -117,6 +117,12 @@ impl CpuF32 {
         let exec = GraphExec::new(&graph, DenseMode::F32, rows_max, &model.request_columns());
         CpuF32 { rows_max, graph, exec }
     }
+
+    /// The graph it runs: a clone of the model's, whose embedding tables
+    /// are the model's own (shared, not copied; `model::table`).
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
 }
 
 impl Backend for CpuF32 {
