@@ -419,6 +419,26 @@ enum PlotCommand {
         #[arg(required = true)]
         sweeps: Vec<String>,
     },
+    /// Measures against entity count (log-log), from `cargo bench --bench
+    /// scale`'s JSON lines: one line per storage and LABEL=FIELD, where FIELD
+    /// is a dotted path into each line (e.g. `lookup_uniform.p99_ns`).
+    Scale {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "Replica costs against entity count")]
+        title: String,
+        /// The y axis's name, with its unit.
+        #[arg(long)]
+        y_desc: String,
+        /// Each field's value is divided by this (1e3: ns to µs, 1e9: bytes to GB).
+        #[arg(long, default_value_t = 1.0)]
+        divide_by: f64,
+        /// The bench's output, one JSON object per line.
+        #[arg(long)]
+        results: PathBuf,
+        #[arg(required = true)]
+        fields: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -912,6 +932,42 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
                 series.push((label, points));
             }
             quiver::plot::sweep(&out, &title, &series).map_err(Error::Setup)?;
+        }
+        PlotCommand::Scale { out, title, y_desc, divide_by, results, fields } => {
+            let text = read(&results)?;
+            let mut lines = Vec::new();
+            for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .map_err(|e| Error::Setup(format!("{}:{}: {e}", results.display(), n + 1)))?;
+                lines.push(v);
+            }
+            let mut storages: Vec<String> = Vec::new();
+            for s in lines.iter().filter_map(|v| v.get("storage")?.as_str()) {
+                if !storages.iter().any(|t| t == s) {
+                    storages.push(s.to_string());
+                }
+            }
+            let mut series = Vec::new();
+            for f in &fields {
+                let (label, field) = split(f)?;
+                for storage in &storages {
+                    let points: Vec<(f64, f64)> = lines
+                        .iter()
+                        .filter(|v| v.get("storage").and_then(|s| s.as_str()) == Some(storage))
+                        .filter_map(|v| {
+                            let y = field.to_string_lossy().split('.').try_fold(v, |v, k| v.get(k))?.as_f64()?;
+                            Some((v.get("entities")?.as_f64()?, y / divide_by))
+                        })
+                        .collect();
+                    if !points.is_empty() {
+                        series.push((format!("{label}, {storage}"), points));
+                    }
+                }
+            }
+            if series.is_empty() {
+                return Err(Error::Setup(format!("{}: no line has the fields asked for", results.display())));
+            }
+            quiver::plot::scale(&out, &title, &y_desc, &series).map_err(Error::Setup)?;
         }
     }
     Ok(ExitCode::SUCCESS)

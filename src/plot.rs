@@ -133,3 +133,43 @@ pub fn sweep(out: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]) -> R
         .map_err(err)?;
     root.present().map_err(err)
 }
+
+/// A measure against entity count on log-log axes, one line per series
+/// (`bench/scale.rs`'s curves): how a cost grows with the work.
+pub fn scale(out: &Path, title: &str, y_desc: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<(), String> {
+    register_font()?;
+    let all = || series.iter().flat_map(|(_, pts)| pts.iter());
+    let x_min = all().map(|p| p.0).fold(f64::INFINITY, f64::min).max(1.0) / 1.5;
+    let x_max = all().map(|p| p.0).fold(1.0f64, f64::max) * 1.5;
+    let y_min = all().map(|p| p.1).filter(|y| *y > 0.0).fold(f64::INFINITY, f64::min).min(1.0) / 2.0;
+    let y_max = all().map(|p| p.1).fold(1.0f64, f64::max) * 2.0;
+    let root = BitMapBackend::new(out, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 26))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(80)
+        .build_cartesian_2d((x_min..x_max).log_scale(), (y_min..y_max).log_scale())
+        .map_err(err)?;
+    chart.configure_mesh().x_desc("entities").y_desc(y_desc).label_style(("sans-serif", 16)).draw().map_err(err)?;
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let pts: Vec<(f64, f64)> = pts.iter().map(|&(x, y)| (x, y.max(y_min))).collect();
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+            .map_err(err)?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}

@@ -156,6 +156,38 @@ fn plots_are_png_files() {
 }
 
 #[test]
+fn scale_curves_plot_one_line_per_storage_and_field() {
+    let dir = common::scratch("plot-scale");
+    let results = dir.join("scale.jsonl");
+    let line = |n: u64, storage: &str, open_s: f64| {
+        format!("{{\"entities\":{n},\"storage\":\"{storage}\",\"open_warm_s\":{open_s},\"lookup_uniform\":{{\"p99_ns\":{}}}}}\n", n / 100)
+    };
+    let text: String = [
+        line(1_000_000, "f32", 0.4),
+        line(1_000_000, "f16", 0.3),
+        line(10_000_000, "f32", 4.0),
+        line(10_000_000, "f16", 3.0),
+    ]
+    .concat();
+    std::fs::write(&results, text).unwrap();
+    let png = dir.join("s.png");
+    let plot = |fields: &[&str]| {
+        let mut args = vec!["plot", "scale", "--out", png.to_str().unwrap(), "--y-desc", "seconds"];
+        args.extend_from_slice(&["--results", results.to_str().unwrap()]);
+        args.extend_from_slice(fields);
+        run(&args)
+    };
+    let out = plot(&["open=open_warm_s", "p99=lookup_uniform.p99_ns"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(bytes.len() > 10_000, "a real picture, not an empty canvas");
+    let none = plot(&["x=no.such.field"]);
+    assert!(!none.status.success());
+    assert!(String::from_utf8_lossy(&none.stderr).contains("no line has the fields asked for"));
+}
+
+#[test]
 fn demo_publishes_two_versions_to_a_registry_when_asked() {
     let data = common::scratch("demo-registry-data");
     let models = common::scratch("demo-registry-models");

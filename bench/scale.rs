@@ -1,0 +1,279 @@
+//! Replica scale curves: how build time, file size, memory, restart time,
+//! lookup latency and growth grow with the number of entities (issue 19).
+//!
+//! For each entity count (`--entities`, default 1M, 10M and 50M) and each
+//! storage (`--storage`, default f32 and f16), with 32 dimensions:
+//! - build: a fresh file sized for the count, every row written through
+//!   the one writer (`ReplicaWriter`), then checkpointed (rows/s, seconds);
+//! - size: file bytes, bytes per entity, resident bytes after the build;
+//! - restart: `ReplicaWriter::open` (what the server runs at start-up) with
+//!   the file in the page cache, then again after its pages were evicted
+//!   (`posix_fadvise(DONTNEED)`), as after a reboot;
+//! - lookups of one request's rows (one user plus 32 items, through
+//!   `read_many_into`, as the request path does): ids uniform over the whole
+//!   population (every row a cache and TLB miss: "cold"), Zipf(1.1) ids
+//!   (a realistic hot set), and the same 33 ids again and again ("warm").
+//!   Every open pre-faults the whole file, so lookups never wait for the
+//!   disk here: what a restart costs is the open's time;
+//! - growth: the upsert that fills the file past its capacity rehashes every
+//!   row into a file twice the size; timed (the refresher's longest pause),
+//!   while a reader thread keeps looking up rows through the group's handle
+//!   and records its slowest lookup during the growth and before it.
+//!   Growth is skipped where the two files would not fit in memory.
+//!
+//! Each case prints one JSON line; `bench/report.py` renders them.
+//!
+//!     cargo bench --bench scale [-- --entities 1000000,10000000 --storage f32,f16 --dir PATH --lookups N]
+//!
+//! Seeded: ids and values are deterministic functions of the seed.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use quiver::replica::{Cursor, Replica, ReplicaWriter, Storage};
+use quiver::seeded::SplitMix64;
+
+const DIM: usize = 32;
+const ITEMS_PER_REQUEST: usize = 32;
+const SEED: u64 = 19;
+/// Zipf exponent of the "zipf" lookups, as the issue's load asks for.
+const ZIPF_S: f64 = 1.1;
+
+struct Args {
+    entities: Vec<u64>,
+    storages: Vec<Storage>,
+    dir: PathBuf,
+    lookups: usize,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        entities: vec![1_000_000, 10_000_000, 50_000_000],
+        storages: vec![Storage::F32, Storage::F16],
+        dir: std::env::temp_dir().join("quiver-scale"),
+        lookups: 200_000,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--entities" => a.entities = value().split(',').map(|s| s.parse().expect("entity count")).collect(),
+            "--storage" => {
+                a.storages = value().split(',').map(|s| Storage::parse(s).expect("f32, f16 or int8")).collect()
+            }
+            "--dir" => a.dir = value().into(),
+            "--lookups" => a.lookups = value().parse().expect("lookup count"),
+            // cargo bench passes --bench to every bench binary.
+            "--bench" => {}
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+/// The vector of entity `id`: cheap, deterministic, distinct per id.
+fn vector(id: u64, out: &mut [f32]) {
+    for (i, x) in out.iter_mut().enumerate() {
+        *x = ((id.wrapping_mul(2_654_435_761).wrapping_add(i as u64 * 97)) % 10_007) as f32 / 10_007.0;
+    }
+}
+
+/// Zipf(s) ranks over 1..=n by inverting the continuous approximation of
+/// the distribution's CDF; ranks are scattered over ids by an odd multiplier
+/// so the hot set is not the first rows of the file.
+struct Zipf {
+    n: u64,
+    h_n: f64,
+}
+
+impl Zipf {
+    fn new(n: u64) -> Zipf {
+        Zipf { n, h_n: ((n as f64).powf(1.0 - ZIPF_S) - 1.0) / (1.0 - ZIPF_S) }
+    }
+
+    fn sample(&self, rng: &mut SplitMix64) -> u64 {
+        let u = rng.unit() * self.h_n;
+        let x = (1.0 + (1.0 - ZIPF_S) * u).powf(1.0 / (1.0 - ZIPF_S));
+        let rank = (x as u64).clamp(1, self.n) - 1;
+        rank.wrapping_mul(0x9E37_79B9_7F4A_7C15 | 1) % self.n
+    }
+}
+
+/// Evicts the file's pages (dirty ones are written back first); pages some
+/// mapping still holds stay, so call it with the file closed.
+fn flush_and_evict(path: &Path) {
+    let f = std::fs::File::open(path).expect("replica file");
+    f.sync_all().expect("sync");
+    // SAFETY: posix_fadvise only advises the kernel about this descriptor.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise");
+}
+
+/// Percentiles in ns of `samples` (sorted here).
+fn percentiles(samples: &mut [u64]) -> serde_json::Value {
+    if samples.is_empty() {
+        return serde_json::Value::Null;
+    }
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)];
+    serde_json::json!({
+        "n": samples.len(), "p50_ns": at(0.5), "p99_ns": at(0.99), "p999_ns": at(0.999),
+        "max_ns": samples[samples.len() - 1],
+    })
+}
+
+/// Times `n` lookups of one request's rows with ids from `next_id`.
+fn lookups(r: &Replica, n: usize, mut next_id: impl FnMut() -> u64) -> serde_json::Value {
+    let mut keys = [0u64; 1 + ITEMS_PER_REQUEST];
+    let mut rows = [0u32; 1 + ITEMS_PER_REQUEST];
+    let mut out = vec![0f32; keys.len() * DIM];
+    let mut ns = Vec::with_capacity(n);
+    let mut missing = 0;
+    for _ in 0..n {
+        for k in keys.iter_mut() {
+            *k = next_id();
+        }
+        let t = Instant::now();
+        missing += r.read_many_into(&keys, &mut rows, &mut out);
+        ns.push(t.elapsed().as_nanos() as u64);
+    }
+    assert_eq!(missing, 0, "every id looked up is in the replica");
+    percentiles(&mut ns)
+}
+
+fn mem_available_bytes() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+fn case(dir: &Path, n: u64, storage: Storage, lookups_n: usize) -> serde_json::Value {
+    let path = dir.join(format!("user-{n}-{storage:?}.qrep").to_lowercase());
+    let mut v = vec![0f32; DIM];
+    let default = vec![0f32; DIM];
+
+    let t = Instant::now();
+    let mut w = ReplicaWriter::create(&path, "user", DIM as u32, storage, n, &default).expect("create");
+    for id in 0..n {
+        vector(id, &mut v);
+        w.upsert(id, &v).expect("upsert");
+    }
+    w.checkpoint(Cursor { epoch: 1, seq: n, change_unix_ms: 0 }).expect("checkpoint");
+    let build_s = t.elapsed().as_secs_f64();
+    let file_bytes = w.table().file_bytes();
+    let resident_after_build = w.table().resident_bytes();
+    drop(w);
+
+    let t = Instant::now();
+    let (w, report) = ReplicaWriter::open(&path, "user").expect("open");
+    let open_warm_s = t.elapsed().as_secs_f64();
+    assert_eq!(report.live_rows, n);
+    drop(w);
+    flush_and_evict(&path);
+    let t = Instant::now();
+    let (w, _) = ReplicaWriter::open(&path, "user").expect("open");
+    let open_cold_s = t.elapsed().as_secs_f64();
+    drop(w);
+
+    let r = Replica::open(&path, "user").expect("open read-only");
+    let resident_serving = r.resident_bytes();
+    let mut rng = SplitMix64::new(SEED);
+    let uniform = lookups(&r, lookups_n, || rng.below(n));
+    let zipf = Zipf::new(n);
+    let mut rng = SplitMix64::new(SEED + 1);
+    let zipfian = lookups(&r, lookups_n, || zipf.sample(&mut rng));
+    let fixed: Vec<u64> = (0..=ITEMS_PER_REQUEST as u64).map(|i| i * (n / 33)).collect();
+    let mut i = 0;
+    let warm = lookups(&r, lookups_n, || {
+        i += 1;
+        fixed[i % fixed.len()]
+    });
+    drop(r);
+
+    let growth = grow(&path, n, file_bytes);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(dir.join(format!("user-{n}-{storage:?}.qrep.grow.tmp").to_lowercase()));
+    serde_json::json!({
+        "entities": n, "dim": DIM, "storage": format!("{storage:?}").to_lowercase(),
+        "build_s": build_s, "build_rows_per_s": n as f64 / build_s,
+        "file_bytes": file_bytes, "bytes_per_entity": file_bytes as f64 / n as f64,
+        "resident_after_build_bytes": resident_after_build, "resident_serving_bytes": resident_serving,
+        "open_warm_s": open_warm_s, "open_cold_s": open_cold_s,
+        "lookup_uniform": uniform, "lookup_zipf": zipfian, "lookup_warm": warm,
+        "growth": growth,
+    })
+}
+
+/// Fills the file past its capacity while a reader looks rows up through
+/// the handle; returns the growth's time and the reader's slowest lookups.
+fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
+    // The grown file has twice the rows and slots: it and the old one must
+    // both fit in memory, or the measurement is of the disk.
+    let needed = file_bytes * 3;
+    let available = mem_available_bytes();
+    if needed > available {
+        return serde_json::json!({"skipped": format!("needs {needed} bytes of memory, {available} available")});
+    }
+    let (mut w, _) = ReplicaWriter::open(path, "user").expect("open");
+    let handle = w.handle();
+    let stop = Arc::new(AtomicBool::new(false));
+    let growing = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (stop, growing, handle) = (stop.clone(), growing.clone(), handle.clone());
+        std::thread::spawn(move || {
+            let mut rng = SplitMix64::new(SEED + 3);
+            let mut keys = [0u64; 1 + ITEMS_PER_REQUEST];
+            let mut rows = [0u32; 1 + ITEMS_PER_REQUEST];
+            let mut out = vec![0f32; keys.len() * DIM];
+            let (mut before, mut during) = (Vec::new(), Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                for k in keys.iter_mut() {
+                    *k = rng.below(n);
+                }
+                let g = growing.load(Ordering::Relaxed);
+                let t = Instant::now();
+                let table = handle.load();
+                let missing = table.read_many_into(&keys, &mut rows, &mut out);
+                drop(table);
+                let ns = t.elapsed().as_nanos() as u64;
+                assert_eq!(missing, 0);
+                if g { &mut during } else { &mut before }.push(ns);
+            }
+            (before, during)
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut v = vec![0f32; DIM];
+    vector(n, &mut v);
+    growing.store(true, Ordering::Relaxed);
+    let t = Instant::now();
+    w.upsert(n, &v).expect("the upsert that grows the file");
+    let growth_s = t.elapsed().as_secs_f64();
+    growing.store(false, Ordering::Relaxed);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    stop.store(true, Ordering::Relaxed);
+    let (mut before, mut during) = reader.join().expect("reader");
+    let capacity = w.table().header().row_capacity;
+    drop(w);
+    serde_json::json!({
+        "growth_s": growth_s, "capacity_after": capacity,
+        "reader_before": percentiles(&mut before), "reader_during": percentiles(&mut during),
+    })
+}
+
+fn main() {
+    let args = parse_args();
+    std::fs::create_dir_all(&args.dir).expect("bench directory");
+    for &n in &args.entities {
+        for &storage in &args.storages {
+            let line = case(&args.dir, n, storage, args.lookups);
+            println!("{line}");
+        }
+    }
+}
