@@ -326,7 +326,8 @@ if os.path.exists(scale):
     w("over and over (warm). Growth is the upsert that fills the file past its capacity: it rehashes every row")
     w("into a file twice the size, on the writer's thread, while a reader thread looks rows up through the")
     w("group's handle. Single runs per case (each takes minutes at 50M); the growth and lookup figures are")
-    w("distributions of many operations within the run.\n")
+    w("distributions of many operations within the run. The recorded run shared the machine with a CI run")
+    w("(`cargo test` builds and tests), so its tails carry that load too.\n")
     w("![time](bench/scale-time.png)\n")
     w("![memory](bench/scale-memory.png)\n")
     w("![lookup](bench/scale-lookup.png)\n")
@@ -370,9 +371,17 @@ if os.path.exists(scale):
     grown = [c for c in cases if "skipped" not in c["growth"] and c["growth"]["reader_during"]]
     if grown:
         worst = max(grown, key=lambda c: c["growth"]["growth_s"])
-        w(f"- No reader waits on growth: readers keep the old table until the swap; the longest growth here, "
-          f"{worst['growth']['growth_s']:.1f} s at {worst['entities']:,} ({worst['storage']}), is a pause of the "
-          "refresher (no stream entries are applied meanwhile), reported above beside the reader's latencies.")
+        slowest = max(grown, key=lambda c: c["growth"]["reader_during"]["max_ns"])
+        w(f"- No reader waits on growth: not shown yet. By design readers keep the old table until the swap, and their")
+        w("  p99 during growth stays within 10% of their p99 before it, but their p99.9 and max rose during growth (the slowest")
+        w(f"  lookup took {slowest['growth']['reader_during']['max_ns'] / 1e6:,.0f} ms at {slowest['entities']:,}, "
+          f"{slowest['storage']}). The recorded run shared this 2-core VM with a CI run, so")
+        w("  whether those stalls are the growth's (page faults and writeback of the new file, the old one's unmap)")
+        w("  or the other load's is not separated.")
+        w(f"- The refresher's longest pause during growth: {worst['growth']['growth_s']:.1f} s at {worst['entities']:,} "
+          f"({worst['storage']}): the rehash into a file twice the size runs on the refresher's thread, so no stream")
+        w("  entries are applied meanwhile and staleness grows by that much. Growth that copies in the background")
+        w("  while the stream is still applied is not built yet.")
     w("")
     w("Sizing a node: the file is `bytes/entity` × entities (a 16-byte row header, the payload, and 2 index slots")
     w("of 16 bytes per row rounded up to a power of two), and it is resident once opened; `quiver replica inspect`")
