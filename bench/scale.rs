@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use quiver::replica::{Cursor, Replica, ReplicaWriter, Storage};
+use quiver::replica::{mem_available_bytes, Cursor, Replica, ReplicaWriter, Storage};
 use quiver::seeded::SplitMix64;
 
 const DIM: usize = 32;
@@ -144,15 +144,6 @@ fn lookups(r: &Replica, n: usize, mut next_id: impl FnMut() -> u64) -> serde_jso
     percentiles(&mut ns)
 }
 
-fn mem_available_bytes() -> u64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    meminfo
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
-}
-
 fn case(dir: &Path, n: u64, storage: Storage, lookups_n: usize) -> serde_json::Value {
     let path = dir.join(format!("user-{n}-{storage:?}.qrep").to_lowercase());
     let mut v = vec![0f32; DIM];
@@ -216,7 +207,7 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
     // The grown file has twice the rows and slots: it and the old one must
     // both fit in memory, or the measurement is of the disk.
     let needed = file_bytes * 3;
-    let available = mem_available_bytes();
+    let available = mem_available_bytes().unwrap_or(0);
     if needed > available {
         return serde_json::json!({"skipped": format!("needs {needed} bytes of memory, {available} available")});
     }

@@ -38,6 +38,20 @@ fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// The series' names, upper left, in every plot's one style.
+fn legend<'a, X: Ranged, Y: Ranged>(
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(err)
+}
+
 /// Latency by percentile on a log "nines" axis: x = -log10(1 - p/100).
 pub fn percentiles(out: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<(), String> {
     register_font()?;
@@ -81,14 +95,7 @@ pub fn percentiles(out: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]
             .label(label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 16))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(err)?;
+    legend(&mut chart)?;
     root.present().map_err(err)
 }
 
@@ -123,14 +130,7 @@ pub fn sweep(out: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]) -> R
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         chart.draw_series(pts.iter().map(|&(x, y)| Circle::new((x, y.max(1.0)), 4, color.filled()))).map_err(err)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 16))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(err)?;
+    legend(&mut chart)?;
     root.present().map_err(err)
 }
 
@@ -163,13 +163,6 @@ pub fn scale(out: &Path, title: &str, y_desc: &str, series: &[(String, Vec<(f64,
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(err)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 16))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(err)?;
+    legend(&mut chart)?;
     root.present().map_err(err)
 }

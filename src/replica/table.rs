@@ -88,7 +88,7 @@ fn memlock_limit() -> String {
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes, where it can be read.
-fn mem_available_bytes() -> Option<u64> {
+pub fn mem_available_bytes() -> Option<u64> {
     parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
 }
 
