@@ -6,15 +6,19 @@
 //! - build: a fresh file sized for the count, every row written through
 //!   the one writer (`ReplicaWriter`), then checkpointed (rows/s, seconds);
 //! - size: file bytes, bytes per entity, resident bytes after the build;
-//! - restart: `ReplicaWriter::open` (what the server runs at start-up) with
-//!   the file in the page cache, then again after its pages were evicted
-//!   (`posix_fadvise(DONTNEED)`), as after a reboot;
+//! - restart, as the server runs it at start-up, with the file in the page
+//!   cache and again after its pages were evicted (`posix_fadvise(DONTNEED)`),
+//!   as after a reboot: `ReplicaWriter::open_deferred` (the time until the
+//!   first request can be served), the first request's lookup straight
+//!   after it, then `finish_open` (the background scan that checks every
+//!   slot and row) timed while a reader thread looks rows up through the
+//!   group's handle, as shards do meanwhile;
 //! - lookups of one request's rows (one user plus 32 items, through
 //!   `read_many_into`, as the request path does): ids uniform over the whole
 //!   population (every row a cache and TLB miss: "cold"), Zipf(1.1) ids
 //!   (a realistic hot set), and the same 33 ids again and again ("warm").
-//!   Every open pre-faults the whole file, so lookups never wait for the
-//!   disk here: what a restart costs is the open's time;
+//!   These run on a file opened read-only and fully verified, so they never
+//!   wait for the disk;
 //! - growth: the upsert that fills the file past its capacity rehashes every
 //!   row into a file twice the size; timed (the refresher's longest pause),
 //!   while a reader thread keeps looking up rows through the group's handle
@@ -161,16 +165,8 @@ fn case(dir: &Path, n: u64, storage: Storage, lookups_n: usize) -> serde_json::V
     let resident_after_build = w.table().resident_bytes();
     drop(w);
 
-    let t = Instant::now();
-    let (w, report) = ReplicaWriter::open(&path, "user").expect("open");
-    let open_warm_s = t.elapsed().as_secs_f64();
-    assert_eq!(report.live_rows, n);
-    drop(w);
-    flush_and_evict(&path);
-    let t = Instant::now();
-    let (w, _) = ReplicaWriter::open(&path, "user").expect("open");
-    let open_cold_s = t.elapsed().as_secs_f64();
-    drop(w);
+    let restart_warm = restart(&path, n, false);
+    let restart_cold = restart(&path, n, true);
 
     let r = Replica::open(&path, "user").expect("open read-only");
     let resident_serving = r.resident_bytes();
@@ -195,9 +191,60 @@ fn case(dir: &Path, n: u64, storage: Storage, lookups_n: usize) -> serde_json::V
         "build_s": build_s, "build_rows_per_s": n as f64 / build_s,
         "file_bytes": file_bytes, "bytes_per_entity": file_bytes as f64 / n as f64,
         "resident_after_build_bytes": resident_after_build, "resident_serving_bytes": resident_serving,
-        "open_warm_s": open_warm_s, "open_cold_s": open_cold_s,
+        "restart_warm": restart_warm, "restart_cold": restart_cold,
         "lookup_uniform": uniform, "lookup_zipf": zipfian, "lookup_warm": warm,
         "growth": growth,
+    })
+}
+
+/// Reopens the file as the server does at start-up (after evicting its pages
+/// when `evict`): the time until it serves, the first request's lookup, and
+/// the background scan's time with a reader's lookups during it.
+fn restart(path: &Path, n: u64, evict: bool) -> serde_json::Value {
+    if evict {
+        flush_and_evict(path);
+    }
+    let t = Instant::now();
+    let mut w = ReplicaWriter::open_deferred(path, "user").expect("open");
+    let serving_s = t.elapsed().as_secs_f64();
+    let handle = w.handle();
+    let mut rng = SplitMix64::new(SEED + 4);
+    let mut keys = [0u64; 1 + ITEMS_PER_REQUEST];
+    let mut rows = [0u32; 1 + ITEMS_PER_REQUEST];
+    let mut out = vec![0f32; keys.len() * DIM];
+    for k in keys.iter_mut() {
+        *k = rng.below(n);
+    }
+    let t = Instant::now();
+    let missing = handle.load().read_many_into(&keys, &mut rows, &mut out);
+    let first_request_ns = t.elapsed().as_nanos() as u64;
+    assert_eq!(missing, 0, "unverified rows that pass their CRC are served");
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (stop, handle) = (stop.clone(), handle.clone());
+        std::thread::spawn(move || {
+            let mut during = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                for k in keys.iter_mut() {
+                    *k = rng.below(n);
+                }
+                let t = Instant::now();
+                let missing = handle.load().read_many_into(&keys, &mut rows, &mut out);
+                during.push(t.elapsed().as_nanos() as u64);
+                assert_eq!(missing, 0);
+            }
+            during
+        })
+    };
+    let t = Instant::now();
+    let report = w.finish_open().expect("the scan passes");
+    let verify_s = t.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let mut during = reader.join().expect("reader");
+    assert_eq!(report.live_rows, n);
+    serde_json::json!({
+        "serving_s": serving_s, "first_request_ns": first_request_ns, "verify_s": verify_s,
+        "reader_during_verify": percentiles(&mut during),
     })
 }
 

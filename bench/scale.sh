@@ -25,15 +25,18 @@ cargo build --release --quiet --bench scale
 cargo build --release --quiet
 commit="$(python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance; print(provenance.git_commit())')"
 {
-    echo "{\"commit\": \"$commit\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"mem_total_kib\": $(awk '/MemTotal/ {print $2}' /proc/meminfo)}"
+    echo "{\"commit\": \"$commit\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"mem_total_kib\": $(awk '/MemTotal/ {print $2}' /proc/meminfo), \"cores\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
     cargo bench --quiet --bench scale -- --entities "$entities" --storage f32,f16 --lookups "$lookups" --dir "$dir"
+    # What else ran meanwhile shows in the load average (the tails carry it).
+    echo "{\"loadavg_end\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
 } > "$out.tmp"
 mv "$out.tmp" "$out"
 
 bin=target/release/quiver
 "$bin" plot scale --out docs/bench/scale-time.png --title "Replica: build, restart and growth time" \
-    --y-desc "seconds" --results "$out" build=build_s restart=open_warm_s "restart, pages evicted=open_cold_s" \
-    growth=growth.growth_s
+    --y-desc "seconds" --results "$out" build=build_s "restart (serving)=restart_warm.serving_s" \
+    "restart, pages evicted=restart_cold.serving_s" \
+    "scan after restart=restart_warm.verify_s" "scan, pages evicted=restart_cold.verify_s" growth=growth.growth_s
 "$bin" plot scale --out docs/bench/scale-memory.png --title "Replica: file and resident size" \
     --y-desc "GB" --divide-by 1e9 --results "$out" file=file_bytes resident=resident_serving_bytes
 "$bin" plot scale --out docs/bench/scale-lookup.png --title "Replica: one request's rows (1 user + 32 items), p99" \

@@ -290,7 +290,8 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     }
     p.conn().command(&[b"XTRIM", contract::stream_key("item").as_bytes(), b"MAXLEN", b"10"]).unwrap();
     let server = serve(&dir, &redis, feed_toml);
-    assert!(server.stderr().contains("replica opened: serving it while catching up"), "warm restart");
+    assert!(server.stderr().contains("replica opened: serving it while it is verified"), "warm restart");
+    server.wait_stderr("replica verified: catching up");
     let s = wait_caught_up(&server, &redis);
     assert_eq!(group(&s, "item").resyncs, 1, "{s:?}");
     assert_eq!(group(&s, "user").resyncs, 0, "the user stream was intact: {s:?}");
@@ -447,12 +448,54 @@ fn kill_9_during_heavy_refresh_then_restart_serves_no_garbage() {
             Err(e) => panic!("round {round}: {e}"),
         }
         server = serve(&dir, &redis, "checkpoint_interval_ms = 50\n");
-        assert!(server.stderr().contains("replica opened: serving it while catching up"), "{}", server.stderr());
+        assert!(server.stderr().contains("replica opened: serving it while it is verified"), "{}", server.stderr());
+        server.wait_stderr("replica verified: catching up");
         wait_caught_up(&server, &redis);
         assert_replica_equals_redis(&path, "item", &redis);
         let r = server.client().score(&demo_request(round, 1, vec![1, 2, 3])).unwrap();
         assert_eq!(r.status, Status::Ok);
     }
+}
+
+#[test]
+fn a_row_damaged_on_disk_is_never_served_and_the_file_is_rebuilt_from_redis() {
+    let mut redis = RedisServer::start_with(true);
+    load(&redis, "item", 0..5000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = data_dir("feed-damaged-row");
+    let path = dir.join("item.qrep");
+    let mut server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    wait_caught_up(&server, &redis);
+    assert_eq!(server.terminate(), 0);
+
+    // One bit of item 77's vector flipped on disk: only its row's CRC, which
+    // a restart no longer reads before serving, can tell.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let needle: Vec<u8> = vector(77, 0).iter().flat_map(|x| x.to_le_bytes()).collect();
+    let at = bytes.windows(needle.len()).position(|w| w == needle).expect("item 77's vector is in the file");
+    bytes[at + 8] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+
+    // Redis is down: the restart serves from the file alone.
+    redis.kill();
+    let server = serve(&dir, &redis, "check_interval_ms = 100\n");
+    let log = server.wait_stderr("replica is damaged");
+    assert!(log.contains("item.qrep: row") && log.contains("key 77"), "{log}");
+    assert!(dir.join("item.qrep.damaged").exists(), "set aside for a post-mortem");
+    let r = server.client().score(&demo_request(1, 7, vec![76, 77, 78])).unwrap();
+    assert_eq!(
+        (r.status, r.features_missing),
+        (Status::Ok, 1),
+        "item 77 is served as unknown, its neighbours as stored"
+    );
+
+    // Redis back (with its data): the group is copied again and served whole.
+    redis.restart();
+    wait_for(&server, "the resync", Duration::from_secs(20), |s| group(s, "item").resyncs == 1);
+    wait_caught_up(&server, &redis);
+    assert_eq!(assert_replica_equals_redis(&path, "item", &redis), 5000);
+    let r = server.client().score(&demo_request(2, 7, vec![76, 77, 78])).unwrap();
+    assert_eq!((r.status, r.features_missing), (Status::Ok, 0));
 }
 
 #[test]
@@ -764,7 +807,8 @@ fn a_held_resync_is_held_again_after_a_restart() {
     assert_eq!(server.terminate(), 0);
 
     let server = serve(&dir, &redis, feed_toml);
-    assert!(server.stderr().contains("replica opened: serving it while catching up"), "{}", server.stderr());
+    assert!(server.stderr().contains("replica opened: serving it while it is verified"), "{}", server.stderr());
+    server.wait_stderr("replica verified: catching up");
     let s = wait_for(&server, "the hold after the restart", Duration::from_secs(10), |s| {
         group(s, "item").resync_held && group(s, "user").resync_held
     });

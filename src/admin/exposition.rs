@@ -301,7 +301,7 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let seconds = Unit::Seconds;
     type Get = fn(&GroupStatus, u64, u64) -> f64;
-    let gauges: [(&str, &str, Option<&Unit>, Get); 7] = [
+    let gauges: [(&str, &str, Option<&Unit>, Get); 8] = [
         ("quiver_replica_rows", "Keys in the group's replica.", None, |g, _, _| g.live_rows.load(Relaxed) as f64),
         ("quiver_replica_applied_seq", "Stream sequence number of the last applied change.", None, |g, _, _| {
             g.applied_seq.load(Relaxed) as f64
@@ -311,6 +311,12 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
             "1 while a full resync that would shrink the replica past resync_shrink_max is held.",
             None,
             |g, _, _| f64::from(u8::from(g.resync_held.load(Relaxed))),
+        ),
+        (
+            "quiver_replica_verifying",
+            "1 while the file opened at start-up is scanned in the background; reads check row CRCs meanwhile.",
+            None,
+            |g, _, _| f64::from(u8::from(g.verifying.load(Relaxed))),
         ),
         ("quiver_replica_resync_held_rows", "Rows in the held resync's copy.", None, |g, _, _| {
             g.held_rows.load(Relaxed) as f64

@@ -54,6 +54,9 @@ pub struct FeedGroupStats {
     pub held_rows: u64,
     /// Copies begun again because Redis moved under them.
     pub resync_restarts: u64,
+    /// The file opened at start-up is still being scanned in the background.
+    #[serde(default)]
+    pub verifying: bool,
 }
 
 /// `/stats.json`: what `quiver stats` shows.
@@ -169,6 +172,7 @@ pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig
                     resync_held: g.resync_held.load(Relaxed),
                     held_rows: g.held_rows.load(Relaxed),
                     resync_restarts: g.resync_restarts_total.load(Relaxed),
+                    verifying: g.verifying.load(Relaxed),
                 })
                 .collect()
         }),
@@ -247,6 +251,8 @@ pub fn render(s: &Stats, rate: Option<f64>) -> String {
             if g.redis_connected { "up" } else { "DOWN" },
             if g.resync_held {
                 format!("  RESYNC HELD (redis has {} rows; quiver replica accept --group {})", g.held_rows, g.group)
+            } else if g.verifying {
+                "  verifying the file opened at start-up (rows checked as read)".into()
             } else {
                 String::new()
             }

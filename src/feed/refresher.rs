@@ -145,6 +145,7 @@ impl Refresher {
                 s.applied_seq.store(cursor.seq, Ordering::Relaxed);
                 s.change_unix_ms.store(cursor.change_unix_ms, Ordering::Relaxed);
                 s.live_rows.store(writer.live_rows(), Ordering::Relaxed);
+                s.verifying.store(writer.scan_pending(), Ordering::Relaxed);
                 Group {
                     storage: config.storage(&name),
                     name,
@@ -228,6 +229,7 @@ impl Refresher {
     }
 
     fn run(&mut self, stop: &AtomicBool) {
+        self.finish_opens();
         match spawn_flusher(self.groups.len()) {
             Ok(f) => self.flusher = Some(f),
             Err(e) => tracing::warn!("no flusher thread ({e}): checkpoints run on the refresher"),
@@ -270,6 +272,52 @@ impl Refresher {
             let _ = thread.join();
         }
         self.checkpoint_all(true);
+    }
+
+    /// Scans the files opened at start-up without their rows checked, while
+    /// shards serve them (checking each row they read). A file that passes
+    /// is repaired (rows left mid-write are dropped until the stream replays
+    /// them) and followed from its checkpoint; a damaged one is set aside and
+    /// copied again from Redis, serving only the rows that pass their CRC
+    /// until then. It runs before the first connection: a scan is bounded by
+    /// the file's size, and the stream can only be applied after it.
+    fn finish_opens(&mut self) {
+        for (g, s) in self.groups.iter_mut().zip(&self.status.groups) {
+            if !g.writer.scan_pending() {
+                continue;
+            }
+            let started_ns = self.clock.now_ns();
+            match g.writer.finish_open() {
+                Ok(report) => {
+                    if report.torn_rows > 0 {
+                        tracing::warn!(
+                            group = %g.name, rows = report.torn_rows,
+                            "rows were mid-write when the last writer stopped: dropped until the stream replays them"
+                        );
+                    }
+                    s.torn_rows_repaired.store(report.torn_rows, Ordering::Relaxed);
+                    s.live_rows.store(report.live_rows, Ordering::Relaxed);
+                    tracing::info!(
+                        group = %g.name, rows = report.live_rows, seq = report.cursor.seq,
+                        ms = (self.clock.now_ns() - started_ns) / 1_000_000,
+                        "replica verified: catching up from its checkpoint"
+                    );
+                }
+                Err(e) => {
+                    let mut aside = g.writer.path().as_os_str().to_owned();
+                    aside.push(".damaged");
+                    let moved = std::fs::rename(g.writer.path(), &aside);
+                    tracing::error!(
+                        group = %g.name, path = %g.writer.path().display(), moved_aside = moved.is_ok(),
+                        corrupt_reads = g.writer.table().corrupt_reads(),
+                        "replica is damaged ({e}): serving the rows that pass their checksum until a full resync \
+                         from redis replaces it"
+                    );
+                    g.state = State::Settling { at_ns: 0, attempt: 0, last_rows: 0 };
+                }
+            }
+            s.verifying.store(false, Ordering::Relaxed);
+        }
     }
 
     /// Checkpoints groups with unflushed changes: every interval through the

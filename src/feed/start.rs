@@ -2,12 +2,14 @@
 //! repair or set aside damaged files, sync from Redis what has no usable file,
 //! and start the refresher thread.
 //!
-//! Restarts are warm: a file that verifies is served at once and the
-//! refresher catches up from its checkpoint in the background. Only a group
-//! without a usable file waits for a first full sync before serving starts.
+//! Restarts are warm: a file whose superblock, checkpoints and default vector
+//! verify is served at once; the refresher scans its slots and rows in the
+//! background (readers check each row's CRC until that passes), then catches
+//! up from its checkpoint. Only a group without a usable file waits for a
+//! first full sync before serving starts.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -51,19 +53,12 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
     let status = Arc::new(FeedStatus::new(&names, config.staleness_max_ms, config.stale_policy, clock.now_ns()));
     let mut writers = Vec::new();
     let mut needs_sync = Vec::new();
-    for (spec, s) in specs.iter().zip(&status.groups) {
-        let opened = match ReplicaWriter::open(&spec.path, &spec.name) {
-            Ok((w, report)) => {
-                if report.torn_rows > 0 {
-                    tracing::warn!(
-                        group = %spec.name, rows = report.torn_rows,
-                        "rows were mid-write when the last writer stopped: dropped until the stream replays them"
-                    );
-                }
-                s.torn_rows_repaired.store(report.torn_rows, Ordering::Relaxed);
+    for spec in specs {
+        let opened = match ReplicaWriter::open_deferred(&spec.path, &spec.name) {
+            Ok(w) => {
                 tracing::info!(
-                    group = %spec.name, rows = report.live_rows, seq = report.cursor.seq,
-                    "replica opened: serving it while catching up"
+                    group = %spec.name, seq = w.cursor().seq, bytes = w.table().file_bytes(),
+                    "replica opened: serving it while it is verified and caught up"
                 );
                 Some(w)
             }

@@ -39,6 +39,10 @@ pub struct GroupStatus {
     pub resyncs_total: AtomicU64,
     /// Rows found mid-write at open (a killed writer) and dropped until replayed.
     pub torn_rows_repaired: AtomicU64,
+    /// Set from start-up until the background scan of the file opened at
+    /// start-up has checked every slot and row; reads check each row's CRC
+    /// meanwhile, and the stream is followed only after it.
+    pub verifying: AtomicBool,
     pub live_rows: AtomicU64,
     /// Rows copied so far by a running full sync (for progress), and how
     /// many the last full sync wrote.
@@ -71,6 +75,7 @@ impl GroupStatus {
             skipped_total: AtomicU64::new(0),
             resyncs_total: AtomicU64::new(0),
             torn_rows_repaired: AtomicU64::new(0),
+            verifying: AtomicBool::new(false),
             live_rows: AtomicU64::new(0),
             sync_rows: AtomicU64::new(0),
             resync_held: AtomicBool::new(false),

@@ -33,7 +33,14 @@
 //! Anything else that does not verify (checksums of the superblock, both
 //! checkpoint records, the default vector and every indexed row; the file
 //! length; index tags and row numbers) is damage: the file is refused and
-//! rebuilt from Redis. Whole-file replacements (builds, full resyncs, growth)
+//! rebuilt from Redis.
+//!
+//! Verification is split so that a restart serves at once: opening checks
+//! the length, superblock, checkpoints and default vector (a few KB); the
+//! scan of every slot and row can run later, on the writer's side, while
+//! shards read. Until it passes, every read checks its row's CRC and row
+//! number and serves the default vector for a row that fails, so no
+//! unverified byte is ever served as features. Whole-file replacements (builds, full resyncs, growth)
 //! go to a temporary file that is renamed into place only when complete.
 //!
 //! Layout (little-endian; sections 64-byte aligned; rows 16-byte aligned):

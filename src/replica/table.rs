@@ -25,6 +25,13 @@ use super::ReplicaError;
 /// microsecond), low enough that a dead writer costs a reader only microseconds.
 const READ_RETRIES_MAX: u32 = 1024;
 
+/// Threads one scan splits the index across; each gets a contiguous range.
+const SCAN_THREADS_MAX: usize = 8;
+
+/// Slots below which a scan runs on the calling thread: starting threads
+/// costs more than checking them.
+const SCAN_SLOTS_PER_THREAD_MIN: u64 = 1 << 20;
+
 /// Tables at least this large ask for huge pages: random lookups over them
 /// miss the TLB more often than the lookups' cache misses cost.
 const HUGE_PAGES_FROM_BYTES: u64 = 32 << 20;
@@ -44,6 +51,12 @@ pub struct Replica {
     live_rows: AtomicU64,
     /// Reads that gave up on a row that stayed busy.
     torn_reads: AtomicU64,
+    /// Set once every slot and row has been checked (at open, or by the
+    /// writer's deferred scan). Until then each read checks its row's CRC.
+    verified: AtomicBool,
+    /// Reads that found a row failing its CRC (before verification passed)
+    /// and served the default vector instead.
+    corrupt_reads: AtomicU64,
 }
 
 impl std::fmt::Debug for Replica {
@@ -114,16 +127,21 @@ impl Replica {
     /// with rows left mid-write by a killed writer is refused here (a reader
     /// cannot repair it); the server's writer opens such files instead.
     pub fn open(path: &Path, expected_group: &str) -> Result<Replica, ReplicaError> {
-        let (replica, scan) = Replica::map(path, expected_group, false)?;
+        let mut replica = Replica::map(path, expected_group, Access::ReadOnly)?;
+        let scan = replica.scan()?;
         if !scan.torn_slots.is_empty() {
             return Err(ReplicaError::Torn { path: replica.path.clone(), rows: scan.torn_slots.len() as u64 });
         }
+        replica.header.row_count = scan.live;
         Ok(replica)
     }
 
-    /// Maps and verifies `path`; `writable` maps it shared read-write for the
-    /// writer. Rows left mid-write are reported, not treated as damage.
-    pub(super) fn map(path: &Path, expected_group: &str, writable: bool) -> Result<(Replica, Scan), ReplicaError> {
+    /// Maps `path` and checks what is cheap to check: the file length, the
+    /// superblock, the checkpoint records and the default vector. Slots and
+    /// rows are not read: until [`Replica::scan`] passes, every read checks
+    /// its row's CRC, so serving can start before a multi-GB file is read.
+    pub(super) fn map(path: &Path, expected_group: &str, access: Access) -> Result<Replica, ReplicaError> {
+        let writable = access != Access::ReadOnly;
         let p = path.display().to_string();
         let io = |source| ReplicaError::Io { path: p.clone(), source };
         let file = File::options().read(true).write(writable).open(path).map_err(io)?;
@@ -135,9 +153,9 @@ impl Replica {
         if locking {
             check_lockable(&p, actual, mem_available_bytes())?;
         }
-        let mut options = MmapOptions::new();
-        options.populate();
-        let map = if writable { options.map_raw(&file) } else { options.map_raw_read_only(&file) }.map_err(io)?;
+        let map =
+            if writable { MmapOptions::new().map_raw(&file) } else { MmapOptions::new().map_raw_read_only(&file) }
+                .map_err(io)?;
         if locking {
             map.lock().map_err(|source| ReplicaError::MemoryLock {
                 path: p.clone(),
@@ -159,7 +177,7 @@ impl Replica {
         // above) and lives for this borrow; the superblock never changes after
         // the file is created.
         let superblock = unsafe { std::slice::from_raw_parts(map.as_ptr(), DEFAULT_OFFSET) };
-        let (mut header, default_crc) = decode_superblock(&superblock[..SUPERBLOCK_BYTES], &p)?;
+        let (header, default_crc) = decode_superblock(&superblock[..SUPERBLOCK_BYTES], &p)?;
         let layout = Layout::new(header.dim, header.storage, header.slot_count, header.row_capacity)
             .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
         if layout.file_bytes as u64 != actual {
@@ -173,24 +191,22 @@ impl Replica {
         if header.group != expected_group {
             return Err(ReplicaError::Group { path: p, found: header.group, expected: expected_group.into() });
         }
-        let mut replica = Replica {
+        let replica = Replica {
             map,
-            header: header.clone(),
+            header,
             layout,
             path: p,
             cursor,
             checkpoint_counter: std::sync::Mutex::new(checkpoint_counter),
             live_rows: AtomicU64::new(0),
             torn_reads: AtomicU64::new(0),
+            verified: AtomicBool::new(access == Access::Created),
+            corrupt_reads: AtomicU64::new(0),
         };
         if crc32fast::hash(&replica.default_bytes()) != default_crc {
             return Err(ReplicaError::DefaultChecksum { path: replica.path });
         }
-        let scan = replica.scan()?;
-        header.row_count = scan.live;
-        replica.header = header;
-        replica.live_rows.store(scan.live, Ordering::Relaxed);
-        Ok((replica, scan))
+        Ok(replica)
     }
 
     fn default_bytes(&self) -> Vec<u8> {
@@ -199,11 +215,62 @@ impl Replica {
             .collect()
     }
 
-    /// Checks every index slot and the row it names.
-    fn scan(&self) -> Result<Scan, ReplicaError> {
+    /// Reads the whole file in (sequentially, so that a file the page cache
+    /// evicted comes back at disk speed rather than one random fault per
+    /// row), then checks every index slot and the row it names, on up to
+    /// [`SCAN_THREADS_MAX`] threads at low CPU priority: it may run while
+    /// shards serve from this table. Rows left mid-write are reported, not
+    /// treated as damage. Once it passes, reads stop checking row CRCs.
+    pub(super) fn scan(&self) -> Result<Scan, ReplicaError> {
+        // Only a hint: without it the scan faults the pages in itself.
+        #[cfg(target_os = "linux")]
+        let _ = self.map.advise(memmap2::Advice::PopulateRead);
+        let slots = self.header.slot_count;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = (slots / SCAN_SLOTS_PER_THREAD_MIN).clamp(1, cores.min(SCAN_THREADS_MAX) as u64);
+        let per = slots.div_ceil(threads);
+        let parts: Vec<Result<Scan, ReplicaError>> = if threads == 1 {
+            vec![self.scan_slots(0, slots)]
+        } else {
+            std::thread::scope(|scope| {
+                let workers: Vec<_> = (0..threads)
+                    .map(|t| {
+                        scope.spawn(move || {
+                            lower_thread_priority();
+                            self.scan_slots(t * per, ((t + 1) * per).min(slots))
+                        })
+                    })
+                    .collect();
+                workers.into_iter().map(|w| w.join().expect("scan threads do not panic")).collect()
+            })
+        };
+        let mut scan = Scan::default();
+        for part in parts {
+            let part = part?;
+            scan.rows_used = scan.rows_used.max(part.rows_used);
+            scan.live += part.live;
+            scan.torn_slots.extend(part.torn_slots);
+        }
+        self.live_rows.store(scan.live, Ordering::Relaxed);
+        self.verified.store(true, Ordering::Release);
+        Ok(scan)
+    }
+
+    /// Whether every slot and row has been checked (see [`Replica::scan`]).
+    pub fn verified(&self) -> bool {
+        self.verified.load(Ordering::Acquire)
+    }
+
+    /// Reads that found a row failing its CRC before verification passed.
+    pub fn corrupt_reads(&self) -> u64 {
+        self.corrupt_reads.load(Ordering::Relaxed)
+    }
+
+    /// Checks slots `from..to` and the rows they name.
+    fn scan_slots(&self, from: u64, to: u64) -> Result<Scan, ReplicaError> {
         let mut scan = Scan::default();
         let mut payload = vec![0u32; self.layout.payload_words];
-        for slot in 0..self.header.slot_count {
+        for slot in from..to {
             let (key, row, tag) = self.slot(slot);
             let damaged = |what: String| ReplicaError::Index { path: self.path.clone(), slot, what };
             match tag.load(Ordering::Relaxed) {
@@ -320,8 +387,8 @@ impl Replica {
         self.map.len() as u64
     }
 
-    /// How much of the mapping is in memory now (`mincore`); right after an
-    /// open, which pre-faults every page, what serving it keeps resident.
+    /// How much of the mapping is in memory now (`mincore`); after a scan,
+    /// which reads every page, what serving it keeps resident.
     pub fn resident_bytes(&self) -> u64 {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
@@ -382,7 +449,12 @@ impl Replica {
             let (k, row, tag) = self.slot(slot);
             match tag.load(Ordering::Acquire) {
                 TAG_EMPTY => return None,
-                TAG_USED if k.load(Ordering::Relaxed) == key => return Some((slot, row.load(Ordering::Relaxed))),
+                TAG_USED if k.load(Ordering::Relaxed) == key => {
+                    let row = row.load(Ordering::Relaxed);
+                    // Only an unverified, damaged file names a row past the
+                    // end; it is served as missing rather than read.
+                    return (u64::from(row) < self.header.row_capacity).then_some((slot, row));
+                }
                 _ => {}
             }
             slot = (slot + 1) & mask;
@@ -397,10 +469,23 @@ impl Replica {
     }
 
     /// Copies row `row` into `out` if it holds `key` and a consistent copy can
-    /// be taken; false otherwise (the row was deleted and reused, or stayed
-    /// busy past the retry bound).
+    /// be taken; false otherwise (the row was deleted and reused, stayed
+    /// busy past the retry bound, or, before verification passed, fails its
+    /// CRC).
     #[inline]
     fn read_row(&self, row: u32, key: u64, out: &mut [f32]) -> bool {
+        if self.verified.load(Ordering::Relaxed) {
+            self.copy_row::<false>(row, key, out)
+        } else {
+            self.copy_row::<true>(row, key, out)
+        }
+    }
+
+    /// `read_row`, checking the row's CRC when `CHECK`. The CRC is fed from
+    /// the words as they are decoded, in chunks (the hasher is slow on 4
+    /// bytes at a time), so a check costs no second pass and no allocation.
+    #[inline(always)]
+    fn copy_row<const CHECK: bool>(&self, row: u32, key: u64, out: &mut [f32]) -> bool {
         let base = self.row_base(row);
         let seq = self.u32_at(base);
         let storage = self.header.storage;
@@ -410,18 +495,48 @@ impl Replica {
             let before = seq.load(Ordering::Acquire);
             if before.is_multiple_of(2) {
                 let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
-                let scale = match storage {
-                    Storage::Int8 => f32::from_bits(self.u32_at(payload).load(Ordering::Relaxed)),
-                    _ => 0.0,
-                };
+                let stored_crc = self.u32_at(base + 4).load(Ordering::Relaxed);
+                let mut hasher = crc32fast::Hasher::new();
+                let mut chunk = [0u8; 256];
+                let mut filled = 0;
+                if CHECK {
+                    hasher.update(&row_key.to_le_bytes());
+                }
                 let first = usize::from(storage == Storage::Int8);
+                let mut scale = 0.0;
+                if first == 1 {
+                    let w = self.u32_at(payload).load(Ordering::Relaxed);
+                    scale = f32::from_bits(w);
+                    if CHECK {
+                        chunk[..4].copy_from_slice(&w.to_le_bytes());
+                        filled = 4;
+                    }
+                }
                 for word in first..words {
                     let w = self.u32_at(payload + word * 4).load(Ordering::Relaxed);
                     storage.decode_word(word, w, scale, out);
+                    if CHECK {
+                        chunk[filled..filled + 4].copy_from_slice(&w.to_le_bytes());
+                        filled += 4;
+                        if filled == chunk.len() {
+                            hasher.update(&chunk);
+                            filled = 0;
+                        }
+                    }
                 }
                 fence(Ordering::Acquire);
                 if seq.load(Ordering::Relaxed) == before {
-                    return row_key == key;
+                    if row_key != key {
+                        return false;
+                    }
+                    if CHECK {
+                        hasher.update(&chunk[..filled]);
+                        if hasher.finalize() != stored_crc {
+                            self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                            return false;
+                        }
+                    }
+                    return true;
                 }
             }
             std::hint::spin_loop();
@@ -485,6 +600,30 @@ impl Replica {
         let mut v = vec![0.0; self.dim()];
         self.copy_default(&mut v);
         v
+    }
+}
+
+/// How a file is mapped, and what `map` may assume about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Access {
+    /// For readers only.
+    ReadOnly,
+    /// For the writer, over a file of unchecked slots and rows.
+    ReadWrite,
+    /// For the writer, over a file it has just created: every slot is empty,
+    /// so there is nothing to scan and reads need no CRC checks.
+    Created,
+}
+
+/// Makes the calling thread yield the CPU to the shards' threads: a scan of
+/// a large replica must not slow the requests served meanwhile.
+fn lower_thread_priority() {
+    // SAFETY: setpriority on the calling thread (who = 0 with PRIO_PROCESS
+    // names the calling thread on Linux) has no memory effects; raising the
+    // nice value needs no privilege, and a refusal only leaves it as it was.
+    #[cfg(target_os = "linux")]
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, 0, 10);
     }
 }
 

@@ -375,3 +375,88 @@ fn a_replaced_table_is_released_by_the_writer_not_by_its_last_reader() {
     assert!(weak.upgrade().is_none(), "released on the writer's side");
     assert_eq!(w.retired_held(), 0);
 }
+
+#[test]
+fn a_deferred_open_serves_only_what_verifies_and_its_scan_finds_the_damage() {
+    // Flip bytes all over files of each storage type. Opened deferred, a
+    // file is refused at open, or every lookup answers as before or with the
+    // default vector (never anything else) until the scan, which then
+    // refuses it or leaves every answer as before.
+    for storage in [Storage::F32, Storage::F16, Storage::Int8] {
+        let dir = tmpdir(&format!("deferred-{storage:?}"));
+        let path = dir.join("item.qrep");
+        sample(60, 4).storage(storage).write(&path).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        let want = snapshot(&Replica::open(&path, "item").unwrap(), 60, 4);
+        let (mut refused_at_open, mut caught_by_reads, mut caught_by_scan) = (0, 0, 0);
+        for at in (0..good.len()).step_by(5) {
+            let mut bad = good.clone();
+            bad[at] ^= 0x40;
+            std::fs::write(&path, &bad).unwrap();
+            let mut w = match ReplicaWriter::open_deferred(&path, "item") {
+                Err(e) => {
+                    assert!(e.is_damage(), "byte {at}: {e}");
+                    refused_at_open += 1;
+                    continue;
+                }
+                Ok(w) => w,
+            };
+            assert!(!w.table().verified());
+            let served = snapshot(w.table(), 60, 4);
+            for (row, (s, g)) in served.chunks(4).zip(want.chunks(4)).enumerate() {
+                assert!(s == g || s == [-1.0; 4], "{storage:?} byte {at}: row {row} served {s:?}, wrote {g:?}");
+            }
+            if served != want {
+                caught_by_reads += 1;
+            }
+            match w.finish_open() {
+                Err(e) => {
+                    assert!(e.is_damage(), "byte {at}: {e}");
+                    assert!(!w.table().verified());
+                    caught_by_scan += 1;
+                }
+                Ok(_) => {
+                    assert!(w.table().verified());
+                    assert_eq!(snapshot(w.table(), 60, 4), want, "{storage:?} byte {at} passed the scan");
+                }
+            }
+        }
+        assert!(refused_at_open > 0 && caught_by_reads > 0 && caught_by_scan > 0, "{storage:?}");
+        assert!(caught_by_scan >= caught_by_reads, "whatever reads catch, the scan catches too");
+    }
+}
+
+#[test]
+fn a_deferred_writer_counts_corrupt_reads_and_writes_only_after_its_scan() {
+    let dir = tmpdir("deferred-writes");
+    let path = dir.join("item.qrep");
+    sample(50, 4).write(&path).unwrap();
+    let key = 20 * 7919 + 3;
+    let mut w = ReplicaWriter::open_deferred(&path, "item").unwrap();
+    assert!(w.scan_pending());
+    assert_eq!(w.live_rows(), 0, "unknown until the scan");
+    let writes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.upsert(1, &[0.0; 4])));
+    assert!(writes.is_err(), "an unscanned writer refuses to write");
+    let report = w.finish_open().unwrap();
+    assert_eq!((report.live_rows, report.torn_rows), (50, 0));
+    w.upsert(1, &[1.0; 4]).unwrap();
+    w.checkpoint(Cursor::default()).unwrap();
+    drop(w);
+
+    // The insert grew the file: find the row in the file as it is now.
+    let r = Replica::open(&path, "item").unwrap();
+    let payload_at = r.layout().rows_offset + r.find(key).unwrap() as usize * r.layout().row_stride + 16;
+    drop(r);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[payload_at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    let mut w = ReplicaWriter::open_deferred(&path, "item").unwrap();
+    let handle = w.handle();
+    let mut out = [0.0; 4];
+    assert!(!handle.load().read_into(key, &mut out), "a row failing its CRC is not served");
+    assert_eq!(out, [-1.0; 4]);
+    assert!(handle.load().read_into(key + 7919, &mut out), "its neighbours are");
+    assert_eq!(handle.load().corrupt_reads(), 1);
+    assert!(matches!(w.finish_open(), Err(ReplicaError::PayloadChecksum { key: k, .. }) if k == key));
+    assert!(w.scan_pending(), "a damaged file stays unwritable");
+}

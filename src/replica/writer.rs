@@ -16,6 +16,7 @@ use super::layout::{
     encode_checkpoint, encode_superblock, row_crc, slot_count_for, slot_of, Cursor, Header, Layout, Storage,
     CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
+use super::table::Access;
 use super::{temp_path, Replica, ReplicaError, ReplicaHandle, DIM_MAX, GROUP_NAME_BYTES_MAX, ROW_CAPACITY_MAX};
 
 /// Smallest row capacity a grown file gets, so that small tables do not
@@ -47,6 +48,10 @@ pub struct ReplicaWriter {
     /// possibly multi-GB file happens on the writer's thread, never on a
     /// shard that happened to read it last.
     retired: Vec<Arc<Replica>>,
+    /// Opened with [`ReplicaWriter::open_deferred`] and not yet scanned:
+    /// `rows_used` and the torn rows are unknown, so nothing may be written
+    /// until [`ReplicaWriter::finish_open`] has run.
+    scan_pending: bool,
 }
 
 impl std::fmt::Debug for ReplicaWriter {
@@ -101,8 +106,9 @@ impl ReplicaWriter {
         file.write_all_at(&encode_superblock(&header, crc32fast::hash(&default_bytes)), 0).map_err(io)?;
         file.write_all_at(&encode_checkpoint(1, Cursor::default()), CHECKPOINT_OFFSETS[1] as u64).map_err(io)?;
         file.write_all_at(&default_bytes, DEFAULT_OFFSET as u64).map_err(io)?;
-        let (table, _) = Replica::map(path, group, true)?;
+        let table = Replica::map(path, group, Access::Created)?;
         Ok(ReplicaWriter {
+            scan_pending: false,
             retired: Vec::new(),
             payload: vec![0; table.layout().payload_words],
             table: Arc::new(table),
@@ -119,6 +125,17 @@ impl ReplicaWriter {
     /// mid-write by a killed writer from the index, and removes temporary
     /// files a crash may have left beside it.
     pub fn open(path: &Path, group: &str) -> Result<(ReplicaWriter, OpenReport), ReplicaError> {
+        let mut writer = ReplicaWriter::open_deferred(path, group)?;
+        let report = writer.finish_open()?;
+        Ok((writer, report))
+    }
+
+    /// Opens an existing file for writing after checking only its length,
+    /// superblock, checkpoints and default vector, so that readers can be
+    /// served from it at once (each read checks its row's CRC meanwhile).
+    /// Nothing may be written until [`ReplicaWriter::finish_open`] has
+    /// scanned it.
+    pub fn open_deferred(path: &Path, group: &str) -> Result<ReplicaWriter, ReplicaError> {
         let p = path.display().to_string();
         let file = File::options()
             .read(true)
@@ -129,24 +146,41 @@ impl ReplicaWriter {
         for why in ["grow", "sync", "build"] {
             let _ = std::fs::remove_file(temp_path(path, why));
         }
-        let (table, scan) = Replica::map(path, group, true)?;
-        for &slot in &scan.torn_slots {
-            table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
-        }
+        let table = Replica::map(path, group, Access::ReadWrite)?;
         let cursor = table.cursor_at_open();
-        let report = OpenReport { torn_rows: scan.torn_slots.len() as u64, live_rows: scan.live, cursor };
-        let writer = ReplicaWriter {
+        Ok(ReplicaWriter {
+            scan_pending: true,
             retired: Vec::new(),
             payload: vec![0; table.layout().payload_words],
             table: Arc::new(table),
             handle: None,
             path: path.into(),
             _lock: file,
-            rows_used: scan.rows_used,
-            live: scan.live,
+            rows_used: 0,
+            live: 0,
             cursor,
-        };
-        Ok((writer, report))
+        })
+    }
+
+    /// Scans a file opened with [`ReplicaWriter::open_deferred`]: checks
+    /// every slot and row (readers keep reading meanwhile), drops rows left
+    /// mid-write from the index, and makes the writer ready to write. A
+    /// damaged file stays unwritable; it should be replaced (a full sync).
+    pub fn finish_open(&mut self) -> Result<OpenReport, ReplicaError> {
+        assert!(self.scan_pending, "finish_open runs once, after open_deferred");
+        let scan = self.table.scan()?;
+        for &slot in &scan.torn_slots {
+            self.table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
+        }
+        self.rows_used = scan.rows_used;
+        self.live = scan.live;
+        self.scan_pending = false;
+        Ok(OpenReport { torn_rows: scan.torn_slots.len() as u64, live_rows: scan.live, cursor: self.cursor })
+    }
+
+    /// Whether [`ReplicaWriter::finish_open`] has yet to run.
+    pub fn scan_pending(&self) -> bool {
+        self.scan_pending
     }
 
     /// The handle readers load this writer's table through; created on
@@ -180,6 +214,7 @@ impl ReplicaWriter {
     /// Writes `v` as the vector of `key`, inserting the key if new (and
     /// growing the file if it is full).
     pub fn upsert(&mut self, key: u64, v: &[f32]) -> Result<(), ReplicaError> {
+        assert!(!self.scan_pending, "a writer writes only after finish_open");
         if v.len() != self.table.dim() {
             return Err(ReplicaError::Dim { found: v.len(), dim: self.table.dim() as u32 });
         }
@@ -191,6 +226,7 @@ impl ReplicaWriter {
     }
 
     fn put_words(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
+        assert!(!self.scan_pending, "a writer writes only after finish_open");
         let crc = row_crc(key, payload);
         if let Some(row) = self.table.find(key) {
             self.write_row(row, key, payload, crc);
@@ -239,6 +275,7 @@ impl ReplicaWriter {
     /// Removes `key`; false if it was not present. Its row stays allocated
     /// (rows are never reused in place) until the file is next rebuilt.
     pub fn delete(&mut self, key: u64) -> bool {
+        assert!(!self.scan_pending, "a writer writes only after finish_open");
         let Some((slot, _)) = self.table.find_slot(key) else { return false };
         self.table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
         self.live -= 1;
