@@ -19,10 +19,13 @@
 //!   (a realistic hot set), and the same 33 ids again and again ("warm").
 //!   These run on a file opened read-only and fully verified, so they never
 //!   wait for the disk;
-//! - growth: the upsert that fills the file past its capacity rehashes every
-//!   row into a file twice the size; timed (the refresher's longest pause),
-//!   while a reader thread keeps looking up rows through the group's handle
-//!   and records its slowest lookup during the growth and before it.
+//! - growth, as the refresher runs it: the full file grows in the background
+//!   (a thread rehashes every row into a file twice the size) while the
+//!   refresher's loop keeps applying changes (rounds of 100 updates, then a
+//!   poll, which swaps the new file in after replaying the keys changed
+//!   meanwhile); timed start to swap, with every round's time (the longest is
+//!   the refresher's pause), while a reader thread keeps looking up rows
+//!   through the group's handle, before the growth and during it.
 //!   Growth is skipped where the two files would not fit in memory.
 //!
 //! Each case prints one JSON line; `bench/report.py` renders them.
@@ -42,6 +45,8 @@ use quiver::seeded::SplitMix64;
 
 const DIM: usize = 32;
 const ITEMS_PER_REQUEST: usize = 32;
+/// Stream changes the growth step applies per refresher round.
+const CHANGES_PER_ROUND: u64 = 100;
 const SEED: u64 = 19;
 /// Zipf exponent of the "zipf" lookups, as the load asks for.
 const ZIPF_S: f64 = 1.1;
@@ -287,11 +292,30 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
         })
     };
     std::thread::sleep(std::time::Duration::from_millis(500));
+    // The refresher's loop: a batch of stream changes (updates: the file is
+    // full, so an insert would wait for the growth), then a poll, as the
+    // refresher polls every round. Its longest round is its pause.
+    w.set_grow_ahead(true);
     let mut v = vec![0f32; DIM];
-    vector(n, &mut v);
+    let mut rng = SplitMix64::new(SEED + 5);
+    let (mut rounds_ns, mut changes) = (Vec::new(), 0u64);
     growing.store(true, Ordering::Relaxed);
     let t = Instant::now();
-    w.upsert(n, &v).expect("the upsert that grows the file");
+    loop {
+        let round = Instant::now();
+        for _ in 0..CHANGES_PER_ROUND {
+            let id = rng.below(n);
+            vector(id, &mut v);
+            w.upsert(id, &v).expect("an update while growing");
+        }
+        changes += CHANGES_PER_ROUND;
+        let still = w.poll_growth().expect("growth");
+        rounds_ns.push(round.elapsed().as_nanos() as u64);
+        if !still {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     let growth_s = t.elapsed().as_secs_f64();
     growing.store(false, Ordering::Relaxed);
     std::thread::sleep(std::time::Duration::from_millis(100));
@@ -300,7 +324,8 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
     let capacity = w.table().header().row_capacity;
     drop(w);
     serde_json::json!({
-        "growth_s": growth_s, "capacity_after": capacity,
+        "growth_s": growth_s, "capacity_after": capacity, "changes_during": changes,
+        "refresher_round": percentiles(&mut rounds_ns),
         "reader_before": percentiles(&mut before), "reader_during": percentiles(&mut during),
     })
 }

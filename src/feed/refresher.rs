@@ -138,7 +138,9 @@ impl Refresher {
         let groups = writers
             .into_iter()
             .enumerate()
-            .map(|(i, writer)| {
+            .map(|(i, mut writer)| {
+                // Growth copies in the background while the stream is applied.
+                writer.set_grow_ahead(true);
                 let s = &status.groups[i];
                 let name = s.name.clone();
                 let cursor = writer.cursor();
@@ -401,6 +403,9 @@ impl Refresher {
                         }
                     }
                 }
+            }
+            for g in &mut self.groups {
+                g.writer.poll_growth()?;
             }
             let now = self.clock.now_ns();
             for (s, behind) in self.status.groups.iter().zip(behind) {

@@ -305,7 +305,7 @@ impl Replica {
     /// under the seqlock so that opening a file another process is writing
     /// does not mistake a row in flight for damage; `None` if the row stays
     /// mid-write (its writer was killed there).
-    fn verify_row(&self, row: u32, payload: &mut [u32]) -> Option<(u64, u32)> {
+    pub(super) fn verify_row(&self, row: u32, payload: &mut [u32]) -> Option<(u64, u32)> {
         let base = self.row_base(row);
         let seq = self.u32_at(base);
         for attempt in 0..READ_RETRIES_MAX {
@@ -617,7 +617,7 @@ pub(super) enum Access {
 
 /// Makes the calling thread yield the CPU to the shards' threads: a scan of
 /// a large replica must not slow the requests served meanwhile.
-fn lower_thread_priority() {
+pub(super) fn lower_thread_priority() {
     // SAFETY: setpriority on the calling thread (who = 0 with PRIO_PROCESS
     // names the calling thread on Linux) has no memory effects; raising the
     // nice value needs no privilege, and a refusal only leaves it as it was.

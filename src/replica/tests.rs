@@ -1,3 +1,4 @@
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -459,4 +460,90 @@ fn a_deferred_writer_counts_corrupt_reads_and_writes_only_after_its_scan() {
     assert_eq!(handle.load().corrupt_reads(), 1);
     assert!(matches!(w.finish_open(), Err(ReplicaError::PayloadChecksum { key: k, .. }) if k == key));
     assert!(w.scan_pending(), "a damaged file stays unwritable");
+}
+
+#[test]
+fn a_background_growth_loses_nothing_written_while_it_copies() {
+    const DIM: usize = 4;
+    let vector = |key: u64, generation: u64| [key as f32, generation as f32, (key ^ generation) as f32, 1.0];
+    let dir = tmpdir("grow-ahead");
+    let path = dir.join("item.qrep");
+    let mut w = ReplicaWriter::create(&path, "item", DIM as u32, Storage::F32, 200_000, &[0.0; DIM]).unwrap();
+    let mut want: HashMap<u64, [f32; DIM]> = HashMap::new();
+    for key in 0..149_000u64 {
+        w.upsert(key, &vector(key, 0)).unwrap();
+        want.insert(key, vector(key, 0));
+    }
+    w.set_grow_ahead(true);
+    let handle = w.handle();
+    assert!(!w.poll_growth().unwrap(), "below three quarters: no growth");
+
+    // Updates, deletes and inserts while the copy runs; every change goes
+    // to the file readers see now, and must reach the grown one.
+    let mut rng = crate::seeded::SplitMix64::new(7);
+    let (mut generation, mut during) = (1u64, 0u64);
+    let mut next_key = 149_000u64;
+    loop {
+        let growing = w.poll_growth().unwrap();
+        if !growing && w.table().header().row_capacity > 200_000 {
+            break;
+        }
+        during += u64::from(growing);
+        generation += 1;
+        for _ in 0..50 {
+            let key = rng.below(next_key);
+            match rng.below(10) {
+                0 => {
+                    w.delete(key);
+                    want.remove(&key);
+                }
+                1..=3 => {
+                    w.upsert(next_key, &vector(next_key, generation)).unwrap();
+                    want.insert(next_key, vector(next_key, generation));
+                    next_key += 1;
+                }
+                _ => {
+                    w.upsert(key, &vector(key, generation)).unwrap();
+                    want.insert(key, vector(key, generation));
+                }
+            }
+        }
+        let mut out = [0.0; DIM];
+        let key = rng.below(next_key);
+        assert_eq!(handle.load().read_into(key, &mut out), want.contains_key(&key), "key {key}");
+    }
+    assert!(during > 0, "changes were applied while the growth ran");
+    assert!(next_key > 150_000, "the writer inserted past three quarters without waiting");
+    assert_eq!(w.live_rows(), want.len() as u64);
+    let check = |r: &Replica| {
+        let mut out = [0.0; DIM];
+        for key in 0..next_key {
+            match want.get(&key) {
+                Some(v) => assert!(r.read_into(key, &mut out) && out == *v, "key {key}: {out:?}, want {v:?}"),
+                None => assert!(!r.read_into(key, &mut out), "key {key} was deleted"),
+            }
+        }
+    };
+    check(&handle.load());
+    w.checkpoint(Cursor::default()).unwrap();
+    drop(w);
+    check(&Replica::open(&path, "item").unwrap());
+
+    // A full file: the growth starts at the next poll, and an insert that
+    // finds no room waits for it instead of rehashing a second time.
+    let path = dir.join("full.qrep");
+    let mut w = ReplicaWriter::create(&path, "item", DIM as u32, Storage::F32, 1024, &[0.0; DIM]).unwrap();
+    for key in 0..1024u64 {
+        w.upsert(key, &vector(key, 0)).unwrap();
+    }
+    w.set_grow_ahead(true);
+    w.poll_growth().unwrap();
+    w.upsert(1024, &vector(1024, 0)).unwrap();
+    w.upsert(3, &vector(3, 9)).unwrap();
+    assert!(w.table().header().row_capacity > 1024);
+    let mut out = [0.0; DIM];
+    for key in 0..=1024u64 {
+        let generation = if key == 3 { 9 } else { 0 };
+        assert!(w.table().read_into(key, &mut out) && out == vector(key, generation), "key {key}");
+    }
 }

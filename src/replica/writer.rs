@@ -16,12 +16,30 @@ use super::layout::{
     encode_checkpoint, encode_superblock, row_crc, slot_count_for, slot_of, Cursor, Header, Layout, Storage,
     CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
-use super::table::Access;
+use super::table::{lower_thread_priority, Access};
 use super::{temp_path, Replica, ReplicaError, ReplicaHandle, DIM_MAX, GROUP_NAME_BYTES_MAX, ROW_CAPACITY_MAX};
 
 /// Smallest row capacity a grown file gets, so that small tables do not
 /// rehash on every few inserts.
 const GROWN_ROWS_MIN: u64 = 1024;
+
+/// With growth ahead on, a growth starts in the background once this many
+/// quarters of the rows are used: the last quarter takes the inserts that
+/// arrive while the copy runs, so the writer does not wait for it.
+const GROW_AHEAD_QUARTERS: u64 = 3;
+
+/// A growth running on its own thread: the rehash of the live rows into a
+/// file twice the size, while the writer keeps applying changes to the
+/// current file. Every key written or deleted meanwhile is noted and
+/// replayed into the new file before the swap, so the copy may be stale
+/// anywhere without anything being lost.
+struct Growth {
+    thread: std::thread::JoinHandle<Result<ReplicaWriter, ReplicaError>>,
+    /// Keys written or deleted since the copy began. Bounded by the keys the
+    /// file can hold: a key is noted once however often it changes.
+    touched: std::collections::HashSet<u64>,
+    started: std::time::Instant,
+}
 
 /// What opening an existing file for writing found and repaired.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -52,6 +70,11 @@ pub struct ReplicaWriter {
     /// `rows_used` and the torn rows are unknown, so nothing may be written
     /// until [`ReplicaWriter::finish_open`] has run.
     scan_pending: bool,
+    /// Whether a growth starts in the background before the file is full
+    /// ([`ReplicaWriter::set_grow_ahead`]); otherwise the insert that finds
+    /// it full rehashes it on the writer's thread.
+    grow_ahead: bool,
+    growth: Option<Box<Growth>>,
 }
 
 impl std::fmt::Debug for ReplicaWriter {
@@ -109,6 +132,8 @@ impl ReplicaWriter {
         let table = Replica::map(path, group, Access::Created)?;
         Ok(ReplicaWriter {
             scan_pending: false,
+            grow_ahead: false,
+            growth: None,
             retired: Vec::new(),
             payload: vec![0; table.layout().payload_words],
             table: Arc::new(table),
@@ -150,6 +175,8 @@ impl ReplicaWriter {
         let cursor = table.cursor_at_open();
         Ok(ReplicaWriter {
             scan_pending: true,
+            grow_ahead: false,
+            growth: None,
             retired: Vec::new(),
             payload: vec![0; table.layout().payload_words],
             table: Arc::new(table),
@@ -228,12 +255,29 @@ impl ReplicaWriter {
     fn put_words(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
         let crc = row_crc(key, payload);
+        if let Some(growth) = &mut self.growth {
+            growth.touched.insert(key);
+        }
         if let Some(row) = self.table.find(key) {
             self.write_row(row, key, payload, crc);
             return Ok(());
         }
         if self.rows_used == self.table.header().row_capacity {
-            self.grow()?;
+            if self.growth.is_some() {
+                // The spare quarter ran out before the copy finished.
+                self.finish_growth()?;
+            } else {
+                self.grow()?;
+            }
+        }
+        if self.grow_ahead
+            && self.growth.is_none()
+            && self.rows_used + 1 >= self.table.header().row_capacity / 4 * GROW_AHEAD_QUARTERS
+        {
+            self.start_growth()?;
+            if let Some(growth) = &mut self.growth {
+                growth.touched.insert(key);
+            }
         }
         let row = self.rows_used as u32;
         self.rows_used += 1;
@@ -276,6 +320,9 @@ impl ReplicaWriter {
     /// (rows are never reused in place) until the file is next rebuilt.
     pub fn delete(&mut self, key: u64) -> bool {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
+        if let Some(growth) = &mut self.growth {
+            growth.touched.insert(key);
+        }
         let Some((slot, _)) = self.table.find_slot(key) else { return false };
         self.table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
         self.live -= 1;
@@ -299,38 +346,127 @@ impl ReplicaWriter {
     }
 
     /// Rehashes the live rows into a new file with room to spare, renames it
-    /// into place and swaps it in; readers never wait.
+    /// into place and swaps it in, on this thread; readers never wait.
     fn grow(&mut self) -> Result<(), ReplicaError> {
-        let want = (self.live + 1).saturating_mul(2).max(GROWN_ROWS_MIN);
+        let capacity = self.grown_capacity(0)?;
+        let fresh = copy_grown(&self.table, &temp_path(&self.path, "grow"), capacity, false)?;
+        self.finish_growth_with(fresh, &std::collections::HashSet::new(), None)
+    }
+
+    /// The capacity a grown file gets: twice the live rows plus `spare`.
+    fn grown_capacity(&self, spare: u64) -> Result<u64, ReplicaError> {
         if self.live + 1 > ROW_CAPACITY_MAX {
             return Err(ReplicaError::Full { path: self.path.display().to_string(), rows: self.live + 1 });
         }
-        let capacity = want.min(ROW_CAPACITY_MAX);
+        Ok((self.live + 1 + spare).saturating_mul(2).clamp(GROWN_ROWS_MIN, ROW_CAPACITY_MAX))
+    }
+
+    /// Starts growing in the background (see [`Growth`]), with room in the
+    /// new file for the inserts the current file can still take meanwhile.
+    fn start_growth(&mut self) -> Result<(), ReplicaError> {
+        let spare = self.table.header().row_capacity - self.rows_used;
+        let capacity = self.grown_capacity(spare)?;
         let tmp = temp_path(&self.path, "grow");
         let old = self.table.clone();
-        let h = old.header();
-        let mut fresh = ReplicaWriter::create(&tmp, &h.group, h.dim, h.storage, capacity, &old.default_vector())?;
-        let mut payload = vec![0u32; old.layout().payload_words];
-        for slot in 0..h.slot_count {
-            let (k, r, tag) = old.slot(slot);
-            if tag.load(Ordering::Relaxed) != TAG_USED {
-                continue;
+        let thread = std::thread::Builder::new()
+            .name("quiver-grow".into())
+            .spawn(move || {
+                lower_thread_priority();
+                let fresh = copy_grown(&old, &tmp, capacity, true)?;
+                // Most of the new file reaches the disk here, off the writer's
+                // thread: the checkpoint before the swap flushes only what
+                // the replay wrote.
+                fresh
+                    .table
+                    .raw()
+                    .flush()
+                    .map_err(|source| ReplicaError::Io { path: tmp.display().to_string(), source })?;
+                Ok(fresh)
+            })
+            .map_err(|source| ReplicaError::Io { path: "quiver-grow thread".into(), source })?;
+        tracing::info!(path = %self.path.display(), rows = self.live, capacity, "replica growth started in the background");
+        self.growth = Some(Box::new(Growth {
+            thread,
+            touched: std::collections::HashSet::new(),
+            started: std::time::Instant::now(),
+        }));
+        Ok(())
+    }
+
+    /// Waits for the background growth, replays into its file every key
+    /// touched since it began, and swaps it in.
+    fn finish_growth(&mut self) -> Result<(), ReplicaError> {
+        let growth = self.growth.take().expect("a growth is running");
+        let fresh = match growth.thread.join() {
+            Ok(copied) => copied?,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        self.finish_growth_with(fresh, &growth.touched, Some(growth.started))
+    }
+
+    fn finish_growth_with(
+        &mut self,
+        mut fresh: ReplicaWriter,
+        touched: &std::collections::HashSet<u64>,
+        started: Option<std::time::Instant>,
+    ) -> Result<(), ReplicaError> {
+        let pause = std::time::Instant::now();
+        let mut payload = vec![0u32; self.table.layout().payload_words];
+        for &key in touched {
+            match self.table.find(key) {
+                Some(row) => {
+                    let copied = self.table.verify_row(row, &mut payload);
+                    assert!(copied.is_some_and(|(k, _)| k == key), "the writer's own rows are never busy");
+                    fresh.put_words(key, &payload)?;
+                }
+                None => {
+                    fresh.delete(key);
+                }
             }
-            let base = old.row_base(r.load(Ordering::Relaxed));
-            for (i, w) in payload.iter_mut().enumerate() {
-                *w = old.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
-            }
-            fresh.put_words(k.load(Ordering::Relaxed), &payload)?;
         }
+        assert_eq!(fresh.live, self.live, "the copy and its replay hold every live key");
         fresh.checkpoint(self.cursor)?;
-        tracing::info!(path = %self.path.display(), rows = self.live, capacity, "replica grown");
+        let capacity = fresh.table.header().row_capacity;
+        tracing::info!(
+            path = %self.path.display(), rows = self.live, capacity, touched = touched.len(),
+            background_ms = started.map_or(0, |t| (pause - t).as_millis() as u64),
+            pause_ms = pause.elapsed().as_millis() as u64, "replica grown"
+        );
         self.replace(fresh)
+    }
+
+    /// With `on`, the writer grows its file in the background once three
+    /// quarters of its rows are used, instead of rehashing it on the
+    /// writer's thread when it is full; [`ReplicaWriter::poll_growth`] must
+    /// then be called between changes. The refresher turns it on; one-off
+    /// builds and copies, sized for what they hold, leave it off.
+    pub fn set_grow_ahead(&mut self, on: bool) {
+        self.grow_ahead = on;
+    }
+
+    /// Starts a background growth if one is due, and swaps in one that has
+    /// finished copying (the writer's pause is then the replay of the keys
+    /// touched meanwhile). Returns whether a growth is still running.
+    pub fn poll_growth(&mut self) -> Result<bool, ReplicaError> {
+        if self.scan_pending || !self.grow_ahead {
+            return Ok(false);
+        }
+        if self.growth.is_none() && self.rows_used >= self.table.header().row_capacity / 4 * GROW_AHEAD_QUARTERS {
+            self.start_growth()?;
+        }
+        if self.growth.as_ref().is_some_and(|g| g.thread.is_finished()) {
+            self.finish_growth()?;
+        }
+        Ok(self.growth.is_some())
     }
 
     /// Makes `fresh` (complete, checkpointed, at a temporary path) the file
     /// at this writer's path and the table readers see.
     pub fn replace(&mut self, mut fresh: ReplicaWriter) -> Result<(), ReplicaError> {
         fresh.rename_to(&self.path)?;
+        // A growth of the replaced file, if one runs, is left to finish on
+        // its own; its copy is dropped unused.
+        fresh.grow_ahead = self.grow_ahead;
         if let Some(handle) = self.handle.take() {
             handle.install(fresh.table.clone());
             fresh.handle = Some(handle);
@@ -373,4 +509,27 @@ impl ReplicaWriter {
         self.path = path.into();
         Ok(())
     }
+}
+
+/// Copies `old`'s live rows into a new file at `tmp` with room for
+/// `capacity` rows. With `concurrent`, the writer may be changing `old`
+/// meanwhile: rows are copied under their seqlock, and a row that stays busy
+/// is left to the replay of touched keys; without it, nothing else writes
+/// `old` and every live row is copied.
+fn copy_grown(old: &Replica, tmp: &Path, capacity: u64, concurrent: bool) -> Result<ReplicaWriter, ReplicaError> {
+    let h = old.header();
+    let mut fresh = ReplicaWriter::create(tmp, &h.group, h.dim, h.storage, capacity, &old.default_vector())?;
+    let mut payload = vec![0u32; old.layout().payload_words];
+    for slot in 0..h.slot_count {
+        let (k, r, tag) = old.slot(slot);
+        if tag.load(Ordering::Acquire) != TAG_USED {
+            continue;
+        }
+        let key = k.load(Ordering::Relaxed);
+        match old.verify_row(r.load(Ordering::Relaxed), &mut payload) {
+            Some((row_key, _)) if row_key == key => fresh.put_words(key, &payload)?,
+            _ => assert!(concurrent, "a row nobody writes is never busy"),
+        }
+    }
+    Ok(fresh)
 }
