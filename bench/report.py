@@ -387,6 +387,78 @@ if os.path.exists(scale):
     w("of 16 bytes per row rounded up to a power of two), and it is resident once opened; `quiver replica inspect`")
     w("prints the same figures for a file at hand.\n")
 
+serve_scale = os.path.join(res, "scale_serve.jsonl")
+if os.path.exists(serve_scale):
+    lines = [json.loads(l) for l in open(serve_scale) if l.startswith("{")]
+    meta = lines[0]
+    by_pass = {}
+    for l in lines[1:]:
+        by_pass.setdefault(l["pass"], {}).setdefault(l["phase"], []).append(l)
+    sizes = sorted({l["entities"] for l in lines[1:] if "entities" in l})
+    w(f"## End to end against the user population: Zipf({meta['zipf']}) user ids over "
+      + ", ".join(f"{n / 1e6:g}M" for n in sizes) + " users\n")
+    w(f"Measured at commit `{meta['commit']}` by `bash bench/scale_serve.sh`, run by hand (`bench/scale_serve.rs` builds the")
+    w(f"replicas) on {meta['cpu']}, {meta['cores']} cores, {meta['mem_total_kib'] / 2**20:.0f} GiB, Linux {meta['kernel']}: a")
+    w("virtualised machine shared with other developers' builds and tests while it ran, so absolute figures")
+    w("carry their load; the passes run one after the other in one invocation, with 1M first as the baseline")
+    w("and 1M again last to show how far the machine drifted meanwhile.\n")
+    w(f"Each pass builds a user replica of N users x 32 dims (keys 0..N, seeded values, the server's one writer),")
+    w(f"evicts its pages from the page cache (`posix_fadvise(DONTNEED)` on that file only), starts `quiver serve` on")
+    w(f"it (one shard on core {meta['server_core']}, the demo's auction-32 INT8 model and its {meta['items']:,}-item replica, no")
+    w(f"Redis) and drives it from core {meta['gen_core']} with `quiver bench` open loop at {meta['rate']:,} req/s, uniform arrivals,")
+    w(f"{meta['connections']} connections, latency from each request's intended send time (coordinated omission")
+    w(f"corrected): user ids Zipf({meta['zipf']}) over all N users (`--users N --user-zipf {meta['zipf']}`: rejection-inversion,")
+    w("ranks spread over the ids by a fixed permutation), 32 candidate items uniform over the items, 16 context")
+    w("floats, a 1 s budget so every request is scored by the primary model. *Cold*: the first")
+    w(f"{meta['cold']} of load right after the start, no warm-up; the start itself reads and verifies every byte of the")
+    w("file (it pre-faults the mapping), so the page cache is full again by the first request and cold measures")
+    w(f"caches and TLBs, not the disk. *Warm*: after {meta['warmup']} of unrecorded load, {meta['runs']} runs of")
+    w(f"{meta['duration']}; the table gives their median (min–max). Storage is f32 where the file fits in")
+    w(f"MemAvailable with {meta['spare_gib']} GiB to spare, else f16. The server's own `lookup` stage (all 33 rows of a")
+    w("request) and `end_to_end` stage (its read of the request to its response written, without the time")
+    w("the bytes waited in the socket) are its `/stats.json` p99 over the last 10 s of each warm run;")
+    w("*late sends* are the generator's sends more than 1 ms behind schedule (the VM pausing it, or other")
+    w("load on its core), whose latency still counts from the intended time.\n")
+    w("| pass | users | storage | file | build | start, pages evicted | cold p50 / p99 / p99.9 / max µs | warm achieved req/s | warm p50 µs | warm p99 µs | warm p99.9 µs | warm max µs | server lookup p99 µs | server end_to_end p99 µs | late sends | non-ok |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = None
+    summary = []
+    for p, ph in sorted(by_pass.items()):
+        if "skipped" in ph:
+            s = ph["skipped"][0]
+            w(f"| {p} | {s['entities']:,} | skipped: {s['reason']} | | | | | | | | | | | | | |")
+            continue
+        b = ph["build"][0]["build"]
+        st = ph["start"][0]
+        cold = ph["cold"][0]["report"]["latency"]
+        warm = [r["report"] for r in ph.get("warm", [])]
+        lat = lambda k: [r["latency"][k] for r in warm]
+        stage = lambda name: [r["server_stages_last_10s_us"].get(name, {}).get("p99_us", 0) for r in ph.get("warm", [])]
+        lookup = stage("lookup")
+        nonok = sum(r["received"] - r["by_status"].get("ok", 0) + r["lost"] for r in warm + [ph["cold"][0]["report"]])
+        w(f"| {p} | {b['entities']:,} | {b['storage']} | {b['file_bytes'] / 1e9:.2f} GB | {b['build_s']:.1f} s | {st['start_s']:.1f} s | "
+          f"{cold['p50_us']:,} / {cold['p99_us']:,} / {cold['p999_us']:,} / {cold['max_us']:,} | {fmt([r['achieved_rate'] for r in warm])} | "
+          f"{fmt(lat('p50_us'))} | {fmt(lat('p99_us'))} | {fmt(lat('p999_us'))} | {fmt(lat('max_us'))} | {fmt(lookup, digits=1)} | "
+          f"{fmt(stage('end_to_end'))} | {fmt([r['late_sends'] for r in warm])} | {nonok} |")
+        med = {k: statistics.median(lat(k)) for k in ("p50_us", "p99_us", "p999_us")}
+        med["lookup_p99_us"] = statistics.median(lookup) if lookup else None
+        summary.append((p, b["entities"], b["storage"], med))
+    w("")
+    if summary:
+        p0, n0, s0, m0 = summary[0]
+        w(f"Warm medians against the first pass ({n0:,} users, {s0}):\n")
+        for p, n, s, m in summary[1:]:
+            w(f"- pass {p}, {n:,} users ({s}): p50 × {m['p50_us'] / m0['p50_us']:.2f}, p99 × {m['p99_us'] / m0['p99_us']:.2f}, "
+              f"p99.9 × {m['p999_us'] / m0['p999_us']:.2f}"
+              + (f", server lookup p99 × {m['lookup_p99_us'] / m0['lookup_p99_us']:.2f}" if m["lookup_p99_us"] and m0["lookup_p99_us"] else "")
+              + ".")
+        w("")
+    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scale_serve.md")
+    if os.path.exists(notes):
+        with open(notes) as f:
+            w(f.read().rstrip("\n"))
+            w("")
+
 # Criterion.
 w("## Microbenchmarks (criterion)\n")
 w("Median time per iteration with criterion's 95% confidence interval of the median, one process")
