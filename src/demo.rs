@@ -170,7 +170,8 @@ impl std::fmt::Display for IdDist {
     }
 }
 
-/// Largest group ids are drawn from: a replica's row numbers are u32.
+/// Largest group ids are drawn from: the sampler's bound, beyond the 2^30
+/// rows one replica file holds.
 pub const POPULATION_MAX: u64 = crate::zipf::RANKS_MAX;
 
 /// Draws ids 0..n by an [`IdDist`]. Constant size whatever n, so a
@@ -178,7 +179,6 @@ pub const POPULATION_MAX: u64 = crate::zipf::RANKS_MAX;
 #[derive(Clone, Copy, Debug)]
 pub struct Ids {
     n: u64,
-    dist: IdDist,
     zipf: Option<crate::zipf::Zipf>,
     /// Zipf rank r is id (r - 1) * stride mod n: a permutation (stride is
     /// coprime with n) that scatters the hot ids over the population, as in
@@ -194,8 +194,8 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 /// Candidates tried after the golden-ratio point for a stride coprime with
-/// n; the longest run of integers sharing a factor with some n < 2^32 is
-/// far shorter (Jacobsthal's function stays below 100 there).
+/// n; the longest run of integers sharing a factor with any n <= 2^32 is a
+/// few dozen (Jacobsthal's function).
 const STRIDE_TRIES_MAX: u64 = 1024;
 
 impl Ids {
@@ -213,15 +213,11 @@ impl Ids {
             .map(|d| (base + d) % n)
             .find(|&c| gcd(c, n) == 1)
             .expect("a stride coprime with n within STRIDE_TRIES_MAX");
-        Ok(Ids { n, dist, zipf, stride })
+        Ok(Ids { n, zipf, stride })
     }
 
     pub fn count(&self) -> u64 {
         self.n
-    }
-
-    pub fn dist(&self) -> IdDist {
-        self.dist
     }
 
     pub fn draw(&self, rng: &mut SplitMix64) -> u64 {
