@@ -7,9 +7,10 @@
 #   bench_setup              build the release binary ($bin), make a scratch
 #                            directory with the demo data ($data), and stop
 #                            every process in $pids and remove $data on exit
-#   wait_listening OUT LOG   wait (30 s at most) for the listening line of the
-#                            `quiver serve` whose stdout is OUT; set
-#                            $listen_addr and $admin_addr; on failure print LOG
+#   wait_listening OUT LOG [S]  wait (S seconds, default 30, at most) for the
+#                            listening line of the `quiver serve` whose stdout
+#                            is OUT; set $listen_addr and $admin_addr; on
+#                            failure print LOG
 BENCH_NAME="${BENCH_NAME:-bench}"
 
 die() { echo "$BENCH_NAME: $*" >&2; exit 1; }
@@ -35,8 +36,9 @@ bench_setup() {
 }
 
 wait_listening() {
-    for _ in $(seq 600); do grep -q "listening on" "$1" 2>/dev/null && break; sleep 0.05; done
+    local limit_s="${3:-30}"
+    for _ in $(seq $((limit_s * 20))); do grep -q "listening on" "$1" 2>/dev/null && break; sleep 0.05; done
     listen_addr="$(awk '/listening on/ {print $4}' "$1")"
     admin_addr="$(awk '/admin on/ {print $4}' "$1")"
-    [ -n "$listen_addr" ] || { cat "$2"; die "server did not start within 30 s"; }
+    [ -n "$listen_addr" ] || { cat "$2"; die "server did not start within $limit_s s"; }
 }

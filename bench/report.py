@@ -410,6 +410,113 @@ if os.path.exists(scale):
     w("of 16 bytes per row rounded up to a power of two), and it is resident once opened; `quiver replica inspect`")
     w("prints the same figures for a file at hand.\n")
 
+serve_scale = os.path.join(res, "scale_serve.jsonl")
+if os.path.exists(serve_scale):
+    lines = [json.loads(l) for l in open(serve_scale) if l.startswith("{")]
+    meta = lines[0]
+    by_pass = {}
+    for l in lines[1:]:
+        by_pass.setdefault(l["pass"], {}).setdefault(l["phase"], []).append(l)
+    sizes = sorted({l["entities"] for l in lines[1:] if "entities" in l})
+    w(f"## End to end against the user population: Zipf({meta['zipf']}) user ids over "
+      + ", ".join(f"{n / 1e6:g}M" for n in sizes) + " users\n")
+    w(f"Measured at commit `{meta['commit']}` by `bash bench/scale_serve.sh`, run by hand (`bench/scale_serve.rs`")
+    w(f"builds the replicas), on {meta['cpu']}, {meta['cores']} cores, {meta['mem_total_kib'] / 2**20:.0f} GiB, Linux {meta['kernel']}:")
+    w("a virtualised 2-core machine shared with other developers' builds and tests while it ran (their")
+    w("compilers on both cores), so the absolute figures carry their load.\n")
+    w("For each size, smallest first, the script builds a user replica of N users x 32 dims (keys 0..N, seeded")
+    w("values, the server's one writer), evicts its pages from the page cache (`posix_fadvise(DONTNEED)` on that")
+    w(f"file only), starts `quiver serve` on it (one shard on core {meta['server_core']}, the demo's auction-32 INT8 model and")
+    w(f"its {meta['items']:,}-item replica, no Redis) and drives it from core {meta['gen_core']} with `quiver bench` open loop at")
+    w(f"{meta['rate']:,} req/s, uniform arrivals, {meta['connections']} connections, latency from each request's intended send")
+    w(f"time (coordinated omission corrected): user ids Zipf({meta['zipf']}) over all N users (`--users N --user-zipf")
+    w(f"{meta['zipf']}`: rejection-inversion, ranks spread over the ids by a fixed permutation), 32 candidate items")
+    w("uniform over the items, 16 context floats, a 1 s budget so every request is scored by the primary model.")
+    w(f"*Cold* is the first {meta['cold']} of load right after the start, no warm-up; the start itself reads and")
+    w("verifies every byte of the file (it pre-faults the mapping), so by the first request the page cache holds it")
+    w("again and cold measures caches and TLBs, not the disk. Every server then stays up, and the *warm* runs")
+    w(f"({meta['warmup']} of unrecorded load per size first) interleave: run 1 of every size, then run 2, ..., {meta['runs']}")
+    w(f"runs of {meta['duration']} per size, so a noisy minute of the machine falls on every size alike; the table")
+    w("gives their median (min–max). Storage is f32 where the file fits in what MemAvailable leaves with the")
+    w(f"smaller sizes' servers up and {meta['spare_gib']} GiB to spare, else f16, else the size is skipped and says why.")
+    w("The server's own `lookup` stage (all 33 rows of a request) and `end_to_end` stage (its read of the")
+    w("request to its response's encoding: not the time the bytes wait in sockets) are its `/stats.json` p99")
+    w("over the last 10 s of each warm run. *Late sends* are the generator's sends more than 1 ms behind")
+    w("schedule (its core taken by something else), whose latency still counts from the intended time.\n")
+    w("| users | storage | file | build | start, pages evicted | cold p50 / p99 / p99.9 / max µs | warm achieved req/s | warm p50 µs | warm p99 µs | warm p99.9 µs | warm max µs | server lookup p99 µs | server end_to_end p99 µs | late sends | non-ok |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    summary = []
+    warm_all = []
+    for p, ph in sorted(by_pass.items()):
+        if "skipped" in ph:
+            s = ph["skipped"][0]
+            w(f"| {s['entities']:,} | skipped: {s['reason']} | | | | | | | | | | | | | |")
+            continue
+        b = ph["build"][0]["build"]
+        st = ph["start"][0]
+        cold = ph["cold"][0]["report"]["latency"]
+        warm = [r["report"] for r in ph.get("warm", [])]
+        warm_all += ph.get("warm", [])
+        lat = lambda k: [r["latency"][k] for r in warm]
+        stage = lambda name: [r["server_stages_last_10s_us"].get(name, {}).get("p99_us", 0) for r in ph.get("warm", [])]
+        nonok = sum(r["received"] - r["by_status"].get("ok", 0) + r["lost"] for r in warm + [ph["cold"][0]["report"]])
+        w(f"| {b['entities']:,} | {b['storage']} | {b['file_bytes'] / 1e9:.2f} GB | {b['build_s']:.1f} s | {st['start_s']:.1f} s | "
+          f"{cold['p50_us']:,} / {cold['p99_us']:,} / {cold['p999_us']:,} / {cold['max_us']:,} | {fmt([r['achieved_rate'] for r in warm])} | "
+          f"{fmt(lat('p50_us'))} | {fmt(lat('p99_us'))} | {fmt(lat('p999_us'))} | {fmt(lat('max_us'))} | {fmt(stage('lookup'), digits=1)} | "
+          f"{fmt(stage('end_to_end'))} | {fmt([r['late_sends'] for r in warm])} | {nonok} |")
+        med = {k: statistics.median(lat(k)) for k in ("p50_us", "p99_us", "p999_us")}
+        med["lookup"] = statistics.median(stage("lookup"))
+        med["end_to_end"] = statistics.median(stage("end_to_end"))
+        summary.append((b["entities"], b["storage"], med))
+    w("")
+    if summary:
+        n0, s0, m0 = summary[0]
+        w(f"Warm medians against {n0:,} users ({s0}), measured in the same run:\n")
+        for n, s, m in summary[1:]:
+            w(f"- {n:,} users ({s}): end to end p50 × {m['p50_us'] / m0['p50_us']:.2f}, p99 × {m['p99_us'] / m0['p99_us']:.2f}, "
+              f"p99.9 × {m['p999_us'] / m0['p999_us']:.2f}; the server's own lookup p99 × {m['lookup'] / m0['lookup']:.2f}, "
+              f"end_to_end p99 × {m['end_to_end'] / m0['end_to_end']:.2f}.")
+        w("")
+    if warm_all:
+        late = sum(l["report"]["late_sends"] for l in warm_all) / max(1, sum(l["report"]["sent"] for l in warm_all))
+        saturated = sum(bool(l["report"]["generator_saturated"]) for l in warm_all)
+        loads = [l["loadavg_before"][0] for l in warm_all if "loadavg_before" in l]
+        clean = all(l["report"]["lost"] == 0 and l["report"]["by_status"].get("ok", 0) == l["report"]["received"]
+                    and l["report"]["by_tier"].get("primary", 0) == l["report"]["received"]
+                    and l["report"]["achieved_rate"] >= 0.99 * meta["rate"] for l in warm_all)
+        w("What the figures show:\n")
+        w("- " + ("Every warm run held the offered rate with every request answered `Ok` by the primary model" if clean else
+                  "Not every warm run held the offered rate with every request answered `Ok` by the primary model")
+          + " (non-ok counts the cold run too: requests past their 1 s budget)"
+          + f"; {late:.0%} of the warm")
+        w(f"  runs' sends left more than 1 ms late, the generator called itself saturated in {saturated} of {len(warm_all)} runs,")
+        if loads:
+            w(f"  and the 1-minute load average was {min(loads):.1f}–{max(loads):.1f} on 2 cores around the runs (this bench's own")
+            w("  server and generator count for about 2 of it).")
+        if late > 0.05:
+            w("  The client-side percentiles are therefore mostly the time the generator and the server waited for a")
+            w("  core, not the server's work: read them as what this shared machine did, not as the server's capacity.")
+        else:
+            w("  so the client-side percentiles are the server's latency at this rate, plus the loopback network.")
+        first = next(ph for _, ph in sorted(by_pass.items()) if "warm" in ph)
+        spread = [r["server_stages_last_10s_us"].get("lookup", {}).get("p99_us", 0) for r in first["warm"]]
+        nl, sl, ml = summary[-1]
+        w("- What the population itself costs is in the server's own stages: one request reads one user row from")
+        w("  the N-user replica and 32 item rows from the small item replica; past the hot ranks the user row misses")
+        w("  the caches at every size here (the 1M file is already larger than the last-level cache), so a larger")
+        w("  population should add little more than a deeper page walk per request. In this run the server's")
+        w(f"  `lookup` p99 at {nl:,} users was {ml['lookup']:.0f} µs against {m0['lookup']:.0f} µs at {n0:,}, but the {n0:,} runs alone")
+        w(f"  spread over {min(spread):.0f}–{max(spread):.0f} µs: the difference is not separable from the machine's noise here,")
+        w("  and neither is the end-to-end ratio.")
+        if late > 0.05:
+            w("- The issue's figure, the end-to-end p99 at 50M against 1M at 10k req/s, is therefore not established by")
+            w("  this run; it needs the script run again with nothing else on the two cores.")
+        starts = [(ph["start"][0]["entities"], ph["start"][0]["storage"], ph["start"][0]["start_s"])
+                  for _, ph in sorted(by_pass.items()) if "start" in ph]
+        w("- Start-up grows with the file: the open reads and checks every byte (docs/REPLICA.md; \"Replica scale\"")
+        w("  above); with the pages evicted it took " + ", ".join(f"{s:.1f} s at {n:,} ({st})" for n, st, s in starts) + ".")
+        w("")
+
 # Criterion.
 w("## Microbenchmarks (criterion)\n")
 w("Median time per iteration with criterion's 95% confidence interval of the median, one process")

@@ -152,44 +152,78 @@ pub fn ensure(dir: &Path) -> Result<DemoFiles, crate::Error> {
     Ok(files)
 }
 
-/// How ids are drawn from a group of `n` known ids.
-#[derive(Clone, Debug)]
+/// How ids are drawn from a group's known ids 0..n.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum IdDist {
     Uniform,
-    /// Zipf with exponent `s` over ranks 1..=n; rank r is id r-1, so low ids
-    /// are hot. The cumulative table is built once and shared.
-    Zipf {
-        s: f64,
-        cdf: std::sync::Arc<Vec<f64>>,
-    },
+    /// Zipf with this exponent over ranks 1..=n, the ranks spread over the
+    /// ids by [`Ids`]' fixed permutation.
+    Zipf(f64),
 }
 
-impl IdDist {
-    /// Largest group a Zipf table is built for (8 bytes per id).
-    pub const ZIPF_IDS_MAX: u64 = 1 << 24;
+impl std::fmt::Display for IdDist {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IdDist::Uniform => write!(f, "uniform"),
+            IdDist::Zipf(s) => write!(f, "zipf:{s}"),
+        }
+    }
+}
 
-    pub fn zipf(s: f64, n: u64) -> IdDist {
-        assert!(s > 0.0 && s.is_finite(), "Zipf exponent must be positive");
-        assert!((1..=Self::ZIPF_IDS_MAX).contains(&n), "Zipf over 1..={} ids", Self::ZIPF_IDS_MAX);
-        let mut cdf = Vec::with_capacity(n as usize);
-        let mut acc = 0.0;
-        for rank in 1..=n {
-            acc += 1.0 / (rank as f64).powf(s);
-            cdf.push(acc);
+/// Largest group ids are drawn from: the sampler's bound, beyond the 2^30
+/// rows one replica file holds.
+pub const POPULATION_MAX: u64 = crate::zipf::RANKS_MAX;
+
+/// Draws ids 0..n by an [`IdDist`]. Constant size whatever n, so a
+/// workload over a billion ids costs what one over a thousand does.
+#[derive(Clone, Copy, Debug)]
+pub struct Ids {
+    n: u64,
+    zipf: Option<crate::zipf::Zipf>,
+    /// Zipf rank r is id (r - 1) * stride mod n: a permutation (stride is
+    /// coprime with n) that scatters the hot ids over the population, as in
+    /// a real one, instead of packing them into the first rows of a file.
+    stride: u64,
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// Candidates tried after the golden-ratio point for a stride coprime with
+/// n; the longest run of integers sharing a factor with any n <= 2^32 is a
+/// few dozen (Jacobsthal's function).
+const STRIDE_TRIES_MAX: u64 = 1024;
+
+impl Ids {
+    pub fn new(dist: IdDist, n: u64) -> Result<Ids, String> {
+        if !(1..=POPULATION_MAX).contains(&n) {
+            return Err(format!("a population of {n} ids: must be 1..={POPULATION_MAX}"));
         }
-        for c in cdf.iter_mut() {
-            *c /= acc;
-        }
-        IdDist::Zipf { s, cdf: std::sync::Arc::new(cdf) }
+        let zipf = match dist {
+            IdDist::Uniform => None,
+            IdDist::Zipf(s) => Some(crate::zipf::Zipf::new(s, n).map_err(|e| e.to_string())?),
+        };
+        // About n / phi apart: neighbouring ranks land far from each other.
+        let base = (n as f64 * 0.618_033_988_749_894_8) as u64;
+        let stride = (0..STRIDE_TRIES_MAX)
+            .map(|d| (base + d) % n)
+            .find(|&c| gcd(c, n) == 1)
+            .expect("a stride coprime with n within STRIDE_TRIES_MAX");
+        Ok(Ids { n, zipf, stride })
     }
 
-    fn draw(&self, n: u64, rng: &mut SplitMix64) -> u64 {
-        match self {
-            IdDist::Uniform => rng.below(n),
-            IdDist::Zipf { cdf, .. } => {
-                let u = rng.unit();
-                (cdf.partition_point(|&c| c < u) as u64).min(n - 1)
-            }
+    pub fn count(&self) -> u64 {
+        self.n
+    }
+
+    pub fn draw(&self, rng: &mut SplitMix64) -> u64 {
+        match &self.zipf {
+            None => rng.below(self.n),
+            Some(z) => ((u128::from(z.sample(rng) - 1) * u128::from(self.stride)) % u128::from(self.n)) as u64,
         }
     }
 }
@@ -197,45 +231,41 @@ impl IdDist {
 /// Generates auction-32 requests (or a variant with other sizes).
 #[derive(Clone, Debug)]
 pub struct Workload {
-    pub users: u64,
-    pub items: u64,
     pub candidates: usize,
     pub context_len: usize,
     /// Fraction of ids drawn outside the known ranges.
     pub unknown_fraction: f64,
     pub budget_us: u32,
-    pub user_dist: IdDist,
-    pub item_dist: IdDist,
+    pub users: Ids,
+    pub items: Ids,
     rng: SplitMix64,
 }
 
 impl Workload {
     pub fn auction32(seed: u64) -> Workload {
         Workload {
-            users: USERS,
-            items: ITEMS,
             candidates: CANDIDATES,
             context_len: CONTEXT_LEN,
             unknown_fraction: 0.0,
             budget_us: 0,
-            user_dist: IdDist::Uniform,
-            item_dist: IdDist::Uniform,
+            users: Ids::new(IdDist::Uniform, USERS).expect("the demo's population is valid"),
+            items: Ids::new(IdDist::Uniform, ITEMS).expect("the demo's population is valid"),
             rng: SplitMix64::new(seed),
         }
     }
 
     /// Uses Zipf(s) for both users and items.
-    pub fn with_zipf(mut self, s: f64) -> Workload {
-        self.user_dist = IdDist::zipf(s, self.users);
-        self.item_dist = IdDist::zipf(s, self.items);
-        self
+    pub fn with_zipf(mut self, s: f64) -> Result<Workload, String> {
+        self.users = Ids::new(IdDist::Zipf(s), self.users.count())?;
+        self.items = Ids::new(IdDist::Zipf(s), self.items.count())?;
+        Ok(self)
     }
 
-    fn id(rng: &mut SplitMix64, dist: &IdDist, known: u64, unknown_fraction: f64) -> u64 {
+    fn id(rng: &mut SplitMix64, ids: &Ids, unknown_fraction: f64) -> u64 {
         if unknown_fraction > 0.0 && rng.unit() < unknown_fraction {
-            known + rng.below(u64::from(u32::MAX))
+            ids.count() + rng.below(u64::from(u32::MAX))
         } else {
-            dist.draw(known, rng)
+            ids.draw(rng)
         }
     }
 
@@ -244,10 +274,10 @@ impl Workload {
         let rng = &mut self.rng;
         spec.request_id = request_id;
         spec.budget_us = self.budget_us;
-        spec.user_id = Self::id(rng, &self.user_dist, self.users, self.unknown_fraction);
+        spec.user_id = Self::id(rng, &self.users, self.unknown_fraction);
         spec.item_ids.clear();
         for _ in 0..self.candidates {
-            spec.item_ids.push(Self::id(rng, &self.item_dist, self.items, self.unknown_fraction));
+            spec.item_ids.push(Self::id(rng, &self.items, self.unknown_fraction));
         }
         spec.context.clear();
         for _ in 0..self.context_len {
@@ -296,17 +326,45 @@ mod tests {
     }
 
     #[test]
-    fn zipf_favours_low_ids() {
-        let mut w = Workload::auction32(4).with_zipf(1.1);
+    fn zipf_ids_are_the_ranks_through_a_permutation() {
+        let mut w = Workload::auction32(4).with_zipf(1.1).unwrap();
         let mut spec = RequestSpec::default();
-        let (mut hot, mut total) = (0, 0);
-        for i in 0..500 {
+        let mut count = vec![0u32; ITEMS as usize];
+        for i in 0..2000 {
             w.fill(i, &mut spec);
-            hot += spec.item_ids.iter().filter(|&&id| id < 100).count();
-            total += spec.item_ids.len();
-            assert!(spec.item_ids.iter().all(|&id| id < ITEMS));
+            for &id in &spec.item_ids {
+                count[id as usize] += 1;
+            }
         }
-        // Under Zipf(1.1) over 10,000 ids the top 1% draw well over half.
-        assert!(hot * 2 > total, "{hot} of {total} in the top 100 ids");
+        let hot = Ids::new(IdDist::Zipf(1.1), ITEMS).unwrap();
+        let rank_id = |r: u64| ((r - 1) * hot.stride % ITEMS) as usize;
+        // Rank 1 (id 0) is the most drawn id; ranks 2 and 3 sit far apart.
+        assert_eq!(count.iter().enumerate().max_by_key(|&(_, c)| *c).unwrap().0, 0);
+        assert!(count[rank_id(2)] > count[rank_id(3)] && count[rank_id(3)] > 0);
+        assert!(rank_id(2).abs_diff(rank_id(3)) > ITEMS as usize / 10);
+        // Under Zipf(1.1) over 10,000 ids the top 100 ranks draw well over half.
+        let top: u32 = (1..=100).map(|r| count[rank_id(r)]).sum();
+        assert!(top * 2 > 2000 * CANDIDATES as u32, "{top} of the draws in the top 100 ranks");
+    }
+
+    #[test]
+    fn the_rank_permutation_is_a_bijection() {
+        for n in [1u64, 2, 3, 10, 97, 1000, 1 << 12, 3 * 5 * 7 * 11 * 13] {
+            let ids = Ids::new(IdDist::Zipf(1.0), n).unwrap();
+            let mut seen = vec![false; n as usize];
+            for r in 1..=n {
+                let id = ((r - 1) * ids.stride % n) as usize;
+                assert!(!seen[id], "n {n}: id {id} twice");
+                seen[id] = true;
+            }
+        }
+        assert!(Ids::new(IdDist::Uniform, 0).is_err());
+        assert!(Ids::new(IdDist::Uniform, POPULATION_MAX + 1).is_err());
+        assert!(Ids::new(IdDist::Zipf(-1.0), 10).is_err());
+        // Large populations take no memory of their own.
+        assert!(std::mem::size_of::<Ids>() <= 128);
+        let big = Ids::new(IdDist::Zipf(1.1), 50_000_000).unwrap();
+        let mut rng = SplitMix64::new(1);
+        assert!((0..10_000).all(|_| big.draw(&mut rng) < 50_000_000));
     }
 }

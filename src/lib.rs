@@ -31,6 +31,7 @@ pub mod shard;
 pub mod shed;
 pub mod tls;
 pub mod wire;
+pub mod zipf;
 
 /// Start-up failures: anything that stops the server before it serves.
 #[derive(Debug, thiserror::Error)]

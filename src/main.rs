@@ -290,9 +290,23 @@ struct BenchArgs {
     /// Fraction of user and item ids drawn outside the known ranges.
     #[arg(long, default_value_t = 0.0)]
     unknown_fraction: f64,
+    /// Known user ids are 0..N: the served user replica's population
+    /// (the demo's by default).
+    #[arg(long, default_value_t = demo::USERS)]
+    users: u64,
+    /// Known item ids are 0..N: the served item replica's population.
+    #[arg(long, default_value_t = demo::ITEMS)]
+    items: u64,
     /// Draw user and item ids from Zipf(S) instead of uniformly.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["user_zipf", "item_zipf"])]
     zipf: Option<f64>,
+    /// Draw user ids from Zipf(S) over --users (items stay uniform unless
+    /// --item-zipf).
+    #[arg(long)]
+    user_zipf: Option<f64>,
+    /// Draw item ids from Zipf(S) over --items.
+    #[arg(long)]
+    item_zipf: Option<f64>,
     #[arg(long, default_value_t = 0)]
     budget_us: u32,
     /// Priorities to send, with shares: `0:0.75,9:0.25` (higher is more
@@ -751,9 +765,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     if !(0.0..=1.0).contains(&args.unknown_fraction) {
         return Err(Error::Setup("--unknown-fraction must be within 0..=1".into()));
     }
-    if args.zipf.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
-        return Err(Error::Setup("--zipf must be a positive exponent".into()));
-    }
+    let dist = |s: Option<f64>| s.map_or(demo::IdDist::Uniform, demo::IdDist::Zipf);
     if args.redis_value_bytes > loadgen::resp::VALUE_BYTES_MAX {
         return Err(Error::Setup(format!("--redis-value-bytes: at most {}", loadgen::resp::VALUE_BYTES_MAX)));
     }
@@ -781,7 +793,10 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         candidates: args.candidates.max(1),
         context_len: args.context_len,
         unknown_fraction: args.unknown_fraction,
-        zipf: args.zipf,
+        users: args.users,
+        items: args.items,
+        user_dist: dist(args.user_zipf.or(args.zipf)),
+        item_dist: dist(args.item_zipf.or(args.zipf)),
         budget_us: args.budget_us,
         priority_mix: match &args.priority_mix {
             Some(mix) => loadgen::parse_priority_mix(mix).map_err(Error::Setup)?,
@@ -789,6 +804,9 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         },
         tls: args.tls.settings(),
     };
+    // Checked before any connection, so a bad population or exponent is a
+    // start-up error, not a failed run.
+    let workload = opts.workload().map_err(|e| Error::Setup(format!("bench: {e}")))?;
     let write_files = |rec: &loadgen::Recording| -> Result<(), Error> {
         let io = |p: &PathBuf, e: std::io::Error| Error::Setup(format!("{}: {e}", p.display()));
         if let Some(p) = &args.histogram_log {
@@ -806,7 +824,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
             (None, false) => quiver::cluster::Hedge::Off,
         };
         let nodes = loadgen::nodes::NodesOptions { addrs, hedge, hedge_fraction: args.hedge_fraction };
-        let report = loadgen::nodes::run(&opts, &nodes).map_err(|e| Error::Setup(e.to_string()))?;
+        let report = loadgen::nodes::run(&opts, &nodes, workload).map_err(|e| Error::Setup(e.to_string()))?;
         if args.json {
             println!("{}", serde_json::to_string(&report).expect("report serialises"));
         } else {

@@ -72,6 +72,62 @@ fn bench_json_reports_rate_and_percentiles() {
     }
 }
 
+/// `--users`/`--items` set the populations ids are drawn from, and the
+/// report says what was sent: past the served replica's users, most
+/// requests name a user the server does not know.
+#[test]
+fn bench_draws_ids_from_the_population_it_is_given() {
+    let server = Server::start(&["--shards", "1"]);
+    let mut requests_before = 0;
+    let mut bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "--addr", &server.addr, "--duration", "1s", "--rate", "300", "--connections", "1"];
+        args.extend_from_slice(&["--budget-us", "2000000", "--candidates", "1", "--json"]);
+        args.extend_from_slice(extra);
+        let out = run(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["by_status"]["ok"], v["sent"], "{v}");
+        // The shards publish once a second: wait until they counted this run.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let sent = v["sent"].as_u64().unwrap();
+        let missing = loop {
+            let s = server.stats();
+            if s.requests >= requests_before + sent {
+                requests_before = s.requests;
+                break s.features_missing;
+            }
+            assert!(std::time::Instant::now() < until, "the server never counted {sent} more requests");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        (v, missing, sent)
+    };
+
+    let (v, missing_known, _) = bench(&["--users", "100000", "--user-zipf", "1.1", "--items", "10000"]);
+    let ids = &v["ids"];
+    assert_eq!((ids["users"].as_u64(), ids["items"].as_u64()), (Some(100_000), Some(10_000)), "{v}");
+    assert_eq!((ids["user_dist"].as_str(), ids["item_dist"].as_str()), (Some("zipf:1.1"), Some("uniform")), "{v}");
+    assert_eq!(missing_known, 0, "every id drawn is in the demo's replicas");
+
+    // Uniform over ten times the demo's users: about nine in ten are unknown.
+    let (v, missing_total, sent) = bench(&["--users", "1000000", "--item-zipf", "0.8"]);
+    assert_eq!((v["ids"]["user_dist"].as_str(), v["ids"]["item_dist"].as_str()), (Some("uniform"), Some("zipf:0.8")));
+    assert!(missing_total * 10 > sent * 8, "{missing_total} users missing in {sent} requests");
+
+    for (bad, why) in [
+        (&["--user-zipf", "0"][..], "Zipf exponent 0"),
+        (&["--users", "0"][..], "users: a population of 0 ids"),
+        (&["--items", "5000000000"][..], "items: a population of 5000000000"),
+        (&["--zipf", "1.1", "--user-zipf", "1.1"][..], "cannot be used with"),
+    ] {
+        let mut args = vec!["bench", "--addr", &server.addr, "--duration", "1s"];
+        args.extend_from_slice(bad);
+        let out = run(&args);
+        assert!(!out.status.success(), "{bad:?} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(why), "{bad:?}: {stderr}");
+    }
+}
+
 #[test]
 fn replica_build_and_inspect() {
     let dir = common::scratch("replica-cli");

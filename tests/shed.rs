@@ -37,7 +37,10 @@ fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)
         candidates: 32,
         context_len: quiver::demo::CONTEXT_LEN,
         unknown_fraction: 0.0,
-        zipf: None,
+        users: quiver::demo::USERS,
+        items: quiver::demo::ITEMS,
+        user_dist: quiver::demo::IdDist::Uniform,
+        item_dist: quiver::demo::IdDist::Uniform,
         // The server's default budget (10 ms).
         budget_us: 0,
         priority_mix: mix,

@@ -35,7 +35,7 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 use crate::client::Codec;
-use crate::demo::{SplitMix64, Workload};
+use crate::demo::{IdDist, Ids, SplitMix64, Workload};
 use crate::wire::{status_name, tier_name, RequestSpec, Status};
 
 pub mod nodes;
@@ -92,13 +92,42 @@ pub struct BenchOptions {
     /// Context floats per request.
     pub context_len: usize,
     pub unknown_fraction: f64,
-    /// Zipf exponent for user and item ids; `None` for uniform.
-    pub zipf: Option<f64>,
+    /// Known user ids are 0..users (the served user replica's keys).
+    pub users: u64,
+    /// Known item ids are 0..items.
+    pub items: u64,
+    pub user_dist: IdDist,
+    pub item_dist: IdDist,
     pub budget_us: u32,
     /// (priority, share) pairs, shares summing to 1; empty sends priority 0.
     pub priority_mix: Vec<(u8, f64)>,
     /// Speak TLS to the server (Quiver with `[tls]`).
     pub tls: Option<crate::tls::ClientTls>,
+}
+
+impl BenchOptions {
+    /// The request generator these options describe, seeded by `seed`;
+    /// an error names a population or exponent out of range.
+    pub fn workload(&self) -> Result<Workload, String> {
+        let mut w = Workload::auction32(self.seed);
+        w.users = Ids::new(self.user_dist, self.users).map_err(|e| format!("users: {e}"))?;
+        w.items = Ids::new(self.item_dist, self.items).map_err(|e| format!("items: {e}"))?;
+        w.candidates = self.candidates;
+        w.context_len = self.context_len;
+        w.unknown_fraction = self.unknown_fraction;
+        w.budget_us = self.budget_us;
+        Ok(w)
+    }
+}
+
+/// The ids a run drew, as its report records them.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct IdsReport {
+    pub users: u64,
+    pub items: u64,
+    /// `uniform` or `zipf:S`.
+    pub user_dist: String,
+    pub item_dist: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -138,6 +167,9 @@ pub struct BenchReport {
     /// With a priority mix: the same figures per priority, keyed by it.
     #[serde(default)]
     pub by_priority: BTreeMap<String, PriorityReport>,
+    /// Populations and distributions of the ids sent (Quiver protocol).
+    #[serde(default)]
+    pub ids: IdsReport,
 }
 
 fn default_protocol() -> Protocol {
@@ -321,10 +353,23 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         generator_cpu_s: 0.0,
         generator_saturated: false,
         by_priority: BTreeMap::new(),
+        ids: IdsReport {
+            users: opts.users,
+            items: opts.items,
+            user_dist: opts.user_dist.to_string(),
+            item_dist: opts.item_dist.to_string(),
+        },
     };
     let mut rec = Recording {
         total: histogram(),
         intervals: (0..(opts.duration + DRAIN_MAX).as_secs() + 2).map(|_| histogram()).collect(),
+    };
+    let mut workload = match opts.workload() {
+        Ok(w) => w,
+        Err(e) => {
+            report.connection_errors.push(e);
+            return (report, rec);
+        }
     };
     if opts.protocol == Protocol::Redis {
         if let Err(e) = resp::prepare(&opts.addr, opts.redis_value_bytes) {
@@ -360,14 +405,6 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         return (report, rec);
     }
 
-    let mut workload = Workload::auction32(opts.seed);
-    if let Some(s) = opts.zipf {
-        workload = workload.with_zipf(s);
-    }
-    workload.candidates = opts.candidates;
-    workload.context_len = opts.context_len;
-    workload.unknown_fraction = opts.unknown_fraction;
-    workload.budget_us = opts.budget_us;
     let mut schedule = opts.rate.map(|rate| Schedule {
         arrival: opts.arrival,
         interval_ns: 1e9 / rate,
@@ -730,6 +767,10 @@ impl std::fmt::Display for BenchReport {
             "achieved {:.0} req/s: {} sent, {} answered, {} lost",
             self.achieved_rate, self.sent, self.received, self.lost
         )?;
+        if self.protocol == Protocol::Quiver {
+            let i = &self.ids;
+            writeln!(f, "ids: {} users ({}), {} items ({})", i.users, i.user_dist, i.items, i.item_dist)?;
+        }
         let l = &self.latency;
         writeln!(
             f,

@@ -84,8 +84,13 @@ impl std::fmt::Display for NodesReport {
     }
 }
 
-/// Runs the bench `opts` describes over `nodes.addrs`.
-pub fn run(opts: &BenchOptions, nodes: &NodesOptions) -> Result<NodesReport, crate::cluster::ClusterError> {
+/// Runs the bench `opts` describes over `nodes.addrs`, its requests drawn
+/// from `workload` (`BenchOptions::workload`).
+pub fn run(
+    opts: &BenchOptions,
+    nodes: &NodesOptions,
+    mut workload: Workload,
+) -> Result<NodesReport, crate::cluster::ClusterError> {
     let window = opts.pipeline * nodes.addrs.len();
     let config = ClusterConfig {
         connections_per_node: opts.connections.max(1),
@@ -96,10 +101,6 @@ pub fn run(opts: &BenchOptions, nodes: &NodesOptions) -> Result<NodesReport, cra
         ..ClusterConfig::default()
     };
     let mut cluster = Cluster::new(&nodes.addrs, config)?;
-    let mut workload = Workload::auction32(opts.seed);
-    workload.candidates = opts.candidates;
-    workload.context_len = opts.context_len;
-    workload.budget_us = opts.budget_us;
     let mut spec = RequestSpec::default();
     let mut hist = histogram();
     let (mut by_status, mut by_tier, mut failed) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
