@@ -42,9 +42,9 @@ type Features = (Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>);
 /// feed keeps current (then also the running feed).
 fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Error> {
     let Some(feed_config) = &config.feed else {
-        let user = ReplicaHandle::open(&config.user_features_path(), "user")?;
-        let item = ReplicaHandle::open(&config.item_features_path(), "item")?;
-        return Ok((Arc::new(user), Arc::new(item), None));
+        let user = ReplicaHandle::open_serving(&config.user_features_path(), "user")?;
+        let item = ReplicaHandle::open_serving(&config.item_features_path(), "item")?;
+        return Ok((user, item, None));
     };
     // A group with no file yet is created with the dimension the model reads.
     let model_dims = if config.models_dir.is_none() { Model::load(&config.model_path()).ok() } else { None }

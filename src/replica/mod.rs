@@ -184,6 +184,41 @@ impl ReplicaHandle {
         Ok(ReplicaHandle::new(Replica::open(path, group)?))
     }
 
+    /// Opens `path` read-only to serve it at once: only the length,
+    /// superblock, checkpoints and default vector are checked before it
+    /// returns. A `quiver-verify` thread (low priority) then scans every slot
+    /// and row; reads check their row's CRC until that passes. A file the
+    /// scan finds damaged (or with rows a killed writer left mid-write) keeps
+    /// serving only the rows that pass their CRC, and the scan's finding is
+    /// logged: a read-only server has no source to rebuild it from.
+    pub fn open_serving(path: &Path, group: &str) -> Result<Arc<ReplicaHandle>, ReplicaError> {
+        let table = Arc::new(Replica::map(path, group, table::Access::ReadOnly)?);
+        let handle = Arc::new(ReplicaHandle::serving(table.clone()));
+        let scanning = table.clone();
+        std::thread::Builder::new()
+            .name("quiver-verify".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                let ms = || started.elapsed().as_millis() as u64;
+                match scanning.scan() {
+                    Ok(scan) if scan.torn_slots.is_empty() => {
+                        tracing::info!(path = scanning.path(), rows = scan.live, ms = ms(), "replica verified");
+                    }
+                    Ok(scan) => tracing::error!(
+                        path = scanning.path(), rows = scan.torn_slots.len(),
+                        "rows were left mid-write by a killed writer: served as unknown (open the file with its \
+                         writer, `quiver serve` with [feed], to repair it)"
+                    ),
+                    Err(e) => tracing::error!(
+                        path = scanning.path(), ms = ms(),
+                        "{e}: serving only the rows that pass their checksum; rebuild the file"
+                    ),
+                }
+            })
+            .map_err(|source| ReplicaError::Io { path: path.display().to_string(), source })?;
+        Ok(handle)
+    }
+
     /// The current table; hold it for one request, not longer, so that a
     /// replaced table's mapping is released soon after a swap.
     #[inline]

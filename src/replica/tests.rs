@@ -547,3 +547,36 @@ fn a_background_growth_loses_nothing_written_while_it_copies() {
         assert!(w.table().read_into(key, &mut out) && out == vector(key, generation), "key {key}");
     }
 }
+
+#[test]
+fn a_read_only_server_serves_at_once_and_never_serves_a_row_that_fails_its_crc() {
+    let dir = tmpdir("open-serving");
+    let path = dir.join("item.qrep");
+    sample(500, 4).write(&path).unwrap();
+    let handle = ReplicaHandle::open_serving(&path, "item").unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while !handle.load().verified() {
+        assert!(Instant::now() < until, "the background scan of a good file passes");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(snapshot(&handle.load(), 500, 4), snapshot(&Replica::open(&path, "item").unwrap(), 500, 4));
+    drop(handle);
+
+    let key = 123 * 7919 + 3;
+    let r = Replica::open(&path, "item").unwrap();
+    let payload_at = r.layout().rows_offset + r.find(key).unwrap() as usize * r.layout().row_stride + 16;
+    drop(r);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[payload_at + 2] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let handle = ReplicaHandle::open_serving(&path, "item").unwrap();
+    let mut out = [0.0; 4];
+    for _ in 0..3 {
+        assert!(!handle.load().read_into(key, &mut out), "before, during and after the scan");
+        assert_eq!(out, [-1.0; 4]);
+        assert!(handle.load().read_into(key + 7919, &mut out));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(!handle.load().verified(), "a damaged file is never marked verified");
+    assert_eq!(handle.load().corrupt_reads(), 3);
+}
