@@ -309,6 +309,82 @@ if os.path.exists(feed):
             w(f"| {label} | {l['p50']:,} µs | {l['p90']:,} µs | {l['p99']:,} µs | {l['p999']:,} µs | {l['max']:,} µs |")
         w("")
 
+sync_scale = os.path.join(res, "sync_scale.jsonl")
+if os.path.exists(sync_scale):
+    lines = [json.loads(l) for l in open(sync_scale) if l.startswith("{")]
+    meta = next((l for l in lines if "commit" in l), {})
+    copies = [l for l in lines if l.get("case") == "copy"]
+    sizes = sorted({l["entities"] for l in copies})
+    w("## Full sync from Redis at scale\n")
+    w(f"Measured at commit `{meta.get('commit', '?')}` on {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, "
+      f"{meta.get('mem_total_kib', 0) / 2**20:.0f} GiB, Redis {meta.get('redis', '?')}, by `bash bench/sync_scale.sh`")
+    w("(`bench/sync_scale.rs`): the bench starts its own `redis-server` (no persistence) on the same machine and loads")
+    w("one group as the contract stores it (`item:{id}` = 32 f32, 128 bytes; the epoch and counter keys), then times")
+    w("`feed::sync::full_sync`, what a resync runs, into a fresh f32 replica file on the VM's disk, final checkpoint")
+    w("(msync) included, 1,000 keys per MGET. Connection counts run side by side, interleaved, in the same run.")
+    w("CPU seconds are Redis's (from `/proc`), the whole bench process's (scanner, fetchers and inserter), and the")
+    w("inserting thread's alone (the replica's one writer, the calling thread). **This machine is a 2-core VM shared")
+    w("with other developers' builds**: it ran at about "
+      + (f"{statistics.median([l['machine_busy_cores'] for l in copies]):.1f}" if copies else "?")
+      + " busy cores during the copies (the busy-cores column; everything else here ran at the same nice level as")
+    w(f"the bench), so Redis, the copy and the builds took turns on the cores. Load average before the run: "
+      f"{meta.get('load_before', '?')}.\n")
+    reps = {n: len({l["run"] for l in copies if l["entities"] == n}) for n in sizes}
+    w("Runs per row: " + ", ".join(f"{n:,}: {reps[n]}" for n in sizes) + " (median, with min–max where more than one).\n")
+    w("| entities | connections | wall s | entities/s | vs 1 connection | Redis CPU s | bench CPU s | inserter CPU s | busy cores |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    best = None
+    for n in sizes:
+        by = {}
+        for l in copies:
+            if l["entities"] == n:
+                by.setdefault(l["connections"], []).append(l)
+        base = statistics.median([l["entities_per_s"] for l in by.get(1, [])]) if 1 in by else None
+        for c in sorted(by):
+            runs = by[c]
+            rate = statistics.median([l["entities_per_s"] for l in runs])
+            if best is None or rate > best[0]:
+                best = (rate, n, c)
+            ratio = f"{rate / base:.2f}×" if base else "n/a"
+            med = lambda k: statistics.median([k(l) for l in runs])
+            wall = fmt([l["wall_s"] for l in runs], digits=2) if len(runs) > 1 else f"{runs[0]['wall_s']:.2f}"
+            w(f"| {n:,} | {c} | {wall} | {rate:,.0f} | {ratio} | {med(lambda l: l['redis_user_cpu_s'] + l['redis_sys_cpu_s']):.2f} | "
+              f"{med(lambda l: l['client_cpu_s']):.2f} | {med(lambda l: l['inserter_cpu_s']):.2f} | {med(lambda l: l['machine_busy_cores']):.2f} |")
+    w("")
+    for l in lines:
+        if l.get("case") == "skipped":
+            w(f"- {l['entities']:,} entities skipped: {l['why']}.")
+    w("Where the time goes, per size: Redis alone (SCAN over the keyspace with nothing else done with the keys, then")
+    w("MGET of those keys in the copy's batches, one connection, Redis's CPU per key) and the replica's writer alone")
+    w("(the same rows inserted from memory into a file sized as a sync sizes it, checkpoint included).\n")
+    w("| entities | Redis SCAN µs/key | Redis MGET µs/key | Redis's one thread at 100%: keys/s | writer alone: rows/s |")
+    w("|---|---|---|---|---|")
+    bounds = []
+    for n in sorted({l["entities"] for l in lines if l.get("case") == "redis SCAN alone"}):
+        scan = next(l for l in lines if l.get("case") == "redis SCAN alone" and l["entities"] == n)
+        mget = next(l for l in lines if l.get("case") == "redis MGET alone" and l["entities"] == n)
+        writer = next((l for l in lines if l.get("case") == "writer only" and l["entities"] == n), None)
+        per = lambda l: (l["redis_user_cpu_s"] + l["redis_sys_cpu_s"]) / n * 1e6
+        bound = 1e6 / (per(scan) + per(mget))
+        bounds.append(bound)
+        w(f"| {n:,} | {per(scan):.2f} | {per(mget):.2f} | {bound:,.0f} | "
+          + (f"{writer['entities_per_s']:,.0f} |" if writer else "n/a |"))
+    w("")
+    if best:
+        w("Target of issue 19, full sync at ≥ 1M entities/s: "
+          + ("met" if best[0] >= 1e6 else "**not met** on this machine")
+          + f"; the fastest copy was {best[0]:,.0f} entities/s ({best[1]:,} entities, {best[2]} connections).")
+        if best[0] < 1e6 and bounds:
+            w(f"Redis's one thread alone needs the CPU time above for every key (SCAN and MGET together), so one Redis")
+            w(f"node on this VM serves at most {max(bounds):,.0f} keys/s to any number of connections, before the copy's")
+            w("own decoding and inserting compete with it for the two cores. More connections can only overlap the")
+            w("copy's work with Redis's (the serial copy leaves Redis idle while it decodes and inserts each batch); on")
+            w("a machine with cores to spare that overlap is the gain, and on this shared VM there was little to spare.")
+            w("Reaching 1M/s from one node needs Redis to do less per key than SCAN + MGET makes it do (a snapshot read")
+            w("through the replication protocol, not built), or several nodes (a Cluster, one connection per master,")
+            w("not supported yet).")
+    w("")
+
 scale = os.path.join(res, "scale.jsonl")
 if os.path.exists(scale):
     lines = [json.loads(l) for l in open(scale) if l.startswith("{")]
