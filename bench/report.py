@@ -323,16 +323,23 @@ if os.path.exists(sync_scale):
     w("`feed::sync::full_sync`, what a resync runs, into a fresh f32 replica file on the VM's disk, final checkpoint")
     w("(msync) included, 1,000 keys per MGET. Connection counts run side by side, interleaved, in the same run.")
     w("CPU seconds are Redis's (from `/proc`), the whole bench process's (scanner, fetchers and inserter), and the")
-    w("inserting thread's alone (the replica's one writer, the calling thread). **This machine is a 2-core VM shared")
-    w("with other developers' builds**: it ran at about "
-      + (f"{statistics.median([l['machine_busy_cores'] for l in copies]):.1f}" if copies else "?")
-      + " busy cores during the copies (the busy-cores column; everything else here ran at the same nice level as")
-    w(f"the bench), so Redis, the copy and the builds took turns on the cores. Load average before the run: "
-      f"{meta.get('load_before', '?')}.\n")
+    w("inserting thread's alone (the replica's one writer, the calling thread); Redis busy is Redis's CPU seconds over")
+    w("the copy's wall seconds (at 100% its one thread is the limit; below, it waited for requests or for a core).")
+    busy = f"{statistics.median([l['machine_busy_cores'] for l in copies]):.1f}" if copies else "?"
+    w(f"**This machine is a 2-core VM shared with other developers' builds**: it ran at about {busy} busy cores")
+    w("during the copies (the last column); the builds seen in top ran at nice 10, as did the bench and its Redis,")
+    w(f"and all took turns on the two cores. Load average before the run: {meta.get('load_before', '?')}.")
+    if os.path.exists(feed):
+        lag_sync = next((r for r in (json.loads(l) for l in open(feed) if l.startswith("{")) if r.get("median") == "full sync"), None)
+        if lag_sync:
+            w(f"The one-connection copy is the code the feed-lag section above measured at {lag_sync['entities_per_s']:,.0f}")
+            w("entities/s on a quieter day of the same VM: the load here cuts every figure, so compare rows within this")
+            w("table, measured side by side.")
+    w("")
     reps = {n: len({l["run"] for l in copies if l["entities"] == n}) for n in sizes}
     w("Runs per row: " + ", ".join(f"{n:,}: {reps[n]}" for n in sizes) + " (median, with min–max where more than one).\n")
-    w("| entities | connections | wall s | entities/s | vs 1 connection | Redis CPU s | bench CPU s | inserter CPU s | busy cores |")
-    w("|---|---|---|---|---|---|---|---|---|")
+    w("| entities | connections | wall s | of which checkpoint s | entities/s | vs 1 connection | Redis CPU s | Redis busy | bench CPU s | inserter CPU s | machine busy cores |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
     best = None
     for n in sizes:
         by = {}
@@ -348,7 +355,8 @@ if os.path.exists(sync_scale):
             ratio = f"{rate / base:.2f}×" if base else "n/a"
             med = lambda k: statistics.median([k(l) for l in runs])
             wall = fmt([l["wall_s"] for l in runs], digits=2) if len(runs) > 1 else f"{runs[0]['wall_s']:.2f}"
-            w(f"| {n:,} | {c} | {wall} | {rate:,.0f} | {ratio} | {med(lambda l: l['redis_user_cpu_s'] + l['redis_sys_cpu_s']):.2f} | "
+            w(f"| {n:,} | {c} | {wall} | {med(lambda l: l['wall_s'] - l['last_row_s']):.2f} | {rate:,.0f} | {ratio} | {med(lambda l: l['redis_user_cpu_s'] + l['redis_sys_cpu_s']):.2f} | "
+              f"{med(lambda l: (l['redis_user_cpu_s'] + l['redis_sys_cpu_s']) / l['wall_s']) * 100:.0f}% | "
               f"{med(lambda l: l['client_cpu_s']):.2f} | {med(lambda l: l['inserter_cpu_s']):.2f} | {med(lambda l: l['machine_busy_cores']):.2f} |")
     w("")
     for l in lines:
@@ -359,14 +367,14 @@ if os.path.exists(sync_scale):
     w("(the same rows inserted from memory into a file sized as a sync sizes it, checkpoint included).\n")
     w("| entities | Redis SCAN µs/key | Redis MGET µs/key | Redis's one thread at 100%: keys/s | writer alone: rows/s |")
     w("|---|---|---|---|---|")
-    bounds = []
+    bounds = {}
     for n in sorted({l["entities"] for l in lines if l.get("case") == "redis SCAN alone"}):
         scan = next(l for l in lines if l.get("case") == "redis SCAN alone" and l["entities"] == n)
         mget = next(l for l in lines if l.get("case") == "redis MGET alone" and l["entities"] == n)
         writer = next((l for l in lines if l.get("case") == "writer only" and l["entities"] == n), None)
         per = lambda l: (l["redis_user_cpu_s"] + l["redis_sys_cpu_s"]) / n * 1e6
         bound = 1e6 / (per(scan) + per(mget))
-        bounds.append(bound)
+        bounds[n] = bound
         w(f"| {n:,} | {per(scan):.2f} | {per(mget):.2f} | {bound:,.0f} | "
           + (f"{writer['entities_per_s']:,.0f} |" if writer else "n/a |"))
     w("")
@@ -375,11 +383,27 @@ if os.path.exists(sync_scale):
           + ("met" if best[0] >= 1e6 else "**not met** on this machine")
           + f"; the fastest copy was {best[0]:,.0f} entities/s ({best[1]:,} entities, {best[2]} connections).")
         if best[0] < 1e6 and bounds:
-            w(f"Redis's one thread alone needs the CPU time above for every key (SCAN and MGET together), so one Redis")
-            w(f"node on this VM serves at most {max(bounds):,.0f} keys/s to any number of connections, before the copy's")
-            w("own decoding and inserting compete with it for the two cores. More connections can only overlap the")
-            w("copy's work with Redis's (the serial copy leaves Redis idle while it decodes and inserts each batch); on")
-            w("a machine with cores to spare that overlap is the gain, and on this shared VM there was little to spare.")
+            w(f"Where the time goes: Redis's one thread needs the CPU time above for every key (SCAN and MGET together),")
+            w(f"so one Redis node on this VM serves at most {max(bounds.values()):,.0f} keys/s (at 1M; fewer as the")
+            w("keyspace grows past the caches) to any number of connections, before the copy's own decoding and")
+            w("inserting compete with it for the two cores.")
+            near = []
+            for n in sizes:
+                rows = [l for l in copies if l["entities"] == n]
+                by_c = {c: statistics.median([l["entities_per_s"] for l in rows if l["connections"] == c])
+                        for c in {l["connections"] for l in rows}}
+                c = max(by_c, key=by_c.get)
+                one = statistics.median([(l["redis_user_cpu_s"] + l["redis_sys_cpu_s"]) / l["wall_s"] for l in rows if l["connections"] == 1]) if 1 in by_c else None
+                many = statistics.median([(l["redis_user_cpu_s"] + l["redis_sys_cpu_s"]) / l["wall_s"] for l in rows if l["connections"] == c])
+                if n in bounds:
+                    near.append(f"{n:,}: {by_c[c] / bounds[n] * 100:.0f}% of it with {c} connections (Redis busy "
+                                + (f"{one * 100:.0f}% with 1, " if one is not None else "") + f"{many * 100:.0f}% with {c})")
+            if near:
+                w("The best copy per size against that bound: " + "; ".join(near) + ".")
+            w("More connections overlap the copy's decoding and inserting with Redis's work (the one-connection copy")
+            w("leaves Redis idle while it decodes and inserts each batch, hence its lower Redis busy); they do not make")
+            w("Redis's thread faster, and on this VM the other load took the rest. On a machine with cores to spare the")
+            w("copy is bound by Redis's thread, or by the writer alone (the last column above) where that is slower.")
             w("Reaching 1M/s from one node needs Redis to do less per key than SCAN + MGET makes it do (a snapshot read")
             w("through the replication protocol, not built), or several nodes (a Cluster, one connection per master,")
             w("not supported yet).")
