@@ -108,8 +108,22 @@ fn copy(
     Ok(fresh)
 }
 
-fn out_path(name: &str) -> PathBuf {
-    scratch(name).join("item.qrep")
+/// A replica path in a scratch directory that is removed with it: the copies
+/// here are tens of MB each.
+struct Out(PathBuf);
+
+impl Out {
+    fn new(name: &str) -> Out {
+        Out(scratch(name).join("item.qrep"))
+    }
+}
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 /// Names of this process's threads that belong to a full sync.
@@ -134,17 +148,18 @@ fn copies_over_one_or_many_connections_equal_redis_byte_for_byte() {
     let want = redis_entities(&mut conn, "item");
     assert_eq!(want.len(), N as usize);
     for (connections, batch_keys_max) in [(1, 1000), (2, 100), (4, 1000), (16, 37)] {
-        let path = out_path(&format!("sync-equal-{connections}"));
+        let out = Out::new(&format!("sync-equal-{connections}"));
+        let path = &out.0;
         let mut progressed = Vec::new();
         let status = GroupStatus::new("item", 0);
         let fresh =
-            copy(&redis, &path, connections, batch_keys_max, Some(&status), &mut |rows| progressed.push(rows)).unwrap();
+            copy(&redis, path, connections, batch_keys_max, Some(&status), &mut |rows| progressed.push(rows)).unwrap();
         let cursor = fresh.cursor();
         assert_eq!((cursor.epoch, cursor.seq), (EPOCH, 4242), "checkpointed at the position noted first");
         assert_eq!(fresh.live_rows(), N, "{connections} connections");
         drop(fresh);
         assert_eq!(
-            replica_rows(&path, "item", 0..N + 10),
+            replica_rows(path, "item", 0..N + 10),
             want,
             "{connections} connections, batches of {batch_keys_max}"
         );
@@ -169,9 +184,10 @@ fn keys_deleted_during_the_copy_are_ignored_not_counted_as_bad_data() {
         let deleted: BTreeSet<u64> = (0..N).filter(|id| id % 3 == 0).collect();
         let mut deleting = Some(deleted.iter().copied().collect::<Vec<u64>>());
         let status = GroupStatus::new("item", 0);
-        let path = out_path(&format!("sync-deleted-{connections}"));
+        let out = Out::new(&format!("sync-deleted-{connections}"));
+        let path = &out.0;
         // The first batch has been inserted: most keys are still to be read.
-        let fresh = copy(&redis, &path, connections, 100, Some(&status), &mut |_| {
+        let fresh = copy(&redis, path, connections, 100, Some(&status), &mut |_| {
             if let Some(ids) = deleting.take() {
                 for chunk in ids.chunks(1000) {
                     let mut del = vec![b"DEL".to_vec()];
@@ -185,7 +201,7 @@ fn keys_deleted_during_the_copy_are_ignored_not_counted_as_bad_data() {
         drop(fresh);
         assert!(deleting.is_none(), "the deletion ran during the copy");
         assert_eq!(status.skipped_total.load(Ordering::Relaxed), 0, "a deleted key is not bad data");
-        let got = replica_rows(&path, "item", 0..N);
+        let got = replica_rows(path, "item", 0..N);
         assert_eq!(got.len() as u64, rows);
         for id in (0..N).filter(|id| !deleted.contains(id)) {
             assert_eq!(got.get(&id), Some(&value(id)), "{connections} connections: item:{id} kept its value");
@@ -213,8 +229,9 @@ fn bad_data_is_skipped_and_counted_over_one_or_many_connections() {
     conn.command(&[b"HSET", b"item:900004", b"f", b"v"]).unwrap();
     for connections in [1, 3] {
         let status = GroupStatus::new("item", 0);
-        let path = out_path(&format!("sync-bad-{connections}"));
-        let fresh = copy(&redis, &path, connections, 500, Some(&status), &mut |_| {}).unwrap();
+        let out = Out::new(&format!("sync-bad-{connections}"));
+        let path = &out.0;
+        let fresh = copy(&redis, path, connections, 500, Some(&status), &mut |_| {}).unwrap();
         assert_eq!(fresh.live_rows(), N, "{connections} connections: only the good rows");
         assert_eq!(status.skipped_total.load(Ordering::Relaxed), 6, "{connections} connections");
     }
@@ -231,9 +248,10 @@ fn a_connection_killed_or_a_server_stopped_mid_copy_fails_it_promptly_with_no_th
     for command in ["mget", "scan"] {
         let mut admin = redis.conn();
         let mut killed = None;
-        let path = out_path(&format!("sync-killed-{command}"));
+        let out = Out::new(&format!("sync-killed-{command}"));
+        let path = &out.0;
         let started = Instant::now();
-        let result = copy(&redis, &path, 4, 100, None, &mut |_| {
+        let result = copy(&redis, path, 4, 100, None, &mut |_| {
             if killed.is_some() {
                 return;
             }
@@ -264,9 +282,10 @@ fn a_connection_killed_or_a_server_stopped_mid_copy_fails_it_promptly_with_no_th
     let mut config = redis.config();
     config.io_timeout_ms = 300;
     let mut paused = false;
-    let path = out_path("sync-paused");
+    let out = Out::new("sync-paused");
+    let path = &out.0;
     let default = [0.0f32; DIM];
-    let t = target(&path, &default, 4, 100);
+    let t = target(path, &default, 4, 100);
     let started = Instant::now();
     let mut conn = RedisConn::connect(&config).unwrap();
     let result = full_sync(&mut conn, &config, &t, None, &mut |_| {
