@@ -11,7 +11,8 @@
 #
 #   cold: the replica's pages evicted from the page cache (posix_fadvise
 #         DONTNEED on this file only), the server started on it (its open
-#         reads and verifies every byte: the start-up time), then $COLD of
+#         checks the header and serves; a background thread scans the
+#         rows: the start-up time is until it listens), then $COLD of
 #         load at once, no warm-up; the server then keeps running;
 #   warm: once every size's server runs, $WARMUP of load each, not
 #         recorded, then $RUNS runs of $DURATION per size, interleaved

@@ -273,6 +273,17 @@ mod tests {
         assert!(err.to_string().contains("resync_attempts_max"), "{err}");
     }
 
+    #[test]
+    fn sync_connections_are_bounded() {
+        let c = Config::parse("[feed]\nsync_connections = 16\n", "c.toml").unwrap();
+        assert_eq!(c.feed.unwrap().sync_connections, 16);
+        assert_eq!(crate::feed::FeedConfig::default().sync_connections, 4);
+        for bad in [0, 17] {
+            let err = Config::parse(&format!("[feed]\nsync_connections = {bad}\n"), "c.toml").unwrap_err();
+            assert_eq!(err.to_string(), format!("feed.sync_connections = {bad}: must be 1 to 16"));
+        }
+    }
+
     /// `backend = "cuda"` exists only in builds with the feature; elsewhere
     /// it is refused at start-up, like any unknown value.
     #[test]

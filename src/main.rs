@@ -484,6 +484,9 @@ enum ReplicaCommand {
         out: PathBuf,
         #[arg(long, default_value = "f32", value_parser = parse_storage)]
         storage: Storage,
+        /// Connections to copy over (1 to 16): one SCANs, the others MGET in parallel.
+        #[arg(long, default_value_t = 4)]
+        connections: usize,
     },
     /// Verify a replica file and print its header.
     Inspect {
@@ -1138,12 +1141,15 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             let r = Replica::open(&out, &group)?;
             println!("wrote {}: group {} dim {} rows {}", out.display(), group, r.dim(), r.header().row_count);
         }
-        ReplicaCommand::Sync { redis, group, dim, out, storage } => {
+        ReplicaCommand::Sync { redis, group, dim, out, storage, connections } => {
             if !matches!(group.as_str(), "user" | "item") {
                 return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
             }
             if dim == 0 || dim > quiver::replica::DIM_MAX {
                 return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::replica::DIM_MAX)));
+            }
+            if !(1..=feed::sync::SYNC_CONNECTIONS_MAX).contains(&connections) {
+                return Err(Error::Setup(format!("--connections must be 1 to {}", feed::sync::SYNC_CONNECTIONS_MAX)));
             }
             let config = feed::RedisConfig::from_url(&redis).map_err(feed::FeedError::from)?;
             let mut conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
@@ -1162,8 +1168,9 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
                 storage,
                 default: &default,
                 batch_keys_max: 1000,
+                connections,
             };
-            let mut fresh = feed::sync::full_sync(&mut conn, &target, None, &mut progress)?;
+            let mut fresh = feed::sync::full_sync(&mut conn, &config, &target, None, &mut progress)?;
             fresh.rename_to(&out)?;
             spinner.finish_and_clear();
             let secs = started.elapsed().as_secs_f64();

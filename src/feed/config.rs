@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::status::StalePolicy;
+use super::sync::SYNC_CONNECTIONS_MAX;
 use crate::replica::Storage;
 
 /// The `[feed]` section: where Redis is and how the refresher behaves.
@@ -18,6 +19,10 @@ pub struct FeedConfig {
     pub batch_entries_max: usize,
     /// Keys per MGET during a full sync.
     pub sync_batch_keys_max: usize,
+    /// Connections a full sync reads over, the refresher's own included
+    /// (1 to `sync::SYNC_CONNECTIONS_MAX`); with more than one, the others
+    /// MGET in parallel while the refresher's connection SCANs.
+    pub sync_connections: usize,
     /// Most time between durable checkpoints while changes arrive.
     pub checkpoint_interval_ms: u64,
     /// How often an idle refresher re-checks epoch, counter and stream.
@@ -60,6 +65,7 @@ impl Default for FeedConfig {
             block_ms: 100,
             batch_entries_max: 1000,
             sync_batch_keys_max: 1000,
+            sync_connections: 4,
             checkpoint_interval_ms: 200,
             check_interval_ms: 1000,
             backoff_ms_min: 20,
@@ -99,6 +105,12 @@ impl FeedConfig {
             fraction(&format!("resync_shrink_max_by_group.{group}"), v)?;
         }
         fraction("resync_rows_drift_max", self.resync_rows_drift_max)?;
+        if !(1..=SYNC_CONNECTIONS_MAX).contains(&self.sync_connections) {
+            return Err(format!(
+                "feed.sync_connections = {}: must be 1 to {SYNC_CONNECTIONS_MAX}",
+                self.sync_connections
+            ));
+        }
         if self.resync_attempts_max == 0 {
             return Err("feed.resync_attempts_max must be at least 1".into());
         }

@@ -113,12 +113,24 @@ pub fn encode_vector(values: &[f32]) -> Vec<u8> {
 /// Unpacks an entity value of a group with dimension `dim`, refusing anything a writer
 /// following the contract could not have stored.
 pub fn decode_vector(bytes: &[u8], dim: usize) -> Result<Vec<f32>, ContractError> {
+    let mut values = Vec::with_capacity(dim);
+    decode_vector_into(bytes, dim, &mut values)?;
+    Ok(values)
+}
+
+/// [`decode_vector`] appending to `out`, which is left as it was when the value is refused: a
+/// full sync decodes a whole batch into one buffer instead of one allocation per entity.
+pub fn decode_vector_into(bytes: &[u8], dim: usize, out: &mut Vec<f32>) -> Result<(), ContractError> {
     if bytes.len() != dim * 4 {
         return Err(ContractError::WrongLength { found_bytes: bytes.len(), dim });
     }
-    let values: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    check_values(&values)?;
-    Ok(values)
+    let start = out.len();
+    out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+    let checked = check_values(&out[start..]);
+    if checked.is_err() {
+        out.truncate(start);
+    }
+    checked
 }
 
 /// The publish-side rule for vectors: 1 to [`DIM_MAX`] values, none
@@ -341,6 +353,12 @@ mod tests {
         assert!(matches!(decode_vector(&inf, 2), Err(ContractError::NonFinite { index: 1, .. })));
         let nan = decode_vector(&encode_vector(&[1.0, f32::NAN]), 2).unwrap();
         assert!(nan[1].is_nan(), "NaN is a missing value and passes");
+        let mut batch = vec![9.0];
+        decode_vector_into(&bytes, 4, &mut batch).unwrap();
+        assert_eq!(batch[1..], v);
+        assert!(decode_vector_into(&inf, 2, &mut batch).is_err());
+        assert!(decode_vector_into(&bytes, 3, &mut batch).is_err());
+        assert_eq!(batch.len(), 5, "a refused value leaves the buffer as it was");
         assert!(matches!(check_values(&[]), Err(ContractError::Dim { found: 0 })));
         assert!(matches!(check_values(&vec![0.0; DIM_MAX + 1]), Err(ContractError::Dim { .. })));
         assert!(check_values(&vec![0.0; DIM_MAX]).is_ok());

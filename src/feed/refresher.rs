@@ -16,7 +16,9 @@
 //!   data was replaced), a counter below the cursor (the data went back), or
 //!   a gap (the stream was trimmed past the cursor, or deleted). It notes the
 //!   counter first, copies every `{group}:*` key with SCAN + MGET into a fresh
-//!   file, checkpoints it at the noted counter and swaps it in; the stream
+//!   file (over `sync_connections` connections: this thread's one SCANs, and
+//!   the copy's fetcher threads MGET on their own while this thread inserts),
+//!   checkpoints it at the noted counter and swaps it in; the stream
 //!   entries written meanwhile are then replayed by the incremental loop, so
 //!   nothing written during the copy is lost.
 //! - A resync is taken only from a settled source, and never silently
@@ -595,8 +597,9 @@ impl Refresher {
                 storage: g.storage,
                 default: &default,
                 batch_keys_max: self.config.sync_batch_keys_max,
+                connections: self.config.sync_connections,
             };
-            full_sync(conn, &target, Some(&self.status.groups[i]), &mut |_| {})?
+            full_sync(conn, &self.redis, &target, Some(&self.status.groups[i]), &mut |_| {})?
         };
         let noted = (fresh.cursor().epoch, fresh.cursor().seq);
         let copied = fresh.live_rows();

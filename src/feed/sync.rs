@@ -1,13 +1,19 @@
 //! One full copy of a feature group from Redis into a fresh replica file
-//! (SCAN + MGET, pipelined), and what tells a copy of a settled source from
-//! one of a source being written or reloaded. The refresher resyncs with it;
-//! `quiver replica sync` runs it once.
+//! (SCAN + MGET, over several connections in parallel), and what tells a copy
+//! of a settled source from one of a source being written or reloaded. The
+//! refresher resyncs with it; `quiver replica sync` runs it once.
+//!
+//! A copy over one connection waits for each round trip before it decodes
+//! and inserts; over several, a scanner, fetchers and the inserting caller
+//! overlap, so the copy is bound by the slowest of Redis's one thread, the
+//! decoding (spread over the fetchers) and the replica's one writer.
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 
 use super::contract::{self, ContractError};
-use super::resp::{RedisConn, RedisError, Reply};
+use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 use super::status::GroupStatus;
 use crate::replica::{temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
 
@@ -24,6 +30,8 @@ pub enum RefreshError {
     Url(String),
     #[error("initial sync of '{group}' did not finish: {why}")]
     InitialSync { group: String, why: String },
+    #[error("cannot start a full sync thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// A stream entry id `{ms}-{n}`.
@@ -104,6 +112,19 @@ pub(super) fn unsettled(
     Ok(None)
 }
 
+/// The most connections one full sync reads over. Redis answers them all on
+/// one thread, so past a handful they only queue there; the bound keeps a
+/// misconfigured server from opening hundreds of connections per resync.
+pub const SYNC_CONNECTIONS_MAX: usize = 16;
+
+/// Key batches (and decoded batches) queued per fetcher between the stages
+/// of a parallel copy: enough that no stage waits on the next one's jitter,
+/// few enough that the copy's memory stays a few batches per connection.
+const BATCHES_QUEUED_PER_FETCHER: usize = 2;
+
+/// The most keys one SCAN asks for in a parallel copy (its COUNT).
+const SCAN_COUNT_MAX: usize = 16_384;
+
 /// What a full sync writes: a fresh replica of `group` beside `path`.
 pub struct SyncTarget<'a> {
     pub group: &'a str,
@@ -112,108 +133,403 @@ pub struct SyncTarget<'a> {
     pub storage: Storage,
     pub default: &'a [f32],
     pub batch_keys_max: usize,
+    /// Connections the copy reads over, the caller's included: 1 to
+    /// [`SYNC_CONNECTIONS_MAX`]. With 1 the caller's connection does it all;
+    /// with more it SCANs while the others MGET in parallel.
+    pub connections: usize,
 }
 
 /// Copies every `{group}:*` key from Redis into a fresh replica file at a
 /// temporary name beside the target's path; the caller swaps it in. The
 /// returned writer is checkpointed at the counter noted before the copy
 /// began, so replaying the stream from there loses nothing written meanwhile.
+///
+/// `redis` is what `conn` was opened with: the extra connections of a
+/// parallel copy are opened the same way (address, credentials, database,
+/// TLS, timeouts). An error on any connection fails the whole copy, and
+/// every thread the copy started has ended when this returns.
 pub fn full_sync(
     conn: &mut RedisConn,
+    redis: &RedisConfig,
     target: &SyncTarget<'_>,
     status: Option<&GroupStatus>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<ReplicaWriter, RefreshError> {
-    let SyncTarget { group, path, dim, storage, default, batch_keys_max } = *target;
+    let SyncTarget { group, path, dim, storage, default, connections, .. } = *target;
+    assert!(
+        (1..=SYNC_CONNECTIONS_MAX).contains(&connections),
+        "{connections} sync connections: callers keep it within 1..={SYNC_CONNECTIONS_MAX}"
+    );
     let (epoch, tail) = position(conn, group)?;
     let tmp = temp_path(path, "sync");
     // Sized from the whole database so the copy never stops to grow the
-    // file; DBSIZE counts other groups too, an overestimate at most.
+    // file; DBSIZE counts other groups too, an overestimate at most. A
+    // quarter more takes the inserts that arrive while the refresher grows
+    // the copy in the background, so none of them waits for that growth.
     let dbsize = conn.command(&[b"DBSIZE"])?.as_int().and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
-    let capacity = dbsize.clamp(1024, crate::replica::ROW_CAPACITY_MAX);
-    let mut fresh = ReplicaWriter::create(&tmp, group, dim as u32, storage, capacity, default)?;
-    let pattern = format!("{group}:*").into_bytes();
-    let count = batch_keys_max.max(1).to_string().into_bytes();
+    let capacity = (dbsize + dbsize / 4).clamp(1024, crate::replica::ROW_CAPACITY_MAX);
+    let fresh = ReplicaWriter::create(&tmp, group, dim as u32, storage, capacity, default)?;
+    let mut sink = Sink { fresh, dim, copied: 0, status, progress };
+    if connections == 1 {
+        copy_serial(conn, target, status, &mut sink)?;
+    } else {
+        copy_parallel(conn, redis, target, status, &mut sink)?;
+    }
+    let mut fresh = sink.fresh;
+    fresh.checkpoint(Cursor { epoch, seq: tail, change_unix_ms: 0 })?;
+    Ok(fresh)
+}
+
+/// One MGET's entities, decoded: `ids[i]`'s vector is the `i`-th run of
+/// `dim` values in `values`.
+struct Rows {
+    ids: Vec<u64>,
+    values: Vec<f32>,
+}
+
+/// Where decoded rows go: the one writer of the fresh file, on the caller's
+/// thread (its inserts take `&mut self`), and the copy's progress.
+struct Sink<'a, 'p> {
+    fresh: ReplicaWriter,
+    dim: usize,
+    copied: u64,
+    status: Option<&'a GroupStatus>,
+    progress: &'p mut dyn FnMut(u64),
+}
+
+impl Sink<'_, '_> {
+    fn take(&mut self, rows: &Rows) -> Result<(), RefreshError> {
+        for (&id, v) in rows.ids.iter().zip(rows.values.chunks_exact(self.dim)) {
+            self.fresh.upsert(id, v)?;
+            self.copied += 1;
+        }
+        (self.progress)(self.copied);
+        if let Some(s) = self.status {
+            s.sync_rows.store(self.copied, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+fn scan_command(cursor: &[u8], pattern: &[u8], count: usize) -> Vec<Vec<u8>> {
+    vec![
+        b"SCAN".to_vec(),
+        cursor.to_vec(),
+        b"MATCH".to_vec(),
+        pattern.to_vec(),
+        b"COUNT".to_vec(),
+        count.max(1).to_string().into_bytes(),
+    ]
+}
+
+/// The next cursor and the keys of a SCAN reply.
+fn scan_reply(reply: Reply) -> Result<(Vec<u8>, Vec<Vec<u8>>), RefreshError> {
+    if let Reply::Error(message) = reply {
+        return Err(shape("SCAN", message));
+    }
+    let mut parts = reply.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
+    let (Some(next), Some(found)) = (parts.next(), parts.next()) else {
+        return Err(shape("SCAN", "fewer than two elements"));
+    };
+    let cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "cursor is not a string"))?;
+    let keys = found
+        .into_array()
+        .ok_or_else(|| shape("SCAN", "keys are not an array"))?
+        .into_iter()
+        .filter_map(Reply::into_bytes)
+        .collect();
+    Ok((cursor, keys))
+}
+
+/// Sends one command held as owned arguments; an error reply is an error.
+fn run(conn: &mut RedisConn, command: &[Vec<u8>]) -> Result<Reply, RedisError> {
+    let args: Vec<&[u8]> = command.iter().map(Vec::as_slice).collect();
+    conn.command(&args)
+}
+
+fn mget_command(keys: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    let mut mget = Vec::with_capacity(keys.len() + 1);
+    mget.push(b"MGET".to_vec());
+    mget.extend(keys.iter().cloned());
+    mget
+}
+
+/// Decodes the MGET reply for `keys`; bad data is skipped (and counted). A
+/// nil is a key deleted since SCAN saw it (not bad data: the stream replay
+/// after the copy deletes it here too) or one of another type, which TYPE,
+/// asked on `conn` for all of the batch's nils in one round trip, tells apart.
+fn decode_rows(
+    conn: &mut RedisConn,
+    group: &str,
+    dim: usize,
+    keys: &[Vec<u8>],
+    reply: Reply,
+    status: Option<&GroupStatus>,
+) -> Result<Rows, RefreshError> {
+    let values = match reply {
+        Reply::Array(values) => values,
+        Reply::Error(message) => return Err(RedisError::Server { addr: conn.addr().to_string(), message }.into()),
+        other => return Err(shape("MGET", format!("not an array: {other:?}"))),
+    };
+    if values.len() != keys.len() {
+        return Err(shape("MGET", format!("{} values for {} keys", values.len(), keys.len())));
+    }
+    let mut rows = Rows { ids: Vec::with_capacity(keys.len()), values: Vec::with_capacity(keys.len() * dim) };
+    let mut nils = Vec::new();
+    for (i, (key, value)) in keys.iter().zip(values).enumerate() {
+        let decoded = match value {
+            Reply::Bulk(bytes) => contract::parse_entity_key(group, key)
+                .ok_or_else(|| format!("key {} is not {group}:<u64>", String::from_utf8_lossy(key)))
+                .and_then(|id| {
+                    contract::decode_vector_into(&bytes, dim, &mut rows.values)
+                        .map(|()| id)
+                        .map_err(|e| format!("key {}: {e}", String::from_utf8_lossy(key)))
+                }),
+            Reply::Nil => {
+                nils.push(i);
+                continue;
+            }
+            other => Err(format!("key {}: unexpected reply {other:?}", String::from_utf8_lossy(key))),
+        };
+        match decoded {
+            Ok(id) => rows.ids.push(id),
+            Err(why) => skip(status, group, &why),
+        }
+    }
+    if nils.is_empty() {
+        return Ok(rows);
+    }
+    let types: Vec<Vec<Vec<u8>>> = nils.iter().map(|&i| vec![b"TYPE".to_vec(), keys[i].clone()]).collect();
+    for (&i, reply) in nils.iter().zip(conn.pipeline(&types)?) {
+        match reply {
+            Reply::Simple(t) if t == b"none" => {}
+            Reply::Simple(t) => skip(
+                status,
+                group,
+                &format!(
+                    "key {} holds a {}, not a string",
+                    String::from_utf8_lossy(&keys[i]),
+                    String::from_utf8_lossy(&t)
+                ),
+            ),
+            Reply::Error(message) => return Err(RedisError::Server { addr: conn.addr().to_string(), message }.into()),
+            other => return Err(shape("TYPE", format!("{other:?}"))),
+        }
+    }
+    Ok(rows)
+}
+
+/// The copy over the caller's connection alone: each round trip carries the
+/// next SCAN and the MGET of the keys the previous SCAN returned, so it
+/// costs one round trip per batch; decoding and inserting wait for it.
+fn copy_serial(
+    conn: &mut RedisConn,
+    target: &SyncTarget<'_>,
+    status: Option<&GroupStatus>,
+    sink: &mut Sink<'_, '_>,
+) -> Result<(), RefreshError> {
+    let pattern = format!("{}:*", target.group).into_bytes();
     let mut cursor = b"0".to_vec();
     let mut scanned_all = false;
     let mut pending: Vec<Vec<u8>> = Vec::new();
-    let mut copied = 0u64;
-    // Each round trip carries the next SCAN and the MGET of the keys the
-    // previous SCAN returned, so the copy costs one round trip per batch.
     while !(scanned_all && pending.is_empty()) {
         let mut commands = Vec::with_capacity(2);
         if !scanned_all {
-            commands.push(vec![
-                b"SCAN".to_vec(),
-                cursor.clone(),
-                b"MATCH".to_vec(),
-                pattern.clone(),
-                b"COUNT".to_vec(),
-                count.clone(),
-            ]);
+            commands.push(scan_command(&cursor, &pattern, target.batch_keys_max));
         }
         let keys = std::mem::take(&mut pending);
         if !keys.is_empty() {
-            let mut mget = Vec::with_capacity(keys.len() + 1);
-            mget.push(b"MGET".to_vec());
-            mget.extend(keys.iter().cloned());
-            commands.push(mget);
+            commands.push(mget_command(&keys));
         }
         let mut replies = conn.pipeline(&commands)?.into_iter();
         if !scanned_all {
-            let reply = replies.next().ok_or_else(|| shape("SCAN", "no reply"))?;
-            let mut parts = reply.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
-            let (Some(next), Some(found)) = (parts.next(), parts.next()) else {
-                return Err(shape("SCAN", "fewer than two elements"));
-            };
-            cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "cursor is not a string"))?;
+            (cursor, pending) = scan_reply(replies.next().ok_or_else(|| shape("SCAN", "no reply"))?)?;
             scanned_all = cursor == b"0";
-            pending = found
-                .into_array()
-                .ok_or_else(|| shape("SCAN", "keys are not an array"))?
-                .into_iter()
-                .filter_map(Reply::into_bytes)
-                .collect();
         }
         if keys.is_empty() {
             continue;
         }
-        let values = replies.next().and_then(Reply::into_array).ok_or_else(|| shape("MGET", "not an array"))?;
-        if values.len() != keys.len() {
-            return Err(shape("MGET", format!("{} values for {} keys", values.len(), keys.len())));
-        }
-        for (key, value) in keys.iter().zip(values) {
-            let applied = match value {
-                Reply::Bulk(bytes) => entity(group, key, &bytes, dim).map(|(id, v)| fresh.upsert(id, &v)),
-                // MGET answers nil for a key of another type, and for one
-                // deleted since SCAN saw it (not bad data: the stream replay
-                // after the copy deletes it here too).
-                Reply::Nil => match conn.command(&[b"TYPE", key])? {
-                    Reply::Simple(t) if t == b"none" => continue,
-                    Reply::Simple(t) => Err(format!(
-                        "key {} holds a {}, not a string",
-                        String::from_utf8_lossy(key),
-                        String::from_utf8_lossy(&t)
-                    )),
-                    other => return Err(shape("TYPE", format!("{other:?}"))),
-                },
-                other => Err(format!("key {}: unexpected reply {other:?}", String::from_utf8_lossy(key))),
-            };
-            match applied {
-                Ok(result) => {
-                    result?;
-                    copied += 1;
+        let reply = replies.next().ok_or_else(|| shape("MGET", "no reply"))?;
+        let rows = decode_rows(conn, target.group, target.dim, &keys, reply, status)?;
+        sink.take(&rows)?;
+    }
+    Ok(())
+}
+
+/// The copy over `target.connections`: a scanner thread SCANs on the
+/// caller's connection and hands key batches to fetcher threads, one per
+/// extra connection, which MGET and decode them in parallel; this thread
+/// inserts what they decoded. Channels between the stages are bounded, so
+/// a slow stage holds the others back instead of queueing without limit.
+///
+/// Stopping: the first stage that fails raises `failed`, which the others
+/// check before each batch; a stage blocked on a channel is released when
+/// the stage on its other side ends and drops its end. Every thread is
+/// joined before this returns, and the first error is the copy's.
+fn copy_parallel(
+    conn: &mut RedisConn,
+    redis: &RedisConfig,
+    target: &SyncTarget<'_>,
+    status: Option<&GroupStatus>,
+    sink: &mut Sink<'_, '_>,
+) -> Result<(), RefreshError> {
+    let fetchers = target.connections - 1;
+    let queued = fetchers * BATCHES_QUEUED_PER_FETCHER;
+    let failed = AtomicBool::new(false);
+    let (keys_tx, keys_rx) = mpsc::sync_channel::<Vec<Vec<u8>>>(queued);
+    let (rows_tx, rows_rx) = mpsc::sync_channel::<Rows>(queued);
+    // Shared by the fetchers only: when the last one ends, the scanner's
+    // sends fail and it stops too.
+    let keys_rx = Arc::new(Mutex::new(keys_rx));
+    let (group, dim, batch_keys_max) = (target.group, target.dim, target.batch_keys_max.max(1));
+    let scan_count = (batch_keys_max * fetchers).min(SCAN_COUNT_MAX);
+    std::thread::scope(|scope| {
+        let mut fetcher_threads = Vec::with_capacity(fetchers);
+        let mut spawn_error = None;
+        for n in 1..=fetchers {
+            let (keys_rx, rows_tx, failed) = (keys_rx.clone(), rows_tx.clone(), &failed);
+            let spawned = std::thread::Builder::new().name(format!("quiver-sync-{n}")).spawn_scoped(scope, move || {
+                let result = fetch(redis, group, dim, &keys_rx, &rows_tx, failed, status);
+                if result.is_err() {
+                    failed.store(true, Ordering::Relaxed);
                 }
-                Err(why) => skip(status, group, &why),
+                result
+            });
+            match spawned {
+                Ok(thread) => fetcher_threads.push(thread),
+                Err(e) => {
+                    spawn_error = Some(RefreshError::Thread(e));
+                    break;
+                }
             }
         }
-        progress(copied);
-        if let Some(s) = status {
-            s.sync_rows.store(copied, Ordering::Relaxed);
+        drop((keys_rx, rows_tx));
+        let scanner = match spawn_error {
+            Some(_) => {
+                // Fetchers already started wait for keys until this goes.
+                drop(keys_tx);
+                None
+            }
+            None => {
+                let failed = &failed;
+                let spawned =
+                    std::thread::Builder::new().name("quiver-sync-scan".into()).spawn_scoped(scope, move || {
+                        let result = scan(conn, group, scan_count, batch_keys_max, &keys_tx, failed);
+                        if result.is_err() {
+                            failed.store(true, Ordering::Relaxed);
+                        }
+                        result
+                    });
+                match spawned {
+                    Ok(thread) => Some(thread),
+                    Err(e) => {
+                        spawn_error = Some(RefreshError::Thread(e));
+                        None
+                    }
+                }
+            }
+        };
+        let mut first_error = spawn_error;
+        if first_error.is_none() {
+            for rows in &rows_rx {
+                if let Err(e) = sink.take(&rows) {
+                    failed.store(true, Ordering::Relaxed);
+                    first_error = Some(e);
+                    break;
+                }
+            }
+        }
+        // Fetchers blocked on a full channel are released by its end going.
+        drop(rows_rx);
+        let mut scanned_all = false;
+        if let Some(thread) = scanner {
+            match joined(thread) {
+                Ok(all) => scanned_all = all,
+                Err(e) => first_error = first_error.or(Some(e)),
+            }
+        }
+        for thread in fetcher_threads {
+            if let Err(e) = joined(thread) {
+                first_error = first_error.or(Some(e));
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => {
+                // Stages stop early only after one of them failed.
+                assert!(scanned_all, "a parallel copy ended without an error before its scan did");
+                Ok(())
+            }
+        }
+    })
+}
+
+/// What a copy's thread returned; its panic is the caller's.
+fn joined<T>(thread: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    thread.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// The scanner: SCANs `scan_count` keys at a time (enough for a batch per
+/// fetcher, so that the one SCAN in flight keeps them all busy) and hands
+/// them on in batches of `batch_keys_max`. True once the scan went through
+/// the whole keyspace; false when it stopped because another stage ended.
+fn scan(
+    conn: &mut RedisConn,
+    group: &str,
+    scan_count: usize,
+    batch_keys_max: usize,
+    keys_tx: &mpsc::SyncSender<Vec<Vec<u8>>>,
+    failed: &AtomicBool,
+) -> Result<bool, RefreshError> {
+    let pattern = format!("{group}:*").into_bytes();
+    let mut cursor = b"0".to_vec();
+    loop {
+        if failed.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let (next, mut keys) = scan_reply(run(conn, &scan_command(&cursor, &pattern, scan_count))?)?;
+        cursor = next;
+        while !keys.is_empty() {
+            let rest = keys.split_off(keys.len().min(batch_keys_max));
+            if keys_tx.send(keys).is_err() {
+                return Ok(false);
+            }
+            keys = rest;
+        }
+        if cursor == b"0" {
+            return Ok(true);
         }
     }
-    fresh.checkpoint(Cursor { epoch, seq: tail, change_unix_ms: 0 })?;
-    Ok(fresh)
+}
+
+/// A fetcher: opens its own connection the way `redis` says, then MGETs and
+/// decodes key batches until there are no more (or another stage failed).
+fn fetch(
+    redis: &RedisConfig,
+    group: &str,
+    dim: usize,
+    keys_rx: &Mutex<mpsc::Receiver<Vec<Vec<u8>>>>,
+    rows_tx: &mpsc::SyncSender<Rows>,
+    failed: &AtomicBool,
+    status: Option<&GroupStatus>,
+) -> Result<(), RefreshError> {
+    let mut conn = RedisConn::connect(redis)?;
+    loop {
+        if failed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // The lock is held only while waiting for the next batch; a poisoned
+        // lock means another fetcher panicked, and the scope re-raises that.
+        let next = keys_rx.lock().map_err(|_| shape("MGET", "a fetcher panicked"))?.recv();
+        let Ok(keys) = next else {
+            return Ok(());
+        };
+        let reply = run(&mut conn, &mget_command(&keys))?;
+        let rows = decode_rows(&mut conn, group, dim, &keys, reply, status)?;
+        if rows_tx.send(rows).is_err() {
+            return Ok(());
+        }
+    }
 }
 
 /// The id and vector of an entity key and value, or why they are bad data.

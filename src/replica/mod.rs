@@ -205,12 +205,14 @@ impl ReplicaHandle {
                         tracing::info!(path = scanning.path(), rows = scan.live, ms = ms(), "replica verified");
                     }
                     Ok(scan) => tracing::error!(
-                        path = scanning.path(), rows = scan.torn_slots.len(),
+                        path = scanning.path(),
+                        rows = scan.torn_slots.len(),
                         "rows were left mid-write by a killed writer: served as unknown (open the file with its \
                          writer, `quiver serve` with [feed], to repair it)"
                     ),
                     Err(e) => tracing::error!(
-                        path = scanning.path(), ms = ms(),
+                        path = scanning.path(),
+                        ms = ms(),
                         "{e}: serving only the rows that pass their checksum; rebuild the file"
                     ),
                 }
