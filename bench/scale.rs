@@ -22,8 +22,8 @@
 //! - growth, as the refresher runs it: the full file grows in the background
 //!   (a thread rehashes every row into a file twice the size) while the
 //!   refresher's loop keeps applying changes (rounds of 100 updates, then a
-//!   poll, which swaps the new file in after replaying the keys changed
-//!   meanwhile); timed start to swap, with every round's time (the longest is
+//!   poll, which replays a bounded slice of the keys changed during the copy
+//!   into the new file and swaps it in when none is left); timed start to swap, with every round's time (the longest is
 //!   the refresher's pause), while a reader thread keeps looking up rows
 //!   through the group's handle, before the growth and during it.
 //!   Growth is skipped where the two files would not fit in memory.
@@ -309,9 +309,9 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
             w.upsert(id, &v).expect("an update while growing");
         }
         changes += CHANGES_PER_ROUND;
-        let still = w.poll_growth().expect("growth");
+        w.poll_growth().expect("growth");
         rounds_ns.push(round.elapsed().as_nanos() as u64);
-        if !still {
+        if !w.growing() {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(1));

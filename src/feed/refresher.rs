@@ -407,7 +407,8 @@ impl Refresher {
                 }
             }
             for g in &mut self.groups {
-                g.writer.poll_growth()?;
+                // A grown file swapped in names an older position until checkpointed.
+                g.unflushed |= g.writer.poll_growth()?;
             }
             let now = self.clock.now_ns();
             for (s, behind) in self.status.groups.iter().zip(behind) {

@@ -28,16 +28,27 @@ const GROWN_ROWS_MIN: u64 = 1024;
 /// arrive while the copy runs, so the writer does not wait for it.
 const GROW_AHEAD_QUARTERS: u64 = 3;
 
-/// A growth running on its own thread: the rehash of the live rows into a
-/// file twice the size, while the writer keeps applying changes to the
-/// current file. Every key written or deleted meanwhile is noted and
-/// replayed into the new file before the swap, so the copy may be stale
-/// anywhere without anything being lost.
+/// Keys a poll replays into a finished growth's copy: bounds the
+/// refresher's pause per round (about a microsecond a key).
+const REPLAY_KEYS_PER_POLL: usize = 16_384;
+
+/// A growth of the file in the background. A thread rehashes the live rows
+/// into a file twice the size while the writer keeps applying changes to
+/// the current file and notes every key it changes. Once the copy is done,
+/// every change goes to both files, and the keys noted during the copy are
+/// replayed into the new one a slice per poll; when none is left, the new
+/// file is swapped in. The copy may be stale anywhere; the replay and the
+/// writes to both make it current, so nothing is lost.
 struct Growth {
-    thread: std::thread::JoinHandle<Result<ReplicaWriter, ReplicaError>>,
-    /// Keys written or deleted since the copy began. Bounded by the keys the
-    /// file can hold: a key is noted once however often it changes.
+    /// Until the copy is collected.
+    thread: Option<std::thread::JoinHandle<Result<ReplicaWriter, ReplicaError>>>,
+    /// The copy, once collected: written alongside the current file.
+    copy: Option<ReplicaWriter>,
+    /// Keys changed while the copy ran. Bounded by the keys the file can
+    /// hold: a key is noted once however often it changes.
     touched: std::collections::HashSet<u64>,
+    /// Those keys, once the copy is collected, still to replay.
+    pending: Vec<u64>,
     started: std::time::Instant,
 }
 
@@ -255,30 +266,21 @@ impl ReplicaWriter {
     fn put_words(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
         let crc = row_crc(key, payload);
-        if let Some(growth) = &mut self.growth {
-            growth.touched.insert(key);
-        }
         if let Some(row) = self.table.find(key) {
+            self.note_put(key, payload)?;
             self.write_row(row, key, payload, crc);
             return Ok(());
         }
         if self.rows_used == self.table.header().row_capacity {
             if self.growth.is_some() {
-                // The spare quarter ran out before the copy finished.
+                // The spare quarter ran out before the growth was done.
                 self.finish_growth()?;
             } else {
                 self.grow()?;
             }
+            return self.put_words(key, payload);
         }
-        if self.grow_ahead
-            && self.growth.is_none()
-            && self.rows_used + 1 >= self.table.header().row_capacity / 4 * GROW_AHEAD_QUARTERS
-        {
-            self.start_growth()?;
-            if let Some(growth) = &mut self.growth {
-                growth.touched.insert(key);
-            }
-        }
+        self.note_put(key, payload)?;
         let row = self.rows_used as u32;
         self.rows_used += 1;
         self.write_row(row, key, payload, crc);
@@ -295,7 +297,39 @@ impl ReplicaWriter {
         tag.store(TAG_USED, Ordering::Release);
         self.live += 1;
         t.set_live_rows(self.live);
+        if self.grow_ahead
+            && self.growth.is_none()
+            && self.rows_used >= self.table.header().row_capacity / 4 * GROW_AHEAD_QUARTERS
+        {
+            self.start_growth()?;
+        }
         Ok(())
+    }
+
+    /// Tells a running growth that `key` is written: noted while the copy
+    /// runs, written to the copy after.
+    fn note_put(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
+        match self.growth.as_deref_mut() {
+            None => Ok(()),
+            Some(Growth { copy: Some(copy), .. }) => copy.put_words(key, payload),
+            Some(growth) => {
+                growth.touched.insert(key);
+                Ok(())
+            }
+        }
+    }
+
+    /// `note_put` for a delete.
+    fn note_delete(&mut self, key: u64) {
+        match self.growth.as_deref_mut() {
+            None => {}
+            Some(Growth { copy: Some(copy), .. }) => {
+                copy.delete(key);
+            }
+            Some(growth) => {
+                growth.touched.insert(key);
+            }
+        }
     }
 
     /// The seqlock write: odd counter, contents, even counter.
@@ -320,9 +354,7 @@ impl ReplicaWriter {
     /// (rows are never reused in place) until the file is next rebuilt.
     pub fn delete(&mut self, key: u64) -> bool {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
-        if let Some(growth) = &mut self.growth {
-            growth.touched.insert(key);
-        }
+        self.note_delete(key);
         let Some((slot, _)) = self.table.find_slot(key) else { return false };
         self.table.slot(slot).2.store(TAG_TOMBSTONE, Ordering::Release);
         self.live -= 1;
@@ -349,8 +381,10 @@ impl ReplicaWriter {
     /// into place and swaps it in, on this thread; readers never wait.
     fn grow(&mut self) -> Result<(), ReplicaError> {
         let capacity = self.grown_capacity(0)?;
-        let fresh = copy_grown(&self.table, &temp_path(&self.path, "grow"), capacity, false)?;
-        self.finish_growth_with(fresh, &std::collections::HashSet::new(), None)
+        let mut fresh = copy_grown(&self.table, &temp_path(&self.path, "grow"), capacity, false)?;
+        fresh.checkpoint(self.cursor)?;
+        tracing::info!(path = %self.path.display(), rows = self.live, capacity, "replica grown");
+        self.replace(fresh)
     }
 
     /// The capacity a grown file gets: twice the live rows plus `spare`.
@@ -368,71 +402,97 @@ impl ReplicaWriter {
         let capacity = self.grown_capacity(spare)?;
         let tmp = temp_path(&self.path, "grow");
         let old = self.table.clone();
+        // Every change after this position is noted, then replayed: the
+        // copy's rows hold at least what the stream had reached here.
+        let from = self.cursor;
         let thread = std::thread::Builder::new()
             .name("quiver-grow".into())
             .spawn(move || {
                 lower_thread_priority();
-                let fresh = copy_grown(&old, &tmp, capacity, true)?;
-                // Most of the new file reaches the disk here, off the writer's
-                // thread: the checkpoint before the swap flushes only what
-                // the replay wrote.
-                fresh
-                    .table
-                    .raw()
-                    .flush()
-                    .map_err(|source| ReplicaError::Io { path: tmp.display().to_string(), source })?;
+                let mut fresh = copy_grown(&old, &tmp, capacity, true)?;
+                // Flushes the copy, off the writer's thread, and names the
+                // position its rows are complete to: after a crash, a swapped
+                // in copy replays the stream from there.
+                fresh.checkpoint(from)?;
                 Ok(fresh)
             })
             .map_err(|source| ReplicaError::Io { path: "quiver-grow thread".into(), source })?;
         tracing::info!(path = %self.path.display(), rows = self.live, capacity, "replica growth started in the background");
         self.growth = Some(Box::new(Growth {
-            thread,
+            thread: Some(thread),
+            copy: None,
             touched: std::collections::HashSet::new(),
+            pending: Vec::new(),
             started: std::time::Instant::now(),
         }));
         Ok(())
     }
 
-    /// Waits for the background growth, replays into its file every key
-    /// touched since it began, and swaps it in.
-    fn finish_growth(&mut self) -> Result<(), ReplicaError> {
-        let growth = self.growth.take().expect("a growth is running");
-        let fresh = match growth.thread.join() {
-            Ok(copied) => copied?,
+    /// Takes the finished copy from the growth thread (waiting for it) and
+    /// turns the keys noted meanwhile into the replay list.
+    fn collect_copy(&mut self) -> Result<(), ReplicaError> {
+        let growth = self.growth.as_mut().expect("a growth is running");
+        let Some(thread) = growth.thread.take() else { return Ok(()) };
+        match thread.join() {
+            Ok(Ok(copy)) => {
+                growth.copy = Some(copy);
+                growth.pending = growth.touched.drain().collect();
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                self.growth = None;
+                Err(e)
+            }
             Err(panic) => std::panic::resume_unwind(panic),
-        };
-        self.finish_growth_with(fresh, &growth.touched, Some(growth.started))
+        }
     }
 
-    fn finish_growth_with(
-        &mut self,
-        mut fresh: ReplicaWriter,
-        touched: &std::collections::HashSet<u64>,
-        started: Option<std::time::Instant>,
-    ) -> Result<(), ReplicaError> {
-        let pause = std::time::Instant::now();
-        let mut payload = vec![0u32; self.table.layout().payload_words];
-        for &key in touched {
+    /// Replays up to `keys_max` noted keys from the current file into the
+    /// copy; true when none is left.
+    fn replay(&mut self, keys_max: usize) -> Result<bool, ReplicaError> {
+        let growth = self.growth.as_mut().expect("a growth is running");
+        let copy = growth.copy.as_mut().expect("the copy is collected");
+        let mut payload = std::mem::take(&mut self.payload);
+        for _ in 0..keys_max {
+            let Some(key) = growth.pending.pop() else { break };
             match self.table.find(key) {
                 Some(row) => {
                     let copied = self.table.verify_row(row, &mut payload);
                     assert!(copied.is_some_and(|(k, _)| k == key), "the writer's own rows are never busy");
-                    fresh.put_words(key, &payload)?;
+                    copy.put_words(key, &payload)?;
                 }
                 None => {
-                    fresh.delete(key);
+                    copy.delete(key);
                 }
             }
         }
-        assert_eq!(fresh.live, self.live, "the copy and its replay hold every live key");
-        fresh.checkpoint(self.cursor)?;
-        let capacity = fresh.table.header().row_capacity;
+        self.payload = payload;
+        Ok(growth.pending.is_empty())
+    }
+
+    /// Swaps in the copy of a growth with nothing left to replay. The copy
+    /// is not flushed here (its rows were, by the growth thread, and its
+    /// record names the position they are complete to); the next checkpoint
+    /// flushes what the replay wrote.
+    fn swap_growth(&mut self) -> Result<(), ReplicaError> {
+        let growth = self.growth.take().expect("a growth is running");
+        assert!(growth.pending.is_empty() && growth.thread.is_none());
+        let mut copy = growth.copy.expect("the copy is collected");
+        assert_eq!(copy.live, self.live, "the copy holds every live key");
+        copy.set_cursor(self.cursor);
         tracing::info!(
-            path = %self.path.display(), rows = self.live, capacity, touched = touched.len(),
-            background_ms = started.map_or(0, |t| (pause - t).as_millis() as u64),
-            pause_ms = pause.elapsed().as_millis() as u64, "replica grown"
+            path = %self.path.display(), rows = self.live, capacity = copy.table.header().row_capacity,
+            ms = growth.started.elapsed().as_millis() as u64, "replica grown in the background"
         );
-        self.replace(fresh)
+        self.replace_with(copy, false)
+    }
+
+    /// Finishes a running growth now, waiting for its copy and replaying
+    /// every noted key: for an insert that finds the current file full.
+    fn finish_growth(&mut self) -> Result<(), ReplicaError> {
+        self.collect_copy()?;
+        self.replay(usize::MAX)?;
+        self.swap_growth()
     }
 
     /// With `on`, the writer grows its file in the background once three
@@ -444,26 +504,49 @@ impl ReplicaWriter {
         self.grow_ahead = on;
     }
 
-    /// Starts a background growth if one is due, and swaps in one that has
-    /// finished copying (the writer's pause is then the replay of the keys
-    /// touched meanwhile). Returns whether a growth is still running.
+    /// Whether a background growth is running.
+    pub fn growing(&self) -> bool {
+        self.growth.is_some()
+    }
+
+    /// Moves a background growth on by a bounded step: starts one if due,
+    /// collects a finished copy, replays up to [`REPLAY_KEYS_PER_POLL`]
+    /// noted keys into it, and swaps it in when none is left. Returns
+    /// whether a grown file was swapped in by this call (it then wants a
+    /// checkpoint).
     pub fn poll_growth(&mut self) -> Result<bool, ReplicaError> {
         if self.scan_pending || !self.grow_ahead {
             return Ok(false);
         }
-        if self.growth.is_none() && self.rows_used >= self.table.header().row_capacity / 4 * GROW_AHEAD_QUARTERS {
-            self.start_growth()?;
+        let Some(growth) = &self.growth else {
+            if self.rows_used >= self.table.header().row_capacity / 4 * GROW_AHEAD_QUARTERS {
+                self.start_growth()?;
+            }
+            return Ok(false);
+        };
+        if growth.thread.as_ref().is_some_and(|t| !t.is_finished()) {
+            return Ok(false);
         }
-        if self.growth.as_ref().is_some_and(|g| g.thread.is_finished()) {
-            self.finish_growth()?;
+        self.collect_copy()?;
+        if !self.replay(REPLAY_KEYS_PER_POLL)? {
+            return Ok(false);
         }
-        Ok(self.growth.is_some())
+        self.swap_growth()?;
+        Ok(true)
     }
 
     /// Makes `fresh` (complete, checkpointed, at a temporary path) the file
     /// at this writer's path and the table readers see.
-    pub fn replace(&mut self, mut fresh: ReplicaWriter) -> Result<(), ReplicaError> {
-        fresh.rename_to(&self.path)?;
+    pub fn replace(&mut self, fresh: ReplicaWriter) -> Result<(), ReplicaError> {
+        self.replace_with(fresh, true)
+    }
+
+    /// `replace`, flushing `fresh` before the rename when `flush`.
+    fn replace_with(&mut self, mut fresh: ReplicaWriter, flush: bool) -> Result<(), ReplicaError> {
+        if flush {
+            fresh.flush()?;
+        }
+        fresh.rename_only(&self.path)?;
         // A growth of the replaced file, if one runs, is left to finish on
         // its own; its copy is dropped unused.
         fresh.grow_ahead = self.grow_ahead;
@@ -499,9 +582,18 @@ impl ReplicaWriter {
 
     /// Flushes the file and renames it to `path`, syncing the directory.
     pub fn rename_to(&mut self, path: &Path) -> Result<(), ReplicaError> {
+        self.flush()?;
+        self.rename_only(path)
+    }
+
+    fn flush(&self) -> Result<(), ReplicaError> {
+        self.table.raw().flush().map_err(|source| ReplicaError::Io { path: self.path.display().to_string(), source })
+    }
+
+    /// Renames the file to `path` and syncs the directory.
+    fn rename_only(&mut self, path: &Path) -> Result<(), ReplicaError> {
         let p = path.display().to_string();
         let io = |source| ReplicaError::Io { path: p.clone(), source };
-        self.table.raw().flush().map_err(io)?;
         std::fs::rename(&self.path, path).map_err(io)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
