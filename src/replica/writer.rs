@@ -546,7 +546,9 @@ impl ReplicaWriter {
         if flush {
             fresh.flush()?;
         }
-        fresh.rename_only(&self.path)?;
+        // Unflushed, the swap need not be durable either: after a crash that
+        // loses the rename, the old file and its checkpoint are still there.
+        fresh.rename_only(&self.path, flush)?;
         // A growth of the replaced file, if one runs, is left to finish on
         // its own; its copy is dropped unused.
         fresh.grow_ahead = self.grow_ahead;
@@ -570,9 +572,14 @@ impl ReplicaWriter {
         }
     }
 
-    /// Drops the replaced tables no reader holds any more.
+    /// Releases the replaced tables no reader holds any more, to the
+    /// `quiver-unmap` thread (see [`unmap_later`]).
     pub fn reap_retired(&mut self) {
-        self.retired.retain(|t| Arc::strong_count(t) > 1);
+        let (held, free): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.retired).into_iter().partition(|t| Arc::strong_count(t) > 1);
+        self.retired = held;
+        // No reader can take a new reference: the handle no longer names them.
+        free.into_iter().for_each(unmap_later);
     }
 
     /// Replaced tables some reader still holds.
@@ -583,19 +590,21 @@ impl ReplicaWriter {
     /// Flushes the file and renames it to `path`, syncing the directory.
     pub fn rename_to(&mut self, path: &Path) -> Result<(), ReplicaError> {
         self.flush()?;
-        self.rename_only(path)
+        self.rename_only(path, true)
     }
 
     fn flush(&self) -> Result<(), ReplicaError> {
         self.table.raw().flush().map_err(|source| ReplicaError::Io { path: self.path.display().to_string(), source })
     }
 
-    /// Renames the file to `path` and syncs the directory.
-    fn rename_only(&mut self, path: &Path) -> Result<(), ReplicaError> {
+    /// Renames the file to `path`, then syncs the directory when `durable`
+    /// (an fsync of the directory also waits for the journal to take the
+    /// file's dirty data, hundreds of milliseconds after a large replay).
+    fn rename_only(&mut self, path: &Path, durable: bool) -> Result<(), ReplicaError> {
         let p = path.display().to_string();
         let io = |source| ReplicaError::Io { path: p.clone(), source };
         std::fs::rename(&self.path, path).map_err(io)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && durable) {
             File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
         }
         self.path = path.into();
@@ -624,4 +633,29 @@ fn copy_grown(old: &Replica, tmp: &Path, capacity: u64, concurrent: bool) -> Res
         }
     }
     Ok(fresh)
+}
+
+/// Replaced tables queued for the `quiver-unmap` thread at most; past it, a
+/// table is unmapped on the caller's thread.
+const UNMAP_QUEUE_MAX: usize = 64;
+
+/// Drops `table` on the `quiver-unmap` thread: unmapping a multi-GB file,
+/// and freeing its page cache once it was renamed over, takes hundreds of
+/// milliseconds that the writer would otherwise not apply the stream for.
+/// Never a shard's thread either way.
+fn unmap_later(table: Arc<Replica>) {
+    static UNMAPPER: std::sync::OnceLock<Option<std::sync::mpsc::SyncSender<Arc<Replica>>>> =
+        std::sync::OnceLock::new();
+    let unmapper = UNMAPPER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Arc<Replica>>(UNMAP_QUEUE_MAX);
+        let spawned = std::thread::Builder::new().name("quiver-unmap".into()).spawn(move || {
+            lower_thread_priority();
+            rx.into_iter().for_each(drop);
+        });
+        spawned.ok().map(|_| tx)
+    });
+    if let Some(tx) = unmapper {
+        // Refused (queue full): the error holds the table, dropped here.
+        let _ = tx.try_send(table);
+    }
 }
