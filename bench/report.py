@@ -605,7 +605,8 @@ if os.path.exists(serve_scale):
             w("  The client-side percentiles are therefore mostly the time the generator and the server waited for a")
             w("  core, not the server's work: read them as what this shared machine did, not as the server's capacity.")
         else:
-            w("  so the client-side percentiles are the server's latency at this rate, plus the loopback network.")
+            w("  The client-side percentiles are what a client saw at this rate: the server's own `end_to_end` stage plus")
+            w("  the time requests and responses waited in sockets and on the loopback (the `socket_wait` stage).")
         first = next(ph for _, ph in sorted(by_pass.items()) if "warm" in ph)
         spread = [r["server_stages_last_10s_us"].get("lookup", {}).get("p99_us", 0) for r in first["warm"]]
         nl, sl, ml = summary[-1]
@@ -622,6 +623,15 @@ if os.path.exists(serve_scale):
         if late > 0.05:
             w("- The issue's figure, the end-to-end p99 at 50M against 1M at 10k req/s, is therefore not established by")
             w("  this run; it needs the script run again with nothing else on the two cores.")
+        colds = [(ph["start"][0]["entities"], ph["cold"][0]["report"]["latency"]) for _, ph in sorted(by_pass.items())
+                 if "start" in ph and "cold" in ph]
+        if colds:
+            w("- Cold, the first " + meta["cold"] + " of load after a start with the file's pages evicted (p99 / max): "
+              + ", ".join(f"{l['p99_us'] / 1e3:,.1f} ms / {l['max_us'] / 1e3:,.1f} ms at {n:,}" for n, l in colds) + ".")
+            w("  The server answers at once, but the rows a request reads come from the disk until the background scan")
+            w("  has read the file in, so the first seconds' tail grows with the file. A balancer that should not send")
+            w("  traffic meanwhile can wait for the scan: `quiver_replica_verifying{group}` is 1 until it is done (with")
+            w("  `[feed]`), and the log says `replica verified`.")
         starts = [(ph["start"][0]["entities"], ph["start"][0]["storage"], ph["start"][0]["start_s"])
                   for _, ph in sorted(by_pass.items()) if "start" in ph]
         w("- Start-up, until the server listens, with the file's pages evicted: "
