@@ -265,6 +265,7 @@ impl ReplicaWriter {
 
     fn put_words(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
+        assert_eq!(payload.len(), self.table.layout().payload_words, "a whole row's words");
         let crc = row_crc(key, payload);
         if let Some(row) = self.table.find(key) {
             self.note_put(key, payload)?;
@@ -452,7 +453,8 @@ impl ReplicaWriter {
     fn replay(&mut self, keys_max: usize) -> Result<bool, ReplicaError> {
         let growth = self.growth.as_mut().expect("a growth is running");
         let copy = growth.copy.as_mut().expect("the copy is collected");
-        let mut payload = std::mem::take(&mut self.payload);
+        // Not `self.payload`: an upsert that waits for the growth holds it.
+        let mut payload = vec![0u32; self.table.layout().payload_words];
         for _ in 0..keys_max {
             let Some(key) = growth.pending.pop() else { break };
             match self.table.find(key) {
@@ -466,7 +468,6 @@ impl ReplicaWriter {
                 }
             }
         }
-        self.payload = payload;
         Ok(growth.pending.is_empty())
     }
 
