@@ -496,11 +496,12 @@ impl Replica {
             if before.is_multiple_of(2) {
                 let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
                 let stored_crc = self.u32_at(base + 4).load(Ordering::Relaxed);
-                let mut hasher = crc32fast::Hasher::new();
+                // Built only when checking: its feature detection is not free per row.
+                let mut hasher = CHECK.then(crc32fast::Hasher::new);
                 let mut chunk = [0u8; 256];
                 let mut filled = 0;
-                if CHECK {
-                    hasher.update(&row_key.to_le_bytes());
+                if let Some(h) = &mut hasher {
+                    h.update(&row_key.to_le_bytes());
                 }
                 let first = usize::from(storage == Storage::Int8);
                 let mut scale = 0.0;
@@ -515,11 +516,11 @@ impl Replica {
                 for word in first..words {
                     let w = self.u32_at(payload + word * 4).load(Ordering::Relaxed);
                     storage.decode_word(word, w, scale, out);
-                    if CHECK {
+                    if let Some(h) = &mut hasher {
                         chunk[filled..filled + 4].copy_from_slice(&w.to_le_bytes());
                         filled += 4;
                         if filled == chunk.len() {
-                            hasher.update(&chunk);
+                            h.update(&chunk);
                             filled = 0;
                         }
                     }
@@ -529,9 +530,9 @@ impl Replica {
                     if row_key != key {
                         return false;
                     }
-                    if CHECK {
-                        hasher.update(&chunk[..filled]);
-                        if hasher.finalize() != stored_crc {
+                    if let Some(mut h) = hasher {
+                        h.update(&chunk[..filled]);
+                        if h.finalize() != stored_crc {
                             self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
                             return false;
                         }
