@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use quiver::replica::{mem_available_bytes, Cursor, Replica, ReplicaWriter, Storage};
+use quiver::replica::{mem_available_bytes, Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
 use quiver::seeded::SplitMix64;
 
 const DIM: usize = 32;
@@ -299,6 +299,11 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
     let mut v = vec![0f32; DIM];
     let mut rng = SplitMix64::new(SEED + 5);
     let (mut rounds_ns, mut changes) = (Vec::new(), 0u64);
+    // The longest round in each phase, to tell where a pause comes from:
+    // while the copy runs (the stream applied to the old file), while noted
+    // keys are replayed, and the round that swaps the copy in.
+    let (mut copying_max_ns, mut replaying_max_ns, mut replay_rounds) = (0u64, 0u64, 0u64);
+    let mut swap_round_ns = 0u64;
     growing.store(true, Ordering::Relaxed);
     let t = Instant::now();
     loop {
@@ -309,8 +314,17 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
             w.upsert(id, &v).expect("an update while growing");
         }
         changes += CHANGES_PER_ROUND;
-        w.poll_growth().expect("growth");
-        rounds_ns.push(round.elapsed().as_nanos() as u64);
+        let swapped = w.poll_growth().expect("growth");
+        let ns = round.elapsed().as_nanos() as u64;
+        rounds_ns.push(ns);
+        if swapped {
+            swap_round_ns = ns;
+        } else if w.growth_phase() == Some(GrowthPhase::Copying) {
+            copying_max_ns = copying_max_ns.max(ns);
+        } else {
+            replaying_max_ns = replaying_max_ns.max(ns);
+            replay_rounds += 1;
+        }
         if !w.growing() {
             break;
         }
@@ -326,6 +340,8 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
     serde_json::json!({
         "growth_s": growth_s, "capacity_after": capacity, "changes_during": changes,
         "refresher_round": percentiles(&mut rounds_ns),
+        "round_max_copying_ns": copying_max_ns, "round_max_replaying_ns": replaying_max_ns,
+        "replay_rounds": replay_rounds, "swap_round_ns": swap_round_ns,
         "reader_before": percentiles(&mut before), "reader_during": percentiles(&mut during),
     })
 }

@@ -271,6 +271,8 @@ mod tests {
         assert!(err.to_string().contains("resync_shrink_max_by_group.user"), "{err}");
         let err = Config::parse("[feed]\nresync_attempts_max = 0\n", "c.toml").unwrap_err();
         assert!(err.to_string().contains("resync_attempts_max"), "{err}");
+        let err = Config::parse("[feed]\nblock_ms = 0\n", "c.toml").unwrap_err();
+        assert_eq!(err.to_string(), "feed.block_ms must be at least 1");
     }
 
     #[test]

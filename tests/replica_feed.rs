@@ -348,11 +348,26 @@ fn paused_or_dead_redis_leaves_scoring_latency_alone_while_staleness_grows_and_r
             redis.kill();
         }
         std::thread::sleep(Duration::from_millis(400));
-        let (p99, stale) = p99_us(&server, 2000);
-        assert!(stale, "redis {outage} past the bound: responses are flagged");
         // The request path never touches Redis: a paused Redis blocks the
-        // refresher for seconds, and none of that may show here.
-        assert!(p99 < (base_p99 * 4).max(base_p99 + 2000), "redis {outage}: p99 {p99} µs, before {base_p99} µs");
+        // refresher for seconds, and none of that may show here. A request
+        // that waited on Redis would wait in every attempt; the other tests
+        // of this binary share the two cores, and a burst of theirs lands in
+        // one attempt's tail (CI saw 2.5 ms once), so the best of three is
+        // held to the bound.
+        let bound_us = (base_p99 * 4).max(base_p99 + 2000);
+        let mut p99s = Vec::new();
+        for _ in 0..3 {
+            let (p99, stale) = p99_us(&server, 2000);
+            assert!(stale, "redis {outage} past the bound: responses are flagged");
+            p99s.push(p99);
+            if p99 < bound_us {
+                break;
+            }
+        }
+        assert!(
+            p99s.iter().any(|&p99| p99 < bound_us),
+            "redis {outage}: p99 {p99s:?} µs in three attempts, before {base_p99} µs"
+        );
         let s = stats(&server);
         assert!(group(&s, "item").staleness_ms >= 300, "{s:?}");
         assert_eq!(get(&format!("http://{}/readyz", server.admin)).0, 200, "policy flag keeps readiness");

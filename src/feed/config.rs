@@ -111,6 +111,11 @@ impl FeedConfig {
                 self.sync_connections
             ));
         }
+        if self.block_ms == 0 {
+            // XREAD BLOCK 0 waits for ever: the refresher would only see its
+            // read time out, and never an idle round.
+            return Err("feed.block_ms must be at least 1".into());
+        }
         if self.resync_attempts_max == 0 {
             return Err("feed.resync_attempts_max must be at least 1".into());
         }

@@ -53,7 +53,10 @@ use super::sync::{
     entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, RefreshError, SyncTarget,
 };
 use crate::deadline::{Clock, MonotonicClock};
-use crate::replica::{Cursor, Replica, ReplicaWriter, Storage};
+use crate::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
+
+/// How long one XREAD waits while a growth replays (see `session`).
+const REPLAY_BLOCK_MS: u64 = 1;
 
 fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -367,8 +370,14 @@ impl Refresher {
             let following: Vec<usize> =
                 (0..self.groups.len()).filter(|&i| matches!(self.groups[i].state, State::Following)).collect();
             let mut behind: Vec<bool> = (0..self.groups.len()).map(|i| !following.contains(&i)).collect();
+            // A growth's replay moves on a bounded slice per round: while
+            // one runs, a round does not wait long for the stream, so a
+            // quiet stream does not stretch the replay over minutes.
+            let replaying =
+                self.groups.iter().any(|g| matches!(g.writer.growth_phase(), Some(GrowthPhase::Replaying { .. })));
+            let block_ms = if replaying { REPLAY_BLOCK_MS.min(self.config.block_ms) } else { self.config.block_ms };
             if following.is_empty() {
-                std::thread::sleep(Duration::from_millis(self.config.block_ms.max(1)));
+                std::thread::sleep(Duration::from_millis(block_ms));
                 conn.command(&[b"PING"])?;
             } else {
                 let mut args: Vec<Vec<u8>> = vec![
@@ -376,7 +385,7 @@ impl Refresher {
                     b"COUNT".to_vec(),
                     self.config.batch_entries_max.max(1).to_string().into_bytes(),
                     b"BLOCK".to_vec(),
-                    self.config.block_ms.to_string().into_bytes(),
+                    block_ms.to_string().into_bytes(),
                     b"STREAMS".to_vec(),
                 ];
                 args.extend(following.iter().map(|&i| contract::stream_key(&self.groups[i].name).into_bytes()));

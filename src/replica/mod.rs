@@ -64,7 +64,7 @@ use arc_swap::ArcSwap;
 
 pub use layout::{Cursor, Header, Storage};
 pub use table::{lock_pages, mem_available_bytes, Replica};
-pub use writer::{OpenReport, ReplicaWriter};
+pub use writer::{GrowthPhase, OpenReport, ReplicaWriter};
 
 pub const MAGIC: [u8; 8] = *b"QVREPL02";
 pub const FORMAT_VERSION: u32 = 2;

@@ -564,6 +564,77 @@ fn a_background_growth_loses_nothing_written_while_it_copies() {
 }
 
 #[test]
+fn a_growth_abandoned_by_a_full_resync_leaves_no_copy_behind() {
+    const DIM: usize = 4;
+    let dir = tmpdir("grow-abandon");
+    let path = dir.join("item.qrep");
+    let files = || {
+        let mut names: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        names
+    };
+    let resynced = |keys: std::ops::Range<u64>| {
+        let tmp = temp_path(&path, "sync");
+        let mut fresh = ReplicaWriter::create(&tmp, "item", DIM as u32, Storage::F32, 1024, &[0.0; DIM]).unwrap();
+        for key in keys {
+            fresh.upsert(key, &[key as f32, 9.0, 9.0, 9.0]).unwrap();
+        }
+        fresh.checkpoint(Cursor::default()).unwrap();
+        fresh
+    };
+    let mut w = ReplicaWriter::create(&path, "item", DIM as u32, Storage::F32, 100_000, &[0.0; DIM]).unwrap();
+    for key in 0..76_000u64 {
+        w.upsert(key, &[key as f32, 0.0, 0.0, 0.0]).unwrap();
+    }
+    w.set_grow_ahead(true);
+    let handle = w.handle();
+
+    // Replaced while the copy runs (or before the next poll collects it).
+    w.poll_growth().unwrap();
+    assert_eq!(w.growth_phase(), Some(GrowthPhase::Copying));
+    assert!(temp_path(&path, "grow").exists(), "the copy's file exists from the start");
+    w.replace(resynced(0..10)).unwrap();
+    assert!(!w.growing());
+    assert_eq!(files(), ["item.qrep"], "the copy's file is removed with the growth");
+    let mut out = [0.0; DIM];
+    assert!(handle.load().read_into(3, &mut out) && out == [3.0, 9.0, 9.0, 9.0]);
+    assert!(!handle.load().read_into(50, &mut out), "the resynced table serves");
+
+    // Replaced while the noted keys are replayed.
+    w.set_grow_ahead(false);
+    for key in 10..76_000u64 {
+        w.upsert(key, &[key as f32, 0.0, 0.0, 0.0]).unwrap();
+    }
+    let fill = w.table().header().row_capacity / 4 * 3;
+    for key in 76_000..fill {
+        w.upsert(key, &[key as f32, 0.0, 0.0, 0.0]).unwrap();
+    }
+    assert!(!w.growing());
+    w.set_grow_ahead(true);
+    w.poll_growth().unwrap();
+    assert_eq!(w.growth_phase(), Some(GrowthPhase::Copying));
+    // More keys noted during the copy than one poll replays.
+    for key in 0..40_000u64 {
+        w.upsert(key, &[key as f32, 1.0, 0.0, 0.0]).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    while w.growth_phase() == Some(GrowthPhase::Copying) {
+        assert!(Instant::now() < until, "the copy finishes");
+        assert!(!w.poll_growth().unwrap());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(matches!(w.growth_phase(), Some(GrowthPhase::Replaying { keys_left }) if keys_left > 0));
+    w.replace(resynced(0..20)).unwrap();
+    assert!(!w.growing());
+    assert_eq!(files(), ["item.qrep"]);
+    assert!(handle.load().read_into(15, &mut out) && out == [15.0, 9.0, 9.0, 9.0]);
+    drop(w);
+    let (w, _) = ReplicaWriter::open(&path, "item").unwrap();
+    assert_eq!(w.live_rows(), 20);
+}
+
+#[test]
 fn a_read_only_server_serves_at_once_and_never_serves_a_row_that_fails_its_crc() {
     let dir = tmpdir("open-serving");
     let path = dir.join("item.qrep");

@@ -9,7 +9,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::layout::{
@@ -28,9 +28,16 @@ const GROWN_ROWS_MIN: u64 = 1024;
 /// arrive while the copy runs, so the writer does not wait for it.
 const GROW_AHEAD_QUARTERS: u64 = 3;
 
-/// Keys a poll replays into a finished growth's copy: bounds the
-/// refresher's pause per round (about a microsecond a key).
-const REPLAY_KEYS_PER_POLL: usize = 16_384;
+/// Time a poll spends replaying noted keys into a finished growth's copy:
+/// bounds the refresher's pause per round. A key costs from a microsecond
+/// to several (its rows in both files are cache misses, and the first
+/// write to each page of the flushed copy faults) or a disk read where
+/// the files do not fit in memory, so the bound is on time, not keys.
+const REPLAY_BUDGET: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// Keys replayed between two looks at the clock; also the least a poll
+/// replays, so that a replay always moves on.
+const REPLAY_KEYS_PER_CLOCK_READ: usize = 8;
 
 /// A growth of the file in the background. A thread rehashes the live rows
 /// into a file twice the size while the writer keeps applying changes to
@@ -49,7 +56,44 @@ struct Growth {
     touched: std::collections::HashSet<u64>,
     /// Those keys, once the copy is collected, still to replay.
     pending: Vec<u64>,
+    /// The copy's file, created on the writer's thread before the copy
+    /// starts, so that an abandoned growth can remove it at once.
+    tmp: PathBuf,
+    /// Set when the growth is abandoned: the thread stops copying.
+    cancel: Arc<AtomicBool>,
     started: std::time::Instant,
+}
+
+impl Growth {
+    /// Drops a growth that will not be swapped in (its file was replaced
+    /// under it, by a full resync): removes the copy's file now, stops the
+    /// copy, and leaves the unmapping of the copy to another thread, so the
+    /// writer neither waits for the copy nor frees its pages itself.
+    fn abandon(self, path: &Path) {
+        self.cancel.store(true, Ordering::Relaxed);
+        // The copy's mapping holds the inode open: the unlink is cheap, and
+        // its pages are freed by whichever thread drops the mapping last.
+        if let Err(e) = std::fs::remove_file(&self.tmp) {
+            tracing::warn!(path = %self.tmp.display(), "could not remove an abandoned growth's copy: {e}");
+        }
+        if let Some(copy) = self.copy {
+            unmap_later(copy.table.clone());
+        }
+        // A running thread is detached: it sees `cancel`, and its result,
+        // with the copy's mapping, is dropped on its own thread.
+        tracing::info!(path = %path.display(), "replica growth abandoned: the file was replaced");
+    }
+}
+
+/// Where a background growth stands ([`ReplicaWriter::growth_phase`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrowthPhase {
+    /// The `quiver-grow` thread copies the live rows (or has just finished
+    /// and the next poll collects the copy).
+    Copying,
+    /// The copy is collected; these noted keys are still to replay before
+    /// the swap.
+    Replaying { keys_left: usize },
 }
 
 /// What opening an existing file for writing found and repaired.
@@ -382,10 +426,18 @@ impl ReplicaWriter {
     /// into place and swaps it in, on this thread; readers never wait.
     fn grow(&mut self) -> Result<(), ReplicaError> {
         let capacity = self.grown_capacity(0)?;
-        let mut fresh = copy_grown(&self.table, &temp_path(&self.path, "grow"), capacity, false)?;
+        let mut fresh = self.create_grown(&temp_path(&self.path, "grow"), capacity)?;
+        copy_rows(&self.table, &mut fresh, None)?;
         fresh.checkpoint(self.cursor)?;
         tracing::info!(path = %self.path.display(), rows = self.live, capacity, "replica grown");
         self.replace(fresh)
+    }
+
+    /// An empty file at `tmp` with this file's group, shape and default,
+    /// and room for `capacity` rows: what a growth copies into.
+    fn create_grown(&self, tmp: &Path, capacity: u64) -> Result<ReplicaWriter, ReplicaError> {
+        let h = self.table.header();
+        ReplicaWriter::create(tmp, &h.group, h.dim, h.storage, capacity, &self.table.default_vector())
     }
 
     /// The capacity a grown file gets: twice the live rows plus `spare`.
@@ -402,19 +454,25 @@ impl ReplicaWriter {
         let spare = self.table.header().row_capacity - self.rows_used;
         let capacity = self.grown_capacity(spare)?;
         let tmp = temp_path(&self.path, "grow");
+        let fresh = self.create_grown(&tmp, capacity)?;
         let old = self.table.clone();
         // Every change after this position is noted, then replayed: the
         // copy's rows hold at least what the stream had reached here.
         let from = self.cursor;
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cancelled = cancel.clone();
         let thread = std::thread::Builder::new()
             .name("quiver-grow".into())
             .spawn(move || {
                 lower_thread_priority();
-                let mut fresh = copy_grown(&old, &tmp, capacity, true)?;
-                // Flushes the copy, off the writer's thread, and names the
-                // position its rows are complete to: after a crash, a swapped
-                // in copy replays the stream from there.
-                fresh.checkpoint(from)?;
+                let mut fresh = fresh;
+                copy_rows(&old, &mut fresh, Some(&cancelled))?;
+                if !cancelled.load(Ordering::Relaxed) {
+                    // Flushes the copy, off the writer's thread, and names the
+                    // position its rows are complete to: after a crash, a
+                    // swapped in copy replays the stream from there.
+                    fresh.checkpoint(from)?;
+                }
                 Ok(fresh)
             })
             .map_err(|source| ReplicaError::Io { path: "quiver-grow thread".into(), source })?;
@@ -424,6 +482,8 @@ impl ReplicaWriter {
             copy: None,
             touched: std::collections::HashSet::new(),
             pending: Vec::new(),
+            tmp,
+            cancel,
             started: std::time::Instant::now(),
         }));
         Ok(())
@@ -448,14 +508,18 @@ impl ReplicaWriter {
         }
     }
 
-    /// Replays up to `keys_max` noted keys from the current file into the
-    /// copy; true when none is left.
-    fn replay(&mut self, keys_max: usize) -> Result<bool, ReplicaError> {
+    /// Replays noted keys from the current file into the copy, until
+    /// `budget` has passed (`None`: all of them); true when none is left.
+    fn replay(&mut self, budget: Option<std::time::Duration>) -> Result<bool, ReplicaError> {
+        let started = std::time::Instant::now();
         let growth = self.growth.as_mut().expect("a growth is running");
         let copy = growth.copy.as_mut().expect("the copy is collected");
         // Not `self.payload`: an upsert that waits for the growth holds it.
         let mut payload = vec![0u32; self.table.layout().payload_words];
-        for _ in 0..keys_max {
+        for i in 0.. {
+            if i % REPLAY_KEYS_PER_CLOCK_READ == 0 && i > 0 && budget.is_some_and(|b| started.elapsed() >= b) {
+                break;
+            }
             let Some(key) = growth.pending.pop() else { break };
             match self.table.find(key) {
                 Some(row) => {
@@ -492,7 +556,7 @@ impl ReplicaWriter {
     /// every noted key: for an insert that finds the current file full.
     fn finish_growth(&mut self) -> Result<(), ReplicaError> {
         self.collect_copy()?;
-        self.replay(usize::MAX)?;
+        self.replay(None)?;
         self.swap_growth()
     }
 
@@ -510,9 +574,18 @@ impl ReplicaWriter {
         self.growth.is_some()
     }
 
+    /// Where a background growth stands, if one runs.
+    pub fn growth_phase(&self) -> Option<GrowthPhase> {
+        let growth = self.growth.as_ref()?;
+        Some(match growth.thread {
+            Some(_) => GrowthPhase::Copying,
+            None => GrowthPhase::Replaying { keys_left: growth.pending.len() },
+        })
+    }
+
     /// Moves a background growth on by a bounded step: starts one if due,
-    /// collects a finished copy, replays up to [`REPLAY_KEYS_PER_POLL`]
-    /// noted keys into it, and swaps it in when none is left. Returns
+    /// collects a finished copy, replays noted keys into it for at most
+    /// [`REPLAY_BUDGET`], and swaps it in when none is left. Returns
     /// whether a grown file was swapped in by this call (it then wants a
     /// checkpoint).
     pub fn poll_growth(&mut self) -> Result<bool, ReplicaError> {
@@ -529,7 +602,7 @@ impl ReplicaWriter {
             return Ok(false);
         }
         self.collect_copy()?;
-        if !self.replay(REPLAY_KEYS_PER_POLL)? {
+        if !self.replay(Some(REPLAY_BUDGET))? {
             return Ok(false);
         }
         self.swap_growth()?;
@@ -550,8 +623,9 @@ impl ReplicaWriter {
         // Unflushed, the swap need not be durable either: after a crash that
         // loses the rename, the old file and its checkpoint are still there.
         fresh.rename_only(&self.path, flush)?;
-        // A growth of the replaced file, if one runs, is left to finish on
-        // its own; its copy is dropped unused.
+        if let Some(growth) = self.growth.take() {
+            growth.abandon(&self.path);
+        }
         fresh.grow_ahead = self.grow_ahead;
         if let Some(handle) = self.handle.take() {
             handle.install(fresh.table.clone());
@@ -613,16 +687,26 @@ impl ReplicaWriter {
     }
 }
 
-/// Copies `old`'s live rows into a new file at `tmp` with room for
-/// `capacity` rows. With `concurrent`, the writer may be changing `old`
-/// meanwhile: rows are copied under their seqlock, and a row that stays busy
-/// is left to the replay of touched keys; without it, nothing else writes
-/// `old` and every live row is copied.
-fn copy_grown(old: &Replica, tmp: &Path, capacity: u64, concurrent: bool) -> Result<ReplicaWriter, ReplicaError> {
-    let h = old.header();
-    let mut fresh = ReplicaWriter::create(tmp, &h.group, h.dim, h.storage, capacity, &old.default_vector())?;
+/// Copies `old`'s live rows into `fresh`. With `cancel` (a background
+/// growth), the writer may be changing `old` meanwhile: rows are copied
+/// under their seqlock, a row that stays busy is left to the replay of
+/// touched keys, and the copy stops early once `cancel` is set; without it,
+/// nothing else writes `old` and every live row is copied.
+///
+/// In the background, the copied rows are also written back to disk as
+/// they are completed (see [`RowWriteback`]).
+fn copy_rows(old: &Replica, fresh: &mut ReplicaWriter, cancel: Option<&AtomicBool>) -> Result<(), ReplicaError> {
+    /// Slots between two looks at `cancel` and at the rows to write back.
+    const CHECK_SLOTS: u64 = 1 << 16;
     let mut payload = vec![0u32; old.layout().payload_words];
-    for slot in 0..h.slot_count {
+    let mut writeback = RowWriteback::new(fresh);
+    for slot in 0..old.header().slot_count {
+        if slot % CHECK_SLOTS == 0 && cancel.is_some() {
+            if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                return Ok(());
+            }
+            writeback.advance(fresh)?;
+        }
         let (k, r, tag) = old.slot(slot);
         if tag.load(Ordering::Acquire) != TAG_USED {
             continue;
@@ -630,10 +714,71 @@ fn copy_grown(old: &Replica, tmp: &Path, capacity: u64, concurrent: bool) -> Res
         let key = k.load(Ordering::Relaxed);
         match old.verify_row(r.load(Ordering::Relaxed), &mut payload) {
             Some((row_key, _)) if row_key == key => fresh.put_words(key, &payload)?,
-            _ => assert!(concurrent, "a row nobody writes is never busy"),
+            _ => assert!(cancel.is_some(), "a row nobody writes is never busy"),
         }
     }
-    Ok(fresh)
+    Ok(())
+}
+
+/// Writes a growth's copied rows back to disk while the copy runs, a
+/// chunk at a time behind the copy's cursor, so that the copy never holds
+/// more than two chunks of dirty rows. Left to the kernel, a copy of
+/// gigabytes is all dirty at once, past the kernel's dirty limits, and the
+/// kernel then throttles every thread that dirties a page: the refresher's
+/// next write to the current file stalls for hundreds of milliseconds.
+/// (The slots, written all over their region, stay dirty until the copy's
+/// checkpoint: they are a small part of the file.)
+struct RowWriteback {
+    /// File offset up to which the rows were handed to the disk.
+    started_to: u64,
+    /// File offset up to which the disk has taken them.
+    done_to: u64,
+}
+
+impl RowWriteback {
+    /// Bytes of rows written back at a time.
+    const CHUNK_BYTES: u64 = 64 << 20;
+
+    fn new(fresh: &ReplicaWriter) -> RowWriteback {
+        let rows_offset = fresh.table.layout().rows_offset as u64;
+        RowWriteback { started_to: rows_offset, done_to: rows_offset }
+    }
+
+    /// Starts the writeback of the next chunk once the copy has completed
+    /// it, after waiting for the chunk before (so it is already written,
+    /// and the wait is short).
+    fn advance(&mut self, fresh: &ReplicaWriter) -> Result<(), ReplicaError> {
+        let layout = fresh.table.layout();
+        let copied_to = (layout.rows_offset + fresh.rows_used as usize * layout.row_stride) as u64;
+        if copied_to < self.started_to + Self::CHUNK_BYTES {
+            return Ok(());
+        }
+        let fd = fresh._lock.as_raw_fd();
+        let io = |source| ReplicaError::Io { path: fresh.path.display().to_string(), source };
+        let (done_to, started_to) = (self.started_to, copied_to);
+        // SAFETY: sync_file_range on a descriptor this writer owns only
+        // writes the file's own page cache back; no memory is touched.
+        let wait = unsafe {
+            libc::sync_file_range(
+                fd,
+                self.done_to as i64,
+                (done_to - self.done_to) as i64,
+                libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+            )
+        };
+        if wait != 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        // SAFETY: as above.
+        let start = unsafe {
+            libc::sync_file_range(fd, done_to as i64, (started_to - done_to) as i64, libc::SYNC_FILE_RANGE_WRITE)
+        };
+        if start != 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        (self.done_to, self.started_to) = (done_to, started_to);
+        Ok(())
+    }
 }
 
 /// Replaced tables queued for the `quiver-unmap` thread at most; past it, a
