@@ -461,19 +461,22 @@ if os.path.exists(scale):
         w(f"| {c['entities']:,} | {c['storage']} | {us(c['lookup_uniform'])} | {us(c['lookup_zipf'])} | {us(c['lookup_warm'])} |")
     w("")
     w("Growth in the background while the refresher applies updates: the growth's time from start to swap, the")
-    w("changes applied meanwhile, the refresher's rounds (100 updates and a poll; the max is its longest pause: the")
-    w("replay of the changed keys and the checkpoint), and a reader's lookups (µs, p99 / p99.9 / max):\n")
-    w("| entities | storage | growth | changes meanwhile | refresher round p99 / max | reader before | reader during |")
-    w("|---|---|---|---|---|---|---|")
+    w("changes applied meanwhile, the refresher's rounds (100 updates and a poll; the max is its longest pause) and")
+    w("the longest round in each phase (while the copy runs; while noted keys are replayed, in that many rounds;")
+    w("the round that swaps the copy in), and a reader's lookups (µs, p99 / p99.9 / max):\n")
+    w("| entities | storage | growth | changes meanwhile | refresher round p99 / max | longest round: copying / replaying (rounds) / swap | reader before | reader during |")
+    w("|---|---|---|---|---|---|---|---|")
     for c in cases:
         g = c["growth"]
         if "skipped" in g:
-            w(f"| {c['entities']:,} | {c['storage']} | skipped: {g['skipped']} | | | | |")
+            w(f"| {c['entities']:,} | {c['storage']} | skipped: {g['skipped']} | | | | | |")
             continue
         r = lambda d: f"{d['p99_ns'] / 1e3:.1f} / {d['p999_ns'] / 1e3:.1f} / {d['max_ns'] / 1e3:,.0f}" if d else "none"
         rr = g["refresher_round"]
+        phases = (f"{g['round_max_copying_ns'] / 1e6:.1f} / {g['round_max_replaying_ns'] / 1e6:.1f} "
+                  f"({g['replay_rounds']:,}) / {g['swap_round_ns'] / 1e6:.1f} ms") if "swap_round_ns" in g else "not recorded"
         w(f"| {c['entities']:,} | {c['storage']} | {g['growth_s']:.1f} s | {g['changes_during']:,} | "
-          f"{rr['p99_ns'] / 1e6:.1f} ms / {rr['max_ns'] / 1e6:,.0f} ms | {r(g['reader_before'])} | {r(g['reader_during'])} |")
+          f"{rr['p99_ns'] / 1e6:.1f} ms / {rr['max_ns'] / 1e6:,.0f} ms | {phases} | {r(g['reader_before'])} | {r(g['reader_during'])} |")
     w("")
     w("Targets of issue 19, from the rows above:\n")
     for storage in sorted({c["storage"] for c in cases}):
@@ -502,12 +505,21 @@ if os.path.exists(scale):
           "; what stalls those few is not separated here (the copy thread, the new file's writeback and the other")
         w("  load shown by the load average share this VM's two cores and its disk).")
         pause = max(grown, key=lambda c: c["growth"]["refresher_round"]["max_ns"])
-        w(f"- The refresher's longest pause during growth: {pause['growth']['refresher_round']['max_ns'] / 1e6:,.0f} ms at "
-          f"{pause['entities']:,} ({pause['storage']}), one round out of a {pause['growth']['growth_s']:.1f} s background growth"
-          f" ({pause['growth']['changes_during']:,} updates applied meanwhile; its rounds' p99 was"
-          f" {pause['growth']['refresher_round']['p99_ns'] / 1e6:.1f} ms). Each round's replay is bounded (16,384 keys), so that")
-        w("  round is elsewhere, around the swap; which part of it (the rename over the old file, the new file's first")
-        w(f"  writes) is not isolated yet. The longest growth took {worst['growth']['growth_s']:.1f} s ({worst['entities']:,},"
+        pg = pause["growth"]
+        w(f"- The refresher's longest pause during growth: {pg['refresher_round']['max_ns'] / 1e6:,.0f} ms at "
+          f"{pause['entities']:,} ({pause['storage']}), one round out of a {pg['growth_s']:.1f} s background growth"
+          f" ({pg['changes_during']:,} updates applied meanwhile; its rounds' p99 was"
+          f" {pg['refresher_round']['p99_ns'] / 1e6:.1f} ms).")
+        if "swap_round_ns" in pg:
+            phase = max([("while the copy ran", pg["round_max_copying_ns"]),
+                         ("while noted keys were replayed", pg["round_max_replaying_ns"]),
+                         ("at the swap", pg["swap_round_ns"])], key=lambda p: p[1])[0]
+            w(f"  It came {phase}. A replay round is bounded by time (10 ms, checked every 8 keys), so what exceeds it")
+            w("  is the cost of single writes: the first write to each 2 MiB page-cache folio since its writeback makes")
+            w("  ext4 dirty the whole folio (see huge pages in docs/REPLICA.md), on the refresher's 100 updates to the")
+            w("  old file as on the replay's writes to the copy, and a round can wait for the disk where the files do")
+            w("  not fit in memory.")
+        w(f"  The longest growth took {worst['growth']['growth_s']:.1f} s ({worst['entities']:,},"
           f" {worst['storage']}): the copy runs at nice 10 beside the busy reader and writer threads.")
     w("")
     w("Sizing a node: a file built for exactly N entities is `bytes/entity` × N (a 16-byte row header, the payload,")

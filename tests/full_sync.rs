@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use common::redis::RedisServer;
+use common::redis::{redis_entities, RedisServer};
 use common::scratch;
 use quiver::feed::sync::{full_sync, RefreshError, SyncTarget};
 use quiver::feed::{contract, GroupStatus, RedisConn, RedisError, Reply};
@@ -51,28 +51,6 @@ fn load(conn: &mut RedisConn, group: &str, ids: impl Iterator<Item = u64>, seq: 
     let (epoch, seq) = (EPOCH.to_string(), seq.to_string());
     conn.command(&[b"SET", contract::epoch_key(group).as_bytes(), epoch.as_bytes()]).unwrap();
     conn.command(&[b"SET", contract::seq_key(group).as_bytes(), seq.as_bytes()]).unwrap();
-}
-
-/// Every entity of `group` in Redis now, by id, as stored.
-fn redis_entities(conn: &mut RedisConn, group: &str) -> HashMap<u64, Vec<u8>> {
-    let mut out = HashMap::new();
-    let mut cursor = b"0".to_vec();
-    let pattern = format!("{group}:*");
-    loop {
-        let reply = conn.command(&[b"SCAN", &cursor, b"MATCH", pattern.as_bytes(), b"COUNT", b"1000"]).unwrap();
-        let mut parts = reply.into_array().unwrap().into_iter();
-        cursor = parts.next().unwrap().into_bytes().unwrap();
-        for key in parts.next().unwrap().into_array().unwrap().into_iter().filter_map(Reply::into_bytes) {
-            if let (Some(id), Reply::Bulk(bytes)) =
-                (contract::parse_entity_key(group, &key), conn.command(&[b"GET", &key]).unwrap())
-            {
-                out.insert(id, bytes);
-            }
-        }
-        if cursor == b"0" {
-            return out;
-        }
-    }
 }
 
 /// Every row of the replica file at `path`, by id, as little-endian bytes.

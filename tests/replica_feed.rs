@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::redis::RedisServer;
+use common::redis::{redis_entities, RedisServer};
 use common::{demo_dir, demo_request, scratch, Server, BIN};
 use quiver::admin::{FeedGroupStats, Stats};
 use quiver::feed::{contract, Publisher, RedisConn, Reply};
@@ -90,33 +90,6 @@ fn wait_caught_up(server: &Server, redis: &RedisServer) -> Stats {
     wait_for(server, "the replica to catch up", Duration::from_secs(20), |s| {
         want.iter().all(|(g, seq)| group(s, g).applied_seq == *seq)
     })
-}
-
-/// Every `{group}:*` key in Redis, decoded.
-fn redis_entities(conn: &mut RedisConn, group: &str) -> HashMap<u64, Vec<u8>> {
-    let mut out = HashMap::new();
-    let mut cursor = b"0".to_vec();
-    let pattern = format!("{group}:*");
-    loop {
-        let reply = conn.command(&[b"SCAN", &cursor, b"MATCH", pattern.as_bytes(), b"COUNT", b"1000"]).unwrap();
-        let mut parts = reply.into_array().unwrap().into_iter();
-        cursor = parts.next().unwrap().into_bytes().unwrap();
-        let keys: Vec<Vec<u8>> =
-            parts.next().unwrap().into_array().unwrap().into_iter().filter_map(Reply::into_bytes).collect();
-        if !keys.is_empty() {
-            let mut mget: Vec<&[u8]> = vec![b"MGET"];
-            mget.extend(keys.iter().map(Vec::as_slice));
-            let values = conn.command(&mget).unwrap().into_array().unwrap();
-            for (k, v) in keys.iter().zip(values) {
-                if let (Some(id), Reply::Bulk(bytes)) = (contract::parse_entity_key(group, k), v) {
-                    out.insert(id, bytes);
-                }
-            }
-        }
-        if cursor == b"0" {
-            return out;
-        }
-    }
 }
 
 /// The replica file holds exactly what Redis holds, byte for byte.

@@ -2,6 +2,8 @@
 //!
 //! - [`resp`]: a blocking RESP2 connection (the only code that speaks the wire format),
 //!   through `crate::tls` for `rediss://`;
+//! - [`cluster`]: Redis Cluster routing over those connections: key slots, the
+//!   topology, `MOVED` and `ASK` (not yet used by the refresher or the publisher);
 //! - [`contract`]: the key and stream layout writers and replicas agree on, and the
 //!   [`contract::Publisher`] that writes through the atomic publish script;
 //! - [`load`]: the bulk loader behind `quiver features load`;
@@ -13,6 +15,7 @@
 //! - [`status`]: the atomics through which the refresher reports position and
 //!   staleness to shards and the admin endpoint.
 
+pub mod cluster;
 pub mod config;
 pub mod contract;
 pub mod load;

@@ -16,6 +16,7 @@ use quiver::wire::RequestSpec;
 
 pub mod pki;
 pub mod redis;
+pub mod redis_cluster;
 pub mod zoo;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_quiver");

@@ -4,13 +4,14 @@
 //! touch a Redis that happens to run on the machine. Each server is killed by PID and its
 //! directory removed when the handle drops, so a failed test leaves nothing behind.
 
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use quiver::feed::{RedisConfig, RedisConn};
+use quiver::feed::{contract, RedisConfig, RedisConn, Reply};
 
 /// How long a fresh server may take to answer PING.
 const START_TIMEOUT: Duration = Duration::from_secs(5);
@@ -197,4 +198,31 @@ fn signal(pid: u32, sig: libc::c_int) {
     // been reused by another process.
     let rc = unsafe { libc::kill(pid as libc::pid_t, sig) };
     assert_eq!(rc, 0, "kill({pid}, {sig}): {}", std::io::Error::last_os_error());
+}
+
+/// Every `{group}:*` key in Redis, decoded.
+pub fn redis_entities(conn: &mut RedisConn, group: &str) -> HashMap<u64, Vec<u8>> {
+    let mut out = HashMap::new();
+    let mut cursor = b"0".to_vec();
+    let pattern = format!("{group}:*");
+    loop {
+        let reply = conn.command(&[b"SCAN", &cursor, b"MATCH", pattern.as_bytes(), b"COUNT", b"1000"]).unwrap();
+        let mut parts = reply.into_array().unwrap().into_iter();
+        cursor = parts.next().unwrap().into_bytes().unwrap();
+        let keys: Vec<Vec<u8>> =
+            parts.next().unwrap().into_array().unwrap().into_iter().filter_map(Reply::into_bytes).collect();
+        if !keys.is_empty() {
+            let mut mget: Vec<&[u8]> = vec![b"MGET"];
+            mget.extend(keys.iter().map(Vec::as_slice));
+            let values = conn.command(&mget).unwrap().into_array().unwrap();
+            for (k, v) in keys.iter().zip(values) {
+                if let (Some(id), Reply::Bulk(bytes)) = (contract::parse_entity_key(group, k), v) {
+                    out.insert(id, bytes);
+                }
+            }
+        }
+        if cursor == b"0" {
+            return out;
+        }
+    }
 }
