@@ -20,15 +20,17 @@ use crate::replica::layout::TAG_USED;
 /// arrive while the copy runs, so the writer does not wait for it.
 pub(super) const GROW_AHEAD_QUARTERS: u64 = 3;
 
-/// Time a poll spends replaying noted keys into a finished growth's copy:
-/// bounds the refresher's pause per round. A key costs from a microsecond
-/// to tens of them (its rows in both files are cache misses, and the first
-/// write to each page-cache folio of the flushed copy dirties the whole
-/// folio) or a disk read where the files do not fit in memory, so the bound
-/// is on time, not keys. Long enough that the replay takes most of the
-/// refresher's time while it runs (a few seconds per million noted keys),
-/// short beside any staleness bound.
-const REPLAY_BUDGET: std::time::Duration = std::time::Duration::from_millis(10);
+/// Time a poll spends replaying noted keys into a finished growth's copy,
+/// at least: as long as the writer spent on everything else since the last
+/// poll, within [`REPLAY_BUDGET_MIN`] and [`REPLAY_BUDGET_MAX`]. So the
+/// replay gets at least half the refresher's time while it runs however
+/// costly the stream's own writes are (with both files written, each can
+/// cost a page-cache folio's writeback), and the refresher's pause per
+/// round stays bounded. A key costs from a microsecond to tens of them, or
+/// a disk read where the files do not fit in memory: the bound is on time,
+/// not keys.
+const REPLAY_BUDGET_MIN: std::time::Duration = std::time::Duration::from_millis(10);
+const REPLAY_BUDGET_MAX: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Keys replayed between two looks at the clock; also the least a poll
 /// replays, so that a replay always moves on.
@@ -56,6 +58,8 @@ pub(super) struct Growth {
     tmp: PathBuf,
     /// Set when the growth is abandoned: the thread stops copying.
     cancel: Arc<AtomicBool>,
+    /// When the last poll that replayed returned.
+    last_poll: Option<std::time::Instant>,
     started: std::time::Instant,
 }
 
@@ -128,6 +132,7 @@ impl ReplicaWriter {
             pending: Vec::new(),
             tmp,
             cancel,
+            last_poll: None,
             started: std::time::Instant::now(),
         }));
         Ok(())
@@ -228,8 +233,8 @@ impl ReplicaWriter {
     }
 
     /// Moves a background growth on by a bounded step: starts one if due,
-    /// collects a finished copy, replays noted keys into it for at most
-    /// [`REPLAY_BUDGET`], and swaps it in when none is left. Returns
+    /// collects a finished copy, replays noted keys into it for a bounded
+    /// time (see [`REPLAY_BUDGET_MIN`]), and swaps it in when none is left. Returns
     /// whether a grown file was swapped in by this call (it then wants a
     /// checkpoint).
     pub fn poll_growth(&mut self) -> Result<bool, ReplicaError> {
@@ -245,8 +250,13 @@ impl ReplicaWriter {
         if growth.thread.as_ref().is_some_and(|t| !t.is_finished()) {
             return Ok(false);
         }
+        let since_last_poll = growth.last_poll.map_or(REPLAY_BUDGET_MIN, |t| t.elapsed());
         self.collect_copy()?;
-        if !self.replay(Some(REPLAY_BUDGET))? {
+        let replayed = self.replay(Some(since_last_poll.clamp(REPLAY_BUDGET_MIN, REPLAY_BUDGET_MAX)))?;
+        if !replayed {
+            if let Some(growth) = self.growth.as_mut() {
+                growth.last_poll = Some(std::time::Instant::now());
+            }
             return Ok(false);
         }
         self.swap_growth()?;
