@@ -514,11 +514,11 @@ if os.path.exists(scale):
             phase = max([("while the copy ran", pg["round_max_copying_ns"]),
                          ("while noted keys were replayed", pg["round_max_replaying_ns"]),
                          ("at the swap", pg["swap_round_ns"])], key=lambda p: p[1])[0]
-            w(f"  It came {phase}. A replay round is bounded by time (as long as the rest of the round, 10 to 250 ms,")
-            w("  checked every 8 keys); the rounds' cost beyond that is single writes: the first write to each 2 MiB")
-            w("  page-cache folio since its writeback makes ext4 dirty the whole folio (see huge pages in")
-            w("  docs/REPLICA.md), on the refresher's 100 updates to the old file as on the replay's writes to the copy,")
-            w("  and a round can wait for the disk where the files do not fit in memory.")
+            w(f"  It came {phase}. A replay round replays for as long as the rest of the round took (10 to 250 ms,")
+            w("  checked every 8 keys), so a round during the replay takes up to about twice its other work: the 100")
+            w("  updates, then written to both files, each costing most where it is the first write to a 2 MiB")
+            w("  page-cache folio since that folio's writeback (ext4 then dirties the whole folio; see huge pages in")
+            w("  docs/REPLICA.md), or a disk read where the files do not fit in memory.")
         w(f"  The longest growth took {worst['growth']['growth_s']:.1f} s ({worst['entities']:,},"
           f" {worst['storage']}): the copy runs at nice 10 beside the busy reader and writer threads.")
     w("")
