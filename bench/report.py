@@ -430,7 +430,7 @@ if os.path.exists(scale):
     w("background thread while the writer's thread applies rounds of 100 updates and polls, and a reader thread")
     w("looks rows up through the group's handle. Single runs per case (each takes minutes at 50M); the growth and lookup figures are")
     end = next((l["loadavg_end"] for l in lines if "loadavg_end" in l), "?")
-    w("distributions of many operations within the run. Load average (1, 5, 15 min) as the run began: "
+    w("distributions of many operations within the run (the lookups' p99 the median of five batches' where recorded). Load average (1, 5, 15 min) as the run began: "
       f"{meta.get('loadavg_start', '?')}; as it ended: {end}, on {meta.get('cores', '?')} cores; above the")
     w("bench's own one or two threads, it is other work that shared the machine, and the tails carry it.\n")
     w("![time](bench/scale-time.png)\n")
