@@ -163,14 +163,8 @@ fn time_lookups(r: &Replica, n: usize, mut next_id: impl FnMut() -> u64) -> Vec<
 /// Percentiles of all the batches' lookups together, plus each batch's p99
 /// and their median.
 fn batched(batches: Vec<Vec<u64>>) -> serde_json::Value {
-    let mut p99s: Vec<u64> = batches
-        .iter()
-        .map(|b| {
-            let mut b = b.clone();
-            b.sort_unstable();
-            b[((b.len() as f64 * 0.99) as usize).min(b.len() - 1)]
-        })
-        .collect();
+    let mut p99s: Vec<u64> =
+        batches.iter().map(|b| percentiles(&mut b.clone())["p99_ns"].as_u64().expect("a batch's p99")).collect();
     let mut all: Vec<u64> = batches.into_iter().flatten().collect();
     let mut out = percentiles(&mut all);
     out["p99_batches_ns"] = serde_json::json!(p99s.clone());

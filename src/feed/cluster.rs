@@ -16,7 +16,7 @@
 //! first use with the configured credentials and timeouts. Cluster nodes
 //! have only database 0.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 
@@ -151,26 +151,13 @@ impl Topology {
 
     /// Every master, once each, in slot order.
     pub fn masters(&self) -> Vec<&str> {
-        let mut out: Vec<&str> = Vec::new();
-        for r in &self.ranges {
-            if !out.contains(&r.master.as_str()) {
-                out.push(&r.master);
-            }
-        }
-        out
+        once_each(self.ranges.iter().map(|r| r.master.as_str()))
     }
 
-    /// Every node, masters and replicas, once each.
+    /// Every node, masters first, then replicas, once each.
     pub fn nodes(&self) -> Vec<&str> {
-        let mut out: Vec<&str> = self.masters();
-        for r in &self.ranges {
-            for n in &r.replicas {
-                if !out.contains(&n.as_str()) {
-                    out.push(n);
-                }
-            }
-        }
-        out
+        let replicas = self.ranges.iter().flat_map(|r| r.replicas.iter().map(String::as_str));
+        once_each(self.ranges.iter().map(|r| r.master.as_str()).chain(replicas))
     }
 
     /// Whether every slot has a master (the cluster can serve any key).
@@ -184,6 +171,13 @@ impl Topology {
         }
         next == u32::from(SLOTS)
     }
+}
+
+/// `names` in their order, without repeats (a reply may name thousands of
+/// ranges: no quadratic scan).
+fn once_each<'a>(names: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut seen = HashSet::new();
+    names.filter(|n| seen.insert(*n)).collect()
 }
 
 /// `host:port` of one node entry of `CLUSTER SLOTS` (`[ip, port, id, ...]`).

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::super::table::lower_thread_priority;
-use super::super::{temp_path, Replica, ReplicaError};
 use super::{unmap_later, ReplicaWriter};
 use crate::replica::layout::TAG_USED;
+use crate::replica::table::lower_thread_priority;
+use crate::replica::{temp_path, Replica, ReplicaError};
 
 /// With growth ahead on, a growth starts in the background once this many
 /// quarters of the rows are used: the last quarter takes the inserts that
@@ -252,11 +252,8 @@ impl ReplicaWriter {
         }
         let since_last_poll = growth.last_poll.map_or(REPLAY_BUDGET_MIN, |t| t.elapsed());
         self.collect_copy()?;
-        let replayed = self.replay(Some(since_last_poll.clamp(REPLAY_BUDGET_MIN, REPLAY_BUDGET_MAX)))?;
-        if !replayed {
-            if let Some(growth) = self.growth.as_mut() {
-                growth.last_poll = Some(std::time::Instant::now());
-            }
+        if !self.replay(Some(since_last_poll.clamp(REPLAY_BUDGET_MIN, REPLAY_BUDGET_MAX)))? {
+            self.growth.as_mut().expect("a growth is running").last_poll = Some(std::time::Instant::now());
             return Ok(false);
         }
         self.swap_growth()?;
