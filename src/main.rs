@@ -544,9 +544,16 @@ enum FeaturesCommand {
 
 #[derive(clap::Args)]
 struct FeedTarget {
-    /// redis://[user:password@]host:port[/db]
+    /// redis://[user:password@]host:port[/db], or
+    /// redis+cluster://[user:password@]host:port[,host:port...] for a Redis Cluster
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
     redis: String,
+    /// Write the bucketed layout with this many buckets (hash-tagged keys,
+    /// a counter and a stream per bucket: docs/REPLICA.md). The server's
+    /// [feed] buckets must say the same. Default: 16 on a cluster, the plain
+    /// layout on one node.
+    #[arg(long)]
+    buckets: Option<u16>,
     /// Feature group, e.g. user or item.
     #[arg(long)]
     group: String,
@@ -558,9 +565,24 @@ struct FeedTarget {
 impl FeedTarget {
     fn publisher(&self) -> Result<feed::Publisher, Error> {
         feed::contract::check_group(&self.group).map_err(feed::FeedError::from)?;
-        let config = feed::RedisConfig::from_url(&self.redis).map_err(feed::FeedError::from)?;
-        let conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
-        let publisher = feed::Publisher::new(conn).map_err(feed::FeedError::from)?;
+        let publisher = match feed::cluster::RedisSource::from_url(&self.redis).map_err(feed::FeedError::from)? {
+            feed::cluster::RedisSource::Node(config) => {
+                let conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
+                let plain = feed::Publisher::new(conn).map_err(feed::FeedError::from)?;
+                match self.buckets {
+                    None => plain,
+                    Some(b) => {
+                        let layout = feed::contract::Layout::bucketed(b).map_err(feed::FeedError::from)?;
+                        plain.with_layout(layout).map_err(feed::FeedError::from)?
+                    }
+                }
+            }
+            feed::cluster::RedisSource::Cluster { config, seeds } => {
+                let conn = feed::cluster::ClusterConn::connect(&config, &seeds).map_err(feed::FeedError::from)?;
+                let buckets = self.buckets.unwrap_or(feed::contract::CLUSTER_BUCKETS_DEFAULT);
+                feed::Publisher::cluster(conn, buckets).map_err(feed::FeedError::from)?
+            }
+        };
         Ok(publisher.with_stream_maxlen(self.stream_maxlen))
     }
 }
@@ -1251,8 +1273,9 @@ fn features(cmd: FeaturesCommand) -> Result<ExitCode, Error> {
     let publish_err = |e: feed::PublishError| Error::Feed(e.into());
     match cmd {
         FeaturesCommand::Put { target, id, values } => {
-            let seq = target.publisher()?.put(&target.group, id, &values).map_err(publish_err)?;
-            println!("{} seq {seq}", feed::contract::entity_key(&target.group, id));
+            let mut publisher = target.publisher()?;
+            let seq = publisher.put(&target.group, id, &values).map_err(publish_err)?;
+            println!("{} seq {seq}", publisher.layout().entity_key(&target.group, id));
         }
         FeaturesCommand::Delete { target, mut id, ids_from } => {
             if let Some(path) = &ids_from {
@@ -1261,8 +1284,9 @@ fn features(cmd: FeaturesCommand) -> Result<ExitCode, Error> {
             match id.as_slice() {
                 [] => return Err(Error::Setup("nothing to delete: give --id or --ids-from".into())),
                 [one] => {
-                    let seq = target.publisher()?.delete(&target.group, *one).map_err(publish_err)?;
-                    println!("{} deleted, seq {seq}", feed::contract::entity_key(&target.group, *one));
+                    let mut publisher = target.publisher()?;
+                    let seq = publisher.delete(&target.group, *one).map_err(publish_err)?;
+                    println!("{} deleted, seq {seq}", publisher.layout().entity_key(&target.group, *one));
                 }
                 many => {
                     let started = Instant::now();

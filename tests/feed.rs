@@ -45,7 +45,7 @@ fn publisher_follows_the_contract() {
     let before_ms = now_ms();
     let v42 = [0.5f32, -1.0, 2.25];
     assert_eq!(p.put("user", 42, &v42).unwrap(), 1);
-    let epoch = get(p.conn(), &epoch_key("user"));
+    let epoch = get(p.conn().unwrap(), &epoch_key("user"));
     let epoch_text = String::from_utf8(epoch.as_bytes().unwrap().to_vec()).unwrap();
     assert!(epoch_text.len() >= 16 && epoch_text.bytes().all(|b| b.is_ascii_digit()), "{epoch_text}");
     let epoch_secs: u64 = epoch_text[..epoch_text.len() - 6].parse().unwrap();
@@ -56,10 +56,10 @@ fn publisher_follows_the_contract() {
     assert_eq!(p.delete("user", 42).unwrap(), 3);
     assert_eq!(p.delete("user", 999).unwrap(), 4, "deleting an absent entity is still a change");
     // The script survives a flush of the script cache.
-    p.conn().command(&[b"SCRIPT", b"FLUSH"]).unwrap();
+    p.conn().unwrap().command(&[b"SCRIPT", b"FLUSH"]).unwrap();
     assert_eq!(p.put("user", 8, &[4.0, 5.0, 6.0]).unwrap(), 5);
 
-    let c = p.conn();
+    let c = p.conn().unwrap();
     assert_eq!(get(c, "user:42"), Reply::Nil);
     assert_eq!(get(c, "user:7"), Reply::Bulk(encode_vector(&[1.0, 2.0, 3.0])));
     assert_eq!(get(c, &seq_key("user")), bulk("5"));
@@ -95,7 +95,7 @@ fn bad_values_are_refused_and_write_nothing() {
     let rows = vec![(1, vec![1.0]), (2, vec![f32::INFINITY])];
     let err = p.put_many("user", &rows, |_, _| {}).unwrap_err();
     assert!(err.to_string().starts_with("entity 2: value 0 is infinite"), "{err}");
-    assert_eq!(p.conn().command(&[b"DBSIZE"]).unwrap(), Reply::Int(0));
+    assert_eq!(p.conn().unwrap().command(&[b"DBSIZE"]).unwrap(), Reply::Int(0));
 }
 
 #[test]
@@ -106,7 +106,7 @@ fn put_many_pipelines_in_order_with_dense_seqs() {
     let mut calls = Vec::new();
     assert_eq!(p.put_many("item", &rows, |done, total| calls.push((done, total))).unwrap(), 2500);
     assert_eq!(calls, [(1000, 2500), (2000, 2500), (2500, 2500)]);
-    let c = p.conn();
+    let c = p.conn().unwrap();
     assert_eq!(get(c, "item:2997"), Reply::Bulk(encode_vector(&[999.0, -999.0])));
     assert_eq!(c.command(&[b"XLEN", stream_key("item").as_bytes()]).unwrap(), Reply::Int(2500));
     let last = c.command(&[b"XREVRANGE", stream_key("item").as_bytes(), b"+", b"-", b"COUNT", b"1"]).unwrap();
@@ -120,10 +120,10 @@ fn publish_refuses_a_stream_ahead_of_its_counter() {
     let mut p = Publisher::new(server.conn()).unwrap();
     p.put("user", 1, &[1.0]).unwrap();
     p.put("user", 2, &[2.0]).unwrap();
-    p.conn().command(&[b"DEL", seq_key("user").as_bytes()]).unwrap();
+    p.conn().unwrap().command(&[b"DEL", seq_key("user").as_bytes()]).unwrap();
     let err = p.put("user", 3, &[3.0]).unwrap_err();
     assert!(err.to_string().contains("behind the stream"), "{err}");
-    let c = p.conn();
+    let c = p.conn().unwrap();
     assert_eq!(get(c, "user:3"), Reply::Nil, "no entity write without its stream entry");
     assert_eq!(get(c, &seq_key("user")), bulk("0"), "the failed increment is undone");
 }
@@ -341,4 +341,31 @@ fn a_stopped_server_times_out_and_a_killed_one_closes() {
     let mut c = server.conn();
     assert_eq!(get(&mut c, "user:1"), Reply::Bulk(encode_vector(&[1.0, 2.0])));
     assert_eq!(get(&mut c, &seq_key("user")), bulk("1"));
+}
+
+#[test]
+fn one_node_takes_the_bucketed_layout_too() {
+    let server = RedisServer::start();
+    let layout = contract::Layout::bucketed(4).unwrap();
+    let mut p = Publisher::new(server.conn()).unwrap().with_layout(layout).unwrap();
+    let rows: Vec<(u64, Vec<f32>)> = (0..400u64).map(|id| (id, vec![id as f32])).collect();
+    p.put_many("user", &rows, |_, _| {}).unwrap();
+    p.delete("user", 5).unwrap();
+    let c = p.conn().unwrap();
+    for id in 0..400u64 {
+        let want = if id == 5 { Reply::Nil } else { Reply::Bulk(encode_vector(&[id as f32])) };
+        assert_eq!(get(c, &layout.entity_key("user", id)), want, "entity {id}");
+        assert_eq!(get(c, &entity_key("user", id)), Reply::Nil, "no plain key for {id}");
+    }
+    let mut changes = 0;
+    for b in 0..4 {
+        let keys = layout.keys("user", b);
+        let seq: u64 = String::from_utf8(get(c, &keys.seq).into_bytes().unwrap()).unwrap().parse().unwrap();
+        let len = c.command(&[b"XLEN", keys.stream.as_bytes()]).unwrap().as_int().unwrap() as u64;
+        assert_eq!(len, seq, "bucket {b}");
+        assert!(seq > 50, "bucket {b} has its share: {seq}");
+        changes += seq;
+    }
+    assert_eq!(changes, 401);
+    assert_eq!(get(c, &seq_key("user")), Reply::Nil, "the plain counter is untouched");
 }

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::redis_cluster::RedisCluster;
 use quiver::feed::cluster::{key_slot, ClusterConn, SLOTS};
-use quiver::feed::{RedisError, Reply};
+use quiver::feed::contract::{self, encode_vector, Layout};
+use quiver::feed::{ContractError, PublishError, Publisher, RedisError, Reply};
 
 fn get(c: &mut ClusterConn, key: &[u8]) -> Reply {
     c.command(key, &[b"GET", key]).unwrap_or_else(|e| panic!("GET {}: {e}", String::from_utf8_lossy(key)))
@@ -136,4 +137,112 @@ fn a_killed_master_is_replaced_by_its_promoted_replica() {
     assert_ne!(new, old, "the promoted replica serves the slot");
     assert!(!errors.is_empty(), "the kill was seen before the promotion");
     assert!(c.refreshes() >= 2, "the topology was read again");
+}
+
+/// Per bucket: its counter, its stream's length and its bucket-count key.
+type BucketState = (u64, u64, Reply);
+
+/// What a group's keys hold on the cluster: every entity's value by id, and each bucket's state.
+fn read_back(
+    c: &mut ClusterConn,
+    layout: Layout,
+    group: &str,
+    ids: impl Iterator<Item = u64>,
+) -> (Vec<(u64, Reply)>, Vec<BucketState>) {
+    let values = ids.map(|id| (id, get(c, layout.entity_key(group, id).as_bytes()))).collect();
+    let buckets = (0..layout.bucket_count())
+        .map(|b| {
+            let k = layout.keys(group, b);
+            let seq = match get(c, k.seq.as_bytes()) {
+                Reply::Bulk(s) => String::from_utf8(s).unwrap().parse().unwrap(),
+                other => panic!("bucket {b} counter: {other:?}"),
+            };
+            let len = c.command(k.stream.as_bytes(), &[b"XLEN", k.stream.as_bytes()]).unwrap().as_int().unwrap();
+            (seq, len as u64, get(c, k.buckets.unwrap().as_bytes()))
+        })
+        .collect();
+    (values, buckets)
+}
+
+#[test]
+fn the_publisher_writes_the_bucketed_contract_on_a_cluster() {
+    let cluster = RedisCluster::start(3, 0);
+    let conn = || ClusterConn::connect(&cluster.config(), &cluster.seeds()).unwrap();
+    let mut p = Publisher::cluster(conn(), 16).unwrap();
+    assert_eq!(p.layout(), Layout::bucketed(16).unwrap());
+    let rows: Vec<(u64, Vec<f32>)> = (0..100_000u64).map(|id| (id, vec![id as f32, -(id as f32), 0.5])).collect();
+    let mut batches = 0;
+    let last = p
+        .put_many("item", &rows, |done, total| {
+            batches += 1;
+            assert!(done <= total && total == rows.len());
+        })
+        .unwrap();
+    assert_eq!(batches, 100, "the progress callback sees every batch");
+    let deleted: Vec<u64> = (0..100_000u64).step_by(10).collect();
+    p.delete_many("item", &deleted, |_, _| {}).unwrap();
+
+    let layout = p.layout();
+    let mut c = conn();
+    let (values, buckets) = read_back(&mut c, layout, "item", 0..100_000);
+    for (id, value) in values {
+        let want = if id % 10 == 0 { Reply::Nil } else { Reply::Bulk(encode_vector(&[id as f32, -(id as f32), 0.5])) };
+        assert_eq!(value, want, "entity {id}");
+    }
+    // Each bucket counts its own changes densely, and its stream holds one entry per change.
+    let per_bucket: Vec<u64> = (0..16)
+        .map(|b| {
+            (0..100_000u64).filter(|&id| layout.bucket_of(id) == b).count() as u64
+                + deleted.iter().filter(|&&id| layout.bucket_of(id) == b).count() as u64
+        })
+        .collect();
+    for (b, (seq, len, count)) in buckets.into_iter().enumerate() {
+        assert_eq!((seq, len), (per_bucket[b], per_bucket[b]), "bucket {b}");
+        assert_eq!(count, Reply::Bulk(b"16".to_vec()), "bucket {b} remembers its bucket count");
+    }
+    let puts_max = (0..16).map(|b| (0..100_000u64).filter(|&id| layout.bucket_of(id) == b).count()).max();
+    assert_eq!(Some(last as usize), puts_max, "put_many answers the highest sequence number it wrote");
+    // The buckets are spread over every master.
+    let masters: std::collections::HashSet<String> = (0..16)
+        .map(|b| c.topology().master_of(key_slot(layout.keys("item", b).seq.as_bytes())).unwrap().to_string())
+        .collect();
+    assert_eq!(masters.len(), 3, "{masters:?}");
+
+    // A writer with another bucket count is refused before it writes anything.
+    let mut other = Publisher::cluster(conn(), 8).unwrap();
+    let err = other.put("item", 1, &[1.0, 2.0, 3.0]).unwrap_err().to_string();
+    assert!(err.contains("says the group has 16 buckets; this writer uses 8"), "{err}");
+    assert_eq!(get(&mut c, layout.entity_key("item", 1).as_bytes()), Reply::Bulk(encode_vector(&[1.0, -1.0, 0.5])));
+    // The plain layout cannot live on a cluster.
+    let plain = Publisher::cluster(conn(), 16).unwrap().with_layout(Layout::Plain);
+    assert!(matches!(plain, Err(PublishError::Contract(ContractError::PlainOnCluster))));
+}
+
+#[test]
+fn the_cli_publishes_to_a_cluster() {
+    let cluster = RedisCluster::start(3, 0);
+    let url = format!("redis+cluster://{}", cluster.seeds()[..2].join(","));
+    let input = common::scratch("cluster-cli").join("items.txt");
+    let text: String = (0..3000u64).map(|id| format!("{id} {} 1.5\n", id as f32 / 8.0)).collect();
+    std::fs::write(&input, text).unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(common::BIN).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run(&["features", "load", "--redis", &url, "--group", "item", "--input", input.to_str().unwrap()]);
+    let printed = run(&["features", "put", "--redis", &url, "--group", "item", "--id", "7", "--values", "9,9"]);
+    let layout = Layout::bucketed(contract::CLUSTER_BUCKETS_DEFAULT).unwrap();
+    assert!(printed.starts_with(&format!("{} seq ", layout.entity_key("item", 7))), "{printed}");
+    run(&["features", "delete", "--redis", &url, "--group", "item", "--id", "8"]);
+    let mut c = ClusterConn::connect(&cluster.config(), &cluster.seeds()).unwrap();
+    let (values, _) = read_back(&mut c, layout, "item", 0..3000);
+    for (id, value) in values {
+        let want = match id {
+            7 => Reply::Bulk(encode_vector(&[9.0, 9.0])),
+            8 => Reply::Nil,
+            _ => Reply::Bulk(encode_vector(&[id as f32 / 8.0, 1.5])),
+        };
+        assert_eq!(value, want, "entity {id}");
+    }
 }

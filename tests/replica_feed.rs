@@ -261,7 +261,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     for id in 500..550 {
         p.delete("item", id).unwrap();
     }
-    p.conn().command(&[b"XTRIM", contract::stream_key("item").as_bytes(), b"MAXLEN", b"10"]).unwrap();
+    p.conn().unwrap().command(&[b"XTRIM", contract::stream_key("item").as_bytes(), b"MAXLEN", b"10"]).unwrap();
     let server = serve(&dir, &redis, feed_toml);
     assert!(server.stderr().contains("replica opened: serving it while it is verified"), "warm restart");
     server.wait_stderr("replica verified: catching up");
@@ -272,7 +272,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 950);
 
     // Redis replaced under a running server: a new epoch.
-    p.conn().command(&[b"FLUSHALL"]).unwrap();
+    p.conn().unwrap().command(&[b"FLUSHALL"]).unwrap();
     load(&redis, "item", 10_000..10_100, 1);
     load(&redis, "user", 0..10, 1);
     // Depending on when the refresher looks, it resyncs to the flushed (empty)

@@ -18,7 +18,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
+use super::resp::{redact_url, RedisConfig, RedisConn, RedisError, Reply, UrlError};
 
 /// Hash slots of a Redis Cluster.
 pub const SLOTS: u16 = 16_384;
@@ -27,6 +27,13 @@ pub const SLOTS: u16 = 16_384;
 /// more than a few in a row means the topology is changing under us faster
 /// than it can be read.
 const REDIRECTS_MAX: usize = 5;
+
+/// How often one command is sent again after `TRYAGAIN` (a multi-key
+/// command while its slot migrates) or `CLUSTERDOWN` (a failover under
+/// way), and how long it waits between: about 2 s in all, a migration
+/// batch's time and more.
+const RETRIES_MAX: u32 = 40;
+const RETRY_PAUSE_MS: u64 = 50;
 
 /// Nodes a topology may name; a bound on the connections a [`ClusterConn`]
 /// opens.
@@ -47,6 +54,66 @@ pub enum ClusterError {
     Redirects { slot: u16, to: String },
     #[error("redis cluster: database {db} selected, but cluster nodes have only database 0")]
     Database { db: u32 },
+}
+
+/// Where the features live: one Redis node, or a cluster reached through
+/// seed nodes.
+#[derive(Clone, Debug)]
+pub enum RedisSource {
+    Node(RedisConfig),
+    /// `config.addr` is the first seed; every node gets `config`'s
+    /// credentials, timeouts and TLS.
+    Cluster {
+        config: RedisConfig,
+        seeds: Vec<String>,
+    },
+}
+
+impl RedisSource {
+    /// `redis://…` or `rediss://…` (see [`RedisConfig::from_url`]) for one
+    /// node; `redis+cluster://[user:password@]host:port[,host:port…]` (or
+    /// `rediss+cluster://…` with the same TLS options) for a cluster, any of
+    /// whose nodes may be named.
+    pub fn from_url(url: &str) -> Result<RedisSource, UrlError> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Ok(RedisSource::Node(RedisConfig::from_url(url)?));
+        };
+        let Some(base) = scheme.to_ascii_lowercase().strip_suffix("+cluster").map(String::from) else {
+            return Ok(RedisSource::Node(RedisConfig::from_url(url)?));
+        };
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (format!("{u}@"), h),
+            None => (String::new(), authority),
+        };
+        let mut seeds = Vec::new();
+        let mut config = None;
+        for host in hosts.split(',') {
+            let bad = |what: String| UrlError { url: redact_url(url), what };
+            let one = RedisConfig::from_url(&format!("{base}://{userinfo}{host}{tail}")).map_err(|e| bad(e.what))?;
+            if one.db != 0 {
+                return Err(bad("cluster nodes have only database 0".into()));
+            }
+            seeds.push(one.addr.clone());
+            config.get_or_insert(one);
+        }
+        let config = config.expect("split yields at least one host");
+        Ok(RedisSource::Cluster { config, seeds })
+    }
+
+    /// The address to name in logs: the node, or the first seed.
+    pub fn addr(&self) -> &str {
+        match self {
+            RedisSource::Node(config) | RedisSource::Cluster { config, .. } => &config.addr,
+        }
+    }
+
+    pub fn config(&self) -> &RedisConfig {
+        match self {
+            RedisSource::Node(config) | RedisSource::Cluster { config, .. } => config,
+        }
+    }
 }
 
 /// The hash slot of `key`, as the cluster computes it (CRC16/XMODEM of the
@@ -304,11 +371,14 @@ impl ClusterConn {
     /// read again, and the command goes to the slot's new master if it has
     /// one (a failover); a command is only resent where the node never
     /// answered it, so writes must be idempotent or checked by the caller.
+    /// `TRYAGAIN` and `CLUSTERDOWN` are waited out, up to about 2 s.
     pub fn command(&mut self, key: &[u8], args: &[&[u8]]) -> Result<Reply, ClusterError> {
         let slot = key_slot(key);
         let mut to = self.topology.master_of(slot).ok_or(ClusterError::Unowned { slot })?.to_string();
         let mut asking = false;
-        for _ in 0..=REDIRECTS_MAX {
+        let mut retries = 0;
+        let mut redirects = 0;
+        while redirects <= REDIRECTS_MAX {
             let reply = match self.send(&to, args, asking) {
                 Ok(reply) => reply,
                 Err(e) => {
@@ -323,6 +393,17 @@ impl ClusterConn {
                     }
                 }
             };
+            if is_transient(&reply) && retries < RETRIES_MAX {
+                retries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(RETRY_PAUSE_MS));
+                if matches!(&reply, Reply::Error(m) if m.starts_with("CLUSTERDOWN")) {
+                    self.refresh()?;
+                    to = self.topology.master_of(slot).ok_or(ClusterError::Unowned { slot })?.to_string();
+                    asking = false;
+                }
+                continue;
+            }
+            redirects += 1;
             match Redirect::parse(&reply) {
                 None => {
                     return match reply {
@@ -340,6 +421,56 @@ impl ClusterConn {
         Err(ClusterError::Redirects { slot, to })
     }
 
+    /// Runs `cmds`, each routed by the key beside it, pipelined per master;
+    /// the replies come back in the order of `cmds`. A command its node did
+    /// not run (redirected, or `TRYAGAIN` while its slot migrates) is sent
+    /// again alone through [`ClusterConn::command`] after the pipelines, in
+    /// the order of `cmds`: within one slot it then runs after commands that
+    /// came later but were not turned away, so commands that must keep their
+    /// order need a common key (a node turns away every command on a key it
+    /// does not hold, so those on one key stay in order). Other error replies
+    /// are returned as replies. A node that fails mid-pipeline fails the
+    /// call, with the topology read again: some of its commands may have run.
+    pub fn pipeline(&mut self, cmds: &[(Vec<u8>, Vec<Vec<u8>>)]) -> Result<Vec<Reply>, ClusterError> {
+        let mut by_node: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, (key, _)) in cmds.iter().enumerate() {
+            let slot = key_slot(key);
+            let master = self.topology.master_of(slot).ok_or(ClusterError::Unowned { slot })?;
+            match by_node.iter_mut().find(|(node, _)| node == master) {
+                Some((_, at)) => at.push(i),
+                None => by_node.push((master.to_string(), vec![i])),
+            }
+        }
+        let mut replies = vec![Reply::Nil; cmds.len()];
+        for (node, at) in &by_node {
+            let batch: Vec<Vec<Vec<u8>>> = at.iter().map(|&i| cmds[i].1.clone()).collect();
+            let answered = match self.node(node).and_then(|c| c.pipeline(&batch)) {
+                Ok(answered) => answered,
+                Err(e) => {
+                    self.nodes.remove(node);
+                    // The next call routes by what the cluster says now; this one reports the failure.
+                    let _ = self.refresh();
+                    return Err(e.into());
+                }
+            };
+            for (&i, reply) in at.iter().zip(answered) {
+                replies[i] = reply;
+            }
+        }
+        for i in 0..cmds.len() {
+            if Redirect::parse(&replies[i]).is_some() || is_transient(&replies[i]) {
+                let (key, args) = &cmds[i];
+                let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+                replies[i] = match self.command(key, &refs) {
+                    Ok(reply) => reply,
+                    Err(ClusterError::Redis(RedisError::Server { message, .. })) => Reply::Error(message),
+                    Err(e) => return Err(e),
+                };
+            }
+        }
+        Ok(replies)
+    }
+
     /// Sends `args` to the node at `to`, after `ASKING` when `asking`; an
     /// error reply (a redirection among them) is returned as a reply.
     fn send(&mut self, to: &str, args: &[&[u8]], asking: bool) -> Result<Reply, RedisError> {
@@ -349,6 +480,13 @@ impl ClusterConn {
             if asking { conn.pipeline(&[vec![b"ASKING".to_vec()], command])? } else { conn.pipeline(&[command])? };
         Ok(replies.pop().expect("one reply per command"))
     }
+}
+
+/// A reply asking for the same command again shortly: a multi-key command
+/// on a migrating slot whose keys are split between the nodes, or a cluster
+/// that has lost a master and not yet promoted its replica.
+fn is_transient(reply: &Reply) -> bool {
+    matches!(reply, Reply::Error(m) if m.starts_with("TRYAGAIN") || m.starts_with("CLUSTERDOWN"))
 }
 
 #[cfg(test)]
@@ -411,6 +549,35 @@ mod tests {
         ] {
             let err = Topology::parse_slots(bad, "a:1").unwrap_err().to_string();
             assert!(err.contains(what), "{err}");
+        }
+    }
+
+    #[test]
+    fn cluster_urls_name_seeds_and_share_credentials() {
+        let RedisSource::Cluster { config, seeds } =
+            RedisSource::from_url("redis+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2,[::1]:7002").unwrap()
+        else {
+            panic!("a cluster URL");
+        };
+        assert_eq!(seeds, ["10.0.0.1:7000", "10.0.0.2:6379", "[::1]:7002"]);
+        assert_eq!(config.addr, "10.0.0.1:7000");
+        assert_eq!((config.username.as_deref(), config.password.as_deref()), (Some("app"), Some("s3cret")));
+        assert!(config.tls.is_none());
+        let RedisSource::Cluster { config, .. } =
+            RedisSource::from_url("rediss+cluster://h:1?sni=redis.example").unwrap()
+        else {
+            panic!("a TLS cluster URL");
+        };
+        assert_eq!(config.tls.unwrap().server_name.as_deref(), Some("redis.example"));
+        assert!(matches!(RedisSource::from_url("redis://h:1/2").unwrap(), RedisSource::Node(c) if c.db == 2));
+        for (bad, what) in [
+            ("redis+cluster://:pw@h:1/3", "database 0"),
+            ("redis+cluster://:pw@h:1,,h:2", "no host"),
+            ("redis+cluster://a:pw@h:x", "not a port"),
+        ] {
+            let e = RedisSource::from_url(bad).unwrap_err();
+            assert!(e.what.contains(what), "{bad}: {e}");
+            assert!(!e.to_string().contains("pw"), "the password is not repeated: {e}");
         }
     }
 

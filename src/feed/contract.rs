@@ -1,6 +1,8 @@
 //! The data contract between feature writers and Quiver replicas, as stored in Redis.
 //!
-//! Per feature group `g` with u64 entity ids:
+//! A group `g` with u64 entity ids is laid out one of two ways ([`Layout`]).
+//!
+//! **Plain** (one Redis node):
 //! - `g:{id}` holds the entity's vector as packed little-endian f32 (dim × 4 bytes);
 //! - `quiver:seq:g` counts changes (INCR), so sequence numbers are dense from 1;
 //! - `quiver:stream:g` holds one entry per change with id `{seq}-0` and fields
@@ -8,10 +10,20 @@
 //! - `quiver:epoch:g` is set once, from Redis `TIME` as `{secs}{micros:06}`, when the group is
 //!   first written; a replica that sees it change knows the history it followed is gone.
 //!
+//! **Bucketed** with `B` buckets (a Redis Cluster, or one node): entity `id` is in bucket
+//! `b = ((id × 0x9E3779B97F4A7C15) mod 2^64 >> 32) mod B`, and every key of bucket `b`
+//! carries the hash tag `{g:b}`, so one script can change an entity, its bucket's counter
+//! and its bucket's stream together on whichever cluster node owns the tag's slot:
+//! `{g:b}:{id}` (the vector), `quiver:seq:{g:b}`, `quiver:stream:{g:b}`,
+//! `quiver:epoch:{g:b}` (as above, per bucket), and `quiver:buckets:{g:b}` = `B`, set by the
+//! first write, so a writer or a replica configured with another bucket count is refused
+//! instead of scattering entities.
+//!
 //! Writers must go through [`PUBLISH_LUA`] (the [`Publisher`] does) so that the entity, the
-//! counter and the stream entry change together: a replica that applies the stream in order
+//! counter and the stream entry change together: a replica that applies each stream in order
 //! then converges on exactly the keyspace.
 
+use super::cluster::{ClusterConn, ClusterError};
 use super::resp::{RedisConn, RedisError, Reply};
 
 /// The publish script; see the comments in `publish.lua` for its keys and arguments.
@@ -31,6 +43,113 @@ pub const STREAM_MAXLEN_DEFAULT: u64 = 1_000_000;
 /// round trip, small enough that one batch's replies and memory stay modest.
 pub const PUT_BATCH_ROWS: usize = 1000;
 
+/// Most buckets a group may have: each is a stream the refresher follows and a counter and
+/// position it keeps, so the bound keeps a refresher round and a checkpoint small.
+pub const BUCKETS_MAX: u16 = 1024;
+
+/// Buckets of a group on a Redis Cluster when none are configured: enough to spread a group
+/// over 16 masters, few enough that following every bucket's stream stays cheap.
+pub const CLUSTER_BUCKETS_DEFAULT: u16 = 16;
+
+/// How a group's keys are laid out in Redis (see the module header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// One counter and one stream for the group; its keys are spread over hash slots, so a
+    /// single Redis node only.
+    Plain,
+    /// `buckets` hash-tagged buckets, each with its own counter, stream and epoch.
+    Bucketed { buckets: u16 },
+}
+
+/// The keys of one bucket (the whole group, for [`Layout::Plain`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketKeys {
+    pub seq: String,
+    pub stream: String,
+    pub epoch: String,
+    /// `quiver:buckets:{g:b}`; none in the plain layout.
+    pub buckets: Option<String>,
+}
+
+impl Layout {
+    /// A bucketed layout, checked against [`BUCKETS_MAX`].
+    pub fn bucketed(buckets: u16) -> Result<Layout, ContractError> {
+        if buckets == 0 || buckets > BUCKETS_MAX {
+            return Err(ContractError::Buckets { found: u64::from(buckets) });
+        }
+        Ok(Layout::Bucketed { buckets })
+    }
+
+    /// How many streams the group has: 1 when plain.
+    pub fn bucket_count(self) -> usize {
+        match self {
+            Layout::Plain => 1,
+            Layout::Bucketed { buckets } => usize::from(buckets),
+        }
+    }
+
+    /// The bucket entity `id` belongs to (always 0 when plain). Fibonacci hashing, so that
+    /// ids with a common stride still spread evenly.
+    pub fn bucket_of(self, id: u64) -> usize {
+        match self {
+            Layout::Plain => 0,
+            Layout::Bucketed { buckets } => {
+                ((id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % u64::from(buckets)) as usize
+            }
+        }
+    }
+
+    /// The key holding entity `id`'s vector.
+    pub fn entity_key(self, group: &str, id: u64) -> String {
+        match self {
+            Layout::Plain => entity_key(group, id),
+            Layout::Bucketed { .. } => format!("{{{group}:{}}}:{id}", self.bucket_of(id)),
+        }
+    }
+
+    /// The counter, stream, epoch (and bucket-count) keys of `bucket`.
+    pub fn keys(self, group: &str, bucket: usize) -> BucketKeys {
+        match self {
+            Layout::Plain => {
+                BucketKeys { seq: seq_key(group), stream: stream_key(group), epoch: epoch_key(group), buckets: None }
+            }
+            Layout::Bucketed { .. } => {
+                let tag = format!("{{{group}:{bucket}}}");
+                BucketKeys {
+                    seq: format!("quiver:seq:{tag}"),
+                    stream: format!("quiver:stream:{tag}"),
+                    epoch: format!("quiver:epoch:{tag}"),
+                    buckets: Some(format!("quiver:buckets:{tag}")),
+                }
+            }
+        }
+    }
+
+    /// The SCAN pattern matching `bucket`'s entity keys (every entity key of a plain group).
+    pub fn scan_pattern(self, group: &str, bucket: usize) -> String {
+        match self {
+            Layout::Plain => format!("{group}:*"),
+            Layout::Bucketed { .. } => format!("{{{group}:{bucket}}}:*"),
+        }
+    }
+
+    /// The id in an entity key of `group`'s `bucket`, if `key` is one exactly as
+    /// [`Layout::entity_key`] writes it: canonical digits, and the bucket the id hashes to.
+    pub fn parse_entity_key(self, group: &str, bucket: usize, key: &[u8]) -> Option<u64> {
+        match self {
+            Layout::Plain => parse_entity_key(group, key),
+            Layout::Bucketed { .. } => {
+                let rest = key.strip_prefix(b"{")?.strip_prefix(group.as_bytes())?.strip_prefix(b":")?;
+                let close = rest.iter().position(|&c| c == b'}')?;
+                let (digits, id) = (&rest[..close], rest[close + 1..].strip_prefix(b":")?);
+                let named: usize = canonical_u64(digits)?.try_into().ok()?;
+                let id = canonical_u64(id)?;
+                (named == bucket && self.bucket_of(id) == bucket).then_some(id)
+            }
+        }
+    }
+}
+
 /// A value or name that breaks the contract.
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
@@ -42,6 +161,10 @@ pub enum ContractError {
     Dim { found: usize },
     #[error("feature group '{group}': use 1 to {GROUP_BYTES_MAX} ASCII letters, digits, '_' or '-'")]
     Group { group: String },
+    #[error("{found} buckets; a bucketed group has 1 to {BUCKETS_MAX}")]
+    Buckets { found: u64 },
+    #[error("the plain layout spreads a group's keys over hash slots: on a Redis Cluster use buckets")]
+    PlainOnCluster,
     #[error("publish script answered {0}, expected a sequence number")]
     UnexpectedReply(String),
 }
@@ -53,6 +176,8 @@ pub enum PublishError {
     Contract(#[from] ContractError),
     #[error(transparent)]
     Redis(#[from] RedisError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
     /// A row of a batch was refused on its own; the rows before it are written.
     #[error("entity {id}: {source}")]
     Row {
@@ -93,7 +218,11 @@ pub fn epoch_key(group: &str) -> String {
 /// The id in an entity key of `group`, if `key` is one exactly as [`entity_key`] writes it
 /// (no sign, no leading zeros), so that parsing and formatting are inverses.
 pub fn parse_entity_key(group: &str, key: &[u8]) -> Option<u64> {
-    let digits = key.strip_prefix(group.as_bytes())?.strip_prefix(b":")?;
+    canonical_u64(key.strip_prefix(group.as_bytes())?.strip_prefix(b":")?)
+}
+
+/// `digits` as a u64 if they are written as `u64`'s Display writes them.
+fn canonical_u64(digits: &[u8]) -> Option<u64> {
     let canonical = match digits {
         [] => false,
         [b'0'] => true,
@@ -145,19 +274,55 @@ pub fn check_values(values: &[f32]) -> Result<(), ContractError> {
     }
 }
 
-/// Writes entities through the publish script on one connection.
+/// How long a publish on a cluster keeps retrying a batch while a node is
+/// unreachable: long enough for the cluster to promote a replica (a few node
+/// timeouts), bounded so a cluster that stays down surfaces as an error.
+pub const CLUSTER_FAILOVER_WAIT_MS: u64 = 30_000;
+
+/// Where a [`Publisher`] writes.
+enum Target {
+    Node(RedisConn),
+    Cluster(ClusterConn),
+}
+
+/// Writes entities through the publish script, on one node or a cluster.
 pub struct Publisher {
-    conn: RedisConn,
+    target: Target,
+    layout: Layout,
     sha: String,
     stream_maxlen: u64,
 }
 
 impl Publisher {
-    /// Loads the publish script on `conn`'s server.
+    /// Loads the publish script on `conn`'s server; the plain layout (see
+    /// [`Publisher::with_layout`]).
     pub fn new(conn: RedisConn) -> Result<Publisher, PublishError> {
-        let mut p = Publisher { conn, sha: String::new(), stream_maxlen: STREAM_MAXLEN_DEFAULT };
+        Publisher::on(Target::Node(conn), Layout::Plain)
+    }
+
+    /// Loads the publish script on every master of `conn`'s cluster; the
+    /// bucketed layout with `buckets` buckets.
+    pub fn cluster(conn: ClusterConn, buckets: u16) -> Result<Publisher, PublishError> {
+        Publisher::on(Target::Cluster(conn), Layout::bucketed(buckets)?)
+    }
+
+    fn on(target: Target, layout: Layout) -> Result<Publisher, PublishError> {
+        let mut p = Publisher { target, layout, sha: String::new(), stream_maxlen: STREAM_MAXLEN_DEFAULT };
         p.load_script()?;
         Ok(p)
+    }
+
+    /// Writes with `layout` from now on; a cluster takes only a bucketed one.
+    pub fn with_layout(mut self, layout: Layout) -> Result<Publisher, PublishError> {
+        if layout == Layout::Plain && matches!(self.target, Target::Cluster(_)) {
+            return Err(ContractError::PlainOnCluster.into());
+        }
+        self.layout = layout;
+        Ok(self)
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The approximate bound passed to `XADD MAXLEN ~`.
@@ -166,30 +331,47 @@ impl Publisher {
         self
     }
 
-    /// The connection, for reads alongside publishing.
-    pub fn conn(&mut self) -> &mut RedisConn {
-        &mut self.conn
+    /// The connection, for reads alongside publishing; none on a cluster
+    /// (its keys live on several nodes: see [`Publisher::cluster_conn`]).
+    pub fn conn(&mut self) -> Option<&mut RedisConn> {
+        match &mut self.target {
+            Target::Node(conn) => Some(conn),
+            Target::Cluster(_) => None,
+        }
     }
 
-    /// Sets `group:{id}` to `values`; returns the change's sequence number.
+    /// The cluster's connections, when publishing to one.
+    pub fn cluster_conn(&mut self) -> Option<&mut ClusterConn> {
+        match &mut self.target {
+            Target::Node(_) => None,
+            Target::Cluster(conn) => Some(conn),
+        }
+    }
+
+    /// Sets entity `id` of `group` to `values`; returns the change's
+    /// sequence number (in the entity's bucket, when bucketed).
     pub fn put(&mut self, group: &str, id: u64, values: &[f32]) -> Result<u64, PublishError> {
         check_group(group)?;
         check_values(values)?;
-        let cmd = self.publish_command(group, id, &Op::Put(encode_vector(values)));
-        self.run_one(cmd)
+        self.publish_many(group, 1, |_| (id, Op::Put(encode_vector(values))), |_, _| {}).map_err(|e| match e {
+            PublishError::Row { source, .. } => *source,
+            e => e,
+        })
     }
 
-    /// Deletes `group:{id}`; returns the change's sequence number. Deleting an absent entity
-    /// still records the change, so replicas that missed the put agree as well.
+    /// Deletes entity `id` of `group`; returns the change's sequence number. Deleting an
+    /// absent entity still records the change, so replicas that missed the put agree as well.
     pub fn delete(&mut self, group: &str, id: u64) -> Result<u64, PublishError> {
         check_group(group)?;
-        let cmd = self.publish_command(group, id, &Op::Delete);
-        self.run_one(cmd)
+        self.publish_many(group, 1, |_| (id, Op::Delete), |_, _| {}).map_err(|e| match e {
+            PublishError::Row { source, .. } => *source,
+            e => e,
+        })
     }
 
     /// Writes `rows` in order, [`PUT_BATCH_ROWS`] per round trip, calling `progress(done, total)`
-    /// after each batch; returns the last sequence number (0 for no rows). Every row is checked
-    /// before anything is sent, so bad values write nothing.
+    /// after each batch; returns the highest sequence number (0 for no rows). Every row is
+    /// checked before anything is sent, so bad values write nothing.
     pub fn put_many(
         &mut self,
         group: &str,
@@ -203,8 +385,8 @@ impl Publisher {
         self.publish_many(group, rows.len(), |i| (rows[i].0, Op::Put(encode_vector(&rows[i].1))), progress)
     }
 
-    /// Deletes `group:{id}` for every id, in order, [`PUT_BATCH_ROWS`] per round trip, with
-    /// progress as [`Publisher::put_many`]; returns the last sequence number (0 for no ids).
+    /// Deletes entity `id` of `group` for every id, in order, [`PUT_BATCH_ROWS`] per round trip,
+    /// with progress as [`Publisher::put_many`]; returns the highest sequence number (0 for no ids).
     pub fn delete_many(
         &mut self,
         group: &str,
@@ -226,15 +408,16 @@ impl Publisher {
         let mut last_seq = 0;
         for start in (0..n).step_by(PUT_BATCH_ROWS) {
             let batch: Vec<(u64, Op)> = (start..n.min(start + PUT_BATCH_ROWS)).map(&change).collect();
-            let cmds: Vec<Vec<Vec<u8>>> = batch.iter().map(|(id, op)| self.publish_command(group, *id, op)).collect();
-            let mut replies = self.conn.pipeline(&cmds)?;
+            let cmds: Vec<(Vec<u8>, Vec<Vec<u8>>)> =
+                batch.iter().map(|(id, op)| self.publish_command(group, *id, op)).collect();
+            let mut replies = self.send(&cmds)?;
             // A server restart or SCRIPT FLUSH between batches (or within one) drops the script:
             // reload it and redo, in order, just the commands that did not run.
             if replies.iter().any(is_noscript) {
                 self.load_script()?;
                 let redo: Vec<usize> = (0..replies.len()).filter(|&i| is_noscript(&replies[i])).collect();
-                let redo_cmds: Vec<Vec<Vec<u8>>> = redo.iter().map(|&i| self.refresh_sha(cmds[i].clone())).collect();
-                for (i, reply) in redo.into_iter().zip(self.conn.pipeline(&redo_cmds)?) {
+                let redo_cmds: Vec<(Vec<u8>, Vec<Vec<u8>>)> = redo.iter().map(|&i| cmds[i].clone()).collect();
+                for (i, reply) in redo.into_iter().zip(self.send(&redo_cmds)?) {
                     replies[i] = reply;
                 }
             }
@@ -247,53 +430,92 @@ impl Publisher {
         Ok(last_seq)
     }
 
+    /// One pipelined batch. On a cluster, a batch that met an unreachable
+    /// node is sent again, whole, until the cluster has promoted a replica
+    /// or [`CLUSTER_FAILOVER_WAIT_MS`] passes: publishing a change twice
+    /// leaves the same values, in the same order.
+    fn send(&mut self, cmds: &[(Vec<u8>, Vec<Vec<u8>>)]) -> Result<Vec<Reply>, PublishError> {
+        match &mut self.target {
+            Target::Node(conn) => {
+                let plain: Vec<Vec<Vec<u8>>> = cmds.iter().map(|(_, c)| c.clone()).collect();
+                Ok(conn.pipeline(&plain)?)
+            }
+            Target::Cluster(conn) => {
+                let started = std::time::Instant::now();
+                loop {
+                    match conn.pipeline(cmds) {
+                        Ok(replies) => return Ok(replies),
+                        Err(e) if started.elapsed().as_millis() as u64 >= CLUSTER_FAILOVER_WAIT_MS => {
+                            return Err(e.into())
+                        }
+                        Err(e) => {
+                            tracing::warn!("publish batch: {e}; sending it again once the cluster answers");
+                            std::thread::sleep(std::time::Duration::from_millis(200));
+                            let _ = conn.refresh();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     fn load_script(&mut self) -> Result<(), PublishError> {
-        let reply = self.conn.command(&[b"SCRIPT", b"LOAD", PUBLISH_LUA.as_bytes()])?;
-        self.sha = match reply.into_bytes().map(String::from_utf8) {
-            Some(Ok(sha)) => sha,
-            _ => return Err(ContractError::UnexpectedReply("a non-text SCRIPT LOAD answer".into()).into()),
+        let load: [&[u8]; 3] = [b"SCRIPT", b"LOAD", PUBLISH_LUA.as_bytes()];
+        let replies = match &mut self.target {
+            Target::Node(conn) => vec![conn.command(&load)?],
+            Target::Cluster(conn) => {
+                let masters: Vec<String> = conn.topology().masters().into_iter().map(String::from).collect();
+                let mut replies = Vec::with_capacity(masters.len());
+                for m in masters {
+                    replies.push(conn.node(&m)?.command(&load)?);
+                }
+                replies
+            }
         };
+        for reply in replies {
+            self.sha = match reply.into_bytes().map(String::from_utf8) {
+                Some(Ok(sha)) => sha,
+                _ => return Err(ContractError::UnexpectedReply("a non-text SCRIPT LOAD answer".into()).into()),
+            };
+        }
         Ok(())
     }
 
-    fn publish_command(&self, group: &str, id: u64, op: &Op) -> Vec<Vec<u8>> {
+    /// The key that routes the change, and its EVALSHA.
+    fn publish_command(&self, group: &str, id: u64, op: &Op) -> (Vec<u8>, Vec<Vec<u8>>) {
         let (op_name, bytes): (&[u8], &[u8]) = match op {
             Op::Put(bytes) => (b"put", bytes),
             Op::Delete => (b"del", b""),
         };
-        vec![
+        let keys = self.layout.keys(group, self.layout.bucket_of(id));
+        let entity = self.layout.entity_key(group, id).into_bytes();
+        let mut cmd = vec![
             b"EVALSHA".to_vec(),
             self.sha.clone().into_bytes(),
-            b"4".to_vec(),
-            entity_key(group, id).into_bytes(),
-            seq_key(group).into_bytes(),
-            stream_key(group).into_bytes(),
-            epoch_key(group).into_bytes(),
-            op_name.to_vec(),
-            bytes.to_vec(),
-            self.stream_maxlen.to_string().into_bytes(),
-        ]
-    }
-
-    /// `cmd` with the current script hash, after a reload.
-    fn refresh_sha(&self, mut cmd: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-        cmd[1] = self.sha.clone().into_bytes();
-        cmd
-    }
-
-    fn run_one(&mut self, cmd: Vec<Vec<u8>>) -> Result<u64, PublishError> {
-        let mut reply = self.conn.pipeline(std::slice::from_ref(&cmd))?.pop();
-        if reply.as_ref().is_some_and(is_noscript) {
-            self.load_script()?;
-            reply = self.conn.pipeline(&[self.refresh_sha(cmd)])?.pop();
+            if keys.buckets.is_some() { b"5".to_vec() } else { b"4".to_vec() },
+            entity.clone(),
+            keys.seq.into_bytes(),
+            keys.stream.into_bytes(),
+            keys.epoch.into_bytes(),
+        ];
+        if let Some(buckets) = keys.buckets {
+            cmd.push(buckets.into_bytes());
         }
-        self.seq_from(reply.unwrap_or(Reply::Nil))
+        cmd.extend([op_name.to_vec(), bytes.to_vec(), self.stream_maxlen.to_string().into_bytes()]);
+        if let Layout::Bucketed { buckets } = self.layout {
+            cmd.push(buckets.to_string().into_bytes());
+        }
+        (entity, cmd)
     }
 
     fn seq_from(&self, reply: Reply) -> Result<u64, PublishError> {
+        let addr = match &self.target {
+            Target::Node(conn) => conn.addr().to_string(),
+            Target::Cluster(_) => "cluster".to_string(),
+        };
         match reply {
             Reply::Int(seq) if seq > 0 => Ok(seq as u64),
-            Reply::Error(message) => Err(RedisError::Server { addr: self.conn.addr().to_string(), message }.into()),
+            Reply::Error(message) => Err(RedisError::Server { addr, message }.into()),
             other => Err(ContractError::UnexpectedReply(format!("{other:?}")).into()),
         }
     }
@@ -363,6 +585,58 @@ mod tests {
         assert!(matches!(check_values(&vec![0.0; DIM_MAX + 1]), Err(ContractError::Dim { .. })));
         assert!(check_values(&vec![0.0; DIM_MAX]).is_ok());
         assert!(matches!(check_values(&[f32::INFINITY]), Err(ContractError::NonFinite { index: 0, .. })));
+    }
+
+    #[test]
+    fn a_bucketed_layout_keeps_each_bucket_in_one_slot_and_parses_only_its_own_keys() {
+        use crate::feed::cluster::key_slot;
+        let layout = Layout::bucketed(16).unwrap();
+        assert_eq!(layout.entity_key("user", 42), format!("{{user:{}}}:42", layout.bucket_of(42)));
+        let mut per_bucket = [0u32; 16];
+        // A stride shared by every id (the ids of one shard of an upstream system) still spreads.
+        for id in (0..16_000u64).map(|i| i * 1024) {
+            let b = layout.bucket_of(id);
+            per_bucket[b] += 1;
+            let keys = layout.keys("user", b);
+            let entity = layout.entity_key("user", id);
+            let slot = key_slot(entity.as_bytes());
+            for k in [&keys.seq, &keys.stream, &keys.epoch, keys.buckets.as_ref().unwrap()] {
+                assert_eq!(key_slot(k.as_bytes()), slot, "{k} and {entity}");
+            }
+            assert_eq!(layout.parse_entity_key("user", b, entity.as_bytes()), Some(id));
+            assert_eq!(layout.parse_entity_key("user", (b + 1) % 16, entity.as_bytes()), None);
+            assert!(glob_match(layout.scan_pattern("user", b).as_bytes(), entity.as_bytes()));
+        }
+        assert!(per_bucket.iter().all(|&n| (800..1200).contains(&n)), "{per_bucket:?}");
+        // Written into the wrong bucket, or not canonically: not an entity of the group.
+        let wrong = (0..16).find(|&b| b != layout.bucket_of(7)).unwrap();
+        for bad in [
+            format!("{{user:{wrong}}}:7"),
+            "{user:03}:7".into(),
+            "{user:3}:07".into(),
+            "{user:3}7".into(),
+            "user:7".into(),
+            "{item:3}:7".into(),
+        ] {
+            assert_eq!(layout.parse_entity_key("user", 3, bad.as_bytes()), None, "{bad}");
+            assert_eq!(layout.parse_entity_key("user", wrong, bad.as_bytes()), None, "{bad}");
+        }
+        assert_eq!(Layout::Plain.keys("item", 0).stream, "quiver:stream:item");
+        assert_eq!(Layout::Plain.entity_key("item", 5), "item:5");
+        assert_eq!(Layout::Plain.bucket_count(), 1);
+        assert_eq!(layout.keys("item", 3).stream, "quiver:stream:{item:3}");
+        assert!(matches!(Layout::bucketed(0), Err(ContractError::Buckets { found: 0 })));
+        assert!(Layout::bucketed(BUCKETS_MAX + 1).is_err());
+        assert!(Layout::bucketed(BUCKETS_MAX).is_ok());
+    }
+
+    /// Redis's MATCH for the patterns the layout writes: `*` and literals.
+    fn glob_match(pattern: &[u8], text: &[u8]) -> bool {
+        match pattern.split_first() {
+            None => text.is_empty(),
+            Some((b'*', rest)) => (0..=text.len()).any(|i| glob_match(rest, &text[i..])),
+            Some((c, rest)) => text.first() == Some(c) && glob_match(rest, &text[1..]),
+        }
     }
 
     #[test]

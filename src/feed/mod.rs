@@ -40,6 +40,8 @@ pub enum FeedError {
     #[error(transparent)]
     Redis(#[from] RedisError),
     #[error(transparent)]
+    Cluster(#[from] cluster::ClusterError),
+    #[error(transparent)]
     Publish(#[from] PublishError),
     #[error(transparent)]
     Contract(#[from] ContractError),

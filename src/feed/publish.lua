@@ -4,6 +4,8 @@
 -- KEYS[3] quiver:stream:g       KEYS[4] quiver:epoch:g
 -- ARGV[1] 'put' or 'del'        ARGV[2] packed f32 vector (ignored for del)
 -- ARGV[3] approximate stream MAXLEN
+-- Bucketed layout only (every key then carries the bucket's hash tag {g:b}):
+-- KEYS[5] quiver:buckets:{g:b}  ARGV[4] the writer's bucket count
 -- Returns the change's sequence number; its stream entry id is "{seq}-0".
 --
 -- The entity is written last, once its stream entry is in: Redis does not roll a script back
@@ -12,6 +14,18 @@
 local op = ARGV[1]
 if op ~= 'put' and op ~= 'del' then
   return redis.error_reply('quiver: unknown publish op ' .. tostring(op))
+end
+
+-- A bucket remembers the bucket count it was first written with: a writer that hashes ids
+-- with another count would put entities where no replica looks for them.
+if #KEYS == 5 then
+  local stored = redis.call('GET', KEYS[5])
+  if not stored then
+    redis.call('SET', KEYS[5], ARGV[4])
+  elseif stored ~= ARGV[4] then
+    return redis.error_reply('quiver: ' .. KEYS[5] .. ' says the group has ' .. stored ..
+      ' buckets; this writer uses ' .. tostring(ARGV[4]))
+  end
 end
 
 local now = redis.call('TIME')

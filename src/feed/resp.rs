@@ -197,7 +197,7 @@ impl RedisConfig {
 }
 
 /// `url` with the password of its credentials, if any, replaced by `***`.
-fn redact_url(url: &str) -> String {
+pub(super) fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
