@@ -209,8 +209,9 @@ fn main() {
     let mut sync_s = Vec::new();
     for _ in 0..a.repeats {
         let out = dir.join("sync.qrep");
+        let part = quiver::feed::contract::Part::plain("item");
         let target = quiver::feed::sync::SyncTarget {
-            group: "item",
+            part: &part,
             path: &out,
             dim: DIM,
             storage: quiver::replica::Storage::F32,

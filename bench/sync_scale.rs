@@ -224,8 +224,9 @@ fn replica_bytes(n: u64) -> u64 {
 fn one_copy(redis: &RedisServer, dir: &Path, n: u64, connections: usize, run: usize) -> serde_json::Value {
     let path = dir.join(format!("{GROUP}-{n}.qrep"));
     let default = [0f32; DIM];
+    let part = quiver::feed::contract::Part::plain(GROUP);
     let target = SyncTarget {
-        group: GROUP,
+        part: &part,
         path: &path,
         dim: DIM,
         storage: Storage::F32,

@@ -1183,8 +1183,9 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             spinner.enable_steady_tick(Duration::from_millis(100));
             let mut progress = |rows: u64| spinner.set_position(rows);
             let default = vec![0.0; dim as usize];
+            let part = feed::contract::Part::plain(&group);
             let target = feed::sync::SyncTarget {
-                group: &group,
+                part: &part,
                 path: &out,
                 dim: dim as usize,
                 storage,

@@ -145,7 +145,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     };
     let faults = Arc::new(Faults::default());
     tracing::info!(
-        users = user.load().live_rows(), items = item.load().live_rows(),
+        users = user.live_rows(), items = item.live_rows(),
         backend = ?config.backend, redis = feed.is_some(), "replicas loaded"
     );
     let readiness = Arc::new(Readiness::not_ready());

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use common::redis::{redis_entities, RedisServer};
 use common::scratch;
+use quiver::feed::contract::{self, Part};
 use quiver::feed::sync::{full_sync, RefreshError, SyncTarget};
-use quiver::feed::{contract, GroupStatus, RedisConn, RedisError, Reply};
+use quiver::feed::{GroupStatus, RedisConn, RedisError, Reply};
 use quiver::replica::{Replica, ReplicaWriter, Storage};
 
 const DIM: usize = 32;
@@ -66,8 +67,14 @@ fn replica_rows(path: &Path, group: &str, ids: impl Iterator<Item = u64>) -> Has
     rows
 }
 
-fn target<'a>(path: &'a Path, default: &'a [f32], connections: usize, batch_keys_max: usize) -> SyncTarget<'a> {
-    SyncTarget { group: "item", path, dim: DIM, storage: Storage::F32, default, batch_keys_max, connections }
+fn target<'a>(
+    part: &'a Part,
+    path: &'a Path,
+    default: &'a [f32],
+    connections: usize,
+    batch_keys_max: usize,
+) -> SyncTarget<'a> {
+    SyncTarget { part, path, dim: DIM, storage: Storage::F32, default, batch_keys_max, connections }
 }
 
 /// Runs one copy and renames it to `path`.
@@ -80,7 +87,8 @@ fn copy(
     progress: &mut dyn FnMut(u64),
 ) -> Result<ReplicaWriter, RefreshError> {
     let default = [0.0f32; DIM];
-    let t = target(path, &default, connections, batch_keys_max);
+    let part = Part::plain("item");
+    let t = target(&part, path, &default, connections, batch_keys_max);
     let mut fresh = full_sync(&mut redis.conn(), &redis.config(), &t, status, progress)?;
     fresh.rename_to(path).unwrap();
     Ok(fresh)
@@ -263,7 +271,8 @@ fn a_connection_killed_or_a_server_stopped_mid_copy_fails_it_promptly_with_no_th
     let out = Out::new("sync-paused");
     let path = &out.0;
     let default = [0.0f32; DIM];
-    let t = target(path, &default, 4, 100);
+    let part = Part::plain("item");
+    let t = target(&part, path, &default, 4, 100);
     let started = Instant::now();
     let mut conn = RedisConn::connect(&config).unwrap();
     let result = full_sync(&mut conn, &config, &t, None, &mut |_| {

@@ -421,6 +421,42 @@ impl ClusterConn {
         Err(ClusterError::Redirects { slot, to })
     }
 
+    /// Whether `slot` is served by the master the topology names, and is
+    /// neither being migrated away nor imported there (its `CLUSTER NODES`
+    /// line): a copy of the slot's keys taken meanwhile may miss some.
+    pub fn slot_stable(&mut self, slot: u16) -> Result<bool, ClusterError> {
+        let master = self.topology.master_of(slot).ok_or(ClusterError::Unowned { slot })?.to_string();
+        let reply = self.node(&master)?.command(&[b"CLUSTER", b"NODES"])?;
+        let text = reply.into_bytes().map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+        let Some(me) = text.lines().find(|l| l.split(' ').nth(2).is_some_and(|flags| flags.contains("myself"))) else {
+            return Ok(false);
+        };
+        let mut owned = false;
+        for field in me.split(' ').skip(8) {
+            if let Some(moving) = field.strip_prefix('[') {
+                if moving.split(['-', ']']).next().and_then(|s| s.parse::<u16>().ok()) == Some(slot) {
+                    return Ok(false);
+                }
+                continue;
+            }
+            let (start, end) = field.split_once('-').unwrap_or((field, field));
+            if let (Ok(start), Ok(end)) = (start.parse::<u16>(), end.parse::<u16>()) {
+                owned |= (start..=end).contains(&slot);
+            }
+        }
+        Ok(owned)
+    }
+
+    /// The address of the master the topology says serves `slot`.
+    pub fn master_addr(&self, slot: u16) -> Result<String, ClusterError> {
+        self.topology.master_of(slot).map(String::from).ok_or(ClusterError::Unowned { slot })
+    }
+
+    /// The credentials, timeouts and TLS every node is reached with.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
     /// Runs `cmds`, each routed by the key beside it, pipelined per master;
     /// the replies come back in the order of `cmds`. A command its node did
     /// not run (redirected, or `TRYAGAIN` while its slot migrates) is sent

@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use super::cluster::RedisSource;
+use super::contract::{Layout, CLUSTER_BUCKETS_DEFAULT};
 use super::status::StalePolicy;
 use super::sync::SYNC_CONNECTIONS_MAX;
 use crate::replica::Storage;
@@ -11,8 +13,13 @@ use crate::replica::Storage;
 #[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FeedConfig {
-    /// `redis://[user:password@]host:port[/db]`.
+    /// `redis://[user:password@]host:port[/db]`, or
+    /// `redis+cluster://host:port[,host:port…]` for a Redis Cluster.
     pub redis: String,
+    /// Follow the bucketed layout with this many buckets (each group's
+    /// replica is then one file per bucket, `user.b0003.qrep`); absent: the
+    /// plain layout on one node, [`CLUSTER_BUCKETS_DEFAULT`] on a cluster.
+    pub buckets: Option<u16>,
     /// How long one XREAD waits for new entries.
     pub block_ms: u64,
     /// Stream entries read per round trip.
@@ -62,6 +69,7 @@ impl Default for FeedConfig {
     fn default() -> FeedConfig {
         FeedConfig {
             redis: "redis://127.0.0.1:6379".into(),
+            buckets: None,
             block_ms: 100,
             batch_entries_max: 1000,
             sync_batch_keys_max: 1000,
@@ -92,7 +100,18 @@ impl FeedConfig {
         self.resync_shrink_max_by_group.get(group).copied().unwrap_or(self.resync_shrink_max)
     }
 
+    /// How the groups are laid out in Redis, from `redis` and `buckets`.
+    pub fn layout(&self) -> Result<Layout, String> {
+        let cluster = matches!(RedisSource::from_url(&self.redis), Ok(RedisSource::Cluster { .. }));
+        match (self.buckets, cluster) {
+            (None, false) => Ok(Layout::Plain),
+            (None, true) => Ok(Layout::Bucketed { buckets: CLUSTER_BUCKETS_DEFAULT }),
+            (Some(b), _) => Layout::bucketed(b).map_err(|e| format!("feed.buckets = {b}: {e}")),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
+        self.layout()?;
         let fraction = |name: &str, v: f64| {
             if (0.0..=1.0).contains(&v) {
                 Ok(())

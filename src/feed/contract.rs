@@ -150,6 +150,59 @@ impl Layout {
     }
 }
 
+/// One stream a replica follows, and the keys that go with it: a whole plain
+/// group, or one bucket of a bucketed group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub group: String,
+    pub layout: Layout,
+    pub bucket: usize,
+    pub keys: BucketKeys,
+}
+
+impl Part {
+    pub fn new(group: &str, layout: Layout, bucket: usize) -> Part {
+        assert!(bucket < layout.bucket_count(), "bucket {bucket} of a {layout:?} group");
+        Part { group: group.into(), layout, bucket, keys: layout.keys(group, bucket) }
+    }
+
+    /// The whole of a plain group.
+    pub fn plain(group: &str) -> Part {
+        Part::new(group, Layout::Plain, 0)
+    }
+
+    /// Every part of `group` laid out as `layout`, in bucket order.
+    pub fn all(group: &str, layout: Layout) -> Vec<Part> {
+        (0..layout.bucket_count()).map(|b| Part::new(group, layout, b)).collect()
+    }
+
+    /// `user`, or `user/3` for bucket 3: how logs and errors name it.
+    pub fn name(&self) -> String {
+        match self.layout {
+            Layout::Plain => self.group.clone(),
+            Layout::Bucketed { .. } => format!("{}/{}", self.group, self.bucket),
+        }
+    }
+
+    /// The SCAN pattern of this part's entity keys.
+    pub fn scan_pattern(&self) -> String {
+        self.layout.scan_pattern(&self.group, self.bucket)
+    }
+
+    /// The id in one of this part's entity keys, if `key` is one.
+    pub fn parse_entity_key(&self, key: &[u8]) -> Option<u64> {
+        self.layout.parse_entity_key(&self.group, self.bucket, key)
+    }
+
+    /// What its entity keys look like, for "not an entity key" reports.
+    pub fn key_form(&self) -> String {
+        match self.layout {
+            Layout::Plain => format!("{}:<u64>", self.group),
+            Layout::Bucketed { .. } => format!("{{{}:{}}}:<u64 in bucket {}>", self.group, self.bucket, self.bucket),
+        }
+    }
+}
+
 /// A value or name that breaks the contract.
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {

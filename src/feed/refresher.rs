@@ -35,6 +35,15 @@
 //! - Bad data (a key that is not `{group}:{u64}`, a value of the wrong
 //!   length, a non-string key, a malformed stream entry) is skipped, counted
 //!   and logged with the key; the refresh goes on.
+//! - Buckets: a bucketed group (the contract's layout for Redis Cluster) is
+//!   followed as one part per bucket, each with its own replica file,
+//!   stream, position and state, so a gap or a new epoch in one bucket
+//!   resyncs that bucket alone. On one node a single XREAD BLOCK reads every
+//!   part's stream; on a cluster, where one command may only name keys of
+//!   one slot, each round pipelines one XREAD per part to its master (and
+//!   sleeps a little while every stream is quiet), following `MOVED` and
+//!   `ASK`. A bucket's copy is taken from its master alone, and thrown away
+//!   if its slot was migrating or changed hands meanwhile.
 //! - Failures: reconnects with capped exponential backoff and jitter; after
 //!   `breaker_failures` consecutive failures the breaker is open (exported)
 //!   and the thread keeps probing at the capped interval. Shards never wait:
@@ -45,12 +54,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use super::cluster::{key_slot, ClusterConn, RedisSource};
 use super::config::FeedConfig;
-use super::contract;
+use super::contract::{self, Part};
 use super::resp::{RedisConfig, RedisConn, Reply};
 use super::status::{FeedStatus, GroupStatus};
 use super::sync::{
-    entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, RefreshError, SyncTarget,
+    entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, Keyed, RefreshError, SyncTarget,
 };
 use crate::deadline::{Clock, MonotonicClock};
 use crate::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
@@ -58,14 +68,29 @@ use crate::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
 /// How long one XREAD waits while a growth replays (see `session`).
 const REPLAY_BLOCK_MS: u64 = 1;
 
+/// The longest a cluster round sleeps when no stream had anything: the
+/// most a change waits to be seen on a quiet cluster (streams there are
+/// polled, not blocked on; see `session`).
+const CLUSTER_IDLE_MS_MAX: u64 = 16;
+
 fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// One group's writer and where its stream is read from; `groups[i]`
-/// reports through `status.groups[i]`.
+/// One part's writer (a plain group, or one bucket of a bucketed one) and
+/// where its stream is read from; it reports through
+/// `status.groups[status_at]`, with the other parts of its group.
 struct Group {
     name: String,
+    part: Part,
+    status_at: usize,
+    /// When this part was last known current, and last heard from Redis:
+    /// its group's status carries the oldest of its parts'.
+    caught_up_ns: u64,
+    contact_ns: u64,
+    held_rows: u64,
+    verifying: bool,
+    torn_rows: u64,
     writer: ReplicaWriter,
     storage: Storage,
     /// Last stream id consumed (applied or skipped); XREAD continues after it.
@@ -101,9 +126,48 @@ enum Needs {
     },
 }
 
+/// The connection the refresher follows Redis over.
+enum Link {
+    Node(RedisConn),
+    Cluster(ClusterConn),
+}
+
+impl Link {
+    /// The connection to the node serving `part` (a cluster: the master of
+    /// its slot, as the topology says), and how to open more like it.
+    fn node_for(&mut self, part: &Part, redis: &RedisConfig) -> Result<(&mut RedisConn, RedisConfig), RefreshError> {
+        match self {
+            Link::Node(conn) => Ok((conn, redis.clone())),
+            Link::Cluster(cluster) => {
+                let addr = cluster.master_addr(key_slot(part.keys.stream.as_bytes()))?;
+                let config = RedisConfig { addr: addr.clone(), ..cluster.config().clone() };
+                Ok((cluster.node(&addr)?, config))
+            }
+        }
+    }
+
+    /// Whether `part`'s slot is settled on one master (always, on one node).
+    fn stable(&mut self, part: &Part) -> Result<bool, RefreshError> {
+        match self {
+            Link::Node(_) => Ok(true),
+            Link::Cluster(cluster) => Ok(cluster.slot_stable(key_slot(part.keys.stream.as_bytes()))?),
+        }
+    }
+}
+
+impl Keyed for Link {
+    fn run_keyed(&mut self, cmds: &[(Vec<u8>, Vec<Vec<u8>>)]) -> Result<Vec<Reply>, RefreshError> {
+        match self {
+            Link::Node(conn) => conn.run_keyed(cmds),
+            Link::Cluster(cluster) => cluster.run_keyed(cmds),
+        }
+    }
+}
+
 /// The refresher thread's state.
 pub struct Refresher {
     config: FeedConfig,
+    source: RedisSource,
     redis: RedisConfig,
     groups: Vec<Group>,
     status: Arc<FeedStatus>,
@@ -130,32 +194,37 @@ fn spawn_flusher(groups: usize) -> std::io::Result<Flusher> {
     Ok((tx, thread))
 }
 
+/// One part to follow: its keys, the index of its group in the status, and
+/// its opened (or freshly created) replica.
+pub struct Follow {
+    pub part: Part,
+    pub status_at: usize,
+    pub writer: ReplicaWriter,
+}
+
 impl Refresher {
-    /// `writers` are opened (or freshly created) replicas, one per group, in
-    /// the order of `status.groups`.
-    pub fn new(
-        config: FeedConfig,
-        writers: Vec<ReplicaWriter>,
-        status: Arc<FeedStatus>,
-    ) -> Result<Refresher, RefreshError> {
-        let redis = RedisConfig::from_url(&config.redis).map_err(|e| RefreshError::Url(e.to_string()))?;
+    pub fn new(config: FeedConfig, follows: Vec<Follow>, status: Arc<FeedStatus>) -> Result<Refresher, RefreshError> {
+        let source = RedisSource::from_url(&config.redis).map_err(|e| RefreshError::Url(e.to_string()))?;
+        let redis = source.config().clone();
         let clock = MonotonicClock::new();
-        let groups = writers
+        let now = clock.now_ns();
+        let groups = follows
             .into_iter()
-            .enumerate()
-            .map(|(i, mut writer)| {
+            .map(|Follow { part, status_at, mut writer }| {
                 // Growth copies in the background while the stream is applied.
                 writer.set_grow_ahead(true);
-                let s = &status.groups[i];
-                let name = s.name.clone();
                 let cursor = writer.cursor();
-                s.applied_seq.store(cursor.seq, Ordering::Relaxed);
-                s.change_unix_ms.store(cursor.change_unix_ms, Ordering::Relaxed);
-                s.live_rows.store(writer.live_rows(), Ordering::Relaxed);
-                s.verifying.store(writer.scan_pending(), Ordering::Relaxed);
+                let name = status.groups[status_at].name.clone();
                 Group {
                     storage: config.storage(&name),
                     name,
+                    part,
+                    status_at,
+                    caught_up_ns: now,
+                    contact_ns: 0,
+                    held_rows: 0,
+                    verifying: writer.scan_pending(),
+                    torn_rows: 0,
                     writer,
                     read_id: (cursor.seq, 0),
                     unflushed: false,
@@ -165,38 +234,58 @@ impl Refresher {
                 }
             })
             .collect();
-        Ok(Refresher { config, redis, groups, status, clock, flusher: None })
+        let r = Refresher { config, source, redis, groups, status, clock, flusher: None };
+        r.publish_status();
+        Ok(r)
     }
 
-    fn connect(&self) -> Result<RedisConn, RefreshError> {
-        let mut conn = RedisConn::connect(&self.redis)?;
-        conn.set_read_timeout_ms(self.config.block_ms + self.redis.io_timeout_ms)?;
-        Ok(conn)
+    /// Writes every group's status from its parts: counts and positions
+    /// summed, a group stale or held when any of its parts is.
+    fn publish_status(&self) {
+        for (at, s) in self.status.groups.iter().enumerate() {
+            let parts = || self.groups.iter().filter(move |g| g.status_at == at);
+            s.applied_seq.store(parts().map(|g| g.writer.cursor().seq).sum(), Ordering::Relaxed);
+            s.change_unix_ms
+                .store(parts().map(|g| g.writer.cursor().change_unix_ms).max().unwrap_or(0), Ordering::Relaxed);
+            s.live_rows.store(parts().map(|g| g.writer.live_rows()).sum(), Ordering::Relaxed);
+            s.caught_up_ns.store(parts().map(|g| g.caught_up_ns).min().unwrap_or(0), Ordering::Relaxed);
+            s.contact_ns.store(parts().map(|g| g.contact_ns).min().unwrap_or(0), Ordering::Relaxed);
+            s.verifying.store(parts().any(|g| g.verifying), Ordering::Relaxed);
+            s.torn_rows_repaired.store(parts().map(|g| g.torn_rows).sum(), Ordering::Relaxed);
+            s.resync_held.store(parts().any(|g| matches!(g.state, State::Held { .. })), Ordering::Relaxed);
+            s.held_rows.store(parts().map(|g| g.held_rows).sum(), Ordering::Relaxed);
+        }
     }
 
-    /// Brings the named groups up to date before serving starts: used when a
-    /// group had no usable replica file. Bounded by `initial_sync_timeout_ms`.
-    pub fn initial_sync(&mut self, names: &[String]) -> Result<(), RefreshError> {
+    fn connect(&self) -> Result<Link, RefreshError> {
+        match &self.source {
+            RedisSource::Node(redis) => {
+                let mut conn = RedisConn::connect(redis)?;
+                conn.set_read_timeout_ms(self.config.block_ms + redis.io_timeout_ms)?;
+                Ok(Link::Node(conn))
+            }
+            RedisSource::Cluster { config, seeds } => Ok(Link::Cluster(ClusterConn::connect(config, seeds)?)),
+        }
+    }
+
+    /// Brings the parts `follows` names (indices into the list given to
+    /// [`Refresher::new`]) up to date before serving starts: used when a
+    /// part had no usable replica file. Bounded by `initial_sync_timeout_ms`.
+    pub fn initial_sync(&mut self, follows: &[usize]) -> Result<(), RefreshError> {
         let started = self.clock.now_ns();
         let bound_ns = self.config.initial_sync_timeout_ms * 1_000_000;
         let mut backoff = Backoff::new(self.config.backoff_ms_min, self.config.backoff_ms_max);
-        for i in 0..self.groups.len() {
-            if !names.contains(&self.groups[i].name) {
-                continue;
-            }
+        for &i in follows {
             loop {
                 let attempt =
                     self.connect().and_then(|mut conn| self.sync_until_settled(&mut conn, i, started + bound_ns));
                 match attempt {
                     Ok(()) => break,
                     Err(e) if self.clock.now_ns() - started > bound_ns => {
-                        return Err(RefreshError::InitialSync {
-                            group: self.groups[i].name.clone(),
-                            why: e.to_string(),
-                        })
+                        return Err(RefreshError::InitialSync { group: self.groups[i].part.name(), why: e.to_string() })
                     }
                     Err(e) => {
-                        tracing::warn!(group = %self.groups[i].name, "initial sync: {e}; retrying");
+                        tracing::warn!(group = %self.groups[i].part.name(), "initial sync: {e}; retrying");
                         std::thread::sleep(backoff.next());
                     }
                 }
@@ -207,7 +296,7 @@ impl Refresher {
 
     /// Resyncs group `i`, and again after each back-off while the source is
     /// moving, until a copy is taken or `deadline_ns` passes.
-    fn sync_until_settled(&mut self, conn: &mut RedisConn, i: usize, deadline_ns: u64) -> Result<(), RefreshError> {
+    fn sync_until_settled(&mut self, conn: &mut Link, i: usize, deadline_ns: u64) -> Result<(), RefreshError> {
         loop {
             self.resync(conn, i)?;
             let State::Settling { at_ns, .. } = self.groups[i].state else {
@@ -215,7 +304,7 @@ impl Refresher {
             };
             if at_ns > deadline_ns {
                 return Err(RefreshError::InitialSync {
-                    group: self.groups[i].name.clone(),
+                    group: self.groups[i].part.name(),
                     why: "the source kept changing under every copy".into(),
                 });
             }
@@ -244,17 +333,35 @@ impl Refresher {
         let mut backoff = Backoff::new(self.config.backoff_ms_min, self.config.backoff_ms_max);
         let mut failures = 0u32;
         while !stop.load(Ordering::Relaxed) {
-            let result = self.connect().and_then(|mut conn| {
-                self.status.connected.store(true, Ordering::Relaxed);
+            // Failures are forgiven once a session has checked every part:
+            // on a cluster, connecting to the seeds proves little while the
+            // master of some bucket is down.
+            let (addr, status) = (self.redis.addr.clone(), self.status.clone());
+            let mut ready = || {
                 if failures > 0 {
-                    tracing::info!(addr = %self.redis.addr, "redis reachable again");
+                    tracing::info!(addr = %addr, "redis reachable again");
                 }
                 failures = 0;
                 backoff.reset();
-                self.status.breaker_open.store(false, Ordering::Relaxed);
-                self.session(&mut conn, stop)
+                status.breaker_open.store(false, Ordering::Relaxed);
+            };
+            let result = self.connect().and_then(|mut conn| {
+                self.status.connected.store(true, Ordering::Relaxed);
+                self.session(&mut conn, stop, &mut ready)
             });
             self.status.connected.store(false, Ordering::Relaxed);
+            match &result {
+                Err(e) if e.is_redirect() => {
+                    // A resharding moved a slot: not a failure. The next
+                    // session reads the topology again; the pause keeps a
+                    // slot that bounces between nodes from spinning here.
+                    tracing::info!("{e}: reading the cluster's topology again");
+                    std::thread::sleep(Duration::from_millis(10));
+                    self.checkpoint_all(true);
+                    continue;
+                }
+                _ => {}
+            }
             if let Err(e) = result {
                 failures += 1;
                 GroupStatus::bump(&self.status.connect_failures_total, 1);
@@ -289,7 +396,7 @@ impl Refresher {
     /// until then. It runs before the first connection: a scan is bounded by
     /// the file's size, and the stream can only be applied after it.
     fn finish_opens(&mut self) {
-        for (g, s) in self.groups.iter_mut().zip(&self.status.groups) {
+        for g in &mut self.groups {
             if !g.writer.scan_pending() {
                 continue;
             }
@@ -302,8 +409,7 @@ impl Refresher {
                             "rows were mid-write when the last writer stopped: dropped until the stream replays them"
                         );
                     }
-                    s.torn_rows_repaired.store(report.torn_rows, Ordering::Relaxed);
-                    s.live_rows.store(report.live_rows, Ordering::Relaxed);
+                    g.torn_rows = report.torn_rows;
                     tracing::info!(
                         group = %g.name, rows = report.live_rows, seq = report.cursor.seq,
                         ms = (self.clock.now_ns() - started_ns) / 1_000_000,
@@ -323,8 +429,9 @@ impl Refresher {
                     g.state = State::Settling { at_ns: 0, attempt: 0, last_rows: 0 };
                 }
             }
-            s.verifying.store(false, Ordering::Relaxed);
+            g.verifying = false;
         }
+        self.publish_status();
     }
 
     /// Checkpoints groups with unflushed changes: every interval through the
@@ -354,14 +461,16 @@ impl Refresher {
         }
     }
 
-    /// One connected session: check every group's position, then follow the
-    /// streams until an error or `stop`.
-    fn session(&mut self, conn: &mut RedisConn, stop: &AtomicBool) -> Result<(), RefreshError> {
+    /// One connected session: check every group's position (then calls
+    /// `ready`), then follow the streams until an error or `stop`.
+    fn session(&mut self, conn: &mut Link, stop: &AtomicBool, ready: &mut dyn FnMut()) -> Result<(), RefreshError> {
         for i in 0..self.groups.len() {
             self.check(conn, i)?;
         }
+        ready();
         let mut last_check_ns = self.clock.now_ns();
         let check_ns = self.config.check_interval_ms * 1_000_000;
+        let mut idle_ms = 0;
         while !stop.load(Ordering::Relaxed) {
             self.take_accepts();
             self.due_resyncs(conn)?;
@@ -378,41 +487,25 @@ impl Refresher {
             let block_ms = if replaying { REPLAY_BLOCK_MS.min(self.config.block_ms) } else { self.config.block_ms };
             if following.is_empty() {
                 std::thread::sleep(Duration::from_millis(block_ms));
-                conn.command(&[b"PING"])?;
+                if let Link::Node(node) = conn {
+                    node.command(&[b"PING"])?;
+                }
             } else {
-                let mut args: Vec<Vec<u8>> = vec![
-                    b"XREAD".to_vec(),
-                    b"COUNT".to_vec(),
-                    self.config.batch_entries_max.max(1).to_string().into_bytes(),
-                    b"BLOCK".to_vec(),
-                    block_ms.to_string().into_bytes(),
-                    b"STREAMS".to_vec(),
-                ];
-                args.extend(following.iter().map(|&i| contract::stream_key(&self.groups[i].name).into_bytes()));
-                args.extend(following.iter().map(|&i| {
-                    let id = self.groups[i].read_id;
-                    format!("{}-{}", id.0, id.1).into_bytes()
-                }));
-                let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-                let reply = conn.command(&refs)?;
-                if let Reply::Array(streams) = reply {
-                    for stream in streams {
-                        let mut parts = stream.into_array().ok_or_else(|| shape("XREAD", "stream is not an array"))?;
-                        let entries =
-                            parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
-                        let name =
-                            parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
-                        let Some(&i) =
-                            following.iter().find(|&&i| contract::stream_key(&self.groups[i].name).as_bytes() == name)
-                        else {
-                            return Err(shape("XREAD", "a stream that was not asked for"));
-                        };
-                        behind[i] = entries.len() >= self.config.batch_entries_max;
-                        if let Needs::Gap { cursor_seq, entry_seq } = self.apply(i, entries)? {
-                            self.gap(conn, i, cursor_seq, entry_seq)?;
-                            behind[i] = true;
-                        }
+                let read = self.read_streams(conn, &following, block_ms)?;
+                // A quiet cluster is polled: the pause grows while nothing comes.
+                idle_ms = match (&*conn, read.iter().all(|(_, e)| e.is_empty())) {
+                    (Link::Cluster(_), true) => (idle_ms * 2).clamp(1, CLUSTER_IDLE_MS_MAX.min(block_ms)),
+                    _ => 0,
+                };
+                for (i, entries) in read {
+                    behind[i] = entries.len() >= self.config.batch_entries_max;
+                    if let Needs::Gap { cursor_seq, entry_seq } = self.apply(i, entries)? {
+                        self.gap(conn, i, cursor_seq, entry_seq)?;
+                        behind[i] = true;
                     }
+                }
+                if idle_ms > 0 {
+                    std::thread::sleep(Duration::from_millis(idle_ms));
                 }
             }
             for g in &mut self.groups {
@@ -420,12 +513,13 @@ impl Refresher {
                 g.unflushed |= g.writer.poll_growth()?;
             }
             let now = self.clock.now_ns();
-            for (s, behind) in self.status.groups.iter().zip(behind) {
-                s.contact_ns.store(now, Ordering::Relaxed);
+            for (g, behind) in self.groups.iter_mut().zip(behind) {
+                g.contact_ns = now;
                 if !behind {
-                    s.caught_up_ns.store(now, Ordering::Relaxed);
+                    g.caught_up_ns = now;
                 }
             }
+            self.publish_status();
             self.checkpoint_all(false);
             if self.clock.now_ns() - last_check_ns >= check_ns {
                 for i in 0..self.groups.len() {
@@ -437,12 +531,85 @@ impl Refresher {
         Ok(())
     }
 
+    /// The entries the streams of `following` hold after each one's read
+    /// position, as (part, entries) pairs. One node: one XREAD over every
+    /// stream, blocking up to `block_ms`. A cluster: one XREAD per stream
+    /// (a command there names keys of one slot only), pipelined per master,
+    /// without blocking.
+    fn read_streams(
+        &self,
+        conn: &mut Link,
+        following: &[usize],
+        block_ms: u64,
+    ) -> Result<Vec<(usize, Vec<Reply>)>, RefreshError> {
+        let count = self.config.batch_entries_max.max(1).to_string().into_bytes();
+        let from = |i: usize| {
+            let id = self.groups[i].read_id;
+            format!("{}-{}", id.0, id.1).into_bytes()
+        };
+        let stream = |i: usize| self.groups[i].part.keys.stream.as_bytes().to_vec();
+        let replies = match conn {
+            Link::Node(node) => {
+                let mut args: Vec<Vec<u8>> = vec![
+                    b"XREAD".to_vec(),
+                    b"COUNT".to_vec(),
+                    count,
+                    b"BLOCK".to_vec(),
+                    block_ms.to_string().into_bytes(),
+                    b"STREAMS".to_vec(),
+                ];
+                args.extend(following.iter().map(|&i| stream(i)));
+                args.extend(following.iter().map(|&i| from(i)));
+                let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+                vec![node.command(&refs)?]
+            }
+            Link::Cluster(cluster) => {
+                let cmds: Vec<(Vec<u8>, Vec<Vec<u8>>)> = following
+                    .iter()
+                    .map(|&i| {
+                        let cmd = vec![
+                            b"XREAD".to_vec(),
+                            b"COUNT".to_vec(),
+                            count.clone(),
+                            b"STREAMS".to_vec(),
+                            stream(i),
+                            from(i),
+                        ];
+                        (stream(i), cmd)
+                    })
+                    .collect();
+                cluster.pipeline(&cmds)?
+            }
+        };
+        let mut read = Vec::new();
+        for reply in replies {
+            let streams = match reply {
+                Reply::Array(streams) => streams,
+                Reply::Nil => continue,
+                Reply::Error(message) => {
+                    return Err(crate::feed::RedisError::Server { addr: "XREAD".into(), message }.into())
+                }
+                other => return Err(shape("XREAD", format!("{other:?}"))),
+            };
+            for stream in streams {
+                let mut parts = stream.into_array().ok_or_else(|| shape("XREAD", "stream is not an array"))?;
+                let entries = parts.pop().and_then(Reply::into_array).ok_or_else(|| shape("XREAD", "no entries"))?;
+                let name = parts.pop().and_then(Reply::into_bytes).ok_or_else(|| shape("XREAD", "no stream name"))?;
+                let Some(&i) = following.iter().find(|&&i| self.groups[i].part.keys.stream.as_bytes() == name) else {
+                    return Err(shape("XREAD", "a stream that was not asked for"));
+                };
+                read.push((i, entries));
+            }
+        }
+        Ok(read)
+    }
+
     /// Why group `i`'s replica cannot continue from its own cursor with what
     /// Redis holds now, if it cannot.
-    fn cannot_continue(&self, conn: &mut RedisConn, i: usize) -> Result<Option<String>, RefreshError> {
+    fn cannot_continue(&self, conn: &mut Link, i: usize) -> Result<Option<String>, RefreshError> {
         let g = &self.groups[i];
         let cursor = g.writer.cursor();
-        let (epoch, seq) = position(conn, &g.name)?;
+        let (epoch, seq) = position(conn, &g.part)?;
         Ok(if g.writer.table().storage() != g.storage {
             Some(format!("stored as {:?}, configured as {:?}", g.writer.table().storage(), g.storage))
         } else if epoch != cursor.epoch {
@@ -451,7 +618,7 @@ impl Refresher {
             Some(format!("redis counter {seq} is behind the replica's {}", cursor.seq))
         } else if seq > cursor.seq {
             // The next entry must still be in the stream.
-            match stream_first_from(conn, &g.name, cursor.seq + 1)? {
+            match stream_first_from(conn, &g.part, cursor.seq + 1)? {
                 Some((s, 0)) if s == cursor.seq + 1 => None,
                 Some((s, _)) => Some(format!("stream starts at {s}, the replica needs {}", cursor.seq + 1)),
                 None => Some(format!("stream is missing entries after {}", cursor.seq)),
@@ -464,7 +631,8 @@ impl Refresher {
     /// Compares the group's cursor with Redis and resyncs if it cannot be
     /// continued. A held group is released when Redis is back at the
     /// replica's position, and copied again when Redis moved since its copy.
-    fn check(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+    fn check(&mut self, conn: &mut Link, i: usize) -> Result<(), RefreshError> {
+        self.check_bucket_count(conn, i)?;
         match self.groups[i].state {
             // Its back-off timer brings it back (`due_resyncs`).
             State::Settling { .. } => Ok(()),
@@ -473,10 +641,10 @@ impl Refresher {
                     self.release(i);
                     return Ok(());
                 }
-                let now_at = position(conn, &self.groups[i].name)?;
+                let now_at = position(conn, &self.groups[i].part)?;
                 if now_at != held_at {
                     tracing::info!(
-                        group = %self.groups[i].name, epoch = now_at.0, seq = now_at.1,
+                        group = %self.groups[i].part.name(), epoch = now_at.0, seq = now_at.1,
                         "redis changed while a resync was held: copying again"
                     );
                     self.resync(conn, i)?;
@@ -485,11 +653,34 @@ impl Refresher {
             }
             State::Following => {
                 if let Some(why) = self.cannot_continue(conn, i)? {
-                    tracing::warn!(group = %self.groups[i].name, "{why}: full resync");
+                    tracing::warn!(group = %self.groups[i].part.name(), "{why}: full resync");
                     self.resync(conn, i)?;
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// Refuses to follow a bucket written with another bucket count: its
+    /// entities would hash to buckets this replica does not look in.
+    fn check_bucket_count(&self, conn: &mut Link, i: usize) -> Result<(), RefreshError> {
+        let part = &self.groups[i].part;
+        let (Some(key), contract::Layout::Bucketed { buckets }) = (&part.keys.buckets, part.layout) else {
+            return Ok(());
+        };
+        let get = (key.as_bytes().to_vec(), vec![b"GET".to_vec(), key.as_bytes().to_vec()]);
+        let reply = conn.run_keyed(&[get])?.pop().unwrap_or(Reply::Nil);
+        match reply {
+            Reply::Nil => Ok(()),
+            Reply::Bulk(stored) if stored == buckets.to_string().as_bytes() => Ok(()),
+            Reply::Error(message) => Err(crate::feed::RedisError::Server { addr: part.name(), message }.into()),
+            other => Err(RefreshError::Buckets {
+                key: key.clone(),
+                stored: other
+                    .as_bytes()
+                    .map_or_else(|| format!("{other:?}"), |b| String::from_utf8_lossy(b).into_owned()),
+                configured: buckets,
+            }),
         }
     }
 
@@ -500,17 +691,15 @@ impl Refresher {
         if let State::Held { copy: Some(copy), .. } = std::mem::replace(&mut g.state, State::Following) {
             copy.discard();
         }
-        let s = &self.status.groups[i];
-        s.resync_held.store(false, Ordering::Relaxed);
-        s.held_rows.store(0, Ordering::Relaxed);
+        g.held_rows = 0;
         tracing::warn!(
-            group = %g.name, rows = g.writer.live_rows(),
+            group = %g.part.name(), rows = g.writer.live_rows(),
             "redis is back at the replica's position: held resync released, following the stream"
         );
     }
 
     /// Starts the copies whose back-off has passed.
-    fn due_resyncs(&mut self, conn: &mut RedisConn) -> Result<(), RefreshError> {
+    fn due_resyncs(&mut self, conn: &mut Link) -> Result<(), RefreshError> {
         for i in 0..self.groups.len() {
             if let State::Settling { at_ns, .. } = self.groups[i].state {
                 if self.clock.now_ns() >= at_ns {
@@ -524,67 +713,81 @@ impl Refresher {
     /// Acts on accepts the admin endpoint asked for: a held copy is swapped
     /// in; a hold without a copy takes its next copy whatever its size.
     fn take_accepts(&mut self) {
-        for i in 0..self.groups.len() {
-            if !self.status.groups[i].accept_requested.swap(false, Ordering::AcqRel) {
+        for at in 0..self.status.groups.len() {
+            if !self.status.groups[at].accept_requested.swap(false, Ordering::AcqRel) {
                 continue;
             }
-            let started = self.clock.now_ns();
-            let g = &mut self.groups[i];
-            // Whether the next copy is to be taken whatever its size, now.
-            let copy_unguarded = match std::mem::replace(&mut g.state, State::Following) {
-                State::Held { copy: Some(copy), .. } => {
-                    let (before, after) = (g.writer.live_rows(), copy.live_rows());
-                    tracing::warn!(group = %g.name, rows = after, replaced_rows = before, "held resync accepted by an operator");
-                    match self.swap_in(i, copy, started) {
-                        Ok(()) => false,
-                        Err(e) => {
-                            tracing::error!(group = %self.groups[i].name, "accepted resync failed to swap in: {e}; copying again");
-                            true
-                        }
+            let held: Vec<usize> = (0..self.groups.len())
+                .filter(|&i| self.groups[i].status_at == at && matches!(self.groups[i].state, State::Held { .. }))
+                .collect();
+            if held.is_empty() {
+                tracing::info!(group = %self.status.groups[at].name, "accept asked for with no resync held: nothing to do");
+            }
+            for i in held {
+                self.accept(i);
+            }
+            GroupStatus::bump(&self.status.groups[at].accepts_total, 1);
+        }
+        self.publish_status();
+    }
+
+    /// An operator accepted part `i`'s held resync: its copy is swapped in,
+    /// or, without one, its next copy is taken whatever its size.
+    fn accept(&mut self, i: usize) {
+        let started = self.clock.now_ns();
+        let g = &mut self.groups[i];
+        let copy_unguarded = match std::mem::replace(&mut g.state, State::Following) {
+            State::Held { copy: Some(copy), .. } => {
+                let (before, after) = (g.writer.live_rows(), copy.live_rows());
+                tracing::warn!(group = %g.part.name(), rows = after, replaced_rows = before, "held resync accepted by an operator");
+                match self.swap_in(i, copy, started) {
+                    Ok(()) => false,
+                    Err(e) => {
+                        let name = self.groups[i].part.name();
+                        tracing::error!(group = %name, "accepted resync failed to swap in: {e}; copying again");
+                        true
                     }
                 }
-                State::Held { copy: None, .. } => {
-                    tracing::warn!(
-                        group = %g.name,
-                        "held resync accepted by an operator: the next copy from redis is taken whatever its size"
-                    );
-                    true
-                }
-                other => {
-                    tracing::info!(group = %g.name, "accept asked for with no resync held: nothing to do");
-                    g.state = other;
-                    false
-                }
-            };
-            if copy_unguarded {
-                self.groups[i].accept_unguarded = true;
-                self.groups[i].state = State::Settling { at_ns: 0, attempt: 0, last_rows: 0 };
             }
-            GroupStatus::bump(&self.status.groups[i].accepts_total, 1);
+            State::Held { copy: None, .. } => {
+                tracing::warn!(
+                    group = %g.part.name(),
+                    "held resync accepted by an operator: the next copy from redis is taken whatever its size"
+                );
+                true
+            }
+            other => {
+                g.state = other;
+                false
+            }
+        };
+        if copy_unguarded {
+            self.groups[i].accept_unguarded = true;
+            self.groups[i].state = State::Settling { at_ns: 0, attempt: 0, last_rows: 0 };
         }
     }
 
     /// An entry skipped past the cursor: either the stream lost entries the
     /// replica needs (resync), or the entry was not written by the contract's
     /// script, since its number is beyond the counter (skip it).
-    fn gap(&mut self, conn: &mut RedisConn, i: usize, cursor_seq: u64, entry_seq: u64) -> Result<(), RefreshError> {
-        let (_, counter) = position(conn, &self.groups[i].name)?;
+    fn gap(&mut self, conn: &mut Link, i: usize, cursor_seq: u64, entry_seq: u64) -> Result<(), RefreshError> {
+        let (_, counter) = position(conn, &self.groups[i].part)?;
         let g = &mut self.groups[i];
         if entry_seq > counter {
             g.read_id = (entry_seq, 0);
             let why =
                 format!("stream entry {entry_seq}-0 is beyond the counter {counter}: not written by the contract");
-            skip(Some(&self.status.groups[i]), &g.name, &why);
+            skip(Some(&self.status.groups[g.status_at]), &g.part, &why);
             return Ok(());
         }
-        tracing::warn!(group = %g.name, cursor_seq, entry_seq, "gap in the stream: full resync");
+        tracing::warn!(group = %g.part.name(), cursor_seq, entry_seq, "gap in the stream: full resync");
         self.resync(conn, i)
     }
 
     /// Copies Redis for group `i` and swaps the copy in, unless the source
     /// moved under it (the group settles and copies again later) or the copy
     /// would shrink the replica past `resync_shrink_max` (the copy is held).
-    fn resync(&mut self, conn: &mut RedisConn, i: usize) -> Result<(), RefreshError> {
+    fn resync(&mut self, conn: &mut Link, i: usize) -> Result<(), RefreshError> {
         let (attempt, last_rows) = match self.groups[i].state {
             State::Settling { attempt, last_rows, .. } => (attempt, (attempt > 0).then_some(last_rows)),
             _ => (0, None),
@@ -597,11 +800,25 @@ impl Refresher {
             }
         }
         let started = self.clock.now_ns();
-        let fresh = {
+        let part = self.groups[i].part.clone();
+        let name = part.name();
+        let s = &self.status.groups[self.groups[i].status_at];
+        // On a cluster the copy reads the bucket's master alone: a slot
+        // being migrated has some of its keys on the other node.
+        if !conn.stable(&part)? {
+            let pause_ms = self.copy_pause_ms(attempt);
+            tracing::info!(group = %name, "its slot is being migrated: copying in {pause_ms} ms");
+            if !matches!(self.groups[i].state, State::Held { .. }) {
+                let at_ns = self.clock.now_ns() + pause_ms * 1_000_000;
+                self.groups[i].state = State::Settling { at_ns, attempt, last_rows: last_rows.unwrap_or(0) };
+            }
+            return Ok(());
+        }
+        let (fresh, master) = {
             let g = &self.groups[i];
             let default = g.writer.table().default_vector();
             let target = SyncTarget {
-                group: &g.name,
+                part: &part,
                 path: g.writer.path(),
                 dim: g.writer.table().dim(),
                 storage: g.storage,
@@ -609,19 +826,24 @@ impl Refresher {
                 batch_keys_max: self.config.sync_batch_keys_max,
                 connections: self.config.sync_connections,
             };
-            full_sync(conn, &self.redis, &target, Some(&self.status.groups[i]), &mut |_| {})?
+            let (node, node_config) = conn.node_for(&part, &self.redis)?;
+            let master = node.addr().to_string();
+            (full_sync(node, &node_config, &target, Some(s), &mut |_| {})?, master)
         };
         let noted = (fresh.cursor().epoch, fresh.cursor().seq);
         let copied = fresh.live_rows();
-        let name = self.groups[i].name.clone();
-        let s = &self.status.groups[i];
-        if let Some(why) = unsettled(conn, &name, noted, copied, last_rows, self.config.resync_rows_drift_max)? {
-            if attempt + 1 < self.config.resync_attempts_max {
+        let moved = !conn.stable(&part)? || conn.node_for(&part, &self.redis)?.0.addr() != master;
+        let why = if moved {
+            Some("its slot moved or was migrating during the copy".to_string())
+        } else {
+            unsettled(conn, &part, noted, copied, last_rows, self.config.resync_rows_drift_max)?
+        };
+        if let Some(why) = why {
+            if attempt + 1 < self.config.resync_attempts_max || moved {
                 fresh.discard();
                 GroupStatus::bump(&s.resync_restarts_total, 1);
-                let pause_ms =
-                    (self.config.backoff_ms_min.max(1) << attempt.min(16)).min(self.config.backoff_ms_max.max(1));
-                tracing::warn!(group = %name, attempt = attempt + 1, "{why}: redis is being written or reloaded; copying again in {pause_ms} ms");
+                let pause_ms = self.copy_pause_ms(attempt);
+                tracing::warn!(group = %name, attempt = attempt + 1, "{why}: redis is being written, reloaded or resharded; copying again in {pause_ms} ms");
                 if !matches!(self.groups[i].state, State::Held { .. }) {
                     self.groups[i].state = State::Settling {
                         at_ns: self.clock.now_ns() + pause_ms * 1_000_000,
@@ -638,50 +860,53 @@ impl Refresher {
             tracing::warn!(group = %name, "{why}, after {} copies: taking the last one; the stream replay brings it up to date", attempt + 1);
         }
         let current = self.groups[i].writer.live_rows();
-        let shrink_max = self.config.resync_shrink_max(&name);
+        let shrink_max = self.config.resync_shrink_max(&part.group);
         let dropped = current.saturating_sub(copied);
         let unguarded = std::mem::take(&mut self.groups[i].accept_unguarded);
         if !unguarded && dropped as f64 > shrink_max * current as f64 {
             tracing::warn!(
                 group = %name, rows = current, copy_rows = copied, epoch = noted.0, seq = noted.1,
                 "a full resync would drop {dropped} of {current} rows (more than resync_shrink_max {shrink_max}): held; \
-                 serving the last-known-good rows, flagged stale, until redis recovers or POST /replica/{name}/accept"
+                 serving the last-known-good rows, flagged stale, until redis recovers or POST /replica/{}/accept",
+                part.group
             );
-            s.resync_held.store(true, Ordering::Relaxed);
-            s.held_rows.store(copied, Ordering::Relaxed);
+            self.groups[i].held_rows = copied;
             self.groups[i].state = State::Held { copy: Some(fresh), position: noted };
+            self.publish_status();
             return Ok(());
         }
         self.swap_in(i, fresh, started)
+    }
+
+    /// How long a resync waits before its next copy after `attempt` copies.
+    fn copy_pause_ms(&self, attempt: u32) -> u64 {
+        (self.config.backoff_ms_min.max(1) << attempt.min(16)).min(self.config.backoff_ms_max.max(1))
     }
 
     /// Makes `fresh` group `i`'s replica; the group follows its stream from
     /// the copy's position.
     fn swap_in(&mut self, i: usize, fresh: ReplicaWriter, started_ns: u64) -> Result<(), RefreshError> {
         let g = &mut self.groups[i];
-        let s = &self.status.groups[i];
         g.writer.replace(fresh)?;
         g.state = State::Following;
         let cursor = g.writer.cursor();
         g.read_id = (cursor.seq, 0);
         g.unflushed = false;
         g.last_checkpoint_ns = self.clock.now_ns();
-        s.applied_seq.store(cursor.seq, Ordering::Relaxed);
-        s.live_rows.store(g.writer.live_rows(), Ordering::Relaxed);
-        s.resync_held.store(false, Ordering::Relaxed);
-        s.held_rows.store(0, Ordering::Relaxed);
-        GroupStatus::bump(&s.resyncs_total, 1);
+        g.held_rows = 0;
+        GroupStatus::bump(&self.status.groups[g.status_at].resyncs_total, 1);
         tracing::info!(
-            group = %g.name, rows = g.writer.live_rows(), seq = cursor.seq,
+            group = %g.part.name(), rows = g.writer.live_rows(), seq = cursor.seq,
             ms = (self.clock.now_ns() - started_ns) / 1_000_000, "full sync done"
         );
+        self.publish_status();
         Ok(())
     }
 
     /// Applies stream entries to group `i` in order.
     fn apply(&mut self, i: usize, entries: Vec<Reply>) -> Result<Needs, RefreshError> {
         let g = &mut self.groups[i];
-        let s = &self.status.groups[i];
+        let s = &self.status.groups[g.status_at];
         for entry in entries {
             let mut parts = entry.into_array().ok_or_else(|| shape("XREAD", "entry is not an array"))?.into_iter();
             let id = parts.next().and_then(Reply::into_bytes).and_then(|b| parse_id(&b));
@@ -693,7 +918,7 @@ impl Refresher {
             if id.1 != 0 || id.0 <= cursor.seq {
                 // Not written by the contract's script: its ids are `{seq}-0`.
                 g.read_id = id;
-                skip(Some(s), &g.name, &format!("stream entry {}-{} has no contract sequence number", id.0, id.1));
+                skip(Some(s), &g.part, &format!("stream entry {}-{} has no contract sequence number", id.0, id.1));
                 continue;
             }
             if id.0 != cursor.seq + 1 {
@@ -701,7 +926,7 @@ impl Refresher {
             }
             g.read_id = id;
             cursor.seq = id.0;
-            match change(&g.name, &fields, g.writer.table().dim()) {
+            match change(&g.part, &fields, g.writer.table().dim()) {
                 Ok((id, Some(v), t)) => {
                     g.writer.upsert(id, &v)?;
                     cursor.change_unix_ms = t;
@@ -710,22 +935,19 @@ impl Refresher {
                     g.writer.delete(id);
                     cursor.change_unix_ms = t;
                 }
-                Err(why) => skip(Some(s), &g.name, &format!("stream entry {}: {why}", cursor.seq)),
+                Err(why) => skip(Some(s), &g.part, &format!("stream entry {}: {why}", cursor.seq)),
             }
             g.writer.set_cursor(cursor);
             g.unflushed = true;
-            s.applied_seq.store(cursor.seq, Ordering::Relaxed);
-            s.change_unix_ms.store(cursor.change_unix_ms, Ordering::Relaxed);
             GroupStatus::bump(&s.applied_total, 1);
         }
-        s.live_rows.store(g.writer.live_rows(), Ordering::Relaxed);
         Ok(Needs::Nothing)
     }
 }
 
 /// Decodes a stream entry's fields: `k <key> v <bytes> t <ms>` for a put,
 /// `k <key> d 1 t <ms>` for a delete.
-fn change(group: &str, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<f32>>, u64), String> {
+fn change(part: &Part, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<f32>>, u64), String> {
     let mut key = None;
     let mut value = None;
     let mut deleted = false;
@@ -744,10 +966,11 @@ fn change(group: &str, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<
     }
     let key = key.ok_or("no key field 'k'")?;
     match (value, deleted) {
-        (Some(bytes), false) => entity(group, key, bytes, dim).map(|(id, v)| (id, Some(v), t)),
-        (None, true) => contract::parse_entity_key(group, key)
+        (Some(bytes), false) => entity(part, key, bytes, dim).map(|(id, v)| (id, Some(v), t)),
+        (None, true) => part
+            .parse_entity_key(key)
             .map(|id| (id, None, t))
-            .ok_or_else(|| format!("key {} is not {group}:<u64>", String::from_utf8_lossy(key))),
+            .ok_or_else(|| format!("key {} is not {}", String::from_utf8_lossy(key), part.key_form())),
         _ => Err(format!("key {}: neither a value 'v' nor a delete 'd'", String::from_utf8_lossy(key))),
     }
 }
@@ -803,14 +1026,15 @@ mod tests {
         let bulk = |s: &[u8]| Reply::Bulk(s.to_vec());
         let v = contract::encode_vector(&[1.0, 2.0]);
         let put = [bulk(b"k"), bulk(b"user:7"), bulk(b"v"), Reply::Bulk(v.clone()), bulk(b"t"), bulk(b"123")];
-        assert_eq!(change("user", &put, 2), Ok((7, Some(vec![1.0, 2.0]), 123)));
+        let user = Part::plain("user");
+        assert_eq!(change(&user, &put, 2), Ok((7, Some(vec![1.0, 2.0]), 123)));
         let del = [bulk(b"k"), bulk(b"user:8"), bulk(b"d"), bulk(b"1"), bulk(b"t"), bulk(b"5")];
-        assert_eq!(change("user", &del, 2), Ok((8, None, 5)));
-        assert!(change("user", &put, 3).unwrap_err().contains("user:7"));
+        assert_eq!(change(&user, &del, 2), Ok((8, None, 5)));
+        assert!(change(&user, &put, 3).unwrap_err().contains("user:7"));
         let foreign = [bulk(b"k"), bulk(b"item:7"), bulk(b"v"), Reply::Bulk(v)];
-        assert!(change("user", &foreign, 2).unwrap_err().contains("item:7"));
-        assert!(change("user", &[bulk(b"x"), bulk(b"y")], 2).unwrap_err().contains("no key"));
-        assert!(change("user", &[bulk(b"k")], 2).is_err());
+        assert!(change(&user, &foreign, 2).unwrap_err().contains("item:7"));
+        assert!(change(&user, &[bulk(b"x"), bulk(b"y")], 2).unwrap_err().contains("no key"));
+        assert!(change(&user, &[bulk(b"k")], 2).is_err());
         assert_eq!(parse_id(b"17-0"), Some((17, 0)));
         assert_eq!(parse_id(b"17"), None);
     }

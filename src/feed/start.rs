@@ -14,11 +14,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::config::FeedConfig;
+use super::contract::{Layout, Part};
+use super::refresher::Follow;
 use super::refresher::Refresher;
 use super::status::FeedStatus;
 use super::sync::RefreshError;
 use crate::deadline::{Clock, MonotonicClock};
-use crate::replica::{ReplicaError, ReplicaHandle, ReplicaWriter};
+use crate::replica::{bucket_path, ReplicaError, ReplicaHandle, ReplicaWriter};
 
 /// One group to serve: its name, file, and the dimension to create it with
 /// if there is no file.
@@ -49,48 +51,47 @@ fn set_aside(path: &Path, e: &ReplicaError) -> Result<(), RefreshError> {
 /// one within `initial_sync_timeout_ms`.
 pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) -> Result<Feed, RefreshError> {
     let clock = MonotonicClock::new();
+    let layout = config.layout().map_err(RefreshError::Url)?;
     let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
     let status = Arc::new(FeedStatus::new(&names, config.staleness_max_ms, config.stale_policy, clock.now_ns()));
-    let mut writers = Vec::new();
-    let mut needs_sync = Vec::new();
-    for spec in specs {
-        let opened = match ReplicaWriter::open_deferred(&spec.path, &spec.name) {
-            Ok(w) => {
-                tracing::info!(
-                    group = %spec.name, seq = w.cursor().seq, bytes = w.table().file_bytes(),
-                    "replica opened: serving it while it is verified and caught up"
-                );
-                Some(w)
+    let mut follows = Vec::new();
+    let mut handles = Vec::new();
+    // Files created empty here, and the follows they belong to.
+    let mut created: Vec<(PathBuf, usize)> = Vec::new();
+    for (at, spec) in specs.iter().enumerate() {
+        let parts = Part::all(&spec.name, layout);
+        let mut writers = Vec::with_capacity(parts.len());
+        for part in &parts {
+            let path = match layout {
+                Layout::Plain => spec.path.clone(),
+                Layout::Bucketed { .. } => bucket_path(&spec.path, part.bucket),
+            };
+            let (writer, fresh) = open_or_create(config, spec, part, &path)?;
+            if fresh {
+                created.push((path, follows.len() + writers.len()));
             }
-            Err(e) if e.is_damage() => {
-                set_aside(&spec.path, &e)?;
-                None
-            }
-            Err(ReplicaError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(e.into()),
-        };
-        let writer = match opened {
-            Some(w) => w,
-            None => {
-                let dim = spec.dim.ok_or_else(|| RefreshError::InitialSync {
-                    group: spec.name.clone(),
-                    why: format!("no replica file and no dimension known: set feed.{}_dim", spec.name),
-                })?;
-                needs_sync.push(spec.name.clone());
-                let default = vec![0.0; dim as usize];
-                ReplicaWriter::create(&spec.path, &spec.name, dim, config.storage(&spec.name), 1024, &default)?
-            }
-        };
-        writers.push(writer);
+            writers.push(writer);
+        }
+        if layout != Layout::Plain && spec.path.exists() {
+            tracing::warn!(
+                group = %spec.name, path = %spec.path.display(),
+                "a plain-layout replica is here too, and is not used now that [feed] buckets is set"
+            );
+        }
+        handles.push(match layout {
+            Layout::Plain => writers[0].handle(),
+            Layout::Bucketed { .. } => ReplicaHandle::bucketed(&mut writers),
+        });
+        follows.extend(parts.into_iter().zip(writers).map(|(part, writer)| Follow { part, status_at: at, writer }));
     }
-    let handles: Vec<Arc<ReplicaHandle>> = writers.iter_mut().map(ReplicaWriter::handle).collect();
-    let mut refresher = Refresher::new(config.clone(), writers, status.clone())?;
-    if !needs_sync.is_empty() {
-        tracing::info!(groups = ?needs_sync, "no usable replica: full sync from redis before serving");
-        if let Err(e) = refresher.initial_sync(&needs_sync) {
+    let mut refresher = Refresher::new(config.clone(), follows, status.clone())?;
+    if !created.is_empty() {
+        tracing::info!(parts = created.len(), "no usable replica: full sync from redis before serving");
+        let needs: Vec<usize> = created.iter().map(|(_, i)| *i).collect();
+        if let Err(e) = refresher.initial_sync(&needs) {
             // An empty file left behind would be served as if current on the next start.
-            for spec in specs.iter().filter(|s| needs_sync.contains(&s.name)) {
-                let _ = std::fs::remove_file(&spec.path);
+            for (path, _) in &created {
+                let _ = std::fs::remove_file(path);
             }
             return Err(e);
         }
@@ -99,4 +100,33 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
         .spawn(stop)
         .map_err(|source| RefreshError::Replica(ReplicaError::Io { path: "quiver-feed thread".into(), source }))?;
     Ok(Feed { handles, status, thread })
+}
+
+/// Opens `part`'s replica at `path`, or creates it empty (true) when there
+/// is none or it was damaged and set aside.
+fn open_or_create(
+    config: &FeedConfig,
+    spec: &GroupSpec,
+    part: &Part,
+    path: &Path,
+) -> Result<(ReplicaWriter, bool), RefreshError> {
+    match ReplicaWriter::open_deferred(path, &spec.name) {
+        Ok(w) => {
+            tracing::info!(
+                group = %part.name(), seq = w.cursor().seq, bytes = w.table().file_bytes(),
+                "replica opened: serving it while it is verified and caught up"
+            );
+            return Ok((w, false));
+        }
+        Err(e) if e.is_damage() => set_aside(path, &e)?,
+        Err(ReplicaError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    let dim = spec.dim.ok_or_else(|| RefreshError::InitialSync {
+        group: spec.name.clone(),
+        why: format!("no replica file and no dimension known: set feed.{}_dim", spec.name),
+    })?;
+    let default = vec![0.0; dim as usize];
+    let writer = ReplicaWriter::create(path, &spec.name, dim, config.storage(&spec.name), 1024, &default)?;
+    Ok((writer, true))
 }

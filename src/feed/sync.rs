@@ -12,7 +12,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
-use super::contract::{self, ContractError};
+use super::cluster::{ClusterConn, ClusterError};
+use super::contract::{self, ContractError, Part};
 use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 use super::status::GroupStatus;
 use crate::replica::{temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
@@ -32,6 +33,54 @@ pub enum RefreshError {
     InitialSync { group: String, why: String },
     #[error("cannot start a full sync thread: {0}")]
     Thread(std::io::Error),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// A bucket written with another bucket count than the one configured:
+    /// following it would look for entities in the wrong buckets.
+    #[error("{key} says the group has {stored} buckets, [feed] buckets says {configured}: fix one of them")]
+    Buckets { key: String, stored: String, configured: u16 },
+}
+
+impl RefreshError {
+    /// A cluster node said another node serves the key (a resharding): the
+    /// topology is read again and the session resumes at once.
+    pub fn is_redirect(&self) -> bool {
+        let message = match self {
+            RefreshError::Redis(RedisError::Server { message, .. })
+            | RefreshError::Cluster(ClusterError::Redis(RedisError::Server { message, .. })) => message,
+            _ => return false,
+        };
+        message.starts_with("MOVED ") || message.starts_with("ASK ")
+    }
+}
+
+/// Where a part's position and stream are read: its one node, or a cluster
+/// that routes each command by the key beside it (following `MOVED` and `ASK`).
+pub(super) trait Keyed {
+    fn run_keyed(&mut self, cmds: &[(Vec<u8>, Vec<Vec<u8>>)]) -> Result<Vec<Reply>, RefreshError>;
+}
+
+impl Keyed for RedisConn {
+    fn run_keyed(&mut self, cmds: &[(Vec<u8>, Vec<Vec<u8>>)]) -> Result<Vec<Reply>, RefreshError> {
+        let plain: Vec<Vec<Vec<u8>>> = cmds.iter().map(|(_, c)| c.clone()).collect();
+        Ok(self.pipeline(&plain)?)
+    }
+}
+
+impl Keyed for ClusterConn {
+    fn run_keyed(&mut self, cmds: &[(Vec<u8>, Vec<Vec<u8>>)]) -> Result<Vec<Reply>, RefreshError> {
+        Ok(self.pipeline(cmds)?)
+    }
+}
+
+/// An error reply among `replies` as an error.
+fn server_error(replies: &[Reply], addr: &str) -> Result<(), RefreshError> {
+    match replies.iter().find(|r| matches!(r, Reply::Error(_))) {
+        Some(Reply::Error(message)) => {
+            Err(RedisError::Server { addr: addr.to_string(), message: message.clone() }.into())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A stream entry id `{ms}-{n}`.
@@ -54,25 +103,27 @@ pub(super) fn shape(command: &'static str, what: impl Into<String>) -> RefreshEr
     RefreshError::Reply { command, what: what.into() }
 }
 
-/// The epoch and counter Redis holds for a group now (0 when absent).
-pub(super) fn position(conn: &mut RedisConn, group: &str) -> Result<(u64, u64), RefreshError> {
-    let replies = conn.pipeline(&[
-        vec![b"GET".to_vec(), contract::epoch_key(group).into_bytes()],
-        vec![b"GET".to_vec(), contract::seq_key(group).into_bytes()],
-    ])?;
+/// The epoch and counter Redis holds for a part now (0 when absent).
+pub(super) fn position(conn: &mut impl Keyed, part: &Part) -> Result<(u64, u64), RefreshError> {
+    let get = |key: &str| (key.as_bytes().to_vec(), vec![b"GET".to_vec(), key.as_bytes().to_vec()]);
+    let replies = conn.run_keyed(&[get(&part.keys.epoch), get(&part.keys.seq)])?;
+    server_error(&replies, &part.name())?;
     let get = |r: &Reply| parse_u64(r).ok_or_else(|| shape("GET", format!("{r:?}")));
     Ok((get(&replies[0])?, get(&replies[1])?))
 }
 
-/// The id of the first entry of `group`'s stream at or after `{from_seq}-0`.
+/// The id of the first entry of `part`'s stream at or after `{from_seq}-0`.
 pub(super) fn stream_first_from(
-    conn: &mut RedisConn,
-    group: &str,
+    conn: &mut impl Keyed,
+    part: &Part,
     from_seq: u64,
 ) -> Result<Option<(u64, u64)>, RefreshError> {
-    let from = format!("{from_seq}-0");
-    let reply =
-        conn.command(&[b"XRANGE", contract::stream_key(group).as_bytes(), from.as_bytes(), b"+", b"COUNT", b"1"])?;
+    let stream = part.keys.stream.as_bytes().to_vec();
+    let from = format!("{from_seq}-0").into_bytes();
+    let xrange = vec![b"XRANGE".to_vec(), stream.clone(), from, b"+".to_vec(), b"COUNT".to_vec(), b"1".to_vec()];
+    let replies = conn.run_keyed(&[(stream, xrange)])?;
+    server_error(&replies, &part.name())?;
+    let reply = replies.into_iter().next().ok_or_else(|| shape("XRANGE", "no reply"))?;
     let first = reply.into_array().unwrap_or_default().into_iter().next();
     Ok(first
         .and_then(Reply::into_array)
@@ -86,14 +137,14 @@ pub(super) fn stream_first_from(
 /// the copy before this one of the same resync held: a source that moved
 /// during the copy but kept its size is busy, not being reloaded.
 pub(super) fn unsettled(
-    conn: &mut RedisConn,
-    group: &str,
+    conn: &mut impl Keyed,
+    part: &Part,
     noted: (u64, u64),
     copied: u64,
     previous_rows: Option<u64>,
     rows_drift_max: f64,
 ) -> Result<Option<String>, RefreshError> {
-    let (epoch, seq) = position(conn, group)?;
+    let (epoch, seq) = position(conn, part)?;
     if epoch != noted.0 {
         return Ok(Some(format!("the epoch changed from {} to {epoch} during the copy", noted.0)));
     }
@@ -101,7 +152,7 @@ pub(super) fn unsettled(
         return Ok(Some(format!("the counter went back from {} to {seq} during the copy", noted.1)));
     }
     let moved = seq - noted.1;
-    if moved > 0 && stream_first_from(conn, group, noted.1 + 1)? != Some((noted.1 + 1, 0)) {
+    if moved > 0 && stream_first_from(conn, part, noted.1 + 1)? != Some((noted.1 + 1, 0)) {
         return Ok(Some(format!("the stream no longer holds entry {} the copy needs replayed", noted.1 + 1)));
     }
     let same_size = previous_rows.is_some_and(|p| p.abs_diff(copied) as f64 <= rows_drift_max * copied as f64);
@@ -125,9 +176,9 @@ const BATCHES_QUEUED_PER_FETCHER: usize = 2;
 /// The most keys one SCAN asks for in a parallel copy (its COUNT).
 const SCAN_COUNT_MAX: usize = 16_384;
 
-/// What a full sync writes: a fresh replica of `group` beside `path`.
+/// What a full sync writes: a fresh replica of `part` beside `path`.
 pub struct SyncTarget<'a> {
-    pub group: &'a str,
+    pub part: &'a Part,
     pub path: &'a Path,
     pub dim: usize,
     pub storage: Storage,
@@ -139,7 +190,7 @@ pub struct SyncTarget<'a> {
     pub connections: usize,
 }
 
-/// Copies every `{group}:*` key from Redis into a fresh replica file at a
+/// Copies every entity key of the part from Redis into a fresh replica file at a
 /// temporary name beside the target's path; the caller swaps it in. The
 /// returned writer is checkpointed at the counter noted before the copy
 /// began, so replaying the stream from there loses nothing written meanwhile.
@@ -155,12 +206,12 @@ pub fn full_sync(
     status: Option<&GroupStatus>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<ReplicaWriter, RefreshError> {
-    let SyncTarget { group, path, dim, storage, default, connections, .. } = *target;
+    let SyncTarget { part, path, dim, storage, default, connections, .. } = *target;
     assert!(
         (1..=SYNC_CONNECTIONS_MAX).contains(&connections),
         "{connections} sync connections: callers keep it within 1..={SYNC_CONNECTIONS_MAX}"
     );
-    let (epoch, tail) = position(conn, group)?;
+    let (epoch, tail) = position(conn, part)?;
     let tmp = temp_path(path, "sync");
     // Sized from the whole database so the copy never stops to grow the
     // file; DBSIZE counts other groups too, an overestimate at most. A
@@ -168,7 +219,11 @@ pub fn full_sync(
     // the copy in the background, so none of them waits for that growth.
     let dbsize = conn.command(&[b"DBSIZE"])?.as_int().and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
     let capacity = (dbsize + dbsize / 4).clamp(1024, crate::replica::ROW_CAPACITY_MAX);
-    let fresh = ReplicaWriter::create(&tmp, group, dim as u32, storage, capacity, default)?;
+    let capacity = match part.layout.bucket_count() {
+        1 => capacity,
+        buckets => bucket_capacity(conn, part, dbsize / buckets as u64)?,
+    };
+    let fresh = ReplicaWriter::create(&tmp, &part.group, dim as u32, storage, capacity, default)?;
     let mut sink = Sink { fresh, dim, copied: 0, status, progress };
     if connections == 1 {
         copy_serial(conn, target, status, &mut sink)?;
@@ -178,6 +233,20 @@ pub fn full_sync(
     let mut fresh = sink.fresh;
     fresh.checkpoint(Cursor { epoch, seq: tail, change_unix_ms: 0 })?;
     Ok(fresh)
+}
+
+/// Rows to create a bucket's copy with: its slot's key count where the node
+/// is a cluster node (exact but for the bucket's own four keys), else its
+/// share of the database; with a quarter more for inserts during the copy.
+fn bucket_capacity(conn: &mut RedisConn, part: &Part, share: u64) -> Result<u64, RefreshError> {
+    let slot = super::cluster::key_slot(part.keys.stream.as_bytes()).to_string();
+    let keys = match conn.command(&[b"CLUSTER", b"COUNTKEYSINSLOT", slot.as_bytes()]) {
+        Ok(Reply::Int(n)) => u64::try_from(n).unwrap_or(0),
+        // A node without cluster support says so.
+        Ok(_) | Err(RedisError::Server { .. }) => share + share / 2,
+        Err(e) => return Err(e.into()),
+    };
+    Ok((keys + keys / 4).clamp(1024, crate::replica::ROW_CAPACITY_MAX))
 }
 
 /// One MGET's entities, decoded: `ids[i]`'s vector is the `i`-th run of
@@ -260,7 +329,7 @@ fn mget_command(keys: &[Vec<u8>]) -> Vec<Vec<u8>> {
 /// asked on `conn` for all of the batch's nils in one round trip, tells apart.
 fn decode_rows(
     conn: &mut RedisConn,
-    group: &str,
+    part: &Part,
     dim: usize,
     keys: &[Vec<u8>],
     reply: Reply,
@@ -278,8 +347,9 @@ fn decode_rows(
     let mut nils = Vec::new();
     for (i, (key, value)) in keys.iter().zip(values).enumerate() {
         let decoded = match value {
-            Reply::Bulk(bytes) => contract::parse_entity_key(group, key)
-                .ok_or_else(|| format!("key {} is not {group}:<u64>", String::from_utf8_lossy(key)))
+            Reply::Bulk(bytes) => part
+                .parse_entity_key(key)
+                .ok_or_else(|| format!("key {} is not {}", String::from_utf8_lossy(key), part.key_form()))
                 .and_then(|id| {
                     contract::decode_vector_into(&bytes, dim, &mut rows.values)
                         .map(|()| id)
@@ -293,7 +363,7 @@ fn decode_rows(
         };
         match decoded {
             Ok(id) => rows.ids.push(id),
-            Err(why) => skip(status, group, &why),
+            Err(why) => skip(status, part, &why),
         }
     }
     if nils.is_empty() {
@@ -305,7 +375,7 @@ fn decode_rows(
             Reply::Simple(t) if t == b"none" => {}
             Reply::Simple(t) => skip(
                 status,
-                group,
+                part,
                 &format!(
                     "key {} holds a {}, not a string",
                     String::from_utf8_lossy(&keys[i]),
@@ -328,7 +398,7 @@ fn copy_serial(
     status: Option<&GroupStatus>,
     sink: &mut Sink<'_, '_>,
 ) -> Result<(), RefreshError> {
-    let pattern = format!("{}:*", target.group).into_bytes();
+    let pattern = target.part.scan_pattern().into_bytes();
     let mut cursor = b"0".to_vec();
     let mut scanned_all = false;
     let mut pending: Vec<Vec<u8>> = Vec::new();
@@ -350,7 +420,7 @@ fn copy_serial(
             continue;
         }
         let reply = replies.next().ok_or_else(|| shape("MGET", "no reply"))?;
-        let rows = decode_rows(conn, target.group, target.dim, &keys, reply, status)?;
+        let rows = decode_rows(conn, target.part, target.dim, &keys, reply, status)?;
         sink.take(&rows)?;
     }
     Ok(())
@@ -381,7 +451,7 @@ fn copy_parallel(
     // Shared by the fetchers only: when the last one ends, the scanner's
     // sends fail and it stops too.
     let keys_rx = Arc::new(Mutex::new(keys_rx));
-    let (group, dim, batch_keys_max) = (target.group, target.dim, target.batch_keys_max.max(1));
+    let (part, dim, batch_keys_max) = (target.part, target.dim, target.batch_keys_max.max(1));
     let scan_count = (batch_keys_max * fetchers).min(SCAN_COUNT_MAX);
     std::thread::scope(|scope| {
         let mut fetcher_threads = Vec::with_capacity(fetchers);
@@ -389,7 +459,7 @@ fn copy_parallel(
         for n in 1..=fetchers {
             let (keys_rx, rows_tx, failed) = (keys_rx.clone(), rows_tx.clone(), &failed);
             let spawned = std::thread::Builder::new().name(format!("quiver-sync-{n}")).spawn_scoped(scope, move || {
-                let result = fetch(redis, group, dim, &keys_rx, &rows_tx, failed, status);
+                let result = fetch(redis, part, dim, &keys_rx, &rows_tx, failed, status);
                 if result.is_err() {
                     failed.store(true, Ordering::Relaxed);
                 }
@@ -414,7 +484,7 @@ fn copy_parallel(
                 let failed = &failed;
                 let spawned =
                     std::thread::Builder::new().name("quiver-sync-scan".into()).spawn_scoped(scope, move || {
-                        let result = scan(conn, group, scan_count, batch_keys_max, &keys_tx, failed);
+                        let result = scan(conn, part, scan_count, batch_keys_max, &keys_tx, failed);
                         if result.is_err() {
                             failed.store(true, Ordering::Relaxed);
                         }
@@ -475,13 +545,13 @@ fn joined<T>(thread: std::thread::ScopedJoinHandle<'_, T>) -> T {
 /// the whole keyspace; false when it stopped because another stage ended.
 fn scan(
     conn: &mut RedisConn,
-    group: &str,
+    part: &Part,
     scan_count: usize,
     batch_keys_max: usize,
     keys_tx: &mpsc::SyncSender<Vec<Vec<u8>>>,
     failed: &AtomicBool,
 ) -> Result<bool, RefreshError> {
-    let pattern = format!("{group}:*").into_bytes();
+    let pattern = part.scan_pattern().into_bytes();
     let mut cursor = b"0".to_vec();
     loop {
         if failed.load(Ordering::Relaxed) {
@@ -506,7 +576,7 @@ fn scan(
 /// decodes key batches until there are no more (or another stage failed).
 fn fetch(
     redis: &RedisConfig,
-    group: &str,
+    part: &Part,
     dim: usize,
     keys_rx: &Mutex<mpsc::Receiver<Vec<Vec<u8>>>>,
     rows_tx: &mpsc::SyncSender<Rows>,
@@ -525,7 +595,7 @@ fn fetch(
             return Ok(());
         };
         let reply = run(&mut conn, &mget_command(&keys))?;
-        let rows = decode_rows(&mut conn, group, dim, &keys, reply, status)?;
+        let rows = decode_rows(&mut conn, part, dim, &keys, reply, status)?;
         if rows_tx.send(rows).is_err() {
             return Ok(());
         }
@@ -533,15 +603,15 @@ fn fetch(
 }
 
 /// The id and vector of an entity key and value, or why they are bad data.
-pub(super) fn entity(group: &str, key: &[u8], value: &[u8], dim: usize) -> Result<(u64, Vec<f32>), String> {
+pub(super) fn entity(part: &Part, key: &[u8], value: &[u8], dim: usize) -> Result<(u64, Vec<f32>), String> {
     let name = || String::from_utf8_lossy(key).into_owned();
-    let id = contract::parse_entity_key(group, key).ok_or_else(|| format!("key {} is not {group}:<u64>", name()))?;
+    let id = part.parse_entity_key(key).ok_or_else(|| format!("key {} is not {}", name(), part.key_form()))?;
     let v = contract::decode_vector(value, dim).map_err(|e: ContractError| format!("key {}: {e}", name()))?;
     Ok((id, v))
 }
 
-pub(super) fn skip(status: Option<&GroupStatus>, group: &str, why: &str) {
-    tracing::warn!(group, "skipped bad feature data: {why}");
+pub(super) fn skip(status: Option<&GroupStatus>, part: &Part, why: &str) {
+    tracing::warn!(group = %part.name(), "skipped bad feature data: {why}");
     if let Some(s) = status {
         GroupStatus::bump(&s.skipped_total, 1);
     }

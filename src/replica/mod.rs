@@ -156,17 +156,41 @@ impl ReplicaError {
     }
 }
 
-/// The table a feature group is served from now. Shards load it once per
-/// request (lock-free); the group's writer swaps in a new table when it grows
-/// the file or installs a full resync. The dimension never changes.
+/// The bucket entity `id` belongs to in a group split into `buckets` (the
+/// Redis contract's bucketed layout; `src/feed/contract.rs`): Fibonacci
+/// hashing, so ids that share a stride still spread evenly.
+#[inline]
+pub fn bucket_of(id: u64, buckets: usize) -> usize {
+    debug_assert!(buckets > 0);
+    ((id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % buckets as u64) as usize
+}
+
+/// The file of bucket `bucket` of a bucketed group whose replica is
+/// configured at `path`: `user.qrep` → `user.b0003.qrep`.
+pub fn bucket_path(path: &Path, bucket: usize) -> std::path::PathBuf {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.b{bucket:04}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.b{bucket:04}"),
+    };
+    path.with_file_name(name)
+}
+
+/// The tables a feature group is served from now: one, or one per bucket of
+/// a bucketed group (an id's table is [`bucket_of`] it). Shards load them
+/// per request (lock-free); each table's writer swaps in a new one when it
+/// grows the file or installs a full resync. The dimension never changes.
 pub struct ReplicaHandle {
-    current: ArcSwap<Replica>,
+    parts: Box<[ArcSwap<Replica>]>,
     dim: usize,
 }
 
 impl std::fmt::Debug for ReplicaHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplicaHandle").field("current", &*self.current.load()).finish()
+        f.debug_struct("ReplicaHandle")
+            .field("parts", &self.parts.len())
+            .field("first", &*self.parts[0].load())
+            .finish()
     }
 }
 
@@ -176,7 +200,21 @@ impl ReplicaHandle {
     }
 
     fn serving(table: Arc<Replica>) -> ReplicaHandle {
-        ReplicaHandle { dim: table.dim(), current: ArcSwap::new(table) }
+        ReplicaHandle { dim: table.dim(), parts: Box::new([ArcSwap::new(table)]) }
+    }
+
+    /// One handle over `writers`, bucket `b`'s table being `writers[b]`'s;
+    /// each writer installs what it grows or replaces into its part from now on.
+    pub fn bucketed(writers: &mut [ReplicaWriter]) -> Arc<ReplicaHandle> {
+        assert!(!writers.is_empty(), "a bucketed group has at least one bucket");
+        let dim = writers[0].table().dim();
+        assert!(writers.iter().all(|w| w.table().dim() == dim), "every bucket of a group has its dimension");
+        let parts = writers.iter().map(|w| ArcSwap::new(w.table().clone())).collect();
+        let handle = Arc::new(ReplicaHandle { parts, dim });
+        for (b, w) in writers.iter_mut().enumerate() {
+            w.serve_through(handle.clone(), b);
+        }
+        handle
     }
 
     /// Opens `path` read-only (see [`Replica::open`]).
@@ -221,20 +259,75 @@ impl ReplicaHandle {
         Ok(handle)
     }
 
-    /// The current table; hold it for one request, not longer, so that a
-    /// replaced table's mapping is released soon after a swap.
+    /// The table of an unbucketed group (a bucketed group's first bucket);
+    /// hold it for one request, not longer, so that a replaced table's
+    /// mapping is released soon after a swap.
     #[inline]
     pub fn load(&self) -> arc_swap::Guard<Arc<Replica>> {
-        self.current.load()
+        self.parts[0].load()
+    }
+
+    /// The table of bucket `part`.
+    #[inline]
+    pub fn load_part(&self, part: usize) -> arc_swap::Guard<Arc<Replica>> {
+        self.parts[part].load()
+    }
+
+    /// 1, or the group's bucket count.
+    pub fn parts(&self) -> usize {
+        self.parts.len()
     }
 
     pub fn dim(&self) -> usize {
         self.dim
     }
 
-    fn install(&self, table: Arc<Replica>) {
+    /// Rows of every part.
+    pub fn live_rows(&self) -> u64 {
+        self.parts.iter().map(|p| p.load().live_rows()).sum()
+    }
+
+    /// [`Replica::read_into`] on the table `key` is in.
+    #[inline]
+    pub fn read_into(&self, key: u64, out: &mut [f32]) -> bool {
+        self.part_of(key).load().read_into(key, out)
+    }
+
+    /// [`Replica::read_many_into`] over the tables the keys are in. Across
+    /// tables the same three passes overlap the memory loads (slots, then
+    /// rows, then copies); each pass loads the key's table again, so a swap
+    /// between passes costs a prefetch, never a wrong row (the copy finds
+    /// the key afresh in the table it reads).
+    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
+        if self.parts.len() == 1 {
+            return self.parts[0].load().read_many_into(keys, rows, out);
+        }
+        let dim = self.dim;
+        assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
+        for &key in keys {
+            self.part_of(key).load().prefetch_slot(key);
+        }
+        for &key in keys {
+            self.part_of(key).load().prefetch_row(key);
+        }
+        let mut missing = 0;
+        for (&key, dst) in keys.iter().zip(out.chunks_exact_mut(dim)) {
+            missing += usize::from(!self.part_of(key).load().read_into(key, dst));
+        }
+        missing
+    }
+
+    #[inline]
+    fn part_of(&self, key: u64) -> &ArcSwap<Replica> {
+        match self.parts.len() {
+            1 => &self.parts[0],
+            n => &self.parts[bucket_of(key, n)],
+        }
+    }
+
+    fn install(&self, part: usize, table: Arc<Replica>) {
         assert_eq!(table.dim(), self.dim, "a group's dimension never changes while served");
-        self.current.store(table);
+        self.parts[part].store(table);
     }
 }
 

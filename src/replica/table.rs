@@ -596,6 +596,22 @@ impl Replica {
         missing
     }
 
+    /// Starts loading `key`'s index slot, for a batch of lookups spread over
+    /// several tables (see `ReplicaHandle::read_many_into`).
+    #[inline]
+    pub fn prefetch_slot(&self, key: u64) {
+        let slot = slot_of(key, self.header.slot_count) as usize;
+        prefetch(self.map.as_ptr().wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
+    }
+
+    /// Finds `key` and starts loading its row, if it has one.
+    #[inline]
+    pub fn prefetch_row(&self, key: u64) {
+        if let Some(row) = self.find(key) {
+            prefetch(self.map.as_ptr().wrapping_add(self.row_base(row)));
+        }
+    }
+
     /// The default vector served for unknown keys.
     pub fn default_vector(&self) -> Vec<f32> {
         let mut v = vec![0.0; self.dim()];

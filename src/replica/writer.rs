@@ -40,7 +40,8 @@ pub struct OpenReport {
 
 pub struct ReplicaWriter {
     table: Arc<Replica>,
-    handle: Option<Arc<ReplicaHandle>>,
+    /// The handle readers see this writer's table through, and its part there.
+    handle: Option<(Arc<ReplicaHandle>, usize)>,
     path: PathBuf,
     /// Holds the exclusive lock for the writer's life.
     _lock: File,
@@ -201,7 +202,12 @@ impl ReplicaWriter {
     /// first call and kept across growth and installs.
     pub fn handle(&mut self) -> Arc<ReplicaHandle> {
         let table = self.table.clone();
-        self.handle.get_or_insert_with(|| Arc::new(ReplicaHandle::serving(table))).clone()
+        self.handle.get_or_insert_with(|| (Arc::new(ReplicaHandle::serving(table)), 0)).0.clone()
+    }
+
+    /// Serves this writer's table as part `part` of `handle` from now on.
+    pub(super) fn serve_through(&mut self, handle: Arc<ReplicaHandle>, part: usize) {
+        self.handle = Some((handle, part));
     }
 
     pub fn table(&self) -> &Arc<Replica> {
@@ -398,9 +404,9 @@ impl ReplicaWriter {
             growth.abandon(&self.path);
         }
         fresh.grow_ahead = self.grow_ahead;
-        if let Some(handle) = self.handle.take() {
-            handle.install(fresh.table.clone());
-            fresh.handle = Some(handle);
+        if let Some((handle, part)) = self.handle.take() {
+            handle.install(part, fresh.table.clone());
+            fresh.handle = Some((handle, part));
         }
         fresh.retired = std::mem::take(&mut self.retired);
         fresh.retired.push(self.table.clone());

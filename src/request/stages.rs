@@ -204,7 +204,7 @@ impl<C: Clock> RequestPath<C> {
         if let Some(off) = layout.user {
             let dim = self.shared.user.dim();
             let (first, rest) = x.split_at_mut(row_dim);
-            missing += u32::from(!self.shared.user.load().read_into(request.user_id(), &mut first[off..off + dim]));
+            missing += u32::from(!self.shared.user.read_into(request.user_id(), &mut first[off..off + dim]));
             for row in rest.chunks_exact_mut(row_dim) {
                 row[off..off + dim].copy_from_slice(&first[off..off + dim]);
             }
@@ -213,7 +213,7 @@ impl<C: Clock> RequestPath<C> {
             // Batched so the candidates' memory loads overlap (prefetch).
             let dim = self.shared.item.dim();
             let vectors = &mut self.item_vectors[..rows * dim];
-            missing += self.shared.item.load().read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
+            missing += self.shared.item.read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
             for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
                 row[off..off + dim].copy_from_slice(v);
             }

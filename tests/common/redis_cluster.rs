@@ -119,4 +119,25 @@ impl RedisCluster {
     pub fn id(&self, addr: &str) -> Vec<u8> {
         self.conn(addr).command(&[b"CLUSTER", b"MYID"]).unwrap().into_bytes().expect("CLUSTER MYID")
     }
+
+    /// Moves `slots` hash slots from the master at `from` to the one at `to` with
+    /// `redis-cli --cluster reshard`, the way an operator does, and waits for it to end.
+    pub fn reshard(&self, from: &str, to: &str, slots: usize) {
+        let (from_id, to_id) = (self.id(from), self.id(to));
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "reshard", from, "--cluster-from"])
+            .arg(String::from_utf8_lossy(&from_id).as_ref())
+            .arg("--cluster-to")
+            .arg(String::from_utf8_lossy(&to_id).as_ref())
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-pipeline", "100", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster reshard failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
