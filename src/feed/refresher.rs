@@ -275,7 +275,11 @@ impl Refresher {
         let started = self.clock.now_ns();
         let bound_ns = self.config.initial_sync_timeout_ms * 1_000_000;
         let mut backoff = Backoff::new(self.config.backoff_ms_min, self.config.backoff_ms_max);
-        for &i in follows {
+        let done = self.copy_per_master(follows).unwrap_or_else(|e| {
+            tracing::warn!("first copy per master: {e}; copying part by part");
+            Vec::new()
+        });
+        for &i in follows.iter().filter(|i| !done.contains(i)) {
             loop {
                 let attempt =
                     self.connect().and_then(|mut conn| self.sync_until_settled(&mut conn, i, started + bound_ns));
@@ -292,6 +296,74 @@ impl Refresher {
             }
         }
         Ok(())
+    }
+
+    /// Copies the parts `follows` names once each, every master's parts on
+    /// a thread of their own (one node: one thread), and takes the copies
+    /// that show a settled source; returns the parts taken (swapped in or
+    /// held). The others are left to [`Refresher::sync_until_settled`].
+    fn copy_per_master(&mut self, follows: &[usize]) -> Result<Vec<usize>, RefreshError> {
+        let mut conn = self.connect()?;
+        let mut plan: Vec<(String, RedisConfig, Vec<usize>)> = Vec::new();
+        for &i in follows {
+            let part = self.groups[i].part.clone();
+            if !conn.stable(&part)? {
+                continue;
+            }
+            let (node, config) = conn.node_for(&part, &self.redis)?;
+            let master = node.addr().to_string();
+            match plan.iter_mut().find(|(m, _, _)| *m == master) {
+                Some((_, _, parts)) => parts.push(i),
+                None => plan.push((master, config, vec![i])),
+            }
+        }
+        let started = self.clock.now_ns();
+        let this = &*self;
+        let copies: Vec<(usize, String, Result<ReplicaWriter, RefreshError>)> = std::thread::scope(|scope| {
+            let threads: Vec<_> = plan
+                .iter()
+                .enumerate()
+                .map(|(n, (master, config, parts))| {
+                    let work = move || {
+                        let mut node = match RedisConn::connect(config) {
+                            Ok(node) => node,
+                            Err(e) => {
+                                let failed = |i: usize| RefreshError::InitialSync {
+                                    group: this.groups[i].part.name(),
+                                    why: e.to_string(),
+                                };
+                                return parts.iter().map(|&i| (i, master.clone(), Err(failed(i)))).collect();
+                            }
+                        };
+                        parts.iter().map(|&i| (i, master.clone(), this.copy(i, &mut node, config))).collect::<Vec<_>>()
+                    };
+                    std::thread::Builder::new().name(format!("quiver-copy-{n}")).spawn_scoped(scope, work)
+                })
+                .collect();
+            threads
+                .into_iter()
+                .flat_map(|t| match t {
+                    Ok(t) => t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    Err(e) => {
+                        tracing::warn!("cannot start a copy thread: {e}");
+                        Vec::new()
+                    }
+                })
+                .collect()
+        });
+        let mut taken = Vec::new();
+        for (i, master, copy) in copies {
+            match copy {
+                Ok(fresh) => {
+                    self.take_copy(&mut conn, i, fresh, &master, started)?;
+                    if !matches!(self.groups[i].state, State::Settling { .. }) {
+                        taken.push(i);
+                    }
+                }
+                Err(e) => tracing::warn!(group = %self.groups[i].part.name(), "first copy: {e}; copying again"),
+            }
+        }
+        Ok(taken)
     }
 
     /// Resyncs group `i`, and again after each back-off while the source is
@@ -522,6 +594,11 @@ impl Refresher {
             self.publish_status();
             self.checkpoint_all(false);
             if self.clock.now_ns() - last_check_ns >= check_ns {
+                // A topology that changed without a redirection reaching us
+                // yet (a failover elsewhere, a slot added) is read on a timer.
+                if let Link::Cluster(cluster) = conn {
+                    cluster.refresh()?;
+                }
                 for i in 0..self.groups.len() {
                     self.check(conn, i)?;
                 }
@@ -802,7 +879,6 @@ impl Refresher {
         let started = self.clock.now_ns();
         let part = self.groups[i].part.clone();
         let name = part.name();
-        let s = &self.status.groups[self.groups[i].status_at];
         // On a cluster the copy reads the bucket's master alone: a slot
         // being migrated has some of its keys on the other node.
         if !conn.stable(&part)? {
@@ -815,21 +891,48 @@ impl Refresher {
             return Ok(());
         }
         let (fresh, master) = {
-            let g = &self.groups[i];
-            let default = g.writer.table().default_vector();
-            let target = SyncTarget {
-                part: &part,
-                path: g.writer.path(),
-                dim: g.writer.table().dim(),
-                storage: g.storage,
-                default: &default,
-                batch_keys_max: self.config.sync_batch_keys_max,
-                connections: self.config.sync_connections,
-            };
             let (node, node_config) = conn.node_for(&part, &self.redis)?;
             let master = node.addr().to_string();
-            (full_sync(node, &node_config, &target, Some(s), &mut |_| {})?, master)
+            (self.copy(i, node, &node_config)?, master)
         };
+        self.take_copy(conn, i, fresh, &master, started)
+    }
+
+    /// A full copy of part `i` from `node` (its master), opened with `node_config`.
+    fn copy(&self, i: usize, node: &mut RedisConn, node_config: &RedisConfig) -> Result<ReplicaWriter, RefreshError> {
+        let g = &self.groups[i];
+        let default = g.writer.table().default_vector();
+        let target = SyncTarget {
+            part: &g.part,
+            path: g.writer.path(),
+            dim: g.writer.table().dim(),
+            storage: g.storage,
+            default: &default,
+            batch_keys_max: self.config.sync_batch_keys_max,
+            connections: self.config.sync_connections,
+        };
+        full_sync(node, node_config, &target, Some(&self.status.groups[g.status_at]), &mut |_| {})
+    }
+
+    /// Swaps in `fresh`, a copy of part `i` taken from `master` since
+    /// `started`, unless the source moved under it (the part settles and
+    /// copies again later) or it would shrink the replica past
+    /// `resync_shrink_max` (the copy is held).
+    fn take_copy(
+        &mut self,
+        conn: &mut Link,
+        i: usize,
+        fresh: ReplicaWriter,
+        master: &str,
+        started: u64,
+    ) -> Result<(), RefreshError> {
+        let (attempt, last_rows) = match self.groups[i].state {
+            State::Settling { attempt, last_rows, .. } => (attempt, (attempt > 0).then_some(last_rows)),
+            _ => (0, None),
+        };
+        let part = self.groups[i].part.clone();
+        let name = part.name();
+        let s = &self.status.groups[self.groups[i].status_at];
         let noted = (fresh.cursor().epoch, fresh.cursor().seq);
         let copied = fresh.live_rows();
         let moved = !conn.stable(&part)? || conn.node_for(&part, &self.redis)?.0.addr() != master;
