@@ -309,6 +309,46 @@ if os.path.exists(feed):
             w(f"| {label} | {l['p50']:,} µs | {l['p90']:,} µs | {l['p99']:,} µs | {l['p999']:,} µs | {l['max']:,} µs |")
         w("")
 
+cluster_feed = os.path.join(res, "cluster_feed.jsonl")
+if os.path.exists(cluster_feed):
+    lines = [json.loads(l) for l in open(cluster_feed) if l.startswith("{")]
+    meta = next((l for l in lines if "commit" in l), {})
+    syncs = [l for l in lines if l.get("kind") == "cluster_sync"]
+    lags = [l for l in lines if l.get("kind") == "cluster_lag"]
+    w("## Features from a Redis Cluster\n")
+    w(f"Measured at commit `{meta.get('commit', '?')}` on {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, "
+      f"Redis {meta.get('redis', '?')}, by `bash bench/cluster_feed.sh` (`bench/cluster_feed.rs`). The bench starts one")
+    w("`redis-server` and a three-master Redis Cluster (no replicas) on this machine, loads the same items into both")
+    w("(the plain layout on the single node, 16 buckets on the cluster, 32 f32 each), then times a server's first sync")
+    w("(`quiver::feed::start` into an empty directory, as `quiver serve` runs it: on the cluster each master's buckets")
+    w("are copied on a thread of their own, each bucket over 4 connections to its master), single and cluster")
+    w("interleaved. **Every Redis process, the copy threads and the writers share this VM's cores**, so the cluster")
+    w("cannot show its scaling here: on separate machines each master has a core of its own.\n")
+    if syncs:
+        w("| source | masters | buckets | entities | runs | seconds (median, min–max) | entities/s | vs single |")
+        w("|---|---|---|---|---|---|---|---|")
+        single = [l["entities_per_s"] for l in syncs if l["source"] == "single"]
+        base = statistics.median(single) if single else None
+        for source in ["single", "cluster"]:
+            runs = [l for l in syncs if l["source"] == source]
+            if not runs:
+                continue
+            rate = statistics.median([l["entities_per_s"] for l in runs])
+            ratio = f"{rate / base:.2f}×" if base else "n/a"
+            w(f"| {source} | {runs[0]['masters']} | {runs[0]['buckets']} | {runs[0]['entities']:,} | {len(runs)} | "
+              f"{fmt([l['seconds'] for l in runs], digits=2)} | {rate:,.0f} | {ratio} |")
+        w("")
+    if lags:
+        w(f"Refresh lag on the cluster at {lags[0]['rate']:,} updates/s (one `Publisher::put` each, open loop), from just")
+        w("before the write's call until the replica serves it, steady, while `redis-cli --cluster reshard` moves 4,096")
+        w("slots (a quarter, with their keys and bucket streams) from one master to another, and after; one run:\n")
+        w("| phase | seconds | updates | p50 | p99 | p99.9 | max |")
+        w("|---|---|---|---|---|---|---|")
+        for l in lags:
+            w(f"| {l['phase']} | {l['seconds']:.1f} | {l['updates']:,} | {l['p50_us']:,} µs | {l['p99_us']:,} µs | "
+              f"{l['p999_us']:,} µs | {l['max_us']:,} µs |")
+        w("")
+
 sync_scale = os.path.join(res, "sync_scale.jsonl")
 if os.path.exists(sync_scale):
     lines = [json.loads(l) for l in open(sync_scale) if l.startswith("{")]
