@@ -75,7 +75,10 @@ fn vector(id: u64, marker: u64) -> Vec<f32> {
 
 /// Loads `0..n` in `layout` with MSETs (one bucket's keys each), then sets every bucket's
 /// epoch, counter and bucket count as the publish script would have left them.
-fn load(run: &mut dyn FnMut(Vec<(Vec<u8>, Vec<Vec<u8>>)>), layout: Layout, n: u64) {
+/// Commands, each beside the key that routes it on a cluster.
+type Keyed = Vec<(Vec<u8>, Vec<Vec<u8>>)>;
+
+fn load(run: &mut dyn FnMut(Keyed), layout: Layout, n: u64) {
     let mut by_bucket: Vec<Vec<u64>> = vec![Vec::new(); layout.bucket_count()];
     for id in 0..n {
         by_bucket[layout.bucket_of(id)].push(id);
