@@ -189,6 +189,11 @@ impl Part {
         self.layout.scan_pattern(&self.group, self.bucket)
     }
 
+    /// What every entity key of this part starts with.
+    pub fn entity_prefix(&self) -> String {
+        self.scan_pattern().trim_end_matches('*').to_string()
+    }
+
     /// The id in one of this part's entity keys, if `key` is one.
     pub fn parse_entity_key(&self, key: &[u8]) -> Option<u64> {
         self.layout.parse_entity_key(&self.group, self.bucket, key)

@@ -3,9 +3,10 @@
 //! - [`resp`]: a blocking RESP2 connection (the only code that speaks the wire format),
 //!   through `crate::tls` for `rediss://`;
 //! - [`cluster`]: Redis Cluster routing over those connections: key slots, the
-//!   topology, `MOVED` and `ASK` (not yet used by the refresher or the publisher);
-//! - [`contract`]: the key and stream layout writers and replicas agree on, and the
-//!   [`contract::Publisher`] that writes through the atomic publish script;
+//!   topology, `MOVED`, `ASK` and `TRYAGAIN`, pipelines per master;
+//! - [`contract`]: the key and stream layouts writers and replicas agree on (plain, or
+//!   hash-tagged buckets for a cluster), and the [`contract::Publisher`] that writes
+//!   through the atomic publish script on one node or a cluster;
 //! - [`load`]: the bulk loader behind `quiver features load`;
 //! - [`config`]: the `[feed]` section;
 //! - [`sync`]: one full copy of a group, and whether its source was settled;

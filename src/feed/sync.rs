@@ -214,11 +214,13 @@ pub fn full_sync(
     let (epoch, tail) = position(conn, part)?;
     let tmp = temp_path(path, "sync");
     // Sized from the whole database so the copy never stops to grow the
-    // file; DBSIZE counts other groups too, an overestimate at most. A
-    // quarter more takes the inserts that arrive while the refresher grows
-    // the copy in the background, so none of them waits for that growth.
+    // file; DBSIZE counts other groups too, an overestimate at most. Three
+    // quarters more leaves the copy, once swapped in, under the three
+    // quarters full at which the refresher's writer starts growing a file in
+    // the background: a fresh copy must not be copied again at once. Rows
+    // never written stay holes in the file.
     let dbsize = conn.command(&[b"DBSIZE"])?.as_int().and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
-    let capacity = (dbsize + dbsize / 4).clamp(1024, crate::replica::ROW_CAPACITY_MAX);
+    let capacity = with_headroom(dbsize);
     let capacity = match part.layout.bucket_count() {
         1 => capacity,
         buckets => bucket_capacity(conn, part, dbsize / buckets as u64)?,
@@ -237,7 +239,7 @@ pub fn full_sync(
 
 /// Rows to create a bucket's copy with: its slot's key count where the node
 /// is a cluster node (exact but for the bucket's own four keys), else its
-/// share of the database; with a quarter more for inserts during the copy.
+/// share of the database; with the same headroom as a group's copy.
 fn bucket_capacity(conn: &mut RedisConn, part: &Part, share: u64) -> Result<u64, RefreshError> {
     let slot = super::cluster::key_slot(part.keys.stream.as_bytes()).to_string();
     let keys = match conn.command(&[b"CLUSTER", b"COUNTKEYSINSLOT", slot.as_bytes()]) {
@@ -246,7 +248,12 @@ fn bucket_capacity(conn: &mut RedisConn, part: &Part, share: u64) -> Result<u64,
         Ok(_) | Err(RedisError::Server { .. }) => share + share / 2,
         Err(e) => return Err(e.into()),
     };
-    Ok((keys + keys / 4).clamp(1024, crate::replica::ROW_CAPACITY_MAX))
+    Ok(with_headroom(keys))
+}
+
+/// Rows for a copy of about `keys` entities (see `full_sync`).
+fn with_headroom(keys: u64) -> u64 {
+    (keys + keys / 4 * 3).clamp(1024, crate::replica::ROW_CAPACITY_MAX)
 }
 
 /// One MGET's entities, decoded: `ids[i]`'s vector is the `i`-th run of
@@ -398,6 +405,14 @@ fn copy_serial(
     status: Option<&GroupStatus>,
     sink: &mut Sink<'_, '_>,
 ) -> Result<(), RefreshError> {
+    if let Some(keys) = slot_keys(conn, target.part)? {
+        for batch in keys.chunks(target.batch_keys_max.max(1)) {
+            let reply = conn.command(&mget_command(batch).iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+            let rows = decode_rows(conn, target.part, target.dim, batch, reply, status)?;
+            sink.take(&rows)?;
+        }
+        return Ok(());
+    }
     let pattern = target.part.scan_pattern().into_bytes();
     let mut cursor = b"0".to_vec();
     let mut scanned_all = false;
@@ -539,6 +554,41 @@ fn joined<T>(thread: std::thread::ScopedJoinHandle<'_, T>) -> T {
     thread.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
+/// The most keys a bucket's slot may hold for its keys to be listed in one
+/// `CLUSTER GETKEYSINSLOT` (a reply of a few MB that Redis builds in one
+/// go); a larger slot is SCANned like a plain group.
+const SLOT_KEYS_MAX: i64 = 262_144;
+
+/// A bucket's entity keys listed from its slot, when `conn` is a cluster
+/// node holding at most [`SLOT_KEYS_MAX`] keys there: SCAN would walk the
+/// node's whole keyspace for each of its buckets, this reads the slot's
+/// own index. `None` for a plain group, a node without cluster support, or
+/// a slot too large. Other keys that share the slot are left out.
+fn slot_keys(conn: &mut RedisConn, part: &Part) -> Result<Option<Vec<Vec<u8>>>, RefreshError> {
+    if part.layout == contract::Layout::Plain {
+        return Ok(None);
+    }
+    let slot = super::cluster::key_slot(part.keys.stream.as_bytes()).to_string();
+    let count = match conn.command(&[b"CLUSTER", b"COUNTKEYSINSLOT", slot.as_bytes()]) {
+        Ok(Reply::Int(n)) if n <= SLOT_KEYS_MAX => n,
+        Ok(_) | Err(RedisError::Server { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    // Room for keys written between the two commands; the stream replay
+    // after the copy brings any beyond it.
+    let asked = (count + count / 8 + 64).to_string();
+    let reply = conn.command(&[b"CLUSTER", b"GETKEYSINSLOT", slot.as_bytes(), asked.as_bytes()])?;
+    let prefix = part.entity_prefix().into_bytes();
+    let keys = reply
+        .into_array()
+        .ok_or_else(|| shape("CLUSTER GETKEYSINSLOT", "not an array"))?
+        .into_iter()
+        .filter_map(Reply::into_bytes)
+        .filter(|k| k.starts_with(&prefix))
+        .collect();
+    Ok(Some(keys))
+}
+
 /// The scanner: SCANs `scan_count` keys at a time (enough for a batch per
 /// fetcher, so that the one SCAN in flight keeps them all busy) and hands
 /// them on in batches of `batch_keys_max`. True once the scan went through
@@ -551,6 +601,14 @@ fn scan(
     keys_tx: &mpsc::SyncSender<Vec<Vec<u8>>>,
     failed: &AtomicBool,
 ) -> Result<bool, RefreshError> {
+    if let Some(keys) = slot_keys(conn, part)? {
+        for batch in keys.chunks(batch_keys_max) {
+            if failed.load(Ordering::Relaxed) || keys_tx.send(batch.to_vec()).is_err() {
+                return Ok(false);
+            }
+        }
+        return Ok(true);
+    }
     let pattern = part.scan_pattern().into_bytes();
     let mut cursor = b"0".to_vec();
     loop {
