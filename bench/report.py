@@ -505,6 +505,45 @@ if os.path.exists(scale):
     for c in cases:
         w(f"| {c['entities']:,} | {c['storage']} | {us(c['lookup_uniform'])} | {us(c['lookup_zipf'])} | {us(c['lookup_warm'])} |")
     w("")
+    steady = [c for c in cases if c.get("steady")]
+    if steady:
+        w("Steady updates, as the refresher applies a busy stream: 10,000 updates/s to ids uniform over the whole")
+        w("population for 20 s, in rounds of 10 ms on a fixed schedule, the position checkpointed every 200 ms by a")
+        w("flusher thread (rows flushed with msync, then the record); the rounds' and checkpoints' times, and what")
+        w("this process wrote to the disk (`/proc/self/io` `write_bytes`, the checkpoints' writeback). Files over")
+        w("32 MiB are mapped with `MADV_HUGEPAGE`, so their page cache is in 2 MiB folios (docs/REPLICA.md).\n")
+        w("| entities | storage | updates/s | round p50 / p99 / max | late rounds | checkpoint p50 / p99 / max | disk writes | per update |")
+        w("|---|---|---|---|---|---|---|---|")
+        for c in steady:
+            st = c["steady"]
+            rd, ck = st["round"], st["checkpoint"]
+            ms = lambda d: f"{d['p50_ns'] / 1e6:.2f} / {d['p99_ns'] / 1e6:.2f} / {d['max_ns'] / 1e6:,.1f} ms" if d else "none"
+            w(f"| {c['entities']:,} | {c['storage']} | {st['updates_per_s']:,.0f} | {ms(rd)} | {st['late_rounds']:,} | "
+              f"{ms(ck)} | {st['disk_write_bytes_per_s'] / 2**20:,.1f} MiB/s | {st['disk_write_bytes_per_update'] / 1024:,.1f} KiB |")
+        w("")
+    small_path = os.path.join(res, "scale-small-pages.jsonl")
+    small = [json.loads(l) for l in open(small_path) if l.startswith("{")] if os.path.exists(small_path) else []
+    small = {(c["entities"], c["storage"]): c for c in small if "entities" in c}
+    if small:
+        w("The same f32 cases again, right after the run above, with `replica_huge_pages = false` (no `MADV_HUGEPAGE`:")
+        w("the page cache stays in small folios), side by side with huge pages (on / off):\n")
+        w("| entities | lookup p99, uniform | lookup p50, uniform | steady: round p99 | steady: checkpoint p50 | steady: disk writes per update | scan, pages evicted | growth: longest round |")
+        w("|---|---|---|---|---|---|---|---|")
+        for c in cases:
+            o = small.get((c["entities"], c["storage"]))
+            if not o or not c.get("steady") or not o.get("steady"):
+                continue
+            both = lambda f: f"{f(c)} / {f(o)}"
+            gr = lambda x: "skipped" if "skipped" in x["growth"] else f"{x['growth']['refresher_round']['max_ns'] / 1e6:,.0f} ms"
+            lp99 = lambda x: f"{p99(x['lookup_uniform']) / 1e3:.1f} µs"
+            lp50 = lambda x: f"{x['lookup_uniform']['p50_ns'] / 1e3:.1f} µs"
+            rp99 = lambda x: f"{x['steady']['round']['p99_ns'] / 1e6:.2f} ms"
+            cp50 = lambda x: f"{x['steady']['checkpoint']['p50_ns'] / 1e6:,.0f} ms" if x["steady"]["checkpoint"] else "none"
+            wpu = lambda x: f"{x['steady']['disk_write_bytes_per_update'] / 1024:,.1f} KiB"
+            scan = lambda x: f"{x['restart_cold']['verify_s']:.1f} s"
+            w(f"| {c['entities']:,} | {both(lp99)} | {both(lp50)} | {both(rp99)} | {both(cp50)} | {both(wpu)} | "
+              f"{both(scan)} | {both(gr)} |")
+        w("")
     w("Growth in the background while the refresher applies updates: the growth's time from start to swap, the")
     w("changes applied meanwhile, the refresher's rounds (100 updates and a poll; the max is its longest pause) and")
     w("the longest round in each phase (while the copy runs; while noted keys are replayed, in that many rounds;")

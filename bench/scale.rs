@@ -21,6 +21,13 @@
 //!   wait for the disk; each kind runs in 5 batches interleaved with the
 //!   others, and the median of the batches' p99s is reported beside the p99
 //!   of all of them;
+//! - steady updates, as the refresher applies a busy stream: 10,000
+//!   updates/s to ids uniform over the population for 20 s, in rounds of
+//!   10 ms on a fixed schedule, the position checkpointed every 200 ms by a
+//!   flusher thread (as the refresher's is); every round's time, every
+//!   checkpoint's time, and the bytes this process sent to the disk
+//!   (`/proc/self/io` `write_bytes`: the checkpoints' msync) per second
+//!   and per update. The file is opened (and verified) first;
 //! - growth, as the refresher runs it: the full file grows in the background
 //!   (a thread rehashes every row into a file twice the size) while the
 //!   refresher's loop keeps applying changes (rounds of 100 updates, then a
@@ -32,7 +39,11 @@
 //!
 //! Each case prints one JSON line; `bench/report.py` renders them.
 //!
-//!     cargo bench --bench scale [-- --entities 1000000,10000000 --storage f32,f16 --dir PATH --lookups N]
+//!     cargo bench --bench scale [-- --entities 1000000,10000000 --storage f32,f16 --dir PATH --lookups N
+//!                                  --huge-pages on|off]
+//!
+//! `--huge-pages off` maps every file without `MADV_HUGEPAGE`
+//! (`replica_huge_pages = false`), so its page cache stays in small folios.
 //!
 //! Seeded: ids and values are deterministic functions of the seed.
 
@@ -50,10 +61,17 @@ const ITEMS_PER_REQUEST: usize = 32;
 /// Stream changes the growth step applies per refresher round.
 const CHANGES_PER_ROUND: u64 = 100;
 const SEED: u64 = 19;
+/// The steady step's stream: updates per second, for how long, in rounds of
+/// how long, checkpointed how often (the refresher's default interval).
+const STEADY_UPDATES_PER_S: u64 = 10_000;
+const STEADY_S: u64 = 20;
+const STEADY_ROUND_MS: u64 = 10;
+const STEADY_CHECKPOINT_MS: u64 = 200;
 /// Zipf exponent of the "zipf" lookups, as the load asks for.
 const ZIPF_S: f64 = 1.1;
 
 struct Args {
+    huge_pages: bool,
     entities: Vec<u64>,
     storages: Vec<Storage>,
     dir: PathBuf,
@@ -62,6 +80,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
+        huge_pages: true,
         entities: vec![1_000_000, 10_000_000, 50_000_000],
         storages: vec![Storage::F32, Storage::F16],
         dir: std::env::temp_dir().join("quiver-scale"),
@@ -77,6 +96,7 @@ fn parse_args() -> Args {
             }
             "--dir" => a.dir = value().into(),
             "--lookups" => a.lookups = value().parse().expect("lookup count"),
+            "--huge-pages" => a.huge_pages = value() == "on",
             // cargo bench passes --bench to every bench binary.
             "--bench" => {}
             other => panic!("unknown flag {other}"),
@@ -213,6 +233,7 @@ fn case(dir: &Path, n: u64, storage: Storage, lookups_n: usize) -> serde_json::V
     let (uniform, zipfian, warm) = (batched(uniform), batched(zipfian), batched(warm));
     drop(r);
 
+    let steady = steady(&path, n);
     let growth = grow(&path, n, file_bytes);
     let _ = std::fs::remove_file(&path);
     let _ = std::fs::remove_file(dir.join(format!("user-{n}-{storage:?}.qrep.grow.tmp").to_lowercase()));
@@ -223,7 +244,72 @@ fn case(dir: &Path, n: u64, storage: Storage, lookups_n: usize) -> serde_json::V
         "resident_after_build_bytes": resident_after_build, "resident_serving_bytes": resident_serving,
         "restart_warm": restart_warm, "restart_cold": restart_cold,
         "lookup_uniform": uniform, "lookup_zipf": zipfian, "lookup_warm": warm,
-        "growth": growth,
+        "steady": steady, "growth": growth,
+    })
+}
+
+/// Bytes this process has caused to be sent to storage so far.
+fn write_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").expect("/proc/self/io");
+    io.lines().find_map(|l| l.strip_prefix("write_bytes: ")).and_then(|v| v.parse().ok()).expect("write_bytes")
+}
+
+/// The refresher applying a steady stream of updates (see the header).
+fn steady(path: &Path, n: u64) -> serde_json::Value {
+    let (mut w, _) = ReplicaWriter::open(path, "user").expect("open");
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Arc<Replica>, Cursor)>(1);
+    let flusher = std::thread::spawn(move || {
+        let mut checkpoints_ns = Vec::new();
+        for (table, cursor) in rx {
+            let t = Instant::now();
+            table.write_checkpoint(cursor).expect("checkpoint");
+            checkpoints_ns.push(t.elapsed().as_nanos() as u64);
+        }
+        checkpoints_ns
+    });
+    let per_round = STEADY_UPDATES_PER_S * STEADY_ROUND_MS / 1000;
+    let rounds = STEADY_S * 1000 / STEADY_ROUND_MS;
+    let mut rng = SplitMix64::new(SEED + 6);
+    let mut v = vec![0f32; DIM];
+    let (mut rounds_ns, mut late_rounds, mut skipped_checkpoints) = (Vec::new(), 0u64, 0u64);
+    let mut seq = n;
+    let written_before = write_bytes();
+    let t0 = Instant::now();
+    let mut last_checkpoint = t0;
+    for round in 0..rounds {
+        let due = t0 + std::time::Duration::from_millis(round * STEADY_ROUND_MS);
+        match due.checked_duration_since(Instant::now()) {
+            Some(wait) => std::thread::sleep(wait),
+            None => late_rounds += 1,
+        }
+        let t = Instant::now();
+        for _ in 0..per_round {
+            let id = rng.below(n);
+            vector(id.wrapping_add(seq), &mut v);
+            w.upsert(id, &v).expect("update");
+            seq += 1;
+        }
+        w.set_cursor(Cursor { epoch: 1, seq, change_unix_ms: 0 });
+        if last_checkpoint.elapsed().as_millis() as u64 >= STEADY_CHECKPOINT_MS {
+            // One pending checkpoint at most, as the refresher's channel.
+            if tx.try_send((w.table().clone(), w.cursor())).is_err() {
+                skipped_checkpoints += 1;
+            }
+            last_checkpoint = Instant::now();
+        }
+        rounds_ns.push(t.elapsed().as_nanos() as u64);
+    }
+    drop(tx);
+    let mut checkpoints_ns = flusher.join().expect("flusher");
+    let seconds = t0.elapsed().as_secs_f64();
+    let written = write_bytes() - written_before;
+    let updates = per_round * rounds;
+    drop(w);
+    serde_json::json!({
+        "updates": updates, "seconds": seconds, "updates_per_s": updates as f64 / seconds,
+        "round": percentiles(&mut rounds_ns), "late_rounds": late_rounds,
+        "checkpoint": percentiles(&mut checkpoints_ns), "checkpoints_skipped": skipped_checkpoints,
+        "disk_write_bytes_per_s": written as f64 / seconds, "disk_write_bytes_per_update": written as f64 / updates as f64,
     })
 }
 
@@ -373,10 +459,12 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
 
 fn main() {
     let args = parse_args();
+    quiver::replica::huge_pages(args.huge_pages);
     std::fs::create_dir_all(&args.dir).expect("bench directory");
     for &n in &args.entities {
         for &storage in &args.storages {
-            let line = case(&args.dir, n, storage, args.lookups);
+            let mut line = case(&args.dir, n, storage, args.lookups);
+            line["huge_pages"] = serde_json::Value::Bool(args.huge_pages);
             println!("{line}");
         }
     }

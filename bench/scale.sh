@@ -2,7 +2,8 @@
 # Replica scale curves (issue 19): runs `cargo bench --bench scale` for 1M,
 # 10M and 50M entities x 32 dims in f32 and f16 storage, unpinned (the
 # growth step's reader thread must not share the writer's core), writes bench/results/scale.jsonl (the commit first, then
-# one line per case) and plots the curves into docs/bench/scale-*.png.
+# one line per case) and plots the curves into docs/bench/scale-*.png; then
+# the f32 cases again without huge pages (bench/results/scale-small-pages.jsonl).
 #
 #   bash bench/scale.sh [ENTITIES (comma-separated)] [LOOKUPS per case]
 #
@@ -32,6 +33,18 @@ commit="$(python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance
 } > "$out.tmp"
 mv "$out.tmp" "$out"
 
+# The same f32 cases with replica_huge_pages = false (small page-cache
+# folios), for the side-by-side in the report; separate, so the plots below
+# stay one curve per storage.
+small=bench/results/scale-small-pages.jsonl
+{
+    echo "{\"commit\": \"$commit\", \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
+    cargo bench --quiet --bench scale -- --entities "$entities" --storage f32 --lookups "$lookups" --dir "$dir" \
+        --huge-pages off
+    echo "{\"loadavg_end\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
+} > "$small.tmp"
+mv "$small.tmp" "$small"
+
 bin=target/release/quiver
 "$bin" plot scale --out docs/bench/scale-time.png --title "Replica: build, restart and growth time" \
     --y-desc "seconds" --results "$out" build=build_s "restart (serving)=restart_warm.serving_s" \
@@ -42,4 +55,4 @@ bin=target/release/quiver
 "$bin" plot scale --out docs/bench/scale-lookup.png --title "Replica: one request's rows (1 user + 32 items), p99" \
     --y-desc "µs" --divide-by 1e3 --results "$out" uniform=lookup_uniform.p99_ns zipf=lookup_zipf.p99_ns \
     warm=lookup_warm.p99_ns
-echo "scale: wrote $out and docs/bench/scale-{time,memory,lookup}.png"
+echo "scale: wrote $out, $small and docs/bench/scale-{time,memory,lookup}.png"

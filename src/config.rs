@@ -81,6 +81,10 @@ pub struct Config {
     /// a page the kernel evicted. Needs RLIMIT_MEMLOCK (or CAP_IPC_LOCK) of
     /// at least the files' size; start-up fails, naming it, when too low.
     pub replica_lock: bool,
+    /// Ask for huge pages on replica files of 32 MiB or more (see
+    /// `replica::huge_pages`): faster random lookups where the kernel backs
+    /// them, at the price of 2 MiB written back per folio an update touches.
+    pub replica_huge_pages: bool,
     pub limits: Limits,
     pub reactor: ReactorConfig,
     /// TLS on the scoring port (see the README's "TLS"); plain TCP without it.
@@ -117,6 +121,7 @@ impl Default for Config {
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,
             replica_lock: false,
+            replica_huge_pages: true,
             limits: Limits::default(),
             reactor: ReactorConfig::default(),
             tls: None,

@@ -111,6 +111,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     }
 
     crate::replica::lock_pages(config.replica_lock);
+    crate::replica::huge_pages(config.replica_huge_pages);
     if let Some(lib) = &config.onnxruntime_lib {
         crate::score::configure_onnxruntime(lib);
     }

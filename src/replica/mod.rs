@@ -63,7 +63,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 pub use layout::{Cursor, Header, Storage};
-pub use table::{lock_pages, mem_available_bytes, Replica};
+pub use table::{huge_pages, lock_pages, mem_available_bytes, Replica};
 pub use writer::{GrowthPhase, OpenReport, ReplicaWriter};
 
 pub const MAGIC: [u8; 8] = *b"QVREPL02";

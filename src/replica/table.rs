@@ -86,6 +86,20 @@ pub fn lock_pages(on: bool) {
     LOCK_PAGES.store(on, Ordering::Relaxed);
 }
 
+/// Whether large replica mappings ask for huge pages (`replica_huge_pages`).
+static HUGE_PAGES: AtomicBool = AtomicBool::new(true);
+
+/// Asks for huge pages (`MADV_HUGEPAGE`) on every replica of at least
+/// [`HUGE_PAGES_FROM_BYTES`] mapped from now on, or not: set once at
+/// start-up from `replica_huge_pages`. On a file system with large folios
+/// (ext4 from Linux 6.16, XFS) the page cache of such a file is then in
+/// 2 MiB folios: fewer TLB misses for random lookups, but every update
+/// dirties, and every checkpoint writes back, a whole 2 MiB folio
+/// (measured in docs/BENCHMARKS.md, "Replica scale", steady updates).
+pub fn huge_pages(on: bool) {
+    HUGE_PAGES.store(on, Ordering::Relaxed);
+}
+
 /// RLIMIT_MEMLOCK in words, for the error that names it.
 fn memlock_limit() -> String {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -164,10 +178,11 @@ impl Replica {
                 source,
             })?;
         }
-        if actual >= HUGE_PAGES_FROM_BYTES {
+        if actual >= HUGE_PAGES_FROM_BYTES && HUGE_PAGES.load(Ordering::Relaxed) {
             // Only a hint: it takes effect where the kernel backs this file
-            // with huge pages (tmpfs mounted with huge=advise or always);
-            // elsewhere it changes nothing, so a refusal is not an error.
+            // with huge pages or large folios (tmpfs with huge=advise, ext4
+            // from 6.16, XFS); elsewhere it changes nothing, so a refusal is
+            // not an error.
             #[cfg(target_os = "linux")]
             if let Err(e) = map.advise(memmap2::Advice::HugePage) {
                 tracing::debug!(path = %p, "no huge pages for the replica: {e}");
