@@ -510,8 +510,9 @@ if os.path.exists(scale):
         w("Steady updates, as the refresher applies a busy stream: 10,000 updates/s to ids uniform over the whole")
         w("population for 20 s, in rounds of 10 ms on a fixed schedule, the position checkpointed every 200 ms by a")
         w("flusher thread (rows flushed with msync, then the record); the rounds' and checkpoints' times, and what")
-        w("this process wrote to the disk (`/proc/self/io` `write_bytes`, the checkpoints' writeback). Files over")
-        w("32 MiB are mapped with `MADV_HUGEPAGE`, so their page cache is in 2 MiB folios (docs/REPLICA.md).\n")
+        w("this process wrote to the disk (`/proc/self/io` `write_bytes`, the checkpoints' writeback). **This run, like")
+        w("every table of this section, maps the files with `MADV_HUGEPAGE`** (`replica_huge_pages = true`, then the")
+        w("default), so their page cache is in 2 MiB folios (docs/REPLICA.md).\n")
         w("| entities | storage | updates/s | round p50 / p99 / max | late rounds | checkpoint p50 / p99 / max | disk writes | per update |")
         w("|---|---|---|---|---|---|---|---|")
         for c in steady:
@@ -526,7 +527,11 @@ if os.path.exists(scale):
     small = {(c["entities"], c["storage"]): c for c in small if "entities" in c}
     if small:
         w("The same f32 cases again, right after the run above, with `replica_huge_pages = false` (no `MADV_HUGEPAGE`:")
-        w("the page cache stays in small folios), side by side with huge pages (on / off):\n")
+        w("the page cache stays in small folios), side by side with huge pages (on / off). From these rows the server's")
+        w("default became off: with huge pages every update dirties a 2 MiB folio, so at 50M rows a checkpoint wrote back")
+        w("36× the bytes and the refresher's round p99 was 60× longer (it fell behind the 10,000 updates/s), for a lookup")
+        w("p99 no better on this machine. Single runs; the 1M row with small pages had 545 late rounds, not seen at 10M")
+        w("or 50M, which other work on the VM may explain (not isolated).\n")
         w("| entities | lookup p99, uniform | lookup p50, uniform | steady: round p99 | steady: checkpoint p50 | steady: disk writes per update | scan, pages evicted | growth: longest round |")
         w("|---|---|---|---|---|---|---|---|")
         for c in cases:

@@ -42,8 +42,9 @@
 //!     cargo bench --bench scale [-- --entities 1000000,10000000 --storage f32,f16 --dir PATH --lookups N
 //!                                  --huge-pages on|off]
 //!
-//! `--huge-pages off` maps every file without `MADV_HUGEPAGE`
-//! (`replica_huge_pages = false`), so its page cache stays in small folios.
+//! `--huge-pages on` maps files of 32 MiB or more with `MADV_HUGEPAGE`
+//! (`replica_huge_pages = true`), so their page cache is in 2 MiB folios;
+//! off (the server's default) leaves small folios.
 //!
 //! Seeded: ids and values are deterministic functions of the seed.
 
@@ -80,7 +81,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
-        huge_pages: true,
+        huge_pages: false,
         entities: vec![1_000_000, 10_000_000, 50_000_000],
         storages: vec![Storage::F32, Storage::F16],
         dir: std::env::temp_dir().join("quiver-scale"),

@@ -27,15 +27,18 @@ cargo build --release --quiet
 commit="$(python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance; print(provenance.git_commit())')"
 {
     echo "{\"commit\": \"$commit\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"mem_total_kib\": $(awk '/MemTotal/ {print $2}' /proc/meminfo), \"cores\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
-    cargo bench --quiet --bench scale -- --entities "$entities" --storage f32,f16 --lookups "$lookups" --dir "$dir"
+    cargo bench --quiet --bench scale -- --entities "$entities" --storage f32,f16 --lookups "$lookups" --dir "$dir" \
+        --huge-pages on
     # What else ran meanwhile shows in the load average (the tails carry it).
     echo "{\"loadavg_end\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
 } > "$out.tmp"
 mv "$out.tmp" "$out"
 
-# The same f32 cases with replica_huge_pages = false (small page-cache
-# folios), for the side-by-side in the report; separate, so the plots below
-# stay one curve per storage.
+# The curves above ask for huge pages (replica_huge_pages = true, the
+# server's default until this comparison); the same f32 cases with
+# replica_huge_pages = false (small page-cache folios, the default now),
+# for the side-by-side in the report; separate, so the plots below stay one
+# curve per storage.
 small=bench/results/scale-small-pages.jsonl
 {
     echo "{\"commit\": \"$commit\", \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
