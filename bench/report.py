@@ -505,14 +505,17 @@ if os.path.exists(scale):
     for c in cases:
         w(f"| {c['entities']:,} | {c['storage']} | {us(c['lookup_uniform'])} | {us(c['lookup_zipf'])} | {us(c['lookup_warm'])} |")
     w("")
+    mode = lambda c: "huge pages" if c.get("huge_pages", True) else "small folios"
+    mode_words = {"huge pages": "with `MADV_HUGEPAGE` (`replica_huge_pages = true`), so their page cache is in 2 MiB folios",
+                  "small folios": "without huge pages (`replica_huge_pages = false`, the default), so their page cache is in small folios"}
+    main_mode = mode(cases[0]) if cases else "huge pages"
     steady = [c for c in cases if c.get("steady")]
     if steady:
         w("Steady updates, as the refresher applies a busy stream: 10,000 updates/s to ids uniform over the whole")
         w("population for 20 s, in rounds of 10 ms on a fixed schedule, the position checkpointed every 200 ms by a")
         w("flusher thread (rows flushed with msync, then the record); the rounds' and checkpoints' times, and what")
         w("this process wrote to the disk (`/proc/self/io` `write_bytes`, the checkpoints' writeback). **This run, like")
-        w("every table of this section, maps the files with `MADV_HUGEPAGE`** (`replica_huge_pages = true`, then the")
-        w("default), so their page cache is in 2 MiB folios (docs/REPLICA.md).\n")
+        w(f"every table of this section, maps the files {mode_words[main_mode]}** (docs/REPLICA.md).\n")
         w("| entities | storage | updates/s | round p50 / p99 / max | late rounds | checkpoint p50 / p99 / max | disk writes | per update |")
         w("|---|---|---|---|---|---|---|---|")
         for c in steady:
@@ -522,33 +525,38 @@ if os.path.exists(scale):
             w(f"| {c['entities']:,} | {c['storage']} | {st['updates_per_s']:,.0f} | {ms(rd)} | {st['late_rounds']:,} | "
               f"{ms(ck)} | {st['disk_write_bytes_per_s'] / 2**20:,.1f} MiB/s | {st['disk_write_bytes_per_update'] / 1024:,.1f} KiB |")
         w("")
-    small_path = os.path.join(res, "scale-small-pages.jsonl")
-    small = [json.loads(l) for l in open(small_path) if l.startswith("{")] if os.path.exists(small_path) else []
-    small = {(c["entities"], c["storage"]): c for c in small if "entities" in c}
-    if small:
-        w("The same f32 cases again, right after the run above, with `replica_huge_pages = false` (no `MADV_HUGEPAGE`:")
-        w("the page cache stays in small folios), side by side with huge pages (on / off). From these rows the server's")
-        w("default became off: with huge pages every update dirties a 2 MiB folio, so at 50M rows a checkpoint wrote back")
-        w("36× the bytes and the refresher's round p99 was 60× longer (it fell behind the 10,000 updates/s), for a lookup")
-        w("p99 no better on this machine. Single runs; the 1M row with small pages had 545 late rounds, not seen at 10M")
-        w("or 50M, which other work on the VM may explain (not isolated).\n")
-        w("| entities | lookup p99, uniform | lookup p50, uniform | steady: round p99 | steady: checkpoint p50 | steady: disk writes per update | scan, pages evicted | growth: longest round |")
-        w("|---|---|---|---|---|---|---|---|")
-        for c in cases:
-            o = small.get((c["entities"], c["storage"]))
-            if not o or not c.get("steady") or not o.get("steady"):
-                continue
+    side_path = next((q for q in (os.path.join(res, n) for n in ("scale-side.jsonl", "scale-small-pages.jsonl")) if os.path.exists(q)), None)
+    side = [json.loads(l) for l in open(side_path) if l.startswith("{")] if side_path else []
+    side = {(c["entities"], c["storage"]): c for c in side if "entities" in c}
+    pairs = [(c, side[(c["entities"], c["storage"])]) for c in cases
+             if (c["entities"], c["storage"]) in side and c.get("steady") and side[(c["entities"], c["storage"])].get("steady")]
+    if pairs:
+        side_mode = mode(pairs[0][1])
+        w(f"The same {pairs[0][0]['storage']} cases again, right after the run above, {mode_words[side_mode]};")
+        w(f"side by side ({main_mode} / {side_mode}):\n")
+        w("| entities | lookup p99, uniform | lookup p50, uniform | steady: updates/s | steady: round p99 | steady: checkpoint p50 | steady: disk writes per update | scan, pages evicted | growth: longest round |")
+        w("|---|---|---|---|---|---|---|---|---|")
+        for c, o in pairs:
             both = lambda f: f"{f(c)} / {f(o)}"
             gr = lambda x: "skipped" if "skipped" in x["growth"] else f"{x['growth']['refresher_round']['max_ns'] / 1e6:,.0f} ms"
             lp99 = lambda x: f"{p99(x['lookup_uniform']) / 1e3:.1f} µs"
             lp50 = lambda x: f"{x['lookup_uniform']['p50_ns'] / 1e3:.1f} µs"
+            ups = lambda x: f"{x['steady']['updates_per_s']:,.0f}"
             rp99 = lambda x: f"{x['steady']['round']['p99_ns'] / 1e6:.2f} ms"
             cp50 = lambda x: f"{x['steady']['checkpoint']['p50_ns'] / 1e6:,.0f} ms" if x["steady"]["checkpoint"] else "none"
             wpu = lambda x: f"{x['steady']['disk_write_bytes_per_update'] / 1024:,.1f} KiB"
             scan = lambda x: f"{x['restart_cold']['verify_s']:.1f} s"
-            w(f"| {c['entities']:,} | {both(lp99)} | {both(lp50)} | {both(rp99)} | {both(cp50)} | {both(wpu)} | "
+            w(f"| {c['entities']:,} | {both(lp99)} | {both(lp50)} | {both(ups)} | {both(rp99)} | {both(cp50)} | {both(wpu)} | "
               f"{both(scan)} | {both(gr)} |")
+        big_c, big_o = max(pairs, key=lambda p: p[0]["entities"])
+        huge, small_f = (big_c, big_o) if main_mode == "huge pages" else (big_o, big_c)
+        writes = huge["steady"]["disk_write_bytes_per_update"] / small_f["steady"]["disk_write_bytes_per_update"]
+        rounds = huge["steady"]["round"]["p99_ns"] / small_f["steady"]["round"]["p99_ns"]
         w("")
+        w(f"At {big_c['entities']:,} rows huge pages wrote back {writes:.0f}× the bytes per update and their refresher rounds'")
+        w(f"p99 was {rounds:.0f}× as long, for a lookup p99 of {p99(huge['lookup_uniform']) / 1e3:.1f} against")
+        w(f"{p99(small_f['lookup_uniform']) / 1e3:.1f} µs: every update dirties, and every checkpoint writes back, a whole 2 MiB folio.")
+        w("This is why `replica_huge_pages` is off by default (it was on until 90671fc). Single runs.\n")
     w("Growth in the background while the refresher applies updates: the growth's time from start to swap, the")
     w("changes applied meanwhile, the refresher's rounds (100 updates and a poll; the max is its longest pause) and")
     w("the longest round in each phase (while the copy runs; while noted keys are replayed, in that many rounds;")
@@ -609,9 +617,13 @@ if os.path.exists(scale):
                          ("at the swap", pg["swap_round_ns"])], key=lambda p: p[1])[0]
             w(f"  It came {phase}. A replay round replays for as long as the rest of the round took (10 to 250 ms,")
             w("  checked every 8 keys), so a round during the replay takes up to about twice its other work: the 100")
-            w("  updates, then written to both files, each costing most where it is the first write to a 2 MiB")
-            w("  page-cache folio since that folio's writeback (ext4 then dirties the whole folio; see huge pages in")
-            w("  docs/REPLICA.md), or a disk read where the files do not fit in memory.")
+            if main_mode == "huge pages":
+                w("  updates, then written to both files, each costing most where it is the first write to a 2 MiB")
+                w("  page-cache folio since that folio's writeback (ext4 then dirties the whole folio; see huge pages in")
+                w("  docs/REPLICA.md), or a disk read where the files do not fit in memory.")
+            else:
+                w("  updates, then written to both files, each costing most where it is the first write to a page")
+                w("  since its writeback, or a disk read where the files do not fit in memory.")
         w(f"  The longest growth took {worst['growth']['growth_s']:.1f} s ({worst['entities']:,},"
           f" {worst['storage']}): the copy runs at nice 10 beside the busy reader and writer threads.")
     w("")

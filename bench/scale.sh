@@ -3,7 +3,7 @@
 # 10M and 50M entities x 32 dims in f32 and f16 storage, unpinned (the
 # growth step's reader thread must not share the writer's core), writes bench/results/scale.jsonl (the commit first, then
 # one line per case) and plots the curves into docs/bench/scale-*.png; then
-# the f32 cases again without huge pages (bench/results/scale-small-pages.jsonl).
+# the f32 cases again with huge pages (bench/results/scale-side.jsonl).
 #
 #   bash bench/scale.sh [ENTITIES (comma-separated)] [LOOKUPS per case]
 #
@@ -28,25 +28,23 @@ commit="$(python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance
 {
     echo "{\"commit\": \"$commit\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"mem_total_kib\": $(awk '/MemTotal/ {print $2}' /proc/meminfo), \"cores\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
     cargo bench --quiet --bench scale -- --entities "$entities" --storage f32,f16 --lookups "$lookups" --dir "$dir" \
-        --huge-pages on
+        --huge-pages off
     # What else ran meanwhile shows in the load average (the tails carry it).
     echo "{\"loadavg_end\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
 } > "$out.tmp"
 mv "$out.tmp" "$out"
 
-# The curves above ask for huge pages (replica_huge_pages = true, the
-# server's default until this comparison); the same f32 cases with
-# replica_huge_pages = false (small page-cache folios, the default now),
-# for the side-by-side in the report; separate, so the plots below stay one
-# curve per storage.
-small=bench/results/scale-small-pages.jsonl
+# The same f32 cases with replica_huge_pages = true (MADV_HUGEPAGE: 2 MiB
+# page-cache folios), for the side-by-side in the report; separate, so the
+# plots below stay one curve per storage at the server's default.
+side=bench/results/scale-side.jsonl
 {
     echo "{\"commit\": \"$commit\", \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
     cargo bench --quiet --bench scale -- --entities "$entities" --storage f32 --lookups "$lookups" --dir "$dir" \
-        --huge-pages off
+        --huge-pages on
     echo "{\"loadavg_end\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}"
-} > "$small.tmp"
-mv "$small.tmp" "$small"
+} > "$side.tmp"
+mv "$side.tmp" "$side"
 
 bin=target/release/quiver
 "$bin" plot scale --out docs/bench/scale-time.png --title "Replica: build, restart and growth time" \
@@ -58,4 +56,4 @@ bin=target/release/quiver
 "$bin" plot scale --out docs/bench/scale-lookup.png --title "Replica: one request's rows (1 user + 32 items), p99" \
     --y-desc "µs" --divide-by 1e3 --results "$out" uniform=lookup_uniform.p99_ns zipf=lookup_zipf.p99_ns \
     warm=lookup_warm.p99_ns
-echo "scale: wrote $out, $small and docs/bench/scale-{time,memory,lookup}.png"
+echo "scale: wrote $out, $side and docs/bench/scale-{time,memory,lookup}.png"
