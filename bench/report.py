@@ -651,7 +651,8 @@ if os.path.exists(scale):
             rw = pg.get("refresher_waits")
             if rw:
                 w(f"  The refresher's thread during that growth: {rw['major_faults']:,} page faults that read the disk,"
-                  f" {rw['preempted']:,} times its core was taken, {rw['blocked']:,} times it blocked.")
+                  f" {rw['preempted']:,} times its core was taken (it sleeps 1 ms between rounds, so its blocking is"
+                  " not told apart).")
         w(f"  The longest growth took {worst['growth']['growth_s']:.1f} s ({worst['entities']:,},"
           f" {worst['storage']}): the copy runs at nice 10 beside the busy reader and writer threads.")
     w("")

@@ -34,8 +34,10 @@
 //!   poll, which replays a bounded slice of the keys changed during the copy
 //!   into the new file and swaps it in when none is left); timed start to swap, with every round's time (the longest is
 //!   the refresher's pause), while a reader thread keeps looking up rows
-//!   through the group's handle, before the growth and during it.
-//!   Growth is skipped where the two files would not fit in memory.
+//!   through the group's handle, before the growth and during it; what
+//!   held the reader and the refresher back meanwhile (their page faults
+//!   and context switches, from `getrusage`) and the machine's reclaim
+//!   counters (`/proc/vmstat`). Growth is skipped where the two files would not fit in memory.
 //!
 //! Each case prints one JSON line; `bench/report.py` renders them.
 //!
@@ -365,6 +367,61 @@ fn restart(path: &Path, n: u64, evict: bool) -> serde_json::Value {
     })
 }
 
+/// What kept a thread off its work, as the kernel counts it for the calling
+/// thread: page faults that read the disk (major), those that did not
+/// (minor), and the times it gave up its core (voluntary: it blocked) or
+/// had it taken away (involuntary: another thread was scheduled).
+#[derive(Clone, Copy, Default)]
+struct Waits {
+    major_faults: i64,
+    minor_faults: i64,
+    blocked: i64,
+    preempted: i64,
+}
+
+impl Waits {
+    fn of_this_thread() -> Waits {
+        // SAFETY: getrusage writes into the struct it is given.
+        let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut r) }, 0, "getrusage");
+        Waits { major_faults: r.ru_majflt, minor_faults: r.ru_minflt, blocked: r.ru_nvcsw, preempted: r.ru_nivcsw }
+    }
+
+    fn since(self, start: Waits) -> serde_json::Value {
+        serde_json::json!({
+            "major_faults": self.major_faults - start.major_faults,
+            "minor_faults": self.minor_faults - start.minor_faults,
+            "blocked": self.blocked - start.blocked,
+            "preempted": self.preempted - start.preempted,
+        })
+    }
+}
+
+/// The machine's memory-pressure counters (`/proc/vmstat`): reclaim done by
+/// allocating threads themselves (direct), pages read back in that had been
+/// evicted (refaults), and all major faults.
+const VMSTAT_KEYS: [&str; 4] = ["allocstall_normal", "pgscan_direct", "workingset_refault_file", "pgmajfault"];
+
+fn vmstat() -> [u64; VMSTAT_KEYS.len()] {
+    let text = std::fs::read_to_string("/proc/vmstat").expect("/proc/vmstat");
+    let mut out = [0u64; VMSTAT_KEYS.len()];
+    for line in text.lines() {
+        let mut parts = line.split_whitespace();
+        let (Some(key), Some(value)) = (parts.next(), parts.next()) else { continue };
+        if let Some(i) = VMSTAT_KEYS.iter().position(|k| *k == key) {
+            out[i] = value.parse().expect("a /proc/vmstat count");
+        }
+    }
+    out
+}
+
+fn vmstat_since(start: [u64; VMSTAT_KEYS.len()]) -> serde_json::Value {
+    let now = vmstat();
+    let map: serde_json::Map<String, serde_json::Value> =
+        VMSTAT_KEYS.iter().enumerate().map(|(i, k)| (k.to_string(), (now[i] - start[i]).into())).collect();
+    serde_json::Value::Object(map)
+}
+
 /// Fills the file past its capacity while a reader looks rows up through
 /// the handle; returns the growth's time and the reader's slowest lookups.
 fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
@@ -387,11 +444,19 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
             let mut rows = [0u32; 1 + ITEMS_PER_REQUEST];
             let mut out = vec![0f32; keys.len() * DIM];
             let (mut before, mut during) = (Vec::new(), Vec::new());
+            // This thread's waits from its first lookup during the growth
+            // to its first lookup after it.
+            let (mut waits_from, mut waits) = (None, serde_json::Value::Null);
             while !stop.load(Ordering::Relaxed) {
                 for k in keys.iter_mut() {
                     *k = rng.below(n);
                 }
                 let g = growing.load(Ordering::Relaxed);
+                match (g, waits_from) {
+                    (true, None) => waits_from = Some(Waits::of_this_thread()),
+                    (false, Some(from)) if waits.is_null() => waits = Waits::of_this_thread().since(from),
+                    _ => {}
+                }
                 let t = Instant::now();
                 let table = handle.load();
                 let missing = table.read_many_into(&keys, &mut rows, &mut out);
@@ -400,7 +465,7 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
                 assert_eq!(missing, 0);
                 if g { &mut during } else { &mut before }.push(ns);
             }
-            (before, during)
+            (before, during, waits)
         })
     };
     std::thread::sleep(std::time::Duration::from_millis(500));
@@ -416,6 +481,7 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
     // keys are replayed, and the round that swaps the copy in.
     let (mut copying_max_ns, mut replaying_max_ns, mut replay_rounds) = (0u64, 0u64, 0u64);
     let mut swap_round_ns = 0u64;
+    let (writer_from, machine_from) = (Waits::of_this_thread(), vmstat());
     growing.store(true, Ordering::Relaxed);
     let t = Instant::now();
     loop {
@@ -443,10 +509,11 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     let growth_s = t.elapsed().as_secs_f64();
+    let (writer_waits, machine) = (Waits::of_this_thread().since(writer_from), vmstat_since(machine_from));
     growing.store(false, Ordering::Relaxed);
     std::thread::sleep(std::time::Duration::from_millis(100));
     stop.store(true, Ordering::Relaxed);
-    let (mut before, mut during) = reader.join().expect("reader");
+    let (mut before, mut during, reader_waits) = reader.join().expect("reader");
     let capacity = w.table().header().row_capacity;
     drop(w);
     serde_json::json!({
@@ -455,6 +522,7 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
         "round_max_copying_ns": copying_max_ns, "round_max_replaying_ns": replaying_max_ns,
         "replay_rounds": replay_rounds, "swap_round_ns": swap_round_ns,
         "reader_before": percentiles(&mut before), "reader_during": percentiles(&mut during),
+        "reader_waits": reader_waits, "refresher_waits": writer_waits, "machine": machine,
     })
 }
 
