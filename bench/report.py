@@ -650,9 +650,13 @@ if os.path.exists(scale):
                 w("  It came at the swap, which checkpoints the new file before readers are moved to it.")
             rw = pg.get("refresher_waits")
             if rw:
-                w(f"  The refresher's thread during that growth: {rw['major_faults']:,} page faults that read the disk,"
-                  f" {rw['preempted']:,} times its core was taken (it sleeps 1 ms between rounds, so its blocking is"
-                  " not told apart).")
+                rounds = pg["refresher_round"]["n"]
+                w(f"  The refresher's thread during that growth (getrusage): {rw['major_faults']:,} page faults that read"
+                  f" the disk, {rw['minor_faults']:,} that did not (a write to a page clean since its writeback faults),"
+                  f" {rw['preempted']:,} times its core was taken, and {max(rw['blocked'] - rounds, 0):,} times it"
+                  f" blocked beyond its {rounds:,} sleeps of 1 ms between rounds. The writer shares no lock with the copy thread or the readers"
+                  " (the copy thread reads the old file and writes only the new one), so those blocks"
+                  " are waits in the kernel: a write fault on the file, or a page whose writeback is in flight.")
         w(f"  The longest growth took {worst['growth']['growth_s']:.1f} s ({worst['entities']:,},"
           f" {worst['storage']}): the copy runs at nice 10 beside the busy reader and writer threads.")
     w("")
