@@ -58,10 +58,11 @@ bench_setup
 cargo build --release --quiet --bench scale_serve
 items="$("$bin" replica inspect --group item --file "$data/item.qrep" | awk '/^size:/ {print $2}')"
 [ -n "$items" ] || die "could not read the item count of $data/item.qrep"
+# The commit first: removing the last run's distributions below would
+# otherwise mark the tree dirty.
+commit="$(python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance; print(provenance.git_commit())')"
 mkdir -p "$HGRM_DIR"
 rm -f "$HGRM_DIR"/*.hgrm
-
-commit="$(python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance; print(provenance.git_commit())')"
 emit() { echo "$1" >>"$OUT.tmp"; echo "$1" >&2; }
 : >"$OUT.tmp"
 emit "{\"commit\": \"$commit\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"cores\": $(nproc), \"mem_total_kib\": $(awk '/MemTotal/ {print $2}' /proc/meminfo), \"kernel\": \"$(uname -r)\", \"rate\": $RATE, \"zipf\": $ZIPF, \"runs\": $RUNS, \"duration\": \"$DURATION\", \"warmup\": \"$WARMUP\", \"cold\": \"$COLD\", \"connections\": $CONNECTIONS, \"server_core\": $SERVER_CORE, \"gen_core\": $GEN_CORE, \"items\": $items, \"spare_gib\": $SPARE_GIB}"
