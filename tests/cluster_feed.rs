@@ -5,14 +5,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::RedisServer;
 use common::redis_cluster::RedisCluster;
-use common::{demo_dir, demo_request, scratch, Server};
+use common::{demo_request, models_only_dir, Server};
 use quiver::admin::{FeedGroupStats, Stats};
 use quiver::feed::cluster::ClusterConn;
 use quiver::feed::contract::{encode_vector, Layout};
@@ -24,14 +24,6 @@ const DIM: usize = 32;
 
 fn vector(id: u64, generation: u64) -> Vec<f32> {
     (0..DIM).map(|i| ((id * 31 + generation * 17 + i as u64 * 7) % 1000) as f32 / 1000.0).collect()
-}
-
-fn data_dir(name: &str) -> PathBuf {
-    let d = scratch(name);
-    for f in ["model.qm", "fallback.qm"] {
-        std::fs::copy(demo_dir().join(f), d.join(f)).unwrap();
-    }
-    d
 }
 
 fn serve(dir: &Path, url: &str, feed_toml: &str) -> Server {
@@ -167,7 +159,7 @@ fn one_node_bucketed_group_follows_each_bucket_and_resyncs_only_the_one_with_a_g
     let mut p = Publisher::new(redis.conn()).unwrap().with_layout(layout).unwrap();
     put(&mut p, "item", 0..20_000, 0);
     put(&mut p, "user", 0..1000, 0);
-    let dir = data_dir("bucketed-one-node");
+    let dir = models_only_dir("bucketed-one-node");
     let server = serve(&dir, &redis.url(), "buckets = 4\ncheck_interval_ms = 200\n");
     let mut conn = redis.conn();
     wait_caught_up(&server, &mut conn, layout);
@@ -221,7 +213,7 @@ fn a_cluster_is_followed_through_a_full_sync_updates_while_scoring_and_a_reshard
     let layout = p.layout();
     put(&mut p, "item", 0..100_000, 0);
     put(&mut p, "user", 0..1000, 0);
-    let dir = data_dir("cluster-feed");
+    let dir = models_only_dir("cluster-feed");
     let server = serve(&dir, &url, "");
     let mut c = conn();
     wait_caught_up(&server, &mut c, layout);
@@ -266,7 +258,7 @@ fn a_killed_master_is_followed_to_its_promoted_replica_with_nothing_lost() {
     let layout = p.layout();
     put(&mut p, "item", 0..20_000, 0);
     put(&mut p, "user", 0..1000, 0);
-    let dir = data_dir("cluster-failover");
+    let dir = models_only_dir("cluster-failover");
     let server = serve(&dir, &url, "");
     let mut c = conn();
     wait_caught_up(&server, &mut c, layout);
@@ -286,4 +278,47 @@ fn a_killed_master_is_followed_to_its_promoted_replica_with_nothing_lost() {
     wait_caught_up(&server, &mut c, layout);
     assert_replica_equals_source(&dir, "item", layout, 20_000, &mut c);
     assert_replica_equals_source(&dir, "user", layout, 1000, &mut c);
+}
+
+/// `redis+cluster://` with credentials: the publisher, the first sync (a thread per master)
+/// and the stream reads authenticate on every node the topology names, not only the seed;
+/// a wrong password is an error at start-up that says so.
+#[test]
+fn a_cluster_that_asks_for_a_password_is_followed_and_a_wrong_one_is_refused() {
+    let cluster = RedisCluster::start_with_password(3, 0, Some("s3cret"));
+    let seeds = cluster.seeds();
+    let url = format!("redis+cluster://:s3cret@{}", seeds.join(","));
+    let conn = || ClusterConn::connect(&cluster.config(), &seeds).unwrap();
+    let mut p = Publisher::cluster(conn(), 16).unwrap();
+    let layout = p.layout();
+    put(&mut p, "item", 0..20_000, 0);
+    put(&mut p, "user", 0..1000, 0);
+    let dir = models_only_dir("cluster-auth");
+    let server = serve(&dir, &url, "");
+    let mut c = conn();
+    wait_caught_up(&server, &mut c, layout);
+    assert_eq!(assert_replica_equals_source(&dir, "item", layout, 20_000, &mut c), 20_000);
+    let p = updater(p, 20_000, 2000, 1).join().unwrap();
+    wait_caught_up(&server, &mut c, layout);
+    assert_replica_equals_source(&dir, "item", layout, 20_000, &mut c);
+    drop((p, server));
+
+    let mut unauthenticated = cluster.config();
+    unauthenticated.password = None;
+    assert!(ClusterConn::connect(&unauthenticated, &seeds).is_err(), "no password, no connection");
+    let dir = models_only_dir("cluster-badauth");
+    let config = dir.join("quiver.toml");
+    let url = url.replace("s3cret", "b4d-passw0rd");
+    std::fs::write(&config, format!("[feed]\nredis = \"{url}\"\ninitial_sync_timeout_ms = 500\n")).unwrap();
+    let out = std::process::Command::new(common::BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--admin", "off", "--data-dir"])
+        .arg(&dir)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("initial sync") && err.to_lowercase().contains("auth"), "{err}");
+    assert!(!err.contains("b4d-passw0rd"), "the password is never printed: {err}");
 }

@@ -6,14 +6,14 @@
 mod common;
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::{redis_entities, RedisServer};
-use common::{demo_dir, demo_request, scratch, Server, BIN};
+use common::{demo_request, models_only_dir, Server, BIN};
 use quiver::admin::{FeedGroupStats, Stats};
 use quiver::feed::{contract, Publisher, RedisConn, Reply};
 use quiver::replica::{Replica, ReplicaError};
@@ -37,14 +37,6 @@ fn genuine(id: u64, v: &[f32]) -> bool {
 }
 
 /// A data directory with the demo models and no replica files.
-fn data_dir(name: &str) -> PathBuf {
-    let d = scratch(name);
-    for f in ["model.qm", "fallback.qm"] {
-        std::fs::copy(demo_dir().join(f), d.join(f)).unwrap();
-    }
-    d
-}
-
 fn serve(dir: &Path, redis: &RedisServer, feed_toml: &str) -> Server {
     let config = dir.join("quiver.toml");
     std::fs::write(&config, format!("[feed]\nredis = \"{}\"\nblock_ms = 50\n{feed_toml}", redis.url())).unwrap();
@@ -116,7 +108,7 @@ fn full_sync_of_100k_entities_equals_redis_byte_for_byte() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..100_000, 0);
     load(&redis, "user", 0..1000, 0);
-    let dir = data_dir("feed-full");
+    let dir = models_only_dir("feed-full");
 
     // The command-line sync.
     let out = Command::new(BIN)
@@ -142,7 +134,7 @@ fn ten_thousand_updates_at_a_steady_rate_all_land_while_the_server_scores() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..5000, 0);
     load(&redis, "user", 0..1000, 0);
-    let dir = data_dir("feed-steady");
+    let dir = models_only_dir("feed-steady");
     let server = serve(&dir, &redis, "");
     let stop = Arc::new(AtomicBool::new(false));
     let scored = Arc::new(AtomicU64::new(0));
@@ -192,7 +184,7 @@ fn redis_killed_mid_stream_then_restarted_converges_with_nothing_lost() {
     let mut redis = RedisServer::start_with(true);
     load(&redis, "item", 0..2000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = data_dir("feed-kill-redis");
+    let dir = models_only_dir("feed-kill-redis");
     let server = serve(&dir, &redis, "backoff_ms_max = 200\n");
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
@@ -245,7 +237,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..1000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = data_dir("feed-trim");
+    let dir = models_only_dir("feed-trim");
     // The guard against a source that lost its data is off: this test
     // replaces the data on purpose (the guard has tests of its own below).
     let feed_toml = "check_interval_ms = 100\nresync_shrink_max = 1.0\n";
@@ -309,7 +301,7 @@ fn paused_or_dead_redis_leaves_scoring_latency_alone_while_staleness_grows_and_r
     let mut redis = RedisServer::start_with(true);
     load(&redis, "item", 0..1000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = data_dir("feed-pause");
+    let dir = models_only_dir("feed-pause");
     let server = serve(&dir, &redis, "staleness_max_ms = 300\nbackoff_ms_max = 100\n");
     let (base_p99, stale) = p99_us(&server, 2000);
     assert!(!stale);
@@ -364,7 +356,7 @@ fn stale_features_fail_readiness_when_configured() {
     let mut redis = RedisServer::start();
     load(&redis, "item", 0..10, 0);
     load(&redis, "user", 0..10, 0);
-    let dir = data_dir("feed-ready");
+    let dir = models_only_dir("feed-ready");
     let server = serve(&dir, &redis, "staleness_max_ms = 200\nstale_policy = \"not_ready\"\n");
     let readyz = || get(&format!("http://{}/readyz", server.admin));
     // The first confirmation that the replica is current comes from the
@@ -396,7 +388,7 @@ fn kill_9_during_heavy_refresh_then_restart_serves_no_garbage() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..20_000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = data_dir("feed-kill9");
+    let dir = models_only_dir("feed-kill9");
     let path = dir.join("item.qrep");
     let mut server = serve(&dir, &redis, "checkpoint_interval_ms = 50\n");
     for round in 1..=3u64 {
@@ -450,7 +442,7 @@ fn a_row_damaged_on_disk_is_never_served_and_the_file_is_rebuilt_from_redis() {
     let mut redis = RedisServer::start_with(true);
     load(&redis, "item", 0..5000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = data_dir("feed-damaged-row");
+    let dir = models_only_dir("feed-damaged-row");
     let path = dir.join("item.qrep");
     let mut server = serve(&dir, &redis, "check_interval_ms = 100\n");
     wait_caught_up(&server, &redis);
@@ -501,7 +493,7 @@ fn bad_data_in_redis_is_skipped_counted_and_named_in_the_log() {
     c.command(&[b"SET", b"item:5000", b"twelve bytes"]).unwrap();
     c.command(&[b"HSET", b"item:5001", b"f", b"v"]).unwrap();
     c.command(&[b"SET", b"item:5002", &inf]).unwrap();
-    let dir = data_dir("feed-bad");
+    let dir = models_only_dir("feed-bad");
     let server = serve(&dir, &redis, "");
     let s = stats(&server);
     assert_eq!((group(&s, "item").skipped, group(&s, "item").rows), (4, 100), "{s:?}");
@@ -546,7 +538,7 @@ fn the_refresher_authenticates_and_reads_its_database_index() {
     p.put_many("user", &(0..5).map(|id| (id, vector(id, 3))).collect::<Vec<_>>(), |_, _| {}).unwrap();
     // Database 0 holds other data under the same names: it must not be read.
     load(&redis, "item", 1000..1010, 0);
-    let dir = data_dir("feed-auth");
+    let dir = models_only_dir("feed-auth");
     let config = dir.join("quiver.toml");
     std::fs::write(&config, format!("[feed]\nredis = \"{}/3\"\n", redis.url())).unwrap();
     let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
@@ -573,7 +565,7 @@ fn the_refresher_authenticates_and_reads_its_database_index() {
     drop(server);
 
     // A wrong password is an error at start-up that says so, not a hang.
-    let dir = data_dir("feed-badauth");
+    let dir = models_only_dir("feed-badauth");
     let url = redis.url().replace("s3cret", "wrong");
     std::fs::write(dir.join("quiver.toml"), format!("[feed]\nredis = \"{url}\"\ninitial_sync_timeout_ms = 500\n"))
         .unwrap();
@@ -597,7 +589,7 @@ fn redis_restarted_empty_holds_the_resync_until_an_operator_accepts_it() {
     let mut redis = RedisServer::start();
     load(&redis, "item", 0..2000, 0);
     load(&redis, "user", 0..500, 0);
-    let dir = data_dir("feed-held");
+    let dir = models_only_dir("feed-held");
     let feed_toml = "check_interval_ms = 100\nstale_policy = \"not_ready\"\nstaleness_max_ms = 60000\n";
     let server = serve(&dir, &redis, feed_toml);
     wait_caught_up(&server, &redis);
@@ -673,7 +665,7 @@ fn flushall_then_a_reload_never_swaps_in_an_empty_or_partial_table() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..N, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = data_dir("feed-reload");
+    let dir = models_only_dir("feed-reload");
     let server = serve(&dir, &redis, "check_interval_ms = 100\n");
     wait_caught_up(&server, &redis);
     let stop = AtomicBool::new(false);
@@ -720,7 +712,7 @@ fn a_mass_deletion_through_the_publisher_is_applied_not_held() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..5000, 0);
     load(&redis, "user", 0..10, 0);
-    let dir = data_dir("feed-mass-delete");
+    let dir = models_only_dir("feed-mass-delete");
     let server = serve(&dir, &redis, "check_interval_ms = 100\n");
     wait_caught_up(&server, &redis);
     let ids = dir.join("doomed.txt");
@@ -759,7 +751,7 @@ fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..10, 0);
     load(&redis, "user", 0..10, 0);
-    let dir = data_dir("feed-settle");
+    let dir = models_only_dir("feed-settle");
     let server = serve(&dir, &redis, "check_interval_ms = 50\n");
     wait_caught_up(&server, &redis);
     // The data is replaced: a new epoch, then the new rows as fast as the
@@ -786,7 +778,7 @@ fn a_held_resync_is_held_again_after_a_restart() {
     let mut redis = RedisServer::start();
     load(&redis, "item", 0..300, 0);
     load(&redis, "user", 0..30, 0);
-    let dir = data_dir("feed-held-restart");
+    let dir = models_only_dir("feed-held-restart");
     let feed_toml = "check_interval_ms = 100\n";
     let mut server = serve(&dir, &redis, feed_toml);
     wait_caught_up(&server, &redis);

@@ -32,6 +32,16 @@ pub fn scratch(name: &str) -> PathBuf {
     d
 }
 
+/// A scratch data directory with the demo's models and no replica files, for a server
+/// whose replicas come from Redis.
+pub fn models_only_dir(name: &str) -> PathBuf {
+    let d = scratch(name);
+    for f in ["model.qm", "fallback.qm"] {
+        std::fs::copy(demo_dir().join(f), d.join(f)).unwrap();
+    }
+    d
+}
+
 /// The demo data, generated once per test binary.
 pub fn demo_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();

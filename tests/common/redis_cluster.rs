@@ -23,25 +23,36 @@ impl RedisCluster {
     /// `masters` masters with `replicas` replicas each; node timeout 1 s, so a killed master's
     /// replica is promoted within a few seconds.
     pub fn start(masters: usize, replicas: usize) -> RedisCluster {
+        RedisCluster::start_with_password(masters, replicas, None)
+    }
+
+    /// `start`, with every node asking for `password` (`requirepass`, and `masterauth` so
+    /// that replicas can follow their masters).
+    pub fn start_with_password(masters: usize, replicas: usize, password: Option<&str>) -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..masters * (1 + replicas))
             .map(|_| {
                 let bus = free_port().to_string();
-                RedisServer::start_opts(
-                    false,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-port",
-                        &bus,
-                        "--cluster-node-timeout",
-                        "1000",
-                    ],
-                )
+                let mut opts = vec![
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-port",
+                    &bus,
+                    "--cluster-node-timeout",
+                    "1000",
+                ];
+                if let Some(password) = password {
+                    opts.extend(["--requirepass", password, "--masterauth", password]);
+                }
+                RedisServer::start_opts(false, &opts)
             })
             .collect();
-        let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
+        let mut args: Vec<String> = match password {
+            Some(password) => vec!["-a".into(), password.into(), "--no-auth-warning".into()],
+            None => Vec::new(),
+        };
+        args.extend(["--cluster".into(), "create".into()]);
         args.extend(nodes.iter().map(RedisServer::addr));
         args.extend(["--cluster-replicas".into(), replicas.to_string(), "--cluster-yes".into()]);
         let out = Command::new("redis-cli")
