@@ -487,6 +487,12 @@ enum ReplicaCommand {
         /// Connections to copy over (1 to 16): one SCANs, the others MGET in parallel.
         #[arg(long, default_value_t = 4)]
         connections: usize,
+        /// The group is stored in this many buckets (as `quiver features
+        /// --buckets` wrote it; [feed] buckets must say the same): one file
+        /// per bucket beside --out, named as the server names them. Default:
+        /// 16 on a cluster, the plain layout (one file) on one node.
+        #[arg(long)]
+        buckets: Option<u16>,
     },
     /// Verify a replica file and print its header.
     Inspect {
@@ -1163,7 +1169,7 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             let r = Replica::open(&out, &group)?;
             println!("wrote {}: group {} dim {} rows {}", out.display(), group, r.dim(), r.header().row_count);
         }
-        ReplicaCommand::Sync { redis, group, dim, out, storage, connections } => {
+        ReplicaCommand::Sync { redis, group, dim, out, storage, connections, buckets } => {
             if !matches!(group.as_str(), "user" | "item") {
                 return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
             }
@@ -1173,8 +1179,15 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             if !(1..=feed::sync::SYNC_CONNECTIONS_MAX).contains(&connections) {
                 return Err(Error::Setup(format!("--connections must be 1 to {}", feed::sync::SYNC_CONNECTIONS_MAX)));
             }
-            let config = feed::RedisConfig::from_url(&redis).map_err(feed::FeedError::from)?;
-            let mut conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
+            let source = feed::cluster::RedisSource::from_url(&redis).map_err(feed::FeedError::from)?;
+            let layout = match (buckets, &source) {
+                (None, feed::cluster::RedisSource::Node(_)) => feed::contract::Layout::Plain,
+                (None, feed::cluster::RedisSource::Cluster { .. }) => {
+                    feed::contract::Layout::bucketed(feed::contract::CLUSTER_BUCKETS_DEFAULT)
+                        .map_err(feed::FeedError::from)?
+                }
+                (Some(b), _) => feed::contract::Layout::bucketed(b).map_err(feed::FeedError::from)?,
+            };
             let started = Instant::now();
             let spinner = indicatif::ProgressBar::new_spinner().with_style(
                 indicatif::ProgressStyle::with_template("{spinner} {human_pos} entities copied ({per_sec}, {elapsed})")
@@ -1183,9 +1196,9 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             spinner.enable_steady_tick(Duration::from_millis(100));
             let mut progress = |rows: u64| spinner.set_position(rows);
             let default = vec![0.0; dim as usize];
-            let part = feed::contract::Part::plain(&group);
-            let target = feed::sync::SyncTarget {
-                part: &part,
+            let target = feed::sync::GroupTarget {
+                group: &group,
+                layout,
                 path: &out,
                 dim: dim as usize,
                 storage,
@@ -1193,16 +1206,18 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
                 batch_keys_max: 1000,
                 connections,
             };
-            let mut fresh = feed::sync::full_sync(&mut conn, &config, &target, None, &mut progress)?;
-            fresh.rename_to(&out)?;
+            let copies = feed::sync::sync_group(&source, &target, &mut progress)?;
             spinner.finish_and_clear();
             let secs = started.elapsed().as_secs_f64();
-            let rows = fresh.live_rows();
+            let rows: u64 = copies.iter().map(|(_, w)| w.live_rows()).sum();
+            for (path, fresh) in &copies {
+                println!("{}: {} entities, stream seq {}", path.display(), fresh.live_rows(), fresh.cursor().seq);
+            }
             println!(
-                "synced {rows} entities of group {group} into {} in {secs:.2} s ({:.0}/s), stream seq {}",
-                out.display(),
+                "synced {rows} entities of group {group} into {} file{} in {secs:.2} s ({:.0}/s)",
+                copies.len(),
+                if copies.len() == 1 { "" } else { "s" },
                 rows as f64 / secs.max(1e-9),
-                fresh.cursor().seq
             );
         }
         ReplicaCommand::Accept { admin, group, token_file } => {

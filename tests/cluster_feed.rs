@@ -197,7 +197,7 @@ fn one_node_bucketed_group_follows_each_bucket_and_resyncs_only_the_one_with_a_g
     // A bucket written with another bucket count is refused, loudly.
     conn.command(&[b"SET", layout.keys("item", 1).buckets.unwrap().as_bytes(), b"8"]).unwrap();
     let until = Instant::now() + Duration::from_secs(10);
-    while !server.stderr().contains("says the group has 8 buckets, [feed] buckets says 4") {
+    while !server.stderr().contains("says the group has 8 buckets, 4 are configured") {
         assert!(Instant::now() < until, "the bucket count mismatch went unreported: {}", server.stderr());
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -321,4 +321,81 @@ fn a_cluster_that_asks_for_a_password_is_followed_and_a_wrong_one_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("initial sync") && err.to_lowercase().contains("auth"), "{err}");
     assert!(!err.contains("b4d-passw0rd"), "the password is never printed: {err}");
+}
+
+/// `quiver replica sync` with its output: stdout on success, stderr on failure.
+fn sync_cli(url: &str, out: &Path, extra: &[&str]) -> Result<String, String> {
+    let run = std::process::Command::new(common::BIN)
+        .args(["replica", "sync", "--redis", url, "--group", "item", "--dim", "32", "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    match run.status.success() {
+        true => Ok(String::from_utf8_lossy(&run.stdout).into_owned()),
+        false => Err(String::from_utf8_lossy(&run.stderr).into_owned()),
+    }
+}
+
+fn replica_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("item"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// The one-off copy of a bucketed group: every bucket from its master on a cluster (and a
+/// server started on those files follows on from their positions, with no full sync), or
+/// from one node; a wrong bucket count, or none for a bucketed group, is refused and
+/// leaves no file behind.
+#[test]
+fn quiver_replica_sync_copies_every_bucket_from_a_cluster_or_one_node() {
+    let cluster = RedisCluster::start(3, 0);
+    let seeds = cluster.seeds();
+    let url = format!("redis+cluster://{}", seeds.join(","));
+    let conn = || ClusterConn::connect(&cluster.config(), &seeds).unwrap();
+    let mut p = Publisher::cluster(conn(), 16).unwrap();
+    let layout = p.layout();
+    put(&mut p, "item", 0..30_000, 0);
+    let gone: Vec<u64> = (0..30_000).step_by(7).collect();
+    p.delete_many("item", &gone, |_, _| {}).unwrap();
+    put(&mut p, "user", 0..1000, 0);
+    let dir = models_only_dir("cli-sync-cluster");
+    let stdout = sync_cli(&url, &dir.join("item.qrep"), &[]).unwrap();
+    let live = 30_000 - gone.len() as u64;
+    assert!(stdout.contains(&format!("synced {live} entities of group item into 16 files")), "{stdout}");
+    assert_eq!(replica_files(&dir).len(), 16, "{:?}", replica_files(&dir));
+    let mut c = conn();
+    assert_eq!(assert_replica_equals_source(&dir, "item", layout, 30_000, &mut c), live);
+
+    // Changes after the copy reach a server started on its files from their positions.
+    put(&mut p, "item", 0..500, 1);
+    let server = serve(&dir, &url, "");
+    wait_caught_up(&server, &mut c, layout);
+    assert_replica_equals_source(&dir, "item", layout, 30_000, &mut c);
+    let log = server.stderr();
+    assert_eq!(log.matches("replica opened").count(), 16, "every item bucket's file was opened: {log}");
+    assert!(!log.contains("full resync"), "{log}");
+    drop(server);
+
+    // One node, four buckets.
+    let redis = RedisServer::start();
+    let four = Layout::bucketed(4).unwrap();
+    let mut p = Publisher::new(redis.conn()).unwrap().with_layout(four).unwrap();
+    put(&mut p, "item", 0..5000, 0);
+    let dir = models_only_dir("cli-sync-node");
+    let stdout = sync_cli(&redis.url(), &dir.join("item.qrep"), &["--buckets", "4"]).unwrap();
+    assert!(stdout.contains("synced 5000 entities of group item into 4 files"), "{stdout}");
+    assert_eq!(assert_replica_equals_source(&dir, "item", four, 5000, &mut redis.conn()), 5000);
+
+    // Another count, or none: refused, and nothing written.
+    let empty = models_only_dir("cli-sync-refused");
+    let err = sync_cli(&redis.url(), &empty.join("item.qrep"), &["--buckets", "8"]).unwrap_err();
+    assert!(err.contains("says the group has 4 buckets, 8 are configured"), "{err}");
+    let err = sync_cli(&redis.url(), &empty.join("item.qrep"), &[]).unwrap_err();
+    assert!(err.contains("stored in 4 buckets: give that bucket count"), "{err}");
+    assert_eq!(replica_files(&empty), Vec::<String>::new(), "no file, not even a temporary one");
 }

@@ -754,10 +754,29 @@ fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
     let dir = models_only_dir("feed-settle");
     let server = serve(&dir, &redis, "check_interval_ms = 50\n");
     wait_caught_up(&server, &redis);
-    // The data is replaced: a new epoch, then the new rows as fast as the
-    // publisher writes them.
+    // The data is replaced: a new epoch, then the new rows written back to
+    // back, pass after pass, until the server has thrown a copy away: on any
+    // machine, a copy taken while the writes go on sees the counter move.
+    // One whole pass comes first, so the last copy holds every row.
     redis.conn().command(&[b"DEL", contract::epoch_key("item").as_bytes()]).unwrap();
-    load(&redis, "item", 0..N, 1);
+    let threw_away = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (threw_away, conn) = (threw_away.clone(), redis.conn());
+        std::thread::spawn(move || {
+            let mut p = Publisher::new(conn).unwrap();
+            let until = Instant::now() + Duration::from_secs(20);
+            for (pass, start) in (0..).flat_map(|pass| (0..N).step_by(500).map(move |s| (pass, s))) {
+                if pass > 0 && (threw_away.load(Ordering::Relaxed) || Instant::now() > until) {
+                    break;
+                }
+                let rows: Vec<(u64, Vec<f32>)> = (start..start + 500).map(|id| (id, vector(id, 1))).collect();
+                p.put_many("item", &rows, |_, _| {}).unwrap();
+            }
+        })
+    };
+    wait_for(&server, "a copy thrown away", Duration::from_secs(20), |s| group(s, "item").resync_restarts > 0);
+    threw_away.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
     let s = wait_for(&server, "the new epoch's copy", Duration::from_secs(20), |s| {
         group(s, "item").resyncs >= 2 && group(s, "item").rows == N
     });

@@ -57,11 +57,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::cluster::{key_slot, ClusterConn, RedisSource};
 use super::config::FeedConfig;
-use super::contract::{self, Part};
+use super::contract::Part;
 use super::resp::{RedisConfig, RedisConn, Reply};
 use super::status::{FeedStatus, GroupStatus};
 use super::sync::{
-    entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, Keyed, RefreshError, SyncTarget,
+    check_bucket_count, entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, Keyed,
+    RefreshError, SyncTarget,
 };
 use crate::deadline::{Clock, MonotonicClock};
 use crate::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
@@ -723,7 +724,7 @@ impl Refresher {
     /// continued. A held group is released when Redis is back at the
     /// replica's position, and copied again when Redis moved since its copy.
     fn check(&mut self, conn: &mut Link, i: usize) -> Result<(), RefreshError> {
-        self.check_bucket_count(conn, i)?;
+        check_bucket_count(conn, &self.groups[i].part)?;
         match self.groups[i].state {
             // Its back-off timer brings it back (`due_resyncs`).
             State::Settling { .. } => Ok(()),
@@ -749,29 +750,6 @@ impl Refresher {
                 }
                 Ok(())
             }
-        }
-    }
-
-    /// Refuses to follow a bucket written with another bucket count: its
-    /// entities would hash to buckets this replica does not look in.
-    fn check_bucket_count(&self, conn: &mut Link, i: usize) -> Result<(), RefreshError> {
-        let part = &self.groups[i].part;
-        let (Some(key), contract::Layout::Bucketed { buckets }) = (&part.keys.buckets, part.layout) else {
-            return Ok(());
-        };
-        let get = (key.as_bytes().to_vec(), vec![b"GET".to_vec(), key.as_bytes().to_vec()]);
-        let reply = conn.run_keyed(&[get])?.pop().unwrap_or(Reply::Nil);
-        match reply {
-            Reply::Nil => Ok(()),
-            Reply::Bulk(stored) if stored == buckets.to_string().as_bytes() => Ok(()),
-            Reply::Error(message) => Err(crate::feed::RedisError::Server { addr: part.name(), message }.into()),
-            other => Err(RefreshError::Buckets {
-                key: key.clone(),
-                stored: other
-                    .as_bytes()
-                    .map_or_else(|| format!("{other:?}"), |b| String::from_utf8_lossy(b).into_owned()),
-                configured: buckets,
-            }),
         }
     }
 
@@ -1141,7 +1119,7 @@ mod tests {
     #[test]
     fn stream_entries_decode_or_say_why_not() {
         let bulk = |s: &[u8]| Reply::Bulk(s.to_vec());
-        let v = contract::encode_vector(&[1.0, 2.0]);
+        let v = crate::feed::contract::encode_vector(&[1.0, 2.0]);
         let put = [bulk(b"k"), bulk(b"user:7"), bulk(b"v"), Reply::Bulk(v.clone()), bulk(b"t"), bulk(b"123")];
         let user = Part::plain("user");
         assert_eq!(change(&user, &put, 2), Ok((7, Some(vec![1.0, 2.0]), 123)));

@@ -8,15 +8,15 @@
 //! overlap, so the copy is bound by the slowest of Redis's one thread, the
 //! decoding (spread over the fetchers) and the replica's one writer.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
-use super::cluster::{ClusterConn, ClusterError};
-use super::contract::{self, ContractError, Part};
+use super::cluster::{key_slot, ClusterConn, ClusterError, RedisSource};
+use super::contract::{self, ContractError, Layout, Part};
 use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 use super::status::GroupStatus;
-use crate::replica::{temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
+use crate::replica::{bucket_path, temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
 
 /// Why a refresh session ended or a sync failed.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +37,7 @@ pub enum RefreshError {
     Cluster(#[from] ClusterError),
     /// A bucket written with another bucket count than the one configured:
     /// following it would look for entities in the wrong buckets.
-    #[error("{key} says the group has {stored} buckets, [feed] buckets says {configured}: fix one of them")]
+    #[error("{key} says the group has {stored} buckets, {configured} are configured ([feed] buckets, or --buckets): fix one of them")]
     Buckets { key: String, stored: String, configured: u16 },
 }
 
@@ -235,6 +235,154 @@ pub fn full_sync(
     let mut fresh = sink.fresh;
     fresh.checkpoint(Cursor { epoch, seq: tail, change_unix_ms: 0 })?;
     Ok(fresh)
+}
+
+/// Refuses a bucket written with another bucket count: its entities would
+/// hash to buckets this replica does not look in.
+pub(super) fn check_bucket_count(conn: &mut impl Keyed, part: &Part) -> Result<(), RefreshError> {
+    let (Some(key), Layout::Bucketed { buckets }) = (&part.keys.buckets, part.layout) else {
+        return Ok(());
+    };
+    let get = (key.as_bytes().to_vec(), vec![b"GET".to_vec(), key.as_bytes().to_vec()]);
+    let reply = conn.run_keyed(&[get])?.pop().unwrap_or(Reply::Nil);
+    match reply {
+        Reply::Nil => Ok(()),
+        Reply::Bulk(stored) if stored == buckets.to_string().as_bytes() => Ok(()),
+        Reply::Error(message) => Err(RedisError::Server { addr: part.name(), message }.into()),
+        other => Err(RefreshError::Buckets {
+            key: key.clone(),
+            stored: other.as_bytes().map_or_else(|| format!("{other:?}"), |b| String::from_utf8_lossy(b).into_owned()),
+            configured: buckets,
+        }),
+    }
+}
+
+/// A whole group to copy once (`quiver replica sync`): its parts go to
+/// `path` (the plain layout) or to one file per bucket beside it, named as
+/// the server names them ([`bucket_path`]).
+pub struct GroupTarget<'a> {
+    pub group: &'a str,
+    pub layout: Layout,
+    pub path: &'a Path,
+    pub dim: usize,
+    pub storage: Storage,
+    pub default: &'a [f32],
+    pub batch_keys_max: usize,
+    pub connections: usize,
+}
+
+/// Copies every part of a group into fresh files, from one node or, on a
+/// cluster, each bucket from the master of its slot; renames them into place
+/// only once every part is copied, so a failure leaves whatever files were
+/// there before. `progress` gets the entities copied so far, all parts
+/// together. Returns each part's file and writer, in bucket order.
+///
+/// A bucket whose slot is migrating, or moves while it is copied, fails the
+/// copy (a reshard is not waited out here; the server's refresher does): its
+/// keys are split between two masters.
+pub fn sync_group(
+    source: &RedisSource,
+    target: &GroupTarget<'_>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<Vec<(PathBuf, ReplicaWriter)>, RefreshError> {
+    enum Via {
+        Node(RedisConn, RedisConfig),
+        Cluster(ClusterConn),
+    }
+    if matches!(source, RedisSource::Cluster { .. }) && target.layout == Layout::Plain {
+        return Err(RefreshError::InitialSync {
+            group: target.group.to_string(),
+            why: "on a Redis Cluster a group is stored in buckets (each bucket's keys share a slot): give their count"
+                .into(),
+        });
+    }
+    let mut via = match source {
+        RedisSource::Node(config) => Via::Node(RedisConn::connect(config)?, config.clone()),
+        RedisSource::Cluster { config, seeds } => Via::Cluster(ClusterConn::connect(config, seeds)?),
+    };
+    let moving = |part: &Part, slot: u16| RefreshError::InitialSync {
+        group: part.name(),
+        why: format!("its hash slot {slot} is moving between masters (a reshard): copy it again once that is over"),
+    };
+    let mut copies: Vec<(PathBuf, ReplicaWriter)> = Vec::new();
+    let mut copy_all = || -> Result<(), RefreshError> {
+        let mut copied = 0u64;
+        for part in Part::all(target.group, target.layout) {
+            let path = match target.layout {
+                Layout::Plain => target.path.to_path_buf(),
+                Layout::Bucketed { .. } => bucket_path(target.path, part.bucket),
+            };
+            let one = SyncTarget {
+                part: &part,
+                path: &path,
+                dim: target.dim,
+                storage: target.storage,
+                default: target.default,
+                batch_keys_max: target.batch_keys_max,
+                connections: target.connections,
+            };
+            let mut counted = |rows: u64| progress(copied + rows);
+            let fresh = match &mut via {
+                Via::Node(conn, config) => {
+                    check_bucket_count(conn, &part)?;
+                    full_sync(conn, config, &one, None, &mut counted)?
+                }
+                Via::Cluster(cluster) => {
+                    let slot = key_slot(part.keys.stream.as_bytes());
+                    if !cluster.slot_stable(slot)? {
+                        return Err(moving(&part, slot));
+                    }
+                    check_bucket_count(cluster, &part)?;
+                    let master = cluster.master_addr(slot)?;
+                    let config = RedisConfig { addr: master.clone(), ..cluster.config().clone() };
+                    let fresh = full_sync(cluster.node(&master)?, &config, &one, None, &mut counted)?;
+                    cluster.refresh()?;
+                    if !cluster.slot_stable(slot)? || cluster.master_addr(slot)? != master {
+                        fresh.discard();
+                        return Err(moving(&part, slot));
+                    }
+                    fresh
+                }
+            };
+            copied += fresh.live_rows();
+            copies.push((path, fresh));
+        }
+        Ok(())
+    };
+    let mut result = copy_all();
+    if let (Ok(()), Via::Node(conn, _), Layout::Plain) = (&result, &mut via, target.layout) {
+        if copies.iter().all(|(_, fresh)| fresh.live_rows() == 0) {
+            result = plain_but_bucketed(conn, target.group);
+        }
+    }
+    if let Err(e) = result {
+        for (_, fresh) in copies {
+            fresh.discard();
+        }
+        return Err(e);
+    }
+    for (path, fresh) in &mut copies {
+        fresh.rename_to(path)?;
+    }
+    Ok(copies)
+}
+
+/// An empty plain copy of a group that its writers store in buckets is a
+/// mistake, not an empty group: says so, with the count to give.
+fn plain_but_bucketed(conn: &mut RedisConn, group: &str) -> Result<(), RefreshError> {
+    let Some(key) = Layout::Bucketed { buckets: 1 }.keys(group, 0).buckets else {
+        return Ok(());
+    };
+    match conn.command(&[b"GET", key.as_bytes()])? {
+        Reply::Bulk(count) => {
+            let count = String::from_utf8_lossy(&count).into_owned();
+            Err(RefreshError::InitialSync {
+                group: group.to_string(),
+                why: format!("no entities in the plain layout, but {key} says it is stored in {count} buckets: give that bucket count"),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Rows to create a bucket's copy with: its slot's key count where the node
