@@ -375,15 +375,14 @@ if os.path.exists(sync_scale):
     w("inserting thread's alone (the replica's one writer, the calling thread); Redis busy is Redis's CPU seconds over")
     w("the copy's wall seconds (at 100% its one thread is the limit; below, it waited for requests or for a core).")
     busy = f"{statistics.median([l['machine_busy_cores'] for l in copies]):.1f}" if copies else "?"
-    w(f"**This machine is a 2-core VM shared with other developers' builds**: it ran at about {busy} busy cores")
-    w("during the copies (the last column); the builds seen in top ran at nice 10, as did the bench and its Redis,")
-    w(f"and all took turns on the two cores. Load average before the run: {meta.get('load_before', '?')}.")
+    w(f"**This machine is a 2-core VM**: it ran at about {busy} busy cores during the copies (the last column),")
+    w(f"the bench, its Redis and whatever else ran taking turns on the two cores. Load average before the run:")
+    w(f"{meta.get('load_before', '?')}.")
     if os.path.exists(feed):
         lag_sync = next((r for r in (json.loads(l) for l in open(feed) if l.startswith("{")) if r.get("median") == "full sync"), None)
         if lag_sync:
-            w(f"The one-connection copy is the code the feed-lag section above measured at {lag_sync['entities_per_s']:,.0f}")
-            w("entities/s on a quieter day of the same VM: the load here cuts every figure, so compare rows within this")
-            w("table, measured side by side.")
+            w(f"The feed-lag section above measured a one-connection copy at {lag_sync['entities_per_s']:,.0f} entities/s")
+            w("in another run, on another day and code: compare rows within this table, measured side by side.")
     w("")
     reps = {n: len({l["run"] for l in copies if l["entities"] == n}) for n in sizes}
     w("Runs per row: " + ", ".join(f"{n:,}: {reps[n]}" for n in sizes) + " (median, with min–max where more than one).\n")
