@@ -68,6 +68,10 @@ pub struct Config {
     /// A file holding the bearer token the admin endpoint's controls need
     /// (see the README's "Operations"); required when `admin_listen` is not loopback.
     pub admin_token_file: Option<PathBuf>,
+    /// The admin endpoint speaks plain HTTP: on an address that is not
+    /// loopback its token crosses the network readable. Refused at start-up
+    /// unless this says the network is trusted with it.
+    pub admin_token_over_plaintext: bool,
     /// A read-only listener: metrics, health, readiness and stats, no
     /// controls, so it can face the network; "off" (the default) disables it.
     pub metrics_listen: String,
@@ -118,6 +122,7 @@ impl Default for Config {
             faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
             admin_token_file: None,
+            admin_token_over_plaintext: false,
             metrics_listen: "off".into(),
             not_ready: NotReadyPolicy::Overloaded,
             floor: false,

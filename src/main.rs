@@ -154,6 +154,10 @@ struct ServeArgs {
     /// The bearer token file the admin controls need; sets `admin_token_file`.
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
+    /// Let the admin token cross the network in plain HTTP when `--admin` is
+    /// not loopback; sets `admin_token_over_plaintext`.
+    #[arg(long)]
+    admin_token_over_plaintext: bool,
     /// A read-only metrics/health listener with no controls; sets `metrics_listen`.
     #[arg(long)]
     metrics_listen: Option<String>,
@@ -667,6 +671,9 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
     }
     if let Some(v) = args.admin_token_file {
         config.admin_token_file = Some(v);
+    }
+    if args.admin_token_over_plaintext {
+        config.admin_token_over_plaintext = true;
     }
     if let Some(v) = args.metrics_listen {
         config.metrics_listen = v;

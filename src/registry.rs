@@ -388,6 +388,9 @@ impl Registry {
         fraction: f64,
         which: impl Fn(&mut Slot) -> &mut Option<(Arc<Model>, u32)>,
     ) -> Result<Option<u32>, RegistryError> {
+        if !valid_name(name) {
+            return Err(RegistryError::BadName(name.into()));
+        }
         if !(0.0..=1.0).contains(&fraction) {
             return Err(RegistryError::BadFraction(fraction));
         }
@@ -530,6 +533,11 @@ impl Registry {
 }
 
 fn load_checked(dir: &Path, name: &str, version: u32, fit: Fit) -> Result<Model, RegistryError> {
+    // Every way in (load, canary, shadow, the watcher) names a file under
+    // `dir` through here: a name with a separator or `..` would leave it.
+    if !valid_name(name) {
+        return Err(RegistryError::BadName(name.into()));
+    }
     let path = dir.join(name).join(version.to_string()).join(MODEL_FILE);
     if !path.is_file() {
         return Err(RegistryError::UnknownVersion { name: name.into(), version, dir: dir.display().to_string() });

@@ -168,13 +168,14 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         faults: config.faults_endpoint.then(|| faults.clone()),
         token,
         refusals: Default::default(),
+        http: Default::default(),
     });
     let mut admins = Vec::new();
     for (listen, surface, name) in
         [(&config.admin_listen, Surface::Control, "admin"), (&config.metrics_listen, Surface::ReadOnly, "metrics")]
     {
         if listen != "off" {
-            let admin = Admin::start(listen, surface, admin_state.clone())?;
+            let admin = Admin::start(listen, surface, admin_state.clone(), config.admin_token_over_plaintext)?;
             tracing::info!(addr = %admin.addr, controls = surface == Surface::Control, "{name} endpoint");
             on_event(Event::Listening { what: name, addr: admin.addr });
             admins.push(admin);

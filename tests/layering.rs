@@ -171,3 +171,46 @@ fn only_the_composition_root_reads_config() {
         graph.iter().filter(|(m, to)| m.as_str() != "server" && to.contains("config")).map(|(m, _)| m).collect();
     assert!(readers.is_empty(), "modules that read crate::config: {readers:?}");
 }
+
+/// The "Invariant: only ... imports ..." lines of docs/ARCHITECTURE.md: each
+/// crate named here appears in the code of the listed files alone.
+#[test]
+fn crates_are_imported_only_where_the_architecture_says() {
+    let rules: &[(&[&str], &[&str])] = &[
+        (&["glommio::"], &["shard/"]),
+        (&["redis_protocol::"], &["feed/resp.rs"]),
+        (&["rustls::"], &["tls.rs", "shard/tls.rs", "loadgen/transport.rs"]),
+        (&["hyper::", "hyper_util::", "http_body_util::", "tokio::"], &["admin/http.rs"]),
+    ];
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut stack = vec![src.clone()];
+    let mut broken = Vec::new();
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let rel = p.strip_prefix(&src).unwrap().to_string_lossy().replace('\\', "/");
+            let text = code(&std::fs::read_to_string(&p).unwrap());
+            for (names, allowed) in rules {
+                if allowed.iter().any(|a| rel.starts_with(a)) {
+                    continue;
+                }
+                for name in *names {
+                    let used = text.match_indices(name).any(|(i, _)| {
+                        text[..i].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'))
+                    });
+                    if used {
+                        broken.push(format!("src/{rel} uses {name} (allowed in {allowed:?} only)"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}

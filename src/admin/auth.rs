@@ -6,11 +6,17 @@
 //! health, readiness, stats) need none, and `metrics_listen` serves them
 //! alone on a listener with no controls at all. A token is compared in
 //! constant time and never echoed or logged; refusals are counted and
-//! logged at most once a second.
+//! logged at most once a second. A token on a routable address crosses
+//! the network in plain HTTP, so that needs the operator's explicit word.
+//! On loopback without a token, a control request that a web page in a
+//! browser on the host could have sent (an `Origin`, a cross-site
+//! `Sec-Fetch-Site`, a `Host` that is not a loopback name) is refused.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::http::Head;
 
 /// Shorter tokens are refused at start-up: they can be guessed.
 pub const TOKEN_BYTES_MIN: usize = 16;
@@ -103,16 +109,49 @@ impl Refusals {
 }
 
 /// Refuses a control surface that anyone on the network could drive: one
-/// bound to an address that is not loopback, with no token.
-pub fn check_exposure(listen: &str, bound: SocketAddr, token: bool) -> Result<(), String> {
-    if bound.ip().is_loopback() || token {
+/// bound to an address that is not loopback, with no token, or with a token
+/// that would cross the network in plain text when the operator has not
+/// said (`plaintext_token_ok`) that the network is trusted with it.
+pub fn check_exposure(listen: &str, bound: SocketAddr, token: bool, plaintext_token_ok: bool) -> Result<(), String> {
+    if bound.ip().is_loopback() {
         return Ok(());
     }
-    Err(format!(
-        "admin_listen = \"{listen}\" is not a loopback address and admin_token_file is not set: anyone who can \
-         reach it could drain the server or load models. Set admin_token_file, bind admin_listen to 127.0.0.1, \
-         or serve metrics alone with metrics_listen (and admin_listen = \"off\")"
-    ))
+    if !token {
+        return Err(format!(
+            "admin_listen = \"{listen}\" is not a loopback address and admin_token_file is not set: anyone who can \
+             reach it could drain the server or load models. Set admin_token_file, bind admin_listen to 127.0.0.1, \
+             or serve metrics alone with metrics_listen (and admin_listen = \"off\")"
+        ));
+    }
+    if !plaintext_token_ok {
+        return Err(format!(
+            "admin_listen = \"{listen}\" is not a loopback address: the admin endpoint speaks plain HTTP, so its \
+             bearer token would cross the network readable by anyone on the path. Bind admin_listen to 127.0.0.1 \
+             (reach it through an SSH tunnel or a TLS proxy), or set admin_token_over_plaintext = true to accept that"
+        ));
+    }
+    Ok(())
+}
+
+/// Why a control request without a token looks like it came from a web page
+/// (a browser on this host sends `Origin` or `Sec-Fetch-Site` with it, or
+/// names another host in `Host` after DNS rebinding), or `None` when it came
+/// from a program such as curl or `quiver`. Only a loopback listener serves
+/// controls without a token, so this is its one guard against pages.
+pub fn browser_origin(head: &Head) -> Option<String> {
+    if let Some(origin) = &head.origin {
+        return Some(format!("a request from a web page (Origin: {origin}) may not drive the admin controls"));
+    }
+    if let Some(site) = head.sec_fetch_site.as_deref().filter(|s| !s.eq_ignore_ascii_case("none")) {
+        return Some(format!("a request from a web page (Sec-Fetch-Site: {site}) may not drive the admin controls"));
+    }
+    let host = head.host.as_deref()?;
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _port)| name),
+    };
+    let loopback = name.eq_ignore_ascii_case("localhost") || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    (!loopback).then(|| format!("Host: {host} is not a loopback name; controls without a token are for this host only"))
 }
 
 #[cfg(test)]
@@ -148,13 +187,42 @@ mod tests {
     }
 
     #[test]
-    fn an_exposed_control_surface_needs_a_token() {
+    fn an_exposed_control_surface_needs_a_token_and_consent_to_plaintext() {
         let at = |s: &str| s.parse::<SocketAddr>().unwrap();
-        assert!(check_exposure("127.0.0.1:0", at("127.0.0.1:7412"), false).is_ok());
-        assert!(check_exposure("[::1]:0", at("[::1]:7412"), false).is_ok());
-        let err = check_exposure("0.0.0.0:7412", at("0.0.0.0:7412"), false).unwrap_err();
+        assert!(check_exposure("127.0.0.1:0", at("127.0.0.1:7412"), false, false).is_ok());
+        assert!(check_exposure("[::1]:0", at("[::1]:7412"), false, false).is_ok());
+        let err = check_exposure("0.0.0.0:7412", at("0.0.0.0:7412"), false, true).unwrap_err();
         assert!(err.contains("admin_listen") && err.contains("admin_token_file"), "{err}");
-        assert!(check_exposure("0.0.0.0:7412", at("0.0.0.0:7412"), true).is_ok());
+        let err = check_exposure("0.0.0.0:7412", at("0.0.0.0:7412"), true, false).unwrap_err();
+        assert!(err.contains("plain HTTP") && err.contains("admin_token_over_plaintext"), "{err}");
+        assert!(check_exposure("0.0.0.0:7412", at("0.0.0.0:7412"), true, true).is_ok());
+    }
+
+    #[test]
+    fn pages_in_a_browser_are_told_apart_from_programs() {
+        let head = |host: Option<&str>, origin: Option<&str>, site: Option<&str>| Head {
+            method: "POST".into(),
+            url: "/drain".into(),
+            remote: "127.0.0.1:5000".parse().unwrap(),
+            authorization: None,
+            host: host.map(Into::into),
+            origin: origin.map(Into::into),
+            sec_fetch_site: site.map(Into::into),
+        };
+        for host in [None, Some("127.0.0.1:7412"), Some("localhost:7412"), Some("[::1]:7412"), Some("127.0.0.2")] {
+            assert_eq!(browser_origin(&head(host, None, None)), None, "{host:?}");
+        }
+        assert_eq!(browser_origin(&head(Some("localhost"), None, Some("none"))), None);
+        let refused = [
+            head(Some("127.0.0.1:7412"), Some("http://evil.example"), None),
+            head(Some("127.0.0.1:7412"), Some("null"), None),
+            head(Some("127.0.0.1:7412"), None, Some("cross-site")),
+            head(Some("evil.example:7412"), None, None),
+            head(Some("10.0.0.1:7412"), None, None),
+        ];
+        for h in refused {
+            assert!(browser_origin(&h).is_some(), "{h:?}");
+        }
     }
 
     #[test]

@@ -57,7 +57,7 @@ fn encode_hist(
 
 impl prometheus_client::collector::Collector for QuiverCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let AdminState { board, readiness, registry, backend, refusals, .. } = &*self.state;
+        let AdminState { board, readiness, registry, backend, refusals, http, .. } = &*self.state;
         let m = metrics::merge(board);
 
         let mut e =
@@ -185,6 +185,31 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             "Control requests refused for a missing or wrong bearer token.",
             refusals.total(),
         )?;
+        for (name, help, value) in [
+            ("quiver_admin_connections_accepted", "Connections the admin and metrics listeners took.", &http.accepted),
+            (
+                "quiver_admin_connections_evicted",
+                "Idle admin connections closed to admit a new one (all connections were held).",
+                &http.evicted,
+            ),
+            (
+                "quiver_admin_connections_refused",
+                "New admin connections closed at once: every held one was inside a request.",
+                &http.refused,
+            ),
+            (
+                "quiver_admin_accept_errors",
+                "Accepts that failed on the admin listeners (e.g. out of file descriptors).",
+                &http.accept_errors,
+            ),
+            (
+                "quiver_admin_requests_rejected",
+                "Admin requests refused or cut off for size or time (408, 413, 431, slow heads and readers).",
+                &http.rejected,
+            ),
+        ] {
+            counter(&mut encoder, name, help, value.load(std::sync::atomic::Ordering::Relaxed))?;
+        }
         counter(
             &mut encoder,
             "quiver_stale_responses",
@@ -501,6 +526,7 @@ mod tests {
             faults: None,
             token: None,
             refusals: auth::Refusals::default(),
+            http: Default::default(),
         };
         state.refusals.record(1, None, "POST", "/drain");
         registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));

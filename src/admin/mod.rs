@@ -5,8 +5,9 @@
 //! held resync.
 //!
 //! It reads only what shards publish (`metrics::Board`) and the readiness
-//! flag; it never touches a shard. HTTP is served by `tiny_http` and the
-//! exposition format written by `prometheus-client`. The same state can be
+//! flag; it never touches a shard. HTTP is served by hyper within fixed
+//! limits (see [`http`]) and the exposition format written by
+//! `prometheus-client`. The same state can be
 //! served twice: with its controls (`admin_listen`, behind a token where
 //! configured, see [`auth`]) and read-only (`metrics_listen`). Here: the
 //! listeners, routes and controls; `exposition` writes `/metrics`, `stats`
@@ -14,6 +15,7 @@
 
 pub mod auth;
 mod exposition;
+pub mod http;
 mod stats;
 
 pub use exposition::BUCKETS_S;
@@ -21,7 +23,6 @@ pub use stats::{render as render_stats, FeedGroupStats, StageStats, Stats};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use prometheus_client::registry::Registry as Registry_;
 
@@ -31,6 +32,7 @@ use crate::deadline::{Clock, MonotonicClock};
 use crate::ladder::Faults;
 use crate::metrics::{Board, Readiness};
 use crate::registry::{Registry, RegistryError};
+use http::{Answer, Head};
 
 /// What both listeners serve from.
 #[derive(Debug)]
@@ -45,6 +47,8 @@ pub struct AdminState {
     /// Required on every control request when set.
     pub token: Option<auth::AdminToken>,
     pub refusals: auth::Refusals,
+    /// Both listeners' connection counters.
+    pub http: Arc<http::Counters>,
 }
 
 /// Which routes a listener serves.
@@ -58,46 +62,44 @@ pub enum Surface {
 
 /// A running admin endpoint.
 pub struct Admin {
-    server: Arc<tiny_http::Server>,
-    thread: Option<JoinHandle<()>>,
+    listener: http::Listener,
     pub addr: SocketAddr,
 }
 
 impl Admin {
     /// Binds `addr` and serves `surface` on a new thread. A control surface
-    /// on an address that is not loopback needs a token.
-    pub fn start(addr: &str, surface: Surface, state: Arc<AdminState>) -> Result<Admin, crate::Error> {
+    /// on an address that is not loopback needs a token, and the operator's
+    /// word (`plaintext_token_ok`) that the token may cross the network in
+    /// plain text.
+    pub fn start(
+        addr: &str,
+        surface: Surface,
+        state: Arc<AdminState>,
+        plaintext_token_ok: bool,
+    ) -> Result<Admin, crate::Error> {
         let what = match surface {
             Surface::Control => "admin",
             Surface::ReadOnly => "metrics",
         };
-        let server = tiny_http::Server::http(addr).map_err(|e| crate::Error::Setup(format!("{what} {addr}: {e}")))?;
-        let bound = server
-            .server_addr()
-            .to_ip()
-            .ok_or_else(|| crate::Error::Setup(format!("{what} {addr}: not an IP address")))?;
+        let setup = |e: &dyn std::fmt::Display| crate::Error::Setup(format!("{what} {addr}: {e}"));
+        let listener = std::net::TcpListener::bind(addr).map_err(|e| setup(&e))?;
+        let bound = listener.local_addr().map_err(|e| setup(&e))?;
         if surface == Surface::Control {
-            auth::check_exposure(addr, bound, state.token.is_some()).map_err(crate::Error::Setup)?;
+            auth::check_exposure(addr, bound, state.token.is_some(), plaintext_token_ok)
+                .map_err(crate::Error::Setup)?;
         }
-        let server = Arc::new(server);
         let mut prometheus = Registry_::default();
         prometheus.register_collector(Box::new(exposition::QuiverCollector { state: state.clone() }));
-        let thread = std::thread::Builder::new()
-            .name(format!("quiver-{what}"))
-            .spawn({
-                let server = server.clone();
-                move || serve(&server, &prometheus, &state, surface)
-            })
+        let counters = state.http.clone();
+        let endpoint = Arc::new(Endpoint { state, prometheus, surface, loopback: bound.ip().is_loopback() });
+        let listener = http::Listener::start(format!("quiver-{what}"), listener, endpoint, counters)
             .map_err(|e| crate::Error::Setup(format!("{what} thread: {e}")))?;
-        Ok(Admin { server, thread: Some(thread), addr: bound })
+        Ok(Admin { listener, addr: bound })
     }
 
     /// Stops serving and joins the thread.
-    pub fn stop(mut self) {
-        self.server.unblock();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn stop(self) {
+        self.listener.stop();
     }
 }
 
@@ -145,19 +147,29 @@ fn registry_error(e: RegistryError) -> (u16, String) {
     (code, e.to_string())
 }
 
-/// Whether `request` may use a control route: always on a loopback surface
-/// without a token, else only with the token. Refusals are counted.
-fn authorized(state: &AdminState, request: &tiny_http::Request, path: &str) -> bool {
-    let Some(token) = &state.token else {
-        return true;
+/// Whether `head` may use a control route: with the token where one is
+/// set, else (on loopback) only from a program on this host, not from a web
+/// page in one of its browsers. Refusals are counted.
+fn authorized(state: &AdminState, head: &Head, path: &str) -> Result<(), Answer> {
+    let refuse = |answer: Answer| {
+        let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        state.refusals.record(now_s, Some(head.remote), &head.method, path);
+        Err(answer)
     };
-    let authorization = request.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str());
-    if token.admits(authorization) {
-        return true;
+    match &state.token {
+        Some(token) if token.admits(head.authorization.as_deref()) => Ok(()),
+        Some(_) => refuse(Answer {
+            bearer_challenge: true,
+            ..Answer::text(
+                401,
+                "unauthorized: control requests need Authorization: Bearer <the admin_token_file token>\n",
+            )
+        }),
+        None => match auth::browser_origin(head) {
+            None => Ok(()),
+            Some(why) => refuse(Answer::text(403, format!("forbidden: {why}\n"))),
+        },
     }
-    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    state.refusals.record(now_s, request.remote_addr().copied(), request.method().as_str(), path);
-    false
 }
 
 /// What an admin request asks for, read from its method and URL alone:
@@ -252,68 +264,77 @@ pub fn route(method: &str, url: &str) -> Route {
     }
 }
 
-fn serve(server: &tiny_http::Server, prometheus: &Registry_, state: &AdminState, surface: Surface) {
-    use tiny_http::{Header, Response};
-    let AdminState { board, readiness, registry, faults, .. } = state;
-    let faults = faults.as_deref();
-    let header = |v: &str| Header::from_bytes("Content-Type", v).expect("static header is valid");
-    for request in server.incoming_requests() {
-        let path = request.url().split('?').next().unwrap_or("").to_string();
-        let route = route(request.method().as_str(), request.url());
+/// One listener's routes over the shared state.
+struct Endpoint {
+    state: Arc<AdminState>,
+    prometheus: Registry_,
+    surface: Surface,
+    /// Bound to a loopback address.
+    loopback: bool,
+}
+
+impl http::Handler for Endpoint {
+    fn blocks(&self, head: &Head) -> bool {
+        self.surface == Surface::Control && route(&head.method, &head.url).is_control()
+    }
+
+    fn answer(&self, head: &Head) -> Answer {
+        let AdminState { board, readiness, registry, faults, .. } = &*self.state;
+        let faults = faults.as_deref();
+        let path = head.url.split('?').next().unwrap_or("");
+        let route = route(&head.method, &head.url);
         let control = route.is_control();
-        if control && surface == Surface::ReadOnly {
-            let body = "not found: this listener serves metrics, health, readiness and stats only\n";
-            let _ = request.respond(Response::from_string(body).with_status_code(404));
-            continue;
+        if control && self.surface == Surface::ReadOnly {
+            return Answer::text(404, "not found: this listener serves metrics, health, readiness and stats only\n");
         }
-        if control && !authorized(state, &request, &path) {
-            let body = "unauthorized: control requests need Authorization: Bearer <the admin_token_file token>\n";
-            let www = Header::from_bytes("WWW-Authenticate", "Bearer").expect("static header is valid");
-            let _ = request.respond(Response::from_string(body).with_status_code(401).with_header(www));
-            continue;
+        if control {
+            debug_assert!(self.loopback || self.state.token.is_some(), "check_exposure refused this at start-up");
+            if let Err(refused) = authorized(&self.state, head, path) {
+                return refused;
+            }
         }
-        let json = |body: String| Response::from_string(body).with_header(header("application/json"));
-        let response = match route {
+        match route {
             Route::Metrics => {
                 let mut body = String::new();
-                match prometheus_client::encoding::prometheus_text::encode(&mut body, prometheus) {
+                match prometheus_client::encoding::prometheus_text::encode(&mut body, &self.prometheus) {
                     Ok(()) => {
-                        Response::from_string(body).with_header(header("text/plain; version=0.0.4; charset=utf-8"))
+                        Answer { content_type: "text/plain; version=0.0.4; charset=utf-8", ..Answer::text(200, body) }
                     }
-                    Err(_) => Response::from_string("encoding failed\n").with_status_code(500),
+                    Err(_) => Answer::text(500, "encoding failed\n"),
                 }
             }
-            Route::Healthz => Response::from_string("ok\n"),
+            Route::Healthz => Answer::text(200, "ok\n"),
             Route::Readyz => match readiness.probe(MonotonicClock::new().now_ns()) {
-                Ok(()) => Response::from_string("ready\n"),
-                Err(why) => Response::from_string(format!("{why}\n")).with_status_code(503),
+                Ok(()) => Answer::text(200, "ready\n"),
+                Err(why) => Answer::text(503, format!("{why}\n")),
             },
-            Route::Stats => json(
+            Route::Stats => Answer::json(
+                200,
                 serde_json::to_string(&stats::snapshot(board, readiness, registry.drift())).expect("stats serialise"),
             ),
-            Route::Models => json(serde_json::to_string(&registry.status()).expect("status serialises")),
+            Route::Models => Answer::json(200, serde_json::to_string(&registry.status()).expect("status serialises")),
             Route::Drain => {
                 readiness.set(false);
                 tracing::info!("drained: not ready until POST /undrain");
-                Response::from_string("drained\n")
+                Answer::text(200, "drained\n")
             }
             Route::Undrain => {
                 readiness.set(true);
                 tracing::info!("undrained: ready");
-                Response::from_string("ready\n")
+                Answer::text(200, "ready\n")
             }
             Route::Faults { stage_delay_us } => match (faults, stage_delay_us) {
-                (None, _) => Response::from_string("not found\n").with_status_code(404),
+                (None, _) => Answer::text(404, "not found\n"),
                 (Some(f), Some(us)) => {
                     f.set_stage_delay_us(us);
                     tracing::warn!(stage_delay_us = us, "fault injected");
-                    Response::from_string(format!("stage_delay_us={us}\n"))
+                    Answer::text(200, format!("stage_delay_us={us}\n"))
                 }
-                (Some(_), None) => Response::from_string("use /faults?stage_delay_us=N\n").with_status_code(400),
+                (Some(_), None) => Answer::text(400, "use /faults?stage_delay_us=N\n"),
             },
             Route::ReplicaAccept { group } => {
                 let (code, body) = accept_resync(readiness, &group);
-                json(body).with_status_code(code)
+                Answer::json(code, body)
             }
             Route::Model { name, action } => {
                 let outcome = match action {
@@ -327,13 +348,12 @@ fn serve(server: &tiny_http::Server, prometheus: &Registry_, state: &AdminState,
                     }
                 };
                 match outcome.map_err(registry_error) {
-                    Ok(version) => json(format!("{{\"version\":{version}}}")),
-                    Err((code, why)) => Response::from_string(format!("{why}\n")).with_status_code(code),
+                    Ok(version) => Answer::json(200, format!("{{\"version\":{version}}}")),
+                    Err((code, why)) => Answer::text(code, format!("{why}\n")),
                 }
             }
-            Route::Bad { code, why } => Response::from_string(format!("{why}\n")).with_status_code(code),
-        };
-        let _ = request.respond(response);
+            Route::Bad { code, why } => Answer::text(code, format!("{why}\n")),
+        }
     }
 }
 
