@@ -21,6 +21,15 @@
 //! refused (or treated as unknown, `on_mismatch = "default"`). Ids that are
 //! not configured get no bucket of their own: they share their source
 //! address's, so one source cannot fill the table by sending many ids.
+//! A source's bucket that has refilled to its burst is the same as a new
+//! one, so such idle buckets are dropped once a second (off the request
+//! path): the table holds the sources active now, not every source seen
+//! since start.
+//!
+//! `priority` is also the client's word, so it is capped: by the
+//! configured client's `priority_max`, or for every other request by
+//! `unknown_priority_max`; a request asking for more is shed as if it had
+//! asked for the cap.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -48,6 +57,14 @@ pub struct ClientEntry {
     /// empty: any source may use this id.
     #[serde(default)]
     pub from: Vec<String>,
+    /// The highest `priority` this client's requests are shed as; higher
+    /// ones are lowered to it.
+    #[serde(default = "priority_max_any")]
+    pub priority_max: u8,
+}
+
+fn priority_max_any() -> u8 {
+    u8::MAX
 }
 
 /// What a request naming a bound client from another source gets.
@@ -72,6 +89,9 @@ pub struct AdmissionConfig {
     /// Buckets kept per shard.
     pub clients_max: usize,
     pub on_mismatch: OnMismatch,
+    /// The highest `priority` a request naming no configured client (or a
+    /// bound one from elsewhere, with `on_mismatch = "default"`) is shed as.
+    pub unknown_priority_max: u8,
 }
 
 /// A source network: an address and a prefix length.
@@ -119,6 +139,7 @@ pub struct Client {
     pub limit: ClientLimit,
     /// Empty: any source.
     pub from: Vec<Net>,
+    pub priority_max: u8,
 }
 
 impl AdmissionConfig {
@@ -145,7 +166,7 @@ impl AdmissionConfig {
                     .map(|n| Net::parse(n))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| format!("admission.clients.{k}.from: {e}"))?;
-                Ok((id, Client { limit, from }))
+                Ok((id, Client { limit, from, priority_max: v.priority_max }))
             })
             .collect()
     }
@@ -162,7 +183,13 @@ impl ClientLimit {
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig { default: None, clients: HashMap::new(), clients_max: 4096, on_mismatch: OnMismatch::Reject }
+        AdmissionConfig {
+            default: None,
+            clients: HashMap::new(),
+            clients_max: 4096,
+            on_mismatch: OnMismatch::Reject,
+            unknown_priority_max: u8::MAX,
+        }
     }
 }
 
@@ -189,6 +216,12 @@ impl Bucket {
         self.tokens = self.tokens.min(self.burst);
     }
 
+    /// Whether it has refilled to its burst by `now_ns`: then it is the
+    /// same as a new bucket and may be dropped.
+    fn is_full_at(&self, now_ns: u64) -> bool {
+        self.tokens + now_ns.saturating_sub(self.last_ns) as f64 * self.rate_per_ns >= self.burst
+    }
+
     fn take(&mut self, now_ns: u64) -> bool {
         let elapsed_ns = now_ns.saturating_sub(self.last_ns);
         self.last_ns = now_ns;
@@ -205,7 +238,8 @@ impl Bucket {
 /// What admission says of one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Admit {
-    Admitted,
+    /// Within its rate; its `priority` is shed as at most `priority_max`.
+    Admitted { priority_max: u8 },
     /// Over its rate.
     OverRate,
     /// It named a client bound to other source networks than its own.
@@ -220,6 +254,8 @@ const DEMAND_SMOOTHING: f64 = 0.2;
 /// client splits evenly, and a shard that starts seeing a client starts
 /// from a share above zero.
 const DEMAND_FLOOR_PER_S: f64 = 1.0;
+/// How often idle source buckets are dropped.
+const EVICT_EVERY_NS: u64 = 1_000_000_000;
 
 /// Slots the sources of unconfigured clients hash into for the exchange:
 /// the table traded stays bounded whatever addresses connect.
@@ -313,6 +349,7 @@ pub struct Admission {
     /// at most `clients_max` of them.
     buckets: HashMap<IpAddr, Bucket>,
     overflow: Option<Bucket>,
+    last_eviction_ns: u64,
 }
 
 impl Admission {
@@ -348,6 +385,7 @@ impl Admission {
             client_buckets: vec![None; usage.ids.len()],
             buckets: HashMap::with_capacity(capacity),
             overflow: None,
+            last_eviction_ns: 0,
         }
     }
 
@@ -357,6 +395,10 @@ impl Admission {
     /// shard's watcher calls it every few milliseconds. O(shards × (clients
     /// + SOURCE_SLOTS) + source buckets).
     pub fn exchange(&mut self, now_ns: u64) {
+        if now_ns.saturating_sub(self.last_eviction_ns) >= EVICT_EVERY_NS {
+            self.last_eviction_ns = now_ns;
+            self.evict_idle(now_ns);
+        }
         let Some(x) = &mut self.exchange else {
             return;
         };
@@ -401,19 +443,34 @@ impl Admission {
         }
     }
 
+    /// Drops the source buckets that have refilled to their burst (idle
+    /// long enough to be the same as new ones), so sources seen once do not
+    /// push new ones into the overflow bucket for the life of the process.
+    /// O(buckets), off the request path.
+    pub fn evict_idle(&mut self, now_ns: u64) {
+        self.buckets.retain(|_, b| !b.is_full_at(now_ns));
+    }
+
+    /// Source buckets held now.
+    pub fn source_buckets(&self) -> usize {
+        self.buckets.len()
+    }
+
     /// Whether a request naming `client_id`, on a connection from `source`,
     /// may proceed at `now_ns`.
     pub fn admit(&mut self, client_id: u32, source: IpAddr, now_ns: u64) -> Admit {
         let configured = self.clients.get(&client_id).map(|(c, column)| {
             if c.from.is_empty() || c.from.iter().any(|n| n.contains(source)) {
-                Ok((c.limit, *column))
+                Ok((c.limit, *column, c.priority_max))
             } else {
                 Err(())
             }
         });
         let even = 1.0 / self.shards as f64;
+        let mut priority_max = self.config.unknown_priority_max;
         let taken = match configured {
-            Some(Ok((limit, column))) => {
+            Some(Ok((limit, column, client_priority_max))) => {
+                priority_max = client_priority_max;
                 if let Some(x) = &mut self.exchange {
                     x.demand[column] += 1;
                 }
@@ -423,7 +480,7 @@ impl Admission {
             Some(Err(())) if self.config.on_mismatch == OnMismatch::Reject => return Admit::WrongSource,
             _ => {
                 let Some(limit) = self.config.default else {
-                    return Admit::Admitted;
+                    return Admit::Admitted { priority_max };
                 };
                 let column = self.client_buckets.len() + source_slot(source);
                 if let Some(x) = &mut self.exchange {
@@ -442,7 +499,7 @@ impl Admission {
             }
         };
         if taken {
-            Admit::Admitted
+            Admit::Admitted { priority_max }
         } else {
             Admit::OverRate
         }
@@ -455,16 +512,23 @@ mod tests {
 
     fn config() -> AdmissionConfig {
         let mut clients = HashMap::new();
-        clients.insert("7".to_string(), ClientEntry { rate_per_s: 1_000.0, burst: 10.0, from: vec![] });
+        clients
+            .insert("7".to_string(), ClientEntry { rate_per_s: 1_000.0, burst: 10.0, from: vec![], priority_max: 9 });
         clients.insert(
             "8".to_string(),
-            ClientEntry { rate_per_s: 1_000.0, burst: 10.0, from: vec!["10.1.0.0/16".into(), "::1".into()] },
+            ClientEntry {
+                rate_per_s: 1_000.0,
+                burst: 10.0,
+                from: vec!["10.1.0.0/16".into(), "::1".into()],
+                priority_max: u8::MAX,
+            },
         );
         AdmissionConfig {
             default: Some(ClientLimit { rate_per_s: 100.0, burst: 2.0 }),
             clients,
             clients_max: 3,
             on_mismatch: OnMismatch::Reject,
+            unknown_priority_max: 3,
         }
     }
 
@@ -498,7 +562,7 @@ mod tests {
         while t < end_ns {
             for (i, a) in shards.iter_mut().enumerate() {
                 while offered_per_s[i] > 0.0 && next_ns[i] <= t as f64 {
-                    admitted[i] += u64::from(a.admit(client_id, ip("127.0.0.1"), t) == Admit::Admitted);
+                    admitted[i] += u64::from(matches!(a.admit(client_id, ip("127.0.0.1"), t), Admit::Admitted { .. }));
                     next_ns[i] += 1e9 / offered_per_s[i];
                 }
                 if t % 5_000_000 == 0 {
@@ -559,7 +623,7 @@ mod tests {
     }
 
     fn ok(a: Admit) -> bool {
-        a == Admit::Admitted
+        matches!(a, Admit::Admitted { .. })
     }
 
     #[test]
@@ -629,5 +693,53 @@ mod tests {
         let here = ip("127.0.0.1");
         assert!((0..1000).all(|_| ok(a.admit(99, here, 0))));
         assert_eq!((0..20).filter(|_| ok(a.admit(7, here, 0))).count(), 5, "half the burst per shard");
+    }
+
+    #[test]
+    fn priorities_are_capped_by_who_the_client_is() {
+        let mut a = admission(config(), 1);
+        assert_eq!(a.admit(7, ip("127.0.0.1"), 0), Admit::Admitted { priority_max: 9 });
+        assert_eq!(a.admit(8, ip("10.1.2.3"), 0), Admit::Admitted { priority_max: u8::MAX });
+        // An unknown id, and a bound id from elsewhere treated as unknown.
+        assert_eq!(a.admit(99, ip("127.0.0.1"), 0), Admit::Admitted { priority_max: 3 });
+        let mut lenient = config();
+        lenient.on_mismatch = OnMismatch::Default;
+        let mut a = admission(lenient, 1);
+        assert_eq!(a.admit(8, ip("192.0.2.1"), 0), Admit::Admitted { priority_max: 3 });
+        let parsed: AdmissionConfig = toml::from_str(
+            "unknown_priority_max = 2\n[clients.5]\nrate_per_s = 1.0\nburst = 1.0\npriority_max = 7\n[clients.6]\nrate_per_s = 1.0\nburst = 1.0\n",
+        )
+        .unwrap();
+        let limits = parsed.client_limits().unwrap();
+        assert_eq!((limits[&5].priority_max, limits[&6].priority_max, parsed.unknown_priority_max), (7, 255, 2));
+    }
+
+    #[test]
+    fn idle_sources_give_their_place_back_to_new_ones() {
+        // clients_max = 3 source buckets; the default limit refills 2 tokens
+        // at 100/s, so a source idle for 20 ms is as good as new.
+        let mut a = admission(config(), 1);
+        for last in 1..=3u8 {
+            a.admit(99, IpAddr::from([192, 0, 2, last]), 0);
+        }
+        assert_eq!(a.source_buckets(), 3);
+        // A fourth source now shares the overflow bucket (burst 2).
+        let fourth = IpAddr::from([192, 0, 2, 4]);
+        let admitted = (0..4).filter(|_| matches!(a.admit(99, fourth, 1_000), Admit::Admitted { .. })).count();
+        assert_eq!(admitted, 2);
+        // A busy source keeps its bucket; the idle ones are dropped.
+        let busy = IpAddr::from([192, 0, 2, 1]);
+        for _ in 0..5 {
+            a.admit(99, busy, 30_000_000);
+        }
+        a.evict_idle(30_000_001);
+        assert_eq!(a.source_buckets(), 1, "only the busy source keeps its bucket");
+        // The fourth source gets a bucket of its own and its full burst.
+        let admitted = (0..4).filter(|_| matches!(a.admit(99, fourth, 30_000_002), Admit::Admitted { .. })).count();
+        assert_eq!(admitted, 2);
+        assert_eq!(a.source_buckets(), 2);
+        // The watcher's exchange drops them once a second.
+        a.exchange(2_000_000_000);
+        assert_eq!(a.source_buckets(), 0);
     }
 }

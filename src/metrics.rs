@@ -511,6 +511,15 @@ pub struct Counters {
     /// the registry did not build ahead).
     pub backends_prebuilt: u64,
     pub backends_built_on_shard: u64,
+    /// New connections closed at once: the serving shard was at
+    /// `connections_per_shard_max`, or the source at
+    /// `connections_per_source_max`.
+    pub connections_refused_shard_full: u64,
+    pub connections_refused_source_full: u64,
+    /// Connections closed for a frame not complete within
+    /// `frame_timeout_ms`, or responses not taken within `write_timeout_ms`.
+    pub frames_timed_out: u64,
+    pub writes_timed_out: u64,
 }
 
 impl Counters {
@@ -542,6 +551,10 @@ impl Counters {
         self.tls_handshake_failures += other.tls_handshake_failures;
         self.backends_prebuilt += other.backends_prebuilt;
         self.backends_built_on_shard += other.backends_built_on_shard;
+        self.connections_refused_shard_full += other.connections_refused_shard_full;
+        self.connections_refused_source_full += other.connections_refused_source_full;
+        self.frames_timed_out += other.frames_timed_out;
+        self.writes_timed_out += other.writes_timed_out;
         for (a, b) in self.stalls_by_task.iter_mut().zip(&other.stalls_by_task) {
             *a += b;
         }

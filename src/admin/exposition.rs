@@ -236,6 +236,30 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         counter(
             &mut encoder,
+            "quiver_connections_refused_shard_full",
+            "New scoring connections closed: the shard that would serve them was at connections_per_shard_max.",
+            m.counters.connections_refused_shard_full,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_connections_refused_source_full",
+            "New scoring connections closed: their source held connections_per_source_max already.",
+            m.counters.connections_refused_source_full,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_frames_timed_out",
+            "Scoring connections closed for a frame not complete within frame_timeout_ms of its first byte.",
+            m.counters.frames_timed_out,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_writes_timed_out",
+            "Scoring connections closed for responses not taken within write_timeout_ms.",
+            m.counters.writes_timed_out,
+        )?;
+        counter(
+            &mut encoder,
             "quiver_backends_prebuilt",
             "Backends of newly served model versions a shard took ready-built from the admin side.",
             m.counters.backends_prebuilt,

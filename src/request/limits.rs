@@ -20,7 +20,13 @@ pub struct Limits {
     pub frame_bytes_max: usize,
     pub candidates_max: usize,
     pub context_len_max: usize,
+    /// Connections a shard serves, handed-over ones included: held on the
+    /// shard that serves them.
     pub connections_per_shard_max: usize,
+    /// Connections one source holds on the whole server (an IPv4 address,
+    /// or an IPv6 /64, which one host can fill), so one host cannot take
+    /// every slot.
+    pub connections_per_source_max: usize,
     /// Budget for requests that send `budget_us = 0`.
     pub budget_us_default: u32,
     /// Larger budgets are clamped to this.
@@ -33,9 +39,13 @@ pub struct Limits {
     /// client pipelining thousands of requests cannot hold the shard for
     /// the whole burst.
     pub frames_per_round_max: usize,
-    /// A connection with no complete frame for this long is closed.
+    /// A connection that sends nothing for this long is closed.
     pub idle_timeout_ms: u64,
-    /// A client that does not drain its responses within this is closed.
+    /// A frame must be complete this long after its first byte arrived,
+    /// however its bytes trickle in; else the connection is closed.
+    pub frame_timeout_ms: u64,
+    /// A round's responses must be written whole within this, however the
+    /// client drains them; else the connection is closed.
     pub write_timeout_ms: u64,
     /// After SIGTERM, how long connections get to finish before the
     /// process exits anyway.
@@ -49,11 +59,13 @@ impl Default for Limits {
             candidates_max: 256,
             context_len_max: 256,
             connections_per_shard_max: 1024,
+            connections_per_source_max: 256,
             budget_us_default: 10_000,
             budget_us_max: 10_000_000,
             output_bytes_max: 1 << 20,
             frames_per_round_max: 64,
             idle_timeout_ms: 60_000,
+            frame_timeout_ms: 5_000,
             write_timeout_ms: 5_000,
             shutdown_grace_ms: 5_000,
         }
@@ -72,6 +84,7 @@ impl Limits {
         check("candidates_max", self.candidates_max as u64, 1, 8192, "1..=8192")?;
         check("context_len_max", self.context_len_max as u64, 0, 4096, "0..=4096")?;
         check("connections_per_shard_max", self.connections_per_shard_max as u64, 1, 1 << 20, "1..=1048576")?;
+        check("connections_per_source_max", self.connections_per_source_max as u64, 1, 1 << 20, "1..=1048576")?;
         check("budget_us_default", u64::from(self.budget_us_default), 1, u64::from(u32::MAX), "1..")?;
         check(
             "budget_us_max",
@@ -83,6 +96,7 @@ impl Limits {
         check("output_bytes_max", self.output_bytes_max as u64, 4096, 1 << 30, "4096..=1073741824")?;
         check("frames_per_round_max", self.frames_per_round_max as u64, 1, 1 << 16, "1..=65536")?;
         check("idle_timeout_ms", self.idle_timeout_ms, 1, 86_400_000, "1..=86400000")?;
+        check("frame_timeout_ms", self.frame_timeout_ms, 1, 3_600_000, "1..=3600000")?;
         check("write_timeout_ms", self.write_timeout_ms, 1, 86_400_000, "1..=86400000")?;
         check("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000, "0..=600000")?;
         Ok(())

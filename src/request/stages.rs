@@ -139,8 +139,9 @@ impl<C: Clock> RequestPath<C> {
         if !self.shared.readiness.is_ready() {
             return Err(Rejection::fail(request_id, Status::Overloaded, "server is not ready"));
         }
-        match self.admission.admit(request.raw.client_id(), source, decoded_ns) {
-            Admit::Admitted => {}
+        let priority = match self.admission.admit(request.raw.client_id(), source, decoded_ns) {
+            // A client asking for more than its cap is shed as the cap.
+            Admit::Admitted { priority_max } => request.raw.priority().min(priority_max),
             Admit::OverRate => {
                 return Err(Rejection::fail(request_id, Status::RateLimited, "client over its rate limit"));
             }
@@ -149,7 +150,7 @@ impl<C: Clock> RequestPath<C> {
                 let why = "client_id is bound to other source networks than this connection's";
                 return Err(Rejection::fail(request_id, Status::RateLimited, why));
             }
-        }
+        };
         let model_name = request.model();
         let chosen = if model_name.is_empty() {
             Some(self.default_model)
@@ -165,7 +166,7 @@ impl<C: Clock> RequestPath<C> {
                 chosen = c;
             }
         }
-        if self.shedder.enabled() && self.shed_now(request.raw.priority(), read_at_ns, decoded_ns) {
+        if self.shedder.enabled() && self.shed_now(priority, read_at_ns, decoded_ns) {
             let rows = request.item_ids().len();
             return Err(Rejection::Shed { request_id, chosen, rows, read_at_ns, deadline });
         }

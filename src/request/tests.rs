@@ -245,6 +245,31 @@ fn a_long_wait_in_the_read_buffer_sheds_low_priorities_before_lookup() {
 }
 
 #[test]
+fn a_priority_above_the_clients_ceiling_is_shed_as_the_ceiling() {
+    let clock = ManualClock::new(1_000_000);
+    let mut sh = shared(&dir("shed-ceiling"));
+    sh.shed = ShedConfig { enabled: true, ..ShedConfig::default() };
+    // Unknown clients are shed as priority 0 at most, whatever they ask.
+    sh.admission.unknown_priority_max = 0;
+    sh.client_usage = Arc::new(crate::admission::ClientUsage::new(&sh.admission, 1));
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let mut claims_top = spec();
+    claims_top.priority = 255;
+    // Raise the shed level past band 0, as in the test above.
+    for _ in 0..5 {
+        clock.advance_us(1_000);
+        run(&mut path, &claims_top, clock.now_us() - 500);
+    }
+    let r = run(&mut path, &claims_top, clock.now_us() - 500);
+    assert_eq!(
+        (r.status, r.error.as_str()),
+        (Status::Overloaded, "shed: over capacity, priority below the shed level"),
+        "priority 255 from an unknown client is shed as 0"
+    );
+    assert!(path.counters.shed_by_band[0] >= 1 && path.counters.shed_by_band[8] == 0);
+}
+
+#[test]
 fn shed_requests_can_get_the_static_default() {
     let clock = ManualClock::new(1_000_000);
     let mut sh = shared(&dir("shed-default"));

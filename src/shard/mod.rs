@@ -179,7 +179,13 @@ pub fn serve(
     assert!(stage_ends.is_empty() || stage_ends.len() == placement.cores.len(), "one stage end per shard");
     assert_eq!(publishers.len(), placement.cores.len(), "one publisher per shard");
     let mut publishers = publishers.into_iter();
-    let mut balances = balance::sides(placement.cores.len(), placement.reactor.balance_connections).into_iter();
+    let mut balances = balance::sides(
+        placement.cores.len(),
+        placement.reactor.balance_connections,
+        shared.limits.connections_per_shard_max,
+        shared.limits.connections_per_source_max,
+    )
+    .into_iter();
     let mut stage_ends: Vec<Option<ShardEnd>> = stage_ends.into_iter().map(Some).collect();
     stage_ends.resize_with(placement.cores.len(), || None);
     let (bound_tx, bound_rx) = mpsc::channel::<Result<(), String>>();
@@ -492,11 +498,11 @@ async fn run_shard(
             async move {
                 while !shutdown.is_triggered() {
                     glommio::timer::sleep(SHUTDOWN_POLL).await;
-                    for std in balance.adopt() {
+                    for balance::HandedOver { stream, source } in balance.adopt() {
                         // SAFETY: `into_raw_fd` hands over sole ownership of an
                         // open socket, which the glommio stream now owns.
-                        let stream = unsafe { TcpStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(std)) };
-                        conns.spawn(stream);
+                        let stream = unsafe { TcpStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(stream)) };
+                        conns.spawn(stream, source);
                     }
                 }
             }
@@ -533,27 +539,36 @@ async fn run_shard(
             drop(stream);
             continue;
         }
-        if active.get() >= limits.connections_per_shard_max {
-            report.borrow_mut().connections_refused += 1;
-            tracing::debug!(shard, "connection limit reached; closing new connection");
-            drop(stream);
+        let Ok(peer) = stream.peer_addr() else {
+            // Reset before it was served: nothing to count.
             continue;
-        }
-        match balance.place() {
-            None => conns.spawn(stream),
-            Some(to) => {
+        };
+        let source = balance::Source::of(peer.ip());
+        match balance.place(source) {
+            Err(refused) => {
+                let mut path = path.borrow_mut();
+                match refused {
+                    balance::Refused::ShardFull => path.counters.connections_refused_shard_full += 1,
+                    balance::Refused::SourceFull => path.counters.connections_refused_source_full += 1,
+                }
+                report.borrow_mut().connections_refused += 1;
+                tracing::debug!(shard, ?refused, %peer, "connection limit reached; closing new connection");
+                drop(stream);
+            }
+            Ok(balance::Placement::Here) => conns.spawn(stream, source),
+            Ok(balance::Placement::There(to)) => {
                 // SAFETY: dup of an open socket's fd; the new fd is owned
                 // here and closed by its OwnedFd.
                 let fd = unsafe { libc::dup(stream.as_raw_fd()) };
                 if fd < 0 {
                     balance.keep_instead(to);
-                    conns.spawn(stream);
+                    conns.spawn(stream, source);
                     continue;
                 }
                 // SAFETY: `fd` was just returned by dup and is owned by no one else.
                 let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
                 drop(stream);
-                balance.hand_over(to, owned);
+                balance.hand_over(to, owned, source);
                 report.borrow_mut().connections_handed_over += 1;
             }
         }
@@ -593,6 +608,8 @@ enum Wake {
     Read(std::io::Result<(usize, Option<u64>)>),
     Delivered,
     Shutdown,
+    /// The frame partly read is not complete within `frame_timeout_ms`.
+    FrameTimedOut,
 }
 
 /// Swaps in model versions the registry published, logging a failure.
@@ -625,19 +642,42 @@ struct Conns {
 impl Conns {
     /// Serves `stream` on this shard until it closes. Its place in the
     /// balance counts was taken when it was placed here.
-    fn spawn(self: &Rc<Self>, stream: TcpStream) {
+    fn spawn(self: &Rc<Self>, stream: TcpStream, source: balance::Source) {
         self.report.borrow_mut().connections_accepted += 1;
         self.active.set(self.active.get() + 1);
         let conn = Connection { shard: self.clone() };
         let this = self.clone();
         glommio::spawn_local(async move {
             if let Err(e) = conn.serve(stream).await {
+                let mut path = this.path.borrow_mut();
+                match e.get_ref().and_then(|inner| inner.downcast_ref::<TimedOut>()) {
+                    Some(TimedOut::Frame) => path.counters.frames_timed_out += 1,
+                    Some(TimedOut::Write) => path.counters.writes_timed_out += 1,
+                    None => {}
+                }
                 tracing::debug!(shard = this.shard, error = %e, "connection closed");
             }
             this.active.set(this.active.get() - 1);
-            this.balance.closed();
+            this.balance.closed(source);
         })
         .detach();
+    }
+}
+
+/// Why a connection was closed for time: a frame not complete within
+/// `frame_timeout_ms` of its first byte, or a round's responses not taken
+/// within `write_timeout_ms`.
+#[derive(Debug, thiserror::Error)]
+enum TimedOut {
+    #[error("frame not complete within frame_timeout_ms of its first byte")]
+    Frame,
+    #[error("responses not taken within write_timeout_ms")]
+    Write,
+}
+
+impl From<TimedOut> for std::io::Error {
+    fn from(t: TimedOut) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::TimedOut, t)
     }
 }
 
@@ -702,9 +742,20 @@ impl Connection {
         }
         self.shard.mailboxes.close(id);
         if result.is_ok() && !rest.is_empty() {
-            stream.write_all(&rest).await?;
+            self.write_within(&mut stream, &rest).await?;
         }
         result
+    }
+
+    /// Writes `buf` whole within `write_timeout_ms`, however slowly the
+    /// client reads (the socket's own timeout is per write call).
+    async fn write_within(&self, stream: &mut Transport, buf: &[u8]) -> std::io::Result<()> {
+        let limit = Duration::from_millis(self.shard.limits.write_timeout_ms);
+        futures_lite::future::or(stream.write_all(buf), async {
+            glommio::timer::sleep(limit).await;
+            Err(TimedOut::Write.into())
+        })
+        .await
     }
 
     /// A TLS handshake on `stream`, within the configured time (the whole
@@ -760,8 +811,15 @@ impl Connection {
         // was a stamped one; reads since the last stamped one.
         let mut socket_wait_ns: Option<u64> = None;
         let mut reads = 0u32;
+        // When the first byte of the frame now partly buffered arrived, and
+        // when the last read did.
+        let clock = MonotonicClock::new();
+        let frame_timeout_ns = self.shard.limits.frame_timeout_ms * 1_000_000;
+        let mut frame_started_ns: Option<u64> = None;
+        let mut last_read_ns = 0u64;
         stream.tcp().set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
-        stream.tcp().set_write_timeout(Some(Duration::from_millis(self.shard.limits.write_timeout_ms)))?;
+        // No per-call write timeout: `write_within` bounds each round's
+        // write as a whole.
         let frame_bytes_max = self.shard.limits.frame_bytes_max;
         let read_bytes_max = frame_bytes_max + FRAME_PREFIX_BYTES;
         let mut inbuf = vec![0u8; READ_BUFFER_BYTES_MIN.min(read_bytes_max)];
@@ -814,9 +872,16 @@ impl Connection {
             mailbox.take_into(&mut out);
             self.shard.stalls.end(StallTask::Connection, t);
             if !out.is_empty() {
-                stream.write_all(&out).await?;
+                self.write_within(stream, &out).await?;
                 out.clear();
             }
+            // A partial frame left over arrived with the last read; its
+            // clock keeps running until it is complete.
+            frame_started_ns = match (filled, consumed) {
+                (0, _) => None,
+                (_, 0) => frame_started_ns,
+                _ => Some(last_read_ns),
+            };
             if broken {
                 return Ok(());
             }
@@ -853,10 +918,21 @@ impl Connection {
                             }
                             Wake::Shutdown
                         },
-                        async {
-                            mailbox.delivered().await;
-                            Wake::Delivered
-                        },
+                        futures_lite::future::or(
+                            async {
+                                mailbox.delivered().await;
+                                Wake::Delivered
+                            },
+                            async {
+                                let Some(started_ns) = frame_started_ns else {
+                                    return std::future::pending().await;
+                                };
+                                let due_ns = started_ns + frame_timeout_ns;
+                                glommio::timer::sleep(Duration::from_nanos(due_ns.saturating_sub(clock.now_ns())))
+                                    .await;
+                                Wake::FrameTimedOut
+                            },
+                        ),
                     )
                     .await
                 },
@@ -868,7 +944,10 @@ impl Connection {
                 Wake::Shutdown => {}
                 Wake::Delivered => {}
                 Wake::Read(Ok((0, _))) => return Ok(()),
+                Wake::FrameTimedOut => return Err(TimedOut::Frame.into()),
                 Wake::Read(Ok((n, wait_ns))) => {
+                    last_read_ns = clock.now_ns();
+                    frame_started_ns = frame_started_ns.or(Some(last_read_ns));
                     filled += n;
                     socket_wait_ns = wait_ns;
                     reads = reads.wrapping_add(1);
