@@ -130,9 +130,10 @@ pub struct Registry {
     default: String,
     slots: Mutex<BTreeMap<String, Slot>>,
     generation: AtomicU64,
-    /// Versions `load_newer` failed to load, so a broken file on disk is
-    /// reported once, not on every poll.
-    refused: Mutex<std::collections::BTreeSet<(String, u32)>>,
+    /// Versions `load_newer` failed to load, with their file's stamp then,
+    /// so a broken file on disk is reported once, not on every poll, and
+    /// tried again once it changes.
+    refused: Mutex<std::collections::BTreeMap<(String, u32), Option<FileStamp>>>,
     drift: DriftConfig,
     /// Shards that take a prebuilt backend of each published version; 0
     /// builds none.
@@ -517,18 +518,48 @@ impl Registry {
                 continue;
             };
             let key = (name.clone(), latest);
-            if self.refused.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+            // A refused version is tried again once its file changes: a
+            // directory still being copied loads when the copy is complete.
+            let stamp = FileStamp::of(&dir.join(&name).join(latest.to_string()).join(MODEL_FILE));
+            if self.refused.lock().unwrap_or_else(|e| e.into_inner()).get(&key) == Some(&stamp) {
                 continue;
             }
             match self.load(&name, Some(latest)) {
-                Ok(v) => changed.push((name, v)),
+                Ok(v) => {
+                    self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                    changed.push((name, v));
+                }
                 Err(e) => {
-                    tracing::warn!(model = %name, version = latest, error = %e, "new version not loaded");
-                    self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
+                    tracing::warn!(
+                        model = %name, version = latest, error = %e,
+                        "new version not loaded; it is tried again when its file changes"
+                    );
+                    self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(key, stamp);
                 }
             }
         }
         changed
+    }
+}
+
+/// What tells one state of a file from another: its inode, length and
+/// modification time (`None` when it cannot be read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileStamp {
+    inode: u64,
+    bytes: u64,
+    modified_ns: i128,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            inode: m.ino(),
+            bytes: m.len(),
+            modified_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        })
     }
 }
 

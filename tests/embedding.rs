@@ -199,9 +199,12 @@ fn the_registry_serves_a_big_table_mapped_and_its_shards_backends_copy_nothing()
 fn a_damaged_file_with_a_big_table_is_refused_with_a_typed_error() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = Scratch::new("damaged");
-    let bytes = big_model().to_bytes();
-    let load = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| -> ModelError {
-        let mut b = bytes.clone();
+    let whole = big_model().to_bytes();
+    // Without its checksum trailer (8 bytes), as a file from before it: the
+    // structural checks below are then the only ones.
+    let bytes = whole[..whole.len() - 8].to_vec();
+    let load_from = |base: &Vec<u8>, name: &str, edit: &dyn Fn(&mut Vec<u8>)| -> ModelError {
+        let mut b = base.clone();
         edit(&mut b);
         let p = dir.join(name);
         std::fs::write(&p, &b).unwrap();
@@ -209,6 +212,13 @@ fn a_damaged_file_with_a_big_table_is_refused_with_a_typed_error() {
         std::fs::remove_file(&p).unwrap();
         e
     };
+    let load = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| load_from(&bytes, name, edit);
+    // With it, a flipped bit anywhere in the table is caught.
+    let e = load_from(&whole, "flipped.qm", &|b| {
+        let at = b.len() / 2;
+        b[at] ^= 1;
+    });
+    assert!(matches!(e, ModelError::Checksum { .. }), "{e}");
     let table_bytes = (ROWS * DIM * 4) as u64;
     let head_bytes = bytes.len() - ROWS * DIM * 4;
 

@@ -223,6 +223,52 @@ fn new_versions_on_disk_are_picked_up() {
     std::fs::write(bad.join("model.qm"), b"not a model").unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(c.score(&spec).unwrap().model_version, 2);
+    // A version directory still being copied (half its file) is refused,
+    // then loads once the copy is complete: no restart needed.
+    let v3 = demo_version(3, 2.0).to_bytes();
+    std::fs::write(bad.join("model.qm"), &v3[..v3.len() / 2]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(c.score(&spec).unwrap().model_version, 2);
+    std::fs::write(bad.join("model.qm"), &v3).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while c.score(&spec).unwrap().model_version != 3 {
+        assert!(Instant::now() < until, "version 3 was never picked up once complete: {}", server.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_served_model_file_rewritten_in_place_or_damaged_is_harmless() {
+    let v1 = demo_version(1, 0.0);
+    let dir = registry_dir("reg-in-place", &[v1.clone(), demo_version(2, 1.0)]);
+    let mut server = start(&dir, &[]);
+    let admin = server.admin.clone();
+    assert_eq!(post(&format!("http://{admin}/models/auction-32/load?version=1")).0, 200);
+    let mut c = server.client();
+    let spec = demo_request(1, 1, vec![1, 2, 3]);
+    let before = c.score(&spec).unwrap();
+    assert_eq!(before.model_version, 1);
+    // `cp other.qm served.qm`: truncated and rewritten in place, then cut to
+    // nothing. A mapped file would raise SIGBUS in every shard.
+    let served = dir.join("auction-32").join("1").join("model.qm");
+    std::fs::write(&served, demo_version(9, 3.0).to_bytes()).unwrap();
+    std::fs::File::create(&served).unwrap().set_len(0).unwrap();
+    for i in 0..200 {
+        let r = c.score(&demo_request(i, i, vec![1, 2, 3])).unwrap();
+        assert_eq!((r.status, r.model_version), (Status::Ok, 1));
+    }
+    assert_eq!(c.score(&spec).unwrap().scores, before.scores);
+    assert!(server.is_running());
+    // A flipped bit on disk is refused at load, naming the checksum.
+    let v2 = dir.join("auction-32").join("2").join("model.qm");
+    let mut bytes = std::fs::read(&v2).unwrap();
+    let at = bytes.len() / 3;
+    bytes[at] ^= 0x04;
+    std::fs::write(&v2, &bytes).unwrap();
+    let (code, body) = post(&format!("http://{admin}/models/auction-32/load?version=2"));
+    assert_eq!(code, 422, "{body}");
+    assert!(body.contains("checksum mismatch"), "{body}");
+    assert_eq!(c.score(&spec).unwrap().model_version, 1);
 }
 
 #[test]

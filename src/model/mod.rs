@@ -68,6 +68,17 @@ const _: () = assert!(
 /// memory, not copied into the builder first. Smaller ones stay inline,
 /// where servers from before `table_at` read them too.
 pub const EMBEDDING_INLINE_BYTES_MAX: usize = 64 << 20;
+/// Files up to this size are read into memory, not mapped: nothing of them
+/// stays mapped, so a file rewritten in place (`cp new.qm model.qm`) cannot
+/// touch a served model. Bigger ones hold embedding tables written apart,
+/// which stay mapped (shared, paged in as used) and must be replaced by
+/// renaming a new file over them.
+pub const MODEL_READ_BYTES_MAX: u64 = EMBEDDING_INLINE_BYTES_MAX as u64;
+/// The last bytes of a model file: this magic, then the CRC-32 (little
+/// endian) of every byte before them. Files written before it have none
+/// and load with a warning.
+const CHECKSUM_MAGIC: [u8; 4] = *b"QVC1";
+const CHECKSUM_TRAILER_BYTES: usize = 8;
 /// A table written after the FlatBuffer starts at a multiple of this.
 const TABLE_ALIGN_BYTES: usize = 64;
 /// Widest layer accepted; bounds per-shard scratch buffers.
@@ -107,6 +118,11 @@ pub enum ModelError {
     Identifier { path: String },
     #[error("model '{name}': {what}")]
     Shape { name: String, what: String },
+    #[error(
+        "{path}: checksum mismatch (stored {stored:08x}, computed {computed:08x}): the file is damaged or was \
+         changed while being read"
+    )]
+    Checksum { path: String, stored: u32, computed: u32 },
 }
 
 /// Where an input segment's values come from.
@@ -617,6 +633,12 @@ impl Model {
     /// a 2-core VM). The tables themselves are not copied: the model serves
     /// them from the mapping.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
+        Model::load_reading_at_most(path, MODEL_READ_BYTES_MAX)
+    }
+
+    /// `load`, reading files of at most `read_bytes_max` bytes and mapping
+    /// bigger ones.
+    fn load_reading_at_most(path: &Path, read_bytes_max: u64) -> Result<Model, ModelError> {
         let p = path.display().to_string();
         let io = |source| ModelError::Io { path: p.clone(), source };
         let file = File::open(path).map_err(io)?;
@@ -629,20 +651,29 @@ impl Model {
         if bytes_len < 8 {
             return Err(ModelError::Identifier { path: p });
         }
+        if bytes_len <= read_bytes_max {
+            let mut bytes = Vec::with_capacity(bytes_len as usize);
+            std::io::Read::read_to_end(&mut std::io::Read::take(&file, bytes_len), &mut bytes).map_err(io)?;
+            let body = verify_checksum(&bytes, &p)?;
+            return Model::parse(body, None, &p);
+        }
         // SAFETY: model files are replaced only by renaming a new file over
         // the old one, never truncated or rewritten in place: this crate
         // writes them only through `write_atomically` (temporary file, then
         // rename), and README tells operators to do the same (`mv`, not
-        // `cp` over a served file). A rename leaves the inode mapped here
-        // untouched, so the mapping stays valid while the old model serves.
+        // `cp` over a served file); smaller files, which hold no tables
+        // written apart, are read above and never mapped. A rename leaves
+        // the inode mapped here untouched, so the mapping stays valid while
+        // the old model serves.
         let file = Arc::new(unsafe { ModelFile::map(&file) }.map_err(io)?);
-        Model::parse(file.bytes(), Some(&file), &p)
+        let body = verify_checksum(file.bytes(), &p)?;
+        Model::parse(body, Some(&file), &p)
     }
 
     /// Validates a model file held in memory; its embedding tables are
     /// copied out (owned), unlike `load`'s.
     pub fn from_bytes(bytes: &[u8], path_for_errors: &str) -> Result<Model, ModelError> {
-        Model::parse(bytes, None, path_for_errors)
+        Model::parse(verify_checksum(bytes, path_for_errors)?, None, path_for_errors)
     }
 
     /// `bytes` are all of `file`'s when it is given, and the embedding
@@ -742,6 +773,15 @@ impl Model {
     /// together are over `inline_bytes_max`, each table at its `table_at`
     /// (zeros between), streamed from the model's memory.
     fn write_file(&self, w: &mut impl Write, inline_bytes_max: usize) -> std::io::Result<()> {
+        let mut w = Summing { inner: w, crc: crc32fast::Hasher::new() };
+        self.write_body(&mut w, inline_bytes_max)?;
+        let crc = w.crc.finalize();
+        w.inner.write_all(&CHECKSUM_MAGIC)?;
+        w.inner.write_all(&crc.to_le_bytes())
+    }
+
+    /// The file before its checksum trailer.
+    fn write_body(&self, w: &mut impl Write, inline_bytes_max: usize) -> std::io::Result<()> {
         let (b, tables) = self.encode(inline_bytes_max);
         let head = b.finished_data();
         w.write_all(head)?;
@@ -859,6 +899,44 @@ impl Model {
         fb::finish_model_buffer(&mut b, root);
         b
     }
+}
+
+/// A writer that sums what passes through it.
+struct Summing<'w, W: Write> {
+    inner: &'w mut W,
+    crc: crc32fast::Hasher,
+}
+
+impl<W: Write> Write for Summing<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// The file's bytes before its checksum trailer, once the checksum matches;
+/// all of them, with a warning, for a file written before checksums (no
+/// trailer). Reads every byte, so a mapped file's tables are paged in once.
+fn verify_checksum<'b>(bytes: &'b [u8], path: &str) -> Result<&'b [u8], ModelError> {
+    let Some(at) = bytes.len().checked_sub(CHECKSUM_TRAILER_BYTES) else {
+        return Ok(bytes);
+    };
+    let (body, trailer) = bytes.split_at(at);
+    if trailer[..4] != CHECKSUM_MAGIC {
+        tracing::warn!(path, "model file has no checksum (written before Quiver stored one); save it again to add one");
+        return Ok(bytes);
+    }
+    let stored = u32::from_le_bytes(trailer[4..].try_into().expect("four bytes"));
+    let computed = crc32fast::hash(body);
+    if stored != computed {
+        return Err(ModelError::Checksum { path: path.into(), stored, computed });
+    }
+    Ok(body)
 }
 
 /// Writes a model file as a new file renamed over `path`, never in place: a
@@ -1480,12 +1558,17 @@ mod tests {
             // exactly what the mapping forbids.
             let path = dir.join(format!("{k}.qm"));
             std::fs::write(&path, &bytes).unwrap();
-            let loaded = Model::load(&path).unwrap();
+            // A file this small is read, and nothing of it stays mapped.
+            let read = Model::load(&path).unwrap();
+            assert_eq!(read, m);
+            assert!(tables(&read).iter().all(|t| !t.is_mapped()));
+            let loaded = Model::load_reading_at_most(&path, 0).unwrap();
             assert_eq!(loaded, m);
             for t in tables(&loaded) {
                 let file = t.file().unwrap();
                 assert!(file.bytes().as_ptr_range().contains(&t.as_ptr().cast()), "{t:?}");
                 assert_eq!(file.bytes().len(), bytes.len());
+                assert_eq!(&bytes[bytes.len() - CHECKSUM_TRAILER_BYTES..][..4], b"QVC1");
             }
             let x = [0.5, -1.0, 999.0, 1000.0, 0.25, 0.75, 3.0, -2.0];
             let (mut want, mut got) = ([0.0; 2], [0.0; 2]);
@@ -1505,9 +1588,11 @@ mod tests {
 
     #[test]
     fn tables_after_the_flatbuffer_are_refused_when_the_file_is_short() {
+        // Without the checksum trailer (as files from before it), where the
+        // table bounds are the only check.
         let m = embedded(1000);
         let mut bytes = Vec::new();
-        m.write_file(&mut bytes, 0).unwrap();
+        m.write_body(&mut bytes, 0).unwrap();
         for cut in [4, 3 * 4 * 1000, 3 * 4 * 1000 + 1] {
             let e = Model::from_bytes(&bytes[..bytes.len() - cut], "t").unwrap_err();
             assert!(
@@ -1518,6 +1603,36 @@ mod tests {
         let e = Model::from_bytes(&bytes[..bytes.len() - 2 * 3 * 4 * 1000], "t").unwrap_err();
         assert!(matches!(e, ModelError::Table { node: 1, .. }), "{e}");
         assert!(e.to_string().contains("node 1"), "{e}");
+    }
+
+    #[test]
+    fn a_flipped_bit_or_a_cut_is_refused_with_a_typed_error_and_old_files_still_load() {
+        let m = embedded(1000);
+        for inline_bytes_max in [usize::MAX, 0] {
+            let mut bytes = Vec::new();
+            m.write_file(&mut bytes, inline_bytes_max).unwrap();
+            for at in [0, 9, bytes.len() / 2, bytes.len() - CHECKSUM_TRAILER_BYTES - 1] {
+                let mut flipped = bytes.clone();
+                flipped[at] ^= 0x10;
+                let e = Model::from_bytes(&flipped, "t").unwrap_err();
+                assert!(matches!(e, ModelError::Checksum { .. }), "bit {at}: {e}");
+                assert!(e.to_string().contains("checksum mismatch"), "{e}");
+            }
+            // A copy cut short has no trailer, so it is read as an old file:
+            // cut within the trailer, the model is all there; cut further,
+            // what is missing is refused (never a panic).
+            for cut in [1, 8] {
+                assert_eq!(Model::from_bytes(&bytes[..bytes.len() - cut], "t").unwrap(), m);
+            }
+            for cut in [9, 100, bytes.len() / 2, bytes.len() - 7] {
+                let e = Model::from_bytes(&bytes[..bytes.len() - cut], "t");
+                assert!(e.is_err(), "cut {cut} of {} loaded", bytes.len());
+            }
+            // A file from before checksums loads.
+            let mut old = Vec::new();
+            m.write_body(&mut old, inline_bytes_max).unwrap();
+            assert_eq!(Model::from_bytes(&old, "t").unwrap(), m);
+        }
     }
 
     #[test]
