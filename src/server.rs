@@ -65,7 +65,22 @@ fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Er
             dim: feed_config.item_dim.or(model_dims.1),
         },
     ];
-    let started = feed::start(feed_config, &specs, stop.clone())?;
+    let started = match feed::start(feed_config, &specs, stop.clone()) {
+        Ok(started) => started,
+        // The files are there to serve, only not to write: stale features
+        // beat no node. Without them there is nothing to serve.
+        Err(e) if e.is_read_only() => {
+            let user = ReplicaHandle::open_serving(&config.user_features_path(), "user")?;
+            let item = ReplicaHandle::open_serving(&config.item_features_path(), "item")?;
+            tracing::error!(
+                error = %e,
+                "the data directory cannot be written: serving its replica files as they are, not following \
+                 redis (features go stale until it is writable and the server restarts)"
+            );
+            return Ok((user, item, None));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let (user, item) = (started.handles[0].clone(), started.handles[1].clone());
     Ok((user, item, Some(started)))
 }

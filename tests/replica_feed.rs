@@ -815,3 +815,102 @@ fn a_held_resync_is_held_again_after_a_restart() {
     let r = server.client().score(&demo_request(1, 7, vec![1, 2, 299])).unwrap();
     assert_eq!((r.status, r.features_missing, r.features_stale), (Status::Ok, 0, true));
 }
+
+/// A tmpfs of `mib` MiB mounted over `dir` for the test's life (needs root,
+/// as CI and the developers' machines run).
+struct SmallDisk {
+    dir: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(dir: &Path, mib: u32) -> SmallDisk {
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("mount(8) runs");
+        assert!(out.status.success(), "mounting a small tmpfs (needs root): {out:?}");
+        SmallDisk { dir: dir.into() }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+fn metric(server: &Server, name: &str) -> u64 {
+    let (_, text) = get(&format!("http://{}/metrics", server.admin));
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+#[test]
+fn a_full_disk_during_growth_is_an_error_the_server_survives_and_reports() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..2_000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = common::scratch("feed-full-disk").join("data");
+    std::fs::create_dir_all(&dir).unwrap();
+    let disk = SmallDisk::mount(&dir, 6);
+    for f in ["model.qm", "fallback.qm"] {
+        std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
+    }
+    let mut server = serve(&dir, &redis, "");
+    let before = server.client().score(&demo_request(1, 7, vec![1, 2, 1_999])).unwrap();
+    assert_eq!((before.status, before.features_missing), (Status::Ok, 0));
+
+    // Far more items than the disk holds: growing the file must fail. Before
+    // blocks were reserved, the file grew sparse and the first write to a
+    // page the disk had no room for was a SIGBUS that ended the process.
+    load(&redis, "item", 2_000..60_000, 0);
+    let until = Instant::now() + Duration::from_secs(30);
+    while metric(&server, "quiver_feed_disk_errors_total") == 0 {
+        assert!(server.is_running(), "the server died: {}", server.stderr());
+        assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
+        let r = server.client().score(&demo_request(2, 7, vec![1, 2, 1_999])).unwrap();
+        assert_eq!(r.status, Status::Ok);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = server.wait_stderr("cannot reserve");
+    assert!(log.contains("serving the replica as it is"), "{log}");
+    // The shards keep serving what the replica holds.
+    for i in 0..100 {
+        let r = server.client().score(&demo_request(i, 7, vec![1, 2, 1_999])).unwrap();
+        assert_eq!((r.status, r.features_missing), (Status::Ok, 0));
+    }
+    assert!(server.is_running());
+    assert_eq!(server.terminate(), 0);
+    drop(disk);
+}
+
+#[test]
+fn a_read_only_data_dir_is_served_stale_instead_of_refused() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..500, 0);
+    load(&redis, "user", 0..50, 0);
+    let dir = common::scratch("feed-read-only").join("data");
+    std::fs::create_dir_all(&dir).unwrap();
+    let disk = SmallDisk::mount(&dir, 32);
+    for f in ["model.qm", "fallback.qm"] {
+        std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
+    }
+    let mut first = serve(&dir, &redis, "");
+    assert_eq!(first.client().score(&demo_request(1, 7, vec![1, 499])).unwrap().features_missing, 0);
+    assert_eq!(first.terminate(), 0);
+    let out = Command::new("mount").args(["-o", "remount,ro"]).arg(&dir).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // Redis moves on; the node cannot follow, but it serves what it has.
+    load(&redis, "item", 500..600, 0);
+    let config = common::scratch("feed-read-only-config").join("quiver.toml");
+    std::fs::write(&config, format!("[feed]\nredis = \"{}\"\nblock_ms = 50\n", redis.url())).unwrap();
+    let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
+    let log = server.wait_stderr("the data directory cannot be written");
+    assert!(log.contains("serving its replica files as they are"), "{log}");
+    let r = server.client().score(&demo_request(2, 7, vec![1, 499, 550])).unwrap();
+    assert_eq!((r.status, r.features_missing), (Status::Ok, 1), "items 0..500 served, 550 unknown");
+    drop(server);
+    drop(disk);
+}

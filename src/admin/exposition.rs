@@ -443,6 +443,22 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
             MetricType::Counter,
         )?
         .encode_counter::<NoLabelSet, _, u64>(&feed.connect_failures_total.load(Relaxed), None)?;
+    encoder
+        .encode_descriptor(
+            "quiver_feed_disk_errors",
+            "Refresher sessions ended by the replica's files (a full disk, a read-only file system), not Redis.",
+            None,
+            MetricType::Counter,
+        )?
+        .encode_counter::<NoLabelSet, _, u64>(&feed.disk_errors_total.load(Relaxed), None)?;
+    encoder
+        .encode_descriptor(
+            "quiver_feed_checkpoint_failures",
+            "Replica checkpoints that failed to reach the disk.",
+            None,
+            MetricType::Counter,
+        )?
+        .encode_counter::<NoLabelSet, _, u64>(&feed.checkpoint_failures_total.load(Relaxed), None)?;
     Ok(())
 }
 

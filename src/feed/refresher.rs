@@ -187,13 +187,15 @@ pub struct Refresher {
 /// The channel to the flusher thread, and the thread.
 type Flusher = (std::sync::mpsc::SyncSender<(Arc<Replica>, Cursor)>, JoinHandle<()>);
 
-/// Writes checkpoints handed over by the refresher until the channel closes.
-fn spawn_flusher(groups: usize) -> std::io::Result<Flusher> {
+/// Writes checkpoints handed over by the refresher until the channel closes,
+/// counting failures in `status`.
+fn spawn_flusher(groups: usize, status: Arc<FeedStatus>) -> std::io::Result<Flusher> {
     // One pending checkpoint per group: a newer one waits for the next interval.
     let (tx, rx) = std::sync::mpsc::sync_channel::<(Arc<Replica>, Cursor)>(groups.max(1));
     let thread = std::thread::Builder::new().name("quiver-flush".into()).spawn(move || {
         for (table, cursor) in rx {
             if let Err(e) = table.write_checkpoint(cursor) {
+                GroupStatus::bump(&status.checkpoint_failures_total, 1);
                 tracing::error!(path = table.path(), "checkpoint failed: {e}");
             }
         }
@@ -406,7 +408,7 @@ impl Refresher {
 
     fn run(&mut self, stop: &AtomicBool) {
         self.finish_opens();
-        match spawn_flusher(self.groups.len()) {
+        match spawn_flusher(self.groups.len(), self.status.clone()) {
             Ok(f) => self.flusher = Some(f),
             Err(e) => tracing::warn!("no flusher thread ({e}): checkpoints run on the refresher"),
         }
@@ -442,7 +444,19 @@ impl Refresher {
                 }
                 _ => {}
             }
-            if let Err(e) = result {
+            let disk = result.as_ref().err().filter(|e| e.is_disk());
+            if let Some(e) = disk {
+                // Not Redis: the shards keep serving what the replica holds,
+                // and the session is tried again after the backoff.
+                GroupStatus::bump(&self.status.disk_errors_total, 1);
+                tracing::error!("replica disk: {e}; serving the replica as it is, retrying");
+                let pause = backoff.next();
+                let until = self.clock.now_ns() + pause.as_nanos() as u64;
+                while !stop.load(Ordering::Relaxed) && self.clock.now_ns() < until {
+                    self.take_accepts();
+                    std::thread::sleep(Duration::from_millis(10).min(pause));
+                }
+            } else if let Err(e) = result {
                 failures += 1;
                 GroupStatus::bump(&self.status.connect_failures_total, 1);
                 if failures == 1 {
@@ -529,6 +543,7 @@ impl Refresher {
                 _ => match g.writer.checkpoint(cursor) {
                     Ok(()) => true,
                     Err(e) => {
+                        GroupStatus::bump(&self.status.checkpoint_failures_total, 1);
                         tracing::error!(group = %g.name, "checkpoint failed: {e}");
                         false
                     }

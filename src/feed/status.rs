@@ -105,6 +105,11 @@ pub struct FeedStatus {
     /// the next successful session. Nothing on the request path looks at it.
     pub breaker_open: AtomicBool,
     pub connect_failures_total: AtomicU64,
+    /// Sessions ended by the replica's files, not Redis (a full disk while
+    /// creating or growing a file, a read-only file system).
+    pub disk_errors_total: AtomicU64,
+    /// Checkpoints that failed to reach the disk.
+    pub checkpoint_failures_total: AtomicU64,
     pub staleness_max_ns: u64,
     pub policy: StalePolicy,
 }
@@ -116,6 +121,8 @@ impl FeedStatus {
             connected: AtomicBool::new(false),
             breaker_open: AtomicBool::new(false),
             connect_failures_total: AtomicU64::new(0),
+            disk_errors_total: AtomicU64::new(0),
+            checkpoint_failures_total: AtomicU64::new(0),
             staleness_max_ns: staleness_max_ms.saturating_mul(1_000_000),
             policy,
         }

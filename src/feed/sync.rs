@@ -52,6 +52,21 @@ impl RefreshError {
         };
         message.starts_with("MOVED ") || message.starts_with("ASK ")
     }
+
+    /// The data directory cannot be written (a read-only mount, no
+    /// permission): its files can still be served as they are.
+    pub fn is_read_only(&self) -> bool {
+        let RefreshError::Replica(ReplicaError::Io { source, .. }) = self else {
+            return false;
+        };
+        matches!(source.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM))
+    }
+
+    /// The replica's files failed (a full disk, a read-only or failing file
+    /// system), not Redis: the served replica stays as it is.
+    pub fn is_disk(&self) -> bool {
+        matches!(self, RefreshError::Replica(ReplicaError::NoSpace { .. } | ReplicaError::Io { .. }))
+    }
 }
 
 /// Where a part's position and stream are read: its one node, or a cluster

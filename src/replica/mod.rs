@@ -109,6 +109,16 @@ pub enum ReplicaError {
     #[error("{path}: another process is writing this replica")]
     Locked { path: String },
     #[error(
+        "{path}: cannot reserve {bytes} bytes on disk: {source}; the served replica is kept as it is (free space \
+         on the data directory's file system)"
+    )]
+    NoSpace {
+        path: String,
+        bytes: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
         "{path}: cannot lock its {bytes} bytes in memory (replica_lock = true): {source}; RLIMIT_MEMLOCK is \
          {limit}: raise it to at least the replica files' total size (ulimit -l, LimitMEMLOCK= in a systemd \
          unit) or set replica_lock = false"

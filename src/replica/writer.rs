@@ -80,6 +80,32 @@ fn lock(file: &File, path: &str) -> Result<(), ReplicaError> {
     Ok(())
 }
 
+/// Gives the new file `file` its length with every block allocated, so the
+/// writes that later go through the mapping never need a block the file
+/// system no longer has: on a full disk they would raise SIGBUS in whatever
+/// thread wrote, and stop the process. A file system without `fallocate`
+/// gets a sparse file, as before, with a warning.
+fn reserve(file: &File, bytes: u64, path: &str) -> Result<(), ReplicaError> {
+    let len = libc::off_t::try_from(bytes).map_err(|_| ReplicaError::Full { path: path.into(), rows: bytes })?;
+    // SAFETY: fallocate on an open, writable descriptor this function borrows;
+    // it reads no memory of ours.
+    let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(file), 0, 0, len) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => {
+            tracing::warn!(path, "the file system cannot reserve blocks (no fallocate): the replica is sparse");
+            file.set_len(bytes).map_err(|source| ReplicaError::Io { path: path.into(), source })
+        }
+        Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
+            Err(ReplicaError::NoSpace { path: path.into(), bytes, source: err })
+        }
+        _ => Err(ReplicaError::Io { path: path.into(), source: err }),
+    }
+}
+
 impl ReplicaWriter {
     /// Creates a new, empty replica file at `path` (replacing any file
     /// there), with room for `row_capacity` rows before it must grow.
@@ -113,7 +139,11 @@ impl ReplicaWriter {
         let file = File::options().read(true).write(true).create_new(true).open(path).map_err(io)?;
         lock(&file, &p)?;
         let default_bytes: Vec<u8> = default.iter().flat_map(|x| x.to_le_bytes()).collect();
-        file.set_len(layout.file_bytes as u64).map_err(io)?;
+        if let Err(e) = reserve(&file, layout.file_bytes as u64, &p) {
+            drop(file);
+            let _ = std::fs::remove_file(path);
+            return Err(e);
+        }
         file.write_all_at(&encode_superblock(&header, crc32fast::hash(&default_bytes)), 0).map_err(io)?;
         file.write_all_at(&encode_checkpoint(1, Cursor::default()), CHECKPOINT_OFFSETS[1] as u64).map_err(io)?;
         file.write_all_at(&default_bytes, DEFAULT_OFFSET as u64).map_err(io)?;
@@ -156,6 +186,13 @@ impl ReplicaWriter {
             .open(path)
             .map_err(|source| ReplicaError::Io { path: p.clone(), source })?;
         lock(&file, &p)?;
+        // A file written sparse (before blocks were reserved, or copied with
+        // holes) gets its blocks now; without room, writes to its holes could
+        // still fail, so say so.
+        let len = file.metadata().map_err(|source| ReplicaError::Io { path: p.clone(), source })?.len();
+        if let Err(e) = reserve(&file, len, &p) {
+            tracing::warn!(path = %p, "{e}: writes to the replica's unreserved pages may fail if the disk fills");
+        }
         for why in ["grow", "sync", "build"] {
             let _ = std::fs::remove_file(temp_path(path, why));
         }
