@@ -914,3 +914,19 @@ fn a_read_only_data_dir_is_served_stale_instead_of_refused() {
     drop(server);
     drop(disk);
 }
+
+#[test]
+fn a_small_group_beside_a_big_one_gets_a_small_file() {
+    let redis = RedisServer::start();
+    load(&redis, "user", 0..100_000, 0);
+    load(&redis, "item", 0..1_000, 0);
+    let dir = models_only_dir("feed-sizing");
+    let server = serve(&dir, &redis, "");
+    assert_eq!(server.client().score(&demo_request(1, 7, vec![1, 999])).unwrap().features_missing, 0);
+    let bytes = |g: &str| std::fs::metadata(dir.join(format!("{g}.qrep"))).unwrap().len();
+    let (user, item) = (bytes("user"), bytes("item"));
+    // Sized by DBSIZE, the item file had room for 175k rows, and now that
+    // its blocks are reserved it would take as much disk as the user file.
+    assert!(item * 20 < user, "item file {item} bytes beside user file {user}");
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 1_000);
+}

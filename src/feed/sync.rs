@@ -235,10 +235,14 @@ pub fn full_sync(
     // the background: a fresh copy must not be copied again at once. Rows
     // never written stay holes in the file.
     let dbsize = conn.command(&[b"DBSIZE"])?.as_int().and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
-    let capacity = with_headroom(dbsize);
+    // The part's change counter bounds its entities (every entity was
+    // written by a change) far better than DBSIZE when other groups are
+    // large: a file sized by DBSIZE reserves their share of the disk too.
+    // An estimate short of the truth only makes the copy grow its file.
+    let changes = changes_counted(conn, part)?.unwrap_or(u64::MAX);
     let capacity = match part.layout.bucket_count() {
-        1 => capacity,
-        buckets => bucket_capacity(conn, part, dbsize / buckets as u64)?,
+        1 => with_headroom(dbsize.min(changes)),
+        buckets => bucket_capacity(conn, part, (dbsize / buckets as u64).min(changes))?,
     };
     let fresh = ReplicaWriter::create(&tmp, &part.group, dim as u32, storage, capacity, default)?;
     let mut sink = Sink { fresh, dim, copied: 0, status, progress };
@@ -412,6 +416,12 @@ fn bucket_capacity(conn: &mut RedisConn, part: &Part, share: u64) -> Result<u64,
         Err(e) => return Err(e.into()),
     };
     Ok(with_headroom(keys))
+}
+
+/// The part's change counter (`quiver:seq:…`), when it is set.
+fn changes_counted(conn: &mut RedisConn, part: &Part) -> Result<Option<u64>, RefreshError> {
+    let reply = conn.command(&[b"GET", part.keys.seq.as_bytes()])?;
+    Ok(reply.as_bytes().and_then(|b| std::str::from_utf8(b).ok()?.parse().ok()))
 }
 
 /// Rows for a copy of about `keys` entities (see `full_sync`).
