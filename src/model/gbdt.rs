@@ -12,7 +12,10 @@ use std::path::Path;
 
 use super::graph::{Graph, Node, Op, OutputKind};
 use super::onnx::{Imported, InputMapping};
-use super::trees::{f32_at_most, f32_below, Ensemble, Split, TreeNode};
+use super::trees::{
+    f32_at_most, f32_below, Ensemble, Split, TreeNode, CATEGORY_WORDS_MAX, CATEGORY_WORDS_TOTAL_MAX,
+    ENSEMBLE_NODES_MAX, TREES_MAX, TREE_NODES_MAX,
+};
 use super::{InputSegment, Model, ModelError, MODEL_HEAP_BYTES_MAX};
 
 #[derive(Debug, thiserror::Error)]
@@ -178,11 +181,24 @@ pub fn build(parsed: Parsed, opts: &GbdtOptions, path: &str) -> Result<Imported,
     })
 }
 
-fn numbers<T: std::str::FromStr>(s: &str, key: &str) -> Result<Vec<T>, Fail> {
-    s.split_whitespace()
-        .map(|v| v.parse::<T>().map_err(|_| parse_err(format!("{key}: '{v}' is not a number"))))
-        .collect()
+/// The numbers of a whitespace-separated list, at most `count_max` of
+/// them: a line longer than any valid tree could need is refused before it
+/// is parsed into a vector several times its size.
+fn numbers<T: std::str::FromStr>(s: &str, key: &str, count_max: usize) -> Result<Vec<T>, Fail> {
+    let mut out = Vec::new();
+    for v in s.split_whitespace() {
+        if out.len() == count_max {
+            return Err(parse_err(format!("{key} has more than {count_max} values")));
+        }
+        out.push(v.parse::<T>().map_err(|_| parse_err(format!("{key}: '{v}' is not a number")))?);
+    }
+    Ok(out)
 }
+
+/// Most `key=value` lines in the header or in one tree block. LightGBM
+/// writes about 20 of each; the bound keeps a file of millions of short
+/// distinct keys from growing a map many times the file's size.
+const LIGHTGBM_KEYS_MAX: usize = 256;
 
 /// Parses LightGBM's text model format (the `tree` header, `Tree=N`
 /// blocks, `end of trees`).
@@ -201,11 +217,19 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
             break;
         }
         if line.starts_with("Tree=") {
+            if blocks.len() == TREES_MAX {
+                return Err(Fail::Unsupported(format!("the model has more than {TREES_MAX} trees")));
+            }
             blocks.push(Default::default());
             continue;
         }
         if line.is_empty() {
             continue;
+        }
+        let keys = blocks.last().map_or(header.len() + flags.len(), |b| b.len());
+        if keys >= LIGHTGBM_KEYS_MAX {
+            let place = if blocks.is_empty() { "the header".to_string() } else { format!("tree {}", blocks.len() - 1) };
+            return Err(parse_err(format!("{place} has more than {LIGHTGBM_KEYS_MAX} lines")));
         }
         match (line.split_once('='), blocks.last_mut()) {
             (Some((k, v)), Some(b)) => {
@@ -236,8 +260,11 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
     if flags.contains(&"average_output") {
         return unsupported("random-forest mode (average_output) is not supported yet".into());
     }
-    let features =
-        usize::try_from(int("max_feature_idx")? + 1).map_err(|_| parse_err("max_feature_idx is negative"))?;
+    let max_feature_idx = int("max_feature_idx")?;
+    let features = max_feature_idx
+        .checked_add(1)
+        .and_then(|f| usize::try_from(f).ok())
+        .ok_or_else(|| parse_err(format!("max_feature_idx {max_feature_idx} is out of range")))?;
     let objective_line = header.get("objective").copied().unwrap_or("").trim();
     let mut words = objective_line.split_whitespace();
     let objective = words.next().unwrap_or("").to_string();
@@ -278,8 +305,18 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
             return unsupported(format!("tree {t} is a linear tree (linear_tree=true), which is not supported"));
         }
         let leaves: usize = get("num_leaves")?.trim().parse().map_err(|_| at("num_leaves is not a number".into()))?;
-        let leaf_value: Vec<f64> = numbers(get("leaf_value")?, "leaf_value")?;
-        if leaves == 0 || leaf_value.len() != leaves {
+        // A tree of n leaves has n - 1 splits; bounding n before any array
+        // is parsed bounds every array of the tree.
+        let leaves_max = TREE_NODES_MAX.div_ceil(2);
+        if leaves == 0 || leaves > leaves_max {
+            return Err(at(format!("num_leaves {leaves} is outside 1..={leaves_max}")));
+        }
+        let tree_nodes = 2 * leaves - 1;
+        if e.nodes.len() + tree_nodes > ENSEMBLE_NODES_MAX {
+            return Err(Fail::Unsupported(format!("the trees have more than {ENSEMBLE_NODES_MAX} nodes in all")));
+        }
+        let leaf_value: Vec<f64> = numbers(get("leaf_value")?, "leaf_value", leaves)?;
+        if leaf_value.len() != leaves {
             return Err(at(format!("{} leaf values for {leaves} leaves", leaf_value.len())));
         }
         if leaves == 1 {
@@ -287,31 +324,45 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
             continue;
         }
         let splits = leaves - 1;
-        let feature: Vec<u32> = numbers(get("split_feature")?, "split_feature")?;
-        let threshold: Vec<f64> = numbers(get("threshold")?, "threshold")?;
-        let decision: Vec<u8> = numbers(get("decision_type")?, "decision_type")?;
-        let left: Vec<i64> = numbers(get("left_child")?, "left_child")?;
-        let right: Vec<i64> = numbers(get("right_child")?, "right_child")?;
+        let feature: Vec<u32> = numbers(get("split_feature")?, "split_feature", splits)?;
+        let threshold: Vec<f64> = numbers(get("threshold")?, "threshold", splits)?;
+        let decision: Vec<u8> = numbers(get("decision_type")?, "decision_type", splits)?;
+        let left: Vec<i64> = numbers(get("left_child")?, "left_child", splits)?;
+        let right: Vec<i64> = numbers(get("right_child")?, "right_child", splits)?;
         if [feature.len(), threshold.len(), decision.len(), left.len(), right.len()].iter().any(|l| *l != splits) {
             return Err(at(format!("the split arrays are not all {splits} long")));
         }
+        // Each categorical split has its own bitset, so there are at most as
+        // many bitsets as splits; the bound comes before `num_cat + 1`.
         let num_cat: usize = b.get("num_cat").map_or(Ok(0), |v| v.trim().parse()).map_err(|_| at("num_cat".into()))?;
+        if num_cat > splits {
+            return Err(at(format!("num_cat {num_cat} is more than its {splits} splits")));
+        }
         let (bounds, words): (Vec<usize>, Vec<u32>) = if num_cat > 0 {
-            (numbers(get("cat_boundaries")?, "cat_boundaries")?, numbers(get("cat_threshold")?, "cat_threshold")?)
+            (
+                numbers(get("cat_boundaries")?, "cat_boundaries", num_cat + 1)?,
+                numbers(get("cat_threshold")?, "cat_threshold", num_cat * CATEGORY_WORDS_MAX)?,
+            )
         } else {
             (Vec::new(), Vec::new())
         };
         if num_cat > 0
-            && (bounds.len() != num_cat + 1 || bounds.windows(2).any(|w| w[1] < w[0]) || bounds[num_cat] > words.len())
+            && (bounds.len() != num_cat + 1
+                || bounds[0] != 0
+                || bounds.windows(2).any(|w| w[1] < w[0])
+                || bounds[num_cat] > words.len())
         {
             return Err(at("cat_boundaries do not index cat_threshold".into()));
         }
         let child = |c: i64| -> Result<u32, Fail> {
-            let i = if c >= 0 { c as usize } else { splits + (!c) as usize };
-            if (c >= 0 && i >= splits) || i >= splits + leaves {
-                return Err(at(format!("child {c} is out of range")));
-            }
-            Ok(i as u32)
+            // A leaf is written as !leaf_index (-1 is leaf 0); leaves follow
+            // the splits in the node array.
+            let i = if c >= 0 {
+                usize::try_from(c).ok().filter(|i| *i < splits)
+            } else {
+                usize::try_from(!c).ok().filter(|l| *l < leaves).map(|l| splits + l)
+            };
+            i.map(|i| i as u32).ok_or_else(|| at(format!("child {c} is out of range")))
         };
         let mut nodes = Vec::with_capacity(splits + leaves);
         for i in 0..splits {
@@ -322,10 +373,21 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
                     return Err(at(format!("categorical split {i} names bitset {k} of {num_cat}")));
                 }
                 let k = k as usize;
-                let (start, len) = e.push_words(&words[bounds[k]..bounds[k + 1]]);
-                if len == 0 {
-                    return Err(at(format!("categorical split {i} has an empty bitset")));
+                let bitset = &words[bounds[k]..bounds[k + 1]];
+                if bitset.is_empty() || bitset.len() > CATEGORY_WORDS_MAX {
+                    return Err(at(format!(
+                        "categorical split {i} has a bitset of {} words; 1 to {CATEGORY_WORDS_MAX} allowed",
+                        bitset.len()
+                    )));
                 }
+                // Splits may share a bitset and each gets a copy, so the
+                // total is bounded here, before the copy, not by the file.
+                if e.cat_words.len() + bitset.len() > CATEGORY_WORDS_TOTAL_MAX {
+                    return Err(Fail::Unsupported(format!(
+                        "the categorical bitsets have more than {CATEGORY_WORDS_TOTAL_MAX} words in all"
+                    )));
+                }
+                let (start, len) = e.push_words(bitset);
                 Split::Categorical { feature: feature[i], start, len }
             } else {
                 let t = threshold[i];
@@ -354,6 +416,12 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
         objective,
         producer: format!("LightGBM text model {version}"),
     })
+}
+
+/// A JSON number that is a whole non-negative index (f64 holds every
+/// integer up to 2^53 exactly).
+fn index(v: f64) -> Option<usize> {
+    (v >= 0.0 && v.fract() == 0.0 && v < (1u64 << 53) as f64).then_some(v as usize)
 }
 
 /// Parses XGBoost's JSON model (`save_model("m.json")`, XGBoost 1.0 and later).
@@ -393,7 +461,8 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
     if classes > 1.0 || targets > 1.0 {
         return Err(Fail::Unsupported("multiclass and multi-target models are not supported yet".into()));
     }
-    let features = num(&field(&params, "num_feature")?, "num_feature")? as usize;
+    let num_feature = num(&field(&params, "num_feature")?, "num_feature")?;
+    let features = index(num_feature).ok_or_else(|| parse_err(format!("num_feature {num_feature} is not a count")))?;
     let base_score = num(&field(&params, "base_score")?, "base_score")?;
     let objective = field(learner, "objective.name")?.as_str().unwrap_or("").to_string();
     // base_score is in the objective's output space; the margin starts at
@@ -420,6 +489,9 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
     let trees = trees.as_array().ok_or_else(|| parse_err("model.trees is not an array"))?;
     if trees.is_empty() {
         return Err(parse_err("the model has no trees"));
+    }
+    if trees.len() > TREES_MAX {
+        return Err(Fail::Unsupported(format!("the model has {} trees; the limit is {TREES_MAX}", trees.len())));
     }
     let mut e = Ensemble { base: base as f32, ..Ensemble::default() };
     for (t, tree) in trees.iter().enumerate() {
@@ -450,7 +522,12 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
                 return Err(Fail::Unsupported("vector leaves (multi-target trees) are not supported".into()));
             }
         }
+        if n > TREE_NODES_MAX {
+            return Err(at(format!("{n} nodes; the limit is {TREE_NODES_MAX}")));
+        }
         // Walk from the root, so deleted (unreachable) nodes are left out.
+        // A child or feature that is not a whole non-negative number is
+        // refused here, not rounded by a cast into some other node or column.
         let mut slot = vec![u32::MAX; n];
         let mut order = vec![0usize];
         slot[0] = 0;
@@ -459,12 +536,16 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
             let i = order[k];
             if left[i] >= 0.0 {
                 for c in [left[i], right[i]] {
-                    let c = c as usize;
-                    if c >= n || slot[c] != u32::MAX {
-                        return Err(at(format!("node {i} has child {c}, out of range or reached twice")));
+                    match index(c) {
+                        Some(c) if c < n && slot[c] == u32::MAX => {
+                            slot[c] = order.len() as u32;
+                            order.push(c);
+                        }
+                        _ => return Err(at(format!("node {i} has child {c}, out of range or reached twice"))),
                     }
-                    slot[c] = order.len() as u32;
-                    order.push(c);
+                }
+                if index(feature[i]).is_none_or(|f| f > u32::MAX as usize) {
+                    return Err(at(format!("node {i} splits on feature {}, not a column index", feature[i])));
                 }
             }
             k += 1;
@@ -489,6 +570,9 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
                 }
             })
             .collect();
+        if e.nodes.len() + nodes.len() > ENSEMBLE_NODES_MAX {
+            return Err(Fail::Unsupported(format!("the trees have more than {ENSEMBLE_NODES_MAX} nodes in all")));
+        }
         e.push_tree(&nodes);
     }
     let version: Vec<String> = root
@@ -587,5 +671,72 @@ leaf_value=0.05\nis_linear=0\nshrinkage=1\n\n\nend of trees\n\nparameters:\nend 
                 Ok(_) => panic!("accepted {want}"),
             }
         }
+    }
+
+    fn lgb_refusal(text: &str) -> String {
+        match parse_lightgbm(text) {
+            Err(Fail::Parse(w)) | Err(Fail::Unsupported(w)) => w,
+            Ok(_) => panic!("accepted"),
+        }
+    }
+
+    #[test]
+    fn lightgbm_hostile_counts_are_typed_errors_not_panics() {
+        // num_cat + 1 overflowed and bounds[num_cat] indexed past the end.
+        let huge_cat = LGB
+            .replace("num_cat=1\n", "num_cat=18446744073709551615\n")
+            .replace("cat_boundaries=0 1", "cat_boundaries=");
+        assert!(lgb_refusal(&huge_cat).contains("num_cat 18446744073709551615 is more than its 2 splits"));
+        let huge_idx = LGB.replace("max_feature_idx=2", "max_feature_idx=9223372036854775807");
+        assert!(lgb_refusal(&huge_idx).contains("max_feature_idx 9223372036854775807 is out of range"));
+        let huge_leaves = LGB.replace("num_leaves=3", "num_leaves=18446744073709551615");
+        assert!(lgb_refusal(&huge_leaves).contains("outside 1..=16384"));
+        let min_child = LGB.replace("left_child=1 -1", "left_child=1 -9223372036854775808");
+        assert!(lgb_refusal(&min_child).contains("child -9223372036854775808 is out of range"));
+        let not_from_zero = LGB.replace("cat_boundaries=0 1", "cat_boundaries=1 1");
+        assert!(lgb_refusal(&not_from_zero).contains("cat_boundaries do not index"));
+        let many_keys: String = (0..300).map(|k| format!("k{k}=0\n")).collect();
+        assert!(lgb_refusal(&LGB.replace("label_index=0\n", &many_keys)).contains("the header has more than 256"));
+    }
+
+    #[test]
+    fn lightgbm_shared_bitsets_are_bounded_before_they_are_copied() {
+        // One 32,768-word bitset named by every split of a balanced tree
+        // (heap order): each split gets a copy, so 513 of them make
+        // 2^24 + 2^15 words from a file of 64 KiB of bitset.
+        let model = |splits: usize| {
+            let leaves = splits + 1;
+            let child = |c: usize| if c < splits { c as i64 } else { !((c - splits) as i64) };
+            let list = |f: &dyn Fn(usize) -> String, n: usize| (0..n).map(f).collect::<Vec<_>>().join(" ");
+            let words = 1usize << 15;
+            format!(
+                "tree\nversion=v4\nnum_class=1\nnum_tree_per_iteration=1\nmax_feature_idx=0\nobjective=binary \
+                 sigmoid:1\n\nTree=0\nnum_leaves={leaves}\nnum_cat=1\nsplit_feature={}\nthreshold={}\n\
+                 decision_type={}\nleft_child={}\nright_child={}\nleaf_value={}\ncat_boundaries=0 {words}\n\
+                 cat_threshold={}\n\nend of trees\n",
+                list(&|_| "0".into(), splits),
+                list(&|_| "0".into(), splits),
+                list(&|_| "1".into(), splits),
+                list(&|i| child(2 * i + 1).to_string(), splits),
+                list(&|i| child(2 * i + 2).to_string(), splits),
+                list(&|_| "0".into(), leaves),
+                list(&|_| "1".into(), words),
+            )
+        };
+        assert_eq!(parse_lightgbm(&model(512)).ok().unwrap().ensemble.cat_words.len(), 1 << 24);
+        assert!(lgb_refusal(&model(513)).contains("more than 16777216 words in all"));
+    }
+
+    #[test]
+    fn xgboost_indices_must_be_whole_and_in_range() {
+        let refused = |text: String| match parse_xgboost(&text) {
+            Err(Fail::Parse(w)) | Err(Fail::Unsupported(w)) => w,
+            Ok(_) => panic!("accepted"),
+        };
+        let ok = xgb("binary:logistic", "0.5");
+        // A cast turned -1 into column 0 and 1.5 into node 1.
+        assert!(refused(ok.replace("[1, 0, 0]", "[-1, 0, 0]")).contains("feature -1, not a column index"));
+        assert!(refused(ok.replace("[1, -1, -1]", "[1.5, -1, -1]")).contains("child 1.5, out of range"));
+        assert!(refused(ok.replace("\"num_feature\": \"2\"", "\"num_feature\": \"-2\"")).contains("not a count"));
     }
 }

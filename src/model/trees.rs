@@ -29,6 +29,10 @@ pub const ENSEMBLE_NODES_MAX: usize = 1 << 24;
 pub const DEPTH_MAX: usize = 64;
 /// Most bitset words of one categorical split (categories 0..2^20).
 pub const CATEGORY_WORDS_MAX: usize = 1 << 15;
+/// Most bitset words of one ensemble, all splits together (64 MiB).
+/// Importers copy a bitset per split that names it, so this bounds what a
+/// file of a few shared bitsets can grow into.
+pub const CATEGORY_WORDS_TOTAL_MAX: usize = 1 << 24;
 /// LightGBM's `kZeroThreshold`: with `zero_as_missing`, `|x| <= this` is
 /// missing.
 pub const ZERO_THRESHOLD: f32 = 1e-35;
@@ -245,6 +249,12 @@ impl Ensemble {
         if self.nodes.len() > ENSEMBLE_NODES_MAX {
             return Err(format!("the ensemble has {} nodes; the limit is {ENSEMBLE_NODES_MAX}", self.nodes.len()));
         }
+        if self.cat_words.len() > CATEGORY_WORDS_TOTAL_MAX {
+            return Err(format!(
+                "the ensemble has {} category bitset words; the limit is {CATEGORY_WORDS_TOTAL_MAX}",
+                self.cat_words.len()
+            ));
+        }
         if self.starts[0] != 0
             || self.starts.windows(2).any(|w| w[1] <= w[0])
             || *self.starts.last().expect("trees > 0") as usize != self.nodes.len()
@@ -429,6 +439,8 @@ pub(crate) mod tests {
         assert!(refused(&|e| e.nodes[1] = TreeNode::leaf(f32::NAN), 3).contains("leaf value NaN"));
         assert!(refused(&|e| e.cat_words.truncate(1), 3).contains("bitset (3 words at 0) is out of bounds"));
         assert!(refused(&|e| e.base = f32::INFINITY, 3).contains("base score"));
+        assert!(refused(&|e| e.cat_words.resize(CATEGORY_WORDS_TOTAL_MAX + 1, 0), 3)
+            .contains("16777217 category bitset words; the limit is 16777216"));
         let stray = |e: &mut Ensemble| {
             e.nodes.insert(3, TreeNode::leaf(0.0));
             e.starts = vec![0, 4, 9];

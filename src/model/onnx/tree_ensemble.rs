@@ -32,6 +32,15 @@ fn tensor_values(node: &NodeProto, a: &AttributeProto, name: &str) -> Result<Vec
     let t = a.t.as_ref().ok_or_else(|| node_err(node, format!("{name}_as_tensor holds no tensor")))?;
     const FLOAT: i32 = 1;
     const DOUBLE: i32 = 11;
+    // chunks_exact would drop a ragged tail silently, and with it the
+    // values of the last nodes.
+    let size = if t.data_type == DOUBLE { 8 } else { 4 };
+    if t.raw_data.len() % size != 0 {
+        return Err(node_err(
+            node,
+            format!("{name}_as_tensor has {} bytes of raw data, not a multiple of {size}", t.raw_data.len()),
+        ));
+    }
     Ok(match (t.data_type, t.raw_data.is_empty()) {
         (FLOAT, true) => t.float_data.iter().map(|v| *v as f64).collect(),
         (FLOAT, false) => {
@@ -204,4 +213,25 @@ pub(super) fn apply(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize)
     v = super::act_node(b, node, v, Act::Sigmoid)?;
     b.notes.push(format!("{} '{}': {trees} trees, LOGISTIC", node.op_type, super::node_name(node)));
     Ok(super::two_class(b, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use onnx_protobuf::TensorProto;
+
+    #[test]
+    fn ragged_raw_thresholds_are_refused() {
+        let node = NodeProto { op_type: "TreeEnsembleRegressor".into(), ..Default::default() };
+        let tensor = |data_type: i32, bytes: usize| AttributeProto {
+            t: Some(TensorProto { data_type, raw_data: vec![0; bytes], ..Default::default() }).into(),
+            ..Default::default()
+        };
+        assert_eq!(tensor_values(&node, &tensor(1, 8), "nodes_values").unwrap(), vec![0.0, 0.0]);
+        assert_eq!(tensor_values(&node, &tensor(11, 8), "nodes_values").unwrap(), vec![0.0]);
+        for (data_type, bytes) in [(1, 7), (11, 12)] {
+            let e = tensor_values(&node, &tensor(data_type, bytes), "nodes_values").unwrap_err().to_string();
+            assert!(e.contains(&format!("{bytes} bytes of raw data, not a multiple")), "{e}");
+        }
+    }
 }
