@@ -142,7 +142,18 @@ pub struct Client {
     pub priority_max: u8,
 }
 
+/// Most source buckets per shard (and clients configured): each shard's
+/// table grows to `clients_max` under a spread of sources.
+pub const CLIENTS_MAX: usize = 1 << 20;
+
 impl AdmissionConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.clients_max > CLIENTS_MAX {
+            return Err(format!("admission.clients_max = {} is outside 0..={CLIENTS_MAX}", self.clients_max));
+        }
+        Ok(())
+    }
+
     /// The configured clients by numeric id; an id that is not a u32, a
     /// limit that is not positive or a network that does not parse is an
     /// error.

@@ -45,6 +45,19 @@ impl Default for CacheConfig {
     }
 }
 
+/// Most entries per shard: the table is allocated at start-up, 16 bytes an
+/// entry (256 MiB per shard at the bound).
+pub const ENTRIES_MAX: usize = 1 << 24;
+
+impl CacheConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.entries_max > ENTRIES_MAX {
+            return Err(format!("cache.entries_max = {} is outside 0..={ENTRIES_MAX}", self.entries_max));
+        }
+        Ok(())
+    }
+}
+
 /// What identifies a cached score.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Key {

@@ -168,6 +168,33 @@ impl Default for StageLimits {
     }
 }
 
+/// Most rows of one stage batch: the stage allocates this many rows of the
+/// widest model input (at most `model::WIDTH_MAX` floats) at start-up, 1 GiB
+/// at the bound.
+pub const STAGE_BATCH_ROWS_MAX: usize = 16_384;
+/// Most jobs in flight per shard: the slots and both rings of each shard.
+pub const STAGE_JOBS_PER_SHARD_MAX: usize = 1 << 16;
+
+impl StageLimits {
+    pub fn validate(&self) -> Result<(), String> {
+        in_range("stage.batch_rows_max", self.batch_rows_max, 1, STAGE_BATCH_ROWS_MAX)?;
+        in_range("stage.jobs_per_shard_max", self.jobs_per_shard_max, 1, STAGE_JOBS_PER_SHARD_MAX)
+    }
+}
+
+/// `Err("KEY = V is outside LO..=HI")` unless `lo <= value <= hi`: the
+/// check for sizes a start-up allocation is made of, where an unchecked one
+/// would abort the process on a capacity overflow instead of naming the key.
+/// (The sections defined elsewhere spell it out: nothing but the server
+/// depends on this module.)
+fn in_range(key: &str, value: usize, lo: usize, hi: usize) -> Result<(), String> {
+    if (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("{key} = {value} is outside {lo}..={hi}"))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: {source}")]
@@ -199,6 +226,7 @@ impl Config {
         let config: Config = toml::from_str(text)
             .map_err(|source| ConfigError::Parse { path: path_for_errors.into(), source: Box::new(source) })?;
         config.limits.validate()?;
+        config.admission.validate().map_err(ConfigError::Invalid)?;
         config.admission.client_limits().map_err(ConfigError::Invalid)?;
         if let Some(d) = &config.admission.default {
             if !(d.rate_per_s > 0.0 && d.burst >= 1.0) {
@@ -207,6 +235,9 @@ impl Config {
         }
         config.shed.validate().map_err(ConfigError::Invalid)?;
         config.drift.validate().map_err(ConfigError::Invalid)?;
+        config.stage.validate().map_err(ConfigError::Invalid)?;
+        config.ladder.validate().map_err(ConfigError::Invalid)?;
+        config.cache.validate().map_err(ConfigError::Invalid)?;
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
         }
@@ -269,6 +300,51 @@ mod tests {
         assert_eq!(err.to_string(), "limits.candidates_max = 0 is outside 1..=8192");
         let err = Config::parse("[limits]\nframes_per_round_max = 0\n", "c.toml").unwrap_err();
         assert_eq!(err.to_string(), "limits.frames_per_round_max = 0 is outside 1..=65536");
+    }
+
+    /// Sizes a start-up allocation is made of are refused outside their
+    /// range, naming the key, where they used to reach the allocator (a
+    /// capacity overflow abort at `usize::MAX`) or be clamped unsaid.
+    #[test]
+    fn sizes_allocated_at_start_up_are_range_checked() {
+        let refused = |text: &str| Config::parse(text, "c.toml").unwrap_err().to_string();
+        let huge = i64::MAX;
+        for (text, want) in [
+            (
+                format!("[ladder.breaker]\nwindow = {huge}\n"),
+                format!("ladder.breaker.window = {huge} is outside 1..=65536"),
+            ),
+            ("[ladder.breaker]\nwindow = 0\n".into(), "ladder.breaker.window = 0 is outside 1..=65536".into()),
+            (
+                "[ladder.breaker]\nwindow = 10\nmin_outcomes = 11\n".into(),
+                "ladder.breaker.min_outcomes = 11 is outside 0..=10".into(),
+            ),
+            (format!("[cache]\nentries_max = {huge}\n"), format!("cache.entries_max = {huge} is outside 0..=16777216")),
+            (
+                format!("[stage]\nbatch_rows_max = {huge}\n"),
+                format!("stage.batch_rows_max = {huge} is outside 1..=16384"),
+            ),
+            ("[stage]\nbatch_rows_max = 0\n".into(), "stage.batch_rows_max = 0 is outside 1..=16384".into()),
+            (
+                format!("[stage]\njobs_per_shard_max = {huge}\n"),
+                format!("stage.jobs_per_shard_max = {huge} is outside 1..=65536"),
+            ),
+            (
+                format!("[admission]\nclients_max = {huge}\n"),
+                format!("admission.clients_max = {huge} is outside 0..=1048576"),
+            ),
+            ("[feed]\nbatch_entries_max = 0\n".into(), "feed.batch_entries_max = 0 is outside 1..=100000".into()),
+            (
+                format!("[feed]\nsync_batch_keys_max = {huge}\n"),
+                format!("feed.sync_batch_keys_max = {huge} is outside 1..=100000"),
+            ),
+        ] {
+            assert_eq!(refused(&text), want, "{text}");
+        }
+        let edges = "[ladder.breaker]\nwindow = 65536\nmin_outcomes = 65536\n[cache]\nentries_max = 0\n[stage]\n\
+                     batch_rows_max = 16384\njobs_per_shard_max = 65536\n[admission]\nclients_max = 1048576\n";
+        let c = Config::parse(edges, "c.toml").unwrap();
+        assert_eq!((c.ladder.breaker.window, c.cache.entries_max, c.stage.batch_rows_max), (65536, 0, 16384));
     }
 
     #[test]

@@ -72,6 +72,25 @@ impl Default for BreakerConfig {
     }
 }
 
+/// Most outcomes a breaker remembers: each shard allocates the window at
+/// start-up.
+pub const BREAKER_WINDOW_MAX: usize = 1 << 16;
+
+impl LadderConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        let b = &self.breaker;
+        if !(1..=BREAKER_WINDOW_MAX).contains(&b.window) {
+            return Err(format!("ladder.breaker.window = {} is outside 1..={BREAKER_WINDOW_MAX}", b.window));
+        }
+        // The window never holds more than `window` outcomes, so a larger
+        // minimum would keep the breaker from ever judging.
+        if b.min_outcomes > b.window {
+            return Err(format!("ladder.breaker.min_outcomes = {} is outside 0..={}", b.min_outcomes, b.window));
+        }
+        Ok(())
+    }
+}
+
 /// The breaker's state, for metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -9,6 +9,11 @@ use super::status::StalePolicy;
 use super::sync::SYNC_CONNECTIONS_MAX;
 use crate::replica::Storage;
 
+/// Most stream entries one XREAD asks for (`batch_entries_max`).
+pub const BATCH_ENTRIES_MAX: usize = 100_000;
+/// Most keys one full-sync MGET asks for (`sync_batch_keys_max`).
+pub const SYNC_BATCH_KEYS_MAX: usize = 100_000;
+
 /// The `[feed]` section: where Redis is and how the refresher behaves.
 #[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -129,6 +134,16 @@ impl FeedConfig {
                 "feed.sync_connections = {}: must be 1 to {SYNC_CONNECTIONS_MAX}",
                 self.sync_connections
             ));
+        }
+        // Each is a count asked of Redis per command, and the reply's size
+        // (and the RESP reader's bound on it) follows from it.
+        for (key, value, max) in [
+            ("batch_entries_max", self.batch_entries_max, BATCH_ENTRIES_MAX),
+            ("sync_batch_keys_max", self.sync_batch_keys_max, SYNC_BATCH_KEYS_MAX),
+        ] {
+            if !(1..=max).contains(&value) {
+                return Err(format!("feed.{key} = {value} is outside 1..={max}"));
+            }
         }
         if self.block_ms == 0 {
             // XREAD BLOCK 0 waits for ever: the refresher would only see its
