@@ -31,6 +31,7 @@ use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_HEAP_BYTES_MAX
 mod export;
 mod keep;
 mod tree_ensemble;
+mod wire;
 
 pub use export::export_mlp;
 pub use keep::KeepOnnx;
@@ -316,8 +317,11 @@ pub fn import_bytes_keeping(
     opts: &ImportOptions,
     keep: KeepOnnx,
 ) -> Result<Imported, OnnxError> {
-    let proto = ModelProto::parse_from_bytes(bytes)
-        .map_err(|e| OnnxError::Decode { path: path_for_errors.into(), detail: e.to_string() })?;
+    let decode_err = |detail: String| OnnxError::Decode { path: path_for_errors.into(), detail };
+    // The decoder's runtime recurses without bound on nested groups
+    // (RUSTSEC-2024-0437); see wire.rs for why this walk rules that out.
+    wire::check(bytes).map_err(decode_err)?;
+    let proto = ModelProto::parse_from_bytes(bytes).map_err(|e| decode_err(e.to_string()))?;
     let Some(graph) = proto.graph.as_ref() else {
         return Err(OnnxError::NoGraph { path: path_for_errors.into() });
     };
@@ -402,6 +406,11 @@ fn tensor_dims(t: &TensorProto) -> Result<(Vec<usize>, usize), OnnxError> {
         return Err(bad("stored in an external data file, which is not supported".into()));
     }
     Ok((dims, numel))
+}
+
+/// The number of elements of `dims`, or `None` when it overflows.
+fn numel(dims: &[usize]) -> Option<usize> {
+    dims.iter().try_fold(1usize, |n, d| n.checked_mul(*d))
 }
 
 /// A float constant's dimensions and values (from `raw_data` or `float_data`).
@@ -827,14 +836,15 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
             if axis != 1 && !(axis == -1 && v.dims.len() == 1) {
                 return Err(node_err(node, format!("axis {axis}; only axis 1 (keep the batch) is supported")));
             }
-            v.dims = vec![v.dims.iter().product()];
+            let total = numel(&v.dims).ok_or_else(|| node_err(node, format!("flattens {:?}, too large", v.dims)))?;
+            v.dims = vec![total];
             v
         }
         "Reshape" => {
             let mut ops = operands(b, node, 2..=2)?;
             let shape = tensor_i64(expect_const(node, ops.remove(1), "shape")?)?;
             let mut v = expect_val(node, ops.remove(0), "data input")?;
-            let total: usize = v.dims.iter().product();
+            let total = numel(&v.dims).ok_or_else(|| node_err(node, format!("reshapes {:?}, too large", v.dims)))?;
             let shown =
                 if v.dims.len() == 1 { format!("[batch, {}]", total) } else { format!("[batch, {:?}]", v.dims) };
             let refuse = || {
@@ -858,18 +868,20 @@ fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> 
                         infer = Some(i);
                         dims.push(1);
                     }
-                    d if d > 0 => dims.push(d as usize),
+                    d if d > 0 => dims.push(usize::try_from(d).map_err(|_| refuse())?),
                     _ => return Err(refuse()),
                 }
             }
-            let known: usize = dims.iter().product();
+            // Products of the file's dimensions are checked: wrapped, a
+            // shape such as [16, 2^60 + 1] would pass for 16 values.
+            let known = numel(&dims).ok_or_else(refuse)?;
             if let Some(i) = infer {
                 if known == 0 || !total.is_multiple_of(known) {
                     return Err(refuse());
                 }
                 dims[i] = total / known;
             }
-            if dims.is_empty() || dims.iter().product::<usize>() != total {
+            if dims.is_empty() || numel(&dims) != Some(total) {
                 return Err(refuse());
             }
             v.dims = dims;
@@ -1557,6 +1569,10 @@ fn as_chain(g: &Graph, widths: &[usize]) -> Option<(Vec<usize>, Vec<Layer>)> {
     Some((order, layers))
 }
 
+/// Most bytes of external data all initializers may name together: no
+/// more can end up in a model file (`MODEL_MAPPED_BYTES_MAX`).
+pub const EXTERNAL_DATA_BYTES_MAX: u64 = super::MODEL_MAPPED_BYTES_MAX;
+
 fn is_external(t: &TensorProto) -> bool {
     t.data_location.enum_value() == Ok(tensor_proto::DataLocation::EXTERNAL)
 }
@@ -1566,7 +1582,12 @@ fn is_external(t: &TensorProto) -> bool {
 /// relative path inside `base_dir`).
 fn inline_external_data(graph: &GraphProto, base_dir: Option<&Path>) -> Result<GraphProto, OnnxError> {
     let mut g = graph.clone();
-    for t in g.initializer.iter_mut().filter(|t| is_external(t)) {
+    // Every range is checked and summed before any is read: initializers
+    // may all name the same large file, and each within the per-tensor
+    // bound could still add up to more memory than the machine has.
+    let mut ranges = Vec::new();
+    let mut total = 0u64;
+    for (k, t) in g.initializer.iter().enumerate().filter(|(_, t)| is_external(t)) {
         let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
         let Some(base) = base_dir else {
             return Err(bad("is stored in an external data file; import the model from its file path".into()));
@@ -1600,6 +1621,19 @@ fn inline_external_data(graph: &GraphProto, base_dir: Option<&Path>) -> Result<G
         if length > bytes_max {
             return Err(bad(format!("external data {}: {length} bytes; the limit is {bytes_max}", path.display())));
         }
+        total = total.saturating_add(length);
+        if total > EXTERNAL_DATA_BYTES_MAX {
+            return Err(bad(format!(
+                "the initializers' external data adds up to more than {EXTERNAL_DATA_BYTES_MAX} bytes \
+                 (EXTERNAL_DATA_BYTES_MAX, the largest model file)"
+            )));
+        }
+        ranges.push((k, path, offset, length));
+    }
+    for (k, path, offset, length) in ranges {
+        let t = &mut g.initializer[k];
+        let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
+        let io = |e: std::io::Error| bad(format!("external data file {}: {e}", path.display()));
         use std::io::{Read as _, Seek as _};
         let mut f = std::fs::File::open(&path).map_err(io)?;
         f.seek(std::io::SeekFrom::Start(offset)).map_err(io)?;
@@ -1889,6 +1923,69 @@ mod tests {
         let m = import_graph(&external("w.bin"), &o).unwrap().model;
         assert_eq!(m.layers[0].weights_f32, vec![1.0, 2.0]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// RUSTSEC-2024-0437: a megabyte of 0x0B is a million nested groups,
+    /// on which the decoder's runtime recursed until the stack overflowed
+    /// (this test then took the whole test process down). On a thread with
+    /// Rust's default 2 MiB stack it is now a decode error.
+    #[test]
+    fn nested_groups_are_refused_before_they_reach_the_decoder() {
+        let run = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| import_bytes(&[0x0b; 1 << 20], "groups.onnx", &opts("user:2")).map(|_| ()));
+        let e = run.unwrap().join().unwrap().unwrap_err().to_string();
+        assert!(e.contains("groups.onnx: not a valid ONNX file"), "{e}");
+        assert!(e.contains("field 1 of a Model at byte 0 is a group, which ONNX never writes"), "{e}");
+    }
+
+    #[test]
+    fn reshape_dimensions_that_overflow_are_refused() {
+        let mut shape = TensorProto::new();
+        shape.name = "shape".into();
+        shape.dims = vec![3];
+        shape.data_type = DT_INT64;
+        // 4 x (2^62 + 1) wraps to 4, the input's width.
+        shape.int64_data = vec![0, 4, (1i64 << 62) + 1];
+        let g = graph(
+            vec![input("x", 4)],
+            vec![node("Reshape", "r", &["x", "shape"], "x2"), node("Relu", "relu", &["x2"], "y")],
+            vec![shape],
+            "y",
+        );
+        let e = import_graph(&g, &opts("user:4")).unwrap_err().to_string();
+        assert!(e.contains("node 'r' (Reshape): reshapes [batch, 4] to [0, 4, 4611686018427387905]"), "{e}");
+    }
+
+    /// Each initializer's external data is within the per-tensor bound, but
+    /// together they name more than any model file can hold; refused
+    /// before a byte is read (the files are sparse).
+    #[test]
+    fn external_data_is_bounded_in_total_before_it_is_read() {
+        let dir = std::env::temp_dir().join(format!("quiver-ext-total-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ten_gib = 10u64 << 30;
+        std::fs::File::create(dir.join("big.bin")).unwrap().set_len(ten_gib).unwrap();
+        let external = |name: &str| {
+            let mut t = weight(name, &[2, 1], &[]);
+            t.data_location = tensor_proto::DataLocation::EXTERNAL.into();
+            let mut e = onnx_protobuf::StringStringEntryProto::new();
+            e.key = "location".into();
+            e.value = "big.bin".into();
+            t.external_data.push(e);
+            t
+        };
+        let g = graph(
+            vec![input("x", 2)],
+            vec![node("Gemm", "dense", &["x", "B"], "h")],
+            vec![external("B"), external("C")],
+            "h",
+        );
+        let mut o = opts("user:2");
+        o.base_dir = Some(dir.clone());
+        let e = import_graph(&g, &o).unwrap_err().to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(e.contains("initializer 'C': the initializers' external data adds up to more than 19327352832"), "{e}");
     }
 
     #[test]
