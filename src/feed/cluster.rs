@@ -10,7 +10,10 @@
 //! good: the topology is read again) or, while the slot is being migrated,
 //! `ASK slot host:port` (this one command goes to the other node, preceded
 //! by `ASKING`). Redirections are bounded, so a cluster that keeps moving
-//! surfaces as a typed error instead of a loop.
+//! surfaces as a typed error instead of a loop. A redirection is followed
+//! only to a node the topology names (read again first if it does not yet):
+//! the address comes in an error message, and a connection to it would be
+//! sent the credentials.
 //!
 //! Built on [`RedisConn`]: one blocking connection per node, opened on
 //! first use with the configured credentials and timeouts. Cluster nodes
@@ -54,6 +57,11 @@ pub enum ClusterError {
     Redirects { slot: u16, to: String },
     #[error("redis cluster: database {db} selected, but cluster nodes have only database 0")]
     Database { db: u32 },
+    #[error(
+        "redis cluster: slot {slot} was redirected to {to}, which CLUSTER SLOTS does not name; not \
+         connecting to it with the credentials"
+    )]
+    Stranger { slot: u16, to: String },
 }
 
 /// Where the features live: one Redis node, or a cluster reached through
@@ -276,7 +284,13 @@ impl Redirect {
         let mut words = message.split(' ');
         let kind = words.next()?;
         let slot = words.next()?.parse().ok().filter(|&s| s < SLOTS)?;
-        let to = words.next()?.to_string();
+        // Redis writes an IPv6 endpoint unbracketed ("::1:7000"); the
+        // topology brackets it, and the two are compared.
+        let to = words.next()?;
+        let to = match to.rsplit_once(':') {
+            Some((host, port)) if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{port}"),
+            _ => to.to_string(),
+        };
         match kind {
             "MOVED" => Some(Redirect::Moved { slot, to }),
             "ASK" => Some(Redirect::Ask { slot, to }),
@@ -413,12 +427,27 @@ impl ClusterConn {
                 }
                 Some(Redirect::Moved { to: next, .. }) => {
                     self.refresh()?;
-                    (to, asking) = (next, false);
+                    (to, asking) = (self.member(slot, next)?, false);
                 }
-                Some(Redirect::Ask { to: next, .. }) => (to, asking) = (next, true),
+                Some(Redirect::Ask { to: next, .. }) => (to, asking) = (self.member(slot, next)?, true),
             }
         }
         Err(ClusterError::Redirects { slot, to })
+    }
+
+    /// `to` when the topology names it, read again first if it does not:
+    /// a node being added gets its first slot by a migration, and is named
+    /// once it owns one. A redirection elsewhere is refused.
+    fn member(&mut self, slot: u16, to: String) -> Result<String, ClusterError> {
+        let known = |c: &ClusterConn| c.topology.nodes().contains(&to.as_str());
+        if !known(self) {
+            self.refresh()?;
+        }
+        if known(self) {
+            Ok(to)
+        } else {
+            Err(ClusterError::Stranger { slot, to })
+        }
     }
 
     /// Whether `slot` is served by the master the topology names, and is
@@ -622,8 +651,39 @@ mod tests {
         let r = |s: &str| Redirect::parse(&Reply::Error(s.into()));
         assert_eq!(r("MOVED 3999 127.0.0.1:6381"), Some(Redirect::Moved { slot: 3999, to: "127.0.0.1:6381".into() }));
         assert_eq!(r("ASK 12 10.0.0.1:7000"), Some(Redirect::Ask { slot: 12, to: "10.0.0.1:7000".into() }));
+        assert_eq!(r("MOVED 7 ::1:7000"), Some(Redirect::Moved { slot: 7, to: "[::1]:7000".into() }));
+        assert_eq!(r("ASK 7 [::1]:7000"), Some(Redirect::Ask { slot: 7, to: "[::1]:7000".into() }));
         assert_eq!(r("MOVED 99999 a:1"), None);
         assert_eq!(r("ERR unknown command"), None);
         assert_eq!(Redirect::parse(&Reply::Bulk(b"MOVED 1 a:1".to_vec())), None);
+    }
+
+    /// A node that answers every key command with a redirection to
+    /// another address, one CLUSTER SLOTS never names: that address is
+    /// never connected to, so it is never sent the password.
+    #[test]
+    fn a_redirection_to_a_stranger_is_refused_without_credentials() {
+        use crate::feed::resp::fake::FakeRedis;
+        for kind in ["MOVED", "ASK"] {
+            let stranger = FakeRedis::start(|_| b"+OK\r\n".to_vec());
+            let stranger_addr = stranger.addr.clone();
+            let node = FakeRedis::start_with_port(move |cmd, port| match cmd[0].to_ascii_uppercase().as_slice() {
+                b"AUTH" => b"+OK\r\n".to_vec(),
+                b"CLUSTER" => {
+                    format!("*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:{port}\r\n$2\r\nid\r\n").into_bytes()
+                }
+                _ => format!("-{kind} {} {stranger_addr}\r\n", key_slot(b"k")).into_bytes(),
+            });
+            let config = RedisConfig { password: Some("s3cret".into()), ..RedisConfig::new(node.addr.clone()) };
+            let mut cluster = ClusterConn::connect(&config, std::slice::from_ref(&node.addr)).unwrap();
+            let e = cluster.command(b"k", &[b"GET", b"k"]).unwrap_err();
+            assert!(
+                matches!(&e, ClusterError::Stranger { slot, to } if *slot == key_slot(b"k") && *to == stranger.addr),
+                "{kind}: {e}"
+            );
+            assert!(e.to_string().contains("which CLUSTER SLOTS does not name"), "{e}");
+            assert_eq!(stranger.connections(), 0, "{kind}: the stranger was connected to");
+            assert!(node.commands().iter().any(|c| c[0] == b"AUTH"), "the member was authenticated");
+        }
     }
 }

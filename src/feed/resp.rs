@@ -19,10 +19,85 @@ use serde::Deserialize;
 
 use crate::tls::{self, ClientTls, Stream};
 
-/// The largest reply accepted. A longer reply (or a length prefix announcing one) is a protocol
-/// error: far beyond any sane feature read, and it keeps a confused or hostile peer from making
-/// us allocate without limit.
-pub const REPLY_BYTES_MAX: usize = 512 << 20;
+/// What one reply may hold, checked as its bytes arrive: a reply (or a length prefix announcing
+/// one) past either bound is a protocol error and the connection is dropped. Bytes bound the
+/// buffer; elements bound what decoding makes of it, which is where a small reply grows: an
+/// empty bulk string is 4 bytes on the wire and some 70 in memory once decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplyLimits {
+    /// Elements of all the reply's arrays together (nested ones included).
+    pub elements_max: u64,
+    pub bytes_max: usize,
+}
+
+impl ReplyLimits {
+    /// For a command that says nothing about its reply's size: far beyond any reply the feed
+    /// reads of Redis that way (CLUSTER SLOTS of a cluster split into 16,384 ranges of a dozen
+    /// nodes each fits), and some 140 MiB decoded at the most.
+    pub const DEFAULT: ReplyLimits = ReplyLimits { elements_max: 1 << 20, bytes_max: 64 << 20 };
+
+    /// The bounds of the reply to `args`, from what the command asks for where it says: an
+    /// MGET of n keys is n values, a SCAN or a stream read returns about its COUNT.
+    pub fn for_command(args: &[&[u8]]) -> ReplyLimits {
+        let default = ReplyLimits::DEFAULT;
+        let Some(name) = args.first() else { return default };
+        // The number after keyword `word` (COUNT) among the options `args[options]`, where a key
+        // named like the keyword cannot be taken for it.
+        let after = |word: &[u8], options: std::ops::Range<usize>| -> Option<u64> {
+            let i = options.start + args.get(options)?.iter().position(|a| a.eq_ignore_ascii_case(word))?;
+            std::str::from_utf8(args.get(i + 1)?).ok()?.parse().ok()
+        };
+        // Values are feature vectors of at most DIM_MAX floats; the slack is for the bulk
+        // headers, keys, ids and a writer's odd value, which the contract check then refuses.
+        let value_bytes = (super::contract::DIM_MAX * 4 + 512) as u64;
+        let bytes = |values: u64| {
+            let derived = usize::try_from(values.saturating_mul(value_bytes)).unwrap_or(usize::MAX);
+            derived.max(default.bytes_max)
+        };
+        let upper = |a: &[u8]| a.eq_ignore_ascii_case(name);
+        if upper(b"MGET") {
+            let keys = args.len() as u64 - 1;
+            return ReplyLimits { elements_max: keys, bytes_max: bytes(keys) };
+        }
+        if upper(b"XREAD") || upper(b"XRANGE") || upper(b"XREVRANGE") {
+            // XREAD [COUNT c] [BLOCK ms] STREAMS key... id...: the options come before STREAMS;
+            // XRANGE key start end [COUNT c]: after the three.
+            let streams_at = args.iter().position(|a| a.eq_ignore_ascii_case(b"STREAMS"));
+            let (options, streams) = match streams_at {
+                Some(i) if upper(b"XREAD") => (1..i, ((args.len() - i - 1) / 2) as u64),
+                _ if upper(b"XREAD") => return default,
+                _ => (4.min(args.len())..args.len(), 1),
+            };
+            let Some(count) = after(b"COUNT", options) else { return default };
+            // XREAD: [[stream, [[id, [field, value, ...]], ...]], ...], one per stream named.
+            let entry = 3 + STREAM_ENTRY_FIELDS_MAX;
+            let per_stream = count.saturating_mul(entry).saturating_add(3);
+            return ReplyLimits {
+                elements_max: streams.saturating_mul(per_stream),
+                bytes_max: bytes(streams.saturating_mul(count)),
+            };
+        }
+        if upper(b"SCAN") {
+            // COUNT is a hint: SCAN returns the keys of the buckets it visited, which may be a
+            // few more than asked for.
+            let count = after(b"COUNT", 2.min(args.len())..args.len()).unwrap_or(10);
+            return ReplyLimits { elements_max: count.saturating_mul(4).saturating_add(4096), ..default };
+        }
+        if upper(b"CLUSTER") && args.get(1).is_some_and(|a| a.eq_ignore_ascii_case(b"GETKEYSINSLOT")) {
+            let count = args.get(3).and_then(|c| std::str::from_utf8(c).ok()?.parse::<u64>().ok());
+            return ReplyLimits { elements_max: count.unwrap_or(0), ..default };
+        }
+        default
+    }
+}
+
+/// Fields and values of one stream entry a read allows for: the contract's entries have six
+/// (`k`, `v` or `d`, `t`).
+const STREAM_ENTRY_FIELDS_MAX: u64 = 16;
+
+/// A header line (`$`, `*`, `:`) longer than this is refused before its end arrives: a length
+/// or integer has at most 20 characters.
+const HEADER_LINE_BYTES_MAX: usize = 32;
 
 /// Arrays nested deeper than this are refused. Redis replies nest a handful of levels at most
 /// (XREAD: streams, entries, fields); the bound keeps the decoder's recursion shallow.
@@ -364,7 +439,7 @@ impl RedisConn {
         let mut conn = RedisConn {
             stream,
             addr: addr.clone(),
-            reader: ReplyReader::new(REPLY_BYTES_MAX),
+            reader: ReplyReader::new(),
             out: Vec::new(),
             read_timeout_ms: 0,
             write_timeout_ms: 0,
@@ -418,7 +493,7 @@ impl RedisConn {
         self.out.clear();
         encode_command(&mut self.out, args);
         self.send()?;
-        match self.receive()? {
+        match self.receive(ReplyLimits::for_command(args))? {
             Reply::Error(message) => Err(RedisError::Server { addr: self.addr.clone(), message }),
             reply => Ok(reply),
         }
@@ -435,8 +510,9 @@ impl RedisConn {
         }
         self.send()?;
         let mut replies = Vec::with_capacity(cmds.len());
-        for _ in cmds {
-            replies.push(self.receive()?);
+        for cmd in cmds {
+            let args: Vec<&[u8]> = cmd.iter().map(Vec::as_slice).collect();
+            replies.push(self.receive(ReplyLimits::for_command(&args))?);
         }
         Ok(replies)
     }
@@ -459,8 +535,8 @@ impl RedisConn {
         })
     }
 
-    fn receive(&mut self) -> Result<Reply, RedisError> {
-        self.reader.read_reply(&mut self.stream).map_err(|failure| {
+    fn receive(&mut self, limits: ReplyLimits) -> Result<Reply, RedisError> {
+        self.reader.read_reply(&mut self.stream, limits).map_err(|failure| {
             self.broken = true;
             let addr = self.addr.clone();
             match failure {
@@ -505,7 +581,8 @@ fn encode_command(out: &mut Vec<u8>, args: &[&[u8]]) {
 /// Every reply in `bytes`, read as the connection reads them (the framing
 /// scan, then the decoder) with the bytes arriving `chunk_bytes` at a time;
 /// what is left after the last whole reply must be empty. For fuzzing and
-/// tests: replies are untrusted input, and this is their one parser.
+/// tests: replies are untrusted input, and this is their one parser. Each reply is held to
+/// `reply_bytes_max` and the default element bound.
 pub fn decode_all(bytes: &[u8], reply_bytes_max: usize, chunk_bytes: usize) -> Result<Vec<Reply>, String> {
     struct Chunks<'a>(&'a [u8], usize);
     impl Read for Chunks<'_> {
@@ -517,10 +594,11 @@ pub fn decode_all(bytes: &[u8], reply_bytes_max: usize, chunk_bytes: usize) -> R
         }
     }
     let mut src = Chunks(bytes, chunk_bytes.max(1));
-    let mut reader = ReplyReader::new(reply_bytes_max);
+    let limits = ReplyLimits { bytes_max: reply_bytes_max, ..ReplyLimits::DEFAULT };
+    let mut reader = ReplyReader::new();
     let mut replies = Vec::new();
     loop {
-        match reader.read_reply(&mut src) {
+        match reader.read_reply(&mut src, limits) {
             Ok(reply) => replies.push(reply),
             Err(ReadFailure::Closed) if reader.start == reader.end => return Ok(replies),
             Err(ReadFailure::Closed) => return Err("the bytes end inside a reply".into()),
@@ -542,25 +620,28 @@ enum ReadFailure {
 ///
 /// `redis_protocol`'s decoder keeps no state across a partial frame, so calling it after every
 /// read would re-parse a large reply once per read. Instead a small resumable [`FrameScan`]
-/// finds where the frame ends (and checks its size bounds) as bytes arrive, and the decoder runs
-/// once per complete frame. Separate from the socket so framing is testable with any `Read`.
+/// finds where the frame ends (and checks its bounds) as bytes arrive, and the decoder runs
+/// once per complete frame, on a frame already known to be within them. Separate from the
+/// socket so framing is testable with any `Read`.
 struct ReplyReader {
     buf: Vec<u8>,
     /// Unconsumed bytes are `buf[start..end]`.
     start: usize,
     end: usize,
     scan: FrameScan,
-    reply_bytes_max: usize,
+    /// Bytes the end-of-line search has looked at, over the reader's life: a measure of the
+    /// scan's work for tests.
+    scanned_bytes: u64,
 }
 
 impl ReplyReader {
-    fn new(reply_bytes_max: usize) -> ReplyReader {
-        ReplyReader { buf: Vec::new(), start: 0, end: 0, scan: FrameScan::new(), reply_bytes_max }
+    fn new() -> ReplyReader {
+        ReplyReader { buf: Vec::new(), start: 0, end: 0, scan: FrameScan::new(), scanned_bytes: 0 }
     }
 
-    fn read_reply<R: Read>(&mut self, src: &mut R) -> Result<Reply, ReadFailure> {
+    fn read_reply<R: Read>(&mut self, src: &mut R, limits: ReplyLimits) -> Result<Reply, ReadFailure> {
         loop {
-            if let Some(len) = self.scan.advance(&self.buf[self.start..self.end], self.reply_bytes_max)? {
+            if let Some(len) = self.scan.advance(&self.buf[self.start..self.end], limits, &mut self.scanned_bytes)? {
                 let frame_bytes = &self.buf[self.start..self.start + len];
                 let reply = match decode(frame_bytes) {
                     Ok(Some((frame, used))) if used == len => Reply::from(frame),
@@ -578,16 +659,16 @@ impl ReplyReader {
                 }
                 return Ok(reply);
             }
-            self.fill(src)?;
+            self.fill(src, limits.bytes_max)?;
         }
     }
 
     /// Reads at least one more byte of the frame in progress.
-    fn fill<R: Read>(&mut self, src: &mut R) -> Result<(), ReadFailure> {
+    fn fill<R: Read>(&mut self, src: &mut R, bytes_max: usize) -> Result<(), ReadFailure> {
         // Everything buffered belongs to the incomplete frame, so this bounds its size even
         // when no length prefix gave it away (a simple string with no line end).
-        if self.end - self.start >= self.reply_bytes_max {
-            return Err(ReadFailure::Protocol(format!("reply exceeds {} bytes", self.reply_bytes_max)));
+        if self.end - self.start >= bytes_max {
+            return Err(ReadFailure::Protocol(format!("reply exceeds {bytes_max} bytes")));
         }
         if self.end == self.buf.len() {
             if self.start > 0 {
@@ -597,7 +678,7 @@ impl ReplyReader {
                 self.start = 0;
             }
             if self.end == self.buf.len() {
-                let grown = (self.buf.len() * 2).max(READ_CHUNK_BYTES).min(self.reply_bytes_max + READ_CHUNK_BYTES);
+                let grown = (self.buf.len() * 2).max(READ_CHUNK_BYTES).min(bytes_max + READ_CHUNK_BYTES);
                 self.buf.resize(grown, 0);
             }
         }
@@ -615,31 +696,47 @@ impl ReplyReader {
     }
 }
 
-/// Finds the end of one RESP2 frame, resuming where the previous call stopped.
+/// Finds the end of one RESP2 frame, resuming where the previous call stopped: neither a line
+/// nor a bulk string is looked at again when more of it arrives.
 struct FrameScan {
     /// Bytes of the frame accounted for so far.
     pos: usize,
+    /// How far past `pos` the current line was searched for its end without finding it.
+    line_searched: usize,
+    /// Elements the frame's arrays have announced so far.
+    elements: u64,
     /// For each open array, the elements still to come; the outermost entry is the frame itself.
     open: Vec<u64>,
 }
 
 impl FrameScan {
     fn new() -> FrameScan {
-        FrameScan { pos: 0, open: vec![1] }
+        FrameScan { pos: 0, line_searched: 0, elements: 0, open: vec![1] }
     }
 
     /// `Some(length)` once `buf` holds the whole frame; `None` while more bytes are needed.
-    fn advance(&mut self, buf: &[u8], bytes_max: usize) -> Result<Option<usize>, ReadFailure> {
+    /// `scanned` counts the bytes the end-of-line search looks at.
+    fn advance(&mut self, buf: &[u8], limits: ReplyLimits, scanned: &mut u64) -> Result<Option<usize>, ReadFailure> {
         let protocol = |what: String| Err(ReadFailure::Protocol(what));
+        let bytes_max = limits.bytes_max;
         while let Some(&left) = self.open.last() {
             if left == 0 {
                 self.open.pop();
                 continue;
             }
             let rest = &buf[self.pos..];
-            let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+            // Resume one byte early: the CR of a CRLF split across reads was searched already.
+            let from = self.line_searched.saturating_sub(1);
+            let found = rest[from..].windows(2).position(|w| w == b"\r\n");
+            *scanned += found.map_or(rest.len() - from, |i| i + 2) as u64;
+            let Some(eol) = found.map(|i| from + i) else {
+                self.line_searched = rest.len();
+                if matches!(rest.first(), Some(b'$' | b'*' | b':')) && rest.len() > HEADER_LINE_BYTES_MAX {
+                    return protocol(format!("a length line of more than {HEADER_LINE_BYTES_MAX} bytes"));
+                }
                 return Ok(None);
             };
+            self.line_searched = 0;
             if eol == 0 {
                 return protocol("empty line where a reply was expected".into());
             }
@@ -656,12 +753,17 @@ impl FrameScan {
                 b'$' => match parse_int(body) {
                     Some(-1) => {}
                     Some(n) if n >= 0 => {
-                        let n = n as usize;
-                        if n > bytes_max {
-                            return protocol(format!("bulk string of {n} bytes exceeds {bytes_max}"));
+                        // Refused on its header, before a byte of it is buffered.
+                        let room = bytes_max.saturating_sub(self.pos + header_len + 2);
+                        let n = usize::try_from(n).unwrap_or(usize::MAX);
+                        if n > room {
+                            return protocol(format!(
+                                "bulk string of {n} bytes exceeds the reply bound of {bytes_max}"
+                            ));
                         }
                         consumed = header_len + n + 2;
                         if rest.len() < consumed {
+                            // The header is parsed again when the body is in: a few bytes.
                             return Ok(None);
                         }
                         if &rest[header_len + n..consumed] != b"\r\n" {
@@ -673,18 +775,22 @@ impl FrameScan {
                 b'*' => match parse_int(body) {
                     Some(-1) => {}
                     Some(n) if n >= 0 => {
-                        // Every element takes at least 3 bytes, so a count past this is a lie.
-                        if n as usize > bytes_max / 3 {
-                            return protocol(format!("array of {n} elements exceeds the reply bound"));
+                        let n = n as u64;
+                        if self.elements.saturating_add(n) > limits.elements_max {
+                            return protocol(format!(
+                                "array of {n} elements exceeds the reply bound of {} elements in all",
+                                limits.elements_max
+                            ));
                         }
                         if self.open.len() >= REPLY_DEPTH_MAX {
                             return protocol(format!("arrays nested deeper than {REPLY_DEPTH_MAX}"));
                         }
+                        self.elements += n;
                         self.pos += header_len;
                         if let Some(top) = self.open.last_mut() {
                             *top -= 1;
                         }
-                        self.open.push(n as u64);
+                        self.open.push(n);
                         continue;
                     }
                     _ => return protocol(format!("bad array length {:?}", String::from_utf8_lossy(body))),
@@ -705,6 +811,72 @@ impl FrameScan {
 
 fn parse_int(digits: &[u8]) -> Option<i64> {
     std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// A fake Redis on a loopback port for tests: it reads commands as a server would and answers
+/// each with what a closure makes of it, hostile bytes included.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::net::TcpListener;
+    use std::sync::{Arc, Mutex};
+
+    use super::{ReplyLimits, ReplyReader};
+
+    type Answer = dyn Fn(&[Vec<u8>], u16) -> Vec<u8> + Send + Sync;
+    /// Connections accepted, and every command received.
+    type Log = Arc<Mutex<(usize, Vec<Vec<Vec<u8>>>)>>;
+
+    pub(crate) struct FakeRedis {
+        pub addr: String,
+        log: Log,
+    }
+
+    impl FakeRedis {
+        /// Answers every command with `answer(command)`.
+        pub(crate) fn start(answer: impl Fn(&[Vec<u8>]) -> Vec<u8> + Send + Sync + 'static) -> FakeRedis {
+            FakeRedis::start_with_port(move |cmd, _| answer(cmd))
+        }
+
+        /// Answers every command with `answer(command, its own port)`.
+        pub(crate) fn start_with_port(
+            answer: impl Fn(&[Vec<u8>], u16) -> Vec<u8> + Send + Sync + 'static,
+        ) -> FakeRedis {
+            let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+            let port = listener.local_addr().expect("bound").port();
+            let log: Log = Arc::default();
+            let answer: Arc<Answer> = Arc::new(answer);
+            let (l, a) = (log.clone(), answer.clone());
+            // The threads end with the test process; each connection's ends when the client
+            // closes it.
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(mut stream) = stream else { return };
+                    l.lock().expect("log").0 += 1;
+                    let (l, a) = (l.clone(), a.clone());
+                    std::thread::spawn(move || {
+                        let mut reader = ReplyReader::new();
+                        while let Ok(super::Reply::Array(args)) = reader.read_reply(&mut stream, ReplyLimits::DEFAULT) {
+                            let cmd: Vec<Vec<u8>> = args.into_iter().filter_map(super::Reply::into_bytes).collect();
+                            let out = a(&cmd, port);
+                            l.lock().expect("log").1.push(cmd);
+                            if std::io::Write::write_all(&mut stream, &out).is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            });
+            FakeRedis { addr: format!("127.0.0.1:{port}"), log }
+        }
+
+        pub(crate) fn connections(&self) -> usize {
+            self.log.lock().expect("log").0
+        }
+
+        pub(crate) fn commands(&self) -> Vec<Vec<Vec<u8>>> {
+            self.log.lock().expect("log").1.clone()
+        }
+    }
 }
 
 #[cfg(test)]
@@ -730,8 +902,9 @@ mod tests {
 
     fn read_all(data: &[u8], cuts: Vec<usize>, count: usize) -> Result<Vec<Reply>, ReadFailure> {
         let mut src = Chunked { data: data.to_vec(), cuts, pos: 0 };
-        let mut reader = ReplyReader::new(1 << 20);
-        (0..count).map(|_| reader.read_reply(&mut src)).collect()
+        let mut reader = ReplyReader::new();
+        let limits = ReplyLimits { bytes_max: 1 << 20, ..ReplyLimits::DEFAULT };
+        (0..count).map(|_| reader.read_reply(&mut src, limits)).collect()
     }
 
     fn sample() -> (Vec<u8>, Vec<Reply>) {
@@ -776,6 +949,79 @@ mod tests {
         let cuts = (1..wire.len()).step_by(7_001).collect();
         let got = read_all(&wire, cuts, 2).unwrap();
         assert_eq!(got, vec![Reply::Bulk(payload), Reply::Int(1)]);
+    }
+
+    /// A line that arrives a byte at a time is searched for its end once,
+    /// not again from its start on every read: the work is linear in the
+    /// line, where a rescan from its start made it quadratic (20,000 bytes
+    /// took 200,070,006 steps).
+    #[test]
+    fn a_drip_fed_line_is_scanned_once() {
+        let line_bytes = 20_000;
+        let mut wire = vec![b'+'];
+        wire.extend(std::iter::repeat_n(b'a', line_bytes));
+        wire.extend_from_slice(b"\r\n");
+        let mut src = Chunked { data: wire.clone(), cuts: (1..wire.len()).collect(), pos: 0 };
+        let mut reader = ReplyReader::new();
+        let reply = reader.read_reply(&mut src, ReplyLimits::DEFAULT).unwrap();
+        assert_eq!(reply, Reply::Simple(vec![b'a'; line_bytes]));
+        assert!(reader.scanned_bytes <= 2 * wire.len() as u64, "{} bytes scanned", reader.scanned_bytes);
+    }
+
+    /// Replies larger than their command asked for are refused as they arrive, with a typed
+    /// error, and the connection is unusable after (the callers reconnect): an MGET of two keys
+    /// answered by an array of 10^8, a GET by a bulk string of 400 MB (under the old 512 MiB
+    /// bound, so it used to be awaited), and a reply of 2,000,000 empty strings (12 MB on the
+    /// wire, some 140 MB decoded).
+    #[test]
+    fn replies_past_what_their_command_asked_for_are_refused() {
+        let mut many = b"*2000000\r\n".to_vec();
+        for _ in 0..2_000_000 {
+            many.extend_from_slice(b"$0\r\n\r\n");
+        }
+        let redis = fake::FakeRedis::start(move |cmd| match cmd[0].as_slice() {
+            b"PING" => b"+PONG\r\n".to_vec(),
+            b"MGET" => b"*100000000\r\n$1\r\nx\r\n".to_vec(),
+            b"GET" => b"$400000000\r\nxyz".to_vec(),
+            _ => many.clone(),
+        });
+        let config = RedisConfig { io_timeout_ms: 5_000, ..RedisConfig::new(redis.addr.clone()) };
+        for (args, want) in [
+            (&[&b"MGET"[..], b"a", b"b"][..], "array of 100000000 elements exceeds the reply bound of 2 elements"),
+            (&[b"GET", b"a"], "bulk string of 400000000 bytes exceeds the reply bound of 67108864"),
+            (&[b"DBSIZE"], "array of 2000000 elements exceeds the reply bound of 1048576 elements"),
+        ] {
+            let mut conn = RedisConn::connect(&config).unwrap();
+            let e = conn.command(args).unwrap_err();
+            assert!(matches!(&e, RedisError::Protocol { what, .. } if what.contains(want)), "{e}");
+            assert!(matches!(conn.command(&[b"PING"]), Err(RedisError::Broken { .. })));
+        }
+    }
+
+    #[test]
+    fn reply_limits_follow_the_command() {
+        let l = |args: &[&[u8]]| ReplyLimits::for_command(args);
+        let value = (crate::feed::contract::DIM_MAX * 4 + 512) as u64;
+        assert_eq!(l(&[&b"mget"[..], b"a", b"b"]).elements_max, 2);
+        let big = l(&[&b"MGET"[..]; 10_001]);
+        assert_eq!((big.elements_max, big.bytes_max as u64), (10_000, 10_000 * value));
+        // XREAD COUNT 10 over 3 streams: per stream [name, [entries]], each entry
+        // [id, [fields]].
+        let x = l(&[b"XREAD", b"COUNT", b"10", b"BLOCK", b"5", b"STREAMS", b"s1", b"s2", b"s3", b"0", b"0", b"0"]);
+        assert_eq!(x.elements_max, 3 * (10 * (3 + STREAM_ENTRY_FIELDS_MAX) + 3));
+        assert_eq!(l(&[b"XRANGE", b"s", b"-", b"+", b"COUNT", b"1"]).elements_max, 3 + STREAM_ENTRY_FIELDS_MAX + 3);
+        assert_eq!(l(&[b"SCAN", b"0", b"MATCH", b"g:*", b"COUNT", b"1000"]).elements_max, 4000 + 4096);
+        assert_eq!(l(&[b"CLUSTER", b"GETKEYSINSLOT", b"7", b"50"]).elements_max, 50);
+        // A key named like the keyword is not taken for it.
+        for other in [
+            &[&b"XREAD"[..], b"STREAMS", b"count", b"0"][..],
+            &[b"XRANGE", b"count", b"0", b"+"],
+            &[b"CLUSTER", b"SLOTS"],
+            &[b"EVALSHA"],
+            &[],
+        ] {
+            assert_eq!(l(other), ReplyLimits::DEFAULT);
+        }
     }
 
     #[test]
