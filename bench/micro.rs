@@ -187,7 +187,7 @@ fn request_bench(c: &mut Criterion) {
                     &frames[i][wire::FRAME_PREFIX_BYTES..],
                     read_at_ns,
                     0,
-                    std::net::Ipv4Addr::LOCALHOST.into(),
+                    quiver::admission::Peer::at(std::net::Ipv4Addr::LOCALHOST.into()),
                     &mut out,
                 );
                 black_box(out.len())

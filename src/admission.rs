@@ -26,6 +26,12 @@
 //! path): the table holds the sources active now, not every source seen
 //! since start.
 //!
+//! A source network says little where callers share NAT or a mesh; with
+//! mutual TLS on the scoring port, a configured client may instead (or
+//! also) be bound to names its certificate presents (`tls_names`, matched
+//! against the DNS and URI subject alternative names the client CA vouched
+//! for), so another caller cannot spend its rate or its priority.
+//!
 //! `priority` is also the client's word, so it is capped: by the
 //! configured client's `priority_max`, or for every other request by
 //! `unknown_priority_max`; a request asking for more is shed as if it had
@@ -61,6 +67,26 @@ pub struct ClientEntry {
     /// ones are lowered to it.
     #[serde(default = "priority_max_any")]
     pub priority_max: u8,
+    /// Names (DNS or URI subject alternative names) one of which the
+    /// connection's client certificate must present; empty: any connection.
+    /// Needs `[tls] client_ca_file`.
+    #[serde(default)]
+    pub tls_names: Vec<String>,
+}
+
+/// Who sent a request: the connection's peer address and the names its
+/// verified client certificate presents (none without mutual TLS).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer<'a> {
+    pub addr: IpAddr,
+    pub tls_names: &'a [String],
+}
+
+impl Peer<'_> {
+    /// A peer with no certificate.
+    pub fn at(addr: IpAddr) -> Peer<'static> {
+        Peer { addr, tls_names: &[] }
+    }
 }
 
 fn priority_max_any() -> u8 {
@@ -140,6 +166,16 @@ pub struct Client {
     /// Empty: any source.
     pub from: Vec<Net>,
     pub priority_max: u8,
+    /// Empty: any connection.
+    pub tls_names: Vec<String>,
+}
+
+impl Client {
+    /// Whether a request naming this client may come from `peer`.
+    fn binds(&self, peer: Peer<'_>) -> bool {
+        (self.from.is_empty() || self.from.iter().any(|n| n.contains(peer.addr)))
+            && (self.tls_names.is_empty() || self.tls_names.iter().any(|n| peer.tls_names.contains(n)))
+    }
 }
 
 /// Most source buckets per shard (and clients configured): each shard's
@@ -177,7 +213,10 @@ impl AdmissionConfig {
                     .map(|n| Net::parse(n))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| format!("admission.clients.{k}.from: {e}"))?;
-                Ok((id, Client { limit, from, priority_max: v.priority_max }))
+                if v.tls_names.iter().any(|n| n.is_empty() || n.len() > TLS_NAME_BYTES_MAX) {
+                    return Err(format!("admission.clients.{k}.tls_names: names are 1 to {TLS_NAME_BYTES_MAX} bytes"));
+                }
+                Ok((id, Client { limit, from, priority_max: v.priority_max, tls_names: v.tls_names.clone() }))
             })
             .collect()
     }
@@ -253,7 +292,8 @@ pub enum Admit {
     Admitted { priority_max: u8 },
     /// Over its rate.
     OverRate,
-    /// It named a client bound to other source networks than its own.
+    /// It named a client bound to other source networks, or certificate
+    /// names, than its connection's.
     WrongSource,
 }
 
@@ -265,6 +305,8 @@ const DEMAND_SMOOTHING: f64 = 0.2;
 /// client splits evenly, and a shard that starts seeing a client starts
 /// from a share above zero.
 const DEMAND_FLOOR_PER_S: f64 = 1.0;
+/// Longest name a client may be bound to (a DNS name is at most 253).
+const TLS_NAME_BYTES_MAX: usize = 1024;
 /// How often idle source buckets are dropped.
 const EVICT_EVERY_NS: u64 = 1_000_000_000;
 
@@ -467,11 +509,18 @@ impl Admission {
         self.buckets.len()
     }
 
-    /// Whether a request naming `client_id`, on a connection from `source`,
-    /// may proceed at `now_ns`.
+    /// Whether a request naming `client_id`, on a connection from `source`
+    /// without a client certificate, may proceed at `now_ns`.
     pub fn admit(&mut self, client_id: u32, source: IpAddr, now_ns: u64) -> Admit {
+        self.admit_from(client_id, Peer::at(source), now_ns)
+    }
+
+    /// Whether a request naming `client_id`, from `peer`, may proceed at
+    /// `now_ns`.
+    pub fn admit_from(&mut self, client_id: u32, peer: Peer<'_>, now_ns: u64) -> Admit {
+        let source = peer.addr;
         let configured = self.clients.get(&client_id).map(|(c, column)| {
-            if c.from.is_empty() || c.from.iter().any(|n| n.contains(source)) {
+            if c.binds(peer) {
                 Ok((c.limit, *column, c.priority_max))
             } else {
                 Err(())
@@ -523,8 +572,10 @@ mod tests {
 
     fn config() -> AdmissionConfig {
         let mut clients = HashMap::new();
-        clients
-            .insert("7".to_string(), ClientEntry { rate_per_s: 1_000.0, burst: 10.0, from: vec![], priority_max: 9 });
+        clients.insert(
+            "7".to_string(),
+            ClientEntry { rate_per_s: 1_000.0, burst: 10.0, from: vec![], priority_max: 9, tls_names: vec![] },
+        );
         clients.insert(
             "8".to_string(),
             ClientEntry {
@@ -532,6 +583,7 @@ mod tests {
                 burst: 10.0,
                 from: vec!["10.1.0.0/16".into(), "::1".into()],
                 priority_max: u8::MAX,
+                tls_names: vec![],
             },
         );
         AdmissionConfig {
@@ -752,5 +804,26 @@ mod tests {
         // The watcher's exchange drops them once a second.
         a.exchange(2_000_000_000);
         assert_eq!(a.source_buckets(), 0);
+    }
+
+    #[test]
+    fn a_client_bound_to_certificate_names_is_admitted_only_with_one() {
+        let mut cfg = config();
+        cfg.clients.get_mut("7").unwrap().tls_names = vec!["bidder-eu.internal".into(), "spiffe://ads/bidder".into()];
+        let mut a = admission(cfg.clone(), 1);
+        let here = ip("10.9.0.1");
+        let eu = ["other.internal".to_string(), "bidder-eu.internal".to_string()];
+        assert_eq!(a.admit_from(7, Peer { addr: here, tls_names: &eu }, 0), Admit::Admitted { priority_max: 9 });
+        let spiffe = ["spiffe://ads/bidder".to_string()];
+        assert!(matches!(a.admit_from(7, Peer { addr: here, tls_names: &spiffe }, 0), Admit::Admitted { .. }));
+        let stranger = ["bidder-us.internal".to_string()];
+        assert_eq!(a.admit_from(7, Peer { addr: here, tls_names: &stranger }, 0), Admit::WrongSource);
+        assert_eq!(a.admit(7, here, 0), Admit::WrongSource, "no certificate, no claim to the id");
+        // Treated as unknown instead, it gets the unknown ceiling.
+        cfg.on_mismatch = OnMismatch::Default;
+        let mut lenient = admission(cfg.clone(), 1);
+        assert_eq!(lenient.admit(7, here, 0), Admit::Admitted { priority_max: 3 });
+        cfg.clients.get_mut("7").unwrap().tls_names = vec![String::new()];
+        assert!(cfg.client_limits().unwrap_err().contains("tls_names"));
     }
 }

@@ -244,6 +244,15 @@ impl Config {
         if let Some(tls) = &config.tls {
             tls.validate().map_err(ConfigError::Invalid)?;
         }
+        let client_certificates = config.tls.as_ref().is_some_and(|t| t.client_ca_file.is_some());
+        if let Some((id, _)) = config.admission.clients.iter().find(|(_, c)| !c.tls_names.is_empty()) {
+            if !client_certificates {
+                return Err(ConfigError::Invalid(format!(
+                    "admission.clients.{id}.tls_names needs [tls] client_ca_file: without client certificates no \
+                     connection presents a name"
+                )));
+            }
+        }
         Ok(config)
     }
 

@@ -180,6 +180,7 @@ fn crates_are_imported_only_where_the_architecture_says() {
         (&["glommio::"], &["shard/"]),
         (&["redis_protocol::"], &["feed/resp.rs"]),
         (&["rustls::"], &["tls.rs", "shard/tls.rs", "loadgen/transport.rs"]),
+        (&["webpki::"], &["shard/tls.rs"]),
         (&["hyper::", "hyper_util::", "http_body_util::", "tokio::"], &["admin/http.rs"]),
     ];
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");

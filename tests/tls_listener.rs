@@ -187,6 +187,49 @@ fn mutual_tls_admits_only_clients_the_ca_signed() {
 }
 
 #[test]
+fn a_client_id_bound_to_certificate_names_is_spent_only_by_their_holder() {
+    let pki = Pki::new("tls-names");
+    make_cert(
+        &pki.dir,
+        "ca",
+        "bidder",
+        "bidder",
+        "subjectAltName=DNS:bidder-eu.internal,URI:spiffe://ads/bidder\nextendedKeyUsage=clientAuth\n",
+    );
+    // Client 7 may claim priority 9 and a rate of its own, but only with the
+    // bidder's certificate; everyone else is shed as priority 0 at most.
+    let extra = format!(
+        "client_ca_file = \"{}\"\n[admission]\nunknown_priority_max = 0\n[admission.clients.7]\nrate_per_s = \
+         100000.0\nburst = 1000.0\npriority_max = 9\ntls_names = [\"spiffe://ads/bidder\"]\n",
+        pki.path("ca.crt")
+    );
+    let server = tls_server(&pki, "tls-names-config", &extra);
+    let with = |cert: &str, key: &str| ClientTls {
+        cert_file: Some(pki.dir.join(cert)),
+        key_file: Some(pki.dir.join(key)),
+        ..trusting(&pki, "ca.crt")
+    };
+    let mut spec = demo_request(1, 7, vec![1, 2, 3]);
+    spec.client_id = 7;
+    let mut bidder = Client::connect_with(&server.addr, TIMEOUT, Some(&with("bidder.crt", "bidder.key"))).unwrap();
+    assert_eq!(bidder.score(&spec).unwrap().status, Status::Ok);
+    // Another client the same CA signed, naming id 7: refused, and counted.
+    let mut other = Client::connect_with(&server.addr, TIMEOUT, Some(&with("client.crt", "client.key"))).unwrap();
+    let r = other.score(&spec).unwrap();
+    assert_eq!(r.status, Status::RateLimited, "{r:?}");
+    assert!(r.error.contains("certificate names"), "{}", r.error);
+    let s = stats_until(&server, |s| s.admission_wrong_source >= 1);
+    assert_eq!(s.admission_wrong_source, 1);
+
+    // tls_names without client certificates is refused at start-up.
+    let bad = scratch("tls-names-bad").join("q.toml");
+    std::fs::write(&bad, "[admission.clients.7]\nrate_per_s = 1.0\nburst = 1.0\ntls_names = [\"x\"]\n").unwrap();
+    let (code, _, err) = run_quiver(["serve", "--config", bad.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("tls_names needs [tls] client_ca_file"), "{err}");
+}
+
+#[test]
 fn a_server_with_unusable_certificates_refuses_to_start() {
     let pki = Pki::new("tls-refused");
     let data = demo_dir().to_str().unwrap();

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use crate::admission::{Admission, AdmissionConfig, Admit};
+use crate::admission::{Admission, AdmissionConfig, Admit, Peer};
 use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
 use crate::deadline::{Clock, Deadline};
 use crate::drift::DriftCounts;

@@ -77,15 +77,8 @@ impl<C: Clock> RequestPath<C> {
     /// Appends exactly one response frame to `out`, or, when the request went
     /// to the inference stage, returns `Pending`: its response comes later
     /// from [`RequestPath::complete`].
-    pub fn handle(
-        &mut self,
-        payload: &[u8],
-        read_at_ns: u64,
-        conn: u32,
-        source: std::net::IpAddr,
-        out: &mut Vec<u8>,
-    ) -> Handled {
-        match self.primary(payload, read_at_ns, conn, source) {
+    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, conn: u32, peer: Peer<'_>, out: &mut Vec<u8>) -> Handled {
+        match self.primary(payload, read_at_ns, conn, peer) {
             Ok(Some(ran)) => self.finish(ran, out),
             Ok(None) => Handled::Pending,
             Err(rejection) => self.answer(rejection, out),
@@ -98,9 +91,9 @@ impl<C: Clock> RequestPath<C> {
         payload: &[u8],
         read_at_ns: u64,
         conn: u32,
-        source: std::net::IpAddr,
+        peer: Peer<'_>,
     ) -> Result<Option<Ran>, Rejection> {
-        let admitted = self.admit(payload, read_at_ns, source)?;
+        let admitted = self.admit(payload, read_at_ns, peer)?;
         let mut assembled = self.assemble(admitted)?;
         match self.plan(&mut assembled)? {
             Route::HandOff => self.hand_off(assembled, conn).map(|()| None),
@@ -110,12 +103,7 @@ impl<C: Clock> RequestPath<C> {
 
     /// Decode, then check the request itself: budget, readiness, rate,
     /// model (and its canary), shedding.
-    fn admit<'p>(
-        &mut self,
-        payload: &'p [u8],
-        read_at_ns: u64,
-        source: std::net::IpAddr,
-    ) -> Result<Admitted<'p>, Rejection> {
+    fn admit<'p>(&mut self, payload: &'p [u8], read_at_ns: u64, peer: Peer<'_>) -> Result<Admitted<'p>, Rejection> {
         // Verify the FlatBuffer with limits before reading any field.
         let request = wire::decode_request(payload, &self.request_limits).map_err(|e| {
             let id = wire::salvage_request_id(payload, &self.request_limits);
@@ -139,7 +127,7 @@ impl<C: Clock> RequestPath<C> {
         if !self.shared.readiness.is_ready() {
             return Err(Rejection::fail(request_id, Status::Overloaded, "server is not ready"));
         }
-        let priority = match self.admission.admit(request.raw.client_id(), source, decoded_ns) {
+        let priority = match self.admission.admit_from(request.raw.client_id(), peer, decoded_ns) {
             // A client asking for more than its cap is shed as the cap.
             Admit::Admitted { priority_max } => request.raw.priority().min(priority_max),
             Admit::OverRate => {
@@ -147,7 +135,7 @@ impl<C: Clock> RequestPath<C> {
             }
             Admit::WrongSource => {
                 self.counters.admission_wrong_source += 1;
-                let why = "client_id is bound to other source networks than this connection's";
+                let why = "client_id is bound to other source networks or certificate names than this connection's";
                 return Err(Rejection::fail(request_id, Status::RateLimited, why));
             }
         };

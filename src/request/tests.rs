@@ -7,7 +7,7 @@ use crate::replica::ReplicaBuilder;
 use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
 
 /// The peer of every test request.
-const LOCAL: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+const LOCAL: Peer<'static> = Peer { addr: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), tls_names: &[] };
 
 fn shared(dir: &std::path::Path) -> Shared {
     let mut u = ReplicaBuilder::new("user", 2);

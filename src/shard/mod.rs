@@ -804,6 +804,12 @@ impl Connection {
     async fn serve_rounds(&self, stream: &mut Transport, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
         // Admission binds client ids to it; an unknown peer matches no network.
         let source = stream.tcp().peer_addr().map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
+        // And to the names of a verified client certificate (mutual TLS).
+        let tls_names = match &*stream {
+            Transport::Tls(s) => s.peer_names(),
+            Transport::Plain(_) => Vec::new(),
+        };
+        let peer = crate::admission::Peer { addr: source, tls_names: &tls_names };
         let every = self.shard.socket_wait_every_reads;
         // The kernel's stamps would be of ciphertext: TLS reads go unstamped.
         let stamps = every > 0 && matches!(stream, Transport::Plain(_)) && stamped::enable(stream.tcp()).is_ok();
@@ -848,7 +854,7 @@ impl Connection {
                             if let Some(wait_ns) = socket_wait_ns {
                                 path.times_mut().record_ns(metrics::Stage::SocketWait, wait_ns);
                             }
-                            if path.handle(payload, read_at_ns, id, source, &mut out) == Handled::Pending {
+                            if path.handle(payload, read_at_ns, id, peer, &mut out) == Handled::Pending {
                                 mailbox.expect();
                                 handed_off = true;
                             }

@@ -49,11 +49,27 @@ pub(super) struct TlsStream {
     cipher_out: Vec<u8>,
 }
 
+/// Names a client certificate may present, at most: its DNS and URI
+/// subject alternative names beyond these are not matched against.
+const PEER_NAMES_MAX: usize = 64;
+
 fn tls_error(e: rustls::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {e}"))
 }
 
 impl TlsStream {
+    /// The DNS and URI subject alternative names of the client certificate
+    /// the handshake verified against `tls.client_ca_file`; none without one.
+    pub(super) fn peer_names(&self) -> Vec<String> {
+        let Some(cert) = self.conn.peer_certificates().and_then(|c| c.first()) else {
+            return Vec::new();
+        };
+        let Ok(cert) = webpki::EndEntityCert::try_from(cert) else {
+            return Vec::new();
+        };
+        cert.valid_dns_names().chain(cert.valid_uri_names()).take(PEER_NAMES_MAX).map(str::to_string).collect()
+    }
+
     /// Completes the server side of a handshake on `tcp`. A failure has
     /// already sent its alert, when there was one to send.
     pub(super) async fn accept(tcp: TcpStream, config: Arc<rustls::ServerConfig>) -> io::Result<TlsStream> {
