@@ -858,11 +858,12 @@ if os.path.exists(serve_path):
 # (run by hand: `taskset -c 1 python3 bench/zoo_side_by_side.py --repeats 3`).
 # Per-request parts computed once (run by hand: bench/one_request.py).
 # TLS on the scoring port against plain TCP (run by hand: bench/tls_cost.sh).
+# A flood of TLS handshakes against scoring (run by hand: bench/tls_flood.sh).
 # onnxruntime as a backend beside the native ones (run by hand: bench/ort_backend.sh).
 # Hedged requests across three nodes, one slow (run by hand: bench/hedge.sh).
 # Plain MLPs before and after graph models (run by hand: bench/int8_before_after.sh).
-for extra in ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "ort_backend.md",
-              "hedge.md", "int8_before_after.md"]:
+for extra in ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "tls_flood.md",
+              "ort_backend.md", "hedge.md", "int8_before_after.md"]:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", extra)
     if os.path.exists(path):
         with open(path) as f:

@@ -693,6 +693,8 @@ fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
             key_file: PathBuf::new(),
             client_ca_file: None,
             handshake_timeout_ms: quiver::tls::HANDSHAKE_TIMEOUT_MS_DEFAULT,
+            handshakes_per_s_max: quiver::tls::HANDSHAKES_PER_S_MAX_DEFAULT,
+            handshake_burst: quiver::tls::HANDSHAKE_BURST_DEFAULT,
         });
         tls.cert_file = cert_file;
         tls.key_file = key_file;

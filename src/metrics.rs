@@ -506,6 +506,9 @@ pub struct Counters {
     /// untrusted certificate, a plain-TCP client, a stalled handshake).
     pub tls_handshakes: u64,
     pub tls_handshake_failures: u64,
+    /// New TLS connections closed before their handshake: over the shard's
+    /// `tls.handshakes_per_s_max`.
+    pub tls_handshakes_refused: u64,
     /// Backends of newly served versions: taken ready-built from the
     /// registry, and built on the shard's reactor (start-up, or a version
     /// the registry did not build ahead).
@@ -549,6 +552,7 @@ impl Counters {
         self.admission_wrong_source += other.admission_wrong_source;
         self.tls_handshakes += other.tls_handshakes;
         self.tls_handshake_failures += other.tls_handshake_failures;
+        self.tls_handshakes_refused += other.tls_handshakes_refused;
         self.backends_prebuilt += other.backends_prebuilt;
         self.backends_built_on_shard += other.backends_built_on_shard;
         self.connections_refused_shard_full += other.connections_refused_shard_full;

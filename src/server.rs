@@ -94,6 +94,8 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         Some(t) => Some(shard::ListenerTls {
             config: crate::tls::server_config(t).map_err(|e| Error::Setup(format!("[tls]: {e}")))?,
             handshake_timeout: Duration::from_millis(t.handshake_timeout_ms),
+            handshakes_per_s_max: t.handshakes_per_s_max,
+            handshake_burst: t.handshake_burst,
         }),
     };
     // The cores `taskset` (or a cgroup) allows; shards default to one each.

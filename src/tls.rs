@@ -55,6 +55,29 @@ pub struct ServerTls {
     /// for no longer.
     #[serde(default = "default_handshake_timeout_ms")]
     pub handshake_timeout_ms: u64,
+    /// New TLS handshakes a shard starts per second, after a burst of
+    /// `handshake_burst`: each costs its reactor about 360 µs of CPU
+    /// (docs/BENCHMARKS.md), so a reconnect storm or a flood of handshakes
+    /// would otherwise take the shard from the requests it serves. Over
+    /// the rate, a new connection is closed before its handshake (clients
+    /// retry); connections already open are never affected.
+    #[serde(default = "default_handshakes_per_s_max")]
+    pub handshakes_per_s_max: u32,
+    #[serde(default = "default_handshake_burst")]
+    pub handshake_burst: u32,
+}
+
+/// The default `handshakes_per_s_max`: at most about a tenth of a core.
+pub const HANDSHAKES_PER_S_MAX_DEFAULT: u32 = 250;
+/// The default `handshake_burst`: a fleet's connections at start-up.
+pub const HANDSHAKE_BURST_DEFAULT: u32 = 100;
+
+fn default_handshakes_per_s_max() -> u32 {
+    HANDSHAKES_PER_S_MAX_DEFAULT
+}
+
+fn default_handshake_burst() -> u32 {
+    HANDSHAKE_BURST_DEFAULT
 }
 
 /// The default `handshake_timeout_ms`.
@@ -74,6 +97,12 @@ impl ServerTls {
                 "tls.handshake_timeout_ms = {} is outside 1..={HANDSHAKE_TIMEOUT_MS_MAX}",
                 self.handshake_timeout_ms
             ));
+        }
+        if !(1..=1_000_000).contains(&self.handshakes_per_s_max) {
+            return Err(format!("tls.handshakes_per_s_max = {} is outside 1..=1000000", self.handshakes_per_s_max));
+        }
+        if !(1..=1_000_000).contains(&self.handshake_burst) {
+            return Err(format!("tls.handshake_burst = {} is outside 1..=1000000", self.handshake_burst));
         }
         Ok(())
     }
@@ -265,6 +294,8 @@ mod tests {
             key_file: dir.join("absent.key"),
             client_ca_file: None,
             handshake_timeout_ms: 2_000,
+            handshakes_per_s_max: HANDSHAKES_PER_S_MAX_DEFAULT,
+            handshake_burst: HANDSHAKE_BURST_DEFAULT,
         };
         let err = server_config(&tls).unwrap_err();
         assert!(err.contains("empty.pem: no PEM certificates"), "{err}");
@@ -278,10 +309,18 @@ mod tests {
 
     #[test]
     fn the_handshake_timeout_is_bounded() {
-        let mut tls =
-            ServerTls { cert_file: "c".into(), key_file: "k".into(), client_ca_file: None, handshake_timeout_ms: 0 };
+        let mut tls = ServerTls {
+            cert_file: "c".into(),
+            key_file: "k".into(),
+            client_ca_file: None,
+            handshake_timeout_ms: 0,
+            handshakes_per_s_max: HANDSHAKES_PER_S_MAX_DEFAULT,
+            handshake_burst: HANDSHAKE_BURST_DEFAULT,
+        };
         assert!(tls.validate().unwrap_err().contains("handshake_timeout_ms = 0"));
         tls.handshake_timeout_ms = 2_000;
         tls.validate().unwrap();
+        tls.handshakes_per_s_max = 0;
+        assert!(tls.validate().unwrap_err().contains("handshakes_per_s_max = 0"));
     }
 }

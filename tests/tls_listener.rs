@@ -230,6 +230,51 @@ fn a_client_id_bound_to_certificate_names_is_spent_only_by_their_holder() {
 }
 
 #[test]
+fn new_handshakes_over_the_shards_budget_are_refused_and_open_connections_serve_on() {
+    let pki = Pki::new("tls-budget");
+    let config = scratch("tls-budget-config").join("quiver.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nhandshakes_per_s_max = 1\nhandshake_burst = 3\n",
+            pki.path("server.crt"),
+            pki.path("server.key")
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&["--config", config.to_str().unwrap(), "--shards", "1"]);
+    let tls = trusting(&pki, "ca.crt");
+    let spec = demo_request(1, 7, vec![1, 2, 3]);
+    let mut kept = Client::connect_with(&server.addr, TIMEOUT, Some(&tls)).unwrap();
+    assert_eq!(kept.score(&spec).unwrap().status, Status::Ok);
+    // A flood of new connections: the burst's two left pass (a third if a
+    // second went by), the rest are closed before any handshake work.
+    let started = Instant::now();
+    let served = (0..10)
+        .filter(|_| Client::connect_with(&server.addr, TIMEOUT, Some(&tls)).and_then(|mut c| c.score(&spec)).is_ok())
+        .count();
+    let extra = started.elapsed().as_secs() as usize;
+    assert!((2..=2 + extra).contains(&served), "{served} of 10 served in {:?}", started.elapsed());
+    // The connection already open is not touched.
+    for _ in 0..20 {
+        assert_eq!(kept.score(&spec).unwrap().status, Status::Ok);
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
+        let refused: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("quiver_tls_handshakes_refused_total ")?.parse().ok())
+            .unwrap_or(0);
+        if refused as usize == 10 - served {
+            break;
+        }
+        assert!(Instant::now() < until, "refusals counted: {refused}, expected {}", 10 - served);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
 fn a_server_with_unusable_certificates_refuses_to_start() {
     let pki = Pki::new("tls-refused");
     let data = demo_dir().to_str().unwrap();

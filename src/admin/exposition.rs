@@ -260,6 +260,12 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         counter(
             &mut encoder,
+            "quiver_tls_handshakes_refused",
+            "New TLS connections closed before their handshake: over the shard's tls.handshakes_per_s_max.",
+            m.counters.tls_handshakes_refused,
+        )?;
+        counter(
+            &mut encoder,
             "quiver_backends_prebuilt",
             "Backends of newly served model versions a shard took ready-built from the admin side.",
             m.counters.backends_prebuilt,

@@ -457,6 +457,9 @@ async fn run_shard(
         active: active.clone(),
         balance: balance.clone(),
         shadow_wanted: shadow_wanted.clone(),
+        handshakes: tls.as_ref().map(|t| {
+            tls::HandshakeBudget::new(t.handshakes_per_s_max, t.handshake_burst, MonotonicClock::new().now_ns())
+        }),
         tls,
     });
     // Sockets other shards handed over, adopted on a slow tick: connection
@@ -637,6 +640,8 @@ struct Conns {
     /// Wakes the shard's shadow task.
     shadow_wanted: Rc<Notify>,
     tls: Option<ListenerTls>,
+    /// With `tls`: the new handshakes this shard may start.
+    handshakes: Option<tls::HandshakeBudget>,
 }
 
 impl Conns {
@@ -714,6 +719,11 @@ impl Connection {
         let mut stream = match &self.shard.tls {
             None => Transport::Plain(stream),
             Some(tls) => {
+                let within = self.shard.handshakes.as_ref().is_none_or(|b| b.take(MonotonicClock::new().now_ns()));
+                if !within {
+                    self.shard.path.borrow_mut().counters.tls_handshakes_refused += 1;
+                    return Err(std::io::Error::other("over tls.handshakes_per_s_max: closed before the handshake"));
+                }
                 let handshake = self.handshake(stream, tls).await;
                 let mut path = self.shard.path.borrow_mut();
                 match handshake {

@@ -10,8 +10,12 @@
 //! socket's own read and writes nothing. Records rustls queues meanwhile (a
 //! key update's answer) go out with the next `write_all`.
 //!
-//! The handshake's key exchange and signature run on the reactor: tens of
-//! microseconds of CPU once per connection, which bidders keep open.
+//! The handshake's key exchange and signature run on the reactor: about
+//! 360 µs of CPU once per connection (bench/tls_cost.sh), which bidders keep
+//! open. So that a flood of new connections cannot take the reactor from
+//! the requests it serves, each shard starts at most
+//! `tls.handshakes_per_s_max` a second after a burst ([`HandshakeBudget`]);
+//! over it, a new connection is closed before its handshake.
 
 use std::io::{self, Read, Write};
 use std::sync::Arc;
@@ -26,6 +30,41 @@ use glommio::net::TcpStream;
 pub struct ListenerTls {
     pub config: Arc<rustls::ServerConfig>,
     pub handshake_timeout: Duration,
+    /// Each shard's [`HandshakeBudget`].
+    pub handshakes_per_s_max: u32,
+    pub handshake_burst: u32,
+}
+
+/// A shard's budget of new handshakes: a token bucket, shard-local like
+/// everything on the reactor.
+pub(super) struct HandshakeBudget {
+    tokens: std::cell::Cell<f64>,
+    last_ns: std::cell::Cell<u64>,
+    per_ns: f64,
+    burst: f64,
+}
+
+impl HandshakeBudget {
+    /// `per_s` handshakes a second after a burst of `burst`, from `now_ns`.
+    pub(super) fn new(per_s: u32, burst: u32, now_ns: u64) -> HandshakeBudget {
+        let burst = f64::from(burst.max(1));
+        HandshakeBudget {
+            tokens: std::cell::Cell::new(burst),
+            last_ns: std::cell::Cell::new(now_ns),
+            per_ns: f64::from(per_s) / 1e9,
+            burst,
+        }
+    }
+
+    /// Whether a handshake may start at `now_ns`.
+    pub(super) fn take(&self, now_ns: u64) -> bool {
+        let elapsed_ns = now_ns.saturating_sub(self.last_ns.get());
+        self.last_ns.set(now_ns.max(self.last_ns.get()));
+        let tokens = (self.tokens.get() + elapsed_ns as f64 * self.per_ns).min(self.burst);
+        let ok = tokens >= 1.0;
+        self.tokens.set(if ok { tokens - 1.0 } else { tokens });
+        ok
+    }
 }
 
 impl std::fmt::Debug for ListenerTls {
@@ -172,5 +211,20 @@ impl TlsStream {
             self.tcp.write_all(&self.cipher_out).await?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_handshake_budget_allows_its_burst_then_its_rate() {
+        let budget = HandshakeBudget::new(10, 3, 0);
+        assert_eq!((0..10).filter(|_| budget.take(0)).count(), 3, "the burst");
+        assert!(!budget.take(50_000_000), "half a token after 50 ms at 10/s");
+        assert!(budget.take(100_000_000), "one token per 100 ms");
+        assert!(!budget.take(100_000_000));
+        assert_eq!((0..10).filter(|_| budget.take(10_000_000_000)).count(), 3, "refills to the burst, no more");
     }
 }
