@@ -171,3 +171,121 @@ fn every_runbook_command_parses_and_every_admin_route_exists() {
     }
     assert!(routes >= 3, "{routes} admin calls in the runbook");
 }
+
+/// `deploy/quiver.toml` as it is, with only what must differ on a test
+/// machine changed: paths into `dir`, loopback ports, the local Redis, and
+/// the cores (the shard count is set on the command line).
+fn production_config_here(dir: &Path, redis: &RedisServer) -> PathBuf {
+    let text = std::fs::read_to_string(repo("deploy/quiver.toml")).unwrap();
+    let mut config: toml::Table = text.parse().unwrap();
+    config.remove("cores");
+    config.insert("data_dir".into(), dir.display().to_string().into());
+    config.insert("models_dir".into(), dir.join("models").display().to_string().into());
+    config.insert("admin_token_file".into(), dir.join("admin.token").display().to_string().into());
+    config.insert("metrics_listen".into(), "127.0.0.1:0".into());
+    let section = |config: &mut toml::Table, name: &str| config.get_mut(name).unwrap().as_table_mut().unwrap().clone();
+    let mut reactor = section(&mut config, "reactor");
+    reactor.remove("housekeeping_cores");
+    config.insert("reactor".into(), reactor.into());
+    let mut ladder = section(&mut config, "ladder");
+    ladder.insert("fallback_model".into(), dir.join("fallback.qm").display().to_string().into());
+    config.insert("ladder".into(), ladder.into());
+    let mut feed = section(&mut config, "feed");
+    feed.insert("redis".into(), redis.url().into());
+    config.insert("feed".into(), feed.into());
+    let path = dir.join("production.toml");
+    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
+    path
+}
+
+/// The status line of one raw HTTP exchange on a new connection, or `None`
+/// when the server closed it without one.
+fn raw_http(addr: &str, request: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(8))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 || got.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()
+}
+
+/// The production configuration, on a real server, against the hostile
+/// clients and files of the hardening work at once: it keeps scoring and
+/// answering probes throughout (each case is tested on its own, with its
+/// counters, in tests/admin_limits.rs, tests/scoring_limits.rs,
+/// tests/registry.rs and tests/replica_feed.rs).
+#[test]
+fn the_production_config_survives_hostile_clients_and_files() {
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+    let redis = RedisServer::start();
+    let dir = scratch("deploy-hostile");
+    quiver::demo::ensure(&dir).unwrap();
+    std::fs::write(dir.join("admin.token"), "deploy-test-token-0123456789\n").unwrap();
+    let mut model = quiver::demo::model();
+    model.version = 1;
+    quiver::registry::publish(&dir.join("models"), &model).unwrap();
+    let config = production_config_here(&dir, &redis);
+    let mut server = Server::start_with(
+        &dir,
+        &["--config", config.to_str().unwrap(), "--shards", "1", "--metrics-listen", "127.0.0.1:0"],
+    );
+    let spec = common::demo_request(1, 7, vec![1, 2, 3]);
+    let mut client = server.client();
+    assert_eq!(client.score(&spec).unwrap().status, quiver::wire::Status::Ok);
+    let metrics = server.metrics.clone();
+
+    // The network-facing metrics listener: a length that once aborted the
+    // process, a declared body never sent, and 600 idle connections.
+    let hostile = "GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000000000\r\n\r\n";
+    assert_eq!(raw_http(&metrics, hostile), Some(413));
+    let idle: Vec<_> = (0..600).filter_map(|_| std::net::TcpStream::connect(&metrics).ok()).collect();
+    let probe = Instant::now();
+    assert_eq!(http_get(&format!("http://{metrics}/readyz")).0, 200);
+    assert!(probe.elapsed() < Duration::from_secs(1), "/readyz took {:?}", probe.elapsed());
+    drop(idle);
+    // The controls: a page in a browser gets nothing without the token.
+    let drain = "POST /drain HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\nContent-Length: 0\r\n\r\n";
+    assert_eq!(raw_http(&server.admin, drain), Some(401));
+
+    // The scoring port: one host past its 256 connections, and a frame
+    // dripped a byte at a time, while a client is served.
+    let mut many: Vec<_> = (0..260).filter_map(|_| std::net::TcpStream::connect(&server.addr).ok()).collect();
+    let mut drip = std::net::TcpStream::connect(&server.addr).unwrap();
+    let _ = drip.write_all(&[0, 0]);
+    assert_eq!(client.score(&spec).unwrap().status, quiver::wire::Status::Ok, "the open client is served");
+    many.truncate(0);
+
+    // A damaged model version on disk: refused, the served one stays.
+    let mut v2 = quiver::demo::model();
+    v2.version = 2;
+    let mut bytes = v2.to_bytes();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    std::fs::create_dir_all(dir.join("models").join(&v2.name).join("2")).unwrap();
+    std::fs::write(dir.join("models").join(&v2.name).join("2").join("model.qm"), &bytes).unwrap();
+    server.wait_stderr("checksum mismatch");
+    let r = client.score(&spec).unwrap();
+    assert_eq!((r.status, r.model_version), (quiver::wire::Status::Ok, 1));
+
+    // Past all of it: serving, ready, and the refusals counted.
+    assert!(server.is_running());
+    assert_eq!(http_get(&format!("http://{metrics}/readyz")).0, 200);
+    let (_, text) = http_get(&format!("http://{metrics}/metrics"));
+    for name in [
+        "quiver_admin_requests_rejected_total",
+        "quiver_admin_unauthorized_total",
+        "quiver_connections_refused_source_full_total",
+    ] {
+        let v: u64 = text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap();
+        assert!(v >= 1, "{name} = {v}");
+    }
+    assert_eq!(server.terminate(), 0);
+}
