@@ -127,6 +127,9 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Held while a mapping is checked against the memory available and locked.
+static LOCKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Refuses to lock a mapping larger than the memory available: mlock would
 /// succeed under a generous RLIMIT_MEMLOCK and then push the node into swap
 /// or the OOM killer, long after start-up said yes.
@@ -166,6 +169,11 @@ impl Replica {
             return Err(ReplicaError::Length { path: p, expected: DEFAULT_OFFSET as u64, actual });
         }
         let locking = LOCK_PAGES.load(Ordering::Relaxed);
+        // Checked and locked under one process-wide lock: a locked file's
+        // pages leave MemAvailable, so each check sees every replica and copy
+        // locked before it, and two copies made at once (a sync's buckets on
+        // threads of their own) cannot both pass against the same memory.
+        let locking_guard = locking.then(|| LOCKING.lock().unwrap_or_else(|e| e.into_inner()));
         if locking {
             check_lockable(&p, actual, mem_available_bytes())?;
         }
@@ -180,6 +188,7 @@ impl Replica {
                 source,
             })?;
         }
+        drop(locking_guard);
         if actual >= HUGE_PAGES_FROM_BYTES && HUGE_PAGES.load(Ordering::Relaxed) {
             // Only a hint: it takes effect where the kernel backs this file
             // with huge pages or large folios (tmpfs with huge=advise, ext4
