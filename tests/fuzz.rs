@@ -697,6 +697,35 @@ $1\r\nv\r\n$8\r\n\x00\x00\x80?\x00\x00\x00@\r\n$1\r\nt\r\n$3\r\n123\r\n",
     });
 }
 
+/// What the cluster client makes of replies: a `CLUSTER SLOTS` topology and
+/// `MOVED`/`ASK` redirects, from mutated replies a node could send. Either a
+/// topology that routes every slot somewhere, or a typed refusal.
+#[test]
+fn cluster_replies() {
+    let seeds: Vec<Vec<u8>> = [
+        &b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:7000\r\n$40\r\n0123456789012345678901234567890123456789\r\n"[..],
+        b"*2\r\n*3\r\n:0\r\n:8191\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n*4\r\n:8192\r\n:16383\r\n*2\r\n$0\r\n\r\n:7001\r\n*2\r\n$3\r\n::1\r\n:7004\r\n",
+        b"-MOVED 3999 127.0.0.1:6381\r\n",
+        b"-ASK 3999 [::1]:6381\r\n",
+        b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n",
+    ]
+    .iter()
+    .map(|s| s.to_vec())
+    .collect();
+    for s in &seeds {
+        quiver::feed::resp::decode_all(s, 1 << 20, 3).expect("the seeds are valid");
+    }
+    fuzz("cluster_replies", seeds, 16 * MIB, &|bytes, _, _| {
+        let Ok(replies) = quiver::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
+            return;
+        };
+        for reply in replies {
+            std::hint::black_box(quiver::feed::cluster::Redirect::parse(&reply));
+            std::hint::black_box(quiver::feed::cluster::Topology::parse_slots(reply, "127.0.0.1:7000").ok());
+        }
+    });
+}
+
 /// The README's example config: the one users copy.
 fn readme_config() -> String {
     let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
