@@ -79,8 +79,12 @@ fn healthy_nodes_share_the_traffic_evenly() {
     let w = won(&c.node_stats());
     let latency: Vec<u64> = c.node_stats().iter().map(|n| n.latency_us).collect();
     eprintln!("spread {w:?}, median latencies (µs) {latency:?}");
+    // Within a fifth of an even share: the client weighs nodes by their
+    // recent latency, so one whose shard lost its core for a moment to the
+    // rest of a busy 2-core machine takes a little less (872 of 3,000 seen
+    // in a CI run beside a build); a broken balance is far outside this.
     for n in &w {
-        assert!((900..=1100).contains(n), "spread {w:?}, median latencies (µs) {latency:?}");
+        assert!((800..=1200).contains(n), "spread {w:?}, median latencies (µs) {latency:?}");
     }
 }
 
