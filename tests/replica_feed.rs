@@ -930,3 +930,53 @@ fn a_small_group_beside_a_big_one_gets_a_small_file() {
     assert!(item * 20 < user, "item file {item} bytes beside user file {user}");
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 1_000);
 }
+
+#[test]
+fn a_resync_on_a_full_disk_is_an_error_the_server_survives_and_completes_once_there_is_room() {
+    let redis = RedisServer::start();
+    load(&redis, "item", 0..2_000, 0);
+    load(&redis, "user", 0..100, 0);
+    let dir = common::scratch("feed-full-disk-resync").join("data");
+    std::fs::create_dir_all(&dir).unwrap();
+    let disk = SmallDisk::mount(&dir, 16);
+    for f in ["model.qm", "fallback.qm"] {
+        std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
+    }
+    // The shrink guard is off: the resync below replaces the data on purpose.
+    let mut server = serve(&dir, &redis, "check_interval_ms = 100\nresync_shrink_max = 1.0\n");
+    assert_eq!(server.client().score(&demo_request(1, 7, vec![1, 1_999])).unwrap().features_missing, 0);
+
+    // Fill the disk to the last block.
+    let junk = dir.join("junk");
+    {
+        let mut f = std::fs::File::create(&junk).unwrap();
+        let block = vec![7u8; 64 * 1024];
+        while std::io::Write::write_all(&mut f, &block).is_ok() {}
+        let _ = std::io::Write::write_all(&mut f, &[7u8]);
+    }
+    // Redis replaced under the running server: a new epoch, so a full
+    // resync, whose copy has no room.
+    let mut p = Publisher::new(redis.conn()).unwrap();
+    p.conn().unwrap().command(&[b"FLUSHALL"]).unwrap();
+    load(&redis, "item", 10_000..10_100, 1);
+    load(&redis, "user", 0..100, 1);
+    let until = Instant::now() + Duration::from_secs(30);
+    while metric(&server, "quiver_feed_disk_errors_total") == 0 {
+        assert!(server.is_running(), "the server died: {}", server.stderr());
+        assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(server.stderr().contains("cannot reserve"), "{}", server.stderr());
+    // Meanwhile the shards serve what the replica held.
+    let r = server.client().score(&demo_request(2, 7, vec![1, 1_999])).unwrap();
+    assert_eq!((r.status, r.features_missing), (Status::Ok, 0));
+
+    // Room again: the resync completes on the refresher's next attempt.
+    std::fs::remove_file(&junk).unwrap();
+    wait_for(&server, "the resync once there is room", Duration::from_secs(30), |s| group(s, "item").rows == 100);
+    wait_caught_up(&server, &redis);
+    assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 100);
+    assert!(server.is_running());
+    assert_eq!(server.terminate(), 0);
+    drop(disk);
+}
