@@ -238,6 +238,13 @@ impl ReplicaWriter {
     /// whether a grown file was swapped in by this call (it then wants a
     /// checkpoint).
     pub fn poll_growth(&mut self) -> Result<bool, ReplicaError> {
+        self.poll_growth_within(REPLAY_BUDGET_MAX)
+    }
+
+    /// [`poll_growth`](Self::poll_growth), replaying for at most
+    /// `replay_max`: with zero, only the first few keys, however fast the
+    /// machine (tests hold a growth in its replay this way).
+    pub(crate) fn poll_growth_within(&mut self, replay_max: std::time::Duration) -> Result<bool, ReplicaError> {
         if self.scan_pending || !self.grow_ahead {
             return Ok(false);
         }
@@ -252,7 +259,7 @@ impl ReplicaWriter {
         }
         let since_last_poll = growth.last_poll.map_or(REPLAY_BUDGET_MIN, |t| t.elapsed());
         self.collect_copy()?;
-        if !self.replay(Some(since_last_poll.clamp(REPLAY_BUDGET_MIN, REPLAY_BUDGET_MAX)))? {
+        if !self.replay(Some(since_last_poll.clamp(REPLAY_BUDGET_MIN, REPLAY_BUDGET_MAX).min(replay_max)))? {
             self.growth.as_mut().expect("a growth is running").last_poll = Some(std::time::Instant::now());
             return Ok(false);
         }
