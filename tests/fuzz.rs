@@ -726,6 +726,36 @@ fn cluster_replies() {
     });
 }
 
+/// What the refresher makes of a stream entry's fields (XREAD replies):
+/// an entity and its vector, a delete, or a reason to skip it.
+#[test]
+fn stream_entries() {
+    let seeds: Vec<Vec<u8>> = [
+        &b"*6\r\n$1\r\nk\r\n$6\r\nitem:7\r\n$1\r\nv\r\n$8\r\n\x00\x00\x80?\x00\x00\x00@\r\n$1\r\nt\r\n$3\r\n123\r\n"[..],
+        b"*4\r\n$1\r\nk\r\n$6\r\nitem:8\r\n$1\r\nd\r\n$1\r\n1\r\n",
+        b"*2\r\n$1\r\nk\r\n$10\r\n{item:3}:9\r\n",
+    ]
+    .iter()
+    .map(|s| s.to_vec())
+    .collect();
+    let plain = quiver::feed::contract::Part::new("item", quiver::feed::contract::Layout::Plain, 0);
+    let bucketed =
+        quiver::feed::contract::Part::new("item", quiver::feed::contract::Layout::Bucketed { buckets: 16 }, 3);
+    fuzz("stream_entries", seeds, 16 * MIB, &|bytes, _, _| {
+        let Ok(replies) = quiver::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
+            return;
+        };
+        for reply in replies {
+            let Some(fields) = reply.into_array() else { continue };
+            for part in [&plain, &bucketed] {
+                if let Ok((_, Some(v), _)) = quiver::feed::refresher::change(part, &fields, 2) {
+                    assert_eq!(v.len(), 2, "a vector of the group's dimension, or a refusal");
+                }
+            }
+        }
+    });
+}
+
 /// The README's example config: the one users copy.
 fn readme_config() -> String {
     let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();

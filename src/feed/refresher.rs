@@ -1057,7 +1057,11 @@ impl Refresher {
 
 /// Decodes a stream entry's fields: `k <key> v <bytes> t <ms>` for a put,
 /// `k <key> d 1 t <ms>` for a delete.
-fn change(part: &Part, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<f32>>, u64), String> {
+/// One stream entry's fields as the refresher applies them: the entity's
+/// id, its vector (`None` for a delete) and the change's time; or why the
+/// entry is skipped. Public for `tests/fuzz.rs`, which feeds it what a
+/// Redis could send.
+pub fn change(part: &Part, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<f32>>, u64), String> {
     let mut key = None;
     let mut value = None;
     let mut deleted = false;
