@@ -243,8 +243,10 @@ impl Default for AdmissionConfig {
     }
 }
 
+/// A token bucket: `burst` tokens, refilled at a rate. Also the shards'
+/// handshake budget (`shard::tls`).
 #[derive(Clone, Copy, Debug)]
-struct Bucket {
+pub(crate) struct Bucket {
     tokens: f64,
     last_ns: u64,
     rate_per_ns: f64,
@@ -253,7 +255,7 @@ struct Bucket {
 
 impl Bucket {
     /// A bucket for `share` (0..=1) of `limit`.
-    fn new(limit: ClientLimit, share: f64, now_ns: u64) -> Bucket {
+    pub(crate) fn new(limit: ClientLimit, share: f64, now_ns: u64) -> Bucket {
         let burst = (limit.burst * share).max(1.0);
         Bucket { tokens: burst, last_ns: now_ns, rate_per_ns: limit.rate_per_s * share / 1e9, burst }
     }
@@ -272,7 +274,7 @@ impl Bucket {
         self.tokens + now_ns.saturating_sub(self.last_ns) as f64 * self.rate_per_ns >= self.burst
     }
 
-    fn take(&mut self, now_ns: u64) -> bool {
+    pub(crate) fn take(&mut self, now_ns: u64) -> bool {
         let elapsed_ns = now_ns.saturating_sub(self.last_ns);
         self.last_ns = now_ns;
         self.tokens = (self.tokens + elapsed_ns as f64 * self.rate_per_ns).min(self.burst);

@@ -389,9 +389,6 @@ impl Registry {
         fraction: f64,
         which: impl Fn(&mut Slot) -> &mut Option<(Arc<Model>, u32)>,
     ) -> Result<Option<u32>, RegistryError> {
-        if !valid_name(name) {
-            return Err(RegistryError::BadName(name.into()));
-        }
         if !(0.0..=1.0).contains(&fraction) {
             return Err(RegistryError::BadFraction(fraction));
         }

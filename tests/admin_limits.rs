@@ -9,47 +9,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{demo_request, Server, BIN};
+use common::{demo_request, http_raw, Server, BIN};
 use quiver::wire::Status;
-
-/// Sends `request` on a new connection and reads until the server closes it
-/// or `wait` passes: the status of the first response (if one came), all
-/// that was read, and whether the server closed the connection.
-fn raw(addr: &str, request: &[u8], wait: Duration) -> (Option<u16>, String, bool) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(request).unwrap();
-    read_answer(&mut s, wait)
-}
-
-fn read_answer(s: &mut TcpStream, wait: Duration) -> (Option<u16>, String, bool) {
-    let until = Instant::now() + wait;
-    let mut got = Vec::new();
-    let mut closed = false;
-    let mut buf = [0u8; 4096];
-    while Instant::now() < until {
-        s.set_read_timeout(Some(Duration::from_millis(50).max(until.saturating_duration_since(Instant::now()))))
-            .unwrap();
-        match s.read(&mut buf) {
-            Ok(0) => {
-                closed = true;
-                break;
-            }
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                if !got.is_empty() && got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
-            }
-            Err(_) => {
-                closed = true;
-                break;
-            }
-        }
-    }
-    let text = String::from_utf8_lossy(&got).into_owned();
-    let status = text.strip_prefix("HTTP/1.1 ").and_then(|r| r.get(..3)).and_then(|c| c.parse().ok());
-    (status, text, closed)
-}
 
 /// The node is up: it answers `/healthz` and scores.
 fn still_serves(server: &mut Server) {
@@ -57,13 +18,6 @@ fn still_serves(server: &mut Server) {
     assert_eq!(common::http_get(&format!("http://{}/healthz", server.admin)).0, 200);
     let r = server.client().score(&demo_request(1, 1, vec![1, 2])).unwrap();
     assert_eq!(r.status, Status::Ok);
-}
-
-fn metric(server: &Server, name: &str) -> u64 {
-    let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
 #[test]
@@ -75,14 +29,14 @@ fn hostile_content_lengths_and_slow_heads_are_answered_and_the_node_lives() {
     // panicked the admin thread.
     for length in ["1000000000000000000", "18446744073709551615"] {
         let head = format!("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n\r\n");
-        let (status, text, _) = raw(&admin, head.as_bytes(), Duration::from_secs(3));
+        let (status, text, _) = http_raw(&admin, head.as_bytes(), Duration::from_secs(3));
         assert!(status.is_some_and(|s| (400..500).contains(&s)), "Content-Length {length}: {text}");
     }
     // A declared body over the limit that never comes, on a held
     // connection: answered at once, and closed.
     let head = "POST /drain HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2000\r\n\r\n";
     let started = Instant::now();
-    let (status, text, closed) = raw(&admin, head.as_bytes(), Duration::from_secs(3));
+    let (status, text, closed) = http_raw(&admin, head.as_bytes(), Duration::from_secs(3));
     assert_eq!(status, Some(413), "{text}");
     assert!(closed && started.elapsed() < Duration::from_secs(2), "{text}");
     // A chunked body that goes on past the limit.
@@ -92,35 +46,33 @@ fn hostile_content_lengths_and_slow_heads_are_answered_and_the_node_lives() {
         chunked.extend_from_slice(&[b'x'; 1024]);
         chunked.extend_from_slice(b"\r\n");
     }
-    let (status, text, _) = raw(&admin, &chunked, Duration::from_secs(3));
+    let (status, text, _) = http_raw(&admin, &chunked, Duration::from_secs(3));
     assert_eq!(status, Some(413), "{text}");
     assert_eq!(common::http_get(&format!("http://{admin}/readyz")).0, 200, "nothing was drained");
 
     // Heads too large, in bytes or in fields.
     let big = format!("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {}\r\n\r\n", "a".repeat(9 * 1024));
-    assert_eq!(raw(&admin, big.as_bytes(), Duration::from_secs(3)).0, Some(431));
+    assert_eq!(http_raw(&admin, big.as_bytes(), Duration::from_secs(3)).0, Some(431));
     let many: String = (0..40).map(|i| format!("X-H{i}: v\r\n")).collect();
     let many = format!("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n{many}\r\n");
-    assert_eq!(raw(&admin, many.as_bytes(), Duration::from_secs(3)).0, Some(431));
+    assert_eq!(http_raw(&admin, many.as_bytes(), Duration::from_secs(3)).0, Some(431));
 
     // Held connections that time out, side by side, while a probe answers:
     // a small declared body that never comes (408 after 5 s), and a head
     // dripped a byte every 200 ms (closed within 5 s of its first byte).
-    let held_body = std::thread::spawn({
-        let admin = admin.clone();
-        move || {
-            let head = "POST /drain HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 500\r\n\r\n";
-            let started = Instant::now();
-            let (status, text, _) = raw(&admin, head.as_bytes(), Duration::from_secs(12));
-            (status, text, started.elapsed())
-        }
+    // Both are open, their first bytes sent, before the probe.
+    let mut body_conn = TcpStream::connect(&admin).unwrap();
+    body_conn.write_all(b"POST /drain HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 500\r\n\r\n").unwrap();
+    let body_sent = Instant::now();
+    let mut s = TcpStream::connect(&admin).unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ").unwrap();
+    let held_body = std::thread::spawn(move || {
+        let (status, text, _) = common::http_read(&mut body_conn, Duration::from_secs(12));
+        (status, text, body_sent.elapsed())
     });
     let dripped = std::thread::spawn({
-        let admin = admin.clone();
+        let started = Instant::now();
         move || {
-            let mut s = TcpStream::connect(&admin).unwrap();
-            let started = Instant::now();
-            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ").unwrap();
             s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
             let mut buf = [0u8; 512];
             while started.elapsed() < Duration::from_secs(12) {
@@ -136,7 +88,6 @@ fn hostile_content_lengths_and_slow_heads_are_answered_and_the_node_lives() {
             started.elapsed()
         }
     });
-    std::thread::sleep(Duration::from_millis(500));
     let probe = Instant::now();
     assert_eq!(common::http_get(&format!("http://{admin}/readyz")).0, 200);
     assert!(probe.elapsed() < Duration::from_secs(1), "the probe waited {:?}", probe.elapsed());
@@ -146,7 +97,7 @@ fn hostile_content_lengths_and_slow_heads_are_answered_and_the_node_lives() {
     let cut_off = dripped.join().unwrap();
     assert!(cut_off >= Duration::from_secs(4) && cut_off < Duration::from_secs(9), "dripped head ran {cut_off:?}");
 
-    assert!(metric(&server, "quiver_admin_requests_rejected_total") >= 6);
+    assert!(server.metric("quiver_admin_requests_rejected_total") >= 6);
     still_serves(&mut server);
 }
 
@@ -178,7 +129,7 @@ fn two_thousand_idle_connections_neither_add_threads_nor_lock_out_a_probe() {
     assert!(probe.elapsed() < Duration::from_secs(1), "/readyz took {:?}", probe.elapsed());
     let after = threads(pid);
     assert!(after.len() <= before.len() + 1, "threads grew from {before:?} to {after:?}");
-    assert!(metric(&server, "quiver_admin_connections_evicted_total") >= 2_000 - 256);
+    assert!(server.metric("quiver_admin_connections_evicted_total") >= 2_000 - 256);
     drop(idle);
     still_serves(&mut server);
 }
@@ -223,7 +174,7 @@ fn the_admin_listener_survives_running_out_of_file_descriptors() {
     while common::http_get(&format!("http://{admin}/readyz")).0 != 200 {
         assert!(Instant::now() < until, "the admin listener did not come back");
     }
-    assert!(metric(&server, "quiver_admin_accept_errors_total") > 0);
+    assert!(server.metric("quiver_admin_accept_errors_total") > 0);
     still_serves(&mut server);
 }
 
@@ -242,7 +193,7 @@ fn controls_refuse_web_pages_and_names_outside_models_dir() {
     let admin = server.admin.clone();
     let post = |headers: &str| {
         let req = format!("POST /drain HTTP/1.1\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n");
-        raw(&admin, req.as_bytes(), Duration::from_secs(3))
+        http_raw(&admin, req.as_bytes(), Duration::from_secs(3))
     };
     for headers in [
         "Host: 127.0.0.1\r\nOrigin: http://evil.example\r\n",
@@ -260,7 +211,7 @@ fn controls_refuse_web_pages_and_names_outside_models_dir() {
     for verb in ["canary?version=1&fraction=0.5", "shadow?version=1&fraction=0.5", "load?version=1"] {
         let req =
             format!("POST /models/../outside/evil/{verb} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-        let (status, text, _) = raw(&admin, req.as_bytes(), Duration::from_secs(3));
+        let (status, text, _) = http_raw(&admin, req.as_bytes(), Duration::from_secs(3));
         assert_eq!(status, Some(400), "{verb}: {text}");
         assert!(text.contains("name"), "{text}");
     }

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use common::redis::RedisServer;
-use common::{http_get, run_quiver, scratch, Server};
+use common::{http_get, http_raw, run_quiver, scratch, Server};
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
@@ -198,24 +198,6 @@ fn production_config_here(dir: &Path, redis: &RedisServer) -> PathBuf {
     path
 }
 
-/// The status line of one raw HTTP exchange on a new connection, or `None`
-/// when the server closed it without one.
-fn raw_http(addr: &str, request: &str) -> Option<u16> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(8))).unwrap();
-    s.write_all(request.as_bytes()).unwrap();
-    let mut got = Vec::new();
-    let mut buf = [0u8; 1024];
-    while let Ok(n) = s.read(&mut buf) {
-        if n == 0 || got.windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
-        }
-        got.extend_from_slice(&buf[..n]);
-    }
-    String::from_utf8_lossy(&got).strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()
-}
-
 /// The production configuration, on a real server, against the hostile
 /// clients and files of the hardening work at once: it keeps scoring and
 /// answering probes throughout (each case is tested on its own, with its
@@ -245,7 +227,7 @@ fn the_production_config_survives_hostile_clients_and_files() {
     // The network-facing metrics listener: a length that once aborted the
     // process, a declared body never sent, and 600 idle connections.
     let hostile = "GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000000000\r\n\r\n";
-    assert_eq!(raw_http(&metrics, hostile), Some(413));
+    assert_eq!(http_raw(&metrics, hostile.as_bytes(), Duration::from_secs(8)).0, Some(413));
     let idle: Vec<_> = (0..600).filter_map(|_| std::net::TcpStream::connect(&metrics).ok()).collect();
     let probe = Instant::now();
     assert_eq!(http_get(&format!("http://{metrics}/readyz")).0, 200);
@@ -253,7 +235,7 @@ fn the_production_config_survives_hostile_clients_and_files() {
     drop(idle);
     // The controls: a page in a browser gets nothing without the token.
     let drain = "POST /drain HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\nContent-Length: 0\r\n\r\n";
-    assert_eq!(raw_http(&server.admin, drain), Some(401));
+    assert_eq!(http_raw(&server.admin, drain.as_bytes(), Duration::from_secs(8)).0, Some(401));
 
     // The scoring port: one host past its 256 connections, and a frame
     // dripped a byte at a time, while a client is served.
@@ -278,14 +260,12 @@ fn the_production_config_survives_hostile_clients_and_files() {
     // Past all of it: serving, ready, and the refusals counted.
     assert!(server.is_running());
     assert_eq!(http_get(&format!("http://{metrics}/readyz")).0, 200);
-    let (_, text) = http_get(&format!("http://{metrics}/metrics"));
     for name in [
         "quiver_admin_requests_rejected_total",
         "quiver_admin_unauthorized_total",
         "quiver_connections_refused_source_full_total",
     ] {
-        let v: u64 = text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap();
-        assert!(v >= 1, "{name} = {v}");
+        server.wait_metric(name, 1);
     }
     assert_eq!(server.terminate(), 0);
 }

@@ -50,33 +50,39 @@ fn top_level_modules(src: &Path) -> BTreeSet<String> {
 
 fn edges(src: &Path, mods: &BTreeSet<String>) -> BTreeMap<String, BTreeSet<String>> {
     let mut graph: BTreeMap<String, BTreeSet<String>> = mods.iter().map(|m| (m.clone(), BTreeSet::new())).collect();
+    for p in rs_files(src) {
+        let rel = p.strip_prefix(src).unwrap();
+        let first = rel.components().next().unwrap().as_os_str().to_string_lossy().into_owned();
+        let from = first.strip_suffix(".rs").unwrap_or(&first).to_string();
+        if !mods.contains(&from) {
+            continue;
+        }
+        let text = code(&std::fs::read_to_string(&p).unwrap());
+        for (i, _) in text.match_indices("crate::") {
+            let to: String = text[i + 7..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            if to != from && mods.contains(&to) {
+                graph.get_mut(&from).unwrap().insert(to);
+            }
+        }
+    }
+    graph
+}
+
+/// Every `.rs` file under `src`.
+fn rs_files(src: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
     let mut stack = vec![src.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
             if p.is_dir() {
                 stack.push(p);
-                continue;
-            }
-            if p.extension().is_none_or(|x| x != "rs") {
-                continue;
-            }
-            let rel = p.strip_prefix(src).unwrap();
-            let first = rel.components().next().unwrap().as_os_str().to_string_lossy().into_owned();
-            let from = first.strip_suffix(".rs").unwrap_or(&first).to_string();
-            if !mods.contains(&from) {
-                continue;
-            }
-            let text = code(&std::fs::read_to_string(&p).unwrap());
-            for (i, _) in text.match_indices("crate::") {
-                let to: String = text[i + 7..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
-                if to != from && mods.contains(&to) {
-                    graph.get_mut(&from).unwrap().insert(to);
-                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
             }
         }
     }
-    graph
+    files
 }
 
 /// A cycle in `graph`, if there is one, as the modules along it.
@@ -184,31 +190,20 @@ fn crates_are_imported_only_where_the_architecture_says() {
         (&["hyper::", "hyper_util::", "http_body_util::", "tokio::"], &["admin/http.rs"]),
     ];
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut stack = vec![src.clone()];
     let mut broken = Vec::new();
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
+    for p in rs_files(&src) {
+        let rel = p.strip_prefix(&src).unwrap().to_string_lossy().replace('\\', "/");
+        let text = code(&std::fs::read_to_string(&p).unwrap());
+        for (names, allowed) in rules {
+            if allowed.iter().any(|a| rel.starts_with(a)) {
                 continue;
             }
-            if p.extension().is_none_or(|x| x != "rs") {
-                continue;
-            }
-            let rel = p.strip_prefix(&src).unwrap().to_string_lossy().replace('\\', "/");
-            let text = code(&std::fs::read_to_string(&p).unwrap());
-            for (names, allowed) in rules {
-                if allowed.iter().any(|a| rel.starts_with(a)) {
-                    continue;
-                }
-                for name in *names {
-                    let used = text.match_indices(name).any(|(i, _)| {
-                        text[..i].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'))
-                    });
-                    if used {
-                        broken.push(format!("src/{rel} uses {name} (allowed in {allowed:?} only)"));
-                    }
+            for name in *names {
+                let used = text.match_indices(name).any(|(i, _)| {
+                    text[..i].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'))
+                });
+                if used {
+                    broken.push(format!("src/{rel} uses {name} (allowed in {allowed:?} only)"));
                 }
             }
         }

@@ -226,8 +226,13 @@ fn new_versions_on_disk_are_picked_up() {
     // A version directory still being copied (half its file) is refused,
     // then loads once the copy is complete: no restart needed.
     let v3 = demo_version(3, 2.0).to_bytes();
+    let logged = server.stderr().len();
     std::fs::write(bad.join("model.qm"), &v3[..v3.len() / 2]).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    let until = Instant::now() + Duration::from_secs(10);
+    while !server.stderr()[logged..].contains("new version not loaded") {
+        assert!(Instant::now() < until, "the half-copied version was never refused: {}", server.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(c.score(&spec).unwrap().model_version, 2);
     std::fs::write(bad.join("model.qm"), &v3).unwrap();
     let until = Instant::now() + Duration::from_secs(10);

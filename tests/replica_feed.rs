@@ -823,6 +823,18 @@ struct SmallDisk {
 }
 
 impl SmallDisk {
+    /// A data directory named `name` on a tmpfs of `mib` MiB, holding the
+    /// demo models and no replica files.
+    fn with_models(name: &str, mib: u32) -> SmallDisk {
+        let dir = common::scratch(name).join("data");
+        std::fs::create_dir_all(&dir).unwrap();
+        let disk = SmallDisk::mount(&dir, mib);
+        for f in ["model.qm", "fallback.qm"] {
+            std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
+        }
+        disk
+    }
+
     fn mount(dir: &Path, mib: u32) -> SmallDisk {
         let out = Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
@@ -840,24 +852,13 @@ impl Drop for SmallDisk {
     }
 }
 
-fn metric(server: &Server, name: &str) -> u64 {
-    let (_, text) = get(&format!("http://{}/metrics", server.admin));
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
-}
-
 #[test]
 fn a_full_disk_during_growth_is_an_error_the_server_survives_and_reports() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..2_000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = common::scratch("feed-full-disk").join("data");
-    std::fs::create_dir_all(&dir).unwrap();
-    let disk = SmallDisk::mount(&dir, 6);
-    for f in ["model.qm", "fallback.qm"] {
-        std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
-    }
+    let disk = SmallDisk::with_models("feed-full-disk", 6);
+    let dir = disk.dir.clone();
     let mut server = serve(&dir, &redis, "");
     let before = server.client().score(&demo_request(1, 7, vec![1, 2, 1_999])).unwrap();
     assert_eq!((before.status, before.features_missing), (Status::Ok, 0));
@@ -867,7 +868,7 @@ fn a_full_disk_during_growth_is_an_error_the_server_survives_and_reports() {
     // page the disk had no room for was a SIGBUS that ended the process.
     load(&redis, "item", 2_000..60_000, 0);
     let until = Instant::now() + Duration::from_secs(30);
-    while metric(&server, "quiver_feed_disk_errors_total") == 0 {
+    while server.metric("quiver_feed_disk_errors_total") == 0 {
         assert!(server.is_running(), "the server died: {}", server.stderr());
         assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
         let r = server.client().score(&demo_request(2, 7, vec![1, 2, 1_999])).unwrap();
@@ -891,12 +892,8 @@ fn a_read_only_data_dir_is_served_stale_instead_of_refused() {
     let redis = RedisServer::start();
     load(&redis, "item", 0..500, 0);
     load(&redis, "user", 0..50, 0);
-    let dir = common::scratch("feed-read-only").join("data");
-    std::fs::create_dir_all(&dir).unwrap();
-    let disk = SmallDisk::mount(&dir, 32);
-    for f in ["model.qm", "fallback.qm"] {
-        std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
-    }
+    let disk = SmallDisk::with_models("feed-read-only", 32);
+    let dir = disk.dir.clone();
     let mut first = serve(&dir, &redis, "");
     assert_eq!(first.client().score(&demo_request(1, 7, vec![1, 499])).unwrap().features_missing, 0);
     assert_eq!(first.terminate(), 0);
@@ -936,12 +933,8 @@ fn a_resync_on_a_full_disk_is_an_error_the_server_survives_and_completes_once_th
     let redis = RedisServer::start();
     load(&redis, "item", 0..2_000, 0);
     load(&redis, "user", 0..100, 0);
-    let dir = common::scratch("feed-full-disk-resync").join("data");
-    std::fs::create_dir_all(&dir).unwrap();
-    let disk = SmallDisk::mount(&dir, 16);
-    for f in ["model.qm", "fallback.qm"] {
-        std::fs::copy(common::demo_dir().join(f), dir.join(f)).unwrap();
-    }
+    let disk = SmallDisk::with_models("feed-full-disk-resync", 16);
+    let dir = disk.dir.clone();
     // The shrink guard is off: the resync below replaces the data on purpose.
     let mut server = serve(&dir, &redis, "check_interval_ms = 100\nresync_shrink_max = 1.0\n");
     assert_eq!(server.client().score(&demo_request(1, 7, vec![1, 1_999])).unwrap().features_missing, 0);
@@ -961,7 +954,7 @@ fn a_resync_on_a_full_disk_is_an_error_the_server_survives_and_completes_once_th
     load(&redis, "item", 10_000..10_100, 1);
     load(&redis, "user", 0..100, 1);
     let until = Instant::now() + Duration::from_secs(30);
-    while metric(&server, "quiver_feed_disk_errors_total") == 0 {
+    while server.metric("quiver_feed_disk_errors_total") == 0 {
         assert!(server.is_running(), "the server died: {}", server.stderr());
         assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
         std::thread::sleep(Duration::from_millis(50));

@@ -13,26 +13,6 @@ use std::time::{Duration, Instant};
 use common::{demo_request, Server};
 use quiver::wire::{RequestEncoder, Status};
 
-fn metric(server: &Server, name: &str) -> u64 {
-    let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
-}
-
-/// Polls `/metrics` until `name` reaches `at_least` (shards publish once a second).
-fn wait_metric(server: &Server, name: &str, at_least: u64) -> u64 {
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let v = metric(server, name);
-        if v >= at_least {
-            return v;
-        }
-        assert!(Instant::now() < until, "{name} stayed at {v}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn frame(request_id: u64, items: Vec<u64>) -> Vec<u8> {
     let mut out = Vec::new();
     RequestEncoder::new().encode(&demo_request(request_id, 1, items), &mut out);
@@ -84,7 +64,7 @@ fn a_dripped_frame_is_cut_off_and_slow_whole_frames_are_not() {
     }
     let closed_after = closed_after.expect("the dripping connection was never closed");
     assert!(closed_after >= Duration::from_millis(400) && closed_after < Duration::from_secs(3), "{closed_after:?}");
-    assert_eq!(wait_metric(&server, "quiver_frames_timed_out_total", 1), 1);
+    assert_eq!(server.wait_metric("quiver_frames_timed_out_total", 1), 1);
 
     // Whole frames 700 ms apart (longer than the frame timeout) are served:
     // the clock runs from a frame's first byte, not between frames.
@@ -150,7 +130,7 @@ fn a_client_draining_a_trickle_is_closed_within_the_write_timeout() {
     });
     let closed = trickler.join().unwrap().expect("the trickling reader was never closed");
     assert!(closed < Duration::from_secs(20), "{closed:?}");
-    assert!(wait_metric(&server, "quiver_writes_timed_out_total", 1) >= 1);
+    assert!(server.wait_metric("quiver_writes_timed_out_total", 1) >= 1);
     assert_eq!(server.client().score(&demo_request(2, 1, vec![1])).unwrap().status, Status::Ok);
     assert!(server.is_running());
 }
@@ -192,7 +172,7 @@ fn one_source_holds_at_most_its_share_of_connections() {
     // Another host has its own share.
     let mut other = connect_from(Ipv4Addr::new(127, 0, 0, 2), &server.addr);
     assert!(served(&mut other), "another source is served");
-    assert!(wait_metric(&server, "quiver_connections_refused_source_full_total", 3) >= 3);
+    assert!(server.wait_metric("quiver_connections_refused_source_full_total", 3) >= 3);
     // A closed connection gives its source the place back.
     drop(held.pop());
     let until = Instant::now() + Duration::from_secs(5);
@@ -213,6 +193,6 @@ fn the_per_shard_limit_holds_when_connections_are_handed_between_shards() {
     assert_eq!(served, 16, "two shards of 8 serve 16 of 40 (before: 23 to 26)");
     let s = server.stats();
     assert!(s.connections_active <= 16, "{s:?}");
-    assert_eq!(wait_metric(&server, "quiver_connections_refused_shard_full_total", 24), 24);
+    assert_eq!(server.wait_metric("quiver_connections_refused_shard_full_total", 24), 24);
     assert!(server.is_running());
 }

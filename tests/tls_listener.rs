@@ -259,19 +259,8 @@ fn new_handshakes_over_the_shards_budget_are_refused_and_open_connections_serve_
     for _ in 0..20 {
         assert_eq!(kept.score(&spec).unwrap().status, Status::Ok);
     }
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
-        let refused: u64 = text
-            .lines()
-            .find_map(|l| l.strip_prefix("quiver_tls_handshakes_refused_total ")?.parse().ok())
-            .unwrap_or(0);
-        if refused as usize == 10 - served {
-            break;
-        }
-        assert!(Instant::now() < until, "refusals counted: {refused}, expected {}", 10 - served);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let refused = (10 - served) as u64;
+    assert_eq!(server.wait_metric("quiver_tls_handshakes_refused_total", refused), refused);
 }
 
 #[test]

@@ -450,12 +450,7 @@ impl Refresher {
                 // and the session is tried again after the backoff.
                 GroupStatus::bump(&self.status.disk_errors_total, 1);
                 tracing::error!("replica disk: {e}; serving the replica as it is, retrying");
-                let pause = backoff.next();
-                let until = self.clock.now_ns() + pause.as_nanos() as u64;
-                while !stop.load(Ordering::Relaxed) && self.clock.now_ns() < until {
-                    self.take_accepts();
-                    std::thread::sleep(Duration::from_millis(10).min(pause));
-                }
+                self.back_off(backoff.next(), stop);
             } else if let Err(e) = result {
                 failures += 1;
                 GroupStatus::bump(&self.status.connect_failures_total, 1);
@@ -466,12 +461,7 @@ impl Refresher {
                     self.status.breaker_open.store(true, Ordering::Relaxed);
                     tracing::warn!(addr = %self.redis.addr, failures, "redis breaker open: probing at the capped interval");
                 }
-                let pause = backoff.next();
-                let until = self.clock.now_ns() + pause.as_nanos() as u64;
-                while !stop.load(Ordering::Relaxed) && self.clock.now_ns() < until {
-                    self.take_accepts();
-                    std::thread::sleep(Duration::from_millis(10).min(pause));
-                }
+                self.back_off(backoff.next(), stop);
             }
             self.checkpoint_all(true);
         }
@@ -526,6 +516,16 @@ impl Refresher {
             g.verifying = false;
         }
         self.publish_status();
+    }
+
+    /// Waits `pause` before the next session, taking resync accepts
+    /// meanwhile, unless `stop` is set.
+    fn back_off(&mut self, pause: Duration, stop: &AtomicBool) {
+        let until = self.clock.now_ns() + pause.as_nanos() as u64;
+        while !stop.load(Ordering::Relaxed) && self.clock.now_ns() < until {
+            self.take_accepts();
+            std::thread::sleep(Duration::from_millis(10).min(pause));
+        }
     }
 
     /// Checkpoints groups with unflushed changes: every interval through the

@@ -827,12 +827,12 @@ impl Connection {
         // was a stamped one; reads since the last stamped one.
         let mut socket_wait_ns: Option<u64> = None;
         let mut reads = 0u32;
-        // When the first byte of the frame now partly buffered arrived, and
-        // when the last read did.
+        // When the frame now partly buffered began to arrive: the read
+        // time of the round that first held its bytes.
         let clock = MonotonicClock::new();
         let frame_timeout_ns = self.shard.limits.frame_timeout_ms * 1_000_000;
         let mut frame_started_ns: Option<u64> = None;
-        let mut last_read_ns = 0u64;
+        let mut round_ns;
         stream.tcp().set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
         // No per-call write timeout: `write_within` bounds each round's
         // write as a whole.
@@ -856,6 +856,7 @@ impl Connection {
             {
                 let mut path = self.shard.path.borrow_mut();
                 let read_at_ns = path.clock().now_ns();
+                round_ns = read_at_ns;
                 while out.len() < self.shard.limits.output_bytes_max && frames < self.shard.limits.frames_per_round_max
                 {
                     match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
@@ -891,12 +892,12 @@ impl Connection {
                 self.write_within(stream, &out).await?;
                 out.clear();
             }
-            // A partial frame left over arrived with the last read; its
-            // clock keeps running until it is complete.
+            // A partial frame's clock starts with the round that first held
+            // it and keeps running until the frame is complete.
             frame_started_ns = match (filled, consumed) {
                 (0, _) => None,
-                (_, 0) => frame_started_ns,
-                _ => Some(last_read_ns),
+                (_, 0) => frame_started_ns.or(Some(round_ns)),
+                _ => Some(round_ns),
             };
             if broken {
                 return Ok(());
@@ -962,8 +963,6 @@ impl Connection {
                 Wake::Read(Ok((0, _))) => return Ok(()),
                 Wake::FrameTimedOut => return Err(TimedOut::Frame.into()),
                 Wake::Read(Ok((n, wait_ns))) => {
-                    last_read_ns = clock.now_ns();
-                    frame_started_ns = frame_started_ns.or(Some(last_read_ns));
                     filled += n;
                     socket_wait_ns = wait_ns;
                     reads = reads.wrapping_add(1);

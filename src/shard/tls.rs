@@ -24,6 +24,8 @@ use std::time::Duration;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::TcpStream;
 
+use crate::admission::{Bucket, ClientLimit};
+
 /// TLS on the scoring port: the configuration every shard shares, built
 /// once at start-up, and the bound on one handshake.
 #[derive(Clone)]
@@ -35,34 +37,22 @@ pub struct ListenerTls {
     pub handshake_burst: u32,
 }
 
-/// A shard's budget of new handshakes: a token bucket, shard-local like
-/// everything on the reactor.
-pub(super) struct HandshakeBudget {
-    tokens: std::cell::Cell<f64>,
-    last_ns: std::cell::Cell<u64>,
-    per_ns: f64,
-    burst: f64,
-}
+/// A shard's budget of new handshakes: admission's token bucket, in a cell
+/// (shard-local like everything on the reactor).
+pub(super) struct HandshakeBudget(std::cell::Cell<Bucket>);
 
 impl HandshakeBudget {
     /// `per_s` handshakes a second after a burst of `burst`, from `now_ns`.
     pub(super) fn new(per_s: u32, burst: u32, now_ns: u64) -> HandshakeBudget {
-        let burst = f64::from(burst.max(1));
-        HandshakeBudget {
-            tokens: std::cell::Cell::new(burst),
-            last_ns: std::cell::Cell::new(now_ns),
-            per_ns: f64::from(per_s) / 1e9,
-            burst,
-        }
+        let limit = ClientLimit { rate_per_s: f64::from(per_s), burst: f64::from(burst) };
+        HandshakeBudget(std::cell::Cell::new(Bucket::new(limit, 1.0, now_ns)))
     }
 
     /// Whether a handshake may start at `now_ns`.
     pub(super) fn take(&self, now_ns: u64) -> bool {
-        let elapsed_ns = now_ns.saturating_sub(self.last_ns.get());
-        self.last_ns.set(now_ns.max(self.last_ns.get()));
-        let tokens = (self.tokens.get() + elapsed_ns as f64 * self.per_ns).min(self.burst);
-        let ok = tokens >= 1.0;
-        self.tokens.set(if ok { tokens - 1.0 } else { tokens });
+        let mut bucket = self.0.get();
+        let ok = bucket.take(now_ns);
+        self.0.set(bucket);
         ok
     }
 }

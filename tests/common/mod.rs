@@ -170,6 +170,29 @@ impl Server {
         }
     }
 
+    /// A counter or gauge with no labels from the admin endpoint's
+    /// `/metrics`; panics with the scrape when it is not there.
+    pub fn metric(&self, name: &str) -> u64 {
+        let (_, text) = http_get(&format!("http://{}/metrics", self.admin));
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    }
+
+    /// Polls [`Server::metric`] until `name` reaches `at_least` (shards
+    /// publish once a second); panics after 10 s. Returns the value.
+    pub fn wait_metric(&self, name: &str, at_least: u64) -> u64 {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self.metric(name);
+            if v >= at_least {
+                return v;
+            }
+            assert!(Instant::now() < until, "{name} stayed at {v}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The admin endpoint's `/stats.json`.
     pub fn stats(&self) -> quiver::admin::Stats {
         let (code, body) = http_get(&format!("http://{}/stats.json", self.admin));
@@ -190,6 +213,47 @@ fn http_agent() -> ureq::Agent {
 pub fn http_get(url: &str) -> (u16, String) {
     let mut r = http_agent().get(url).call().unwrap();
     (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+/// Sends `request` on a new connection and reads until the server closes it
+/// or `wait` passes: the status of the first response (if one came), all
+/// that was read, and whether the server closed the connection.
+pub fn http_raw(addr: &str, request: &[u8], wait: Duration) -> (Option<u16>, String, bool) {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(request).unwrap();
+    http_read(&mut s, wait)
+}
+
+/// [`http_raw`]'s reading half, on a connection the caller opened.
+pub fn http_read(s: &mut std::net::TcpStream, wait: Duration) -> (Option<u16>, String, bool) {
+    let until = Instant::now() + wait;
+    let mut got = Vec::new();
+    let mut closed = false;
+    let mut buf = [0u8; 4096];
+    while Instant::now() < until {
+        s.set_read_timeout(Some(Duration::from_millis(50).max(until.saturating_duration_since(Instant::now()))))
+            .unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                if !got.is_empty() && got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            Err(_) => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let status = text.strip_prefix("HTTP/1.1 ").and_then(|r| r.get(..3)).and_then(|c| c.parse().ok());
+    (status, text, closed)
 }
 
 /// Parses Prometheus text with the official Python client's parser and
