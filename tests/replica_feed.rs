@@ -122,7 +122,7 @@ fn full_sync_of_100k_entities_equals_redis_byte_for_byte() {
 
     // The server's first start: no replica files, so it syncs before serving.
     let server = serve(&dir, &redis, "");
-    assert!(server.stderr().contains("full sync from redis before serving"), "{}", server.stderr());
+    server.wait_stderr("full sync from redis before serving");
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 100_000);
     assert_eq!(assert_replica_equals_redis(&dir.join("user.qrep"), "user", &redis), 1000);
     let r = server.client().score(&demo_request(1, 7, vec![1, 2, 99_999])).unwrap();
@@ -255,7 +255,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     }
     p.conn().unwrap().command(&[b"XTRIM", contract::stream_key("item").as_bytes(), b"MAXLEN", b"10"]).unwrap();
     let server = serve(&dir, &redis, feed_toml);
-    assert!(server.stderr().contains("replica opened: serving it while it is verified"), "warm restart");
+    server.wait_stderr("replica opened: serving it while it is verified");
     server.wait_stderr("replica verified: catching up");
     let s = wait_caught_up(&server, &redis);
     assert_eq!(group(&s, "item").resyncs, 1, "{s:?}");
@@ -428,7 +428,7 @@ fn kill_9_during_heavy_refresh_then_restart_serves_no_garbage() {
             Err(e) => panic!("round {round}: {e}"),
         }
         server = serve(&dir, &redis, "checkpoint_interval_ms = 50\n");
-        assert!(server.stderr().contains("replica opened: serving it while it is verified"), "{}", server.stderr());
+        server.wait_stderr("replica opened: serving it while it is verified");
         server.wait_stderr("replica verified: catching up");
         wait_caught_up(&server, &redis);
         assert_replica_equals_redis(&path, "item", &redis);
@@ -806,7 +806,7 @@ fn a_held_resync_is_held_again_after_a_restart() {
     assert_eq!(server.terminate(), 0);
 
     let server = serve(&dir, &redis, feed_toml);
-    assert!(server.stderr().contains("replica opened: serving it while it is verified"), "{}", server.stderr());
+    server.wait_stderr("replica opened: serving it while it is verified");
     server.wait_stderr("replica verified: catching up");
     let s = wait_for(&server, "the hold after the restart", Duration::from_secs(10), |s| {
         group(s, "item").resync_held && group(s, "user").resync_held
@@ -959,7 +959,7 @@ fn a_resync_on_a_full_disk_is_an_error_the_server_survives_and_completes_once_th
         assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(server.stderr().contains("cannot reserve"), "{}", server.stderr());
+    server.wait_stderr("cannot reserve");
     // Meanwhile the shards serve what the replica held.
     let r = server.client().score(&demo_request(2, 7, vec![1, 1_999])).unwrap();
     assert_eq!((r.status, r.features_missing), (Status::Ok, 0));
