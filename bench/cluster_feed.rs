@@ -8,7 +8,7 @@
 //! of 4,096 slots (a quarter) from one master to another, and after it.
 //!
 //! Everything runs on this machine: the Redis processes, the refresher (in
-//! process, through `quiver::feed::start`, as `quiver serve` starts it) and
+//! process, through `quiver::features::feed::start`, as `quiver serve` starts it) and
 //! the publisher. The lag is timed from just before the publisher's call,
 //! so it includes its round trip: an upper bound.
 //!
@@ -28,9 +28,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quiver::feed::cluster::ClusterConn;
-use quiver::feed::contract::{encode_vector, Layout};
-use quiver::feed::{FeedConfig, GroupSpec, Publisher, RedisConn, Reply};
+use quiver::features::feed::contract::{encode_vector, Layout};
+use quiver::features::feed::redis_cluster::ClusterConn;
+use quiver::features::feed::{FeedConfig, GroupSpec, Publisher, RedisConn, Reply};
 use redis::RedisServer;
 use redis_cluster::RedisCluster;
 
@@ -123,12 +123,12 @@ fn feed_config(url: &str, layout: Layout) -> FeedConfig {
 }
 
 /// A server's first sync into an empty `dir`, timed; the feed is left running for `then`.
-fn first_sync<T>(dir: &Path, config: &FeedConfig, then: impl FnOnce(&quiver::feed::Feed) -> T) -> (f64, T) {
+fn first_sync<T>(dir: &Path, config: &FeedConfig, then: impl FnOnce(&quiver::features::feed::Feed) -> T) -> (f64, T) {
     std::fs::create_dir_all(dir).expect("scratch dir");
     let spec = GroupSpec { name: GROUP.into(), path: dir.join("item.qrep"), dim: Some(DIM as u32) };
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
-    let feed = quiver::feed::start(config, &[spec], stop.clone()).expect("first sync");
+    let feed = quiver::features::feed::start(config, &[spec], stop.clone()).expect("first sync");
     let secs = started.elapsed().as_secs_f64();
     let out = then(&feed);
     stop.store(true, Ordering::Relaxed);
@@ -156,7 +156,7 @@ fn phase_line(phase: &str, mut lags_us: Vec<u64>, seconds: f64, a: &Args) -> Str
 
 /// Updates at `a.rate` per second through the cluster publisher while `phases` run one
 /// after another on this thread; every update's lag is filed under the phase it was sent in.
-fn lag_during(feed: &quiver::feed::Feed, cluster: &RedisCluster, a: &Args) -> Vec<String> {
+fn lag_during(feed: &quiver::features::feed::Feed, cluster: &RedisCluster, a: &Args) -> Vec<String> {
     let handle = feed.handles[0].clone();
     let updates_max = (a.rate * (a.phase_s * 3 + 120)) as usize;
     let sent_us: Arc<Vec<AtomicU64>> = Arc::new((0..updates_max).map(|_| AtomicU64::new(0)).collect());

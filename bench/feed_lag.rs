@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use quiver::client::Client;
-use quiver::feed::Publisher;
-use quiver::replica::Replica;
+use quiver::features::feed::Publisher;
+use quiver::features::replica::Replica;
 use quiver::wire::RequestSpec;
 use redis::RedisServer;
 
@@ -115,7 +115,7 @@ fn run(dir: &std::path::Path, redis: &RedisServer, server: &Server, a: &Args, sc
                     budget_us: 1_000_000,
                     user_id: n % USERS,
                     item_ids: (0..32).map(|i| (n * 131 + i * 977) % ITEMS_SCORED).collect(),
-                    context: vec![0.1; quiver::demo::CONTEXT_LEN],
+                    context: vec![0.1; quiver::loadgen::demo::CONTEXT_LEN],
                     ..RequestSpec::default()
                 };
                 client.score(&spec).expect("scores");
@@ -193,7 +193,7 @@ fn main() {
     println!("{{\"commit\":\"{commit}\",\"items\":{},\"repeats\":{}}}", a.items, a.repeats);
     let dir = std::env::temp_dir().join(format!("quiver-feed-lag-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    quiver::demo::ensure(&dir).expect("demo data");
+    quiver::loadgen::demo::ensure(&dir).expect("demo data");
     for f in ["user.qrep", "item.qrep"] {
         std::fs::remove_file(dir.join(f)).expect("demo replica");
     }
@@ -209,12 +209,12 @@ fn main() {
     let mut sync_s = Vec::new();
     for _ in 0..a.repeats {
         let out = dir.join("sync.qrep");
-        let part = quiver::feed::contract::Part::plain("item");
-        let target = quiver::feed::sync::SyncTarget {
+        let part = quiver::features::feed::contract::Part::plain("item");
+        let target = quiver::features::feed::sync::SyncTarget {
             part: &part,
             path: &out,
             dim: DIM,
-            storage: quiver::replica::Storage::F32,
+            storage: quiver::features::replica::Storage::F32,
             default: &[0.0; DIM],
             batch_keys_max: 1000,
             // The figure this bench has always recorded; bench/sync_scale.rs
@@ -222,8 +222,9 @@ fn main() {
             connections: 1,
         };
         let started = Instant::now();
-        let mut fresh = quiver::feed::sync::full_sync(&mut redis.conn(), &redis.config(), &target, None, &mut |_| {})
-            .expect("sync");
+        let mut fresh =
+            quiver::features::feed::sync::full_sync(&mut redis.conn(), &redis.config(), &target, None, &mut |_| {})
+                .expect("sync");
         fresh.rename_to(&out).expect("rename");
         let secs = started.elapsed().as_secs_f64();
         println!("{{\"run\":\"full sync\",\"entities\":{},\"seconds\":{secs:.3}}}", fresh.live_rows());

@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use quiver::demo::SplitMix64;
+use quiver::loadgen::demo::SplitMix64;
 use quiver::model::calibrate::{calibrate, Matrix, Method};
 use quiver::model::Model;
 use quiver::score::cpu::int8_gemm::{vnni_peak_probe, VNNI_PEAK_MACS_PER_ITERATION};
@@ -79,7 +79,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn forward(c: &mut Criterion) {
-    let plain = quiver::demo::model();
+    let plain = quiver::loadgen::demo::model();
     let calib = calibrated(&plain);
     let rows_max = *BATCHES.iter().max().unwrap_or(&1);
     let mut rng = SplitMix64::new(7);

@@ -13,13 +13,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use quiver::cache::CacheConfig;
 use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
-use quiver::demo::{self, SplitMix64, Workload};
+use quiver::features::replica::{Replica, ReplicaBuilder, ReplicaHandle};
+use quiver::loadgen::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
 use quiver::registry::{Fit, Registry};
-use quiver::replica::{Replica, ReplicaBuilder, ReplicaHandle};
+use quiver::request::cache::CacheConfig;
 use quiver::request::{RequestPath, Shared};
 use quiver::score::BackendKind;
 use quiver::wire::{self, RequestEncoder, RequestLimits, RequestSpec, ResponseEncoder, ResponseFields, Status, Tier};
@@ -167,7 +167,7 @@ fn request_bench(c: &mut Criterion) {
             floor,
             readiness: Arc::new(Readiness::ready()),
             admission: Default::default(),
-            client_usage: Arc::new(quiver::admission::ClientUsage::new(&Default::default(), 1)),
+            client_usage: Arc::new(quiver::request::admission::ClientUsage::new(&Default::default(), 1)),
             ladder: Default::default(),
             cache,
             shed: Default::default(),
@@ -187,7 +187,7 @@ fn request_bench(c: &mut Criterion) {
                     &frames[i][wire::FRAME_PREFIX_BYTES..],
                     read_at_ns,
                     0,
-                    quiver::admission::Peer::at(std::net::Ipv4Addr::LOCALHOST.into()),
+                    quiver::request::admission::Peer::at(std::net::Ipv4Addr::LOCALHOST.into()),
                     &mut out,
                 );
                 black_box(out.len())

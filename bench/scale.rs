@@ -56,7 +56,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use quiver::replica::{mem_available_bytes, Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
+use quiver::features::replica::{mem_available_bytes, Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
 use quiver::seeded::SplitMix64;
 
 const DIM: usize = 32;
@@ -528,7 +528,7 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
 
 fn main() {
     let args = parse_args();
-    quiver::replica::huge_pages(args.huge_pages);
+    quiver::features::replica::huge_pages(args.huge_pages);
     std::fs::create_dir_all(&args.dir).expect("bench directory");
     for &n in &args.entities {
         for &storage in &args.storages {

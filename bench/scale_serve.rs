@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use quiver::replica::{Cursor, ReplicaWriter, Storage, ROW_CAPACITY_MAX};
+use quiver::features::replica::{Cursor, ReplicaWriter, Storage, ROW_CAPACITY_MAX};
 use quiver::seeded::SplitMix64;
 
 const DIM: u32 = 32;

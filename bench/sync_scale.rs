@@ -32,9 +32,9 @@ mod redis;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use quiver::feed::sync::{full_sync, SyncTarget};
-use quiver::feed::{contract, RedisConn, Reply};
-use quiver::replica::{mem_available_bytes, Cursor, ReplicaWriter, Storage};
+use quiver::features::feed::sync::{full_sync, SyncTarget};
+use quiver::features::feed::{contract, RedisConn, Reply};
+use quiver::features::replica::{mem_available_bytes, Cursor, ReplicaWriter, Storage};
 use redis::RedisServer;
 
 const DIM: usize = 32;
@@ -224,7 +224,7 @@ fn replica_bytes(n: u64) -> u64 {
 fn one_copy(redis: &RedisServer, dir: &Path, n: u64, connections: usize, run: usize) -> serde_json::Value {
     let path = dir.join(format!("{GROUP}-{n}.qrep"));
     let default = [0f32; DIM];
-    let part = quiver::feed::contract::Part::plain(GROUP);
+    let part = quiver::features::feed::contract::Part::plain(GROUP);
     let target = SyncTarget {
         part: &part,
         path: &path,

@@ -1,4 +1,4 @@
-//! Tree-ensemble evaluator benchmarks: each build of `score::cpu::trees`
+//! Tree-ensemble evaluator benchmarks: each build of `score::cpu::forest`
 //! this machine runs (scalar, AVX2, AVX-512) and the one construction picks
 //! by timing (`auto`), on two fixture models of `tests/fixtures/trees/`
 //! (`lgb_numeric`: LightGBM, 100 trees of depth 6, numeric splits;
@@ -16,7 +16,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use quiver::model::calibrate::read_npy;
 use quiver::model::gbdt::{import_lightgbm_file, GbdtOptions};
 use quiver::model::Op;
-use quiver::score::cpu::trees::{CompiledTrees, TreeKernel};
+use quiver::score::cpu::forest::{CompiledTrees, TreeKernel};
 
 const BATCHES: [usize; 4] = [1, 8, 32, 256];
 

@@ -4,12 +4,12 @@
 //
 // Semantics (the contract a future CPU reference must implement):
 //   weights  w8[o][k] = E4M3(w[o][k] / s_w), one per-tensor scale
-//            s_w = max|w| / 448, encoded on the host with src/score/fp8.rs;
+//            s_w = max|w| / 448, encoded on the host with src/score/e4m3.rs;
 //   inputs   x8[k]    = E4M3(x[k] * inv_s_x), one per-tensor scale s_x given
 //            per layer (calibrated offline), inv_s_x = 1 / s_x rounded once
 //            on the host, converted here with
 //            __NV_SATFINITE: NaN -> 0x7F, |v| > 448 -> +-448, ties to even,
-//            exactly src/score/fp8.rs::from_f32;
+//            exactly src/score/e4m3.rs::from_f32;
 //   acc      = fma(x8[k], w8[o][k], acc) for k = 0, 1, ..., K - 1, in that
 //            order, in f32 (every product is exact, so only the additions
 //            round);

@@ -47,18 +47,18 @@ pub struct Config {
     pub inference: InferenceMode,
     pub stage: StageLimits,
     /// Per-client rate limits.
-    pub admission: crate::admission::AdmissionConfig,
+    pub admission: crate::request::admission::AdmissionConfig,
     /// Load shedding by priority when a shard is over capacity.
-    pub shed: crate::shed::ShedConfig,
+    pub shed: crate::request::shed::ShedConfig,
     /// The degradation ladder: fallback model, static defaults, breaker.
-    pub ladder: crate::ladder::LadderConfig,
+    pub ladder: crate::request::ladder::LadderConfig,
     /// The per-shard score cache, the ladder's second rung.
-    pub cache: crate::cache::CacheConfig,
+    pub cache: crate::request::cache::CacheConfig,
     /// Score and input drift of calibrated models against their calibration.
     pub drift: crate::drift::DriftConfig,
     /// Refresh the feature replicas from Redis (see the README's "Publishing
     /// features"); without it the replica files are served as they are.
-    pub feed: Option<crate::feed::FeedConfig>,
+    pub feed: Option<crate::features::feed::FeedConfig>,
     /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
     /// slows the inference stage. Off unless set.
     pub faults_endpoint: bool,
@@ -113,10 +113,10 @@ impl Default for Config {
             onnxruntime_lib: None,
             inference: InferenceMode::Inline,
             stage: StageLimits::default(),
-            admission: crate::admission::AdmissionConfig::default(),
-            shed: crate::shed::ShedConfig::default(),
-            ladder: crate::ladder::LadderConfig::default(),
-            cache: crate::cache::CacheConfig::default(),
+            admission: crate::request::admission::AdmissionConfig::default(),
+            shed: crate::request::shed::ShedConfig::default(),
+            ladder: crate::request::ladder::LadderConfig::default(),
+            cache: crate::request::cache::CacheConfig::default(),
             drift: crate::drift::DriftConfig::default(),
             feed: None,
             faults_endpoint: false,
@@ -300,7 +300,7 @@ mod tests {
         let err = Config::parse("[shed]\nlow_watermark = 0.9\n", "c.toml").unwrap_err();
         assert!(err.to_string().contains("low_watermark < high_watermark"), "{err}");
         let c = Config::parse("[shed]\nenabled = true\nanswer = \"default\"\n", "c.toml").unwrap();
-        assert_eq!((c.shed.enabled, c.shed.answer), (true, crate::shed::ShedAnswer::Default));
+        assert_eq!((c.shed.enabled, c.shed.answer), (true, crate::request::shed::ShedAnswer::Default));
         let c = Config::parse("[drift]\nwindow_s = 5\npsi_alert = 0.1\n", "c.toml").unwrap();
         assert_eq!((c.drift.window_s, c.drift.psi_alert, c.drift.context_features_max), (5, 0.1, 8));
         let err = Config::parse("[drift]\nwindow_s = 0\n", "c.toml").unwrap_err();
@@ -375,7 +375,7 @@ mod tests {
     fn sync_connections_are_bounded() {
         let c = Config::parse("[feed]\nsync_connections = 16\n", "c.toml").unwrap();
         assert_eq!(c.feed.unwrap().sync_connections, 16);
-        assert_eq!(crate::feed::FeedConfig::default().sync_connections, 4);
+        assert_eq!(crate::features::feed::FeedConfig::default().sync_connections, 4);
         for bad in [0, 17] {
             let err = Config::parse(&format!("[feed]\nsync_connections = {bad}\n"), "c.toml").unwrap_err();
             assert_eq!(err.to_string(), format!("feed.sync_connections = {bad}: must be 1 to 16"));

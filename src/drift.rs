@@ -333,7 +333,7 @@ mod tests {
     }
 
     fn model(version: u32) -> Arc<Model> {
-        let mut m = crate::demo::model();
+        let mut m = crate::loadgen::demo::model();
         m.version = version;
         m.calibration = Some(calibration());
         Arc::new(m)

@@ -9,12 +9,14 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use quiver::client::Client;
 use quiver::config::Config;
+use quiver::features::feed;
+use quiver::features::replica::{Replica, ReplicaBuilder, Storage};
+use quiver::loadgen::demo;
 use quiver::loadgen::{self, BenchOptions};
 use quiver::model::Model;
-use quiver::replica::{Replica, ReplicaBuilder, Storage};
 use quiver::score::BackendKind;
 use quiver::wire::{reason_name, status_name, tier_name, RequestSpec, Status};
-use quiver::{demo, feed, Error};
+use quiver::Error;
 
 #[derive(Parser)]
 #[command(name = "quiver", version, about = "Real-time ML scoring server")]
@@ -575,8 +577,8 @@ struct FeedTarget {
 impl FeedTarget {
     fn publisher(&self) -> Result<feed::Publisher, Error> {
         feed::contract::check_group(&self.group).map_err(feed::FeedError::from)?;
-        let publisher = match feed::cluster::RedisSource::from_url(&self.redis).map_err(feed::FeedError::from)? {
-            feed::cluster::RedisSource::Node(config) => {
+        let publisher = match feed::redis_cluster::RedisSource::from_url(&self.redis).map_err(feed::FeedError::from)? {
+            feed::redis_cluster::RedisSource::Node(config) => {
                 let conn = feed::RedisConn::connect(&config).map_err(feed::FeedError::from)?;
                 let plain = feed::Publisher::new(conn).map_err(feed::FeedError::from)?;
                 match self.buckets {
@@ -587,8 +589,8 @@ impl FeedTarget {
                     }
                 }
             }
-            feed::cluster::RedisSource::Cluster { config, seeds } => {
-                let conn = feed::cluster::ClusterConn::connect(&config, &seeds).map_err(feed::FeedError::from)?;
+            feed::redis_cluster::RedisSource::Cluster { config, seeds } => {
+                let conn = feed::redis_cluster::ClusterConn::connect(&config, &seeds).map_err(feed::FeedError::from)?;
                 let buckets = self.buckets.unwrap_or(feed::contract::CLUSTER_BUCKETS_DEFAULT);
                 feed::Publisher::cluster(conn, buckets).map_err(feed::FeedError::from)?
             }
@@ -806,8 +808,8 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
         return Err(Error::Setup("--unknown-fraction must be within 0..=1".into()));
     }
     let dist = |s: Option<f64>| s.map_or(demo::IdDist::Uniform, demo::IdDist::Zipf);
-    if args.redis_value_bytes > loadgen::resp::VALUE_BYTES_MAX {
-        return Err(Error::Setup(format!("--redis-value-bytes: at most {}", loadgen::resp::VALUE_BYTES_MAX)));
+    if args.redis_value_bytes > loadgen::redis_floor::VALUE_BYTES_MAX {
+        return Err(Error::Setup(format!("--redis-value-bytes: at most {}", loadgen::redis_floor::VALUE_BYTES_MAX)));
     }
     let addrs: Vec<String> = args.addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect();
     let multi = addrs.len() > 1;
@@ -859,9 +861,9 @@ fn bench(args: BenchArgs) -> Result<ExitCode, Error> {
     };
     if multi {
         let hedge = match (args.hedge_after_us, args.hedge_p95) {
-            (Some(us), _) => quiver::cluster::Hedge::After(Duration::from_micros(us)),
-            (None, true) => quiver::cluster::Hedge::NodeP95 { floor: Duration::from_micros(100) },
-            (None, false) => quiver::cluster::Hedge::Off,
+            (Some(us), _) => quiver::client::cluster::Hedge::After(Duration::from_micros(us)),
+            (None, true) => quiver::client::cluster::Hedge::NodeP95 { floor: Duration::from_micros(100) },
+            (None, false) => quiver::client::cluster::Hedge::Off,
         };
         let nodes = loadgen::nodes::NodesOptions { addrs, hedge, hedge_fraction: args.hedge_fraction };
         let report = loadgen::nodes::run(&opts, &nodes, workload).map_err(|e| Error::Setup(e.to_string()))?;
@@ -977,7 +979,7 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
                 let (label, file) = split(r)?;
                 series.push((label, loadgen::parse_percentiles(&read(&file)?)));
             }
-            quiver::plot::percentiles(&out, &title, &series).map_err(Error::Setup)?;
+            quiver::loadgen::plot::percentiles(&out, &title, &series).map_err(Error::Setup)?;
         }
         PlotCommand::Sweep { out, title, sweeps } => {
             let mut series = Vec::new();
@@ -989,7 +991,7 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
                     report.steps.iter().filter_map(|r| Some((r.offered_rate?, r.latency.p99_us as f64))).collect();
                 series.push((label, points));
             }
-            quiver::plot::sweep(&out, &title, &series).map_err(Error::Setup)?;
+            quiver::loadgen::plot::sweep(&out, &title, &series).map_err(Error::Setup)?;
         }
         PlotCommand::Scale { out, title, y_desc, divide_by, results, fields } => {
             let text = read(&results)?;
@@ -1025,7 +1027,7 @@ fn plot(cmd: PlotCommand) -> Result<ExitCode, Error> {
             if series.is_empty() {
                 return Err(Error::Setup(format!("{}: no line has the fields asked for", results.display())));
             }
-            quiver::plot::scale(&out, &title, &y_desc, &series).map_err(Error::Setup)?;
+            quiver::loadgen::plot::scale(&out, &title, &y_desc, &series).map_err(Error::Setup)?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -1182,16 +1184,16 @@ fn replica(cmd: ReplicaCommand) -> Result<ExitCode, Error> {
             if !matches!(group.as_str(), "user" | "item") {
                 return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
             }
-            if dim == 0 || dim > quiver::replica::DIM_MAX {
-                return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::replica::DIM_MAX)));
+            if dim == 0 || dim > quiver::features::replica::DIM_MAX {
+                return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::features::replica::DIM_MAX)));
             }
             if !(1..=feed::sync::SYNC_CONNECTIONS_MAX).contains(&connections) {
                 return Err(Error::Setup(format!("--connections must be 1 to {}", feed::sync::SYNC_CONNECTIONS_MAX)));
             }
-            let source = feed::cluster::RedisSource::from_url(&redis).map_err(feed::FeedError::from)?;
+            let source = feed::redis_cluster::RedisSource::from_url(&redis).map_err(feed::FeedError::from)?;
             let layout = match (buckets, &source) {
-                (None, feed::cluster::RedisSource::Node(_)) => feed::contract::Layout::Plain,
-                (None, feed::cluster::RedisSource::Cluster { .. }) => {
+                (None, feed::redis_cluster::RedisSource::Node(_)) => feed::contract::Layout::Plain,
+                (None, feed::redis_cluster::RedisSource::Cluster { .. }) => {
                     feed::contract::Layout::bucketed(feed::contract::CLUSTER_BUCKETS_DEFAULT)
                         .map_err(feed::FeedError::from)?
                 }

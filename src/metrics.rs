@@ -21,7 +21,21 @@ use hdrhistogram::Histogram;
 
 use crate::drift::{self, Interval, VersionWindow, WindowTotals};
 use crate::model::Model;
-use crate::shed::BANDS;
+
+/// Priority bands: by bit length, 0 and 1 alone, then 2–3 … 128–255. The
+/// shed-by-band counters' label set, so it lives with the counters and
+/// `request::shed` (which re-exports it) sits above them, not beside.
+pub const BANDS: usize = 9;
+
+/// The band of `priority`.
+pub fn band(priority: u8) -> usize {
+    (u8::BITS - priority.leading_zeros()) as usize
+}
+
+/// A band's priorities, for metric labels.
+pub fn band_name(band: usize) -> &'static str {
+    ["0", "1", "2-3", "4-7", "8-15", "16-31", "32-63", "64-127", "128-255"][band.min(BANDS - 1)]
+}
 
 /// How often shards publish their interval.
 pub const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
@@ -186,7 +200,7 @@ pub struct Readiness {
     ready: std::sync::atomic::AtomicBool,
     /// The Redis feed, when there is one: its staleness can fail `/readyz`
     /// (by config) without stopping the shards from serving.
-    feed: std::sync::OnceLock<Arc<crate::feed::FeedStatus>>,
+    feed: std::sync::OnceLock<Arc<crate::features::feed::FeedStatus>>,
 }
 
 impl Readiness {
@@ -207,11 +221,11 @@ impl Readiness {
         self.ready.store(ready, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub fn attach_feed(&self, feed: Arc<crate::feed::FeedStatus>) {
+    pub fn attach_feed(&self, feed: Arc<crate::features::feed::FeedStatus>) {
         let _ = self.feed.set(feed);
     }
 
-    pub fn feed(&self) -> Option<&crate::feed::FeedStatus> {
+    pub fn feed(&self) -> Option<&crate::features::feed::FeedStatus> {
         self.feed.get().map(|f| &**f)
     }
 

@@ -15,16 +15,17 @@ use std::time::Duration;
 
 use crate::admin::{auth::AdminToken, Admin, AdminState, Surface};
 use crate::config::{Config, InferenceMode};
+use crate::features::feed;
+use crate::features::replica::ReplicaHandle;
+use crate::infer::Faults;
 use crate::infer::{self, StageConfig};
-use crate::ladder::Faults;
 use crate::metrics::{self, Readiness};
 use crate::model::{Model, Source};
 use crate::registry::{Fit, Registry};
-use crate::replica::ReplicaHandle;
 use crate::request::Shared;
 use crate::shard::{self, ShardPlacement, ShardReport};
 use crate::wire::Status;
-use crate::{feed, Error};
+use crate::Error;
 
 /// What a starting server reports as it comes up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,8 +128,8 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         tracing::info!(?housekeeping, "housekeeping threads pinned");
     }
 
-    crate::replica::lock_pages(config.replica_lock);
-    crate::replica::huge_pages(config.replica_huge_pages);
+    crate::features::replica::lock_pages(config.replica_lock);
+    crate::features::replica::huge_pages(config.replica_huge_pages);
     if let Some(lib) = &config.onnxruntime_lib {
         crate::score::configure_onnxruntime(lib);
     }
@@ -252,7 +253,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         floor: config.floor,
         readiness: readiness.clone(),
         admission: config.admission.clone(),
-        client_usage: Arc::new(crate::admission::ClientUsage::new(&config.admission, cores.len())),
+        client_usage: Arc::new(crate::request::admission::ClientUsage::new(&config.admission, cores.len())),
         ladder: config.ladder.clone(),
         cache: config.cache.clone(),
         shed: config.shed.clone(),

@@ -1,6 +1,6 @@
 //! TLS, where users need it: to a managed Redis (`rediss://`, the feed),
 //! and on the scoring port for deployments that cross untrusted networks
-//! (`[tls]`, served by `src/shard/tls.rs`; spoken by the client and the
+//! (`[tls]`, served by `src/shard/tls_stream.rs`; spoken by the client and the
 //! load generator).
 //!
 //! This module holds what both ends share and no runtime: the settings,

@@ -182,7 +182,7 @@ fn the_admin_listener_survives_running_out_of_file_descriptors() {
 fn controls_refuse_web_pages_and_names_outside_models_dir() {
     // A registry, and beside it a model file that a name with `..` would reach.
     let root = common::scratch("admin-names");
-    let mut served = quiver::demo::model();
+    let mut served = quiver::loadgen::demo::model();
     served.version = 1;
     quiver::registry::publish(&root.join("models"), &served).unwrap();
     let mut outside = served.clone();

@@ -146,7 +146,7 @@ fn replica_build_and_inspect() {
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("dim 2 rows 2"));
-    let r = quiver::replica::Replica::open(&out_file, "user").unwrap();
+    let r = quiver::features::replica::Replica::open(&out_file, "user").unwrap();
     let mut v = [0.0; 2];
     assert!(r.read_into(2, &mut v));
     assert_eq!(v, [2.5, 3.5]);

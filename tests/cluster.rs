@@ -1,4 +1,4 @@
-//! The multi-node client (`quiver::cluster`) against three real server
+//! The multi-node client (`quiver::client::cluster`) against three real server
 //! processes on 127.0.0.1: healthy nodes share the traffic, a node killed
 //! with SIGKILL mid-run loses no request whose budget allowed a retry, a
 //! node answering `Overloaded` is backed off, and a node made slow (its
@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{demo_request, http_post, scratch, Server};
-use quiver::cluster::{Cluster, ClusterConfig, Hedge, NodeStats};
+use quiver::client::cluster::{Cluster, ClusterConfig, Hedge, NodeStats};
 use quiver::wire::{Response, Status};
 
 /// The tests run one at a time: each starts three servers, and the spread
@@ -29,7 +29,7 @@ fn drive(
     n: u64,
     window: usize,
     mut between: impl FnMut(u64),
-) -> Vec<Result<Response, quiver::cluster::ClusterError>> {
+) -> Vec<Result<Response, quiver::client::cluster::ClusterError>> {
     let (mut sent, mut out) = (0u64, Vec::new());
     let until = Instant::now() + Duration::from_secs(60);
     while (out.len() as u64) < n {

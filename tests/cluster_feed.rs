@@ -14,10 +14,10 @@ use common::redis::RedisServer;
 use common::redis_cluster::RedisCluster;
 use common::{demo_request, models_only_dir, Server};
 use quiver::admin::{FeedGroupStats, Stats};
-use quiver::feed::cluster::ClusterConn;
-use quiver::feed::contract::{encode_vector, Layout};
-use quiver::feed::{Publisher, Reply};
-use quiver::replica::{bucket_path, Replica};
+use quiver::features::feed::contract::{encode_vector, Layout};
+use quiver::features::feed::redis_cluster::ClusterConn;
+use quiver::features::feed::{Publisher, Reply};
+use quiver::features::replica::{bucket_path, Replica};
 use quiver::wire::Status;
 
 const DIM: usize = 32;
@@ -41,7 +41,7 @@ trait Source {
     fn get_many(&mut self, keys: &[String]) -> Vec<Reply>;
 }
 
-impl Source for quiver::feed::RedisConn {
+impl Source for quiver::features::feed::RedisConn {
     fn get_many(&mut self, keys: &[String]) -> Vec<Reply> {
         let cmds: Vec<Vec<Vec<u8>>> = keys.iter().map(|k| vec![b"GET".to_vec(), k.clone().into_bytes()]).collect();
         self.pipeline(&cmds).unwrap()

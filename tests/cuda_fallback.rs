@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{demo_dir, demo_request, Server};
+use quiver::features::replica::Replica;
 use quiver::model::{sigmoid, Model};
-use quiver::replica::Replica;
 use quiver::score::{self, BackendKind};
 use quiver::wire::{RequestSpec, Status};
 

@@ -58,7 +58,7 @@ fn exported(scrape: &str) -> BTreeSet<String> {
 fn scrape_with_feed() -> String {
     let redis = RedisServer::start();
     let dir = scratch("deploy");
-    quiver::demo::ensure(&dir).unwrap();
+    quiver::loadgen::demo::ensure(&dir).unwrap();
     let config = dir.join("q.toml");
     std::fs::write(&config, format!("[feed]\nredis = \"{}\"\ninitial_sync_timeout_ms = 5000\n", redis.url())).unwrap();
     let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
@@ -209,9 +209,9 @@ fn the_production_config_survives_hostile_clients_and_files() {
     use std::time::{Duration, Instant};
     let redis = RedisServer::start();
     let dir = scratch("deploy-hostile");
-    quiver::demo::ensure(&dir).unwrap();
+    quiver::loadgen::demo::ensure(&dir).unwrap();
     std::fs::write(dir.join("admin.token"), "deploy-test-token-0123456789\n").unwrap();
-    let mut model = quiver::demo::model();
+    let mut model = quiver::loadgen::demo::model();
     model.version = 1;
     quiver::registry::publish(&dir.join("models"), &model).unwrap();
     let config = production_config_here(&dir, &redis);
@@ -246,7 +246,7 @@ fn the_production_config_survives_hostile_clients_and_files() {
     many.truncate(0);
 
     // A damaged model version on disk: refused, the served one stays.
-    let mut v2 = quiver::demo::model();
+    let mut v2 = quiver::loadgen::demo::model();
     v2.version = 2;
     let mut bytes = v2.to_bytes();
     let at = bytes.len() / 2;

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use common::{scratch, Server, BIN};
 use quiver::admin::Stats;
 use quiver::drift::DriftReport;
+use quiver::features::replica::ReplicaBuilder;
 use quiver::model::calibrate::{read_npy, Matrix};
 use quiver::model::Model;
-use quiver::replica::ReplicaBuilder;
 use quiver::wire::{RequestSpec, Status, Tier};
 
 /// Columns of the fixture's input rows: user 0..8, item 8..16, context 16..20.

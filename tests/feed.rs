@@ -8,8 +8,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::redis::RedisServer;
 use common::BIN;
-use quiver::feed::contract::{self, encode_vector, entity_key, epoch_key, seq_key, stream_key};
-use quiver::feed::{ContractError, PublishError, Publisher, RedisConfig, RedisConn, RedisError, Reply};
+use quiver::features::feed::contract::{self, encode_vector, entity_key, epoch_key, seq_key, stream_key};
+use quiver::features::feed::{ContractError, PublishError, Publisher, RedisConfig, RedisConn, RedisError, Reply};
 
 fn get(conn: &mut RedisConn, key: &str) -> Reply {
     conn.command(&[b"GET", key.as_bytes()]).unwrap()

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::pki::Pki;
 use common::redis::{free_port, RedisServer};
 use common::{demo_dir, run_quiver, scratch, Server};
-use quiver::feed::{Publisher, RedisConfig, RedisConn};
+use quiver::features::feed::{Publisher, RedisConfig, RedisConn};
 
 /// A redis-server with a plain port (for the harness) and a TLS port.
 fn tls_redis(pki: &Pki, auth_clients: &str) -> (RedisServer, u16) {
@@ -75,7 +75,7 @@ fn the_feed_follows_redis_over_tls_and_refuses_what_it_cannot_verify() {
         assert!(Instant::now() < until, "the TLS feed did not catch up: {s:?}\n{}", server.stderr());
         std::thread::sleep(Duration::from_millis(20));
     }
-    let r = quiver::replica::Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let r = quiver::features::replica::Replica::open(&dir.join("item.qrep"), "item").unwrap();
     let mut v = vec![0.0f32; 32];
     assert!(r.read_into(7, &mut v) && v == vec![7.5; 32], "the streamed change arrived over TLS");
     assert!(r.read_into(5000, &mut v) && v == vec![0.5; 32]);

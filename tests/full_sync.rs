@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use common::redis::{redis_entities, RedisServer};
 use common::scratch;
-use quiver::feed::contract::{self, Part};
-use quiver::feed::sync::{full_sync, RefreshError, SyncTarget};
-use quiver::feed::{GroupStatus, RedisConn, RedisError, Reply};
-use quiver::replica::{Replica, ReplicaWriter, Storage};
+use quiver::features::feed::contract::{self, Part};
+use quiver::features::feed::sync::{full_sync, RefreshError, SyncTarget};
+use quiver::features::feed::{GroupStatus, RedisConn, RedisError, Reply};
+use quiver::features::replica::{Replica, ReplicaWriter, Storage};
 
 const DIM: usize = 32;
 const EPOCH: u64 = 1_700_000_000_123_456;

@@ -381,9 +381,9 @@ fn request_frames() {
 fn model_files() {
     use quiver::model::Model;
     let mut seeds = vec![
-        quiver::demo::model().to_bytes(),
-        quiver::demo::fallback_model().to_bytes(),
-        quiver::demo::context_mlp("ctx", 5, &[12, 8, 1]).to_bytes(),
+        quiver::loadgen::demo::model().to_bytes(),
+        quiver::loadgen::demo::fallback_model().to_bytes(),
+        quiver::loadgen::demo::context_mlp("ctx", 5, &[12, 8, 1]).to_bytes(),
     ];
     // Imported graph and tree models exercise the newer node kinds.
     let zoo = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/zoo");
@@ -443,7 +443,7 @@ fn model_files() {
 
 #[test]
 fn replica_files() {
-    use quiver::replica::{Replica, ReplicaBuilder, ReplicaWriter, Storage};
+    use quiver::features::replica::{Replica, ReplicaBuilder, ReplicaWriter, Storage};
     let dir = scratch_dir("replica-seeds");
     let mut seeds = Vec::new();
     for (storage, dim) in [(Storage::F32, 4u32), (Storage::F16, 3), (Storage::Int8, 5)] {
@@ -689,11 +689,11 @@ $1\r\nv\r\n$8\r\n\x00\x00\x80?\x00\x00\x00@\r\n$1\r\nt\r\n$3\r\n123\r\n",
     .map(|s| s.to_vec())
     .collect();
     for s in &seeds {
-        quiver::feed::resp::decode_all(s, 1 << 20, 3).expect("the seeds are valid");
+        quiver::features::feed::resp::decode_all(s, 1 << 20, 3).expect("the seeds are valid");
     }
     fuzz("resp_replies", seeds, 16 * MIB, &|bytes, from, _| {
         let chunk = 1 + (bytes.len() + from) % 7;
-        std::hint::black_box(quiver::feed::resp::decode_all(bytes, 64 * 1024, chunk).ok());
+        std::hint::black_box(quiver::features::feed::resp::decode_all(bytes, 64 * 1024, chunk).ok());
     });
 }
 
@@ -713,15 +713,17 @@ fn cluster_replies() {
     .map(|s| s.to_vec())
     .collect();
     for s in &seeds {
-        quiver::feed::resp::decode_all(s, 1 << 20, 3).expect("the seeds are valid");
+        quiver::features::feed::resp::decode_all(s, 1 << 20, 3).expect("the seeds are valid");
     }
     fuzz("cluster_replies", seeds, 16 * MIB, &|bytes, _, _| {
-        let Ok(replies) = quiver::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
+        let Ok(replies) = quiver::features::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
             return;
         };
         for reply in replies {
-            std::hint::black_box(quiver::feed::cluster::Redirect::parse(&reply));
-            std::hint::black_box(quiver::feed::cluster::Topology::parse_slots(reply, "127.0.0.1:7000").ok());
+            std::hint::black_box(quiver::features::feed::redis_cluster::Redirect::parse(&reply));
+            std::hint::black_box(
+                quiver::features::feed::redis_cluster::Topology::parse_slots(reply, "127.0.0.1:7000").ok(),
+            );
         }
     });
 }
@@ -738,17 +740,20 @@ fn stream_entries() {
     .iter()
     .map(|s| s.to_vec())
     .collect();
-    let plain = quiver::feed::contract::Part::new("item", quiver::feed::contract::Layout::Plain, 0);
-    let bucketed =
-        quiver::feed::contract::Part::new("item", quiver::feed::contract::Layout::Bucketed { buckets: 16 }, 3);
+    let plain = quiver::features::feed::contract::Part::new("item", quiver::features::feed::contract::Layout::Plain, 0);
+    let bucketed = quiver::features::feed::contract::Part::new(
+        "item",
+        quiver::features::feed::contract::Layout::Bucketed { buckets: 16 },
+        3,
+    );
     fuzz("stream_entries", seeds, 16 * MIB, &|bytes, _, _| {
-        let Ok(replies) = quiver::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
+        let Ok(replies) = quiver::features::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
             return;
         };
         for reply in replies {
             let Some(fields) = reply.into_array() else { continue };
             for part in [&plain, &bucketed] {
-                if let Ok((_, Some(v), _)) = quiver::feed::refresher::change(part, &fields, 2) {
+                if let Ok((_, Some(v), _)) = quiver::features::feed::refresher::change(part, &fields, 2) {
                     assert_eq!(v.len(), 2, "a vector of the group's dimension, or a refusal");
                 }
             }

@@ -10,10 +10,10 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{auc, max_abs_diff, run_quiver, scratch, Server};
+use quiver::features::replica::ReplicaBuilder;
 use quiver::model::calibrate::{calibrate, read_npy, Matrix, Method};
 use quiver::model::onnx::{import_file, ImportOptions, Imported};
 use quiver::model::{sigmoid, Model};
-use quiver::replica::ReplicaBuilder;
 use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
 use quiver::score::Backend;
 use quiver::wire::{RequestSpec, Status};

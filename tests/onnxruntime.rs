@@ -17,10 +17,10 @@ use std::path::{Path, PathBuf};
 
 use common::zoo::{segment, zoo};
 use common::{http_get, run_quiver, scratch, Server};
+use quiver::features::replica::ReplicaBuilder;
 use quiver::model::calibrate::read_npy;
 use quiver::model::onnx::{import_file_keeping, ImportOptions, KeepOnnx};
 use quiver::model::{Model, Source};
-use quiver::replica::ReplicaBuilder;
 use quiver::score::{self, BackendKind};
 use quiver::wire::{Reason, RequestSpec, Status, Tier};
 

@@ -31,7 +31,7 @@ fn counter(text: &str, family: &str, labels: &str) -> u64 {
 fn scraping_and_model_swaps_keep_answers_flowing_and_stalls_show_in_metrics() {
     let dir = common::scratch("reactor-swap");
     for version in [1, 2] {
-        let mut m = quiver::demo::model();
+        let mut m = quiver::loadgen::demo::model();
         m.version = version;
         quiver::registry::publish(&dir, &m).unwrap();
     }

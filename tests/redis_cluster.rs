@@ -1,4 +1,4 @@
-//! Redis Cluster routing (`quiver::feed::cluster`, not the client-side `quiver::cluster`) against a real cluster started here:
+//! Redis Cluster routing (`quiver::features::feed::redis_cluster`, not the client-side `quiver::client::cluster`) against a real cluster started here:
 //! slots computed as the cluster computes them, keys routed to the master that owns them,
 //! `ASK` followed while a slot migrates and `MOVED` after, and a killed master's slots found
 //! on its promoted replica.
@@ -8,9 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::redis_cluster::RedisCluster;
-use quiver::feed::cluster::{key_slot, ClusterConn, SLOTS};
-use quiver::feed::contract::{self, encode_vector, Layout};
-use quiver::feed::{ContractError, PublishError, Publisher, RedisError, Reply};
+use quiver::features::feed::contract::{self, encode_vector, Layout};
+use quiver::features::feed::redis_cluster::{key_slot, ClusterConn, SLOTS};
+use quiver::features::feed::{ContractError, PublishError, Publisher, RedisError, Reply};
 
 fn get(c: &mut ClusterConn, key: &[u8]) -> Reply {
     c.command(key, &[b"GET", key]).unwrap_or_else(|e| panic!("GET {}: {e}", String::from_utf8_lossy(key)))

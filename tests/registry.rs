@@ -9,14 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{demo_dir, demo_request, Server, INT8_SCORE_TOLERANCE};
+use quiver::features::replica::Replica;
 use quiver::model::{sigmoid, Layer, Model};
 use quiver::registry::{publish, ModelStatus};
-use quiver::replica::Replica;
 use quiver::wire::{RequestSpec, Status};
 
 /// The demo model with its output bias shifted: same inputs, other scores.
 fn demo_version(version: u32, bias_shift: f32) -> Model {
-    let mut m = quiver::demo::model();
+    let mut m = quiver::loadgen::demo::model();
     m.version = version;
     let last = m.layers.last_mut().unwrap();
     last.bias[0] += bias_shift;
@@ -25,13 +25,13 @@ fn demo_version(version: u32, bias_shift: f32) -> Model {
 
 /// A small model with the demo's inputs: 80 → 16 → 1.
 fn small_model(name: &str, version: u32) -> Model {
-    let mut rng = quiver::demo::SplitMix64::new(99);
+    let mut rng = quiver::loadgen::demo::SplitMix64::new(99);
     let w1 = (0..80 * 16).map(|_| rng.normal() * 0.15).collect();
     let w2 = (0..16).map(|_| rng.normal() * 0.3).collect();
     Model {
         name: name.into(),
         version,
-        inputs: quiver::demo::model().inputs,
+        inputs: quiver::loadgen::demo::model().inputs,
         layers: vec![Layer::quantize(80, 16, true, w1, vec![0.0; 16]), Layer::quantize(16, 1, false, w2, vec![0.1])],
         calibration: None,
         graph: None,

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use common::redis::{redis_entities, RedisServer};
 use common::{demo_request, models_only_dir, Server, BIN};
 use quiver::admin::{FeedGroupStats, Stats};
-use quiver::feed::{contract, Publisher, RedisConn, Reply};
-use quiver::replica::{Replica, ReplicaError};
+use quiver::features::feed::{contract, Publisher, RedisConn, Reply};
+use quiver::features::replica::{Replica, ReplicaError};
 use quiver::wire::{Status, Tier};
 
 const DIM: usize = 32;

@@ -7,9 +7,9 @@
 mod common;
 
 use common::demo_dir;
-use quiver::demo::{self, SplitMix64};
+use quiver::features::replica::{Replica, ReplicaBuilder, Storage};
+use quiver::loadgen::demo::{self, SplitMix64};
 use quiver::model::{sigmoid, Model};
-use quiver::replica::{Replica, ReplicaBuilder, Storage};
 
 /// Re-encodes a demo replica with `storage`.
 fn reencode(group: &str, rows: u64, storage: Storage, out: &std::path::Path) -> Replica {

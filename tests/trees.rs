@@ -10,11 +10,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
+use quiver::features::replica::ReplicaBuilder;
 use quiver::model::calibrate::read_npy;
 use quiver::model::gbdt::{import_lightgbm_file, import_xgboost_file, GbdtOptions};
 use quiver::model::onnx::{import_file, ImportOptions};
 use quiver::model::{sigmoid, Model, Op, OutputKind};
-use quiver::replica::ReplicaBuilder;
 use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8};
 use quiver::score::Backend;
 use quiver::wire::{RequestSpec, Status, Tier};

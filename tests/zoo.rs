@@ -11,9 +11,9 @@ use std::path::Path;
 
 use common::zoo::{segment, zoo, zoo_dir, Zoo};
 use common::{auc, logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
+use quiver::features::replica::ReplicaBuilder;
 use quiver::model::onnx::{import_file, ImportOptions};
 use quiver::model::{sigmoid, Model, OutputKind, Source};
-use quiver::replica::ReplicaBuilder;
 use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
 use quiver::score::Backend;
 use quiver::wire::{RequestSpec, Status};

@@ -12,10 +12,10 @@ use super::stats::{drift_reports, shadow_divergence};
 use super::AdminState;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::drift::{DriftReport, FeatureDrift};
-use crate::feed::{FeedStatus, GroupStatus};
+use crate::features::feed::{FeedStatus, GroupStatus};
 use crate::metrics::{self, Stage, StallTask, STAGES};
+use crate::request::shed::band_name;
 use crate::request::REASONS;
-use crate::shed::band_name;
 use crate::wire::{reason_name, status_name, tier_name, Reason, Status, Tier};
 
 /// Upper bounds of the Prometheus histogram buckets, in seconds: fine enough
@@ -559,7 +559,7 @@ mod tests {
         };
         fold(report, &b[1]);
         let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
-        let mut model = crate::demo::model();
+        let mut model = crate::loadgen::demo::model();
         model.name = "m".into();
         model.version = 2;
         let models = Registry::from_models(vec![model], fit, crate::score::BackendKind::Int8, 8).unwrap();

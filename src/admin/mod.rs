@@ -29,7 +29,7 @@ use prometheus_client::registry::Registry as Registry_;
 use std::sync::atomic::Ordering::Relaxed;
 
 use crate::deadline::{Clock, MonotonicClock};
-use crate::ladder::Faults;
+use crate::infer::Faults;
 use crate::metrics::{Board, Readiness};
 use crate::registry::{Registry, RegistryError};
 use http::{Answer, Head};

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::drift::{DriftConfig, DriftReport};
 use crate::metrics::{self, Board, Readiness, StallTask, STAGES};
+use crate::request::shed::{band_name, BANDS};
 use crate::request::REASONS;
-use crate::shed::{band_name, BANDS};
 use crate::wire::{reason_name, status_name, tier_name, Reason, Status, Tier};
 
 /// The drift of every calibrated version served, over the window.

@@ -29,13 +29,12 @@
 pub mod ring;
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::deadline::{Clock, MonotonicClock};
-use crate::ladder::Faults;
 use crate::model::Model;
 use crate::registry::Registry;
 use crate::score::{self, Backend, BackendKind};
@@ -724,6 +723,23 @@ fn finish(end: &StageEnd, job: Job, outcome: Outcome, started_ns: u64, kernel_ns
     }
 }
 
+/// Fault hooks for tests, set through the admin endpoint when
+/// `faults_endpoint = true`. Read once per batch by the inference stage.
+#[derive(Debug, Default)]
+pub struct Faults {
+    stage_delay_us: AtomicU64,
+}
+
+impl Faults {
+    pub fn set_stage_delay_us(&self, us: u64) {
+        self.stage_delay_us.store(us, Ordering::Relaxed);
+    }
+
+    pub fn stage_delay_us(&self) -> u64 {
+        self.stage_delay_us.load(Ordering::Relaxed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -731,7 +747,8 @@ mod tests {
 
     fn stage(batch_wait_us_max: u64) -> (Stage, Vec<ShardEnd>, Arc<Model>) {
         let fit = Fit { user_dim: 32, item_dim: 32, context_len_max: 64 };
-        let registry = Arc::new(Registry::from_models(vec![crate::demo::model()], fit, BackendKind::Int8, 32).unwrap());
+        let registry =
+            Arc::new(Registry::from_models(vec![crate::loadgen::demo::model()], fit, BackendKind::Int8, 32).unwrap());
         let model = registry.snapshot().models[0].clone();
         let config = StageConfig {
             batch_rows_max: 64,
@@ -750,7 +767,7 @@ mod tests {
     fn fill(end: &mut ShardEnd, model: &Arc<Model>, rows: usize, seed: u64) -> SlotToken {
         let token = end.acquire().unwrap();
         let data = end.slot_mut(&token);
-        let mut rng = crate::demo::SplitMix64::new(seed);
+        let mut rng = crate::loadgen::demo::SplitMix64::new(seed);
         for v in data.x[..rows * model.input_dim()].iter_mut() {
             *v = rng.normal();
         }

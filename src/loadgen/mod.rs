@@ -35,12 +35,15 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 use crate::client::Codec;
-use crate::demo::{IdDist, Ids, SplitMix64, Workload};
+use crate::loadgen::demo::{IdDist, Ids, SplitMix64, Workload};
 use crate::wire::{status_name, tier_name, RequestSpec, Status};
 
+pub mod demo;
 pub mod nodes;
-pub mod resp;
+pub mod plot;
+pub mod redis_floor;
 mod transport;
+pub mod zipf;
 
 use transport::Transport;
 
@@ -372,7 +375,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         }
     };
     if opts.protocol == Protocol::Redis {
-        if let Err(e) = resp::prepare(&opts.addr, opts.redis_value_bytes) {
+        if let Err(e) = redis_floor::prepare(&opts.addr, opts.redis_value_bytes) {
             report.connection_errors.push(e);
             return (report, rec);
         }
@@ -418,7 +421,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
     let mut send = |c: &mut Conn, seq: u64, spec: &RequestSpec| match protocol {
         Protocol::Quiver => encoder.encode(spec, &mut c.wbuf),
         Protocol::Redis => {
-            resp::encode_get(seq, &mut c.wbuf, &mut key_scratch);
+            redis_floor::encode_get(seq, &mut c.wbuf, &mut key_scratch);
             c.fifo.push_back(seq);
         }
     };
@@ -551,7 +554,7 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
                             (resp.request_id, status_name(resp.status), tier, used)
                         })
                     }),
-                    Protocol::Redis => resp::decode(&c.rbuf[at..c.rfilled]).and_then(|r| match r {
+                    Protocol::Redis => redis_floor::decode(&c.rbuf[at..c.rfilled]).and_then(|r| match r {
                         None => Ok(None),
                         Some((reply, used)) => match c.fifo.pop_front() {
                             Some(id) => Ok(Some((id, reply.name(), None, used))),

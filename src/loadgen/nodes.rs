@@ -1,5 +1,5 @@
 //! `quiver bench --addr a,b,c`: load across several nodes through the
-//! multi-node client (`crate::cluster`), so what a bidder with a node list
+//! multi-node client (`crate::client::cluster`), so what a bidder with a node list
 //! sees is measured: balancing, failover and hedging included.
 //!
 //! Open loop at `--rate` (uniform arrivals; latency from each request's
@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{histogram, latency_of, BenchOptions, Latency};
-use crate::cluster::{Cluster, ClusterConfig, Hedge, NodeStats};
-use crate::demo::Workload;
+use crate::client::cluster::{Cluster, ClusterConfig, Hedge, NodeStats};
+use crate::loadgen::demo::Workload;
 use crate::wire::{status_name, tier_name, RequestSpec};
 
 /// Requests outstanding at once, at most (an open loop past capacity
@@ -90,7 +90,7 @@ pub fn run(
     opts: &BenchOptions,
     nodes: &NodesOptions,
     mut workload: Workload,
-) -> Result<NodesReport, crate::cluster::ClusterError> {
+) -> Result<NodesReport, crate::client::cluster::ClusterError> {
     let window = opts.pipeline * nodes.addrs.len();
     let config = ClusterConfig {
         connections_per_node: opts.connections.max(1),

@@ -28,12 +28,12 @@ mod generated {
 #[path = "model_generated.rs"]
 mod generated;
 pub mod calibrate;
+pub mod embedding;
 pub mod gbdt;
 pub mod graph;
 pub mod layout;
 pub mod onnx;
 pub mod onnx_graph;
-pub mod table;
 pub mod trees;
 
 use std::fs::File;
@@ -41,11 +41,11 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use embedding::{EmbeddingTable, ModelFile, TableError};
 use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, VerifierOptions, WIPOffset};
 pub use generated::quiver::model as fb;
 pub use graph::{Act, Graph, Node, Op, OutputKind};
 pub use onnx_graph::{OnnxElement, OnnxGraph, OnnxInput};
-pub use table::{EmbeddingTable, ModelFile, TableError};
 use trees::{Ensemble, Split, TreeNode};
 
 /// Most bytes of a model file that loading copies into the heap: all of it

@@ -14,7 +14,7 @@
 //! and out-of-range values go right.
 //!
 //! [`Ensemble::predict_row`] is the specification the serving evaluator
-//! (`score::cpu::trees`) is compared with bit for bit: the base, then each
+//! (`score::cpu::forest`) is compared with bit for bit: the base, then each
 //! tree's leaf, added in f32 in tree order.
 
 /// Most trees in one ensemble.

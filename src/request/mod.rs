@@ -15,28 +15,32 @@
 
 use std::sync::Arc;
 
-use crate::admission::{Admission, AdmissionConfig, Admit, Peer};
-use crate::cache::{hash_words, CacheConfig, Key, ScoreCache};
 use crate::deadline::{Clock, Deadline};
 use crate::drift::DriftCounts;
-use crate::feed::FeedStatus;
+use crate::features::feed::FeedStatus;
+use crate::features::replica::ReplicaHandle;
 use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
-use crate::ladder::{Breaker, BreakerState, LadderConfig};
 use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
 use crate::model::graph::embedding_index;
 use crate::model::Model;
 use crate::registry::{build_timed, Prebuilt, Registry};
-use crate::replica::ReplicaHandle;
+use crate::request::admission::{Admission, AdmissionConfig, Admit, Peer};
+use crate::request::cache::{hash_words, CacheConfig, Key, ScoreCache};
+use crate::request::ladder::{Breaker, BreakerState, LadderConfig};
+use crate::request::shed::{ShedConfig, Shedder};
 use crate::score::{Backend, BackendKind};
-use crate::shed::{ShedConfig, Shedder};
 use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
 use handoff::{Pending, Turnaround};
 use shadow::{ShadowQueue, SHADOW_SLOTS};
 
+pub mod admission;
+pub mod cache;
 mod handoff;
+pub mod ladder;
 mod limits;
 mod overload;
 mod shadow;
+pub mod shed;
 mod stages;
 
 /// The state every shard reads: the replica handles (tables the refresher
@@ -59,7 +63,7 @@ pub struct Shared {
     pub admission: AdmissionConfig,
     /// Each shard's demand of each configured client, which the shards
     /// exchange to hold a client's rate across them.
-    pub client_usage: Arc<crate::admission::ClientUsage>,
+    pub client_usage: Arc<crate::request::admission::ClientUsage>,
     /// The per-shard score cache.
     pub cache: CacheConfig,
     /// Load shedding by priority.

@@ -1,9 +1,9 @@
-//! The request path's side of load shedding (`crate::shed`): the load a
+//! The request path's side of load shedding (`crate::request::shed`): the load a
 //! request sees, and the immediate answer to a shed request, given before
 //! any lookup or kernel so that shedding costs microseconds.
 
 use super::*;
-use crate::shed::ShedAnswer;
+use crate::request::shed::ShedAnswer;
 
 impl<C: Clock> RequestPath<C> {
     /// Whether a request of `priority` read at `read_at_ns` is shed at

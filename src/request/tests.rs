@@ -2,8 +2,8 @@
 
 use super::*;
 use crate::deadline::ManualClock;
+use crate::features::replica::ReplicaBuilder;
 use crate::model::{sigmoid, InputSegment, Layer, Source};
-use crate::replica::ReplicaBuilder;
 use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
 
 /// The peer of every test request.
@@ -43,7 +43,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         floor: false,
         readiness: Arc::new(Readiness::ready()),
         admission: AdmissionConfig::default(),
-        client_usage: Arc::new(crate::admission::ClientUsage::new(&AdmissionConfig::default(), 1)),
+        client_usage: Arc::new(crate::request::admission::ClientUsage::new(&AdmissionConfig::default(), 1)),
         cache: CacheConfig::default(),
         shed: ShedConfig::default(),
         feed: None,
@@ -251,7 +251,7 @@ fn a_priority_above_the_clients_ceiling_is_shed_as_the_ceiling() {
     sh.shed = ShedConfig { enabled: true, ..ShedConfig::default() };
     // Unknown clients are shed as priority 0 at most, whatever they ask.
     sh.admission.unknown_priority_max = 0;
-    sh.client_usage = Arc::new(crate::admission::ClientUsage::new(&sh.admission, 1));
+    sh.client_usage = Arc::new(crate::request::admission::ClientUsage::new(&sh.admission, 1));
     let mut path = RequestPath::new(sh, &clock).unwrap();
     let mut claims_top = spec();
     claims_top.priority = 255;
@@ -273,7 +273,7 @@ fn a_priority_above_the_clients_ceiling_is_shed_as_the_ceiling() {
 fn shed_requests_can_get_the_static_default() {
     let clock = ManualClock::new(1_000_000);
     let mut sh = shared(&dir("shed-default"));
-    sh.shed = ShedConfig { enabled: true, answer: crate::shed::ShedAnswer::Default, ..ShedConfig::default() };
+    sh.shed = ShedConfig { enabled: true, answer: crate::request::shed::ShedAnswer::Default, ..ShedConfig::default() };
     sh.ladder.default_score = 0.125;
     let mut path = RequestPath::new(sh, &clock).unwrap();
     let mut s = spec();
@@ -291,7 +291,7 @@ fn shed_requests_can_get_the_static_default() {
 /// clock kept on the stage's (monotonic) time line.
 fn threaded<'c>(
     name: &str,
-    faults: Arc<crate::ladder::Faults>,
+    faults: Arc<crate::infer::Faults>,
     clock: &'c ManualClock,
 ) -> (RequestPath<&'c ManualClock>, crate::infer::Stage) {
     let sh = shared(&dir(name));
@@ -344,7 +344,7 @@ fn stage_scores_fill_the_cache() {
 
 #[test]
 fn a_give_up_answers_from_the_cache() {
-    let faults = Arc::new(crate::ladder::Faults::default());
+    let faults = Arc::new(crate::infer::Faults::default());
     let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
     let (mut path, stage) = threaded("stage-give-up", faults.clone(), &clock);
     let mut s = spec();
@@ -387,7 +387,7 @@ fn a_give_up_reached_after_the_deadline_answers_deadline_exceeded() {
     // The stage is slow; the shard gets to the give-up only after the
     // deadline (its reactor was held): a static default then would be an
     // `Ok` after the deadline was seen to pass.
-    let faults = Arc::new(crate::ladder::Faults::default());
+    let faults = Arc::new(crate::infer::Faults::default());
     let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
     let (mut path, stage) = threaded("stage-late-give-up", faults.clone(), &clock);
     faults.set_stage_delay_us(20_000);

@@ -164,8 +164,8 @@ mod tests {
     #[test]
     fn the_choice_follows_the_measured_errors() {
         for seed in [3u64, 4, 5] {
-            let mut model = crate::demo::context_mlp("choice", seed, &[12, 24, 8, 1]);
-            let mut rng = crate::demo::SplitMix64::new(seed + 100);
+            let mut model = crate::loadgen::demo::context_mlp("choice", seed, &[12, 24, 8, 1]);
+            let mut rng = crate::loadgen::demo::SplitMix64::new(seed + 100);
             // Rows of similar spread, where one scale per layer loses little.
             let data: Vec<f32> = (0..512 * 12).map(|_| rng.normal().clamp(-2.0, 2.0)).collect();
             let set = Matrix { rows: 512, cols: 12, data };

@@ -519,7 +519,7 @@ impl Backend for CudaInt8 {
 /// A seeded MLP with the given widths, for `gpu_check`.
 fn check_model(seed: u64, dims: &[usize]) -> Model {
     let name = format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x"));
-    crate::demo::context_mlp(&name, seed, dims)
+    crate::loadgen::demo::context_mlp(&name, seed, dims)
 }
 
 /// `model` calibrated (max-abs over 64 seeded normal rows, as `quiver import
@@ -528,7 +528,7 @@ fn check_model(seed: u64, dims: &[usize]) -> Model {
 fn check_calibrated(mut model: Model, shrink: f32) -> Result<Model, CudaError> {
     use crate::model::calibrate::{calibrate, Matrix, Method};
     let k = model.input_dim();
-    let mut rng = crate::demo::SplitMix64::new(77);
+    let mut rng = crate::loadgen::demo::SplitMix64::new(77);
     let set = Matrix { rows: 64, cols: k, data: (0..64 * k).map(|_| rng.normal()).collect() };
     let mut c = calibrate(&model, &set, Method::MaxAbs, |_, _| {}).map_err(|e| CudaError::Model(e.to_string()))?;
     c.input_ranges.iter_mut().for_each(|r| *r *= shrink);
@@ -547,11 +547,11 @@ fn check_models(rows_max: usize) -> Result<Vec<(Model, usize)>, CudaError> {
     let mut linear_hidden = check_model(45, &[37, 33, 17, 1]);
     linear_hidden.layers[0].relu = false;
     Ok(vec![
-        (crate::demo::model(), rows_max),
+        (crate::loadgen::demo::model(), rows_max),
         (check_model(41, &[257, 255, 65, 1]), rows_max),
         (check_model(42, &[3, 1]), rows_max),
         (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), wide),
-        (check_calibrated(crate::demo::model(), 1.0)?, rows_max),
+        (check_calibrated(crate::loadgen::demo::model(), 1.0)?, rows_max),
         (check_calibrated(check_model(44, &[257, 255, 65, 1]), 0.6)?, rows_max),
         (check_calibrated(linear_hidden, 0.5)?, rows_max),
         (check_calibrated(check_model(46, &[3, 1]), 0.3)?, rows_max),
@@ -563,7 +563,7 @@ fn check_models(rows_max: usize) -> Result<Vec<(Model, usize)>, CudaError> {
 /// the first rows: all zeros, values near `f32::MAX` (the scale saturates,
 /// small values quantize to 0), +inf, -inf, NaN, and a whole NaN row.
 fn check_inputs(seed: u64, rows: usize, k: usize) -> Vec<f32> {
-    let mut rng = crate::demo::SplitMix64::new(seed);
+    let mut rng = crate::loadgen::demo::SplitMix64::new(seed);
     let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
     let mut row = |r: usize, f: &dyn Fn(&mut [f32])| {
         if r < rows {
@@ -626,7 +626,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         }
     }
     let mut timing = Vec::new();
-    for model in [crate::demo::model(), check_calibrated(crate::demo::model(), 1.0)?] {
+    for model in [crate::loadgen::demo::model(), check_calibrated(crate::loadgen::demo::model(), 1.0)?] {
         timing.extend(time_model(&model, batches, iters, rows_max)?);
     }
     Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
@@ -679,7 +679,7 @@ mod tests {
     #[test]
     fn graph_models_are_refused_with_a_typed_error_and_served_on_the_cpu() {
         use crate::model::{Act, Graph, Node, Op, OutputKind};
-        let mlp = crate::demo::context_mlp("graph", 5, &[6, 4, 1]);
+        let mlp = crate::loadgen::demo::context_mlp("graph", 5, &[6, 4, 1]);
         let dense = |l: &Layer, input: usize, act: Act| Node {
             op: Op::Dense { layer: Layer { relu: false, ..l.clone() }, act },
             inputs: vec![input],
@@ -739,8 +739,8 @@ mod tests {
 
     #[test]
     fn without_a_gpu_construction_fails_with_a_typed_error_not_a_panic() {
-        let calibrated = check_calibrated(crate::demo::model(), 1.0).unwrap();
-        for model in [crate::demo::model(), calibrated] {
+        let calibrated = check_calibrated(crate::loadgen::demo::model(), 1.0).unwrap();
+        for model in [crate::loadgen::demo::model(), calibrated] {
             match CudaInt8::new(&model, 8) {
                 // A machine with a GPU: a calibrated model is accepted too.
                 Ok(b) => assert_eq!(b.name(), "cuda-int8"),

@@ -8,7 +8,7 @@ pub mod accuracy;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod fp8;
+pub mod e4m3;
 pub mod kernels;
 #[cfg(feature = "onnxruntime")]
 pub mod ort;

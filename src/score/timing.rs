@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::demo::SplitMix64;
+use crate::loadgen::demo::SplitMix64;
 use crate::model::calibrate::Matrix;
 use crate::model::Model;
 use crate::score::{self, BackendKind};
@@ -117,7 +117,7 @@ mod tests {
 
     #[test]
     fn one_line_per_batch_size_with_the_rows_it_timed() {
-        let model = crate::demo::model();
+        let model = crate::loadgen::demo::model();
         let t = time_model(&model, BackendKind::Int8, &[1, 8], 3, false, None).unwrap();
         assert_eq!(t.iter().map(|t| (t.rows, t.iters)).collect::<Vec<_>>(), vec![(1, 3), (8, 3)]);
         assert!(t.iter().all(|t| t.median_us > 0.0 && t.rows_per_s > 0.0 && t.gmac_per_s > 0.0));

@@ -21,7 +21,7 @@ mod mailbox;
 mod shutdown;
 mod stall;
 mod stamped;
-mod tls;
+mod tls_stream;
 
 use std::cell::{Cell, RefCell};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -39,15 +39,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::ShardEnd;
-use crate::ladder::BreakerState;
 use crate::metrics::{self, ShardPublisher, StallTask};
+use crate::request::ladder::BreakerState;
 use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
 use crate::wire::{self, FRAME_PREFIX_BYTES};
 use balance::ShardBalance;
 use mailbox::{Mailbox, Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
 use stall::StallMeter;
-pub use tls::ListenerTls;
+pub use tls_stream::ListenerTls;
 
 /// The background task queue's shares against the default queue's 1000.
 const BACKGROUND_SHARES: usize = 50;
@@ -458,7 +458,7 @@ async fn run_shard(
         balance: balance.clone(),
         shadow_wanted: shadow_wanted.clone(),
         handshakes: tls.as_ref().map(|t| {
-            tls::HandshakeBudget::new(t.handshakes_per_s_max, t.handshake_burst, MonotonicClock::new().now_ns())
+            tls_stream::HandshakeBudget::new(t.handshakes_per_s_max, t.handshake_burst, MonotonicClock::new().now_ns())
         }),
         tls,
     });
@@ -641,7 +641,7 @@ struct Conns {
     shadow_wanted: Rc<Notify>,
     tls: Option<ListenerTls>,
     /// With `tls`: the new handshakes this shard may start.
-    handshakes: Option<tls::HandshakeBudget>,
+    handshakes: Option<tls_stream::HandshakeBudget>,
 }
 
 impl Conns {
@@ -689,7 +689,7 @@ impl From<TimedOut> for std::io::Error {
 /// A connection's bytes: the socket's own, or decrypted from TLS.
 enum Transport {
     Plain(TcpStream),
-    Tls(Box<tls::TlsStream>),
+    Tls(Box<tls_stream::TlsStream>),
 }
 
 impl Transport {
@@ -770,9 +770,9 @@ impl Connection {
 
     /// A TLS handshake on `stream`, within the configured time (the whole
     /// handshake, however the client trickles its bytes).
-    async fn handshake(&self, stream: TcpStream, tls: &ListenerTls) -> std::io::Result<tls::TlsStream> {
+    async fn handshake(&self, stream: TcpStream, tls: &ListenerTls) -> std::io::Result<tls_stream::TlsStream> {
         let timeout = tls.handshake_timeout;
-        futures_lite::future::or(tls::TlsStream::accept(stream, tls.config.clone()), async {
+        futures_lite::future::or(tls_stream::TlsStream::accept(stream, tls.config.clone()), async {
             glommio::timer::sleep(timeout).await;
             Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))
         })
@@ -819,7 +819,7 @@ impl Connection {
             Transport::Tls(s) => s.peer_names(),
             Transport::Plain(_) => Vec::new(),
         };
-        let peer = crate::admission::Peer { addr: source, tls_names: &tls_names };
+        let peer = crate::request::admission::Peer { addr: source, tls_names: &tls_names };
         let every = self.shard.socket_wait_every_reads;
         // The kernel's stamps would be of ciphertext: TLS reads go unstamped.
         let stamps = every > 0 && matches!(stream, Transport::Plain(_)) && stamped::enable(stream.tcp()).is_ok();

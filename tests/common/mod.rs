@@ -9,9 +9,9 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use quiver::client::Client;
-use quiver::demo;
+use quiver::features::replica::Replica;
+use quiver::loadgen::demo;
 use quiver::model::{sigmoid, Model};
-use quiver::replica::Replica;
 use quiver::wire::RequestSpec;
 
 pub mod pki;

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use quiver::feed::{contract, RedisConfig, RedisConn, Reply};
+use quiver::features::feed::{contract, RedisConfig, RedisConn, Reply};
 
 /// How long a fresh server may take to answer PING.
 const START_TIMEOUT: Duration = Duration::from_secs(5);

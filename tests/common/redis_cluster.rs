@@ -7,8 +7,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use quiver::feed::cluster::Topology;
-use quiver::feed::{RedisConfig, RedisConn, Reply};
+use quiver::features::feed::redis_cluster::Topology;
+use quiver::features::feed::{RedisConfig, RedisConn, Reply};
 
 use super::redis::{free_port, RedisServer};
 

@@ -27,7 +27,7 @@ from quiver_client._generated.quiver.wire import ScoreResponse as fb_resp
 REPO = Path(__file__).resolve().parents[3]
 QUIVER_BIN = Path(os.environ.get("QUIVER_BIN", REPO / "target" / "release" / "quiver"))
 
-# The demo workload ("auction-32", src/demo.rs).
+# The demo workload ("auction-32", src/loadgen/demo.rs).
 USERS = 100_000
 ITEMS = 10_000
 CONTEXT_LEN = 16

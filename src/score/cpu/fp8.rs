@@ -4,7 +4,7 @@
 //!
 //! Per layer:
 //! - weights: one per-tensor scale `s_w = max|w| / 448` (1 for an all-zero
-//!   layer), codes `w8 = E4M3(w / s_w)` by `score::fp8::from_f32`, encoded
+//!   layer), codes `w8 = E4M3(w / s_w)` by `score::e4m3::from_f32`, encoded
 //!   once at construction and decoded once through the 256-entry table;
 //! - activations: `x8 = E4M3(x · inv_s_x)` with `inv_s_x = f32(1 / s_x)`,
 //!   decoded through the table; `s_x = range / 448` from the model's
@@ -26,9 +26,9 @@
 //! construction; Rust never contracts `a + x · w` into a fused
 //! multiply-add, so every build rounds the same way.
 
-use super::super::fp8;
+use super::super::e4m3 as fp8;
 use super::super::Backend;
-use super::graph::{DenseMode, GraphExec};
+use super::executor::{DenseMode, GraphExec};
 use super::tiles::KMajor;
 use crate::model::{Layer, Model};
 
@@ -227,11 +227,11 @@ mod tests {
     use crate::model::sigmoid;
 
     fn model(seed: u64, dims: &[usize]) -> Model {
-        crate::demo::context_mlp("fp8", seed, dims)
+        crate::loadgen::demo::context_mlp("fp8", seed, dims)
     }
 
     fn inputs(seed: u64, n: usize) -> Vec<f32> {
-        let mut rng = crate::demo::SplitMix64::new(seed);
+        let mut rng = crate::loadgen::demo::SplitMix64::new(seed);
         (0..n).map(|_| rng.normal()).collect()
     }
 

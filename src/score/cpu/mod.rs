@@ -30,11 +30,11 @@
 
 mod activation;
 mod aligned;
+pub mod executor;
+pub mod forest;
 pub mod fp8;
-pub mod graph;
 pub mod int8_gemm;
 mod tiles;
-pub mod trees;
 
 pub use fp8::CpuFp8;
 pub use int8_gemm::Int8Kernel;
@@ -42,7 +42,7 @@ use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 
 use super::Backend;
 use crate::model::{round_clamp_i8, Graph, Layer, Model, StaticInt8Layer};
-use graph::{DenseMode, GraphExec};
+use executor::{DenseMode, GraphExec};
 
 /// Two activation buffers, ping-ponged between layers, sized at start-up.
 struct Activations {
@@ -119,7 +119,7 @@ impl CpuF32 {
     }
 
     /// The graph it runs: a clone of the model's, whose embedding tables
-    /// are the model's own (shared, not copied; `model::table`).
+    /// are the model's own (shared, not copied; `model::embedding`).
     pub fn graph(&self) -> &Graph {
         &self.graph
     }
@@ -340,7 +340,7 @@ mod tests {
 
     /// A seeded random MLP with odd sizes (not multiples of any vector width).
     fn random_model(seed: u64, dims: &[usize]) -> Model {
-        crate::demo::context_mlp("random", seed, dims)
+        crate::loadgen::demo::context_mlp("random", seed, dims)
     }
 
     #[test]
@@ -395,7 +395,7 @@ mod tests {
     }
 
     fn inputs(seed: u64, n: usize) -> Vec<f32> {
-        let mut rng = crate::demo::SplitMix64::new(seed);
+        let mut rng = crate::loadgen::demo::SplitMix64::new(seed);
         (0..n).map(|_| rng.normal()).collect()
     }
 
@@ -544,7 +544,13 @@ mod tests {
     }
 
     /// A layer with uniformly random INT8 weights, or every weight `fill`.
-    fn int8_layer(rng: &mut crate::demo::SplitMix64, k: usize, n: usize, relu: bool, fill: Option<i8>) -> Layer {
+    fn int8_layer(
+        rng: &mut crate::loadgen::demo::SplitMix64,
+        k: usize,
+        n: usize,
+        relu: bool,
+        fill: Option<i8>,
+    ) -> Layer {
         let weights_i8: Vec<i8> =
             (0..k * n).map(|_| fill.unwrap_or_else(|| (rng.below(255) as i32 - 127) as i8)).collect();
         let weight_scales: Vec<f32> = (0..n).map(|_| 0.001 + rng.unit() as f32 * 0.1).collect();
@@ -573,7 +579,7 @@ mod tests {
 
     #[test]
     fn every_int8_kernel_accumulates_exactly_like_the_scalar_dot() {
-        let mut rng = crate::demo::SplitMix64::new(21);
+        let mut rng = crate::loadgen::demo::SplitMix64::new(21);
         let rows_max = 33;
         for kernel in blocked_kernels() {
             let mut scratch = Scratch::new(kernel, 257, rows_max);
@@ -629,7 +635,7 @@ mod tests {
 
     #[test]
     fn every_int8_kernel_computes_layers_bit_for_bit_like_the_scalar_reference() {
-        let mut rng = crate::demo::SplitMix64::new(22);
+        let mut rng = crate::loadgen::demo::SplitMix64::new(22);
         for kernel in blocked_kernels() {
             let mut scratch = Scratch::new(kernel, 257, 33);
             for k in KS {
@@ -663,7 +669,7 @@ mod tests {
 
     #[test]
     fn every_int8_kernel_handles_zero_and_non_finite_rows_like_the_scalar_reference() {
-        let mut rng = crate::demo::SplitMix64::new(23);
+        let mut rng = crate::loadgen::demo::SplitMix64::new(23);
         let (k, n, rows) = (19, 21, 6);
         let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
         x[..k].fill(0.0);
@@ -686,7 +692,7 @@ mod tests {
     #[test]
     fn every_int8_kernel_scores_whole_models_bit_for_bit_like_the_scalar_backend() {
         let models = [
-            crate::demo::model(),
+            crate::loadgen::demo::model(),
             random_model(31, &[80, 256, 128, 1]),
             random_model(32, &[37, 33, 17, 1]),
             random_model(33, &[257, 255, 65, 1]),

@@ -24,7 +24,7 @@ use std::time::Duration;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::TcpStream;
 
-use crate::admission::{Bucket, ClientLimit};
+use crate::request::admission::{Bucket, ClientLimit};
 
 /// TLS on the scoring port: the configuration every shard shares, built
 /// once at start-up, and the bound on one handshake.

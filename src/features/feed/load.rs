@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use super::contract::{check_group, PUT_BATCH_ROWS};
 use super::{FeedError, Publisher};
-use crate::replica::{parse_text_line as parse_line, TextLine as Line};
+use crate::features::replica::{parse_text_line as parse_line, TextLine as Line};
 
 /// Rows handed to one [`Publisher::put_many`] call: several pipelined batches, so the parsed
 /// rows held in memory stay bounded however long the file is.
@@ -201,14 +201,15 @@ mod tests {
         let p = file("separators.txt", text);
         let load = check_file(&p).unwrap_err().to_string();
         assert!(load.ends_with(":4: the line holds only separators; expected id,f0,f1,..."), "{load}");
-        let Err(build) = crate::replica::ReplicaBuilder::from_text("user", text, &p.display().to_string()) else {
+        let Err(build) = crate::features::replica::ReplicaBuilder::from_text("user", text, &p.display().to_string())
+        else {
             panic!("replica build accepted a line of separators");
         };
         assert_eq!(build.to_string(), load);
         let ok = "default,0,0\n1,1,2\n2,3,4\n";
         let p = file("ok2.txt", ok);
         assert_eq!(check_file(&p).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
-        assert!(crate::replica::ReplicaBuilder::from_text("user", ok, "ok2.txt").is_ok());
+        assert!(crate::features::replica::ReplicaBuilder::from_text("user", ok, "ok2.txt").is_ok());
     }
 
     #[test]

@@ -1001,7 +1001,7 @@ mod tests {
     #[test]
     fn reply_limits_follow_the_command() {
         let l = |args: &[&[u8]]| ReplyLimits::for_command(args);
-        let value = (crate::feed::contract::DIM_MAX * 4 + 512) as u64;
+        let value = (crate::features::feed::contract::DIM_MAX * 4 + 512) as u64;
         assert_eq!(l(&[&b"mget"[..], b"a", b"b"]).elements_max, 2);
         let big = l(&[&b"MGET"[..]; 10_001]);
         assert_eq!((big.elements_max, big.bytes_max as u64), (10_000, 10_000 * value));

@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use super::cluster::RedisSource;
 use super::contract::{Layout, CLUSTER_BUCKETS_DEFAULT};
+use super::redis_cluster::RedisSource;
 use super::status::StalePolicy;
 use super::sync::SYNC_CONNECTIONS_MAX;
-use crate::replica::Storage;
+use crate::features::replica::Storage;
 
 /// Most stream entries one XREAD asks for (`batch_entries_max`).
 pub const BATCH_ENTRIES_MAX: usize = 100_000;

@@ -23,14 +23,14 @@
 //! counter and the stream entry change together: a replica that applies each stream in order
 //! then converges on exactly the keyspace.
 
-use super::cluster::{ClusterConn, ClusterError};
+use super::redis_cluster::{ClusterConn, ClusterError};
 use super::resp::{RedisConn, RedisError, Reply};
 
 /// The publish script; see the comments in `publish.lua` for its keys and arguments.
 pub const PUBLISH_LUA: &str = include_str!("publish.lua");
 
 /// The largest vector dimension accepted (the replica format's bound).
-pub const DIM_MAX: usize = crate::replica::DIM_MAX as usize;
+pub const DIM_MAX: usize = crate::features::replica::DIM_MAX as usize;
 
 /// Longest feature group name; it is part of every key.
 pub const GROUP_BYTES_MAX: usize = 64;
@@ -647,7 +647,7 @@ mod tests {
 
     #[test]
     fn a_bucketed_layout_keeps_each_bucket_in_one_slot_and_parses_only_its_own_keys() {
-        use crate::feed::cluster::key_slot;
+        use crate::features::feed::redis_cluster::key_slot;
         let layout = Layout::bucketed(16).unwrap();
         assert_eq!(layout.entity_key("user", 42), format!("{{user:{}}}:42", layout.bucket_of(42)));
         let mut per_bucket = [0u32; 16];

@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::features::replica::{Replica, ReplicaBuilder};
 use crate::model::{InputSegment, Layer, Model, Source};
-use crate::replica::{Replica, ReplicaBuilder};
 use crate::wire::RequestSpec;
 
 pub const USERS: u64 = 100_000;
@@ -172,14 +172,14 @@ impl std::fmt::Display for IdDist {
 
 /// Largest group ids are drawn from: the sampler's bound, beyond the 2^30
 /// rows one replica file holds.
-pub const POPULATION_MAX: u64 = crate::zipf::RANKS_MAX;
+pub const POPULATION_MAX: u64 = crate::loadgen::zipf::RANKS_MAX;
 
 /// Draws ids 0..n by an [`IdDist`]. Constant size whatever n, so a
 /// workload over a billion ids costs what one over a thousand does.
 #[derive(Clone, Copy, Debug)]
 pub struct Ids {
     n: u64,
-    zipf: Option<crate::zipf::Zipf>,
+    zipf: Option<crate::loadgen::zipf::Zipf>,
     /// Zipf rank r is id (r - 1) * stride mod n: a permutation (stride is
     /// coprime with n) that scatters the hot ids over the population, as in
     /// a real one, instead of packing them into the first rows of a file.
@@ -205,7 +205,7 @@ impl Ids {
         }
         let zipf = match dist {
             IdDist::Uniform => None,
-            IdDist::Zipf(s) => Some(crate::zipf::Zipf::new(s, n).map_err(|e| e.to_string())?),
+            IdDist::Zipf(s) => Some(crate::loadgen::zipf::Zipf::new(s, n).map_err(|e| e.to_string())?),
         };
         // About n / phi apart: neighbouring ranks land far from each other.
         let base = (n as f64 * 0.618_033_988_749_894_8) as u64;

@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
-use super::cluster::{key_slot, ClusterConn, ClusterError, RedisSource};
 use super::contract::{self, ContractError, Layout, Part};
+use super::redis_cluster::{key_slot, ClusterConn, ClusterError, RedisSource};
 use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 use super::status::GroupStatus;
-use crate::replica::{bucket_path, temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
+use crate::features::replica::{bucket_path, temp_path, Cursor, ReplicaError, ReplicaWriter, Storage};
 
 /// Why a refresh session ended or a sync failed.
 #[derive(Debug, thiserror::Error)]
@@ -408,7 +408,7 @@ fn plain_but_bucketed(conn: &mut RedisConn, group: &str) -> Result<(), RefreshEr
 /// is a cluster node (exact but for the bucket's own four keys), else its
 /// share of the database; with the same headroom as a group's copy.
 fn bucket_capacity(conn: &mut RedisConn, part: &Part, share: u64) -> Result<u64, RefreshError> {
-    let slot = super::cluster::key_slot(part.keys.stream.as_bytes()).to_string();
+    let slot = super::redis_cluster::key_slot(part.keys.stream.as_bytes()).to_string();
     let keys = match conn.command(&[b"CLUSTER", b"COUNTKEYSINSLOT", slot.as_bytes()]) {
         Ok(Reply::Int(n)) => u64::try_from(n).unwrap_or(0),
         // A node without cluster support says so.
@@ -426,7 +426,7 @@ fn changes_counted(conn: &mut RedisConn, part: &Part) -> Result<Option<u64>, Ref
 
 /// Rows for a copy of about `keys` entities (see `full_sync`).
 fn with_headroom(keys: u64) -> u64 {
-    (keys + keys / 4 * 3).clamp(1024, crate::replica::ROW_CAPACITY_MAX)
+    (keys + keys / 4 * 3).clamp(1024, crate::features::replica::ROW_CAPACITY_MAX)
 }
 
 /// One MGET's entities, decoded: `ids[i]`'s vector is the `i`-th run of
@@ -741,7 +741,7 @@ fn slot_keys(conn: &mut RedisConn, part: &Part) -> Result<Option<Vec<Vec<u8>>>, 
     if part.layout == contract::Layout::Plain {
         return Ok(None);
     }
-    let slot = super::cluster::key_slot(part.keys.stream.as_bytes()).to_string();
+    let slot = super::redis_cluster::key_slot(part.keys.stream.as_bytes()).to_string();
     let count = match conn.command(&[b"CLUSTER", b"COUNTKEYSINSLOT", slot.as_bytes()]) {
         Ok(Reply::Int(n)) if n <= SLOT_KEYS_MAX => n,
         Ok(_) | Err(RedisError::Server { .. }) => return Ok(None),

@@ -30,18 +30,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Priority bands: by bit length, 0 and 1 alone, then 2–3 … 128–255.
-pub const BANDS: usize = 9;
-
-/// The band of `priority`.
-pub fn band(priority: u8) -> usize {
-    (u8::BITS - priority.leading_zeros()) as usize
-}
-
-/// A band's priorities, for metric labels.
-pub fn band_name(band: usize) -> &'static str {
-    ["0", "1", "2-3", "4-7", "8-15", "16-31", "32-63", "64-127", "128-255"][band.min(BANDS - 1)]
-}
+pub use crate::metrics::{band, band_name, BANDS};
 
 /// What a shed request is answered with.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]

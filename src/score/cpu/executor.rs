@@ -18,10 +18,10 @@
 //! so the f32 backend is the oracle for the rest.
 
 use super::activation;
+use super::forest::CompiledTrees;
 use super::fp8::{self as cpu_fp8, Fp8Layer, Isa};
 use super::int8_gemm::{Int8Kernel, PackedLayer, Scratch};
 use super::tiles::KMajor;
-use super::trees::CompiledTrees;
 use super::{dot_i8, quantize_row};
 use crate::model::graph::{embedding_index, Act, Graph, Op};
 use crate::model::Layer;

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::{unmap_later, ReplicaWriter};
-use crate::replica::layout::TAG_USED;
-use crate::replica::table::lower_thread_priority;
-use crate::replica::{temp_path, Replica, ReplicaError};
+use crate::features::replica::format::TAG_USED;
+use crate::features::replica::table::lower_thread_priority;
+use crate::features::replica::{temp_path, Replica, ReplicaError};
 
 /// With growth ahead on, a growth starts in the background once this many
 /// quarters of the rows are used: the last quarter takes the inserts that

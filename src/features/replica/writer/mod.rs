@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
-use super::layout::{
+use super::format::{
     encode_checkpoint, encode_superblock, row_crc, slot_count_for, slot_of, Cursor, Header, Layout, Storage,
     CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };

@@ -11,11 +11,11 @@
 //!
 //! [`Graph::forward_row`] is the f32 specification every backend is
 //! compared with: slow and allocating on purpose. The serving executors
-//! live in the scoring layer (`score::cpu::graph`). The rewrites in this module
+//! live in the scoring layer (`score::cpu::executor`). The rewrites in this module
 //! ([`Graph::simplify`]) are exact in f32 and are what `quiver import`
 //! reports in its summary.
 
-use super::table::EmbeddingTable;
+use super::embedding::EmbeddingTable;
 use super::trees::Ensemble;
 use super::{Layer, WIDTH_MAX};
 
@@ -138,7 +138,7 @@ pub enum Op {
     /// Each input value indexes a row of `table` (`[rows][dim]`); the rows
     /// go side by side. A value that is not an integer in `0..rows` reads
     /// `default` instead. A loaded model's table is a view of its mapped
-    /// file, shared by every clone (`model::table`).
+    /// file, shared by every clone (`model::embedding`).
     Embedding {
         dim: usize,
         rows: usize,

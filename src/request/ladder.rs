@@ -9,8 +9,6 @@
 //! handed-off request is still unanswered at its give-up time. Every
 //! response says which rung answered (`tier`) and why (`reason`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -213,23 +211,6 @@ impl Breaker {
         self.next = 0;
         self.len = 0;
         self.failures = 0;
-    }
-}
-
-/// Fault hooks for tests, set through the admin endpoint when
-/// `faults_endpoint = true`. Read once per batch by the inference stage.
-#[derive(Debug, Default)]
-pub struct Faults {
-    stage_delay_us: AtomicU64,
-}
-
-impl Faults {
-    pub fn set_stage_delay_us(&self, us: u64) {
-        self.stage_delay_us.store(us, Ordering::Relaxed);
-    }
-
-    pub fn stage_delay_us(&self) -> u64 {
-        self.stage_delay_us.load(Ordering::Relaxed)
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use super::layout::{
+use super::format::{
     decode_checkpoint, decode_superblock, encode_checkpoint, row_crc, slot_of, Cursor, Header, Layout, Storage,
     CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE,
     TAG_USED,

@@ -16,19 +16,19 @@
 //! - [`status`]: the atomics through which the refresher reports position and
 //!   staleness to shards and the admin endpoint.
 
-pub mod cluster;
-pub mod config;
 pub mod contract;
 pub mod load;
+pub mod redis_cluster;
 pub mod refresher;
 pub mod resp;
+pub mod settings;
 pub mod start;
 pub mod status;
 pub mod sync;
 
-pub use config::FeedConfig;
 pub use contract::{ContractError, PublishError, Publisher};
 pub use resp::{RedisConfig, RedisConn, RedisError, Reply, UrlError};
+pub use settings::FeedConfig;
 pub use start::{start, Feed, GroupSpec};
 pub use status::{FeedStatus, GroupStatus, StalePolicy};
 pub use sync::RefreshError;
@@ -41,7 +41,7 @@ pub enum FeedError {
     #[error(transparent)]
     Redis(#[from] RedisError),
     #[error(transparent)]
-    Cluster(#[from] cluster::ClusterError),
+    Cluster(#[from] redis_cluster::ClusterError),
     #[error(transparent)]
     Publish(#[from] PublishError),
     #[error(transparent)]

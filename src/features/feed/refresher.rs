@@ -55,17 +55,17 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::cluster::{key_slot, ClusterConn, RedisSource};
-use super::config::FeedConfig;
 use super::contract::Part;
+use super::redis_cluster::{key_slot, ClusterConn, RedisSource};
 use super::resp::{RedisConfig, RedisConn, Reply};
+use super::settings::FeedConfig;
 use super::status::{FeedStatus, GroupStatus};
 use super::sync::{
     check_bucket_count, entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, Keyed,
     RefreshError, SyncTarget,
 };
 use crate::deadline::{Clock, MonotonicClock};
-use crate::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
+use crate::features::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
 
 /// How long one XREAD waits while a growth replays (see `session`).
 const REPLAY_BLOCK_MS: u64 = 1;
@@ -694,7 +694,9 @@ impl Refresher {
                 Reply::Array(streams) => streams,
                 Reply::Nil => continue,
                 Reply::Error(message) => {
-                    return Err(crate::feed::RedisError::Server { addr: self.redis.addr.clone(), message }.into())
+                    return Err(
+                        crate::features::feed::RedisError::Server { addr: self.redis.addr.clone(), message }.into()
+                    )
                 }
                 other => return Err(shape("XREAD", format!("{other:?}"))),
             };
@@ -1138,7 +1140,7 @@ mod tests {
     #[test]
     fn stream_entries_decode_or_say_why_not() {
         let bulk = |s: &[u8]| Reply::Bulk(s.to_vec());
-        let v = crate::feed::contract::encode_vector(&[1.0, 2.0]);
+        let v = crate::features::feed::contract::encode_vector(&[1.0, 2.0]);
         let put = [bulk(b"k"), bulk(b"user:7"), bulk(b"v"), Reply::Bulk(v.clone()), bulk(b"t"), bulk(b"123")];
         let user = Part::plain("user");
         assert_eq!(change(&user, &put, 2), Ok((7, Some(vec![1.0, 2.0]), 123)));

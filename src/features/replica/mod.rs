@@ -2,7 +2,7 @@
 //! vector, read by every shard while one refresher thread rewrites it.
 //!
 //! The request path reads features from local memory and never waits on a
-//! network. Redis is the source of truth (see `src/feed/`); this module is the
+//! network. Redis is the source of truth (see `src/features/feed/`); this module is the
 //! local copy: a file that is served from the moment it is opened, updated in
 //! place while readers read it, and safe to `kill -9` at any instant.
 //!
@@ -53,7 +53,7 @@
 //! | index_offset    | slot_count × 16         | index: key u64, row u32, tag u32            |
 //! | rows_offset     | row_capacity × stride   | rows: seq u32, crc u32, key u64, payload    |
 
-mod layout;
+mod format;
 mod table;
 mod writer;
 
@@ -62,7 +62,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-pub use layout::{Cursor, Header, Storage};
+pub use format::{Cursor, Header, Storage};
 pub use table::{huge_pages, lock_pages, mem_available_bytes, Replica};
 pub use writer::{GrowthPhase, OpenReport, ReplicaWriter};
 
@@ -167,7 +167,7 @@ impl ReplicaError {
 }
 
 /// The bucket entity `id` belongs to in a group split into `buckets` (the
-/// Redis contract's bucketed layout; `src/feed/contract.rs`): Fibonacci
+/// Redis contract's bucketed layout; `src/features/feed/contract.rs`): Fibonacci
 /// hashing, so ids that share a stride still spread evenly.
 #[inline]
 pub fn bucket_of(id: u64, buckets: usize) -> usize {

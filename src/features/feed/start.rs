@@ -13,14 +13,14 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::config::FeedConfig;
 use super::contract::{Layout, Part};
 use super::refresher::Follow;
 use super::refresher::Refresher;
+use super::settings::FeedConfig;
 use super::status::FeedStatus;
 use super::sync::RefreshError;
 use crate::deadline::{Clock, MonotonicClock};
-use crate::replica::{bucket_path, ReplicaError, ReplicaHandle, ReplicaWriter};
+use crate::features::replica::{bucket_path, ReplicaError, ReplicaHandle, ReplicaWriter};
 
 /// One group to serve: its name, file, and the dimension to create it with
 /// if there is no file.

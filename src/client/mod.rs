@@ -6,6 +6,8 @@
 //! `[tls]`), pipelines many requests, and enforces its own timeout on every
 //! call.
 
+pub mod cluster;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};

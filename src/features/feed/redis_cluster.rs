@@ -663,7 +663,7 @@ mod tests {
     /// never connected to, so it is never sent the password.
     #[test]
     fn a_redirection_to_a_stranger_is_refused_without_credentials() {
-        use crate::feed::resp::fake::FakeRedis;
+        use crate::features::feed::resp::fake::FakeRedis;
         for kind in ["MOVED", "ASK"] {
             let stranger = FakeRedis::start(|_| b"+OK\r\n".to_vec());
             let stranger_addr = stranger.addr.clone();

@@ -3,7 +3,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::layout::{Storage, CHECKPOINT_OFFSETS};
+use super::format::{Storage, CHECKPOINT_OFFSETS};
 use super::*;
 
 fn tmpdir(name: &str) -> std::path::PathBuf {
@@ -281,7 +281,7 @@ fn storage_types_round_trip_within_their_documented_error() {
     assert_eq!((bytes(Storage::F32), bytes(Storage::F16), bytes(Storage::Int8)), (272, 144, 96));
 }
 
-use super::layout::Layout;
+use super::format::Layout;
 
 /// The stress test the concurrency argument rests on: a writer rewrites,
 /// inserts, deletes and grows while readers check every vector they get.

@@ -10,7 +10,7 @@
 
 use std::fmt::Write as _;
 
-use crate::feed::resp::{RedisConfig, RedisConn};
+use crate::features::feed::resp::{RedisConfig, RedisConn};
 
 /// Keys the bench writes and reads: enough to spread over Redis's dict, few
 /// enough to write in one pipeline at start.
