@@ -184,7 +184,7 @@ pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backe
 /// says so.
 pub fn configure_onnxruntime(library: &std::path::Path) {
     #[cfg(feature = "onnxruntime")]
-    ort::configure(library.to_path_buf());
+    self::ort::configure(library.to_path_buf());
     #[cfg(not(feature = "onnxruntime"))]
     tracing::warn!(
         library = %library.display(),
@@ -194,7 +194,7 @@ pub fn configure_onnxruntime(library: &std::path::Path) {
 
 #[cfg(feature = "onnxruntime")]
 fn build_onnxruntime(model: &Model, rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
-    Ok(Box::new(ort::OrtBackend::new(model, rows_max)?))
+    Ok(Box::new(self::ort::OrtBackend::new(model, rows_max)?))
 }
 
 #[cfg(not(feature = "onnxruntime"))]

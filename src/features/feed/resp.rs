@@ -47,9 +47,9 @@ impl ReplyLimits {
             let i = options.start + args.get(options)?.iter().position(|a| a.eq_ignore_ascii_case(word))?;
             std::str::from_utf8(args.get(i + 1)?).ok()?.parse().ok()
         };
-        // Values are feature vectors of at most DIM_MAX floats; the slack is for the bulk
+        // Values are feature vectors of at most the replica format's DIM_MAX floats; the slack is for the bulk
         // headers, keys, ids and a writer's odd value, which the contract check then refuses.
-        let value_bytes = (super::contract::DIM_MAX * 4 + 512) as u64;
+        let value_bytes = (crate::features::replica::DIM_MAX as usize * 4 + 512) as u64;
         let bytes = |values: u64| {
             let derived = usize::try_from(values.saturating_mul(value_bytes)).unwrap_or(usize::MAX);
             derived.max(default.bytes_max)
@@ -1001,7 +1001,7 @@ mod tests {
     #[test]
     fn reply_limits_follow_the_command() {
         let l = |args: &[&[u8]]| ReplyLimits::for_command(args);
-        let value = (crate::features::feed::contract::DIM_MAX * 4 + 512) as u64;
+        let value = (crate::features::replica::DIM_MAX as usize * 4 + 512) as u64;
         assert_eq!(l(&[&b"mget"[..], b"a", b"b"]).elements_max, 2);
         let big = l(&[&b"MGET"[..]; 10_001]);
         assert_eq!((big.elements_max, big.bytes_max as u64), (10_000, 10_000 * value));

@@ -1,3 +1,6 @@
+//! Unit tests of the replica: files, the seqlock read path, the writer, growth,
+//! checkpoints and recovery, on temporary files.
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
