@@ -436,7 +436,7 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("infer/mod.rs", "the job slots handed between a shard and the inference thread"),
     ("infer/ring.rs", "the hand-off rings' slots"),
     ("model/embedding.rs", "mapping a model file and the checked slice cast of its tables"),
-    ("model/mod.rs", "the one call of ModelFile::map, under the rename rule"),
+    ("model/codec/decode.rs", "the one call of ModelFile::map, under the rename rule"),
     ("request/cache.rs", "the score cache's prefetch"),
     ("score/cpu/aligned.rs", "the aligned-slice cast"),
     ("score/cpu/executor.rs", "calls of safe code compiled with #[target_feature] after a runtime check"),

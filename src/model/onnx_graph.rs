@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use super::fb;
 use super::graph::OutputKind;
-use super::FlatBufferBuilder;
-use super::WIPOffset;
+use flatbuffers::FlatBufferBuilder;
+use flatbuffers::WIPOffset;
 
 /// Most graph inputs an interface may list.
 pub const ONNX_INPUTS_MAX: usize = 64;
