@@ -7,13 +7,15 @@
 //! `.qm` files; exporting them lets the same network run both ways
 //! (`bench/ort_backend.sh`). Re-importing the export gives the same model.
 
+use onnx_protobuf::attribute_proto::AttributeType;
 use onnx_protobuf::{
-    tensor_proto, tensor_shape_proto, type_proto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
-    TensorShapeProto, TypeProto, ValueInfoProto,
+    tensor_proto, tensor_shape_proto, type_proto, AttributeProto, GraphProto, ModelProto, NodeProto,
+    OperatorSetIdProto, TensorProto, TensorShapeProto, TypeProto, ValueInfoProto,
 };
 use protobuf::{Message as _, MessageField};
 
-use super::{AttributeProto, AttributeType, OnnxError, DT_FLOAT};
+use super::proto::DT_FLOAT;
+use super::OnnxError;
 use crate::model::Model;
 
 fn dim(d: tensor_shape_proto::dimension::Value) -> tensor_shape_proto::Dimension {
@@ -132,7 +134,7 @@ mod tests {
         let inputs = model
             .inputs
             .iter()
-            .map(|s| format!("{}:{}", super::super::source_name(s.source), s.dim))
+            .map(|s| format!("{}:{}", crate::model::onnx::source_name(s.source), s.dim))
             .collect::<Vec<_>>()
             .join(",");
         let opts = ImportOptions {

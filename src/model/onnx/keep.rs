@@ -14,10 +14,10 @@ use std::collections::HashSet;
 use onnx_protobuf::{type_proto, GraphProto, ModelProto, TypeProto, ValueInfoProto};
 use protobuf::{Message as _, MessageField};
 
-use super::{
-    inline_external_data, is_external, resolve_mapping, select_output, source_name, ImportOptions, Imported, OnnxError,
-    DT_FLOAT, DT_INT32, DT_INT64,
-};
+use super::external::{inline_external_data, is_external};
+use super::mapping::{resolve_mapping, source_name};
+use super::proto::{dtype_name, DT_FLOAT, DT_INT32, DT_INT64};
+use super::{select_output, ImportOptions, Imported, OnnxError};
 use crate::model::onnx_graph::{OnnxElement, OnnxGraph, OnnxInput};
 use crate::model::{InputSegment, Model, OutputKind, Source};
 
@@ -47,7 +47,7 @@ fn input_interface(vi: &ValueInfoProto) -> Result<(OnnxElement, u8, usize), Onnx
         other => {
             return Err(bad(format!(
                 "has element type {}; the server feeds FLOAT, INT64 or INT32 inputs",
-                super::dtype_name(other)
+                dtype_name(other)
             )))
         }
     };
@@ -206,15 +206,7 @@ pub(super) fn only(
         output_probability: false,
         output_kind,
     };
-    let model = Model {
-        name: opts.name.clone(),
-        version: opts.version,
-        inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
-        layers: Vec::new(),
-        calibration: None,
-        graph: None,
-        onnx: Some(kept),
-    };
+    let model = Model { onnx: Some(kept), ..opts.model(&layout) };
     model.validate()?;
     let mapped: Vec<String> = layout
         .iter()

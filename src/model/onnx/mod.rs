@@ -16,25 +16,42 @@
 //! else is refused with the node and the reason rather than approximated, so
 //! an imported model computes what the ONNX graph computes or is not
 //! imported at all.
+//!
+//! Here: the import's entry points, output selection and the walk over the
+//! nodes the output needs. `ops`: the op table and each op's import, by
+//! family; `builder`: the graph under construction; `proto`: reading nodes,
+//! attributes and tensors; `mapping`: `--inputs`; `external`: weights in
+//! side files; `keep`: the graph kept for onnxruntime; `wire`: the
+//! pre-decode walk; `export`: `quiver export-onnx`.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::Path;
 
-use onnx_protobuf::{attribute_proto::AttributeType, tensor_proto, type_proto, Message as _};
-use onnx_protobuf::{AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto};
-use protobuf::Enum as _;
+use onnx_protobuf::Message as _;
+use onnx_protobuf::{GraphProto, ModelProto, TensorProto, ValueInfoProto};
 
 use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
 use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_HEAP_BYTES_MAX};
 
+mod builder;
 mod export;
+mod external;
 mod keep;
-mod tree_ensemble;
+mod mapping;
+mod ops;
+mod proto;
 mod wire;
 
 pub use export::export_mlp;
+pub use external::EXTERNAL_DATA_BYTES_MAX;
 pub use keep::KeepOnnx;
+pub use mapping::{source_name, InputMapping, MappingEntry};
+
+use builder::Builder;
+use external::{inline_external_data, is_external};
+use mapping::resolve_mapping;
+use proto::input_width;
 
 /// The ops the importer understands, for error messages.
 pub const SUPPORTED_OPS: &str =
@@ -44,11 +61,6 @@ pub const SUPPORTED_OPS: &str =
      Slice (of a graph input), Gather (embeddings), Identity, Dropout, Cast, Flatten, Reshape, Constant; \
      ai.onnx.ml Scaler, LinearClassifier, LinearRegressor, Normalizer (L1), ZipMap, TreeEnsembleClassifier \
      (binary), TreeEnsembleRegressor";
-
-/// ONNX `TensorProto.DataType` codes this module reads.
-const DT_FLOAT: i32 = 1;
-const DT_INT64: i32 = 7;
-const DT_INT32: i32 = 6;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OnnxError {
@@ -89,80 +101,6 @@ impl OnnxError {
     }
 }
 
-/// One entry of `--inputs`: which Quiver source fills the next `dim` columns,
-/// optionally naming the ONNX graph input they come from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MappingEntry {
-    pub source: Source,
-    pub graph_input: Option<String>,
-    pub dim: usize,
-}
-
-/// How the ONNX graph inputs map to Quiver input segments.
-///
-/// Written `user:32,item:32,context:16` (entries take the graph inputs in
-/// their declared order, one each; a graph with a single input is split into
-/// consecutive segments instead) or `user=u:32,item=i:32,context=c:16`
-/// (entries name their graph input; several entries naming the same input
-/// split it, in the order written).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InputMapping {
-    pub entries: Vec<MappingEntry>,
-}
-
-impl std::str::FromStr for InputMapping {
-    type Err = OnnxError;
-
-    fn from_str(s: &str) -> Result<InputMapping, OnnxError> {
-        let bad = |what: String| OnnxError::Mapping { what };
-        let mut entries = Vec::new();
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (left, dim) = part
-                .rsplit_once(':')
-                .ok_or_else(|| bad(format!("'{part}': expected SOURCE:DIM or SOURCE=INPUT:DIM")))?;
-            let dim: usize = dim
-                .parse()
-                .ok()
-                .filter(|d| *d > 0)
-                .ok_or_else(|| bad(format!("'{part}': the dimension must be a positive integer")))?;
-            let (source, graph_input) = match left.split_once('=') {
-                Some((src, input)) if !input.is_empty() => (src, Some(input.to_string())),
-                Some(_) => return Err(bad(format!("'{part}': empty graph input name after '='"))),
-                None => (left, None),
-            };
-            let source = match source {
-                "user" => Source::User,
-                "item" => Source::Item,
-                "context" => Source::Context,
-                "context_ids" => Source::ContextIds,
-                other => return Err(bad(format!("'{other}' is not a source; use user, item, context or context_ids"))),
-            };
-            if entries.iter().any(|e: &MappingEntry| e.source == source) {
-                return Err(bad(format!("{} is mapped more than once", source_name(source))));
-            }
-            entries.push(MappingEntry { source, graph_input, dim });
-        }
-        if entries.is_empty() {
-            return Err(bad("no entries; e.g. user:32,item:32,context:16".into()));
-        }
-        let named = entries.iter().filter(|e| e.graph_input.is_some()).count();
-        if named != 0 && named != entries.len() {
-            return Err(bad("name the graph input in every entry or in none".into()));
-        }
-        Ok(InputMapping { entries })
-    }
-}
-
-/// The `--inputs` spelling of a source.
-pub fn source_name(s: Source) -> &'static str {
-    match s {
-        Source::User => "user",
-        Source::Item => "item",
-        Source::Context => "context",
-        Source::ContextIds => "context_ids",
-    }
-}
-
 /// What `quiver import` needs besides the file.
 #[derive(Clone, Debug)]
 pub struct ImportOptions {
@@ -177,6 +115,22 @@ pub struct ImportOptions {
     /// Where external data files (weights beside the `.onnx`) are found;
     /// the ONNX file's folder.
     pub base_dir: Option<std::path::PathBuf>,
+}
+
+impl ImportOptions {
+    /// A model named and versioned as asked, reading `layout`'s segments in
+    /// order, with no network yet.
+    fn model(&self, layout: &[(String, Vec<InputSegment>)]) -> Model {
+        Model {
+            name: self.name.clone(),
+            version: self.version,
+            inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
+            layers: Vec::new(),
+            calibration: None,
+            graph: None,
+            onnx: None,
+        }
+    }
 }
 
 /// An imported model and what the import found, for the summary.
@@ -343,150 +297,6 @@ pub fn import_bytes_keeping(
     Ok(imported)
 }
 
-fn node_name(node: &NodeProto) -> String {
-    if node.name.is_empty() {
-        format!("<unnamed {} -> {}>", node.op_type, node.output.join(","))
-    } else {
-        node.name.clone()
-    }
-}
-
-fn node_err(node: &NodeProto, what: impl Into<String>) -> OnnxError {
-    OnnxError::Node { node: node_name(node), op: node.op_type.clone(), what: what.into() }
-}
-
-fn attr<'n>(node: &'n NodeProto, name: &str) -> Option<&'n AttributeProto> {
-    node.attribute.iter().find(|a| a.name == name)
-}
-
-fn attr_kind_ok(a: &AttributeProto, kind: AttributeType) -> bool {
-    matches!(a.type_.enum_value(), Ok(k) if k == kind || k == AttributeType::UNDEFINED)
-}
-
-fn attr_int(node: &NodeProto, name: &str, default: Option<i64>) -> Result<i64, OnnxError> {
-    match attr(node, name) {
-        Some(a) if attr_kind_ok(a, AttributeType::INT) => Ok(a.i),
-        Some(_) => Err(node_err(node, format!("attribute '{name}' is not an integer"))),
-        None => default.ok_or_else(|| node_err(node, format!("attribute '{name}' is missing"))),
-    }
-}
-
-fn attr_float(node: &NodeProto, name: &str, default: f32) -> Result<f32, OnnxError> {
-    match attr(node, name) {
-        Some(a) if attr_kind_ok(a, AttributeType::FLOAT) => Ok(a.f),
-        Some(_) => Err(node_err(node, format!("attribute '{name}' is not a float"))),
-        None => Ok(default),
-    }
-}
-
-fn dtype_name(code: i32) -> String {
-    match tensor_proto::DataType::from_i32(code) {
-        Some(t) => format!("{t:?}"),
-        None => format!("unknown type {code}"),
-    }
-}
-
-/// Dimensions of a constant, checked to be non-negative and to fit memory:
-/// as many floats as the largest embedding table (values are only ever
-/// read from data the file or its external data holds, never made up to
-/// fill dimensions; the graph's own limits apply after import).
-fn tensor_dims(t: &TensorProto) -> Result<(Vec<usize>, usize), OnnxError> {
-    let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
-    let mut dims = Vec::with_capacity(t.dims.len());
-    let mut numel = 1usize;
-    for &d in &t.dims {
-        let d = usize::try_from(d).map_err(|_| bad(format!("negative dimension in {:?}", t.dims)))?;
-        numel = numel
-            .checked_mul(d)
-            .filter(|n| *n <= super::graph::EMBEDDING_FLOATS_MAX)
-            .ok_or_else(|| bad(format!("dimensions {:?} are too large", t.dims)))?;
-        dims.push(d);
-    }
-    if t.data_location.enum_value() == Ok(tensor_proto::DataLocation::EXTERNAL) {
-        return Err(bad("stored in an external data file, which is not supported".into()));
-    }
-    Ok((dims, numel))
-}
-
-/// The number of elements of `dims`, or `None` when it overflows.
-fn numel(dims: &[usize]) -> Option<usize> {
-    dims.iter().try_fold(1usize, |n, d| n.checked_mul(*d))
-}
-
-/// A float constant's dimensions and values (from `raw_data` or `float_data`).
-fn tensor_f32(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>), OnnxError> {
-    let (dims, numel) = tensor_dims(t)?;
-    let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
-    if t.data_type != DT_FLOAT {
-        return Err(bad(format!(
-            "element type {} is not supported; weights must be FLOAT (float32)",
-            dtype_name(t.data_type)
-        )));
-    }
-    let values: Vec<f32> = if t.raw_data.is_empty() {
-        t.float_data.clone()
-    } else {
-        t.raw_data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-    };
-    let stored = if t.raw_data.is_empty() { values.len() } else { t.raw_data.len() / 4 };
-    if stored != numel || !t.raw_data.len().is_multiple_of(4) {
-        return Err(bad(format!("holds {stored} values but its dimensions {dims:?} need {numel}")));
-    }
-    Ok((dims, values))
-}
-
-fn tensor_i64(t: &TensorProto) -> Result<Vec<i64>, OnnxError> {
-    let (dims, numel) = tensor_dims(t)?;
-    let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
-    if t.data_type != DT_INT64 {
-        return Err(bad(format!("element type {} where INT64 is needed", dtype_name(t.data_type))));
-    }
-    let values: Vec<i64> = if t.raw_data.is_empty() {
-        t.int64_data.clone()
-    } else {
-        t.raw_data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("chunks of 8"))).collect()
-    };
-    if values.len() != numel || !t.raw_data.len().is_multiple_of(8) {
-        return Err(bad(format!("holds {} values but its dimensions {dims:?} need {numel}", values.len())));
-    }
-    Ok(values)
-}
-
-/// Width of a `[batch, width]` float graph input.
-/// Width of a `[batch, width]` graph input, and whether it holds integers
-/// (INT64 or INT32: categorical ids, mapped to `context_ids`).
-fn input_width(vi: &ValueInfoProto) -> Result<(usize, bool), OnnxError> {
-    let bad = |what: &str| OnnxError::Input { input: vi.name.clone(), what: what.into() };
-    let Some(type_proto::Value::TensorType(t)) = vi.type_.as_ref().and_then(|t| t.value.as_ref()) else {
-        return Err(bad("is not a tensor"));
-    };
-    let ints = t.elem_type == DT_INT64 || t.elem_type == DT_INT32;
-    if t.elem_type != DT_FLOAT && !ints {
-        return Err(OnnxError::Input {
-            input: vi.name.clone(),
-            what: format!(
-                "has element type {}; only FLOAT (float32) inputs, and INT64 or INT32 ids, are supported",
-                dtype_name(t.elem_type)
-            ),
-        });
-    }
-    let Some(shape) = t.shape.as_ref() else {
-        return Err(bad("has no shape; expected [batch, width]"));
-    };
-    if shape.dim.len() != 2 {
-        return Err(OnnxError::Input {
-            input: vi.name.clone(),
-            what: format!("has rank {}; expected [batch, width]", shape.dim.len()),
-        });
-    }
-    let w = &shape.dim[1];
-    if !w.has_dim_value() || w.dim_value() <= 0 {
-        return Err(bad("has an unknown or zero width; expected [batch, width] with a fixed width"));
-    }
-    let width = usize::try_from(w.dim_value()).map_err(|_| bad("width does not fit"))?;
-    Ok((width, ints))
-}
-
 /// Picks the tensor to reproduce.
 fn select_output(graph: &GraphProto, opts: &ImportOptions) -> Result<String, OnnxError> {
     if let Some(o) = &opts.output {
@@ -517,843 +327,6 @@ fn select_output(graph: &GraphProto, opts: &ImportOptions) -> Result<String, Onn
             })
         }
     }
-}
-
-/// Assigns `--inputs` entries to the graph inputs; returns each input's
-/// segments, in column order.
-fn resolve_mapping(
-    inputs: &[&ValueInfoProto],
-    widths: &[usize],
-    mapping: &InputMapping,
-) -> Result<Vec<Vec<InputSegment>>, OnnxError> {
-    let bad = |what: String| OnnxError::Mapping { what };
-    let described: Vec<String> =
-        inputs.iter().zip(widths).map(|(vi, w)| format!("'{}' [batch, {w}]", vi.name)).collect();
-    let described = described.join(", ");
-    let mut segments: Vec<Vec<InputSegment>> = vec![Vec::new(); inputs.len()];
-    let seg = |e: &MappingEntry| InputSegment { source: e.source, dim: e.dim };
-    let named = mapping.entries.iter().all(|e| e.graph_input.is_some());
-    if named {
-        for e in &mapping.entries {
-            let name = e.graph_input.as_deref().expect("all entries are named");
-            let i = inputs
-                .iter()
-                .position(|vi| vi.name == name)
-                .ok_or_else(|| bad(format!("the graph has no input '{name}'; its inputs are {described}")))?;
-            segments[i].push(seg(e));
-        }
-    } else if inputs.len() == 1 {
-        segments[0] = mapping.entries.iter().map(seg).collect();
-    } else if mapping.entries.len() != inputs.len() {
-        return Err(bad(format!(
-            "{} entries for {} graph inputs ({described}); give one entry per input, in this order",
-            mapping.entries.len(),
-            inputs.len()
-        )));
-    } else {
-        for (s, e) in segments.iter_mut().zip(&mapping.entries) {
-            s.push(seg(e));
-        }
-    }
-    for ((vi, &w), segs) in inputs.iter().zip(widths).zip(&segments) {
-        if segs.is_empty() {
-            return Err(bad(format!("graph input '{}' is not mapped; its inputs are {described}", vi.name)));
-        }
-        let total: usize = segs.iter().map(|s| s.dim).sum();
-        if total != w {
-            let parts: Vec<String> = segs.iter().map(|s| format!("{}:{}", source_name(s.source), s.dim)).collect();
-            return Err(bad(format!(
-                "graph input '{}' is {w} wide but is mapped to {} = {total}",
-                vi.name,
-                parts.join(" + ")
-            )));
-        }
-    }
-    Ok(segments)
-}
-
-/// A tensor the interpreter computes: a graph node, the per-row shape it
-/// has in ONNX (`[width]` for `[batch, width]`; `[k, d]` for an embedding
-/// gather), and whether it was cast to an integer type (embedding indices).
-#[derive(Clone, Debug)]
-struct Val {
-    node: usize,
-    dims: Vec<usize>,
-    ints: bool,
-}
-
-enum Operand<'g> {
-    Val(Val),
-    Const(&'g TensorProto),
-}
-
-/// The graph under construction: nodes in topological order, the ONNX
-/// tensors bound to them, and the constants.
-struct Builder<'g> {
-    nodes: Vec<GNode>,
-    vals: HashMap<String, Val>,
-    consts: HashMap<&'g str, &'g TensorProto>,
-    notes: Vec<String>,
-}
-
-impl<'g> Builder<'g> {
-    fn operand(&self, node: &NodeProto, name: &str) -> Result<Operand<'g>, OnnxError> {
-        if let Some(v) = self.vals.get(name) {
-            return Ok(Operand::Val(v.clone()));
-        }
-        if let Some(t) = self.consts.get(name) {
-            return Ok(Operand::Const(t));
-        }
-        Err(node_err(
-            node,
-            format!("tensor '{name}' is not produced by an earlier node, an initializer or a graph input"),
-        ))
-    }
-
-    fn push(&mut self, op: Op, inputs: Vec<usize>, width: usize) -> usize {
-        self.nodes.push(GNode { op, inputs, width });
-        self.nodes.len() - 1
-    }
-
-    fn flat(&mut self, op: Op, inputs: Vec<usize>, width: usize) -> Val {
-        Val { node: self.push(op, inputs, width), dims: vec![width], ints: false }
-    }
-
-    fn width(&self, v: &Val) -> usize {
-        self.nodes[v.node].width
-    }
-}
-
-fn expect_val(node: &NodeProto, op: Operand<'_>, role: &str) -> Result<Val, OnnxError> {
-    match op {
-        Operand::Val(v) => Ok(v),
-        Operand::Const(t) => Err(node_err(
-            node,
-            format!("the {role} '{}' is a constant; it must be computed from the graph inputs", t.name),
-        )),
-    }
-}
-
-fn expect_const<'g>(node: &NodeProto, op: Operand<'g>, role: &str) -> Result<&'g TensorProto, OnnxError> {
-    match op {
-        Operand::Const(t) => Ok(t),
-        Operand::Val(_) => Err(node_err(
-            node,
-            format!("the {role} must be an initializer or a Constant, not computed from the inputs"),
-        )),
-    }
-}
-
-/// A `[batch, width]` tensor, or an error naming its shape.
-fn expect_flat(node: &NodeProto, v: &Val) -> Result<usize, OnnxError> {
-    match v.dims[..] {
-        [w] => Ok(w),
-        _ => {
-            Err(node_err(node, format!("reads a [batch, {:?}] tensor; only [batch, width] is supported here", v.dims)))
-        }
-    }
-}
-
-fn operands<'g>(
-    b: &Builder<'g>,
-    node: &NodeProto,
-    n: std::ops::RangeInclusive<usize>,
-) -> Result<Vec<Operand<'g>>, OnnxError> {
-    let count = node.input.len();
-    if !n.contains(&count) {
-        return Err(node_err(node, format!("has {count} inputs; {}..={} expected", n.start(), n.end())));
-    }
-    node.input.iter().filter(|s| !s.is_empty()).map(|s| b.operand(node, s)).collect()
-}
-
-/// A float constant broadcast to `width` values: a scalar, or exactly
-/// `width` values (`[w]` or `[1, w]`).
-/// How many values constant `t` holds when it is a vector (`[w]` or
-/// `[1, w]`); 1 for anything else, which `const_vec` then judges.
-fn const_width(t: &TensorProto) -> usize {
-    match t.dims[..] {
-        [w] | [1, w] => usize::try_from(w).unwrap_or(1).max(1),
-        _ => 1,
-    }
-}
-
-fn const_vec(node: &NodeProto, t: &TensorProto, width: usize) -> Result<Vec<f32>, OnnxError> {
-    let (dims, values) = tensor_f32(t)?;
-    if values.len() == 1 && dims.iter().all(|d| *d == 1) {
-        return Ok(vec![values[0]; width]);
-    }
-    if matches!(dims[..], [x] | [1, x] if x == width) {
-        return Ok(values);
-    }
-    Err(node_err(
-        node,
-        format!("constant '{}' has shape {dims:?}; a scalar, [{width}] or [1, {width}] expected", t.name),
-    ))
-}
-
-fn attr_floats(node: &NodeProto, name: &str) -> Vec<f32> {
-    attr(node, name).map(|a| a.floats.clone()).unwrap_or_default()
-}
-
-fn attr_string(node: &NodeProto, name: &str) -> Option<String> {
-    attr(node, name).map(|a| String::from_utf8_lossy(&a.s).into_owned())
-}
-
-fn attr_ints(node: &NodeProto, name: &str) -> Option<Vec<i64>> {
-    attr(node, name).map(|a| a.ints.clone())
-}
-
-/// The affine node `(x − center) · scale + shift` over `v`.
-fn affine(b: &mut Builder<'_>, v: &Val, center: Vec<f32>, scale: Vec<f32>, shift: Vec<f32>) -> Val {
-    let w = b.width(v);
-    let node = b.push(Op::Affine { center, scale, shift }, vec![v.node], w);
-    Val { node, dims: v.dims.clone(), ints: false }
-}
-
-/// A dense node from row-major `[out][in]` f32 weights.
-fn dense(b: &mut Builder<'_>, v: &Val, k: usize, n: usize, weights: Vec<f32>, bias: Vec<f32>) -> Val {
-    let layer = Layer::quantize(k, n, false, weights, bias);
-    b.flat(Op::Dense { layer, act: Act::None }, vec![v.node], n)
-}
-
-/// The two-class probability tensor `[1 − p, p]` for the positive-class
-/// probability node `p`, as classifiers output it; the output selection
-/// takes column 1 back out.
-fn two_class(b: &mut Builder<'_>, p: Val) -> Val {
-    let neg = affine(b, &p, vec![0.0], vec![-1.0], vec![1.0]);
-    b.flat(Op::Concat, vec![neg.node, p.node], 2)
-}
-
-/// The erf form of GELU is written out node by node by exporters; `Gelu`
-/// (opset 20) names it.
-fn act_node(b: &mut Builder<'_>, node: &NodeProto, x: Val, act: Act) -> Result<Val, OnnxError> {
-    if let Act::LeakyRelu(a) = act {
-        if !a.is_finite() {
-            return Err(node_err(node, format!("alpha {a} is not finite")));
-        }
-    }
-    let w = b.width(&x);
-    let n = b.push(Op::Act(act), vec![x.node], w);
-    Ok(Val { node: n, dims: x.dims, ints: false })
-}
-
-/// Applies one node.
-fn apply<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> {
-    let op = node.op_type.as_str();
-    let ml = node.domain == "ai.onnx.ml";
-    if !(node.domain.is_empty() || node.domain == "ai.onnx" || ml) {
-        return Err(OnnxError::UnsupportedOp {
-            op: format!("{}::{op}", node.domain),
-            node: node_name(node),
-            hint: String::new(),
-        });
-    }
-    if ml {
-        return apply_ml(b, node);
-    }
-    if op == "Constant" {
-        let t = attr(node, "value")
-            .and_then(|a| a.t.as_ref())
-            .ok_or_else(|| node_err(node, "only a Constant with a tensor 'value' attribute is supported"))?;
-        b.consts.insert(node.output[0].as_str(), t);
-        return Ok(());
-    }
-    const HANDLED: [&str; 29] = [
-        "Identity",
-        "Dropout",
-        "Cast",
-        "Flatten",
-        "Reshape",
-        "Concat",
-        "MatMul",
-        "Gemm",
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Relu",
-        "LeakyRelu",
-        "Tanh",
-        "Sigmoid",
-        "Erf",
-        "Gelu",
-        "Sqrt",
-        "Pow",
-        "Neg",
-        "Reciprocal",
-        "BatchNormalization",
-        "LayerNormalization",
-        "Softmax",
-        "ReduceSum",
-        "ReduceMean",
-        "Slice",
-        "Gather",
-    ];
-    if !HANDLED.contains(&op) {
-        return Err(unsupported(node));
-    }
-    // Dropout's mask and LayerNormalization's statistics are extra outputs
-    // nothing in an inference graph reads; reading them fails as unbound.
-    let extra_ok = matches!(op, "Dropout" | "LayerNormalization" | "BatchNormalization");
-    if node.output.is_empty() || (node.output.len() > 1 && !extra_ok) {
-        return Err(node_err(node, format!("has {} outputs; one expected", node.output.len())));
-    }
-    let out = node.output[0].clone();
-    let result: Val = match op {
-        "Identity" => expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?,
-        "Dropout" => {
-            let mut ops = operands(b, node, 1..=3)?;
-            if node.input.len() == 3 && !node.input[2].is_empty() {
-                let t = expect_const(node, ops.remove(2), "training_mode")?;
-                let on = tensor_bool(t)?;
-                if on {
-                    return Err(node_err(node, "training_mode is true; export the model in eval mode"));
-                }
-            }
-            b.notes.push(format!("removed Dropout '{}' (inference is the identity)", node_name(node)));
-            expect_val(node, ops.remove(0), "input")?
-        }
-        "Cast" => {
-            let to = attr_int(node, "to", None)?;
-            let mut v = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            match to as i32 {
-                DT_FLOAT => {}
-                // Indices for Gather: the values stay floats here, and the
-                // embedding reads them as integers (or takes its default row).
-                DT_INT64 | DT_INT32 => v.ints = true,
-                other => {
-                    return Err(node_err(
-                        node,
-                        format!("casts to {}; only casts to FLOAT, INT64 or INT32 are supported", dtype_name(other)),
-                    ))
-                }
-            }
-            v
-        }
-        "Flatten" => {
-            let axis = attr_int(node, "axis", Some(1))?;
-            let mut v = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            if axis != 1 && !(axis == -1 && v.dims.len() == 1) {
-                return Err(node_err(node, format!("axis {axis}; only axis 1 (keep the batch) is supported")));
-            }
-            let total = numel(&v.dims).ok_or_else(|| node_err(node, format!("flattens {:?}, too large", v.dims)))?;
-            v.dims = vec![total];
-            v
-        }
-        "Reshape" => {
-            let mut ops = operands(b, node, 2..=2)?;
-            let shape = tensor_i64(expect_const(node, ops.remove(1), "shape")?)?;
-            let mut v = expect_val(node, ops.remove(0), "data input")?;
-            let total = numel(&v.dims).ok_or_else(|| node_err(node, format!("reshapes {:?}, too large", v.dims)))?;
-            let shown =
-                if v.dims.len() == 1 { format!("[batch, {}]", total) } else { format!("[batch, {:?}]", v.dims) };
-            let refuse = || {
-                node_err(
-                    node,
-                    format!(
-                        "reshapes {shown} to {shape:?}; only a reshape that keeps the batch dimension is supported"
-                    ),
-                )
-            };
-            let Some((&first, rest)) = shape.split_first() else { return Err(refuse()) };
-            if first != -1 && first != 0 {
-                return Err(refuse());
-            }
-            let mut dims = Vec::with_capacity(rest.len());
-            let mut infer = None;
-            for (i, &d) in rest.iter().enumerate() {
-                match d {
-                    0 => dims.push(*v.dims.get(i).ok_or_else(refuse)?),
-                    -1 if infer.is_none() && first == 0 => {
-                        infer = Some(i);
-                        dims.push(1);
-                    }
-                    d if d > 0 => dims.push(usize::try_from(d).map_err(|_| refuse())?),
-                    _ => return Err(refuse()),
-                }
-            }
-            // Products of the file's dimensions are checked: wrapped, a
-            // shape such as [16, 2^60 + 1] would pass for 16 values.
-            let known = numel(&dims).ok_or_else(refuse)?;
-            if let Some(i) = infer {
-                if known == 0 || !total.is_multiple_of(known) {
-                    return Err(refuse());
-                }
-                dims[i] = total / known;
-            }
-            if dims.is_empty() || numel(&dims) != Some(total) {
-                return Err(refuse());
-            }
-            v.dims = dims;
-            v
-        }
-        "Concat" => {
-            let axis = attr_int(node, "axis", None)?;
-            let ops = operands(b, node, 1..=node.input.len().max(1))?;
-            let mut inputs = Vec::new();
-            let mut width = 0;
-            for o in ops {
-                let v = expect_val(node, o, "input")?;
-                width += expect_flat(node, &v)?;
-                inputs.push(v.node);
-            }
-            if axis != 1 && axis != -1 {
-                return Err(node_err(node, format!("axis {axis}; only the feature axis (1) is supported")));
-            }
-            b.flat(Op::Concat, inputs, width)
-        }
-        "MatMul" => {
-            let mut ops = operands(b, node, 2..=2)?;
-            if matches!(ops[0], Operand::Const(_)) {
-                return Err(node_err(node, "the weight is the first operand; only activation x weight is supported"));
-            }
-            let w = expect_const(node, ops.remove(1), "weight")?;
-            let v = expect_val(node, ops.remove(0), "input")?;
-            let width = expect_flat(node, &v)?;
-            let (dims, values) = tensor_f32(w)?;
-            let [k, n] = dims[..] else {
-                return Err(node_err(node, format!("weight '{}' has shape {dims:?}; [in, out] expected", w.name)));
-            };
-            if k != width {
-                return Err(node_err(node, format!("weight '{}' is [{k}, {n}] but its input is {width} wide", w.name)));
-            }
-            let mut weights = vec![0.0f32; k * n];
-            for (r, row) in values.chunks_exact(n.max(1)).enumerate() {
-                for (o, x) in row.iter().enumerate() {
-                    weights[o * k + r] = *x;
-                }
-            }
-            dense(b, &v, k, n, weights, vec![0.0; n])
-        }
-        "Gemm" => gemm(b, node)?,
-        "Add" | "Sub" | "Mul" | "Div" => binary(b, node)?,
-        // tf2onnx writes Keras's LayerNormalization with these (the mean's
-        // negation, the reciprocal of the standard deviation).
-        "Neg" => {
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let w = expect_flat(node, &x)?;
-            affine(b, &x, vec![0.0; w], vec![-1.0; w], vec![0.0; w])
-        }
-        "Reciprocal" => {
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let w = expect_flat(node, &x)?;
-            let ones = affine(b, &x, vec![0.0; w], vec![0.0; w], vec![1.0; w]);
-            b.flat(Op::Div, vec![ones.node, x.node], w)
-        }
-        "Pow" => {
-            let mut ops = operands(b, node, 2..=2)?;
-            let e = expect_const(node, ops.remove(1), "exponent")?;
-            let x = expect_val(node, ops.remove(0), "base")?;
-            let w = expect_flat(node, &x)?;
-            let (_, e) = tensor_f32(e)?;
-            match e[..] {
-                [2.0] => b.flat(Op::Mul, vec![x.node, x.node], w),
-                // The cube of the tanh-form GELU as Keras writes it.
-                [3.0] => {
-                    let square = b.flat(Op::Mul, vec![x.node, x.node], w);
-                    b.flat(Op::Mul, vec![square.node, x.node], w)
-                }
-                [0.5] => act_node(b, node, x, Act::Sqrt)?,
-                [1.0] => x,
-                _ => return Err(node_err(node, format!("exponent {e:?}; only 3, 2, 1 and 0.5 are supported"))),
-            }
-        }
-        "Relu" | "LeakyRelu" | "Tanh" | "Sigmoid" | "Erf" | "Gelu" | "Sqrt" => {
-            let act = match op {
-                "Relu" => Act::Relu,
-                "LeakyRelu" => Act::LeakyRelu(attr_float(node, "alpha", 0.01)?),
-                "Tanh" => Act::Tanh,
-                "Sigmoid" => Act::Sigmoid,
-                "Erf" => Act::Erf,
-                "Sqrt" => Act::Sqrt,
-                _ => match attr_string(node, "approximate").as_deref() {
-                    None | Some("none") => Act::GeluErf,
-                    Some("tanh") => Act::GeluTanh,
-                    Some(other) => return Err(node_err(node, format!("approximate = '{other}' is not known"))),
-                },
-            };
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            act_node(b, node, x, act)?
-        }
-        "BatchNormalization" => {
-            if attr_int(node, "training_mode", Some(0))? != 0 || node.output.len() > 1 {
-                return Err(node_err(node, "runs in training mode; export the model in eval mode"));
-            }
-            let mut ops = operands(b, node, 5..=5)?;
-            let var = expect_const(node, ops.remove(4), "running variance")?;
-            let mean = expect_const(node, ops.remove(3), "running mean")?;
-            let beta = expect_const(node, ops.remove(2), "bias")?;
-            let gamma = expect_const(node, ops.remove(1), "scale")?;
-            let x = expect_val(node, ops.remove(0), "input")?;
-            let w = expect_flat(node, &x)?;
-            let eps = attr_float(node, "epsilon", 1e-5)?;
-            let (gamma, beta) = (const_vec(node, gamma, w)?, const_vec(node, beta, w)?);
-            let (mean, var) = (const_vec(node, mean, w)?, const_vec(node, var, w)?);
-            let scale = gamma.iter().zip(&var).map(|(g, v)| g / (v + eps).sqrt()).collect();
-            affine(b, &x, mean, scale, beta)
-        }
-        "LayerNormalization" => {
-            let axis = attr_int(node, "axis", Some(-1))?;
-            let mut ops = operands(b, node, 2..=3)?;
-            let beta = if ops.len() == 3 { Some(expect_const(node, ops.remove(2), "bias B")?) } else { None };
-            let gamma = expect_const(node, ops.remove(1), "scale")?;
-            let x = expect_val(node, ops.remove(0), "input")?;
-            let w = expect_flat(node, &x)?;
-            if axis != -1 && axis != 1 {
-                return Err(node_err(node, format!("axis {axis}; only the feature axis is supported")));
-            }
-            let epsilon = attr_float(node, "epsilon", 1e-5)?;
-            let scale = const_vec(node, gamma, w)?;
-            let shift = match beta {
-                Some(t) => const_vec(node, t, w)?,
-                None => vec![0.0; w],
-            };
-            b.flat(Op::LayerNorm { epsilon, scale, shift }, vec![x.node], w)
-        }
-        "Softmax" => {
-            let axis = attr_int(node, "axis", Some(-1))?;
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let w = expect_flat(node, &x)?;
-            if (axis != -1 && axis != 1) || w != 2 {
-                return Err(node_err(
-                    node,
-                    format!("is a Softmax over {w} values (axis {axis}); only a two-class head is supported"),
-                ));
-            }
-            // softmax([z0, z1])[1] = sigmoid(z1 - z0): one dense row of weight
-            // differences when z comes from a dense layer.
-            let Op::Dense { layer, act: Act::None } = &b.nodes[x.node].op else {
-                return Err(node_err(
-                    node,
-                    "follows something other than a dense layer; a two-class Softmax must read one",
-                ));
-            };
-            let k = layer.in_dim;
-            let weights: Vec<f32> = (0..k).map(|i| layer.weights_f32[k + i] - layer.weights_f32[i]).collect();
-            let bias = vec![layer.bias[1] - layer.bias[0]];
-            let src = Val { node: b.nodes[x.node].inputs[0], dims: vec![k], ints: false };
-            let z = dense(b, &src, k, 1, weights, bias);
-            let p = act_node(b, node, z, Act::Sigmoid)?;
-            b.notes.push(format!("two-class Softmax '{}' as the sigmoid of the logit difference", node_name(node)));
-            two_class(b, p)
-        }
-        "ReduceSum" | "ReduceMean" => {
-            let mut ops = operands(b, node, 1..=2)?;
-            let axes = if ops.len() == 2 {
-                tensor_i64(expect_const(node, ops.remove(1), "axes")?)?
-            } else {
-                attr_ints(node, "axes").unwrap_or_default()
-            };
-            let x = expect_val(node, ops.remove(0), "input")?;
-            expect_flat(node, &x)?;
-            if axes != [1] && axes != [-1] {
-                return Err(node_err(
-                    node,
-                    format!("axes {axes:?}; only a sum over the feature axis (1) is supported"),
-                ));
-            }
-            // keepdims or not, the row sum is one value per candidate.
-            let sum = b.flat(Op::Sum, vec![x.node], 1);
-            if op == "ReduceMean" {
-                let n = b.width(&x) as f32;
-                affine(b, &sum, vec![0.0], vec![1.0 / n], vec![0.0])
-            } else {
-                sum
-            }
-        }
-        "Slice" => {
-            let mut ops = operands(b, node, 3..=5)?;
-            let consts: Vec<Vec<i64>> = ops
-                .drain(1..)
-                .map(|o| expect_const(node, o, "starts, ends, axes and steps").and_then(tensor_i64))
-                .collect::<Result<_, _>>()?;
-            let x = expect_val(node, ops.remove(0), "data input")?;
-            let w = expect_flat(node, &x)?;
-            let (starts, ends) = (&consts[0], &consts[1]);
-            let axes = consts.get(2).cloned().unwrap_or_else(|| vec![1]);
-            let steps = consts.get(3).cloned().unwrap_or_else(|| vec![1]);
-            if starts.len() != 1 || ends.len() != 1 || (axes != [1] && axes != [-1]) || steps != [1] {
-                return Err(node_err(node, "only a slice of the feature axis with step 1 is supported"));
-            }
-            let clamp = |v: i64| if v < 0 { (w as i64 + v).max(0) as usize } else { (v as usize).min(w) };
-            let (start, end) = (clamp(starts[0]), clamp(ends[0]));
-            if start >= end {
-                return Err(node_err(node, format!("selects columns {start}..{end}, which is empty")));
-            }
-            let Op::Input { offset } = b.nodes[x.node].op else {
-                return Err(node_err(node, "slices a computed tensor; only slices of a graph input are supported"));
-            };
-            b.flat(Op::Input { offset: offset + start }, vec![], end - start)
-        }
-        "Gather" => {
-            let axis = attr_int(node, "axis", Some(0))?;
-            let mut ops = operands(b, node, 2..=2)?;
-            let idx = expect_val(node, ops.remove(1), "indices")?;
-            let table = expect_const(node, ops.remove(0), "data (the embedding table)")?;
-            if axis != 0 {
-                return Err(node_err(node, format!("axis {axis}; only row lookups (axis 0) are supported")));
-            }
-            if !idx.ints {
-                return Err(node_err(node, "its indices do not come from a Cast to an integer type"));
-            }
-            let k = expect_flat(node, &idx)?;
-            let (dims, values) = tensor_f32(table)?;
-            let [rows, dim] = dims[..] else {
-                return Err(node_err(node, format!("table '{}' has shape {dims:?}; [rows, dim] expected", table.name)));
-            };
-            let op = Op::Embedding { dim, rows, table: values.into(), default: vec![0.0; dim] };
-            let n = b.push(op, vec![idx.node], k * dim);
-            Val { node: n, dims: vec![k, dim], ints: false }
-        }
-        _ => return Err(unsupported(node)),
-    };
-    b.vals.insert(out, result);
-    Ok(())
-}
-
-fn tensor_bool(t: &TensorProto) -> Result<bool, OnnxError> {
-    let bad = || OnnxError::Initializer { name: t.name.clone(), what: "is not a boolean scalar".into() };
-    let v =
-        if !t.raw_data.is_empty() { t.raw_data.first().copied().map(i32::from) } else { t.int32_data.first().copied() };
-    v.map(|x| x != 0).ok_or_else(bad)
-}
-
-/// `Add`, `Sub`, `Mul`, `Div` of two computed tensors (elementwise, the
-/// second may be 1 wide) or of a tensor and a constant (an affine node).
-fn binary(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
-    let op = node.op_type.as_str();
-    let ops = operands(b, node, 2..=2)?;
-    let [p, q] = <[Operand<'_>; 2]>::try_from(ops).map_err(|_| node_err(node, "two inputs expected"))?;
-    match (p, q) {
-        (Operand::Val(x), Operand::Val(y)) => {
-            let (wx, wy) = (expect_flat(node, &x)?, expect_flat(node, &y)?);
-            let (x, y) = if wx == 1 && wy > 1 && (op == "Add" || op == "Mul") { (y, x) } else { (x, y) };
-            if b.width(&x) == 1 && b.width(&y) > 1 {
-                return Err(node_err(node, format!("{op} of a 1-wide tensor by a wider one is not supported")));
-            }
-            let (wx, wy) = (b.width(&x), b.width(&y));
-            if wx != wy && wy != 1 {
-                return Err(node_err(
-                    node,
-                    format!("its inputs are {wx} and {wy} wide; equal widths or a scalar expected"),
-                ));
-            }
-            let gop = match op {
-                "Add" => Op::Add,
-                "Sub" => Op::Sub,
-                "Mul" => Op::Mul,
-                _ => Op::Div,
-            };
-            Ok(b.flat(gop, vec![x.node, y.node], wx))
-        }
-        (Operand::Val(x), Operand::Const(c)) | (Operand::Const(c), Operand::Val(x))
-            if op == "Mul" && b.width(&x) == 1 && const_width(c) > 1 =>
-        {
-            // A 1-wide tensor times a vector (tf2onnx's LayerNormalization:
-            // the reciprocal standard deviation times γ): the tensor repeated
-            // to the vector's width, then scaled.
-            let w = const_width(c);
-            let c = const_vec(node, c, w)?;
-            let wide = b.flat(Op::Concat, vec![x.node; w], w);
-            Ok(affine(b, &wide, vec![0.0; w], c, vec![0.0; w]))
-        }
-        (Operand::Val(x), Operand::Const(c)) => {
-            let w = expect_flat(node, &x)?;
-            let c = const_vec(node, c, w)?;
-            let zero = vec![0.0; w];
-            let one = vec![1.0; w];
-            // Exporters scale a classifier's probabilities by 1 (onnxmltools'
-            // LightGBM converter): the identity keeps the tensor's shape
-            // visible to the output selection.
-            let identity = if matches!(op, "Mul" | "Div") { c == one } else { c == zero };
-            if identity {
-                b.notes.push(format!("removed {op} '{}' by an identity constant", node_name(node)));
-                return Ok(x);
-            }
-            Ok(match op {
-                "Add" => affine(b, &x, zero, one, c),
-                "Sub" => affine(b, &x, c, one, zero),
-                "Mul" => affine(b, &x, zero.clone(), c, zero),
-                _ => {
-                    if c.contains(&0.0) {
-                        return Err(node_err(node, "divides by a constant that holds 0"));
-                    }
-                    let inv = c.iter().map(|v| 1.0 / v).collect();
-                    affine(b, &x, zero.clone(), inv, zero)
-                }
-            })
-        }
-        (Operand::Const(c), Operand::Val(x)) => {
-            let w = expect_flat(node, &x)?;
-            let c = const_vec(node, c, w)?;
-            let zero = vec![0.0; w];
-            Ok(match op {
-                "Add" => affine(b, &x, zero, vec![1.0; w], c),
-                "Sub" => affine(b, &x, zero, vec![-1.0; w], c),
-                "Mul" => affine(b, &x, zero.clone(), c, zero),
-                _ => return Err(node_err(node, "divides a constant by a computed tensor, which is not supported")),
-            })
-        }
-        (Operand::Const(_), Operand::Const(_)) => {
-            Err(node_err(node, "combines two constants; fold them before export (onnx-simplifier does)"))
-        }
-    }
-}
-
-fn gemm(b: &mut Builder<'_>, node: &NodeProto) -> Result<Val, OnnxError> {
-    let trans_a = attr_int(node, "transA", Some(0))?;
-    let trans_b = attr_int(node, "transB", Some(0))?;
-    let alpha = attr_float(node, "alpha", 1.0)?;
-    let beta = attr_float(node, "beta", 1.0)?;
-    if trans_a != 0 {
-        return Err(node_err(node, "transA=1 is not supported; the input must be [batch, width]"));
-    }
-    if trans_b != 0 && trans_b != 1 {
-        return Err(node_err(node, format!("transB={trans_b}; 0 or 1 expected")));
-    }
-    let mut ops = operands(b, node, 2..=3)?;
-    let c = if ops.len() == 3 { Some(expect_const(node, ops.remove(2), "bias C")?) } else { None };
-    if matches!(ops[0], Operand::Const(_)) {
-        return Err(node_err(node, "A is a constant; only activation x weight is supported"));
-    }
-    let w = expect_const(node, ops.remove(1), "weight B")?;
-    let v = expect_val(node, ops.remove(0), "input A")?;
-    let width = expect_flat(node, &v)?;
-    let (dims, values) = tensor_f32(w)?;
-    let [r, s] = dims[..] else {
-        return Err(node_err(node, format!("weight '{}' has shape {dims:?}; a matrix expected", w.name)));
-    };
-    let (k, n) = if trans_b == 1 { (s, r) } else { (r, s) };
-    if k != width {
-        return Err(node_err(
-            node,
-            format!(
-                "weight '{}' is {dims:?} (transB={trans_b}), taking {k} inputs, but its input is {width} wide",
-                w.name
-            ),
-        ));
-    }
-    let mut weights = vec![0.0f32; k * n];
-    for o in 0..n {
-        for i in 0..k {
-            let x = if trans_b == 1 { values[o * k + i] } else { values[i * n + o] };
-            weights[o * k + i] = alpha * x;
-        }
-    }
-    let bias = match c {
-        Some(c) => const_vec(node, c, n)?.into_iter().map(|y| beta * y).collect(),
-        None => vec![0.0f32; n],
-    };
-    Ok(dense(b, &v, k, n, weights, bias))
-}
-
-/// The `ai.onnx.ml` ops scikit-learn pipelines export through skl2onnx.
-fn apply_ml<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<(), OnnxError> {
-    match node.op_type.as_str() {
-        "Scaler" => {
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let w = expect_flat(node, &x)?;
-            let broadcast = |v: Vec<f32>, what: &str| match v.len() {
-                1 => Ok(vec![v[0]; w]),
-                n if n == w => Ok(v),
-                n => Err(node_err(node, format!("{what} has {n} values for {w} features"))),
-            };
-            let center = broadcast(attr_floats(node, "offset"), "offset")?;
-            let scale = broadcast(attr_floats(node, "scale"), "scale")?;
-            let v = affine(b, &x, center, scale, vec![0.0; w]);
-            b.notes.push(format!("Scaler '{}' kept in f32 ahead of the first dense layer", node_name(node)));
-            b.vals.insert(node.output[0].clone(), v);
-            Ok(())
-        }
-        "LinearClassifier" | "LinearRegressor" => {
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let k = expect_flat(node, &x)?;
-            let regressor = node.op_type == "LinearRegressor";
-            let coef = attr_floats(node, "coefficients");
-            let intercepts = attr_floats(node, "intercepts");
-            let classes = coef.len().checked_div(k).unwrap_or(0);
-            if classes == 0 || coef.len() != classes * k || !(intercepts.is_empty() || intercepts.len() == classes) {
-                return Err(node_err(
-                    node,
-                    format!("has {} coefficients and {} intercepts for {k} features", coef.len(), intercepts.len()),
-                ));
-            }
-            let intercept = |c: usize| intercepts.get(c).copied().unwrap_or(0.0);
-            let post = attr_string(node, "post_transform").unwrap_or_else(|| "NONE".into());
-            // The positive class's score: class 1 of two, or the only one.
-            let (weights, bias) = match classes {
-                1 => (coef.clone(), intercept(0)),
-                2 if post == "SOFTMAX" => {
-                    ((0..k).map(|i| coef[k + i] - coef[i]).collect(), intercept(1) - intercept(0))
-                }
-                2 => (coef[k..].to_vec(), intercept(1)),
-                c => return Err(node_err(node, format!("has {c} classes; only binary classifiers are supported"))),
-            };
-            let z = dense(b, &x, k, 1, weights, vec![bias]);
-            let out = if regressor {
-                if post != "NONE" {
-                    return Err(node_err(node, format!("post_transform {post} is not supported for a regressor")));
-                }
-                b.vals.insert(node.output[0].clone(), z);
-                return Ok(());
-            } else {
-                match post.as_str() {
-                    "LOGISTIC" | "SOFTMAX" => {
-                        let p = act_node(b, node, z, Act::Sigmoid)?;
-                        two_class(b, p)
-                    }
-                    "NONE" if classes == 1 => z,
-                    other => {
-                        return Err(node_err(node, format!("post_transform {other} is not supported")));
-                    }
-                }
-            };
-            b.notes.push(format!("{} '{}' as a dense layer", node.op_type, node_name(node)));
-            // Output 0 is the label, output 1 the scores.
-            if let Some(scores) = node.output.get(1) {
-                b.vals.insert(scores.clone(), out);
-            }
-            Ok(())
-        }
-        "TreeEnsembleClassifier" | "TreeEnsembleRegressor" => {
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let k = expect_flat(node, &x)?;
-            let out = tree_ensemble::apply(b, node, x, k)?;
-            // A classifier's outputs are the label and the probabilities.
-            let at = if node.op_type == "TreeEnsembleClassifier" { 1 } else { 0 };
-            if let Some(name) = node.output.get(at) {
-                b.vals.insert(name.clone(), out);
-            }
-            Ok(())
-        }
-        "Normalizer" => {
-            // An L1 normalization of [1 - p, p] is the identity.
-            let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
-            let norm = attr_string(node, "norm").unwrap_or_default();
-            let pair = matches!(b.nodes[x.node].op, Op::Concat) && b.nodes[x.node].width == 2;
-            if norm != "L1" || !pair {
-                return Err(node_err(node, "only the L1 normalization of a two-class probability pair is supported"));
-            }
-            b.vals.insert(node.output[0].clone(), x);
-            Ok(())
-        }
-        _ => Err(OnnxError::UnsupportedOp {
-            op: format!("ai.onnx.ml::{}", node.op_type),
-            node: node_name(node),
-            hint: String::new(),
-        }),
-    }
-}
-
-fn unsupported(node: &NodeProto) -> OnnxError {
-    let hint = match node.op_type.as_str() {
-        "Elu" | "Selu" | "PRelu" | "Softplus" | "HardSigmoid" => {
-            " (graph activations: Relu, LeakyRelu, Tanh, Sigmoid, Erf, Gelu, Sqrt)"
-        }
-        "Softmax" => " (a Quiver model outputs one value; a two-class Softmax head is supported)",
-        _ => "",
-    };
-    OnnxError::UnsupportedOp { op: node.op_type.clone(), node: node_name(node), hint: hint.into() }
 }
 
 /// Imports a decoded graph. External data (weights in a side file) is read
@@ -1433,7 +406,7 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
         offset += w;
     }
     for (node, _) in graph.node.iter().zip(&needed).filter(|(_, n)| **n) {
-        apply(&mut b, node)?;
+        ops::apply(&mut b, node)?;
     }
 
     let Some(out) = b.vals.get(&output).cloned() else {
@@ -1482,29 +455,13 @@ pub fn import_graph(graph: &GraphProto, opts: &ImportOptions) -> Result<Imported
         Some((order, layers)) => {
             let layout: Vec<(String, Vec<InputSegment>)> =
                 order.iter().map(|&i| (feature_inputs[i].name.clone(), segments[i].clone())).collect();
-            let model = Model {
-                name: opts.name.clone(),
-                version: opts.version,
-                inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
-                layers,
-                calibration: None,
-                graph: None,
-                onnx: None,
-            };
+            let model = Model { layers, ..opts.model(&layout) };
             (layout, model)
         }
         None => {
             let layout: Vec<(String, Vec<InputSegment>)> =
                 feature_inputs.iter().zip(&segments).map(|(vi, s)| (vi.name.clone(), s.clone())).collect();
-            let model = Model {
-                name: opts.name.clone(),
-                version: opts.version,
-                inputs: layout.iter().flat_map(|(_, s)| s.iter().copied()).collect(),
-                layers: Vec::new(),
-                calibration: None,
-                graph: Some(g),
-                onnx: None,
-            };
+            let model = Model { graph: Some(g), ..opts.model(&layout) };
             (layout, model)
         }
     };
@@ -1569,87 +526,14 @@ fn as_chain(g: &Graph, widths: &[usize]) -> Option<(Vec<usize>, Vec<Layer>)> {
     Some((order, layers))
 }
 
-/// Most bytes of external data all initializers may name together: no
-/// more can end up in a model file (`MODEL_MAPPED_BYTES_MAX`).
-pub const EXTERNAL_DATA_BYTES_MAX: u64 = super::MODEL_MAPPED_BYTES_MAX;
-
-fn is_external(t: &TensorProto) -> bool {
-    t.data_location.enum_value() == Ok(tensor_proto::DataLocation::EXTERNAL)
-}
-
-/// A copy of `graph` whose externally stored initializers hold their data
-/// inline, read from files next to the model (`location` must be a plain
-/// relative path inside `base_dir`).
-fn inline_external_data(graph: &GraphProto, base_dir: Option<&Path>) -> Result<GraphProto, OnnxError> {
-    let mut g = graph.clone();
-    // Every range is checked and summed before any is read: initializers
-    // may all name the same large file, and each within the per-tensor
-    // bound could still add up to more memory than the machine has.
-    let mut ranges = Vec::new();
-    let mut total = 0u64;
-    for (k, t) in g.initializer.iter().enumerate().filter(|(_, t)| is_external(t)) {
-        let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
-        let Some(base) = base_dir else {
-            return Err(bad("is stored in an external data file; import the model from its file path".into()));
-        };
-        let entry = |key: &str| t.external_data.iter().find(|e| e.key == key).map(|e| e.value.clone());
-        let location = entry("location").ok_or_else(|| bad("external data without a 'location'".into()))?;
-        let rel = Path::new(&location);
-        let plain = rel.components().all(|c| matches!(c, std::path::Component::Normal(_)));
-        if !plain {
-            return Err(bad(format!("external data location '{location}' is not a plain relative path")));
-        }
-        let number = |key: &str| -> Result<Option<u64>, OnnxError> {
-            entry(key)
-                .map(|v| v.parse::<u64>().map_err(|_| bad(format!("external data {key} '{v}' is not a number"))))
-                .transpose()
-        };
-        let (offset, length) = (number("offset")?.unwrap_or(0), number("length")?);
-        let path = base.join(rel);
-        let io = |e: std::io::Error| bad(format!("external data file {}: {e}", path.display()));
-        let size = std::fs::metadata(&path).map_err(io)?.len();
-        let length = length.unwrap_or(size.saturating_sub(offset));
-        if offset.checked_add(length).is_none_or(|end| end > size) {
-            return Err(bad(format!(
-                "external data {}: bytes {offset}..{} are outside its {size} bytes",
-                path.display(),
-                offset.saturating_add(length)
-            )));
-        }
-        // Read whole into memory: as large as the largest embedding table.
-        let bytes_max = 4 * super::graph::EMBEDDING_FLOATS_MAX as u64;
-        if length > bytes_max {
-            return Err(bad(format!("external data {}: {length} bytes; the limit is {bytes_max}", path.display())));
-        }
-        total = total.saturating_add(length);
-        if total > EXTERNAL_DATA_BYTES_MAX {
-            return Err(bad(format!(
-                "the initializers' external data adds up to more than {EXTERNAL_DATA_BYTES_MAX} bytes \
-                 (EXTERNAL_DATA_BYTES_MAX, the largest model file)"
-            )));
-        }
-        ranges.push((k, path, offset, length));
-    }
-    for (k, path, offset, length) in ranges {
-        let t = &mut g.initializer[k];
-        let bad = |what: String| OnnxError::Initializer { name: t.name.clone(), what };
-        let io = |e: std::io::Error| bad(format!("external data file {}: {e}", path.display()));
-        use std::io::{Read as _, Seek as _};
-        let mut f = std::fs::File::open(&path).map_err(io)?;
-        f.seek(std::io::SeekFrom::Start(offset)).map_err(io)?;
-        let mut data = vec![0u8; length as usize];
-        f.read_exact(&mut data).map_err(io)?;
-        t.raw_data = data;
-        t.external_data.clear();
-        t.data_location = tensor_proto::DataLocation::DEFAULT.into();
-    }
-    Ok(g)
-}
-
 #[cfg(test)]
 mod tests {
+    use onnx_protobuf::attribute_proto::AttributeType;
+    use onnx_protobuf::{tensor_proto, tensor_shape_proto, type_proto, AttributeProto, NodeProto};
+    use onnx_protobuf::{TensorShapeProto, TypeProto};
+
+    use super::proto::{DT_FLOAT, DT_INT64};
     use super::*;
-    use onnx_protobuf::{tensor_shape_proto, TensorShapeProto, TypeProto};
 
     fn input(name: &str, width: i64) -> ValueInfoProto {
         let mut batch = tensor_shape_proto::Dimension::new();
@@ -1729,19 +613,6 @@ mod tests {
             output_kind: OutputKind::Logit,
             base_dir: None,
         }
-    }
-
-    #[test]
-    fn mapping_refusals() {
-        let err = |s: &str| s.parse::<InputMapping>().unwrap_err().to_string();
-        assert!(err("user:3,item=i:4").contains("in every entry or in none"));
-        assert!(err("user:3,user:4").contains("user is mapped more than once"));
-        assert!(err("user:0").contains("positive integer"));
-        assert!(err("users:3").contains("'users' is not a source"));
-        assert!(err("user").contains("expected SOURCE:DIM"));
-        assert!(err("").contains("no entries"));
-        let m: InputMapping = "user=u:3,context=u:1".parse().unwrap();
-        assert_eq!(m.entries[1].graph_input.as_deref(), Some("u"));
     }
 
     #[test]

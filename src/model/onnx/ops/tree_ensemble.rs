@@ -15,7 +15,10 @@ use std::collections::HashMap;
 
 use onnx_protobuf::{AttributeProto, NodeProto};
 
-use super::{attr, attr_ints, attr_string, node_err, Builder, OnnxError, Val};
+use super::super::builder::{act_node, expect_flat, expect_val, operands, two_class, Builder, Operand, Val};
+use super::super::proto::{attr, attr_ints, attr_string, node_err, node_name};
+use super::super::OnnxError;
+use super::Output;
 use crate::model::graph::{Act, Op};
 use crate::model::trees::{f32_at_most, f32_below_f64, Ensemble, Split, TreeNode, TREES_MAX};
 
@@ -56,7 +59,19 @@ fn tensor_values(node: &NodeProto, a: &AttributeProto, name: &str) -> Result<Vec
     })
 }
 
-pub(super) fn apply(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize) -> Result<Val, OnnxError> {
+/// `TreeEnsembleClassifier` (binary: binds its probabilities, output 1;
+/// output 0 is the label) or `TreeEnsembleRegressor` (binds its value).
+pub(super) fn tree_ensemble<'g>(b: &mut Builder<'g>, node: &'g NodeProto) -> Result<Output<'g>, OnnxError> {
+    let x = expect_val(node, operands(b, node, 1..=1)?.remove(0), "input")?;
+    let k = expect_flat(node, &x)?;
+    let out = ensemble(b, node, x, k)?;
+    let index = if node.op_type == "TreeEnsembleClassifier" { 1 } else { 0 };
+    Ok(Output { index, tensor: Operand::Val(out) })
+}
+
+/// The `Trees` node of the ensemble over `x` (`width` features) and, for a
+/// classifier, its sigmoid as the two-class probability pair.
+fn ensemble(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize) -> Result<Val, OnnxError> {
     let classifier = node.op_type == "TreeEnsembleClassifier";
     let err = |what: String| node_err(node, what);
     let ints = |name: &str| attr_ints(node, name).ok_or_else(|| err(format!("attribute '{name}' is missing")));
@@ -207,12 +222,12 @@ pub(super) fn apply(b: &mut Builder<'_>, node: &NodeProto, x: Val, width: usize)
         if attr_string(node, "aggregate_function").is_some_and(|a| a != "SUM") {
             return Err(err("aggregate_function other than SUM is not supported".into()));
         }
-        b.notes.push(format!("{} '{}': {trees} trees", node.op_type, super::node_name(node)));
+        b.notes.push(format!("{} '{}': {trees} trees", node.op_type, node_name(node)));
         return Ok(v);
     }
-    v = super::act_node(b, node, v, Act::Sigmoid)?;
-    b.notes.push(format!("{} '{}': {trees} trees, LOGISTIC", node.op_type, super::node_name(node)));
-    Ok(super::two_class(b, v))
+    v = act_node(b, node, v, Act::Sigmoid)?;
+    b.notes.push(format!("{} '{}': {trees} trees, LOGISTIC", node.op_type, node_name(node)));
+    Ok(two_class(b, v))
 }
 
 #[cfg(test)]
