@@ -24,7 +24,10 @@ pub mod shard;
 pub mod tls;
 pub mod wire;
 
-/// Start-up failures: anything that stops the server before it serves.
+/// What stops the server before it serves, or a `quiver` command before it
+/// is done. Modules return their own typed errors; this gathers them at the
+/// edges that report them (`server::run` and the command line), so no
+/// module below those names it. `Setup` is the edges' own refusals.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
@@ -47,6 +50,14 @@ pub enum Error {
     Refresh(#[from] features::feed::RefreshError),
     #[error(transparent)]
     Feed(#[from] features::feed::FeedError),
+    #[error(transparent)]
+    Demo(#[from] loadgen::demo::DemoError),
+    #[error(transparent)]
+    Calibrate(#[from] score::accuracy::CalibrateError),
+    #[error(transparent)]
+    Admin(#[from] admin::AdminError),
+    #[error(transparent)]
+    Shard(#[from] shard::ShardError),
     #[error("{0}")]
     Setup(String),
 }

@@ -413,6 +413,48 @@ fn crates_are_imported_only_where_the_architecture_says() {
     assert!(broken.is_empty(), "{broken:#?}");
 }
 
+/// The crate-level `Error` gathers the modules' own errors at the edges that
+/// report them: the composition root (`server`) and the command line
+/// (`cli/`). A module below them returns its own typed error, so it never
+/// names `crate::Error`, imports it, or builds an `Error::Setup`.
+#[test]
+fn only_the_edges_name_the_crate_error() {
+    let names = |c: &str| {
+        ["crate::Error", "quiver::Error", "Error::Setup"].iter().any(|n| c.contains(n))
+            || c.split("use crate::{").skip(1).any(|rest| use_list(rest).iter().any(|i| i == "Error"))
+    };
+    let mut broken = Vec::new();
+    only_in("names the crate-level Error", &["main.rs", "server.rs"], names, &mut broken);
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+/// The items of a `use` list at its own level, from just after its `{` to
+/// its closing `}`: `a::{B, C}, Error}` gives `a::{B, C}` and `Error`.
+fn use_list(list: &str) -> Vec<String> {
+    let (mut items, mut item, mut depth) = (Vec::new(), String::new(), 0);
+    for c in list.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => break,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(std::mem::take(&mut item).trim().to_string());
+                continue;
+            }
+            _ => {}
+        }
+        item.push(c);
+    }
+    items.push(item.trim().to_string());
+    items
+}
+
+#[test]
+fn use_lists_split_at_their_own_level() {
+    assert_eq!(use_list("a::{B, C}, Error};\nfn f() {}"), ["a::{B, C}", "Error"]);
+    assert_eq!(use_list("feed,\n    Error,\n};"), ["feed", "Error", ""]);
+}
+
 /// Configuration comes from the config file and the command line, read by
 /// the binary; no library code changes behaviour by reading the process
 /// environment.

@@ -60,6 +60,20 @@ pub enum Surface {
     ReadOnly,
 }
 
+/// Why an admin or metrics listener could not start. `what` is "admin" or
+/// "metrics", so the operator knows which of the two addresses to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("{what} {addr}: {source}")]
+    Bind { what: &'static str, addr: String, source: std::io::Error },
+    /// A control surface reachable from the network without the token
+    /// safeguards it needs (`auth::check_exposure`).
+    #[error("{what} {addr}: {reason}")]
+    Exposed { what: &'static str, addr: String, reason: String },
+    #[error("{what} thread: {source}")]
+    Thread { what: &'static str, source: std::io::Error },
+}
+
 /// A running admin endpoint.
 pub struct Admin {
     listener: http::Listener,
@@ -76,24 +90,24 @@ impl Admin {
         surface: Surface,
         state: Arc<AdminState>,
         plaintext_token_ok: bool,
-    ) -> Result<Admin, crate::Error> {
+    ) -> Result<Admin, AdminError> {
         let what = match surface {
             Surface::Control => "admin",
             Surface::ReadOnly => "metrics",
         };
-        let setup = |e: &dyn std::fmt::Display| crate::Error::Setup(format!("{what} {addr}: {e}"));
-        let listener = std::net::TcpListener::bind(addr).map_err(|e| setup(&e))?;
-        let bound = listener.local_addr().map_err(|e| setup(&e))?;
+        let bind = |source| AdminError::Bind { what, addr: addr.to_string(), source };
+        let listener = std::net::TcpListener::bind(addr).map_err(bind)?;
+        let bound = listener.local_addr().map_err(bind)?;
         if surface == Surface::Control {
             auth::check_exposure(addr, bound, state.token.is_some(), plaintext_token_ok)
-                .map_err(crate::Error::Setup)?;
+                .map_err(|reason| AdminError::Exposed { what, addr: addr.to_string(), reason })?;
         }
         let mut prometheus = Registry_::default();
         prometheus.register_collector(Box::new(exposition::QuiverCollector { state: state.clone() }));
         let counters = state.http.clone();
         let endpoint = Arc::new(Endpoint { state, prometheus, surface, loopback: bound.ip().is_loopback() });
         let listener = http::Listener::start(format!("quiver-{what}"), listener, endpoint, counters)
-            .map_err(|e| crate::Error::Setup(format!("{what} thread: {e}")))?;
+            .map_err(|source| AdminError::Thread { what, source })?;
         Ok(Admin { listener, addr: bound })
     }
 

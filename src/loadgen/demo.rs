@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::features::replica::{Replica, ReplicaBuilder};
-use crate::model::{InputSegment, Layer, Model, Source};
+use crate::features::replica::{Replica, ReplicaBuilder, ReplicaError};
+use crate::model::{InputSegment, Layer, Model, ModelError, Source};
 use crate::wire::RequestSpec;
 
 pub const USERS: u64 = 100_000;
@@ -135,9 +135,21 @@ fn demo_files_ok(files: &DemoFiles) -> bool {
         && Model::load(&files.fallback).is_ok_and(|m| m == fallback_model())
 }
 
+/// Why the demo's files could not be written: the directory, or one of the
+/// files in it (each error names its file).
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("{}: {source}", dir.display())]
+    Dir { dir: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
 /// Creates the demo's files in `dir` unless valid ones are already there.
-pub fn ensure(dir: &Path) -> Result<DemoFiles, crate::Error> {
-    std::fs::create_dir_all(dir).map_err(|e| crate::Error::Setup(format!("{}: {e}", dir.display())))?;
+pub fn ensure(dir: &Path) -> Result<DemoFiles, DemoError> {
+    std::fs::create_dir_all(dir).map_err(|source| DemoError::Dir { dir: dir.to_path_buf(), source })?;
     let files = DemoFiles::in_dir(dir);
     if demo_files_ok(&files) {
         tracing::info!(dir = %dir.display(), "demo data present");

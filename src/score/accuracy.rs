@@ -8,9 +8,22 @@
 //! to row) can cost more accuracy than per-row scales do; the measurement,
 //! not a rule, decides.
 
-use super::{build, BackendKind};
-use crate::model::calibrate::Matrix;
-use crate::model::{ActivationScales, MeasuredError, Model};
+use super::{build, BackendError, BackendKind};
+use crate::model::calibrate::{CalibrationError, Matrix};
+use crate::model::{ActivationScales, MeasuredError, Model, ModelError};
+
+/// Why a model could not be calibrated on a set: the set does not fit the
+/// model, the calibrated model fails its own checks, or (for a model kept
+/// for onnxruntime) the library that scores the set is missing.
+#[derive(Debug, thiserror::Error)]
+pub enum CalibrateError {
+    #[error(transparent)]
+    Calibration(#[from] CalibrationError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("calibration scores need onnxruntime: {0}")]
+    Onnxruntime(#[source] BackendError),
+}
 
 /// Max and mean |score(kind) − score(f32)| over the rows of `set`.
 pub fn score_error(model: &Model, set: &Matrix, kind: BackendKind) -> MeasuredError {
@@ -71,7 +84,7 @@ pub fn calibrate(
     method: crate::model::calibrate::Method,
     also_fp8: bool,
     progress: impl FnMut(usize, usize),
-) -> Result<String, crate::Error> {
+) -> Result<String, CalibrateError> {
     if !model.is_native() {
         return calibrate_onnxruntime(model, set);
     }
@@ -129,18 +142,16 @@ pub fn calibrate(
 /// The drift baselines of a model served only through onnxruntime, from
 /// the calibration set's scores as onnxruntime computes them (so importing
 /// one with `--calibration` needs the library, like serving it).
-fn calibrate_onnxruntime(model: &mut Model, set: &Matrix) -> Result<String, crate::Error> {
+fn calibrate_onnxruntime(model: &mut Model, set: &Matrix) -> Result<String, CalibrateError> {
     const ROWS_PER_CALL: usize = 256;
     let mut backend = super::build(BackendKind::Int8, model, ROWS_PER_CALL);
     let dim = model.input_dim();
     if set.cols != dim {
-        return Err(crate::model::calibrate::CalibrationError::Width { cols: set.cols, want: dim }.into());
+        return Err(CalibrationError::Width { cols: set.cols, want: dim }.into());
     }
     let mut scores = vec![0.0; set.rows];
     for (x, out) in set.data.chunks(ROWS_PER_CALL * dim).zip(scores.chunks_mut(ROWS_PER_CALL)) {
-        backend
-            .try_logits(model, x, out.len(), out)
-            .map_err(|e| crate::Error::Setup(format!("calibration scores need onnxruntime: {e}")))?;
+        backend.try_logits(model, x, out.len(), out).map_err(CalibrateError::Onnxruntime)?;
         for s in out.iter_mut() {
             *s = model.score(*s);
         }

@@ -151,19 +151,38 @@ pub struct ShardPlacement {
     pub tls: Option<ListenerTls>,
 }
 
+/// Why the shards could not start, or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ShardError {
+    #[error("listen address '{listen}': {source}")]
+    ListenAddress { listen: String, source: std::io::Error },
+    #[error("listen address '{listen}' resolves to nothing")]
+    ListenUnresolved { listen: String },
+    /// Binding port 0 to learn which free port every shard will bind.
+    #[error("{addr}: {source}")]
+    FreePort { addr: SocketAddr, source: std::io::Error },
+    #[error("starting shard {shard} on core {core}: {reason}")]
+    Spawn { shard: usize, core: usize, reason: String },
+    /// The first shard to fail (binding its listener, building its request
+    /// path, starting its tasks, or while serving), in its own words, which
+    /// name the shard.
+    #[error("{reason}")]
+    Shard { reason: String },
+}
+
 /// Resolves `listen`; a port of 0 is replaced by a free port, which every
 /// shard then binds.
-pub fn resolve_listen(listen: &str) -> Result<SocketAddr, crate::Error> {
+pub fn resolve_listen(listen: &str) -> Result<SocketAddr, ShardError> {
     let addr = listen
         .to_socket_addrs()
-        .map_err(|e| crate::Error::Setup(format!("listen address '{listen}': {e}")))?
+        .map_err(|source| ShardError::ListenAddress { listen: listen.to_string(), source })?
         .next()
-        .ok_or_else(|| crate::Error::Setup(format!("listen address '{listen}' resolves to nothing")))?;
+        .ok_or_else(|| ShardError::ListenUnresolved { listen: listen.to_string() })?;
     if addr.port() != 0 {
         return Ok(addr);
     }
-    let probe = std::net::TcpListener::bind(addr).map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))?;
-    probe.local_addr().map_err(|e| crate::Error::Setup(format!("{addr}: {e}")))
+    let probe = std::net::TcpListener::bind(addr).map_err(|source| ShardError::FreePort { addr, source })?;
+    probe.local_addr().map_err(|source| ShardError::FreePort { addr, source })
 }
 
 /// Runs one shard per core until `stop` is set, then drains and returns
@@ -175,7 +194,7 @@ pub fn serve(
     stage_ends: Vec<ShardEnd>,
     stop: Arc<AtomicBool>,
     ready: impl FnOnce(SocketAddr),
-) -> Result<Vec<ShardReport>, crate::Error> {
+) -> Result<Vec<ShardReport>, ShardError> {
     assert!(stage_ends.is_empty() || stage_ends.len() == placement.cores.len(), "one stage end per shard");
     assert_eq!(publishers.len(), placement.cores.len(), "one publisher per shard");
     let mut publishers = publishers.into_iter();
@@ -220,7 +239,7 @@ pub fn serve(
                 };
                 run_shard(place, shared, (publisher, balance), stage, stop, bound_tx).await
             })
-            .map_err(|e| crate::Error::Setup(format!("starting shard {shard} on core {core}: {e}")))?;
+            .map_err(|e| ShardError::Spawn { shard, core, reason: e.to_string() })?;
         handles.push(handle);
     }
     drop(bound_tx);
@@ -246,7 +265,7 @@ pub fn serve(
         }
     }
     match failure {
-        Some(e) => Err(crate::Error::Setup(e)),
+        Some(reason) => Err(ShardError::Shard { reason }),
         None => Ok(reports),
     }
 }
