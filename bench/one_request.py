@@ -11,10 +11,16 @@ computes its user and context part once per request; graph models compute
 every node that reads only per-request inputs (a user tower) once. This
 measures what that saves.
 
+The models are the demo's auction-32 (`quiver demo`) and the zoo fixtures
+named by `--zoo` (tests/fixtures/zoo/, imported here with `quiver import`
+as tests/zoo.rs imports them), so every figure comes from models a command
+in the repository makes. A tree with uncommitted changes is refused: the
+figures name the commit they measured.
+
 Run from the repository root after `cargo build --release`:
-  taskset -c 1 python3 bench/one_request.py [--rows 32] [--iters 5000] [MODEL.qm ...]
-Writes bench/results/one_request.md (rendered into docs/BENCHMARKS.md by
-bench/report.py) and prints it.
+  taskset -c 1 python3 bench/one_request.py [--rows 32] [--iters 5000] [--zoo two_tower,wide_deep]
+Writes bench/results/one_request.json and one_request.md (rendered into
+docs/BENCHMARKS.md by bench/report.py) and prints the latter.
 """
 
 import argparse
@@ -29,6 +35,24 @@ from provenance import git_commit
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 QUIVER = os.path.join(ROOT, "target", "release", "quiver")
+ZOO = os.path.join(ROOT, "tests", "fixtures", "zoo")
+
+
+def zoo_import(name, d):
+    """`quiver import` of the zoo fixture `name`, with the arguments tests/zoo.rs uses."""
+    with open(os.path.join(ZOO, "zoo.json")) as f:
+        spec = json.load(f)["models"].get(name)
+    if spec is None:
+        sys.exit(f"one_request: {name} is not a model of {ZOO}/zoo.json")
+    qm = os.path.join(d, f"{name}.qm")
+    cmd = [QUIVER, "import", "--onnx", os.path.join(ZOO, spec["file"]), "--out", qm, "--name", name]
+    cmd += ["--version", "1", "--inputs", spec["inputs"]]
+    if spec.get("output"):
+        cmd += ["--output", spec["output"]]
+    if spec.get("output_kind") == "raw":
+        cmd += ["--output-kind", "raw"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return qm
 
 
 def time_model(model, backend, rows, iters, one_request):
@@ -44,17 +68,22 @@ def main():
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--iters", type=int, default=5000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("models", nargs="*")
+    ap.add_argument("--zoo", default="two_tower,wide_deep", help="zoo fixtures to time beside the demo model")
     args = ap.parse_args()
     if not os.path.exists(QUIVER):
         sys.exit(f"{QUIVER} is missing: run cargo build --release first")
-    demo = tempfile.mkdtemp(prefix="quiver-one-request-")
-    subprocess.run([QUIVER, "demo", "--data-dir", demo], check=True, capture_output=True)
-    models = [("auction-32 (demo)", os.path.join(demo, "model.qm"))] + [(os.path.basename(m), m) for m in args.models]
+    commit = git_commit()
+    if commit.endswith("+dirty") or commit == "unknown":
+        sys.exit(f"one_request: the tree is {commit}: commit first, so the figures name what they measured")
+    work = tempfile.mkdtemp(prefix="quiver-one-request-")
+    subprocess.run([QUIVER, "demo", "--data-dir", work], check=True, capture_output=True)
+    models = [("auction-32 (demo)", os.path.join(work, "model.qm"))]
+    models += [(name, zoo_import(name, work)) for name in args.zoo.split(",") if name]
+    results = {"commit": commit, "rows": args.rows, "iters": args.iters, "repeats": args.repeats, "models": []}
     lines = [
         "## One request's candidates: per-request parts computed once",
         "",
-        f"Written by `bench/one_request.py` (commit `{git_commit()}`): `quiver time-model --rows {args.rows}` per "
+        f"Written by `bench/one_request.py` (commit `{commit}`): `quiver time-model --rows {args.rows}` per "
         f"backend, independent rows (`logits`) against one request's candidates (`--one-request`, "
         f"`logits_request`), alternated in each of {args.repeats} runs; medians of the runs' medians "
         f"({args.iters} calls each), µs per call.",
@@ -73,6 +102,7 @@ def main():
             e, o = statistics.median(each), statistics.median(once)
             saved = round(100 * (1 - o / e))
             lines.append(f"| {label} | {backend} | {e:.2f} | {o:.2f} | {saved:d} % |")
+            results["models"].append({"model": label, "backend": backend, "independent_us": each, "one_request_us": once})
     lines.append("")
     lines.append(
         "Only what reads per-request inputs alone is computed once: a plain MLP's first-layer user and "
@@ -85,6 +115,8 @@ def main():
     lines.append("")
     text = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", "results", "one_request.json"), "w") as f:
+        json.dump(results, f, indent=1)
     with open(os.path.join(ROOT, "bench", "results", "one_request.md"), "w") as f:
         f.write(text + "\n")
     print(text)

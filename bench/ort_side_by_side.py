@@ -15,9 +15,12 @@ onnxruntime is timed through `InferenceSession.run` from Python, so its
 figures include the Python call overhead (a few microseconds), which weighs
 most at batch 1; quiver's are `Backend::logits` inside the process.
 
-Run from the repository root after `cargo build --release`:
+Run from the repository root after `cargo build --release`, on a committed
+tree (the figures name the commit they measured):
   pip install numpy onnx onnxruntime
-  python3 bench/ort_side_by_side.py [--iters 200] [--rows 1,8,32,256,1024]
+  taskset -c 1 python3 bench/ort_side_by_side.py [--iters 200] [--rows 1,8,32,256,1024]
+Writes bench/results/ort_side_by_side.json and ort_side_by_side.md (rendered
+into docs/BENCHMARKS.md by bench/report.py) and prints the latter.
 """
 
 import argparse
@@ -33,6 +36,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+from provenance import git_commit
 
 DIMS = (80, 256, 128, 1)
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -108,6 +113,9 @@ def main():
     rows = [int(r) for r in args.rows.split(",")]
     if not os.path.exists(QUIVER):
         sys.exit(f"{QUIVER} not found: run cargo build --release first")
+    commit = git_commit()
+    if commit.endswith("+dirty") or commit == "unknown":
+        sys.exit(f"ort_side_by_side: the tree is {commit}: commit first, so the figures name what they measured")
     rng = np.random.default_rng(20_261_129)
     with tempfile.TemporaryDirectory() as d:
         f32_path, int8_path = os.path.join(d, "mlp.onnx"), os.path.join(d, "mlp_int8.onnx")
@@ -136,14 +144,44 @@ def main():
             "quiver-f32": time_quiver(qm, "f32", rows, args.iters),
             "quiver-fp8": time_quiver(qm, "fp8", rows, args.iters),
         }
-    print(f"onnxruntime {ort.__version__}, single thread, median of {args.iters} calls, microseconds per call")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    results = {"commit": commit, "onnxruntime": ort.__version__, "iters": args.iters,
+               "machine": {"cpu": cpu, "cores": os.cpu_count()}, "median_us": {c: t[c] for c in t}}
     cols = list(t)
-    print("rows  " + "".join(f"{c:>13}" for c in cols) + "  int8/ort-f32  int8/ort-int8")
+    lines = [
+        "## The demo MLP side by side with onnxruntime",
+        "",
+        f"Written by `bench/ort_side_by_side.py` (commit `{commit}`; {cpu}, {os.cpu_count()} cores): the demo's shape "
+        f"({' → '.join(map(str, DIMS))}, ReLU between, seeded random weights). onnxruntime {ort.__version__} INT8 is "
+        "`quantize_static` (QOperator, per-channel, u8 activations, s8 weights) on the same 4,096-row calibration set "
+        "quiver uses (max-abs), so quiver INT8 runs the static semantics. Single thread on both sides; medians of "
+        f"{args.iters} calls, µs per call. onnxruntime is called from Python, so its times include the Python call "
+        "overhead (a few µs; it dominates at batch 1).",
+        "",
+        "| rows | " + " | ".join(cols) + " | ort-f32 / quiver-int8 | ort-int8 / quiver-int8 |",
+        "|---:|" + "---:|" * (len(cols) + 2),
+    ]
     for n in rows:
         r1 = t["ort-f32"][n] / t["quiver-int8"][n]
         r2 = t["ort-int8"][n] / t["quiver-int8"][n]
-        print(f"{n:<6}" + "".join(f"{t[c][n]:>13.2f}" for c in cols) + f"  {r1:>11.2f}x  {r2:>12.2f}x")
-    print("(ratios: onnxruntime time / quiver int8 time; above 1 means quiver is faster)")
+        lines.append(f"| {n} | " + " | ".join(f"{t[c][n]:.2f}" for c in cols) + f" | {r1:.2f}× | {r2:.2f}× |")
+    if 32 in rows:
+        r1 = t["ort-f32"][32] / t["quiver-int8"][32]
+        r2 = t["ort-int8"][32] / t["quiver-int8"][32]
+        lines += [
+            "",
+            "Issue 3's targets at batch 32: quiver INT8 at least 3× onnxruntime f32 "
+            f"({r1:.2f}×, {'met' if r1 >= 3 else 'not met'}) and 1.5× onnxruntime INT8 "
+            f"({r2:.2f}×, {'met' if r2 >= 1.5 else 'not met'}).",
+        ]
+    text = "\n".join(lines)
+    out_dir = os.path.join(ROOT, "bench", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "ort_side_by_side.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, "ort_side_by_side.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

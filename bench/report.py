@@ -4,16 +4,109 @@
 Every figure on the page comes from a file in the results directory; nothing
 is typed in by hand. Medians across runs, with min and max, and ratios to
 the two floors (Quiver's protocol floor and redis-benchmark GET).
+
+The side-by-side sections that scripts run by hand write as Markdown
+(`bench/results/NAME.md`) are copied in whole. Each must name the commit it
+measured, and that commit must be one its results file (`NAME.json` or
+`NAME.jsonl`, or the files a `<!-- results: FILE ... -->` line names)
+records: a section whose stated commit disagrees with its table, that names
+a commit measured on a dirty tree, or that no results file backs, is
+refused, and nothing is rendered.
+
+    python3 bench/report.py bench/results > docs/BENCHMARKS.md
+    python3 bench/report.py --check bench/results     # the refusals only
 """
+import argparse
 import csv
 import datetime
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
-res = sys.argv[1]
+# Sections copied in whole, in page order, from the results directory.
+SECTIONS = ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "tls_flood.md",
+            "ort_backend.md", "hedge.md", "int8_before_after.md", "ort_side_by_side.md"]
+
+# A commit as the sections write it: a short hash in backticks, "+dirty" when
+# the tree had changes.
+COMMIT = re.compile(r"`([0-9a-f]{7,12})(\+dirty)?`")
+RESULTS_LINE = re.compile(r"<!--\s*results:\s*(.*?)\s*-->")
+
+
+def recorded_commits(value):
+    """Every string in a results file that is a commit."""
+    if isinstance(value, dict):
+        return set().union(*(recorded_commits(v) for v in value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*(recorded_commits(v) for v in value)) if value else set()
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{7,12}(\+dirty)?", value):
+        return {value}
+    return set()
+
+
+def read_results(path):
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(l) for l in f if l.startswith("{")]
+        return json.load(f)
+
+
+def section_refusals(res, name, text):
+    """Why the copied section `name` may not be rendered (empty: it may)."""
+    stem = os.path.splitext(name)[0]
+    declared = [f for m in RESULTS_LINE.finditer(text) for f in m.group(1).split()]
+    files = declared or [f for f in (stem + ".json", stem + ".jsonl") if os.path.exists(os.path.join(res, f))]
+    refusals = []
+    if not files:
+        return [f"{name}: no results file backs its figures (expected {stem}.json or {stem}.jsonl in {res}, "
+                "or a `<!-- results: FILE -->` line naming one)"]
+    recorded = set()
+    for f in files:
+        path = os.path.join(res, f)
+        if not os.path.exists(path):
+            refusals.append(f"{name}: names results file {f}, which {res} does not hold")
+            continue
+        recorded |= recorded_commits(read_results(path))
+    stated = [m.group(1) + (m.group(2) or "") for m in COMMIT.finditer(text)]
+    if not stated:
+        refusals.append(f"{name}: states no commit (write it as `abc1234`)")
+    for commit in stated:
+        if commit.endswith("+dirty"):
+            refusals.append(f"{name}: measured on a dirty tree ({commit}); commit, then rerun the script")
+        elif commit not in recorded:
+            refusals.append(f"{name}: states commit {commit}, but its results ({', '.join(files)}) record "
+                            f"{', '.join(sorted(recorded)) or 'none'}; rerun the script or correct the section")
+    return refusals
+
+
+def copied_sections(res):
+    """(name, text) of each section copied in whole, after checking every one."""
+    sections, refusals = [], []
+    for name in SECTIONS:
+        path = os.path.join(res, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            refusals += section_refusals(res, name, text)
+            sections.append((name, text))
+    if refusals:
+        sys.exit("report.py: refusing to render:\n  " + "\n  ".join(refusals))
+    return sections
+
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+ap.add_argument("results", help="the results directory (bench/results)")
+ap.add_argument("--check", action="store_true", help="check the copied sections' commits against their results and exit")
+args = ap.parse_args()
+res = args.results
+copied = copied_sections(res)
+if args.check:
+    print(f"report.py: {len(copied)} copied sections agree with their results")
+    sys.exit(0)
 
 
 def load(pattern):
@@ -203,8 +296,7 @@ if os.path.exists(tail):
     w("  generator reports its own late sends). Quiver's p99.9 ratios should be read against that floor.")
     w("- The protocol floor tracks Redis within a small factor up to the highest rate: the runtime and")
     w("  framing are not what limits auction-32. What separates auction-32 from the floor is CPU per")
-    w("  request (the request-path figures in the criterion table below; under `perf` the INT8 kernel and")
-    w("  its input quantization are most of it, then the feature lookups), so from 60k req/s the single")
+    w("  request (the request-path figures in the criterion table below), so from 60k req/s the single")
     w("  shard is mostly busy and queueing sets the tail. Capacity at p99 <= 1 ms of 80k req/s on one core")
     w("  needs that cost about halved; it is not met.")
     stages = {}
@@ -824,9 +916,34 @@ for full_id, e in sorted(crit.items()):
         per_s = f"{t['Bytes'] / (e['median_ns'] / 1e9) / 1e9:.2f} GB/s"
     w(f"| {group} | {name} | {human_ns(e['median_ns'])} | {human_ns(e['lo_ns'])}–{human_ns(e['hi_ns'])} | {per_s} |")
 w("")
-# Figures recorded by hand (not produced by run.sh) are kept verbatim.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_side_by_side.md")) as f:
-    w(f.read().rstrip("\n"))
+# The summary `cargo bench --bench kernels` prints after its run: each
+# forward pass's rate as a share of the vpdpbusd peak probe of the same process.
+kernels_txt = os.path.join(res, "criterion-kernels.txt")
+summary = []
+if os.path.exists(kernels_txt):
+    with open(kernels_txt) as f:
+        lines = f.read().splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("mlp_forward summary")), None)
+    if start is not None:
+        summary = [l for l in lines[start:] if l.startswith(("mlp_forward summary", "peak:", "|"))]
+if summary:
+    w("### The INT8 kernels against the machine's peak\n")
+    at = json.load(open(commits_file)).get("kernels") if os.path.exists(commits_file) else None
+    w("What `cargo bench --bench kernels` prints after its run" + (f" (commit {at})" if at else "")
+      + ", from `bench/results/criterion-kernels.txt`: the demo model (80 → 256 → ReLU → 128 → ReLU → 1) per")
+    w("backend and kernel, `int8-dyn-*` uncalibrated, `int8-static-*` the same model calibrated (max-abs, 4,096 seeded")
+    w("normal rows); the median of criterion's samples per call, and each rate as a share of the `int8_peak`")
+    w("probe (16 independent `vpdpbusd` chains on registers) measured in the same process.")
+    w("")
+    macs = re.search(r"(\d+) MACs per row", summary[0])
+    peak = next((re.search(r"([\d.]+) GMAC/s", l) for l in summary if l.startswith("peak:")), None)
+    facts = ([f"{int(macs.group(1)):,} MACs per row"] if macs else []) + \
+        ([f"the peak probe measured {peak.group(1)} GMAC/s"] if peak else [])
+    if facts:
+        w("; ".join(facts) + ".\n")
+    for l in summary:
+        if l.startswith("|"):
+            w(l)
     w("")
 # A tree model end to end beside the MLP (run by hand: bench/trees_serve.sh).
 serve_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trees-serve.json")
@@ -854,19 +971,14 @@ if os.path.exists(serve_path):
       "sweeps above; the open tail-latency work), not the model: the tree model's own cost for 32 candidates is "
       "in the side-by-side table below (`quiver time-model`, 80 features here against 28 there).")
     w("")
-# The model zoo against onnxruntime, as bench/zoo_side_by_side.py wrote it
-# (run by hand: `taskset -c 1 python3 bench/zoo_side_by_side.py --repeats 3`).
-# Per-request parts computed once (run by hand: bench/one_request.py).
-# TLS on the scoring port against plain TCP (run by hand: bench/tls_cost.sh).
-# A flood of TLS handshakes against scoring (run by hand: bench/tls_flood.sh).
-# onnxruntime as a backend beside the native ones (run by hand: bench/ort_backend.sh).
-# Hedged requests across three nodes, one slow (run by hand: bench/hedge.sh).
-# Plain MLPs before and after graph models (run by hand: bench/int8_before_after.sh).
-for extra in ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "tls_flood.md",
-              "ort_backend.md", "hedge.md", "int8_before_after.md"]:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", extra)
-    if os.path.exists(path):
-        with open(path) as f:
-            w(f.read().rstrip("\n"))
-            w("")
+# The sections scripts run by hand wrote, checked above: the model zoo
+# (bench/zoo_side_by_side.py), per-request parts (bench/one_request.py),
+# tree ensembles (bench/trees_side_by_side.py), TLS (bench/tls_cost.sh,
+# bench/tls_flood.sh), onnxruntime as a backend (bench/ort_backend.sh), hedged
+# requests (bench/hedge.sh), plain MLPs before and after graph models
+# (bench/int8_before_after.sh), and the demo MLP against onnxruntime
+# (bench/ort_side_by_side.py).
+for _, text in copied:
+    w(text.rstrip("\n"))
+    w("")
 print("\n".join(out))

@@ -42,7 +42,7 @@ mkdir -p "$RESULTS" "$PLOTS"
 # Only what this script writes: the side-by-side results run by hand
 # (zoo, one request, trees) stay, and the page keeps rendering them.
 rm -rf "$RESULTS"/closed-* "$RESULTS"/open-* "$RESULTS"/sweep-* "$RESULTS"/redis-p* "$RESULTS"/criterion-*.txt \
-    "$RESULTS"/criterion.json "$RESULTS"/machine.json "$RESULTS"/settings.json "$RESULTS"/handoff-percentiles.json \
+    "$RESULTS"/criterion.json "$RESULTS"/criterion-commits.json "$RESULTS"/machine.json "$RESULTS"/settings.json "$RESULTS"/handoff-percentiles.json \
     "$RESULTS"/feed_lag.jsonl "$RESULTS"/tail "$RESULTS"/stalls.json "$RESULTS"/stalls-swaps.json
 
 python3 - >"$RESULTS/machine.json" <<'PY'
@@ -80,6 +80,16 @@ for root, dirs, files in os.walk("target/criterion"):
 json.dump(out, open(sys.argv[1], "w"), indent=1, sort_keys=True)
 PY
 cp target/criterion/handoff-percentiles.json "$RESULTS/handoff-percentiles.json"
+# The commit each group measured ("+dirty" with uncommitted changes), which
+# the page states beside the table.
+python3 - "$RESULTS" <<'PY'
+import glob, json, os, sys
+sys.path.insert(0, "bench")
+from provenance import git_commit
+commit = git_commit()
+names = sorted(os.path.basename(p)[len("criterion-"):-len(".txt")] for p in glob.glob(os.path.join(sys.argv[1], "criterion-*.txt")))
+json.dump({name: commit for name in names}, open(os.path.join(sys.argv[1], "criterion-commits.json"), "w"))
+PY
 
 # Starts `quiver serve` on $SERVER_CORE with extra flags; sets $addr and $server_pid.
 start_quiver() {
