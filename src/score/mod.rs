@@ -133,7 +133,8 @@ pub enum BackendKind {
 /// Builds the backend `kind` for `model`, with scratch for `rows_max` rows.
 ///
 /// Never fails: `Cuda` without a usable GPU gives the CPU INT8 backend,
-/// which computes the same numbers bit for bit. A model that only
+/// whose numbers the CUDA kernels are designed to match bit for bit (not
+/// yet verified on a GPU: the CUDA path has not run on one). A model that only
 /// onnxruntime can run goes to onnxruntime whatever `kind` says; when that
 /// cannot be built (no library, or a binary without the feature) the version
 /// gets an [`Unavailable`] backend, so its requests step down the ladder,
