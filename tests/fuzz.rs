@@ -761,18 +761,19 @@ fn stream_entries() {
     });
 }
 
-/// The README's example config: the one users copy.
-fn readme_config() -> String {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
-    let start = readme.find("```toml\nlisten =").expect("the README has its example config") + "```toml\n".len();
-    let end = start + readme[start..].find("```").unwrap();
-    readme[start..end].to_string()
+/// The configuration reference's example, every key set: the one users copy.
+fn reference_config() -> String {
+    let page = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/CONFIGURATION.md")).unwrap();
+    let start =
+        page.find("```toml\nlisten =").expect("docs/CONFIGURATION.md has its example config") + "```toml\n".len();
+    let end = start + page[start..].find("```").unwrap();
+    page[start..end].to_string()
 }
 
 #[test]
 fn toml_config() {
     let seeds: Vec<Vec<u8>> = [
-        readme_config(),
+        reference_config(),
         "[feed]\nredis = \"redis://u:p@10.0.0.1:6380/2\"\nresync_shrink_max_by_group = { item = 0.9 }\n".into(),
         "[admission.clients.3]\nrate_per_s = 100.0\nburst = 10.0\n[shed]\nenabled = true\n".into(),
         "cores = [0, 1]\ninference = \"thread\"\n[ladder.breaker]\nwindow = 20\n".into(),
@@ -780,7 +781,8 @@ fn toml_config() {
     .into_iter()
     .map(String::into_bytes)
     .collect();
-    quiver::config::Config::parse(std::str::from_utf8(&seeds[0]).unwrap(), "README.md").expect("the README parses");
+    quiver::config::Config::parse(std::str::from_utf8(&seeds[0]).unwrap(), "docs/CONFIGURATION.md")
+        .expect("the reference's example parses");
     fuzz("toml_config", seeds, 16 * MIB, &|bytes, _, _| {
         let text = String::from_utf8_lossy(bytes);
         if let Ok(c) = quiver::config::Config::parse(&text, "fuzz.toml") {

@@ -2,6 +2,9 @@
 //!
 //! Every field has a default, so an empty file (or none) is a valid config.
 //! Unknown keys are an error, so a typo never silently falls back to a default.
+//! `reference` describes every key; docs/CONFIGURATION.md is rendered from it.
+
+pub mod reference;
 
 use std::path::{Path, PathBuf};
 
@@ -56,8 +59,8 @@ pub struct Config {
     pub cache: crate::request::cache::CacheConfig,
     /// Score and input drift of calibrated models against their calibration.
     pub drift: crate::drift::DriftConfig,
-    /// Refresh the feature replicas from Redis (see the README's "Publishing
-    /// features"); without it the replica files are served as they are.
+    /// Refresh the feature replicas from Redis (docs/FEATURES.md); without
+    /// it the replica files are served as they are.
     pub feed: Option<crate::features::feed::FeedConfig>,
     /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
     /// slows the inference stage. Off unless set.
@@ -66,7 +69,7 @@ pub struct Config {
     /// drain, model loads, resync accepts); "off" disables it.
     pub admin_listen: String,
     /// A file holding the bearer token the admin endpoint's controls need
-    /// (see the README's "Operations"); required when `admin_listen` is not loopback.
+    /// (docs/OPERATING.md); required when `admin_listen` is not loopback.
     pub admin_token_file: Option<PathBuf>,
     /// The admin endpoint speaks plain HTTP: on an address that is not
     /// loopback its token crosses the network readable. Refused at start-up
@@ -92,7 +95,7 @@ pub struct Config {
     pub replica_huge_pages: bool,
     pub limits: Limits,
     pub reactor: ReactorConfig,
-    /// TLS on the scoring port (see the README's "TLS"); plain TCP without it.
+    /// TLS on the scoring port (docs/OPERATING.md); plain TCP without it.
     pub tls: Option<crate::tls::ServerTls>,
 }
 
