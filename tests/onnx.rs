@@ -21,7 +21,7 @@ use quiver::wire::{RequestSpec, Status};
 /// f32 parity with onnxruntime, on the logit and on the probability alike.
 const F32_TOLERANCE: f32 = 1e-5;
 /// Documented INT8 bound on |probability - onnxruntime's probability| for
-/// the imported fixture models (README, "Importing models"). Measured: at
+/// the imported fixture models (docs/MODELS.md, "Importing models"). Measured: at
 /// most 0.0244 (mean 0.0044) over the 256 held-out rows. It is looser than the
 /// demo model's 0.02 because the first layer quantizes user, item and context
 /// features with one scale per row, and 20 inputs average out less rounding.
@@ -345,7 +345,7 @@ fn served_scores_of_an_imported_model_match_onnxruntime() {
     }
 }
 
-/// Documented bounds for a calibrated import (README, "Importing models"),
+/// Documented bounds for a calibrated import (docs/MODELS.md, "Calibration"),
 /// on the 8192 held-out rows of `auc_heldout.npy` (327 positives, about 4%),
 /// calibrated on the 16384 rows of `calibration.npy`:
 /// |AUC(quantized) - AUC(f32)| and max |score(quantized) - score(f32)|.

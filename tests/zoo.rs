@@ -21,7 +21,7 @@ use quiver::wire::{RequestSpec, Status};
 /// f32 parity with onnxruntime on the logit (or raw value), relative to
 /// its magnitude above 1.
 const F32_TOLERANCE: f32 = 1e-5;
-/// Documented bounds (README, "Importing models") for the quantized paths of
+/// Documented bounds (docs/MODELS.md, "The zoo") for the quantized paths of
 /// graph models and plain MLPs without calibration, against onnxruntime on
 /// the 2048 held-out rows: |ΔAUC| and, per model, max |Δp| (below).
 const INT8_AUC_DELTA_MAX: f64 = 0.002;
@@ -54,7 +54,7 @@ fn scores(model: &Model, out: &[f32]) -> Vec<f32> {
 /// raw-output model, the max relative error of the value.
 /// Measured at most 0.031 (INT8) and 0.194 (FP8, `sklearn_mlp_zipmap`: an
 /// uncalibrated FP8 model scales no activation); the per-model figures are
-/// in the README.
+/// in docs/MODELS.md.
 fn bounds(name: &str) -> (f32, f32) {
     match name {
         "regression" => (0.05, 0.2),

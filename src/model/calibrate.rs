@@ -14,7 +14,7 @@
 //! the percentile by more than `max / 4096`, and never exceeds `max`). Values
 //! beyond `r` saturate. The default is `max-abs`: on the CTR fixture a
 //! percentile clips hidden activations that held-out rows do reach, and
-//! raises the largest score error (README, "Importing models").
+//! raises the largest score error (docs/MODELS.md, "Calibration").
 //!
 //! The mean and variance of each context input over the set are stored too
 //! (`context_moments`), as the baseline input drift is measured against.

@@ -21,7 +21,7 @@ pub mod zoo;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_quiver");
 
-/// Documented INT8 tolerance: |score_int8 - score_f32| ≤ this (see README).
+/// Documented INT8 tolerance: |score_int8 - score_f32| ≤ this (docs/MODELS.md, "Model files").
 pub const INT8_SCORE_TOLERANCE: f32 = 0.02;
 
 /// A scratch directory unique to this test process and `name`.

@@ -189,7 +189,7 @@ def test_budget_zero_means_the_server_default(server, singles):
 
 
 def test_a_1us_budget_never_gets_the_primary(server):
-    """README: a request that cannot make its deadline steps down the ladder;
+    """docs/OPERATING.md: a request that cannot make its deadline steps down the ladder;
     only one whose budget is already spent gets DeadlineExceeded."""
     seen = {}
     with q.Client(server.addr) as c:
@@ -224,7 +224,7 @@ def test_client_side_limits_raise_before_anything_is_sent():
 
 def test_an_oversized_frame_is_rejected_by_the_server_and_the_client_reconnects(server):
     """With the client's frame limit raised past the server's (64 KiB), the
-    server answers one BadRequest with request_id 0 and closes (README); its
+    server answers one BadRequest with request_id 0 and closes (docs/PROTOCOL.md); its
     close can also reset the connection before that answer is read."""
     with q.Client(server.addr, limits=q.Limits(frame_bytes_max=1 << 20)) as c:
         try:

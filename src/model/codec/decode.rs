@@ -59,7 +59,7 @@ impl Model {
         // SAFETY: model files are replaced only by renaming a new file over
         // the old one, never truncated or rewritten in place: this crate
         // writes them only through `write_atomically` (temporary file, then
-        // rename), and README tells operators to do the same (`mv`, not
+        // rename), and docs/OPERATING.md tells operators to do the same (`mv`, not
         // `cp` over a served file); smaller files, which hold no tables
         // written apart, are read above and never mapped. A rename leaves
         // the inode mapped here untouched, so the mapping stays valid while
