@@ -1,5 +1,5 @@
 //! ONNX import parity: models exported by skl2onnx and built with
-//! onnx.helper (`bench/onnx_fixtures.py`) are imported and scored by the f32
+//! onnx.helper (`tests/fixtures/onnx_fixtures.py`) are imported and scored by the f32
 //! reference, both CPU backends and a real server, and compared with the
 //! outputs onnxruntime recorded in `tests/fixtures/onnx/heldout.json`; the
 //! quantized paths of a calibrated import are held to documented bounds on

@@ -1,7 +1,7 @@
 //! The onnxruntime backend (feature `onnxruntime`) against the real library:
 //! graphs the native compiler refuses import with `--onnxruntime` and are
 //! served, by the CPU-only request path around them, with exactly the scores
-//! onnxruntime computes in Python (`bench/ort_fixtures.py` recorded them
+//! onnxruntime computes in Python (`tests/fixtures/ort_fixtures.py` recorded them
 //! with the same library and graph); native models forced onto onnxruntime
 //! match the native f32 path; a library that cannot be loaded is a typed
 //! error and the ladder answers.

@@ -1,5 +1,5 @@
 //! Gradient-boosted trees: LightGBM text, XGBoost JSON and ONNX tree
-//! ensembles (`bench/tree_fixtures.py`: a synthetic fraud set with missing
+//! ensembles (`tests/fixtures/tree_fixtures.py`: a synthetic fraud set with missing
 //! values and a categorical column), imported and scored by every CPU
 //! backend and a real server, against the frameworks' own margins and
 //! probabilities recorded beside each file (`tests/fixtures/trees/<name>.npy`:

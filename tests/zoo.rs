@@ -1,6 +1,6 @@
 //! The model zoo: the CTR, fraud and pricing models users bring, exported by
 //! their tools' own calls (skl2onnx) or written node for node as
-//! `torch.onnx.export` emits them (`bench/zoo_fixtures.py`), imported and
+//! `torch.onnx.export` emits them (`tests/fixtures/zoo_fixtures.py`), imported and
 //! scored by every CPU backend and a real server, against the outputs
 //! onnxruntime recorded beside each file (`tests/fixtures/zoo/<name>.npy`:
 //! 2048 held-out rows, a rare-positive label and onnxruntime's logit).

@@ -1,5 +1,5 @@
 //! The model zoo's fixtures (`tests/fixtures/zoo/`, written by
-//! `bench/zoo_fixtures.py`): each model's file, `--inputs`, output and
+//! `tests/fixtures/zoo_fixtures.py`): each model's file, `--inputs`, output and
 //! 2048 held-out rows with onnxruntime's logit, for the zoo and
 //! onnxruntime-backend tests.
 
