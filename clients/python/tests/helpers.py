@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import flatbuffers
+import pytest
 
 from quiver_client import FrameReader, Request, Response
 from quiver_client._generated.quiver.wire import ScoreRequest as fb_req
@@ -35,6 +36,17 @@ CANDIDATES = 32
 BIG_BUDGET_US = 1_000_000
 #: Requests per pipelining test.
 N = 1000
+
+
+def numpy_or_skip():
+    """numpy, or a skip where it is not installed; CI installs the client's
+    ``[numpy]`` extra and sets QUIVER_REQUIRE_NUMPY=1, so there a missing
+    numpy fails instead of skipping."""
+    if os.environ.get("QUIVER_REQUIRE_NUMPY") == "1":
+        import numpy
+
+        return numpy
+    return pytest.importorskip("numpy")
 
 
 def f32(x: float) -> float:

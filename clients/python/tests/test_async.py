@@ -12,7 +12,7 @@ import time
 import pytest
 
 import quiver_client as q
-from helpers import N, FakeServer, demo_request, echo_answer, f32_bits, same_bits, thread_batch
+from helpers import N, FakeServer, demo_request, echo_answer, f32_bits, numpy_or_skip, same_bits, thread_batch
 
 
 def test_gather_pipelines_1000_calls_on_one_connection(server, singles):
@@ -44,7 +44,7 @@ def test_thread_mode_answers_match_by_request_id(thread_server, singles):
 
 
 def test_reverse_order_and_numpy():
-    np = pytest.importorskip("numpy")
+    np = numpy_or_skip()
     fake = FakeServer(batch=40)
 
     async def main():

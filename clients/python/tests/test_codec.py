@@ -8,7 +8,7 @@ import struct
 import pytest
 
 import quiver_client as q
-from helpers import encode_response, f32, f32_bits
+from helpers import encode_response, f32, f32_bits, numpy_or_skip
 from quiver_client._generated.quiver.wire import ScoreRequest as fb_req
 
 
@@ -50,7 +50,7 @@ def test_empty_optional_fields_are_left_out_like_the_rust_encoder():
 
 
 def test_numpy_inputs_encode_the_same_bytes_as_lists():
-    np = pytest.importorskip("numpy")
+    np = numpy_or_skip()
     ctx = [f32(x / 7) for x in range(16)]
     as_list = q.Request(user_id=3, item_ids=[9, 8, 7], context=ctx, context_ids=[1, 2])
     as_np = q.Request(
@@ -133,7 +133,7 @@ def test_scores_keep_their_float32_bits():
     values = [f32(x) for x in (0.1, 1 / 3, 1e-38, -0.0, 0.999999)]
     payload = encode_response(1, scores=values)[4:]
     assert f32_bits(q.decode_response(payload).scores) == f32_bits(values)
-    np = pytest.importorskip("numpy")
+    np = numpy_or_skip()
     arr = q.decode_response(payload, as_numpy=True).scores
     assert arr.dtype == np.float32 and arr.flags.writeable
     assert arr.view(np.uint32).tolist() == f32_bits(values)
