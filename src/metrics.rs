@@ -689,14 +689,21 @@ mod tests {
         let mut publisher = publishers.pop().unwrap();
         // Hold the slot: the collector blocks on it, as under a long scrape.
         let held = b[0].lock().unwrap();
-        let mut t = StageTimes::default();
         let c = Counters::default();
-        let start = std::time::Instant::now();
-        for _ in 0..50 {
-            t.record_us(Stage::EndToEnd, 10);
-            publisher.publish(&mut t, &c, 1, false, VersionReport::default(), None);
-        }
-        assert!(start.elapsed() < Duration::from_millis(500), "publishing never waits");
+        // On a thread of its own, so that a publish that waited on the held
+        // slot fails this test (after a bound no busy machine reaches)
+        // rather than hanging it.
+        let (done, published) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (mut t, c) = (StageTimes::default(), Counters::default());
+            for _ in 0..50 {
+                t.record_us(Stage::EndToEnd, 10);
+                publisher.publish(&mut t, &c, 1, false, VersionReport::default(), None);
+            }
+            done.send((publisher, t)).unwrap();
+        });
+        let (publisher, mut t) =
+            published.recv_timeout(Duration::from_secs(30)).expect("publishing waited on the held slot");
         assert!(publisher.skipped >= 45, "skipped {}", publisher.skipped);
         drop(held);
         publisher.publish_final(&mut t, &c, false, VersionReport::default());

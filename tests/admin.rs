@@ -22,7 +22,7 @@ fn stats(server: &Server) -> Stats {
 
 /// Polls until `done(stats)`; shards publish once a second.
 fn wait_for(server: &Server, done: impl Fn(&Stats) -> bool) -> Stats {
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + common::WAIT;
     loop {
         let s = stats(server);
         if done(&s) {

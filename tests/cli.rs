@@ -88,7 +88,7 @@ fn bench_draws_ids_from_the_population_it_is_given() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["by_status"]["ok"], v["sent"], "{v}");
         // The shards publish once a second: wait until they counted this run.
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let until = std::time::Instant::now() + common::WAIT;
         let sent = v["sent"].as_u64().unwrap();
         let missing = loop {
             let s = server.stats();

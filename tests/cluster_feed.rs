@@ -137,10 +137,28 @@ fn scorer(server: &Server, stop: Arc<AtomicBool>, items: u64) -> (std::thread::J
     (thread, scored)
 }
 
-/// Publishes `updates` changes to items (every tenth a delete), in batches of 100.
-fn updater(mut p: Publisher, items: u64, updates: u64, generation: u64) -> std::thread::JoinHandle<Publisher> {
+/// Publishes `updates` changes to items (every tenth a delete), in batches
+/// of 100. With a scorer's count, every tenth batch waits until it has
+/// scored since the last, so scoring and updates overlap however the
+/// machine schedules them.
+fn updater(
+    mut p: Publisher,
+    items: u64,
+    updates: u64,
+    generation: u64,
+    scored: Option<Arc<AtomicU64>>,
+) -> std::thread::JoinHandle<Publisher> {
     std::thread::spawn(move || {
+        let mut scored_before = 0;
         for start in (0..updates).step_by(100) {
+            if let Some(scored) = scored.as_ref().filter(|_| start % 1000 == 0) {
+                let until = Instant::now() + common::WAIT;
+                while scored.load(Ordering::Relaxed) == scored_before {
+                    assert!(Instant::now() < until, "the server stopped scoring after {scored_before}");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                scored_before = scored.load(Ordering::Relaxed);
+            }
             let ids: Vec<u64> = (start..start + 100).map(|n| (n * 7919) % items).collect();
             let (dels, puts): (Vec<u64>, Vec<u64>) = ids.iter().partition(|&&id| id % 10 == 3);
             let rows: Vec<(u64, Vec<f32>)> = puts.iter().map(|&id| (id, vector(id, generation))).collect();
@@ -171,17 +189,17 @@ fn one_node_bucketed_group_follows_each_bucket_and_resyncs_only_the_one_with_a_g
 
     let stop = Arc::new(AtomicBool::new(false));
     let (scoring, scored) = scorer(&server, stop.clone(), 20_000);
-    let p = updater(p, 20_000, 5000, 1).join().unwrap();
+    let p = updater(p, 20_000, 5000, 1, Some(scored.clone())).join().unwrap();
     wait_caught_up(&server, &mut conn, layout);
     stop.store(true, Ordering::Relaxed);
     scoring.join().unwrap();
-    assert!(scored.load(Ordering::Relaxed) > 50);
+    assert!(scored.load(Ordering::Relaxed) >= 5);
     assert_replica_equals_source(&dir, "item", layout, 20_000, &mut conn);
     let resyncs_before = group(&server.stats(), "item").resyncs;
 
     // A new epoch in one bucket: that bucket alone is copied again.
     conn.command(&[b"SET", layout.keys("item", 2).epoch.as_bytes(), b"1"]).unwrap();
-    let until = Instant::now() + Duration::from_secs(20);
+    let until = Instant::now() + common::WAIT;
     while group(&server.stats(), "item").resyncs == resyncs_before {
         assert!(Instant::now() < until, "no resync after the epoch change: {}", server.stderr());
         std::thread::sleep(Duration::from_millis(50));
@@ -196,7 +214,7 @@ fn one_node_bucketed_group_follows_each_bucket_and_resyncs_only_the_one_with_a_g
 
     // A bucket written with another bucket count is refused, loudly.
     conn.command(&[b"SET", layout.keys("item", 1).buckets.unwrap().as_bytes(), b"8"]).unwrap();
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + common::WAIT;
     while !server.stderr().contains("says the group has 8 buckets, 4 are configured") {
         assert!(Instant::now() < until, "the bucket count mismatch went unreported: {}", server.stderr());
         std::thread::sleep(Duration::from_millis(50));
@@ -223,18 +241,18 @@ fn a_cluster_is_followed_through_a_full_sync_updates_while_scoring_and_a_reshard
     // 10,000 updates while scoring.
     let stop = Arc::new(AtomicBool::new(false));
     let (scoring, scored) = scorer(&server, stop.clone(), 100_000);
-    let p = updater(p, 100_000, 10_000, 1).join().unwrap();
+    let p = updater(p, 100_000, 10_000, 1, Some(scored.clone())).join().unwrap();
     wait_caught_up(&server, &mut c, layout);
     assert_replica_equals_source(&dir, "item", layout, 100_000, &mut c);
 
     // A quarter of the slots move from one master to another while updates flow.
     let masters: Vec<String> = c.topology().masters().into_iter().map(String::from).collect();
-    let updates = updater(p, 100_000, 10_000, 2);
+    let updates = updater(p, 100_000, 10_000, 2, Some(scored.clone()));
     cluster.reshard(&masters[0], &masters[1], 4096);
     updates.join().unwrap();
     stop.store(true, Ordering::Relaxed);
     scoring.join().unwrap();
-    assert!(scored.load(Ordering::Relaxed) > 100, "scored throughout");
+    assert!(scored.load(Ordering::Relaxed) >= 20, "scored throughout");
     let mut c = conn();
     assert_ne!(
         c.topology().ranges().iter().filter(|r| r.master == masters[0]).map(|r| r.end - r.start + 1).sum::<u16>(),
@@ -265,14 +283,14 @@ fn a_killed_master_is_followed_to_its_promoted_replica_with_nothing_lost() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let (scoring, scored) = scorer(&server, stop.clone(), 20_000);
-    let updates = updater(p, 20_000, 10_000, 1);
+    let updates = updater(p, 20_000, 10_000, 1, Some(scored.clone()));
     std::thread::sleep(Duration::from_millis(300));
     let victim = c.topology().masters()[0].to_string();
     cluster.node(&victim).kill();
     updates.join().unwrap();
     stop.store(true, Ordering::Relaxed);
     scoring.join().unwrap();
-    assert!(scored.load(Ordering::Relaxed) > 50, "scored throughout");
+    assert!(scored.load(Ordering::Relaxed) >= 10, "scored throughout");
     let mut c = conn();
     assert!(!c.topology().masters().contains(&victim.as_str()), "a replica was promoted");
     wait_caught_up(&server, &mut c, layout);
@@ -298,7 +316,7 @@ fn a_cluster_that_asks_for_a_password_is_followed_and_a_wrong_one_is_refused() {
     let mut c = conn();
     wait_caught_up(&server, &mut c, layout);
     assert_eq!(assert_replica_equals_source(&dir, "item", layout, 20_000, &mut c), 20_000);
-    let p = updater(p, 20_000, 2000, 1).join().unwrap();
+    let p = updater(p, 20_000, 2000, 1, None).join().unwrap();
     wait_caught_up(&server, &mut c, layout);
     assert_replica_equals_source(&dir, "item", layout, 20_000, &mut c);
     drop((p, server));

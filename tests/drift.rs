@@ -179,7 +179,7 @@ fn an_uncalibrated_model_reports_no_drift() {
     for i in 0..50u64 {
         assert_eq!(c.score(&common::demo_request(i, i, vec![1, 2])).unwrap().status, Status::Ok);
     }
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + common::WAIT;
     let stats = loop {
         let (_, stats) = drift(&server);
         if stats.requests == 50 {

@@ -65,7 +65,7 @@ fn the_feed_follows_redis_over_tls_and_refuses_what_it_cannot_verify() {
     std::fs::write(&config, format!("[feed]\nredis = \"{url}\"\nblock_ms = 50\n")).unwrap();
     let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
     p.put("item", 7, &[7.5; 32]).unwrap();
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + common::WAIT;
     loop {
         let s = server.stats();
         let item = s.feed.iter().find(|g| g.group == "item").unwrap();

@@ -29,8 +29,9 @@ use std::time::{Duration, Instant};
 
 use quiver::seeded::SplitMix64;
 
-/// Longest one input may take; the VM pauses for tens of ms, so generous.
-const HANG_BOUND: Duration = Duration::from_secs(2);
+/// Longest one input may take: a hang, not a slow machine (a VM pauses for
+/// tens of ms, a CPU hog beside the tests stretches everything), so generous.
+const HANG_BOUND: Duration = Duration::from_secs(10);
 /// Mutated inputs are cut to this many bytes beyond their seed.
 const GROWTH_BYTES_MAX: usize = 4096;
 
@@ -943,12 +944,7 @@ fn admin_http_bytes() {
     // With the held connections still open, a probe is answered at once.
     let probe = std::time::Instant::now();
     assert_eq!(common::http_get(&format!("http://{admin}/healthz")).0, 200, "the admin thread still answers");
-    assert!(
-        probe.elapsed() < Duration::from_secs(1),
-        "a probe waited {:?} beside {} held",
-        probe.elapsed(),
-        held.count()
-    );
+    assert!(probe.elapsed() < common::PROBE_MAX, "a probe waited {:?} beside {} held", probe.elapsed(), held.count());
     let r = server.client().score(&common::demo_request(1, 1, vec![1, 2])).unwrap();
     assert_eq!(r.status, quiver::wire::Status::Ok, "and the server still scores");
     assert_eq!(common::http_get(&format!("http://{admin}/readyz")).0, 200, "no fuzzed request drained it");
@@ -1018,10 +1014,5 @@ fn scoring_port_bytes() {
     let started = std::time::Instant::now();
     let r = server.client().score(&common::demo_request(2, 7, vec![1, 2])).unwrap();
     assert_eq!(r.status, quiver::wire::Status::Ok);
-    assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "served after {:?} beside {} held",
-        started.elapsed(),
-        held.count()
-    );
+    assert!(started.elapsed() < common::PROBE_MAX, "served after {:?} beside {} held", started.elapsed(), held.count());
 }

@@ -93,20 +93,26 @@ fn open_loop_charges_a_stall_to_every_request_scheduled_during_it() {
     let report = loadgen::run(&options(fake_server(200), Some(1_000.0)));
     assert_eq!(report.received, report.sent);
     assert!(report.sent >= 990, "{report}");
-    // ~300 of ~1000 requests were due during the stall: p90 must show it.
+    // ~300 of ~1000 requests were due during the stall: p90 must show it
+    // (a generator that timed from its late sends would see ~1 slow one).
+    // The bound on the median only says most were not in the stall: half
+    // the stall, far above what a busy machine adds to a fast answer.
     assert!(report.latency.max_us >= 280_000, "{report}");
     assert!(report.latency.p90_us >= 50_000, "{report}");
-    assert!(report.latency.p50_us < 50_000, "{report}");
+    assert!(report.latency.p50_us < 150_000, "{report}");
 }
 
 #[test]
 fn closed_loop_sees_the_stall_once() {
     let report = loadgen::run(&options(fake_server(200), None));
-    assert!(report.received > 1_000, "{report}");
+    // Enough answers for one of them to be outside the p99 (thousands on an
+    // idle machine; a busy one makes fewer round trips in the second).
+    assert!(report.received > 200, "{report}");
     assert!(report.latency.max_us >= 280_000, "{report}");
-    // One slow request among thousands: p99 stays fast. This is why the
-    // closed loop is labelled service time, not latency at a load.
-    assert!(report.latency.p99_us < 50_000, "{report}");
+    // One slow request among the rest: p99 stays well under the stall.
+    // This is why the closed loop is labelled service time, not latency
+    // at a load.
+    assert!(report.latency.p99_us < 150_000, "{report}");
 }
 
 #[test]

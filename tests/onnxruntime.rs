@@ -250,10 +250,22 @@ fn refused_graphs_are_served_by_the_real_server_with_onnxruntimes_scores() {
                 assert_eq!(got, want, "{inference} {} request {r}", f.name);
             }
         }
-        // /metrics and quiver stats say which backend serves each version.
-        std::thread::sleep(std::time::Duration::from_millis(1_300));
-        let (status, text) = http_get(&format!("http://{}/metrics", server.admin));
-        assert_eq!(status, 200);
+        // /metrics and quiver stats say which backend serves each version,
+        // once the shards have published every version's drift window.
+        let windows: Vec<String> = fixtures_
+            .iter()
+            .map(|f| format!("quiver_score_drift_window_scores{{model=\"{}\",version=\"1\"}} {}", f.name, f.want.len()))
+            .collect();
+        let until = std::time::Instant::now() + common::WAIT;
+        let text = loop {
+            let (status, text) = http_get(&format!("http://{}/metrics", server.admin));
+            assert_eq!(status, 200);
+            if windows.iter().all(|w| text.contains(w)) {
+                break text;
+            }
+            assert!(std::time::Instant::now() < until, "{windows:?} not all in\n{text}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
         for f in &fixtures_ {
             let line = format!("quiver_model_info{{model=\"{}\",version=\"1\",backend=\"onnxruntime\"}} 1", f.name);
             assert!(text.contains(&line), "{line} not in\n{text}");
@@ -340,13 +352,7 @@ fn a_missing_library_is_a_typed_error_and_the_ladder_answers() {
     let warnings = log.matches("onnxruntime unavailable").count();
     assert_eq!(warnings, 1, "one warning for every shard and version:\n{log}");
     assert!(log.contains("/nonexistent/libonnxruntime.so.1.32.0") && log.contains("pip install onnxruntime"), "{log}");
-    let (_, text) = http_get(&format!("http://{}/metrics", server.admin));
-    std::thread::sleep(std::time::Duration::from_millis(1_300));
-    let (_, text2) = http_get(&format!("http://{}/metrics", server.admin));
-    assert!(
-        text2.contains("quiver_model_info{model=\"relu6_mlp\",version=\"1\",backend=\"unavailable\"} 1"),
-        "{text}\n{text2}"
-    );
+    server.wait_scrape("quiver_model_info{model=\"relu6_mlp\",version=\"1\",backend=\"unavailable\"} 1");
 }
 
 /// onnxruntime on the lower rungs and beside the cache: a native primary
@@ -486,7 +492,7 @@ fn an_onnxruntime_version_shadows_a_native_one() {
         let resp = c.score(&spec).unwrap();
         assert_eq!((resp.status, resp.tier, resp.model_version), (Status::Ok, Tier::Primary, 1), "{resp:?}");
     }
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let until = std::time::Instant::now() + common::WAIT;
     let stats = loop {
         let s = server.stats();
         if s.shadow_requests >= 32 {

@@ -61,20 +61,33 @@ fn scraping_and_model_swaps_keep_answers_flowing_and_stalls_show_in_metrics() {
                 scrapes.fetch_add(1, Ordering::Relaxed);
             }
         });
+        // Each swap comes once answers and scrapes have gone on since the
+        // last, so every one lands among them, however slow the machine.
+        let progressed = |since: (u64, u64)| {
+            let until = Instant::now() + common::WAIT;
+            loop {
+                let now = (answered.load(Ordering::Relaxed), scrapes.load(Ordering::Relaxed));
+                if now.0 >= since.0 + 20 && now.1 > since.1 {
+                    return now;
+                }
+                assert!(Instant::now() < until, "answers and scrapes stalled at {now:?}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        let mut seen = progressed((0, 0));
         for round in 0..8 {
-            std::thread::sleep(Duration::from_millis(150));
             let (code, body) =
                 http_post(&format!("http://{}/models/auction-32/load?version={}", server.admin, 1 + round % 2));
             assert_eq!(code, 200, "{body}");
+            seen = progressed(seen);
         }
-        // One more publication interval, so the last counts are on the board.
-        std::thread::sleep(Duration::from_millis(1_300));
         stop.store(true, Ordering::Relaxed);
         load.join().unwrap();
         scraper.join().unwrap();
     });
-    assert!(answered.load(Ordering::Relaxed) > 100, "only {} answers", answered.load(Ordering::Relaxed));
-    assert!(scrapes.load(Ordering::Relaxed) > 10, "only {} scrapes", scrapes.load(Ordering::Relaxed));
+    // Every answer on the board, so the last counts are too.
+    let answers = answered.load(Ordering::Relaxed);
+    server.wait_stats("every answer published", |s| s.requests >= answers);
     let (_, text) = http_get(&format!("http://{}/metrics", server.admin));
     let connection = counter(&text, "quiver_shard_stalls_total", "task=\"connection\"");
     assert!(connection > 0, "no connection stalls counted at a 1 µs threshold:\n{text}");
@@ -94,7 +107,7 @@ fn scraping_and_model_swaps_keep_answers_flowing_and_stalls_show_in_metrics() {
     assert!(socket_wait.count > 0, "no socket_wait recorded: {:?}", stats.stages);
     let end_to_end = stats.stages.iter().find(|s| s.stage == "end_to_end").unwrap();
     assert!(socket_wait.count < end_to_end.count, "sampled, not every frame");
-    assert!(server.stderr().contains("reactor stalls in the last interval"), "the collector logs stalls");
+    server.wait_stderr("reactor stalls in the last interval");
 }
 
 /// Each thread's name and the cores it may run on, from /proc.
@@ -132,7 +145,7 @@ fn housekeeping_threads_run_off_the_shard_cores() {
     // runs, which on a busy machine can come after the server is ready:
     // until then such a thread still has the main thread's cores. So this
     // waits, boundedly, for every shard thread to sit on the shard core.
-    let until = Instant::now() + Duration::from_secs(5);
+    let until = Instant::now() + common::WAIT;
     let threads = loop {
         let threads = thread_cores(server.child.id());
         let shards: Vec<_> = threads.iter().filter(|(name, _)| name.starts_with("quiver-shard")).collect();
@@ -225,8 +238,9 @@ fn a_stage_sharing_the_shard_s_core_answers_through_its_bell() {
         assert_eq!(r.status, Status::Ok, "request {id}");
         assert_eq!(r.tier, quiver::wire::Tier::Primary, "request {id} was scored by the stage: {r:?}");
     }
-    std::thread::sleep(Duration::from_millis(1_200));
-    let stats = server.stats();
+    let stats = server.wait_stats("the stage's 300 requests published", |s| {
+        s.stages.iter().any(|st| st.stage == "queue" && st.count >= 300)
+    });
     let queue = stats.stages.iter().find(|s| s.stage == "queue").unwrap();
     assert_eq!(queue.count, 300, "every request went through the stage");
     let log = server.stderr();
@@ -246,9 +260,11 @@ fn persistent_connections_spread_within_one_of_their_share() {
         let r = c.score(&demo_request(i as u64, i as u64, vec![1, 2, 3])).unwrap();
         assert_eq!(r.status, Status::Ok);
     }
-    // Publications are once a second.
-    std::thread::sleep(Duration::from_millis(1_300));
-    let by_shard = server.stats().connections_by_shard;
+    // Publications are once a second, each shard on its own period.
+    let stats = server.wait_stats("every connection published", |s| {
+        s.connections_by_shard.len() == SHARDS && s.connections_by_shard.iter().sum::<u64>() >= CONNECTIONS as u64
+    });
+    let by_shard = stats.connections_by_shard;
     assert_eq!(by_shard.iter().sum::<u64>(), CONNECTIONS as u64, "{by_shard:?}");
     let share = (CONNECTIONS / SHARDS) as u64;
     assert!(by_shard.iter().all(|&n| n.abs_diff(share) <= 1), "{by_shard:?}: each within ±1 of {share}");

@@ -55,16 +55,8 @@ fn group<'a>(s: &'a Stats, name: &str) -> &'a FeedGroupStats {
     s.feed.iter().find(|g| g.group == name).unwrap_or_else(|| panic!("no feed group {name} in {s:?}"))
 }
 
-fn wait_for(server: &Server, what: &str, timeout: Duration, done: impl Fn(&Stats) -> bool) -> Stats {
-    let until = Instant::now() + timeout;
-    loop {
-        let s = stats(server);
-        if done(&s) {
-            return s;
-        }
-        assert!(Instant::now() < until, "timed out waiting for {what}: {s:?}\n{}", server.stderr());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_for(server: &Server, what: &str, done: impl Fn(&Stats) -> bool) -> Stats {
+    server.wait_stats(what, done)
 }
 
 fn redis_seq(conn: &mut RedisConn, group: &str) -> u64 {
@@ -79,9 +71,7 @@ fn redis_seq(conn: &mut RedisConn, group: &str) -> u64 {
 fn wait_caught_up(server: &Server, redis: &RedisServer) -> Stats {
     let mut conn = redis.conn();
     let want: Vec<(&str, u64)> = ["user", "item"].iter().map(|g| (*g, redis_seq(&mut conn, g))).collect();
-    wait_for(server, "the replica to catch up", Duration::from_secs(20), |s| {
-        want.iter().all(|(g, seq)| group(s, g).applied_seq == *seq)
-    })
+    wait_for(server, "the replica to catch up", |s| want.iter().all(|(g, seq)| group(s, g).applied_seq == *seq))
 }
 
 /// The replica file holds exactly what Redis holds, byte for byte.
@@ -151,14 +141,25 @@ fn ten_thousand_updates_at_a_steady_rate_all_land_while_the_server_scores() {
             }
         })
     };
-    // 10,000 updates at 5,000 per second, to existing and new items.
+    // 10,000 updates at 5,000 per second, to existing and new items. Every
+    // 500th waits until the server has scored since the last, so scoring
+    // and updates overlap however the machine schedules the two.
     let mut publisher = Publisher::new(redis.conn()).unwrap();
     let mut last = HashMap::new();
+    let mut scored_before = 0;
     let started = Instant::now();
     for n in 0..10_000u64 {
         let id = (n * 7919) % 6000;
         publisher.put("item", id, &vector(id, n + 1)).unwrap();
         last.insert(id, n + 1);
+        if n % 500 == 499 {
+            let until = Instant::now() + common::WAIT;
+            while scored.load(Ordering::Relaxed) == scored_before {
+                assert!(Instant::now() < until, "the server stopped scoring after {scored_before}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            scored_before = scored.load(Ordering::Relaxed);
+        }
         let due = started + Duration::from_micros(n * 200);
         if let Some(wait) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
@@ -167,7 +168,7 @@ fn ten_thousand_updates_at_a_steady_rate_all_land_while_the_server_scores() {
     let s = wait_caught_up(&server, &redis);
     stop.store(true, Ordering::Relaxed);
     scorer.join().unwrap();
-    assert!(scored.load(Ordering::Relaxed) > 100, "the server kept scoring");
+    assert!(scored.load(Ordering::Relaxed) >= 20, "the server kept scoring");
     assert_eq!(group(&s, "item").applied, 10_000);
     assert_eq!(group(&s, "item").resyncs, 1, "only the first sync: every update came through the stream");
     assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis);
@@ -187,8 +188,9 @@ fn redis_killed_mid_stream_then_restarted_converges_with_nothing_lost() {
     let dir = models_only_dir("feed-kill-redis");
     let server = serve(&dir, &redis, "backoff_ms_max = 200\n");
     let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
     let writer = {
-        let (stop, config) = (stop.clone(), redis.config());
+        let (stop, written, config) = (stop.clone(), written.clone(), redis.config());
         std::thread::spawn(move || {
             let mut n = 0u64;
             let mut publisher = None;
@@ -212,21 +214,29 @@ fn redis_killed_mid_stream_then_restarted_converges_with_nothing_lost() {
                     continue;
                 }
                 n += 1;
+                written.store(n, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_micros(300));
             }
-            n
         })
     };
-    std::thread::sleep(Duration::from_millis(400));
+    // Writes before the kill and after the restart: counted, not timed.
+    let wrote_since = |since: u64| {
+        let until = Instant::now() + common::WAIT;
+        while written.load(Ordering::Relaxed) < since + 100 {
+            assert!(Instant::now() < until, "the writer stalled at {}", written.load(Ordering::Relaxed));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    wrote_since(0);
     redis.kill();
     std::thread::sleep(Duration::from_millis(400));
     let r = server.client().score(&demo_request(1, 3, vec![1, 2, 3])).unwrap();
     assert_eq!(r.status, Status::Ok, "scores keep flowing from the replica while redis is dead");
+    let at_restart = written.load(Ordering::Relaxed);
     redis.restart();
-    std::thread::sleep(Duration::from_millis(400));
+    wrote_since(at_restart);
     stop.store(true, Ordering::Relaxed);
-    let written = writer.join().unwrap();
-    assert!(written > 200, "the writer wrote before and after the restart ({written})");
+    writer.join().unwrap();
     let s = wait_caught_up(&server, &redis);
     assert_eq!(group(&s, "item").resyncs, 1, "resumed from its position, no resync: {s:?}");
     assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis);
@@ -269,7 +279,7 @@ fn a_trimmed_stream_or_a_new_epoch_triggers_a_full_resync_that_loses_nothing() {
     load(&redis, "user", 0..10, 1);
     // Depending on when the refresher looks, it resyncs to the flushed (empty)
     // data first and again for the new epoch, or once for the new epoch.
-    let s = wait_for(&server, "a resync for the new epoch", Duration::from_secs(10), |s| {
+    let s = wait_for(&server, "a resync for the new epoch", |s| {
         group(s, "item").rows == 100 && group(s, "item").applied_seq == 100
     });
     assert!(group(&s, "item").resyncs >= 2, "{s:?}");
@@ -318,8 +328,10 @@ fn paused_or_dead_redis_leaves_scoring_latency_alone_while_staleness_grows_and_r
         // that waited on Redis would wait in every attempt; the other tests
         // of this binary share the two cores, and a burst of theirs lands in
         // one attempt's tail (CI saw 2.5 ms once), so the best of three is
-        // held to the bound.
-        let bound_us = (base_p99 * 4).max(base_p99 + 2000);
+        // held to the bound. A CPU hog beside the tests can stretch every
+        // attempt's tail, so the bound is at least 100 ms: a request that
+        // read through a paused Redis would wait out its 2 s I/O timeout.
+        let bound_us = (base_p99 * 4).max(base_p99 + 2000).max(100_000);
         let mut p99s = Vec::new();
         for _ in 0..3 {
             let (p99, stale) = p99_us(&server, 2000);
@@ -341,9 +353,7 @@ fn paused_or_dead_redis_leaves_scoring_latency_alone_while_staleness_grows_and_r
         } else {
             redis.restart();
         }
-        wait_for(&server, "staleness to recover", Duration::from_secs(10), |s| {
-            s.feed.iter().all(|g| g.staleness_ms < 300 && g.redis_connected)
-        });
+        wait_for(&server, "staleness to recover", |s| s.feed.iter().all(|g| g.staleness_ms < 300 && g.redis_connected));
         let (_, stale) = p99_us(&server, 10);
         assert!(!stale, "recovered after redis came back {outage}");
     }
@@ -363,7 +373,7 @@ fn stale_features_fail_readiness_when_configured() {
     // refresher's first round, and a noisy machine can delay a round past
     // the 200 ms bound: wait for readiness rather than expect it at once.
     let wait_ready = |what: &str| {
-        let until = Instant::now() + Duration::from_secs(10);
+        let until = Instant::now() + common::WAIT;
         loop {
             let r = readyz();
             if r.0 == 200 {
@@ -375,8 +385,16 @@ fn stale_features_fail_readiness_when_configured() {
     };
     wait_ready("at start");
     redis.pause();
-    std::thread::sleep(Duration::from_millis(400));
-    assert_eq!(readyz(), (503, "not ready: features stale\n".into()));
+    let until = Instant::now() + common::WAIT;
+    loop {
+        let r = readyz();
+        if r.0 == 503 {
+            assert_eq!(r, (503, "not ready: features stale\n".into()));
+            break;
+        }
+        assert!(Instant::now() < until, "readiness never failed with redis paused: {r:?}\n{}", server.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let r = server.client().score(&demo_request(1, 1, vec![1, 2])).unwrap();
     assert!(r.status == Status::Ok && r.features_stale, "still serving, flagged");
     redis.resume();
@@ -471,7 +489,7 @@ fn a_row_damaged_on_disk_is_never_served_and_the_file_is_rebuilt_from_redis() {
 
     // Redis back (with its data): the group is copied again and served whole.
     redis.restart();
-    wait_for(&server, "the resync", Duration::from_secs(20), |s| group(s, "item").resyncs == 1);
+    wait_for(&server, "the resync", |s| group(s, "item").resyncs == 1);
     wait_caught_up(&server, &redis);
     assert_eq!(assert_replica_equals_redis(&path, "item", &redis), 5000);
     let r = server.client().score(&demo_request(2, 7, vec![76, 77, 78])).unwrap();
@@ -545,7 +563,7 @@ fn the_refresher_authenticates_and_reads_its_database_index() {
     let s = stats(&server);
     assert_eq!((group(&s, "item").rows, group(&s, "user").rows), (50, 5), "{s:?}");
     p.put("item", 7, &vector(7, 4)).unwrap();
-    wait_for(&server, "the update in db 3", Duration::from_secs(10), |s| group(s, "item").applied_seq == 51);
+    wait_for(&server, "the update in db 3", |s| group(s, "item").applied_seq == 51);
     let r = Replica::open(&dir.join("item.qrep"), "item").unwrap();
     let mut out = vec![0.0; DIM];
     assert!(r.read_into(7, &mut out) && out == vector(7, 4));
@@ -601,9 +619,7 @@ fn redis_restarted_empty_holds_the_resync_until_an_operator_accepts_it() {
     assert_eq!((r.status, r.features_missing, r.features_stale), (Status::Ok, 0, false));
 
     redis.restart(); // No persistence: it comes back empty.
-    let s = wait_for(&server, "both groups held", Duration::from_secs(10), |s| {
-        group(s, "item").resync_held && group(s, "user").resync_held
-    });
+    let s = wait_for(&server, "both groups held", |s| group(s, "item").resync_held && group(s, "user").resync_held);
     assert_eq!((group(&s, "item").rows, group(&s, "item").held_rows), (2000, 0), "{s:?}");
     assert_eq!(group(&s, "user").rows, 500, "{s:?}");
     let resyncs_at_hold = group(&s, "item").resyncs;
@@ -649,7 +665,7 @@ fn redis_restarted_empty_holds_the_resync_until_an_operator_accepts_it() {
     wait_caught_up(&server, &redis);
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 10);
     assert_eq!(assert_replica_equals_redis(&dir.join("user.qrep"), "user", &redis), 10);
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + common::WAIT;
     while readyz() != 200 {
         assert!(Instant::now() < until, "readiness never came back");
         std::thread::sleep(Duration::from_millis(20));
@@ -679,17 +695,29 @@ fn flushall_then_a_reload_never_swaps_in_an_empty_or_partial_table() {
             seen
         });
         redis.conn().command(&[b"FLUSHALL"]).unwrap();
-        wait_for(&server, "the empty source to be held", Duration::from_secs(10), |s| group(s, "item").resync_held);
-        for start in (0..N).step_by(2000) {
+        wait_for(&server, "the empty source to be held", |s| group(s, "item").resync_held);
+        // Half the data, then its chunks written again until the server has
+        // thrown away a copy the writes moved under (on any machine, a copy
+        // taken while writes go on sees the counter move), then the rest.
+        let half = N / 2;
+        for start in (0..half).step_by(2000) {
+            load(&redis, "item", start..(start + 2000).min(half), 1);
+        }
+        let until = Instant::now() + common::WAIT;
+        for start in (0..half).step_by(2000).cycle() {
+            if group(&stats(&server), "item").resync_restarts > 0 {
+                break;
+            }
+            assert!(Instant::now() < until, "no copy was thrown away while the reload went on");
+            load(&redis, "item", start..(start + 2000).min(half), 1);
+        }
+        for start in (half..N).step_by(2000) {
             load(&redis, "item", start..(start + 2000).min(N), 1);
-            std::thread::sleep(Duration::from_millis(10));
         }
         load(&redis, "user", 0..100, 1);
         // The old data's counter ended where the new one does: wait for the
         // holds to be released, not just for the counters to agree.
-        wait_for(&server, "the reloaded copies", Duration::from_secs(20), |s| {
-            !group(s, "item").resync_held && !group(s, "user").resync_held
-        });
+        wait_for(&server, "the reloaded copies", |s| !group(s, "item").resync_held && !group(s, "user").resync_held);
         wait_caught_up(&server, &redis);
         stop.store(true, Ordering::Relaxed);
         sampler.join().unwrap()
@@ -764,7 +792,7 @@ fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
         let (threw_away, conn) = (threw_away.clone(), redis.conn());
         std::thread::spawn(move || {
             let mut p = Publisher::new(conn).unwrap();
-            let until = Instant::now() + Duration::from_secs(20);
+            let until = Instant::now() + common::WAIT;
             for (pass, start) in (0..).flat_map(|pass| (0..N).step_by(500).map(move |s| (pass, s))) {
                 if pass > 0 && (threw_away.load(Ordering::Relaxed) || Instant::now() > until) {
                     break;
@@ -774,12 +802,10 @@ fn a_resync_while_redis_is_being_loaded_takes_the_complete_copy() {
             }
         })
     };
-    wait_for(&server, "a copy thrown away", Duration::from_secs(20), |s| group(s, "item").resync_restarts > 0);
+    wait_for(&server, "a copy thrown away", |s| group(s, "item").resync_restarts > 0);
     threw_away.store(true, Ordering::Relaxed);
     writer.join().unwrap();
-    let s = wait_for(&server, "the new epoch's copy", Duration::from_secs(20), |s| {
-        group(s, "item").resyncs >= 2 && group(s, "item").rows == N
-    });
+    let s = wait_for(&server, "the new epoch's copy", |s| group(s, "item").resyncs >= 2 && group(s, "item").rows == N);
     wait_caught_up(&server, &redis);
     assert!(group(&s, "item").resync_restarts > 0, "copies made during the load were thrown away: {s:?}");
     let log = server.wait_stderr("copying again");
@@ -802,13 +828,13 @@ fn a_held_resync_is_held_again_after_a_restart() {
     let mut server = serve(&dir, &redis, feed_toml);
     wait_caught_up(&server, &redis);
     redis.restart();
-    wait_for(&server, "the hold", Duration::from_secs(10), |s| group(s, "item").resync_held);
+    wait_for(&server, "the hold", |s| group(s, "item").resync_held);
     assert_eq!(server.terminate(), 0);
 
     let server = serve(&dir, &redis, feed_toml);
     server.wait_stderr("replica opened: serving it while it is verified");
     server.wait_stderr("replica verified: catching up");
-    let s = wait_for(&server, "the hold after the restart", Duration::from_secs(10), |s| {
+    let s = wait_for(&server, "the hold after the restart", |s| {
         group(s, "item").resync_held && group(s, "user").resync_held
     });
     assert_eq!((group(&s, "item").rows, group(&s, "user").rows), (300, 30), "{s:?}");
@@ -867,7 +893,7 @@ fn a_full_disk_during_growth_is_an_error_the_server_survives_and_reports() {
     // blocks were reserved, the file grew sparse and the first write to a
     // page the disk had no room for was a SIGBUS that ended the process.
     load(&redis, "item", 2_000..60_000, 0);
-    let until = Instant::now() + Duration::from_secs(30);
+    let until = Instant::now() + common::WAIT;
     while server.metric("quiver_feed_disk_errors_total") == 0 {
         assert!(server.is_running(), "the server died: {}", server.stderr());
         assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
@@ -953,7 +979,7 @@ fn a_resync_on_a_full_disk_is_an_error_the_server_survives_and_completes_once_th
     p.conn().unwrap().command(&[b"FLUSHALL"]).unwrap();
     load(&redis, "item", 10_000..10_100, 1);
     load(&redis, "user", 0..100, 1);
-    let until = Instant::now() + Duration::from_secs(30);
+    let until = Instant::now() + common::WAIT;
     while server.metric("quiver_feed_disk_errors_total") == 0 {
         assert!(server.is_running(), "the server died: {}", server.stderr());
         assert!(Instant::now() < until, "no disk error was reported: {}", server.stderr());
@@ -966,7 +992,7 @@ fn a_resync_on_a_full_disk_is_an_error_the_server_survives_and_completes_once_th
 
     // Room again: the resync completes on the refresher's next attempt.
     std::fs::remove_file(&junk).unwrap();
-    wait_for(&server, "the resync once there is room", Duration::from_secs(30), |s| group(s, "item").rows == 100);
+    wait_for(&server, "the resync once there is room", |s| group(s, "item").rows == 100);
     wait_caught_up(&server, &redis);
     assert_eq!(assert_replica_equals_redis(&dir.join("item.qrep"), "item", &redis), 100);
     assert!(server.is_running());

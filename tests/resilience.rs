@@ -15,6 +15,9 @@ fn a_client_over_its_rate_is_limited_and_others_are_not() {
     let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
     let mut c = server.client();
     let mut statuses = Vec::new();
+    // The bucket refills while the 20 go out: one more for each 50 ms they
+    // take, however slow this machine is.
+    let started = Instant::now();
     for i in 0..20u64 {
         let mut spec = demo_request(i, i, vec![1, 2]);
         spec.client_id = 7;
@@ -25,9 +28,11 @@ fn a_client_over_its_rate_is_limited_and_others_are_not() {
         }
         statuses.push(r.status);
     }
+    let refilled = (started.elapsed().as_secs_f64() * 20.0).ceil() as usize;
     let ok = statuses.iter().filter(|s| **s == Status::Ok).count();
     let limited = statuses.iter().filter(|s| **s == Status::RateLimited).count();
-    assert!((5..=7).contains(&ok), "burst of 5 (plus what refilled): {statuses:?}");
+    assert!((5..=5 + refilled).contains(&ok), "burst of 5 plus {refilled} refilled: {statuses:?}");
+    assert!(limited > 0 || refilled >= 15, "20 requests in {:?} and none limited", started.elapsed());
     assert_eq!(ok + limited, 20);
     // Another client, with no default limit configured, is not affected.
     for i in 0..50u64 {
@@ -44,8 +49,15 @@ fn a_client_over_its_rate_is_limited_and_others_are_not() {
 
 /// `connections` connections each offer `client_id` `per_connection_per_s`
 /// requests a second (a batch every 10 ms) for `seconds`; returns how many
-/// were admitted, and the seconds from the first send to the last.
-fn offer(addr: &str, client_id: u32, connections: usize, per_connection_per_s: f64, seconds: f64) -> (usize, f64) {
+/// were admitted, how many were sent (fewer than asked on a machine too busy
+/// to keep the schedule), and the seconds from the first send to the last.
+fn offer(
+    addr: &str,
+    client_id: u32,
+    connections: usize,
+    per_connection_per_s: f64,
+    seconds: f64,
+) -> (usize, usize, f64) {
     let started = Instant::now();
     let threads: Vec<_> = (0..connections)
         .map(|t| {
@@ -53,7 +65,7 @@ fn offer(addr: &str, client_id: u32, connections: usize, per_connection_per_s: f
             std::thread::spawn(move || {
                 let mut c = quiver::client::Client::connect(&addr, Duration::from_secs(10)).unwrap();
                 let batch = (per_connection_per_s / 100.0).round().max(1.0) as u64;
-                let (mut ok, mut round, mut next_id) = (0, 0u32, (t as u64) << 40);
+                let (mut ok, mut sent, mut round, mut next_id) = (0, 0, 0u32, (t as u64) << 40);
                 let mut last_send = Duration::ZERO;
                 while started.elapsed().as_secs_f64() < seconds {
                     let specs: Vec<_> = (0..batch)
@@ -65,6 +77,7 @@ fn offer(addr: &str, client_id: u32, connections: usize, per_connection_per_s: f
                         })
                         .collect();
                     last_send = started.elapsed();
+                    sent += specs.len();
                     for r in c.pipeline(&specs, specs.len()).unwrap() {
                         assert!(matches!(r.status, Status::Ok | Status::RateLimited), "{r:?}");
                         ok += usize::from(r.status == Status::Ok);
@@ -75,12 +88,16 @@ fn offer(addr: &str, client_id: u32, connections: usize, per_connection_per_s: f
                         std::thread::sleep(wait);
                     }
                 }
-                (ok, last_send.as_secs_f64())
+                (ok, sent, last_send.as_secs_f64())
             })
         })
         .collect();
-    let results: Vec<(usize, f64)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-    (results.iter().map(|r| r.0).sum(), results.iter().map(|r| r.1).fold(0.0, f64::max))
+    let results: Vec<(usize, usize, f64)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    (
+        results.iter().map(|r| r.0).sum(),
+        results.iter().map(|r| r.1).sum(),
+        results.iter().map(|r| r.2).fold(0.0, f64::max),
+    )
 }
 
 /// Shards trade each client's demand every few milliseconds, so its rate
@@ -105,12 +122,21 @@ fn a_clients_rate_holds_across_shards_with_one_connection_or_many() {
     // and then from eight (the balance spreads them over both shards).
     for client_id in [7, 0] {
         for connections in [1, 8] {
-            let (ok, seconds) = offer(&server.addr, client_id, connections, 3.0 * rate / connections as f64, 3.0);
-            let want = rate * seconds + burst;
+            let (ok, sent, seconds) = offer(&server.addr, client_id, connections, 3.0 * rate / connections as f64, 3.0);
+            // The rate and burst bound what is admitted: within a few % on
+            // an idle machine. A rate split between the shards instead of
+            // traded admits half of it to one connection; a rate not traded
+            // at all admits it on each shard, twice it to eight
+            // connections. The bounds lie halfway to those: the shards
+            // trade every few ms, and a busy machine that delays a trade
+            // lets a shard run on its old share meanwhile. Below, a machine
+            // that could not send three times the rate leaves less to admit.
+            let limit = rate * seconds + burst;
+            let want = limit.min(sent as f64);
             assert!(
-                (ok as f64 - want).abs() <= 0.1 * want,
-                "client {client_id}, {connections} connection(s): {ok} admitted in {seconds:.2} s, \
-                 want {want:.0} within 10%"
+                ok as f64 <= 1.5 * limit && ok as f64 >= 0.75 * want,
+                "client {client_id}, {connections} connection(s): {ok} of {sent} admitted in {seconds:.2} s, \
+                 want {want:.0} (at most 1.5 × {limit:.0}, at least 0.75 × {want:.0})"
             );
             // Let the buckets refill before the next round.
             std::thread::sleep(Duration::from_millis(500));
@@ -217,11 +243,15 @@ fn a_connection_that_never_reads_is_closed_and_others_are_served() {
 fn the_score_cache_answers_repeats_and_forgets_after_its_ttl() {
     use quiver::wire::Tier;
     let cfg = common::scratch("cache").join("q.toml");
-    std::fs::write(&cfg, "[cache]\nbefore_primary = true\nttl_ms = 300\n").unwrap();
+    // A TTL no pause between two requests outlasts, however busy the
+    // machine; the test waits it out once, at the end.
+    let ttl = Duration::from_secs(3);
+    std::fs::write(&cfg, format!("[cache]\nbefore_primary = true\nttl_ms = {}\n", ttl.as_millis())).unwrap();
     let server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
     let mut c = server.client();
     let spec = demo_request(1, 42, (0..32).collect());
     let first = c.score(&spec).unwrap();
+    let cached_by = Instant::now();
     assert_eq!((first.status, first.tier), (Status::Ok, Tier::Primary), "a miss goes to the primary");
     let second = c.score(&spec).unwrap();
     assert_eq!(second.tier, Tier::Cached, "a repeat is answered from the cache");
@@ -235,7 +265,8 @@ fn the_score_cache_answers_repeats_and_forgets_after_its_ttl() {
     let mut ctx = spec.clone();
     ctx.context[0] += 1.0;
     assert_eq!(c.score(&ctx).unwrap().tier, Tier::Primary);
-    // Past the TTL the entry is gone.
-    std::thread::sleep(Duration::from_millis(400));
+    // Past the TTL the entry is gone: the entry was stored before the first
+    // answer came back, so its TTL is over once that much has passed since.
+    std::thread::sleep((cached_by + ttl + Duration::from_millis(100)).saturating_duration_since(Instant::now()));
     assert_eq!(c.score(&spec).unwrap().tier, Tier::Primary);
 }

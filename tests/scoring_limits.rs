@@ -19,10 +19,11 @@ fn frame(request_id: u64, items: Vec<u64>) -> Vec<u8> {
     out
 }
 
-/// Whether the server answers one request on `s` within 2 s (a refused
-/// connection is closed at once, so the read ends in EOF or a reset).
+/// Whether the server answers one request on `s` (a refused connection is
+/// closed at once, so the read ends in EOF or a reset; an answer may take a
+/// busy machine a while).
 fn served(s: &mut TcpStream) -> bool {
-    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    s.set_read_timeout(Some(common::WAIT)).unwrap();
     if s.write_all(&frame(1, vec![1])).is_err() {
         return false;
     }
@@ -33,7 +34,9 @@ fn served(s: &mut TcpStream) -> bool {
 #[test]
 fn a_dripped_frame_is_cut_off_and_slow_whole_frames_are_not() {
     let cfg = common::scratch("frame-timeout").join("q.toml");
-    std::fs::write(&cfg, "[limits]\nframe_timeout_ms = 500\n").unwrap();
+    // The split frame below arrives within a tenth of this, a margin no
+    // scheduling pause of a busy machine eats.
+    std::fs::write(&cfg, "[limits]\nframe_timeout_ms = 1000\n").unwrap();
     let mut server = Server::start(&["--shards", "1", "--config", cfg.to_str().unwrap()]);
 
     // One byte every 100 ms: the frame is never complete in time. Before,
@@ -63,21 +66,21 @@ fn a_dripped_frame_is_cut_off_and_slow_whole_frames_are_not() {
         }
     }
     let closed_after = closed_after.expect("the dripping connection was never closed");
-    assert!(closed_after >= Duration::from_millis(400) && closed_after < Duration::from_secs(3), "{closed_after:?}");
+    assert!(closed_after >= Duration::from_millis(900) && closed_after < Duration::from_secs(5), "{closed_after:?}");
     assert_eq!(server.wait_metric("quiver_frames_timed_out_total", 1), 1);
 
-    // Whole frames 700 ms apart (longer than the frame timeout) are served:
+    // Whole frames 1.2 s apart (longer than the frame timeout) are served:
     // the clock runs from a frame's first byte, not between frames.
     let mut slow = server.client();
-    for i in 0..3 {
+    for i in 0..2 {
+        std::thread::sleep(Duration::from_millis(1_200 * i));
         assert_eq!(slow.score(&demo_request(i, 1, vec![1, 2])).unwrap().status, Status::Ok);
-        std::thread::sleep(Duration::from_millis(700));
     }
-    // A frame split in two, the halves 200 ms apart, is within the limit.
+    // A frame split in two, the halves 100 ms apart, is within the limit.
     let mut split = TcpStream::connect(&server.addr).unwrap();
     let (a, b) = bytes.split_at(bytes.len() / 2);
     split.write_all(a).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(100));
     split.write_all(b).unwrap();
     split.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let mut prefix = [0u8; 4];
@@ -175,7 +178,7 @@ fn one_source_holds_at_most_its_share_of_connections() {
     assert!(server.wait_metric("quiver_connections_refused_source_full_total", 3) >= 3);
     // A closed connection gives its source the place back.
     drop(held.pop());
-    let until = Instant::now() + Duration::from_secs(5);
+    let until = Instant::now() + common::WAIT;
     while !served(&mut connect_from(ours, &server.addr)) {
         assert!(Instant::now() < until, "the freed place was never given back");
         std::thread::sleep(Duration::from_millis(50));

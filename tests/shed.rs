@@ -11,16 +11,25 @@ use quiver::loadgen::{self, Arrival, BenchOptions, BenchReport, PriorityReport};
 
 const LOW: u8 = 0;
 const HIGH: u8 = 9;
+/// The most a request may carry: each costs the server (f32 backend) about
+/// 1 ms and the generator no more than a small one, so the server, not the
+/// generator, is the bottleneck even when a CPU hog slows both.
+const CANDIDATES: usize = 256;
+/// A budget no scheduling pause of a busy machine exhausts: what ends a
+/// request here is the shedding, not its deadline.
+const BUDGET_US: u32 = 1_000_000;
+/// The high class's p99, at most: unshed, the backlog of a 2× overload
+/// grows by a second of work per second and its p99 reaches seconds; shed,
+/// it stays at a few ms on an idle machine, and within this on one with a
+/// CPU hog beside the test, whose pauses a generator waiting to send shows
+/// as latency (it counts from each request's intended send time).
+const HIGH_P99_MAX_US: u64 = 500_000;
 
 /// The server's resident memory, from /proc (Linux), in KiB.
 fn rss_kib(server: &Server) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).unwrap();
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS in /proc/PID/status");
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn stats(server: &Server) -> quiver::admin::Stats {
-    server.stats()
 }
 
 fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)>) -> BenchOptions {
@@ -34,15 +43,14 @@ fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)
         arrival: Arrival::Poisson,
         pipeline: 8,
         seed: 7,
-        candidates: 32,
+        candidates: CANDIDATES,
         context_len: quiver::loadgen::demo::CONTEXT_LEN,
         unknown_fraction: 0.0,
         users: quiver::loadgen::demo::USERS,
         items: quiver::loadgen::demo::ITEMS,
         user_dist: quiver::loadgen::demo::IdDist::Uniform,
         item_dist: quiver::loadgen::demo::IdDist::Uniform,
-        // The server's default budget (10 ms).
-        budget_us: 0,
+        budget_us: BUDGET_US,
         priority_mix: mix,
         tls: None,
     }
@@ -66,17 +74,15 @@ fn count(p: &PriorityReport, status: &str) -> u64 {
 fn twice_capacity_sheds_the_low_priority_and_the_high_keeps_its_p99() {
     let cfg = common::scratch("shed").join("q.toml");
     std::fs::write(&cfg, "[shed]\nenabled = true\n").unwrap();
-    // The f32 backend (about 110 µs per 32-candidate request) keeps the
-    // server, not the load generator, the bottleneck: with the INT8 kernels
-    // at a few µs per request the server's capacity nears what one
-    // generator thread can offer on a 2-core VM, and twice it could not be
-    // offered at all.
+    // The f32 backend on 256 candidates keeps the server, not the load
+    // generator, the bottleneck: with the INT8 kernels at a few µs per
+    // request the server's capacity nears what one generator thread can
+    // offer on a 2-core VM, and twice it could not be offered at all.
     let mut server = Server::start(&["--shards", "1", "--backend", "f32", "--config", cfg.to_str().unwrap()]);
 
     // Capacity: closed loop, 32 requests in flight, at a priority that is
     // never shed (the queue of a closed loop is long by construction).
-    let mut closed = options(&server.addr, Duration::from_secs(1), None, vec![(255, 1.0)]);
-    closed.budget_us = 1_000_000;
+    let closed = options(&server.addr, Duration::from_secs(1), None, vec![(255, 1.0)]);
     let measured = loadgen::run(&closed);
     assert!(measured.clean(), "{measured}");
     let capacity = measured.achieved_rate;
@@ -94,10 +100,8 @@ fn twice_capacity_sheds_the_low_priority_and_the_high_keeps_its_p99() {
     for half in [&first, &second] {
         assert!(half.connection_errors.is_empty() && half.lost == 0, "{context}");
         let (low, high) = (class(half, LOW), class(half, HIGH));
-        // The high class: its tail bounded. Unshed, the backlog of a 2×
-        // overload grows by a second of work per second, so its p99 would
-        // reach seconds; 50 ms is generous for a noisy VM.
-        assert!(high.latency.p99_us <= 50_000, "priority {HIGH} p99 over 50 ms:\n{context}");
+        // The high class: its tail bounded.
+        assert!(high.latency.p99_us <= HIGH_P99_MAX_US, "priority {HIGH} p99 over {HIGH_P99_MAX_US} µs:\n{context}");
         // The low class is shed first: its excess is shed, and the high
         // class mostly served. On a quiet machine the high class is all Ok;
         // on a loaded 2-core VM the generator's catch-up bursts can push the
@@ -119,9 +123,10 @@ fn twice_capacity_sheds_the_low_priority_and_the_high_keeps_its_p99() {
     assert!(rss_second_kib <= rss_first_kib + 16 * 1024, "RSS {rss_first_kib} → {rss_second_kib} KiB\n{context}");
 
     // The server's own count, by band, once its shard has published.
-    std::thread::sleep(Duration::from_millis(1_200));
-    let s = stats(&server);
     let shed_of = |p: u8| count(class(&first, p), "overloaded") + count(class(&second, p), "overloaded");
+    let s = server.wait_stats("the shed requests published", |s| {
+        s.shed_by_band.values().sum::<u64>() >= shed_of(LOW) + shed_of(HIGH)
+    });
     assert_eq!(s.shed_by_band["0"], shed_of(LOW), "{:?}", s.shed_by_band);
     assert_eq!(s.shed_by_band["8-15"], shed_of(HIGH), "{:?}", s.shed_by_band);
     assert_eq!(server.terminate(), 0);

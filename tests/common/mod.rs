@@ -21,6 +21,20 @@ pub mod zoo;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_quiver");
 
+/// How long a test waits for a state it expects (a counter published, a
+/// line logged, a replica caught up) before it fails. A wait returns as soon
+/// as the state holds, so the bound costs nothing when things work: it is
+/// set for a machine several times slower than usual (a CPU hog beside the
+/// tests, a busy CI host), not for the usual one.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// How long a probe may take beside connections the test holds open: well
+/// under the 5 s in which a listener cuts off a connection that has not sent
+/// its whole head or frame (a probe queued behind held connections would wait
+/// that long), and far over what a busy machine adds to an answer from a
+/// listener that serves the probe at once.
+pub const PROBE_MAX: Duration = Duration::from_secs(3);
+
 /// Documented INT8 tolerance: |score_int8 - score_f32| ≤ this (docs/MODELS.md, "Model files").
 pub const INT8_SCORE_TOLERANCE: f32 = 0.02;
 
@@ -157,9 +171,9 @@ impl Server {
 
     /// The server's log once it contains `needle`: a line logged after an
     /// event the test saw (a counter in `/stats.json`) reaches the test
-    /// through the stderr pipe later. Panics after 10 s with the log.
+    /// through the stderr pipe later. Panics after [`WAIT`] with the log.
     pub fn wait_stderr(&self, needle: &str) -> String {
-        let until = Instant::now() + Duration::from_secs(10);
+        let until = Instant::now() + WAIT;
         loop {
             let log = self.stderr();
             if log.contains(needle) {
@@ -180,9 +194,9 @@ impl Server {
     }
 
     /// Polls [`Server::metric`] until `name` reaches `at_least` (shards
-    /// publish once a second); panics after 10 s. Returns the value.
+    /// publish once a second); panics after [`WAIT`]. Returns the value.
     pub fn wait_metric(&self, name: &str, at_least: u64) -> u64 {
-        let until = Instant::now() + Duration::from_secs(10);
+        let until = Instant::now() + WAIT;
         loop {
             let v = self.metric(name);
             if v >= at_least {
@@ -190,6 +204,35 @@ impl Server {
             }
             assert!(Instant::now() < until, "{name} stayed at {v}");
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The admin endpoint's `/metrics` once it contains `needle` (shards
+    /// publish once a second); panics after [`WAIT`] with the last scrape.
+    pub fn wait_scrape(&self, needle: &str) -> String {
+        let until = Instant::now() + WAIT;
+        loop {
+            let (_, text) = http_get(&format!("http://{}/metrics", self.admin));
+            if text.contains(needle) {
+                return text;
+            }
+            assert!(Instant::now() < until, "/metrics never showed {needle:?}:\n{text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `/stats.json` once `done` holds of it (shards publish once a
+    /// second, each on its own period); panics after [`WAIT`] naming `what`,
+    /// with the last stats and the log.
+    pub fn wait_stats(&self, what: &str, done: impl Fn(&quiver::admin::Stats) -> bool) -> quiver::admin::Stats {
+        let until = Instant::now() + WAIT;
+        loop {
+            let s = self.stats();
+            if done(&s) {
+                return s;
+            }
+            assert!(Instant::now() < until, "timed out waiting for {what}: {s:?}\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
