@@ -1,24 +1,28 @@
-//! `quiver serve --backend cuda` without a usable GPU: the server starts,
-//! says once why it is not using the GPU, and serves the CPU INT8 backend's
-//! scores bit for bit.
+//! `quiver serve --backend cuda` on this machine, whichever kind it is:
+//! where a GPU is (a driver library and an NVIDIA device node, or
+//! `QUIVER_REQUIRE_CUDA=1`), the server scores on it, the CPU INT8 backend's
+//! scores bit for bit, and `quiver gpu-check` finds parity; where none is
+//! (or `QUIVER_REQUIRE_CUDA=0`), the server starts, says once why it is not
+//! using the GPU, and serves the CPU INT8 backend's scores bit for bit. Each
+//! test prints which of the two it ran.
 //!
-//! Two machines are simulated: no driver library at all (the loader path
-//! holds no `libcuda`), and a driver that initialises but reports no device
-//! (a fake `libcuda.so.1`, compiled here with `cc`, first on the loader
-//! path). Only built with `--features cuda`, since without it the server has
-//! no `cuda` backend to ask for. Skips when the machine has a real driver,
-//! where the fallback cannot be provoked this way.
+//! A driver that initialises but reports no device is simulated on every
+//! machine: a fake `libcuda.so` (and `.so.1`), compiled here with `cc`,
+//! first on the loader path, which the driver loader searches before the
+//! system's library cache. Only built with `--features cuda`, since without
+//! it the server has no `cuda` backend to ask for.
 
 #![cfg(feature = "cuda")]
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::{demo_dir, demo_request, Server};
 use quiver::features::replica::Replica;
 use quiver::model::{sigmoid, Model};
+use quiver::score::cuda::{self, CudaError};
 use quiver::score::{self, BackendKind};
 use quiver::wire::{RequestSpec, Status};
 
@@ -45,15 +49,35 @@ fn cpu_int8_scores(spec: &RequestSpec) -> Vec<f32> {
     logits.into_iter().map(sigmoid).collect()
 }
 
-/// Whether a real CUDA driver is installed, in which case the "absent"
-/// paths cannot be simulated by the loader path.
-fn real_driver_present() -> bool {
-    let out = Command::new("sh").args(["-c", "ldconfig -p 2>/dev/null | grep -q 'libcuda\\.so'"]).status();
-    out.is_ok_and(|s| s.success())
+/// Whether this machine should score on a GPU, and why: `QUIVER_REQUIRE_CUDA`
+/// (1 or 0) says so; unset, a driver library the backend can load and an
+/// NVIDIA device node (`/dev/nvidia0`, ...) imply a GPU. Decided from the
+/// machine, not from what the server did, so either answer can fail.
+fn gpu_expected() -> (bool, String) {
+    match std::env::var("QUIVER_REQUIRE_CUDA").as_deref() {
+        Ok("1") => return (true, "QUIVER_REQUIRE_CUDA=1".into()),
+        Ok("0") => return (false, "QUIVER_REQUIRE_CUDA=0".into()),
+        Ok(other) => panic!("QUIVER_REQUIRE_CUDA={other}: 1 (a GPU must be used) or 0 (none must be)"),
+        Err(_) => {}
+    }
+    if matches!(cuda::probe(), Err(CudaError::NoDriver)) {
+        return (false, "no CUDA driver library".into());
+    }
+    let device_node = std::fs::read_dir("/dev").into_iter().flatten().flatten().any(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        name.strip_prefix("nvidia").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if device_node {
+        (true, "a CUDA driver library and an NVIDIA device node".into())
+    } else {
+        (false, "a CUDA driver library but no NVIDIA device node".into())
+    }
 }
 
-fn serve_and_check(env: &[(&str, &str)], reason: &str) {
-    let mut server = Server::start_env(&["--shards", "2", "--backend", "cuda"], env);
+/// Twenty demo requests to `server`: each must be answered with the CPU
+/// INT8 backend's scores, bit for bit.
+fn scores_are_cpu_int8(server: &Server) {
     let mut c = server.client();
     for i in 0..20u64 {
         let items: Vec<u64> = (0..32).map(|k| (i * 7919 + k * 104_729) % 10_000).collect();
@@ -64,6 +88,11 @@ fn serve_and_check(env: &[(&str, &str)], reason: &str) {
         let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&r.scores), bits(&want), "request {i}: not the CPU INT8 scores");
     }
+}
+
+fn serve_and_check(env: &[(&str, &str)], reason: &str) {
+    let mut server = Server::start_env(&["--shards", "2", "--backend", "cuda"], env);
+    scores_are_cpu_int8(&server);
     let log = server.stderr();
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN") && l.contains("backend \"cuda\"")).collect();
     assert_eq!(warnings.len(), 1, "expected one fallback warning, log:\n{log}");
@@ -74,18 +103,38 @@ fn serve_and_check(env: &[(&str, &str)], reason: &str) {
 }
 
 #[test]
-fn without_a_driver_library_the_server_serves_cpu_int8_and_says_why() {
-    if real_driver_present() {
-        eprintln!("SKIPPED: a CUDA driver is installed here; the no-driver path cannot be simulated");
+fn the_server_scores_on_the_gpu_where_there_is_one_and_falls_back_where_there_is_none() {
+    let (gpu, why) = gpu_expected();
+    if !gpu {
+        // The warning names what the backend found missing.
+        let reason = cuda::probe().expect_err("no GPU is expected here, yet the driver found one").to_string();
+        serve_and_check(&[], &reason);
+        eprintln!("RAN the CPU fallback checks ({why}): {reason}");
         return;
     }
-    serve_and_check(&[], "CUDA driver library");
+    let info = cuda::probe().unwrap_or_else(|e| panic!("{why}, but the driver says: {e}"));
+    let mut server = Server::start(&["--shards", "2", "--backend", "cuda"]);
+    scores_are_cpu_int8(&server);
+    let metrics = server.wait_scrape("backend=\"cuda-int8\"");
+    assert!(!metrics.contains("backend=\"cpu-int8\""), "a version fell back to the CPU:\n{metrics}");
+    let log = server.stderr();
+    assert!(!log.contains("backend \"cuda\""), "no fallback, no failure: {log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert_eq!(server.terminate(), 0);
+    // Parity on the GPU over the check models, both semantics.
+    let (code, out, err) = common::run_quiver(["gpu-check", "--batches", "1,31,32,33,255,1024", "--iters", "5"]);
+    assert_eq!(code, 0, "gpu-check: {out}{err}");
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(report["ok"], serde_json::Value::Bool(true), "{report:#}");
+    eprintln!("RAN the GPU checks on {} ({why})", info.name);
 }
 
-/// Builds `libcuda.so.1` exporting `cuInit` (result from the environment),
+/// Builds a fake driver exporting `cuInit` (result from the environment),
 /// `cuDeviceGetCount` (0 devices) and `cuDriverGetVersion` (12.9, or
-/// `FAKE_DRIVER_VERSION`): a driver with no GPU behind it.
-fn fake_driver(dir: &Path) -> Option<PathBuf> {
+/// `FAKE_DRIVER_VERSION`): a driver with no GPU behind it. It is written as
+/// `libcuda.so` and `libcuda.so.1` in `dir`, since the loader asks for
+/// `libcuda.so` first and a machine with a real driver has one.
+fn fake_driver(dir: &Path) {
     let src = dir.join("fake_cuda.c");
     std::fs::write(
         &src,
@@ -96,24 +145,18 @@ fn fake_driver(dir: &Path) -> Option<PathBuf> {
     )
     .unwrap();
     let lib = dir.join("libcuda.so.1");
-    let status = Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&lib).arg(&src).status();
-    match status {
-        Ok(s) if s.success() => Some(lib),
-        _ => {
-            eprintln!("SKIPPED: no C compiler (cc) to build the fake libcuda.so.1");
-            None
-        }
-    }
+    // cc links every Rust binary on Linux, so it is here wherever this test built.
+    let status = Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&lib).arg(&src).status().expect("cc runs");
+    assert!(status.success(), "cc could not build the fake driver");
+    std::fs::copy(&lib, dir.join("libcuda.so")).unwrap();
 }
 
+/// Runs on every machine, a GPU's too: the fake driver comes first on the
+/// loader path.
 #[test]
 fn with_a_driver_but_no_device_the_server_serves_cpu_int8_and_says_why() {
-    if real_driver_present() {
-        eprintln!("SKIPPED: a CUDA driver is installed here; the fake driver would not be the one loaded");
-        return;
-    }
     let dir = common::scratch("fake-cuda");
-    let Some(_) = fake_driver(&dir) else { return };
+    fake_driver(&dir);
     let path = match std::env::var("LD_LIBRARY_PATH") {
         Ok(p) if !p.is_empty() => format!("{}:{p}", dir.display()),
         _ => dir.display().to_string(),
@@ -128,4 +171,5 @@ fn with_a_driver_but_no_device_the_server_serves_cpu_int8_and_says_why() {
         &[("LD_LIBRARY_PATH", &path), ("FAKE_DRIVER_VERSION", "11080")],
         "the CUDA driver is version 11.8; this build uses the CUDA 12.4 driver API",
     );
+    eprintln!("RAN the fake-driver fallback checks");
 }

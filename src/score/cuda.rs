@@ -737,14 +737,72 @@ mod tests {
         assert_eq!(w[3], i32::from_le_bytes([0xFB, 0, 0, 0]));
     }
 
+    /// What this machine implies for the CUDA backend, and why: a GPU it
+    /// must use (`true`: a driver library and an NVIDIA device node), or
+    /// none (`false`: no driver library, or a driver with no device node),
+    /// unless `QUIVER_REQUIRE_CUDA=1` or `=0` says so. Deciding from the
+    /// machine rather than from `CudaInt8::new`'s result is what lets the
+    /// tests below fail on either side.
+    fn gpu_expected() -> (bool, &'static str) {
+        match std::env::var("QUIVER_REQUIRE_CUDA").as_deref() {
+            Ok("1") => return (true, "QUIVER_REQUIRE_CUDA=1"),
+            Ok("0") => return (false, "QUIVER_REQUIRE_CUDA=0"),
+            Ok(other) => panic!("QUIVER_REQUIRE_CUDA={other}: 1 (a GPU must be used) or 0 (none must be)"),
+            Err(_) => {}
+        }
+        // SAFETY: only tries to dlopen the driver library under its usual names.
+        if !unsafe { sys::is_culib_present() } {
+            return (false, "no CUDA driver library");
+        }
+        let device_node = std::fs::read_dir("/dev").into_iter().flatten().flatten().any(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.strip_prefix("nvidia").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if device_node {
+            (true, "a CUDA driver library and an NVIDIA device node")
+        } else {
+            (false, "a CUDA driver library but no NVIDIA device node")
+        }
+    }
+
     #[test]
-    fn without_a_gpu_construction_fails_with_a_typed_error_not_a_panic() {
+    fn construction_gives_the_gpu_this_machine_has_or_a_typed_error_where_it_has_none() {
+        let (gpu, why) = gpu_expected();
         let calibrated = check_calibrated(crate::loadgen::demo::model(), 1.0).unwrap();
         for model in [crate::loadgen::demo::model(), calibrated] {
-            match CudaInt8::new(&model, 8) {
-                // A machine with a GPU: a calibrated model is accepted too.
-                Ok(b) => assert_eq!(b.name(), "cuda-int8"),
+            let built = CudaInt8::new(&model, 8);
+            if gpu {
+                // Both semantics: a calibrated model is accepted too.
+                let b = built.unwrap_or_else(|e| panic!("{why}, but the CUDA backend did not start: {e}"));
+                assert_eq!(b.name(), "cuda-int8");
+                continue;
+            }
+            match built {
+                Ok(b) => panic!("{why}, yet the CUDA backend started on {}", b.device_info().name),
+                Err(e) if why == "no CUDA driver library" => assert!(matches!(e, CudaError::NoDriver), "{e}"),
                 Err(e) => assert!(e.is_absent() || matches!(e, CudaError::Driver { .. }), "{e}"),
+            }
+        }
+        eprintln!("RAN the CUDA construction check {} ({why})", if gpu { "on the GPU" } else { "without a GPU" });
+    }
+
+    /// Where a GPU is, every check model's outputs equal the CPU scalar
+    /// reference's bit for bit, in both semantics (what `quiver gpu-check`
+    /// reports); where none is, `gpu_check` is the typed error, not a panic.
+    #[test]
+    fn gpu_check_finds_cpu_parity_on_a_gpu_and_a_typed_error_without_one() {
+        let (gpu, why) = gpu_expected();
+        match gpu_check(&[1, 31, 32, 33, 255], 3) {
+            Ok(report) if gpu => {
+                assert_eq!(report["ok"], serde_json::Value::Bool(true), "{report:#}");
+                eprintln!("RAN the GPU parity check on {} ({why})", report["device"]["name"]);
+            }
+            Ok(report) => panic!("{why}, yet gpu_check ran: {report:#}"),
+            Err(e) if gpu => panic!("{why}, but gpu_check found no GPU: {e}"),
+            Err(e) => {
+                assert!(e.is_absent() || matches!(e, CudaError::Driver { .. }), "{e}");
+                eprintln!("RAN the no-GPU check of gpu_check ({why}): {e}");
             }
         }
     }
