@@ -75,22 +75,28 @@ fn a_slow_inference_stage_trips_the_breaker_and_fallbacks_answer_in_time() {
 
     // 09:07: every batch now takes 400 ms, far over the 200 ms budget.
     assert_eq!(post(&format!("http://{}/faults?stage_delay_us=400000", server.admin)), 200);
+    // Traffic goes on until the answers have shown both reasons and a
+    // publication (once a second) caught the breaker open, which it is for
+    // only part of each cycle: waited for, not sampled over a fixed time.
     let mut reasons = std::collections::BTreeSet::new();
     let mut breaker_seen_open = false;
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(3) {
+    let mut last_look = Instant::now();
+    let until = Instant::now() + common::WAIT;
+    while !(reasons.contains("budget") && reasons.contains("breaker_open") && breaker_seen_open) {
+        assert!(
+            Instant::now() < until,
+            "slow answers given up on, the breaker opened, and shown in /stats.json: {reasons:?}, {breaker_seen_open}"
+        );
         let r = ask(&mut c);
         if r.tier != Tier::Primary {
             assert!(matches!(r.tier, Tier::Cached | Tier::Fallback | Tier::Default), "{r:?}");
             reasons.insert(quiver::wire::reason_name(r.reason));
         }
-        if id.get().is_multiple_of(50) {
+        if last_look.elapsed() >= Duration::from_millis(100) {
             breaker_seen_open |= stats(&server).breakers_open > 0;
+            last_look = Instant::now();
         }
     }
-    assert!(reasons.contains("budget"), "slow answers were given up on: {reasons:?}");
-    assert!(reasons.contains("breaker_open"), "the breaker opened: {reasons:?}");
-    assert!(breaker_seen_open, "the breaker shows in /stats.json");
     let s = stats(&server);
     assert!(s.by_tier["fallback"] > 0, "the fallback model answered: {s:?}");
 
