@@ -13,7 +13,7 @@ use super::progress_bar;
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["onnx", "lightgbm", "xgboost"])))]
 pub struct Args {
-    /// An ONNX file (MLPs, graph models, tree ensembles; README, "Importing models").
+    /// An ONNX file (MLPs, graph models, tree ensembles; docs/MODELS.md).
     #[arg(long)]
     onnx: Option<PathBuf>,
     /// A LightGBM text model (`Booster.save_model`).
