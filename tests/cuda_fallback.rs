@@ -93,7 +93,7 @@ fn scores_are_cpu_int8(server: &Server) {
 fn serve_and_check(env: &[(&str, &str)], reason: &str) {
     let mut server = Server::start_env(&["--shards", "2", "--backend", "cuda"], env);
     scores_are_cpu_int8(&server);
-    let log = server.stderr();
+    let log = server.wait_stderr("falling back to the CPU INT8 backend");
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN") && l.contains("backend \"cuda\"")).collect();
     assert_eq!(warnings.len(), 1, "expected one fallback warning, log:\n{log}");
     assert!(warnings[0].contains("falling back to the CPU INT8 backend"), "{}", warnings[0]);

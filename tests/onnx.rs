@@ -507,7 +507,7 @@ fn without_the_feature_an_onnxruntime_model_steps_down_and_says_what_to_rebuild(
         assert_eq!((resp.status, resp.tier), (Status::Ok, Tier::Default), "{resp:?}");
         assert!(matches!(resp.reason, Reason::ModelError | Reason::BreakerOpen), "{:?}", resp.reason);
     }
-    let log = server.stderr();
+    let log = server.wait_stderr("onnxruntime unavailable");
     assert_eq!(log.matches("onnxruntime unavailable").count(), 1, "{log}");
     assert!(log.contains("--features onnxruntime"), "{log}");
 }

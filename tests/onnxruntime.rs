@@ -348,7 +348,7 @@ fn a_missing_library_is_a_typed_error_and_the_ladder_answers() {
         assert!(matches!(resp.reason, Reason::ModelError | Reason::BreakerOpen), "{:?}", resp.reason);
         assert_eq!(resp.scores.len(), candidates);
     }
-    let log = server.stderr();
+    let log = server.wait_stderr("onnxruntime unavailable");
     let warnings = log.matches("onnxruntime unavailable").count();
     assert_eq!(warnings, 1, "one warning for every shard and version:\n{log}");
     assert!(log.contains("/nonexistent/libonnxruntime.so.1.32.0") && log.contains("pip install onnxruntime"), "{log}");

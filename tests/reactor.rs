@@ -133,7 +133,7 @@ fn housekeeping_threads_run_off_the_shard_cores() {
     if allowed.len() < 2 {
         // One core: nothing to pin to; the server says so.
         let mut server = Server::start(&["--cores", &allowed[0].to_string()]);
-        assert!(server.stderr().contains("no spare core for housekeeping"), "{}", server.stderr());
+        server.wait_stderr("no spare core for housekeeping");
         assert_eq!(server.terminate(), 0);
         return;
     }
@@ -160,7 +160,7 @@ fn housekeeping_threads_run_off_the_shard_cores() {
         let (_, cores) = threads.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name}: {threads:?}"));
         assert_eq!(cores, &spare.to_string(), "{name} runs on the housekeeping core");
     }
-    assert!(server.stderr().contains("housekeeping threads pinned"), "{}", server.stderr());
+    server.wait_stderr("housekeeping threads pinned");
     assert_eq!(server.terminate(), 0);
 }
 
@@ -243,8 +243,7 @@ fn a_stage_sharing_the_shard_s_core_answers_through_its_bell() {
     });
     let queue = stats.stages.iter().find(|s| s.stage == "queue").unwrap();
     assert_eq!(queue.count, 300, "every request went through the stage");
-    let log = server.stderr();
-    assert!(log.contains("shares_core: true"), "{log}");
+    let log = server.wait_stderr("shares_core: true");
     assert!(log.contains("higher priority") || log.contains("could not raise its priority"), "{log}");
     assert_eq!(server.terminate(), 0);
 }
