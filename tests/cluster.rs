@@ -134,8 +134,10 @@ fn a_slow_node_gets_less_traffic_and_hedges_answer_for_it() {
     let cfg = scratch("cluster-slow").join("q.toml");
     std::fs::write(&cfg, "inference = \"thread\"\nfaults_endpoint = true\n").unwrap();
     let servers = nodes(&["--config", cfg.to_str().unwrap()]);
-    assert_eq!(http_post(&format!("http://{}/faults?stage_delay_us=20000", servers[2].admin)).0, 200);
-    let config = ClusterConfig { hedge: Hedge::After(Duration::from_millis(5)), ..ClusterConfig::default() };
+    // 200 ms a batch: far slower than the other nodes even when a CPU hog
+    // beside the test stretches their answers to tens of ms.
+    assert_eq!(http_post(&format!("http://{}/faults?stage_delay_us=200000", servers[2].admin)).0, 200);
+    let config = ClusterConfig { hedge: Hedge::After(Duration::from_millis(20)), ..ClusterConfig::default() };
     let mut c = Cluster::new(&addrs(&servers), config).unwrap();
     let n = 2_000;
     let results = drive(&mut c, n, 8, |_| {});
@@ -162,28 +164,31 @@ fn quiver_bench_over_several_nodes_reports_each_node_and_the_hedge_rate() {
     let servers = nodes(&["--config", cfg.to_str().unwrap()]);
     let list = addrs(&servers).join(",");
     settle();
+    // A rate a generator on a busy machine still keeps, and a budget no
+    // pause of one exhausts: a node whose answers came past it would be
+    // ejected, and the run's requests would fail.
     let (code, out, err) = common::run_quiver([
         "bench",
         "--addr",
         &list,
         "--rate",
-        "2000",
+        "1000",
         "--duration",
         "1s",
         "--hedge-after-us",
         "2000",
         "--budget-us",
-        "100000",
+        "1000000",
         "--json",
     ]);
     assert_eq!(code, 0, "{err}");
     let r: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(r["mode"], "open loop");
     assert_eq!(r["received"], r["sent"], "{r}");
-    assert!(r["sent"].as_u64().unwrap() >= 1_800, "{r}");
+    assert!(r["sent"].as_u64().unwrap() >= 900, "{r}");
     let nodes = r["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3);
-    assert!(nodes.iter().all(|n| n["won"].as_u64().unwrap() > 300), "{r}");
+    assert!(nodes.iter().all(|n| n["won"].as_u64().unwrap() > 150), "{r}");
     assert!(r["hedge_rate"].as_f64().unwrap() <= 0.06, "{r}");
     assert!(r["latency"]["p99_us"].as_u64().unwrap() > 0);
     // Hedging needs more than one node.

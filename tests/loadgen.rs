@@ -92,7 +92,10 @@ fn options(addr: String, rate: Option<f64>) -> BenchOptions {
 fn open_loop_charges_a_stall_to_every_request_scheduled_during_it() {
     let report = loadgen::run(&options(fake_server(200), Some(1_000.0)));
     assert_eq!(report.received, report.sent);
-    assert!(report.sent >= 990, "{report}");
+    // Sends go on through the stall: a generator that waited for the
+    // stalled answer would send ~700. (A saturated generator on a busy
+    // machine misses a few at the end of the second.)
+    assert!(report.sent >= 900, "{report}");
     // ~300 of ~1000 requests were due during the stall: p90 must show it
     // (a generator that timed from its late sends would see ~1 slow one).
     // The bound on the median only says most were not in the stall: half
