@@ -58,6 +58,7 @@ mod table;
 mod writer;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -187,11 +188,14 @@ pub fn bucket_path(path: &Path, bucket: usize) -> std::path::PathBuf {
 }
 
 /// The tables a feature group is served from now: one, or one per bucket of
-/// a bucketed group (an id's table is [`bucket_of`] it). Shards load them
-/// per request (lock-free); each table's writer swaps in a new one when it
-/// grows the file or installs a full resync. The dimension never changes.
+/// a bucketed group (an id's table is [`bucket_of`] it). Shards read them
+/// through a [`ReplicaView`] (lock-free); each table's writer swaps in a new
+/// one when it grows the file or installs a full resync, and counts the swap
+/// in `generation`. The dimension never changes.
 pub struct ReplicaHandle {
     parts: Box<[ArcSwap<Replica>]>,
+    /// Swaps installed so far: a view whose generation is older reloads.
+    generation: AtomicU64,
     dim: usize,
 }
 
@@ -210,7 +214,7 @@ impl ReplicaHandle {
     }
 
     fn serving(table: Arc<Replica>) -> ReplicaHandle {
-        ReplicaHandle { dim: table.dim(), parts: Box::new([ArcSwap::new(table)]) }
+        ReplicaHandle { dim: table.dim(), parts: Box::new([ArcSwap::new(table)]), generation: AtomicU64::new(0) }
     }
 
     /// One handle over `writers`, bucket `b`'s table being `writers[b]`'s;
@@ -220,7 +224,7 @@ impl ReplicaHandle {
         let dim = writers[0].table().dim();
         assert!(writers.iter().all(|w| w.table().dim() == dim), "every bucket of a group has its dimension");
         let parts = writers.iter().map(|w| ArcSwap::new(w.table().clone())).collect();
-        let handle = Arc::new(ReplicaHandle { parts, dim });
+        let handle = Arc::new(ReplicaHandle { parts, dim, generation: AtomicU64::new(0) });
         for (b, w) in writers.iter_mut().enumerate() {
             w.serve_through(handle.clone(), b);
         }
@@ -338,6 +342,103 @@ impl ReplicaHandle {
     fn install(&self, part: usize, table: Arc<Replica>) {
         assert_eq!(table.dim(), self.dim, "a group's dimension never changes while served");
         self.parts[part].store(table);
+        // Release after the store: a view that sees the new generation
+        // (Acquire) loads the new table.
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// One reader's tables of a feature group, as of the handle's generation at
+/// its last [`ReplicaView::refresh`]: a shard refreshes once per request
+/// (one atomic load; a reload of every part only after a swap), and its
+/// lookups then touch no `ArcSwap` at all, where reading through the handle
+/// loads a table per key and pass (three per key of a bucketed group).
+///
+/// A view keeps a replaced table mapped until its next refresh. The writer
+/// keeps every replaced table until no reader holds it and unmaps it on its
+/// own side, so a view's drop or refresh never unmaps on a shard; a shard
+/// refreshes its views on its idle tick as well, so an idle shard does not
+/// keep a replaced file's disk space. Rows written after a swap go only to
+/// the new table: look up only right after a refresh.
+pub struct ReplicaView {
+    handle: Arc<ReplicaHandle>,
+    generation: u64,
+    /// One table per part of `handle`; sized once.
+    tables: Box<[Arc<Replica>]>,
+}
+
+impl std::fmt::Debug for ReplicaView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaView").field("parts", &self.tables.len()).field("generation", &self.generation).finish()
+    }
+}
+
+impl ReplicaView {
+    /// A view of `handle`'s tables now. Allocates (one slot per part): build
+    /// views at start-up.
+    pub fn new(handle: Arc<ReplicaHandle>) -> ReplicaView {
+        let generation = handle.generation.load(Ordering::Acquire);
+        let tables = handle.parts.iter().map(|p| p.load_full()).collect();
+        ReplicaView { handle, generation, tables }
+    }
+
+    /// Takes the handle's current tables if a writer swapped any since the
+    /// last refresh. Never allocates; returns whether it reloaded.
+    #[inline]
+    pub fn refresh(&mut self) -> bool {
+        let generation = self.handle.generation.load(Ordering::Acquire);
+        if generation == self.generation {
+            return false;
+        }
+        for (table, part) in self.tables.iter_mut().zip(self.handle.parts.iter()) {
+            *table = part.load_full();
+        }
+        self.generation = generation;
+        true
+    }
+
+    pub fn handle(&self) -> &Arc<ReplicaHandle> {
+        &self.handle
+    }
+
+    pub fn dim(&self) -> usize {
+        self.handle.dim
+    }
+
+    #[inline]
+    fn table_of(&self, key: u64) -> &Replica {
+        match self.tables.len() {
+            1 => &self.tables[0],
+            n => &self.tables[bucket_of(key, n)],
+        }
+    }
+
+    /// [`Replica::read_into`] on the table `key` is in.
+    #[inline]
+    pub fn read_into(&self, key: u64, out: &mut [f32]) -> bool {
+        self.table_of(key).read_into(key, out)
+    }
+
+    /// [`Replica::read_many_into`] over the tables the keys are in: across
+    /// tables, the same three passes overlap the memory loads (slots, then
+    /// rows, then copies). Returns how many keys were missing.
+    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
+        if self.tables.len() == 1 {
+            return self.tables[0].read_many_into(keys, rows, out);
+        }
+        let dim = self.dim();
+        assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
+        for &key in keys {
+            self.table_of(key).prefetch_slot(key);
+        }
+        for &key in keys {
+            self.table_of(key).prefetch_row(key);
+        }
+        let mut missing = 0;
+        for (&key, dst) in keys.iter().zip(out.chunks_exact_mut(dim)) {
+            missing += usize::from(!self.table_of(key).read_into(key, dst));
+        }
+        missing
     }
 }
 

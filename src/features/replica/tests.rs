@@ -678,3 +678,68 @@ fn a_read_only_server_serves_at_once_and_never_serves_a_row_that_fails_its_crc()
     assert!(!handle.load().verified(), "a damaged file is never marked verified");
     assert_eq!(handle.load().corrupt_reads(), 3);
 }
+
+#[test]
+fn a_view_follows_the_writers_swaps_only_when_refreshed_and_then_lets_the_old_table_go() {
+    let dir = tmpdir("view");
+    let path = dir.join("user.qrep");
+    let mut w = ReplicaWriter::create(&path, "user", 2, Storage::F32, 4, &[-1.0; 2]).unwrap();
+    let handle = w.handle();
+    w.upsert(1, &[1.0, 2.0]).unwrap();
+    let mut view = ReplicaView::new(handle.clone());
+    assert!(!view.refresh(), "nothing was swapped yet");
+    let mut out = [0.0f32; 2];
+    assert!(view.read_into(1, &mut out) && out == [1.0, 2.0]);
+    // Growth swaps the table behind the handle; the view keeps the old one.
+    for k in 2..100u64 {
+        w.upsert(k, &[k as f32, 0.0]).unwrap();
+    }
+    assert!(!view.read_into(99, &mut out), "the old table has no row 99");
+    assert_eq!(out, [-1.0, -1.0], "a missing key reads the default row");
+    assert!(w.retired_held() >= 1, "the view holds the replaced table");
+    assert!(view.refresh(), "the swap is seen");
+    assert!(!view.refresh(), "and only once");
+    assert!(view.read_into(99, &mut out) && out == [99.0, 0.0]);
+    w.reap_retired();
+    assert_eq!(w.retired_held(), 0, "after its refresh the view holds no replaced table");
+}
+
+#[test]
+fn a_view_of_a_bucketed_group_reads_what_each_buckets_table_holds() {
+    const BUCKETS: usize = 5;
+    const DIM: usize = 3;
+    let dir = tmpdir("view-buckets");
+    let mut writers: Vec<ReplicaWriter> = (0..BUCKETS)
+        .map(|b| {
+            let path = bucket_path(&dir.join("item.qrep"), b);
+            ReplicaWriter::create(&path, "item", DIM as u32, Storage::F32, 8, &[-1.0; DIM]).unwrap()
+        })
+        .collect();
+    let handle = ReplicaHandle::bucketed(&mut writers);
+    let mut view = ReplicaView::new(handle.clone());
+    let row = |key: u64| [key as f32, key as f32 * 0.5, 1.0];
+    // Enough keys per bucket that every bucket's table grows (a swap each).
+    let present: Vec<u64> = (0..200u64).map(|i| i * 7919 + 11).collect();
+    for &key in &present {
+        writers[bucket_of(key, BUCKETS)].upsert(key, &row(key)).unwrap();
+    }
+    assert!(view.refresh(), "the buckets' growth swapped tables");
+    let keys: Vec<u64> = present.iter().copied().chain((0..50u64).map(|i| i * 31 + 5)).collect();
+    let mut rows = vec![0u32; keys.len()];
+    let mut out = vec![0.0f32; keys.len() * DIM];
+    let missing = view.read_many_into(&keys, &mut rows, &mut out);
+    let mut expected_missing = 0;
+    for (key, got) in keys.iter().zip(out.chunks_exact(DIM)) {
+        let mut one = [0.0f32; DIM];
+        let found = handle.read_into(*key, &mut one);
+        expected_missing += usize::from(!found);
+        assert_eq!(got, one, "key {key}: the view reads what the handle reads");
+        if present.contains(key) {
+            assert!(found && got == row(*key), "key {key} is served from its bucket");
+        } else {
+            assert_eq!(got, [-1.0; DIM], "an unknown key reads the default row");
+        }
+    }
+    assert_eq!(missing, expected_missing);
+    assert_eq!(missing, 50 - (0..50u64).map(|i| i * 31 + 5).filter(|k| present.contains(k)).count());
+}
