@@ -487,9 +487,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("score/cpu/fp8.rs", "calls of safe code compiled with #[target_feature] after a runtime check"),
     ("score/cpu/int8_gemm.rs", "the INT8 kernels' intrinsics"),
     ("score/cuda.rs", "CUDA kernel launches"),
+    ("shard/accept.rs", "dup of an accepted socket handed to another shard"),
     ("shard/balance.rs", "the per-source table's socket address reads"),
-    ("shard/mod.rs", "socket options on glommio's streams"),
     ("shard/stamped.rs", "SO_TIMESTAMPING reads"),
+    ("shard/tasks.rs", "glommio streams adopted from raw fds: the stage's bell, handed-over sockets"),
 ];
 
 fn has_unsafe(code: &str) -> bool {

@@ -15,36 +15,42 @@
 //! With `[tls]`, a connection first completes a TLS handshake (bounded by
 //! `tls.handshake_timeout_ms`) and is then served by the same rounds over
 //! the decrypted bytes (`tls`).
+//!
+//! `run_shard` here wires one shard together and drains it; `accept.rs` is
+//! its accept loop, `connection.rs` one connection's rounds, `tasks.rs` the
+//! shard's other tasks (watcher, publisher, completion poller, shadow task,
+//! adopter).
 
+mod accept;
 mod balance;
+mod connection;
 mod mailbox;
 mod shutdown;
 mod stall;
 mod stamped;
+mod tasks;
 mod tls_stream;
 
 use std::cell::{Cell, RefCell};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::os::fd::{AsRawFd, FromRawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
-use glommio::net::{TcpListener, TcpStream};
+use glommio::net::TcpListener;
 use glommio::{LocalExecutorBuilder, Placement};
 
 use serde::{Deserialize, Serialize};
 
 use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::ShardEnd;
-use crate::metrics::{self, ShardPublisher, StallTask};
+use crate::metrics::ShardPublisher;
 use crate::request::ladder::BreakerState;
-use crate::request::{response_frame_bytes_max, Counters, Handled, RequestPath, Shared};
-use crate::wire::{self, FRAME_PREFIX_BYTES};
+use crate::request::{Counters, RequestPath, Shared};
 use balance::ShardBalance;
-use mailbox::{Mailbox, Mailboxes, Notify};
+use connection::Conns;
+use mailbox::{Mailboxes, Notify};
 pub use shutdown::ShutdownSignal;
 use stall::StallMeter;
 pub use tls_stream::ListenerTls;
@@ -318,32 +324,8 @@ async fn run_shard(
     tracing::debug!(shard, core, %listen, backend = path.borrow().backend_name(), "shard listening");
 
     let shutdown = Rc::new(ShutdownSignal::default());
-    let watcher = glommio::spawn_local({
-        let (shutdown, path, stalls) = (shutdown.clone(), path.clone(), stalls.clone());
-        let clock = MonotonicClock::new();
-        async move {
-            while !stop.load(Ordering::Relaxed) {
-                let due_ns = clock.now_ns() + SHUTDOWN_POLL.as_nanos() as u64;
-                glommio::timer::sleep(SHUTDOWN_POLL).await;
-                // This timer firing late is the one sign of a stall that no
-                // task of ours caused.
-                stalls.timer_fired(due_ns);
-                // New model versions are usually picked up here, between
-                // requests, rather than at the start of a read round; and
-                // the shards trade configured clients' demand here (timed
-                // with the model swap, as housekeeping).
-                let t = stalls.start();
-                refresh(&path, shard);
-                path.borrow_mut().exchange_admission(clock.now_ns());
-                stalls.end(StallTask::Refresh, t);
-            }
-            shutdown.trigger();
-        }
-    })
-    .detach();
-
+    let watcher = tasks::watcher(shard, stop, &shutdown, &path, &stalls);
     let active = Rc::new(Cell::new(0usize));
-    // Publish this shard's interval to the collector, off the request path.
     // Taken out for the final publication when the shard stops.
     let publisher = Rc::new(RefCell::new(Some(publisher)));
     // Work that is not a request runs in a low-share task queue: while
@@ -355,31 +337,7 @@ async fn run_shard(
         glommio::Latency::NotImportant,
         "background",
     );
-    let publishing = glommio::spawn_local_into(
-        {
-            let (path, active, shutdown) = (path.clone(), active.clone(), shutdown.clone());
-            let (publisher, stalls) = (publisher.clone(), stalls.clone());
-            async move {
-                while !shutdown.is_triggered() {
-                    glommio::timer::sleep(crate::metrics::PUBLISH_INTERVAL).await;
-                    let t = stalls.start();
-                    let mut p = path.borrow_mut();
-                    let mut counters = p.counters.clone();
-                    let longest = stalls.drain_into(p.times_mut(), &mut counters);
-                    let open = p.breaker_state() != BreakerState::Closed;
-                    let versions = p.version_report();
-                    if let Some(publisher) = publisher.borrow_mut().as_mut() {
-                        publisher.publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
-                    }
-                    drop(p);
-                    stalls.end(StallTask::Publish, t);
-                }
-            }
-        },
-        background,
-    )
-    .map_err(|e| format!("shard {shard}: spawning the publisher: {e}"))?
-    .detach();
+    let publishing = tasks::publisher(shard, background, &path, &active, &shutdown, &publisher, &stalls)?;
     let report = Rc::new(RefCell::new(ShardReport { shard, core, ..ShardReport::default() }));
     let balance = Rc::new(balance);
     let shadow_wanted = Rc::new(Notify::default());
@@ -389,80 +347,7 @@ async fn run_shard(
     if let Some(end) = stage {
         path.borrow_mut().attach_stage(end);
     }
-    // Hand-off mode: route completions to their connections. While requests
-    // are in flight the poller yields between polls (bounded spinning: it
-    // only spins while the stage owes this shard something); idle, it sleeps
-    // until a connection submits.
-    let poller = stage_attached.then(|| {
-        let (path, mailboxes, submitted) = (path.clone(), mailboxes.clone(), submitted.clone());
-        let stalls = stalls.clone();
-        // Sharing its core with the stage, the poller sleeps on the stage's
-        // bell instead of polling.
-        let bell = if shares_stage { path.borrow_mut().take_stage_bell() } else { None };
-        let mut bell = bell.map(|std| {
-            // SAFETY: `into_raw_fd` hands over sole ownership of an open
-            // socket, which the glommio stream now owns and closes.
-            unsafe {
-                <glommio::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(
-                    std,
-                ))
-            }
-        });
-        glommio::spawn_local(async move {
-            let mut bytes = Vec::with_capacity(64 * 1024);
-            let mut rung = [0u8; 64];
-            let clock = MonotonicClock::new();
-            let mut last_delivery_ns = 0;
-            loop {
-                let mut delivered = 0;
-                let t = stalls.start();
-                {
-                    let mut p = path.borrow_mut();
-                    while let Some((done, token)) = p.poll_stage() {
-                        bytes.clear();
-                        if let Some(conn) = p.complete(done, token, &mut bytes) {
-                            mailboxes.deliver(conn, &bytes);
-                            delivered += 1;
-                        }
-                    }
-                    // Requests the stage is too slow for are answered from
-                    // the lower rungs at their give-up time.
-                    let now_ns = clock.now_ns();
-                    p.give_up_overdue(now_ns, &mut |conn, response| {
-                        mailboxes.deliver(conn, response);
-                        delivered += 1;
-                    });
-                }
-                stalls.end(StallTask::Poller, t);
-                let now_ns = clock.now_ns();
-                if delivered > 0 {
-                    last_delivery_ns = now_ns;
-                } else if path.borrow().in_flight() == 0 {
-                    submitted.notified().await;
-                    last_delivery_ns = clock.now_ns();
-                } else if let Some(bell) = &mut bell {
-                    if path.borrow().stage_will_wait() {
-                        // Woken by the stage, or in time for the next give-up.
-                        futures_lite::future::or(
-                            async {
-                                let _ = bell.read(&mut rung).await;
-                            },
-                            glommio::timer::sleep(BELL_WAIT_MAX),
-                        )
-                        .await;
-                        path.borrow().stage_woke();
-                    }
-                } else if now_ns - last_delivery_ns < POLL_SPIN.as_nanos() as u64 {
-                    futures_lite::future::yield_now().await;
-                } else {
-                    // The stage is slow to answer: stop spinning so a stage
-                    // thread sharing this core gets to run.
-                    glommio::timer::sleep(POLL_BACKOFF).await;
-                }
-            }
-        })
-        .detach()
-    });
+    let poller = stage_attached.then(|| tasks::poller(&path, &mailboxes, &submitted, &stalls, shares_stage));
     let conns = Rc::new(Conns {
         shard,
         mailboxes: mailboxes.clone(),
@@ -481,121 +366,9 @@ async fn run_shard(
         }),
         tls,
     });
-    // Sockets other shards handed over, adopted on a slow tick: connection
-    // set-up is not latency-critical.
-    // Shadow versions score sampled requests after their responses are out.
-    let shadowing = glommio::spawn_local_into(
-        {
-            let (path, shadow_wanted, shutdown, stalls) =
-                (path.clone(), shadow_wanted.clone(), shutdown.clone(), stalls.clone());
-            async move {
-                loop {
-                    let wanted = futures_lite::future::or(
-                        async {
-                            shadow_wanted.notified().await;
-                            true
-                        },
-                        async {
-                            shutdown.wait().await;
-                            false
-                        },
-                    )
-                    .await;
-                    if !wanted {
-                        break;
-                    }
-                    let t = stalls.start();
-                    path.borrow_mut().run_shadows();
-                    stalls.end(StallTask::Shadow, t);
-                }
-            }
-        },
-        background,
-    )
-    .map_err(|e| format!("shard {shard}: spawning the shadow task: {e}"))?
-    .detach();
-    let adopter = glommio::spawn_local_into(
-        {
-            let (conns, balance, shutdown) = (conns.clone(), balance.clone(), shutdown.clone());
-            async move {
-                while !shutdown.is_triggered() {
-                    glommio::timer::sleep(SHUTDOWN_POLL).await;
-                    for balance::HandedOver { stream, source } in balance.adopt() {
-                        // SAFETY: `into_raw_fd` hands over sole ownership of an
-                        // open socket, which the glommio stream now owns.
-                        let stream = unsafe { TcpStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(stream)) };
-                        conns.spawn(stream, source);
-                    }
-                }
-            }
-        },
-        background,
-    )
-    .map_err(|e| format!("shard {shard}: spawning the adopter: {e}"))?
-    .detach();
-    loop {
-        // Once shutdown is triggered, connections already queued in the
-        // backlog are still accepted (a client that saw the listening line
-        // and connected gets its requests answered); then the listener closes.
-        let closing = shutdown.is_triggered();
-        let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
-            if closing {
-                glommio::timer::sleep(QUEUED_WAIT).await;
-            } else {
-                shutdown.wait().await;
-            }
-            None
-        })
-        .await;
-        let stream = match accepted {
-            None if closing => break,
-            None => continue,
-            Some(Ok(s)) => s,
-            Some(Err(e)) => {
-                tracing::warn!(shard, error = %e, "accept failed");
-                continue;
-            }
-        };
-        if not_ready == NotReadyPolicy::Refuse && !readiness.is_ready() {
-            report.borrow_mut().connections_refused += 1;
-            drop(stream);
-            continue;
-        }
-        let Ok(peer) = stream.peer_addr() else {
-            // Reset before it was served: nothing to count.
-            continue;
-        };
-        let source = balance::Source::of(peer.ip());
-        match balance.place(source) {
-            Err(refused) => {
-                let mut path = path.borrow_mut();
-                match refused {
-                    balance::Refused::ShardFull => path.counters.connections_refused_shard_full += 1,
-                    balance::Refused::SourceFull => path.counters.connections_refused_source_full += 1,
-                }
-                report.borrow_mut().connections_refused += 1;
-                tracing::debug!(shard, ?refused, %peer, "connection limit reached; closing new connection");
-                drop(stream);
-            }
-            Ok(balance::Placement::Here) => conns.spawn(stream, source),
-            Ok(balance::Placement::There(to)) => {
-                // SAFETY: dup of an open socket's fd; the new fd is owned
-                // here and closed by its OwnedFd.
-                let fd = unsafe { libc::dup(stream.as_raw_fd()) };
-                if fd < 0 {
-                    balance.keep_instead(to);
-                    conns.spawn(stream, source);
-                    continue;
-                }
-                // SAFETY: `fd` was just returned by dup and is owned by no one else.
-                let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-                drop(stream);
-                balance.hand_over(to, owned, source);
-                report.borrow_mut().connections_handed_over += 1;
-            }
-        }
-    }
-    drop(listener);
+    let shadowing = tasks::shadowing(shard, background, &path, &shadow_wanted, &shutdown, &stalls)?;
+    let adopter = tasks::adopter(shard, background, &conns, &balance, &shutdown)?;
+    accept::accept(listener, &conns, not_ready, &readiness).await;
 
     // Drain: connections finish the frames they already read, then close.
     let grace_ms = limits.shutdown_grace_ms;
@@ -624,370 +397,11 @@ async fn run_shard(
     Ok(r)
 }
 
-/// What woke a connection waiting between rounds.
-enum Wake {
-    /// Bytes read, and how long the newest of them waited in the socket.
-    Read(std::io::Result<(usize, Option<u64>)>),
-    Delivered,
-    Shutdown,
-    /// The frame partly read is not complete within `frame_timeout_ms`.
-    FrameTimedOut,
-}
-
 /// Swaps in model versions the registry published, logging a failure.
 fn refresh(path: &RefCell<RequestPath<MonotonicClock>>, shard: usize) {
     match path.borrow_mut().refresh_models() {
         Ok(true) => tracing::debug!(shard, "model versions refreshed"),
         Ok(false) => {}
         Err(e) => tracing::error!(shard, error = %e, "a published model cannot be served; keeping the old ones"),
-    }
-}
-
-/// What a shard needs to start serving a connection, accepted or handed over.
-struct Conns {
-    shard: usize,
-    mailboxes: Rc<Mailboxes>,
-    submitted: Rc<Notify>,
-    path: Rc<RefCell<RequestPath<MonotonicClock>>>,
-    shutdown: Rc<ShutdownSignal>,
-    limits: crate::request::Limits,
-    report: Rc<RefCell<ShardReport>>,
-    stalls: Rc<StallMeter>,
-    socket_wait_every_reads: u32,
-    active: Rc<Cell<usize>>,
-    balance: Rc<ShardBalance>,
-    /// Wakes the shard's shadow task.
-    shadow_wanted: Rc<Notify>,
-    tls: Option<ListenerTls>,
-    /// With `tls`: the new handshakes this shard may start.
-    handshakes: Option<tls_stream::HandshakeBudget>,
-}
-
-impl Conns {
-    /// Serves `stream` on this shard until it closes. Its place in the
-    /// balance counts was taken when it was placed here.
-    fn spawn(self: &Rc<Self>, stream: TcpStream, source: balance::Source) {
-        self.report.borrow_mut().connections_accepted += 1;
-        self.active.set(self.active.get() + 1);
-        let conn = Connection { shard: self.clone() };
-        let this = self.clone();
-        glommio::spawn_local(async move {
-            if let Err(e) = conn.serve(stream).await {
-                let mut path = this.path.borrow_mut();
-                match e.get_ref().and_then(|inner| inner.downcast_ref::<TimedOut>()) {
-                    Some(TimedOut::Frame) => path.counters.frames_timed_out += 1,
-                    Some(TimedOut::Write) => path.counters.writes_timed_out += 1,
-                    None => {}
-                }
-                tracing::debug!(shard = this.shard, error = %e, "connection closed");
-            }
-            this.active.set(this.active.get() - 1);
-            this.balance.closed(source);
-        })
-        .detach();
-    }
-}
-
-/// Why a connection was closed for time: a frame not complete within
-/// `frame_timeout_ms` of its first byte, or a round's responses not taken
-/// within `write_timeout_ms`.
-#[derive(Debug, thiserror::Error)]
-enum TimedOut {
-    #[error("frame not complete within frame_timeout_ms of its first byte")]
-    Frame,
-    #[error("responses not taken within write_timeout_ms")]
-    Write,
-}
-
-impl From<TimedOut> for std::io::Error {
-    fn from(t: TimedOut) -> std::io::Error {
-        std::io::Error::new(std::io::ErrorKind::TimedOut, t)
-    }
-}
-
-/// A connection's bytes: the socket's own, or decrypted from TLS.
-enum Transport {
-    Plain(TcpStream),
-    Tls(Box<tls_stream::TlsStream>),
-}
-
-impl Transport {
-    fn tcp(&self) -> &TcpStream {
-        match self {
-            Transport::Plain(s) => s,
-            Transport::Tls(s) => s.tcp(),
-        }
-    }
-
-    async fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
-        match self {
-            Transport::Plain(s) => s.write_all(buf).await,
-            Transport::Tls(s) => s.write_all(buf).await,
-        }
-    }
-}
-
-/// One connection being served: what it needs is its shard's.
-struct Connection {
-    shard: Rc<Conns>,
-}
-
-impl Connection {
-    async fn serve(self, stream: TcpStream) -> std::io::Result<()> {
-        stream.set_nodelay(true)?;
-        let mut stream = match &self.shard.tls {
-            None => Transport::Plain(stream),
-            Some(tls) => {
-                let within = self.shard.handshakes.as_ref().is_none_or(|b| b.take(MonotonicClock::new().now_ns()));
-                if !within {
-                    self.shard.path.borrow_mut().counters.tls_handshakes_refused += 1;
-                    return Err(std::io::Error::other("over tls.handshakes_per_s_max: closed before the handshake"));
-                }
-                let handshake = self.handshake(stream, tls).await;
-                let mut path = self.shard.path.borrow_mut();
-                match handshake {
-                    Ok(s) => {
-                        path.counters.tls_handshakes += 1;
-                        Transport::Tls(Box::new(s))
-                    }
-                    Err(e) => {
-                        path.counters.tls_handshake_failures += 1;
-                        return Err(e);
-                    }
-                }
-            }
-        };
-        let (id, mailbox) = self.shard.mailboxes.open();
-        let result = self.serve_rounds(&mut stream, id, &mailbox).await;
-        // Collect every response the stage still owes this connection (each
-        // ends by its deadline), write what can be written, then close.
-        let mut rest = Vec::new();
-        mailbox.take_into(&mut rest);
-        while mailbox.pending() > 0 {
-            // `delivered` resolves while undelivered bytes wait in the
-            // mailbox, so move them out before waiting for the next one.
-            mailbox.delivered().await;
-            mailbox.take_into(&mut rest);
-        }
-        self.shard.mailboxes.close(id);
-        if result.is_ok() && !rest.is_empty() {
-            self.write_within(&mut stream, &rest).await?;
-        }
-        result
-    }
-
-    /// Writes `buf` whole within `write_timeout_ms`, however slowly the
-    /// client reads (the socket's own timeout is per write call).
-    async fn write_within(&self, stream: &mut Transport, buf: &[u8]) -> std::io::Result<()> {
-        let limit = Duration::from_millis(self.shard.limits.write_timeout_ms);
-        futures_lite::future::or(stream.write_all(buf), async {
-            glommio::timer::sleep(limit).await;
-            Err(TimedOut::Write.into())
-        })
-        .await
-    }
-
-    /// A TLS handshake on `stream`, within the configured time (the whole
-    /// handshake, however the client trickles its bytes).
-    async fn handshake(&self, stream: TcpStream, tls: &ListenerTls) -> std::io::Result<tls_stream::TlsStream> {
-        let timeout = tls.handshake_timeout;
-        futures_lite::future::or(tls_stream::TlsStream::accept(stream, tls.config.clone()), async {
-            glommio::timer::sleep(timeout).await;
-            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))
-        })
-        .await
-    }
-
-    /// Reads what the socket has, waiting for it if need be; with socket
-    /// timestamps, also how long the newest bytes waited in the socket.
-    async fn read(
-        &self,
-        stream: &mut Transport,
-        buf: &mut [u8],
-        stamps: bool,
-    ) -> std::io::Result<(usize, Option<u64>)> {
-        let stream = match stream {
-            Transport::Plain(s) => s,
-            Transport::Tls(s) => return s.read(buf).await.map(|n| (n, None)),
-        };
-        let waited = |stamp: Option<u64>| stamp.map(|s| stamped::realtime_ns().saturating_sub(s));
-        if !stamps || buf.len() < 2 {
-            return stream.read(buf).await.map(|n| (n, None));
-        }
-        if let Some((n, stamp)) = stamped::try_recv(stream, buf)? {
-            return Ok((n, waited(stamp)));
-        }
-        // Wait through the runtime's own read path for one byte, then take
-        // the rest of what arrived with its stamp. (Waiting by a peek costs
-        // more: io_uring may hand a pending receive to a worker thread.)
-        let n = stream.read(&mut buf[..1]).await?;
-        if n == 0 {
-            return Ok((0, None));
-        }
-        match stamped::try_recv(stream, &mut buf[1..])? {
-            Some((m, stamp)) => Ok((1 + m, waited(stamp))),
-            None => Ok((1, None)),
-        }
-    }
-
-    async fn serve_rounds(&self, stream: &mut Transport, id: u32, mailbox: &Mailbox) -> std::io::Result<()> {
-        // Admission binds client ids to it; an unknown peer matches no network.
-        let source = stream.tcp().peer_addr().map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
-        // And to the names of a verified client certificate (mutual TLS).
-        let tls_names = match &*stream {
-            Transport::Tls(s) => s.peer_names(),
-            Transport::Plain(_) => Vec::new(),
-        };
-        let peer = crate::request::admission::Peer { addr: source, tls_names: &tls_names };
-        let every = self.shard.socket_wait_every_reads;
-        // The kernel's stamps would be of ciphertext: TLS reads go unstamped.
-        let stamps = every > 0 && matches!(stream, Transport::Plain(_)) && stamped::enable(stream.tcp()).is_ok();
-        // How long the bytes of the last read waited in the socket, when it
-        // was a stamped one; reads since the last stamped one.
-        let mut socket_wait_ns: Option<u64> = None;
-        let mut reads = 0u32;
-        // When the frame now partly buffered began to arrive: the read
-        // time of the round that first held its bytes.
-        let clock = MonotonicClock::new();
-        let frame_timeout_ns = self.shard.limits.frame_timeout_ms * 1_000_000;
-        let mut frame_started_ns: Option<u64> = None;
-        let mut round_ns;
-        stream.tcp().set_read_timeout(Some(Duration::from_millis(self.shard.limits.idle_timeout_ms)))?;
-        // No per-call write timeout: `write_within` bounds each round's
-        // write as a whole.
-        let frame_bytes_max = self.shard.limits.frame_bytes_max;
-        let read_bytes_max = frame_bytes_max + FRAME_PREFIX_BYTES;
-        let mut inbuf = vec![0u8; READ_BUFFER_BYTES_MIN.min(read_bytes_max)];
-        let mut filled = 0usize;
-        let out_cap = self.shard.limits.output_bytes_max + response_frame_bytes_max(self.shard.limits.candidates_max);
-        let mut out = Vec::with_capacity(out_cap.min(1 << 20));
-        loop {
-            // Answer the complete frames already buffered, up to the output
-            // cap and `frames_per_round_max`.
-            let mut consumed = 0;
-            let mut frames = 0;
-            let mut broken = false;
-            let t = self.shard.stalls.start();
-            refresh(&self.shard.path, self.shard.shard);
-            self.shard.stalls.end(StallTask::Refresh, t);
-            let mut handed_off = false;
-            let t = self.shard.stalls.start();
-            {
-                let mut path = self.shard.path.borrow_mut();
-                let read_at_ns = path.clock().now_ns();
-                round_ns = read_at_ns;
-                while out.len() < self.shard.limits.output_bytes_max && frames < self.shard.limits.frames_per_round_max
-                {
-                    match wire::split_frame(&inbuf[consumed..filled], frame_bytes_max) {
-                        Ok(Some((payload, used))) => {
-                            frames += 1;
-                            if let Some(wait_ns) = socket_wait_ns {
-                                path.times_mut().record_ns(metrics::Stage::SocketWait, wait_ns);
-                            }
-                            if path.handle(payload, read_at_ns, id, peer, &mut out) == Handled::Pending {
-                                mailbox.expect();
-                                handed_off = true;
-                            }
-                            consumed += used;
-                        }
-                        Ok(None) => break,
-                        Err(e) => {
-                            path.reject_stream(&e, &mut out);
-                            self.shard.report.borrow_mut().streams_rejected += 1;
-                            broken = true;
-                            break;
-                        }
-                    }
-                }
-            }
-            if handed_off {
-                self.shard.submitted.notify();
-            }
-            inbuf.copy_within(consumed..filled, 0);
-            filled -= consumed;
-            mailbox.take_into(&mut out);
-            self.shard.stalls.end(StallTask::Connection, t);
-            if !out.is_empty() {
-                self.write_within(stream, &out).await?;
-                out.clear();
-            }
-            // A partial frame's clock starts with the round that first held
-            // it and keeps running until the frame is complete.
-            frame_started_ns = match (filled, consumed) {
-                (0, _) => None,
-                (_, 0) => frame_started_ns.or(Some(round_ns)),
-                _ => Some(round_ns),
-            };
-            if broken {
-                return Ok(());
-            }
-            if consumed > 0 && wire::split_frame(&inbuf[..filled], frame_bytes_max).is_ok_and(|f| f.is_some()) {
-                // More frames wait: let the shard's other work run first.
-                futures_lite::future::yield_now().await;
-                continue;
-            }
-            // Responses are written and no frame waits: shadows may run.
-            if self.shard.path.borrow().shadows_pending() {
-                self.shard.shadow_wanted.notify();
-            }
-            let closing = self.shard.shutdown.is_triggered();
-            // Make room for the rest of a frame whose prefix we have seen.
-            if filled == inbuf.len() {
-                let grown = (inbuf.len() * 2).min(read_bytes_max);
-                assert!(grown > inbuf.len(), "a complete frame always fits the buffer");
-                inbuf.resize(grown, 0);
-            }
-            // Draining, the connection still reads what the client already
-            // sent (it is in the socket at once) and answers it; it closes
-            // when nothing more arrives within `QUEUED_WAIT`.
-            let read = futures_lite::future::or(
-                async {
-                    Wake::Read(self.read(stream, &mut inbuf[filled..], stamps && reads.is_multiple_of(every)).await)
-                },
-                async {
-                    futures_lite::future::or(
-                        async {
-                            if closing {
-                                glommio::timer::sleep(QUEUED_WAIT).await;
-                            } else {
-                                self.shard.shutdown.wait().await;
-                            }
-                            Wake::Shutdown
-                        },
-                        futures_lite::future::or(
-                            async {
-                                mailbox.delivered().await;
-                                Wake::Delivered
-                            },
-                            async {
-                                let Some(started_ns) = frame_started_ns else {
-                                    return std::future::pending().await;
-                                };
-                                let due_ns = started_ns + frame_timeout_ns;
-                                glommio::timer::sleep(Duration::from_nanos(due_ns.saturating_sub(clock.now_ns())))
-                                    .await;
-                                Wake::FrameTimedOut
-                            },
-                        ),
-                    )
-                    .await
-                },
-            )
-            .await;
-            match read {
-                // Responses the stage still owes are collected by `serve`.
-                Wake::Shutdown if closing => return Ok(()),
-                Wake::Shutdown => {}
-                Wake::Delivered => {}
-                Wake::Read(Ok((0, _))) => return Ok(()),
-                Wake::FrameTimedOut => return Err(TimedOut::Frame.into()),
-                Wake::Read(Ok((n, wait_ns))) => {
-                    filled += n;
-                    socket_wait_ns = wait_ns;
-                    reads = reads.wrapping_add(1);
-                }
-                Wake::Read(Err(e)) => return Err(e),
-            }
-        }
     }
 }
