@@ -15,7 +15,7 @@
 //! share of the peak probe's measured rate (`int8_peak`), which runs first.
 //! Run with `cargo bench --bench kernels`.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -43,19 +43,18 @@ fn calibrated(model: &Model) -> Model {
     m
 }
 
-/// `(name, model, backend)`: the backend was built for that model.
-fn backends<'m>(plain: &'m Model, calib: &'m Model, rows_max: usize) -> Vec<(String, &'m Model, Box<dyn Backend>)> {
-    let mut v: Vec<(String, &Model, Box<dyn Backend>)> =
-        vec![("f32".into(), plain, Box::new(CpuF32::new(plain, rows_max)))];
+/// `(name, backend)`: each backend owns the model it was built for.
+fn backends(plain: &Arc<Model>, calib: &Arc<Model>, rows_max: usize) -> Vec<(String, Box<dyn Backend>)> {
+    let mut v: Vec<(String, Box<dyn Backend>)> = vec![("f32".into(), Box::new(CpuF32::new(plain, rows_max)))];
     for (label, model) in [("dyn", plain), ("static", calib)] {
         for kernel in Int8Kernel::ALL {
             if let Ok(b) = CpuInt8::with_kernel(model, rows_max, kernel) {
                 assert_eq!(b.is_static(), label == "static");
-                v.push((format!("int8-{label}-{}", kernel.name()), model, Box::new(b)));
+                v.push((format!("int8-{label}-{}", kernel.name()), Box::new(b)));
             }
         }
     }
-    v.push(("fp8".into(), calib, Box::new(CpuFp8::new(calib, rows_max))));
+    v.push(("fp8".into(), Box::new(CpuFp8::new(calib, rows_max))));
     v
 }
 
@@ -79,8 +78,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn forward(c: &mut Criterion) {
-    let plain = quiver::loadgen::demo::model();
-    let calib = calibrated(&plain);
+    let plain = Arc::new(quiver::loadgen::demo::model());
+    let calib = Arc::new(calibrated(&plain));
     let rows_max = *BATCHES.iter().max().unwrap_or(&1);
     let mut rng = SplitMix64::new(7);
     let x: Vec<f32> = (0..rows_max * plain.input_dim()).map(|_| rng.normal()).collect();
@@ -92,11 +91,12 @@ fn forward(c: &mut Criterion) {
     group.sample_size(20);
     for rows in BATCHES {
         group.throughput(Throughput::Elements(rows as u64));
-        for (name, model, backend) in backends.iter_mut() {
+        for (name, backend) in backends.iter_mut() {
+            let dim = backend.model().input_dim();
             let mut samples = Vec::new();
             group.bench_with_input(BenchmarkId::new(name.as_str(), rows), &rows, |b, &rows| {
                 timed(b, &mut samples, || {
-                    backend.logits(model, &x[..rows * model.input_dim()], rows, &mut out[..rows]);
+                    backend.score(&x[..rows * dim], rows, &mut out[..rows]).unwrap();
                     std::hint::black_box(out[0]);
                 })
             });

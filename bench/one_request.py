@@ -2,8 +2,8 @@
 """Per-request nodes computed once: `quiver time-model` on the auction-32
 demo model (and, when given, other .qm files) with rows that are one
 request's candidates (`--one-request`: the first row's user and context
-columns in every row, scored through `Backend::logits_request`, as the
-server scores inline) against independent rows (`Backend::logits`), per
+columns in every row, so `Backend::score` computes what reads only them
+once, as the server scores a request) against independent rows, per
 backend, side by side in one run, three runs, medians and ratios.
 
 Why: the f32 backend splits a plain MLP's first layer by input kind and
@@ -84,8 +84,7 @@ def main():
         "## One request's candidates: per-request parts computed once",
         "",
         f"Written by `bench/one_request.py` (commit `{commit}`): `quiver time-model --rows {args.rows}` per "
-        f"backend, independent rows (`logits`) against one request's candidates (`--one-request`, "
-        f"`logits_request`), alternated in each of {args.repeats} runs; medians of the runs' medians "
+        f"backend, independent rows against one request's candidates (`--one-request`), alternated in each of {args.repeats} runs; medians of the runs' medians "
         f"({args.iters} calls each), µs per call.",
         "",
         "    taskset -c 1 python3 bench/one_request.py " + " ".join(sys.argv[1:]),

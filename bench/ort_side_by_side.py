@@ -13,7 +13,7 @@ Sigmoid), seeded random weights, written with onnx.helper; both sides
 quantize it with the same 4096-row calibration set (quiver: max-abs).
 onnxruntime is timed through `InferenceSession.run` from Python, so its
 figures include the Python call overhead (a few microseconds), which weighs
-most at batch 1; quiver's are `Backend::logits` inside the process.
+most at batch 1; quiver's are `Backend::score` inside the process.
 
 Run from the repository root after `cargo build --release`, on a committed
 tree (the figures name the commit they measured):

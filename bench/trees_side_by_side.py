@@ -67,7 +67,7 @@ before any import):
                does not); with another it is reported unavailable.
   quiver       `quiver import --lightgbm`, then `quiver time-model --backend
                f32|int8 --rows 1,32,256 --data ROWS.npy`: the median of N
-               calls of Backend::logits inside the binary, no Python (its
+               calls of Backend::score inside the binary, no Python (its
                figures have no call overhead to subtract): the margin. The
                int8 backend runs tree ensembles with the same code as f32.
 Python contenders are timed per call with time.perf_counter_ns around the

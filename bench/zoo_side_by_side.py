@@ -39,7 +39,7 @@ How each side runs:
     calibration: graph models cannot be calibrated yet, so the INT8 backend
     quantizes activations per row, the same dynamic semantics as
     quantize_dynamic), then `quiver time-model --backend int8|f32|fp8
-    --rows 1,32,256 --iters N`, the median of N calls of Backend::logits
+    --rows 1,32,256 --iters N`, the median of N calls of Backend::score
     inside the process on seeded normal inputs (time-model's own; for deepfm
     those are not integer ids).
 

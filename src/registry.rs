@@ -164,7 +164,7 @@ impl std::fmt::Debug for Prebuilt {
 /// initialisation). `now_ns` is the clock it is timed by.
 pub fn build_timed(
     kind: BackendKind,
-    model: &Model,
+    model: &Arc<Model>,
     rows_max: usize,
     row_dim: usize,
     out: &mut [f32],
@@ -173,7 +173,9 @@ pub fn build_timed(
     let mut backend = score::build(kind, model, rows_max);
     let x = vec![0.0; rows_max * row_dim];
     let started_ns = now_ns();
-    backend.logits(model, &x, rows_max, &mut out[..rows_max]);
+    // A backend that cannot score fails at once; its requests step down the
+    // ladder, so its cost is never consulted.
+    let _ = backend.score(&x, rows_max, &mut out[..rows_max]);
     let ns_per_row = now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
     Prebuilt { backend, ns_per_row }
 }
@@ -308,7 +310,7 @@ impl Registry {
 
     /// One backend per shard for `model`, built and timed here (the admin
     /// side), or one warm-up run when no shard takes them.
-    fn prebuild(&self, model: &Model) -> Vec<Option<Prebuilt>> {
+    fn prebuild(&self, model: &Arc<Model>) -> Vec<Option<Prebuilt>> {
         let clock = crate::deadline::MonotonicClock::new();
         let mut out = vec![0.0; self.rows_max];
         let mut build = || {
@@ -398,9 +400,9 @@ impl Registry {
             (_, None) => return Err(RegistryError::NoCanaryVersion),
             (_, Some(v)) => {
                 let dir = self.dir.as_ref().ok_or(RegistryError::NoDirectory)?;
-                let model = load_checked(dir, name, v, self.fit)?;
+                let model = Arc::new(load_checked(dir, name, v, self.fit)?);
                 let built = self.prebuild(&model);
-                Some((Arc::new(model), ppm, built))
+                Some((model, ppm, built))
             }
         };
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
@@ -442,10 +444,9 @@ impl Registry {
             Some(v) => v,
             None => *versions_on_disk(dir, name)?.last().ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
         };
-        let model = load_checked(dir, name, version, self.fit)?;
+        let model = Arc::new(load_checked(dir, name, version, self.fit)?);
         let built = self.prebuild(&model);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let model = Arc::new(model);
         match slots.get_mut(name) {
             Some(slot) => {
                 let old = std::mem::replace(&mut slot.current, model.clone());

@@ -29,7 +29,7 @@ use quiver::wire::{RequestSpec, Status};
 /// The scores the CPU INT8 backend gives `spec`, from the demo files.
 fn cpu_int8_scores(spec: &RequestSpec) -> Vec<f32> {
     let dir = demo_dir();
-    let model = Model::load(&dir.join("model.qm")).unwrap();
+    let model = std::sync::Arc::new(Model::load(&dir.join("model.qm")).unwrap());
     let user = Replica::open(&dir.join("user.qrep"), "user").unwrap();
     let item = Replica::open(&dir.join("item.qrep"), "item").unwrap();
     let mut u = vec![0.0; user.dim()];
@@ -45,7 +45,7 @@ fn cpu_int8_scores(spec: &RequestSpec) -> Vec<f32> {
     }
     let rows = spec.item_ids.len();
     let mut logits = vec![0.0; rows];
-    score::build(BackendKind::Int8, &model, rows).logits(&model, &x, rows, &mut logits);
+    score::build(BackendKind::Int8, &model, rows).score(&x, rows, &mut logits).unwrap();
     logits.into_iter().map(sigmoid).collect()
 }
 

@@ -100,7 +100,7 @@ fn table_of(m: &Model) -> &EmbeddingTable {
 fn logits(kind: BackendKind, m: &Model) -> Vec<u32> {
     let x = rows();
     let mut out = vec![0.0; IDS.len()];
-    score::build(kind, m, IDS.len()).logits(m, &x, IDS.len(), &mut out);
+    score::build(kind, &Arc::new(m.clone()), IDS.len()).score(&x, IDS.len(), &mut out).unwrap();
     out.iter().map(|v| v.to_bits()).collect()
 }
 
@@ -160,7 +160,8 @@ fn a_big_table_loads_mapped_scores_like_the_model_in_memory_and_is_shared() {
     assert_eq!(reads_default, [false, false, false, false, false, true, true, true, true]);
 
     // Two shards' backends, and any clone of the model, share the mapping.
-    let (a, b) = (score::cpu::CpuF32::new(&loaded, 64), score::cpu::CpuF32::new(&loaded, 64));
+    let shared = Arc::new(loaded.clone());
+    let (a, b) = (score::cpu::CpuF32::new(&shared, 64), score::cpu::CpuF32::new(&shared, 64));
     for backend in [&a, &b] {
         let Op::Embedding { table: t, .. } = &backend.graph().nodes[1].op else { panic!("node 1 is an embedding") };
         assert_eq!(t.as_ptr(), table.as_ptr());
@@ -190,7 +191,7 @@ fn the_registry_serves_a_big_table_mapped_and_its_shards_backends_copy_nothing()
     let want = logits(BackendKind::F32, &m);
     for mut p in prebuilt {
         let mut out = vec![0.0; IDS.len()];
-        p.backend.logits(&served, &x, IDS.len(), &mut out);
+        p.backend.score(&x, IDS.len(), &mut out).unwrap();
         assert_eq!(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
     }
 }

@@ -8,6 +8,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::{auc, max_abs_diff, run_quiver, scratch, Server};
 use quiver::features::replica::ReplicaBuilder;
@@ -107,7 +108,7 @@ fn import_both() -> Vec<(&'static str, Imported)> {
 fn backend_logits(backend: &mut dyn Backend, model: &Model, x: &[f32]) -> Vec<f32> {
     let rows = x.len() / model.input_dim();
     let mut out = vec![0.0; rows];
-    backend.logits(model, x, rows, &mut out);
+    backend.score(x, rows, &mut out).unwrap();
     out
 }
 
@@ -127,7 +128,7 @@ fn imported_f32_paths_match_onnxruntime() {
         let rows = x.len() / 20;
         let mut reference = vec![0.0; rows];
         m.forward_f32_reference(&x, rows, &mut reference);
-        let f32_backend = backend_logits(&mut CpuF32::new(m, rows), m, &x);
+        let f32_backend = backend_logits(&mut CpuF32::new(&Arc::new(m.clone()), rows), m, &x);
         let want_logit = h.expected(file, "logit");
         let want_prob = h.expected(file, "probability");
         for (path, logits) in [("reference", &reference), ("cpu-f32", &f32_backend)] {
@@ -146,7 +147,7 @@ fn imported_int8_stays_within_the_documented_bound() {
     let x = h.rows();
     let rows = x.len() / 20;
     for (file, imported) in import_both() {
-        let m = &imported.model;
+        let m = &Arc::new(imported.model);
         let want = h.expected(file, "probability");
         for kernel in [Int8Kernel::Scalar, Int8Kernel::best()] {
             let mut backend = CpuInt8::with_kernel(m, rows, kernel).unwrap();
@@ -260,7 +261,7 @@ fn import_with_calibration_stores_ranges_and_the_score_histogram() {
     assert!(c.scores.counts.len() >= 10, "{:?}", c.scores);
     // Static INT8 runs only where it measured at least as accurate.
     let (s, d) = (c.static_error.unwrap(), c.dynamic_error.unwrap());
-    assert_eq!(CpuInt8::new(&m, 1).is_static(), s.max <= d.max && s.mean <= d.mean, "{s:?} {d:?}");
+    assert_eq!(CpuInt8::new(&Arc::new(m), 1).is_static(), s.max <= d.max && s.mean <= d.mean, "{s:?} {d:?}");
 
     std::fs::remove_file(&out).unwrap();
     let wrong_width = fixtures().join("auc_heldout.npy");
@@ -402,7 +403,7 @@ fn calibrated_int8_keeps_auc_and_scores_within_the_documented_bounds() {
     let positives = set.labels.iter().filter(|l| **l).count();
     assert!(positives * 10 < set.labels.len() && positives >= 100, "{positives} positives: rare but measurable");
     for method in [Method::MaxAbs, Method::Percentile(99.99)] {
-        let m = calibrated_helper(method);
+        let m = Arc::new(calibrated_helper(method));
         let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
         let d = max_abs_diff(&f32_scores, &set.ort_probability);
         assert!(d <= F32_TOLERANCE, "f32 vs onnxruntime: {d}");
@@ -427,7 +428,7 @@ fn calibrated_int8_keeps_auc_and_scores_within_the_documented_bounds() {
         }
     }
     // The dynamic fallback, for comparison, under the same bounds.
-    let m = import_both().remove(0).1.model;
+    let m = Arc::new(import_both().remove(0).1.model);
     let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
     let scores = probabilities(&mut CpuInt8::new(&m, 512), &m, &set.x);
     let (a, b) = (auc(&scores, &set.labels), auc(&f32_scores, &set.labels));
@@ -440,7 +441,7 @@ fn calibrated_int8_keeps_auc_and_scores_within_the_documented_bounds() {
 fn calibrated_fp8_keeps_auc_and_scores_within_the_documented_bounds() {
     let set = auc_set();
     for calibrated in [true, false] {
-        let m = if calibrated { calibrated_helper(Method::MaxAbs) } else { import_both().remove(0).1.model };
+        let m = Arc::new(if calibrated { calibrated_helper(Method::MaxAbs) } else { import_both().remove(0).1.model });
         let f32_scores = probabilities(&mut CpuF32::new(&m, 512), &m, &set.x);
         let scores = probabilities(&mut CpuFp8::new(&m, 512), &m, &set.x);
         let (a, b) = (auc(&scores, &set.labels), auc(&f32_scores, &set.labels));

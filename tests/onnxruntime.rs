@@ -144,7 +144,7 @@ fn refused_graphs_import_for_onnxruntime_and_score_as_onnxruntime_does() {
         let (code, stdout, err) = import_cli(f, &out, 1, &[]);
         assert_eq!(code, 0, "{}: {err}", f.name);
         assert!(stdout.contains("backend: onnxruntime"), "{stdout}");
-        let model = Model::load(&out).unwrap();
+        let model = std::sync::Arc::new(Model::load(&out).unwrap());
         assert!(!model.is_native() && model.onnx.is_some());
         assert_eq!(model.input_dim(), f.dim);
 
@@ -154,7 +154,7 @@ fn refused_graphs_import_for_onnxruntime_and_score_as_onnxruntime_does() {
         assert_eq!(backend.name(), "onnxruntime");
         for (r, (x, want)) in f.x.chunks(candidates * f.dim).zip(f.want.chunks(candidates)).enumerate() {
             let mut out = vec![0.0; candidates];
-            backend.try_logits_request(&model, x, candidates, &mut out).unwrap();
+            backend.score(x, candidates, &mut out).unwrap();
             let got: Vec<u32> = out.iter().map(|v| model.score(*v).to_bits()).collect();
             let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
             assert_eq!(got, want, "{} request {r}", f.name);
@@ -163,7 +163,7 @@ fn refused_graphs_import_for_onnxruntime_and_score_as_onnxruntime_does() {
         let rows = f.want.len();
         let mut big = score::build(BackendKind::Int8, &model, rows);
         let mut out = vec![0.0; rows];
-        big.try_logits(&model, &f.x, rows, &mut out).unwrap();
+        big.score(&f.x, rows, &mut out).unwrap();
         let err = out.iter().zip(&f.want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(err <= 1e-6, "{}: batched scores differ by {err}", f.name);
     }
@@ -293,19 +293,21 @@ fn native_models_forced_onto_onnxruntime_match_the_native_f32_path() {
             output_kind: z.kind,
             base_dir: None,
         };
-        let model = import_file_keeping(&z.file, &opts, KeepOnnx::Beside)
-            .unwrap_or_else(|e| panic!("{}: --keep-onnx: {e}", z.name))
-            .model;
+        let model = std::sync::Arc::new(
+            import_file_keeping(&z.file, &opts, KeepOnnx::Beside)
+                .unwrap_or_else(|e| panic!("{}: --keep-onnx: {e}", z.name))
+                .model,
+        );
         assert!(model.is_native() && model.onnx.is_some());
-        assert_eq!(Model::from_bytes(&model.to_bytes(), &z.name).unwrap(), model, "{}", z.name);
+        assert_eq!(Model::from_bytes(&model.to_bytes(), &z.name).unwrap(), *model, "{}", z.name);
         let rows = 256;
         let x = &z.x[..rows * z.dim];
         let mut native = score::build(BackendKind::F32, &model, rows);
         let mut forced = score::build(BackendKind::Onnxruntime, &model, rows);
         assert_eq!((native.name(), forced.name()), ("cpu-f32", "onnxruntime"), "{}", z.name);
         let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
-        native.logits(&model, x, rows, &mut a);
-        forced.try_logits(&model, x, rows, &mut b).unwrap();
+        native.score(x, rows, &mut a).unwrap();
+        forced.score(x, rows, &mut b).unwrap();
         let err = a.iter().zip(&b).map(|(p, q)| (model.score(*p) - model.score(*q)).abs()).fold(0.0f32, f32::max);
         eprintln!("{:<22} native f32 vs onnxruntime, max |Δ score| {err:.2e}", z.name);
         assert!(err <= FORCED_TOLERANCE, "{}: forced onto onnxruntime, scores differ by {err}", z.name);

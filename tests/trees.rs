@@ -8,6 +8,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::{logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
 use quiver::features::replica::ReplicaBuilder;
@@ -109,7 +110,7 @@ fn import(f: &Fixture) -> Model {
 #[test]
 fn every_tree_model_matches_its_framework_on_every_cpu_backend() {
     for f in fixtures() {
-        let model = import(&f);
+        let model = Arc::new(import(&f));
         let rows = f.margin.len();
         let margin = logits_in_batches(&mut CpuF32::new(&model, 256), &model, &f.x);
         let scores: Vec<f32> = margin.iter().map(|v| model.score(*v)).collect();
@@ -137,7 +138,7 @@ fn onnx_exports_agree_with_their_native_twins() {
     let all = fixtures();
     for (native, onnx) in [("lgb_numeric", "lgb_binary_onnx"), ("xgb_binary", "xgb_binary_onnx")] {
         let (a, b) = (all.iter().find(|f| f.name == native).unwrap(), all.iter().find(|f| f.name == onnx).unwrap());
-        let (ma, mb) = (import(a), import(b));
+        let (ma, mb) = (Arc::new(import(a)), Arc::new(import(b)));
         let ya = logits_in_batches(&mut CpuF32::new(&ma, 256), &ma, &a.x);
         let yb = logits_in_batches(&mut CpuF32::new(&mb, 256), &mb, &b.x);
         let err = rel_err(&ya, &yb);
@@ -282,17 +283,17 @@ fn import_summarises_trees_and_refuses_bad_files() {
 fn a_nan_feature_follows_the_default_direction() {
     let all = fixtures();
     let f = all.iter().find(|f| f.name == "xgb_binary").unwrap();
-    let model = import(f);
+    let model = Arc::new(import(f));
     let r = f.x.chunks_exact(f.dim).position(|row| row[10].is_nan()).expect("a row with column 10 missing");
     let row = &f.x[r * f.dim..(r + 1) * f.dim];
     let mut b = CpuF32::new(&model, 1);
     let mut y = [0.0];
-    b.logits(&model, row, 1, &mut y);
+    b.score(row, 1, &mut y).unwrap();
     assert!((sigmoid(y[0]) - f.score[r]).abs() <= SCORE_TOLERANCE);
     let mut zero = row.to_vec();
     zero[10] = 0.0;
     let mut z = [0.0];
-    b.logits(&model, &zero, 1, &mut z);
+    b.score(&zero, 1, &mut z).unwrap();
     assert_ne!(y[0], z[0], "missing is not zero for this row's trees");
 }
 

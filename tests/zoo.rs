@@ -8,6 +8,7 @@
 mod common;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use common::zoo::{segment, zoo, zoo_dir, Zoo};
 use common::{auc, logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
@@ -65,7 +66,7 @@ fn bounds(name: &str) -> (f32, f32) {
 #[test]
 fn every_zoo_model_imports_and_f32_matches_onnxruntime() {
     for z in zoo() {
-        let model = import(&z);
+        let model = Arc::new(import(&z));
         let rows = z.labels.len();
         let mut f32b = CpuF32::new(&model, 256);
         let got = logits_in_batches(&mut f32b, &model, &z.x);
@@ -82,7 +83,7 @@ fn every_zoo_model_imports_and_f32_matches_onnxruntime() {
 #[test]
 fn quantized_backends_stay_within_the_documented_bounds() {
     for z in zoo() {
-        let model = import(&z);
+        let model = Arc::new(import(&z));
         let (int8_max, fp8_max) = bounds(&z.name);
         let want_p = scores(&model, &z.want);
         let mut int8 = CpuInt8::new(&model, 256);
@@ -325,7 +326,7 @@ fn calibrated_int8_is_no_worse_than_dynamic_on_held_out_rows() {
             calibrated.validate().unwrap();
             let c = calibrated.calibration.as_ref().unwrap();
             let err = |m: &Model| {
-                let out = logits_in_batches(&mut CpuInt8::new(m, 256), m, x);
+                let out = logits_in_batches(&mut CpuInt8::new(&Arc::new(m.clone()), 256), m, x);
                 let d: Vec<f32> = out.iter().zip(want).map(|(a, b)| (sigmoid(*a) - sigmoid(*b)).abs()).collect();
                 (d.iter().copied().fold(0.0, f32::max), d.iter().sum::<f32>() / d.len() as f32)
             };
@@ -407,20 +408,24 @@ fn context_ids_are_checked_and_unknown_ids_count_as_missing() {
     }
 }
 
-/// One request's candidates share the user and context columns: every
-/// backend's `logits_request`, which may compute those parts once, gives
-/// exactly `logits`'s numbers on such rows.
+/// One request's candidates share the user and context columns, and every
+/// backend may compute what depends only on them once per request: a call
+/// with one request's rows, or with two requests' rows, gives exactly the
+/// numbers of scoring each row in a call of its own.
 #[test]
 fn one_request_scoring_equals_row_by_row_scoring() {
     for z in zoo() {
-        let model = import(&z);
+        let model = Arc::new(import(&z));
         let shared = model.request_columns();
         let rows = 32;
         let mut x = z.x[..rows * z.dim].to_vec();
+        // Rows 0..20 are one request (row 0's user and context), rows
+        // 20..32 another (row 20's).
         for r in 1..rows {
+            let first = if r < 20 { 0 } else { 20 };
             for (c, s) in shared.iter().enumerate() {
                 if *s {
-                    x[r * z.dim + c] = x[c];
+                    x[r * z.dim + c] = x[first * z.dim + c];
                 }
             }
         }
@@ -431,10 +436,15 @@ fn one_request_scoring_equals_row_by_row_scoring() {
             Box::new(CpuFp8::new(&model, rows)),
         ];
         for mut b in backends {
-            let (mut each, mut once) = (vec![0.0; rows], vec![0.0; rows]);
-            b.logits(&model, &x, rows, &mut each);
-            b.logits_request(&model, &x, rows, &mut once);
-            assert_eq!(each, once, "{} on {}", z.name, b.name());
+            let mut each = vec![0.0; rows];
+            for (r, y) in each.iter_mut().enumerate() {
+                b.score(&x[r * z.dim..(r + 1) * z.dim], 1, std::slice::from_mut(y)).unwrap();
+            }
+            let (mut one, mut two) = (vec![0.0; 20], vec![0.0; rows]);
+            b.score(&x[..20 * z.dim], 20, &mut one).unwrap();
+            b.score(&x, rows, &mut two).unwrap();
+            assert_eq!(each[..20], one[..], "{} on {}: one request", z.name, b.name());
+            assert_eq!(each, two, "{} on {}: two requests", z.name, b.name());
         }
     }
 }

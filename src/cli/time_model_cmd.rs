@@ -20,8 +20,8 @@ pub struct Args {
     #[arg(long, default_value_t = 200)]
     iters: usize,
     /// Rows are one request's candidates (the first row's user and
-    /// context columns in every row), scored with `logits_request`, as
-    /// the server scores inline.
+    /// context columns in every row), so what reads only those is
+    /// computed once per call, as the server scores a request.
     #[arg(long)]
     one_request: bool,
     /// Rows to score instead of seeded normals: a float32 .npy
@@ -39,7 +39,7 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     if let Some(lib) = &args.onnxruntime_lib {
         quiver::score::configure_onnxruntime(lib);
     }
-    let model = Model::load(&args.model)?;
+    let model = std::sync::Arc::new(Model::load(&args.model)?);
     let rows_from = match &args.data {
         None => None,
         Some(p) => {

@@ -617,7 +617,7 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         if delay_us > 0 {
             std::thread::sleep(Duration::from_micros(delay_us));
         }
-        let scored = backend.try_logits(&model, &x[..batch_rows * dim], batch_rows, &mut logits[..batch_rows]);
+        let scored = backend.score(&x[..batch_rows * dim], batch_rows, &mut logits[..batch_rows]);
         let ended_ns = clock.now_ns();
         if scored.is_err() {
             // The shards step these requests down (reason model_error).
@@ -674,7 +674,7 @@ fn pin_to(core: usize) {
 /// so the first deadline decisions are informed.
 fn prepare(
     kind: BackendKind,
-    model: &Model,
+    model: &Arc<Model>,
     config: &StageConfig,
     x: &mut [f32],
     logits: &mut [f32],
@@ -697,7 +697,8 @@ fn prepare(
         let mut ns = [0u64; TIMED_RUNS];
         for i in 0..WARM_RUNS + TIMED_RUNS {
             let started_ns = clock.now_ns();
-            backend.logits(model, &x[..rows_now * dim], rows_now, &mut logits[..rows_now]);
+            // A backend that cannot score fails at once, here and per batch.
+            let _ = backend.score(&x[..rows_now * dim], rows_now, &mut logits[..rows_now]);
             if i >= WARM_RUNS {
                 ns[i - WARM_RUNS] = clock.now_ns() - started_ns;
             }
@@ -809,7 +810,7 @@ mod tests {
             let data = end.slot_mut(&token);
             assert_eq!((done.outcome, data.rows), (Outcome::Scored, rows));
             let mut want = vec![0.0; data.rows];
-            inline.logits(&model, &data.x[..data.rows * model.input_dim()], data.rows, &mut want);
+            inline.score(&data.x[..data.rows * model.input_dim()], data.rows, &mut want).unwrap();
             assert_eq!(data.logits[..data.rows], want[..], "batched results equal inline results");
             assert!(done.batch_rows as usize >= data.rows);
             end.release(token);

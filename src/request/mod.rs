@@ -529,7 +529,7 @@ impl<C: Clock> RequestPath<C> {
                     &self.shadow[at..at + rows * step.row_dim]
                 };
                 let started_ns = self.clock.now_ns();
-                let scored = fb.backend.try_logits_request(&fb.model, x, rows, &mut self.logits[..rows]);
+                let scored = fb.backend.score(x, rows, &mut self.logits[..rows]);
                 fb.kernel_cost.observe(rows, self.clock.now_ns().saturating_sub(started_ns) / 1_000);
                 // A fallback that cannot score leaves the static default.
                 if scored.is_ok() {

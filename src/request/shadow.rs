@@ -79,7 +79,7 @@ impl<C: Clock> RequestPath<C> {
             let rows = item.rows;
             let x = &x[item.slot * *slot_floats..][..rows * item.row_dim];
             let started_ns = self.clock.now_ns();
-            let scored = served.backend.try_logits_request(&served.model, x, rows, &mut scores[..rows]);
+            let scored = served.backend.score(x, rows, &mut scores[..rows]);
             self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
             if scored.is_err() {
                 // A shadow that cannot score is no sample; the served

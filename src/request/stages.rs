@@ -379,7 +379,7 @@ impl<C: Clock> RequestPath<C> {
         let (rows, row_dim) = (a.step.rows, a.step.row_dim);
         let s = &mut self.served[a.chosen];
         let logits = &mut self.logits[..rows];
-        let scored = s.backend.try_logits_request(&s.model, &self.x[..rows * row_dim], rows, logits);
+        let scored = s.backend.score(&self.x[..rows * row_dim], rows, logits);
         let after_kernel_ns = self.clock.now_ns();
         if scored.is_err() {
             self.breaker.record(true, after_kernel_ns);

@@ -25,18 +25,22 @@ pub enum CalibrateError {
     Onnxruntime(#[source] BackendError),
 }
 
-/// Max and mean |score(kind) − score(f32)| over the rows of `set`.
+/// Max and mean |score(kind) − score(f32)| over the rows of `set`, for a
+/// native model (one the CPU backends run).
 pub fn score_error(model: &Model, set: &Matrix, kind: BackendKind) -> MeasuredError {
+    assert!(model.is_native(), "onnxruntime-only models are measured by calibrate_onnxruntime");
     const CHUNK: usize = 256;
     assert_eq!(set.cols, model.input_dim(), "rows of the model's input vector");
-    let mut oracle = build(BackendKind::F32, model, CHUNK);
-    let mut quantized = build(kind, model, CHUNK);
+    // Backends own their model: a copy, once per measurement at import.
+    let shared = std::sync::Arc::new(model.clone());
+    let mut oracle = build(BackendKind::F32, &shared, CHUNK);
+    let mut quantized = build(kind, &shared, CHUNK);
     let (mut max, mut sum) = (0.0f32, 0.0f64);
     let (mut a, mut b) = (vec![0.0; CHUNK], vec![0.0; CHUNK]);
     for x in set.data.chunks(CHUNK * set.cols) {
         let rows = x.len() / set.cols;
-        oracle.logits(model, x, rows, &mut a[..rows]);
-        quantized.logits(model, x, rows, &mut b[..rows]);
+        oracle.score(x, rows, &mut a[..rows]).expect("a native model's backends cannot fail");
+        quantized.score(x, rows, &mut b[..rows]).expect("a native model's backends cannot fail");
         for (p, q) in a[..rows].iter().zip(&b[..rows]) {
             let d = (model.score(*p) - model.score(*q)).abs();
             max = max.max(d);
@@ -144,14 +148,14 @@ pub fn calibrate(
 /// one with `--calibration` needs the library, like serving it).
 fn calibrate_onnxruntime(model: &mut Model, set: &Matrix) -> Result<String, CalibrateError> {
     const ROWS_PER_CALL: usize = 256;
-    let mut backend = super::build(BackendKind::Int8, model, ROWS_PER_CALL);
+    let mut backend = super::build(BackendKind::Int8, &std::sync::Arc::new(model.clone()), ROWS_PER_CALL);
     let dim = model.input_dim();
     if set.cols != dim {
         return Err(CalibrationError::Width { cols: set.cols, want: dim }.into());
     }
     let mut scores = vec![0.0; set.rows];
     for (x, out) in set.data.chunks(ROWS_PER_CALL * dim).zip(scores.chunks_mut(ROWS_PER_CALL)) {
-        backend.try_logits(model, x, out.len(), out).map_err(CalibrateError::Onnxruntime)?;
+        backend.score(x, out.len(), out).map_err(CalibrateError::Onnxruntime)?;
         for s in out.iter_mut() {
             *s = model.score(*s);
         }

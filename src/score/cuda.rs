@@ -19,7 +19,7 @@
 //! for `dense_int8_static` (static; the same host function the CPU kernels
 //! take them from, so the two cannot disagree), and allocates pinned host
 //! buffers and device activations (f32, or int8 between static layers) for
-//! `rows_max` rows. A `logits` call is then: copy the rows into pinned
+//! `rows_max` rows. A `score` call is then: copy the rows into pinned
 //! memory, one async H2D copy, one launch per layer, one async D2H copy of
 //! the logits, one stream synchronisation. No device or pinned memory is
 //! allocated per call; cudarc's launch builder still keeps its argument
@@ -39,7 +39,7 @@ use cudarc::driver::{
 use cudarc::nvrtc;
 
 use super::kernels::{self, DENSE_THREADS};
-use super::{cpu, Backend};
+use super::{cpu, Backend, BackendError, BackendInfo};
 use crate::model::{Layer, Model};
 
 /// Why the CUDA backend cannot run here.
@@ -243,7 +243,7 @@ fn pack_weights(layer: &Layer) -> Vec<i32> {
 
 /// The CUDA INT8 backend.
 pub struct CudaInt8 {
-    rows_max: usize,
+    backend: BackendInfo,
     input_dim: usize,
     info: DeviceInfo,
     stream: Arc<CudaStream>,
@@ -273,7 +273,7 @@ pub struct CudaInt8 {
 impl CudaInt8 {
     /// Builds the backend for `model` on device 0, with room for `rows_max`
     /// rows per call.
-    pub fn new(model: &Model, rows_max: usize) -> Result<CudaInt8, CudaError> {
+    pub fn new(model: &Arc<Model>, rows_max: usize) -> Result<CudaInt8, CudaError> {
         if model.graph.is_some() {
             return Err(CudaError::GraphModel(model.name.clone()));
         }
@@ -364,7 +364,7 @@ impl CudaInt8 {
             "cuda-int8 backend ready"
         );
         Ok(CudaInt8 {
-            rows_max,
+            backend: BackendInfo { name: "cuda-int8", rows_max, model: model.clone() },
             input_dim: model.input_dim(),
             info,
             stream,
@@ -486,33 +486,28 @@ impl CudaInt8 {
 }
 
 impl Backend for CudaInt8 {
-    fn name(&self) -> &'static str {
-        if self.failed_over.is_some() {
-            "cpu-int8"
-        } else {
-            "cuda-int8"
-        }
+    fn info(&self) -> &BackendInfo {
+        &self.backend
     }
 
-    fn rows_max(&self) -> usize {
-        self.rows_max
-    }
-
-    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
-        assert_eq!(model.layers.len(), self.layers.len(), "the backend was built for another model");
+    /// Never fails: a device failure moves it to the CPU INT8 backend, for
+    /// good, and renames it `cpu-int8`.
+    fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
+        self.backend.check(x, rows, out);
         if rows == 0 {
-            return;
+            return Ok(());
         }
         if let Some(cpu) = &mut self.failed_over {
-            return cpu.logits(model, x, rows, out);
+            return cpu.score(x, rows, out);
         }
         if let Err(e) = self.run(x, rows, out) {
             tracing::error!(error = %e, "cuda-int8: the device failed; scoring on the CPU INT8 backend from now on");
-            let mut cpu = cpu::CpuInt8::new(model, self.rows_max);
-            cpu.logits(model, x, rows, out);
+            let mut cpu = cpu::CpuInt8::new(&self.backend.model, self.backend.rows_max);
+            cpu.score(x, rows, out)?;
+            self.backend.name = "cpu-int8";
             self.failed_over = Some(cpu);
         }
+        Ok(())
     }
 }
 
@@ -542,11 +537,11 @@ fn check_calibrated(mut model: Model, shrink: f32) -> Result<Model, CudaError> {
 /// `dense_int8_static`) at odd widths, a single-layer model (layer 0 is the
 /// output layer), a hidden layer without ReLU (requantized to -128), and
 /// k = 16384 (three rows per block in shared memory).
-fn check_models(rows_max: usize) -> Result<Vec<(Model, usize)>, CudaError> {
+fn check_models(rows_max: usize) -> Result<Vec<(Arc<Model>, usize)>, CudaError> {
     let wide = rows_max.min(255);
     let mut linear_hidden = check_model(45, &[37, 33, 17, 1]);
     linear_hidden.layers[0].relu = false;
-    Ok(vec![
+    let models = vec![
         (crate::loadgen::demo::model(), rows_max),
         (check_model(41, &[257, 255, 65, 1]), rows_max),
         (check_model(42, &[3, 1]), rows_max),
@@ -556,7 +551,8 @@ fn check_models(rows_max: usize) -> Result<Vec<(Model, usize)>, CudaError> {
         (check_calibrated(linear_hidden, 0.5)?, rows_max),
         (check_calibrated(check_model(46, &[3, 1]), 0.3)?, rows_max),
         (check_calibrated(check_model(47, &[crate::model::WIDTH_MAX, 33, 1]), 1.0)?, wide),
-    ])
+    ];
+    Ok(models.into_iter().map(|(m, rows)| (Arc::new(m), rows)).collect())
 }
 
 /// `rows` seeded normal rows of width `k`, with the edge cases planted in
@@ -608,8 +604,8 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         for &rows in batches.iter().filter(|&&r| r <= *model_rows_max) {
             let x = check_inputs(rows as u64, rows, model.input_dim());
             let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
-            cpu.logits(model, &x, rows, &mut want);
-            gpu.logits(model, &x, rows, &mut got);
+            cpu.score(&x, rows, &mut want).map_err(|e| CudaError::Model(e.to_string()))?;
+            gpu.score(&x, rows, &mut got).map_err(|e| CudaError::Model(e.to_string()))?;
             let same = |g: f32, w: f32| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
             let bad: Vec<usize> = (0..rows).filter(|&r| !same(got[r], want[r])).collect();
             ok &= bad.is_empty() && gpu.failed_over.is_none();
@@ -627,7 +623,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
     }
     let mut timing = Vec::new();
     for model in [crate::loadgen::demo::model(), check_calibrated(crate::loadgen::demo::model(), 1.0)?] {
-        timing.extend(time_model(&model, batches, iters, rows_max)?);
+        timing.extend(time_model(&Arc::new(model), batches, iters, rows_max)?);
     }
     Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
 }
@@ -635,7 +631,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
 /// Host-timed p50/p99 of `logits` at each of `batches` rows, GPU and CPU
 /// INT8 (best kernel), after 10 warm-up calls.
 fn time_model(
-    model: &Model,
+    model: &Arc<Model>,
     batches: &[usize],
     iters: usize,
     rows_max: usize,
@@ -646,22 +642,22 @@ fn time_model(
     for &rows in batches {
         let x = check_inputs(7, rows, model.input_dim());
         let mut out = vec![0.0; rows];
-        let mut time = |b: &mut dyn Backend| {
+        let mut time = |b: &mut dyn Backend| -> Result<(f64, f64), CudaError> {
+            let mut call = || b.score(&x, rows, &mut out).map_err(|e| CudaError::Model(e.to_string()));
             for _ in 0..10 {
-                b.logits(model, &x, rows, &mut out);
+                call()?;
             }
-            let mut ns: Vec<u64> = (0..iters.max(1))
-                .map(|_| {
-                    let t = Instant::now();
-                    b.logits(model, &x, rows, &mut out);
-                    t.elapsed().as_nanos() as u64
-                })
-                .collect();
+            let mut ns = Vec::with_capacity(iters.max(1));
+            for _ in 0..iters.max(1) {
+                let t = Instant::now();
+                call()?;
+                ns.push(t.elapsed().as_nanos() as u64);
+            }
             ns.sort_unstable();
-            (percentile_us(&ns, 0.5), percentile_us(&ns, 0.99))
+            Ok((percentile_us(&ns, 0.5), percentile_us(&ns, 0.99)))
         };
-        let (p50, p99) = time(&mut gpu);
-        let (cpu_p50, cpu_p99) = time(&mut cpu);
+        let (p50, p99) = time(&mut gpu)?;
+        let (cpu_p50, cpu_p99) = time(&mut cpu)?;
         timing.push(serde_json::json!({
             "model": model.name,
             "activations": if model.calibration.is_some() { "static" } else { "dynamic" },
@@ -670,6 +666,30 @@ fn time_model(
         }));
     }
     Ok(timing)
+}
+
+/// What this machine implies for the CUDA backend, and why: a GPU it must
+/// use (`true`: a driver library and an NVIDIA device node), or none
+/// (`false`: no driver library, or a driver with no device node). Tests
+/// decide from the machine rather than from `CudaInt8::new`'s result, which
+/// is what lets them fail on either side. (It reads no environment;
+/// `tests/cuda_fallback.rs` also takes `QUIVER_REQUIRE_CUDA` for a machine
+/// this cannot read right.)
+pub fn gpu_expected() -> (bool, &'static str) {
+    // SAFETY: only tries to dlopen the driver library under its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return (false, "no CUDA driver library");
+    }
+    let device_node = std::fs::read_dir("/dev").into_iter().flatten().flatten().any(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        name.strip_prefix("nvidia").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if device_node {
+        (true, "a CUDA driver library and an NVIDIA device node")
+    } else {
+        (false, "a CUDA driver library but no NVIDIA device node")
+    }
 }
 
 #[cfg(test)]
@@ -690,14 +710,14 @@ mod tests {
             dense(&mlp.layers[0], 0, Act::Tanh),
             dense(&mlp.layers[1], 1, Act::None),
         ];
-        let g = Model { layers: Vec::new(), graph: Some(Graph { nodes, output: OutputKind::Logit }), ..mlp };
+        let g = Arc::new(Model { layers: Vec::new(), graph: Some(Graph { nodes, output: OutputKind::Logit }), ..mlp });
         g.validate().unwrap();
         assert!(matches!(CudaInt8::new(&g, 8), Err(CudaError::GraphModel(name)) if name == "graph"));
         let mut backend = crate::score::build(crate::score::BackendKind::Cuda, &g, 8);
         assert_eq!(backend.name(), "cpu-int8");
         let x = [0.5f32, -1.0, 0.25, 2.0, 0.0, -0.5];
         let mut out = [0.0];
-        backend.logits(&g, &x, 1, &mut out);
+        backend.score(&x, 1, &mut out).unwrap();
         let mut reference = [0.0];
         g.forward_f32_reference(&x, 1, &mut reference);
         assert!((out[0] - reference[0]).abs() < 0.05, "{} vs {}", out[0], reference[0]);
@@ -711,10 +731,14 @@ mod tests {
             Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 6 },
             Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
         ];
-        let t = Model { name: "trees".into(), graph: Some(Graph { nodes, output: OutputKind::Logit }), ..g };
+        let t = Arc::new(Model {
+            name: "trees".into(),
+            graph: Some(Graph { nodes, output: OutputKind::Logit }),
+            ..(*g).clone()
+        });
         assert!(matches!(CudaInt8::new(&t, 8), Err(CudaError::GraphModel(name)) if name == "trees"));
         let mut backend = crate::score::build(crate::score::BackendKind::Cuda, &t, 8);
-        backend.logits(&t, &x, 1, &mut out);
+        backend.score(&x, 1, &mut out).unwrap();
         assert_eq!(out[0], 0.25 + 1.0);
     }
 
@@ -737,40 +761,16 @@ mod tests {
         assert_eq!(w[3], i32::from_le_bytes([0xFB, 0, 0, 0]));
     }
 
-    /// What this machine implies for the CUDA backend, and why: a GPU it
-    /// must use (`true`: a driver library and an NVIDIA device node), or
-    /// none (`false`: no driver library, or a driver with no device node).
-    /// Deciding from the machine rather than from `CudaInt8::new`'s result
-    /// is what lets the tests below fail on either side. (The library reads
-    /// no environment; `tests/cuda_fallback.rs` also takes
-    /// `QUIVER_REQUIRE_CUDA` for a machine this cannot read right.)
-    fn gpu_expected() -> (bool, &'static str) {
-        // SAFETY: only tries to dlopen the driver library under its usual names.
-        if !unsafe { sys::is_culib_present() } {
-            return (false, "no CUDA driver library");
-        }
-        let device_node = std::fs::read_dir("/dev").into_iter().flatten().flatten().any(|e| {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            name.strip_prefix("nvidia").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-        });
-        if device_node {
-            (true, "a CUDA driver library and an NVIDIA device node")
-        } else {
-            (false, "a CUDA driver library but no NVIDIA device node")
-        }
-    }
-
     #[test]
     fn construction_gives_the_gpu_this_machine_has_or_a_typed_error_where_it_has_none() {
         let (gpu, why) = gpu_expected();
         let calibrated = check_calibrated(crate::loadgen::demo::model(), 1.0).unwrap();
         for model in [crate::loadgen::demo::model(), calibrated] {
-            let built = CudaInt8::new(&model, 8);
+            let built = CudaInt8::new(&Arc::new(model), 8);
             if gpu {
                 // Both semantics: a calibrated model is accepted too.
                 let b = built.unwrap_or_else(|e| panic!("{why}, but the CUDA backend did not start: {e}"));
-                assert_eq!(b.name(), "cuda-int8");
+                assert_eq!(b.info().name, "cuda-int8");
                 continue;
             }
             match built {

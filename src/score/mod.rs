@@ -14,44 +14,68 @@ pub mod kernels;
 pub mod ort;
 pub mod timing;
 
+use std::sync::Arc;
+
 use crate::model::Model;
 
-/// Turns `rows` input vectors of `model.input_dim()` floats into logits.
+/// Scores the rows of one call into logits, for the model it was built for.
 ///
-/// Implementations own their scratch memory, sized at construction for at
-/// most `rows_max` rows, and never allocate on this call.
+/// A backend owns its model (the `Arc` in its [`BackendInfo`]), so it cannot
+/// be handed another, and its scratch memory, sized at construction for at
+/// most `rows_max` rows: `score` never allocates. Rows that hold the same
+/// per-request columns (user, context, context ids) as the row before them
+/// belong to one request, and a backend may compute what depends only on
+/// those columns once per run of such rows; it gives the same numbers as
+/// scoring every row alone. So one call may hold one request's candidates
+/// (a shard) or several requests' (the inference thread's batch).
 pub trait Backend: Send {
-    fn name(&self) -> &'static str;
-    fn rows_max(&self) -> usize;
-    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]);
+    /// What it is and what it scores: fixed at construction (the name may
+    /// change once, when a GPU backend moves to the CPU).
+    fn info(&self) -> &BackendInfo;
 
-    /// `logits` for the candidates of one request: every row holds the
-    /// same per-request columns (user, context, context ids), so a backend
-    /// may compute what depends only on them once. The same numbers as
-    /// `logits`, except where a backend documents otherwise.
-    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        self.logits(model, x, rows, out);
+    /// Turns `rows` input rows of `x` (`[rows][input_dim]`) into `rows`
+    /// logits in `out`. Fails only on an operating condition (onnxruntime's
+    /// error, or a backend that could not be built); the request path then
+    /// steps down the ladder. Native CPU backends never fail.
+    fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError>;
+}
+
+/// What a backend is and what it scores.
+#[derive(Clone, Debug)]
+pub struct BackendInfo {
+    pub name: &'static str,
+    pub rows_max: usize,
+    pub model: Arc<Model>,
+}
+
+impl BackendInfo {
+    /// Asserts the shape of one `score` call: a caller that passes more
+    /// rows than the backend was built for, or buffers of the wrong size,
+    /// is a bug.
+    pub fn check(&self, x: &[f32], rows: usize, out: &[f32]) {
+        assert!(
+            rows <= self.rows_max && x.len() == rows * self.model.input_dim() && out.len() == rows,
+            "{}: {rows} rows of {} floats (x holds {}, out {}) for at most {} rows",
+            self.name,
+            self.model.input_dim(),
+            x.len(),
+            out.len(),
+            self.rows_max
+        );
+    }
+}
+
+impl dyn Backend + '_ {
+    pub fn name(&self) -> &'static str {
+        self.info().name
     }
 
-    /// `logits`, for a backend that can fail at run time (onnxruntime, or
-    /// one that could not be built): the request path and the stage call
-    /// this and step down the ladder on an error. Native backends cannot
-    /// fail once built.
-    fn try_logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
-        self.logits(model, x, rows, out);
-        Ok(())
+    pub fn rows_max(&self) -> usize {
+        self.info().rows_max
     }
 
-    /// `logits_request`, fallibly, as `try_logits`.
-    fn try_logits_request(
-        &mut self,
-        model: &Model,
-        x: &[f32],
-        rows: usize,
-        out: &mut [f32],
-    ) -> Result<(), BackendError> {
-        self.logits_request(model, x, rows, out);
-        Ok(())
+    pub fn model(&self) -> &Arc<Model> {
+        &self.info().model
     }
 }
 
@@ -75,34 +99,16 @@ pub enum BackendError {
 /// missing, say): every call fails, so the ladder answers instead.
 pub struct Unavailable {
     error: BackendError,
-    rows_max: usize,
+    info: BackendInfo,
 }
 
 impl Backend for Unavailable {
-    fn name(&self) -> &'static str {
-        "unavailable"
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
-    fn rows_max(&self) -> usize {
-        self.rows_max
-    }
-
-    fn logits(&mut self, _model: &Model, _x: &[f32], _rows: usize, out: &mut [f32]) {
-        out.fill(f32::NAN);
-    }
-
-    fn try_logits(&mut self, _model: &Model, _x: &[f32], _rows: usize, _out: &mut [f32]) -> Result<(), BackendError> {
+    fn score(&mut self, _x: &[f32], _rows: usize, _out: &mut [f32]) -> Result<(), BackendError> {
         Err(self.error.clone())
-    }
-
-    fn try_logits_request(
-        &mut self,
-        model: &Model,
-        x: &[f32],
-        rows: usize,
-        out: &mut [f32],
-    ) -> Result<(), BackendError> {
-        self.try_logits(model, x, rows, out)
     }
 }
 
@@ -139,13 +145,16 @@ pub enum BackendKind {
 /// cannot be built (no library, or a binary without the feature) the version
 /// gets an [`Unavailable`] backend, so its requests step down the ladder,
 /// and the first such failure in the process is logged as a warning.
-pub fn build(kind: BackendKind, model: &Model, rows_max: usize) -> Box<dyn Backend> {
+pub fn build(kind: BackendKind, model: &Arc<Model>, rows_max: usize) -> Box<dyn Backend> {
     if !model.is_native() {
         return match build_onnxruntime(model, rows_max) {
             Ok(backend) => backend,
             Err(error) => {
                 onnxruntime_fallback_logged(model, &error, "its requests step down the ladder");
-                Box::new(Unavailable { error, rows_max })
+                Box::new(Unavailable {
+                    error,
+                    info: BackendInfo { name: "unavailable", rows_max, model: model.clone() },
+                })
             }
         };
     }
@@ -194,12 +203,12 @@ pub fn configure_onnxruntime(library: &std::path::Path) {
 }
 
 #[cfg(feature = "onnxruntime")]
-fn build_onnxruntime(model: &Model, rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
+fn build_onnxruntime(model: &Arc<Model>, rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
     Ok(Box::new(self::ort::OrtBackend::new(model, rows_max)?))
 }
 
 #[cfg(not(feature = "onnxruntime"))]
-fn build_onnxruntime(_model: &Model, _rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
+fn build_onnxruntime(_model: &Arc<Model>, _rows_max: usize) -> Result<Box<dyn Backend>, BackendError> {
     Err(BackendError::OnnxruntimeNotBuilt)
 }
 

@@ -19,13 +19,13 @@
 
 use std::borrow::Cow;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use ort::environment::Environment;
 use ort::session::{Session, SessionInputValue};
 use ort::value::{Shape, TensorElementType, TensorRef, ValueType};
 
-use super::{Backend, BackendError};
+use super::{Backend, BackendError, BackendInfo};
 use crate::model::{Model, OnnxElement, OnnxGraph};
 
 /// The library named by the config (`onnxruntime_lib`); set once, at
@@ -108,12 +108,12 @@ pub struct OrtBackend {
     output_column: usize,
     output_probability: bool,
     dim: usize,
-    rows_max: usize,
+    info: BackendInfo,
 }
 
 impl OrtBackend {
     /// A session for `model`'s kept graph, checked against its interface.
-    pub fn new(model: &Model, rows_max: usize) -> Result<OrtBackend, BackendError> {
+    pub fn new(model: &Arc<Model>, rows_max: usize) -> Result<OrtBackend, BackendError> {
         let kept: &OnnxGraph = model.onnx.as_ref().ok_or(BackendError::NoOnnxGraph)?;
         let env = environment()?;
         // Memory patterns pre-plan buffers for one input shape; requests
@@ -178,12 +178,12 @@ impl OrtBackend {
             output_column: kept.output_column,
             output_probability: kept.output_probability,
             dim: model.input_dim(),
-            rows_max,
+            info: BackendInfo { name: "onnxruntime", rows_max, model: model.clone() },
         })
     }
 
     fn run(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
-        assert!(rows <= self.rows_max && x.len() == rows * self.dim && out.len() == rows);
+        self.info.check(x, rows, out);
         if rows == 0 {
             return Ok(());
         }
@@ -258,24 +258,11 @@ fn logit(p: f32) -> f32 {
 }
 
 impl Backend for OrtBackend {
-    fn name(&self) -> &'static str {
-        "onnxruntime"
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
-    fn rows_max(&self) -> usize {
-        self.rows_max
-    }
-
-    /// A failed run leaves NaN scores (and is logged); the request path
-    /// calls `try_logits` and steps down instead.
-    fn logits(&mut self, _model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        if let Err(e) = self.run(x, rows, out) {
-            tracing::debug!(error = %e, "onnxruntime run failed");
-            out.fill(f32::NAN);
-        }
-    }
-
-    fn try_logits(&mut self, _model: &Model, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
+    fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
         self.run(x, rows, out)
     }
 }

@@ -1,8 +1,9 @@
-//! `quiver time-model`: the median wall time of one backend's `logits` per
+//! `quiver time-model`: the median wall time of one backend's `score` per
 //! batch size, on seeded normal inputs or on rows from a file. A
 //! measurement tool for people comparing backends and peers, not a test:
 //! nothing asserts on its figures.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -32,9 +33,10 @@ pub struct Timing {
 /// With `data`, call k scores the window of rows starting at k * rows
 /// (wrapping), so successive calls see different rows, as traffic does.
 /// With `one_request`, every row carries the first row's per-request
-/// columns (user, context) and the backend's per-request path is timed.
+/// columns (user, context), so a backend that computes what depends only on
+/// them once per request does so once per call.
 pub fn time_model(
-    model: &Model,
+    model: &Arc<Model>,
     kind: BackendKind,
     rows: &[usize],
     iters: usize,
@@ -69,7 +71,7 @@ pub fn time_model(
     let mut backend = score::build(kind, model, rows_max);
     // A backend that cannot score (onnxruntime missing) has nothing to time.
     let mut probe = vec![0.0; 1];
-    backend.try_logits(model, &x[..dim], 1, &mut probe).map_err(|e| e.to_string())?;
+    backend.score(&x[..dim], 1, &mut probe).map_err(|e| e.to_string())?;
     let macs_per_row = model.macs_per_row();
     let mut timings = Vec::with_capacity(rows.len());
     for &n in rows.iter().filter(|&&n| n > 0) {
@@ -79,23 +81,17 @@ pub fn time_model(
         let mut call = |out: &mut [f32]| {
             let at = (k * n) % windows;
             k += 1;
-            let x = &x[at * dim..(at + n) * dim];
-            if one_request {
-                backend.logits_request(model, x, n, out);
-            } else {
-                backend.logits(model, x, n, out);
-            }
+            backend.score(&x[at * dim..(at + n) * dim], n, out)
         };
         for _ in 0..WARM_UP_CALLS {
-            call(&mut out);
+            call(&mut out).map_err(|e| e.to_string())?;
         }
-        let mut ns: Vec<u64> = (0..iters.max(1))
-            .map(|_| {
-                let t = Instant::now();
-                call(&mut out);
-                t.elapsed().as_nanos() as u64
-            })
-            .collect();
+        let mut ns = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) {
+            let t = Instant::now();
+            call(&mut out).map_err(|e| e.to_string())?;
+            ns.push(t.elapsed().as_nanos() as u64);
+        }
         ns.sort_unstable();
         let median_ns = ns[ns.len() / 2].max(1);
         timings.push(Timing {
@@ -117,7 +113,7 @@ mod tests {
 
     #[test]
     fn one_line_per_batch_size_with_the_rows_it_timed() {
-        let model = crate::loadgen::demo::model();
+        let model = Arc::new(crate::loadgen::demo::model());
         let t = time_model(&model, BackendKind::Int8, &[1, 8], 3, false, None).unwrap();
         assert_eq!(t.iter().map(|t| (t.rows, t.iters)).collect::<Vec<_>>(), vec![(1, 3), (8, 3)]);
         assert!(t.iter().all(|t| t.median_us > 0.0 && t.rows_per_s > 0.0 && t.gmac_per_s > 0.0));

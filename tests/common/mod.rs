@@ -431,7 +431,7 @@ pub fn logits_in_batches(backend: &mut dyn quiver::score::Backend, model: &Model
     for chunk in x.chunks(256 * dim) {
         let rows = chunk.len() / dim;
         let mut y = vec![0.0; rows];
-        backend.logits(model, chunk, rows, &mut y);
+        backend.score(chunk, rows, &mut y).unwrap();
         out.extend(y);
     }
     out

@@ -10,7 +10,12 @@
 //! Construction compiles the graph into a fixed schedule: every node's
 //! tensor gets its own `[rows_max][width]` region of one buffer allocated
 //! here, dense layers are repacked for the backend's kernel, and a call
-//! walks the nodes in order without allocating. Dense nodes run quantized
+//! walks the nodes in order without allocating. Nodes that read only
+//! per-request input columns (user, context, context ids) are computed once
+//! per run of rows that hold the same bits in those columns (one request's
+//! candidates), into a compact region of their own, and copied out to every
+//! row of the run; each row is computed alone in every node, so this gives
+//! the numbers of computing every row. Dense nodes run quantized
 //! (INT8 with per-row dynamic activation scales, the semantics of
 //! `CpuInt8` for an uncalibrated model, through the same kernels; or FP8
 //! E4M3 with an activation scale of 1, as `CpuFp8` runs an uncalibrated
@@ -62,9 +67,18 @@ pub struct GraphExec {
     /// follow node order, so a node's inputs lie before its own.
     offsets: Vec<usize>,
     widths: Vec<usize>,
-    /// Nodes that read only per-request input columns (`run_request`).
+    /// Nodes that read only per-request input columns.
     shared: Vec<bool>,
     buf: Vec<f32>,
+    /// Where a shared node's `[rows_max][width]` compact region (one row
+    /// per request) starts in `compact`; unused for the other nodes.
+    compact_offsets: Vec<usize>,
+    compact: Vec<f32>,
+    /// The input columns the shared nodes read, as (offset, width): rows
+    /// that agree on them belong to one request.
+    request_cols: Vec<(usize, usize)>,
+    /// The first row of each request in this call, then `rows`.
+    starts: Vec<usize>,
     dense: Vec<Option<Dense>>,
     trees: Vec<Option<CompiledTrees>>,
     scratch: Scratch,
@@ -89,11 +103,25 @@ impl GraphExec {
             shared.push(s);
         }
         let mut offsets = Vec::with_capacity(widths.len());
-        let mut total = 0;
-        for w in &widths {
+        let mut compact_offsets = Vec::with_capacity(widths.len());
+        let (mut total, mut compact_total) = (0, 0);
+        for (w, s) in widths.iter().zip(&shared) {
             offsets.push(total);
             total += rows_max * w;
+            compact_offsets.push(compact_total);
+            if *s {
+                compact_total += rows_max * w;
+            }
         }
+        let request_cols = graph
+            .nodes
+            .iter()
+            .zip(&shared)
+            .filter_map(|(n, s)| match n.op {
+                Op::Input { offset } if *s => Some((offset, n.width)),
+                _ => None,
+            })
+            .collect();
         let fp8_table = cpu_fp8::decode_table();
         let dense = graph
             .nodes
@@ -132,6 +160,10 @@ impl GraphExec {
             widths,
             shared,
             buf: vec![0.0; total],
+            compact_offsets,
+            compact: vec![0.0; compact_total],
+            request_cols,
+            starts: Vec::with_capacity(rows_max + 1),
             dense,
             trees,
             scratch: Scratch::new(kernel, width_max, rows_max),
@@ -144,65 +176,88 @@ impl GraphExec {
     /// Runs `graph` (the one this was built for) on `rows` input rows of
     /// `x`, `input_dim` floats each; one output value per row to `out`.
     pub fn run(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        self.dispatch(graph, x, input_dim, rows, false, out);
-    }
-
-    /// `run` for the candidates of one request, whose rows share every
-    /// per-request column (user, context, context ids): the nodes that read
-    /// only those are computed once and copied to every row. Each row is
-    /// computed alone in every node, so this gives `run`'s numbers exactly.
-    pub fn run_request(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        self.dispatch(graph, x, input_dim, rows, true, out);
-    }
-
-    fn dispatch(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, once: bool, out: &mut [f32]) {
         assert_eq!(graph.nodes.len(), self.nodes, "the executor was built for another graph");
         assert!(rows <= self.rows_max && x.len() == rows * input_dim && out.len() == rows);
+        self.split_requests(x, input_dim, rows);
         match self.isa {
-            Isa::Baseline => self.walk(graph, x, input_dim, rows, once, out),
+            Isa::Baseline => self.walk(graph, x, input_dim, rows, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::best` chose this build because the CPU has
             // AVX2; the function is safe code compiled for it.
-            Isa::Avx2 => unsafe { self.walk_avx2(graph, x, input_dim, rows, once, out) },
+            Isa::Avx2 => unsafe { self.walk_avx2(graph, x, input_dim, rows, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX-512 F.
-            Isa::Avx512 => unsafe { self.walk_avx512(graph, x, input_dim, rows, once, out) },
+            Isa::Avx512 => unsafe { self.walk_avx512(graph, x, input_dim, rows, out) },
         }
+    }
+
+    /// Fills `starts` with the first row of every run of rows whose
+    /// request columns hold the same bits as the row before, then `rows`.
+    /// Bit equality is exact: a run's shared nodes see the same inputs.
+    fn split_requests(&mut self, x: &[f32], input_dim: usize, rows: usize) {
+        self.starts.clear();
+        if rows == 0 {
+            return;
+        }
+        self.starts.push(0);
+        if !self.request_cols.is_empty() {
+            for r in 1..rows {
+                let (prev, row) = (&x[(r - 1) * input_dim..r * input_dim], &x[r * input_dim..(r + 1) * input_dim]);
+                let same = self.request_cols.iter().all(|&(at, w)| {
+                    prev[at..at + w].iter().zip(&row[at..at + w]).all(|(a, b)| a.to_bits() == b.to_bits())
+                });
+                if !same {
+                    self.starts.push(r);
+                }
+            }
+        }
+        self.starts.push(rows);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn walk_avx2(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, once: bool, out: &mut [f32]) {
-        self.walk(graph, x, input_dim, rows, once, out);
+    fn walk_avx2(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+        self.walk(graph, x, input_dim, rows, out);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn walk_avx512(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, once: bool, out: &mut [f32]) {
-        self.walk(graph, x, input_dim, rows, once, out);
+    fn walk_avx512(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+        self.walk(graph, x, input_dim, rows, out);
     }
 
     #[inline(always)]
-    fn walk(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, one_request: bool, out: &mut [f32]) {
+    fn walk(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+        // One compact row per request, when that saves work; when every row
+        // is its own request, shared nodes are computed in place like any.
+        let requests = self.starts.len().saturating_sub(1);
+        let by_request = requests < rows;
+        let starts = &self.starts;
         for (i, node) in graph.nodes.iter().enumerate() {
-            let (before, rest) = self.buf.split_at_mut(self.offsets[i]);
             let w = node.width;
-            // A node of the request's own inputs alone, for one request's
-            // rows: computed for the first row and copied to the others.
-            let once = one_request && self.shared[i];
-            let n = if once { 1 } else { rows };
-            let (y, copies) = rest[..rows * w].split_at_mut(n * w);
-            let (offsets, widths) = (&self.offsets, &self.widths);
+            let compact = by_request && self.shared[i];
+            let (store, offsets) =
+                if compact { (&mut self.compact, &self.compact_offsets) } else { (&mut self.buf, &self.offsets) };
+            let n = if compact { requests } else { rows };
+            let (before, rest) = store.split_at_mut(offsets[i]);
+            let y = &mut rest[..n * w];
+            let widths = &self.widths;
             let input = |k: usize| {
                 let j = node.inputs[k];
                 &before[offsets[j]..offsets[j] + n * widths[j]]
+            };
+            // The input rows a node reads from `x`: every row, or each
+            // request's first.
+            let x_row = |r: usize| {
+                let at = if compact { starts[r] } else { r };
+                &x[at * input_dim..(at + 1) * input_dim]
             };
             match &node.op {
                 Op::Input { offset } => {
                     // A NaN (a missing feature) reads as 0 here; tree
                     // ensembles read the input itself (below).
-                    for (yr, xr) in y.chunks_exact_mut(w).zip(x.chunks_exact(input_dim)) {
-                        for (o, v) in yr.iter_mut().zip(&xr[*offset..offset + w]) {
+                    for (r, yr) in y.chunks_exact_mut(w).enumerate() {
+                        for (o, v) in yr.iter_mut().zip(&x_row(r)[*offset..offset + w]) {
                             *o = if v.is_nan() { 0.0 } else { *v };
                         }
                     }
@@ -290,6 +345,11 @@ impl GraphExec {
                     let t = self.trees[i].as_ref().expect("built for every Trees node");
                     match graph.nodes[node.inputs[0]].op {
                         // Missing values reach the trees as NaN.
+                        Op::Input { offset } if compact => {
+                            for (r, yr) in y.chunks_exact_mut(w).enumerate() {
+                                t.eval(&x_row(r)[offset..], input_dim, 1, yr);
+                            }
+                        }
                         Op::Input { offset } => t.eval(&x[offset..], input_dim, n, y),
                         _ => t.eval(input(0), widths[node.inputs[0]], n, y),
                     }
@@ -308,8 +368,14 @@ impl GraphExec {
                     }
                 }
             }
-            for r in copies.chunks_exact_mut(w) {
-                r.copy_from_slice(&y[..w]);
+            if compact {
+                let y = &self.compact[self.compact_offsets[i]..][..requests * w];
+                let dst = &mut self.buf[self.offsets[i]..][..rows * w];
+                for (yr, run) in y.chunks_exact(w).zip(starts.windows(2)) {
+                    for d in dst[run[0] * w..run[1] * w].chunks_exact_mut(w) {
+                        d.copy_from_slice(yr);
+                    }
+                }
             }
         }
         let last = self.nodes - 1;

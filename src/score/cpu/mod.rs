@@ -40,7 +40,9 @@ pub use fp8::CpuFp8;
 pub use int8_gemm::Int8Kernel;
 use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 
-use super::Backend;
+use std::sync::Arc;
+
+use super::{Backend, BackendError, BackendInfo};
 use crate::model::{round_clamp_i8, Graph, Layer, Model, StaticInt8Layer};
 use executor::{DenseMode, GraphExec};
 
@@ -102,20 +104,20 @@ impl Activations {
 /// The f32 backend: the oracle other backends are tested against. Every
 /// model, a v1 MLP included, runs as a graph on the executor's tiled f32
 /// dense layers; a v1 MLP's first layer is split by input kind
-/// (`Model::to_graph_split`), so that `logits_request` computes its user
-/// and context part once per request (its first-layer sums are grouped
-/// differently from the reference pass's, within f32 rounding).
+/// (`Model::to_graph_split`), so that its user and context part is computed
+/// once per request (its first-layer sums are grouped differently from the
+/// reference pass's, within f32 rounding).
 pub struct CpuF32 {
-    rows_max: usize,
+    info: BackendInfo,
     graph: Graph,
     exec: GraphExec,
 }
 
 impl CpuF32 {
-    pub fn new(model: &Model, rows_max: usize) -> CpuF32 {
+    pub fn new(model: &Arc<Model>, rows_max: usize) -> CpuF32 {
         let graph = model.to_graph_split();
         let exec = GraphExec::new(&graph, DenseMode::F32, rows_max, &model.request_columns());
-        CpuF32 { rows_max, graph, exec }
+        CpuF32 { info: BackendInfo { name: "cpu-f32", rows_max, model: model.clone() }, graph, exec }
     }
 
     /// The graph it runs: a clone of the model's, whose embedding tables
@@ -126,22 +128,14 @@ impl CpuF32 {
 }
 
 impl Backend for CpuF32 {
-    fn name(&self) -> &'static str {
-        "cpu-f32"
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
-    fn rows_max(&self) -> usize {
-        self.rows_max
-    }
-
-    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
-        self.exec.run(&self.graph, x, model.input_dim(), rows, out);
-    }
-
-    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
-        self.exec.run_request(&self.graph, x, model.input_dim(), rows, out);
+    fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
+        self.info.check(x, rows, out);
+        self.exec.run(&self.graph, x, self.info.model.input_dim(), rows, out);
+        Ok(())
     }
 }
 
@@ -152,7 +146,7 @@ pub struct KernelUnavailable(pub Int8Kernel);
 
 /// The INT8 backend.
 pub struct CpuInt8 {
-    rows_max: usize,
+    info: BackendInfo,
     kernel: Int8Kernel,
     act: Activations,
     /// One quantized input row, for the scalar kernel.
@@ -173,7 +167,7 @@ pub struct CpuInt8 {
 
 impl CpuInt8 {
     /// The backend with the fastest kernel this CPU supports.
-    pub fn new(model: &Model, rows_max: usize) -> CpuInt8 {
+    pub fn new(model: &Arc<Model>, rows_max: usize) -> CpuInt8 {
         let kernel = Int8Kernel::best();
         let backend = CpuInt8::with_kernel(model, rows_max, kernel)
             .unwrap_or_else(|e| panic!("Int8Kernel::best chose an unavailable kernel: {e}"));
@@ -187,7 +181,7 @@ impl CpuInt8 {
     }
 
     /// The backend running `kernel`, if this CPU supports it.
-    pub fn with_kernel(model: &Model, rows_max: usize, kernel: Int8Kernel) -> Result<CpuInt8, KernelUnavailable> {
+    pub fn with_kernel(model: &Arc<Model>, rows_max: usize, kernel: Int8Kernel) -> Result<CpuInt8, KernelUnavailable> {
         if !kernel.is_available() {
             return Err(KernelUnavailable(kernel));
         }
@@ -203,7 +197,7 @@ impl CpuInt8 {
             _ => None,
         };
         Ok(CpuInt8 {
-            rows_max,
+            info: BackendInfo { name: "cpu-int8", rows_max, model: model.clone() },
             kernel,
             act: Activations::new(model, rows_max),
             xq: vec![0; model.width_max()],
@@ -229,7 +223,8 @@ impl CpuInt8 {
     }
 
     /// The scalar reference of the static semantics, one row at a time.
-    fn logits_static_scalar(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
+    fn logits_static_scalar(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
+        let model = &*self.info.model;
         let statics = self.statics.as_ref().expect("called for calibrated models");
         let inv = 1.0 / statics[0].in_scale;
         let k0 = model.input_dim();
@@ -280,87 +275,52 @@ pub fn quantize_row(x: &[f32], xq: &mut [i8]) -> f32 {
 }
 
 impl Backend for CpuInt8 {
-    fn name(&self) -> &'static str {
-        "cpu-int8"
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
-    fn rows_max(&self) -> usize {
-        self.rows_max
-    }
-
-    /// Graph models compute their per-request nodes once (exact: every
-    /// row is quantized on its own); v1 MLPs score every row.
-    fn logits_request(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
-            assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
-            return exec.run_request(g, x, model.input_dim(), rows, out);
+    /// Graph models compute their per-request nodes once per request
+    /// (exact: every row is quantized on its own); v1 MLPs score every row.
+    fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
+        self.info.check(x, rows, out);
+        // The scalar reference of the static semantics (a calibrated MLP).
+        if self.graph.is_none() && self.statics.is_some() && self.static_layers.is_none() {
+            self.logits_static_scalar(x, rows, out);
+            return Ok(());
         }
-        self.logits(model, x, rows, out);
-    }
-
-    fn logits(&mut self, model: &Model, x: &[f32], rows: usize, out: &mut [f32]) {
-        assert!(rows <= self.rows_max && x.len() == rows * model.input_dim() && out.len() == rows);
-        if let (Some(exec), Some(g)) = (&mut self.graph, &model.graph) {
-            return exec.run(g, x, model.input_dim(), rows, out);
-        }
-        if let Some(st) = &mut self.static_layers {
-            assert_eq!(model.layers.len(), self.packed.len(), "the backend was built for another model");
-            st.logits(&self.packed, x, rows, out);
-            return;
-        }
-        if self.statics.is_some() {
-            return self.logits_static_scalar(model, x, rows, out);
-        }
-        if self.kernel != Int8Kernel::Scalar {
-            assert_eq!(model.layers.len(), self.packed.len(), "the backend was built for another model");
-            let (packed, scratch) = (&self.packed, &mut self.scratch);
-            self.act.run_layers(model, x, rows, out, |i, _, src, dst| {
+        let CpuInt8 { info, kernel, act, xq, packed, scratch, static_layers, graph, .. } = self;
+        let model = &*info.model;
+        if let (Some(exec), Some(g)) = (graph, &model.graph) {
+            exec.run(g, x, model.input_dim(), rows, out);
+        } else if let Some(st) = static_layers {
+            st.logits(packed, x, rows, out);
+        } else if *kernel != Int8Kernel::Scalar {
+            act.run_layers(model, x, rows, out, |i, _, src, dst| {
                 packed[i].forward(src, rows, dst, scratch);
             });
-            return;
+        } else {
+            act.run(model, x, rows, out, |l, xr, yr| {
+                let xq = &mut xq[..l.in_dim];
+                let s_x = quantize_row(xr, xq);
+                for (o, y) in yr.iter_mut().enumerate() {
+                    let acc = dot_i8(&l.weights_i8[o * l.in_dim..(o + 1) * l.in_dim], xq);
+                    let v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
+                    *y = if l.relu { v.max(0.0) } else { v };
+                }
+            });
         }
-        let xq_all = &mut self.xq;
-        self.act.run(model, x, rows, out, |l, xr, yr| {
-            let xq = &mut xq_all[..l.in_dim];
-            let s_x = quantize_row(xr, xq);
-            for (o, y) in yr.iter_mut().enumerate() {
-                let acc = dot_i8(&l.weights_i8[o * l.in_dim..(o + 1) * l.in_dim], xq);
-                let v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
-                *y = if l.relu { v.max(0.0) } else { v };
-            }
-        });
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{sigmoid, Layer};
-    use crate::score::{build, BackendKind};
+    use crate::model::Layer;
 
     /// A seeded random MLP with odd sizes (not multiples of any vector width).
     fn random_model(seed: u64, dims: &[usize]) -> Model {
         crate::loadgen::demo::context_mlp("random", seed, dims)
-    }
-
-    #[test]
-    fn a_missing_value_reads_as_zero_in_every_mlp_backend() {
-        let model = random_model(3, &[7, 5, 1]);
-        let mut x = inputs(5, 7 * 9);
-        let mut zeroed = x.clone();
-        for i in [3, 12, 30, 62] {
-            (x[i], zeroed[i]) = (f32::NAN, 0.0);
-        }
-        for kind in [BackendKind::F32, BackendKind::Int8, BackendKind::Fp8] {
-            let mut b = build(kind, &model, 9);
-            let (mut got, mut want) = (vec![0.0; 9], vec![0.0; 9]);
-            b.logits(&model, &x, 9, &mut got);
-            b.logits(&model, &zeroed, 9, &mut want);
-            assert_eq!(got, want, "{kind:?}");
-            b.logits_request(&model, &x, 9, &mut got);
-            b.logits_request(&model, &zeroed, 9, &mut want);
-            assert_eq!(got, want, "{kind:?} one request");
-        }
     }
 
     /// `model` calibrated (max-abs) on 64 seeded normal rows, every range
@@ -378,7 +338,7 @@ mod tests {
 
     /// Calibrated models at odd sizes, one with a hidden layer without ReLU
     /// (so requantized activations reach -128).
-    fn calibrated_models() -> Vec<Model> {
+    fn calibrated_models() -> Vec<Arc<Model>> {
         let mut linear_hidden = random_model(36, &[37, 33, 17, 1]);
         linear_hidden.layers[0].relu = false;
         vec![
@@ -392,6 +352,9 @@ mod tests {
             calibrated(random_model(37, &[64, 80, 48, 1]), 0.8),
             calibrated(random_model(38, &[20, 160, 32, 1]), 1.0),
         ]
+        .into_iter()
+        .map(Arc::new)
+        .collect()
     }
 
     fn inputs(seed: u64, n: usize) -> Vec<f32> {
@@ -400,57 +363,13 @@ mod tests {
     }
 
     #[test]
-    fn every_backend_matches_the_reference() {
-        for dims in [vec![80usize, 256, 128, 1], vec![3, 1], vec![37, 33, 17, 1]] {
-            let model = random_model(11, &dims);
-            for rows in [1usize, 31, 33] {
-                let x = inputs(rows as u64, rows * dims[0]);
-                let mut want = vec![0.0; rows];
-                model.forward_f32_reference(&x, rows, &mut want);
-                for (kind, tol) in [(BackendKind::F32, 1e-4f32), (BackendKind::Int8, 0.03)] {
-                    let mut backend = build(kind, &model, 64);
-                    let mut got = vec![0.0; rows];
-                    backend.logits(&model, &x, rows, &mut got);
-                    for (g, w) in got.iter().zip(&want) {
-                        let (gs, ws) = (sigmoid(*g), sigmoid(*w));
-                        assert!(
-                            (gs - ws).abs() <= tol,
-                            "{} dims {dims:?} rows {rows}: score {gs} vs reference {ws}",
-                            backend.name()
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn calibrated_int8_stays_close_to_the_reference() {
-        for model in
-            [calibrated(random_model(11, &[80, 256, 128, 1]), 1.0), calibrated(random_model(12, &[37, 33, 17, 1]), 1.0)]
-        {
-            let k = model.input_dim();
-            let rows = 33;
-            let x = inputs(5, rows * k);
-            let mut want = vec![0.0; rows];
-            model.forward_f32_reference(&x, rows, &mut want);
-            let mut backend = CpuInt8::new(&model, rows);
-            assert!(backend.is_static());
-            let mut got = vec![0.0; rows];
-            backend.logits(&model, &x, rows, &mut got);
-            let worst = got.iter().zip(&want).map(|(g, w)| (sigmoid(*g) - sigmoid(*w)).abs()).fold(0.0, f32::max);
-            assert!(worst <= 0.03, "{}: score differs by {worst}", model.name);
-        }
-    }
-
-    #[test]
     fn static_int8_matches_a_scalar_transcription_exactly() {
-        let model = calibrated(random_model(5, &[19, 7, 5, 1]), 0.5);
+        let model = Arc::new(calibrated(random_model(5, &[19, 7, 5, 1]), 0.5));
         let st = model.static_int8().unwrap();
         let rows = 4;
         let x = inputs(9, 19 * rows);
         let mut got = vec![0.0; rows];
-        CpuInt8::with_kernel(&model, rows, Int8Kernel::Scalar).unwrap().logits(&model, &x, rows, &mut got);
+        CpuInt8::with_kernel(&model, rows, Int8Kernel::Scalar).unwrap().score(&x, rows, &mut got).unwrap();
         let mut saturated = 0;
         for r in 0..rows {
             let inv = 1.0 / (model.calibration.as_ref().unwrap().input_ranges[0] / 127.0);
@@ -504,8 +423,8 @@ mod tests {
                         x[6 * k - 1] = f32::NAN;
                     }
                     let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
-                    scalar.logits(model, &x, rows, &mut want);
-                    backend.logits(model, &x, rows, &mut got);
+                    scalar.score(&x, rows, &mut want).unwrap();
+                    backend.score(&x, rows, &mut got).unwrap();
                     for (r, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(g.to_bits(), w.to_bits(), "{kernel:?} {} rows {rows}: row {r}", model.name);
                     }
@@ -516,10 +435,10 @@ mod tests {
 
     #[test]
     fn int8_matches_a_scalar_transcription_exactly() {
-        let model = random_model(5, &[19, 7, 1]);
+        let model = Arc::new(random_model(5, &[19, 7, 1]));
         let x = inputs(9, 19 * 3);
         let mut got = vec![0.0; 3];
-        CpuInt8::new(&model, 3).logits(&model, &x, 3, &mut got);
+        CpuInt8::new(&model, 3).score(&x, 3, &mut got).unwrap();
         for r in 0..3 {
             let mut act = x[r * 19..(r + 1) * 19].to_vec();
             for l in &model.layers {
@@ -698,7 +617,8 @@ mod tests {
             random_model(33, &[257, 255, 65, 1]),
             random_model(34, &[1, 7, 1]),
             random_model(37, &[64, 80, 48, 1]),
-        ];
+        ]
+        .map(Arc::new);
         for model in &models {
             let mut scalar = CpuInt8::with_kernel(model, 64, Int8Kernel::Scalar).unwrap();
             for kernel in blocked_kernels() {
@@ -707,8 +627,8 @@ mod tests {
                 for rows in TILE_ROWS {
                     let x = inputs(rows as u64 + 100, rows * model.input_dim());
                     let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
-                    scalar.logits(model, &x, rows, &mut want);
-                    backend.logits(model, &x, rows, &mut got);
+                    scalar.score(&x, rows, &mut want).unwrap();
+                    backend.score(&x, rows, &mut got).unwrap();
                     for (r, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(g.to_bits(), w.to_bits(), "{kernel:?} {} rows {rows}: row {r}", model.name);
                     }
@@ -719,7 +639,7 @@ mod tests {
 
     #[test]
     fn unavailable_kernels_are_refused_and_the_chosen_one_is_available() {
-        let model = random_model(35, &[3, 1]);
+        let model = Arc::new(random_model(35, &[3, 1]));
         assert!(Int8Kernel::best().is_available());
         assert_ne!(Int8Kernel::best(), Int8Kernel::Scalar);
         for kernel in Int8Kernel::ALL {
