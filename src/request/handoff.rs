@@ -1,34 +1,49 @@
-//! The shard's side of the inference stage: requests waiting for it, the
-//! running estimate of its turnaround, completions turned into responses,
-//! and give-ups answered from the lower rungs when the stage is too slow.
+//! The shard's side of the inference stage ([`InFlight`]): requests waiting
+//! for it, the running estimate of its turnaround, completions turned into
+//! responses, and give-ups answered from the lower rungs when the stage is
+//! too slow.
 //!
 //! The score cache works as it does inline: the stage's scores fill it when
 //! they are returned in time, and a request stepped down after its hand-off
 //! looks it up again (each slot keeps its request's item ids), since entries
 //! may have come or gone while it waited.
 
-use super::*;
+use std::sync::Arc;
+
+use super::policies::Policies;
+use super::scratch::{Answer, Inputs};
+use super::shadow::ShadowQueue;
+use super::stages::{self, Assembled, Rejection};
+use super::versions::{Served, Versions};
+use super::{StepDown, Telemetry};
+use crate::deadline::Clock;
+use crate::features::feed::FeedStatus;
+use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
+use crate::metrics::Stage;
+use crate::model::Model;
+use crate::request::cache::{Key, ScoreCache};
+use crate::wire::{Reason, Status, Tier};
 
 /// A request waiting for the inference stage.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Pending {
-    pub(super) conn: u32,
-    pub(super) step: StepDown,
+struct Pending {
+    conn: u32,
+    step: StepDown,
     /// Its score-cache key, item left 0.
-    pub(super) cache_key: Key,
-    pub(super) model_version: u32,
-    /// The version's place in `served`, valid while `generation` lasts; after
-    /// a swap of versions the request is left out of drift counts and shadow
-    /// samples (rare, and those are samples anyway).
-    pub(super) served: usize,
-    pub(super) generation: u64,
+    cache_key: Key,
+    model_version: u32,
+    /// The version's place in `Versions::served`, valid while `generation`
+    /// lasts; after a swap of versions the request is left out of drift
+    /// counts and shadow samples (rare, and those are samples anyway).
+    served: usize,
+    generation: u64,
     /// For the shadow sample's choice of users.
-    pub(super) user_id: u64,
-    pub(super) submitted_ns: u64,
+    user_id: u64,
+    submitted_ns: u64,
     /// When the shard stops waiting and answers from a lower rung.
-    pub(super) give_up_ns: u64,
+    give_up_ns: u64,
     /// Already answered from a lower rung; the stage's result is dropped.
-    pub(super) answered: bool,
+    answered: bool,
 }
 
 /// A running estimate of how long the stage takes to hand a job back. It
@@ -36,7 +51,7 @@ pub(super) struct Pending {
 /// every 100 ms without a sample, so that a spell of slowness that made the
 /// shard stop sending does not keep it away for ever.
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Turnaround {
+struct Turnaround {
     ns: f64,
     at_ns: u64,
 }
@@ -48,11 +63,11 @@ impl Turnaround {
         self.ns * 0.5f64.powf(now_ns.saturating_sub(self.at_ns) as f64 / Self::HALF_LIFE_NS)
     }
 
-    pub(super) fn expected_us(&self, now_ns: u64) -> u64 {
+    fn expected_us(&self, now_ns: u64) -> u64 {
         (self.current(now_ns) / 1_000.0) as u64
     }
 
-    pub(super) fn observe(&mut self, sample_ns: u64, now_ns: u64) {
+    fn observe(&mut self, sample_ns: u64, now_ns: u64) {
         let cur = self.current(now_ns);
         let s = sample_ns as f64;
         // Up by an eighth of the gap, down by a fiftieth: it settles near a
@@ -62,111 +77,220 @@ impl Turnaround {
     }
 }
 
-impl<C: Clock> RequestPath<C> {
-    /// Sends later requests through the inference stage instead of scoring
-    /// them inline.
-    pub fn attach_stage(&mut self, stage: ShardEnd) {
+/// Requests on the inference stage, by job slot; empty without a stage.
+#[derive(Default)]
+pub(super) struct InFlight {
+    pub(super) stage: Option<ShardEnd>,
+    pending: Vec<Option<Pending>>,
+    /// Model input rows of handed-off requests, by slot, for a give-up to
+    /// the fallback model (empty without one).
+    rows_kept: Vec<f32>,
+    /// Item ids of handed-off requests, by slot (`rows_max` each), so their
+    /// scores can be cached and a give-up can look the cache up (empty
+    /// without a cache).
+    items: Vec<u64>,
+    rows_max: usize,
+    next_give_up_ns: u64,
+    give_up_bytes: Vec<u8>,
+    turnaround: Turnaround,
+}
+
+/// Gives the rows to the inference stage; the response follows from
+/// `complete`, or from `give_up_overdue` at the give-up time. `generation`
+/// is the served set's, in which `a.chosen` names `served`'s place.
+pub(super) fn hand_off(
+    a: Assembled,
+    conn: u32,
+    generation: u64,
+    policies: &mut Policies,
+    in_flight: &mut InFlight,
+    served: &Served,
+    inputs: &Inputs,
+) -> Result<(), Rejection> {
+    let model = Arc::clone(&served.model);
+    let reserve_us = policies.ladder.reserve_us;
+    in_flight.submit(a, conn, model, reserve_us, inputs, generation).map_err(|(step, now_ns)| {
+        policies.breaker.record(true, now_ns);
+        Rejection::StepDown { step, reason: Reason::Overload }
+    })
+}
+
+/// The parts of the path a completion or a give-up answers with.
+pub(super) struct Parts<'a, C: Clock> {
+    pub(super) clock: &'a C,
+    pub(super) policies: &'a mut Policies,
+    pub(super) versions: &'a mut Versions,
+    pub(super) feed: &'a Option<Arc<FeedStatus>>,
+    pub(super) cache: &'a mut ScoreCache,
+    pub(super) shadows: &'a mut ShadowQueue,
+    pub(super) answer: &'a mut Answer,
+    pub(super) telemetry: &'a mut Telemetry,
+}
+
+impl InFlight {
+    /// Sends later requests through `stage`, with room for `rows_max`
+    /// candidates per slot.
+    pub(super) fn attach(&mut self, stage: ShardEnd, rows_max: usize, cache: bool, fallback: bool) {
         self.pending = (0..stage.slots()).map(|_| None).collect();
-        if self.cache.enabled() {
-            self.pending_items = vec![0; stage.slots() * self.shared.limits.candidates_max];
+        self.rows_max = rows_max;
+        if cache {
+            self.items = vec![0; stage.slots() * rows_max];
         }
-        if self.fallback.is_some() {
-            self.shadow = vec![0.0; stage.slots() * stage.slot_floats()];
+        if fallback {
+            self.rows_kept = vec![0.0; stage.slots() * stage.slot_floats()];
         }
+        self.next_give_up_ns = u64::MAX;
+        self.give_up_bytes = Vec::with_capacity(super::response_frame_bytes_max(rows_max));
         self.stage = Some(stage);
     }
 
-    /// Takes the next completion from the inference stage, if any.
-    /// A stage completion and the slot it returns, if one is waiting.
-    pub fn poll_stage(&mut self) -> Option<(Done, SlotToken)> {
-        self.stage.as_mut()?.poll()
+    /// The fill of the job slots, 0..1 (0 without a stage), for shedding.
+    pub(super) fn slot_fill(&self) -> f64 {
+        self.stage.as_ref().map_or(0.0, |s| s.in_flight() as f64 / s.slots() as f64)
     }
 
-    /// The stage's bell for this shard (`ShardEnd::take_bell`).
-    pub fn take_stage_bell(&mut self) -> Option<std::os::unix::net::UnixStream> {
-        self.stage.as_mut()?.take_bell()
+    /// The stage's expected turnaround for `a` when its rows can be handed
+    /// off (a stage is attached and they fit a job slot).
+    pub(super) fn stage_us(&self, a: &Assembled) -> Option<u64> {
+        let fits = self.stage.as_ref().is_some_and(|s| s.fits(a.step.rows * a.step.row_dim));
+        fits.then(|| self.turnaround.expected_us(a.at_ns))
     }
 
-    /// See `ShardEnd::will_wait`.
-    pub fn stage_will_wait(&self) -> bool {
-        self.stage.as_ref().is_some_and(ShardEnd::will_wait)
-    }
-
-    /// See `ShardEnd::woke`.
-    pub fn stage_woke(&self) {
-        if let Some(s) = &self.stage {
-            s.woke();
+    /// Writes `a`'s rows into a free job slot and submits it, to be answered
+    /// on connection `conn`; `model` scores it. On no free slot or a full
+    /// ring, the request's step-down and the time, to answer it at once.
+    pub(super) fn submit(
+        &mut self,
+        a: Assembled,
+        conn: u32,
+        model: Arc<Model>,
+        reserve_us: u64,
+        inputs: &Inputs,
+        generation: u64,
+    ) -> Result<(), (StepDown, u64)> {
+        let step = a.step;
+        let (rows, row_dim, now_ns) = (step.rows, step.row_dim, a.at_ns);
+        let stage = self.stage.as_mut().expect("route hands off only to an attached stage");
+        let Some(token) = stage.acquire() else {
+            return Err((step, now_ns));
+        };
+        let slot = token.index() as usize;
+        let model_version = model.version;
+        let data = stage.slot_mut(&token);
+        data.x[..rows * row_dim].copy_from_slice(&inputs.x[..rows * row_dim]);
+        data.rows = rows;
+        data.model = Some(model);
+        if let Err(token) = stage.submit(token, step.deadline.at_us() * 1_000, now_ns) {
+            stage.release(token);
+            return Err((step, now_ns));
         }
-    }
-
-    /// Requests handed to the stage and not yet completed.
-    pub fn in_flight(&self) -> usize {
-        self.stage.as_ref().map_or(0, ShardEnd::in_flight)
+        if step.fallback && !self.rows_kept.is_empty() {
+            // The stage owns the slot now; keep the rows for a give-up.
+            let at = slot * stage.slot_floats();
+            self.rows_kept[at..at + rows * row_dim].copy_from_slice(&inputs.x[..rows * row_dim]);
+        }
+        let give_up_ns = (step.deadline.at_us().saturating_sub(reserve_us)) * 1_000;
+        self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);
+        if !self.items.is_empty() {
+            let at = slot * self.rows_max;
+            self.items[at..at + rows].copy_from_slice(&inputs.item_ids[..rows]);
+        }
+        self.pending[slot] = Some(Pending {
+            conn,
+            step,
+            cache_key: a.cache_key,
+            model_version,
+            served: a.chosen,
+            generation,
+            user_id: a.user_id,
+            submitted_ns: now_ns,
+            give_up_ns,
+            answered: false,
+        });
+        Ok(())
     }
 
     /// Turns a stage completion into its request's response, appended to
     /// `out`; returns the connection it belongs to, or `None` when the
     /// request was already answered from a lower rung (given up on).
-    pub fn complete(&mut self, done: Done, token: SlotToken, out: &mut Vec<u8>) -> Option<u32> {
+    pub(super) fn complete<C: Clock>(
+        &mut self,
+        done: Done,
+        token: SlotToken,
+        parts: Parts<'_, C>,
+        out: &mut Vec<u8>,
+    ) -> Option<u32> {
+        let Parts { clock, policies, versions, feed, cache, shadows, answer, telemetry } = parts;
         let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
         let stage = self.stage.as_mut().expect("completions come from the stage");
-        self.times.record_ns(Stage::Queue, done.queue_ns);
-        let now_ns = self.clock.now_ns();
+        telemetry.times.record_ns(Stage::Queue, done.queue_ns);
+        let now_ns = clock.now_ns();
         let step = p.step;
         let rows = step.rows;
         let outcome = done.outcome;
         let in_time = !p.answered && !step.deadline.cannot_fit(now_ns / 1_000, 0);
         if outcome == Outcome::Scored || outcome == Outcome::Late {
-            self.times.record_ns(Stage::Kernel, done.kernel_ns);
+            telemetry.times.record_ns(Stage::Kernel, done.kernel_ns);
         }
         self.turnaround.observe(now_ns.saturating_sub(p.submitted_ns), now_ns);
         let ok = outcome == Outcome::Scored && in_time;
         if ok {
             let data = stage.slot_mut(&token);
             let model = data.model.as_ref().expect("a submitted slot carries its model");
-            for (s, l) in self.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
+            for (s, l) in answer.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
                 *s = model.score(*l);
             }
-            if p.generation == self.generation {
+            if p.generation == versions.generation {
                 // The slot still holds the rows the stage scored, until released.
-                let (x, returned) = (&data.x[..rows * step.row_dim], &self.logits[..rows]);
-                self.shadow_queue.sample(&self.served, p.served, p.user_id, x, returned, step.row_dim);
+                let (x, returned) = (&data.x[..rows * step.row_dim], &answer.logits[..rows]);
+                shadows.sample(&versions.served, p.served, p.user_id, x, returned, step.row_dim);
             }
         }
         stage.release(token);
         if p.answered {
             return None;
         }
-        self.breaker.record(!ok, now_ns);
+        policies.breaker.record(!ok, now_ns);
+        let slot = done.slot as usize;
         match outcome {
             _ if ok => {
-                self.respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, out);
-                self.cache_slot_scores(&p, done.slot, now_ns);
-                if p.generation == self.generation {
-                    if let Some(d) = self.served.get_mut(p.served).and_then(|s| s.drift.as_mut()) {
-                        d.record_scores(&self.logits[..rows]);
+                let tel = &mut *telemetry;
+                stages::respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, feed, answer, tel, out);
+                if !self.items.is_empty() {
+                    let items = &self.items[slot * self.rows_max..][..rows];
+                    cache.put_all(&p.cache_key, items, &answer.logits[..rows], now_ns);
+                }
+                if p.generation == versions.generation {
+                    if let Some(d) = versions.served.get_mut(p.served).and_then(|s| s.drift.as_mut()) {
+                        d.record_scores(&answer.logits[..rows]);
                     }
                 }
             }
             Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
                 // The stage saw it could not finish in time; a lower rung may.
-                let step = self.recheck_cache(&p, done.slot, now_ns);
-                self.step_down_from(&step, Reason::Budget, done.slot, false, out);
+                let step = self.recheck_cache(&p, slot, now_ns, cache, answer, telemetry);
+                let x = self.kept_rows(slot, &step);
+                let fallback = versions.fallback.as_mut();
+                stages::step_down(&step, Reason::Budget, x, clock, fallback, feed, answer, telemetry, out);
             }
             Outcome::Expired => {
-                self.fail(step.request_id, Status::DeadlineExceeded, "dropped before the kernel: no time left", out);
+                let why = "dropped before the kernel: no time left";
+                stages::fail(step.request_id, Status::DeadlineExceeded, why, answer, telemetry, out);
             }
             Outcome::Scored | Outcome::Late => {
-                self.fail(step.request_id, Status::DeadlineExceeded, "kernel finished past the deadline", out);
+                let why = "kernel finished past the deadline";
+                stages::fail(step.request_id, Status::DeadlineExceeded, why, answer, telemetry, out);
             }
             Outcome::Failed => {
-                let step = self.recheck_cache(&p, done.slot, now_ns);
-                self.step_down_from(&step, Reason::ModelError, done.slot, false, out);
+                let step = self.recheck_cache(&p, slot, now_ns, cache, answer, telemetry);
+                let x = self.kept_rows(slot, &step);
+                let fallback = versions.fallback.as_mut();
+                stages::step_down(&step, Reason::ModelError, x, clock, fallback, feed, answer, telemetry, out);
             }
         }
-        let done_ns = self.clock.now_ns();
-        self.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
-        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
+        let done_ns = clock.now_ns();
+        telemetry.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
+        telemetry.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
         Some(p.conn)
     }
 
@@ -174,10 +298,16 @@ impl<C: Clock> RequestPath<C> {
     /// at its give-up time (its deadline less `ladder.reserve_us`), calling
     /// `deliver(connection, response bytes)` for each. The stage keeps the
     /// job slot until it finishes; its late result is then dropped.
-    pub fn give_up_overdue(&mut self, now_ns: u64, deliver: &mut dyn FnMut(u32, &[u8])) {
+    pub(super) fn give_up_overdue<C: Clock>(
+        &mut self,
+        now_ns: u64,
+        parts: Parts<'_, C>,
+        deliver: &mut dyn FnMut(u32, &[u8]),
+    ) {
         if now_ns < self.next_give_up_ns {
             return;
         }
+        let Parts { clock, policies, versions, feed, cache, answer, telemetry, .. } = parts;
         let mut next = u64::MAX;
         let mut bytes = std::mem::take(&mut self.give_up_bytes);
         for slot in 0..self.pending.len() {
@@ -191,47 +321,44 @@ impl<C: Clock> RequestPath<C> {
             bytes.clear();
             // A request the stage could not answer in time is a failure for
             // the breaker now, not when its late result finally comes back.
-            self.breaker.record(true, now_ns);
-            let step = self.recheck_cache(&p, slot as u32, now_ns);
-            self.step_down_from(&step, Reason::Budget, slot as u32, false, &mut bytes);
+            policies.breaker.record(true, now_ns);
+            let step = self.recheck_cache(&p, slot, now_ns, cache, answer, telemetry);
+            let x = self.kept_rows(slot, &step);
+            let fallback = versions.fallback.as_mut();
+            stages::step_down(&step, Reason::Budget, x, clock, fallback, feed, answer, telemetry, &mut bytes);
             self.pending[slot].as_mut().expect("checked above").answered = true;
             deliver(p.conn, &bytes);
         }
         self.give_up_bytes = bytes;
         self.next_give_up_ns = next;
     }
-}
 
-impl<C: Clock> RequestPath<C> {
-    /// Caches the scores in `self.logits` that the stage returned for `p`.
-    fn cache_slot_scores(&mut self, p: &Pending, slot: u32, now_ns: u64) {
-        if !self.cache.enabled() {
-            return;
+    /// The model input rows kept for slot `slot`'s give-up (empty without a
+    /// fallback model, which alone reads them).
+    fn kept_rows(&self, slot: usize, step: &StepDown) -> &[f32] {
+        if self.rows_kept.is_empty() {
+            return &[];
         }
-        let rows = p.step.rows;
-        let at = slot as usize * self.shared.limits.candidates_max;
-        self.cache.put_all(&p.cache_key, &self.pending_items[at..at + rows], &self.logits[..rows], now_ns);
+        let at = slot * self.stage.as_ref().map_or(0, ShardEnd::slot_floats);
+        &self.rows_kept[at..at + step.rows * step.row_dim]
     }
 
     /// `p`'s step-down with the cache looked up again at `now_ns`: cached
-    /// (scores in `self.cached`) only if every candidate is still there.
-    fn recheck_cache(&mut self, p: &Pending, slot: u32, now_ns: u64) -> StepDown {
+    /// (scores in `Answer::cached`) only if every candidate is still there.
+    fn recheck_cache(
+        &self,
+        p: &Pending,
+        slot: usize,
+        now_ns: u64,
+        cache: &mut ScoreCache,
+        answer: &mut Answer,
+        telemetry: &mut Telemetry,
+    ) -> StepDown {
         let mut step = p.step;
-        step.cached = self.cache.enabled();
-        if step.cached {
-            let at = slot as usize * self.shared.limits.candidates_max;
-            for (dst, &item) in self.cached.iter_mut().zip(&self.pending_items[at..at + step.rows]) {
-                match self.cache.get(&Key { item, ..p.cache_key }, now_ns) {
-                    Some(score) => *dst = score,
-                    None => {
-                        step.cached = false;
-                        break;
-                    }
-                }
-            }
-            self.counters.cache_hits = self.cache.hits;
-            self.counters.cache_misses = self.cache.misses;
-        }
+        step.cached = !self.items.is_empty() && {
+            let items = &self.items[slot * self.rows_max..][..step.rows];
+            stages::cached_scores(cache, &p.cache_key, items, now_ns, &mut answer.cached, telemetry)
+        };
         step
     }
 }

@@ -1,47 +1,67 @@
-//! The request path, top to bottom in one place:
-//! decode → check → lookup → check → kernel → check → respond.
+//! The request path, top to bottom in one place ([`RequestPath::handle`]):
+//! admit → assemble → cache → route → run inline or hand off → finish,
+//! and any rejection on the way answered by `answer`.
 //!
 //! The shard reads frames off a socket and hands each payload here with the
 //! time it was read; everything from there to the encoded response happens
-//! in [`RequestPath::handle`], whose stages are in `stages.rs`; the lower
-//! rungs' answers are here. One [`Deadline`] is derived from the request's
-//! budget at read time and checked at every stage boundary. A request that
-//! can no longer be answered in time gets `DeadlineExceeded` at once.
+//! in `handle`, whose stages are in `stages.rs` (and, for requests handed to
+//! the inference stage, `handoff.rs`). One [`Deadline`] is derived from the
+//! request's budget at read time and checked at every stage boundary. A
+//! request that can no longer be answered in time gets `DeadlineExceeded`
+//! at once.
 //!
-//! A `RequestPath` belongs to one shard: it owns its scratch buffers, its
-//! backend and its counters, and is `!Send` on purpose (the backend is a
-//! `Box<dyn Backend>` without `Send`). What shards share is immutable: the
-//! model and the feature replicas, behind `Arc`.
+//! A `RequestPath` belongs to one shard and is made of owned parts, each
+//! with one job, and every stage's signature names the parts it reads (`&`)
+//! and writes (`&mut`):
+//!
+//! - [`Policies`](policies::Policies): limits, readiness, admission,
+//!   shedding, the breaker;
+//! - [`Versions`](versions::Versions): the served model versions, their
+//!   backends and the fallback;
+//! - [`Replicas`]: the feature tables;
+//! - [`Inputs`](scratch::Inputs) and [`Answer`](scratch::Answer): the
+//!   current request's model input rows, scores and encoder;
+//! - the score cache ([`ScoreCache`]);
+//! - [`InFlight`](handoff::InFlight): requests on the inference stage;
+//! - the shadow queue (`shadow.rs`);
+//! - [`Telemetry`]: counters and stage timings.
+//!
+//! What shards share is immutable: the models and the feature replicas,
+//! behind `Arc`.
 
 use std::sync::Arc;
 
 use crate::deadline::{Clock, Deadline};
-use crate::drift::DriftCounts;
 use crate::features::feed::FeedStatus;
 use crate::features::replica::ReplicaHandle;
-use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
-use crate::metrics::{Readiness, Stage, StageTimes, VersionReport};
-use crate::model::graph::embedding_index;
+use crate::infer::{Done, ShardEnd, SlotToken};
+use crate::metrics::{Readiness, StageTimes, VersionReport};
 use crate::model::Model;
-use crate::registry::{build_timed, Prebuilt, Registry};
-use crate::request::admission::{Admission, AdmissionConfig, Admit, Peer};
-use crate::request::cache::{hash_words, CacheConfig, Key, ScoreCache};
-use crate::request::ladder::{Breaker, BreakerState, LadderConfig};
-use crate::request::shed::{ShedConfig, Shedder};
-use crate::score::{Backend, BackendKind};
-use crate::wire::{self, Reason, RequestLimits, ResponseEncoder, ResponseFields, Status, Tier};
-use handoff::{Pending, Turnaround};
-use shadow::{ShadowQueue, SHADOW_SLOTS};
+use crate::registry::Registry;
+use crate::request::admission::{AdmissionConfig, Peer};
+use crate::request::cache::{CacheConfig, ScoreCache};
+use crate::request::ladder::{BreakerState, LadderConfig};
+use crate::request::shed::ShedConfig;
+use crate::score::BackendKind;
+use crate::wire::{self, Status};
+use handoff::InFlight;
+use policies::Policies;
+use scratch::{Answer, Inputs};
+use shadow::ShadowQueue;
+use stages::{Frame, Route};
+use versions::{BuildPlace, Versions};
 
 pub mod admission;
 pub mod cache;
 mod handoff;
 pub mod ladder;
 mod limits;
-mod overload;
+mod policies;
+mod scratch;
 mod shadow;
 pub mod shed;
 mod stages;
+mod versions;
 
 /// The state every shard reads: the replica handles (tables the refresher
 /// updates or swaps), and the registry through which new model versions arrive.
@@ -89,75 +109,6 @@ pub fn context_id_value(id: u64) -> f32 {
 
 pub use crate::metrics::{Counters, REASONS};
 
-/// A running estimate of the kernel's cost per candidate row, so the path
-/// can refuse work that would finish past the deadline before starting it.
-#[derive(Clone, Copy, Debug)]
-struct KernelCost {
-    ns_per_row: f64,
-}
-
-impl KernelCost {
-    /// Exponentially weighted: recent batches dominate, one outlier does not.
-    const WEIGHT_NEW: f64 = 0.05;
-
-    fn expected_us(&self, rows: usize) -> u64 {
-        (self.ns_per_row * rows as f64 / 1_000.0).ceil() as u64
-    }
-
-    fn observe(&mut self, rows: usize, elapsed_us: u64) {
-        let sample = elapsed_us as f64 * 1_000.0 / rows.max(1) as f64;
-        self.ns_per_row += (sample - self.ns_per_row) * Self::WEIGHT_NEW;
-    }
-}
-
-/// One served model version on one shard: its own backend instance (with
-/// its repacked weights and scratch) and its kernel cost estimate.
-struct Served {
-    model: Arc<Model>,
-    backend: Box<dyn Backend>,
-    layout: InputLayout,
-    kernel_cost: KernelCost,
-    /// Parts per million of users this version serves as a canary of the
-    /// current version with the same name; 0 for a current version.
-    canary_ppm: u32,
-    /// Parts per million of requests this version also scores as a shadow
-    /// of the current version with the same name; 0 otherwise.
-    shadow_ppm: u32,
-    /// Requests it answered, for per-version metrics.
-    requests: u64,
-    /// The model name hashed for score-cache keys.
-    name_hash: u64,
-    /// The static default for this model (`ladder.default_scores`).
-    default_score: f32,
-    /// The fallback model reads the same inputs as this one.
-    fallback_fits: bool,
-    /// Per context id, the rows of the embedding that reads it
-    /// (`Model::context_id_rows`): an id beyond them counts as missing.
-    id_rows: Vec<u64>,
-    /// `Model::float_index_columns`, with whether each column is
-    /// per-request (checked once) or per candidate.
-    index_cols: Vec<(usize, usize, bool)>,
-    /// Scores returned by the primary and context inputs received since the
-    /// last publication; `None` for a version without calibration (no
-    /// baseline to compare with) and for a shadow (its scores are not served).
-    drift: Option<DriftCounts>,
-}
-
-impl Served {
-    fn is_current(&self) -> bool {
-        self.canary_ppm == 0 && self.shadow_ppm == 0
-    }
-}
-
-/// A user's fixed position in 0..1_000_000, the same on every shard and
-/// process, so a canary keeps each user on one side.
-fn user_bucket(user_id: u64) -> u32 {
-    let mut z = user_id.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) % 1_000_000) as u32
-}
-
 /// What `handle` did with a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Handled {
@@ -178,60 +129,39 @@ struct StepDown {
     missing: u32,
     /// The fallback model reads the same inputs as the chosen model.
     fallback: bool,
-    /// Every candidate's score is in the cache (and in `RequestPath::cached`
+    /// Every candidate's score is in the cache (and in `Answer::cached`
     /// until the next request).
     cached: bool,
     default_score: f32,
 }
 
-/// One shard's request path: scratch memory, backends, encoder, counters.
+/// The feature tables a request's rows are looked up in, and the feed that
+/// keeps them fresh (every answer says whether it has gone stale).
+struct Replicas {
+    user: Arc<ReplicaHandle>,
+    item: Arc<ReplicaHandle>,
+    feed: Option<Arc<FeedStatus>>,
+}
+
+/// What the shard measures of its requests, for publication.
+#[derive(Default)]
+pub struct Telemetry {
+    pub counters: Counters,
+    pub times: StageTimes,
+}
+
+/// One shard's request path: its parts, and the clock it reads time by.
 pub struct RequestPath<C: Clock> {
     clock: C,
-    shared: Shared,
-    /// Which shard this is: the one whose prebuilt backends it takes.
-    shard: usize,
-    request_limits: RequestLimits,
-    served: Vec<Served>,
-    default_model: usize,
-    /// The registry generation `served` reflects.
-    generation: u64,
-    /// A registry generation whose versions could not all be built here:
-    /// the served set stayed as it was, and it is not retried.
-    failed_generation: Option<u64>,
-    /// The inference stage, when scoring is handed off instead of inline.
-    stage: Option<ShardEnd>,
-    /// Requests in the stage, by slot.
-    pending: Vec<Option<Pending>>,
-    shadow_queue: ShadowQueue,
-    /// Model input rows of handed-off requests, by slot, for a give-up.
-    shadow: Vec<f32>,
-    next_give_up_ns: u64,
-    give_up_bytes: Vec<u8>,
-    turnaround: Turnaround,
-    /// The fallback rung: a small model run inline.
-    fallback: Option<Served>,
-    /// The primary's breaker (the stage, or the inline kernel).
-    breaker: Breaker,
+    policies: Policies,
+    versions: Versions,
+    replicas: Replicas,
+    inputs: Inputs,
+    answer: Answer,
     cache: ScoreCache,
-    /// Cached scores of the current request's candidates.
-    cached: Vec<f32>,
-    admission: Admission,
-    shedder: Shedder,
-    /// Item ids of handed-off requests, by slot (`candidates_max` each), so
-    /// their scores can be cached and a give-up can look the cache up.
-    pending_items: Vec<u64>,
-    /// Model input rows, `candidates_max × row_dim`, reused per request.
-    x: Vec<f32>,
-    /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
-    item_vectors: Vec<f32>,
-    /// Row index per item from the batched lookup.
-    item_rows: Vec<u32>,
-    /// Item ids copied out of the request, for the batched lookup.
-    item_ids: Vec<u64>,
-    logits: Vec<f32>,
-    encoder: ResponseEncoder,
-    pub counters: Counters,
-    times: StageTimes,
+    in_flight: InFlight,
+    shadows: ShadowQueue,
+    pub telemetry: Telemetry,
 }
 
 /// Largest size of one encoded response frame, for output buffer sizing.
@@ -245,105 +175,84 @@ impl<C: Clock> RequestPath<C> {
     /// first request's cost check is informed.
     pub fn new(shared: Shared, clock: C) -> Result<RequestPath<C>, LayoutError> {
         let rows_max = shared.limits.candidates_max;
-        let mut path = RequestPath {
-            request_limits: RequestLimits {
-                frame_bytes_max: shared.limits.frame_bytes_max,
-                candidates_max: shared.limits.candidates_max,
-                context_len_max: shared.limits.context_len_max,
-            },
-            served: Vec::new(),
-            shard: 0,
-            default_model: 0,
-            generation: 0,
-            failed_generation: None,
-            stage: None,
-            pending: Vec::new(),
-            shadow_queue: ShadowQueue::default(),
-            cache: ScoreCache::new(&shared.cache),
-            cached: vec![0.0; rows_max],
-            shadow: Vec::new(),
-            next_give_up_ns: u64::MAX,
-            give_up_bytes: Vec::with_capacity(response_frame_bytes_max(rows_max)),
-            turnaround: Turnaround::default(),
-            fallback: None,
-            breaker: Breaker::new(shared.ladder.breaker),
-            admission: Admission::new(shared.admission.clone(), shared.shards, shared.client_usage.clone()),
-            shedder: Shedder::new(shared.shed.clone()),
-            pending_items: Vec::new(),
-            x: Vec::new(),
-            item_vectors: vec![0.0; rows_max * shared.item.dim()],
-            item_rows: vec![0; rows_max],
-            item_ids: Vec::with_capacity(rows_max),
-            logits: vec![0.0; rows_max],
-            encoder: ResponseEncoder::new(rows_max),
-            counters: Counters::default(),
-            times: StageTimes::default(),
-            clock,
-            shared,
+        let mut telemetry = Telemetry::default();
+        let mut answer = Answer::new(rows_max);
+        let fit = versions::Fit {
+            kind: shared.backend,
+            rows_max,
+            context_len_max: shared.limits.context_len_max,
+            user_dim: shared.user.dim(),
+            item_dim: shared.item.dim(),
+            ladder: shared.ladder.clone(),
         };
-        // The fallback first: served versions record whether it fits them.
-        if let Some(model) = path.shared.fallback.clone() {
-            path.fallback = Some(path.build_served(model, 0, 0)?);
-        }
+        let at = BuildPlace { clock: &clock, counters: &mut telemetry.counters, logits: &mut answer.logits };
+        let versions = Versions::new(shared.registry.clone(), fit, shared.fallback.clone(), at)?;
+        let mut path = RequestPath {
+            policies: Policies::new(&shared),
+            versions,
+            inputs: Inputs::new(rows_max, shared.item.dim()),
+            answer,
+            cache: ScoreCache::new(&shared.cache),
+            in_flight: InFlight::default(),
+            shadows: ShadowQueue::default(),
+            telemetry,
+            replicas: Replicas { user: shared.user, item: shared.item, feed: shared.feed },
+            clock,
+        };
         path.refresh_models()?;
         Ok(path)
     }
 
-    /// A backend for `model` with everything the request path derives from
-    /// the version once, measured on a full batch so the first request's
-    /// cost check is informed.
-    fn build_served(&mut self, model: Arc<Model>, canary_ppm: u32, shadow_ppm: u32) -> Result<Served, LayoutError> {
-        let rows_max = self.shared.limits.candidates_max;
-        let context_len_max = self.shared.limits.context_len_max;
-        let layout = InputLayout::new(&model, self.shared.user.dim(), self.shared.item.dim(), context_len_max)?;
-        // Built ahead by the admin side when it was published through the
-        // registry; built here (milliseconds on the reactor) only otherwise.
-        let Prebuilt { backend, ns_per_row } = match self.shared.registry.take_prebuilt(&model, self.shard) {
-            Some(built) => {
-                self.counters.backends_prebuilt += 1;
-                built
+    /// Handles one request payload read at `read_at_ns` on connection `conn`,
+    /// whose peer is `peer` (what admission binds client ids to).
+    /// Appends exactly one response frame to `out`, or, when the request went
+    /// to the inference stage, returns `Pending`: its response comes later
+    /// from [`RequestPath::complete`].
+    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, conn: u32, peer: Peer<'_>, out: &mut Vec<u8>) -> Handled {
+        let RequestPath { clock, policies, versions, replicas, inputs, answer, cache, in_flight, shadows, telemetry } =
+            self;
+        let clock = &*clock;
+        let frame = Frame { payload, read_at_ns, peer };
+        let primary = (|| {
+            let admitted = stages::admit(frame, clock, policies, versions, in_flight.slot_fill(), telemetry)?;
+            let generation = versions.generation;
+            let served = &mut versions.served[admitted.chosen];
+            let mut assembled = stages::assemble(admitted, clock, served, replicas, inputs, telemetry)?;
+            stages::look_up_cache(&mut assembled, policies, cache, inputs, answer, telemetry)?;
+            match stages::route(&assembled, policies, in_flight.stage_us(&assembled), served)? {
+                Route::HandOff => {
+                    handoff::hand_off(assembled, conn, generation, policies, in_flight, served, inputs).map(|()| None)
+                }
+                Route::Inline => stages::run(assembled, clock, policies, served, inputs, answer, telemetry).map(Some),
             }
-            None => {
-                self.counters.backends_built_on_shard += 1;
-                let clock = &self.clock;
-                let (kind, row_dim) = (self.shared.backend, layout.row_dim);
-                build_timed(kind, &model, rows_max, row_dim, &mut self.logits, || clock.now_ns())
+        })();
+        match primary {
+            Ok(Some(ran)) => {
+                let rows = ran.assembled.step.rows;
+                let x = &inputs.x[..rows * ran.assembled.step.row_dim];
+                let items = &inputs.item_ids[..rows];
+                stages::finish(ran, x, items, clock, versions, cache, shadows, &replicas.feed, answer, telemetry, out)
             }
-        };
-        let ladder = &self.shared.ladder;
-        let context_features_max = self.shared.registry.drift().context_features_max;
-        let drift = model.calibration.as_ref().filter(|_| shadow_ppm == 0);
-        Ok(Served {
-            drift: drift.map(|c| DriftCounts::new(c, context_features_max)),
-            backend,
-            layout,
-            kernel_cost: KernelCost { ns_per_row },
-            canary_ppm,
-            shadow_ppm,
-            requests: 0,
-            name_hash: hash_words(model.name.bytes().map(u64::from)),
-            default_score: ladder.default_scores.get(&model.name).copied().unwrap_or(ladder.default_score),
-            fallback_fits: self.fallback.as_ref().is_some_and(|f| f.model.inputs == model.inputs),
-            id_rows: model.context_id_rows(),
-            index_cols: {
-                let per_request = model.request_columns();
-                model.float_index_columns().into_iter().map(|(c, rows)| (c, rows, per_request[c])).collect()
-            },
-            model,
-        })
+            Ok(None) => Handled::Pending,
+            Err(rejection) => {
+                let fallback = versions.fallback.as_mut();
+                let feed = &replicas.feed;
+                stages::answer(rejection, &inputs.x, clock, fallback, feed, answer, telemetry, out)
+            }
+        }
     }
 
     /// Makes this the path of shard `shard` (0 until set), whose backends
     /// the registry builds ahead of each swap.
     pub fn set_shard(&mut self, shard: usize) {
-        self.shard = shard;
+        self.versions.shard = shard;
     }
 
     /// Trades configured clients' demand with the other shards so each
     /// client's rate holds across them (`Admission::exchange`); the shard's
     /// watcher calls it every few milliseconds, between requests.
     pub fn exchange_admission(&mut self, now_ns: u64) {
-        self.admission.exchange(now_ns);
+        self.policies.admission.exchange(now_ns);
     }
 
     /// Picks up model versions the registry published since the last call.
@@ -351,89 +260,18 @@ impl<C: Clock> RequestPath<C> {
     /// read rounds, never in the middle of a request. Returns whether the
     /// served set changed.
     pub fn refresh_models(&mut self) -> Result<bool, LayoutError> {
-        let registry = self.shared.registry.clone();
-        let generation = registry.generation();
-        // A generation that could not be served is not retried on every
-        // round (a layout check, or a build, runs on the reactor); the next
-        // one is.
-        if generation == self.generation || Some(generation) == self.failed_generation {
+        let at =
+            BuildPlace { clock: &self.clock, counters: &mut self.telemetry.counters, logits: &mut self.answer.logits };
+        if !self.versions.refresh(at)? {
             return Ok(false);
         }
-        let snapshot = registry.snapshot();
-        let rows_max = self.shared.limits.candidates_max;
-        let wanted: Vec<(Arc<Model>, u32, u32)> = snapshot
-            .models
-            .into_iter()
-            .map(|m| (m, 0, 0))
-            .chain(snapshot.canaries.into_iter().map(|(m, ppm)| (m, ppm, 0)))
-            .chain(snapshot.shadows.into_iter().map(|(m, ppm)| (m, 0, ppm)))
-            .collect();
-        // The next set is built aside: an entry kept from the current set
-        // (by index) or a new one. Nothing served changes until every new
-        // version has been built, so a failure leaves the old set intact.
-        enum Next {
-            Kept(usize, u32, u32),
-            Built(Box<Served>),
-        }
-        let mut taken = vec![false; self.served.len()];
-        let mut plan = Vec::with_capacity(wanted.len());
-        for (model, canary_ppm, shadow_ppm) in wanted {
-            let same_role =
-                |s: &Served| (s.canary_ppm > 0) == (canary_ppm > 0) && (s.shadow_ppm > 0) == (shadow_ppm > 0);
-            let found = self
-                .served
-                .iter()
-                .enumerate()
-                .position(|(i, s)| !taken[i] && Arc::ptr_eq(&s.model, &model) && same_role(s));
-            if let Some(i) = found {
-                taken[i] = true;
-                plan.push(Next::Kept(i, canary_ppm, shadow_ppm));
-                continue;
-            }
-            match self.build_served(model, canary_ppm, shadow_ppm) {
-                Ok(served) => plan.push(Next::Built(Box::new(served))),
-                Err(e) => {
-                    self.failed_generation = Some(snapshot.generation);
-                    return Err(e);
-                }
-            }
-        }
-        // Commit: queued shadow work names served entries by position.
-        self.generation = snapshot.generation;
-        self.failed_generation = None;
-        self.shadow_queue.items.clear();
-        let mut old: Vec<Option<Served>> = std::mem::take(&mut self.served).into_iter().map(Some).collect();
-        self.served = plan
-            .into_iter()
-            .map(|n| match n {
-                Next::Kept(i, canary_ppm, shadow_ppm) => {
-                    let mut kept = old[i].take().expect("each entry is kept once");
-                    kept.canary_ppm = canary_ppm;
-                    kept.shadow_ppm = shadow_ppm;
-                    kept
-                }
-                Next::Built(served) => {
-                    tracing::debug!(model = %served.model.name, version = served.model.version, "serving");
-                    *served
-                }
-            })
-            .collect();
-        self.default_model =
-            self.served.iter().position(|s| s.is_current() && s.model.name == snapshot.default).unwrap_or(0);
-        let row_dim_max = self.served.iter().map(|s| s.layout.row_dim).max().unwrap_or(0);
-        if self.x.len() < rows_max * row_dim_max {
-            self.x = vec![0.0; rows_max * row_dim_max];
-        }
-        let q = &mut self.shadow_queue;
-        if self.served.iter().any(|s| s.shadow_ppm > 0) && q.slot_floats < rows_max * row_dim_max {
-            q.slot_floats = rows_max * row_dim_max;
-            q.rows_max = rows_max;
-            q.x = vec![0.0; SHADOW_SLOTS * q.slot_floats];
-            q.returned = vec![0.0; SHADOW_SLOTS * rows_max];
-            q.scores = vec![0.0; rows_max];
-            q.ranks = Vec::with_capacity(rows_max);
-            q.rank_a = Vec::with_capacity(rows_max);
-            q.items = Vec::with_capacity(SHADOW_SLOTS);
+        // Queued shadow work names served entries by position.
+        let rows_max = self.policies.limits.candidates_max;
+        let floats = rows_max * self.versions.row_dim_max();
+        self.inputs.fit(floats);
+        self.shadows.items.clear();
+        if self.versions.shadowing() {
+            self.shadows.fit(rows_max, floats);
         }
         Ok(true)
     }
@@ -443,176 +281,104 @@ impl<C: Clock> RequestPath<C> {
     }
 
     pub fn backend_name(&self) -> &'static str {
-        self.served.first().map_or("none", |s| s.backend.name())
+        self.versions.served.first().map_or("none", |s| s.backend.name())
     }
 
     /// Expected kernel time of the default model for `rows` candidates.
     pub fn expected_kernel_us(&self, rows: usize) -> u64 {
-        self.served[self.default_model].kernel_cost.expected_us(rows)
-    }
-
-    /// Counts and encodes a response without scores.
-    fn fail(&mut self, request_id: u64, status: Status, error: &str, out: &mut Vec<u8>) -> Handled {
-        self.counters.requests += 1;
-        self.counters.by_status[usize::from(status.0).min(7)] += 1;
-        self.encoder.encode(&ResponseFields::failure(request_id, status, error), out);
-        Handled::Answered
-    }
-
-    /// Encodes an `Ok` response with the scores in `self.logits`.
-    fn respond_ok(
-        &mut self,
-        step: &StepDown,
-        tier: Tier,
-        reason: Reason,
-        version: u32,
-        now_ns: u64,
-        out: &mut Vec<u8>,
-    ) {
-        self.counters.requests += 1;
-        self.counters.by_status[usize::from(Status::Ok.0)] += 1;
-        self.counters.by_tier[usize::from(tier.0).min(3)] += 1;
-        self.counters.by_reason[usize::from(reason.0).min(REASONS - 1)] += 1;
-        self.counters.features_missing += u64::from(step.missing);
-        self.counters.candidates_scored += step.rows as u64;
-        let server_us = now_ns.saturating_sub(step.read_at_ns) / 1_000;
-        let features_stale = self.features_stale(now_ns);
-        self.encoder.encode(
-            &ResponseFields {
-                request_id: step.request_id,
-                status: Status::Ok,
-                scores: &self.logits[..step.rows],
-                tier,
-                model_version: version,
-                server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
-                features_missing: u16::try_from(step.missing).unwrap_or(u16::MAX),
-                error: "",
-                reason,
-                features_stale,
-            },
-            out,
-        );
-    }
-
-    /// Answers from the rungs below the primary: the cached scores when
-    /// `step.cached` (they are in `self.cached`), the fallback model when it
-    /// reads the same inputs and fits the time left, else the static default.
-    /// The model input rows are in `self.x`, or in the shadow copy of job
-    /// slot `shadow_slot` for a handed-off request given up on (`rows_in_x`
-    /// false).
-    fn step_down(&mut self, step: &StepDown, reason: Reason, shadow_slot: u32, out: &mut Vec<u8>) -> Handled {
-        self.step_down_from(step, reason, shadow_slot, true, out)
-    }
-
-    fn step_down_from(
-        &mut self,
-        step: &StepDown,
-        reason: Reason,
-        shadow_slot: u32,
-        rows_in_x: bool,
-        out: &mut Vec<u8>,
-    ) -> Handled {
-        let now_ns = self.clock.now_ns();
-        let rows = step.rows;
-        let mut tier = Tier::Default;
-        let mut version = 0;
-        if step.cached {
-            self.logits[..rows].copy_from_slice(&self.cached[..rows]);
-            tier = Tier::Cached;
-        }
-        if let Some(fb) = self.fallback.as_mut().filter(|_| step.fallback && tier == Tier::Default) {
-            if !step.deadline.cannot_fit(now_ns / 1_000, fb.kernel_cost.expected_us(rows)) {
-                let x = if rows_in_x {
-                    &self.x[..rows * step.row_dim]
-                } else {
-                    let at = shadow_slot as usize * self.stage.as_ref().map_or(0, ShardEnd::slot_floats);
-                    &self.shadow[at..at + rows * step.row_dim]
-                };
-                let started_ns = self.clock.now_ns();
-                let scored = fb.backend.score(x, rows, &mut self.logits[..rows]);
-                fb.kernel_cost.observe(rows, self.clock.now_ns().saturating_sub(started_ns) / 1_000);
-                // A fallback that cannot score leaves the static default.
-                if scored.is_ok() {
-                    for l in self.logits[..rows].iter_mut() {
-                        *l = fb.model.score(*l);
-                    }
-                    tier = Tier::Fallback;
-                    version = fb.model.version;
-                }
-            }
-        }
-        if tier == Tier::Default {
-            self.logits[..rows].fill(step.default_score);
-        }
-        let now_ns = self.clock.now_ns();
-        if step.deadline.cannot_fit(now_ns / 1_000, 0) {
-            // No `Ok` once the deadline was seen to pass: the fallback model
-            // finished late, or the step-down itself came late (a give-up
-            // the shard reached after the deadline).
-            self.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
-            let why = if tier == Tier::Fallback {
-                "the fallback model finished after the deadline"
-            } else {
-                "the deadline passed before a lower rung could answer"
-            };
-            return self.fail(step.request_id, Status::DeadlineExceeded, why, out);
-        }
-        self.respond_ok(step, tier, reason, version, now_ns, out);
-        self.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
-        Handled::Answered
-    }
-
-    /// The protocol floor's answer: `Ok`, no scores, no lookup, no model.
-    fn respond_floor(&mut self, request_id: u64, read_at_ns: u64, out: &mut Vec<u8>) -> Handled {
-        self.counters.requests += 1;
-        self.counters.by_status[usize::from(Status::Ok.0)] += 1;
-        self.counters.by_tier[usize::from(Tier::Primary.0)] += 1;
-        let now_ns = self.clock.now_ns();
-        let fields = ResponseFields {
-            server_us: u32::try_from(now_ns.saturating_sub(read_at_ns) / 1_000).unwrap_or(u32::MAX),
-            tier: Tier::Primary,
-            ..ResponseFields::failure(request_id, Status::Ok, "")
-        };
-        self.encoder.encode(&fields, out);
-        self.times.record_ns(Stage::EndToEnd, self.clock.now_ns().saturating_sub(read_at_ns));
-        Handled::Answered
-    }
-
-    /// Whether the feed has gone past its staleness bound; responses say so.
-    #[inline]
-    fn features_stale(&mut self, now_ns: u64) -> bool {
-        let stale = self.shared.feed.as_ref().is_some_and(|f| f.is_stale(now_ns));
-        self.counters.stale_responses += u64::from(stale);
-        stale
+        self.versions.served[self.versions.default_model].kernel_cost.expected_us(rows)
     }
 
     /// Stage timings of the current interval, for publication.
     pub fn times_mut(&mut self) -> &mut StageTimes {
-        &mut self.times
+        &mut self.telemetry.times
     }
 
     /// Answers a frame the shard could not even split (bad length prefix).
     pub fn reject_stream(&mut self, error: &wire::FrameError, out: &mut Vec<u8>) {
-        self.fail(0, Status::BadRequest, &error.to_string(), out);
+        stages::fail(0, Status::BadRequest, &error.to_string(), &mut self.answer, &mut self.telemetry, out);
     }
 
     /// Requests answered per served version, and the drift counts of the
     /// interval (which start again from zero), for publication.
     pub fn version_report(&mut self) -> VersionReport {
-        VersionReport {
-            counts: self
-                .served
-                .iter()
-                .map(|s| (s.model.name.clone(), s.model.version, s.canary_ppm > 0, s.requests, s.backend.name()))
-                .collect(),
-            drift: self.served.iter_mut().filter_map(|s| Some((s.model.clone(), s.drift.as_mut()?.take()))).collect(),
-            drift_intervals: self.shared.registry.drift().window_intervals(crate::metrics::PUBLISH_INTERVAL),
-        }
+        self.versions.report()
     }
 
     /// The primary's breaker state, for metrics.
     pub fn breaker_state(&self) -> BreakerState {
-        self.breaker.state()
+        self.policies.breaker.state()
+    }
+
+    /// Sends later requests through the inference stage instead of scoring
+    /// them inline.
+    pub fn attach_stage(&mut self, stage: ShardEnd) {
+        let rows_max = self.policies.limits.candidates_max;
+        self.in_flight.attach(stage, rows_max, self.cache.enabled(), self.versions.fallback.is_some());
+    }
+
+    /// A stage completion and the slot it returns, if one is waiting.
+    pub fn poll_stage(&mut self) -> Option<(Done, SlotToken)> {
+        self.in_flight.stage.as_mut()?.poll()
+    }
+
+    /// The stage's bell for this shard (`ShardEnd::take_bell`).
+    pub fn take_stage_bell(&mut self) -> Option<std::os::unix::net::UnixStream> {
+        self.in_flight.stage.as_mut()?.take_bell()
+    }
+
+    /// See `ShardEnd::will_wait`.
+    pub fn stage_will_wait(&self) -> bool {
+        self.in_flight.stage.as_ref().is_some_and(ShardEnd::will_wait)
+    }
+
+    /// See `ShardEnd::woke`.
+    pub fn stage_woke(&self) {
+        if let Some(s) = &self.in_flight.stage {
+            s.woke();
+        }
+    }
+
+    /// Requests handed to the stage and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.stage.as_ref().map_or(0, ShardEnd::in_flight)
+    }
+
+    /// Turns a stage completion into its request's response, appended to
+    /// `out`; returns the connection it belongs to, or `None` when the
+    /// request was already answered from a lower rung (given up on).
+    pub fn complete(&mut self, done: Done, token: SlotToken, out: &mut Vec<u8>) -> Option<u32> {
+        let RequestPath { clock, policies, versions, replicas, answer, cache, in_flight, shadows, telemetry, .. } =
+            self;
+        let parts =
+            handoff::Parts { clock, policies, versions, feed: &replicas.feed, cache, shadows, answer, telemetry };
+        in_flight.complete(done, token, parts, out)
+    }
+
+    /// Answers, from the lower rungs, every handed-off request still waiting
+    /// at its give-up time (its deadline less `ladder.reserve_us`), calling
+    /// `deliver(connection, response bytes)` for each. The stage keeps the
+    /// job slot until it finishes; its late result is then dropped.
+    pub fn give_up_overdue(&mut self, now_ns: u64, deliver: &mut dyn FnMut(u32, &[u8])) {
+        let RequestPath { clock, policies, versions, replicas, answer, cache, in_flight, shadows, telemetry, .. } =
+            self;
+        let parts =
+            handoff::Parts { clock, policies, versions, feed: &replicas.feed, cache, shadows, answer, telemetry };
+        in_flight.give_up_overdue(now_ns, parts, deliver);
+    }
+
+    /// Sampled requests waiting for their shadow versions.
+    pub fn shadows_pending(&self) -> bool {
+        !self.shadows.items.is_empty()
+    }
+
+    /// Scores the queued shadow requests with their candidate versions and
+    /// records how far the candidate's scores are from what was returned.
+    /// The connection calls this after writing a round's responses, when no
+    /// further frame is waiting: off the critical path, and only with time
+    /// to spare.
+    pub fn run_shadows(&mut self) {
+        self.shadows.run(&self.clock, &mut self.versions.served, &mut self.telemetry);
     }
 }
 

@@ -8,7 +8,10 @@
 //! backend for the shadow version: the stage thread serves only the current
 //! versions, and a shadow must never take its batch room.
 
-use super::*;
+use super::versions::{user_bucket, Served};
+use super::Telemetry;
+use crate::deadline::Clock;
+use crate::metrics::Stage;
 
 /// Shadow requests waiting for spare time: the model input rows and the
 /// scores that were returned, in a few preallocated slots. When the slots are
@@ -59,28 +62,36 @@ fn rank_correlation(a: &[f32], b: &[f32], ranks: &mut Vec<(f32, usize, f32)>, ra
     1.0 - 6.0 * d2 / (n * (n * n - 1.0))
 }
 
-impl<C: Clock> RequestPath<C> {
-    /// Scores the queued shadow requests with their candidate versions and
-    /// records how far the candidate's scores are from what was returned.
-    /// The connection calls this after writing a round's responses, when no
-    /// further frame is waiting: off the critical path, and only with time
-    /// to spare.
-    /// Sampled requests waiting for their shadow versions.
-    pub fn shadows_pending(&self) -> bool {
-        !self.shadow_queue.items.is_empty()
+impl ShadowQueue {
+    /// Makes room for `rows_max` candidates of `slot_floats` input values
+    /// per sample (a newly served shadow, or a wider version).
+    pub(super) fn fit(&mut self, rows_max: usize, slot_floats: usize) {
+        if self.slot_floats >= slot_floats {
+            return;
+        }
+        self.slot_floats = slot_floats;
+        self.rows_max = rows_max;
+        self.x = vec![0.0; SHADOW_SLOTS * slot_floats];
+        self.returned = vec![0.0; SHADOW_SLOTS * rows_max];
+        self.scores = vec![0.0; rows_max];
+        self.ranks = Vec::with_capacity(rows_max);
+        self.rank_a = Vec::with_capacity(rows_max);
+        self.items = Vec::with_capacity(SHADOW_SLOTS);
     }
 
-    pub fn run_shadows(&mut self) {
-        let ShadowQueue { x, returned, scores, ranks, rank_a, items, slot_floats, rows_max } = &mut self.shadow_queue;
+    /// Scores the queued samples with their shadow versions (in `served`)
+    /// and counts how far their scores are from what was returned.
+    pub(super) fn run(&mut self, clock: &impl Clock, served: &mut [Served], telemetry: &mut Telemetry) {
+        let ShadowQueue { x, returned, scores, ranks, rank_a, items, slot_floats, rows_max } = self;
         for item in items.drain(..) {
-            let Some(served) = self.served.get_mut(item.served) else {
+            let Some(served) = served.get_mut(item.served) else {
                 continue;
             };
             let rows = item.rows;
             let x = &x[item.slot * *slot_floats..][..rows * item.row_dim];
-            let started_ns = self.clock.now_ns();
+            let started_ns = clock.now_ns();
             let scored = served.backend.score(x, rows, &mut scores[..rows]);
-            self.times.record_ns(Stage::Shadow, self.clock.now_ns().saturating_sub(started_ns));
+            telemetry.times.record_ns(Stage::Shadow, clock.now_ns().saturating_sub(started_ns));
             if scored.is_err() {
                 // A shadow that cannot score is no sample; the served
                 // response was already written.
@@ -93,14 +104,13 @@ impl<C: Clock> RequestPath<C> {
             let shadow = &scores[..rows];
             let mad = returned.iter().zip(shadow).map(|(a, b)| (a - b).abs()).sum::<f32>() / rows as f32;
             let rho = rank_correlation(returned, shadow, ranks, rank_a);
-            self.counters.shadow_requests += 1;
-            self.counters.shadow_abs_diff_ppm += (f64::from(mad) * 1e6) as u64;
-            self.counters.shadow_rank_corr_ppm += (rho * 1e6) as i64;
+            let counters = &mut telemetry.counters;
+            counters.shadow_requests += 1;
+            counters.shadow_abs_diff_ppm += (f64::from(mad) * 1e6) as u64;
+            counters.shadow_rank_corr_ppm += (rho * 1e6) as i64;
         }
     }
-}
 
-impl ShadowQueue {
     /// Queues a request answered by `served[primary]` for its shadow version,
     /// if one samples it and a slot is free: its model input rows `x`
     /// (`row_dim` floats each) and the `returned` scores are copied, nothing

@@ -1,19 +1,47 @@
-//! [`RequestPath::handle`] as its stages, read top to bottom:
+//! The stages of [`RequestPath::handle`], read top to bottom:
 //!
 //! admit (decode, budget, readiness, rate, model, canary, shed)
 //! → assemble (input shape, lookup, drift)
-//! → plan (cache, budget, breaker: which rung answers, hand-off or inline)
+//! → look up the cache (and answer from it first, if so configured)
+//! → route (budget, breaker: which rung answers, hand-off or inline)
 //! → run (the inline kernel and the check after it) or hand off
+//!   (`handoff::hand_off`)
 //! → finish (respond, drift, cache fill, shadow sample, timings).
 //!
-//! Each stage returns the next one's input or a [`Rejection`], which names
-//! the answer the request gets instead; [`RequestPath::answer`] is the one
-//! place that turns a rejection into a response. Stages pass indices into
-//! `served` rather than borrows, so every stage borrows only what it needs.
+//! Each stage is a function whose signature names the parts of the path it
+//! reads (`&`) and writes (`&mut`), and returns the next one's input or a
+//! [`Rejection`], which names the answer the request gets instead; [`answer`]
+//! is the one place that turns a rejection into a response.
+//!
+//! Stages that touch many parts take one argument per part: the signature
+//! is the record of what a stage reads and writes, so it is not folded into
+//! a context struct (hence the `too_many_arguments` allowances).
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
-use super::*;
+use super::policies::Policies;
+use super::scratch::{Answer, Inputs};
+use super::shadow::ShadowQueue;
+use super::versions::{Served, Versions};
+use super::{context_id_value, Handled, Replicas, StepDown, Telemetry};
+use crate::deadline::{Clock, Deadline};
+use crate::features::feed::FeedStatus;
+use crate::metrics::{Stage, REASONS};
+use crate::model::graph::embedding_index;
+use crate::request::admission::{Admit, Peer};
+use crate::request::cache::{hash_words, Key, ScoreCache};
+use crate::request::ladder::BreakerState;
+use crate::request::shed::ShedAnswer;
+use crate::wire::{self, Reason, ResponseFields, Status, Tier};
+
+/// A request payload as the shard read it.
+pub(super) struct Frame<'p, 'a> {
+    pub(super) payload: &'p [u8],
+    pub(super) read_at_ns: u64,
+    /// Who sent it (what admission binds client ids to).
+    pub(super) peer: Peer<'a>,
+}
 
 /// How a request that leaves the primary path is answered.
 pub(super) enum Rejection {
@@ -21,8 +49,8 @@ pub(super) enum Rejection {
     Fail { request_id: u64, status: Status, why: Cow<'static, str> },
     /// The protocol floor (benchmark mode): `Ok`, no scores.
     Floor { request_id: u64, read_at_ns: u64 },
-    /// Shed by priority before any lookup.
-    Shed { request_id: u64, chosen: usize, rows: usize, read_at_ns: u64, deadline: Deadline },
+    /// Shed by priority before any lookup, answered with the static default.
+    Shed { step: StepDown },
     /// Every candidate is cached, and the cache answers before the primary.
     Cached { step: StepDown, version: u32, now_ns: u64 },
     /// A lower rung answers.
@@ -30,7 +58,7 @@ pub(super) enum Rejection {
 }
 
 impl Rejection {
-    fn fail(request_id: u64, status: Status, why: impl Into<Cow<'static, str>>) -> Rejection {
+    pub(super) fn fail(request_id: u64, status: Status, why: impl Into<Cow<'static, str>>) -> Rejection {
         Rejection::Fail { request_id, status, why: why.into() }
     }
 }
@@ -41,19 +69,20 @@ pub(super) struct Admitted<'p> {
     read_at_ns: u64,
     decoded_ns: u64,
     deadline: Deadline,
-    /// Index in `served`: the named or default model, or its canary.
-    chosen: usize,
+    /// Index in `Versions::served`: the named or default model, or its canary.
+    pub(super) chosen: usize,
 }
 
-/// A request whose model input rows are in `RequestPath::x`.
+/// A request whose model input rows are in `Inputs::x`.
 pub(super) struct Assembled {
-    step: StepDown,
+    pub(super) step: StepDown,
     /// Its score-cache key, item left 0.
-    cache_key: Key,
-    chosen: usize,
-    user_id: u64,
+    pub(super) cache_key: Key,
+    pub(super) chosen: usize,
+    pub(super) version: u32,
+    pub(super) user_id: u64,
     /// When the lookup finished.
-    at_ns: u64,
+    pub(super) at_ns: u64,
 }
 
 /// Where the primary rung runs.
@@ -64,376 +93,541 @@ pub(super) enum Route {
     Inline,
 }
 
-/// A request the primary scored inline, in time; scores in `RequestPath::logits`.
+/// A request the primary scored in time; scores in `Answer::logits`.
 pub(super) struct Ran {
-    assembled: Assembled,
-    version: u32,
-    after_kernel_ns: u64,
+    pub(super) assembled: Assembled,
+    /// When its scores were ready.
+    pub(super) scored_ns: u64,
 }
 
-impl<C: Clock> RequestPath<C> {
-    /// Handles one request payload read at `read_at_ns` on connection `conn`,
-    /// whose peer is `source` (what admission binds client ids to).
-    /// Appends exactly one response frame to `out`, or, when the request went
-    /// to the inference stage, returns `Pending`: its response comes later
-    /// from [`RequestPath::complete`].
-    pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, conn: u32, peer: Peer<'_>, out: &mut Vec<u8>) -> Handled {
-        match self.primary(payload, read_at_ns, conn, peer) {
-            Ok(Some(ran)) => self.finish(ran, out),
-            Ok(None) => Handled::Pending,
-            Err(rejection) => self.answer(rejection, out),
-        }
+/// Decode, then check the request itself: budget, readiness, rate,
+/// model (and its canary), shedding.
+/// `slot_fill` is the fill of the job slots (0..1, 0 inline), which shedding
+/// reads as load.
+pub(super) fn admit<'p>(
+    frame: Frame<'p, '_>,
+    clock: &impl Clock,
+    policies: &mut Policies,
+    versions: &mut Versions,
+    slot_fill: f64,
+    telemetry: &mut Telemetry,
+) -> Result<Admitted<'p>, Rejection> {
+    let Frame { payload, read_at_ns, peer } = frame;
+    // Verify the FlatBuffer with limits before reading any field.
+    let request = wire::decode_request(payload, &policies.request_limits).map_err(|e| {
+        let id = wire::salvage_request_id(payload, &policies.request_limits);
+        Rejection::fail(id, Status::BadRequest, e.to_string())
+    })?;
+    let request_id = request.request_id();
+    if policies.floor {
+        return Err(Rejection::Floor { request_id, read_at_ns });
     }
-
-    /// The primary path: `Some` when scored inline, `None` when handed off.
-    fn primary(
-        &mut self,
-        payload: &[u8],
-        read_at_ns: u64,
-        conn: u32,
-        peer: Peer<'_>,
-    ) -> Result<Option<Ran>, Rejection> {
-        let admitted = self.admit(payload, read_at_ns, peer)?;
-        let mut assembled = self.assemble(admitted)?;
-        match self.plan(&mut assembled)? {
-            Route::HandOff => self.hand_off(assembled, conn).map(|()| None),
-            Route::Inline => self.run(assembled).map(Some),
-        }
+    let limits = &policies.limits;
+    let budget_us = match request.budget_us() {
+        0 => limits.budget_us_default,
+        b => b.min(limits.budget_us_max),
+    };
+    let deadline = Deadline::from_budget(read_at_ns / 1_000, budget_us);
+    let decoded_ns = clock.now_ns();
+    telemetry.times.record_ns(Stage::Decode, decoded_ns.saturating_sub(read_at_ns));
+    if deadline.cannot_fit(decoded_ns / 1_000, 0) {
+        return Err(Rejection::fail(request_id, Status::DeadlineExceeded, "budget spent before decode finished"));
     }
-
-    /// Decode, then check the request itself: budget, readiness, rate,
-    /// model (and its canary), shedding.
-    fn admit<'p>(&mut self, payload: &'p [u8], read_at_ns: u64, peer: Peer<'_>) -> Result<Admitted<'p>, Rejection> {
-        // Verify the FlatBuffer with limits before reading any field.
-        let request = wire::decode_request(payload, &self.request_limits).map_err(|e| {
-            let id = wire::salvage_request_id(payload, &self.request_limits);
-            Rejection::fail(id, Status::BadRequest, e.to_string())
-        })?;
-        let request_id = request.request_id();
-        if self.shared.floor {
-            return Err(Rejection::Floor { request_id, read_at_ns });
-        }
-        let limits = &self.shared.limits;
-        let budget_us = match request.budget_us() {
-            0 => limits.budget_us_default,
-            b => b.min(limits.budget_us_max),
-        };
-        let deadline = Deadline::from_budget(read_at_ns / 1_000, budget_us);
-        let decoded_ns = self.clock.now_ns();
-        self.times.record_ns(Stage::Decode, decoded_ns.saturating_sub(read_at_ns));
-        if deadline.cannot_fit(decoded_ns / 1_000, 0) {
-            return Err(Rejection::fail(request_id, Status::DeadlineExceeded, "budget spent before decode finished"));
-        }
-        if !self.shared.readiness.is_ready() {
-            return Err(Rejection::fail(request_id, Status::Overloaded, "server is not ready"));
-        }
-        let priority = match self.admission.admit_from(request.raw.client_id(), peer, decoded_ns) {
-            // A client asking for more than its cap is shed as the cap.
-            Admit::Admitted { priority_max } => request.raw.priority().min(priority_max),
-            Admit::OverRate => {
-                return Err(Rejection::fail(request_id, Status::RateLimited, "client over its rate limit"));
-            }
-            Admit::WrongSource => {
-                self.counters.admission_wrong_source += 1;
-                let why = "client_id is bound to other source networks or certificate names than this connection's";
-                return Err(Rejection::fail(request_id, Status::RateLimited, why));
-            }
-        };
-        let model_name = request.model();
-        let chosen = if model_name.is_empty() {
-            Some(self.default_model)
-        } else {
-            self.served.iter().position(|s| s.is_current() && s.model.name == model_name)
-        };
-        let Some(mut chosen) = chosen else {
-            return Err(Rejection::fail(request_id, Status::ModelNotFound, "unknown model"));
-        };
-        let name = &self.served[chosen].model.name;
-        if let Some(c) = self.served.iter().position(|s| s.canary_ppm > 0 && s.model.name == *name) {
-            if user_bucket(request.user_id()) < self.served[c].canary_ppm {
-                chosen = c;
-            }
-        }
-        if self.shedder.enabled() && self.shed_now(priority, read_at_ns, decoded_ns) {
-            let rows = request.item_ids().len();
-            return Err(Rejection::Shed { request_id, chosen, rows, read_at_ns, deadline });
-        }
-        self.served[chosen].requests += 1;
-        Ok(Admitted { request, read_at_ns, decoded_ns, deadline, chosen })
+    if !policies.readiness.is_ready() {
+        return Err(Rejection::fail(request_id, Status::Overloaded, "server is not ready"));
     }
-
-    /// Checks the inputs against the chosen model's layout, then writes the
-    /// model input rows: the user vector once, one item vector per candidate,
-    /// the context; counts what is missing and records drift.
-    fn assemble(&mut self, a: Admitted<'_>) -> Result<Assembled, Rejection> {
-        let request = &a.request;
-        let request_id = request.request_id();
-        let s = &mut self.served[a.chosen];
-        let layout = &s.layout;
-        let context = request.context();
-        let context_dim = layout.context.map_or(0, |(_, d)| d);
-        if !context.is_empty() && context.len() != context_dim {
-            let why = format!("context has {} floats, the model takes {context_dim}", context.len());
-            return Err(Rejection::fail(request_id, Status::BadRequest, why));
+    let priority = match policies.admission.admit_from(request.raw.client_id(), peer, decoded_ns) {
+        // A client asking for more than its cap is shed as the cap.
+        Admit::Admitted { priority_max } => request.raw.priority().min(priority_max),
+        Admit::OverRate => {
+            return Err(Rejection::fail(request_id, Status::RateLimited, "client over its rate limit"));
         }
-        let context_ids = request.context_ids();
-        let ids_dim = layout.context_ids.map_or(0, |(_, d)| d);
-        if !context_ids.is_empty() && context_ids.len() != ids_dim {
-            let why = format!("context_ids has {} ids, the model takes {ids_dim}", context_ids.len());
-            return Err(Rejection::fail(request_id, Status::BadRequest, why));
+        Admit::WrongSource => {
+            telemetry.counters.admission_wrong_source += 1;
+            let why = "client_id is bound to other source networks or certificate names than this connection's";
+            return Err(Rejection::fail(request_id, Status::RateLimited, why));
         }
-
-        let items = request.item_ids();
-        let rows = items.len();
-        let row_dim = layout.row_dim;
-        self.item_ids.clear();
-        self.item_ids.extend(items.iter());
-        let x = &mut self.x[..rows * row_dim];
-        let mut missing = 0u32;
-        if let Some(off) = layout.user {
-            let dim = self.shared.user.dim();
-            let (first, rest) = x.split_at_mut(row_dim);
-            missing += u32::from(!self.shared.user.read_into(request.user_id(), &mut first[off..off + dim]));
-            for row in rest.chunks_exact_mut(row_dim) {
-                row[off..off + dim].copy_from_slice(&first[off..off + dim]);
-            }
+    };
+    let Some(chosen) = versions.choose(request.model(), request.user_id()) else {
+        return Err(Rejection::fail(request_id, Status::ModelNotFound, "unknown model"));
+    };
+    if policies.shedder.enabled()
+        && policies.shed_now(priority, read_at_ns, decoded_ns, slot_fill, &mut telemetry.counters)
+    {
+        if policies.shedder.answer() == ShedAnswer::Overloaded {
+            let why = "shed: over capacity, priority below the shed level";
+            return Err(Rejection::fail(request_id, Status::Overloaded, why));
         }
-        if let Some(off) = layout.item {
-            // Batched so the candidates' memory loads overlap (prefetch).
-            let dim = self.shared.item.dim();
-            let vectors = &mut self.item_vectors[..rows * dim];
-            missing += self.shared.item.read_many_into(&self.item_ids, &mut self.item_rows, vectors) as u32;
-            for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
-                row[off..off + dim].copy_from_slice(v);
-            }
-        }
-        if let Some((off, dim)) = layout.context {
-            for row in x.chunks_exact_mut(row_dim) {
-                let dst = &mut row[off..off + dim];
-                if context.is_empty() {
-                    dst.fill(0.0);
-                } else {
-                    for (d, c) in dst.iter_mut().zip(context.iter()) {
-                        *d = c;
-                    }
-                }
-            }
-            if let Some(d) = &mut s.drift {
-                if context.is_empty() {
-                    d.record_context(std::iter::repeat(0.0), rows);
-                } else {
-                    d.record_context(context.iter(), rows);
-                }
-            }
-        }
-        if let Some((off, dim)) = layout.context_ids {
-            missing += if context_ids.is_empty() {
-                dim as u32
-            } else {
-                let id_rows = s.id_rows.iter();
-                context_ids.iter().zip(id_rows).filter(|(id, rows)| id >= *rows || *id >= 1 << 24).count() as u32
-            };
-            for row in x.chunks_exact_mut(row_dim) {
-                let dst = &mut row[off..off + dim];
-                if context_ids.is_empty() {
-                    dst.fill(-1.0);
-                } else {
-                    for (d, id) in dst.iter_mut().zip(context_ids.iter()) {
-                        *d = context_id_value(id);
-                    }
-                }
-            }
-        }
-        // Categorical ids in float columns that no embedding row matches
-        // read the default row: missing, like an unknown key.
-        for &(c, table_rows, per_request) in s.index_cols.iter() {
-            let bad = |row: &[f32]| embedding_index(row[c], table_rows).is_none();
-            missing += if per_request {
-                u32::from(bad(&x[..row_dim]))
-            } else {
-                x.chunks_exact(row_dim).filter(|r| bad(r)).count() as u32
-            };
-        }
-
-        let at_ns = self.clock.now_ns();
-        self.times.record_ns(Stage::Lookup, at_ns.saturating_sub(a.decoded_ns));
-        let cache_key = Key {
-            model: s.name_hash,
-            version: s.model.version,
-            user: request.user_id(),
-            item: 0,
-            context: hash_words(context.iter().map(|c| u64::from(c.to_bits())).chain(context_ids.iter())),
-        };
         let step = StepDown {
             request_id,
-            rows,
-            row_dim,
-            read_at_ns: a.read_at_ns,
-            deadline: a.deadline,
-            missing,
-            fallback: s.fallback_fits,
+            rows: request.item_ids().len(),
+            row_dim: 0,
+            read_at_ns,
+            deadline,
+            missing: 0,
+            fallback: false,
             cached: false,
-            default_score: s.default_score,
+            default_score: versions.served[chosen].default_score,
         };
-        Ok(Assembled { step, cache_key, chosen: a.chosen, user_id: request.user_id(), at_ns })
+        return Err(Rejection::Shed { step });
+    }
+    versions.served[chosen].requests += 1;
+    Ok(Admitted { request, read_at_ns, decoded_ns, deadline, chosen })
+}
+
+/// Checks the inputs against the chosen version's layout, then writes the
+/// model input rows: the user vector once, one item vector per candidate,
+/// the context; counts what is missing and records the context's drift.
+pub(super) fn assemble(
+    a: Admitted<'_>,
+    clock: &impl Clock,
+    served: &mut Served,
+    replicas: &Replicas,
+    inputs: &mut Inputs,
+    telemetry: &mut Telemetry,
+) -> Result<Assembled, Rejection> {
+    let request = &a.request;
+    let request_id = request.request_id();
+    let layout = &served.layout;
+    let context = request.context();
+    let context_dim = layout.context.map_or(0, |(_, d)| d);
+    if !context.is_empty() && context.len() != context_dim {
+        let why = format!("context has {} floats, the model takes {context_dim}", context.len());
+        return Err(Rejection::fail(request_id, Status::BadRequest, why));
+    }
+    let context_ids = request.context_ids();
+    let ids_dim = layout.context_ids.map_or(0, |(_, d)| d);
+    if !context_ids.is_empty() && context_ids.len() != ids_dim {
+        let why = format!("context_ids has {} ids, the model takes {ids_dim}", context_ids.len());
+        return Err(Rejection::fail(request_id, Status::BadRequest, why));
     }
 
-    /// Checks the time left and picks the rung: the cache when it answers
-    /// first, a lower rung when the primary cannot fit or its breaker is
-    /// open, else the primary on the stage (when attached and the rows fit
-    /// a job slot) or inline. Looks the cache up (`a.step.cached`).
-    fn plan(&mut self, a: &mut Assembled) -> Result<Route, Rejection> {
-        let (now_ns, rows) = (a.at_ns, a.step.rows);
-        let now_us = now_ns / 1_000;
-        let deadline = a.step.deadline;
-        if deadline.cannot_fit(now_us, 0) {
-            return Err(Rejection::fail(a.step.request_id, Status::DeadlineExceeded, "budget spent during lookup"));
+    let items = request.item_ids();
+    let rows = items.len();
+    let row_dim = layout.row_dim;
+    inputs.item_ids.clear();
+    inputs.item_ids.extend(items.iter());
+    let x = &mut inputs.x[..rows * row_dim];
+    let mut missing = 0u32;
+    if let Some(off) = layout.user {
+        let dim = replicas.user.dim();
+        let (first, rest) = x.split_at_mut(row_dim);
+        missing += u32::from(!replicas.user.read_into(request.user_id(), &mut first[off..off + dim]));
+        for row in rest.chunks_exact_mut(row_dim) {
+            row[off..off + dim].copy_from_slice(&first[off..off + dim]);
         }
-        let mut cached = self.cache.enabled();
-        if cached {
-            for (slot, &item) in self.cached.iter_mut().zip(&self.item_ids) {
-                match self.cache.get(&Key { item, ..a.cache_key }, now_ns) {
-                    Some(score) => *slot = score,
-                    None => {
-                        cached = false;
-                        break;
-                    }
+    }
+    if let Some(off) = layout.item {
+        // Batched so the candidates' memory loads overlap (prefetch).
+        let dim = replicas.item.dim();
+        let vectors = &mut inputs.item_vectors[..rows * dim];
+        missing += replicas.item.read_many_into(&inputs.item_ids, &mut inputs.item_rows, vectors) as u32;
+        for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
+            row[off..off + dim].copy_from_slice(v);
+        }
+    }
+    if let Some((off, dim)) = layout.context {
+        for row in x.chunks_exact_mut(row_dim) {
+            let dst = &mut row[off..off + dim];
+            if context.is_empty() {
+                dst.fill(0.0);
+            } else {
+                for (d, c) in dst.iter_mut().zip(context.iter()) {
+                    *d = c;
                 }
             }
-            self.counters.cache_hits = self.cache.hits;
-            self.counters.cache_misses = self.cache.misses;
         }
-        a.step.cached = cached;
-        if cached && self.shared.cache.before_primary {
-            let version = self.served[a.chosen].model.version;
-            return Err(Rejection::Cached { step: a.step, version, now_ns });
+        if let Some(d) = &mut served.drift {
+            if context.is_empty() {
+                d.record_context(std::iter::repeat(0.0), rows);
+            } else {
+                d.record_context(context.iter(), rows);
+            }
         }
-        let handoff = self.stage.as_ref().is_some_and(|s| s.fits(rows * a.step.row_dim));
-        let primary_us = if handoff {
-            self.turnaround.expected_us(now_ns) + self.shared.ladder.reserve_us
+    }
+    if let Some((off, dim)) = layout.context_ids {
+        missing += if context_ids.is_empty() {
+            dim as u32
         } else {
-            self.served[a.chosen].kernel_cost.expected_us(rows)
+            let id_rows = served.id_rows.iter();
+            context_ids.iter().zip(id_rows).filter(|(id, rows)| id >= *rows || *id >= 1 << 24).count() as u32
         };
-        // Budget first: a half-open breaker's probe is spent only on a
-        // request that can use it.
-        if self.breaker.state() == BreakerState::Closed && deadline.cannot_fit(now_us, primary_us) {
-            return Err(Rejection::StepDown { step: a.step, reason: Reason::Budget });
+        for row in x.chunks_exact_mut(row_dim) {
+            let dst = &mut row[off..off + dim];
+            if context_ids.is_empty() {
+                dst.fill(-1.0);
+            } else {
+                for (d, id) in dst.iter_mut().zip(context_ids.iter()) {
+                    *d = context_id_value(id);
+                }
+            }
         }
-        if !self.breaker.allow(now_ns) {
-            return Err(Rejection::StepDown { step: a.step, reason: Reason::BreakerOpen });
-        }
-        Ok(if handoff { Route::HandOff } else { Route::Inline })
     }
-
-    /// Gives the rows to the inference stage; the response follows from
-    /// `complete`, or from `give_up_overdue` at the give-up time.
-    fn hand_off(&mut self, a: Assembled, conn: u32) -> Result<(), Rejection> {
-        let step = a.step;
-        let (rows, row_dim, now_ns) = (step.rows, step.row_dim, a.at_ns);
-        let stage = self.stage.as_mut().expect("plan hands off only to an attached stage");
-        let Some(token) = stage.acquire() else {
-            self.breaker.record(true, now_ns);
-            return Err(Rejection::StepDown { step, reason: Reason::Overload });
+    // Categorical ids in float columns that no embedding row matches
+    // read the default row: missing, like an unknown key.
+    for &(c, table_rows, per_request) in served.index_cols.iter() {
+        let bad = |row: &[f32]| embedding_index(row[c], table_rows).is_none();
+        missing += if per_request {
+            u32::from(bad(&x[..row_dim]))
+        } else {
+            x.chunks_exact(row_dim).filter(|r| bad(r)).count() as u32
         };
-        let slot = token.index() as usize;
-        let model = &self.served[a.chosen].model;
-        let data = stage.slot_mut(&token);
-        data.x[..rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
-        data.rows = rows;
-        data.model = Some(model.clone());
-        if let Err(token) = stage.submit(token, step.deadline.at_us() * 1_000, now_ns) {
-            stage.release(token);
-            self.breaker.record(true, now_ns);
-            return Err(Rejection::StepDown { step, reason: Reason::Overload });
-        }
-        if step.fallback {
-            // The stage owns the slot now; keep the rows for a give-up.
-            let at = slot * stage.slot_floats();
-            self.shadow[at..at + rows * row_dim].copy_from_slice(&self.x[..rows * row_dim]);
-        }
-        let give_up_ns = (step.deadline.at_us().saturating_sub(self.shared.ladder.reserve_us)) * 1_000;
-        self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);
-        if self.cache.enabled() {
-            let at = slot * self.shared.limits.candidates_max;
-            self.pending_items[at..at + rows].copy_from_slice(&self.item_ids);
-        }
-        self.pending[slot] = Some(Pending {
-            conn,
-            step,
-            cache_key: a.cache_key,
-            model_version: model.version,
-            served: a.chosen,
-            generation: self.generation,
-            user_id: a.user_id,
-            submitted_ns: now_ns,
-            give_up_ns,
-            answered: false,
-        });
-        Ok(())
     }
 
-    /// Runs the primary on the shard, then checks it finished in time. A
-    /// backend that fails (onnxruntime's error, or one that could not be
-    /// built) steps down with reason `model_error`.
-    fn run(&mut self, a: Assembled) -> Result<Ran, Rejection> {
-        let (rows, row_dim) = (a.step.rows, a.step.row_dim);
-        let s = &mut self.served[a.chosen];
-        let logits = &mut self.logits[..rows];
-        let scored = s.backend.score(&self.x[..rows * row_dim], rows, logits);
-        let after_kernel_ns = self.clock.now_ns();
-        if scored.is_err() {
-            self.breaker.record(true, after_kernel_ns);
-            return Err(Rejection::StepDown { step: a.step, reason: Reason::ModelError });
-        }
-        let kernel_ns = after_kernel_ns.saturating_sub(a.at_ns);
-        self.times.record_ns(Stage::Kernel, kernel_ns);
-        s.kernel_cost.observe(rows, kernel_ns / 1_000);
-        for l in logits.iter_mut() {
-            *l = s.model.score(*l);
-        }
-        let version = s.model.version;
-        let late = a.step.deadline.cannot_fit(after_kernel_ns / 1_000, 0);
-        self.breaker.record(late, after_kernel_ns);
-        if late {
-            let id = a.step.request_id;
-            return Err(Rejection::fail(id, Status::DeadlineExceeded, "kernel finished past the deadline"));
-        }
-        Ok(Ran { assembled: a, version, after_kernel_ns })
-    }
+    let at_ns = clock.now_ns();
+    telemetry.times.record_ns(Stage::Lookup, at_ns.saturating_sub(a.decoded_ns));
+    let cache_key = Key {
+        model: served.name_hash,
+        version: served.model.version,
+        user: request.user_id(),
+        item: 0,
+        context: hash_words(context.iter().map(|c| u64::from(c.to_bits())).chain(context_ids.iter())),
+    };
+    let step = StepDown {
+        request_id,
+        rows,
+        row_dim,
+        read_at_ns: a.read_at_ns,
+        deadline: a.deadline,
+        missing,
+        fallback: served.fallback_fits,
+        cached: false,
+        default_score: served.default_score,
+    };
+    let (chosen, version, user_id) = (a.chosen, served.model.version, request.user_id());
+    Ok(Assembled { step, cache_key, chosen, version, user_id, at_ns })
+}
 
-    /// Answers the primary's scores, then what follows from them: drift
-    /// counts, the cache fill, the shadow sample and the stage timings.
-    fn finish(&mut self, ran: Ran, out: &mut Vec<u8>) -> Handled {
-        let Ran { assembled: a, version, after_kernel_ns } = ran;
-        let (rows, row_dim) = (a.step.rows, a.step.row_dim);
-        self.respond_ok(&a.step, Tier::Primary, Reason::None, version, after_kernel_ns, out);
-        if let Some(d) = &mut self.served[a.chosen].drift {
-            d.record_scores(&self.logits[..rows]);
-        }
-        self.cache.put_all(&a.cache_key, &self.item_ids[..rows], &self.logits[..rows], after_kernel_ns);
-        let (x, returned) = (&self.x[..rows * row_dim], &self.logits[..rows]);
-        self.shadow_queue.sample(&self.served, a.chosen, a.user_id, x, returned, row_dim);
-        let done_ns = self.clock.now_ns();
-        self.times.record_ns(Stage::Respond, done_ns.saturating_sub(after_kernel_ns));
-        self.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(a.step.read_at_ns));
-        Handled::Answered
+/// Checks the time the lookup left, then looks every candidate up in the
+/// score cache (`a.step.cached` when all are there, their scores in
+/// `Answer::cached`); the cache answers at once when it comes before the
+/// primary.
+pub(super) fn look_up_cache(
+    a: &mut Assembled,
+    policies: &Policies,
+    cache: &mut ScoreCache,
+    inputs: &Inputs,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+) -> Result<(), Rejection> {
+    if a.step.deadline.cannot_fit(a.at_ns / 1_000, 0) {
+        return Err(Rejection::fail(a.step.request_id, Status::DeadlineExceeded, "budget spent during lookup"));
     }
+    let items = &inputs.item_ids[..a.step.rows];
+    a.step.cached = cached_scores(cache, &a.cache_key, items, a.at_ns, &mut answer.cached, telemetry);
+    if a.step.cached && policies.cache_before_primary {
+        return Err(Rejection::Cached { step: a.step, version: a.version, now_ns: a.at_ns });
+    }
+    Ok(())
+}
 
-    /// The one place a rejection becomes a response.
-    fn answer(&mut self, rejection: Rejection, out: &mut Vec<u8>) -> Handled {
-        match rejection {
-            Rejection::Fail { request_id, status, why } => self.fail(request_id, status, &why, out),
-            Rejection::Floor { request_id, read_at_ns } => self.respond_floor(request_id, read_at_ns, out),
-            Rejection::Shed { request_id, chosen, rows, read_at_ns, deadline } => {
-                self.answer_shed(request_id, chosen, rows, read_at_ns, deadline, out)
+/// Whether every one of `items` is in the cache under `key` at `now_ns`;
+/// their scores go to `cached` (up to the first missing one).
+pub(super) fn cached_scores(
+    cache: &mut ScoreCache,
+    key: &Key,
+    items: &[u64],
+    now_ns: u64,
+    cached: &mut [f32],
+    telemetry: &mut Telemetry,
+) -> bool {
+    if !cache.enabled() {
+        return false;
+    }
+    let mut all = true;
+    for (slot, &item) in cached.iter_mut().zip(items) {
+        match cache.get(&Key { item, ..*key }, now_ns) {
+            Some(score) => *slot = score,
+            None => {
+                all = false;
+                break;
             }
-            Rejection::Cached { step, version, now_ns } => {
-                self.logits[..step.rows].copy_from_slice(&self.cached[..step.rows]);
-                self.respond_ok(&step, Tier::Cached, Reason::None, version, now_ns, out);
-                self.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
-                Handled::Answered
-            }
-            Rejection::StepDown { step, reason } => self.step_down(&step, reason, 0, out),
         }
     }
+    telemetry.counters.cache_hits = cache.hits;
+    telemetry.counters.cache_misses = cache.misses;
+    all
+}
+
+/// Picks the rung: a lower one when the primary cannot fit the time left or
+/// its breaker is open, else the primary on the stage (`stage_us`, its
+/// expected turnaround, when one is attached and the rows fit a job slot)
+/// or inline.
+pub(super) fn route(
+    a: &Assembled,
+    policies: &mut Policies,
+    stage_us: Option<u64>,
+    served: &Served,
+) -> Result<Route, Rejection> {
+    let (now_ns, rows) = (a.at_ns, a.step.rows);
+    let primary_us = match stage_us {
+        Some(us) => us + policies.ladder.reserve_us,
+        None => served.kernel_cost.expected_us(rows),
+    };
+    // Budget first: a half-open breaker's probe is spent only on a
+    // request that can use it.
+    let breaker = &mut policies.breaker;
+    if breaker.state() == BreakerState::Closed && a.step.deadline.cannot_fit(now_ns / 1_000, primary_us) {
+        return Err(Rejection::StepDown { step: a.step, reason: Reason::Budget });
+    }
+    if !breaker.allow(now_ns) {
+        return Err(Rejection::StepDown { step: a.step, reason: Reason::BreakerOpen });
+    }
+    Ok(if stage_us.is_some() { Route::HandOff } else { Route::Inline })
+}
+
+/// Runs the primary on the shard, then checks it finished in time. A
+/// backend that fails (onnxruntime's error, or one that could not be
+/// built) steps down with reason `model_error`.
+pub(super) fn run(
+    a: Assembled,
+    clock: &impl Clock,
+    policies: &mut Policies,
+    served: &mut Served,
+    inputs: &Inputs,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+) -> Result<Ran, Rejection> {
+    let (rows, row_dim) = (a.step.rows, a.step.row_dim);
+    let logits = &mut answer.logits[..rows];
+    let scored = served.backend.score(&inputs.x[..rows * row_dim], rows, logits);
+    let after_kernel_ns = clock.now_ns();
+    if scored.is_err() {
+        policies.breaker.record(true, after_kernel_ns);
+        return Err(Rejection::StepDown { step: a.step, reason: Reason::ModelError });
+    }
+    let kernel_ns = after_kernel_ns.saturating_sub(a.at_ns);
+    telemetry.times.record_ns(Stage::Kernel, kernel_ns);
+    served.kernel_cost.observe(rows, kernel_ns / 1_000);
+    for l in logits.iter_mut() {
+        *l = served.model.score(*l);
+    }
+    let late = a.step.deadline.cannot_fit(after_kernel_ns / 1_000, 0);
+    policies.breaker.record(late, after_kernel_ns);
+    if late {
+        let id = a.step.request_id;
+        return Err(Rejection::fail(id, Status::DeadlineExceeded, "kernel finished past the deadline"));
+    }
+    Ok(Ran { assembled: a, scored_ns: after_kernel_ns })
+}
+
+/// Answers the primary's scores (in `Answer::logits`), then what follows
+/// from them: drift counts, the cache fill, the shadow sample and the stage
+/// timings. `x` and `items` are the request's model input rows and item ids.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn finish(
+    ran: Ran,
+    x: &[f32],
+    items: &[u64],
+    clock: &impl Clock,
+    versions: &mut Versions,
+    cache: &mut ScoreCache,
+    shadows: &mut ShadowQueue,
+    feed: &Option<Arc<FeedStatus>>,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) -> Handled {
+    let Ran { assembled: a, scored_ns } = ran;
+    let rows = a.step.rows;
+    respond_ok(&a.step, Tier::Primary, Reason::None, a.version, scored_ns, feed, answer, telemetry, out);
+    let returned = &answer.logits[..rows];
+    if let Some(d) = &mut versions.served[a.chosen].drift {
+        d.record_scores(returned);
+    }
+    cache.put_all(&a.cache_key, items, returned, scored_ns);
+    shadows.sample(&versions.served, a.chosen, a.user_id, x, returned, a.step.row_dim);
+    let done_ns = clock.now_ns();
+    telemetry.times.record_ns(Stage::Respond, done_ns.saturating_sub(scored_ns));
+    telemetry.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(a.step.read_at_ns));
+    Handled::Answered
+}
+
+/// The one place a rejection becomes a response. `x` holds the model input
+/// rows, for the fallback model.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn answer(
+    rejection: Rejection,
+    x: &[f32],
+    clock: &impl Clock,
+    fallback: Option<&mut Served>,
+    feed: &Option<Arc<FeedStatus>>,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) -> Handled {
+    match rejection {
+        Rejection::Fail { request_id, status, why } => fail(request_id, status, &why, answer, telemetry, out),
+        Rejection::Floor { request_id, read_at_ns } => {
+            respond_floor(request_id, read_at_ns, clock, answer, telemetry, out)
+        }
+        Rejection::Shed { step } => answer_shed(&step, clock, feed, answer, telemetry, out),
+        Rejection::Cached { step, version, now_ns } => {
+            answer.logits[..step.rows].copy_from_slice(&answer.cached[..step.rows]);
+            respond_ok(&step, Tier::Cached, Reason::None, version, now_ns, feed, answer, telemetry, out);
+            telemetry.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
+            Handled::Answered
+        }
+        Rejection::StepDown { step, reason } => {
+            step_down(&step, reason, &x[..step.rows * step.row_dim], clock, fallback, feed, answer, telemetry, out)
+        }
+    }
+}
+
+/// Answers a shed request with its model's static default, reason
+/// `overload` (`shed.answer = "default"`).
+fn answer_shed(
+    step: &StepDown,
+    clock: &impl Clock,
+    feed: &Option<Arc<FeedStatus>>,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) -> Handled {
+    answer.logits[..step.rows].fill(step.default_score);
+    let now_ns = clock.now_ns();
+    respond_ok(step, Tier::Default, Reason::Overload, 0, now_ns, feed, answer, telemetry, out);
+    telemetry.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
+    Handled::Answered
+}
+
+/// Counts and encodes a response without scores.
+pub(super) fn fail(
+    request_id: u64,
+    status: Status,
+    error: &str,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) -> Handled {
+    let counters = &mut telemetry.counters;
+    counters.requests += 1;
+    counters.by_status[usize::from(status.0).min(7)] += 1;
+    answer.encoder.encode(&ResponseFields::failure(request_id, status, error), out);
+    Handled::Answered
+}
+
+/// Encodes an `Ok` response with the scores in `Answer::logits`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn respond_ok(
+    step: &StepDown,
+    tier: Tier,
+    reason: Reason,
+    version: u32,
+    now_ns: u64,
+    feed: &Option<Arc<FeedStatus>>,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) {
+    let counters = &mut telemetry.counters;
+    counters.requests += 1;
+    counters.by_status[usize::from(Status::Ok.0)] += 1;
+    counters.by_tier[usize::from(tier.0).min(3)] += 1;
+    counters.by_reason[usize::from(reason.0).min(REASONS - 1)] += 1;
+    counters.features_missing += u64::from(step.missing);
+    counters.candidates_scored += step.rows as u64;
+    let server_us = now_ns.saturating_sub(step.read_at_ns) / 1_000;
+    // Whether the feed has gone past its staleness bound; responses say so.
+    let features_stale = feed.as_ref().is_some_and(|f| f.is_stale(now_ns));
+    counters.stale_responses += u64::from(features_stale);
+    answer.encoder.encode(
+        &ResponseFields {
+            request_id: step.request_id,
+            status: Status::Ok,
+            scores: &answer.logits[..step.rows],
+            tier,
+            model_version: version,
+            server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
+            features_missing: u16::try_from(step.missing).unwrap_or(u16::MAX),
+            error: "",
+            reason,
+            features_stale,
+        },
+        out,
+    );
+}
+
+/// Answers from the rungs below the primary: the cached scores when
+/// `step.cached` (they are in `Answer::cached`), the fallback model when it
+/// reads the same inputs and fits the time left, else the static default.
+/// `x` holds the request's model input rows.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn step_down(
+    step: &StepDown,
+    reason: Reason,
+    x: &[f32],
+    clock: &impl Clock,
+    fallback: Option<&mut Served>,
+    feed: &Option<Arc<FeedStatus>>,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) -> Handled {
+    let now_ns = clock.now_ns();
+    let rows = step.rows;
+    let mut tier = Tier::Default;
+    let mut version = 0;
+    if step.cached {
+        answer.logits[..rows].copy_from_slice(&answer.cached[..rows]);
+        tier = Tier::Cached;
+    }
+    if let Some(fb) = fallback.filter(|_| step.fallback && tier == Tier::Default) {
+        if !step.deadline.cannot_fit(now_ns / 1_000, fb.kernel_cost.expected_us(rows)) {
+            let started_ns = clock.now_ns();
+            let scored = fb.backend.score(x, rows, &mut answer.logits[..rows]);
+            fb.kernel_cost.observe(rows, clock.now_ns().saturating_sub(started_ns) / 1_000);
+            // A fallback that cannot score leaves the static default.
+            if scored.is_ok() {
+                for l in answer.logits[..rows].iter_mut() {
+                    *l = fb.model.score(*l);
+                }
+                tier = Tier::Fallback;
+                version = fb.model.version;
+            }
+        }
+    }
+    if tier == Tier::Default {
+        answer.logits[..rows].fill(step.default_score);
+    }
+    let now_ns = clock.now_ns();
+    if step.deadline.cannot_fit(now_ns / 1_000, 0) {
+        // No `Ok` once the deadline was seen to pass: the fallback model
+        // finished late, or the step-down itself came late (a give-up
+        // the shard reached after the deadline).
+        telemetry.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
+        let why = if tier == Tier::Fallback {
+            "the fallback model finished after the deadline"
+        } else {
+            "the deadline passed before a lower rung could answer"
+        };
+        return fail(step.request_id, Status::DeadlineExceeded, why, answer, telemetry, out);
+    }
+    respond_ok(step, tier, reason, version, now_ns, feed, answer, telemetry, out);
+    telemetry.times.record_ns(Stage::EndToEnd, now_ns.saturating_sub(step.read_at_ns));
+    Handled::Answered
+}
+
+/// The protocol floor's answer: `Ok`, no scores, no lookup, no model.
+fn respond_floor(
+    request_id: u64,
+    read_at_ns: u64,
+    clock: &impl Clock,
+    answer: &mut Answer,
+    telemetry: &mut Telemetry,
+    out: &mut Vec<u8>,
+) -> Handled {
+    let counters = &mut telemetry.counters;
+    counters.requests += 1;
+    counters.by_status[usize::from(Status::Ok.0)] += 1;
+    counters.by_tier[usize::from(Tier::Primary.0)] += 1;
+    let now_ns = clock.now_ns();
+    let fields = ResponseFields {
+        server_us: u32::try_from(now_ns.saturating_sub(read_at_ns) / 1_000).unwrap_or(u32::MAX),
+        tier: Tier::Primary,
+        ..ResponseFields::failure(request_id, Status::Ok, "")
+    };
+    answer.encoder.encode(&fields, out);
+    telemetry.times.record_ns(Stage::EndToEnd, clock.now_ns().saturating_sub(read_at_ns));
+    Handled::Answered
 }

@@ -4,7 +4,7 @@ use super::*;
 use crate::deadline::ManualClock;
 use crate::features::replica::ReplicaBuilder;
 use crate::model::{sigmoid, InputSegment, Layer, Source};
-use crate::wire::{RequestEncoder, RequestSpec, FRAME_PREFIX_BYTES};
+use crate::wire::{Reason, RequestEncoder, RequestSpec, Tier, FRAME_PREFIX_BYTES};
 
 /// The peer of every test request.
 const LOCAL: Peer<'static> = Peer { addr: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), tls_names: &[] };
@@ -97,7 +97,7 @@ fn scores_follow_the_input_layout() {
     let r = run(&mut path, &unknown_user, 1_000);
     assert_eq!(r.scores, [2.0, 0.5, -1.0].map(sigmoid));
     assert_eq!(r.features_missing, 2);
-    assert_eq!(path.counters.by_status[0], 2);
+    assert_eq!(path.telemetry.counters.by_status[0], 2);
 }
 
 #[test]
@@ -131,7 +131,7 @@ fn each_stage_boundary_enforces_the_deadline() {
 fn budget_smaller_than_the_kernel_cost_steps_down_up_front() {
     let clock = ManualClock::new(0);
     let mut path = RequestPath::new(shared(&dir("cost")), &clock).unwrap();
-    path.served[0].kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
+    path.versions.served[0].kernel_cost.ns_per_row = 50_000.0; // 50 µs per row
     let mut s = spec();
     s.budget_us = 100; // 3 rows need 150 µs
     let r = run(&mut path, &s, 0);
@@ -179,7 +179,7 @@ fn the_floor_answers_without_scoring() {
     let r = run(&mut path, &spec(), 0);
     assert_eq!((r.request_id, r.status, r.tier), (77, Status::Ok, Tier::Primary));
     assert!(r.scores.is_empty());
-    assert_eq!(path.counters.candidates_scored, 0);
+    assert_eq!(path.telemetry.counters.candidates_scored, 0);
 }
 
 #[test]
@@ -190,7 +190,7 @@ fn budget_zero_means_default_and_large_budgets_are_clamped() {
     s.budget_us = 0;
     clock.set_step_us(2_000); // default budget is 10 ms; five reads fit
     assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::Ok);
-    path.shared.limits.budget_us_max = 10_000;
+    path.policies.limits.budget_us_max = 10_000;
     s.budget_us = u32::MAX;
     clock.set_step_us(6_000);
     assert_eq!(run(&mut path, &s, clock.now_us()).status, Status::DeadlineExceeded);
@@ -225,23 +225,23 @@ fn a_long_wait_in_the_read_buffer_sheds_low_priorities_before_lookup() {
         clock.advance_us(1_000);
         assert_eq!(run(&mut path, &high, clock.now_us() - 500).status, Status::Ok);
     }
-    let missing = path.counters.features_missing;
+    let missing = path.telemetry.counters.features_missing;
     let r = run(&mut path, &low, clock.now_us() - 500);
     assert_eq!(
         (r.status, r.error.as_str()),
         (Status::Overloaded, "shed: over capacity, priority below the shed level")
     );
-    assert_eq!(path.counters.features_missing, missing, "no lookup for a shed request");
+    assert_eq!(path.telemetry.counters.features_missing, missing, "no lookup for a shed request");
     assert_eq!(run(&mut path, &high, clock.now_us() - 500).status, Status::Ok, "priority 9 is four bands up");
-    assert_eq!(path.counters.shed_by_band[0], 1);
-    assert_eq!(path.counters.shed_level_milli, 1_250);
+    assert_eq!(path.telemetry.counters.shed_by_band[0], 1);
+    assert_eq!(path.telemetry.counters.shed_level_milli, 1_250);
     // No more waiting; after release_ms (50 ms per band) priority 0 is back.
     low.request_id = 78;
     clock.advance_us(10_000);
     assert_eq!(run(&mut path, &low, clock.now_us()).status, Status::Overloaded, "10 ms is not enough");
     clock.advance_us(90_000);
     assert_eq!(run(&mut path, &low, clock.now_us()).status, Status::Ok);
-    assert_eq!(path.counters.shed_by_band[0], 2);
+    assert_eq!(path.telemetry.counters.shed_by_band[0], 2);
 }
 
 #[test]
@@ -266,7 +266,7 @@ fn a_priority_above_the_clients_ceiling_is_shed_as_the_ceiling() {
         (Status::Overloaded, "shed: over capacity, priority below the shed level"),
         "priority 255 from an unknown client is shed as 0"
     );
-    assert!(path.counters.shed_by_band[0] >= 1 && path.counters.shed_by_band[8] == 0);
+    assert!(path.telemetry.counters.shed_by_band[0] >= 1 && path.telemetry.counters.shed_by_band[8] == 0);
 }
 
 #[test]
@@ -331,7 +331,7 @@ fn through_stage(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec) -> wi
 fn stage_scores_fill_the_cache() {
     let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
     let (mut path, stage) = threaded("stage-cache", Arc::default(), &clock);
-    path.shared.cache.before_primary = true;
+    path.policies.cache_before_primary = true;
     let mut s = spec();
     s.budget_us = 1_000_000;
     let first = through_stage(&mut path, &s);
@@ -360,7 +360,7 @@ fn a_give_up_answers_from_the_cache() {
     let mut answers = Vec::new();
     path.give_up_overdue(read_at_ns + 500_000_000, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
     assert!(answers.is_empty(), "not yet due");
-    clock.advance_us(1_000_000 - path.shared.ladder.reserve_us);
+    clock.advance_us(1_000_000 - path.policies.ladder.reserve_us);
     let now_ns = clock.now_ns();
     path.give_up_overdue(now_ns, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
     assert_eq!(answers.len(), 1);
@@ -405,7 +405,7 @@ fn a_give_up_reached_after_the_deadline_answers_deadline_exceeded() {
     // In time, the same give-up is the default rung's Ok.
     s.request_id = 2;
     assert_eq!(path.handle(&payload(&s), clock.now_ns(), 0, LOCAL, &mut out), Handled::Pending);
-    clock.advance_us(4_000 - path.shared.ladder.reserve_us);
+    clock.advance_us(4_000 - path.policies.ladder.reserve_us);
     answers.clear();
     path.give_up_overdue(clock.now_ns(), &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
     let r = decode(&answers[0].1);
@@ -427,8 +427,8 @@ fn a_fallback_that_finishes_late_answers_deadline_exceeded() {
     for step in 1..=400u64 {
         let clock = ManualClock::new(0);
         let mut path = RequestPath::new(sh.clone(), &clock).unwrap();
-        path.served[0].kernel_cost.ns_per_row = 1e9;
-        path.fallback.as_mut().unwrap().kernel_cost.ns_per_row = 0.0;
+        path.versions.served[0].kernel_cost.ns_per_row = 1e9;
+        path.versions.fallback.as_mut().unwrap().kernel_cost.ns_per_row = 0.0;
         clock.set_step_us(step);
         let mut s = spec();
         s.budget_us = 1_000;
@@ -502,7 +502,7 @@ fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
     assert_eq!(ask(&mut path, "a").status, Status::Ok);
     assert_eq!(ask(&mut path, "b").status, Status::ModelNotFound);
     assert!(!path.refresh_models().unwrap());
-    assert_eq!(path.served.len(), 1);
+    assert_eq!(path.versions.served.len(), 1);
     let _ = std::fs::remove_dir_all(&models);
 }
 
@@ -551,8 +551,8 @@ fn trees_and_mlps_serve_as_each_others_fallback() {
         assert_eq!((r.status, r.tier), (Status::Ok, Tier::Primary));
         assert_eq!(r.scores, if trees_primary { tree_scores } else { mlp_scores });
         // A primary too slow for the budget steps down to the other kind.
-        path.served[0].kernel_cost.ns_per_row = 1e9;
-        path.fallback.as_mut().unwrap().kernel_cost.ns_per_row = 0.0;
+        path.versions.served[0].kernel_cost.ns_per_row = 1e9;
+        path.versions.fallback.as_mut().unwrap().kernel_cost.ns_per_row = 0.0;
         let r = run(&mut path, &s, 0);
         assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Fallback, Reason::Budget), "{trees_primary}");
         assert_eq!(r.scores, if trees_primary { mlp_scores } else { tree_scores });
@@ -611,7 +611,7 @@ fn versions_published_through_the_registry_arrive_built_for_each_shard() {
     let mut path = RequestPath::new(sh, &clock).unwrap();
     path.set_shard(1);
     // Start-up builds on the shard: nothing was published yet.
-    assert_eq!((path.counters.backends_prebuilt, path.counters.backends_built_on_shard), (0, 1));
+    assert_eq!((path.telemetry.counters.backends_prebuilt, path.telemetry.counters.backends_built_on_shard), (0, 1));
     let version = |v: u32| {
         let mut m = a.clone();
         m.version = v;
@@ -629,7 +629,7 @@ fn versions_published_through_the_registry_arrive_built_for_each_shard() {
     registry.load("a", None).unwrap();
     let v5 = registry.snapshot().models[0].clone();
     assert!(path.refresh_models().unwrap());
-    assert_eq!((path.counters.backends_prebuilt, path.counters.backends_built_on_shard), (1, 1));
+    assert_eq!((path.telemetry.counters.backends_prebuilt, path.telemetry.counters.backends_built_on_shard), (1, 1));
     assert_eq!(served_version(&mut path), 5);
     // Shard 1 took its own; shard 0's is still there, once.
     assert!(registry.take_prebuilt(&v5, 1).is_none());
@@ -647,7 +647,7 @@ fn versions_published_through_the_registry_arrive_built_for_each_shard() {
     // A rollback (to 6) is built ahead too.
     assert_eq!(registry.rollback("a").unwrap(), 6);
     assert!(path.refresh_models().unwrap());
-    assert_eq!((path.counters.backends_prebuilt, path.counters.backends_built_on_shard), (2, 1));
+    assert_eq!((path.telemetry.counters.backends_prebuilt, path.telemetry.counters.backends_built_on_shard), (2, 1));
     assert_eq!(served_version(&mut path), 6);
     let _ = std::fs::remove_dir_all(&models);
 }

@@ -52,8 +52,8 @@ pub(super) async fn accept(listener: TcpListener, conns: &Rc<Conns>, not_ready: 
             Err(refused) => {
                 let mut path = conns.path.borrow_mut();
                 match refused {
-                    balance::Refused::ShardFull => path.counters.connections_refused_shard_full += 1,
-                    balance::Refused::SourceFull => path.counters.connections_refused_source_full += 1,
+                    balance::Refused::ShardFull => path.telemetry.counters.connections_refused_shard_full += 1,
+                    balance::Refused::SourceFull => path.telemetry.counters.connections_refused_source_full += 1,
                 }
                 report.borrow_mut().connections_refused += 1;
                 tracing::debug!(shard, ?refused, %peer, "connection limit reached; closing new connection");

@@ -63,8 +63,8 @@ impl Conns {
             if let Err(e) = conn.serve(stream).await {
                 let mut path = this.path.borrow_mut();
                 match e.get_ref().and_then(|inner| inner.downcast_ref::<TimedOut>()) {
-                    Some(TimedOut::Frame) => path.counters.frames_timed_out += 1,
-                    Some(TimedOut::Write) => path.counters.writes_timed_out += 1,
+                    Some(TimedOut::Frame) => path.telemetry.counters.frames_timed_out += 1,
+                    Some(TimedOut::Write) => path.telemetry.counters.writes_timed_out += 1,
                     None => {}
                 }
                 tracing::debug!(shard = this.shard, error = %e, "connection closed");
@@ -128,18 +128,18 @@ impl Connection {
             Some(tls) => {
                 let within = self.shard.handshakes.as_ref().is_none_or(|b| b.take(MonotonicClock::new().now_ns()));
                 if !within {
-                    self.shard.path.borrow_mut().counters.tls_handshakes_refused += 1;
+                    self.shard.path.borrow_mut().telemetry.counters.tls_handshakes_refused += 1;
                     return Err(std::io::Error::other("over tls.handshakes_per_s_max: closed before the handshake"));
                 }
                 let handshake = self.handshake(stream, tls).await;
                 let mut path = self.shard.path.borrow_mut();
                 match handshake {
                     Ok(s) => {
-                        path.counters.tls_handshakes += 1;
+                        path.telemetry.counters.tls_handshakes += 1;
                         Transport::Tls(Box::new(s))
                     }
                     Err(e) => {
-                        path.counters.tls_handshake_failures += 1;
+                        path.telemetry.counters.tls_handshake_failures += 1;
                         return Err(e);
                     }
                 }

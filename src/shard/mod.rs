@@ -386,7 +386,7 @@ async fn run_shard(
     drop(publishing);
     drop(poller);
     let mut p = path.borrow_mut();
-    let mut counters = p.counters.clone();
+    let mut counters = p.telemetry.counters.clone();
     stalls.drain_into(p.times_mut(), &mut counters);
     let open = p.breaker_state() != BreakerState::Closed;
     let versions = p.version_report();

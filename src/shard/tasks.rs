@@ -80,7 +80,7 @@ pub(super) fn publisher(
                 glommio::timer::sleep(crate::metrics::PUBLISH_INTERVAL).await;
                 let t = stalls.start();
                 let mut p = path.borrow_mut();
-                let mut counters = p.counters.clone();
+                let mut counters = p.telemetry.counters.clone();
                 let longest = stalls.drain_into(p.times_mut(), &mut counters);
                 let open = p.breaker_state() != BreakerState::Closed;
                 let versions = p.version_report();
