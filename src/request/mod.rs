@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use crate::deadline::{Clock, Deadline};
 use crate::features::feed::FeedStatus;
-use crate::features::replica::ReplicaHandle;
+use crate::features::replica::{ReplicaHandle, ReplicaView};
 use crate::infer::{Done, ShardEnd, SlotToken};
 use crate::metrics::{Readiness, StageTimes, VersionReport};
 use crate::model::Model;
@@ -138,9 +138,19 @@ struct StepDown {
 /// The feature tables a request's rows are looked up in, and the feed that
 /// keeps them fresh (every answer says whether it has gone stale).
 struct Replicas {
-    user: Arc<ReplicaHandle>,
-    item: Arc<ReplicaHandle>,
+    user: ReplicaView,
+    item: ReplicaView,
     feed: Option<Arc<FeedStatus>>,
+}
+
+impl Replicas {
+    /// Takes the tables a writer swapped in since the last refresh: once
+    /// per request before its lookups, and on the shard's publication tick
+    /// so that an idle shard lets a replaced table go.
+    fn refresh(&mut self) {
+        self.user.refresh();
+        self.item.refresh();
+    }
 }
 
 /// What the shard measures of its requests, for publication.
@@ -196,7 +206,11 @@ impl<C: Clock> RequestPath<C> {
             in_flight: InFlight::default(),
             shadows: ShadowQueue::default(),
             telemetry,
-            replicas: Replicas { user: shared.user, item: shared.item, feed: shared.feed },
+            replicas: Replicas {
+                user: ReplicaView::new(shared.user),
+                item: ReplicaView::new(shared.item),
+                feed: shared.feed,
+            },
             clock,
         };
         path.refresh_models()?;
@@ -240,6 +254,12 @@ impl<C: Clock> RequestPath<C> {
                 stages::answer(rejection, &inputs.x, clock, fallback, feed, answer, telemetry, out)
             }
         }
+    }
+
+    /// Lets go of replica tables a writer replaced, between requests (the
+    /// publication tick), so an idle shard does not keep them mapped.
+    pub fn refresh_replicas(&mut self) {
+        self.replicas.refresh();
     }
 
     /// Makes this the path of shard `shard` (0 until set), whose backends

@@ -182,7 +182,7 @@ pub(super) fn assemble(
     a: Admitted<'_>,
     clock: &impl Clock,
     served: &mut Served,
-    replicas: &Replicas,
+    replicas: &mut Replicas,
     inputs: &mut Inputs,
     telemetry: &mut Telemetry,
 ) -> Result<Assembled, Rejection> {
@@ -209,6 +209,8 @@ pub(super) fn assemble(
     inputs.item_ids.extend(items.iter());
     let x = &mut inputs.x[..rows * row_dim];
     let mut missing = 0u32;
+    // One atomic load per group; the lookups below load no table.
+    replicas.refresh();
     if let Some(off) = layout.user {
         let dim = replicas.user.dim();
         let (first, rest) = x.split_at_mut(row_dim);

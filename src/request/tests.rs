@@ -651,3 +651,43 @@ fn versions_published_through_the_registry_arrive_built_for_each_shard() {
     assert_eq!(served_version(&mut path), 6);
     let _ = std::fs::remove_dir_all(&models);
 }
+
+#[test]
+fn a_swapped_table_is_read_at_the_next_request_and_an_idle_path_lets_the_old_one_go() {
+    use crate::features::replica::{ReplicaWriter, Storage};
+    let d = dir("swap");
+    let mut shared = shared(&d);
+    let mut w = ReplicaWriter::create(&d.join("item-w.qrep"), "item", 1, Storage::F32, 4, &[-1.0]).unwrap();
+    w.upsert(10, &[2.0]).unwrap();
+    w.upsert(11, &[0.5]).unwrap();
+    shared.item = w.handle();
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(shared, &clock).unwrap();
+    let r = run(&mut path, &spec(), 1_000);
+    assert_eq!(r.scores, [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid));
+    assert_eq!(r.features_missing, 1);
+    // Growth swaps the table behind the handle; the next request reads the
+    // new one, item 12 included.
+    for k in 100..200u64 {
+        w.upsert(k, &[0.0]).unwrap();
+    }
+    w.upsert(12, &[3.0]).unwrap();
+    let r = run(&mut path, &spec(), 1_000);
+    assert_eq!(r.scores, [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, 3.0 + 0.5 + 1.0].map(sigmoid));
+    assert_eq!(r.features_missing, 0);
+    // Another swap while the path is idle: it holds the replaced table
+    // until its tick refreshes, then the writer can let it go.
+    let handle = w.handle();
+    let read = Arc::as_ptr(&handle.load());
+    let mut k = 200u64;
+    while std::ptr::eq(Arc::as_ptr(&handle.load()), read) {
+        assert!(k < 1_000_000, "the table grows");
+        w.upsert(k, &[0.0]).unwrap();
+        k += 1;
+    }
+    w.reap_retired();
+    assert_eq!(w.retired_held(), 1, "the idle path holds the table it last read");
+    path.refresh_replicas();
+    w.reap_retired();
+    assert_eq!(w.retired_held(), 0, "after the tick's refresh nothing holds a replaced table");
+}

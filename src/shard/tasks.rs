@@ -84,6 +84,7 @@ pub(super) fn publisher(
                 let longest = stalls.drain_into(p.times_mut(), &mut counters);
                 let open = p.breaker_state() != BreakerState::Closed;
                 let versions = p.version_report();
+                p.refresh_replicas();
                 if let Some(publisher) = publisher.borrow_mut().as_mut() {
                     publisher.publish(p.times_mut(), &counters, active.get() as u64, open, versions, longest);
                 }
