@@ -173,8 +173,9 @@ fn answer(path: &mut RequestPath<MonotonicClock>, frame: &[u8], out: &mut Vec<u8
     let handled = path.handle(&frame[FRAME_PREFIX_BYTES..], read_at_ns, 0, PEER, out);
     if handled == Handled::Pending {
         loop {
-            if let Some((done, token)) = path.poll_stage() {
-                assert_eq!(path.complete(done, token, out), Some(0), "the completion is connection 0's");
+            if let Some((conn, done, token)) = path.poll_stage() {
+                assert_eq!(conn, 0, "the completion is connection 0's");
+                assert!(path.complete(done, token, out), "answered: nothing was given up on");
                 break;
             }
             std::hint::spin_loop();

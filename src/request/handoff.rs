@@ -1,7 +1,15 @@
 //! The shard's side of the inference stage ([`InFlight`]): requests waiting
-//! for it, the running estimate of its turnaround, completions turned into
-//! responses, and give-ups answered from the lower rungs when the stage is
-//! too slow.
+//! for it, the running estimate of its turnaround, completions answered by
+//! the same `finish` as an inline request (reading the rows and scores from
+//! the job slot), and give-ups answered from the lower rungs when the stage
+//! is too slow.
+//!
+//! Both come back to the connection that owns the request: the shard's
+//! poller routes a completion (`poll`) or a give-up (`give_up_overdue`) by
+//! job slot, and the connection answers it into its own output
+//! (`complete`, `give_up`). A slot's give-up is routed before its
+//! completion, never after, so the slot (its kept rows and item ids) is
+//! still the request's when the give-up is answered.
 //!
 //! The score cache works as it does inline: the stage's scores fill it when
 //! they are returned in time, and a request stepped down after its hand-off
@@ -13,7 +21,7 @@ use std::sync::Arc;
 use super::policies::Policies;
 use super::scratch::{Answer, Inputs};
 use super::shadow::ShadowQueue;
-use super::stages::{self, Assembled, Rejection};
+use super::stages::{self, Assembled, Ran, Rejection};
 use super::versions::{Served, Versions};
 use super::{StepDown, Telemetry};
 use crate::deadline::Clock;
@@ -21,29 +29,22 @@ use crate::features::feed::FeedStatus;
 use crate::infer::{Done, Outcome, ShardEnd, SlotToken};
 use crate::metrics::Stage;
 use crate::model::Model;
-use crate::request::cache::{Key, ScoreCache};
-use crate::wire::{Reason, Status, Tier};
+use crate::request::cache::ScoreCache;
+use crate::wire::{Reason, Status};
 
 /// A request waiting for the inference stage.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 struct Pending {
     conn: u32,
-    step: StepDown,
-    /// Its score-cache key, item left 0.
-    cache_key: Key,
-    model_version: u32,
-    /// The version's place in `Versions::served`, valid while `generation`
-    /// lasts; after a swap of versions the request is left out of drift
-    /// counts and shadow samples (rare, and those are samples anyway).
-    served: usize,
-    generation: u64,
-    /// For the shadow sample's choice of users.
-    user_id: u64,
+    /// What `finish` answers it from, with the scores the stage returns.
+    assembled: Assembled,
     submitted_ns: u64,
     /// When the shard stops waiting and answers from a lower rung.
     give_up_ns: u64,
-    /// Already answered from a lower rung; the stage's result is dropped.
+    /// Given up on: answered from a lower rung; the stage's result is dropped.
     answered: bool,
+    /// Its completion was routed to its connection: too late to give up.
+    routed: bool,
 }
 
 /// A running estimate of how long the stage takes to hand a job back. It
@@ -85,23 +86,19 @@ pub(super) struct InFlight {
     /// Model input rows of handed-off requests, by slot, for a give-up to
     /// the fallback model (empty without one).
     rows_kept: Vec<f32>,
-    /// Item ids of handed-off requests, by slot (`rows_max` each), so their
-    /// scores can be cached and a give-up can look the cache up (empty
-    /// without a cache).
+    /// Item ids of handed-off requests, by slot (`rows_max` each), for
+    /// `finish` (the cache fill) and a give-up's cache lookup.
     items: Vec<u64>,
     rows_max: usize,
     next_give_up_ns: u64,
-    give_up_bytes: Vec<u8>,
     turnaround: Turnaround,
 }
 
 /// Gives the rows to the inference stage; the response follows from
-/// `complete`, or from `give_up_overdue` at the give-up time. `generation`
-/// is the served set's, in which `a.chosen` names `served`'s place.
+/// `complete`, or from `give_up` at the give-up time.
 pub(super) fn hand_off(
     a: Assembled,
     conn: u32,
-    generation: u64,
     policies: &mut Policies,
     in_flight: &mut InFlight,
     served: &Served,
@@ -109,7 +106,7 @@ pub(super) fn hand_off(
 ) -> Result<(), Rejection> {
     let model = Arc::clone(&served.model);
     let reserve_us = policies.ladder.reserve_us;
-    in_flight.submit(a, conn, model, reserve_us, inputs, generation).map_err(|(step, now_ns)| {
+    in_flight.submit(a, conn, model, reserve_us, inputs).map_err(|(step, now_ns)| {
         policies.breaker.record(true, now_ns);
         Rejection::StepDown { step, reason: Reason::Overload }
     })
@@ -130,17 +127,14 @@ pub(super) struct Parts<'a, C: Clock> {
 impl InFlight {
     /// Sends later requests through `stage`, with room for `rows_max`
     /// candidates per slot.
-    pub(super) fn attach(&mut self, stage: ShardEnd, rows_max: usize, cache: bool, fallback: bool) {
+    pub(super) fn attach(&mut self, stage: ShardEnd, rows_max: usize, fallback: bool) {
         self.pending = (0..stage.slots()).map(|_| None).collect();
         self.rows_max = rows_max;
-        if cache {
-            self.items = vec![0; stage.slots() * rows_max];
-        }
+        self.items = vec![0; stage.slots() * rows_max];
         if fallback {
             self.rows_kept = vec![0.0; stage.slots() * stage.slot_floats()];
         }
         self.next_give_up_ns = u64::MAX;
-        self.give_up_bytes = Vec::with_capacity(super::response_frame_bytes_max(rows_max));
         self.stage = Some(stage);
     }
 
@@ -166,7 +160,6 @@ impl InFlight {
         model: Arc<Model>,
         reserve_us: u64,
         inputs: &Inputs,
-        generation: u64,
     ) -> Result<(), (StepDown, u64)> {
         let step = a.step;
         let (rows, row_dim, now_ns) = (step.rows, step.row_dim, a.at_ns);
@@ -175,7 +168,6 @@ impl InFlight {
             return Err((step, now_ns));
         };
         let slot = token.index() as usize;
-        let model_version = model.version;
         let data = stage.slot_mut(&token);
         data.x[..rows * row_dim].copy_from_slice(&inputs.x[..rows * row_dim]);
         data.rows = rows;
@@ -191,81 +183,66 @@ impl InFlight {
         }
         let give_up_ns = (step.deadline.at_us().saturating_sub(reserve_us)) * 1_000;
         self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);
-        if !self.items.is_empty() {
-            let at = slot * self.rows_max;
-            self.items[at..at + rows].copy_from_slice(&inputs.item_ids[..rows]);
-        }
-        self.pending[slot] = Some(Pending {
-            conn,
-            step,
-            cache_key: a.cache_key,
-            model_version,
-            served: a.chosen,
-            generation,
-            user_id: a.user_id,
-            submitted_ns: now_ns,
-            give_up_ns,
-            answered: false,
-        });
+        let at = slot * self.rows_max;
+        self.items[at..at + rows].copy_from_slice(&inputs.item_ids[..rows]);
+        let pending = Pending { conn, assembled: a, submitted_ns: now_ns, give_up_ns, answered: false, routed: false };
+        self.pending[slot] = Some(pending);
         Ok(())
     }
 
-    /// Turns a stage completion into its request's response, appended to
-    /// `out`; returns the connection it belongs to, or `None` when the
-    /// request was already answered from a lower rung (given up on).
+    /// The next completion from the stage, with the connection it goes to.
+    pub(super) fn poll(&mut self) -> Option<(u32, Done, SlotToken)> {
+        let (done, token) = self.stage.as_mut()?.poll()?;
+        let p = self.pending[done.slot as usize].as_mut().expect("a completion matches a pending request");
+        p.routed = true;
+        Some((p.conn, done, token))
+    }
+
+    /// Answers a stage completion into `out` (nothing when the request was
+    /// given up on), and gives its slot back; returns whether it answered.
+    /// Scored in time, the request is answered by `finish`, as inline.
     pub(super) fn complete<C: Clock>(
         &mut self,
         done: Done,
         token: SlotToken,
         parts: Parts<'_, C>,
         out: &mut Vec<u8>,
-    ) -> Option<u32> {
+    ) -> bool {
         let Parts { clock, policies, versions, feed, cache, shadows, answer, telemetry } = parts;
-        let p = self.pending[done.slot as usize].take().expect("a completion matches a pending request");
+        let slot = done.slot as usize;
+        let p = self.pending[slot].take().expect("a completion matches a pending request");
         let stage = self.stage.as_mut().expect("completions come from the stage");
         telemetry.times.record_ns(Stage::Queue, done.queue_ns);
         let now_ns = clock.now_ns();
-        let step = p.step;
+        let step = p.assembled.step;
         let rows = step.rows;
         let outcome = done.outcome;
-        let in_time = !p.answered && !step.deadline.cannot_fit(now_ns / 1_000, 0);
         if outcome == Outcome::Scored || outcome == Outcome::Late {
             telemetry.times.record_ns(Stage::Kernel, done.kernel_ns);
         }
         self.turnaround.observe(now_ns.saturating_sub(p.submitted_ns), now_ns);
-        let ok = outcome == Outcome::Scored && in_time;
+        if p.answered {
+            stage.release(token);
+            return false;
+        }
+        let ok = outcome == Outcome::Scored && !step.deadline.cannot_fit(now_ns / 1_000, 0);
+        policies.breaker.record(!ok, now_ns);
         if ok {
+            // The slot still holds the rows the stage scored, until released.
             let data = stage.slot_mut(&token);
             let model = data.model.as_ref().expect("a submitted slot carries its model");
             for (s, l) in answer.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
                 *s = model.score(*l);
             }
-            if p.generation == versions.generation {
-                // The slot still holds the rows the stage scored, until released.
-                let (x, returned) = (&data.x[..rows * step.row_dim], &answer.logits[..rows]);
-                shadows.sample(&versions.served, p.served, p.user_id, x, returned, step.row_dim);
-            }
+            let x = &data.x[..rows * step.row_dim];
+            let items = &self.items[slot * self.rows_max..][..rows];
+            let ran = Ran { assembled: p.assembled, scored_ns: now_ns };
+            stages::finish(ran, x, items, clock, versions, cache, shadows, feed, answer, telemetry, out);
+            stage.release(token);
+            return true;
         }
         stage.release(token);
-        if p.answered {
-            return None;
-        }
-        policies.breaker.record(!ok, now_ns);
-        let slot = done.slot as usize;
         match outcome {
-            _ if ok => {
-                let tel = &mut *telemetry;
-                stages::respond_ok(&step, Tier::Primary, Reason::None, p.model_version, now_ns, feed, answer, tel, out);
-                if !self.items.is_empty() {
-                    let items = &self.items[slot * self.rows_max..][..rows];
-                    cache.put_all(&p.cache_key, items, &answer.logits[..rows], now_ns);
-                }
-                if p.generation == versions.generation {
-                    if let Some(d) = versions.served.get_mut(p.served).and_then(|s| s.drift.as_mut()) {
-                        d.record_scores(&answer.logits[..rows]);
-                    }
-                }
-            }
             Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
                 // The stage saw it could not finish in time; a lower rung may.
                 let step = self.recheck_cache(&p, slot, now_ns, cache, answer, telemetry);
@@ -291,46 +268,46 @@ impl InFlight {
         let done_ns = clock.now_ns();
         telemetry.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
         telemetry.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
-        Some(p.conn)
+        true
     }
 
-    /// Answers, from the lower rungs, every handed-off request still waiting
-    /// at its give-up time (its deadline less `ladder.reserve_us`), calling
-    /// `deliver(connection, response bytes)` for each. The stage keeps the
-    /// job slot until it finishes; its late result is then dropped.
-    pub(super) fn give_up_overdue<C: Clock>(
-        &mut self,
-        now_ns: u64,
-        parts: Parts<'_, C>,
-        deliver: &mut dyn FnMut(u32, &[u8]),
-    ) {
+    /// Gives up on every handed-off request still waiting at its give-up
+    /// time (its deadline less `ladder.reserve_us`) whose completion has
+    /// not been routed, calling `route(connection, slot)` for each; the
+    /// connection answers it with `give_up`. The stage keeps the job slot
+    /// until it finishes; its late result is then dropped.
+    pub(super) fn give_up_overdue(&mut self, now_ns: u64, policies: &mut Policies, route: &mut dyn FnMut(u32, u32)) {
         if now_ns < self.next_give_up_ns {
             return;
         }
-        let Parts { clock, policies, versions, feed, cache, answer, telemetry, .. } = parts;
         let mut next = u64::MAX;
-        let mut bytes = std::mem::take(&mut self.give_up_bytes);
-        for slot in 0..self.pending.len() {
-            let Some(p) = self.pending[slot].filter(|p| !p.answered) else {
+        for (slot, p) in self.pending.iter_mut().enumerate() {
+            let Some(p) = p.as_mut().filter(|p| !p.answered && !p.routed) else {
                 continue;
             };
             if p.give_up_ns > now_ns {
                 next = next.min(p.give_up_ns);
                 continue;
             }
-            bytes.clear();
             // A request the stage could not answer in time is a failure for
             // the breaker now, not when its late result finally comes back.
             policies.breaker.record(true, now_ns);
-            let step = self.recheck_cache(&p, slot, now_ns, cache, answer, telemetry);
-            let x = self.kept_rows(slot, &step);
-            let fallback = versions.fallback.as_mut();
-            stages::step_down(&step, Reason::Budget, x, clock, fallback, feed, answer, telemetry, &mut bytes);
-            self.pending[slot].as_mut().expect("checked above").answered = true;
-            deliver(p.conn, &bytes);
+            p.answered = true;
+            route(p.conn, slot as u32);
         }
-        self.give_up_bytes = bytes;
         self.next_give_up_ns = next;
+    }
+
+    /// Answers the request in `slot`, given up on, from the lower rungs.
+    pub(super) fn give_up<C: Clock>(&mut self, slot: u32, parts: Parts<'_, C>, out: &mut Vec<u8>) {
+        let Parts { clock, versions, feed, cache, answer, telemetry, .. } = parts;
+        let slot = slot as usize;
+        let p = self.pending[slot].expect("a give-up comes before its slot's completion");
+        assert!(p.answered, "only a request given up on is answered from the lower rungs");
+        let step = self.recheck_cache(&p, slot, clock.now_ns(), cache, answer, telemetry);
+        let x = self.kept_rows(slot, &step);
+        let fallback = versions.fallback.as_mut();
+        stages::step_down(&step, Reason::Budget, x, clock, fallback, feed, answer, telemetry, out);
     }
 
     /// The model input rows kept for slot `slot`'s give-up (empty without a
@@ -354,11 +331,10 @@ impl InFlight {
         answer: &mut Answer,
         telemetry: &mut Telemetry,
     ) -> StepDown {
-        let mut step = p.step;
-        step.cached = !self.items.is_empty() && {
-            let items = &self.items[slot * self.rows_max..][..step.rows];
-            stages::cached_scores(cache, &p.cache_key, items, now_ns, &mut answer.cached, telemetry)
-        };
+        let mut step = p.assembled.step;
+        let items = &self.items[slot * self.rows_max..][..step.rows];
+        step.cached =
+            stages::cached_scores(cache, &p.assembled.cache_key, items, now_ns, &mut answer.cached, telemetry);
         step
     }
 }

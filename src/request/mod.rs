@@ -229,13 +229,12 @@ impl<C: Clock> RequestPath<C> {
         let frame = Frame { payload, read_at_ns, peer };
         let primary = (|| {
             let admitted = stages::admit(frame, clock, policies, versions, in_flight.slot_fill(), telemetry)?;
-            let generation = versions.generation;
             let served = &mut versions.served[admitted.chosen];
             let mut assembled = stages::assemble(admitted, clock, served, replicas, inputs, telemetry)?;
             stages::look_up_cache(&mut assembled, policies, cache, inputs, answer, telemetry)?;
             match stages::route(&assembled, policies, in_flight.stage_us(&assembled), served)? {
                 Route::HandOff => {
-                    handoff::hand_off(assembled, conn, generation, policies, in_flight, served, inputs).map(|()| None)
+                    handoff::hand_off(assembled, conn, policies, in_flight, served, inputs).map(|()| None)
                 }
                 Route::Inline => stages::run(assembled, clock, policies, served, inputs, answer, telemetry).map(Some),
             }
@@ -334,12 +333,13 @@ impl<C: Clock> RequestPath<C> {
     /// them inline.
     pub fn attach_stage(&mut self, stage: ShardEnd) {
         let rows_max = self.policies.limits.candidates_max;
-        self.in_flight.attach(stage, rows_max, self.cache.enabled(), self.versions.fallback.is_some());
+        self.in_flight.attach(stage, rows_max, self.versions.fallback.is_some());
     }
 
-    /// A stage completion and the slot it returns, if one is waiting.
-    pub fn poll_stage(&mut self) -> Option<(Done, SlotToken)> {
-        self.in_flight.stage.as_mut()?.poll()
+    /// A stage completion, the slot it returns and the connection it goes
+    /// to, if one is waiting; that connection answers it (`complete`).
+    pub fn poll_stage(&mut self) -> Option<(u32, Done, SlotToken)> {
+        self.in_flight.poll()
     }
 
     /// The stage's bell for this shard (`ShardEnd::take_bell`).
@@ -364,10 +364,10 @@ impl<C: Clock> RequestPath<C> {
         self.in_flight.stage.as_ref().map_or(0, ShardEnd::in_flight)
     }
 
-    /// Turns a stage completion into its request's response, appended to
-    /// `out`; returns the connection it belongs to, or `None` when the
-    /// request was already answered from a lower rung (given up on).
-    pub fn complete(&mut self, done: Done, token: SlotToken, out: &mut Vec<u8>) -> Option<u32> {
+    /// Answers a stage completion into `out`, by the same `finish` as an
+    /// inline request when it was scored in time; nothing when the request
+    /// was given up on. Returns whether it answered.
+    pub fn complete(&mut self, done: Done, token: SlotToken, out: &mut Vec<u8>) -> bool {
         let RequestPath { clock, policies, versions, replicas, answer, cache, in_flight, shadows, telemetry, .. } =
             self;
         let parts =
@@ -375,16 +375,23 @@ impl<C: Clock> RequestPath<C> {
         in_flight.complete(done, token, parts, out)
     }
 
-    /// Answers, from the lower rungs, every handed-off request still waiting
-    /// at its give-up time (its deadline less `ladder.reserve_us`), calling
-    /// `deliver(connection, response bytes)` for each. The stage keeps the
-    /// job slot until it finishes; its late result is then dropped.
-    pub fn give_up_overdue(&mut self, now_ns: u64, deliver: &mut dyn FnMut(u32, &[u8])) {
+    /// Gives up on every handed-off request still waiting at its give-up
+    /// time (its deadline less `ladder.reserve_us`), calling
+    /// `route(connection, slot)` for each: that connection answers it from
+    /// the lower rungs (`give_up`). The stage keeps the job slot until it
+    /// finishes; its late result is then dropped.
+    pub fn give_up_overdue(&mut self, now_ns: u64, route: &mut dyn FnMut(u32, u32)) {
+        self.in_flight.give_up_overdue(now_ns, &mut self.policies, route);
+    }
+
+    /// Answers the request in job slot `slot`, given up on, from the lower
+    /// rungs into `out`.
+    pub fn give_up(&mut self, slot: u32, out: &mut Vec<u8>) {
         let RequestPath { clock, policies, versions, replicas, answer, cache, in_flight, shadows, telemetry, .. } =
             self;
         let parts =
             handoff::Parts { clock, policies, versions, feed: &replicas.feed, cache, shadows, answer, telemetry };
-        in_flight.give_up_overdue(now_ns, parts, deliver);
+        in_flight.give_up(slot, parts, out);
     }
 
     /// Sampled requests waiting for their shadow versions.

@@ -73,7 +73,9 @@ pub(super) struct Admitted<'p> {
     pub(super) chosen: usize,
 }
 
-/// A request whose model input rows are in `Inputs::x`.
+/// A request whose model input rows are in `Inputs::x` (or, handed off,
+/// in its job slot).
+#[derive(Clone, Copy)]
 pub(super) struct Assembled {
     pub(super) step: StepDown,
     /// Its score-cache key, item left 0.
@@ -415,7 +417,9 @@ pub(super) fn run(
 
 /// Answers the primary's scores (in `Answer::logits`), then what follows
 /// from them: drift counts, the cache fill, the shadow sample and the stage
-/// timings. `x` and `items` are the request's model input rows and item ids.
+/// timings. `x` and `items` are the request's model input rows and item ids
+/// (in `Inputs` inline, in the job slot handed off). The one finish of
+/// both inference modes.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn finish(
     ran: Ran,
@@ -434,11 +438,19 @@ pub(super) fn finish(
     let rows = a.step.rows;
     respond_ok(&a.step, Tier::Primary, Reason::None, a.version, scored_ns, feed, answer, telemetry, out);
     let returned = &answer.logits[..rows];
-    if let Some(d) = &mut versions.served[a.chosen].drift {
+    // A request handed off before a swap of versions may name another
+    // version's place: it is then left out of drift counts and shadow
+    // samples (rare, and those are samples anyway).
+    let chosen =
+        versions.served.get_mut(a.chosen).filter(|s| s.name_hash == a.cache_key.model && s.model.version == a.version);
+    let same_version = chosen.is_some();
+    if let Some(d) = chosen.and_then(|s| s.drift.as_mut()) {
         d.record_scores(returned);
     }
     cache.put_all(&a.cache_key, items, returned, scored_ns);
-    shadows.sample(&versions.served, a.chosen, a.user_id, x, returned, a.step.row_dim);
+    if same_version {
+        shadows.sample(&versions.served, a.chosen, a.user_id, x, returned, a.step.row_dim);
+    }
     let done_ns = clock.now_ns();
     telemetry.times.record_ns(Stage::Respond, done_ns.saturating_sub(scored_ns));
     telemetry.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(a.step.read_at_ns));

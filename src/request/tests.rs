@@ -318,13 +318,28 @@ fn through_stage(path: &mut RequestPath<&ManualClock>, spec: &RequestSpec) -> wi
     assert_eq!(path.handle(&payload(spec), read_at_ns, 0, LOCAL, &mut out), Handled::Pending);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        if let Some((done, token)) = path.poll_stage() {
-            assert_eq!(path.complete(done, token, &mut out), Some(0));
+        if let Some((conn, done, token)) = path.poll_stage() {
+            assert_eq!(conn, 0);
+            assert!(path.complete(done, token, &mut out), "a request not given up on is answered");
             return decode(&out);
         }
         assert!(std::time::Instant::now() < until, "the stage never answered");
         std::thread::yield_now();
     }
+}
+
+/// Gives up on the requests overdue at `now_ns` and answers each as its
+/// connection does: (connection, response bytes).
+fn give_ups(path: &mut RequestPath<&ManualClock>, now_ns: u64) -> Vec<(u32, Vec<u8>)> {
+    let mut due = Vec::new();
+    path.give_up_overdue(now_ns, &mut |conn, slot| due.push((conn, slot)));
+    let mut answers = Vec::new();
+    for (conn, slot) in due {
+        let mut out = Vec::new();
+        path.give_up(slot, &mut out);
+        answers.push((conn, out));
+    }
+    answers
 }
 
 #[test]
@@ -358,11 +373,11 @@ fn a_give_up_answers_from_the_cache() {
     let read_at_ns = clock.now_ns();
     assert_eq!(path.handle(&payload(&s), read_at_ns, 0, LOCAL, &mut out), Handled::Pending);
     let mut answers = Vec::new();
-    path.give_up_overdue(read_at_ns + 500_000_000, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    answers.extend(give_ups(&mut path, read_at_ns + 500_000_000));
     assert!(answers.is_empty(), "not yet due");
     clock.advance_us(1_000_000 - path.policies.ladder.reserve_us);
     let now_ns = clock.now_ns();
-    path.give_up_overdue(now_ns, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    answers.extend(give_ups(&mut path, now_ns));
     assert_eq!(answers.len(), 1);
     let r = decode(&answers[0].1);
     assert_eq!((r.status, r.tier, r.reason), (Status::Ok, Tier::Cached, Reason::Budget));
@@ -375,10 +390,39 @@ fn a_give_up_answers_from_the_cache() {
     clock.advance_us(1_000_000);
     let now_ns = clock.now_ns();
     answers.clear();
-    path.give_up_overdue(now_ns, &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    answers.extend(give_ups(&mut path, now_ns));
     assert_eq!(answers.len(), 1);
     assert_eq!(decode(&answers[0].1).tier, Tier::Default);
     faults.set_stage_delay_us(0);
+    stage.stop();
+}
+
+#[test]
+fn a_completion_routed_to_its_connection_is_not_given_up_on() {
+    // Once the poller has routed a completion, the connection answers it:
+    // a give-up routed after it would find its slot already answered and
+    // released (and perhaps another request's).
+    let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
+    let (mut path, stage) = threaded("stage-routed", Arc::default(), &clock);
+    let mut s = spec();
+    s.budget_us = 1_000_000;
+    let mut out = Vec::new();
+    assert_eq!(path.handle(&payload(&s), clock.now_ns(), 7, LOCAL, &mut out), Handled::Pending);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (conn, done, token) = loop {
+        if let Some(routed) = path.poll_stage() {
+            break routed;
+        }
+        assert!(std::time::Instant::now() < until, "the stage never answered");
+        std::thread::yield_now();
+    };
+    assert_eq!(conn, 7);
+    // Past its give-up time, before its deadline.
+    clock.advance_us(1_000_000 - path.policies.ladder.reserve_us / 2);
+    assert!(give_ups(&mut path, clock.now_ns()).is_empty(), "its completion was routed first");
+    assert!(path.complete(done, token, &mut out));
+    let r = decode(&out);
+    assert_eq!((r.status, r.tier), (Status::Ok, Tier::Primary));
     stage.stop();
 }
 
@@ -397,7 +441,7 @@ fn a_give_up_reached_after_the_deadline_answers_deadline_exceeded() {
     assert_eq!(path.handle(&payload(&s), clock.now_ns(), 0, LOCAL, &mut out), Handled::Pending);
     clock.advance_us(4_001);
     let mut answers = Vec::new();
-    path.give_up_overdue(clock.now_ns(), &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    answers.extend(give_ups(&mut path, clock.now_ns()));
     assert_eq!(answers.len(), 1);
     let r = decode(&answers[0].1);
     assert_eq!(r.status, Status::DeadlineExceeded, "{r:?}");
@@ -407,7 +451,7 @@ fn a_give_up_reached_after_the_deadline_answers_deadline_exceeded() {
     assert_eq!(path.handle(&payload(&s), clock.now_ns(), 0, LOCAL, &mut out), Handled::Pending);
     clock.advance_us(4_000 - path.policies.ladder.reserve_us);
     answers.clear();
-    path.give_up_overdue(clock.now_ns(), &mut |conn, bytes| answers.push((conn, bytes.to_vec())));
+    answers.extend(give_ups(&mut path, clock.now_ns()));
     let r = decode(&answers[0].1);
     assert_eq!((r.status, r.tier), (Status::Ok, Tier::Default), "{r:?}");
     faults.set_stage_delay_us(0);

@@ -11,7 +11,7 @@ use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::TcpStream;
 
 use super::balance::{self, ShardBalance};
-use super::mailbox::{Mailbox, Mailboxes, Notify};
+use super::mailbox::{Mailbox, Mailboxes, Notify, Returned};
 use super::stall::StallMeter;
 use super::{
     refresh, stamped, tls_stream, ListenerTls, ShardReport, ShutdownSignal, QUEUED_WAIT, READ_BUFFER_BYTES_MIN,
@@ -147,21 +147,36 @@ impl Connection {
         };
         let (id, mailbox) = self.shard.mailboxes.open();
         let result = self.serve_rounds(&mut stream, id, &mailbox).await;
-        // Collect every response the stage still owes this connection (each
-        // ends by its deadline), write what can be written, then close.
+        // Answer every completion the stage still owes this connection (each
+        // ends by its deadline; answering gives its job slot back), write
+        // what can be written, then close.
         let mut rest = Vec::new();
-        mailbox.take_into(&mut rest);
+        self.answer_returned(&mailbox, &mut rest);
         while mailbox.pending() > 0 {
-            // `delivered` resolves while undelivered bytes wait in the
-            // mailbox, so move them out before waiting for the next one.
+            // `delivered` resolves while what came back waits in the
+            // mailbox, so answer it before waiting for the next one.
             mailbox.delivered().await;
-            mailbox.take_into(&mut rest);
+            self.answer_returned(&mailbox, &mut rest);
         }
         self.shard.mailboxes.close(id);
         if result.is_ok() && !rest.is_empty() {
             self.write_within(&mut stream, &rest).await?;
         }
         result
+    }
+
+    /// Answers into `out` what came back for this connection's handed-off
+    /// requests: completions, and give-ups from the lower rungs.
+    fn answer_returned(&self, mailbox: &Mailbox, out: &mut Vec<u8>) {
+        let mut path = self.shard.path.borrow_mut();
+        while let Some(returned) = mailbox.take() {
+            match returned {
+                Returned::Completed(done, token) => {
+                    path.complete(done, token, out);
+                }
+                Returned::GiveUp(slot) => path.give_up(slot, out),
+            }
+        }
     }
 
     /// Writes `buf` whole within `write_timeout_ms`, however slowly the
@@ -293,7 +308,7 @@ impl Connection {
             }
             inbuf.copy_within(consumed..filled, 0);
             filled -= consumed;
-            mailbox.take_into(&mut out);
+            self.answer_returned(mailbox, &mut out);
             self.shard.stalls.end(StallTask::Connection, t);
             if !out.is_empty() {
                 self.write_within(stream, &out).await?;

@@ -1,19 +1,38 @@
-//! Shard-local plumbing for responses that complete after their read round
+//! Shard-local plumbing for requests that complete after their read round
 //! (when scoring is handed to the inference stage): a mailbox per
-//! connection, and a notification that wakes the completion poller.
+//! connection holding what came back for it, completions as the stage
+//! returned them and give-ups the shard decided, which the connection
+//! answers into its own output through the request path; and a
+//! notification that wakes the completion poller.
+//!
+//! No response bytes pass through here: a completion is a job slot and its
+//! outcome, answered where the connection writes.
 //!
 //! Single-threaded on purpose (`Rc`, `Cell`, `RefCell`): each shard has its own.
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
-/// Responses waiting for one connection to write them.
-#[derive(Default)]
+use crate::infer::{Done, SlotToken};
+
+/// What came back for one of a connection's handed-off requests.
+pub enum Returned {
+    /// The stage finished the job in this slot (`RequestPath::complete`).
+    Completed(Done, SlotToken),
+    /// The request in this job slot waited past its give-up time: it is
+    /// answered from the lower rungs (`RequestPath::give_up`), and its
+    /// completion, which follows, is dropped.
+    GiveUp(u32),
+}
+
+/// What came back for one connection, in order.
 pub struct Mailbox {
-    out: RefCell<Vec<u8>>,
+    returned: RefCell<VecDeque<Returned>>,
+    /// Completions still owed by the stage.
     pending: Cell<usize>,
     waker: RefCell<Option<Waker>>,
 }
@@ -28,22 +47,22 @@ impl Mailbox {
         self.pending.get()
     }
 
-    fn deliver(&self, bytes: &[u8]) {
-        self.out.borrow_mut().extend_from_slice(bytes);
-        self.pending.set(self.pending.get() - 1);
+    fn deliver(&self, returned: Returned) {
+        if matches!(returned, Returned::Completed(..)) {
+            self.pending.set(self.pending.get() - 1);
+        }
+        self.returned.borrow_mut().push_back(returned);
         if let Some(w) = self.waker.borrow_mut().take() {
             w.wake();
         }
     }
 
-    /// Moves delivered responses to the end of `out`.
-    pub fn take_into(&self, out: &mut Vec<u8>) {
-        let mut mine = self.out.borrow_mut();
-        out.extend_from_slice(&mine);
-        mine.clear();
+    /// The oldest of what came back, to be answered.
+    pub fn take(&self) -> Option<Returned> {
+        self.returned.borrow_mut().pop_front()
     }
 
-    /// Resolves once a response has been delivered.
+    /// Resolves once something has come back.
     pub fn delivered(&self) -> Delivered<'_> {
         Delivered { mailbox: self }
     }
@@ -57,7 +76,7 @@ impl Future for Delivered<'_> {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if !self.mailbox.out.borrow().is_empty() {
+        if !self.mailbox.returned.borrow().is_empty() {
             return Poll::Ready(());
         }
         *self.mailbox.waker.borrow_mut() = Some(cx.waker().clone());
@@ -66,16 +85,27 @@ impl Future for Delivered<'_> {
 }
 
 /// Mailboxes by connection id; ids are reused only after a connection has
-/// collected every response it was owed.
-#[derive(Default)]
+/// answered everything it was owed.
 pub struct Mailboxes {
     slots: RefCell<Vec<Option<Rc<Mailbox>>>>,
     free: RefCell<Vec<u32>>,
+    /// Room each mailbox is opened with: a completion and a give-up per
+    /// job slot, so delivering never allocates.
+    returned_max: usize,
 }
 
 impl Mailboxes {
+    /// For a shard with `job_slots` job slots (0 without a stage).
+    pub fn new(job_slots: usize) -> Mailboxes {
+        Mailboxes { slots: RefCell::default(), free: RefCell::default(), returned_max: 2 * job_slots }
+    }
+
     pub fn open(&self) -> (u32, Rc<Mailbox>) {
-        let mailbox = Rc::new(Mailbox::default());
+        let mailbox = Rc::new(Mailbox {
+            returned: RefCell::new(VecDeque::with_capacity(self.returned_max)),
+            pending: Cell::new(0),
+            waker: RefCell::new(None),
+        });
         let mut slots = self.slots.borrow_mut();
         let id = match self.free.borrow_mut().pop() {
             Some(id) => id,
@@ -92,12 +122,14 @@ impl Mailboxes {
         let mut slots = self.slots.borrow_mut();
         let mailbox = slots[id as usize].take().expect("closing an open mailbox");
         assert_eq!(mailbox.pending(), 0, "a connection closes only when owed nothing");
+        assert!(mailbox.returned.borrow().is_empty(), "a connection closes only once it answered what came back");
         self.free.borrow_mut().push(id);
     }
 
-    pub fn deliver(&self, id: u32, bytes: &[u8]) {
-        let mailbox = self.slots.borrow()[id as usize].clone().expect("responses go to open connections");
-        mailbox.deliver(bytes);
+    pub fn deliver(&self, id: u32, returned: Returned) {
+        let slots = self.slots.borrow();
+        let mailbox = slots[id as usize].as_ref().expect("completions go to open connections");
+        mailbox.deliver(returned);
     }
 }
 

@@ -341,7 +341,7 @@ async fn run_shard(
     let report = Rc::new(RefCell::new(ShardReport { shard, core, ..ShardReport::default() }));
     let balance = Rc::new(balance);
     let shadow_wanted = Rc::new(Notify::default());
-    let mailboxes = Rc::new(Mailboxes::default());
+    let mailboxes = Rc::new(Mailboxes::new(stage.as_ref().map_or(0, ShardEnd::slots)));
     let submitted = Rc::new(Notify::default());
     let stage_attached = stage.is_some();
     if let Some(end) = stage {

@@ -18,7 +18,7 @@ use glommio::TaskQueueHandle;
 
 use super::balance::{self, ShardBalance};
 use super::connection::Conns;
-use super::mailbox::{Mailboxes, Notify};
+use super::mailbox::{Mailboxes, Notify, Returned};
 use super::stall::StallMeter;
 use super::{refresh, ShutdownSignal, BELL_WAIT_MAX, POLL_BACKOFF, POLL_SPIN, SHUTDOWN_POLL};
 use crate::deadline::{Clock, MonotonicClock};
@@ -98,7 +98,8 @@ pub(super) fn publisher(
     Ok(task.detach())
 }
 
-/// Hand-off mode: routes completions to their connections. While requests
+/// Hand-off mode: routes completions, and give-ups at their time, to their
+/// connections, which answer them. While requests
 /// are in flight the poller yields between polls (bounded spinning: it only
 /// spins while the stage owes this shard something); idle, it sleeps until
 /// a connection submits. Sharing its core with the stage (`shares_stage`),
@@ -121,7 +122,6 @@ pub(super) fn poller(
         }
     });
     glommio::spawn_local(async move {
-        let mut bytes = Vec::with_capacity(64 * 1024);
         let mut rung = [0u8; 64];
         let clock = MonotonicClock::new();
         let mut last_delivery_ns = 0;
@@ -130,18 +130,15 @@ pub(super) fn poller(
             let t = stalls.start();
             {
                 let mut p = path.borrow_mut();
-                while let Some((done, token)) = p.poll_stage() {
-                    bytes.clear();
-                    if let Some(conn) = p.complete(done, token, &mut bytes) {
-                        mailboxes.deliver(conn, &bytes);
-                        delivered += 1;
-                    }
+                while let Some((conn, done, token)) = p.poll_stage() {
+                    mailboxes.deliver(conn, Returned::Completed(done, token));
+                    delivered += 1;
                 }
                 // Requests the stage is too slow for are answered from
                 // the lower rungs at their give-up time.
                 let now_ns = clock.now_ns();
-                p.give_up_overdue(now_ns, &mut |conn, response| {
-                    mailboxes.deliver(conn, response);
+                p.give_up_overdue(now_ns, &mut |conn, slot| {
+                    mailboxes.deliver(conn, Returned::GiveUp(slot));
                     delivered += 1;
                 });
             }
