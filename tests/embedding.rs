@@ -163,7 +163,7 @@ fn a_big_table_loads_mapped_scores_like_the_model_in_memory_and_is_shared() {
     let shared = Arc::new(loaded.clone());
     let (a, b) = (score::cpu::CpuF32::new(&shared, 64), score::cpu::CpuF32::new(&shared, 64));
     for backend in [&a, &b] {
-        let Op::Embedding { table: t, .. } = &backend.graph().nodes[1].op else { panic!("node 1 is an embedding") };
+        let Op::Embedding { table: t, .. } = &backend.nodes()[1].op else { panic!("node 1 is an embedding") };
         assert_eq!(t.as_ptr(), table.as_ptr());
     }
     assert_eq!(table_of(&loaded.clone()).as_ptr(), table.as_ptr());

@@ -1,68 +1,91 @@
 //! The CPU executor of graph models (`model::graph`), shared by the f32,
-//! INT8 and FP8 backends: only its dense layers differ between them.
+//! INT8 and FP8 backends: generic over a [`DenseKernel`], the dense layers
+//! in one backend's precision, which is all that differs between them.
 //!
-//! The f32 dense layers run the register tiles of `tiles.rs` (each output
-//! summed in k order, so every build rounds alike); activations are the vectorisable
-//! approximations of `activation.rs`. The whole walk is compiled for
-//! AVX-512 F, AVX2 and the baseline, and the widest build this CPU runs is
-//! chosen at construction.
+//! The f32 dense layers ([`F32Tiles`]) run the register tiles of `tiles.rs`
+//! (each output summed in k order, so every build rounds alike); activations
+//! are the vectorisable approximations of `activation.rs`. The whole walk,
+//! the kernel's dense layers inlined, is compiled for AVX-512 F, AVX2 and the
+//! baseline, and the widest build this CPU runs is chosen at construction.
 //!
-//! Construction compiles the graph into a fixed schedule: every node's
-//! tensor gets its own `[rows_max][width]` region of one buffer allocated
-//! here, dense layers are repacked for the backend's kernel, and a call
-//! walks the nodes in order without allocating. Nodes that read only
-//! per-request input columns (user, context, context ids) are computed once
-//! per run of rows that hold the same bits in those columns (one request's
-//! candidates), into a compact region of their own, and copied out to every
-//! row of the run; each row is computed alone in every node, so this gives
-//! the numbers of computing every row. Dense nodes run quantized
-//! (INT8 with per-row dynamic activation scales, the semantics of
-//! `CpuInt8` for an uncalibrated model, through the same kernels; or FP8
-//! E4M3 with an activation scale of 1, as `CpuFp8` runs an uncalibrated
-//! model); every other node runs in f32, the same code for every backend,
-//! so the f32 backend is the oracle for the rest.
+//! Construction compiles the graph into a fixed schedule the executor owns:
+//! every node's tensor gets its own `[rows_max][width]` region of one buffer
+//! allocated here, dense layers are prepared by the kernel (its weights then
+//! live there only) and tree ensembles compiled, and a call walks the nodes
+//! in order without allocating. Nodes that read only per-request input
+//! columns (user, context, context ids) are computed once per run of rows
+//! that hold the same bits in those columns (one request's candidates), into
+//! a compact region of their own, and copied out to every row of the run;
+//! each row is computed alone in every node, so this gives the numbers of
+//! computing every row. The INT8 kernel (`cpu::Int8Dense`) runs dynamic
+//! per-row activation scales, the semantics of `CpuInt8` for an uncalibrated
+//! model, through the same kernels; the FP8 one (`fp8::Fp8Dense`) an
+//! activation scale of 1, as `CpuFp8` runs an uncalibrated model; every
+//! other node runs in f32, the same code for every backend, so the f32
+//! backend is the oracle for the rest.
 
 use super::activation;
 use super::forest::CompiledTrees;
-use super::fp8::{self as cpu_fp8, Fp8Layer, Isa};
-use super::int8_gemm::{Int8Kernel, PackedLayer, Scratch};
-use super::tiles::KMajor;
-use super::{dot_i8, quantize_row};
-use crate::model::graph::{embedding_index, Act, Graph, Op};
+use super::tiles::{Isa, KMajor};
+use crate::model::graph::{embedding_index, Act, Graph, Node, Op};
+use crate::model::trees::Ensemble;
 use crate::model::Layer;
 
-/// How the executor runs dense layers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DenseMode {
-    F32,
-    Int8(Int8Kernel),
-    Fp8,
+/// Dense layers in one backend's precision: the executor's dense nodes run
+/// these, everything else the executor runs itself.
+pub trait DenseKernel: Send {
+    /// One layer prepared for this kernel (repacked, quantized), at
+    /// construction.
+    type Prepared: Send;
+
+    /// Prepares `layer`, whose `relu` is set where the node's activation is
+    /// ReLU (a kernel that fuses it applies it in `forward`).
+    fn prepare(&self, layer: &Layer) -> Self::Prepared;
+
+    /// Whether `forward` applies the ReLU a layer was prepared with.
+    fn fuses_relu(&self) -> bool;
+
+    /// `y[r][o] = Σ_k x[r][k] · w[o][k] + bias[o]` in this precision (then
+    /// ReLU, where fused) for `rows` rows, `x` `[rows][k]` and `y`
+    /// `[rows][n]`, each row computed on its own; scratch is the kernel's
+    /// own, sized at construction, so this does not allocate.
+    fn forward(&mut self, layer: &Self::Prepared, x: &[f32], rows: usize, y: &mut [f32]);
 }
 
+/// The f32 dense layers: weights in the tile layout, each output summed in
+/// k order (the f32 backend's, and so the oracle's, kernel).
+pub struct F32Tiles;
+
 /// A dense layer's f32 weights in the tile layout, and its bias.
-struct F32Dense {
+pub struct F32Dense {
     w: KMajor,
     bias: Vec<f32>,
 }
 
-impl F32Dense {
-    fn new(l: &Layer) -> F32Dense {
+impl DenseKernel for F32Tiles {
+    type Prepared = F32Dense;
+
+    fn prepare(&self, l: &Layer) -> F32Dense {
         F32Dense { w: KMajor::new(l.in_dim, l.out_dim, |o, k| l.weights_f32[o * l.in_dim + k]), bias: l.bias.clone() }
+    }
+
+    fn fuses_relu(&self) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn forward(&mut self, d: &F32Dense, x: &[f32], rows: usize, y: &mut [f32]) {
+        d.w.rows(x, rows, y, &d.bias, |a, b| a + b);
     }
 }
 
-enum Dense {
-    F32(F32Dense),
-    /// The scalar reference of dynamic INT8, one row at a time.
-    Int8Scalar,
-    Int8(PackedLayer),
-    Fp8(Fp8Layer),
-}
-
-pub struct GraphExec {
+pub struct GraphExec<K: DenseKernel> {
     isa: Isa,
     rows_max: usize,
-    nodes: usize,
+    input_dim: usize,
+    /// The graph's nodes, with dense weights and tree ensembles left out:
+    /// they live prepared in `dense` and `trees`.
+    nodes: Vec<Node>,
     /// Where node `i`'s `[rows_max][width]` region starts in `buf`; regions
     /// follow node order, so a node's inputs lie before its own.
     offsets: Vec<usize>,
@@ -79,18 +102,18 @@ pub struct GraphExec {
     request_cols: Vec<(usize, usize)>,
     /// The first row of each request in this call, then `rows`.
     starts: Vec<usize>,
-    dense: Vec<Option<Dense>>,
+    kernel: K,
+    dense: Vec<Option<K::Prepared>>,
     trees: Vec<Option<CompiledTrees>>,
-    scratch: Scratch,
-    xq: Vec<i8>,
-    fp8_table: [f32; 256],
-    fp8_xd: Vec<f32>,
 }
 
-impl GraphExec {
-    /// `request_cols[c]` says whether input column `c` holds a per-request
-    /// value (the same for every candidate of a request).
-    pub fn new(graph: &Graph, mode: DenseMode, rows_max: usize, request_cols: &[bool]) -> GraphExec {
+impl<K: DenseKernel> GraphExec<K> {
+    /// The executor of `graph` with `kernel`'s dense layers, for at most
+    /// `rows_max` rows; `request_cols[c]` says whether input column `c`
+    /// holds a per-request value (the same for every candidate of a
+    /// request), one entry per input column.
+    pub fn new(graph: &Graph, kernel: K, rows_max: usize, request_cols: &[bool]) -> GraphExec<K> {
+        let input_dim = request_cols.len();
         let widths: Vec<usize> = graph.nodes.iter().map(|n| n.width).collect();
         let mut shared = Vec::with_capacity(graph.nodes.len());
         for n in &graph.nodes {
@@ -122,19 +145,13 @@ impl GraphExec {
                 _ => None,
             })
             .collect();
-        let fp8_table = cpu_fp8::decode_table();
         let dense = graph
             .nodes
             .iter()
             .map(|n| match &n.op {
-                Op::Dense { layer, act } => Some(match mode {
-                    DenseMode::F32 => Dense::F32(F32Dense::new(layer)),
-                    DenseMode::Int8(Int8Kernel::Scalar) => Dense::Int8Scalar,
-                    // ReLU is fused into the kernels' epilogue; any other
-                    // activation runs after, in f32.
-                    DenseMode::Int8(k) => Dense::Int8(PackedLayer::new(k, &with_relu(layer, *act == Act::Relu))),
-                    DenseMode::Fp8 => Dense::Fp8(cpu_fp8::layer(&with_relu(layer, *act == Act::Relu), &fp8_table, 1.0)),
-                }),
+                // ReLU may be fused into the kernel's epilogue; any other
+                // activation runs after, in f32.
+                Op::Dense { layer, act } => Some(kernel.prepare(&Layer { relu: *act == Act::Relu, ..layer.clone() })),
                 _ => None,
             })
             .collect();
@@ -146,16 +163,32 @@ impl GraphExec {
                 _ => None,
             })
             .collect();
-        let width_max = graph.width_max();
-        let kernel = match mode {
-            DenseMode::Int8(k) => k,
-            _ => Int8Kernel::Scalar,
-        };
-        let fp8_len = if mode == DenseMode::Fp8 { rows_max * width_max } else { 0 };
+        let nodes = graph
+            .nodes
+            .iter()
+            .map(|n| {
+                let op = match &n.op {
+                    Op::Dense { layer, act } => Op::Dense {
+                        layer: Layer {
+                            weights_f32: Vec::new(),
+                            weights_i8: Vec::new(),
+                            weight_scales: Vec::new(),
+                            bias: Vec::new(),
+                            ..*layer
+                        },
+                        act: *act,
+                    },
+                    Op::Trees(_) => Op::Trees(Ensemble::default()),
+                    op => op.clone(),
+                };
+                Node { op, inputs: n.inputs.clone(), width: n.width }
+            })
+            .collect();
         GraphExec {
             isa: Isa::best(),
             rows_max,
-            nodes: graph.nodes.len(),
+            input_dim,
+            nodes,
             offsets,
             widths,
             shared,
@@ -164,37 +197,41 @@ impl GraphExec {
             compact: vec![0.0; compact_total],
             request_cols,
             starts: Vec::with_capacity(rows_max + 1),
+            kernel,
             dense,
             trees,
-            scratch: Scratch::new(kernel, width_max, rows_max),
-            xq: vec![0; width_max],
-            fp8_table,
-            fp8_xd: vec![0.0; fp8_len],
         }
     }
 
-    /// Runs `graph` (the one this was built for) on `rows` input rows of
-    /// `x`, `input_dim` floats each; one output value per row to `out`.
-    pub fn run(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        assert_eq!(graph.nodes.len(), self.nodes, "the executor was built for another graph");
-        assert!(rows <= self.rows_max && x.len() == rows * input_dim && out.len() == rows);
-        self.split_requests(x, input_dim, rows);
+    /// The nodes it runs: the graph's, with dense weights and tree
+    /// ensembles held in their prepared forms instead; embedding tables
+    /// are the model's own (shared, not copied; `model::embedding`).
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// Runs the graph on `rows` input rows of `x`, one output value per
+    /// row to `out`.
+    pub fn run(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
+        assert!(rows <= self.rows_max && x.len() == rows * self.input_dim && out.len() == rows);
+        self.split_requests(x, rows);
         match self.isa {
-            Isa::Baseline => self.walk(graph, x, input_dim, rows, out),
+            Isa::Baseline => self.walk(x, rows, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::best` chose this build because the CPU has
             // AVX2; the function is safe code compiled for it.
-            Isa::Avx2 => unsafe { self.walk_avx2(graph, x, input_dim, rows, out) },
+            Isa::Avx2 => unsafe { self.walk_avx2(x, rows, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX-512 F.
-            Isa::Avx512 => unsafe { self.walk_avx512(graph, x, input_dim, rows, out) },
+            Isa::Avx512 => unsafe { self.walk_avx512(x, rows, out) },
         }
     }
 
     /// Fills `starts` with the first row of every run of rows whose
     /// request columns hold the same bits as the row before, then `rows`.
     /// Bit equality is exact: a run's shared nodes see the same inputs.
-    fn split_requests(&mut self, x: &[f32], input_dim: usize, rows: usize) {
+    fn split_requests(&mut self, x: &[f32], rows: usize) {
+        let input_dim = self.input_dim;
         self.starts.clear();
         if rows == 0 {
             return;
@@ -216,24 +253,25 @@ impl GraphExec {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn walk_avx2(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        self.walk(graph, x, input_dim, rows, out);
+    fn walk_avx2(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.walk(x, rows, out);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn walk_avx512(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
-        self.walk(graph, x, input_dim, rows, out);
+    fn walk_avx512(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.walk(x, rows, out);
     }
 
     #[inline(always)]
-    fn walk(&mut self, graph: &Graph, x: &[f32], input_dim: usize, rows: usize, out: &mut [f32]) {
+    fn walk(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
+        let input_dim = self.input_dim;
         // One compact row per request, when that saves work; when every row
         // is its own request, shared nodes are computed in place like any.
         let requests = self.starts.len().saturating_sub(1);
         let by_request = requests < rows;
         let starts = &self.starts;
-        for (i, node) in graph.nodes.iter().enumerate() {
+        for (i, node) in self.nodes.iter().enumerate() {
             let w = node.width;
             let compact = by_request && self.shared[i];
             let (store, offsets) =
@@ -262,27 +300,10 @@ impl GraphExec {
                         }
                     }
                 }
-                Op::Dense { layer, act } => {
-                    let src = input(0);
-                    let fused_relu = match self.dense[i].as_ref().expect("built for every dense node") {
-                        Dense::F32(d) => {
-                            dense_f32(d, src, n, y);
-                            false
-                        }
-                        Dense::Int8Scalar => {
-                            dense_int8_scalar(layer, src, y, &mut self.xq);
-                            false
-                        }
-                        Dense::Int8(p) => {
-                            p.forward(src, n, y, &mut self.scratch);
-                            true
-                        }
-                        Dense::Fp8(l) => {
-                            cpu_fp8::layer_rows(l, &self.fp8_table, src, n, &mut self.fp8_xd, y);
-                            true
-                        }
-                    };
-                    if !(fused_relu && *act == Act::Relu) {
+                Op::Dense { act, .. } => {
+                    let layer = self.dense[i].as_ref().expect("prepared for every dense node");
+                    self.kernel.forward(layer, input(0), n, y);
+                    if !(self.kernel.fuses_relu() && *act == Act::Relu) {
                         activation::apply(*act, y);
                     }
                 }
@@ -343,7 +364,7 @@ impl GraphExec {
                 }
                 Op::Trees(_) => {
                     let t = self.trees[i].as_ref().expect("built for every Trees node");
-                    match graph.nodes[node.inputs[0]].op {
+                    match self.nodes[node.inputs[0]].op {
                         // Missing values reach the trees as NaN.
                         Op::Input { offset } if compact => {
                             for (r, yr) in y.chunks_exact_mut(w).enumerate() {
@@ -378,13 +399,9 @@ impl GraphExec {
                 }
             }
         }
-        let last = self.nodes - 1;
+        let last = self.nodes.len() - 1;
         out.copy_from_slice(&self.buf[self.offsets[last]..self.offsets[last] + rows]);
     }
-}
-
-fn with_relu(layer: &Layer, relu: bool) -> Layer {
-    Layer { relu, ..layer.clone() }
 }
 
 /// `y = f(a, b)` elementwise over `[rows][w]`, `b` one wide (broadcast
@@ -438,21 +455,4 @@ fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// `y[r][o] = Σ_k x[r][k] · w[o][k] + bias[o]`, k in order.
-#[inline(always)]
-fn dense_f32(d: &F32Dense, x: &[f32], rows: usize, y: &mut [f32]) {
-    d.w.rows(x, rows, y, &d.bias, |a, b| a + b);
-}
-
-fn dense_int8_scalar(l: &Layer, x: &[f32], y: &mut [f32], xq: &mut [i8]) {
-    let xq = &mut xq[..l.in_dim];
-    for (xr, yr) in x.chunks_exact(l.in_dim).zip(y.chunks_exact_mut(l.out_dim)) {
-        let s_x = quantize_row(xr, xq);
-        for (o, v) in yr.iter_mut().enumerate() {
-            let acc = dot_i8(&l.weights_i8[o * l.in_dim..(o + 1) * l.in_dim], xq);
-            *v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
-        }
-    }
 }

@@ -30,12 +30,12 @@ use std::sync::Arc;
 
 use super::super::e4m3 as fp8;
 use super::super::{Backend, BackendError, BackendInfo};
-use super::executor::{DenseMode, GraphExec};
-use super::tiles::KMajor;
+use super::executor::{DenseKernel, GraphExec};
+use super::tiles::{Isa, KMajor};
 use crate::model::{Layer, Model};
 
 /// `fp8::to_f32` of every code.
-pub(super) fn decode_table() -> [f32; 256] {
+fn decode_table() -> [f32; 256] {
     std::array::from_fn(|c| fp8::to_f32(c as u8))
 }
 
@@ -50,31 +50,6 @@ pub(super) struct Fp8Layer {
     bias: Vec<f32>,
 }
 
-/// Which build of the layer loop runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Isa {
-    Baseline,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Isa {
-    pub(super) fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Baseline
-    }
-}
-
 /// The CPU FP8 backend.
 pub struct CpuFp8 {
     info: BackendInfo,
@@ -87,7 +62,7 @@ pub struct CpuFp8 {
     a: Vec<f32>,
     b: Vec<f32>,
     /// The executor of a graph model (its dense nodes in FP8).
-    graph: Option<GraphExec>,
+    graph: Option<GraphExec<Fp8Dense>>,
     /// Rows with their missing values (NaN) read as 0, `rows_max × input`.
     x_clean: Vec<f32>,
 }
@@ -102,7 +77,10 @@ impl CpuFp8 {
             .enumerate()
             .map(|(i, l)| layer(l, &table, ranges.map_or(1.0, |r| r[i] / fp8::MAX)))
             .collect();
-        let graph = model.graph.as_ref().map(|g| GraphExec::new(g, DenseMode::Fp8, rows_max, &model.request_columns()));
+        let graph = model.graph.as_ref().map(|g| {
+            let kernel = Fp8Dense { table, xd: vec![0.0; rows_max * g.width_max()] };
+            GraphExec::new(g, kernel, rows_max, &model.request_columns())
+        });
         let len = rows_max * model.width_max();
         CpuFp8 {
             info: BackendInfo { name: "cpu-fp8", rows_max, model: model.clone() },
@@ -118,8 +96,33 @@ impl CpuFp8 {
     }
 }
 
+/// FP8 dense layers for the graph executor, with an activation scale of 1
+/// (as an uncalibrated model runs): the decode table, and the decoded
+/// activations of every row, `rows_max × width_max`.
+pub(super) struct Fp8Dense {
+    table: [f32; 256],
+    xd: Vec<f32>,
+}
+
+impl DenseKernel for Fp8Dense {
+    type Prepared = Fp8Layer;
+
+    fn prepare(&self, l: &Layer) -> Fp8Layer {
+        layer(l, &self.table, 1.0)
+    }
+
+    fn fuses_relu(&self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn forward(&mut self, l: &Fp8Layer, x: &[f32], rows: usize, y: &mut [f32]) {
+        layer_rows(l, &self.table, x, rows, &mut self.xd, y);
+    }
+}
+
 /// One layer's FP8 constants, with activation scale `s_x`.
-pub(super) fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
+fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
     let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
     let s_w = if max_abs > 0.0 { max_abs / fp8::MAX } else { 1.0 };
     let w = KMajor::new(l.in_dim, l.out_dim, |o, k| {
@@ -130,7 +133,7 @@ pub(super) fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
 
 /// One layer for `rows` rows: `x` (`[rows][k]`) in, `y` (`[rows][n]`) out.
 #[inline(always)]
-pub(super) fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
+fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
     let k = l.w.k;
     let xd = &mut xd[..rows * k];
     for (d, v) in xd.iter_mut().zip(&x[..rows * k]) {
@@ -180,8 +183,8 @@ impl Backend for CpuFp8 {
     /// request (exactly).
     fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
         self.info.check(x, rows, out);
-        if let (Some(exec), Some(g)) = (&mut self.graph, &self.info.model.graph) {
-            exec.run(g, x, self.info.model.input_dim(), rows, out);
+        if let Some(exec) = &mut self.graph {
+            exec.run(x, rows, out);
             return Ok(());
         }
         assert_eq!(self.layers.last().map(|l| l.w.n), Some(1), "one logit per row");

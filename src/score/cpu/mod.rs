@@ -43,8 +43,8 @@ use int8_gemm::{PackedLayer, Scratch, StaticLayers};
 use std::sync::Arc;
 
 use super::{Backend, BackendError, BackendInfo};
-use crate::model::{round_clamp_i8, Graph, Layer, Model, StaticInt8Layer};
-use executor::{DenseMode, GraphExec};
+use crate::model::{round_clamp_i8, Layer, Model, Node, StaticInt8Layer};
+use executor::{DenseKernel, F32Tiles, GraphExec};
 
 /// Two activation buffers, ping-ponged between layers, sized at start-up.
 struct Activations {
@@ -109,21 +109,19 @@ impl Activations {
 /// reference pass's, within f32 rounding).
 pub struct CpuF32 {
     info: BackendInfo,
-    graph: Graph,
-    exec: GraphExec,
+    exec: GraphExec<F32Tiles>,
 }
 
 impl CpuF32 {
     pub fn new(model: &Arc<Model>, rows_max: usize) -> CpuF32 {
-        let graph = model.to_graph_split();
-        let exec = GraphExec::new(&graph, DenseMode::F32, rows_max, &model.request_columns());
-        CpuF32 { info: BackendInfo { name: "cpu-f32", rows_max, model: model.clone() }, graph, exec }
+        let exec = GraphExec::new(&model.to_graph_split(), F32Tiles, rows_max, &model.request_columns());
+        CpuF32 { info: BackendInfo { name: "cpu-f32", rows_max, model: model.clone() }, exec }
     }
 
-    /// The graph it runs: a clone of the model's, whose embedding tables
-    /// are the model's own (shared, not copied; `model::embedding`).
-    pub fn graph(&self) -> &Graph {
-        &self.graph
+    /// The nodes it runs (`GraphExec::nodes`): the model's graph, or a v1
+    /// MLP's split one.
+    pub fn nodes(&self) -> &[Node] {
+        self.exec.nodes()
     }
 }
 
@@ -134,7 +132,7 @@ impl Backend for CpuF32 {
 
     fn score(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), BackendError> {
         self.info.check(x, rows, out);
-        self.exec.run(&self.graph, x, self.info.model.input_dim(), rows, out);
+        self.exec.run(x, rows, out);
         Ok(())
     }
 }
@@ -162,7 +160,56 @@ pub struct CpuInt8 {
     /// uncalibrated model.
     static_layers: Option<StaticLayers>,
     /// The executor of a graph model (its dense nodes dynamic INT8).
-    graph: Option<GraphExec>,
+    graph: Option<GraphExec<Int8Dense>>,
+}
+
+/// Dynamic INT8 dense layers for the graph executor: the semantics of
+/// `CpuInt8` on an uncalibrated model, through the same kernels.
+struct Int8Dense {
+    kernel: Int8Kernel,
+    scratch: Scratch,
+    /// One quantized input row, for the scalar kernel.
+    xq: Vec<i8>,
+}
+
+enum Int8Prepared {
+    /// The scalar reference, one row at a time, on the layer as it is.
+    Scalar(Layer),
+    Packed(PackedLayer),
+}
+
+impl DenseKernel for Int8Dense {
+    type Prepared = Int8Prepared;
+
+    fn prepare(&self, layer: &Layer) -> Int8Prepared {
+        match self.kernel {
+            Int8Kernel::Scalar => Int8Prepared::Scalar(layer.clone()),
+            k => Int8Prepared::Packed(PackedLayer::new(k, layer)),
+        }
+    }
+
+    /// The blocked kernels fuse ReLU into their epilogue; the scalar
+    /// reference leaves it to the executor.
+    fn fuses_relu(&self) -> bool {
+        self.kernel != Int8Kernel::Scalar
+    }
+
+    #[inline(always)]
+    fn forward(&mut self, layer: &Int8Prepared, x: &[f32], rows: usize, y: &mut [f32]) {
+        match layer {
+            Int8Prepared::Scalar(l) => {
+                let xq = &mut self.xq[..l.in_dim];
+                for (xr, yr) in x.chunks_exact(l.in_dim).zip(y.chunks_exact_mut(l.out_dim)) {
+                    let s_x = quantize_row(xr, xq);
+                    for (o, v) in yr.iter_mut().enumerate() {
+                        let acc = dot_i8(&l.weights_i8[o * l.in_dim..(o + 1) * l.in_dim], xq);
+                        *v = acc as f32 * (l.weight_scales[o] * s_x) + l.bias[o];
+                    }
+                }
+            }
+            Int8Prepared::Packed(p) => p.forward(x, rows, y, &mut self.scratch),
+        }
+    }
 }
 
 impl CpuInt8 {
@@ -206,10 +253,12 @@ impl CpuInt8 {
             scratch: Scratch::new(kernel, model.width_max(), rows_max),
             statics,
             static_layers,
-            graph: model
-                .graph
-                .as_ref()
-                .map(|g| GraphExec::new(g, DenseMode::Int8(kernel), rows_max, &model.request_columns())),
+            graph: model.graph.as_ref().map(|g| {
+                let width_max = g.width_max();
+                let dense =
+                    Int8Dense { kernel, scratch: Scratch::new(kernel, width_max, rows_max), xq: vec![0; width_max] };
+                GraphExec::new(g, dense, rows_max, &model.request_columns())
+            }),
         })
     }
 
@@ -290,8 +339,8 @@ impl Backend for CpuInt8 {
         }
         let CpuInt8 { info, kernel, act, xq, packed, scratch, static_layers, graph, .. } = self;
         let model = &*info.model;
-        if let (Some(exec), Some(g)) = (graph, &model.graph) {
-            exec.run(g, x, model.input_dim(), rows, out);
+        if let Some(exec) = graph {
+            exec.run(x, rows, out);
         } else if let Some(st) = static_layers {
             st.logits(packed, x, rows, out);
         } else if *kernel != Int8Kernel::Scalar {

@@ -4,11 +4,36 @@
 //! FP8 contract's order, and reproducible in every instruction-set build)
 //! while the compiler vectorises across the 16 outputs. The FP8 backend
 //! (decoded E4M3 values) and the graph executor's f32 dense layers share it;
-//! each brings its own epilogue.
+//! each brings its own epilogue, and each compiles its loops per [`Isa`].
 
 /// Outputs per tile (one zmm of f32) and rows per tile.
 pub(super) const TILE_N: usize = 16;
 pub(super) const TILE_R: usize = 4;
+
+/// Which instruction-set build of a tiled loop runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Isa {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    pub(super) fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    }
+}
 
 /// A layer's weights in the tile layout.
 pub(super) struct KMajor {
