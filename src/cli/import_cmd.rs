@@ -88,8 +88,8 @@ enum Precision {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
-    if let Some(lib) = &args.onnxruntime_lib {
-        quiver::score::configure_onnxruntime(lib);
+    if let Some(lib) = args.onnxruntime_lib.clone().or_else(super::ort_dylib_path) {
+        quiver::score::configure_onnxruntime(&lib);
     }
     let output_kind = args.output_kind.map(|k| match k {
         OutputKindArg::Logit => quiver::model::OutputKind::Logit,

@@ -61,6 +61,18 @@ impl ClientTlsArgs {
     }
 }
 
+/// onnxruntime's own `ORT_DYLIB_PATH`: its library's path where neither the
+/// config nor the command line names one. The binary reads the environment;
+/// the library never does. `None` in a binary without onnxruntime, which
+/// has nothing to load.
+pub fn ort_dylib_path() -> Option<PathBuf> {
+    if cfg!(feature = "onnxruntime") {
+        std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()).map(PathBuf::from)
+    } else {
+        None
+    }
+}
+
 /// The `Authorization` header value for a token file, if one is given.
 pub fn bearer(token_file: Option<&Path>) -> Result<Option<String>, Error> {
     let Some(path) = token_file else {

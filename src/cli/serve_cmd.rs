@@ -101,6 +101,9 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     if let Some(v) = args.onnxruntime_lib {
         config.onnxruntime_lib = Some(v);
     }
+    if config.onnxruntime_lib.is_none() {
+        config.onnxruntime_lib = super::ort_dylib_path();
+    }
     if args.floor {
         config.floor = true;
     }

@@ -36,8 +36,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
-    if let Some(lib) = &args.onnxruntime_lib {
-        quiver::score::configure_onnxruntime(lib);
+    if let Some(lib) = args.onnxruntime_lib.clone().or_else(super::ort_dylib_path) {
+        quiver::score::configure_onnxruntime(&lib);
     }
     let model = std::sync::Arc::new(Model::load(&args.model)?);
     let rows_from = match &args.data {

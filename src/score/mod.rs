@@ -22,7 +22,9 @@ use crate::model::Model;
 ///
 /// A backend owns its model (the `Arc` in its [`BackendInfo`]), so it cannot
 /// be handed another, and its scratch memory, sized at construction for at
-/// most `rows_max` rows: `score` never allocates. Rows that hold the same
+/// most `rows_max` rows: the CPU backends' `score` never allocates; what the
+/// onnxruntime and CUDA backends still allocate per call, and why, is in
+/// docs/ARCHITECTURE.md. Rows that hold the same
 /// per-request columns (user, context, context ids) as the row before them
 /// belong to one request, and a backend may compute what depends only on
 /// those columns once per run of such rows; it gives the same numbers as

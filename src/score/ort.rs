@@ -2,9 +2,10 @@
 //! graphs the native compiler refuses, and a comparison for those it takes.
 //!
 //! The shared library is loaded at run time (the `ort` crate's
-//! `load-dynamic`), from `onnxruntime_lib` in the config, else
-//! `ORT_DYLIB_PATH`, else the loader's search path; nothing is downloaded or
-//! linked at build time. A library that cannot be loaded is an operating
+//! `load-dynamic`), from the path the binary configured (`onnxruntime_lib`
+//! in the config or `--onnxruntime-lib`, else its `ORT_DYLIB_PATH`: the
+//! library reads no environment), else the loader's search path; nothing
+//! is downloaded or linked at build time. A library that cannot be loaded is an operating
 //! condition ([`BackendError::OnnxruntimeMissing`]), never a panic: the
 //! library is loaded through `ort::init_from` before any other `ort` call,
 //! because `ort` panics when its first call finds no library.
@@ -14,8 +15,12 @@
 //! per-input buffers sized at construction for `rows_max` rows. A graph with
 //! one f32 input spanning the input vector reads the request's rows in
 //! place; otherwise each input's columns are copied out (and converted, for
-//! integer ids) into its buffer. onnxruntime allocates its own outputs; the
-//! output column is copied into the caller's buffer.
+//! integer ids) into its buffer. The output column is copied into the
+//! caller's buffer. What still allocates per call (docs/ARCHITECTURE.md):
+//! the list of inputs handed to `Session::run`, onnxruntime's value for
+//! each input (a header over the staged buffer, not a copy), and the
+//! outputs onnxruntime allocates itself, whose shape follows the call's row
+//! count.
 
 use std::borrow::Cow;
 use std::path::PathBuf;
@@ -28,8 +33,8 @@ use ort::value::{Shape, TensorElementType, TensorRef, ValueType};
 use super::{Backend, BackendError, BackendInfo};
 use crate::model::{Model, OnnxElement, OnnxGraph};
 
-/// The library named by the config (`onnxruntime_lib`); set once, at
-/// start-up, before any backend is built.
+/// The library the binary named (`onnxruntime_lib`, or its
+/// `ORT_DYLIB_PATH`); set once, at start-up, before any backend is built.
 static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
 /// The process's one onnxruntime environment, or why there is none.
 static ENVIRONMENT: OnceLock<Result<Environment, BackendError>> = OnceLock::new();
@@ -40,23 +45,16 @@ const LIBRARY_DEFAULT: &str = "libonnxruntime.so";
 const INSTALL_HINT: &str = "install onnxruntime (e.g. `pip install onnxruntime==1.32.0`) and set onnxruntime_lib in \
      the config, or ORT_DYLIB_PATH, to its onnxruntime/capi/libonnxruntime.so.* (1.22 or later)";
 
-/// Names the shared library to load (the config's `onnxruntime_lib`).
-/// Only the first call counts; later ones, and calls after the library was
-/// loaded, are ignored.
+/// Names the shared library to load. Only the first call counts; later
+/// ones, and calls after the library was loaded, are ignored.
 pub fn configure(library: PathBuf) {
     let _ = LIBRARY.set(library);
 }
 
-/// The library path in effect: the config's, else `ORT_DYLIB_PATH`, else
-/// the loader's search for `libonnxruntime.so`.
+/// The library path in effect: the configured one, else the loader's
+/// search for `libonnxruntime.so`.
 pub fn library_path() -> PathBuf {
-    if let Some(p) = LIBRARY.get() {
-        return p.clone();
-    }
-    match std::env::var_os("ORT_DYLIB_PATH") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from(LIBRARY_DEFAULT),
-    }
+    LIBRARY.get().cloned().unwrap_or_else(|| PathBuf::from(LIBRARY_DEFAULT))
 }
 
 /// Loads the library and makes the environment on first use.
