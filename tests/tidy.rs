@@ -397,6 +397,7 @@ fn crates_are_imported_only_where_the_architecture_says() {
         (&["ort::"], &["score/ort.rs"]),
         (&["cudarc::"], &["score/cuda.rs"]),
         (&["memmap2::"], &["model/embedding.rs", "features/replica/table.rs"]),
+        (&["xxhash_rust::"], &["features/replica/format.rs"]),
         (&["onnx_protobuf::", "protobuf::"], &["model/onnx/"]),
         (&["plotters::"], &["loadgen/plot.rs"]),
         (&["prometheus_client::"], &["admin/"]),

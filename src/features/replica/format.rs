@@ -1,10 +1,18 @@
 //! Byte layout of a replica file: the superblock, the two checkpoint records,
-//! section offsets and the row payload codecs (f32, f16, int8 with a scale).
+//! section offsets, the row payload codecs (f32, f16, int8 with a scale) and
+//! the string-key codec and hash.
 //!
 //! Kept apart from the mapping code so that every offset is computed in one
 //! place and checked once, with overflow, before anything is dereferenced.
+//!
+//! The key kind sits in superblock bytes 20..24, which files written before
+//! string keys existed hold as zero: code 0 is u64 keys, so those files open
+//! and serve exactly as before, under the same format version. A string-keyed
+//! file's rows are longer than its superblock's other fields imply to a build
+//! that predates the field, so such a build refuses it as damaged (its
+//! length), never serves it.
 
-use super::{ReplicaError, DIM_MAX, FORMAT_VERSION, GROUP_NAME_BYTES_MAX, MAGIC, ROW_CAPACITY_MAX};
+use super::{ReplicaError, DIM_MAX, FORMAT_VERSION, GROUP_NAME_BYTES_MAX, KEY_BYTES_MAX, MAGIC, ROW_CAPACITY_MAX};
 
 pub const SUPERBLOCK_BYTES: usize = 64;
 pub const CHECKPOINT_OFFSETS: [usize; 2] = [64, 128];
@@ -128,6 +136,101 @@ impl Storage {
     }
 }
 
+/// How a file's rows are keyed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KeyKind {
+    /// A u64 entity id, stored in the row header and the index slot.
+    #[default]
+    U64,
+    /// Byte strings of at most `bytes_max` bytes (1 to [`KEY_BYTES_MAX`]):
+    /// the slot and the row header hold the key's [`key_hash`], and the row
+    /// holds the whole key (length, then bytes), which a lookup compares.
+    Str { bytes_max: u32 },
+}
+
+impl std::fmt::Display for KeyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyKind::U64 => f.write_str("u64 keys"),
+            KeyKind::Str { bytes_max } => write!(f, "string keys of up to {bytes_max} bytes"),
+        }
+    }
+}
+
+impl KeyKind {
+    /// Superblock code: 0 for u64 keys (what every file written before
+    /// string keys holds there), else the string keys' byte limit.
+    pub fn code(self) -> u32 {
+        match self {
+            KeyKind::U64 => 0,
+            KeyKind::Str { bytes_max } => bytes_max,
+        }
+    }
+
+    pub fn from_code(code: u32) -> Option<KeyKind> {
+        match code {
+            0 => Some(KeyKind::U64),
+            1..=KEY_BYTES_MAX => Some(KeyKind::Str { bytes_max: code }),
+            _ => None,
+        }
+    }
+
+    /// Words a row spends on the key beyond its header: none for u64 keys;
+    /// a length word and the bytes, zero-padded to whole words, for strings.
+    pub fn key_words(self) -> usize {
+        match self {
+            KeyKind::U64 => 0,
+            KeyKind::Str { bytes_max } => 1 + (bytes_max as usize).div_ceil(4),
+        }
+    }
+}
+
+/// The 64-bit hash of a string key: xxh3-64 with seed 0, a published
+/// algorithm with reference vectors (checked in the tests), so a file
+/// written by one build, machine or process is found by every other.
+#[inline]
+pub fn key_hash(key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key)
+}
+
+/// Word `i` of a string key's row encoding: the length, then the bytes
+/// little-endian, zero-padded. Computed per word so that a lookup compares
+/// a stored key without building its encoding anywhere.
+#[inline(always)]
+pub fn key_word(key: &[u8], i: usize) -> u32 {
+    if i == 0 {
+        return key.len() as u32;
+    }
+    let from = ((i - 1) * 4).min(key.len());
+    let bytes = &key[from..(from + 4).min(key.len())];
+    let mut w = [0u8; 4];
+    w[..bytes.len()].copy_from_slice(bytes);
+    u32::from_le_bytes(w)
+}
+
+/// Writes the row encoding of `key` into `out` (a row's key words).
+pub fn encode_key(key: &[u8], out: &mut [u32]) {
+    debug_assert!(key.len() <= (out.len() - 1) * 4);
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = key_word(key, i);
+    }
+}
+
+/// The key bytes a row's key words hold, into `out`; false when the words
+/// are no encoding of a key of at most `bytes_max` bytes (a length past the
+/// limit, or padding that is not zero).
+pub fn decode_key(words: &[u32], bytes_max: u32, out: &mut Vec<u8>) -> bool {
+    out.clear();
+    let len = words[0] as usize;
+    if len > bytes_max as usize || len > (words.len() - 1) * 4 {
+        return false;
+    }
+    out.extend(words[1..].iter().flat_map(|w| w.to_le_bytes()));
+    let padding_zero = out[len..].iter().all(|&b| b == 0);
+    out.truncate(len);
+    padding_zero
+}
+
 /// The last change from Redis that this file contains: the stream's epoch,
 /// the sequence number of the last applied entry, and that entry's write time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -145,6 +248,7 @@ pub struct Header {
     pub slot_count: u64,
     pub row_capacity: u64,
     pub group: String,
+    pub keys: KeyKind,
     /// Keys present when the file was opened.
     pub row_count: u64,
 }
@@ -155,6 +259,9 @@ pub struct Layout {
     pub index_offset: usize,
     pub rows_offset: usize,
     pub row_stride: usize,
+    /// Words of a string key in a row (0 for u64 keys); they precede the
+    /// payload, and the row CRC covers them.
+    pub key_words: usize,
     pub payload_words: usize,
     pub file_bytes: usize,
 }
@@ -164,21 +271,28 @@ pub fn align(n: usize, to: usize) -> usize {
 }
 
 impl Layout {
-    pub fn new(dim: u32, storage: Storage, slot_count: u64, row_capacity: u64) -> Option<Layout> {
+    pub fn new(dim: u32, storage: Storage, keys: KeyKind, slot_count: u64, row_capacity: u64) -> Option<Layout> {
         let dim = dim as usize;
         let index_offset = align(DEFAULT_OFFSET + dim * 4, 64);
         let index_bytes = usize::try_from(slot_count).ok()?.checked_mul(SLOT_BYTES)?;
         let rows_offset = align(index_offset.checked_add(index_bytes)?, 64);
         let payload_words = storage.payload_words(dim);
-        let row_stride = align(ROW_HEADER_BYTES + payload_words * 4, 16);
+        let key_words = keys.key_words();
+        let row_stride = align(ROW_HEADER_BYTES + (key_words + payload_words) * 4, 16);
         let rows_bytes = usize::try_from(row_capacity).ok()?.checked_mul(row_stride)?;
         Some(Layout {
             index_offset,
             rows_offset,
             row_stride,
+            key_words,
             payload_words,
             file_bytes: rows_offset.checked_add(rows_bytes)?,
         })
+    }
+
+    /// Words after a row's header: the key's, then the payload's.
+    pub fn row_words(&self) -> usize {
+        self.key_words + self.payload_words
     }
 }
 
@@ -196,14 +310,15 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
-/// Superblock: magic, version, dim, storage, slot count, row capacity, group
-/// name, default-vector CRC, then a CRC of bytes 0..60.
+/// Superblock: magic, version, dim, storage, key kind, slot count, row
+/// capacity, group name, default-vector CRC, then a CRC of bytes 0..60.
 pub fn encode_superblock(h: &Header, default_crc: u32) -> [u8; SUPERBLOCK_BYTES] {
     let mut b = [0u8; SUPERBLOCK_BYTES];
     b[0..8].copy_from_slice(&MAGIC);
     b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     b[12..16].copy_from_slice(&h.dim.to_le_bytes());
     b[16..20].copy_from_slice(&h.storage.code().to_le_bytes());
+    b[20..24].copy_from_slice(&h.keys.code().to_le_bytes());
     b[24..32].copy_from_slice(&h.slot_count.to_le_bytes());
     b[32..40].copy_from_slice(&h.row_capacity.to_le_bytes());
     b[40..40 + h.group.len()].copy_from_slice(h.group.as_bytes());
@@ -235,6 +350,7 @@ pub fn decode_superblock(b: &[u8], path: &str) -> Result<(Header, u32), ReplicaE
         return Err(bad("dimension out of range"));
     }
     let storage = Storage::from_code(u32_at(b, 16)).ok_or_else(|| bad("unknown storage type"))?;
+    let keys = KeyKind::from_code(u32_at(b, 20)).ok_or_else(|| bad("unknown key kind"))?;
     let slot_count = u64_at(b, 24);
     let row_capacity = u64_at(b, 32);
     if row_capacity > ROW_CAPACITY_MAX {
@@ -246,7 +362,7 @@ pub fn decode_superblock(b: &[u8], path: &str) -> Result<(Header, u32), ReplicaE
     let name = &b[40..40 + GROUP_NAME_BYTES_MAX];
     let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
     let group = std::str::from_utf8(&name[..end]).map_err(|_| bad("group name is not UTF-8"))?.to_string();
-    Ok((Header { dim, storage, slot_count, row_capacity, group, row_count: 0 }, u32_at(b, 56)))
+    Ok((Header { dim, storage, slot_count, row_capacity, group, keys, row_count: 0 }, u32_at(b, 56)))
 }
 
 /// A checkpoint record: counter, cursor, then a CRC of bytes 0..60. The
@@ -271,7 +387,9 @@ pub fn decode_checkpoint(b: &[u8]) -> Option<(u64, Cursor)> {
     Some((u64_at(b, 0), Cursor { epoch: u64_at(b, 8), seq: u64_at(b, 16), change_unix_ms: u64_at(b, 24) }))
 }
 
-/// CRC of a row's key and payload words, as stored in its header.
+/// CRC of a row's key (a u64 key or a string key's hash), then its words
+/// after the header (a string key's words, then the payload), as stored in
+/// its header.
 pub fn row_crc(key: u64, payload: &[u32]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     h.update(&key.to_le_bytes());

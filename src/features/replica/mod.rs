@@ -1,5 +1,7 @@
-//! Feature replica v2: one memory-mapped file per feature group, key u64 →
-//! vector, read by every shard while one refresher thread rewrites it.
+//! Feature replica v2: one memory-mapped file per feature group, key →
+//! vector, read by every shard while one refresher thread rewrites it. A
+//! file's keys are u64 ids, or strings of up to a limit the group names
+//! (at most [`KEY_BYTES_MAX`] bytes), recorded in the superblock.
 //!
 //! The request path reads features from local memory and never waits on a
 //! network. Redis is the source of truth (see `src/features/feed/`); this module is the
@@ -16,6 +18,18 @@
 //! - A reader also checks the key stored in the row against the key it looked
 //!   up, so a row that changed owner between the index probe and the copy is
 //!   never served as someone else's features.
+//! - String keys: the index and the row header hold the key's 64-bit
+//!   [`key_hash`] (xxh3-64, stable across processes, platforms and
+//!   releases), and the row holds the whole key (length, then bytes), copied
+//!   and compared under the same seqlock and CRC as the payload. A row whose
+//!   hash matches but whose key differs is a miss counted in
+//!   [`Replica::key_collisions`], never the other entity's row. Two keys with
+//!   one hash share one row: the last written is kept and the writer counts
+//!   the displacement ([`ReplicaWriter::upsert_str`]).
+//! - A key kind is fixed per file and checked per call: writing or building
+//!   with the other kind's method is a typed [`ReplicaError::KeyKind`]; a
+//!   lookup or delete with it (methods that return no `Result`) panics, as
+//!   the kind is settled where the file is opened and a mismatch is a bug.
 //! - Index slots go empty → used → tombstone and never back; a new key takes a
 //!   fresh row and a fresh slot, published by a release store of the slot's
 //!   tag after the row is written. When rows run out, the writer rehashes the
@@ -47,11 +61,18 @@
 //!
 //! | offset          | bytes                   | what                                        |
 //! |-----------------|-------------------------|---------------------------------------------|
-//! | 0               | 64                      | superblock (see [`layout`])                 |
+//! | 0               | 64                      | superblock (see [`layout`]); key kind at 20..24 |
 //! | 64, 128         | 64 each                 | two checkpoint records: the newest valid wins |
 //! | 192             | dim × 4, padded         | default vector (f32), served for unknown keys |
 //! | index_offset    | slot_count × 16         | index: key u64, row u32, tag u32            |
-//! | rows_offset     | row_capacity × stride   | rows: seq u32, crc u32, key u64, payload    |
+//! | rows_offset     | row_capacity × stride   | rows: seq u32, crc u32, key u64, [string key], payload |
+//!
+//! The key kind's code is 0 for u64 keys, else the string keys' byte limit.
+//! Files written before string keys hold 0 there, so they open and serve
+//! exactly as before under the same format version (no version change). In
+//! a string-keyed file `key` is the key's hash and the string key follows
+//! the row header: its length u32, then its bytes zero-padded to the limit
+//! rounded up to words; the row CRC covers it.
 
 mod format;
 mod table;
@@ -63,7 +84,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-pub use format::{Cursor, Header, Storage};
+pub use format::{key_hash, Cursor, Header, KeyKind, Storage};
 pub use table::{huge_pages, lock_pages, mem_available_bytes, Replica};
 pub use writer::{GrowthPhase, OpenReport, ReplicaWriter};
 
@@ -75,6 +96,9 @@ pub const DIM_MAX: u32 = 4096;
 pub const GROUP_NAME_BYTES_MAX: usize = 16;
 /// Most rows one file may hold (row numbers are u32 in the index).
 pub const ROW_CAPACITY_MAX: u64 = 1 << 30;
+/// Longest string key a group may declare: every row of a string-keyed file
+/// spends its group's limit, rounded up to words, on its key.
+pub const KEY_BYTES_MAX: u32 = 64;
 
 /// Why a replica file cannot be built, opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +165,14 @@ pub enum ReplicaError {
     Input { path: String, line: usize, what: String },
     #[error("duplicate key {key}")]
     DuplicateKey { key: u64 },
+    #[error("duplicate key '{key}'")]
+    DuplicateStrKey { key: String },
+    #[error("{path}: holds {kind}, used with {used}")]
+    KeyKind { path: String, kind: KeyKind, used: &'static str },
+    #[error("a string key of {bytes} bytes, the group's keys are at most {bytes_max} bytes")]
+    KeyTooLong { bytes: usize, bytes_max: u32 },
+    #[error("string keys of up to {bytes_max} bytes: the limit is 1 to {KEY_BYTES_MAX} bytes")]
+    KeyBytesMax { bytes_max: u32 },
     #[error("vector of {found} floats, the group has dimension {dim}")]
     Dim { found: usize, dim: u32 },
     #[error("{path}: would need {rows} rows, above the limit of {ROW_CAPACITY_MAX}")]
@@ -223,6 +255,8 @@ impl ReplicaHandle {
         assert!(!writers.is_empty(), "a bucketed group has at least one bucket");
         let dim = writers[0].table().dim();
         assert!(writers.iter().all(|w| w.table().dim() == dim), "every bucket of a group has its dimension");
+        let keys = writers[0].table().key_kind();
+        assert!(writers.iter().all(|w| w.table().key_kind() == keys), "and its key kind");
         let parts = writers.iter().map(|w| ArcSwap::new(w.table().clone())).collect();
         let handle = Arc::new(ReplicaHandle { parts, dim, generation: AtomicU64::new(0) });
         for (b, w) in writers.iter_mut().enumerate() {
@@ -331,6 +365,19 @@ impl ReplicaHandle {
         missing
     }
 
+    /// [`Replica::read_str_into`] on the table `key` is in (a bucketed
+    /// group's string key goes to the bucket of its [`key_hash`]).
+    #[inline]
+    pub fn read_str_into(&self, key: &[u8], out: &mut [f32]) -> bool {
+        let hash = key_hash(key);
+        self.part_of(hash).load().read_str_hashed(hash, key, out)
+    }
+
+    /// How the group's files are keyed; it never changes while served.
+    pub fn key_kind(&self) -> KeyKind {
+        self.parts[0].load().key_kind()
+    }
+
     #[inline]
     fn part_of(&self, key: u64) -> &ArcSwap<Replica> {
         match self.parts.len() {
@@ -341,6 +388,7 @@ impl ReplicaHandle {
 
     fn install(&self, part: usize, table: Arc<Replica>) {
         assert_eq!(table.dim(), self.dim, "a group's dimension never changes while served");
+        assert_eq!(table.key_kind(), self.parts[part].load().key_kind(), "nor does its key kind");
         self.parts[part].store(table);
         // Release after the store: a view that sees the new generation
         // (Acquire) loads the new table.
@@ -419,6 +467,13 @@ impl ReplicaView {
         self.table_of(key).read_into(key, out)
     }
 
+    /// [`Replica::read_str_into`] on the table `key` is in.
+    #[inline]
+    pub fn read_str_into(&self, key: &[u8], out: &mut [f32]) -> bool {
+        let hash = key_hash(key);
+        self.table_of(hash).read_str_hashed(hash, key, out)
+    }
+
     /// [`Replica::read_many_into`] over the tables the keys are in: across
     /// tables, the same three passes overlap the memory loads (slots, then
     /// rows, then copies). Returns how many keys were missing.
@@ -448,8 +503,11 @@ pub struct ReplicaBuilder {
     group: String,
     dim: u32,
     storage: Storage,
+    key_kind: KeyKind,
     default: Vec<f32>,
     keys: Vec<u64>,
+    /// A string-keyed group's keys, in push order.
+    str_keys: Vec<Box<[u8]>>,
     values: Vec<f32>,
 }
 
@@ -502,8 +560,10 @@ impl ReplicaBuilder {
             group: group.into(),
             dim,
             storage: Storage::F32,
+            key_kind: KeyKind::U64,
             default: vec![0.0; dim as usize],
             keys: Vec::new(),
+            str_keys: Vec::new(),
             values: Vec::new(),
         }
     }
@@ -511,6 +571,26 @@ impl ReplicaBuilder {
     pub fn storage(mut self, storage: Storage) -> ReplicaBuilder {
         self.storage = storage;
         self
+    }
+
+    /// Keys the file by strings of at most `bytes_max` bytes (1 to
+    /// [`KEY_BYTES_MAX`]), added with [`ReplicaBuilder::push_str`]. Panics
+    /// once rows were pushed.
+    pub fn str_keys(mut self, bytes_max: u32) -> Result<ReplicaBuilder, ReplicaError> {
+        assert!(self.keys.is_empty() && self.str_keys.is_empty(), "the key kind is set before any row");
+        if bytes_max == 0 || bytes_max > KEY_BYTES_MAX {
+            return Err(ReplicaError::KeyBytesMax { bytes_max });
+        }
+        self.key_kind = KeyKind::Str { bytes_max };
+        Ok(self)
+    }
+
+    pub fn key_kind(&self) -> KeyKind {
+        self.key_kind
+    }
+
+    fn key_kind_error(&self, used: &'static str) -> ReplicaError {
+        ReplicaError::KeyKind { path: format!("group '{}'", self.group), kind: self.key_kind, used }
     }
 
     pub fn dim(&self) -> u32 {
@@ -532,8 +612,27 @@ impl ReplicaBuilder {
 
     /// Adds a row. Duplicate keys are refused when the file is written.
     pub fn push(&mut self, key: u64, v: &[f32]) -> Result<(), ReplicaError> {
+        if self.key_kind != KeyKind::U64 {
+            return Err(self.key_kind_error("u64 keys"));
+        }
         self.check_dim(v)?;
         self.keys.push(key);
+        self.values.extend_from_slice(v);
+        Ok(())
+    }
+
+    /// Adds a row of a string-keyed group ([`ReplicaBuilder::str_keys`]).
+    /// Duplicate keys are refused when the file is written; two keys with
+    /// one hash keep the later (see [`ReplicaWriter::upsert_str`]).
+    pub fn push_str(&mut self, key: &[u8], v: &[f32]) -> Result<(), ReplicaError> {
+        let KeyKind::Str { bytes_max } = self.key_kind else {
+            return Err(self.key_kind_error("string keys"));
+        };
+        if key.len() > bytes_max as usize {
+            return Err(ReplicaError::KeyTooLong { bytes: key.len(), bytes_max });
+        }
+        self.check_dim(v)?;
+        self.str_keys.push(key.into());
         self.values.extend_from_slice(v);
         Ok(())
     }
@@ -542,8 +641,9 @@ impl ReplicaBuilder {
     /// whole; a crash leaves either the old file or the new one.
     pub fn write(&self, path: &Path) -> Result<(), ReplicaError> {
         let tmp = temp_path(path, "build");
-        let rows = self.keys.len() as u64;
-        let mut w = ReplicaWriter::create(&tmp, &self.group, self.dim, self.storage, rows, &self.default)?;
+        let rows = (self.keys.len() + self.str_keys.len()) as u64;
+        let mut w =
+            ReplicaWriter::create_keyed(&tmp, &self.group, self.dim, self.storage, self.key_kind, rows, &self.default)?;
         let dim = self.dim as usize;
         for (key, v) in self.keys.iter().zip(self.values.chunks_exact(dim)) {
             if w.contains(*key) {
@@ -551,6 +651,13 @@ impl ReplicaBuilder {
                 return Err(ReplicaError::DuplicateKey { key: *key });
             }
             w.upsert(*key, v)?;
+        }
+        for (key, v) in self.str_keys.iter().zip(self.values.chunks_exact(dim)) {
+            if w.contains_str(key) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(ReplicaError::DuplicateStrKey { key: String::from_utf8_lossy(key).into_owned() });
+            }
+            w.upsert_str(key, v)?;
         }
         w.checkpoint(Cursor::default())?;
         w.rename_to(path)

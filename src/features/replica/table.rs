@@ -14,9 +14,9 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::format::{
-    decode_checkpoint, decode_superblock, encode_checkpoint, row_crc, slot_of, Cursor, Header, Layout, Storage,
-    CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE,
-    TAG_USED,
+    decode_checkpoint, decode_key, decode_superblock, encode_checkpoint, key_hash, key_word, row_crc, slot_of, Cursor,
+    Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES,
+    SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
 use super::ReplicaError;
 
@@ -57,6 +57,9 @@ pub struct Replica {
     /// Reads that found a row failing its CRC (before verification passed)
     /// and served the default vector instead.
     corrupt_reads: AtomicU64,
+    /// String-key lookups that found their key's hash in a row holding
+    /// another key (a hash collision) and served the default vector.
+    key_collisions: AtomicU64,
 }
 
 impl std::fmt::Debug for Replica {
@@ -204,7 +207,7 @@ impl Replica {
         // the file is created.
         let superblock = unsafe { std::slice::from_raw_parts(map.as_ptr(), DEFAULT_OFFSET) };
         let (header, default_crc) = decode_superblock(&superblock[..SUPERBLOCK_BYTES], &p)?;
-        let layout = Layout::new(header.dim, header.storage, header.slot_count, header.row_capacity)
+        let layout = Layout::new(header.dim, header.storage, header.keys, header.slot_count, header.row_capacity)
             .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
         if layout.file_bytes as u64 != actual {
             return Err(ReplicaError::Length { path: p, expected: layout.file_bytes as u64, actual });
@@ -228,6 +231,7 @@ impl Replica {
             torn_reads: AtomicU64::new(0),
             verified: AtomicBool::new(access == Access::Created),
             corrupt_reads: AtomicU64::new(0),
+            key_collisions: AtomicU64::new(0),
         };
         if crc32fast::hash(&replica.default_bytes()) != default_crc {
             return Err(ReplicaError::DefaultChecksum { path: replica.path });
@@ -292,10 +296,16 @@ impl Replica {
         self.corrupt_reads.load(Ordering::Relaxed)
     }
 
+    /// String-key lookups that met another key under their key's hash.
+    pub fn key_collisions(&self) -> u64 {
+        self.key_collisions.load(Ordering::Relaxed)
+    }
+
     /// Checks slots `from..to` and the rows they name.
     fn scan_slots(&self, from: u64, to: u64) -> Result<Scan, ReplicaError> {
         let mut scan = Scan::default();
-        let mut payload = vec![0u32; self.layout.payload_words];
+        let mut payload = vec![0u32; self.layout.row_words()];
+        let mut key_bytes = Vec::new();
         for slot in from..to {
             let (key, row, tag) = self.slot(slot);
             let damaged = |what: String| ReplicaError::Index { path: self.path.clone(), slot, what };
@@ -321,13 +331,24 @@ impl Replica {
                 Some((_, crc)) if crc != row_crc(key, &payload) => {
                     return Err(ReplicaError::PayloadChecksum { path: self.path.clone(), row, key });
                 }
-                Some(_) => scan.live += 1,
+                Some(_) => {
+                    // A string key's bytes must hash to the key the slot and
+                    // the row are filed under, or lookups of it would miss.
+                    if let KeyKind::Str { bytes_max } = self.header.keys {
+                        let words = &payload[..self.layout.key_words];
+                        if !decode_key(words, bytes_max, &mut key_bytes) || key_hash(&key_bytes) != key {
+                            return Err(damaged(format!("row {row}'s key bytes are not a key hashing to {key}")));
+                        }
+                    }
+                    scan.live += 1;
+                }
             }
         }
         Ok(scan)
     }
 
-    /// A consistent copy of a row's key, stored CRC and payload words, taken
+    /// A consistent copy of a row's key, stored CRC and words after its
+    /// header (`payload`: [`Layout::row_words`] of them, key words first), taken
     /// under the seqlock so that opening a file another process is writing
     /// does not mistake a row in flight for damage; `None` if the row stays
     /// mid-write (its writer was killed there).
@@ -365,6 +386,10 @@ impl Replica {
 
     pub fn storage(&self) -> Storage {
         self.header.storage
+    }
+
+    pub fn key_kind(&self) -> KeyKind {
+        self.header.keys
     }
 
     pub fn path(&self) -> &str {
@@ -494,61 +519,62 @@ impl Replica {
         self.find_slot(key).map(|(_, row)| row)
     }
 
-    /// Copies row `row` into `out` if it holds `key` and a consistent copy can
-    /// be taken; false otherwise (the row was deleted and reused, stayed
-    /// busy past the retry bound, or, before verification passed, fails its
-    /// CRC).
+    /// Copies row `row` into `out` if it holds `key` (and, in a string-keyed
+    /// file, the string `str_key` hashing to it) and a consistent copy can
+    /// be taken; false otherwise (the row was deleted and reused, holds
+    /// another string under the same hash, stayed busy past the retry bound,
+    /// or, before verification passed, fails its CRC).
     #[inline]
-    fn read_row(&self, row: u32, key: u64, out: &mut [f32]) -> bool {
+    fn read_row(&self, row: u32, key: u64, str_key: &[u8], out: &mut [f32]) -> bool {
         if self.verified.load(Ordering::Relaxed) {
-            self.copy_row::<false>(row, key, out)
+            self.copy_row::<false>(row, key, str_key, out)
         } else {
-            self.copy_row::<true>(row, key, out)
+            self.copy_row::<true>(row, key, str_key, out)
         }
     }
 
     /// `read_row`, checking the row's CRC when `CHECK`. The CRC is fed from
-    /// the words as they are decoded, in chunks (the hasher is slow on 4
-    /// bytes at a time), so a check costs no second pass and no allocation.
+    /// the words as they are compared and decoded, in chunks (the hasher is
+    /// slow on 4 bytes at a time), so a check costs no second pass and no
+    /// allocation. A string key is compared word by word against the words
+    /// the row holds, copied under the same seqlock as the payload.
     #[inline(always)]
-    fn copy_row<const CHECK: bool>(&self, row: u32, key: u64, out: &mut [f32]) -> bool {
+    fn copy_row<const CHECK: bool>(&self, row: u32, key: u64, str_key: &[u8], out: &mut [f32]) -> bool {
         let base = self.row_base(row);
         let seq = self.u32_at(base);
         let storage = self.header.storage;
+        let key_words = self.layout.key_words;
         let words = self.layout.payload_words;
-        let payload = base + ROW_HEADER_BYTES;
+        let payload = base + ROW_HEADER_BYTES + key_words * 4;
         for _ in 0..READ_RETRIES_MAX {
             let before = seq.load(Ordering::Acquire);
             if before.is_multiple_of(2) {
                 let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
                 let stored_crc = self.u32_at(base + 4).load(Ordering::Relaxed);
                 // Built only when checking: its feature detection is not free per row.
-                let mut hasher = CHECK.then(crc32fast::Hasher::new);
-                let mut chunk = [0u8; 256];
-                let mut filled = 0;
-                if let Some(h) = &mut hasher {
-                    h.update(&row_key.to_le_bytes());
+                let mut crc = CHECK.then(|| CrcFeed::new(row_key));
+                let mut same_key = true;
+                for i in 0..key_words {
+                    let w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
+                    same_key &= w == key_word(str_key, i);
+                    if let Some(c) = &mut crc {
+                        c.push(w);
+                    }
                 }
                 let first = usize::from(storage == Storage::Int8);
                 let mut scale = 0.0;
                 if first == 1 {
                     let w = self.u32_at(payload).load(Ordering::Relaxed);
                     scale = f32::from_bits(w);
-                    if CHECK {
-                        chunk[..4].copy_from_slice(&w.to_le_bytes());
-                        filled = 4;
+                    if let Some(c) = &mut crc {
+                        c.push(w);
                     }
                 }
                 for word in first..words {
                     let w = self.u32_at(payload + word * 4).load(Ordering::Relaxed);
                     storage.decode_word(word, w, scale, out);
-                    if let Some(h) = &mut hasher {
-                        chunk[filled..filled + 4].copy_from_slice(&w.to_le_bytes());
-                        filled += 4;
-                        if filled == chunk.len() {
-                            h.update(&chunk);
-                            filled = 0;
-                        }
+                    if let Some(c) = &mut crc {
+                        c.push(w);
                     }
                 }
                 fence(Ordering::Acquire);
@@ -556,12 +582,13 @@ impl Replica {
                     if row_key != key {
                         return false;
                     }
-                    if let Some(mut h) = hasher {
-                        h.update(&chunk[..filled]);
-                        if h.finalize() != stored_crc {
-                            self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
-                            return false;
-                        }
+                    if crc.is_some_and(|c| c.finalize() != stored_crc) {
+                        self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                        return false;
+                    }
+                    if !same_key {
+                        self.key_collisions.fetch_add(1, Ordering::Relaxed);
+                        return false;
                     }
                     return true;
                 }
@@ -572,6 +599,13 @@ impl Replica {
         false
     }
 
+    /// Whether row `row` holds the string key whose row words are `words`:
+    /// for the writer, on its own rows, which are never mid-write.
+    pub(super) fn row_key_is(&self, row: u32, words: &[u32]) -> bool {
+        let base = self.row_base(row) + ROW_HEADER_BYTES;
+        words.iter().enumerate().all(|(i, &w)| self.u32_at(base + i * 4).load(Ordering::Relaxed) == w)
+    }
+
     fn copy_default(&self, out: &mut [f32]) {
         for (i, o) in out.iter_mut().enumerate() {
             *o = f32::from_bits(self.u32_at(DEFAULT_OFFSET + i * 4).load(Ordering::Relaxed));
@@ -580,12 +614,45 @@ impl Replica {
 
     /// Copies the vector of `key` into `out` (length `dim`); copies the
     /// default vector and returns false when the key is unknown.
+    /// Panics on a string-keyed file (see [`Replica::read_str_into`]).
     #[inline]
     pub fn read_into(&self, key: u64, out: &mut [f32]) -> bool {
         assert_eq!(out.len(), self.dim());
+        assert_eq!(self.header.keys, KeyKind::U64, "{}: a u64 lookup in a string-keyed file", self.path);
         if let Some(row) = self.find(key) {
-            if self.read_row(row, key, out) {
+            if self.read_row(row, key, &[], out) {
                 return true;
+            }
+        }
+        self.copy_default(out);
+        false
+    }
+
+    /// Copies the vector of the string `key` into `out` (length `dim`);
+    /// copies the default vector and returns false when the key is unknown,
+    /// longer than the file's keys can be, or its hash is filed under
+    /// another key (counted in [`Replica::key_collisions`]). Panics on a
+    /// u64-keyed file: which kind a group's keys are is settled where its
+    /// file is opened ([`Replica::key_kind`]), so a mismatch here is a bug,
+    /// never data.
+    #[inline]
+    pub fn read_str_into(&self, key: &[u8], out: &mut [f32]) -> bool {
+        self.read_str_hashed(key_hash(key), key, out)
+    }
+
+    /// [`Replica::read_str_into`] with the key's [`key_hash`] already
+    /// computed (a bucketed group hashes once to pick the table).
+    #[inline]
+    pub(super) fn read_str_hashed(&self, hash: u64, key: &[u8], out: &mut [f32]) -> bool {
+        assert_eq!(out.len(), self.dim());
+        let KeyKind::Str { bytes_max } = self.header.keys else {
+            panic!("{}: a string lookup in a u64-keyed file", self.path);
+        };
+        if key.len() <= bytes_max as usize {
+            if let Some(row) = self.find(hash) {
+                if self.read_row(row, hash, key, out) {
+                    return true;
+                }
             }
         }
         self.copy_default(out);
@@ -601,6 +668,7 @@ impl Replica {
     pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
         let dim = self.dim();
         assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
+        assert_eq!(self.header.keys, KeyKind::U64, "{}: a u64 lookup in a string-keyed file", self.path);
         let base = self.map.as_ptr();
         for &key in keys {
             let slot = slot_of(key, self.header.slot_count) as usize;
@@ -614,7 +682,7 @@ impl Replica {
         }
         let mut missing = 0;
         for ((row, &key), dst) in rows.iter().zip(keys).zip(out.chunks_exact_mut(dim)) {
-            if *row == u32::MAX || !self.read_row(*row, key, dst) {
+            if *row == u32::MAX || !self.read_row(*row, key, &[], dst) {
                 missing += 1;
                 self.copy_default(dst);
             }
@@ -643,6 +711,38 @@ impl Replica {
         let mut v = vec![0.0; self.dim()];
         self.copy_default(&mut v);
         v
+    }
+}
+
+/// The CRC of a row fed a word at a time, in chunks: the hasher is fast on
+/// long slices, slow on 4 bytes.
+struct CrcFeed {
+    hasher: crc32fast::Hasher,
+    chunk: [u8; 256],
+    filled: usize,
+}
+
+impl CrcFeed {
+    #[inline(always)]
+    fn new(key: u64) -> CrcFeed {
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&key.to_le_bytes());
+        CrcFeed { hasher, chunk: [0; 256], filled: 0 }
+    }
+
+    #[inline(always)]
+    fn push(&mut self, w: u32) {
+        self.chunk[self.filled..self.filled + 4].copy_from_slice(&w.to_le_bytes());
+        self.filled += 4;
+        if self.filled == self.chunk.len() {
+            self.hasher.update(&self.chunk);
+            self.filled = 0;
+        }
+    }
+
+    fn finalize(mut self) -> u32 {
+        self.hasher.update(&self.chunk[..self.filled]);
+        self.hasher.finalize()
     }
 }
 

@@ -280,7 +280,7 @@ fn storage_types_round_trip_within_their_documented_error() {
         assert!(out[0].is_nan() && out[2].is_nan(), "{storage:?}");
         assert!((out[1] - 2.0).abs() <= 2.0 / 127.0, "{storage:?}: {}", out[1]);
     }
-    let bytes = |s: Storage| Layout::new(64, s, 2, 1).unwrap().row_stride;
+    let bytes = |s: Storage| Layout::new(64, s, KeyKind::U64, 2, 1).unwrap().row_stride;
     assert_eq!((bytes(Storage::F32), bytes(Storage::F16), bytes(Storage::Int8)), (272, 144, 96));
 }
 
@@ -742,4 +742,429 @@ fn a_view_of_a_bucketed_group_reads_what_each_buckets_table_holds() {
     }
     assert_eq!(missing, expected_missing);
     assert_eq!(missing, 50 - (0..50u64).map(|i| i * 31 + 5).filter(|k| present.contains(k)).count());
+}
+
+/// A string key for entity `id`: 6 to 15 bytes, some keys prefixes of others.
+fn str_key(id: u64) -> Vec<u8> {
+    format!("user-{id}").into_bytes()
+}
+
+fn str_sample(rows: u64, dim: u32, bytes_max: u32) -> ReplicaBuilder {
+    let mut b = ReplicaBuilder::new("user", dim).str_keys(bytes_max).unwrap();
+    b.set_default(&vec![-1.0; dim as usize]).unwrap();
+    for id in 0..rows {
+        let v: Vec<f32> = (0..dim).map(|j| id as f32 + j as f32 * 0.5).collect();
+        b.push_str(&str_key(id), &v).unwrap();
+    }
+    b
+}
+
+#[test]
+fn the_string_key_hash_is_xxh3_64_as_published() {
+    // Reference values of XXH3_64bits (seed 0) from the reference C
+    // implementation, through its Python binding.
+    assert_eq!(key_hash(b""), 0x2d06_8005_38d3_94c2);
+    assert_eq!(key_hash(b"user:42"), 0x9fc1_e605_fa71_74aa);
+    assert_eq!(key_hash(&[b'a'; 64]), 0x2ddd_cef0_7d26_ee8c);
+}
+
+#[test]
+fn string_keys_build_open_and_look_up() {
+    let dir = tmpdir("str-lookup");
+    let path = dir.join("user.qrep");
+    let mut b = str_sample(1000, 3, 16);
+    b.push_str(b"", &[7.0, 7.0, 7.0]).unwrap();
+    b.push_str(&[b'z'; 16], &[16.0, 16.0, 16.0]).unwrap();
+    b.write(&path).unwrap();
+    let r = Replica::open(&path, "user").unwrap();
+    assert_eq!(r.key_kind(), KeyKind::Str { bytes_max: 16 });
+    assert_eq!(r.header().row_count, 1002);
+    let mut out = [0.0; 3];
+    for id in 0..1000u64 {
+        assert!(r.read_str_into(&str_key(id), &mut out), "{id}");
+        assert_eq!(out, [id as f32, id as f32 + 0.5, id as f32 + 1.0]);
+    }
+    assert!(r.read_str_into(b"", &mut out) && out == [7.0; 3]);
+    assert!(r.read_str_into(&[b'z'; 16], &mut out) && out == [16.0; 3]);
+    for unknown in [&b"user-1000"[..], b"user-", b"user-12 ", &[b'z'; 17]] {
+        assert!(!r.read_str_into(unknown, &mut out), "{unknown:?}");
+        assert_eq!(out, [-1.0; 3]);
+    }
+    assert_eq!((r.key_collisions(), r.torn_reads(), r.corrupt_reads()), (0, 0, 0));
+
+    let handle = Arc::new(ReplicaHandle::open(&path, "user").unwrap());
+    assert_eq!(handle.key_kind(), KeyKind::Str { bytes_max: 16 });
+    assert!(handle.read_str_into(b"user-5", &mut out) && out == [5.0, 5.5, 6.0]);
+    let view = ReplicaView::new(handle);
+    assert!(view.read_str_into(b"user-6", &mut out) && out == [6.0, 6.5, 7.0]);
+    assert!(!view.read_str_into(b"user-x", &mut out) && out == [-1.0; 3]);
+
+    // Keys of the other kind are refused, typed, wherever a caller gets a Result.
+    let mut b = ReplicaBuilder::new("user", 1).str_keys(8).unwrap();
+    assert!(matches!(b.push(1, &[1.0]), Err(ReplicaError::KeyKind { .. })));
+    let mut b = ReplicaBuilder::new("user", 1);
+    assert!(matches!(b.push_str(b"a", &[1.0]), Err(ReplicaError::KeyKind { .. })));
+    let mut w = ReplicaWriter::create_keyed(
+        &dir.join("w.qrep"),
+        "user",
+        1,
+        Storage::F32,
+        KeyKind::Str { bytes_max: 8 },
+        4,
+        &[0.0],
+    )
+    .unwrap();
+    let err = w.upsert(1, &[1.0]).unwrap_err();
+    assert!(err.to_string().contains("holds string keys of up to 8 bytes, used with u64 keys"), "{err}");
+    let mut w = ReplicaWriter::create(&dir.join("u.qrep"), "user", 1, Storage::F32, 4, &[0.0]).unwrap();
+    assert!(matches!(w.upsert_str(b"a", &[1.0]), Err(ReplicaError::KeyKind { .. })));
+
+    // The payload follows the key words in every storage (int8's scale first).
+    for storage in [Storage::F16, Storage::Int8] {
+        let path = dir.join(format!("{storage:?}.qrep"));
+        let mut b = ReplicaBuilder::new("user", 3).storage(storage).str_keys(5).unwrap();
+        b.push_str(b"ab", &[127.0, -127.0, 0.0]).unwrap();
+        b.push_str(b"abcde", &[-127.0, 0.0, 127.0]).unwrap();
+        b.write(&path).unwrap();
+        let r = Replica::open(&path, "user").unwrap();
+        assert!(r.read_str_into(b"ab", &mut out) && out == [127.0, -127.0, 0.0], "{storage:?}");
+        assert!(r.read_str_into(b"abcde", &mut out) && out == [-127.0, 0.0, 127.0], "{storage:?}");
+        assert!(!r.read_str_into(b"abc", &mut out) && out == [0.0; 3], "{storage:?}");
+    }
+
+    let mut b = str_sample(3, 1, 8);
+    b.push_str(b"user-1", &[9.0]).unwrap();
+    assert!(matches!(b.write(&path), Err(ReplicaError::DuplicateStrKey { key }) if key == "user-1"));
+}
+
+#[test]
+#[should_panic(expected = "a u64 lookup in a string-keyed file")]
+fn a_u64_lookup_in_a_string_keyed_file_is_a_bug_caught() {
+    let dir = tmpdir("str-misuse");
+    let path = dir.join("user.qrep");
+    str_sample(3, 1, 8).write(&path).unwrap();
+    Replica::open(&path, "user").unwrap().read_into(1, &mut [0.0]);
+}
+
+#[test]
+#[should_panic(expected = "a string lookup in a u64-keyed file")]
+fn a_string_lookup_in_a_u64_keyed_file_is_a_bug_caught() {
+    let dir = tmpdir("u64-misuse");
+    let path = dir.join("item.qrep");
+    sample(3, 1).write(&path).unwrap();
+    Replica::open(&path, "item").unwrap().read_str_into(b"1", &mut [0.0]);
+}
+
+#[test]
+fn an_over_long_string_key_is_refused() {
+    let dir = tmpdir("str-long");
+    assert!(matches!(
+        ReplicaBuilder::new("user", 1).str_keys(KEY_BYTES_MAX + 1),
+        Err(ReplicaError::KeyBytesMax { bytes_max: 65 })
+    ));
+    assert!(matches!(ReplicaBuilder::new("user", 1).str_keys(0), Err(ReplicaError::KeyBytesMax { .. })));
+    let mut b = ReplicaBuilder::new("user", 1).str_keys(KEY_BYTES_MAX).unwrap();
+    b.push_str(&[b'k'; 64], &[1.0]).unwrap();
+    assert!(matches!(b.push_str(&[b'k'; 65], &[1.0]), Err(ReplicaError::KeyTooLong { bytes: 65, bytes_max: 64 })));
+    let created = ReplicaWriter::create_keyed(
+        &dir.join("x.qrep"),
+        "user",
+        1,
+        Storage::F32,
+        KeyKind::Str { bytes_max: 65 },
+        4,
+        &[0.0],
+    );
+    assert!(matches!(created, Err(ReplicaError::KeyBytesMax { bytes_max: 65 })));
+    let path = dir.join("user.qrep");
+    let mut w =
+        ReplicaWriter::create_keyed(&path, "user", 1, Storage::F32, KeyKind::Str { bytes_max: 8 }, 4, &[0.0]).unwrap();
+    w.upsert_str(b"12345678", &[8.0]).unwrap();
+    let err = w.upsert_str(b"123456789", &[9.0]).unwrap_err();
+    assert_eq!(err.to_string(), "a string key of 9 bytes, the group's keys are at most 8 bytes");
+    assert!(!w.delete_str(b"123456789"));
+    let mut out = [0.0];
+    assert!(!w.table().read_str_into(b"123456789", &mut out));
+    assert!(w.table().read_str_into(b"12345678", &mut out) && out == [8.0]);
+    assert_eq!(w.live_rows(), 1);
+}
+
+#[test]
+fn a_key_filed_under_another_keys_hash_is_a_counted_miss_never_its_features() {
+    let dir = tmpdir("str-collision");
+    let path = dir.join("user.qrep");
+    let mut w =
+        ReplicaWriter::create_keyed(&path, "user", 2, Storage::F32, KeyKind::Str { bytes_max: 16 }, 64, &[-1.0; 2])
+            .unwrap();
+    let handle = w.handle();
+    let mut out = [0.0; 2];
+    // A (alice) is written under B's (bob's) hash, as a real collision would file it.
+    w.upsert_hashed(key_hash(b"bob"), b"alice", &[1.0, 1.0]).unwrap();
+    assert_eq!(w.key_displacements(), 0, "nothing was displaced");
+    assert!(!handle.read_str_into(b"bob", &mut out), "bob's hash holds alice's row");
+    assert_eq!(out, [-1.0; 2], "never alice's features");
+    assert_eq!(handle.load().key_collisions(), 1);
+    assert!(!handle.read_str_into(b"alice", &mut out), "alice is filed under bob's hash only");
+    assert_eq!(handle.load().key_collisions(), 1, "a plain miss is not a collision");
+    assert!(!w.contains_str(b"bob") && !w.delete_str(b"bob"), "bob's delete leaves alice's row alone");
+    assert!(w.contains(key_hash(b"bob")));
+
+    // Bob is written: the last written keeps the row, and the displacement is counted.
+    w.upsert_str(b"bob", &[2.0, 2.0]).unwrap();
+    assert_eq!(w.key_displacements(), 1);
+    assert!(handle.read_str_into(b"bob", &mut out) && out == [2.0, 2.0]);
+    assert_eq!(w.live_rows(), 1);
+    // And alice, under bob's hash once more.
+    w.upsert_hashed(key_hash(b"bob"), b"alice", &[3.0, 3.0]).unwrap();
+    assert_eq!(w.key_displacements(), 2);
+    assert!(!handle.read_str_into(b"bob", &mut out) && out == [-1.0; 2]);
+    assert_eq!(handle.load().key_collisions(), 2);
+    // The scan checks that a row's key hashes to the hash it is filed under:
+    // a real collision always does, this forged one does not.
+    w.checkpoint(Cursor::default()).unwrap();
+    drop((w, handle));
+    let err = Replica::open(&path, "user").unwrap_err();
+    assert!(matches!(err, ReplicaError::Index { .. }) && err.is_damage(), "{err}");
+}
+
+#[test]
+fn string_keys_survive_updates_deletes_growth_and_reopening() {
+    let dir = tmpdir("str-writer");
+    let path = dir.join("user.qrep");
+    let mut w =
+        ReplicaWriter::create_keyed(&path, "user", 3, Storage::F32, KeyKind::Str { bytes_max: 12 }, 4, &[9.0; 3])
+            .unwrap();
+    let handle = w.handle();
+    // Grown on the writer's thread first, then in the background.
+    for id in 0..3000u64 {
+        w.upsert_str(&str_key(id), &[id as f32, 1.0, 2.0]).unwrap();
+    }
+    assert!(handle.load().header().row_capacity >= 3000, "grew past the initial 4 rows");
+    w.set_grow_ahead(true);
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut id = 3000;
+    let mut grew_in_background = false;
+    while id < 20_000 || w.growing() {
+        assert!(Instant::now() < until, "the background growth ends");
+        grew_in_background |= w.growing();
+        if id < 20_000 {
+            w.upsert_str(&str_key(id), &[id as f32, 1.0, 2.0]).unwrap();
+            // Rewrites of keys the copy may already hold: the replay must carry them.
+            w.upsert_str(&str_key(id / 2), &[(id / 2) as f32, 5.0, 2.0]).unwrap();
+            id += 1;
+        }
+        w.poll_growth().unwrap();
+    }
+    assert!(grew_in_background && handle.load().header().row_capacity >= 20_000);
+    assert!(w.delete_str(b"user-8"));
+    assert!(!w.delete_str(b"user-8"));
+    assert!(!w.delete_str(b"user-999999"));
+    let cursor = Cursor { epoch: 3, seq: 4, change_unix_ms: 5 };
+    w.checkpoint(cursor).unwrap();
+    let check = |r: &Replica| {
+        let mut out = [0.0; 3];
+        for id in 0..20_000u64 {
+            let found = r.read_str_into(&str_key(id), &mut out);
+            if id == 8 {
+                assert!(!found && out == [9.0; 3]);
+            } else {
+                let second = if (1500..10_000).contains(&id) { 5.0 } else { 1.0 };
+                assert!(found && out == [id as f32, second, 2.0], "{id}: {out:?}");
+            }
+        }
+        assert_eq!(r.live_rows(), 19_999);
+    };
+    check(&handle.load());
+    assert_eq!(w.key_displacements(), 0);
+    drop((w, handle));
+    let r = Replica::open(&path, "user").unwrap();
+    assert_eq!(r.key_kind(), KeyKind::Str { bytes_max: 12 });
+    check(&r);
+    drop(r);
+    let (mut w, report) = ReplicaWriter::open(&path, "user").unwrap();
+    assert_eq!(report, OpenReport { torn_rows: 0, live_rows: 19_999, cursor });
+    w.upsert_str(b"user-8", &[8.0, 1.0, 2.0]).unwrap();
+    assert!(w.contains_str(b"user-8"));
+}
+
+#[test]
+fn string_rows_left_mid_write_are_dropped_and_a_flipped_key_byte_fails_the_crc() {
+    let dir = tmpdir("str-torn");
+    let path = dir.join("user.qrep");
+    str_sample(50, 4, 16).write(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let r = Replica::open(&path, "user").unwrap();
+    let key = str_key(10);
+    let row_at = r.layout().rows_offset + r.find(key_hash(&key)).unwrap() as usize * r.layout().row_stride;
+    drop(r);
+    // What a writer killed between its two counter stores leaves behind,
+    // its key half written.
+    let mut bytes = good.clone();
+    bytes[row_at] |= 1;
+    bytes[row_at + 16 + 4] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(Replica::open(&path, "user"), Err(ReplicaError::Torn { rows: 1, .. })));
+    let (mut w, report) = ReplicaWriter::open(&path, "user").unwrap();
+    assert_eq!((report.torn_rows, report.live_rows), (1, 49));
+    let mut out = [0.0; 4];
+    let handle = w.handle();
+    assert!(!handle.read_str_into(&key, &mut out), "a torn row is never served");
+    assert_eq!(out, [-1.0; 4]);
+    w.upsert_str(&key, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    assert!(handle.read_str_into(&key, &mut out) && out == [1.0, 2.0, 3.0, 4.0]);
+    w.checkpoint(Cursor::default()).unwrap();
+    drop((w, handle));
+    assert_eq!(Replica::open(&path, "user").unwrap().live_rows(), 50);
+
+    // A flipped key byte, seqlock intact: the full open refuses the file;
+    // opened deferred, the row fails its CRC when read and is never served.
+    for at in [row_at + 16, row_at + 16 + 4 + 2] {
+        let mut bytes = good.clone();
+        bytes[at] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        let err = Replica::open(&path, "user").unwrap_err();
+        assert!(matches!(err, ReplicaError::PayloadChecksum { .. }), "byte {at}: {err}");
+        let w = ReplicaWriter::open_deferred(&path, "user").unwrap();
+        assert!(!w.table().read_str_into(&key, &mut out) && out == [-1.0; 4]);
+        assert_eq!((w.table().corrupt_reads(), w.table().key_collisions()), (1, 0));
+        assert!(w.table().read_str_into(&str_key(11), &mut out), "other rows serve");
+    }
+}
+
+/// The stress test of the seqlock with string keys: each vector carries its
+/// entity and a checksum, and the lookup key is rebuilt by the reader from
+/// the entity, so a torn row, a torn key or another entity's row cannot pass.
+#[test]
+fn readers_never_see_torn_or_foreign_rows_under_string_keys() {
+    const DIM: usize = 8;
+    fn vector(id: u64, generation: u64) -> [f32; DIM] {
+        let mut v = [0.0f32; DIM];
+        v[0] = id as f32;
+        for (i, x) in v.iter_mut().enumerate().take(DIM - 1).skip(1) {
+            *x = ((generation * 31 + i as u64 * 7 + id) % 1000) as f32;
+        }
+        v[DIM - 1] = v[..DIM - 1].iter().sum();
+        v
+    }
+    /// 15 bytes: a shared prefix, so keys differ only in their last words.
+    fn key(id: u64) -> [u8; 15] {
+        let mut k = *b"entity-\0\0\0\0\0\0\0\0";
+        k[7..].copy_from_slice(&id.to_le_bytes());
+        k
+    }
+    let dir = tmpdir("str-stress");
+    let path = dir.join("user.qrep");
+    let mut w = ReplicaWriter::create_keyed(
+        &path,
+        "user",
+        DIM as u32,
+        Storage::F32,
+        KeyKind::Str { bytes_max: 15 },
+        64,
+        &[-1.0; DIM],
+    )
+    .unwrap();
+    for id in 0..2000 {
+        w.upsert_str(&key(id), &vector(id, 0)).unwrap();
+    }
+    let handle = w.handle();
+    let stop = Arc::new(AtomicBool::new(false));
+    let checked = Arc::new(AtomicU64::new(0));
+    let readers: Vec<_> = (0..2)
+        .map(|seed| {
+            let (handle, stop, checked) = (handle.clone(), stop.clone(), checked.clone());
+            std::thread::spawn(move || {
+                let mut view = ReplicaView::new(handle);
+                let mut out = [0.0f32; DIM];
+                let mut x: u64 = seed + 1;
+                while !stop.load(Ordering::Relaxed) {
+                    view.refresh();
+                    for _ in 0..32 {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        let id = (x >> 33) % 4000;
+                        if !view.read_str_into(&key(id), &mut out) {
+                            assert_eq!(out, [-1.0; DIM]);
+                            continue;
+                        }
+                        assert_eq!(out[0], id as f32, "a row of another key was served");
+                        assert_eq!(out[DIM - 1], out[..DIM - 1].iter().sum::<f32>(), "torn row served");
+                    }
+                    checked.fetch_add(32, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let mut generation = 1;
+    while started.elapsed() < Duration::from_millis(1000)
+        || generation <= 3
+        || checked.load(Ordering::Relaxed) <= 10_000
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "the readers checked {checked:?} rows in 60 s");
+        for id in 0..4000u64 {
+            if (id + generation) % 7 == 0 {
+                w.delete_str(&key(id));
+            } else {
+                w.upsert_str(&key(id), &vector(id, generation)).unwrap();
+            }
+        }
+        generation += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().expect("reader saw no torn or foreign row");
+    }
+    assert!(handle.load().header().row_capacity > 64, "the table grew while readers read");
+    assert_eq!(handle.load().key_collisions(), 0);
+}
+
+/// A file laid out byte by byte as the format was before string keys
+/// (superblock bytes 20..24 unused, zero), without this module's encoders:
+/// it still opens, serves and takes writes as a u64-keyed file.
+#[test]
+fn a_file_written_before_string_keys_opens_and_serves_as_before() {
+    let dir = tmpdir("old-format");
+    let path = dir.join("user.qrep");
+    let crc = |b: &[u8]| crc32fast::hash(b);
+    let (key, v, default) = (42u64, [1.5f32, -2.0], [0.25f32, 0.5]);
+    // dim 2, f32, 1 row, 2 slots: index at 256, rows at 320, stride 32.
+    let mut file = vec![0u8; 352];
+    file[0..8].copy_from_slice(b"QVREPL02");
+    file[8..12].copy_from_slice(&2u32.to_le_bytes());
+    file[12..16].copy_from_slice(&2u32.to_le_bytes());
+    file[24..32].copy_from_slice(&2u64.to_le_bytes());
+    file[32..40].copy_from_slice(&1u64.to_le_bytes());
+    file[40..44].copy_from_slice(b"user");
+    let default_bytes: Vec<u8> = default.iter().flat_map(|x| x.to_le_bytes()).collect();
+    file[56..60].copy_from_slice(&crc(&default_bytes).to_le_bytes());
+    let sb = crc(&file[0..60]);
+    file[60..64].copy_from_slice(&sb.to_le_bytes());
+    file[128..136].copy_from_slice(&1u64.to_le_bytes());
+    let cp = crc(&file[128..188]);
+    file[188..192].copy_from_slice(&cp.to_le_bytes());
+    file[192..200].copy_from_slice(&default_bytes);
+    let slot = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 63) as usize;
+    let at = 256 + slot * 16;
+    file[at..at + 8].copy_from_slice(&key.to_le_bytes());
+    file[at + 12..at + 16].copy_from_slice(&1u32.to_le_bytes());
+    let payload: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let row_crc = crc(&[&key.to_le_bytes()[..], &payload[..]].concat());
+    file[320..324].copy_from_slice(&2u32.to_le_bytes());
+    file[324..328].copy_from_slice(&row_crc.to_le_bytes());
+    file[328..336].copy_from_slice(&key.to_le_bytes());
+    file[336..344].copy_from_slice(&payload);
+    std::fs::write(&path, &file).unwrap();
+
+    let r = Replica::open(&path, "user").unwrap();
+    assert_eq!(r.key_kind(), KeyKind::U64);
+    assert_eq!(r.live_rows(), 1);
+    let mut out = [0.0; 2];
+    assert!(r.read_into(key, &mut out) && out == v);
+    assert!(!r.read_into(7, &mut out) && out == default);
+    drop(r);
+    let (mut w, report) = ReplicaWriter::open(&path, "user").unwrap();
+    assert_eq!(report.live_rows, 1);
+    w.upsert(7, &[7.0, 7.0]).unwrap();
+    assert!(w.table().read_into(7, &mut out) && out == [7.0, 7.0]);
+    assert!(w.table().read_into(key, &mut out) && out == v);
 }

@@ -164,7 +164,7 @@ impl ReplicaWriter {
         let growth = self.growth.as_mut().expect("a growth is running");
         let copy = growth.copy.as_mut().expect("the copy is collected");
         // Not `self.payload`: an upsert that waits for the growth holds it.
-        let mut payload = vec![0u32; self.table.layout().payload_words];
+        let mut payload = vec![0u32; self.table.layout().row_words()];
         for i in 0.. {
             if i % REPLAY_KEYS_PER_CLOCK_READ == 0 && i > 0 && budget.is_some_and(|b| started.elapsed() >= b) {
                 break;
@@ -283,7 +283,7 @@ pub(super) fn copy_rows(
 ) -> Result<(), ReplicaError> {
     /// Slots between two looks at `cancel` and at the rows to write back.
     const CHECK_SLOTS: u64 = 1 << 16;
-    let mut payload = vec![0u32; old.layout().payload_words];
+    let mut payload = vec![0u32; old.layout().row_words()];
     let mut writeback = RowWriteback::new(fresh);
     for slot in 0..old.header().slot_count {
         if slot % CHECK_SLOTS == 0 && cancel.is_some() {

@@ -13,11 +13,13 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 use super::format::{
-    encode_checkpoint, encode_superblock, row_crc, slot_count_for, slot_of, Cursor, Header, Layout, Storage,
-    CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+    encode_checkpoint, encode_key, encode_superblock, key_hash, row_crc, slot_count_for, slot_of, Cursor, Header,
+    KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
 use super::table::{lower_thread_priority, Access};
-use super::{temp_path, Replica, ReplicaError, ReplicaHandle, DIM_MAX, GROUP_NAME_BYTES_MAX, ROW_CAPACITY_MAX};
+use super::{
+    temp_path, Replica, ReplicaError, ReplicaHandle, DIM_MAX, GROUP_NAME_BYTES_MAX, KEY_BYTES_MAX, ROW_CAPACITY_MAX,
+};
 
 mod growth;
 
@@ -48,7 +50,12 @@ pub struct ReplicaWriter {
     rows_used: u64,
     live: u64,
     cursor: Cursor,
+    /// A row's words after its header (a string key's, then the payload's),
+    /// encoded here before they are written.
     payload: Vec<u32>,
+    /// String keys written over another key filed under the same hash (the
+    /// last written is kept): see [`ReplicaWriter::upsert_str`].
+    key_displacements: u64,
     /// Tables this writer replaced that readers may still hold. The writer
     /// drops each once it holds the last reference, so the unmapping of a
     /// possibly multi-GB file happens on the writer's thread, never on a
@@ -108,7 +115,8 @@ fn reserve(file: &File, bytes: u64, path: &str) -> Result<(), ReplicaError> {
 
 impl ReplicaWriter {
     /// Creates a new, empty replica file at `path` (replacing any file
-    /// there), with room for `row_capacity` rows before it must grow.
+    /// there), keyed by u64, with room for `row_capacity` rows before it
+    /// must grow.
     pub fn create(
         path: &Path,
         group: &str,
@@ -117,9 +125,28 @@ impl ReplicaWriter {
         row_capacity: u64,
         default: &[f32],
     ) -> Result<ReplicaWriter, ReplicaError> {
+        ReplicaWriter::create_keyed(path, group, dim, storage, KeyKind::U64, row_capacity, default)
+    }
+
+    /// [`ReplicaWriter::create`] with the key kind `keys`; string keys of
+    /// more than [`KEY_BYTES_MAX`] bytes (or of none) are refused.
+    pub fn create_keyed(
+        path: &Path,
+        group: &str,
+        dim: u32,
+        storage: Storage,
+        keys: KeyKind,
+        row_capacity: u64,
+        default: &[f32],
+    ) -> Result<ReplicaWriter, ReplicaError> {
         assert!(!group.is_empty() && group.len() <= GROUP_NAME_BYTES_MAX, "group name length");
         assert!(dim > 0 && dim <= DIM_MAX, "dimension out of range");
         assert_eq!(default.len(), dim as usize);
+        if let KeyKind::Str { bytes_max } = keys {
+            if bytes_max == 0 || bytes_max > KEY_BYTES_MAX {
+                return Err(ReplicaError::KeyBytesMax { bytes_max });
+            }
+        }
         let p = path.display().to_string();
         if row_capacity > ROW_CAPACITY_MAX {
             return Err(ReplicaError::Full { path: p, rows: row_capacity });
@@ -131,10 +158,11 @@ impl ReplicaWriter {
             slot_count: slot_count_for(row_capacity),
             row_capacity,
             group: group.into(),
+            keys,
             row_count: 0,
         };
         let layout =
-            Layout::new(dim, storage, header.slot_count, row_capacity).expect("sizes within the row limit fit");
+            Layout::new(dim, storage, keys, header.slot_count, row_capacity).expect("sizes within the row limit fit");
         let _ = std::fs::remove_file(path);
         let file = File::options().read(true).write(true).create_new(true).open(path).map_err(io)?;
         lock(&file, &p)?;
@@ -153,7 +181,8 @@ impl ReplicaWriter {
             grow_ahead: false,
             growth: None,
             retired: Vec::new(),
-            payload: vec![0; table.layout().payload_words],
+            payload: vec![0; table.layout().row_words()],
+            key_displacements: 0,
             table: Arc::new(table),
             handle: None,
             path: path.into(),
@@ -203,7 +232,8 @@ impl ReplicaWriter {
             grow_ahead: false,
             growth: None,
             retired: Vec::new(),
-            payload: vec![0; table.layout().payload_words],
+            payload: vec![0; table.layout().row_words()],
+            key_displacements: 0,
             table: Arc::new(table),
             handle: None,
             path: path.into(),
@@ -268,10 +298,42 @@ impl ReplicaWriter {
         self.table.find(key).is_some()
     }
 
+    /// Whether the string `key` is present (not merely another key under
+    /// its hash).
+    pub fn contains_str(&self, key: &[u8]) -> bool {
+        self.str_row(key).is_some()
+    }
+
+    /// The row of the string `key`, if present; None in a u64-keyed file.
+    fn str_row(&self, key: &[u8]) -> Option<u32> {
+        let layout = self.table.layout();
+        let KeyKind::Str { bytes_max } = self.table.key_kind() else { return None };
+        if key.len() > bytes_max as usize {
+            return None;
+        }
+        let mut words = [0u32; 1 + KEY_BYTES_MAX as usize / 4];
+        let words = &mut words[..layout.key_words];
+        encode_key(key, words);
+        self.table.find(key_hash(key)).filter(|&row| self.table.row_key_is(row, words))
+    }
+
+    /// Keys written since this writer's file was created or opened that
+    /// displaced another key filed under the same hash.
+    pub fn key_displacements(&self) -> u64 {
+        self.key_displacements
+    }
+
+    fn key_kind_error(&self, used: &'static str) -> ReplicaError {
+        ReplicaError::KeyKind { path: self.path.display().to_string(), kind: self.table.key_kind(), used }
+    }
+
     /// Writes `v` as the vector of `key`, inserting the key if new (and
-    /// growing the file if it is full).
+    /// growing the file if it is full). A string-keyed file refuses it.
     pub fn upsert(&mut self, key: u64, v: &[f32]) -> Result<(), ReplicaError> {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
+        if self.table.key_kind() != KeyKind::U64 {
+            return Err(self.key_kind_error("u64 keys"));
+        }
         if v.len() != self.table.dim() {
             return Err(ReplicaError::Dim { found: v.len(), dim: self.table.dim() as u32 });
         }
@@ -282,9 +344,50 @@ impl ReplicaWriter {
         result
     }
 
+    /// Writes `v` as the vector of the string `key`, as [`upsert`](Self::upsert)
+    /// does for a u64 key. A key longer than the file's limit, or a u64-keyed
+    /// file, is refused.
+    ///
+    /// Two keys with the same [`key_hash`] share one row: the last written
+    /// is kept, the other becomes unknown (its lookups miss and count a
+    /// collision), and the displacement is counted
+    /// ([`key_displacements`](Self::key_displacements)). With a 64-bit hash
+    /// that takes billions of keys to be likely once.
+    pub fn upsert_str(&mut self, key: &[u8], v: &[f32]) -> Result<(), ReplicaError> {
+        self.upsert_hashed(key_hash(key), key, v)
+    }
+
+    /// [`upsert_str`](Self::upsert_str) under the hash `hash`, whatever the
+    /// key hashes to: tests file a key under another key's hash this way.
+    pub(super) fn upsert_hashed(&mut self, hash: u64, key: &[u8], v: &[f32]) -> Result<(), ReplicaError> {
+        assert!(!self.scan_pending, "a writer writes only after finish_open");
+        let KeyKind::Str { bytes_max } = self.table.key_kind() else {
+            return Err(self.key_kind_error("string keys"));
+        };
+        if key.len() > bytes_max as usize {
+            return Err(ReplicaError::KeyTooLong { bytes: key.len(), bytes_max });
+        }
+        if v.len() != self.table.dim() {
+            return Err(ReplicaError::Dim { found: v.len(), dim: self.table.dim() as u32 });
+        }
+        let key_words = self.table.layout().key_words;
+        let mut words = std::mem::take(&mut self.payload);
+        encode_key(key, &mut words[..key_words]);
+        self.table.storage().encode(v, &mut words[key_words..]);
+        if self.table.find(hash).is_some_and(|row| !self.table.row_key_is(row, &words[..key_words])) {
+            self.key_displacements += 1;
+            tracing::warn!(path = %self.path.display(), hash, "a string key displaced another with the same hash");
+        }
+        let result = self.put_words(hash, &words);
+        self.payload = words;
+        result
+    }
+
+    /// Writes a row's words after its header (key words, then payload)
+    /// under `key` (a u64 key, or a string key's hash).
     fn put_words(&mut self, key: u64, payload: &[u32]) -> Result<(), ReplicaError> {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
-        assert_eq!(payload.len(), self.table.layout().payload_words, "a whole row's words");
+        assert_eq!(payload.len(), self.table.layout().row_words(), "a whole row's words");
         let crc = row_crc(key, payload);
         if let Some(row) = self.table.find(key) {
             self.note_put(key, payload)?;
@@ -372,7 +475,29 @@ impl ReplicaWriter {
 
     /// Removes `key`; false if it was not present. Its row stays allocated
     /// (rows are never reused in place) until the file is next rebuilt.
+    /// Panics on a string-keyed file (the key kind is settled where the
+    /// file is opened, so a mismatch is a bug).
     pub fn delete(&mut self, key: u64) -> bool {
+        assert_eq!(self.table.key_kind(), KeyKind::U64, "{}: a u64 delete in a string-keyed file", self.path.display());
+        self.delete_hashed(key)
+    }
+
+    /// Removes the string `key`; false if it was not present (another key
+    /// under its hash is left alone). Panics on a u64-keyed file.
+    pub fn delete_str(&mut self, key: &[u8]) -> bool {
+        assert!(
+            matches!(self.table.key_kind(), KeyKind::Str { .. }),
+            "{}: a string delete in a u64-keyed file",
+            self.path.display()
+        );
+        if self.str_row(key).is_none() {
+            return false;
+        }
+        self.delete_hashed(key_hash(key))
+    }
+
+    /// Removes the row filed under `key` (a u64 key or a string key's hash).
+    fn delete_hashed(&mut self, key: u64) -> bool {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
         self.note_delete(key);
         let Some((slot, _)) = self.table.find_slot(key) else { return false };
@@ -412,7 +537,7 @@ impl ReplicaWriter {
     /// and room for `capacity` rows: what a growth copies into.
     fn create_grown(&self, tmp: &Path, capacity: u64) -> Result<ReplicaWriter, ReplicaError> {
         let h = self.table.header();
-        ReplicaWriter::create(tmp, &h.group, h.dim, h.storage, capacity, &self.table.default_vector())
+        ReplicaWriter::create_keyed(tmp, &h.group, h.dim, h.storage, h.keys, capacity, &self.table.default_vector())
     }
 
     /// The capacity a grown file gets: twice the live rows plus `spare`.
@@ -431,6 +556,7 @@ impl ReplicaWriter {
 
     /// `replace`, flushing `fresh` before the rename when `flush`.
     fn replace_with(&mut self, mut fresh: ReplicaWriter, flush: bool) -> Result<(), ReplicaError> {
+        assert_eq!(fresh.table.key_kind(), self.table.key_kind(), "a replacement keeps the file's key kind");
         if flush {
             fresh.flush()?;
         }
@@ -441,6 +567,7 @@ impl ReplicaWriter {
             growth.abandon(&self.path);
         }
         fresh.grow_ahead = self.grow_ahead;
+        fresh.key_displacements += self.key_displacements;
         if let Some((handle, part)) = self.handle.take() {
             handle.install(part, fresh.table.clone());
             fresh.handle = Some((handle, part));
