@@ -82,8 +82,8 @@ impl DriftConfig {
     }
 }
 
-/// One version's counts on one shard since the last publication. `!Send` in
-/// practice: it lives in the shard's `RequestPath`.
+/// One version's counts on one shard since the last publication. Shard-local:
+/// it lives in the shard's `RequestPath`, which is `!Send`.
 #[derive(Debug)]
 pub struct DriftCounts {
     /// The calibration histogram's inner edges: a score `s` falls in bin

@@ -111,8 +111,8 @@ fn histogram_set() -> Vec<Histogram<u64>> {
     (0..HISTOGRAMS).map(|_| stage_histogram()).collect()
 }
 
-/// A shard's stage timings for the current interval. `!Send` by ownership:
-/// it lives inside the shard's `RequestPath`.
+/// A shard's stage timings for the current interval. Shard-local: it lives
+/// inside the shard's `RequestPath`, which is `!Send`.
 pub struct StageTimes {
     interval: Vec<Histogram<u64>>,
 }

@@ -29,6 +29,7 @@
 //! What shards share is immutable: the models and the feature replicas,
 //! behind `Arc`.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::deadline::{Clock, Deadline};
@@ -161,6 +162,11 @@ pub struct Telemetry {
 }
 
 /// One shard's request path: its parts, and the clock it reads time by.
+///
+/// `!Send`: it is built on its shard's thread and never leaves it, so what
+/// it owns (counters, timings, drift counts, backends' scratch) needs no
+/// synchronisation; the marker keeps it so, and the assertion below fails
+/// to compile if it ever became `Send`.
 pub struct RequestPath<C: Clock> {
     clock: C,
     policies: Policies,
@@ -172,7 +178,20 @@ pub struct RequestPath<C: Clock> {
     in_flight: InFlight,
     shadows: ShadowQueue,
     pub telemetry: Telemetry,
+    _shard_local: PhantomData<*const ()>,
 }
+
+// `RequestPath` is `!Send`. Were it `Send`, both impls below would apply and
+// the path's `not_send` would be ambiguous: a compile error.
+const _: fn() = || {
+    trait AmbiguousIfSend<A> {
+        fn not_send() {}
+    }
+    impl<T: ?Sized> AmbiguousIfSend<()> for T {}
+    struct IsSend;
+    impl<T: ?Sized + Send> AmbiguousIfSend<IsSend> for T {}
+    let _ = <RequestPath<crate::deadline::MonotonicClock> as AmbiguousIfSend<_>>::not_send;
+};
 
 /// Largest size of one encoded response frame, for output buffer sizing.
 pub fn response_frame_bytes_max(candidates_max: usize) -> usize {
@@ -212,6 +231,7 @@ impl<C: Clock> RequestPath<C> {
                 feed: shared.feed,
             },
             clock,
+            _shard_local: PhantomData,
         };
         path.refresh_models()?;
         Ok(path)
@@ -223,8 +243,19 @@ impl<C: Clock> RequestPath<C> {
     /// to the inference stage, returns `Pending`: its response comes later
     /// from [`RequestPath::complete`].
     pub fn handle(&mut self, payload: &[u8], read_at_ns: u64, conn: u32, peer: Peer<'_>, out: &mut Vec<u8>) -> Handled {
-        let RequestPath { clock, policies, versions, replicas, inputs, answer, cache, in_flight, shadows, telemetry } =
-            self;
+        let RequestPath {
+            clock,
+            policies,
+            versions,
+            replicas,
+            inputs,
+            answer,
+            cache,
+            in_flight,
+            shadows,
+            telemetry,
+            ..
+        } = self;
         let clock = &*clock;
         let frame = Frame { payload, read_at_ns, peer };
         let primary = (|| {

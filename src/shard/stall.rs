@@ -20,8 +20,8 @@ use hdrhistogram::Histogram;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::metrics::{stage_histogram, Counters, StageTimes, StallTask, STALL_TASKS};
 
-/// A shard's stall counts and lengths since its last publication. `!Send`:
-/// shard-local.
+/// A shard's stall counts and lengths since its last publication.
+/// Shard-local: its cells are not `Sync`, and the shard holds it in an `Rc`.
 pub struct StallMeter {
     /// 0: off.
     threshold_ns: u64,
