@@ -15,21 +15,28 @@
 //! Building a backend (packing weights, SIMD tree layouts, an onnxruntime
 //! session) and timing it on a full batch takes milliseconds, too long for
 //! a shard's reactor. So the admin side builds one backend per shard
-//! ([`Registry::with_shards`]) before it publishes a version, and a shard
-//! only takes its own ([`Registry::take_prebuilt`]); a shard builds one
-//! itself only for what was never published through here (start-up, tests).
+//! ([`Registry::with_shards`]) before it publishes a version and sends it to
+//! the shard's own inbox ([`Inbox`]), from which the shard takes it; a shard
+//! builds one itself only for what was never published through here
+//! (start-up, tests) or found its inbox full.
 //!
 //! It also carries how served versions are watched for drift
 //! (`crate::drift::DriftConfig`), read by the shards when they build a
 //! version's counters and by the admin thread when it reports.
 //!
-//! This is one of the few cross-thread types (with `metrics`): a mutex taken
-//! by the admin thread and by a shard only when the generation changed.
+//! This is one of the few cross-thread types (with `metrics`): the admin
+//! side changes the served set under a mutex and publishes it as an
+//! immutable snapshot (`ArcSwap`) before it moves the generation; shards and
+//! the stage read the generation and the snapshot, and take from their
+//! inboxes, without a lock.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
 
 use crate::drift::DriftConfig;
 use crate::model::layout::{InputLayout, LayoutError};
@@ -107,6 +114,17 @@ pub struct Snapshot {
     pub shadows: Vec<(Arc<Model>, u32)>,
 }
 
+/// What `slots` serve, as of `generation`.
+fn snapshot_of(slots: &BTreeMap<String, Slot>, default: &str, generation: u64) -> Snapshot {
+    Snapshot {
+        generation,
+        default: default.to_string(),
+        models: slots.values().map(|s| s.current.clone()).collect(),
+        canaries: slots.values().filter_map(|s| s.canary.clone()).collect(),
+        shadows: slots.values().filter_map(|s| s.shadow.clone()).collect(),
+    }
+}
+
 /// What `GET /models` reports for one name.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ModelStatus {
@@ -129,6 +147,9 @@ pub struct Registry {
     rows_max: usize,
     default: String,
     slots: Mutex<BTreeMap<String, Slot>>,
+    /// What the shards and the stage serve, published with each change of
+    /// `slots` (under its lock) and read without a lock.
+    published: ArcSwap<Snapshot>,
     generation: AtomicU64,
     /// Versions `load_newer` failed to load, with their file's stamp then,
     /// so a broken file on disk is reported once, not on every poll, and
@@ -138,13 +159,49 @@ pub struct Registry {
     /// Shards that take a prebuilt backend of each published version; 0
     /// builds none.
     shards: usize,
-    /// Per published version, the backends its shards have not taken yet,
-    /// by shard. Versions no longer served are dropped at the next publish.
-    prebuilt: Mutex<Vec<BuiltAhead>>,
+    /// Per shard, its inbox of backends built ahead for published versions
+    /// (`with_shards`): the admin side sends, the shard receives without a
+    /// lock. A backend that finds the inbox full is dropped (the shard
+    /// builds its own).
+    inboxes: Vec<SyncSender<Arrival>>,
+    /// The inboxes' receiving ends, until each shard takes its own.
+    inbox_ends: Mutex<Vec<Option<Inbox>>>,
 }
 
-/// A published version and the backends its shards have not taken, by shard.
+/// A published version and the backends built for it, by shard.
 type BuiltAhead = (Arc<Model>, Vec<Option<Prebuilt>>);
+
+/// Backends an inbox holds at most: a few publications ahead of its shard.
+const INBOX_MAX: usize = 8;
+
+/// A backend built ahead for `model`, published under `generation`.
+type Arrival = (u64, Arc<Model>, Prebuilt);
+
+/// One shard's end of its inbox of backends built ahead.
+#[derive(Debug)]
+pub struct Inbox {
+    rx: Receiver<Arrival>,
+    /// Received and not yet taken.
+    arrived: Vec<Arrival>,
+}
+
+impl Inbox {
+    /// The backend built for `model` when it was published, once; `None`
+    /// when there is none (the shard then builds its own).
+    pub fn take(&mut self, model: &Arc<Model>) -> Option<Prebuilt> {
+        self.arrived.extend(self.rx.try_iter());
+        let at = self.arrived.iter().position(|(_, m, _)| Arc::ptr_eq(m, model))?;
+        Some(self.arrived.swap_remove(at).2)
+    }
+
+    /// Drops what was published up to `generation`, once the shard serves
+    /// that generation: it has taken what it needed, the rest was replaced
+    /// before it could. Later publications stay.
+    pub fn trim(&mut self, generation: u64) {
+        self.arrived.extend(self.rx.try_iter());
+        self.arrived.retain(|(g, _, _)| *g > generation);
+    }
+}
 
 /// A backend built for one shard ahead of a swap, with its measured cost.
 pub struct Prebuilt {
@@ -273,6 +330,7 @@ impl Registry {
         default: String,
         slots: BTreeMap<String, Slot>,
     ) -> Registry {
+        let published = ArcSwap::from_pointee(snapshot_of(&slots, &default, 1));
         Registry {
             dir,
             fit,
@@ -280,11 +338,13 @@ impl Registry {
             rows_max,
             default,
             slots: Mutex::new(slots),
+            published,
             generation: AtomicU64::new(1),
             refused: Mutex::default(),
             drift: DriftConfig::default(),
             shards: 0,
-            prebuilt: Mutex::default(),
+            inboxes: Vec::new(),
+            inbox_ends: Mutex::default(),
         }
     }
 
@@ -292,20 +352,22 @@ impl Registry {
     /// published, so the shards' swaps only take them.
     pub fn with_shards(mut self, shards: usize) -> Registry {
         self.shards = shards;
+        let (inboxes, ends): (Vec<_>, Vec<_>) = (0..shards)
+            .map(|_| {
+                let (tx, rx) = std::sync::mpsc::sync_channel(INBOX_MAX);
+                (tx, Some(Inbox { rx, arrived: Vec::with_capacity(INBOX_MAX) }))
+            })
+            .unzip();
+        self.inboxes = inboxes;
+        self.inbox_ends = Mutex::new(ends);
         self
     }
 
-    /// The backend built for `shard` when `model` was published, once; `None`
-    /// when there is none (the shard then builds its own). A shard calls
-    /// this only after the generation moved.
-    pub fn take_prebuilt(&self, model: &Arc<Model>, shard: usize) -> Option<Prebuilt> {
-        let mut prebuilt = self.prebuilt.lock().unwrap_or_else(|e| e.into_inner());
-        let at = prebuilt.iter().position(|(m, _)| Arc::ptr_eq(m, model))?;
-        let taken = prebuilt[at].1.get_mut(shard).and_then(Option::take);
-        if prebuilt[at].1.iter().all(Option::is_none) {
-            prebuilt.swap_remove(at);
-        }
-        taken
+    /// Shard `shard`'s inbox of backends built ahead, once (at start-up: the
+    /// only lock a shard takes here); `None` when it was taken or there is
+    /// none (`with_shards`).
+    pub fn take_inbox(&self, shard: usize) -> Option<Inbox> {
+        self.inbox_ends.lock().unwrap_or_else(|e| e.into_inner()).get_mut(shard)?.take()
     }
 
     /// One backend per shard for `model`, built and timed here (the admin
@@ -324,22 +386,23 @@ impl Registry {
         (0..self.shards).map(|_| Some(build())).collect()
     }
 
-    /// Keeps the backends built for a newly published version, if any, and
-    /// drops what was built for versions no longer served; call with the
-    /// new version in `slots`. Returns the dropped backends, for the caller
-    /// to free after it released the lock.
-    fn stash(&self, slots: &BTreeMap<String, Slot>, new: Option<BuiltAhead>) -> Vec<BuiltAhead> {
-        let mut prebuilt = self.prebuilt.lock().unwrap_or_else(|e| e.into_inner());
-        prebuilt.extend(new.filter(|(_, built)| !built.is_empty()));
-        let served = |m: &Arc<Model>| {
-            slots.values().any(|s| {
-                Arc::ptr_eq(&s.current, m)
-                    || s.canary.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, m))
-                    || s.shadow.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, m))
-            })
+    /// Sends the backends built for a newly published version, if any, to
+    /// their shards' inboxes. Returns those that found an inbox full, for
+    /// the caller to free after it released the lock.
+    fn stash(&self, new: Option<BuiltAhead>) -> Vec<Prebuilt> {
+        let mut dropped = Vec::new();
+        let Some((model, built)) = new else {
+            return dropped;
         };
-        let (kept, dropped) = std::mem::take(&mut *prebuilt).into_iter().partition(|(m, _)| served(m));
-        *prebuilt = kept;
+        // Called under the slots lock, just before `publish`.
+        let generation = self.generation.load(Ordering::Relaxed) + 1;
+        for (inbox, prebuilt) in self.inboxes.iter().zip(built) {
+            let Some(prebuilt) = prebuilt else { continue };
+            if let Err(e) = inbox.try_send((generation, model.clone(), prebuilt)) {
+                let (TrySendError::Full((_, _, p)) | TrySendError::Disconnected((_, _, p))) = e;
+                dropped.push(p);
+            }
+        }
         dropped
     }
 
@@ -359,15 +422,19 @@ impl Registry {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// The versions served now: no lock, whatever the admin side holds.
     pub fn snapshot(&self) -> Snapshot {
-        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        Snapshot {
-            generation: self.generation.load(Ordering::Acquire),
-            default: self.default.clone(),
-            models: slots.values().map(|s| s.current.clone()).collect(),
-            canaries: slots.values().filter_map(|s| s.canary.clone()).collect(),
-            shadows: slots.values().filter_map(|s| s.shadow.clone()).collect(),
-        }
+        Snapshot::clone(&self.published.load())
+    }
+
+    /// Makes `slots` what is served, under the next generation. Called with
+    /// the slots lock held, so publications do not cross; the snapshot is
+    /// stored before the generation moves, so a shard that sees the new
+    /// generation reads this snapshot or a later one.
+    fn publish(&self, slots: &BTreeMap<String, Slot>) {
+        let generation = self.generation.load(Ordering::Relaxed) + 1;
+        self.published.store(Arc::new(snapshot_of(slots, &self.default, generation)));
+        self.generation.store(generation, Ordering::Release);
     }
 
     /// Serves `version` of `name` to `fraction` (0..=1) of users, chosen by a
@@ -409,8 +476,8 @@ impl Registry {
         let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
         let version = candidate.as_ref().map(|(m, _, _)| m.version);
         *which(slot) = candidate.as_ref().map(|(m, ppm, _)| (m.clone(), *ppm));
-        let dropped = self.stash(&slots, candidate.map(|(m, _, built)| (m, built)));
-        self.generation.fetch_add(1, Ordering::Release);
+        let dropped = self.stash(candidate.map(|(m, _, built)| (m, built)));
+        self.publish(&slots);
         drop(slots);
         drop(dropped);
         tracing::info!(model = name, ?version, fraction, "candidate version set");
@@ -457,8 +524,8 @@ impl Registry {
                 slots.insert(name.to_string(), slot);
             }
         }
-        let dropped = self.stash(&slots, Some((model, built)));
-        self.generation.fetch_add(1, Ordering::Release);
+        let dropped = self.stash(Some((model, built)));
+        self.publish(&slots);
         drop(slots);
         drop(dropped);
         tracing::info!(model = name, version, "model version loaded");
@@ -485,8 +552,8 @@ impl Registry {
         let old = std::mem::replace(&mut slot.current, previous.clone());
         slot.previous = Some(old);
         let version = slot.current.version;
-        let dropped = self.stash(&slots, Some((previous, built)));
-        self.generation.fetch_add(1, Ordering::Release);
+        let dropped = self.stash(Some((previous, built)));
+        self.publish(&slots);
         drop(slots);
         drop(dropped);
         tracing::info!(model = name, version, "model rolled back");

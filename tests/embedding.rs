@@ -181,7 +181,7 @@ fn the_registry_serves_a_big_table_mapped_and_its_shards_backends_copy_nothing()
     // Loads the version again and builds each shard's backend for it.
     registry.load("big", Some(1)).unwrap();
     let served = registry.snapshot().models[0].clone();
-    let prebuilt: Vec<_> = (0..2).map(|shard| registry.take_prebuilt(&served, shard).unwrap()).collect();
+    let prebuilt: Vec<_> = (0..2).map(|shard| registry.take_inbox(shard).unwrap().take(&served).unwrap()).collect();
     if let Some((after, before)) = rss_anon_bytes().zip(anon_before) {
         let grew = after.saturating_sub(before);
         assert!(grew < (ROWS * DIM * 4 / 4) as u64, "a load and two shards' backends grew the heap by {grew} bytes");

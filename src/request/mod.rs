@@ -292,10 +292,11 @@ impl<C: Clock> RequestPath<C> {
         self.replicas.refresh();
     }
 
-    /// Makes this the path of shard `shard` (0 until set), whose backends
-    /// the registry builds ahead of each swap.
+    /// Makes this the path of shard `shard`, whose backends the registry
+    /// builds ahead of each swap: takes that shard's inbox (until then,
+    /// every version is built here).
     pub fn set_shard(&mut self, shard: usize) {
-        self.versions.shard = shard;
+        self.versions.inbox = self.versions.registry.take_inbox(shard);
     }
 
     /// Trades configured clients' demand with the other shards so each

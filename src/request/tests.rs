@@ -675,18 +675,21 @@ fn versions_published_through_the_registry_arrive_built_for_each_shard() {
     assert!(path.refresh_models().unwrap());
     assert_eq!((path.telemetry.counters.backends_prebuilt, path.telemetry.counters.backends_built_on_shard), (1, 1));
     assert_eq!(served_version(&mut path), 5);
-    // Shard 1 took its own; shard 0's is still there, once.
-    assert!(registry.take_prebuilt(&v5, 1).is_none());
-    assert!(registry.take_prebuilt(&v5, 0).is_some_and(|p| p.ns_per_row >= 0.0));
-    assert!(registry.take_prebuilt(&v5, 0).is_none());
+    // Shard 1 took its own inbox; shard 0's holds its backend, once.
+    assert!(registry.take_inbox(1).is_none());
+    let mut inbox = registry.take_inbox(0).expect("shard 0's inbox");
+    assert!(inbox.take(&v5).is_some_and(|p| p.ns_per_row >= 0.0));
+    assert!(inbox.take(&v5).is_none());
 
-    // What was built for a version replaced before a shard took it is dropped.
+    // What was built for a version replaced before a shard took it is
+    // dropped when the shard trims its inbox to what is served.
     version(6);
     registry.load("a", None).unwrap();
     let v6 = registry.snapshot().models[0].clone();
     version(7);
     registry.load("a", None).unwrap();
-    assert!(registry.take_prebuilt(&v6, 0).is_none());
+    inbox.trim(registry.generation());
+    assert!(inbox.take(&v6).is_none());
 
     // A rollback (to 6) is built ahead too.
     assert_eq!(registry.rollback("a").unwrap(), 6);

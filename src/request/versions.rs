@@ -9,7 +9,7 @@ use crate::deadline::Clock;
 use crate::drift::DriftCounts;
 use crate::metrics::{Counters, VersionReport};
 use crate::model::Model;
-use crate::registry::{build_timed, Prebuilt, Registry};
+use crate::registry::{build_timed, Inbox, Prebuilt, Registry};
 use crate::request::cache::hash_words;
 use crate::request::ladder::LadderConfig;
 use crate::request::{InputLayout, LayoutError};
@@ -98,8 +98,9 @@ pub(super) struct Fit {
 pub(super) struct Versions {
     pub(super) registry: Arc<Registry>,
     fit: Fit,
-    /// Which shard this is: the one whose prebuilt backends it takes.
-    pub(super) shard: usize,
+    /// This shard's inbox of backends the admin side built ahead of a swap
+    /// (`RequestPath::set_shard` takes it).
+    pub(super) inbox: Option<Inbox>,
     pub(super) served: Vec<Served>,
     pub(super) default_model: usize,
     /// The registry generation `served` reflects.
@@ -131,7 +132,7 @@ impl Versions {
         let mut versions = Versions {
             registry,
             fit,
-            shard: 0,
+            inbox: None,
             served: Vec::new(),
             default_model: 0,
             generation: 0,
@@ -149,7 +150,7 @@ impl Versions {
     /// the version once, measured on a full batch so the first request's
     /// cost check is informed.
     fn build_served<C: Clock>(
-        &self,
+        &mut self,
         model: Arc<Model>,
         canary_ppm: u32,
         shadow_ppm: u32,
@@ -159,7 +160,7 @@ impl Versions {
         let layout = InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
         // Built ahead by the admin side when it was published through the
         // registry; built here (milliseconds on the reactor) only otherwise.
-        let Prebuilt { backend, ns_per_row } = match self.registry.take_prebuilt(&model, self.shard) {
+        let Prebuilt { backend, ns_per_row } = match self.inbox.as_mut().and_then(|i| i.take(&model)) {
             Some(built) => {
                 at.counters.backends_prebuilt += 1;
                 built
@@ -207,10 +208,10 @@ impl Versions {
         let snapshot = self.registry.snapshot();
         let wanted: Vec<(Arc<Model>, u32, u32)> = snapshot
             .models
-            .into_iter()
-            .map(|m| (m, 0, 0))
-            .chain(snapshot.canaries.into_iter().map(|(m, ppm)| (m, ppm, 0)))
-            .chain(snapshot.shadows.into_iter().map(|(m, ppm)| (m, 0, ppm)))
+            .iter()
+            .map(|m| (m.clone(), 0, 0))
+            .chain(snapshot.canaries.iter().map(|(m, ppm)| (m.clone(), *ppm, 0)))
+            .chain(snapshot.shadows.iter().map(|(m, ppm)| (m.clone(), 0, *ppm)))
             .collect();
         // The next set is built aside: an entry kept from the current set
         // (by index) or a new one. Nothing served changes until every new
@@ -263,6 +264,9 @@ impl Versions {
             .collect();
         self.default_model =
             self.served.iter().position(|s| s.is_current() && s.model.name == snapshot.default).unwrap_or(0);
+        if let Some(inbox) = &mut self.inbox {
+            inbox.trim(snapshot.generation);
+        }
         Ok(true)
     }
 
