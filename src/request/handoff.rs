@@ -90,6 +90,8 @@ pub(super) struct InFlight {
     /// `finish` (the cache fill) and a give-up's cache lookup.
     items: Vec<u64>,
     rows_max: usize,
+    /// Jobs submitted whose completion has not been polled yet.
+    owed: usize,
     next_give_up_ns: u64,
     turnaround: Turnaround,
 }
@@ -187,6 +189,7 @@ impl InFlight {
         self.items[at..at + rows].copy_from_slice(&inputs.item_ids[..rows]);
         let pending = Pending { conn, assembled: a, submitted_ns: now_ns, give_up_ns, answered: false, routed: false };
         self.pending[slot] = Some(pending);
+        self.owed += 1;
         Ok(())
     }
 
@@ -195,7 +198,14 @@ impl InFlight {
         let (done, token) = self.stage.as_mut()?.poll()?;
         let p = self.pending[done.slot as usize].as_mut().expect("a completion matches a pending request");
         p.routed = true;
+        self.owed -= 1;
         Some((p.conn, done, token))
+    }
+
+    /// Jobs the stage still owes a completion: the poller waits for them.
+    /// (A slot stays taken after, until its connection answers.)
+    pub(super) fn owed(&self) -> usize {
+        self.owed
     }
 
     /// Answers a stage completion into `out` (nothing when the request was

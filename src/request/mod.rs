@@ -391,9 +391,10 @@ impl<C: Clock> RequestPath<C> {
         }
     }
 
-    /// Requests handed to the stage and not yet completed.
+    /// Requests handed to the stage whose completion has not been polled
+    /// yet (`poll_stage`).
     pub fn in_flight(&self) -> usize {
-        self.in_flight.stage.as_ref().map_or(0, ShardEnd::in_flight)
+        self.in_flight.owed()
     }
 
     /// Answers a stage completion into `out`, by the same `finish` as an

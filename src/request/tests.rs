@@ -408,6 +408,7 @@ fn a_completion_routed_to_its_connection_is_not_given_up_on() {
     s.budget_us = 1_000_000;
     let mut out = Vec::new();
     assert_eq!(path.handle(&payload(&s), clock.now_ns(), 7, LOCAL, &mut out), Handled::Pending);
+    assert_eq!(path.in_flight(), 1);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let (conn, done, token) = loop {
         if let Some(routed) = path.poll_stage() {
@@ -417,6 +418,9 @@ fn a_completion_routed_to_its_connection_is_not_given_up_on() {
         std::thread::yield_now();
     };
     assert_eq!(conn, 7);
+    // The stage owes nothing more: the poller may sleep, though the slot is
+    // the connection's until it answers.
+    assert_eq!(path.in_flight(), 0);
     // Past its give-up time, before its deadline.
     clock.advance_us(1_000_000 - path.policies.ladder.reserve_us / 2);
     assert!(give_ups(&mut path, clock.now_ns()).is_empty(), "its completion was routed first");
