@@ -175,6 +175,23 @@ fn replica_build_and_inspect() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("duplicate key 1"));
+
+    // A group keyed by strings: the first field is the key as written.
+    std::fs::write(&input, "default,0,0\nalice,0.5,1.5\nbob,2.5,3.5\n").unwrap();
+    let build = |key_bytes: &str| {
+        let (input, out_file) = (input.to_str().unwrap(), out_file.to_str().unwrap());
+        run(&["replica", "build", "--group", "user", "--key-bytes", key_bytes, "--input", input, "--out", out_file])
+    };
+    let out = build("8");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("rows 2 (string keys of up to 8 bytes)"), "{out:?}");
+    let r = quiver::features::replica::Replica::open(&out_file, "user").unwrap();
+    assert!(r.read_str_into(b"bob", &mut v) && v == [2.5, 3.5]);
+    let out = run(&["replica", "inspect", "--group", "user", "--file", out_file.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("string keys of up to 8 bytes rows 2"), "{out:?}");
+    let out = build("65");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the limit is 1 to 64 bytes"), "{out:?}");
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use quiver::features::feed;
-use quiver::features::replica::{Replica, ReplicaBuilder, Storage};
+use quiver::features::replica::{KeyKind, Replica, ReplicaBuilder, Storage};
 use quiver::Error;
 
 use super::bearer;
@@ -26,6 +26,10 @@ pub enum Command {
         /// How vectors are stored: f32 (exact), f16 or int8 (see docs/REPLICA.md).
         #[arg(long, default_value = "f32", value_parser = parse_storage)]
         storage: Storage,
+        /// Key the group by strings of up to this many bytes (1 to 64): each
+        /// line's first field is then the key as written. Default: u64 ids.
+        #[arg(long)]
+        key_bytes: Option<u32>,
     },
     /// Full sync of one group from Redis into a replica file, with progress
     /// on stderr (the server does the same when it has no usable file).
@@ -78,16 +82,25 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
 
 pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
-        Command::Build { group, input, out, storage } => {
+        Command::Build { group, input, out, storage, key_bytes } => {
             if !matches!(group.as_str(), "user" | "item") {
                 return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
             }
             let text =
                 std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
-            let builder = ReplicaBuilder::from_text(&group, &text, &input.display().to_string())?.storage(storage);
+            let keys = key_bytes.map_or(KeyKind::U64, |bytes_max| KeyKind::Str { bytes_max });
+            let builder =
+                ReplicaBuilder::from_text_keyed(&group, keys, &text, &input.display().to_string())?.storage(storage);
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;
-            println!("wrote {}: group {} dim {} rows {}", out.display(), group, r.dim(), r.header().row_count);
+            println!(
+                "wrote {}: group {} dim {} rows {} ({})",
+                out.display(),
+                group,
+                r.dim(),
+                r.header().row_count,
+                r.key_kind()
+            );
         }
         Command::Sync { redis, group, dim, out, storage, connections, buckets } => {
             if !matches!(group.as_str(), "user" | "item") {
@@ -180,11 +193,12 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             let h = r.header();
             let c = r.cursor_at_open();
             println!(
-                "{}: ok; group {} dim {} storage {:?} rows {} capacity {} index slots {}; redis epoch {} seq {}",
+                "{}: ok; group {} dim {} storage {:?} {} rows {} capacity {} index slots {}; redis epoch {} seq {}",
                 file.display(),
                 h.group,
                 h.dim,
                 h.storage,
+                h.keys,
                 h.row_count,
                 h.row_capacity,
                 h.slot_count,

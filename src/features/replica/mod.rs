@@ -524,6 +524,17 @@ pub enum TextLine {
 /// `quiver features load`: a line of separators only, like `,`, is an
 /// error, never skipped or a panic.
 pub fn parse_text_line(text: &str) -> Result<Option<TextLine>, String> {
+    let Some((id_field, values)) = split_text_line(text)? else { return Ok(None) };
+    if id_field == "default" {
+        return Ok(Some(TextLine::Default(values)));
+    }
+    let id: u64 = id_field.parse().map_err(|_| format!("'{id_field}' is not an unsigned 64-bit id"))?;
+    Ok(Some(TextLine::Row(id, values)))
+}
+
+/// A line of the text format split into its first field (a key, or
+/// `default`) and its values, checked as [`parse_text_line`] says.
+fn split_text_line(text: &str) -> Result<Option<(&str, Vec<f32>)>, String> {
     let trimmed = text.trim();
     if trimmed.is_empty() || trimmed.starts_with('#') {
         return Ok(None);
@@ -545,11 +556,7 @@ pub fn parse_text_line(text: &str) -> Result<Option<TextLine>, String> {
     if values.is_empty() || values.len() > DIM_MAX as usize {
         return Err(format!("{} values; expected 1 to {DIM_MAX}", values.len()));
     }
-    if id_field == "default" {
-        return Ok(Some(TextLine::Default(values)));
-    }
-    let id: u64 = id_field.parse().map_err(|_| format!("'{id_field}' is not an unsigned 64-bit id"))?;
-    Ok(Some(TextLine::Row(id, values)))
+    Ok(Some((id_field, values)))
 }
 
 impl ReplicaBuilder {
@@ -667,23 +674,61 @@ impl ReplicaBuilder {
     /// line by line with `parse_text_line`, the parser `quiver features
     /// load` uses too.
     pub fn from_text(group: &str, text: &str, path_for_errors: &str) -> Result<ReplicaBuilder, ReplicaError> {
+        ReplicaBuilder::from_text_keyed(group, KeyKind::U64, text, path_for_errors)
+    }
+
+    /// [`ReplicaBuilder::from_text`] for a group keyed by `keys`. With
+    /// string keys, a line's first field is the key's bytes as written (no
+    /// separators in it; `default` still names the default vector).
+    pub fn from_text_keyed(
+        group: &str,
+        keys: KeyKind,
+        text: &str,
+        path_for_errors: &str,
+    ) -> Result<ReplicaBuilder, ReplicaError> {
+        let start = |dim: usize| -> Result<ReplicaBuilder, ReplicaError> {
+            let b = ReplicaBuilder::new(group, dim as u32);
+            match keys {
+                KeyKind::U64 => Ok(b),
+                KeyKind::Str { bytes_max } => b.str_keys(bytes_max),
+            }
+        };
+        // Checked before the first line, so that a bad limit is named as such.
+        start(1)?;
         let mut builder: Option<ReplicaBuilder> = None;
         let mut default: Option<Vec<f32>> = None;
         for (n, line) in text.lines().enumerate() {
             let err = |what: String| ReplicaError::Input { path: path_for_errors.into(), line: n + 1, what };
-            let Some(line) = parse_text_line(line).map_err(err)? else {
-                continue;
+            /// A line's first field.
+            enum Key<'a> {
+                Id(u64),
+                Str(&'a str),
+                Default,
+            }
+            let parsed = match keys {
+                KeyKind::U64 => parse_text_line(line).map_err(err)?.map(|l| match l {
+                    TextLine::Row(id, values) => (Key::Id(id), values),
+                    TextLine::Default(values) => (Key::Default, values),
+                }),
+                KeyKind::Str { .. } => split_text_line(line)
+                    .map_err(err)?
+                    .map(|(key, values)| (if key == "default" { Key::Default } else { Key::Str(key) }, values)),
             };
-            let values = match &line {
-                TextLine::Row(_, v) | TextLine::Default(v) => v,
-            };
-            let b = builder.get_or_insert_with(|| ReplicaBuilder::new(group, values.len() as u32));
+            let Some((key, values)) = parsed else { continue };
+            if builder.is_none() {
+                builder = Some(start(values.len())?);
+            }
+            let b = builder.as_mut().expect("set above");
             if values.len() != b.dim as usize {
                 return Err(err(format!("{} values, earlier lines have {}", values.len(), b.dim)));
             }
-            match line {
-                TextLine::Default(values) => default = Some(values),
-                TextLine::Row(key, values) => b.push(key, &values)?,
+            match key {
+                Key::Default => default = Some(values),
+                Key::Id(id) => b.push(id, &values)?,
+                Key::Str(key) => match b.push_str(key.as_bytes(), &values) {
+                    Err(e @ ReplicaError::KeyTooLong { .. }) => return Err(err(e.to_string())),
+                    other => other?,
+                },
             }
         }
         let mut b = builder.ok_or_else(|| ReplicaError::Input {

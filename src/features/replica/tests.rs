@@ -1168,3 +1168,29 @@ fn a_file_written_before_string_keys_opens_and_serves_as_before() {
     assert!(w.table().read_into(7, &mut out) && out == [7.0, 7.0]);
     assert!(w.table().read_into(key, &mut out) && out == v);
 }
+
+#[test]
+fn text_input_with_string_keys() {
+    let text = "# users by name\ndefault, 0.5, 0.5\nalice,1.0,2.0\nbob 3.0 4.0\n42,5.0,6.0\n";
+    let b = ReplicaBuilder::from_text_keyed("user", KeyKind::Str { bytes_max: 8 }, text, "in.csv").unwrap();
+    assert_eq!(b.key_kind(), KeyKind::Str { bytes_max: 8 });
+    let dir = tmpdir("str-text");
+    let path = dir.join("user.qrep");
+    b.write(&path).unwrap();
+    let r = Replica::open(&path, "user").unwrap();
+    let mut out = [0.0; 2];
+    assert!(r.read_str_into(b"bob", &mut out) && out == [3.0, 4.0]);
+    assert!(r.read_str_into(b"42", &mut out) && out == [5.0, 6.0], "digits are a string key too");
+    assert!(!r.read_str_into(b"carol", &mut out) && out == [0.5, 0.5]);
+
+    let keyed =
+        |text: &str, bytes_max| ReplicaBuilder::from_text_keyed("user", KeyKind::Str { bytes_max }, text, "in.csv");
+    let err = keyed("alice,1.0\nalexander,2.0\n", 8).err().unwrap();
+    assert_eq!(err.to_string(), "in.csv:2: a string key of 9 bytes, the group's keys are at most 8 bytes");
+    assert!(matches!(keyed("a,1.0\n", 65), Err(ReplicaError::KeyBytesMax { bytes_max: 65 })));
+    let dup = keyed("a,1.0\na,2.0\n", 8).unwrap();
+    assert!(matches!(dup.write(&path), Err(ReplicaError::DuplicateStrKey { .. })));
+    // The u64 format is unchanged: a name is not an id there.
+    let err = ReplicaBuilder::from_text("user", "alice,1.0\n", "in.csv").err().unwrap();
+    assert!(err.to_string().contains("not an unsigned 64-bit id"));
+}
