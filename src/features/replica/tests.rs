@@ -1194,3 +1194,42 @@ fn text_input_with_string_keys() {
     let err = ReplicaBuilder::from_text("user", "alice,1.0\n", "in.csv").err().unwrap();
     assert!(err.to_string().contains("not an unsigned 64-bit id"));
 }
+
+#[test]
+fn a_full_resync_replaces_a_string_keyed_file_with_one_of_its_kind_only() {
+    let dir = tmpdir("str-resync");
+    let path = dir.join("user.qrep");
+    let keys = KeyKind::Str { bytes_max: 16 };
+    let mut w = ReplicaWriter::create_keyed(&path, "user", 2, Storage::F32, keys, 64, &[-1.0; 2]).unwrap();
+    for id in 0..100u64 {
+        w.upsert_str(&str_key(id), &[id as f32, 0.0]).unwrap();
+    }
+    let handle = w.handle();
+    let mut view = ReplicaView::new(handle.clone());
+    let tmp = temp_path(&path, "sync");
+    let mut fresh = ReplicaWriter::create_keyed(&tmp, "user", 2, Storage::F32, keys, 64, &[-1.0; 2]).unwrap();
+    for id in 50..150u64 {
+        fresh.upsert_str(&str_key(id), &[id as f32, 1.0]).unwrap();
+    }
+    fresh.checkpoint(Cursor { epoch: 2, seq: 9, change_unix_ms: 1 }).unwrap();
+    w.replace(fresh).unwrap();
+    let mut out = [0.0; 2];
+    assert!(view.read_str_into(b"user-10", &mut out) && out == [10.0, 0.0], "the view reads its table until refreshed");
+    assert!(view.refresh());
+    assert!(!view.read_str_into(b"user-10", &mut out) && out == [-1.0; 2]);
+    assert!(view.read_str_into(b"user-149", &mut out) && out == [149.0, 1.0]);
+    assert!(handle.read_str_into(b"user-50", &mut out) && out == [50.0, 1.0]);
+    w.upsert_str(b"user-7", &[7.0, 2.0]).unwrap();
+    assert!(handle.read_str_into(b"user-7", &mut out) && out == [7.0, 2.0]);
+
+    // A u64-keyed copy is never installed over a string-keyed file.
+    let wrong = ReplicaWriter::create(&temp_path(&path, "sync"), "user", 2, Storage::F32, 64, &[-1.0; 2]).unwrap();
+    let replaced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.replace(wrong)));
+    assert!(replaced.is_err(), "a replacement of another key kind is a bug caught");
+    assert!(handle.read_str_into(b"user-7", &mut out) && out == [7.0, 2.0], "the served table is kept");
+    w.checkpoint(Cursor { epoch: 2, seq: 10, change_unix_ms: 1 }).unwrap();
+    drop((w, view, handle));
+    let r = Replica::open(&path, "user").unwrap();
+    assert_eq!((r.key_kind(), r.live_rows()), (keys, 101));
+    assert!(r.read_str_into(b"user-120", &mut out) && out == [120.0, 1.0]);
+}
