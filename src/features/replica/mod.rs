@@ -373,6 +373,33 @@ impl ReplicaHandle {
         self.part_of(hash).load().read_str_hashed(hash, key, out)
     }
 
+    /// [`Replica::read_many_str_into`] over the tables the keys are in, in
+    /// the same passes as [`ReplicaHandle::read_many_into`].
+    pub fn read_many_str_into<'k, I>(&self, keys: I, hashes: &mut [u64], rows: &mut [u32], out: &mut [f32]) -> usize
+    where
+        I: IntoIterator<Item = &'k [u8]>,
+        I::IntoIter: ExactSizeIterator + Clone,
+    {
+        if self.parts.len() == 1 {
+            return self.parts[0].load().read_many_str_into(keys, hashes, rows, out);
+        }
+        let keys = keys.into_iter();
+        let dim = self.dim;
+        assert!(out.len() == keys.len() * dim && hashes.len() >= keys.len());
+        for (key, hash) in keys.clone().zip(hashes.iter_mut()) {
+            *hash = key_hash(key);
+            self.part_of(*hash).load().prefetch_slot(*hash);
+        }
+        for &hash in &hashes[..keys.len()] {
+            self.part_of(hash).load().prefetch_row(hash);
+        }
+        let mut missing = 0;
+        for ((key, &hash), dst) in keys.zip(hashes.iter()).zip(out.chunks_exact_mut(dim)) {
+            missing += usize::from(!self.part_of(hash).load().read_str_hashed(hash, key, dst));
+        }
+        missing
+    }
+
     /// How the group's files are keyed; it never changes while served.
     pub fn key_kind(&self) -> KeyKind {
         self.parts[0].load().key_kind()
@@ -472,6 +499,33 @@ impl ReplicaView {
     pub fn read_str_into(&self, key: &[u8], out: &mut [f32]) -> bool {
         let hash = key_hash(key);
         self.table_of(hash).read_str_hashed(hash, key, out)
+    }
+
+    /// [`Replica::read_many_str_into`] over the tables the keys are in (each
+    /// key hashed once, into `hashes`, which also picks its bucket).
+    pub fn read_many_str_into<'k, I>(&self, keys: I, hashes: &mut [u64], rows: &mut [u32], out: &mut [f32]) -> usize
+    where
+        I: IntoIterator<Item = &'k [u8]>,
+        I::IntoIter: ExactSizeIterator + Clone,
+    {
+        if self.tables.len() == 1 {
+            return self.tables[0].read_many_str_into(keys, hashes, rows, out);
+        }
+        let keys = keys.into_iter();
+        let dim = self.dim();
+        assert!(out.len() == keys.len() * dim && hashes.len() >= keys.len());
+        for (key, hash) in keys.clone().zip(hashes.iter_mut()) {
+            *hash = key_hash(key);
+            self.table_of(*hash).prefetch_slot(*hash);
+        }
+        for &hash in &hashes[..keys.len()] {
+            self.table_of(hash).prefetch_row(hash);
+        }
+        let mut missing = 0;
+        for ((key, &hash), dst) in keys.zip(hashes.iter()).zip(out.chunks_exact_mut(dim)) {
+            missing += usize::from(!self.table_of(hash).read_str_hashed(hash, key, dst));
+        }
+        missing
     }
 
     /// [`Replica::read_many_into`] over the tables the keys are in: across

@@ -690,6 +690,45 @@ impl Replica {
         missing
     }
 
+    /// [`Replica::read_str_into`] for many keys at once, in the three passes
+    /// of [`Replica::read_many_into`]; `keys` is walked once per pass (so
+    /// any cheap, cloneable iterator over a request's keys will do, with
+    /// nothing collected), and each key is hashed once, into `hashes`.
+    /// Returns how many keys were missing.
+    pub fn read_many_str_into<'k, I>(&self, keys: I, hashes: &mut [u64], rows: &mut [u32], out: &mut [f32]) -> usize
+    where
+        I: IntoIterator<Item = &'k [u8]>,
+        I::IntoIter: ExactSizeIterator + Clone,
+    {
+        let keys = keys.into_iter();
+        let (n, dim) = (keys.len(), self.dim());
+        assert!(out.len() == n * dim && rows.len() >= n && hashes.len() >= n);
+        let KeyKind::Str { bytes_max } = self.header.keys else {
+            panic!("{}: a string lookup in a u64-keyed file", self.path);
+        };
+        let base = self.map.as_ptr();
+        for (key, hash) in keys.clone().zip(hashes.iter_mut()) {
+            *hash = key_hash(key);
+            let slot = slot_of(*hash, self.header.slot_count) as usize;
+            prefetch(base.wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
+        }
+        for ((key, &hash), row) in keys.clone().zip(hashes.iter()).zip(rows.iter_mut()) {
+            let found = if key.len() <= bytes_max as usize { self.find(hash) } else { None };
+            *row = found.unwrap_or(u32::MAX);
+            if *row != u32::MAX {
+                prefetch(base.wrapping_add(self.row_base(*row)));
+            }
+        }
+        let mut missing = 0;
+        for (((key, &hash), &row), dst) in keys.zip(hashes.iter()).zip(rows.iter()).zip(out.chunks_exact_mut(dim)) {
+            if row == u32::MAX || !self.read_row(row, hash, key, dst) {
+                missing += 1;
+                self.copy_default(dst);
+            }
+        }
+        missing
+    }
+
     /// Starts loading `key`'s index slot, for a batch of lookups spread over
     /// several tables (see `ReplicaHandle::read_many_into`).
     #[inline]

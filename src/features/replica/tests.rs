@@ -1233,3 +1233,53 @@ fn a_full_resync_replaces_a_string_keyed_file_with_one_of_its_kind_only() {
     assert_eq!((r.key_kind(), r.live_rows()), (keys, 101));
     assert!(r.read_str_into(b"user-120", &mut out) && out == [120.0, 1.0]);
 }
+
+#[test]
+fn batched_string_lookups_match_single_ones_in_one_table_and_across_buckets() {
+    let dir = tmpdir("str-batch");
+    let keys = KeyKind::Str { bytes_max: 12 };
+    let lookups: Vec<Vec<u8>> = (0..64u64)
+        .map(|i| match i % 8 {
+            0 => format!("nobody-{i}").into_bytes(),
+            1 => vec![b'x'; 13],
+            _ => str_key(i * 3),
+        })
+        .collect();
+    let mut writers: Vec<ReplicaWriter> = (0..3)
+        .map(|b| {
+            let path = dir.join(format!("user.b{b}.qrep"));
+            ReplicaWriter::create_keyed(&path, "user", 2, Storage::F32, keys, 64, &[-1.0; 2]).unwrap()
+        })
+        .collect();
+    let mut single =
+        ReplicaWriter::create_keyed(&dir.join("user.qrep"), "user", 2, Storage::F32, keys, 64, &[-1.0; 2]).unwrap();
+    for id in 0..500u64 {
+        let key = str_key(id);
+        let v = [id as f32, 0.5];
+        single.upsert_str(&key, &v).unwrap();
+        writers[bucket_of(key_hash(&key), 3)].upsert_str(&key, &v).unwrap();
+    }
+    let bucketed = ReplicaHandle::bucketed(&mut writers);
+    let (mut hashes, mut rows, mut got) = (vec![0u64; 64], vec![0u32; 64], vec![0.0; 64 * 2]);
+    for handle in [single.handle(), bucketed.clone()] {
+        let missing = handle.read_many_str_into(lookups.iter().map(|k| &k[..]), &mut hashes, &mut rows, &mut got);
+        let mut want = vec![0.0; 64 * 2];
+        for (k, dst) in lookups.iter().zip(want.chunks_exact_mut(2)) {
+            handle.read_str_into(k, dst);
+        }
+        assert_eq!((got.as_slice(), missing), (want.as_slice(), 16), "through the handle");
+    }
+    let views = [ReplicaView::new(single.handle()), ReplicaView::new(bucketed)];
+    for view in &views {
+        let (mut hashes, mut rows, mut got) = (vec![0u64; 64], vec![0u32; 64], vec![0.0; 64 * 2]);
+        let missing = view.read_many_str_into(lookups.iter().map(|k| &k[..]), &mut hashes, &mut rows, &mut got);
+        let mut want = vec![0.0; 64 * 2];
+        let mut want_missing = 0;
+        for (k, dst) in lookups.iter().zip(want.chunks_exact_mut(2)) {
+            want_missing += usize::from(!view.read_str_into(k, dst));
+        }
+        assert_eq!(got, want);
+        assert_eq!((missing, want_missing), (16, 16), "the unknown and the over-long keys");
+        assert_eq!(&got[4..6], &[6.0, 0.5], "lookup 2 is user-6");
+    }
+}
