@@ -513,7 +513,8 @@ impl Replica {
         None
     }
 
-    /// The row of `key`, if present.
+    /// The row filed under `key` (a u64 key, or a string key's
+    /// [`key_hash`], whichever key that row holds), if present.
     #[inline]
     pub fn find(&self, key: u64) -> Option<u32> {
         self.find_slot(key).map(|(_, row)| row)

@@ -294,20 +294,24 @@ impl ReplicaWriter {
         self.cursor
     }
 
+    /// Whether `key` is present. Panics on a string-keyed file.
     pub fn contains(&self, key: u64) -> bool {
+        assert_eq!(self.table.key_kind(), KeyKind::U64, "{}: a u64 lookup in a string-keyed file", self.path.display());
         self.table.find(key).is_some()
     }
 
     /// Whether the string `key` is present (not merely another key under
-    /// its hash).
+    /// its hash). Panics on a u64-keyed file.
     pub fn contains_str(&self, key: &[u8]) -> bool {
         self.str_row(key).is_some()
     }
 
-    /// The row of the string `key`, if present; None in a u64-keyed file.
+    /// The row of the string `key`, if present. Panics on a u64-keyed file.
     fn str_row(&self, key: &[u8]) -> Option<u32> {
         let layout = self.table.layout();
-        let KeyKind::Str { bytes_max } = self.table.key_kind() else { return None };
+        let KeyKind::Str { bytes_max } = self.table.key_kind() else {
+            panic!("{}: a string lookup in a u64-keyed file", self.path.display());
+        };
         if key.len() > bytes_max as usize {
             return None;
         }
@@ -317,8 +321,9 @@ impl ReplicaWriter {
         self.table.find(key_hash(key)).filter(|&row| self.table.row_key_is(row, words))
     }
 
-    /// Keys written since this writer's file was created or opened that
-    /// displaced another key filed under the same hash.
+    /// String keys this writer (and the writers whose files it replaced)
+    /// wrote over another key filed under the same hash: a metric, as a
+    /// displacement is never an error.
     pub fn key_displacements(&self) -> u64 {
         self.key_displacements
     }
@@ -376,7 +381,6 @@ impl ReplicaWriter {
         self.table.storage().encode(v, &mut words[key_words..]);
         if self.table.find(hash).is_some_and(|row| !self.table.row_key_is(row, &words[..key_words])) {
             self.key_displacements += 1;
-            tracing::warn!(path = %self.path.display(), hash, "a string key displaced another with the same hash");
         }
         let result = self.put_words(hash, &words);
         self.payload = words;
@@ -485,11 +489,6 @@ impl ReplicaWriter {
     /// Removes the string `key`; false if it was not present (another key
     /// under its hash is left alone). Panics on a u64-keyed file.
     pub fn delete_str(&mut self, key: &[u8]) -> bool {
-        assert!(
-            matches!(self.table.key_kind(), KeyKind::Str { .. }),
-            "{}: a string delete in a u64-keyed file",
-            self.path.display()
-        );
         if self.str_row(key).is_none() {
             return false;
         }
