@@ -214,7 +214,6 @@ impl<K: DenseKernel> GraphExec<K> {
     /// row to `out`.
     pub fn run(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
         assert!(rows <= self.rows_max && x.len() == rows * self.input_dim && out.len() == rows);
-        self.split_requests(x, rows);
         match self.isa {
             Isa::Baseline => self.walk(x, rows, out),
             #[cfg(target_arch = "x86_64")]
@@ -230,22 +229,27 @@ impl<K: DenseKernel> GraphExec<K> {
     /// Fills `starts` with the first row of every run of rows whose
     /// request columns hold the same bits as the row before, then `rows`.
     /// Bit equality is exact: a run's shared nodes see the same inputs.
+    /// Compiled into each build of `walk`; each range of columns is
+    /// compared whole, so the comparison vectorises, and the first range
+    /// that differs ends the row's.
+    #[inline(always)]
     fn split_requests(&mut self, x: &[f32], rows: usize) {
-        let input_dim = self.input_dim;
         self.starts.clear();
         if rows == 0 {
             return;
         }
         self.starts.push(0);
         if !self.request_cols.is_empty() {
-            for r in 1..rows {
-                let (prev, row) = (&x[(r - 1) * input_dim..r * input_dim], &x[r * input_dim..(r + 1) * input_dim]);
-                let same = self.request_cols.iter().all(|&(at, w)| {
-                    prev[at..at + w].iter().zip(&row[at..at + w]).all(|(a, b)| a.to_bits() == b.to_bits())
+            let mut previous = &x[..self.input_dim];
+            for (r, row) in x.chunks_exact(self.input_dim).enumerate().skip(1) {
+                let differs = self.request_cols.iter().any(|&(at, w)| {
+                    let bits = previous[at..at + w].iter().zip(&row[at..at + w]);
+                    bits.fold(0, |d, (a, b)| d | (a.to_bits() ^ b.to_bits())) != 0
                 });
-                if !same {
+                if differs {
                     self.starts.push(r);
                 }
+                previous = row;
             }
         }
         self.starts.push(rows);
@@ -265,6 +269,7 @@ impl<K: DenseKernel> GraphExec<K> {
 
     #[inline(always)]
     fn walk(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.split_requests(x, rows);
         let input_dim = self.input_dim;
         // One compact row per request, when that saves work; when every row
         // is its own request, shared nodes are computed in place like any.
@@ -284,19 +289,23 @@ impl<K: DenseKernel> GraphExec<K> {
                 let j = node.inputs[k];
                 &before[offsets[j]..offsets[j] + n * widths[j]]
             };
-            // The input rows a node reads from `x`: every row, or each
-            // request's first.
-            let x_row = |r: usize| {
-                let at = if compact { starts[r] } else { r };
-                &x[at * input_dim..(at + 1) * input_dim]
-            };
             match &node.op {
                 Op::Input { offset } => {
                     // A NaN (a missing feature) reads as 0 here; tree
                     // ensembles read the input itself (below).
-                    for (r, yr) in y.chunks_exact_mut(w).enumerate() {
-                        for (o, v) in yr.iter_mut().zip(&x_row(r)[*offset..offset + w]) {
+                    let read = |yr: &mut [f32], xr: &[f32]| {
+                        for (o, v) in yr.iter_mut().zip(&xr[*offset..offset + w]) {
                             *o = if v.is_nan() { 0.0 } else { *v };
+                        }
+                    };
+                    if compact {
+                        // Each request's first row.
+                        for (yr, &at) in y.chunks_exact_mut(w).zip(starts) {
+                            read(yr, &x[at * input_dim..(at + 1) * input_dim]);
+                        }
+                    } else {
+                        for (yr, xr) in y.chunks_exact_mut(w).zip(x.chunks_exact(input_dim)) {
+                            read(yr, xr);
                         }
                     }
                 }
@@ -367,8 +376,8 @@ impl<K: DenseKernel> GraphExec<K> {
                     match self.nodes[node.inputs[0]].op {
                         // Missing values reach the trees as NaN.
                         Op::Input { offset } if compact => {
-                            for (r, yr) in y.chunks_exact_mut(w).enumerate() {
-                                t.eval(&x_row(r)[offset..], input_dim, 1, yr);
+                            for (yr, &at) in y.chunks_exact_mut(w).zip(starts) {
+                                t.eval(&x[at * input_dim + offset..(at + 1) * input_dim], input_dim, 1, yr);
                             }
                         }
                         Op::Input { offset } => t.eval(&x[offset..], input_dim, n, y),
