@@ -52,8 +52,8 @@ fn round_trip(end: &mut infer::ShardEnd, model: &Arc<Model>, origin: Instant) ->
     let token = end.acquire().expect("one job in flight at a time");
     let data = end.slot_mut(&token);
     data.rows = 1;
-    data.model = Some(model.clone());
     data.x[..4].copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+    end.set_model(&token, model);
     let started = Instant::now();
     let now_ns = started.duration_since(origin).as_nanos() as u64;
     end.submit(token, u64::MAX / 2, now_ns).unwrap();

@@ -64,7 +64,8 @@ pub struct StageConfig {
 
 /// What one slot holds while a job is in flight.
 pub struct SlotData {
-    pub model: Option<Arc<Model>>,
+    /// Which entry of its shard's model table scores it (`ShardEnd::set_model`).
+    model: Option<ModelRef>,
     pub rows: usize,
     /// `rows_per_job_max × row_dim_max` input floats.
     pub x: Vec<f32>,
@@ -72,13 +73,39 @@ pub struct SlotData {
     pub logits: Vec<f32>,
 }
 
+/// A slot's model, as an entry of its shard's model table: resolving it
+/// reads the entry's `Arc` in place, so a hand-off touches no refcount.
+/// `generation` is the entry's at the hand-off: an entry is rewritten only
+/// while no slot names it, so a mismatch is a broken invariant, never a
+/// slot resolved to the model that replaced its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ModelRef {
+    index: u32,
+    generation: u32,
+}
+
+/// One entry of a shard's model table.
+struct ModelEntry {
+    model: Option<Arc<Model>>,
+    /// Bumped each time the entry is given another model.
+    generation: u32,
+}
+
 struct Slots {
     slots: Box<[UnsafeCell<SlotData>]>,
+    /// The models this shard's slots name, one entry per slot at most (so a
+    /// free entry exists whenever a slot is free). Written by the shard only,
+    /// and only for an entry no slot in flight names; read by the stage for
+    /// the slots it holds.
+    models: Box<[UnsafeCell<ModelEntry>]>,
 }
 
 // SAFETY: a slot is touched by one side at a time: the shard until it pushes
 // the job (Release), the stage from popping the job (Acquire) until it pushes
-// the completion (Release), the shard again after popping it (Acquire).
+// the completion (Release), the shard again after popping it (Acquire). A
+// model entry is written by the shard only while no slot names it, before
+// the push of a job that names it (Release); the stage reads it only for a
+// job it popped (Acquire) and holds.
 unsafe impl Sync for Slots {}
 // SAFETY: as above; `SlotData` itself is `Send`.
 unsafe impl Send for Slots {}
@@ -184,6 +211,9 @@ pub struct ShardEnd {
     done: Consumer<Done>,
     slots: Arc<Slots>,
     free: Vec<u32>,
+    /// Slots taken (acquired, in flight or awaiting release) that name each
+    /// model entry: an entry is given another model only at zero.
+    model_uses: Vec<u32>,
     wake: Arc<Wake>,
     slot_floats: usize,
     /// Only when the stage shares a shard's core (`shares_core`).
@@ -198,6 +228,13 @@ impl ShardEnd {
         self.free.pop().map(|slot| SlotToken { slot, end: self.id })
     }
 
+    /// The memory of the slot `token` holds, to read.
+    pub fn slot(&self, token: &SlotToken) -> &SlotData {
+        assert_eq!(token.end, self.id, "a slot token is used only with the end that issued it");
+        // SAFETY: as in `slot_mut`; `&self` allows no `slot_mut` meanwhile.
+        unsafe { &*self.slots.slots[token.slot as usize].get() }
+    }
+
     /// The memory of the slot `token` holds.
     pub fn slot_mut(&mut self, token: &SlotToken) -> &mut SlotData {
         assert_eq!(token.end, self.id, "a slot token is used only with the end that issued it");
@@ -206,6 +243,54 @@ impl ShardEnd {
         // so the stage does not touch the slot; `&mut self` makes this the
         // only reference on this side.
         unsafe { &mut *self.slots.slots[token.slot as usize].get() }
+    }
+
+    /// Names `model` as the one to score the slot `token` holds: the entry of
+    /// the shard's model table that already holds it, else an entry no slot
+    /// names, given `model` (the one refcount touched, once per model and
+    /// entry, not per hand-off).
+    pub fn set_model(&mut self, token: &SlotToken, model: &Arc<Model>) {
+        let old = self.slot_mut(token).model.take();
+        self.drop_use(old);
+        // SAFETY: the shard alone writes entries; reading them here races
+        // with no write, and the stage only reads.
+        let entry = |i: usize| unsafe { &*self.slots.models[i].get() };
+        let found =
+            (0..self.model_uses.len()).find(|&i| entry(i).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, model)));
+        let index = match found {
+            Some(i) => i,
+            None => {
+                let i = self.model_uses.iter().position(|&u| u == 0).expect("an entry per slot: one is unused");
+                // SAFETY: no slot names entry `i` (`model_uses` is 0), so
+                // the stage holds no job that reads it.
+                let e = unsafe { &mut *self.slots.models[i].get() };
+                e.model = Some(Arc::clone(model));
+                e.generation = e.generation.wrapping_add(1);
+                i
+            }
+        };
+        self.model_uses[index] += 1;
+        // SAFETY: as above (read only).
+        let generation = unsafe { (*self.slots.models[index].get()).generation };
+        self.slot_mut(token).model = Some(ModelRef { index: index as u32, generation });
+    }
+
+    /// The model named for the slot `token` holds (`set_model`).
+    pub fn model(&self, token: &SlotToken) -> Option<&Arc<Model>> {
+        assert_eq!(token.end, self.id, "a slot token is used only with the end that issued it");
+        // SAFETY: the token's holder owns the slot; the entry it names is
+        // written by this shard only, and not while a slot names it.
+        let r = unsafe { (*self.slots.slots[token.slot as usize].get()).model }?;
+        // SAFETY: as above.
+        let e = unsafe { &*self.slots.models[r.index as usize].get() };
+        assert_eq!(e.generation, r.generation, "a named model entry is not rewritten");
+        e.model.as_ref()
+    }
+
+    fn drop_use(&mut self, r: Option<ModelRef>) {
+        if let Some(r) = r {
+            self.model_uses[r.index as usize] -= 1;
+        }
     }
 
     /// Hands the filled slot to the stage, to be scored by `deadline_ns`.
@@ -227,7 +312,10 @@ impl ShardEnd {
 
     /// Returns a slot whose completion has been handled.
     pub fn release(&mut self, token: SlotToken) {
-        self.slot_mut(&token).model = None;
+        let old = self.slot_mut(&token).model.take();
+        // The entry keeps its model: the next hand-off of the same version
+        // finds it there without a refcount touched.
+        self.drop_use(old);
         self.free.push(token.slot);
     }
 
@@ -407,6 +495,7 @@ pub fn start(
                     })
                 })
                 .collect(),
+            models: (0..slot_count).map(|_| UnsafeCell::new(ModelEntry { model: None, generation: 0 })).collect(),
         });
         shard_ends.push(ShardEnd {
             id: shard_ends.len() as u32,
@@ -414,6 +503,7 @@ pub fn start(
             done: done_rx,
             slots: slots.clone(),
             free: (0..slot_count as u32).rev().collect(),
+            model_uses: vec![0; slot_count],
             wake: wake.clone(),
             slot_floats: config.rows_per_job_max * config.row_dim_max,
             bell: bell.clone(),
@@ -481,6 +571,19 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
     let mut generation = 0;
     let mut idle_since_ns: Option<u64> = None;
     let slot = |end: &StageEnd, i: u32| -> *mut SlotData { end.slots.slots[i as usize].get() };
+    // The model a held job's slot names, as its address: compared, never
+    // cloned, so the stage touches no refcount per job. An address cannot
+    // be reused by another model while the entry (or `backends`) holds it.
+    let model_of = |end: &StageEnd, i: u32| -> Option<*const Model> {
+        // SAFETY: called for a job the stage holds (popped, not yet
+        // finished); the shard does not write the entry its slot names
+        // while it is named.
+        let r = unsafe { (*slot(end, i)).model }?;
+        // SAFETY: as above.
+        let e = unsafe { &*end.slots.models[r.index as usize].get() };
+        assert_eq!(e.generation, r.generation, "a named model entry is not rewritten");
+        e.model.as_ref().map(Arc::as_ptr)
+    };
 
     while !stop.load(Ordering::Acquire) {
         if registry.generation() != generation {
@@ -530,31 +633,36 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         idle_since_ns = None;
 
         // The oldest job decides the model of the next batch.
-        // SAFETY: the stage owns every waiting job's slot.
-        let model = unsafe { (*slot(&ends[waiting[0].shard], waiting[0].job.slot)).model.clone() };
-        let Some(model) = model else {
+        let Some(model) = model_of(&ends[waiting[0].shard], waiting[0].job.slot) else {
             let w = waiting.remove(0);
             finish(&ends[w.shard], w.job, Outcome::Failed, now_ns, 0, 0);
             continue;
         };
-        let b = match backends.iter().position(|(m, _, _)| Arc::ptr_eq(m, &model)) {
+        let b = match backends.iter().position(|(m, _, _)| Arc::as_ptr(m) == model) {
             Some(b) => b,
             None => {
-                // A version the registry dropped while its jobs were queued.
-                let (backend, costs) = prepare(kind, &model, &config, &mut x, &mut logits, &clock);
-                backends.push((model.clone(), backend, costs));
+                // A version the registry dropped while its jobs were queued:
+                // the one clone, to keep it for its backend.
+                let end = &ends[waiting[0].shard];
+                // SAFETY: the stage holds this job; its entry is not written
+                // while the slot names it.
+                let r = unsafe { (*slot(end, waiting[0].job.slot)).model }.expect("checked above");
+                // SAFETY: as above.
+                let held = unsafe { &*end.slots.models[r.index as usize].get() };
+                let held = Arc::clone(held.model.as_ref().expect("checked above"));
+                let (backend, costs) = prepare(kind, &held, &config, &mut x, &mut logits, &clock);
+                backends.push((held, backend, costs));
                 backends.len() - 1
             }
         };
-        let (_, backend, costs) = &mut backends[b];
+        let (batch_model, backend, costs) = &mut backends[b];
+        let dim = batch_model.input_dim();
 
         // Which waiting jobs ride in this batch, and is it time to launch?
         let mut rows = 0;
         let mut earliest_deadline_ns = u64::MAX;
         for w in waiting.iter() {
-            // SAFETY: as above.
-            let same =
-                unsafe { (*slot(&ends[w.shard], w.job.slot)).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, &model)) };
+            let same = model_of(&ends[w.shard], w.job.slot) == Some(model);
             if same && rows + w.rows <= config.batch_rows_max.max(w.rows) {
                 rows += w.rows;
                 earliest_deadline_ns = earliest_deadline_ns.min(w.job.deadline_ns);
@@ -578,9 +686,7 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         std::mem::swap(&mut waiting, &mut spare);
         let mut batch_rows = 0;
         for w in spare.drain(..) {
-            // SAFETY: as above.
-            let same =
-                unsafe { (*slot(&ends[w.shard], w.job.slot)).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, &model)) };
+            let same = model_of(&ends[w.shard], w.job.slot) == Some(model);
             if !same || batch_rows + w.rows > config.batch_rows_max.max(w.rows) {
                 waiting.push(w);
                 continue;
@@ -603,8 +709,9 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
             continue;
         }
 
-        // Gather rows, run, scatter.
-        let dim = model.input_dim();
+        // Gather rows, run, scatter. The one copy of rows on the stage: a
+        // batch's jobs sit in separate slots and the kernel takes one
+        // contiguous matrix.
         let mut at = 0;
         for w in &batch {
             // SAFETY: as above.
@@ -773,7 +880,7 @@ mod tests {
             *v = rng.normal();
         }
         data.rows = rows;
-        data.model = Some(model.clone());
+        end.set_model(&token, model);
         token
     }
 
@@ -843,6 +950,39 @@ mod tests {
         assert!(foreign.is_err(), "shard 1 refuses shard 0's token");
         first[0].release(token);
         assert_eq!(first[0].in_flight(), 0);
+        stage.stop();
+    }
+
+    #[test]
+    fn slots_name_models_by_table_entry_without_a_clone_per_hand_off() {
+        let (stage, mut ends, model) = stage(1_000_000);
+        let other = Arc::new(crate::loadgen::demo::model());
+        let end = &mut ends[0];
+        let a = end.acquire().unwrap();
+        end.set_model(&a, &model);
+        let b = end.acquire().unwrap();
+        end.set_model(&b, &other);
+        let count = Arc::strong_count(&model);
+        let c = end.acquire().unwrap();
+        end.set_model(&c, &model);
+        assert_eq!(Arc::strong_count(&model), count, "a model in the table is named without a clone");
+        assert!(Arc::ptr_eq(end.model(&a).unwrap(), &model));
+        assert!(Arc::ptr_eq(end.model(&b).unwrap(), &other));
+        end.release(a);
+        end.release(c);
+        // Every slot taken, each naming `other`: entries are reused or
+        // rewritten only where no slot names them, and `b` keeps its model.
+        let mut held = vec![b];
+        while let Some(t) = end.acquire() {
+            end.set_model(&t, &other);
+            held.push(t);
+        }
+        for t in &held {
+            assert!(Arc::ptr_eq(end.model(t).unwrap(), &other));
+        }
+        for t in held {
+            end.release(t);
+        }
         stage.stop();
     }
 

@@ -106,9 +106,8 @@ pub(super) fn hand_off(
     served: &Served,
     inputs: &Inputs,
 ) -> Result<(), Rejection> {
-    let model = Arc::clone(&served.model);
     let reserve_us = policies.ladder.reserve_us;
-    in_flight.submit(a, conn, model, reserve_us, inputs).map_err(|(step, now_ns)| {
+    in_flight.submit(a, conn, &served.model, reserve_us, inputs).map_err(|(step, now_ns)| {
         policies.breaker.record(true, now_ns);
         Rejection::StepDown { step, reason: Reason::Overload }
     })
@@ -159,7 +158,7 @@ impl InFlight {
         &mut self,
         a: Assembled,
         conn: u32,
-        model: Arc<Model>,
+        model: &Arc<Model>,
         reserve_us: u64,
         inputs: &Inputs,
     ) -> Result<(), (StepDown, u64)> {
@@ -173,7 +172,7 @@ impl InFlight {
         let data = stage.slot_mut(&token);
         data.x[..rows * row_dim].copy_from_slice(&inputs.x[..rows * row_dim]);
         data.rows = rows;
-        data.model = Some(model);
+        stage.set_model(&token, model);
         if let Err(token) = stage.submit(token, step.deadline.at_us() * 1_000, now_ns) {
             stage.release(token);
             return Err((step, now_ns));
@@ -239,8 +238,8 @@ impl InFlight {
         policies.breaker.record(!ok, now_ns);
         if ok {
             // The slot still holds the rows the stage scored, until released.
-            let data = stage.slot_mut(&token);
-            let model = data.model.as_ref().expect("a submitted slot carries its model");
+            let model = stage.model(&token).expect("a submitted slot names its model");
+            let data = stage.slot(&token);
             for (s, l) in answer.logits[..rows].iter_mut().zip(&data.logits[..rows]) {
                 *s = model.score(*l);
             }
