@@ -90,6 +90,9 @@ pub(super) struct InFlight {
     /// `finish` (the cache fill) and a give-up's cache lookup.
     items: Vec<u64>,
     rows_max: usize,
+    /// The slot taken for the current request's rows before assembly
+    /// (`reserve`), until it is submitted or given back (`unreserve`).
+    reserved: Option<SlotToken>,
     /// Jobs submitted whose completion has not been polled yet.
     owed: usize,
     next_give_up_ns: u64,
@@ -139,6 +142,34 @@ impl InFlight {
         self.stage = Some(stage);
     }
 
+    /// Takes a job slot for the current request's rows, when a stage is
+    /// attached, `floats` input values fit a slot and one is free.
+    pub(super) fn reserve(&mut self, floats: usize) {
+        assert!(self.reserved.is_none(), "one request's slot is taken at a time");
+        if let Some(stage) = self.stage.as_mut().filter(|s| s.fits(floats)) {
+            self.reserved = stage.acquire();
+        }
+    }
+
+    /// The rows of the slot taken by `reserve`, to assemble into.
+    pub(super) fn reserved_rows_mut(&mut self) -> Option<&mut [f32]> {
+        let token = self.reserved.as_ref()?;
+        Some(&mut self.stage.as_mut()?.slot_mut(token).x)
+    }
+
+    /// The rows of the slot taken by `reserve`, as assembled.
+    pub(super) fn reserved_rows(&self) -> Option<&[f32]> {
+        let token = self.reserved.as_ref()?;
+        Some(&self.stage.as_ref()?.slot(token).x)
+    }
+
+    /// Gives back the slot taken by `reserve` if it was not submitted.
+    pub(super) fn unreserve(&mut self) {
+        if let (Some(token), Some(stage)) = (self.reserved.take(), self.stage.as_mut()) {
+            stage.release(token);
+        }
+    }
+
     /// The fill of the job slots, 0..1 (0 without a stage), for shedding.
     pub(super) fn slot_fill(&self) -> f64 {
         self.stage.as_ref().map_or(0.0, |s| s.in_flight() as f64 / s.slots() as f64)
@@ -151,9 +182,10 @@ impl InFlight {
         fits.then(|| self.turnaround.expected_us(a.at_ns))
     }
 
-    /// Writes `a`'s rows into a free job slot and submits it, to be answered
-    /// on connection `conn`; `model` scores it. On no free slot or a full
-    /// ring, the request's step-down and the time, to answer it at once.
+    /// Submits the slot `reserve` took, which holds `a`'s rows, to be
+    /// answered on connection `conn`; `model` scores it. On no slot taken or
+    /// a full ring, the request's step-down and the time, to answer it at
+    /// once (the slot then stays taken, for the step-down to read its rows).
     pub(super) fn submit(
         &mut self,
         a: Assembled,
@@ -165,22 +197,23 @@ impl InFlight {
         let step = a.step;
         let (rows, row_dim, now_ns) = (step.rows, step.row_dim, a.at_ns);
         let stage = self.stage.as_mut().expect("route hands off only to an attached stage");
-        let Some(token) = stage.acquire() else {
+        let Some(token) = self.reserved.take() else {
             return Err((step, now_ns));
         };
         let slot = token.index() as usize;
-        let data = stage.slot_mut(&token);
-        data.x[..rows * row_dim].copy_from_slice(&inputs.x[..rows * row_dim]);
-        data.rows = rows;
+        if step.fallback && !self.rows_kept.is_empty() {
+            // The stage owns the slot once submitted, and a give-up answers
+            // while it does: the fallback's copy of the rows (only with a
+            // fallback model that fits).
+            let at = slot * stage.slot_floats();
+            let x = &stage.slot(&token).x[..rows * row_dim];
+            self.rows_kept[at..at + rows * row_dim].copy_from_slice(x);
+        }
+        stage.slot_mut(&token).rows = rows;
         stage.set_model(&token, model);
         if let Err(token) = stage.submit(token, step.deadline.at_us() * 1_000, now_ns) {
-            stage.release(token);
+            self.reserved = Some(token);
             return Err((step, now_ns));
-        }
-        if step.fallback && !self.rows_kept.is_empty() {
-            // The stage owns the slot now; keep the rows for a give-up.
-            let at = slot * stage.slot_floats();
-            self.rows_kept[at..at + rows * row_dim].copy_from_slice(&inputs.x[..rows * row_dim]);
         }
         let give_up_ns = (step.deadline.at_us().saturating_sub(reserve_us)) * 1_000;
         self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);

@@ -261,19 +261,28 @@ impl<C: Clock> RequestPath<C> {
         let primary = (|| {
             let admitted = stages::admit(frame, clock, policies, versions, in_flight.slot_fill(), telemetry)?;
             let served = &mut versions.served[admitted.chosen];
-            let mut assembled = stages::assemble(admitted, clock, served, replicas, inputs, telemetry)?;
+            // Rows that fit a job slot are assembled into one taken now, so
+            // a hand-off copies none; inline or stepped down, they are read
+            // from it and it is given back below.
+            in_flight.reserve(admitted.floats(served));
+            let x = in_flight.reserved_rows_mut();
+            let mut assembled = stages::assemble(admitted, clock, served, replicas, inputs, x, telemetry)?;
             stages::look_up_cache(&mut assembled, policies, cache, inputs, answer, telemetry)?;
             match stages::route(&assembled, policies, in_flight.stage_us(&assembled), served)? {
                 Route::HandOff => {
                     handoff::hand_off(assembled, conn, policies, in_flight, served, inputs).map(|()| None)
                 }
-                Route::Inline => stages::run(assembled, clock, policies, served, inputs, answer, telemetry).map(Some),
+                Route::Inline => {
+                    let x = in_flight.reserved_rows().unwrap_or(&inputs.x);
+                    stages::run(assembled, clock, policies, served, x, answer, telemetry).map(Some)
+                }
             }
         })();
-        match primary {
+        let x = in_flight.reserved_rows().unwrap_or(&inputs.x);
+        let handled = match primary {
             Ok(Some(ran)) => {
                 let rows = ran.assembled.step.rows;
-                let x = &inputs.x[..rows * ran.assembled.step.row_dim];
+                let x = &x[..rows * ran.assembled.step.row_dim];
                 let items = &inputs.item_ids[..rows];
                 stages::finish(ran, x, items, clock, versions, cache, shadows, &replicas.feed, answer, telemetry, out)
             }
@@ -281,9 +290,11 @@ impl<C: Clock> RequestPath<C> {
             Err(rejection) => {
                 let fallback = versions.fallback.as_mut();
                 let feed = &replicas.feed;
-                stages::answer(rejection, &inputs.x, clock, fallback, feed, answer, telemetry, out)
+                stages::answer(rejection, x, clock, fallback, feed, answer, telemetry, out)
             }
-        }
+        };
+        in_flight.unreserve();
+        handled
     }
 
     /// Lets go of replica tables a writer replaced, between requests (the

@@ -73,6 +73,13 @@ pub(super) struct Admitted<'p> {
     pub(super) chosen: usize,
 }
 
+impl Admitted<'_> {
+    /// Model input floats the request's rows take in `served`'s layout.
+    pub(super) fn floats(&self, served: &Served) -> usize {
+        self.request.item_ids().len() * served.layout.row_dim
+    }
+}
+
 /// A request whose model input rows are in `Inputs::x` (or, handed off,
 /// in its job slot).
 #[derive(Clone, Copy)]
@@ -178,16 +185,25 @@ pub(super) fn admit<'p>(
 }
 
 /// Checks the inputs against the chosen version's layout, then writes the
-/// model input rows: the user vector once, one item vector per candidate,
-/// the context; counts what is missing and records the context's drift.
+/// model input rows into `slot_x` (the job slot taken for them, so rows
+/// handed off are written once) or else `Inputs::x`: the user vector once,
+/// one item vector per candidate, the context; counts what is missing and
+/// records the context's drift.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn assemble(
     a: Admitted<'_>,
     clock: &impl Clock,
     served: &mut Served,
     replicas: &mut Replicas,
     inputs: &mut Inputs,
+    slot_x: Option<&mut [f32]>,
     telemetry: &mut Telemetry,
 ) -> Result<Assembled, Rejection> {
+    let Inputs { x: scratch, item_vectors, item_rows, item_ids } = inputs;
+    let x = match slot_x {
+        Some(x) => x,
+        None => &mut scratch[..],
+    };
     let request = &a.request;
     let request_id = request.request_id();
     let layout = &served.layout;
@@ -207,9 +223,9 @@ pub(super) fn assemble(
     let items = request.item_ids();
     let rows = items.len();
     let row_dim = layout.row_dim;
-    inputs.item_ids.clear();
-    inputs.item_ids.extend(items.iter());
-    let x = &mut inputs.x[..rows * row_dim];
+    item_ids.clear();
+    item_ids.extend(items.iter());
+    let x = &mut x[..rows * row_dim];
     let mut missing = 0u32;
     // One atomic load per group; the lookups below load no table.
     replicas.refresh();
@@ -224,8 +240,8 @@ pub(super) fn assemble(
     if let Some(off) = layout.item {
         // Batched so the candidates' memory loads overlap (prefetch).
         let dim = replicas.item.dim();
-        let vectors = &mut inputs.item_vectors[..rows * dim];
-        missing += replicas.item.read_many_into(&inputs.item_ids, &mut inputs.item_rows, vectors) as u32;
+        let vectors = &mut item_vectors[..rows * dim];
+        missing += replicas.item.read_many_into(item_ids, item_rows, vectors) as u32;
         for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
             row[off..off + dim].copy_from_slice(v);
         }
@@ -380,21 +396,21 @@ pub(super) fn route(
     Ok(if stage_us.is_some() { Route::HandOff } else { Route::Inline })
 }
 
-/// Runs the primary on the shard, then checks it finished in time. A
-/// backend that fails (onnxruntime's error, or one that could not be
-/// built) steps down with reason `model_error`.
+/// Runs the primary on the shard over the model input rows `x`, then
+/// checks it finished in time. A backend that fails (onnxruntime's error,
+/// or one that could not be built) steps down with reason `model_error`.
 pub(super) fn run(
     a: Assembled,
     clock: &impl Clock,
     policies: &mut Policies,
     served: &mut Served,
-    inputs: &Inputs,
+    x: &[f32],
     answer: &mut Answer,
     telemetry: &mut Telemetry,
 ) -> Result<Ran, Rejection> {
     let (rows, row_dim) = (a.step.rows, a.step.row_dim);
     let logits = &mut answer.logits[..rows];
-    let scored = served.backend.score(&inputs.x[..rows * row_dim], rows, logits);
+    let scored = served.backend.score(&x[..rows * row_dim], rows, logits);
     let after_kernel_ns = clock.now_ns();
     if scored.is_err() {
         policies.breaker.record(true, after_kernel_ns);
