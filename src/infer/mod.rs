@@ -245,6 +245,17 @@ impl ShardEnd {
         unsafe { &mut *self.slots.slots[token.slot as usize].get() }
     }
 
+    /// The input rows of slot `slot`, whichever side holds it: the stage
+    /// never writes a slot's rows, and the shard only through a token
+    /// (`slot_mut`, which `&self` here excludes). For a request the shard
+    /// still answers (a give-up while the stage holds its slot).
+    pub fn rows_of(&self, slot: u32) -> &[f32] {
+        // SAFETY: only the `x` field is borrowed (the stage writes only a
+        // held slot's `logits`, through a borrow of that field alone); `x`
+        // is written only through `slot_mut`, which needs `&mut self`.
+        unsafe { &(*self.slots.slots[slot as usize].get()).x }
+    }
+
     /// Names `model` as the one to score the slot `token` holds: the entry of
     /// the shard's model table that already holds it, else an entry no slot
     /// names, given `model` (the one refcount touched, once per model and
@@ -743,8 +754,10 @@ fn run(config: StageConfig, ends: Vec<StageEnd>, registry: Arc<Registry>, kind: 
         let mut at = 0;
         for w in &batch {
             // SAFETY: as above.
-            let data = unsafe { &mut *slot(&ends[w.shard], w.job.slot) };
-            data.logits[..w.rows].copy_from_slice(&logits[at..at + w.rows]);
+            // Only the logits are borrowed: the shard may read the rows of a
+            // slot the stage holds (`ShardEnd::rows_of`).
+            let out = unsafe { &mut (*slot(&ends[w.shard], w.job.slot)).logits };
+            out[..w.rows].copy_from_slice(&logits[at..at + w.rows]);
             at += w.rows;
             let outcome = if ended_ns > w.job.deadline_ns { Outcome::Late } else { Outcome::Scored };
             finish(&ends[w.shard], w.job, outcome, started_ns, ended_ns - started_ns, batch_rows as u32);

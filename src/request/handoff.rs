@@ -83,9 +83,6 @@ impl Turnaround {
 pub(super) struct InFlight {
     pub(super) stage: Option<ShardEnd>,
     pending: Vec<Option<Pending>>,
-    /// Model input rows of handed-off requests, by slot, for a give-up to
-    /// the fallback model (empty without one).
-    rows_kept: Vec<f32>,
     /// Item ids of handed-off requests, by slot (`rows_max` each), for
     /// `finish` (the cache fill) and a give-up's cache lookup.
     items: Vec<u64>,
@@ -131,13 +128,10 @@ pub(super) struct Parts<'a, C: Clock> {
 impl InFlight {
     /// Sends later requests through `stage`, with room for `rows_max`
     /// candidates per slot.
-    pub(super) fn attach(&mut self, stage: ShardEnd, rows_max: usize, fallback: bool) {
+    pub(super) fn attach(&mut self, stage: ShardEnd, rows_max: usize) {
         self.pending = (0..stage.slots()).map(|_| None).collect();
         self.rows_max = rows_max;
         self.items = vec![0; stage.slots() * rows_max];
-        if fallback {
-            self.rows_kept = vec![0.0; stage.slots() * stage.slot_floats()];
-        }
         self.next_give_up_ns = u64::MAX;
         self.stage = Some(stage);
     }
@@ -195,20 +189,12 @@ impl InFlight {
         inputs: &Inputs,
     ) -> Result<(), (StepDown, u64)> {
         let step = a.step;
-        let (rows, row_dim, now_ns) = (step.rows, step.row_dim, a.at_ns);
+        let (rows, now_ns) = (step.rows, a.at_ns);
         let stage = self.stage.as_mut().expect("route hands off only to an attached stage");
         let Some(token) = self.reserved.take() else {
             return Err((step, now_ns));
         };
         let slot = token.index() as usize;
-        if step.fallback && !self.rows_kept.is_empty() {
-            // The stage owns the slot once submitted, and a give-up answers
-            // while it does: the fallback's copy of the rows (only with a
-            // fallback model that fits).
-            let at = slot * stage.slot_floats();
-            let x = &stage.slot(&token).x[..rows * row_dim];
-            self.rows_kept[at..at + rows * row_dim].copy_from_slice(x);
-        }
         stage.slot_mut(&token).rows = rows;
         stage.set_model(&token, model);
         if let Err(token) = stage.submit(token, step.deadline.at_us() * 1_000, now_ns) {
@@ -283,7 +269,6 @@ impl InFlight {
             stage.release(token);
             return true;
         }
-        stage.release(token);
         match outcome {
             Outcome::Expired if !step.deadline.cannot_fit(now_ns / 1_000, 0) => {
                 // The stage saw it could not finish in time; a lower rung may.
@@ -307,6 +292,8 @@ impl InFlight {
                 stages::step_down(&step, Reason::ModelError, x, clock, fallback, feed, answer, telemetry, out);
             }
         }
+        // Given back only now: the step-downs above read its rows.
+        self.stage.as_mut().expect("completions come from the stage").release(token);
         let done_ns = clock.now_ns();
         telemetry.times.record_ns(Stage::Respond, done_ns.saturating_sub(now_ns));
         telemetry.times.record_ns(Stage::EndToEnd, done_ns.saturating_sub(step.read_at_ns));
@@ -352,14 +339,11 @@ impl InFlight {
         stages::step_down(&step, Reason::Budget, x, clock, fallback, feed, answer, telemetry, out);
     }
 
-    /// The model input rows kept for slot `slot`'s give-up (empty without a
-    /// fallback model, which alone reads them).
+    /// The model input rows of the request in slot `slot`, read in the slot
+    /// (the stage may still hold it: it only reads rows), for the fallback.
     fn kept_rows(&self, slot: usize, step: &StepDown) -> &[f32] {
-        if self.rows_kept.is_empty() {
-            return &[];
-        }
-        let at = slot * self.stage.as_ref().map_or(0, ShardEnd::slot_floats);
-        &self.rows_kept[at..at + step.rows * step.row_dim]
+        let stage = self.stage.as_ref().expect("a handed-off request has a stage");
+        &stage.rows_of(slot as u32)[..step.rows * step.row_dim]
     }
 
     /// `p`'s step-down with the cache looked up again at `now_ns`: cached

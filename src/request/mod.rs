@@ -376,7 +376,7 @@ impl<C: Clock> RequestPath<C> {
     /// them inline.
     pub fn attach_stage(&mut self, stage: ShardEnd) {
         let rows_max = self.policies.limits.candidates_max;
-        self.in_flight.attach(stage, rows_max, self.versions.fallback.is_some());
+        self.in_flight.attach(stage, rows_max);
     }
 
     /// A stage completion, the slot it returns and the connection it goes
