@@ -398,6 +398,61 @@ fn a_give_up_answers_from_the_cache() {
 }
 
 #[test]
+fn a_give_up_scores_the_rows_in_its_slot_with_the_fallback() {
+    // Handed off, a request's rows are only in its job slot: a give-up
+    // while the stage holds the slot scores them there with the fallback
+    // (here the primary's own model, so the scores must match the stage's).
+    let faults = Arc::new(crate::infer::Faults::default());
+    let clock = ManualClock::new(crate::deadline::MonotonicClock::new().now_us());
+    let mut sh = shared(&dir("stage-give-up-fallback"));
+    sh.fallback = Some(sh.registry.snapshot().models[0].clone());
+    let config = crate::infer::StageConfig {
+        batch_rows_max: 16,
+        batch_wait_us_max: 0,
+        spin_us: 100,
+        jobs_per_shard_max: 4,
+        rows_per_job_max: 4,
+        row_dim_max: 4,
+        core: None,
+        shares_core: false,
+    };
+    let (stage, mut ends) =
+        crate::infer::start(config, 1, sh.registry.clone(), BackendKind::F32, faults.clone()).unwrap();
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    path.attach_stage(ends.pop().unwrap());
+    faults.set_stage_delay_us(50_000);
+    let mut s = spec();
+    s.budget_us = 1_000_000;
+    let mut out = Vec::new();
+    assert_eq!(path.handle(&payload(&s), clock.now_ns(), 0, LOCAL, &mut out), Handled::Pending);
+    clock.advance_us(1_000_000 - path.policies.ladder.reserve_us);
+    let answers = give_ups(&mut path, clock.now_ns());
+    assert_eq!(answers.len(), 1);
+    let given_up = decode(&answers[0].1);
+    assert_eq!((given_up.status, given_up.tier), (Status::Ok, Tier::Fallback), "{given_up:?}");
+    // The late result is dropped; the same request scored by the stage
+    // answers what the fallback did.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if let Some((_, done, token)) = path.poll_stage() {
+            assert!(!path.complete(done, token, &mut out), "a given-up request is not answered twice");
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "the stage never answered");
+        std::thread::yield_now();
+    }
+    faults.set_stage_delay_us(0);
+    s.request_id = 2;
+    let scored = through_stage(&mut path, &s);
+    assert_eq!((scored.status, scored.tier), (Status::Ok, Tier::Primary));
+    assert_eq!(scored.scores.len(), given_up.scores.len());
+    for (a, b) in scored.scores.iter().zip(&given_up.scores) {
+        assert!((a - b).abs() < 1e-5, "{:?} vs {:?}", scored.scores, given_up.scores);
+    }
+    stage.stop();
+}
+
+#[test]
 fn a_completion_routed_to_its_connection_is_not_given_up_on() {
     // Once the poller has routed a completion, the connection answers it:
     // a give-up routed after it would find its slot already answered and
