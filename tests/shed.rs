@@ -19,11 +19,13 @@ const CANDIDATES: usize = 256;
 /// request here is the shedding, not its deadline.
 const BUDGET_US: u32 = 1_000_000;
 /// The high class's p99, at most: unshed, the backlog of a 2× overload
-/// grows by a second of work per second and its p99 reaches seconds; shed,
-/// it stays at a few ms on an idle machine, and within this on one with a
-/// CPU hog beside the test, whose pauses a generator waiting to send shows
-/// as latency (it counts from each request's intended send time).
-const HIGH_P99_MAX_US: u64 = 500_000;
+/// grows by a second of work per second, so over a 3 s half its p99 nears
+/// 3 s; shed, it stays at a few ms on an idle machine, and within this on
+/// one with a CPU hog beside the test, whose pauses a generator waiting to
+/// send shows as latency (it counts from each request's intended send
+/// time): 523 ms was seen beside two parallel builds, over a bound of
+/// 500 ms, so the bound is a third of the unshed tail instead.
+const HIGH_P99_MAX_US: u64 = 1_000_000;
 
 /// The server's resident memory, from /proc (Linux), in KiB.
 fn rss_kib(server: &Server) -> u64 {
