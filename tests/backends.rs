@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use common::zoo::{zoo, Zoo};
 use quiver::model::calibrate::{calibrate, Matrix, Method};
-use quiver::model::onnx::{import_file_keeping, ImportOptions, KeepOnnx};
+use quiver::model::onnx::{import_file_keeping, KeepOnnx};
 use quiver::model::trees::{Ensemble, Split, TreeNode};
 use quiver::model::{Graph, Model, Node, Op, OutputKind};
 use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
@@ -102,7 +102,7 @@ fn onnxruntime(m: &Arc<Model>, rows: usize) -> Option<Box<dyn Backend>> {
         eprintln!("SKIPPED onnxruntime on {}: no ONNX graph kept (a model built here, not imported)", m.name);
         return None;
     }
-    let Some(library) = ort_library() else {
+    let Some(library) = common::onnxruntime_wheel_library() else {
         eprintln!("SKIPPED onnxruntime: no library (pip install onnxruntime==1.32.0)");
         return None;
     };
@@ -114,22 +114,6 @@ fn onnxruntime(m: &Arc<Model>, rows: usize) -> Option<Box<dyn Backend>> {
             None
         }
     }
-}
-
-/// The pinned PyPI wheel's library, found through Python.
-#[cfg(feature = "onnxruntime")]
-fn ort_library() -> Option<std::path::PathBuf> {
-    let found = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import glob, os, onnxruntime; \
-             print(sorted(glob.glob(os.path.dirname(onnxruntime.__file__) + '/capi/libonnxruntime.so*'))[0])",
-        ])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| std::path::PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
-    found.filter(|p| p.exists())
 }
 
 /// `rows` seeded normal rows of `dim` floats.
@@ -169,14 +153,7 @@ fn graphs() -> Vec<(Arc<Model>, Zoo)> {
         .into_iter()
         .filter(|z| NAMES.contains(&z.name.as_str()))
         .map(|z| {
-            let opts = ImportOptions {
-                name: z.name.clone(),
-                version: 1,
-                inputs: z.inputs.parse().unwrap(),
-                output: z.output.clone(),
-                output_kind: z.kind,
-                base_dir: None,
-            };
+            let opts = z.import_options();
             let model = import_file_keeping(&z.file, &opts, KeepOnnx::Beside)
                 .unwrap_or_else(|e| panic!("{}: {e}", z.name))
                 .model;

@@ -19,7 +19,7 @@ use common::zoo::{segment, zoo};
 use common::{http_get, run_quiver, scratch, Server};
 use quiver::features::replica::ReplicaBuilder;
 use quiver::model::calibrate::read_npy;
-use quiver::model::onnx::{import_file_keeping, ImportOptions, KeepOnnx};
+use quiver::model::onnx::{import_file_keeping, KeepOnnx};
 use quiver::model::{Model, Source};
 use quiver::score::{self, BackendKind};
 use quiver::wire::{Reason, RequestSpec, Status, Tier};
@@ -36,16 +36,7 @@ fn required() -> bool {
 fn library() -> Option<PathBuf> {
     let found = match std::env::var_os("ORT_DYLIB_PATH") {
         Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
-        _ => std::process::Command::new("python3")
-            .args([
-                "-c",
-                "import glob, os, onnxruntime; \
-                 print(sorted(glob.glob(os.path.dirname(onnxruntime.__file__) + '/capi/libonnxruntime.so*'))[0])",
-            ])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())),
+        _ => common::onnxruntime_wheel_library(),
     };
     match found.filter(|p| p.exists()) {
         Some(p) => {
@@ -285,14 +276,7 @@ fn native_models_forced_onto_onnxruntime_match_the_native_f32_path() {
     let Some(_) = library() else { return };
     let mut checked = 0;
     for z in zoo() {
-        let opts = ImportOptions {
-            name: z.name.clone(),
-            version: 1,
-            inputs: z.inputs.parse().unwrap(),
-            output: z.output.clone(),
-            output_kind: z.kind,
-            base_dir: None,
-        };
+        let opts = z.import_options();
         let model = std::sync::Arc::new(
             import_file_keeping(&z.file, &opts, KeepOnnx::Beside)
                 .unwrap_or_else(|e| panic!("{}: --keep-onnx: {e}", z.name))

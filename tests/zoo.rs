@@ -13,7 +13,7 @@ use std::sync::Arc;
 use common::zoo::{segment, zoo, zoo_dir, Zoo};
 use common::{auc, logits_in_batches, max_abs_diff, rel_err, run_quiver, scratch, Server};
 use quiver::features::replica::ReplicaBuilder;
-use quiver::model::onnx::{import_file, ImportOptions};
+use quiver::model::onnx::import_file;
 use quiver::model::{sigmoid, Model, OutputKind, Source};
 use quiver::score::cpu::{CpuF32, CpuFp8, CpuInt8, Int8Kernel};
 use quiver::score::Backend;
@@ -29,14 +29,7 @@ const INT8_AUC_DELTA_MAX: f64 = 0.002;
 const FP8_AUC_DELTA_MAX: f64 = 0.005;
 
 fn import(z: &Zoo) -> Model {
-    let opts = ImportOptions {
-        name: z.name.clone(),
-        version: 1,
-        inputs: z.inputs.parse().unwrap(),
-        output: z.output.clone(),
-        output_kind: z.kind,
-        base_dir: None,
-    };
+    let opts = z.import_options();
     let imported = import_file(&z.file, &opts).unwrap_or_else(|e| panic!("{}: {e}", z.name));
     let model = imported.model;
     assert_eq!(model.input_dim(), z.dim, "{}", z.name);

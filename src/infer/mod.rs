@@ -214,6 +214,9 @@ pub struct ShardEnd {
     /// Slots taken (acquired, in flight or awaiting release) that name each
     /// model entry: an entry is given another model only at zero.
     model_uses: Vec<u32>,
+    /// The entry `set_model` last named: checked first, so a run of
+    /// hand-offs to one model scans nothing.
+    model_last: usize,
     wake: Arc<Wake>,
     slot_floats: usize,
     /// Only when the stage shares a shard's core (`shares_core`).
@@ -266,8 +269,9 @@ impl ShardEnd {
         // SAFETY: the shard alone writes entries; reading them here races
         // with no write, and the stage only reads.
         let entry = |i: usize| unsafe { &*self.slots.models[i].get() };
+        let holds = |i: usize| entry(i).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, model));
         let found =
-            (0..self.model_uses.len()).find(|&i| entry(i).model.as_ref().is_some_and(|m| Arc::ptr_eq(m, model)));
+            if holds(self.model_last) { Some(self.model_last) } else { (0..self.model_uses.len()).find(|&i| holds(i)) };
         let index = match found {
             Some(i) => i,
             None => {
@@ -281,6 +285,7 @@ impl ShardEnd {
             }
         };
         self.model_uses[index] += 1;
+        self.model_last = index;
         // SAFETY: as above (read only).
         let generation = unsafe { (*self.slots.models[index].get()).generation };
         self.slot_mut(token).model = Some(ModelRef { index: index as u32, generation });
@@ -515,6 +520,7 @@ pub fn start(
             slots: slots.clone(),
             free: (0..slot_count as u32).rev().collect(),
             model_uses: vec![0; slot_count],
+            model_last: 0,
             wake: wake.clone(),
             slot_floats: config.rows_per_job_max * config.row_dim_max,
             bell: bell.clone(),

@@ -441,3 +441,19 @@ pub fn logits_in_batches(backend: &mut dyn quiver::score::Backend, model: &Model
 pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
 }
+
+/// The onnxruntime library of the PyPI wheel Python imports (the pinned
+/// one in CI), if it has one.
+pub fn onnxruntime_wheel_library() -> Option<PathBuf> {
+    Command::new("python3")
+        .args([
+            "-c",
+            "import glob, os, onnxruntime; \
+             print(sorted(glob.glob(os.path.dirname(onnxruntime.__file__) + '/capi/libonnxruntime.so*'))[0])",
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+        .filter(|p| p.exists())
+}

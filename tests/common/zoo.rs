@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use quiver::model::calibrate::read_npy;
+use quiver::model::onnx::ImportOptions;
 use quiver::model::{Model, OutputKind, Source};
 
 pub struct Zoo {
@@ -18,6 +19,21 @@ pub struct Zoo {
     pub x: Vec<f32>,
     pub labels: Vec<bool>,
     pub want: Vec<f32>,
+}
+
+impl Zoo {
+    /// How the zoo tests import this model: version 1, its `--inputs` and
+    /// output as the fixture index names them.
+    pub fn import_options(&self) -> ImportOptions {
+        ImportOptions {
+            name: self.name.clone(),
+            version: 1,
+            inputs: self.inputs.parse().unwrap(),
+            output: self.output.clone(),
+            output_kind: self.kind,
+            base_dir: None,
+        }
+    }
 }
 
 pub fn zoo_dir() -> PathBuf {
