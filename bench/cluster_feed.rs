@@ -125,7 +125,7 @@ fn feed_config(url: &str, layout: Layout) -> FeedConfig {
 /// A server's first sync into an empty `dir`, timed; the feed is left running for `then`.
 fn first_sync<T>(dir: &Path, config: &FeedConfig, then: impl FnOnce(&quiver::features::feed::Feed) -> T) -> (f64, T) {
     std::fs::create_dir_all(dir).expect("scratch dir");
-    let spec = GroupSpec { name: GROUP.into(), path: dir.join("item.qrep"), dim: Some(DIM as u32) };
+    let spec = GroupSpec::new(GROUP, dir.join("item.qrep"), Some(DIM as u32));
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let feed = quiver::features::feed::start(config, &[spec], stop.clone()).expect("first sync");

@@ -31,7 +31,7 @@ fn tiny() -> Model {
 }
 
 fn start(spin_us: u64) -> (infer::Stage, infer::ShardEnd, Arc<Model>) {
-    let fit = Fit { user_dim: 1, item_dim: 1, context_len_max: 4 };
+    let fit = Fit::user_item(1, 1, 4);
     let registry = Arc::new(Registry::from_models(vec![tiny()], fit, BackendKind::Int8, 1).unwrap());
     let model = registry.snapshot().models[0].clone();
     let config = StageConfig {

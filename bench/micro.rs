@@ -20,7 +20,7 @@ use quiver::loadgen::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
 use quiver::registry::{Fit, Registry};
 use quiver::request::cache::CacheConfig;
-use quiver::request::{RequestPath, Shared};
+use quiver::request::{RequestPath, Shared, SharedGroup};
 use quiver::score::BackendKind;
 use quiver::wire::{self, RequestEncoder, RequestLimits, RequestSpec, ResponseEncoder, ResponseFields, Status, Tier};
 
@@ -152,16 +152,15 @@ fn request_bench(c: &mut Criterion) {
         ("handle, f32, 65536 distinct requests", BackendKind::F32, false, &spread, CacheConfig::default()),
         ("protocol floor", BackendKind::Int8, true, &hot, CacheConfig::default()),
     ] {
-        let fit = Fit {
-            user_dim: demo::EMBEDDING_DIM as usize,
-            item_dim: demo::EMBEDDING_DIM as usize,
-            context_len_max: 256,
-        };
+        let fit = Fit::user_item(demo::EMBEDDING_DIM as usize, demo::EMBEDDING_DIM as usize, 256);
         let registry = Registry::single(&dir.join("model.qm"), fit, backend, 256).unwrap();
         let shared = Shared {
             registry: Arc::new(registry),
-            user: Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
-            item: Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+            groups: SharedGroup::user_item(
+                Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
+                Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+            ),
+            canary_group: "user".into(),
             limits: Limits::default(),
             backend,
             floor,

@@ -39,7 +39,8 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwap;
 
 use crate::drift::DriftConfig;
-use crate::model::layout::{InputLayout, LayoutError};
+use crate::features::groups::Scope;
+use crate::model::layout::{GroupFit, InputLayout, LayoutError};
 use crate::model::{Model, ModelError};
 use crate::score::{self, Backend, BackendKind};
 
@@ -83,11 +84,23 @@ pub enum RegistryError {
 }
 
 /// What the replicas and limits allow a model's inputs to be.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Fit {
-    pub user_dim: usize,
-    pub item_dim: usize,
+    /// The served feature groups, in configuration order.
+    pub groups: Vec<GroupFit>,
     pub context_len_max: usize,
+}
+
+impl Fit {
+    /// The two groups a server without `[[groups]]` serves: `user` and
+    /// `item` of these widths.
+    pub fn user_item(user_dim: usize, item_dim: usize, context_len_max: usize) -> Fit {
+        let group = |name: &str, scope, dim| GroupFit { name: name.into(), scope, dim };
+        Fit {
+            groups: vec![group("user", Scope::Request, user_dim), group("item", Scope::Candidate, item_dim)],
+            context_len_max,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -279,7 +292,7 @@ impl Registry {
         let default = models.first().map(|m| m.name.clone()).ok_or_else(|| RegistryError::Empty("(memory)".into()))?;
         let mut slots = BTreeMap::new();
         for model in models {
-            InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
+            InputLayout::new(&model, &fit.groups, fit.context_len_max)?;
             slots.insert(
                 model.name.clone(),
                 Slot { current: Arc::new(model), previous: None, canary: None, shadow: None },
@@ -311,7 +324,7 @@ impl Registry {
             let Some(&latest) = versions_on_disk(dir, &name)?.last() else {
                 continue;
             };
-            let model = load_checked(dir, &name, latest, fit)?;
+            let model = load_checked(dir, &name, latest, &fit)?;
             slots.insert(name, Slot { current: Arc::new(model), previous: None, canary: None, shadow: None });
         }
         let default = match default {
@@ -467,7 +480,7 @@ impl Registry {
             (_, None) => return Err(RegistryError::NoCanaryVersion),
             (_, Some(v)) => {
                 let dir = self.dir.as_ref().ok_or(RegistryError::NoDirectory)?;
-                let model = Arc::new(load_checked(dir, name, v, self.fit)?);
+                let model = Arc::new(load_checked(dir, name, v, &self.fit)?);
                 let built = self.prebuild(&model);
                 Some((model, ppm, built))
             }
@@ -511,7 +524,7 @@ impl Registry {
             Some(v) => v,
             None => *versions_on_disk(dir, name)?.last().ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
         };
-        let model = Arc::new(load_checked(dir, name, version, self.fit)?);
+        let model = Arc::new(load_checked(dir, name, version, &self.fit)?);
         let built = self.prebuild(&model);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         match slots.get_mut(name) {
@@ -628,7 +641,7 @@ impl FileStamp {
     }
 }
 
-fn load_checked(dir: &Path, name: &str, version: u32, fit: Fit) -> Result<Model, RegistryError> {
+fn load_checked(dir: &Path, name: &str, version: u32, fit: &Fit) -> Result<Model, RegistryError> {
     // Every way in (load, canary, shadow, the watcher) names a file under
     // `dir` through here: a name with a separator or `..` would leave it.
     if !valid_name(name) {
@@ -648,7 +661,7 @@ fn load_checked(dir: &Path, name: &str, version: u32, fit: Fit) -> Result<Model,
             version,
         });
     }
-    InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
+    InputLayout::new(&model, &fit.groups, fit.context_len_max)?;
     Ok(model)
 }
 

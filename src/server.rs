@@ -16,13 +16,15 @@ use std::time::Duration;
 use crate::admin::{auth::AdminToken, Admin, AdminState, Surface};
 use crate::config::{Config, InferenceMode};
 use crate::features::feed;
+use crate::features::groups::Group;
 use crate::features::replica::ReplicaHandle;
 use crate::infer::Faults;
 use crate::infer::{self, StageConfig};
 use crate::metrics::{self, Readiness};
-use crate::model::{Model, Source};
+use crate::model::layout::GroupFit;
+use crate::model::Model;
 use crate::registry::{Fit, Registry};
-use crate::request::Shared;
+use crate::request::{Shared, SharedGroup};
 use crate::shard::{self, ShardPlacement, ShardReport};
 use crate::wire::Status;
 use crate::Error;
@@ -37,53 +39,75 @@ pub enum Event {
     Serving { addr: SocketAddr, shards: usize, tls: bool },
 }
 
-type Features = (Arc<ReplicaHandle>, Arc<ReplicaHandle>, Option<feed::Feed>);
+type Features = (Vec<SharedGroup>, Option<feed::Feed>);
 
-/// The user and item replica handles: read-only files, or files the Redis
-/// feed keeps current (then also the running feed).
-fn open_features(config: &Config, stop: &Arc<AtomicBool>) -> Result<Features, Error> {
-    let Some(feed_config) = &config.feed else {
-        let user = ReplicaHandle::open_serving(&config.user_features_path(), "user")?;
-        let item = ReplicaHandle::open_serving(&config.item_features_path(), "item")?;
-        return Ok((user, item, None));
+/// Every feature group's replica: read-only files, or files the Redis feed
+/// keeps current (then also the running feed). Each file must hold the
+/// key type and width its group is configured with.
+fn open_features(config: &Config, groups: &[Group], stop: &Arc<AtomicBool>) -> Result<Features, Error> {
+    let read_only = || -> Result<Vec<SharedGroup>, Error> {
+        groups.iter().map(|g| checked(g, ReplicaHandle::open_serving(&g.path, &g.name)?)).collect()
     };
-    // A group with no file yet is created with the dimension the model reads.
-    let model_dims = if config.models_dir.is_none() { Model::load(&config.model_path()).ok() } else { None }
-        .map(|m| {
-            let dim = |source| m.inputs.iter().find(|s| s.source == source).map(|s| s.dim as u32);
-            (dim(Source::User), dim(Source::Item))
+    let Some(feed_config) = &config.feed else {
+        return Ok((read_only()?, None));
+    };
+    // A group with no file yet is created with the width the model reads.
+    let model = if config.models_dir.is_none() { Model::load(&config.model_path()).ok() } else { None };
+    let model_dim = |name: &str| {
+        let seg = model.as_ref()?.inputs.iter().find(|s| s.source.group().is_some_and(|(n, _)| n == name))?;
+        u32::try_from(seg.dim).ok()
+    };
+    let specs: Vec<feed::GroupSpec> = groups
+        .iter()
+        .map(|g| feed::GroupSpec {
+            name: g.name.clone(),
+            path: g.path.clone(),
+            dim: g.width.or_else(|| model_dim(&g.name)),
+            key: g.key,
+            storage: g.storage,
+            default: g.default.clone(),
         })
-        .unwrap_or_default();
-    let specs = [
-        feed::GroupSpec {
-            name: "user".into(),
-            path: config.user_features_path(),
-            dim: feed_config.user_dim.or(model_dims.0),
-        },
-        feed::GroupSpec {
-            name: "item".into(),
-            path: config.item_features_path(),
-            dim: feed_config.item_dim.or(model_dims.1),
-        },
-    ];
+        .collect();
     let started = match feed::start(feed_config, &specs, stop.clone()) {
         Ok(started) => started,
         // The files are there to serve, only not to write: stale features
         // beat no node. Without them there is nothing to serve.
         Err(e) if e.is_read_only() => {
-            let user = ReplicaHandle::open_serving(&config.user_features_path(), "user")?;
-            let item = ReplicaHandle::open_serving(&config.item_features_path(), "item")?;
+            let served = read_only()?;
             tracing::error!(
                 error = %e,
                 "the data directory cannot be written: serving its replica files as they are, not following \
                  redis (features go stale until it is writable and the server restarts)"
             );
-            return Ok((user, item, None));
+            return Ok((served, None));
         }
         Err(e) => return Err(e.into()),
     };
-    let (user, item) = (started.handles[0].clone(), started.handles[1].clone());
-    Ok((user, item, Some(started)))
+    let served =
+        groups.iter().zip(&started.handles).map(|(g, h)| checked(g, h.clone())).collect::<Result<Vec<_>, _>>()?;
+    Ok((served, Some(started)))
+}
+
+/// `handle` as group `g` serves it, once its file is seen to hold `g`'s key
+/// type and width.
+fn checked(g: &Group, handle: Arc<ReplicaHandle>) -> Result<SharedGroup, Error> {
+    let path = g.path.display();
+    if handle.key_kind() != g.key {
+        return Err(Error::Setup(format!(
+            "group '{}' is configured with {} keys, its replica {path} holds {} keys",
+            g.name,
+            g.key,
+            handle.key_kind()
+        )));
+    }
+    if let Some(w) = g.width.filter(|&w| w as usize != handle.dim()) {
+        return Err(Error::Setup(format!(
+            "group '{}' is configured {w} wide, its replica {path} is {} wide",
+            g.name,
+            handle.dim()
+        )));
+    }
+    Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle })
 }
 
 /// Serves `config` until `stop` is set; `on_event` hears of each listener
@@ -133,8 +157,10 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     if let Some(lib) = &config.onnxruntime_lib {
         crate::score::configure_onnxruntime(lib);
     }
-    let (user, item, feed) = open_features(&config, &stop)?;
-    let fit = Fit { user_dim: user.dim(), item_dim: item.dim(), context_len_max: config.limits.context_len_max };
+    let groups = config.groups().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
+    let (groups, feed) = open_features(&config, &groups, &stop)?;
+    let group_fits = groups.iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: g.handle.dim() });
+    let fit = Fit { groups: group_fits.collect(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;
     let registry = Arc::new(
         match &config.models_dir {
@@ -163,10 +189,10 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         }
     };
     let faults = Arc::new(Faults::default());
-    tracing::info!(
-        users = user.live_rows(), items = item.live_rows(),
-        backend = ?config.backend, redis = feed.is_some(), "replicas loaded"
-    );
+    for g in &groups {
+        tracing::info!(group = %g.name, rows = g.handle.live_rows(), width = g.handle.dim(), keys = %g.handle.key_kind(), "replica loaded");
+    }
+    tracing::info!(backend = ?config.backend, redis = feed.is_some(), groups = groups.len(), "replicas loaded");
     let readiness = Arc::new(Readiness::not_ready());
     if let Some(f) = &feed {
         readiness.attach_feed(f.status.clone());
@@ -245,8 +271,8 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     };
     let shared = Shared {
         registry,
-        user,
-        item,
+        groups,
+        canary_group: config.canary_group.clone(),
         feed: feed.as_ref().map(|f| f.status.clone()),
         limits: config.limits.clone(),
         backend: config.backend,

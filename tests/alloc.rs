@@ -21,7 +21,7 @@ use quiver::metrics::Readiness;
 use quiver::model::{InputSegment, Layer, Model, Source};
 use quiver::registry::{Fit, Registry};
 use quiver::request::admission::{AdmissionConfig, ClientUsage, Peer};
-use quiver::request::{Handled, Limits, RequestPath, Shared};
+use quiver::request::{Handled, Limits, RequestPath, Shared, SharedGroup};
 use quiver::score::BackendKind;
 use quiver::wire::{self, RequestEncoder, RequestSpec, Status, Tier, FRAME_PREFIX_BYTES};
 
@@ -121,11 +121,14 @@ fn shared(name: &str) -> Shared {
         graph: None,
         onnx: None,
     };
-    let fit = Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let fit = Fit::user_item(2, 1, 256);
     Shared {
         registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, ROWS_MAX).unwrap()),
-        user: Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
-        item: Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+        groups: SharedGroup::user_item(
+            Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
+            Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+        ),
+        canary_group: "user".into(),
         limits: Limits { candidates_max: ROWS_MAX, ..Limits::default() },
         backend: BackendKind::F32,
         floor: false,

@@ -175,7 +175,7 @@ fn the_registry_serves_a_big_table_mapped_and_its_shards_backends_copy_nothing()
     let m = big_model();
     let dir = Scratch::new("registry");
     publish(&dir.0, &m).unwrap();
-    let fit = Fit { user_dim: USER_DIM, item_dim: 0, context_len_max: 8 };
+    let fit = Fit::user_item(USER_DIM, 0, 8);
     let registry = Registry::open(&dir.0, None, fit, BackendKind::F32, 64).unwrap().with_shards(2);
     let anon_before = rss_anon_bytes();
     // Loads the version again and builds each shard's backend for it.

@@ -330,7 +330,9 @@ const MIB: usize = 1 << 20;
 
 #[test]
 fn request_frames() {
-    use quiver::wire::{decode_request, salvage_request_id, split_frame, RequestEncoder, RequestLimits, RequestSpec};
+    use quiver::wire::{
+        decode_request, salvage_request_id, split_frame, GroupKeySpec, RequestEncoder, RequestLimits, RequestSpec,
+    };
     let limits = RequestLimits { frame_bytes_max: 64 * 1024, candidates_max: 256, context_len_max: 256 };
     let mut encoder = RequestEncoder::new();
     let mut seeds = Vec::new();
@@ -345,6 +347,16 @@ fn request_frames() {
             item_ids: (0..n as u64).collect(),
             context: (0..n.min(8)).map(|k| k as f32 * 0.5).collect(),
             context_ids: (0..n.min(2) as u64).collect(),
+            // Seeds with feature groups, so mutations reach their vectors
+            // and strings too.
+            groups: match n {
+                3 => vec![
+                    ("device".into(), GroupKeySpec::Strs(vec!["f7a9c2".into()])),
+                    ("ad".into(), GroupKeySpec::Ids(vec![1, 2, 3])),
+                ],
+                32 => vec![("ip".into(), GroupKeySpec::Strs(vec!["203.0.113.7".into()]))],
+                _ => Vec::new(),
+            },
         };
         let mut frame = Vec::new();
         encoder.encode(&spec, &mut frame);

@@ -138,7 +138,7 @@ fn every_key_the_config_accepts_is_described_and_every_described_key_is_accepted
 fn with(section: &Section, key: &Key, value: &str) -> String {
     let mut text = String::new();
     if !section.path.is_empty() {
-        text.push_str(&format!("[{}]\n", reference::table_path(section.path)));
+        text.push_str(&format!("{}\n", reference::table_header(section.path)));
     }
     for other in section.keys.iter().filter(|k| k.required && k.name != key.name) {
         text.push_str(&format!("{} = {}\n", other.name, other.example));

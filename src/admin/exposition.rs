@@ -558,7 +558,7 @@ mod tests {
             longest_stall: None,
         };
         fold(report, &b[1]);
-        let fit = crate::registry::Fit { user_dim: 32, item_dim: 32, context_len_max: 256 };
+        let fit = crate::registry::Fit::user_item(32, 32, 256);
         let mut model = crate::loadgen::demo::model();
         model.name = "m".into();
         model.version = 2;

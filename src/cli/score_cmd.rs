@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use quiver::client::Client;
 use quiver::loadgen;
-use quiver::wire::{reason_name, status_name, tier_name, RequestSpec, Status};
+use quiver::wire::{reason_name, status_name, tier_name, GroupKeySpec, RequestSpec, Status};
 use quiver::Error;
 
 use super::ClientTlsArgs;
@@ -15,11 +15,21 @@ use super::ClientTlsArgs;
 pub struct Args {
     #[arg(long, default_value = "127.0.0.1:7411")]
     addr: String,
-    #[arg(long)]
+    /// The request's `user_id` (group `user`).
+    #[arg(long, default_value_t = 0)]
     user: u64,
-    /// Candidate item ids, comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Candidate item ids, comma-separated (group `item`); without them the
+    /// candidates are counted by the candidate-scope `--key`s, or are one.
+    #[arg(long, value_delimiter = ',')]
     items: Vec<u64>,
+    /// A feature group's keys, `GROUP=KEY[,KEY…]` (one key for a
+    /// request-scope group, one per candidate otherwise); repeatable. Keys
+    /// that all read as u64 are sent as ids, others as strings.
+    #[arg(long = "key", value_name = "GROUP=KEYS", value_parser = parse_key)]
+    keys: Vec<(String, GroupKeySpec)>,
+    /// As `--key`, always sent as string keys (`--str-key store=42`).
+    #[arg(long = "str-key", value_name = "GROUP=KEYS", value_parser = parse_str_key)]
+    str_keys: Vec<(String, GroupKeySpec)>,
     /// Context floats, comma-separated (empty means all zeros).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     context: Vec<f32>,
@@ -57,6 +67,7 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
         item_ids: args.items,
         context: args.context,
         context_ids: args.context_ids,
+        groups: args.keys.into_iter().chain(args.str_keys).collect(),
     };
     let started = Instant::now();
     let tls = args.tls.settings();
@@ -107,9 +118,34 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
         if resp.features_stale {
             println!("features stale: the replica has not been confirmed current within the server's bound");
         }
-        for (item, s) in spec.item_ids.iter().zip(&resp.scores) {
-            println!("{item}\t{s:.6}");
+        for (at, s) in resp.scores.iter().enumerate() {
+            match spec.item_ids.get(at) {
+                Some(item) => println!("{item}\t{s:.6}"),
+                None => println!("#{at}\t{s:.6}"),
+            }
         }
     }
     Ok(if resp.status == Status::Ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// `GROUP=K[,K…]`: ids when every key reads as a u64, else strings.
+fn parse_key(text: &str) -> Result<(String, GroupKeySpec), String> {
+    let (group, keys) = split_key(text)?;
+    match keys.iter().map(|k| k.parse::<u64>()).collect::<Result<Vec<u64>, _>>() {
+        Ok(ids) => Ok((group, GroupKeySpec::Ids(ids))),
+        Err(_) => Ok((group, GroupKeySpec::Strs(keys))),
+    }
+}
+
+fn parse_str_key(text: &str) -> Result<(String, GroupKeySpec), String> {
+    let (group, keys) = split_key(text)?;
+    Ok((group, GroupKeySpec::Strs(keys)))
+}
+
+fn split_key(text: &str) -> Result<(String, Vec<String>), String> {
+    let (group, keys) = text.split_once('=').ok_or_else(|| format!("'{text}': expected GROUP=KEY[,KEY...]"))?;
+    if group.is_empty() || keys.is_empty() {
+        return Err(format!("'{text}': expected GROUP=KEY[,KEY...]"));
+    }
+    Ok((group.to_string(), keys.split(',').map(str::to_string).collect()))
 }

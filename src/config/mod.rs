@@ -29,6 +29,13 @@ pub struct Config {
     pub user_features: Option<PathBuf>,
     /// Feature replica of group `item`; default `<data_dir>/item.qrep`.
     pub item_features: Option<PathBuf>,
+    /// Feature groups (`[[groups]]`, at most 16): the entities requests
+    /// name, each one replica (docs/FEATURES.md). Absent: the groups `user`
+    /// and `item`, from `user_features` and `item_features`.
+    pub groups: Vec<crate::features::groups::GroupConfig>,
+    /// The request-scope group whose key keeps a request's canary choice
+    /// sticky (a key is on the canary for all its requests or none).
+    pub canary_group: String,
     /// Model file; default `<data_dir>/model.qm`. Ignored when `models_dir`
     /// is set.
     pub model: Option<PathBuf>,
@@ -108,6 +115,8 @@ impl Default for Config {
             data_dir: PathBuf::from("quiver-data"),
             user_features: None,
             item_features: None,
+            groups: Vec::new(),
+            canary_group: "user".into(),
             model: None,
             models_dir: None,
             default_model: None,
@@ -244,6 +253,23 @@ impl Config {
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
         }
+        let groups = config.groups().map_err(ConfigError::Invalid)?;
+        match groups.iter().find(|g| g.name == config.canary_group) {
+            Some(g) if g.scope == crate::features::groups::Scope::Request => {}
+            Some(_) => {
+                return Err(ConfigError::Invalid(format!(
+                    "canary_group = \"{}\" is a candidate-scope group; a canary is chosen per request",
+                    config.canary_group
+                )))
+            }
+            None if config.canary_group == "user" => {}
+            None => {
+                return Err(ConfigError::Invalid(format!(
+                    "canary_group = \"{}\" is not a configured group",
+                    config.canary_group
+                )))
+            }
+        }
         if let Some(tls) = &config.tls {
             tls.validate().map_err(ConfigError::Invalid)?;
         }
@@ -265,6 +291,17 @@ impl Config {
 
     pub fn item_features_path(&self) -> PathBuf {
         self.item_features.clone().unwrap_or_else(|| self.data_dir.join("item.qrep"))
+    }
+
+    /// The feature groups served, resolved: `[[groups]]`, or `user` and
+    /// `item` when it is empty.
+    pub fn groups(&self) -> Result<Vec<crate::features::groups::Group>, String> {
+        let feed = self.feed.clone().unwrap_or_default();
+        let legacy = crate::features::groups::legacy(
+            (self.user_features_path(), feed.user_dim, feed.user_storage),
+            (self.item_features_path(), feed.item_dim, feed.item_storage),
+        );
+        crate::features::groups::resolve_all(&self.groups, &self.data_dir, legacy)
     }
 
     pub fn model_path(&self) -> PathBuf {

@@ -20,7 +20,9 @@ use super::{Config, InferenceMode, StageLimits};
 use crate::drift::DriftConfig;
 use crate::features::feed::status::StalePolicy;
 use crate::features::feed::FeedConfig;
+use crate::features::groups::{Absent, GroupConfig, KeyType, Scope};
 use crate::features::replica::Storage;
+use crate::features::replica::{DIM_MAX, KEY_BYTES_MAX};
 use crate::request::admission::{AdmissionConfig, ClientEntry, ClientLimit, OnMismatch};
 use crate::request::cache::CacheConfig;
 use crate::request::ladder::{BreakerConfig, LadderConfig};
@@ -102,6 +104,12 @@ pub const SECTIONS: &[Section] = &[
             Key::new("data_dir", "\"/var/lib/quiver\"", "Where replica and model files live (and where `--demo` writes)."),
             Key::new("user_features", "\"/var/lib/quiver/user.qrep\"", "Replica of group `user`; absent: `<data_dir>/user.qrep`."),
             Key::new("item_features", "\"/var/lib/quiver/item.qrep\"", "Replica of group `item`; absent: `<data_dir>/item.qrep`."),
+            Key::new(
+                "canary_group",
+                "\"card\"",
+                "The request-scope group whose key keeps the canary sticky: a key's requests all go to the canary \
+                 or none do. Without a `user` group (or its key), `user_id` is used.",
+            ),
             Key::new(
                 "model",
                 "\"/var/lib/quiver/model.qm\"",
@@ -319,6 +327,64 @@ pub const SECTIONS: &[Section] = &[
                 "1",
                 "Core of the inference thread; absent: the first online core no shard uses, or unpinned.",
             ),
+        ],
+    },
+    Section {
+        path: "groups",
+        doc: "One feature group: an entity requests name and models read (card, device, ad), one replica file \
+              ([FEATURES.md](FEATURES.md)). At most 16. Absent: the groups `user` (request scope) and `item` \
+              (candidate scope), keyed by u64 from `user_id` and `item_ids`.",
+        optional: true,
+        fields: fields::<GroupConfig>,
+        keys: &[
+            Key::new("name", "\"card\"", "1 to 16 bytes of letters, digits, `_` and `-`; unique.").required(),
+            Key::new(
+                "scope",
+                "\"candidate\"",
+                "`request`: one key per request, its row broadcast to every candidate; `candidate`: one key per \
+                 candidate. `user` must be request, `item` candidate.",
+            )
+            .one_of(&["request", "candidate"], variants::<Scope>),
+            Key::new(
+                "key",
+                "\"string\"",
+                "The keys' type. A string key is filed under its 64-bit hash and compared whole on every lookup, \
+                 so a collision is a counted miss.",
+            )
+            .one_of(&["u64", "string"], variants::<KeyType>),
+            Key::new("key_bytes_max", "40", "Longest string key, in bytes.").range(1, KEY_BYTES_MAX as i64),
+            Key::new(
+                "width",
+                "4",
+                "Floats per row: a new replica's width, and the width an existing one must have; absent: what \
+                 the served model reads.",
+            )
+            .range(1, DIM_MAX as i64),
+            Key::new(
+                "storage",
+                "\"f16\"",
+                "How a new replica stores rows; absent: `f32` (`feed.user_storage`, `feed.item_storage` for \
+                 `user`, `item`).",
+            )
+            .one_of(&["f32", "f16", "int8"], variants::<Storage>),
+            Key::new(
+                "default",
+                "[0.5, 0.5, 0.5, 0.5]",
+                "The row a missing key reads, in a replica this server creates (needs `width`); absent: zeros.",
+            ),
+            Key::new(
+                "path",
+                "\"/var/lib/quiver/card.qrep\"",
+                "The replica file; absent: `<data_dir>/<name>.qrep` (`user_features`, `item_features` for `user`, \
+                 `item`).",
+            ),
+            Key::new(
+                "absent",
+                "\"default\"",
+                "A request without this group's key: `reject` (`BadRequest` naming the group) or `default` (the \
+                 default row, counted missing); absent: `reject`, `default` for `user` and `item`.",
+            )
+            .one_of(&["reject", "default"], variants::<Absent>),
         ],
     },
     Section {
@@ -614,6 +680,19 @@ pub const SECTIONS: &[Section] = &[
     },
 ];
 
+/// Sections written as arrays of tables (`[[groups]]`): the configs built
+/// here hold one entry, and [`lookup`] reads the first.
+pub const ARRAY_SECTIONS: &[&str] = &["groups"];
+
+/// A section's header line: `[path]`, or `[[path]]` for an array of tables.
+pub fn table_header(path: &str) -> String {
+    if ARRAY_SECTIONS.contains(&path) {
+        format!("[[{}]]", table_path(path))
+    } else {
+        format!("[{}]", table_path(path))
+    }
+}
+
 /// The id that stands for `<id>` in the configs built here.
 const ID_EXAMPLE: &str = "7";
 
@@ -642,7 +721,7 @@ fn config_text(include: impl Fn(&Section, &Key) -> bool) -> String {
             continue;
         }
         if !section.path.is_empty() {
-            text.push_str(&format!("\n[{}]\n", table_path(section.path)));
+            text.push_str(&format!("\n{}\n", table_header(section.path)));
         }
         for key in keys {
             text.push_str(&format!("{} = {}\n", key.name, key.example));
@@ -662,7 +741,10 @@ fn defaults() -> toml::Table {
 pub fn lookup<'a>(table: &'a toml::Table, path: &str, key: &str) -> Option<&'a toml::Value> {
     let mut at = table;
     for part in table_path(path).split('.').filter(|p| !p.is_empty()) {
-        at = at.get(part)?.as_table()?;
+        at = match at.get(part)? {
+            toml::Value::Array(entries) => entries.first()?.as_table()?,
+            value => value.as_table()?,
+        };
     }
     at.get(key)
 }
@@ -737,7 +819,7 @@ pub fn render() -> String {
         if section.path.is_empty() {
             w("## Top level");
         } else {
-            w(&format!("## `[{}]`", section.path));
+            w(&format!("## `{}`", table_header(section.path)));
         }
         w("");
         w(&format!("{}{}", section.doc, if section.optional { " The table is absent unless written." } else { "" }));

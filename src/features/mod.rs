@@ -6,4 +6,5 @@
 //! request path never waits on Redis.
 
 pub mod feed;
+pub mod groups;
 pub mod replica;

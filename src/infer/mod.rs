@@ -809,7 +809,7 @@ mod tests {
     use crate::registry::Fit;
 
     fn stage(batch_wait_us_max: u64) -> (Stage, Vec<ShardEnd>, Arc<Model>) {
-        let fit = Fit { user_dim: 32, item_dim: 32, context_len_max: 64 };
+        let fit = Fit::user_item(32, 32, 64);
         let registry =
             Arc::new(Registry::from_models(vec![crate::loadgen::demo::model()], fit, BackendKind::Int8, 32).unwrap());
         let model = registry.snapshot().models[0].clone();

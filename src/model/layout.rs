@@ -1,29 +1,55 @@
 //! Where each of a model's input segments lands in one input row, checked
-//! against the feature replicas' dimensions and the request limits: what a
-//! model needs to be served, computed once per served version (the request
-//! path) and when a version is loaded (the registry).
+//! against the served feature groups (name, scope, width) and the request
+//! limits: what a model needs to be served, computed once per served
+//! version (the request path) and when a version is loaded (the registry).
 
 use super::{Model, Source};
+use crate::features::groups::Scope;
 
-/// The model's inputs and the replicas do not fit together.
+/// The model's inputs and the served groups do not fit together.
 #[derive(Debug, thiserror::Error)]
 pub enum LayoutError {
-    #[error("model '{model}' reads {input:?} features of dimension {model_dim}, the replica holds {replica_dim}")]
+    #[error("model '{model}' reads {input} features of dimension {model_dim}, the replica holds {replica_dim}")]
     Dim { model: String, input: Source, model_dim: usize, replica_dim: usize },
+    #[error("model '{model}' reads feature group '{group}', which this server does not serve (served: {served})")]
+    UnknownGroup { model: String, group: String, served: String },
+    #[error(
+        "model '{model}' reads group '{group}' once per {model_scope}, the server keys it once per {served_scope}"
+    )]
+    Scope { model: String, group: String, model_scope: &'static str, served_scope: &'static str },
     #[error("model '{model}' declares {model_dim} context floats, above limits.context_len_max = {limit}")]
     Context { model: String, model_dim: usize, limit: usize },
     #[error("model '{model}' declares {model_dim} context ids, above limits.context_len_max = {limit}")]
     ContextIds { model: String, model_dim: usize, limit: usize },
 }
 
+/// One served feature group, as a model's layout is checked against it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupFit {
+    pub name: String,
+    pub scope: Scope,
+    /// Floats per row of its replica.
+    pub dim: usize,
+}
+
+/// A group segment of a model's input row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupSegment {
+    /// The group's index among the served groups.
+    pub group: usize,
+    /// Where its floats start in a row.
+    pub offset: usize,
+    pub dim: usize,
+    pub scope: Scope,
+}
+
 /// Where each input segment lands inside one row of the model input.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct InputLayout {
     /// Floats in one model input row.
     pub row_dim: usize,
-    /// Where the user vector starts in a row, if the model reads it.
-    pub user: Option<usize>,
-    pub item: Option<usize>,
+    /// The feature group segments, in the model's input order.
+    pub groups: Vec<GroupSegment>,
     /// Offset and length of the context floats.
     pub context: Option<(usize, usize)>,
     /// Offset and length of the context ids.
@@ -31,35 +57,43 @@ pub struct InputLayout {
 }
 
 impl InputLayout {
-    /// Checks `model`'s inputs against the replicas' dimensions and the
-    /// context limit, and computes where each segment goes.
-    pub fn new(
-        model: &Model,
-        user_dim: usize,
-        item_dim: usize,
-        context_len_max: usize,
-    ) -> Result<InputLayout, LayoutError> {
+    /// Checks `model`'s inputs against the served `groups` and the context
+    /// limit, and computes where each segment goes.
+    pub fn new(model: &Model, groups: &[GroupFit], context_len_max: usize) -> Result<InputLayout, LayoutError> {
         let mut layout =
-            InputLayout { row_dim: model.input_dim(), user: None, item: None, context: None, context_ids: None };
+            InputLayout { row_dim: model.input_dim(), groups: Vec::new(), context: None, context_ids: None };
         let mut offset = 0;
         for seg in &model.inputs {
-            let replica_dim = match seg.source {
-                Source::User => Some(user_dim),
-                Source::Item => Some(item_dim),
-                Source::Context | Source::ContextIds => None,
-            };
-            if let Some(replica_dim) = replica_dim.filter(|&d| d != seg.dim) {
-                return Err(LayoutError::Dim {
-                    model: model.name.clone(),
-                    input: seg.source,
-                    model_dim: seg.dim,
-                    replica_dim,
-                });
-            }
-            match seg.source {
-                Source::User => layout.user = Some(offset),
-                Source::Item => layout.item = Some(offset),
-                Source::Context => {
+            match seg.source.group() {
+                Some((name, scope)) => {
+                    let Some(group) = groups.iter().position(|g| g.name == name) else {
+                        let served: Vec<&str> = groups.iter().map(|g| g.name.as_str()).collect();
+                        return Err(LayoutError::UnknownGroup {
+                            model: model.name.clone(),
+                            group: name.into(),
+                            served: served.join(", "),
+                        });
+                    };
+                    let served = &groups[group];
+                    if served.scope != scope {
+                        return Err(LayoutError::Scope {
+                            model: model.name.clone(),
+                            group: name.into(),
+                            model_scope: scope.name(),
+                            served_scope: served.scope.name(),
+                        });
+                    }
+                    if served.dim != seg.dim {
+                        return Err(LayoutError::Dim {
+                            model: model.name.clone(),
+                            input: seg.source,
+                            model_dim: seg.dim,
+                            replica_dim: served.dim,
+                        });
+                    }
+                    layout.groups.push(GroupSegment { group, offset, dim: seg.dim, scope });
+                }
+                None if seg.source == Source::Context => {
                     if seg.dim > context_len_max {
                         return Err(LayoutError::Context {
                             model: model.name.clone(),
@@ -69,7 +103,7 @@ impl InputLayout {
                     }
                     layout.context = Some((offset, seg.dim));
                 }
-                Source::ContextIds => {
+                None => {
                     if seg.dim > context_len_max {
                         return Err(LayoutError::ContextIds {
                             model: model.name.clone(),

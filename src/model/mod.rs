@@ -44,6 +44,9 @@ pub use generated::quiver::model as fb;
 pub use graph::{Act, Graph, Node, Op, OutputKind};
 pub use onnx_graph::{OnnxElement, OnnxGraph, OnnxInput};
 
+use crate::features::groups::{Scope, GROUPS_MAX};
+use crate::features::replica::GROUP_NAME_BYTES_MAX;
+
 /// Widest layer accepted; bounds per-shard scratch buffers.
 pub const WIDTH_MAX: usize = 16_384;
 /// Deepest network accepted.
@@ -96,6 +99,74 @@ pub enum Source {
     Context,
     /// The request's categorical ids, as floats (`schemas/model.fbs`).
     ContextIds,
+    /// A named feature group (`[[groups]]`), keyed once per request or
+    /// once per candidate as `scope` says.
+    Group {
+        name: GroupName,
+        scope: Scope,
+    },
+}
+
+impl Source {
+    /// The feature group the segment reads: `user` and `item` are groups
+    /// like any other; the context is none.
+    pub fn group(&self) -> Option<(&str, Scope)> {
+        match self {
+            Source::User => Some(("user", Scope::Request)),
+            Source::Item => Some(("item", Scope::Candidate)),
+            Source::Group { name, scope } => Some((name.as_str(), *scope)),
+            Source::Context | Source::ContextIds => None,
+        }
+    }
+
+    /// Whether the segment holds one value per candidate (a candidate-scope
+    /// group) rather than one per request, broadcast.
+    pub fn per_candidate(&self) -> bool {
+        matches!(self.group(), Some((_, Scope::Candidate)))
+    }
+
+    /// The name `--inputs` and error messages use.
+    pub fn name(&self) -> &str {
+        match self {
+            Source::Context => "context",
+            Source::ContextIds => "context_ids",
+            other => other.group().map_or("", |(name, _)| name),
+        }
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A feature group's name held inline, so a [`Source`] stays `Copy`: at
+/// most `GROUP_NAME_BYTES_MAX` bytes, checked by `groups::check_name`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupName {
+    len: u8,
+    bytes: [u8; GROUP_NAME_BYTES_MAX],
+}
+
+impl GroupName {
+    pub fn new(name: &str) -> Result<GroupName, String> {
+        crate::features::groups::check_name(name)?;
+        let mut bytes = [0; GROUP_NAME_BYTES_MAX];
+        bytes[..name.len()].copy_from_slice(name.as_bytes());
+        Ok(GroupName { len: name.len() as u8, bytes })
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only `new` writes the bytes, from a `&str` it checked.
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or("")
+    }
+}
+
+impl std::fmt::Debug for GroupName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,9 +321,14 @@ impl Model {
         if self.inputs.is_empty() {
             return Err(bad("declares no inputs".into()));
         }
-        for s in [Source::User, Source::Item, Source::Context, Source::ContextIds] {
-            if self.inputs.iter().filter(|i| i.source == s).count() > 1 {
-                return Err(bad(format!("declares the {s:?} input more than once")));
+        // A source read twice would be looked up twice for one key; and
+        // every group a model reads is a lookup per request, bounded.
+        if self.inputs.len() > GROUPS_MAX + 2 {
+            return Err(bad(format!("declares {} inputs, at most {}", self.inputs.len(), GROUPS_MAX + 2)));
+        }
+        for (at, s) in self.inputs.iter().enumerate() {
+            if self.inputs[..at].iter().any(|o| o.source.name() == s.source.name()) {
+                return Err(bad(format!("declares the {} input more than once", s.source)));
             }
         }
         if self.inputs.iter().any(|i| i.dim == 0) {
@@ -389,7 +465,7 @@ impl Model {
     /// For each column of the input vector, whether it holds a per-request
     /// value (user, context, context ids: the same for every candidate).
     pub fn request_columns(&self) -> Vec<bool> {
-        self.inputs.iter().flat_map(|s| std::iter::repeat_n(s.source != Source::Item, s.dim)).collect()
+        self.inputs.iter().flat_map(|s| std::iter::repeat_n(!s.source.per_candidate(), s.dim)).collect()
     }
 
     /// For each column of the `ContextIds` segment, the rows of the
@@ -472,7 +548,7 @@ impl Model {
         for s in &self.inputs {
             let i = nodes.len();
             nodes.push(Node { op: Op::Input { offset }, inputs: vec![], width: s.dim });
-            if s.source == Source::Item {
+            if s.source.per_candidate() {
                 per_candidate.push((i, offset, s.dim));
             } else {
                 shared.push((i, offset, s.dim));

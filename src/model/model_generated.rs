@@ -13,14 +13,16 @@ pub mod model {
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_SOURCE: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_SOURCE: u8 = 3;
+pub const ENUM_MAX_SOURCE: u8 = 5;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_SOURCE: [Source; 4] = [
+pub const ENUM_VALUES_SOURCE: [Source; 6] = [
   Source::User,
   Source::Item,
   Source::Context,
   Source::ContextIds,
+  Source::RequestGroup,
+  Source::CandidateGroup,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -32,14 +34,18 @@ impl Source {
   pub const Item: Self = Self(1);
   pub const Context: Self = Self(2);
   pub const ContextIds: Self = Self(3);
+  pub const RequestGroup: Self = Self(4);
+  pub const CandidateGroup: Self = Self(5);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 3;
+  pub const ENUM_MAX: u8 = 5;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::User,
     Self::Item,
     Self::Context,
     Self::ContextIds,
+    Self::RequestGroup,
+    Self::CandidateGroup,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -48,6 +54,8 @@ impl Source {
       Self::Item => Some("Item"),
       Self::Context => Some("Context"),
       Self::ContextIds => Some("ContextIds"),
+      Self::RequestGroup => Some("RequestGroup"),
+      Self::CandidateGroup => Some("CandidateGroup"),
       _ => None,
     }
   }
@@ -624,6 +632,7 @@ impl<'a> ::flatbuffers::Follow<'a> for InputSegment<'a> {
 impl<'a> InputSegment<'a> {
   pub const VT_SOURCE: ::flatbuffers::VOffsetT = 4;
   pub const VT_DIM: ::flatbuffers::VOffsetT = 6;
+  pub const VT_GROUP: ::flatbuffers::VOffsetT = 8;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -632,9 +641,10 @@ impl<'a> InputSegment<'a> {
   #[allow(unused_mut)]
   pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
     _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
-    args: &'args InputSegmentArgs
+    args: &'args InputSegmentArgs<'args>
   ) -> ::flatbuffers::WIPOffset<InputSegment<'bldr>> {
     let mut builder = InputSegmentBuilder::new(_fbb);
+    if let Some(x) = args.group { builder.add_group(x); }
     builder.add_dim(args.dim);
     builder.add_source(args.source);
     builder.finish()
@@ -655,6 +665,13 @@ impl<'a> InputSegment<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u32>(InputSegment::VT_DIM, Some(0)).unwrap()}
   }
+  #[inline]
+  pub fn group(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(InputSegment::VT_GROUP, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for InputSegment<'_> {
@@ -665,20 +682,23 @@ impl ::flatbuffers::Verifiable for InputSegment<'_> {
     v.visit_table(pos)?
      .visit_field::<Source>("source", Self::VT_SOURCE, false)?
      .visit_field::<u32>("dim", Self::VT_DIM, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("group", Self::VT_GROUP, false)?
      .finish();
     Ok(())
   }
 }
-pub struct InputSegmentArgs {
+pub struct InputSegmentArgs<'a> {
     pub source: Source,
     pub dim: u32,
+    pub group: Option<::flatbuffers::WIPOffset<&'a str>>,
 }
-impl<'a> Default for InputSegmentArgs {
+impl<'a> Default for InputSegmentArgs<'a> {
   #[inline]
   fn default() -> Self {
     InputSegmentArgs {
       source: Source::User,
       dim: 0,
+      group: None,
     }
   }
 }
@@ -695,6 +715,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> InputSegmentBuilder<'a, 'b, A
   #[inline]
   pub fn add_dim(&mut self, dim: u32) {
     self.fbb_.push_slot::<u32>(InputSegment::VT_DIM, dim, 0);
+  }
+  #[inline]
+  pub fn add_group(&mut self, group: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(InputSegment::VT_GROUP, group);
   }
   #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> InputSegmentBuilder<'a, 'b, A> {
@@ -716,6 +740,7 @@ impl ::core::fmt::Debug for InputSegment<'_> {
     let mut ds = f.debug_struct("InputSegment");
       ds.field("source", &self.source());
       ds.field("dim", &self.dim());
+      ds.field("group", &self.group());
       ds.finish()
   }
 }

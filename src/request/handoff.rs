@@ -204,7 +204,7 @@ impl InFlight {
         let give_up_ns = (step.deadline.at_us().saturating_sub(reserve_us)) * 1_000;
         self.next_give_up_ns = self.next_give_up_ns.min(give_up_ns);
         let at = slot * self.rows_max;
-        self.items[at..at + rows].copy_from_slice(&inputs.item_ids[..rows]);
+        self.items[at..at + rows].copy_from_slice(&inputs.candidate_keys[..rows]);
         let pending = Pending { conn, assembled: a, submitted_ns: now_ns, give_up_ns, answered: false, routed: false };
         self.pending[slot] = Some(pending);
         self.owed += 1;

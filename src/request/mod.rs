@@ -34,7 +34,8 @@ use std::sync::Arc;
 
 use crate::deadline::{Clock, Deadline};
 use crate::features::feed::FeedStatus;
-use crate::features::replica::{ReplicaHandle, ReplicaView};
+use crate::features::groups::{Absent, Scope};
+use crate::features::replica::{KeyKind, ReplicaHandle, ReplicaView};
 use crate::infer::{Done, ShardEnd, SlotToken};
 use crate::metrics::{Readiness, StageTimes, VersionReport};
 use crate::model::Model;
@@ -69,8 +70,12 @@ mod versions;
 #[derive(Clone, Debug)]
 pub struct Shared {
     pub registry: Arc<Registry>,
-    pub user: Arc<ReplicaHandle>,
-    pub item: Arc<ReplicaHandle>,
+    /// The feature groups served, in configuration order (at most
+    /// `GROUPS_MAX`; names unique).
+    pub groups: Vec<SharedGroup>,
+    /// The request-scope group whose key picks a request's canary (sticky per key):
+    /// `user` unless configured.
+    pub canary_group: String,
     pub limits: Limits,
     pub backend: BackendKind,
     /// Benchmark floor: verify, then answer `Ok` with no scores.
@@ -94,7 +99,38 @@ pub struct Shared {
     pub shards: usize,
 }
 
-pub use crate::model::layout::{InputLayout, LayoutError};
+/// One served feature group: its replica and how requests key it.
+#[derive(Clone, Debug)]
+pub struct SharedGroup {
+    pub name: String,
+    pub scope: Scope,
+    pub absent: Absent,
+    pub handle: Arc<ReplicaHandle>,
+}
+
+impl SharedGroup {
+    /// The groups a server without `[[groups]]` serves: `user` at request
+    /// scope, `item` at candidate scope, a missing key reading the default.
+    pub fn user_item(user: Arc<ReplicaHandle>, item: Arc<ReplicaHandle>) -> Vec<SharedGroup> {
+        let group =
+            |name: &str, scope, handle| SharedGroup { name: name.into(), scope, absent: Absent::Default, handle };
+        vec![group("user", Scope::Request, user), group("item", Scope::Candidate, item)]
+    }
+}
+
+impl Shared {
+    /// The served group named `name`.
+    pub fn group(&self, name: &str) -> Option<&SharedGroup> {
+        self.groups.iter().find(|g| g.name == name)
+    }
+
+    /// What the served groups let a model read.
+    pub fn group_fits(&self) -> Vec<GroupFit> {
+        self.groups.iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: g.handle.dim() }).collect()
+    }
+}
+
+pub use crate::model::layout::{GroupFit, InputLayout, LayoutError};
 pub use limits::{LimitError, Limits};
 
 /// A categorical id as the model reads it: the id as a float where that is
@@ -139,18 +175,50 @@ struct StepDown {
 /// The feature tables a request's rows are looked up in, and the feed that
 /// keeps them fresh (every answer says whether it has gone stale).
 struct Replicas {
-    user: ReplicaView,
-    item: ReplicaView,
+    /// In `Shared::groups`' order.
+    groups: Vec<GroupView>,
+    /// The groups a request's `user_id` and `item_ids` key.
+    user: Option<usize>,
+    item: Option<usize>,
     feed: Option<Arc<FeedStatus>>,
 }
 
+/// A shard's view of one feature group.
+struct GroupView {
+    name: Box<str>,
+    scope: Scope,
+    absent: Absent,
+    /// Settled when the group's file is opened; a view never changes it.
+    key: KeyKind,
+    view: ReplicaView,
+}
+
 impl Replicas {
+    fn new(groups: &[SharedGroup], feed: Option<Arc<FeedStatus>>) -> Replicas {
+        let views: Vec<GroupView> = groups
+            .iter()
+            .map(|g| {
+                let view = ReplicaView::new(g.handle.clone());
+                GroupView { name: g.name.as_str().into(), scope: g.scope, absent: g.absent, key: view.key_kind(), view }
+            })
+            .collect();
+        let at = |name: &str| views.iter().position(|g| &*g.name == name);
+        Replicas { user: at("user"), item: at("item"), groups: views, feed }
+    }
+
+    /// The index of the group named `name`.
+    #[inline]
+    fn position(&self, name: &str) -> Option<usize> {
+        self.groups.iter().position(|g| &*g.name == name)
+    }
+
     /// Takes the tables a writer swapped in since the last refresh: once
     /// per request before its lookups, and on the shard's publication tick
     /// so that an idle shard lets a replaced table go.
     fn refresh(&mut self) {
-        self.user.refresh();
-        self.item.refresh();
+        for g in &mut self.groups {
+            g.view.refresh();
+        }
     }
 }
 
@@ -210,26 +278,23 @@ impl<C: Clock> RequestPath<C> {
             kind: shared.backend,
             rows_max,
             context_len_max: shared.limits.context_len_max,
-            user_dim: shared.user.dim(),
-            item_dim: shared.item.dim(),
+            groups: shared.group_fits(),
             ladder: shared.ladder.clone(),
         };
+        let candidate_width =
+            shared.groups.iter().filter(|g| g.scope == Scope::Candidate).map(|g| g.handle.dim()).max().unwrap_or(0);
         let at = BuildPlace { clock: &clock, counters: &mut telemetry.counters, logits: &mut answer.logits };
         let versions = Versions::new(shared.registry.clone(), fit, shared.fallback.clone(), at)?;
         let mut path = RequestPath {
             policies: Policies::new(&shared),
             versions,
-            inputs: Inputs::new(rows_max, shared.item.dim()),
+            inputs: Inputs::new(rows_max, candidate_width),
             answer,
             cache: ScoreCache::new(&shared.cache),
             in_flight: InFlight::default(),
             shadows: ShadowQueue::default(),
             telemetry,
-            replicas: Replicas {
-                user: ReplicaView::new(shared.user),
-                item: ReplicaView::new(shared.item),
-                feed: shared.feed,
-            },
+            replicas: Replicas::new(&shared.groups, shared.feed.clone()),
             clock,
             _shard_local: PhantomData,
         };
@@ -283,7 +348,7 @@ impl<C: Clock> RequestPath<C> {
             Ok(Some(ran)) => {
                 let rows = ran.assembled.step.rows;
                 let x = &x[..rows * ran.assembled.step.row_dim];
-                let items = &inputs.item_ids[..rows];
+                let items = &inputs.candidate_keys[..rows];
                 stages::finish(ran, x, items, clock, versions, cache, shadows, &replicas.feed, answer, telemetry, out)
             }
             Ok(None) => Handled::Pending,

@@ -26,6 +26,8 @@ pub(super) struct Policies {
     pub(super) shedder: Shedder,
     /// The primary's breaker (the stage, or the inline kernel).
     pub(super) breaker: Breaker,
+    /// The group whose key keeps the canary choice sticky.
+    pub(super) canary_group: Box<str>,
 }
 
 impl Policies {
@@ -45,6 +47,7 @@ impl Policies {
             admission: Admission::new(shared.admission.clone(), shared.shards, shared.client_usage.clone()),
             shedder: Shedder::new(shared.shed.clone()),
             breaker: Breaker::new(shared.ladder.breaker),
+            canary_group: shared.canary_group.as_str().into(),
         }
     }
 

@@ -9,21 +9,29 @@ use crate::wire::ResponseEncoder;
 pub(super) struct Inputs {
     /// Model input rows, `candidates_max × row_dim`.
     pub(super) x: Vec<f32>,
-    /// Item vectors as the batched lookup returns them, `candidates_max × item dim`.
-    pub(super) item_vectors: Vec<f32>,
-    /// Row index per item from the batched lookup.
-    pub(super) item_rows: Vec<u32>,
-    /// Item ids copied out of the request, for the batched lookup.
-    pub(super) item_ids: Vec<u64>,
+    /// One candidate-scope group's vectors as the batched lookup returns
+    /// them, `candidates_max × the widest candidate-scope group`.
+    pub(super) vectors: Vec<f32>,
+    /// Row index per candidate from the batched lookup.
+    pub(super) rows: Vec<u32>,
+    /// u64 keys copied out of the request, for the batched lookup.
+    pub(super) ids: Vec<u64>,
+    /// String keys' hashes, from the batched lookup.
+    pub(super) hashes: Vec<u64>,
+    /// Each candidate's score-cache key: its item id, mixed with its key
+    /// in every other candidate-scope group the model reads.
+    pub(super) candidate_keys: Vec<u64>,
 }
 
 impl Inputs {
-    pub(super) fn new(rows_max: usize, item_dim: usize) -> Inputs {
+    pub(super) fn new(rows_max: usize, candidate_width: usize) -> Inputs {
         Inputs {
             x: Vec::new(),
-            item_vectors: vec![0.0; rows_max * item_dim],
-            item_rows: vec![0; rows_max],
-            item_ids: Vec::with_capacity(rows_max),
+            vectors: vec![0.0; rows_max * candidate_width],
+            rows: vec![0; rows_max],
+            ids: Vec::with_capacity(rows_max),
+            hashes: vec![0; rows_max],
+            candidate_keys: Vec::with_capacity(rows_max),
         }
     }
 

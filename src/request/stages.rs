@@ -27,6 +27,8 @@ use super::versions::{Served, Versions};
 use super::{context_id_value, Handled, Replicas, StepDown, Telemetry};
 use crate::deadline::{Clock, Deadline};
 use crate::features::feed::FeedStatus;
+use crate::features::groups::{Absent, Scope, GROUPS_MAX};
+use crate::features::replica::{key_hash, KeyKind};
 use crate::metrics::{Stage, REASONS};
 use crate::model::graph::embedding_index;
 use crate::request::admission::{Admit, Peer};
@@ -76,7 +78,7 @@ pub(super) struct Admitted<'p> {
 impl Admitted<'_> {
     /// Model input floats the request's rows take in `served`'s layout.
     pub(super) fn floats(&self, served: &Served) -> usize {
-        self.request.item_ids().len() * served.layout.row_dim
+        self.request.candidates * served.layout.row_dim
     }
 }
 
@@ -157,7 +159,7 @@ pub(super) fn admit<'p>(
             return Err(Rejection::fail(request_id, Status::RateLimited, why));
         }
     };
-    let Some(chosen) = versions.choose(request.model(), request.user_id()) else {
+    let Some(chosen) = versions.choose(request.model(), sticky_key(&request, &policies.canary_group)) else {
         return Err(Rejection::fail(request_id, Status::ModelNotFound, "unknown model"));
     };
     if policies.shedder.enabled()
@@ -169,7 +171,7 @@ pub(super) fn admit<'p>(
         }
         let step = StepDown {
             request_id,
-            rows: request.item_ids().len(),
+            rows: request.candidates,
             row_dim: 0,
             read_at_ns,
             deadline,
@@ -199,51 +201,107 @@ pub(super) fn assemble(
     slot_x: Option<&mut [f32]>,
     telemetry: &mut Telemetry,
 ) -> Result<Assembled, Rejection> {
-    let Inputs { x: scratch, item_vectors, item_rows, item_ids } = inputs;
+    let Inputs { x: scratch, vectors, rows: found_rows, ids, hashes, candidate_keys } = inputs;
     let x = match slot_x {
         Some(x) => x,
         None => &mut scratch[..],
     };
     let request = &a.request;
     let request_id = request.request_id();
+    let bad = |why: String| Rejection::fail(request_id, Status::BadRequest, why);
     let layout = &served.layout;
     let context = request.context();
     let context_dim = layout.context.map_or(0, |(_, d)| d);
     if !context.is_empty() && context.len() != context_dim {
-        let why = format!("context has {} floats, the model takes {context_dim}", context.len());
-        return Err(Rejection::fail(request_id, Status::BadRequest, why));
+        return Err(bad(format!("context has {} floats, the model takes {context_dim}", context.len())));
     }
     let context_ids = request.context_ids();
     let ids_dim = layout.context_ids.map_or(0, |(_, d)| d);
     if !context_ids.is_empty() && context_ids.len() != ids_dim {
-        let why = format!("context_ids has {} ids, the model takes {ids_dim}", context_ids.len());
-        return Err(Rejection::fail(request_id, Status::BadRequest, why));
+        return Err(bad(format!("context_ids has {} ids, the model takes {ids_dim}", context_ids.len())));
     }
 
-    let items = request.item_ids();
-    let rows = items.len();
+    let rows = request.candidates;
+    let keys = keys_by_group(request, replicas, rows).map_err(bad)?;
     let row_dim = layout.row_dim;
-    item_ids.clear();
-    item_ids.extend(items.iter());
     let x = &mut x[..rows * row_dim];
+    let items = request.item_ids();
+    candidate_keys.clear();
+    if items.is_empty() {
+        candidate_keys.resize(rows, 0);
+    } else {
+        candidate_keys.extend(items.iter());
+    }
+    let mut request_key = request.user_id();
     let mut missing = 0u32;
     // One atomic load per group; the lookups below load no table.
     replicas.refresh();
-    if let Some(off) = layout.user {
-        let dim = replicas.user.dim();
-        let (first, rest) = x.split_at_mut(row_dim);
-        missing += u32::from(!replicas.user.read_into(request.user_id(), &mut first[off..off + dim]));
-        for row in rest.chunks_exact_mut(row_dim) {
-            row[off..off + dim].copy_from_slice(&first[off..off + dim]);
-        }
-    }
-    if let Some(off) = layout.item {
-        // Batched so the candidates' memory loads overlap (prefetch).
-        let dim = replicas.item.dim();
-        let vectors = &mut item_vectors[..rows * dim];
-        missing += replicas.item.read_many_into(item_ids, item_rows, vectors) as u32;
-        for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
-            row[off..off + dim].copy_from_slice(v);
+    for seg in &layout.groups {
+        let g = &replicas.groups[seg.group];
+        let (off, dim) = (seg.offset, seg.dim);
+        let group_tag = seg.group as u64;
+        match seg.scope {
+            Scope::Request => {
+                let (first, rest) = x.split_at_mut(row_dim);
+                let dst = &mut first[off..off + dim];
+                let (found, key) = match keys[seg.group] {
+                    Keys::One(id) => (g.view.read_into(id, dst), id),
+                    Keys::Ids(v) | Keys::ItemIds(v) => (g.view.read_into(v.get(0), dst), v.get(0)),
+                    Keys::Strs(v) => {
+                        let key = v.get(0).as_bytes();
+                        (g.view.read_str_into(key, dst), key_hash(key))
+                    }
+                    Keys::Absent if g.absent == Absent::Default => {
+                        g.view.default_into(dst);
+                        (false, ABSENT_KEY)
+                    }
+                    Keys::Absent => return Err(bad(absent_why(&g.name))),
+                };
+                missing += u32::from(!found);
+                if !(Some(seg.group) == replicas.user && matches!(keys[seg.group], Keys::One(_))) {
+                    request_key = hash_words([request_key, group_tag, key]);
+                }
+                for row in rest.chunks_exact_mut(row_dim) {
+                    row[off..off + dim].copy_from_slice(&first[off..off + dim]);
+                }
+            }
+            Scope::Candidate => {
+                // Batched so the candidates' memory loads overlap (prefetch).
+                let vectors = &mut vectors[..rows * dim];
+                match keys[seg.group] {
+                    Keys::Ids(v) | Keys::ItemIds(v) => {
+                        ids.clear();
+                        ids.extend(v.iter());
+                        missing += g.view.read_many_into(ids, found_rows, vectors) as u32;
+                        // `item_ids` already are the candidates' keys.
+                        if matches!(keys[seg.group], Keys::Ids(_)) {
+                            for (k, id) in candidate_keys.iter_mut().zip(ids.iter()) {
+                                *k = hash_words([*k, group_tag, *id]);
+                            }
+                        }
+                    }
+                    Keys::Strs(v) => {
+                        let keys = v.iter().map(str::as_bytes);
+                        missing += g.view.read_many_str_into(keys, hashes, found_rows, vectors) as u32;
+                        for (k, hash) in candidate_keys.iter_mut().zip(hashes.iter()) {
+                            *k = hash_words([*k, group_tag, *hash]);
+                        }
+                    }
+                    Keys::Absent if g.absent == Absent::Default => {
+                        for v in vectors.chunks_exact_mut(dim) {
+                            g.view.default_into(v);
+                        }
+                        missing += rows as u32;
+                        for k in candidate_keys.iter_mut() {
+                            *k = hash_words([*k, group_tag, ABSENT_KEY]);
+                        }
+                    }
+                    Keys::One(_) | Keys::Absent => return Err(bad(absent_why(&g.name))),
+                }
+                for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
+                    row[off..off + dim].copy_from_slice(v);
+                }
+            }
         }
     }
     if let Some((off, dim)) = layout.context {
@@ -299,7 +357,7 @@ pub(super) fn assemble(
     let cache_key = Key {
         model: served.name_hash,
         version: served.model.version,
-        user: request.user_id(),
+        user: request_key,
         item: 0,
         context: hash_words(context.iter().map(|c| u64::from(c.to_bits())).chain(context_ids.iter())),
     };
@@ -318,6 +376,103 @@ pub(super) fn assemble(
     Ok(Assembled { step, cache_key, chosen, version, user_id, at_ns })
 }
 
+/// The key a request's canary choice is sticky by: its key of the
+/// configured group (a string key by its hash), else `user_id`.
+fn sticky_key(request: &wire::Request<'_>, group: &str) -> u64 {
+    let entry = request.groups().iter().find(|g| g.group() == Some(group));
+    match entry.map(|g| (g.ids(), g.keys())) {
+        Some((Some(ids), _)) if !ids.is_empty() => ids.get(0),
+        Some((_, Some(keys))) if !keys.is_empty() => key_hash(keys.get(0).as_bytes()),
+        _ => request.user_id(),
+    }
+}
+
+/// The cache-key word of a group whose key the request left out (its
+/// default row served): no key a request can send hashes to it by design,
+/// and a collision only shares a cached score between two default rows.
+const ABSENT_KEY: u64 = 0xA85E_A75E_D0DE_FA17;
+
+/// Where one group's keys are in a request.
+#[derive(Clone, Copy)]
+enum Keys<'p> {
+    /// `user_id`, keying the group `user`.
+    One(u64),
+    Ids(flatbuffers::Vector<'p, u64>),
+    Strs(flatbuffers::Vector<'p, flatbuffers::ForwardsUOffset<&'p str>>),
+    /// `item_ids`, keying the group `item`.
+    ItemIds(flatbuffers::Vector<'p, u64>),
+    Absent,
+}
+
+fn absent_why(group: &str) -> String {
+    format!("the model reads feature group '{group}', and the request carries no key for it")
+}
+
+/// Each served group's keys in `request`, checked: every named group is
+/// served and named once, its keys are of the group's type (strings within
+/// its length bound) and as many as its scope takes (one, or one per
+/// candidate). `user` and `item` fall back to `user_id` and `item_ids`.
+fn keys_by_group<'p>(
+    request: &wire::Request<'p>,
+    replicas: &Replicas,
+    rows: usize,
+) -> Result<[Keys<'p>; GROUPS_MAX], String> {
+    let mut keys = [Keys::Absent; GROUPS_MAX];
+    let mut named = [false; GROUPS_MAX];
+    for entry in request.groups() {
+        // The wire layer refused an unnamed entry.
+        let name = entry.group().unwrap_or("");
+        let Some(at) = replicas.position(name) else {
+            return Err(format!("unknown feature group '{name}'"));
+        };
+        if named[at] {
+            return Err(format!("feature group '{name}' is named twice"));
+        }
+        named[at] = true;
+        let g = &replicas.groups[at];
+        let count = wire::key_count(&entry);
+        let want = match g.scope {
+            Scope::Request => 1,
+            Scope::Candidate => rows,
+        };
+        if count != want {
+            return Err(match g.scope {
+                Scope::Request => format!("group '{name}' takes one key per request, the request sends {count}"),
+                Scope::Candidate => {
+                    format!("group '{name}' takes one key per candidate: {count} keys for {rows} candidates")
+                }
+            });
+        }
+        keys[at] = match (g.key, entry.ids(), entry.keys()) {
+            (KeyKind::U64, Some(ids), None) => Keys::Ids(ids),
+            (KeyKind::U64, _, Some(_)) => {
+                return Err(format!("group '{name}' is keyed by u64 ids, the request sends string keys"));
+            }
+            (KeyKind::Str { bytes_max }, None, Some(strs)) => {
+                if let Some(k) = strs.iter().find(|k| k.is_empty() || k.len() > bytes_max as usize) {
+                    return Err(format!("group '{name}': a key of {} bytes; keys are 1 to {bytes_max} bytes", k.len()));
+                }
+                Keys::Strs(strs)
+            }
+            (KeyKind::Str { .. }, Some(_), _) => {
+                return Err(format!("group '{name}' is keyed by strings, the request sends u64 ids"));
+            }
+            // `count == want >= 1`: some vector is present.
+            (_, None, None) => Keys::Absent,
+        };
+    }
+    if let Some(at) = replicas.user.filter(|&at| !named[at] && replicas.groups[at].key == KeyKind::U64) {
+        keys[at] = Keys::One(request.user_id());
+    }
+    let items = request.item_ids();
+    if let Some(at) = replicas.item.filter(|&at| !named[at] && replicas.groups[at].key == KeyKind::U64) {
+        if !items.is_empty() {
+            keys[at] = Keys::ItemIds(items);
+        }
+    }
+    Ok(keys)
+}
+
 /// Checks the time the lookup left, then looks every candidate up in the
 /// score cache (`a.step.cached` when all are there, their scores in
 /// `Answer::cached`); the cache answers at once when it comes before the
@@ -333,7 +488,7 @@ pub(super) fn look_up_cache(
     if a.step.deadline.cannot_fit(a.at_ns / 1_000, 0) {
         return Err(Rejection::fail(a.step.request_id, Status::DeadlineExceeded, "budget spent during lookup"));
     }
-    let items = &inputs.item_ids[..a.step.rows];
+    let items = &inputs.candidate_keys[..a.step.rows];
     a.step.cached = cached_scores(cache, &a.cache_key, items, a.at_ns, &mut answer.cached, telemetry);
     if a.step.cached && policies.cache_before_primary {
         return Err(Rejection::Cached { step: a.step, version: a.version, now_ns: a.at_ns });

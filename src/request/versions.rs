@@ -12,7 +12,7 @@ use crate::model::Model;
 use crate::registry::{build_timed, Inbox, Prebuilt, Registry};
 use crate::request::cache::hash_words;
 use crate::request::ladder::LadderConfig;
-use crate::request::{InputLayout, LayoutError};
+use crate::request::{GroupFit, InputLayout, LayoutError};
 use crate::score::{Backend, BackendKind};
 
 /// A running estimate of the kernel's cost per candidate row, so the path
@@ -89,8 +89,8 @@ pub(super) struct Fit {
     pub(super) kind: BackendKind,
     pub(super) rows_max: usize,
     pub(super) context_len_max: usize,
-    pub(super) user_dim: usize,
-    pub(super) item_dim: usize,
+    /// The served feature groups a layout is checked against.
+    pub(super) groups: Vec<GroupFit>,
     pub(super) ladder: LadderConfig,
 }
 
@@ -157,7 +157,7 @@ impl Versions {
         at: BuildPlace<'_, C>,
     ) -> Result<Served, LayoutError> {
         let fit = &self.fit;
-        let layout = InputLayout::new(&model, fit.user_dim, fit.item_dim, fit.context_len_max)?;
+        let layout = InputLayout::new(&model, &fit.groups, fit.context_len_max)?;
         // Built ahead by the admin side when it was published through the
         // registry; built here (milliseconds on the reactor) only otherwise.
         let Prebuilt { backend, ns_per_row } = match self.inbox.as_mut().and_then(|i| i.take(&model)) {

@@ -76,7 +76,17 @@ pub enum DecodeError {
     ContextTooLong { count: usize, context_len_max: usize },
     #[error("{count} context ids exceed the limit of {context_len_max}")]
     ContextIdsTooLong { count: usize, context_len_max: usize },
+    #[error("{count} feature groups exceed the limit of {groups_max}")]
+    TooManyGroups { count: usize, groups_max: usize },
+    #[error("group entry {at} names no group")]
+    UnnamedGroup { at: usize },
+    #[error("group '{group}' carries {count} keys, above the limit of {candidates_max} candidates")]
+    TooManyKeys { group: String, count: usize, candidates_max: usize },
 }
+
+/// Most `groups` entries one request may carry: the server's own bound on
+/// feature groups (`features::groups::GROUPS_MAX`).
+pub const REQUEST_GROUPS_MAX: usize = 16;
 
 /// Limits a request must satisfy before the server looks at it.
 #[derive(Clone, Copy, Debug)]
@@ -89,9 +99,10 @@ pub struct RequestLimits {
 impl RequestLimits {
     fn verifier_options(&self) -> VerifierOptions {
         VerifierOptions {
-            // ScoreRequest is one table with vectors of scalars: nothing nests.
-            max_depth: 4,
-            max_tables: 8,
+            // ScoreRequest, its `groups` vector, a GroupKeys table, its
+            // `keys` vector and a string: nothing nests deeper.
+            max_depth: 6,
+            max_tables: 4 + REQUEST_GROUPS_MAX,
             max_apparent_size: self.frame_bytes_max,
             ignore_missing_null_terminator: false,
         }
@@ -102,6 +113,9 @@ impl RequestLimits {
 /// from the frame bytes; nothing is copied.
 pub struct Request<'buf> {
     pub raw: fb::ScoreRequest<'buf>,
+    /// Rows to score: `item_ids`' length, else the longest key list of
+    /// `groups`, else 1 when `groups` is present (see `schemas/quiver.fbs`).
+    pub candidates: usize,
 }
 
 impl<'buf> Request<'buf> {
@@ -126,17 +140,45 @@ impl<'buf> Request<'buf> {
     pub fn context_ids(&self) -> flatbuffers::Vector<'buf, u64> {
         self.raw.context_ids().unwrap_or_default()
     }
+    /// The feature groups' keys the request carries, at most
+    /// [`REQUEST_GROUPS_MAX`], each named.
+    pub fn groups(&self) -> flatbuffers::Vector<'buf, flatbuffers::ForwardsUOffset<fb::GroupKeys<'buf>>> {
+        self.raw.groups().unwrap_or_default()
+    }
+}
+
+/// How many keys a group entry carries, u64 or string.
+pub fn key_count(keys: &fb::GroupKeys<'_>) -> usize {
+    keys.ids().map_or(0, |v| v.len()) + keys.keys().map_or(0, |v| v.len())
 }
 
 /// Verifies `payload` and checks it against `limits`.
 pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Result<Request<'buf>, DecodeError> {
     let raw = flatbuffers::root_with_opts::<fb::ScoreRequest>(&limits.verifier_options(), payload)?;
-    let count = raw.item_ids().map_or(0, |v| v.len());
-    if count == 0 {
-        return Err(DecodeError::NoCandidates);
-    }
+    let mut count = raw.item_ids().map_or(0, |v| v.len());
     if count > limits.candidates_max {
         return Err(DecodeError::TooManyCandidates { count, candidates_max: limits.candidates_max });
+    }
+    if let Some(groups) = raw.groups() {
+        if groups.len() > REQUEST_GROUPS_MAX {
+            return Err(DecodeError::TooManyGroups { count: groups.len(), groups_max: REQUEST_GROUPS_MAX });
+        }
+        let mut longest = 1;
+        for (at, g) in groups.iter().enumerate() {
+            let group = g.group().ok_or(DecodeError::UnnamedGroup { at })?;
+            let keys = key_count(&g);
+            if keys > limits.candidates_max {
+                let candidates_max = limits.candidates_max;
+                return Err(DecodeError::TooManyKeys { group: group.into(), count: keys, candidates_max });
+            }
+            longest = longest.max(keys);
+        }
+        if count == 0 {
+            count = longest;
+        }
+    }
+    if count == 0 {
+        return Err(DecodeError::NoCandidates);
     }
     let context_len = raw.context().map_or(0, |v| v.len());
     if context_len > limits.context_len_max {
@@ -146,7 +188,7 @@ pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Resu
     if ids > limits.context_len_max {
         return Err(DecodeError::ContextIdsTooLong { count: ids, context_len_max: limits.context_len_max });
     }
-    Ok(Request { raw })
+    Ok(Request { raw, candidates: count })
 }
 
 /// Reads the request_id of a payload that failed validation, if the bytes are
@@ -268,6 +310,16 @@ pub struct RequestSpec {
     pub item_ids: Vec<u64>,
     pub context: Vec<f32>,
     pub context_ids: Vec<u64>,
+    /// Keys of feature groups, by group name (`groups` on the wire).
+    pub groups: Vec<(String, GroupKeySpec)>,
+}
+
+/// One group's keys in a [`RequestSpec`]: one for a request-scope group,
+/// one per candidate for a candidate-scope group.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GroupKeySpec {
+    Ids(Vec<u64>),
+    Strs(Vec<String>),
 }
 
 /// Encodes requests into frames, reusing one builder.
@@ -291,9 +343,27 @@ impl RequestEncoder {
         let b = &mut self.builder;
         b.reset();
         let model = (!spec.model.is_empty()).then(|| b.create_string(&spec.model));
-        let item_ids = Some(b.create_vector(&spec.item_ids));
+        let item_ids = (!spec.item_ids.is_empty() || spec.groups.is_empty()).then(|| b.create_vector(&spec.item_ids));
         let context = (!spec.context.is_empty()).then(|| b.create_vector(&spec.context));
         let context_ids = (!spec.context_ids.is_empty()).then(|| b.create_vector(&spec.context_ids));
+        let groups = (!spec.groups.is_empty()).then(|| {
+            let entries: Vec<_> = spec
+                .groups
+                .iter()
+                .map(|(name, keys)| {
+                    let group = Some(b.create_string(name));
+                    let (ids, keys) = match keys {
+                        GroupKeySpec::Ids(ids) => (Some(b.create_vector(ids)), None),
+                        GroupKeySpec::Strs(strs) => {
+                            let strs: Vec<_> = strs.iter().map(|k| b.create_string(k)).collect();
+                            (None, Some(b.create_vector(&strs)))
+                        }
+                    };
+                    fb::GroupKeys::create(b, &fb::GroupKeysArgs { group, ids, keys })
+                })
+                .collect();
+            b.create_vector(&entries)
+        });
         let root = fb::ScoreRequest::create(
             b,
             &fb::ScoreRequestArgs {
@@ -306,6 +376,7 @@ impl RequestEncoder {
                 item_ids,
                 context,
                 context_ids,
+                groups,
             },
         );
         b.finish_minimal(root);
@@ -405,6 +476,7 @@ mod tests {
             item_ids: (0..items as u64).collect(),
             context: vec![0.5, -1.0],
             context_ids: vec![3, 1 << 40],
+            groups: Vec::new(),
         }
     }
 

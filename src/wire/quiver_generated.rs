@@ -302,6 +302,136 @@ impl<'a> ::flatbuffers::Verifiable for Reason {
 }
 
 impl ::flatbuffers::SimpleToVerifyInSlice for Reason {}
+pub enum GroupKeysOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct GroupKeys<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for GroupKeys<'a> {
+  type Inner = GroupKeys<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> GroupKeys<'a> {
+  pub const VT_GROUP: ::flatbuffers::VOffsetT = 4;
+  pub const VT_IDS: ::flatbuffers::VOffsetT = 6;
+  pub const VT_KEYS: ::flatbuffers::VOffsetT = 8;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    GroupKeys { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args GroupKeysArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<GroupKeys<'bldr>> {
+    let mut builder = GroupKeysBuilder::new(_fbb);
+    if let Some(x) = args.keys { builder.add_keys(x); }
+    if let Some(x) = args.ids { builder.add_ids(x); }
+    if let Some(x) = args.group { builder.add_group(x); }
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn group(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(GroupKeys::VT_GROUP, None)}
+  }
+  #[inline]
+  pub fn ids(&self) -> Option<::flatbuffers::Vector<'a, u64>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u64>>>(GroupKeys::VT_IDS, None)}
+  }
+  #[inline]
+  pub fn keys(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>(GroupKeys::VT_KEYS, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for GroupKeys<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("group", Self::VT_GROUP, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("ids", Self::VT_IDS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<&'_ str>>>>("keys", Self::VT_KEYS, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct GroupKeysArgs<'a> {
+    pub group: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
+    pub keys: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>,
+}
+impl<'a> Default for GroupKeysArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    GroupKeysArgs {
+      group: None,
+      ids: None,
+      keys: None,
+    }
+  }
+}
+
+pub struct GroupKeysBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> GroupKeysBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_group(&mut self, group: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(GroupKeys::VT_GROUP, group);
+  }
+  #[inline]
+  pub fn add_ids(&mut self, ids: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u64>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(GroupKeys::VT_IDS, ids);
+  }
+  #[inline]
+  pub fn add_keys(&mut self, keys: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<&'b  str>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(GroupKeys::VT_KEYS, keys);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> GroupKeysBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    GroupKeysBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<GroupKeys<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for GroupKeys<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("GroupKeys");
+      ds.field("group", &self.group());
+      ds.field("ids", &self.ids());
+      ds.field("keys", &self.keys());
+      ds.finish()
+  }
+}
 pub enum ScoreRequestOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -327,6 +457,7 @@ impl<'a> ScoreRequest<'a> {
   pub const VT_ITEM_IDS: ::flatbuffers::VOffsetT = 16;
   pub const VT_CONTEXT: ::flatbuffers::VOffsetT = 18;
   pub const VT_CONTEXT_IDS: ::flatbuffers::VOffsetT = 20;
+  pub const VT_GROUPS: ::flatbuffers::VOffsetT = 22;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -340,6 +471,7 @@ impl<'a> ScoreRequest<'a> {
     let mut builder = ScoreRequestBuilder::new(_fbb);
     builder.add_user_id(args.user_id);
     builder.add_request_id(args.request_id);
+    if let Some(x) = args.groups { builder.add_groups(x); }
     if let Some(x) = args.context_ids { builder.add_context_ids(x); }
     if let Some(x) = args.context { builder.add_context(x); }
     if let Some(x) = args.item_ids { builder.add_item_ids(x); }
@@ -414,6 +546,13 @@ impl<'a> ScoreRequest<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u64>>>(ScoreRequest::VT_CONTEXT_IDS, None)}
   }
+  #[inline]
+  pub fn groups(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<GroupKeys<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<GroupKeys>>>>(ScoreRequest::VT_GROUPS, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
@@ -431,6 +570,7 @@ impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("item_ids", Self::VT_ITEM_IDS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("context", Self::VT_CONTEXT, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("context_ids", Self::VT_CONTEXT_IDS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<GroupKeys>>>>("groups", Self::VT_GROUPS, false)?
      .finish();
     Ok(())
   }
@@ -445,6 +585,7 @@ pub struct ScoreRequestArgs<'a> {
     pub item_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
     pub context: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub context_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
+    pub groups: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<GroupKeys<'a>>>>>,
 }
 impl<'a> Default for ScoreRequestArgs<'a> {
   #[inline]
@@ -459,6 +600,7 @@ impl<'a> Default for ScoreRequestArgs<'a> {
       item_ids: None,
       context: None,
       context_ids: None,
+      groups: None,
     }
   }
 }
@@ -505,6 +647,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreRequestBuilder<'a, 'b, A
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreRequest::VT_CONTEXT_IDS, context_ids);
   }
   #[inline]
+  pub fn add_groups(&mut self, groups: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<GroupKeys<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreRequest::VT_GROUPS, groups);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreRequestBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreRequestBuilder {
@@ -531,6 +677,7 @@ impl ::core::fmt::Debug for ScoreRequest<'_> {
       ds.field("item_ids", &self.item_ids());
       ds.field("context", &self.context());
       ds.field("context_ids", &self.context_ids());
+      ds.field("groups", &self.groups());
       ds.finish()
   }
 }

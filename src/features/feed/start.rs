@@ -20,7 +20,7 @@ use super::settings::FeedConfig;
 use super::status::FeedStatus;
 use super::sync::RefreshError;
 use crate::deadline::{Clock, MonotonicClock};
-use crate::features::replica::{bucket_path, ReplicaError, ReplicaHandle, ReplicaWriter};
+use crate::features::replica::{bucket_path, KeyKind, ReplicaError, ReplicaHandle, ReplicaWriter, Storage};
 
 /// One group to serve: its name, file, and the dimension to create it with
 /// if there is no file.
@@ -28,6 +28,19 @@ pub struct GroupSpec {
     pub name: String,
     pub path: PathBuf,
     pub dim: Option<u32>,
+    /// The key type a new file is created with.
+    pub key: KeyKind,
+    /// How a new file stores its rows.
+    pub storage: Storage,
+    /// A new file's default row; empty: zeros.
+    pub default: Vec<f32>,
+}
+
+impl GroupSpec {
+    /// A u64-keyed group stored as f32 with a zero default row.
+    pub fn new(name: &str, path: PathBuf, dim: Option<u32>) -> GroupSpec {
+        GroupSpec { name: name.into(), path, dim, key: KeyKind::U64, storage: Storage::F32, default: Vec::new() }
+    }
 }
 
 /// The running feed.
@@ -66,7 +79,7 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
                 Layout::Plain => spec.path.clone(),
                 Layout::Bucketed { .. } => bucket_path(&spec.path, part.bucket),
             };
-            let (writer, fresh) = open_or_create(config, spec, part, &path)?;
+            let (writer, fresh) = open_or_create(spec, part, &path)?;
             if fresh {
                 created.push((path, follows.len() + writers.len()));
             }
@@ -104,12 +117,7 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
 
 /// Opens `part`'s replica at `path`, or creates it empty (true) when there
 /// is none or it was damaged and set aside.
-fn open_or_create(
-    config: &FeedConfig,
-    spec: &GroupSpec,
-    part: &Part,
-    path: &Path,
-) -> Result<(ReplicaWriter, bool), RefreshError> {
+fn open_or_create(spec: &GroupSpec, part: &Part, path: &Path) -> Result<(ReplicaWriter, bool), RefreshError> {
     match ReplicaWriter::open_deferred(path, &spec.name) {
         Ok(w) => {
             tracing::info!(
@@ -126,7 +134,8 @@ fn open_or_create(
         group: spec.name.clone(),
         why: format!("no replica file and no dimension known: set feed.{}_dim", spec.name),
     })?;
-    let default = vec![0.0; dim as usize];
-    let writer = ReplicaWriter::create(path, &spec.name, dim, config.storage(&spec.name), 1024, &default)?;
+    let zeros = vec![0.0; dim as usize];
+    let default = if spec.default.is_empty() { &zeros } else { &spec.default };
+    let writer = ReplicaWriter::create_keyed(path, &spec.name, dim, spec.storage, spec.key, 1024, default)?;
     Ok((writer, true))
 }

@@ -494,6 +494,16 @@ impl ReplicaView {
         self.table_of(key).read_into(key, out)
     }
 
+    /// The kind of key the handle's tables are filed by.
+    pub fn key_kind(&self) -> KeyKind {
+        self.tables[0].key_kind()
+    }
+
+    /// [`Replica::default_into`]: every part holds the group's one default.
+    pub fn default_into(&self, out: &mut [f32]) {
+        self.tables[0].default_into(out);
+    }
+
     /// [`Replica::read_str_into`] on the table `key` is in.
     #[inline]
     pub fn read_str_into(&self, key: &[u8], out: &mut [f32]) -> bool {

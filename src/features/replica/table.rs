@@ -746,6 +746,13 @@ impl Replica {
         }
     }
 
+    /// Copies the default vector, served for unknown keys, into `out`
+    /// (length `dim`).
+    pub fn default_into(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), self.dim());
+        self.copy_default(out);
+    }
+
     /// The default vector served for unknown keys.
     pub fn default_vector(&self) -> Vec<f32> {
         let mut v = vec![0.0; self.dim()];

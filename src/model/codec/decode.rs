@@ -13,9 +13,10 @@ use super::{
     CHECKSUM_MAGIC, CHECKSUM_TRAILER_BYTES, MODEL_HEAP_BYTES_MAX, MODEL_MAPPED_BYTES_MAX, MODEL_READ_BYTES_MAX,
     TREE_CATEGORICAL, TREE_LEAF, TREE_MISSING_LEFT, TREE_ZERO_MISSING,
 };
+use crate::features::groups::Scope;
 use crate::model::trees::{self, Ensemble, Split, TreeNode};
 use crate::model::{
-    fb, graph, onnx_graph, Act, ActivationScales, Calibration, EmbeddingTable, Graph, InputSegment, Layer,
+    fb, graph, onnx_graph, Act, ActivationScales, Calibration, EmbeddingTable, Graph, GroupName, InputSegment, Layer,
     MeasuredError, Model, ModelError, ModelFile, Node, OnnxGraph, Op, OutputKind, ScoreHistogram, Source, TableError,
     LAYERS_MAX,
 };
@@ -114,6 +115,12 @@ impl Model {
                 fb::Source::Item => Source::Item,
                 fb::Source::Context => Source::Context,
                 fb::Source::ContextIds => Source::ContextIds,
+                fb::Source::RequestGroup | fb::Source::CandidateGroup => {
+                    let scope = if s.source() == fb::Source::RequestGroup { Scope::Request } else { Scope::Candidate };
+                    let name = s.group().ok_or_else(|| bad("a group input segment names no group"))?;
+                    let name = GroupName::new(name).map_err(|why| bad(&format!("an input segment's {why}")))?;
+                    Source::Group { name, scope }
+                }
                 _ => return Err(bad("an input segment has an unknown source")),
             };
             inputs.push(InputSegment { source, dim: s.dim() as usize });

@@ -12,6 +12,7 @@ use super::{
     CHECKSUM_MAGIC, EMBEDDING_INLINE_BYTES_MAX, TABLE_ALIGN_BYTES, TREE_CATEGORICAL, TREE_LEAF, TREE_MISSING_LEFT,
     TREE_ZERO_MISSING,
 };
+use crate::features::groups::Scope;
 use crate::model::trees::{Ensemble, Split};
 use crate::model::{fb, Act, ActivationScales, Graph, Layer, Model, ModelError, Op, OutputKind, Source};
 
@@ -102,13 +103,16 @@ impl Model {
             .inputs
             .iter()
             .map(|s| {
-                let source = match s.source {
-                    Source::User => fb::Source::User,
-                    Source::Item => fb::Source::Item,
-                    Source::Context => fb::Source::Context,
-                    Source::ContextIds => fb::Source::ContextIds,
+                let (source, group) = match s.source {
+                    Source::User => (fb::Source::User, None),
+                    Source::Item => (fb::Source::Item, None),
+                    Source::Context => (fb::Source::Context, None),
+                    Source::ContextIds => (fb::Source::ContextIds, None),
+                    Source::Group { name, scope: Scope::Request } => (fb::Source::RequestGroup, Some(name)),
+                    Source::Group { name, scope: Scope::Candidate } => (fb::Source::CandidateGroup, Some(name)),
                 };
-                fb::InputSegment::create(&mut b, &fb::InputSegmentArgs { source, dim: s.dim as u32 })
+                let group = group.map(|g| b.create_string(g.as_str()));
+                fb::InputSegment::create(&mut b, &fb::InputSegmentArgs { source, dim: s.dim as u32, group })
             })
             .collect();
         let layers: Vec<_> = self.layers.iter().map(|l| layer_to_fb(&mut b, l)).collect();

@@ -89,6 +89,28 @@ mod tests {
     }
 
     #[test]
+    fn group_inputs_round_trip_with_their_scope_and_duplicates_are_refused() {
+        use crate::features::groups::Scope;
+        use crate::model::GroupName;
+        let group = |name: &str, scope| Source::Group { name: GroupName::new(name).unwrap(), scope };
+        let mut m = tiny();
+        let width: usize = m.inputs.iter().map(|s| s.dim).sum();
+        m.inputs = vec![
+            InputSegment { source: group("card", Scope::Request), dim: 1 },
+            InputSegment { source: group("ad", Scope::Candidate), dim: width - 2 },
+            InputSegment { source: Source::Context, dim: 1 },
+        ];
+        let back = Model::from_bytes(&m.to_bytes(), "t").unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.request_columns().iter().filter(|r| !**r).count(), width - 2);
+
+        let mut twice = m.clone();
+        twice.inputs[2] = InputSegment { source: group("card", Scope::Candidate), dim: 1 };
+        let err = Model::from_bytes(&twice.to_bytes(), "t").unwrap_err();
+        assert!(err.to_string().contains("declares the card input more than once"), "{err}");
+    }
+
+    #[test]
     fn calibration_round_trips_and_bad_calibrations_are_refused() {
         let m = calibrated();
         assert_eq!(Model::from_bytes(&m.to_bytes(), "t").unwrap(), m);

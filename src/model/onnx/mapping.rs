@@ -4,7 +4,8 @@
 use onnx_protobuf::ValueInfoProto;
 
 use super::OnnxError;
-use crate::model::{InputSegment, Source};
+use crate::features::groups::Scope;
+use crate::model::{GroupName, InputSegment, Source};
 
 /// One entry of `--inputs`: which Quiver source fills the next `dim` columns,
 /// optionally naming the ONNX graph input they come from.
@@ -17,7 +18,8 @@ pub struct MappingEntry {
 
 /// How the ONNX graph inputs map to Quiver input segments.
 ///
-/// Written `user:32,item:32,context:16` (entries take the graph inputs in
+/// Written `user:32,item:32,context:16` or, with feature groups,
+/// `card:16,device:8,ad@candidate:12,context:6` (entries take the graph inputs in
 /// their declared order, one each; a graph with a single input is split into
 /// consecutive segments instead) or `user=u:32,item=i:32,context=c:16`
 /// (entries name their graph input; several entries naming the same input
@@ -47,15 +49,9 @@ impl std::str::FromStr for InputMapping {
                 Some(_) => return Err(bad(format!("'{part}': empty graph input name after '='"))),
                 None => (left, None),
             };
-            let source = match source {
-                "user" => Source::User,
-                "item" => Source::Item,
-                "context" => Source::Context,
-                "context_ids" => Source::ContextIds,
-                other => return Err(bad(format!("'{other}' is not a source; use user, item, context or context_ids"))),
-            };
-            if entries.iter().any(|e: &MappingEntry| e.source == source) {
-                return Err(bad(format!("{} is mapped more than once", source_name(source))));
+            let source = parse_source(source).map_err(|why| bad(format!("'{part}': {why}")))?;
+            if entries.iter().any(|e: &MappingEntry| e.source.name() == source.name()) {
+                return Err(bad(format!("{} is mapped more than once", source.name())));
             }
             entries.push(MappingEntry { source, graph_input, dim });
         }
@@ -70,13 +66,35 @@ impl std::str::FromStr for InputMapping {
     }
 }
 
+/// Reads one entry's source: `user`, `item`, `context`, `context_ids`, or
+/// a feature group's name, keyed once per request unless written
+/// `NAME@candidate` (`NAME@request` says the default).
+fn parse_source(text: &str) -> Result<Source, String> {
+    let (name, scope) = match text.split_once('@') {
+        None => (text, None),
+        Some((name, "request")) => (name, Some(Scope::Request)),
+        Some((name, "candidate")) => (name, Some(Scope::Candidate)),
+        Some((_, other)) => return Err(format!("scope '{other}' is neither request nor candidate")),
+    };
+    Ok(match (name, scope) {
+        ("user", None | Some(Scope::Request)) => Source::User,
+        ("item", None | Some(Scope::Candidate)) => Source::Item,
+        ("user", _) | ("item", _) => return Err(format!("group '{name}' has a fixed scope; write it bare")),
+        ("context" | "context_ids", Some(_)) => return Err(format!("'{name}' is a request input, without a scope")),
+        ("context", None) => Source::Context,
+        ("context_ids", None) => Source::ContextIds,
+        (group, scope) => Source::Group {
+            name: GroupName::new(group).map_err(|why| format!("not a source ({why})"))?,
+            scope: scope.unwrap_or(Scope::Request),
+        },
+    })
+}
+
 /// The `--inputs` spelling of a source.
-pub fn source_name(s: Source) -> &'static str {
+pub fn source_name(s: Source) -> String {
     match s {
-        Source::User => "user",
-        Source::Item => "item",
-        Source::Context => "context",
-        Source::ContextIds => "context_ids",
+        Source::Group { name, scope: Scope::Candidate } => format!("{}@candidate", name.as_str()),
+        other => other.name().to_string(),
     }
 }
 
@@ -143,9 +161,17 @@ mod tests {
         assert!(err("user:3,item=i:4").contains("in every entry or in none"));
         assert!(err("user:3,user:4").contains("user is mapped more than once"));
         assert!(err("user:0").contains("positive integer"));
-        assert!(err("users:3").contains("'users' is not a source"));
+        assert!(err("us ers:3").contains("'us ers:3': not a source"), "{}", err("us ers:3"));
+        assert!(err("card:3,card@candidate:4").contains("card is mapped more than once"));
+        assert!(err("user@candidate:3").contains("group 'user' has a fixed scope"));
+        assert!(err("context@request:3").contains("'context' is a request input"));
+        assert!(err("ad@sometimes:3").contains("scope 'sometimes' is neither request nor candidate"));
         assert!(err("user").contains("expected SOURCE:DIM"));
         assert!(err("").contains("no entries"));
+        let m: InputMapping = "card:16,device@request:8,ad@candidate:4,item:2".parse().unwrap();
+        let sources: Vec<String> = m.entries.iter().map(|e| source_name(e.source)).collect();
+        assert_eq!(sources, ["card", "device", "ad@candidate", "item"]);
+        assert!(!m.entries[1].source.per_candidate() && m.entries[2].source.per_candidate());
         let m: InputMapping = "user=u:3,context=u:1".parse().unwrap();
         assert_eq!(m.entries[1].graph_input.as_deref(), Some("u"));
     }

@@ -147,8 +147,33 @@ class ScoreRequest(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
         return o == 0
 
+    # ScoreRequest
+    def Groups(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            from quiver.wire.GroupKeys import GroupKeys
+            obj = GroupKeys()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # ScoreRequest
+    def GroupsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ScoreRequest
+    def GroupsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        return o == 0
+
 def ScoreRequestStart(builder):
-    builder.StartObject(9)
+    builder.StartObject(10)
 
 def Start(builder):
     ScoreRequestStart(builder)
@@ -224,6 +249,18 @@ def ScoreRequestStartContextIdsVector(builder, numElems):
 
 def StartContextIdsVector(builder, numElems):
     return ScoreRequestStartContextIdsVector(builder, numElems)
+
+def ScoreRequestAddGroups(builder, groups):
+    builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(groups), 0)
+
+def AddGroups(builder, groups):
+    ScoreRequestAddGroups(builder, groups)
+
+def ScoreRequestStartGroupsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartGroupsVector(builder, numElems):
+    return ScoreRequestStartGroupsVector(builder, numElems)
 
 def ScoreRequestEnd(builder):
     return builder.EndObject()

@@ -33,11 +33,14 @@ fn shared(dir: &std::path::Path) -> Shared {
         graph: None,
         onnx: None,
     };
-    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let fit = crate::registry::Fit::user_item(2, 1, 256);
     Shared {
         registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap()),
-        user: Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
-        item: Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+        groups: vec![
+            group("user", Scope::Request, Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap())),
+            group("item", Scope::Candidate, Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap())),
+        ],
+        canary_group: "user".into(),
         limits: Limits { candidates_max: 4, ..Limits::default() },
         backend: BackendKind::F32,
         floor: false,
@@ -51,6 +54,12 @@ fn shared(dir: &std::path::Path) -> Shared {
         fallback: None,
         shards: 1,
     }
+}
+
+/// A served group with the legacy groups' policy (a missing key reads the
+/// default row).
+fn group(name: &str, scope: Scope, handle: Arc<ReplicaHandle>) -> SharedGroup {
+    SharedGroup { name: name.into(), scope, absent: crate::features::groups::Absent::Default, handle }
 }
 
 fn dir(name: &str) -> std::path::PathBuf {
@@ -559,7 +568,7 @@ fn models_dir_with_a(d: &std::path::Path) -> (Shared, std::path::PathBuf, Model,
     let mut a = base.registry.snapshot().models[0].as_ref().clone();
     a.name = "a".into();
     crate::registry::publish(&models, &a).unwrap();
-    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let fit = crate::registry::Fit::user_item(2, 1, 256);
     (base, models, a, fit)
 }
 
@@ -636,13 +645,14 @@ fn tree_model() -> Model {
 fn trees_and_mlps_serve_as_each_others_fallback() {
     let mlp_scores = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
     let tree_scores = [1.5, -0.5, -0.5].map(sigmoid);
-    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let fit = crate::registry::Fit::user_item(2, 1, 256);
     for trees_primary in [true, false] {
         let mut sh = shared(&dir("tree-ladder"));
         let mlp = sh.registry.snapshot().models[0].clone();
         let trees = Arc::new(tree_model());
         let (primary, fallback) = if trees_primary { (trees, mlp) } else { (mlp, trees) };
-        sh.registry = Arc::new(Registry::from_models(vec![(*primary).clone()], fit, BackendKind::F32, 4).unwrap());
+        sh.registry =
+            Arc::new(Registry::from_models(vec![(*primary).clone()], fit.clone(), BackendKind::F32, 4).unwrap());
         sh.fallback = Some(fallback);
         // The cache would answer the second request before the fallback.
         sh.cache.entries_max = 0;
@@ -689,7 +699,7 @@ fn categorical_ids_in_float_columns_that_match_no_row_count_as_missing() {
         ..(*base).clone()
     };
     assert_eq!(model.float_index_columns(), vec![(0, 3), (1, 3)]);
-    let fit = crate::registry::Fit { user_dim: 2, item_dim: 1, context_len_max: 256 };
+    let fit = crate::registry::Fit::user_item(2, 1, 256);
     sh.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
     let clock = ManualClock::new(0);
     let mut path = RequestPath::new(sh, &clock).unwrap();
@@ -766,7 +776,7 @@ fn a_swapped_table_is_read_at_the_next_request_and_an_idle_path_lets_the_old_one
     let mut w = ReplicaWriter::create(&d.join("item-w.qrep"), "item", 1, Storage::F32, 4, &[-1.0]).unwrap();
     w.upsert(10, &[2.0]).unwrap();
     w.upsert(11, &[0.5]).unwrap();
-    shared.item = w.handle();
+    shared.groups[1].handle = w.handle();
     let clock = ManualClock::new(1_000);
     let mut path = RequestPath::new(shared, &clock).unwrap();
     let r = run(&mut path, &spec(), 1_000);
@@ -797,3 +807,5 @@ fn a_swapped_table_is_read_at_the_next_request_and_an_idle_path_lets_the_old_one
     w.reap_retired();
     assert_eq!(w.retired_held(), 0, "after the tick's refresh nothing holds a replaced table");
 }
+
+mod groups;

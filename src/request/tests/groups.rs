@@ -1,0 +1,225 @@
+//! Feature groups through the request path: keys of every type and scope,
+//! the typed errors, the absent-key policies, and the score cache keyed by
+//! every group a model reads.
+
+use super::*;
+use crate::features::groups::{Absent, Scope};
+use crate::model::GroupName;
+use crate::wire::GroupKeySpec;
+
+fn group_source(name: &str, scope: Scope) -> Source {
+    Source::Group { name: GroupName::new(name).unwrap(), scope }
+}
+
+/// The served groups: the legacy pair, and device (string, request), ad
+/// (u64, candidate), card (u64, request, rejected when absent), ip (string,
+/// request, default when absent) and creative (string, candidate).
+fn shared_groups(dir: &std::path::Path) -> Shared {
+    let mut base = shared(dir);
+    let one = |name: &str, keys: Option<u32>, default: f32, rows: &[(&str, f32)]| {
+        let mut b = ReplicaBuilder::new(name, 1);
+        if let Some(bytes) = keys {
+            b = b.str_keys(bytes).unwrap();
+        }
+        b.set_default(&[default]).unwrap();
+        for (k, v) in rows {
+            match keys {
+                Some(_) => b.push_str(k.as_bytes(), &[*v]).unwrap(),
+                None => b.push(k.parse().unwrap(), &[*v]).unwrap(),
+            }
+        }
+        let path = dir.join(format!("{name}.qrep"));
+        b.write(&path).unwrap();
+        Arc::new(ReplicaHandle::open(&path, name).unwrap())
+    };
+    let group = |name: &str, scope, absent, handle| SharedGroup { name: name.into(), scope, absent, handle };
+    base.groups.extend([
+        group(
+            "device",
+            Scope::Request,
+            Absent::Reject,
+            one("device", Some(16), 0.0, &[("f7a9c2", 3.0), ("abc", -2.0)]),
+        ),
+        group("ad", Scope::Candidate, Absent::Reject, one("ad", None, -1.0, &[("100", 1.0), ("101", 0.5)])),
+        group("card", Scope::Request, Absent::Reject, one("card", None, 0.0, &[("7", 0.25), ("8", -0.25)])),
+        group("ip", Scope::Request, Absent::Default, one("ip", Some(40), 0.75, &[("203.0.113.7", 1.5)])),
+        group("creative", Scope::Candidate, Absent::Reject, one("creative", Some(8), 0.0, &[("c1", 0.125)])),
+    ]);
+    let model = Model {
+        name: "fraud".into(),
+        version: 2,
+        inputs: ["device", "ad", "card", "ip", "creative"]
+            .iter()
+            .map(|&g| {
+                let scope = if g == "ad" || g == "creative" { Scope::Candidate } else { Scope::Request };
+                InputSegment { source: group_source(g, scope), dim: 1 }
+            })
+            .chain([InputSegment { source: Source::Context, dim: 1 }])
+            .collect(),
+        // logit = device + ad + card + ip + creative + context
+        layers: vec![Layer::quantize(6, 1, false, vec![1.0; 6], vec![0.0])],
+        calibration: None,
+        graph: None,
+        onnx: None,
+    };
+    let fit = crate::registry::Fit { groups: base.group_fits(), context_len_max: 256 };
+    base.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
+    base
+}
+
+fn ids(v: &[u64]) -> GroupKeySpec {
+    GroupKeySpec::Ids(v.to_vec())
+}
+
+fn strs(v: &[&str]) -> GroupKeySpec {
+    GroupKeySpec::Strs(v.iter().map(|s| s.to_string()).collect())
+}
+
+/// Two candidates (ads 100 and 101; creatives c1 and the unknown c2) for
+/// card 7 on device f7a9c2, no ip.
+fn fraud() -> RequestSpec {
+    RequestSpec {
+        request_id: 5,
+        budget_us: 1_000,
+        context: vec![0.5],
+        groups: vec![
+            ("device".into(), strs(&["f7a9c2"])),
+            ("ad".into(), ids(&[100, 101])),
+            ("card".into(), ids(&[7])),
+            ("creative".into(), strs(&["c1", "c2"])),
+        ],
+        ..RequestSpec::default()
+    }
+}
+
+fn with_group(mut s: RequestSpec, name: &str, keys: GroupKeySpec) -> RequestSpec {
+    s.groups.retain(|(g, _)| g != name);
+    s.groups.push((name.into(), keys));
+    s
+}
+
+#[test]
+fn every_group_is_looked_up_by_its_own_keys() {
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(shared_groups(&dir("groups")), &clock).unwrap();
+    let r = run(&mut path, &fraud(), 1_000);
+    assert_eq!((r.status, r.error.as_str()), (Status::Ok, ""));
+    // ip is absent (its default, 0.75, counted missing); c2 is unknown.
+    assert_eq!(r.scores, [3.0 + 1.0 + 0.25 + 0.75 + 0.125 + 0.5, 3.0 + 0.5 + 0.25 + 0.75 + 0.0 + 0.5].map(sigmoid));
+    assert_eq!(r.features_missing, 2);
+
+    let r = run(&mut path, &with_group(fraud(), "ip", strs(&["203.0.113.7"])), 1_000);
+    assert_eq!(r.scores[1], sigmoid(3.0 + 0.5 + 0.25 + 1.5 + 0.0 + 0.5));
+    assert_eq!(r.features_missing, 1);
+    let r = run(&mut path, &with_group(fraud(), "device", strs(&["unknown-device"])), 1_000);
+    assert_eq!(r.scores[1], sigmoid(0.5 + 0.25 + 0.75 + 0.5));
+    assert_eq!(r.features_missing, 3);
+    // item_ids, when sent, count the candidates; the groups must agree.
+    let mut s = fraud();
+    s.item_ids = vec![1, 2];
+    assert_eq!(run(&mut path, &s, 1_000).status, Status::Ok);
+}
+
+#[test]
+fn bad_keys_get_bad_request_naming_the_group() {
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(shared_groups(&dir("group-errors")), &clock).unwrap();
+    let mut three_items = fraud();
+    three_items.item_ids = vec![1, 2, 3];
+    let mut no_card = fraud();
+    no_card.groups.retain(|(g, _)| g != "card");
+    let mut twice = fraud();
+    twice.groups.push(("device".into(), strs(&["abc"])));
+    for (s, want) in [
+        (with_group(fraud(), "nope", ids(&[1])), "unknown feature group 'nope'"),
+        (with_group(fraud(), "device", ids(&[1])), "group 'device' is keyed by strings, the request sends u64 ids"),
+        (with_group(fraud(), "card", strs(&["7"])), "group 'card' is keyed by u64 ids, the request sends string keys"),
+        (with_group(fraud(), "device", strs(&["0123456789abcdef0"])), "a key of 17 bytes; keys are 1 to 16 bytes"),
+        (with_group(fraud(), "device", strs(&[""])), "a key of 0 bytes"),
+        (with_group(fraud(), "card", ids(&[7, 8])), "group 'card' takes one key per request, the request sends 2"),
+        (three_items, "group 'ad' takes one key per candidate: 2 keys for 3 candidates"),
+        (no_card, "the model reads feature group 'card', and the request carries no key for it"),
+        (twice, "feature group 'device' is named twice"),
+    ] {
+        let r = run(&mut path, &s, 1_000);
+        assert_eq!(r.status, Status::BadRequest, "{s:?}");
+        assert!(r.error.contains(want), "{:?} does not say {want:?}", r.error);
+        assert!(r.scores.is_empty());
+    }
+    // The path is unharmed.
+    assert_eq!(run(&mut path, &fraud(), 1_000).status, Status::Ok);
+}
+
+#[test]
+fn the_score_cache_is_keyed_by_every_group_the_model_reads() {
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(shared_groups(&dir("group-cache")), &clock).unwrap();
+    path.policies.cache_before_primary = true;
+    let first = run(&mut path, &fraud(), 1_000);
+    assert_eq!(first.tier, Tier::Primary);
+    assert_eq!(run(&mut path, &fraud(), 1_000).tier, Tier::Cached, "the same keys are cached");
+    // Another key in any one group is another entry, never the cached score.
+    for other in [
+        with_group(fraud(), "device", strs(&["abc"])),
+        with_group(fraud(), "card", ids(&[8])),
+        with_group(fraud(), "ip", strs(&["203.0.113.7"])),
+        with_group(fraud(), "creative", strs(&["c2", "c1"])),
+        with_group(fraud(), "ad", ids(&[100, 102])),
+    ] {
+        let r = run(&mut path, &other, 1_000);
+        assert_eq!((r.status, r.tier), (Status::Ok, Tier::Primary), "{other:?}");
+        assert_ne!(r.scores, first.scores, "{other:?}");
+    }
+}
+
+#[test]
+fn a_request_without_candidates_or_item_ids_scores_one_row() {
+    let clock = ManualClock::new(1_000);
+    let mut sh = shared_groups(&dir("group-one-row"));
+    let model = Model {
+        name: "card-only".into(),
+        version: 1,
+        inputs: vec![
+            InputSegment { source: group_source("card", Scope::Request), dim: 1 },
+            InputSegment { source: group_source("device", Scope::Request), dim: 1 },
+        ],
+        layers: vec![Layer::quantize(2, 1, false, vec![1.0, 1.0], vec![0.0])],
+        calibration: None,
+        graph: None,
+        onnx: None,
+    };
+    let fit = crate::registry::Fit { groups: sh.group_fits(), context_len_max: 256 };
+    sh.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let s = RequestSpec {
+        groups: vec![("card".into(), ids(&[8])), ("device".into(), strs(&["abc"]))],
+        ..RequestSpec::default()
+    };
+    let r = run(&mut path, &s, 1_000);
+    assert_eq!((r.status, r.scores.as_slice()), (Status::Ok, [sigmoid(-0.25 - 2.0)].as_slice()));
+}
+
+#[test]
+fn a_model_reading_a_group_the_server_lacks_or_at_another_scope_is_refused() {
+    let sh = shared_groups(&dir("group-layout"));
+    for (source, want) in [
+        (group_source("merchant", Scope::Request), "reads feature group 'merchant', which this server does not serve"),
+        (
+            group_source("card", Scope::Candidate),
+            "reads group 'card' once per candidate, the server keys it once per request",
+        ),
+    ] {
+        let model = Model {
+            name: "x".into(),
+            version: 1,
+            inputs: vec![InputSegment { source, dim: 1 }],
+            layers: vec![Layer::quantize(1, 1, false, vec![1.0], vec![0.0])],
+            calibration: None,
+            graph: None,
+            onnx: None,
+        };
+        let fit = crate::registry::Fit { groups: sh.group_fits(), context_len_max: 256 };
+        let e = Registry::from_models(vec![model], fit, BackendKind::F32, 4).expect_err("refused");
+        assert!(e.to_string().contains(want), "{e}");
+    }
+}
