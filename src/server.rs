@@ -94,7 +94,7 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>) -> Result<SharedGroup, Error> 
     let path = g.path.display();
     if handle.key_kind() != g.key {
         return Err(Error::Setup(format!(
-            "group '{}' is configured with {} keys, its replica {path} holds {} keys",
+            "group '{}' is configured with {}, its replica {path} holds {}",
             g.name,
             g.key,
             handle.key_kind()
@@ -158,6 +158,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         crate::score::configure_onnxruntime(lib);
     }
     let groups = config.groups().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
+    config.check_canary_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     let (groups, feed) = open_features(&config, &groups, &stop)?;
     let group_fits = groups.iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: g.handle.dim() });
     let fit = Fit { groups: group_fits.collect(), context_len_max: config.limits.context_len_max };

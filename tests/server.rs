@@ -504,3 +504,43 @@ fn the_library_runs_a_server_in_process_until_stopped() {
     assert_eq!(reports.len(), 1);
     assert_eq!(reports[0].counters.requests, 10);
 }
+
+#[test]
+fn frames_encoded_before_feature_groups_are_answered_as_before() {
+    let server = Server::start(&["--shards", "1"]);
+    let context = |r: u64| (0..16).map(|i| (((r + i) % 7) as f64 * 0.3 - 0.9) as f32).collect::<Vec<f32>>();
+    let spec = |request_id, user_id, item_ids: &[u64], context: Vec<f32>| RequestSpec {
+        request_id,
+        budget_us: 1_000_000,
+        user_id,
+        item_ids: item_ids.to_vec(),
+        context,
+        ..RequestSpec::default()
+    };
+    let cases = [
+        ("one_item", spec(1, 3, &[5], context(1))),
+        ("four_items", RequestSpec { priority: 3, client_id: 9, ..spec(2, 17, &[1, 9, 400, 999_999_999], context(2)) }),
+        ("no_context", spec(3, 1, &[2, 3], Vec::new())),
+        ("named_model", RequestSpec { model: "auction-32".into(), ..spec(4, 8, &[7, 6, 5], context(4)) }),
+    ];
+    let mut c = server.client();
+    for (name, today) in cases {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/frames_v1/{name}.bin"));
+        let old = std::fs::read(&path).unwrap();
+        let mut s = TcpStream::connect(&server.addr).unwrap();
+        s.write_all(&old).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let (bytes, _) = read_to_close(&mut s);
+        let answers = decode_all(&bytes);
+        assert_eq!(answers.len(), 1, "{name}");
+        let want = c.score(&today).unwrap();
+        assert_eq!((answers[0].status, answers[0].error.as_str()), (Status::Ok, ""), "{name}");
+        assert_eq!(answers[0].request_id, today.request_id, "{name}");
+        assert_eq!(answers[0].scores, want.scores, "{name}: the old frame scores as the same request encoded today");
+        assert_eq!(answers[0].features_missing, want.features_missing, "{name}");
+        // The reference agrees too, so neither encoding lost a field.
+        let (reference, _) = reference_scores(demo_dir(), &today);
+        assert_close(&answers[0].scores, &reference, INT8_SCORE_TOLERANCE);
+    }
+}

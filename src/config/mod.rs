@@ -253,23 +253,7 @@ impl Config {
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
         }
-        let groups = config.groups().map_err(ConfigError::Invalid)?;
-        match groups.iter().find(|g| g.name == config.canary_group) {
-            Some(g) if g.scope == crate::features::groups::Scope::Request => {}
-            Some(_) => {
-                return Err(ConfigError::Invalid(format!(
-                    "canary_group = \"{}\" is a candidate-scope group; a canary is chosen per request",
-                    config.canary_group
-                )))
-            }
-            None if config.canary_group == "user" => {}
-            None => {
-                return Err(ConfigError::Invalid(format!(
-                    "canary_group = \"{}\" is not a configured group",
-                    config.canary_group
-                )))
-            }
-        }
+        config.groups().map_err(ConfigError::Invalid)?;
         if let Some(tls) = &config.tls {
             tls.validate().map_err(ConfigError::Invalid)?;
         }
@@ -302,6 +286,20 @@ impl Config {
             (self.item_features_path(), feed.item_dim, feed.item_storage),
         );
         crate::features::groups::resolve_all(&self.groups, &self.data_dir, legacy)
+    }
+
+    /// Checks `canary_group` against the served groups: a request-scope
+    /// group, or `user` (then `user_id` when no such group is served).
+    pub fn check_canary_group(&self, groups: &[crate::features::groups::Group]) -> Result<(), String> {
+        let name = &self.canary_group;
+        match groups.iter().find(|g| &g.name == name) {
+            Some(g) if g.scope == crate::features::groups::Scope::Candidate => {
+                Err(format!("canary_group = \"{name}\" is a candidate-scope group; a canary is chosen per request"))
+            }
+            Some(_) => Ok(()),
+            None if name == "user" => Ok(()),
+            None => Err(format!("canary_group = \"{name}\" is not a configured group")),
+        }
     }
 
     pub fn model_path(&self) -> PathBuf {

@@ -808,4 +808,4 @@ fn a_swapped_table_is_read_at_the_next_request_and_an_idle_path_lets_the_old_one
     assert_eq!(w.retired_held(), 0, "after the tick's refresh nothing holds a replaced table");
 }
 
-mod groups;
+mod feature_groups;

@@ -1,0 +1,221 @@
+//! Feature groups through the real server and a real Redis: groups beyond
+//! `user` and `item`, at request and candidate scope, first synced from
+//! Redis, followed, kept across a restart and a `kill -9`, held when the
+//! source comes back empty, and refused at start-up when a file or a model
+//! does not fit the configured groups.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{scratch, Server};
+use quiver::client::Client;
+use quiver::features::feed::Publisher;
+use quiver::features::groups::Scope;
+use quiver::model::{GroupName, InputSegment, Layer, Model, Source};
+use quiver::wire::{GroupKeySpec, RequestSpec, Response, Status};
+
+fn group(name: &str, scope: Scope) -> Source {
+    Source::Group { name: GroupName::new(name).unwrap(), scope }
+}
+
+/// logit = card·(1, 2) + merchant·4 + ad·(1, -1) + context: a model whose
+/// score says exactly which rows it was given.
+fn write_model(dir: &Path) {
+    let model = Model {
+        name: "fraud".into(),
+        version: 1,
+        inputs: vec![
+            InputSegment { source: group("card", Scope::Request), dim: 2 },
+            InputSegment { source: group("merchant", Scope::Request), dim: 1 },
+            InputSegment { source: group("ad", Scope::Candidate), dim: 2 },
+            InputSegment { source: Source::Context, dim: 1 },
+        ],
+        layers: vec![Layer::quantize(6, 1, false, vec![1.0, 2.0, 4.0, 1.0, -1.0, 1.0], vec![0.0])],
+        calibration: None,
+        graph: None,
+        onnx: None,
+    };
+    model.save(&dir.join("model.qm")).unwrap();
+}
+
+const GROUPS_TOML: &str = r#"
+[[groups]]
+name = "card"
+width = 2
+[[groups]]
+name = "merchant"
+width = 1
+[[groups]]
+name = "ad"
+scope = "candidate"
+width = 2
+default = [-1.0, -1.0]
+"#;
+
+fn serve(dir: &Path, redis: &RedisServer) -> Server {
+    let config = dir.join("quiver.toml");
+    let text = format!("{GROUPS_TOML}\n[feed]\nredis = \"{}\"\nblock_ms = 50\ncheck_interval_ms = 100\n", redis.url());
+    std::fs::write(&config, text).unwrap();
+    Server::start_with(dir, &["--config", config.to_str().unwrap(), "--shards", "1", "--backend", "f32"])
+}
+
+fn request(card: u64, merchant: u64, ads: &[u64]) -> RequestSpec {
+    RequestSpec {
+        request_id: 1,
+        budget_us: 1_000_000,
+        context: vec![0.5],
+        groups: vec![
+            ("card".into(), GroupKeySpec::Ids(vec![card])),
+            ("merchant".into(), GroupKeySpec::Ids(vec![merchant])),
+            ("ad".into(), GroupKeySpec::Ids(ads.to_vec())),
+        ],
+        ..RequestSpec::default()
+    }
+}
+
+fn logit(card: [f32; 2], merchant: f32, ad: [f32; 2]) -> f32 {
+    card[0] + 2.0 * card[1] + 4.0 * merchant + ad[0] - ad[1] + 0.5
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn assert_scores(r: &Response, want: &[f32]) {
+    assert_eq!((r.status, r.error.as_str()), (Status::Ok, ""));
+    assert_eq!(r.scores.len(), want.len());
+    for (g, w) in r.scores.iter().zip(want) {
+        assert!((g - sigmoid(*w)).abs() < 1e-5, "{:?} against logits {want:?}", r.scores);
+    }
+}
+
+fn publish(redis: &RedisServer, group: &str, rows: &[(u64, Vec<f32>)]) {
+    Publisher::new(redis.conn()).unwrap().put_many(group, rows, |_, _| {}).unwrap();
+}
+
+/// Asks until `done` holds for the answer (the refresher applies changes
+/// in the background).
+fn until(c: &mut Client, spec: &RequestSpec, what: &str, done: impl Fn(&Response) -> bool) -> Response {
+    let deadline = Instant::now() + common::WAIT;
+    loop {
+        let r = c.score(spec).unwrap();
+        if done(&r) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "{what}: last answer {r:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn every_group_is_synced_followed_and_kept_across_restarts_and_kill_9() {
+    let mut redis = RedisServer::start();
+    publish(&redis, "card", &[(1, vec![1.0, 0.0]), (2, vec![0.5, 0.25])]);
+    publish(&redis, "merchant", &[(10, vec![0.125]), (11, vec![-0.5])]);
+    publish(&redis, "ad", &[(100, vec![1.0, 0.5]), (101, vec![0.0, 2.0])]);
+    let dir = scratch("groups-feed");
+    write_model(&dir);
+    let mut server = serve(&dir, &redis);
+    for g in ["card", "merchant", "ad"] {
+        assert!(dir.join(format!("{g}.qrep")).exists(), "{g}: a replica file per group");
+    }
+    let mut c = server.client();
+    let spec = request(2, 10, &[100, 101, 999]);
+    let r = c.score(&spec).unwrap();
+    let want = |card, merchant| {
+        [logit(card, merchant, [1.0, 0.5]), logit(card, merchant, [0.0, 2.0]), logit(card, merchant, [-1.0, -1.0])]
+    };
+    assert_scores(&r, &want([0.5, 0.25], 0.125));
+    assert_eq!(r.features_missing, 1, "ad 999 is unknown: its group's default row");
+
+    // Follow: a change in any group reaches the next requests.
+    publish(&redis, "card", &[(2, vec![2.0, 1.0])]);
+    let r =
+        until(&mut c, &spec, "the card update", |r| (r.scores[0] - sigmoid(want([2.0, 1.0], 0.125)[0])).abs() < 1e-5);
+    assert_scores(&r, &want([2.0, 1.0], 0.125));
+    Publisher::new(redis.conn()).unwrap().delete("merchant", 10).unwrap();
+    let r = until(&mut c, &spec, "the merchant deletion", |r| r.features_missing == 2);
+    assert_scores(&r, &want([2.0, 1.0], 0.0));
+
+    // A restart serves the files at once, as they were.
+    assert_eq!(server.terminate(), 0);
+    let mut server = serve(&dir, &redis);
+    let mut c = server.client();
+    let r = c.score(&spec).unwrap();
+    assert_scores(&r, &want([2.0, 1.0], 0.0));
+
+    // kill -9, a change while down: the next start catches up from its
+    // checkpoint.
+    server.child.kill().unwrap();
+    let _ = server.child.wait();
+    publish(&redis, "merchant", &[(10, vec![1.0])]);
+    let server = serve(&dir, &redis);
+    let mut c = server.client();
+    let r = until(&mut c, &spec, "the change made while the server was down", |r| r.features_missing == 1);
+    assert_scores(&r, &want([2.0, 1.0], 1.0));
+
+    // Redis comes back empty: every group's resync is held and the last
+    // known rows keep answering.
+    redis.restart();
+    server.wait_stats("every group held", |s| {
+        ["card", "merchant", "ad"].iter().all(|g| s.feed.iter().any(|f| f.group == *g && f.resync_held))
+    });
+    let r = c.score(&spec).unwrap();
+    assert_scores(&r, &want([2.0, 1.0], 1.0));
+    assert!(r.features_stale, "held groups are flagged stale");
+}
+
+#[test]
+fn a_file_or_a_model_that_does_not_fit_the_groups_is_refused_at_start_up() {
+    use quiver::features::replica::ReplicaBuilder;
+    let dir = scratch("groups-misfit");
+    write_model(&dir);
+    let build = |name: &str, dim: u32, keys: Option<u32>| {
+        let mut b = ReplicaBuilder::new(name, dim);
+        if let Some(k) = keys {
+            b = b.str_keys(k).unwrap();
+        }
+        b.write(&dir.join(format!("{name}.qrep"))).unwrap();
+    };
+    build("card", 2, None);
+    build("merchant", 1, None);
+    build("ad", 2, None);
+    let config = dir.join("quiver.toml");
+    let start = |toml: &str| {
+        std::fs::write(&config, toml).unwrap();
+        common::run_quiver([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "off",
+            "--data-dir",
+            dir.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--shards",
+            "1",
+        ])
+    };
+    // The file holds u64 keys; the configuration says strings.
+    let strings = GROUPS_TOML.replacen("name = \"card\"", "name = \"card\"\nkey = \"string\"", 1);
+    let (code, _, err) = start(&strings);
+    assert_ne!(code, 0);
+    assert!(err.contains("group 'card' is configured with string keys of up to 64 bytes, its replica"), "{err}");
+    // A width other than the file's.
+    let (code, _, err) = start(&GROUPS_TOML.replacen("width = 1", "width = 3", 1));
+    assert_ne!(code, 0);
+    assert!(err.contains("group 'merchant' is configured 3 wide"), "{err}");
+    // The model reads a group the configuration lacks.
+    let no_merchant = GROUPS_TOML.replacen("[[groups]]\nname = \"merchant\"\nwidth = 1\n", "", 1);
+    let (code, _, err) = start(&no_merchant);
+    assert_ne!(code, 0);
+    assert!(err.contains("reads feature group 'merchant', which this server does not serve"), "{err}");
+    // ... or reads it at another scope.
+    let (code, _, err) = start(&GROUPS_TOML.replacen("scope = \"candidate\"", "scope = \"request\"", 1));
+    assert_ne!(code, 0);
+    assert!(err.contains("reads group 'ad' once per candidate, the server keys it once per request"), "{err}");
+}
