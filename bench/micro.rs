@@ -5,6 +5,10 @@
 //!   one at a time and batched with prefetch.
 //! - `request`: the whole `RequestPath::handle` (decode → lookup → INT8 MLP
 //!   → encode) on the demo data, and the protocol floor.
+//! - `keys`: string keys against u64 keys (the same 1M rows × 32 floats
+//!   keyed both ways, 1 + 32 lookups one by one and batched), and the fraud
+//!   shape: five request-scope lookups in five groups, two of them by
+//!   string key, against the auction-32 shape's 1 + 32.
 //!
 //! Seeded and deterministic. `bench/run.sh` runs these and quotes medians.
 
@@ -130,6 +134,129 @@ fn replica_bench(c: &mut Criterion) {
     g.finish();
 }
 
+/// A device fingerprint as the fraud shape's string keys are: 16 hex
+/// characters, distinct per id.
+fn fingerprint(id: u64) -> String {
+    format!("{:016x}", id.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+fn string_table(name: &str, rows: u64, dim: u32) -> Replica {
+    let path = scratch("keys").join(format!("{name}.qrep"));
+    if Replica::open(&path, name).map(|r| r.header().row_count).ok() != Some(rows) {
+        let mut b = ReplicaBuilder::new(name, dim).str_keys(64).unwrap();
+        let mut rng = SplitMix64::new(9);
+        let mut v = vec![0.0f32; dim as usize];
+        for id in 0..rows {
+            v.iter_mut().for_each(|x| *x = rng.normal());
+            b.push_str(fingerprint(id * 2).as_bytes(), &v).unwrap();
+        }
+        b.write(&path).unwrap();
+    }
+    Replica::open(&path, name).unwrap()
+}
+
+fn u64_table(name: &str, rows: u64, dim: u32) -> Replica {
+    let path = scratch("keys").join(format!("{name}.qrep"));
+    if Replica::open(&path, name).map(|r| r.header().row_count).ok() != Some(rows) {
+        let mut b = ReplicaBuilder::new(name, dim);
+        let mut rng = SplitMix64::new(9);
+        let mut v = vec![0.0f32; dim as usize];
+        for id in 0..rows {
+            v.iter_mut().for_each(|x| *x = rng.normal());
+            b.push(id * 2, &v).unwrap();
+        }
+        b.write(&path).unwrap();
+    }
+    Replica::open(&path, name).unwrap()
+}
+
+fn keys_bench(c: &mut Criterion) {
+    let ids = big_table();
+    let strs = string_table("device", TABLE_ROWS, DIM);
+    let mut rng = SplitMix64::new(11);
+    let sets: Vec<Vec<u64>> = (0..4096).map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect()).collect();
+    let str_sets: Vec<Vec<String>> = sets.iter().map(|s| s.iter().map(|&id| fingerprint(id)).collect()).collect();
+    let mut out = vec![0.0f32; 33 * DIM as usize];
+    let mut rows = vec![0u32; 33];
+    let mut hashes = vec![0u64; 33];
+    let mut g = c.benchmark_group("keys 1M x 32 f32");
+    g.throughput(Throughput::Elements(33));
+    let mut i = 0;
+    g.bench_function("1+32 u64 lookups, one by one", |b| {
+        b.iter(|| {
+            i = (i + 1) % sets.len();
+            let mut missing = 0;
+            for (k, dst) in sets[i].iter().zip(out.chunks_exact_mut(DIM as usize)) {
+                missing += usize::from(!ids.read_into(*k, dst));
+            }
+            black_box(missing)
+        })
+    });
+    g.bench_function("1+32 string lookups, one by one", |b| {
+        b.iter(|| {
+            i = (i + 1) % str_sets.len();
+            let mut missing = 0;
+            for (k, dst) in str_sets[i].iter().zip(out.chunks_exact_mut(DIM as usize)) {
+                missing += usize::from(!strs.read_str_into(k.as_bytes(), dst));
+            }
+            black_box(missing)
+        })
+    });
+    g.bench_function("1+32 u64 lookups, batched", |b| {
+        b.iter(|| {
+            i = (i + 1) % sets.len();
+            black_box(ids.read_many_into(&sets[i], &mut rows, &mut out))
+        })
+    });
+    g.bench_function("1+32 string lookups, batched", |b| {
+        b.iter(|| {
+            i = (i + 1) % str_sets.len();
+            let keys = str_sets[i].iter().map(|k| k.as_bytes());
+            black_box(strs.read_many_str_into(keys, &mut hashes, &mut rows, &mut out))
+        })
+    });
+    g.finish();
+
+    // The fraud shape: card, account and merchant by u64, device and ip by
+    // string, one row each, 8 floats wide; populations as a fraud team's.
+    let card = u64_table("card", 1_000_000, 8);
+    let account = u64_table("account", 500_000, 8);
+    let merchant = u64_table("merchant", 50_000, 8);
+    let device = string_table("fdevice", 1_000_000, 8);
+    let ip = string_table("fip", 1_000_000, 8);
+    let draws: Vec<[u64; 5]> = (0..4096)
+        .map(|_| {
+            [
+                rng.below(1_000_000) * 2,
+                rng.below(500_000) * 2,
+                rng.below(50_000) * 2,
+                rng.below(1_000_000) * 2,
+                rng.below(1_000_000) * 2,
+            ]
+        })
+        .collect();
+    let draws_str: Vec<[String; 2]> = draws.iter().map(|d| [fingerprint(d[3]), fingerprint(d[4])]).collect();
+    let mut row = vec![0.0f32; 5 * 8];
+    let mut g = c.benchmark_group("request-scope lookups");
+    g.throughput(Throughput::Elements(5));
+    g.bench_function("fraud shape: 3 u64 + 2 string keys, 8 floats each", |b| {
+        b.iter(|| {
+            i = (i + 1) % draws.len();
+            let (d, s) = (&draws[i], &draws_str[i]);
+            let mut missing = 0;
+            let mut parts = row.chunks_exact_mut(8);
+            for (table, key) in [(&card, d[0]), (&account, d[1]), (&merchant, d[2])] {
+                missing += usize::from(!table.read_into(key, parts.next().unwrap()));
+            }
+            for (table, key) in [(&device, &s[0]), (&ip, &s[1])] {
+                missing += usize::from(!table.read_str_into(key.as_bytes(), parts.next().unwrap()));
+            }
+            black_box(missing)
+        })
+    });
+    g.finish();
+}
+
 fn request_bench(c: &mut Criterion) {
     let dir = scratch("demo");
     demo::ensure(&dir).unwrap();
@@ -206,6 +333,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = wire_bench, replica_bench, request_bench
+    targets = wire_bench, replica_bench, keys_bench, request_bench
 }
 criterion_main!(benches);

@@ -18,12 +18,14 @@ use quiver::deadline::{Clock, MonotonicClock};
 use quiver::features::replica::{ReplicaBuilder, ReplicaHandle};
 use quiver::infer::{self, StageConfig};
 use quiver::metrics::Readiness;
-use quiver::model::{InputSegment, Layer, Model, Source};
+use quiver::features::groups::{Absent, Scope};
+use quiver::model::layout::GroupFit;
+use quiver::model::{GroupName, InputSegment, Layer, Model, Source};
 use quiver::registry::{Fit, Registry};
 use quiver::request::admission::{AdmissionConfig, ClientUsage, Peer};
 use quiver::request::{Handled, Limits, RequestPath, Shared, SharedGroup};
 use quiver::score::BackendKind;
-use quiver::wire::{self, RequestEncoder, RequestSpec, Status, Tier, FRAME_PREFIX_BYTES};
+use quiver::wire::{self, GroupKeySpec, RequestEncoder, RequestSpec, Status, Tier, FRAME_PREFIX_BYTES};
 
 /// Counts allocations (not frees) while `COUNTING` is set: all threads'
 /// in `ALLOCATIONS`, this thread's in `MINE`.
@@ -108,6 +110,15 @@ fn shared(name: &str) -> Shared {
     i.push(10, &[2.0]).unwrap();
     i.push(11, &[0.5]).unwrap();
     i.write(&dir.join("item.qrep")).unwrap();
+    // Feature groups beyond user and item: string keys at request scope,
+    // u64 keys at candidate scope.
+    let mut d = ReplicaBuilder::new("device", 1).str_keys(16).unwrap();
+    d.push_str(b"f7a9c2", &[0.5]).unwrap();
+    d.write(&dir.join("device.qrep")).unwrap();
+    let mut a = ReplicaBuilder::new("ad", 1);
+    a.push(100, &[0.25]).unwrap();
+    a.write(&dir.join("ad.qrep")).unwrap();
+    let group = |name: &str, scope| Source::Group { name: GroupName::new(name).unwrap(), scope };
     let model = Model {
         name: "m".into(),
         version: 1,
@@ -115,19 +126,27 @@ fn shared(name: &str) -> Shared {
             InputSegment { source: Source::Item, dim: 1 },
             InputSegment { source: Source::Context, dim: 1 },
             InputSegment { source: Source::User, dim: 2 },
+            InputSegment { source: group("device", Scope::Request), dim: 1 },
+            InputSegment { source: group("ad", Scope::Candidate), dim: 1 },
         ],
-        layers: vec![Layer::quantize(4, 1, false, vec![1.0, 2.0, 1.0, -1.0], vec![0.0])],
+        layers: vec![Layer::quantize(6, 1, false, vec![1.0, 2.0, 1.0, -1.0, 1.0, 1.0], vec![0.0])],
         calibration: None,
         graph: None,
         onnx: None,
     };
-    let fit = Fit::user_item(2, 1, 256);
+    let mut groups = SharedGroup::user_item(
+        Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
+        Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+    );
+    for (name, scope) in [("device", Scope::Request), ("ad", Scope::Candidate)] {
+        let handle = Arc::new(ReplicaHandle::open(&dir.join(format!("{name}.qrep")), name).unwrap());
+        groups.push(SharedGroup { name: name.into(), scope, absent: Absent::Reject, handle });
+    }
+    let mut fit = Fit::user_item(2, 1, 256);
+    fit.groups.extend(groups[2..].iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: 1 }));
     Shared {
         registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, ROWS_MAX).unwrap()),
-        groups: SharedGroup::user_item(
-            Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
-            Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
-        ),
+        groups,
         canary_group: "user".into(),
         limits: Limits { candidates_max: ROWS_MAX, ..Limits::default() },
         backend: BackendKind::F32,
@@ -145,7 +164,8 @@ fn shared(name: &str) -> Shared {
 }
 
 /// Request frames, encoded ahead: users known and unknown, one to four
-/// candidates (one unknown), with and without context.
+/// candidates (one unknown), with and without context, a device by string
+/// key (known or not) and each candidate's ad.
 fn frames(n: u64) -> Vec<Vec<u8>> {
     let mut encoder = RequestEncoder::new();
     (0..n)
@@ -158,6 +178,10 @@ fn frames(n: u64) -> Vec<Vec<u8>> {
                 user_id: i % 4,
                 item_ids: [10, 11, 12, 10][..1 + (i % 4) as usize].to_vec(),
                 context: if i % 3 == 0 { Vec::new() } else { vec![0.25] },
+                groups: vec![
+                    ("device".into(), GroupKeySpec::Strs(vec![["f7a9c2", "unknown"][(i % 2) as usize].into()])),
+                    ("ad".into(), GroupKeySpec::Ids([100, 101, 100, 102][..1 + (i % 4) as usize].to_vec())),
+                ],
                 ..RequestSpec::default()
             };
             let mut frame = Vec::new();

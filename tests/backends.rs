@@ -133,6 +133,27 @@ fn mlps() -> Vec<Arc<Model>> {
     v.into_iter().map(Arc::new).collect()
 }
 
+/// `model` (80 inputs) reading feature groups whose scopes interleave:
+/// a candidate-scope group, a request-scope one, another candidate-scope
+/// one, then the context, so the per-request columns are not one run.
+fn interleaved_groups(mut model: Model) -> Model {
+    use quiver::features::groups::Scope;
+    use quiver::model::{GroupName, InputSegment, Source};
+    assert_eq!(model.input_dim(), 80);
+    let group = |name: &str, scope, dim| InputSegment {
+        source: Source::Group { name: GroupName::new(name).unwrap(), scope },
+        dim,
+    };
+    model.name = "interleaved-groups".into();
+    model.inputs = vec![
+        group("ad", Scope::Candidate, 16),
+        group("card", Scope::Request, 16),
+        group("creative", Scope::Candidate, 32),
+        InputSegment { source: Source::Context, dim: 16 },
+    ];
+    model
+}
+
 /// `model` calibrated by max-abs on 2048 seeded normal rows (so the test
 /// rows, drawn alike, rarely leave the ranges): INT8's static path, FP8's
 /// calibrated activation scales.
@@ -301,7 +322,7 @@ fn check_missing_values(spec: &Spec) {
 /// rows (a shard's call). Backends that compute the per-request part once
 /// must give the same numbers.
 fn check_requests(spec: &Spec) {
-    let models: Vec<Arc<Model>> = [quiver::loadgen::demo::model()]
+    let models: Vec<Arc<Model>> = [quiver::loadgen::demo::model(), interleaved_groups(quiver::loadgen::demo::model())]
         .into_iter()
         .map(Arc::new)
         .chain(graphs().into_iter().map(|(m, _)| m))
