@@ -15,6 +15,9 @@ a ``ScoreRequest`` frame in, a ``ScoreResponse`` frame with the same
     with Client("127.0.0.1:7411") as c:
         r = c.score(user_id=42, item_ids=[1, 2, 3], budget_us=5000)
         print(r.scores, r.tier.name, r.model_version)
+        # Feature groups by name: one key for a request-scope group, one
+        # per candidate for a candidate-scope group.
+        r = c.score(groups={"card": 42, "device": "f7a9c2", "ad": [1, 2, 3]})
 """
 
 from .aio import AsyncClient
@@ -22,6 +25,8 @@ from .client import Client, parse_address
 from .codec import (
     DEFAULT_LIMITS,
     FRAME_PREFIX_BYTES,
+    GROUPS_MAX,
+    KEY_BYTES_MAX,
     FrameReader,
     Limits,
     Request,
@@ -56,7 +61,9 @@ __all__ = [
     "DeadlineExceeded",
     "FRAME_PREFIX_BYTES",
     "FrameReader",
+    "GROUPS_MAX",
     "Internal",
+    "KEY_BYTES_MAX",
     "Limits",
     "ModelNotFound",
     "Overloaded",

@@ -9,7 +9,12 @@ and any other event loop share it.
 Requests are checked here against the server's documented limits (1 to
 ``candidates_max`` candidates, context lengths, ``frame_bytes_max``) and
 raise ``ValueError`` before a byte is sent: the server would answer
-``BadRequest``, or, for an oversized frame, close the connection.
+``BadRequest``, or, for an oversized frame, close the connection. Feature
+group keys (``Request.groups``) are checked for what holds on every server
+(at most 16 groups, named, each one key type, string keys of 1 to 64 UTF-8
+bytes); what depends on the server's ``[[groups]]`` (a group's name, scope,
+key type, key length limit) only the server can check, and it answers
+``BadRequest`` naming the group.
 
 The Python FlatBuffers runtime has no verifier, so decoding a response
 catches the errors a malformed buffer raises and reports them as
@@ -20,11 +25,13 @@ from __future__ import annotations
 
 import operator
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import flatbuffers
 
+from ._generated.quiver.wire import GroupKeys as _group
 from ._generated.quiver.wire import ScoreRequest as _req
 from ._generated.quiver.wire import ScoreResponse as _resp
 from .enums import Reason, Status, Tier
@@ -36,6 +43,18 @@ except ImportError:  # numpy is an optional extra
     np = None
 
 FRAME_PREFIX_BYTES = 4
+#: Most ``groups`` entries one request may carry (the server's bound on
+#: feature groups; ``REQUEST_GROUPS_MAX`` in src/wire/mod.rs).
+GROUPS_MAX = 16
+#: Longest string key any group accepts, in UTF-8 bytes; a group's own
+#: ``key_bytes_max`` may be lower (``KEY_BYTES_MAX`` in the replica format).
+KEY_BYTES_MAX = 64
+
+#: One group's keys: a bare key (request-scope groups), or a sequence of
+#: ints, of strs/bytes, or an integer numpy array.
+GroupKeysArg = Union[int, str, bytes, Sequence[int], Sequence[Union[str, bytes]], Any]
+#: ``Request.groups``: group name to keys, or (name, keys) pairs in order.
+GroupsArg = Union[Mapping, Sequence[Tuple[str, GroupKeysArg]]]
 
 
 @dataclass(frozen=True)
@@ -64,10 +83,23 @@ class Request:
     ``item_ids`` and ``context_ids`` take lists of ints or integer numpy
     arrays; ``context`` a list of floats or a numpy array (sent as float32).
     ``request_id`` None lets the client pick a free id.
+
+    ``groups`` names feature groups and their keys (``GroupKeys`` on the
+    wire): a mapping of group name to keys, or (name, keys) pairs. Ints
+    (or an integer numpy array) are a u64-keyed group's ids; strs (or
+    UTF-8 bytes) a string-keyed group's keys. A request-scope group takes
+    one key, which may be given bare; a candidate-scope group one key per
+    candidate::
+
+        Request(groups={"card": 42, "device": "f7a9c2", "ad": [1, 2, 3]})
+
+    The groups ``user`` and ``item`` take ``user_id`` and ``item_ids`` when
+    ``groups`` does not name them. The candidate count is ``item_ids``'
+    length, else the longest key list in ``groups``.
     """
 
-    user_id: int
-    item_ids: Sequence[int]
+    user_id: int = 0
+    item_ids: Sequence[int] = ()
     context: Sequence[float] = ()
     context_ids: Sequence[int] = ()
     model: str = ""
@@ -75,6 +107,7 @@ class Request:
     priority: int = 0
     client_id: int = 0
     request_id: Optional[int] = None
+    groups: Optional[GroupsArg] = None
 
 
 @dataclass
@@ -158,6 +191,113 @@ def _floats(name: str, values: Any) -> Any:
     return out
 
 
+def _is_int(value: Any) -> bool:
+    """An int-like key (int, numpy integer), not a bool."""
+    if isinstance(value, bool) or (np is not None and isinstance(value, np.bool_)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _str_key(group: str, key: Union[str, bytes]) -> str:
+    """A string key, checked: 1 to ``KEY_BYTES_MAX`` bytes of UTF-8."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+        try:
+            key = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"group '{group}': key {raw!r} is not UTF-8") from None
+    n = len(key.encode("utf-8"))
+    if not 1 <= n <= KEY_BYTES_MAX:
+        raise ValueError(f"group '{group}': a key of {n} bytes; keys are 1 to {KEY_BYTES_MAX} bytes")
+    return key
+
+
+def _group_keys(group: str, keys: Any) -> Tuple[str, Any]:
+    """One group's keys as ("ids", u64 list or array) or ("keys", list of str).
+
+    ``TypeError`` for a key that is neither int nor str/bytes (bools
+    included) or for ints and strings mixed in one group.
+    """
+    if isinstance(keys, bool) or (np is not None and isinstance(keys, np.bool_)):
+        raise TypeError(f"group '{group}': key {keys!r} is a bool; keys are ints or strings")
+    if isinstance(keys, (str, bytes, bytearray, memoryview)) or _is_int(keys):
+        keys = [keys]  # one bare key
+    if np is not None and isinstance(keys, np.ndarray) and keys.dtype.kind in "iub":
+        if keys.dtype.kind == "b":
+            raise TypeError(f"group '{group}': keys must be ints or strings, got dtype {keys.dtype}")
+        return "ids", _ids(f"group '{group}'", keys)
+    if np is not None and isinstance(keys, np.ndarray):
+        if keys.ndim != 1:
+            raise ValueError(f"group '{group}' keys must be one-dimensional, got shape {keys.shape}")
+        keys = keys.tolist()
+    if isinstance(keys, (Mapping, set, frozenset)):
+        raise TypeError(f"group '{group}': keys must be a sequence (in candidate order), got {type(keys).__name__}")
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise TypeError(
+            f"group '{group}': keys must be ints, strings or a sequence of them, got {type(keys).__name__}"
+        ) from None
+    if not keys:
+        raise ValueError(f"group '{group}' has no keys: a group takes one key, or one per candidate")
+    kinds = set()
+    for k in keys:
+        if _is_int(k):
+            kinds.add("int")
+        elif isinstance(k, (str, bytes, bytearray, memoryview)):
+            kinds.add("str")
+        else:
+            raise TypeError(f"group '{group}': key {k!r} is a {type(k).__name__}; keys are ints or strings")
+    if len(kinds) > 1:
+        raise TypeError(f"group '{group}' mixes int and string keys: a group has one key type")
+    if kinds == {"int"}:
+        ids = [operator.index(k) for k in keys]
+        bad = next((k for k in ids if not 0 <= k < 1 << 64), None)
+        if bad is not None:
+            raise ValueError(f"group '{group}': key {bad} is outside the u64 range")
+        return "ids", ids
+    return "keys", [_str_key(group, k) for k in keys]
+
+
+def _groups(groups: Any, limits: Limits) -> List[Tuple[str, str, Any]]:
+    """``Request.groups`` checked: (name, "ids" or "keys", keys) in order."""
+    if groups is None:
+        return []
+    if isinstance(groups, Mapping):
+        pairs: Iterable[Any] = groups.items()
+    elif isinstance(groups, (str, bytes)):
+        raise TypeError("groups must map group names to keys, or be (name, keys) pairs")
+    else:
+        pairs = groups
+    out = []
+    seen = set()
+    for pair in pairs:
+        try:
+            name, keys = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"groups must map group names to keys, or be (name, keys) pairs; got {pair!r}") from None
+        if not isinstance(name, str):
+            raise TypeError(f"a group name must be a str, got {type(name).__name__}")
+        if not name:
+            raise ValueError("a group name is empty")
+        if name in seen:
+            raise ValueError(f"feature group '{name}' is named twice")
+        seen.add(name)
+        kind, values = _group_keys(name, keys)
+        if len(values) > limits.candidates_max:
+            raise ValueError(
+                f"group '{name}' carries {len(values)} keys, above the limit of {limits.candidates_max} candidates"
+            )
+        out.append((name, kind, values))
+    if len(out) > GROUPS_MAX:
+        raise ValueError(f"{len(out)} feature groups exceed the limit of {GROUPS_MAX}")
+    return out
+
+
 def _vector(b: flatbuffers.Builder, values: Any, width: int, prepend: Any) -> int:
     if np is not None and isinstance(values, np.ndarray):
         return b.CreateNumpyVector(values)
@@ -170,8 +310,10 @@ def _vector(b: flatbuffers.Builder, values: Any, width: int, prepend: Any) -> in
 def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """One request frame (prefix included), or ``ValueError`` if a limit is broken.
 
-    Like the Rust encoder, ``item_ids`` is always written and ``model``,
-    ``context`` and ``context_ids`` only when not empty.
+    Like the Rust encoder, ``item_ids`` is written unless it is empty and
+    ``groups`` is not, and ``model``, ``context``, ``context_ids`` and
+    ``groups`` only when not empty. ``TypeError`` for a field of the wrong
+    type (a bool key, ints and strings mixed in one group).
     """
     request_id = _check_range("request_id", request_id, 64)
     user_id = _check_range("user_id", request.user_id, 64)
@@ -183,8 +325,9 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     items = _ids("item_ids", request.item_ids)
     context = _floats("context", request.context)
     context_ids = _ids("context_ids", request.context_ids)
-    if len(items) == 0:
-        raise ValueError("a request needs at least one candidate: item_ids is empty")
+    groups = _groups(request.groups, limits)
+    if len(items) == 0 and not groups:
+        raise ValueError("a request needs at least one candidate: item_ids is empty and groups names none")
     if len(items) > limits.candidates_max:
         raise ValueError(f"{len(items)} candidates exceed the limit of {limits.candidates_max}")
     if len(context) > limits.context_len_max:
@@ -192,11 +335,19 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     if len(context_ids) > limits.context_len_max:
         raise ValueError(f"{len(context_ids)} context ids exceed the limit of {limits.context_len_max}")
 
-    b = flatbuffers.Builder(128 + 8 * len(items) + 4 * len(context) + 8 * len(context_ids) + len(request.model))
+    # A first guess at the size; the builder grows past it when needed.
+    group_bytes = sum(
+        32 + len(name) + (8 * len(keys) if kind == "ids" else sum(8 + len(k.encode()) for k in keys))
+        for name, kind, keys in groups
+    )
+    b = flatbuffers.Builder(
+        128 + 8 * len(items) + 4 * len(context) + 8 * len(context_ids) + len(request.model) + group_bytes
+    )
     model = b.CreateString(request.model) if request.model else None
-    items_at = _vector(b, items, 8, b.PrependUint64)
+    items_at = _vector(b, items, 8, b.PrependUint64) if len(items) or not groups else None
     context_at = _vector(b, context, 4, b.PrependFloat32) if len(context) else None
     ids_at = _vector(b, context_ids, 8, b.PrependUint64) if len(context_ids) else None
+    groups_at = _encode_groups(b, groups) if groups else None
     _req.Start(b)
     _req.AddRequestId(b, request_id)
     if model is not None:
@@ -205,16 +356,45 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     _req.AddPriority(b, priority)
     _req.AddClientId(b, client_id)
     _req.AddUserId(b, user_id)
-    _req.AddItemIds(b, items_at)
+    if items_at is not None:
+        _req.AddItemIds(b, items_at)
     if context_at is not None:
         _req.AddContext(b, context_at)
     if ids_at is not None:
         _req.AddContextIds(b, ids_at)
+    if groups_at is not None:
+        _req.AddGroups(b, groups_at)
     b.Finish(_req.End(b))
     payload = bytes(b.Output())
     if len(payload) > limits.frame_bytes_max:
         raise ValueError(f"request frame of {len(payload)} bytes exceeds the limit of {limits.frame_bytes_max}")
     return struct.pack("<I", len(payload)) + payload
+
+
+def _encode_groups(b: flatbuffers.Builder, groups: List[Tuple[str, str, Any]]) -> int:
+    """The ``groups`` vector: one GroupKeys table per group, in order."""
+    tables = []
+    for name, kind, keys in groups:
+        name_at = b.CreateString(name)
+        if kind == "ids":
+            ids_at, keys_at = _vector(b, keys, 8, b.PrependUint64), None
+        else:
+            strings = [b.CreateString(k) for k in keys]
+            b.StartVector(4, len(strings), 4)
+            for at in reversed(strings):
+                b.PrependUOffsetTRelative(at)
+            ids_at, keys_at = None, b.EndVector()
+        _group.Start(b)
+        _group.AddGroup(b, name_at)
+        if ids_at is not None:
+            _group.AddIds(b, ids_at)
+        if keys_at is not None:
+            _group.AddKeys(b, keys_at)
+        tables.append(_group.End(b))
+    b.StartVector(4, len(tables), 4)
+    for at in reversed(tables):
+        b.PrependUOffsetTRelative(at)
+    return b.EndVector()
 
 
 def split_frames(buf: Union[bytes, bytearray, memoryview], frame_bytes_max: int) -> Tuple[List[bytes], int]:

@@ -4,7 +4,8 @@
 address from its "quiver listening on ADDR" line, as the Rust tests'
 harness does; ``stop`` ends it by PID. ``FakeServer`` is a scripted
 in-process peer for what a real server does only by chance (answers in
-reverse order, silence, a closed connection).
+reverse order, silence, a closed connection). ``build_replica`` and
+``build_linear_model`` make the files of a server with ``[[groups]]``.
 """
 
 from __future__ import annotations
@@ -14,16 +15,30 @@ import queue
 import socket
 import struct
 import subprocess
+import sys
 import threading
+import zlib
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import flatbuffers
 import pytest
 
+import quiver_client._generated.quiver as _fb_quiver
+import quiver_client._generated.quiver.wire as _fb_wire
+import quiver_client._generated.quiver.wire.GroupKeys as _fb_group_keys
 from quiver_client import FrameReader, Request, Response
 from quiver_client._generated.quiver.wire import ScoreRequest as fb_req
 from quiver_client._generated.quiver.wire import ScoreResponse as fb_resp
+
+# flatc's Python accessor for a nested table (``ScoreRequest.Groups(j)``)
+# imports it by the schema's namespace, ``quiver.wire.GroupKeys``, which
+# exists only where the bindings are a top-level package. The client only
+# writes GroupKeys; the tests read them back, so they alias the vendored
+# modules under that name.
+sys.modules.setdefault("quiver", _fb_quiver)
+sys.modules.setdefault("quiver.wire", _fb_wire)
+sys.modules.setdefault("quiver.wire.GroupKeys", _fb_group_keys)
 
 REPO = Path(__file__).resolve().parents[3]
 QUIVER_BIN = Path(os.environ.get("QUIVER_BIN", REPO / "target" / "release" / "quiver"))
@@ -36,6 +51,44 @@ CANDIDATES = 32
 BIG_BUDGET_US = 1_000_000
 #: Requests per pipelining test.
 N = 1000
+
+# The server with feature groups (conftest's ``group_server``): each group's
+# rows (key to a one-float row), its default row, and its string key limit
+# (None: u64 keys). The rows are far apart, so a score names the rows read.
+GROUP_ROWS = {
+    "card": ({42: [100.0], 43: [200.0]}, [900.0], None),
+    "device": ({"f7a9c2": [10.0], "caf\u00e9-\u2615": [20.0]}, [90.0], 16),
+    "ad": ({1: [1.0], 2: [2.0], 3: [3.0]}, [9.0], None),
+}
+GROUP_BIAS = 0.25
+GROUP_CONFIG = """\
+backend = "f32"
+
+[[groups]]
+name = "card"
+scope = "request"
+
+[[groups]]
+name = "device"
+scope = "request"
+key = "string"
+key_bytes_max = 16
+
+[[groups]]
+name = "ad"
+scope = "candidate"
+"""
+
+
+def group_score(card, device, ads) -> List[float]:
+    """The group server's scores: card's row + device's row + each ad's
+    row + GROUP_BIAS, with each group's default row for an unknown key."""
+
+    def row(group, key):
+        rows, default, _ = GROUP_ROWS[group]
+        return rows.get(key, default)[0]
+
+    return [f32(row("card", card) + row("device", device) + row("ad", ad) + GROUP_BIAS) for ad in ads]
 
 
 def numpy_or_skip():
@@ -288,3 +341,96 @@ def dead_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return "127.0.0.1:%d" % s.getsockname()[1]
+
+
+def request_groups(r) -> Dict[str, Union[List[int], List[str]]]:
+    """A decoded ScoreRequest's ``groups``: name to its ids or its string keys.
+
+    Asserts that each entry carries exactly one of the two vectors.
+    """
+    out: Dict[str, Union[List[int], List[str]]] = {}
+    for j in range(r.GroupsLength()):
+        g = r.Groups(j)
+        assert g.IdsIsNone() != g.KeysIsNone(), "a group carries ids or keys, not both or neither"
+        if g.KeysIsNone():
+            out[g.Group().decode()] = [g.Ids(i) for i in range(g.IdsLength())]
+        else:
+            out[g.Group().decode()] = [g.Keys(i).decode() for i in range(g.KeysLength())]
+    return out
+
+
+# Replica superblock (docs/REPLICA.md): the group name in bytes 40..56,
+# zero-padded, then the default row's CRC, then a CRC-32 of bytes 0..60.
+_NAME_AT, _NAME_BYTES, _CRC_AT = 40, 16, 60
+
+
+def build_replica(
+    quiver_bin: Path,
+    out: Path,
+    group: str,
+    rows: Dict[Union[int, str], Sequence[float]],
+    default: Sequence[float],
+    key_bytes: Optional[int] = None,
+) -> None:
+    """A replica file for ``group`` with ``rows`` and the ``default`` row.
+
+    ``quiver replica build`` (the text format of docs/REPLICA.md) names
+    only the groups ``user`` and ``item``, so the file is built as
+    ``user`` and the group name in its superblock rewritten, its header CRC
+    with it; ``quiver replica inspect --group`` then checks the file as
+    the server will open it.
+    """
+    assert 1 <= len(group.encode()) <= _NAME_BYTES
+    text = out.with_suffix(".txt")
+    lines = ["default," + ",".join(repr(float(v)) for v in default)]
+    lines += [f"{k}," + ",".join(repr(float(v)) for v in row) for k, row in rows.items()]
+    text.write_text("\n".join(lines) + "\n")
+    args = [str(quiver_bin), "replica", "build", "--group", "user", "--input", str(text), "--out", str(out)]
+    if key_bytes is not None:
+        args += ["--key-bytes", str(key_bytes)]
+    subprocess.run(args, check=True, capture_output=True, timeout=60)
+    with open(out, "r+b") as f:
+        head = bytearray(f.read(64))
+        assert head[_NAME_AT : _NAME_AT + 4] == b"user", "the superblock's layout changed: see docs/REPLICA.md"
+        head[_NAME_AT : _NAME_AT + _NAME_BYTES] = group.encode().ljust(_NAME_BYTES, b"\0")
+        head[_CRC_AT:64] = struct.pack("<I", zlib.crc32(bytes(head[:_CRC_AT])))
+        f.seek(0)
+        f.write(head)
+    inspect = subprocess.run(
+        [str(quiver_bin), "replica", "inspect", "--group", group, "--file", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert inspect.returncode == 0 and f"rows {len(rows)}" in inspect.stdout, inspect.stdout + inspect.stderr
+
+
+def build_linear_model(quiver_bin: Path, out: Path, inputs: str, weights: Sequence[float], bias: float) -> None:
+    """A model file scoring ``bias + weights · x`` (raw, no sigmoid), ``x``
+    being the input row ``inputs`` (``quiver import --inputs``) lays out.
+
+    Built as a one-layer ONNX graph with the ``onnx`` package (CI installs
+    it for the model zoo's fixtures) and imported with ``quiver import``.
+    """
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    n = len(weights)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["score"])],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        [
+            helper.make_tensor("w", TensorProto.FLOAT, [n, 1], [float(v) for v in weights]),
+            helper.make_tensor("b", TensorProto.FLOAT, [1], [float(bias)]),
+        ],
+    )
+    model = helper.make_model(graph, producer_name="quiver-python-tests", opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    src = out.with_suffix(".onnx")
+    onnx.save(model, str(src))
+    done = subprocess.run(
+        [str(quiver_bin), "import", "--onnx", str(src), "--out", str(out), "--name", "fraud", "--version", "1",
+         "--inputs", inputs, "--output-kind", "raw"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+import re
 import struct
 
 import pytest
 
 import quiver_client as q
-from helpers import encode_response, f32, f32_bits, numpy_or_skip
+from helpers import encode_response, f32, f32_bits, numpy_or_skip, request_groups
 from quiver_client._generated.quiver.wire import ScoreRequest as fb_req
 
 
@@ -94,6 +95,86 @@ def test_limits_follow_the_configured_server():
     q.encode_request(big, 1, q.Limits(candidates_max=512))
     with pytest.raises(ValueError):
         q.encode_request(q.Request(user_id=1, item_ids=[1, 2, 3]), 1, q.Limits(candidates_max=2))
+
+
+def test_groups_round_trip_with_bare_keys_lists_and_bytes():
+    req = q.Request(groups={"card": 42, "device": "f7a9c2", "ad": [1, 2**64 - 1, 3], "shop": [b"s-1", "caf\u00e9"]})
+    r = parse(q.encode_request(req, 11))
+    assert request_groups(r) == {"card": [42], "device": ["f7a9c2"], "ad": [1, 2**64 - 1, 3], "shop": ["s-1", "caf\u00e9"]}
+    # Groups in the order given; user_id 0 and item_ids left out, as the Rust encoder does.
+    assert [r.Groups(j).Group() for j in range(r.GroupsLength())] == [b"card", b"device", b"ad", b"shop"]
+    assert (r.RequestId(), r.UserId()) == (11, 0)
+    assert r.ItemIdsIsNone() and r.ContextIsNone() and r.Model() is None
+
+
+def test_groups_beside_the_old_fields_and_as_pairs():
+    req = q.Request(7, [5, 6], model="fraud", groups=[("ad", (8, 9)), ("user", [7])])
+    r = parse(q.encode_request(req, 1))
+    assert (r.UserId(), [r.ItemIds(j) for j in range(r.ItemIdsLength())], r.Model()) == (7, [5, 6], b"fraud")
+    assert list(request_groups(r).items()) == [("ad", [8, 9]), ("user", [7])]
+    # No groups, or an empty mapping: the field is left out.
+    assert parse(q.encode_request(q.Request(1, [5]), 1)).GroupsIsNone()
+    assert parse(q.encode_request(q.Request(1, [5], groups={}), 1)).GroupsIsNone()
+
+
+def test_numpy_group_keys_encode_the_same_bytes_as_lists():
+    np = numpy_or_skip()
+    as_list = q.Request(groups={"card": 4, "ad": [9, 8, 7], "device": ["a", "b"]})
+    as_np = q.Request(groups={"card": np.uint64(4), "ad": np.array([9, 8, 7], dtype=np.int32), "device": np.array(["a", "b"])})
+    assert q.encode_request(as_list, 5) == q.encode_request(as_np, 5)
+    with pytest.raises(ValueError, match="group 'ad' holds a negative id"):
+        q.encode_request(q.Request(groups={"ad": np.array([1, -1])}), 1)
+    with pytest.raises(TypeError, match="group 'ad': keys must be ints or strings, got dtype bool"):
+        q.encode_request(q.Request(groups={"ad": np.array([True, False])}), 1)
+
+
+def test_group_limits_at_the_edge_are_accepted():
+    keys = {f"g{i}": i for i in range(q.GROUPS_MAX)}
+    keys["g0"] = "k" * q.KEY_BYTES_MAX
+    keys["g1"] = "\u00e9" * (q.KEY_BYTES_MAX // 2)  # 64 bytes of UTF-8
+    keys["g2"] = list(range(256))
+    r = parse(q.encode_request(q.Request(groups=keys), 1))
+    assert r.GroupsLength() == 16 and request_groups(r)["g1"] == ["\u00e9" * 32]
+
+
+@pytest.mark.parametrize(
+    "groups, error, message",
+    [
+        ({"ad": [1, "x"]}, TypeError, "group 'ad' mixes int and string keys"),
+        ({"": 1}, ValueError, "a group name is empty"),
+        ({3: 1}, TypeError, "a group name must be a str, got int"),
+        ({"card": True}, TypeError, "group 'card': key True is a bool"),
+        ({"ad": [1, False]}, TypeError, "group 'ad': key False is a bool"),
+        ({"device": "k" * 65}, ValueError, "group 'device': a key of 65 bytes; keys are 1 to 64 bytes"),
+        ({"device": "\u00e9" * 33}, ValueError, "a key of 66 bytes"),
+        ({"device": ""}, ValueError, "group 'device': a key of 0 bytes"),
+        ({"device": b"\xff\xfe"}, ValueError, "group 'device': key b'\\xff\\xfe' is not UTF-8"),
+        ({f"g{i}": 1 for i in range(17)}, ValueError, "17 feature groups exceed the limit of 16"),
+        ({"ad": []}, ValueError, "group 'ad' has no keys"),
+        ({"ad": [1.5]}, TypeError, "group 'ad': key 1.5 is a float"),
+        ({"card": 2.0}, TypeError, "group 'card': keys must be ints, strings or a sequence of them, got float"),
+        ({"ad": {1, 2}}, TypeError, "group 'ad': keys must be a sequence"),
+        ({"card": -1}, ValueError, "group 'card': key -1 is outside the u64 range"),
+        ({"card": 2**64}, ValueError, "outside the u64 range"),
+        ({"ad": list(range(257))}, ValueError, "group 'ad' carries 257 keys, above the limit of 256 candidates"),
+        ([("card", 1), ("card", 2)], ValueError, "feature group 'card' is named twice"),
+        ([("card",)], TypeError, "groups must map group names to keys, or be"),
+        ("card", TypeError, "groups must map group names to keys"),
+    ],
+)
+def test_group_keys_are_checked_before_sending(groups, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        q.encode_request(q.Request(groups=groups), 1)
+
+
+def test_a_request_needs_item_ids_or_groups():
+    with pytest.raises(ValueError, match="item_ids is empty and groups names none"):
+        q.encode_request(q.Request(), 1)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        q.encode_request(q.Request(user_id=3, groups={}), 1)
+    # The candidate limit holds for item_ids beside groups, too.
+    with pytest.raises(ValueError, match="257 candidates"):
+        q.encode_request(q.Request(item_ids=list(range(257)), groups={"card": 1}), 1)
 
 
 def test_response_frames_split_byte_by_byte():
