@@ -1,8 +1,9 @@
 """Session fixtures: the demo data and the ``quiver serve`` processes.
 
 The servers are started once per session (inline inference, and
-``--inference thread`` for out-of-order answers) and stopped by PID in a
-``finally``, so a failing test cannot leave one running.
+``--inference thread`` for out-of-order answers; one with ``[[groups]]``
+for feature group keys) and stopped by PID in a ``finally``, so a failing
+test cannot leave one running.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import quiver_client as q
-from helpers import N, QUIVER_BIN, QuiverServer, demo_request
+from helpers import GROUP_BIAS, GROUP_CONFIG, GROUP_ROWS, N, QUIVER_BIN, QuiverServer, build_linear_model, build_replica
+from helpers import demo_request
 
 
 def pytest_report_header(config):
@@ -88,3 +90,18 @@ def tls_server(demo_dir, tmp_path_factory, tls_cert):
     """``quiver serve --tls-cert/--tls-key``: the scoring port speaks TLS only."""
     yield from _server(demo_dir, tmp_path_factory, "tls", "--tls-cert", str(tls_cert),
                        "--tls-key", str(tls_cert.with_suffix(".key")))
+
+
+@pytest.fixture(scope="session")
+def group_server(tmp_path_factory, quiver_bin):
+    """``quiver serve`` with the ``[[groups]]`` of ``helpers.GROUP_CONFIG``
+    (card: u64 per request, device: string keys of up to 16 bytes per
+    request, ad: u64 per candidate; each must be sent) and a model scoring
+    the sum of their rows plus ``GROUP_BIAS`` (``helpers.group_score``)."""
+    d = tmp_path_factory.mktemp("groups")
+    for name, (rows, default, key_bytes) in GROUP_ROWS.items():
+        build_replica(quiver_bin, d / f"{name}.qrep", name, rows, default, key_bytes)
+    build_linear_model(quiver_bin, d / "model.qm", "card:1,device:1,ad@candidate:1", [1.0, 1.0, 1.0], GROUP_BIAS)
+    config = d / "quiver.toml"
+    config.write_text(GROUP_CONFIG)
+    yield from _server(d, tmp_path_factory, "groups-serve", "--config", str(config))

@@ -434,3 +434,104 @@ def build_linear_model(quiver_bin: Path, out: Path, inputs: str, weights: Sequen
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# A request the group server scores: card 42, device "f7a9c2", ads 1, 2, 3.
+GROUP_REQUEST = {"card": 42, "device": "f7a9c2", "ad": [1, 2, 3]}
+
+# Requests the group server answers BadRequest, and the start of its error
+# text: each check of the request path's keys_by_group and assemble.
+GROUP_ERRORS = [
+    pytest.param(dict(groups={**GROUP_REQUEST, "shop": 1}), "unknown feature group 'shop'", id="unknown-group"),
+    pytest.param(
+        dict(groups={**GROUP_REQUEST, "card": "42"}),
+        "group 'card' is keyed by u64 ids, the request sends string keys",
+        id="strings-for-u64",
+    ),
+    pytest.param(
+        dict(groups={**GROUP_REQUEST, "device": 7}),
+        "group 'device' is keyed by strings, the request sends u64 ids",
+        id="ids-for-strings",
+    ),
+    pytest.param(
+        dict(groups={**GROUP_REQUEST, "device": "k" * 17}),
+        "group 'device': a key of 17 bytes; keys are 1 to 16 bytes",
+        id="key-too-long",
+    ),
+    pytest.param(
+        dict(groups={**GROUP_REQUEST, "card": [42, 43]}),
+        "group 'card' takes one key per request, the request sends 2",
+        id="two-keys-per-request",
+    ),
+    pytest.param(
+        dict(item_ids=[5, 6, 7, 8], groups=GROUP_REQUEST),
+        "group 'ad' takes one key per candidate: 3 keys for 4 candidates",
+        id="keys-per-candidate",
+    ),
+    pytest.param(
+        dict(groups={"card": 42, "ad": [1, 2]}),
+        "the model reads feature group 'device', and the request carries no key for it",
+        id="group-missing",
+    ),
+    pytest.param(
+        dict(user_id=42, item_ids=[1, 2]),
+        "the model reads feature group 'card', and the request carries no key for it",
+        id="old-request",
+    ),
+]
+
+
+def raw_request_frame(request_id: int, groups) -> bytes:
+    """A ScoreRequest frame with ``groups`` as (name, ids or None, keys or
+    None) entries, written as given: what the client refuses to send (a
+    group named twice) for the server to answer."""
+    b = flatbuffers.Builder(256)
+    tables = []
+    for name, ids, keys in groups:
+        name_at = b.CreateString(name)
+        ids_at = keys_at = None
+        if ids is not None:
+            _fb_group_keys.StartIdsVector(b, len(ids))
+            for v in reversed(ids):
+                b.PrependUint64(v)
+            ids_at = b.EndVector()
+        if keys is not None:
+            strings = [b.CreateString(k) for k in keys]
+            _fb_group_keys.StartKeysVector(b, len(strings))
+            for s in reversed(strings):
+                b.PrependUOffsetTRelative(s)
+            keys_at = b.EndVector()
+        _fb_group_keys.Start(b)
+        _fb_group_keys.AddGroup(b, name_at)
+        if ids_at is not None:
+            _fb_group_keys.AddIds(b, ids_at)
+        if keys_at is not None:
+            _fb_group_keys.AddKeys(b, keys_at)
+        tables.append(_fb_group_keys.End(b))
+    fb_req.StartGroupsVector(b, len(tables))
+    for t in reversed(tables):
+        b.PrependUOffsetTRelative(t)
+    groups_at = b.EndVector()
+    fb_req.Start(b)
+    fb_req.AddRequestId(b, request_id)
+    fb_req.AddBudgetUs(b, BIG_BUDGET_US)
+    fb_req.AddGroups(b, groups_at)
+    b.Finish(fb_req.End(b))
+    payload = bytes(b.Output())
+    return struct.pack("<I", len(payload)) + payload
+
+
+def exchange_raw(addr: str, frame: bytes, timeout: float = 5.0) -> Response:
+    """Sends one frame on a fresh connection and decodes the one answer."""
+    from quiver_client import decode_response, parse_address
+
+    reader = FrameReader(1 << 20)
+    with socket.create_connection(parse_address(addr), timeout=timeout) as s:
+        s.sendall(frame)
+        while True:
+            data = s.recv(65536)
+            assert data, "the server closed the connection without answering"
+            payloads = reader.feed(data)
+            if payloads:
+                assert len(payloads) == 1
+                return decode_response(payloads[0])

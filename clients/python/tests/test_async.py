@@ -13,6 +13,7 @@ import pytest
 
 import quiver_client as q
 from helpers import N, FakeServer, demo_request, echo_answer, f32_bits, numpy_or_skip, same_bits, thread_batch
+from helpers import BIG_BUDGET_US, GROUP_ERRORS, GROUP_REQUEST, group_score
 
 
 def test_gather_pipelines_1000_calls_on_one_connection(server, singles):
@@ -141,5 +142,56 @@ def test_limits_are_checked_before_anything_is_sent():
     try:
         asyncio.run(main())
         assert fake.requests == 2
+    finally:
+        fake.close()
+
+
+def test_group_keys_pipelined_score_what_their_rows_imply(group_server):
+    cards, devices = [42, 43, 7], ["f7a9c2", "caf\u00e9-\u2615", "nobody"]
+    cases = [(card, device, [1 + k % 3 for k in range(i % 5 + 1)]) for i, (card, device) in
+             enumerate((c, d) for c in cards for d in devices)]
+
+    async def main():
+        async with q.AsyncClient(group_server.addr) as c:
+            return await asyncio.gather(
+                *(c.score(groups={"card": card, "device": device, "ad": ads}, budget_us=BIG_BUDGET_US)
+                  for card, device, ads in cases)
+            )
+
+    answers = asyncio.run(main())
+    for (card, device, ads), a in zip(cases, answers):
+        assert a.ok and f32_bits(a.scores) == f32_bits(group_score(card, device, ads)), (card, device, ads, a)
+        assert a.features_missing == (card == 7) + (device == "nobody")
+
+
+@pytest.mark.parametrize("fields, error", GROUP_ERRORS)
+def test_group_errors_are_bad_request_with_the_servers_message(group_server, fields, error):
+    async def main():
+        async with q.AsyncClient(group_server.addr) as c:
+            with pytest.raises(q.BadRequest) as e:
+                await c.score(budget_us=BIG_BUDGET_US, request_id=78, **fields)
+            assert e.value.error.startswith(error), e.value.error
+            assert e.value.request_id == 78
+            r = await c.score(budget_us=BIG_BUDGET_US, check=False, **fields)
+            assert r.status == q.Status.BAD_REQUEST and r.scores == []
+            assert (await c.score(groups=GROUP_REQUEST, budget_us=BIG_BUDGET_US)).ok
+
+    asyncio.run(main())
+
+
+def test_group_keys_are_checked_before_anything_is_sent():
+    fake = FakeServer()
+
+    async def main():
+        async with q.AsyncClient(fake.addr) as c:
+            with pytest.raises(TypeError, match="mixes int and string keys"):
+                await c.score(groups={"ad": [1, "x"]})
+            with pytest.raises(ValueError, match="a key of 65 bytes"):
+                await c.score_many([q.Request(groups={"card": 1}), q.Request(groups={"device": "k" * 65})])
+            assert c._pending == {}
+
+    try:
+        asyncio.run(main())
+        assert fake.requests == 0
     finally:
         fake.close()
