@@ -100,7 +100,12 @@ def test_limits_follow_the_configured_server():
 def test_groups_round_trip_with_bare_keys_lists_and_bytes():
     req = q.Request(groups={"card": 42, "device": "f7a9c2", "ad": [1, 2**64 - 1, 3], "shop": [b"s-1", "caf\u00e9"]})
     r = parse(q.encode_request(req, 11))
-    assert request_groups(r) == {"card": [42], "device": ["f7a9c2"], "ad": [1, 2**64 - 1, 3], "shop": ["s-1", "caf\u00e9"]}
+    assert request_groups(r) == {
+        "card": [42],
+        "device": ["f7a9c2"],
+        "ad": [1, 2**64 - 1, 3],
+        "shop": ["s-1", "caf\u00e9"],
+    }
     # Groups in the order given; user_id 0 and item_ids left out, as the Rust encoder does.
     assert [r.Groups(j).Group() for j in range(r.GroupsLength())] == [b"card", b"device", b"ad", b"shop"]
     assert (r.RequestId(), r.UserId()) == (11, 0)
@@ -120,7 +125,9 @@ def test_groups_beside_the_old_fields_and_as_pairs():
 def test_numpy_group_keys_encode_the_same_bytes_as_lists():
     np = numpy_or_skip()
     as_list = q.Request(groups={"card": 4, "ad": [9, 8, 7], "device": ["a", "b"]})
-    as_np = q.Request(groups={"card": np.uint64(4), "ad": np.array([9, 8, 7], dtype=np.int32), "device": np.array(["a", "b"])})
+    as_np = q.Request(
+        groups={"card": np.uint64(4), "ad": np.array([9, 8, 7], dtype=np.int32), "device": np.array(["a", "b"])}
+    )
     assert q.encode_request(as_list, 5) == q.encode_request(as_np, 5)
     with pytest.raises(ValueError, match="group 'ad' holds a negative id"):
         q.encode_request(q.Request(groups={"ad": np.array([1, -1])}), 1)
@@ -165,6 +172,16 @@ def test_group_limits_at_the_edge_are_accepted():
 def test_group_keys_are_checked_before_sending(groups, error, message):
     with pytest.raises(error, match=re.escape(message)):
         q.encode_request(q.Request(groups=groups), 1)
+
+
+def test_group_keys_count_toward_the_frame_limit():
+    # 16 groups of 256 keys of 64 bytes: about 300 KB, over the 64 KiB frame.
+    big = {f"g{i}": [f"{k:064d}" for k in range(256)] for i in range(16)}
+    with pytest.raises(ValueError, match="exceeds the limit of 65536"):
+        q.encode_request(q.Request(groups=big), 1)
+    frame = q.encode_request(q.Request(groups=big), 1, q.Limits(frame_bytes_max=1 << 20))
+    assert len(frame) > 16 * 256 * 64
+    assert request_groups(parse(frame))["g15"][255] == f"{255:064d}"
 
 
 def test_a_request_needs_item_ids_or_groups():
