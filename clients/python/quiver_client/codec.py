@@ -229,7 +229,10 @@ def _group_keys(group: str, keys: Any) -> Tuple[str, Any]:
     if np is not None and isinstance(keys, np.ndarray) and keys.dtype.kind in "iub":
         if keys.dtype.kind == "b":
             raise TypeError(f"group '{group}': keys must be ints or strings, got dtype {keys.dtype}")
-        return "ids", _ids(f"group '{group}'", keys)
+        ids = _ids(f"group '{group}'", keys)
+        if not len(ids):
+            raise ValueError(f"group '{group}' has no keys: a group takes one key, or one per candidate")
+        return "ids", ids
     if np is not None and isinstance(keys, np.ndarray):
         if keys.ndim != 1:
             raise ValueError(f"group '{group}' keys must be one-dimensional, got shape {keys.shape}")

@@ -133,6 +133,10 @@ def test_numpy_group_keys_encode_the_same_bytes_as_lists():
         q.encode_request(q.Request(groups={"ad": np.array([1, -1])}), 1)
     with pytest.raises(TypeError, match="group 'ad': keys must be ints or strings, got dtype bool"):
         q.encode_request(q.Request(groups={"ad": np.array([True, False])}), 1)
+    with pytest.raises(ValueError, match="group 'ad' has no keys"):
+        q.encode_request(q.Request(groups={"ad": np.array([], dtype=np.uint64)}), 1)
+    with pytest.raises(ValueError, match="one-dimensional"):
+        q.encode_request(q.Request(groups={"ad": np.array([[1, 2]])}), 1)
 
 
 def test_group_limits_at_the_edge_are_accepted():
