@@ -19,7 +19,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
-use quiver::features::replica::{Replica, ReplicaBuilder, ReplicaHandle};
+use quiver::features::replica::{key_hash, Replica, ReplicaBuilder, ReplicaHandle};
 use quiver::loadgen::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
 use quiver::registry::{Fit, Registry};
@@ -175,7 +175,11 @@ fn keys_bench(c: &mut Criterion) {
     let strs = string_table("device", TABLE_ROWS, DIM);
     let mut rng = SplitMix64::new(11);
     let sets: Vec<Vec<u64>> = (0..4096).map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect()).collect();
-    let str_sets: Vec<Vec<String>> = sets.iter().map(|s| s.iter().map(|&id| fingerprint(id)).collect()).collect();
+    // Each set's keys side by side in memory, as a request frame holds them.
+    let str_sets: Vec<Vec<[u8; 16]>> = sets
+        .iter()
+        .map(|s| s.iter().map(|&id| fingerprint(id).into_bytes().try_into().expect("16 hex digits")).collect())
+        .collect();
     let mut out = vec![0.0f32; 33 * DIM as usize];
     let mut rows = vec![0u32; 33];
     let mut hashes = vec![0u64; 33];
@@ -197,7 +201,7 @@ fn keys_bench(c: &mut Criterion) {
             i = (i + 1) % str_sets.len();
             let mut missing = 0;
             for (k, dst) in str_sets[i].iter().zip(out.chunks_exact_mut(DIM as usize)) {
-                missing += usize::from(!strs.read_str_into(k.as_bytes(), dst));
+                missing += usize::from(!strs.read_str_into(k, dst));
             }
             black_box(missing)
         })
@@ -211,7 +215,7 @@ fn keys_bench(c: &mut Criterion) {
     g.bench_function("1+32 string lookups, batched", |b| {
         b.iter(|| {
             i = (i + 1) % str_sets.len();
-            let keys = str_sets[i].iter().map(|k| k.as_bytes());
+            let keys = str_sets[i].iter().map(|k| &k[..]);
             black_box(strs.read_many_str_into(keys, &mut hashes, &mut rows, &mut out))
         })
     });
@@ -243,6 +247,32 @@ fn keys_bench(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 1) % draws.len();
             let (d, s) = (&draws[i], &draws_str[i]);
+            let mut missing = 0;
+            let mut parts = row.chunks_exact_mut(8);
+            for (table, key) in [(&card, d[0]), (&account, d[1]), (&merchant, d[2])] {
+                missing += usize::from(!table.read_into(key, parts.next().unwrap()));
+            }
+            for (table, key) in [(&device, &s[0]), (&ip, &s[1])] {
+                missing += usize::from(!table.read_str_into(key.as_bytes(), parts.next().unwrap()));
+            }
+            black_box(missing)
+        })
+    });
+    g.bench_function("fraud shape, slots then rows prefetched across groups", |b| {
+        b.iter(|| {
+            i = (i + 1) % draws.len();
+            let (d, s) = (&draws[i], &draws_str[i]);
+            let hashes = [key_hash(s[0].as_bytes()), key_hash(s[1].as_bytes())];
+            card.prefetch_slot(d[0]);
+            account.prefetch_slot(d[1]);
+            merchant.prefetch_slot(d[2]);
+            device.prefetch_slot(hashes[0]);
+            ip.prefetch_slot(hashes[1]);
+            card.prefetch_row(d[0]);
+            account.prefetch_row(d[1]);
+            merchant.prefetch_row(d[2]);
+            device.prefetch_row(hashes[0]);
+            ip.prefetch_row(hashes[1]);
             let mut missing = 0;
             let mut parts = row.chunks_exact_mut(8);
             for (table, key) in [(&card, d[0]), (&account, d[1]), (&merchant, d[2])] {

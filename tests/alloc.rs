@@ -15,10 +15,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use quiver::deadline::{Clock, MonotonicClock};
+use quiver::features::groups::{Absent, Scope};
 use quiver::features::replica::{ReplicaBuilder, ReplicaHandle};
 use quiver::infer::{self, StageConfig};
 use quiver::metrics::Readiness;
-use quiver::features::groups::{Absent, Scope};
 use quiver::model::layout::GroupFit;
 use quiver::model::{GroupName, InputSegment, Layer, Model, Source};
 use quiver::registry::{Fit, Registry};
@@ -264,7 +264,7 @@ fn handle_and_complete_allocate_nothing_once_warm_in_thread_mode() {
         spin_us: 0,
         jobs_per_shard_max: 4,
         rows_per_job_max: ROWS_MAX,
-        row_dim_max: 4,
+        row_dim_max: 6,
         core: None,
         shares_core: false,
     };

@@ -16,7 +16,7 @@ use super::bearer;
 pub enum Command {
     /// Build a replica file from a text input file (see docs/REPLICA.md).
     Build {
-        /// Feature group name: `user` or `item`.
+        /// Feature group name (`user`, `item`, or any `[[groups]]` name).
         #[arg(long)]
         group: String,
         #[arg(long)]
@@ -83,9 +83,7 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
 pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
         Command::Build { group, input, out, storage, key_bytes } => {
-            if !matches!(group.as_str(), "user" | "item") {
-                return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
-            }
+            quiver::features::groups::check_name(&group).map_err(Error::Setup)?;
             let text =
                 std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
             let keys = key_bytes.map_or(KeyKind::U64, |bytes_max| KeyKind::Str { bytes_max });
@@ -103,9 +101,7 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             );
         }
         Command::Sync { redis, group, dim, out, storage, connections, buckets } => {
-            if !matches!(group.as_str(), "user" | "item") {
-                return Err(Error::Setup(format!("unknown group '{group}': use user or item")));
-            }
+            quiver::features::groups::check_name(&group).map_err(Error::Setup)?;
             if dim == 0 || dim > quiver::features::replica::DIM_MAX {
                 return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::features::replica::DIM_MAX)));
             }

@@ -236,6 +236,26 @@ pub(super) fn assemble(
     let mut missing = 0u32;
     // One atomic load per group; the lookups below load no table.
     replicas.refresh();
+    // With several request-scope groups, every one of their rows starts
+    // loading before any is read, so the groups' cache misses overlap
+    // instead of queueing one after another (one group has nothing to
+    // overlap with: its lookup is left as it was).
+    let mut filed = [0u64; GROUPS_MAX];
+    let overlap = layout.groups.iter().filter(|s| s.scope == Scope::Request).count() > 1;
+    for seg in layout.groups.iter().filter(|s| overlap && s.scope == Scope::Request) {
+        filed[seg.group] = match keys[seg.group] {
+            Keys::One(id) => id,
+            Keys::Ids(v) | Keys::ItemIds(v) => v.get(0),
+            Keys::Strs(v) => key_hash(v.get(0).as_bytes()),
+            Keys::Absent => continue,
+        };
+        replicas.groups[seg.group].view.prefetch_slot(filed[seg.group]);
+    }
+    for seg in layout.groups.iter().filter(|s| overlap && s.scope == Scope::Request) {
+        if !matches!(keys[seg.group], Keys::Absent) {
+            replicas.groups[seg.group].view.prefetch_row(filed[seg.group]);
+        }
+    }
     for seg in &layout.groups {
         let g = &replicas.groups[seg.group];
         let (off, dim) = (seg.offset, seg.dim);

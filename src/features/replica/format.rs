@@ -193,6 +193,10 @@ pub fn key_hash(key: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(key)
 }
 
+/// Most words a string key takes in a row: its length, then
+/// [`KEY_BYTES_MAX`] bytes.
+pub const KEY_WORDS_MAX: usize = 1 + KEY_BYTES_MAX as usize / 4;
+
 /// Word `i` of a string key's row encoding: the length, then the bytes
 /// little-endian, zero-padded. Computed per word so that a lookup compares
 /// a stored key without building its encoding anywhere.

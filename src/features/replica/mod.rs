@@ -499,6 +499,20 @@ impl ReplicaView {
         self.tables[0].key_kind()
     }
 
+    /// Starts loading the index slot of `key` (a u64 key, or a string
+    /// key's [`key_hash`]), so lookups in several groups overlap.
+    #[inline]
+    pub fn prefetch_slot(&self, key: u64) {
+        self.table_of(key).prefetch_slot(key);
+    }
+
+    /// Finds `key` (as [`ReplicaView::prefetch_slot`] takes it) and starts
+    /// loading its row.
+    #[inline]
+    pub fn prefetch_row(&self, key: u64) {
+        self.table_of(key).prefetch_row(key);
+    }
+
     /// [`Replica::default_into`]: every part holds the group's one default.
     pub fn default_into(&self, out: &mut [f32]) {
         self.tables[0].default_into(out);

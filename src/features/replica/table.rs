@@ -14,9 +14,9 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::format::{
-    decode_checkpoint, decode_key, decode_superblock, encode_checkpoint, key_hash, key_word, row_crc, slot_of, Cursor,
-    Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, SLOT_BYTES,
-    SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+    decode_checkpoint, decode_key, decode_superblock, encode_checkpoint, encode_key, key_hash, row_crc, slot_of,
+    Cursor, Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, KEY_WORDS_MAX, ROW_HEADER_BYTES,
+    SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
 use super::ReplicaError;
 
@@ -547,6 +547,12 @@ impl Replica {
         let key_words = self.layout.key_words;
         let words = self.layout.payload_words;
         let payload = base + ROW_HEADER_BYTES + key_words * 4;
+        // The key's row words, built once: compared on every retry.
+        let mut want = [0u32; KEY_WORDS_MAX];
+        let want = &mut want[..key_words];
+        if key_words > 0 {
+            encode_key(str_key, want);
+        }
         for _ in 0..READ_RETRIES_MAX {
             let before = seq.load(Ordering::Acquire);
             if before.is_multiple_of(2) {
@@ -555,9 +561,9 @@ impl Replica {
                 // Built only when checking: its feature detection is not free per row.
                 let mut crc = CHECK.then(|| CrcFeed::new(row_key));
                 let mut same_key = true;
-                for i in 0..key_words {
+                for (i, &expected) in want.iter().enumerate() {
                     let w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
-                    same_key &= w == key_word(str_key, i);
+                    same_key &= w == expected;
                     if let Some(c) = &mut crc {
                         c.push(w);
                     }
