@@ -28,7 +28,7 @@ import sys
 
 # Sections copied in whole, in page order, from the results directory.
 SECTIONS = ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "tls_flood.md",
-            "ort_backend.md", "hedge.md", "int8_before_after.md", "ort_side_by_side.md"]
+            "ort_backend.md", "hedge.md", "int8_before_after.md", "ort_side_by_side.md", "lookups_before_after.md"]
 
 # A commit as the sections write it: a short hash in backticks, "+dirty" when
 # the tree had changes.
@@ -149,7 +149,8 @@ w("tree ensembles against lightgbm, xgboost, onnxruntime, treelite/tl2cgen and l
 w("and a tree model end to end (`bench/trees_serve.sh`), TLS on the scoring port (`bench/tls_cost.sh`,")
 w("`bench/tls_flood.sh`), onnxruntime as a backend (`bench/ort_backend.sh`), hedged requests (`bench/hedge.sh`),")
 w("replicas of 1M to 50M entities to size a node by (`bench/scale.sh`, `bench/scale_serve.sh`, `bench/sync_scale.sh`),")
-w("a Redis Cluster feed (`bench/cluster_feed.sh`) and two commits of the kernels (`bench/int8_before_after.sh`).")
+w("a Redis Cluster feed (`bench/cluster_feed.sh`), two commits of the kernels (`bench/int8_before_after.sh`) and of "
+  "the feature lookups (`bench/lookups_before_after.sh`).")
 w("A copied section is rendered only when its stated commit is one its results file records and was clean")
 w("(`python3 bench/report.py --check bench/results`). `docs/KERNELS.md` describes the INT8 kernels these time.\n")
 w("## Machine and method\n")
