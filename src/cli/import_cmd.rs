@@ -33,7 +33,8 @@ pub struct Args {
     /// Input layout: `user:32,item:32,context:16` takes the graph inputs in
     /// order (a single graph input, or a tree model's features, is split
     /// into consecutive segments); `user=u:32,item=i:32,context=c:16` names
-    /// the graph input of each.
+    /// the graph input of each. Any feature group may be named: `card:16`
+    /// is read once per request, `ad@candidate:12` once per candidate.
     #[arg(long)]
     inputs: quiver::model::onnx::InputMapping,
     /// The tensor holding the logit or the positive-class probability, when
