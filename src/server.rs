@@ -214,6 +214,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         token,
         refusals: Default::default(),
         http: Default::default(),
+        groups: groups.clone(),
     });
     let mut admins = Vec::new();
     for (listen, surface, name) in

@@ -573,6 +573,7 @@ mod tests {
             token: None,
             refusals: auth::Refusals::default(),
             http: Default::default(),
+            groups: Vec::new(),
         };
         state.refusals.record(1, None, "POST", "/drain");
         registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));

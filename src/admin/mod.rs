@@ -1,8 +1,9 @@
 //! The admin HTTP endpoint, on its own thread: `/metrics` (Prometheus text),
 //! `/healthz`, `/readyz`, `/stats.json` (for `quiver stats`), and
 //! `POST /drain` / `POST /undrain` to take the server out of rotation,
-//! model loads and rollbacks, and `POST /replica/{group}/accept` to accept a
-//! held resync.
+//! model loads and rollbacks, `POST /replica/{group}/accept` to accept a
+//! held resync, and `GET /features/{group}?key=K` to read one key's row as
+//! the shards serve it.
 //!
 //! It reads only what shards publish (`metrics::Board`) and the readiness
 //! flag; it never touches a shard. HTTP is served by hyper within fixed
@@ -11,10 +12,11 @@
 //! served twice: with its controls (`admin_listen`, behind a token where
 //! configured, see [`auth`]) and read-only (`metrics_listen`). Here: the
 //! listeners, routes and controls; `exposition` writes `/metrics`, `stats`
-//! builds `/stats.json`.
+//! builds `/stats.json`, `feature_row` answers `/features/{group}`.
 
 pub mod auth;
 mod exposition;
+pub mod feature_row;
 pub mod http;
 mod stats;
 
@@ -32,6 +34,7 @@ use crate::deadline::{Clock, MonotonicClock};
 use crate::infer::Faults;
 use crate::metrics::{Board, Readiness};
 use crate::registry::{Registry, RegistryError};
+use crate::request::SharedGroup;
 use http::{Answer, Head};
 
 /// What both listeners serve from.
@@ -49,6 +52,9 @@ pub struct AdminState {
     pub refusals: auth::Refusals,
     /// Both listeners' connection counters.
     pub http: Arc<http::Counters>,
+    /// The feature groups the shards serve, the same handles, for
+    /// `GET /features/{group}`.
+    pub groups: Vec<SharedGroup>,
 }
 
 /// Which routes a listener serves.
@@ -208,6 +214,11 @@ pub enum Route {
     ReplicaAccept {
         group: String,
     },
+    /// `GET /features/{group}?key=K`. A control, though it changes nothing:
+    /// it reads any entity's features, which only those holding the token
+    /// may. `Err`: why the request is refused (400), answered only past
+    /// the token check.
+    FeatureRow(Result<feature_row::RowQuery, String>),
     /// Answered with this status and text.
     Bad {
         code: u16,
@@ -244,6 +255,10 @@ pub fn route(method: &str, url: &str) -> Route {
         ("GET" | "HEAD", "/readyz") => Route::Readyz,
         ("GET" | "HEAD", "/stats.json") => Route::Stats,
         ("GET" | "HEAD", "/models") => Route::Models,
+        ("GET" | "HEAD", p) if p.starts_with("/features/") => match &p["/features/".len()..] {
+            group if group.contains('/') => Route::Bad { code: 404, why: feature_row::USAGE.into() },
+            group => Route::FeatureRow(feature_row::parse(group, query)),
+        },
         ("POST", "/drain") => Route::Drain,
         ("POST", "/undrain") => Route::Undrain,
         ("POST", "/faults") => Route::Faults { stage_delay_us: param("stage_delay_us").and_then(|v| v.parse().ok()) },
@@ -350,6 +365,11 @@ impl http::Handler for Endpoint {
                 let (code, body) = accept_resync(readiness, &group);
                 Answer::json(code, body)
             }
+            Route::FeatureRow(Err(why)) => Answer::text(400, format!("{why}\n")),
+            Route::FeatureRow(Ok(q)) => match feature_row::lookup(&self.state.groups, readiness, &q) {
+                Ok(row) => Answer::json(200, format!("{}\n", serde_json::to_string(&row).expect("a row serialises"))),
+                Err(e) => Answer::text(e.status(), format!("{e}\n")),
+            },
             Route::Model { name, action } => {
                 let outcome = match action {
                     ModelAction::Load { version } => registry.load(&name, version),
@@ -392,5 +412,14 @@ mod tests {
         assert_eq!(route("POST", "/replica/item/accept"), Route::ReplicaAccept { group: "item".into() });
         assert!(matches!(route("POST", "/replica//accept"), Route::Bad { code: 404, .. }));
         assert!(matches!(route("GET", "/drain"), Route::Bad { code: 404, .. }));
+        let row = route("GET", "/features/device?key=ab%20c");
+        let query = feature_row::RowQuery { group: "device".into(), key: b"ab c".to_vec() };
+        assert_eq!(row, Route::FeatureRow(Ok(query)));
+        assert!(row.is_control(), "reading an entity's features needs the token");
+        let no_key = route("GET", "/features/device");
+        assert!(matches!(&no_key, Route::FeatureRow(Err(why)) if why.starts_with("no key")));
+        assert!(no_key.is_control(), "a malformed lookup is refused only past the token");
+        assert!(matches!(route("GET", "/features/a/b?key=1"), Route::Bad { code: 404, .. }));
+        assert!(matches!(route("POST", "/features/user?key=1"), Route::Bad { code: 404, .. }));
     }
 }

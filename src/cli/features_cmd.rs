@@ -1,6 +1,8 @@
 //! `quiver features`: entity vectors written to and deleted from Redis, the
 //! source of truth the servers' replicas follow, one at a time or from a
-//! file.
+//! file; and `get`, one key's row as a running server serves it now (its
+//! admin route `GET /features/{group}?key=K`), the first question when a
+//! score looks wrong.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 use quiver::features::feed;
 use quiver::Error;
 
-use super::progress_bar;
+use super::{bearer, progress_bar};
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -41,6 +43,27 @@ pub enum Command {
         target: FeedTarget,
         #[arg(long)]
         input: PathBuf,
+    },
+    /// Print one key's row as a running server serves it now (its admin
+    /// route GET /features/<group>?key=K): the floats after decoding,
+    /// whether the key was found or the default row is served, the
+    /// group's staleness and last applied change. Exits 0 when found, 2
+    /// when the default row is served, 1 when no answer came back.
+    Get {
+        /// The server's admin address.
+        #[arg(long, default_value = "127.0.0.1:7412")]
+        admin: String,
+        #[arg(long)]
+        group: String,
+        /// A decimal id for a u64 group, the key's text for a string group.
+        #[arg(long, allow_hyphen_values = true)]
+        key: String,
+        /// Print the server's JSON answer unchanged.
+        #[arg(long)]
+        json: bool,
+        /// The admin bearer token file (the server's `admin_token_file`).
+        #[arg(long, visible_alias = "admin-token-file")]
+        token_file: Option<PathBuf>,
     },
 }
 
@@ -92,6 +115,7 @@ impl FeedTarget {
 pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     let publish_err = |e: feed::PublishError| Error::Feed(e.into());
     match cmd {
+        Command::Get { admin, group, key, json, token_file } => return get(&admin, &group, &key, json, token_file),
         Command::Put { target, id, values } => {
             let mut publisher = target.publisher()?;
             let seq = publisher.put(&target.group, id, &values).map_err(publish_err)?;
@@ -173,5 +197,128 @@ fn load_progress() -> impl FnMut(usize, usize) {
         }
         last = Some(now);
         eprintln!("{done}/{total} entities ({:.0}%)", 100.0 * done as f64 / total.max(1) as f64);
+    }
+}
+
+/// How long `features get` waits for the admin endpoint's answer.
+const GET_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `features get`: asks the admin endpoint, prints its answer, and exits 2
+/// when the server serves the default row for the key, so a script can
+/// tell "not in the replica" from "found" without parsing.
+fn get(admin: &str, group: &str, key: &str, json: bool, token_file: Option<PathBuf>) -> Result<ExitCode, Error> {
+    // Checked here, not only by the server, since it goes into the URL's path.
+    quiver::features::groups::check_name(group).map_err(Error::Setup)?;
+    let url = format!("http://{admin}/features/{group}?key={}", percent_encode(key.as_bytes()));
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().timeout_global(Some(GET_TIMEOUT)).http_status_as_error(false).build().into();
+    let mut req = agent.get(&url);
+    if let Some(a) = bearer(token_file.as_deref())? {
+        req = req.header("Authorization", a);
+    }
+    let mut resp = req.call().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    let code = resp.status().as_u16();
+    let body = resp.body_mut().read_to_string().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    if code != 200 {
+        return Err(Error::Setup(format!("{url}: {code}: {}", body.trim())));
+    }
+    let row: serde_json::Value = serde_json::from_str(&body).map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    let found = row["found"].as_bool().ok_or_else(|| Error::Setup(format!("{url}: no 'found' in {body}")))?;
+    if json {
+        print!("{body}");
+    } else {
+        print!("{}", render_row(&row, found));
+    }
+    Ok(if found { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// Every byte but RFC 3986's unreserved ones as `%XX`, so any key reaches
+/// the server as it was typed (a `+`, `&`, `%` or space included).
+fn percent_encode(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 3);
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The route's answer for a person: what the group is, whether the key was
+/// found, the row (index and value), then how current the group is.
+fn render_row(row: &serde_json::Value, found: bool) -> String {
+    let text = |k: &str| row[k].as_str().unwrap_or("?").to_string();
+    let mut out = format!(
+        "group {}: {} keys, {} scope, {} storage, width {}, a request without its key: {}\n",
+        text("group"),
+        text("key_type"),
+        text("scope"),
+        text("storage"),
+        row["width"],
+        text("absent"),
+    );
+    let key = match row["key_hex"].as_str() {
+        Some(hex) => format!("{:?} (bytes {hex})", text("key")),
+        None => format!("{:?}", text("key")),
+    };
+    if found {
+        out.push_str(&format!("key {key}: found\n"));
+    } else {
+        out.push_str(&format!("key {key}: NOT in the replica: the group's default row is served\n"));
+    }
+    out.push_str("index  value\n");
+    for (i, v) in row["row"].as_array().map(Vec::as_slice).unwrap_or_default().iter().enumerate() {
+        out.push_str(&format!("{i:>5}  {v}\n"));
+    }
+    match row["staleness_ms"].as_u64() {
+        Some(ms) => out.push_str(&format!("staleness {ms} ms (the replica follows redis)\n")),
+        None => out.push_str("staleness unknown: no [feed], the replica file is served as it is\n"),
+    }
+    let seq = &row["group_applied_seq"];
+    match row["group_change_unix_ms"].as_u64() {
+        Some(ms) => {
+            let now_ms =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+            let age_s = now_ms.saturating_sub(ms) as f64 / 1e3;
+            out.push_str(&format!(
+                "group's last applied change: {} UTC ({age_s:.1} s ago), seq {seq}; not this row's: replicas keep \
+                 no per-row time\n",
+                utc(ms)
+            ));
+        }
+        None => out.push_str(&format!("group's last applied change: none recorded (seq {seq})\n")),
+    }
+    out
+}
+
+/// Unix milliseconds as `YYYY-MM-DD hh:mm:ss.mmm` (proleptic Gregorian,
+/// UTC), by the days-to-civil conversion of Howard Hinnant's date library.
+fn utc(unix_ms: u64) -> String {
+    let (days, ms_of_day) = ((unix_ms / 86_400_000) as i64, unix_ms % 86_400_000);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s, ms) = (ms_of_day / 3_600_000, ms_of_day / 60_000 % 60, ms_of_day / 1000 % 60, ms_of_day % 1000);
+    format!("{year:04}-{month:02}-{day:02} {h:02}:{m:02}:{s:02}.{ms:03}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_encoded_and_times_are_utc() {
+        assert_eq!(percent_encode(b"a b+c/%&=~"), "a%20b%2Bc%2F%25%26%3D~");
+        assert_eq!(utc(0), "1970-01-01 00:00:00.000");
+        assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123");
+        assert_eq!(utc(1_764_892_842_500), "2025-12-05 00:00:42.500");
     }
 }
