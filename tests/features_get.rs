@@ -4,14 +4,19 @@
 //! u64 and string keys; the route refuses what it cannot answer with the
 //! right status, needs the admin token where one is set, and is not served
 //! on the read-only metrics listener; the CLI prints the row and exits 0
-//! when found, 2 when the default row is served, 1 on an error.
+//! when found, 2 when the default row is served, 1 on an error. A group
+//! that follows Redis answers its staleness and last applied change, and a
+//! change the feed applies is seen at once: the route reads the handle the
+//! feed writes and the shards read.
 
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{demo_dir, http_get, run_quiver, Server};
+use common::redis::RedisServer;
+use common::{demo_dir, http_get, run_quiver, Server, WAIT};
+use quiver::features::feed::Publisher;
 use quiver::features::replica::{Replica, ReplicaBuilder, Storage};
 
 const CARD_DEFAULT: [f32; 3] = [0.5, -0.5, 0.25];
@@ -284,4 +289,62 @@ fn the_lookup_needs_the_token_and_the_metrics_listener_has_none() {
         assert_eq!(code, 0, "{flag}: {out}{err}");
         assert!(out.contains("found"), "{out}");
     }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+/// The route's answer once the feed has applied change `seq` of `group`.
+fn row_after(admin: &str, group: &str, key: &[u8], seq: u64) -> serde_json::Value {
+    let until = Instant::now() + WAIT;
+    loop {
+        let row = row_of(admin, group, key);
+        if row["group_applied_seq"].as_u64().unwrap() >= seq {
+            return row;
+        }
+        assert!(Instant::now() < until, "change {seq} of {group} not applied within {WAIT:?}: {row}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_group_that_follows_redis_answers_its_staleness_last_change_and_live_row() {
+    let redis = RedisServer::start();
+    let dir = common::models_only_dir("features-get-feed");
+    let config = dir.join("q.toml");
+    std::fs::write(&config, format!("[feed]\nredis = \"{}\"\ninitial_sync_timeout_ms = 5000\n", redis.url())).unwrap();
+    let server = Server::start_with(&dir, &["--config", config.to_str().unwrap(), "--shards", "1"]);
+    let admin = server.admin.as_str();
+    let mut publisher = Publisher::new(redis.conn()).unwrap();
+
+    let v: Vec<f32> = (0..32).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let before_ms = now_ms();
+    let seq = publisher.put("user", 42, &v).unwrap();
+    let row = row_after(admin, "user", b"42", seq);
+    assert_eq!(row["found"], true, "{row}");
+    assert_eq!(floats(&row), v, "{row}");
+    assert_eq!(row["follows_redis"], true);
+    assert_eq!(row["group_applied_seq"], seq);
+    let staleness_ms = row["staleness_ms"].as_u64().expect("a followed group has a staleness");
+    assert!(staleness_ms < WAIT.as_millis() as u64, "{row}");
+    let change_ms = row["group_change_unix_ms"].as_u64().expect("a change was applied");
+    assert!(change_ms + 1_000 >= before_ms && change_ms <= now_ms() + 1_000, "{change_ms} vs {before_ms}: {row}");
+
+    // A write the feed applies is read at once; a delete serves the default row.
+    let w: Vec<f32> = v.iter().map(|x| -x).collect();
+    let seq = publisher.put("user", 42, &w).unwrap();
+    assert_eq!(floats(&row_after(admin, "user", b"42", seq)), w);
+    let seq = publisher.delete("user", 42).unwrap();
+    let gone = row_after(admin, "user", b"42", seq);
+    let never = row_of(admin, "user", b"43");
+    assert_eq!((gone["found"].as_bool(), never["found"].as_bool()), (Some(false), Some(false)), "{gone}");
+    assert_eq!(floats(&gone), floats(&never), "a deleted key reads the default row");
+
+    // The CLI says how current the group is and when it last changed.
+    let (code, out, err) = run_quiver(["features", "get", "--admin", admin, "--group", "user", "--key", "42"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(out.contains("ms (the replica follows redis)"), "{out}");
+    assert!(out.contains(" UTC (") && out.contains(&format!("seq {seq}")), "{out}");
+    assert!(out.contains("not this row's"), "{out}");
 }
