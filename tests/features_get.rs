@@ -177,6 +177,7 @@ fn rows_are_what_the_shards_read_and_errors_are_refused() {
     for (rest, why) in [
         ("card?key=abc", "not a decimal u64"),
         ("card?key=-1", "not a decimal u64"),
+        ("card?key=1%0A2", "\"1\\n2\" is not a decimal u64"),
         ("card?key=18446744073709551616", "not a decimal u64"),
         ("card", "no key"),
         ("card?id=7", "no key"),
@@ -188,6 +189,7 @@ fn rows_are_what_the_shards_read_and_errors_are_refused() {
         let (code, body) = http_get(&url(rest));
         assert_eq!(code, 400, "{rest}: {body}");
         assert!(body.contains(why), "{rest}: {body}");
+        assert_eq!(body.trim_end().lines().count(), 1, "one line: {body}");
     }
     let long = url(&format!("device?key={}", "k".repeat(65)));
     let (code, body) = http_get(&long);

@@ -120,7 +120,8 @@ pub struct FeatureRow {
 pub enum LookupError {
     #[error("no feature group '{name}': this server serves {served}")]
     UnknownGroup { name: String, served: String },
-    #[error("group '{group}' has u64 keys: '{key}' is not a decimal u64")]
+    /// The key quoted with escapes, so the answer stays one line.
+    #[error("group '{group}' has u64 keys: {key:?} is not a decimal u64")]
     NotU64 { group: String, key: String },
     #[error("group '{group}' has string keys of 1 to {bytes_max} bytes; this one is {len} bytes")]
     KeyLength { group: String, bytes_max: u32, len: usize },

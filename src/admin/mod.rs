@@ -304,7 +304,10 @@ struct Endpoint {
 
 impl http::Handler for Endpoint {
     fn blocks(&self, head: &Head) -> bool {
-        self.surface == Surface::Control && route(&head.method, &head.url).is_control()
+        // A row lookup is a few memory reads: answered at once, it is not
+        // queued behind model loads on the blocking threads.
+        let route = route(&head.method, &head.url);
+        self.surface == Surface::Control && route.is_control() && !matches!(route, Route::FeatureRow(_))
     }
 
     fn answer(&self, head: &Head) -> Answer {
