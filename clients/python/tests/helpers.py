@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import threading
-import zlib
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -359,11 +358,6 @@ def request_groups(r) -> Dict[str, Union[List[int], List[str]]]:
     return out
 
 
-# Replica superblock (docs/REPLICA.md): the group name in bytes 40..56,
-# zero-padded, then the default row's CRC, then a CRC-32 of bytes 0..60.
-_NAME_AT, _NAME_BYTES, _CRC_AT = 40, 16, 60
-
-
 def build_replica(
     quiver_bin: Path,
     out: Path,
@@ -372,30 +366,19 @@ def build_replica(
     default: Sequence[float],
     key_bytes: Optional[int] = None,
 ) -> None:
-    """A replica file for ``group`` with ``rows`` and the ``default`` row.
-
-    ``quiver replica build`` (the text format of docs/REPLICA.md) names
-    only the groups ``user`` and ``item``, so the file is built as
-    ``user`` and the group name in its superblock rewritten, its header CRC
-    with it; ``quiver replica inspect --group`` then checks the file as
-    the server will open it.
+    """A replica file for ``group`` with ``rows`` and the ``default`` row,
+    built by ``quiver replica build`` from the text format of
+    docs/REPLICA.md; ``quiver replica inspect --group`` then checks the file
+    as the server will open it.
     """
-    assert 1 <= len(group.encode()) <= _NAME_BYTES
     text = out.with_suffix(".txt")
     lines = ["default," + ",".join(repr(float(v)) for v in default)]
     lines += [f"{k}," + ",".join(repr(float(v)) for v in row) for k, row in rows.items()]
     text.write_text("\n".join(lines) + "\n")
-    args = [str(quiver_bin), "replica", "build", "--group", "user", "--input", str(text), "--out", str(out)]
+    args = [str(quiver_bin), "replica", "build", "--group", group, "--input", str(text), "--out", str(out)]
     if key_bytes is not None:
         args += ["--key-bytes", str(key_bytes)]
     subprocess.run(args, check=True, capture_output=True, timeout=60)
-    with open(out, "r+b") as f:
-        head = bytearray(f.read(64))
-        assert head[_NAME_AT : _NAME_AT + 4] == b"user", "the superblock's layout changed: see docs/REPLICA.md"
-        head[_NAME_AT : _NAME_AT + _NAME_BYTES] = group.encode().ljust(_NAME_BYTES, b"\0")
-        head[_CRC_AT:64] = struct.pack("<I", zlib.crc32(bytes(head[:_CRC_AT])))
-        f.seek(0)
-        f.write(head)
     inspect = subprocess.run(
         [str(quiver_bin), "replica", "inspect", "--group", group, "--file", str(out)],
         capture_output=True, text=True, timeout=60,
