@@ -19,8 +19,9 @@ pub enum Command {
     Put {
         #[command(flatten)]
         target: FeedTarget,
+        /// The entity: a u64 id, or with --key-bytes a string key.
         #[arg(long)]
-        id: u64,
+        id: String,
         /// The vector, comma-separated.
         #[arg(long, value_delimiter = ',', allow_hyphen_values = true, required = true)]
         values: Vec<f32>,
@@ -29,11 +30,12 @@ pub enum Command {
     Delete {
         #[command(flatten)]
         target: FeedTarget,
-        /// Ids to delete, comma-separated.
+        /// Ids (or with --key-bytes string keys) to delete, comma-separated.
         #[arg(long, value_delimiter = ',')]
-        id: Vec<u64>,
-        /// A file of ids to delete, one per line (`#` comments and blank
-        /// lines skipped); checked whole before the first delete.
+        id: Vec<String>,
+        /// A file of ids (or string keys) to delete, one per line (`#`
+        /// comments and blank lines skipped); checked whole before the
+        /// first delete.
         #[arg(long)]
         ids_from: Option<PathBuf>,
     },
@@ -85,6 +87,13 @@ pub struct FeedTarget {
     /// Approximate bound on the group's change stream (XADD MAXLEN ~).
     #[arg(long, default_value_t = feed::contract::STREAM_MAXLEN_DEFAULT)]
     stream_maxlen: u64,
+    /// The group is keyed by strings of up to this many bytes (1 to 64), as
+    /// `quiver replica build --key-bytes` keys a file: ids are then string
+    /// keys, and a load file's first field is the key as written. Default:
+    /// u64 ids. Redis records a group's key kind at its first write and
+    /// refuses a writer of the other.
+    #[arg(long)]
+    key_bytes: Option<u32>,
 }
 
 impl FeedTarget {
@@ -108,7 +117,19 @@ impl FeedTarget {
                 feed::Publisher::cluster(conn, buckets).map_err(feed::FeedError::from)?
             }
         };
-        Ok(publisher.with_stream_maxlen(self.stream_maxlen))
+        let kind = super::replica_cmd::key_kind(self.key_bytes)?;
+        Ok(publisher.with_stream_maxlen(self.stream_maxlen).with_key_kind(kind).map_err(feed::FeedError::from)?)
+    }
+
+    /// An entity named on the command line, of the group's key kind.
+    fn key(&self, text: &str) -> Result<feed::contract::EntityKeyBuf, Error> {
+        let kind = super::replica_cmd::key_kind(self.key_bytes)?;
+        match kind {
+            feed::contract::KeyKind::U64 => text.trim().parse().map(feed::contract::EntityKeyBuf::Id).map_err(|_| {
+                Error::Setup(format!("'{text}' is not a u64 id (give --key-bytes N for a string-keyed group)"))
+            }),
+            feed::contract::KeyKind::Str { .. } => Ok(feed::contract::EntityKeyBuf::Str(text.as_bytes().to_vec())),
+        }
     }
 }
 
@@ -117,27 +138,44 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
         Command::Get { admin, group, key, json, token_file } => return get(&admin, &group, &key, json, token_file),
         Command::Put { target, id, values } => {
+            let key = target.key(&id)?;
             let mut publisher = target.publisher()?;
-            let seq = publisher.put(&target.group, id, &values).map_err(publish_err)?;
-            println!("{} seq {seq}", publisher.layout().entity_key(&target.group, id));
-        }
-        Command::Delete { target, mut id, ids_from } => {
-            if let Some(path) = &ids_from {
-                id.extend(feed::load::read_ids(path)?);
+            let seq = match key.as_key() {
+                feed::contract::EntityKey::Id(id) => publisher.put(&target.group, id, &values),
+                feed::contract::EntityKey::Str(key) => publisher.put_str(&target.group, key, &values),
             }
-            match id.as_slice() {
+            .map_err(publish_err)?;
+            let entity = publisher.layout().key_of(&target.group, key.as_key());
+            println!("{} seq {seq}", String::from_utf8_lossy(&entity));
+        }
+        Command::Delete { target, id, ids_from } => {
+            let mut keys = id.iter().map(|text| target.key(text)).collect::<Result<Vec<_>, Error>>()?;
+            if let Some(path) = &ids_from {
+                match target.key_bytes {
+                    None => keys.extend(feed::load::read_ids(path)?.into_iter().map(feed::contract::EntityKeyBuf::Id)),
+                    Some(bytes_max) => keys.extend(
+                        feed::load::read_str_keys(path, bytes_max)?.into_iter().map(feed::contract::EntityKeyBuf::Str),
+                    ),
+                }
+            }
+            match keys.as_slice() {
                 [] => return Err(Error::Setup("nothing to delete: give --id or --ids-from".into())),
                 [one] => {
                     let mut publisher = target.publisher()?;
-                    let seq = publisher.delete(&target.group, *one).map_err(publish_err)?;
-                    println!("{} deleted, seq {seq}", publisher.layout().entity_key(&target.group, *one));
+                    let seq = match one.as_key() {
+                        feed::contract::EntityKey::Id(id) => publisher.delete(&target.group, id),
+                        feed::contract::EntityKey::Str(key) => publisher.delete_str(&target.group, key),
+                    }
+                    .map_err(publish_err)?;
+                    let entity = publisher.layout().key_of(&target.group, one.as_key());
+                    println!("{} deleted, seq {seq}", String::from_utf8_lossy(&entity));
                 }
                 many => {
                     let started = Instant::now();
                     let bar = indicatif::ProgressBar::new(many.len() as u64);
-                    let seq = target
-                        .publisher()?
-                        .delete_many(&target.group, many, |done, _| bar.set_position(done as u64))
+                    let mut publisher = target.publisher()?;
+                    let seq = publisher
+                        .delete_many_keyed(&target.group, many, |done, _| bar.set_position(done as u64))
                         .map_err(publish_err)?;
                     bar.finish_and_clear();
                     println!(

@@ -16,7 +16,8 @@ use super::bearer;
 pub enum Command {
     /// Build a replica file from a text input file (see docs/REPLICA.md).
     Build {
-        /// Feature group name (`user`, `item`, or any `[[groups]]` name).
+        /// Feature group name (`user`, `item`, or a named group: 1 to 16
+        /// ASCII letters, digits, '_' or '-').
         #[arg(long)]
         group: String,
         #[arg(long)]
@@ -54,6 +55,10 @@ pub enum Command {
         /// 16 on a cluster, the plain layout (one file) on one node.
         #[arg(long)]
         buckets: Option<u16>,
+        /// The group is keyed by strings of up to this many bytes (1 to 64),
+        /// as `quiver features --key-bytes` wrote it. Default: u64 ids.
+        #[arg(long)]
+        key_bytes: Option<u32>,
     },
     /// Verify a replica file and print its header.
     Inspect {
@@ -76,6 +81,26 @@ pub enum Command {
     },
 }
 
+/// A group name a replica file can carry and Redis keys can hold.
+fn check_group(group: &str) -> Result<(), Error> {
+    let max = quiver::features::replica::GROUP_NAME_BYTES_MAX;
+    if feed::contract::check_group(group).is_err() || group.len() > max {
+        return Err(Error::Setup(format!(
+            "group '{group}': use 1 to {max} ASCII letters, digits, '_' or '-' (user, item, or a named group)"
+        )));
+    }
+    Ok(())
+}
+
+/// The key kind `--key-bytes` names: absent, u64 ids.
+pub fn key_kind(key_bytes: Option<u32>) -> Result<KeyKind, Error> {
+    match key_bytes {
+        None => Ok(KeyKind::U64),
+        Some(bytes_max @ 1..=quiver::features::replica::KEY_BYTES_MAX) => Ok(KeyKind::Str { bytes_max }),
+        Some(bytes_max) => Err(quiver::features::replica::ReplicaError::KeyBytesMax { bytes_max }.into()),
+    }
+}
+
 fn parse_storage(s: &str) -> Result<Storage, String> {
     Storage::parse(s).ok_or_else(|| format!("unknown storage '{s}': use f32, f16 or int8"))
 }
@@ -83,10 +108,10 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
 pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
         Command::Build { group, input, out, storage, key_bytes } => {
-            quiver::features::groups::check_name(&group).map_err(Error::Setup)?;
+            check_group(&group)?;
             let text =
                 std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
-            let keys = key_bytes.map_or(KeyKind::U64, |bytes_max| KeyKind::Str { bytes_max });
+            let keys = key_kind(key_bytes)?;
             let builder =
                 ReplicaBuilder::from_text_keyed(&group, keys, &text, &input.display().to_string())?.storage(storage);
             builder.write(&out)?;
@@ -100,8 +125,9 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
                 r.key_kind()
             );
         }
-        Command::Sync { redis, group, dim, out, storage, connections, buckets } => {
-            quiver::features::groups::check_name(&group).map_err(Error::Setup)?;
+        Command::Sync { redis, group, dim, out, storage, connections, buckets, key_bytes } => {
+            check_group(&group)?;
+            let key_kind = key_kind(key_bytes)?;
             if dim == 0 || dim > quiver::features::replica::DIM_MAX {
                 return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::features::replica::DIM_MAX)));
             }
@@ -128,6 +154,7 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             let target = feed::sync::GroupTarget {
                 group: &group,
                 layout,
+                key_kind,
                 path: &out,
                 dim: dim as usize,
                 storage,

@@ -1,21 +1,27 @@
 //! The data contract between feature writers and Quiver replicas, as stored in Redis.
 //!
-//! A group `g` with u64 entity ids is laid out one of two ways ([`Layout`]).
+//! A group `g` is keyed by u64 entity ids or by strings of 1 to `bytes_max` bytes (at most
+//! [`KEY_BYTES_MAX`]), and laid out one of two ways ([`Layout`]). An entity's key is `g:`
+//! followed by the id's decimal digits, or by the string key's bytes as they are ([`EntityKey`]).
 //!
 //! **Plain** (one Redis node):
-//! - `g:{id}` holds the entity's vector as packed little-endian f32 (dim × 4 bytes);
+//! - `g:{id}` (or `g:{key}`) holds the entity's vector as packed little-endian f32 (dim × 4 bytes);
 //! - `quiver:seq:g` counts changes (INCR), so sequence numbers are dense from 1;
 //! - `quiver:stream:g` holds one entry per change with id `{seq}-0` and fields
 //!   `k` (entity key), `v` (the new bytes) or `d` = `1` (deleted), and `t` (Redis time, ms);
 //! - `quiver:epoch:g` is set once, from Redis `TIME` as `{secs}{micros:06}`, when the group is
-//!   first written; a replica that sees it change knows the history it followed is gone.
+//!   first written; a replica that sees it change knows the history it followed is gone;
+//! - `quiver:keys:g` = `u64` or `string`, the group's key kind, set by the first write: a
+//!   writer or a replica of the other kind is refused instead of mixing ids and strings (a
+//!   group written before key kinds existed has none, and is a u64 group).
 //!
 //! **Bucketed** with `B` buckets (a Redis Cluster, or one node): entity `id` is in bucket
-//! `b = ((id × 0x9E3779B97F4A7C15) mod 2^64 >> 32) mod B`, and every key of bucket `b`
+//! `b = ((h × 0x9E3779B97F4A7C15) mod 2^64 >> 32) mod B`, where `h` is the id, or a string key's
+//! [`key_hash`] (xxh3-64), so both kinds spread alike; every key of bucket `b`
 //! carries the hash tag `{g:b}`, so one script can change an entity, its bucket's counter
 //! and its bucket's stream together on whichever cluster node owns the tag's slot:
 //! `{g:b}:{id}` (the vector), `quiver:seq:{g:b}`, `quiver:stream:{g:b}`,
-//! `quiver:epoch:{g:b}` (as above, per bucket), and `quiver:buckets:{g:b}` = `B`, set by the
+//! `quiver:epoch:{g:b}`, `quiver:keys:{g:b}` (as above, per bucket), and `quiver:buckets:{g:b}` = `B`, set by the
 //! first write, so a writer or a replica configured with another bucket count is refused
 //! instead of scattering entities.
 //!
@@ -25,6 +31,7 @@
 
 use super::redis_cluster::{ClusterConn, ClusterError};
 use super::resp::{RedisConn, RedisError, Reply};
+pub use crate::features::replica::{key_hash, KeyKind, KEY_BYTES_MAX};
 
 /// The publish script; see the comments in `publish.lua` for its keys and arguments.
 pub const PUBLISH_LUA: &str = include_str!("publish.lua");
@@ -51,6 +58,84 @@ pub const BUCKETS_MAX: u16 = 1024;
 /// over 16 masters, few enough that following every bucket's stream stays cheap.
 pub const CLUSTER_BUCKETS_DEFAULT: u16 = 16;
 
+/// An entity's key: a u64 id, or the bytes of a string-keyed group's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EntityKey<'a> {
+    Id(u64),
+    Str(&'a [u8]),
+}
+
+impl EntityKey<'_> {
+    /// What the bucket formula hashes: the id itself, or the string's [`key_hash`].
+    pub fn bucket_hash(self) -> u64 {
+        match self {
+            EntityKey::Id(id) => id,
+            EntityKey::Str(bytes) => key_hash(bytes),
+        }
+    }
+
+    pub fn to_buf(self) -> EntityKeyBuf {
+        match self {
+            EntityKey::Id(id) => EntityKeyBuf::Id(id),
+            EntityKey::Str(bytes) => EntityKeyBuf::Str(bytes.to_vec()),
+        }
+    }
+
+    /// The key kind's name as `quiver:keys:g` holds it.
+    pub fn kind_name(self) -> &'static str {
+        match self {
+            EntityKey::Id(_) => KIND_U64,
+            EntityKey::Str(_) => KIND_STRING,
+        }
+    }
+}
+
+impl std::fmt::Display for EntityKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EntityKey::Id(id) => write!(f, "{id}"),
+            EntityKey::Str(bytes) => f.write_str(&String::from_utf8_lossy(bytes)),
+        }
+    }
+}
+
+/// An [`EntityKey`] that owns its bytes: what outlives the reply it was parsed from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EntityKeyBuf {
+    Id(u64),
+    Str(Vec<u8>),
+}
+
+impl EntityKeyBuf {
+    pub fn as_key(&self) -> EntityKey<'_> {
+        match self {
+            EntityKeyBuf::Id(id) => EntityKey::Id(*id),
+            EntityKeyBuf::Str(bytes) => EntityKey::Str(bytes),
+        }
+    }
+}
+
+/// `quiver:keys:g`'s value for a u64 group (also what a group without one is).
+pub const KIND_U64: &str = "u64";
+/// `quiver:keys:g`'s value for a string-keyed group.
+pub const KIND_STRING: &str = "string";
+
+/// The name `quiver:keys:g` holds for `kind`.
+pub fn kind_name(kind: KeyKind) -> &'static str {
+    match kind {
+        KeyKind::U64 => KIND_U64,
+        KeyKind::Str { .. } => KIND_STRING,
+    }
+}
+
+/// Checks a string key against its group's limit: 1 to `bytes_max` bytes.
+pub fn check_str_key(key: &[u8], bytes_max: u32) -> Result<(), ContractError> {
+    if key.is_empty() || key.len() > bytes_max as usize {
+        return Err(ContractError::KeyBytes { bytes: key.len(), bytes_max });
+    }
+    Ok(())
+}
+
 /// How a group's keys are laid out in Redis (see the module header).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
@@ -67,6 +152,8 @@ pub struct BucketKeys {
     pub seq: String,
     pub stream: String,
     pub epoch: String,
+    /// `quiver:keys:g` (`quiver:keys:{g:b}`): the group's key kind.
+    pub kind: String,
     /// `quiver:buckets:{g:b}`; none in the plain layout.
     pub buckets: Option<String>,
 }
@@ -99,6 +186,11 @@ impl Layout {
         }
     }
 
+    /// The bucket of an entity of either key kind: [`Layout::bucket_of`] its [`EntityKey::bucket_hash`].
+    pub fn bucket_of_key(self, key: EntityKey<'_>) -> usize {
+        self.bucket_of(key.bucket_hash())
+    }
+
     /// The key holding entity `id`'s vector.
     pub fn entity_key(self, group: &str, id: u64) -> String {
         match self {
@@ -107,18 +199,40 @@ impl Layout {
         }
     }
 
+    /// The key holding `key`'s vector: [`Layout::entity_key`] for an id, the
+    /// same prefix followed by the bytes for a string key.
+    pub fn key_of(self, group: &str, key: EntityKey<'_>) -> Vec<u8> {
+        match key {
+            EntityKey::Id(id) => self.entity_key(group, id).into_bytes(),
+            EntityKey::Str(bytes) => {
+                let mut out = match self {
+                    Layout::Plain => format!("{group}:"),
+                    Layout::Bucketed { .. } => format!("{{{group}:{}}}:", self.bucket_of_key(key)),
+                }
+                .into_bytes();
+                out.extend_from_slice(bytes);
+                out
+            }
+        }
+    }
+
     /// The counter, stream, epoch (and bucket-count) keys of `bucket`.
     pub fn keys(self, group: &str, bucket: usize) -> BucketKeys {
         match self {
-            Layout::Plain => {
-                BucketKeys { seq: seq_key(group), stream: stream_key(group), epoch: epoch_key(group), buckets: None }
-            }
+            Layout::Plain => BucketKeys {
+                seq: seq_key(group),
+                stream: stream_key(group),
+                epoch: epoch_key(group),
+                kind: kind_key(group),
+                buckets: None,
+            },
             Layout::Bucketed { .. } => {
                 let tag = format!("{{{group}:{bucket}}}");
                 BucketKeys {
                     seq: format!("quiver:seq:{tag}"),
                     stream: format!("quiver:stream:{tag}"),
                     epoch: format!("quiver:epoch:{tag}"),
+                    kind: format!("quiver:keys:{tag}"),
                     buckets: Some(format!("quiver:buckets:{tag}")),
                 }
             }
@@ -148,6 +262,31 @@ impl Layout {
             }
         }
     }
+
+    /// The key in an entity key of `group`'s `bucket` whose keys are `kind`, if
+    /// `key` is one exactly as [`Layout::key_of`] writes it: for a string
+    /// key, 1 to `bytes_max` bytes that hash to the bucket.
+    pub fn parse_key<'k>(self, group: &str, bucket: usize, kind: KeyKind, key: &'k [u8]) -> Option<EntityKey<'k>> {
+        let KeyKind::Str { bytes_max } = kind else {
+            return self.parse_entity_key(group, bucket, key).map(EntityKey::Id);
+        };
+        let bytes = match self {
+            Layout::Plain => key.strip_prefix(group.as_bytes())?.strip_prefix(b":")?,
+            Layout::Bucketed { .. } => {
+                let rest = key.strip_prefix(b"{")?.strip_prefix(group.as_bytes())?.strip_prefix(b":")?;
+                let close = rest.iter().position(|&c| c == b'}')?;
+                let named: usize = canonical_u64(&rest[..close])?.try_into().ok()?;
+                let bytes = rest[close + 1..].strip_prefix(b":")?;
+                if named != bucket {
+                    return None;
+                }
+                bytes
+            }
+        };
+        check_str_key(bytes, bytes_max).ok()?;
+        let key = EntityKey::Str(bytes);
+        (self.bucket_of_key(key) == bucket).then_some(key)
+    }
 }
 
 /// One stream a replica follows, and the keys that go with it: a whole plain
@@ -158,12 +297,20 @@ pub struct Part {
     pub layout: Layout,
     pub bucket: usize,
     pub keys: BucketKeys,
+    /// The group's key kind: u64 unless [`Part::with_key_kind`] says otherwise.
+    pub key_kind: KeyKind,
 }
 
 impl Part {
     pub fn new(group: &str, layout: Layout, bucket: usize) -> Part {
         assert!(bucket < layout.bucket_count(), "bucket {bucket} of a {layout:?} group");
-        Part { group: group.into(), layout, bucket, keys: layout.keys(group, bucket) }
+        Part { group: group.into(), layout, bucket, keys: layout.keys(group, bucket), key_kind: KeyKind::U64 }
+    }
+
+    /// The part of a group keyed by `kind`.
+    pub fn with_key_kind(mut self, kind: KeyKind) -> Part {
+        self.key_kind = kind;
+        self
     }
 
     /// The whole of a plain group.
@@ -194,16 +341,28 @@ impl Part {
         self.scan_pattern().trim_end_matches('*').to_string()
     }
 
-    /// The id in one of this part's entity keys, if `key` is one.
+    /// The id in one of this part's entity keys, if `key` is one of a u64 group.
     pub fn parse_entity_key(&self, key: &[u8]) -> Option<u64> {
-        self.layout.parse_entity_key(&self.group, self.bucket, key)
+        match self.key_kind {
+            KeyKind::U64 => self.layout.parse_entity_key(&self.group, self.bucket, key),
+            KeyKind::Str { .. } => None,
+        }
+    }
+
+    /// The key in one of this part's entity keys, of the part's key kind, if `key` is one.
+    pub fn parse_key<'k>(&self, key: &'k [u8]) -> Option<EntityKey<'k>> {
+        self.layout.parse_key(&self.group, self.bucket, self.key_kind, key)
     }
 
     /// What its entity keys look like, for "not an entity key" reports.
     pub fn key_form(&self) -> String {
+        let what = match self.key_kind {
+            KeyKind::U64 => "u64".to_string(),
+            KeyKind::Str { bytes_max } => format!("1 to {bytes_max} bytes"),
+        };
         match self.layout {
-            Layout::Plain => format!("{}:<u64>", self.group),
-            Layout::Bucketed { .. } => format!("{{{}:{}}}:<u64 in bucket {}>", self.group, self.bucket, self.bucket),
+            Layout::Plain => format!("{}:<{what}>", self.group),
+            Layout::Bucketed { .. } => format!("{{{}:{}}}:<{what} in bucket {}>", self.group, self.bucket, self.bucket),
         }
     }
 }
@@ -225,6 +384,18 @@ pub enum ContractError {
     PlainOnCluster,
     #[error("publish script answered {0}, expected a sequence number")]
     UnexpectedReply(String),
+    #[error("a key of {bytes} bytes; this group's keys are 1 to {bytes_max} bytes")]
+    KeyBytes { bytes: usize, bytes_max: u32 },
+    #[error("string keys of {bytes_max} bytes; a group's keys are 1 to {KEY_BYTES_MAX} bytes long")]
+    KeyBytesMax { bytes_max: u32 },
+    /// The publisher was set up for one key kind and given a key of the other.
+    #[error("this publisher writes {kind}, not {used}")]
+    KeyKindUsed { kind: KeyKind, used: &'static str },
+    /// Redis records the group's keys as the other kind (`quiver:keys:g`).
+    #[error(
+        "{key} says group '{group}' has {stored} keys; this writer writes {writer} keys: one group holds one kind"
+    )]
+    KeyKind { group: String, key: String, stored: String, writer: String },
 }
 
 /// Why a publish failed: the values, or Redis.
@@ -237,9 +408,9 @@ pub enum PublishError {
     #[error(transparent)]
     Cluster(#[from] ClusterError),
     /// A row of a batch was refused on its own; the rows before it are written.
-    #[error("entity {id}: {source}")]
+    #[error("entity {key}: {source}")]
     Row {
-        id: u64,
+        key: String,
         #[source]
         source: Box<PublishError>,
     },
@@ -271,6 +442,10 @@ pub fn stream_key(group: &str) -> String {
 
 pub fn epoch_key(group: &str) -> String {
     format!("quiver:epoch:{group}")
+}
+
+pub fn kind_key(group: &str) -> String {
+    format!("quiver:keys:{group}")
 }
 
 /// The id in an entity key of `group`, if `key` is one exactly as [`entity_key`] writes it
@@ -347,6 +522,7 @@ enum Target {
 pub struct Publisher {
     target: Target,
     layout: Layout,
+    key_kind: KeyKind,
     sha: String,
     stream_maxlen: u64,
 }
@@ -365,7 +541,13 @@ impl Publisher {
     }
 
     fn on(target: Target, layout: Layout) -> Result<Publisher, PublishError> {
-        let mut p = Publisher { target, layout, sha: String::new(), stream_maxlen: STREAM_MAXLEN_DEFAULT };
+        let mut p = Publisher {
+            target,
+            layout,
+            key_kind: KeyKind::U64,
+            sha: String::new(),
+            stream_maxlen: STREAM_MAXLEN_DEFAULT,
+        };
         p.load_script()?;
         Ok(p)
     }
@@ -406,25 +588,67 @@ impl Publisher {
         }
     }
 
+    /// Writes string keys of at most `bytes_max` bytes (`KeyKind::Str`) with
+    /// the `_str` methods, or u64 ids (`KeyKind::U64`, the default) with the
+    /// others; the group's kind in Redis must agree.
+    pub fn with_key_kind(mut self, kind: KeyKind) -> Result<Publisher, PublishError> {
+        if let KeyKind::Str { bytes_max } = kind {
+            if bytes_max == 0 || bytes_max > KEY_BYTES_MAX {
+                return Err(ContractError::KeyBytesMax { bytes_max }.into());
+            }
+        }
+        self.key_kind = kind;
+        Ok(self)
+    }
+
+    pub fn key_kind(&self) -> KeyKind {
+        self.key_kind
+    }
+
     /// Sets entity `id` of `group` to `values`; returns the change's
     /// sequence number (in the entity's bucket, when bucketed).
     pub fn put(&mut self, group: &str, id: u64, values: &[f32]) -> Result<u64, PublishError> {
-        check_group(group)?;
-        check_values(values)?;
-        self.publish_many(group, 1, |_| (id, Op::Put(encode_vector(values))), |_, _| {}).map_err(|e| match e {
-            PublishError::Row { source, .. } => *source,
-            e => e,
-        })
+        self.put_key(group, EntityKey::Id(id), values)
+    }
+
+    /// [`Publisher::put`] for the string key `key` of a string-keyed group.
+    pub fn put_str(&mut self, group: &str, key: &[u8], values: &[f32]) -> Result<u64, PublishError> {
+        self.put_key(group, EntityKey::Str(key), values)
     }
 
     /// Deletes entity `id` of `group`; returns the change's sequence number. Deleting an
     /// absent entity still records the change, so replicas that missed the put agree as well.
     pub fn delete(&mut self, group: &str, id: u64) -> Result<u64, PublishError> {
+        self.delete_key(group, EntityKey::Id(id))
+    }
+
+    /// [`Publisher::delete`] for the string key `key` of a string-keyed group.
+    pub fn delete_str(&mut self, group: &str, key: &[u8]) -> Result<u64, PublishError> {
+        self.delete_key(group, EntityKey::Str(key))
+    }
+
+    fn put_key(&mut self, group: &str, key: EntityKey<'_>, values: &[f32]) -> Result<u64, PublishError> {
         check_group(group)?;
-        self.publish_many(group, 1, |_| (id, Op::Delete), |_, _| {}).map_err(|e| match e {
-            PublishError::Row { source, .. } => *source,
-            e => e,
-        })
+        self.check_key(key)?;
+        check_values(values)?;
+        self.publish_many(group, 1, |_| (key, Op::Put(encode_vector(values))), |_, _| {}).map_err(unwrap_row)
+    }
+
+    fn delete_key(&mut self, group: &str, key: EntityKey<'_>) -> Result<u64, PublishError> {
+        check_group(group)?;
+        self.check_key(key)?;
+        self.publish_many(group, 1, |_| (key, Op::Delete), |_, _| {}).map_err(unwrap_row)
+    }
+
+    /// Refuses, before anything is sent, a key of the other kind than the
+    /// publisher's, and a string key outside its group's limit.
+    fn check_key(&self, key: EntityKey<'_>) -> Result<(), ContractError> {
+        match (key, self.key_kind) {
+            (EntityKey::Id(_), KeyKind::U64) => Ok(()),
+            (EntityKey::Str(bytes), KeyKind::Str { bytes_max }) => check_str_key(bytes, bytes_max),
+            (EntityKey::Id(_), kind) => Err(ContractError::KeyKindUsed { kind, used: "u64 ids" }),
+            (EntityKey::Str(_), kind) => Err(ContractError::KeyKindUsed { kind, used: "string keys" }),
+        }
     }
 
     /// Writes `rows` in order, [`PUT_BATCH_ROWS`] per round trip, calling `progress(done, total)`
@@ -436,11 +660,51 @@ impl Publisher {
         rows: &[(u64, Vec<f32>)],
         progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
+        self.put_many_keys(group, rows.len(), |i| (EntityKey::Id(rows[i].0), &rows[i].1), progress)
+    }
+
+    /// [`Publisher::put_many`] for a string-keyed group.
+    pub fn put_many_str(
+        &mut self,
+        group: &str,
+        rows: &[(Vec<u8>, Vec<f32>)],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        self.put_many_keys(group, rows.len(), |i| (EntityKey::Str(&rows[i].0), &rows[i].1), progress)
+    }
+
+    /// [`Publisher::put_many`] for keys of either kind (the publisher's).
+    pub fn put_many_keyed(
+        &mut self,
+        group: &str,
+        rows: &[(EntityKeyBuf, Vec<f32>)],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        self.put_many_keys(group, rows.len(), |i| (rows[i].0.as_key(), &rows[i].1), progress)
+    }
+
+    fn put_many_keys<'r>(
+        &mut self,
+        group: &str,
+        n: usize,
+        row: impl Fn(usize) -> (EntityKey<'r>, &'r Vec<f32>),
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
         check_group(group)?;
-        for (id, values) in rows {
-            check_values(values).map_err(|e| PublishError::Row { id: *id, source: Box::new(e.into()) })?;
+        for i in 0..n {
+            let (key, values) = row(i);
+            let checked = self.check_key(key).and_then(|()| check_values(values));
+            checked.map_err(|e| PublishError::Row { key: key.to_string(), source: Box::new(e.into()) })?;
         }
-        self.publish_many(group, rows.len(), |i| (rows[i].0, Op::Put(encode_vector(&rows[i].1))), progress)
+        self.publish_many(
+            group,
+            n,
+            |i| {
+                let (key, values) = row(i);
+                (key, Op::Put(encode_vector(values)))
+            },
+            progress,
+        )
     }
 
     /// Deletes entity `id` of `group` for every id, in order, [`PUT_BATCH_ROWS`] per round trip,
@@ -451,23 +715,57 @@ impl Publisher {
         ids: &[u64],
         progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
-        check_group(group)?;
-        self.publish_many(group, ids.len(), |i| (ids[i], Op::Delete), progress)
+        self.delete_many_keys(group, ids.len(), |i| EntityKey::Id(ids[i]), progress)
     }
 
-    /// Runs the `n` changes `change(i)` gives, pipelined by batch.
-    fn publish_many(
+    /// [`Publisher::delete_many`] for a string-keyed group.
+    pub fn delete_many_str(
+        &mut self,
+        group: &str,
+        keys: &[Vec<u8>],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        self.delete_many_keys(group, keys.len(), |i| EntityKey::Str(&keys[i]), progress)
+    }
+
+    /// [`Publisher::delete_many`] for keys of either kind (the publisher's).
+    pub fn delete_many_keyed(
+        &mut self,
+        group: &str,
+        keys: &[EntityKeyBuf],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        self.delete_many_keys(group, keys.len(), |i| keys[i].as_key(), progress)
+    }
+
+    fn delete_many_keys<'r>(
         &mut self,
         group: &str,
         n: usize,
-        change: impl Fn(usize) -> (u64, Op),
+        key: impl Fn(usize) -> EntityKey<'r>,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        check_group(group)?;
+        for i in 0..n {
+            self.check_key(key(i))
+                .map_err(|e| PublishError::Row { key: key(i).to_string(), source: Box::new(e.into()) })?;
+        }
+        self.publish_many(group, n, |i| (key(i), Op::Delete), progress)
+    }
+
+    /// Runs the `n` changes `change(i)` gives, pipelined by batch.
+    fn publish_many<'r>(
+        &mut self,
+        group: &str,
+        n: usize,
+        change: impl Fn(usize) -> (EntityKey<'r>, Op),
         mut progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
         let mut last_seq = 0;
         for start in (0..n).step_by(PUT_BATCH_ROWS) {
-            let batch: Vec<(u64, Op)> = (start..n.min(start + PUT_BATCH_ROWS)).map(&change).collect();
+            let batch: Vec<(EntityKey<'r>, Op)> = (start..n.min(start + PUT_BATCH_ROWS)).map(&change).collect();
             let cmds: Vec<(Vec<u8>, Vec<Vec<u8>>)> =
-                batch.iter().map(|(id, op)| self.publish_command(group, *id, op)).collect();
+                batch.iter().map(|(key, op)| self.publish_command(group, *key, op)).collect();
             let mut replies = self.send(&cmds)?;
             // A server restart or SCRIPT FLUSH between batches (or within one) drops the script:
             // reload it and redo, in order, just the commands that did not run.
@@ -479,9 +777,11 @@ impl Publisher {
                     replies[i] = reply;
                 }
             }
-            for ((id, _), reply) in batch.iter().zip(replies) {
-                last_seq =
-                    self.seq_from(reply).map_err(|e| PublishError::Row { id: *id, source: Box::new(e) })?.max(last_seq);
+            for ((key, _), reply) in batch.iter().zip(replies) {
+                let seq = self
+                    .seq_from(group, reply)
+                    .map_err(|e| PublishError::Row { key: key.to_string(), source: Box::new(e) })?;
+                last_seq = seq.max(last_seq);
             }
             progress(start + batch.len(), n);
         }
@@ -539,49 +839,78 @@ impl Publisher {
         Ok(())
     }
 
-    /// The key that routes the change, and its EVALSHA.
-    fn publish_command(&self, group: &str, id: u64, op: &Op) -> (Vec<u8>, Vec<Vec<u8>>) {
+    /// The key that routes the change, and its EVALSHA (the script's keyed
+    /// form: see `publish.lua`).
+    fn publish_command(&self, group: &str, key: EntityKey<'_>, op: &Op) -> (Vec<u8>, Vec<Vec<u8>>) {
         let (op_name, bytes): (&[u8], &[u8]) = match op {
             Op::Put(bytes) => (b"put", bytes),
             Op::Delete => (b"del", b""),
         };
-        let keys = self.layout.keys(group, self.layout.bucket_of(id));
-        let entity = self.layout.entity_key(group, id).into_bytes();
+        let keys = self.layout.keys(group, self.layout.bucket_of_key(key));
+        let entity = self.layout.key_of(group, key);
         let mut cmd = vec![
             b"EVALSHA".to_vec(),
             self.sha.clone().into_bytes(),
-            if keys.buckets.is_some() { b"5".to_vec() } else { b"4".to_vec() },
+            if keys.buckets.is_some() { b"6".to_vec() } else { b"5".to_vec() },
             entity.clone(),
             keys.seq.into_bytes(),
             keys.stream.into_bytes(),
             keys.epoch.into_bytes(),
+            keys.kind.into_bytes(),
         ];
         if let Some(buckets) = keys.buckets {
             cmd.push(buckets.into_bytes());
         }
-        cmd.extend([op_name.to_vec(), bytes.to_vec(), self.stream_maxlen.to_string().into_bytes()]);
-        if let Layout::Bucketed { buckets } = self.layout {
-            cmd.push(buckets.to_string().into_bytes());
-        }
+        let buckets = match self.layout {
+            Layout::Plain => 0,
+            Layout::Bucketed { buckets } => buckets,
+        };
+        cmd.extend([
+            op_name.to_vec(),
+            bytes.to_vec(),
+            self.stream_maxlen.to_string().into_bytes(),
+            buckets.to_string().into_bytes(),
+            key.kind_name().as_bytes().to_vec(),
+        ]);
         (entity, cmd)
     }
 
-    fn seq_from(&self, reply: Reply) -> Result<u64, PublishError> {
+    fn seq_from(&self, group: &str, reply: Reply) -> Result<u64, PublishError> {
         let addr = match &self.target {
             Target::Node(conn) => conn.addr().to_string(),
             Target::Cluster(_) => "cluster".to_string(),
         };
         match reply {
             Reply::Int(seq) if seq > 0 => Ok(seq as u64),
-            Reply::Error(message) => Err(RedisError::Server { addr, message }.into()),
+            Reply::Error(message) => match key_kind_refusal(group, &message) {
+                Some(refused) => Err(refused.into()),
+                None => Err(RedisError::Server { addr, message }.into()),
+            },
             other => Err(ContractError::UnexpectedReply(format!("{other:?}")).into()),
         }
     }
 }
 
+/// The publish script's refusal of a writer of the other key kind, as a typed error:
+/// `quiver: key kind STORED in KEY, this writer writes WRITER`.
+fn key_kind_refusal(group: &str, message: &str) -> Option<ContractError> {
+    let rest = message.strip_prefix("quiver: key kind ")?;
+    let (stored, rest) = rest.split_once(" in ")?;
+    let (key, writer) = rest.split_once(", this writer writes ")?;
+    Some(ContractError::KeyKind { group: group.into(), key: key.into(), stored: stored.into(), writer: writer.into() })
+}
+
 enum Op {
     Put(Vec<u8>),
     Delete,
+}
+
+/// A one-row publish's error, without the row wrapper that names the entity.
+fn unwrap_row(e: PublishError) -> PublishError {
+    match e {
+        PublishError::Row { source, .. } => *source,
+        e => e,
+    }
 }
 
 fn is_noscript(reply: &Reply) -> bool {
@@ -658,7 +987,7 @@ mod tests {
             let keys = layout.keys("user", b);
             let entity = layout.entity_key("user", id);
             let slot = key_slot(entity.as_bytes());
-            for k in [&keys.seq, &keys.stream, &keys.epoch, keys.buckets.as_ref().unwrap()] {
+            for k in [&keys.seq, &keys.stream, &keys.epoch, &keys.kind, keys.buckets.as_ref().unwrap()] {
                 assert_eq!(key_slot(k.as_bytes()), slot, "{k} and {entity}");
             }
             assert_eq!(layout.parse_entity_key("user", b, entity.as_bytes()), Some(id));
@@ -686,6 +1015,64 @@ mod tests {
         assert!(matches!(Layout::bucketed(0), Err(ContractError::Buckets { found: 0 })));
         assert!(Layout::bucketed(BUCKETS_MAX + 1).is_err());
         assert!(Layout::bucketed(BUCKETS_MAX).is_ok());
+    }
+
+    #[test]
+    fn string_keys_are_the_bytes_after_the_prefix_and_parse_back_only_in_their_bucket() {
+        use crate::features::feed::redis_cluster::key_slot;
+        let kind = KeyKind::Str { bytes_max: 8 };
+        assert_eq!(Layout::Plain.key_of("device", EntityKey::Str(b"ab:c}")), b"device:ab:c}");
+        assert_eq!(Layout::Plain.key_of("device", EntityKey::Id(7)), b"device:7");
+        assert_eq!(Layout::Plain.keys("device", 0).kind, "quiver:keys:device");
+        assert_eq!(Layout::Plain.parse_key("device", 0, kind, b"device:ab:c}"), Some(EntityKey::Str(b"ab:c}")));
+        assert_eq!(Layout::Plain.parse_key("device", 0, kind, b"device:12345678"), Some(EntityKey::Str(b"12345678")));
+        for bad in [&b"device:123456789"[..], b"device:", b"item:ab", b"deviceab"] {
+            assert_eq!(Layout::Plain.parse_key("device", 0, kind, bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+        // A u64 group's parse is the id parse, whatever the kind's limit would take.
+        assert_eq!(Layout::Plain.parse_key("user", 0, KeyKind::U64, b"user:42"), Some(EntityKey::Id(42)));
+        assert_eq!(Layout::Plain.parse_key("user", 0, KeyKind::U64, b"user:abc"), None);
+        let layout = Layout::bucketed(16).unwrap();
+        assert_eq!(layout.bucket_of_key(EntityKey::Id(42)), layout.bucket_of(42));
+        let mut per_bucket = [0u32; 16];
+        for n in 0..16_000u32 {
+            let name = format!("dev-{n}");
+            let key = EntityKey::Str(name.as_bytes());
+            let b = layout.bucket_of_key(key);
+            assert_eq!(b, layout.bucket_of(key_hash(name.as_bytes())));
+            per_bucket[b] += 1;
+            let entity = layout.key_of("device", key);
+            assert_eq!(entity, format!("{{device:{b}}}:{name}").into_bytes());
+            assert_eq!(key_slot(&entity), key_slot(layout.keys("device", b).kind.as_bytes()));
+            let kind = KeyKind::Str { bytes_max: 16 };
+            assert_eq!(layout.parse_key("device", b, kind, &entity), Some(key));
+            assert_eq!(layout.parse_key("device", (b + 1) % 16, kind, &entity), None);
+        }
+        assert!(per_bucket.iter().all(|&n| (800..1200).contains(&n)), "{per_bucket:?}");
+        assert!(matches!(check_str_key(b"", 8), Err(ContractError::KeyBytes { bytes: 0, bytes_max: 8 })));
+        assert!(matches!(check_str_key(&[b'x'; 9], 8), Err(ContractError::KeyBytes { bytes: 9, .. })));
+        assert!(check_str_key(&[b'x'; 8], 8).is_ok());
+        let part = Part::plain("device").with_key_kind(kind);
+        assert_eq!(part.parse_entity_key(b"device:7"), None, "a string group has no ids");
+        assert_eq!(part.parse_key(b"device:7"), Some(EntityKey::Str(b"7")));
+        assert_eq!(part.key_form(), "device:<1 to 8 bytes>");
+    }
+
+    #[test]
+    fn the_scripts_key_kind_refusal_is_typed() {
+        let refused =
+            key_kind_refusal("device", "quiver: key kind string in quiver:keys:device, this writer writes u64");
+        let Some(ContractError::KeyKind { group, key, stored, writer }) = refused else {
+            panic!("not read as a key kind refusal: {refused:?}");
+        };
+        assert_eq!(
+            (group.as_str(), key.as_str(), stored.as_str(), writer.as_str()),
+            ("device", "quiver:keys:device", "string", "u64")
+        );
+        assert!(key_kind_refusal("device", "quiver: unknown publish op x").is_none());
+        assert!(
+            PUBLISH_LUA.contains("'quiver: key kind ' .. stored_kind .. ' in ' .. kind_key .. ', this writer writes '")
+        );
     }
 
     /// Redis's MATCH for the patterns the layout writes: `*` and literals.

@@ -4,15 +4,42 @@
 //! comments, blank lines ignored), so one file can seed both a replica and Redis. A `default`
 //! line has no meaning in Redis (the default vector belongs to the replica) and is skipped.
 //! The whole file is checked before the first write, so a bad line leaves Redis untouched.
+//! A string-keyed group's file has the key as written in the first field (what `quiver replica
+//! build --key-bytes` reads), each key checked against the group's limit.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::time::Instant;
 
-use super::contract::{check_group, PUT_BATCH_ROWS};
+use super::contract::{check_group, check_str_key, EntityKeyBuf, KeyKind, PUT_BATCH_ROWS};
 use super::{FeedError, Publisher};
-use crate::features::replica::{parse_text_line as parse_line, TextLine as Line};
+use crate::features::replica::{parse_str_text_line, parse_text_line, StrTextLine, TextLine};
+
+/// One meaningful line of a feature file, of either key kind.
+#[derive(Clone, Debug, PartialEq)]
+enum Line {
+    Row(EntityKeyBuf, Vec<f32>),
+    Default(Vec<f32>),
+}
+
+/// Parses one line for a group keyed by `kind`.
+fn parse_line(text: &str, kind: KeyKind) -> Result<Option<Line>, String> {
+    match kind {
+        KeyKind::U64 => Ok(parse_text_line(text)?.map(|l| match l {
+            TextLine::Row(id, values) => Line::Row(EntityKeyBuf::Id(id), values),
+            TextLine::Default(values) => Line::Default(values),
+        })),
+        KeyKind::Str { bytes_max } => match parse_str_text_line(text)? {
+            None => Ok(None),
+            Some(StrTextLine::Default(values)) => Ok(Some(Line::Default(values))),
+            Some(StrTextLine::Row(key, values)) => {
+                check_str_key(key.as_bytes(), bytes_max).map_err(|e| format!("key '{key}': {e}"))?;
+                Ok(Some(Line::Row(EntityKeyBuf::Str(key.into_bytes()), values)))
+            }
+        },
+    }
+}
 
 /// Rows handed to one [`Publisher::put_many`] call: several pipelined batches, so the parsed
 /// rows held in memory stay bounded however long the file is.
@@ -55,33 +82,61 @@ pub fn read_ids(path: &Path) -> Result<Vec<u64>, FeedError> {
     Ok(ids)
 }
 
-/// Checks the whole file (numbers, dimension, duplicate ids) without keeping its rows.
+/// The string keys listed in `path`, one per line (the whole line, trimmed); `#` comments
+/// and blank lines are skipped, a key outside 1 to `bytes_max` bytes is an error naming the line.
+pub fn read_str_keys(path: &Path, bytes_max: u32) -> Result<Vec<Vec<u8>>, FeedError> {
+    let file = File::open(path).map_err(|source| FeedError::Io { path: path.display().to_string(), source })?;
+    let mut keys = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|source| FeedError::Io { path: path.display().to_string(), source })?;
+        let text = line.trim();
+        if text.is_empty() || text.starts_with('#') {
+            continue;
+        }
+        check_str_key(text.as_bytes(), bytes_max).map_err(|e| input_err(path, i + 1, format!("key '{text}': {e}")))?;
+        keys.push(text.as_bytes().to_vec());
+    }
+    Ok(keys)
+}
+
+/// Checks the whole file (numbers, dimension, keys, duplicates) of a u64 group without
+/// keeping its rows.
 pub fn check_file(path: &Path) -> Result<FileCheck, FeedError> {
+    check_file_keyed(path, KeyKind::U64)
+}
+
+/// [`check_file`] for a group keyed by `kind`.
+pub fn check_file_keyed(path: &Path, kind: KeyKind) -> Result<FileCheck, FeedError> {
     let mut dim = None;
     let mut defaults = 0;
-    // (id, line) pairs, sorted afterwards: duplicates become neighbours, at 16 bytes a row
+    // (key, line) pairs, sorted afterwards: duplicates become neighbours, at a few words a row
     // instead of a hash set's overhead.
-    let mut ids: Vec<(u64, usize)> = Vec::new();
-    for_each_line(path, &mut dim, |line_no, line| {
+    let mut keys: Vec<(EntityKeyBuf, usize)> = Vec::new();
+    for_each_line(path, kind, &mut dim, |line_no, line| {
         match line {
-            Line::Row(id, _) => ids.push((id, line_no)),
+            Line::Row(key, _) => keys.push((key, line_no)),
             Line::Default(_) => defaults += 1,
         }
         Ok(())
     })?;
-    ids.sort_unstable();
-    if let Some(w) = ids.windows(2).find(|w| w[0].0 == w[1].0) {
+    keys.sort_unstable();
+    if let Some(w) = keys.windows(2).find(|w| w[0].0 == w[1].0) {
         let (first, second) = if w[0].1 < w[1].1 { (w[0].1, w[1].1) } else { (w[1].1, w[0].1) };
-        return Err(input_err(path, second, format!("duplicate id {} (first on line {first})", w[0].0)));
+        let what = match &w[0].0 {
+            EntityKeyBuf::Id(id) => format!("duplicate id {id}"),
+            key => format!("duplicate key {}", key.as_key()),
+        };
+        return Err(input_err(path, second, format!("{what} (first on line {first})")));
     }
     match dim {
-        Some(dim) => Ok(FileCheck { rows: ids.len(), dim, defaults }),
+        Some(dim) => Ok(FileCheck { rows: keys.len(), dim, defaults }),
         None => Err(input_err(path, 0, "no rows".into())),
     }
 }
 
 /// Checks `path`, then writes every row to `group` in file order, calling
-/// `progress(done, total)` after each pipelined batch.
+/// `progress(done, total)` after each pipelined batch. The file's keys are of
+/// the publisher's kind ([`Publisher::with_key_kind`]).
 pub fn load_file(
     publisher: &mut Publisher,
     group: &str,
@@ -90,22 +145,23 @@ pub fn load_file(
 ) -> Result<LoadSummary, FeedError> {
     check_group(group)?;
     let started = Instant::now();
-    let check = check_file(path)?;
-    let mut chunk: Vec<(u64, Vec<f32>)> = Vec::with_capacity(LOAD_CHUNK_ROWS.min(check.rows));
+    let kind = publisher.key_kind();
+    let check = check_file_keyed(path, kind)?;
+    let mut chunk: Vec<(EntityKeyBuf, Vec<f32>)> = Vec::with_capacity(LOAD_CHUNK_ROWS.min(check.rows));
     let mut done = 0;
     let mut last_seq = 0;
     let mut dim = None;
-    let mut flush = |chunk: &mut Vec<(u64, Vec<f32>)>, done: &mut usize| -> Result<(), FeedError> {
+    let mut flush = |chunk: &mut Vec<(EntityKeyBuf, Vec<f32>)>, done: &mut usize| -> Result<(), FeedError> {
         let before = *done;
-        let seq = publisher.put_many(group, chunk, |n, _| progress(before + n, check.rows))?;
+        let seq = publisher.put_many_keyed(group, chunk, |n, _| progress(before + n, check.rows))?;
         last_seq = last_seq.max(seq);
         *done += chunk.len();
         chunk.clear();
         Ok(())
     };
-    for_each_line(path, &mut dim, |_, line| {
-        if let Line::Row(id, values) = line {
-            chunk.push((id, values));
+    for_each_line(path, kind, &mut dim, |_, line| {
+        if let Line::Row(key, values) = line {
+            chunk.push((key, values));
             if chunk.len() == LOAD_CHUNK_ROWS {
                 flush(&mut chunk, &mut done)?;
             }
@@ -132,6 +188,7 @@ fn input_err(path: &Path, line: usize, what: String) -> FeedError {
 /// `default` one included, as `replica build` does) to the dimension of the first.
 fn for_each_line(
     path: &Path,
+    kind: KeyKind,
     dim: &mut Option<usize>,
     mut f: impl FnMut(usize, Line) -> Result<(), FeedError>,
 ) -> Result<(), FeedError> {
@@ -149,7 +206,7 @@ fn for_each_line(
         if n == 0 {
             return Ok(());
         }
-        let Some(line) = parse_line(&text).map_err(|what| input_err(path, line_no, what))? else {
+        let Some(line) = parse_line(&text, kind).map_err(|what| input_err(path, line_no, what))? else {
             continue;
         };
         let found = match &line {
@@ -180,16 +237,18 @@ mod tests {
 
     #[test]
     fn lines_parse_like_replica_build() {
+        let parse_line = |text| parse_line(text, KeyKind::U64);
         assert_eq!(parse_line("  # c\n").unwrap(), None);
         assert_eq!(parse_line("\n").unwrap(), None);
-        assert_eq!(parse_line("7, 1.5 2\n").unwrap(), Some(Line::Row(7, vec![1.5, 2.0])));
+        assert_eq!(parse_line("7, 1.5 2\n").unwrap(), Some(Line::Row(EntityKeyBuf::Id(7), vec![1.5, 2.0])));
         assert_eq!(parse_line("default,0,0\n").unwrap(), Some(Line::Default(vec![0.0, 0.0])));
         assert!(parse_line("7\n").unwrap_err().contains("0 values"));
         assert!(parse_line("x,1\n").unwrap_err().contains("not an unsigned 64-bit id"));
         assert!(parse_line("1,abc\n").unwrap_err().contains("'abc' is not a number"));
         assert!(parse_line("1,inf\n").unwrap_err().contains("infinite"));
         // NaN marks a missing feature.
-        assert!(matches!(parse_line("1,nan,2\n").unwrap(), Some(Line::Row(1, v)) if v[0].is_nan() && v[1] == 2.0));
+        assert!(matches!(parse_line("1,nan,2\n").unwrap(),
+            Some(Line::Row(EntityKeyBuf::Id(1), v)) if v[0].is_nan() && v[1] == 2.0));
         assert!(parse_line(" , ,\n").unwrap_err().contains("only separators"));
     }
 
@@ -210,6 +269,30 @@ mod tests {
         let p = file("ok2.txt", ok);
         assert_eq!(check_file(&p).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
         assert!(crate::features::replica::ReplicaBuilder::from_text("user", ok, "ok2.txt").is_ok());
+    }
+
+    #[test]
+    fn string_keyed_files_read_like_replica_build_key_bytes() {
+        let kind = KeyKind::Str { bytes_max: 5 };
+        let text = "# h\ndefault,0,0\nalice,1,2\n42 3 4\n";
+        let p = file("str-ok.txt", text);
+        assert_eq!(check_file_keyed(&p, kind).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
+        assert!(crate::features::replica::ReplicaBuilder::from_text_keyed("device", kind, text, "t").is_ok());
+        assert_eq!(
+            parse_line("42,1\n", kind).unwrap(),
+            Some(Line::Row(EntityKeyBuf::Str(b"42".to_vec()), vec![1.0])),
+            "digits are a string key in a string-keyed group"
+        );
+        let p = file("str-long.txt", "alice,1\nbernadette,2\n");
+        let err = check_file_keyed(&p, kind).unwrap_err().to_string();
+        assert!(err.ends_with(":2: key 'bernadette': a key of 10 bytes; this group's keys are 1 to 5 bytes"), "{err}");
+        let p = file("str-dup.txt", "bob,1\nal,1\nbob,2\n");
+        let err = check_file_keyed(&p, kind).unwrap_err().to_string();
+        assert!(err.ends_with(":3: duplicate key bob (first on line 1)"), "{err}");
+        let p = file("str-keys.txt", "# keys\nalice\n\n bob \n");
+        assert_eq!(read_str_keys(&p, 5).unwrap(), vec![b"alice".to_vec(), b"bob".to_vec()]);
+        let p = file("str-keys-long.txt", "alice\nbernadette\n");
+        assert!(read_str_keys(&p, 5).unwrap_err().to_string().contains(":2: key 'bernadette'"));
     }
 
     #[test]

@@ -55,14 +55,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::contract::Part;
+use super::contract::{EntityKey, Part};
 use super::redis_cluster::{key_slot, ClusterConn, RedisSource};
 use super::resp::{RedisConfig, RedisConn, Reply};
 use super::settings::FeedConfig;
 use super::status::{FeedStatus, GroupStatus};
 use super::sync::{
-    check_bucket_count, entity, full_sync, parse_id, position, shape, skip, stream_first_from, unsettled, Keyed,
-    RefreshError, SyncTarget,
+    check_bucket_count, check_key_kind, delete, entity, full_sync, parse_id, position, shape, skip, stream_first_from,
+    unsettled, upsert, Keyed, RefreshError, SyncTarget,
 };
 use crate::deadline::{Clock, MonotonicClock};
 use crate::features::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
@@ -203,12 +203,14 @@ fn spawn_flusher(groups: usize, status: Arc<FeedStatus>) -> std::io::Result<Flus
     Ok((tx, thread))
 }
 
-/// One part to follow: its keys, the index of its group in the status, and
-/// its opened (or freshly created) replica.
+/// One part to follow: its keys, the index of its group in the status, its
+/// opened (or freshly created) replica, and the storage its copies are made
+/// with (a file stored otherwise is copied again).
 pub struct Follow {
     pub part: Part,
     pub status_at: usize,
     pub writer: ReplicaWriter,
+    pub storage: Storage,
 }
 
 impl Refresher {
@@ -219,13 +221,13 @@ impl Refresher {
         let now = clock.now_ns();
         let groups: Vec<Group> = follows
             .into_iter()
-            .map(|Follow { part, status_at, mut writer }| {
+            .map(|Follow { part, status_at, mut writer, storage }| {
                 // Growth copies in the background while the stream is applied.
                 writer.set_grow_ahead(true);
                 let cursor = writer.cursor();
                 let name = status.groups[status_at].name.clone();
                 Group {
-                    storage: config.storage(&name),
+                    storage,
                     name,
                     part,
                     status_at,
@@ -295,6 +297,8 @@ impl Refresher {
                     self.connect().and_then(|mut conn| self.sync_until_settled(&mut conn, i, started + bound_ns));
                 match attempt {
                     Ok(()) => break,
+                    // Configuration, not a passing state of Redis: waiting will not change it.
+                    Err(e @ RefreshError::KeyKind { .. }) => return Err(e),
                     Err(e) if self.clock.now_ns() - started > bound_ns => {
                         return Err(RefreshError::InitialSync { group: self.groups[i].part.name(), why: e.to_string() })
                     }
@@ -742,6 +746,7 @@ impl Refresher {
     /// replica's position, and copied again when Redis moved since its copy.
     fn check(&mut self, conn: &mut Link, i: usize) -> Result<(), RefreshError> {
         check_bucket_count(conn, &self.groups[i].part)?;
+        check_key_kind(conn, &self.groups[i].part)?;
         match self.groups[i].state {
             // Its back-off timer brings it back (`due_resyncs`).
             State::Settling { .. } => Ok(()),
@@ -1039,12 +1044,12 @@ impl Refresher {
             g.read_id = id;
             cursor.seq = id.0;
             match change(&g.part, &fields, g.writer.table().dim()) {
-                Ok((id, Some(v), t)) => {
-                    g.writer.upsert(id, &v)?;
+                Ok((key, Some(v), t)) => {
+                    upsert(&mut g.writer, key, &v)?;
                     cursor.change_unix_ms = t;
                 }
-                Ok((id, None, t)) => {
-                    g.writer.delete(id);
+                Ok((key, None, t)) => {
+                    delete(&mut g.writer, key);
                     cursor.change_unix_ms = t;
                 }
                 Err(why) => skip(Some(s), &g.part, &format!("stream entry {}: {why}", cursor.seq)),
@@ -1060,10 +1065,15 @@ impl Refresher {
 /// Decodes a stream entry's fields: `k <key> v <bytes> t <ms>` for a put,
 /// `k <key> d 1 t <ms>` for a delete.
 /// One stream entry's fields as the refresher applies them: the entity's
-/// id, its vector (`None` for a delete) and the change's time; or why the
-/// entry is skipped. Public for `tests/fuzz.rs`, which feeds it what a
-/// Redis could send.
-pub fn change(part: &Part, fields: &[Reply], dim: usize) -> Result<(u64, Option<Vec<f32>>, u64), String> {
+/// key (of the part's key kind), its vector (`None` for a delete) and the
+/// change's time; or why the entry is skipped (a key of the other kind, or
+/// a string key past the group's limit, among others). Public for
+/// `tests/fuzz.rs`, which feeds it what a Redis could send.
+pub fn change<'f>(
+    part: &Part,
+    fields: &'f [Reply],
+    dim: usize,
+) -> Result<(EntityKey<'f>, Option<Vec<f32>>, u64), String> {
     let mut key = None;
     let mut value = None;
     let mut deleted = false;
@@ -1084,8 +1094,8 @@ pub fn change(part: &Part, fields: &[Reply], dim: usize) -> Result<(u64, Option<
     match (value, deleted) {
         (Some(bytes), false) => entity(part, key, bytes, dim).map(|(id, v)| (id, Some(v), t)),
         (None, true) => part
-            .parse_entity_key(key)
-            .map(|id| (id, None, t))
+            .parse_key(key)
+            .map(|parsed| (parsed, None, t))
             .ok_or_else(|| format!("key {} is not {}", String::from_utf8_lossy(key), part.key_form())),
         _ => Err(format!("key {}: neither a value 'v' nor a delete 'd'", String::from_utf8_lossy(key))),
     }
@@ -1143,9 +1153,15 @@ mod tests {
         let v = crate::features::feed::contract::encode_vector(&[1.0, 2.0]);
         let put = [bulk(b"k"), bulk(b"user:7"), bulk(b"v"), Reply::Bulk(v.clone()), bulk(b"t"), bulk(b"123")];
         let user = Part::plain("user");
-        assert_eq!(change(&user, &put, 2), Ok((7, Some(vec![1.0, 2.0]), 123)));
+        assert_eq!(change(&user, &put, 2), Ok((EntityKey::Id(7), Some(vec![1.0, 2.0]), 123)));
         let del = [bulk(b"k"), bulk(b"user:8"), bulk(b"d"), bulk(b"1"), bulk(b"t"), bulk(b"5")];
-        assert_eq!(change(&user, &del, 2), Ok((8, None, 5)));
+        assert_eq!(change(&user, &del, 2), Ok((EntityKey::Id(8), None, 5)));
+        // The same entries in a string-keyed group: the key's bytes, within the group's limit.
+        let device = Part::plain("user").with_key_kind(crate::features::replica::KeyKind::Str { bytes_max: 4 });
+        assert_eq!(change(&device, &put, 2), Ok((EntityKey::Str(b"7"), Some(vec![1.0, 2.0]), 123)));
+        assert_eq!(change(&device, &del, 2), Ok((EntityKey::Str(b"8"), None, 5)));
+        let long = [bulk(b"k"), bulk(b"user:12345"), bulk(b"d"), bulk(b"1")];
+        assert!(change(&device, &long, 2).unwrap_err().contains("user:<1 to 4 bytes>"));
         assert!(change(&user, &put, 3).unwrap_err().contains("user:7"));
         let foreign = [bulk(b"k"), bulk(b"item:7"), bulk(b"v"), Reply::Bulk(v)];
         assert!(change(&user, &foreign, 2).unwrap_err().contains("item:7"));

@@ -22,17 +22,15 @@ use super::sync::RefreshError;
 use crate::deadline::{Clock, MonotonicClock};
 use crate::features::replica::{bucket_path, KeyKind, ReplicaError, ReplicaHandle, ReplicaWriter, Storage};
 
-/// One group to serve: its name, file, and the dimension to create it with
-/// if there is no file.
+/// One group to serve: its name, file, key kind, and what to create its
+/// file with if there is none: the dimension, storage and default vector.
 pub struct GroupSpec {
     pub name: String,
     pub path: PathBuf,
     pub dim: Option<u32>,
-    /// The key type a new file is created with.
     pub key: KeyKind,
-    /// How a new file stores its rows.
     pub storage: Storage,
-    /// A new file's default row; empty: zeros.
+    /// The vector of an entity the replica does not hold; empty: zeros.
     pub default: Vec<f32>,
 }
 
@@ -72,14 +70,23 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
     // Files created empty here, and the follows they belong to.
     let mut created: Vec<(PathBuf, usize)> = Vec::new();
     for (at, spec) in specs.iter().enumerate() {
-        let parts = Part::all(&spec.name, layout);
+        let parts: Vec<Part> = Part::all(&spec.name, layout).into_iter().map(|p| p.with_key_kind(spec.key)).collect();
         let mut writers = Vec::with_capacity(parts.len());
         for part in &parts {
             let path = match layout {
                 Layout::Plain => spec.path.clone(),
                 Layout::Bucketed { .. } => bucket_path(&spec.path, part.bucket),
             };
-            let (writer, fresh) = open_or_create(spec, part, &path)?;
+            let (writer, fresh) = match open_or_create(spec, part, &path) {
+                Ok(opened) => opened,
+                Err(e) => {
+                    // An empty file left behind would be served as if current on the next start.
+                    for (path, _) in &created {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    return Err(e);
+                }
+            };
             if fresh {
                 created.push((path, follows.len() + writers.len()));
             }
@@ -95,7 +102,12 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
             Layout::Plain => writers[0].handle(),
             Layout::Bucketed { .. } => ReplicaHandle::bucketed(&mut writers),
         });
-        follows.extend(parts.into_iter().zip(writers).map(|(part, writer)| Follow { part, status_at: at, writer }));
+        follows.extend(parts.into_iter().zip(writers).map(|(part, writer)| Follow {
+            part,
+            status_at: at,
+            writer,
+            storage: spec.storage,
+        }));
     }
     let mut refresher = Refresher::new(config.clone(), follows, status.clone())?;
     if !created.is_empty() {
@@ -119,6 +131,14 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
 /// is none or it was damaged and set aside.
 fn open_or_create(spec: &GroupSpec, part: &Part, path: &Path) -> Result<(ReplicaWriter, bool), RefreshError> {
     match ReplicaWriter::open_deferred(path, &spec.name) {
+        Ok(w) if w.table().key_kind() != spec.key => {
+            return Err(RefreshError::KeyKindMismatch {
+                group: spec.name.clone(),
+                path: path.display().to_string(),
+                found: w.table().key_kind(),
+                configured: spec.key,
+            });
+        }
         Ok(w) => {
             tracing::info!(
                 group = %part.name(), seq = w.cursor().seq, bytes = w.table().file_bytes(),
@@ -134,8 +154,16 @@ fn open_or_create(spec: &GroupSpec, part: &Part, path: &Path) -> Result<(Replica
         group: spec.name.clone(),
         why: format!("no replica file and no dimension known: set feed.{}_dim", spec.name),
     })?;
-    let zeros = vec![0.0; dim as usize];
-    let default = if spec.default.is_empty() { &zeros } else { &spec.default };
-    let writer = ReplicaWriter::create_keyed(path, &spec.name, dim, spec.storage, spec.key, 1024, default)?;
+    let default = match spec.default.len() {
+        0 => vec![0.0; dim as usize],
+        n if n == dim as usize => spec.default.clone(),
+        n => {
+            return Err(RefreshError::InitialSync {
+                group: spec.name.clone(),
+                why: format!("its default vector has {n} values, its dimension is {dim}"),
+            })
+        }
+    };
+    let writer = ReplicaWriter::create_keyed(path, &spec.name, dim, spec.storage, spec.key, 1024, &default)?;
     Ok((writer, true))
 }

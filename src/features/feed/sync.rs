@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
-use super::contract::{self, ContractError, Layout, Part};
+use super::contract::{self, ContractError, EntityKey, EntityKeyBuf, KeyKind, Layout, Part};
 use super::redis_cluster::{key_slot, ClusterConn, ClusterError, RedisSource};
 use super::resp::{RedisConfig, RedisConn, RedisError, Reply};
 use super::status::GroupStatus;
@@ -39,6 +39,14 @@ pub enum RefreshError {
     /// following it would look for entities in the wrong buckets.
     #[error("{key} says the group has {stored} buckets, {configured} are configured ([feed] buckets, or --buckets): fix one of them")]
     Buckets { key: String, stored: String, configured: u16 },
+    /// A group whose writers use the other key kind: its keys would be
+    /// misread (`g:42` is id 42 to one kind, the string "42" to the other).
+    #[error("group '{group}': {key} says its keys are {stored}, the replica is configured for {configured}: fix one of them")]
+    KeyKind { group: String, key: String, stored: String, configured: KeyKind },
+    /// A group's existing replica file is keyed otherwise than configured:
+    /// neither damage to set aside nor a file to serve.
+    #[error("group '{group}': {path} holds {found}, the group is configured with {configured}: move the file away to rebuild it from redis, or fix the group's key configuration")]
+    KeyKindMismatch { group: String, path: String, found: KeyKind, configured: KeyKind },
 }
 
 impl RefreshError {
@@ -244,7 +252,8 @@ pub fn full_sync(
         1 => with_headroom(dbsize.min(changes)),
         buckets => bucket_capacity(conn, part, (dbsize / buckets as u64).min(changes))?,
     };
-    let fresh = ReplicaWriter::create(&tmp, &part.group, dim as u32, storage, capacity, default)?;
+    check_key_kind(conn, part)?;
+    let fresh = ReplicaWriter::create_keyed(&tmp, &part.group, dim as u32, storage, part.key_kind, capacity, default)?;
     let mut sink = Sink { fresh, dim, copied: 0, status, progress };
     if connections == 1 {
         copy_serial(conn, target, status, &mut sink)?;
@@ -276,12 +285,48 @@ pub(super) fn check_bucket_count(conn: &mut impl Keyed, part: &Part) -> Result<(
     }
 }
 
+/// Refuses a part whose group Redis records with the other key kind
+/// (`quiver:keys:g`); a group with no record but a counter was written
+/// before kinds were recorded, and holds u64 ids.
+pub(super) fn check_key_kind(conn: &mut impl Keyed, part: &Part) -> Result<(), RefreshError> {
+    let command = |verb: &[u8], key: &str| (key.as_bytes().to_vec(), vec![verb.to_vec(), key.as_bytes().to_vec()]);
+    let replies = conn.run_keyed(&[command(b"GET", &part.keys.kind), command(b"EXISTS", &part.keys.seq)])?;
+    server_error(&replies, &part.name())?;
+    let stored = match (&replies[0], &replies[1]) {
+        (Reply::Bulk(kind), _) => String::from_utf8_lossy(kind).into_owned(),
+        (Reply::Nil, Reply::Int(1)) => contract::KIND_U64.to_string(),
+        (Reply::Nil, _) => return Ok(()),
+        (other, _) => return Err(shape("GET", format!("{other:?}"))),
+    };
+    if stored == contract::kind_name(part.key_kind) {
+        return Ok(());
+    }
+    Err(RefreshError::KeyKind { group: part.name(), key: part.keys.kind.clone(), stored, configured: part.key_kind })
+}
+
+/// Writes `v` as `key`'s vector; the key is of the writer's kind (parsed for its part).
+pub(super) fn upsert(writer: &mut ReplicaWriter, key: EntityKey<'_>, v: &[f32]) -> Result<(), ReplicaError> {
+    match key {
+        EntityKey::Id(id) => writer.upsert(id, v),
+        EntityKey::Str(bytes) => writer.upsert_str(bytes, v),
+    }
+}
+
+/// Deletes `key`, of the writer's kind; false when it was not there.
+pub(super) fn delete(writer: &mut ReplicaWriter, key: EntityKey<'_>) -> bool {
+    match key {
+        EntityKey::Id(id) => writer.delete(id),
+        EntityKey::Str(bytes) => writer.delete_str(bytes),
+    }
+}
+
 /// A whole group to copy once (`quiver replica sync`): its parts go to
 /// `path` (the plain layout) or to one file per bucket beside it, named as
 /// the server names them ([`bucket_path`]).
 pub struct GroupTarget<'a> {
     pub group: &'a str,
     pub layout: Layout,
+    pub key_kind: KeyKind,
     pub path: &'a Path,
     pub dim: usize,
     pub storage: Storage,
@@ -327,6 +372,7 @@ pub fn sync_group(
     let mut copy_all = || -> Result<(), RefreshError> {
         let mut copied = 0u64;
         for part in Part::all(target.group, target.layout) {
+            let part = part.with_key_kind(target.key_kind);
             let path = match target.layout {
                 Layout::Plain => target.path.to_path_buf(),
                 Layout::Bucketed { .. } => bucket_path(target.path, part.bucket),
@@ -429,10 +475,10 @@ fn with_headroom(keys: u64) -> u64 {
     (keys + keys / 4 * 3).clamp(1024, crate::features::replica::ROW_CAPACITY_MAX)
 }
 
-/// One MGET's entities, decoded: `ids[i]`'s vector is the `i`-th run of
+/// One MGET's entities, decoded: `keys[i]`'s vector is the `i`-th run of
 /// `dim` values in `values`.
 struct Rows {
-    ids: Vec<u64>,
+    keys: Vec<EntityKeyBuf>,
     values: Vec<f32>,
 }
 
@@ -448,8 +494,8 @@ struct Sink<'a, 'p> {
 
 impl Sink<'_, '_> {
     fn take(&mut self, rows: &Rows) -> Result<(), RefreshError> {
-        for (&id, v) in rows.ids.iter().zip(rows.values.chunks_exact(self.dim)) {
-            self.fresh.upsert(id, v)?;
+        for (key, v) in rows.keys.iter().zip(rows.values.chunks_exact(self.dim)) {
+            upsert(&mut self.fresh, key.as_key(), v)?;
             self.copied += 1;
         }
         (self.progress)(self.copied);
@@ -523,16 +569,16 @@ fn decode_rows(
     if values.len() != keys.len() {
         return Err(shape("MGET", format!("{} values for {} keys", values.len(), keys.len())));
     }
-    let mut rows = Rows { ids: Vec::with_capacity(keys.len()), values: Vec::with_capacity(keys.len() * dim) };
+    let mut rows = Rows { keys: Vec::with_capacity(keys.len()), values: Vec::with_capacity(keys.len() * dim) };
     let mut nils = Vec::new();
     for (i, (key, value)) in keys.iter().zip(values).enumerate() {
         let decoded = match value {
             Reply::Bulk(bytes) => part
-                .parse_entity_key(key)
+                .parse_key(key)
                 .ok_or_else(|| format!("key {} is not {}", String::from_utf8_lossy(key), part.key_form()))
-                .and_then(|id| {
+                .and_then(|parsed| {
                     contract::decode_vector_into(&bytes, dim, &mut rows.values)
-                        .map(|()| id)
+                        .map(|()| parsed.to_buf())
                         .map_err(|e| format!("key {}: {e}", String::from_utf8_lossy(key)))
                 }),
             Reply::Nil => {
@@ -542,7 +588,7 @@ fn decode_rows(
             other => Err(format!("key {}: unexpected reply {other:?}", String::from_utf8_lossy(key))),
         };
         match decoded {
-            Ok(id) => rows.ids.push(id),
+            Ok(parsed) => rows.keys.push(parsed),
             Err(why) => skip(status, part, &why),
         }
     }
@@ -833,12 +879,17 @@ fn fetch(
     }
 }
 
-/// The id and vector of an entity key and value, or why they are bad data.
-pub(super) fn entity(part: &Part, key: &[u8], value: &[u8], dim: usize) -> Result<(u64, Vec<f32>), String> {
+/// The key and vector of an entity key and value, or why they are bad data.
+pub(super) fn entity<'k>(
+    part: &Part,
+    key: &'k [u8],
+    value: &[u8],
+    dim: usize,
+) -> Result<(EntityKey<'k>, Vec<f32>), String> {
     let name = || String::from_utf8_lossy(key).into_owned();
-    let id = part.parse_entity_key(key).ok_or_else(|| format!("key {} is not {}", name(), part.key_form()))?;
+    let parsed = part.parse_key(key).ok_or_else(|| format!("key {} is not {}", name(), part.key_form()))?;
     let v = contract::decode_vector(value, dim).map_err(|e: ContractError| format!("key {}: {e}", name()))?;
-    Ok((id, v))
+    Ok((parsed, v))
 }
 
 pub(super) fn skip(status: Option<&GroupStatus>, part: &Part, why: &str) {

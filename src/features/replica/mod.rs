@@ -610,6 +610,24 @@ pub fn parse_text_line(text: &str) -> Result<Option<TextLine>, String> {
     Ok(Some(TextLine::Row(id, values)))
 }
 
+/// One meaningful line of the text format of a string-keyed group: the
+/// first field is the key as written.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StrTextLine {
+    Row(String, Vec<f32>),
+    Default(Vec<f32>),
+}
+
+/// [`parse_text_line`] for a string-keyed group, as
+/// [`ReplicaBuilder::from_text_keyed`] reads it (`quiver features load
+/// --key-bytes` uses it too); the key's length is its group's to check.
+pub fn parse_str_text_line(text: &str) -> Result<Option<StrTextLine>, String> {
+    Ok(split_text_line(text)?.map(|(key, values)| match key {
+        "default" => StrTextLine::Default(values),
+        key => StrTextLine::Row(key.to_string(), values),
+    }))
+}
+
 /// A line of the text format split into its first field (a key, or
 /// `default`) and its values, checked as [`parse_text_line`] says.
 fn split_text_line(text: &str) -> Result<Option<(&str, Vec<f32>)>, String> {
