@@ -408,7 +408,7 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         }
     }
     type Count = fn(&GroupStatus) -> u64;
-    let counters: [(&str, &str, Count); 5] = [
+    let counters: [(&str, &str, Count); 7] = [
         ("quiver_replica_changes_applied", "Stream entries applied.", |g| g.applied_total.load(Relaxed)),
         ("quiver_replica_skipped", "Keys and stream entries skipped as bad data.", |g| g.skipped_total.load(Relaxed)),
         ("quiver_replica_resyncs", "Full resyncs from Redis.", |g| g.resyncs_total.load(Relaxed)),
@@ -418,6 +418,17 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         ("quiver_replica_torn_rows_repaired", "Rows found mid-write at open and dropped until replayed.", |g| {
             g.torn_rows_repaired.load(Relaxed)
         }),
+        (
+            "quiver_replica_key_collisions",
+            "Reads of a string key that found another key under its hash (missed); counted again from 0 when a \
+             file is swapped in.",
+            |g| g.key_collisions.load(Relaxed),
+        ),
+        (
+            "quiver_replica_key_displacements",
+            "String keys written over another key under the same hash (that key is then unknown).",
+            |g| g.key_displacements.load(Relaxed),
+        ),
     ];
     for (name, help, get) in counters {
         let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
@@ -533,6 +544,27 @@ mod tests {
     use crate::registry::Registry;
     use crate::request::Counters;
     use prometheus_client::registry::Registry as Registry_;
+
+    #[test]
+    fn feed_groups_export_string_key_collisions_and_displacements() {
+        #[derive(Debug)]
+        struct Feed(FeedStatus);
+        impl prometheus_client::collector::Collector for Feed {
+            fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+                encode_feed(&mut encoder, &self.0)
+            }
+        }
+        let status = FeedStatus::new(&["user", "device"], 1000, crate::features::feed::StalePolicy::Flag, 0);
+        status.groups[1].key_collisions.store(3, Relaxed);
+        status.groups[1].key_displacements.store(2, Relaxed);
+        let mut registry = Registry_::default();
+        registry.register_collector(Box::new(Feed(status)));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+        assert!(text.contains("quiver_replica_key_collisions_total{group=\"device\"} 3"), "{text}");
+        assert!(text.contains("quiver_replica_key_collisions_total{group=\"user\"} 0"), "{text}");
+        assert!(text.contains("quiver_replica_key_displacements_total{group=\"device\"} 2"), "{text}");
+    }
 
     #[test]
     fn exposition_has_conventional_names_and_consistent_buckets() {

@@ -266,6 +266,8 @@ impl Refresher {
             s.torn_rows_repaired.store(parts().map(|g| g.torn_rows).sum(), Ordering::Relaxed);
             s.resync_held.store(parts().any(|g| matches!(g.state, State::Held { .. })), Ordering::Relaxed);
             s.held_rows.store(parts().map(|g| g.held_rows).sum(), Ordering::Relaxed);
+            s.key_collisions.store(parts().map(|g| g.writer.table().key_collisions()).sum(), Ordering::Relaxed);
+            s.key_displacements.store(parts().map(|g| g.writer.key_displacements()).sum(), Ordering::Relaxed);
         }
     }
 

@@ -61,6 +61,13 @@ pub struct GroupStatus {
     pub accept_requested: AtomicBool,
     /// Accepts the refresher has acted on.
     pub accepts_total: AtomicU64,
+    /// Reads of a string key that found another key under its hash (a
+    /// miss), in the files served now: a file swapped in (a resync, a
+    /// growth) counts from zero again.
+    pub key_collisions: AtomicU64,
+    /// String keys written over another key under the same hash, by the
+    /// group's writers (carried across resyncs).
+    pub key_displacements: AtomicU64,
 }
 
 impl GroupStatus {
@@ -83,6 +90,8 @@ impl GroupStatus {
             resync_restarts_total: AtomicU64::new(0),
             accept_requested: AtomicBool::new(false),
             accepts_total: AtomicU64::new(0),
+            key_collisions: AtomicU64::new(0),
+            key_displacements: AtomicU64::new(0),
         }
     }
 
