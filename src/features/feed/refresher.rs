@@ -32,9 +32,12 @@
 //!   more than `resync_shrink_max` of the rows (Redis restarted empty, a
 //!   FLUSHALL) is held: not swapped in, reported, responses flagged stale,
 //!   until the source comes back or an operator accepts it.
-//! - Bad data (a key that is not `{group}:{u64}`, a value of the wrong
+//! - Bad data (a key that is not `{group}:{u64}`, or in a string-keyed
+//!   group `{group}:` and 1 to `bytes_max` bytes; a value of the wrong
 //!   length, a non-string key, a malformed stream entry) is skipped, counted
-//!   and logged with the key; the refresh goes on.
+//!   and logged with the key; the refresh goes on. A group whose key kind in
+//!   Redis is not the replica's is refused (the session fails, as for a
+//!   bucket count that disagrees): mixing them would misread every key.
 //! - Buckets: a bucketed group (the contract's layout for Redis Cluster) is
 //!   followed as one part per bucket, each with its own replica file,
 //!   stream, position and state, so a gap or a new epoch in one bucket
