@@ -246,3 +246,48 @@ fn the_cli_publishes_to_a_cluster() {
         assert_eq!(value, want, "entity {id}");
     }
 }
+
+#[test]
+fn string_keys_are_published_to_and_copied_from_a_cluster() {
+    let cluster = RedisCluster::start(3, 0);
+    let conn = || ClusterConn::connect(&cluster.config(), &cluster.seeds()).unwrap();
+    let kind = contract::KeyKind::Str { bytes_max: 32 };
+    let mut p = Publisher::cluster(conn(), 16).unwrap().with_key_kind(kind).unwrap();
+    let key = |n: u32| format!("device:{n}").into_bytes();
+    let rows: Vec<(Vec<u8>, Vec<f32>)> = (0..3000u32).map(|n| (key(n), vec![n as f32, 0.5])).collect();
+    p.put_many_str("device", &rows, |_, _| {}).unwrap();
+    p.delete_many_str("device", &[key(7), key(8)], |_, _| {}).unwrap();
+    let err = Publisher::cluster(conn(), 16).unwrap().put("device", 1, &[1.0, 2.0]).unwrap_err();
+    assert!(matches!(err, PublishError::Contract(ContractError::KeyKind { .. })), "{err}");
+
+    let layout = p.layout();
+    let out = common::scratch("cluster-strkeys").join("device.qrep");
+    let target = quiver::features::feed::sync::GroupTarget {
+        group: "device",
+        layout,
+        key_kind: kind,
+        path: &out,
+        dim: 2,
+        storage: quiver::features::replica::Storage::F32,
+        default: &[0.0, 0.0],
+        batch_keys_max: 500,
+        connections: 2,
+    };
+    let source = quiver::features::feed::redis_cluster::RedisSource::Cluster {
+        config: cluster.config(),
+        seeds: cluster.seeds(),
+    };
+    let copies = quiver::features::feed::sync::sync_group(&source, &target, &mut |_| {}).unwrap();
+    assert_eq!(copies.len(), 16);
+    assert_eq!(copies.iter().map(|(_, w)| w.live_rows()).sum::<u64>(), 2998);
+    drop(copies);
+    let mut v = [0.0f32; 2];
+    for n in 0..3000u32 {
+        let b = layout.bucket_of_key(contract::EntityKey::Str(&key(n)));
+        let r = quiver::features::replica::Replica::open(&quiver::features::replica::bucket_path(&out, b), "device")
+            .unwrap();
+        let found = r.read_str_into(&key(n), &mut v);
+        assert_eq!(found, n != 7 && n != 8, "key {n} in bucket {b}");
+        assert!(!found || v == [n as f32, 0.5], "key {n}: {v:?}");
+    }
+}
