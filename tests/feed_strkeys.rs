@@ -220,6 +220,32 @@ fn a_string_keyed_group_syncs_follows_restarts_warm_and_holds_an_emptied_source(
 }
 
 #[test]
+fn a_gap_in_a_string_groups_stream_resyncs_it_whole() {
+    let redis = RedisServer::start();
+    let mut p = publisher(&redis, Layout::Plain);
+    put_range(&mut p, 0..300, 0);
+    let dir = scratch("strkeys-gap");
+    let path = dir.join("device.qrep");
+    let cfg = config(&redis, Layout::Plain);
+    drop(Running::start(&cfg, spec(&path, DEVICE)).unwrap());
+    // While it is down, the stream is trimmed past its position.
+    put_range(&mut p, 0..300, 1);
+    p.delete_str("device", name(5).as_bytes()).unwrap();
+    let keys = Layout::Plain.keys("device", 0);
+    redis.conn().command(&[b"XTRIM", keys.stream.as_bytes(), b"MAXLEN", b"10"]).unwrap();
+    let running = Running::start(&cfg, spec(&path, DEVICE)).unwrap();
+    let handle = running.handle();
+    let want = seq(&redis, &keys.seq);
+    running.wait("the resync and the replay", |r| r.status().applied_seq.load(Ordering::Relaxed) == want);
+    assert_eq!(running.status().resyncs_total.load(Ordering::Relaxed), 1, "the gap was resynced");
+    assert_eq!(handle.live_rows(), 299);
+    assert_eq!(read(&handle, &name(5)), None);
+    for n in [0, 6, 299] {
+        assert_eq!(read(&handle, &name(n)), Some(vector(&name(n), 1)), "{}", name(n));
+    }
+}
+
+#[test]
 fn the_bucketed_layout_takes_string_keys() {
     let redis = RedisServer::start();
     let layout = Layout::bucketed(4).unwrap();

@@ -760,15 +760,22 @@ fn stream_entries() {
         quiver::features::feed::contract::Layout::Bucketed { buckets: 16 },
         3,
     );
+    // A string-keyed group reads the same entries as keys of up to 8 bytes.
+    let strings = plain.clone().with_key_kind(quiver::features::replica::KeyKind::Str { bytes_max: 8 });
     fuzz("stream_entries", seeds, 16 * MIB, &|bytes, _, _| {
         let Ok(replies) = quiver::features::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
             return;
         };
         for reply in replies {
             let Some(fields) = reply.into_array() else { continue };
-            for part in [&plain, &bucketed] {
-                if let Ok((_, Some(v), _)) = quiver::features::feed::refresher::change(part, &fields, 2) {
-                    assert_eq!(v.len(), 2, "a vector of the group's dimension, or a refusal");
+            for part in [&plain, &bucketed, &strings] {
+                if let Ok((key, v, _)) = quiver::features::feed::refresher::change(part, &fields, 2) {
+                    if let Some(v) = v {
+                        assert_eq!(v.len(), 2, "a vector of the group's dimension, or a refusal");
+                    }
+                    if let quiver::features::feed::contract::EntityKey::Str(k) = key {
+                        assert!((1..=8).contains(&k.len()), "a string key within the group's limit");
+                    }
                 }
             }
         }
