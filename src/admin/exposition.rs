@@ -420,8 +420,7 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
         }),
         (
             "quiver_replica_key_collisions",
-            "Reads of a string key that found another key under its hash (missed); counted again from 0 when a \
-             file is swapped in.",
+            "Reads of a string key that found another key under its hash (a miss, never the other key's row).",
             |g| g.key_collisions.load(Relaxed),
         ),
         (

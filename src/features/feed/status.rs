@@ -62,8 +62,7 @@ pub struct GroupStatus {
     /// Accepts the refresher has acted on.
     pub accepts_total: AtomicU64,
     /// Reads of a string key that found another key under its hash (a
-    /// miss), in the files served now: a file swapped in (a resync, a
-    /// growth) counts from zero again.
+    /// miss), carried across the files swapped in (resyncs, growth).
     pub key_collisions: AtomicU64,
     /// String keys written over another key under the same hash, by the
     /// group's writers (carried across resyncs).

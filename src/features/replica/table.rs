@@ -301,6 +301,13 @@ impl Replica {
         self.key_collisions.load(Ordering::Relaxed)
     }
 
+    /// Adds the collisions counted on the table this one replaces, so the
+    /// count a metric exports does not start again at a resync or a growth
+    /// (lookups still on the old table after the swap are not carried).
+    pub(super) fn carry_key_collisions(&self, from: &Replica) {
+        self.key_collisions.fetch_add(from.key_collisions(), Ordering::Relaxed);
+    }
+
     /// Checks slots `from..to` and the rows they name.
     fn scan_slots(&self, from: u64, to: u64) -> Result<Scan, ReplicaError> {
         let mut scan = Scan::default();

@@ -928,6 +928,25 @@ fn a_key_filed_under_another_keys_hash_is_a_counted_miss_never_its_features() {
 }
 
 #[test]
+fn a_replacement_carries_the_collision_and_displacement_counts_on() {
+    let dir = tmpdir("str-carry");
+    let kind = KeyKind::Str { bytes_max: 16 };
+    let mut w =
+        ReplicaWriter::create_keyed(&dir.join("user.qrep"), "user", 2, Storage::F32, kind, 64, &[0.0; 2]).unwrap();
+    let handle = w.handle();
+    w.upsert_str(b"bob", &[2.0, 2.0]).unwrap();
+    w.upsert_hashed(key_hash(b"bob"), b"alice", &[1.0, 1.0]).unwrap();
+    let mut out = [0.0; 2];
+    assert!(!handle.read_str_into(b"bob", &mut out));
+    assert_eq!((w.key_displacements(), w.table().key_collisions()), (1, 1));
+    let fresh = ReplicaWriter::create_keyed(&dir.join("user.fresh.qrep"), "user", 2, Storage::F32, kind, 64, &[0.0; 2])
+        .unwrap();
+    w.replace(fresh).unwrap();
+    assert_eq!((w.key_displacements(), w.table().key_collisions()), (1, 1), "carried into the resync's file");
+    assert_eq!(handle.load().key_collisions(), 1, "readers see the carried count");
+}
+
+#[test]
 fn string_keys_survive_updates_deletes_growth_and_reopening() {
     let dir = tmpdir("str-writer");
     let path = dir.join("user.qrep");

@@ -567,6 +567,7 @@ impl ReplicaWriter {
         }
         fresh.grow_ahead = self.grow_ahead;
         fresh.key_displacements += self.key_displacements;
+        fresh.table.carry_key_collisions(&self.table);
         if let Some((handle, part)) = self.handle.take() {
             handle.install(part, fresh.table.clone());
             fresh.handle = Some((handle, part));
