@@ -14,6 +14,7 @@ use common::{scratch, Server};
 use quiver::client::Client;
 use quiver::features::feed::Publisher;
 use quiver::features::groups::Scope;
+use quiver::features::replica::KeyKind;
 use quiver::model::{GroupName, InputSegment, Layer, Model, Source};
 use quiver::wire::{GroupKeySpec, RequestSpec, Response, Status};
 
@@ -21,8 +22,8 @@ fn group(name: &str, scope: Scope) -> Source {
     Source::Group { name: GroupName::new(name).unwrap(), scope }
 }
 
-/// logit = card·(1, 2) + merchant·4 + ad·(1, -1) + context: a model whose
-/// score says exactly which rows it was given.
+/// logit = card·(1, 2) + merchant·4 + ad·(1, -1) + context + 8·device: a
+/// model whose score says exactly which rows it was given.
 fn write_model(dir: &Path) {
     let model = Model {
         name: "fraud".into(),
@@ -32,8 +33,9 @@ fn write_model(dir: &Path) {
             InputSegment { source: group("merchant", Scope::Request), dim: 1 },
             InputSegment { source: group("ad", Scope::Candidate), dim: 2 },
             InputSegment { source: Source::Context, dim: 1 },
+            InputSegment { source: group("device", Scope::Request), dim: 1 },
         ],
-        layers: vec![Layer::quantize(6, 1, false, vec![1.0, 2.0, 4.0, 1.0, -1.0, 1.0], vec![0.0])],
+        layers: vec![Layer::quantize(7, 1, false, vec![1.0, 2.0, 4.0, 1.0, -1.0, 1.0, 8.0], vec![0.0])],
         calibration: None,
         graph: None,
         onnx: None,
@@ -53,6 +55,11 @@ name = "ad"
 scope = "candidate"
 width = 2
 default = [-1.0, -1.0]
+[[groups]]
+name = "device"
+key = "string"
+key_bytes_max = 32
+width = 1
 "#;
 
 fn serve(dir: &Path, redis: &RedisServer) -> Server {
@@ -62,7 +69,7 @@ fn serve(dir: &Path, redis: &RedisServer) -> Server {
     Server::start_with(dir, &["--config", config.to_str().unwrap(), "--shards", "1", "--backend", "f32"])
 }
 
-fn request(card: u64, merchant: u64, ads: &[u64]) -> RequestSpec {
+fn request(card: u64, merchant: u64, ads: &[u64], device: &str) -> RequestSpec {
     RequestSpec {
         request_id: 1,
         budget_us: 1_000_000,
@@ -71,13 +78,14 @@ fn request(card: u64, merchant: u64, ads: &[u64]) -> RequestSpec {
             ("card".into(), GroupKeySpec::Ids(vec![card])),
             ("merchant".into(), GroupKeySpec::Ids(vec![merchant])),
             ("ad".into(), GroupKeySpec::Ids(ads.to_vec())),
+            ("device".into(), GroupKeySpec::Strs(vec![device.into()])),
         ],
         ..RequestSpec::default()
     }
 }
 
-fn logit(card: [f32; 2], merchant: f32, ad: [f32; 2]) -> f32 {
-    card[0] + 2.0 * card[1] + 4.0 * merchant + ad[0] - ad[1] + 0.5
+fn logit(card: [f32; 2], merchant: f32, ad: [f32; 2], device: f32) -> f32 {
+    card[0] + 2.0 * card[1] + 4.0 * merchant + ad[0] - ad[1] + 0.5 + 8.0 * device
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -94,6 +102,10 @@ fn assert_scores(r: &Response, want: &[f32]) {
 
 fn publish(redis: &RedisServer, group: &str, rows: &[(u64, Vec<f32>)]) {
     Publisher::new(redis.conn()).unwrap().put_many(group, rows, |_, _| {}).unwrap();
+}
+
+fn devices(redis: &RedisServer) -> Publisher {
+    Publisher::new(redis.conn()).unwrap().with_key_kind(KeyKind::Str { bytes_max: 32 }).unwrap()
 }
 
 /// Asks until `done` holds for the answer (the refresher applies changes
@@ -116,20 +128,33 @@ fn every_group_is_synced_followed_and_kept_across_restarts_and_kill_9() {
     publish(&redis, "card", &[(1, vec![1.0, 0.0]), (2, vec![0.5, 0.25])]);
     publish(&redis, "merchant", &[(10, vec![0.125]), (11, vec![-0.5])]);
     publish(&redis, "ad", &[(100, vec![1.0, 0.5]), (101, vec![0.0, 2.0])]);
+    devices(&redis).put_str("device", b"f7a9c2e1", &[0.25]).unwrap();
+    devices(&redis).put_str("device", b"203.0.113.7", &[-0.5]).unwrap();
     let dir = scratch("groups-feed");
     write_model(&dir);
     let mut server = serve(&dir, &redis);
-    for g in ["card", "merchant", "ad"] {
+    for g in ["card", "merchant", "ad", "device"] {
         assert!(dir.join(format!("{g}.qrep")).exists(), "{g}: a replica file per group");
     }
     let mut c = server.client();
-    let spec = request(2, 10, &[100, 101, 999]);
+    let spec = request(2, 10, &[100, 101, 999], "f7a9c2e1");
     let r = c.score(&spec).unwrap();
-    let want = |card, merchant| {
-        [logit(card, merchant, [1.0, 0.5]), logit(card, merchant, [0.0, 2.0]), logit(card, merchant, [-1.0, -1.0])]
+    let want_on = |card, merchant, device| {
+        [
+            logit(card, merchant, [1.0, 0.5], device),
+            logit(card, merchant, [0.0, 2.0], device),
+            logit(card, merchant, [-1.0, -1.0], device),
+        ]
     };
+    let want = |card, merchant| want_on(card, merchant, 0.25);
     assert_scores(&r, &want([0.5, 0.25], 0.125));
     assert_eq!(r.features_missing, 1, "ad 999 is unknown: its group's default row");
+    let other_device = request(2, 10, &[100, 101, 999], "203.0.113.7");
+    assert_scores(&c.score(&other_device).unwrap(), &want_on([0.5, 0.25], 0.125, -0.5));
+    let unknown_device = request(2, 10, &[100, 101, 999], "unknown");
+    let r = c.score(&unknown_device).unwrap();
+    assert_scores(&r, &want_on([0.5, 0.25], 0.125, 0.0));
+    assert_eq!(r.features_missing, 2, "an unknown device reads the default row");
 
     // Follow: a change in any group reaches the next requests.
     publish(&redis, "card", &[(2, vec![2.0, 1.0])]);
@@ -139,6 +164,13 @@ fn every_group_is_synced_followed_and_kept_across_restarts_and_kill_9() {
     Publisher::new(redis.conn()).unwrap().delete("merchant", 10).unwrap();
     let r = until(&mut c, &spec, "the merchant deletion", |r| r.features_missing == 2);
     assert_scores(&r, &want([2.0, 1.0], 0.0));
+    devices(&redis).put_str("device", b"f7a9c2e1", &[0.75]).unwrap();
+    let r = until(&mut c, &spec, "the device update", |r| {
+        (r.scores[0] - sigmoid(want_on([2.0, 1.0], 0.0, 0.75)[0])).abs() < 1e-5
+    });
+    assert_scores(&r, &want_on([2.0, 1.0], 0.0, 0.75));
+    devices(&redis).put_str("device", b"f7a9c2e1", &[0.25]).unwrap();
+    until(&mut c, &spec, "the device back", |r| (r.scores[0] - sigmoid(want([2.0, 1.0], 0.0)[0])).abs() < 1e-5);
 
     // A restart serves the files at once, as they were.
     assert_eq!(server.terminate(), 0);
@@ -152,16 +184,19 @@ fn every_group_is_synced_followed_and_kept_across_restarts_and_kill_9() {
     server.child.kill().unwrap();
     let _ = server.child.wait();
     publish(&redis, "merchant", &[(10, vec![1.0])]);
+    devices(&redis).delete_str("device", b"203.0.113.7").unwrap();
     let server = serve(&dir, &redis);
     let mut c = server.client();
     let r = until(&mut c, &spec, "the change made while the server was down", |r| r.features_missing == 1);
     assert_scores(&r, &want([2.0, 1.0], 1.0));
+    let r = until(&mut c, &other_device, "the device deleted while the server was down", |r| r.features_missing == 2);
+    assert_scores(&r, &want_on([2.0, 1.0], 1.0, 0.0));
 
     // Redis comes back empty: every group's resync is held and the last
     // known rows keep answering.
     redis.restart();
     server.wait_stats("every group held", |s| {
-        ["card", "merchant", "ad"].iter().all(|g| s.feed.iter().any(|f| f.group == *g && f.resync_held))
+        ["card", "merchant", "ad", "device"].iter().all(|g| s.feed.iter().any(|f| f.group == *g && f.resync_held))
     });
     let r = c.score(&spec).unwrap();
     assert_scores(&r, &want([2.0, 1.0], 1.0));
@@ -183,6 +218,7 @@ fn a_file_or_a_model_that_does_not_fit_the_groups_is_refused_at_start_up() {
     build("card", 2, None);
     build("merchant", 1, None);
     build("ad", 2, None);
+    build("device", 1, Some(32));
     let config = dir.join("quiver.toml");
     let start = |toml: &str| {
         std::fs::write(&config, toml).unwrap();

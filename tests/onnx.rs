@@ -234,9 +234,9 @@ fn import_errors_say_what_is_wrong() {
         assert!(!out.exists(), "no model file is written on failure");
     }
     // A malformed mapping is refused by the argument parser.
-    let (code, _, stderr) = quiver_import(&helper, &out, "user:8,item:8,ctx:4", &[]);
+    let (code, _, stderr) = quiver_import(&helper, &out, "user:8,item:8,c tx:4", &[]);
     assert_ne!(code, 0);
-    assert!(stderr.contains("'ctx' is not a source"), "{stderr}");
+    assert!(stderr.contains("'c tx:4': not a source"), "{stderr}");
 }
 
 #[test]
