@@ -240,7 +240,7 @@ fn keys_bench(c: &mut Criterion) {
         })
         .collect();
     let draws_str: Vec<[String; 2]> = draws.iter().map(|d| [fingerprint(d[3]), fingerprint(d[4])]).collect();
-    let mut row = vec![0.0f32; 5 * 8];
+    let mut row = [0.0f32; 5 * 8];
     let mut g = c.benchmark_group("request-scope lookups");
     g.throughput(Throughput::Elements(5));
     g.bench_function("fraud shape: 3 u64 + 2 string keys, 8 floats each", |b| {
