@@ -85,6 +85,7 @@ fn options(addr: String, rate: Option<f64>) -> BenchOptions {
         budget_us: 0,
         priority_mix: Vec::new(),
         tls: None,
+        workload: loadgen::WorkloadKind::Auction32,
     }
 }
 

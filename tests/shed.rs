@@ -55,6 +55,7 @@ fn options(addr: &str, duration: Duration, rate: Option<f64>, mix: Vec<(u8, f64)
         budget_us: BUDGET_US,
         priority_mix: mix,
         tls: None,
+        workload: loadgen::WorkloadKind::Auction32,
     }
 }
 

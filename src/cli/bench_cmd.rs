@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use quiver::loadgen::demo;
 use quiver::loadgen::{self, BenchOptions};
+use quiver::loadgen::{demo, fraud, DemoWorkload};
 use quiver::Error;
 
 use super::ClientTlsArgs;
@@ -50,6 +50,17 @@ pub struct Args {
     pipeline: usize,
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// What the requests are: auction-32 (a user, --candidates items,
+    /// context) or fraud (one card payment over the fraud example's five
+    /// groups: `quiver serve --demo --workload fraud`).
+    #[arg(long, value_enum, default_value = "auction-32")]
+    workload: DemoWorkload,
+    /// Fraud: known entities per group, `GROUP=N,…` over the example's
+    /// (card=50000,account=30000,device=40000,ip=40000,merchant=2000);
+    /// --zipf sets every group's exponent (default 1), --unknown-fraction
+    /// the share of device and IP keys outside them.
+    #[arg(long)]
+    populations: Option<String>,
     #[arg(long, default_value_t = demo::CANDIDATES)]
     candidates: usize,
     /// Context floats per request: the model's context width (16 for the
@@ -127,6 +138,25 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     if multi && (args.sweep.is_some() || args.tls.settings().is_some() || args.protocol != loadgen::Protocol::Quiver) {
         return Err(Error::Setup("several nodes take plain Quiver load: no --sweep, --tls or --protocol redis".into()));
     }
+    if let Some(why) = args.workload.unavailable() {
+        return Err(Error::Setup(why.into()));
+    }
+    let workload = match args.workload {
+        DemoWorkload::Fraud => {
+            if args.user_zipf.is_some() || args.item_zipf.is_some() {
+                return Err(Error::Setup("--workload fraud: --zipf sets every group's exponent".into()));
+            }
+            let populations = match &args.populations {
+                Some(text) => fraud::parse_populations(text).map_err(|e| Error::Setup(format!("--populations {e}")))?,
+                None => fraud::POPULATIONS,
+            };
+            loadgen::WorkloadKind::Fraud(fraud::Mix { populations, zipf: args.zipf.unwrap_or(fraud::ZIPF_DEFAULT) })
+        }
+        _ if args.populations.is_some() => {
+            return Err(Error::Setup("--populations is for --workload fraud".into()));
+        }
+        _ => loadgen::WorkloadKind::Auction32,
+    };
     let opts = BenchOptions {
         addr: args.addr.clone(),
         protocol: args.protocol,
@@ -150,6 +180,7 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             None => Vec::new(),
         },
         tls: args.tls.settings(),
+        workload,
     };
     // Checked before any connection, so a bad population or exponent is a
     // start-up error, not a failed run.

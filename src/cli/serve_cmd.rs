@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use quiver::config::Config;
-use quiver::loadgen::demo;
+use quiver::loadgen::{demo, fraud, DemoWorkload};
 use quiver::score::BackendKind;
 use quiver::Error;
 
@@ -33,9 +33,13 @@ pub struct Args {
     /// Serve a model registry: <DIR>/<name>/<version>/model.qm.
     #[arg(long)]
     models_dir: Option<PathBuf>,
-    /// Generate (once) and serve the built-in auction-32 demo.
+    /// Generate (once) and serve a built-in example (--workload).
     #[arg(long)]
     demo: bool,
+    /// With --demo: auction-32 (the default) or fraud, whose five feature
+    /// groups this sets as `[[groups]]` (no config file needed).
+    #[arg(long, value_enum, requires = "demo")]
+    workload: Option<DemoWorkload>,
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
     /// The onnxruntime library (`onnxruntime_lib`), for versions served
@@ -141,7 +145,15 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
         tls.key_file = key_file;
     }
     if args.demo {
-        demo::ensure(&config.data_dir)?;
+        let workload = args.workload.unwrap_or(DemoWorkload::Auction32);
+        if let Some(why) = workload.unavailable() {
+            return Err(Error::Setup(why.into()));
+        }
+        if workload == DemoWorkload::Fraud {
+            demo_fraud(&mut config)?;
+        } else {
+            demo::ensure(&config.data_dir)?;
+        }
     }
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -157,4 +169,22 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
         }
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Sets up the fraud example in `config.data_dir` and serves it: its five
+/// groups become `[[groups]]` (a config file's own must be exactly those),
+/// and the card keeps a canary choice sticky.
+fn demo_fraud(config: &mut Config) -> Result<(), Error> {
+    let groups = fraud::groups();
+    if !config.groups.is_empty() && config.groups != groups {
+        return Err(Error::Setup(
+            "--demo --workload fraud configures its own [[groups]] (card, account, device, ip, merchant); drop \
+             [[groups]] from the config file"
+                .into(),
+        ));
+    }
+    fraud::ensure(&config.data_dir).map_err(|e| Error::Setup(e.to_string()))?;
+    config.groups = groups;
+    config.canary_group = fraud::CANARY_GROUP.into();
+    Ok(())
 }

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use super::{histogram, latency_of, BenchOptions, Latency};
 use crate::client::cluster::{Cluster, ClusterConfig, Hedge, NodeStats};
-use crate::loadgen::demo::Workload;
+use crate::loadgen::BenchWorkload;
 use crate::wire::{status_name, tier_name, RequestSpec};
 
 /// Requests outstanding at once, at most (an open loop past capacity
@@ -89,7 +89,7 @@ impl std::fmt::Display for NodesReport {
 pub fn run(
     opts: &BenchOptions,
     nodes: &NodesOptions,
-    mut workload: Workload,
+    mut workload: BenchWorkload,
 ) -> Result<NodesReport, crate::client::cluster::ClusterError> {
     let window = opts.pipeline * nodes.addrs.len();
     let config = ClusterConfig {
