@@ -107,7 +107,8 @@ fn demo_writes_the_files_and_serve_demo_scores_transactions_as_the_model_says() 
     spec.groups[2].1 = GroupKeySpec::Strs(vec![unknown.into()]);
     let r = client.score(&spec).unwrap();
     assert_eq!((r.status, r.features_missing), (Status::Ok, 1), "{r:?}");
-    assert!((r.scores[0] - reference_score(&model, &x)).abs() <= SCORE_TOLERANCE);
+    let want = reference_score(&model, &x);
+    assert!((r.scores[0] - want).abs() <= SCORE_TOLERANCE, "unknown device: {} against {want}", r.scores[0]);
 
     // Every group is required: a transaction without its IP is refused, by name.
     spec.groups.retain(|(g, _)| g != "ip");
@@ -147,6 +148,7 @@ fn demo_writes_the_files_and_serve_demo_scores_transactions_as_the_model_says() 
     assert_eq!(v["connection_errors"].as_array().map(Vec::len), Some(0), "{v}");
     assert_eq!(v["ids"]["groups"][3], serde_json::json!(["ip", 40000]), "{v}");
     assert_eq!(v["ids"]["group_dist"].as_str(), Some("zipf:1"), "{v}");
+    assert_eq!(v["ids"]["users"].as_u64(), Some(0), "no user ids were sent: {v}");
     let missing_before = server.stats().features_missing;
     let v = bench(&["--unknown-fraction", "1", "--populations", "card=1000", "--zipf", "1.2", "--seed", "5"]);
     assert_eq!(v["by_status"]["ok"], v["sent"], "{v}");
@@ -162,6 +164,23 @@ fn demo_writes_the_files_and_serve_demo_scores_transactions_as_the_model_says() 
     let (code, _, stderr) = run_quiver(["demo", "--workload", "fraud", "--data-dir", dir.to_str().unwrap()]);
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(std::fs::metadata(dir.join("card.qrep")).unwrap().modified().unwrap(), before);
+
+    // --models-dir publishes the example's model twice, for hot swaps.
+    let models = dir.join("models");
+    let (code, _, stderr) = run_quiver([
+        "demo",
+        "--workload",
+        "fraud",
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--models-dir",
+        models.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    for version in [1, 2] {
+        let m = Model::load(&models.join(format!("fraud/{version}/model.qm"))).unwrap();
+        assert_eq!((m.name.as_str(), m.version, m.input_dim()), ("fraud", version, fraud::FEATURES.len()));
+    }
 }
 
 #[test]
@@ -207,4 +226,11 @@ fn the_ads_workload_is_refused_as_not_yet_built() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing was written");
     let (code, _, stderr) = run_quiver(["serve", "--workload", "fraud", "--data-dir", d]);
     assert!(code != 0 && stderr.contains("--demo"), "--workload without --demo: {stderr}");
+
+    // The fraud demo sets its own groups: a config file's other groups are refused, not merged.
+    let config = dir.join("other.toml");
+    std::fs::write(&config, "[[groups]]\nname = \"card\"\nwidth = 8\n").unwrap();
+    let c = config.to_str().unwrap();
+    let (code, _, stderr) = run_quiver(["serve", "--demo", "--workload", "fraud", "--config", c, "--data-dir", d]);
+    assert!(code != 0 && stderr.contains("drop [[groups]]"), "{stderr}");
 }

@@ -436,8 +436,12 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         },
     };
     if let WorkloadKind::Fraud(mix) = &opts.workload {
-        report.ids.groups = fraud::GROUPS.iter().map(|g| g.to_string()).zip(mix.populations).collect();
-        report.ids.group_dist = IdDist::Zipf(mix.zipf).to_string();
+        // No user or item ids are sent: the report names the groups instead.
+        report.ids = IdsReport {
+            groups: fraud::GROUPS.iter().map(|g| g.to_string()).zip(mix.populations).collect(),
+            group_dist: IdDist::Zipf(mix.zipf).to_string(),
+            ..IdsReport::default()
+        };
     }
     let mut rec = Recording {
         total: histogram(),
