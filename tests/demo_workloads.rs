@@ -81,7 +81,10 @@ fn demo_writes_the_files_and_serve_demo_scores_transactions_as_the_model_says() 
     let model = Model::load(&dir.join("model.qm")).unwrap();
     assert_eq!(model, fraud::model().unwrap());
 
-    let server = Server::start_with(&dir, &["--demo", "--workload", "fraud", "--shards", "1"]);
+    // `serve --demo` builds the example itself in a directory with nothing in it.
+    let served = scratch("fraud-served");
+    let server = Server::start_with(&served, &["--demo", "--workload", "fraud", "--shards", "1"]);
+    assert_eq!(Model::load(&served.join("model.qm")).unwrap(), model);
     let mut client = server.client();
     let tables = Tables::generate();
     let mut rows = TrainingRows::new(tables.clone(), 11);
@@ -98,7 +101,7 @@ fn demo_writes_the_files_and_serve_demo_scores_transactions_as_the_model_says() 
     // A device never seen: its group's default row, counted missing.
     let t = Transaction { entities: [42, 7, 3, 9, 5], amount_usd: 250.0, hour: 3.0 };
     let mut x = tables.features(&t).unwrap();
-    let device = Replica::open(&dir.join("device.qrep"), "device").unwrap();
+    let device = Replica::open(&served.join("device.qrep"), "device").unwrap();
     x[8..12].copy_from_slice(&device.default_vector());
     let mut spec = t.request(100);
     spec.budget_us = 2_000_000;
