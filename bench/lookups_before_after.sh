@@ -51,11 +51,15 @@ for l in sys.stdin:
         print(m["executable"])'
 }
 echo "== building the micro bench at $base and at $head"
+# Cargo names both builds' executable alike (the package's path is not in
+# its hash), so each is copied away before the other build overwrites it.
 before="$(bench_bin "$work/base")"
-after="$(bench_bin .)"
-[ -x "$before" ] && [ -x "$after" ] || { echo "lookups_before_after: a bench did not build" >&2; exit 1; }
+[ -x "$before" ] || { echo "lookups_before_after: the bench at $base did not build" >&2; exit 1; }
 cp "$before" "$work/micro-before"
+after="$(bench_bin .)"
+[ -x "$after" ] || { echo "lookups_before_after: the bench at $head did not build" >&2; exit 1; }
 cp "$after" "$work/micro-after"
+cmp -s "$work/micro-before" "$work/micro-after" && { echo "lookups_before_after: both builds are one binary" >&2; exit 1; }
 
 for r in $(seq "$REPEATS"); do
     for side in before after; do

@@ -450,9 +450,10 @@ impl Registry {
         self.generation.store(generation, Ordering::Release);
     }
 
-    /// Serves `version` of `name` to `fraction` (0..=1) of users, chosen by a
-    /// hash of `user_id` so each user stays on one side; a fraction of 0
-    /// ends the canary. Returns the canary version, if one is running.
+    /// Serves `version` of `name` to `fraction` (0..=1) of requests, chosen
+    /// by a hash of each request's key of `canary_group` (`user_id` by
+    /// default) so each key stays on one side; a fraction of 0 ends the
+    /// canary. Returns the canary version, if one is running.
     pub fn canary(&self, name: &str, version: Option<u32>, fraction: f64) -> Result<Option<u32>, RegistryError> {
         self.candidate(name, version, fraction, |slot| &mut slot.canary)
     }

@@ -223,3 +223,39 @@ fn a_model_reading_a_group_the_server_lacks_or_at_another_scope_is_refused() {
         assert!(e.to_string().contains(want), "{e}");
     }
 }
+
+#[test]
+fn the_canary_is_sticky_by_the_key_of_canary_group() {
+    let d = dir("group-canary");
+    let mut sh = shared_groups(&d);
+    let model = sh.registry.snapshot().models[0].clone();
+    let models = d.join("models");
+    for version in [1, 2] {
+        crate::registry::publish(&models, &Model { version, ..(*model).clone() }).unwrap();
+    }
+    let fit = crate::registry::Fit { groups: sh.group_fits(), context_len_max: 256 };
+    let registry = Registry::open(&models, None, fit, BackendKind::F32, 4).unwrap();
+    assert_eq!(registry.canary("fraud", Some(1), 0.5).unwrap(), Some(1));
+    sh.registry = Arc::new(registry);
+    sh.canary_group = "card".into();
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for card in 0..64u64 {
+        // The same card on other devices and users: one side, always.
+        let versions: std::collections::BTreeSet<u32> = ["f7a9c2", "abc", "other"]
+            .iter()
+            .enumerate()
+            .map(|(i, device)| {
+                let mut s = with_group(with_group(fraud(), "card", ids(&[card])), "device", strs(&[device]));
+                s.user_id = i as u64;
+                let r = run(&mut path, &s, 1_000);
+                assert_eq!(r.status, Status::Ok, "{}", r.error);
+                r.model_version
+            })
+            .collect();
+        assert_eq!(versions.len(), 1, "card {card} was served by versions {versions:?}");
+        seen.extend(versions);
+    }
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), [1, 2], "half the cards on the canary");
+}
