@@ -51,11 +51,15 @@ for l in sys.stdin:
         print(m["executable"])'
 }
 echo "== building the micro bench at $base and at $head"
-# Cargo names both builds' executable alike (the package's path is not in
-# its hash), so each is copied away before the other build overwrites it.
+# Cargo names both builds' executable alike and keeps one fingerprint for
+# both (the package's path is not in its hash): each executable is copied
+# away before the other build overwrites it, and this tree's sources are
+# touched after the base build so that cargo sees them as newer and builds
+# them again instead of taking the base's build as fresh.
 before="$(bench_bin "$work/base")"
 [ -x "$before" ] || { echo "lookups_before_after: the bench at $base did not build" >&2; exit 1; }
 cp "$before" "$work/micro-before"
+find src bench build.rs Cargo.toml -type f -exec touch {} +
 after="$(bench_bin .)"
 [ -x "$after" ] || { echo "lookups_before_after: the bench at $head did not build" >&2; exit 1; }
 cp "$after" "$work/micro-after"
