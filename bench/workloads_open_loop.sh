@@ -86,7 +86,8 @@ for rate in rates:
             "p999_us": med(lambda x: x["latency"]["p999_us"]),
             "max_us": med(lambda x: x["latency"]["max_us"]),
             "ok_share": med(lambda x: x["by_status"].get("ok", 0) / max(1, x["sent"])),
-            "lost": sum(x["lost"] + x["connection_errors"] for x in each),
+            # `connection_errors` lists each error met.
+            "lost": sum(x["lost"] + len(x["connection_errors"]) for x in each),
             "generator_saturated": any(x["generator_saturated"] for x in each),
             "each": [x["latency"] for x in each],
         })
