@@ -150,15 +150,27 @@ fn demo_writes_the_files_and_serve_demo_scores_transactions_as_the_model_says() 
     assert_eq!(v["by_status"]["ok"], v["sent"], "{v}");
     assert_eq!(v["connection_errors"].as_array().map(Vec::len), Some(0), "{v}");
     assert_eq!(v["ids"]["groups"][3], serde_json::json!(["ip", 40000]), "{v}");
-    assert_eq!(v["ids"]["group_dist"].as_str(), Some("zipf:1"), "{v}");
+    let each = "card zipf:1, account zipf:1, device zipf:1, ip zipf:1, merchant zipf:1";
+    assert_eq!(v["ids"]["group_dist"].as_str(), Some(each), "{v}");
     assert_eq!(v["ids"]["users"].as_u64(), Some(0), "no user ids were sent: {v}");
     let missing_before = server.stats().features_missing;
     let v = bench(&["--unknown-fraction", "1", "--populations", "card=1000", "--zipf", "1.2", "--seed", "5"]);
     assert_eq!(v["by_status"]["ok"], v["sent"], "{v}");
+    let each = "card zipf:1.2, account zipf:1.2, device zipf:1.2, ip zipf:1.2, merchant zipf:1.2";
+    assert_eq!(v["ids"]["group_dist"].as_str(), Some(each), "{v}");
     let sent = v["sent"].as_u64().unwrap();
     // Every device and IP is new: two missing rows per request.
     let s = server.wait_stats("the unknown keys counted", |s| s.features_missing >= missing_before + 2 * sent);
     assert_eq!(s.features_missing, missing_before + 2 * sent);
+    // Each group's exponent apart; a group the example lacks is refused.
+    let v = bench(&["--group-zipf", "device=0.5,merchant=1.5"]);
+    assert_eq!(v["by_status"]["ok"], v["sent"], "{v}");
+    let each = "card zipf:1, account zipf:1, device zipf:0.5, ip zipf:1, merchant zipf:1.5";
+    assert_eq!(v["ids"]["group_dist"].as_str(), Some(each), "{v}");
+    let (code, _, stderr) =
+        run_quiver(["bench", "--addr", &server.addr, "--workload", "fraud", "--group-zipf", "user=1"]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("--group-zipf 'user=1': expected GROUP=VALUE"), "{stderr}");
     drop(server);
 
     // Run again over its own files: they are kept, not rewritten.

@@ -57,10 +57,15 @@ pub struct Args {
     workload: DemoWorkload,
     /// Fraud: known entities per group, `GROUP=N,…` over the example's
     /// (card=50000,account=30000,device=40000,ip=40000,merchant=2000);
-    /// --zipf sets every group's exponent (default 1), --unknown-fraction
+    /// --zipf sets every group's exponent (default 1; --group-zipf one
+    /// group's), --unknown-fraction
     /// the share of device and IP keys outside them.
     #[arg(long)]
     populations: Option<String>,
+    /// Fraud: Zipf exponents per group, `GROUP=S,…` over --zipf's
+    /// (`device=0.8,merchant=1.2`).
+    #[arg(long)]
+    group_zipf: Option<String>,
     #[arg(long, default_value_t = demo::CANDIDATES)]
     candidates: usize,
     /// Context floats per request: the model's context width (16 for the
@@ -147,13 +152,21 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
                 return Err(Error::Setup("--workload fraud: --zipf sets every group's exponent".into()));
             }
             let populations = match &args.populations {
-                Some(text) => fraud::parse_populations(text).map_err(|e| Error::Setup(format!("--populations {e}")))?,
+                Some(text) => fraud::parse_by_group(text, fraud::POPULATIONS)
+                    .map_err(|e| Error::Setup(format!("--populations {e}")))?,
                 None => fraud::POPULATIONS,
             };
-            loadgen::WorkloadKind::Fraud(fraud::Mix { populations, zipf: args.zipf.unwrap_or(fraud::ZIPF_DEFAULT) })
+            let all = [args.zipf.unwrap_or(fraud::ZIPF_DEFAULT); 5];
+            let zipf = match &args.group_zipf {
+                Some(text) => {
+                    fraud::parse_by_group(text, all).map_err(|e| Error::Setup(format!("--group-zipf {e}")))?
+                }
+                None => all,
+            };
+            loadgen::WorkloadKind::Fraud(fraud::Mix { populations, zipf })
         }
-        _ if args.populations.is_some() => {
-            return Err(Error::Setup("--populations is for --workload fraud".into()));
+        _ if args.populations.is_some() || args.group_zipf.is_some() => {
+            return Err(Error::Setup("--populations and --group-zipf are for --workload fraud".into()));
         }
         _ => loadgen::WorkloadKind::Auction32,
     };

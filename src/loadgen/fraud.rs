@@ -486,29 +486,32 @@ pub fn ensure(dir: &Path) -> Result<FraudFiles, FraudError> {
     Ok(files)
 }
 
-/// What `quiver bench --workload fraud` draws: per-group populations and
-/// one Zipf exponent for all five groups.
+/// What `quiver bench --workload fraud` draws: per group, a population and
+/// a Zipf exponent.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Mix {
     /// Known entities per group, in [`GROUPS`] order.
     pub populations: [u64; 5],
-    pub zipf: f64,
+    /// Zipf exponents per group, in [`GROUPS`] order.
+    pub zipf: [f64; 5],
 }
 
 impl Default for Mix {
     fn default() -> Mix {
-        Mix { populations: POPULATIONS, zipf: ZIPF_DEFAULT }
+        Mix { populations: POPULATIONS, zipf: [ZIPF_DEFAULT; 5] }
     }
 }
 
-/// Parses `GROUP=N,…` over the defaults (`card=1000000,merchant=5000`).
-pub fn parse_populations(text: &str) -> Result<[u64; 5], String> {
-    let mut out = POPULATIONS;
+/// Parses `GROUP=V,…` over `base`, one value per group in [`GROUPS`] order
+/// (`card=1000000,merchant=5000` for populations, `device=0.8` for
+/// exponents).
+pub fn parse_by_group<T: std::str::FromStr + Copy>(text: &str, base: [T; 5]) -> Result<[T; 5], String> {
+    let mut out = base;
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("'{part}': expected GROUP=N with GROUP one of {}", GROUPS.join(", "));
-        let (name, n) = part.split_once('=').ok_or_else(bad)?;
+        let bad = || format!("'{part}': expected GROUP=VALUE with GROUP one of {}", GROUPS.join(", "));
+        let (name, v) = part.split_once('=').ok_or_else(bad)?;
         let g = GROUPS.iter().position(|g| *g == name.trim()).ok_or_else(bad)?;
-        out[g] = n.trim().parse().map_err(|_| bad())?;
+        out[g] = v.trim().parse().map_err(|_| bad())?;
     }
     Ok(out)
 }
@@ -533,7 +536,7 @@ impl Transactions {
             if g == 3 && n > u64::from(u32::MAX) {
                 return Err(format!("ip: a population of {n}: at most {}", u32::MAX));
             }
-            ids.push(Ids::new(IdDist::Zipf(mix.zipf), n).map_err(|e| format!("{}: {e}", GROUPS[g]))?);
+            ids.push(Ids::new(IdDist::Zipf(mix.zipf[g]), n).map_err(|e| format!("{}: {e}", GROUPS[g]))?);
         }
         let ids = ids.try_into().expect("five groups");
         Ok(Transactions { ids, unknown_fraction: 0.0, budget_us: 0, rng: SplitMix64::new(seed) })
@@ -633,11 +636,15 @@ mod tests {
 
     #[test]
     fn populations_parse_over_the_defaults() {
-        let p = parse_populations("card=7, merchant=9").unwrap();
+        let p = parse_by_group("card=7, merchant=9", POPULATIONS).unwrap();
         assert_eq!(p, [7, 30_000, 40_000, 40_000, 9]);
-        assert!(parse_populations("user=3").is_err());
-        assert!(parse_populations("card").is_err());
-        assert!(Transactions::new(&Mix { populations: [0, 1, 1, 1, 1], zipf: 1.0 }, 1).is_err());
-        assert!(Transactions::new(&Mix { populations: [1, 1, 1, 1 << 33, 1], zipf: 1.0 }, 1).is_err());
+        assert!(parse_by_group("user=3", POPULATIONS).is_err());
+        assert!(parse_by_group("card", POPULATIONS).is_err());
+        assert_eq!(parse_by_group("device=0.5", [1.0; 5]).unwrap(), [1.0, 1.0, 0.5, 1.0, 1.0]);
+        assert!(parse_by_group("device=x", [1.0; 5]).is_err());
+        assert!(Transactions::new(&Mix { populations: [0, 1, 1, 1, 1], zipf: [1.0; 5] }, 1).is_err());
+        assert!(Transactions::new(&Mix { populations: [1, 1, 1, 1 << 33, 1], zipf: [1.0; 5] }, 1).is_err());
+        let bad_exponent = Mix { zipf: [1.0, 1.0, -1.0, 1.0, 1.0], ..Mix::default() };
+        assert!(Transactions::new(&bad_exponent, 1).unwrap_err().contains("device"));
     }
 }

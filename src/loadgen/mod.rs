@@ -439,7 +439,12 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
         // No user or item ids are sent: the report names the groups instead.
         report.ids = IdsReport {
             groups: fraud::GROUPS.iter().map(|g| g.to_string()).zip(mix.populations).collect(),
-            group_dist: IdDist::Zipf(mix.zipf).to_string(),
+            group_dist: fraud::GROUPS
+                .iter()
+                .zip(mix.zipf)
+                .map(|(g, s)| format!("{g} {}", IdDist::Zipf(s)))
+                .collect::<Vec<_>>()
+                .join(", "),
             ..IdsReport::default()
         };
     }
