@@ -1,9 +1,10 @@
-//! Drift: how far the scores a version returns, and the context inputs it
-//! is sent, have moved from its calibration set.
+//! Drift: how far the scores a version returns, and the per-request inputs
+//! it reads (the context, then the request-scope feature groups' rows),
+//! have moved from its calibration set.
 //!
 //! Why here and how: a shard counts, per served version, the primary-tier
 //! scores it returns into the bins of that version's calibration histogram,
-//! and the count, sum and sum of squares of the first few context inputs
+//! and the count, sum and sum of squares of the first few per-request inputs
 //! ([`DriftCounts`], allocated when the shard builds the version, plain
 //! integers and floats touched only by that shard). Once per publication
 //! interval the shard timer moves them into its `metrics::Publication`, where
@@ -17,7 +18,7 @@
 //! `PSI = Σ (a_i − e_i) · ln(a_i / e_i)`, with `a_i` the window's share of
 //! scores in bin `i` and `e_i` the calibration set's, each floored at
 //! [`PROBABILITY_FLOOR`] so that an empty bin adds a large but finite term.
-//! Input drift per context feature is the standardized mean shift
+//! Input drift per followed input is the standardized mean shift
 //! `|μ_live − μ_cal| / σ_cal` (σ_cal floored at [`STDDEV_FLOOR`]): how many
 //! calibration standard deviations the window's mean has moved. It is blind
 //! to a change of spread alone, so the window's variance is exported beside
@@ -50,7 +51,8 @@ pub struct DriftConfig {
     pub min_count: u64,
     /// `quiver_score_drift_alert` is 1 while the PSI is at least this.
     pub psi_alert: f64,
-    /// Context inputs followed per version: the first this many.
+    /// Per-request inputs followed per version: the first this many of
+    /// the context's, then each request-scope group's.
     pub context_features_max: usize,
 }
 
@@ -243,11 +245,15 @@ pub fn psi(actual: &[u64], expected: &[u64]) -> Option<f64> {
     )
 }
 
-/// Input drift of one context feature over the window.
+/// Input drift of one per-request input over the window.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct FeatureDrift {
-    /// Position in the context segment.
+    /// Position among the inputs drift follows (`Model::drift_columns`).
     pub feature: usize,
+    /// The input's name: `context_3`, or a request-scope group's column,
+    /// `card_0`.
+    #[serde(default)]
+    pub name: String,
     pub mean: f64,
     pub variance: f64,
     pub calibration_mean: f64,
@@ -292,6 +298,7 @@ impl DriftReport {
         }
         if r.context_rows >= config.min_count.max(1) {
             let n = r.context_rows as f64;
+            let names = t.model.drift_column_names();
             r.features = (0..t.totals.sum.len())
                 .map(|j| {
                     let calibration_mean = f64::from(c.input_means[j]);
@@ -300,6 +307,7 @@ impl DriftReport {
                     let variance = (t.totals.sum_sq[j] / n - shift * shift).max(0.0);
                     FeatureDrift {
                         feature: j,
+                        name: names.get(j).cloned().unwrap_or_else(|| format!("input_{j}")),
                         mean: calibration_mean + shift,
                         variance,
                         calibration_mean,

@@ -91,7 +91,8 @@ const STOP: u8 = 2;
 fn scenario(name: &str, extra: &[&str]) {
     let (dir, set, model) = calibrated_data_dir(name);
     let c = model.calibration.as_ref().expect("imported with a calibration");
-    assert_eq!((c.input_means.len(), c.input_variances.len()), (4, 4));
+    // The context's 4 inputs, then the user group's 8 (request scope).
+    assert_eq!((c.input_means.len(), c.input_variances.len()), (12, 12));
     let sigmas: Vec<f32> = c.input_variances.iter().map(|v| v.sqrt()).collect();
     assert!(sigmas.iter().all(|s| *s > 0.01), "{sigmas:?}");
     let cfg = dir.join("quiver.toml");
@@ -130,7 +131,11 @@ fn scenario(name: &str, extra: &[&str]) {
         }
     });
 
-    let calm = wait_for(&server, "a PSI over calibration-like traffic", |r| r.psi.is_some() && r.features.len() == 4);
+    // Followed: the context's 4 inputs, then the user group's first 4
+    // (`drift.context_features_max` = 8 by default).
+    let calm = wait_for(&server, "a PSI over calibration-like traffic", |r| r.psi.is_some() && r.features.len() == 8);
+    let names: Vec<&str> = calm.features.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["context_0", "context_1", "context_2", "context_3", "user_0", "user_1", "user_2", "user_3"]);
     eprintln!("{name} calibration-like: {calm:?}");
     let psi = calm.psi.unwrap();
     assert!(psi < PSI_CALM_MAX && !calm.alert, "calibration-like traffic drifted: {calm:?}");
@@ -143,12 +148,18 @@ fn scenario(name: &str, extra: &[&str]) {
     assert!(text.contains("quiver_score_psi{model=\"ctr\",version=\"7\"} "), "{text}");
     assert!(text.contains("quiver_score_drift_alert{model=\"ctr\",version=\"7\"} 0"), "{text}");
     assert!(text.contains("quiver_input_drift{model=\"ctr\",version=\"7\",feature=\"context_3\"} "), "{text}");
+    assert!(text.contains("quiver_input_drift{model=\"ctr\",version=\"7\",feature=\"user_0\"} "), "{text}");
 
     mode.store(SHIFTED, Ordering::Relaxed);
     // Once the window holds only shifted traffic, every mean has moved by
     // about SHIFT_SIGMAS calibration standard deviations.
+    // The user group's rows did not move.
     let shifted = wait_for(&server, "the alert after the context shift", |r| {
-        r.alert && r.features.len() == 4 && r.features.iter().all(|f| f.mean_shift > 0.9 * f64::from(SHIFT_SIGMAS))
+        let (context, user): (Vec<_>, Vec<_>) = r.features.iter().partition(|f| f.name.starts_with("context_"));
+        r.alert
+            && r.features.len() == 8
+            && context.iter().all(|f| f.mean_shift > 0.9 * f64::from(SHIFT_SIGMAS))
+            && user.iter().all(|f| f.mean_shift < 0.25)
     });
     eprintln!("{name} shifted: {shifted:?}");
     let text = common::http_get(&format!("http://{}/metrics", server.admin)).1;

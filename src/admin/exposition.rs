@@ -519,16 +519,15 @@ fn encode_drift(encoder: &mut DescriptorEncoder, reports: &[DriftReport]) -> Res
         ("quiver_input_drift", "Shift of a context input's window mean, in calibration standard deviations.", |f| {
             f.mean_shift
         }),
-        ("quiver_input_mean", "Mean of a context input over the drift window.", |f| f.mean),
-        ("quiver_input_variance", "Variance of a context input over the drift window.", |f| f.variance),
+        ("quiver_input_mean", "Mean of a per-request input over the drift window.", |f| f.mean),
+        ("quiver_input_variance", "Variance of a per-request input over the drift window.", |f| f.variance),
     ];
     for (name, help, get) in gauges {
         let mut e = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
         for (i, r) in reports.iter().enumerate() {
             for f in &r.features {
-                let feature = format!("context_{}", f.feature);
                 let [model, version] = labels(i);
-                e.encode_family(&[model, version, ("feature", feature.as_str())])?.encode_gauge(&get(f))?;
+                e.encode_family(&[model, version, ("feature", f.name.as_str())])?.encode_gauge(&get(f))?;
             }
         }
     }

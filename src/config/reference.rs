@@ -566,7 +566,12 @@ pub const SECTIONS: &[Section] = &[
             Key::new("window_s", "300", "The sliding window the measures cover, in seconds.").range(1, 3600),
             Key::new("min_count", "500", "Rows the window must hold before a measure is reported."),
             Key::new("psi_alert", "0.25", "`quiver_score_drift_alert` is 1 while the PSI is at least this; above 0."),
-            Key::new("context_features_max", "4", "Context inputs followed per version: the first this many.")
+            Key::new(
+                "context_features_max",
+                "4",
+                "Per-request inputs followed per version: the first this many of the context's, then each \
+                 request-scope feature group's (in the model's input order).",
+            )
                 .range(0, 256),
         ],
     },

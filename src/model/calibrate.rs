@@ -16,8 +16,9 @@
 //! percentile clips hidden activations that held-out rows do reach, and
 //! raises the largest score error (docs/MODELS.md, "Calibration").
 //!
-//! The mean and variance of each context input over the set are stored too
-//! (`context_moments`), as the baseline input drift is measured against.
+//! The mean and variance of each per-request input over the set are stored
+//! too (`input_moments`: the context, then the request-scope groups), as the
+//! baseline input drift is measured against.
 //!
 //! The calibration set is a `.npy` file (`read_npy`): little-endian f32, C
 //! order, two dimensions, rows of the model's input vector.
@@ -25,7 +26,7 @@
 use std::io::Read as _;
 use std::path::Path;
 
-use super::{round_clamp_i8, sigmoid, ActivationScales, Calibration, Model, OutputKind, ScoreHistogram, Source};
+use super::{round_clamp_i8, sigmoid, ActivationScales, Calibration, Model, OutputKind, ScoreHistogram};
 
 /// Bins of the score histogram stored in the model file.
 pub const SCORE_BINS: usize = 20;
@@ -309,7 +310,7 @@ pub fn calibrate(
         }
     };
     progress(total, total);
-    let (input_means, input_variances) = context_moments(model, set);
+    let (input_means, input_variances) = input_moments(model, set);
     Ok(Calibration {
         method: method.name(),
         rows: set.rows as u64,
@@ -444,7 +445,7 @@ pub fn calibrate_from_scores(model: &Model, set: &Matrix, scores: &[f32]) -> Res
 }
 
 fn drift_baselines(model: &Model, set: &Matrix, scores: &[f32], method: &str) -> Calibration {
-    let (input_means, input_variances) = context_moments(model, set);
+    let (input_means, input_variances) = input_moments(model, set);
     Calibration {
         method: method.into(),
         rows: set.rows as u64,
@@ -485,30 +486,27 @@ fn mse_range(h: &[u64], max: f32) -> f32 {
     best.1
 }
 
-/// The mean and population variance of each context column of `set` (empty
-/// when the model reads no context), the baseline of input drift. Computed
-/// in f64 with each column shifted by its first value, so a large common
-/// offset does not cancel the variance away.
-pub fn context_moments(model: &Model, set: &Matrix) -> (Vec<f32>, Vec<f32>) {
-    let mut offset = 0;
-    let mut context = None;
-    for seg in &model.inputs {
-        if seg.source == Source::Context {
-            context = Some((offset, seg.dim));
-        }
-        offset += seg.dim;
-    }
-    let Some((at, dim)) = context.filter(|_| set.rows > 0) else {
+/// The mean and population variance of each per-request input column of
+/// `set` (`Model::drift_columns`: the context, then the request-scope
+/// groups; empty when the model reads neither), the baseline of input
+/// drift. Computed in f64 with each column shifted by its first value, so a
+/// large common offset does not cancel the variance away.
+pub fn input_moments(model: &Model, set: &Matrix) -> (Vec<f32>, Vec<f32>) {
+    let columns: Vec<usize> = model.drift_columns().iter().flat_map(|&(at, dim)| at..at + dim).collect();
+    if columns.is_empty() || set.rows == 0 {
         return (Vec::new(), Vec::new());
-    };
+    }
+    let dim = columns.len();
     // Missing values (NaN) are left out of a column's moments; live
     // traffic counts them at the mean (`drift::DriftCounts::record_context`).
-    let shift: Vec<f64> = (0..dim)
-        .map(|j| (0..set.rows).map(|r| set.row(r)[at + j]).find(|v| !v.is_nan()).map_or(0.0, f64::from))
+    let shift: Vec<f64> = columns
+        .iter()
+        .map(|&c| (0..set.rows).map(|r| set.row(r)[c]).find(|v| !v.is_nan()).map_or(0.0, f64::from))
         .collect();
     let (mut sum, mut sum_sq, mut count) = (vec![0.0f64; dim], vec![0.0f64; dim], vec![0u64; dim]);
     for r in 0..set.rows {
-        for (j, &v) in set.row(r)[at..at + dim].iter().enumerate() {
+        let row = set.row(r);
+        for (j, v) in columns.iter().map(|&c| row[c]).enumerate() {
             if v.is_nan() {
                 continue;
             }
@@ -550,7 +548,7 @@ pub fn score_histogram(scores: &[f32]) -> ScoreHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{InputSegment, Layer};
+    use crate::model::{InputSegment, Layer, Source};
 
     fn model() -> Model {
         // Layer 0 copies the input's two columns (and their negatives through
@@ -676,20 +674,27 @@ mod tests {
     }
 
     #[test]
-    fn context_moments_cover_only_the_context_segment() {
+    fn input_moments_cover_the_context_then_the_request_scope_groups() {
         let mut m = model();
         m.inputs =
             vec![InputSegment { source: Source::User, dim: 1 }, InputSegment { source: Source::Context, dim: 1 }];
-        // A large common offset must not cancel the variance away.
+        // A large common offset must not cancel the variance away; the
+        // context comes first, then the user group.
         let values: Vec<f32> = (0..1000).flat_map(|i| [i as f32, 1e6 + (i % 2) as f32]).collect();
-        let (means, variances) = context_moments(&m, &set(&values));
-        assert_eq!(means, vec![1e6 + 0.5]);
+        let (means, variances) = input_moments(&m, &set(&values));
+        assert_eq!(means, vec![1e6 + 0.5, 499.5]);
         assert!((variances[0] - 0.25).abs() < 1e-6, "{variances:?}");
+        assert!((variances[1] - 83_333.25).abs() < 1.0, "{variances:?}");
+        // Candidate-scope columns are not followed: one value per candidate.
         m.inputs[1].source = Source::Item;
-        assert_eq!(context_moments(&m, &set(&values)), (Vec::new(), Vec::new()));
+        let (means, _) = input_moments(&m, &set(&values));
+        assert_eq!(means, vec![499.5]);
+        m.inputs[0].source = Source::Item;
+        assert_eq!(input_moments(&m, &set(&values)), (Vec::new(), Vec::new()));
         // Missing values (NaN, the first row's too) are left out.
-        m.inputs[1].source = Source::Context;
-        let (means, variances) = context_moments(&m, &set(&[0.0, f32::NAN, 0.0, 1.0, 0.0, f32::NAN, 0.0, 3.0]));
+        m.inputs =
+            vec![InputSegment { source: Source::Item, dim: 1 }, InputSegment { source: Source::Context, dim: 1 }];
+        let (means, variances) = input_moments(&m, &set(&[0.0, f32::NAN, 0.0, 1.0, 0.0, f32::NAN, 0.0, 3.0]));
         assert_eq!((means, variances), (vec![2.0], vec![1.0]));
     }
 

@@ -468,6 +468,36 @@ impl Model {
         self.inputs.iter().flat_map(|s| std::iter::repeat_n(!s.source.per_candidate(), s.dim)).collect()
     }
 
+    /// The per-request input columns input drift follows, as (offset,
+    /// width) in a row, in order: the context, then every request-scope
+    /// group (user, card, device…) in input order. Calibrations written
+    /// before groups hold the context's moments alone: a prefix of these.
+    pub fn drift_columns(&self) -> Vec<(usize, usize)> {
+        self.drift_segments().into_iter().map(|(at, s)| (at, s.dim)).collect()
+    }
+
+    /// A name per column of [`Model::drift_columns`]: `context_3`, `card_0`.
+    pub fn drift_column_names(&self) -> Vec<String> {
+        let segments = self.drift_segments();
+        segments.iter().flat_map(|(_, s)| (0..s.dim).map(move |k| format!("{}_{k}", s.source.name()))).collect()
+    }
+
+    fn drift_segments(&self) -> Vec<(usize, InputSegment)> {
+        let mut at = 0;
+        let mut context = Vec::new();
+        let mut groups = Vec::new();
+        for s in &self.inputs {
+            match s.source.group() {
+                None if s.source == Source::Context => context.push((at, *s)),
+                Some((_, Scope::Request)) => groups.push((at, *s)),
+                _ => {}
+            }
+            at += s.dim;
+        }
+        context.extend(groups);
+        context
+    }
+
     /// For each column of the `ContextIds` segment, the rows of the
     /// embedding table that reads it (an id at or beyond it takes the
     /// default row); `u64::MAX` for a column no embedding reads directly.
@@ -673,18 +703,21 @@ fn validate_calibration_tables(m: &Model, c: &Calibration) -> Result<(), String>
     if !edges_ok {
         return Err("calibration score histogram edges are not ascending from 0 to 1".into());
     }
+    // Files from before groups hold the context's moments alone.
     let context_dim = m.input_dim_of(Source::Context).unwrap_or(0);
+    let columns: usize = m.drift_columns().iter().map(|(_, d)| d).sum();
     let moments = c.input_means.len();
-    if moments != c.input_variances.len() || (moments != 0 && moments != context_dim) {
+    if moments != c.input_variances.len() || ![0, context_dim, columns].contains(&moments) {
         return Err(format!(
-            "calibration has {moments} context means and {} variances for {context_dim} context inputs",
+            "calibration has {moments} input means and {} variances for {context_dim} context inputs and \
+             {columns} per-request inputs",
             c.input_variances.len()
         ));
     }
     let moments_ok =
         c.input_means.iter().all(|m| m.is_finite()) && c.input_variances.iter().all(|v| v.is_finite() && *v >= 0.0);
     if !moments_ok {
-        return Err("calibration holds a non-finite context mean or a bad variance".into());
+        return Err("calibration holds a non-finite input mean or a bad variance".into());
     }
     let errors_ok = [c.static_error, c.dynamic_error]
         .iter()

@@ -335,13 +335,13 @@ pub(super) fn assemble(
                 }
             }
         }
-        if let Some(d) = &mut served.drift {
-            if context.is_empty() {
-                d.record_context(std::iter::repeat(0.0), rows);
-            } else {
-                d.record_context(context.iter(), rows);
-            }
-        }
+    }
+    // The per-request inputs as the rows hold them now (the context, zeros
+    // when none was sent; each request-scope group's row, its default when
+    // missing), in the calibration's order.
+    if let Some(d) = &mut served.drift {
+        let first = &x[..row_dim];
+        d.record_context(served.drift_columns.iter().flat_map(|&(at, dim)| first[at..at + dim].iter().copied()), rows);
     }
     if let Some((off, dim)) = layout.context_ids {
         missing += if context_ids.is_empty() {

@@ -67,6 +67,8 @@ pub(super) struct Served {
     /// last publication; `None` for a version without calibration (no
     /// baseline to compare with) and for a shadow (its scores are not served).
     pub(super) drift: Option<DriftCounts>,
+    /// Where the inputs drift follows are in a row (`Model::drift_columns`).
+    pub(super) drift_columns: Vec<(usize, usize)>,
 }
 
 impl Served {
@@ -176,6 +178,7 @@ impl Versions {
         let drift = model.calibration.as_ref().filter(|_| shadow_ppm == 0);
         Ok(Served {
             drift: drift.map(|c| DriftCounts::new(c, context_features_max)),
+            drift_columns: model.drift_columns(),
             backend,
             layout,
             kernel_cost: KernelCost { ns_per_row },

@@ -124,9 +124,10 @@ mod tests {
         assert!(refused(&|c| c.input_ranges[0] = f32::INFINITY).contains("non-finite"));
         assert!(refused(&|c| c.scores.edges[1] = 1.0).contains("not ascending"));
         assert!(refused(&|c| c.scores.counts.push(0)).contains("not ascending"));
-        assert!(refused(&|c| c.input_means.push(0.0)).contains("2 context means and 1 variances for 1"));
+        assert!(refused(&|c| c.input_means.push(0.0))
+            .contains("2 input means and 1 variances for 1 context inputs and 3 per-request inputs"));
         assert!(refused(&|c| c.input_variances[0] = -1.0).contains("bad variance"));
-        assert!(refused(&|c| c.input_means[0] = f32::NAN).contains("non-finite context mean"));
+        assert!(refused(&|c| c.input_means[0] = f32::NAN).contains("non-finite input mean"));
         // A calibration written before the moments were stored still reads.
         let mut older = calibrated();
         let c = older.calibration.as_mut().unwrap();

@@ -259,3 +259,34 @@ fn the_canary_is_sticky_by_the_key_of_canary_group() {
     }
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), [1, 2], "half the cards on the canary");
 }
+
+#[test]
+fn input_drift_follows_the_context_and_the_request_scope_groups() {
+    use crate::model::{ActivationScales, Calibration, ScoreHistogram};
+    let mut sh = shared_groups(&dir("group-drift"));
+    let mut model = (*sh.registry.snapshot().models[0]).clone();
+    // Inputs: device, ad@candidate, card, ip, creative@candidate, context.
+    // Followed, in order: context, then device, card, ip.
+    assert_eq!(model.drift_columns(), [(5, 1), (0, 1), (2, 1), (3, 1)]);
+    model.calibration = Some(Calibration {
+        method: "max-abs".into(),
+        rows: 100,
+        input_ranges: vec![8.0],
+        scores: ScoreHistogram { edges: vec![0.0, 0.5, 1.0], counts: vec![50, 50] },
+        input_means: vec![0.0, 1.0, 0.0, 0.0],
+        input_variances: vec![1.0; 4],
+        activations: ActivationScales::Dynamic,
+        static_error: None,
+        dynamic_error: None,
+    });
+    let fit = crate::registry::Fit { groups: sh.group_fits(), context_len_max: 256 };
+    sh.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(sh, &clock).unwrap();
+    // Two candidates; context 0.5; device 3.0; card 0.25; ip absent (0.75).
+    assert_eq!(run(&mut path, &fraud(), 1_000).status, Status::Ok);
+    let interval = path.versions.served[0].drift.as_mut().expect("calibrated").take();
+    assert_eq!(interval.rows, 2);
+    // Σ rows × (x − μ): context 0.5, device 3 − 1, card 0.25, ip 0.75.
+    assert_eq!(interval.sum, [1.0, 4.0, 0.5, 1.5]);
+}
