@@ -11,6 +11,10 @@
 #                            listening line of the `quiver serve` whose stdout
 #                            is OUT; set $listen_addr and $admin_addr; on
 #                            failure print LOG
+#   build_bench_pair BENCH TREE DIR  build the criterion bench BENCH from the
+#                            source tree TREE and from this checkout, into
+#                            DIR/BENCH-before and DIR/BENCH-after (the
+#                            before/after scripts)
 BENCH_NAME="${BENCH_NAME:-bench}"
 
 die() { echo "$BENCH_NAME: $*" >&2; exit 1; }
@@ -41,4 +45,35 @@ wait_listening() {
     listen_addr="$(awk '/listening on/ {print $4}' "$1")"
     admin_addr="$(awk '/admin on/ {print $4}' "$1")"
     [ -n "$listen_addr" ] || { cat "$2"; die "server did not start within $limit_s s"; }
+}
+
+# The criterion bench $1's executable built from the tree at $2 (into this
+# checkout's target directory, so the dependencies compile once).
+bench_executable() {
+    (cd "$2" && CARGO_TARGET_DIR="$OLDPWD/target" QUIVER_NO_FLATC=1 cargo bench --bench "$1" --no-run \
+        --message-format=json 2>/dev/null) |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$1"
+}
+
+# Cargo names both builds' executable alike and keeps one fingerprint for
+# both (the package's path is not in its hash): each executable is copied
+# away before the other build overwrites it, and this tree's sources are
+# touched after the base build so that cargo sees them as newer and builds
+# them again instead of taking the base's build as fresh.
+build_bench_pair() {
+    local bench="$1" tree="$2" dir="$3" built
+    built="$(bench_executable "$bench" "$tree")"
+    [ -x "$built" ] || die "the $bench bench at $tree did not build"
+    cp "$built" "$dir/$bench-before"
+    find src bench build.rs Cargo.toml -type f -exec touch {} +
+    built="$(bench_executable "$bench" .)"
+    [ -x "$built" ] || die "the $bench bench of this checkout did not build"
+    cp "$built" "$dir/$bench-after"
+    if cmp -s "$dir/$bench-before" "$dir/$bench-after"; then
+        die "both builds of $bench are one binary"
+    fi
 }

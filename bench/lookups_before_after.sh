@@ -26,44 +26,22 @@ CORE="${CORE:-1}"
 RESULTS=bench/results
 FILTER='replica 1M|request path auction-32|keys 1M|request-scope'
 
-command -v taskset >/dev/null || { echo "lookups_before_after: taskset is missing (apt install util-linux)" >&2; exit 1; }
+BENCH_NAME=lookups_before_after
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
+need taskset util-linux
 base="$(git rev-parse --short "$BASE")"
 head="$(git rev-parse --short HEAD)"
 if [ -n "$(git status --porcelain -- src bench/micro.rs Cargo.toml Cargo.lock)" ]; then
-    echo "lookups_before_after: commit first (the figures name HEAD, $head)" >&2
-    exit 1
+    die "commit first (the figures name HEAD, $head)"
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/base" "$RESULTS"
 git archive "$base" | tar -x -C "$work/base"
 
-# Both trees build into this checkout's target directory, so the
-# dependencies compile once; the two crates differ by path.
-bench_bin() {
-    local tree="$1"
-    (cd "$tree" && CARGO_TARGET_DIR="$OLDPWD/target" QUIVER_NO_FLATC=1 cargo bench --bench micro --no-run \
-        --message-format=json 2>/dev/null) |
-        python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "micro" and m.get("executable"):
-        print(m["executable"])'
-}
 echo "== building the micro bench at $base and at $head"
-# Cargo names both builds' executable alike and keeps one fingerprint for
-# both (the package's path is not in its hash): each executable is copied
-# away before the other build overwrites it, and this tree's sources are
-# touched after the base build so that cargo sees them as newer and builds
-# them again instead of taking the base's build as fresh.
-before="$(bench_bin "$work/base")"
-[ -x "$before" ] || { echo "lookups_before_after: the bench at $base did not build" >&2; exit 1; }
-cp "$before" "$work/micro-before"
-find src bench build.rs Cargo.toml -type f -exec touch {} +
-after="$(bench_bin .)"
-[ -x "$after" ] || { echo "lookups_before_after: the bench at $head did not build" >&2; exit 1; }
-cp "$after" "$work/micro-after"
-cmp -s "$work/micro-before" "$work/micro-after" && { echo "lookups_before_after: both builds are one binary" >&2; exit 1; }
+build_bench_pair micro "$work/base" "$work"
 
 for r in $(seq "$REPEATS"); do
     for side in before after; do

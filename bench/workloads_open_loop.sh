@@ -30,20 +30,22 @@ GEN_CORE="${GEN_CORE:-1}"
 RESULTS=bench/results
 WORKLOADS="auction-32 fraud"
 
-command -v taskset >/dev/null || { echo "workloads_open_loop: taskset is missing (apt install util-linux)" >&2; exit 1; }
+BENCH_NAME=workloads_open_loop
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
+need taskset util-linux
+need_two_cores
 head="$(git rev-parse --short HEAD)"
 if [ -n "$(git status --porcelain -- src Cargo.toml Cargo.lock)" ]; then
-    echo "workloads_open_loop: commit first (the figures name HEAD, $head)" >&2
-    exit 1
+    die "commit first (the figures name HEAD, $head)"
 fi
 cargo build --release --quiet
 bin=target/release/quiver
-work="$(mktemp -d)"
+# bench_cleanup (bench/lib.sh) stops every server in $pids and removes $data.
+data="$(mktemp -d)"
+work="$data"
 pids=()
-stop_servers() {
-    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-}
-trap 'stop_servers; rm -rf "$work"' EXIT
+trap bench_cleanup EXIT
 mkdir -p "$RESULTS"
 
 declare -A addr
@@ -53,9 +55,8 @@ for w in $WORKLOADS; do
     "$bin" serve --demo --workload "$w" --data-dir "$work/$w/data" --listen 127.0.0.1:0 --admin off \
         --shards 1 --cores "$SERVER_CORE" >"$work/$w/out" 2>"$work/$w/log" &
     pids+=($!)
-    for _ in $(seq 200); do grep -q 'listening on' "$work/$w/out" && break; sleep 0.1; done
-    addr[$w]="$(awk '/listening on/ {print $4}' "$work/$w/out")"
-    [ -n "${addr[$w]}" ] || { cat "$work/$w/log"; echo "workloads_open_loop: $w did not start" >&2; exit 1; }
+    wait_listening "$work/$w/out" "$work/$w/log"
+    addr[$w]="$listen_addr"
 done
 
 for r in $(seq "$RUNS"); do
