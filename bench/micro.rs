@@ -134,10 +134,10 @@ fn replica_bench(c: &mut Criterion) {
     g.finish();
 }
 
-/// A string key's bound in the keys benches: a group of 16-hex-character
-/// fingerprints declares `key_bytes_max = 16` (the fraud example's device
-/// group does), so its rows hold 16 key bytes, not 64.
-const FINGERPRINT_BYTES: u32 = 16;
+/// How the keys benches' string-keyed tables are keyed: a group of
+/// 16-hex-character fingerprints declares `key_bytes_max = 16` (the fraud
+/// example's device group does), so its rows hold 16 key bytes, not 64.
+const FINGERPRINTS: KeyKind = KeyKind::Str { bytes_max: 16 };
 
 /// A device fingerprint as the fraud shape's string keys are: 16 hex
 /// characters, distinct per id.
@@ -145,31 +145,24 @@ fn fingerprint(id: u64) -> String {
     format!("{:016x}", id.wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
-fn string_table(name: &str, rows: u64, dim: u32) -> Replica {
+/// A table of `rows` seeded rows keyed `2 × id`: by the id itself, or by
+/// its fingerprint for string keys; built once and kept in the scratch
+/// directory while its row count and key kind still match.
+fn keyed_table(name: &str, rows: u64, dim: u32, kind: KeyKind) -> Replica {
     let path = scratch("keys").join(format!("{name}.qrep"));
-    let kind = KeyKind::Str { bytes_max: FINGERPRINT_BYTES };
     if Replica::open(&path, name).map(|r| (r.header().row_count, r.key_kind())).ok() != Some((rows, kind)) {
-        let mut b = ReplicaBuilder::new(name, dim).str_keys(FINGERPRINT_BYTES).unwrap();
-        let mut rng = SplitMix64::new(9);
-        let mut v = vec![0.0f32; dim as usize];
-        for id in 0..rows {
-            v.iter_mut().for_each(|x| *x = rng.normal());
-            b.push_str(fingerprint(id * 2).as_bytes(), &v).unwrap();
-        }
-        b.write(&path).unwrap();
-    }
-    Replica::open(&path, name).unwrap()
-}
-
-fn u64_table(name: &str, rows: u64, dim: u32) -> Replica {
-    let path = scratch("keys").join(format!("{name}.qrep"));
-    if Replica::open(&path, name).map(|r| r.header().row_count).ok() != Some(rows) {
         let mut b = ReplicaBuilder::new(name, dim);
+        if let KeyKind::Str { bytes_max } = kind {
+            b = b.str_keys(bytes_max).unwrap();
+        }
         let mut rng = SplitMix64::new(9);
         let mut v = vec![0.0f32; dim as usize];
         for id in 0..rows {
             v.iter_mut().for_each(|x| *x = rng.normal());
-            b.push(id * 2, &v).unwrap();
+            match kind {
+                KeyKind::U64 => b.push(id * 2, &v).unwrap(),
+                KeyKind::Str { .. } => b.push_str(fingerprint(id * 2).as_bytes(), &v).unwrap(),
+            }
         }
         b.write(&path).unwrap();
     }
@@ -178,7 +171,7 @@ fn u64_table(name: &str, rows: u64, dim: u32) -> Replica {
 
 fn keys_bench(c: &mut Criterion) {
     let ids = big_table();
-    let strs = string_table("device", TABLE_ROWS, DIM);
+    let strs = keyed_table("device", TABLE_ROWS, DIM, FINGERPRINTS);
     let mut rng = SplitMix64::new(11);
     let sets: Vec<Vec<u64>> = (0..4096).map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect()).collect();
     // Each set's keys side by side in memory, as a request frame holds them.
@@ -229,11 +222,11 @@ fn keys_bench(c: &mut Criterion) {
 
     // The fraud shape: card, account and merchant by u64, device and ip by
     // string, one row each, 8 floats wide; populations as a fraud team's.
-    let card = u64_table("card", 1_000_000, 8);
-    let account = u64_table("account", 500_000, 8);
-    let merchant = u64_table("merchant", 50_000, 8);
-    let device = string_table("fdevice", 1_000_000, 8);
-    let ip = string_table("fip", 1_000_000, 8);
+    let card = keyed_table("card", 1_000_000, 8, KeyKind::U64);
+    let account = keyed_table("account", 500_000, 8, KeyKind::U64);
+    let merchant = keyed_table("merchant", 50_000, 8, KeyKind::U64);
+    let device = keyed_table("fdevice", 1_000_000, 8, FINGERPRINTS);
+    let ip = keyed_table("fip", 1_000_000, 8, FINGERPRINTS);
     let draws: Vec<[u64; 5]> = (0..4096)
         .map(|_| {
             [

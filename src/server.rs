@@ -21,7 +21,6 @@ use crate::features::replica::ReplicaHandle;
 use crate::infer::Faults;
 use crate::infer::{self, StageConfig};
 use crate::metrics::{self, Readiness};
-use crate::model::layout::GroupFit;
 use crate::model::Model;
 use crate::registry::{Fit, Registry};
 use crate::request::{Shared, SharedGroup};
@@ -160,8 +159,8 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let groups = config.groups().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_canary_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     let (groups, feed) = open_features(&config, &groups, &stop)?;
-    let group_fits = groups.iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: g.handle.dim() });
-    let fit = Fit { groups: group_fits.collect(), context_len_max: config.limits.context_len_max };
+    let fit =
+        Fit { groups: groups.iter().map(SharedGroup::fit).collect(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;
     let registry = Arc::new(
         match &config.models_dir {

@@ -118,15 +118,17 @@ impl SharedGroup {
     }
 }
 
-impl Shared {
-    /// The served group named `name`.
-    pub fn group(&self, name: &str) -> Option<&SharedGroup> {
-        self.groups.iter().find(|g| g.name == name)
+impl SharedGroup {
+    /// What this group lets a model read.
+    pub fn fit(&self) -> GroupFit {
+        GroupFit { name: self.name.clone(), scope: self.scope, dim: self.handle.dim() }
     }
+}
 
+impl Shared {
     /// What the served groups let a model read.
     pub fn group_fits(&self) -> Vec<GroupFit> {
-        self.groups.iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: g.handle.dim() }).collect()
+        self.groups.iter().map(SharedGroup::fit).collect()
     }
 }
 

@@ -236,24 +236,26 @@ pub(super) fn assemble(
     let mut missing = 0u32;
     // One atomic load per group; the lookups below load no table.
     replicas.refresh();
-    // With several request-scope groups, every one of their rows starts
-    // loading before any is read, so the groups' cache misses overlap
-    // instead of queueing one after another (one group has nothing to
-    // overlap with: its lookup is left as it was).
-    let mut filed = [0u64; GROUPS_MAX];
-    let overlap = layout.groups.iter().filter(|s| s.scope == Scope::Request).count() > 1;
-    for seg in layout.groups.iter().filter(|s| overlap && s.scope == Scope::Request) {
-        filed[seg.group] = match keys[seg.group] {
-            Keys::One(id) => id,
-            Keys::Ids(v) | Keys::ItemIds(v) => v.get(0),
-            Keys::Strs(v) => key_hash(v.get(0).as_bytes()),
-            Keys::Absent => continue,
-        };
-        replicas.groups[seg.group].view.prefetch_slot(filed[seg.group]);
+    // Each request-scope key as its table files it (a string key by its
+    // hash, computed once here), then, with several request-scope groups,
+    // every one of their rows starts loading before any is read, so the
+    // groups' cache misses overlap instead of queueing one after another
+    // (one group has nothing to overlap with).
+    let mut filed = [None; GROUPS_MAX];
+    let request_scope = || layout.groups.iter().filter(|s| s.scope == Scope::Request);
+    for seg in request_scope() {
+        filed[seg.group] = keys[seg.group].filed_first();
     }
-    for seg in layout.groups.iter().filter(|s| overlap && s.scope == Scope::Request) {
-        if !matches!(keys[seg.group], Keys::Absent) {
-            replicas.groups[seg.group].view.prefetch_row(filed[seg.group]);
+    if request_scope().count() > 1 {
+        for seg in request_scope() {
+            if let Some(key) = filed[seg.group] {
+                replicas.groups[seg.group].view.prefetch_slot(key);
+            }
+        }
+        for seg in request_scope() {
+            if let Some(key) = filed[seg.group] {
+                replicas.groups[seg.group].view.prefetch_row(key);
+            }
         }
     }
     for seg in &layout.groups {
@@ -264,18 +266,14 @@ pub(super) fn assemble(
             Scope::Request => {
                 let (first, rest) = x.split_at_mut(row_dim);
                 let dst = &mut first[off..off + dim];
-                let (found, key) = match keys[seg.group] {
-                    Keys::One(id) => (g.view.read_into(id, dst), id),
-                    Keys::Ids(v) | Keys::ItemIds(v) => (g.view.read_into(v.get(0), dst), v.get(0)),
-                    Keys::Strs(v) => {
-                        let key = v.get(0).as_bytes();
-                        (g.view.read_str_into(key, dst), key_hash(key))
-                    }
-                    Keys::Absent if g.absent == Absent::Default => {
+                let (found, key) = match (keys[seg.group], filed[seg.group]) {
+                    (Keys::Strs(v), Some(hash)) => (g.view.read_str_hashed_into(hash, v.get(0).as_bytes(), dst), hash),
+                    (_, Some(id)) => (g.view.read_into(id, dst), id),
+                    (_, None) if g.absent == Absent::Default => {
                         g.view.default_into(dst);
                         (false, ABSENT_KEY)
                     }
-                    Keys::Absent => return Err(bad(absent_why(&g.name))),
+                    (_, None) => return Err(bad(absent_why(&g.name))),
                 };
                 missing += u32::from(!found);
                 if !(Some(seg.group) == replicas.user && matches!(keys[seg.group], Keys::One(_))) {
@@ -422,6 +420,20 @@ enum Keys<'p> {
     /// `item_ids`, keying the group `item`.
     ItemIds(flatbuffers::Vector<'p, u64>),
     Absent,
+}
+
+impl Keys<'_> {
+    /// The first key as its table files it: a u64 key itself, a string
+    /// key's [`key_hash`]; none when the request carries no key.
+    #[inline]
+    fn filed_first(self) -> Option<u64> {
+        match self {
+            Keys::One(id) => Some(id),
+            Keys::Ids(v) | Keys::ItemIds(v) => Some(v.get(0)),
+            Keys::Strs(v) => Some(key_hash(v.get(0).as_bytes())),
+            Keys::Absent => None,
+        }
+    }
 }
 
 fn absent_why(group: &str) -> String {

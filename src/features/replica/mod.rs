@@ -521,7 +521,13 @@ impl ReplicaView {
     /// [`Replica::read_str_into`] on the table `key` is in.
     #[inline]
     pub fn read_str_into(&self, key: &[u8], out: &mut [f32]) -> bool {
-        let hash = key_hash(key);
+        self.read_str_hashed_into(key_hash(key), key, out)
+    }
+
+    /// [`ReplicaView::read_str_into`] with the key's [`key_hash`] already
+    /// computed (the request path hashes each key once).
+    #[inline]
+    pub fn read_str_hashed_into(&self, hash: u64, key: &[u8], out: &mut [f32]) -> bool {
         self.table_of(hash).read_str_hashed(hash, key, out)
     }
 
