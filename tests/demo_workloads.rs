@@ -9,8 +9,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{run_quiver, scratch, Server};
 use quiver::features::replica::Replica;
 use quiver::loadgen::fraud::{self, Tables, TrainingRows, Transaction};
