@@ -127,7 +127,7 @@ fn replica_bench(c: &mut Criterion) {
         g.bench_function(format!("1+32 lookups, batched with prefetch, {name}"), |b| {
             b.iter(|| {
                 i = (i + 1) % sets.len();
-                black_box(table.read_many_into(&sets[i], &mut rows, &mut out))
+                black_box(table.read_many_into(&sets[i], &mut rows, &mut out, &mut []))
             })
         });
     }
@@ -208,14 +208,14 @@ fn keys_bench(c: &mut Criterion) {
     g.bench_function("1+32 u64 lookups, batched", |b| {
         b.iter(|| {
             i = (i + 1) % sets.len();
-            black_box(ids.read_many_into(&sets[i], &mut rows, &mut out))
+            black_box(ids.read_many_into(&sets[i], &mut rows, &mut out, &mut []))
         })
     });
     g.bench_function("1+32 string lookups, batched", |b| {
         b.iter(|| {
             i = (i + 1) % str_sets.len();
             let keys = str_sets[i].iter().map(|k| &k[..]);
-            black_box(strs.read_many_str_into(keys, &mut hashes, &mut rows, &mut out))
+            black_box(strs.read_many_str_into(keys, &mut hashes, &mut rows, &mut out, &mut []))
         })
     });
     g.finish();

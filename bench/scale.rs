@@ -176,7 +176,7 @@ fn time_lookups(r: &Replica, n: usize, mut next_id: impl FnMut() -> u64) -> Vec<
             *k = next_id();
         }
         let t = Instant::now();
-        missing += r.read_many_into(&keys, &mut rows, &mut out);
+        missing += r.read_many_into(&keys, &mut rows, &mut out, &mut []);
         ns.push(t.elapsed().as_nanos() as u64);
     }
     assert_eq!(missing, 0, "every id looked up is in the replica");
@@ -335,7 +335,7 @@ fn restart(path: &Path, n: u64, evict: bool) -> serde_json::Value {
         *k = rng.below(n);
     }
     let t = Instant::now();
-    let missing = handle.load().read_many_into(&keys, &mut rows, &mut out);
+    let missing = handle.load().read_many_into(&keys, &mut rows, &mut out, &mut []);
     let first_request_ns = t.elapsed().as_nanos() as u64;
     assert_eq!(missing, 0, "unverified rows that pass their CRC are served");
     let stop = Arc::new(AtomicBool::new(false));
@@ -348,7 +348,7 @@ fn restart(path: &Path, n: u64, evict: bool) -> serde_json::Value {
                     *k = rng.below(n);
                 }
                 let t = Instant::now();
-                let missing = handle.load().read_many_into(&keys, &mut rows, &mut out);
+                let missing = handle.load().read_many_into(&keys, &mut rows, &mut out, &mut []);
                 during.push(t.elapsed().as_nanos() as u64);
                 assert_eq!(missing, 0);
             }
@@ -459,7 +459,7 @@ fn grow(path: &Path, n: u64, file_bytes: u64) -> serde_json::Value {
                 }
                 let t = Instant::now();
                 let table = handle.load();
-                let missing = table.read_many_into(&keys, &mut rows, &mut out);
+                let missing = table.read_many_into(&keys, &mut rows, &mut out, &mut []);
                 drop(table);
                 let ns = t.elapsed().as_nanos() as u64;
                 assert_eq!(missing, 0);

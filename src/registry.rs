@@ -95,7 +95,7 @@ impl Fit {
     /// The two groups a server without `[[groups]]` serves: `user` and
     /// `item` of these widths.
     pub fn user_item(user_dim: usize, item_dim: usize, context_len_max: usize) -> Fit {
-        let group = |name: &str, scope, dim| GroupFit { name: name.into(), scope, dim };
+        let group = |name: &str, scope, dim| GroupFit { name: name.into(), scope, dim, child: None };
         Fit {
             groups: vec![group("user", Scope::Request, user_dim), group("item", Scope::Candidate, item_dim)],
             context_len_max,

@@ -106,7 +106,21 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>) -> Result<SharedGroup, Error> 
             handle.dim()
         )));
     }
-    Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle })
+    let link = g.parent.as_ref().map(|(_, kind)| *kind);
+    if handle.link_kind() != link {
+        let holds = match handle.link_kind() {
+            Some(kind) => format!("links to a parent with {kind}"),
+            None => "no links to a parent".into(),
+        };
+        return Err(Error::Setup(match &g.parent {
+            Some((parent, kind)) => format!(
+                "group '{}' links to its parent '{parent}' ({kind}), its replica {path} holds {holds}: rebuild it (quiver replica build --parent-key-bytes, or a sync)",
+                g.name
+            ),
+            None => format!("group '{}' has no parent, its replica {path} holds {holds}", g.name),
+        }));
+    }
+    Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle, child: g.child.clone() })
 }
 
 /// Serves `config` until `stop` is set; `on_event` hears of each listener

@@ -140,10 +140,15 @@ fn shared(name: &str) -> Shared {
     );
     for (name, scope) in [("device", Scope::Request), ("ad", Scope::Candidate)] {
         let handle = Arc::new(ReplicaHandle::open(&dir.join(format!("{name}.qrep")), name).unwrap());
-        groups.push(SharedGroup { name: name.into(), scope, absent: Absent::Reject, handle });
+        groups.push(SharedGroup { name: name.into(), scope, absent: Absent::Reject, handle, child: None });
     }
     let mut fit = Fit::user_item(2, 1, 256);
-    fit.groups.extend(groups[2..].iter().map(|g| GroupFit { name: g.name.clone(), scope: g.scope, dim: 1 }));
+    fit.groups.extend(groups[2..].iter().map(|g| GroupFit {
+        name: g.name.clone(),
+        scope: g.scope,
+        dim: 1,
+        child: None,
+    }));
     Shared {
         registry: Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, ROWS_MAX).unwrap()),
         groups,

@@ -105,6 +105,12 @@ pub struct GroupConfig {
     /// (`default` for `user` and `item`).
     #[serde(default)]
     pub absent: Option<Absent>,
+    /// The group each row names a key of (`ad`'s rows name a `campaign`):
+    /// the parent's rows are looked up through those links, so a request
+    /// never carries the parent's keys. Same scope as this group; a chain
+    /// follows at most 4 links; a group is the parent of one group at most.
+    #[serde(default)]
+    pub parent: Option<String>,
 }
 
 fn key_bytes_max_default() -> u32 {
@@ -123,7 +129,15 @@ pub struct Group {
     pub default: Vec<f32>,
     pub path: PathBuf,
     pub absent: Absent,
+    /// The group this one's rows link to, and its key kind (what each
+    /// row's link holds).
+    pub parent: Option<(String, KeyKind)>,
+    /// The group whose rows link to this one: its keys come from there.
+    pub child: Option<String>,
 }
+
+/// Most links one chain of parents follows: see `model::layout`.
+pub use crate::model::layout::CHAIN_LINKS_MAX;
 
 /// The groups a configuration without `[[groups]]` serves.
 pub fn legacy(user: (PathBuf, Option<u32>, Storage), item: (PathBuf, Option<u32>, Storage)) -> Vec<Group> {
@@ -136,6 +150,8 @@ pub fn legacy(user: (PathBuf, Option<u32>, Storage), item: (PathBuf, Option<u32>
         default: Vec::new(),
         path,
         absent: Absent::Default,
+        parent: None,
+        child: None,
     };
     vec![group("user", Scope::Request, user), group("item", Scope::Candidate, item)]
 }
@@ -208,6 +224,9 @@ impl GroupConfig {
                 (None, None) => data_dir.join(format!("{}.qrep", self.name)),
             },
             absent: self.absent.unwrap_or(if inherited.is_some() { Absent::Default } else { Absent::Reject }),
+            // Resolved against the other groups by `resolve_all`.
+            parent: None,
+            child: None,
         })
     }
 }
@@ -239,7 +258,57 @@ pub fn resolve_all(configs: &[GroupConfig], data_dir: &Path, legacy: Vec<Group>)
         }
         groups.push(g);
     }
+    link_parents(configs, &mut groups)?;
     Ok(groups)
+}
+
+/// Resolves each `parent` against the groups and checks the links: the
+/// parent exists, is not the group itself, has its scope, is no group a
+/// request keys by `user_id` or `item_ids`, is the parent of no other
+/// group, and no chain loops or follows more than [`CHAIN_LINKS_MAX`] links.
+fn link_parents(configs: &[GroupConfig], groups: &mut [Group]) -> Result<(), String> {
+    for (i, c) in configs.iter().enumerate() {
+        let Some(parent) = &c.parent else { continue };
+        let child = &groups[i].name;
+        let Some(p) = groups.iter().position(|g| &g.name == parent) else {
+            return Err(format!("groups.{child}.parent = '{parent}' is no configured group"));
+        };
+        if p == i {
+            return Err(format!("groups.{child}.parent names the group itself"));
+        }
+        if groups[p].scope != groups[i].scope {
+            return Err(format!(
+                "groups.{child}.parent = '{parent}': a parent has its child's scope ('{parent}' is {}-scope, '{child}' {}-scope)",
+                groups[p].scope.name(),
+                groups[i].scope.name()
+            ));
+        }
+        if parent == "user" || parent == "item" {
+            return Err(format!("groups.{child}.parent = '{parent}': '{parent}' is keyed by the request itself"));
+        }
+        if let Some(other) = &groups[p].child {
+            return Err(format!(
+                "groups '{other}' and '{child}' both name '{parent}' as their parent; a group has one child"
+            ));
+        }
+        let child = child.clone();
+        groups[p].child = Some(child);
+        groups[i].parent = Some((parent.clone(), groups[p].key));
+    }
+    for g in groups.iter() {
+        let mut at = g;
+        for links in 0.. {
+            let Some((parent, _)) = &at.parent else { break };
+            if links == CHAIN_LINKS_MAX {
+                return Err(format!(
+                    "the chain of parents from group '{}' loops or follows more than {CHAIN_LINKS_MAX} links",
+                    g.name
+                ));
+            }
+            at = groups.iter().find(|o| &o.name == parent).expect("parents resolved above");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -315,5 +384,48 @@ mod tests {
         bad("[[groups]]\nname = \"k\"\nwidth = 0", "outside 1..=4096");
         let many: String = (0..17).map(|i| format!("[[groups]]\nname = \"g{i}\"\n")).collect();
         bad(&many, "at most 16");
+        let g = |name: &str, scope: &str, parent: &str| {
+            format!("[[groups]]\nname = \"{name}\"\nscope = \"{scope}\"\nparent = \"{parent}\"\n")
+        };
+        let plain = |name: &str, scope: &str| format!("[[groups]]\nname = \"{name}\"\nscope = \"{scope}\"\n");
+        bad(&g("ad", "candidate", "nowhere"), "no configured group");
+        bad(&g("ad", "candidate", "ad"), "the group itself");
+        bad(&(g("ad", "candidate", "publisher") + &plain("publisher", "request")), "a parent has its child's scope");
+        bad(&(g("ad", "candidate", "item") + &plain("item", "candidate")), "keyed by the request itself");
+        bad(
+            &(g("ad", "candidate", "campaign")
+                + &g("promo", "candidate", "campaign")
+                + &plain("campaign", "candidate")),
+            "a group has one child",
+        );
+        bad(&(g("a", "request", "b") + &g("b", "request", "a")), "loops or follows more than 4 links");
+        let long: String = (0..6).map(|i| g(&format!("g{i}"), "request", &format!("g{}", i + 1))).collect();
+        bad(&(long + &plain("g6", "request")), "loops or follows more than 4 links");
+    }
+
+    #[test]
+    fn parents_resolve_to_their_key_kind_and_child() {
+        let configs = parse(
+            r#"
+            [[groups]]
+            name = "ad"
+            scope = "candidate"
+            parent = "campaign"
+            [[groups]]
+            name = "campaign"
+            scope = "candidate"
+            key = "string"
+            key_bytes_max = 24
+            parent = "advertiser"
+            [[groups]]
+            name = "advertiser"
+            scope = "candidate"
+            "#,
+        );
+        let groups = resolve_all(&configs, Path::new("d"), legacy_pair()).unwrap();
+        assert_eq!(groups[0].parent, Some(("campaign".into(), KeyKind::Str { bytes_max: 24 })));
+        assert_eq!(groups[1].parent, Some(("advertiser".into(), KeyKind::U64)));
+        assert_eq!((groups[1].child.as_deref(), groups[2].child.as_deref()), (Some("ad"), Some("campaign")));
+        assert_eq!((groups[0].child.as_deref(), groups[2].parent.as_ref()), (None, None));
     }
 }

@@ -379,6 +379,7 @@ pub fn groups() -> Vec<GroupConfig> {
             default: Vec::new(),
             path: None,
             absent: None,
+            parent: None,
         })
         .collect()
 }

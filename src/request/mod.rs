@@ -106,14 +106,22 @@ pub struct SharedGroup {
     pub scope: Scope,
     pub absent: Absent,
     pub handle: Arc<ReplicaHandle>,
+    /// The group whose rows link to this one's: its keys come from there,
+    /// never from a request.
+    pub child: Option<String>,
 }
 
 impl SharedGroup {
     /// The groups a server without `[[groups]]` serves: `user` at request
     /// scope, `item` at candidate scope, a missing key reading the default.
     pub fn user_item(user: Arc<ReplicaHandle>, item: Arc<ReplicaHandle>) -> Vec<SharedGroup> {
-        let group =
-            |name: &str, scope, handle| SharedGroup { name: name.into(), scope, absent: Absent::Default, handle };
+        let group = |name: &str, scope, handle| SharedGroup {
+            name: name.into(),
+            scope,
+            absent: Absent::Default,
+            handle,
+            child: None,
+        };
         vec![group("user", Scope::Request, user), group("item", Scope::Candidate, item)]
     }
 }
@@ -121,7 +129,7 @@ impl SharedGroup {
 impl SharedGroup {
     /// What this group lets a model read.
     pub fn fit(&self) -> GroupFit {
-        GroupFit { name: self.name.clone(), scope: self.scope, dim: self.handle.dim() }
+        GroupFit { name: self.name.clone(), scope: self.scope, dim: self.handle.dim(), child: self.child.clone() }
     }
 }
 
@@ -192,6 +200,8 @@ struct GroupView {
     absent: Absent,
     /// Settled when the group's file is opened; a view never changes it.
     key: KeyKind,
+    /// The group whose rows' links key this one (`ad` for `campaign`).
+    child: Option<Box<str>>,
     view: ReplicaView,
 }
 
@@ -201,7 +211,14 @@ impl Replicas {
             .iter()
             .map(|g| {
                 let view = ReplicaView::new(g.handle.clone());
-                GroupView { name: g.name.as_str().into(), scope: g.scope, absent: g.absent, key: view.key_kind(), view }
+                GroupView {
+                    name: g.name.as_str().into(),
+                    scope: g.scope,
+                    absent: g.absent,
+                    key: view.key_kind(),
+                    child: g.child.as_deref().map(Into::into),
+                    view,
+                }
             })
             .collect();
         let at = |name: &str| views.iter().position(|g| &*g.name == name);
@@ -283,14 +300,19 @@ impl<C: Clock> RequestPath<C> {
             groups: shared.group_fits(),
             ladder: shared.ladder.clone(),
         };
-        let candidate_width =
-            shared.groups.iter().filter(|g| g.scope == Scope::Candidate).map(|g| g.handle.dim()).max().unwrap_or(0);
+        // Per key a lookup reads: a candidate-scope group's row per
+        // candidate, a request-scope group's one row.
+        let floats_per_lookup = |g: &SharedGroup| match g.scope {
+            Scope::Candidate => rows_max * g.handle.dim(),
+            Scope::Request => g.handle.dim(),
+        };
+        let vectors_len = shared.groups.iter().map(floats_per_lookup).max().unwrap_or(0);
         let at = BuildPlace { clock: &clock, counters: &mut telemetry.counters, logits: &mut answer.logits };
         let versions = Versions::new(shared.registry.clone(), fit, shared.fallback.clone(), at)?;
         let mut path = RequestPath {
             policies: Policies::new(&shared),
             versions,
-            inputs: Inputs::new(rows_max, candidate_width),
+            inputs: Inputs::new(rows_max, vectors_len),
             answer,
             cache: ScoreCache::new(&shared.cache),
             in_flight: InFlight::default(),

@@ -3,14 +3,16 @@
 //! rounds): the model input rows a request is assembled into, and the
 //! scores and encoder its answer is written from.
 
+use crate::features::replica::LINK_WORDS_MAX;
 use crate::wire::ResponseEncoder;
 
 /// The current request's model input rows and the lookups that fill them.
 pub(super) struct Inputs {
     /// Model input rows, `candidates_max × row_dim`.
     pub(super) x: Vec<f32>,
-    /// One candidate-scope group's vectors as the batched lookup returns
-    /// them, `candidates_max × the widest candidate-scope group`.
+    /// One group's vectors as a lookup returns them, before they are placed
+    /// in the rows: as many floats as the largest lookup (a candidate-scope
+    /// group's row per candidate, a request-scope group's one row) takes.
     pub(super) vectors: Vec<f32>,
     /// Row index per candidate from the batched lookup.
     pub(super) rows: Vec<u32>,
@@ -21,17 +23,24 @@ pub(super) struct Inputs {
     /// Each candidate's score-cache key: its item id, mixed with its key
     /// in every other candidate-scope group the model reads.
     pub(super) candidate_keys: Vec<u64>,
+    /// The links of the rows a lookup in a chain of parents just read
+    /// (`ad` → `campaign`), `candidates_max × LINK_WORDS_MAX`, and the
+    /// links the next lookup reads into: swapped at each step of a chain.
+    pub(super) links: Vec<u32>,
+    pub(super) links_next: Vec<u32>,
 }
 
 impl Inputs {
-    pub(super) fn new(rows_max: usize, candidate_width: usize) -> Inputs {
+    pub(super) fn new(rows_max: usize, vectors_len: usize) -> Inputs {
         Inputs {
             x: Vec::new(),
-            vectors: vec![0.0; rows_max * candidate_width],
+            vectors: vec![0.0; vectors_len],
             rows: vec![0; rows_max],
             ids: Vec::with_capacity(rows_max),
             hashes: vec![0; rows_max],
             candidate_keys: Vec::with_capacity(rows_max),
+            links: vec![0; rows_max * LINK_WORDS_MAX],
+            links_next: vec![0; rows_max * LINK_WORDS_MAX],
         }
     }
 

@@ -28,7 +28,7 @@ use super::{context_id_value, Handled, Replicas, StepDown, Telemetry};
 use crate::deadline::{Clock, Deadline};
 use crate::features::feed::FeedStatus;
 use crate::features::groups::{Absent, Scope, GROUPS_MAX};
-use crate::features::replica::{key_hash, KeyKind};
+use crate::features::replica::{decode_link, key_hash, EntityKey, KeyKind, ReplicaView, KEY_BYTES_MAX};
 use crate::metrics::{Stage, REASONS};
 use crate::model::graph::embedding_index;
 use crate::request::admission::{Admit, Peer};
@@ -201,7 +201,16 @@ pub(super) fn assemble(
     slot_x: Option<&mut [f32]>,
     telemetry: &mut Telemetry,
 ) -> Result<Assembled, Rejection> {
-    let Inputs { x: scratch, vectors, rows: found_rows, ids, hashes, candidate_keys } = inputs;
+    let Inputs {
+        x: scratch,
+        vectors,
+        rows: found_rows,
+        ids,
+        hashes,
+        candidate_keys,
+        links: inputs_links,
+        links_next: inputs_links_next,
+    } = inputs;
     let x = match slot_x {
         Some(x) => x,
         None => &mut scratch[..],
@@ -258,69 +267,97 @@ pub(super) fn assemble(
             }
         }
     }
-    for seg in &layout.groups {
-        let g = &replicas.groups[seg.group];
-        let (off, dim) = (seg.offset, seg.dim);
-        let group_tag = seg.group as u64;
-        match seg.scope {
-            Scope::Request => {
-                let (first, rest) = x.split_at_mut(row_dim);
-                let dst = &mut first[off..off + dim];
-                let (found, key) = match (keys[seg.group], filed[seg.group]) {
-                    (Keys::Strs(v), Some(hash)) => (g.view.read_str_hashed_into(hash, v.get(0).as_bytes(), dst), hash),
-                    (_, Some(id)) => (g.view.read_into(id, dst), id),
-                    (_, None) if g.absent == Absent::Default => {
-                        g.view.default_into(dst);
-                        (false, ABSENT_KEY)
+    // Links carried from one step of a chain of parents to the next.
+    let (mut links, mut links_next) = (&mut inputs_links[..], &mut inputs_links_next[..]);
+    let mut link_words = 0;
+    for step in &layout.lookups {
+        let g = &replicas.groups[step.group];
+        let dim = step.dim;
+        let group_tag = step.group as u64;
+        let n = match step.scope {
+            Scope::Request => 1,
+            Scope::Candidate => rows,
+        };
+        let kept_words = if step.keep_links { g.view.link_words() } else { 0 };
+        let links_out = &mut links_next[..n * kept_words];
+        let vectors = &mut vectors[..n * dim];
+        if step.through_links {
+            // Keyed by the links the step before read: no request key.
+            let from = &links[..n * link_words];
+            missing += read_through(&g.view, g.key, from, link_words, ids, found_rows, vectors, links_out);
+        } else {
+            match step.scope {
+                Scope::Request => {
+                    let (found, key) = match (keys[step.group], filed[step.group]) {
+                        (Keys::Strs(v), Some(hash)) => {
+                            (g.view.read_linked_into(hash, v.get(0).as_bytes(), vectors, links_out), hash)
+                        }
+                        (_, Some(id)) => (g.view.read_linked_into(id, &[], vectors, links_out), id),
+                        (_, None) if g.absent == Absent::Default => {
+                            g.view.default_into(vectors);
+                            links_out.fill(0);
+                            (false, ABSENT_KEY)
+                        }
+                        (_, None) => return Err(bad(absent_why(&g.name))),
+                    };
+                    missing += u32::from(!found);
+                    if !(Some(step.group) == replicas.user && matches!(keys[step.group], Keys::One(_))) {
+                        request_key = hash_words([request_key, group_tag, key]);
                     }
-                    (_, None) => return Err(bad(absent_why(&g.name))),
-                };
-                missing += u32::from(!found);
-                if !(Some(seg.group) == replicas.user && matches!(keys[seg.group], Keys::One(_))) {
-                    request_key = hash_words([request_key, group_tag, key]);
                 }
-                for row in rest.chunks_exact_mut(row_dim) {
-                    row[off..off + dim].copy_from_slice(&first[off..off + dim]);
-                }
-            }
-            Scope::Candidate => {
-                // Batched so the candidates' memory loads overlap (prefetch).
-                let vectors = &mut vectors[..rows * dim];
-                match keys[seg.group] {
-                    Keys::Ids(v) | Keys::ItemIds(v) => {
-                        ids.clear();
-                        ids.extend(v.iter());
-                        missing += g.view.read_many_into(ids, found_rows, vectors) as u32;
-                        // `item_ids` already are the candidates' keys.
-                        if matches!(keys[seg.group], Keys::Ids(_)) {
-                            for (k, id) in candidate_keys.iter_mut().zip(ids.iter()) {
-                                *k = hash_words([*k, group_tag, *id]);
+                Scope::Candidate => {
+                    // Batched so the candidates' memory loads overlap (prefetch).
+                    match keys[step.group] {
+                        Keys::Ids(v) | Keys::ItemIds(v) => {
+                            ids.clear();
+                            ids.extend(v.iter());
+                            missing += g.view.read_many_into(ids, found_rows, vectors, links_out) as u32;
+                            // `item_ids` already are the candidates' keys.
+                            if matches!(keys[step.group], Keys::Ids(_)) {
+                                for (k, id) in candidate_keys.iter_mut().zip(ids.iter()) {
+                                    *k = hash_words([*k, group_tag, *id]);
+                                }
                             }
                         }
-                    }
-                    Keys::Strs(v) => {
-                        let keys = v.iter().map(str::as_bytes);
-                        missing += g.view.read_many_str_into(keys, hashes, found_rows, vectors) as u32;
-                        for (k, hash) in candidate_keys.iter_mut().zip(hashes.iter()) {
-                            *k = hash_words([*k, group_tag, *hash]);
+                        Keys::Strs(v) => {
+                            let keys = v.iter().map(str::as_bytes);
+                            missing += g.view.read_many_str_into(keys, hashes, found_rows, vectors, links_out) as u32;
+                            for (k, hash) in candidate_keys.iter_mut().zip(hashes.iter()) {
+                                *k = hash_words([*k, group_tag, *hash]);
+                            }
                         }
-                    }
-                    Keys::Absent if g.absent == Absent::Default => {
-                        for v in vectors.chunks_exact_mut(dim) {
-                            g.view.default_into(v);
+                        Keys::Absent if g.absent == Absent::Default => {
+                            for v in vectors.chunks_exact_mut(dim) {
+                                g.view.default_into(v);
+                            }
+                            links_out.fill(0);
+                            missing += rows as u32;
+                            for k in candidate_keys.iter_mut() {
+                                *k = hash_words([*k, group_tag, ABSENT_KEY]);
+                            }
                         }
-                        missing += rows as u32;
-                        for k in candidate_keys.iter_mut() {
-                            *k = hash_words([*k, group_tag, ABSENT_KEY]);
-                        }
+                        Keys::One(_) | Keys::Absent => return Err(bad(absent_why(&g.name))),
                     }
-                    Keys::One(_) | Keys::Absent => return Err(bad(absent_why(&g.name))),
-                }
-                for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
-                    row[off..off + dim].copy_from_slice(v);
                 }
             }
         }
+        if let Some(off) = step.offset {
+            match step.scope {
+                // One row, broadcast to every candidate.
+                Scope::Request => {
+                    for row in x.chunks_exact_mut(row_dim) {
+                        row[off..off + dim].copy_from_slice(vectors);
+                    }
+                }
+                Scope::Candidate => {
+                    for (row, v) in x.chunks_exact_mut(row_dim).zip(vectors.chunks_exact(dim)) {
+                        row[off..off + dim].copy_from_slice(v);
+                    }
+                }
+            }
+        }
+        std::mem::swap(&mut links, &mut links_next);
+        link_words = kept_words;
     }
     if let Some((off, dim)) = layout.context {
         for row in x.chunks_exact_mut(row_dim) {
@@ -394,6 +431,60 @@ pub(super) fn assemble(
     Ok(Assembled { step, cache_key, chosen, version, user_id, at_ns })
 }
 
+/// Looks up the rows the `links` name (`link_words` per key, as the lookup
+/// before in a chain of parents returned them) in `view`, a group keyed by
+/// `kind`: each into `out` (its width per key) and its own links into
+/// `links_out` (when not empty). A key whose row names no parent, or names
+/// one that is not there, reads the default row and counts as missing.
+/// Three passes, as `Replica::read_many_into`, so the loads overlap: each
+/// link's index slot, then its row, then the copies. `filed` and `present`
+/// are scratch.
+#[allow(clippy::too_many_arguments)]
+fn read_through(
+    view: &ReplicaView,
+    kind: KeyKind,
+    links: &[u32],
+    link_words: usize,
+    filed: &mut Vec<u64>,
+    present: &mut [u32],
+    out: &mut [f32],
+    links_out: &mut [u32],
+) -> u32 {
+    let mut buf = [0u8; KEY_BYTES_MAX as usize];
+    filed.clear();
+    for (link, p) in links.chunks_exact(link_words).zip(present.iter_mut()) {
+        let key = decode_link(link, kind, &mut buf);
+        *p = u32::from(key.is_some());
+        let at = key.map_or(0, EntityKey::bucket_hash);
+        if key.is_some() {
+            view.prefetch_slot(at);
+        }
+        filed.push(at);
+    }
+    for (&at, &p) in filed.iter().zip(present.iter()) {
+        if p == 1 {
+            view.prefetch_row(at);
+        }
+    }
+    let dim = view.dim();
+    let kept = view.link_words();
+    let mut missing = 0;
+    for (i, (link, dst)) in links.chunks_exact(link_words).zip(out.chunks_exact_mut(dim)).enumerate() {
+        let link_out = links_out.get_mut(i * kept..(i + 1) * kept).unwrap_or_default();
+        let found = match decode_link(link, kind, &mut buf) {
+            Some(EntityKey::Str(bytes)) => view.read_linked_into(filed[i], bytes, dst, link_out),
+            Some(EntityKey::Id(id)) => view.read_linked_into(id, &[], dst, link_out),
+            None => {
+                view.default_into(dst);
+                link_out.fill(0);
+                false
+            }
+        };
+        missing += u32::from(!found);
+    }
+    missing
+}
+
 /// The key a request's canary choice is sticky by: its key of the
 /// configured group (a string key by its hash), else `user_id`.
 fn sticky_key(request: &wire::Request<'_>, group: &str) -> u64 {
@@ -462,6 +553,11 @@ fn keys_by_group<'p>(
         }
         named[at] = true;
         let g = &replicas.groups[at];
+        if let Some(child) = &g.child {
+            return Err(format!(
+                "feature group '{name}' is keyed through the links in '{child}''s rows; a request does not carry its keys"
+            ));
+        }
         let count = wire::key_count(&entry);
         let want = match g.scope {
             Scope::Request => 1,

@@ -31,7 +31,7 @@
 
 use super::redis_cluster::{ClusterConn, ClusterError};
 use super::resp::{RedisConn, RedisError, Reply};
-pub use crate::features::replica::{key_hash, KeyKind, KEY_BYTES_MAX};
+pub use crate::features::replica::{key_hash, EntityKey, EntityKeyBuf, KeyKind, KEY_BYTES_MAX};
 
 /// The publish script; see the comments in `publish.lua` for its keys and arguments.
 pub const PUBLISH_LUA: &str = include_str!("publish.lua");
@@ -58,59 +58,12 @@ pub const BUCKETS_MAX: u16 = 1024;
 /// over 16 masters, few enough that following every bucket's stream stays cheap.
 pub const CLUSTER_BUCKETS_DEFAULT: u16 = 16;
 
-/// An entity's key: a u64 id, or the bytes of a string-keyed group's key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EntityKey<'a> {
-    Id(u64),
-    Str(&'a [u8]),
-}
-
 impl EntityKey<'_> {
-    /// What the bucket formula hashes: the id itself, or the string's [`key_hash`].
-    pub fn bucket_hash(self) -> u64 {
-        match self {
-            EntityKey::Id(id) => id,
-            EntityKey::Str(bytes) => key_hash(bytes),
-        }
-    }
-
-    pub fn to_buf(self) -> EntityKeyBuf {
-        match self {
-            EntityKey::Id(id) => EntityKeyBuf::Id(id),
-            EntityKey::Str(bytes) => EntityKeyBuf::Str(bytes.to_vec()),
-        }
-    }
-
     /// The key kind's name as `quiver:keys:g` holds it.
     pub fn kind_name(self) -> &'static str {
         match self {
             EntityKey::Id(_) => KIND_U64,
             EntityKey::Str(_) => KIND_STRING,
-        }
-    }
-}
-
-impl std::fmt::Display for EntityKey<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            EntityKey::Id(id) => write!(f, "{id}"),
-            EntityKey::Str(bytes) => f.write_str(&String::from_utf8_lossy(bytes)),
-        }
-    }
-}
-
-/// An [`EntityKey`] that owns its bytes: what outlives the reply it was parsed from.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum EntityKeyBuf {
-    Id(u64),
-    Str(Vec<u8>),
-}
-
-impl EntityKeyBuf {
-    pub fn as_key(&self) -> EntityKey<'_> {
-        match self {
-            EntityKeyBuf::Id(id) => EntityKey::Id(*id),
-            EntityKeyBuf::Str(bytes) => EntityKey::Str(bytes),
         }
     }
 }

@@ -11,6 +11,12 @@
 //! file's rows are longer than its superblock's other fields imply to a build
 //! that predates the field, so such a build refuses it as damaged (its
 //! length), never serves it.
+//!
+//! A group with a parent (`ad` → `campaign`) stores, in each row, a link:
+//! the key of the parent's row. Its kind (the parent's key kind) sits in the
+//! upper half of the same superblock word, which files without links hold
+//! as zero; a build that predates links reads the word as an unknown key
+//! kind and refuses the file.
 
 use super::{ReplicaError, DIM_MAX, FORMAT_VERSION, GROUP_NAME_BYTES_MAX, KEY_BYTES_MAX, MAGIC, ROW_CAPACITY_MAX};
 
@@ -183,6 +189,125 @@ impl KeyKind {
             KeyKind::Str { bytes_max } => 1 + (bytes_max as usize).div_ceil(4),
         }
     }
+
+    /// Words a row spends on a link to a parent keyed by this kind: a
+    /// presence word (0: the row names no parent), then the parent's key:
+    /// a u64 as two words (low first), a string as its row encoding.
+    pub fn link_words(self) -> usize {
+        1 + match self {
+            KeyKind::U64 => 2,
+            KeyKind::Str { .. } => self.key_words(),
+        }
+    }
+}
+
+/// Most words a link takes in a row: a presence word and the longest
+/// string key's encoding.
+pub const LINK_WORDS_MAX: usize = 1 + KEY_WORDS_MAX;
+
+/// Writes the row encoding of a link to `parent` (none: the row names no
+/// parent) into `out`, [`KeyKind::link_words`] of the parent's kind long.
+/// The caller has checked that the key fits the kind ([`EntityKey::fits`]).
+pub fn encode_link(parent: Option<EntityKey<'_>>, out: &mut [u32]) {
+    out.fill(0);
+    match parent {
+        None => {}
+        Some(EntityKey::Id(id)) => {
+            out[0] = 1;
+            out[1] = id as u32;
+            out[2] = (id >> 32) as u32;
+        }
+        Some(EntityKey::Str(bytes)) => {
+            out[0] = 1;
+            encode_key(bytes, &mut out[1..]);
+        }
+    }
+}
+
+/// The parent key a row's link words name, its string bytes copied into
+/// `buf`; none when the row names no parent or the words are no link to a
+/// key of `kind` (a reader never follows a malformed link).
+pub fn decode_link<'b>(
+    words: &[u32],
+    kind: KeyKind,
+    buf: &'b mut [u8; KEY_BYTES_MAX as usize],
+) -> Option<EntityKey<'b>> {
+    if words.first() != Some(&1) {
+        return None;
+    }
+    match kind {
+        KeyKind::U64 => Some(EntityKey::Id(u64::from(words[1]) | u64::from(words[2]) << 32)),
+        KeyKind::Str { bytes_max } => {
+            let len = words[1] as usize;
+            if len == 0 || len > bytes_max as usize || len > (words.len() - 2) * 4 {
+                return None;
+            }
+            for (chunk, w) in buf.chunks_exact_mut(4).zip(&words[2..]) {
+                chunk.copy_from_slice(&w.to_le_bytes());
+            }
+            Some(EntityKey::Str(&buf[..len]))
+        }
+    }
+}
+
+/// An entity's key: a u64 id, or the bytes of a string-keyed group's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EntityKey<'a> {
+    Id(u64),
+    Str(&'a [u8]),
+}
+
+impl EntityKey<'_> {
+    /// What the bucket formula hashes: the id itself, or the string's [`key_hash`].
+    pub fn bucket_hash(self) -> u64 {
+        match self {
+            EntityKey::Id(id) => id,
+            EntityKey::Str(bytes) => key_hash(bytes),
+        }
+    }
+
+    pub fn to_buf(self) -> EntityKeyBuf {
+        match self {
+            EntityKey::Id(id) => EntityKeyBuf::Id(id),
+            EntityKey::Str(bytes) => EntityKeyBuf::Str(bytes.to_vec()),
+        }
+    }
+
+    /// Whether a group keyed by `kind` takes this key.
+    pub fn fits(self, kind: KeyKind) -> bool {
+        match (self, kind) {
+            (EntityKey::Id(_), KeyKind::U64) => true,
+            (EntityKey::Str(bytes), KeyKind::Str { bytes_max }) => {
+                !bytes.is_empty() && bytes.len() <= bytes_max as usize
+            }
+            _ => false,
+        }
+    }
+}
+
+impl std::fmt::Display for EntityKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EntityKey::Id(id) => write!(f, "{id}"),
+            EntityKey::Str(bytes) => f.write_str(&String::from_utf8_lossy(bytes)),
+        }
+    }
+}
+
+/// An [`EntityKey`] that owns its bytes: what outlives the reply it was parsed from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EntityKeyBuf {
+    Id(u64),
+    Str(Vec<u8>),
+}
+
+impl EntityKeyBuf {
+    pub fn as_key(&self) -> EntityKey<'_> {
+        match self {
+            EntityKeyBuf::Id(id) => EntityKey::Id(*id),
+            EntityKeyBuf::Str(bytes) => EntityKey::Str(bytes),
+        }
+    }
 }
 
 /// The 64-bit hash of a string key: xxh3-64 with seed 0, a published
@@ -253,6 +378,9 @@ pub struct Header {
     pub row_capacity: u64,
     pub group: String,
     pub keys: KeyKind,
+    /// The key kind of the parent each row links to; none for a group
+    /// without a parent.
+    pub link: Option<KeyKind>,
     /// Keys present when the file was opened.
     pub row_count: u64,
 }
@@ -264,8 +392,11 @@ pub struct Layout {
     pub rows_offset: usize,
     pub row_stride: usize,
     /// Words of a string key in a row (0 for u64 keys); they precede the
-    /// payload, and the row CRC covers them.
+    /// link and the payload, and the row CRC covers them.
     pub key_words: usize,
+    /// Words of the link to a parent row (0 without a parent); between the
+    /// key and the payload, covered by the row CRC.
+    pub link_words: usize,
     pub payload_words: usize,
     pub file_bytes: usize,
 }
@@ -275,28 +406,42 @@ pub fn align(n: usize, to: usize) -> usize {
 }
 
 impl Layout {
-    pub fn new(dim: u32, storage: Storage, keys: KeyKind, slot_count: u64, row_capacity: u64) -> Option<Layout> {
+    pub fn new(
+        dim: u32,
+        storage: Storage,
+        keys: KeyKind,
+        link: Option<KeyKind>,
+        slot_count: u64,
+        row_capacity: u64,
+    ) -> Option<Layout> {
         let dim = dim as usize;
         let index_offset = align(DEFAULT_OFFSET + dim * 4, 64);
         let index_bytes = usize::try_from(slot_count).ok()?.checked_mul(SLOT_BYTES)?;
         let rows_offset = align(index_offset.checked_add(index_bytes)?, 64);
         let payload_words = storage.payload_words(dim);
         let key_words = keys.key_words();
-        let row_stride = align(ROW_HEADER_BYTES + (key_words + payload_words) * 4, 16);
+        let link_words = link.map_or(0, KeyKind::link_words);
+        let row_stride = align(ROW_HEADER_BYTES + (key_words + link_words + payload_words) * 4, 16);
         let rows_bytes = usize::try_from(row_capacity).ok()?.checked_mul(row_stride)?;
         Some(Layout {
             index_offset,
             rows_offset,
             row_stride,
             key_words,
+            link_words,
             payload_words,
             file_bytes: rows_offset.checked_add(rows_bytes)?,
         })
     }
 
-    /// Words after a row's header: the key's, then the payload's.
+    /// Words after a row's header: the key's, the link's, then the payload's.
     pub fn row_words(&self) -> usize {
-        self.key_words + self.payload_words
+        self.key_words + self.link_words + self.payload_words
+    }
+
+    /// Where the payload starts among a row's words.
+    pub fn payload_at(&self) -> usize {
+        self.key_words + self.link_words
     }
 }
 
@@ -322,7 +467,8 @@ pub fn encode_superblock(h: &Header, default_crc: u32) -> [u8; SUPERBLOCK_BYTES]
     b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     b[12..16].copy_from_slice(&h.dim.to_le_bytes());
     b[16..20].copy_from_slice(&h.storage.code().to_le_bytes());
-    b[20..24].copy_from_slice(&h.keys.code().to_le_bytes());
+    let link_code = h.link.map_or(0, |k| 1 + k.code());
+    b[20..24].copy_from_slice(&(h.keys.code() | link_code << 16).to_le_bytes());
     b[24..32].copy_from_slice(&h.slot_count.to_le_bytes());
     b[32..40].copy_from_slice(&h.row_capacity.to_le_bytes());
     b[40..40 + h.group.len()].copy_from_slice(h.group.as_bytes());
@@ -354,7 +500,11 @@ pub fn decode_superblock(b: &[u8], path: &str) -> Result<(Header, u32), ReplicaE
         return Err(bad("dimension out of range"));
     }
     let storage = Storage::from_code(u32_at(b, 16)).ok_or_else(|| bad("unknown storage type"))?;
-    let keys = KeyKind::from_code(u32_at(b, 20)).ok_or_else(|| bad("unknown key kind"))?;
+    let keys = KeyKind::from_code(u32_at(b, 20) & 0xFFFF).ok_or_else(|| bad("unknown key kind"))?;
+    let link = match u32_at(b, 20) >> 16 {
+        0 => None,
+        code => Some(KeyKind::from_code(code - 1).ok_or_else(|| bad("unknown link kind"))?),
+    };
     let slot_count = u64_at(b, 24);
     let row_capacity = u64_at(b, 32);
     if row_capacity > ROW_CAPACITY_MAX {
@@ -366,7 +516,7 @@ pub fn decode_superblock(b: &[u8], path: &str) -> Result<(Header, u32), ReplicaE
     let name = &b[40..40 + GROUP_NAME_BYTES_MAX];
     let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
     let group = std::str::from_utf8(&name[..end]).map_err(|_| bad("group name is not UTF-8"))?.to_string();
-    Ok((Header { dim, storage, slot_count, row_capacity, group, keys, row_count: 0 }, u32_at(b, 56)))
+    Ok((Header { dim, storage, slot_count, row_capacity, group, keys, link, row_count: 0 }, u32_at(b, 56)))
 }
 
 /// A checkpoint record: counter, cursor, then a CRC of bytes 0..60. The

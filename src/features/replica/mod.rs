@@ -84,7 +84,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-pub use format::{key_hash, Cursor, Header, KeyKind, Storage};
+pub use format::{
+    decode_link, encode_link, key_hash, Cursor, EntityKey, EntityKeyBuf, Header, KeyKind, Storage, LINK_WORDS_MAX,
+};
 pub use table::{huge_pages, lock_pages, mem_available_bytes, Replica};
 pub use writer::{GrowthPhase, OpenReport, ReplicaWriter};
 
@@ -173,6 +175,8 @@ pub enum ReplicaError {
     KeyTooLong { bytes: usize, bytes_max: u32 },
     #[error("string keys of up to {bytes_max} bytes: the limit is 1 to {KEY_BYTES_MAX} bytes")]
     KeyBytesMax { bytes_max: u32 },
+    #[error("{path}: {why}")]
+    Link { path: String, why: String },
     #[error("vector of {found} floats, the group has dimension {dim}")]
     Dim { found: usize, dim: u32 },
     #[error("{path}: would need {rows} rows, above the limit of {ROW_CAPACITY_MAX}")]
@@ -346,9 +350,9 @@ impl ReplicaHandle {
     /// rows, then copies); each pass loads the key's table again, so a swap
     /// between passes costs a prefetch, never a wrong row (the copy finds
     /// the key afresh in the table it reads).
-    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
+    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32], links: &mut [u32]) -> usize {
         if self.parts.len() == 1 {
-            return self.parts[0].load().read_many_into(keys, rows, out);
+            return self.parts[0].load().read_many_into(keys, rows, out, links);
         }
         let dim = self.dim;
         assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
@@ -358,11 +362,30 @@ impl ReplicaHandle {
         for &key in keys {
             self.part_of(key).load().prefetch_row(key);
         }
+        let lw = self.link_words();
         let mut missing = 0;
-        for (&key, dst) in keys.iter().zip(out.chunks_exact_mut(dim)) {
-            missing += usize::from(!self.part_of(key).load().read_into(key, dst));
+        for (i, (&key, dst)) in keys.iter().zip(out.chunks_exact_mut(dim)).enumerate() {
+            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+            missing += usize::from(!self.part_of(key).load().read_linked_into(key, &[], dst, link));
         }
         missing
+    }
+
+    /// [`Replica::read_linked_into`] on the table the key is in.
+    #[inline]
+    pub fn read_linked_into(&self, filed: u64, str_key: &[u8], out: &mut [f32], link: &mut [u32]) -> bool {
+        self.part_of(filed).load().read_linked_into(filed, str_key, out, link)
+    }
+
+    /// Words of a row's link to its parent (0: the group has none); the
+    /// same in every part.
+    pub fn link_words(&self) -> usize {
+        self.parts[0].load().link_words()
+    }
+
+    /// The kind of key the rows' links name, for a group with a parent.
+    pub fn link_kind(&self) -> Option<KeyKind> {
+        self.parts[0].load().link_kind()
     }
 
     /// [`Replica::read_str_into`] on the table `key` is in (a bucketed
@@ -375,13 +398,20 @@ impl ReplicaHandle {
 
     /// [`Replica::read_many_str_into`] over the tables the keys are in, in
     /// the same passes as [`ReplicaHandle::read_many_into`].
-    pub fn read_many_str_into<'k, I>(&self, keys: I, hashes: &mut [u64], rows: &mut [u32], out: &mut [f32]) -> usize
+    pub fn read_many_str_into<'k, I>(
+        &self,
+        keys: I,
+        hashes: &mut [u64],
+        rows: &mut [u32],
+        out: &mut [f32],
+        links: &mut [u32],
+    ) -> usize
     where
         I: IntoIterator<Item = &'k [u8]>,
         I::IntoIter: ExactSizeIterator + Clone,
     {
         if self.parts.len() == 1 {
-            return self.parts[0].load().read_many_str_into(keys, hashes, rows, out);
+            return self.parts[0].load().read_many_str_into(keys, hashes, rows, out, links);
         }
         let keys = keys.into_iter();
         let dim = self.dim;
@@ -393,9 +423,11 @@ impl ReplicaHandle {
         for &hash in &hashes[..keys.len()] {
             self.part_of(hash).load().prefetch_row(hash);
         }
+        let lw = self.link_words();
         let mut missing = 0;
-        for ((key, &hash), dst) in keys.zip(hashes.iter()).zip(out.chunks_exact_mut(dim)) {
-            missing += usize::from(!self.part_of(hash).load().read_str_hashed(hash, key, dst));
+        for (i, ((key, &hash), dst)) in keys.zip(hashes.iter()).zip(out.chunks_exact_mut(dim)).enumerate() {
+            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+            missing += usize::from(!self.part_of(hash).load().read_linked_into(hash, key, dst, link));
         }
         missing
     }
@@ -416,6 +448,7 @@ impl ReplicaHandle {
     fn install(&self, part: usize, table: Arc<Replica>) {
         assert_eq!(table.dim(), self.dim, "a group's dimension never changes while served");
         assert_eq!(table.key_kind(), self.parts[part].load().key_kind(), "nor does its key kind");
+        assert_eq!(table.link_kind(), self.parts[part].load().link_kind(), "nor its parent's");
         self.parts[part].store(table);
         // Release after the store: a view that sees the new generation
         // (Acquire) loads the new table.
@@ -533,13 +566,20 @@ impl ReplicaView {
 
     /// [`Replica::read_many_str_into`] over the tables the keys are in (each
     /// key hashed once, into `hashes`, which also picks its bucket).
-    pub fn read_many_str_into<'k, I>(&self, keys: I, hashes: &mut [u64], rows: &mut [u32], out: &mut [f32]) -> usize
+    pub fn read_many_str_into<'k, I>(
+        &self,
+        keys: I,
+        hashes: &mut [u64],
+        rows: &mut [u32],
+        out: &mut [f32],
+        links: &mut [u32],
+    ) -> usize
     where
         I: IntoIterator<Item = &'k [u8]>,
         I::IntoIter: ExactSizeIterator + Clone,
     {
         if self.tables.len() == 1 {
-            return self.tables[0].read_many_str_into(keys, hashes, rows, out);
+            return self.tables[0].read_many_str_into(keys, hashes, rows, out, links);
         }
         let keys = keys.into_iter();
         let dim = self.dim();
@@ -551,9 +591,11 @@ impl ReplicaView {
         for &hash in &hashes[..keys.len()] {
             self.table_of(hash).prefetch_row(hash);
         }
+        let lw = self.link_words();
         let mut missing = 0;
-        for ((key, &hash), dst) in keys.zip(hashes.iter()).zip(out.chunks_exact_mut(dim)) {
-            missing += usize::from(!self.table_of(hash).read_str_hashed(hash, key, dst));
+        for (i, ((key, &hash), dst)) in keys.zip(hashes.iter()).zip(out.chunks_exact_mut(dim)).enumerate() {
+            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+            missing += usize::from(!self.table_of(hash).read_linked_into(hash, key, dst, link));
         }
         missing
     }
@@ -561,9 +603,9 @@ impl ReplicaView {
     /// [`Replica::read_many_into`] over the tables the keys are in: across
     /// tables, the same three passes overlap the memory loads (slots, then
     /// rows, then copies). Returns how many keys were missing.
-    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
+    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32], links: &mut [u32]) -> usize {
         if self.tables.len() == 1 {
-            return self.tables[0].read_many_into(keys, rows, out);
+            return self.tables[0].read_many_into(keys, rows, out, links);
         }
         let dim = self.dim();
         assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
@@ -573,11 +615,29 @@ impl ReplicaView {
         for &key in keys {
             self.table_of(key).prefetch_row(key);
         }
+        let lw = self.link_words();
         let mut missing = 0;
-        for (&key, dst) in keys.iter().zip(out.chunks_exact_mut(dim)) {
-            missing += usize::from(!self.table_of(key).read_into(key, dst));
+        for (i, (&key, dst)) in keys.iter().zip(out.chunks_exact_mut(dim)).enumerate() {
+            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+            missing += usize::from(!self.table_of(key).read_linked_into(key, &[], dst, link));
         }
         missing
+    }
+
+    /// [`Replica::read_linked_into`] on the table the key is in.
+    #[inline]
+    pub fn read_linked_into(&self, filed: u64, str_key: &[u8], out: &mut [f32], link: &mut [u32]) -> bool {
+        self.table_of(filed).read_linked_into(filed, str_key, out, link)
+    }
+
+    /// Words of a row's link to its parent (0: the group has none).
+    pub fn link_words(&self) -> usize {
+        self.tables[0].link_words()
+    }
+
+    /// The kind of key the rows' links name, for a group with a parent.
+    pub fn link_kind(&self) -> Option<KeyKind> {
+        self.tables[0].link_kind()
     }
 }
 
@@ -593,6 +653,11 @@ pub struct ReplicaBuilder {
     /// A string-keyed group's keys, in push order.
     str_keys: Vec<Box<[u8]>>,
     values: Vec<f32>,
+    /// The kind of key the rows link to, for a group with a parent.
+    link: Option<KeyKind>,
+    /// Each row's parent key, in push order (rows pushed without one, and
+    /// every row of a group without a parent: none).
+    parents: Vec<Option<EntityKeyBuf>>,
 }
 
 /// One meaningful line of the text input format (`docs/REPLICA.md`).
@@ -674,6 +739,8 @@ impl ReplicaBuilder {
             keys: Vec::new(),
             str_keys: Vec::new(),
             values: Vec::new(),
+            link: None,
+            parents: Vec::new(),
         }
     }
 
@@ -719,14 +786,60 @@ impl ReplicaBuilder {
         Ok(())
     }
 
+    /// Makes the file's rows link to a parent keyed by `kind`
+    /// ([`ReplicaBuilder::push_linked`]).
+    pub fn links_to(mut self, kind: KeyKind) -> Result<ReplicaBuilder, ReplicaError> {
+        if let KeyKind::Str { bytes_max } = kind {
+            if bytes_max == 0 || bytes_max > KEY_BYTES_MAX {
+                return Err(ReplicaError::KeyBytesMax { bytes_max });
+            }
+        }
+        self.link = Some(kind);
+        Ok(self)
+    }
+
     /// Adds a row. Duplicate keys are refused when the file is written.
     pub fn push(&mut self, key: u64, v: &[f32]) -> Result<(), ReplicaError> {
-        if self.key_kind != KeyKind::U64 {
-            return Err(self.key_kind_error("u64 keys"));
+        self.push_linked(EntityKey::Id(key), v, None)
+    }
+
+    /// Adds a row whose key is of the builder's kind, naming `parent` (none:
+    /// no parent); a parent needs [`ReplicaBuilder::links_to`] of its kind.
+    pub fn push_linked(
+        &mut self,
+        key: EntityKey<'_>,
+        v: &[f32],
+        parent: Option<EntityKey<'_>>,
+    ) -> Result<(), ReplicaError> {
+        if let Some(p) = parent {
+            let path = format!("group '{}'", self.group);
+            match self.link {
+                Some(kind) if p.fits(kind) => {}
+                Some(kind) => {
+                    return Err(ReplicaError::Link { path, why: format!("parent key '{p}' is not one of {kind}") })
+                }
+                None => {
+                    return Err(ReplicaError::Link { path, why: "rows of a group without a parent name none".into() })
+                }
+            }
         }
-        self.check_dim(v)?;
-        self.keys.push(key);
+        match (key, self.key_kind) {
+            (EntityKey::Id(id), KeyKind::U64) => {
+                self.check_dim(v)?;
+                self.keys.push(id);
+            }
+            (EntityKey::Str(bytes), KeyKind::Str { bytes_max }) => {
+                if bytes.len() > bytes_max as usize {
+                    return Err(ReplicaError::KeyTooLong { bytes: bytes.len(), bytes_max });
+                }
+                self.check_dim(v)?;
+                self.str_keys.push(bytes.into());
+            }
+            (EntityKey::Id(_), _) => return Err(self.key_kind_error("u64 keys")),
+            (EntityKey::Str(_), _) => return Err(self.key_kind_error("string keys")),
+        }
         self.values.extend_from_slice(v);
+        self.parents.push(parent.map(EntityKey::to_buf));
         Ok(())
     }
 
@@ -734,16 +847,7 @@ impl ReplicaBuilder {
     /// Duplicate keys are refused when the file is written; two keys with
     /// one hash keep the later (see [`ReplicaWriter::upsert_str`]).
     pub fn push_str(&mut self, key: &[u8], v: &[f32]) -> Result<(), ReplicaError> {
-        let KeyKind::Str { bytes_max } = self.key_kind else {
-            return Err(self.key_kind_error("string keys"));
-        };
-        if key.len() > bytes_max as usize {
-            return Err(ReplicaError::KeyTooLong { bytes: key.len(), bytes_max });
-        }
-        self.check_dim(v)?;
-        self.str_keys.push(key.into());
-        self.values.extend_from_slice(v);
-        Ok(())
+        self.push_linked(EntityKey::Str(key), v, None)
     }
 
     /// Writes the file to `path`: readers of an older file at `path` keep it
@@ -751,22 +855,23 @@ impl ReplicaBuilder {
     pub fn write(&self, path: &Path) -> Result<(), ReplicaError> {
         let tmp = temp_path(path, "build");
         let rows = (self.keys.len() + self.str_keys.len()) as u64;
+        let (group, dim, storage) = (&self.group, self.dim, self.storage);
         let mut w =
-            ReplicaWriter::create_keyed(&tmp, &self.group, self.dim, self.storage, self.key_kind, rows, &self.default)?;
-        let dim = self.dim as usize;
-        for (key, v) in self.keys.iter().zip(self.values.chunks_exact(dim)) {
+            ReplicaWriter::create_linked(&tmp, group, dim, storage, self.key_kind, self.link, rows, &self.default)?;
+        let rows = self.values.chunks_exact(dim as usize).zip(&self.parents);
+        for (key, (v, parent)) in self.keys.iter().zip(rows.clone()) {
             if w.contains(*key) {
                 let _ = std::fs::remove_file(&tmp);
                 return Err(ReplicaError::DuplicateKey { key: *key });
             }
-            w.upsert(*key, v)?;
+            w.upsert_linked(EntityKey::Id(*key), v, parent.as_ref().map(EntityKeyBuf::as_key))?;
         }
-        for (key, v) in self.str_keys.iter().zip(self.values.chunks_exact(dim)) {
+        for (key, (v, parent)) in self.str_keys.iter().zip(rows) {
             if w.contains_str(key) {
                 let _ = std::fs::remove_file(&tmp);
                 return Err(ReplicaError::DuplicateStrKey { key: String::from_utf8_lossy(key).into_owned() });
             }
-            w.upsert_str(key, v)?;
+            w.upsert_linked(EntityKey::Str(key), v, parent.as_ref().map(EntityKeyBuf::as_key))?;
         }
         w.checkpoint(Cursor::default())?;
         w.rename_to(path)

@@ -207,8 +207,9 @@ impl Replica {
         // the file is created.
         let superblock = unsafe { std::slice::from_raw_parts(map.as_ptr(), DEFAULT_OFFSET) };
         let (header, default_crc) = decode_superblock(&superblock[..SUPERBLOCK_BYTES], &p)?;
-        let layout = Layout::new(header.dim, header.storage, header.keys, header.slot_count, header.row_capacity)
-            .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
+        let layout =
+            Layout::new(header.dim, header.storage, header.keys, header.link, header.slot_count, header.row_capacity)
+                .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
         if layout.file_bytes as u64 != actual {
             return Err(ReplicaError::Length { path: p, expected: layout.file_bytes as u64, actual });
         }
@@ -527,17 +528,18 @@ impl Replica {
         self.find_slot(key).map(|(_, row)| row)
     }
 
-    /// Copies row `row` into `out` if it holds `key` (and, in a string-keyed
-    /// file, the string `str_key` hashing to it) and a consistent copy can
-    /// be taken; false otherwise (the row was deleted and reused, holds
-    /// another string under the same hash, stayed busy past the retry bound,
-    /// or, before verification passed, fails its CRC).
+    /// Copies row `row` into `out` (and its link words into `link`, when
+    /// not empty) if it holds `key` (and, in a string-keyed file, the
+    /// string `str_key` hashing to it) and a consistent copy can be taken;
+    /// false otherwise (the row was deleted and reused, holds another string
+    /// under the same hash, stayed busy past the retry bound, or, before
+    /// verification passed, fails its CRC).
     #[inline]
-    fn read_row(&self, row: u32, key: u64, str_key: &[u8], out: &mut [f32]) -> bool {
+    fn read_row(&self, row: u32, key: u64, str_key: &[u8], out: &mut [f32], link: &mut [u32]) -> bool {
         if self.verified.load(Ordering::Relaxed) {
-            self.copy_row::<false>(row, key, str_key, out)
+            self.copy_row::<false>(row, key, str_key, out, link)
         } else {
-            self.copy_row::<true>(row, key, str_key, out)
+            self.copy_row::<true>(row, key, str_key, out, link)
         }
     }
 
@@ -545,15 +547,26 @@ impl Replica {
     /// the words as they are compared and decoded, in chunks (the hasher is
     /// slow on 4 bytes at a time), so a check costs no second pass and no
     /// allocation. A string key is compared word by word against the words
-    /// the row holds, copied under the same seqlock as the payload.
+    /// the row holds, and the link copied, under the same seqlock as the
+    /// payload.
     #[inline(always)]
-    fn copy_row<const CHECK: bool>(&self, row: u32, key: u64, str_key: &[u8], out: &mut [f32]) -> bool {
+    fn copy_row<const CHECK: bool>(
+        &self,
+        row: u32,
+        key: u64,
+        str_key: &[u8],
+        out: &mut [f32],
+        link: &mut [u32],
+    ) -> bool {
         let base = self.row_base(row);
         let seq = self.u32_at(base);
         let storage = self.header.storage;
         let key_words = self.layout.key_words;
+        let link_words = self.layout.link_words;
+        debug_assert!(link.is_empty() || link.len() == link_words);
         let words = self.layout.payload_words;
-        let payload = base + ROW_HEADER_BYTES + key_words * 4;
+        let link_at = base + ROW_HEADER_BYTES + key_words * 4;
+        let payload = link_at + link_words * 4;
         // The key's row words, built once: compared on every retry.
         let mut want = [0u32; KEY_WORDS_MAX];
         let want = &mut want[..key_words];
@@ -571,6 +584,15 @@ impl Replica {
                 for (i, &expected) in want.iter().enumerate() {
                     let w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
                     same_key &= w == expected;
+                    if let Some(c) = &mut crc {
+                        c.push(w);
+                    }
+                }
+                for i in 0..link_words {
+                    let w = self.u32_at(link_at + i * 4).load(Ordering::Relaxed);
+                    if let Some(l) = link.get_mut(i) {
+                        *l = w;
+                    }
                     if let Some(c) = &mut crc {
                         c.push(w);
                     }
@@ -633,13 +655,54 @@ impl Replica {
     pub fn read_into(&self, key: u64, out: &mut [f32]) -> bool {
         assert_eq!(out.len(), self.dim());
         assert_eq!(self.header.keys, KeyKind::U64, "{}: a u64 lookup in a string-keyed file", self.path);
-        if let Some(row) = self.find(key) {
-            if self.read_row(row, key, &[], out) {
+        self.read_filed(key, &[], out, &mut [])
+    }
+
+    /// The one-key lookup behind every other: the row filed under `filed`
+    /// (a u64 key, or the hash of the string `str_key`) into `out` and its
+    /// link into `link` (when not empty); the default vector and no link
+    /// when it is missing. The caller has checked the key kind.
+    #[inline]
+    fn read_filed(&self, filed: u64, str_key: &[u8], out: &mut [f32], link: &mut [u32]) -> bool {
+        if let Some(row) = self.find(filed) {
+            if self.read_row(row, filed, str_key, out, link) {
                 return true;
             }
         }
         self.copy_default(out);
+        link.fill(0);
         false
+    }
+
+    /// Words of a row's link to its parent: 0 for a group without one.
+    pub fn link_words(&self) -> usize {
+        self.layout.link_words
+    }
+
+    /// The kind of key each row's link names, for a group with a parent.
+    pub fn link_kind(&self) -> Option<KeyKind> {
+        self.header.link
+    }
+
+    /// [`Replica::read_into`] for a key of either kind (`filed`: a u64 key,
+    /// or the [`key_hash`] of the string `str_key`), also copying the row's
+    /// link words into `link` (empty, or [`Replica::link_words`] long; zero
+    /// when the key is missing).
+    #[inline]
+    pub fn read_linked_into(&self, filed: u64, str_key: &[u8], out: &mut [f32], link: &mut [u32]) -> bool {
+        assert_eq!(out.len(), self.dim());
+        assert!(link.is_empty() || link.len() == self.layout.link_words, "{}: a whole link", self.path);
+        match self.header.keys {
+            KeyKind::U64 => assert!(str_key.is_empty(), "{}: a string lookup in a u64-keyed file", self.path),
+            KeyKind::Str { bytes_max } => {
+                if str_key.is_empty() || str_key.len() > bytes_max as usize {
+                    self.copy_default(out);
+                    link.fill(0);
+                    return false;
+                }
+            }
+        }
+        self.read_filed(filed, str_key, out, link)
     }
 
     /// Copies the vector of the string `key` into `out` (length `dim`);
@@ -663,25 +726,25 @@ impl Replica {
             panic!("{}: a string lookup in a u64-keyed file", self.path);
         };
         if key.len() <= bytes_max as usize {
-            if let Some(row) = self.find(hash) {
-                if self.read_row(row, hash, key, out) {
-                    return true;
-                }
-            }
+            return self.read_filed(hash, key, out, &mut []);
         }
         self.copy_default(out);
         false
     }
 
     /// Looks up many keys at once, writing `keys.len()` vectors into `out`
-    /// (row-major, `dim` floats each) and returning how many were missing.
+    /// (row-major, `dim` floats each) and, when `links` is not empty, each
+    /// row's link words into it ([`Replica::link_words`] per key, zero for
+    /// a missing key); returns how many were missing.
     ///
     /// Three passes so the memory loads overlap instead of queueing behind
     /// each other: prefetch every key's index slot, then resolve rows and
     /// prefetch them, then copy.
-    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32]) -> usize {
+    pub fn read_many_into(&self, keys: &[u64], rows: &mut [u32], out: &mut [f32], links: &mut [u32]) -> usize {
         let dim = self.dim();
         assert!(out.len() == keys.len() * dim && rows.len() >= keys.len());
+        let lw = self.layout.link_words;
+        assert!(links.is_empty() || links.len() == keys.len() * lw, "{}: a whole link per key", self.path);
         assert_eq!(self.header.keys, KeyKind::U64, "{}: a u64 lookup in a string-keyed file", self.path);
         let base = self.map.as_ptr();
         for &key in keys {
@@ -695,10 +758,12 @@ impl Replica {
             }
         }
         let mut missing = 0;
-        for ((row, &key), dst) in rows.iter().zip(keys).zip(out.chunks_exact_mut(dim)) {
-            if *row == u32::MAX || !self.read_row(*row, key, &[], dst) {
+        for (i, ((row, &key), dst)) in rows.iter().zip(keys).zip(out.chunks_exact_mut(dim)).enumerate() {
+            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+            if *row == u32::MAX || !self.read_row(*row, key, &[], dst, link) {
                 missing += 1;
                 self.copy_default(dst);
+                link.fill(0);
             }
         }
         missing
@@ -709,7 +774,14 @@ impl Replica {
     /// any cheap, cloneable iterator over a request's keys will do, with
     /// nothing collected), and each key is hashed once, into `hashes`.
     /// Returns how many keys were missing.
-    pub fn read_many_str_into<'k, I>(&self, keys: I, hashes: &mut [u64], rows: &mut [u32], out: &mut [f32]) -> usize
+    pub fn read_many_str_into<'k, I>(
+        &self,
+        keys: I,
+        hashes: &mut [u64],
+        rows: &mut [u32],
+        out: &mut [f32],
+        links: &mut [u32],
+    ) -> usize
     where
         I: IntoIterator<Item = &'k [u8]>,
         I::IntoIter: ExactSizeIterator + Clone,
@@ -717,6 +789,8 @@ impl Replica {
         let keys = keys.into_iter();
         let (n, dim) = (keys.len(), self.dim());
         assert!(out.len() == n * dim && rows.len() >= n && hashes.len() >= n);
+        let lw = self.layout.link_words;
+        assert!(links.is_empty() || links.len() == n * lw, "{}: a whole link per key", self.path);
         let KeyKind::Str { bytes_max } = self.header.keys else {
             panic!("{}: a string lookup in a u64-keyed file", self.path);
         };
@@ -734,10 +808,13 @@ impl Replica {
             }
         }
         let mut missing = 0;
-        for (((key, &hash), &row), dst) in keys.zip(hashes.iter()).zip(rows.iter()).zip(out.chunks_exact_mut(dim)) {
-            if row == u32::MAX || !self.read_row(row, hash, key, dst) {
+        let each = keys.zip(hashes.iter()).zip(rows.iter()).zip(out.chunks_exact_mut(dim));
+        for (i, (((key, &hash), &row), dst)) in each.enumerate() {
+            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+            if row == u32::MAX || !self.read_row(row, hash, key, dst, link) {
                 missing += 1;
                 self.copy_default(dst);
+                link.fill(0);
             }
         }
         missing

@@ -55,7 +55,7 @@ fn batched_lookup_matches_single_lookups() {
     let keys: Vec<u64> = (0..64u64).map(|i| if i % 5 == 0 { i + 1 } else { i * 7919 + 3 }).collect();
     let mut rows = vec![0u32; 64];
     let mut got = vec![0.0; 64 * 3];
-    let missing = r.read_many_into(&keys, &mut rows, &mut got);
+    let missing = r.read_many_into(&keys, &mut rows, &mut got, &mut []);
     let mut want = vec![0.0; 64 * 3];
     let mut want_missing = 0;
     for (k, dst) in keys.iter().zip(want.chunks_exact_mut(3)) {
@@ -280,7 +280,7 @@ fn storage_types_round_trip_within_their_documented_error() {
         assert!(out[0].is_nan() && out[2].is_nan(), "{storage:?}");
         assert!((out[1] - 2.0).abs() <= 2.0 / 127.0, "{storage:?}: {}", out[1]);
     }
-    let bytes = |s: Storage| Layout::new(64, s, KeyKind::U64, 2, 1).unwrap().row_stride;
+    let bytes = |s: Storage| Layout::new(64, s, KeyKind::U64, None, 2, 1).unwrap().row_stride;
     assert_eq!((bytes(Storage::F32), bytes(Storage::F16), bytes(Storage::Int8)), (272, 144, 96));
 }
 
@@ -324,7 +324,7 @@ fn readers_never_see_torn_or_foreign_rows_while_the_writer_works() {
                         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                         *k = (x >> 33) % 4000;
                     }
-                    handle.load().read_many_into(&keys, &mut rows, &mut out);
+                    handle.load().read_many_into(&keys, &mut rows, &mut out, &mut []);
                     for (k, v) in keys.iter().zip(out.chunks_exact(DIM)) {
                         if v == [-1.0; DIM] {
                             continue;
@@ -727,7 +727,7 @@ fn a_view_of_a_bucketed_group_reads_what_each_buckets_table_holds() {
     let keys: Vec<u64> = present.iter().copied().chain((0..50u64).map(|i| i * 31 + 5)).collect();
     let mut rows = vec![0u32; keys.len()];
     let mut out = vec![0.0f32; keys.len() * DIM];
-    let missing = view.read_many_into(&keys, &mut rows, &mut out);
+    let missing = view.read_many_into(&keys, &mut rows, &mut out, &mut []);
     let mut expected_missing = 0;
     for (key, got) in keys.iter().zip(out.chunks_exact(DIM)) {
         let mut one = [0.0f32; DIM];
@@ -1281,7 +1281,8 @@ fn batched_string_lookups_match_single_ones_in_one_table_and_across_buckets() {
     let bucketed = ReplicaHandle::bucketed(&mut writers);
     let (mut hashes, mut rows, mut got) = (vec![0u64; 64], vec![0u32; 64], vec![0.0; 64 * 2]);
     for handle in [single.handle(), bucketed.clone()] {
-        let missing = handle.read_many_str_into(lookups.iter().map(|k| &k[..]), &mut hashes, &mut rows, &mut got);
+        let missing =
+            handle.read_many_str_into(lookups.iter().map(|k| &k[..]), &mut hashes, &mut rows, &mut got, &mut []);
         let mut want = vec![0.0; 64 * 2];
         for (k, dst) in lookups.iter().zip(want.chunks_exact_mut(2)) {
             handle.read_str_into(k, dst);
@@ -1291,7 +1292,8 @@ fn batched_string_lookups_match_single_ones_in_one_table_and_across_buckets() {
     let views = [ReplicaView::new(single.handle()), ReplicaView::new(bucketed)];
     for view in &views {
         let (mut hashes, mut rows, mut got) = (vec![0u64; 64], vec![0u32; 64], vec![0.0; 64 * 2]);
-        let missing = view.read_many_str_into(lookups.iter().map(|k| &k[..]), &mut hashes, &mut rows, &mut got);
+        let missing =
+            view.read_many_str_into(lookups.iter().map(|k| &k[..]), &mut hashes, &mut rows, &mut got, &mut []);
         let mut want = vec![0.0; 64 * 2];
         let mut want_missing = 0;
         for (k, dst) in lookups.iter().zip(want.chunks_exact_mut(2)) {
@@ -1301,4 +1303,160 @@ fn batched_string_lookups_match_single_ones_in_one_table_and_across_buckets() {
         assert_eq!((missing, want_missing), (16, 16), "the unknown and the over-long keys");
         assert_eq!(&got[4..6], &[6.0, 0.5], "lookup 2 is user-6");
     }
+}
+
+fn link_of(r: &ReplicaHandle, filed: u64, str_key: &[u8], dim: usize) -> (bool, Vec<f32>, Option<EntityKeyBuf>) {
+    let mut out = vec![0.0; dim];
+    let mut link = vec![0u32; r.link_words()];
+    let found = r.read_linked_into(filed, str_key, &mut out, &mut link);
+    let mut buf = [0u8; KEY_BYTES_MAX as usize];
+    let parent = decode_link(&link, r.link_kind().unwrap(), &mut buf).map(EntityKey::to_buf);
+    (found, out, parent)
+}
+
+#[test]
+fn rows_carry_links_to_their_parents_through_growth_reopen_and_rebuild() {
+    let dir = tmpdir("links");
+    let path = dir.join("ad.qrep");
+    let campaigns = KeyKind::Str { bytes_max: 12 };
+    // Four rows of room: the writes below grow the file twice.
+    let mut w =
+        ReplicaWriter::create_linked(&path, "ad", 3, Storage::Int8, KeyKind::U64, Some(campaigns), 4, &[-1.0; 3])
+            .unwrap();
+    for ad in 0..20u64 {
+        let parent = format!("camp-{}", ad % 3);
+        let parent = (ad % 5 != 0).then_some(EntityKey::Str(parent.as_bytes()));
+        w.upsert_linked(EntityKey::Id(ad), &[ad as f32, 1.0, 2.0], parent).unwrap();
+    }
+    let check = |h: &ReplicaHandle| {
+        assert_eq!(h.link_kind(), Some(campaigns));
+        assert_eq!(h.link_words(), 1 + campaigns.key_words());
+        for ad in 0..20u64 {
+            let (found, v, parent) = link_of(h, ad, &[], 3);
+            let bound = (ad as f32).max(2.0) / 254.0 + 1e-6;
+            assert!(found && (v[0] - ad as f32).abs() <= bound, "ad {ad}: {v:?}");
+            let want = (ad % 5 != 0).then(|| EntityKeyBuf::Str(format!("camp-{}", ad % 3).into_bytes()));
+            assert_eq!(parent, want, "ad {ad}");
+        }
+        let (found, v, parent) = link_of(h, 999, &[], 3);
+        assert!(!found && v == [-1.0; 3] && parent.is_none(), "a missing row links nowhere");
+    };
+    check(&w.handle());
+    // A row rewritten without a parent no longer names one.
+    w.upsert(7, &[7.0, 1.0, 2.0]).unwrap();
+    assert_eq!(link_of(&w.handle(), 7, &[], 3).2, None);
+    w.upsert_linked(EntityKey::Id(7), &[7.0, 1.0, 2.0], Some(EntityKey::Str(b"camp-1"))).unwrap();
+    w.checkpoint(Cursor::default()).unwrap();
+    drop(w);
+    let reopened = ReplicaHandle::open(&path, "ad").unwrap();
+    check(&reopened);
+
+    // Refused: a parent of another kind, one too long, a parent for a file without links.
+    let (mut w, _) = ReplicaWriter::open(&path, "ad").unwrap();
+    let e = w.upsert_linked(EntityKey::Id(1), &[0.0; 3], Some(EntityKey::Id(4))).unwrap_err();
+    assert!(e.to_string().contains("is not one of the parent's string keys"), "{e}");
+    let e = w.upsert_linked(EntityKey::Id(1), &[0.0; 3], Some(EntityKey::Str(b"a-key-of-13-b"))).unwrap_err();
+    assert!(matches!(e, ReplicaError::Link { .. }), "{e}");
+    let plain = dir.join("plain.qrep");
+    let mut p = ReplicaWriter::create(&plain, "plain", 1, Storage::F32, 4, &[0.0]).unwrap();
+    let e = p.upsert_linked(EntityKey::Id(1), &[0.0], Some(EntityKey::Id(2))).unwrap_err();
+    assert!(e.to_string().contains("has no parent"), "{e}");
+
+    // The builder writes the same rows.
+    let built = dir.join("built.qrep");
+    let mut b = ReplicaBuilder::new("ad", 3).storage(Storage::Int8).links_to(campaigns).unwrap();
+    b.set_default(&[-1.0; 3]).unwrap();
+    for ad in 0..20u64 {
+        let parent = format!("camp-{}", ad % 3);
+        let parent = (ad % 5 != 0).then_some(EntityKey::Str(parent.as_bytes()));
+        b.push_linked(EntityKey::Id(ad), &[ad as f32, 1.0, 2.0], parent).unwrap();
+    }
+    assert!(b.push_linked(EntityKey::Id(99), &[0.0; 3], Some(EntityKey::Id(1))).is_err());
+    b.write(&built).unwrap();
+    check(&ReplicaHandle::open(&built, "ad").unwrap());
+}
+
+#[test]
+fn batched_lookups_return_each_rows_link_and_none_for_a_missing_row() {
+    let dir = tmpdir("links-batched");
+    let path = dir.join("campaign.qrep");
+    let keys = KeyKind::Str { bytes_max: 8 };
+    let mut w =
+        ReplicaWriter::create_linked(&path, "campaign", 2, Storage::F32, keys, Some(KeyKind::U64), 64, &[0.5; 2])
+            .unwrap();
+    for c in 0..10u64 {
+        let key = format!("c{c}");
+        w.upsert_linked(EntityKey::Str(key.as_bytes()), &[c as f32; 2], Some(EntityKey::Id(1000 + c))).unwrap();
+    }
+    let handle = w.handle();
+    let view = ReplicaView::new(handle.clone());
+    let lw = view.link_words();
+    assert_eq!(lw, 3);
+    let lookups: Vec<Vec<u8>> = ["c3", "nope", "c9", "c0"].iter().map(|k| k.as_bytes().to_vec()).collect();
+    let (mut hashes, mut rows, mut out, mut links) = (vec![0; 4], vec![0; 4], vec![0.0; 8], vec![7u32; 4 * lw]);
+    for through_handle in [false, true] {
+        let keys = lookups.iter().map(|k| &k[..]);
+        let missing = if through_handle {
+            handle.read_many_str_into(keys, &mut hashes, &mut rows, &mut out, &mut links)
+        } else {
+            view.read_many_str_into(keys, &mut hashes, &mut rows, &mut out, &mut links)
+        };
+        assert_eq!(missing, 1);
+        assert_eq!(out, [3.0, 3.0, 0.5, 0.5, 9.0, 9.0, 0.0, 0.0]);
+        let mut buf = [0u8; KEY_BYTES_MAX as usize];
+        let parents: Vec<Option<EntityKeyBuf>> =
+            links.chunks_exact(lw).map(|l| decode_link(l, KeyKind::U64, &mut buf).map(EntityKey::to_buf)).collect();
+        assert_eq!(
+            parents,
+            [Some(EntityKeyBuf::Id(1003)), None, Some(EntityKeyBuf::Id(1009)), Some(EntityKeyBuf::Id(1000))]
+        );
+        links.fill(7);
+    }
+}
+
+#[test]
+fn a_link_kind_is_in_the_superblock_where_older_builds_read_an_unknown_key_kind() {
+    let header = |link| Header {
+        dim: 4,
+        storage: Storage::F32,
+        slot_count: 2,
+        row_capacity: 1,
+        group: "ad".into(),
+        keys: KeyKind::Str { bytes_max: 16 },
+        link,
+        row_count: 0,
+    };
+    for link in [None, Some(KeyKind::U64), Some(KeyKind::Str { bytes_max: 1 }), Some(KeyKind::Str { bytes_max: 64 })] {
+        let b = format::encode_superblock(&header(link), 0);
+        let (decoded, _) = format::decode_superblock(&b, "t").unwrap();
+        assert_eq!(decoded, header(link));
+        // What a build before links reads as the key kind: the whole word.
+        let word = u32::from_le_bytes(b[20..24].try_into().unwrap());
+        assert_eq!(KeyKind::from_code(word).is_none(), link.is_some());
+    }
+    // A link word no kind has is refused, not guessed.
+    let mut b = format::encode_superblock(&header(None), 0);
+    b[22] = 200;
+    let crc = crc32fast::hash(&b[0..60]);
+    b[60..64].copy_from_slice(&crc.to_le_bytes());
+    let e = format::decode_superblock(&b, "t").unwrap_err();
+    assert!(e.to_string().contains("unknown link kind"), "{e}");
+}
+
+#[test]
+fn malformed_link_words_name_no_parent() {
+    let mut buf = [0u8; KEY_BYTES_MAX as usize];
+    let kind = KeyKind::Str { bytes_max: 8 };
+    let mut words = vec![0u32; kind.link_words()];
+    encode_link(Some(EntityKey::Str(b"abc")), &mut words);
+    assert_eq!(decode_link(&words, kind, &mut buf), Some(EntityKey::Str(b"abc")));
+    words[1] = 9;
+    assert_eq!(decode_link(&words, kind, &mut buf), None, "a length past the limit");
+    words[1] = 0;
+    assert_eq!(decode_link(&words, kind, &mut buf), None, "an empty key");
+    encode_link(None, &mut words);
+    assert_eq!(decode_link(&words, kind, &mut buf), None);
+    let mut ids = vec![0u32; KeyKind::U64.link_words()];
+    encode_link(Some(EntityKey::Id(u64::MAX - 1)), &mut ids);
+    assert_eq!(decode_link(&ids, KeyKind::U64, &mut buf), Some(EntityKey::Id(u64::MAX - 1)));
 }

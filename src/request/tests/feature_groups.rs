@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::features::groups::{Absent, Scope};
+use crate::features::replica::{EntityKey, KeyKind};
 use crate::model::GroupName;
 use crate::wire::GroupKeySpec;
 
@@ -32,7 +33,8 @@ fn shared_groups(dir: &std::path::Path) -> Shared {
         b.write(&path).unwrap();
         Arc::new(ReplicaHandle::open(&path, name).unwrap())
     };
-    let group = |name: &str, scope, absent, handle| SharedGroup { name: name.into(), scope, absent, handle };
+    let group =
+        |name: &str, scope, absent, handle| SharedGroup { name: name.into(), scope, absent, handle, child: None };
     base.groups.extend([
         group(
             "device",
@@ -289,4 +291,179 @@ fn input_drift_follows_the_context_and_the_request_scope_groups() {
     assert_eq!(interval.rows, 2);
     // Σ rows × (x − μ): context 0.5, device 3 − 1, card 0.25, ip 0.75.
     assert_eq!(interval.sum, [1.0, 4.0, 0.5, 1.5]);
+}
+
+/// An auction's groups: `ad` (u64, candidate) links to `campaign`
+/// (string keys), which links to `advertiser` (u64); `publisher` (u64,
+/// request) links to `network` (u64). Each row is one float; the model sums
+/// the columns it reads, weighted so each group's share shows.
+fn auction_groups(dir: &std::path::Path, inputs: &[(&str, Scope)]) -> Shared {
+    let mut base = shared(dir);
+    base.limits.candidates_max = 8;
+    let build = |name: &str, keys: KeyKind, link: Option<KeyKind>, rows: &[(&str, f32, Option<&str>)]| {
+        let mut b = ReplicaBuilder::new(name, 1);
+        if let KeyKind::Str { bytes_max } = keys {
+            b = b.str_keys(bytes_max).unwrap();
+        }
+        if let Some(kind) = link {
+            b = b.links_to(kind).unwrap();
+        }
+        b.set_default(&[-100.0]).unwrap();
+        let key_of = |k: &'static str, kind| match kind {
+            KeyKind::U64 => EntityKey::Id(k.parse().unwrap()),
+            KeyKind::Str { .. } => EntityKey::Str(k.as_bytes()),
+        };
+        for &(k, v, parent) in rows {
+            let k: &'static str = Box::leak(k.to_string().into_boxed_str());
+            let parent = parent.map(|p| key_of(Box::leak(p.to_string().into_boxed_str()), link.unwrap()));
+            b.push_linked(key_of(k, keys), &[v], parent).unwrap();
+        }
+        let path = dir.join(format!("{name}.qrep"));
+        b.write(&path).unwrap();
+        Arc::new(ReplicaHandle::open(&path, name).unwrap())
+    };
+    let campaigns = KeyKind::Str { bytes_max: 16 };
+    let group = |name: &str, scope, handle, child: Option<&str>| SharedGroup {
+        name: name.into(),
+        scope,
+        absent: Absent::Reject,
+        handle,
+        child: child.map(Into::into),
+    };
+    base.groups.extend([
+        group(
+            "ad",
+            Scope::Candidate,
+            build(
+                "ad",
+                KeyKind::U64,
+                Some(campaigns),
+                &[("1", 1.0, Some("spring")), ("2", 2.0, Some("autumn")), ("3", 3.0, None), ("4", 4.0, Some("gone"))],
+            ),
+            None,
+        ),
+        group(
+            "campaign",
+            Scope::Candidate,
+            build(
+                "campaign",
+                campaigns,
+                Some(KeyKind::U64),
+                &[("spring", 10.0, Some("77")), ("autumn", 20.0, Some("78"))],
+            ),
+            Some("ad"),
+        ),
+        group(
+            "advertiser",
+            Scope::Candidate,
+            build("advertiser", KeyKind::U64, None, &[("77", 100.0, None)]),
+            Some("campaign"),
+        ),
+        group(
+            "publisher",
+            Scope::Request,
+            build(
+                "publisher",
+                KeyKind::U64,
+                Some(KeyKind::U64),
+                &[("5", 1000.0, Some("9")), ("6", 2000.0, Some("10"))],
+            ),
+            None,
+        ),
+        group(
+            "network",
+            Scope::Request,
+            build("network", KeyKind::U64, None, &[("9", 10000.0, None)]),
+            Some("publisher"),
+        ),
+    ]);
+    let model = Model {
+        name: "auction".into(),
+        version: 1,
+        inputs: inputs.iter().map(|&(g, scope)| InputSegment { source: group_source(g, scope), dim: 1 }).collect(),
+        // Scaled down so the sum stays where the sigmoid can be inverted.
+        layers: vec![Layer::quantize(inputs.len(), 1, false, vec![1e-4; inputs.len()], vec![0.0])],
+        calibration: None,
+        graph: None,
+        onnx: None,
+    };
+    let fit = crate::registry::Fit { groups: base.group_fits(), context_len_max: 256 };
+    base.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 8).unwrap());
+    base
+}
+
+fn auction(ads: &[u64], publisher: u64) -> RequestSpec {
+    RequestSpec {
+        request_id: 9,
+        budget_us: 1_000,
+        groups: vec![("ad".into(), ids(ads)), ("publisher".into(), ids(&[publisher]))],
+        ..RequestSpec::default()
+    }
+}
+
+/// The sums of the columns a request's rows held (the model's output is
+/// the sigmoid of 1e-4 times the sum).
+fn logits(r: &wire::Response) -> Vec<f32> {
+    r.scores.iter().map(|&p| (p / (1.0 - p)).ln() * 1e4).collect()
+}
+
+#[test]
+fn parents_are_joined_through_each_rows_link_and_a_missing_parent_is_a_counted_default() {
+    use Scope::{Candidate as C, Request as R};
+    let inputs = [("advertiser", C), ("ad", C), ("network", R), ("campaign", C), ("publisher", R)];
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(auction_groups(&dir("chains"), &inputs), &clock).unwrap();
+    // Ads 1 and 2 reach their campaigns; only spring's advertiser is there.
+    // Ad 3 names no campaign, ad 4 one that is not there, ad 5 is unknown:
+    // each missing link down the chain reads that group's default (-100).
+    let r = run(&mut path, &auction(&[1, 2, 3, 4, 5], 5), 1_000);
+    assert_eq!((r.status, r.error.as_str()), (Status::Ok, ""));
+    let request = 1000.0 + 10000.0;
+    let want = [
+        request + 1.0 + 10.0 + 100.0,
+        request + 2.0 + 20.0 - 100.0,
+        request + 3.0 - 100.0 - 100.0,
+        request + 4.0 - 100.0 - 100.0,
+        request - 100.0 - 100.0 - 100.0,
+    ];
+    for (got, want) in logits(&r).iter().zip(want) {
+        assert!((got - want).abs() < 0.5, "{:?} against {want:?}", logits(&r));
+    }
+    // autumn's advertiser; ad 3's campaign and advertiser; ad 4's two; ad 5's three.
+    assert_eq!(r.features_missing, 1 + 2 + 2 + 3);
+    // A request-scope chain: publisher 6 links to a network that is not there.
+    let r = run(&mut path, &auction(&[1], 6), 1_000);
+    assert!((logits(&r)[0] - (2000.0 - 100.0 + 1.0 + 10.0 + 100.0)).abs() < 0.5, "{:?}", logits(&r));
+    assert_eq!(r.features_missing, 1);
+}
+
+#[test]
+fn a_model_reading_only_the_far_end_of_a_chain_is_keyed_through_every_link() {
+    let clock = ManualClock::new(1_000);
+    let shared = auction_groups(&dir("chain-end"), &[("advertiser", Scope::Candidate)]);
+    let mut path = RequestPath::new(shared, &clock).unwrap();
+    let s = RequestSpec { groups: vec![("ad".into(), ids(&[1, 2]))], ..auction(&[], 0) };
+    let r = run(&mut path, &s, 1_000);
+    assert_eq!((r.status, r.error.as_str()), (Status::Ok, ""));
+    assert_eq!(logits(&r).iter().map(|l| l.round()).collect::<Vec<_>>(), [100.0, -100.0]);
+    assert_eq!(r.features_missing, 1);
+    // The chain's root is keyed by the request, so a request without it is refused.
+    let r = run(&mut path, &RequestSpec { groups: vec![("publisher".into(), ids(&[5]))], ..s.clone() }, 1_000);
+    assert_eq!(r.status, Status::BadRequest);
+    assert!(r.error.contains("the model reads feature group 'ad'"), "{}", r.error);
+}
+
+#[test]
+fn a_request_naming_a_group_keyed_through_links_gets_bad_request() {
+    let clock = ManualClock::new(1_000);
+    let inputs = [("ad", Scope::Candidate), ("campaign", Scope::Candidate)];
+    let mut path = RequestPath::new(auction_groups(&dir("chain-errors"), &inputs), &clock).unwrap();
+    let mut s = auction(&[1, 2], 5);
+    s.groups.push(("campaign".into(), strs(&["spring", "autumn"])));
+    let r = run(&mut path, &s, 1_000);
+    assert_eq!(r.status, Status::BadRequest);
+    assert_eq!(
+        r.error,
+        "feature group 'campaign' is keyed through the links in 'ad''s rows; a request does not carry its keys"
+    );
 }

@@ -59,7 +59,7 @@ fn shared(dir: &std::path::Path) -> Shared {
 /// A served group with the legacy groups' policy (a missing key reads the
 /// default row).
 fn group(name: &str, scope: Scope, handle: Arc<ReplicaHandle>) -> SharedGroup {
-    SharedGroup { name: name.into(), scope, absent: crate::features::groups::Absent::Default, handle }
+    SharedGroup { name: name.into(), scope, absent: crate::features::groups::Absent::Default, handle, child: None }
 }
 
 fn dir(name: &str) -> std::path::PathBuf {

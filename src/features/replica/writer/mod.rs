@@ -13,8 +13,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 use super::format::{
-    encode_checkpoint, encode_key, encode_superblock, key_hash, row_crc, slot_count_for, slot_of, Cursor, Header,
-    KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+    encode_checkpoint, encode_key, encode_link, encode_superblock, key_hash, row_crc, slot_count_for, slot_of, Cursor,
+    EntityKey, Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY,
+    TAG_TOMBSTONE, TAG_USED,
 };
 use super::table::{lower_thread_priority, Access};
 use super::{
@@ -139,12 +140,30 @@ impl ReplicaWriter {
         row_capacity: u64,
         default: &[f32],
     ) -> Result<ReplicaWriter, ReplicaError> {
+        ReplicaWriter::create_linked(path, group, dim, storage, keys, None, row_capacity, default)
+    }
+
+    /// [`ReplicaWriter::create_keyed`] for a group whose rows link to a
+    /// parent keyed by `link` (none: no parent).
+    #[allow(clippy::too_many_arguments)]
+    pub fn create_linked(
+        path: &Path,
+        group: &str,
+        dim: u32,
+        storage: Storage,
+        keys: KeyKind,
+        link: Option<KeyKind>,
+        row_capacity: u64,
+        default: &[f32],
+    ) -> Result<ReplicaWriter, ReplicaError> {
         assert!(!group.is_empty() && group.len() <= GROUP_NAME_BYTES_MAX, "group name length");
         assert!(dim > 0 && dim <= DIM_MAX, "dimension out of range");
         assert_eq!(default.len(), dim as usize);
-        if let KeyKind::Str { bytes_max } = keys {
-            if bytes_max == 0 || bytes_max > KEY_BYTES_MAX {
-                return Err(ReplicaError::KeyBytesMax { bytes_max });
+        for kind in std::iter::once(keys).chain(link) {
+            if let KeyKind::Str { bytes_max } = kind {
+                if bytes_max == 0 || bytes_max > KEY_BYTES_MAX {
+                    return Err(ReplicaError::KeyBytesMax { bytes_max });
+                }
             }
         }
         let p = path.display().to_string();
@@ -159,10 +178,11 @@ impl ReplicaWriter {
             row_capacity,
             group: group.into(),
             keys,
+            link,
             row_count: 0,
         };
-        let layout =
-            Layout::new(dim, storage, keys, header.slot_count, row_capacity).expect("sizes within the row limit fit");
+        let layout = Layout::new(dim, storage, keys, link, header.slot_count, row_capacity)
+            .expect("sizes within the row limit fit");
         let _ = std::fs::remove_file(path);
         let file = File::options().read(true).write(true).create_new(true).open(path).map_err(io)?;
         lock(&file, &p)?;
@@ -333,20 +353,10 @@ impl ReplicaWriter {
     }
 
     /// Writes `v` as the vector of `key`, inserting the key if new (and
-    /// growing the file if it is full). A string-keyed file refuses it.
+    /// growing the file if it is full). A string-keyed file refuses it. In
+    /// a file with links, the row names no parent.
     pub fn upsert(&mut self, key: u64, v: &[f32]) -> Result<(), ReplicaError> {
-        assert!(!self.scan_pending, "a writer writes only after finish_open");
-        if self.table.key_kind() != KeyKind::U64 {
-            return Err(self.key_kind_error("u64 keys"));
-        }
-        if v.len() != self.table.dim() {
-            return Err(ReplicaError::Dim { found: v.len(), dim: self.table.dim() as u32 });
-        }
-        let mut payload = std::mem::take(&mut self.payload);
-        self.table.storage().encode(v, &mut payload);
-        let result = self.put_words(key, &payload);
-        self.payload = payload;
-        result
+        self.upsert_linked(EntityKey::Id(key), v, None)
     }
 
     /// Writes `v` as the vector of the string `key`, as [`upsert`](Self::upsert)
@@ -359,30 +369,86 @@ impl ReplicaWriter {
     /// ([`key_displacements`](Self::key_displacements)). With a 64-bit hash
     /// that takes billions of keys to be likely once.
     pub fn upsert_str(&mut self, key: &[u8], v: &[f32]) -> Result<(), ReplicaError> {
-        self.upsert_hashed(key_hash(key), key, v)
+        self.upsert_linked(EntityKey::Str(key), v, None)
+    }
+
+    /// Writes `v` as the vector of `key` (of the file's key kind), its row
+    /// naming `parent` as its parent's key (none: no parent). A parent in a
+    /// file without links, or of another kind than its links, is refused.
+    pub fn upsert_linked(
+        &mut self,
+        key: EntityKey<'_>,
+        v: &[f32],
+        parent: Option<EntityKey<'_>>,
+    ) -> Result<(), ReplicaError> {
+        let filed = match key {
+            EntityKey::Id(id) => id,
+            EntityKey::Str(bytes) => key_hash(bytes),
+        };
+        self.upsert_filed(filed, key, v, parent)
     }
 
     /// [`upsert_str`](Self::upsert_str) under the hash `hash`, whatever the
     /// key hashes to: tests file a key under another key's hash this way.
+    #[cfg(test)]
     pub(super) fn upsert_hashed(&mut self, hash: u64, key: &[u8], v: &[f32]) -> Result<(), ReplicaError> {
+        self.upsert_filed(hash, EntityKey::Str(key), v, None)
+    }
+
+    /// Encodes and writes one row filed under `filed` (the u64 key, or the
+    /// string key's hash).
+    fn upsert_filed(
+        &mut self,
+        filed: u64,
+        key: EntityKey<'_>,
+        v: &[f32],
+        parent: Option<EntityKey<'_>>,
+    ) -> Result<(), ReplicaError> {
         assert!(!self.scan_pending, "a writer writes only after finish_open");
-        let KeyKind::Str { bytes_max } = self.table.key_kind() else {
-            return Err(self.key_kind_error("string keys"));
+        let str_key = match (self.table.key_kind(), key) {
+            (KeyKind::U64, EntityKey::Id(_)) => &[][..],
+            (KeyKind::Str { bytes_max }, EntityKey::Str(bytes)) => {
+                if bytes.len() > bytes_max as usize {
+                    return Err(ReplicaError::KeyTooLong { bytes: bytes.len(), bytes_max });
+                }
+                bytes
+            }
+            (KeyKind::U64, EntityKey::Str(_)) => return Err(self.key_kind_error("string keys")),
+            (KeyKind::Str { .. }, EntityKey::Id(_)) => return Err(self.key_kind_error("u64 keys")),
         };
-        if key.len() > bytes_max as usize {
-            return Err(ReplicaError::KeyTooLong { bytes: key.len(), bytes_max });
-        }
         if v.len() != self.table.dim() {
             return Err(ReplicaError::Dim { found: v.len(), dim: self.table.dim() as u32 });
         }
-        let key_words = self.table.layout().key_words;
+        if let Some(p) = parent {
+            match self.table.link_kind() {
+                Some(kind) if p.fits(kind) => {}
+                Some(kind) => {
+                    return Err(ReplicaError::Link {
+                        path: self.path.display().to_string(),
+                        why: format!("parent key '{p}' is not one of the parent's {kind}"),
+                    })
+                }
+                None => {
+                    return Err(ReplicaError::Link {
+                        path: self.path.display().to_string(),
+                        why: "the group has no parent: its rows name none".into(),
+                    })
+                }
+            }
+        }
+        let layout = *self.table.layout();
         let mut words = std::mem::take(&mut self.payload);
-        encode_key(key, &mut words[..key_words]);
-        self.table.storage().encode(v, &mut words[key_words..]);
-        if self.table.find(hash).is_some_and(|row| !self.table.row_key_is(row, &words[..key_words])) {
+        if layout.key_words > 0 {
+            encode_key(str_key, &mut words[..layout.key_words]);
+        }
+        encode_link(parent, &mut words[layout.key_words..layout.payload_at()]);
+        self.table.storage().encode(v, &mut words[layout.payload_at()..]);
+        if layout.key_words > 0
+            && self.table.find(filed).is_some_and(|row| !self.table.row_key_is(row, &words[..layout.key_words]))
+        {
             self.key_displacements += 1;
         }
-        let result = self.put_words(hash, &words);
+        let result = self.put_words(filed, &words);
         self.payload = words;
         result
     }
@@ -536,7 +602,8 @@ impl ReplicaWriter {
     /// and room for `capacity` rows: what a growth copies into.
     fn create_grown(&self, tmp: &Path, capacity: u64) -> Result<ReplicaWriter, ReplicaError> {
         let h = self.table.header();
-        ReplicaWriter::create_keyed(tmp, &h.group, h.dim, h.storage, h.keys, capacity, &self.table.default_vector())
+        let default = self.table.default_vector();
+        ReplicaWriter::create_linked(tmp, &h.group, h.dim, h.storage, h.keys, h.link, capacity, &default)
     }
 
     /// The capacity a grown file gets: twice the live rows plus `spare`.
