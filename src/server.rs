@@ -65,6 +65,7 @@ fn open_features(config: &Config, groups: &[Group], stop: &Arc<AtomicBool>) -> R
             key: g.key,
             storage: g.storage,
             default: g.default.clone(),
+            link: g.parent.as_ref().map(|(_, kind)| *kind),
         })
         .collect();
     let started = match feed::start(feed_config, &specs, stop.clone()) {

@@ -63,6 +63,7 @@ fn spec(path: &Path, key: KeyKind) -> GroupSpec {
         key,
         storage: Storage::F32,
         default: vec![9.0; DIM],
+        link: None,
     }
 }
 
@@ -378,6 +379,7 @@ fn key_kinds_do_not_mix() {
     assert!(started.elapsed() < Duration::from_secs(10), "refused at once, not after the sync timeout");
     assert!(!dir.join("user.qrep").exists(), "no empty file is left to be served");
     let target = feed::sync::GroupTarget {
+        link: None,
         group: "device",
         layout: Layout::Plain,
         key_kind: KeyKind::U64,
@@ -460,4 +462,70 @@ fn cli_puts_loads_deletes_and_syncs_a_string_keyed_group() {
     assert!(!r.read_str_into(b"carol", &mut v), "deleted");
     let out = run(&["replica", "inspect", "--group", "device", "--file", file.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("string keys of up to 64 bytes rows 3"), "{out:?}");
+}
+
+/// The parent key a row of `handle` names, and whether the row is there.
+fn parent_of(handle: &ReplicaHandle, key: &str) -> (bool, Option<quiver::features::replica::EntityKeyBuf>) {
+    let mut out = vec![0.0; DIM];
+    let mut link = vec![0u32; handle.link_words()];
+    let filed = quiver::features::replica::key_hash(key.as_bytes());
+    let found = handle.read_linked_into(filed, key.as_bytes(), &mut out, &mut link);
+    let mut buf = [0u8; 64];
+    let parent = quiver::features::replica::decode_link(&link, handle.link_kind().unwrap(), &mut buf);
+    (found, parent.map(|p| p.to_buf()))
+}
+
+#[test]
+fn a_groups_links_to_its_parent_are_synced_followed_and_kept_across_a_restart() {
+    use quiver::features::replica::{EntityKey, EntityKeyBuf};
+    let redis = RedisServer::start();
+    let mut p = publisher(&redis, Layout::Plain);
+    // Devices name their model (a u64 parent), one names none.
+    p.put_linked("device", EntityKey::Str(b"d1"), &vector("d1", 0), Some(EntityKey::Id(7))).unwrap();
+    p.put_linked("device", EntityKey::Str(b"d2"), &vector("d2", 0), None).unwrap();
+    // A value whose tail is no u64 (3 bytes), written around the publisher: skipped and counted.
+    let mut bad = contract::encode_vector(&vector("d3", 0));
+    bad.extend_from_slice(b"abc");
+    redis.conn().command(&[b"SET", b"device:d3", &bad]).unwrap();
+
+    let dir = scratch("strkeys-links");
+    let path = dir.join("device.qrep");
+    let cfg = config(&redis, Layout::Plain);
+    let linked = GroupSpec { link: Some(KeyKind::U64), ..spec(&path, DEVICE) };
+    let running = Running::start(&cfg, linked.clone()).unwrap();
+    let handle = running.handle();
+    assert_eq!(handle.link_kind(), Some(KeyKind::U64));
+    assert_eq!(parent_of(&handle, "d1"), (true, Some(EntityKeyBuf::Id(7))));
+    assert_eq!(parent_of(&handle, "d2"), (true, None));
+    assert_eq!(parent_of(&handle, "d3"), (false, None));
+    assert_eq!(running.status().skipped_total.load(Ordering::Relaxed), 1, "the value with a 3-byte tail");
+
+    // Followed: a new parent, a parent dropped, a new row with one.
+    p.put_linked("device", EntityKey::Str(b"d2"), &vector("d2", 1), Some(EntityKey::Id(8))).unwrap();
+    p.put_linked("device", EntityKey::Str(b"d1"), &vector("d1", 1), None).unwrap();
+    p.put_linked("device", EntityKey::Str(b"d4"), &vector("d4", 1), Some(EntityKey::Id(u64::MAX))).unwrap();
+    let want = seq(&redis, "quiver:seq:device");
+    running.wait("the stream to be applied", |r| r.status().applied_seq.load(Ordering::Relaxed) == want);
+    assert_eq!(parent_of(&handle, "d1"), (true, None));
+    assert_eq!(parent_of(&handle, "d2"), (true, Some(EntityKeyBuf::Id(8))));
+    assert_eq!(parent_of(&handle, "d4"), (true, Some(EntityKeyBuf::Id(u64::MAX))));
+    drop(running);
+
+    // A warm restart keeps the links; a file without links, for a group given a parent since,
+    // is moved aside and replaced by a full sync from Redis.
+    let running = Running::start(&cfg, linked.clone()).unwrap();
+    assert_eq!(parent_of(&running.handle(), "d2"), (true, Some(EntityKeyBuf::Id(8))));
+    assert_eq!(running.status().resyncs_total.load(Ordering::Relaxed), 0, "warm: no full sync");
+    drop(running);
+    let plain = dir.join("plain.qrep");
+    ReplicaWriter::create_keyed(&plain, "device", DIM as u32, Storage::F32, DEVICE, 16, &[0.0; DIM]).unwrap();
+    let running = Running::start(&cfg, GroupSpec { link: Some(KeyKind::U64), ..spec(&plain, DEVICE) }).unwrap();
+    assert_eq!(running.handle().link_kind(), Some(KeyKind::U64), "rebuilt with links");
+    assert_eq!(parent_of(&running.handle(), "d4"), (true, Some(EntityKeyBuf::Id(u64::MAX))));
+    assert!(dir.join("plain.qrep.relinked").exists(), "the old file kept aside");
+    drop(running);
+    // The publisher refuses a string parent key no group could hold.
+    let e =
+        p.put_linked("device", EntityKey::Str(b"d5"), &vector("d5", 0), Some(EntityKey::Str(&[b'x'; 65]))).unwrap_err();
+    assert!(matches!(e, PublishError::Contract(ContractError::KeyBytes { bytes: 65, .. })), "{e}");
 }

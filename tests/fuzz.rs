@@ -762,16 +762,25 @@ fn stream_entries() {
     );
     // A string-keyed group reads the same entries as keys of up to 8 bytes.
     let strings = plain.clone().with_key_kind(quiver::features::replica::KeyKind::Str { bytes_max: 8 });
+    // A group with a parent reads what follows each vector as a parent key.
+    let linked = strings.clone().with_link(Some(quiver::features::replica::KeyKind::Str { bytes_max: 4 }));
     fuzz("stream_entries", seeds, 16 * MIB, &|bytes, _, _| {
         let Ok(replies) = quiver::features::feed::resp::decode_all(bytes, 64 * 1024, 64) else {
             return;
         };
         for reply in replies {
             let Some(fields) = reply.into_array() else { continue };
-            for part in [&plain, &bucketed, &strings] {
+            for part in [&plain, &bucketed, &strings, &linked] {
                 if let Ok((key, v, _)) = quiver::features::feed::refresher::change(part, &fields, 2) {
-                    if let Some(v) = v {
+                    if let Some((v, parent)) = v {
                         assert_eq!(v.len(), 2, "a vector of the group's dimension, or a refusal");
+                        match parent {
+                            None => {}
+                            Some(quiver::features::feed::contract::EntityKey::Str(p)) if part == &linked => {
+                                assert!((1..=4).contains(&p.len()), "a parent key within its group's limit");
+                            }
+                            Some(other) => panic!("a parent {other} for a group without one, or of another kind"),
+                        }
                     }
                     if let quiver::features::feed::contract::EntityKey::Str(k) = key {
                         assert!((1..=8).contains(&k.len()), "a string key within the group's limit");

@@ -263,6 +263,7 @@ fn string_keys_are_published_to_and_copied_from_a_cluster() {
     let layout = p.layout();
     let out = common::scratch("cluster-strkeys").join("device.qrep");
     let target = quiver::features::feed::sync::GroupTarget {
+        link: None,
         group: "device",
         layout,
         key_kind: kind,

@@ -152,6 +152,7 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             let mut progress = |rows: u64| spinner.set_position(rows);
             let default = vec![0.0; dim as usize];
             let target = feed::sync::GroupTarget {
+                link: None,
                 group: &group,
                 layout,
                 key_kind,

@@ -5,7 +5,10 @@
 //! followed by the id's decimal digits, or by the string key's bytes as they are ([`EntityKey`]).
 //!
 //! **Plain** (one Redis node):
-//! - `g:{id}` (or `g:{key}`) holds the entity's vector as packed little-endian f32 (dim × 4 bytes);
+//! - `g:{id}` (or `g:{key}`) holds the entity's vector as packed little-endian f32 (dim × 4 bytes),
+//!   and, for a group with a parent (`ad` → `campaign`), the parent's key right after it: a u64
+//!   id as 8 bytes little-endian, a string key as its bytes; nothing after the vector names no
+//!   parent ([`encode_value`]);
 //! - `quiver:seq:g` counts changes (INCR), so sequence numbers are dense from 1;
 //! - `quiver:stream:g` holds one entry per change with id `{seq}-0` and fields
 //!   `k` (entity key), `v` (the new bytes) or `d` = `1` (deleted), and `t` (Redis time, ms);
@@ -252,12 +255,27 @@ pub struct Part {
     pub keys: BucketKeys,
     /// The group's key kind: u64 unless [`Part::with_key_kind`] says otherwise.
     pub key_kind: KeyKind,
+    /// The key kind of the parent the group's values name ([`Part::with_link`]).
+    pub link: Option<KeyKind>,
 }
 
 impl Part {
     pub fn new(group: &str, layout: Layout, bucket: usize) -> Part {
         assert!(bucket < layout.bucket_count(), "bucket {bucket} of a {layout:?} group");
-        Part { group: group.into(), layout, bucket, keys: layout.keys(group, bucket), key_kind: KeyKind::U64 }
+        Part {
+            group: group.into(),
+            layout,
+            bucket,
+            keys: layout.keys(group, bucket),
+            key_kind: KeyKind::U64,
+            link: None,
+        }
+    }
+
+    /// The part of a group whose values name a parent keyed by `link`.
+    pub fn with_link(mut self, link: Option<KeyKind>) -> Part {
+        self.link = link;
+        self
     }
 
     /// The part of a group keyed by `kind`.
@@ -349,6 +367,9 @@ pub enum ContractError {
         "{key} says group '{group}' has {stored} keys; this writer writes {writer} keys: one group holds one kind"
     )]
     KeyKind { group: String, key: String, stored: String, writer: String },
+    /// The bytes after an entity's vector are no parent key of the group's parent.
+    #[error("{0}")]
+    Parent(String),
 }
 
 /// Why a publish failed: the values, or Redis.
@@ -423,6 +444,48 @@ fn canonical_u64(digits: &[u8]) -> Option<u64> {
 /// Packs a vector as little-endian f32, the form stored under entity keys.
 pub fn encode_vector(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// An entity's value: its vector packed as [`encode_vector`] does, then its parent's key, if
+/// it names one: a u64 id as 8 bytes little-endian, a string key's bytes.
+pub fn encode_value(values: &[f32], parent: Option<EntityKey<'_>>) -> Vec<u8> {
+    let mut bytes = encode_vector(values);
+    match parent {
+        None => {}
+        Some(EntityKey::Id(id)) => bytes.extend_from_slice(&id.to_le_bytes()),
+        Some(EntityKey::Str(key)) => bytes.extend_from_slice(key),
+    }
+    bytes
+}
+
+/// Splits an entity value of a group with dimension `dim` into its vector's bytes and the
+/// parent key after them ([`encode_value`]), for a group whose parent is keyed by `link`;
+/// refuses bytes after the vector of a group without a parent, and any that are no key of
+/// the parent's kind.
+pub fn split_value(
+    bytes: &[u8],
+    dim: usize,
+    link: Option<KeyKind>,
+) -> Result<(&[u8], Option<EntityKey<'_>>), ContractError> {
+    let Some(rest) = bytes.get(dim * 4..) else {
+        return Err(ContractError::WrongLength { found_bytes: bytes.len(), dim });
+    };
+    let vector = &bytes[..dim * 4];
+    let parent = match (link, rest.len()) {
+        (_, 0) => None,
+        (None, _) => return Err(ContractError::WrongLength { found_bytes: bytes.len(), dim }),
+        (Some(KeyKind::U64), 8) => Some(EntityKey::Id(u64::from_le_bytes(rest.try_into().expect("8 bytes")))),
+        (Some(KeyKind::U64), n) => {
+            return Err(ContractError::Parent(format!("{n} bytes after the vector; a u64 parent id takes 8")))
+        }
+        (Some(KeyKind::Str { bytes_max }), n) if n <= bytes_max as usize => Some(EntityKey::Str(rest)),
+        (Some(KeyKind::Str { bytes_max }), n) => {
+            return Err(ContractError::Parent(format!(
+                "a parent key of {n} bytes after the vector; the parent's keys are 1 to {bytes_max} bytes"
+            )))
+        }
+    };
+    Ok((vector, parent))
 }
 
 /// Unpacks an entity value of a group with dimension `dim`, refusing anything a writer
@@ -581,10 +644,28 @@ impl Publisher {
     }
 
     fn put_key(&mut self, group: &str, key: EntityKey<'_>, values: &[f32]) -> Result<u64, PublishError> {
+        self.put_linked(group, key, values, None)
+    }
+
+    /// Sets entity `key` (of the publisher's kind) of `group` to `values`, naming `parent` as
+    /// its parent's key (none: no parent): for a group configured with `parent`, whose
+    /// replicas join the parent's row through it. A string parent key is 1 to
+    /// [`KEY_BYTES_MAX`] bytes; whether it is of the parent's kind is the replicas' to check
+    /// (they skip and count a value that is not).
+    pub fn put_linked(
+        &mut self,
+        group: &str,
+        key: EntityKey<'_>,
+        values: &[f32],
+        parent: Option<EntityKey<'_>>,
+    ) -> Result<u64, PublishError> {
         check_group(group)?;
         self.check_key(key)?;
         check_values(values)?;
-        self.publish_many(group, 1, |_| (key, Op::Put(encode_vector(values))), |_, _| {}).map_err(unwrap_row)
+        if let Some(EntityKey::Str(bytes)) = parent {
+            check_str_key(bytes, KEY_BYTES_MAX)?;
+        }
+        self.publish_many(group, 1, |_| (key, Op::Put(encode_value(values, parent))), |_, _| {}).map_err(unwrap_row)
     }
 
     fn delete_key(&mut self, group: &str, key: EntityKey<'_>) -> Result<u64, PublishError> {
@@ -873,6 +954,28 @@ fn is_noscript(reply: &Reply) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_carries_its_parent_key_after_the_vector() {
+        let v = [1.0, -2.0];
+        let ids = Some(KeyKind::U64);
+        let strs = Some(KeyKind::Str { bytes_max: 4 });
+        let split = |bytes: &[u8], link| {
+            split_value(bytes, 2, link).map(|(vector, p)| (vector.len(), p.map(EntityKey::to_buf)))
+        };
+        assert_eq!(split(&encode_value(&v, None), None).unwrap(), (8, None));
+        assert_eq!(split(&encode_value(&v, None), ids).unwrap(), (8, None), "no parent named");
+        assert_eq!(split(&encode_value(&v, Some(EntityKey::Id(9))), ids).unwrap(), (8, Some(EntityKeyBuf::Id(9))));
+        let s = encode_value(&v, Some(EntityKey::Str(b"ab")));
+        assert_eq!(split(&s, strs).unwrap(), (8, Some(EntityKeyBuf::Str(b"ab".to_vec()))));
+        // A tail where the group has no parent, a u64 of other than 8 bytes, a string too long, a short vector.
+        assert!(matches!(split(&s, None), Err(ContractError::WrongLength { .. })));
+        let e = split(&s, ids).unwrap_err();
+        assert!(e.to_string().contains("2 bytes after the vector; a u64 parent id takes 8"), "{e}");
+        let e = split(&encode_value(&v, Some(EntityKey::Str(b"abcde"))), strs).unwrap_err();
+        assert!(e.to_string().contains("parent's keys are 1 to 4 bytes"), "{e}");
+        assert!(matches!(split(&s[..7], strs), Err(ContractError::WrongLength { found_bytes: 7, dim: 2 })));
+    }
 
     #[test]
     fn keys_follow_the_contract() {

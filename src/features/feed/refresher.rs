@@ -1049,8 +1049,8 @@ impl Refresher {
             g.read_id = id;
             cursor.seq = id.0;
             match change(&g.part, &fields, g.writer.table().dim()) {
-                Ok((key, Some(v), t)) => {
-                    upsert(&mut g.writer, key, &v)?;
+                Ok((key, Some((v, parent)), t)) => {
+                    upsert(&mut g.writer, key, &v, parent)?;
                     cursor.change_unix_ms = t;
                 }
                 Ok((key, None, t)) => {
@@ -1067,10 +1067,13 @@ impl Refresher {
     }
 }
 
+/// A put a stream entry records: the vector, and the parent key it names.
+pub type Put<'f> = (Vec<f32>, Option<EntityKey<'f>>);
+
 /// Decodes a stream entry's fields: `k <key> v <bytes> t <ms>` for a put,
 /// `k <key> d 1 t <ms>` for a delete.
 /// One stream entry's fields as the refresher applies them: the entity's
-/// key (of the part's key kind), its vector (`None` for a delete) and the
+/// key (of the part's key kind), its vector and parent key ([`Put`]; `None` for a delete) and the
 /// change's time; or why the entry is skipped (a key of the other kind, or
 /// a string key past the group's limit, among others). Public for
 /// `tests/fuzz.rs`, which feeds it what a Redis could send.
@@ -1078,7 +1081,7 @@ pub fn change<'f>(
     part: &Part,
     fields: &'f [Reply],
     dim: usize,
-) -> Result<(EntityKey<'f>, Option<Vec<f32>>, u64), String> {
+) -> Result<(EntityKey<'f>, Option<Put<'f>>, u64), String> {
     let mut key = None;
     let mut value = None;
     let mut deleted = false;
@@ -1097,7 +1100,7 @@ pub fn change<'f>(
     }
     let key = key.ok_or("no key field 'k'")?;
     match (value, deleted) {
-        (Some(bytes), false) => entity(part, key, bytes, dim).map(|(id, v)| (id, Some(v), t)),
+        (Some(bytes), false) => entity(part, key, bytes, dim).map(|(id, v, parent)| (id, Some((v, parent)), t)),
         (None, true) => part
             .parse_key(key)
             .map(|parsed| (parsed, None, t))
@@ -1158,12 +1161,12 @@ mod tests {
         let v = crate::features::feed::contract::encode_vector(&[1.0, 2.0]);
         let put = [bulk(b"k"), bulk(b"user:7"), bulk(b"v"), Reply::Bulk(v.clone()), bulk(b"t"), bulk(b"123")];
         let user = Part::plain("user");
-        assert_eq!(change(&user, &put, 2), Ok((EntityKey::Id(7), Some(vec![1.0, 2.0]), 123)));
+        assert_eq!(change(&user, &put, 2), Ok((EntityKey::Id(7), Some((vec![1.0, 2.0], None)), 123)));
         let del = [bulk(b"k"), bulk(b"user:8"), bulk(b"d"), bulk(b"1"), bulk(b"t"), bulk(b"5")];
         assert_eq!(change(&user, &del, 2), Ok((EntityKey::Id(8), None, 5)));
         // The same entries in a string-keyed group: the key's bytes, within the group's limit.
         let device = Part::plain("user").with_key_kind(crate::features::replica::KeyKind::Str { bytes_max: 4 });
-        assert_eq!(change(&device, &put, 2), Ok((EntityKey::Str(b"7"), Some(vec![1.0, 2.0]), 123)));
+        assert_eq!(change(&device, &put, 2), Ok((EntityKey::Str(b"7"), Some((vec![1.0, 2.0], None)), 123)));
         assert_eq!(change(&device, &del, 2), Ok((EntityKey::Str(b"8"), None, 5)));
         let long = [bulk(b"k"), bulk(b"user:12345"), bulk(b"d"), bulk(b"1")];
         assert!(change(&device, &long, 2).unwrap_err().contains("user:<1 to 4 bytes>"));

@@ -24,6 +24,7 @@ use crate::features::replica::{bucket_path, KeyKind, ReplicaError, ReplicaHandle
 
 /// One group to serve: its name, file, key kind, and what to create its
 /// file with if there is none: the dimension, storage and default vector.
+#[derive(Clone, Debug)]
 pub struct GroupSpec {
     pub name: String,
     pub path: PathBuf,
@@ -32,12 +33,22 @@ pub struct GroupSpec {
     pub storage: Storage,
     /// The vector of an entity the replica does not hold; empty: zeros.
     pub default: Vec<f32>,
+    /// The key kind of the group's parent, for a group with one.
+    pub link: Option<KeyKind>,
 }
 
 impl GroupSpec {
     /// A u64-keyed group stored as f32 with a zero default row.
     pub fn new(name: &str, path: PathBuf, dim: Option<u32>) -> GroupSpec {
-        GroupSpec { name: name.into(), path, dim, key: KeyKind::U64, storage: Storage::F32, default: Vec::new() }
+        GroupSpec {
+            name: name.into(),
+            path,
+            dim,
+            key: KeyKind::U64,
+            storage: Storage::F32,
+            default: Vec::new(),
+            link: None,
+        }
     }
 }
 
@@ -70,7 +81,8 @@ pub fn start(config: &FeedConfig, specs: &[GroupSpec], stop: Arc<AtomicBool>) ->
     // Files created empty here, and the follows they belong to.
     let mut created: Vec<(PathBuf, usize)> = Vec::new();
     for (at, spec) in specs.iter().enumerate() {
-        let parts: Vec<Part> = Part::all(&spec.name, layout).into_iter().map(|p| p.with_key_kind(spec.key)).collect();
+        let parts: Vec<Part> =
+            Part::all(&spec.name, layout).into_iter().map(|p| p.with_key_kind(spec.key).with_link(spec.link)).collect();
         let mut writers = Vec::with_capacity(parts.len());
         for part in &parts {
             let path = match layout {
@@ -139,6 +151,21 @@ fn open_or_create(spec: &GroupSpec, part: &Part, path: &Path) -> Result<(Replica
                 configured: spec.key,
             });
         }
+        // Links are the file's copy of what Redis holds after each vector:
+        // a group given a parent (or relieved of one) since the file was
+        // written gets a fresh copy with the links its values name.
+        Ok(w) if w.table().link_kind() != spec.link => {
+            drop(w);
+            let mut aside = path.as_os_str().to_owned();
+            aside.push(".relinked");
+            tracing::warn!(
+                group = %part.name(), path = %path.display(),
+                "the replica's links do not match the group's parent; moved aside, rebuilding from redis"
+            );
+            std::fs::rename(path, &aside).map_err(|source| {
+                RefreshError::Replica(ReplicaError::Io { path: path.display().to_string(), source })
+            })?;
+        }
         Ok(w) => {
             tracing::info!(
                 group = %part.name(), seq = w.cursor().seq, bytes = w.table().file_bytes(),
@@ -164,6 +191,7 @@ fn open_or_create(spec: &GroupSpec, part: &Part, path: &Path) -> Result<(Replica
             })
         }
     };
-    let writer = ReplicaWriter::create_keyed(path, &spec.name, dim, spec.storage, spec.key, 1024, &default)?;
+    let writer =
+        ReplicaWriter::create_linked(path, &spec.name, dim, spec.storage, spec.key, spec.link, 1024, &default)?;
     Ok((writer, true))
 }

@@ -253,7 +253,8 @@ pub fn full_sync(
         buckets => bucket_capacity(conn, part, (dbsize / buckets as u64).min(changes))?,
     };
     check_key_kind(conn, part)?;
-    let fresh = ReplicaWriter::create_keyed(&tmp, &part.group, dim as u32, storage, part.key_kind, capacity, default)?;
+    let (keys, link) = (part.key_kind, part.link);
+    let fresh = ReplicaWriter::create_linked(&tmp, &part.group, dim as u32, storage, keys, link, capacity, default)?;
     let mut sink = Sink { fresh, dim, copied: 0, status, progress };
     if connections == 1 {
         copy_serial(conn, target, status, &mut sink)?;
@@ -304,12 +305,15 @@ pub(super) fn check_key_kind(conn: &mut impl Keyed, part: &Part) -> Result<(), R
     Err(RefreshError::KeyKind { group: part.name(), key: part.keys.kind.clone(), stored, configured: part.key_kind })
 }
 
-/// Writes `v` as `key`'s vector; the key is of the writer's kind (parsed for its part).
-pub(super) fn upsert(writer: &mut ReplicaWriter, key: EntityKey<'_>, v: &[f32]) -> Result<(), ReplicaError> {
-    match key {
-        EntityKey::Id(id) => writer.upsert(id, v),
-        EntityKey::Str(bytes) => writer.upsert_str(bytes, v),
-    }
+/// Writes `v` as `key`'s vector, naming `parent`; the key is of the writer's kind and the
+/// parent of its links' kind (both parsed for its part).
+pub(super) fn upsert(
+    writer: &mut ReplicaWriter,
+    key: EntityKey<'_>,
+    v: &[f32],
+    parent: Option<EntityKey<'_>>,
+) -> Result<(), ReplicaError> {
+    writer.upsert_linked(key, v, parent)
 }
 
 /// Deletes `key`, of the writer's kind; false when it was not there.
@@ -327,6 +331,8 @@ pub struct GroupTarget<'a> {
     pub group: &'a str,
     pub layout: Layout,
     pub key_kind: KeyKind,
+    /// The key kind of the group's parent, for a group with one.
+    pub link: Option<KeyKind>,
     pub path: &'a Path,
     pub dim: usize,
     pub storage: Storage,
@@ -372,7 +378,7 @@ pub fn sync_group(
     let mut copy_all = || -> Result<(), RefreshError> {
         let mut copied = 0u64;
         for part in Part::all(target.group, target.layout) {
-            let part = part.with_key_kind(target.key_kind);
+            let part = part.with_key_kind(target.key_kind).with_link(target.link);
             let path = match target.layout {
                 Layout::Plain => target.path.to_path_buf(),
                 Layout::Bucketed { .. } => bucket_path(target.path, part.bucket),
@@ -480,6 +486,8 @@ fn with_headroom(keys: u64) -> u64 {
 struct Rows {
     keys: Vec<EntityKeyBuf>,
     values: Vec<f32>,
+    /// `keys[i]`'s parent key, for a group with a parent.
+    parents: Vec<Option<EntityKeyBuf>>,
 }
 
 /// Where decoded rows go: the one writer of the fresh file, on the caller's
@@ -494,8 +502,8 @@ struct Sink<'a, 'p> {
 
 impl Sink<'_, '_> {
     fn take(&mut self, rows: &Rows) -> Result<(), RefreshError> {
-        for (key, v) in rows.keys.iter().zip(rows.values.chunks_exact(self.dim)) {
-            upsert(&mut self.fresh, key.as_key(), v)?;
+        for ((key, v), parent) in rows.keys.iter().zip(rows.values.chunks_exact(self.dim)).zip(&rows.parents) {
+            upsert(&mut self.fresh, key.as_key(), v, parent.as_ref().map(EntityKeyBuf::as_key))?;
             self.copied += 1;
         }
         (self.progress)(self.copied);
@@ -569,7 +577,11 @@ fn decode_rows(
     if values.len() != keys.len() {
         return Err(shape("MGET", format!("{} values for {} keys", values.len(), keys.len())));
     }
-    let mut rows = Rows { keys: Vec::with_capacity(keys.len()), values: Vec::with_capacity(keys.len() * dim) };
+    let mut rows = Rows {
+        keys: Vec::with_capacity(keys.len()),
+        values: Vec::with_capacity(keys.len() * dim),
+        parents: Vec::with_capacity(keys.len()),
+    };
     let mut nils = Vec::new();
     for (i, (key, value)) in keys.iter().zip(values).enumerate() {
         let decoded = match value {
@@ -577,8 +589,11 @@ fn decode_rows(
                 .parse_key(key)
                 .ok_or_else(|| format!("key {} is not {}", String::from_utf8_lossy(key), part.key_form()))
                 .and_then(|parsed| {
-                    contract::decode_vector_into(&bytes, dim, &mut rows.values)
-                        .map(|()| parsed.to_buf())
+                    contract::split_value(&bytes, dim, part.link)
+                        .and_then(|(vector, parent)| {
+                            contract::decode_vector_into(vector, dim, &mut rows.values)?;
+                            Ok((parsed.to_buf(), parent.map(EntityKey::to_buf)))
+                        })
                         .map_err(|e| format!("key {}: {e}", String::from_utf8_lossy(key)))
                 }),
             Reply::Nil => {
@@ -588,7 +603,10 @@ fn decode_rows(
             other => Err(format!("key {}: unexpected reply {other:?}", String::from_utf8_lossy(key))),
         };
         match decoded {
-            Ok(parsed) => rows.keys.push(parsed),
+            Ok((parsed, parent)) => {
+                rows.keys.push(parsed);
+                rows.parents.push(parent);
+            }
             Err(why) => skip(status, part, &why),
         }
     }
@@ -879,17 +897,19 @@ fn fetch(
     }
 }
 
-/// The key and vector of an entity key and value, or why they are bad data.
+/// The key, vector and parent key of an entity key and value, or why they are bad data.
 pub(super) fn entity<'k>(
     part: &Part,
     key: &'k [u8],
-    value: &[u8],
+    value: &'k [u8],
     dim: usize,
-) -> Result<(EntityKey<'k>, Vec<f32>), String> {
+) -> Result<(EntityKey<'k>, Vec<f32>, Option<EntityKey<'k>>), String> {
     let name = || String::from_utf8_lossy(key).into_owned();
     let parsed = part.parse_key(key).ok_or_else(|| format!("key {} is not {}", name(), part.key_form()))?;
-    let v = contract::decode_vector(value, dim).map_err(|e: ContractError| format!("key {}: {e}", name()))?;
-    Ok((parsed, v))
+    let bad = |e: ContractError| format!("key {}: {e}", name());
+    let (vector, parent) = contract::split_value(value, dim, part.link).map_err(bad)?;
+    let v = contract::decode_vector(vector, dim).map_err(bad)?;
+    Ok((parsed, v, parent))
 }
 
 pub(super) fn skip(status: Option<&GroupStatus>, part: &Part, why: &str) {
