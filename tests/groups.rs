@@ -255,3 +255,145 @@ fn a_file_or_a_model_that_does_not_fit_the_groups_is_refused_at_start_up() {
     assert_ne!(code, 0);
     assert!(err.contains("reads group 'ad' once per candidate, the server keys it once per request"), "{err}");
 }
+
+/// logit = ad + 2·campaign + 4·advertiser: ads reach their campaign and its
+/// advertiser only through the links in their rows.
+fn write_chain_model(dir: &Path) {
+    let model = Model {
+        name: "auction".into(),
+        version: 1,
+        inputs: vec![
+            InputSegment { source: group("advertiser", Scope::Candidate), dim: 1 },
+            InputSegment { source: group("ad", Scope::Candidate), dim: 1 },
+            InputSegment { source: group("campaign", Scope::Candidate), dim: 1 },
+        ],
+        layers: vec![Layer::quantize(3, 1, false, vec![4.0, 1.0, 2.0], vec![0.0])],
+        calibration: None,
+        graph: None,
+        onnx: None,
+    };
+    model.save(&dir.join("model.qm")).unwrap();
+}
+
+const CHAIN_TOML: &str = r#"
+[[groups]]
+name = "ad"
+scope = "candidate"
+width = 1
+default = [-1.0]
+absent = "default"
+parent = "campaign"
+[[groups]]
+name = "campaign"
+scope = "candidate"
+key = "string"
+key_bytes_max = 16
+width = 1
+default = [-0.5]
+parent = "advertiser"
+[[groups]]
+name = "advertiser"
+scope = "candidate"
+width = 1
+default = [-0.25]
+"#;
+
+fn serve_chain(dir: &Path, redis: &RedisServer) -> Server {
+    let config = dir.join("quiver.toml");
+    let text = format!("{CHAIN_TOML}\n[feed]\nredis = \"{}\"\nblock_ms = 50\ncheck_interval_ms = 100\n", redis.url());
+    std::fs::write(&config, text).unwrap();
+    Server::start_with(dir, &["--config", config.to_str().unwrap(), "--shards", "1", "--backend", "f32"])
+}
+
+fn ads(ids: &[u64]) -> RequestSpec {
+    RequestSpec {
+        request_id: 3,
+        budget_us: 1_000_000,
+        groups: vec![("ad".into(), GroupKeySpec::Ids(ids.to_vec()))],
+        ..RequestSpec::default()
+    }
+}
+
+#[test]
+fn parents_are_joined_through_links_synced_followed_and_kept_across_kill_9() {
+    use quiver::features::replica::EntityKey;
+    let redis = RedisServer::start();
+    let mut ad = Publisher::new(redis.conn()).unwrap();
+    let mut campaign = Publisher::new(redis.conn()).unwrap().with_key_kind(KeyKind::Str { bytes_max: 16 }).unwrap();
+    ad.put_linked("ad", EntityKey::Id(1), &[0.25], Some(EntityKey::Str(b"spring"))).unwrap();
+    ad.put_linked("ad", EntityKey::Id(2), &[0.5], Some(EntityKey::Str(b"autumn"))).unwrap();
+    ad.put_linked("ad", EntityKey::Id(3), &[0.75], None).unwrap();
+    campaign.put_linked("campaign", EntityKey::Str(b"spring"), &[0.125], Some(EntityKey::Id(77))).unwrap();
+    campaign.put_linked("campaign", EntityKey::Str(b"autumn"), &[-0.125], Some(EntityKey::Id(78))).unwrap();
+    publish(&redis, "advertiser", &[(77, vec![0.0625])]);
+
+    let dir = scratch("groups-chain");
+    write_chain_model(&dir);
+    let mut server = serve_chain(&dir, &redis);
+    let mut c = server.client();
+    let spec = ads(&[1, 2, 3, 4]);
+    let logit = |ad: f32, campaign: f32, advertiser: f32| ad + 2.0 * campaign + 4.0 * advertiser;
+    let r = c.score(&spec).unwrap();
+    let want_first = [
+        logit(0.25, 0.125, 0.0625),
+        // autumn's advertiser 78 is not there
+        logit(0.5, -0.125, -0.25),
+        // ad 3 names no campaign: campaign and advertiser defaults
+        logit(0.75, -0.5, -0.25),
+        // ad 4 is unknown: all three defaults
+        logit(-1.0, -0.5, -0.25),
+    ];
+    assert_scores(&r, &want_first);
+    assert_eq!(r.features_missing, 1 + 2 + 3);
+
+    // Followed: ad 2 moves to spring through the CLI, then spring changes advertiser.
+    let (code, out, err) = common::run_quiver([
+        "features",
+        "put",
+        "--redis",
+        &redis.url(),
+        "--group",
+        "ad",
+        "--id",
+        "2",
+        "--values",
+        "0.5",
+        "--parent",
+        "spring",
+        "--parent-key-bytes",
+        "16",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let moved = logit(0.5, 0.125, 0.0625);
+    let r = until(&mut c, &spec, "ad 2's new campaign", |r| (r.scores[1] - sigmoid(moved)).abs() < 1e-5);
+    assert_eq!(r.features_missing, 2 + 3);
+    let (code, out, err) =
+        common::run_quiver(["features", "get", "--admin", server.admin.as_str(), "--group", "ad", "--key", "2"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("parent: campaign \"spring\""), "{out}");
+    let (code, out, _) =
+        common::run_quiver(["features", "get", "--admin", server.admin.as_str(), "--group", "ad", "--key", "3"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("parent: names no campaign"), "{out}");
+
+    // kill -9; while down spring's advertiser becomes 78, which appears.
+    server.child.kill().unwrap();
+    let _ = server.child.wait();
+    campaign.put_linked("campaign", EntityKey::Str(b"spring"), &[0.125], Some(EntityKey::Id(78))).unwrap();
+    publish(&redis, "advertiser", &[(78, vec![0.5])]);
+    let server = serve_chain(&dir, &redis);
+    let mut c = server.client();
+    let r = until(&mut c, &spec, "the changes made while the server was down", |r| {
+        (r.scores[0] - sigmoid(logit(0.25, 0.125, 0.5))).abs() < 1e-5
+    });
+    assert_scores(
+        &r,
+        &[logit(0.25, 0.125, 0.5), logit(0.5, 0.125, 0.5), logit(0.75, -0.5, -0.25), logit(-1.0, -0.5, -0.25)],
+    );
+    // A request may not key a group that is reached through links.
+    let mut named = ads(&[1]);
+    named.groups.push(("campaign".into(), GroupKeySpec::Strs(vec!["spring".into()])));
+    let r = c.score(&named).unwrap();
+    assert_eq!(r.status, Status::BadRequest);
+    assert!(r.error.contains("keyed through the links in 'ad''s rows"), "{}", r.error);
+}

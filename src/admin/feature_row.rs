@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::deadline::{Clock, MonotonicClock};
 use crate::features::groups::{Absent, Scope};
-use crate::features::replica::{KeyKind, Storage, GROUP_NAME_BYTES_MAX, KEY_BYTES_MAX};
+use crate::features::replica::{decode_link, key_hash, KeyKind, Storage, GROUP_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use crate::metrics::Readiness;
 use crate::request::SharedGroup;
 
@@ -97,6 +97,11 @@ pub struct FeatureRow {
     pub found: bool,
     /// The floats a request is served, decoded from `storage`.
     pub row: Vec<f32>,
+    /// For a group with a parent: the parent key this row names (null: it
+    /// names none, or the key was not found), which the request path
+    /// follows to the parent's row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentLink>,
     pub width: usize,
     pub storage: Storage,
     pub scope: Scope,
@@ -113,6 +118,16 @@ pub struct FeatureRow {
     /// The stream sequence number of that change (0: none).
     pub group_applied_seq: u64,
     pub note: &'static str,
+}
+
+/// The parent a row links to.
+#[derive(Debug, Serialize)]
+pub struct ParentLink {
+    /// The parent group's name.
+    pub group: String,
+    /// The parent key the row names, as text (a u64 in decimal); null when
+    /// it names none.
+    pub key: Option<String>,
 }
 
 /// How a lookup fails: the status and the one line answered.
@@ -145,20 +160,27 @@ pub fn lookup(groups: &[SharedGroup], readiness: &Readiness, q: &RowQuery) -> Re
     };
     let handle = &g.handle;
     let mut row = vec![0f32; handle.dim()];
+    let mut link = vec![0u32; handle.link_words()];
     let (found, key_type) = match handle.key_kind() {
         KeyKind::U64 => {
             let id = std::str::from_utf8(&q.key).ok().and_then(|s| s.parse::<u64>().ok()).ok_or_else(|| {
                 LookupError::NotU64 { group: g.name.clone(), key: String::from_utf8_lossy(&q.key).into_owned() }
             })?;
-            (handle.read_into(id, &mut row), "u64")
+            (handle.read_linked_into(id, &[], &mut row, &mut link), "u64")
         }
         KeyKind::Str { bytes_max } => {
             if q.key.len() > bytes_max as usize {
                 return Err(LookupError::KeyLength { group: g.name.clone(), bytes_max, len: q.key.len() });
             }
-            (handle.read_str_into(&q.key, &mut row), "string")
+            (handle.read_linked_into(key_hash(&q.key), &q.key, &mut row, &mut link), "string")
         }
     };
+    let parent_group = groups.iter().find(|p| p.child.as_deref() == Some(g.name.as_str()));
+    let parent = handle.link_kind().zip(parent_group).map(|(kind, p)| {
+        let mut buf = [0u8; KEY_BYTES_MAX as usize];
+        let key = decode_link(&link, kind, &mut buf).map(|k| k.to_string());
+        ParentLink { group: p.name.clone(), key }
+    });
     let table = handle.load();
     let status = readiness.feed().and_then(|f| f.group(&g.name));
     let (staleness_ms, change_unix_ms, seq) = match status {
@@ -179,6 +201,7 @@ pub fn lookup(groups: &[SharedGroup], readiness: &Readiness, q: &RowQuery) -> Re
         key_type,
         found,
         row,
+        parent,
         width: handle.dim(),
         storage: table.storage(),
         scope: g.scope,

@@ -25,6 +25,14 @@ pub enum Command {
         /// The vector, comma-separated.
         #[arg(long, value_delimiter = ',', allow_hyphen_values = true, required = true)]
         values: Vec<f32>,
+        /// For a group with a parent (`parent = "campaign"`): the parent's
+        /// key this entity names (a u64 id, or with --parent-key-bytes a
+        /// string key). Without it the entity names no parent.
+        #[arg(long, allow_hyphen_values = true)]
+        parent: Option<String>,
+        /// The parent group is keyed by strings of up to this many bytes.
+        #[arg(long, requires = "parent")]
+        parent_key_bytes: Option<u32>,
     },
     /// Delete entities: the ids given, and those listed in a file.
     Delete {
@@ -123,13 +131,20 @@ impl FeedTarget {
 
     /// An entity named on the command line, of the group's key kind.
     fn key(&self, text: &str) -> Result<feed::contract::EntityKeyBuf, Error> {
-        let kind = super::replica_cmd::key_kind(self.key_bytes)?;
-        match kind {
-            feed::contract::KeyKind::U64 => text.trim().parse().map(feed::contract::EntityKeyBuf::Id).map_err(|_| {
-                Error::Setup(format!("'{text}' is not a u64 id (give --key-bytes N for a string-keyed group)"))
-            }),
-            feed::contract::KeyKind::Str { .. } => Ok(feed::contract::EntityKeyBuf::Str(text.as_bytes().to_vec())),
-        }
+        parse_key(text, super::replica_cmd::key_kind(self.key_bytes)?, "--key-bytes")
+    }
+}
+
+/// A key named on the command line, of the kind `kind`; `flag` is what
+/// makes a group string-keyed, named when a string is given for a u64 key.
+fn parse_key(text: &str, kind: feed::contract::KeyKind, flag: &str) -> Result<feed::contract::EntityKeyBuf, Error> {
+    match kind {
+        feed::contract::KeyKind::U64 => text
+            .trim()
+            .parse()
+            .map(feed::contract::EntityKeyBuf::Id)
+            .map_err(|_| Error::Setup(format!("'{text}' is not a u64 id (give {flag} N for a string-keyed group)"))),
+        feed::contract::KeyKind::Str { .. } => Ok(feed::contract::EntityKeyBuf::Str(text.as_bytes().to_vec())),
     }
 }
 
@@ -137,14 +152,17 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     let publish_err = |e: feed::PublishError| Error::Feed(e.into());
     match cmd {
         Command::Get { admin, group, key, json, token_file } => return get(&admin, &group, &key, json, token_file),
-        Command::Put { target, id, values } => {
+        Command::Put { target, id, values, parent, parent_key_bytes } => {
             let key = target.key(&id)?;
+            let parent = match &parent {
+                None => None,
+                Some(text) => {
+                    Some(parse_key(text, super::replica_cmd::key_kind(parent_key_bytes)?, "--parent-key-bytes")?)
+                }
+            };
             let mut publisher = target.publisher()?;
-            let seq = match key.as_key() {
-                feed::contract::EntityKey::Id(id) => publisher.put(&target.group, id, &values),
-                feed::contract::EntityKey::Str(key) => publisher.put_str(&target.group, key, &values),
-            }
-            .map_err(publish_err)?;
+            let parent_key = parent.as_ref().map(feed::contract::EntityKeyBuf::as_key);
+            let seq = publisher.put_linked(&target.group, key.as_key(), &values, parent_key).map_err(publish_err)?;
             let entity = publisher.layout().key_of(&target.group, key.as_key());
             println!("{} seq {seq}", String::from_utf8_lossy(&entity));
         }
@@ -309,6 +327,13 @@ fn render_row(row: &serde_json::Value, found: bool) -> String {
     out.push_str("index  value\n");
     for (i, v) in row["row"].as_array().map(Vec::as_slice).unwrap_or_default().iter().enumerate() {
         out.push_str(&format!("{i:>5}  {v}\n"));
+    }
+    if let Some(parent) = row["parent"].as_object() {
+        let group = parent.get("group").and_then(|g| g.as_str()).unwrap_or("?");
+        match parent.get("key").and_then(|k| k.as_str()) {
+            Some(key) => out.push_str(&format!("parent: {group} {key:?} (its row is joined through this link)\n")),
+            None => out.push_str(&format!("parent: names no {group} (the {group} default row is served)\n")),
+        }
     }
     match row["staleness_ms"].as_u64() {
         Some(ms) => out.push_str(&format!("staleness {ms} ms (the replica follows redis)\n")),

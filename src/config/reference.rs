@@ -385,6 +385,15 @@ pub const SECTIONS: &[Section] = &[
                  default row, counted missing); absent: `reject`, `default` for `user` and `item`.",
             )
             .one_of(&["reject", "default"], variants::<Absent>),
+            Key::new(
+                "parent",
+                "\"campaign\"",
+                "The group each row names a key of (an ad its campaign): the parent's rows are joined through \
+                 those links on the shard, and a request never carries the parent's keys. Same scope; one child \
+                 per parent; a chain follows at most 4 links; a missing or dangling link reads the parent's \
+                 default row, counted missing. Writers append the parent key to each value \
+                 ([FEATURES.md](FEATURES.md#parents-foreign-keys)).",
+            ),
         ],
     },
     Section {
@@ -728,8 +737,14 @@ fn config_text(include: impl Fn(&Section, &Key) -> bool) -> String {
         if !section.path.is_empty() {
             text.push_str(&format!("\n{}\n", table_header(section.path)));
         }
-        for key in keys {
+        for key in &keys {
             text.push_str(&format!("{} = {}\n", key.name, key.example));
+        }
+        // A group's example names a parent group: it must be configured too.
+        if section.path == "groups" && keys.iter().any(|k| k.name == "parent") {
+            text.push_str(
+                "\n# The parent the example above names.\n[[groups]]\nname = \"campaign\"\nscope = \"candidate\"\n",
+            );
         }
     }
     text

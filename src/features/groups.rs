@@ -136,8 +136,11 @@ pub struct Group {
     pub child: Option<String>,
 }
 
-/// Most links one chain of parents follows: see `model::layout`.
-pub use crate::model::layout::CHAIN_LINKS_MAX;
+/// Most links one chain of parents follows (`ad` → `campaign` →
+/// `advertiser` is two): each is a dependent memory load per candidate, so
+/// the chain, not the group count, sets the latency floor of a request's
+/// lookups.
+pub const CHAIN_LINKS_MAX: usize = 4;
 
 /// The groups a configuration without `[[groups]]` serves.
 pub fn legacy(user: (PathBuf, Option<u32>, Storage), item: (PathBuf, Option<u32>, Storage)) -> Vec<Group> {

@@ -4,7 +4,7 @@
 //! version (the request path) and when a version is loaded (the registry).
 
 use super::{Model, Source};
-use crate::features::groups::Scope;
+use crate::features::groups::{Scope, CHAIN_LINKS_MAX};
 
 /// The model's inputs and the served groups do not fit together.
 #[derive(Debug, thiserror::Error)]
@@ -22,11 +22,6 @@ pub enum LayoutError {
     #[error("model '{model}' declares {model_dim} context ids, above limits.context_len_max = {limit}")]
     ContextIds { model: String, model_dim: usize, limit: usize },
 }
-
-/// Most links one lookup chain follows (`ad` → `campaign` → `advertiser`
-/// is two): each is a dependent memory load per candidate, so the chain,
-/// not the group count, sets the latency floor of a request's lookups.
-pub const CHAIN_LINKS_MAX: usize = 4;
 
 /// One served feature group, as a model's layout is checked against it.
 #[derive(Clone, Debug, PartialEq, Eq)]
