@@ -396,4 +396,32 @@ fn parents_are_joined_through_links_synced_followed_and_kept_across_kill_9() {
     let r = c.score(&named).unwrap();
     assert_eq!(r.status, Status::BadRequest);
     assert!(r.error.contains("keyed through the links in 'ad''s rows"), "{}", r.error);
+
+    // `replica sync` copies the links with the rows when told the parent's key kind.
+    let copy = dir.join("ad-copy.qrep");
+    let (code, out, err) = common::run_quiver([
+        "replica",
+        "sync",
+        "--redis",
+        &redis.url(),
+        "--group",
+        "ad",
+        "--dim",
+        "1",
+        "--out",
+        copy.to_str().unwrap(),
+        "--parent-key-bytes",
+        "16",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) =
+        common::run_quiver(["replica", "inspect", "--group", "ad", "--file", copy.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("links: each row names its parent's key (string keys of up to 16 bytes)"), "{out}");
+    let handle = quiver::features::replica::ReplicaHandle::open(&copy, "ad").unwrap();
+    let (mut row, mut link) = ([0.0f32], vec![0u32; handle.link_words()]);
+    assert!(handle.read_linked_into(2, &[], &mut row, &mut link));
+    let mut buf = [0u8; 64];
+    let parent = quiver::features::replica::decode_link(&link, KeyKind::Str { bytes_max: 16 }, &mut buf);
+    assert_eq!((row, parent), ([0.5], Some(EntityKey::Str(b"spring"))));
 }

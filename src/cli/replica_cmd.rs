@@ -59,6 +59,8 @@ pub enum Command {
         /// as `quiver features --key-bytes` wrote it. Default: u64 ids.
         #[arg(long)]
         key_bytes: Option<u32>,
+        #[command(flatten)]
+        parent: ParentArgs,
     },
     /// Verify a replica file and print its header.
     Inspect {
@@ -79,6 +81,29 @@ pub enum Command {
         #[arg(long)]
         token_file: Option<PathBuf>,
     },
+}
+
+/// Whether a group's rows link to a parent (`parent = ...` in its
+/// `[[groups]]` entry), and the parent's key kind.
+#[derive(clap::Args)]
+pub struct ParentArgs {
+    /// The group has a parent keyed by u64 ids: each value names one after
+    /// its vector (`quiver features put --parent`), kept in the file's rows.
+    #[arg(long)]
+    parent_ids: bool,
+    /// The group has a parent keyed by strings of up to this many bytes.
+    #[arg(long, conflicts_with = "parent_ids")]
+    parent_key_bytes: Option<u32>,
+}
+
+impl ParentArgs {
+    /// The parent's key kind; none without a parent.
+    fn link(&self) -> Result<Option<KeyKind>, Error> {
+        match (self.parent_ids, self.parent_key_bytes) {
+            (false, None) => Ok(None),
+            (_, bytes) => key_kind(bytes).map(Some),
+        }
+    }
 }
 
 /// A group name a replica file can carry and Redis keys can hold.
@@ -125,9 +150,10 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
                 r.key_kind()
             );
         }
-        Command::Sync { redis, group, dim, out, storage, connections, buckets, key_bytes } => {
+        Command::Sync { redis, group, dim, out, storage, connections, buckets, key_bytes, parent } => {
             check_group(&group)?;
             let key_kind = key_kind(key_bytes)?;
+            let link = parent.link()?;
             if dim == 0 || dim > quiver::features::replica::DIM_MAX {
                 return Err(Error::Setup(format!("--dim must be 1 to {}", quiver::features::replica::DIM_MAX)));
             }
@@ -152,7 +178,7 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             let mut progress = |rows: u64| spinner.set_position(rows);
             let default = vec![0.0; dim as usize];
             let target = feed::sync::GroupTarget {
-                link: None,
+                link,
                 group: &group,
                 layout,
                 key_kind,
@@ -229,6 +255,9 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
                 c.epoch,
                 c.seq
             );
+            if let Some(kind) = h.link {
+                println!("links: each row names its parent's key ({kind})");
+            }
             let (entities, bytes) = (r.live_rows(), r.file_bytes());
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             println!(
