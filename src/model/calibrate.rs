@@ -17,7 +17,7 @@
 //! raises the largest score error (docs/MODELS.md, "Calibration").
 //!
 //! The mean and variance of each per-request input over the set are stored
-//! too (`input_moments`: the context, then the request-scope groups), as the
+//! too (`input_moments`: the context, the request-scope groups, then the candidate-scope groups), as the
 //! baseline input drift is measured against.
 //!
 //! The calibration set is a `.npy` file (`read_npy`): little-endian f32, C
@@ -486,9 +486,10 @@ fn mse_range(h: &[u64], max: f32) -> f32 {
     best.1
 }
 
-/// The mean and population variance of each per-request input column of
+/// The mean and population variance of each input column drift follows in
 /// `set` (`Model::drift_columns`: the context, then the request-scope
-/// groups; empty when the model reads neither), the baseline of input
+/// groups, then the candidate-scope groups; empty when the model reads
+/// none), the baseline of input
 /// drift. Computed in f64 with each column shifted by its first value, so a
 /// large common offset does not cancel the variance away.
 pub fn input_moments(model: &Model, set: &Matrix) -> (Vec<f32>, Vec<f32>) {
@@ -685,17 +686,19 @@ mod tests {
         assert_eq!(means, vec![1e6 + 0.5, 499.5]);
         assert!((variances[0] - 0.25).abs() < 1e-6, "{variances:?}");
         assert!((variances[1] - 83_333.25).abs() < 1.0, "{variances:?}");
-        // Candidate-scope columns are not followed: one value per candidate.
+        // Candidate-scope columns come after the per-request ones.
         m.inputs[1].source = Source::Item;
         let (means, _) = input_moments(&m, &set(&values));
-        assert_eq!(means, vec![499.5]);
+        assert_eq!(means, vec![499.5, 1e6 + 0.5]);
         m.inputs[0].source = Source::Item;
+        assert_eq!(input_moments(&m, &set(&values)).0, vec![499.5, 1e6 + 0.5]);
+        m.inputs.clear();
         assert_eq!(input_moments(&m, &set(&values)), (Vec::new(), Vec::new()));
         // Missing values (NaN, the first row's too) are left out.
         m.inputs =
             vec![InputSegment { source: Source::Item, dim: 1 }, InputSegment { source: Source::Context, dim: 1 }];
         let (means, variances) = input_moments(&m, &set(&[0.0, f32::NAN, 0.0, 1.0, 0.0, f32::NAN, 0.0, 3.0]));
-        assert_eq!((means, variances), (vec![2.0], vec![1.0]));
+        assert_eq!((means, variances), (vec![2.0, 0.0], vec![1.0, 0.0]));
     }
 
     #[test]

@@ -468,10 +468,12 @@ impl Model {
         self.inputs.iter().flat_map(|s| std::iter::repeat_n(!s.source.per_candidate(), s.dim)).collect()
     }
 
-    /// The per-request input columns input drift follows, as (offset,
-    /// width) in a row, in order: the context, then every request-scope
-    /// group (user, card, device…) in input order. Calibrations written
-    /// before groups hold the context's moments alone: a prefix of these.
+    /// The input columns input drift follows, as (offset, width) in a row,
+    /// in order: the context, then every request-scope group (user, card,
+    /// device…), then every candidate-scope group (item, ad…), each in input
+    /// order. Calibrations written before groups hold the context's moments
+    /// alone, and those written before candidate-scope groups were followed
+    /// the context's and request-scope groups': both prefixes of these.
     pub fn drift_columns(&self) -> Vec<(usize, usize)> {
         self.drift_segments().into_iter().map(|(at, s)| (at, s.dim)).collect()
     }
@@ -486,16 +488,26 @@ impl Model {
         let mut at = 0;
         let mut context = Vec::new();
         let mut groups = Vec::new();
+        let mut candidates = Vec::new();
         for s in &self.inputs {
             match s.source.group() {
                 None if s.source == Source::Context => context.push((at, *s)),
                 Some((_, Scope::Request)) => groups.push((at, *s)),
-                _ => {}
+                Some((_, Scope::Candidate)) => candidates.push((at, *s)),
+                None => {}
             }
             at += s.dim;
         }
         context.extend(groups);
+        context.extend(candidates);
         context
+    }
+
+    /// How many of [`Model::drift_columns`]' segments hold one value per
+    /// request (the context and the request-scope groups); the rest hold
+    /// one per candidate.
+    pub fn drift_request_segments(&self) -> usize {
+        self.drift_segments().iter().filter(|(_, s)| !s.source.per_candidate()).count()
     }
 
     /// For each column of the `ContextIds` segment, the rows of the
@@ -705,12 +717,16 @@ fn validate_calibration_tables(m: &Model, c: &Calibration) -> Result<(), String>
     }
     // Files from before groups hold the context's moments alone.
     let context_dim = m.input_dim_of(Source::Context).unwrap_or(0);
-    let columns: usize = m.drift_columns().iter().map(|(_, d)| d).sum();
+    // Files from before candidate-scope groups were followed hold the
+    // per-request columns' moments alone.
+    let drift_columns = m.drift_columns();
+    let columns: usize = drift_columns.iter().map(|(_, d)| d).sum();
+    let request_columns: usize = drift_columns[..m.drift_request_segments()].iter().map(|(_, d)| d).sum();
     let moments = c.input_means.len();
-    if moments != c.input_variances.len() || ![0, context_dim, columns].contains(&moments) {
+    if moments != c.input_variances.len() || ![0, context_dim, request_columns, columns].contains(&moments) {
         return Err(format!(
-            "calibration has {moments} input means and {} variances for {context_dim} context inputs and \
-             {columns} per-request inputs",
+            "calibration has {moments} input means and {} variances for {context_dim} context inputs, \
+             {request_columns} per-request inputs and {columns} inputs in all",
             c.input_variances.len()
         ));
     }

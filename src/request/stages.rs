@@ -371,12 +371,22 @@ pub(super) fn assemble(
             }
         }
     }
-    // The per-request inputs as the rows hold them now (the context, zeros
-    // when none was sent; each request-scope group's row, its default when
-    // missing), in the calibration's order.
+    // The inputs as the rows hold them now (the context, zeros when none
+    // was sent; each group's row, its default when missing), in the
+    // calibration's order: the per-request ones from the first row, the
+    // per-candidate ones from one candidate's row, which the request count
+    // picks, weighted by the candidates (an unbiased sample of the rows'
+    // moments at the cost of one row).
     if let Some(d) = &mut served.drift {
         let first = &x[..row_dim];
-        d.record_context(served.drift_columns.iter().flat_map(|&(at, dim)| first[at..at + dim].iter().copied()), rows);
+        let pick = (served.requests as usize) % rows;
+        let picked = &x[pick * row_dim..(pick + 1) * row_dim];
+        let per_request = served.drift_request_segments;
+        let columns = served.drift_columns.iter().enumerate().flat_map(|(i, &(at, dim))| {
+            let row = if i < per_request { first } else { picked };
+            row[at..at + dim].iter().copied()
+        });
+        d.record_context(columns, rows);
     }
     if let Some((off, dim)) = layout.context_ids {
         missing += if context_ids.is_empty() {

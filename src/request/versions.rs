@@ -69,6 +69,9 @@ pub(super) struct Served {
     pub(super) drift: Option<DriftCounts>,
     /// Where the inputs drift follows are in a row (`Model::drift_columns`).
     pub(super) drift_columns: Vec<(usize, usize)>,
+    /// How many of `drift_columns` hold a per-request value; the rest, one
+    /// per candidate (`Model::drift_request_segments`).
+    pub(super) drift_request_segments: usize,
 }
 
 impl Served {
@@ -179,6 +182,7 @@ impl Versions {
         Ok(Served {
             drift: drift.map(|c| DriftCounts::new(c, context_features_max)),
             drift_columns: model.drift_columns(),
+            drift_request_segments: model.drift_request_segments(),
             backend,
             layout,
             kernel_cost: KernelCost { ns_per_row },

@@ -125,7 +125,7 @@ mod tests {
         assert!(refused(&|c| c.scores.edges[1] = 1.0).contains("not ascending"));
         assert!(refused(&|c| c.scores.counts.push(0)).contains("not ascending"));
         assert!(refused(&|c| c.input_means.push(0.0))
-            .contains("2 input means and 1 variances for 1 context inputs and 3 per-request inputs"));
+            .contains("2 input means and 1 variances for 1 context inputs, 3 per-request inputs and"));
         assert!(refused(&|c| c.input_variances[0] = -1.0).contains("bad variance"));
         assert!(refused(&|c| c.input_means[0] = f32::NAN).contains("non-finite input mean"));
         // A calibration written before the moments were stored still reads.

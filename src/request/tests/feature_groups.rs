@@ -268,15 +268,16 @@ fn input_drift_follows_the_context_and_the_request_scope_groups() {
     let mut sh = shared_groups(&dir("group-drift"));
     let mut model = (*sh.registry.snapshot().models[0]).clone();
     // Inputs: device, ad@candidate, card, ip, creative@candidate, context.
-    // Followed, in order: context, then device, card, ip.
-    assert_eq!(model.drift_columns(), [(5, 1), (0, 1), (2, 1), (3, 1)]);
+    // Followed, in order: context, then device, card, ip, then ad, creative.
+    assert_eq!(model.drift_columns(), [(5, 1), (0, 1), (2, 1), (3, 1), (1, 1), (4, 1)]);
+    assert_eq!(model.drift_request_segments(), 4);
     model.calibration = Some(Calibration {
         method: "max-abs".into(),
         rows: 100,
         input_ranges: vec![8.0],
         scores: ScoreHistogram { edges: vec![0.0, 0.5, 1.0], counts: vec![50, 50] },
-        input_means: vec![0.0, 1.0, 0.0, 0.0],
-        input_variances: vec![1.0; 4],
+        input_means: vec![0.0, 1.0, 0.0, 0.0, 0.5, 0.0],
+        input_variances: vec![1.0; 6],
         activations: ActivationScales::Dynamic,
         static_error: None,
         dynamic_error: None,
@@ -289,8 +290,14 @@ fn input_drift_follows_the_context_and_the_request_scope_groups() {
     assert_eq!(run(&mut path, &fraud(), 1_000).status, Status::Ok);
     let interval = path.versions.served[0].drift.as_mut().expect("calibrated").take();
     assert_eq!(interval.rows, 2);
-    // Σ rows × (x − μ): context 0.5, device 3 − 1, card 0.25, ip 0.75.
-    assert_eq!(interval.sum, [1.0, 4.0, 0.5, 1.5]);
+    // Σ rows × (x − μ): context 0.5, device 3 − 1, card 0.25, ip 0.75; the
+    // first request (count 1) samples the second candidate: ad 101 (0.5 −
+    // 0.5), creative c2 (unknown: 0).
+    assert_eq!(interval.sum, [1.0, 4.0, 0.5, 1.5, 0.0, 0.0]);
+    // The next samples the first: ad 100 (1 − 0.5), creative c1 (0.125).
+    assert_eq!(run(&mut path, &fraud(), 1_000).status, Status::Ok);
+    let interval = path.versions.served[0].drift.as_mut().expect("calibrated").take();
+    assert_eq!(interval.sum, [1.0, 4.0, 0.5, 1.5, 1.0, 0.25]);
 }
 
 /// An auction's groups: `ad` (u64, candidate) links to `campaign`
