@@ -9,6 +9,11 @@
 //!   keyed both ways, 1 + 32 lookups one by one and batched), and the fraud
 //!   shape: five request-scope lookups in five groups, two of them by
 //!   string key, against the auction-32 shape's 1 + 32.
+//! - `auction lookups`: the auction example's shape (3 request-scope
+//!   lookups, one by string key, then 32 ads each joined to its campaign
+//!   and advertiser through the rows' links, as the request path's
+//!   `read_through` does) beside the auction-32 shape's 1 + 32 in one
+//!   group, so their ratio reads off one run.
 //!
 //! Seeded and deterministic. `bench/run.sh` runs these and quotes medians.
 
@@ -19,7 +24,9 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
-use quiver::features::replica::{key_hash, KeyKind, Replica, ReplicaBuilder, ReplicaHandle};
+use quiver::features::replica::{
+    decode_link, key_hash, EntityKey, KeyKind, Replica, ReplicaBuilder, ReplicaHandle, KEY_BYTES_MAX,
+};
 use quiver::loadgen::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
 use quiver::registry::{Fit, Registry};
@@ -146,22 +153,36 @@ fn fingerprint(id: u64) -> String {
 }
 
 /// A table of `rows` seeded rows keyed `2 × id`: by the id itself, or by
-/// its fingerprint for string keys; built once and kept in the scratch
-/// directory while its row count and key kind still match.
+/// its fingerprint for string keys; with `parents`, each row links to a
+/// seeded one of the parent table's `parents` u64 keys (`2 × id` too).
+/// Built once and kept in the scratch directory while its row count, key
+/// kind and link kind still match.
 fn keyed_table(name: &str, rows: u64, dim: u32, kind: KeyKind) -> Replica {
+    linked_table(name, rows, dim, kind, None)
+}
+
+fn linked_table(name: &str, rows: u64, dim: u32, kind: KeyKind, parents: Option<u64>) -> Replica {
     let path = scratch("keys").join(format!("{name}.qrep"));
-    if Replica::open(&path, name).map(|r| (r.header().row_count, r.key_kind())).ok() != Some((rows, kind)) {
+    let link = parents.map(|_| KeyKind::U64);
+    let shape = |r: &Replica| (r.header().row_count, r.key_kind(), r.link_kind());
+    if Replica::open(&path, name).map(|r| shape(&r)).ok() != Some((rows, kind, link)) {
         let mut b = ReplicaBuilder::new(name, dim);
         if let KeyKind::Str { bytes_max } = kind {
             b = b.str_keys(bytes_max).unwrap();
+        }
+        if let Some(kind) = link {
+            b = b.links_to(kind).unwrap();
         }
         let mut rng = SplitMix64::new(9);
         let mut v = vec![0.0f32; dim as usize];
         for id in 0..rows {
             v.iter_mut().for_each(|x| *x = rng.normal());
+            let parent = parents.map(|n| EntityKey::Id(rng.below(n) * 2));
             match kind {
-                KeyKind::U64 => b.push(id * 2, &v).unwrap(),
-                KeyKind::Str { .. } => b.push_str(fingerprint(id * 2).as_bytes(), &v).unwrap(),
+                KeyKind::U64 => b.push_linked(EntityKey::Id(id * 2), &v, parent).unwrap(),
+                KeyKind::Str { .. } => {
+                    b.push_linked(EntityKey::Str(fingerprint(id * 2).as_bytes()), &v, parent).unwrap()
+                }
             }
         }
         b.write(&path).unwrap();
@@ -286,6 +307,120 @@ fn keys_bench(c: &mut Criterion) {
     g.finish();
 }
 
+/// One step of a lookup chain, as the request path's `read_through` takes
+/// it: each row's key is the parent key in `links` (u64 here), read in
+/// three passes so the loads overlap (index slots, then rows, then the
+/// copies); an absent link reads the default row. `links_out` gets the
+/// rows' own links for the next step (empty: none). Returns the rows missing.
+fn read_through(
+    table: &Replica,
+    links: &[u32],
+    link_words: usize,
+    filed: &mut Vec<u64>,
+    out: &mut [f32],
+    links_out: &mut [u32],
+) -> usize {
+    let mut buf = [0u8; KEY_BYTES_MAX as usize];
+    filed.clear();
+    for link in links.chunks_exact(link_words) {
+        let key = match decode_link(link, KeyKind::U64, &mut buf) {
+            Some(EntityKey::Id(id)) => id,
+            _ => u64::MAX,
+        };
+        table.prefetch_slot(key);
+        filed.push(key);
+    }
+    for &key in filed.iter() {
+        table.prefetch_row(key);
+    }
+    let (dim, kept) = (table.dim(), table.link_words());
+    let mut missing = 0;
+    for (i, (&key, dst)) in filed.iter().zip(out.chunks_exact_mut(dim)).enumerate() {
+        let link_out = links_out.get_mut(i * kept..(i + 1) * kept).unwrap_or_default();
+        let found = key != u64::MAX && table.read_linked_into(key, &[], dst, link_out);
+        if key == u64::MAX {
+            table.default_into(dst);
+            link_out.fill(0);
+        }
+        missing += usize::from(!found);
+    }
+    missing
+}
+
+/// The auction example's lookups against the auction-32 shape's, in one
+/// group: a user, a device (string key) and a publisher, then 32 ads, their
+/// campaigns through the ads' links and their advertisers through the
+/// campaigns'; populations as an ad platform's (1M users, devices and ads,
+/// 100k campaigns, 10k advertisers).
+fn auction_bench(c: &mut Criterion) {
+    let items = big_table();
+    let user = keyed_table("auser", 1_000_000, 16, KeyKind::U64);
+    let device = keyed_table("adevice", 1_000_000, 8, FINGERPRINTS);
+    let publisher = keyed_table("apublisher", 50_000, 8, KeyKind::U64);
+    let advertiser = linked_table("aadvertiser", 10_000, 8, KeyKind::U64, None);
+    let campaign = linked_table("acampaign", 100_000, 12, KeyKind::U64, Some(10_000));
+    let ad = linked_table("aad", 1_000_000, 16, KeyKind::U64, Some(100_000));
+    let mut rng = SplitMix64::new(13);
+    // auction-32: 1 user + 32 items in the 1M x 32 table, as `keys` does.
+    let sets: Vec<Vec<u64>> = (0..4096).map(|_| (0..33).map(|_| rng.below(TABLE_ROWS) * 2).collect()).collect();
+    let draws: Vec<([u64; 2], String, Vec<u64>)> = (0..4096)
+        .map(|_| {
+            let request = [rng.below(1_000_000) * 2, rng.below(50_000) * 2];
+            let device = fingerprint(rng.below(1_000_000) * 2);
+            (request, device, (0..32).map(|_| rng.below(1_000_000) * 2).collect())
+        })
+        .collect();
+    let mut out = vec![0.0f32; 33 * DIM as usize];
+    let mut rows = vec![0u32; 33];
+    let mut request_row = [0.0f32; 16 + 8 + 8];
+    let (ad_lw, campaign_lw) = (ad.link_words(), campaign.link_words());
+    let mut ad_out = vec![0.0f32; 32 * 16];
+    let mut campaign_out = vec![0.0f32; 32 * 12];
+    let mut advertiser_out = vec![0.0f32; 32 * 8];
+    let mut ad_links = vec![0u32; 32 * ad_lw];
+    let mut campaign_links = vec![0u32; 32 * campaign_lw];
+    let mut filed = Vec::with_capacity(32);
+    let mut g = c.benchmark_group("auction lookups");
+    let mut i = 0;
+    g.throughput(Throughput::Elements(33));
+    g.bench_function("auction-32 shape: 1 user + 32 items, batched", |b| {
+        b.iter(|| {
+            i = (i + 1) % sets.len();
+            black_box(items.read_many_into(&sets[i], &mut rows, &mut out, &mut []))
+        })
+    });
+    let mut lookup = |(request, fp, ads): &([u64; 2], String, Vec<u64>)| {
+        // The request-scope groups: slots, then rows, across the groups.
+        let hash = key_hash(fp.as_bytes());
+        user.prefetch_slot(request[0]);
+        device.prefetch_slot(hash);
+        publisher.prefetch_slot(request[1]);
+        user.prefetch_row(request[0]);
+        device.prefetch_row(hash);
+        publisher.prefetch_row(request[1]);
+        let (u, rest) = request_row.split_at_mut(16);
+        let (d, p) = rest.split_at_mut(8);
+        let mut missing = usize::from(!user.read_into(request[0], u));
+        missing += usize::from(!device.read_str_into(fp.as_bytes(), d));
+        missing += usize::from(!publisher.read_into(request[1], p));
+        // The chain: ads batched, then each step keyed by the links before.
+        missing += ad.read_many_into(ads, &mut rows, &mut ad_out, &mut ad_links);
+        missing += read_through(&campaign, &ad_links, ad_lw, &mut filed, &mut campaign_out, &mut campaign_links);
+        missing += read_through(&advertiser, &campaign_links, campaign_lw, &mut filed, &mut advertiser_out, &mut []);
+        missing
+    };
+    // Every key and every link lands: nothing is missing.
+    assert!(draws.iter().take(64).all(|d| lookup(d) == 0));
+    g.throughput(Throughput::Elements(3 + 32 * 3));
+    g.bench_function("auction shape: 3 request-scope + 32 ads x (ad, campaign, advertiser) via links", |b| {
+        b.iter(|| {
+            i = (i + 1) % draws.len();
+            black_box(lookup(&draws[i]))
+        })
+    });
+    g.finish();
+}
+
 fn request_bench(c: &mut Criterion) {
     let dir = scratch("demo");
     demo::ensure(&dir).unwrap();
@@ -362,6 +497,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = wire_bench, replica_bench, keys_bench, request_bench
+    targets = wire_bench, replica_bench, keys_bench, auction_bench, request_bench
 }
 criterion_main!(benches);

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use quiver::loadgen::{self, BenchOptions};
-use quiver::loadgen::{demo, fraud, DemoWorkload};
+use quiver::loadgen::{auction, demo, fraud, DemoWorkload};
 use quiver::Error;
 
 use super::ClientTlsArgs;
@@ -51,19 +51,24 @@ pub struct Args {
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// What the requests are: auction-32 (a user, --candidates items,
-    /// context) or fraud (one card payment over the fraud example's five
-    /// groups: `quiver serve --demo --workload fraud`).
+    /// context), fraud (one card payment over the fraud example's five
+    /// groups: `quiver serve --demo --workload fraud`) or auction (a user,
+    /// a device, a publisher and --candidates ads, whose campaign and
+    /// advertiser rows the server joins: `quiver serve --demo --workload
+    /// auction`).
     #[arg(long, value_enum, default_value = "auction-32")]
     workload: DemoWorkload,
-    /// Fraud: known entities per group, `GROUP=N,…` over the example's
-    /// (card=50000,account=30000,device=40000,ip=40000,merchant=2000);
-    /// --zipf sets every group's exponent (default 1; --group-zipf one
-    /// group's), --unknown-fraction
-    /// the share of device and IP keys outside them.
+    /// Fraud and auction: known entities per keyed group, `GROUP=N,…` over
+    /// the example's (fraud: card=50000,account=30000,device=40000,
+    /// ip=40000,merchant=2000; auction: user=100000,device=50000,
+    /// publisher=2000,ad=20000); --zipf sets every group's exponent
+    /// (default 1; --group-zipf one group's), --unknown-fraction the share
+    /// of keys outside them (fraud: device and IP keys; auction: device
+    /// keys and ad ids).
     #[arg(long)]
     populations: Option<String>,
-    /// Fraud: Zipf exponents per group, `GROUP=S,…` over --zipf's
-    /// (`device=0.8,merchant=1.2`).
+    /// Fraud and auction: Zipf exponents per keyed group, `GROUP=S,…` over
+    /// --zipf's (`device=0.8,merchant=1.2`, `ad=1.2`).
     #[arg(long)]
     group_zipf: Option<String>,
     #[arg(long, default_value_t = demo::CANDIDATES)]
@@ -143,9 +148,6 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     if multi && (args.sweep.is_some() || args.tls.settings().is_some() || args.protocol != loadgen::Protocol::Quiver) {
         return Err(Error::Setup("several nodes take plain Quiver load: no --sweep, --tls or --protocol redis".into()));
     }
-    if let Some(why) = args.workload.unavailable() {
-        return Err(Error::Setup(why.into()));
-    }
     let workload = match args.workload {
         DemoWorkload::Fraud => {
             if args.user_zipf.is_some() || args.item_zipf.is_some() {
@@ -165,8 +167,27 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             };
             loadgen::WorkloadKind::Fraud(fraud::Mix { populations, zipf })
         }
+        DemoWorkload::Auction => {
+            if args.user_zipf.is_some() || args.item_zipf.is_some() {
+                return Err(Error::Setup("--workload auction: --zipf sets every group's exponent".into()));
+            }
+            let base = auction::Mix::default();
+            let populations = match &args.populations {
+                Some(text) => auction::parse_by_group(text, base.populations)
+                    .map_err(|e| Error::Setup(format!("--populations {e}")))?,
+                None => base.populations,
+            };
+            let all = [args.zipf.unwrap_or(auction::ZIPF_DEFAULT); 4];
+            let zipf = match &args.group_zipf {
+                Some(text) => {
+                    auction::parse_by_group(text, all).map_err(|e| Error::Setup(format!("--group-zipf {e}")))?
+                }
+                None => all,
+            };
+            loadgen::WorkloadKind::Auction(auction::Mix { populations, zipf })
+        }
         _ if args.populations.is_some() || args.group_zipf.is_some() => {
-            return Err(Error::Setup("--populations and --group-zipf are for --workload fraud".into()));
+            return Err(Error::Setup("--populations and --group-zipf are for --workload fraud or auction".into()));
         }
         _ => loadgen::WorkloadKind::Auction32,
     };

@@ -1,21 +1,23 @@
 //! `quiver demo`: a built-in example's replicas and model written into a
-//! directory (auction-32 by default, or the fraud example with its
-//! `quiver.toml`), optionally published twice to a model registry so that
+//! directory (auction-32 by default, or the fraud or auction example with
+//! its `quiver.toml`), optionally published twice to a model registry so that
 //! `serve --models-dir` has a hot swap to try; or, for the fraud example,
 //! the labelled training set its committed model was trained on.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use quiver::loadgen::{demo, fraud, DemoWorkload};
+use quiver::loadgen::{auction, demo, fraud, DemoWorkload};
 use quiver::Error;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[arg(long, default_value = "quiver-data")]
     data_dir: PathBuf,
-    /// Which example: auction-32 (users and items, an MLP) or fraud (card
-    /// payments over five feature groups, a LightGBM model).
+    /// Which example: auction-32 (users and items, an MLP), fraud (card
+    /// payments over five feature groups, a LightGBM model) or auction
+    /// (ads joined to their campaign and advertiser through the replicas'
+    /// links, six groups, an MLP).
     #[arg(long, value_enum, default_value = "auction-32")]
     workload: DemoWorkload,
     /// Also publish the demo model as versions 1 and 2 in this registry
@@ -40,9 +42,6 @@ fn setup(e: impl std::fmt::Display) -> Error {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
-    if let Some(why) = args.workload.unavailable() {
-        return Err(Error::Setup(why.into()));
-    }
     if let Some(path) = &args.training_set {
         if args.workload != DemoWorkload::Fraud {
             return Err(Error::Setup("--training-set is for --workload fraud".into()));
@@ -63,7 +62,18 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             );
             fraud::model().map_err(setup)?
         }
-        _ => {
+        DemoWorkload::Auction => {
+            let files = auction::ensure(&args.data_dir).map_err(setup)?;
+            println!(
+                "auction example in {}: serve it with `quiver serve --demo --workload auction --data-dir {}` or \
+                 `quiver serve --config {}`",
+                args.data_dir.display(),
+                args.data_dir.display(),
+                files.config.display()
+            );
+            auction::model()
+        }
+        DemoWorkload::Auction32 => {
             demo::ensure(&args.data_dir)?;
             demo::model()
         }

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use quiver::config::Config;
-use quiver::loadgen::{demo, fraud, DemoWorkload};
+use quiver::loadgen::{auction, demo, fraud, DemoWorkload};
 use quiver::score::BackendKind;
 use quiver::Error;
 
@@ -36,8 +36,8 @@ pub struct Args {
     /// Generate (once) and serve a built-in example (--workload).
     #[arg(long)]
     demo: bool,
-    /// With --demo: auction-32 (the default) or fraud, whose five feature
-    /// groups this sets as `[[groups]]` (no config file needed).
+    /// With --demo: auction-32 (the default), fraud or auction, whose
+    /// feature groups this sets as `[[groups]]` (no config file needed).
     #[arg(long, value_enum, requires = "demo")]
     workload: Option<DemoWorkload>,
     #[arg(long, value_enum)]
@@ -146,13 +146,12 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     }
     if args.demo {
         let workload = args.workload.unwrap_or(DemoWorkload::Auction32);
-        if let Some(why) = workload.unavailable() {
-            return Err(Error::Setup(why.into()));
-        }
-        if workload == DemoWorkload::Fraud {
-            demo_fraud(&mut config)?;
-        } else {
-            demo::ensure(&config.data_dir)?;
+        match workload {
+            DemoWorkload::Fraud => demo_fraud(&mut config)?,
+            DemoWorkload::Auction => demo_auction(&mut config)?,
+            DemoWorkload::Auction32 => {
+                demo::ensure(&config.data_dir)?;
+            }
         }
     }
     let stop = Arc::new(AtomicBool::new(false));
@@ -186,5 +185,24 @@ fn demo_fraud(config: &mut Config) -> Result<(), Error> {
     fraud::ensure(&config.data_dir).map_err(|e| Error::Setup(e.to_string()))?;
     config.groups = groups;
     config.canary_group = fraud::CANARY_GROUP.into();
+    Ok(())
+}
+
+/// Sets up the auction example in `config.data_dir` and serves it: its six
+/// groups, ad → campaign → advertiser linked, become `[[groups]]` (a config
+/// file's own must be exactly those), and the user keeps a canary choice
+/// sticky.
+fn demo_auction(config: &mut Config) -> Result<(), Error> {
+    let groups = auction::groups();
+    if !config.groups.is_empty() && config.groups != groups {
+        return Err(Error::Setup(
+            "--demo --workload auction configures its own [[groups]] (user, device, publisher, ad, campaign, \
+             advertiser); drop [[groups]] from the config file"
+                .into(),
+        ));
+    }
+    auction::ensure(&config.data_dir).map_err(|e| Error::Setup(e.to_string()))?;
+    config.groups = groups;
+    config.canary_group = auction::CANARY_GROUP.into();
     Ok(())
 }

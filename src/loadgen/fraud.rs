@@ -507,14 +507,7 @@ impl Default for Mix {
 /// (`card=1000000,merchant=5000` for populations, `device=0.8` for
 /// exponents).
 pub fn parse_by_group<T: std::str::FromStr + Copy>(text: &str, base: [T; 5]) -> Result<[T; 5], String> {
-    let mut out = base;
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("'{part}': expected GROUP=VALUE with GROUP one of {}", GROUPS.join(", "));
-        let (name, v) = part.split_once('=').ok_or_else(bad)?;
-        let g = GROUPS.iter().position(|g| *g == name.trim()).ok_or_else(bad)?;
-        out[g] = v.trim().parse().map_err(|_| bad())?;
-    }
-    Ok(out)
+    crate::loadgen::parse_by_name(text, &GROUPS, base)
 }
 
 /// Generates fraud-scoring requests for the load generator: one

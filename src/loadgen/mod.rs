@@ -38,6 +38,7 @@ use crate::client::Codec;
 use crate::loadgen::demo::{IdDist, Ids, SplitMix64, Workload};
 use crate::wire::{status_name, tier_name, RequestSpec, Status};
 
+pub mod auction;
 pub mod demo;
 pub mod fraud;
 pub mod nodes;
@@ -108,7 +109,8 @@ pub struct BenchOptions {
     /// Speak TLS to the server (Quiver with `[tls]`).
     pub tls: Option<crate::tls::ClientTls>,
     /// What the requests are: auction-32's (users, items, context, sized by
-    /// the fields above) or fraud transactions over five groups.
+    /// the fields above), fraud transactions over five groups, or auctions
+    /// of `candidates` ads over the auction example's groups.
     pub workload: WorkloadKind,
 }
 
@@ -120,22 +122,9 @@ pub enum DemoWorkload {
     Auction32,
     /// Card payments over five groups, a LightGBM model (`fraud`).
     Fraud,
-    /// Ads whose campaign and advertiser rows are reached through foreign
-    /// keys: not built yet (there are no foreign keys between groups).
+    /// Ads whose campaign and advertiser rows are reached through the
+    /// links in the replicas: six groups, an MLP (`auction`).
     Auction,
-}
-
-impl DemoWorkload {
-    /// Why this workload cannot be set up, if it cannot.
-    pub fn unavailable(self) -> Option<&'static str> {
-        match self {
-            DemoWorkload::Auction => Some(
-                "workload 'auction' (ads with campaign and advertiser rows reached through foreign keys) is not yet \
-                 built: feature groups cannot name each other's keys yet; try 'fraud' or 'auction-32'",
-            ),
-            DemoWorkload::Auction32 | DemoWorkload::Fraud => None,
-        }
-    }
 }
 
 /// The request generators a bench can drive.
@@ -147,6 +136,11 @@ pub enum WorkloadKind {
     /// (`fraud::Transactions`); `candidates`, `context_len` and the
     /// user/item fields do not apply.
     Fraud(fraud::Mix),
+    /// One auction per request over the auction example's groups
+    /// (`auction::Auctions`): a user, a device, a publisher and
+    /// `candidates` ads; `context_len` and the user/item fields do not
+    /// apply.
+    Auction(auction::Mix),
 }
 
 /// A bench's request generator, as [`BenchOptions::workload`] builds it.
@@ -154,6 +148,7 @@ pub enum WorkloadKind {
 pub enum BenchWorkload {
     Auction32(Workload),
     Fraud(fraud::Transactions),
+    Auction(auction::Auctions),
 }
 
 impl BenchWorkload {
@@ -162,6 +157,7 @@ impl BenchWorkload {
         match self {
             BenchWorkload::Auction32(w) => w.fill(request_id, spec),
             BenchWorkload::Fraud(t) => t.fill(request_id, spec),
+            BenchWorkload::Auction(a) => a.fill(request_id, spec),
         }
     }
 }
@@ -176,6 +172,13 @@ impl BenchOptions {
             t.budget_us = self.budget_us;
             return Ok(BenchWorkload::Fraud(t));
         }
+        if let WorkloadKind::Auction(mix) = &self.workload {
+            let mut a = auction::Auctions::new(mix, self.seed)?;
+            a.candidates = self.candidates;
+            a.unknown_fraction = self.unknown_fraction;
+            a.budget_us = self.budget_us;
+            return Ok(BenchWorkload::Auction(a));
+        }
         let mut w = Workload::auction32(self.seed);
         w.users = Ids::new(self.user_dist, self.users).map_err(|e| format!("users: {e}"))?;
         w.items = Ids::new(self.item_dist, self.items).map_err(|e| format!("items: {e}"))?;
@@ -187,6 +190,24 @@ impl BenchOptions {
     }
 }
 
+/// Parses `NAME=V,…` over `base`, one value per name in `names` order
+/// (`card=1000000,merchant=5000`): what `--populations` and `--group-zipf`
+/// take for the workloads keyed by several groups.
+pub fn parse_by_name<T: std::str::FromStr + Copy, const N: usize>(
+    text: &str,
+    names: &[&str; N],
+    base: [T; N],
+) -> Result<[T; N], String> {
+    let mut out = base;
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || format!("'{part}': expected GROUP=VALUE with GROUP one of {}", names.join(", "));
+        let (name, v) = part.split_once('=').ok_or_else(bad)?;
+        let g = names.iter().position(|g| *g == name.trim()).ok_or_else(bad)?;
+        out[g] = v.trim().parse().map_err(|_| bad())?;
+    }
+    Ok(out)
+}
+
 /// The ids a run drew, as its report records them.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct IdsReport {
@@ -195,11 +216,12 @@ pub struct IdsReport {
     /// `uniform` or `zipf:S`.
     pub user_dist: String,
     pub item_dist: String,
-    /// A fraud run: each group's population, in model input order (the
-    /// user and item fields above do not apply).
+    /// A fraud or auction run: each keyed group's population, in model
+    /// input order (the user and item fields above do not apply).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<(String, u64)>,
-    /// A fraud run: how every group's keys were drawn (`zipf:S`).
+    /// A fraud or auction run: how every keyed group's keys were drawn
+    /// (`zipf:S`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub group_dist: String,
 }
@@ -435,14 +457,19 @@ pub fn run_recorded(opts: &BenchOptions) -> (BenchReport, Recording) {
             ..IdsReport::default()
         },
     };
-    if let WorkloadKind::Fraud(mix) = &opts.workload {
+    let by_group = match &opts.workload {
+        WorkloadKind::Auction32 => None,
+        WorkloadKind::Fraud(mix) => Some((&fraud::GROUPS[..], &mix.populations[..], &mix.zipf[..])),
+        WorkloadKind::Auction(mix) => Some((&auction::KEYED[..], &mix.populations[..], &mix.zipf[..])),
+    };
+    if let Some((names, populations, zipf)) = by_group {
         // No user or item ids are sent: the report names the groups instead.
         report.ids = IdsReport {
-            groups: fraud::GROUPS.iter().map(|g| g.to_string()).zip(mix.populations).collect(),
-            group_dist: fraud::GROUPS
+            groups: names.iter().map(|g| g.to_string()).zip(populations.iter().copied()).collect(),
+            group_dist: names
                 .iter()
-                .zip(mix.zipf)
-                .map(|(g, s)| format!("{g} {}", IdDist::Zipf(s)))
+                .zip(zipf)
+                .map(|(g, &s)| format!("{g} {}", IdDist::Zipf(s)))
                 .collect::<Vec<_>>()
                 .join(", "),
             ..IdsReport::default()
