@@ -4,7 +4,8 @@
 //! - `replica`: 1 + 32 lookups in a 1M-row × 32-float table, hits and misses,
 //!   one at a time and batched with prefetch.
 //! - `request`: the whole `RequestPath::handle` (decode → lookup → INT8 MLP
-//!   → encode) on the demo data, and the protocol floor.
+//!   → encode) on the demo data, and the protocol floor; and on the auction
+//!   example's data (`request path auction`).
 //! - `keys`: string keys against u64 keys (the same 1M rows × 32 floats
 //!   keyed both ways, 1 + 32 lookups one by one and batched), and the fraud
 //!   shape: five request-scope lookups in five groups, two of them by
@@ -24,9 +25,11 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use quiver::config::Limits;
 use quiver::deadline::{Clock, MonotonicClock};
+use quiver::features::groups::Absent;
 use quiver::features::replica::{
     decode_link, key_hash, EntityKey, KeyKind, Replica, ReplicaBuilder, ReplicaHandle, KEY_BYTES_MAX,
 };
+use quiver::loadgen::auction;
 use quiver::loadgen::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
 use quiver::registry::{Fit, Registry};
@@ -487,6 +490,87 @@ fn request_bench(c: &mut Criterion) {
     g.finish();
 }
 
+/// The whole request path over the auction example (`loadgen::auction`):
+/// 65,536 distinct auctions of 32 ads drawn Zipf over its populations,
+/// each ad joined to its campaign and advertiser through the links, the
+/// INT8 MLP; beside `request path auction-32`'s distinct-request figure.
+fn auction_request_bench(c: &mut Criterion) {
+    let dir = scratch("auction");
+    auction::ensure(&dir).unwrap();
+    let groups: Vec<SharedGroup> = auction::GROUPS
+        .iter()
+        .enumerate()
+        .map(|(g, name)| SharedGroup {
+            name: (*name).into(),
+            scope: auction::SCOPES[g],
+            absent: Absent::Reject,
+            handle: Arc::new(ReplicaHandle::open(&dir.join(format!("{name}.qrep")), name).unwrap()),
+            child: auction::PARENTS.iter().position(|p| p == &Some(*name)).map(|c| auction::GROUPS[c].into()),
+        })
+        .collect();
+    let fit = Fit { groups: groups.iter().map(SharedGroup::fit).collect(), context_len_max: 256 };
+    let registry = Registry::single(&dir.join("model.qm"), fit, BackendKind::Int8, 256).unwrap();
+    let shared = Shared {
+        registry: Arc::new(registry),
+        groups,
+        canary_group: auction::CANARY_GROUP.into(),
+        limits: Limits::default(),
+        backend: BackendKind::Int8,
+        floor: false,
+        readiness: Arc::new(Readiness::ready()),
+        admission: Default::default(),
+        client_usage: Arc::new(quiver::request::admission::ClientUsage::new(&Default::default(), 1)),
+        ladder: Default::default(),
+        cache: CacheConfig::default(),
+        shed: Default::default(),
+        feed: None,
+        fallback: None,
+        shards: 1,
+    };
+    let mut auctions = auction::Auctions::new(&auction::Mix::default(), 1_000_000).unwrap();
+    let mut spec = RequestSpec::default();
+    let frames: Vec<Vec<u8>> = (0..65_536)
+        .map(|n| {
+            auctions.fill(n, &mut spec);
+            spec.budget_us = 1_000_000;
+            let mut frame = Vec::new();
+            RequestEncoder::new().encode(&spec, &mut frame);
+            frame
+        })
+        .collect();
+    let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
+    let mut out = Vec::with_capacity(4096);
+    // Every auction is answered Ok with every row found.
+    path.handle(
+        &frames[0][wire::FRAME_PREFIX_BYTES..],
+        path.clock().now_ns(),
+        0,
+        quiver::request::admission::Peer::at(std::net::Ipv4Addr::LOCALHOST.into()),
+        &mut out,
+    );
+    let r = wire::decode_response(&out[wire::FRAME_PREFIX_BYTES..], 256).unwrap();
+    assert_eq!((r.status, r.features_missing, r.scores.len()), (Status::Ok, 0, auction::CANDIDATES), "{r:?}");
+    let mut g = c.benchmark_group("request path auction");
+    g.throughput(Throughput::Elements(1));
+    let mut i = 0;
+    g.bench_function("handle, int8, 65536 distinct requests", |b| {
+        b.iter(|| {
+            i = (i + 1) % frames.len();
+            out.clear();
+            let read_at_ns = path.clock().now_ns();
+            path.handle(
+                &frames[i][wire::FRAME_PREFIX_BYTES..],
+                read_at_ns,
+                0,
+                quiver::request::admission::Peer::at(std::net::Ipv4Addr::LOCALHOST.into()),
+                &mut out,
+            );
+            black_box(out.len())
+        })
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .sample_size(30)
@@ -497,6 +581,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = wire_bench, replica_bench, keys_bench, auction_bench, request_bench
+    targets = wire_bench, replica_bench, keys_bench, auction_bench, request_bench, auction_request_bench
 }
 criterion_main!(benches);
