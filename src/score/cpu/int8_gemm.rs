@@ -55,11 +55,13 @@ pub enum Int8Kernel {
     Avx2,
     /// `vpdpbusd` on 512-bit vectors.
     Avx512Vnni,
+    /// `tdpbusd` on AMX tiles (16 rows × 64 bytes), with the VNNI epilogue.
+    Amx,
 }
 
 impl Int8Kernel {
-    pub const ALL: [Int8Kernel; 4] =
-        [Int8Kernel::Scalar, Int8Kernel::Portable, Int8Kernel::Avx2, Int8Kernel::Avx512Vnni];
+    pub const ALL: [Int8Kernel; 5] =
+        [Int8Kernel::Scalar, Int8Kernel::Portable, Int8Kernel::Avx2, Int8Kernel::Avx512Vnni, Int8Kernel::Amx];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -67,6 +69,7 @@ impl Int8Kernel {
             Int8Kernel::Portable => "portable",
             Int8Kernel::Avx2 => "avx2",
             Int8Kernel::Avx512Vnni => "avx512-vnni",
+            Int8Kernel::Amx => "amx",
         }
     }
 
@@ -83,8 +86,11 @@ impl Int8Kernel {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
+            // The epilogue is the VNNI one, so AMX needs AVX-512 as well.
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Amx => Int8Kernel::Avx512Vnni.is_available() && x86::amx::ready(),
             #[cfg(not(target_arch = "x86_64"))]
-            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni => false,
+            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni | Int8Kernel::Amx => false,
         }
     }
 
@@ -99,12 +105,40 @@ impl Int8Kernel {
     /// Output channels per packed weight line and k values per group.
     fn shape(self) -> (usize, usize) {
         match self {
-            Int8Kernel::Avx512Vnni => (16, 4),
+            Int8Kernel::Avx512Vnni | Int8Kernel::Amx => (16, 4),
             Int8Kernel::Avx2 => (8, 2),
             Int8Kernel::Scalar | Int8Kernel::Portable => (8, 1),
         }
     }
+
+    /// What K is padded to: a whole AMX tile row of 64 bytes for `Amx`, one
+    /// group for the others.
+    fn k_align(self) -> usize {
+        match self {
+            Int8Kernel::Amx => 64,
+            k => k.shape().1,
+        }
+    }
+
+    /// Whether activations are `x_q + 128` bytes (the `vpdpbusd` /
+    /// `tdpbusd` operand) rather than i16.
+    fn uses_u8(self) -> bool {
+        matches!(self, Int8Kernel::Avx512Vnni | Int8Kernel::Amx)
+    }
+
+    /// Rows of activations a kernel may read for `rows` rows: AMX loads
+    /// whole tiles of 16 rows, whatever the rows past `rows` hold (their
+    /// sums are never stored).
+    fn rows_read(self, rows: usize) -> usize {
+        match self {
+            Int8Kernel::Amx => rows.next_multiple_of(AMX_TILE_ROWS),
+            _ => rows,
+        }
+    }
 }
+
+/// Rows of an AMX tile.
+const AMX_TILE_ROWS: usize = 16;
 
 /// A layer's weights and per-channel constants in the layout `kernel` reads.
 pub struct PackedLayer {
@@ -114,11 +148,12 @@ pub struct PackedLayer {
     k_pad: usize,
     n_pad: usize,
     relu: bool,
-    /// `Avx512Vnni` weights; empty otherwise.
+    /// `Avx512Vnni` and `Amx` weights; empty otherwise.
     w_i8: AlignedBuf<i8>,
     /// `Avx2` / `Portable` weights; empty otherwise.
     w_i16: AlignedBuf<i16>,
-    /// `128 * Σ_k w[o][k]` for `Avx512Vnni`, zero otherwise; length `n_pad`.
+    /// `128 * Σ_k w[o][k]` for `Avx512Vnni` and `Amx`, zero otherwise;
+    /// length `n_pad`.
     offset_corr: AlignedBuf<i32>,
     scales: AlignedBuf<f32>,
     bias: AlignedBuf<f32>,
@@ -131,7 +166,7 @@ impl PackedLayer {
         assert!(kernel != Int8Kernel::Scalar && kernel.is_available());
         let (lanes, group) = kernel.shape();
         let (k, n) = (layer.in_dim, layer.out_dim);
-        let (k_pad, n_pad) = (k.next_multiple_of(group), n.next_multiple_of(lanes));
+        let (k_pad, n_pad) = (k.next_multiple_of(kernel.k_align()), n.next_multiple_of(lanes));
         let w = |o: usize, kk: usize| {
             if o < n && kk < k {
                 layer.weights_i8[o * k + kk]
@@ -143,7 +178,10 @@ impl PackedLayer {
         let mut w_i8 = AlignedBuf::zeroed(0);
         let mut w_i16 = AlignedBuf::zeroed(0);
         let mut offset_corr = AlignedBuf::zeroed(n_pad);
-        if kernel == Int8Kernel::Avx512Vnni {
+        // The VNNI lines are the AMX B-tile layout too: 16 consecutive
+        // groups of one channel block are one tile of 16 rows (k / 4) × 16
+        // channels × 4 bytes, at a stride of 64 bytes.
+        if kernel.uses_u8() {
             w_i8 = AlignedBuf::zeroed(n_pad * k_pad);
             let dst = w_i8.as_mut_slice();
             for nb in 0..n_pad / lanes {
@@ -196,7 +234,7 @@ impl PackedLayer {
     /// outputs to `y` (`[rows][n]`).
     pub fn forward(&self, x: &[f32], rows: usize, y: &mut [f32], s: &mut Scratch) {
         assert!(x.len() >= rows * self.k && y.len() >= rows * self.n);
-        assert!(rows <= s.sx.len() && rows * self.k_pad <= s.x_len);
+        assert!(rows <= s.sx.len() && self.kernel.rows_read(rows) * self.k_pad <= s.x_len);
         let (k, k_pad) = (self.k, self.k_pad);
         match self.kernel {
             Int8Kernel::Scalar => unreachable!("PackedLayer::new refuses the scalar kernel"),
@@ -223,8 +261,20 @@ impl PackedLayer {
                     x86::gemm_vnni(self, s.x_u8.as_slice(), rows, &x86::Dynamic { sx: &s.sx, y: y.as_mut_ptr() });
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Amx => {
+                // SAFETY: `new` checked AVX-512 F/BW/VL/VNNI and the tile
+                // permission; the scratch holds the padded rows the tiles
+                // read (asserted above).
+                unsafe {
+                    x86::quantize_rows_avx512(x, rows, k, k_pad, s.x_u8.as_mut_slice(), &mut s.sx);
+                    x86::amx::gemm(self, s.x_u8.as_slice(), rows, &x86::Dynamic { sx: &s.sx, y: y.as_mut_ptr() });
+                }
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni => unreachable!("PackedLayer::new refuses unavailable kernels"),
+            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni | Int8Kernel::Amx => {
+                unreachable!("PackedLayer::new refuses unavailable kernels")
+            }
         }
     }
 
@@ -233,7 +283,7 @@ impl PackedLayer {
     /// integer part of every variant on its own.
     pub fn accumulate(&self, xq: &[i8], rows: usize, acc: &mut [i32], s: &mut Scratch) {
         assert!(xq.len() >= rows * self.k && acc.len() >= rows * self.n);
-        assert!(rows <= s.sx.len() && rows * self.k_pad <= s.x_len);
+        assert!(rows <= s.sx.len() && self.kernel.rows_read(rows) * self.k_pad <= s.x_len);
         let (k, k_pad) = (self.k, self.k_pad);
         match self.kernel {
             Int8Kernel::Scalar => unreachable!("PackedLayer::new refuses the scalar kernel"),
@@ -254,8 +304,16 @@ impl PackedLayer {
                 // SAFETY: as in `forward`.
                 unsafe { x86::gemm_vnni(self, s.x_u8.as_slice(), rows, &x86::Raw(acc.as_mut_ptr())) }
             }
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Amx => {
+                widen_rows(xq, rows, k, k_pad, s.x_u8.as_mut_slice());
+                // SAFETY: as in `forward`.
+                unsafe { x86::amx::gemm(self, s.x_u8.as_slice(), rows, &x86::Raw(acc.as_mut_ptr())) }
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni => unreachable!("PackedLayer::new refuses unavailable kernels"),
+            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni | Int8Kernel::Amx => {
+                unreachable!("PackedLayer::new refuses unavailable kernels")
+            }
         }
     }
 }
@@ -314,8 +372,8 @@ impl StaticLayers {
     ) -> StaticLayers {
         assert!(kernel != Int8Kernel::Scalar && kernel.is_available() && !layers.is_empty());
         assert!(packed.len() == layers.len() && packed.iter().all(|p| p.kernel == kernel));
-        let len = rows_max * width_max.next_multiple_of(4);
-        let (u8_len, i16_len) = if kernel == Int8Kernel::Avx512Vnni { (len, 0) } else { (0, len) };
+        let len = kernel.rows_read(rows_max) * width_max.next_multiple_of(kernel.k_align().max(4));
+        let (u8_len, i16_len) = if kernel.uses_u8() { (len, 0) } else { (0, len) };
         let acc_len = if kernel == Int8Kernel::Portable { rows_max * width_max } else { 0 };
         StaticLayers {
             kernel,
@@ -333,7 +391,7 @@ impl StaticLayers {
     pub fn logits(&mut self, packed: &[PackedLayer], x: &[f32], rows: usize, out: &mut [f32]) {
         assert_eq!(packed.len(), self.layers.len());
         assert!(rows * packed[0].k <= x.len());
-        assert!(packed.iter().all(|p| rows * p.k_pad <= self.act_len()));
+        assert!(packed.iter().all(|p| self.kernel.rows_read(rows) * p.k_pad <= self.act_len()));
         let last = packed.last().expect("at least one layer");
         assert!(out.len() >= rows * last.n && !self.layers.last().is_some_and(|l| l.requantize));
         assert!(self.layers[..packed.len() - 1].iter().all(|l| l.requantize));
@@ -401,8 +459,30 @@ impl StaticLayers {
                     }
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Amx => {
+                let [a, b] = &mut self.act_u8;
+                // SAFETY: as for VNNI, with the tile permission checked by
+                // `new` and the matrices holding the padded rows the tiles
+                // read (asserted above).
+                unsafe {
+                    x86::quantize_static_avx512(x, rows, k0, k0_pad, inv, a.as_mut_slice());
+                    for (i, (p, c)) in packed.iter().zip(&self.consts).enumerate() {
+                        let (src, dst) = if i % 2 == 0 { (&*a, &mut *b) } else { (&*b, &mut *a) };
+                        if c.requantize {
+                            let out =
+                                x86::Requant { c, dst: dst.as_mut_slice().as_mut_ptr(), stride: packed[i + 1].k_pad };
+                            x86::amx::gemm(p, src.as_slice(), rows, &out);
+                        } else {
+                            x86::amx::gemm(p, src.as_slice(), rows, &x86::Logits { c, y: out.as_mut_ptr() });
+                        }
+                    }
+                }
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni => unreachable!("StaticLayers::new refuses unavailable kernels"),
+            Int8Kernel::Avx2 | Int8Kernel::Avx512Vnni | Int8Kernel::Amx => {
+                unreachable!("StaticLayers::new refuses unavailable kernels")
+            }
         }
     }
 
@@ -446,10 +526,10 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new(kernel: Int8Kernel, width_max: usize, rows_max: usize) -> Scratch {
-        let x_len = rows_max * width_max.next_multiple_of(4);
+        let x_len = kernel.rows_read(rows_max) * width_max.next_multiple_of(kernel.k_align().max(4));
         let (u8_len, i16_len) = match kernel {
             Int8Kernel::Scalar => (0, 0),
-            Int8Kernel::Avx512Vnni => (x_len, 0),
+            Int8Kernel::Avx512Vnni | Int8Kernel::Amx => (x_len, 0),
             Int8Kernel::Portable | Int8Kernel::Avx2 => (0, x_len),
         };
         Scratch {
@@ -1220,6 +1300,267 @@ mod x86 {
         _mm512_reduce_add_epi32(sum)
     }
 
+    /// The AMX-INT8 GEMM: `tdpbusd` on tiles, the VNNI epilogue on the
+    /// stored sums.
+    ///
+    /// Rust has no stable AMX intrinsics, so the tile instructions are
+    /// inline assembly, one instruction per `asm!`. The tile registers are
+    /// not a register class the compiler knows or ever uses, so their
+    /// contents persist from one `asm!` to the next; every block that
+    /// touches memory says so (`readonly` for loads, nothing for the stores
+    /// the epilogue then reads), and blocks without `pure` stay in order.
+    pub(super) mod amx {
+        use std::arch::asm;
+        use std::arch::x86_64::*;
+        use std::sync::OnceLock;
+
+        use super::{mask16, PackedLayer, VnniOut};
+
+        /// Channels per tile (16 i32 columns of 64 bytes) and rows per tile.
+        const LANES: usize = 16;
+        const ROWS: usize = super::super::AMX_TILE_ROWS;
+        /// Bytes of K per tile step: one 64-byte tile row of activations,
+        /// 16 rows of 4 k of weights.
+        const K_STEP: usize = 64;
+
+        /// Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits
+        /// 24 and 25; `is_x86_feature_detected!` names them only on nightly)
+        /// and the kernel granted this process the tile data state, which
+        /// Linux hands out on request only (`arch_prctl`). Asked once per
+        /// process; a refusal is logged once.
+        pub(in super::super) fn ready() -> bool {
+            static READY: OnceLock<bool> = OnceLock::new();
+            *READY.get_or_init(|| {
+                if __cpuid(0).eax < 7 {
+                    return false;
+                }
+                let edx = __cpuid_count(7, 0).edx;
+                if edx & (1 << 24) == 0 || edx & (1 << 25) == 0 {
+                    return false;
+                }
+                permitted()
+            })
+        }
+
+        #[cfg(target_os = "linux")]
+        fn permitted() -> bool {
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a system call with two integer arguments and no
+            // memory; it changes only which state the kernel saves for
+            // this process.
+            let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+            if r != 0 {
+                tracing::warn!(
+                    error = %std::io::Error::last_os_error(),
+                    "the CPU has AMX but the kernel refused the tile data permission (arch_prctl); \
+                     the INT8 backend uses avx512-vnni instead"
+                );
+            }
+            r == 0
+        }
+
+        #[cfg(not(target_os = "linux"))]
+        fn permitted() -> bool {
+            false
+        }
+
+        /// `ldtilecfg`'s 64-byte operand: palette 1, tiles 0 to 7 all 16
+        /// rows × 64 bytes. Ragged edges are handled outside the tiles
+        /// (padded rows, K and channels), so one configuration serves
+        /// every shape.
+        #[repr(C, align(64))]
+        struct TileConfig([u8; 64]);
+
+        const CONFIG: TileConfig = {
+            let mut c = [0u8; 64];
+            c[0] = 1;
+            let mut t = 0;
+            while t < 8 {
+                // Bytes per row (u16 at 16 + 2t), then rows (u8 at 48 + t).
+                c[16 + 2 * t] = K_STEP as u8;
+                c[48 + t] = ROWS as u8;
+                t += 1;
+            }
+            TileConfig(c)
+        };
+
+        /// The four accumulator tiles of a block, stored for the epilogue:
+        /// tile `2i + j` is rows `16i..` × channel block `j`.
+        #[repr(C, align(64))]
+        struct Sums([[i32; ROWS * LANES]; 4]);
+
+        /// `tileloadd tmm{T}` of 16 rows of 64 bytes, `stride` bytes apart.
+        ///
+        /// # Safety
+        /// A tile configuration is loaded; 16 rows of 64 bytes at `p` with
+        /// this stride are readable.
+        #[inline(always)]
+        unsafe fn load<const T: u8>(p: *const u8, stride: usize) {
+            // SAFETY: forwarded to the caller.
+            unsafe {
+                asm!("tileloadd tmm{t}, [{p} + {s}*1]", t = const T, p = in(reg) p, s = in(reg) stride,
+                    options(nostack, readonly, preserves_flags));
+            }
+        }
+
+        /// `tilestored` of tile `T` (16 rows of 16 i32) at `p`, 64 bytes a row.
+        ///
+        /// # Safety
+        /// A tile configuration is loaded; 1 KiB at `p` is writable.
+        #[inline(always)]
+        unsafe fn store<const T: u8>(p: *mut i32) {
+            // SAFETY: forwarded to the caller.
+            unsafe {
+                asm!("tilestored [{p} + {s}*1], tmm{t}", t = const T, p = in(reg) p, s = in(reg) K_STEP,
+                    options(nostack, preserves_flags));
+            }
+        }
+
+        /// # Safety
+        /// A tile configuration is loaded.
+        #[inline(always)]
+        unsafe fn zero<const T: u8>() {
+            // SAFETY: register-only; forwarded to the caller.
+            unsafe { asm!("tilezero tmm{t}", t = const T, options(nostack, nomem, preserves_flags)) }
+        }
+
+        /// `tmm{C} += tmm{A} (u8) · tmm{B} (i8)`, 4 k per i32 lane.
+        ///
+        /// # Safety
+        /// A tile configuration is loaded.
+        #[inline(always)]
+        unsafe fn dpbusd<const C: u8, const A: u8, const B: u8>() {
+            // SAFETY: register-only; forwarded to the caller.
+            unsafe {
+                asm!("tdpbusd tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B,
+                    options(nostack, nomem, preserves_flags));
+            }
+        }
+
+        /// Sums of `MT` × 16 rows from `x` (row stride `k_pad`) against
+        /// `NT` channel blocks starting at `w` (block stride `groups` lines
+        /// of 64 bytes), over all of K, into `sums`.
+        ///
+        /// # Safety
+        /// A tile configuration is loaded; `x` holds `MT · 16` rows of
+        /// `k_pad` bytes, `w` `NT` blocks of `k_pad / 4` lines.
+        #[inline(always)]
+        unsafe fn block<const MT: usize, const NT: usize>(x: *const u8, k_pad: usize, w: *const i8, sums: &mut Sums) {
+            let block_bytes = k_pad * LANES;
+            // SAFETY: every load stays inside the caller's rows and blocks:
+            // activation tiles at k offsets below `k_pad`, rows below
+            // `MT · 16`; weight tiles 16 lines of 64 bytes inside a block.
+            unsafe {
+                zero::<0>();
+                if NT == 2 {
+                    zero::<1>();
+                }
+                if MT == 2 {
+                    zero::<2>();
+                    if NT == 2 {
+                        zero::<3>();
+                    }
+                }
+                for kc in (0..k_pad).step_by(K_STEP) {
+                    let w0 = w.add(kc * LANES).cast::<u8>();
+                    load::<4>(x.add(kc), k_pad);
+                    load::<6>(w0, K_STEP);
+                    if NT == 2 {
+                        load::<7>(w0.add(block_bytes), K_STEP);
+                    }
+                    dpbusd::<0, 4, 6>();
+                    if NT == 2 {
+                        dpbusd::<1, 4, 7>();
+                    }
+                    if MT == 2 {
+                        load::<5>(x.add(ROWS * k_pad + kc), k_pad);
+                        dpbusd::<2, 5, 6>();
+                        if NT == 2 {
+                            dpbusd::<3, 5, 7>();
+                        }
+                    }
+                }
+                store::<0>(sums.0[0].as_mut_ptr());
+                if NT == 2 {
+                    store::<1>(sums.0[1].as_mut_ptr());
+                }
+                if MT == 2 {
+                    store::<2>(sums.0[2].as_mut_ptr());
+                    if NT == 2 {
+                        store::<3>(sums.0[3].as_mut_ptr());
+                    }
+                }
+            }
+        }
+
+        /// Rows in blocks of 32 (two A tiles), channels in blocks of 32 (two
+        /// B tiles): four accumulator tiles, so each tile load feeds two
+        /// `tdpbusd`. Each block's sums are stored to the stack and each row
+        /// of 16 channels goes through `out.finish`, the VNNI epilogue, so
+        /// every output is bit for bit the VNNI one. Rows past `rows` in the
+        /// last tile are computed from whatever the activation matrix holds
+        /// there and never stored.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512 F/BW/VL/VNNI and AMX-INT8, and this
+        /// process must hold the tile permission (`ready()`); `p` must be
+        /// packed for `Amx`; `xa` must hold `rows` rows of `p.k_pad` bytes
+        /// (checked: and be readable up to the next multiple of 16 rows);
+        /// `out` must be valid for `rows` rows of `p.n` channels.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(in super::super) unsafe fn gemm<O: VnniOut>(p: &PackedLayer, xa: &[u8], rows: usize, out: &O) {
+            assert!(p.k_pad.is_multiple_of(K_STEP) && p.n_pad.is_multiple_of(LANES));
+            assert!(xa.len() >= rows.next_multiple_of(ROWS) * p.k_pad);
+            assert!(p.w_i8.as_slice().len() == p.n_pad * p.k_pad);
+            let blocks = p.n_pad / LANES;
+            let w = p.w_i8.as_slice().as_ptr();
+            let mut sums = Sums([[0; ROWS * LANES]; 4]);
+            // SAFETY: the configuration is a 64-byte aligned constant.
+            unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags)) };
+            for r0 in (0..rows).step_by(2 * ROWS) {
+                let row_tiles = if rows - r0 > ROWS { 2 } else { 1 };
+                let x = xa[r0 * p.k_pad..].as_ptr();
+                for b0 in (0..blocks).step_by(2) {
+                    let wb = w.wrapping_add(b0 * p.k_pad * LANES);
+                    // SAFETY: the configuration is loaded; `row_tiles` tiles
+                    // of rows from `r0` end at or below `rows` rounded up to
+                    // 16, inside `xa` (asserted); `b0` and the next block
+                    // are below `blocks` when two are used.
+                    unsafe {
+                        match (row_tiles, blocks - b0 > 1) {
+                            (2, true) => block::<2, 2>(x, p.k_pad, wb, &mut sums),
+                            (2, false) => block::<2, 1>(x, p.k_pad, wb, &mut sums),
+                            (_, true) => block::<1, 2>(x, p.k_pad, wb, &mut sums),
+                            (_, false) => block::<1, 1>(x, p.k_pad, wb, &mut sums),
+                        }
+                    }
+                    for j in 0..(blocks - b0).min(2) {
+                        let o0 = (b0 + j) * LANES;
+                        let mask = mask16(p.n - o0.min(p.n));
+                        for i in 0..row_tiles {
+                            let tile = &sums.0[2 * i + j];
+                            for r in 0..(rows - r0 - i * ROWS).min(ROWS) {
+                                // SAFETY: an aligned load of one stored row
+                                // of 16 sums; the row is below `rows` and the
+                                // block below `n_pad`, as `finish` needs.
+                                unsafe {
+                                    let acc = _mm512_load_si512(tile[r * LANES..].as_ptr().cast());
+                                    out.finish(p, r0 + i * ROWS + r, o0, mask, acc);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            // The tile state goes back to its initial state, so the kernel
+            // does not save and restore 8 KiB of tiles at every context
+            // switch between calls.
+            // SAFETY: no operands.
+            unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+        }
+    }
+
     const AVX2_LANES: usize = 8;
     const AVX2_MR: usize = 4;
     const AVX2_NB: usize = 2;
@@ -1317,7 +1658,7 @@ pub(super) fn round_clamp_slice(kernel: Int8Kernel, v: &[f32], lo: f32, out: &mu
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU features were just checked.
-        Int8Kernel::Avx512Vnni => unsafe { x86::round_clamp_slice_avx512(v, lo, out) },
+        Int8Kernel::Avx512Vnni | Int8Kernel::Amx => unsafe { x86::round_clamp_slice_avx512(v, lo, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Int8Kernel::Avx2 => unsafe { x86::round_clamp_slice_avx2(v, lo, out) },
