@@ -171,6 +171,9 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     if let Some(lib) = &config.onnxruntime_lib {
         crate::score::configure_onnxruntime(lib);
     }
+    let kernel = crate::score::cpu::configure_kernel(config.kernel)
+        .map_err(|e| Error::Setup(format!("kernel = {:?}: {e}", config.kernel)))?;
+    tracing::info!(kernel = kernel.name(), requested = ?config.kernel, "INT8 kernel");
     let groups = config.groups().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_canary_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     let (groups, feed) = open_features(&config, &groups, &stop)?;
@@ -224,6 +227,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         readiness: readiness.clone(),
         registry: registry.clone(),
         backend: format!("{:?}", config.backend).to_lowercase(),
+        kernel: kernel.name(),
         faults: config.faults_endpoint.then(|| faults.clone()),
         token,
         refusals: Default::default(),

@@ -57,7 +57,7 @@ fn encode_hist(
 
 impl prometheus_client::collector::Collector for QuiverCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let AdminState { board, readiness, registry, backend, refusals, http, .. } = &*self.state;
+        let AdminState { board, readiness, registry, backend, kernel, refusals, http, .. } = &*self.state;
         let m = metrics::merge(board);
 
         let mut e =
@@ -289,6 +289,19 @@ impl prometheus_client::collector::Collector for QuiverCollector {
             let serving = m.backends.get(&(st.name.clone(), st.version, false)).copied().unwrap_or(backend.as_str());
             let labels = [("model", st.name.as_str()), ("version", version.as_str()), ("backend", serving)];
             e.encode_info(&labels)?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "quiver_kernel",
+            "The INT8 kernel of each version scored by the CPU INT8 backend.",
+            None,
+            MetricType::Info,
+        )?;
+        for st in registry.status() {
+            let serving = m.backends.get(&(st.name.clone(), st.version, false)).copied().unwrap_or(backend.as_str());
+            if serving == "cpu-int8" || serving == "int8" {
+                let version = st.version.to_string();
+                e.encode_info(&[("model", st.name.as_str()), ("version", version.as_str()), ("kernel", *kernel)])?;
+            }
         }
 
         let seconds = Unit::Seconds;
@@ -599,6 +612,7 @@ mod tests {
             readiness: Arc::new(Readiness::ready()),
             registry: Arc::new(models),
             backend: "cpu-int8".into(),
+            kernel: "amx",
             faults: None,
             token: None,
             refusals: auth::Refusals::default(),
@@ -615,6 +629,7 @@ mod tests {
         assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"), "{text}");
         assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"+Inf\"} 4"), "{text}");
         assert!(text.contains("quiver_model_info{model=\"m\",version=\"2\",backend=\"cpu-int8\"} 1"), "{text}");
+        assert!(text.contains("quiver_kernel_info{model=\"m\",version=\"2\",kernel=\"amx\"} 1"), "{text}");
         assert!(text.contains("quiver_ready 1"), "{text}");
         assert!(text.contains("quiver_admin_unauthorized_total 1"), "{text}");
         assert!(text.contains("quiver_shed_requests_total{band=\"8-15\"} 2"), "{text}");

@@ -45,6 +45,8 @@ pub struct AdminState {
     pub registry: Arc<Registry>,
     /// The backend's name, for `quiver_model_info`.
     pub backend: String,
+    /// The INT8 kernel CPU INT8 backends run, for `quiver_kernel_info`.
+    pub kernel: &'static str,
     /// The fault hooks, when `faults_endpoint` is set.
     pub faults: Option<Arc<Faults>>,
     /// Required on every control request when set.

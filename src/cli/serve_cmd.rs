@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use quiver::config::Config;
 use quiver::loadgen::{auction, demo, fraud, DemoWorkload};
+use quiver::score::cpu::KernelChoice;
 use quiver::score::BackendKind;
 use quiver::Error;
 
@@ -42,6 +43,10 @@ pub struct Args {
     workload: Option<DemoWorkload>,
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
+    /// The INT8 kernel (`kernel`): auto picks the fastest this CPU runs;
+    /// one it lacks is a start-up error.
+    #[arg(long, value_enum)]
+    kernel: Option<KernelChoice>,
     /// The onnxruntime library (`onnxruntime_lib`), for versions served
     /// through onnxruntime (a binary built with `--features onnxruntime`).
     #[arg(long)]
@@ -101,6 +106,9 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     }
     if let Some(v) = args.backend {
         config.backend = v;
+    }
+    if let Some(v) = args.kernel {
+        config.kernel = v;
     }
     if let Some(v) = args.onnxruntime_lib {
         config.onnxruntime_lib = Some(v);

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use quiver::model::Model;
+use quiver::score::cpu::{configure_kernel, KernelChoice};
 use quiver::score::BackendKind;
 use quiver::Error;
 
@@ -14,6 +15,10 @@ pub struct Args {
     model: PathBuf,
     #[arg(long, value_enum, default_value = "int8")]
     backend: BackendKind,
+    /// The INT8 kernel: auto picks the fastest this CPU runs; one it
+    /// lacks is an error.
+    #[arg(long, value_enum, default_value = "auto")]
+    kernel: KernelChoice,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,256,1024")]
     rows: Vec<usize>,
     /// Timed calls per batch size (after warm-up); the median is reported.
@@ -39,6 +44,8 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     if let Some(lib) = args.onnxruntime_lib.clone().or_else(super::ort_dylib_path) {
         quiver::score::configure_onnxruntime(&lib);
     }
+    // The backend logs the kernel it runs.
+    configure_kernel(args.kernel).map_err(|e| Error::Setup(format!("--kernel: {e}")))?;
     let model = std::sync::Arc::new(Model::load(&args.model)?);
     let rows_from = match &args.data {
         None => None,

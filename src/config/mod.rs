@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use crate::request::Limits;
+use crate::score::cpu::KernelChoice;
 use crate::score::BackendKind;
 pub use crate::shard::{NotReadyPolicy, ReactorConfig};
 
@@ -47,6 +48,9 @@ pub struct Config {
     /// Poll `models_dir` this often and load new versions; 0 turns it off.
     pub watch_models_ms: u64,
     pub backend: BackendKind,
+    /// The INT8 kernel every CPU INT8 backend runs: `auto` (the fastest
+    /// this CPU runs) or one named; one the CPU lacks fails start-up.
+    pub kernel: KernelChoice,
     /// The onnxruntime shared library (`onnxruntime/capi/libonnxruntime.so.*`
     /// from the PyPI wheel, or a system install) for versions served through
     /// onnxruntime; default `ORT_DYLIB_PATH`, else the loader's search path.
@@ -122,6 +126,7 @@ impl Default for Config {
             default_model: None,
             watch_models_ms: 0,
             backend: BackendKind::Int8,
+            kernel: KernelChoice::Auto,
             onnxruntime_lib: None,
             inference: InferenceMode::Inline,
             stage: StageLimits::default(),

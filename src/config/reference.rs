@@ -132,6 +132,14 @@ pub const SECTIONS: &[Section] = &[
             )
             .one_of(&["int8", "f32", "fp8", "cuda", "onnxruntime"], variants::<BackendKind>),
             Key::new(
+                "kernel",
+                "\"avx512-vnni\"",
+                "The INT8 kernel of the CPU INT8 backend: `auto` (the fastest this CPU runs, `Int8Kernel::best`), \
+                 `amx`, `avx512-vnni`, `avx2` or `portable`. One the CPU lacks is a start-up error; the choice is \
+                 logged and exported as `quiver_kernel_info`.",
+            )
+            .one_of(&["auto", "amx", "avx512-vnni", "avx2", "portable"], variants::<crate::score::cpu::KernelChoice>),
+            Key::new(
                 "onnxruntime_lib",
                 "\"/opt/onnxruntime/capi/libonnxruntime.so.1.32.0\"",
                 "The onnxruntime shared library for versions it serves; absent: `ORT_DYLIB_PATH`, else the loader's \

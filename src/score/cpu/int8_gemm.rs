@@ -94,9 +94,11 @@ impl Int8Kernel {
         }
     }
 
-    /// The fastest variant this CPU runs.
+    /// The fastest variant this CPU runs. AMX comes first: below
+    /// `AMX_ROWS_MIN` rows it runs the VNNI loop, and from there on its
+    /// tiles measured faster than VNNI on the demo model (docs/KERNELS.md).
     pub fn best() -> Int8Kernel {
-        [Int8Kernel::Avx512Vnni, Int8Kernel::Avx2, Int8Kernel::Portable]
+        [Int8Kernel::Amx, Int8Kernel::Avx512Vnni, Int8Kernel::Avx2, Int8Kernel::Portable]
             .into_iter()
             .find(|k| k.is_available())
             .unwrap_or(Int8Kernel::Portable)
@@ -140,6 +142,13 @@ impl Int8Kernel {
 /// Rows of an AMX tile.
 const AMX_TILE_ROWS: usize = 16;
 
+/// `PackedLayer::amx_rows_min` for `Amx`: on the demo model (80 → 256 →
+/// 128 → 1, `bench/kernels.rs` at 1 to 32 rows on a shared Xeon VM, family
+/// 6 model 207),
+/// the VNNI loop was faster up to 8 rows and a tile from about 12 rows on,
+/// dynamic and static alike.
+const AMX_ROWS_MIN: usize = 12;
+
 /// A layer's weights and per-channel constants in the layout `kernel` reads.
 pub struct PackedLayer {
     kernel: Int8Kernel,
@@ -157,6 +166,10 @@ pub struct PackedLayer {
     offset_corr: AlignedBuf<i32>,
     scales: AlignedBuf<f32>,
     bias: AlignedBuf<f32>,
+    /// `Amx`: fewer rows than this, in a call or left after its whole tiles
+    /// of 16, go through the VNNI loop on the same weights, which is faster
+    /// there than a mostly empty tile. 0 otherwise, or tiles only.
+    amx_rows_min: usize,
 }
 
 impl PackedLayer {
@@ -227,7 +240,15 @@ impl PackedLayer {
             offset_corr,
             scales: padded(&layer.weight_scales),
             bias: padded(&layer.bias),
+            amx_rows_min: if kernel == Int8Kernel::Amx { AMX_ROWS_MIN } else { 0 },
         }
+    }
+
+    /// `Amx` on tiles for every row, the VNNI loop for none, so tests reach
+    /// the ragged tiles at any row count.
+    #[cfg(test)]
+    pub(super) fn tiles_only(&mut self) {
+        self.amx_rows_min = 0;
     }
 
     /// Quantizes `rows` rows of `x` (`[rows][k]`) and writes the layer's
@@ -1197,8 +1218,19 @@ mod x86 {
     /// must be valid for `rows` rows of `p.n` channels.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn gemm_vnni<O: VnniOut>(p: &PackedLayer, xa: &[u8], rows: usize, out: &O) {
-        assert!(xa.len() >= rows * p.k_pad && p.w_i8.as_slice().len() == p.n_pad * p.k_pad);
-        let mut r = 0;
+        // SAFETY: the caller's contract.
+        unsafe { gemm_vnni_rows(p, xa, 0, rows, out) }
+    }
+
+    /// `gemm_vnni` for rows `r_start..rows` only (the AMX kernel's
+    /// leftover rows, on the same packed weights).
+    ///
+    /// # Safety
+    /// As `gemm_vnni`; `p` may also be packed for `Amx`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn gemm_vnni_rows<O: VnniOut>(p: &PackedLayer, xa: &[u8], r_start: usize, rows: usize, out: &O) {
+        assert!(xa.len() >= rows * p.k_pad && p.w_i8.as_slice().len() == p.n_pad * p.k_pad && r_start <= rows);
+        let mut r = r_start;
         // SAFETY (all row blocks): the caller's contract, with every block
         // inside `rows`.
         while r + VNNI_MR <= rows {
@@ -1250,7 +1282,9 @@ mod x86 {
         b0: usize,
         out: &O,
     ) {
-        let groups = p.k_pad / 4;
+        // The weight lines of a block are `k_pad / 4` apart; only the first
+        // `k / 4` (rounded up) hold weights: AMX pads K to 64 for its tiles.
+        let (groups, used) = (p.k_pad / 4, p.k.div_ceil(4));
         let w = p.w_i8.as_slice().as_ptr();
         let xp = xa.as_ptr();
         // SAFETY: every pointer below stays inside its buffer: weights span
@@ -1260,7 +1294,7 @@ mod x86 {
         // features are enabled by the only caller.
         unsafe {
             let mut acc = [[_mm512_setzero_si512(); NB]; M];
-            for g in 0..groups {
+            for g in 0..used {
                 let mut wv = [_mm512_setzero_si512(); NB];
                 for (b, v) in wv.iter_mut().enumerate() {
                     *v = _mm512_load_si512(w.add(((b0 + b) * groups + g) * 64).cast());
@@ -1500,7 +1534,9 @@ mod x86 {
         /// of 16 channels goes through `out.finish`, the VNNI epilogue, so
         /// every output is bit for bit the VNNI one. Rows past `rows` in the
         /// last tile are computed from whatever the activation matrix holds
-        /// there and never stored.
+        /// there and never stored. A call of fewer than `p.amx_rows_min`
+        /// rows, or that many left after whole tiles, has those rows done
+        /// by `gemm_vnni_rows` instead (the same sums, the same epilogue).
         ///
         /// # Safety
         /// The CPU must support AVX-512 F/BW/VL/VNNI and AMX-INT8, and this
@@ -1513,11 +1549,25 @@ mod x86 {
             assert!(p.k_pad.is_multiple_of(K_STEP) && p.n_pad.is_multiple_of(LANES));
             assert!(xa.len() >= rows.next_multiple_of(ROWS) * p.k_pad);
             assert!(p.w_i8.as_slice().len() == p.n_pad * p.k_pad);
+            let left = rows % ROWS;
+            let tiled = match rows {
+                _ if rows < p.amx_rows_min => 0,
+                _ if left < p.amx_rows_min => rows - left,
+                _ => rows,
+            };
+            if tiled < rows {
+                // SAFETY: the caller's contract covers `gemm_vnni`'s.
+                unsafe { super::gemm_vnni_rows(p, xa, tiled, rows, out) };
+            }
+            if tiled == 0 {
+                return;
+            }
             let blocks = p.n_pad / LANES;
             let w = p.w_i8.as_slice().as_ptr();
             let mut sums = Sums([[0; ROWS * LANES]; 4]);
             // SAFETY: the configuration is a 64-byte aligned constant.
             unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags)) };
+            let rows = tiled;
             for r0 in (0..rows).step_by(2 * ROWS) {
                 let row_tiles = if rows - r0 > ROWS { 2 } else { 1 };
                 let x = xa[r0 * p.k_pad..].as_ptr();

@@ -142,6 +142,71 @@ impl Backend for CpuF32 {
 #[error("the {} INT8 kernel needs CPU features this machine lacks", .0.name())]
 pub struct KernelUnavailable(pub Int8Kernel);
 
+/// Which INT8 kernel the process's INT8 backends run: `auto`
+/// (`Int8Kernel::best`) or one named (`--kernel`, the `kernel` key).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum KernelChoice {
+    /// The fastest variant this CPU runs (`Int8Kernel::best`).
+    #[default]
+    Auto,
+    /// AMX-INT8 tiles (`tdpbusd`): Intel Sapphire Rapids and later, with
+    /// the kernel's tile permission.
+    Amx,
+    /// AVX-512 VNNI (`vpdpbusd`).
+    Avx512Vnni,
+    /// AVX2 (`vpmaddwd`).
+    Avx2,
+    /// Plain Rust, any CPU.
+    Portable,
+}
+
+impl KernelChoice {
+    /// The kernel this choice names on this CPU; an unavailable one is an
+    /// error, never a silent fallback.
+    pub fn resolve(self) -> Result<Int8Kernel, KernelUnavailable> {
+        let kernel = match self {
+            KernelChoice::Auto => return Ok(Int8Kernel::best()),
+            KernelChoice::Amx => Int8Kernel::Amx,
+            KernelChoice::Avx512Vnni => Int8Kernel::Avx512Vnni,
+            KernelChoice::Avx2 => Int8Kernel::Avx2,
+            KernelChoice::Portable => Int8Kernel::Portable,
+        };
+        if kernel.is_available() {
+            Ok(kernel)
+        } else {
+            Err(KernelUnavailable(kernel))
+        }
+    }
+}
+
+/// The kernel `configure_kernel` forced, as its index in `Int8Kernel::ALL`
+/// plus one; 0 for `auto`.
+static FORCED_KERNEL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets the kernel every `CpuInt8::new` from now on runs, before any
+/// backend is built (as `score::configure_onnxruntime` names its library);
+/// returns the kernel chosen. A kernel this CPU lacks is refused and
+/// changes nothing.
+pub fn configure_kernel(choice: KernelChoice) -> Result<Int8Kernel, KernelUnavailable> {
+    let kernel = choice.resolve()?;
+    let forced = match choice {
+        KernelChoice::Auto => 0,
+        _ => 1 + Int8Kernel::ALL.iter().position(|k| *k == kernel).expect("ALL lists every kernel"),
+    };
+    FORCED_KERNEL.store(forced, std::sync::atomic::Ordering::Relaxed);
+    Ok(kernel)
+}
+
+/// The kernel `CpuInt8::new` runs: the one `configure_kernel` forced, else
+/// `Int8Kernel::best()`.
+pub fn configured_kernel() -> Int8Kernel {
+    match FORCED_KERNEL.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => Int8Kernel::best(),
+        i => Int8Kernel::ALL[i - 1],
+    }
+}
+
 /// The INT8 backend.
 pub struct CpuInt8 {
     info: BackendInfo,
@@ -213,11 +278,12 @@ impl DenseKernel for Int8Dense {
 }
 
 impl CpuInt8 {
-    /// The backend with the fastest kernel this CPU supports.
+    /// The backend with the configured kernel (`configure_kernel`), by
+    /// default the fastest this CPU supports.
     pub fn new(model: &Arc<Model>, rows_max: usize) -> CpuInt8 {
-        let kernel = Int8Kernel::best();
+        let kernel = configured_kernel();
         let backend = CpuInt8::with_kernel(model, rows_max, kernel)
-            .unwrap_or_else(|e| panic!("Int8Kernel::best chose an unavailable kernel: {e}"));
+            .unwrap_or_else(|e| panic!("the configured INT8 kernel is unavailable: {e}"));
         tracing::info!(
             kernel = kernel.name(),
             activations = if backend.is_static() { "static (calibrated)" } else { "dynamic (uncalibrated model)" },
@@ -264,6 +330,12 @@ impl CpuInt8 {
 
     pub fn kernel(&self) -> Int8Kernel {
         self.kernel
+    }
+
+    /// The AMX kernel on tiles for every row count (`PackedLayer::tiles_only`).
+    #[cfg(test)]
+    fn amx_tiles_only(&mut self) {
+        self.packed.iter_mut().for_each(PackedLayer::tiles_only);
     }
 
     /// Whether the model is calibrated, so activations use static scales.
@@ -707,12 +779,17 @@ mod tests {
         let mut rng = crate::loadgen::demo::SplitMix64::new(41);
         let mut scratch = Scratch::new(kernel, 200, rows_max);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        for k in KS {
-            for n in NS {
+        // As the backend runs it (few rows through the VNNI loop), then
+        // every row on tiles.
+        for tiles_only in [false, true] {
+            for (k, n) in KS.into_iter().flat_map(|k| NS.map(|n| (k, n))) {
                 // Raw sums: random values, then ±127 everywhere.
                 for fill in [None, Some(127i8), Some(-127)] {
                     let layer = int8_layer(&mut rng, k, n, false, fill);
-                    let packed = PackedLayer::new(kernel, &layer);
+                    let mut packed = PackedLayer::new(kernel, &layer);
+                    if tiles_only {
+                        packed.tiles_only();
+                    }
                     for rows in ROWS {
                         let xq: Vec<i8> = (0..rows * k)
                             .map(|_| match fill {
@@ -729,7 +806,7 @@ mod tests {
                                 assert_eq!(
                                     got[r * n + o],
                                     want,
-                                    "k {k} n {n} rows {rows} fill {fill:?}: acc[{r}][{o}]"
+                                    "k {k} n {n} rows {rows} fill {fill:?} tiles only {tiles_only}: acc[{r}][{o}]"
                                 );
                             }
                         }
@@ -738,7 +815,10 @@ mod tests {
                 // Dynamic layers with zero, infinite, NaN and huge rows.
                 for relu in [false, true] {
                     let layer = int8_layer(&mut rng, k, n, relu, None);
-                    let packed = PackedLayer::new(kernel, &layer);
+                    let mut packed = PackedLayer::new(kernel, &layer);
+                    if tiles_only {
+                        packed.tiles_only();
+                    }
                     for rows in ROWS {
                         let mut x = inputs(rng.below(1 << 20), rows * k);
                         x[..k].fill(0.0);
@@ -749,7 +829,11 @@ mod tests {
                         let want = scalar_layer(&layer, &x, rows);
                         let mut got = vec![f32::NAN; rows * n];
                         packed.forward(&x, rows, &mut got, &mut scratch);
-                        assert_eq!(bits(&got), bits(&want), "dynamic k {k} n {n} rows {rows} relu {relu}");
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "dynamic k {k} n {n} rows {rows} relu {relu} tiles only {tiles_only}"
+                        );
                     }
                 }
                 // Static: `n` is a hidden width, requantized between layers;
@@ -758,6 +842,9 @@ mod tests {
                 let mut scalar = CpuInt8::with_kernel(&model, rows_max, Int8Kernel::Scalar).unwrap();
                 let mut amx = CpuInt8::with_kernel(&model, rows_max, kernel).unwrap();
                 assert!(amx.is_static());
+                if tiles_only {
+                    amx.amx_tiles_only();
+                }
                 for rows in ROWS {
                     let mut x = inputs(rng.below(1 << 20), rows * k);
                     x[..k].fill(0.0);
@@ -769,7 +856,7 @@ mod tests {
                     let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
                     scalar.score(&x, rows, &mut want).unwrap();
                     amx.score(&x, rows, &mut got).unwrap();
-                    assert_eq!(bits(&got), bits(&want), "static k {k} n {n} rows {rows}");
+                    assert_eq!(bits(&got), bits(&want), "static k {k} n {n} rows {rows} tiles only {tiles_only}");
                 }
             }
         }
