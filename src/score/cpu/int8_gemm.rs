@@ -24,9 +24,14 @@
 //! - `Portable`: 8 output channels per k as i16, N padded to 8, i16
 //!   activations, left to the compiler's baseline vectoriser.
 //!
+//! - `Amx`: the `Avx512Vnni` lines with K padded to 64, which are also the
+//!   AMX B-tile layout (16 lines of one channel block = one tile of 16 rows
+//!   of k / 4 × 16 channels × 4 bytes); `tdpbusd` on 16 × 64-byte activation
+//!   tiles, the sums stored and finished by the VNNI epilogue (`x86::amx`).
+//!
 //! Padding weights are zero, so whatever sits in the activations' padding
 //! columns contributes nothing. This file is the only place in the crate
-//! with SIMD intrinsics.
+//! with SIMD intrinsics and inline assembly (the AMX tile instructions).
 //!
 //! Two activation semantics share the GEMMs; what a tile does with its
 //! finished sums is the GEMM's output type (`x86::VnniOut`, `x86::Avx2Out`).
@@ -1565,8 +1570,7 @@ mod x86 {
             let blocks = p.n_pad / LANES;
             let w = p.w_i8.as_slice().as_ptr();
             let mut sums = Sums([[0; ROWS * LANES]; 4]);
-            // SAFETY: the configuration is a 64-byte aligned constant.
-            unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags)) };
+            load_config();
             let rows = tiled;
             for r0 in (0..rows).step_by(2 * ROWS) {
                 let row_tiles = if rows - r0 > ROWS { 2 } else { 1 };
@@ -1603,11 +1607,41 @@ mod x86 {
                     }
                 }
             }
-            // The tile state goes back to its initial state, so the kernel
-            // does not save and restore 8 KiB of tiles at every context
-            // switch between calls.
-            // SAFETY: no operands.
+        }
+
+        /// Releases this thread's tiles (`tilerelease`: configuration and
+        /// data back to their initial state), as other AMX code may between
+        /// two calls, so a test can check that the next call configures
+        /// them again.
+        ///
+        /// # Safety
+        /// The tile permission is held (`ready()`).
+        #[cfg(test)]
+        pub(in super::super) unsafe fn release() {
+            // SAFETY: no operands; forwarded to the caller.
             unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+        }
+
+        /// Makes `CONFIG` this thread's tile configuration. `ldtilecfg`
+        /// costs about 150 ns here (it also zeroes every tile), several
+        /// times a small layer's tiles, so the current one is read back
+        /// first (`sttilecfg`, about 25 ns) and loaded only when it differs:
+        /// on a thread's first call, or after other code on the thread
+        /// configured the tiles its own way or released them. The tiles are
+        /// not released after a call: the state stays in use, which costs
+        /// only the 8 KiB the kernel saves at a context switch.
+        #[inline(always)]
+        fn load_config() {
+            let mut current = TileConfig([0; 64]);
+            // SAFETY: `sttilecfg` writes the 64 bytes of `current` (all zero
+            // when the tiles are not configured).
+            unsafe { asm!("sttilecfg [{}]", in(reg) &mut current, options(nostack, preserves_flags)) };
+            if current.0 != CONFIG.0 {
+                // SAFETY: the configuration is a 64-byte aligned constant
+                // that the CPU accepts (palette 1, 8 tiles within its
+                // limits of 16 rows × 64 bytes).
+                unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags)) };
+            }
         }
     }
 
@@ -1717,6 +1751,17 @@ pub(super) fn round_clamp_slice(kernel: Int8Kernel, v: &[f32], lo: f32, out: &mu
                 *o = round_clamp(x, lo);
             }
         }
+    }
+}
+
+/// Releases this thread's AMX tiles, as other AMX code on the thread may;
+/// nothing without AMX.
+#[cfg(test)]
+pub(super) fn release_amx_tiles() {
+    #[cfg(target_arch = "x86_64")]
+    if Int8Kernel::Amx.is_available() {
+        // SAFETY: `is_available` checked the tile permission.
+        unsafe { x86::amx::release() }
     }
 }
 
