@@ -877,6 +877,20 @@ mod tests {
             assert_eq!(built.is_ok(), kernel.is_available(), "{kernel:?}");
         }
         assert!(Int8Kernel::Scalar.is_available() && Int8Kernel::Portable.is_available());
+        // A named kernel resolves to itself where the CPU runs it and is
+        // refused where it does not; `auto` is `best`.
+        assert_eq!(KernelChoice::Auto.resolve().unwrap(), Int8Kernel::best());
+        for (choice, kernel) in [
+            (KernelChoice::Amx, Int8Kernel::Amx),
+            (KernelChoice::Avx512Vnni, Int8Kernel::Avx512Vnni),
+            (KernelChoice::Avx2, Int8Kernel::Avx2),
+            (KernelChoice::Portable, Int8Kernel::Portable),
+        ] {
+            match choice.resolve() {
+                Ok(k) => assert!(k == kernel && kernel.is_available(), "{choice:?}"),
+                Err(KernelUnavailable(k)) => assert!(k == kernel && !kernel.is_available(), "{choice:?}"),
+            }
+        }
     }
 
     /// Every f32 bit pattern, split over the available cores, through the
