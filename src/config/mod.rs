@@ -322,6 +322,21 @@ mod tests {
     }
 
     #[test]
+    fn the_kernel_key_takes_the_command_line_names() {
+        for (name, want) in [
+            ("auto", KernelChoice::Auto),
+            ("amx", KernelChoice::Amx),
+            ("avx512-vnni", KernelChoice::Avx512Vnni),
+            ("avx2", KernelChoice::Avx2),
+            ("portable", KernelChoice::Portable),
+        ] {
+            assert_eq!(Config::parse(&format!("kernel = \"{name}\"\n"), "c.toml").unwrap().kernel, want);
+            assert_eq!(<KernelChoice as clap::ValueEnum>::from_str(name, false), Ok(want));
+        }
+        assert!(Config::parse("kernel = \"avx512\"\n", "c.toml").is_err());
+    }
+
+    #[test]
     fn values_and_typos() {
         let c = Config::parse(
             "listen = \"0.0.0.0:9\"\ncores = [1]\nbackend = \"f32\"\n[limits]\ncandidates_max = 64\n",
