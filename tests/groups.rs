@@ -397,6 +397,43 @@ fn parents_are_joined_through_links_synced_followed_and_kept_across_kill_9() {
     assert_eq!(r.status, Status::BadRequest);
     assert!(r.error.contains("keyed through the links in 'ad''s rows"), "{}", r.error);
 
+    // `features load` reads a parent column (`-`: none) and `replica build` the same file.
+    let file = dir.join("ads.txt");
+    std::fs::write(&file, "# ad,campaign,features\n5,autumn,0.125\n6,-,0.375\n").unwrap();
+    let (code, out, err) = common::run_quiver([
+        "features",
+        "load",
+        "--redis",
+        &redis.url(),
+        "--group",
+        "ad",
+        "--input",
+        file.to_str().unwrap(),
+        "--parent-key-bytes",
+        "16",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let loaded = ads(&[5, 6]);
+    let want = [logit(0.125, -0.125, 0.5), logit(0.375, -0.5, -0.25)];
+    let r = until(&mut c, &loaded, "the loaded ads", |r| (r.scores[0] - sigmoid(want[0])).abs() < 1e-5);
+    assert_scores(&r, &want);
+    let built = dir.join("ad-built.qrep");
+    let (code, out, err) = common::run_quiver([
+        "replica",
+        "build",
+        "--group",
+        "ad",
+        "--input",
+        file.to_str().unwrap(),
+        "--out",
+        built.to_str().unwrap(),
+        "--parent-key-bytes",
+        "16",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let handle = quiver::features::replica::ReplicaHandle::open(&built, "ad").unwrap();
+    assert_eq!(handle.link_kind(), Some(KeyKind::Str { bytes_max: 16 }));
+
     // `replica sync` copies the links with the rows when told the parent's key kind.
     let copy = dir.join("ad-copy.qrep");
     let (code, out, err) = common::run_quiver([

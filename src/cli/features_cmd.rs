@@ -53,6 +53,10 @@ pub enum Command {
         target: FeedTarget,
         #[arg(long)]
         input: PathBuf,
+        /// For a group with a parent: each row line names the parent's key
+        /// after its own (`key,parent,f0,...`, `-` for none).
+        #[command(flatten)]
+        parent: super::replica_cmd::ParentArgs,
     },
     /// Print one key's row as a running server serves it now (its admin
     /// route GET /features/<group>?key=K): the floats after decoding,
@@ -205,9 +209,10 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
                 }
             }
         }
-        Command::Load { target, input } => {
+        Command::Load { target, input, parent } => {
             let mut publisher = target.publisher()?;
-            let summary = feed::load::load_file(&mut publisher, &target.group, &input, load_progress())?;
+            let link = parent.link()?;
+            let summary = feed::load::load_file(&mut publisher, &target.group, &input, link, load_progress())?;
             if summary.defaults_skipped > 0 {
                 eprintln!(
                     "note: skipped {} 'default' line(s): the default vector belongs to the replica, not Redis",

@@ -31,6 +31,10 @@ pub enum Command {
         /// line's first field is then the key as written. Default: u64 ids.
         #[arg(long)]
         key_bytes: Option<u32>,
+        /// For a group with a parent: each row line names the parent's key
+        /// after its own (`key,parent,f0,...`, `-` for none).
+        #[command(flatten)]
+        parent: ParentArgs,
     },
     /// Full sync of one group from Redis into a replica file, with progress
     /// on stderr (the server does the same when it has no usable file).
@@ -98,7 +102,7 @@ pub struct ParentArgs {
 
 impl ParentArgs {
     /// The parent's key kind; none without a parent.
-    fn link(&self) -> Result<Option<KeyKind>, Error> {
+    pub fn link(&self) -> Result<Option<KeyKind>, Error> {
         match (self.parent_ids, self.parent_key_bytes) {
             (false, None) => Ok(None),
             (_, bytes) => key_kind(bytes).map(Some),
@@ -132,13 +136,17 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
 
 pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     match cmd {
-        Command::Build { group, input, out, storage, key_bytes } => {
+        Command::Build { group, input, out, storage, key_bytes, parent } => {
             check_group(&group)?;
             let text =
                 std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
             let keys = key_kind(key_bytes)?;
-            let builder =
-                ReplicaBuilder::from_text_keyed(&group, keys, &text, &input.display().to_string())?.storage(storage);
+            let name = input.display().to_string();
+            let builder = match parent.link()? {
+                None => ReplicaBuilder::from_text_keyed(&group, keys, &text, &name)?,
+                Some(link) => ReplicaBuilder::from_text_linked(&group, keys, link, &text, &name)?,
+            }
+            .storage(storage);
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;
             println!(

@@ -372,6 +372,9 @@ pub enum ContractError {
     Parent(String),
 }
 
+/// A row to publish: its key, its vector and the parent key it names.
+pub type LinkedRow = (EntityKeyBuf, Vec<f32>, Option<EntityKeyBuf>);
+
 /// Why a publish failed: the values, or Redis.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -694,7 +697,7 @@ impl Publisher {
         rows: &[(u64, Vec<f32>)],
         progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
-        self.put_many_keys(group, rows.len(), |i| (EntityKey::Id(rows[i].0), &rows[i].1), progress)
+        self.put_many_keys(group, rows.len(), |i| (EntityKey::Id(rows[i].0), &rows[i].1, None), progress)
     }
 
     /// [`Publisher::put_many`] for a string-keyed group.
@@ -704,7 +707,7 @@ impl Publisher {
         rows: &[(Vec<u8>, Vec<f32>)],
         progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
-        self.put_many_keys(group, rows.len(), |i| (EntityKey::Str(&rows[i].0), &rows[i].1), progress)
+        self.put_many_keys(group, rows.len(), |i| (EntityKey::Str(&rows[i].0), &rows[i].1, None), progress)
     }
 
     /// [`Publisher::put_many`] for keys of either kind (the publisher's).
@@ -714,28 +717,46 @@ impl Publisher {
         rows: &[(EntityKeyBuf, Vec<f32>)],
         progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
-        self.put_many_keys(group, rows.len(), |i| (rows[i].0.as_key(), &rows[i].1), progress)
+        self.put_many_keys(group, rows.len(), |i| (rows[i].0.as_key(), &rows[i].1, None), progress)
+    }
+
+    /// [`Publisher::put_many_keyed`] for rows that name their parent's key
+    /// ([`Publisher::put_linked`]).
+    pub fn put_many_linked(
+        &mut self,
+        group: &str,
+        rows: &[LinkedRow],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<u64, PublishError> {
+        let row = |i: usize| {
+            let (key, values, parent) = &rows[i];
+            (key.as_key(), values, parent.as_ref().map(EntityKeyBuf::as_key))
+        };
+        self.put_many_keys(group, rows.len(), row, progress)
     }
 
     fn put_many_keys<'r>(
         &mut self,
         group: &str,
         n: usize,
-        row: impl Fn(usize) -> (EntityKey<'r>, &'r Vec<f32>),
+        row: impl Fn(usize) -> (EntityKey<'r>, &'r Vec<f32>, Option<EntityKey<'r>>),
         progress: impl FnMut(usize, usize),
     ) -> Result<u64, PublishError> {
         check_group(group)?;
         for i in 0..n {
-            let (key, values) = row(i);
-            let checked = self.check_key(key).and_then(|()| check_values(values));
+            let (key, values, parent) = row(i);
+            let checked = self.check_key(key).and_then(|()| check_values(values)).and_then(|()| match parent {
+                Some(EntityKey::Str(bytes)) => check_str_key(bytes, KEY_BYTES_MAX),
+                _ => Ok(()),
+            });
             checked.map_err(|e| PublishError::Row { key: key.to_string(), source: Box::new(e.into()) })?;
         }
         self.publish_many(
             group,
             n,
             |i| {
-                let (key, values) = row(i);
-                (key, Op::Put(encode_vector(values)))
+                let (key, values, parent) = row(i);
+                (key, Op::Put(encode_value(values, parent)))
             },
             progress,
         )

@@ -12,22 +12,31 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::time::Instant;
 
-use super::contract::{check_group, check_str_key, EntityKeyBuf, KeyKind, PUT_BATCH_ROWS};
+use super::contract::{check_group, check_str_key, EntityKeyBuf, KeyKind, LinkedRow, PUT_BATCH_ROWS};
 use super::{FeedError, Publisher};
-use crate::features::replica::{parse_str_text_line, parse_text_line, StrTextLine, TextLine};
+use crate::features::replica::{
+    parse_keyed_line, parse_str_text_line, parse_text_line, KeyedLine, StrTextLine, TextLine,
+};
 
-/// One meaningful line of a feature file, of either key kind.
+/// One meaningful line of a feature file, of either key kind; a row names
+/// its parent's key in a file of a group with a parent.
 #[derive(Clone, Debug, PartialEq)]
 enum Line {
-    Row(EntityKeyBuf, Vec<f32>),
+    Row(EntityKeyBuf, Vec<f32>, Option<EntityKeyBuf>),
     Default(Vec<f32>),
 }
 
-/// Parses one line for a group keyed by `kind`.
-fn parse_line(text: &str, kind: KeyKind) -> Result<Option<Line>, String> {
+/// Parses one line for a group keyed by `kind` whose parent is keyed by `link`.
+fn parse_line(text: &str, kind: KeyKind, link: Option<KeyKind>) -> Result<Option<Line>, String> {
+    if link.is_some() {
+        return Ok(parse_keyed_line(text, kind, link)?.map(|l| match l {
+            KeyedLine::Row { key, parent, values } => Line::Row(key, values, parent),
+            KeyedLine::Default(values) => Line::Default(values),
+        }));
+    }
     match kind {
         KeyKind::U64 => Ok(parse_text_line(text)?.map(|l| match l {
-            TextLine::Row(id, values) => Line::Row(EntityKeyBuf::Id(id), values),
+            TextLine::Row(id, values) => Line::Row(EntityKeyBuf::Id(id), values, None),
             TextLine::Default(values) => Line::Default(values),
         })),
         KeyKind::Str { bytes_max } => match parse_str_text_line(text)? {
@@ -35,7 +44,7 @@ fn parse_line(text: &str, kind: KeyKind) -> Result<Option<Line>, String> {
             Some(StrTextLine::Default(values)) => Ok(Some(Line::Default(values))),
             Some(StrTextLine::Row(key, values)) => {
                 check_str_key(key.as_bytes(), bytes_max).map_err(|e| format!("key '{key}': {e}"))?;
-                Ok(Some(Line::Row(EntityKeyBuf::Str(key.into_bytes()), values)))
+                Ok(Some(Line::Row(EntityKeyBuf::Str(key.into_bytes()), values, None)))
             }
         },
     }
@@ -102,19 +111,21 @@ pub fn read_str_keys(path: &Path, bytes_max: u32) -> Result<Vec<Vec<u8>>, FeedEr
 /// Checks the whole file (numbers, dimension, keys, duplicates) of a u64 group without
 /// keeping its rows.
 pub fn check_file(path: &Path) -> Result<FileCheck, FeedError> {
-    check_file_keyed(path, KeyKind::U64)
+    check_file_keyed(path, KeyKind::U64, None)
 }
 
-/// [`check_file`] for a group keyed by `kind`.
-pub fn check_file_keyed(path: &Path, kind: KeyKind) -> Result<FileCheck, FeedError> {
+/// [`check_file`] for a group keyed by `kind` whose parent (if it has one)
+/// is keyed by `link`: each row line then names the parent's key after its
+/// own (`-`: none).
+pub fn check_file_keyed(path: &Path, kind: KeyKind, link: Option<KeyKind>) -> Result<FileCheck, FeedError> {
     let mut dim = None;
     let mut defaults = 0;
     // (key, line) pairs, sorted afterwards: duplicates become neighbours, at a few words a row
     // instead of a hash set's overhead.
     let mut keys: Vec<(EntityKeyBuf, usize)> = Vec::new();
-    for_each_line(path, kind, &mut dim, |line_no, line| {
+    for_each_line(path, kind, link, &mut dim, |line_no, line| {
         match line {
-            Line::Row(key, _) => keys.push((key, line_no)),
+            Line::Row(key, _, _) => keys.push((key, line_no)),
             Line::Default(_) => defaults += 1,
         }
         Ok(())
@@ -136,32 +147,34 @@ pub fn check_file_keyed(path: &Path, kind: KeyKind) -> Result<FileCheck, FeedErr
 
 /// Checks `path`, then writes every row to `group` in file order, calling
 /// `progress(done, total)` after each pipelined batch. The file's keys are of
-/// the publisher's kind ([`Publisher::with_key_kind`]).
+/// the publisher's kind ([`Publisher::with_key_kind`]); with `link` (the
+/// group's parent's key kind), each row names its parent after its key.
 pub fn load_file(
     publisher: &mut Publisher,
     group: &str,
     path: &Path,
+    link: Option<KeyKind>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<LoadSummary, FeedError> {
     check_group(group)?;
     let started = Instant::now();
     let kind = publisher.key_kind();
-    let check = check_file_keyed(path, kind)?;
-    let mut chunk: Vec<(EntityKeyBuf, Vec<f32>)> = Vec::with_capacity(LOAD_CHUNK_ROWS.min(check.rows));
+    let check = check_file_keyed(path, kind, link)?;
+    let mut chunk: Vec<LinkedRow> = Vec::with_capacity(LOAD_CHUNK_ROWS.min(check.rows));
     let mut done = 0;
     let mut last_seq = 0;
     let mut dim = None;
-    let mut flush = |chunk: &mut Vec<(EntityKeyBuf, Vec<f32>)>, done: &mut usize| -> Result<(), FeedError> {
+    let mut flush = |chunk: &mut Vec<LinkedRow>, done: &mut usize| -> Result<(), FeedError> {
         let before = *done;
-        let seq = publisher.put_many_keyed(group, chunk, |n, _| progress(before + n, check.rows))?;
+        let seq = publisher.put_many_linked(group, chunk, |n, _| progress(before + n, check.rows))?;
         last_seq = last_seq.max(seq);
         *done += chunk.len();
         chunk.clear();
         Ok(())
     };
-    for_each_line(path, kind, &mut dim, |_, line| {
-        if let Line::Row(key, values) = line {
-            chunk.push((key, values));
+    for_each_line(path, kind, link, &mut dim, |_, line| {
+        if let Line::Row(key, values, parent) = line {
+            chunk.push((key, values, parent));
             if chunk.len() == LOAD_CHUNK_ROWS {
                 flush(&mut chunk, &mut done)?;
             }
@@ -189,6 +202,7 @@ fn input_err(path: &Path, line: usize, what: String) -> FeedError {
 fn for_each_line(
     path: &Path,
     kind: KeyKind,
+    link: Option<KeyKind>,
     dim: &mut Option<usize>,
     mut f: impl FnMut(usize, Line) -> Result<(), FeedError>,
 ) -> Result<(), FeedError> {
@@ -206,11 +220,11 @@ fn for_each_line(
         if n == 0 {
             return Ok(());
         }
-        let Some(line) = parse_line(&text, kind).map_err(|what| input_err(path, line_no, what))? else {
+        let Some(line) = parse_line(&text, kind, link).map_err(|what| input_err(path, line_no, what))? else {
             continue;
         };
         let found = match &line {
-            Line::Row(_, values) | Line::Default(values) => values.len(),
+            Line::Row(_, values, _) | Line::Default(values) => values.len(),
         };
         match *dim {
             None => *dim = Some(found),
@@ -237,10 +251,10 @@ mod tests {
 
     #[test]
     fn lines_parse_like_replica_build() {
-        let parse_line = |text| parse_line(text, KeyKind::U64);
+        let parse_line = |text| parse_line(text, KeyKind::U64, None);
         assert_eq!(parse_line("  # c\n").unwrap(), None);
         assert_eq!(parse_line("\n").unwrap(), None);
-        assert_eq!(parse_line("7, 1.5 2\n").unwrap(), Some(Line::Row(EntityKeyBuf::Id(7), vec![1.5, 2.0])));
+        assert_eq!(parse_line("7, 1.5 2\n").unwrap(), Some(Line::Row(EntityKeyBuf::Id(7), vec![1.5, 2.0], None)));
         assert_eq!(parse_line("default,0,0\n").unwrap(), Some(Line::Default(vec![0.0, 0.0])));
         assert!(parse_line("7\n").unwrap_err().contains("0 values"));
         assert!(parse_line("x,1\n").unwrap_err().contains("not an unsigned 64-bit id"));
@@ -248,7 +262,7 @@ mod tests {
         assert!(parse_line("1,inf\n").unwrap_err().contains("infinite"));
         // NaN marks a missing feature.
         assert!(matches!(parse_line("1,nan,2\n").unwrap(),
-            Some(Line::Row(EntityKeyBuf::Id(1), v)) if v[0].is_nan() && v[1] == 2.0));
+            Some(Line::Row(EntityKeyBuf::Id(1), v, None)) if v[0].is_nan() && v[1] == 2.0));
         assert!(parse_line(" , ,\n").unwrap_err().contains("only separators"));
     }
 
@@ -276,18 +290,18 @@ mod tests {
         let kind = KeyKind::Str { bytes_max: 5 };
         let text = "# h\ndefault,0,0\nalice,1,2\n42 3 4\n";
         let p = file("str-ok.txt", text);
-        assert_eq!(check_file_keyed(&p, kind).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
+        assert_eq!(check_file_keyed(&p, kind, None).unwrap(), FileCheck { rows: 2, dim: 2, defaults: 1 });
         assert!(crate::features::replica::ReplicaBuilder::from_text_keyed("device", kind, text, "t").is_ok());
         assert_eq!(
-            parse_line("42,1\n", kind).unwrap(),
-            Some(Line::Row(EntityKeyBuf::Str(b"42".to_vec()), vec![1.0])),
+            parse_line("42,1\n", kind, None).unwrap(),
+            Some(Line::Row(EntityKeyBuf::Str(b"42".to_vec()), vec![1.0], None)),
             "digits are a string key in a string-keyed group"
         );
         let p = file("str-long.txt", "alice,1\nbernadette,2\n");
-        let err = check_file_keyed(&p, kind).unwrap_err().to_string();
+        let err = check_file_keyed(&p, kind, None).unwrap_err().to_string();
         assert!(err.ends_with(":2: key 'bernadette': a key of 10 bytes; this group's keys are 1 to 5 bytes"), "{err}");
         let p = file("str-dup.txt", "bob,1\nal,1\nbob,2\n");
-        let err = check_file_keyed(&p, kind).unwrap_err().to_string();
+        let err = check_file_keyed(&p, kind, None).unwrap_err().to_string();
         assert!(err.ends_with(":3: duplicate key bob (first on line 1)"), "{err}");
         let p = file("str-keys.txt", "# keys\nalice\n\n bob \n");
         assert_eq!(read_str_keys(&p, 5).unwrap(), vec![b"alice".to_vec(), b"bob".to_vec()]);
@@ -311,5 +325,36 @@ mod tests {
         assert!(check_file(&p).unwrap_err().to_string().ends_with(":3: duplicate id 5 (first on line 1)"));
         let p = file("empty.txt", "# nothing\n");
         assert!(check_file(&p).unwrap_err().to_string().ends_with("no rows"));
+    }
+
+    #[test]
+    fn a_linked_groups_lines_name_the_parent_after_the_key() {
+        let (ids, strs) = (KeyKind::U64, KeyKind::Str { bytes_max: 4 });
+        let parse = |text, link| parse_line(text, ids, Some(link));
+        let row = |parent: Option<EntityKeyBuf>| Some(Line::Row(EntityKeyBuf::Id(7), vec![1.0, 2.0], parent));
+        assert_eq!(parse("7,spr,1,2", strs).unwrap(), row(Some(EntityKeyBuf::Str(b"spr".to_vec()))));
+        assert_eq!(parse("7 - 1 2", strs).unwrap(), row(None));
+        assert_eq!(parse("7,9,1,2", ids).unwrap(), row(Some(EntityKeyBuf::Id(9))));
+        assert_eq!(parse("default,0,0", ids).unwrap(), Some(Line::Default(vec![0.0, 0.0])));
+        assert!(parse("7,spring,1,2", strs).unwrap_err().contains("parent key 'spring' is 6 bytes"));
+        assert!(parse("7,x,1,2", ids).unwrap_err().contains("'x' is not an unsigned 64-bit parent key"));
+        assert!(parse("7", ids).unwrap_err().contains("no parent column"));
+        assert!(parse("7,9", ids).unwrap_err().contains("0 values"));
+        // The file check reads the same lines, and replica build does too.
+        let p = file("linked.txt", "# ads\ndefault,0\n1,spr,0.5\n2,-,0.25\n1,aut,1\n");
+        let err = check_file_keyed(&p, ids, Some(strs)).unwrap_err().to_string();
+        assert!(err.ends_with(":5: duplicate id 1 (first on line 3)"), "{err}");
+        let text = "default,0\n1,spr,0.5\n2,-,0.25\n";
+        let b = crate::features::replica::ReplicaBuilder::from_text_linked("ad", ids, strs, text, "t").unwrap();
+        let out = std::env::temp_dir().join(format!("quiver-feed-load-{}/ad.qrep", std::process::id()));
+        b.write(&out).unwrap();
+        let h = crate::features::replica::ReplicaHandle::open(&out, "ad").unwrap();
+        let (mut v, mut link) = ([0.0], vec![0; h.link_words()]);
+        assert!(h.read_linked_into(1, &[], &mut v, &mut link));
+        let mut buf = [0u8; 64];
+        let parent = crate::features::replica::decode_link(&link, strs, &mut buf);
+        assert_eq!((v, parent), ([0.5], Some(crate::features::replica::EntityKey::Str(b"spr"))));
+        assert!(h.read_linked_into(2, &[], &mut v, &mut link));
+        assert_eq!(crate::features::replica::decode_link(&link, strs, &mut buf), None);
     }
 }

@@ -699,6 +699,74 @@ pub fn parse_str_text_line(text: &str) -> Result<Option<StrTextLine>, String> {
     }))
 }
 
+/// One meaningful line of the text format, of any key kind and with the
+/// parent column of a group with a parent.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KeyedLine {
+    Row { key: EntityKeyBuf, parent: Option<EntityKeyBuf>, values: Vec<f32> },
+    Default(Vec<f32>),
+}
+
+/// The text form of "names no parent" in a parent column.
+pub const NO_PARENT: &str = "-";
+
+/// Parses one line of the text format for a group keyed by `keys` whose
+/// rows link to a parent keyed by `link`: `key,f0,f1,…` without a parent,
+/// `key,parent,f0,…` with one (`-` for a row that names none); `default,f0,…`
+/// either way. Keys and parent keys are checked against their kinds (a u64
+/// in decimal; a string of 1 to its limit's bytes, as written). The one
+/// parser behind `quiver replica build` and `quiver features load`.
+pub fn parse_keyed_line(text: &str, keys: KeyKind, link: Option<KeyKind>) -> Result<Option<KeyedLine>, String> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() || trimmed.starts_with('#') {
+        return Ok(None);
+    }
+    let mut fields = trimmed.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
+    let Some(first) = fields.next() else {
+        return Err("the line holds only separators; expected key,f0,f1,...".into());
+    };
+    let key_of = |field: &str, kind: KeyKind, what: &str| -> Result<EntityKeyBuf, String> {
+        match kind {
+            KeyKind::U64 => {
+                field.parse().map(EntityKeyBuf::Id).map_err(|_| format!("'{field}' is not an unsigned 64-bit {what}"))
+            }
+            KeyKind::Str { bytes_max } if (1..=bytes_max as usize).contains(&field.len()) => {
+                Ok(EntityKeyBuf::Str(field.as_bytes().to_vec()))
+            }
+            KeyKind::Str { bytes_max } => {
+                Err(format!("{what} '{field}' is {} bytes; its keys are 1 to {bytes_max} bytes", field.len()))
+            }
+        }
+    };
+    let rest: Vec<&str> = fields.collect();
+    let (key, parent, value_fields) = match (first, link) {
+        ("default", _) => (None, None, &rest[..]),
+        (k, None) => (Some(key_of(k, keys, "id")?), None, &rest[..]),
+        (k, Some(kind)) => {
+            let Some((&p, values)) = rest.split_first() else {
+                return Err("no parent column: expected key,parent,f0,... ('-' for no parent)".into());
+            };
+            let parent = if p == NO_PARENT { None } else { Some(key_of(p, kind, "parent key")?) };
+            (Some(key_of(k, keys, "id")?), parent, values)
+        }
+    };
+    let mut values = Vec::with_capacity(value_fields.len());
+    for f in value_fields {
+        let x: f32 = f.parse().map_err(|_| format!("'{f}' is not a number"))?;
+        if x.is_infinite() {
+            return Err(format!("'{f}' is infinite; write nan for a missing value"));
+        }
+        values.push(x);
+    }
+    if values.is_empty() || values.len() > DIM_MAX as usize {
+        return Err(format!("{} values; expected 1 to {DIM_MAX}", values.len()));
+    }
+    Ok(Some(match key {
+        None => KeyedLine::Default(values),
+        Some(key) => KeyedLine::Row { key, parent, values },
+    }))
+}
+
 /// A line of the text format split into its first field (a key, or
 /// `default`) and its values, checked as [`parse_text_line`] says.
 fn split_text_line(text: &str) -> Result<Option<(&str, Vec<f32>)>, String> {
@@ -882,6 +950,59 @@ impl ReplicaBuilder {
     /// load` uses too.
     pub fn from_text(group: &str, text: &str, path_for_errors: &str) -> Result<ReplicaBuilder, ReplicaError> {
         ReplicaBuilder::from_text_keyed(group, KeyKind::U64, text, path_for_errors)
+    }
+
+    /// [`ReplicaBuilder::from_text_keyed`] for a group whose rows link to a
+    /// parent keyed by `link`: each row line carries the parent's key after
+    /// its own (`-`: none), as [`parse_keyed_line`] reads it.
+    pub fn from_text_linked(
+        group: &str,
+        keys: KeyKind,
+        link: KeyKind,
+        text: &str,
+        path_for_errors: &str,
+    ) -> Result<ReplicaBuilder, ReplicaError> {
+        let start = |dim: usize| -> Result<ReplicaBuilder, ReplicaError> {
+            let b = ReplicaBuilder::new(group, dim as u32);
+            let b = match keys {
+                KeyKind::U64 => b,
+                KeyKind::Str { bytes_max } => b.str_keys(bytes_max)?,
+            };
+            b.links_to(link)
+        };
+        // Checked before the first line, so that a bad limit is named as such.
+        start(1)?;
+        let mut builder: Option<ReplicaBuilder> = None;
+        let mut default: Option<Vec<f32>> = None;
+        for (n, line) in text.lines().enumerate() {
+            let err = |what: String| ReplicaError::Input { path: path_for_errors.into(), line: n + 1, what };
+            let Some(parsed) = parse_keyed_line(line, keys, Some(link)).map_err(err)? else { continue };
+            let values = match &parsed {
+                KeyedLine::Row { values, .. } | KeyedLine::Default(values) => values,
+            };
+            let b = match &mut builder {
+                Some(b) => b,
+                None => builder.insert(start(values.len())?),
+            };
+            if values.len() != b.dim as usize {
+                return Err(err(format!("{} values, earlier lines have {}", values.len(), b.dim)));
+            }
+            match parsed {
+                KeyedLine::Default(values) => default = Some(values),
+                KeyedLine::Row { key, parent, values } => {
+                    b.push_linked(key.as_key(), &values, parent.as_ref().map(EntityKeyBuf::as_key))?
+                }
+            }
+        }
+        let mut b = builder.ok_or_else(|| ReplicaError::Input {
+            path: path_for_errors.into(),
+            line: 0,
+            what: "no rows".into(),
+        })?;
+        if let Some(d) = default {
+            b.set_default(&d)?;
+        }
+        Ok(b)
     }
 
     /// [`ReplicaBuilder::from_text`] for a group keyed by `keys`. With
