@@ -91,8 +91,9 @@ const STOP: u8 = 2;
 fn scenario(name: &str, extra: &[&str]) {
     let (dir, set, model) = calibrated_data_dir(name);
     let c = model.calibration.as_ref().expect("imported with a calibration");
-    // The context's 4 inputs, then the user group's 8 (request scope).
-    assert_eq!((c.input_means.len(), c.input_variances.len()), (12, 12));
+    // The context's 4 inputs, the user group's 8 (request scope), then the
+    // item group's 8 (candidate scope).
+    assert_eq!((c.input_means.len(), c.input_variances.len()), (20, 20));
     let sigmas: Vec<f32> = c.input_variances.iter().map(|v| v.sqrt()).collect();
     assert!(sigmas.iter().all(|s| *s > 0.01), "{sigmas:?}");
     let cfg = dir.join("quiver.toml");

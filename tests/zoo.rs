@@ -247,8 +247,8 @@ fn import_command_summarises_graphs_and_refuses_what_it_cannot_do() {
     assert!(stdout.contains("static not measured (no static path for graph models)"), "{stdout}");
     let m = Model::load(&out).unwrap();
     let c = m.calibration.as_ref().expect("calibrated");
-    // Drift baselines: the context's 4 inputs, then the user group's 8.
-    assert_eq!((c.rows, c.input_ranges.len(), c.input_means.len()), (16384, 0, 12));
+    // Drift baselines: the context's 4 inputs, the user group's 8, then the item group's 8.
+    assert_eq!((c.rows, c.input_ranges.len(), c.input_means.len()), (16384, 0, 20));
     assert_eq!(c.scores.counts.iter().sum::<u64>(), 16384);
     std::fs::remove_file(&out).unwrap();
 
