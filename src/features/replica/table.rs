@@ -670,7 +670,9 @@ impl Replica {
             }
         }
         self.copy_default(out);
-        link.fill(0);
+        if !link.is_empty() {
+            link.fill(0);
+        }
         false
     }
 
@@ -697,7 +699,9 @@ impl Replica {
             KeyKind::Str { bytes_max } => {
                 if str_key.is_empty() || str_key.len() > bytes_max as usize {
                     self.copy_default(out);
-                    link.fill(0);
+                    if !link.is_empty() {
+                        link.fill(0);
+                    }
                     return false;
                 }
             }
@@ -758,8 +762,19 @@ impl Replica {
             }
         }
         let mut missing = 0;
-        for (i, ((row, &key), dst)) in rows.iter().zip(keys).zip(out.chunks_exact_mut(dim)).enumerate() {
-            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+        if links.is_empty() {
+            // The common case, kept free of the links' bookkeeping.
+            for ((row, &key), dst) in rows.iter().zip(keys).zip(out.chunks_exact_mut(dim)) {
+                if *row == u32::MAX || !self.read_row(*row, key, &[], dst, &mut []) {
+                    missing += 1;
+                    self.copy_default(dst);
+                }
+            }
+            return missing;
+        }
+        for ((row, &key), (dst, link)) in
+            rows.iter().zip(keys).zip(out.chunks_exact_mut(dim).zip(links.chunks_exact_mut(lw)))
+        {
             if *row == u32::MAX || !self.read_row(*row, key, &[], dst, link) {
                 missing += 1;
                 self.copy_default(dst);
@@ -809,8 +824,17 @@ impl Replica {
         }
         let mut missing = 0;
         let each = keys.zip(hashes.iter()).zip(rows.iter()).zip(out.chunks_exact_mut(dim));
-        for (i, (((key, &hash), &row), dst)) in each.enumerate() {
-            let link = links.get_mut(i * lw..(i + 1) * lw).unwrap_or_default();
+        if links.is_empty() {
+            // The common case, kept free of the links' bookkeeping.
+            for (((key, &hash), &row), dst) in each {
+                if row == u32::MAX || !self.read_row(row, hash, key, dst, &mut []) {
+                    missing += 1;
+                    self.copy_default(dst);
+                }
+            }
+            return missing;
+        }
+        for ((((key, &hash), &row), dst), link) in each.zip(links.chunks_exact_mut(lw)) {
             if row == u32::MAX || !self.read_row(row, hash, key, dst, link) {
                 missing += 1;
                 self.copy_default(dst);
