@@ -142,11 +142,8 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
                 std::fs::read_to_string(&input).map_err(|e| Error::Setup(format!("{}: {e}", input.display())))?;
             let keys = key_kind(key_bytes)?;
             let name = input.display().to_string();
-            let builder = match parent.link()? {
-                None => ReplicaBuilder::from_text_keyed(&group, keys, &text, &name)?,
-                Some(link) => ReplicaBuilder::from_text_linked(&group, keys, link, &text, &name)?,
-            }
-            .storage(storage);
+            let builder =
+                ReplicaBuilder::from_text_linked(&group, keys, parent.link()?, &text, &name)?.storage(storage);
             builder.write(&out)?;
             let r = Replica::open(&out, &group)?;
             println!(

@@ -481,13 +481,20 @@ fn read_through(
     let mut missing = 0;
     for (i, (link, dst)) in links.chunks_exact(link_words).zip(out.chunks_exact_mut(dim)).enumerate() {
         let link_out = links_out.get_mut(i * kept..(i + 1) * kept).unwrap_or_default();
-        let found = match decode_link(link, kind, &mut buf) {
-            Some(EntityKey::Str(bytes)) => view.read_linked_into(filed[i], bytes, dst, link_out),
-            Some(EntityKey::Id(id)) => view.read_linked_into(id, &[], dst, link_out),
-            None => {
+        // A u64 parent is its filed key; only a string's bytes are decoded again.
+        let found = match (present[i], kind) {
+            (0, _) => {
                 view.default_into(dst);
                 link_out.fill(0);
                 false
+            }
+            (_, KeyKind::U64) => view.read_linked_into(filed[i], &[], dst, link_out),
+            (_, KeyKind::Str { .. }) => {
+                let bytes = match decode_link(link, kind, &mut buf) {
+                    Some(EntityKey::Str(bytes)) => bytes,
+                    _ => unreachable!("pass one decoded this link as a string key"),
+                };
+                view.read_linked_into(filed[i], bytes, dst, link_out)
             }
         };
         missing += u32::from(!found);

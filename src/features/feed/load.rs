@@ -14,9 +14,7 @@ use std::time::Instant;
 
 use super::contract::{check_group, check_str_key, EntityKeyBuf, KeyKind, LinkedRow, PUT_BATCH_ROWS};
 use super::{FeedError, Publisher};
-use crate::features::replica::{
-    parse_keyed_line, parse_str_text_line, parse_text_line, KeyedLine, StrTextLine, TextLine,
-};
+use crate::features::replica::{parse_keyed_line, KeyedLine};
 
 /// One meaningful line of a feature file, of either key kind; a row names
 /// its parent's key in a file of a group with a parent.
@@ -26,28 +24,21 @@ enum Line {
     Default(Vec<f32>),
 }
 
-/// Parses one line for a group keyed by `kind` whose parent is keyed by `link`.
+/// Parses one line for a group keyed by `kind` whose parent is keyed by
+/// `link`, as `replica build` does, and checks a string key against the
+/// group's limit.
 fn parse_line(text: &str, kind: KeyKind, link: Option<KeyKind>) -> Result<Option<Line>, String> {
-    if link.is_some() {
-        return Ok(parse_keyed_line(text, kind, link)?.map(|l| match l {
-            KeyedLine::Row { key, parent, values } => Line::Row(key, values, parent),
-            KeyedLine::Default(values) => Line::Default(values),
-        }));
-    }
-    match kind {
-        KeyKind::U64 => Ok(parse_text_line(text)?.map(|l| match l {
-            TextLine::Row(id, values) => Line::Row(EntityKeyBuf::Id(id), values, None),
-            TextLine::Default(values) => Line::Default(values),
-        })),
-        KeyKind::Str { bytes_max } => match parse_str_text_line(text)? {
-            None => Ok(None),
-            Some(StrTextLine::Default(values)) => Ok(Some(Line::Default(values))),
-            Some(StrTextLine::Row(key, values)) => {
-                check_str_key(key.as_bytes(), bytes_max).map_err(|e| format!("key '{key}': {e}"))?;
-                Ok(Some(Line::Row(EntityKeyBuf::Str(key.into_bytes()), values, None)))
+    Ok(match parse_keyed_line(text, kind, link)? {
+        None => None,
+        Some(KeyedLine::Default(values)) => Some(Line::Default(values)),
+        Some(KeyedLine::Row { key, parent, values }) => {
+            if let (EntityKeyBuf::Str(bytes), KeyKind::Str { bytes_max }) = (&key, kind) {
+                check_str_key(bytes, bytes_max)
+                    .map_err(|e| format!("key '{}': {e}", String::from_utf8_lossy(bytes)))?;
             }
-        },
-    }
+            Some(Line::Row(key, values, parent))
+        }
+    })
 }
 
 /// Rows handed to one [`Publisher::put_many`] call: several pipelined batches, so the parsed
@@ -345,7 +336,7 @@ mod tests {
         let err = check_file_keyed(&p, ids, Some(strs)).unwrap_err().to_string();
         assert!(err.ends_with(":5: duplicate id 1 (first on line 3)"), "{err}");
         let text = "default,0\n1,spr,0.5\n2,-,0.25\n";
-        let b = crate::features::replica::ReplicaBuilder::from_text_linked("ad", ids, strs, text, "t").unwrap();
+        let b = crate::features::replica::ReplicaBuilder::from_text_linked("ad", ids, Some(strs), text, "t").unwrap();
         let out = std::env::temp_dir().join(format!("quiver-feed-load-{}/ad.qrep", std::process::id()));
         b.write(&out).unwrap();
         let h = crate::features::replica::ReplicaHandle::open(&out, "ad").unwrap();

@@ -65,7 +65,7 @@ use super::settings::FeedConfig;
 use super::status::{FeedStatus, GroupStatus};
 use super::sync::{
     check_bucket_count, check_key_kind, delete, entity, full_sync, parse_id, position, shape, skip, stream_first_from,
-    unsettled, upsert, Keyed, RefreshError, SyncTarget,
+    unsettled, Keyed, RefreshError, SyncTarget,
 };
 use crate::deadline::{Clock, MonotonicClock};
 use crate::features::replica::{Cursor, GrowthPhase, Replica, ReplicaWriter, Storage};
@@ -1050,7 +1050,7 @@ impl Refresher {
             cursor.seq = id.0;
             match change(&g.part, &fields, g.writer.table().dim()) {
                 Ok((key, Some((v, parent)), t)) => {
-                    upsert(&mut g.writer, key, &v, parent)?;
+                    g.writer.upsert_linked(key, &v, parent)?;
                     cursor.change_unix_ms = t;
                 }
                 Ok((key, None, t)) => {

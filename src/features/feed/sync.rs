@@ -305,17 +305,6 @@ pub(super) fn check_key_kind(conn: &mut impl Keyed, part: &Part) -> Result<(), R
     Err(RefreshError::KeyKind { group: part.name(), key: part.keys.kind.clone(), stored, configured: part.key_kind })
 }
 
-/// Writes `v` as `key`'s vector, naming `parent`; the key is of the writer's kind and the
-/// parent of its links' kind (both parsed for its part).
-pub(super) fn upsert(
-    writer: &mut ReplicaWriter,
-    key: EntityKey<'_>,
-    v: &[f32],
-    parent: Option<EntityKey<'_>>,
-) -> Result<(), ReplicaError> {
-    writer.upsert_linked(key, v, parent)
-}
-
 /// Deletes `key`, of the writer's kind; false when it was not there.
 pub(super) fn delete(writer: &mut ReplicaWriter, key: EntityKey<'_>) -> bool {
     match key {
@@ -503,7 +492,7 @@ struct Sink<'a, 'p> {
 impl Sink<'_, '_> {
     fn take(&mut self, rows: &Rows) -> Result<(), RefreshError> {
         for ((key, v), parent) in rows.keys.iter().zip(rows.values.chunks_exact(self.dim)).zip(&rows.parents) {
-            upsert(&mut self.fresh, key.as_key(), v, parent.as_ref().map(EntityKeyBuf::as_key))?;
+            self.fresh.upsert_linked(key.as_key(), v, parent.as_ref().map(EntityKeyBuf::as_key))?;
             self.copied += 1;
         }
         (self.progress)(self.copied);

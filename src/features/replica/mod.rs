@@ -660,45 +660,6 @@ pub struct ReplicaBuilder {
     parents: Vec<Option<EntityKeyBuf>>,
 }
 
-/// One meaningful line of the text input format (`docs/REPLICA.md`).
-#[derive(Clone, Debug, PartialEq)]
-pub enum TextLine {
-    Row(u64, Vec<f32>),
-    Default(Vec<f32>),
-}
-
-/// Parses one line of the text format: `id,f0,f1,…` or `default,f0,…`,
-/// fields separated by commas or whitespace; `Ok(None)` for a blank line or
-/// a `#` comment. The one parser behind `quiver replica build` and
-/// `quiver features load`: a line of separators only, like `,`, is an
-/// error, never skipped or a panic.
-pub fn parse_text_line(text: &str) -> Result<Option<TextLine>, String> {
-    let Some((id_field, values)) = split_text_line(text)? else { return Ok(None) };
-    if id_field == "default" {
-        return Ok(Some(TextLine::Default(values)));
-    }
-    let id: u64 = id_field.parse().map_err(|_| format!("'{id_field}' is not an unsigned 64-bit id"))?;
-    Ok(Some(TextLine::Row(id, values)))
-}
-
-/// One meaningful line of the text format of a string-keyed group: the
-/// first field is the key as written.
-#[derive(Clone, Debug, PartialEq)]
-pub enum StrTextLine {
-    Row(String, Vec<f32>),
-    Default(Vec<f32>),
-}
-
-/// [`parse_text_line`] for a string-keyed group, as
-/// [`ReplicaBuilder::from_text_keyed`] reads it (`quiver features load
-/// --key-bytes` uses it too); the key's length is its group's to check.
-pub fn parse_str_text_line(text: &str) -> Result<Option<StrTextLine>, String> {
-    Ok(split_text_line(text)?.map(|(key, values)| match key {
-        "default" => StrTextLine::Default(values),
-        key => StrTextLine::Row(key.to_string(), values),
-    }))
-}
-
 /// One meaningful line of the text format, of any key kind and with the
 /// parent column of a group with a parent.
 #[derive(Clone, Debug, PartialEq)]
@@ -713,9 +674,13 @@ pub const NO_PARENT: &str = "-";
 /// Parses one line of the text format for a group keyed by `keys` whose
 /// rows link to a parent keyed by `link`: `key,f0,f1,…` without a parent,
 /// `key,parent,f0,…` with one (`-` for a row that names none); `default,f0,…`
-/// either way. Keys and parent keys are checked against their kinds (a u64
-/// in decimal; a string of 1 to its limit's bytes, as written). The one
-/// parser behind `quiver replica build` and `quiver features load`.
+/// either way; fields separated by commas or whitespace; `Ok(None)` for a
+/// blank line or a `#` comment. A u64 key is decimal, a string key its
+/// bytes as written; a parent key is checked against its kind's limit, a
+/// row's own string key is left to its group's (the builder's and the
+/// publisher's errors name it). The one parser behind `quiver replica
+/// build` and `quiver features load`: a line of separators only, like `,`,
+/// is an error, never skipped or a panic.
 pub fn parse_keyed_line(text: &str, keys: KeyKind, link: Option<KeyKind>) -> Result<Option<KeyedLine>, String> {
     let trimmed = text.trim();
     if trimmed.is_empty() || trimmed.starts_with('#') {
@@ -723,19 +688,24 @@ pub fn parse_keyed_line(text: &str, keys: KeyKind, link: Option<KeyKind>) -> Res
     }
     let mut fields = trimmed.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
     let Some(first) = fields.next() else {
-        return Err("the line holds only separators; expected key,f0,f1,...".into());
+        return Err("the line holds only separators; expected id,f0,f1,...".into());
     };
+    // A key as written: a u64 in decimal, a string's bytes.
     let key_of = |field: &str, kind: KeyKind, what: &str| -> Result<EntityKeyBuf, String> {
         match kind {
             KeyKind::U64 => {
                 field.parse().map(EntityKeyBuf::Id).map_err(|_| format!("'{field}' is not an unsigned 64-bit {what}"))
             }
-            KeyKind::Str { bytes_max } if (1..=bytes_max as usize).contains(&field.len()) => {
-                Ok(EntityKeyBuf::Str(field.as_bytes().to_vec()))
+            KeyKind::Str { .. } => Ok(EntityKeyBuf::Str(field.as_bytes().to_vec())),
+        }
+    };
+    let parent_of = |field: &str, kind: KeyKind| -> Result<Option<EntityKeyBuf>, String> {
+        match kind {
+            _ if field == NO_PARENT => Ok(None),
+            KeyKind::Str { bytes_max } if field.len() > bytes_max as usize => {
+                Err(format!("parent key '{field}' is {} bytes; its keys are 1 to {bytes_max} bytes", field.len()))
             }
-            KeyKind::Str { bytes_max } => {
-                Err(format!("{what} '{field}' is {} bytes; its keys are 1 to {bytes_max} bytes", field.len()))
-            }
+            _ => key_of(field, kind, "parent key").map(Some),
         }
     };
     let rest: Vec<&str> = fields.collect();
@@ -746,8 +716,7 @@ pub fn parse_keyed_line(text: &str, keys: KeyKind, link: Option<KeyKind>) -> Res
             let Some((&p, values)) = rest.split_first() else {
                 return Err("no parent column: expected key,parent,f0,... ('-' for no parent)".into());
             };
-            let parent = if p == NO_PARENT { None } else { Some(key_of(p, kind, "parent key")?) };
-            (Some(key_of(k, keys, "id")?), parent, values)
+            (Some(key_of(k, keys, "id")?), parent_of(p, kind)?, values)
         }
     };
     let mut values = Vec::with_capacity(value_fields.len());
@@ -765,33 +734,6 @@ pub fn parse_keyed_line(text: &str, keys: KeyKind, link: Option<KeyKind>) -> Res
         None => KeyedLine::Default(values),
         Some(key) => KeyedLine::Row { key, parent, values },
     }))
-}
-
-/// A line of the text format split into its first field (a key, or
-/// `default`) and its values, checked as [`parse_text_line`] says.
-fn split_text_line(text: &str) -> Result<Option<(&str, Vec<f32>)>, String> {
-    let trimmed = text.trim();
-    if trimmed.is_empty() || trimmed.starts_with('#') {
-        return Ok(None);
-    }
-    let mut parts = trimmed.split(|c: char| c == ',' || c.is_whitespace()).filter(|f| !f.is_empty());
-    let Some(id_field) = parts.next() else {
-        return Err("the line holds only separators; expected id,f0,f1,...".into());
-    };
-    let mut values = Vec::new();
-    for f in parts {
-        let x: f32 = f.parse().map_err(|_| format!("'{f}' is not a number"))?;
-        // NaN is a missing value (tree models follow their default
-        // direction); an infinity is an error.
-        if x.is_infinite() {
-            return Err(format!("'{f}' is infinite; write nan for a missing value"));
-        }
-        values.push(x);
-    }
-    if values.is_empty() || values.len() > DIM_MAX as usize {
-        return Err(format!("{} values; expected 1 to {DIM_MAX}", values.len()));
-    }
-    Ok(Some((id_field, values)))
 }
 
 impl ReplicaBuilder {
@@ -946,19 +888,32 @@ impl ReplicaBuilder {
     }
 
     /// Parses the documented text input format (see `docs/REPLICA.md`)
-    /// line by line with `parse_text_line`, the parser `quiver features
+    /// line by line with `parse_keyed_line`, the parser `quiver features
     /// load` uses too.
     pub fn from_text(group: &str, text: &str, path_for_errors: &str) -> Result<ReplicaBuilder, ReplicaError> {
         ReplicaBuilder::from_text_keyed(group, KeyKind::U64, text, path_for_errors)
     }
 
+    /// [`ReplicaBuilder::from_text`] for a group keyed by `keys`. With
+    /// string keys, a line's first field is the key's bytes as written (no
+    /// separators in it; `default` still names the default vector).
+    pub fn from_text_keyed(
+        group: &str,
+        keys: KeyKind,
+        text: &str,
+        path_for_errors: &str,
+    ) -> Result<ReplicaBuilder, ReplicaError> {
+        ReplicaBuilder::from_text_linked(group, keys, None, text, path_for_errors)
+    }
+
     /// [`ReplicaBuilder::from_text_keyed`] for a group whose rows link to a
-    /// parent keyed by `link`: each row line carries the parent's key after
-    /// its own (`-`: none), as [`parse_keyed_line`] reads it.
+    /// parent keyed by `link` (none: no parent): each row line then carries
+    /// the parent's key after its own (`-`: none), as [`parse_keyed_line`]
+    /// reads it.
     pub fn from_text_linked(
         group: &str,
         keys: KeyKind,
-        link: KeyKind,
+        link: Option<KeyKind>,
         text: &str,
         path_for_errors: &str,
     ) -> Result<ReplicaBuilder, ReplicaError> {
@@ -968,7 +923,10 @@ impl ReplicaBuilder {
                 KeyKind::U64 => b,
                 KeyKind::Str { bytes_max } => b.str_keys(bytes_max)?,
             };
-            b.links_to(link)
+            match link {
+                Some(kind) => b.links_to(kind),
+                None => Ok(b),
+            }
         };
         // Checked before the first line, so that a bad limit is named as such.
         start(1)?;
@@ -976,7 +934,7 @@ impl ReplicaBuilder {
         let mut default: Option<Vec<f32>> = None;
         for (n, line) in text.lines().enumerate() {
             let err = |what: String| ReplicaError::Input { path: path_for_errors.into(), line: n + 1, what };
-            let Some(parsed) = parse_keyed_line(line, keys, Some(link)).map_err(err)? else { continue };
+            let Some(parsed) = parse_keyed_line(line, keys, link).map_err(err)? else { continue };
             let values = match &parsed {
                 KeyedLine::Row { values, .. } | KeyedLine::Default(values) => values,
             };
@@ -990,73 +948,11 @@ impl ReplicaBuilder {
             match parsed {
                 KeyedLine::Default(values) => default = Some(values),
                 KeyedLine::Row { key, parent, values } => {
-                    b.push_linked(key.as_key(), &values, parent.as_ref().map(EntityKeyBuf::as_key))?
+                    match b.push_linked(key.as_key(), &values, parent.as_ref().map(EntityKeyBuf::as_key)) {
+                        Err(e @ ReplicaError::KeyTooLong { .. }) => return Err(err(e.to_string())),
+                        other => other?,
+                    }
                 }
-            }
-        }
-        let mut b = builder.ok_or_else(|| ReplicaError::Input {
-            path: path_for_errors.into(),
-            line: 0,
-            what: "no rows".into(),
-        })?;
-        if let Some(d) = default {
-            b.set_default(&d)?;
-        }
-        Ok(b)
-    }
-
-    /// [`ReplicaBuilder::from_text`] for a group keyed by `keys`. With
-    /// string keys, a line's first field is the key's bytes as written (no
-    /// separators in it; `default` still names the default vector).
-    pub fn from_text_keyed(
-        group: &str,
-        keys: KeyKind,
-        text: &str,
-        path_for_errors: &str,
-    ) -> Result<ReplicaBuilder, ReplicaError> {
-        let start = |dim: usize| -> Result<ReplicaBuilder, ReplicaError> {
-            let b = ReplicaBuilder::new(group, dim as u32);
-            match keys {
-                KeyKind::U64 => Ok(b),
-                KeyKind::Str { bytes_max } => b.str_keys(bytes_max),
-            }
-        };
-        // Checked before the first line, so that a bad limit is named as such.
-        start(1)?;
-        let mut builder: Option<ReplicaBuilder> = None;
-        let mut default: Option<Vec<f32>> = None;
-        for (n, line) in text.lines().enumerate() {
-            let err = |what: String| ReplicaError::Input { path: path_for_errors.into(), line: n + 1, what };
-            /// A line's first field.
-            enum Key<'a> {
-                Id(u64),
-                Str(&'a str),
-                Default,
-            }
-            let parsed = match keys {
-                KeyKind::U64 => parse_text_line(line).map_err(err)?.map(|l| match l {
-                    TextLine::Row(id, values) => (Key::Id(id), values),
-                    TextLine::Default(values) => (Key::Default, values),
-                }),
-                KeyKind::Str { .. } => split_text_line(line)
-                    .map_err(err)?
-                    .map(|(key, values)| (if key == "default" { Key::Default } else { Key::Str(key) }, values)),
-            };
-            let Some((key, values)) = parsed else { continue };
-            if builder.is_none() {
-                builder = Some(start(values.len())?);
-            }
-            let b = builder.as_mut().expect("set above");
-            if values.len() != b.dim as usize {
-                return Err(err(format!("{} values, earlier lines have {}", values.len(), b.dim)));
-            }
-            match key {
-                Key::Default => default = Some(values),
-                Key::Id(id) => b.push(id, &values)?,
-                Key::Str(key) => match b.push_str(key.as_bytes(), &values) {
-                    Err(e @ ReplicaError::KeyTooLong { .. }) => return Err(err(e.to_string())),
-                    other => other?,
-                },
             }
         }
         let mut b = builder.ok_or_else(|| ReplicaError::Input {
