@@ -118,24 +118,32 @@ impl Storage {
         }
     }
 
-    /// Decodes one payload word `w` (word number `word`) into `out`, the
-    /// row's f32 vector; `scale` is the int8 row scale (word 0), unused otherwise.
+    /// Decodes a row's payload words, in order, into `out`, the row's f32
+    /// vector (an int8 row's first word is its scale). The storage is
+    /// matched once, outside the loop over words: a lookup copies every
+    /// word of every row it serves, so that loop must stay tight.
     #[inline(always)]
-    pub fn decode_word(self, word: usize, w: u32, scale: f32, out: &mut [f32]) {
+    pub fn decode(self, mut words: impl Iterator<Item = u32>, out: &mut [f32]) {
         match self {
-            Storage::F32 => out[word] = f32::from_bits(w),
+            Storage::F32 => {
+                for (o, w) in out.iter_mut().zip(words) {
+                    *o = f32::from_bits(w);
+                }
+            }
             Storage::F16 => {
-                let i = word * 2;
-                out[i] = half::f16::from_bits(w as u16).to_f32();
-                if i + 1 < out.len() {
-                    out[i + 1] = half::f16::from_bits((w >> 16) as u16).to_f32();
+                for (pair, w) in out.chunks_mut(2).zip(words) {
+                    for (j, o) in pair.iter_mut().enumerate() {
+                        *o = half::f16::from_bits((w >> (j * 16)) as u16).to_f32();
+                    }
                 }
             }
             Storage::Int8 => {
-                let i = (word - 1) * 4;
-                for (j, o) in out.iter_mut().skip(i).take(4).enumerate() {
-                    let q = ((w >> (j * 8)) as u8) as i8;
-                    *o = if q == i8::MIN { f32::NAN } else { f32::from(q) * scale };
+                let scale = f32::from_bits(words.next().unwrap_or(0));
+                for (quad, w) in out.chunks_mut(4).zip(words) {
+                    for (j, o) in quad.iter_mut().enumerate() {
+                        let q = ((w >> (j * 8)) as u8) as i8;
+                        *o = if q == i8::MIN { f32::NAN } else { f32::from(q) * scale };
+                    }
                 }
             }
         }
@@ -322,26 +330,26 @@ pub fn key_hash(key: &[u8]) -> u64 {
 /// [`KEY_BYTES_MAX`] bytes.
 pub const KEY_WORDS_MAX: usize = 1 + KEY_BYTES_MAX as usize / 4;
 
-/// Word `i` of a string key's row encoding: the length, then the bytes
-/// little-endian, zero-padded. Computed per word so that a lookup compares
-/// a stored key without building its encoding anywhere.
-#[inline(always)]
-pub fn key_word(key: &[u8], i: usize) -> u32 {
-    if i == 0 {
-        return key.len() as u32;
-    }
-    let from = ((i - 1) * 4).min(key.len());
-    let bytes = &key[from..(from + 4).min(key.len())];
-    let mut w = [0u8; 4];
-    w[..bytes.len()].copy_from_slice(bytes);
-    u32::from_le_bytes(w)
-}
-
-/// Writes the row encoding of `key` into `out` (a row's key words).
+/// Writes the row encoding of `key` into `out` (a row's key words): the
+/// length, then the bytes little-endian, zero-padded. Built once per lookup
+/// and compared word by word against the stored key.
+#[inline]
 pub fn encode_key(key: &[u8], out: &mut [u32]) {
     debug_assert!(key.len() <= (out.len() - 1) * 4);
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = key_word(key, i);
+    let (len, words) = out.split_first_mut().expect("a length word");
+    *len = key.len() as u32;
+    let (whole, tail) = key.as_chunks::<4>();
+    // A key too long for `out` (callers check first) is cut, never a panic:
+    // its length word still tells it from every stored key.
+    let (full, rest) = words.split_at_mut(whole.len().min(words.len()));
+    for (o, c) in full.iter_mut().zip(whole) {
+        *o = u32::from_le_bytes(*c);
+    }
+    rest.fill(0);
+    if let Some(o) = rest.first_mut().filter(|_| !tail.is_empty()) {
+        let mut w = [0u8; 4];
+        w[..tail.len()].copy_from_slice(tail);
+        *o = u32::from_le_bytes(w);
     }
 }
 

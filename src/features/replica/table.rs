@@ -480,6 +480,15 @@ impl Replica {
         unsafe { &*self.map.as_ptr().add(at).cast::<AtomicU32>() }
     }
 
+    /// The `n` words from byte `at` on, bounds-checked once.
+    #[inline(always)]
+    pub(super) fn u32s_at(&self, at: usize, n: usize) -> &[AtomicU32] {
+        assert!(at.is_multiple_of(4) && at.checked_add(n * 4).is_some_and(|end| end <= self.layout.file_bytes));
+        // SAFETY: as for `u32_at`: the n words lie in bounds and 4-aligned,
+        // and every access to them goes through the atomics.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at).cast::<AtomicU32>(), n) }
+    }
+
     #[inline(always)]
     pub(super) fn u64_at(&self, at: usize) -> &AtomicU64 {
         assert!(at.is_multiple_of(8) && at + 8 <= self.layout.file_bytes);
@@ -543,12 +552,13 @@ impl Replica {
         }
     }
 
-    /// `read_row`, checking the row's CRC when `CHECK`. The CRC is fed from
-    /// the words as they are compared and decoded, in chunks (the hasher is
-    /// slow on 4 bytes at a time), so a check costs no second pass and no
-    /// allocation. A string key is compared word by word against the words
-    /// the row holds, and the link copied, under the same seqlock as the
-    /// payload.
+    /// `read_row`, checking the row's CRC when `CHECK`. The row's words
+    /// after its header are borrowed once, as one bounds-checked slice:
+    /// the string key is compared word by word, the link copied and the
+    /// payload decoded from it under one seqlock read, in tight loops (the
+    /// payload copy is most of a lookup's instructions). The CRC, checked
+    /// only before verification has passed, reads the same words again in
+    /// the same window.
     #[inline(always)]
     fn copy_row<const CHECK: bool>(
         &self,
@@ -560,65 +570,41 @@ impl Replica {
     ) -> bool {
         let base = self.row_base(row);
         let seq = self.u32_at(base);
-        let storage = self.header.storage;
-        let key_words = self.layout.key_words;
-        let link_words = self.layout.link_words;
-        debug_assert!(link.is_empty() || link.len() == link_words);
-        let words = self.layout.payload_words;
-        let link_at = base + ROW_HEADER_BYTES + key_words * 4;
-        let payload = link_at + link_words * 4;
+        let layout = &self.layout;
+        debug_assert!(link.is_empty() || link.len() == layout.link_words);
+        let words = self.u32s_at(base + ROW_HEADER_BYTES, layout.row_words());
+        let (key_words, rest) = words.split_at(layout.key_words);
+        let (link_words, payload) = rest.split_at(layout.link_words);
         // The key's row words, built once: compared on every retry.
         let mut want = [0u32; KEY_WORDS_MAX];
-        let want = &mut want[..key_words];
-        if key_words > 0 {
+        let want = &mut want[..key_words.len()];
+        if !want.is_empty() {
             encode_key(str_key, want);
         }
         for _ in 0..READ_RETRIES_MAX {
             let before = seq.load(Ordering::Acquire);
             if before.is_multiple_of(2) {
                 let row_key = self.u64_at(base + 8).load(Ordering::Relaxed);
-                let stored_crc = self.u32_at(base + 4).load(Ordering::Relaxed);
-                // Built only when checking: its feature detection is not free per row.
-                let mut crc = CHECK.then(|| CrcFeed::new(row_key));
-                let mut same_key = true;
-                for (i, &expected) in want.iter().enumerate() {
-                    let w = self.u32_at(base + ROW_HEADER_BYTES + i * 4).load(Ordering::Relaxed);
-                    same_key &= w == expected;
-                    if let Some(c) = &mut crc {
-                        c.push(w);
-                    }
+                let same_key = key_words
+                    .iter()
+                    .zip(want.iter())
+                    .fold(true, |same, (w, &expected)| same & (w.load(Ordering::Relaxed) == expected));
+                for (l, w) in link.iter_mut().zip(link_words) {
+                    *l = w.load(Ordering::Relaxed);
                 }
-                for i in 0..link_words {
-                    let w = self.u32_at(link_at + i * 4).load(Ordering::Relaxed);
-                    if let Some(l) = link.get_mut(i) {
-                        *l = w;
-                    }
-                    if let Some(c) = &mut crc {
-                        c.push(w);
-                    }
-                }
-                let first = usize::from(storage == Storage::Int8);
-                let mut scale = 0.0;
-                if first == 1 {
-                    let w = self.u32_at(payload).load(Ordering::Relaxed);
-                    scale = f32::from_bits(w);
-                    if let Some(c) = &mut crc {
-                        c.push(w);
-                    }
-                }
-                for word in first..words {
-                    let w = self.u32_at(payload + word * 4).load(Ordering::Relaxed);
-                    storage.decode_word(word, w, scale, out);
-                    if let Some(c) = &mut crc {
-                        c.push(w);
-                    }
-                }
+                self.header.storage.decode(payload.iter().map(|w| w.load(Ordering::Relaxed)), out);
+                let crc_ok = !CHECK || {
+                    let stored_crc = self.u32_at(base + 4).load(Ordering::Relaxed);
+                    let mut crc = CrcFeed::new(row_key);
+                    words.iter().for_each(|w| crc.push(w.load(Ordering::Relaxed)));
+                    crc.finalize() == stored_crc
+                };
                 fence(Ordering::Acquire);
                 if seq.load(Ordering::Relaxed) == before {
                     if row_key != key {
                         return false;
                     }
-                    if crc.is_some_and(|c| c.finalize() != stored_crc) {
+                    if !crc_ok {
                         self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
                         return false;
                     }
@@ -750,10 +736,8 @@ impl Replica {
         let lw = self.layout.link_words;
         assert!(links.is_empty() || links.len() == keys.len() * lw, "{}: a whole link per key", self.path);
         assert_eq!(self.header.keys, KeyKind::U64, "{}: a u64 lookup in a string-keyed file", self.path);
-        let base = self.map.as_ptr();
         for &key in keys {
-            let slot = slot_of(key, self.header.slot_count) as usize;
-            prefetch(base.wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
+            self.prefetch_slot(key);
         }
         for (&key, row) in keys.iter().zip(rows.iter_mut()) {
             *row = self.find(key).unwrap_or(u32::MAX);
@@ -809,11 +793,9 @@ impl Replica {
         let KeyKind::Str { bytes_max } = self.header.keys else {
             panic!("{}: a string lookup in a u64-keyed file", self.path);
         };
-        let base = self.map.as_ptr();
         for (key, hash) in keys.clone().zip(hashes.iter_mut()) {
             *hash = key_hash(key);
-            let slot = slot_of(*hash, self.header.slot_count) as usize;
-            prefetch(base.wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
+            self.prefetch_slot(*hash);
         }
         for ((key, &hash), row) in keys.clone().zip(hashes.iter()).zip(rows.iter_mut()) {
             let found = if key.len() <= bytes_max as usize { self.find(hash) } else { None };
@@ -845,11 +827,19 @@ impl Replica {
     }
 
     /// Starts loading `key`'s index slot, for a batch of lookups spread over
-    /// several tables (see `ReplicaHandle::read_many_into`).
+    /// several tables (see `ReplicaHandle::read_many_into`); the line after
+    /// it too when the slot is its line's last, so that a probe going on
+    /// past it (common where keys hash at random, as string keys do; rare
+    /// for sequential ids, which Fibonacci hashing spreads) finds the next
+    /// slot loaded as well.
     #[inline]
     pub fn prefetch_slot(&self, key: u64) {
         let slot = slot_of(key, self.header.slot_count) as usize;
-        prefetch(self.map.as_ptr().wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
+        let at = self.map.as_ptr().wrapping_add(self.layout.index_offset + slot * SLOT_BYTES);
+        prefetch(at);
+        if (slot + 1).is_multiple_of(SLOTS_PER_LINE) && slot + 1 < self.header.slot_count as usize {
+            prefetch(at.wrapping_add(SLOT_BYTES));
+        }
     }
 
     /// Finds `key` and starts loading its row, if it has one.
@@ -949,6 +939,7 @@ pub(super) fn lower_thread_priority() {
 }
 
 const CACHE_LINE_BYTES: usize = 64;
+const SLOTS_PER_LINE: usize = CACHE_LINE_BYTES / SLOT_BYTES;
 /// Most bytes of one row a batched lookup prefetches (8 lines).
 const PREFETCH_ROW_BYTES_MAX: usize = 512;
 
