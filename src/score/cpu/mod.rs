@@ -613,8 +613,37 @@ mod tests {
     /// rows, alone and after whole tiles) and a few whole-tile counts.
     const TILE_ROWS: [usize; 11] = [1, 2, 3, 5, 6, 7, 8, 31, 32, 33, 64];
 
+    /// The blocked kernels this CPU runs. Each one it lacks is named once
+    /// per test process on stderr, past the harness's capture, so a CI log
+    /// shows which paths went untested on that machine.
     fn blocked_kernels() -> Vec<Int8Kernel> {
+        static SKIPS: std::sync::Once = std::sync::Once::new();
+        SKIPS.call_once(|| {
+            use std::io::Write;
+            for k in Int8Kernel::ALL.into_iter().filter(|k| !k.is_available()) {
+                let _ =
+                    writeln!(std::io::stderr(), "skipped: the {} INT8 kernel (not available on this CPU)", k.name());
+            }
+        });
         Int8Kernel::ALL.into_iter().filter(|k| *k != Int8Kernel::Scalar && k.is_available()).collect()
+    }
+
+    /// Names the INT8 kernels this machine runs, and so tests, and those it
+    /// skips: `.ci/run` prints these lines after the suite.
+    #[test]
+    fn isa_paths_tested_on_this_cpu() {
+        let (ran, skipped): (Vec<Int8Kernel>, Vec<Int8Kernel>) =
+            Int8Kernel::ALL.into_iter().partition(|k| k.is_available());
+        let names = |ks: &[Int8Kernel]| match ks {
+            [] => "none".to_string(),
+            _ => ks.iter().map(|k| k.name()).collect::<Vec<_>>().join(", "),
+        };
+        println!("isa: int8 kernels tested against the scalar reference: {}", names(&ran));
+        println!("isa: int8 kernels skipped (this CPU lacks them): {}", names(&skipped));
+        println!("isa: chosen by auto: {}", Int8Kernel::best().name());
+        println!("isa: f32 and fp8 tiles run the {:?} build (the widest this CPU runs)", tiles::Isa::best());
+        assert!(ran.contains(&Int8Kernel::Scalar) && ran.contains(&Int8Kernel::Portable));
+        assert!(ran.contains(&Int8Kernel::best()));
     }
 
     #[test]
