@@ -870,17 +870,51 @@ mod x86 {
         xq: &mut [u8],
     ) {
         assert!(x.len() >= rows * k && xq.len() >= rows * k_pad && k <= k_pad);
-        let (vinv, lo, flip) = (_mm512_set1_ps(inv), _mm512_set1_ps(-128.0), _mm512_set1_epi32(0x80));
+        let (vinv, lo) = (_mm512_set1_ps(inv), _mm512_set1_ps(-128.0));
         for r in 0..rows {
-            for c in (0..k).step_by(16) {
-                let m = mask16(k - c);
-                // SAFETY: masked to the `k - c` elements left in row `r`,
-                // inside both buffers (asserted above).
-                unsafe {
-                    let v = _mm512_maskz_loadu_ps(m, x.as_ptr().add(r * k + c));
-                    let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
-                    store_epi8_512(xq.as_mut_ptr().add(r * k_pad + c).cast(), m, _mm512_xor_si512(q, flip));
-                }
+            // SAFETY: row `r` of both buffers, inside them (asserted above).
+            unsafe { round_row_512(&x[r * k..(r + 1) * k], xq[r * k_pad..].as_mut_ptr(), vinv, lo) };
+        }
+    }
+
+    /// `q + 128` bytes of `round_clamp(v · inv, lo)` for the values of one
+    /// row, written to `dst`. Whole runs of 64 values narrow with two
+    /// saturating packs and one dword permutation (the values are already
+    /// clamped to [-128, 127], so the packs saturate nothing), a quarter of
+    /// the shuffle-port work of narrowing each vector on its own; the rest
+    /// 16 at a time, masked.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL; `dst` must be writable for
+    /// `row.len()` bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn round_row_512(row: &[f32], dst: *mut u8, vinv: __m512, lo: __m512) {
+        let k = row.len();
+        let src = row.as_ptr();
+        // Dword j of the packed result holds vector j / 4's values
+        // 4 (j % 4) .. 4 (j % 4) + 4 at dword 4 (j % 4) + j / 4.
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        let flip_bytes = _mm512_set1_epi8(0x80u8 as i8);
+        let body = k / 64 * 64;
+        for c in (0..body).step_by(64) {
+            // SAFETY: `c + 64 <= k`: inside `row` and, by the contract, `dst`.
+            unsafe {
+                let q = |at: usize| round_clamp_512(_mm512_mul_ps(_mm512_loadu_ps(src.add(c + at)), vinv), lo);
+                let w01 = _mm512_packs_epi32(q(0), q(16));
+                let w23 = _mm512_packs_epi32(q(32), q(48));
+                let b = _mm512_permutexvar_epi32(order, _mm512_packs_epi16(w01, w23));
+                _mm512_storeu_si512(dst.add(c).cast(), _mm512_xor_si512(b, flip_bytes));
+            }
+        }
+        let flip = _mm512_set1_epi32(0x80);
+        for c in (body..k).step_by(16) {
+            let m = mask16(k - c);
+            // SAFETY: masked to the elements left in `row` and `dst`.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(m, src.add(c));
+                let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
+                store_epi8_512(dst.add(c).cast(), m, _mm512_xor_si512(q, flip));
             }
         }
     }
@@ -922,13 +956,9 @@ mod x86 {
     /// `f32::max` ignores NaN, so the lane-wise maximum equals the
     /// reference's fold.
     ///
-    /// Every row's scale is found before any row is rounded, so that the
-    /// rows' chains of reduction and division latencies overlap instead of
-    /// each row waiting on its own; the rounding pass narrows 64 values at
-    /// a time with two saturating packs and one dword permutation (the
-    /// values are already clamped to ±127, so the packs saturate nothing),
-    /// which takes a quarter of the shuffle-port work of narrowing each
-    /// vector on its own.
+    /// Every row's scale is found before any row is rounded
+    /// (`round_row_512`), so that the rows' chains of reduction and
+    /// division latencies overlap instead of each row waiting on its own.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW/VL.
@@ -954,34 +984,12 @@ mod x86 {
             let max_abs = _mm512_reduce_max_ps(mx);
             *s = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
         }
-        let (lo, flip) = (_mm512_set1_ps(-127.0), _mm512_set1_epi32(0x80));
-        let flip_bytes = _mm512_set1_epi8(0x80u8 as i8);
-        // Dword j of the packed result holds vector j / 4's values
-        // 4 (j % 4) .. 4 (j % 4) + 4 at dword 4 (j % 4) + j / 4.
-        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        let body = k / 64 * 64;
+        let lo = _mm512_set1_ps(-127.0);
         for (r, &scale) in sx[..rows].iter().enumerate() {
-            let vinv = _mm512_set1_ps(1.0 / scale);
-            let (src, dst) = (x[r * k..].as_ptr(), xq[r * k_pad..].as_mut_ptr());
-            for c in (0..body).step_by(64) {
-                // SAFETY: `c + 64 <= k`: 64 values of row `r` in both buffers.
-                unsafe {
-                    let q = |at: usize| round_clamp_512(_mm512_mul_ps(_mm512_loadu_ps(src.add(c + at)), vinv), lo);
-                    let w01 = _mm512_packs_epi32(q(0), q(16));
-                    let w23 = _mm512_packs_epi32(q(32), q(48));
-                    let b = _mm512_permutexvar_epi32(order, _mm512_packs_epi16(w01, w23));
-                    _mm512_storeu_si512(dst.add(c).cast(), _mm512_xor_si512(b, flip_bytes));
-                }
-            }
-            for c in (body..k).step_by(16) {
-                let m = mask16(k - c);
-                // SAFETY: masked to the elements left in row `r`, in both buffers.
-                unsafe {
-                    let v = _mm512_maskz_loadu_ps(m, src.add(c));
-                    let q = round_clamp_512(_mm512_mul_ps(v, vinv), lo);
-                    store_epi8_512(dst.add(c).cast(), m, _mm512_xor_si512(q, flip));
-                }
-            }
+            // SAFETY: row `r` of both buffers, inside them (asserted above).
+            unsafe {
+                round_row_512(&x[r * k..(r + 1) * k], xq[r * k_pad..].as_mut_ptr(), _mm512_set1_ps(1.0 / scale), lo)
+            };
         }
     }
 
