@@ -527,7 +527,7 @@ fn auction_request_bench(c: &mut Criterion) {
         fallback: None,
         shards: 1,
     };
-    let mut auctions = auction::Auctions::new(&auction::Mix::default(), 1_000_000).unwrap();
+    let mut auctions = auction::Auctions::new(&auction::MIX_DEFAULT, 1_000_000).unwrap();
     let mut spec = RequestSpec::default();
     let frames: Vec<Vec<u8>> = (0..65_536)
         .map(|n| {

@@ -153,38 +153,16 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             if args.user_zipf.is_some() || args.item_zipf.is_some() {
                 return Err(Error::Setup("--workload fraud: --zipf sets every group's exponent".into()));
             }
-            let populations = match &args.populations {
-                Some(text) => fraud::parse_by_group(text, fraud::POPULATIONS)
-                    .map_err(|e| Error::Setup(format!("--populations {e}")))?,
-                None => fraud::POPULATIONS,
-            };
-            let all = [args.zipf.unwrap_or(fraud::ZIPF_DEFAULT); 5];
-            let zipf = match &args.group_zipf {
-                Some(text) => {
-                    fraud::parse_by_group(text, all).map_err(|e| Error::Setup(format!("--group-zipf {e}")))?
-                }
-                None => all,
-            };
-            loadgen::WorkloadKind::Fraud(fraud::Mix { populations, zipf })
+            let mix = fraud::MIX_DEFAULT.with_flags(args.populations.as_deref(), args.zipf, args.group_zipf.as_deref());
+            loadgen::WorkloadKind::Fraud(mix.map_err(Error::Setup)?)
         }
         DemoWorkload::Auction => {
             if args.user_zipf.is_some() || args.item_zipf.is_some() {
                 return Err(Error::Setup("--workload auction: --zipf sets every group's exponent".into()));
             }
-            let base = auction::Mix::default();
-            let populations = match &args.populations {
-                Some(text) => auction::parse_by_group(text, base.populations)
-                    .map_err(|e| Error::Setup(format!("--populations {e}")))?,
-                None => base.populations,
-            };
-            let all = [args.zipf.unwrap_or(auction::ZIPF_DEFAULT); 4];
-            let zipf = match &args.group_zipf {
-                Some(text) => {
-                    auction::parse_by_group(text, all).map_err(|e| Error::Setup(format!("--group-zipf {e}")))?
-                }
-                None => all,
-            };
-            loadgen::WorkloadKind::Auction(auction::Mix { populations, zipf })
+            let mix =
+                auction::MIX_DEFAULT.with_flags(args.populations.as_deref(), args.zipf, args.group_zipf.as_deref());
+            loadgen::WorkloadKind::Auction(mix.map_err(Error::Setup)?)
         }
         _ if args.populations.is_some() || args.group_zipf.is_some() => {
             return Err(Error::Setup("--populations and --group-zipf are for --workload fraud or auction".into()));

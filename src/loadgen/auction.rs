@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use crate::features::groups::{GroupConfig, KeyType, Scope};
 use crate::features::replica::{EntityKey, KeyKind, Replica, ReplicaBuilder, ReplicaError, KEY_BYTES_MAX};
-use crate::loadgen::demo::{self, IdDist, Ids};
+use crate::loadgen::demo::{self, Ids};
 use crate::model::{GroupName, InputSegment, Model, ModelError, Source};
 use crate::seeded::SplitMix64;
 use crate::wire::{GroupKeySpec, RequestSpec};
@@ -377,14 +377,8 @@ pub fn ensure(dir: &Path) -> Result<AuctionFiles, AuctionError> {
     std::fs::create_dir_all(dir).map_err(|source| AuctionError::Io { path: dir.to_path_buf(), source })?;
     let files = AuctionFiles::in_dir(dir);
     let model = model();
-    // The auction-32 demo's fallback is served from `<dir>/fallback.qm` when
-    // present, and reads an `item` group this example does not have: a
-    // directory switched from one demo to the other drops it. Any other
-    // file there is the operator's and is left alone.
-    let fallback = dir.join("fallback.qm");
-    if Model::load(&fallback).is_ok_and(|m| m == demo::fallback_model()) {
-        std::fs::remove_file(&fallback).map_err(|source| AuctionError::Io { path: fallback.clone(), source })?;
-    }
+    crate::loadgen::drop_demo_fallback(dir)
+        .map_err(|source| AuctionError::Io { path: dir.join("fallback.qm"), source })?;
     if files_ok(&files, &model) {
         tracing::info!(dir = %dir.display(), "auction example data present");
         return Ok(files);
@@ -402,25 +396,14 @@ pub fn ensure(dir: &Path) -> Result<AuctionFiles, AuctionError> {
 
 /// What `quiver bench --workload auction` draws: per request-keyed group
 /// ([`KEYED`]), a population and a Zipf exponent.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Mix {
-    /// Known entities per group, in [`KEYED`] order.
-    pub populations: [u64; 4],
-    /// Zipf exponents per group, in [`KEYED`] order.
-    pub zipf: [f64; 4],
-}
+pub type Mix = crate::loadgen::GroupMix<4>;
 
-impl Default for Mix {
-    fn default() -> Mix {
-        Mix { populations: [POPULATIONS[0], POPULATIONS[1], POPULATIONS[2], POPULATIONS[3]], zipf: [ZIPF_DEFAULT; 4] }
-    }
-}
-
-/// Parses `GROUP=V,…` over `base`, one value per group in [`KEYED`] order
-/// (`user=1000000,ad=50000` for populations, `ad=1.2` for exponents).
-pub fn parse_by_group<T: std::str::FromStr + Copy>(text: &str, base: [T; 4]) -> Result<[T; 4], String> {
-    crate::loadgen::parse_by_name(text, &KEYED, base)
-}
+/// The example's own populations and [`ZIPF_DEFAULT`] for every group.
+pub const MIX_DEFAULT: Mix = crate::loadgen::GroupMix {
+    names: KEYED,
+    populations: [POPULATIONS[USER], POPULATIONS[DEVICE], POPULATIONS[PUBLISHER], POPULATIONS[AD]],
+    zipf: [ZIPF_DEFAULT; 4],
+};
 
 /// Generates auction requests for the load generator: a user, a device and
 /// a publisher, and `candidates` ads, each key drawn Zipf over its group's
@@ -439,11 +422,7 @@ pub struct Auctions {
 
 impl Auctions {
     pub fn new(mix: &Mix, seed: u64) -> Result<Auctions, String> {
-        let mut ids = Vec::with_capacity(KEYED.len());
-        for (g, &n) in mix.populations.iter().enumerate() {
-            ids.push(Ids::new(IdDist::Zipf(mix.zipf[g]), n).map_err(|e| format!("{}: {e}", KEYED[g]))?);
-        }
-        let ids = ids.try_into().expect("four groups");
+        let ids = mix.ids()?;
         Ok(Auctions { ids, candidates: CANDIDATES, unknown_fraction: 0.0, budget_us: 0, rng: SplitMix64::new(seed) })
     }
 
@@ -536,7 +515,7 @@ mod tests {
 
     #[test]
     fn requests_carry_the_keyed_groups_and_reuse_their_vectors() {
-        let mut w = Auctions::new(&Mix::default(), 5).unwrap();
+        let mut w = Auctions::new(&MIX_DEFAULT, 5).unwrap();
         let mut spec = RequestSpec::default();
         for i in 0..100 {
             w.fill(i, &mut spec);
@@ -566,9 +545,10 @@ mod tests {
         assert!(ads.iter().all(|&a| a >= POPULATIONS[AD]));
         let GroupKeySpec::Strs(d) = &spec.groups[1].1 else { panic!() };
         assert!((0..POPULATIONS[DEVICE]).all(|i| device_key(i) != d[0]));
-        assert!(Auctions::new(&Mix { populations: [1, 0, 1, 1], zipf: [1.0; 4] }, 1).unwrap_err().contains("device"));
-        assert_eq!(parse_by_group("ad=7, user=9", Mix::default().populations).unwrap(), [9, 50_000, 2_000, 7]);
-        assert!(parse_by_group("campaign=3", Mix::default().populations).unwrap_err().contains("user, device"));
+        let empty_device = Mix { populations: [1, 0, 1, 1], ..MIX_DEFAULT };
+        assert!(Auctions::new(&empty_device, 1).unwrap_err().contains("device"));
+        assert_eq!(MIX_DEFAULT.parse("ad=7, user=9", MIX_DEFAULT.populations).unwrap(), [9, 50_000, 2_000, 7]);
+        assert!(MIX_DEFAULT.parse("campaign=3", MIX_DEFAULT.populations).unwrap_err().contains("user, device"));
     }
 
     #[test]

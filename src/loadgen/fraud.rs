@@ -464,14 +464,8 @@ pub fn ensure(dir: &Path) -> Result<FraudFiles, FraudError> {
     std::fs::create_dir_all(dir).map_err(|source| FraudError::Io { path: dir.to_path_buf(), source })?;
     let files = FraudFiles::in_dir(dir);
     let model = model()?;
-    // The auction-32 demo's fallback is served from `<dir>/fallback.qm` when
-    // present, and reads groups this example does not have: a directory
-    // switched from one demo to the other drops it. Any other file there is
-    // the operator's and is left alone.
-    let fallback = dir.join("fallback.qm");
-    if Model::load(&fallback).is_ok_and(|m| m == crate::loadgen::demo::fallback_model()) {
-        std::fs::remove_file(&fallback).map_err(|source| FraudError::Io { path: fallback.clone(), source })?;
-    }
+    crate::loadgen::drop_demo_fallback(dir)
+        .map_err(|source| FraudError::Io { path: dir.join("fallback.qm"), source })?;
     if files_ok(&files, &model) {
         tracing::info!(dir = %dir.display(), "fraud example data present");
         return Ok(files);
@@ -487,28 +481,13 @@ pub fn ensure(dir: &Path) -> Result<FraudFiles, FraudError> {
     Ok(files)
 }
 
-/// What `quiver bench --workload fraud` draws: per group, a population and
-/// a Zipf exponent.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Mix {
-    /// Known entities per group, in [`GROUPS`] order.
-    pub populations: [u64; 5],
-    /// Zipf exponents per group, in [`GROUPS`] order.
-    pub zipf: [f64; 5],
-}
+/// What `quiver bench --workload fraud` draws: per group ([`GROUPS`]), a
+/// population and a Zipf exponent.
+pub type Mix = crate::loadgen::GroupMix<5>;
 
-impl Default for Mix {
-    fn default() -> Mix {
-        Mix { populations: POPULATIONS, zipf: [ZIPF_DEFAULT; 5] }
-    }
-}
-
-/// Parses `GROUP=V,…` over `base`, one value per group in [`GROUPS`] order
-/// (`card=1000000,merchant=5000` for populations, `device=0.8` for
-/// exponents).
-pub fn parse_by_group<T: std::str::FromStr + Copy>(text: &str, base: [T; 5]) -> Result<[T; 5], String> {
-    crate::loadgen::parse_by_name(text, &GROUPS, base)
-}
+/// The example's own populations and [`ZIPF_DEFAULT`] for every group.
+pub const MIX_DEFAULT: Mix =
+    crate::loadgen::GroupMix { names: GROUPS, populations: POPULATIONS, zipf: [ZIPF_DEFAULT; 5] };
 
 /// Generates fraud-scoring requests for the load generator: one
 /// transaction each, every group's key drawn from its population.
@@ -524,15 +503,12 @@ pub struct Transactions {
 
 impl Transactions {
     pub fn new(mix: &Mix, seed: u64) -> Result<Transactions, String> {
-        let mut ids = Vec::with_capacity(5);
-        for (g, &n) in mix.populations.iter().enumerate() {
-            // IPs are u32 indices; every other group's keys are unbounded.
-            if g == 3 && n > u64::from(u32::MAX) {
-                return Err(format!("ip: a population of {n}: at most {}", u32::MAX));
-            }
-            ids.push(Ids::new(IdDist::Zipf(mix.zipf[g]), n).map_err(|e| format!("{}: {e}", GROUPS[g]))?);
+        // IPs are u32 indices; every other group's keys are unbounded.
+        let ips = mix.populations[3];
+        if ips > u64::from(u32::MAX) {
+            return Err(format!("ip: a population of {ips}: at most {}", u32::MAX));
         }
-        let ids = ids.try_into().expect("five groups");
+        let ids = mix.ids()?;
         Ok(Transactions { ids, unknown_fraction: 0.0, budget_us: 0, rng: SplitMix64::new(seed) })
     }
 
@@ -599,7 +575,7 @@ mod tests {
 
     #[test]
     fn requests_carry_one_key_per_group_and_reuse_their_vectors() {
-        let mut w = Transactions::new(&Mix::default(), 5).unwrap();
+        let mut w = Transactions::new(&MIX_DEFAULT, 5).unwrap();
         let mut spec = RequestSpec::default();
         for i in 0..100 {
             w.fill(i, &mut spec);
@@ -630,15 +606,15 @@ mod tests {
 
     #[test]
     fn populations_parse_over_the_defaults() {
-        let p = parse_by_group("card=7, merchant=9", POPULATIONS).unwrap();
+        let p = MIX_DEFAULT.parse("card=7, merchant=9", POPULATIONS).unwrap();
         assert_eq!(p, [7, 30_000, 40_000, 40_000, 9]);
-        assert!(parse_by_group("user=3", POPULATIONS).is_err());
-        assert!(parse_by_group("card", POPULATIONS).is_err());
-        assert_eq!(parse_by_group("device=0.5", [1.0; 5]).unwrap(), [1.0, 1.0, 0.5, 1.0, 1.0]);
-        assert!(parse_by_group("device=x", [1.0; 5]).is_err());
-        assert!(Transactions::new(&Mix { populations: [0, 1, 1, 1, 1], zipf: [1.0; 5] }, 1).is_err());
-        assert!(Transactions::new(&Mix { populations: [1, 1, 1, 1 << 33, 1], zipf: [1.0; 5] }, 1).is_err());
-        let bad_exponent = Mix { zipf: [1.0, 1.0, -1.0, 1.0, 1.0], ..Mix::default() };
+        assert!(MIX_DEFAULT.parse("user=3", POPULATIONS).is_err());
+        assert!(MIX_DEFAULT.parse("card", POPULATIONS).is_err());
+        assert_eq!(MIX_DEFAULT.parse("device=0.5", [1.0; 5]).unwrap(), [1.0, 1.0, 0.5, 1.0, 1.0]);
+        assert!(MIX_DEFAULT.parse("device=x", [1.0; 5]).is_err());
+        assert!(Transactions::new(&Mix { populations: [0, 1, 1, 1, 1], ..MIX_DEFAULT }, 1).is_err());
+        assert!(Transactions::new(&Mix { populations: [1, 1, 1, 1 << 33, 1], ..MIX_DEFAULT }, 1).is_err());
+        let bad_exponent = Mix { zipf: [1.0, 1.0, -1.0, 1.0, 1.0], ..MIX_DEFAULT };
         assert!(Transactions::new(&bad_exponent, 1).unwrap_err().contains("device"));
     }
 }

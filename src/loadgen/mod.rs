@@ -190,22 +190,74 @@ impl BenchOptions {
     }
 }
 
-/// Parses `NAME=V,…` over `base`, one value per name in `names` order
-/// (`card=1000000,merchant=5000`): what `--populations` and `--group-zipf`
-/// take for the workloads keyed by several groups.
-pub fn parse_by_name<T: std::str::FromStr + Copy, const N: usize>(
-    text: &str,
-    names: &[&str; N],
-    base: [T; N],
-) -> Result<[T; N], String> {
-    let mut out = base;
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("'{part}': expected GROUP=VALUE with GROUP one of {}", names.join(", "));
-        let (name, v) = part.split_once('=').ok_or_else(bad)?;
-        let g = names.iter().position(|g| *g == name.trim()).ok_or_else(bad)?;
-        out[g] = v.trim().parse().map_err(|_| bad())?;
+/// What a workload keyed by several groups (`fraud`, `auction`) draws: per
+/// group, in its `names` order, a population and a Zipf exponent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupMix<const N: usize> {
+    pub names: [&'static str; N],
+    /// Known entities per group.
+    pub populations: [u64; N],
+    /// Zipf exponents per group.
+    pub zipf: [f64; N],
+}
+
+impl<const N: usize> GroupMix<N> {
+    /// `self` with what `quiver bench` was given: `--populations
+    /// GROUP=N,…`, then `--zipf S` for every group, then `--group-zipf
+    /// GROUP=S,…` over that; an error names the flag and the groups.
+    pub fn with_flags(
+        mut self,
+        populations: Option<&str>,
+        zipf: Option<f64>,
+        group_zipf: Option<&str>,
+    ) -> Result<GroupMix<N>, String> {
+        if let Some(text) = populations {
+            self.populations = self.parse(text, self.populations).map_err(|e| format!("--populations {e}"))?;
+        }
+        if let Some(s) = zipf {
+            self.zipf = [s; N];
+        }
+        if let Some(text) = group_zipf {
+            self.zipf = self.parse(text, self.zipf).map_err(|e| format!("--group-zipf {e}"))?;
+        }
+        Ok(self)
     }
-    Ok(out)
+
+    /// Parses `GROUP=V,…` over `base`, one value per group
+    /// (`card=1000000,merchant=5000`).
+    pub fn parse<T: std::str::FromStr + Copy>(&self, text: &str, base: [T; N]) -> Result<[T; N], String> {
+        let mut out = base;
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let bad = || format!("'{part}': expected GROUP=VALUE with GROUP one of {}", self.names.join(", "));
+            let (name, v) = part.split_once('=').ok_or_else(bad)?;
+            let g = self.names.iter().position(|g| *g == name.trim()).ok_or_else(bad)?;
+            out[g] = v.trim().parse().map_err(|_| bad())?;
+        }
+        Ok(out)
+    }
+
+    /// Each group's key source, Zipf over its population; an error names
+    /// the group.
+    pub fn ids(&self) -> Result<[Ids; N], String> {
+        let mut ids = Vec::with_capacity(N);
+        for (g, (&n, &s)) in self.populations.iter().zip(&self.zipf).enumerate() {
+            ids.push(Ids::new(IdDist::Zipf(s), n).map_err(|e| format!("{}: {e}", self.names[g]))?);
+        }
+        Ok(ids.try_into().unwrap_or_else(|_| unreachable!("one per group")))
+    }
+}
+
+/// Removes the auction-32 demo's fallback model from `dir`, where a worked
+/// example is written: it is served from `<dir>/fallback.qm` when present
+/// and reads groups the example does not have, so a directory switched from
+/// one demo to the other drops it. Any other file there is the operator's
+/// and is left alone.
+pub fn drop_demo_fallback(dir: &Path) -> std::io::Result<()> {
+    let fallback = dir.join("fallback.qm");
+    if crate::model::Model::load(&fallback).is_ok_and(|m| m == demo::fallback_model()) {
+        std::fs::remove_file(&fallback)?;
+    }
+    Ok(())
 }
 
 /// The ids a run drew, as its report records them.
