@@ -19,6 +19,8 @@ Run from the repository root after `cargo build --release`, on a committed
 tree (the figures name the commit they measured):
   pip install numpy onnx onnxruntime
   taskset -c 1 python3 bench/ort_side_by_side.py [--iters 200] [--rows 1,8,32,256,1024]
+QUIVER_BIN=/path/to/quiver measures that binary instead of
+target/release/quiver (a build with another CARGO_TARGET_DIR).
 Writes bench/results/ort_side_by_side.json and ort_side_by_side.md (rendered
 into docs/BENCHMARKS.md by bench/report.py) and prints the latter.
 """
@@ -41,7 +43,9 @@ from provenance import git_commit
 
 DIMS = (80, 256, 128, 1)
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-QUIVER = os.path.join(ROOT, "target", "release", "quiver")
+# The binary measured: QUIVER_BIN names one built elsewhere (another
+# CARGO_TARGET_DIR, a worktree's), else the repository's release build.
+QUIVER = os.environ.get("QUIVER_BIN") or os.path.join(ROOT, "target", "release", "quiver")
 
 
 def build_model(path, rng):

@@ -53,6 +53,8 @@ core, with nothing else running:
   pip install numpy onnx onnxruntime
   taskset -c 1 python3 bench/zoo_side_by_side.py [--repeats 3] [--iters 200]
       [--iters-256 100] [--rows 1,32,256] [--models a,b]
+QUIVER_BIN=/path/to/quiver measures that binary instead of
+target/release/quiver (a build with another CARGO_TARGET_DIR).
 """
 
 import argparse
@@ -74,7 +76,9 @@ from onnx import helper, numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-QUIVER = os.path.join(ROOT, "target", "release", "quiver")
+# The binary measured: QUIVER_BIN names one built elsewhere (another
+# CARGO_TARGET_DIR, a worktree's), else the repository's release build.
+QUIVER = os.environ.get("QUIVER_BIN") or os.path.join(ROOT, "target", "release", "quiver")
 ZOO = os.path.join(ROOT, "tests", "fixtures", "zoo")
 RESULTS = os.path.join(ROOT, "bench", "results")
 SEED = 20_261_215

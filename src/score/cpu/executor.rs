@@ -2,8 +2,9 @@
 //! INT8 and FP8 backends: generic over a [`DenseKernel`], the dense layers
 //! in one backend's precision, which is all that differs between them.
 //!
-//! The f32 dense layers ([`F32Tiles`]) run the register tiles of `tiles.rs`
-//! (each output summed in k order, so every build rounds alike); activations
+//! The f32 dense layers ([`F32Tiles`]) run the micro-kernel of `tiles.rs`
+//! (each output a chain of fused multiply-adds in k order, so every build
+//! rounds alike); activations
 //! are the vectorisable approximations of `activation.rs`. The whole walk,
 //! the kernel's dense layers inlined, is compiled for AVX-512 F, AVX2 and the
 //! baseline, and the widest build this CPU runs is chosen at construction.
@@ -52,11 +53,27 @@ pub trait DenseKernel: Send {
     fn forward(&mut self, layer: &Self::Prepared, x: &[f32], rows: usize, y: &mut [f32]);
 }
 
-/// The f32 dense layers: weights in the tile layout, each output summed in
-/// k order (the f32 backend's, and so the oracle's, kernel).
-pub struct F32Tiles;
+/// The f32 dense layers: weights packed for the micro-kernel of
+/// `tiles.rs`, each output a chain of fused multiply-adds in k order (the
+/// f32 backend's, and so the oracle's, kernel), run with the widest build
+/// this CPU has.
+pub struct F32Tiles {
+    isa: Isa,
+}
 
-/// A dense layer's f32 weights in the tile layout, and its bias.
+impl F32Tiles {
+    pub fn new() -> F32Tiles {
+        F32Tiles { isa: Isa::best() }
+    }
+}
+
+impl Default for F32Tiles {
+    fn default() -> F32Tiles {
+        F32Tiles::new()
+    }
+}
+
+/// A dense layer's f32 weights packed for the micro-kernel, and its bias.
 pub struct F32Dense {
     w: KMajor,
     bias: Vec<f32>,
@@ -75,7 +92,7 @@ impl DenseKernel for F32Tiles {
 
     #[inline(always)]
     fn forward(&mut self, d: &F32Dense, x: &[f32], rows: usize, y: &mut [f32]) {
-        d.w.rows(x, rows, y, &d.bias, |a, b| a + b);
+        d.w.rows(self.isa, x, rows, y, &d.bias, |a, b| a + b);
     }
 }
 
@@ -218,7 +235,7 @@ impl<K: DenseKernel> GraphExec<K> {
             Isa::Baseline => self.walk(x, rows, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::best` chose this build because the CPU has
-            // AVX2; the function is safe code compiled for it.
+            // AVX2 and FMA; the function is safe code compiled for them.
             Isa::Avx2 => unsafe { self.walk_avx2(x, rows, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX-512 F.
@@ -256,7 +273,7 @@ impl<K: DenseKernel> GraphExec<K> {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     fn walk_avx2(&mut self, x: &[f32], rows: usize, out: &mut [f32]) {
         self.walk(x, rows, out);
     }

@@ -17,14 +17,13 @@
 //! - `y = acc · (s_w · s_x) + bias[o]`, unfused, then ReLU (`max(y, 0)`).
 //!
 //! Each layer runs over all rows at once: the activations of every row are
-//! encoded and decoded into one matrix, then tiles of 4 rows × 16 outputs
-//! keep their 64 sums in registers while k runs from 0 up, so each output
-//! keeps its own sequential k order while the compiler vectorises across
-//! the 16 outputs (weights transposed to `[k][n]`, n padded to 16 with
-//! zeros). The same safe code is compiled three times, for AVX-512 F, for
-//! AVX2 and for the baseline, and the widest this CPU runs is chosen at
-//! construction; Rust never contracts `a + x · w` into a fused
-//! multiply-add, so every build rounds the same way.
+//! encoded and decoded into one matrix, then the f32 micro-kernel of
+//! `tiles.rs` sums each output with fused multiply-adds in k order from 0
+//! (the products being exact, each step rounds only its addition, as above)
+//! over the decoded weights packed into panels of 16 outputs. The layer
+//! loop is compiled for AVX-512 F, for AVX2 with FMA and for the baseline,
+//! and the widest this CPU runs is chosen at construction; every build
+//! rounds the same way.
 
 use std::sync::Arc;
 
@@ -78,7 +77,7 @@ impl CpuFp8 {
             .map(|(i, l)| layer(l, &table, ranges.map_or(1.0, |r| r[i] / fp8::MAX)))
             .collect();
         let graph = model.graph.as_ref().map(|g| {
-            let kernel = Fp8Dense { table, xd: vec![0.0; rows_max * g.width_max()] };
+            let kernel = Fp8Dense { table, xd: vec![0.0; rows_max * g.width_max()], isa: Isa::best() };
             GraphExec::new(g, kernel, rows_max, &model.request_columns())
         });
         let len = rows_max * model.width_max();
@@ -102,6 +101,7 @@ impl CpuFp8 {
 pub(super) struct Fp8Dense {
     table: [f32; 256],
     xd: Vec<f32>,
+    isa: Isa,
 }
 
 impl DenseKernel for Fp8Dense {
@@ -117,7 +117,7 @@ impl DenseKernel for Fp8Dense {
 
     #[inline(always)]
     fn forward(&mut self, l: &Fp8Layer, x: &[f32], rows: usize, y: &mut [f32]) {
-        layer_rows(l, &self.table, x, rows, &mut self.xd, y);
+        layer_rows(self.isa, l, &self.table, x, rows, &mut self.xd, y);
     }
 }
 
@@ -131,16 +131,17 @@ fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
     Fp8Layer { w, relu: l.relu, s_w, s_x, inv_s_x: 1.0 / s_x, bias: l.bias.clone() }
 }
 
-/// One layer for `rows` rows: `x` (`[rows][k]`) in, `y` (`[rows][n]`) out.
+/// One layer for `rows` rows: `x` (`[rows][k]`) in, `y` (`[rows][n]`) out,
+/// the sums by the `isa` build of the micro-kernel.
 #[inline(always)]
-fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
+fn layer_rows(isa: Isa, l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut [f32], y: &mut [f32]) {
     let k = l.w.k;
     let xd = &mut xd[..rows * k];
     for (d, v) in xd.iter_mut().zip(&x[..rows * k]) {
         *d = table[usize::from(fp8::from_f32(v * l.inv_s_x))];
     }
     let scale = l.s_w * l.s_x;
-    l.w.rows(xd, rows, y, &l.bias, |a, b| {
+    l.w.rows(isa, xd, rows, y, &l.bias, |a, b| {
         let v = a * scale + b;
         if l.relu {
             v.max(0.0)
@@ -153,10 +154,10 @@ fn layer_rows(l: &Fp8Layer, table: &[f32; 256], x: &[f32], rows: usize, xd: &mut
 /// Every layer for `rows` rows of `x`; the logits go to `out`.
 #[inline(always)]
 fn forward(fp: &mut CpuFp8, x: &[f32], rows: usize, out: &mut [f32]) {
-    let CpuFp8 { table, layers, xd, a, b, .. } = fp;
-    layer_rows(&layers[0], table, x, rows, xd, a);
+    let CpuFp8 { table, layers, xd, a, b, isa, .. } = fp;
+    layer_rows(*isa, &layers[0], table, x, rows, xd, a);
     for l in &layers[1..] {
-        layer_rows(l, table, a, rows, xd, b);
+        layer_rows(*isa, l, table, a, rows, xd, b);
         std::mem::swap(a, b);
     }
     out[..rows].copy_from_slice(&a[..rows]);
@@ -169,7 +170,7 @@ fn forward_avx512(fp: &mut CpuFp8, x: &[f32], rows: usize, out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 fn forward_avx2(fp: &mut CpuFp8, x: &[f32], rows: usize, out: &mut [f32]) {
     forward(fp, x, rows, out);
 }
@@ -202,8 +203,9 @@ impl Backend for CpuFp8 {
         match self.isa {
             Isa::Baseline => forward(self, x, rows, out),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::best` chose this build because the CPU has
-            // AVX2; the function is safe code compiled for it.
+            // SAFETY: `Isa::best` (or a test, from `Isa::available`) chose
+            // this build because the CPU has AVX2 and FMA; the function is
+            // safe code compiled for them.
             Isa::Avx2 => unsafe { forward_avx2(self, x, rows, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX-512 F.
@@ -262,21 +264,6 @@ mod tests {
             .collect()
     }
 
-    /// Every build of the layer loop this CPU runs.
-    fn available_isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") {
-                v.push(Isa::Avx2);
-            }
-            if is_x86_feature_detected!("avx512f") {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
     #[test]
     fn fp8_matches_the_kernel_contract_bit_for_bit() {
         for (seed, dims, calibrate) in
@@ -289,15 +276,16 @@ mod tests {
                 m.calibration = Some(calibrate(&m, &set, Method::MaxAbs, |_, _| {}).unwrap());
             }
             let m = Arc::new(m);
-            // Every leftover of the 4-row tiles, alone and after whole ones.
-            for rows in [1usize, 2, 3, 4, 5, 31, 33] {
+            // Every leftover of the 4-, 6- and 8-row tiles, alone and after
+            // whole ones.
+            for rows in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 31, 33] {
                 let mut x = inputs(rows as u64, rows * dims[0]);
                 x[0] = 1.0e6; // saturates at 448 · s_x
                 if rows > 1 {
                     x[dims[0]] = -0.0;
                 }
                 let want = transcription(&m, &x, rows);
-                for isa in available_isas() {
+                for isa in Isa::available() {
                     let mut backend = CpuFp8::new(&m, rows);
                     backend.isa = isa;
                     let mut got = vec![0.0; rows];

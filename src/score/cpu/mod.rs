@@ -114,7 +114,7 @@ pub struct CpuF32 {
 
 impl CpuF32 {
     pub fn new(model: &Arc<Model>, rows_max: usize) -> CpuF32 {
-        let exec = GraphExec::new(&model.to_graph_split(), F32Tiles, rows_max, &model.request_columns());
+        let exec = GraphExec::new(&model.to_graph_split(), F32Tiles::new(), rows_max, &model.request_columns());
         CpuF32 { info: BackendInfo { name: "cpu-f32", rows_max, model: model.clone() }, exec }
     }
 
