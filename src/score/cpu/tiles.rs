@@ -280,19 +280,22 @@ mod x86 {
         sums: &mut [f32; ROWS_512 * PANELS_512 * PANEL],
     ) {
         debug_assert!(panel.len() >= P * k * PANEL && x.len() >= R * k);
-        let (w, x) = (panel.as_ptr(), x.as_ptr());
+        // One pointer per row and per panel, indexed by k alone, so each
+        // step's addresses need no arithmetic beyond the index.
+        let xs: [*const f32; R] = std::array::from_fn(|r| x[r * k..].as_ptr());
+        let ws: [*const f32; P] = std::array::from_fn(|p| panel[p * k * PANEL..].as_ptr());
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for kk in 0..k {
-            // SAFETY (all reads): `p · k · PANEL + kk · PANEL + 16 ≤ P · k
-            // · PANEL` and `r · k + kk < R · k` by the contract; every
-            // weight line starts on a 64-byte boundary (the buffer does and
-            // lines are 64 bytes).
+            // SAFETY (all reads): `kk · PANEL + 16 ≤ k · PANEL` past each
+            // panel's start and `kk < k` past each row's, by the contract;
+            // every weight line starts on a 64-byte boundary (the buffer
+            // does and lines are 64 bytes).
             let mut wv = [_mm512_setzero_ps(); P];
-            for (p, v) in wv.iter_mut().enumerate() {
-                *v = unsafe { _mm512_load_ps(w.add((p * k + kk) * PANEL)) };
+            for (v, wp) in wv.iter_mut().zip(&ws) {
+                *v = unsafe { _mm512_load_ps(wp.add(kk * PANEL)) };
             }
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let xv = _mm512_set1_ps(unsafe { *x.add(r * k + kk) });
+            for (acc_r, xr) in acc.iter_mut().zip(&xs) {
+                let xv = _mm512_set1_ps(unsafe { *xr.add(kk) });
                 for (a, wp) in acc_r.iter_mut().zip(&wv) {
                     *a = _mm512_fmadd_ps(xv, *wp, *a);
                 }
