@@ -28,8 +28,8 @@ import sys
 
 # Sections copied in whole, in page order, from the results directory.
 SECTIONS = ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "tls_flood.md",
-            "ort_backend.md", "hedge.md", "int8_before_after.md", "ort_side_by_side.md", "lookups_before_after.md",
-            "workloads_open_loop.md", "int8_profile.md"]
+            "ort_backend.md", "hedge.md", "int8_before_after.md", "ort_side_by_side.md", "f32_before_after.md",
+            "bf16_accuracy.md", "lookups_before_after.md", "workloads_open_loop.md", "int8_profile.md"]
 
 # A commit as the sections write it: a short hash in backticks, "+dirty" when
 # the tree had changes.
