@@ -488,6 +488,7 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("score/cpu/forest/simd.rs", "the SIMD tree evaluator's intrinsics"),
     ("score/cpu/fp8.rs", "calls of safe code compiled with #[target_feature] after a runtime check"),
     ("score/cpu/int8_gemm.rs", "the INT8 kernels' intrinsics"),
+    ("score/cpu/tiles.rs", "the f32 micro-kernel's intrinsics, called after a runtime check"),
     ("score/cuda.rs", "CUDA kernel launches"),
     ("shard/accept.rs", "dup of an accepted socket handed to another shard"),
     ("shard/balance.rs", "the per-source table's socket address reads"),
@@ -554,7 +555,13 @@ fn std_arch_is_only_where_listed() {
     let mut broken = Vec::new();
     only_in(
         "uses std::arch",
-        &["features/replica/table.rs", "request/cache.rs", "score/cpu/forest/simd.rs", "score/cpu/int8_gemm.rs"],
+        &[
+            "features/replica/table.rs",
+            "request/cache.rs",
+            "score/cpu/forest/simd.rs",
+            "score/cpu/int8_gemm.rs",
+            "score/cpu/tiles.rs",
+        ],
         |c| uses(c, "std::arch") || uses(c, "core::arch"),
         &mut broken,
     );
