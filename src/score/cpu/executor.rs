@@ -27,7 +27,7 @@
 
 use super::activation;
 use super::forest::CompiledTrees;
-use super::tiles::{Isa, KMajor};
+use super::tiles::{Isa, Panels};
 use crate::model::graph::{embedding_index, Act, Graph, Node, Op};
 use crate::model::trees::Ensemble;
 use crate::model::Layer;
@@ -76,7 +76,7 @@ impl Default for F32Tiles {
 /// A dense layer's f32 weights packed for the micro-kernel, its bias, and
 /// whether ReLU is fused into the tile's epilogue.
 pub struct F32Dense {
-    w: KMajor,
+    w: Panels,
     bias: Vec<f32>,
     relu: bool,
 }
@@ -85,7 +85,7 @@ impl DenseKernel for F32Tiles {
     type Prepared = F32Dense;
 
     fn prepare(&self, l: &Layer) -> F32Dense {
-        let w = KMajor::new(l.in_dim, l.out_dim, |o, k| l.weights_f32[o * l.in_dim + k]);
+        let w = Panels::new(l.in_dim, l.out_dim, |o, k| l.weights_f32[o * l.in_dim + k]);
         F32Dense { w, bias: l.bias.clone(), relu: l.relu }
     }
 

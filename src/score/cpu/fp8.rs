@@ -30,7 +30,7 @@ use std::sync::Arc;
 use super::super::e4m3 as fp8;
 use super::super::{Backend, BackendError, BackendInfo};
 use super::executor::{DenseKernel, GraphExec};
-use super::tiles::{Isa, KMajor};
+use super::tiles::{Isa, Panels};
 use crate::model::{Layer, Model};
 
 /// `fp8::to_f32` of every code.
@@ -40,8 +40,8 @@ fn decode_table() -> [f32; 256] {
 
 /// One layer's FP8 constants.
 pub(super) struct Fp8Layer {
-    /// Decoded weight codes in the tile layout.
-    w: KMajor,
+    /// Decoded weight codes packed for the f32 micro-kernel.
+    w: Panels,
     relu: bool,
     s_w: f32,
     s_x: f32,
@@ -125,7 +125,7 @@ impl DenseKernel for Fp8Dense {
 fn layer(l: &Layer, table: &[f32; 256], s_x: f32) -> Fp8Layer {
     let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
     let s_w = if max_abs > 0.0 { max_abs / fp8::MAX } else { 1.0 };
-    let w = KMajor::new(l.in_dim, l.out_dim, |o, k| {
+    let w = Panels::new(l.in_dim, l.out_dim, |o, k| {
         table[usize::from(fp8::from_f32(l.weights_f32[o * l.in_dim + k] / s_w))]
     });
     Fp8Layer { w, relu: l.relu, s_w, s_x, inv_s_x: 1.0 / s_x, bias: l.bias.clone() }

@@ -70,7 +70,7 @@ impl Isa {
 }
 
 /// A layer's weights packed for the micro-kernel.
-pub(super) struct KMajor {
+pub(super) struct Panels {
     pub k: usize,
     pub n: usize,
     /// `n` rounded up to `PANEL`, divided by it.
@@ -80,9 +80,9 @@ pub(super) struct KMajor {
     w: AlignedBuf<f32>,
 }
 
-impl KMajor {
+impl Panels {
     /// `w(o, k)` for every output `o < n` and input `k < k`.
-    pub fn new(k: usize, n: usize, w: impl Fn(usize, usize) -> f32) -> KMajor {
+    pub fn new(k: usize, n: usize, w: impl Fn(usize, usize) -> f32) -> Panels {
         let panels = n.div_ceil(PANEL);
         let mut packed = AlignedBuf::zeroed(panels * k * PANEL);
         let p = packed.as_mut_slice();
@@ -91,7 +91,7 @@ impl KMajor {
                 p[(o / PANEL * k + kk) * PANEL + o % PANEL] = w(o, kk);
             }
         }
-        KMajor { k, n, panels, w: packed }
+        Panels { k, n, panels, w: packed }
     }
 
     /// `y[r][o] = epilogue(Σ_k x[r][k] · w[o][k], bias[o])` for `rows` rows
@@ -166,13 +166,13 @@ macro_rules! by_rows {
 
 /// The baseline build: plain loops, `f32::mul_add` per product.
 mod portable {
-    use super::{finish, KMajor, PANEL};
+    use super::{finish, Panels, PANEL};
 
     const ROWS: usize = 4;
 
     #[inline(always)]
     pub(super) fn rows(
-        w: &KMajor,
+        w: &Panels,
         x: &[f32],
         rows: usize,
         y: &mut [f32],
@@ -217,7 +217,7 @@ mod portable {
 /// one broadcast per row and k, one aligned load per panel vector and k.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{finish, KMajor, PANEL};
+    use super::{finish, Panels, PANEL};
     use std::arch::x86_64::*;
 
     /// AVX-512 tile: up to 8 rows × 2 panels, 16 zmm accumulators.
@@ -226,13 +226,13 @@ mod x86 {
     /// AVX2 tile: up to 6 rows × 1 panel (2 ymm each), 12 ymm accumulators.
     const ROWS_256: usize = 6;
 
-    /// [`KMajor::rows`] with the AVX-512 F micro-kernel: panels two at a
+    /// [`Panels::rows`] with the AVX-512 F micro-kernel: panels two at a
     /// time (the last alone when their count is odd), rows eight at a time
     /// under each pair so the pair's weights stay in L1.
     #[target_feature(enable = "avx512f")]
     #[inline]
     pub(super) fn rows_avx512(
-        w: &KMajor,
+        w: &Panels,
         x: &[f32],
         rows: usize,
         y: &mut [f32],
@@ -310,12 +310,12 @@ mod x86 {
         }
     }
 
-    /// [`KMajor::rows`] with the AVX2+FMA micro-kernel: one panel at a
+    /// [`Panels::rows`] with the AVX2+FMA micro-kernel: one panel at a
     /// time, rows six at a time under it.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub(super) fn rows_avx2(
-        w: &KMajor,
+        w: &Panels,
         x: &[f32],
         rows: usize,
         y: &mut [f32],
@@ -412,7 +412,7 @@ mod tests {
         let x = values(seed, rows * k);
         let w = values(seed + 1, n * k);
         let bias = values(seed + 2, n);
-        let packed = KMajor::new(k, n, |o, kk| w[o * k + kk]);
+        let packed = Panels::new(k, n, |o, kk| w[o * k + kk]);
         let want = transcription(&x, &w, &bias, rows, k, n);
         for isa in Isa::available() {
             // NaN-filled, so an output left unwritten cannot pass.
@@ -452,7 +452,7 @@ mod tests {
 
     #[test]
     fn a_layer_without_inputs_gives_the_epilogue_of_zero() {
-        let packed = KMajor::new(0, 17, |_, _| unreachable!("no weights"));
+        let packed = Panels::new(0, 17, |_, _| unreachable!("no weights"));
         let bias: Vec<f32> = (0..17).map(|o| o as f32).collect();
         for isa in Isa::available() {
             let mut y = vec![f32::NAN; 3 * 17];
