@@ -151,7 +151,8 @@ w("and a tree model end to end (`bench/trees_serve.sh`), TLS on the scoring port
 w("`bench/tls_flood.sh`), onnxruntime as a backend (`bench/ort_backend.sh`), hedged requests (`bench/hedge.sh`),")
 w("replicas of 1M to 50M entities to size a node by (`bench/scale.sh`, `bench/scale_serve.sh`, `bench/sync_scale.sh`),")
 w("a Redis Cluster feed (`bench/cluster_feed.sh`), two commits of the kernels (`bench/int8_before_after.sh`) and of "
-  "the feature lookups (`bench/lookups_before_after.sh`).")
+  "the feature lookups (`bench/lookups_before_after.sh`), two binaries' f32 backend (`bench/f32_before_after.py`), and "
+  "the zoo's accuracy with bf16 operands (`bench/bf16_accuracy.py`).")
 w("`bench/train_fraud.py` trains the fraud worked example's LightGBM model (committed as")
 w("`src/loadgen/fraud_model.txt`; its header says how to regenerate it) on `quiver demo --workload fraud")
 w("--training-set`'s rows, and `quiver bench --workload fraud` drives that example (`quiver serve --demo --workload")
@@ -159,7 +160,7 @@ w("fraud`: one transaction per request over five feature groups, two keyed by st
 w("generator (`bench/fraud_smoke.sh`: a 10-second look, closed and open loop, one shard); no figures are recorded")
 w("for it yet.")
 w("A copied section is rendered only when its stated commit is one its results file records and was clean")
-w("(`python3 bench/report.py --check bench/results`). `docs/KERNELS.md` describes the INT8 kernels these time.\n")
+w("(`python3 bench/report.py --check bench/results`). `docs/KERNELS.md` describes the INT8 and f32 kernels these time.\n")
 w("## Machine and method\n")
 w(f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; Linux {machine['kernel']}; {machine['rustc']}.")
 w("- A shared, virtualised machine: absolute numbers move between runs and machines; the ratios")
