@@ -641,7 +641,11 @@ mod tests {
         println!("isa: int8 kernels tested against the scalar reference: {}", names(&ran));
         println!("isa: int8 kernels skipped (this CPU lacks them): {}", names(&skipped));
         println!("isa: chosen by auto: {}", Int8Kernel::best().name());
-        println!("isa: f32 and fp8 tiles run the {:?} build (the widest this CPU runs)", tiles::Isa::best());
+        println!(
+            "isa: f32 and fp8 tile builds tested against the mul_add chain: {:?} (served: {:?})",
+            tiles::Isa::available(),
+            tiles::Isa::best()
+        );
         assert!(ran.contains(&Int8Kernel::Scalar) && ran.contains(&Int8Kernel::Portable));
         assert!(ran.contains(&Int8Kernel::best()));
     }
