@@ -10,6 +10,14 @@
 //!   keyed both ways, 1 + 32 lookups one by one and batched), and the fraud
 //!   shape: five request-scope lookups in five groups, two of them by
 //!   string key, against the auction-32 shape's 1 + 32.
+//! - `request breakdown auction-32`: where one auction-32 request's time
+//!   goes, over 65,536 distinct requests drawn across the demo's whole
+//!   population: the whole `RequestPath::handle` and the INT8 kernel alone
+//!   on the same 32 rows, per kernel (`amx`, `avx512-vnni`, where the CPU
+//!   has them), and each stage around the kernel on its own (decode and
+//!   verify, lookups and row assembly, the score cache, the response's
+//!   encoding, the clock reads and stage timings). `bench/request_breakdown.sh`
+//!   runs it and writes the table.
 //! - `auction lookups`: the auction example's shape (3 request-scope
 //!   lookups, one by string key, then 32 ads each joined to its campaign
 //!   and advertiser through the rows' links, as the request path's
@@ -32,10 +40,14 @@ use quiver::features::replica::{
 use quiver::loadgen::auction;
 use quiver::loadgen::demo::{self, SplitMix64, Workload};
 use quiver::metrics::Readiness;
+use quiver::metrics::{Stage, StageTimes};
+use quiver::model::Model;
 use quiver::registry::{Fit, Registry};
 use quiver::request::cache::CacheConfig;
+use quiver::request::cache::{hash_words, Key, ScoreCache};
 use quiver::request::{RequestPath, Shared, SharedGroup};
-use quiver::score::BackendKind;
+use quiver::score::cpu::{configure_kernel, CpuInt8, Int8Kernel, KernelChoice};
+use quiver::score::{Backend, BackendKind};
 use quiver::wire::{self, RequestEncoder, RequestLimits, RequestSpec, ResponseEncoder, ResponseFields, Status, Tier};
 
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -490,6 +502,215 @@ fn request_bench(c: &mut Criterion) {
     g.finish();
 }
 
+/// The demo's `Shared` for one backend and score cache, as
+/// `request_bench` builds it.
+fn demo_shared(dir: &std::path::Path, backend: BackendKind, cache: CacheConfig) -> Shared {
+    let fit = Fit::user_item(demo::EMBEDDING_DIM as usize, demo::EMBEDDING_DIM as usize, 256);
+    let registry = Registry::single(&dir.join("model.qm"), fit, backend, 256).unwrap();
+    Shared {
+        registry: Arc::new(registry),
+        groups: SharedGroup::user_item(
+            Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
+            Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
+        ),
+        canary_group: "user".into(),
+        limits: Limits::default(),
+        backend,
+        floor: false,
+        readiness: Arc::new(Readiness::ready()),
+        admission: Default::default(),
+        client_usage: Arc::new(quiver::request::admission::ClientUsage::new(&Default::default(), 1)),
+        ladder: Default::default(),
+        cache,
+        shed: Default::default(),
+        feed: None,
+        fallback: None,
+        shards: 1,
+    }
+}
+
+/// Distinct auction-32 frames whose ids are drawn over the demo's whole
+/// population (100,000 users, 10,000 items).
+const DISTINCT: u64 = 65_536;
+
+/// Where one auction-32 request's time goes. Every stage bench cycles
+/// through the same 65,536 distinct frames, so its replica rows, cache sets
+/// and frame bytes are as cold as in `handle`'s; the stages are written
+/// as the request path runs them (`src/request/stages.rs`), each on its own.
+fn breakdown_bench(c: &mut Criterion) {
+    let dir = scratch("demo");
+    demo::ensure(&dir).unwrap();
+    let frames: Vec<Vec<u8>> = (0..DISTINCT).map(|s| auction_request(1_000_000 + s)).collect();
+    let payload = |i: usize| &frames[i][wire::FRAME_PREFIX_BYTES..];
+    let limits = Limits::default();
+    let request_limits = RequestLimits {
+        frame_bytes_max: limits.frame_bytes_max,
+        candidates_max: limits.candidates_max,
+        context_len_max: limits.context_len_max,
+    };
+    let user = Replica::open(&dir.join("user.qrep"), "user").unwrap();
+    let item = Replica::open(&dir.join("item.qrep"), "item").unwrap();
+    let dim = demo::EMBEDDING_DIM as usize;
+    let (rows, row_dim) = (32, 2 * dim + demo::CONTEXT_LEN);
+    let mut x = vec![0.0f32; 256 * row_dim];
+    let mut vectors = vec![0.0f32; 256 * dim];
+    let mut found = vec![0u32; 256];
+    let mut ids: Vec<u64> = Vec::with_capacity(256);
+    // The model input rows of the first 64 requests, assembled as the path
+    // assembles them, for the kernel alone.
+    let mut assemble = |p: &[u8], x: &mut [f32]| {
+        let r = wire::decode_request(p, &request_limits).unwrap();
+        let x = &mut x[..r.candidates * row_dim];
+        let mut missing = usize::from(!user.read_into(r.user_id(), &mut vectors[..dim]));
+        for row in x.chunks_exact_mut(row_dim) {
+            row[..dim].copy_from_slice(&vectors[..dim]);
+        }
+        ids.clear();
+        ids.extend(r.item_ids().iter());
+        let v = &mut vectors[..ids.len() * dim];
+        missing += item.read_many_into(&ids, &mut found, v, &mut []);
+        for (row, v) in x.chunks_exact_mut(row_dim).zip(v.chunks_exact(dim)) {
+            row[dim..2 * dim].copy_from_slice(v);
+        }
+        let context = r.context();
+        for row in x.chunks_exact_mut(row_dim) {
+            for (d, c) in row[2 * dim..].iter_mut().zip(context.iter()) {
+                *d = c;
+            }
+        }
+        missing
+    };
+    let inputs: Vec<Vec<f32>> = (0..64)
+        .map(|i| {
+            let mut x = vec![0.0f32; rows * row_dim];
+            assert_eq!(assemble(payload(i), &mut x), 0, "every demo id is in its table");
+            x
+        })
+        .collect();
+    let model = Arc::new(Model::load(&dir.join("model.qm")).unwrap());
+    let mut g = c.benchmark_group("request breakdown auction-32");
+    g.throughput(Throughput::Elements(1));
+    for (kernel, choice) in [(Int8Kernel::Amx, KernelChoice::Amx), (Int8Kernel::Avx512Vnni, KernelChoice::Avx512Vnni)] {
+        if !kernel.is_available() {
+            eprintln!("request breakdown: skipped {}: not available on this CPU", kernel.name());
+            continue;
+        }
+        configure_kernel(choice).unwrap();
+        let shared = demo_shared(&dir, BackendKind::Int8, CacheConfig::default());
+        let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
+        let mut out = Vec::with_capacity(4096);
+        let mut i = 0;
+        g.bench_function(format!("handle, {}, {DISTINCT} distinct requests", kernel.name()), |b| {
+            b.iter(|| {
+                i = (i + 1) % frames.len();
+                out.clear();
+                let read_at_ns = path.clock().now_ns();
+                path.handle(
+                    payload(i),
+                    read_at_ns,
+                    0,
+                    quiver::request::admission::Peer::at(std::net::Ipv4Addr::LOCALHOST.into()),
+                    &mut out,
+                );
+                black_box(out.len())
+            })
+        });
+        let mut backend = CpuInt8::with_kernel(&model, 256, kernel).unwrap();
+        let mut logits = vec![0.0f32; rows];
+        g.bench_function(format!("kernel alone, {}, 32 rows", kernel.name()), |b| {
+            b.iter(|| {
+                i = (i + 1) % inputs.len();
+                backend.score(black_box(&inputs[i]), rows, &mut logits).unwrap();
+                black_box(logits[0])
+            })
+        });
+    }
+    configure_kernel(KernelChoice::Auto).unwrap();
+    let mut i = 0;
+    g.bench_function("decode and verify", |b| {
+        b.iter(|| {
+            i = (i + 1) % frames.len();
+            let r = wire::decode_request(black_box(payload(i)), &request_limits).unwrap();
+            black_box(r.request_id())
+        })
+    });
+    g.bench_function("lookups and row assembly", |b| {
+        b.iter(|| {
+            i = (i + 1) % frames.len();
+            black_box(assemble(payload(i), &mut x))
+        })
+    });
+    // Every candidate's key hashed into one request's cache key, the
+    // lookup (a distinct request misses at its first candidate) and the
+    // fill of all 32 after scoring.
+    let mut cache = ScoreCache::new(&CacheConfig::default());
+    let clock = MonotonicClock::new();
+    let scores = [0.5f32; 32];
+    let keys: Vec<(u64, Vec<u64>, Vec<f32>)> = frames
+        .iter()
+        .map(|f| {
+            let r = wire::decode_request(&f[wire::FRAME_PREFIX_BYTES..], &request_limits).unwrap();
+            (r.user_id(), r.item_ids().iter().collect(), r.context().iter().collect())
+        })
+        .collect();
+    g.bench_function("score cache: key, look up, fill 32", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            let (user_id, items, context) = &keys[i];
+            let now_ns = clock.now_ns();
+            let key = Key {
+                model: 1,
+                version: 1,
+                user: *user_id,
+                item: 0,
+                context: hash_words(context.iter().map(|c| u64::from(c.to_bits()))),
+            };
+            let hit = cache.get(&Key { item: items[0], ..key }, now_ns);
+            cache.put_all(&key, items, &scores, now_ns);
+            black_box(hit)
+        })
+    });
+    let mut enc = ResponseEncoder::new(256);
+    let mut out = Vec::with_capacity(4096);
+    g.bench_function("respond: encode 32 scores", |b| {
+        b.iter(|| {
+            out.clear();
+            enc.encode(
+                &ResponseFields {
+                    request_id: 1,
+                    status: Status::Ok,
+                    scores: black_box(&scores),
+                    tier: Tier::Primary,
+                    model_version: 1,
+                    server_us: 10,
+                    features_missing: 0,
+                    error: "",
+                    reason: quiver::wire::Reason::None,
+                    features_stale: false,
+                },
+                &mut out,
+            );
+            black_box(out.len())
+        })
+    });
+    // What `handle` reads the clock for and records, per request: the
+    // read time, then decode, lookup, kernel and respond each ended and
+    // timed, and the whole.
+    let mut times = StageTimes::default();
+    g.bench_function("clock reads and stage timings", |b| {
+        b.iter(|| {
+            let mut last = clock.now_ns();
+            for stage in [Stage::Decode, Stage::Lookup, Stage::Kernel, Stage::Respond] {
+                let now = clock.now_ns();
+                times.record_ns(stage, now - last);
+                last = now;
+            }
+            times.record_ns(Stage::EndToEnd, black_box(last));
+        })
+    });
+    g.finish();
+}
+
 /// The whole request path over the auction example (`loadgen::auction`):
 /// 65,536 distinct auctions of 32 ads drawn Zipf over its populations,
 /// each ad joined to its campaign and advertiser through the links, the
@@ -581,6 +802,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = wire_bench, replica_bench, keys_bench, auction_bench, request_bench, auction_request_bench
+    targets = wire_bench, replica_bench, keys_bench, auction_bench, request_bench, auction_request_bench, breakdown_bench
 }
 criterion_main!(benches);

@@ -29,7 +29,7 @@ import sys
 # Sections copied in whole, in page order, from the results directory.
 SECTIONS = ["zoo_side_by_side.md", "one_request.md", "trees_side_by_side.md", "tls_cost.md", "tls_flood.md",
             "ort_backend.md", "hedge.md", "int8_before_after.md", "ort_side_by_side.md", "f32_before_after.md",
-            "bf16_accuracy.md", "lookups_before_after.md", "workloads_open_loop.md", "int8_profile.md"]
+            "bf16_accuracy.md", "lookups_before_after.md", "workloads_open_loop.md", "request_breakdown.md"]
 
 # A commit as the sections write it: a short hash in backticks, "+dirty" when
 # the tree had changes.
@@ -151,8 +151,9 @@ w("and a tree model end to end (`bench/trees_serve.sh`), TLS on the scoring port
 w("`bench/tls_flood.sh`), onnxruntime as a backend (`bench/ort_backend.sh`), hedged requests (`bench/hedge.sh`),")
 w("replicas of 1M to 50M entities to size a node by (`bench/scale.sh`, `bench/scale_serve.sh`, `bench/sync_scale.sh`),")
 w("a Redis Cluster feed (`bench/cluster_feed.sh`), two commits of the kernels (`bench/int8_before_after.sh`) and of "
-  "the feature lookups (`bench/lookups_before_after.sh`), two binaries' f32 backend (`bench/f32_before_after.py`), and "
-  "the zoo's accuracy with bf16 operands (`bench/bf16_accuracy.py`).")
+  "the feature lookups (`bench/lookups_before_after.sh`), two binaries' f32 backend (`bench/f32_before_after.py`), "
+  "the zoo's accuracy with bf16 operands (`bench/bf16_accuracy.py`), and where an auction-32 request's time goes "
+  "(`bench/request_breakdown.sh`).")
 w("`bench/train_fraud.py` trains the fraud worked example's LightGBM model (committed as")
 w("`src/loadgen/fraud_model.txt`; its header says how to regenerate it) on `quiver demo --workload fraud")
 w("--training-set`'s rows, and `quiver bench --workload fraud` drives that example (`quiver serve --demo --workload")
