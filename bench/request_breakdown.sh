@@ -55,7 +55,7 @@ need taskset util-linux
 need python3 python3
 need_two_cores
 head="$(git rev-parse --short HEAD)"
-if [ -n "$(git status --porcelain -- src bench Cargo.toml Cargo.lock build.rs)" ]; then
+if [ -n "$(git status --porcelain --untracked-files=no -- src bench Cargo.toml Cargo.lock build.rs)" ]; then
     die "commit first (the figures name HEAD, $head)"
 fi
 work="$(mktemp -d)"
@@ -108,17 +108,16 @@ chrt -f 1 true 2>/dev/null && rt=(chrt -f 1)
 RT="${rt[*]:-none}"
 export RT
 
-echo "== criterion: request breakdown auction-32 ($REPEATS runs)"
+# A BASE without the breakdown group (before this script) runs only the
+# distinct-request `handle` of `request path auction-32`, in both trees.
+BREAKDOWN='request breakdown auction-32'
+HANDLE='request path auction-32/handle, int8, 65536 distinct requests$'
+echo "== criterion: $BREAKDOWN ($REPEATS runs)"
 for r in $(seq "$REPEATS"); do
-    filter='request breakdown auction-32'
-    [ -n "$BASE" ] && filter='request breakdown auction-32|request path auction-32/handle, int8, 65536 distinct requests$'
-    CRITERION_HOME="$work/criterion-after" "${rt[@]}" taskset -c "$GEN_CORE" "$work/micro-after" --bench "$filter" \
-        >"$work/micro-after-$r.txt" 2>&1 || { cat "$work/micro-after-$r.txt"; exit 1; }
-    if [ -n "$BASE" ]; then
-        CRITERION_HOME="$work/criterion-before" "${rt[@]}" taskset -c "$GEN_CORE" "$work/micro-before" \
-            --bench 'request path auction-32/handle, int8, 65536 distinct requests$' \
-            >"$work/micro-before-$r.txt" 2>&1 || { cat "$work/micro-before-$r.txt"; exit 1; }
-    fi
+    for side in $sides; do
+        CRITERION_HOME="$work/criterion-$side" "${rt[@]}" taskset -c "$GEN_CORE" "$work/micro-$side" \
+            --bench "$BREAKDOWN|$HANDLE" >"$work/micro-$side-$r.txt" 2>&1 || { cat "$work/micro-$side-$r.txt"; exit 1; }
+    done
 done
 
 # The profile: user-space cycles of the distinct-request `handle` bench,
@@ -131,15 +130,20 @@ if command -v perf >/dev/null 2>&1 && perf stat -e cycles:u true >/dev/null 2>&1
     perf_ok=1
     for k in $KERNELS; do
         grep -q amx_int8 /proc/cpuinfo || [ "$k" != amx ] || continue
-        echo "== perf record: handle, $k"
-        CRITERION_HOME="$work/criterion-perf" "${rt[@]}" taskset -c "$GEN_CORE" perf record -q -e cycles:u -F 4999 \
-            -o "$work/perf-$k.data" -- "$work/micro-after" --bench \
-            "request breakdown auction-32/handle, $k, 65536 distinct requests" --profile-time "$PROFILE_S" \
-            >"$work/perf-$k.txt" 2>&1 || { cat "$work/perf-$k.txt"; exit 1; }
-        last="$(perf script -i "$work/perf-$k.data" -F time 2>/dev/null | tail -1 | tr -d ' :')"
-        first="$(python3 -c "print(f'{float(\"$last\") - $PROFILE_S + 3:.6f}')")"
-        perf report -i "$work/perf-$k.data" --time "$first,$last" --no-children --sort symbol --stdio -q \
-            2>/dev/null >"$work/perf-$k.report" || true
+        for side in $sides; do
+            grep -q "$BREAKDOWN/handle, $k" "$work/micro-$side-1.txt" || continue
+            echo "== perf record: handle, $k, $side"
+            p="$work/perf-$side-$k"
+            CRITERION_HOME="$work/criterion-perf" "${rt[@]}" taskset -c "$GEN_CORE" perf record -q -e cycles:u \
+                -F 4999 -o "$p.data" -- "$work/micro-$side" --bench \
+                "$BREAKDOWN/handle, $k, 65536 distinct requests" --profile-time "$PROFILE_S" \
+                >"$p.txt" 2>&1 || { cat "$p.txt"; exit 1; }
+            last="$(perf script -i "$p.data" -F time 2>/dev/null | tail -1 | tr -d ' :')"
+            first="$(python3 -c "print(f'{float(\"$last\") - $PROFILE_S + 3:.6f}')")"
+            perf report -i "$p.data" --time "$first,$last" --no-children --sort symbol --stdio -q \
+                2>/dev/null >"$p.report" || true
+            rm -f "$p.data"
+        done
     done
 fi
 
@@ -191,10 +195,16 @@ done
 
 LOAD="$(cut -d' ' -f1-3 /proc/loadavg)"
 export LOAD
+# Keeps the raw results of a run whose summary failed.
+summary_failed() {
+    rm -rf /tmp/request_breakdown.failed
+    cp -r "$work" /tmp/request_breakdown.failed
+    die "the summary failed; the raw results are in /tmp/request_breakdown.failed"
+}
 CPU="$(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2; exit}')"
 FLAGS="$(grep -o -w -E 'amx_int8|amx_tile|avx512_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 export CPU FLAGS
-python3 - "$work" "$RESULTS" "$REPEATS" "$head" "${base:-}" "$KERNELS" "$DURATION" "$perf_ok" <<'PY'
+python3 - "$work" "$RESULTS" "$REPEATS" "$head" "${base:-}" "$KERNELS" "$DURATION" "$perf_ok" <<'PY' || summary_failed
 import json, os, re, statistics, sys
 work, results, repeats, head, base, kernels, duration, perf_ok = sys.argv[1:]
 repeats, kernels = int(repeats), kernels.split()
@@ -223,29 +233,16 @@ def med(runs, name):
     return statistics.median(vals) if vals else None
 
 G = "request breakdown auction-32/"
-after = [criterion(f"{work}/micro-after-{r}.txt") for r in range(1, repeats + 1)]
-kernels = [k for k in kernels if med(after, f"{G}handle, {k}, 65536 distinct requests")]
-stages = {
-    "decode and verify": med(after, G + "decode and verify"),
-    "lookups and row assembly": med(after, G + "lookups and row assembly"),
-    "score cache": med(after, G + "score cache: key, look up, fill 32"),
-    "respond (encode)": med(after, G + "respond: encode 32 scores"),
-    "clock reads and stage timings": med(after, G + "clock reads and stage timings"),
+HANDLE = "request path auction-32/handle, int8, 65536 distinct requests"
+sides = ["before", "after"] if base else ["after"]
+runs = {side: [criterion(f"{work}/micro-{side}-{r}.txt") for r in range(1, repeats + 1)] for side in sides}
+STAGES = {
+    "decode and verify": "decode and verify",
+    "lookups and row assembly": "lookups and row assembly",
+    "score cache": "score cache: key, look up, fill 32",
+    "respond (encode)": "respond: encode 32 scores",
+    "clock reads and stage timings": "clock reads and stage timings",
 }
-inproc = {}
-for k in kernels:
-    handle = med(after, f"{G}handle, {k}, 65536 distinct requests")
-    kernel = med(after, f"{G}kernel alone, {k}, 32 rows")
-    rest = handle - kernel - sum(stages.values())
-    inproc[k] = {"handle_us": handle, "kernel_us": kernel, "non_kernel_us": handle - kernel,
-                 "stages_us": stages, "rest_us": rest}
-handle_pair = None
-if base:
-    before = [criterion(f"{work}/micro-before-{r}.txt") for r in range(1, repeats + 1)]
-    name = "request path auction-32/handle, int8, 65536 distinct requests"
-    handle_pair = {"before_us": med(before, name), "after_us": med(after, name)}
-    handle_pair["ratio"] = handle_pair["after_us"] / handle_pair["before_us"]
-
 # Symbols by stage, first match wins; the patterns name where each stage's
 # code lives.
 GROUPS = [
@@ -258,33 +255,52 @@ GROUPS = [
     ("clock reads and stage timings", r"hdrhistogram|Histogram|clock_gettime|vdso|Instant|elapsed|now_ns|record_ns"),
     ("request path (admit, route, finish)", r"request::|RequestPath|stages::|admission|policies"),
 ]
-profile = {}
-if perf_ok == "1":
-    for k in kernels:
-        rows = []
-        for line in open(f"{work}/perf-{k}.report"):
-            m = re.match(r"\s*([\d.]+)%\s+\[\.\]\s+(.*?)(?:\s+-\s+-)?\s*$", line)
-            if m:
-                rows.append((float(m[1]), m[2]))
-        groups = {g: 0.0 for g, _ in GROUPS}
-        groups["other (criterion loop, libc, runtime)"] = 0.0
-        for share, sym in rows:
-            g = next((g for g, p in GROUPS if re.search(p, sym)), "other (criterion loop, libc, runtime)")
-            groups[g] += share
-        profile[k] = {"groups_pct": groups, "top": [{"pct": s, "symbol": sym[:110]} for s, sym in rows[:12]]}
+OTHER = "other (criterion loop, libc, runtime)"
 
-# The kernel alone includes each layer's dynamic per-row quantization of
-# its input; the profile splits it off: its share of the quantization and
-# GEMM samples together, applied to the kernel alone. The issue's measure
-# of the path's own cost counts the quantization as the path's.
+def read_profile(path):
+    rows = []
+    for line in open(path):
+        m = re.match(r"\s*([\d.]+)%\s+\[\.\]\s+(.*?)(?:\s+-\s+-)?\s*$", line)
+        if m:
+            rows.append((float(m[1]), m[2]))
+    groups = {g: 0.0 for g, _ in GROUPS}
+    groups[OTHER] = 0.0
+    for share, sym in rows:
+        groups[next((g for g, p in GROUPS if re.search(p, sym)), OTHER)] += share
+    return {"groups_pct": groups, "top": [{"pct": s, "symbol": sym[:110]} for s, sym in rows[:12]]}
+
+# Per kernel and side: the whole, the kernel alone, the stages alone. The
+# kernel alone includes each layer's dynamic per-row quantization of its
+# input; the profile splits it off (its share of the quantization and GEMM
+# samples together, applied to the kernel alone): the issue counts the
+# quantization as the path's own cost.
+inproc, profile = {}, {}
 for k in kernels:
-    x = inproc[k]
-    g = profile.get(k, {}).get("groups_pct")
-    if g and g["input quantization"] + g["kernel (GEMM, epilogue)"] > 0:
-        q = g["input quantization"] / (g["input quantization"] + g["kernel (GEMM, epilogue)"])
-        x["quantization_us"] = x["kernel_us"] * q
-        x["gemm_us"] = x["kernel_us"] - x["quantization_us"]
-        x["own_cost_us"] = x["handle_us"] - x["gemm_us"]
+    for side in sides:
+        handle = med(runs[side], f"{G}handle, {k}, 65536 distinct requests")
+        kernel = med(runs[side], f"{G}kernel alone, {k}, 32 rows")
+        if handle is None or kernel is None:
+            continue
+        stages = {st: med(runs[side], G + name) for st, name in STAGES.items()}
+        col = f"{k}, {side}" if base else k
+        x = {"kernel": k, "side": side, "handle_us": handle, "kernel_us": kernel, "non_kernel_us": handle - kernel,
+             "stages_us": stages, "rest_us": handle - kernel - sum(stages.values())}
+        path = f"{work}/perf-{side}-{k}.report"
+        if perf_ok == "1" and os.path.exists(path):
+            profile[col] = read_profile(path)
+            g = profile[col]["groups_pct"]
+            if g["input quantization"] + g["kernel (GEMM, epilogue)"] > 0:
+                q = g["input quantization"] / (g["input quantization"] + g["kernel (GEMM, epilogue)"])
+                x["quantization_us"] = kernel * q
+                x["gemm_us"] = kernel - x["quantization_us"]
+                x["own_cost_us"] = handle - x["gemm_us"]
+        inproc[col] = x
+cols = list(inproc)
+handle_pair = None
+if base:
+    handle_pair = {"before_us": med(runs["before"], HANDLE), "after_us": med(runs["after"], HANDLE)}
+    if handle_pair["before_us"] and handle_pair["after_us"]:
+        handle_pair["ratio"] = handle_pair["after_us"] / handle_pair["before_us"]
 
 def metric_sums(path):
     sums, counts = {}, {}
@@ -310,10 +326,9 @@ def strace_top(path):
     return sorted(out, key=lambda x: -x[1])
 
 server = {}
-sides = ["before", "after"] if base else ["after"]
 for k in kernels:
     for side in sides:
-        runs = []
+        server_runs = []
         for r in range(1, repeats + 1):
             f = f"{work}/server-{side}-{k}-{r}"
             if not os.path.exists(f + ".json"):
@@ -336,19 +351,19 @@ for k in kernels:
                 sj = json.load(open(f + ".strace.json"))
                 run["strace_per_request"] = [(name, calls / max(sj["received"], 1))
                                              for name, calls in strace_top(f + ".strace")[:6]]
-            runs.append(run)
-        if not runs:
+            server_runs.append(run)
+        if not server_runs:
             continue
-        m = lambda key: statistics.median(x[key] for x in runs if x[key] is not None) \
-            if any(x[key] is not None for x in runs) else None
-        stage_names = sorted(set().union(*(x["stage_us"] for x in runs)))
+        m = lambda key: statistics.median(x[key] for x in server_runs if x[key] is not None) \
+            if any(x[key] is not None for x in server_runs) else None
+        stage_names = sorted(set().union(*(x["stage_us"] for x in server_runs)))
         server[f"{k}/{side}"] = {
             "kernel": k, "side": side, "rate": m("rate"), "service_us": m("service_us"), "p50_us": m("p50_us"),
             "p99_us": m("p99_us"), "user_us": m("user_us"), "system_us": m("system_us"), "syscalls": m("syscalls"),
-            "stage_us": {st: statistics.median(x["stage_us"][st] for x in runs if st in x["stage_us"])
+            "stage_us": {st: statistics.median(x["stage_us"][st] for x in server_runs if st in x["stage_us"])
                          for st in stage_names},
-            "strace_per_request": next((x["strace_per_request"] for x in runs if "strace_per_request" in x), []),
-            "lost": sum(x["lost"] for x in runs), "each_service_us": [x["service_us"] for x in runs]}
+            "strace_per_request": next((x["strace_per_request"] for x in server_runs if "strace_per_request" in x), []),
+            "lost": sum(x["lost"] for x in server_runs), "each_service_us": [x["service_us"] for x in server_runs]}
 
 cpu, flags = os.environ["CPU"], os.environ["FLAGS"].strip()
 res = {"machine": {"cpu": cpu, "flags": flags, "cores": os.cpu_count(), "load": os.environ["LOAD"],
@@ -369,11 +384,14 @@ o.append(f"Measured by `bench/request_breakdown.sh` at `{head}` on {cpu} ({os.cp
          f"processes ran under `{os.environ['RT']}` (SCHED_FIFO, so the machine's other work does not take whole "
          "time slices from them).")
 o.append("")
-hdr = " | ".join(kernels)
+def label(col):
+    x = inproc[col]
+    return f"{x['kernel']}, `{base if x['side'] == 'before' else head}`" if base else x["kernel"]
+hdr = " | ".join(label(c) for c in cols)
 o.append(f"| per request (µs) | {hdr} |")
-o.append("|---|" + "---:|" * len(kernels))
-def row(label, f):
-    o.append(f"| {label} | " + " | ".join(f(inproc[k]) for k in kernels) + " |")
+o.append("|---|" + "---:|" * len(cols))
+def row(name, f):
+    o.append(f"| {name} | " + " | ".join(f(inproc[c]) for c in cols) + " |")
 f2 = lambda v: "–" if v is None else f"{v:.2f}"
 row("whole `handle`", lambda x: f"{x['handle_us']:.2f}")
 row("**the path's own cost** (whole − GEMM and epilogue; the issue's measure)",
@@ -383,31 +401,33 @@ row("&nbsp;&nbsp;input quantization, every layer (kernel alone × its profile sh
 row("GEMM and epilogue (kernel alone less quantization)", lambda x: f2(x.get("gemm_us")))
 row("kernel alone (32 rows)", lambda x: f"{x['kernel_us']:.2f}")
 row("**not the kernel** (whole − kernel)", lambda x: f"**{x['non_kernel_us']:.2f}**")
-for st in stages:
-    row(f"&nbsp;&nbsp;{st}", lambda x, st=st: f"{x['stages_us'][st]:.2f}")
+for st in STAGES:
+    row(f"&nbsp;&nbsp;{st}", lambda x, st=st: f2(x["stages_us"][st]))
 row("&nbsp;&nbsp;the rest", lambda x: f"{x['rest_us']:.2f}")
-if handle_pair:
+if handle_pair and handle_pair.get("ratio"):
     o.append("")
-    o.append(f"Before and after in the same run: `request path auction-32/handle, int8, 65536 distinct requests` "
-             f"(the kernel `auto` picks) built at `{base}`: {handle_pair['before_us']:.2f} µs, at `{head}`: "
-             f"{handle_pair['after_us']:.2f} µs (after/before {handle_pair['ratio']:.3f}).")
+    o.append(f"Before and after in the same run: `{HANDLE}` (the kernel `auto` picks) built at `{base}`: "
+             f"{handle_pair['before_us']:.2f} µs, at `{head}`: {handle_pair['after_us']:.2f} µs "
+             f"(after/before {handle_pair['ratio']:.3f}).")
 if profile:
+    pcols = [c for c in cols if c in profile]
     o.append("")
     o.append("`perf record -e cycles:u` of the `handle` bench, each symbol's own cycles (no children) grouped "
              "by the stage its name places it in, per cent of the bench's cycles (inlined code counts in the "
              "function it was inlined into):")
     o.append("")
-    o.append(f"| profile share (%) | {hdr} |")
-    o.append("|---|" + "---:|" * len(kernels))
-    for g in profile[kernels[0]]["groups_pct"]:
-        o.append(f"| {g} | " + " | ".join(f"{profile[k]['groups_pct'][g]:.1f}" for k in kernels) + " |")
-    o.append("")
-    o.append(f"Top symbols ({kernels[0]}):")
-    o.append("")
-    o.append("| % | symbol |")
-    o.append("|---:|---|")
-    for t in profile[kernels[0]]["top"]:
-        o.append(f"| {t['pct']:.1f} | `{t['symbol'].replace('|', '/')}` |")
+    o.append("| profile share (%) | " + " | ".join(label(c) for c in pcols) + " |")
+    o.append("|---|" + "---:|" * len(pcols))
+    for g in profile[pcols[0]]["groups_pct"]:
+        o.append(f"| {g} | " + " | ".join(f"{profile[c]['groups_pct'][g]:.1f}" for c in pcols) + " |")
+    for c in pcols:
+        o.append("")
+        o.append(f"Top symbols ({label(c)}):")
+        o.append("")
+        o.append("| % | symbol |")
+        o.append("|---:|---|")
+        for t in profile[c]["top"][:8]:
+            o.append(f"| {t['pct']:.1f} | `{t['symbol'].replace('|', '/')}` |")
 if server:
     o.append("")
     o.append(f"The server: `quiver serve --demo --kernel K`, one shard on core 0; `quiver bench`, one connection, "
