@@ -134,8 +134,10 @@ if command -v perf >/dev/null 2>&1 && perf stat -e cycles:u true >/dev/null 2>&1
             grep -q "$BREAKDOWN/handle, $k" "$work/micro-$side-1.txt" || continue
             echo "== perf record: handle, $k, $side"
             p="$work/perf-$side-$k"
-            CRITERION_HOME="$work/criterion-perf" "${rt[@]}" taskset -c "$GEN_CORE" perf record -q -e cycles:u \
-                -F 4999 -o "$p.data" -- "$work/micro-$side" --bench \
+            # perf itself runs unpinned at the normal priority: beside a
+            # SCHED_FIFO bench on one core it would never drain its buffer.
+            CRITERION_HOME="$work/criterion-perf" perf record -q -e cycles:u -F 4999 -o "$p.data" -- \
+                "${rt[@]}" taskset -c "$GEN_CORE" "$work/micro-$side" --bench \
                 "$BREAKDOWN/handle, $k, 65536 distinct requests" --profile-time "$PROFILE_S" \
                 >"$p.txt" 2>&1 || { cat "$p.txt"; exit 1; }
             last="$(perf script -i "$p.data" -F time 2>/dev/null | tail -1 | tr -d ' :')"
