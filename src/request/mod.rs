@@ -312,7 +312,7 @@ impl<C: Clock> RequestPath<C> {
         let mut path = RequestPath {
             policies: Policies::new(&shared),
             versions,
-            inputs: Inputs::new(rows_max, vectors_len),
+            inputs: Inputs::new(rows_max, vectors_len, shared.limits.context_len_max),
             answer,
             cache: ScoreCache::new(&shared.cache),
             in_flight: InFlight::default(),

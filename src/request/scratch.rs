@@ -28,10 +28,15 @@ pub(super) struct Inputs {
     /// links the next lookup reads into: swapped at each step of a chain.
     pub(super) links: Vec<u32>,
     pub(super) links_next: Vec<u32>,
+    /// The request's context floats, read out of the frame once so that
+    /// each row takes them in one copy (element by element from the
+    /// frame, 32 rows of 16 were a tenth of an auction-32's lookup stage),
+    /// `context_len_max`.
+    pub(super) context: Vec<f32>,
 }
 
 impl Inputs {
-    pub(super) fn new(rows_max: usize, vectors_len: usize) -> Inputs {
+    pub(super) fn new(rows_max: usize, vectors_len: usize, context_len_max: usize) -> Inputs {
         Inputs {
             x: Vec::new(),
             vectors: vec![0.0; vectors_len],
@@ -41,6 +46,7 @@ impl Inputs {
             candidate_keys: Vec::with_capacity(rows_max),
             links: vec![0; rows_max * LINK_WORDS_MAX],
             links_next: vec![0; rows_max * LINK_WORDS_MAX],
+            context: Vec::with_capacity(context_len_max),
         }
     }
 

@@ -210,6 +210,7 @@ pub(super) fn assemble(
         candidate_keys,
         links: inputs_links,
         links_next: inputs_links_next,
+        context: context_floats,
     } = inputs;
     let x = match slot_x {
         Some(x) => x,
@@ -360,15 +361,13 @@ pub(super) fn assemble(
         link_words = kept_words;
     }
     if let Some((off, dim)) = layout.context {
+        // Checked above: the context is empty or `dim` floats, within the
+        // wire's `context_len_max`, the scratch's capacity.
+        context_floats.clear();
+        context_floats.extend(context.iter());
+        context_floats.resize(dim, 0.0);
         for row in x.chunks_exact_mut(row_dim) {
-            let dst = &mut row[off..off + dim];
-            if context.is_empty() {
-                dst.fill(0.0);
-            } else {
-                for (d, c) in dst.iter_mut().zip(context.iter()) {
-                    *d = c;
-                }
-            }
+            row[off..off + dim].copy_from_slice(context_floats);
         }
     }
     // The inputs as the rows hold them now (the context, zeros when none
