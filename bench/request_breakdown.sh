@@ -32,7 +32,8 @@
 # with HEAD's: before/after in one run.
 #
 # Writes bench/results/request_breakdown.{json,md} (rendered into
-# docs/BENCHMARKS.md by bench/report.py). Honours CARGO_TARGET_DIR.
+# docs/BENCHMARKS.md by bench/report.py). Honours CARGO_TARGET_DIR; builds at
+# nice 15 (a shared machine).
 #
 # usage: bench/request_breakdown.sh   (REPEATS=3 DURATION=5s BASE=<commit>)
 set -euo pipefail
@@ -66,7 +67,7 @@ mkdir -p "$RESULTS" "$data"
 
 # The micro bench's executable built from the tree $1 into $TARGET.
 micro_executable() {
-    (cd "$1" && CARGO_TARGET_DIR="$TARGET" QUIVER_NO_FLATC=1 cargo bench --bench micro --no-run \
+    (cd "$1" && CARGO_TARGET_DIR="$TARGET" QUIVER_NO_FLATC=1 nice -n 15 cargo bench --bench micro --no-run \
         --message-format=json 2>/dev/null) |
         python3 -c 'import json,sys
 for l in sys.stdin:
@@ -83,7 +84,7 @@ if [ -n "$BASE" ]; then
     built="$(micro_executable "$work/base")"
     [ -x "$built" ] || die "the micro bench at $base did not build"
     cp "$built" "$work/micro-before"
-    (cd "$work/base" && CARGO_TARGET_DIR="$TARGET" QUIVER_NO_FLATC=1 cargo build --release --quiet)
+    (cd "$work/base" && CARGO_TARGET_DIR="$TARGET" QUIVER_NO_FLATC=1 nice -n 15 cargo build --release --quiet)
     cp "$TARGET/release/quiver" "$work/quiver-before"
     # One fingerprint for both trees (see build_bench_pair): make cargo
     # build this tree again.
@@ -93,7 +94,7 @@ echo "== building the micro bench and the server at $head"
 built="$(micro_executable .)"
 [ -x "$built" ] || die "the micro bench of this checkout did not build"
 cp "$built" "$work/micro-after"
-CARGO_TARGET_DIR="$TARGET" cargo build --release --quiet
+CARGO_TARGET_DIR="$TARGET" nice -n 15 cargo build --release --quiet
 cp "$TARGET/release/quiver" "$work/quiver-after"
 bin="$work/quiver-after"
 "$bin" demo --data-dir "$data" >/dev/null 2>&1
