@@ -100,12 +100,14 @@ bin="$work/quiver-after"
 "$bin" demo --data-dir "$data" >/dev/null 2>&1
 sides="after"
 [ -n "$BASE" ] && sides="before after"
-# The measured processes run under SCHED_FIFO where allowed: on a shared
+# The measured processes run under SCHED_RR where allowed: on a shared
 # machine, other work on the same core otherwise takes whole time slices
 # from them (milliseconds), which a closed loop's rate counts as service
-# time. Each is pinned to one core, so the other core stays free.
+# time. Each is pinned to one core, so the other core stays free. Not
+# SCHED_FIFO: a server's threads share its core, and a spinning shard
+# never let the main thread print its address.
 rt=()
-chrt -f 1 true 2>/dev/null && rt=(chrt -f 1)
+chrt -r 1 true 2>/dev/null && rt=(chrt -r 1)
 RT="${rt[*]:-none}"
 export RT
 
@@ -136,7 +138,7 @@ if command -v perf >/dev/null 2>&1 && perf stat -e cycles:u true >/dev/null 2>&1
             echo "== perf record: handle, $k, $side"
             p="$work/perf-$side-$k"
             # perf itself runs unpinned at the normal priority: beside a
-            # SCHED_FIFO bench on one core it would never drain its buffer.
+            # real-time bench on one core it would never drain its buffer.
             CRITERION_HOME="$work/criterion-perf" perf record -q -e cycles:u -F 4999 -o "$p.data" -- \
                 "${rt[@]}" taskset -c "$GEN_CORE" "$work/micro-$side" --bench \
                 "$BREAKDOWN/handle, $k, 65536 distinct requests" --profile-time "$PROFILE_S" \
@@ -384,7 +386,7 @@ o.append(f"Measured by `bench/request_breakdown.sh` at `{head}` on {cpu} ({os.cp
          "(assembled from the demo replicas); each stage alone; \"the rest\" is the whole less the kernel and "
          "those stages (admission, routing, counters, the calls between stages, and what the stages cost "
          "together beyond their sum alone). Load average at the end: {os.environ['LOAD']}; the measured "
-         f"processes ran under `{os.environ['RT']}` (SCHED_FIFO, so the machine's other work does not take whole "
+         f"processes ran under `{os.environ['RT']}` (SCHED_RR, so the machine's other work does not take whole "
          "time slices from them).")
 o.append("")
 def label(col):
