@@ -386,7 +386,7 @@ o.append(f"Measured by `bench/request_breakdown.sh` at `{head}` on {cpu} ({os.cp
          "80 → 256 → 128 → 1); the kernel alone on the same 32 rows "
          "(assembled from the demo replicas); each stage alone; \"the rest\" is the whole less the kernel and "
          "those stages (admission, routing, counters, the calls between stages, and what the stages cost "
-         "together beyond their sum alone). Load average at the end: {os.environ['LOAD']}; the measured "
+         f"together beyond their sum alone). Load average at the end: {os.environ['LOAD']}; the measured "
          f"processes ran under `{os.environ['RT']}` (so the machine's other work does not take whole "
          "time slices from them).")
 o.append("")
