@@ -827,19 +827,11 @@ impl Replica {
     }
 
     /// Starts loading `key`'s index slot, for a batch of lookups spread over
-    /// several tables (see `ReplicaHandle::read_many_into`); the line after
-    /// it too when the slot is its line's last, so that a probe going on
-    /// past it (common where keys hash at random, as string keys do; rare
-    /// for sequential ids, which Fibonacci hashing spreads) finds the next
-    /// slot loaded as well.
+    /// several tables (see `ReplicaHandle::read_many_into`).
     #[inline]
     pub fn prefetch_slot(&self, key: u64) {
         let slot = slot_of(key, self.header.slot_count) as usize;
-        let at = self.map.as_ptr().wrapping_add(self.layout.index_offset + slot * SLOT_BYTES);
-        prefetch(at);
-        if (slot + 1).is_multiple_of(SLOTS_PER_LINE) && slot + 1 < self.header.slot_count as usize {
-            prefetch(at.wrapping_add(SLOT_BYTES));
-        }
+        prefetch(self.map.as_ptr().wrapping_add(self.layout.index_offset + slot * SLOT_BYTES));
     }
 
     /// Finds `key` and starts loading its row, if it has one.
@@ -939,7 +931,6 @@ pub(super) fn lower_thread_priority() {
 }
 
 const CACHE_LINE_BYTES: usize = 64;
-const SLOTS_PER_LINE: usize = CACHE_LINE_BYTES / SLOT_BYTES;
 /// Most bytes of one row a batched lookup prefetches (8 lines).
 const PREFETCH_ROW_BYTES_MAX: usize = 512;
 
