@@ -31,7 +31,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import zoo_side_by_side as zoo
-from provenance import git_commit
+from provenance import git_commit, write_results
 
 ROWS = 2048
 
@@ -105,13 +105,7 @@ def main():
         lines.append(f"| {name} | `{r['fetch']}` | {r['max_abs']:.2e} | {r['mean_abs']:.2e} | "
                      f"{r['max_abs_f32_output']:.3f} |")
     md = "\n".join(lines) + "\n"
-    out = os.path.join(zoo.RESULTS, "bf16_accuracy")
-    with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    with open(out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_results(zoo.RESULTS, "bf16_accuracy", report, md)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import tempfile
 import numpy as np
 
 import ort_side_by_side as demo
-from provenance import git_commit
+from provenance import git_commit, write_results
 
 RESULTS = os.path.join(demo.ROOT, "bench", "results")
 
@@ -110,13 +110,7 @@ def main():
                      f"| {fmt(t['int8-amx']['us'])} | {fmt(t['int8-avx512-vnni']['us'])} "
                      f"| {fmt(t['int8-amx']['gmac_per_s'], 1)} |")
     md = "\n".join(lines) + "\n"
-    out = os.path.join(RESULTS, "f32_before_after")
-    with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    with open(out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_results(RESULTS, "f32_before_after", report, md)
 
 
 if __name__ == "__main__":

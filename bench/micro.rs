@@ -82,27 +82,7 @@ fn wire_bench(c: &mut Criterion) {
     let scores = [0.5f32; 32];
     let mut enc = ResponseEncoder::new(256);
     let mut out = Vec::with_capacity(4096);
-    g.bench_function("encode 32-score response", |b| {
-        b.iter(|| {
-            out.clear();
-            enc.encode(
-                &ResponseFields {
-                    request_id: 1,
-                    status: Status::Ok,
-                    scores: black_box(&scores),
-                    tier: Tier::Primary,
-                    model_version: 1,
-                    server_us: 10,
-                    features_missing: 0,
-                    error: "",
-                    reason: quiver::wire::Reason::None,
-                    features_stale: false,
-                },
-                &mut out,
-            );
-            black_box(out.len())
-        })
-    });
+    g.bench_function("encode 32-score response", |b| b.iter(|| black_box(encode_scores(&mut enc, &scores, &mut out))));
     g.finish();
 }
 
@@ -122,6 +102,28 @@ fn big_table() -> Replica {
         b.write(&path).unwrap();
     }
     Replica::open(&path, "item").unwrap()
+}
+
+/// Encodes an OK response carrying `scores` into `out` (cleared first), as
+/// a request's respond stage does; returns its length.
+fn encode_scores(enc: &mut ResponseEncoder, scores: &[f32], out: &mut Vec<u8>) -> usize {
+    out.clear();
+    enc.encode(
+        &ResponseFields {
+            request_id: 1,
+            status: Status::Ok,
+            scores: black_box(scores),
+            tier: Tier::Primary,
+            model_version: 1,
+            server_us: 10,
+            features_missing: 0,
+            error: "",
+            reason: quiver::wire::Reason::None,
+            features_stale: false,
+        },
+        out,
+    );
+    out.len()
 }
 
 fn replica_bench(c: &mut Criterion) {
@@ -458,28 +460,7 @@ fn request_bench(c: &mut Criterion) {
         ("handle, f32, 65536 distinct requests", BackendKind::F32, false, &spread, CacheConfig::default()),
         ("protocol floor", BackendKind::Int8, true, &hot, CacheConfig::default()),
     ] {
-        let fit = Fit::user_item(demo::EMBEDDING_DIM as usize, demo::EMBEDDING_DIM as usize, 256);
-        let registry = Registry::single(&dir.join("model.qm"), fit, backend, 256).unwrap();
-        let shared = Shared {
-            registry: Arc::new(registry),
-            groups: SharedGroup::user_item(
-                Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),
-                Arc::new(ReplicaHandle::open(&dir.join("item.qrep"), "item").unwrap()),
-            ),
-            canary_group: "user".into(),
-            limits: Limits::default(),
-            backend,
-            floor,
-            readiness: Arc::new(Readiness::ready()),
-            admission: Default::default(),
-            client_usage: Arc::new(quiver::request::admission::ClientUsage::new(&Default::default(), 1)),
-            ladder: Default::default(),
-            cache,
-            shed: Default::default(),
-            feed: None,
-            fallback: None,
-            shards: 1,
-        };
+        let shared = Shared { floor, ..demo_shared(&dir, backend, cache) };
         let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
         let mut out = Vec::with_capacity(4096);
         let mut i = 0;
@@ -502,8 +483,8 @@ fn request_bench(c: &mut Criterion) {
     g.finish();
 }
 
-/// The demo's `Shared` for one backend and score cache, as
-/// `request_bench` builds it.
+/// The demo's `Shared` for one backend and score cache (the protocol
+/// floor off).
 fn demo_shared(dir: &std::path::Path, backend: BackendKind, cache: CacheConfig) -> Shared {
     let fit = Fit::user_item(demo::EMBEDDING_DIM as usize, demo::EMBEDDING_DIM as usize, 256);
     let registry = Registry::single(&dir.join("model.qm"), fit, backend, 256).unwrap();
@@ -672,27 +653,7 @@ fn breakdown_bench(c: &mut Criterion) {
     });
     let mut enc = ResponseEncoder::new(256);
     let mut out = Vec::with_capacity(4096);
-    g.bench_function("respond: encode 32 scores", |b| {
-        b.iter(|| {
-            out.clear();
-            enc.encode(
-                &ResponseFields {
-                    request_id: 1,
-                    status: Status::Ok,
-                    scores: black_box(&scores),
-                    tier: Tier::Primary,
-                    model_version: 1,
-                    server_us: 10,
-                    features_missing: 0,
-                    error: "",
-                    reason: quiver::wire::Reason::None,
-                    features_stale: false,
-                },
-                &mut out,
-            );
-            black_box(out.len())
-        })
-    });
+    g.bench_function("respond: encode 32 scores", |b| b.iter(|| black_box(encode_scores(&mut enc, &scores, &mut out))));
     // What `handle` reads the clock for and records, per request: the
     // read time, then decode, lookup, kernel and respond each ended and
     // timed, and the whole.

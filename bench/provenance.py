@@ -16,3 +16,17 @@ def git_commit():
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def write_results(results_dir, name, report, md):
+    """Writes `name`.json (the raw report) and `name`.md (the section
+    bench/report.py copies) into `results_dir`, and prints the section."""
+    import json
+
+    out = os.path.join(results_dir, name)
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    with open(out + ".md", "w") as f:
+        f.write(md)
+    print(md)
