@@ -17,7 +17,9 @@
 #
 # Figures are medians over the repeats of each run's median, in µs.
 # Writes bench/results/lookups_before_after.{json,md} (rendered into
-# docs/BENCHMARKS.md by bench/report.py).
+# docs/BENCHMARKS.md by bench/report.py); with OUT=NAME, NAME.{json,md}
+# instead, headed with the CPU model, so that a second machine kind's
+# figures (OUT=lookups_before_after_amd) sit beside the first's.
 #
 # usage: bench/lookups_before_after.sh
 set -euo pipefail
@@ -27,6 +29,7 @@ BASE="${BASE:-36ba651}"
 REPEATS="${REPEATS:-3}"
 CORE="${CORE:-1}"
 RESULTS=bench/results
+OUT="${OUT:-lookups_before_after}"
 FILTER='replica 1M|request path auction-32|keys 1M|request-scope|auction lookups'
 
 BENCH_NAME=lookups_before_after
@@ -54,9 +57,9 @@ for r in $(seq "$REPEATS"); do
     done
 done
 
-python3 - "$work" "$RESULTS" "$REPEATS" "$base" "$head" <<'PY'
+python3 - "$work" "$RESULTS" "$REPEATS" "$base" "$head" "$OUT" <<'PY'
 import json, os, re, statistics, sys
-work, results, repeats, base, head = sys.argv[1:]
+work, results, repeats, base, head, out = sys.argv[1:]
 repeats = int(repeats)
 UNIT = {"ps": 1e-6, "ns": 1e-3, "µs": 1.0, "us": 1.0, "ms": 1e3, "s": 1e6}
 time_re = re.compile(r"time:\s+\[\S+ \S+ (\S+) (\S+) \S+ \S+\]")
@@ -108,8 +111,9 @@ derived = {
 }
 res = {"machine": {"cpu": cpu, "cores": os.cpu_count()}, "before": base, "after": head, "repeats": repeats,
        "rows": rows, "derived": derived}
-json.dump(res, open(f"{results}/lookups_before_after.json", "w"), indent=1, sort_keys=True)
-o = ["## Feature lookups before and after feature groups", ""]
+json.dump(res, open(f"{results}/{out}.json", "w"), indent=1, sort_keys=True)
+on = "" if out == "lookups_before_after" else f" on {cpu}"
+o = [f"## Feature lookups before and after feature groups{on}", ""]
 o.append(f"Measured by `bench/lookups_before_after.sh` on {cpu} ({os.cpu_count()} vCPUs): the criterion benches "
          f"of `bench/micro.rs` built at `{base}` (before feature groups) and at `{head}`, run alternately "
          f"{repeats} times on one core. µs per iteration, medians over the repeats of each run's median; "
@@ -132,6 +136,6 @@ o.append(f"A string-key lookup costs {derived['string_over_u64_one_by_one']:.2f}
          "reached through each row's link (99 lookups), take "
          f"{derived['auction_shape_over_auction32_lookups']:.2f}× the auction-32 shape's 33 in the same group "
          "(`auction lookups`: the auction example's tables, 1M users, devices and ads; the issue's target: at most 3×).")
-open(f"{results}/lookups_before_after.md", "w").write("\n".join(o) + "\n")
+open(f"{results}/{out}.md", "w").write("\n".join(o) + "\n")
 print("\n".join(o))
 PY

@@ -32,7 +32,9 @@
 # with HEAD's: before/after in one run.
 #
 # Writes bench/results/request_breakdown.{json,md} (rendered into
-# docs/BENCHMARKS.md by bench/report.py). Honours CARGO_TARGET_DIR; builds at
+# docs/BENCHMARKS.md by bench/report.py); with OUT=NAME, NAME.{json,md}
+# instead, headed with the CPU model, so that a second machine kind's
+# figures (OUT=request_breakdown_amd) sit beside the first's. Honours CARGO_TARGET_DIR; builds at
 # nice 15 (a shared machine).
 #
 # usage: bench/request_breakdown.sh   (REPEATS=3 DURATION=5s BASE=<commit>)
@@ -46,6 +48,7 @@ SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
 BASE="${BASE:-}"
 RESULTS=bench/results
+OUT="${OUT:-request_breakdown}"
 TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
 KERNELS="amx avx512-vnni"
 
@@ -210,9 +213,9 @@ summary_failed() {
 CPU="$(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2; exit}')"
 FLAGS="$(grep -o -w -E 'amx_int8|amx_tile|avx512_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 export CPU FLAGS
-python3 - "$work" "$RESULTS" "$REPEATS" "$head" "${base:-}" "$KERNELS" "$DURATION" "$perf_ok" <<'PY' || summary_failed
+python3 - "$work" "$RESULTS" "$REPEATS" "$head" "${base:-}" "$KERNELS" "$DURATION" "$perf_ok" "$OUT" <<'PY' || summary_failed
 import json, os, re, statistics, sys
-work, results, repeats, head, base, kernels, duration, perf_ok = sys.argv[1:]
+work, results, repeats, head, base, kernels, duration, perf_ok, out = sys.argv[1:]
 repeats, kernels = int(repeats), kernels.split()
 UNIT = {"ps": 1e-6, "ns": 1e-3, "µs": 1.0, "us": 1.0, "ms": 1e3, "s": 1e6}
 time_re = re.compile(r"time:\s+\[\S+ \S+ (\S+) (\S+) \S+ \S+\]")
@@ -376,9 +379,10 @@ res = {"machine": {"cpu": cpu, "flags": flags, "cores": os.cpu_count(), "load": 
                    "scheduling": os.environ["RT"]}, "commit": head, "base": base or None,
        "repeats": repeats, "duration": duration, "in_process": inproc, "profile": profile, "server": server,
        "handle_before_after": handle_pair}
-json.dump(res, open(f"{results}/request_breakdown.json", "w"), indent=1, sort_keys=True)
+json.dump(res, open(f"{results}/{out}.json", "w"), indent=1, sort_keys=True)
 
-o = ["## Where an auction-32 request's time goes", ""]
+on = "" if out == "request_breakdown" else f" on {cpu}"
+o = [f"## Where an auction-32 request's time goes{on}", ""]
 o.append(f"Measured by `bench/request_breakdown.sh` at `{head}` on {cpu} ({os.cpu_count()} vCPUs, shared; "
          f"flags {flags}). In process: criterion's `request breakdown auction-32` group of `bench/micro.rs` "
          f"on one core, {repeats} runs, medians of the runs' medians, over 65,536 distinct requests whose ids are "
@@ -461,6 +465,6 @@ if server:
     if any(s["lost"] for s in server.values()):
         o.append("")
         o.append("Some server runs lost requests or connections (see the JSON).")
-open(f"{results}/request_breakdown.md", "w").write("\n".join(o) + "\n")
+open(f"{results}/{out}.md", "w").write("\n".join(o) + "\n")
 print("\n".join(o))
 PY

@@ -4,7 +4,9 @@ onnxruntime f32 and onnxruntime INT8 (dynamic quantization by
 onnxruntime.quantization.quantize_dynamic) against `quiver time-model`
 (int8, f32, fp8) on every zoo model at batch 1, 32 and 256, in one run,
 single thread, printing medians and ratios as a Markdown table and writing
-them to bench/results/zoo_side_by_side.json (and .md).
+them to bench/results/zoo_side_by_side.json (and .md; --json and --md
+name others, e.g. zoo_side_by_side_amd.* for the other machine kind's
+figures, which bench/report.py renders beside the first's).
 
 Why: issue 3's targets are relative to the runtime users would otherwise
 pick, and bench/ort_side_by_side.py checks them on one hand-written MLP
@@ -356,10 +358,14 @@ def fmt(x, suffix=""):
     return f"{x:.2f}{suffix}" if is_num(x) else "n/a"
 
 
-def markdown(report):
+def markdown(report, on_machine=False):
+    """The section; `on_machine` heads it with the CPU model, for a second
+    machine kind's results kept beside the first's (--md other than the
+    default)."""
     rows, lines = report["settings"]["rows"], []
     m, s = report["machine"], report["settings"]
-    lines.append("## Model zoo side by side with onnxruntime")
+    on = f" on {m.get('Model name', '?')}" if on_machine else ""
+    lines.append(f"## Model zoo side by side with onnxruntime{on}")
     lines.append("")
     lines.append(
         f"Written by `bench/zoo_side_by_side.py` ({report['generated']}, commit `{report.get('commit', '?')}`). "
@@ -547,7 +553,7 @@ def main():
         "summary": summary,
         "models": models,
     }
-    md = markdown(report)
+    md = markdown(report, os.path.basename(args.md) != "zoo_side_by_side.md")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1, ensure_ascii=False)
