@@ -351,22 +351,24 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     context_at = _vector(b, context, 4, b.PrependFloat32) if len(context) else None
     ids_at = _vector(b, context_ids, 8, b.PrependUint64) if len(context_ids) else None
     groups_at = _encode_groups(b, groups) if groups else None
+    # Fields in the order the Rust encoder's generated `create` adds them
+    # (widest first), so both write the same bytes (schemas/vectors).
     _req.Start(b)
-    _req.AddRequestId(b, request_id)
-    if model is not None:
-        _req.AddModel(b, model)
-    _req.AddBudgetUs(b, budget_us)
-    _req.AddPriority(b, priority)
-    _req.AddClientId(b, client_id)
     _req.AddUserId(b, user_id)
-    if items_at is not None:
-        _req.AddItemIds(b, items_at)
-    if context_at is not None:
-        _req.AddContext(b, context_at)
-    if ids_at is not None:
-        _req.AddContextIds(b, ids_at)
+    _req.AddRequestId(b, request_id)
     if groups_at is not None:
         _req.AddGroups(b, groups_at)
+    if ids_at is not None:
+        _req.AddContextIds(b, ids_at)
+    if context_at is not None:
+        _req.AddContext(b, context_at)
+    if items_at is not None:
+        _req.AddItemIds(b, items_at)
+    _req.AddClientId(b, client_id)
+    _req.AddBudgetUs(b, budget_us)
+    if model is not None:
+        _req.AddModel(b, model)
+    _req.AddPriority(b, priority)
     b.Finish(_req.End(b))
     payload = bytes(b.Output())
     if len(payload) > limits.frame_bytes_max:
@@ -388,11 +390,11 @@ def _encode_groups(b: flatbuffers.Builder, groups: List[Tuple[str, str, Any]]) -
                 b.PrependUOffsetTRelative(at)
             ids_at, keys_at = None, b.EndVector()
         _group.Start(b)
-        _group.AddGroup(b, name_at)
-        if ids_at is not None:
-            _group.AddIds(b, ids_at)
         if keys_at is not None:
             _group.AddKeys(b, keys_at)
+        if ids_at is not None:
+            _group.AddIds(b, ids_at)
+        _group.AddGroup(b, name_at)
         tables.append(_group.End(b))
     b.StartVector(4, len(tables), 4)
     for at in reversed(tables):
