@@ -1,9 +1,13 @@
 // The client against real `quiver serve --demo` processes: scores equal the
 // Rust client's (`quiver score --json`) bit for bit, pipelining, typed
-// errors, timeouts, failover to another node when one is down or killed.
+// errors, timeouts, failover to another node when one is down or killed,
+// TLS.
 
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
+import { mkdtempSync, readFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { after, before, test } from "node:test";
 
 import {
@@ -169,5 +173,41 @@ test("calls in flight on a node killed mid-run move to the other node; none is l
   } finally {
     await c.close();
     await victim.stop();
+  }
+});
+
+test("TLS: scores over a server with [tls], and an untrusted certificate is refused", async () => {
+  const dir = mkdtempSync(join(tmpdir(), "quiver-node-tls-"));
+  const crt = join(dir, "server.crt");
+  const key = join(dir, "server.key");
+  execFileSync(
+    "openssl",
+    [
+      "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+      "-keyout", key, "-out", crt, "-subj", "/CN=localhost",
+      "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-addext", "basicConstraints=critical,CA:FALSE",
+    ],
+    { stdio: "ignore", timeout: 60_000 },
+  );
+  const tlsServer = await QuiverServer.start(demoDir(), "--tls-cert", crt, "--tls-key", key);
+  try {
+    const c = new Client(tlsServer.addr, { timeoutMs: 10_000, tls: { ca: readFileSync(crt) } });
+    try {
+      const plain = new Client(server.addr, { timeoutMs: 10_000 });
+      const want = await plain.score(demoRequest(3));
+      await plain.close();
+      const r = await c.score(demoRequest(3));
+      assert.deepEqual(bits(r.scores), bits(want.scores));
+    } finally {
+      await c.close();
+    }
+    const untrusted = new Client(tlsServer.addr, { timeoutMs: 10_000, tls: {} });
+    try {
+      await assert.rejects(untrusted.score(demoRequest(3)), ConnectionClosedError);
+    } finally {
+      await untrusted.close();
+    }
+  } finally {
+    await tlsServer.stop();
   }
 });
