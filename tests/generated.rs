@@ -50,14 +50,14 @@ fn generated_code_matches_pinned_flatc() {
         .unwrap();
     assert!(status.success(), "flatc failed");
     for (generated, checked_in) in [
-        ("quiver_generated.rs", "src/wire/quiver_generated.rs"),
+        ("quiver_generated.rs", "clients/rust/src/wire/quiver_generated.rs"),
         ("model_generated.rs", "src/model/model_generated.rs"),
     ] {
         let want = std::fs::read_to_string(out.join(generated)).unwrap();
         let have = std::fs::read_to_string(std::path::Path::new(root).join(checked_in)).unwrap();
         assert!(
             want == have,
-            "{checked_in} differs from what flatc {PINNED} generates from schemas/; regenerate with:\n  flatc --rust -o /tmp/gen schemas/quiver.fbs schemas/model.fbs && cp /tmp/gen/quiver_generated.rs src/wire/ && cp /tmp/gen/model_generated.rs src/model/"
+            "{checked_in} differs from what flatc {PINNED} generates from schemas/; regenerate with:\n  flatc --rust -o /tmp/gen schemas/quiver.fbs schemas/model.fbs && cp /tmp/gen/quiver_generated.rs clients/rust/src/wire/ && cp /tmp/gen/model_generated.rs src/model/"
         );
     }
     std::fs::remove_dir_all(&out).unwrap();

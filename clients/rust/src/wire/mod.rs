@@ -6,13 +6,8 @@
 //! responses into a reusable builder so the hot path does not allocate.
 //! It knows nothing about sockets: the shard and the client feed it bytes.
 
-#[cfg(quiver_flatc_generated)]
-#[allow(clippy::all, clippy::pedantic, unsafe_op_in_unsafe_fn, mismatched_lifetime_syntaxes, deprecated)]
-#[rustfmt::skip]
-mod generated {
-    include!(concat!(env!("OUT_DIR"), "/quiver_generated.rs"));
-}
-#[cfg(not(quiver_flatc_generated))]
+// flatc's output, checked in; the server's `tests/generated.rs` fails when
+// it differs from what the pinned flatc writes from schemas/quiver.fbs.
 #[allow(clippy::all, clippy::pedantic, unsafe_op_in_unsafe_fn, mismatched_lifetime_syntaxes, deprecated)]
 #[rustfmt::skip]
 #[path = "quiver_generated.rs"]
@@ -28,13 +23,24 @@ pub const FRAME_PREFIX_BYTES: usize = 4;
 
 /// Why a byte stream could not be split into frames. The stream cannot be
 /// resynchronised after any of these, so the connection is closed.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub enum FrameError {
-    #[error("frame length {len_bytes} exceeds the limit of {frame_bytes_max} bytes")]
     TooLarge { len_bytes: usize, frame_bytes_max: usize },
-    #[error("empty frame (length prefix 0)")]
     Empty,
 }
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::TooLarge { len_bytes, frame_bytes_max } => {
+                write!(f, "frame length {len_bytes} exceeds the limit of {frame_bytes_max} bytes")
+            }
+            FrameError::Empty => f.write_str("empty frame (length prefix 0)"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
 
 /// Splits the first complete frame off `buf`.
 ///
@@ -64,24 +70,56 @@ pub fn push_frame(out: &mut Vec<u8>, payload: &[u8]) {
 
 /// Why a frame's payload is not an acceptable request. The frame boundary is
 /// intact, so the connection answers `BadRequest` and keeps going.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub enum DecodeError {
-    #[error("request failed FlatBuffers verification: {0}")]
-    Invalid(#[from] flatbuffers::InvalidFlatbuffer),
-    #[error("{count} candidates exceed the limit of {candidates_max}")]
+    Invalid(flatbuffers::InvalidFlatbuffer),
     TooManyCandidates { count: usize, candidates_max: usize },
-    #[error("request has no candidates")]
     NoCandidates,
-    #[error("{count} context floats exceed the limit of {context_len_max}")]
     ContextTooLong { count: usize, context_len_max: usize },
-    #[error("{count} context ids exceed the limit of {context_len_max}")]
     ContextIdsTooLong { count: usize, context_len_max: usize },
-    #[error("{count} feature groups exceed the limit of {groups_max}")]
     TooManyGroups { count: usize, groups_max: usize },
-    #[error("group entry {at} names no group")]
     UnnamedGroup { at: usize },
-    #[error("group '{group}' carries {count} keys, above the limit of {candidates_max} candidates")]
     TooManyKeys { group: String, count: usize, candidates_max: usize },
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeError::Invalid(e) => write!(f, "request failed FlatBuffers verification: {e}"),
+            DecodeError::TooManyCandidates { count, candidates_max } => {
+                write!(f, "{count} candidates exceed the limit of {candidates_max}")
+            }
+            DecodeError::NoCandidates => f.write_str("request has no candidates"),
+            DecodeError::ContextTooLong { count, context_len_max } => {
+                write!(f, "{count} context floats exceed the limit of {context_len_max}")
+            }
+            DecodeError::ContextIdsTooLong { count, context_len_max } => {
+                write!(f, "{count} context ids exceed the limit of {context_len_max}")
+            }
+            DecodeError::TooManyGroups { count, groups_max } => {
+                write!(f, "{count} feature groups exceed the limit of {groups_max}")
+            }
+            DecodeError::UnnamedGroup { at } => write!(f, "group entry {at} names no group"),
+            DecodeError::TooManyKeys { group, count, candidates_max } => {
+                write!(f, "group '{group}' carries {count} keys, above the limit of {candidates_max} candidates")
+            }
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DecodeError::Invalid(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<flatbuffers::InvalidFlatbuffer> for DecodeError {
+    fn from(e: flatbuffers::InvalidFlatbuffer) -> DecodeError {
+        DecodeError::Invalid(e)
+    }
 }
 
 /// Most `groups` entries one request may carry: the server's own bound on

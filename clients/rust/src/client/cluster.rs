@@ -40,7 +40,6 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::client::Codec;
-use crate::seeded::SplitMix64;
 use crate::wire::{RequestSpec, Response, Status};
 
 /// When a request is hedged.
@@ -91,18 +90,62 @@ impl Default for ClusterConfig {
     }
 }
 
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone)]
 pub enum ClusterError {
-    #[error("no node is available (all ejected or unreachable)")]
     NoNode,
-    #[error("{0} nodes listed; at most {NODES_MAX}")]
     TooManyNodes(usize),
-    #[error("{0} requests are outstanding, the limit")]
     Full(usize),
-    #[error("node {node} failed ({why}) and the budget left no time for a retry")]
     NodeFailed { node: String, why: String },
-    #[error("no answer within the request's budget")]
     Timeout,
+}
+
+impl std::fmt::Display for ClusterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClusterError::NoNode => f.write_str("no node is available (all ejected or unreachable)"),
+            ClusterError::TooManyNodes(n) => write!(f, "{n} nodes listed; at most {NODES_MAX}"),
+            ClusterError::Full(n) => write!(f, "{n} requests are outstanding, the limit"),
+            ClusterError::NodeFailed { node, why } => {
+                write!(f, "node {node} failed ({why}) and the budget left no time for a retry")
+            }
+            ClusterError::Timeout => f.write_str("no answer within the request's budget"),
+        }
+    }
+}
+
+impl std::error::Error for ClusterError {}
+
+/// The balancer's draws (which two nodes to compare, back-off jitter):
+/// xorshift64*, seeded by [`ClusterConfig::seed`] so a run can be replayed.
+#[derive(Clone, Debug)]
+struct Draws {
+    state: u64,
+}
+
+impl Draws {
+    fn new(seed: u64) -> Draws {
+        // xorshift's state must not be zero.
+        Draws { state: (seed ^ 0x2545_F491_4F6C_DD1D) | 1 }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let mut x = self.state;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.state = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in [0, n), n > 0.
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
 }
 
 /// A submitted request, until [`Cluster::poll`] returns it.
@@ -110,7 +153,8 @@ pub enum ClusterError {
 pub struct Ticket(pub u64);
 
 /// What one node did, for reports.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct NodeStats {
     pub addr: String,
     /// Attempts sent (first tries, retries and hedges).
@@ -118,6 +162,9 @@ pub struct NodeStats {
     /// Answers that completed a request.
     pub won: u64,
     pub failures: u64,
+    /// Why the node last failed (a connection error, a timeout,
+    /// `overloaded`); empty while it never has.
+    pub last_failure: String,
     pub ejections: u64,
     pub hedges_sent: u64,
     /// The latency estimate the balancer used last (µs; the median of
@@ -226,7 +273,7 @@ pub struct Cluster {
     picks: u64,
     hedge_tokens: f64,
     codec: Codec,
-    rng: SplitMix64,
+    rng: Draws,
     done: Vec<(Ticket, Result<Response, ClusterError>)>,
     pub hedges: u64,
     /// Hedges that were due but found the hedge budget spent.
@@ -265,7 +312,7 @@ impl Cluster {
             })
             .collect();
         Ok(Cluster {
-            rng: SplitMix64::new(config.seed),
+            rng: Draws::new(config.seed),
             config,
             nodes,
             pending: HashMap::new(),
@@ -451,6 +498,8 @@ impl Cluster {
     fn node_failed(&mut self, node: usize, why: &str, now: Instant) {
         let n = &mut self.nodes[node];
         n.stats.failures += 1;
+        n.stats.last_failure.clear();
+        n.stats.last_failure.push_str(why);
         n.failures_in_row += 1;
         if n.probing || n.failures_in_row >= self.config.eject_failures {
             let jitter = 0.75 + 0.5 * self.rng.unit();
@@ -458,7 +507,6 @@ impl Cluster {
             n.eject_for = (n.eject_for * 2).min(self.config.eject_max);
             n.probing = false;
             n.stats.ejections += 1;
-            tracing::debug!(node = %n.addr, why, "node ejected");
         }
     }
 

@@ -12,33 +12,70 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::tls::{ClientTls, Stream};
+use crate::stream::Stream;
+#[cfg(feature = "tls")]
+use crate::tls::ClientTls;
 use crate::wire::{self, FrameError, RequestEncoder, RequestSpec, Response};
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug)]
 pub enum ClientError {
-    #[error("connecting to {addr}: {source}")]
-    Connect {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("TLS to {addr}: {what}")]
+    Connect { addr: String, source: std::io::Error },
+    Io(std::io::Error),
     Tls { addr: String, what: String },
-    #[error("no response within {0:?}")]
     Timeout(Duration),
-    #[error("the server closed the connection")]
     Closed,
-    #[error("the server closed the connection in the middle of a response frame")]
     ClosedMidFrame,
-    #[error("bad frame from the server: {0}")]
-    Frame(#[from] FrameError),
-    #[error("bad response from the server: {0}")]
-    Invalid(#[from] flatbuffers::InvalidFlatbuffer),
-    #[error("response for request {0}, which is not outstanding")]
+    Frame(FrameError),
+    Invalid(flatbuffers::InvalidFlatbuffer),
     UnexpectedId(u64),
+}
+
+impl std::fmt::Display for ClientError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClientError::Connect { addr, source } => write!(f, "connecting to {addr}: {source}"),
+            ClientError::Io(e) => write!(f, "i/o: {e}"),
+            ClientError::Tls { addr, what } => write!(f, "TLS to {addr}: {what}"),
+            ClientError::Timeout(t) => write!(f, "no response within {t:?}"),
+            ClientError::Closed => f.write_str("the server closed the connection"),
+            ClientError::ClosedMidFrame => {
+                f.write_str("the server closed the connection in the middle of a response frame")
+            }
+            ClientError::Frame(e) => write!(f, "bad frame from the server: {e}"),
+            ClientError::Invalid(e) => write!(f, "bad response from the server: {e}"),
+            ClientError::UnexpectedId(id) => write!(f, "response for request {id}, which is not outstanding"),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ClientError::Connect { source, .. } => Some(source),
+            ClientError::Io(e) => Some(e),
+            ClientError::Frame(e) => Some(e),
+            ClientError::Invalid(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<std::io::Error> for ClientError {
+    fn from(e: std::io::Error) -> ClientError {
+        ClientError::Io(e)
+    }
+}
+
+impl From<FrameError> for ClientError {
+    fn from(e: FrameError) -> ClientError {
+        ClientError::Frame(e)
+    }
+}
+
+impl From<flatbuffers::InvalidFlatbuffer> for ClientError {
+    fn from(e: flatbuffers::InvalidFlatbuffer) -> ClientError {
+        ClientError::Invalid(e)
+    }
 }
 
 /// Encodes requests and decodes responses; holds no socket.
@@ -84,13 +121,32 @@ pub struct Client {
 impl Client {
     /// Connects with `timeout` for the connection and for every later call.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Client, ClientError> {
-        Client::connect_with(addr, timeout, None)
+        Client::open(addr, timeout, |stream| Ok(Stream::Plain(stream)))
     }
 
     /// [`Client::connect`], through TLS when `tls` is given; the handshake
     /// completes here, within `timeout`, so a certificate problem is a
     /// connect error.
+    #[cfg(feature = "tls")]
     pub fn connect_with(addr: &str, timeout: Duration, tls: Option<&ClientTls>) -> Result<Client, ClientError> {
+        let Some(tls) = tls else {
+            return Client::connect(addr, timeout);
+        };
+        Client::open(addr, timeout, |stream| {
+            let err = |source| ClientError::Connect { addr: addr.into(), source };
+            stream.set_read_timeout(Some(timeout)).map_err(err)?;
+            stream.set_write_timeout(Some(timeout)).map_err(err)?;
+            crate::tls::connect(stream, addr, tls).map_err(|what| ClientError::Tls { addr: addr.into(), what })
+        })
+    }
+
+    /// Connects to the first of `addr`'s addresses that answers within
+    /// `timeout`, and wraps the socket with `wrap` (plain, or TLS).
+    fn open(
+        addr: &str,
+        timeout: Duration,
+        wrap: impl Fn(TcpStream) -> Result<Stream, ClientError>,
+    ) -> Result<Client, ClientError> {
         let err = |source| ClientError::Connect { addr: addr.into(), source };
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(err)?.collect();
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
@@ -98,17 +154,8 @@ impl Client {
             match TcpStream::connect_timeout(&a, timeout) {
                 Ok(stream) => {
                     stream.set_nodelay(true).map_err(err)?;
-                    let stream = match tls {
-                        None => Stream::Plain(stream),
-                        Some(tls) => {
-                            stream.set_read_timeout(Some(timeout)).map_err(err)?;
-                            stream.set_write_timeout(Some(timeout)).map_err(err)?;
-                            crate::tls::connect(stream, addr, tls)
-                                .map_err(|what| ClientError::Tls { addr: addr.into(), what })?
-                        }
-                    };
                     return Ok(Client {
-                        stream,
+                        stream: wrap(stream)?,
                         codec: Codec::default(),
                         rbuf: vec![0; 64 * 1024],
                         rfilled: 0,
