@@ -85,7 +85,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 pub use format::{
-    decode_link, encode_link, key_hash, Cursor, EntityKey, EntityKeyBuf, Header, KeyKind, Storage, LINK_WORDS_MAX,
+    decode_link, encode_link, key_hash, line_padding_helps, Cursor, EntityKey, EntityKeyBuf, Header, KeyKind, Storage,
+    LINK_WORDS_MAX,
 };
 pub use table::{huge_pages, lock_pages, mem_available_bytes, Replica};
 pub use writer::{GrowthPhase, OpenReport, ReplicaWriter};

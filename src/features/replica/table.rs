@@ -207,9 +207,16 @@ impl Replica {
         // the file is created.
         let superblock = unsafe { std::slice::from_raw_parts(map.as_ptr(), DEFAULT_OFFSET) };
         let (header, default_crc) = decode_superblock(&superblock[..SUPERBLOCK_BYTES], &p)?;
-        let layout =
-            Layout::new(header.dim, header.storage, header.keys, header.link, header.slot_count, header.row_capacity)
-                .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
+        let layout = Layout::new(
+            header.dim,
+            header.storage,
+            header.keys,
+            header.link,
+            header.line_aligned,
+            header.slot_count,
+            header.row_capacity,
+        )
+        .ok_or_else(|| ReplicaError::Header { path: p.clone(), what: "sizes overflow".into() })?;
         if layout.file_bytes as u64 != actual {
             return Err(ReplicaError::Length { path: p, expected: layout.file_bytes as u64, actual });
         }

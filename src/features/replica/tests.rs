@@ -280,7 +280,7 @@ fn storage_types_round_trip_within_their_documented_error() {
         assert!(out[0].is_nan() && out[2].is_nan(), "{storage:?}");
         assert!((out[1] - 2.0).abs() <= 2.0 / 127.0, "{storage:?}: {}", out[1]);
     }
-    let bytes = |s: Storage| Layout::new(64, s, KeyKind::U64, None, 2, 1).unwrap().row_stride;
+    let bytes = |s: Storage| Layout::new(64, s, KeyKind::U64, None, false, 2, 1).unwrap().row_stride;
     assert_eq!((bytes(Storage::F32), bytes(Storage::F16), bytes(Storage::Int8)), (272, 144, 96));
 }
 
@@ -1414,6 +1414,68 @@ fn batched_lookups_return_each_rows_link_and_none_for_a_missing_row() {
     }
 }
 
+/// A stride 48 bytes past a whole number of lines (176: 32 floats with a
+/// 16-byte string key, or 40 floats with a u64 key) is padded to 192 in a
+/// new file, so every row starts a line and spans 3, not 3 or 4; no other
+/// stride changes. Files written before (no flag) read as they were, and a
+/// build before the padding refuses a padded file (an unknown key kind).
+#[test]
+fn rows_48_bytes_past_a_line_are_padded_and_unpadded_files_still_read() {
+    let dir = tmpdir("line-aligned");
+    let str16 = KeyKind::Str { bytes_max: 16 };
+    let stride = |dim, keys, aligned| Layout::new(dim, Storage::F32, keys, None, aligned, 2, 1).unwrap().row_stride;
+    assert_eq!((stride(32, str16, false), stride(32, str16, true)), (176, 192));
+    assert_eq!((stride(40, KeyKind::U64, false), stride(40, KeyKind::U64, true)), (176, 192));
+    for (dim, keys) in [(32, KeyKind::U64), (36, KeyKind::U64), (44, KeyKind::U64), (4, str16)] {
+        assert_eq!(stride(dim, keys, true), stride(dim, keys, false), "{dim} {keys}");
+        assert!(!format::line_padding_helps(dim, Storage::F32, keys, None));
+    }
+    for (dim, keys) in [(32, str16), (40, KeyKind::U64)] {
+        assert!(format::line_padding_helps(dim, Storage::F32, keys, None));
+        let key = |id: u64| format!("device-{id:09}").into_bytes();
+        let row = |id: u64| (0..dim).map(|j| id as f32 + j as f32 * 0.25).collect::<Vec<f32>>();
+        for aligned in [true, false] {
+            let path = dir.join(format!("{dim}-{aligned}.qrep"));
+            let mut w = ReplicaWriter::create_with(
+                &path,
+                "device",
+                dim,
+                Storage::F32,
+                keys,
+                None,
+                aligned,
+                300,
+                &vec![-1.0; dim as usize],
+            )
+            .unwrap();
+            for id in 0..300u64 {
+                match keys {
+                    KeyKind::U64 => w.upsert(id, &row(id)).unwrap(),
+                    KeyKind::Str { .. } => w.upsert_str(&key(id), &row(id)).unwrap(),
+                }
+            }
+            w.checkpoint(Cursor::default()).unwrap();
+            drop(w);
+            let r = Replica::open(&path, "device").unwrap();
+            assert_eq!(r.header().line_aligned, aligned);
+            assert_eq!(r.layout().row_stride, if aligned { 192 } else { 176 });
+            assert_eq!(r.layout().rows_offset % 64, 0);
+            let mut out = vec![0.0; dim as usize];
+            for id in 0..300u64 {
+                let found = match keys {
+                    KeyKind::U64 => r.read_into(id, &mut out),
+                    KeyKind::Str { .. } => r.read_str_into(&key(id), &mut out),
+                };
+                assert!(found && out == row(id), "{dim} {aligned} {id}");
+            }
+            let b = std::fs::read(&path).unwrap();
+            let word = u32::from_le_bytes(b[20..24].try_into().unwrap());
+            // What a build before the padding reads as the key kind.
+            assert_eq!(KeyKind::from_code(word & 0xFFFF).is_none(), aligned);
+        }
+    }
+}
+
 #[test]
 fn a_link_kind_is_in_the_superblock_where_older_builds_read_an_unknown_key_kind() {
     let header = |link| Header {
@@ -1424,6 +1486,7 @@ fn a_link_kind_is_in_the_superblock_where_older_builds_read_an_unknown_key_kind(
         group: "ad".into(),
         keys: KeyKind::Str { bytes_max: 16 },
         link,
+        line_aligned: false,
         row_count: 0,
     };
     for link in [None, Some(KeyKind::U64), Some(KeyKind::Str { bytes_max: 1 }), Some(KeyKind::Str { bytes_max: 64 })] {

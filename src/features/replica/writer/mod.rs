@@ -13,9 +13,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 use super::format::{
-    encode_checkpoint, encode_key, encode_link, encode_superblock, key_hash, row_crc, slot_count_for, slot_of, Cursor,
-    EntityKey, Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, ROW_HEADER_BYTES, TAG_EMPTY,
-    TAG_TOMBSTONE, TAG_USED,
+    encode_checkpoint, encode_key, encode_link, encode_superblock, key_hash, line_padding_helps, row_crc,
+    slot_count_for, slot_of, Cursor, EntityKey, Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET,
+    ROW_HEADER_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
 use super::table::{lower_thread_priority, Access};
 use super::{
@@ -156,6 +156,25 @@ impl ReplicaWriter {
         row_capacity: u64,
         default: &[f32],
     ) -> Result<ReplicaWriter, ReplicaError> {
+        let aligned = line_padding_helps(dim, storage, keys, link);
+        ReplicaWriter::create_with(path, group, dim, storage, keys, link, aligned, row_capacity, default)
+    }
+
+    /// [`ReplicaWriter::create_linked`] with the rows' line padding chosen
+    /// (`line_aligned`; [`Layout::new`]): what this build writes, or, for
+    /// tests, a file as builds before the padding wrote it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn create_with(
+        path: &Path,
+        group: &str,
+        dim: u32,
+        storage: Storage,
+        keys: KeyKind,
+        link: Option<KeyKind>,
+        line_aligned: bool,
+        row_capacity: u64,
+        default: &[f32],
+    ) -> Result<ReplicaWriter, ReplicaError> {
         assert!(!group.is_empty() && group.len() <= GROUP_NAME_BYTES_MAX, "group name length");
         assert!(dim > 0 && dim <= DIM_MAX, "dimension out of range");
         assert_eq!(default.len(), dim as usize);
@@ -179,9 +198,10 @@ impl ReplicaWriter {
             group: group.into(),
             keys,
             link,
+            line_aligned,
             row_count: 0,
         };
-        let layout = Layout::new(dim, storage, keys, link, header.slot_count, row_capacity)
+        let layout = Layout::new(dim, storage, keys, link, header.line_aligned, header.slot_count, row_capacity)
             .expect("sizes within the row limit fit");
         let _ = std::fs::remove_file(path);
         let file = File::options().read(true).write(true).create_new(true).open(path).map_err(io)?;
