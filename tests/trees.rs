@@ -102,7 +102,10 @@ fn import(f: &Fixture) -> Model {
         }
     };
     assert_eq!((model.input_dim(), model.output_kind()), (f.dim, f.kind), "{}", f.name);
+    let covered = model.graph.as_ref().unwrap().nodes.iter().any(|n| matches!(&n.op, Op::Trees(e) if e.has_covers()));
     assert!(model.graph.as_ref().unwrap().nodes.iter().any(|n| matches!(n.op, Op::Trees(_))), "{}", f.name);
+    // The native files carry covers (what explanation needs); ONNX has none.
+    assert_eq!(covered, f.format != "onnx", "{}: covers", f.name);
     assert_eq!(Model::from_bytes(&model.to_bytes(), &f.name).unwrap(), model, "{}", f.name);
     model
 }

@@ -298,6 +298,11 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
         return Err(parse_err("the model has no trees"));
     }
     let mut e = Ensemble::default();
+    // Explanation weighs branches by the training rows that reached them
+    // (LightGBM's own pred_contrib reads the same counts); a model saved
+    // without them on some tree (hand-written, or from an old writer)
+    // scores but is not explainable.
+    let mut covers = Some(Vec::new());
     for (t, b) in blocks.iter().enumerate() {
         let at = |what: String| parse_err(format!("tree {t}: {what}"));
         let get = |k: &str| b.get(k).copied().ok_or_else(|| at(format!("no {k}= line")));
@@ -319,8 +324,16 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
         if leaf_value.len() != leaves {
             return Err(at(format!("{} leaf values for {leaves} leaves", leaf_value.len())));
         }
+        let leaf_count: Option<Vec<f64>> = match b.get("leaf_count") {
+            Some(v) => Some(numbers(v, "leaf_count", leaves)?).filter(|c: &Vec<f64>| c.len() == leaves),
+            None => None,
+        };
         if leaves == 1 {
             e.push_tree(&[TreeNode::leaf(leaf_value[0] as f32)]);
+            // A lone leaf's value is its expectation, whatever its cover.
+            if let Some(c) = covers.as_mut() {
+                c.push(leaf_count.map_or(0.0, |l| l[0] as f32));
+            }
             continue;
         }
         let splits = leaves - 1;
@@ -406,7 +419,20 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
         }
         nodes.extend(leaf_value.iter().map(|v| TreeNode::leaf(*v as f32)));
         e.push_tree(&nodes);
+        let internal_count: Option<Vec<f64>> = match b.get("internal_count") {
+            Some(v) => Some(numbers(v, "internal_count", splits)?).filter(|c: &Vec<f64>| c.len() == splits),
+            None => None,
+        };
+        covers = match (covers, internal_count, leaf_count) {
+            // Splits first, then leaves: the order of `nodes`.
+            (Some(mut c), Some(i), Some(l)) => {
+                c.extend(i.iter().chain(&l).map(|v| *v as f32));
+                Some(c)
+            }
+            _ => None,
+        };
     }
+    e.covers = covers.unwrap_or_default();
     let version = header.get("version").copied().unwrap_or("?");
     Ok(Parsed {
         ensemble: e,
@@ -494,6 +520,9 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
         return Err(Fail::Unsupported(format!("the model has {} trees; the limit is {TREES_MAX}", trees.len())));
     }
     let mut e = Ensemble { base: base as f32, ..Ensemble::default() };
+    // XGBoost's pred_contribs weighs branches by each node's hessian sum;
+    // a model without `sum_hessian` on some tree is not explainable.
+    let mut covers = Some(Vec::new());
     for (t, tree) in trees.iter().enumerate() {
         let at = |what: String| parse_err(format!("tree {t}: {what}"));
         let arr = |k: &str| -> Result<Vec<f64>, Fail> {
@@ -574,7 +603,19 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
             return Err(Fail::Unsupported(format!("the trees have more than {ENSEMBLE_NODES_MAX} nodes in all")));
         }
         e.push_tree(&nodes);
+        covers = match (covers, tree.get("sum_hessian")) {
+            (Some(mut c), Some(_)) => {
+                let hess = arr("sum_hessian")?;
+                if hess.len() != n {
+                    return Err(at(format!("{} sum_hessian values for {n} nodes", hess.len())));
+                }
+                c.extend(order.iter().map(|&i| hess[i] as f32));
+                Some(c)
+            }
+            _ => None,
+        };
     }
+    e.covers = covers.unwrap_or_default();
     let version: Vec<String> = root
         .get("version")
         .and_then(Value::as_array)
@@ -617,6 +658,30 @@ leaf_value=0.05\nis_linear=0\nshrinkage=1\n\n\nend of trees\n\nparameters:\nend 
         assert_eq!(f([0.0, 0.0, 3.0]), 0.3 + 0.05);
         assert_eq!(f([f32::NAN, 0.0, f32::NAN]), 0.3 + 0.05);
         assert_eq!(f([0.6, 0.0, 1.0]), -0.2 + 0.05);
+    }
+
+    #[test]
+    fn covers_are_the_row_counts_and_hessian_sums_in_node_order() {
+        assert!(parse_lightgbm(LGB).ok().unwrap().ensemble.covers.is_empty(), "no counts, no covers");
+        let counted = LGB
+            .replace("leaf_value=0.1 -0.2 0.3\n", "leaf_value=0.1 -0.2 0.3\nleaf_count=5 7 3\ninternal_count=15 8\n");
+        let e = parse_lightgbm(&counted).ok().unwrap().ensemble;
+        e.validate(3).unwrap();
+        // Tree 0: splits then leaves; tree 1 is a lone leaf without a count.
+        assert_eq!(e.covers, vec![15.0, 8.0, 5.0, 7.0, 3.0, 0.0]);
+        assert!(e.has_covers());
+        let short = counted.replace("internal_count=15 8", "internal_count=15");
+        assert!(parse_lightgbm(&short).ok().unwrap().ensemble.covers.is_empty());
+
+        let plain = xgb("binary:logistic", "0.5");
+        assert!(parse_xgboost(&plain).ok().unwrap().ensemble.covers.is_empty());
+        let hess = plain.replace("\"split_type\"", "\"sum_hessian\": [4.5, 1.25, 3.25], \"split_type\"");
+        assert_eq!(parse_xgboost(&hess).ok().unwrap().ensemble.covers, vec![4.5, 1.25, 3.25]);
+        let bad = plain.replace("\"split_type\"", "\"sum_hessian\": [4.5], \"split_type\"");
+        match parse_xgboost(&bad) {
+            Err(Fail::Parse(w)) => assert!(w.contains("1 sum_hessian values for 3 nodes"), "{w}"),
+            _ => panic!("accepted a short sum_hessian"),
+        }
     }
 
     #[test]

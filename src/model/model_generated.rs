@@ -1697,6 +1697,7 @@ impl<'a> TreeEnsemble<'a> {
   pub const VT_CAT_RANGES: ::flatbuffers::VOffsetT = 16;
   pub const VT_CAT_WORDS: ::flatbuffers::VOffsetT = 18;
   pub const VT_BASE: ::flatbuffers::VOffsetT = 20;
+  pub const VT_COVERS: ::flatbuffers::VOffsetT = 22;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1708,6 +1709,7 @@ impl<'a> TreeEnsemble<'a> {
     args: &'args TreeEnsembleArgs<'args>
   ) -> ::flatbuffers::WIPOffset<TreeEnsemble<'bldr>> {
     let mut builder = TreeEnsembleBuilder::new(_fbb);
+    if let Some(x) = args.covers { builder.add_covers(x); }
     builder.add_base(args.base);
     if let Some(x) = args.cat_words { builder.add_cat_words(x); }
     if let Some(x) = args.cat_ranges { builder.add_cat_ranges(x); }
@@ -1784,6 +1786,13 @@ impl<'a> TreeEnsemble<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<f32>(TreeEnsemble::VT_BASE, Some(0.0)).unwrap()}
   }
+  #[inline]
+  pub fn covers(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(TreeEnsemble::VT_COVERS, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for TreeEnsemble<'_> {
@@ -1801,6 +1810,7 @@ impl ::flatbuffers::Verifiable for TreeEnsemble<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("cat_ranges", Self::VT_CAT_RANGES, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("cat_words", Self::VT_CAT_WORDS, false)?
      .visit_field::<f32>("base", Self::VT_BASE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("covers", Self::VT_COVERS, false)?
      .finish();
     Ok(())
   }
@@ -1815,6 +1825,7 @@ pub struct TreeEnsembleArgs<'a> {
     pub cat_ranges: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
     pub cat_words: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
     pub base: f32,
+    pub covers: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
 }
 impl<'a> Default for TreeEnsembleArgs<'a> {
   #[inline]
@@ -1829,6 +1840,7 @@ impl<'a> Default for TreeEnsembleArgs<'a> {
       cat_ranges: None,
       cat_words: None,
       base: 0.0,
+      covers: None,
     }
   }
 }
@@ -1875,6 +1887,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> TreeEnsembleBuilder<'a, 'b, A
     self.fbb_.push_slot::<f32>(TreeEnsemble::VT_BASE, base, 0.0);
   }
   #[inline]
+  pub fn add_covers(&mut self, covers: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(TreeEnsemble::VT_COVERS, covers);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> TreeEnsembleBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     TreeEnsembleBuilder {
@@ -1901,6 +1917,7 @@ impl ::core::fmt::Debug for TreeEnsemble<'_> {
       ds.field("cat_ranges", &self.cat_ranges());
       ds.field("cat_words", &self.cat_words());
       ds.field("base", &self.base());
+      ds.field("covers", &self.covers());
       ds.finish()
   }
 }

@@ -80,6 +80,12 @@ pub struct Ensemble {
     pub nodes: Vec<TreeNode>,
     pub cat_words: Vec<u32>,
     pub base: f32,
+    /// Each node's cover, parallel to `nodes`: what TreeSHAP weighs the
+    /// branches by (LightGBM's training row counts, XGBoost's hessian sums).
+    /// Empty when the source has none (ONNX `TreeEnsemble*`, files written
+    /// before covers were stored): such an ensemble scores but cannot be
+    /// explained.
+    pub covers: Vec<f32>,
 }
 
 /// The largest f32 `<= t`: `x <= t` in f64 is `x <= f32_at_most(t)` for
@@ -233,6 +239,11 @@ impl Ensemble {
         f
     }
 
+    /// Whether every node carries its cover (what explanation needs).
+    pub fn has_covers(&self) -> bool {
+        !self.nodes.is_empty() && self.covers.len() == self.nodes.len()
+    }
+
     pub fn has_categorical(&self) -> bool {
         self.nodes.iter().any(|n| matches!(n.split, Split::Categorical { .. }))
     }
@@ -263,6 +274,12 @@ impl Ensemble {
         }
         if !self.base.is_finite() {
             return Err(format!("the base score {} is not finite", self.base));
+        }
+        if !self.covers.is_empty() && self.covers.len() != self.nodes.len() {
+            return Err(format!("{} node covers for {} nodes", self.covers.len(), self.nodes.len()));
+        }
+        if let Some(i) = self.covers.iter().position(|c| !(c.is_finite() && *c >= 0.0)) {
+            return Err(format!("node {i} of the ensemble has cover {}, not a finite count", self.covers[i]));
         }
         for t in 0..trees {
             let tree = self.tree(t);
@@ -439,6 +456,9 @@ pub(crate) mod tests {
         assert!(refused(&|e| e.nodes[1] = TreeNode::leaf(f32::NAN), 3).contains("leaf value NaN"));
         assert!(refused(&|e| e.cat_words.truncate(1), 3).contains("bitset (3 words at 0) is out of bounds"));
         assert!(refused(&|e| e.base = f32::INFINITY, 3).contains("base score"));
+        assert!(refused(&|e| e.covers = vec![1.0; 3], 3).contains("3 node covers for 8 nodes"));
+        assert!(refused(&|e| e.covers = vec![-1.0; 8], 3).contains("node 0 of the ensemble has cover -1"));
+        assert!(refused(&|e| e.covers = vec![f32::NAN; 8], 3).contains("cover NaN"));
         assert!(refused(&|e| e.cat_words.resize(CATEGORY_WORDS_TOTAL_MAX + 1, 0), 3)
             .contains("16777217 category bitset words; the limit is 16777216"));
         let stray = |e: &mut Ensemble| {

@@ -380,5 +380,9 @@ fn ensemble_from_fb(e: &fb::TreeEnsemble<'_>) -> Result<Ensemble, String> {
     if cats.next().is_some() || cat_ranges.len() % 2 != 0 {
         return Err("more bitset ranges than categorical splits".into());
     }
-    Ok(Ensemble { starts, nodes, cat_words: u32s(e.cat_words()), base: e.base() })
+    let covers: Vec<f32> = e.covers().map(|v| v.iter().collect()).unwrap_or_default();
+    if !covers.is_empty() && covers.len() != n {
+        return Err(format!("{} node covers for {n} nodes", covers.len()));
+    }
+    Ok(Ensemble { starts, nodes, cat_words: u32s(e.cat_words()), base: e.base(), covers })
 }

@@ -346,6 +346,9 @@ fn ensemble_to_fb<'b>(b: &mut FlatBufferBuilder<'b>, e: &Ensemble) -> WIPOffset<
         cat_ranges: Some(b.create_vector(&cat_ranges)),
         cat_words: Some(b.create_vector(&e.cat_words)),
         base: e.base,
+        // Left out when unknown, so the file reads as one written before
+        // covers existed.
+        covers: (!e.covers.is_empty()).then(|| b.create_vector(&e.covers)),
     };
     fb::TreeEnsemble::create(b, &args)
 }

@@ -335,6 +335,42 @@ mod tests {
         assert!(e.to_string().contains("MODEL_HEAP_BYTES_MAX"), "{e}");
     }
 
+    fn tree_model(covers: Vec<f32>) -> Model {
+        let mut e = crate::model::trees::tests::small();
+        e.covers = covers;
+        let graph = Graph {
+            nodes: vec![
+                Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 3 },
+                Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
+            ],
+            output: OutputKind::Logit,
+        };
+        Model {
+            inputs: vec![InputSegment { source: Source::Context, dim: 3 }],
+            layers: Vec::new(),
+            graph: Some(graph),
+            ..tiny()
+        }
+    }
+
+    #[test]
+    fn tree_covers_round_trip_and_files_without_them_read_as_unexplainable() {
+        let covered = tree_model(vec![10.0, 4.0, 6.0, 10.0, 3.0, 7.0, 2.5, 4.5]);
+        assert_eq!(Model::from_bytes(&covered.to_bytes(), "c.qm").unwrap(), covered);
+        let bare = tree_model(Vec::new());
+        let bytes = bare.to_bytes();
+        let fb_model = flatbuffers::root::<fb::Model>(&bytes).unwrap();
+        let fb_trees = fb_model.graph().unwrap().nodes().unwrap().get(1).trees().unwrap();
+        assert!(fb_trees.covers().is_none(), "no covers field, as files from before it");
+        let read = Model::from_bytes(&bytes, "old.qm").unwrap();
+        assert_eq!(read, bare);
+        let Some(Op::Trees(e)) = read.graph.as_ref().map(|g| &g.nodes[1].op) else { panic!("no trees") };
+        assert!(!e.has_covers());
+        let short = tree_model(vec![1.0; 3]);
+        let err = Model::from_bytes(&short.to_bytes(), "short.qm").unwrap_err().to_string();
+        assert!(err.contains("3 node covers for 8 nodes"), "{err}");
+    }
+
     #[test]
     fn files_without_calibration_read_as_uncalibrated() {
         // The builder omits an absent table, so these bytes are what a writer
