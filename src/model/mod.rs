@@ -31,6 +31,7 @@ mod generated;
 pub mod calibrate;
 mod codec;
 pub mod embedding;
+pub mod explain;
 pub mod gbdt;
 pub mod graph;
 pub mod layout;
