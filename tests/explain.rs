@@ -140,3 +140,41 @@ fn onnx_tree_ensembles_are_refused_for_want_of_covers() {
     assert!(matches!(err, ExplainError::NoCovers { .. }), "{err}");
     assert!(err.to_string().contains("import the LightGBM text or XGBoost JSON model"), "{err}");
 }
+
+/// The zoo's scikit-learn LogisticRegression (ONNX `LinearClassifier`,
+/// imported as one dense layer): contributions are its weights times the
+/// inputs (no scaler: baseline 0), the bias its intercept, and bias plus
+/// contributions the logit onnxruntime recorded. The zoo's StandardScaler
+/// + MLP pipeline is refused.
+#[test]
+fn the_zoo_logistic_regression_explains_in_closed_form_and_its_mlp_is_refused() {
+    use quiver::model::explain::ExplainError;
+    use quiver::model::onnx::import_file;
+    let zoo = common::zoo::zoo();
+    let get = |name: &str| zoo.iter().find(|z| z.name == name).unwrap();
+    let lr = get("logistic_regression");
+    let model = import_file(&lr.file, &lr.import_options()).unwrap().model;
+    let layer = model.layers[0].clone();
+    assert_eq!((model.layers.len(), layer.out_dim), (1, 1), "one dense layer");
+    let explainer = Explainer::new(Arc::new(model)).unwrap();
+    assert_eq!(explainer.bias(), layer.bias[0] as f64);
+    let mut scratch = explainer.scratch();
+    let mut phi = vec![0.0; lr.dim];
+    let mut worst = 0.0f64;
+    for (r, x) in lr.x.chunks_exact(lr.dim).enumerate().take(256) {
+        let bias = explainer.explain(x, &mut scratch, &mut phi).unwrap();
+        for (i, c) in phi.iter().enumerate() {
+            assert_eq!(*c, layer.weights_f32[i] as f64 * x[i] as f64, "row {r} feature {i}");
+        }
+        let err = close(bias + phi.iter().sum::<f64>(), lr.want[r] as f64);
+        worst = worst.max(err);
+        assert!(err <= CONTRIBUTION_TOLERANCE, "row {r}: bias + contributions miss the logit by {err}");
+    }
+    eprintln!("logistic_regression: bias + contributions within {worst:.1e} of onnxruntime's logit");
+
+    let mlp = get("scaler_mlp");
+    let model = import_file(&mlp.file, &mlp.import_options()).unwrap().model;
+    let err = Explainer::new(Arc::new(model)).unwrap_err();
+    assert!(matches!(err, ExplainError::NotExplainable { .. }), "{err}");
+    assert!(err.to_string().contains("cannot be explained exactly"), "{err}");
+}

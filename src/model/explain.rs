@@ -97,6 +97,19 @@ struct TreeShap {
 #[derive(Debug)]
 enum Method {
     Trees(TreeShap),
+    Linear(Linear),
+}
+
+/// A model whose margin is `weights · x + constant` (a NaN input read as
+/// 0, as the model reads it): contributions `weights[i] · (x[i] −
+/// baseline[i])`, bias `weights · baseline + constant`.
+#[derive(Debug)]
+struct Linear {
+    weights: Vec<f64>,
+    /// Where the model's first scaler outputs 0 (a StandardScaler's
+    /// training mean), or 0 without a scaler.
+    baseline: Vec<f64>,
+    bias: f64,
 }
 
 /// Exact contributions for one model, built once (at load) and shared.
@@ -116,12 +129,18 @@ impl Explainer {
         if !model.is_native() {
             return Err(refuse("a model served only through onnxruntime"));
         }
+        if let Some(linear) = Linear::new(&model) {
+            return Ok(Explainer { name, width, method: Method::Linear(linear) });
+        }
         let Some(graph) = model.graph.as_ref() else {
             return Err(refuse(&format!("an MLP of {} layers", model.layers.len())));
         };
         let trees = graph.nodes.iter().position(|n| matches!(n.op, Op::Trees(_)));
         let Some(node) = trees else {
-            return Err(refuse("a graph model without a tree ensemble"));
+            return Err(refuse(&format!(
+                "a graph model of {} nodes that is neither linear nor trees",
+                graph.nodes.len()
+            )));
         };
         let method = Method::Trees(TreeShap::new(&model, node).ok_or_else(|| {
             refuse("a graph that does more than a tree ensemble over the input columns (and an affine map of its sum)")
@@ -139,6 +158,7 @@ impl Explainer {
     pub fn bias(&self) -> f64 {
         match &self.method {
             Method::Trees(t) => t.bias,
+            Method::Linear(l) => l.bias,
         }
     }
 
@@ -146,6 +166,7 @@ impl Explainer {
     pub fn scratch(&self) -> Scratch {
         let len = match &self.method {
             Method::Trees(t) => path_len(t.depth_max),
+            Method::Linear(_) => 0,
         };
         Scratch { path: vec![PathElement::default(); len] }
     }
@@ -169,7 +190,71 @@ impl Explainer {
                 t.explain(x, &mut scratch.path, contributions);
                 Ok(t.bias)
             }
+            Method::Linear(l) => {
+                for (i, c) in contributions.iter_mut().enumerate() {
+                    let v = if x[i].is_nan() { 0.0 } else { x[i] as f64 };
+                    *c = l.weights[i] * (v - l.baseline[i]);
+                }
+                Ok(l.bias)
+            }
         }
+    }
+}
+
+impl Linear {
+    /// `None` unless the model is one dense layer to one output: a v1
+    /// model of one layer, or a graph chain `Input(0..width) → Affine* →
+    /// Dense(1, no activation) → Affine*` (scalers before, a scaled logit
+    /// after).
+    fn new(model: &Model) -> Option<Linear> {
+        let width = model.input_dim();
+        // x ↦ a · x + d elementwise before the dense layer, then its row.
+        let (mut a, mut d) = (vec![1.0f64; width], vec![0.0f64; width]);
+        let mut baseline = vec![0.0f64; width];
+        let (row, dense_bias, after) = match &model.graph {
+            None => match model.layers.as_slice() {
+                [l] if l.out_dim == 1 && !l.relu => (&l.weights_f32, l.bias[0], &[][..]),
+                _ => return None,
+            },
+            Some(g) => {
+                let chained = g.nodes.iter().enumerate().skip(1).all(|(i, n)| n.inputs == [i - 1]);
+                match g.nodes.first() {
+                    Some(n) if matches!(n.op, Op::Input { offset: 0 }) && n.width == width && chained => {}
+                    _ => return None,
+                }
+                let dense = g.nodes.iter().position(|n| matches!(n.op, Op::Dense { .. }))?;
+                for (k, n) in g.nodes[1..dense].iter().enumerate() {
+                    let Op::Affine { center, scale, shift } = &n.op else { return None };
+                    if [center.len(), scale.len(), shift.len()] != [width; 3] {
+                        return None;
+                    }
+                    for i in 0..width {
+                        let (c, s, h) = (center[i] as f64, scale[i] as f64, shift[i] as f64);
+                        if k == 0 {
+                            baseline[i] = if s != 0.0 { c - h / s } else { c };
+                        }
+                        // (a x + d − c) s + h
+                        (a[i], d[i]) = (a[i] * s, (d[i] - c) * s + h);
+                    }
+                }
+                match &g.nodes[dense].op {
+                    Op::Dense { layer, act: super::graph::Act::None } if layer.out_dim == 1 => {
+                        (&layer.weights_f32, layer.bias[0], &g.nodes[dense + 1..])
+                    }
+                    _ => return None,
+                }
+            }
+        };
+        let mut weights: Vec<f64> = (0..width).map(|i| row[i] as f64 * a[i]).collect();
+        let mut constant = dense_bias as f64 + (0..width).map(|i| row[i] as f64 * d[i]).sum::<f64>();
+        for n in after {
+            let Op::Affine { center, scale, shift } = &n.op else { return None };
+            let (c, s, h) = (*center.first()? as f64, *scale.first()? as f64, *shift.first()? as f64);
+            weights.iter_mut().for_each(|w| *w *= s);
+            constant = (constant - c) * s + h;
+        }
+        let bias = constant + weights.iter().zip(&baseline).map(|(w, b)| w * b).sum::<f64>();
+        Some(Linear { weights, baseline, bias })
     }
 }
 
@@ -581,6 +666,112 @@ mod tests {
         assert_eq!(err, ExplainError::Width { model: "trees".into(), want: 5, got: 4 });
         let err = explainer.explain(&[0.0; 5], &mut scratch, &mut [0.0; 6]).unwrap_err();
         assert_eq!(err, ExplainError::Width { model: "trees".into(), want: 5, got: 6 });
+    }
+
+    fn linear_row() -> (Vec<f32>, f32) {
+        (vec![0.5, -1.25, 2.0, 0.0, 3.0], -0.75)
+    }
+
+    #[test]
+    fn a_logistic_regression_explains_as_its_weights_times_the_inputs() {
+        let (w, b) = linear_row();
+        let model = Model {
+            inputs: vec![InputSegment { source: Source::Context, dim: WIDTH }],
+            layers: vec![crate::model::Layer::quantize(WIDTH, 1, false, w.clone(), vec![b])],
+            calibration: None,
+            ..tiny()
+        };
+        model.validate().unwrap();
+        let explainer = Explainer::new(Arc::new(model)).unwrap();
+        let mut scratch = explainer.scratch();
+        let mut phi = vec![0.0; WIDTH];
+        let x = [1.0, 2.0, f32::NAN, 7.0, -0.5];
+        let bias = explainer.explain(&x, &mut scratch, &mut phi).unwrap();
+        // No scaler: the baseline is 0, the bias the intercept; a NaN reads
+        // as 0, as the model reads it.
+        assert_eq!(bias, b as f64);
+        assert_eq!(phi, vec![0.5, -2.5, 0.0, 0.0, -1.5]);
+    }
+
+    #[test]
+    fn a_scaler_pipeline_explains_against_the_scaler_center() {
+        let (w, b) = linear_row();
+        let center = vec![1.0f32, -2.0, 0.5, 4.0, 0.0];
+        let scale = vec![0.5f32, 2.0, 1.0, 0.25, 4.0];
+        let nodes = vec![
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: WIDTH },
+            Node {
+                op: Op::Affine { center: center.clone(), scale: scale.clone(), shift: vec![0.0; WIDTH] },
+                inputs: vec![0],
+                width: WIDTH,
+            },
+            Node {
+                op: Op::Dense {
+                    layer: crate::model::Layer::quantize(WIDTH, 1, false, w.clone(), vec![b]),
+                    act: crate::model::Act::None,
+                },
+                inputs: vec![1],
+                width: 1,
+            },
+            Node {
+                op: Op::Affine { center: vec![0.0], scale: vec![2.0], shift: vec![0.0] },
+                inputs: vec![2],
+                width: 1,
+            },
+        ];
+        let graph = Graph { nodes, output: OutputKind::Logit };
+        let model = Model {
+            inputs: vec![InputSegment { source: Source::Context, dim: WIDTH }],
+            layers: Vec::new(),
+            calibration: None,
+            graph: Some(graph.clone()),
+            ..tiny()
+        };
+        model.validate().unwrap();
+        let explainer = Explainer::new(Arc::new(model)).unwrap();
+        let mut scratch = explainer.scratch();
+        let mut phi = vec![0.0; WIDTH];
+        let mut rng = SplitMix64::new(4);
+        for _ in 0..20 {
+            let x: Vec<f32> = (0..WIDTH).map(|_| rng.normal() * 3.0).collect();
+            let bias = explainer.explain(&x, &mut scratch, &mut phi).unwrap();
+            // margin = 2 (w · (x − c) s + b): at x = c it is 2b.
+            assert_eq!(bias, 2.0 * b as f64);
+            for i in 0..WIDTH {
+                let want = 2.0 * w[i] as f64 * scale[i] as f64 * (x[i] as f64 - center[i] as f64);
+                assert!((phi[i] - want).abs() <= 1e-12 * (1.0 + want.abs()), "{i}: {} vs {want}", phi[i]);
+            }
+            let margin = graph.forward_row(&x) as f64;
+            let sum = bias + phi.iter().sum::<f64>();
+            assert!((sum - margin).abs() <= 1e-5 * (1.0 + margin.abs()), "{sum} vs {margin}");
+        }
+    }
+
+    #[test]
+    fn graphs_that_are_not_linear_nor_trees_are_refused() {
+        let (w, b) = linear_row();
+        let nodes = vec![
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: WIDTH },
+            Node {
+                op: Op::Dense {
+                    layer: crate::model::Layer::quantize(WIDTH, 1, false, w, vec![b]),
+                    act: crate::model::Act::None,
+                },
+                inputs: vec![0],
+                width: 1,
+            },
+            Node { op: Op::Act(crate::model::Act::Tanh), inputs: vec![1], width: 1 },
+        ];
+        let model = Model {
+            inputs: vec![InputSegment { source: Source::Context, dim: WIDTH }],
+            layers: Vec::new(),
+            calibration: None,
+            graph: Some(Graph { nodes, output: OutputKind::Logit }),
+            ..tiny()
+        };
+        model.validate().unwrap();
+        let err = Explainer::new(Arc::new(model)).unwrap_err();
+        assert!(err.to_string().contains("a graph model of 3 nodes that is neither linear nor trees"), "{err}");
     }
 
     #[test]
