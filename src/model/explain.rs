@@ -775,6 +775,35 @@ mod tests {
     }
 
     #[test]
+    fn a_model_served_only_through_onnxruntime_is_refused() {
+        use crate::model::{OnnxElement, OnnxGraph, OnnxInput};
+        let model = Model {
+            inputs: vec![InputSegment { source: Source::Context, dim: WIDTH }],
+            layers: Vec::new(),
+            calibration: None,
+            graph: None,
+            onnx: Some(OnnxGraph {
+                bytes: vec![8u8, 1, 2, 3].into(),
+                inputs: vec![OnnxInput { name: "x".into(), width: WIDTH, element: OnnxElement::Float, rank: 2 }],
+                output: "p".into(),
+                output_column: 0,
+                output_probability: false,
+                output_kind: OutputKind::Logit,
+            }),
+            ..tiny()
+        };
+        model.validate().unwrap();
+        let err = Explainer::new(Arc::new(model)).unwrap_err();
+        assert_eq!(
+            err,
+            ExplainError::NotExplainable {
+                model: "tiny".into(),
+                kind: "a model served only through onnxruntime".into()
+            }
+        );
+    }
+
+    #[test]
     fn the_scratch_is_bounded_by_the_deepest_tree() {
         assert_eq!(path_len(0), 3);
         assert_eq!(path_len(DEPTH_MAX), PATH_LEN_MAX);
