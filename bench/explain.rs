@@ -1,0 +1,104 @@
+//! Reason-code cost: microseconds per explained candidate of exact
+//! path-dependent TreeSHAP (`model::explain`) on the two ensemble shapes of
+//! the tree side-by-side (100 trees of depth 6 and 500 of depth 8, full
+//! trees over 28 features, NaN in 10% of the values), one candidate at a
+//! time as the server would explain its top candidates.
+//!
+//! Why: issue 37's targets (100 x 6 within 100 us and 500 x 8 within 1 ms
+//! per candidate on one core) decide whether contributions fit in a
+//! request's budget, and whether a faster variant is needed. The
+//! ensembles are synthetic (seeded, covers that split each node's rows at
+//! random): TreeSHAP's cost depends on the shape, not on what was learned.
+//! Run with `cargo bench --bench explain`.
+
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use quiver::model::explain::Explainer;
+use quiver::model::graph::{Graph, Node, Op, OutputKind};
+use quiver::model::trees::{Ensemble, Split, TreeNode};
+use quiver::model::{InputSegment, Model, Source};
+use quiver::seeded::SplitMix64;
+
+const FEATURES: usize = 28;
+const ROWS: usize = 256;
+
+/// `trees` full trees of `depth` splits in heap order, with covers.
+fn ensemble(rng: &mut SplitMix64, trees: usize, depth: usize) -> Ensemble {
+    let mut e = Ensemble::default();
+    let nodes_per_tree = (1usize << (depth + 1)) - 1;
+    let splits = (1usize << depth) - 1;
+    for _ in 0..trees {
+        let mut nodes = Vec::with_capacity(nodes_per_tree);
+        let mut covers = vec![0.0f32; nodes_per_tree];
+        covers[0] = 20_000.0;
+        for i in 0..nodes_per_tree {
+            if i < splits {
+                let split = Split::Numeric {
+                    feature: rng.below(FEATURES as u64) as u32,
+                    threshold: rng.normal(),
+                    missing_left: rng.below(2) == 0,
+                    zero_missing: false,
+                };
+                nodes.push(TreeNode { split, left: 2 * i as u32 + 1, right: 2 * i as u32 + 2 });
+                let share = 0.1 + 0.8 * rng.unit() as f32;
+                covers[2 * i + 1] = covers[i] * share;
+                covers[2 * i + 2] = covers[i] - covers[2 * i + 1];
+            } else {
+                nodes.push(TreeNode::leaf(rng.normal() * 0.1));
+            }
+        }
+        e.push_tree(&nodes);
+        e.covers.extend(covers);
+    }
+    e
+}
+
+fn model(e: Ensemble) -> Arc<Model> {
+    Arc::new(Model {
+        name: "explain-bench".into(),
+        version: 1,
+        inputs: vec![InputSegment { source: Source::Context, dim: FEATURES }],
+        layers: Vec::new(),
+        calibration: None,
+        graph: Some(Graph {
+            nodes: vec![
+                Node { op: Op::Input { offset: 0 }, inputs: vec![], width: FEATURES },
+                Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
+            ],
+            output: OutputKind::Logit,
+        }),
+        onnx: None,
+    })
+}
+
+fn explain(c: &mut Criterion) {
+    let mut rng = SplitMix64::new(37);
+    let x: Vec<f32> = (0..ROWS * FEATURES).map(|_| if rng.below(10) == 0 { f32::NAN } else { rng.normal() }).collect();
+    let mut g = c.benchmark_group("explain/treeshap");
+    g.throughput(Throughput::Elements(1));
+    for (trees, depth) in [(100, 6), (500, 8)] {
+        let m = model(ensemble(&mut rng, trees, depth));
+        m.validate().unwrap();
+        let explainer = Explainer::new(m).unwrap();
+        let mut scratch = explainer.scratch();
+        let mut phi = vec![0.0f64; FEATURES];
+        let mut k = 0;
+        g.bench_function(BenchmarkId::new(format!("{trees}x{depth}"), 1), |b| {
+            b.iter(|| {
+                let row = &x[(k % ROWS) * FEATURES..(k % ROWS + 1) * FEATURES];
+                k += 1;
+                let bias = explainer.explain(row, &mut scratch, &mut phi).unwrap();
+                std::hint::black_box((bias, &phi));
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = explain
+}
+criterion_main!(benches);
