@@ -379,12 +379,7 @@ impl Tree<'_> {
         let n = &self.nodes[i];
         let split_feature = match n.split {
             Split::Leaf { value } => {
-                let path = &path[at..];
-                for k in 1..=depth {
-                    let w = unwound_sum(path, depth, k);
-                    let el = path[k];
-                    phi[el.feature as usize] += w * (el.one - el.zero) * value as f64;
-                }
+                leaf(&path[at..at + depth + 1], value as f64, phi);
                 return;
             }
             Split::Numeric { feature, .. } | Split::Categorical { feature, .. } => feature,
@@ -412,11 +407,25 @@ impl Tree<'_> {
 /// Adds element `depth` to the path and updates the permutation weights.
 fn extend(path: &mut [PathElement], depth: usize, zero: f64, one: f64, feature: u32) {
     path[depth] = PathElement { feature, zero, one, weight: if depth == 0 { 1.0 } else { 0.0 } };
-    let d1 = (depth + 1) as f64;
+    let inv_d1 = RECIPROCALS[depth + 1];
     for i in (0..depth).rev() {
-        path[i + 1].weight += one * path[i].weight * (i + 1) as f64 / d1;
-        path[i].weight = zero * path[i].weight * (depth - i) as f64 / d1;
+        path[i + 1].weight += one * path[i].weight * (i + 1) as f64 * inv_d1;
+        path[i].weight = zero * path[i].weight * (depth - i) as f64 * inv_d1;
     }
+}
+
+/// `1 / n` for the path lengths there are: divisions are most of
+/// TreeSHAP's arithmetic otherwise, and slow.
+const RECIPROCALS: [f64; DEPTH_MAX + 2] = reciprocals();
+
+const fn reciprocals() -> [f64; DEPTH_MAX + 2] {
+    let mut t = [0.0; DEPTH_MAX + 2];
+    let mut n = 1;
+    while n < DEPTH_MAX + 2 {
+        t[n] = 1.0 / n as f64;
+        n += 1;
+    }
+    t
 }
 
 /// Removes element `k` from the path (of `depth + 1` elements), undoing
@@ -441,23 +450,51 @@ fn unwind(path: &mut [PathElement], depth: usize, k: usize) {
     }
 }
 
-/// The total permutation weight of the path with element `k` unwound,
-/// without changing the path.
-fn unwound_sum(path: &[PathElement], depth: usize, k: usize) -> f64 {
-    let (one, zero) = (path[k].one, path[k].zero);
+/// A leaf's share of each feature on its path (of `depth + 1` elements,
+/// element 0 the root's): for element k, the path's permutation weight with
+/// k unwound, times (one − zero) times the leaf value.
+///
+/// The unwinding of every k is done at once, level by level, instead of
+/// one k after another: the levels are a chain of dependent steps per k,
+/// so interleaving the k keeps the pipeline busy (and lets the compiler
+/// vectorize over k). `one` is 1 or 0 (a branch taken or not), which
+/// splits the recurrence: a taken element unwinds through `next`; an
+/// untaken one's sum is the same for every k but for its `zero`.
+fn leaf(path: &[PathElement], value: f64, phi: &mut [f64]) {
+    let depth = path.len() - 1;
+    if depth == 0 {
+        return;
+    }
     let d1 = (depth + 1) as f64;
-    let mut next_one = path[depth].weight;
-    let mut total = 0.0;
+    let mut zero = [0.0f64; DEPTH_MAX + 1];
+    let mut next = [0.0f64; DEPTH_MAX + 1];
+    let mut total = [0.0f64; DEPTH_MAX + 1];
+    for k in 1..=depth {
+        zero[k] = path[k].zero;
+        next[k] = path[depth].weight;
+    }
+    let mut untaken = 0.0;
     for i in (0..depth).rev() {
-        if one != 0.0 {
-            let w = next_one * d1 / ((i + 1) as f64 * one);
-            total += w;
-            next_one = path[i].weight - w * zero * (depth - i) as f64 / d1;
-        } else if zero != 0.0 {
-            total += path[i].weight / zero / ((depth - i) as f64 / d1);
+        let up = d1 * RECIPROCALS[i + 1];
+        let down = (depth - i) as f64 * RECIPROCALS[depth + 1];
+        let weight = path[i].weight;
+        untaken += weight * d1 * RECIPROCALS[depth - i];
+        for k in 1..=depth {
+            let w = next[k] * up;
+            total[k] += w;
+            next[k] = weight - w * zero[k] * down;
         }
     }
-    total
+    for (k, el) in path.iter().enumerate().skip(1) {
+        let w = if el.one != 0.0 {
+            total[k]
+        } else if el.zero != 0.0 {
+            untaken / el.zero
+        } else {
+            0.0
+        };
+        phi[el.feature as usize] += w * (el.one - el.zero) * value;
+    }
 }
 
 #[cfg(test)]
