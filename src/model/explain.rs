@@ -78,6 +78,8 @@ const NO_FEATURE: u32 = u32::MAX;
 #[derive(Clone, Debug)]
 pub struct Scratch {
     path: Vec<PathElement>,
+    /// A leaf's unwinding, three rows of `depth + 1` (`leaf`).
+    unwinding: Vec<f64>,
 }
 
 /// A tree ensemble read through `Input` columns `0..width`, then the
@@ -168,7 +170,11 @@ impl Explainer {
             Method::Trees(t) => path_len(t.depth_max),
             Method::Linear(_) => 0,
         };
-        Scratch { path: vec![PathElement::default(); len] }
+        let depth_max = match &self.method {
+            Method::Trees(t) => t.depth_max,
+            Method::Linear(_) => 0,
+        };
+        Scratch { path: vec![PathElement::default(); len], unwinding: vec![0.0; 3 * (depth_max + 1)] }
     }
 
     /// Writes each input column's contribution to `contributions` (one per
@@ -186,8 +192,9 @@ impl Explainer {
                 // Only a scratch made by another explainer can be short.
                 if scratch.path.len() < path_len(t.depth_max) {
                     scratch.path.resize(path_len(t.depth_max), PathElement::default());
+                    scratch.unwinding.resize(3 * (t.depth_max + 1), 0.0);
                 }
-                t.explain(x, &mut scratch.path, contributions);
+                t.explain(x, scratch, contributions);
                 Ok(t.bias)
             }
             Method::Linear(l) => {
@@ -321,13 +328,14 @@ impl TreeShap {
         }
     }
 
-    fn explain(&self, x: &[f32], path: &mut [PathElement], phi: &mut [f64]) {
+    fn explain(&self, x: &[f32], scratch: &mut Scratch, phi: &mut [f64]) {
+        let (path, work) = (&mut scratch.path[..], &mut scratch.unwinding[..]);
         let e = self.ensemble();
         for t in 0..e.trees() {
             let start = e.starts[t] as usize;
             let tree =
                 Tree { nodes: e.tree(t), covers: &e.covers[start..e.starts[t + 1] as usize], words: &e.cat_words };
-            tree.shap(x, phi, path, 0, 0, 0, 1.0, 1.0, NO_FEATURE);
+            tree.shap(x, phi, path, work, 0, 0, 0, 1.0, 1.0, NO_FEATURE);
         }
         if self.scale != 1.0 {
             phi.iter_mut().for_each(|p| *p *= self.scale);
@@ -366,6 +374,7 @@ impl Tree<'_> {
         x: &[f32],
         phi: &mut [f64],
         path: &mut [PathElement],
+        work: &mut [f64],
         i: usize,
         mut depth: usize,
         parent: usize,
@@ -379,7 +388,7 @@ impl Tree<'_> {
         let n = &self.nodes[i];
         let split_feature = match n.split {
             Split::Leaf { value } => {
-                leaf(&path[at..at + depth + 1], value as f64, phi);
+                leaf(&path[at..at + depth + 1], value as f64, work, phi);
                 return;
             }
             Split::Numeric { feature, .. } | Split::Categorical { feature, .. } => feature,
@@ -399,8 +408,8 @@ impl Tree<'_> {
             unwind(&mut path[at..], depth, k);
             depth -= 1;
         }
-        self.shap(x, phi, path, hot, depth + 1, at, hot_zero * incoming_zero, incoming_one, split_feature);
-        self.shap(x, phi, path, cold, depth + 1, at, cold_zero * incoming_zero, 0.0, split_feature);
+        self.shap(x, phi, path, work, hot, depth + 1, at, hot_zero * incoming_zero, incoming_one, split_feature);
+        self.shap(x, phi, path, work, cold, depth + 1, at, cold_zero * incoming_zero, 0.0, split_feature);
     }
 }
 
@@ -460,18 +469,19 @@ fn unwind(path: &mut [PathElement], depth: usize, k: usize) {
 /// vectorize over k). `one` is 1 or 0 (a branch taken or not), which
 /// splits the recurrence: a taken element unwinds through `next`; an
 /// untaken one's sum is the same for every k but for its `zero`.
-fn leaf(path: &[PathElement], value: f64, phi: &mut [f64]) {
+fn leaf(path: &[PathElement], value: f64, work: &mut [f64], phi: &mut [f64]) {
     let depth = path.len() - 1;
     if depth == 0 {
         return;
     }
     let d1 = (depth + 1) as f64;
-    let mut zero = [0.0f64; DEPTH_MAX + 1];
-    let mut next = [0.0f64; DEPTH_MAX + 1];
-    let mut total = [0.0f64; DEPTH_MAX + 1];
+    let (zero, rest) = work.split_at_mut(depth + 1);
+    let (next, total) = rest.split_at_mut(depth + 1);
+    let total = &mut total[..depth + 1];
     for k in 1..=depth {
         zero[k] = path[k].zero;
         next[k] = path[depth].weight;
+        total[k] = 0.0;
     }
     let mut untaken = 0.0;
     for i in (0..depth).rev() {
