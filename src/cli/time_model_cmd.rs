@@ -1,5 +1,6 @@
 //! `quiver time-model`: `score::timing::time_model`'s figures, one JSON line
-//! per batch size, for bench/ort_side_by_side.py.
+//! per batch size, for bench/ort_side_by_side.py; with `--explain`, also
+//! `time_explain`'s (reason codes per candidate).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,6 +39,10 @@ pub struct Args {
     /// kept only for onnxruntime; default ORT_DYLIB_PATH.
     #[arg(long)]
     onnxruntime_lib: Option<PathBuf>,
+    /// Also time explaining each batch's candidates (exact feature
+    /// contributions); a model that cannot be explained is an error.
+    #[arg(long)]
+    explain: bool,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
@@ -64,6 +69,13 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     .map_err(|e| Error::Setup(format!("{}: {e}", args.data.as_ref().unwrap_or(&args.model).display())))?;
     for t in timings {
         println!("{}", serde_json::to_string(&t).expect("a timing serializes"));
+    }
+    if args.explain {
+        let timings = quiver::score::timing::time_explain(&model, &args.rows, args.iters, rows_from.as_ref())
+            .map_err(|e| Error::Setup(format!("--explain: {e}")))?;
+        for t in timings {
+            println!("{}", serde_json::to_string(&t).expect("a timing serializes"));
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

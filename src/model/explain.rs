@@ -150,6 +150,14 @@ impl Explainer {
         Ok(Explainer { name, width, method })
     }
 
+    /// How contributions are computed: `treeshap` or `linear`.
+    pub fn method(&self) -> &'static str {
+        match self.method {
+            Method::Trees(_) => "treeshap",
+            Method::Linear(_) => "linear",
+        }
+    }
+
     /// The input width a row must have.
     pub fn width(&self) -> usize {
         self.width

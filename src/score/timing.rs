@@ -1,5 +1,6 @@
 //! `quiver time-model`: the median wall time of one backend's `score` per
-//! batch size, on seeded normal inputs or on rows from a file. A
+//! batch size, on seeded normal inputs or on rows from a file, and with
+//! `--explain` of explaining that many candidates (`model::explain`). A
 //! measurement tool for people comparing backends and peers, not a test:
 //! nothing asserts on its figures.
 
@@ -10,6 +11,7 @@ use serde::Serialize;
 
 use crate::loadgen::demo::SplitMix64;
 use crate::model::calibrate::Matrix;
+use crate::model::explain::Explainer;
 use crate::model::Model;
 use crate::score::{self, BackendKind};
 
@@ -29,6 +31,88 @@ pub struct Timing {
     pub gmac_per_s: f64,
 }
 
+/// One batch size's explanation figures (a JSON line of `quiver
+/// time-model --explain`): every candidate's contributions, one after
+/// another, as the server would explain its top candidates.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExplainTiming {
+    pub explain: &'static str,
+    pub candidates: usize,
+    pub iters: usize,
+    pub median_us: f64,
+    pub us_per_candidate: f64,
+}
+
+/// Times explaining `n` candidates for each `n` of `rows`, `iters` calls
+/// each, on the rows `time_model` would score; a model that cannot be
+/// explained is refused with the reason.
+pub fn time_explain(
+    model: &Arc<Model>,
+    rows: &[usize],
+    iters: usize,
+    data: Option<&Matrix>,
+) -> Result<Vec<ExplainTiming>, String> {
+    let explainer = Explainer::new(model.clone()).map_err(|e| e.to_string())?;
+    let rows_max = rows.iter().copied().max().unwrap_or(1).max(1);
+    let dim = model.input_dim();
+    let x = inputs(dim, rows_max, data)?;
+    let total_rows = x.len() / dim.max(1);
+    let mut scratch = explainer.scratch();
+    let mut phi = vec![0.0f64; dim];
+    let mut timings = Vec::with_capacity(rows.len());
+    for &n in rows.iter().filter(|&&n| n > 0) {
+        let windows = total_rows - n + 1;
+        let mut k = 0;
+        let mut call = || -> Result<(), String> {
+            let at = (k * n) % windows;
+            k += 1;
+            for r in at..at + n {
+                let bias = explainer.explain(&x[r * dim..(r + 1) * dim], &mut scratch, &mut phi);
+                std::hint::black_box((bias.map_err(|e| e.to_string())?, &phi));
+            }
+            Ok(())
+        };
+        for _ in 0..WARM_UP_CALLS {
+            call()?;
+        }
+        let mut ns = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) {
+            let t = Instant::now();
+            call()?;
+            ns.push(t.elapsed().as_nanos() as u64);
+        }
+        ns.sort_unstable();
+        let median_ns = ns[ns.len() / 2].max(1);
+        timings.push(ExplainTiming {
+            explain: explainer.method(),
+            candidates: n,
+            iters: ns.len(),
+            median_us: median_ns as f64 / 1e3,
+            us_per_candidate: median_ns as f64 / 1e3 / n as f64,
+        });
+    }
+    Ok(timings)
+}
+
+/// At least `rows_max` input rows: seeded normals, or `data`'s rows
+/// repeated.
+fn inputs(dim: usize, rows_max: usize, data: Option<&Matrix>) -> Result<Vec<f32>, String> {
+    Ok(match data {
+        None => {
+            let mut rng = SplitMix64::new(7);
+            (0..rows_max * dim).map(|_| rng.normal()).collect()
+        }
+        Some(t) => {
+            if t.cols < dim || t.data.is_empty() {
+                return Err(format!("{} columns; the model reads {dim}", t.cols));
+            }
+            let rows_in = t.data.len() / t.cols;
+            let total = rows_in.max(rows_max);
+            (0..total).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
+        }
+    })
+}
+
 /// Times `kind` on `model` at each batch size of `rows`, `iters` calls each.
 /// With `data`, call k scores the window of rows starting at k * rows
 /// (wrapping), so successive calls see different rows, as traffic does.
@@ -45,20 +129,7 @@ pub fn time_model(
 ) -> Result<Vec<Timing>, String> {
     let rows_max = rows.iter().copied().max().unwrap_or(1).max(1);
     let dim = model.input_dim();
-    let mut x: Vec<f32> = match data {
-        None => {
-            let mut rng = SplitMix64::new(7);
-            (0..rows_max * dim).map(|_| rng.normal()).collect()
-        }
-        Some(t) => {
-            if t.cols < dim || t.data.is_empty() {
-                return Err(format!("{} columns; the model reads {dim}", t.cols));
-            }
-            let rows_in = t.data.len() / t.cols;
-            let total = rows_in.max(rows_max);
-            (0..total).flat_map(|r| t.data[(r % rows_in) * t.cols..][..dim].iter().copied()).collect()
-        }
-    };
+    let mut x = inputs(dim, rows_max, data)?;
     let total_rows = x.len() / dim.max(1);
     if one_request {
         let shared = model.request_columns();
@@ -124,5 +195,33 @@ mod tests {
         let t = time_model(&model, BackendKind::F32, &[2, 16], 2, true, Some(&rows)).unwrap();
         assert_eq!(t.len(), 2);
         assert!(t[1].one_request);
+    }
+
+    #[test]
+    fn explanations_are_timed_per_candidate_and_refused_for_an_mlp() {
+        let mlp = Arc::new(crate::loadgen::demo::model());
+        let err = time_explain(&mlp, &[1], 1, None).unwrap_err();
+        assert!(err.contains("cannot be explained exactly"), "{err}");
+        let mut e = crate::model::trees::tests::small();
+        e.covers = vec![10.0, 4.0, 6.0, 10.0, 3.0, 7.0, 2.5, 4.5];
+        let graph = crate::model::Graph {
+            nodes: vec![
+                crate::model::Node { op: crate::model::Op::Input { offset: 0 }, inputs: vec![], width: 3 },
+                crate::model::Node { op: crate::model::Op::Trees(e), inputs: vec![0], width: 1 },
+            ],
+            output: crate::model::OutputKind::Logit,
+        };
+        let trees = Model {
+            inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: 3 }],
+            layers: Vec::new(),
+            calibration: None,
+            graph: Some(graph),
+            ..(*mlp).clone()
+        };
+        trees.validate().unwrap();
+        let t = time_explain(&Arc::new(trees), &[1, 4], 3, None).unwrap();
+        assert_eq!(t.iter().map(|t| (t.candidates, t.iters)).collect::<Vec<_>>(), vec![(1, 3), (4, 3)]);
+        assert!(t.iter().all(|t| t.explain == "treeshap" && t.us_per_candidate > 0.0));
+        assert_eq!(t[1].us_per_candidate, t[1].median_us / 4.0);
     }
 }
