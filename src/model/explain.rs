@@ -123,7 +123,9 @@ pub struct Explainer {
 }
 
 impl Explainer {
-    /// The explainer of `model`, or why it cannot have one.
+    /// The explainer of `model`, or why it cannot have one. The model is
+    /// a validated one (as `Model::load` and the importers return it):
+    /// its trees are trees, its features within its input.
     pub fn new(model: Arc<Model>) -> Result<Explainer, ExplainError> {
         let name = model.name.clone();
         let width = model.input_dim();
