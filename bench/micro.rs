@@ -511,6 +511,7 @@ fn demo_shared(dir: &std::path::Path, backend: BackendKind, cache: CacheConfig) 
         feed: None,
         fallback: None,
         shards: 1,
+        decision_log: None,
     }
 }
 
@@ -712,6 +713,7 @@ fn auction_request_bench(c: &mut Criterion) {
         feed: None,
         fallback: None,
         shards: 1,
+        decision_log: None,
     };
     let mut auctions = auction::Auctions::new(&auction::MIX_DEFAULT, 1_000_000).unwrap();
     let mut spec = RequestSpec::default();

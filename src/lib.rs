@@ -8,6 +8,7 @@ pub mod admin;
 pub mod config;
 pub mod cores;
 pub mod deadline;
+pub mod decision_log;
 pub mod drift;
 pub mod features;
 pub mod infer;

@@ -13,8 +13,8 @@ use clap::{Parser, Subcommand};
 #[cfg(feature = "cuda")]
 use cli::gpu_check_cmd;
 use cli::{
-    bench_cmd, demo_cmd, export_onnx_cmd, features_cmd, import_cmd, plot_cmd, replica_cmd, score_cmd, serve_cmd,
-    stats_cmd, time_model_cmd,
+    bench_cmd, demo_cmd, export_onnx_cmd, features_cmd, import_cmd, log_cmd, plot_cmd, replica_cmd, score_cmd,
+    serve_cmd, stats_cmd, time_model_cmd,
 };
 
 #[derive(Parser)]
@@ -47,6 +47,9 @@ enum Command {
     /// Write features to Redis, the source of truth that replicas follow.
     #[command(subcommand)]
     Features(features_cmd::Command),
+    /// Read decision-log segments (`[log]`): dump rows as JSON, inspect.
+    #[command(subcommand)]
+    Log(log_cmd::Command),
     /// Watch a running server: per-stage latency, rates and tiers, every second.
     Stats(stats_cmd::Args),
     /// Draw PNG plots from benchmark output files.
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
         Command::Plot(cmd) => plot_cmd::run(cmd),
         Command::ExportOnnx(args) => export_onnx_cmd::run(args),
         Command::Stats(args) => stats_cmd::run(args),
+        Command::Log(cmd) => log_cmd::run(cmd),
         Command::Demo(args) => demo_cmd::run(args),
         #[cfg(feature = "cuda")]
         Command::GpuCheck(args) => Ok(gpu_check_cmd::run(args)),

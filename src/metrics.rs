@@ -528,6 +528,11 @@ pub struct Counters {
     /// the registry did not build ahead).
     pub backends_prebuilt: u64,
     pub backends_built_on_shard: u64,
+    /// Decisions put in the shard's decision-log ring, and dropped before
+    /// it: the ring full (the writer behind), or a record over half of it.
+    pub log_records: u64,
+    pub log_dropped_ring_full: u64,
+    pub log_dropped_too_large: u64,
     /// New connections closed at once: the serving shard was at
     /// `connections_per_shard_max`, or the source at
     /// `connections_per_source_max`.
@@ -569,6 +574,9 @@ impl Counters {
         self.tls_handshakes_refused += other.tls_handshakes_refused;
         self.backends_prebuilt += other.backends_prebuilt;
         self.backends_built_on_shard += other.backends_built_on_shard;
+        self.log_records += other.log_records;
+        self.log_dropped_ring_full += other.log_dropped_ring_full;
+        self.log_dropped_too_large += other.log_dropped_too_large;
         self.connections_refused_shard_full += other.connections_refused_shard_full;
         self.connections_refused_source_full += other.connections_refused_source_full;
         self.frames_timed_out += other.frames_timed_out;

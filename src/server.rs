@@ -176,6 +176,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     tracing::info!(kernel = kernel.name(), requested = ?config.kernel, "INT8 kernel");
     let groups = config.groups().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_canary_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
+    config.check_log_key_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     let (groups, feed) = open_features(&config, &groups, &stop)?;
     let fit =
         Fit { groups: groups.iter().map(SharedGroup::fit).collect(), context_len_max: config.limits.context_len_max };
@@ -218,6 +219,25 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let board = metrics::board(cores.len());
     let (collector, publishers) =
         metrics::Collector::start(board.clone()).map_err(|e| Error::Setup(format!("metrics collector thread: {e}")))?;
+    // The decision log: one ring per shard, allocated now, and the writer
+    // thread on the housekeeping cores.
+    let log_status = Arc::new(crate::decision_log::LogStatus::default());
+    let (log_rings, log_writer) = if config.log.enabled() {
+        let rings = crate::decision_log::LogRings::new(&config.log, cores.len());
+        let writer = crate::decision_log::writer::Writer::start(&config.log, rings.consumers(), log_status.clone())
+            .map_err(|e| Error::Setup(format!("decision-log writer thread: {e}")))?;
+        let dir = config.log.dir.as_deref().unwrap_or(std::path::Path::new("")).display().to_string();
+        tracing::info!(
+            %dir,
+            sample_rate = config.log.sample_rate,
+            key_group = config.log.key_group.as_deref().unwrap_or("(request id)"),
+            always = ?config.log.always,
+            "decision log on"
+        );
+        (Some(rings), Some(writer))
+    } else {
+        (None, None)
+    };
     let token = match &config.admin_token_file {
         Some(path) => Some(AdminToken::load(path).map_err(Error::Setup)?),
         None => None,
@@ -233,6 +253,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         refusals: Default::default(),
         http: Default::default(),
         groups: groups.clone(),
+        decision_log: log_writer.is_some().then(|| log_status.clone()),
     });
     let mut admins = Vec::new();
     for (listen, surface, name) in
@@ -305,6 +326,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         shed: config.shed.clone(),
         fallback,
         shards: cores.len(),
+        decision_log: log_rings,
     };
     let listen = shard::resolve_listen(&config.listen)?;
 
@@ -324,6 +346,11 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         on_event(Event::Serving { addr, shards, tls: serves_tls });
     })?;
     collector.join();
+    // The shards have stopped: the writer drains their rings and closes
+    // its segments.
+    if let Some(w) = log_writer {
+        w.stop();
+    }
     for a in admins {
         a.stop();
     }

@@ -6,6 +6,9 @@
 //! tests take a lock so that one test's set-up does not fall in the other's
 //! window.
 //!
+//! With the decision log on, the shard's logging (sample, encode into its
+//! ring) runs inside the window as well.
+//!
 //! A rejected request may still allocate to format its error text (the
 //! "model takes N floats" kind); none of the requests here is rejected.
 
@@ -15,6 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use quiver::deadline::{Clock, MonotonicClock};
+use quiver::decision_log::record::Decision;
+use quiver::decision_log::{LogConfig, LogRings};
 use quiver::features::groups::{Absent, Scope};
 use quiver::features::replica::{ReplicaBuilder, ReplicaHandle};
 use quiver::infer::{self, StageConfig};
@@ -165,6 +170,7 @@ fn shared(name: &str) -> Shared {
         ladder: Default::default(),
         fallback: None,
         shards: 1,
+        decision_log: None,
     }
 }
 
@@ -255,6 +261,36 @@ fn handle_allocates_nothing_once_warm_inline() {
     let mut path = RequestPath::new(shared("inline"), MonotonicClock::new()).unwrap();
     let handed_off = warm_then_count(&mut path, &frames(MEASURED));
     assert_eq!(handed_off, 0, "no stage attached: every request is scored inline");
+}
+
+/// With the decision log sampling every decision, the shard encodes each
+/// into its ring and still allocates nothing; every decision is there.
+#[test]
+fn handle_allocates_nothing_once_warm_logging_every_decision() {
+    let _window = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
+    let config = LogConfig {
+        dir: Some(std::env::temp_dir().join("quiver-alloc-declog-unused")),
+        sample_rate: 1.0,
+        ring_bytes: 8 << 20,
+        ..LogConfig::default()
+    };
+    let rings = LogRings::new(&config, 1);
+    let shared = Shared { decision_log: Some(rings.clone()), ..shared("logged") };
+    let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
+    path.set_shard(0);
+    warm_then_count(&mut path, &frames(MEASURED));
+    assert_eq!(path.telemetry.counters.log_records, WARM + MEASURED);
+    assert_eq!(path.telemetry.counters.log_dropped_ring_full, 0);
+    let mut consumer = rings.consumers().remove(0);
+    let mut ids = Vec::new();
+    while let Some(d) = consumer.pop(Decision::decode) {
+        let d = d.unwrap();
+        assert_eq!((d.status, d.tier), (Status::Ok.0, Tier::Primary.0));
+        assert_eq!(d.x.as_ref().map(Vec::len), Some(d.rows as usize * d.row_dim as usize));
+        ids.push(d.request_id);
+    }
+    let want: Vec<u64> = (0..WARM).map(|i| i % MEASURED).chain(0..MEASURED).collect();
+    assert_eq!(ids, want);
 }
 
 #[test]

@@ -411,6 +411,7 @@ fn crates_are_imported_only_where_the_architecture_says() {
         (&["onnx_protobuf::", "protobuf::"], &["model/onnx/"]),
         (&["plotters::"], &["loadgen/plot.rs"]),
         (&["prometheus_client::"], &["admin/"]),
+        (&["arrow_array::", "arrow_ipc::", "arrow_schema::"], &["decision_log/writer.rs", "decision_log/read.rs"]),
         (&["signal_hook::", "tracing_subscriber::", "ureq::", "indicatif::"], &["main.rs", "cli/"]),
     ];
     let mut broken = Vec::new();
@@ -483,6 +484,7 @@ fn only_the_binary_reads_the_environment() {
 /// architecture's `unsafe` lines).
 const UNSAFE_FILES: &[(&str, &str)] = &[
     ("cores.rs", "sched_setaffinity / sched_getaffinity"),
+    ("decision_log/byte_ring.rs", "the decision-log rings' bytes, written by a shard and read by the writer"),
     ("features/replica/table.rs", "the mapped replica file: seqlock reads, word stores, madvise/mlock, prefetch"),
     ("features/replica/writer/mod.rs", "fallocate, flock and the writer's stores into the mapping"),
     ("features/replica/writer/growth.rs", "the growth copy's stores into the new mapping"),

@@ -279,6 +279,9 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         if let Some(feed) = readiness.feed() {
             encode_feed(&mut encoder, feed)?;
         }
+        if let Some(log) = &self.state.decision_log {
+            encode_decision_log(&mut encoder, &m.counters, log)?;
+        }
         encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
@@ -491,6 +494,56 @@ fn encode_feed(encoder: &mut DescriptorEncoder, feed: &FeedStatus) -> Result<(),
     Ok(())
 }
 
+/// The decision log: what the shards put in their rings or dropped, and
+/// what the writer made of it.
+fn encode_decision_log(
+    encoder: &mut DescriptorEncoder,
+    counters: &crate::metrics::Counters,
+    log: &crate::decision_log::LogStatus,
+) -> Result<(), std::fmt::Error> {
+    let mut e = encoder.encode_descriptor(
+        "quiver_log_dropped",
+        "Decisions sampled for the log and lost: the shard's ring full (the writer behind) or too small for one, \
+         a failed write (disk full, directory unwritable), a record the writer could not read.",
+        None,
+        MetricType::Counter,
+    )?;
+    for (reason, n) in [
+        ("ring_full", counters.log_dropped_ring_full),
+        ("too_large", counters.log_dropped_too_large),
+        ("write_error", log.dropped_write_error.load(Relaxed)),
+        ("bad_record", log.dropped_bad_record.load(Relaxed)),
+    ] {
+        e.encode_family(&[("reason", reason)])?.encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+    }
+    for (name, help, n) in [
+        ("quiver_log_records", "Decisions the shards put in their decision-log rings.", counters.log_records),
+        ("quiver_log_decisions_written", "Logged decisions in closed segments.", log.decisions_written.load(Relaxed)),
+        ("quiver_log_rows_written", "Rows (one per candidate) in closed segments.", log.rows_written.load(Relaxed)),
+        (
+            "quiver_log_segments",
+            "Decision-log segments closed and renamed into place.",
+            log.segments_closed.load(Relaxed),
+        ),
+        ("quiver_log_bytes", "Bytes of the segments closed.", log.bytes_closed.load(Relaxed)),
+        (
+            "quiver_log_write_errors",
+            "Failed creates, writes, syncs, renames and deletes in the decision-log directory.",
+            log.write_errors.load(Relaxed),
+        ),
+        (
+            "quiver_log_segments_deleted",
+            "Segments deleted by log.retention_bytes_max.",
+            log.segments_deleted.load(Relaxed),
+        ),
+    ] {
+        encoder
+            .encode_descriptor(name, help, None, MetricType::Counter)?
+            .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+    }
+    Ok(())
+}
+
 /// Drift gauges per calibrated version; a measure is absent while the window
 /// holds fewer than `drift.min_count` rows, and for uncalibrated versions.
 fn encode_drift(encoder: &mut DescriptorEncoder, reports: &[DriftReport]) -> Result<(), std::fmt::Error> {
@@ -618,6 +671,7 @@ mod tests {
             refusals: auth::Refusals::default(),
             http: Default::default(),
             groups: Vec::new(),
+            decision_log: None,
         };
         state.refusals.record(1, None, "POST", "/drain");
         registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));

@@ -57,6 +57,8 @@ pub struct AdminState {
     /// The feature groups the shards serve, the same handles, for
     /// `GET /features/{group}`.
     pub groups: Vec<SharedGroup>,
+    /// The decision-log writer's counters, when `[log]` logs anything.
+    pub decision_log: Option<Arc<crate::decision_log::LogStatus>>,
 }
 
 /// Which routes a listener serves.

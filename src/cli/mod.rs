@@ -22,6 +22,7 @@ pub mod features_cmd;
 #[cfg(feature = "cuda")]
 pub mod gpu_check_cmd;
 pub mod import_cmd;
+pub mod log_cmd;
 pub mod plot_cmd;
 pub mod replica_cmd;
 pub mod score_cmd;

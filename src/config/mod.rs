@@ -108,6 +108,9 @@ pub struct Config {
     pub reactor: ReactorConfig,
     /// TLS on the scoring port (docs/OPERATING.md); plain TCP without it.
     pub tls: Option<crate::tls::ServerTls>,
+    /// The decision log: a sample of decisions written as Arrow IPC files
+    /// (docs/OPERATING.md#decision-logs); off by default.
+    pub log: crate::decision_log::LogConfig,
 }
 
 impl Default for Config {
@@ -148,6 +151,7 @@ impl Default for Config {
             limits: Limits::default(),
             reactor: ReactorConfig::default(),
             tls: None,
+            log: crate::decision_log::LogConfig::default(),
         }
     }
 }
@@ -255,6 +259,7 @@ impl Config {
         config.stage.validate().map_err(ConfigError::Invalid)?;
         config.ladder.validate().map_err(ConfigError::Invalid)?;
         config.cache.validate().map_err(ConfigError::Invalid)?;
+        config.log.validate().map_err(ConfigError::Invalid)?;
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
         }
@@ -304,6 +309,20 @@ impl Config {
             Some(_) => Ok(()),
             None if name == "user" => Ok(()),
             None => Err(format!("canary_group = \"{name}\" is not a configured group")),
+        }
+    }
+
+    /// Checks `log.key_group` against the served groups: a request-scope
+    /// group, or `user` (then `user_id` when no such group is served).
+    pub fn check_log_key_group(&self, groups: &[crate::features::groups::Group]) -> Result<(), String> {
+        let Some(name) = &self.log.key_group else { return Ok(()) };
+        match groups.iter().find(|g| &g.name == name) {
+            Some(g) if g.scope == crate::features::groups::Scope::Candidate => {
+                Err(format!("log.key_group = \"{name}\" is a candidate-scope group; a decision is sampled per request"))
+            }
+            Some(_) => Ok(()),
+            None if name == "user" => Ok(()),
+            None => Err(format!("log.key_group = \"{name}\" is not a configured group")),
         }
     }
 

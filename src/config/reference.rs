@@ -17,6 +17,9 @@
 use serde::de::{DeserializeOwned, Visitor};
 
 use super::{Config, InferenceMode, StageLimits};
+use crate::decision_log::{
+    LogConfig, RING_BYTES_MAX, RING_BYTES_MIN, SEGMENT_AGE_S_MAX, SEGMENT_BYTES_MAX, SEGMENT_BYTES_MIN,
+};
 use crate::drift::DriftConfig;
 use crate::features::feed::status::StalePolicy;
 use crate::features::feed::FeedConfig;
@@ -698,6 +701,59 @@ pub const SECTIONS: &[Section] = &[
             .range(1, 1_000_000),
             Key::new("handshake_burst", "50", "Handshakes a shard starts at once before the rate applies.")
                 .range(1, 1_000_000),
+        ],
+    },
+    Section {
+        path: "log",
+        doc: "The decision log: a sample of decisions (keys, the input rows the kernel saw, scores, tier, \
+              times) written off the request path as Arrow IPC segment files \
+              ([OPERATING.md](OPERATING.md#decision-logs)). Off unless `sample_rate` or `always` is set.",
+        optional: false,
+        fields: fields::<LogConfig>,
+        keys: &[
+            Key::new(
+                "dir",
+                "\"/var/lib/quiver/decisions\"",
+                "Where segments are written (created if absent); required when anything is logged. One server per \
+                 directory: `.tmp` segments left there are deleted at start.",
+            ),
+            Key::new(
+                "sample_rate",
+                "0.1",
+                "Share of decisions logged, 0 to 1, kept to a millionth; 0 logs none but those `always` names.",
+            ),
+            Key::new(
+                "key_group",
+                "\"user\"",
+                "A request-scope group whose key decides the sample, sticky: `xxh3(key) mod 1e6 < rate × 1e6`, so a \
+                 key has all its decisions logged or none. Absent: the request id decides (uniform).",
+            ),
+            Key::new(
+                "ring_bytes",
+                "33554432",
+                "Bytes of each shard's ring, allocated at start-up; a decision that does not fit is dropped and \
+                 counted (`quiver_log_dropped_total{reason=\"ring_full\"}`), never waited for.",
+            )
+            .range(RING_BYTES_MIN as i64, RING_BYTES_MAX as i64),
+            Key::new("segment_bytes_max", "134217728", "A segment is closed and renamed into place at this size.")
+                .range(SEGMENT_BYTES_MIN as i64, SEGMENT_BYTES_MAX as i64),
+            Key::new(
+                "segment_age_s",
+                "600",
+                "A segment is closed at this age: the most of a shard's decisions a `kill -9` loses.",
+            )
+            .range(1, SEGMENT_AGE_S_MAX as i64),
+            Key::new(
+                "retention_bytes_max",
+                "10737418240",
+                "The oldest segments are deleted while the closed ones hold more; at least `segment_bytes_max`.",
+            ),
+            Key::new(
+                "always",
+                "[\"non_primary\", \"errors\"]",
+                "Decisions logged whatever the sample: `non_primary` (answered by the cache, the fallback or the \
+                 static default), `errors` (any status but `Ok`, once the model was chosen).",
+            ),
         ],
     },
 ];

@@ -24,6 +24,7 @@
 //! - the score cache ([`ScoreCache`]);
 //! - [`InFlight`](handoff::InFlight): requests on the inference stage;
 //! - the shadow queue (`shadow.rs`);
+//! - the decision log's ring, when `[log]` is on (`logged.rs`);
 //! - [`Telemetry`]: counters and stage timings.
 //!
 //! What shards share is immutable: the models and the feature replicas,
@@ -33,6 +34,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::deadline::{Clock, Deadline};
+use crate::decision_log::{LogRings, ShardLog};
 use crate::features::feed::FeedStatus;
 use crate::features::groups::{Absent, Scope};
 use crate::features::replica::{KeyKind, ReplicaHandle, ReplicaView};
@@ -58,6 +60,7 @@ pub mod cache;
 mod handoff;
 pub mod ladder;
 mod limits;
+mod logged;
 mod policies;
 mod scratch;
 mod shadow;
@@ -97,6 +100,8 @@ pub struct Shared {
     /// The Redis feed's state, when features are refreshed from Redis.
     pub feed: Option<Arc<FeedStatus>>,
     pub shards: usize,
+    /// The decision log's rings, one per shard, when `[log]` logs anything.
+    pub decision_log: Option<LogRings>,
 }
 
 /// One served feature group: its replica and how requests key it.
@@ -265,6 +270,9 @@ pub struct RequestPath<C: Clock> {
     in_flight: InFlight,
     shadows: ShadowQueue,
     pub telemetry: Telemetry,
+    /// The rings, until `set_shard` takes this shard's producer.
+    log_rings: Option<LogRings>,
+    log: Option<ShardLog>,
     _shard_local: PhantomData<*const ()>,
 }
 
@@ -320,6 +328,8 @@ impl<C: Clock> RequestPath<C> {
             telemetry,
             replicas: Replicas::new(&shared.groups, shared.feed.clone()),
             clock,
+            log_rings: shared.decision_log.clone(),
+            log: None,
             _shard_local: PhantomData,
         };
         path.refresh_models()?;
@@ -343,12 +353,17 @@ impl<C: Clock> RequestPath<C> {
             in_flight,
             shadows,
             telemetry,
+            log,
             ..
         } = self;
         let clock = &*clock;
         let frame = Frame { payload, read_at_ns, peer };
+        // The decoded request and its chosen version, once admitted: what
+        // the decision log reads after the response is encoded.
+        let mut admitted_as = None;
         let primary = (|| {
             let admitted = stages::admit(frame, clock, policies, versions, in_flight.slot_fill(), telemetry)?;
+            admitted_as = Some((admitted.raw(), admitted.chosen));
             let served = &mut versions.served[admitted.chosen];
             // Rows that fit a job slot are assembled into one taken now, so
             // a hand-off copies none; inline or stepped down, they are read
@@ -382,6 +397,24 @@ impl<C: Clock> RequestPath<C> {
                 stages::answer(rejection, x, clock, fallback, feed, answer, telemetry, out)
             }
         };
+        if let (Some(log), Handled::Answered, Some((raw, chosen))) = (log.as_mut(), handled, admitted_as) {
+            let now_ns = clock.now_ns();
+            let wall_ns = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+            let answered = logged::Answered {
+                raw,
+                served: &versions.served[chosen],
+                outcome: &answer.last,
+                x: in_flight.reserved_rows().unwrap_or(&inputs.x),
+                scores: &answer.logits,
+                received_unix_ns: wall_ns.saturating_sub(now_ns.saturating_sub(read_at_ns) as i64),
+            };
+            logged::log_decision(log, replicas, &answered);
+            let c = &mut telemetry.counters;
+            (c.log_records, c.log_dropped_ring_full, c.log_dropped_too_large) =
+                (log.records, log.dropped_ring_full, log.dropped_too_large);
+        }
         in_flight.unreserve();
         handled
     }
@@ -397,6 +430,8 @@ impl<C: Clock> RequestPath<C> {
     /// every version is built here).
     pub fn set_shard(&mut self, shard: usize) {
         self.versions.inbox = self.versions.registry.take_inbox(shard);
+        // Made here, on the shard's thread: the producer is `!Send`.
+        self.log = self.log_rings.take().and_then(|rings| rings.shard(shard));
     }
 
     /// Trades configured clients' demand with the other shards so each

@@ -65,10 +65,35 @@ pub(super) struct Answer {
     /// Cached scores of the current request's candidates.
     pub(super) cached: Vec<f32>,
     pub(super) encoder: ResponseEncoder,
+    /// What the last response said, for the decision log.
+    pub(super) last: Outcome,
+}
+
+/// The fields of the last encoded response the decision log records
+/// (its scores are in `Answer::logits`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Outcome {
+    /// `Status.0`, `Tier.0`, `Reason.0`.
+    pub(super) status: u8,
+    pub(super) tier: u8,
+    pub(super) reason: u8,
+    pub(super) version: u32,
+    pub(super) server_us: u32,
+    pub(super) missing: u16,
+    pub(super) stale: bool,
+    /// Candidates answered, and the width of their assembled rows (0 when
+    /// none were assembled: shed, or a failure).
+    pub(super) rows: usize,
+    pub(super) row_dim: usize,
 }
 
 impl Answer {
     pub(super) fn new(rows_max: usize) -> Answer {
-        Answer { logits: vec![0.0; rows_max], cached: vec![0.0; rows_max], encoder: ResponseEncoder::new(rows_max) }
+        Answer {
+            logits: vec![0.0; rows_max],
+            cached: vec![0.0; rows_max],
+            encoder: ResponseEncoder::new(rows_max),
+            last: Outcome::default(),
+        }
     }
 }

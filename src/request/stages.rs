@@ -21,7 +21,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::policies::Policies;
-use super::scratch::{Answer, Inputs};
+use super::scratch::{Answer, Inputs, Outcome};
 use super::shadow::ShadowQueue;
 use super::versions::{Served, Versions};
 use super::{context_id_value, Handled, Replicas, StepDown, Telemetry};
@@ -75,7 +75,13 @@ pub(super) struct Admitted<'p> {
     pub(super) chosen: usize,
 }
 
-impl Admitted<'_> {
+impl<'p> Admitted<'p> {
+    /// The request as decoded (fields read lazily from the frame), for the
+    /// decision log.
+    pub(super) fn raw(&self) -> wire::fb::ScoreRequest<'p> {
+        self.request.raw
+    }
+
     /// Model input floats the request's rows take in `served`'s layout.
     pub(super) fn floats(&self, served: &Served) -> usize {
         self.request.candidates * served.layout.row_dim
@@ -832,6 +838,7 @@ pub(super) fn fail(
     let counters = &mut telemetry.counters;
     counters.requests += 1;
     counters.by_status[usize::from(status.0).min(7)] += 1;
+    answer.last = Outcome { status: status.0, ..Outcome::default() };
     answer.encoder.encode(&ResponseFields::failure(request_id, status, error), out);
     Handled::Answered
 }
@@ -860,6 +867,19 @@ pub(super) fn respond_ok(
     // Whether the feed has gone past its staleness bound; responses say so.
     let features_stale = feed.as_ref().is_some_and(|f| f.is_stale(now_ns));
     counters.stale_responses += u64::from(features_stale);
+    let server_us = u32::try_from(server_us).unwrap_or(u32::MAX);
+    let missing = u16::try_from(step.missing).unwrap_or(u16::MAX);
+    answer.last = Outcome {
+        status: Status::Ok.0,
+        tier: tier.0,
+        reason: reason.0,
+        version,
+        server_us,
+        missing,
+        stale: features_stale,
+        rows: step.rows,
+        row_dim: step.row_dim,
+    };
     answer.encoder.encode(
         &ResponseFields {
             request_id: step.request_id,
@@ -867,8 +887,8 @@ pub(super) fn respond_ok(
             scores: &answer.logits[..step.rows],
             tier,
             model_version: version,
-            server_us: u32::try_from(server_us).unwrap_or(u32::MAX),
-            features_missing: u16::try_from(step.missing).unwrap_or(u16::MAX),
+            server_us,
+            features_missing: missing,
             error: "",
             reason,
             features_stale,

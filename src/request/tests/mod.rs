@@ -53,6 +53,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         ladder: LadderConfig::default(),
         fallback: None,
         shards: 1,
+        decision_log: None,
     }
 }
 

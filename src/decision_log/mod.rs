@@ -1,0 +1,384 @@
+//! The decision log (`[log]`): a sample of decisions, each with what the
+//! kernel saw (the assembled input rows), the keys, the scores and how the
+//! decision was made (model version, tier, reason, status, times), written
+//! as Arrow IPC files a data team reads without Quiver (docs/OPERATING.md,
+//! "Decision logs").
+//!
+//! Named `decision_log` so it is never taken for the process's tracing log.
+//!
+//! Off the request path by construction: a shard decides per request
+//! whether to log it ([`Sampler`]: keyed by a group's key, so a sampled
+//! card has all its decisions logged, or by request id; always for the
+//! rules in `always`), encodes the record straight into its own bounded
+//! byte ring (`byte_ring.rs`, allocated at start-up) and goes on; a full ring
+//! drops the record and counts it. The writer thread (`writer.rs`, on the
+//! housekeeping cores) drains every ring and writes rotating segment files;
+//! its failures (a full disk, an unwritable directory) are counted and
+//! logged, and never reach a shard. `read.rs` reads segments back for
+//! `quiver log dump` and `quiver log inspect`.
+
+pub mod byte_ring;
+pub mod read;
+pub mod record;
+pub mod writer;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::{Deserialize, Serialize};
+
+use crate::features::replica::key_hash;
+
+pub use byte_ring::{Consumer, Producer, Refused, Ring, RING_BYTES_MAX, RING_BYTES_MIN};
+
+/// Smallest segment before it is closed by size.
+pub const SEGMENT_BYTES_MIN: u64 = 64 * 1024;
+/// Largest segment: the writer buffers at most a batch of it in memory,
+/// and a reader takes a whole file.
+pub const SEGMENT_BYTES_MAX: u64 = 16 << 30;
+/// Longest a segment stays open (and so the most a `kill -9` loses, in time).
+pub const SEGMENT_AGE_S_MAX: u64 = 24 * 3600;
+/// The sampling hash is reduced modulo this: rates are kept to a millionth.
+pub const SAMPLE_BUCKETS: u64 = 1_000_000;
+
+/// Decisions logged whatever the sample says.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Always {
+    /// Answered `Ok` by a rung below the primary (cached, fallback, default).
+    NonPrimary,
+    /// Answered with a status other than `Ok`, once the request was
+    /// decoded and its model chosen.
+    Errors,
+}
+
+/// `[log]`: which decisions are logged, where, and the sizes that bound it.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// Where segments are written; required when anything is logged.
+    pub dir: Option<PathBuf>,
+    /// Share of decisions logged, 0 to 1; 0 (the default) logs none but
+    /// those `always` names.
+    pub sample_rate: f64,
+    /// A request-scope group whose key decides the sample (sticky: a key's
+    /// decisions are all logged or none are); absent: the request id.
+    pub key_group: Option<String>,
+    /// Bytes of each shard's ring, allocated at start-up.
+    pub ring_bytes: usize,
+    /// A segment is closed once it holds this many bytes.
+    pub segment_bytes_max: u64,
+    /// A segment is closed once it is this old.
+    pub segment_age_s: u64,
+    /// The oldest segments are deleted while the closed ones hold more.
+    pub retention_bytes_max: u64,
+    /// Decisions logged whatever the sample says.
+    pub always: Vec<Always>,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            dir: None,
+            sample_rate: 0.0,
+            key_group: None,
+            ring_bytes: 16 << 20,
+            segment_bytes_max: 256 << 20,
+            segment_age_s: 300,
+            retention_bytes_max: 16 << 30,
+            always: Vec::new(),
+        }
+    }
+}
+
+impl LogConfig {
+    /// Whether any decision can be logged.
+    pub fn enabled(&self) -> bool {
+        self.sample_rate > 0.0 || !self.always.is_empty()
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.sample_rate) {
+            return Err(format!("log.sample_rate = {} is outside 0..=1", self.sample_rate));
+        }
+        if self.enabled() && self.dir.is_none() {
+            return Err("log.dir is required when log.sample_rate > 0 or log.always is set".into());
+        }
+        if !(RING_BYTES_MIN..=RING_BYTES_MAX).contains(&self.ring_bytes) {
+            return Err(format!("log.ring_bytes = {} is outside {RING_BYTES_MIN}..={RING_BYTES_MAX}", self.ring_bytes));
+        }
+        if !(SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&self.segment_bytes_max) {
+            return Err(format!(
+                "log.segment_bytes_max = {} is outside {SEGMENT_BYTES_MIN}..={SEGMENT_BYTES_MAX}",
+                self.segment_bytes_max
+            ));
+        }
+        if !(1..=SEGMENT_AGE_S_MAX).contains(&self.segment_age_s) {
+            return Err(format!("log.segment_age_s = {} is outside 1..={SEGMENT_AGE_S_MAX}", self.segment_age_s));
+        }
+        if self.retention_bytes_max < self.segment_bytes_max {
+            return Err(format!(
+                "log.retention_bytes_max = {} is below log.segment_bytes_max = {}: not one segment would be kept",
+                self.retention_bytes_max, self.segment_bytes_max
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Which decisions a shard logs: a pure function of the key (or request
+/// id) and the configured rate, so every shard and every restart samples
+/// the same keys.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    /// Buckets of [`SAMPLE_BUCKETS`] below which a hash is sampled.
+    below: u64,
+    pub key_group: Option<Box<str>>,
+    always_errors: bool,
+    always_non_primary: bool,
+}
+
+/// The key a sample is decided by.
+#[derive(Clone, Copy, Debug)]
+pub enum SampleKey<'a> {
+    Id(u64),
+    Str(&'a str),
+}
+
+impl Sampler {
+    pub fn new(config: &LogConfig) -> Sampler {
+        Sampler {
+            below: (config.sample_rate * SAMPLE_BUCKETS as f64).round() as u64,
+            key_group: config.key_group.as_deref().map(Into::into),
+            always_errors: config.always.contains(&Always::Errors),
+            always_non_primary: config.always.contains(&Always::NonPrimary),
+        }
+    }
+
+    /// Whether a decision keyed by `key` is in the sample.
+    pub fn sampled(&self, key: SampleKey<'_>) -> bool {
+        // The replicas' key hash (xxh3-64, seed 0): stable across
+        // processes and releases, so a key stays in or out of the sample.
+        let hash = match key {
+            SampleKey::Id(id) => key_hash(&id.to_le_bytes()),
+            SampleKey::Str(s) => key_hash(s.as_bytes()),
+        };
+        hash % SAMPLE_BUCKETS < self.below
+    }
+
+    /// Whether a decision is logged whatever the sample: an error
+    /// (`ok` false) or an answer from below the primary (`primary` false).
+    pub fn always(&self, ok: bool, primary: bool) -> bool {
+        (!ok && self.always_errors) || (ok && !primary && self.always_non_primary)
+    }
+
+    /// Whether no decision is ever sampled (only `always` ones are logged).
+    pub fn samples_none(&self) -> bool {
+        self.below == 0
+    }
+}
+
+/// A shard's side of the log: its ring's producer and what to log.
+/// `!Send` (through [`Producer`]): made and used on its shard.
+pub struct ShardLog {
+    producer: Producer,
+    pub sampler: Sampler,
+    /// Records put in the ring, and dropped before it (full; too large
+    /// for it), counted here and published with the shard's counters.
+    pub records: u64,
+    pub dropped_ring_full: u64,
+    pub dropped_too_large: u64,
+}
+
+impl ShardLog {
+    /// Encodes `decision` into the ring, or counts it dropped; never waits.
+    pub fn put(&mut self, decision: &record::DecisionRef<'_>) {
+        let len = decision.encoded_len();
+        match self.producer.push(len, |out| decision.encode(out)) {
+            Ok(()) => self.records += 1,
+            Err(Refused::Full) => self.dropped_ring_full += 1,
+            Err(Refused::TooLarge) => self.dropped_too_large += 1,
+        }
+    }
+}
+
+/// The rings of every shard and what each shard needs to log: shared by
+/// the shards (each takes its own producer once, on its thread) and the
+/// server, which hands the consumers to the writer.
+#[derive(Clone)]
+pub struct LogRings {
+    rings: Vec<Ring>,
+    sampler: Sampler,
+}
+
+impl std::fmt::Debug for LogRings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogRings").field("shards", &self.rings.len()).field("sampler", &self.sampler).finish()
+    }
+}
+
+impl LogRings {
+    /// Allocates one ring of `config.ring_bytes` per shard.
+    pub fn new(config: &LogConfig, shards: usize) -> LogRings {
+        LogRings { rings: (0..shards).map(|_| Ring::new(config.ring_bytes)).collect(), sampler: Sampler::new(config) }
+    }
+
+    /// Shard `shard`'s side, made on that shard's thread; `None` for a
+    /// shard without a ring or whose producer was taken.
+    pub fn shard(&self, shard: usize) -> Option<ShardLog> {
+        let producer = self.rings.get(shard)?.producer()?;
+        Some(ShardLog {
+            producer,
+            sampler: self.sampler.clone(),
+            records: 0,
+            dropped_ring_full: 0,
+            dropped_too_large: 0,
+        })
+    }
+
+    /// The popping ends, in shard order, for the writer.
+    pub fn consumers(&self) -> Vec<Consumer> {
+        self.rings.iter().map(Ring::consumer).collect()
+    }
+}
+
+/// What the writer did, for `/metrics`. Cross-thread: the writer thread
+/// stores, the admin endpoint loads; plain counters, relaxed.
+#[derive(Debug, Default)]
+pub struct LogStatus {
+    /// Decisions written into segments, and their rows (one per candidate).
+    pub decisions_written: AtomicU64,
+    pub rows_written: AtomicU64,
+    /// Segments closed and renamed into place, and their bytes.
+    pub segments_closed: AtomicU64,
+    pub bytes_closed: AtomicU64,
+    /// Failed creates, writes, syncs and renames (the disk, the directory).
+    pub write_errors: AtomicU64,
+    /// Decisions lost to those failures.
+    pub dropped_write_error: AtomicU64,
+    /// Decisions the writer could not read (never expected).
+    pub dropped_bad_record: AtomicU64,
+    /// Segments deleted by the retention limit.
+    pub segments_deleted: AtomicU64,
+}
+
+impl LogStatus {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Result<LogConfig, String> {
+        let c: LogConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.validate().map(|()| c)
+    }
+
+    #[test]
+    fn the_config_is_checked_with_clear_errors() {
+        assert_eq!(config("").unwrap(), LogConfig::default());
+        assert!(!LogConfig::default().enabled());
+        let c = config("dir = \"/tmp/x\"\nsample_rate = 0.1\nkey_group = \"card\"\nalways = [\"errors\"]\n").unwrap();
+        assert_eq!(
+            (c.sample_rate, c.key_group.as_deref(), c.always.as_slice()),
+            (0.1, Some("card"), &[Always::Errors][..])
+        );
+        for (text, want) in [
+            ("sample_rate = 1.5\ndir = \"d\"\n", "log.sample_rate = 1.5 is outside 0..=1"),
+            ("sample_rate = -0.1\ndir = \"d\"\n", "log.sample_rate = -0.1 is outside 0..=1"),
+            ("sample_rate = 0.5\n", "log.dir is required when log.sample_rate > 0 or log.always is set"),
+            ("always = [\"errors\"]\n", "log.dir is required when log.sample_rate > 0 or log.always is set"),
+            ("ring_bytes = 1024\n", "log.ring_bytes = 1024 is outside 65536..=1073741824"),
+            ("segment_bytes_max = 0\n", "log.segment_bytes_max = 0 is outside 65536..=17179869184"),
+            ("segment_age_s = 0\n", "log.segment_age_s = 0 is outside 1..=86400"),
+            (
+                "segment_bytes_max = 1048576\nretention_bytes_max = 65536\n",
+                "log.retention_bytes_max = 65536 is below log.segment_bytes_max = 1048576: not one segment would \
+                 be kept",
+            ),
+        ] {
+            assert_eq!(config(text).unwrap_err(), want, "{text}");
+        }
+        assert!(config("always = [\"shadows\"]\n").unwrap_err().contains("unknown variant"));
+        assert!(config("rate = 1\n").unwrap_err().contains("unknown field"));
+    }
+
+    #[test]
+    fn keyed_sampling_is_sticky_and_near_its_rate() {
+        let sampler = |rate| Sampler::new(&LogConfig { sample_rate: rate, ..LogConfig::default() });
+        for rate in [0.01, 0.1, 0.5] {
+            let s = sampler(rate);
+            let keys = 200_000u64;
+            let ids = (0..keys).filter(|&k| s.sampled(SampleKey::Id(k))).count() as f64;
+            let strs = (0..keys).filter(|&k| s.sampled(SampleKey::Str(&format!("card-{k}")))).count() as f64;
+            for got in [ids, strs] {
+                let want = rate * keys as f64;
+                assert!((got - want).abs() <= 0.1 * want, "rate {rate}: {got} of {keys} sampled");
+            }
+            // Sticky: the same key decides the same way every time, on any
+            // sampler built from the same config (another shard, a restart).
+            let again = sampler(rate);
+            for k in 0..10_000u64 {
+                assert_eq!(s.sampled(SampleKey::Id(k)), again.sampled(SampleKey::Id(k)));
+            }
+        }
+        assert!((0..100_000u64).all(|k| sampler(1.0).sampled(SampleKey::Id(k))));
+        assert!((0..100_000u64).all(|k| !sampler(0.0).sampled(SampleKey::Id(k))));
+    }
+
+    #[test]
+    fn the_always_rules() {
+        let s = Sampler::new(&LogConfig { always: vec![Always::NonPrimary], ..LogConfig::default() });
+        assert!(s.always(true, false));
+        assert!(!s.always(true, true));
+        assert!(!s.always(false, true));
+        let s = Sampler::new(&LogConfig { always: vec![Always::Errors], ..LogConfig::default() });
+        assert!(s.always(false, true));
+        assert!(!s.always(true, false));
+    }
+
+    #[test]
+    fn each_shard_takes_its_producer_once_and_drops_are_counted() {
+        let rings = LogRings::new(&LogConfig { ring_bytes: RING_BYTES_MIN, ..LogConfig::default() }, 2);
+        let mut log = rings.shard(0).unwrap();
+        assert!(rings.shard(0).is_none());
+        assert!(rings.shard(2).is_none());
+        let x = vec![0.5f32; 16 * 64];
+        let d = record::DecisionRef {
+            request_id: 1,
+            client_id: 0,
+            received_unix_ns: 0,
+            budget_us: 0,
+            server_us: 0,
+            model: "m",
+            model_version: 1,
+            status: 0,
+            tier: 0,
+            reason: 0,
+            features_missing: 0,
+            features_stale: false,
+            rows: 16,
+            row_dim: 64,
+            spans: &[],
+            keys: &[],
+            x: Some(&x),
+            scores: None,
+        };
+        for _ in 0..100 {
+            log.put(&d);
+        }
+        // 4 KiB records: 15 fit in a 64 KiB ring, the rest are dropped.
+        assert_eq!((log.records, log.dropped_ring_full), (15, 85));
+        let mut consumers = rings.consumers();
+        let back = consumers[0].pop(record::Decision::decode).unwrap().unwrap();
+        assert_eq!((back.request_id, back.rows, back.x.unwrap().len()), (1, 16, 1024));
+        log.put(&d);
+        assert_eq!(log.records, 16);
+        let big = vec![0.0f32; RING_BYTES_MIN / 4];
+        log.put(&record::DecisionRef { x: Some(&big), rows: 1, row_dim: big.len() as u32, ..d });
+        assert_eq!(log.dropped_too_large, 1);
+    }
+}

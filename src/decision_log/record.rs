@@ -1,0 +1,481 @@
+//! One logged decision as bytes: what the shard writes into its ring
+//! ([`DecisionRef::encode`], from borrowed parts, no allocation) and what
+//! the writer reads back ([`Decision::decode`], owned, typed errors).
+//!
+//! Little-endian, in this order: the format version, the fixed fields, the
+//! model's name, the spans of the input row (which group's floats start
+//! where: the feature columns' names), every group's keys, then the input
+//! rows and the scores, each present or not by a flag. The encoded length
+//! is computed first ([`DecisionRef::encoded_len`]) so the ring can reserve
+//! it.
+
+/// The layout written; a record of another version is refused.
+pub const RECORD_VERSION: u8 = 1;
+/// Spans of one input row: the groups a model reads, the context floats
+/// and the context ids.
+pub const SPANS_MAX: usize = crate::features::groups::GROUPS_MAX + 2;
+/// Key groups of one record: the request's groups, and `user`/`item`
+/// from its older fields.
+pub const KEY_GROUPS_MAX: usize = crate::wire::REQUEST_GROUPS_MAX + 2;
+/// Names are cut to this many bytes (group names are at most 64).
+const NAME_BYTES_MAX: usize = u8::MAX as usize;
+
+const FLAG_STALE: u8 = 1;
+const FLAG_X: u8 = 2;
+const FLAG_SCORES: u8 = 4;
+
+/// Fixed fields: version, id, client, time, budget, server time, model
+/// version, status, tier, reason, flags, missing, rows, row width.
+const FIXED_BYTES: usize = 1 + 8 + 4 + 8 + 4 + 4 + 4 + 1 + 1 + 1 + 1 + 2 + 4 + 4;
+
+/// Which part of the input row a span of floats holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span<'a> {
+    /// A feature group's name, `context` or `context_id`.
+    pub name: &'a str,
+    pub offset: u32,
+    pub dim: u32,
+}
+
+impl Span<'_> {
+    pub const EMPTY: Span<'static> = Span { name: "", offset: 0, dim: 0 };
+}
+
+/// One group's keys, as the request carried them.
+#[derive(Clone, Copy)]
+pub enum KeysRef<'a> {
+    None,
+    One(u64),
+    Ids(flatbuffers::Vector<'a, u64>),
+    Strs(flatbuffers::Vector<'a, flatbuffers::ForwardsUOffset<&'a str>>),
+}
+
+/// A decision's parts, borrowed from the shard's request path.
+pub struct DecisionRef<'a> {
+    pub request_id: u64,
+    pub client_id: u32,
+    pub received_unix_ns: i64,
+    pub budget_us: u32,
+    pub server_us: u32,
+    pub model: &'a str,
+    pub model_version: u32,
+    /// `Status.0`, `Tier.0`, `Reason.0`.
+    pub status: u8,
+    pub tier: u8,
+    pub reason: u8,
+    pub features_missing: u16,
+    pub features_stale: bool,
+    pub rows: u32,
+    pub row_dim: u32,
+    pub spans: &'a [Span<'a>],
+    pub keys: &'a [(&'a str, KeysRef<'a>)],
+    /// `rows × row_dim` floats, as the kernel saw them.
+    pub x: Option<&'a [f32]>,
+    /// `rows` scores, as answered.
+    pub scores: Option<&'a [f32]>,
+}
+
+fn name_len(s: &str) -> usize {
+    s.len().min(NAME_BYTES_MAX)
+}
+
+impl DecisionRef<'_> {
+    pub fn encoded_len(&self) -> usize {
+        let mut n = FIXED_BYTES + 2 + self.model.len().min(u16::MAX as usize);
+        n += 1 + self.spans.iter().map(|s| 1 + name_len(s.name) + 8).sum::<usize>();
+        n += 1;
+        for (name, keys) in self.keys {
+            n += 1 + name_len(name) + 1 + 4;
+            n += match keys {
+                KeysRef::None => 0,
+                KeysRef::One(_) => 8,
+                KeysRef::Ids(v) => 8 * v.len(),
+                KeysRef::Strs(v) => v.iter().map(|k| 2 + k.len().min(u16::MAX as usize)).sum(),
+            };
+        }
+        n += self.x.map_or(0, |x| 4 * x.len());
+        n += self.scores.map_or(0, |s| 4 * s.len());
+        n
+    }
+
+    /// Writes the record into `out`, which is exactly `encoded_len` bytes.
+    pub fn encode(&self, out: &mut [u8]) {
+        let mut w = Put { out, at: 0 };
+        w.u8(RECORD_VERSION);
+        w.u64(self.request_id);
+        w.u32(self.client_id);
+        w.u64(self.received_unix_ns as u64);
+        w.u32(self.budget_us);
+        w.u32(self.server_us);
+        w.u32(self.model_version);
+        w.u8(self.status);
+        w.u8(self.tier);
+        w.u8(self.reason);
+        let flags = u8::from(self.features_stale) * FLAG_STALE
+            | u8::from(self.x.is_some()) * FLAG_X
+            | u8::from(self.scores.is_some()) * FLAG_SCORES;
+        w.u8(flags);
+        w.u16(self.features_missing);
+        w.u32(self.rows);
+        w.u32(self.row_dim);
+        let model = &self.model.as_bytes()[..self.model.len().min(u16::MAX as usize)];
+        w.u16(model.len() as u16);
+        w.bytes(model);
+        w.u8(self.spans.len().min(SPANS_MAX) as u8);
+        for s in self.spans.iter().take(SPANS_MAX) {
+            w.name(s.name);
+            w.u32(s.offset);
+            w.u32(s.dim);
+        }
+        w.u8(self.keys.len().min(KEY_GROUPS_MAX) as u8);
+        for (name, keys) in self.keys.iter().take(KEY_GROUPS_MAX) {
+            w.name(name);
+            match keys {
+                KeysRef::None => {
+                    w.u8(0);
+                    w.u32(0);
+                }
+                KeysRef::One(id) => {
+                    w.u8(0);
+                    w.u32(1);
+                    w.u64(*id);
+                }
+                KeysRef::Ids(v) => {
+                    w.u8(0);
+                    w.u32(v.len() as u32);
+                    for id in v.iter() {
+                        w.u64(id);
+                    }
+                }
+                KeysRef::Strs(v) => {
+                    w.u8(1);
+                    w.u32(v.len() as u32);
+                    for k in v.iter() {
+                        let k = &k.as_bytes()[..k.len().min(u16::MAX as usize)];
+                        w.u16(k.len() as u16);
+                        w.bytes(k);
+                    }
+                }
+            }
+        }
+        for f in self.x.into_iter().flatten().chain(self.scores.into_iter().flatten()) {
+            w.u32(f.to_bits());
+        }
+        debug_assert_eq!(w.at, w.out.len(), "encoded_len and encode disagree");
+    }
+}
+
+/// A cursor over the ring's bytes for one record.
+struct Put<'b> {
+    out: &'b mut [u8],
+    at: usize,
+}
+
+impl Put<'_> {
+    fn bytes(&mut self, b: &[u8]) {
+        self.out[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at += b.len();
+    }
+    fn u8(&mut self, v: u8) {
+        self.bytes(&[v]);
+    }
+    fn u16(&mut self, v: u16) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn name(&mut self, s: &str) {
+        let b = &s.as_bytes()[..name_len(s)];
+        self.u8(b.len() as u8);
+        self.bytes(b);
+    }
+}
+
+/// A group's keys, owned.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Keys {
+    Ids(Vec<u64>),
+    Strs(Vec<String>),
+}
+
+/// A decoded decision, on the writer's side.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub request_id: u64,
+    pub client_id: u32,
+    pub received_unix_ns: i64,
+    pub budget_us: u32,
+    pub server_us: u32,
+    pub model: String,
+    pub model_version: u32,
+    pub status: u8,
+    pub tier: u8,
+    pub reason: u8,
+    pub features_missing: u16,
+    pub features_stale: bool,
+    pub rows: u32,
+    pub row_dim: u32,
+    /// (name, offset, dim) of each span of the input row.
+    pub spans: Vec<(String, u32, u32)>,
+    pub keys: Vec<(String, Keys)>,
+    pub x: Option<Vec<f32>>,
+    pub scores: Option<Vec<f32>>,
+}
+
+/// A record the writer cannot read (never written by this version's shards).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordError {
+    #[error("record ends at byte {at}, inside a field")]
+    Truncated { at: usize },
+    #[error("record format version {0}, this build reads {RECORD_VERSION}")]
+    Version(u8),
+    #[error("a name or key that is not UTF-8")]
+    Utf8,
+    #[error("{0} bytes after the record's last field")]
+    Trailing(usize),
+}
+
+struct Get<'b> {
+    b: &'b [u8],
+    at: usize,
+}
+
+impl<'b> Get<'b> {
+    fn take(&mut self, n: usize) -> Result<&'b [u8], RecordError> {
+        let end =
+            self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or(RecordError::Truncated { at: self.at })?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, RecordError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, RecordError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().unwrap_or_default()))
+    }
+    fn u32(&mut self) -> Result<u32, RecordError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap_or_default()))
+    }
+    fn u64(&mut self) -> Result<u64, RecordError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap_or_default()))
+    }
+    fn str(&mut self, n: usize) -> Result<String, RecordError> {
+        std::str::from_utf8(self.take(n)?).map(str::to_owned).map_err(|_| RecordError::Utf8)
+    }
+    fn floats(&mut self, n: usize) -> Result<Vec<f32>, RecordError> {
+        let bytes = self.take(n.checked_mul(4).ok_or(RecordError::Truncated { at: self.at })?)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+}
+
+impl Decision {
+    pub fn decode(b: &[u8]) -> Result<Decision, RecordError> {
+        let mut r = Get { b, at: 0 };
+        let version = r.u8()?;
+        if version != RECORD_VERSION {
+            return Err(RecordError::Version(version));
+        }
+        let request_id = r.u64()?;
+        let client_id = r.u32()?;
+        let received_unix_ns = r.u64()? as i64;
+        let budget_us = r.u32()?;
+        let server_us = r.u32()?;
+        let model_version = r.u32()?;
+        let (status, tier, reason, flags) = (r.u8()?, r.u8()?, r.u8()?, r.u8()?);
+        let features_missing = r.u16()?;
+        let rows = r.u32()?;
+        let row_dim = r.u32()?;
+        let n = r.u16()? as usize;
+        let model = r.str(n)?;
+        let mut spans = Vec::new();
+        for _ in 0..r.u8()? {
+            let n = r.u8()? as usize;
+            spans.push((r.str(n)?, r.u32()?, r.u32()?));
+        }
+        let mut keys = Vec::new();
+        for _ in 0..r.u8()? {
+            let n = r.u8()? as usize;
+            let name = r.str(n)?;
+            let kind = r.u8()?;
+            let count = r.u32()? as usize;
+            // Each key takes at least 2 bytes: a count past the record's
+            // end is refused before anything is reserved for it.
+            if count > b.len() / 2 {
+                return Err(RecordError::Truncated { at: r.at });
+            }
+            keys.push((
+                name,
+                if kind == 0 {
+                    Keys::Ids((0..count).map(|_| r.u64()).collect::<Result<_, _>>()?)
+                } else {
+                    Keys::Strs(
+                        (0..count)
+                            .map(|_| {
+                                let n = r.u16()? as usize;
+                                r.str(n)
+                            })
+                            .collect::<Result<_, _>>()?,
+                    )
+                },
+            ));
+        }
+        let x_len = (rows as usize).checked_mul(row_dim as usize).ok_or(RecordError::Truncated { at: r.at })?;
+        let x = if flags & FLAG_X != 0 { Some(r.floats(x_len)?) } else { None };
+        let scores = if flags & FLAG_SCORES != 0 { Some(r.floats(rows as usize)?) } else { None };
+        if r.at != b.len() {
+            return Err(RecordError::Trailing(b.len() - r.at));
+        }
+        Ok(Decision {
+            request_id,
+            client_id,
+            received_unix_ns,
+            budget_us,
+            server_us,
+            model,
+            model_version,
+            status,
+            tier,
+            reason,
+            features_missing,
+            features_stale: flags & FLAG_STALE != 0,
+            rows,
+            row_dim,
+            spans,
+            keys,
+            x,
+            scores,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request frame with a u64 group and a string group, for the
+    /// borrowed key kinds.
+    fn frame() -> Vec<u8> {
+        use crate::wire::{GroupKeySpec, RequestEncoder, RequestSpec};
+        let spec = RequestSpec {
+            request_id: 1,
+            model: String::new(),
+            budget_us: 0,
+            priority: 0,
+            client_id: 0,
+            user_id: 0,
+            item_ids: Vec::new(),
+            context: Vec::new(),
+            context_ids: Vec::new(),
+            groups: vec![
+                ("item".into(), GroupKeySpec::Ids(vec![7, u64::MAX, 0])),
+                ("card".into(), GroupKeySpec::Strs(vec!["card-1".into(), "ünïcode".into()])),
+            ],
+        };
+        let mut out = Vec::new();
+        RequestEncoder::new().encode(&spec, &mut out);
+        out.split_off(crate::wire::FRAME_PREFIX_BYTES)
+    }
+
+    #[test]
+    fn a_record_round_trips() {
+        let payload = frame();
+        let limits = crate::wire::RequestLimits { frame_bytes_max: 1 << 16, candidates_max: 64, context_len_max: 64 };
+        let request = crate::wire::decode_request(&payload, &limits).unwrap();
+        let groups = request.groups();
+        let ids = groups.get(0).ids().unwrap();
+        let strs = groups.get(1).keys().unwrap();
+        let x: Vec<f32> = (0..3 * 5).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let scores = [0.25f32, f32::MIN_POSITIVE, -0.0];
+        let spans = [Span { name: "user", offset: 0, dim: 2 }, Span { name: "context", offset: 2, dim: 3 }];
+        let keys = [("user", KeysRef::One(42)), ("item", KeysRef::Ids(ids)), ("card", KeysRef::Strs(strs))];
+        let d = DecisionRef {
+            request_id: u64::MAX - 1,
+            client_id: 9,
+            received_unix_ns: 1_764_900_000_123_456_789,
+            budget_us: 5000,
+            server_us: 321,
+            model: "ranker",
+            model_version: 3,
+            status: 0,
+            tier: 2,
+            reason: 1,
+            features_missing: 4,
+            features_stale: true,
+            rows: 3,
+            row_dim: 5,
+            spans: &spans,
+            keys: &keys,
+            x: Some(&x),
+            scores: Some(&scores),
+        };
+        let mut out = vec![0u8; d.encoded_len()];
+        d.encode(&mut out);
+        let back = Decision::decode(&out).unwrap();
+        assert_eq!(back.request_id, u64::MAX - 1);
+        assert_eq!(
+            (back.client_id, back.received_unix_ns, back.budget_us, back.server_us),
+            (9, d.received_unix_ns, 5000, 321)
+        );
+        assert_eq!((back.model.as_str(), back.model_version), ("ranker", 3));
+        assert_eq!(
+            (back.status, back.tier, back.reason, back.features_missing, back.features_stale),
+            (0, 2, 1, 4, true)
+        );
+        assert_eq!(back.spans, vec![("user".into(), 0, 2), ("context".into(), 2, 3)]);
+        assert_eq!(
+            back.keys,
+            vec![
+                ("user".into(), Keys::Ids(vec![42])),
+                ("item".into(), Keys::Ids(vec![7, u64::MAX, 0])),
+                ("card".into(), Keys::Strs(vec!["card-1".into(), "ünïcode".into()])),
+            ]
+        );
+        assert_eq!(back.x.as_deref(), Some(&x[..]));
+        let bits = |s: &[f32]| s.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(back.scores.as_deref().unwrap()), bits(&scores));
+
+        // Every cut of it is refused with a typed error, never a panic.
+        for cut in 0..out.len() {
+            assert!(Decision::decode(&out[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut longer = out.clone();
+        longer.push(0);
+        assert_eq!(Decision::decode(&longer), Err(RecordError::Trailing(1)));
+        out[0] = 2;
+        assert_eq!(Decision::decode(&out), Err(RecordError::Version(2)));
+    }
+
+    #[test]
+    fn a_failure_without_rows_or_scores_round_trips() {
+        let d = DecisionRef {
+            request_id: 1,
+            client_id: 0,
+            received_unix_ns: 0,
+            budget_us: 0,
+            server_us: 0,
+            model: "",
+            model_version: 0,
+            status: 4,
+            tier: 0,
+            reason: 0,
+            features_missing: 0,
+            features_stale: false,
+            rows: 0,
+            row_dim: 7,
+            spans: &[],
+            keys: &[("user", KeysRef::None)],
+            x: None,
+            scores: None,
+        };
+        let mut out = vec![0u8; d.encoded_len()];
+        d.encode(&mut out);
+        let back = Decision::decode(&out).unwrap();
+        assert_eq!((back.status, back.x, back.scores), (4, None, None));
+        assert_eq!(back.keys, vec![("user".into(), Keys::Ids(vec![]))]);
+    }
+}

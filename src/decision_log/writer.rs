@@ -1,0 +1,812 @@
+//! The decision-log writer: one thread on the housekeeping cores that
+//! drains every shard's ring and writes segment files in the Arrow IPC
+//! file format, one row per candidate.
+//!
+//! A segment belongs to one shard and one layout (the input row's spans and
+//! the key groups: the schema's columns); it is written as
+//! `decisions-<UTC time>-shard<N>-<seq>.arrow.tmp`, in LZ4-compressed
+//! batches of at most [`BATCH_ROWS_MAX`] rows, and closed once it holds
+//! `segment_bytes_max` bytes, is `segment_age_s` old, sees another layout
+//! or the server stops: the footer is written, the file fsynced, renamed
+//! without `.tmp` and the directory fsynced. A reader never sees a torn
+//! segment, and a `kill -9` loses the open ones (at most `segment_age_s`
+//! of each shard's decisions) as `.tmp` files, which the next start
+//! deletes. After each close the oldest segments are deleted while the
+//! closed ones hold more than `retention_bytes_max`.
+//!
+//! A failing disk or directory costs the open segment's decisions, counted
+//! in [`LogStatus`] and logged at most every [`WARN_EVERY_S`]; the writer
+//! then waits [`RETRY_AFTER_MS`] (dropping, counted, what arrives) before
+//! it opens another. The shards never see it.
+
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use arrow_array::builder::{
+    BooleanBuilder, Float32Builder, StringBuilder, TimestampNanosecondBuilder, UInt16Builder, UInt32Builder,
+    UInt64Builder,
+};
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_ipc::writer::{FileWriter, IpcWriteOptions};
+use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef, TimeUnit};
+
+use super::record::{Decision, Keys};
+use super::{Consumer, LogConfig, LogStatus};
+use crate::wire::{self, Reason, Status, Tier};
+
+/// Rows buffered before a batch is written to the open segment.
+pub const BATCH_ROWS_MAX: usize = 8192;
+/// Records taken from one ring before the writer turns to the next.
+const DRAIN_RECORDS_MAX: usize = 4096;
+/// How long the writer sleeps when every ring was empty.
+const IDLE_SLEEP_MS: u64 = 5;
+/// After a failure, how long before the writer opens another segment.
+pub const RETRY_AFTER_MS: u64 = 1000;
+/// At most one warning per this many seconds for write failures.
+pub const WARN_EVERY_S: u64 = 10;
+/// Segment file names: `<PREFIX><time>-shard<N>-<seq><SUFFIX>`.
+pub const PREFIX: &str = "decisions-";
+pub const SUFFIX: &str = ".arrow";
+const TMP_SUFFIX: &str = ".arrow.tmp";
+
+/// The writer thread; stopping it drains the rings and closes every open
+/// segment.
+pub struct Writer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Writer {
+    /// Starts the thread over `consumers` (shard order). Fails only when
+    /// the thread cannot be started; an unusable directory is the writer's
+    /// to report while it runs.
+    pub fn start(config: &LogConfig, consumers: Vec<Consumer>, status: Arc<LogStatus>) -> io::Result<Writer> {
+        let dir = config.dir.clone().unwrap_or_default();
+        let limits = Limits {
+            segment_bytes_max: config.segment_bytes_max,
+            segment_age: Duration::from_secs(config.segment_age_s),
+            retention_bytes_max: config.retention_bytes_max,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new().name("quiver-declog".into()).spawn(move || {
+                let mut w = Work {
+                    dir,
+                    limits,
+                    status,
+                    last_warn: None,
+                    warnings_held: 0,
+                    seq: 0,
+                    shards: consumers
+                        .into_iter()
+                        .enumerate()
+                        .map(|(shard, consumer)| ShardOut { shard, consumer, open: None, blocked_until: None })
+                        .collect(),
+                };
+                w.prepare();
+                w.run(&stop);
+            })?
+        };
+        Ok(Writer { stop, thread: Some(thread) })
+    }
+
+    /// Drains what the shards left in the rings, closes the open segments
+    /// and joins the thread. Call after the shards stopped (dropping the
+    /// writer does the same).
+    pub fn stop(self) {}
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Limits {
+    segment_bytes_max: u64,
+    segment_age: Duration,
+    retention_bytes_max: u64,
+}
+
+struct Work {
+    dir: PathBuf,
+    limits: Limits,
+    status: Arc<LogStatus>,
+    last_warn: Option<Instant>,
+    warnings_held: u64,
+    /// Segments opened by this writer, for unique names.
+    seq: u64,
+    shards: Vec<ShardOut>,
+}
+
+/// One shard's ring and open segment.
+struct ShardOut {
+    shard: usize,
+    consumer: Consumer,
+    open: Option<Segment>,
+    /// Set after a failure: decisions arriving before it are dropped.
+    blocked_until: Option<Instant>,
+}
+
+/// What a segment's columns are made of: a decision of another layout
+/// closes it.
+#[derive(Clone, Debug, PartialEq)]
+struct Layout {
+    row_dim: u32,
+    spans: Vec<(String, u32, u32)>,
+    /// Group name, and whether its keys are strings.
+    keys: Vec<(String, bool)>,
+}
+
+impl Layout {
+    fn of(d: &Decision) -> Layout {
+        Layout {
+            row_dim: d.row_dim,
+            spans: d.spans.clone(),
+            keys: d.keys.iter().map(|(name, k)| (name.clone(), matches!(k, Keys::Strs(_)))).collect(),
+        }
+    }
+
+    /// The feature columns' names: `<span>[i]` for each float of a span,
+    /// `x[i]` for one no span names.
+    fn feature_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = (0..self.row_dim).map(|i| format!("x[{i}]")).collect();
+        for (name, offset, dim) in &self.spans {
+            for i in 0..*dim {
+                if let Some(slot) = names.get_mut((offset + i) as usize) {
+                    *slot = format!("{name}[{i}]");
+                }
+            }
+        }
+        names
+    }
+
+    fn schema(&self) -> SchemaRef {
+        let mut fields = vec![
+            Field::new("request_id", DataType::UInt64, false),
+            Field::new("client_id", DataType::UInt32, false),
+            Field::new("received", DataType::Timestamp(TimeUnit::Nanosecond, Some("UTC".into())), false),
+            Field::new("model", DataType::Utf8, false),
+            Field::new("model_version", DataType::UInt32, false),
+            Field::new("status", DataType::Utf8, false),
+            Field::new("tier", DataType::Utf8, true),
+            Field::new("reason", DataType::Utf8, true),
+            Field::new("budget_us", DataType::UInt32, false),
+            Field::new("server_us", DataType::UInt32, false),
+            Field::new("features_missing", DataType::UInt16, false),
+            Field::new("features_stale", DataType::Boolean, false),
+            Field::new("candidate", DataType::UInt32, true),
+            Field::new("score", DataType::Float32, true),
+        ];
+        for (name, strs) in &self.keys {
+            let t = if *strs { DataType::Utf8 } else { DataType::UInt64 };
+            fields.push(Field::new(format!("{name}_key"), t, true));
+        }
+        for name in self.feature_names() {
+            fields.push(Field::new(name, DataType::Float32, true));
+        }
+        Arc::new(Schema::new(fields))
+    }
+}
+
+enum KeyColumn {
+    Ids(UInt64Builder),
+    Strs(StringBuilder),
+}
+
+/// The rows of a segment not yet written, column by column.
+struct Batch {
+    rows: usize,
+    request_id: UInt64Builder,
+    client_id: UInt32Builder,
+    received: TimestampNanosecondBuilder,
+    model: StringBuilder,
+    model_version: UInt32Builder,
+    status: StringBuilder,
+    tier: StringBuilder,
+    reason: StringBuilder,
+    budget_us: UInt32Builder,
+    server_us: UInt32Builder,
+    features_missing: UInt16Builder,
+    features_stale: BooleanBuilder,
+    candidate: UInt32Builder,
+    score: Float32Builder,
+    keys: Vec<KeyColumn>,
+    features: Vec<Float32Builder>,
+}
+
+impl Batch {
+    fn new(layout: &Layout) -> Batch {
+        Batch {
+            rows: 0,
+            request_id: UInt64Builder::new(),
+            client_id: UInt32Builder::new(),
+            received: TimestampNanosecondBuilder::new(),
+            model: StringBuilder::new(),
+            model_version: UInt32Builder::new(),
+            status: StringBuilder::new(),
+            tier: StringBuilder::new(),
+            reason: StringBuilder::new(),
+            budget_us: UInt32Builder::new(),
+            server_us: UInt32Builder::new(),
+            features_missing: UInt16Builder::new(),
+            features_stale: BooleanBuilder::new(),
+            candidate: UInt32Builder::new(),
+            score: Float32Builder::new(),
+            keys: layout
+                .keys
+                .iter()
+                .map(
+                    |(_, strs)| {
+                        if *strs {
+                            KeyColumn::Strs(StringBuilder::new())
+                        } else {
+                            KeyColumn::Ids(UInt64Builder::new())
+                        }
+                    },
+                )
+                .collect(),
+            features: (0..layout.row_dim).map(|_| Float32Builder::new()).collect(),
+        }
+    }
+
+    /// One row per candidate (one, without candidate or score, for a
+    /// decision that has none: a failure).
+    fn push(&mut self, d: &Decision) {
+        let ok = d.status == Status::Ok.0;
+        let status = wire::status_name(Status(d.status));
+        let tier = ok.then(|| wire::tier_name(Tier(d.tier)));
+        let reason = ok.then(|| wire::reason_name(Reason(d.reason)));
+        let rows = (d.rows as usize).max(1);
+        let row_dim = d.row_dim as usize;
+        for i in 0..rows {
+            self.request_id.append_value(d.request_id);
+            self.client_id.append_value(d.client_id);
+            self.received.append_value(d.received_unix_ns);
+            self.model.append_value(&d.model);
+            self.model_version.append_value(d.model_version);
+            self.status.append_value(status);
+            self.tier.append_option(tier);
+            self.reason.append_option(reason);
+            self.budget_us.append_value(d.budget_us);
+            self.server_us.append_value(d.server_us);
+            self.features_missing.append_value(d.features_missing);
+            self.features_stale.append_value(d.features_stale);
+            let candidate = (i < d.rows as usize).then_some(i as u32);
+            self.candidate.append_option(candidate);
+            self.score.append_option(d.scores.as_ref().and_then(|s| s.get(i)).copied());
+            for (column, (_, keys)) in self.keys.iter_mut().zip(&d.keys) {
+                // One key (a request-scope group) on every row; else the
+                // candidate's own.
+                let at = |len: usize| if len == 1 { Some(0) } else { (i < len).then_some(i) };
+                match (column, keys) {
+                    (KeyColumn::Ids(b), Keys::Ids(v)) => b.append_option(at(v.len()).map(|j| v[j])),
+                    (KeyColumn::Strs(b), Keys::Strs(v)) => b.append_option(at(v.len()).map(|j| v[j].as_str())),
+                    (KeyColumn::Ids(b), Keys::Strs(_)) => b.append_null(),
+                    (KeyColumn::Strs(b), Keys::Ids(_)) => b.append_null(),
+                }
+            }
+            let row = d.x.as_ref().filter(|_| candidate.is_some()).and_then(|x| x.get(i * row_dim..(i + 1) * row_dim));
+            for (j, column) in self.features.iter_mut().enumerate() {
+                column.append_option(row.map(|r| r[j]));
+            }
+        }
+        self.rows += rows;
+    }
+
+    fn finish(&mut self, schema: SchemaRef) -> Result<RecordBatch, ArrowError> {
+        let mut columns: Vec<ArrayRef> = vec![
+            Arc::new(self.request_id.finish()),
+            Arc::new(self.client_id.finish()),
+            Arc::new(self.received.finish().with_timezone("UTC")),
+            Arc::new(self.model.finish()),
+            Arc::new(self.model_version.finish()),
+            Arc::new(self.status.finish()),
+            Arc::new(self.tier.finish()),
+            Arc::new(self.reason.finish()),
+            Arc::new(self.budget_us.finish()),
+            Arc::new(self.server_us.finish()),
+            Arc::new(self.features_missing.finish()),
+            Arc::new(self.features_stale.finish()),
+            Arc::new(self.candidate.finish()),
+            Arc::new(self.score.finish()),
+        ];
+        for k in &mut self.keys {
+            columns.push(match k {
+                KeyColumn::Ids(b) => Arc::new(b.finish()),
+                KeyColumn::Strs(b) => Arc::new(b.finish()),
+            });
+        }
+        for f in &mut self.features {
+            columns.push(Arc::new(f.finish()));
+        }
+        self.rows = 0;
+        RecordBatch::try_new(schema, columns)
+    }
+}
+
+/// A file writer that counts what it was given: the segment's size.
+struct Counted {
+    file: BufWriter<File>,
+    bytes: u64,
+}
+
+impl Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
+/// An open segment.
+struct Segment {
+    layout: Layout,
+    schema: SchemaRef,
+    writer: FileWriter<Counted>,
+    batch: Batch,
+    tmp: PathBuf,
+    path: PathBuf,
+    opened: Instant,
+    /// Bytes of one row before compression, roughly.
+    row_bytes: u64,
+    /// Decisions and rows taken into it, written or still in `batch`.
+    decisions: u64,
+    rows: u64,
+}
+
+fn io_error(e: ArrowError) -> io::Error {
+    match e {
+        ArrowError::IoError(_, e) => e,
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+/// `YYYYmmddTHHMMSS.mmmZ` of a time since the epoch (UTC, proleptic
+/// Gregorian: Howard Hinnant's `civil_from_days`).
+pub fn utc_stamp(since_epoch: Duration) -> String {
+    let secs = since_epoch.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}T{:02}{:02}{:02}.{:03}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        since_epoch.subsec_millis()
+    )
+}
+
+impl Work {
+    /// Makes the directory and deletes the `.tmp` segments a killed
+    /// process left (torn: never readable).
+    fn prepare(&mut self) {
+        if let Err(e) = std::fs::create_dir_all(&self.dir) {
+            self.failed("creating the decision-log directory", &e, 0);
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(PREFIX) && name.ends_with(TMP_SUFFIX) && std::fs::remove_file(entry.path()).is_ok() {
+                tracing::info!(file = %name, "deleted a decision-log segment left open by a stopped process");
+            }
+        }
+    }
+
+    fn run(&mut self, stop: &AtomicBool) {
+        loop {
+            // Read before draining: once set, the shards have stopped and
+            // a pass that finds the rings empty is the last.
+            let stopping = stop.load(Ordering::Acquire);
+            let mut took = 0;
+            for at in 0..self.shards.len() {
+                for _ in 0..DRAIN_RECORDS_MAX {
+                    let Some(decoded) = self.shards[at].consumer.pop(Decision::decode) else { break };
+                    took += 1;
+                    match decoded {
+                        Ok(d) => self.take(at, d),
+                        Err(e) => {
+                            LogStatus::add(&self.status.dropped_bad_record, 1);
+                            tracing::warn!(error = %e, "unreadable decision-log record dropped");
+                        }
+                    }
+                }
+                self.tick(at);
+            }
+            if took == 0 {
+                if stopping {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(IDLE_SLEEP_MS));
+            }
+        }
+        for at in 0..self.shards.len() {
+            self.close(at);
+        }
+    }
+
+    fn take(&mut self, at: usize, d: Decision) {
+        let now = Instant::now();
+        if let Some(until) = self.shards[at].blocked_until {
+            if now < until {
+                LogStatus::add(&self.status.dropped_write_error, 1);
+                return;
+            }
+            self.shards[at].blocked_until = None;
+        }
+        let layout = Layout::of(&d);
+        if self.shards[at].open.as_ref().is_some_and(|s| s.layout != layout) {
+            self.close(at);
+        }
+        if self.shards[at].open.is_none() {
+            match self.open(self.shards[at].shard, layout) {
+                Ok(s) => self.shards[at].open = Some(s),
+                Err(e) => {
+                    self.failed("opening a decision-log segment", &e, 1);
+                    self.shards[at].blocked_until = Some(now + Duration::from_millis(RETRY_AFTER_MS));
+                    return;
+                }
+            }
+        }
+        let Some(s) = self.shards[at].open.as_mut() else { return };
+        s.batch.push(&d);
+        s.decisions += 1;
+        s.rows += u64::from(d.rows.max(1));
+        // Batches of a quarter segment at most, so a segment closes near
+        // its size.
+        let batch_rows_max = (self.limits.segment_bytes_max / 4 / s.row_bytes).clamp(1, BATCH_ROWS_MAX as u64);
+        if s.batch.rows as u64 >= batch_rows_max {
+            if let Err(e) = write_batch(s) {
+                self.abandon(at, "writing a decision-log segment", &e);
+            }
+        }
+    }
+
+    /// Closes the shard's segment when it is big or old enough.
+    fn tick(&mut self, at: usize) {
+        let Some(s) = &self.shards[at].open else { return };
+        if s.writer.get_ref().bytes >= self.limits.segment_bytes_max || s.opened.elapsed() >= self.limits.segment_age {
+            self.close(at);
+        }
+    }
+
+    fn open(&mut self, shard: usize, layout: Layout) -> io::Result<Segment> {
+        let stamp = utc_stamp(SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default());
+        self.seq += 1;
+        let name = format!("{PREFIX}{stamp}-shard{shard:03}-{:06}", self.seq);
+        let path = self.dir.join(format!("{name}{SUFFIX}"));
+        let tmp = self.dir.join(format!("{name}{TMP_SUFFIX}"));
+        std::fs::create_dir_all(&self.dir)?;
+        let file = File::create(&tmp)?;
+        let schema = layout.schema();
+        let options = IpcWriteOptions::default()
+            .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))
+            .map_err(io_error)?;
+        let counted = Counted { file: BufWriter::with_capacity(1 << 20, file), bytes: 0 };
+        let writer = match FileWriter::try_new_with_options(counted, &schema, options) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io_error(e));
+            }
+        };
+        let batch = Batch::new(&layout);
+        let row_bytes = 64 + 4 * u64::from(layout.row_dim) + 16 * layout.keys.len() as u64;
+        Ok(Segment {
+            layout,
+            schema,
+            writer,
+            batch,
+            tmp,
+            path,
+            opened: Instant::now(),
+            row_bytes,
+            decisions: 0,
+            rows: 0,
+        })
+    }
+
+    /// Writes, syncs and renames the shard's open segment into place.
+    fn close(&mut self, at: usize) {
+        let Some(mut s) = self.shards[at].open.take() else { return };
+        match finish(&mut s) {
+            Ok(bytes) => {
+                let st = &self.status;
+                LogStatus::add(&st.segments_closed, 1);
+                LogStatus::add(&st.bytes_closed, bytes);
+                LogStatus::add(&st.decisions_written, s.decisions);
+                LogStatus::add(&st.rows_written, s.rows);
+                self.retain();
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&s.tmp);
+                self.failed("closing a decision-log segment", &e, s.decisions);
+                self.shards[at].blocked_until = Some(Instant::now() + Duration::from_millis(RETRY_AFTER_MS));
+            }
+        }
+    }
+
+    /// Drops the shard's open segment after a failed write.
+    fn abandon(&mut self, at: usize, what: &str, e: &io::Error) {
+        if let Some(s) = self.shards[at].open.take() {
+            let _ = std::fs::remove_file(&s.tmp);
+            self.failed(what, e, s.decisions);
+        }
+        self.shards[at].blocked_until = Some(Instant::now() + Duration::from_millis(RETRY_AFTER_MS));
+    }
+
+    /// Counts a failure and the decisions it lost; warns at most every
+    /// `WARN_EVERY_S`.
+    fn failed(&mut self, what: &str, e: &io::Error, lost: u64) {
+        LogStatus::add(&self.status.write_errors, 1);
+        LogStatus::add(&self.status.dropped_write_error, lost);
+        let due = self.last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(WARN_EVERY_S));
+        if due {
+            tracing::warn!(
+                dir = %self.dir.display(),
+                error = %e,
+                held = self.warnings_held,
+                "{what} failed: decisions are dropped (quiver_log_dropped_total{{reason=\"write_error\"}}); serving \
+                 goes on"
+            );
+            self.last_warn = Some(Instant::now());
+            self.warnings_held = 0;
+        } else {
+            self.warnings_held += 1;
+        }
+    }
+
+    /// Deletes the oldest closed segments while they hold more than the
+    /// retention limit (names sort by time), all but the newest.
+    fn retain(&mut self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return };
+        let mut segments: Vec<(String, u64)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let closed = name.starts_with(PREFIX) && name.ends_with(SUFFIX);
+                closed.then(|| (name, e.metadata().map_or(0, |m| m.len())))
+            })
+            .collect();
+        segments.sort();
+        let mut total: u64 = segments.iter().map(|(_, n)| n).sum();
+        // Never the newest: a segment larger than the limit (a last batch
+        // past `segment_bytes_max`) is kept until the next one closes.
+        segments.pop();
+        for (name, bytes) in segments {
+            if total <= self.limits.retention_bytes_max {
+                break;
+            }
+            match std::fs::remove_file(self.dir.join(&name)) {
+                Ok(()) => {
+                    total -= bytes;
+                    LogStatus::add(&self.status.segments_deleted, 1);
+                }
+                Err(e) => {
+                    self.failed("deleting an old decision-log segment", &e, 0);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn write_batch(s: &mut Segment) -> io::Result<()> {
+    if s.batch.rows == 0 {
+        return Ok(());
+    }
+    let batch = s.batch.finish(s.schema.clone()).map_err(io_error)?;
+    s.writer.write(&batch).map_err(io_error)
+}
+
+/// Writes the last batch and the footer, fsyncs, renames into place and
+/// fsyncs the directory; returns the segment's bytes.
+fn finish(s: &mut Segment) -> io::Result<u64> {
+    write_batch(s)?;
+    s.writer.finish().map_err(io_error)?;
+    let bytes = s.writer.get_ref().bytes;
+    // The buffered tail first, then the data and the metadata.
+    let counted = s.writer.get_mut();
+    counted.file.flush()?;
+    counted.file.get_ref().sync_all()?;
+    std::fs::rename(&s.tmp, &s.path)?;
+    sync_dir(s.path.parent().unwrap_or(Path::new(".")))?;
+    Ok(bytes)
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision_log::record::{DecisionRef, KeysRef, Span};
+    use crate::decision_log::{LogRings, RING_BYTES_MIN, SEGMENT_BYTES_MIN};
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("quiver-declog-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn config(dir: &Path, retention_bytes_max: u64) -> LogConfig {
+        LogConfig {
+            dir: Some(dir.to_path_buf()),
+            sample_rate: 1.0,
+            ring_bytes: RING_BYTES_MIN,
+            segment_bytes_max: SEGMENT_BYTES_MIN,
+            segment_age_s: 3600,
+            retention_bytes_max,
+            ..LogConfig::default()
+        }
+    }
+
+    const ROWS: usize = 8;
+    const ROW_DIM: usize = 6;
+
+    /// Puts decisions `ids` through shard 0's ring, waiting for room (the
+    /// test's producer may wait; a shard never does).
+    fn put_all(rings: &LogRings, ids: std::ops::Range<u64>) {
+        let mut log = rings.shard(0).unwrap();
+        let spans = [Span { name: "user", offset: 0, dim: 2 }, Span { name: "item", offset: 2, dim: 4 }];
+        for id in ids {
+            let x: Vec<f32> = (0..ROWS * ROW_DIM).map(|i| (id as f32) * 0.001 + i as f32).collect();
+            let scores: Vec<f32> = (0..ROWS).map(|i| 1.0 / (1.0 + id as f32 + i as f32)).collect();
+            let keys = [("user", KeysRef::One(id * 3))];
+            let d = DecisionRef {
+                request_id: id,
+                client_id: 7,
+                received_unix_ns: 1_000_000_000 + id as i64,
+                budget_us: 5000,
+                server_us: 100,
+                model: "demo",
+                model_version: 1,
+                status: 0,
+                tier: 0,
+                reason: 0,
+                features_missing: 0,
+                features_stale: false,
+                rows: ROWS as u32,
+                row_dim: ROW_DIM as u32,
+                spans: &spans,
+                keys: &keys,
+                x: Some(&x),
+                scores: Some(&scores),
+            };
+            let before = log.records;
+            while log.records == before {
+                log.put(&d);
+                if log.records == before {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+
+    fn segments(dir: &Path) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn decisions_come_back_whole_from_rotated_segments() {
+        let dir = scratch("whole");
+        let c = config(&dir, 1 << 40);
+        let rings = LogRings::new(&c, 1);
+        let status = Arc::new(LogStatus::default());
+        let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+        let n = 3000u64;
+        put_all(&rings, 0..n);
+        writer.stop();
+        let files = segments(&dir);
+        assert!(files.len() >= 2, "rotated by size: {files:?}");
+        assert!(files.iter().all(|f| f.to_string_lossy().ends_with(SUFFIX)), "no .tmp left: {files:?}");
+        assert_eq!(status.decisions_written.load(Ordering::Relaxed), n);
+        assert_eq!(status.rows_written.load(Ordering::Relaxed), n * ROWS as u64);
+        assert_eq!(status.segments_closed.load(Ordering::Relaxed), files.len() as u64);
+        let mut seen = 0u64;
+        for f in &files {
+            let summary = crate::decision_log::read::inspect(f).unwrap();
+            let names: Vec<&str> = summary.columns.iter().map(|(n, _)| n.as_str()).collect();
+            assert!(names.ends_with(&["user_key", "user[0]", "user[1]", "item[0]", "item[1]", "item[2]", "item[3]"]));
+            let mut out = Vec::new();
+            let rows = crate::decision_log::read::dump_json(f, &mut out).unwrap();
+            assert_eq!(rows, summary.rows);
+            for line in String::from_utf8(out).unwrap().lines() {
+                let v: serde_json::Value = serde_json::from_str(line).unwrap();
+                let id = v["request_id"].as_u64().unwrap();
+                let i = v["candidate"].as_u64().unwrap() as usize;
+                assert_eq!(i as u64, seen % ROWS as u64, "rows in order");
+                assert_eq!(id, seen / ROWS as u64, "decisions in order");
+                assert_eq!(v["score"].as_f64().unwrap() as f32, 1.0 / (1.0 + id as f32 + i as f32));
+                assert_eq!(v["item[3]"].as_f64().unwrap() as f32, (id as f32) * 0.001 + (i * ROW_DIM + 5) as f32);
+                assert_eq!(v["user_key"].as_u64(), Some(id * 3));
+                assert_eq!((v["tier"].as_str(), v["status"].as_str()), (Some("primary"), Some("ok")));
+                assert_eq!(v["received"].as_i64(), Some(1_000_000_000 + id as i64));
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, n * ROWS as u64);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn retention_deletes_the_oldest_segments() {
+        let dir = scratch("retention");
+        let c = config(&dir, 2 * SEGMENT_BYTES_MIN);
+        let rings = LogRings::new(&c, 1);
+        let status = Arc::new(LogStatus::default());
+        let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+        put_all(&rings, 0..6000);
+        writer.stop();
+        let closed = status.segments_closed.load(Ordering::Relaxed);
+        let deleted = status.segments_deleted.load(Ordering::Relaxed);
+        let files = segments(&dir);
+        assert!(deleted > 0 && closed == deleted + files.len() as u64, "{closed} closed, {deleted} deleted, {files:?}");
+        let sizes: Vec<u64> = files.iter().map(|f| f.metadata().unwrap().len()).collect();
+        let newest = *sizes.last().unwrap();
+        assert!(sizes.iter().sum::<u64>() <= 2 * SEGMENT_BYTES_MIN + newest, "{sizes:?}");
+        // The newest decisions are the ones kept.
+        let mut out = Vec::new();
+        crate::decision_log::read::dump_json(files.last().unwrap(), &mut out).unwrap();
+        let last = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .last()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+        assert_eq!(last.unwrap()["request_id"].as_u64(), Some(5999));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_unwritable_directory_is_counted_and_never_blocks_the_ring() {
+        let base = scratch("unwritable");
+        std::fs::create_dir_all(&base).unwrap();
+        // A directory under a regular file cannot be made, even by root.
+        let file = base.join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        let c = config(&file.join("log"), 1 << 40);
+        let rings = LogRings::new(&c, 1);
+        let status = Arc::new(LogStatus::default());
+        let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+        put_all(&rings, 0..2000);
+        writer.stop();
+        assert!(status.write_errors.load(Ordering::Relaxed) >= 1);
+        assert_eq!(status.dropped_write_error.load(Ordering::Relaxed), 2000);
+        assert_eq!(status.decisions_written.load(Ordering::Relaxed), 0);
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn stamps_are_utc_calendar_times() {
+        assert_eq!(utc_stamp(Duration::ZERO), "19700101T000000.000Z");
+        // 2026-12-05 09:15:40.123 UTC.
+        assert_eq!(utc_stamp(Duration::from_millis(1_796_462_140_123)), "20261205T091540.123Z");
+        assert_eq!(utc_stamp(Duration::from_secs(951_782_400)), "20000229T000000.000Z");
+    }
+}
