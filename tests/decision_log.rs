@@ -1,6 +1,7 @@
 //! The decision log end to end against a real `quiver serve`: every
 //! decision at sample rate 1 comes back from the segments, read with
-//! `quiver log dump`, equal to its response; an unusable directory is
+//! `quiver log dump`, equal to its response; `kill -9` leaves only whole
+//! segments and `.tmp` ones the next start deletes; an unusable directory is
 //! counted and logged while serving goes on.
 
 mod common;
@@ -23,6 +24,10 @@ fn config_file(dir: &Path, log_dir: &Path, extra: &str) -> PathBuf {
     std::fs::write(&path, text).unwrap();
     path
 }
+
+/// One logged row: score, tier, model version, `context[0]`; by request
+/// id and candidate.
+type Logged = (f32, String, u64, f32);
 
 fn specs() -> Vec<RequestSpec> {
     (0..REQUESTS)
@@ -57,8 +62,7 @@ fn every_decision_comes_back_equal_to_its_response() {
     files.sort();
     assert!(files.iter().all(|f| f.extension().is_some_and(|e| e == "arrow")), "only closed segments: {files:?}");
     assert!(files.len() >= 3, "rotated by size, one file per shard at least: {files:?}");
-    // request id → (candidate → (score, tier, model version, context[0]))
-    let mut logged: HashMap<u64, HashMap<u64, (f32, String, u64, f32)>> = HashMap::new();
+    let mut logged: HashMap<u64, HashMap<u64, Logged>> = HashMap::new();
     for f in &files {
         let (code, out, err) = run_quiver(["log".as_ref(), "dump".as_ref(), f.as_os_str(), "--json".as_ref()]);
         assert_eq!(code, 0, "{err}");
@@ -114,5 +118,53 @@ fn an_unwritable_directory_is_reported_and_serving_goes_on() {
     let r = c.score(&specs[300]).unwrap();
     assert_eq!(r.status, Status::Ok);
     assert_eq!(server.terminate(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kill -9` while segments rotate: every `.arrow` file left is whole (it
+/// reads back), the open ones are `.tmp`, and the next start deletes those.
+#[test]
+fn kill_9_leaves_only_whole_segments() {
+    let dir = scratch("decision-log-kill");
+    let log_dir = dir.join("decisions");
+    let config = config_file(&dir, &log_dir, "");
+    std::fs::write(
+        &config,
+        format!(
+            "[log]\ndir = \"{}\"\nsample_rate = 1.0\nsegment_bytes_max = 65536\nsegment_age_s = 3600\n",
+            log_dir.display()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", config]);
+    let mut c = server.client();
+    let specs = specs();
+    c.pipeline(&specs[..3000], 500).unwrap();
+    // Closed segments are there before the kill.
+    server.wait_metric("quiver_log_segments_total", 2);
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
+    let _ = server.child.wait();
+    let names: Vec<String> =
+        std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let closed: Vec<&String> = names.iter().filter(|n| n.ends_with(".arrow")).collect();
+    assert!(closed.len() >= 2, "{names:?}");
+    assert!(names.iter().all(|n| n.ends_with(".arrow") || n.ends_with(".arrow.tmp")), "{names:?}");
+    for n in &closed {
+        let (code, out, err) = run_quiver(["log".as_ref(), "inspect".as_ref(), log_dir.join(n).as_os_str()]);
+        assert_eq!(code, 0, "{n}: {err}");
+        assert!(out.contains("rows: "), "{out}");
+    }
+    // The next start deletes what the killed process left open.
+    let had_tmp = names.iter().any(|n| n.ends_with(".tmp"));
+    let mut again = Server::start(&["--shards", "1", "--config", config]);
+    if had_tmp {
+        again.wait_stderr("deleted a decision-log segment left open");
+    }
+    assert_eq!(again.terminate(), 0);
+    let left: Vec<String> =
+        std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(left.iter().all(|n| n.ends_with(".arrow")), "{left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

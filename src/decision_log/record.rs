@@ -111,9 +111,10 @@ impl DecisionRef<'_> {
         w.u8(self.status);
         w.u8(self.tier);
         w.u8(self.reason);
-        let flags = u8::from(self.features_stale) * FLAG_STALE
-            | u8::from(self.x.is_some()) * FLAG_X
-            | u8::from(self.scores.is_some()) * FLAG_SCORES;
+        let flag = |on: bool, bit: u8| if on { bit } else { 0 };
+        let flags = flag(self.features_stale, FLAG_STALE)
+            | flag(self.x.is_some(), FLAG_X)
+            | flag(self.scores.is_some(), FLAG_SCORES);
         w.u8(flags);
         w.u16(self.features_missing);
         w.u32(self.rows);
