@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::{Deserialize, Serialize};
 
+use crate::deadline::{Clock, MonotonicClock};
 use crate::features::replica::key_hash;
 
 pub use byte_ring::{Consumer, Producer, Refused, Ring, RING_BYTES_MAX, RING_BYTES_MIN};
@@ -183,6 +184,10 @@ impl Sampler {
 pub struct ShardLog {
     producer: Producer,
     pub sampler: Sampler,
+    /// Wall-clock ns since the epoch at the shards' clock's zero
+    /// ([`LogRings::new`]): a read time on that clock plus this is the
+    /// receive time recorded, with no clock read on the shard.
+    pub wall_offset_ns: i64,
     /// Records put in the ring, and dropped before it (full; too large
     /// for it), counted here and published with the shard's counters.
     pub records: u64,
@@ -209,6 +214,7 @@ impl ShardLog {
 pub struct LogRings {
     rings: Vec<Ring>,
     sampler: Sampler,
+    wall_offset_ns: i64,
 }
 
 impl std::fmt::Debug for LogRings {
@@ -218,9 +224,19 @@ impl std::fmt::Debug for LogRings {
 }
 
 impl LogRings {
-    /// Allocates one ring of `config.ring_bytes` per shard.
+    /// Allocates one ring of `config.ring_bytes` per shard, and reads the
+    /// wall clock against the shards' clock (`MonotonicClock`, whose zero
+    /// is process-wide) once; a later step of the wall clock is not seen.
     pub fn new(config: &LogConfig, shards: usize) -> LogRings {
-        LogRings { rings: (0..shards).map(|_| Ring::new(config.ring_bytes)).collect(), sampler: Sampler::new(config) }
+        let wall_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+        let mono_ns = i64::try_from(MonotonicClock::new().now_ns()).unwrap_or(i64::MAX);
+        LogRings {
+            rings: (0..shards).map(|_| Ring::new(config.ring_bytes)).collect(),
+            sampler: Sampler::new(config),
+            wall_offset_ns: wall_ns.saturating_sub(mono_ns),
+        }
     }
 
     /// Shard `shard`'s side, made on that shard's thread; `None` for a
@@ -230,6 +246,7 @@ impl LogRings {
         Some(ShardLog {
             producer,
             sampler: self.sampler.clone(),
+            wall_offset_ns: self.wall_offset_ns,
             records: 0,
             dropped_ring_full: 0,
             dropped_too_large: 0,

@@ -398,17 +398,13 @@ impl<C: Clock> RequestPath<C> {
             }
         };
         if let (Some(log), Handled::Answered, Some((raw, chosen))) = (log.as_mut(), handled, admitted_as) {
-            let now_ns = clock.now_ns();
-            let wall_ns = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
             let answered = logged::Answered {
                 raw,
                 served: &versions.served[chosen],
                 outcome: &answer.last,
                 x: in_flight.reserved_rows().unwrap_or(&inputs.x),
                 scores: &answer.logits,
-                received_unix_ns: wall_ns.saturating_sub(now_ns.saturating_sub(read_at_ns) as i64),
+                received_unix_ns: log.wall_offset_ns.saturating_add(i64::try_from(read_at_ns).unwrap_or(i64::MAX)),
             };
             logged::log_decision(log, replicas, &answered);
             let c = &mut telemetry.counters;
