@@ -148,16 +148,15 @@ fn kill_9_leaves_only_whole_segments() {
     let mut c = server.client();
     let specs = specs();
     c.pipeline(&specs[..3000], 500).unwrap();
-    // A closed segment is there before the kill. (Not more: each close
-    // fsyncs, which a disk busy with other writes can hold for seconds.)
-    server.wait_metric("quiver_log_segments_total", 1);
+    // Closed segments are there before the kill.
+    server.wait_metric("quiver_log_segments_total", 2);
     let pid = server.child.id().to_string();
     assert!(std::process::Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
     let _ = server.child.wait();
     let names: Vec<String> =
         std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     let closed: Vec<&String> = names.iter().filter(|n| n.ends_with(".arrow")).collect();
-    assert!(!closed.is_empty(), "{names:?}");
+    assert!(closed.len() >= 2, "{names:?}");
     assert!(names.iter().all(|n| n.ends_with(".arrow") || n.ends_with(".arrow.tmp")), "{names:?}");
     for n in &closed {
         let (code, out, err) = run_quiver(["log".as_ref(), "inspect".as_ref(), log_dir.join(n).as_os_str()]);

@@ -481,6 +481,12 @@ impl Work {
         if s.batch.rows as u64 >= batch_rows_max {
             if let Err(e) = write_batch(s) {
                 self.abandon(at, "writing a decision-log segment", &e);
+                return;
+            }
+            // Here, not only between drain passes: one pass may take
+            // thousands of decisions.
+            if s.writer.get_ref().bytes >= self.limits.segment_bytes_max {
+                self.close(at);
             }
         }
     }
@@ -726,6 +732,9 @@ mod tests {
         let files = segments(&dir);
         assert!(files.len() >= 2, "rotated by size: {files:?}");
         assert!(files.iter().all(|f| f.to_string_lossy().ends_with(SUFFIX)), "no .tmp left: {files:?}");
+        // Closed near their size, however many decisions a drain pass took.
+        let sizes: Vec<u64> = files.iter().map(|f| f.metadata().unwrap().len()).collect();
+        assert!(sizes.iter().all(|&n| n <= 2 * SEGMENT_BYTES_MIN), "{sizes:?}");
         assert_eq!(status.decisions_written.load(Ordering::Relaxed), n);
         assert_eq!(status.rows_written.load(Ordering::Relaxed), n * ROWS as u64);
         assert_eq!(status.segments_closed.load(Ordering::Relaxed), files.len() as u64);
