@@ -449,6 +449,25 @@ mod tests {
     }
 
     #[test]
+    fn the_log_key_group_is_a_request_scope_group() {
+        let groups =
+            "[[groups]]\nname = \"card\"\nscope = \"request\"\n\n[[groups]]\nname = \"ad\"\nscope = \"candidate\"\n";
+        let check = |key: &str| {
+            let c = Config::parse(&format!("{groups}[log]\nkey_group = \"{key}\"\n"), "c.toml").unwrap();
+            c.check_log_key_group(&c.groups().unwrap())
+        };
+        assert_eq!(check("card"), Ok(()));
+        assert_eq!(
+            check("ad").unwrap_err(),
+            "log.key_group = \"ad\" is a candidate-scope group; a decision is sampled per request"
+        );
+        assert_eq!(check("device").unwrap_err(), "log.key_group = \"device\" is not a configured group");
+        // Without groups, `user` is `user_id`.
+        let c = Config::parse("[log]\nkey_group = \"user\"\n", "c.toml").unwrap();
+        assert_eq!(c.check_log_key_group(&c.groups().unwrap()), Ok(()));
+    }
+
+    #[test]
     fn sync_connections_are_bounded() {
         let c = Config::parse("[feed]\nsync_connections = 16\n", "c.toml").unwrap();
         assert_eq!(c.feed.unwrap().sync_connections, 16);
