@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Builds the Feast repository Quiver's Feast tests serve, and fills its Redis.
+
+    python3 bench/feast/feast_repo.py build --venv DIR --repo DIR --redis-port P \
+        [--users N] [--seed S] [--entity-key-serialization-version 3]
+    python3 bench/feast/feast_repo.py online --venv DIR --repo DIR --out FILE.json \
+        [--users N]
+
+`build` makes the virtual environment DIR with the pinned feast (and its
+Redis extra) unless it already has that version, writes a fresh repository
+at --repo (repo/definitions.py beside this script, a feature_store.yaml
+naming a file registry and the Redis online store on 127.0.0.1:P, and one
+parquet file per feature view written from a seeded generator), then runs
+`feast apply` and `feast materialize` over the window that holds every row.
+
+`online` asks that repository's `FeatureStore.get_online_features` for the
+feature service `scoring` and every entity `build` wrote, and writes what it
+returned converted to f32 (float, double, int32, int64 as the nearest f32;
+bool as 1 or 0; null or absent as null) as JSON: {"views": {view: {"key":
+join key, "features": [...], "rows": {key: [f32 or null, ...]}}}}. It is
+what tests/feast.rs compares Quiver's served rows with, value for value.
+
+The repository's generated files (data/, registry.db) are not kept in git:
+this script makes them again, the same for the same --seed.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+FEAST_PIN = "0.67.0"
+HERE = Path(__file__).resolve().parent
+PROJECT = "quiver_feast"
+
+# Each view's share of entities with a null in a given column, and the
+# columns that are null for every row of some entities (an absent feature).
+NULL_SHARE = 0.05
+
+
+def venv_python(venv_dir: Path) -> Path:
+    return venv_dir / "bin" / "python"
+
+
+def ensure_feast(venv_dir: Path) -> Path:
+    """The venv's python, with feast FEAST_PIN installed in it."""
+    python = venv_python(venv_dir)
+    if not python.exists():
+        print(f"feast_repo: creating {venv_dir}", file=sys.stderr)
+        venv.create(venv_dir, with_pip=True)
+    probe = subprocess.run(
+        [python, "-c", "import feast, redis; print(feast.__version__)"], capture_output=True, text=True
+    )
+    if probe.returncode != 0 or probe.stdout.strip() != FEAST_PIN:
+        print(f"feast_repo: installing feast[redis]=={FEAST_PIN} into {venv_dir}", file=sys.stderr)
+        subprocess.run(
+            [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"feast[redis]=={FEAST_PIN}"],
+            check=True,
+        )
+    return python
+
+
+def in_venv(args: argparse.Namespace) -> None:
+    """Re-runs this script under the venv's python unless it is that python."""
+    venv_dir = Path(args.venv).resolve()
+    python = ensure_feast(venv_dir)
+    if Path(sys.prefix).resolve() != venv_dir:
+        os.execv(python, [str(python), __file__, *sys.argv[1:]])
+
+
+def user_ids(n: int) -> list:
+    # Sparse and wide: ids past 2**32 and past 2**53 are keyed exactly.
+    return [1 + i * 7919 + (i % 3) * (1 << 40) + (1 << 60 if i % 11 == 0 else 0) for i in range(n)]
+
+
+def item_ids(n: int) -> list:
+    return [100_000 + i for i in range(n)]
+
+
+def merchant_ids(n: int) -> list:
+    return [f"m-{i:05d}" + ("-éü" if i % 13 == 0 else "") for i in range(n)]
+
+
+def entities(users: int) -> dict:
+    return {
+        "user_id": user_ids(users),
+        "item_id": item_ids(users // 2),
+        "merchant_id": merchant_ids(max(users // 10, 1)),
+    }
+
+
+def write_parquet(repo: Path, users: int, seed: int) -> None:
+    import numpy as np
+    import pandas as pd
+
+    sys.path.insert(0, str(repo))
+    from definitions import COLUMNS, ENTITY_OF
+
+    rng = np.random.default_rng(seed)
+    now = pd.Timestamp.now(tz="UTC").floor("s")
+    keys = entities(users)
+    (repo / "data").mkdir(exist_ok=True)
+    for view, columns in COLUMNS.items():
+        ids = keys[ENTITY_OF[view]]
+        n = len(ids)
+        frame = {ENTITY_OF[view]: ids}
+        for name, dtype in columns:
+            kind = str(dtype)
+            if "Float32" in kind:
+                values = (rng.standard_normal(n) * 10).astype(np.float32)
+                col = pd.array(values, dtype="Float32")
+            elif "Float64" in kind:
+                values = rng.standard_normal(n) * 1e3 + 1.0 / 3.0
+                col = pd.array(values, dtype="Float64")
+            elif "Int64" in kind:
+                values = rng.integers(-(1 << 40), 1 << 40, n)
+                col = pd.array(values, dtype="Int64")
+            elif "Int32" in kind:
+                values = rng.integers(-(1 << 31), (1 << 31) - 1, n)
+                col = pd.array(values, dtype="Int32")
+            elif "Bool" in kind:
+                col = pd.array(rng.random(n) < 0.5, dtype="boolean")
+            else:
+                raise SystemExit(f"feast_repo: no generator for {name}'s type {kind}")
+            col[rng.random(n) < NULL_SHARE] = pd.NA
+            frame[name] = col
+        # Two rows for some entities: materialize keeps the later one.
+        df = pd.DataFrame(frame)
+        df["event_timestamp"] = now - pd.to_timedelta(rng.integers(60, 3600, n), unit="s")
+        df["created"] = now
+        older = df.sample(frac=0.1, random_state=seed).copy()
+        older["event_timestamp"] = older["event_timestamp"] - pd.Timedelta(hours=2)
+        for name, _ in columns:
+            older[name] = older[name].iloc[::-1].to_numpy()
+        pd.concat([df, older]).to_parquet(repo / "data" / f"{view}.parquet", index=False)
+
+
+def build(args: argparse.Namespace) -> None:
+    in_venv(args)
+    repo = Path(args.repo).resolve()
+    if repo.exists():
+        shutil.rmtree(repo)
+    repo.mkdir(parents=True)
+    shutil.copy(HERE / "repo" / "definitions.py", repo / "definitions.py")
+    (repo / "feature_store.yaml").write_text(
+        f"project: {PROJECT}\n"
+        "provider: local\n"
+        "registry: data/registry.db\n"
+        "online_store:\n"
+        "  type: redis\n"
+        f"  connection_string: 127.0.0.1:{args.redis_port}\n"
+        "offline_store:\n"
+        "  type: file\n"
+        f"entity_key_serialization_version: {args.entity_key_serialization_version}\n"
+    )
+    write_parquet(repo, args.users, args.seed)
+    feast = Path(sys.executable).with_name("feast")
+    if not feast.exists():
+        raise SystemExit(f"feast_repo: no feast command beside {sys.executable}")
+    env = dict(os.environ, FEAST_USAGE="False")
+    subprocess.run([feast, "apply"], cwd=repo, check=True, env=env)
+    import pandas as pd
+
+    end = (pd.Timestamp.now(tz="UTC") + pd.Timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    start = (pd.Timestamp.now(tz="UTC") - pd.Timedelta(days=2)).strftime("%Y-%m-%dT%H:%M:%S")
+    subprocess.run([feast, "materialize", start, end], cwd=repo, check=True, env=env)
+
+
+def as_f32(value):
+    """A value get_online_features returned, as the f32 Quiver serves."""
+    import numpy as np
+
+    if value is None:
+        return None
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    return float(np.float32(value))
+
+
+def online(args: argparse.Namespace) -> None:
+    in_venv(args)
+    repo = Path(args.repo).resolve()
+    sys.path.insert(0, str(repo))
+    from definitions import ENTITY_OF
+    from feast import FeatureStore
+
+    store = FeatureStore(repo_path=str(repo))
+    service = store.get_feature_service("scoring")
+    keys = entities(args.users)
+    out = {"views": {}}
+    batch = 1000
+    for projection in service.feature_view_projections:
+        view = projection.name
+        join_key = ENTITY_OF[view]
+        names = [f.name for f in projection.features]
+        refs = [f"{view}:{n}" for n in names]
+        rows = {}
+        ids = keys[join_key]
+        for at in range(0, len(ids), batch):
+            chunk = ids[at : at + batch]
+            got = store.get_online_features(features=refs, entity_rows=[{join_key: k} for k in chunk]).to_dict()
+            for i, k in enumerate(chunk):
+                rows[str(k)] = [as_f32(got[n][i]) for n in names]
+        out["views"][view] = {"key": join_key, "features": names, "rows": rows}
+    Path(args.out).write_text(json.dumps(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--venv", required=True)
+    b.add_argument("--repo", required=True)
+    b.add_argument("--redis-port", type=int, required=True)
+    b.add_argument("--users", type=int, default=10_000)
+    b.add_argument("--seed", type=int, default=35)
+    b.add_argument("--entity-key-serialization-version", type=int, default=3, choices=[2, 3])
+    o = sub.add_parser("online")
+    o.add_argument("--venv", required=True)
+    o.add_argument("--repo", required=True)
+    o.add_argument("--out", required=True)
+    o.add_argument("--users", type=int, default=10_000)
+    args = parser.parse_args()
+    {"build": build, "online": online}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
