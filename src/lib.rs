@@ -54,6 +54,8 @@ pub enum Error {
     #[error(transparent)]
     Feed(#[from] features::feed::FeedError),
     #[error(transparent)]
+    Feast(#[from] features::feast::FeastError),
+    #[error(transparent)]
     Demo(#[from] loadgen::demo::DemoError),
     #[error(transparent)]
     Calibrate(#[from] score::accuracy::CalibrateError),

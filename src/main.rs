@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 #[cfg(feature = "cuda")]
 use cli::gpu_check_cmd;
 use cli::{
-    bench_cmd, demo_cmd, export_onnx_cmd, features_cmd, import_cmd, log_cmd, plot_cmd, replica_cmd, score_cmd,
+    bench_cmd, demo_cmd, export_onnx_cmd, feast_cmd, features_cmd, import_cmd, log_cmd, plot_cmd, replica_cmd, score_cmd,
     serve_cmd, stats_cmd, time_model_cmd,
 };
 
@@ -50,6 +50,10 @@ enum Command {
     /// Read decision-log segments (`[log]`): dump rows as JSON, inspect.
     #[command(subcommand)]
     Log(log_cmd::Command),
+    /// Serve a Feast repository's feature views: inspect what would be
+    /// served, copy them from Feast's Redis online store.
+    #[command(subcommand)]
+    Feast(feast_cmd::Command),
     /// Watch a running server: per-stage latency, rates and tiers, every second.
     Stats(stats_cmd::Args),
     /// Draw PNG plots from benchmark output files.
@@ -81,6 +85,7 @@ fn main() -> ExitCode {
         Command::TimeModel(args) => time_model_cmd::run(args),
         Command::Replica(cmd) => replica_cmd::run(cmd),
         Command::Features(cmd) => features_cmd::run(cmd),
+        Command::Feast(cmd) => feast_cmd::run(cmd),
         Command::Plot(cmd) => plot_cmd::run(cmd),
         Command::ExportOnnx(args) => export_onnx_cmd::run(args),
         Command::Stats(args) => stats_cmd::run(args),

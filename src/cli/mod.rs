@@ -18,6 +18,7 @@ use quiver::Error;
 pub mod bench_cmd;
 pub mod demo_cmd;
 pub mod export_onnx_cmd;
+pub mod feast_cmd;
 pub mod features_cmd;
 #[cfg(feature = "cuda")]
 pub mod gpu_check_cmd;

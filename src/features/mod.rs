@@ -5,6 +5,7 @@
 //! them on its own threads, the shards read them without a lock, and the
 //! request path never waits on Redis.
 
+pub mod feast;
 pub mod feed;
 pub mod groups;
 pub mod replica;

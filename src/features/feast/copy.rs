@@ -1,0 +1,355 @@
+//! The first sync of a Feast repository's served views: SCAN over the
+//! project's keys (every Feast key ends with the project's name) with
+//! pipelined HGETALL (one round trip reads a batch of entities, each whole:
+//! feast #6856 measured HGETALL far cheaper than HMGET for wide rows), each
+//! entity's hash split into one row per served view of its entity, into a
+//! fresh replica file per view.
+//!
+//! A file is swapped in (written beside its path, then renamed over it, so
+//! readers of the old file keep it whole) only if it does not drop more
+//! than `shrink_max` of the rows the file it replaces holds: a Redis
+//! restarted empty, flushed, or the wrong database must not wipe a served
+//! replica. Such a view is held, as the Quiver contract's full sync holds
+//! one, until an operator accepts the shrink.
+//!
+//! Bad data (a key of the entity that does not parse, another project's
+//! key, a value that does not decode or is of a kind not served, a hash
+//! past the field limit) skips that entity's row of the view, counts it per
+//! view, and is logged with the key, a few lines per view and sync.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use super::redis_layout::{self, EntityCodec, JoinKeyType, KeyError, HASH_FIELDS_MAX};
+use super::repo::{FeastRepo, Plan, ServedView};
+use super::FeastError;
+use crate::features::feed::{RedisConn, Reply};
+use crate::features::replica::{EntityKey, EntityKeyBuf, ReplicaBuilder, ReplicaHandle};
+
+/// Lines logged per view and sync for skipped rows; the rest are counted.
+const SKIP_LOGS_PER_VIEW_MAX: u64 = 8;
+
+/// The most keys one SCAN asks for and one pipeline of HGETALL reads.
+pub const BATCH_KEYS_MAX: usize = 10_000;
+
+/// How a first sync runs.
+#[derive(Clone, Debug)]
+pub struct SyncOptions {
+    /// Where each view's file goes: `<data_dir>/<view>.qrep`.
+    pub data_dir: PathBuf,
+    /// Keys per SCAN and per pipeline of HGETALL (1 to [`BATCH_KEYS_MAX`]).
+    pub batch_keys: usize,
+    /// The largest fraction of a populated file's rows a copy may drop and
+    /// still be swapped in.
+    pub shrink_max: f64,
+    /// Swap in a copy whatever it drops (an operator said Redis lost them).
+    pub accept_shrink: bool,
+}
+
+/// What the sync did with one view.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ViewReport {
+    pub view: String,
+    pub path: PathBuf,
+    /// Entities copied into the new file.
+    pub rows: u64,
+    /// Entities of the view whose row was bad data, skipped.
+    pub skipped: u64,
+    /// Null or absent features among the rows copied (NaN in the file).
+    pub values_missing: u64,
+    /// Rows the replaced file held (0: none).
+    pub rows_before: u64,
+    /// The copy was not swapped in: it dropped more than `shrink_max`.
+    pub held: bool,
+}
+
+/// What one first sync did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SyncReport {
+    pub views: Vec<ViewReport>,
+    /// Keys SCAN returned for the project's pattern.
+    pub keys_scanned: u64,
+    /// Keys of no served entity (another entity of the project, or a key
+    /// that only ends like the project's).
+    pub keys_other: u64,
+}
+
+/// One served view during the copy: its file's rows being built.
+struct ViewCopy<'p> {
+    view: &'p ServedView,
+    builder: ReplicaBuilder,
+    report: ViewReport,
+    ts_field: Vec<u8>,
+    row: Vec<f32>,
+}
+
+/// One served entity: how its keys read and the views it feeds, with each
+/// hash field's (view, column).
+struct EntityCopy {
+    codec: EntityCodec,
+    views: Vec<usize>,
+    fields: HashMap<[u8; 4], (usize, usize)>,
+}
+
+/// `text` with Redis glob's special characters escaped.
+fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn shape(command: &'static str, what: impl Into<String>) -> FeastError {
+    FeastError::Reply { command, what: what.into() }
+}
+
+fn skip(copy: &mut ViewCopy<'_>, key: &[u8], why: &str) {
+    copy.report.skipped += 1;
+    if copy.report.skipped <= SKIP_LOGS_PER_VIEW_MAX {
+        tracing::warn!(
+            view = %copy.view.name, key = %String::from_utf8_lossy(key).escape_debug(),
+            "skipped bad feast data: {why}"
+        );
+        if copy.report.skipped == SKIP_LOGS_PER_VIEW_MAX {
+            tracing::warn!(view = %copy.view.name, "more bad data in this view is counted, not logged");
+        }
+    }
+}
+
+/// Copies every entity of `plan`'s views from Redis (`conn`, the Feast
+/// repository's online store) into fresh files under `options.data_dir`,
+/// swapping each in unless it is held (see the module's header).
+pub fn first_sync(
+    conn: &mut RedisConn,
+    repo: &FeastRepo,
+    plan: &Plan,
+    options: &SyncOptions,
+) -> Result<SyncReport, FeastError> {
+    if !(1..=BATCH_KEYS_MAX).contains(&options.batch_keys) {
+        return Err(FeastError::Repo(format!("batch_keys {} is outside 1..={BATCH_KEYS_MAX}", options.batch_keys)));
+    }
+    if plan.views.is_empty() {
+        return Err(FeastError::Repo("no feature view to serve".into()));
+    }
+    let mut copies = Vec::with_capacity(plan.views.len());
+    for view in &plan.views {
+        let width = view.features.len() as u32;
+        let builder = ReplicaBuilder::new(&view.name, width);
+        let mut builder = match view.key {
+            JoinKeyType::String { bytes_max } => builder.str_keys(bytes_max)?,
+            JoinKeyType::Int64 | JoinKeyType::Int32 => builder,
+        };
+        // An entity Redis does not hold is missing whole, as Feast returns it.
+        builder.set_default(&vec![f32::NAN; width as usize])?;
+        copies.push(ViewCopy {
+            view,
+            builder,
+            report: ViewReport {
+                view: view.name.clone(),
+                path: options.data_dir.join(format!("{}.qrep", view.name)),
+                ..ViewReport::default()
+            },
+            ts_field: redis_layout::ts_field(&view.name),
+            row: vec![f32::NAN; width as usize],
+        });
+    }
+    let mut entities: Vec<EntityCopy> = Vec::new();
+    for (at, view) in plan.views.iter().enumerate() {
+        let entity = match entities.iter_mut().position(|e| e.codec.join_key == view.join_key) {
+            Some(i) => &mut entities[i],
+            None => {
+                let codec = EntityCodec::new(&view.join_key, view.key, repo.key_version, &repo.project);
+                entities.push(EntityCopy { codec, views: Vec::new(), fields: HashMap::new() });
+                entities.last_mut().expect("just pushed")
+            }
+        };
+        entity.views.push(at);
+        for (column, f) in view.features.iter().enumerate() {
+            entity.fields.insert(redis_layout::field_name(&view.name, &f.name), (at, column));
+        }
+    }
+    let mut report = SyncReport::default();
+    let pattern = format!("*{}", glob_escape(&repo.project)).into_bytes();
+    let count = options.batch_keys.to_string().into_bytes();
+    let mut seen: HashSet<Vec<u8>> = HashSet::new();
+    let mut cursor = b"0".to_vec();
+    loop {
+        let scan = conn.command(&[b"SCAN", &cursor, b"MATCH", &pattern, b"COUNT", &count])?;
+        let mut parts = scan.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
+        let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(shape("SCAN", "not [cursor, keys]"));
+        };
+        cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "the cursor is not a string"))?;
+        let keys: Vec<Vec<u8>> = keys
+            .into_array()
+            .ok_or_else(|| shape("SCAN", "the keys are not an array"))?
+            .into_iter()
+            .filter_map(Reply::into_bytes)
+            // SCAN may return a key twice (a rehash during the scan).
+            .filter(|k| seen.insert(k.clone()))
+            .collect();
+        report.keys_scanned += keys.len() as u64;
+        copy_batch(conn, &keys, &entities, &mut copies, &mut report)?;
+        if cursor == b"0" {
+            break;
+        }
+    }
+    for copy in &mut copies {
+        let path = copy.report.path.clone();
+        copy.report.rows_before = rows_in(&path, &copy.view.name);
+        let (before, after) = (copy.report.rows_before, copy.report.rows);
+        let dropped = before.saturating_sub(after) as f64;
+        if !options.accept_shrink && before > 0 && dropped > options.shrink_max * before as f64 {
+            copy.report.held = true;
+            tracing::error!(
+                view = %copy.view.name, path = %path.display(), copied = after, served = before,
+                "the copy would drop more than {:.0}% of the file's rows: held, the file is kept",
+                options.shrink_max * 100.0
+            );
+            continue;
+        }
+        copy.builder.write(&path)?;
+    }
+    report.views = copies.into_iter().map(|c| c.report).collect();
+    Ok(report)
+}
+
+/// The rows the replica at `path` holds now; 0 when there is none or it
+/// does not open (a damaged file is no population to protect).
+fn rows_in(path: &Path, group: &str) -> u64 {
+    ReplicaHandle::open(path, group).map_or(0, |h| h.live_rows())
+}
+
+/// Reads `keys` with one pipeline of HGETALL and adds each entity's rows.
+fn copy_batch(
+    conn: &mut RedisConn,
+    keys: &[Vec<u8>],
+    entities: &[EntityCopy],
+    copies: &mut [ViewCopy<'_>],
+    report: &mut SyncReport,
+) -> Result<(), FeastError> {
+    // Which entity each key is; keys of none are not read.
+    let mut read: Vec<(&Vec<u8>, &EntityCopy, EntityKeyBuf)> = Vec::with_capacity(keys.len());
+    for key in keys {
+        let mut claimed: Option<(&EntityCopy, KeyError)> = None;
+        let mut parsed = None;
+        for entity in entities.iter().filter(|e| e.codec.claims(key)) {
+            match entity.codec.parse(key) {
+                Ok(k) => {
+                    parsed = Some((entity, k));
+                    break;
+                }
+                Err(e) => claimed = claimed.or(Some((entity, e))),
+            }
+        }
+        match (parsed, claimed) {
+            (Some((entity, k)), _) => read.push((key, entity, k)),
+            (None, Some((entity, why))) => {
+                for &v in &entity.views {
+                    skip(&mut copies[v], key, &format!("not a key of entity '{}': {why}", entity.codec.join_key));
+                }
+            }
+            (None, None) => report.keys_other += 1,
+        }
+    }
+    if read.is_empty() {
+        return Ok(());
+    }
+    let commands: Vec<Vec<Vec<u8>>> = read.iter().map(|(k, _, _)| vec![b"HGETALL".to_vec(), (*k).clone()]).collect();
+    let replies = conn.pipeline(&commands)?;
+    if replies.len() != read.len() {
+        return Err(shape("HGETALL", format!("{} replies to {} commands", replies.len(), read.len())));
+    }
+    for ((key, entity, parsed), reply) in read.into_iter().zip(replies) {
+        let pairs = match reply {
+            Reply::Array(items) => items,
+            Reply::Error(message) if message.starts_with("WRONGTYPE") => {
+                for &v in &entity.views {
+                    skip(&mut copies[v], key, "not a hash");
+                }
+                continue;
+            }
+            Reply::Error(message) => {
+                return Err(FeastError::Redis(crate::features::feed::RedisError::Server {
+                    addr: conn.addr().to_string(),
+                    message,
+                }))
+            }
+            other => return Err(shape("HGETALL", format!("{other:?}"))),
+        };
+        if pairs.len() / 2 > HASH_FIELDS_MAX || pairs.len() % 2 != 0 {
+            for &v in &entity.views {
+                skip(&mut copies[v], key, &format!("{} hash fields, past the {HASH_FIELDS_MAX} read", pairs.len() / 2));
+            }
+            continue;
+        }
+        add_entity(key, entity, &parsed, &pairs, copies)?;
+    }
+    Ok(())
+}
+
+/// Splits one entity's hash into a row per view of the entity. A view with
+/// neither its `_ts:` field nor any of its features has no row here.
+fn add_entity(
+    key: &[u8],
+    entity: &EntityCopy,
+    parsed: &EntityKeyBuf,
+    pairs: &[Reply],
+    copies: &mut [ViewCopy<'_>],
+) -> Result<(), FeastError> {
+    // Per view of the entity: seen (a row exists), and why it is bad.
+    let mut seen: Vec<bool> = vec![false; copies.len()];
+    let mut bad: Vec<Option<String>> = vec![None; copies.len()];
+    for &v in &entity.views {
+        copies[v].row.fill(f32::NAN);
+    }
+    for pair in pairs.chunks_exact(2) {
+        let (Some(field), Some(value)) = (pair[0].as_bytes(), pair[1].as_bytes()) else {
+            continue;
+        };
+        if let Ok(name) = <[u8; 4]>::try_from(field) {
+            if let Some(&(v, column)) = entity.fields.get(&name) {
+                seen[v] = true;
+                match redis_layout::value_f32(value) {
+                    Ok(Some(x)) => copies[v].row[column] = x,
+                    Ok(None) => {}
+                    Err(e) => {
+                        let feature = &copies[v].view.features[column].name;
+                        bad[v] = bad[v].take().or(Some(format!("feature '{feature}': {e}")));
+                    }
+                }
+                continue;
+            }
+        }
+        for &v in &entity.views {
+            if field == copies[v].ts_field.as_slice() {
+                seen[v] = true;
+                if let Err(e) = redis_layout::ts_unix_s(value) {
+                    bad[v] = bad[v].take().or(Some(format!("its _ts: field: {e}")));
+                }
+            }
+        }
+    }
+    for &v in &entity.views {
+        if !seen[v] {
+            continue;
+        }
+        let copy = &mut copies[v];
+        if let Some(why) = bad[v].take() {
+            skip(copy, key, &why);
+            continue;
+        }
+        let key = match parsed {
+            EntityKeyBuf::Id(id) => EntityKey::Id(*id),
+            EntityKeyBuf::Str(s) => EntityKey::Str(s),
+        };
+        copy.builder.push_linked(key, &copy.row, None)?;
+        copy.report.rows += 1;
+        copy.report.values_missing += copy.row.iter().filter(|x| x.is_nan()).count() as u64;
+    }
+    Ok(())
+}
