@@ -40,6 +40,63 @@ pub enum Event {
 
 type Features = (Vec<SharedGroup>, Option<feed::Feed>);
 
+/// `[feast]`: reads the repository, copies its served views from Redis
+/// into `<data_dir>/<view>.qrep` (a view whose copy is held keeps the file
+/// it has), and returns their `[[groups]]` entries. A Redis that cannot be
+/// reached leaves the files as they are, and start-up serves them if they
+/// are there (it fails naming the file if not).
+fn feast_first_sync(
+    config: &Config,
+    feast: &crate::features::feast::FeastConfig,
+) -> Result<Vec<crate::features::groups::GroupConfig>, Error> {
+    use crate::features::feast::{self, repo};
+    if config.feed.is_some() {
+        return Err(Error::Setup(
+            "[feast] and [feed] together: the feed follows Quiver's own Redis contract, Feast's views are copied \
+             at start-up; serve them from separate servers for now"
+                .into(),
+        ));
+    }
+    let (repo, plan, groups) = feast.groups()?;
+    let url = match (&feast.redis, &repo.online_store) {
+        (Some(url), _) => url.clone(),
+        (None, Some(store)) => repo::redis_url(store)?,
+        (None, None) => {
+            return Err(Error::Setup("[feast]: feature_store.yaml names no online store; set feast.redis".into()))
+        }
+    };
+    let redis = feed::RedisConfig::from_url(&url).map_err(feed::FeedError::from)?;
+    let options = feast::SyncOptions {
+        data_dir: config.data_dir.clone(),
+        batch_keys: feast.batch_keys,
+        shrink_max: feast.shrink_max,
+        accept_shrink: false,
+    };
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|e| Error::Setup(format!("{}: {e}", config.data_dir.display())))?;
+    let copied = feed::RedisConn::connect(&redis)
+        .map_err(feast::FeastError::from)
+        .and_then(|mut conn| feast::first_sync(&mut conn, &repo, &plan, &options));
+    match copied {
+        Ok(report) => {
+            for v in &report.views {
+                tracing::info!(
+                    view = %v.view, rows = v.rows, skipped = v.skipped, values_missing = v.values_missing,
+                    held = v.held, "feast: first sync"
+                );
+            }
+        }
+        Err(feast::FeastError::Redis(e)) => {
+            tracing::error!(
+                "feast: first sync failed ({e}); serving the files already in {}",
+                config.data_dir.display()
+            )
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(groups)
+}
+
 /// Every feature group's replica: read-only files, or files the Redis feed
 /// keeps current (then also the running feed). Each file must hold the
 /// key type and width its group is configured with.
@@ -174,7 +231,12 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let kernel = crate::score::cpu::configure_kernel(config.kernel)
         .map_err(|e| Error::Setup(format!("kernel = {:?}: {e}", config.kernel)))?;
     tracing::info!(kernel = kernel.name(), requested = ?config.kernel, "INT8 kernel");
-    let groups = config.groups().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
+    let feast_groups = match &config.feast {
+        Some(feast) => feast_first_sync(&config, feast)?,
+        None => Vec::new(),
+    };
+    let groups =
+        config.groups_with(&feast_groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_canary_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_log_key_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     let (groups, feed) = open_features(&config, &groups, &stop)?;

@@ -5,6 +5,7 @@
         [--users N] [--seed S] [--entity-key-serialization-version 3]
     python3 bench/feast/feast_repo.py online --venv DIR --repo DIR --out FILE.json \
         [--users N]
+    python3 bench/feast/feast_repo.py venv --venv DIR
 
 `build` makes the virtual environment DIR with the pinned feast (and its
 Redis extra) unless it already has that version, writes a fresh repository
@@ -19,6 +20,9 @@ returned converted to f32 (float, double, int32, int64 as the nearest f32;
 bool as 1 or 0; null or absent as null) as JSON: {"views": {view: {"key":
 join key, "features": [...], "rows": {key: [f32 or null, ...]}}}}. It is
 what tests/feast.rs compares Quiver's served rows with, value for value.
+
+`venv` only makes the virtual environment (what .ci/run does before the
+tests, which then find it through QUIVER_FEAST_VENV).
 
 The repository's generated files (data/, registry.db) are not kept in git:
 this script makes them again, the same for the same --seed.
@@ -226,7 +230,12 @@ def main() -> None:
     o.add_argument("--repo", required=True)
     o.add_argument("--out", required=True)
     o.add_argument("--users", type=int, default=10_000)
+    v = sub.add_parser("venv")
+    v.add_argument("--venv", required=True)
     args = parser.parse_args()
+    if args.command == "venv":
+        ensure_feast(Path(args.venv).resolve())
+        return
     {"build": build, "online": online}[args.command](args)
 
 

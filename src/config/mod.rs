@@ -73,6 +73,9 @@ pub struct Config {
     /// Refresh the feature replicas from Redis (docs/FEATURES.md); without
     /// it the replica files are served as they are.
     pub feed: Option<crate::features::feed::FeedConfig>,
+    /// Serve a Feast repository's feature views as feature groups, copied
+    /// from its Redis online store at start-up (docs/FEATURES.md, "Feast").
+    pub feast: Option<crate::features::feast::FeastConfig>,
     /// Test hook: `POST /faults?stage_delay_us=N` on the admin endpoint
     /// slows the inference stage. Off unless set.
     pub faults_endpoint: bool,
@@ -139,6 +142,7 @@ impl Default for Config {
             cache: crate::request::cache::CacheConfig::default(),
             drift: crate::drift::DriftConfig::default(),
             feed: None,
+            feast: None,
             faults_endpoint: false,
             admin_listen: "127.0.0.1:7412".into(),
             admin_token_file: None,
@@ -263,6 +267,9 @@ impl Config {
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
         }
+        if let Some(feast) = &config.feast {
+            feast.validate().map_err(ConfigError::Invalid)?;
+        }
         config.groups().map_err(ConfigError::Invalid)?;
         if let Some(tls) = &config.tls {
             tls.validate().map_err(ConfigError::Invalid)?;
@@ -296,6 +303,24 @@ impl Config {
             (self.item_features_path(), feed.item_dim, feed.item_storage),
         );
         crate::features::groups::resolve_all(&self.groups, &self.data_dir, legacy)
+    }
+
+    /// [`Config::groups`] with `extra` entries after `[[groups]]`' (the
+    /// views `[feast]` serves): with any, only the groups named are served.
+    pub fn groups_with(
+        &self,
+        extra: &[crate::features::groups::GroupConfig],
+    ) -> Result<Vec<crate::features::groups::Group>, String> {
+        if extra.is_empty() {
+            return self.groups();
+        }
+        let all: Vec<_> = self.groups.iter().chain(extra).cloned().collect();
+        let feed = self.feed.clone().unwrap_or_default();
+        let legacy = crate::features::groups::legacy(
+            (self.user_features_path(), feed.user_dim, feed.user_storage),
+            (self.item_features_path(), feed.item_dim, feed.item_storage),
+        );
+        crate::features::groups::resolve_all(&all, &self.data_dir, legacy)
     }
 
     /// Checks `canary_group` against the served groups: a request-scope

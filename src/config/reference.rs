@@ -21,6 +21,7 @@ use crate::decision_log::{
     LogConfig, RING_BYTES_MAX, RING_BYTES_MIN, SEGMENT_AGE_S_MAX, SEGMENT_BYTES_MAX, SEGMENT_BYTES_MIN,
 };
 use crate::drift::DriftConfig;
+use crate::features::feast::FeastConfig;
 use crate::features::feed::status::StalePolicy;
 use crate::features::feed::FeedConfig;
 use crate::features::groups::{Absent, GroupConfig, KeyType, Scope};
@@ -667,6 +668,38 @@ pub const SECTIONS: &[Section] = &[
                 "resync_attempts_max",
                 "10",
                 "Copies one resync makes while the source keeps moving, before it takes the last; at least 1.",
+            ),
+        ],
+    },
+    Section {
+        path: "feast",
+        doc: "Serve a Feast repository's feature views as feature groups, copied from its Redis online store at \
+              start-up ([FEATURES.md](FEATURES.md#feast)). Each served view becomes a group of its name (key type \
+              and width from Feast's definitions, file `<data_dir>/<view>.qrep`), after any `[[groups]]`. Absent: \
+              no Feast. Not with `[feed]` yet.",
+        optional: true,
+        fields: fields::<FeastConfig>,
+        keys: &[
+            Key::new("repo", "\"/srv/feature_repo\"", "The Feast repository: the directory of its `feature_store.yaml`.")
+                .required(),
+            Key::new(
+                "serve",
+                "[\"scoring\"]",
+                "Feature services or feature views to serve; empty: every feature service of the project.",
+            ),
+            Key::new("candidate", "[\"item_attrs\"]", "Served views whose groups are candidate-scope."),
+            Key::new(
+                "redis",
+                "\"redis://10.0.0.5:6379/0\"",
+                "The online store as a `redis://` URL; absent: `feature_store.yaml`'s `connection_string`.",
+            ),
+            Key::new("batch_keys", "500", "Keys per SCAN and per pipeline of HGETALL in the first sync.")
+                .range(1, crate::features::feast::copy::BATCH_KEYS_MAX as i64),
+            Key::new(
+                "shrink_max",
+                "0.25",
+                "A first sync whose copy would drop more than this fraction of a populated file's rows keeps the \
+                 file (held); from 0 to 1.",
             ),
         ],
     },

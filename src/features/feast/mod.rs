@@ -45,3 +45,95 @@ pub enum FeastError {
     #[error("view '{view}': the copy holds {copied} rows, {path} holds {served}; more than {shrink_max_percent}% fewer, so the file is kept (held). Run again with --accept-shrink if Redis really lost them")]
     Held { view: String, path: String, copied: u64, served: u64, shrink_max_percent: u32 },
 }
+
+/// `[feast]`: serve a Feast repository's feature views (docs/FEATURES.md,
+/// "Feast").
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FeastConfig {
+    /// The Feast repository: the directory of its `feature_store.yaml`.
+    pub repo: std::path::PathBuf,
+    /// Feature services or feature views to serve; empty: every feature
+    /// service of the project.
+    #[serde(default)]
+    pub serve: Vec<String>,
+    /// Served views whose groups are candidate-scope (one key per
+    /// candidate); the others are request-scope.
+    #[serde(default)]
+    pub candidate: Vec<String>,
+    /// The online store as a `redis://` URL; absent: `feature_store.yaml`'s
+    /// `connection_string`.
+    #[serde(default)]
+    pub redis: Option<String>,
+    /// Keys per SCAN and per pipeline of HGETALL in the first sync.
+    #[serde(default = "batch_keys_default")]
+    pub batch_keys: usize,
+    /// The largest fraction of a populated file's rows the first sync may
+    /// drop and still replace it; past it the file is kept (held).
+    #[serde(default = "shrink_max_default")]
+    pub shrink_max: f64,
+}
+
+fn batch_keys_default() -> usize {
+    1000
+}
+
+fn shrink_max_default() -> f64 {
+    0.5
+}
+
+impl FeastConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=copy::BATCH_KEYS_MAX).contains(&self.batch_keys) {
+            return Err(format!("feast.batch_keys = {} is outside 1..={}", self.batch_keys, copy::BATCH_KEYS_MAX));
+        }
+        if !(0.0..=1.0).contains(&self.shrink_max) {
+            return Err(format!("feast.shrink_max = {} is outside 0..=1", self.shrink_max));
+        }
+        Ok(())
+    }
+
+    /// Reads the repository and the plan for what `serve` names, refusing
+    /// it whole when anything named is refused, and the `[[groups]]` entry
+    /// of each served view: its name, scope, key type and width, its file
+    /// `<data_dir>/<view>.qrep`.
+    pub fn groups(&self) -> Result<(FeastRepo, Plan, Vec<crate::features::groups::GroupConfig>), FeastError> {
+        use crate::features::groups::{GroupConfig, KeyType, Scope};
+        let repo = FeastRepo::open(&self.repo)?;
+        let plan = repo.plan(&self.serve)?;
+        if let Some(r) = plan.refused.first() {
+            return Err(FeastError::Repo(format!(
+                "{}: {} (`quiver feast inspect --repo {}` lists what is refused)",
+                r.what,
+                r.why,
+                self.repo.display()
+            )));
+        }
+        if let Some(c) = self.candidate.iter().find(|c| !plan.views.iter().any(|v| &v.name == *c)) {
+            return Err(FeastError::Repo(format!("feast.candidate names '{c}', which is no served feature view")));
+        }
+        let groups = plan
+            .views
+            .iter()
+            .map(|v| {
+                let (key, key_bytes_max) = match v.key {
+                    redis_layout::JoinKeyType::String { bytes_max } => (KeyType::String, bytes_max),
+                    _ => (KeyType::U64, crate::features::replica::KEY_BYTES_MAX),
+                };
+                GroupConfig {
+                    name: v.name.clone(),
+                    scope: if self.candidate.contains(&v.name) { Scope::Candidate } else { Scope::Request },
+                    key,
+                    key_bytes_max,
+                    width: Some(v.features.len() as u32),
+                    storage: None,
+                    default: Vec::new(),
+                    path: None,
+                    absent: None,
+                    parent: None,
+                }
+            })
+            .collect();
+        Ok((repo, plan, groups))
+    }
+}

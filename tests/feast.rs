@@ -1,0 +1,267 @@
+//! Feast parity, against real Feast and a real Redis: bench/feast/feast_repo.py
+//! builds the test repository (pinned feast, 10,000 users, 5,000 items and
+//! 1,000 merchants over four views of 92 features) and materializes it into
+//! a redis-server this test started; a server with `[feast]` copies it at
+//! start-up, and for every entity of every view the row it serves (its
+//! admin route, and `quiver features get` for a sample) equals what
+//! `FeatureStore.get_online_features` returns converted to f32, value for
+//! value, missing for missing. Then bad data in Redis is skipped and
+//! counted per view, and an emptied Redis leaves the files as they were
+//! (held, exit 3).
+//!
+//! Feast lives in its own virtual environment (its pins clash with other
+//! Python tools the tests use): `QUIVER_FEAST_VENV` names it, and the script
+//! installs the pinned feast there when it is missing. CI makes it and sets
+//! `QUIVER_REQUIRE_FEAST=1`, so there the test fails, not skips, without it.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{demo_dir, http_get, run_quiver, Server};
+use quiver::features::replica::ReplicaHandle;
+
+const USERS: usize = 10_000;
+
+/// The longest each Python step (install, build and materialize, read
+/// back) may take.
+const PYTHON_STEP_MAX: Duration = Duration::from_secs(600);
+
+/// The virtual environment with feast, or `None` (the test is skipped) when
+/// none is named and CI does not require it.
+fn feast_venv() -> Option<PathBuf> {
+    let required = std::env::var("QUIVER_REQUIRE_FEAST").is_ok_and(|v| v == "1");
+    match std::env::var_os("QUIVER_FEAST_VENV") {
+        Some(dir) => Some(PathBuf::from(dir)),
+        None => {
+            assert!(!required, "QUIVER_REQUIRE_FEAST=1 but QUIVER_FEAST_VENV names no virtual environment");
+            eprintln!(
+                "SKIPPED the Feast parity test: set QUIVER_FEAST_VENV=DIR (bench/feast/feast_repo.py venv --venv DIR \
+                 installs feast there)"
+            );
+            None
+        }
+    }
+}
+
+/// Runs bench/feast/feast_repo.py with `args`, failing the test with its
+/// output if it fails or outlives [`PYTHON_STEP_MAX`].
+fn feast_repo(args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/feast/feast_repo.py");
+    let log = common::scratch("feast-script-log").join("out.txt");
+    let out = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new("python3")
+        .arg(&script)
+        .args(args)
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("python3 starts");
+    let began = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if began.elapsed() > PYTHON_STEP_MAX {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("feast_repo.py {args:?} ran past {PYTHON_STEP_MAX:?}: {}", std::fs::read_to_string(&log).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "feast_repo.py {args:?} failed: {}", std::fs::read_to_string(&log).unwrap());
+}
+
+/// What `get_online_features` returned: per view, its join key, features
+/// and each entity's row (None: missing).
+struct Expected {
+    views: Vec<ExpectedView>,
+}
+
+/// One view's answer: its name, features, and each entity's row by the
+/// key's text.
+struct ExpectedView(String, Vec<String>, HashMap<String, Vec<Option<f32>>>);
+
+fn expected(path: &Path) -> Expected {
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut views = Vec::new();
+    for (name, v) in doc["views"].as_object().unwrap() {
+        let features: Vec<String> =
+            v["features"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
+        let rows = v["rows"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, row)| {
+                let row = row.as_array().unwrap().iter().map(|x| x.as_f64().map(|x| x as f32)).collect();
+                (k.clone(), row)
+            })
+            .collect();
+        views.push(ExpectedView(name.clone(), features, rows));
+    }
+    Expected { views }
+}
+
+fn encode(key: &str) -> String {
+    key.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// The row served for `key`, as JSON numbers and nulls, and whether it was found.
+fn served_row(admin: &str, view: &str, key: &str) -> (bool, Vec<Option<f32>>) {
+    let (code, body) = http_get(&format!("http://{admin}/features/{view}?key={}", encode(key)));
+    assert_eq!(code, 200, "{view} {key}: {body}");
+    let row: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let values = row["row"].as_array().unwrap().iter().map(|x| x.as_f64().map(|x| x as f32)).collect();
+    (row["found"].as_bool().unwrap(), values)
+}
+
+/// Same as `a`, value for value (bit for bit as f32), missing for missing.
+fn same(a: &[Option<f32>], b: &[Option<f32>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| match (x, y) {
+            (Some(x), Some(y)) => x.to_bits() == y.to_bits(),
+            (None, None) => true,
+            _ => false,
+        })
+}
+
+fn rows_in(path: &Path, group: &str) -> u64 {
+    ReplicaHandle::open(path, group).unwrap().live_rows()
+}
+
+#[test]
+fn a_feast_repository_is_served_value_for_value() {
+    let Some(venv) = feast_venv() else { return };
+    let venv = venv.to_str().unwrap().to_string();
+    let redis = RedisServer::start();
+    let port = redis.addr().rsplit(':').next().unwrap().to_string();
+    let dir = common::scratch("feast-parity");
+    let repo = dir.join("feature_repo");
+    let users = USERS.to_string();
+    let (repo_s, json) = (repo.to_str().unwrap(), dir.join("online.json"));
+    feast_repo(&["build", "--venv", &venv, "--repo", repo_s, "--redis-port", &port, "--users", &users]);
+    feast_repo(&["online", "--venv", &venv, "--repo", repo_s, "--out", json.to_str().unwrap(), "--users", &users]);
+    let want = expected(&json);
+    assert_eq!(want.views.len(), 4);
+
+    let (code, out, err) = run_quiver(["feast", "inspect", "--repo", repo_s]);
+    assert_eq!(code, 0, "{out}{err}");
+    for line in [
+        "user_stats: entity user by user_id (int64 key, group key u64), width 30",
+        "user_recent: entity user by user_id (int64 key, group key u64), width 20, ttl 86400 s",
+        "item_attrs: entity item by item_id (int64 key, group key u64), width 25",
+        "merchant_risk: entity merchant by merchant_id (string key, group key string), width 17",
+        "refused: nothing",
+    ] {
+        assert!(out.contains(line), "no '{line}' in:\n{out}");
+    }
+
+    // The demo's model reads user and item; the Feast groups are served beside them.
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let demo = demo_dir();
+    let config = format!(
+        "model = {model:?}\nuser_features = {user:?}\nitem_features = {item:?}\n\
+         [[groups]]\nname = \"user\"\n[[groups]]\nname = \"item\"\nscope = \"candidate\"\n\
+         [feast]\nrepo = {repo:?}\ncandidate = [\"item_attrs\"]\n",
+        model = demo.join("model.qm"),
+        user = demo.join("user.qrep"),
+        item = demo.join("item.qrep"),
+    );
+    let config_path = dir.join("quiver.toml");
+    std::fs::write(&config_path, config).unwrap();
+    let server = Server::start_with(&data, &["--config", config_path.to_str().unwrap()]);
+    let mut compared = 0usize;
+    for ExpectedView(view, features, rows) in &want.views {
+        assert_eq!(
+            rows.len(),
+            match view.as_str() {
+                "item_attrs" => USERS / 2,
+                "merchant_risk" => USERS / 10,
+                _ => USERS,
+            }
+        );
+        for (key, row) in rows {
+            assert_eq!(row.len(), features.len());
+            let (found, got) = served_row(&server.admin, view, key);
+            assert!(found, "{view} {key} not found");
+            assert!(same(&got, row), "{view} {key}: served {got:?}, feast {row:?}");
+            compared += 1;
+        }
+        // An entity Redis does not hold: missing whole, as Feast returns it.
+        let absent = if view == "merchant_risk" { "no-such-merchant" } else { "999" };
+        let (found, got) = served_row(&server.admin, view, absent);
+        assert!(!found && got.iter().all(Option::is_none), "{view} {absent}: {got:?}");
+    }
+    assert_eq!(compared, USERS * 2 + USERS / 2 + USERS / 10);
+    // Some values are missing and some present in every view: the
+    // comparison above saw both.
+    for ExpectedView(view, features, rows) in &want.views {
+        let missing = rows.values().flatten().filter(|x| x.is_none()).count();
+        let values = rows.len() * features.len();
+        assert!(missing > 0 && missing < values / 10, "{view}: {missing} of {values} missing");
+    }
+    // `quiver features get` reads the same route: a sample through the CLI.
+    for ExpectedView(view, _, rows) in &want.views {
+        for (key, row) in rows.iter().take(5) {
+            let (code, out, err) =
+                run_quiver(["features", "get", "--admin", &server.admin, "--group", view, "--key", key, "--json"]);
+            assert_eq!(code, 0, "{view} {key}: {out}{err}");
+            let got: serde_json::Value = serde_json::from_str(&out).unwrap();
+            let got: Vec<Option<f32>> =
+                got["row"].as_array().unwrap().iter().map(|x| x.as_f64().map(|x| x as f32)).collect();
+            assert!(same(&got, row), "features get {view} {key}: {got:?}, feast {row:?}");
+        }
+    }
+    drop(server);
+
+    // Bad data: an undecodable value in one user's user_stats feature, and
+    // a key of another project with this one's name as its tail.
+    let mut conn = redis.conn();
+    let user = &want.views.iter().find(|v| v.0 == "user_stats").unwrap();
+    let first_user: u64 = user.2.keys().next().unwrap().parse().unwrap();
+    let codec = quiver::features::feast::redis_layout::EntityCodec::new(
+        "user_id",
+        quiver::features::feast::redis_layout::JoinKeyType::Int64,
+        quiver::features::feast::redis_layout::KeyVersion::V3,
+        "quiver_feast",
+    );
+    let key = codec.redis_key(&quiver::features::replica::EntityKeyBuf::Id(first_user));
+    let field = quiver::features::feast::redis_layout::field_name("user_stats", "us_f32_0");
+    conn.command(&[b"HSET", &key, &field, b"\xff\xff\xff"]).unwrap();
+    let mut other = key[..key.len() - "quiver_feast".len()].to_vec();
+    other.extend_from_slice(b"x_quiver_feast");
+    conn.command(&[b"HSET", &other, b"_ts:user_stats", b""]).unwrap();
+    let data_s = data.to_str().unwrap();
+    let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rows = USERS as u64;
+    assert!(out.contains(&format!("user_stats: {} rows ({rows} before), 2 skipped as bad data", rows - 1)), "{out}");
+    assert!(out.contains(&format!("user_recent: {rows} rows ({rows} before), 1 skipped as bad data")), "{out}");
+    assert!(err.contains("skipped bad feast data") && err.contains("another project"), "{err}");
+    assert_eq!(rows_in(&data.join("user_stats.qrep"), "user_stats"), rows - 1);
+
+    // Redis restarted empty: every file is kept, and the command says so.
+    conn.command(&[b"FLUSHALL"]).unwrap();
+    let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s]);
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.contains("HELD (file kept)"), "{out}");
+    assert_eq!(rows_in(&data.join("user_stats.qrep"), "user_stats"), rows - 1);
+    assert_eq!(rows_in(&data.join("merchant_risk.qrep"), "merchant_risk"), (USERS / 10) as u64);
+    let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s, "--accept-shrink"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(rows_in(&data.join("user_stats.qrep"), "user_stats"), 0);
+}
