@@ -48,12 +48,12 @@ fn feast_venv() -> Option<PathBuf> {
     }
 }
 
-/// Runs bench/feast/feast_repo.py with `args`, failing the test with its
-/// output if it fails or outlives [`PYTHON_STEP_MAX`].
-fn feast_repo(args: &[&str]) {
+/// Runs bench/feast/feast_repo.py with `args`, its output into `log`,
+/// failing the test with that output if it fails or outlives
+/// [`PYTHON_STEP_MAX`].
+fn feast_repo(log: &Path, args: &[&str]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/feast/feast_repo.py");
-    let log = common::scratch("feast-script-log").join("out.txt");
-    let out = std::fs::File::create(&log).unwrap();
+    let out = std::fs::File::create(log).unwrap();
     let mut child = Command::new("python3")
         .arg(&script)
         .args(args)
@@ -70,11 +70,11 @@ fn feast_repo(args: &[&str]) {
         if began.elapsed() > PYTHON_STEP_MAX {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("feast_repo.py {args:?} ran past {PYTHON_STEP_MAX:?}: {}", std::fs::read_to_string(&log).unwrap());
+            panic!("feast_repo.py {args:?} ran past {PYTHON_STEP_MAX:?}: {}", std::fs::read_to_string(log).unwrap());
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(status.success(), "feast_repo.py {args:?} failed: {}", std::fs::read_to_string(&log).unwrap());
+    assert!(status.success(), "feast_repo.py {args:?} failed: {}", std::fs::read_to_string(log).unwrap());
 }
 
 /// What `get_online_features` returned: per view, its join key, features
@@ -142,24 +142,55 @@ fn rows_in(path: &Path, group: &str) -> u64 {
     ReplicaHandle::open(path, group).unwrap().live_rows()
 }
 
-#[test]
-fn a_feast_repository_is_served_value_for_value() {
-    let Some(venv) = feast_venv() else { return };
+/// A repository built, materialized and served, checked value for value.
+struct Served {
+    redis: RedisServer,
+    repo: PathBuf,
+    data: PathBuf,
+    want: Expected,
+}
+
+/// Builds the bench repository with `users` users in entity key
+/// serialization `version` into a redis-server of its own, serves it with
+/// `[feast]`, and checks every entity of every view against Feast's own
+/// answer; `None` when the test is skipped (no feast).
+fn served_as_feast_serves(name: &str, users: usize, version: u32) -> Option<Served> {
+    let venv = feast_venv()?;
     let venv = venv.to_str().unwrap().to_string();
     let redis = RedisServer::start();
     let port = redis.addr().rsplit(':').next().unwrap().to_string();
-    let dir = common::scratch("feast-parity");
+    let dir = common::scratch(name);
     let repo = dir.join("feature_repo");
-    let users = USERS.to_string();
+    let (users_s, version_s) = (users.to_string(), version.to_string());
     let (repo_s, json) = (repo.to_str().unwrap(), dir.join("online.json"));
-    feast_repo(&["build", "--venv", &venv, "--repo", repo_s, "--redis-port", &port, "--users", &users]);
-    feast_repo(&["online", "--venv", &venv, "--repo", repo_s, "--out", json.to_str().unwrap(), "--users", &users]);
+    let log = dir.join("feast_repo.log");
+    feast_repo(
+        &log,
+        &[
+            "build",
+            "--venv",
+            &venv,
+            "--repo",
+            repo_s,
+            "--redis-port",
+            &port,
+            "--users",
+            &users_s,
+            "--entity-key-serialization-version",
+            &version_s,
+        ],
+    );
+    feast_repo(
+        &log,
+        &["online", "--venv", &venv, "--repo", repo_s, "--out", json.to_str().unwrap(), "--users", &users_s],
+    );
     let want = expected(&json);
     assert_eq!(want.views.len(), 4);
 
     let (code, out, err) = run_quiver(["feast", "inspect", "--repo", repo_s]);
     assert_eq!(code, 0, "{out}{err}");
     for line in [
+        &format!("entity key serialization version {version}")[..],
         "user_stats: entity user by user_id (int64 key, group key u64), width 30",
         "user_recent: entity user by user_id (int64 key, group key u64), width 20, ttl 86400 s",
         "item_attrs: entity item by item_id (int64 key, group key u64), width 25",
@@ -189,9 +220,9 @@ fn a_feast_repository_is_served_value_for_value() {
         assert_eq!(
             rows.len(),
             match view.as_str() {
-                "item_attrs" => USERS / 2,
-                "merchant_risk" => USERS / 10,
-                _ => USERS,
+                "item_attrs" => users / 2,
+                "merchant_risk" => users / 10,
+                _ => users,
             }
         );
         for (key, row) in rows {
@@ -206,7 +237,7 @@ fn a_feast_repository_is_served_value_for_value() {
         let (found, got) = served_row(&server.admin, view, absent);
         assert!(!found && got.iter().all(Option::is_none), "{view} {absent}: {got:?}");
     }
-    assert_eq!(compared, USERS * 2 + USERS / 2 + USERS / 10);
+    assert_eq!(compared, users * 2 + users / 2 + users / 10);
     // Some values are missing and some present in every view: the
     // comparison above saw both.
     for ExpectedView(view, features, rows) in &want.views {
@@ -226,7 +257,17 @@ fn a_feast_repository_is_served_value_for_value() {
             assert!(same(&got, row), "features get {view} {key}: {got:?}, feast {row:?}");
         }
     }
-    drop(server);
+    Some(Served { redis, repo, data, want })
+}
+
+/// Feast 0.67's default entity key serialization (version 3), at 10,000
+/// users; then bad data and an emptied Redis.
+#[test]
+fn a_feast_repository_is_served_value_for_value() {
+    let Some(Served { redis, repo, data, want }) = served_as_feast_serves("feast-parity", USERS, 3) else {
+        return;
+    };
+    let repo_s = repo.to_str().unwrap();
 
     // Bad data: an undecodable value in one user's user_stats feature, and
     // a key of another project with this one's name as its tail.
@@ -264,4 +305,11 @@ fn a_feast_repository_is_served_value_for_value() {
     let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s, "--accept-shrink"]);
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(rows_in(&data.join("user_stats.qrep"), "user_stats"), 0);
+}
+
+/// Version 2 keys (no key count, no join key length: feast #5357), which
+/// repositories made before Feast 0.50 still hold.
+#[test]
+fn entity_keys_of_serialization_version_2_are_read() {
+    served_as_feast_serves("feast-parity-v2", 300, 2);
 }

@@ -2,7 +2,7 @@
 //! request frames, model files, replica files, ONNX import (bytes, and graph
 //! structure: `onnx_graphs`), tree models
 //! (LightGBM text, XGBoost JSON), `.npy` calibration files, RESP replies,
-//! TOML config, admin routes, raw HTTP bytes at a live admin listener, and
+//! Feast's registry, values and Redis keys, TOML config, admin routes, raw HTTP bytes at a live admin listener, and
 //! ClientHellos at a live TLS scoring port.
 //!
 //! Stable Rust has no coverage-guided fuzzer here, so each target starts
@@ -708,6 +708,94 @@ $1\r\nv\r\n$8\r\n\x00\x00\x80?\x00\x00\x00@\r\n$1\r\nt\r\n$3\r\n123\r\n",
     fuzz("resp_replies", seeds, 16 * MIB, &|bytes, from, _| {
         let chunk = 1 + (bytes.len() + from) % 7;
         std::hint::black_box(quiver::features::feed::resp::decode_all(bytes, 64 * 1024, chunk).ok());
+    });
+}
+
+/// A Feast registry of one entity, view and service, as `feast apply`
+/// writes one (fields as Feast 0.67 sets them).
+fn feast_registry() -> Vec<u8> {
+    use protobuf::{EnumOrUnknown, Message};
+    use quiver::features::feast::protos::Value::value_type::Enum as ValueType;
+    use quiver::features::feast::protos::{
+        Entity, Feature, FeatureService, FeatureView, FeatureViewProjection, Registry,
+    };
+    let mut r = Registry::Registry::new();
+    let mut entity = Entity::Entity::new();
+    let spec = entity.spec.mut_or_insert_default();
+    (spec.name, spec.project, spec.join_key) = ("user".into(), "p".into(), "user_id".into());
+    spec.value_type = EnumOrUnknown::new(ValueType::INT64);
+    r.entities.push(entity);
+    let feature = |name: &str, t: ValueType| {
+        let mut f = Feature::FeatureSpecV2::new();
+        f.name = name.into();
+        f.value_type = EnumOrUnknown::new(t);
+        f
+    };
+    let mut view = FeatureView::FeatureView::new();
+    let spec = view.spec.mut_or_insert_default();
+    (spec.name, spec.project, spec.online) = ("v".into(), "p".into(), true);
+    spec.entities.push("user".into());
+    spec.features.extend([feature("f", ValueType::FLOAT), feature("g", ValueType::BOOL)]);
+    spec.entity_columns.push(feature("user_id", ValueType::INT64));
+    spec.ttl.mut_or_insert_default().seconds = 86_400;
+    r.feature_views.push(view);
+    let mut service = FeatureService::FeatureService::new();
+    let spec = service.spec.mut_or_insert_default();
+    (spec.name, spec.project) = ("s".into(), "p".into());
+    let mut projection = FeatureViewProjection::FeatureViewProjection::new();
+    projection.feature_view_name = "v".into();
+    projection.feature_columns.push(feature("g", ValueType::BOOL));
+    spec.features.push(projection);
+    r.feature_services.push(service);
+    r.write_to_bytes().unwrap()
+}
+
+/// Feast's bytes as Quiver reads them: a registry (and the plan made of
+/// it), stored values and `_ts:` timestamps, and Redis keys in both entity
+/// key serialization versions. Every input is a value or a typed refusal.
+#[test]
+fn feast_bytes() {
+    use quiver::features::feast::redis_layout::{self, EntityCodec, JoinKeyType, KeyVersion};
+    use quiver::features::feast::FeastRepo;
+    use quiver::features::replica::EntityKeyBuf;
+    let codecs: Vec<EntityCodec> = [KeyVersion::V2, KeyVersion::V3]
+        .into_iter()
+        .flat_map(|v| {
+            [
+                EntityCodec::new("user_id", JoinKeyType::Int64, v, "p"),
+                EntityCodec::new("shop", JoinKeyType::Int32, v, "p"),
+                EntityCodec::new("merchant_id", JoinKeyType::String { bytes_max: 64 }, v, "p"),
+            ]
+        })
+        .collect();
+    let mut seeds = vec![
+        feast_registry(),
+        vec![0x35, 0, 0, 0x40, 0x40],
+        vec![0x38, 0x01],
+        vec![0x20, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01],
+        vec![0x08, 0x80, 0x89, 0xcf, 0xd8, 0x06],
+    ];
+    for c in &codecs {
+        let key = match c.key {
+            JoinKeyType::String { .. } => EntityKeyBuf::Str(b"m-1".to_vec()),
+            _ => EntityKeyBuf::Id(7),
+        };
+        seeds.push(c.redis_key(&key));
+    }
+    let repo = FeastRepo::from_registry("p", KeyVersion::V3, &seeds[0]).expect("the seed registry reads");
+    assert_eq!(repo.plan(&[]).expect("the seed plan").views.len(), 1);
+    fuzz("feast_bytes", seeds, 16 * MIB, &|bytes, _, _| {
+        if let Ok(repo) = FeastRepo::from_registry("p", KeyVersion::V3, bytes) {
+            std::hint::black_box(repo.plan(&[]).ok());
+            std::hint::black_box(repo.plan(&["v".into()]).ok());
+        }
+        std::hint::black_box(redis_layout::value_f32(bytes).ok());
+        std::hint::black_box(redis_layout::ts_unix_s(bytes).ok());
+        for c in &codecs {
+            if c.claims(bytes) {
+                std::hint::black_box(c.parse(bytes).ok());
+            }
+        }
     });
 }
 

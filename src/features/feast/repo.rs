@@ -170,6 +170,13 @@ fn read_bounded(path: &Path, bytes_max: u64) -> Result<Vec<u8>, FeastError> {
     Ok(bytes)
 }
 
+/// A registry file's bytes, walked for groups before they decode
+/// ([`super::group_guard`]).
+fn parse_registry(bytes: &[u8]) -> Result<Registry, String> {
+    super::group_guard::check(bytes, &Registry::descriptor())?;
+    Registry::parse_from_bytes(bytes).map_err(|e| e.to_string())
+}
+
 impl FeastRepo {
     /// Reads `dir/feature_store.yaml` and the file registry it names.
     pub fn open(dir: &Path) -> Result<FeastRepo, FeastError> {
@@ -213,15 +220,28 @@ impl FeastRepo {
             }
         };
         let bytes = read_bounded(&registry_path, REGISTRY_BYTES_MAX)?;
-        let not_registry =
-            |e: String| FeastError::Repo(format!("{}: not a Feast registry: {e}", registry_path.display()));
-        super::group_guard::check(&bytes, &Registry::descriptor()).map_err(not_registry)?;
-        let registry = Registry::parse_from_bytes(&bytes).map_err(|e| not_registry(e.to_string()))?;
+        let registry = parse_registry(&bytes)
+            .map_err(|e| FeastError::Repo(format!("{}: not a Feast registry: {e}", registry_path.display())))?;
         Ok(FeastRepo {
             dir: dir.to_path_buf(),
             project: yaml.project,
             registry_path,
             online_store,
+            key_version,
+            registry,
+        })
+    }
+
+    /// A repository of `project` whose registry file holds `bytes`, with
+    /// no directory or online store: what `open` reads, without the files
+    /// (tests/fuzz.rs feeds it mutated registries).
+    pub fn from_registry(project: &str, key_version: KeyVersion, bytes: &[u8]) -> Result<FeastRepo, FeastError> {
+        let registry = parse_registry(bytes).map_err(|e| FeastError::Repo(format!("not a Feast registry: {e}")))?;
+        Ok(FeastRepo {
+            dir: PathBuf::new(),
+            project: project.into(),
+            registry_path: PathBuf::new(),
+            online_store: None,
             key_version,
             registry,
         })
