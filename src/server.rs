@@ -40,15 +40,17 @@ pub enum Event {
 
 type Features = (Vec<SharedGroup>, Option<feed::Feed>);
 
+/// The `[[groups]]` entries of `[feast]`'s views, and what its first sync
+/// did with each.
+type FeastStart = (Vec<crate::features::groups::GroupConfig>, Vec<crate::features::feast::ViewReport>);
+
 /// `[feast]`: reads the repository, copies its served views from Redis
 /// into `<data_dir>/<view>.qrep` (a view whose copy is held keeps the file
 /// it has), and returns their `[[groups]]` entries. A Redis that cannot be
 /// reached leaves the files as they are, and start-up serves them if they
-/// are there (it fails naming the file if not).
-fn feast_first_sync(
-    config: &Config,
-    feast: &crate::features::feast::FeastConfig,
-) -> Result<Vec<crate::features::groups::GroupConfig>, Error> {
+/// are there (it fails naming the file if not). Also what the sync did per
+/// view, for `/metrics` (empty when it could not run).
+fn feast_first_sync(config: &Config, feast: &crate::features::feast::FeastConfig) -> Result<FeastStart, Error> {
     use crate::features::feast::{self, repo};
     if config.feed.is_some() {
         return Err(Error::Setup(
@@ -77,7 +79,7 @@ fn feast_first_sync(
     let copied = feed::RedisConn::connect(&redis)
         .map_err(feast::FeastError::from)
         .and_then(|mut conn| feast::first_sync(&mut conn, &repo, &plan, &options));
-    match copied {
+    let report = match copied {
         Ok(report) => {
             for v in &report.views {
                 tracing::info!(
@@ -85,16 +87,18 @@ fn feast_first_sync(
                     held = v.held, "feast: first sync"
                 );
             }
+            report.views
         }
         Err(feast::FeastError::Redis(e)) => {
             tracing::error!(
                 "feast: first sync failed ({e}); serving the files already in {}",
                 config.data_dir.display()
-            )
+            );
+            Vec::new()
         }
         Err(e) => return Err(e.into()),
-    }
-    Ok(groups)
+    };
+    Ok((groups, report))
 }
 
 /// Every feature group's replica: read-only files, or files the Redis feed
@@ -231,9 +235,9 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let kernel = crate::score::cpu::configure_kernel(config.kernel)
         .map_err(|e| Error::Setup(format!("kernel = {:?}: {e}", config.kernel)))?;
     tracing::info!(kernel = kernel.name(), requested = ?config.kernel, "INT8 kernel");
-    let feast_groups = match &config.feast {
+    let (feast_groups, feast_report) = match &config.feast {
         Some(feast) => feast_first_sync(&config, feast)?,
-        None => Vec::new(),
+        None => (Vec::new(), Vec::new()),
     };
     let groups =
         config.groups_with(&feast_groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
@@ -316,6 +320,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         http: Default::default(),
         groups: groups.clone(),
         decision_log: log_writer.is_some().then(|| log_status.clone()),
+        feast: feast_report,
     });
     let mut admins = Vec::new();
     for (listen, surface, name) in

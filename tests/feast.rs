@@ -147,6 +147,7 @@ struct Served {
     redis: RedisServer,
     repo: PathBuf,
     data: PathBuf,
+    config: PathBuf,
     want: Expected,
 }
 
@@ -257,14 +258,14 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32) -> Option<Serv
             assert!(same(&got, row), "features get {view} {key}: {got:?}, feast {row:?}");
         }
     }
-    Some(Served { redis, repo, data, want })
+    Some(Served { redis, repo, data, config: config_path, want })
 }
 
 /// Feast 0.67's default entity key serialization (version 3), at 10,000
 /// users; then bad data and an emptied Redis.
 #[test]
 fn a_feast_repository_is_served_value_for_value() {
-    let Some(Served { redis, repo, data, want }) = served_as_feast_serves("feast-parity", USERS, 3) else {
+    let Some(Served { redis, repo, data, config, want }) = served_as_feast_serves("feast-parity", USERS, 3) else {
         return;
     };
     let repo_s = repo.to_str().unwrap();
@@ -286,17 +287,46 @@ fn a_feast_repository_is_served_value_for_value() {
     let mut other = key[..key.len() - "quiver_feast".len()].to_vec();
     other.extend_from_slice(b"x_quiver_feast");
     conn.command(&[b"HSET", &other, b"_ts:user_stats", b""]).unwrap();
+    // A server started now skips both, counts them per group in /metrics,
+    // and serves the user's user_stats row as missing.
+    let rows = USERS as u64;
+    let config_s = config.to_str().unwrap();
+    let server = Server::start_with(&data, &["--config", config_s]);
+    let text = server.wait_scrape("quiver_feast_skipped_total{group=\"user_stats\"} 2");
+    for want in [
+        "quiver_feast_skipped_total{group=\"user_recent\"} 1".to_string(),
+        "quiver_feast_skipped_total{group=\"item_attrs\"} 0".into(),
+        format!("quiver_feast_rows{{group=\"user_stats\"}} {}", rows - 1),
+        format!("quiver_feast_rows{{group=\"user_recent\"}} {rows}"),
+        "quiver_feast_sync_held{group=\"user_stats\"} 0".into(),
+    ] {
+        assert!(text.contains(&want), "no {want} in {text}");
+    }
+    assert!(server.stderr().contains("skipped bad feast data"), "{}", server.stderr());
+    let (found, got) = served_row(&server.admin, "user_stats", &first_user.to_string());
+    assert!(!found && got.iter().all(Option::is_none), "{got:?}");
+    assert!(served_row(&server.admin, "user_recent", &first_user.to_string()).0);
+    drop(server);
     let data_s = data.to_str().unwrap();
     let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s]);
     assert_eq!(code, 0, "{out}{err}");
-    let rows = USERS as u64;
-    assert!(out.contains(&format!("user_stats: {} rows ({rows} before), 2 skipped as bad data", rows - 1)), "{out}");
+    let kept = rows - 1;
+    assert!(out.contains(&format!("user_stats: {kept} rows ({kept} before), 2 skipped as bad data")), "{out}");
     assert!(out.contains(&format!("user_recent: {rows} rows ({rows} before), 1 skipped as bad data")), "{out}");
     assert!(err.contains("skipped bad feast data") && err.contains("another project"), "{err}");
     assert_eq!(rows_in(&data.join("user_stats.qrep"), "user_stats"), rows - 1);
 
-    // Redis restarted empty: every file is kept, and the command says so.
+    // Redis restarted empty: a server keeps serving every file it had, and
+    // says the copies are held; so does the command, with exit code 3.
     conn.command(&[b"FLUSHALL"]).unwrap();
+    let server = Server::start_with(&data, &["--config", config_s]);
+    let text = server.wait_scrape("quiver_feast_sync_held{group=\"user_stats\"} 1");
+    assert!(text.contains("quiver_feast_sync_held{group=\"merchant_risk\"} 1"), "{text}");
+    let (view, rows_of) = (&want.views[0].0, &want.views[0].2);
+    let (key, row) = rows_of.iter().next().unwrap();
+    let (found, got) = served_row(&server.admin, view, key);
+    assert!(found && (view == "user_stats" || same(&got, row)), "{view} {key}: {got:?}");
+    drop(server);
     let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s]);
     assert_eq!(code, 3, "{out}{err}");
     assert!(out.contains("HELD (file kept)"), "{out}");

@@ -282,6 +282,9 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         if let Some(log) = &self.state.decision_log {
             encode_decision_log(&mut encoder, &m.counters, log)?;
         }
+        if !self.state.feast.is_empty() {
+            encode_feast(&mut encoder, &self.state.feast)?;
+        }
         encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
@@ -362,6 +365,43 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         }
         Ok(())
     }
+}
+
+/// `[feast]`'s first sync, per served view (its group): rows copied, rows
+/// skipped as bad data, null or absent values, and whether the copy was held.
+fn encode_feast(
+    encoder: &mut DescriptorEncoder,
+    views: &[crate::features::feast::ViewReport],
+) -> Result<(), std::fmt::Error> {
+    type Get = fn(&crate::features::feast::ViewReport) -> u64;
+    let gauges: [(&str, &str, Get); 3] = [
+        ("quiver_feast_rows", "Entities the first sync from Feast's Redis copied into the view's replica.", |v| v.rows),
+        ("quiver_feast_values_missing", "Null or absent features among the rows copied (NaN in the replica).", |v| {
+            v.values_missing
+        }),
+        (
+            "quiver_feast_sync_held",
+            "1 when the first sync's copy would have shrunk a populated replica past feast.shrink_max: the file is kept.",
+            |v| u64::from(v.held),
+        ),
+    ];
+    for (name, help, get) in gauges {
+        let mut e = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for v in views {
+            e.encode_family(&[("group", v.view.as_str())])?.encode_gauge(&(get(v) as i64))?;
+        }
+    }
+    let mut e = encoder.encode_descriptor(
+        "quiver_feast_skipped",
+        "Entities of the view skipped as bad data by the first sync (a key or value that does not decode, another \
+         project's key, an unserved value type).",
+        None,
+        MetricType::Counter,
+    )?;
+    for v in views {
+        e.encode_family(&[("group", v.view.as_str())])?.encode_counter::<NoLabelSet, _, u64>(&v.skipped, None)?;
+    }
+    Ok(())
 }
 
 /// The Redis feed's state: per-group position, staleness and counts, and
@@ -672,12 +712,22 @@ mod tests {
             http: Default::default(),
             groups: Vec::new(),
             decision_log: None,
+            feast: vec![crate::features::feast::ViewReport {
+                view: "user_stats".into(),
+                rows: 7,
+                skipped: 2,
+                held: true,
+                ..Default::default()
+            }],
         };
         state.refusals.record(1, None, "POST", "/drain");
         registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));
         let mut text = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
         assert!(text.contains("quiver_requests_total{status=\"ok\"} 4"), "{text}");
+        assert!(text.contains("quiver_feast_rows{group=\"user_stats\"} 7"), "{text}");
+        assert!(text.contains("quiver_feast_skipped_total{group=\"user_stats\"} 2"), "{text}");
+        assert!(text.contains("quiver_feast_sync_held{group=\"user_stats\"} 1"), "{text}");
         assert!(text.contains("quiver_request_duration_seconds_count 4"), "{text}");
         assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"1e-05\"} 1"), "{text}");
         assert!(text.contains("quiver_request_duration_seconds_bucket{le=\"0.001\"} 3"), "{text}");

@@ -59,6 +59,9 @@ pub struct AdminState {
     pub groups: Vec<SharedGroup>,
     /// The decision-log writer's counters, when `[log]` logs anything.
     pub decision_log: Option<Arc<crate::decision_log::LogStatus>>,
+    /// What `[feast]`'s first sync did with each served view (empty
+    /// without `[feast]`, or when Redis could not be reached).
+    pub feast: Vec<crate::features::feast::ViewReport>,
 }
 
 /// Which routes a listener serves.
