@@ -13,8 +13,8 @@ use clap::{Parser, Subcommand};
 #[cfg(feature = "cuda")]
 use cli::gpu_check_cmd;
 use cli::{
-    bench_cmd, demo_cmd, export_onnx_cmd, feast_cmd, features_cmd, import_cmd, log_cmd, plot_cmd, replica_cmd, score_cmd,
-    serve_cmd, stats_cmd, time_model_cmd,
+    bench_cmd, demo_cmd, export_onnx_cmd, feast_cmd, features_cmd, import_cmd, log_cmd, plot_cmd, replica_cmd,
+    score_cmd, serve_cmd, stats_cmd, time_model_cmd,
 };
 
 #[derive(Parser)]
