@@ -19,6 +19,7 @@ Run from the repository root after `cargo build --release`, on a committed
 tree (the figures name the commit they measured):
   pip install numpy onnx onnxruntime
   taskset -c 1 python3 bench/ort_side_by_side.py [--iters 200] [--rows 1,8,32,256,1024]
+      [--int8-kernels amx,avx512-vnni]   (a quiver INT8 column per forced kernel)
 QUIVER_BIN=/path/to/quiver measures that binary instead of
 target/release/quiver (a build with another CARGO_TARGET_DIR).
 Writes bench/results/ort_side_by_side.json and ort_side_by_side.md (rendered
@@ -102,9 +103,11 @@ def time_ort(path, rows, iters, rng):
     return out
 
 
-def time_quiver(qm, backend, rows, iters):
+def time_quiver(qm, backend, rows, iters, kernel=None):
     cmd = [QUIVER, "time-model", "--model", qm, "--backend", backend, "--iters", str(iters)]
     cmd += ["--rows", ",".join(map(str, rows))]
+    if kernel:
+        cmd += ["--kernel", kernel]
     lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
     return {(j := json.loads(line))["rows"]: j["median_us"] for line in lines}
 
@@ -113,8 +116,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rows", default="1,8,32,256,1024")
+    ap.add_argument("--int8-kernels", default="",
+                    help="also time quiver int8 with each of these forced kernels (e.g. amx,avx512-vnni)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    kernels = [k for k in args.int8_kernels.split(",") if k]
     if not os.path.exists(QUIVER):
         sys.exit(f"{QUIVER} not found: run cargo build --release first")
     commit = git_commit()
@@ -148,8 +154,10 @@ def main():
             "quiver-f32": time_quiver(qm, "f32", rows, args.iters),
             "quiver-fp8": time_quiver(qm, "fp8", rows, args.iters),
         }
+        for k in kernels:
+            t[f"quiver-int8-{k}"] = time_quiver(qm, "int8", rows, args.iters, k)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    results = {"commit": commit, "onnxruntime": ort.__version__, "iters": args.iters,
+    results = {"commit": commit, "onnxruntime": ort.__version__, "iters": args.iters, "int8_kernels": kernels,
                "machine": {"cpu": cpu, "cores": os.cpu_count()}, "median_us": {c: t[c] for c in t}}
     cols = list(t)
     lines = [
@@ -162,13 +170,22 @@ def main():
         f"{args.iters} calls, µs per call. onnxruntime is called from Python, so its times include the Python call "
         "overhead (a few µs; it dominates at batch 1).",
         "",
-        "| rows | " + " | ".join(cols) + " | ort-f32 / quiver-int8 | ort-int8 / quiver-int8 |",
-        "|---:|" + "---:|" * (len(cols) + 2),
+        "| rows | " + " | ".join(cols) + " | ort-f32 / quiver-int8 | ort-int8 / quiver-int8 |"
+        + "".join(f" ort-int8 / quiver-int8-{k} |" for k in kernels),
+        "|---:|" + "---:|" * (len(cols) + 2 + len(kernels)),
     ]
     for n in rows:
         r1 = t["ort-f32"][n] / t["quiver-int8"][n]
         r2 = t["ort-int8"][n] / t["quiver-int8"][n]
-        lines.append(f"| {n} | " + " | ".join(f"{t[c][n]:.2f}" for c in cols) + f" | {r1:.2f}× | {r2:.2f}× |")
+        rk = "".join(f" {t['ort-int8'][n] / t[f'quiver-int8-{k}'][n]:.2f}× |" for k in kernels)
+        lines.append(f"| {n} | " + " | ".join(f"{t[c][n]:.2f}" for c in cols) + f" | {r1:.2f}× | {r2:.2f}× |" + rk)
+    if kernels:
+        lines += ["", "quiver-int8-K is `quiver time-model --backend int8 --kernel K` on the same model file; "
+                  "plain quiver-int8 is the kernel `auto` picks on this machine."]
+        for n in (32, 256):
+            if n in rows:
+                lines.append(f"- Issue 34's target at {n} rows, quiver INT8 at least 8× onnxruntime INT8: "
+                             + ", ".join(f"{k} {t['ort-int8'][n] / t[f'quiver-int8-{k}'][n]:.2f}×" for k in kernels) + ".")
     if 32 in rows:
         r1 = t["ort-f32"][32] / t["quiver-int8"][32]
         r2 = t["ort-int8"][32] / t["quiver-int8"][32]

@@ -55,6 +55,10 @@ core, with nothing else running:
   pip install numpy onnx onnxruntime
   taskset -c 1 python3 bench/zoo_side_by_side.py [--repeats 3] [--iters 200]
       [--iters-256 100] [--rows 1,32,256] [--models a,b]
+      [--int8-kernels amx,avx512-vnni]
+--int8-kernels adds a quiver INT8 column per forced kernel (`time-model
+--kernel K`), so an AMX machine shows amx, avx512-vnni and onnxruntime INT8
+side by side in one run (issue 34).
 QUIVER_BIN=/path/to/quiver measures that binary instead of
 target/release/quiver (a build with another CARGO_TARGET_DIR).
 """
@@ -289,12 +293,14 @@ def quiver_import(name, spec, d):
     return qm, None
 
 
-def time_quiver(qm, backend, rows, iters):
+def time_quiver(qm, backend, rows, iters, kernel=None):
     cmd = [QUIVER, "time-model", "--model", qm, "--backend", backend, "--iters", str(iters)]
     cmd += ["--rows", ",".join(map(str, rows))]
+    if kernel:
+        cmd += ["--kernel", kernel]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        raise RuntimeError(f"quiver time-model --backend {backend} failed: {(p.stderr or p.stdout).strip()[:300]}")
+        raise RuntimeError(f"quiver time-model --backend {backend} {'--kernel ' + kernel if kernel else ''}failed: {(p.stderr or p.stdout).strip()[:300]}")
     out = {}
     for line in p.stdout.splitlines():
         line = line.strip()
@@ -382,14 +388,23 @@ def markdown(report, on_machine=False):
     lines.append("")
     lines.append("    " + report["command"])
     lines.append("")
-    lines.append(
-        "| model | rows | ort f32 | ort int8 | quiver int8 | quiver f32 | quiver fp8 "
-        "| ort f32 / q int8 | ort int8 / q int8 | ort f32 / q f32 |"
-    )
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    kernels = s.get("int8_kernels", [])
+    if kernels:
+        lines.append(
+            f"quiver int8 (K) is `quiver time-model --backend int8 --kernel K`; plain quiver int8 is the kernel "
+            f"`auto` picks on this machine."
+        )
+        lines.append("")
+    heads = ["ort f32", "ort int8", "quiver int8", "quiver f32", "quiver fp8"]
+    heads += [f"quiver int8 ({k})" for k in kernels]
+    heads += ["ort f32 / q int8", "ort int8 / q int8", "ort f32 / q f32"]
+    heads += [f"ort int8 / q int8 ({k})" for k in kernels]
+    heads += [f"q int8 ({k}) / q int8 ({kernels[0]})" for k in kernels[1:]]
+    lines.append("| model | rows | " + " | ".join(heads) + " |")
+    lines.append("|---|" + "---:|" * (len(heads) + 1))
     for name, r in report["models"].items():
         if r.get("error"):
-            lines.append(f"| {name} | | n/a: {r['error']} | | | | | | | |")
+            lines.append(f"| {name} | | n/a: {r['error']} |" + " |" * (len(heads) - 1))
             continue
         for n in rows:
             b = r["batches"][str(n)]
@@ -439,10 +454,18 @@ def main():
     ap.add_argument("--rows", default="1,32,256")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default=None, help="comma-separated subset of the zoo")
+    ap.add_argument("--int8-kernels", default="",
+                    help="also time quiver int8 with each of these forced kernels (e.g. amx,avx512-vnni), "
+                         "side by side in the same run; the second and later are also given over the first")
     ap.add_argument("--json", default=os.path.join(RESULTS, "zoo_side_by_side.json"))
     ap.add_argument("--md", default=os.path.join(RESULTS, "zoo_side_by_side.md"))
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    kernels = [k for k in args.int8_kernels.split(",") if k]
+    RUNTIMES.extend(f"quiver_int8_{k}" for k in kernels)
+    RATIOS.update({f"ort_int8_over_quiver_int8_{k}": ("ort_int8", f"quiver_int8_{k}") for k in kernels})
+    RATIOS.update({f"quiver_int8_{k}_over_quiver_int8_{kernels[0]}": (f"quiver_int8_{k}", f"quiver_int8_{kernels[0]}")
+                   for k in kernels[1:]})
     quiver_iters = args.quiver_iters or args.iters
     if not os.path.exists(QUIVER):
         sys.exit(f"{QUIVER} not found: run cargo build --release first")
@@ -495,15 +518,17 @@ def main():
                     iters = args.iters_256 if n >= 256 else args.iters
                     t["ort_f32"][n] = time_ort(f32, [fetch], feeds[n], iters)
                     t["ort_int8"][n] = time_ort(int8, [fetch], feeds[n], iters) if int8 else "n/a"
-                for backend in ("int8", "f32", "fp8"):
+                runs_q = [("int8", None), ("f32", None), ("fp8", None)] + [("int8", k) for k in kernels]
+                for backend, kernel in runs_q:
+                    key = f"quiver_{backend}" + (f"_{kernel}" if kernel else "")
                     try:
-                        q = time_quiver(qm, backend, rows, quiver_iters)
+                        q = time_quiver(qm, backend, rows, quiver_iters, kernel)
                         for n in rows:
-                            t[f"quiver_{backend}"][n] = q.get(n, "n/a")
+                            t[key][n] = q.get(n, "n/a")
                     except RuntimeError as e:
-                        models[name].setdefault("quiver_errors", {})[backend] = str(e)
+                        models[name].setdefault("quiver_errors", {})[key[len("quiver_"):]] = str(e)
                         for n in rows:
-                            t[f"quiver_{backend}"][n] = "n/a"
+                            t[key][n] = "n/a"
                 runs[name].append(t)
             print(f"# run {rep + 1}/{args.repeats} done at {time.time() - started:.0f} s", file=sys.stderr)
     for name, rs in runs.items():
@@ -546,7 +571,7 @@ def main():
         "machine": machine(),
         "versions": versions(),
         "settings": {"rows": rows, "repeats": args.repeats, "iters": args.iters, "iters_256": args.iters_256,
-                     "quiver_iters": quiver_iters, "warmup_calls_ort": WARMUP, "seed": SEED,
+                     "quiver_iters": quiver_iters, "int8_kernels": kernels, "warmup_calls_ort": WARMUP, "seed": SEED,
                      "threads": 1, "ort_provider": "CPUExecutionProvider",
                      "ort_graph_optimization": "ORT_ENABLE_ALL"},
         "targets_at_batch": TARGET_BATCH,
