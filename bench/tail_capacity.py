@@ -32,7 +32,7 @@ ACHIEVED_MIN = 0.99
 
 def passes(m, rate):
     return (m["p99_us"] <= P99_MAX_US and m["achieved_rate"] >= ACHIEVED_MIN * rate
-            and not m.get("lost") and not m.get("errors") and not m.get("generator_saturated_runs"))
+            and not m.get("lost") and not m.get("errors"))
 
 
 def capacity(summary, server):
@@ -77,7 +77,7 @@ def main():
         "summary_file": os.path.relpath(args.summary),
         "cpu": cpu_model(),
         "isa": isa,
-        "rule": f"highest swept rate with median p99 <= {P99_MAX_US:.0f} us, achieved >= {ACHIEVED_MIN:.0%}, none lost, generator never saturated",
+        "rule": f"highest swept rate with median p99 <= {P99_MAX_US:.0f} us, achieved >= {ACHIEVED_MIN:.0%}, none lost",
         "capacity_req_s": {labels[k]: {"passing": v[0], "next_rate": v[1]} for k, v in caps.items()},
         "ratio": ratio,
         "ratio_bounds": [lo, hi],
@@ -100,11 +100,14 @@ def main():
     for rate in sorted(int(r) for r in s["rates"]):
         by = s["rates"][str(rate)]
         cell = lambda m: (f"{m['p50_us']:,.0f} / {m['p99_us']:,.0f} / {m['p999_us']:,.0f}"
-                          + ("" if passes(m, rate) else " ✗")) if m else "n/a"
+                          + ("" if passes(m, rate) else " ✗")
+                          + (f" ‡{m['generator_saturated_runs']}" if m.get("generator_saturated_runs") else "")) if m else "n/a"
         redis = by.get("redis")
         lines.append(f"| {rate:,} | {redis['p99_us']:,.0f} | {cell(by.get('quiver'))} | {cell(by.get('base'))} |"
                      if redis else f"| {rate:,} | n/a | {cell(by.get('quiver'))} | {cell(by.get('base'))} |")
-    lines += ["", f"✗: over p99 {P99_MAX_US:,.0f} µs, short of {ACHIEVED_MIN:.0%} of the offered rate, or lost requests.", ""]
+    lines += ["", f"✗: over p99 {P99_MAX_US:,.0f} µs, short of {ACHIEVED_MIN:.0%} of the offered rate, or lost requests. "
+              "‡N: in N runs the generator fell behind its schedule (it reports this; the latencies still count from "
+              "the intended send times).", ""]
     for k in ("quiver", "base"):
         best, above = caps[k]
         where = (f"{best:,} req/s" if best else "below the lowest swept rate") + (
