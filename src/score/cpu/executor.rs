@@ -135,6 +135,12 @@ pub struct GraphExec<K: DenseKernel> {
 }
 
 impl<K: DenseKernel> GraphExec<K> {
+    /// The prepared dense layers, each with whether it reads only
+    /// per-request columns (so runs once per request, not per candidate).
+    pub fn dense_layers(&self) -> impl Iterator<Item = (&K::Prepared, bool)> + '_ {
+        self.dense.iter().zip(&self.shared).filter_map(|(d, &shared)| d.as_ref().map(|d| (d, shared)))
+    }
+
     /// The executor of `graph` with `kernel`'s dense layers, for at most
     /// `rows_max` rows; `request_cols[c]` says whether input column `c`
     /// holds a per-request value (the same for every candidate of a

@@ -99,9 +99,10 @@ impl Int8Kernel {
         }
     }
 
-    /// The fastest variant this CPU runs. AMX comes first: below
-    /// `AMX_ROWS_MIN` rows it runs the VNNI loop, and from there on its
-    /// tiles measured faster than VNNI on the demo model (docs/KERNELS.md).
+    /// The fastest variant this CPU runs. AMX comes first: it runs the
+    /// VNNI loop below `AMX_ROWS_MIN` rows and on layer shapes where tiles
+    /// do not pay (`amx_tiles_pay`), and its tiles elsewhere, which
+    /// measured faster than VNNI there (docs/KERNELS.md).
     pub fn best() -> Int8Kernel {
         [Int8Kernel::Amx, Int8Kernel::Avx512Vnni, Int8Kernel::Avx2, Int8Kernel::Portable]
             .into_iter()
@@ -154,6 +155,31 @@ const AMX_TILE_ROWS: usize = 16;
 /// dynamic and static alike.
 const AMX_ROWS_MIN: usize = 12;
 
+/// How the `Amx` kernel chooses, layer by layer, between its tiles and the
+/// VNNI loop on the same packed weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmxTiles {
+    /// Tiles only on layers whose shape they measured faster on
+    /// (`amx_tiles_pay`), for calls of `AMX_ROWS_MIN` rows or more: what
+    /// serving uses.
+    Measured,
+    /// Tiles on every layer from `AMX_ROWS_MIN` rows, whatever its shape:
+    /// what `bench/amx_shapes.rs` compares with the VNNI loop.
+    Always,
+}
+
+/// Whether AMX tiles beat the VNNI loop on a dense layer of `k` inputs and
+/// `n` outputs. From `cargo bench --bench amx_shapes` (dynamic activations,
+/// 16 to 256 rows; the table is in docs/BENCHMARKS.md): below 48 inputs the
+/// tiles lost on every shape, mostly by 10 to 45% (K is padded to a whole
+/// 64-byte tile row, and a block's fixed cost, zeroing, storing and
+/// reloading four tiles, is not repaid by a few `tdpbusd`); from 64 inputs
+/// they won once N reached 128 (1.1 to 1.25×), and from 128 inputs at
+/// almost every N (up to 2× at 512 × 256).
+pub fn amx_tiles_pay(k: usize, n: usize) -> bool {
+    k >= 128 || (k >= 64 && n >= 128)
+}
+
 /// A layer's weights and per-channel constants in the layout `kernel` reads.
 pub struct PackedLayer {
     kernel: Int8Kernel,
@@ -181,6 +207,12 @@ impl PackedLayer {
     /// Repacks `layer` for `kernel`, which must be a blocked variant this
     /// CPU runs.
     pub fn new(kernel: Int8Kernel, layer: &Layer) -> PackedLayer {
+        PackedLayer::with_tiles(kernel, layer, AmxTiles::Measured)
+    }
+
+    /// `new`, with the choice of where `Amx` runs its tiles (ignored by the
+    /// other kernels).
+    pub fn with_tiles(kernel: Int8Kernel, layer: &Layer, tiles: AmxTiles) -> PackedLayer {
         assert!(kernel != Int8Kernel::Scalar && kernel.is_available());
         let (lanes, group) = kernel.shape();
         let (k, n) = (layer.in_dim, layer.out_dim);
@@ -245,8 +277,19 @@ impl PackedLayer {
             offset_corr,
             scales: padded(&layer.weight_scales),
             bias: padded(&layer.bias),
-            amx_rows_min: if kernel == Int8Kernel::Amx { AMX_ROWS_MIN } else { 0 },
+            amx_rows_min: match (kernel, tiles) {
+                (Int8Kernel::Amx, AmxTiles::Always) => AMX_ROWS_MIN,
+                (Int8Kernel::Amx, AmxTiles::Measured) if amx_tiles_pay(k, n) => AMX_ROWS_MIN,
+                (Int8Kernel::Amx, AmxTiles::Measured) => usize::MAX,
+                _ => 0,
+            },
         }
+    }
+
+    /// Whether this layer runs AMX tiles for some row counts (an `Amx`
+    /// layer whose shape the tiles pay on), rather than only the VNNI loop.
+    pub fn uses_tiles(&self) -> bool {
+        self.kernel == Int8Kernel::Amx && self.amx_rows_min != usize::MAX
     }
 
     /// `Amx` on tiles for every row, the VNNI loop for none, so tests reach

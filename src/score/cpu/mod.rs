@@ -284,13 +284,40 @@ impl CpuInt8 {
         let kernel = configured_kernel();
         let backend = CpuInt8::with_kernel(model, rows_max, kernel)
             .unwrap_or_else(|e| panic!("the configured INT8 kernel is unavailable: {e}"));
+        let amx_tiles = backend
+            .amx_tiled_layers()
+            .map(|(tiled, of)| format!("{tiled} of {of} per-candidate dense layers (the VNNI loop on the others)"));
         tracing::info!(
             kernel = kernel.name(),
             activations = if backend.is_static() { "static (calibrated)" } else { "dynamic (uncalibrated model)" },
+            amx_tiles = amx_tiles.as_deref().unwrap_or("n/a"),
             rows_max,
             "cpu-int8 backend: INT8 kernel chosen"
         );
         backend
+    }
+
+    /// For the `Amx` kernel: how many of the dense layers scored per
+    /// candidate run AMX tiles (the layer shapes `amx_tiles_pay` accepts),
+    /// and how many such layers there are; `None` for the other kernels.
+    /// Layers that read only per-request columns run once per request, on
+    /// one row, through the VNNI loop whatever their shape.
+    pub fn amx_tiled_layers(&self) -> Option<(usize, usize)> {
+        if self.kernel != Int8Kernel::Amx {
+            return None;
+        }
+        let packed: Vec<&PackedLayer> = match &self.graph {
+            Some(exec) => exec
+                .dense_layers()
+                .filter(|(_, shared)| !shared)
+                .filter_map(|(p, _)| match p {
+                    Int8Prepared::Packed(p) => Some(p),
+                    Int8Prepared::Scalar(_) => None,
+                })
+                .collect(),
+            None => self.packed.iter().collect(),
+        };
+        Some((packed.iter().filter(|p| p.uses_tiles()).count(), packed.len()))
     }
 
     /// The backend running `kernel`, if this CPU supports it.
@@ -789,6 +816,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Where `Amx` runs its tiles: not on the narrow layers of the zoo's
+    /// models (K of 8 to 64 with N up to 64), where they measured slower
+    /// than the VNNI loop, but on the demo model's wide ones; a layer off
+    /// the rule runs the VNNI loop on the same packed weights.
+    #[test]
+    fn amx_runs_tiles_only_on_layer_shapes_where_they_pay() {
+        use int8_gemm::amx_tiles_pay;
+        for (k, n) in [(8, 64), (20, 64), (32, 256), (48, 256), (64, 32), (64, 64), (80, 64)] {
+            assert!(!amx_tiles_pay(k, n), "{k} x {n}");
+        }
+        for (k, n) in [(64, 128), (80, 256), (128, 1), (256, 128), (512, 16)] {
+            assert!(amx_tiles_pay(k, n), "{k} x {n}");
+        }
+        if !Int8Kernel::Amx.is_available() {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "skipped: amx not available on this CPU (the rule was checked)");
+            return;
+        }
+        let layer = |k: usize, n: usize| Layer::quantize(k, n, true, vec![0.5; k * n], vec![0.0; n]);
+        assert!(!PackedLayer::new(Int8Kernel::Amx, &layer(20, 64)).uses_tiles());
+        assert!(PackedLayer::new(Int8Kernel::Amx, &layer(256, 128)).uses_tiles());
+        let forced = PackedLayer::with_tiles(Int8Kernel::Amx, &layer(20, 64), int8_gemm::AmxTiles::Always);
+        assert!(forced.uses_tiles());
+        assert!(!PackedLayer::new(Int8Kernel::Avx512Vnni, &layer(256, 128)).uses_tiles());
+        let demo = CpuInt8::with_kernel(&Arc::new(crate::loadgen::demo::model()), 32, Int8Kernel::Amx)
+            .expect("amx is available");
+        assert_eq!(demo.amx_tiled_layers(), Some((3, 3)));
     }
 
     /// The AMX kernel at the shapes of its tiles' edges: rows around and
