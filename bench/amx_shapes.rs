@@ -119,6 +119,8 @@ fn main() {
                 .map(|l| l.split(':').nth(1).unwrap_or("?").trim().to_string())
         })
         .unwrap_or_else(|| "?".to_string());
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load: Vec<&str> = load.split_whitespace().take(3).collect();
     let mut md = String::new();
     let _ = writeln!(md, "## AMX tiles against the AVX-512 VNNI loop, by layer shape\n");
     let _ = writeln!(
@@ -126,8 +128,9 @@ fn main() {
         "Written by `cargo bench --bench amx_shapes` (`bench/amx_shapes.rs`) at commit `{commit}` on {cpu}: one dense \
          INT8 layer (dynamic activations: per-row quantization, GEMM, float epilogue, ReLU) of K inputs and N outputs, \
          packed for `avx512-vnni` and for `amx` with tiles forced on, timed alternately in one process, {ROUNDS} rounds, \
-         medians, ns per call. \"Rule\" is what `PackedLayer::new` does for `amx` on that shape (`amx_tiles_pay`): \
-         tiles, or the VNNI loop on the same packed weights.\n"
+         medians, ns per call; load average at the end {} (other work shared the machine, so read the ratios). \"Rule\" is what `PackedLayer::new` does for `amx` on that shape (`amx_tiles_pay`): \
+         tiles, or the VNNI loop on the same packed weights.\n",
+        load.join(" ")
     );
     let _ = writeln!(md, "| K | N | rows | avx512-vnni ns | amx tiles ns | vnni / amx | rule |");
     let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---|");
@@ -135,7 +138,8 @@ fn main() {
         let _ = writeln!(md, "{l}");
     }
     let body = format!(
-        "{{\"commit\":\"{commit}\",\"cpu\":\"{cpu}\",\"rounds\":{ROUNDS},\"shapes\":[\n{}\n]}}\n",
+        "{{\"commit\":\"{commit}\",\"cpu\":\"{cpu}\",\"loadavg\":\"{}\",\"rounds\":{ROUNDS},\"shapes\":[\n{}\n]}}\n",
+        load.join(" "),
         json.join(",\n")
     );
     std::fs::create_dir_all("bench/results").expect("bench/results");
