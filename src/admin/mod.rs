@@ -349,7 +349,8 @@ impl http::Handler for Endpoint {
             },
             Route::Stats => Answer::json(
                 200,
-                serde_json::to_string(&stats::snapshot(board, readiness, registry.drift())).expect("stats serialise"),
+                serde_json::to_string(&stats::snapshot(board, readiness, registry.drift(), self.state.kernel))
+                    .expect("stats serialise"),
             ),
             Route::Models => Answer::json(200, serde_json::to_string(&registry.status()).expect("status serialises")),
             Route::Drain => {

@@ -77,6 +77,8 @@ pub struct Stats {
     /// The backend scoring each served version, keyed as `by_version`
     /// (`cpu-int8`, `onnxruntime`, `unavailable`, …).
     pub backend_by_version: std::collections::BTreeMap<String, String>,
+    /// The INT8 kernel the CPU INT8 backend runs (`amx`, `avx512-vnni`, …).
+    pub int8_kernel: String,
     pub cache_hits: u64,
     pub cache_misses: u64,
     /// Requests shed for load, by priority band ("0", "1", "2-3", … "128-255").
@@ -117,7 +119,7 @@ pub struct Stats {
     pub connections_by_shard: Vec<u64>,
 }
 
-pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig) -> Stats {
+pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig, int8_kernel: &str) -> Stats {
     let m = metrics::merge(board);
     let us = |ns: u64| ns as f64 / 1e3;
     Stats {
@@ -150,6 +152,7 @@ pub(super) fn snapshot(board: &Board, readiness: &Readiness, drift: &DriftConfig
                 (format!("{name}@{v}{}", if *canary { "+canary" } else { "" }), (*b).to_string())
             })
             .collect(),
+        int8_kernel: int8_kernel.to_string(),
         candidates_scored: m.counters.candidates_scored,
         features_missing: m.counters.features_missing,
         stale_responses: m.counters.stale_responses,
@@ -231,7 +234,14 @@ pub fn render(s: &Stats, rate: Option<f64>) -> String {
     w!("status: {}", nonzero(&s.by_status));
     w!("tier:   {}", nonzero(&s.by_tier));
     if !s.backend_by_version.is_empty() {
-        let served: Vec<String> = s.backend_by_version.iter().map(|(v, b)| format!("{v} on {b}")).collect();
+        let served: Vec<String> = s
+            .backend_by_version
+            .iter()
+            .map(|(v, b)| match b.as_str() {
+                "cpu-int8" | "int8" if !s.int8_kernel.is_empty() => format!("{v} on {b} ({})", s.int8_kernel),
+                _ => format!("{v} on {b}"),
+            })
+            .collect();
         w!("served: {}", served.join(", "));
     }
     let shed = nonzero(&s.shed_by_band);
@@ -324,6 +334,11 @@ mod tests {
         assert!(table.contains("status: ok=990 rate_limited=10\n"), "{table}");
         assert!(table.contains("kernel"), "{table}");
         assert!(!table.contains("TLS") && !table.contains("feed ") && !table.contains("stalls"), "{table}");
+        s.backend_by_version.insert("ctr@3".into(), "cpu-int8".into());
+        s.backend_by_version.insert("trees@1".into(), "cpu-f32".into());
+        s.int8_kernel = "amx".into();
+        let table = render(&s, Some(250.0));
+        assert!(table.contains("served: ctr@3 on cpu-int8 (amx), trees@1 on cpu-f32\n"), "{table}");
         s.tls_handshakes = 3;
         s.tls_handshake_failures = 1;
         s.stalls_by_task.insert("connection".into(), 2);

@@ -23,6 +23,10 @@ const WARM_UP_CALLS: usize = 10;
 #[derive(Clone, Debug, Serialize)]
 pub struct Timing {
     pub backend: &'static str,
+    /// The INT8 kernel, for the CPU INT8 backend (`--kernel`, or auto's
+    /// choice); absent for the others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<&'static str>,
     pub one_request: bool,
     pub rows: usize,
     pub iters: usize,
@@ -167,6 +171,7 @@ pub fn time_model(
         let median_ns = ns[ns.len() / 2].max(1);
         timings.push(Timing {
             backend: backend.name(),
+            kernel: (kind == BackendKind::Int8).then(|| score::cpu::configured_kernel().name()),
             one_request,
             rows: n,
             iters: ns.len(),
@@ -188,6 +193,11 @@ mod tests {
         let t = time_model(&model, BackendKind::Int8, &[1, 8], 3, false, None).unwrap();
         assert_eq!(t.iter().map(|t| (t.rows, t.iters)).collect::<Vec<_>>(), vec![(1, 3), (8, 3)]);
         assert!(t.iter().all(|t| t.median_us > 0.0 && t.rows_per_s > 0.0 && t.gmac_per_s > 0.0));
+        let kernel = crate::score::cpu::configured_kernel().name();
+        assert!(t.iter().all(|t| t.kernel == Some(kernel)), "{t:?}");
+        let f32 = time_model(&model, BackendKind::F32, &[1], 1, false, None).unwrap();
+        assert_eq!(f32[0].kernel, None);
+        assert!(!serde_json::to_string(&f32[0]).unwrap().contains("kernel"));
         let narrow = Matrix { rows: 2, cols: 3, data: vec![0.0; 6] };
         let err = time_model(&model, BackendKind::F32, &[1], 1, false, Some(&narrow)).unwrap_err();
         assert!(err.contains("3 columns"), "{err}");
