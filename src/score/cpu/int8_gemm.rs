@@ -170,12 +170,12 @@ pub enum AmxTiles {
 
 /// Whether AMX tiles beat the VNNI loop on a dense layer of `k` inputs and
 /// `n` outputs. From `cargo bench --bench amx_shapes` (dynamic activations,
-/// 16 to 256 rows; the table is in docs/BENCHMARKS.md): below 48 inputs the
-/// tiles lost on every shape, mostly by 10 to 45% (K is padded to a whole
-/// 64-byte tile row, and a block's fixed cost, zeroing, storing and
-/// reloading four tiles, is not repaid by a few `tdpbusd`); from 64 inputs
-/// they won once N reached 128 (1.1 to 1.25×), and from 128 inputs at
-/// almost every N (up to 2× at 512 × 256).
+/// 16 to 256 rows; docs/KERNELS.md reads its table): below 48 inputs the
+/// tiles lost on most shapes (K is padded to a whole 64-byte tile row, and
+/// a block's fixed cost, zeroing, storing and reloading four tiles, is not
+/// repaid by a few `tdpbusd`); at 32 rows, a request's usual candidate
+/// count, they lost up to K = 80 unless N reached 128; from K = 128 they won
+/// at almost every shape.
 pub fn amx_tiles_pay(k: usize, n: usize) -> bool {
     k >= 128 || (k >= 64 && n >= 128)
 }
