@@ -609,12 +609,18 @@ fn std_arch_is_only_where_listed() {
 fn the_request_path_reads_time_only_through_its_clock() {
     let mut broken = Vec::new();
     for (rel, text) in src_files() {
-        if !rel.starts_with("request/") || rel.ends_with("/tests.rs") {
+        if !rel.starts_with("request/") || rel.ends_with("/tests.rs") || rel.contains("/tests/") {
             continue;
         }
         let c = code(&text);
+        // Paths count too (`std::time::SystemTime::now`): only another
+        // name ending in these (`MyInstant::now`) is not a read.
+        let reads = |name: &str| {
+            c.match_indices(name)
+                .any(|(i, _)| c[..i].chars().next_back().is_none_or(|p| !(p.is_ascii_alphanumeric() || p == '_')))
+        };
         for read in ["Instant::now", "SystemTime::now"] {
-            if uses(&c, read) {
+            if reads(read) {
                 broken.push(format!("src/{rel}: {read}"));
             }
         }
