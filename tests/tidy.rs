@@ -501,7 +501,9 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("score/cpu/forest/mod.rs", "calls of the SIMD tree evaluator after a runtime check"),
     ("score/cpu/forest/simd.rs", "the SIMD tree evaluator's intrinsics"),
     ("score/cpu/fp8.rs", "calls of safe code compiled with #[target_feature] after a runtime check"),
-    ("score/cpu/int8_gemm.rs", "the INT8 kernels' intrinsics"),
+    ("score/cpu/int8_gemm/mod.rs", "calls of the x86 INT8 kernels after a runtime check"),
+    ("score/cpu/int8_gemm/x86/amx.rs", "the AMX tile instructions (inline assembly)"),
+    ("score/cpu/int8_gemm/x86/mod.rs", "the INT8 kernels' intrinsics"),
     ("score/cpu/tiles.rs", "the f32 micro-kernel's intrinsics, called after a runtime check"),
     ("score/cuda.rs", "CUDA kernel launches"),
     ("shard/accept.rs", "dup of an accepted socket handed to another shard"),
@@ -591,7 +593,8 @@ fn std_arch_is_only_where_listed() {
             "features/replica/table.rs",
             "request/cache.rs",
             "score/cpu/forest/simd.rs",
-            "score/cpu/int8_gemm.rs",
+            "score/cpu/int8_gemm/x86/amx.rs",
+            "score/cpu/int8_gemm/x86/mod.rs",
             "score/cpu/tiles.rs",
         ],
         |c| uses(c, "std::arch") || uses(c, "core::arch"),
@@ -599,7 +602,7 @@ fn std_arch_is_only_where_listed() {
     );
     // The AMX tile instructions have no stable intrinsics, so the INT8
     // kernels issue them as inline assembly; nothing else does.
-    only_in("uses inline assembly", &["score/cpu/int8_gemm.rs"], |c| c.contains("asm!"), &mut broken);
+    only_in("uses inline assembly", &["score/cpu/int8_gemm/x86/amx.rs"], |c| c.contains("asm!"), &mut broken);
     assert!(broken.is_empty(), "{broken:#?}");
 }
 
