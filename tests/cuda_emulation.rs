@@ -1,0 +1,503 @@
+//! Every CUDA kernel in `kernels/` run on the CPU and held to the CPU
+//! backends, in plain `cargo test`, without a GPU (issue 40).
+//!
+//! Each kernel source, unchanged, is compiled for the host by the C++
+//! compiler that the `cc` crate finds (g++ on CI), with the emulation header
+//! `kernels/emulation/cuda_emu.h` included first and the wrapper
+//! `kernels/emulation/<file>.cpp` (shared-memory storage, launch entry),
+//! into a shared library this test loads. A launch runs each block's
+//! threads as real threads, so `__syncthreads()`, shared memory and the warp
+//! shuffles are exercised for real (docs/TESTING.md says what the emulation
+//! cannot show).
+//!
+//! - `dense_int8` (uncalibrated models) and `dense_int8_static` (calibrated)
+//!   against `cpu::CpuInt8` with the scalar reference kernel, bit for bit,
+//!   on the models, row counts and edge-case rows of `quiver gpu-check`,
+//!   driven layer by layer as `src/score/cuda.rs` drives them;
+//! - `dense_fp8` against `cpu::CpuFp8`, bit for bit (the contract in
+//!   docs/KERNELS.md: every product is exact, so the `__fmaf_rn` chain and the
+//!   CPU's `mul_add` chain round the same additions);
+//! - the emulated `cuda_fp8.h` conversions against `score::e4m3`;
+//! - a ThreadSanitizer build runs both INT8 entries without a report, and
+//!   copies with one `__syncthreads()` removed are reported as data races.
+//!
+//! A missing C++ compiler fails these tests: CI has one (`.ci/run`).
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+
+use quiver::loadgen::demo::{self, SplitMix64};
+use quiver::model::calibrate::{calibrate, Matrix, Method};
+use quiver::model::{Layer, Model, WIDTH_MAX};
+use quiver::score::{cpu, e4m3, kernels, Backend};
+
+type LaunchFn = unsafe extern "C" fn(
+    *const c_char,
+    *const c_uint,
+    *const c_uint,
+    usize,
+    *mut *mut c_void,
+    *mut c_char,
+    usize,
+) -> c_int;
+
+fn emulation_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emulation")
+}
+
+/// Compiles `wrapper` (under `kernels/emulation/`) and `extra_sources` with
+/// the emulation header, `flags` added, to `out`; `kernel` replaces the
+/// source the wrapper includes. Panics with the compiler's output on failure.
+fn compile(wrapper: &str, kernel: Option<&Path>, extra_sources: &[&str], flags: &[&str], out: &Path) {
+    let triple = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
+    let tool = cc::Build::new()
+        .cpp(true)
+        .cargo_metadata(false)
+        .cargo_warnings(false)
+        .debug(false)
+        .opt_level(2)
+        .target(&triple)
+        .host(&triple)
+        .try_get_compiler()
+        .unwrap_or_else(|e| panic!("no C++ compiler for the kernel emulation (install g++): {e}"));
+    let dir = emulation_dir();
+    let mut cmd = tool.to_command();
+    // Strict IEEE single arithmetic: no contraction into FMA, no fast math.
+    cmd.args(["-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-pthread"])
+        .args(["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"])
+        .arg("-I")
+        .arg(&dir)
+        .args(["-include", "cuda_emu.h"]);
+    if let Some(k) = kernel {
+        cmd.arg(format!("-DQUIVER_EMU_KERNEL=\"{}\"", k.display()));
+    }
+    cmd.args(flags).arg(dir.join(wrapper));
+    for s in extra_sources {
+        cmd.arg(dir.join(s));
+    }
+    cmd.arg("-o").arg(out);
+    let output = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("could not run the C++ compiler {:?} (install g++): {e}", tool.path()));
+    assert!(
+        output.status.success(),
+        "compiling {wrapper} failed ({cmd:?}):\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn scratch(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}-{name}", std::process::id()))
+}
+
+/// One kernel file built for the host and loaded.
+struct Emulated {
+    lib: libloading::Library,
+}
+
+impl Emulated {
+    fn build(wrapper: &str) -> Emulated {
+        let path = scratch(&wrapper.replace(".cpp", ".so"));
+        compile(wrapper, None, &[], &["-shared", "-fPIC", "-Wl,-z,defs"], &path);
+        // SAFETY: the library is ours, just built; its static constructors
+        // only register shared-memory regions.
+        let lib = unsafe { libloading::Library::new(&path) }.expect("loading the emulated kernels");
+        Emulated { lib }
+    }
+
+    /// Runs `entry` over `grid` × `block` threads with `shared_bytes` of
+    /// dynamic shared memory.
+    ///
+    /// # Safety
+    /// `args` are the entry's parameters in order, each a value of the
+    /// parameter's C type (`int` as i32, `float` as f32, pointers as
+    /// pointers), and every buffer a pointer names is as large as the
+    /// kernel reads or writes for this launch.
+    unsafe fn launch(&self, entry: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: usize, args: &mut Args) {
+        // SAFETY: `quiver_emu_launch` is defined with this signature by
+        // QUIVER_EMU_ENTRIES (kernels/emulation/cuda_emu.h).
+        let launch: libloading::Symbol<LaunchFn> = unsafe { self.lib.get(b"quiver_emu_launch") }.unwrap();
+        let name = CString::new(entry).unwrap();
+        let mut pointers = args.pointers();
+        let mut error = [0 as c_char; 256];
+        // SAFETY: as the caller promises; the dims are three u32 each and
+        // the error buffer's length is passed with it.
+        let rc = unsafe {
+            launch(
+                name.as_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                shared_bytes,
+                pointers.as_mut_ptr(),
+                error.as_mut_ptr(),
+                error.len(),
+            )
+        };
+        // SAFETY: the launcher writes a NUL-terminated message (snprintf).
+        assert_eq!(rc, 0, "{}", unsafe { CStr::from_ptr(error.as_ptr()) }.to_string_lossy());
+    }
+}
+
+fn int8_lib() -> &'static Emulated {
+    static LIB: OnceLock<Emulated> = OnceLock::new();
+    LIB.get_or_init(|| Emulated::build("int8_dense.cpp"))
+}
+
+fn fp8_lib() -> &'static Emulated {
+    static LIB: OnceLock<Emulated> = OnceLock::new();
+    LIB.get_or_init(|| Emulated::build("fp8_dense.cpp"))
+}
+
+/// A launch's parameters, each in an 8-byte slot, as cuLaunchKernel takes
+/// them (a pointer to each value).
+#[derive(Default)]
+struct Args {
+    slots: Vec<Box<[u64; 1]>>,
+}
+
+impl Args {
+    fn push(mut self, bytes: &[u8]) -> Self {
+        let mut slot = Box::new([0u64; 1]);
+        // SAFETY: at most 8 bytes into an 8-byte slot.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), slot.as_mut_ptr() as *mut u8, bytes.len()) };
+        self.slots.push(slot);
+        self
+    }
+    fn int(self, v: i32) -> Self {
+        self.push(&v.to_ne_bytes())
+    }
+    fn float(self, v: f32) -> Self {
+        self.push(&v.to_ne_bytes())
+    }
+    fn ptr<T>(self, p: *const T) -> Self {
+        self.push(&(p as usize).to_ne_bytes())
+    }
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        self.slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect()
+    }
+}
+
+/// `src/score/cuda.rs`'s packing (`[k4 / 4][n]` words, four consecutive k
+/// per word, byte 0 the lowest k, zero padding), which its unit test pins.
+fn pack_weights(l: &Layer) -> Vec<i32> {
+    let (k, n) = (l.in_dim, l.out_dim);
+    let kw = k.div_ceil(4);
+    let mut words = vec![0i32; kw * n];
+    for o in 0..n {
+        for j in 0..kw {
+            let bytes: [u8; 4] = std::array::from_fn(|t| if 4 * j + t < k { l.weights_i8[o * k + 4 * j + t] as u8 } else { 0 });
+            words[j * n + o] = i32::from_le_bytes(bytes);
+        }
+    }
+    words
+}
+
+/// What `CudaInt8::run` does, on the emulation: NaN read as 0, one launch
+/// per layer with the backend's geometry, `dense_int8` or
+/// `dense_int8_static` by the model's semantics. Outputs start poisoned so
+/// that an element a kernel leaves unwritten shows.
+fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
+    let lib = int8_lib();
+    let clean: Vec<f32> = x.iter().map(|v| if v.is_nan() { 0.0 } else { *v }).collect();
+    let statics = model.static_int8();
+    let inv_s_in = statics.as_ref().map_or(1.0, |st| 1.0f32 / st[0].in_scale);
+    let mut act = clean.clone();
+    let mut act_q: Vec<i8> = vec![0x5A];
+    let mut logits = Vec::new();
+    for (i, l) in model.layers.iter().enumerate() {
+        let (k, n) = (l.in_dim, l.out_dim);
+        let k4 = k.next_multiple_of(4);
+        let rows_per_block = kernels::dense_rows_per_block(k4);
+        let grid = [rows.div_ceil(rows_per_block) as u32, (n as u32).div_ceil(kernels::DENSE_THREADS), 1];
+        let block = [kernels::DENSE_THREADS, 1, 1];
+        let shared = rows_per_block * k4;
+        let w = pack_weights(l);
+        let geometry = |a: Args| a.int(rows as i32).int(k as i32).int(k4 as i32).int(n as i32).int(rows_per_block as i32);
+        match &statics {
+            None => {
+                let y = vec![3.0e38f32; rows * n];
+                let args = geometry(Args::default().ptr(act.as_ptr()));
+                let mut args = args
+                    .ptr(w.as_ptr())
+                    .ptr(l.weight_scales.as_ptr())
+                    .ptr(l.bias.as_ptr())
+                    .int(i32::from(l.relu))
+                    .ptr(y.as_ptr());
+                // SAFETY: dense_int8's parameters in order; `act` holds rows
+                // × k floats, `y` rows × n, `w` k4 / 4 × n words, the scales
+                // and bias n each; the grid covers rows and n as the backend's.
+                unsafe { lib.launch("dense_int8", grid, block, shared, &mut args) };
+                act = y;
+            }
+            Some(st) => {
+                let s = &st[i];
+                let y_q = vec![0x5Ai8; rows * n];
+                let y_f32 = vec![3.0e38f32; if s.requantize { 1 } else { rows * n }];
+                let args = Args::default().ptr(clean.as_ptr()).ptr(act_q.as_ptr()).int(i32::from(i == 0)).float(inv_s_in);
+                let mut args = geometry(args)
+                    .ptr(w.as_ptr())
+                    .ptr(s.bias_q.as_ptr())
+                    .ptr(s.scale.as_ptr())
+                    .int(i32::from(s.requantize))
+                    .int(i32::from(s.lo))
+                    .ptr(y_q.as_ptr())
+                    .ptr(y_f32.as_ptr());
+                // SAFETY: dense_int8_static's parameters in order; layer 0
+                // reads `clean` (rows × k floats), later layers `act_q`
+                // (rows × k bytes, the previous layer's output); a hidden
+                // layer writes `y_q` (rows × n), the output layer `y_f32`
+                // (rows × n); the constants hold n each.
+                unsafe { lib.launch("dense_int8_static", grid, block, shared, &mut args) };
+                if s.requantize {
+                    act_q = y_q;
+                } else {
+                    logits = y_f32;
+                }
+            }
+        }
+    }
+    if statics.is_some() {
+        logits
+    } else {
+        act
+    }
+}
+
+/// `quiver gpu-check`'s model of `dims` (`score::cuda::check_model`).
+fn check_model(seed: u64, dims: &[usize]) -> Model {
+    let name = format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x"));
+    demo::context_mlp(&name, seed, dims)
+}
+
+/// `score::cuda::check_calibrated`: max-abs over 64 seeded normal rows, every
+/// range then multiplied by `shrink` (below 1, requantized activations saturate).
+fn check_calibrated(mut model: Model, shrink: f32) -> Model {
+    let k = model.input_dim();
+    let mut rng = SplitMix64::new(77);
+    let set = Matrix { rows: 64, cols: k, data: (0..64 * k).map(|_| rng.normal()).collect() };
+    let mut c = calibrate(&model, &set, Method::MaxAbs, |_, _| {}).unwrap();
+    c.input_ranges.iter_mut().for_each(|r| *r *= shrink);
+    model.calibration = Some(c);
+    model.name = format!("{}-static-{shrink}", model.name);
+    model
+}
+
+/// `score::cuda::check_models`: both semantics at odd widths, a single-layer
+/// model, a hidden layer without ReLU, and k = WIDTH_MAX (three rows per
+/// block), each with the most rows it is checked at.
+fn check_models(rows_max: usize) -> Vec<(Arc<Model>, usize)> {
+    let wide = rows_max.min(255);
+    let mut linear_hidden = check_model(45, &[37, 33, 17, 1]);
+    linear_hidden.layers[0].relu = false;
+    let models = vec![
+        (demo::model(), rows_max),
+        (check_model(41, &[257, 255, 65, 1]), rows_max),
+        (check_model(42, &[3, 1]), rows_max),
+        (check_model(43, &[WIDTH_MAX, 33, 1]), wide),
+        (check_calibrated(demo::model(), 1.0), rows_max),
+        (check_calibrated(check_model(44, &[257, 255, 65, 1]), 0.6), rows_max),
+        (check_calibrated(linear_hidden, 0.5), rows_max),
+        (check_calibrated(check_model(46, &[3, 1]), 0.3), rows_max),
+        (check_calibrated(check_model(47, &[WIDTH_MAX, 33, 1]), 1.0), wide),
+    ];
+    models.into_iter().map(|(m, rows)| (Arc::new(m), rows)).collect()
+}
+
+/// `score::cuda::check_inputs`: seeded normal rows with the edge cases in
+/// the first rows: zeros, ±3e38 (the scale saturates), ±inf, one NaN, a
+/// whole NaN row, and a row scaled by 1e-30.
+fn check_inputs(seed: u64, rows: usize, k: usize) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+    let mut row = |r: usize, f: &dyn Fn(&mut [f32])| {
+        if r < rows {
+            f(&mut x[r * k..(r + 1) * k]);
+        }
+    };
+    row(0, &|v| v.fill(0.0));
+    row(1, &|v| {
+        v[0] = 3.0e38;
+        v[v.len() / 2] = -3.0e38;
+    });
+    row(2, &|v| v[v.len() - 1] = f32::INFINITY);
+    row(3, &|v| v[0] = f32::NEG_INFINITY);
+    row(4, &|v| v[v.len() / 3] = f32::NAN);
+    row(5, &|v| v.fill(f32::NAN));
+    row(6, &|v| v.iter_mut().for_each(|e| *e *= 1.0e-30));
+    x
+}
+
+/// Rows 1 to 1,024: single rows, ragged last blocks of rows (3 and 8 rows
+/// per block), exact multiples, and a warp's worth either side of 32.
+const BATCHES: [usize; 10] = [1, 2, 7, 8, 9, 31, 32, 33, 255, 1024];
+
+/// Bit for bit, two NaNs (payloads unspecified) counting as equal.
+fn mismatches(got: &[f32], want: &[f32]) -> Vec<usize> {
+    (0..want.len()).filter(|&r| !(got[r].to_bits() == want[r].to_bits() || (got[r].is_nan() && want[r].is_nan()))).collect()
+}
+
+#[test]
+fn int8_kernels_match_the_cpu_scalar_reference_bit_for_bit() {
+    let rows_max = *BATCHES.iter().max().unwrap();
+    let mut checked = [0usize; 2];
+    for (model, model_rows_max) in check_models(rows_max) {
+        let mut cpu = cpu::CpuInt8::with_kernel(&model, model_rows_max, cpu::Int8Kernel::Scalar).unwrap();
+        for &rows in BATCHES.iter().filter(|&&r| r <= model_rows_max) {
+            let x = check_inputs(rows as u64, rows, model.input_dim());
+            let mut want = vec![0.0; rows];
+            cpu.score(&x, rows, &mut want).unwrap();
+            let got = emulated_int8(&model, &x, rows);
+            assert_eq!(got.len(), rows);
+            let bad = mismatches(&got, &want);
+            assert!(
+                bad.is_empty(),
+                "{} ({}), {rows} rows: {} rows differ, first row {}: emulated {:e}, CPU {:e}",
+                model.name,
+                if cpu.is_static() { "static" } else { "dynamic" },
+                bad.len(),
+                bad[0],
+                got[bad[0]],
+                want[bad[0]]
+            );
+            checked[usize::from(cpu.is_static())] += 1;
+        }
+    }
+    // Both entries ran, on every batch of every model.
+    assert_eq!(checked, [4 * BATCHES.len() - 1, 5 * BATCHES.len() - 1]);
+    eprintln!("RAN dense_int8 on {} and dense_int8_static on {} (model, rows) cases, bit for bit", checked[0], checked[1]);
+}
+
+/// What the FP8 backend's host side would do (nothing launches `dense_fp8`
+/// yet; this is the contract of docs/KERNELS.md): per layer `s_w = max|w| /
+/// 448` (1 for an all-zero layer), weights encoded `[n][k]` with
+/// `e4m3::from_f32`, `s_x` the calibrated range / 448 or 1, NaN inputs read
+/// as 0, one launch per layer.
+fn emulated_fp8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
+    let lib = fp8_lib();
+    let mut act: Vec<f32> = x.iter().map(|v| if v.is_nan() { 0.0 } else { *v }).collect();
+    for (i, l) in model.layers.iter().enumerate() {
+        let (k, n) = (l.in_dim, l.out_dim);
+        let max_abs = l.weights_f32.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+        let s_w = if max_abs > 0.0 { max_abs / e4m3::MAX } else { 1.0 };
+        let w8: Vec<u8> = l.weights_f32.iter().map(|w| e4m3::from_f32(w / s_w)).collect();
+        let s_x = model.calibration.as_ref().map_or(1.0, |c| c.input_ranges[i] / e4m3::MAX);
+        let y = vec![3.0e38f32; rows * n];
+        let mut args = Args::default()
+            .ptr(act.as_ptr())
+            .int(rows as i32)
+            .int(k as i32)
+            .int(n as i32)
+            .ptr(w8.as_ptr())
+            .float(s_w)
+            .float(1.0 / s_x)
+            .float(s_x)
+            .ptr(l.bias.as_ptr())
+            .int(i32::from(l.relu))
+            .ptr(y.as_ptr());
+        // SAFETY: dense_fp8's parameters in order; `act` holds rows × k
+        // floats, `w8` n × k codes, the bias n floats, `y` rows × n; the grid
+        // is the one its header states.
+        unsafe { lib.launch("dense_fp8", [(n as u32).div_ceil(128), rows as u32, 1], [128, 1, 1], 0, &mut args) };
+        act = y;
+    }
+    act
+}
+
+#[test]
+fn fp8_kernel_matches_the_cpu_fp8_backend_bit_for_bit() {
+    let mut cases = 0;
+    for (model, model_rows_max) in check_models(1024) {
+        // The k = 16384 models at fewer rows: 16,384 emulated conversions per output.
+        let batches: &[usize] = if model_rows_max < 1024 { &[1, 9, 33] } else { &BATCHES };
+        let mut cpu = cpu::CpuFp8::new(&model, model_rows_max);
+        for &rows in batches {
+            let x = check_inputs(rows as u64 + 100, rows, model.input_dim());
+            let mut want = vec![0.0; rows];
+            cpu.score(&x, rows, &mut want).unwrap();
+            let got = emulated_fp8(&model, &x, rows);
+            let bad = mismatches(&got, &want);
+            assert!(
+                bad.is_empty(),
+                "{}, {rows} rows: {} rows differ, first row {}: emulated {:e}, CPU FP8 {:e}",
+                model.name,
+                bad.len(),
+                bad[0],
+                got[bad[0]],
+                want[bad[0]]
+            );
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 7 * BATCHES.len() + 2 * 3);
+    eprintln!("RAN dense_fp8 on {cases} (model, rows) cases, bit for bit with cpu-fp8");
+}
+
+#[test]
+fn emulated_fp8_conversions_are_the_e4m3_module_s() {
+    let lib = fp8_lib();
+    // SAFETY: both are defined with these signatures in kernels/emulation/fp8_dense.cpp.
+    let (encode, decode) = unsafe {
+        (
+            *lib.lib.get::<unsafe extern "C" fn(f32) -> u8>(b"quiver_emu_e4m3_from_f32").unwrap(),
+            *lib.lib.get::<unsafe extern "C" fn(u8) -> f32>(b"quiver_emu_e4m3_to_f32").unwrap(),
+        )
+    };
+    // SAFETY (both closures): plain value functions.
+    let enc = |v: f32| unsafe { encode(v) };
+    let dec = |c: u8| unsafe { decode(c) };
+    for code in 0..=255u8 {
+        let (got, want) = (dec(code), e4m3::to_f32(code));
+        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "code {code:#04x}: {got:e} vs {want:e}");
+    }
+    // Every code's value, the midpoints between neighbours (ties) and one
+    // f32 ulp either side of each, both signs; then a sweep of f32 bit
+    // patterns (NaNs, infinities and subnormals among them).
+    let mut values: Vec<f32> = (0..0x7Fu8).map(e4m3::to_f32).collect();
+    let mids: Vec<f32> = values.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+    for m in mids {
+        values.extend([m, f32::from_bits(m.to_bits() + 1), f32::from_bits(m.to_bits() - 1)]);
+    }
+    values.extend([448.0, 464.0, 480.0, 1.0e6, f32::INFINITY, f32::NAN, 0.0, 2f32.powi(-10)]);
+    let negated: Vec<f32> = values.iter().map(|v| -v).collect();
+    values.extend(negated);
+    values.extend((0..u32::MAX / 4093).map(|i| f32::from_bits(i * 4093)));
+    for v in values {
+        assert_eq!(enc(v), e4m3::from_f32(v), "{v:e} ({:#010x})", v.to_bits());
+    }
+}
+
+/// Builds `race_check.cpp` with the int8 wrapper under ThreadSanitizer,
+/// with `kernel` as the source when given; runs it and returns whether it
+/// exited 0, and its stderr.
+fn run_under_tsan(name: &str, kernel: Option<&Path>) -> (bool, String) {
+    let exe = scratch(name);
+    compile("int8_dense.cpp", kernel, &["race_check.cpp"], &["-fsanitize=thread", "-g", "-O1"], &exe);
+    let out = Command::new(&exe)
+        .env("TSAN_OPTIONS", "halt_on_error=1 exitcode=66")
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()));
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn thread_sanitizer_finds_no_race_in_the_int8_kernels_and_finds_a_removed_barrier() {
+    let (ok, stderr) = run_under_tsan("tsan-shipped", None);
+    assert!(ok && !stderr.contains("ThreadSanitizer"), "the shipped kernels under TSan:\n{stderr}");
+
+    let source = kernels::INT8_DENSE.source;
+    let barriers: Vec<usize> = source.match_indices("__syncthreads();").map(|(i, _)| i).collect();
+    assert_eq!(barriers.len(), 2, "one barrier per entry of int8_dense.cu");
+    for (i, at) in barriers.iter().enumerate() {
+        let mutant = format!("{}{}", &source[..*at], &source[at + "__syncthreads();".len()..]);
+        let path = scratch(&format!("int8_dense_without_barrier_{i}.cu"));
+        std::fs::write(&path, mutant).unwrap();
+        let (ok, stderr) = run_under_tsan(&format!("tsan-mutant-{i}"), Some(&path));
+        assert!(
+            !ok && stderr.contains("WARNING: ThreadSanitizer: data race"),
+            "removing __syncthreads() #{i} went unreported:\n{stderr}"
+        );
+    }
+    eprintln!("RAN ThreadSanitizer: the shipped kernels are race-free and both removed barriers are reported");
+}
