@@ -78,9 +78,8 @@ fn compile(wrapper: &str, kernel: Option<&Path>, extra_sources: &[&str], flags: 
         cmd.arg(dir.join(s));
     }
     cmd.arg("-o").arg(out);
-    let output = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("could not run the C++ compiler {:?} (install g++): {e}", tool.path()));
+    let output =
+        cmd.output().unwrap_or_else(|e| panic!("could not run the C++ compiler {:?} (install g++): {e}", tool.path()));
     assert!(
         output.status.success(),
         "compiling {wrapper} failed ({cmd:?}):\n{}",
@@ -187,7 +186,8 @@ fn pack_weights(l: &Layer) -> Vec<i32> {
     let mut words = vec![0i32; kw * n];
     for o in 0..n {
         for j in 0..kw {
-            let bytes: [u8; 4] = std::array::from_fn(|t| if 4 * j + t < k { l.weights_i8[o * k + 4 * j + t] as u8 } else { 0 });
+            let bytes: [u8; 4] =
+                std::array::from_fn(|t| if 4 * j + t < k { l.weights_i8[o * k + 4 * j + t] as u8 } else { 0 });
             words[j * n + o] = i32::from_le_bytes(bytes);
         }
     }
@@ -214,7 +214,8 @@ fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
         let block = [kernels::DENSE_THREADS, 1, 1];
         let shared = rows_per_block * k4;
         let w = pack_weights(l);
-        let geometry = |a: Args| a.int(rows as i32).int(k as i32).int(k4 as i32).int(n as i32).int(rows_per_block as i32);
+        let geometry =
+            |a: Args| a.int(rows as i32).int(k as i32).int(k4 as i32).int(n as i32).int(rows_per_block as i32);
         match &statics {
             None => {
                 let y = vec![3.0e38f32; rows * n];
@@ -235,7 +236,8 @@ fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
                 let s = &st[i];
                 let y_q = vec![0x5Ai8; rows * n];
                 let y_f32 = vec![3.0e38f32; if s.requantize { 1 } else { rows * n }];
-                let args = Args::default().ptr(clean.as_ptr()).ptr(act_q.as_ptr()).int(i32::from(i == 0)).float(inv_s_in);
+                let args =
+                    Args::default().ptr(clean.as_ptr()).ptr(act_q.as_ptr()).int(i32::from(i == 0)).float(inv_s_in);
                 let mut args = geometry(args)
                     .ptr(w.as_ptr())
                     .ptr(s.bias_q.as_ptr())
@@ -335,7 +337,9 @@ const BATCHES: [usize; 10] = [1, 2, 7, 8, 9, 31, 32, 33, 255, 1024];
 
 /// Bit for bit, two NaNs (payloads unspecified) counting as equal.
 fn mismatches(got: &[f32], want: &[f32]) -> Vec<usize> {
-    (0..want.len()).filter(|&r| !(got[r].to_bits() == want[r].to_bits() || (got[r].is_nan() && want[r].is_nan()))).collect()
+    (0..want.len())
+        .filter(|&r| !(got[r].to_bits() == want[r].to_bits() || (got[r].is_nan() && want[r].is_nan())))
+        .collect()
 }
 
 #[test]
@@ -366,7 +370,10 @@ fn int8_kernels_match_the_cpu_scalar_reference_bit_for_bit() {
     }
     // Both entries ran, on every batch of every model.
     assert_eq!(checked, [4 * BATCHES.len() - 1, 5 * BATCHES.len() - 1]);
-    eprintln!("RAN dense_int8 on {} and dense_int8_static on {} (model, rows) cases, bit for bit", checked[0], checked[1]);
+    eprintln!(
+        "RAN dense_int8 on {} and dense_int8_static on {} (model, rows) cases, bit for bit",
+        checked[0], checked[1]
+    );
 }
 
 /// What the FP8 backend's host side would do (nothing launches `dense_fp8`
@@ -449,7 +456,10 @@ fn emulated_fp8_conversions_are_the_e4m3_module_s() {
     let dec = |c: u8| unsafe { decode(c) };
     for code in 0..=255u8 {
         let (got, want) = (dec(code), e4m3::to_f32(code));
-        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "code {code:#04x}: {got:e} vs {want:e}");
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "code {code:#04x}: {got:e} vs {want:e}"
+        );
     }
     // Every code's value, the midpoints between neighbours (ties) and one
     // f32 ulp either side of each, both signs; then a sweep of f32 bit
