@@ -153,15 +153,14 @@ fn fp8_lib() -> &'static Emulated {
 /// them (a pointer to each value).
 #[derive(Default)]
 struct Args {
-    slots: Vec<Box<[u64; 1]>>,
+    slots: Vec<u64>,
 }
 
 impl Args {
     fn push(mut self, bytes: &[u8]) -> Self {
-        let mut slot = Box::new([0u64; 1]);
-        // SAFETY: at most 8 bytes into an 8-byte slot.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), slot.as_mut_ptr() as *mut u8, bytes.len()) };
-        self.slots.push(slot);
+        let mut slot = [0u8; 8];
+        slot[..bytes.len()].copy_from_slice(bytes);
+        self.slots.push(u64::from_ne_bytes(slot));
         self
     }
     fn int(self, v: i32) -> Self {
@@ -174,7 +173,7 @@ impl Args {
         self.push(&(p as usize).to_ne_bytes())
     }
     fn pointers(&mut self) -> Vec<*mut c_void> {
-        self.slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect()
+        self.slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect()
     }
 }
 
@@ -218,14 +217,14 @@ fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
             |a: Args| a.int(rows as i32).int(k as i32).int(k4 as i32).int(n as i32).int(rows_per_block as i32);
         match &statics {
             None => {
-                let y = vec![3.0e38f32; rows * n];
+                let mut y = vec![3.0e38f32; rows * n];
                 let args = geometry(Args::default().ptr(act.as_ptr()));
                 let mut args = args
                     .ptr(w.as_ptr())
                     .ptr(l.weight_scales.as_ptr())
                     .ptr(l.bias.as_ptr())
                     .int(i32::from(l.relu))
-                    .ptr(y.as_ptr());
+                    .ptr(y.as_mut_ptr());
                 // SAFETY: dense_int8's parameters in order; `act` holds rows
                 // × k floats, `y` rows × n, `w` k4 / 4 × n words, the scales
                 // and bias n each; the grid covers rows and n as the backend's.
@@ -234,8 +233,8 @@ fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
             }
             Some(st) => {
                 let s = &st[i];
-                let y_q = vec![0x5Ai8; rows * n];
-                let y_f32 = vec![3.0e38f32; if s.requantize { 1 } else { rows * n }];
+                let mut y_q = vec![0x5Ai8; rows * n];
+                let mut y_f32 = vec![3.0e38f32; if s.requantize { 1 } else { rows * n }];
                 let args =
                     Args::default().ptr(clean.as_ptr()).ptr(act_q.as_ptr()).int(i32::from(i == 0)).float(inv_s_in);
                 let mut args = geometry(args)
@@ -244,8 +243,8 @@ fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
                     .ptr(s.scale.as_ptr())
                     .int(i32::from(s.requantize))
                     .int(i32::from(s.lo))
-                    .ptr(y_q.as_ptr())
-                    .ptr(y_f32.as_ptr());
+                    .ptr(y_q.as_mut_ptr())
+                    .ptr(y_f32.as_mut_ptr());
                 // SAFETY: dense_int8_static's parameters in order; layer 0
                 // reads `clean` (rows × k floats), later layers `act_q`
                 // (rows × k bytes, the previous layer's output); a hidden
@@ -390,7 +389,7 @@ fn emulated_fp8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
         let s_w = if max_abs > 0.0 { max_abs / e4m3::MAX } else { 1.0 };
         let w8: Vec<u8> = l.weights_f32.iter().map(|w| e4m3::from_f32(w / s_w)).collect();
         let s_x = model.calibration.as_ref().map_or(1.0, |c| c.input_ranges[i] / e4m3::MAX);
-        let y = vec![3.0e38f32; rows * n];
+        let mut y = vec![3.0e38f32; rows * n];
         let mut args = Args::default()
             .ptr(act.as_ptr())
             .int(rows as i32)
@@ -402,7 +401,7 @@ fn emulated_fp8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
             .float(s_x)
             .ptr(l.bias.as_ptr())
             .int(i32::from(l.relu))
-            .ptr(y.as_ptr());
+            .ptr(y.as_mut_ptr());
         // SAFETY: dense_fp8's parameters in order; `act` holds rows × k
         // floats, `w8` n × k codes, the bias n floats, `y` rows × n; the grid
         // is the one its header states.
