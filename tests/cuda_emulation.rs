@@ -17,7 +17,9 @@
 //! - `dense_fp8` against `cpu::CpuFp8`, bit for bit (the contract in
 //!   docs/KERNELS.md: every product is exact, so the `__fmaf_rn` chain and the
 //!   CPU's `mul_add` chain round the same additions);
-//! - the emulated `cuda_fp8.h` conversions against `score::e4m3`;
+//! - the emulated `cuda_fp8.h` conversions against `score::e4m3`, and
+//!   `__float2int_rn`, `__int2float_rn` and `__dp4a` against their
+//!   definitions at the edges;
 //! - a ThreadSanitizer build runs both INT8 entries without a report, and
 //!   copies with one `__syncthreads()` removed are reported as data races.
 //!
@@ -474,6 +476,42 @@ fn emulated_fp8_conversions_are_the_e4m3_module_s() {
     values.extend((0..u32::MAX / 4093).map(|i| f32::from_bits(i * 4093)));
     for v in values {
         assert_eq!(enc(v), e4m3::from_f32(v), "{v:e} ({:#010x})", v.to_bits());
+    }
+}
+
+#[test]
+fn emulated_integer_intrinsics_follow_the_cuda_definitions() {
+    let lib = int8_lib();
+    // SAFETY: defined with these signatures in kernels/emulation/int8_dense.cpp.
+    let (f2i, i2f, dp4a) = unsafe {
+        (
+            *lib.lib.get::<unsafe extern "C" fn(f32) -> i32>(b"quiver_emu_float2int_rn").unwrap(),
+            *lib.lib.get::<unsafe extern "C" fn(i32) -> f32>(b"quiver_emu_int2float_rn").unwrap(),
+            *lib.lib.get::<unsafe extern "C" fn(i32, i32, i32) -> i32>(b"quiver_emu_dp4a").unwrap(),
+        )
+    };
+    // cvt.rni.s32.f32: ties to even, saturating, NaN to 0, which is Rust's
+    // `round_ties_even() as i32`.
+    let mut floats = vec![0.5f32, 1.5, 2.5, -0.5, -2.5, 2147483520.0, 2147483648.0, -2147483648.0, -2147483904.0];
+    floats.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::MAX, f32::MIN_POSITIVE, -0.0]);
+    floats.extend((0..u32::MAX / 65521).map(|i| f32::from_bits(i * 65521)));
+    for v in floats {
+        // SAFETY (this loop and the next two): plain value functions.
+        assert_eq!(unsafe { f2i(v) }, v.round_ties_even() as i32, "__float2int_rn({v:e})");
+    }
+    for i in [0, 1, -1, 16_777_217, -16_777_219, i32::MAX, i32::MIN, 0x7FFF_FFC0, 123_456_789] {
+        assert_eq!(unsafe { i2f(i) }.to_bits(), (i as f32).to_bits(), "__int2float_rn({i})");
+    }
+    // dp4a.s32.s32: four signed byte products added to c, wrapping.
+    let mut rng = SplitMix64::new(9);
+    let mut words: Vec<i32> = vec![0, -1, i32::MIN, i32::MAX, 0x8080_8080u32 as i32, 0x7F7F_7F7F];
+    words.extend((0..2000).map(|_| rng.next_u64() as i32));
+    for (i, &a) in words.iter().enumerate() {
+        let b = words[(i * 7 + 3) % words.len()];
+        let c = words[(i * 13 + 5) % words.len()];
+        let bytes = |w: i32| w.to_le_bytes().map(|x| i32::from(x as i8));
+        let want = bytes(a).iter().zip(bytes(b)).fold(c, |acc, (x, y)| acc.wrapping_add(x * y));
+        assert_eq!(unsafe { dp4a(a, b, c) }, want, "__dp4a({a:#x}, {b:#x}, {c})");
     }
 }
 

@@ -13,3 +13,15 @@ QUIVER_EMU_DYNAMIC_SHARED(int, xq_shared);
 QUIVER_EMU_STATIC_SHARED(float, sx_shared, [DENSE_ROWS_MAX]);
 
 QUIVER_EMU_ENTRIES(QUIVER_EMU_ENTRY(dense_int8), QUIVER_EMU_ENTRY(dense_int8_static))
+
+// The emulated integer intrinsics alone, so that the test can hold them to
+// their definitions at the edges (saturation, NaN, ties, wrap-around).
+extern "C" int quiver_emu_float2int_rn(float v) {
+    return __float2int_rn(v);
+}
+extern "C" float quiver_emu_int2float_rn(int v) {
+    return __int2float_rn(v);
+}
+extern "C" int quiver_emu_dp4a(int a, int b, int c) {
+    return __dp4a(a, b, c);
+}
