@@ -105,6 +105,8 @@ impl Emulated {
         // SAFETY: the library is ours, just built; its static constructors
         // only register shared-memory regions.
         let lib = unsafe { libloading::Library::new(&path) }.expect("loading the emulated kernels");
+        // Mapped now; the file is no longer needed (each test process builds its own).
+        let _ = std::fs::remove_file(&path);
         Emulated { lib }
     }
 
@@ -525,6 +527,7 @@ fn run_under_tsan(name: &str, kernel: Option<&Path>) -> (bool, String) {
         .env("TSAN_OPTIONS", "halt_on_error=1 exitcode=66")
         .output()
         .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()));
+    let _ = std::fs::remove_file(&exe);
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
@@ -541,6 +544,7 @@ fn thread_sanitizer_finds_no_race_in_the_int8_kernels_and_finds_a_removed_barrie
         let path = scratch(&format!("int8_dense_without_barrier_{i}.cu"));
         std::fs::write(&path, mutant).unwrap();
         let (ok, stderr) = run_under_tsan(&format!("tsan-mutant-{i}"), Some(&path));
+        let _ = std::fs::remove_file(&path);
         assert!(
             !ok && stderr.contains("WARNING: ThreadSanitizer: data race"),
             "removing __syncthreads() #{i} went unreported:\n{stderr}"
