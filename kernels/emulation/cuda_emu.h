@@ -67,7 +67,8 @@ struct dim3 {
 
 namespace quiver_emu {
 inline thread_local uint3 thread_idx{};
-// Written only between blocks, under the block barrier's lock.
+// Written only between blocks, by the last thread to arrive at the
+// between-blocks barrier, under its lock.
 inline uint3 block_idx{};
 inline dim3 block_dim{};
 inline dim3 grid_dim{};
