@@ -67,7 +67,34 @@ enum Command {
     GpuCheck(gpu_check_cmd::Args),
 }
 
+/// The exit status of a command whose standard output was closed under it
+/// (`quiver log dump | head`): the status a shell reports for a process
+/// ended by SIGPIPE, 128 + 13, as the Unix tools give.
+const STDOUT_CLOSED_EXIT: i32 = 128 + 13;
+
+/// Rust ignores SIGPIPE, so printing to a closed pipe is an error, and
+/// `println!` turns it into a panic. A reader that stops early is not a
+/// failure of the command: it ends quietly with `STDOUT_CLOSED_EXIT`
+/// instead of a panic message. SIGPIPE stays ignored, so a socket whose
+/// peer went away is still an error the command reports.
+fn end_quietly_when_stdout_closes() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(STDOUT_CLOSED_EXIT);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    end_quietly_when_stdout_closes();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

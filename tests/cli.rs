@@ -274,3 +274,25 @@ fn demo_publishes_two_versions_to_a_registry_when_asked() {
         assert_eq!((model.name.as_str(), model.version), ("auction-32", version));
     }
 }
+
+/// A reader that closes the pipe early (`quiver … | head`) ends the command
+/// quietly with the shell's SIGPIPE status, not a panic.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    let dir = common::scratch("closed-stdout");
+    assert!(run(&["demo", "--data-dir", dir.to_str().unwrap()]).status.success());
+    let model = dir.join("model.qm");
+    // The pipe's reading end is closed before the command starts, so its
+    // first line meets a closed pipe however the two processes are scheduled.
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = Command::new(BIN)
+        .args(["time-model", "--model", model.to_str().unwrap(), "--rows", "1", "--iters", "1"])
+        .stdout(writer)
+        .output()
+        .expect("quiver runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
