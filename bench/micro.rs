@@ -121,6 +121,7 @@ fn encode_scores(enc: &mut ResponseEncoder, scores: &[f32], out: &mut Vec<u8>) -
             error: "",
             reason: quiver::wire::Reason::None,
             features_stale: false,
+            explain: quiver::wire::ExplainFields::NONE,
         },
         out,
     );

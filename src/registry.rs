@@ -42,6 +42,7 @@ use crate::drift::DriftConfig;
 use crate::features::groups::Scope;
 use crate::model::layout::{GroupFit, InputLayout, LayoutError};
 use crate::model::{Model, ModelError};
+use crate::score::explaining::Explaining;
 use crate::score::{self, Backend, BackendKind};
 
 /// File name of a model inside its version directory.
@@ -150,6 +151,10 @@ pub struct ModelStatus {
     /// The shadow version and the fraction of requests it also scores.
     #[serde(default)]
     pub shadow: Option<(u32, f64)>,
+    /// The current version's input columns by name, in row order
+    /// (`Model::feature_names`): what an explanation's feature index names.
+    #[serde(default)]
+    pub features: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -216,11 +221,13 @@ impl Inbox {
     }
 }
 
-/// A backend built for one shard ahead of a swap, with its measured cost.
+/// A backend built for one shard ahead of a swap, with its measured cost,
+/// and the version's explainer for that shard (or its refusal).
 pub struct Prebuilt {
     pub backend: Box<dyn Backend>,
     /// Kernel time per row on a full batch of `rows_max` rows.
     pub ns_per_row: f64,
+    pub explaining: Explaining,
 }
 
 impl std::fmt::Debug for Prebuilt {
@@ -231,7 +238,8 @@ impl std::fmt::Debug for Prebuilt {
 
 /// Builds a backend for `model` and times one full batch of `rows_max`
 /// zero rows, which also warms it (first-touch page faults, lazy
-/// initialisation). `now_ns` is the clock it is timed by.
+/// initialisation); builds and times its explainer likewise
+/// (`Explaining::build`). `now_ns` is the clock they are timed by.
 pub fn build_timed(
     kind: BackendKind,
     model: &Arc<Model>,
@@ -247,7 +255,8 @@ pub fn build_timed(
     // ladder, so its cost is never consulted.
     let _ = backend.score(&x, rows_max, &mut out[..rows_max]);
     let ns_per_row = now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
-    Prebuilt { backend, ns_per_row }
+    let explaining = Explaining::build(model, &now_ns);
+    Prebuilt { backend, ns_per_row, explaining }
 }
 
 fn valid_name(name: &str) -> bool {
@@ -508,6 +517,7 @@ impl Registry {
                 previous: s.previous.as_ref().map(|p| p.version),
                 canary: s.canary.as_ref().map(|(m, ppm)| (m.version, f64::from(*ppm) / 1e6)),
                 shadow: s.shadow.as_ref().map(|(m, ppm)| (m.version, f64::from(*ppm) / 1e6)),
+                features: s.current.feature_names(),
                 name,
             })
             .collect()

@@ -7,7 +7,9 @@
 //! window.
 //!
 //! With the decision log on, the shard's logging (sample, encode into its
-//! ring) runs inside the window as well.
+//! ring) runs inside the window as well. Every other request asks for
+//! reason codes (the model is linear, so it is explained), so explaining
+//! and encoding explanations run inside the window too.
 //!
 //! A rejected request may still allocate to format its error text (the
 //! "model takes N floats" kind); none of the requests here is rejected.
@@ -30,7 +32,7 @@ use quiver::registry::{Fit, Registry};
 use quiver::request::admission::{AdmissionConfig, ClientUsage, Peer};
 use quiver::request::{Handled, Limits, RequestPath, Shared, SharedGroup};
 use quiver::score::BackendKind;
-use quiver::wire::{self, GroupKeySpec, RequestEncoder, RequestSpec, Status, Tier, FRAME_PREFIX_BYTES};
+use quiver::wire::{self, ExplainSkipped, GroupKeySpec, RequestEncoder, RequestSpec, Status, Tier, FRAME_PREFIX_BYTES};
 
 /// Counts allocations (not frees) while `COUNTING` is set: all threads'
 /// in `ALLOCATIONS`, this thread's in `MINE`.
@@ -176,7 +178,8 @@ fn shared(name: &str) -> Shared {
 
 /// Request frames, encoded ahead: users known and unknown, one to four
 /// candidates (one unknown), with and without context, a device by string
-/// key (known or not) and each candidate's ad.
+/// key (known or not) and each candidate's ad; the odd ones ask for their
+/// top 3 features, of all candidates or of the top one or two by score.
 fn frames(n: u64) -> Vec<Vec<u8>> {
     let mut encoder = RequestEncoder::new();
     (0..n)
@@ -193,6 +196,8 @@ fn frames(n: u64) -> Vec<Vec<u8>> {
                     ("device".into(), GroupKeySpec::Strs(vec![["f7a9c2", "unknown"][(i % 2) as usize].into()])),
                     ("ad".into(), GroupKeySpec::Ids([100, 101, 100, 102][..1 + (i % 4) as usize].to_vec())),
                 ],
+                explain_top_k: if i % 2 == 1 { 3 } else { 0 },
+                explain_candidates_max: (i % 3) as u16,
                 ..RequestSpec::default()
             };
             let mut frame = Vec::new();
@@ -229,6 +234,15 @@ fn all_primary(out: &[u8], n: u64) {
     while let Some((payload, used)) = wire::split_frame(rest, 1 << 16).unwrap() {
         let r = wire::decode_response(payload, 64).unwrap();
         assert_eq!((r.status, r.tier), (Status::Ok, Tier::Primary), "request {}: {}", r.request_id, r.error);
+        let e = &r.explanations;
+        assert_eq!(e.skipped, ExplainSkipped::None, "request {}", r.request_id);
+        let asked = r.request_id % 2 == 1;
+        let want = match r.request_id % 3 {
+            0 => r.scores.len(),
+            m => (m as usize).min(r.scores.len()),
+        };
+        assert_eq!(e.candidates.len(), if asked { want } else { 0 }, "request {}", r.request_id);
+        assert_eq!(e.k(), if asked { 3 } else { 0 }, "request {}", r.request_id);
         rest = &rest[used..];
         seen += 1;
     }

@@ -13,8 +13,8 @@
 use std::path::{Path, PathBuf};
 
 use quiver::wire::{
-    self, fb, GroupKeySpec, Reason, RequestEncoder, RequestLimits, RequestSpec, ResponseEncoder, ResponseFields,
-    Status, Tier,
+    self, fb, ExplainFields, ExplainSkipped, GroupKeySpec, Reason, RequestEncoder, RequestLimits, RequestSpec,
+    ResponseEncoder, ResponseFields, Status, Tier,
 };
 use serde_json::{json, Value};
 
@@ -42,6 +42,17 @@ struct Owned {
     error: &'static str,
     reason: Reason,
     features_stale: bool,
+    explain: OwnedExplain,
+}
+
+/// `ExplainFields`, owned.
+#[derive(Default)]
+struct OwnedExplain {
+    skipped: ExplainSkipped,
+    bias: f64,
+    candidates: Vec<u32>,
+    features: Vec<u32>,
+    contributions: Vec<f64>,
 }
 
 impl Owned {
@@ -57,6 +68,7 @@ impl Owned {
             error: "",
             reason: Reason::None,
             features_stale: false,
+            explain: OwnedExplain::default(),
         }
     }
 
@@ -73,6 +85,7 @@ impl Owned {
             error,
             reason: f.reason,
             features_stale: f.features_stale,
+            explain: OwnedExplain::default(),
         }
     }
 
@@ -88,6 +101,13 @@ impl Owned {
             error: self.error,
             reason: self.reason,
             features_stale: self.features_stale,
+            explain: ExplainFields {
+                skipped: self.explain.skipped,
+                bias: self.explain.bias,
+                candidates: &self.explain.candidates,
+                features: &self.explain.features,
+                contributions: &self.explain.contributions,
+            },
         }
     }
 }
@@ -116,6 +136,10 @@ fn vectors() -> Vec<Vector> {
             ("ad".into(), GroupKeySpec::Ids(vec![10, 20, 30])),
             ("ip".into(), strs(&["203.0.113.7"])),
         ],
+        // Appended later than the clients' first release: at their
+        // defaults here, so every client's encoder still writes this frame.
+        explain_top_k: 0,
+        explain_candidates_max: 0,
     };
     let groups_only = RequestSpec {
         request_id: 7,
@@ -143,6 +167,30 @@ fn vectors() -> Vec<Vector> {
     let model_error = Owned { tier: Tier::Fallback, reason: Reason::ModelError, ..Owned::ok(14, &[0.25]) };
     let default =
         Owned { tier: Tier::Default, reason: Reason::Overload, model_version: 0, ..Owned::ok(15, &[0.01, 0.01, 0.01]) };
+    // Candidates 0 and 2 of three explained, two features each, largest
+    // |contribution| first; bias + every contribution is each margin.
+    let explained = Owned {
+        explain: OwnedExplain {
+            skipped: ExplainSkipped::None,
+            bias: -2.5,
+            candidates: vec![0, 2],
+            features: vec![7, 1, 3, 7],
+            contributions: vec![1.25, -0.5, -0.75, 0.375],
+        },
+        ..Owned::ok(16, &[0.25, 0.125, 0.5])
+    };
+    let explain_skips = [
+        (17, ExplainSkipped::Budget, Tier::Primary, Reason::None),
+        (18, ExplainSkipped::NotExplainable, Tier::Primary, Reason::None),
+        (19, ExplainSkipped::LowerRung, Tier::Fallback, Reason::Budget),
+        (20, ExplainSkipped::Unavailable, Tier::Primary, Reason::None),
+    ]
+    .map(|(id, skipped, tier, reason)| Owned {
+        tier,
+        reason,
+        explain: OwnedExplain { skipped, ..OwnedExplain::default() },
+        ..Owned::ok(id, &[0.5])
+    });
     vec![
         Vector {
             name: "request_minimal",
@@ -151,7 +199,8 @@ fn vectors() -> Vec<Vector> {
         },
         Vector {
             name: "request_full",
-            what: "every request field present, u64 fields at their extremes, u64 and string group keys",
+            what: "every request field present (but the explanation fields, at their defaults), u64 fields at their \
+                   extremes, u64 and string group keys",
             frames: Frames::Requests(vec![full]),
         },
         Vector {
@@ -183,6 +232,18 @@ fn vectors() -> Vec<Vector> {
             name: "response_tiers",
             what: "the fallback model (breaker open, model error) and the default score (overload)",
             frames: Frames::Responses(vec![fallback, model_error, default]),
+        },
+        Vector {
+            name: "response_explained",
+            what: "reason codes (explain_top_k 2, explain_candidates_max 2): the explained candidates, the bias, \
+                   k (feature, contribution) pairs per candidate",
+            frames: Frames::Responses(vec![explained]),
+        },
+        Vector {
+            name: "response_explain_skipped",
+            what: "explanations asked for and skipped: for the budget, a model that cannot be explained, a lower \
+                   rung, a version swapped out",
+            frames: Frames::Responses(explain_skips.into()),
         },
         Vector {
             name: "response_statuses",
@@ -261,6 +322,8 @@ fn request_meaning(payload: &[u8]) -> Value {
         "context": floats_json(r.context()),
         "context_ids": ids_json(r.context_ids()),
         "groups": groups,
+        "explain_top_k": r.explain_top_k(),
+        "explain_candidates_max": r.explain_candidates_max(),
         "server": server,
     })
 }
@@ -269,6 +332,11 @@ fn response_meaning(payload: &[u8]) -> Value {
     let r = flatbuffers::root::<fb::ScoreResponse>(payload).expect("a response vector verifies");
     let decoded = wire::decode_response(payload, 256).expect("the client decoder reads it");
     assert_eq!(decoded.request_id, r.request_id());
+    let e = &decoded.explanations;
+    let top: Vec<Value> = e
+        .iter()
+        .map(|(c, top)| json!({"candidate": c, "top": top.map(|(f, v)| json!([f, v])).collect::<Vec<_>>()}))
+        .collect();
     json!({
         "request_id": u64_json(r.request_id()),
         "status": r.status().variant_name(),
@@ -280,6 +348,12 @@ fn response_meaning(payload: &[u8]) -> Value {
         "error": r.error(),
         "reason": r.reason().variant_name(),
         "features_stale": r.features_stale(),
+        "explain_skipped": r.explain_skipped().variant_name(),
+        "explain_bias": r.explain_bias(),
+        "explain_candidates": r.explain_candidates().map_or(Value::Null, |v| v.iter().collect()),
+        "explain_features": r.explain_features().map_or(Value::Null, |v| v.iter().collect()),
+        "explain_contributions": r.explain_contributions().map_or(Value::Null, |v| v.iter().collect()),
+        "explanations": top,
     })
 }
 

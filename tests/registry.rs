@@ -113,8 +113,10 @@ fn latest_version_serves_then_load_and_rollback() {
             on_disk: vec![1, 2],
             canary: None,
             shadow: None,
+            features: v1.feature_names(),
         }]
     );
+    assert!(v1.feature_names().len() == v1.input_dim() && v1.feature_names()[0].ends_with("[0]"));
 
     assert_eq!(post(&format!("http://{admin}/models/auction-32/rollback")).0, 200);
     assert_eq!(c.score(&spec).unwrap().model_version, 2);

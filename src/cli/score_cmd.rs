@@ -1,12 +1,18 @@
 //! `quiver score`: one scoring request, its answer printed as a table or as
-//! one JSON object; exit 2 when the server answered but not `Ok`.
+//! one JSON object; exit 2 when the server answered but not `Ok`. With
+//! `--explain K`, each explained candidate's K largest feature
+//! contributions, named from the server's `GET /models` when `--admin`
+//! gives its admin address (by index otherwise).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use quiver::client::Client;
 use quiver::loadgen;
-use quiver::wire::{reason_name, status_name, tier_name, GroupKeySpec, RequestSpec, Status};
+use quiver::wire::{
+    explain_skipped_name, reason_name, status_name, tier_name, ExplainSkipped, GroupKeySpec, RequestSpec, Response,
+    Status,
+};
 use quiver::Error;
 
 use super::ClientTlsArgs;
@@ -54,6 +60,19 @@ pub struct Args {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Reason codes: each explained candidate's K features with the largest
+    /// contribution to its margin (0: none; at most 32).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    explain: u16,
+    /// With --explain, explain only the M highest-scored candidates (0: all;
+    /// at most 64 are explained).
+    #[arg(long, value_name = "M", default_value_t = 0)]
+    explain_candidates: u16,
+    /// The server's admin address (`admin_listen` or `metrics_listen`), to
+    /// name explained features from `GET /models`; without it they are
+    /// printed by index.
+    #[arg(long, value_name = "ADDR")]
+    admin: Option<String>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
@@ -68,6 +87,8 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
         context: args.context,
         context_ids: args.context_ids,
         groups: args.keys.into_iter().chain(args.str_keys).collect(),
+        explain_top_k: args.explain,
+        explain_candidates_max: args.explain_candidates,
     };
     let started = Instant::now();
     let tls = args.tls.settings();
@@ -82,8 +103,12 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             return Err(Error::Setup(e.to_string()));
         }
     };
+    let names = match (&args.admin, resp.explanations.candidates.is_empty()) {
+        (Some(admin), false) => feature_names(admin, &spec.model)?,
+        _ => Vec::new(),
+    };
     if args.json {
-        let out = serde_json::json!({
+        let mut out = serde_json::json!({
             "request_id": resp.request_id,
             "status": status_name(resp.status),
             "tier": tier_name(resp.tier),
@@ -96,6 +121,10 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             "rtt_us": rtt_us,
             "error": resp.error,
         });
+        if args.explain > 0 {
+            out["explain_skipped"] = explain_skipped_name(resp.explanations.skipped).into();
+            out["explanations"] = explanations_json(&resp, &names);
+        }
         println!("{out}");
     } else {
         println!(
@@ -124,8 +153,88 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
                 None => println!("#{at}\t{s:.6}"),
             }
         }
+        if args.explain > 0 {
+            print!("{}", explanations_text(&resp, &spec.item_ids, &names));
+        }
     }
     Ok(if resp.status == Status::Ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// How long `--admin`'s `GET /models` may take.
+const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The input column names of `model` (empty: the only served model) from
+/// the admin endpoint's `GET /models`.
+fn feature_names(admin: &str, model: &str) -> Result<Vec<String>, Error> {
+    let url = format!("http://{admin}/models");
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().timeout_global(Some(MODELS_TIMEOUT)).http_status_as_error(false).build().into();
+    let mut resp = agent.get(&url).call().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    let code = resp.status().as_u16();
+    let body = resp.body_mut().read_to_string().map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    if code != 200 {
+        return Err(Error::Setup(format!("{url}: {code}: {}", body.trim())));
+    }
+    let models: Vec<quiver::registry::ModelStatus> =
+        serde_json::from_str(&body).map_err(|e| Error::Setup(format!("{url}: {e}")))?;
+    let found = match model {
+        "" if models.len() == 1 => models.first(),
+        "" => {
+            return Err(Error::Setup(format!(
+                "{url}: {} models are served; name the one scored with --model to name its features",
+                models.len()
+            )))
+        }
+        name => models.iter().find(|m| m.name == name),
+    };
+    let found = found.ok_or_else(|| Error::Setup(format!("{url}: no model '{model}' is served")))?;
+    Ok(found.features.clone())
+}
+
+/// The name of input column `index`, when known.
+fn name_of(names: &[String], index: u32) -> Option<&str> {
+    names.get(index as usize).map(String::as_str)
+}
+
+/// `--json`'s `explanations`: per explained candidate its index, the bias
+/// and its top features, largest |contribution| first.
+fn explanations_json(resp: &Response, names: &[String]) -> serde_json::Value {
+    let e = &resp.explanations;
+    e.iter()
+        .map(|(candidate, top)| {
+            let top: Vec<serde_json::Value> = top
+                .map(|(index, contribution)| {
+                    serde_json::json!({
+                        "feature": name_of(names, index),
+                        "index": index,
+                        "contribution": contribution,
+                    })
+                })
+                .collect();
+            serde_json::json!({ "candidate": candidate, "bias": e.bias, "top": top })
+        })
+        .collect()
+}
+
+/// The explanations for a person: why none came, or per candidate its top
+/// features, one per line.
+fn explanations_text(resp: &Response, items: &[u64], names: &[String]) -> String {
+    let e = &resp.explanations;
+    if e.skipped != ExplainSkipped::None || e.candidates.is_empty() {
+        return format!("explanations: none ({})\n", explain_skipped_name(e.skipped));
+    }
+    let mut out = format!("explanations (margin = bias {:.6} + the sum of every contribution):\n", e.bias);
+    for (candidate, top) in e.iter() {
+        match items.get(candidate) {
+            Some(item) => out.push_str(&format!("{item} (#{candidate}):\n")),
+            None => out.push_str(&format!("#{candidate}:\n")),
+        }
+        for (index, contribution) in top {
+            let name = name_of(names, index).map_or_else(|| format!("feature {index}"), |n| format!("{n} ({index})"));
+            out.push_str(&format!("  {contribution:+.6}\t{name}\n"));
+        }
+    }
+    out
 }
 
 /// `GROUP=K[,K…]`: ids when every key reads as a u64, else strings.

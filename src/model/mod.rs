@@ -479,6 +479,13 @@ impl Model {
         self.drift_segments().into_iter().map(|(at, s)| (at, s.dim)).collect()
     }
 
+    /// A name per input column, in row order: the segment's source and the
+    /// column's place in it, `card[3]`, `context[0]`; what an explanation's
+    /// feature index names (`GET /models`, `quiver score --explain`).
+    pub fn feature_names(&self) -> Vec<String> {
+        self.inputs.iter().flat_map(|s| (0..s.dim).map(move |k| format!("{}[{k}]", s.source.name()))).collect()
+    }
+
     /// A name per column of [`Model::drift_columns`]: `context_3`, `card_0`.
     pub fn drift_column_names(&self) -> Vec<String> {
         let segments = self.drift_segments();

@@ -57,6 +57,7 @@ use versions::{BuildPlace, Versions};
 
 pub mod admission;
 pub mod cache;
+mod explained;
 mod handoff;
 pub mod ladder;
 mod limits;
@@ -185,6 +186,10 @@ struct StepDown {
     /// until the next request).
     cached: bool,
     default_score: f32,
+    /// Features per explained candidate (`explain_top_k`, 0: none asked)
+    /// and how many candidates to explain (`Request::explained`).
+    explain_top_k: u16,
+    explained: u16,
 }
 
 /// The feature tables a request's rows are looked up in, and the feed that
@@ -288,9 +293,10 @@ const _: fn() = || {
     let _ = <RequestPath<crate::deadline::MonotonicClock> as AmbiguousIfSend<_>>::not_send;
 };
 
-/// Largest size of one encoded response frame, for output buffer sizing.
+/// Largest size of one encoded response frame, for output buffer sizing:
+/// scores, the error line and, when asked for, explanations.
 pub fn response_frame_bytes_max(candidates_max: usize) -> usize {
-    wire::FRAME_PREFIX_BYTES + 256 + wire::ERROR_BYTES_MAX + candidates_max * 4
+    wire::FRAME_PREFIX_BYTES + 256 + wire::ERROR_BYTES_MAX + candidates_max * 4 + wire::EXPLANATIONS_BYTES_MAX
 }
 
 impl<C: Clock> RequestPath<C> {

@@ -3,6 +3,7 @@
 //! rounds): the model input rows a request is assembled into, and the
 //! scores and encoder its answer is written from.
 
+use super::explained::Explained;
 use crate::features::replica::LINK_WORDS_MAX;
 use crate::wire::ResponseEncoder;
 
@@ -65,6 +66,8 @@ pub(super) struct Answer {
     /// Cached scores of the current request's candidates.
     pub(super) cached: Vec<f32>,
     pub(super) encoder: ResponseEncoder,
+    /// The current answer's explanations, when its request asked.
+    pub(super) explained: Explained,
     /// What the last response said, for the decision log.
     pub(super) last: Outcome,
 }
@@ -93,6 +96,7 @@ impl Answer {
             logits: vec![0.0; rows_max],
             cached: vec![0.0; rows_max],
             encoder: ResponseEncoder::new(rows_max),
+            explained: Explained::new(),
             last: Outcome::default(),
         }
     }

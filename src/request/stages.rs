@@ -6,7 +6,8 @@
 //! → route (budget, breaker: which rung answers, hand-off or inline)
 //! → run (the inline kernel and the check after it) or hand off
 //!   (`handoff::hand_off`)
-//! → finish (respond, drift, cache fill, shadow sample, timings).
+//! → finish (explain when asked and the time left fits, respond, drift,
+//!   cache fill, shadow sample, timings).
 //!
 //! Each stage is a function whose signature names the parts of the path it
 //! reads (`&`) and writes (`&mut`), and returns the next one's input or a
@@ -20,6 +21,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
+use super::explained;
 use super::policies::Policies;
 use super::scratch::{Answer, Inputs, Outcome};
 use super::shadow::ShadowQueue;
@@ -35,7 +37,7 @@ use crate::request::admission::{Admit, Peer};
 use crate::request::cache::{hash_words, Key, ScoreCache};
 use crate::request::ladder::BreakerState;
 use crate::request::shed::ShedAnswer;
-use crate::wire::{self, Reason, ResponseFields, Status, Tier};
+use crate::wire::{self, ExplainSkipped, Reason, ResponseFields, Status, Tier};
 
 /// A request payload as the shard read it.
 pub(super) struct Frame<'p, 'a> {
@@ -185,6 +187,8 @@ pub(super) fn admit<'p>(
             fallback: false,
             cached: false,
             default_score: versions.served[chosen].default_score,
+            explain_top_k: explain_top_k(&request),
+            explained: explained_count(&request),
         };
         return Err(Rejection::Shed { step });
     }
@@ -441,9 +445,23 @@ pub(super) fn assemble(
         fallback: served.fallback_fits,
         cached: false,
         default_score: served.default_score,
+        explain_top_k: explain_top_k(request),
+        explained: explained_count(request),
     };
     let (chosen, version, user_id) = (a.chosen, served.model.version, request.user_id());
     Ok(Assembled { step, cache_key, chosen, version, user_id, at_ns })
+}
+
+/// The request's `explain_top_k`, within `EXPLAIN_TOP_K_MAX` (checked by
+/// `decode_request`).
+fn explain_top_k(request: &wire::Request<'_>) -> u16 {
+    u16::try_from(request.explain_top_k()).expect("decode_request bounds explain_top_k")
+}
+
+/// How many candidates the request has explained, within
+/// `EXPLAIN_CANDIDATES_MAX` when it asks (checked by `decode_request`).
+fn explained_count(request: &wire::Request<'_>) -> u16 {
+    u16::try_from(request.explained()).unwrap_or(u16::MAX)
 }
 
 /// Looks up the rows the `links` name (`link_words` per key, as the lookup
@@ -757,7 +775,19 @@ pub(super) fn finish(
 ) -> Handled {
     let Ran { assembled: a, scored_ns } = ran;
     let rows = a.step.rows;
-    respond_ok(&a.step, Tier::Primary, Reason::None, a.version, scored_ns, feed, answer, telemetry, out);
+    // Explained by the version that scored it, if it is still served here.
+    let scorer =
+        versions.served.get_mut(a.chosen).filter(|s| s.name_hash == a.cache_key.model && s.model.version == a.version);
+    let scores = &answer.logits[..rows];
+    match explained::explain(&a.step, x, scores, scorer, clock, &mut answer.explained) {
+        explained::Outcome::Explained { late: true } => {
+            let why = "explaining finished past the deadline";
+            fail(a.step.request_id, Status::DeadlineExceeded, why, answer, telemetry, out);
+        }
+        explained::Outcome::Explained { late: false } | explained::Outcome::Skipped => {
+            respond_ok(&a.step, Tier::Primary, Reason::None, a.version, scored_ns, feed, answer, telemetry, out);
+        }
+    }
     let returned = &answer.logits[..rows];
     // A request handed off before a swap of versions may name another
     // version's place: it is then left out of drift counts and shadow
@@ -869,6 +899,12 @@ pub(super) fn respond_ok(
     counters.stale_responses += u64::from(features_stale);
     let server_us = u32::try_from(server_us).unwrap_or(u32::MAX);
     let missing = u16::try_from(step.missing).unwrap_or(u16::MAX);
+    // Only the primary explains (`finish` did, just before); a lower rung
+    // says it did not.
+    if tier != Tier::Primary {
+        let asked = step.explain_top_k > 0;
+        answer.explained.skip(if asked { ExplainSkipped::LowerRung } else { ExplainSkipped::None });
+    }
     answer.last = Outcome {
         status: Status::Ok.0,
         tier: tier.0,
@@ -892,6 +928,7 @@ pub(super) fn respond_ok(
             error: "",
             reason,
             features_stale,
+            explain: answer.explained.fields(),
         },
         out,
     );

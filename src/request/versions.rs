@@ -13,6 +13,7 @@ use crate::registry::{build_timed, Inbox, Prebuilt, Registry};
 use crate::request::cache::hash_words;
 use crate::request::ladder::LadderConfig;
 use crate::request::{GroupFit, InputLayout, LayoutError};
+use crate::score::explaining::Explaining;
 use crate::score::{Backend, BackendKind};
 
 /// A running estimate of the kernel's cost per candidate row, so the path
@@ -72,6 +73,9 @@ pub(super) struct Served {
     /// How many of `drift_columns` hold a per-request value; the rest, one
     /// per candidate (`Model::drift_request_segments`).
     pub(super) drift_request_segments: usize,
+    /// The version's explainer on this shard with its cost estimate, or
+    /// why the model cannot be explained (`score::explaining`).
+    pub(super) explaining: Explaining,
 }
 
 impl Served {
@@ -165,7 +169,7 @@ impl Versions {
         let layout = InputLayout::new(&model, &fit.groups, fit.context_len_max)?;
         // Built ahead by the admin side when it was published through the
         // registry; built here (milliseconds on the reactor) only otherwise.
-        let Prebuilt { backend, ns_per_row } = match self.inbox.as_mut().and_then(|i| i.take(&model)) {
+        let Prebuilt { backend, ns_per_row, explaining } = match self.inbox.as_mut().and_then(|i| i.take(&model)) {
             Some(built) => {
                 at.counters.backends_prebuilt += 1;
                 built
@@ -184,6 +188,7 @@ impl Versions {
             drift_columns: model.drift_columns(),
             drift_request_segments: model.drift_request_segments(),
             backend,
+            explaining,
             layout,
             kernel_cost: KernelCost { ns_per_row },
             canary_ppm,

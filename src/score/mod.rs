@@ -9,6 +9,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod e4m3;
+pub mod explaining;
 pub mod kernels;
 #[cfg(feature = "onnxruntime")]
 pub mod ort;

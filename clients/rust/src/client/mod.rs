@@ -290,6 +290,7 @@ mod tests {
                     error: "",
                     reason: Reason::None,
                     features_stale: false,
+                    explain: crate::wire::ExplainFields::NONE,
                 },
                 &mut bytes,
             );

@@ -13,7 +13,7 @@
 #[path = "quiver_generated.rs"]
 mod generated;
 
-pub use fb::{Reason, Status, Tier};
+pub use fb::{ExplainSkipped, Reason, Status, Tier};
 pub use generated::quiver::wire as fb;
 
 use flatbuffers::{FlatBufferBuilder, VerifierOptions};
@@ -80,6 +80,8 @@ pub enum DecodeError {
     TooManyGroups { count: usize, groups_max: usize },
     UnnamedGroup { at: usize },
     TooManyKeys { group: String, count: usize, candidates_max: usize },
+    ExplainTopK { top_k: usize, top_k_max: usize },
+    ExplainCandidates { count: usize, explained_max: usize },
 }
 
 impl std::fmt::Display for DecodeError {
@@ -103,6 +105,14 @@ impl std::fmt::Display for DecodeError {
             DecodeError::TooManyKeys { group, count, candidates_max } => {
                 write!(f, "group '{group}' carries {count} keys, above the limit of {candidates_max} candidates")
             }
+            DecodeError::ExplainTopK { top_k, top_k_max } => {
+                write!(f, "explain_top_k {top_k} exceeds the limit of {top_k_max} (EXPLAIN_TOP_K_MAX)")
+            }
+            DecodeError::ExplainCandidates { count, explained_max } => write!(
+                f,
+                "{count} candidates to explain exceed the limit of {explained_max} (EXPLAIN_CANDIDATES_MAX): \
+                 set explain_candidates_max"
+            ),
         }
     }
 }
@@ -125,6 +135,25 @@ impl From<flatbuffers::InvalidFlatbuffer> for DecodeError {
 /// Most `groups` entries one request may carry: the server's own bound on
 /// feature groups (`features::groups::GROUPS_MAX`).
 pub const REQUEST_GROUPS_MAX: usize = 16;
+
+/// Most features one explained candidate's answer lists (`explain_top_k`).
+pub const EXPLAIN_TOP_K_MAX: usize = 32;
+
+/// Most candidates one request has explained: all of them
+/// (`explain_candidates_max` 0) or the top `explain_candidates_max` by score.
+pub const EXPLAIN_CANDIDATES_MAX: usize = 64;
+
+/// Most bytes the explanations add to a response frame: per explained
+/// candidate its index and `EXPLAIN_TOP_K_MAX` (u32, f64) pairs, plus the
+/// bias, the enum and the four vectors' lengths and offsets.
+pub const EXPLANATIONS_BYTES_MAX: usize = 64 + EXPLAIN_CANDIDATES_MAX * (4 + EXPLAIN_TOP_K_MAX * 12);
+
+/// Most bytes of a response frame to a request of up to `candidates_max`
+/// candidates (docs/PROTOCOL.md, "Connections"): scores, the error line,
+/// the fixed fields, and explanations when the request asks for them.
+pub fn response_bytes_max(candidates_max: usize) -> usize {
+    1024 + candidates_max * 4 + EXPLANATIONS_BYTES_MAX
+}
 
 /// Limits a request must satisfy before the server looks at it.
 #[derive(Clone, Copy, Debug)]
@@ -183,6 +212,19 @@ impl<'buf> Request<'buf> {
     pub fn groups(&self) -> flatbuffers::Vector<'buf, flatbuffers::ForwardsUOffset<fb::GroupKeys<'buf>>> {
         self.raw.groups().unwrap_or_default()
     }
+    /// Features to list per explained candidate; 0 explains nothing.
+    pub fn explain_top_k(&self) -> usize {
+        usize::from(self.raw.explain_top_k())
+    }
+    /// How many candidates are explained when `explain_top_k` is set: the
+    /// top `explain_candidates_max` by score, or all (0); within
+    /// [`EXPLAIN_CANDIDATES_MAX`] (checked by `decode_request`).
+    pub fn explained(&self) -> usize {
+        match usize::from(self.raw.explain_candidates_max()) {
+            0 => self.candidates,
+            m => m.min(self.candidates),
+        }
+    }
 }
 
 /// How many keys a group entry carries, u64 or string.
@@ -226,7 +268,17 @@ pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Resu
     if ids > limits.context_len_max {
         return Err(DecodeError::ContextIdsTooLong { count: ids, context_len_max: limits.context_len_max });
     }
-    Ok(Request { raw, candidates: count })
+    let request = Request { raw, candidates: count };
+    let top_k = request.explain_top_k();
+    if top_k > EXPLAIN_TOP_K_MAX {
+        return Err(DecodeError::ExplainTopK { top_k, top_k_max: EXPLAIN_TOP_K_MAX });
+    }
+    let asked = usize::from(raw.explain_candidates_max());
+    if top_k > 0 && (asked > EXPLAIN_CANDIDATES_MAX || request.explained() > EXPLAIN_CANDIDATES_MAX) {
+        let count = if asked > 0 { asked } else { request.explained() };
+        return Err(DecodeError::ExplainCandidates { count, explained_max: EXPLAIN_CANDIDATES_MAX });
+    }
+    Ok(request)
 }
 
 /// Reads the request_id of a payload that failed validation, if the bytes are
@@ -249,6 +301,26 @@ pub struct ResponseFields<'a> {
     pub reason: Reason,
     /// Features have not been confirmed current for longer than the bound.
     pub features_stale: bool,
+    /// Reason codes, when asked for.
+    pub explain: ExplainFields<'a>,
+}
+
+/// The explanations a response carries (`explain_*` on the wire),
+/// borrowed: `features` and `contributions` hold `k` entries per entry of
+/// `candidates`, each candidate's by descending |contribution|.
+#[derive(Clone, Copy, Debug)]
+pub struct ExplainFields<'a> {
+    pub skipped: ExplainSkipped,
+    pub bias: f64,
+    pub candidates: &'a [u32],
+    pub features: &'a [u32],
+    pub contributions: &'a [f64],
+}
+
+impl ExplainFields<'_> {
+    /// No explanation: none asked for (or `skipped` says why none came).
+    pub const NONE: ExplainFields<'static> =
+        ExplainFields { skipped: ExplainSkipped::None, bias: 0.0, candidates: &[], features: &[], contributions: &[] };
 }
 
 impl ResponseFields<'_> {
@@ -265,6 +337,7 @@ impl ResponseFields<'_> {
             error,
             reason: Reason::None,
             features_stale: false,
+            explain: ExplainFields::NONE,
         }
     }
 }
@@ -304,9 +377,10 @@ pub struct ResponseEncoder {
 }
 
 impl ResponseEncoder {
-    /// `scores_max` sizes the builder so steady-state encoding never grows it.
+    /// `scores_max` sizes the builder so steady-state encoding never grows it,
+    /// explanations included.
     pub fn new(scores_max: usize) -> ResponseEncoder {
-        ResponseEncoder { builder: FlatBufferBuilder::with_capacity(256 + scores_max * 4) }
+        ResponseEncoder { builder: FlatBufferBuilder::with_capacity(response_bytes_max(scores_max)) }
     }
 
     /// Appends one response frame to `out`.
@@ -316,6 +390,11 @@ impl ResponseEncoder {
         let scores = (!fields.scores.is_empty()).then(|| b.create_vector(fields.scores));
         let mut line = [0u8; ERROR_BYTES_MAX];
         let error = (!fields.error.is_empty()).then(|| b.create_string(one_line(fields.error, &mut line)));
+        let ex = &fields.explain;
+        let explained = !ex.candidates.is_empty();
+        let explain_candidates = explained.then(|| b.create_vector(ex.candidates));
+        let explain_features = explained.then(|| b.create_vector(ex.features));
+        let explain_contributions = explained.then(|| b.create_vector(ex.contributions));
         let root = fb::ScoreResponse::create(
             b,
             &fb::ScoreResponseArgs {
@@ -329,6 +408,11 @@ impl ResponseEncoder {
                 error,
                 reason: fields.reason,
                 features_stale: fields.features_stale,
+                explain_candidates,
+                explain_bias: if explained { ex.bias } else { 0.0 },
+                explain_features,
+                explain_contributions,
+                explain_skipped: ex.skipped,
             },
         );
         b.finish_minimal(root);
@@ -350,6 +434,10 @@ pub struct RequestSpec {
     pub context_ids: Vec<u64>,
     /// Keys of feature groups, by group name (`groups` on the wire).
     pub groups: Vec<(String, GroupKeySpec)>,
+    /// Reason codes: features per explained candidate (0: none), and how
+    /// many of the top-scored candidates to explain (0: all).
+    pub explain_top_k: u16,
+    pub explain_candidates_max: u16,
 }
 
 /// One group's keys in a [`RequestSpec`]: one for a request-scope group,
@@ -415,6 +503,8 @@ impl RequestEncoder {
                 context,
                 context_ids,
                 groups,
+                explain_top_k: spec.explain_top_k,
+                explain_candidates_max: spec.explain_candidates_max,
             },
         );
         b.finish_minimal(root);
@@ -435,6 +525,41 @@ pub struct Response {
     pub error: String,
     pub reason: Reason,
     pub features_stale: bool,
+    /// Reason codes, when the request asked for them.
+    pub explanations: Explanations,
+}
+
+/// A response's reason codes, owned (`explain_*` on the wire).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Explanations {
+    /// Why there are none although the request asked (`None` otherwise).
+    pub skipped: ExplainSkipped,
+    /// The margin with no feature known; each candidate's margin is the
+    /// bias plus all its contributions.
+    pub bias: f64,
+    /// The explained candidates' indices in request order.
+    pub candidates: Vec<u32>,
+    /// `k` (feature index, contribution) pairs per explained candidate,
+    /// concatenated in `candidates` order.
+    pub features: Vec<u32>,
+    pub contributions: Vec<f64>,
+}
+
+impl Explanations {
+    /// Features listed per explained candidate.
+    pub fn k(&self) -> usize {
+        self.features.len().checked_div(self.candidates.len()).unwrap_or(0)
+    }
+
+    /// Each explained candidate with its (feature index, contribution)
+    /// pairs, largest |contribution| first.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, impl Iterator<Item = (u32, f64)> + '_)> + '_ {
+        let k = self.k();
+        self.candidates.iter().enumerate().map(move |(at, &c)| {
+            let span = at * k..(at + 1) * k;
+            (c as usize, self.features[span.clone()].iter().copied().zip(self.contributions[span].iter().copied()))
+        })
+    }
 }
 
 /// Verifies and copies out one response payload.
@@ -442,10 +567,22 @@ pub fn decode_response(payload: &[u8], scores_max: usize) -> Result<Response, fl
     let opts = VerifierOptions {
         max_depth: 4,
         max_tables: 8,
-        max_apparent_size: 1024 + scores_max * 4,
+        max_apparent_size: response_bytes_max(scores_max),
         ignore_missing_null_terminator: false,
     };
     let r = flatbuffers::root_with_opts::<fb::ScoreResponse>(&opts, payload)?;
+    let candidates: Vec<u32> = r.explain_candidates().map(|v| v.iter().collect()).unwrap_or_default();
+    let features: Vec<u32> = r.explain_features().map(|v| v.iter().collect()).unwrap_or_default();
+    let contributions: Vec<f64> = r.explain_contributions().map(|v| v.iter().collect()).unwrap_or_default();
+    // k pairs per candidate, or none: a response that says otherwise is
+    // read as carrying no explanation rather than misattributing one.
+    let whole =
+        !candidates.is_empty() && features.len() == contributions.len() && features.len() % candidates.len() == 0;
+    let explanations = if whole {
+        Explanations { skipped: r.explain_skipped(), bias: r.explain_bias(), candidates, features, contributions }
+    } else {
+        Explanations { skipped: r.explain_skipped(), ..Explanations::default() }
+    };
     Ok(Response {
         request_id: r.request_id(),
         status: r.status(),
@@ -457,6 +594,7 @@ pub fn decode_response(payload: &[u8], scores_max: usize) -> Result<Response, fl
         error: r.error().unwrap_or("").to_string(),
         reason: r.reason(),
         features_stale: r.features_stale(),
+        explanations,
     })
 }
 
@@ -482,6 +620,18 @@ pub fn reason_name(reason: Reason) -> &'static str {
         Reason::BreakerOpen => "breaker_open",
         Reason::Overload => "overload",
         Reason::ModelError => "model_error",
+        _ => "unknown",
+    }
+}
+
+/// Short lowercase name of why explanations were skipped.
+pub fn explain_skipped_name(skipped: ExplainSkipped) -> &'static str {
+    match skipped {
+        ExplainSkipped::None => "none",
+        ExplainSkipped::Budget => "budget",
+        ExplainSkipped::NotExplainable => "not_explainable",
+        ExplainSkipped::LowerRung => "lower_rung",
+        ExplainSkipped::Unavailable => "unavailable",
         _ => "unknown",
     }
 }
@@ -515,6 +665,8 @@ mod tests {
             context: vec![0.5, -1.0],
             context_ids: vec![3, 1 << 40],
             groups: Vec::new(),
+            explain_top_k: 0,
+            explain_candidates_max: 0,
         }
     }
 
@@ -549,6 +701,13 @@ mod tests {
             error: "",
             reason: Reason::Budget,
             features_stale: true,
+            explain: ExplainFields {
+                skipped: ExplainSkipped::None,
+                bias: -1.5,
+                candidates: &[1],
+                features: &[4, 0],
+                contributions: &[0.75, -0.25],
+            },
         };
         let mut enc = ResponseEncoder::new(64);
         enc.encode(&fields, &mut out);
@@ -559,6 +718,10 @@ mod tests {
         assert_eq!((r1.request_id, r1.model_version, r1.server_us, r1.features_missing), (9, 3, 12, 1));
         assert_eq!(r1.reason, Reason::Budget);
         assert!(r1.features_stale);
+        let explained: Vec<(usize, Vec<(u32, f64)>)> =
+            r1.explanations.iter().map(|(c, top)| (c, top.collect())).collect();
+        assert_eq!(explained, vec![(1, vec![(4, 0.75), (0, -0.25)])]);
+        assert_eq!(r1.explanations.bias, -1.5);
         let (p2, _) = split_frame(&out[used1..], 1 << 16).unwrap().unwrap();
         let r2 = decode_response(p2, 64).unwrap();
         assert_eq!((r2.request_id, r2.status, r2.error.as_str()), (10, Status::BadRequest, "nope"));
@@ -633,6 +796,30 @@ mod tests {
         RequestEncoder::new().encode(&s, &mut out);
         let (payload, _) = split_frame(&out, LIMITS.frame_bytes_max).unwrap().unwrap();
         assert!(matches!(decode_request(payload, &LIMITS), Err(DecodeError::ContextIdsTooLong { count: 17, .. })));
+
+        // Reason codes: k and the explained count are bounded, typed.
+        let explain = |items: usize, top_k: usize, candidates_max: usize| {
+            let s = RequestSpec {
+                explain_top_k: top_k as u16,
+                explain_candidates_max: candidates_max as u16,
+                ..spec(items)
+            };
+            let mut out = Vec::new();
+            RequestEncoder::new().encode(&s, &mut out);
+            let limits = RequestLimits { candidates_max: 256, ..LIMITS };
+            decode_request(&out[FRAME_PREFIX_BYTES..], &limits).map(|r| (r.explain_top_k(), r.explained()))
+        };
+        assert_eq!(explain(32, 5, 0), Ok((5, 32)));
+        assert_eq!(explain(32, 5, 3), Ok((5, 3)));
+        assert_eq!(explain(2, 5, 3), Ok((5, 2)));
+        assert_eq!(explain(200, 0, 0), Ok((0, 200)), "nothing asked, nothing bounded");
+        assert_eq!(explain(200, 5, 64), Ok((5, 64)));
+        let top_k = explain(2, EXPLAIN_TOP_K_MAX + 1, 0);
+        assert_eq!(top_k, Err(DecodeError::ExplainTopK { top_k: 33, top_k_max: EXPLAIN_TOP_K_MAX }));
+        let all = explain(65, 5, 0);
+        assert_eq!(all, Err(DecodeError::ExplainCandidates { count: 65, explained_max: EXPLAIN_CANDIDATES_MAX }));
+        let asked = explain(2, 5, 65);
+        assert_eq!(asked, Err(DecodeError::ExplainCandidates { count: 65, explained_max: EXPLAIN_CANDIDATES_MAX }));
     }
 
     #[test]

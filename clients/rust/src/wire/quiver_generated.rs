@@ -302,6 +302,102 @@ impl<'a> ::flatbuffers::Verifiable for Reason {
 }
 
 impl ::flatbuffers::SimpleToVerifyInSlice for Reason {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_EXPLAIN_SKIPPED: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_EXPLAIN_SKIPPED: u8 = 4;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_EXPLAIN_SKIPPED: [ExplainSkipped; 5] = [
+  ExplainSkipped::None,
+  ExplainSkipped::Budget,
+  ExplainSkipped::NotExplainable,
+  ExplainSkipped::LowerRung,
+  ExplainSkipped::Unavailable,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct ExplainSkipped(pub u8);
+#[allow(non_upper_case_globals)]
+impl ExplainSkipped {
+  pub const None: Self = Self(0);
+  pub const Budget: Self = Self(1);
+  pub const NotExplainable: Self = Self(2);
+  pub const LowerRung: Self = Self(3);
+  pub const Unavailable: Self = Self(4);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 4;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::None,
+    Self::Budget,
+    Self::NotExplainable,
+    Self::LowerRung,
+    Self::Unavailable,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::None => Some("None"),
+      Self::Budget => Some("Budget"),
+      Self::NotExplainable => Some("NotExplainable"),
+      Self::LowerRung => Some("LowerRung"),
+      Self::Unavailable => Some("Unavailable"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for ExplainSkipped {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for ExplainSkipped {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for ExplainSkipped {
+    type Output = ExplainSkipped;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for ExplainSkipped {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for ExplainSkipped {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for ExplainSkipped {}
 pub enum GroupKeysOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -458,6 +554,8 @@ impl<'a> ScoreRequest<'a> {
   pub const VT_CONTEXT: ::flatbuffers::VOffsetT = 18;
   pub const VT_CONTEXT_IDS: ::flatbuffers::VOffsetT = 20;
   pub const VT_GROUPS: ::flatbuffers::VOffsetT = 22;
+  pub const VT_EXPLAIN_TOP_K: ::flatbuffers::VOffsetT = 24;
+  pub const VT_EXPLAIN_CANDIDATES_MAX: ::flatbuffers::VOffsetT = 26;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -478,6 +576,8 @@ impl<'a> ScoreRequest<'a> {
     builder.add_client_id(args.client_id);
     builder.add_budget_us(args.budget_us);
     if let Some(x) = args.model { builder.add_model(x); }
+    builder.add_explain_candidates_max(args.explain_candidates_max);
+    builder.add_explain_top_k(args.explain_top_k);
     builder.add_priority(args.priority);
     builder.finish()
   }
@@ -553,6 +653,20 @@ impl<'a> ScoreRequest<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<GroupKeys>>>>(ScoreRequest::VT_GROUPS, None)}
   }
+  #[inline]
+  pub fn explain_top_k(&self) -> u16 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u16>(ScoreRequest::VT_EXPLAIN_TOP_K, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn explain_candidates_max(&self) -> u16 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u16>(ScoreRequest::VT_EXPLAIN_CANDIDATES_MAX, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
@@ -571,6 +685,8 @@ impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("context", Self::VT_CONTEXT, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("context_ids", Self::VT_CONTEXT_IDS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<GroupKeys>>>>("groups", Self::VT_GROUPS, false)?
+     .visit_field::<u16>("explain_top_k", Self::VT_EXPLAIN_TOP_K, false)?
+     .visit_field::<u16>("explain_candidates_max", Self::VT_EXPLAIN_CANDIDATES_MAX, false)?
      .finish();
     Ok(())
   }
@@ -586,6 +702,8 @@ pub struct ScoreRequestArgs<'a> {
     pub context: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
     pub context_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
     pub groups: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<GroupKeys<'a>>>>>,
+    pub explain_top_k: u16,
+    pub explain_candidates_max: u16,
 }
 impl<'a> Default for ScoreRequestArgs<'a> {
   #[inline]
@@ -601,6 +719,8 @@ impl<'a> Default for ScoreRequestArgs<'a> {
       context: None,
       context_ids: None,
       groups: None,
+      explain_top_k: 0,
+      explain_candidates_max: 0,
     }
   }
 }
@@ -651,6 +771,14 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreRequestBuilder<'a, 'b, A
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreRequest::VT_GROUPS, groups);
   }
   #[inline]
+  pub fn add_explain_top_k(&mut self, explain_top_k: u16) {
+    self.fbb_.push_slot::<u16>(ScoreRequest::VT_EXPLAIN_TOP_K, explain_top_k, 0);
+  }
+  #[inline]
+  pub fn add_explain_candidates_max(&mut self, explain_candidates_max: u16) {
+    self.fbb_.push_slot::<u16>(ScoreRequest::VT_EXPLAIN_CANDIDATES_MAX, explain_candidates_max, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreRequestBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreRequestBuilder {
@@ -678,6 +806,8 @@ impl ::core::fmt::Debug for ScoreRequest<'_> {
       ds.field("context", &self.context());
       ds.field("context_ids", &self.context_ids());
       ds.field("groups", &self.groups());
+      ds.field("explain_top_k", &self.explain_top_k());
+      ds.field("explain_candidates_max", &self.explain_candidates_max());
       ds.finish()
   }
 }
@@ -707,6 +837,11 @@ impl<'a> ScoreResponse<'a> {
   pub const VT_ERROR: ::flatbuffers::VOffsetT = 18;
   pub const VT_REASON: ::flatbuffers::VOffsetT = 20;
   pub const VT_FEATURES_STALE: ::flatbuffers::VOffsetT = 22;
+  pub const VT_EXPLAIN_CANDIDATES: ::flatbuffers::VOffsetT = 24;
+  pub const VT_EXPLAIN_BIAS: ::flatbuffers::VOffsetT = 26;
+  pub const VT_EXPLAIN_FEATURES: ::flatbuffers::VOffsetT = 28;
+  pub const VT_EXPLAIN_CONTRIBUTIONS: ::flatbuffers::VOffsetT = 30;
+  pub const VT_EXPLAIN_SKIPPED: ::flatbuffers::VOffsetT = 32;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -718,12 +853,17 @@ impl<'a> ScoreResponse<'a> {
     args: &'args ScoreResponseArgs<'args>
   ) -> ::flatbuffers::WIPOffset<ScoreResponse<'bldr>> {
     let mut builder = ScoreResponseBuilder::new(_fbb);
+    builder.add_explain_bias(args.explain_bias);
     builder.add_request_id(args.request_id);
+    if let Some(x) = args.explain_contributions { builder.add_explain_contributions(x); }
+    if let Some(x) = args.explain_features { builder.add_explain_features(x); }
+    if let Some(x) = args.explain_candidates { builder.add_explain_candidates(x); }
     if let Some(x) = args.error { builder.add_error(x); }
     builder.add_server_us(args.server_us);
     builder.add_model_version(args.model_version);
     if let Some(x) = args.scores { builder.add_scores(x); }
     builder.add_features_missing(args.features_missing);
+    builder.add_explain_skipped(args.explain_skipped);
     builder.add_features_stale(args.features_stale);
     builder.add_reason(args.reason);
     builder.add_tier(args.tier);
@@ -802,6 +942,41 @@ impl<'a> ScoreResponse<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<bool>(ScoreResponse::VT_FEATURES_STALE, Some(false)).unwrap()}
   }
+  #[inline]
+  pub fn explain_candidates(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(ScoreResponse::VT_EXPLAIN_CANDIDATES, None)}
+  }
+  #[inline]
+  pub fn explain_bias(&self) -> f64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<f64>(ScoreResponse::VT_EXPLAIN_BIAS, Some(0.0)).unwrap()}
+  }
+  #[inline]
+  pub fn explain_features(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(ScoreResponse::VT_EXPLAIN_FEATURES, None)}
+  }
+  #[inline]
+  pub fn explain_contributions(&self) -> Option<::flatbuffers::Vector<'a, f64>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f64>>>(ScoreResponse::VT_EXPLAIN_CONTRIBUTIONS, None)}
+  }
+  #[inline]
+  pub fn explain_skipped(&self) -> ExplainSkipped {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<ExplainSkipped>(ScoreResponse::VT_EXPLAIN_SKIPPED, Some(ExplainSkipped::None)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreResponse<'_> {
@@ -820,6 +995,11 @@ impl ::flatbuffers::Verifiable for ScoreResponse<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("error", Self::VT_ERROR, false)?
      .visit_field::<Reason>("reason", Self::VT_REASON, false)?
      .visit_field::<bool>("features_stale", Self::VT_FEATURES_STALE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("explain_candidates", Self::VT_EXPLAIN_CANDIDATES, false)?
+     .visit_field::<f64>("explain_bias", Self::VT_EXPLAIN_BIAS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("explain_features", Self::VT_EXPLAIN_FEATURES, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f64>>>("explain_contributions", Self::VT_EXPLAIN_CONTRIBUTIONS, false)?
+     .visit_field::<ExplainSkipped>("explain_skipped", Self::VT_EXPLAIN_SKIPPED, false)?
      .finish();
     Ok(())
   }
@@ -835,6 +1015,11 @@ pub struct ScoreResponseArgs<'a> {
     pub error: Option<::flatbuffers::WIPOffset<&'a str>>,
     pub reason: Reason,
     pub features_stale: bool,
+    pub explain_candidates: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub explain_bias: f64,
+    pub explain_features: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub explain_contributions: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f64>>>,
+    pub explain_skipped: ExplainSkipped,
 }
 impl<'a> Default for ScoreResponseArgs<'a> {
   #[inline]
@@ -850,6 +1035,11 @@ impl<'a> Default for ScoreResponseArgs<'a> {
       error: None,
       reason: Reason::None,
       features_stale: false,
+      explain_candidates: None,
+      explain_bias: 0.0,
+      explain_features: None,
+      explain_contributions: None,
+      explain_skipped: ExplainSkipped::None,
     }
   }
 }
@@ -900,6 +1090,26 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreResponseBuilder<'a, 'b, 
     self.fbb_.push_slot::<bool>(ScoreResponse::VT_FEATURES_STALE, features_stale, false);
   }
   #[inline]
+  pub fn add_explain_candidates(&mut self, explain_candidates: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreResponse::VT_EXPLAIN_CANDIDATES, explain_candidates);
+  }
+  #[inline]
+  pub fn add_explain_bias(&mut self, explain_bias: f64) {
+    self.fbb_.push_slot::<f64>(ScoreResponse::VT_EXPLAIN_BIAS, explain_bias, 0.0);
+  }
+  #[inline]
+  pub fn add_explain_features(&mut self, explain_features: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreResponse::VT_EXPLAIN_FEATURES, explain_features);
+  }
+  #[inline]
+  pub fn add_explain_contributions(&mut self, explain_contributions: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f64>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreResponse::VT_EXPLAIN_CONTRIBUTIONS, explain_contributions);
+  }
+  #[inline]
+  pub fn add_explain_skipped(&mut self, explain_skipped: ExplainSkipped) {
+    self.fbb_.push_slot::<ExplainSkipped>(ScoreResponse::VT_EXPLAIN_SKIPPED, explain_skipped, ExplainSkipped::None);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreResponseBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreResponseBuilder {
@@ -927,6 +1137,11 @@ impl ::core::fmt::Debug for ScoreResponse<'_> {
       ds.field("error", &self.error());
       ds.field("reason", &self.reason());
       ds.field("features_stale", &self.features_stale());
+      ds.field("explain_candidates", &self.explain_candidates());
+      ds.field("explain_bias", &self.explain_bias());
+      ds.field("explain_features", &self.explain_features());
+      ds.field("explain_contributions", &self.explain_contributions());
+      ds.field("explain_skipped", &self.explain_skipped());
       ds.finish()
   }
 }

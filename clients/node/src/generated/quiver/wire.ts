@@ -2,6 +2,7 @@
 
 /* eslint-disable @typescript-eslint/no-unused-vars, @typescript-eslint/no-explicit-any, @typescript-eslint/no-non-null-assertion */
 
+export { ExplainSkipped } from './wire/explain-skipped.js';
 export { GroupKeys } from './wire/group-keys.js';
 export { Reason } from './wire/reason.js';
 export { ScoreRequest } from './wire/score-request.js';

@@ -102,8 +102,18 @@ groupsLength():number {
   return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
 }
 
+explainTopK():number {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.readUint16(this.bb_pos + offset) : 0;
+}
+
+explainCandidatesMax():number {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? this.bb!.readUint16(this.bb_pos + offset) : 0;
+}
+
 static startScoreRequest(builder:flatbuffers.Builder) {
-  builder.startObject(10);
+  builder.startObject(12);
 }
 
 static addRequestId(builder:flatbuffers.Builder, requestId:bigint) {
@@ -199,6 +209,14 @@ static startGroupsVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(4, numElems, 4);
 }
 
+static addExplainTopK(builder:flatbuffers.Builder, explainTopK:number) {
+  builder.addFieldInt16(10, explainTopK, 0);
+}
+
+static addExplainCandidatesMax(builder:flatbuffers.Builder, explainCandidatesMax:number) {
+  builder.addFieldInt16(11, explainCandidatesMax, 0);
+}
+
 static endScoreRequest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -212,7 +230,7 @@ static finishSizePrefixedScoreRequestBuffer(builder:flatbuffers.Builder, offset:
   builder.finish(offset, undefined, true);
 }
 
-static createScoreRequest(builder:flatbuffers.Builder, requestId:bigint, modelOffset:flatbuffers.Offset, budgetUs:number, priority:number, clientId:number, userId:bigint, itemIdsOffset:flatbuffers.Offset, contextOffset:flatbuffers.Offset, contextIdsOffset:flatbuffers.Offset, groupsOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createScoreRequest(builder:flatbuffers.Builder, requestId:bigint, modelOffset:flatbuffers.Offset, budgetUs:number, priority:number, clientId:number, userId:bigint, itemIdsOffset:flatbuffers.Offset, contextOffset:flatbuffers.Offset, contextIdsOffset:flatbuffers.Offset, groupsOffset:flatbuffers.Offset, explainTopK:number, explainCandidatesMax:number):flatbuffers.Offset {
   ScoreRequest.startScoreRequest(builder);
   ScoreRequest.addRequestId(builder, requestId);
   ScoreRequest.addModel(builder, modelOffset);
@@ -224,6 +242,8 @@ static createScoreRequest(builder:flatbuffers.Builder, requestId:bigint, modelOf
   ScoreRequest.addContext(builder, contextOffset);
   ScoreRequest.addContextIds(builder, contextIdsOffset);
   ScoreRequest.addGroups(builder, groupsOffset);
+  ScoreRequest.addExplainTopK(builder, explainTopK);
+  ScoreRequest.addExplainCandidatesMax(builder, explainCandidatesMax);
   return ScoreRequest.endScoreRequest(builder);
 }
 }

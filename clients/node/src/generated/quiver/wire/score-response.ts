@@ -4,6 +4,7 @@
 
 import * as flatbuffers from 'flatbuffers';
 
+import { ExplainSkipped } from '../../quiver/wire/explain-skipped.js';
 import { Reason } from '../../quiver/wire/reason.js';
 import { Status } from '../../quiver/wire/status.js';
 import { Tier } from '../../quiver/wire/tier.js';
@@ -89,8 +90,63 @@ featuresStale():boolean {
   return offset ? !!this.bb!.readInt8(this.bb_pos + offset) : false;
 }
 
+explainCandidates(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.readUint32(this.bb!.__vector(this.bb_pos + offset) + index * 4) : 0;
+}
+
+explainCandidatesLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+explainCandidatesArray():Uint32Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? new Uint32Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
+explainBias():number {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? this.bb!.readFloat64(this.bb_pos + offset) : 0.0;
+}
+
+explainFeatures(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? this.bb!.readUint32(this.bb!.__vector(this.bb_pos + offset) + index * 4) : 0;
+}
+
+explainFeaturesLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+explainFeaturesArray():Uint32Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? new Uint32Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
+explainContributions(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 30);
+  return offset ? this.bb!.readFloat64(this.bb!.__vector(this.bb_pos + offset) + index * 8) : 0;
+}
+
+explainContributionsLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 30);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+explainContributionsArray():Float64Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 30);
+  return offset ? new Float64Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
+explainSkipped():ExplainSkipped {
+  const offset = this.bb!.__offset(this.bb_pos, 32);
+  return offset ? this.bb!.readUint8(this.bb_pos + offset) : ExplainSkipped.None;
+}
+
 static startScoreResponse(builder:flatbuffers.Builder) {
-  builder.startObject(10);
+  builder.startObject(15);
 }
 
 static addRequestId(builder:flatbuffers.Builder, requestId:bigint) {
@@ -150,12 +206,83 @@ static addFeaturesStale(builder:flatbuffers.Builder, featuresStale:boolean) {
   builder.addFieldInt8(9, +featuresStale, +false);
 }
 
+static addExplainCandidates(builder:flatbuffers.Builder, explainCandidatesOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(10, explainCandidatesOffset, 0);
+}
+
+static createExplainCandidatesVector(builder:flatbuffers.Builder, data:number[]|Uint32Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createExplainCandidatesVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createExplainCandidatesVector(builder:flatbuffers.Builder, data:number[]|Uint32Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(4, data.length, 4);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addInt32(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startExplainCandidatesVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(4, numElems, 4);
+}
+
+static addExplainBias(builder:flatbuffers.Builder, explainBias:number) {
+  builder.addFieldFloat64(11, explainBias, 0.0);
+}
+
+static addExplainFeatures(builder:flatbuffers.Builder, explainFeaturesOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(12, explainFeaturesOffset, 0);
+}
+
+static createExplainFeaturesVector(builder:flatbuffers.Builder, data:number[]|Uint32Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createExplainFeaturesVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createExplainFeaturesVector(builder:flatbuffers.Builder, data:number[]|Uint32Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(4, data.length, 4);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addInt32(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startExplainFeaturesVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(4, numElems, 4);
+}
+
+static addExplainContributions(builder:flatbuffers.Builder, explainContributionsOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(13, explainContributionsOffset, 0);
+}
+
+static createExplainContributionsVector(builder:flatbuffers.Builder, data:number[]|Float64Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createExplainContributionsVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createExplainContributionsVector(builder:flatbuffers.Builder, data:number[]|Float64Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(8, data.length, 8);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addFloat64(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startExplainContributionsVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(8, numElems, 8);
+}
+
+static addExplainSkipped(builder:flatbuffers.Builder, explainSkipped:ExplainSkipped) {
+  builder.addFieldInt8(14, explainSkipped, ExplainSkipped.None);
+}
+
 static endScoreResponse(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
 }
 
-static createScoreResponse(builder:flatbuffers.Builder, requestId:bigint, status:Status, scoresOffset:flatbuffers.Offset, tier:Tier, modelVersion:number, serverUs:number, featuresMissing:number, errorOffset:flatbuffers.Offset, reason:Reason, featuresStale:boolean):flatbuffers.Offset {
+static createScoreResponse(builder:flatbuffers.Builder, requestId:bigint, status:Status, scoresOffset:flatbuffers.Offset, tier:Tier, modelVersion:number, serverUs:number, featuresMissing:number, errorOffset:flatbuffers.Offset, reason:Reason, featuresStale:boolean, explainCandidatesOffset:flatbuffers.Offset, explainBias:number, explainFeaturesOffset:flatbuffers.Offset, explainContributionsOffset:flatbuffers.Offset, explainSkipped:ExplainSkipped):flatbuffers.Offset {
   ScoreResponse.startScoreResponse(builder);
   ScoreResponse.addRequestId(builder, requestId);
   ScoreResponse.addStatus(builder, status);
@@ -167,6 +294,11 @@ static createScoreResponse(builder:flatbuffers.Builder, requestId:bigint, status
   ScoreResponse.addError(builder, errorOffset);
   ScoreResponse.addReason(builder, reason);
   ScoreResponse.addFeaturesStale(builder, featuresStale);
+  ScoreResponse.addExplainCandidates(builder, explainCandidatesOffset);
+  ScoreResponse.addExplainBias(builder, explainBias);
+  ScoreResponse.addExplainFeatures(builder, explainFeaturesOffset);
+  ScoreResponse.addExplainContributions(builder, explainContributionsOffset);
+  ScoreResponse.addExplainSkipped(builder, explainSkipped);
   return ScoreResponse.endScoreResponse(builder);
 }
 }

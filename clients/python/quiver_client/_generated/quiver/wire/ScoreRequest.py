@@ -172,8 +172,22 @@ class ScoreRequest(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
         return o == 0
 
+    # ScoreRequest
+    def ExplainTopK(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
+        return 0
+
+    # ScoreRequest
+    def ExplainCandidatesMax(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
+        return 0
+
 def ScoreRequestStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(12)
 
 def Start(builder):
     ScoreRequestStart(builder)
@@ -261,6 +275,18 @@ def ScoreRequestStartGroupsVector(builder, numElems):
 
 def StartGroupsVector(builder, numElems):
     return ScoreRequestStartGroupsVector(builder, numElems)
+
+def ScoreRequestAddExplainTopK(builder, explainTopK):
+    builder.PrependUint16Slot(10, explainTopK, 0)
+
+def AddExplainTopK(builder, explainTopK):
+    ScoreRequestAddExplainTopK(builder, explainTopK)
+
+def ScoreRequestAddExplainCandidatesMax(builder, explainCandidatesMax):
+    builder.PrependUint16Slot(11, explainCandidatesMax, 0)
+
+def AddExplainCandidatesMax(builder, explainCandidatesMax):
+    ScoreRequestAddExplainCandidatesMax(builder, explainCandidatesMax)
 
 def ScoreRequestEnd(builder):
     return builder.EndObject()

@@ -114,8 +114,103 @@ class ScoreResponse(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
+    # ScoreResponse
+    def ExplainCandidates(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # ScoreResponse
+    def ExplainCandidatesAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
+        return 0
+
+    # ScoreResponse
+    def ExplainCandidatesLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ScoreResponse
+    def ExplainCandidatesIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        return o == 0
+
+    # ScoreResponse
+    def ExplainBias(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float64Flags, o + self._tab.Pos)
+        return 0.0
+
+    # ScoreResponse
+    def ExplainFeatures(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # ScoreResponse
+    def ExplainFeaturesAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
+        return 0
+
+    # ScoreResponse
+    def ExplainFeaturesLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ScoreResponse
+    def ExplainFeaturesIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        return o == 0
+
+    # ScoreResponse
+    def ExplainContributions(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Float64Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 8))
+        return 0
+
+    # ScoreResponse
+    def ExplainContributionsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Float64Flags, o)
+        return 0
+
+    # ScoreResponse
+    def ExplainContributionsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ScoreResponse
+    def ExplainContributionsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        return o == 0
+
+    # ScoreResponse
+    def ExplainSkipped(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
 def ScoreResponseStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(15)
 
 def Start(builder):
     ScoreResponseStart(builder)
@@ -185,6 +280,54 @@ def ScoreResponseAddFeaturesStale(builder, featuresStale):
 
 def AddFeaturesStale(builder, featuresStale):
     ScoreResponseAddFeaturesStale(builder, featuresStale)
+
+def ScoreResponseAddExplainCandidates(builder, explainCandidates):
+    builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(explainCandidates), 0)
+
+def AddExplainCandidates(builder, explainCandidates):
+    ScoreResponseAddExplainCandidates(builder, explainCandidates)
+
+def ScoreResponseStartExplainCandidatesVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartExplainCandidatesVector(builder, numElems):
+    return ScoreResponseStartExplainCandidatesVector(builder, numElems)
+
+def ScoreResponseAddExplainBias(builder, explainBias):
+    builder.PrependFloat64Slot(11, explainBias, 0.0)
+
+def AddExplainBias(builder, explainBias):
+    ScoreResponseAddExplainBias(builder, explainBias)
+
+def ScoreResponseAddExplainFeatures(builder, explainFeatures):
+    builder.PrependUOffsetTRelativeSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(explainFeatures), 0)
+
+def AddExplainFeatures(builder, explainFeatures):
+    ScoreResponseAddExplainFeatures(builder, explainFeatures)
+
+def ScoreResponseStartExplainFeaturesVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartExplainFeaturesVector(builder, numElems):
+    return ScoreResponseStartExplainFeaturesVector(builder, numElems)
+
+def ScoreResponseAddExplainContributions(builder, explainContributions):
+    builder.PrependUOffsetTRelativeSlot(13, flatbuffers.number_types.UOffsetTFlags.py_type(explainContributions), 0)
+
+def AddExplainContributions(builder, explainContributions):
+    ScoreResponseAddExplainContributions(builder, explainContributions)
+
+def ScoreResponseStartExplainContributionsVector(builder, numElems):
+    return builder.StartVector(8, numElems, 8)
+
+def StartExplainContributionsVector(builder, numElems):
+    return ScoreResponseStartExplainContributionsVector(builder, numElems)
+
+def ScoreResponseAddExplainSkipped(builder, explainSkipped):
+    builder.PrependUint8Slot(14, explainSkipped, 0)
+
+def AddExplainSkipped(builder, explainSkipped):
+    ScoreResponseAddExplainSkipped(builder, explainSkipped)
 
 def ScoreResponseEnd(builder):
     return builder.EndObject()
