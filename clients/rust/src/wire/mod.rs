@@ -576,8 +576,9 @@ pub fn decode_response(payload: &[u8], scores_max: usize) -> Result<Response, fl
     let contributions: Vec<f64> = r.explain_contributions().map(|v| v.iter().collect()).unwrap_or_default();
     // k pairs per candidate, or none: a response that says otherwise is
     // read as carrying no explanation rather than misattributing one.
-    let whole =
-        !candidates.is_empty() && features.len() == contributions.len() && features.len() % candidates.len() == 0;
+    let whole = !candidates.is_empty()
+        && features.len() == contributions.len()
+        && features.len().is_multiple_of(candidates.len());
     let explanations = if whole {
         Explanations { skipped: r.explain_skipped(), bias: r.explain_bias(), candidates, features, contributions }
     } else {
