@@ -18,13 +18,20 @@ a ``ScoreRequest`` frame in, a ``ScoreResponse`` frame with the same
         # Feature groups by name: one key for a request-scope group, one
         # per candidate for a candidate-scope group.
         r = c.score(groups={"card": 42, "device": "f7a9c2", "ad": [1, 2, 3]})
+        # Reason codes: each candidate's five largest feature contributions.
+        r = c.score(user_id=42, item_ids=[1, 2, 3], explain_top_k=5)
+        for candidate, top in r.explanations.items():
+            print(candidate, r.explanations.bias, top)
 """
 
 from .aio import AsyncClient
 from .client import Client, parse_address
 from .codec import (
     DEFAULT_LIMITS,
+    EXPLAIN_CANDIDATES_MAX,
+    EXPLAIN_TOP_K_MAX,
     FRAME_PREFIX_BYTES,
+    Explanations,
     GROUPS_MAX,
     KEY_BYTES_MAX,
     FrameReader,
@@ -36,7 +43,7 @@ from .codec import (
     response_request_id,
     split_frames,
 )
-from .enums import Reason, Status, Tier
+from .enums import ExplainSkipped, Reason, Status, Tier
 from .errors import (
     AllNodesFailed,
     BadRequest,
@@ -59,6 +66,10 @@ __all__ = [
     "ConnectionClosed",
     "DEFAULT_LIMITS",
     "DeadlineExceeded",
+    "EXPLAIN_CANDIDATES_MAX",
+    "EXPLAIN_TOP_K_MAX",
+    "ExplainSkipped",
+    "Explanations",
     "FRAME_PREFIX_BYTES",
     "FrameReader",
     "GROUPS_MAX",

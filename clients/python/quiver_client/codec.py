@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import flatbuffers
@@ -34,7 +34,7 @@ import flatbuffers
 from ._generated.quiver.wire import GroupKeys as _group
 from ._generated.quiver.wire import ScoreRequest as _req
 from ._generated.quiver.wire import ScoreResponse as _resp
-from .enums import Reason, Status, Tier
+from .enums import ExplainSkipped, Reason, Status, Tier
 from .errors import ProtocolError, error_for
 
 try:
@@ -49,6 +49,11 @@ GROUPS_MAX = 16
 #: Longest string key any group accepts, in UTF-8 bytes; a group's own
 #: ``key_bytes_max`` may be lower (``KEY_BYTES_MAX`` in the replica format).
 KEY_BYTES_MAX = 64
+#: Most features one explained candidate lists (``explain_top_k``;
+#: ``EXPLAIN_TOP_K_MAX`` in clients/rust/src/wire/mod.rs).
+EXPLAIN_TOP_K_MAX = 32
+#: Most candidates one request has explained (``EXPLAIN_CANDIDATES_MAX``).
+EXPLAIN_CANDIDATES_MAX = 64
 
 #: One group's keys: a bare key (request-scope groups), or a sequence of
 #: ints, of strs/bytes, or an integer numpy array.
@@ -96,6 +101,12 @@ class Request:
     The groups ``user`` and ``item`` take ``user_id`` and ``item_ids`` when
     ``groups`` does not name them. The candidate count is ``item_ids``'
     length, else the longest key list in ``groups``.
+
+    ``explain_top_k`` asks for reason codes: each explained candidate's
+    ``explain_top_k`` features with the largest contribution to its margin
+    (0, the default: none; at most ``EXPLAIN_TOP_K_MAX``), of every
+    candidate or, with ``explain_candidates_max``, of that many with the
+    highest scores (at most ``EXPLAIN_CANDIDATES_MAX`` explained).
     """
 
     user_id: int = 0
@@ -108,6 +119,40 @@ class Request:
     client_id: int = 0
     request_id: Optional[int] = None
     groups: Optional[GroupsArg] = None
+    explain_top_k: int = 0
+    explain_candidates_max: int = 0
+
+
+@dataclass
+class Explanations:
+    """A response's reason codes (the ``explain_*`` fields).
+
+    ``skipped`` says why there are none although the request asked
+    (``ExplainSkipped.NONE`` otherwise). Each explained candidate's margin
+    is ``bias`` plus the sum of all its features' contributions, of which
+    the largest are listed.
+    """
+
+    skipped: Any = ExplainSkipped.NONE  # ExplainSkipped
+    bias: float = 0.0
+    #: The explained candidates' indices, ascending.
+    candidates: List[int] = field(default_factory=list)
+    #: ``k`` (feature index, contribution) pairs per explained candidate,
+    #: largest |contribution| first, in ``candidates`` order.
+    features: List[int] = field(default_factory=list)
+    contributions: List[float] = field(default_factory=list)
+
+    @property
+    def k(self) -> int:
+        return len(self.features) // len(self.candidates) if self.candidates else 0
+
+    def items(self) -> List[Tuple[int, List[Tuple[int, float]]]]:
+        """Each explained candidate with its (feature index, contribution) pairs."""
+        k = self.k
+        return [
+            (c, list(zip(self.features[i * k : (i + 1) * k], self.contributions[i * k : (i + 1) * k])))
+            for i, c in enumerate(self.candidates)
+        ]
 
 
 @dataclass
@@ -126,6 +171,8 @@ class Response:
     error: str
     reason: Any  # Reason
     features_stale: bool
+    #: Reason codes, when the request asked for them.
+    explanations: Explanations = field(default_factory=Explanations)
 
     @property
     def ok(self) -> bool:
@@ -337,6 +384,18 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
         raise ValueError(f"{len(context)} context floats exceed the limit of {limits.context_len_max}")
     if len(context_ids) > limits.context_len_max:
         raise ValueError(f"{len(context_ids)} context ids exceed the limit of {limits.context_len_max}")
+    top_k = _check_range("explain_top_k", request.explain_top_k, 16)
+    explain_candidates_max = _check_range("explain_candidates_max", request.explain_candidates_max, 16)
+    if top_k > EXPLAIN_TOP_K_MAX:
+        raise ValueError(f"explain_top_k {top_k} exceeds the limit of {EXPLAIN_TOP_K_MAX}")
+    if top_k > 0:
+        candidates = len(items) if len(items) else max([1] + [len(keys) for _, _, keys in groups])
+        explained = min(explain_candidates_max, candidates) if explain_candidates_max else candidates
+        if explain_candidates_max > EXPLAIN_CANDIDATES_MAX or explained > EXPLAIN_CANDIDATES_MAX:
+            raise ValueError(
+                f"{explain_candidates_max or explained} candidates to explain exceed the limit of "
+                f"{EXPLAIN_CANDIDATES_MAX}: set explain_candidates_max"
+            )
 
     # A first guess at the size; the builder grows past it when needed.
     group_bytes = sum(
@@ -368,6 +427,8 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     _req.AddBudgetUs(b, budget_us)
     if model is not None:
         _req.AddModel(b, model)
+    _req.AddExplainCandidatesMax(b, explain_candidates_max)
+    _req.AddExplainTopK(b, top_k)
     _req.AddPriority(b, priority)
     b.Finish(_req.End(b))
     payload = bytes(b.Output())
@@ -479,9 +540,29 @@ def decode_response(payload: bytes, as_numpy: bool = False) -> Response:
             error=error.decode("ascii", "replace") if error else "",
             reason=_known(Reason, r.Reason(), Reason.NONE),
             features_stale=r.FeaturesStale(),
+            explanations=_explanations(r, len(payload)),
         )
     except _MALFORMED as e:
         raise ProtocolError(f"malformed response: {e}") from None
+
+
+def _explanations(r: Any, payload_bytes: int) -> Explanations:
+    """The ``explain_*`` fields, their lengths bounded by the payload's; a
+    response whose lengths disagree reads as explaining nothing rather than
+    misattributing."""
+    skipped = _known(ExplainSkipped, r.ExplainSkipped(), ExplainSkipped.NONE)
+    n, pairs = r.ExplainCandidatesLength(), r.ExplainFeaturesLength()
+    if n * 4 + pairs * 12 > payload_bytes:
+        raise ProtocolError(f"response claims {n} explained candidates and {pairs} features in {payload_bytes} bytes")
+    if n == 0 or pairs != r.ExplainContributionsLength() or pairs % n:
+        return Explanations(skipped=skipped)
+    return Explanations(
+        skipped=skipped,
+        bias=r.ExplainBias(),
+        candidates=[r.ExplainCandidates(i) for i in range(n)],
+        features=[r.ExplainFeatures(i) for i in range(pairs)],
+        contributions=[r.ExplainContributions(i) for i in range(pairs)],
+    )
 
 
 class FrameReader:

@@ -1,4 +1,4 @@
-"""Status, Tier and Reason, built from the generated bindings.
+"""Status, Tier, Reason and ExplainSkipped, built from the generated bindings.
 
 The members are the schema's (``schemas/quiver.fbs``), renamed to Python's
 constant style: ``DeadlineExceeded`` becomes ``Status.DEADLINE_EXCEEDED``,
@@ -13,6 +13,7 @@ import enum
 import re
 from typing import Any
 
+from ._generated.quiver.wire import ExplainSkipped as _explain_skipped
 from ._generated.quiver.wire import Reason as _reason
 from ._generated.quiver.wire import Status as _status
 from ._generated.quiver.wire import Tier as _tier
@@ -34,3 +35,6 @@ Tier = _enum("Tier", _tier.Tier)
 #: Why the tier is not ``PRIMARY``; an unknown value reads as ``NONE``
 #: (flatc spells that member ``None_``).
 Reason = _enum("Reason", _reason.Reason)
+#: Why a request that asked for explanations got none; an unknown value
+#: reads as ``NONE``.
+ExplainSkipped = _enum("ExplainSkipped", _explain_skipped.ExplainSkipped)

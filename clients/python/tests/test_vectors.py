@@ -18,6 +18,7 @@ import pytest
 
 import quiver_client as q
 from helpers import f32_bits, request_groups
+from quiver_client._generated.quiver.wire import ExplainSkipped as fb_skipped
 from quiver_client._generated.quiver.wire import Reason as fb_reason
 from quiver_client._generated.quiver.wire import ScoreRequest as fb_req
 from quiver_client._generated.quiver.wire import Status as fb_status
@@ -67,6 +68,8 @@ def as_request(meaning) -> q.Request:
         priority=meaning["priority"],
         client_id=meaning["client_id"],
         groups=groups,
+        explain_top_k=meaning.get("explain_top_k", 0),
+        explain_candidates_max=meaning.get("explain_candidates_max", 0),
     )
 
 
@@ -88,6 +91,15 @@ def test_response_vectors_decode_to_their_meaning(name, data, payloads, frames):
         ), name
         assert r.error == (want["error"] or ""), name
         assert r.features_stale is want["features_stale"], name
+        e = r.explanations
+        assert int(e.skipped) == enum_value(fb_skipped.ExplainSkipped, want["explain_skipped"]), name
+        assert e.candidates == (want["explain_candidates"] or []), name
+        assert e.features == (want["explain_features"] or []), name
+        assert e.contributions == (want["explain_contributions"] or []), name
+        if e.candidates:
+            assert e.bias == want["explain_bias"], name
+        got = [{"candidate": c, "top": [[f, v] for f, v in top]} for c, top in e.items()]
+        assert got == want["explanations"], name
 
 
 @pytest.mark.parametrize("name,data,payloads,frames", vectors("requests"))
@@ -129,3 +141,4 @@ def test_request_vectors_read_back_to_their_meaning(name, data, payloads, frames
         else:
             expected = {g["group"]: ids(g["ids"]) if g["ids"] is not None else g["keys"] for g in want["groups"]}
             assert request_groups(r) == expected
+        assert (r.ExplainTopK(), r.ExplainCandidatesMax()) == (want["explain_top_k"], want["explain_candidates_max"])
