@@ -11,6 +11,7 @@
 
 import * as flatbuffers from "flatbuffers";
 
+import { ExplainSkipped } from "./generated/quiver/wire/explain-skipped.js";
 import { GroupKeys as FbGroupKeys } from "./generated/quiver/wire/group-keys.js";
 import { Reason } from "./generated/quiver/wire/reason.js";
 import { ScoreRequest } from "./generated/quiver/wire/score-request.js";
@@ -19,7 +20,7 @@ import { Status } from "./generated/quiver/wire/status.js";
 import { Tier } from "./generated/quiver/wire/tier.js";
 import { ProtocolError } from "./errors.js";
 
-export { Reason, Status, Tier };
+export { ExplainSkipped, Reason, Status, Tier };
 
 /** Bytes of the little-endian u32 length in front of every frame. */
 export const FRAME_PREFIX_BYTES = 4;
@@ -27,6 +28,10 @@ export const FRAME_PREFIX_BYTES = 4;
 export const GROUPS_MAX = 16;
 /** Longest string key any group accepts, in UTF-8 bytes. */
 export const KEY_BYTES_MAX = 64;
+/** Most features one explained candidate lists (`explainTopK`). */
+export const EXPLAIN_TOP_K_MAX = 32;
+/** Most candidates one request has explained. */
+export const EXPLAIN_CANDIDATES_MAX = 64;
 
 /** Limits checked before a request is sent, and on responses. The
  * defaults are the server's (`[limits]`); match a server configured
@@ -68,6 +73,27 @@ export interface Request {
   context?: readonly number[] | Float32Array;
   contextIds?: readonly Id[] | BigUint64Array;
   groups?: GroupsArg;
+  /** Reason codes: each explained candidate's `explainTopK` features with
+   * the largest contribution to its margin (0 or left out: none; at most
+   * `EXPLAIN_TOP_K_MAX`). */
+  explainTopK?: number;
+  /** Explain only this many of the highest-scored candidates (0 or left
+   * out: all; at most `EXPLAIN_CANDIDATES_MAX` are explained). */
+  explainCandidatesMax?: number;
+}
+
+/** A response's reason codes (the `explain_*` fields). Each explained
+ * candidate's margin is `bias` plus the sum of all its contributions. */
+export interface Explanations {
+  /** Why there are none although the request asked (`None` otherwise). */
+  skipped: ExplainSkipped;
+  bias: number;
+  /** The explained candidates' indices, ascending. */
+  candidates: Uint32Array;
+  /** k (feature index, contribution) pairs per explained candidate, each
+   * candidate's largest |contribution| first, in `candidates` order. */
+  features: Uint32Array;
+  contributions: Float64Array;
 }
 
 /** One ScoreResponse: exactly the schema's fields. */
@@ -83,6 +109,8 @@ export interface Response {
   error: string;
   reason: Reason;
   featuresStale: boolean;
+  /** Reason codes, when the request asked for them. */
+  explanations: Explanations;
 }
 
 const U64_MAX = (1n << 64n) - 1n;
@@ -203,6 +231,21 @@ export function encodeRequest(request: Request, requestId: Id, limits: Limits = 
   if (contextIds.length > limits.contextLenMax) {
     throw new RangeError(`${contextIds.length} context ids exceed the limit of ${limits.contextLenMax}`);
   }
+  const topK = uint("explainTopK", request.explainTopK, 16);
+  const explainMax = uint("explainCandidatesMax", request.explainCandidatesMax, 16);
+  if (topK > EXPLAIN_TOP_K_MAX) {
+    throw new RangeError(`explainTopK ${topK} exceeds the limit of ${EXPLAIN_TOP_K_MAX}`);
+  }
+  if (topK > 0) {
+    const candidates = items.length || Math.max(1, ...groups.map(([, k]) => k.keys.length));
+    const explained = explainMax ? Math.min(explainMax, candidates) : candidates;
+    if (explainMax > EXPLAIN_CANDIDATES_MAX || explained > EXPLAIN_CANDIDATES_MAX) {
+      throw new RangeError(
+        `${explainMax || explained} candidates to explain exceed the limit of ${EXPLAIN_CANDIDATES_MAX}: ` +
+          "set explainCandidatesMax",
+      );
+    }
+  }
 
   const b = new flatbuffers.Builder(256);
   // Strings and vectors in the Rust encoder's order, then the fields.
@@ -242,6 +285,8 @@ export function encodeRequest(request: Request, requestId: Id, limits: Limits = 
   ScoreRequest.addClientId(b, clientId);
   ScoreRequest.addBudgetUs(b, budgetUs);
   if (modelAt) ScoreRequest.addModel(b, modelAt);
+  ScoreRequest.addExplainCandidatesMax(b, explainMax);
+  ScoreRequest.addExplainTopK(b, topK);
   ScoreRequest.addPriority(b, priority);
   b.finish(ScoreRequest.endScoreRequest(b));
   const payload = b.asUint8Array();
@@ -277,7 +322,8 @@ function verifyResponse(payload: Uint8Array): void {
     return at < vtableBytes ? view.getUint16(vtable + at, true) : 0;
   };
   // Scalars: request_id u64, status u8, tier u8, model_version u32,
-  // server_us u32, features_missing u16, reason u8, features_stale bool.
+  // server_us u32, features_missing u16, reason u8, features_stale bool,
+  // explain_bias f64, explain_skipped u8.
   const scalars: Array<[number, number]> = [
     [0, 8],
     [1, 1],
@@ -287,15 +333,21 @@ function verifyResponse(payload: Uint8Array): void {
     [6, 2],
     [8, 1],
     [9, 1],
+    [11, 8],
+    [14, 1],
   ];
   for (const [slot, size] of scalars) {
     const off = field(slot);
     need(off === 0 || off + size <= tableBytes, `field ${slot} outside the table`);
   }
-  // scores: [float]; error: string.
+  // scores: [float]; error: string; explain_candidates: [uint];
+  // explain_features: [uint]; explain_contributions: [double].
   for (const [slot, elem, isString] of [
     [2, 4, false],
     [7, 1, true],
+    [10, 4, false],
+    [12, 4, false],
+    [13, 8, false],
   ] as Array<[number, number, boolean]>) {
     const off = field(slot);
     if (off === 0) continue;
@@ -333,7 +385,29 @@ export function decodeResponse(payload: Uint8Array): Response {
     error: typeof error === "string" ? error : "",
     reason: known(Reason, r.reason(), Reason.None),
     featuresStale: r.featuresStale(),
+    explanations: explanationsOf(r),
   };
+}
+
+/** The `explain_*` fields (bounds checked by `verifyResponse`); lengths
+ * that disagree read as no explanation rather than a misattributed one. */
+function explanationsOf(r: ScoreResponse): Explanations {
+  const skipped = known(ExplainSkipped, r.explainSkipped(), ExplainSkipped.None);
+  const n = r.explainCandidatesLength();
+  const pairs = r.explainFeaturesLength();
+  if (n === 0 || pairs !== r.explainContributionsLength() || pairs % n !== 0) {
+    const none = { candidates: new Uint32Array(0), features: new Uint32Array(0) };
+    return { skipped, bias: 0, ...none, contributions: new Float64Array(0) };
+  }
+  const candidates = new Uint32Array(n);
+  for (let i = 0; i < n; i++) candidates[i] = r.explainCandidates(i) ?? 0;
+  const features = new Uint32Array(pairs);
+  const contributions = new Float64Array(pairs);
+  for (let i = 0; i < pairs; i++) {
+    features[i] = r.explainFeatures(i) ?? 0;
+    contributions[i] = r.explainContributions(i) ?? 0;
+  }
+  return { skipped, bias: r.explainBias(), candidates, features, contributions };
 }
 
 /** The request id of a response payload, after the same checks. */

@@ -5,6 +5,9 @@ export {
   DEFAULT_LIMITS,
   decodeResponse,
   encodeRequest,
+  EXPLAIN_CANDIDATES_MAX,
+  EXPLAIN_TOP_K_MAX,
+  ExplainSkipped,
   FRAME_PREFIX_BYTES,
   FrameReader,
   GROUPS_MAX,
@@ -14,7 +17,7 @@ export {
   Status,
   Tier,
 } from "./codec.js";
-export type { GroupKeysArg, GroupsArg, Id, Limits, Request, Response } from "./codec.js";
+export type { Explanations, GroupKeysArg, GroupsArg, Id, Limits, Request, Response } from "./codec.js";
 export { Client } from "./client.js";
 export type { CallOptions, ClientOptions } from "./client.js";
 export {

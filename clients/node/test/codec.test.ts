@@ -6,7 +6,15 @@ import { readFileSync } from "node:fs";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { decodeResponse, FrameReader, ProtocolError } from "../src/index.js";
+import {
+  decodeResponse,
+  encodeRequest,
+  EXPLAIN_CANDIDATES_MAX,
+  EXPLAIN_TOP_K_MAX,
+  ExplainSkipped,
+  FrameReader,
+  ProtocolError,
+} from "../src/index.js";
 
 const VECTORS = fileURLToPath(new URL("../../../../schemas/vectors/", import.meta.url));
 const stream = new Uint8Array(readFileSync(VECTORS + "pipelined_responses.bin"));
@@ -60,4 +68,25 @@ test("every truncation and every single-byte corruption of a response is refused
   }
   assert.ok(refused > 0, "some corruption must be refused");
   assert.throws(() => decodeResponse(new Uint8Array(3)), ProtocolError);
+});
+
+test("explanations are decoded, and their limits checked before sending", () => {
+  const payload = new FrameReader().feed(new Uint8Array(readFileSync(VECTORS + "response_explained.bin")))[0];
+  const e = decodeResponse(payload).explanations;
+  assert.equal(e.skipped, ExplainSkipped.None);
+  assert.deepEqual(Array.from(e.candidates), [0, 2]);
+  assert.deepEqual(Array.from(e.features), [7, 1, 3, 7]);
+  assert.deepEqual(Array.from(e.contributions), [1.25, -0.5, -0.75, 0.375]);
+  assert.equal(e.bias, -2.5);
+  for (let n = 0; n < payload.length; n++) {
+    try {
+      decodeResponse(payload.subarray(0, n));
+    } catch (err) {
+      assert.ok(err instanceof ProtocolError, `cut at ${n}: ${String(err)}`);
+    }
+  }
+  assert.throws(() => encodeRequest({ itemIds: [1], explainTopK: EXPLAIN_TOP_K_MAX + 1 }, 1n), /explainTopK 33/);
+  const many = Array.from({ length: EXPLAIN_CANDIDATES_MAX + 1 }, (_, i) => i);
+  assert.throws(() => encodeRequest({ itemIds: many, explainTopK: 1 }, 1n), /65 candidates to explain/);
+  encodeRequest({ itemIds: many, explainTopK: 1, explainCandidatesMax: EXPLAIN_CANDIDATES_MAX }, 1n);
 });

@@ -8,7 +8,7 @@ import { readdirSync, readFileSync } from "node:fs";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { decodeResponse, encodeRequest, FrameReader, Reason, Status, Tier } from "../src/index.js";
+import { decodeResponse, encodeRequest, ExplainSkipped, FrameReader, Reason, Status, Tier } from "../src/index.js";
 import type { Request } from "../src/index.js";
 
 const VECTORS = fileURLToPath(new URL("../../../../schemas/vectors/", import.meta.url));
@@ -58,6 +58,8 @@ function asRequest(m: Record<string, unknown>): Request {
     priority: m.priority as number,
     clientId: m.client_id as number,
     groups: groups?.map((g) => [g.group, g.ids !== null ? ids(g.ids)! : g.keys!] as const),
+    explainTopK: (m.explain_top_k as number | undefined) ?? 0,
+    explainCandidatesMax: (m.explain_candidates_max as number | undefined) ?? 0,
   };
 }
 
@@ -77,6 +79,12 @@ for (const [name, , payloads, doc] of vectors("responses")) {
       assert.equal(r.featuresMissing, want.features_missing);
       assert.equal(r.error, (want.error as string | null) ?? "");
       assert.equal(r.featuresStale, want.features_stale);
+      const e = r.explanations;
+      assert.equal(e.skipped, enumValue(ExplainSkipped, want.explain_skipped as string));
+      assert.deepEqual(Array.from(e.candidates), (want.explain_candidates as number[] | null) ?? []);
+      assert.deepEqual(Array.from(e.features), (want.explain_features as number[] | null) ?? []);
+      assert.deepEqual(Array.from(e.contributions), (want.explain_contributions as number[] | null) ?? []);
+      if (e.candidates.length) assert.equal(e.bias, want.explain_bias);
     });
   });
 }
