@@ -154,6 +154,51 @@ fn budget_smaller_than_the_kernel_cost_steps_down_up_front() {
 }
 
 #[test]
+fn explanations_come_only_when_the_time_left_fits_their_measured_cost() {
+    use crate::score::explaining::Explaining;
+    use crate::wire::ExplainSkipped;
+    let clock = ManualClock::new(0);
+    let mut path = RequestPath::new(shared(&dir("explain")), &clock).unwrap();
+    let Explaining::Ready(ready) = &mut path.versions.served[0].explaining else {
+        panic!("a one-layer linear model is explainable")
+    };
+    ready.ns_per_candidate = 100_000.0; // 100 µs per candidate
+    let scores = [2.0 + 0.5 + 1.0, 0.5 + 0.5 + 1.0, -1.0 + 0.5 + 1.0].map(sigmoid);
+    let mut s = RequestSpec { explain_top_k: 2, budget_us: 250, ..spec() };
+    // Three candidates need 300 µs: the scores, and why no reasons.
+    let r = run(&mut path, &s, 0);
+    assert_eq!((r.status, r.tier, r.scores.as_slice()), (Status::Ok, Tier::Primary, &scores[..]));
+    assert_eq!((r.explanations.skipped, r.explanations.candidates.len()), (ExplainSkipped::Budget, 0));
+    // The top two by score need 200 µs: explained. logit = item + 2 ctx +
+    // user[0] - user[1] over the row (item, ctx, user[0], user[1]), whose
+    // contributions are each weight times its input (no scaler: baseline 0).
+    s.explain_candidates_max = 2;
+    let r = run(&mut path, &s, 0);
+    assert_eq!(r.scores, scores);
+    let e = &r.explanations;
+    assert_eq!((e.skipped, e.candidates.as_slice(), e.bias), (ExplainSkipped::None, &[0, 1][..], 0.0));
+    let top: Vec<Vec<(u32, f64)>> = e.iter().map(|(_, t)| t.collect()).collect();
+    // Candidate 1: item 0.5 and 2 ctx 0.5 tie; the lower index first.
+    assert_eq!(top, [vec![(0, 2.0), (2, 1.0)], vec![(2, 1.0), (0, 0.5)]]);
+    // What the explainer took (no time on this clock) moves the estimate.
+    let Explaining::Ready(ready) = &path.versions.served[0].explaining else { unreachable!() };
+    assert!(ready.ns_per_candidate < 100_000.0);
+    // Not asked: nothing.
+    let r = run(&mut path, &RequestSpec { explain_top_k: 0, ..s.clone() }, 0);
+    assert_eq!(r.explanations, wire::Explanations::default());
+    // A lower rung (here the cache, which the answers above filled)
+    // explains nothing and says so.
+    path.versions.served[0].kernel_cost.ns_per_row = 1e9;
+    let r = run(&mut path, &s, 0);
+    assert_eq!((r.tier, r.explanations.skipped), (Tier::Cached, ExplainSkipped::LowerRung));
+    // A model the explainer refused.
+    path.versions.served[0].kernel_cost.ns_per_row = 0.0;
+    path.versions.served[0].explaining = Explaining::Refused("an MLP".into());
+    let r = run(&mut path, &s, 0);
+    assert_eq!((r.tier, r.explanations.skipped), (Tier::Primary, ExplainSkipped::NotExplainable));
+}
+
+#[test]
 fn bad_requests_get_typed_answers() {
     let clock = ManualClock::new(0);
     let mut path = RequestPath::new(shared(&dir("bad")), &clock).unwrap();
