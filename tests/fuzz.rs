@@ -357,6 +357,10 @@ fn request_frames() {
                 32 => vec![("ip".into(), GroupKeySpec::Strs(vec!["203.0.113.7".into()]))],
                 _ => Vec::new(),
             },
+            // And with reason codes asked for, so mutations reach their
+            // limits' checks.
+            explain_top_k: if n >= 3 { 5 } else { 0 },
+            explain_candidates_max: if n == 32 { 4 } else { 0 },
         };
         let mut frame = Vec::new();
         encoder.encode(&spec, &mut frame);
