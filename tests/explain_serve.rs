@@ -361,6 +361,16 @@ fn models_are_listed_with_their_feature_names_and_quiver_score_prints_reasons() 
             json_f64(&g["contribution"], contribution);
         }
     }
+    // No admin endpoint there: the answer all the same, features by index.
+    let mut no_admin = base;
+    no_admin[base.len() - 1] = "127.0.0.1:1";
+    let (code, out, err) = run_quiver(no_admin.iter().chain(&["--json"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("warning: features by index"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["explanations"][0]["top"][0]["feature"].is_null(), "{v}");
+    assert!(v["explanations"][0]["top"][0]["index"].is_u64(), "{v}");
+
     let (code, out, err) = run_quiver(base);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("explanations (margin = bias"), "{out}");

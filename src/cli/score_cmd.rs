@@ -103,8 +103,13 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
             return Err(Error::Setup(e.to_string()));
         }
     };
+    // The answer came back: a name lookup that fails only leaves the
+    // features by index, said on stderr.
     let names = match (&args.admin, resp.explanations.candidates.is_empty()) {
-        (Some(admin), false) => feature_names(admin, &spec.model)?,
+        (Some(admin), false) => feature_names(admin, &spec.model).unwrap_or_else(|e| {
+            eprintln!("warning: features by index: {e}");
+            Vec::new()
+        }),
         _ => Vec::new(),
     };
     if args.json {
