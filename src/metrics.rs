@@ -499,6 +499,10 @@ pub struct Counters {
     /// Ok responses flagged `features_stale`.
     pub stale_responses: u64,
     pub candidates_scored: u64,
+    /// Reason codes: candidates explained, and requests that asked but
+    /// whose time left could not fit the explainer's measured cost.
+    pub explained_candidates: u64,
+    pub explain_skipped_budget: u64,
     /// Requests also scored by a shadow version, with the sums of their mean
     /// absolute score difference and rank correlation, in millionths.
     pub shadow_requests: u64,
@@ -559,6 +563,8 @@ impl Counters {
         self.features_missing += other.features_missing;
         self.stale_responses += other.stale_responses;
         self.candidates_scored += other.candidates_scored;
+        self.explained_candidates += other.explained_candidates;
+        self.explain_skipped_budget += other.explain_skipped_budget;
         self.shadow_requests += other.shadow_requests;
         self.shadow_abs_diff_ppm += other.shadow_abs_diff_ppm;
         self.shadow_rank_corr_ppm += other.shadow_rank_corr_ppm;

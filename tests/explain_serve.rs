@@ -268,6 +268,9 @@ fn explanations_through_the_server_inline_and_through_the_inference_thread() {
         // With the time, the same model is explained.
         let r = c.score(&RequestSpec { explain_candidates_max: 1, ..s.spec(20, "slow") }).unwrap();
         assert_eq!((r.explanations.skipped, r.explanations.candidates.len()), (ExplainSkipped::None, 1), "{r:?}");
+        // Counted for operators: 32 + 3 + 1 candidates explained.
+        assert!(server.wait_metric("quiver_explain_skipped_budget_total", 3) >= 3);
+        assert!(server.wait_metric("quiver_explained_candidates_total", 36) >= 36);
     }
 }
 

@@ -218,6 +218,18 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         )?;
         counter(
             &mut encoder,
+            "quiver_explained_candidates",
+            "Candidates whose reason codes were returned (explain_top_k).",
+            m.counters.explained_candidates,
+        )?;
+        counter(
+            &mut encoder,
+            "quiver_explain_skipped_budget",
+            "Requests that asked for reason codes and got explain_skipped = budget.",
+            m.counters.explain_skipped_budget,
+        )?;
+        counter(
+            &mut encoder,
             "quiver_admission_wrong_source",
             "Requests refused for naming a client bound to other source networks.",
             m.counters.admission_wrong_source,

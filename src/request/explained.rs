@@ -19,6 +19,7 @@
 use super::versions::Served;
 use super::StepDown;
 use crate::deadline::Clock;
+use crate::metrics::Counters;
 use crate::score::explaining::Explaining;
 use crate::wire::{ExplainFields, ExplainSkipped, EXPLAIN_CANDIDATES_MAX, EXPLAIN_TOP_K_MAX};
 
@@ -101,7 +102,8 @@ impl Explained {
 /// `scores`) with `served`'s explainer into `out`, when asked and when the
 /// time left fits; `served` is `None` when the version that scored it is no
 /// longer served here. Reads the clock before (the budget check) and after
-/// (the cost, and whether the deadline passed).
+/// (the cost, and whether the deadline passed). Counts the candidates
+/// explained and the budget skips in `counters`.
 pub(super) fn explain(
     step: &StepDown,
     x: &[f32],
@@ -109,6 +111,7 @@ pub(super) fn explain(
     served: Option<&mut Served>,
     clock: &impl Clock,
     out: &mut Explained,
+    counters: &mut Counters,
 ) -> Outcome {
     if step.explain_top_k == 0 {
         out.skip(ExplainSkipped::None);
@@ -127,6 +130,7 @@ pub(super) fn explain(
             return Outcome::Skipped;
         }
         Some(cost_us) if step.deadline.cannot_fit(started_ns / 1_000, cost_us) => {
+            counters.explain_skipped_budget += 1;
             out.skip(ExplainSkipped::Budget);
             return Outcome::Skipped;
         }
@@ -150,6 +154,7 @@ pub(super) fn explain(
         }
     }
     (out.skipped, out.n, out.k) = (ExplainSkipped::None, n, k);
+    counters.explained_candidates += n as u64;
     let done_ns = clock.now_ns();
     explaining.observe(n, done_ns.saturating_sub(started_ns));
     Outcome::Explained { late: step.deadline.cannot_fit(done_ns / 1_000, 0) }

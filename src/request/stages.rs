@@ -779,7 +779,8 @@ pub(super) fn finish(
     let scorer =
         versions.served.get_mut(a.chosen).filter(|s| s.name_hash == a.cache_key.model && s.model.version == a.version);
     let scores = &answer.logits[..rows];
-    match explained::explain(&a.step, x, scores, scorer, clock, &mut answer.explained) {
+    let counters = &mut telemetry.counters;
+    match explained::explain(&a.step, x, scores, scorer, clock, &mut answer.explained, counters) {
         explained::Outcome::Explained { late: true } => {
             let why = "explaining finished past the deadline";
             fail(a.step.request_id, Status::DeadlineExceeded, why, answer, telemetry, out);

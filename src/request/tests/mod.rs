@@ -169,6 +169,7 @@ fn explanations_come_only_when_the_time_left_fits_their_measured_cost() {
     let r = run(&mut path, &s, 0);
     assert_eq!((r.status, r.tier, r.scores.as_slice()), (Status::Ok, Tier::Primary, &scores[..]));
     assert_eq!((r.explanations.skipped, r.explanations.candidates.len()), (ExplainSkipped::Budget, 0));
+    assert_eq!(path.telemetry.counters.explain_skipped_budget, 1);
     // The top two by score need 200 µs: explained. logit = item + 2 ctx +
     // user[0] - user[1] over the row (item, ctx, user[0], user[1]), whose
     // contributions are each weight times its input (no scaler: baseline 0).
@@ -180,6 +181,7 @@ fn explanations_come_only_when_the_time_left_fits_their_measured_cost() {
     let top: Vec<Vec<(u32, f64)>> = e.iter().map(|(_, t)| t.collect()).collect();
     // Candidate 1: item 0.5 and 2 ctx 0.5 tie; the lower index first.
     assert_eq!(top, [vec![(0, 2.0), (2, 1.0)], vec![(2, 1.0), (0, 0.5)]]);
+    assert_eq!(path.telemetry.counters.explained_candidates, 2);
     // What the explainer took (no time on this clock) moves the estimate.
     let Explaining::Ready(ready) = &path.versions.served[0].explaining else { unreachable!() };
     assert!(ready.ns_per_candidate < 100_000.0);
