@@ -1,20 +1,23 @@
 //! Reason-code cost: microseconds per explained candidate of exact
 //! path-dependent TreeSHAP (`model::explain`) on the two ensemble shapes of
 //! the tree side-by-side (100 trees of depth 6 and 500 of depth 8, full
-//! trees over 28 features, NaN in 10% of the values), one candidate at a
-//! time as the server would explain its top candidates.
+//! trees over 28 features, NaN in 10% of the values), as the server would
+//! explain its top candidates: 1 and 32 candidates per call, one after
+//! another, by the quadrature (the default) and, beside it in the same run,
+//! the classic algorithm it replaced (1 candidate: it takes milliseconds).
 //!
 //! Why: issue 37's targets (100 x 6 within 100 us and 500 x 8 within 1 ms
 //! per candidate on one core) decide whether contributions fit in a
-//! request's budget, and whether a faster variant is needed. The
-//! ensembles are synthetic (seeded, covers that split each node's rows at
-//! random): TreeSHAP's cost depends on the shape, not on what was learned.
-//! Run with `cargo bench --bench explain`.
+//! request's budget. The ensembles are synthetic (seeded, covers that split
+//! each node's rows at random): TreeSHAP's cost depends on the shape, not
+//! on what was learned. Criterion's throughput is candidates, so its
+//! "time" per iteration divided by the candidates is the figure. Run with
+//! `taskset -c 1 cargo bench --bench explain`.
 
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use quiver::model::explain::Explainer;
+use quiver::model::explain::{Explainer, TreeAlgorithm};
 use quiver::model::graph::{Graph, Node, Op, OutputKind};
 use quiver::model::trees::{Ensemble, Split, TreeNode};
 use quiver::model::{InputSegment, Model, Source};
@@ -76,22 +79,29 @@ fn explain(c: &mut Criterion) {
     let mut rng = SplitMix64::new(37);
     let x: Vec<f32> = (0..ROWS * FEATURES).map(|_| if rng.below(10) == 0 { f32::NAN } else { rng.normal() }).collect();
     let mut g = c.benchmark_group("explain/treeshap");
-    g.throughput(Throughput::Elements(1));
     for (trees, depth) in [(100, 6), (500, 8)] {
         let m = model(ensemble(&mut rng, trees, depth));
         m.validate().unwrap();
-        let explainer = Explainer::new(m).unwrap();
-        let mut scratch = explainer.scratch();
-        let mut phi = vec![0.0f64; FEATURES];
-        let mut k = 0;
-        g.bench_function(BenchmarkId::new(format!("{trees}x{depth}"), 1), |b| {
-            b.iter(|| {
-                let row = &x[(k % ROWS) * FEATURES..(k % ROWS + 1) * FEATURES];
-                k += 1;
-                let bias = explainer.explain(row, &mut scratch, &mut phi).unwrap();
-                std::hint::black_box((bias, &phi));
-            })
-        });
+        for (algorithm, batches) in [(TreeAlgorithm::Classic, &[1][..]), (TreeAlgorithm::Quadrature, &[1, 32][..])] {
+            let explainer = Explainer::with_tree_algorithm(m.clone(), algorithm).unwrap();
+            let mut scratch = explainer.scratch();
+            let mut phi = vec![0.0f64; FEATURES];
+            let mut k = 0;
+            for &n in batches {
+                g.throughput(Throughput::Elements(n as u64));
+                let id = BenchmarkId::new(format!("{trees}x{depth}/{}", algorithm.name()), n);
+                g.bench_function(id, |b| {
+                    b.iter(|| {
+                        for _ in 0..n {
+                            let row = &x[(k % ROWS) * FEATURES..(k % ROWS + 1) * FEATURES];
+                            k += 1;
+                            let bias = explainer.explain(row, &mut scratch, &mut phi).unwrap();
+                            std::hint::black_box((bias, &phi));
+                        }
+                    })
+                });
+            }
+        }
     }
     g.finish();
 }

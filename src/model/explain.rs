@@ -5,14 +5,36 @@
 //! Why here and exact: a declined payment must say why, inside the same
 //! response, so the attribution is computed by the server from the model it
 //! serves, not by a separate explainer that may disagree with it. Tree
-//! ensembles get path-dependent TreeSHAP (Lundberg et al. 2018, Algorithm
-//! 2), the algorithm LightGBM's `predict(pred_contrib=True)` and XGBoost's
-//! `predict(pred_contribs=True)` implement: branches are weighed by each
+//! ensembles get path-dependent TreeSHAP (Lundberg et al. 2018), the
+//! attribution LightGBM's `predict(pred_contrib=True)` and XGBoost's
+//! `predict(pred_contribs=True)` compute: branches are weighed by each
 //! node's cover (`Ensemble::covers`), and the branch a candidate takes is
 //! decided by `trees::goes_left`, the rule the model is scored by, so
 //! missing values and categorical splits are routed as the model routes
-//! them. It runs in f64, one scalar walk per tree: the specification
-//! before any faster variant.
+//! them. Everything runs in f64.
+//!
+//! Two exact algorithms compute it ([`TreeAlgorithm`]); they agree to
+//! floating error:
+//! - **Quadrature** (the default), so that reason codes fit a request's
+//!   budget. For one leaf whose path holds features with merged cover
+//!   shares `z` and taken-branch indicators `o`, a feature's Shapley value
+//!   is the leaf value times `(o − z)` times the integral over `t` in
+//!   [0, 1] of the product, over the path's other features, of
+//!   `z (1 − t) + o t` (the Shapley weights are Beta integrals: Owen's
+//!   multilinear extension). The integrand is a polynomial of degree below
+//!   the tree's depth D, so Gauss–Legendre quadrature at ⌈D/2⌉ points is
+//!   exact. At those points (the SIMD lanes) the leaves' products sum up the
+//!   tree, so one pass over each tree's nodes, depth first, yields every
+//!   contribution, as Linear TreeShap (Yu et al. 2022) does with
+//!   polynomials: O(nodes × ⌈D/2⌉) per tree instead of O(leaves × D²). A
+//!   feature split on again lower down divides its earlier factor out at
+//!   the quadrature points and takes back, over that subtree, what the
+//!   earlier edge counted; the two terms cancel exactly, as the quadrature
+//!   is linear in the values. The per-node table is built once, when the
+//!   explainer is: `TABLE_NODE_BYTES` per tree node.
+//! - **Classic**: Algorithm 2 of Lundberg et al. (path arrays, extend and
+//!   unwind), one recursive walk per tree: the reference the quadrature is
+//!   tested against, and benchmarked beside it.
 //!
 //! Models that cannot be explained exactly are refused when the explainer
 //! is built ([`ExplainError`]), never answered with an approximation: tree
@@ -20,7 +42,8 @@
 //! graphs and onnxruntime-only models.
 //!
 //! All memory a call needs is allocated by [`Explainer::scratch`], once per
-//! explainer: the TreeSHAP path arrays, bounded by the deepest tree.
+//! explainer: the quadrature's per-level vectors and per-feature lanes (or
+//! the classic path arrays), bounded by the deepest tree.
 
 use std::sync::Arc;
 
@@ -28,14 +51,22 @@ use super::graph::Op;
 use super::trees::{goes_left, Ensemble, Split, DEPTH_MAX};
 use super::Model;
 
-/// Path elements TreeSHAP needs for trees of `depth` splits: one path of
-/// up to `d + 1` elements per level `d` of the recursion, side by side.
+/// Path elements the classic TreeSHAP needs for trees of `depth` splits:
+/// one path of up to `d + 1` elements per level `d` of the recursion, side
+/// by side.
 pub fn path_len(depth: usize) -> usize {
     (depth + 2) * (depth + 3) / 2
 }
 
 /// The most path elements a scratch holds (trees of `DEPTH_MAX` splits).
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
+
+/// Bytes of the quadrature's table per tree node (leaves and splits): the
+/// table is this times the ensemble's nodes, so `trees::ENSEMBLE_NODES_MAX`
+/// bounds it (384 MiB; the ensemble itself holds 28 bytes a node).
+pub const TABLE_NODE_BYTES: usize = 24;
+
+const _: () = assert!(std::mem::size_of::<TableNode>() == TABLE_NODE_BYTES);
 
 /// Why a model or a row cannot be explained.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -60,9 +91,29 @@ pub enum ExplainError {
     Width { model: String, want: usize, got: usize },
 }
 
-/// One element of a TreeSHAP path: a feature on the way to the leaf, the
-/// share of cover its branch keeps (`zero`), whether the row takes that
-/// branch (`one`: 1 or 0), and the permutation weight.
+/// How a tree ensemble's contributions are computed. Both are exact
+/// path-dependent TreeSHAP (the module header says how).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TreeAlgorithm {
+    /// Gauss–Legendre quadrature of the Shapley integral, one pass over
+    /// each tree's nodes: O(nodes × ⌈depth/2⌉) per tree. The default.
+    Quadrature,
+    /// Lundberg et al.'s Algorithm 2: O(leaves × depth²) per tree.
+    Classic,
+}
+
+impl TreeAlgorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            TreeAlgorithm::Quadrature => "quadrature",
+            TreeAlgorithm::Classic => "classic",
+        }
+    }
+}
+
+/// One element of a classic TreeSHAP path: a feature on the way to the
+/// leaf, the share of cover its branch keeps (`zero`), whether the row
+/// takes that branch (`one`: 1 or 0), and the permutation weight.
 #[derive(Clone, Copy, Debug, Default)]
 struct PathElement {
     feature: u32,
@@ -74,12 +125,13 @@ struct PathElement {
 /// The feature of the root's path element, which no split names.
 const NO_FEATURE: u32 = u32::MAX;
 
-/// The per-call memory of an explainer (its path arrays), allocated once.
+/// The per-call memory of an explainer, allocated once.
 #[derive(Clone, Debug)]
 pub struct Scratch {
     path: Vec<PathElement>,
     /// A leaf's unwinding, three rows of `depth + 1` (`leaf`).
     unwinding: Vec<f64>,
+    walk: Walk,
 }
 
 /// A tree ensemble read through `Input` columns `0..width`, then the
@@ -93,6 +145,8 @@ struct TreeShap {
     scale: f64,
     /// The bias: base plus the trees' expectations, through the affine.
     bias: f64,
+    /// The quadrature's table, or `None` for the classic algorithm.
+    quadrature: Option<Quadrature>,
 }
 
 /// The explainers there are, by model family.
@@ -125,8 +179,14 @@ pub struct Explainer {
 impl Explainer {
     /// The explainer of `model`, or why it cannot have one. The model is
     /// a validated one (as `Model::load` and the importers return it):
-    /// its trees are trees, its features within its input.
+    /// its trees are trees, its features within its input. Tree ensembles
+    /// are explained by [`TreeAlgorithm::Quadrature`].
     pub fn new(model: Arc<Model>) -> Result<Explainer, ExplainError> {
+        Self::with_tree_algorithm(model, TreeAlgorithm::Quadrature)
+    }
+
+    /// As [`Explainer::new`], with tree ensembles explained by `algorithm`.
+    pub fn with_tree_algorithm(model: Arc<Model>, algorithm: TreeAlgorithm) -> Result<Explainer, ExplainError> {
         let name = model.name.clone();
         let width = model.input_dim();
         let refuse = |kind: &str| ExplainError::NotExplainable { model: name.clone(), kind: kind.into() };
@@ -146,7 +206,7 @@ impl Explainer {
                 graph.nodes.len()
             )));
         };
-        let method = Method::Trees(TreeShap::new(&model, node).ok_or_else(|| {
+        let method = Method::Trees(TreeShap::new(&model, node, algorithm).ok_or_else(|| {
             refuse("a graph that does more than a tree ensemble over the input columns (and an affine map of its sum)")
         })??);
         Ok(Explainer { name, width, method })
@@ -157,6 +217,26 @@ impl Explainer {
         match self.method {
             Method::Trees(_) => "treeshap",
             Method::Linear(_) => "linear",
+        }
+    }
+
+    /// The algorithm a tree ensemble is explained by (`None` for a linear
+    /// model).
+    pub fn tree_algorithm(&self) -> Option<TreeAlgorithm> {
+        match &self.method {
+            Method::Trees(t) if t.quadrature.is_some() => Some(TreeAlgorithm::Quadrature),
+            Method::Trees(_) => Some(TreeAlgorithm::Classic),
+            Method::Linear(_) => None,
+        }
+    }
+
+    /// Bytes of the tables built for this explainer beyond the model's own
+    /// (the quadrature's per-node table; weights and baseline of a linear
+    /// model).
+    pub fn table_bytes(&self) -> usize {
+        match &self.method {
+            Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| q.nodes.len() * TABLE_NODE_BYTES),
+            Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
     }
 
@@ -176,20 +256,17 @@ impl Explainer {
 
     /// The memory `explain` needs, for one caller at a time.
     pub fn scratch(&self) -> Scratch {
-        let len = match &self.method {
-            Method::Trees(t) => path_len(t.depth_max),
-            Method::Linear(_) => 0,
-        };
-        let depth_max = match &self.method {
-            Method::Trees(t) => t.depth_max,
-            Method::Linear(_) => 0,
-        };
-        Scratch { path: vec![PathElement::default(); len], unwinding: vec![0.0; 3 * (depth_max + 1)] }
+        let mut scratch = Scratch { path: Vec::new(), unwinding: Vec::new(), walk: Walk::default() };
+        if let Method::Trees(t) = &self.method {
+            t.fit(&mut scratch);
+        }
+        scratch
     }
 
     /// Writes each input column's contribution to `contributions` (one per
     /// column, `width` of them) and returns the bias; the bias plus their
-    /// sum is the margin. Allocates nothing.
+    /// sum is the margin. Allocates nothing (but to grow a scratch another
+    /// explainer made).
     pub fn explain(&self, x: &[f32], scratch: &mut Scratch, contributions: &mut [f64]) -> Result<f64, ExplainError> {
         for got in [x.len(), contributions.len()] {
             if got != self.width {
@@ -199,11 +276,7 @@ impl Explainer {
         contributions.fill(0.0);
         match &self.method {
             Method::Trees(t) => {
-                // Only a scratch made by another explainer can be short.
-                if scratch.path.len() < path_len(t.depth_max) {
-                    scratch.path.resize(path_len(t.depth_max), PathElement::default());
-                    scratch.unwinding.resize(3 * (t.depth_max + 1), 0.0);
-                }
+                t.fit(scratch);
                 t.explain(x, scratch, contributions);
                 Ok(t.bias)
             }
@@ -275,9 +348,10 @@ impl Linear {
     }
 }
 
+
 impl TreeShap {
     /// `None` when the graph is not `Input(0..width) → Trees → Affine?`.
-    fn new(model: &Arc<Model>, node: usize) -> Option<Result<TreeShap, ExplainError>> {
+    fn new(model: &Arc<Model>, node: usize, algorithm: TreeAlgorithm) -> Option<Result<TreeShap, ExplainError>> {
         let graph = model.graph.as_ref()?;
         let trees = &graph.nodes[node];
         let Op::Trees(e) = &trees.op else { return None };
@@ -301,12 +375,14 @@ impl TreeShap {
         }
         Some(Self::checked(model, e).map(|expected| {
             let sum = e.base as f64 + expected.iter().sum::<f64>();
+            let depth_max = e.depth_max();
             TreeShap {
                 model: model.clone(),
                 node,
-                depth_max: e.depth_max(),
+                depth_max,
                 scale,
                 bias: (sum - center) * scale + shift,
+                quadrature: (algorithm == TreeAlgorithm::Quadrature).then(|| Quadrature::new(e, depth_max)),
             }
         }))
     }
@@ -338,14 +414,42 @@ impl TreeShap {
         }
     }
 
+    /// Sizes `scratch` for this ensemble: at once for its own explainer's,
+    /// a reallocation for one another explainer made.
+    fn fit(&self, scratch: &mut Scratch) {
+        match &self.quadrature {
+            Some(q) => {
+                let levels = self.depth_max + 1;
+                let walk = &scratch.walk;
+                if walk.lanes != q.lanes || walk.levels < levels || walk.phi.len() < q.columns.len() * q.lanes {
+                    scratch.walk = Walk::new(q.lanes, levels, q.columns.len());
+                }
+            }
+            None => {
+                if scratch.path.len() < path_len(self.depth_max) {
+                    scratch.path.resize(path_len(self.depth_max), PathElement::default());
+                    scratch.unwinding.resize(3 * (self.depth_max + 1), 0.0);
+                }
+            }
+        }
+    }
+
     fn explain(&self, x: &[f32], scratch: &mut Scratch, phi: &mut [f64]) {
-        let (path, work) = (&mut scratch.path[..], &mut scratch.unwinding[..]);
         let e = self.ensemble();
-        for t in 0..e.trees() {
-            let start = e.starts[t] as usize;
-            let tree =
-                Tree { nodes: e.tree(t), covers: &e.covers[start..e.starts[t + 1] as usize], words: &e.cat_words };
-            tree.shap(x, phi, path, work, 0, 0, 0, 1.0, 1.0, NO_FEATURE);
+        match &self.quadrature {
+            Some(q) => q.explain(&e.cat_words, x, &mut scratch.walk, phi),
+            None => {
+                let (path, work) = (&mut scratch.path[..], &mut scratch.unwinding[..]);
+                for t in 0..e.trees() {
+                    let start = e.starts[t] as usize;
+                    let tree = Tree {
+                        nodes: e.tree(t),
+                        covers: &e.covers[start..e.starts[t + 1] as usize],
+                        words: &e.cat_words,
+                    };
+                    tree.shap(x, phi, path, work, 0, 0, 0, 1.0, 1.0, NO_FEATURE);
+                }
+            }
         }
         if self.scale != 1.0 {
             phi.iter_mut().for_each(|p| *p *= self.scale);
@@ -366,6 +470,414 @@ fn mean(tree: &[super::trees::TreeNode], covers: &[f32], i: usize) -> f64 {
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// The quadrature.
+
+/// One node of the quadrature's table: the ensemble's trees one after
+/// another, each depth first (a node, its left subtree, its right subtree),
+/// with what the walk needs of the edge into the node.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct TableNode {
+    /// The merged zero fraction of the edge into the node: the product of
+    /// the cover shares (child over parent) of every edge on the path that
+    /// splits on the same feature, this one included.
+    zero: f64,
+    /// A leaf's value or a numeric split's threshold (f32 bits), or a
+    /// categorical split's first bitset word.
+    value: u32,
+    /// The split's input column (below `model::WIDTH_MAX`).
+    feature: u16,
+    /// The split feature's index in `Quadrature::columns`.
+    slot: u16,
+    /// A categorical split's bitset words (at most `CATEGORY_WORDS_MAX`).
+    words: u16,
+    /// Splits from the root.
+    depth: u8,
+    /// The depth of the nearest node above whose incoming edge splits on
+    /// the same feature as this node's, or `NO_LEVEL`.
+    repeat: u8,
+    flags: u8,
+}
+
+const NO_LEVEL: u8 = u8::MAX;
+const LEAF: u8 = 1;
+const CATEGORICAL: u8 = 2;
+const MISSING_LEFT: u8 = 4;
+const ZERO_MISSING: u8 = 8;
+/// The node is its parent's left child.
+const LEFT_CHILD: u8 = 16;
+
+impl TableNode {
+    fn split(&self) -> Split {
+        let feature = self.feature as u32;
+        if self.flags & CATEGORICAL != 0 {
+            Split::Categorical { feature, start: self.value, len: self.words as u32 }
+        } else {
+            Split::Numeric {
+                feature,
+                threshold: f32::from_bits(self.value),
+                missing_left: self.flags & MISSING_LEFT != 0,
+                zero_missing: self.flags & ZERO_MISSING != 0,
+            }
+        }
+    }
+}
+
+/// The vector builds the walk is compiled for, the widest the CPU runs
+/// chosen once per explainer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// Every build this CPU runs, narrowest first.
+    fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+}
+
+/// A tree ensemble prepared for the quadrature walk.
+#[derive(Debug)]
+struct Quadrature {
+    nodes: Vec<TableNode>,
+    /// Each slot's input column: the features the splits read, ascending.
+    columns: Vec<u16>,
+    /// The Gauss–Legendre points on [0, 1] and their weights, `lanes` each.
+    t: Vec<f64>,
+    w: Vec<f64>,
+    lanes: usize,
+    isa: Isa,
+}
+
+/// The quadrature points for trees of `depth` splits: at least ⌈depth/2⌉,
+/// which integrates the degree-(depth − 1) integrands exactly, rounded up
+/// to a vector width the walk is compiled for (4, 8, 16 or 32).
+fn lanes_for(depth: usize) -> usize {
+    depth.div_ceil(2).max(4).next_power_of_two()
+}
+
+/// The `n`-point Gauss–Legendre rule on [0, 1]: points and weights (which
+/// sum to 1), exact for polynomials of degree below `2n`. Each point is the
+/// Newton iteration's root of the Legendre polynomial `P_n` from the
+/// classical first guess.
+fn gauss_legendre(n: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut t, mut w) = (vec![0.0; n], vec![0.0; n]);
+    // P_n(x) and P_n'(x), by the three-term recurrence.
+    let legendre = |x: f64| {
+        let (mut p0, mut p1) = (1.0f64, x);
+        for k in 2..=n {
+            let k = k as f64;
+            (p0, p1) = (p1, ((2.0 * k - 1.0) * x * p1 - (k - 1.0) * p0) / k);
+        }
+        (p1, n as f64 * (x * p1 - p0) / (x * x - 1.0))
+    };
+    for i in 0..n {
+        let mut x = (std::f64::consts::PI * (i as f64 + 0.75) / (n as f64 + 0.5)).cos();
+        for _ in 0..100 {
+            let (p, dp) = legendre(x);
+            let step = p / dp;
+            x -= step;
+            if step.abs() <= 1e-17 {
+                break;
+            }
+        }
+        let (_, dp) = legendre(x);
+        t[i] = (1.0 - x) / 2.0;
+        w[i] = 1.0 / ((1.0 - x * x) * dp * dp);
+    }
+    (t, w)
+}
+
+impl Quadrature {
+    /// The table of `e` (a validated ensemble whose splits have positive
+    /// covers), trees of at most `depth_max` splits.
+    fn new(e: &Ensemble, depth_max: usize) -> Quadrature {
+        let used = e.features_used();
+        let columns: Vec<u16> = used.iter().map(|&f| f as u16).collect();
+        assert!(
+            used.iter().all(|&f| f as usize <= u16::MAX as usize) && columns.len() <= u16::MAX as usize + 1,
+            "a validated model reads at most WIDTH_MAX columns"
+        );
+        let mut slot_of = vec![0u16; used.last().map_or(0, |&f| f as usize + 1)];
+        for (s, &f) in used.iter().enumerate() {
+            slot_of[f as usize] = s as u16;
+        }
+        let mut nodes = Vec::with_capacity(e.nodes.len());
+        // The current path, by depth: its node, the node's split feature,
+        // the merged zero fraction of the edge into it.
+        let mut path_node = [0usize; DEPTH_MAX + 1];
+        let mut path_feature = [u32::MAX; DEPTH_MAX + 1];
+        let mut path_zero = [1.0f64; DEPTH_MAX + 1];
+        let mut stack = Vec::with_capacity(DEPTH_MAX + 2);
+        for t in 0..e.trees() {
+            let tree = e.tree(t);
+            if matches!(tree[0].split, Split::Leaf { .. }) {
+                continue; // A lone leaf is all bias.
+            }
+            let covers = &e.covers[e.starts[t] as usize..e.starts[t + 1] as usize];
+            stack.push((0usize, 0usize, false));
+            while let Some((i, d, is_left)) = stack.pop() {
+                let (mut zero, mut repeat) = (1.0f64, NO_LEVEL);
+                if d > 0 {
+                    let feature = path_feature[d - 1];
+                    zero = covers[i] as f64 / covers[path_node[d - 1]] as f64;
+                    if let Some(l) = (1..d).rev().find(|&l| path_feature[l - 1] == feature) {
+                        zero *= path_zero[l];
+                        repeat = l as u8;
+                    }
+                }
+                path_node[d] = i;
+                path_zero[d] = zero;
+                let n = &tree[i];
+                let mut flags = if is_left { LEFT_CHILD } else { 0 };
+                let (value, feature, words) = match n.split {
+                    Split::Leaf { value } => {
+                        flags |= LEAF;
+                        (value.to_bits(), 0, 0)
+                    }
+                    Split::Numeric { feature, threshold, missing_left, zero_missing } => {
+                        flags |= if missing_left { MISSING_LEFT } else { 0 };
+                        flags |= if zero_missing { ZERO_MISSING } else { 0 };
+                        (threshold.to_bits(), feature, 0)
+                    }
+                    Split::Categorical { feature, start, len } => {
+                        flags |= CATEGORICAL;
+                        (start, feature, len)
+                    }
+                };
+                let mut slot = 0;
+                if flags & LEAF == 0 {
+                    path_feature[d] = feature;
+                    slot = slot_of[feature as usize];
+                    stack.push((n.right as usize, d + 1, false));
+                    stack.push((n.left as usize, d + 1, true));
+                }
+                nodes.push(TableNode {
+                    zero,
+                    value,
+                    feature: feature as u16,
+                    slot,
+                    words: words as u16,
+                    depth: d as u8,
+                    repeat,
+                    flags,
+                });
+            }
+        }
+        let lanes = lanes_for(depth_max);
+        let (t, w) = gauss_legendre(lanes);
+        Quadrature { nodes, columns, t, w, lanes, isa: *Isa::available().last().expect("the baseline always runs") }
+    }
+
+    /// Adds each column's contribution to `phi`.
+    fn explain(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
+        match self.lanes {
+            4 => self.dispatch::<4>(words, x, walk, phi),
+            8 => self.dispatch::<8>(words, x, walk, phi),
+            16 => self.dispatch::<16>(words, x, walk, phi),
+            32 => self.dispatch::<32>(words, x, walk, phi),
+            n => unreachable!("lanes_for gives 4, 8, 16 or 32 lanes, not {n}"),
+        }
+    }
+
+    fn dispatch<const N: usize>(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
+        #[cfg(target_arch = "x86_64")]
+        match self.isa {
+            // SAFETY: `Isa::available` listed the build only because the
+            // CPU has the features it is compiled with.
+            Isa::Avx512 => return unsafe { self.walk_avx512::<N>(words, x, walk, phi) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { self.walk_avx2::<N>(words, x, walk, phi) },
+            Isa::Baseline => {}
+        }
+        self.walk::<N>(words, x, walk, phi)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn walk_avx2<const N: usize>(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
+        self.walk::<N>(words, x, walk, phi)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn walk_avx512<const N: usize>(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
+        self.walk::<N>(words, x, walk, phi)
+    }
+
+    /// One pass over the table, at `N` quadrature points at once. At each
+    /// node, from the edge into it (feature i, merged zero `z`, merged
+    /// one `o`): its factor `f = z (1 − t) + o t`; the product `Π` of the
+    /// path's factors, each feature's latest (the weights at the root);
+    /// `excl`, that product without feature i's factor. When the subtree is
+    /// done, its sum `S` (each leaf's value times the factors below the
+    /// node) gives feature i `Σ_t excl · S · (o − z)` and the parent's sum
+    /// `f · S`. Where i was split on above (at level `a`), its factor there
+    /// is divided out (`/ f_a`) and the subtree takes back what that edge
+    /// counted for it: `(o_a − z_a) · f / f_a` less in the coefficient.
+    #[inline(always)]
+    fn walk<const N: usize>(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
+        let t: [f64; N] = self.t[..N].try_into().expect("N points");
+        let w: [f64; N] = self.w[..N].try_into().expect("N weights");
+        let rest: [f64; N] = std::array::from_fn(|k| 1.0 - t[k]);
+        let Walk { product, scaled, grow, sum, factor, zero, one, slot, left, phi: lanes, .. } = walk;
+        let product = product.as_chunks_mut::<N>().0;
+        let scaled = scaled.as_chunks_mut::<N>().0;
+        let grow = grow.as_chunks_mut::<N>().0;
+        let sum = sum.as_chunks_mut::<N>().0;
+        let factor = factor.as_chunks_mut::<N>().0;
+        let lanes = &mut lanes.as_chunks_mut::<N>().0[..self.columns.len()];
+        lanes.fill([0.0; N]);
+        let nodes = &self.nodes[..];
+        // The deepest open split (0 when only a root is open).
+        let mut top = 0usize;
+        let mut i = 0;
+        while i < nodes.len() {
+            let n = nodes[i];
+            let d = n.depth as usize;
+            i += 1;
+            // Every open split at depth d or deeper has had its subtree
+            // walked: close it into its parent.
+            while top >= d.max(1) {
+                let (s, at) = (sum[top], slot[top - 1] as usize);
+                for k in 0..N {
+                    lanes[at][k] += scaled[top][k] * s[k];
+                    sum[top - 1][k] += grow[top][k] * s[k];
+                }
+                top -= 1;
+            }
+            if d == 0 {
+                product[0] = w;
+                sum[0] = [0.0; N];
+                left[0] = goes_left(&n.split(), x[n.feature as usize], words);
+                slot[0] = n.slot;
+                continue;
+            }
+            let p = d - 1;
+            let taken = (n.flags & LEFT_CHILD != 0) == left[p];
+            let a = n.repeat as usize;
+            let o = if taken && (n.repeat == NO_LEVEL || one[a] != 0.0) { 1.0 } else { 0.0 };
+            let z = n.zero;
+            if z == 0.0 && o == 0.0 {
+                // Neither the training rows nor this row reach the subtree:
+                // its factor is 0, so it adds nothing anywhere.
+                while i < nodes.len() && nodes[i].depth as usize > d {
+                    i += 1;
+                }
+                continue;
+            }
+            let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
+            let (excl, g, s): ([f64; N], [f64; N], [f64; N]);
+            if n.repeat == NO_LEVEL {
+                let c = o - z;
+                excl = product[p];
+                g = f;
+                s = std::array::from_fn(|k| excl[k] * c);
+            } else {
+                let (fa, ca) = (factor[a], one[a] - zero[a]);
+                let r: [f64; N] = std::array::from_fn(|k| 1.0 / fa[k]);
+                excl = std::array::from_fn(|k| product[p][k] * r[k]);
+                g = std::array::from_fn(|k| f[k] * r[k]);
+                s = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
+            }
+            if n.flags & LEAF != 0 {
+                let v = f32::from_bits(n.value) as f64;
+                let at = slot[p] as usize;
+                for k in 0..N {
+                    lanes[at][k] += s[k] * v;
+                    sum[p][k] += g[k] * v;
+                }
+            } else {
+                product[d] = std::array::from_fn(|k| excl[k] * f[k]);
+                scaled[d] = s;
+                grow[d] = g;
+                factor[d] = f;
+                sum[d] = [0.0; N];
+                (zero[d], one[d]) = (z, o);
+                left[d] = goes_left(&n.split(), x[n.feature as usize], words);
+                slot[d] = n.slot;
+                top = d;
+            }
+        }
+        while top >= 1 {
+            let (s, at) = (sum[top], slot[top - 1] as usize);
+            for k in 0..N {
+                lanes[at][k] += scaled[top][k] * s[k];
+                sum[top - 1][k] += grow[top][k] * s[k];
+            }
+            top -= 1;
+        }
+        for (l, &column) in lanes.iter().zip(&self.columns) {
+            phi[column as usize] += l.iter().sum::<f64>();
+        }
+    }
+}
+
+/// The quadrature walk's memory: per level of the path (depth 0 to the
+/// deepest), vectors of `lanes` values and the split's state; per slot,
+/// `lanes` partial contributions.
+#[derive(Clone, Debug, Default)]
+struct Walk {
+    lanes: usize,
+    levels: usize,
+    /// The product of the path's factors down to the node.
+    product: Vec<f64>,
+    /// The product without the edge feature's factor, times the edge's
+    /// coefficient: what the subtree's sum is multiplied by for the
+    /// feature.
+    scaled: Vec<f64>,
+    /// What the subtree's sum is multiplied by into its parent's.
+    grow: Vec<f64>,
+    /// The subtree's sum so far.
+    sum: Vec<f64>,
+    /// The merged factor of the edge into the node.
+    factor: Vec<f64>,
+    /// The merged zero fraction and one (0 or 1) of the edge into the node.
+    zero: Vec<f64>,
+    one: Vec<f64>,
+    /// The split's slot and whether the row goes left.
+    slot: Vec<u16>,
+    left: Vec<bool>,
+    phi: Vec<f64>,
+}
+
+impl Walk {
+    fn new(lanes: usize, levels: usize, slots: usize) -> Walk {
+        let vectors = || vec![0.0; lanes * levels];
+        Walk {
+            lanes,
+            levels,
+            product: vectors(),
+            scaled: vectors(),
+            grow: vectors(),
+            sum: vectors(),
+            factor: vectors(),
+            zero: vec![0.0; levels],
+            one: vec![0.0; levels],
+            slot: vec![0; levels],
+            left: vec![false; levels],
+            phi: vec![0.0; lanes * slots],
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The classic algorithm.
 
 /// One tree with its covers and the ensemble's bitsets.
 struct Tree<'a> {
@@ -532,17 +1044,24 @@ mod tests {
     /// paths, every missing-value rule and categorical splits, with covers
     /// that add up (a leaf's count at random, some 0; a split's the sum).
     fn random_ensemble(seed: u64, trees: usize, depth: usize) -> Ensemble {
+        random_ensemble_over(seed, trees, depth, WIDTH, 4, false)
+    }
+
+    /// As `random_ensemble`, over `width` features, a split's child ending
+    /// in a leaf with probability 1 / `stop`; with `spine`, the leftmost
+    /// path always reaches `depth`.
+    fn random_ensemble_over(seed: u64, trees: usize, depth: usize, width: usize, stop: u64, spine: bool) -> Ensemble {
         let mut rng = SplitMix64::new(seed);
         let mut e = Ensemble { base: rng.normal() * 0.1, ..Ensemble::default() };
         for _ in 0..trees {
             let mut nodes = vec![TreeNode::leaf(0.0)];
-            let mut open = vec![(0usize, 0usize)];
-            while let Some((i, d)) = open.pop() {
-                if d >= depth || (d > 0 && rng.below(4) == 0) {
+            let mut open = vec![(0usize, 0usize, spine)];
+            while let Some((i, d, on_spine)) = open.pop() {
+                if d >= depth || (d > 0 && !on_spine && rng.below(stop) == 0) {
                     nodes[i] = TreeNode::leaf(rng.normal());
                     continue;
                 }
-                let feature = rng.below(WIDTH as u64) as u32;
+                let feature = rng.below(width as u64) as u32;
                 let split = if rng.below(4) == 0 {
                     let (start, len) = e.push_words(&[rng.next_u64() as u32]);
                     Split::Categorical { feature, start, len }
@@ -557,7 +1076,7 @@ mod tests {
                 let (l, r) = (nodes.len(), nodes.len() + 1);
                 nodes.extend([TreeNode::leaf(0.0), TreeNode::leaf(0.0)]);
                 nodes[i] = TreeNode { split, left: l as u32, right: r as u32 };
-                open.extend([(l, d + 1), (r, d + 1)]);
+                open.extend([(l, d + 1, on_spine), (r, d + 1, false)]);
             }
             // Top down (children come after their parent): a split shares
             // its cover between its children, a leaf child sometimes
@@ -585,8 +1104,12 @@ mod tests {
     }
 
     fn tree_model(e: Ensemble, affine: Option<(f32, f32, f32)>) -> Arc<Model> {
+        tree_model_over(e, affine, WIDTH)
+    }
+
+    fn tree_model_over(e: Ensemble, affine: Option<(f32, f32, f32)>, width: usize) -> Arc<Model> {
         let mut nodes = vec![
-            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: WIDTH },
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width },
             Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
         ];
         if let Some((c, s, h)) = affine {
@@ -598,7 +1121,7 @@ mod tests {
         }
         let model = Model {
             name: "trees".into(),
-            inputs: vec![InputSegment { source: Source::Context, dim: WIDTH }],
+            inputs: vec![InputSegment { source: Source::Context, dim: width }],
             layers: Vec::new(),
             calibration: None,
             graph: Some(Graph { nodes, output: OutputKind::Logit }),
@@ -649,7 +1172,11 @@ mod tests {
     }
 
     fn row(rng: &mut SplitMix64) -> Vec<f32> {
-        (0..WIDTH)
+        row_of(rng, WIDTH)
+    }
+
+    fn row_of(rng: &mut SplitMix64, width: usize) -> Vec<f32> {
+        (0..width)
             .map(|_| match rng.below(8) {
                 0 => f32::NAN,
                 1 => 0.0,
@@ -659,28 +1186,132 @@ mod tests {
             .collect()
     }
 
+    const ALGORITHMS: [TreeAlgorithm; 2] = [TreeAlgorithm::Quadrature, TreeAlgorithm::Classic];
+
     #[test]
     fn tree_shap_is_the_shapley_values_of_the_cover_weighted_expectation() {
-        let mut rng = SplitMix64::new(37);
-        for seed in 0..40 {
-            let e = random_ensemble(seed, 1 + seed as usize % 4, 1 + seed as usize % 6);
-            let model = tree_model(e.clone(), None);
-            let explainer = Explainer::new(model).unwrap();
-            let mut scratch = explainer.scratch();
-            let mut phi = vec![0.0; WIDTH];
+        for algorithm in ALGORITHMS {
+            let mut rng = SplitMix64::new(37);
+            for seed in 0..40 {
+                let e = random_ensemble(seed, 1 + seed as usize % 4, 1 + seed as usize % 6);
+                let model = tree_model(e.clone(), None);
+                let explainer = Explainer::with_tree_algorithm(model, algorithm).unwrap();
+                assert_eq!(explainer.tree_algorithm(), Some(algorithm));
+                let mut scratch = explainer.scratch();
+                let mut phi = vec![0.0; WIDTH];
+                for _ in 0..20 {
+                    let x = row(&mut rng);
+                    let bias = explainer.explain(&x, &mut scratch, &mut phi).unwrap();
+                    let (want_bias, want) = brute_force(&e, &x);
+                    let at = format!("{algorithm:?} seed {seed} x {x:?}");
+                    assert!((bias - want_bias).abs() <= 1e-9, "{at}: bias {bias} vs {want_bias}");
+                    for f in 0..WIDTH {
+                        assert!((phi[f] - want[f]).abs() <= 1e-9, "{at} feature {f}: {phi:?} vs {want:?}");
+                    }
+                    let margin = e.predict_row(&x) as f64;
+                    let sum = bias + phi.iter().sum::<f64>();
+                    assert!((sum - margin).abs() <= 1e-5 * (1.0 + margin.abs()), "{at}: {sum} vs {margin}");
+                }
+            }
+        }
+    }
+
+    /// Where the definition is out of reach (dozens of features), the
+    /// quadrature against the classic algorithm: deep narrow trees (so
+    /// every lane count, features split on again and again), and wide
+    /// ones (many distinct features on a path).
+    #[test]
+    fn the_quadrature_is_the_classic_algorithm_on_deep_and_wide_trees() {
+        let mut rng = SplitMix64::new(8);
+        let mut lanes_seen = std::collections::BTreeSet::new();
+        for (seed, trees, depth, width, stop) in [
+            (1, 6, 8, 40, 8),
+            (2, 20, 6, 28, 6),
+            (3, 4, 16, 30, 3),
+            (4, 4, 24, 12, 2),
+            (5, 3, 40, 50, 2),
+            (6, 3, 64, 64, 2),
+            (7, 2, 64, 4, 2),
+        ] {
+            let e = random_ensemble_over(seed, trees, depth, width, stop, true);
+            let model = tree_model_over(e.clone(), None, width);
+            let fast = Explainer::new(model.clone()).unwrap();
+            let classic = Explainer::with_tree_algorithm(model, TreeAlgorithm::Classic).unwrap();
+            let Method::Trees(t) = &fast.method else { unreachable!() };
+            lanes_seen.insert(t.quadrature.as_ref().unwrap().lanes);
+            let (mut s1, mut s2) = (fast.scratch(), classic.scratch());
+            let (mut a, mut b) = (vec![0.0; width], vec![0.0; width]);
             for _ in 0..20 {
-                let x = row(&mut rng);
-                let bias = explainer.explain(&x, &mut scratch, &mut phi).unwrap();
-                let (want_bias, want) = brute_force(&e, &x);
-                assert!((bias - want_bias).abs() <= 1e-9, "seed {seed}: bias {bias} vs {want_bias}");
-                for f in 0..WIDTH {
-                    assert!((phi[f] - want[f]).abs() <= 1e-9, "seed {seed} x {x:?} feature {f}: {phi:?} vs {want:?}");
+                let x = row_of(&mut rng, width);
+                let bias = fast.explain(&x, &mut s1, &mut a).unwrap();
+                assert_eq!(bias, classic.explain(&x, &mut s2, &mut b).unwrap());
+                for f in 0..width {
+                    let err = (a[f] - b[f]).abs() / b[f].abs().max(1.0);
+                    assert!(err <= 1e-9, "seed {seed} depth {} feature {f}: {} vs {}", e.depth_max(), a[f], b[f]);
                 }
                 let margin = e.predict_row(&x) as f64;
-                let sum = bias + phi.iter().sum::<f64>();
+                let sum = bias + a.iter().sum::<f64>();
                 assert!((sum - margin).abs() <= 1e-5 * (1.0 + margin.abs()), "seed {seed}: {sum} vs {margin}");
             }
         }
+        assert_eq!(lanes_seen.into_iter().collect::<Vec<_>>(), [4, 8, 16, 32], "every compiled width is exercised");
+    }
+
+    /// Every vector build the CPU runs gives the same contributions.
+    #[test]
+    fn every_vector_build_computes_the_same() {
+        let width = 28;
+        let e = random_ensemble_over(11, 30, 8, width, 6, false);
+        let mut explainer = Explainer::new(tree_model_over(e, None, width)).unwrap();
+        let mut scratch = explainer.scratch();
+        let mut rng = SplitMix64::new(3);
+        let rows: Vec<Vec<f32>> = (0..20).map(|_| row_of(&mut rng, width)).collect();
+        let mut want: Vec<Vec<f64>> = Vec::new();
+        for isa in Isa::available() {
+            let Method::Trees(t) = &mut explainer.method else { unreachable!() };
+            t.quadrature.as_mut().unwrap().isa = isa;
+            for (r, x) in rows.iter().enumerate() {
+                let mut phi = vec![0.0; width];
+                explainer.explain(x, &mut scratch, &mut phi).unwrap();
+                if isa == Isa::Baseline {
+                    want.push(phi);
+                    continue;
+                }
+                for f in 0..width {
+                    assert!((phi[f] - want[r][f]).abs() <= 1e-12, "{isa:?} row {r} feature {f}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gauss_legendre_integrates_polynomials_below_twice_its_points_exactly() {
+        for n in [1, 2, 3, 4, 8, 16, 32] {
+            let (t, w) = gauss_legendre(n);
+            assert!(t.iter().all(|&t| t > 0.0 && t < 1.0), "{n}: {t:?}");
+            for j in 0..2 * n {
+                let got: f64 = t.iter().zip(&w).map(|(t, w)| w * t.powi(j as i32)).sum();
+                let want = 1.0 / (j + 1) as f64;
+                assert!((got - want).abs() <= 1e-14, "{n} points, t^{j}: {got} vs {want}");
+            }
+        }
+        assert_eq!([1, 8, 9, 16, 17, 33, 64].map(lanes_for), [4, 4, 8, 8, 16, 32, 32]);
+    }
+
+    /// A scratch made by an explainer of other lanes and depth is
+    /// reallocated, not misread.
+    #[test]
+    fn a_scratch_made_by_another_explainer_still_explains() {
+        let deep = random_ensemble_over(5, 3, 40, WIDTH, 2, true);
+        let shallow = random_ensemble(6, 3, 3);
+        let (deep, shallow) =
+            (Explainer::new(tree_model(deep, None)).unwrap(), Explainer::new(tree_model(shallow, None)).unwrap());
+        let x = row(&mut SplitMix64::new(2));
+        let (mut a, mut b) = (vec![0.0; WIDTH], vec![0.0; WIDTH]);
+        let mut foreign = shallow.scratch();
+        deep.explain(&x, &mut foreign, &mut a).unwrap();
+        deep.explain(&x, &mut deep.scratch(), &mut b).unwrap();
+        assert_eq!(a, b);
     }
 
     #[test]
@@ -861,10 +1492,20 @@ mod tests {
     }
 
     #[test]
-    fn the_scratch_is_bounded_by_the_deepest_tree() {
+    fn the_scratch_is_bounded_by_the_deepest_tree_and_the_table_by_the_nodes() {
         assert_eq!(path_len(0), 3);
         assert_eq!(path_len(DEPTH_MAX), PATH_LEN_MAX);
-        let explainer = Explainer::new(tree_model(random_ensemble(9, 4, 6), None)).unwrap();
-        assert!(explainer.scratch().path.len() <= path_len(6));
+        let e = random_ensemble(9, 4, 6);
+        let (depth, nodes) = (e.depth_max(), e.nodes.len());
+        let lone_leaves = (0..e.trees()).filter(|&t| e.tree(t).len() == 1).count();
+        let model = tree_model(e, None);
+        let classic = Explainer::with_tree_algorithm(model.clone(), TreeAlgorithm::Classic).unwrap();
+        assert_eq!(classic.scratch().path.len(), path_len(depth));
+        assert_eq!(classic.table_bytes(), 0);
+        let fast = Explainer::new(model).unwrap();
+        let walk = fast.scratch().walk;
+        assert_eq!((walk.lanes, walk.levels), (4, depth + 1));
+        assert!(walk.phi.len() <= 4 * WIDTH);
+        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES);
     }
 }
