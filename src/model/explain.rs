@@ -48,7 +48,7 @@
 use std::sync::Arc;
 
 use super::graph::Op;
-use super::trees::{goes_left, Ensemble, Split, DEPTH_MAX};
+use super::trees::{goes_left, Ensemble, Split, DEPTH_MAX, ZERO_THRESHOLD};
 use super::Model;
 
 /// Path elements the classic TreeSHAP needs for trees of `depth` splits:
@@ -62,11 +62,12 @@ pub fn path_len(depth: usize) -> usize {
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
 /// Bytes of the quadrature's table per tree node (leaves and splits): the
-/// table is this times the ensemble's nodes, so `trees::ENSEMBLE_NODES_MAX`
-/// bounds it (384 MiB; the ensemble itself holds 28 bytes a node).
-pub const TABLE_NODE_BYTES: usize = 24;
+/// table is this times the ensemble's nodes (and 4 bytes a tree), so
+/// `trees::ENSEMBLE_NODES_MAX` bounds it (448 MiB; the ensemble itself
+/// holds 28 bytes a node).
+pub const TABLE_NODE_BYTES: usize = 28;
 
-const _: () = assert!(std::mem::size_of::<TableNode>() == TABLE_NODE_BYTES);
+const _: () = assert!(std::mem::size_of::<TableNode>() + std::mem::size_of::<Up>() == TABLE_NODE_BYTES);
 
 /// Why a model or a row cannot be explained.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -235,7 +236,7 @@ impl Explainer {
     /// model).
     pub fn table_bytes(&self) -> usize {
         match &self.method {
-            Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| q.nodes.len() * TABLE_NODE_BYTES),
+            Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| q.nodes.len() * TABLE_NODE_BYTES + 4 * q.starts.len()),
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
     }
@@ -419,10 +420,8 @@ impl TreeShap {
     fn fit(&self, scratch: &mut Scratch) {
         match &self.quadrature {
             Some(q) => {
-                let levels = self.depth_max + 1;
-                let walk = &scratch.walk;
-                if walk.lanes != q.lanes || walk.levels < levels || walk.phi.len() < q.columns.len() * q.lanes {
-                    scratch.walk = Walk::new(q.lanes, levels, q.columns.len());
+                if !scratch.walk.fits(q) {
+                    scratch.walk = Walk::new(q.lanes, q.dummy + 1, q.tree_nodes_max, q.columns.len());
                 }
             }
             None => {
@@ -489,19 +488,24 @@ struct TableNode {
     value: u32,
     /// The split's input column (below `model::WIDTH_MAX`).
     feature: u16,
-    /// The split feature's index in `Quadrature::columns`.
-    slot: u16,
     /// A categorical split's bitset words (at most `CATEGORY_WORDS_MAX`).
     words: u16,
     /// Splits from the root.
     depth: u8,
     /// The depth of the nearest node above whose incoming edge splits on
-    /// the same feature as this node's, or `NO_LEVEL`.
+    /// the same feature as this node's, or `Quadrature::dummy`.
     repeat: u8,
     flags: u8,
 }
 
-const NO_LEVEL: u8 = u8::MAX;
+/// What the reverse pass needs of a node: its parent (within its tree) and
+/// the slot of the feature its parent splits on.
+#[derive(Clone, Copy, Debug)]
+struct Up {
+    parent: u16,
+    slot: u16,
+}
+
 const LEAF: u8 = 1;
 const CATEGORICAL: u8 = 2;
 const MISSING_LEFT: u8 = 4;
@@ -522,6 +526,19 @@ impl TableNode {
                 zero_missing: self.flags & ZERO_MISSING != 0,
             }
         }
+    }
+
+    /// `trees::goes_left` of the node's split (anything for a leaf), the
+    /// numeric rule without branches: which way the row goes is a coin
+    /// toss no branch predictor learns.
+    #[inline(always)]
+    fn goes_left(&self, x: &[f32], words: &[u32]) -> bool {
+        let v = x[self.feature as usize];
+        if self.flags & CATEGORICAL != 0 {
+            return goes_left(&self.split(), v, words);
+        }
+        let missing = v.is_nan() | ((self.flags & ZERO_MISSING != 0) & (v.abs() <= ZERO_THRESHOLD));
+        (missing & (self.flags & MISSING_LEFT != 0)) | (!missing & (v <= f32::from_bits(self.value)))
     }
 }
 
@@ -555,8 +572,17 @@ impl Isa {
 #[derive(Debug)]
 struct Quadrature {
     nodes: Vec<TableNode>,
+    /// Parallel to `nodes`.
+    up: Vec<Up>,
+    /// Tree `t` is `nodes[starts[t]..starts[t + 1]]` (lone leaves left out).
+    starts: Vec<u32>,
     /// Each slot's input column: the features the splits read, ascending.
     columns: Vec<u16>,
+    /// The most nodes of one tree.
+    tree_nodes_max: usize,
+    /// The level that stands for "no edge above of the same feature":
+    /// factor 1, one and zero 1, one past the deepest tree's levels.
+    dummy: usize,
     /// The Gauss–Legendre points on [0, 1] and their weights, `lanes` each.
     t: Vec<f64>,
     w: Vec<f64>,
@@ -617,10 +643,14 @@ impl Quadrature {
         for (s, &f) in used.iter().enumerate() {
             slot_of[f as usize] = s as u16;
         }
-        let mut nodes = Vec::with_capacity(e.nodes.len());
-        // The current path, by depth: its node, the node's split feature,
-        // the merged zero fraction of the edge into it.
-        let mut path_node = [0usize; DEPTH_MAX + 1];
+        let dummy = depth_max + 1;
+        let (mut nodes, mut up) = (Vec::with_capacity(e.nodes.len()), Vec::with_capacity(e.nodes.len()));
+        let mut starts = vec![0u32];
+        let mut tree_nodes_max = 0;
+        // The current path, by depth: its node's index in the tree and in
+        // the table, the node's split feature, the merged zero fraction of
+        // the edge into it.
+        let mut path_node = [(0usize, 0usize); DEPTH_MAX + 1];
         let mut path_feature = [u32::MAX; DEPTH_MAX + 1];
         let mut path_zero = [1.0f64; DEPTH_MAX + 1];
         let mut stack = Vec::with_capacity(DEPTH_MAX + 2);
@@ -630,18 +660,21 @@ impl Quadrature {
                 continue; // A lone leaf is all bias.
             }
             let covers = &e.covers[e.starts[t] as usize..e.starts[t + 1] as usize];
+            let first = nodes.len();
             stack.push((0usize, 0usize, false));
             while let Some((i, d, is_left)) = stack.pop() {
-                let (mut zero, mut repeat) = (1.0f64, NO_LEVEL);
+                let (mut zero, mut repeat, mut parent, mut slot) = (1.0f64, dummy, 0, 0);
                 if d > 0 {
                     let feature = path_feature[d - 1];
-                    zero = covers[i] as f64 / covers[path_node[d - 1]] as f64;
+                    let (parent_node, parent_at) = path_node[d - 1];
+                    zero = covers[i] as f64 / covers[parent_node] as f64;
                     if let Some(l) = (1..d).rev().find(|&l| path_feature[l - 1] == feature) {
                         zero *= path_zero[l];
-                        repeat = l as u8;
+                        repeat = l;
                     }
+                    (parent, slot) = (parent_at - first, slot_of[feature as usize]);
                 }
-                path_node[d] = i;
+                path_node[d] = (i, nodes.len());
                 path_zero[d] = zero;
                 let n = &tree[i];
                 let mut flags = if is_left { LEFT_CHILD } else { 0 };
@@ -660,10 +693,8 @@ impl Quadrature {
                         (start, feature, len)
                     }
                 };
-                let mut slot = 0;
                 if flags & LEAF == 0 {
                     path_feature[d] = feature;
-                    slot = slot_of[feature as usize];
                     stack.push((n.right as usize, d + 1, false));
                     stack.push((n.left as usize, d + 1, true));
                 }
@@ -671,17 +702,20 @@ impl Quadrature {
                     zero,
                     value,
                     feature: feature as u16,
-                    slot,
                     words: words as u16,
                     depth: d as u8,
-                    repeat,
+                    repeat: repeat as u8,
                     flags,
                 });
+                up.push(Up { parent: parent as u16, slot });
             }
+            starts.push(nodes.len() as u32);
+            tree_nodes_max = tree_nodes_max.max(nodes.len() - first);
         }
         let lanes = lanes_for(depth_max);
         let (t, w) = gauss_legendre(lanes);
-        Quadrature { nodes, columns, t, w, lanes, isa: *Isa::available().last().expect("the baseline always runs") }
+        let isa = *Isa::available().last().expect("the baseline always runs");
+        Quadrature { nodes, up, starts, columns, tree_nodes_max, dummy, t, w, lanes, isa }
     }
 
     /// Adds each column's contribution to `phi`.
@@ -720,107 +754,71 @@ impl Quadrature {
         self.walk::<N>(words, x, walk, phi)
     }
 
-    /// One pass over the table, at `N` quadrature points at once. At each
-    /// node, from the edge into it (feature i, merged zero `z`, merged
-    /// one `o`): its factor `f = z (1 − t) + o t`; the product `Π` of the
-    /// path's factors, each feature's latest (the weights at the root);
-    /// `excl`, that product without feature i's factor. When the subtree is
-    /// done, its sum `S` (each leaf's value times the factors below the
-    /// node) gives feature i `Σ_t excl · S · (o − z)` and the parent's sum
-    /// `f · S`. Where i was split on above (at level `a`), its factor there
-    /// is divided out (`/ f_a`) and the subtree takes back what that edge
-    /// counted for it: `(o_a − z_a) · f / f_a` less in the coefficient.
+    /// Two passes over each tree, at `N` quadrature points at once.
+    ///
+    /// Down, depth first: at each node, from the edge into it (feature i,
+    /// merged zero `z`, merged one `o`), its factor `f = z (1 − t) + o t`;
+    /// the product of the path's factors (each feature's latest; the
+    /// weights at the root), kept per level; `excl`, the parent's product
+    /// without feature i's factor `f_a` from the nearest edge above that
+    /// splits on i (the dummy level's 1 when none does). The node stores
+    /// `scaled = excl · ((o − z) − (o_a − z_a) f / f_a)` and `grow = f / f_a`.
+    ///
+    /// Up, in reverse (children before parents): a node's sum `S` (its
+    /// leaf value, or its children's sums grown into it) gives feature i
+    /// `Σ_t scaled · S` and the parent `grow · S`. The second term of
+    /// `scaled` takes back what the edge above counted for this subtree,
+    /// when i is split on again; a subtree whose factor is 0 (no row and no
+    /// training row reaches it) has `1 / f` read as 0, so it adds nothing.
+    /// No branch depends on the row or on the tree's shape.
     #[inline(always)]
     fn walk<const N: usize>(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
         let t: [f64; N] = self.t[..N].try_into().expect("N points");
         let w: [f64; N] = self.w[..N].try_into().expect("N weights");
         let rest: [f64; N] = std::array::from_fn(|k| 1.0 - t[k]);
-        let Walk { product, scaled, grow, sum, factor, zero, one, slot, left, phi: lanes, .. } = walk;
+        let Walk { product, factor, zero, one, left, node, phi: lanes, .. } = walk;
         let product = product.as_chunks_mut::<N>().0;
-        let scaled = scaled.as_chunks_mut::<N>().0;
-        let grow = grow.as_chunks_mut::<N>().0;
-        let sum = sum.as_chunks_mut::<N>().0;
         let factor = factor.as_chunks_mut::<N>().0;
+        let node = node.as_chunks_mut::<N>().0;
         let lanes = &mut lanes.as_chunks_mut::<N>().0[..self.columns.len()];
         lanes.fill([0.0; N]);
-        let nodes = &self.nodes[..];
-        // The deepest open split (0 when only a root is open).
-        let mut top = 0usize;
-        let mut i = 0;
-        while i < nodes.len() {
-            let n = nodes[i];
-            let d = n.depth as usize;
-            i += 1;
-            // Every open split at depth d or deeper has had its subtree
-            // walked: close it into its parent.
-            while top >= d.max(1) {
-                let (s, at) = (sum[top], slot[top - 1] as usize);
-                for k in 0..N {
-                    lanes[at][k] += scaled[top][k] * s[k];
-                    sum[top - 1][k] += grow[top][k] * s[k];
-                }
-                top -= 1;
-            }
-            if d == 0 {
-                product[0] = w;
-                sum[0] = [0.0; N];
-                left[0] = goes_left(&n.split(), x[n.feature as usize], words);
-                slot[0] = n.slot;
-                continue;
-            }
-            let p = d - 1;
-            let taken = (n.flags & LEFT_CHILD != 0) == left[p];
-            let a = n.repeat as usize;
-            let o = if taken && (n.repeat == NO_LEVEL || one[a] != 0.0) { 1.0 } else { 0.0 };
-            let z = n.zero;
-            if z == 0.0 && o == 0.0 {
-                // Neither the training rows nor this row reach the subtree:
-                // its factor is 0, so it adds nothing anywhere.
-                while i < nodes.len() && nodes[i].depth as usize > d {
-                    i += 1;
-                }
-                continue;
-            }
-            let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
-            let (excl, g, s): ([f64; N], [f64; N], [f64; N]);
-            if n.repeat == NO_LEVEL {
-                let c = o - z;
-                excl = product[p];
-                g = f;
-                s = std::array::from_fn(|k| excl[k] * c);
-            } else {
+        let dummy = self.dummy;
+        (factor[dummy], one[dummy], zero[dummy]) = ([1.0; N], 1.0, 1.0);
+        for bounds in self.starts.windows(2) {
+            let (first, end) = (bounds[0] as usize, bounds[1] as usize);
+            let nodes = &self.nodes[first..end];
+            let up = &self.up[first..end];
+            let node = &mut node[..3 * nodes.len()];
+            product[0] = w;
+            left[0] = nodes[0].goes_left(x, words);
+            for (i, n) in nodes.iter().enumerate().skip(1) {
+                let d = n.depth as usize;
+                let p = d - 1;
+                let a = n.repeat as usize;
+                let taken = ((n.flags & LEFT_CHILD != 0) == left[p]) as u8 as f64;
+                let (o, z) = (taken * one[a], n.zero);
                 let (fa, ca) = (factor[a], one[a] - zero[a]);
-                let r: [f64; N] = std::array::from_fn(|k| 1.0 / fa[k]);
-                excl = std::array::from_fn(|k| product[p][k] * r[k]);
-                g = std::array::from_fn(|k| f[k] * r[k]);
-                s = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
-            }
-            if n.flags & LEAF != 0 {
-                let v = f32::from_bits(n.value) as f64;
-                let at = slot[p] as usize;
-                for k in 0..N {
-                    lanes[at][k] += s[k] * v;
-                    sum[p][k] += g[k] * v;
-                }
-            } else {
+                let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
+                let r: [f64; N] = std::array::from_fn(|k| if fa[k] == 0.0 { 0.0 } else { 1.0 / fa[k] });
+                let excl: [f64; N] = std::array::from_fn(|k| product[p][k] * r[k]);
+                let g: [f64; N] = std::array::from_fn(|k| f[k] * r[k]);
+                node[3 * i] = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
+                node[3 * i + 1] = g;
+                let value = if n.flags & LEAF != 0 { f32::from_bits(n.value) as f64 } else { 0.0 };
+                node[3 * i + 2] = [value; N];
                 product[d] = std::array::from_fn(|k| excl[k] * f[k]);
-                scaled[d] = s;
-                grow[d] = g;
                 factor[d] = f;
-                sum[d] = [0.0; N];
-                (zero[d], one[d]) = (z, o);
-                left[d] = goes_left(&n.split(), x[n.feature as usize], words);
-                slot[d] = n.slot;
-                top = d;
+                (one[d], zero[d]) = (o, z);
+                left[d] = n.goes_left(x, words);
             }
-        }
-        while top >= 1 {
-            let (s, at) = (sum[top], slot[top - 1] as usize);
-            for k in 0..N {
-                lanes[at][k] += scaled[top][k] * s[k];
-                sum[top - 1][k] += grow[top][k] * s[k];
+            for (i, u) in up.iter().enumerate().skip(1).rev() {
+                let (s, g, sum) = (node[3 * i], node[3 * i + 1], node[3 * i + 2]);
+                let (at, parent) = (u.slot as usize, 3 * u.parent as usize + 2);
+                for k in 0..N {
+                    lanes[at][k] += s[k] * sum[k];
+                    node[parent][k] += g[k] * sum[k];
+                }
             }
-            top -= 1;
         }
         for (l, &column) in lanes.iter().zip(&self.columns) {
             phi[column as usize] += l.iter().sum::<f64>();
@@ -829,50 +827,47 @@ impl Quadrature {
 }
 
 /// The quadrature walk's memory: per level of the path (depth 0 to the
-/// deepest), vectors of `lanes` values and the split's state; per slot,
-/// `lanes` partial contributions.
+/// deepest, and the dummy level), the product and factor vectors of
+/// `lanes` values and the edge's state; per node of the largest tree, its
+/// three vectors (`scaled`, `grow`, the sum); per slot, `lanes` partial
+/// contributions.
 #[derive(Clone, Debug, Default)]
 struct Walk {
     lanes: usize,
     levels: usize,
-    /// The product of the path's factors down to the node.
     product: Vec<f64>,
-    /// The product without the edge feature's factor, times the edge's
-    /// coefficient: what the subtree's sum is multiplied by for the
-    /// feature.
-    scaled: Vec<f64>,
-    /// What the subtree's sum is multiplied by into its parent's.
-    grow: Vec<f64>,
-    /// The subtree's sum so far.
-    sum: Vec<f64>,
-    /// The merged factor of the edge into the node.
     factor: Vec<f64>,
-    /// The merged zero fraction and one (0 or 1) of the edge into the node.
+    /// The merged zero fraction and one (0 or 1) of the edge into the
+    /// level's node.
     zero: Vec<f64>,
     one: Vec<f64>,
-    /// The split's slot and whether the row goes left.
-    slot: Vec<u16>,
+    /// Whether the row goes left at the level's node.
     left: Vec<bool>,
+    node: Vec<f64>,
     phi: Vec<f64>,
 }
 
 impl Walk {
-    fn new(lanes: usize, levels: usize, slots: usize) -> Walk {
-        let vectors = || vec![0.0; lanes * levels];
+    fn new(lanes: usize, levels: usize, nodes: usize, slots: usize) -> Walk {
         Walk {
             lanes,
             levels,
-            product: vectors(),
-            scaled: vectors(),
-            grow: vectors(),
-            sum: vectors(),
-            factor: vectors(),
+            product: vec![0.0; lanes * levels],
+            factor: vec![0.0; lanes * levels],
             zero: vec![0.0; levels],
             one: vec![0.0; levels],
-            slot: vec![0; levels],
             left: vec![false; levels],
+            node: vec![0.0; 3 * lanes * nodes],
             phi: vec![0.0; lanes * slots],
         }
+    }
+
+    /// Whether it holds what `q`'s walk needs.
+    fn fits(&self, q: &Quadrature) -> bool {
+        self.lanes == q.lanes
+            && self.levels > q.dummy
+            && self.node.len() >= 3 * q.lanes * q.tree_nodes_max
+            && self.phi.len() >= q.lanes * q.columns.len()
     }
 }
 
@@ -1504,8 +1499,37 @@ mod tests {
         assert_eq!(classic.table_bytes(), 0);
         let fast = Explainer::new(model).unwrap();
         let walk = fast.scratch().walk;
-        assert_eq!((walk.lanes, walk.levels), (4, depth + 1));
+        // The levels of the path and the dummy level.
+        assert_eq!((walk.lanes, walk.levels), (4, depth + 2));
         assert!(walk.phi.len() <= 4 * WIDTH);
-        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES);
+        let Method::Trees(t) = &fast.method else { unreachable!() };
+        let q = t.quadrature.as_ref().unwrap();
+        assert!(q.tree_nodes_max < 1 << (depth + 1) && walk.node.len() == 3 * 4 * q.tree_nodes_max);
+        let trees = 4 - lone_leaves;
+        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 4 * (trees + 1));
+    }
+
+    /// The table's branch-free rule is `trees::goes_left`, missing values,
+    /// zero-as-missing and categories included.
+    #[test]
+    fn the_table_routes_rows_as_the_model_does() {
+        let e = random_ensemble_over(12, 40, 6, WIDTH, 4, false);
+        let q = Quadrature::new(&e, e.depth_max());
+        let mut rng = SplitMix64::new(5);
+        let specials = [0.0, -0.0, 1e-36, -1e-36, 1e-30, f32::NAN, -1.0, 3.0, 31.5, 1e10];
+        let mut checked = 0;
+        for n in q.nodes.iter().filter(|n| n.flags & LEAF == 0) {
+            for _ in 0..20 {
+                let mut x = row(&mut rng);
+                if rng.below(2) == 0 {
+                    x[n.feature as usize] = specials[rng.below(specials.len() as u64) as usize];
+                }
+                let want = goes_left(&n.split(), x[n.feature as usize], &e.cat_words);
+                assert_eq!(n.goes_left(&x, &e.cat_words), want, "{:?} x {}", n.split(), x[n.feature as usize]);
+                checked += 1;
+            }
+        }
+        let kinds = |f: u8| q.nodes.iter().any(|n| n.flags & f != 0);
+        assert!(checked > 1000 && kinds(CATEGORICAL) && kinds(ZERO_MISSING) && kinds(MISSING_LEFT));
     }
 }
