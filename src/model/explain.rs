@@ -63,11 +63,14 @@ pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
 /// Bytes of the quadrature's table per tree node (leaves and splits): the
 /// table is this times the ensemble's nodes (and 4 bytes a tree), so
-/// `trees::ENSEMBLE_NODES_MAX` bounds it (448 MiB; the ensemble itself
+/// `trees::ENSEMBLE_NODES_MAX` bounds it (384 MiB; the ensemble itself
 /// holds 28 bytes a node).
-pub const TABLE_NODE_BYTES: usize = 28;
+pub const TABLE_NODE_BYTES: usize = 24;
 
-const _: () = assert!(std::mem::size_of::<TableNode>() + std::mem::size_of::<Up>() == TABLE_NODE_BYTES);
+const _: () = assert!(std::mem::size_of::<TableNode>() == TABLE_NODE_BYTES);
+
+/// The `repeat` of a node no edge above repeats, while the table is built.
+const NO_NODE: u16 = u16::MAX;
 
 /// Why a model or a row cannot be explained.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -421,7 +424,7 @@ impl TreeShap {
         match &self.quadrature {
             Some(q) => {
                 if !scratch.walk.fits(q) {
-                    scratch.walk = Walk::new(q.lanes, q.dummy + 1, q.tree_nodes_max, q.columns.len());
+                    scratch.walk = Walk::new(q);
                 }
             }
             None => {
@@ -474,8 +477,9 @@ fn mean(tree: &[super::trees::TreeNode], covers: &[f32], i: usize) -> f64 {
 // The quadrature.
 
 /// One node of the quadrature's table: the ensemble's trees one after
-/// another, each depth first (a node, its left subtree, its right subtree),
-/// with what the walk needs of the edge into the node.
+/// another, each breadth first (so a node's parent, a whole level earlier,
+/// is done long before it, and the nodes of a level are independent), with
+/// what the walk needs of the edge into the node.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct TableNode {
@@ -490,20 +494,15 @@ struct TableNode {
     feature: u16,
     /// A categorical split's bitset words (at most `CATEGORY_WORDS_MAX`).
     words: u16,
-    /// Splits from the root.
-    depth: u8,
-    /// The depth of the nearest node above whose incoming edge splits on
-    /// the same feature as this node's, or `Quadrature::dummy`.
-    repeat: u8,
-    flags: u8,
-}
-
-/// What the reverse pass needs of a node: its parent (within its tree) and
-/// the slot of the feature its parent splits on.
-#[derive(Clone, Copy, Debug)]
-struct Up {
+    /// The parent, within the tree.
     parent: u16,
+    /// The node (within the tree) whose incoming edge is the nearest above
+    /// that splits on the same feature as this one's, or
+    /// `Quadrature::dummy`.
+    repeat: u16,
+    /// The slot of the feature the parent splits on.
     slot: u16,
+    flags: u8,
 }
 
 const LEAF: u8 = 1;
@@ -572,16 +571,14 @@ impl Isa {
 #[derive(Debug)]
 struct Quadrature {
     nodes: Vec<TableNode>,
-    /// Parallel to `nodes`.
-    up: Vec<Up>,
     /// Tree `t` is `nodes[starts[t]..starts[t + 1]]` (lone leaves left out).
     starts: Vec<u32>,
     /// Each slot's input column: the features the splits read, ascending.
     columns: Vec<u16>,
     /// The most nodes of one tree.
     tree_nodes_max: usize,
-    /// The level that stands for "no edge above of the same feature":
-    /// factor 1, one and zero 1, one past the deepest tree's levels.
+    /// The node index that stands for "no edge above of the same
+    /// feature" (factor 1, one 1, zero 1): one past the largest tree's.
     dummy: usize,
     /// The Gauss–Legendre points on [0, 1] and their weights, `lanes` each.
     t: Vec<f64>,
@@ -643,17 +640,13 @@ impl Quadrature {
         for (s, &f) in used.iter().enumerate() {
             slot_of[f as usize] = s as u16;
         }
-        let dummy = depth_max + 1;
-        let (mut nodes, mut up) = (Vec::with_capacity(e.nodes.len()), Vec::with_capacity(e.nodes.len()));
+        let mut nodes: Vec<TableNode> = Vec::with_capacity(e.nodes.len());
         let mut starts = vec![0u32];
         let mut tree_nodes_max = 0;
-        // The current path, by depth: its node's index in the tree and in
-        // the table, the node's split feature, the merged zero fraction of
-        // the edge into it.
-        let mut path_node = [(0usize, 0usize); DEPTH_MAX + 1];
-        let mut path_feature = [u32::MAX; DEPTH_MAX + 1];
-        let mut path_zero = [1.0f64; DEPTH_MAX + 1];
-        let mut stack = Vec::with_capacity(DEPTH_MAX + 2);
+        // Per node of the tree at hand, in table order: the split feature
+        // (`u32::MAX` for a leaf) and its index in the tree.
+        let (mut split_feature, mut in_tree) = (Vec::new(), Vec::new());
+        let mut queue = std::collections::VecDeque::new();
         for t in 0..e.trees() {
             let tree = e.tree(t);
             if matches!(tree[0].split, Split::Leaf { .. }) {
@@ -661,21 +654,29 @@ impl Quadrature {
             }
             let covers = &e.covers[e.starts[t] as usize..e.starts[t + 1] as usize];
             let first = nodes.len();
-            stack.push((0usize, 0usize, false));
-            while let Some((i, d, is_left)) = stack.pop() {
-                let (mut zero, mut repeat, mut parent, mut slot) = (1.0f64, dummy, 0, 0);
-                if d > 0 {
-                    let feature = path_feature[d - 1];
-                    let (parent_node, parent_at) = path_node[d - 1];
-                    zero = covers[i] as f64 / covers[parent_node] as f64;
-                    if let Some(l) = (1..d).rev().find(|&l| path_feature[l - 1] == feature) {
-                        zero *= path_zero[l];
-                        repeat = l;
+            split_feature.clear();
+            in_tree.clear();
+            queue.push_back((0usize, 0usize, false));
+            while let Some((i, parent, is_left)) = queue.pop_front() {
+                let at = in_tree.len();
+                let (mut zero, mut repeat, mut slot) = (1.0f64, NO_NODE, 0);
+                if at > 0 {
+                    let feature = split_feature[parent];
+                    zero = covers[i] as f64 / covers[in_tree[parent]] as f64;
+                    // Up the path: the nearest edge into a node `q` whose
+                    // parent splits on the same feature.
+                    let mut q = parent;
+                    while q != 0 {
+                        let above = nodes[first + q].parent as usize;
+                        if split_feature[above] == feature {
+                            zero *= nodes[first + q].zero;
+                            repeat = q as u16;
+                            break;
+                        }
+                        q = above;
                     }
-                    (parent, slot) = (parent_at - first, slot_of[feature as usize]);
+                    slot = slot_of[feature as usize];
                 }
-                path_node[d] = (i, nodes.len());
-                path_zero[d] = zero;
                 let n = &tree[i];
                 let mut flags = if is_left { LEFT_CHILD } else { 0 };
                 let (value, feature, words) = match n.split {
@@ -693,29 +694,34 @@ impl Quadrature {
                         (start, feature, len)
                     }
                 };
+                split_feature.push(if flags & LEAF == 0 { feature } else { u32::MAX });
+                in_tree.push(i);
                 if flags & LEAF == 0 {
-                    path_feature[d] = feature;
-                    stack.push((n.right as usize, d + 1, false));
-                    stack.push((n.left as usize, d + 1, true));
+                    queue.push_back((n.left as usize, at, true));
+                    queue.push_back((n.right as usize, at, false));
                 }
                 nodes.push(TableNode {
                     zero,
                     value,
                     feature: feature as u16,
                     words: words as u16,
-                    depth: d as u8,
-                    repeat: repeat as u8,
+                    parent: parent as u16,
+                    repeat,
+                    slot,
                     flags,
                 });
-                up.push(Up { parent: parent as u16, slot });
             }
             starts.push(nodes.len() as u32);
             tree_nodes_max = tree_nodes_max.max(nodes.len() - first);
         }
+        let dummy = tree_nodes_max;
+        for n in nodes.iter_mut().filter(|n| n.repeat == NO_NODE) {
+            n.repeat = dummy as u16;
+        }
         let lanes = lanes_for(depth_max);
         let (t, w) = gauss_legendre(lanes);
         let isa = *Isa::available().last().expect("the baseline always runs");
-        Quadrature { nodes, up, starts, columns, tree_nodes_max, dummy, t, w, lanes, isa }
+        Quadrature { nodes, starts, columns, tree_nodes_max, dummy, t, w, lanes, isa }
     }
 
     /// Adds each column's contribution to `phi`.
@@ -756,13 +762,13 @@ impl Quadrature {
 
     /// Two passes over each tree, at `N` quadrature points at once.
     ///
-    /// Down, depth first: at each node, from the edge into it (feature i,
-    /// merged zero `z`, merged one `o`), its factor `f = z (1 − t) + o t`;
-    /// the product of the path's factors (each feature's latest; the
-    /// weights at the root), kept per level; `excl`, the parent's product
-    /// without feature i's factor `f_a` from the nearest edge above that
-    /// splits on i (the dummy level's 1 when none does). The node stores
-    /// `scaled = excl · ((o − z) − (o_a − z_a) f / f_a)` and `grow = f / f_a`.
+    /// Down, breadth first: at each node, from the edge into it (feature
+    /// i, merged zero `z`, merged one `o`), its factor `f = z (1 − t) + o
+    /// t`; the product of the path's factors (each feature's latest; the
+    /// weights at the root); `excl`, the parent's product without feature
+    /// i's factor `f_a` from the nearest edge above that splits on i (the
+    /// dummy's 1 when none does). The node keeps `scaled = excl · ((o − z)
+    /// − (o_a − z_a) f / f_a)` and `grow = f / f_a`.
     ///
     /// Up, in reverse (children before parents): a node's sum `S` (its
     /// leaf value, or its children's sums grown into it) gives feature i
@@ -776,47 +782,44 @@ impl Quadrature {
         let t: [f64; N] = self.t[..N].try_into().expect("N points");
         let w: [f64; N] = self.w[..N].try_into().expect("N weights");
         let rest: [f64; N] = std::array::from_fn(|k| 1.0 - t[k]);
-        let Walk { product, factor, zero, one, left, node, phi: lanes, .. } = walk;
-        let product = product.as_chunks_mut::<N>().0;
-        let factor = factor.as_chunks_mut::<N>().0;
+        let Walk { node, one, coef, left, phi: lanes, .. } = walk;
         let node = node.as_chunks_mut::<N>().0;
         let lanes = &mut lanes.as_chunks_mut::<N>().0[..self.columns.len()];
         lanes.fill([0.0; N]);
         let dummy = self.dummy;
-        (factor[dummy], one[dummy], zero[dummy]) = ([1.0; N], 1.0, 1.0);
+        // Per node: product, factor, scaled, grow, sum.
+        let (product, factor, scaled, grow, sum) = (0, 1, 2, 3, 4);
+        node[5 * dummy + factor] = [1.0; N];
+        (one[dummy], coef[dummy]) = (1.0, 0.0);
         for bounds in self.starts.windows(2) {
-            let (first, end) = (bounds[0] as usize, bounds[1] as usize);
-            let nodes = &self.nodes[first..end];
-            let up = &self.up[first..end];
-            let node = &mut node[..3 * nodes.len()];
-            product[0] = w;
+            let nodes = &self.nodes[bounds[0] as usize..bounds[1] as usize];
+            node[product] = w;
             left[0] = nodes[0].goes_left(x, words);
             for (i, n) in nodes.iter().enumerate().skip(1) {
-                let d = n.depth as usize;
-                let p = d - 1;
-                let a = n.repeat as usize;
+                let (p, a) = (n.parent as usize, n.repeat as usize);
                 let taken = ((n.flags & LEFT_CHILD != 0) == left[p]) as u8 as f64;
-                let (o, z) = (taken * one[a], n.zero);
-                let (fa, ca) = (factor[a], one[a] - zero[a]);
+                let (o, z, ca) = (taken * one[a], n.zero, coef[a]);
+                let fa = node[5 * a + factor];
                 let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
                 let r: [f64; N] = std::array::from_fn(|k| if fa[k] == 0.0 { 0.0 } else { 1.0 / fa[k] });
-                let excl: [f64; N] = std::array::from_fn(|k| product[p][k] * r[k]);
+                let excl: [f64; N] = std::array::from_fn(|k| node[5 * p + product][k] * r[k]);
                 let g: [f64; N] = std::array::from_fn(|k| f[k] * r[k]);
-                node[3 * i] = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
-                node[3 * i + 1] = g;
                 let value = if n.flags & LEAF != 0 { f32::from_bits(n.value) as f64 } else { 0.0 };
-                node[3 * i + 2] = [value; N];
-                product[d] = std::array::from_fn(|k| excl[k] * f[k]);
-                factor[d] = f;
-                (one[d], zero[d]) = (o, z);
-                left[d] = n.goes_left(x, words);
+                let at = 5 * i;
+                node[at + product] = std::array::from_fn(|k| excl[k] * f[k]);
+                node[at + factor] = f;
+                node[at + scaled] = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
+                node[at + grow] = g;
+                node[at + sum] = [value; N];
+                (one[i], coef[i]) = (o, o - z);
+                left[i] = n.goes_left(x, words);
             }
-            for (i, u) in up.iter().enumerate().skip(1).rev() {
-                let (s, g, sum) = (node[3 * i], node[3 * i + 1], node[3 * i + 2]);
-                let (at, parent) = (u.slot as usize, 3 * u.parent as usize + 2);
+            for (i, n) in nodes.iter().enumerate().skip(1).rev() {
+                let (at, to) = (n.slot as usize, 5 * n.parent as usize + sum);
+                let (s, g, total) = (node[5 * i + scaled], node[5 * i + grow], node[5 * i + sum]);
                 for k in 0..N {
-                    lanes[at][k] += s[k] * sum[k];
-                    node[parent][k] += g[k] * sum[k];
+                    lanes[at][k] += s[k] * total[k];
+                    node[to][k] += g[k] * total[k];
                 }
             }
         }
@@ -826,48 +829,38 @@ impl Quadrature {
     }
 }
 
-/// The quadrature walk's memory: per level of the path (depth 0 to the
-/// deepest, and the dummy level), the product and factor vectors of
-/// `lanes` values and the edge's state; per node of the largest tree, its
-/// three vectors (`scaled`, `grow`, the sum); per slot, `lanes` partial
-/// contributions.
+/// The quadrature walk's memory: per node of the largest tree (and the
+/// dummy), five vectors of `lanes` values (product, factor, scaled, grow,
+/// sum), the edge's merged one and `one − zero`, and which way the row
+/// goes; per slot, `lanes` partial contributions.
 #[derive(Clone, Debug, Default)]
 struct Walk {
     lanes: usize,
-    levels: usize,
-    product: Vec<f64>,
-    factor: Vec<f64>,
-    /// The merged zero fraction and one (0 or 1) of the edge into the
-    /// level's node.
-    zero: Vec<f64>,
-    one: Vec<f64>,
-    /// Whether the row goes left at the level's node.
-    left: Vec<bool>,
+    nodes: usize,
     node: Vec<f64>,
+    one: Vec<f64>,
+    coef: Vec<f64>,
+    left: Vec<bool>,
     phi: Vec<f64>,
 }
 
 impl Walk {
-    fn new(lanes: usize, levels: usize, nodes: usize, slots: usize) -> Walk {
+    fn new(q: &Quadrature) -> Walk {
+        let nodes = q.dummy + 1;
         Walk {
-            lanes,
-            levels,
-            product: vec![0.0; lanes * levels],
-            factor: vec![0.0; lanes * levels],
-            zero: vec![0.0; levels],
-            one: vec![0.0; levels],
-            left: vec![false; levels],
-            node: vec![0.0; 3 * lanes * nodes],
-            phi: vec![0.0; lanes * slots],
+            lanes: q.lanes,
+            nodes,
+            node: vec![0.0; 5 * q.lanes * nodes],
+            one: vec![0.0; nodes],
+            coef: vec![0.0; nodes],
+            left: vec![false; nodes],
+            phi: vec![0.0; q.lanes * q.columns.len()],
         }
     }
 
     /// Whether it holds what `q`'s walk needs.
     fn fits(&self, q: &Quadrature) -> bool {
-        self.lanes == q.lanes
-            && self.levels > q.dummy
-            && self.node.len() >= 3 * q.lanes * q.tree_nodes_max
-            && self.phi.len() >= q.lanes * q.columns.len()
+        self.lanes == q.lanes && self.nodes > q.dummy && self.phi.len() >= q.lanes * q.columns.len()
     }
 }
 
@@ -1499,12 +1492,12 @@ mod tests {
         assert_eq!(classic.table_bytes(), 0);
         let fast = Explainer::new(model).unwrap();
         let walk = fast.scratch().walk;
-        // The levels of the path and the dummy level.
-        assert_eq!((walk.lanes, walk.levels), (4, depth + 2));
-        assert!(walk.phi.len() <= 4 * WIDTH);
+        // The nodes of the largest tree and the dummy.
         let Method::Trees(t) = &fast.method else { unreachable!() };
         let q = t.quadrature.as_ref().unwrap();
-        assert!(q.tree_nodes_max < 1 << (depth + 1) && walk.node.len() == 3 * 4 * q.tree_nodes_max);
+        assert!(q.tree_nodes_max < 1 << (depth + 1));
+        assert_eq!((walk.lanes, walk.nodes, walk.node.len()), (4, q.tree_nodes_max + 1, 5 * 4 * (q.tree_nodes_max + 1)));
+        assert!(walk.phi.len() <= 4 * WIDTH);
         let trees = 4 - lone_leaves;
         assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 4 * (trees + 1));
     }
