@@ -239,7 +239,9 @@ impl Explainer {
     /// model).
     pub fn table_bytes(&self) -> usize {
         match &self.method {
-            Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| q.nodes.len() * TABLE_NODE_BYTES + 4 * q.starts.len()),
+            Method::Trees(t) => {
+                t.quadrature.as_ref().map_or(0, |q| q.nodes.len() * TABLE_NODE_BYTES + 4 * q.starts.len())
+            }
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
     }
@@ -351,7 +353,6 @@ impl Linear {
         Some(Linear { weights, baseline, bias })
     }
 }
-
 
 impl TreeShap {
     /// `None` when the graph is not `Input(0..width) → Trees → Affine?`.
@@ -795,7 +796,10 @@ impl Quadrature {
             let nodes = &self.nodes[bounds[0] as usize..bounds[1] as usize];
             node[product] = w;
             left[0] = nodes[0].goes_left(x, words);
-            for (i, n) in nodes.iter().enumerate().skip(1) {
+            // Index loops: an iterator adapter's closure may be compiled
+            // apart, without the target features.
+            for i in 1..nodes.len() {
+                let n = &nodes[i];
                 let (p, a) = (n.parent as usize, n.repeat as usize);
                 let taken = ((n.flags & LEFT_CHILD != 0) == left[p]) as u8 as f64;
                 let (o, z, ca) = (taken * one[a], n.zero, coef[a]);
@@ -814,13 +818,15 @@ impl Quadrature {
                 (one[i], coef[i]) = (o, o - z);
                 left[i] = n.goes_left(x, words);
             }
-            for (i, n) in nodes.iter().enumerate().skip(1).rev() {
+            for i in (1..nodes.len()).rev() {
+                let n = &nodes[i];
                 let (at, to) = (n.slot as usize, 5 * n.parent as usize + sum);
                 let (s, g, total) = (node[5 * i + scaled], node[5 * i + grow], node[5 * i + sum]);
-                for k in 0..N {
-                    lanes[at][k] += s[k] * total[k];
-                    node[to][k] += g[k] * total[k];
-                }
+                // Whole vectors in and out, which the compiler keeps in
+                // vector registers (a lane at a time, it did not).
+                let (into_lanes, into_parent) = (lanes[at], node[to]);
+                lanes[at] = std::array::from_fn(|k| into_lanes[k] + s[k] * total[k]);
+                node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * total[k]);
             }
         }
         for (l, &column) in lanes.iter().zip(&self.columns) {
@@ -846,7 +852,8 @@ struct Walk {
 
 impl Walk {
     fn new(q: &Quadrature) -> Walk {
-        let nodes = q.dummy + 1;
+        // The largest tree's nodes and the dummy after them.
+        let nodes = q.tree_nodes_max + 1;
         Walk {
             lanes: q.lanes,
             nodes,
@@ -1496,7 +1503,10 @@ mod tests {
         let Method::Trees(t) = &fast.method else { unreachable!() };
         let q = t.quadrature.as_ref().unwrap();
         assert!(q.tree_nodes_max < 1 << (depth + 1));
-        assert_eq!((walk.lanes, walk.nodes, walk.node.len()), (4, q.tree_nodes_max + 1, 5 * 4 * (q.tree_nodes_max + 1)));
+        assert_eq!(
+            (walk.lanes, walk.nodes, walk.node.len()),
+            (4, q.tree_nodes_max + 1, 5 * 4 * (q.tree_nodes_max + 1))
+        );
         assert!(walk.phi.len() <= 4 * WIDTH);
         let trees = 4 - lone_leaves;
         assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 4 * (trees + 1));
