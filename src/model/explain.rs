@@ -42,8 +42,9 @@
 //! graphs and onnxruntime-only models.
 //!
 //! All memory a call needs is allocated by [`Explainer::scratch`], once per
-//! explainer: the quadrature's per-level vectors and per-feature lanes (or
-//! the classic path arrays), bounded by the deepest tree.
+//! explainer: the quadrature's vectors per node of the largest tree and
+//! lanes per feature (or the classic path arrays, bounded by the deepest
+//! tree).
 
 use std::sync::Arc;
 
