@@ -40,18 +40,33 @@ pub enum Event {
 
 type Features = (Vec<SharedGroup>, Option<feed::Feed>);
 
-/// The `[[groups]]` entries of `[feast]`'s views, and what its first sync
-/// did with each.
-type FeastStart = (Vec<crate::features::groups::GroupConfig>, Vec<crate::features::feast::ViewReport>);
+/// What `[feast]` comes to at start-up: its views' `[[groups]]` entries,
+/// their status for `/metrics`, each view's ttl, and, when it follows
+/// Redis, the writers' handles the groups are served through and the
+/// follower to start.
+#[derive(Default)]
+struct FeastStart {
+    groups: Vec<crate::features::groups::GroupConfig>,
+    status: Option<Arc<crate::features::feast::FeastStatus>>,
+    ttl_s: std::collections::HashMap<String, u64>,
+    handles: std::collections::HashMap<String, Arc<ReplicaHandle>>,
+    follower: Option<crate::features::feast::Follower>,
+}
 
-/// `[feast]`: reads the repository, copies its served views from Redis
-/// into `<data_dir>/<view>.qrep` (a view whose copy is held keeps the file
-/// it has), and returns their `[[groups]]` entries. A Redis that cannot be
-/// reached leaves the files as they are, and start-up serves them if they
-/// are there (it fails naming the file if not). Also what the sync did per
-/// view, for `/metrics` (empty when it could not run).
-fn feast_first_sync(config: &Config, feast: &crate::features::feast::FeastConfig) -> Result<FeastStart, Error> {
-    use crate::features::feast::{self, repo};
+/// `[feast]`: reads the repository and brings each served view's file
+/// `<data_dir>/<view>.qrep` up to date: when every file was written for
+/// these definitions (the digest in its checkpoint) and the follower runs,
+/// it resumes from them (its first reconciliation pass re-reads what moved
+/// meanwhile), else it copies them from Redis (a view whose copy is held
+/// keeps the file it has). An emptied Redis is held either way. A Redis
+/// that cannot be reached leaves the files as they are, and start-up serves
+/// them if they are there (it fails naming the file if not); the follower
+/// reconnects. Keyspace notifications the server will not send fail
+/// start-up, naming the setting.
+fn feast_start(config: &Config, feast: &crate::features::feast::FeastConfig) -> Result<FeastStart, Error> {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    use crate::features::feast::{self, follow, repo, rows};
     if config.feed.is_some() {
         return Err(Error::Setup(
             "[feast] and [feed] together: the feed follows Quiver's own Redis contract, Feast's views are copied \
@@ -76,37 +91,113 @@ fn feast_first_sync(config: &Config, feast: &crate::features::feast::FeastConfig
     };
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| Error::Setup(format!("{}: {e}", config.data_dir.display())))?;
-    let copied = feed::RedisConn::connect(&redis)
-        .map_err(feast::FeastError::from)
-        .and_then(|mut conn| feast::first_sync(&mut conn, &repo, &plan, &options));
-    let report = match copied {
-        Ok(report) => {
-            for v in &report.views {
-                tracing::info!(
-                    view = %v.view, rows = v.rows, skipped = v.skipped, values_missing = v.values_missing,
-                    held = v.held, "feast: first sync"
-                );
-            }
-            report.views
+    let status = Arc::new(feast::FeastStatus::new(&plan));
+    let path_of = |view: &str| config.data_dir.join(format!("{view}.qrep"));
+    // Rows of each view's file, when it was written for these definitions.
+    let digest = rows::plan_digest(&repo, &plan);
+    let resumable: Option<Vec<u64>> = plan
+        .views
+        .iter()
+        .map(|v| {
+            let file = ReplicaHandle::open(&path_of(&v.name), &v.name).ok()?;
+            (file.load().cursor_at_open().epoch == digest).then(|| file.live_rows())
+        })
+        .collect();
+    let resumable = resumable.filter(|_| feast.follow);
+    let synced = feed::RedisConn::connect(&redis).map_err(feast::FeastError::from).and_then(|mut conn| {
+        if feast.follow {
+            follow::enable_notifications(&mut conn, feast.notify_config)?;
         }
+        match &resumable {
+            Some(rows) => {
+                // Nothing is copied: a Redis holding far fewer keys than the
+                // files rows was emptied, and the files are held.
+                let keys = conn.command(&[b"DBSIZE"])?.as_int().unwrap_or(0).max(0) as u64;
+                for ((v, s), &rows) in plan.views.iter().zip(&status.views).zip(rows) {
+                    let held = rows > 0 && (keys as f64) < (1.0 - feast.shrink_max) * rows as f64;
+                    s.resumed.store(true, Relaxed);
+                    s.held.store(held, Relaxed);
+                    if held {
+                        tracing::error!(
+                            view = %v.name, keys, served = rows,
+                            "feast: redis holds far fewer keys than the file rows: held, the file is kept"
+                        );
+                    }
+                }
+                tracing::info!(
+                    views = plan.views.len(),
+                    "feast: resuming from the replica files written for these definitions: no full copy"
+                );
+                Ok(())
+            }
+            None => {
+                let report = feast::first_sync(&mut conn, &repo, &plan, &options)?;
+                for (v, s) in report.views.iter().zip(&status.views) {
+                    tracing::info!(
+                        view = %v.view, rows = v.rows, skipped = v.skipped, values_missing = v.values_missing,
+                        held = v.held, "feast: first sync"
+                    );
+                    s.rows_copied.store(v.rows, Relaxed);
+                    s.values_missing.store(v.values_missing, Relaxed);
+                    s.skipped_total.store(v.skipped, Relaxed);
+                    s.held.store(v.held, Relaxed);
+                }
+                Ok(())
+            }
+        }
+    });
+    match synced {
+        Ok(()) => {}
         Err(feast::FeastError::Redis(e)) => {
             tracing::error!(
-                "feast: first sync failed ({e}); serving the files already in {}",
+                "feast: redis cannot be read ({e}); serving the files already in {}",
                 config.data_dir.display()
             );
-            Vec::new()
         }
         Err(e) => return Err(e.into()),
-    };
-    Ok((groups, report))
+    }
+    let ttl_s = plan.views.iter().map(|v| (v.name.clone(), v.ttl_s)).collect();
+    let mut start = FeastStart { groups, status: Some(status.clone()), ttl_s, ..FeastStart::default() };
+    if feast.follow {
+        let mut writers = Vec::with_capacity(plan.views.len());
+        for (v, s) in plan.views.iter().zip(&status.views) {
+            let (mut writer, _) = crate::features::replica::ReplicaWriter::open(&path_of(&v.name), &v.name)
+                .map_err(|e| Error::Setup(format!("[feast] view '{}': {e}", v.name)))?;
+            start.handles.insert(v.name.clone(), writer.handle());
+            s.live_rows.store(writer.live_rows(), Relaxed);
+            writers.push(writer);
+        }
+        start.follower = Some(feast::Follower::new(feast, redis, &repo, &plan, writers, status));
+    } else {
+        for (v, s) in plan.views.iter().zip(&status.views) {
+            if let Ok(file) = ReplicaHandle::open(&path_of(&v.name), &v.name) {
+                s.live_rows.store(file.live_rows(), Relaxed);
+            }
+        }
+    }
+    Ok(start)
 }
 
 /// Every feature group's replica: read-only files, or files the Redis feed
 /// keeps current (then also the running feed). Each file must hold the
 /// key type and width its group is configured with.
-fn open_features(config: &Config, groups: &[Group], stop: &Arc<AtomicBool>) -> Result<Features, Error> {
+fn open_features(
+    config: &Config,
+    groups: &[Group],
+    feast: &FeastStart,
+    stop: &Arc<AtomicBool>,
+) -> Result<Features, Error> {
     let read_only = || -> Result<Vec<SharedGroup>, Error> {
-        groups.iter().map(|g| checked(g, ReplicaHandle::open_serving(&g.path, &g.name)?)).collect()
+        groups
+            .iter()
+            .map(|g| {
+                let ttl_s = feast.ttl_s.get(&g.name).copied();
+                match feast.handles.get(&g.name) {
+                    Some(handle) => checked(g, handle.clone(), ttl_s),
+                    None => checked(g, ReplicaHandle::open_serving(&g.path, &g.name)?, ttl_s),
+                }
+            })
+            .collect()
     };
     let Some(feed_config) = &config.feed else {
         return Ok((read_only()?, None));
@@ -145,13 +236,15 @@ fn open_features(config: &Config, groups: &[Group], stop: &Arc<AtomicBool>) -> R
         Err(e) => return Err(e.into()),
     };
     let served =
-        groups.iter().zip(&started.handles).map(|(g, h)| checked(g, h.clone())).collect::<Result<Vec<_>, _>>()?;
+        groups.iter().zip(&started.handles).map(|(g, h)| checked(g, h.clone(), None)).collect::<Result<Vec<_>, _>>()?;
     Ok((served, Some(started)))
 }
 
 /// `handle` as group `g` serves it, once its file is seen to hold `g`'s key
-/// type and width.
-fn checked(g: &Group, handle: Arc<ReplicaHandle>) -> Result<SharedGroup, Error> {
+/// type and width. `feast_ttl_s`: `g` is a Feast view with this ttl (0:
+/// none), whose rows' links hold their event times (files written before
+/// they did have none, and serve without a ttl).
+fn checked(g: &Group, handle: Arc<ReplicaHandle>, feast_ttl_s: Option<u64>) -> Result<SharedGroup, Error> {
     let path = g.path.display();
     if handle.key_kind() != g.key {
         return Err(Error::Setup(format!(
@@ -168,6 +261,14 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>) -> Result<SharedGroup, Error> 
             handle.dim()
         )));
     }
+    if let Some(ttl_s) = feast_ttl_s {
+        let timed = handle.link_kind() == Some(crate::features::feast::rows::ROW_TIME_LINK);
+        if !timed && handle.link_kind().is_some() {
+            return Err(Error::Setup(format!("Feast view '{}': its replica {path} links rows to a parent", g.name)));
+        }
+        let ttl_s = if timed { ttl_s } else { 0 };
+        return Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle, child: None, ttl_s });
+    }
     let link = g.parent.as_ref().map(|(_, kind)| *kind);
     if handle.link_kind() != link {
         let holds = match handle.link_kind() {
@@ -182,7 +283,7 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>) -> Result<SharedGroup, Error> 
             None => format!("group '{}' has no parent, its replica {path} holds {holds}", g.name),
         }));
     }
-    Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle, child: g.child.clone() })
+    Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle, child: g.child.clone(), ttl_s: 0 })
 }
 
 /// Serves `config` until `stop` is set; `on_event` hears of each listener
@@ -235,15 +336,21 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let kernel = crate::score::cpu::configure_kernel(config.kernel)
         .map_err(|e| Error::Setup(format!("kernel = {:?}: {e}", config.kernel)))?;
     tracing::info!(kernel = kernel.name(), requested = ?config.kernel, "INT8 kernel");
-    let (feast_groups, feast_report) = match &config.feast {
-        Some(feast) => feast_first_sync(&config, feast)?,
-        None => (Vec::new(), Vec::new()),
+    let mut feast = match &config.feast {
+        Some(feast) => feast_start(&config, feast)?,
+        None => FeastStart::default(),
     };
     let groups =
-        config.groups_with(&feast_groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
+        config.groups_with(&feast.groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_canary_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
     config.check_log_key_group(&groups).map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
-    let (groups, feed) = open_features(&config, &groups, &stop)?;
+    let (groups, feed) = open_features(&config, &groups, &feast, &stop)?;
+    let feast_thread = match feast.follower.take() {
+        Some(follower) => {
+            Some(follower.spawn(stop.clone()).map_err(|e| Error::Setup(format!("quiver-feast thread: {e}")))?)
+        }
+        None => None,
+    };
     let fit =
         Fit { groups: groups.iter().map(SharedGroup::fit).collect(), context_len_max: config.limits.context_len_max };
     let rows_max = config.limits.candidates_max;
@@ -320,7 +427,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         http: Default::default(),
         groups: groups.clone(),
         decision_log: log_writer.is_some().then(|| log_status.clone()),
-        feast: feast_report,
+        feast: feast.status.clone(),
     });
     let mut admins = Vec::new();
     for (listen, surface, name) in
@@ -427,6 +534,10 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     if let Some(f) = feed {
         // The refresher checkpoints on its way out, so a restart resumes here.
         let _ = f.thread.join();
+    }
+    if let Some(t) = feast_thread {
+        // So does the Feast follower.
+        let _ = t.join();
     }
     if let Some(s) = stage {
         s.stop();

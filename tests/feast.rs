@@ -143,7 +143,9 @@ fn rows_in(path: &Path, group: &str) -> u64 {
 }
 
 /// A repository built, materialized and served, checked value for value.
+#[allow(dead_code)]
 struct Served {
+    venv: String,
     redis: RedisServer,
     repo: PathBuf,
     data: PathBuf,
@@ -155,10 +157,9 @@ struct Served {
 /// serialization `version` into a redis-server of its own, serves it with
 /// `[feast]`, and checks every entity of every view against Feast's own
 /// answer; `None` when the test is skipped (no feast).
-fn served_as_feast_serves(name: &str, users: usize, version: u32) -> Option<Served> {
+fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisServer) -> Option<Served> {
     let venv = feast_venv()?;
     let venv = venv.to_str().unwrap().to_string();
-    let redis = RedisServer::start();
     let port = redis.addr().rsplit(':').next().unwrap().to_string();
     let dir = common::scratch(name);
     let repo = dir.join("feature_repo");
@@ -258,20 +259,31 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32) -> Option<Serv
             assert!(same(&got, row), "features get {view} {key}: {got:?}, feast {row:?}");
         }
     }
-    Some(Served { redis, repo, data, config: config_path, want })
+    Some(Served { venv, redis, repo, data, config: config_path, want })
 }
 
 /// Feast 0.67's default entity key serialization (version 3), at 10,000
 /// users; then bad data and an emptied Redis.
 #[test]
 fn a_feast_repository_is_served_value_for_value() {
-    let Some(Served { redis, repo, data, config, want }) = served_as_feast_serves("feast-parity", USERS, 3) else {
+    let Some(Served { redis, repo, data, config, want, .. }) =
+        served_as_feast_serves("feast-parity", USERS, 3, RedisServer::start())
+    else {
         return;
     };
     let repo_s = repo.to_str().unwrap();
 
-    // Bad data: an undecodable value in one user's user_stats feature, and
-    // a key of another project with this one's name as its tail.
+    // A server started again resumes from the files (nothing is copied).
+    let rows = USERS as u64;
+    let config_s = config.to_str().unwrap();
+    let server = Server::start_with(&data, &["--config", config_s]);
+    let text = server.wait_scrape("quiver_feast_resumed{group=\"user_stats\"} 1");
+    assert!(text.contains("quiver_feast_rows_copied{group=\"user_stats\"} 0"), "{text}");
+    assert!(server.stderr().contains("no full copy"), "{}", server.stderr());
+
+    // Bad data, written while it follows Redis: an undecodable value in one
+    // user's user_stats feature, and a key of another project with this
+    // one's name as its tail.
     let mut conn = redis.conn();
     let user = &want.views.iter().find(|v| v.0 == "user_stats").unwrap();
     let first_user: u64 = user.2.keys().next().unwrap().parse().unwrap();
@@ -287,11 +299,8 @@ fn a_feast_repository_is_served_value_for_value() {
     let mut other = key[..key.len() - "quiver_feast".len()].to_vec();
     other.extend_from_slice(b"x_quiver_feast");
     conn.command(&[b"HSET", &other, b"_ts:user_stats", b""]).unwrap();
-    // A server started now skips both, counts them per group in /metrics,
-    // and serves the user's user_stats row as missing.
-    let rows = USERS as u64;
-    let config_s = config.to_str().unwrap();
-    let server = Server::start_with(&data, &["--config", config_s]);
+    // The server skips both, counts them per group in /metrics, and serves
+    // the user's user_stats row as missing from then on.
     let text = server.wait_scrape("quiver_feast_skipped_total{group=\"user_stats\"} 2");
     for want in [
         "quiver_feast_skipped_total{group=\"user_recent\"} 1".to_string(),
@@ -317,7 +326,9 @@ fn a_feast_repository_is_served_value_for_value() {
     assert_eq!(rows_in(&data.join("user_stats.qrep"), "user_stats"), rows - 1);
 
     // Redis restarted empty: a server keeps serving every file it had, and
-    // says the copies are held; so does the command, with exit code 3.
+    // says they are held (it resumes from them: the command's sync wrote
+    // them for these definitions); the command's copy is held too, with
+    // exit code 3.
     conn.command(&[b"FLUSHALL"]).unwrap();
     let server = Server::start_with(&data, &["--config", config_s]);
     let text = server.wait_scrape("quiver_feast_sync_held{group=\"user_stats\"} 1");
@@ -341,5 +352,160 @@ fn a_feast_repository_is_served_value_for_value() {
 /// repositories made before Feast 0.50 still hold.
 #[test]
 fn entity_keys_of_serialization_version_2_are_read() {
-    served_as_feast_serves("feast-parity-v2", 300, 2);
+    served_as_feast_serves("feast-parity-v2", 300, 2, RedisServer::start());
+}
+
+/// How long a test waits for a write to Feast's Redis to be served: far
+/// past the bound docs/FEATURES.md states (one loop of the follower, at most
+/// 50 ms of waiting, and one pipeline of HGETALL), for a loaded CI machine.
+const FRESH_WAIT: Duration = Duration::from_secs(30);
+
+/// Waits until every row of `want` (one view's, as `feast_repo.py` wrote
+/// them) is served, value for value; fails naming the first that is not at
+/// the deadline.
+fn wait_served(admin: &str, want: &Path) {
+    let want = expected(want);
+    let began = Instant::now();
+    for ExpectedView(view, _, rows) in &want.views {
+        assert!(!rows.is_empty());
+        for (key, row) in rows {
+            loop {
+                let (found, got) = served_row(admin, view, key);
+                if found && same(&got, row) {
+                    break;
+                }
+                assert!(began.elapsed() < FRESH_WAIT, "{view} {key}: served {got:?}, feast {row:?}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Polls the admin route until `done` holds for `view`'s row of `key`.
+fn wait_row(admin: &str, view: &str, key: &str, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
+    let began = Instant::now();
+    loop {
+        let (code, body) = http_get(&format!("http://{admin}/features/{view}?key={}", encode(key)));
+        assert_eq!(code, 200, "{body}");
+        if done(&serde_json::from_str(&body).unwrap()) {
+            return;
+        }
+        assert!(began.elapsed() < FRESH_WAIT, "{view} {key}: not {what}: {body}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The value of the sample `name` (with its labels) in a scrape; 0 when absent.
+fn labeled(text: &str, name: &str) -> u64 {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0)
+}
+
+/// A stored `google.protobuf.Timestamp`, as Feast writes `_ts:` fields.
+fn timestamp(unix_s: i64) -> Vec<u8> {
+    use protobuf::Message;
+    let mut t = protobuf::well_known_types::timestamp::Timestamp::new();
+    t.seconds = unix_s;
+    t.write_to_bytes().unwrap()
+}
+
+fn now_s() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// Freshness, against real Feast: after `feast materialize-incremental` and
+/// after a push, the server serves Feast's new values; a row past its
+/// view's ttl is missing; a change made while no notification could reach
+/// the server is caught up by the reconciliation after Redis restarts;
+/// notifications the server cannot enable fail start-up naming the
+/// setting; a burst of deletions is held.
+#[test]
+fn feast_writes_are_followed() {
+    let users = 1_000;
+    let Some(Served { venv, redis, repo, data, config, want }) =
+        served_as_feast_serves("feast-fresh", users, 3, RedisServer::start_with(true))
+    else {
+        return;
+    };
+    let dir = config.parent().unwrap().to_path_buf();
+    let (repo_s, users_s) = (repo.to_str().unwrap(), users.to_string());
+    // Only a reconnection starts a reconciliation pass within the test.
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str("reconcile_interval_ms = 3600000\n");
+    std::fs::write(&config, text).unwrap();
+    let server = Server::start_with(&data, &["--config", config.to_str().unwrap()]);
+    server.wait_scrape("quiver_feast_resumed{group=\"user_recent\"} 1");
+    server.wait_scrape("quiver_feast_connected 1");
+    let log = dir.join("fresh.log");
+
+    // feast materialize-incremental, then a push: each served as Feast serves it.
+    let out = dir.join("update.json");
+    let args = ["--venv", &venv, "--repo", repo_s, "--users", &users_s, "--count", "50"];
+    feast_repo(&log, &[&["update", "--out", out.to_str().unwrap()][..], &args[..]].concat());
+    wait_served(&server.admin, &out);
+    let out = dir.join("push.json");
+    feast_repo(&log, &[&["push", "--out", out.to_str().unwrap()][..], &args[..]].concat());
+    wait_served(&server.admin, &out);
+    let text = server.wait_scrape("quiver_feast_events_dropped_total 0");
+    assert!(labeled(&text, "quiver_feast_applied_total{group=\"user_stats\"}") >= 50, "{text}");
+    assert!(labeled(&text, "quiver_feast_applied_total{group=\"user_recent\"}") >= 50, "{text}");
+    assert!(server.metric("quiver_feast_events_total") >= 100, "{text}");
+
+    // A row older than its view's ttl (user_recent: a day) is missing.
+    let recent = &want.views.iter().find(|v| v.0 == "user_recent").unwrap().2;
+    let old_user = recent.keys().map(|k| k.parse::<u64>().unwrap()).max().unwrap();
+    let user_codec = quiver::features::feast::redis_layout::EntityCodec::new(
+        "user_id",
+        quiver::features::feast::redis_layout::JoinKeyType::Int64,
+        quiver::features::feast::redis_layout::KeyVersion::V3,
+        "quiver_feast",
+    );
+    let key_of = |id: u64| user_codec.redis_key(&quiver::features::replica::EntityKeyBuf::Id(id));
+    let mut conn = redis.conn();
+    conn.command(&[b"HSET", &key_of(old_user), b"_ts:user_recent", &timestamp(now_s() - 2 * 86_400)]).unwrap();
+    wait_row(&server.admin, "user_recent", &old_user.to_string(), "expired", |row| {
+        row["expired"] == true && row["row"].as_array().unwrap().iter().all(serde_json::Value::is_null)
+    });
+    assert!(served_row(&server.admin, "user_stats", &old_user.to_string()).0);
+
+    // A change no notification announces (they are off while it is made),
+    // then Redis restarts on its port: the follower reconnects, enables
+    // them again, and its reconciliation pass re-reads the change.
+    let rereads = server.metric("quiver_feast_reconcile_rereads_total");
+    let user = recent.keys().map(|k| k.parse::<u64>().unwrap()).min().unwrap();
+    let field = quiver::features::feast::redis_layout::field_name("user_stats", "us_f32_0");
+    conn.command(&[b"CONFIG", b"SET", b"notify-keyspace-events", b""]).unwrap();
+    // Value(float_val = 3.0), as Feast stores it.
+    conn.command(&[b"HSET", &key_of(user), &field, b"\x35\x00\x00\x40\x40"]).unwrap();
+    conn.command(&[b"HSET", &key_of(user), b"_ts:user_stats", &timestamp(now_s() + 3600)]).unwrap();
+    drop(conn);
+    let mut redis = redis;
+    redis.restart();
+    wait_row(&server.admin, "user_stats", &user.to_string(), "caught up", |row| row["row"][0] == 3.0);
+    assert!(server.metric("quiver_feast_reconcile_rereads_total") > rereads);
+    assert!(server.metric("quiver_feast_connect_failures_total") >= 1);
+
+    // A burst of deletions: held at shrink_max (0.5) of the most rows.
+    let mut conn = redis.conn();
+    for id in recent.keys() {
+        conn.command(&[b"DEL", &key_of(id.parse().unwrap())]).unwrap();
+    }
+    let scrape = server.wait_scrape(&format!("quiver_feast_rows{{group=\"user_stats\"}} {}", users / 2));
+    assert!(scrape.contains(&format!("quiver_feast_rows{{group=\"user_recent\"}} {}", users / 2)), "{scrape}");
+    let scrape = server.wait_scrape("quiver_feast_deletes_held_total{group=\"user_stats\"}");
+    assert!(labeled(&scrape, "quiver_feast_deletes_held_total{group=\"user_stats\"}") >= 1, "{scrape}");
+    drop(server);
+
+    // A Redis that will not run CONFIG, and notifications off: start-up
+    // fails naming the setting.
+    let managed = RedisServer::start_opts(false, &["--rename-command", "CONFIG", ""]);
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!("redis = \"{}\"\n", managed.url()));
+    let refused = dir.join("refused.toml");
+    std::fs::write(&refused, text).unwrap();
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Server::start_with(&data, &["--config", refused.to_str().unwrap()])
+    }));
+    let why = failed.err().expect("start-up fails");
+    let why = why.downcast_ref::<String>().unwrap();
+    assert!(why.contains("notify-keyspace-events") && why.contains("Kghx"), "{why}");
 }

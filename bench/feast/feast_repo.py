@@ -21,6 +21,14 @@ bool as 1 or 0; null or absent as null) as JSON: {"views": {view: {"key":
 join key, "features": [...], "rows": {key: [f32 or null, ...]}}}}. It is
 what tests/feast.rs compares Quiver's served rows with, value for value.
 
+`update` writes new rows for the first --count users of user_recent into
+its parquet file (event times two minutes ahead, past what `build`
+materialized) and runs `feast materialize-incremental`; `push` pushes new
+rows for the first --count users of user_stats through the push source
+`user_stats_push` (online). Each then writes, as `online` does, what
+`get_online_features` returns for those users afterwards (--out): what
+tests/feast.rs waits for Quiver to serve.
+
 `venv` only makes the virtual environment (what .ci/run does before the
 tests, which then find it through QUIVER_FEAST_VENV).
 
@@ -215,6 +223,88 @@ def online(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
+def changed_rows(columns, n: int, seed: int):
+    """n rows of new values for `columns` (no nulls: every value changes)."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    frame = {}
+    for name, dtype in columns:
+        kind = str(dtype)
+        if "Float32" in kind:
+            frame[name] = pd.array((rng.standard_normal(n) * 10 + 1000).astype(np.float32), dtype="Float32")
+        elif "Float64" in kind:
+            frame[name] = pd.array(rng.standard_normal(n) * 1e3 + 1e6, dtype="Float64")
+        elif "Int64" in kind:
+            frame[name] = pd.array(rng.integers(1 << 41, 1 << 42, n), dtype="Int64")
+        elif "Int32" in kind:
+            frame[name] = pd.array(rng.integers(1 << 20, 1 << 30, n), dtype="Int32")
+        elif "Bool" in kind:
+            frame[name] = pd.array(rng.random(n) < 0.5, dtype="boolean")
+        else:
+            raise SystemExit(f"feast_repo: no generator for {name}'s type {kind}")
+    return frame
+
+
+def write_online(store, view: str, join_key: str, ids: list, out: str) -> None:
+    """What get_online_features returns for `ids` of `view`, as `online` writes it."""
+    service = store.get_feature_service("scoring")
+    projection = next(p for p in service.feature_view_projections if p.name == view)
+    names = [f.name for f in projection.features]
+    got = store.get_online_features(
+        features=[f"{view}:{n}" for n in names], entity_rows=[{join_key: k} for k in ids]
+    ).to_dict()
+    rows = {str(k): [as_f32(got[n][i]) for n in names] for i, k in enumerate(ids)}
+    Path(out).write_text(json.dumps({"views": {view: {"key": join_key, "features": names, "rows": rows}}}))
+
+
+def update(args: argparse.Namespace) -> None:
+    in_venv(args)
+    import pandas as pd
+
+    repo = Path(args.repo).resolve()
+    sys.path.insert(0, str(repo))
+    from definitions import COLUMNS
+    from feast import FeatureStore
+
+    view, join_key = "user_recent", "user_id"
+    ids = user_ids(args.users)[: args.count]
+    frame = {join_key: ids, **changed_rows(COLUMNS[view], len(ids), args.seed)}
+    df = pd.DataFrame(frame)
+    now = pd.Timestamp.now(tz="UTC").floor("s")
+    df["event_timestamp"] = now + pd.Timedelta(minutes=2)
+    df["created"] = now
+    path = repo / "data" / f"{view}.parquet"
+    pd.concat([pd.read_parquet(path), df]).to_parquet(path, index=False)
+    feast = Path(sys.executable).with_name("feast")
+    end = (now + pd.Timedelta(minutes=3)).strftime("%Y-%m-%dT%H:%M:%S")
+    env = dict(os.environ, FEAST_USAGE="False")
+    subprocess.run([feast, "materialize-incremental", end], cwd=repo, check=True, env=env)
+    write_online(FeatureStore(repo_path=str(repo)), view, join_key, ids, args.out)
+
+
+def push(args: argparse.Namespace) -> None:
+    in_venv(args)
+    import pandas as pd
+
+    repo = Path(args.repo).resolve()
+    sys.path.insert(0, str(repo))
+    from definitions import COLUMNS
+    from feast import FeatureStore
+    from feast.data_source import PushMode
+
+    view, join_key = "user_stats", "user_id"
+    ids = user_ids(args.users)[: args.count]
+    df = pd.DataFrame({join_key: ids, **changed_rows(COLUMNS[view], len(ids), args.seed)})
+    now = pd.Timestamp.now(tz="UTC").floor("s")
+    df["event_timestamp"] = now + pd.Timedelta(minutes=5)
+    df["created"] = now
+    store = FeatureStore(repo_path=str(repo))
+    store.push("user_stats_push", df, to=PushMode.ONLINE)
+    write_online(store, view, join_key, ids, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,13 +320,21 @@ def main() -> None:
     o.add_argument("--repo", required=True)
     o.add_argument("--out", required=True)
     o.add_argument("--users", type=int, default=10_000)
+    for name in ("update", "push"):
+        u = sub.add_parser(name)
+        u.add_argument("--venv", required=True)
+        u.add_argument("--repo", required=True)
+        u.add_argument("--out", required=True)
+        u.add_argument("--users", type=int, default=10_000)
+        u.add_argument("--count", type=int, default=100)
+        u.add_argument("--seed", type=int, default=36)
     v = sub.add_parser("venv")
     v.add_argument("--venv", required=True)
     args = parser.parse_args()
     if args.command == "venv":
         ensure_feast(Path(args.venv).resolve())
         return
-    {"build": build, "online": online}[args.command](args)
+    {"build": build, "online": online, "update": update, "push": push}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -294,8 +294,8 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         if let Some(log) = &self.state.decision_log {
             encode_decision_log(&mut encoder, &m.counters, log)?;
         }
-        if !self.state.feast.is_empty() {
-            encode_feast(&mut encoder, &self.state.feast)?;
+        if let Some(feast) = &self.state.feast {
+            encode_feast(&mut encoder, feast)?;
         }
         encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
         let mut e =
@@ -379,39 +379,114 @@ impl prometheus_client::collector::Collector for QuiverCollector {
     }
 }
 
-/// `[feast]`'s first sync, per served view (its group): rows copied, rows
-/// skipped as bad data, null or absent values, and whether the copy was held.
+/// `[feast]`: per served view (its group), the first sync (rows copied,
+/// null or absent values, held), the rows now, bad data skipped, and the
+/// follower's writes; then the follower's events, queue and reconciliation.
 fn encode_feast(
     encoder: &mut DescriptorEncoder,
-    views: &[crate::features::feast::ViewReport],
+    feast: &crate::features::feast::FeastStatus,
 ) -> Result<(), std::fmt::Error> {
-    type Get = fn(&crate::features::feast::ViewReport) -> u64;
-    let gauges: [(&str, &str, Get); 3] = [
-        ("quiver_feast_rows", "Entities the first sync from Feast's Redis copied into the view's replica.", |v| v.rows),
-        ("quiver_feast_values_missing", "Null or absent features among the rows copied (NaN in the replica).", |v| {
-            v.values_missing
-        }),
+    use crate::features::feast::follow::ViewStatus;
+    type Get = fn(&ViewStatus) -> u64;
+    let gauges: [(&str, &str, Get); 5] = [
+        ("quiver_feast_rows", "Entities the view's replica holds now.", |v| v.live_rows.load(Relaxed)),
+        (
+            "quiver_feast_values_missing",
+            "Null or absent features among the rows the first sync copied (NaN in the replica).",
+            |v| v.values_missing.load(Relaxed),
+        ),
         (
             "quiver_feast_sync_held",
-            "1 when the first sync's copy would have shrunk a populated replica past feast.shrink_max: the file is kept.",
-            |v| u64::from(v.held),
+            "1 when start-up found Redis emptied, or the first sync's copy would have shrunk a populated replica \
+             past feast.shrink_max: the file is kept.",
+            |v| u64::from(v.held.load(Relaxed)),
         ),
+        (
+            "quiver_feast_resumed",
+            "1 when start-up resumed from the view's file (written for these definitions) without a full copy.",
+            |v| u64::from(v.resumed.load(Relaxed)),
+        ),
+        ("quiver_feast_rows_copied", "Entities the first sync copied into the view's replica (0: none ran).", |v| {
+            v.rows_copied.load(Relaxed)
+        }),
     ];
     for (name, help, get) in gauges {
         let mut e = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-        for v in views {
-            e.encode_family(&[("group", v.view.as_str())])?.encode_gauge(&(get(v) as i64))?;
+        for v in &feast.views {
+            e.encode_family(&[("group", v.name.as_str())])?.encode_gauge(&(get(v) as i64))?;
         }
     }
-    let mut e = encoder.encode_descriptor(
-        "quiver_feast_skipped",
-        "Entities of the view skipped as bad data by the first sync (a key or value that does not decode, another \
-         project's key, an unserved value type).",
-        None,
-        MetricType::Counter,
-    )?;
-    for v in views {
-        e.encode_family(&[("group", v.view.as_str())])?.encode_counter::<NoLabelSet, _, u64>(&v.skipped, None)?;
+    let counters: [(&str, &str, Get); 4] = [
+        (
+            "quiver_feast_skipped",
+            "Entities of the view skipped as bad data by the first sync and the follower (a key or value that does \
+             not decode, another project's key, an unserved value type).",
+            |v| v.skipped_total.load(Relaxed),
+        ),
+        ("quiver_feast_applied", "Rows the follower wrote in place after a keyspace event or a reconciliation.", |v| {
+            v.applied_total.load(Relaxed)
+        }),
+        ("quiver_feast_deleted", "Rows the follower removed: the entity's key or the view's fields are gone.", |v| {
+            v.deleted_total.load(Relaxed)
+        }),
+        (
+            "quiver_feast_deletes_held",
+            "Removals the follower held back: they would have shrunk the view past feast.shrink_max of the most \
+             rows it held (a flushed or emptied Redis).",
+            |v| v.deletes_held_total.load(Relaxed),
+        ),
+    ];
+    for (name, help, get) in counters {
+        let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for v in &feast.views {
+            e.encode_family(&[("group", v.name.as_str())])?.encode_counter::<NoLabelSet, _, u64>(&get(v), None)?;
+        }
+    }
+    if !feast.following.load(Relaxed) {
+        return Ok(());
+    }
+    type GetAll = fn(&crate::features::feast::FeastStatus) -> u64;
+    let totals: [(&str, &str, GetAll); 6] = [
+        ("quiver_feast_events", "Keyspace events of the project's keys received.", |f| f.events_total.load(Relaxed)),
+        (
+            "quiver_feast_events_dropped",
+            "Keyspace events dropped because feast.queue_keys_max keys were queued (a reconciliation pass finds \
+             their changes).",
+            |f| f.events_dropped_total.load(Relaxed),
+        ),
+        ("quiver_feast_reconciled_keys", "Keys the reconciliation compared with their rows.", |f| {
+            f.reconciled_keys_total.load(Relaxed)
+        }),
+        ("quiver_feast_reconcile_rereads", "Keys the reconciliation re-read because their _ts: field moved.", |f| {
+            f.reconcile_rereads_total.load(Relaxed)
+        }),
+        ("quiver_feast_reconcile_passes", "Whole passes of the reconciliation over the project's keys.", |f| {
+            f.reconcile_passes_total.load(Relaxed)
+        }),
+        ("quiver_feast_connect_failures", "Sessions of the follower with Redis that failed.", |f| {
+            f.connect_failures_total.load(Relaxed)
+        }),
+    ];
+    for (name, help, get) in totals {
+        encoder
+            .encode_descriptor(name, help, None, MetricType::Counter)?
+            .encode_counter::<NoLabelSet, _, u64>(&get(feast), None)?;
+    }
+    let gauges: [(&str, &str, GetAll); 3] = [
+        ("quiver_feast_connected", "1 while the follower is connected to Redis.", |f| {
+            u64::from(f.connected.load(Relaxed))
+        }),
+        ("quiver_feast_queue_keys", "Keys queued for a read after their keyspace events.", |f| {
+            f.queue_keys.load(Relaxed)
+        }),
+        (
+            "quiver_feast_queue_wait_us",
+            "The longest a key of the follower's last batch waited between its event and its read, in microseconds.",
+            |f| f.queue_wait_us.load(Relaxed),
+        ),
+    ];
+    for (name, help, get) in gauges {
+        encoder.encode_descriptor(name, help, None, MetricType::Gauge)?.encode_gauge(&(get(feast) as i64))?;
     }
     Ok(())
 }
@@ -724,13 +799,16 @@ mod tests {
             http: Default::default(),
             groups: Vec::new(),
             decision_log: None,
-            feast: vec![crate::features::feast::ViewReport {
-                view: "user_stats".into(),
-                rows: 7,
-                skipped: 2,
-                held: true,
+            feast: Some(Arc::new(crate::features::feast::FeastStatus {
+                views: vec![crate::features::feast::follow::ViewStatus {
+                    name: "user_stats".into(),
+                    live_rows: 7.into(),
+                    skipped_total: 2.into(),
+                    held: true.into(),
+                    ..Default::default()
+                }],
                 ..Default::default()
-            }],
+            })),
         };
         state.refusals.record(1, None, "POST", "/drain");
         registry.register_collector(Box::new(QuiverCollector { state: Arc::new(state) }));

@@ -102,6 +102,13 @@ pub struct FeatureRow {
     /// follows to the parent's row.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentLink>,
+    /// For a Feast view: the row's event time (its `_ts:`, Unix seconds;
+    /// null when it holds none), and whether it is older than the view's
+    /// `ttl`, so served as missing (`row` is then NaN, as a request gets it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_unix_s: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub expired: bool,
     pub width: usize,
     pub storage: Storage,
     pub scope: Scope,
@@ -175,6 +182,13 @@ pub fn lookup(groups: &[SharedGroup], readiness: &Readiness, q: &RowQuery) -> Re
             (handle.read_linked_into(key_hash(&q.key), &q.key, &mut row, &mut link), "string")
         }
     };
+    let feast_view = handle.link_kind().is_some() && g.child.is_none() && g.ttl_s > 0;
+    let event_unix_s = crate::features::feast::rows::row_time_s(&link);
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let expired = feast_view && event_unix_s != 0 && event_unix_s < now_s.saturating_sub(g.ttl_s);
+    if expired {
+        row.fill(f32::NAN);
+    }
     let parent_group = groups.iter().find(|p| p.child.as_deref() == Some(g.name.as_str()));
     let parent = handle.link_kind().zip(parent_group).map(|(kind, p)| {
         let mut buf = [0u8; KEY_BYTES_MAX as usize];
@@ -202,6 +216,8 @@ pub fn lookup(groups: &[SharedGroup], readiness: &Readiness, q: &RowQuery) -> Re
         found,
         row,
         parent,
+        event_unix_s: (feast_view && event_unix_s != 0).then_some(event_unix_s),
+        expired,
         width: handle.dim(),
         storage: table.storage(),
         scope: g.scope,

@@ -59,9 +59,9 @@ pub struct AdminState {
     pub groups: Vec<SharedGroup>,
     /// The decision-log writer's counters, when `[log]` logs anything.
     pub decision_log: Option<Arc<crate::decision_log::LogStatus>>,
-    /// What `[feast]`'s first sync did with each served view (empty
-    /// without `[feast]`, or when Redis could not be reached).
-    pub feast: Vec<crate::features::feast::ViewReport>,
+    /// `[feast]`'s views: the first sync, the follower's counters (none
+    /// without `[feast]`).
+    pub feast: Option<Arc<crate::features::feast::FeastStatus>>,
 }
 
 /// Which routes a listener serves.

@@ -674,7 +674,7 @@ pub const SECTIONS: &[Section] = &[
     Section {
         path: "feast",
         doc: "Serve a Feast repository's feature views as feature groups, copied from its Redis online store at \
-              start-up ([FEATURES.md](FEATURES.md#feast)). Each served view becomes a group of its name (key type \
+              start-up and kept fresh after ([FEATURES.md](FEATURES.md#feast)). Each served view becomes a group of its name (key type \
               and width from Feast's definitions, file `<data_dir>/<view>.qrep`), after any `[[groups]]`. Absent: \
               no Feast. Not with `[feed]` yet.",
         optional: true,
@@ -699,8 +699,30 @@ pub const SECTIONS: &[Section] = &[
                 "shrink_max",
                 "0.25",
                 "A first sync whose copy would drop more than this fraction of a populated file's rows keeps the \
-                 file (held); from 0 to 1.",
+                 file (held), and the follower holds removals past it of the most rows a view held; from 0 to 1.",
             ),
+            Key::new(
+                "follow",
+                "false",
+                "Follow Feast's writes after start-up (keyspace notifications and reconciliation); off: serve the \
+                 start-up copy as it is. Default true.",
+            ),
+            Key::new(
+                "notify_config",
+                "false",
+                "Quiver may add the flags it needs (`Kghx`) to the server's `notify-keyspace-events` with CONFIG \
+                 SET; off: the operator has set them (a managed Redis without CONFIG). Default true.",
+            ),
+            Key::new(
+                "queue_keys_max",
+                "100000",
+                "Keys waiting to be read after their keyspace events; past it events are dropped, counted, and a \
+                 reconciliation pass finds their changes.",
+            )
+            .range(1, crate::features::feast::QUEUE_KEYS_MAX as i64),
+            Key::new("reconcile_interval_ms", "10000", "How often a reconciliation round runs.").range(10, 86_400_000),
+            Key::new("reconcile_keys_max", "10000", "Keys one reconciliation round compares at most.")
+                .range(1, 10_000_000),
         ],
     },
     Section {

@@ -115,6 +115,9 @@ pub struct SharedGroup {
     /// The group whose rows link to this one's: its keys come from there,
     /// never from a request.
     pub child: Option<String>,
+    /// A Feast view's `ttl` (0: none): a row whose event time (its link
+    /// words, `features::feast::rows`) is older is served as missing.
+    pub ttl_s: u64,
 }
 
 impl SharedGroup {
@@ -127,6 +130,7 @@ impl SharedGroup {
             absent: Absent::Default,
             handle,
             child: None,
+            ttl_s: 0,
         };
         vec![group("user", Scope::Request, user), group("item", Scope::Candidate, item)]
     }
@@ -212,6 +216,8 @@ struct GroupView {
     key: KeyKind,
     /// The group whose rows' links key this one (`ad` for `campaign`).
     child: Option<Box<str>>,
+    /// [`SharedGroup::ttl_s`].
+    ttl_s: u64,
     view: ReplicaView,
 }
 
@@ -227,6 +233,7 @@ impl Replicas {
                     absent: g.absent,
                     key: view.key_kind(),
                     child: g.child.as_deref().map(Into::into),
+                    ttl_s: g.ttl_s,
                     view,
                 }
             })

@@ -289,7 +289,8 @@ pub(super) fn assemble(
             Scope::Request => 1,
             Scope::Candidate => rows,
         };
-        let kept_words = if step.keep_links { g.view.link_words() } else { 0 };
+        // A Feast view with a ttl reads its rows' links too: their event times.
+        let kept_words = if step.keep_links || g.ttl_s > 0 { g.view.link_words() } else { 0 };
         let links_out = &mut links_next[..n * kept_words];
         let vectors = &mut vectors[..n * dim];
         if step.through_links {
@@ -351,6 +352,9 @@ pub(super) fn assemble(
                     }
                 }
             }
+        }
+        if g.ttl_s > 0 {
+            missing += expire_rows(vectors, dim, links_out, kept_words, g.ttl_s);
         }
         if let Some(off) = step.offset {
             match step.scope {
@@ -462,6 +466,24 @@ fn explain_top_k(request: &wire::Request<'_>) -> u16 {
 /// `EXPLAIN_CANDIDATES_MAX` when it asks (checked by `decode_request`).
 fn explained_count(request: &wire::Request<'_>) -> u16 {
     u16::try_from(request.explained()).unwrap_or(u16::MAX)
+}
+
+/// Serves as missing (NaN) each row of `vectors` (`dim` wide) whose event
+/// time, in its `link_words` of `links`, is older than `ttl_s` seconds, as
+/// Feast does; returns how many. One compare per row; a row with no time
+/// (not found, or written without one) is left as it is.
+fn expire_rows(vectors: &mut [f32], dim: usize, links: &[u32], link_words: usize, ttl_s: u64) -> u32 {
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let oldest_s = now_s.saturating_sub(ttl_s);
+    let mut expired = 0;
+    for (row, link) in vectors.chunks_exact_mut(dim).zip(links.chunks_exact(link_words)) {
+        let ts = crate::features::feast::rows::row_time_s(link);
+        if ts != 0 && ts < oldest_s {
+            row.fill(f32::NAN);
+            expired += 1;
+        }
+    }
+    expired
 }
 
 /// Looks up the rows the `links` name (`link_words` per key, as the lookup

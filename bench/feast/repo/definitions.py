@@ -11,7 +11,7 @@ and `feast materialize`. The column lists are shared with that script
 
 from datetime import timedelta
 
-from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
+from feast import Entity, FeatureService, FeatureView, Field, FileSource, PushSource, ValueType
 from feast.types import Bool, Float32, Float64, Int32, Int64
 
 # (view, entity join key, [(feature, type)]) in the order the views list them.
@@ -55,19 +55,23 @@ def _source(view: str) -> FileSource:
     )
 
 
-def _view(view: str, ttl: timedelta) -> FeatureView:
+def _view(view: str, ttl: timedelta, source=None) -> FeatureView:
     return FeatureView(
         name=view,
         entities=[ENTITIES[ENTITY_OF[view]]],
         ttl=ttl,
         schema=[Field(name=name, dtype=dtype) for name, dtype in COLUMNS[view]],
         online=True,
-        source=_source(view),
+        source=source or _source(view),
     )
 
 
+# user_stats is also written by pushes (`store.push("user_stats_push", df)`),
+# materialized from the same file.
+user_stats_push = PushSource(name="user_stats_push", batch_source=_source("user_stats"))
+
 # A ttl of zero is "no ttl" to Feast; user_recent's rows expire after a day.
-user_stats = _view("user_stats", timedelta(seconds=0))
+user_stats = _view("user_stats", timedelta(seconds=0), user_stats_push)
 user_recent = _view("user_recent", timedelta(days=1))
 item_attrs = _view("item_attrs", timedelta(seconds=0))
 merchant_risk = _view("merchant_risk", timedelta(seconds=0))

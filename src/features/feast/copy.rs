@@ -12,19 +12,25 @@
 //! replica. Such a view is held, as the Quiver contract's full sync holds
 //! one, until an operator accepts the shrink.
 //!
+//! Each row keeps its event time (see [`super::rows`]), and each file's
+//! checkpoint names a digest of the definitions it was written for, so a
+//! server that finds them all current resumes from the files instead of
+//! copying again ([`super::follow`] then re-reads only what moved).
+//!
 //! Bad data (a key of the entity that does not parse, another project's
 //! key, a value that does not decode or is of a kind not served, a hash
 //! past the field limit) skips that entity's row of the view, counts it per
 //! view, and is logged with the key, a few lines per view and sync.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use super::redis_layout::{self, EntityCodec, JoinKeyType, KeyError, HASH_FIELDS_MAX};
+use super::redis_layout::JoinKeyType;
 use super::repo::{FeastRepo, Plan, ServedView};
+use super::rows::{self, Claim, Entities, Hash, Split};
 use super::FeastError;
 use crate::features::feed::{RedisConn, Reply};
-use crate::features::replica::{EntityKey, EntityKeyBuf, ReplicaBuilder, ReplicaHandle};
+use crate::features::replica::{Cursor, EntityKeyBuf, ReplicaBuilder, ReplicaHandle};
 
 /// Lines logged per view and sync for skipped rows; the rest are counted.
 const SKIP_LOGS_PER_VIEW_MAX: u64 = 8;
@@ -79,20 +85,10 @@ struct ViewCopy<'p> {
     view: &'p ServedView,
     builder: ReplicaBuilder,
     report: ViewReport,
-    ts_field: Vec<u8>,
-    row: Vec<f32>,
-}
-
-/// One served entity: how its keys read and the views it feeds, with each
-/// hash field's (view, column).
-struct EntityCopy {
-    codec: EntityCodec,
-    views: Vec<usize>,
-    fields: HashMap<[u8; 4], (usize, usize)>,
 }
 
 /// `text` with Redis glob's special characters escaped.
-fn glob_escape(text: &str) -> String {
+pub(super) fn glob_escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if matches!(c, '*' | '?' | '[' | ']' | '\\') {
@@ -138,7 +134,7 @@ pub fn first_sync(
     let mut copies = Vec::with_capacity(plan.views.len());
     for view in &plan.views {
         let width = view.features.len() as u32;
-        let builder = ReplicaBuilder::new(&view.name, width);
+        let builder = ReplicaBuilder::new(&view.name, width).links_to(rows::ROW_TIME_LINK)?;
         let mut builder = match view.key {
             JoinKeyType::String { bytes_max } => builder.str_keys(bytes_max)?,
             JoinKeyType::Int64 | JoinKeyType::Int32 => builder,
@@ -153,25 +149,13 @@ pub fn first_sync(
                 path: options.data_dir.join(format!("{}.qrep", view.name)),
                 ..ViewReport::default()
             },
-            ts_field: redis_layout::ts_field(&view.name),
-            row: vec![f32::NAN; width as usize],
         });
     }
-    let mut entities: Vec<EntityCopy> = Vec::new();
-    for (at, view) in plan.views.iter().enumerate() {
-        let entity = match entities.iter_mut().position(|e| e.codec.join_key == view.join_key) {
-            Some(i) => &mut entities[i],
-            None => {
-                let codec = EntityCodec::new(&view.join_key, view.key, repo.key_version, &repo.project);
-                entities.push(EntityCopy { codec, views: Vec::new(), fields: HashMap::new() });
-                entities.last_mut().expect("just pushed")
-            }
-        };
-        entity.views.push(at);
-        for (column, f) in view.features.iter().enumerate() {
-            entity.fields.insert(redis_layout::field_name(&view.name, &f.name), (at, column));
-        }
-    }
+    let entities = Entities::new(repo, plan);
+    let mut split = Splitting {
+        rows: plan.views.iter().map(|v| vec![f32::NAN; v.features.len()]).collect(),
+        out: vec![Split::Absent; plan.views.len()],
+    };
     let mut report = SyncReport::default();
     let pattern = format!("*{}", glob_escape(&repo.project)).into_bytes();
     let count = options.batch_keys.to_string().into_bytes();
@@ -193,7 +177,7 @@ pub fn first_sync(
             .filter(|k| seen.insert(k.clone()))
             .collect();
         report.keys_scanned += keys.len() as u64;
-        copy_batch(conn, &keys, &entities, &mut copies, &mut report)?;
+        copy_batch(conn, &keys, &entities, &mut copies, &mut split, &mut report)?;
         if cursor == b"0" {
             break;
         }
@@ -212,7 +196,10 @@ pub fn first_sync(
             );
             continue;
         }
-        copy.builder.write(&path)?;
+        // The rows reflect Redis now, for the definitions the digest names:
+        // a server that finds the digest resumes from the file.
+        let cursor = Cursor { epoch: rows::plan_digest(repo, plan), seq: 0, change_unix_ms: unix_ms() };
+        copy.builder.write_at(&path, cursor)?;
     }
     report.views = copies.into_iter().map(|c| c.report).collect();
     Ok(report)
@@ -224,132 +211,66 @@ fn rows_in(path: &Path, group: &str) -> u64 {
     ReplicaHandle::open(path, group).map_or(0, |h| h.live_rows())
 }
 
+/// Each view's row buffer and what the last hash split came to.
+struct Splitting {
+    rows: Vec<Vec<f32>>,
+    out: Vec<Split>,
+}
+
+pub(super) fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Reads `keys` with one pipeline of HGETALL and adds each entity's rows.
 fn copy_batch(
     conn: &mut RedisConn,
     keys: &[Vec<u8>],
-    entities: &[EntityCopy],
+    entities: &Entities,
     copies: &mut [ViewCopy<'_>],
+    split: &mut Splitting,
     report: &mut SyncReport,
 ) -> Result<(), FeastError> {
     // Which entity each key is; keys of none are not read.
-    let mut read: Vec<(&Vec<u8>, &EntityCopy, EntityKeyBuf)> = Vec::with_capacity(keys.len());
+    let mut read: Vec<(&[u8], usize, EntityKeyBuf)> = Vec::with_capacity(keys.len());
     for key in keys {
-        let mut claimed: Option<(&EntityCopy, KeyError)> = None;
-        let mut parsed = None;
-        for entity in entities.iter().filter(|e| e.codec.claims(key)) {
-            match entity.codec.parse(key) {
-                Ok(k) => {
-                    parsed = Some((entity, k));
-                    break;
-                }
-                Err(e) => claimed = claimed.or(Some((entity, e))),
-            }
-        }
-        match (parsed, claimed) {
-            (Some((entity, k)), _) => read.push((key, entity, k)),
-            (None, Some((entity, why))) => {
-                for &v in &entity.views {
-                    skip(&mut copies[v], key, &format!("not a key of entity '{}': {why}", entity.codec.join_key));
+        match entities.classify(key) {
+            Claim::Of(e, k) => read.push((key, e, k)),
+            Claim::Bad(e, why) => {
+                let join_key = &entities.entities[e].codec.join_key;
+                for &v in &entities.entities[e].views {
+                    skip(&mut copies[v], key, &format!("not a key of entity '{join_key}': {why}"));
                 }
             }
-            (None, None) => report.keys_other += 1,
+            Claim::Other => report.keys_other += 1,
         }
     }
-    if read.is_empty() {
-        return Ok(());
-    }
-    let commands: Vec<Vec<Vec<u8>>> = read.iter().map(|(k, _, _)| vec![b"HGETALL".to_vec(), (*k).clone()]).collect();
-    let replies = conn.pipeline(&commands)?;
-    if replies.len() != read.len() {
-        return Err(shape("HGETALL", format!("{} replies to {} commands", replies.len(), read.len())));
-    }
-    for ((key, entity, parsed), reply) in read.into_iter().zip(replies) {
-        let pairs = match reply {
-            Reply::Array(items) => items,
-            Reply::Error(message) if message.starts_with("WRONGTYPE") => {
-                for &v in &entity.views {
-                    skip(&mut copies[v], key, "not a hash");
+    let names: Vec<&[u8]> = read.iter().map(|(k, _, _)| *k).collect();
+    let hashes = rows::read_hashes(conn, &names)?;
+    for ((key, e, parsed), hash) in read.into_iter().zip(hashes) {
+        let views = &entities.entities[e].views;
+        let pairs = match hash {
+            Hash::Pairs(pairs) => pairs,
+            Hash::Bad(why) => {
+                for &v in views {
+                    skip(&mut copies[v], key, &why);
                 }
                 continue;
             }
-            Reply::Error(message) => {
-                return Err(FeastError::Redis(crate::features::feed::RedisError::Server {
-                    addr: conn.addr().to_string(),
-                    message,
-                }))
-            }
-            other => return Err(shape("HGETALL", format!("{other:?}"))),
         };
-        if pairs.len() / 2 > HASH_FIELDS_MAX || pairs.len() % 2 != 0 {
-            for &v in &entity.views {
-                skip(&mut copies[v], key, &format!("{} hash fields, past the {HASH_FIELDS_MAX} read", pairs.len() / 2));
-            }
-            continue;
-        }
-        add_entity(key, entity, &parsed, &pairs, copies)?;
-    }
-    Ok(())
-}
-
-/// Splits one entity's hash into a row per view of the entity. A view with
-/// neither its `_ts:` field nor any of its features has no row here.
-fn add_entity(
-    key: &[u8],
-    entity: &EntityCopy,
-    parsed: &EntityKeyBuf,
-    pairs: &[Reply],
-    copies: &mut [ViewCopy<'_>],
-) -> Result<(), FeastError> {
-    // Per view of the entity: seen (a row exists), and why it is bad.
-    let mut seen: Vec<bool> = vec![false; copies.len()];
-    let mut bad: Vec<Option<String>> = vec![None; copies.len()];
-    for &v in &entity.views {
-        copies[v].row.fill(f32::NAN);
-    }
-    for pair in pairs.chunks_exact(2) {
-        let (Some(field), Some(value)) = (pair[0].as_bytes(), pair[1].as_bytes()) else {
-            continue;
-        };
-        if let Ok(name) = <[u8; 4]>::try_from(field) {
-            if let Some(&(v, column)) = entity.fields.get(&name) {
-                seen[v] = true;
-                match redis_layout::value_f32(value) {
-                    Ok(Some(x)) => copies[v].row[column] = x,
-                    Ok(None) => {}
-                    Err(e) => {
-                        let feature = &copies[v].view.features[column].name;
-                        bad[v] = bad[v].take().or(Some(format!("feature '{feature}': {e}")));
-                    }
-                }
-                continue;
-            }
-        }
-        for &v in &entity.views {
-            if field == copies[v].ts_field.as_slice() {
-                seen[v] = true;
-                if let Err(e) = redis_layout::ts_unix_s(value) {
-                    bad[v] = bad[v].take().or(Some(format!("its _ts: field: {e}")));
+        entities.split(e, &pairs, &mut split.rows, &mut split.out);
+        for &v in views {
+            let copy = &mut copies[v];
+            let row = &split.rows[v];
+            match &split.out[v] {
+                Split::Absent => {}
+                Split::Bad(why) => skip(copy, key, why),
+                Split::Row { ts_unix_s } => {
+                    copy.builder.push_linked(parsed.as_key(), row, rows::row_time_link(*ts_unix_s))?;
+                    copy.report.rows += 1;
+                    copy.report.values_missing += row.iter().filter(|x| x.is_nan()).count() as u64;
                 }
             }
         }
-    }
-    for &v in &entity.views {
-        if !seen[v] {
-            continue;
-        }
-        let copy = &mut copies[v];
-        if let Some(why) = bad[v].take() {
-            skip(copy, key, &why);
-            continue;
-        }
-        let key = match parsed {
-            EntityKeyBuf::Id(id) => EntityKey::Id(*id),
-            EntityKeyBuf::Str(s) => EntityKey::Str(s),
-        };
-        copy.builder.push_linked(key, &copy.row, None)?;
-        copy.report.rows += 1;
-        copy.report.values_missing += copy.row.iter().filter(|x| x.is_nan()).count() as u64;
     }
     Ok(())
 }

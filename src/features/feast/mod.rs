@@ -9,17 +9,24 @@
 //!   makes each served feature view a feature group (what is refused, why);
 //! - [`redis_layout`]: Feast's Redis keys, hash fields and values, read
 //!   exactly, and the rule that makes each value an f32;
+//! - [`rows`]: one entity's hash as a row per view, with its event time,
+//!   the one rule both the copy and the follower write rows by;
 //! - [`copy`]: the first sync: every entity of the project's views copied
 //!   from Redis into fresh replica files, swapped in only when the copy does
-//!   not shrink a populated replica past the bound.
+//!   not shrink a populated replica past the bound;
+//! - [`follow`]: after it, keyspace notifications and a periodic
+//!   reconciliation keep the rows fresh in place.
 
 pub mod copy;
+pub mod follow;
 pub mod group_guard;
 pub mod protos;
 pub mod redis_layout;
 pub mod repo;
+pub mod rows;
 
 pub use copy::{first_sync, SyncOptions, SyncReport, ViewReport};
+pub use follow::{FeastStatus, Follower};
 pub use repo::{FeastRepo, Plan, Refusal, ServedView};
 
 /// What reading a Feast repository or its Redis can fail with, each a line
@@ -40,6 +47,9 @@ pub enum FeastError {
     Reply { command: &'static str, what: String },
     #[error(transparent)]
     Replica(#[from] crate::features::replica::ReplicaError),
+    /// The server will not send the keyspace events following needs.
+    #[error("[feast]: Redis keyspace notifications: {0}")]
+    Notifications(String),
     /// The copy would drop most of a populated replica (Redis emptied or
     /// flushed, the wrong project or database): the file is kept.
     #[error("view '{view}': the copy holds {copied} rows, {path} holds {served}; more than {shrink_max_percent}% fewer, so the file is kept (held). Run again with --accept-shrink if Redis really lost them")]
@@ -72,7 +82,46 @@ pub struct FeastConfig {
     /// drop and still replace it; past it the file is kept (held).
     #[serde(default = "shrink_max_default")]
     pub shrink_max: f64,
+    /// Follow Feast's writes after the first sync (keyspace notifications
+    /// and reconciliation); off: serve the start-up copy as it is.
+    #[serde(default = "yes")]
+    pub follow: bool,
+    /// Quiver may add the flags it needs to the server's
+    /// `notify-keyspace-events` with CONFIG SET; off: the operator has set
+    /// them (a managed Redis without CONFIG).
+    #[serde(default = "yes")]
+    pub notify_config: bool,
+    /// Keys waiting to be read after their keyspace events; past it an event
+    /// is dropped, counted, and a reconciliation pass finds its change.
+    #[serde(default = "queue_keys_max_default")]
+    pub queue_keys_max: usize,
+    /// How often a reconciliation round runs, in milliseconds.
+    #[serde(default = "reconcile_interval_ms_default")]
+    pub reconcile_interval_ms: u64,
+    /// Keys one reconciliation round compares at most.
+    #[serde(default = "reconcile_keys_max_default")]
+    pub reconcile_keys_max: usize,
 }
+
+fn yes() -> bool {
+    true
+}
+
+fn queue_keys_max_default() -> usize {
+    100_000
+}
+
+fn reconcile_interval_ms_default() -> u64 {
+    10_000
+}
+
+fn reconcile_keys_max_default() -> usize {
+    10_000
+}
+
+/// The most keys the follower's queue may be given: 64 bytes a key and
+/// twice for the set, some 200 MB at the bound.
+pub const QUEUE_KEYS_MAX: usize = 1 << 20;
 
 fn batch_keys_default() -> usize {
     1000
@@ -89,6 +138,18 @@ impl FeastConfig {
         }
         if !(0.0..=1.0).contains(&self.shrink_max) {
             return Err(format!("feast.shrink_max = {} is outside 0..=1", self.shrink_max));
+        }
+        if !(1..=QUEUE_KEYS_MAX).contains(&self.queue_keys_max) {
+            return Err(format!("feast.queue_keys_max = {} is outside 1..={QUEUE_KEYS_MAX}", self.queue_keys_max));
+        }
+        if !(10..=86_400_000).contains(&self.reconcile_interval_ms) {
+            return Err(format!(
+                "feast.reconcile_interval_ms = {} is outside 10..=86400000",
+                self.reconcile_interval_ms
+            ));
+        }
+        if !(1..=10_000_000).contains(&self.reconcile_keys_max) {
+            return Err(format!("feast.reconcile_keys_max = {} is outside 1..=10000000", self.reconcile_keys_max));
         }
         Ok(())
     }

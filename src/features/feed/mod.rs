@@ -27,7 +27,7 @@ pub mod status;
 pub mod sync;
 
 pub use contract::{ContractError, PublishError, Publisher};
-pub use resp::{RedisConfig, RedisConn, RedisError, Reply, UrlError};
+pub use resp::{RedisConfig, RedisConn, RedisError, Reply, ReplyLimits, UrlError};
 pub use settings::FeedConfig;
 pub use start::{start, Feed, GroupSpec};
 pub use status::{FeedStatus, GroupStatus, StalePolicy};

@@ -517,6 +517,28 @@ impl RedisConn {
         Ok(replies)
     }
 
+    /// Reads the next message the server pushes on a subscribed connection
+    /// (`PSUBSCRIBE`), waiting up to the read timeout: `None` when none came
+    /// in that time. A message half read when the time ran out stays
+    /// buffered, and the next call goes on with it, so a quiet channel is
+    /// no failure.
+    pub fn next_pushed(&mut self, limits: ReplyLimits) -> Result<Option<Reply>, RedisError> {
+        self.check_usable()?;
+        match self.reader.read_reply(&mut self.stream, limits) {
+            Ok(reply) => Ok(Some(reply)),
+            Err(ReadFailure::Io(e)) if is_timeout(&e) => Ok(None),
+            Err(failure) => {
+                self.broken = true;
+                let addr = self.addr.clone();
+                Err(match failure {
+                    ReadFailure::Io(e) => io_failure(&addr, "read", self.read_timeout_ms, e),
+                    ReadFailure::Protocol(what) => RedisError::Protocol { addr, what },
+                    ReadFailure::Closed => RedisError::Closed { addr },
+                })
+            }
+        }
+    }
+
     fn check_usable(&self) -> Result<(), RedisError> {
         if self.broken {
             return Err(RedisError::Broken { addr: self.addr.clone() });

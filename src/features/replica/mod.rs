@@ -864,6 +864,12 @@ impl ReplicaBuilder {
     /// Writes the file to `path`: readers of an older file at `path` keep it
     /// whole; a crash leaves either the old file or the new one.
     pub fn write(&self, path: &Path) -> Result<(), ReplicaError> {
+        self.write_at(path, Cursor::default())
+    }
+
+    /// [`write`](Self::write), the file's checkpoint naming `cursor` (what
+    /// the rows reflect, for whoever resumes from the file).
+    pub fn write_at(&self, path: &Path, cursor: Cursor) -> Result<(), ReplicaError> {
         let tmp = temp_path(path, "build");
         let rows = (self.keys.len() + self.str_keys.len()) as u64;
         let (group, dim, storage) = (&self.group, self.dim, self.storage);
@@ -884,7 +890,7 @@ impl ReplicaBuilder {
             }
             w.upsert_linked(EntityKey::Str(key), v, parent.as_ref().map(EntityKeyBuf::as_key))?;
         }
-        w.checkpoint(Cursor::default())?;
+        w.checkpoint(cursor)?;
         w.rename_to(path)
     }
 

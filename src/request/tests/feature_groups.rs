@@ -33,8 +33,14 @@ fn shared_groups(dir: &std::path::Path) -> Shared {
         b.write(&path).unwrap();
         Arc::new(ReplicaHandle::open(&path, name).unwrap())
     };
-    let group =
-        |name: &str, scope, absent, handle| SharedGroup { name: name.into(), scope, absent, handle, child: None };
+    let group = |name: &str, scope, absent, handle| SharedGroup {
+        name: name.into(),
+        scope,
+        absent,
+        handle,
+        child: None,
+        ttl_s: 0,
+    };
     base.groups.extend([
         group(
             "device",
@@ -336,6 +342,7 @@ fn auction_groups(dir: &std::path::Path, inputs: &[(&str, Scope)]) -> Shared {
         absent: Absent::Reject,
         handle,
         child: child.map(Into::into),
+        ttl_s: 0,
     };
     base.groups.extend([
         group(
@@ -473,4 +480,68 @@ fn a_request_naming_a_group_keyed_through_links_gets_bad_request() {
         r.error,
         "feature group 'campaign' is keyed through the links in 'ad''s rows; a request does not carry its keys"
     );
+}
+
+/// Feast views with a `ttl`: a row whose event time (its link words) is
+/// older is served as missing, NaN into the model and counted, at request
+/// scope and per candidate; a row without a time is served as it is.
+#[test]
+fn a_feast_row_past_its_ttl_is_served_as_missing() {
+    use crate::features::feast::rows::{row_time_link, ROW_TIME_LINK};
+    let d = dir("feast-ttl");
+    let mut base = shared(&d);
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let (fresh, old) = (now_s - 60, now_s - 7_200);
+    let timed = |name: &str, rows: &[(u64, i64)]| {
+        let mut b = ReplicaBuilder::new(name, 1).links_to(ROW_TIME_LINK).unwrap();
+        b.set_default(&[f32::NAN]).unwrap();
+        for &(k, ts) in rows {
+            b.push_linked(EntityKey::Id(k), &[1.0], row_time_link(ts)).unwrap();
+        }
+        let path = d.join(format!("{name}.qrep"));
+        b.write(&path).unwrap();
+        Arc::new(ReplicaHandle::open(&path, name).unwrap())
+    };
+    let group = |name: &str, scope, handle| SharedGroup {
+        name: name.into(),
+        scope,
+        absent: Absent::Reject,
+        handle,
+        child: None,
+        ttl_s: 3_600,
+    };
+    base.groups.extend([
+        group("recent", Scope::Request, timed("recent", &[(1, fresh), (2, old), (3, 0)])),
+        group("seen", Scope::Candidate, timed("seen", &[(10, fresh), (11, old)])),
+    ]);
+    let model = Model {
+        name: "fraud".into(),
+        version: 2,
+        inputs: vec![
+            InputSegment { source: group_source("recent", Scope::Request), dim: 1 },
+            InputSegment { source: group_source("seen", Scope::Candidate), dim: 1 },
+        ],
+        layers: vec![Layer::quantize(2, 1, false, vec![1.0; 2], vec![0.0])],
+        calibration: None,
+        graph: None,
+        onnx: None,
+    };
+    let fit = crate::registry::Fit { groups: base.group_fits(), context_len_max: 256 };
+    base.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(base, &clock).unwrap();
+    let spec = |recent: u64| RequestSpec {
+        request_id: 9,
+        budget_us: 1_000,
+        groups: vec![("recent".into(), ids(&[recent])), ("seen".into(), ids(&[10, 11]))],
+        ..RequestSpec::default()
+    };
+    let r = run(&mut path, &spec(1), 1_000);
+    assert_eq!(r.status, Status::Ok, "{}", r.error);
+    assert_eq!(r.scores[0], sigmoid(2.0));
+    assert_eq!(r.features_missing, 1, "candidate 11 is past the ttl");
+    let r = run(&mut path, &spec(2), 1_000);
+    assert_eq!(r.features_missing, 2, "the request's row and candidate 11");
+    // A row with no time is not judged by it.
+    assert_eq!(run(&mut path, &spec(3), 1_000).features_missing, 1);
 }

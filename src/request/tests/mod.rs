@@ -60,7 +60,14 @@ fn shared(dir: &std::path::Path) -> Shared {
 /// A served group with the legacy groups' policy (a missing key reads the
 /// default row).
 fn group(name: &str, scope: Scope, handle: Arc<ReplicaHandle>) -> SharedGroup {
-    SharedGroup { name: name.into(), scope, absent: crate::features::groups::Absent::Default, handle, child: None }
+    SharedGroup {
+        name: name.into(),
+        scope,
+        absent: crate::features::groups::Absent::Default,
+        handle,
+        child: None,
+        ttl_s: 0,
+    }
 }
 
 fn dir(name: &str) -> std::path::PathBuf {

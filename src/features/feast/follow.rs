@@ -1,0 +1,672 @@
+//! Keeping Feast's views fresh after the first sync. Feast writes plain
+//! HSETs, with no change log to follow, so the follower, one thread off the
+//! shards, learns of changes two ways:
+//!
+//! - **Keyspace notifications**: it subscribes to the hash, generic and
+//!   expiry events of the project's keys (`notify-keyspace-events` with
+//!   `K`, `h`, `g` and `x`: [`enable_notifications`] adds what the server
+//!   lacks, keeping what it has, or fails naming the setting; again on
+//!   every reconnection, as a restarted Redis forgets a CONFIG SET). Each event
+//!   queues its key; a key queued again before it is read is read once
+//!   (coalesced); past `queue_keys_max` an event is dropped, counted, and a
+//!   reconciliation pass is started, as it finds what the drop missed.
+//!   Queued keys are read with one pipeline of HGETALL per batch and
+//!   written in place through each view's [`ReplicaWriter`], the same
+//!   writer and row encoding the first sync's files are built with
+//!   ([`super::rows`]).
+//! - **Reconciliation**: notifications are lost while the connection is
+//!   down (and never sent for a write made before the subscription), so a
+//!   round every `reconcile_interval_ms` goes on with a SCAN of the project's
+//!   keys from the cursor the last round stopped at, at most
+//!   `reconcile_keys_max` keys, reads each key's `_ts:` fields (one pipeline
+//!   of HMGET) and re-reads the entities whose time differs from the one
+//!   their row holds (the replica row keeps its event time: no side table,
+//!   no memory beyond one SCAN batch). After a (re)connect, rounds run back
+//!   to back until a whole pass is done.
+//!
+//! Deletions (a key gone, a view's fields gone, bad data where a row was)
+//! remove rows, but never past `shrink_max` of the most rows the view has
+//! held: a burst of them (a FLUSHALL, an emptied database) is held,
+//! counted, and the rows kept, as the first sync holds a copy.
+//!
+//! The bound on freshness: an event is applied within one loop of this
+//! thread after it arrives (at most [`WAIT_IDLE_MS`] of waiting, plus a
+//! batch's HGETALL); a change whose event was lost within one reconciliation
+//! pass (`keys / reconcile_keys_max` rounds of `reconcile_interval_ms`).
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::copy::{glob_escape, unix_ms};
+use super::repo::{FeastRepo, Plan};
+use super::rows::{self, Claim, Entities, Hash, Split};
+use super::{FeastConfig, FeastError};
+use crate::deadline::{Clock, MonotonicClock};
+use crate::features::feed::{RedisConfig, RedisConn, RedisError, Reply, ReplyLimits};
+use crate::features::replica::{key_hash, Cursor, EntityKey, EntityKeyBuf, ReplicaWriter};
+
+/// The event classes followed: keyspace events (`K`) of hashes (`h`:
+/// HSET, HDEL), generic commands (`g`: DEL, EXPIRE, RENAME) and expiries
+/// (`x`).
+pub const NOTIFY_FLAGS: &str = "Kghx";
+
+/// The longest the follower waits for an event when it has nothing else to
+/// do: also how long a stop waits for it.
+pub const WAIT_IDLE_MS: u64 = 50;
+
+/// A notification is `[pmessage, pattern, channel, event]`: a few small
+/// strings and the key.
+const PUSHED_LIMITS: ReplyLimits = ReplyLimits { elements_max: 8, bytes_max: 64 << 10 };
+
+/// How often rows written in place are made durable with a checkpoint.
+const CHECKPOINT_MS: u64 = 1_000;
+
+/// Reconnection backoff.
+const BACKOFF_MS_MIN: u64 = 100;
+const BACKOFF_MS_MAX: u64 = 5_000;
+
+/// Lines logged per view for skipped bad data and held deletions; the rest
+/// are counted.
+const LOGS_PER_VIEW_MAX: u64 = 8;
+
+/// One served view's counters, read by `/metrics`.
+#[derive(Debug, Default)]
+pub struct ViewStatus {
+    pub name: String,
+    /// The first sync's copy: rows copied, null or absent values among them,
+    /// and whether it was held (the file kept). Zero when none ran.
+    pub rows_copied: AtomicU64,
+    pub values_missing: AtomicU64,
+    pub held: AtomicBool,
+    /// Start-up found the file written for these definitions and resumed
+    /// from it, without a copy.
+    pub resumed: AtomicBool,
+    /// Rows in the view's replica now.
+    pub live_rows: AtomicU64,
+    /// Entities skipped as bad data, by the copy and the follower.
+    pub skipped_total: AtomicU64,
+    /// Rows written and removed in place by the follower.
+    pub applied_total: AtomicU64,
+    pub deleted_total: AtomicU64,
+    /// Removals held back: they would have dropped the view past
+    /// `shrink_max` of the most rows it held.
+    pub deletes_held_total: AtomicU64,
+}
+
+/// What `[feast]` reports to `/metrics`.
+#[derive(Debug, Default)]
+pub struct FeastStatus {
+    pub views: Vec<ViewStatus>,
+    /// The follower runs (`feast.follow`), and is connected now.
+    pub following: AtomicBool,
+    pub connected: AtomicBool,
+    pub connect_failures_total: AtomicU64,
+    /// Keyspace events received; dropped (the queue was full).
+    pub events_total: AtomicU64,
+    pub events_dropped_total: AtomicU64,
+    /// Keys queued for a read now.
+    pub queue_keys: AtomicU64,
+    /// The longest a key read in the last batch waited in the queue, in
+    /// microseconds: the follower's own share of the lag from a write.
+    pub queue_wait_us: AtomicU64,
+    /// Keys the reconciliation compared, and re-read because their `_ts:`
+    /// moved; whole passes over the project's keys.
+    pub reconciled_keys_total: AtomicU64,
+    pub reconcile_rereads_total: AtomicU64,
+    pub reconcile_passes_total: AtomicU64,
+}
+
+impl FeastStatus {
+    pub fn new(plan: &Plan) -> FeastStatus {
+        FeastStatus {
+            views: plan.views.iter().map(|v| ViewStatus { name: v.name.clone(), ..ViewStatus::default() }).collect(),
+            ..FeastStatus::default()
+        }
+    }
+
+    fn bump(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+}
+
+/// The flags of `NOTIFY_FLAGS` that `current` (a `notify-keyspace-events`
+/// value) lacks; `A` stands for every event class.
+pub fn missing_flags(current: &str) -> String {
+    NOTIFY_FLAGS.chars().filter(|&f| !current.contains(f) && !(f != 'K' && f != 'E' && current.contains('A'))).collect()
+}
+
+/// Makes sure the server sends the keyspace events the follower needs:
+/// reads `notify-keyspace-events` and, when flags are missing and
+/// `may_config`, sets it to what it was plus them. An error names the
+/// setting and what to do: when the server refuses CONFIG (a managed Redis)
+/// and the flags are not known to be set, or `may_config` is off and they
+/// are missing. With CONFIG GET refused and `may_config` off, the operator's
+/// word is taken. Returns the value in force.
+pub fn enable_notifications(conn: &mut RedisConn, may_config: bool) -> Result<String, FeastError> {
+    let refused = |e: &RedisError| matches!(e, RedisError::Server { .. });
+    let current = match conn.command(&[b"CONFIG", b"GET", b"notify-keyspace-events"]) {
+        Ok(reply) => {
+            let mut parts = reply.into_array().unwrap_or_default().into_iter();
+            let value = parts.nth(1).and_then(Reply::into_bytes).unwrap_or_default();
+            Some(String::from_utf8_lossy(&value).into_owned())
+        }
+        Err(e) if refused(&e) => {
+            if !may_config {
+                tracing::warn!(
+                    "feast: CONFIG GET refused ({e}); taking feast.notify_config = false's word that \
+                     notify-keyspace-events includes '{NOTIFY_FLAGS}'"
+                );
+                return Ok(String::new());
+            }
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let missing = current.as_deref().map_or(NOTIFY_FLAGS.to_string(), missing_flags);
+    if missing.is_empty() {
+        return Ok(current.unwrap_or_default());
+    }
+    let shown = current.as_deref().map_or("unknown (CONFIG GET refused)".to_string(), |c| format!("'{c}'"));
+    let advice = format!(
+        "set notify-keyspace-events to include '{NOTIFY_FLAGS}' on the Redis server (redis.conf, or the managed \
+         service's parameter group), then set feast.notify_config = false; or set feast.follow = false to serve the \
+         start-up copy only"
+    );
+    if !may_config {
+        return Err(FeastError::Notifications(format!(
+            "notify-keyspace-events is {shown}, which lacks '{missing}', and feast.notify_config = false: {advice}"
+        )));
+    }
+    let merged = format!("{}{missing}", current.unwrap_or_default());
+    match conn.command(&[b"CONFIG", b"SET", b"notify-keyspace-events", merged.as_bytes()]) {
+        Ok(_) => {
+            tracing::info!(notify_keyspace_events = %merged, "feast: keyspace notifications enabled");
+            Ok(merged)
+        }
+        Err(e) if refused(&e) => Err(FeastError::Notifications(format!(
+            "notify-keyspace-events is {shown}, which lacks '{missing}', and CONFIG SET notify-keyspace-events was \
+             refused ({e}): {advice}"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Keys waiting to be read, each once, in the order first queued.
+struct Queue {
+    order: VecDeque<(Vec<u8>, u64)>,
+    queued: HashSet<Vec<u8>>,
+    keys_max: usize,
+}
+
+impl Queue {
+    /// Queues `key` (at `now_ns`); false when the queue is full.
+    fn push(&mut self, key: &[u8], now_ns: u64) -> bool {
+        if self.queued.contains(key) {
+            return true;
+        }
+        if self.order.len() >= self.keys_max {
+            return false;
+        }
+        self.queued.insert(key.to_vec());
+        self.order.push_back((key.to_vec(), now_ns));
+        true
+    }
+
+    fn take(&mut self, n: usize) -> Vec<(Vec<u8>, u64)> {
+        let n = n.min(self.order.len());
+        let taken: Vec<(Vec<u8>, u64)> = self.order.drain(..n).collect();
+        for (k, _) in &taken {
+            self.queued.remove(k);
+        }
+        taken
+    }
+}
+
+/// One served view's writer, and what guards its removals.
+struct ViewFollow {
+    writer: ReplicaWriter,
+    /// The file keeps each row's event time (files written before it did
+    /// have no links, and are written without).
+    timed: bool,
+    /// The most rows the view has held: removals stop at `shrink_max` of it.
+    rows_high: u64,
+    unflushed: bool,
+    logs: u64,
+    /// Scratch for reading a row's event time.
+    row: Vec<f32>,
+    link: Vec<u32>,
+}
+
+/// The follower, ready to run ([`Follower::spawn`]).
+pub struct Follower {
+    redis: RedisConfig,
+    /// The keyspace channel pattern of the project's keys, the channel's
+    /// prefix before a key, and the SCAN pattern.
+    channels: Vec<u8>,
+    channel_prefix: Vec<u8>,
+    scan_pattern: Vec<u8>,
+    entities: Entities,
+    views: Vec<ViewFollow>,
+    status: Arc<FeastStatus>,
+    queue: Queue,
+    batch_keys: usize,
+    shrink_max: f64,
+    notify_config: bool,
+    reconcile_interval_ms: u64,
+    reconcile_keys_max: usize,
+    digest: u64,
+    scan_cursor: Vec<u8>,
+    /// Reconciliation rounds run back to back until a pass ends.
+    catch_up: bool,
+    next_round_ns: u64,
+    split_rows: Vec<Vec<f32>>,
+    split_out: Vec<Split>,
+    clock: MonotonicClock,
+}
+
+impl Follower {
+    /// A follower of `plan`'s views through `writers` (in the plan's order,
+    /// opened on the files the first sync wrote or start-up resumed).
+    pub fn new(
+        config: &FeastConfig,
+        redis: RedisConfig,
+        repo: &FeastRepo,
+        plan: &Plan,
+        writers: Vec<ReplicaWriter>,
+        status: Arc<FeastStatus>,
+    ) -> Follower {
+        let project = glob_escape(&repo.project);
+        let channel_prefix = format!("__keyspace@{}__:", redis.db).into_bytes();
+        let mut channels = channel_prefix.clone();
+        channels.extend_from_slice(format!("*{project}").as_bytes());
+        let views = writers
+            .into_iter()
+            .map(|mut writer| {
+                writer.set_grow_ahead(true);
+                ViewFollow {
+                    timed: writer.table().header().link == Some(rows::ROW_TIME_LINK),
+                    rows_high: writer.live_rows(),
+                    row: vec![0.0; writer.table().dim()],
+                    link: vec![0; writer.table().header().link.map_or(0, |k| k.link_words())],
+                    writer,
+                    unflushed: false,
+                    logs: 0,
+                }
+            })
+            .collect();
+        Follower {
+            redis,
+            channels,
+            channel_prefix,
+            scan_pattern: format!("*{project}").into_bytes(),
+            entities: Entities::new(repo, plan),
+            views,
+            status,
+            queue: Queue { order: VecDeque::new(), queued: HashSet::new(), keys_max: config.queue_keys_max },
+            batch_keys: config.batch_keys,
+            shrink_max: config.shrink_max,
+            notify_config: config.notify_config,
+            reconcile_interval_ms: config.reconcile_interval_ms,
+            reconcile_keys_max: config.reconcile_keys_max,
+            digest: rows::plan_digest(repo, plan),
+            scan_cursor: b"0".to_vec(),
+            catch_up: true,
+            next_round_ns: 0,
+            split_rows: plan.views.iter().map(|v| vec![f32::NAN; v.features.len()]).collect(),
+            split_out: vec![Split::Absent; plan.views.len()],
+            clock: MonotonicClock::new(),
+        }
+    }
+
+    pub fn spawn(mut self, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
+        self.status.following.store(true, Relaxed);
+        self.publish();
+        std::thread::Builder::new().name("quiver-feast".into()).spawn(move || self.run(&stop))
+    }
+
+    fn run(&mut self, stop: &AtomicBool) {
+        let mut backoff_ms = BACKOFF_MS_MIN;
+        let mut failures = 0u32;
+        while !stop.load(Relaxed) {
+            let result = self.session(stop, &mut || {
+                if failures > 0 {
+                    tracing::info!("feast: redis reachable again: reconciling at once");
+                }
+                failures = 0;
+                backoff_ms = BACKOFF_MS_MIN;
+            });
+            self.status.connected.store(false, Relaxed);
+            self.checkpoint_all();
+            if let Err(e) = result {
+                failures += 1;
+                FeastStatus::bump(&self.status.connect_failures_total, 1);
+                if failures == 1 {
+                    tracing::warn!("feast: following redis: {e}; serving the replica as it is, reconnecting");
+                }
+                let until = self.clock.now_ns() + backoff_ms * 1_000_000;
+                while !stop.load(Relaxed) && self.clock.now_ns() < until {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                backoff_ms = (backoff_ms * 2).min(BACKOFF_MS_MAX);
+            }
+        }
+        self.checkpoint_all();
+    }
+
+    /// One connected session: subscribe, then a reconciliation pass at once
+    /// (what was written while no subscription listened), and events,
+    /// batches and rounds until an error or `stop`.
+    fn session(&mut self, stop: &AtomicBool, connected: &mut dyn FnMut()) -> Result<(), FeastError> {
+        let mut cmd = RedisConn::connect(&self.redis)?;
+        // A Redis restarted since has lost a CONFIG SET: set again.
+        if self.notify_config {
+            enable_notifications(&mut cmd, true)?;
+        }
+        let mut sub = RedisConn::connect(&self.redis)?;
+        sub.command(&[b"PSUBSCRIBE", &self.channels])?;
+        self.status.connected.store(true, Relaxed);
+        connected();
+        self.catch_up = true;
+        self.next_round_ns = 0;
+        let mut last_checkpoint_ns = self.clock.now_ns();
+        let mut wait_ms = 0;
+        while !stop.load(Relaxed) {
+            // Wait for the first event only when there is nothing else to do.
+            let first_wait = if self.queue.order.is_empty() && !self.catch_up { WAIT_IDLE_MS } else { 1 };
+            let mut events = 0;
+            while events < self.batch_keys {
+                let want = if events == 0 { first_wait } else { 1 };
+                if want != wait_ms {
+                    sub.set_read_timeout_ms(want)?;
+                    wait_ms = want;
+                }
+                match sub.next_pushed(PUSHED_LIMITS)? {
+                    Some(message) => self.on_message(message),
+                    None => break,
+                }
+                events += 1;
+            }
+            let batch = self.queue.take(self.batch_keys);
+            if !batch.is_empty() {
+                let now = self.clock.now_ns();
+                let waited_us = batch.iter().map(|(_, at)| now.saturating_sub(*at) / 1_000).max().unwrap_or(0);
+                self.status.queue_wait_us.store(waited_us, Relaxed);
+                let keys: Vec<Vec<u8>> = batch.into_iter().map(|(k, _)| k).collect();
+                self.apply_keys(&mut cmd, &keys)?;
+            }
+            if self.catch_up || self.clock.now_ns() >= self.next_round_ns {
+                self.reconcile_round(&mut cmd)?;
+                self.next_round_ns = self.clock.now_ns() + self.reconcile_interval_ms * 1_000_000;
+            }
+            for v in &mut self.views {
+                v.unflushed |= v.writer.poll_growth()?;
+                v.writer.reap_retired();
+            }
+            if self.clock.now_ns() - last_checkpoint_ns >= CHECKPOINT_MS * 1_000_000 {
+                self.checkpoint_all();
+                last_checkpoint_ns = self.clock.now_ns();
+            }
+            self.publish();
+        }
+        Ok(())
+    }
+
+    /// Queues the key a keyspace event names.
+    fn on_message(&mut self, message: Reply) {
+        let parts = message.into_array().unwrap_or_default();
+        let [kind, _, channel, _] = parts.as_slice() else { return };
+        if kind.as_bytes() != Some(&b"pmessage"[..]) {
+            return;
+        }
+        let Some(key) = channel.as_bytes().and_then(|c| c.strip_prefix(self.channel_prefix.as_slice())) else {
+            return;
+        };
+        FeastStatus::bump(&self.status.events_total, 1);
+        if !self.queue.push(key, self.clock.now_ns()) {
+            FeastStatus::bump(&self.status.events_dropped_total, 1);
+            // The reconciliation finds the change this event was for.
+            self.catch_up = true;
+        }
+        self.status.queue_keys.store(self.queue.order.len() as u64, Relaxed);
+    }
+
+    /// Reads `keys` (one pipeline of HGETALL) and writes each entity's rows
+    /// in place, or removes the rows Redis no longer holds.
+    fn apply_keys(&mut self, cmd: &mut RedisConn, keys: &[Vec<u8>]) -> Result<(), FeastError> {
+        let mut read: Vec<(&[u8], usize, EntityKeyBuf)> = Vec::with_capacity(keys.len());
+        for key in keys {
+            match self.entities.classify(key) {
+                Claim::Of(e, k) => read.push((key, e, k)),
+                Claim::Bad(e, why) => {
+                    let why = format!("not a key of entity '{}': {why}", self.entities.entities[e].codec.join_key);
+                    for v in self.entities.entities[e].views.clone() {
+                        self.skip(v, key, &why);
+                    }
+                }
+                Claim::Other => {}
+            }
+        }
+        let names: Vec<&[u8]> = read.iter().map(|(k, _, _)| *k).collect();
+        let hashes = rows::read_hashes(cmd, &names)?;
+        for ((key, e, parsed), hash) in read.into_iter().zip(hashes) {
+            let views = self.entities.entities[e].views.clone();
+            match hash {
+                Hash::Bad(why) => {
+                    for &v in &views {
+                        self.skip(v, key, &why);
+                        self.remove(v, key, parsed.as_key());
+                    }
+                }
+                Hash::Pairs(pairs) => {
+                    self.entities.split(e, &pairs, &mut self.split_rows, &mut self.split_out);
+                    for &v in &views {
+                        match self.split_out[v].clone() {
+                            Split::Absent => self.remove(v, key, parsed.as_key()),
+                            Split::Bad(why) => {
+                                self.skip(v, key, &why);
+                                self.remove(v, key, parsed.as_key());
+                            }
+                            Split::Row { ts_unix_s } => {
+                                let f = &mut self.views[v];
+                                let time = if f.timed { rows::row_time_link(ts_unix_s) } else { None };
+                                f.writer.upsert_linked(parsed.as_key(), &self.split_rows[v], time)?;
+                                f.rows_high = f.rows_high.max(f.writer.live_rows());
+                                self.changed(v);
+                                FeastStatus::bump(&self.status.views[v].applied_total, 1);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes a change of view `v`'s rows: the file's position moves on.
+    fn changed(&mut self, v: usize) {
+        let f = &mut self.views[v];
+        let cursor = f.writer.cursor();
+        f.writer.set_cursor(Cursor { epoch: self.digest, seq: cursor.seq + 1, change_unix_ms: unix_ms() });
+        f.unflushed = true;
+    }
+
+    /// Removes `key`'s row of view `v`, unless that would drop the view
+    /// past `shrink_max` of the most rows it held (then it is held).
+    fn remove(&mut self, v: usize, redis_key: &[u8], key: EntityKey<'_>) {
+        let f = &mut self.views[v];
+        let present = match key {
+            EntityKey::Id(id) => f.writer.contains(id),
+            EntityKey::Str(bytes) => f.writer.contains_str(bytes),
+        };
+        if !present {
+            return;
+        }
+        let floor = ((1.0 - self.shrink_max) * f.rows_high as f64).ceil() as u64;
+        if f.writer.live_rows().saturating_sub(1) < floor {
+            FeastStatus::bump(&self.status.views[v].deletes_held_total, 1);
+            f.logs += 1;
+            if f.logs <= LOGS_PER_VIEW_MAX {
+                tracing::error!(
+                    view = %self.status.views[v].name, key = %String::from_utf8_lossy(redis_key).escape_debug(),
+                    rows = f.writer.live_rows(), rows_high = f.rows_high,
+                    "feast: a removal would shrink the view past feast.shrink_max of the most rows it held: held, \
+                     the row kept (a restart's sync, with `quiver feast sync --accept-shrink`, accepts it)"
+                );
+            }
+            return;
+        }
+        let removed = match key {
+            EntityKey::Id(id) => f.writer.delete(id),
+            EntityKey::Str(bytes) => f.writer.delete_str(bytes),
+        };
+        if removed {
+            FeastStatus::bump(&self.status.views[v].deleted_total, 1);
+            self.changed(v);
+        }
+    }
+
+    fn skip(&mut self, v: usize, key: &[u8], why: &str) {
+        FeastStatus::bump(&self.status.views[v].skipped_total, 1);
+        let f = &mut self.views[v];
+        f.logs += 1;
+        if f.logs <= LOGS_PER_VIEW_MAX {
+            tracing::warn!(
+                view = %self.status.views[v].name, key = %String::from_utf8_lossy(key).escape_debug(),
+                "skipped bad feast data: {why}"
+            );
+        }
+    }
+
+    /// One reconciliation round: SCAN on from the carried cursor over at
+    /// most `reconcile_keys_max` keys, and re-read the entities whose
+    /// `_ts:` field differs from their row's time.
+    fn reconcile_round(&mut self, cmd: &mut RedisConn) -> Result<(), FeastError> {
+        let mut asked = 0usize;
+        while asked < self.reconcile_keys_max {
+            let count = self.batch_keys.min(self.reconcile_keys_max - asked);
+            asked += count;
+            let count_s = count.to_string().into_bytes();
+            let scan = cmd.command(&[b"SCAN", &self.scan_cursor, b"MATCH", &self.scan_pattern, b"COUNT", &count_s])?;
+            let shape = |what: &str| FeastError::Reply { command: "SCAN", what: what.into() };
+            let mut parts = scan.into_array().ok_or_else(|| shape("not an array"))?.into_iter();
+            let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(shape("not [cursor, keys]"));
+            };
+            self.scan_cursor = next.into_bytes().ok_or_else(|| shape("the cursor is not a string"))?;
+            let keys: Vec<Vec<u8>> =
+                keys.into_array().unwrap_or_default().into_iter().filter_map(Reply::into_bytes).collect();
+            FeastStatus::bump(&self.status.reconciled_keys_total, keys.len() as u64);
+            let moved = self.moved(cmd, &keys)?;
+            if !moved.is_empty() {
+                FeastStatus::bump(&self.status.reconcile_rereads_total, moved.len() as u64);
+                self.apply_keys(cmd, &moved)?;
+            }
+            if self.scan_cursor == b"0" {
+                FeastStatus::bump(&self.status.reconcile_passes_total, 1);
+                if self.catch_up {
+                    tracing::info!("feast: reconciliation pass done: the replica is caught up with redis");
+                }
+                self.catch_up = false;
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The keys among `keys` whose `_ts:` field of some view differs from
+    /// the time that view's row holds (a row Redis has and the replica has
+    /// not, too).
+    fn moved(&mut self, cmd: &mut RedisConn, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, FeastError> {
+        let claimed: Vec<(&Vec<u8>, usize, EntityKeyBuf)> = keys
+            .iter()
+            .filter_map(|k| match self.entities.classify(k) {
+                Claim::Of(e, parsed) => Some((k, e, parsed)),
+                _ => None,
+            })
+            .collect();
+        if claimed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let commands: Vec<Vec<Vec<u8>>> = claimed
+            .iter()
+            .map(|(k, e, _)| {
+                let mut c = vec![b"HMGET".to_vec(), (*k).clone()];
+                c.extend(self.entities.entities[*e].views.iter().map(|&v| self.entities.ts_field(v).to_vec()));
+                c
+            })
+            .collect();
+        let replies = cmd.pipeline(&commands)?;
+        let mut moved = Vec::new();
+        for ((key, e, parsed), reply) in claimed.into_iter().zip(replies) {
+            let stamps = reply.into_array().unwrap_or_default();
+            let views = &self.entities.entities[e].views;
+            let differs = views.iter().zip(&stamps).any(|(&v, stamp)| {
+                let Some(Ok(redis_ts)) = stamp.as_bytes().map(super::redis_layout::ts_unix_s) else {
+                    return false;
+                };
+                let f = &mut self.views[v];
+                let table = f.writer.table();
+                let (filed, bytes): (u64, &[u8]) = match parsed.as_key() {
+                    EntityKey::Id(id) => (id, &[]),
+                    EntityKey::Str(b) => (key_hash(b), b),
+                };
+                let found = table.read_linked_into(filed, bytes, &mut f.row, &mut f.link);
+                let row_ts = if found { rows::row_time_s(&f.link) } else { 0 };
+                row_ts != u64::try_from(redis_ts).unwrap_or(0)
+            });
+            if differs {
+                moved.push(key.clone());
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Checkpoints the views with rows written since the last one.
+    fn checkpoint_all(&mut self) {
+        for (v, f) in self.views.iter_mut().enumerate() {
+            if !f.unflushed {
+                continue;
+            }
+            match f.writer.checkpoint(f.writer.cursor()) {
+                Ok(()) => f.unflushed = false,
+                Err(e) => tracing::error!(view = %self.status.views[v].name, "feast: checkpoint failed: {e}"),
+            }
+        }
+    }
+
+    fn publish(&self) {
+        for (f, s) in self.views.iter().zip(&self.status.views) {
+            s.live_rows.store(f.writer.live_rows(), Relaxed);
+        }
+        self.status.queue_keys.store(self.queue.order.len() as u64, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_already_set_are_kept_and_only_the_missing_added() {
+        assert_eq!(missing_flags(""), "Kghx");
+        assert_eq!(missing_flags("KEA"), "");
+        assert_eq!(missing_flags("Ex"), "Kgh");
+        assert_eq!(missing_flags("KA"), "");
+        assert_eq!(missing_flags("Kh"), "gx");
+        assert_eq!(missing_flags("EA"), "K");
+    }
+
+    #[test]
+    fn the_queue_coalesces_keys_and_drops_past_its_bound() {
+        let mut q = Queue { order: VecDeque::new(), queued: HashSet::new(), keys_max: 2 };
+        assert!(q.push(b"a", 1) && q.push(b"a", 2) && q.push(b"b", 3));
+        assert!(!q.push(b"c", 4));
+        assert!(q.push(b"b", 5));
+        let taken = q.take(10);
+        assert_eq!(taken, vec![(b"a".to_vec(), 1), (b"b".to_vec(), 3)]);
+        assert!(q.push(b"c", 6));
+    }
+}
