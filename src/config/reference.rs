@@ -693,7 +693,7 @@ pub const SECTIONS: &[Section] = &[
                 "\"redis://10.0.0.5:6379/0\"",
                 "The online store as a `redis://` URL; absent: `feature_store.yaml`'s `connection_string`.",
             ),
-            Key::new("batch_keys", "500", "Keys per SCAN and per pipeline of HGETALL in the first sync.")
+            Key::new("batch_keys", "500", "Keys per SCAN and per pipeline of HGETALL in the first sync and the follower.")
                 .range(1, crate::features::feast::copy::BATCH_KEYS_MAX as i64),
             Key::new(
                 "shrink_max",
@@ -705,13 +705,13 @@ pub const SECTIONS: &[Section] = &[
                 "follow",
                 "false",
                 "Follow Feast's writes after start-up (keyspace notifications and reconciliation); off: serve the \
-                 start-up copy as it is. Default true.",
+                 start-up copy as it is.",
             ),
             Key::new(
                 "notify_config",
                 "false",
                 "Quiver may add the flags it needs (`Kghx`) to the server's `notify-keyspace-events` with CONFIG \
-                 SET; off: the operator has set them (a managed Redis without CONFIG). Default true.",
+                 SET; off: the operator has set them (a managed Redis without CONFIG).",
             ),
             Key::new(
                 "queue_keys_max",

@@ -75,7 +75,8 @@ pub struct FeastConfig {
     /// `connection_string`.
     #[serde(default)]
     pub redis: Option<String>,
-    /// Keys per SCAN and per pipeline of HGETALL in the first sync.
+    /// Keys per SCAN and per pipeline of HGETALL in the first sync and the
+    /// follower.
     #[serde(default = "batch_keys_default")]
     pub batch_keys: usize,
     /// The largest fraction of a populated file's rows the first sync may
