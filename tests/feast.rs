@@ -301,6 +301,7 @@ fn a_feast_repository_is_served_value_for_value() {
     conn.command(&[b"HSET", &other, b"_ts:user_stats", b""]).unwrap();
     // The server skips both, counts them per group in /metrics, and serves
     // the user's user_stats row as missing from then on.
+    server.wait_scrape(&format!("quiver_feast_rows{{group=\"user_stats\"}} {}", rows - 1));
     let text = server.wait_scrape("quiver_feast_skipped_total{group=\"user_stats\"} 2");
     for want in [
         "quiver_feast_skipped_total{group=\"user_recent\"} 1".to_string(),

@@ -263,7 +263,7 @@ fn copy_batch(
             let row = &split.rows[v];
             match &split.out[v] {
                 Split::Absent => {}
-                Split::Bad(why) => skip(copy, key, why),
+                Split::Bad { why, .. } => skip(copy, key, why),
                 Split::Row { ts_unix_s } => {
                     copy.builder.push_linked(parsed.as_key(), row, rows::row_time_link(*ts_unix_s))?;
                     copy.report.rows += 1;

@@ -20,9 +20,11 @@
 //!   keys from the cursor the last round stopped at, at most
 //!   `reconcile_keys_max` keys, reads each key's `_ts:` fields (one pipeline
 //!   of HMGET) and re-reads the entities whose time differs from the one
-//!   their row holds (the replica row keeps its event time: no side table,
-//!   no memory beyond one SCAN batch). After a (re)connect, rounds run back
-//!   to back until a whole pass is done.
+//!   their row holds (the replica row keeps its event time, so the only
+//!   side table is of rows skipped as bad data, with their time, at most
+//!   [`BAD_KEYS_MAX`] keys, so that they are not read again every pass).
+//!   After a (re)connect, rounds run back to back until a whole pass is
+//!   done.
 //!
 //! Deletions (a key gone, a view's fields gone, bad data where a row was)
 //! remove rows, but never past `shrink_max` of the most rows the view has
@@ -34,7 +36,7 @@
 //! batch's HGETALL); a change whose event was lost within one reconciliation
 //! pass (`keys / reconcile_keys_max` rounds of `reconcile_interval_ms`).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -67,6 +69,12 @@ const CHECKPOINT_MS: u64 = 1_000;
 /// Reconnection backoff.
 const BACKOFF_MS_MIN: u64 = 100;
 const BACKOFF_MS_MAX: u64 = 5_000;
+
+/// Keys whose rows were skipped as bad data remembered, so that the
+/// reconciliation reads them again only when their time moves: some 100
+/// bytes each, a few MB at the bound. Past it such a key is read again each
+/// pass (and counted again).
+const BAD_KEYS_MAX: usize = 65_536;
 
 /// Lines logged per view for skipped bad data and held deletions; the rest
 /// are counted.
@@ -264,6 +272,9 @@ pub struct Follower {
     next_round_ns: u64,
     split_rows: Vec<Vec<f32>>,
     split_out: Vec<Split>,
+    /// Rows skipped as bad data, per key: each view's event time then
+    /// (at most [`BAD_KEYS_MAX`] keys).
+    bad: HashMap<Vec<u8>, Vec<(usize, u64)>>,
     clock: MonotonicClock,
 }
 
@@ -317,6 +328,7 @@ impl Follower {
             next_round_ns: 0,
             split_rows: plan.views.iter().map(|v| vec![f32::NAN; v.features.len()]).collect(),
             split_out: vec![Split::Absent; plan.views.len()],
+            bad: HashMap::new(),
             clock: MonotonicClock::new(),
         }
     }
@@ -465,14 +477,21 @@ impl Follower {
                     for &v in &views {
                         match self.split_out[v].clone() {
                             Split::Absent => self.remove(v, key, parsed.as_key()),
-                            Split::Bad(why) => {
+                            Split::Bad { why, ts_unix_s } => {
                                 self.skip(v, key, &why);
                                 self.remove(v, key, parsed.as_key());
+                                self.note_bad(key, v, ts_unix_s);
                             }
                             Split::Row { ts_unix_s } => {
                                 let f = &mut self.views[v];
                                 let time = if f.timed { rows::row_time_link(ts_unix_s) } else { None };
                                 f.writer.upsert_linked(parsed.as_key(), &self.split_rows[v], time)?;
+                                if let Some(views) = self.bad.get_mut(key) {
+                                    views.retain(|(b, _)| *b != v);
+                                    if views.is_empty() {
+                                        self.bad.remove(key);
+                                    }
+                                }
                                 f.rows_high = f.rows_high.max(f.writer.live_rows());
                                 self.changed(v);
                                 FeastStatus::bump(&self.status.views[v].applied_total, 1);
@@ -525,6 +544,19 @@ impl Follower {
         if removed {
             FeastStatus::bump(&self.status.views[v].deleted_total, 1);
             self.changed(v);
+        }
+    }
+
+    /// Notes that view `v`'s row of `key` was skipped as bad data at event
+    /// time `ts_unix_s`, so the reconciliation does not take the missing
+    /// row for a missed write and read it again every pass.
+    fn note_bad(&mut self, key: &[u8], v: usize, ts_unix_s: i64) {
+        let ts = u64::try_from(ts_unix_s).unwrap_or(0);
+        if let Some(views) = self.bad.get_mut(key) {
+            views.retain(|(b, _)| *b != v);
+            views.push((v, ts));
+        } else if self.bad.len() < BAD_KEYS_MAX {
+            self.bad.insert(key.to_vec(), vec![(v, ts)]);
         }
     }
 
@@ -599,6 +631,7 @@ impl Follower {
             })
             .collect();
         let replies = cmd.pipeline(&commands)?;
+        let bad = &self.bad;
         let mut moved = Vec::new();
         for ((key, e, parsed), reply) in claimed.into_iter().zip(replies) {
             let stamps = reply.into_array().unwrap_or_default();
@@ -614,7 +647,11 @@ impl Follower {
                     EntityKey::Str(b) => (key_hash(b), b),
                 };
                 let found = table.read_linked_into(filed, bytes, &mut f.row, &mut f.link);
-                let row_ts = if found { rows::row_time_s(&f.link) } else { 0 };
+                let row_ts = match found {
+                    true => rows::row_time_s(&f.link),
+                    // Skipped as bad data at this time: not a missed write.
+                    false => bad.get(key.as_slice()).and_then(|b| b.iter().find(|(bv, _)| *bv == v)).map_or(0, |b| b.1),
+                };
                 row_ts != u64::try_from(redis_ts).unwrap_or(0)
             });
             if differs {

@@ -83,8 +83,9 @@ pub enum Split {
     Absent,
     /// A row (in the caller's row buffer), with its event time (0: none).
     Row { ts_unix_s: i64 },
-    /// Bad data: the row is skipped, for this reason.
-    Bad(String),
+    /// Bad data: the row is skipped, for this reason; with the view's event
+    /// time when it read (0: none).
+    Bad { why: String, ts_unix_s: i64 },
 }
 
 /// Every served entity of a plan, and each view's `_ts:` field.
@@ -184,7 +185,11 @@ impl Entities {
             }
         }
         for (v, why) in bad {
-            out[v] = Split::Bad(why);
+            let ts_unix_s = match out[v] {
+                Split::Row { ts_unix_s } => ts_unix_s,
+                _ => 0,
+            };
+            out[v] = Split::Bad { why, ts_unix_s };
         }
     }
 }
