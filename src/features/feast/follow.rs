@@ -143,7 +143,9 @@ impl FeastStatus {
 /// The flags of `NOTIFY_FLAGS` that `current` (a `notify-keyspace-events`
 /// value) lacks; `A` stands for every event class.
 pub fn missing_flags(current: &str) -> String {
-    NOTIFY_FLAGS.chars().filter(|&f| !current.contains(f) && !(f != 'K' && f != 'E' && current.contains('A'))).collect()
+    // `A` is every class (`g$lshzxetdmn`), not the keyspace (`K`) itself.
+    let covered = |f: char| current.contains(f) || (f != 'K' && current.contains('A'));
+    NOTIFY_FLAGS.chars().filter(|&f| !covered(f)).collect()
 }
 
 /// Makes sure the server sends the keyspace events the follower needs:
