@@ -715,13 +715,13 @@ pub const SECTIONS: &[Section] = &[
             ),
             Key::new(
                 "queue_keys_max",
-                "100000",
+                "250000",
                 "Keys waiting to be read after their keyspace events; past it events are dropped, counted, and a \
                  reconciliation pass finds their changes.",
             )
             .range(1, crate::features::feast::QUEUE_KEYS_MAX as i64),
-            Key::new("reconcile_interval_ms", "10000", "How often a reconciliation round runs.").range(10, 86_400_000),
-            Key::new("reconcile_keys_max", "10000", "Keys one reconciliation round compares at most.")
+            Key::new("reconcile_interval_ms", "30000", "How often a reconciliation round runs.").range(10, 86_400_000),
+            Key::new("reconcile_keys_max", "50000", "Keys one reconciliation round compares at most.")
                 .range(1, 10_000_000),
         ],
     },
