@@ -15,6 +15,12 @@ pub trait Clock {
     fn now_ns(&self) -> u64 {
         self.now_us() * 1_000
     }
+
+    /// Unix seconds, for what is dated by the wall clock (a Feast row's
+    /// event time against its view's ttl); test clocks keep the system's.
+    fn unix_s(&self) -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    }
 }
 
 impl<C: Clock + ?Sized> Clock for &C {
@@ -26,6 +32,11 @@ impl<C: Clock + ?Sized> Clock for &C {
     #[inline]
     fn now_ns(&self) -> u64 {
         (**self).now_ns()
+    }
+
+    #[inline]
+    fn unix_s(&self) -> u64 {
+        (**self).unix_s()
     }
 }
 

@@ -184,7 +184,7 @@ pub fn lookup(groups: &[SharedGroup], readiness: &Readiness, q: &RowQuery) -> Re
     };
     let feast_view = handle.link_kind().is_some() && g.child.is_none() && g.ttl_s > 0;
     let event_unix_s = crate::features::feast::rows::row_time_s(&link);
-    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let now_s = MonotonicClock::new().unix_s();
     let expired = feast_view && event_unix_s != 0 && event_unix_s < now_s.saturating_sub(g.ttl_s);
     if expired {
         row.fill(f32::NAN);

@@ -354,7 +354,7 @@ pub(super) fn assemble(
             }
         }
         if g.ttl_s > 0 {
-            missing += expire_rows(vectors, dim, links_out, kept_words, g.ttl_s);
+            missing += expire_rows(vectors, dim, links_out, kept_words, clock.unix_s().saturating_sub(g.ttl_s));
         }
         if let Some(off) = step.offset {
             match step.scope {
@@ -469,12 +469,11 @@ fn explained_count(request: &wire::Request<'_>) -> u16 {
 }
 
 /// Serves as missing (NaN) each row of `vectors` (`dim` wide) whose event
-/// time, in its `link_words` of `links`, is older than `ttl_s` seconds, as
-/// Feast does; returns how many. One compare per row; a row with no time
-/// (not found, or written without one) is left as it is.
-fn expire_rows(vectors: &mut [f32], dim: usize, links: &[u32], link_words: usize, ttl_s: u64) -> u32 {
-    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let oldest_s = now_s.saturating_sub(ttl_s);
+/// time, in its `link_words` of `links`, is before `oldest_s` (Unix
+/// seconds: now less the view's ttl), as Feast does; returns how many. One
+/// compare per row; a row with no time (not found, or written without one)
+/// is left as it is.
+fn expire_rows(vectors: &mut [f32], dim: usize, links: &[u32], link_words: usize, oldest_s: u64) -> u32 {
     let mut expired = 0;
     for (row, link) in vectors.chunks_exact_mut(dim).zip(links.chunks_exact(link_words)) {
         let ts = crate::features::feast::rows::row_time_s(link);
