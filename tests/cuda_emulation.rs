@@ -28,11 +28,11 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use quiver::loadgen::demo::{self, SplitMix64};
-use quiver::model::calibrate::{calibrate, Matrix, Method};
-use quiver::model::{Layer, Model, WIDTH_MAX};
+use quiver::loadgen::demo::SplitMix64;
+use quiver::model::Model;
+use quiver::score::gpu_cases::{check_inputs, check_models, pack_weights};
 use quiver::score::{cpu, e4m3, kernels, Backend};
 
 type LaunchFn = unsafe extern "C" fn(
@@ -181,22 +181,6 @@ impl Args {
     }
 }
 
-/// `src/score/cuda.rs`'s packing (`[k4 / 4][n]` words, four consecutive k
-/// per word, byte 0 the lowest k, zero padding), which its unit test pins.
-fn pack_weights(l: &Layer) -> Vec<i32> {
-    let (k, n) = (l.in_dim, l.out_dim);
-    let kw = k.div_ceil(4);
-    let mut words = vec![0i32; kw * n];
-    for o in 0..n {
-        for j in 0..kw {
-            let bytes: [u8; 4] =
-                std::array::from_fn(|t| if 4 * j + t < k { l.weights_i8[o * k + 4 * j + t] as u8 } else { 0 });
-            words[j * n + o] = i32::from_le_bytes(bytes);
-        }
-    }
-    words
-}
-
 /// What `CudaInt8::run` does, on the emulation: NaN read as 0, one launch
 /// per layer with the backend's geometry, `dense_int8` or
 /// `dense_int8_static` by the model's semantics. Outputs start poisoned so
@@ -270,70 +254,6 @@ fn emulated_int8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
     }
 }
 
-/// `quiver gpu-check`'s model of `dims` (`score::cuda::check_model`).
-fn check_model(seed: u64, dims: &[usize]) -> Model {
-    let name = format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x"));
-    demo::context_mlp(&name, seed, dims)
-}
-
-/// `score::cuda::check_calibrated`: max-abs over 64 seeded normal rows, every
-/// range then multiplied by `shrink` (below 1, requantized activations saturate).
-fn check_calibrated(mut model: Model, shrink: f32) -> Model {
-    let k = model.input_dim();
-    let mut rng = SplitMix64::new(77);
-    let set = Matrix { rows: 64, cols: k, data: (0..64 * k).map(|_| rng.normal()).collect() };
-    let mut c = calibrate(&model, &set, Method::MaxAbs, |_, _| {}).unwrap();
-    c.input_ranges.iter_mut().for_each(|r| *r *= shrink);
-    model.calibration = Some(c);
-    model.name = format!("{}-static-{shrink}", model.name);
-    model
-}
-
-/// `score::cuda::check_models`: both semantics at odd widths, a single-layer
-/// model, a hidden layer without ReLU, and k = WIDTH_MAX (three rows per
-/// block), each with the most rows it is checked at.
-fn check_models(rows_max: usize) -> Vec<(Arc<Model>, usize)> {
-    let wide = rows_max.min(255);
-    let mut linear_hidden = check_model(45, &[37, 33, 17, 1]);
-    linear_hidden.layers[0].relu = false;
-    let models = vec![
-        (demo::model(), rows_max),
-        (check_model(41, &[257, 255, 65, 1]), rows_max),
-        (check_model(42, &[3, 1]), rows_max),
-        (check_model(43, &[WIDTH_MAX, 33, 1]), wide),
-        (check_calibrated(demo::model(), 1.0), rows_max),
-        (check_calibrated(check_model(44, &[257, 255, 65, 1]), 0.6), rows_max),
-        (check_calibrated(linear_hidden, 0.5), rows_max),
-        (check_calibrated(check_model(46, &[3, 1]), 0.3), rows_max),
-        (check_calibrated(check_model(47, &[WIDTH_MAX, 33, 1]), 1.0), wide),
-    ];
-    models.into_iter().map(|(m, rows)| (Arc::new(m), rows)).collect()
-}
-
-/// `score::cuda::check_inputs`: seeded normal rows with the edge cases in
-/// the first rows: zeros, ±3e38 (the scale saturates), ±inf, one NaN, a
-/// whole NaN row, and a row scaled by 1e-30.
-fn check_inputs(seed: u64, rows: usize, k: usize) -> Vec<f32> {
-    let mut rng = SplitMix64::new(seed);
-    let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
-    let mut row = |r: usize, f: &dyn Fn(&mut [f32])| {
-        if r < rows {
-            f(&mut x[r * k..(r + 1) * k]);
-        }
-    };
-    row(0, &|v| v.fill(0.0));
-    row(1, &|v| {
-        v[0] = 3.0e38;
-        v[v.len() / 2] = -3.0e38;
-    });
-    row(2, &|v| v[v.len() - 1] = f32::INFINITY);
-    row(3, &|v| v[0] = f32::NEG_INFINITY);
-    row(4, &|v| v[v.len() / 3] = f32::NAN);
-    row(5, &|v| v.fill(f32::NAN));
-    row(6, &|v| v.iter_mut().for_each(|e| *e *= 1.0e-30));
-    x
-}
-
 /// Rows 1 to 1,024: single rows, ragged last blocks of rows (3 and 8 rows
 /// per block), exact multiples, and a warp's worth either side of 32.
 const BATCHES: [usize; 10] = [1, 2, 7, 8, 9, 31, 32, 33, 255, 1024];
@@ -349,7 +269,7 @@ fn mismatches(got: &[f32], want: &[f32]) -> Vec<usize> {
 fn int8_kernels_match_the_cpu_scalar_reference_bit_for_bit() {
     let rows_max = *BATCHES.iter().max().unwrap();
     let mut checked = [0usize; 2];
-    for (model, model_rows_max) in check_models(rows_max) {
+    for (model, model_rows_max) in check_models(rows_max).expect("the check models calibrate") {
         let mut cpu = cpu::CpuInt8::with_kernel(&model, model_rows_max, cpu::Int8Kernel::Scalar).unwrap();
         for &rows in BATCHES.iter().filter(|&&r| r <= model_rows_max) {
             let x = check_inputs(rows as u64, rows, model.input_dim());
@@ -418,7 +338,7 @@ fn emulated_fp8(model: &Model, x: &[f32], rows: usize) -> Vec<f32> {
 #[test]
 fn fp8_kernel_matches_the_cpu_fp8_backend_bit_for_bit() {
     let mut cases = 0;
-    for (model, model_rows_max) in check_models(1024) {
+    for (model, model_rows_max) in check_models(1024).expect("the check models calibrate") {
         // The k = 16384 models at fewer rows: 16,384 emulated conversions per output.
         let batches: &[usize] = if model_rows_max < 1024 { &[1, 9, 33] } else { &BATCHES };
         let mut cpu = cpu::CpuFp8::new(&model, model_rows_max);

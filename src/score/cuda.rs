@@ -38,9 +38,10 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc;
 
+use super::gpu_cases;
 use super::kernels::{self, DENSE_THREADS};
 use super::{cpu, Backend, BackendError, BackendInfo};
-use crate::model::{Layer, Model};
+use crate::model::Model;
 
 /// Why the CUDA backend cannot run here.
 #[derive(Debug, thiserror::Error)]
@@ -222,25 +223,6 @@ enum Epilogue {
     Static { bias_q: CudaSlice<i32>, scale: CudaSlice<f32>, requantize: i32, lo: i32, inv_s_in: f32 },
 }
 
-/// Packs `layer.weights_i8` (`[n][k]`) as both INT8 kernels read them.
-fn pack_weights(layer: &Layer) -> Vec<i32> {
-    let (k, n) = (layer.in_dim, layer.out_dim);
-    let kw = k.div_ceil(4);
-    let mut words = vec![0i32; kw * n];
-    for o in 0..n {
-        for j in 0..kw {
-            let mut bytes = [0u8; 4];
-            for (t, b) in bytes.iter_mut().enumerate() {
-                if 4 * j + t < k {
-                    *b = layer.weights_i8[o * k + 4 * j + t] as u8;
-                }
-            }
-            words[j * n + o] = i32::from_le_bytes(bytes);
-        }
-    }
-    words
-}
-
 /// The CUDA INT8 backend.
 pub struct CudaInt8 {
     backend: BackendInfo,
@@ -307,7 +289,7 @@ impl CudaInt8 {
         let mut layers = Vec::with_capacity(model.layers.len());
         for (i, l) in model.layers.iter().enumerate() {
             let k4 = l.in_dim.next_multiple_of(4);
-            let weights = pack_weights(l);
+            let weights = gpu_cases::pack_weights(l);
             let layer = (|| {
                 let epilogue = match &statics {
                     Some(st) => Epilogue::Static {
@@ -511,74 +493,6 @@ impl Backend for CudaInt8 {
     }
 }
 
-/// A seeded MLP with the given widths, for `gpu_check`.
-fn check_model(seed: u64, dims: &[usize]) -> Model {
-    let name = format!("check-{}", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x"));
-    crate::loadgen::demo::context_mlp(&name, seed, dims)
-}
-
-/// `model` calibrated (max-abs over 64 seeded normal rows, as `quiver import
-/// --calibration` would), every range then multiplied by `shrink`: below 1,
-/// requantized activations saturate at 127 (and -128 without a ReLU).
-fn check_calibrated(mut model: Model, shrink: f32) -> Result<Model, CudaError> {
-    use crate::model::calibrate::{calibrate, Matrix, Method};
-    let k = model.input_dim();
-    let mut rng = crate::loadgen::demo::SplitMix64::new(77);
-    let set = Matrix { rows: 64, cols: k, data: (0..64 * k).map(|_| rng.normal()).collect() };
-    let mut c = calibrate(&model, &set, Method::MaxAbs, |_, _| {}).map_err(|e| CudaError::Model(e.to_string()))?;
-    c.input_ranges.iter_mut().for_each(|r| *r *= shrink);
-    model.calibration = Some(c);
-    model.name = format!("{}-static-{shrink}", model.name);
-    Ok(model)
-}
-
-/// The models `gpu_check` compares, each with its `rows_max`: uncalibrated
-/// ones (dynamic semantics, `dense_int8`) and calibrated ones (static,
-/// `dense_int8_static`) at odd widths, a single-layer model (layer 0 is the
-/// output layer), a hidden layer without ReLU (requantized to -128), and
-/// k = 16384 (three rows per block in shared memory).
-fn check_models(rows_max: usize) -> Result<Vec<(Arc<Model>, usize)>, CudaError> {
-    let wide = rows_max.min(255);
-    let mut linear_hidden = check_model(45, &[37, 33, 17, 1]);
-    linear_hidden.layers[0].relu = false;
-    let models = vec![
-        (crate::loadgen::demo::model(), rows_max),
-        (check_model(41, &[257, 255, 65, 1]), rows_max),
-        (check_model(42, &[3, 1]), rows_max),
-        (check_model(43, &[crate::model::WIDTH_MAX, 33, 1]), wide),
-        (check_calibrated(crate::loadgen::demo::model(), 1.0)?, rows_max),
-        (check_calibrated(check_model(44, &[257, 255, 65, 1]), 0.6)?, rows_max),
-        (check_calibrated(linear_hidden, 0.5)?, rows_max),
-        (check_calibrated(check_model(46, &[3, 1]), 0.3)?, rows_max),
-        (check_calibrated(check_model(47, &[crate::model::WIDTH_MAX, 33, 1]), 1.0)?, wide),
-    ];
-    Ok(models.into_iter().map(|(m, rows)| (Arc::new(m), rows)).collect())
-}
-
-/// `rows` seeded normal rows of width `k`, with the edge cases planted in
-/// the first rows: all zeros, values near `f32::MAX` (the scale saturates,
-/// small values quantize to 0), +inf, -inf, NaN, and a whole NaN row.
-fn check_inputs(seed: u64, rows: usize, k: usize) -> Vec<f32> {
-    let mut rng = crate::loadgen::demo::SplitMix64::new(seed);
-    let mut x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
-    let mut row = |r: usize, f: &dyn Fn(&mut [f32])| {
-        if r < rows {
-            f(&mut x[r * k..(r + 1) * k]);
-        }
-    };
-    row(0, &|v| v.fill(0.0));
-    row(1, &|v| {
-        v[0] = 3.0e38;
-        v[v.len() / 2] = -3.0e38;
-    });
-    row(2, &|v| v[v.len() - 1] = f32::INFINITY);
-    row(3, &|v| v[0] = f32::NEG_INFINITY);
-    row(4, &|v| v[v.len() / 3] = f32::NAN);
-    row(5, &|v| v.fill(f32::NAN));
-    row(6, &|v| v.iter_mut().for_each(|e| *e *= 1.0e-30));
-    x
-}
-
 fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
     let i = ((sorted_ns.len() as f64 * p).ceil() as usize).clamp(1, sorted_ns.len()) - 1;
     sorted_ns[i] as f64 / 1e3
@@ -594,7 +508,7 @@ fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
 pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, CudaError> {
     let info = probe()?;
     let rows_max = batches.iter().copied().max().unwrap_or(1);
-    let models = check_models(rows_max)?;
+    let models = gpu_cases::check_models(rows_max).map_err(|e| CudaError::Model(e.to_string()))?;
     let mut parity = Vec::new();
     let mut ok = true;
     for (model, model_rows_max) in &models {
@@ -602,7 +516,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         let mut cpu = cpu::CpuInt8::with_kernel(model, *model_rows_max, cpu::Int8Kernel::Scalar)
             .map_err(|e| CudaError::Model(e.to_string()))?;
         for &rows in batches.iter().filter(|&&r| r <= *model_rows_max) {
-            let x = check_inputs(rows as u64, rows, model.input_dim());
+            let x = gpu_cases::check_inputs(rows as u64, rows, model.input_dim());
             let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
             cpu.score(&x, rows, &mut want).map_err(|e| CudaError::Model(e.to_string()))?;
             gpu.score(&x, rows, &mut got).map_err(|e| CudaError::Model(e.to_string()))?;
@@ -622,7 +536,9 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         }
     }
     let mut timing = Vec::new();
-    for model in [crate::loadgen::demo::model(), check_calibrated(crate::loadgen::demo::model(), 1.0)?] {
+    let calibrated =
+        gpu_cases::check_calibrated(crate::loadgen::demo::model(), 1.0).map_err(|e| CudaError::Model(e.to_string()))?;
+    for model in [crate::loadgen::demo::model(), calibrated] {
         timing.extend(time_model(&Arc::new(model), batches, iters, rows_max)?);
     }
     Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
@@ -640,7 +556,7 @@ fn time_model(
     let mut cpu = cpu::CpuInt8::new(model, rows_max);
     let mut timing = Vec::new();
     for &rows in batches {
-        let x = check_inputs(7, rows, model.input_dim());
+        let x = gpu_cases::check_inputs(7, rows, model.input_dim());
         let mut out = vec![0.0; rows];
         let mut time = |b: &mut dyn Backend| -> Result<(f64, f64), CudaError> {
             let mut call = || b.score(&x, rows, &mut out).map_err(|e| CudaError::Model(e.to_string()));
@@ -695,6 +611,7 @@ pub fn gpu_expected() -> (bool, &'static str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Layer;
 
     #[test]
     fn graph_models_are_refused_with_a_typed_error_and_served_on_the_cpu() {
@@ -753,7 +670,7 @@ mod tests {
             weight_scales: vec![1.0; 2],
             bias: vec![0.0; 2],
         };
-        let w = pack_weights(&layer);
+        let w = super::gpu_cases::pack_weights(&layer);
         assert_eq!(w.len(), 2 * 2);
         assert_eq!(w[0], i32::from_le_bytes([1, 2, 3, 4]));
         assert_eq!(w[1], i32::from_le_bytes([0xFF, 0xFE, 0xFD, 0xFC]));
@@ -764,7 +681,7 @@ mod tests {
     #[test]
     fn construction_gives_the_gpu_this_machine_has_or_a_typed_error_where_it_has_none() {
         let (gpu, why) = gpu_expected();
-        let calibrated = check_calibrated(crate::loadgen::demo::model(), 1.0).unwrap();
+        let calibrated = super::gpu_cases::check_calibrated(crate::loadgen::demo::model(), 1.0).unwrap();
         for model in [crate::loadgen::demo::model(), calibrated] {
             let built = CudaInt8::new(&Arc::new(model), 8);
             if gpu {
@@ -804,7 +721,7 @@ mod tests {
 
     #[test]
     fn the_check_models_cover_both_semantics_and_the_static_edge_cases() {
-        let models = check_models(64).unwrap();
+        let models = super::gpu_cases::check_models(64).unwrap();
         let statics: Vec<_> = models.iter().filter_map(|(m, _)| m.static_int8()).collect();
         assert!(statics.len() >= 4 && statics.len() < models.len(), "both semantics are checked");
         // A single-layer model, whose layer 0 writes the logit, and a hidden

@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod e4m3;
 pub mod explaining;
+pub mod gpu_cases;
 pub mod kernels;
 #[cfg(feature = "onnxruntime")]
 pub mod ort;
