@@ -374,6 +374,30 @@ pub(crate) mod tests {
         e
     }
 
+    /// `small()` with node covers, as the one node of a graph over 3
+    /// context inputs: a tree model the explainer accepts.
+    pub(crate) fn small_explainable() -> crate::model::Model {
+        use crate::model::{Graph, InputSegment, Model, Node, Op, OutputKind, Source};
+        let mut e = small();
+        e.covers = vec![10.0, 4.0, 6.0, 10.0, 3.0, 7.0, 2.5, 4.5];
+        let graph = Graph {
+            nodes: vec![
+                Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 3 },
+                Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
+            ],
+            output: OutputKind::Logit,
+        };
+        let model = Model {
+            inputs: vec![InputSegment { source: Source::Context, dim: 3 }],
+            layers: Vec::new(),
+            calibration: None,
+            graph: Some(graph),
+            ..crate::loadgen::demo::model()
+        };
+        model.validate().unwrap();
+        model
+    }
+
     #[test]
     fn splits_follow_the_canonical_rule() {
         let e = small();

@@ -164,24 +164,7 @@ mod tests {
 
     #[test]
     fn a_tree_model_is_measured_and_its_top_k_sum_with_the_rest_to_the_margin() {
-        let mut e = crate::model::trees::tests::small();
-        e.covers = vec![10.0, 4.0, 6.0, 10.0, 3.0, 7.0, 2.5, 4.5];
-        let graph = crate::model::Graph {
-            nodes: vec![
-                crate::model::Node { op: crate::model::Op::Input { offset: 0 }, inputs: vec![], width: 3 },
-                crate::model::Node { op: crate::model::Op::Trees(e), inputs: vec![0], width: 1 },
-            ],
-            output: crate::model::OutputKind::Logit,
-        };
-        let trees = Model {
-            inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: 3 }],
-            layers: Vec::new(),
-            calibration: None,
-            graph: Some(graph),
-            ..crate::loadgen::demo::model()
-        };
-        trees.validate().unwrap();
-        let trees = Arc::new(trees);
+        let trees = Arc::new(crate::model::trees::tests::small_explainable());
         // A clock that moves 1,000 ns per reading: the probe reads it twice.
         let tick = std::cell::Cell::new(0u64);
         let built = Explaining::build(&trees, || {

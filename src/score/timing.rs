@@ -212,24 +212,7 @@ mod tests {
         let mlp = Arc::new(crate::loadgen::demo::model());
         let err = time_explain(&mlp, &[1], 1, None).unwrap_err();
         assert!(err.contains("cannot be explained exactly"), "{err}");
-        let mut e = crate::model::trees::tests::small();
-        e.covers = vec![10.0, 4.0, 6.0, 10.0, 3.0, 7.0, 2.5, 4.5];
-        let graph = crate::model::Graph {
-            nodes: vec![
-                crate::model::Node { op: crate::model::Op::Input { offset: 0 }, inputs: vec![], width: 3 },
-                crate::model::Node { op: crate::model::Op::Trees(e), inputs: vec![0], width: 1 },
-            ],
-            output: crate::model::OutputKind::Logit,
-        };
-        let trees = Model {
-            inputs: vec![crate::model::InputSegment { source: crate::model::Source::Context, dim: 3 }],
-            layers: Vec::new(),
-            calibration: None,
-            graph: Some(graph),
-            ..(*mlp).clone()
-        };
-        trees.validate().unwrap();
-        let t = time_explain(&Arc::new(trees), &[1, 4], 3, None).unwrap();
+        let t = time_explain(&Arc::new(crate::model::trees::tests::small_explainable()), &[1, 4], 3, None).unwrap();
         assert_eq!(t.iter().map(|t| (t.candidates, t.iters)).collect::<Vec<_>>(), vec![(1, 3), (4, 3)]);
         assert!(t.iter().all(|t| t.explain == "treeshap" && t.us_per_candidate > 0.0));
         assert_eq!(t[1].us_per_candidate, t[1].median_us / 4.0);
