@@ -388,11 +388,13 @@ pub(crate) mod tests {
             output: OutputKind::Logit,
         };
         let model = Model {
+            name: "small_explainable".into(),
+            version: 1,
             inputs: vec![InputSegment { source: Source::Context, dim: 3 }],
             layers: Vec::new(),
             calibration: None,
             graph: Some(graph),
-            ..crate::loadgen::demo::model()
+            onnx: None,
         };
         model.validate().unwrap();
         model
