@@ -20,6 +20,11 @@
 //! builds one itself only for what was never published through here
 //! (start-up, tests) or found its inbox full.
 //!
+//! A version's explainer (reason codes) is one read-only table whatever
+//! the shard count: built once, on the admin side with the backends or by
+//! the first shard that builds the version at start-up, and shared
+//! (`Registry::explainer`, `score::explaining`).
+//!
 //! It also carries how served versions are watched for drift
 //! (`crate::drift::DriftConfig`), read by the shards when they build a
 //! version's counters and by the admin thread when it reports.
@@ -42,7 +47,7 @@ use crate::drift::DriftConfig;
 use crate::features::groups::Scope;
 use crate::model::layout::{GroupFit, InputLayout, LayoutError};
 use crate::model::{Model, ModelError};
-use crate::score::explaining::Explaining;
+use crate::score::explaining::{Built, Explainers};
 use crate::score::{self, Backend, BackendKind};
 
 /// File name of a model inside its version directory.
@@ -184,6 +189,10 @@ pub struct Registry {
     inboxes: Vec<SyncSender<Arrival>>,
     /// The inboxes' receiving ends, until each shard takes its own.
     inbox_ends: Mutex<Vec<Option<Inbox>>>,
+    /// One explainer per served version, shared by the shards
+    /// (`explainer`): locked to find an entry, when a shard or the admin
+    /// side builds a version, never per request.
+    explainers: Explainers,
 }
 
 /// A published version and the backends built for it, by shard.
@@ -222,12 +231,13 @@ impl Inbox {
 }
 
 /// A backend built for one shard ahead of a swap, with its measured cost,
-/// and the version's explainer for that shard (or its refusal).
+/// and the version's shared explainer (or its refusal; `None` for a shadow,
+/// which never explains).
 pub struct Prebuilt {
     pub backend: Box<dyn Backend>,
     /// Kernel time per row on a full batch of `rows_max` rows.
     pub ns_per_row: f64,
-    pub explaining: Explaining,
+    pub explainer: Option<Built>,
 }
 
 impl std::fmt::Debug for Prebuilt {
@@ -238,8 +248,9 @@ impl std::fmt::Debug for Prebuilt {
 
 /// Builds a backend for `model` and times one full batch of `rows_max`
 /// zero rows, which also warms it (first-touch page faults, lazy
-/// initialisation); builds and times its explainer likewise
-/// (`Explaining::build`). `now_ns` is the clock they are timed by.
+/// initialisation). `now_ns` is the clock it is timed by. The version's
+/// explainer is not built here: it is one per version, shared by every
+/// shard (`Registry::explainer`).
 pub fn build_timed(
     kind: BackendKind,
     model: &Arc<Model>,
@@ -255,8 +266,7 @@ pub fn build_timed(
     // ladder, so its cost is never consulted.
     let _ = backend.score(&x, rows_max, &mut out[..rows_max]);
     let ns_per_row = now_ns().saturating_sub(started_ns) as f64 / rows_max as f64;
-    let explaining = Explaining::build(model, &now_ns);
-    Prebuilt { backend, ns_per_row, explaining }
+    Prebuilt { backend, ns_per_row, explainer: None }
 }
 
 fn valid_name(name: &str) -> bool {
@@ -367,6 +377,7 @@ impl Registry {
             shards: 0,
             inboxes: Vec::new(),
             inbox_ends: Mutex::default(),
+            explainers: Explainers::default(),
         }
     }
 
@@ -393,19 +404,43 @@ impl Registry {
     }
 
     /// One backend per shard for `model`, built and timed here (the admin
-    /// side), or one warm-up run when no shard takes them.
-    fn prebuild(&self, model: &Arc<Model>) -> Vec<Option<Prebuilt>> {
+    /// side), or one warm-up run when no shard takes them; with them the
+    /// version's explainer, built once here for all of them, when the
+    /// version `explains` (not a shadow).
+    fn prebuild(&self, model: &Arc<Model>, explains: bool) -> Vec<Option<Prebuilt>> {
+        use crate::deadline::Clock;
         let clock = crate::deadline::MonotonicClock::new();
         let mut out = vec![0.0; self.rows_max];
+        let explainer = explains.then(|| self.explainer(model, || clock.now_ns()));
         let mut build = || {
-            use crate::deadline::Clock;
-            build_timed(self.backend, model, self.rows_max, model.input_dim(), &mut out, || clock.now_ns())
+            let built = build_timed(self.backend, model, self.rows_max, model.input_dim(), &mut out, || clock.now_ns());
+            Prebuilt { explainer: explainer.clone(), ..built }
         };
         if self.shards == 0 {
             build();
             return Vec::new();
         }
         (0..self.shards).map(|_| Some(build())).collect()
+    }
+
+    /// `model`'s explainer, one per version whichever shard or admin call
+    /// asks: built (and timed by `now_ns`) by the first, shared by the
+    /// rest. Versions no longer published are dropped from the table as it
+    /// is next used; a shard's copy lives as long as the shard serves it.
+    pub fn explainer(&self, model: &Arc<Model>, now_ns: impl Fn() -> u64) -> Built {
+        let published = self.published.load();
+        let served = |m: &Arc<Model>| {
+            let named = |c: &(Arc<Model>, u32)| Arc::ptr_eq(&c.0, m);
+            published.models.iter().any(|s| Arc::ptr_eq(s, m))
+                || published.canaries.iter().any(named)
+                || published.shadows.iter().any(named)
+        };
+        self.explainers.get(model, served, now_ns)
+    }
+
+    /// Model versions with an explainer built or being built.
+    pub fn explainers_held(&self) -> usize {
+        self.explainers.len()
     }
 
     /// Sends the backends built for a newly published version, if any, to
@@ -464,14 +499,14 @@ impl Registry {
     /// default) so each key stays on one side; a fraction of 0 ends the
     /// canary. Returns the canary version, if one is running.
     pub fn canary(&self, name: &str, version: Option<u32>, fraction: f64) -> Result<Option<u32>, RegistryError> {
-        self.candidate(name, version, fraction, |slot| &mut slot.canary)
+        self.candidate(name, version, fraction, true, |slot| &mut slot.canary)
     }
 
     /// Also scores `fraction` of `name`'s requests with `version`, off the
     /// critical path, for comparison; its scores are never returned. A
     /// fraction of 0 ends it.
     pub fn shadow(&self, name: &str, version: Option<u32>, fraction: f64) -> Result<Option<u32>, RegistryError> {
-        self.candidate(name, version, fraction, |slot| &mut slot.shadow)
+        self.candidate(name, version, fraction, false, |slot| &mut slot.shadow)
     }
 
     fn candidate(
@@ -479,6 +514,7 @@ impl Registry {
         name: &str,
         version: Option<u32>,
         fraction: f64,
+        explains: bool,
         which: impl Fn(&mut Slot) -> &mut Option<(Arc<Model>, u32)>,
     ) -> Result<Option<u32>, RegistryError> {
         if !(0.0..=1.0).contains(&fraction) {
@@ -491,7 +527,7 @@ impl Registry {
             (_, Some(v)) => {
                 let dir = self.dir.as_ref().ok_or(RegistryError::NoDirectory)?;
                 let model = Arc::new(load_checked(dir, name, v, &self.fit)?);
-                let built = self.prebuild(&model);
+                let built = self.prebuild(&model, explains);
                 Some((model, ppm, built))
             }
         };
@@ -536,7 +572,7 @@ impl Registry {
             None => *versions_on_disk(dir, name)?.last().ok_or_else(|| RegistryError::UnknownModel(name.into()))?,
         };
         let model = Arc::new(load_checked(dir, name, version, &self.fit)?);
-        let built = self.prebuild(&model);
+        let built = self.prebuild(&model, true);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         match slots.get_mut(name) {
             Some(slot) => {
@@ -566,7 +602,7 @@ impl Registry {
             slot.previous.clone().ok_or_else(|| RegistryError::NoPrevious(name.into()))?
         };
         // Built outside the lock; the swap below checks nothing moved since.
-        let built = self.prebuild(&previous);
+        let built = self.prebuild(&previous, true);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let slot = slots.get_mut(name).ok_or_else(|| RegistryError::UnknownModel(name.into()))?;
         if !slot.previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, &previous)) {

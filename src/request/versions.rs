@@ -73,8 +73,10 @@ pub(super) struct Served {
     /// How many of `drift_columns` hold a per-request value; the rest, one
     /// per candidate (`Model::drift_request_segments`).
     pub(super) drift_request_segments: usize,
-    /// The version's explainer on this shard with its cost estimate, or
-    /// why the model cannot be explained (`score::explaining`).
+    /// The version's explainer (shared with the other shards) with this
+    /// shard's scratch and cost estimate, or why the model cannot be
+    /// explained, or `Unused` for the fallback and a shadow
+    /// (`score::explaining`).
     pub(super) explaining: Explaining,
 }
 
@@ -121,6 +123,14 @@ pub(super) struct Versions {
     pub(super) fallback: Option<Served>,
 }
 
+/// What a version is built for: a served version (current, canary or
+/// shadow) or the fallback rung.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Served,
+    Fallback,
+}
+
 /// Where `Versions` builds a backend: the shard's clock, counters and a
 /// logits buffer for the measuring run.
 pub(super) struct BuildPlace<'a, C: Clock> {
@@ -150,7 +160,7 @@ impl Versions {
         };
         // The fallback first: served versions record whether it fits them.
         if let Some(model) = fallback {
-            versions.fallback = Some(versions.build_served(model, 0, 0, at)?);
+            versions.fallback = Some(versions.build_served(model, 0, 0, Role::Fallback, at)?);
         }
         Ok(versions)
     }
@@ -163,13 +173,14 @@ impl Versions {
         model: Arc<Model>,
         canary_ppm: u32,
         shadow_ppm: u32,
+        role: Role,
         at: BuildPlace<'_, C>,
     ) -> Result<Served, LayoutError> {
         let fit = &self.fit;
         let layout = InputLayout::new(&model, &fit.groups, fit.context_len_max)?;
         // Built ahead by the admin side when it was published through the
         // registry; built here (milliseconds on the reactor) only otherwise.
-        let Prebuilt { backend, ns_per_row, explaining } = match self.inbox.as_mut().and_then(|i| i.take(&model)) {
+        let Prebuilt { backend, ns_per_row, explainer } = match self.inbox.as_mut().and_then(|i| i.take(&model)) {
             Some(built) => {
                 at.counters.backends_prebuilt += 1;
                 built
@@ -178,6 +189,17 @@ impl Versions {
                 at.counters.backends_built_on_shard += 1;
                 let clock = at.clock;
                 build_timed(fit.kind, &model, fit.rows_max, layout.row_dim, at.logits, || clock.now_ns())
+            }
+        };
+        // The version's one explainer: the admin side's, sent with the
+        // backend, or the shared table's (built by the first shard here).
+        let explaining = match (role, explainer) {
+            (Role::Fallback, _) => Explaining::Unused,
+            (Role::Served, _) if shadow_ppm > 0 => Explaining::Unused,
+            (Role::Served, Some(built)) => Explaining::for_shard(&built),
+            (Role::Served, None) => {
+                let clock = at.clock;
+                Explaining::for_shard(&self.registry.explainer(&model, || clock.now_ns()))
             }
         };
         let ladder = &fit.ladder;
@@ -248,7 +270,7 @@ impl Versions {
                 continue;
             }
             let at = BuildPlace { clock: at.clock, counters: &mut *at.counters, logits: &mut *at.logits };
-            match self.build_served(model, canary_ppm, shadow_ppm, at) {
+            match self.build_served(model, canary_ppm, shadow_ppm, Role::Served, at) {
                 Ok(served) => plan.push(Next::Built(Box::new(served))),
                 Err(e) => {
                     self.failed_generation = Some(snapshot.generation);

@@ -1,19 +1,34 @@
-//! Reason codes on a shard: a served version's [`Explainer`] with the
-//! memory one call needs and the measured cost of a candidate, built where
-//! the version's backend is built (`registry::build_timed`: on the admin
-//! side for a published version, at start-up on the shard), never on the
-//! request path.
+//! Reason codes on a shard: a served version's [`Explainer`], built once
+//! per model version and shared by every shard that serves it ([`Built`],
+//! through the registry's [`Explainers`]), with the memory one call needs
+//! and the cost estimate held per shard ([`Explaining`]).
 //!
-//! Why beside the backend: the request path explains only when the time
-//! left fits, and that rule needs a cost measured before the first request,
-//! as the kernel's is. The cost is taken once, on [`PROBE_ROWS`] seeded
-//! rows (path-dependent TreeSHAP walks every node of every tree whatever
-//! the row, so any row costs about the same), and then follows what
-//! requests take ([`Explaining::observe`]). A model the explainer refuses
-//! keeps the refusal, so a request that asks gets `not_explainable` at
-//! once.
+//! Why one shared table, built eagerly off the reactor: the quadrature's
+//! table of a large ensemble takes hundreds of milliseconds to build and
+//! time, which per shard (and per fallback and shadow, which never
+//! explain) multiplied a version's load time for nothing. The table is
+//! read-only once built, so shards share it behind an `Arc` and keep only
+//! their scratch (a walk's vectors, the contributions of one candidate),
+//! allocated when the shard builds the version, so the request path
+//! allocates nothing (`tests/alloc.rs`). It is built where the version's
+//! backends are built: on the admin side before a version is published
+//! (`Registry::prebuild`), or at start-up by the first shard that serves
+//! the version (the others wait for that build and share it). Building it
+//! lazily on the first request that asks was the other choice, and a worse
+//! one: built on the reactor it stalls every connection of the shard for
+//! the build; handed to a thread, the first requests would be answered
+//! without reasons the model can give; and either way the budget rule
+//! would have no measured cost for them. Fallbacks and shadows get no
+//! explainer at all ([`Explaining::Unused`]): only the primary explains.
+//!
+//! The cost is taken once, when the table is built, on [`PROBE_ROWS`]
+//! seeded rows (path-dependent TreeSHAP walks every node of every tree
+//! whatever the row, so any row costs about the same); each shard starts
+//! from it and then follows what its requests take
+//! ([`Explaining::observe`]). A model the explainer refuses keeps the
+//! refusal, so a request that asks gets `not_explainable` at once.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::model::explain::{ExplainError, Explainer, Scratch};
 use crate::model::Model;
@@ -22,23 +37,110 @@ use crate::seeded::SplitMix64;
 /// Rows explained at build time to measure a candidate's cost.
 pub const PROBE_ROWS: usize = 4;
 
-/// A version's explainer on one shard, or why its model has none.
+/// A version's explainer as every shard shares it, with the cost of a
+/// candidate measured when it was built; or why the model has none.
+#[derive(Clone, Debug)]
+pub enum Built {
+    Ready {
+        explainer: Arc<Explainer>,
+        ns_per_candidate: f64,
+    },
+    /// The explainer's refusal (`ExplainError`), as text for logs.
+    Refused(Arc<str>),
+}
+
+impl Built {
+    /// Builds `model`'s explainer and times it on [`PROBE_ROWS`] seeded
+    /// rows, by the clock `now_ns`.
+    pub fn build(model: &Arc<Model>, now_ns: impl Fn() -> u64) -> Built {
+        let refused = |e: ExplainError| Built::Refused(e.to_string().into());
+        let explainer = match Explainer::new(model.clone()) {
+            Ok(e) => e,
+            Err(e) => return refused(e),
+        };
+        let width = explainer.width();
+        let (mut scratch, mut contributions) = (explainer.scratch(), vec![0.0; width]);
+        let mut rng = SplitMix64::new(0x5EED_0E0E);
+        let rows: Vec<f32> = (0..PROBE_ROWS * width).map(|_| rng.normal()).collect();
+        let started_ns = now_ns();
+        for row in rows.chunks_exact(width.max(1)).take(PROBE_ROWS) {
+            if let Err(e) = explainer.explain(row, &mut scratch, &mut contributions) {
+                return refused(e);
+            }
+        }
+        let ns_per_candidate = now_ns().saturating_sub(started_ns) as f64 / PROBE_ROWS as f64;
+        Built::Ready { explainer: Arc::new(explainer), ns_per_candidate }
+    }
+}
+
+/// The explainers built for the versions served, one per model version,
+/// shared by the shards and the admin side (`Registry::explainer`). An
+/// entry is made by the first caller for its model, who builds it; a caller
+/// for the same model meanwhile waits for that build rather than making a
+/// second. The lock is held only to find or add an entry, never while one
+/// is built.
+#[derive(Debug, Default)]
+pub struct Explainers {
+    built: Mutex<Vec<Entry>>,
+}
+
+type Entry = (Arc<Model>, Arc<OnceLock<Built>>);
+
+impl Explainers {
+    /// `model`'s explainer, built (and timed by `now_ns`) on first use.
+    /// Entries for models `keep` rejects are dropped first (the registry
+    /// keeps those it serves), so the table holds no more than the served
+    /// set and the model asked for.
+    pub fn get(&self, model: &Arc<Model>, keep: impl Fn(&Arc<Model>) -> bool, now_ns: impl Fn() -> u64) -> Built {
+        let (cell, dropped) = {
+            let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+            let (kept, dropped): (Vec<Entry>, Vec<Entry>) =
+                std::mem::take(&mut *built).into_iter().partition(|(m, _)| Arc::ptr_eq(m, model) || keep(m));
+            *built = kept;
+            let cell = match built.iter().find(|(m, _)| Arc::ptr_eq(m, model)) {
+                Some((_, cell)) => cell.clone(),
+                None => {
+                    let cell = Arc::new(OnceLock::new());
+                    built.push((model.clone(), cell.clone()));
+                    cell
+                }
+            };
+            (cell, dropped)
+        };
+        // A dropped table is freed outside the lock.
+        drop(dropped);
+        cell.get_or_init(|| Built::build(model, now_ns)).clone()
+    }
+
+    /// Models with an entry (built or being built).
+    pub fn len(&self) -> usize {
+        self.built.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A version's explainer on one shard, or why it has none.
 #[derive(Debug)]
 pub enum Explaining {
     Ready(Box<Ready>),
     /// The explainer's refusal (`ExplainError`), as text for logs.
-    Refused(String),
+    Refused(Arc<str>),
+    /// A fallback or a shadow: never explains, so nothing was built.
+    Unused,
 }
 
-/// An explainer with its scratch and its cost estimate.
+/// A shared explainer with this shard's scratch and cost estimate.
 #[derive(Debug)]
 pub struct Ready {
-    explainer: Explainer,
+    explainer: Arc<Explainer>,
     scratch: Scratch,
     /// One candidate's contributions, the model's input width.
     contributions: Vec<f64>,
-    /// Time to explain one candidate, measured at build, then a running
-    /// estimate.
+    /// Time to explain one candidate, measured when the explainer was
+    /// built, then this shard's running estimate.
     pub ns_per_candidate: f64,
 }
 
@@ -46,34 +148,25 @@ impl Explaining {
     /// Recent requests' weight in the running cost, as the kernel's.
     const WEIGHT_NEW: f64 = 0.05;
 
-    /// Builds `model`'s explainer and times it on [`PROBE_ROWS`] seeded
-    /// rows, by the clock `now_ns`.
-    pub fn build(model: &Arc<Model>, now_ns: impl Fn() -> u64) -> Explaining {
-        let explainer = match Explainer::new(model.clone()) {
-            Ok(e) => e,
-            Err(e) => return Explaining::Refused(e.to_string()),
-        };
-        let width = explainer.width();
-        let mut ready =
-            Ready { scratch: explainer.scratch(), contributions: vec![0.0; width], explainer, ns_per_candidate: 0.0 };
-        let mut rng = SplitMix64::new(0x5EED_0E0E);
-        let rows: Vec<f32> = (0..PROBE_ROWS * width).map(|_| rng.normal()).collect();
-        let started_ns = now_ns();
-        for row in rows.chunks_exact(width.max(1)).take(PROBE_ROWS) {
-            let Ready { explainer, scratch, contributions, .. } = &mut ready;
-            if let Err(e) = explainer.explain(row, scratch, contributions) {
-                return Explaining::Refused(e.to_string());
-            }
+    /// This shard's use of `built`: its own scratch, allocated here.
+    pub fn for_shard(built: &Built) -> Explaining {
+        match built {
+            Built::Ready { explainer, ns_per_candidate } => Explaining::Ready(Box::new(Ready {
+                scratch: explainer.scratch(),
+                contributions: vec![0.0; explainer.width()],
+                explainer: explainer.clone(),
+                ns_per_candidate: *ns_per_candidate,
+            })),
+            Built::Refused(why) => Explaining::Refused(why.clone()),
         }
-        ready.ns_per_candidate = now_ns().saturating_sub(started_ns) as f64 / PROBE_ROWS as f64;
-        Explaining::Ready(Box::new(ready))
     }
 
-    /// Expected time to explain `candidates`, µs; `None` when refused.
+    /// Expected time to explain `candidates`, µs; `None` when there is no
+    /// explainer.
     pub fn expected_us(&self, candidates: usize) -> Option<u64> {
         match self {
             Explaining::Ready(r) => Some((r.ns_per_candidate * candidates as f64 / 1_000.0).ceil() as u64),
-            Explaining::Refused(_) => None,
+            Explaining::Refused(_) | Explaining::Unused => None,
         }
     }
 
@@ -106,6 +199,11 @@ impl Ready {
     /// The margin with no feature known.
     pub fn bias(&self) -> f64 {
         self.explainer.bias()
+    }
+
+    /// The explainer this shard shares with the others.
+    pub fn explainer(&self) -> &Arc<Explainer> {
+        &self.explainer
     }
 }
 
@@ -167,11 +265,13 @@ mod tests {
         let trees = Arc::new(crate::model::trees::tests::small_explainable());
         // A clock that moves 1,000 ns per reading: the probe reads it twice.
         let tick = std::cell::Cell::new(0u64);
-        let built = Explaining::build(&trees, || {
+        let built = Built::build(&trees, || {
             tick.set(tick.get() + 1_000);
             tick.get()
         });
-        let Explaining::Ready(mut ready) = built else { panic!("a tree model with covers was refused") };
+        let Explaining::Ready(mut ready) = Explaining::for_shard(&built) else {
+            panic!("a tree model with covers was refused")
+        };
         assert_eq!(ready.ns_per_candidate, 1_000.0 / PROBE_ROWS as f64);
         let row = [0.5f32, -1.0, 2.0];
         let (mut f, mut v) = ([0u32; 2], [0f64; 2]);
@@ -188,8 +288,52 @@ mod tests {
     #[test]
     fn an_mlp_is_refused_with_the_explainers_reason() {
         let mlp = Arc::new(crate::loadgen::demo::model());
-        let Explaining::Refused(why) = Explaining::build(&mlp, || 0) else { panic!("an MLP was explained") };
+        let built = Built::build(&mlp, || 0);
+        let Explaining::Refused(why) = Explaining::for_shard(&built) else { panic!("an MLP was explained") };
         assert!(why.contains("cannot be explained exactly"), "{why}");
-        assert_eq!(Explaining::build(&mlp, || 0).expected_us(4), None);
+        assert_eq!(Explaining::for_shard(&built).expected_us(4), None);
+        assert_eq!(Explaining::Unused.expected_us(4), None);
+    }
+
+    #[test]
+    fn a_version_is_built_once_and_shared_by_every_shard_from_any_thread() {
+        let trees = Arc::new(crate::model::trees::tests::small_explainable());
+        let other = Arc::new(crate::model::trees::tests::small_explainable());
+        let table = Explainers::default();
+        let builds = std::sync::atomic::AtomicUsize::new(0);
+        // Four "shards" ask at once; the clock counts the builds (a build
+        // reads it twice).
+        let got: Vec<Built> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        table.get(&trees, |_| true, || builds.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u64)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(builds.load(std::sync::atomic::Ordering::Relaxed), 2, "one build, timed once");
+        let first = match &got[0] {
+            Built::Ready { explainer, .. } => explainer.clone(),
+            Built::Refused(why) => panic!("refused: {why}"),
+        };
+        for b in &got {
+            let Built::Ready { explainer, .. } = b else { unreachable!() };
+            assert!(Arc::ptr_eq(explainer, &first), "every shard shares one table");
+        }
+        // Each shard's scratch is its own; the table is not copied.
+        let (a, b) = (Explaining::for_shard(&got[0]), Explaining::for_shard(&got[1]));
+        let (Explaining::Ready(a), Explaining::Ready(b)) = (a, b) else { unreachable!() };
+        assert!(Arc::ptr_eq(a.explainer(), b.explainer()));
+        // Another version: built anew; the first, no longer kept, is
+        // dropped from the table (the shards' copies live on).
+        assert_eq!(table.len(), 1);
+        let _ = table.get(&other, |m| Arc::ptr_eq(m, &other), || 0);
+        assert_eq!(table.len(), 1);
+        assert_eq!(Arc::strong_count(&first), 1 + got.len() + 2, "the table's own entry is gone");
+        let _ = table.get(&trees, |_| true, || builds.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u64);
+        assert_eq!(builds.load(std::sync::atomic::Ordering::Relaxed), 4, "a dropped version is built again");
+        assert_eq!(table.len(), 2);
     }
 }

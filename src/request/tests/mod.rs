@@ -208,6 +208,27 @@ fn explanations_come_only_when_the_time_left_fits_their_measured_cost() {
 }
 
 #[test]
+fn shards_share_one_explainer_per_version_and_the_fallback_builds_none() {
+    use crate::score::explaining::Explaining;
+    let clock = ManualClock::new(0);
+    let mut shared = shared(&dir("explain_shared"));
+    let fallback = shared.registry.snapshot().models[0].as_ref().clone();
+    shared.fallback = Some(Arc::new(Model { name: "fallback".into(), ..fallback }));
+    // Two shards of one process: one table, two scratches.
+    let a = RequestPath::new(shared.clone(), &clock).unwrap();
+    let b = RequestPath::new(shared.clone(), &clock).unwrap();
+    let (Explaining::Ready(ea), Explaining::Ready(eb)) =
+        (&a.versions.served[0].explaining, &b.versions.served[0].explaining)
+    else {
+        panic!("a one-layer linear model is explainable")
+    };
+    assert!(Arc::ptr_eq(ea.explainer(), eb.explainer()), "each shard built its own explainer");
+    assert_eq!(shared.registry.explainers_held(), 1);
+    // The fallback never explains: nothing is built for it.
+    assert!(matches!(a.versions.fallback.as_ref().map(|f| &f.explaining), Some(Explaining::Unused)));
+}
+
+#[test]
 fn bad_requests_get_typed_answers() {
     let clock = ManualClock::new(0);
     let mut path = RequestPath::new(shared(&dir("bad")), &clock).unwrap();
