@@ -77,6 +77,7 @@ fn model(e: Ensemble) -> Arc<Model> {
             output: OutputKind::Logit,
         }),
         onnx: None,
+        feature_names: Vec::new(),
     })
 }
 

@@ -27,6 +27,7 @@ fn tiny() -> Model {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 

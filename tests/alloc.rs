@@ -140,6 +140,7 @@ fn shared(name: &str) -> Shared {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     let mut groups = SharedGroup::user_item(
         Arc::new(ReplicaHandle::open(&dir.join("user.qrep"), "user").unwrap()),

@@ -79,6 +79,7 @@ fn big_model() -> Model {
         calibration: None,
         graph: Some(Graph { nodes, output: OutputKind::Logit }),
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 

@@ -3,7 +3,8 @@
 //! LightGBM's zero-as-missing) in a scratch directory and writes what
 //! LightGBM's `predict(pred_contrib=True)` and XGBoost's
 //! `predict(pred_contribs=True)` return for held-out rows; Quiver imports
-//! the same files and explains the same rows (`model::explain`).
+//! the same files and explains the same rows (`model::explain`). The
+//! columns are named in the frameworks, and the import keeps the names.
 //!
 //! Without the pinned lightgbm and xgboost wheels the test says it skipped;
 //! with `QUIVER_REQUIRE_TREE_FRAMEWORKS=1` (CI, which installs them) it
@@ -61,6 +62,7 @@ fn tree_contributions_match_lightgbm_and_xgboost() {
     let index: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("explain.json")).unwrap()).unwrap();
     let features = index["features"].as_u64().unwrap() as usize;
+    let names: Vec<&str> = index["names"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
     let models = index["models"].as_object().unwrap();
     assert_eq!(models.len(), 4, "four oracle models");
     for (name, m) in models {
@@ -78,6 +80,9 @@ fn tree_contributions_match_lightgbm_and_xgboost() {
         let model = imported.unwrap_or_else(|e| panic!("{name}: {e}")).model;
         // Through the model file, as the server loads it.
         let model = Arc::new(Model::from_bytes(&model.to_bytes(), name).unwrap());
+        // The framework's feature names, kept in the file (what `GET
+        // /models` lists and `quiver score --explain` prints).
+        assert_eq!(model.feature_names, names, "{name}: the framework's feature names");
         let explainer = Explainer::new(model.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
         let mut scratch = explainer.scratch();
         let mut phi = vec![0.0; features];

@@ -7,7 +7,8 @@
 //! with `explain_skipped = budget`; an MLP answers `not_explainable`; a
 //! lower rung `lower_rung`; limits beyond `EXPLAIN_TOP_K_MAX` and
 //! `EXPLAIN_CANDIDATES_MAX` are a `BadRequest`; `GET /models` names the
-//! features and `quiver score --explain` prints them.
+//! features (LightGBM's own names, kept by the import) and `quiver score
+//! --explain` prints them.
 
 mod common;
 
@@ -322,8 +323,10 @@ fn models_are_listed_with_their_feature_names_and_quiver_score_prints_reasons() 
     let models: Vec<ModelStatus> = serde_json::from_str(&body).unwrap();
     let lgb = models.iter().find(|m| m.name == "lgb").unwrap();
     assert_eq!(lgb.features, s.lgb.feature_names());
-    assert_eq!(lgb.features[..2], ["user[0]".to_string(), "user[1]".to_string()]);
-    assert_eq!(lgb.features[11], "context[3]");
+    // LightGBM's own names, kept by the import, not the segments'.
+    assert_eq!(lgb.features[..2], ["amount".to_string(), "account_age_days".to_string()]);
+    assert_eq!(lgb.features[11], "merchant_category");
+    assert_eq!(s.lgb.layout_feature_names()[11], "context[3]");
 
     let ctx = s.rows[8..12].iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",");
     let context = format!("--context={ctx}");

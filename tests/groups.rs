@@ -39,6 +39,7 @@ fn write_model(dir: &Path) {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     model.save(&dir.join("model.qm")).unwrap();
 }
@@ -271,6 +272,7 @@ fn write_chain_model(dir: &Path) {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     model.save(&dir.join("model.qm")).unwrap();
 }

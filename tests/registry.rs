@@ -36,6 +36,7 @@ fn small_model(name: &str, version: u32) -> Model {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 

@@ -306,6 +306,7 @@ pub fn model() -> Model {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 

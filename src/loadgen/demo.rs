@@ -85,6 +85,7 @@ pub fn context_mlp(name: &str, seed: u64, dims: &[usize]) -> Model {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 
@@ -105,6 +106,7 @@ pub fn model() -> Model {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 
@@ -124,6 +126,7 @@ pub fn fallback_model() -> Model {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     }
 }
 

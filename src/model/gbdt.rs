@@ -7,6 +7,12 @@
 //! `model::trees` (see there); what a format can express that Quiver does not
 //! serve (multiclass, linear trees, ranking and count objectives, DART
 //! weights, XGBoost categorical splits) is refused with the reason.
+//!
+//! The framework's feature names (LightGBM's `feature_names=` line,
+//! XGBoost's `learner.feature_names`) go into the model file
+//! (`Model::feature_names`): reason codes name features by them, and a
+//! name the server could not print or list is refused here rather than
+//! served mangled.
 
 use std::path::Path;
 
@@ -16,7 +22,7 @@ use super::trees::{
     f32_at_most, f32_below, Ensemble, Split, TreeNode, CATEGORY_WORDS_MAX, CATEGORY_WORDS_TOTAL_MAX,
     ENSEMBLE_NODES_MAX, TREES_MAX, TREE_NODES_MAX,
 };
-use super::{InputSegment, Model, ModelError, MODEL_HEAP_BYTES_MAX};
+use super::{valid_feature_name, InputSegment, Model, ModelError, FEATURE_NAME_BYTES_MAX, MODEL_HEAP_BYTES_MAX};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GbdtError {
@@ -59,6 +65,9 @@ pub struct Parsed {
     pub logit_scale: f32,
     pub objective: String,
     pub producer: String,
+    /// The framework's feature names, one per feature; empty when it named
+    /// none (or only by its defaults, LightGBM's `Column_0`…).
+    pub names: Vec<String>,
 }
 
 /// Why a parse failed, before the path is attached.
@@ -168,6 +177,7 @@ pub fn build(parsed: Parsed, opts: &GbdtOptions, path: &str) -> Result<Imported,
         calibration: None,
         graph: Some(Graph { nodes, output: kind }),
         onnx: None,
+        feature_names: parsed.names,
     };
     model.validate()?;
     Ok(Imported {
@@ -434,6 +444,10 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
     }
     e.covers = covers.unwrap_or_default();
     let version = header.get("version").copied().unwrap_or("?");
+    let names: Vec<&str> = header.get("feature_names").map_or(Vec::new(), |l| l.split_whitespace().collect());
+    // LightGBM names unnamed columns `Column_<i>`: no names at all.
+    let defaults = names.iter().enumerate().all(|(i, n)| *n == format!("Column_{i}"));
+    let names = if defaults { Vec::new() } else { names };
     Ok(Parsed {
         ensemble: e,
         features,
@@ -441,6 +455,7 @@ fn parse_lightgbm(text: &str) -> Result<Parsed, Fail> {
         logit_scale,
         objective,
         producer: format!("LightGBM text model {version}"),
+        names: feature_names(names, features, "feature_names")?,
     })
 }
 
@@ -621,6 +636,14 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
         .and_then(Value::as_array)
         .map(|v| v.iter().map(|x| x.to_string()).collect())
         .unwrap_or_default();
+    let names = match learner.get("feature_names") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => {
+            let named = a.iter().map(|v| v.as_str().ok_or_else(|| parse_err("feature_names holds a non-string")));
+            named.collect::<Result<Vec<_>, _>>()?
+        }
+        Some(_) => return Err(parse_err("feature_names is not an array")),
+    };
     Ok(Parsed {
         ensemble: e,
         features,
@@ -628,7 +651,26 @@ fn parse_xgboost(text: &str) -> Result<Parsed, Fail> {
         logit_scale: 1.0,
         objective,
         producer: format!("XGBoost JSON model {}", version.join(".")),
+        names: feature_names(names, features, "learner.feature_names")?,
     })
+}
+
+/// The framework's feature names as the model file keeps them: none, or
+/// one per feature, each a name Quiver can print and list.
+fn feature_names(names: Vec<&str>, features: usize, key: &str) -> Result<Vec<String>, Fail> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    if names.len() != features {
+        return Err(parse_err(format!("{key} names {} features, the model has {features}", names.len())));
+    }
+    if let Some((i, _)) = names.iter().enumerate().find(|(_, n)| !valid_feature_name(n)) {
+        return Err(Fail::Unsupported(format!(
+            "{key}: feature {i}'s name is empty, over {FEATURE_NAME_BYTES_MAX} bytes or holds a control character; \
+             rename it before saving the model"
+        )));
+    }
+    Ok(names.into_iter().map(str::to_string).collect())
 }
 
 #[cfg(test)]
@@ -699,6 +741,35 @@ leaf_value=0.05\nis_linear=0\nshrinkage=1\n\n\nend of trees\n\nparameters:\nend 
         assert!(refused(LGB.replace("left_child=1 -1", "left_child=5 -1")).contains("child 5 is out of range"));
         assert!(refused("{\"learner\": {}}".into()).contains("starts with the line 'tree'"));
         assert!(refused(LGB.replace("leaf_value=0.1 -0.2 0.3", "leaf_value=0.1 x 0.3")).contains("'x' is not a number"));
+    }
+
+    #[test]
+    fn the_frameworks_feature_names_are_kept_and_bad_ones_refused() {
+        let names = |p: Result<Parsed, Fail>| match p {
+            Ok(p) => Ok(p.names),
+            Err(Fail::Parse(w) | Fail::Unsupported(w)) => Err(w),
+        };
+        assert_eq!(names(parse_lightgbm(LGB)), Ok(vec!["a".to_string(), "b".into(), "c".into()]));
+        // LightGBM's own defaults name nothing; no line, no names.
+        let defaults = LGB.replace("feature_names=a b c", "feature_names=Column_0 Column_1 Column_2");
+        assert_eq!(names(parse_lightgbm(&defaults)), Ok(vec![]));
+        assert_eq!(names(parse_lightgbm(&LGB.replace("feature_names=a b c\n", ""))), Ok(vec![]));
+        let short = names(parse_lightgbm(&LGB.replace("feature_names=a b c", "feature_names=a b"))).unwrap_err();
+        assert!(short.contains("feature_names names 2 features, the model has 3"), "{short}");
+        let long = format!("feature_names=a {} c", "x".repeat(FEATURE_NAME_BYTES_MAX + 1));
+        let long = names(parse_lightgbm(&LGB.replace("feature_names=a b c", &long))).unwrap_err();
+        assert!(long.contains("feature 1's name is empty, over 256 bytes"), "{long}");
+
+        let plain = xgb("binary:logistic", "0.5");
+        assert_eq!(names(parse_xgboost(&plain)), Ok(vec![]));
+        let named =
+            |list: &str| plain.replace("\"learner\": {", &format!("\"learner\": {{\"feature_names\": {list}, "));
+        assert_eq!(names(parse_xgboost(&named("[]"))), Ok(vec![]));
+        assert_eq!(names(parse_xgboost(&named(r#"["amount", "hour"]"#))), Ok(vec!["amount".into(), "hour".into()]));
+        assert!(names(parse_xgboost(&named(r#"["amount"]"#))).unwrap_err().contains("names 1 features"));
+        assert!(names(parse_xgboost(&named(r#"["amount", 3]"#))).unwrap_err().contains("non-string"));
+        assert!(names(parse_xgboost(&named(r#"["amount", "a\u0007b"]"#))).unwrap_err().contains("control character"));
+        assert!(names(parse_xgboost(&named(r#""amount""#))).unwrap_err().contains("not an array"));
     }
 
     fn xgb(objective: &str, base: &str) -> String {

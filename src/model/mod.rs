@@ -275,6 +275,20 @@ pub struct Model {
     /// network (`--keep-onnx`), or instead of it (`--onnxruntime`, where
     /// `layers` is empty and `graph` is `None`).
     pub onnx: Option<OnnxGraph>,
+    /// A name per input column, in row order, as the framework named it
+    /// (`quiver import`); empty when it named none, and each column is
+    /// then named by its segment ([`Model::feature_names`]).
+    pub feature_names: Vec<String>,
+}
+
+/// The longest feature name a model file may hold, in bytes.
+pub const FEATURE_NAME_BYTES_MAX: usize = 256;
+
+/// Whether `name` may name a feature: 1 to [`FEATURE_NAME_BYTES_MAX`]
+/// bytes with no control characters (names are printed by `quiver score`
+/// and listed in JSON).
+pub fn valid_feature_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= FEATURE_NAME_BYTES_MAX && !name.chars().any(char::is_control)
 }
 
 /// Largest |bias| in accumulator units. With |acc| ≤ 128 · 127 · `WIDTH_MAX`
@@ -334,6 +348,17 @@ impl Model {
         }
         if self.inputs.iter().any(|i| i.dim == 0) {
             return Err(bad("an input segment has dimension 0".into()));
+        }
+        if !self.feature_names.is_empty() {
+            let (names, width) = (self.feature_names.len(), self.input_dim());
+            if names != width {
+                return Err(bad(format!("names {names} features but reads {width} input columns")));
+            }
+            if let Some(n) = self.feature_names.iter().position(|f| !valid_feature_name(f)) {
+                return Err(bad(format!(
+                    "feature name {n} is empty, over {FEATURE_NAME_BYTES_MAX} bytes or holds a control character"
+                )));
+            }
         }
         if let Some(o) = &self.onnx {
             o.validate(self.input_dim()).map_err(bad)?;
@@ -479,10 +504,19 @@ impl Model {
         self.drift_segments().into_iter().map(|(at, s)| (at, s.dim)).collect()
     }
 
-    /// A name per input column, in row order: the segment's source and the
-    /// column's place in it, `card[3]`, `context[0]`; what an explanation's
-    /// feature index names (`GET /models`, `quiver score --explain`).
+    /// A name per input column, in row order: the framework's own, kept at
+    /// import (`amount`), or else the segment's source and the column's
+    /// place in it, `card[3]`, `context[0]`; what an explanation's feature
+    /// index names (`GET /models`, `quiver score --explain`).
     pub fn feature_names(&self) -> Vec<String> {
+        if !self.feature_names.is_empty() {
+            return self.feature_names.clone();
+        }
+        self.layout_feature_names()
+    }
+
+    /// Each column named by its segment: `card[3]`, `context[0]`.
+    pub fn layout_feature_names(&self) -> Vec<String> {
         self.inputs.iter().flat_map(|s| (0..s.dim).map(move |k| format!("{}[{k}]", s.source.name()))).collect()
     }
 
@@ -778,6 +812,7 @@ mod tests {
             calibration: None,
             graph: None,
             onnx: None,
+            feature_names: Vec::new(),
         }
     }
 

@@ -2385,6 +2385,7 @@ impl<'a> Model<'a> {
   pub const VT_CALIBRATION: ::flatbuffers::VOffsetT = 12;
   pub const VT_GRAPH: ::flatbuffers::VOffsetT = 14;
   pub const VT_ONNX: ::flatbuffers::VOffsetT = 16;
+  pub const VT_FEATURE_NAMES: ::flatbuffers::VOffsetT = 18;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -2396,6 +2397,7 @@ impl<'a> Model<'a> {
     args: &'args ModelArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Model<'bldr>> {
     let mut builder = ModelBuilder::new(_fbb);
+    if let Some(x) = args.feature_names { builder.add_feature_names(x); }
     if let Some(x) = args.onnx { builder.add_onnx(x); }
     if let Some(x) = args.graph { builder.add_graph(x); }
     if let Some(x) = args.calibration { builder.add_calibration(x); }
@@ -2456,6 +2458,13 @@ impl<'a> Model<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<OnnxGraph>>(Model::VT_ONNX, None)}
   }
+  #[inline]
+  pub fn feature_names(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>(Model::VT_FEATURE_NAMES, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Model<'_> {
@@ -2471,6 +2480,7 @@ impl ::flatbuffers::Verifiable for Model<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<Calibration>>("calibration", Self::VT_CALIBRATION, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<Graph>>("graph", Self::VT_GRAPH, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<OnnxGraph>>("onnx", Self::VT_ONNX, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<&'_ str>>>>("feature_names", Self::VT_FEATURE_NAMES, false)?
      .finish();
     Ok(())
   }
@@ -2483,6 +2493,7 @@ pub struct ModelArgs<'a> {
     pub calibration: Option<::flatbuffers::WIPOffset<Calibration<'a>>>,
     pub graph: Option<::flatbuffers::WIPOffset<Graph<'a>>>,
     pub onnx: Option<::flatbuffers::WIPOffset<OnnxGraph<'a>>>,
+    pub feature_names: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>,
 }
 impl<'a> Default for ModelArgs<'a> {
   #[inline]
@@ -2495,6 +2506,7 @@ impl<'a> Default for ModelArgs<'a> {
       calibration: None,
       graph: None,
       onnx: None,
+      feature_names: None,
     }
   }
 }
@@ -2533,6 +2545,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ModelBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<OnnxGraph>>(Model::VT_ONNX, onnx);
   }
   #[inline]
+  pub fn add_feature_names(&mut self, feature_names: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<&'b  str>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Model::VT_FEATURE_NAMES, feature_names);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ModelBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ModelBuilder {
@@ -2557,6 +2573,7 @@ impl ::core::fmt::Debug for Model<'_> {
       ds.field("calibration", &self.calibration());
       ds.field("graph", &self.graph());
       ds.field("onnx", &self.onnx());
+      ds.field("feature_names", &self.feature_names());
       ds.finish()
   }
 }

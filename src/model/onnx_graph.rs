@@ -172,6 +172,7 @@ mod tests {
                 output_probability: false,
                 output_kind: OutputKind::Raw,
             }),
+            feature_names: Vec::new(),
         }
     }
 

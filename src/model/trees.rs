@@ -395,6 +395,7 @@ pub(crate) mod tests {
             calibration: None,
             graph: Some(graph),
             onnx: None,
+            feature_names: Vec::new(),
         };
         model.validate().unwrap();
         model

@@ -158,7 +158,10 @@ impl Model {
             Some(o) => Some(OnnxGraph::from_fb(&o).map_err(|what| bad(&what))?),
             None => None,
         };
-        let model = Model { name: name.clone(), version: m.version(), inputs, layers, calibration, graph, onnx };
+        // Checked (count, bytes) by `validate`; the verifier bounds the bytes.
+        let feature_names = m.feature_names().map(|v| v.iter().map(str::to_string).collect()).unwrap_or_default();
+        let model =
+            Model { name: name.clone(), version: m.version(), inputs, layers, calibration, graph, onnx, feature_names };
         model.validate()?;
         Ok(model)
     }

@@ -152,12 +152,17 @@ impl Model {
                 },
             )
         });
+        // Absent rather than empty, as files from before names were kept.
+        let feature_names = (!self.feature_names.is_empty()).then(|| {
+            let names: Vec<_> = self.feature_names.iter().map(|f| b.create_string(f)).collect();
+            b.create_vector(&names)
+        });
         let name = Some(b.create_string(&self.name));
         let inputs = Some(b.create_vector(&inputs));
         let layers = Some(b.create_vector(&layers));
         let root = fb::Model::create(
             &mut b,
-            &fb::ModelArgs { name, version: self.version, inputs, layers, calibration, graph, onnx },
+            &fb::ModelArgs { name, version: self.version, inputs, layers, calibration, graph, onnx, feature_names },
         );
         fb::finish_model_buffer(&mut b, root);
         b

@@ -174,6 +174,7 @@ mod tests {
             calibration: None,
             graph: Some(Graph { nodes, output: OutputKind::Logit }),
             onnx: None,
+            feature_names: Vec::new(),
         }
     }
 
@@ -369,6 +370,33 @@ mod tests {
         let short = tree_model(vec![1.0; 3]);
         let err = Model::from_bytes(&short.to_bytes(), "short.qm").unwrap_err().to_string();
         assert!(err.contains("3 node covers for 8 nodes"), "{err}");
+    }
+
+    #[test]
+    fn feature_names_round_trip_and_files_without_them_name_columns_by_segment() {
+        let bare = tree_model(Vec::new());
+        let bytes = bare.to_bytes();
+        assert!(flatbuffers::root::<fb::Model>(&bytes).unwrap().feature_names().is_none(), "absent, as before");
+        let read = Model::from_bytes(&bytes, "old.qm").unwrap();
+        assert_eq!(read.feature_names(), ["context[0]", "context[1]", "context[2]"]);
+        let named = Model { feature_names: vec!["amount".into(), "hour".into(), "merchant id".into()], ..bare };
+        let read = Model::from_bytes(&named.to_bytes(), "named.qm").unwrap();
+        assert_eq!(read, named);
+        assert_eq!(read.feature_names(), ["amount", "hour", "merchant id"]);
+        assert_eq!(read.layout_feature_names(), ["context[0]", "context[1]", "context[2]"]);
+        // A count that is not the input width, an empty name, a control
+        // character or an overlong name: a typed refusal at load.
+        for (names, want) in [
+            (vec!["a", "b"], "names 2 features but reads 3 input columns"),
+            (vec!["a", "", "c"], "feature name 1 is empty"),
+            (vec!["a", "b", "c\n"], "feature name 2 is empty, over 256 bytes or holds a control character"),
+        ] {
+            let bad = Model { feature_names: names.into_iter().map(String::from).collect(), ..named.clone() };
+            let err = Model::from_bytes(&bad.to_bytes(), "bad.qm").unwrap_err();
+            assert!(matches!(err, ModelError::Shape { .. }) && err.to_string().contains(want), "{err}");
+        }
+        let long = Model { feature_names: vec!["a".into(), "b".into(), "x".repeat(257)], ..named };
+        assert!(Model::from_bytes(&long.to_bytes(), "long.qm").unwrap_err().to_string().contains("over 256 bytes"));
     }
 
     #[test]

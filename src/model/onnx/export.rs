@@ -124,6 +124,7 @@ mod tests {
             calibration: None,
             graph: None,
             onnx: None,
+            feature_names: Vec::new(),
         }
     }
 

@@ -32,7 +32,7 @@ use onnx_protobuf::Message as _;
 use onnx_protobuf::{GraphProto, ModelProto, TensorProto, ValueInfoProto};
 
 use super::graph::{Act, Graph, Node as GNode, Op, OutputKind};
-use super::{InputSegment, Layer, Model, ModelError, Source, MODEL_HEAP_BYTES_MAX};
+use super::{valid_feature_name, InputSegment, Layer, Model, ModelError, Source, MODEL_HEAP_BYTES_MAX};
 
 mod builder;
 mod export;
@@ -129,8 +129,32 @@ impl ImportOptions {
             calibration: None,
             graph: None,
             onnx: None,
+            feature_names: input_feature_names(layout),
         }
     }
+}
+
+/// The model's column names from its ONNX graph inputs: an input that is
+/// one column (a pipeline fed one tensor per feature: `amount`, `hour`)
+/// names it; a wider input's columns keep their segment names (`card[3]`),
+/// as does an input whose name Quiver cannot list. Empty when no input is
+/// one column: every name would be a segment name.
+fn input_feature_names(layout: &[(String, Vec<InputSegment>)]) -> Vec<String> {
+    let width = |segments: &[InputSegment]| segments.iter().map(|s| s.dim).sum::<usize>();
+    if !layout.iter().any(|(name, s)| width(s) == 1 && valid_feature_name(name)) {
+        return Vec::new();
+    }
+    let mut names = Vec::new();
+    for (name, segments) in layout {
+        if width(segments) == 1 && valid_feature_name(name) {
+            names.push(name.clone());
+            continue;
+        }
+        for s in segments {
+            names.extend((0..s.dim).map(|k| format!("{}[{k}]", s.source.name())));
+        }
+    }
+    names
 }
 
 /// An imported model and what the import found, for the summary.
@@ -167,6 +191,14 @@ impl Imported {
             let _ = writeln!(s, "  input '{input}': {}", parts.join(", "));
         }
         let _ = writeln!(s, "  input vector: {} floats", m.input_dim());
+        if !m.feature_names.is_empty() {
+            // The first few: a model may have thousands.
+            const SHOWN: usize = 8;
+            let names = &m.feature_names;
+            let more = names.len().saturating_sub(SHOWN);
+            let tail = if more > 0 { format!(" and {more} more") } else { String::new() };
+            let _ = writeln!(s, "  feature names kept: {}{tail}", names[..names.len().min(SHOWN)].join(", "));
+        }
         for (i, l) in m.layers.iter().enumerate() {
             let act = if l.relu { ", ReLU" } else { "" };
             let _ = writeln!(s, "  layer {i}: {} -> {}{act}", l.in_dim, l.out_dim);
@@ -534,6 +566,19 @@ mod tests {
 
     use super::proto::{DT_FLOAT, DT_INT64};
     use super::*;
+
+    #[test]
+    fn one_column_graph_inputs_name_their_column_and_wider_ones_keep_segment_names() {
+        let seg = |source, dim| InputSegment { source, dim };
+        let wide = vec![("float_input".to_string(), vec![seg(Source::User, 2), seg(Source::Context, 1)])];
+        assert!(input_feature_names(&wide).is_empty(), "no one-column input: segment names, nothing stored");
+        let mixed = vec![
+            ("amount".to_string(), vec![seg(Source::Context, 1)]),
+            ("user_emb".to_string(), vec![seg(Source::User, 2)]),
+            ("bad\u{7}name".to_string(), vec![seg(Source::Item, 1)]),
+        ];
+        assert_eq!(input_feature_names(&mixed), ["amount", "user[0]", "user[1]", "item[0]"]);
+    }
 
     fn input(name: &str, width: i64) -> ValueInfoProto {
         let mut batch = tensor_shape_proto::Dimension::new();

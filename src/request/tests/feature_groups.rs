@@ -69,6 +69,7 @@ fn shared_groups(dir: &std::path::Path) -> Shared {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     let fit = crate::registry::Fit { groups: base.group_fits(), context_len_max: 256 };
     base.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
@@ -195,6 +196,7 @@ fn a_request_without_candidates_or_item_ids_scores_one_row() {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     let fit = crate::registry::Fit { groups: sh.group_fits(), context_len_max: 256 };
     sh.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());
@@ -225,6 +227,7 @@ fn a_model_reading_a_group_the_server_lacks_or_at_another_scope_is_refused() {
             calibration: None,
             graph: None,
             onnx: None,
+            feature_names: Vec::new(),
         };
         let fit = crate::registry::Fit { groups: sh.group_fits(), context_len_max: 256 };
         let e = Registry::from_models(vec![model], fit, BackendKind::F32, 4).expect_err("refused");
@@ -400,6 +403,7 @@ fn auction_groups(dir: &std::path::Path, inputs: &[(&str, Scope)]) -> Shared {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     let fit = crate::registry::Fit { groups: base.group_fits(), context_len_max: 256 };
     base.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 8).unwrap());
@@ -525,6 +529,7 @@ fn a_feast_row_past_its_ttl_is_served_as_missing() {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     let fit = crate::registry::Fit { groups: base.group_fits(), context_len_max: 256 };
     base.registry = Arc::new(Registry::from_models(vec![model], fit, BackendKind::F32, 4).unwrap());

@@ -32,6 +32,7 @@ fn shared(dir: &std::path::Path) -> Shared {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     let fit = crate::registry::Fit::user_item(2, 1, 256);
     Shared {
@@ -680,6 +681,7 @@ fn a_version_that_cannot_be_served_leaves_the_served_set_as_it_was() {
         calibration: None,
         graph: None,
         onnx: None,
+        feature_names: Vec::new(),
     };
     crate::registry::publish(&models, &b).unwrap();
     registry.load("b", None).unwrap();
