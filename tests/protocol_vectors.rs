@@ -141,6 +141,16 @@ fn vectors() -> Vec<Vector> {
         explain_top_k: 0,
         explain_candidates_max: 0,
     };
+    let explain = RequestSpec {
+        request_id: 21,
+        model: "fraud".into(),
+        budget_us: 5000,
+        item_ids: vec![3, 1, 4, 1, 5],
+        context: vec![250.0, 3.0],
+        explain_top_k: 5,
+        explain_candidates_max: 3,
+        ..RequestSpec::default()
+    };
     let groups_only = RequestSpec {
         request_id: 7,
         groups: vec![
@@ -217,6 +227,12 @@ fn vectors() -> Vec<Vector> {
             name: "request_no_candidates",
             what: "item_ids present but empty and no groups: an empty vector, which the server refuses (BadRequest)",
             frames: Frames::Requests(vec![request(9, &[])]),
+        },
+        Vector {
+            name: "request_explain",
+            what: "reason codes asked for: explain_top_k 5 of the explain_candidates_max 3 highest-scored of five \
+                   candidates (docs/PROTOCOL.md, \"Explanations\")",
+            frames: Frames::Requests(vec![explain]),
         },
         Vector {
             name: "response_ok",

@@ -3,6 +3,7 @@
 // explicit depth and table bounds before any field is read, and frames
 // split out of a byte stream.
 
+#include <algorithm>
 #include <cstring>
 
 #include "quiver/client.hpp"
@@ -46,6 +47,30 @@ const char* reason_name(Reason r) {
   return "None";
 }
 
+const char* explain_skipped_name(ExplainSkipped e) {
+  switch (e) {
+    case ExplainSkipped::None: return "None";
+    case ExplainSkipped::Budget: return "Budget";
+    case ExplainSkipped::NotExplainable: return "NotExplainable";
+    case ExplainSkipped::LowerRung: return "LowerRung";
+    case ExplainSkipped::Unavailable: return "Unavailable";
+  }
+  return "None";
+}
+
+std::vector<Explanation> Response::explanations() const {
+  std::vector<Explanation> out;
+  const size_t n = explain_candidates.size();
+  if (n == 0) return out;
+  const size_t k = explain_features.size() / n;
+  for (size_t i = 0; i < n; i++) {
+    Explanation e{explain_candidates[i], {}};
+    for (size_t j = i * k; j < (i + 1) * k; j++) e.top.emplace_back(explain_features[j], explain_contributions[j]);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
 StatusError::StatusError(Response r)
     : std::runtime_error(std::string(status_name(r.status)) + " (request " + std::to_string(r.request_id) +
                          "): " + (r.error.empty() ? "no reason given" : r.error)),
@@ -81,6 +106,23 @@ std::vector<uint8_t> encode_request(const Request& r, uint64_t request_id, const
   if (r.groups.size() > kGroupsMax) {
     throw InvalidRequest(std::to_string(r.groups.size()) + " feature groups exceed the limit of " +
                          std::to_string(kGroupsMax));
+  }
+  if (r.explain_top_k > kExplainTopKMax) {
+    throw InvalidRequest("explain_top_k " + std::to_string(r.explain_top_k) + " exceeds the limit of " +
+                         std::to_string(kExplainTopKMax));
+  }
+  if (r.explain_top_k > 0) {
+    size_t candidates = r.item_ids.size();
+    if (candidates == 0) {
+      for (const auto& g : r.groups) candidates = std::max({candidates, g.ids.size(), g.keys.size()});
+    }
+    const size_t asked = r.explain_candidates_max;
+    const size_t explained = asked > 0 ? std::min(asked, candidates) : candidates;
+    if (asked > kExplainCandidatesMax || explained > kExplainCandidatesMax) {
+      throw InvalidRequest(std::to_string(asked > 0 ? asked : explained) +
+                           " candidates to explain exceed the limit of " + std::to_string(kExplainCandidatesMax) +
+                           ": set explain_candidates_max");
+    }
   }
   for (size_t i = 0; i < r.groups.size(); i++) {
     const auto& g = r.groups[i];
@@ -132,7 +174,7 @@ std::vector<uint8_t> encode_request(const Request& r, uint64_t request_id, const
     groups = b.CreateVector(tables);
   }
   b.Finish(fbw::CreateScoreRequest(b, request_id, model, r.budget_us, r.priority, r.client_id, r.user_id, items,
-                                   context, context_ids, groups));
+                                   context, context_ids, groups, r.explain_top_k, r.explain_candidates_max));
   const size_t n = b.GetSize();
   if (n > limits.frame_bytes_max) {
     throw InvalidRequest("request frame of " + std::to_string(n) + " bytes exceeds the limit of " +
@@ -151,7 +193,7 @@ static E known(uint8_t v, uint8_t max, E unknown) {
 }
 
 Response decode_response(const uint8_t* payload, size_t size) {
-  // ScoreResponse holds a vector and a string: nothing nests deeper.
+  // ScoreResponse holds vectors and a string: nothing nests deeper.
   flatbuffers::Verifier v(payload, size, /*max_depth=*/4, /*max_tables=*/8);
   if (!v.VerifyBuffer<fbw::ScoreResponse>(nullptr)) throw ProtocolError("malformed response: it does not verify");
   const auto* r = flatbuffers::GetRoot<fbw::ScoreResponse>(payload);
@@ -166,6 +208,19 @@ Response decode_response(const uint8_t* payload, size_t size) {
   if (const auto* e = r->error()) out.error = e->str();
   out.reason = known(static_cast<uint8_t>(r->reason()), 4, Reason::None);
   out.features_stale = r->features_stale();
+  out.explain_skipped = known(static_cast<uint8_t>(r->explain_skipped()), 4, ExplainSkipped::None);
+  const auto* candidates = r->explain_candidates();
+  const auto* features = r->explain_features();
+  const auto* contributions = r->explain_contributions();
+  const size_t n = candidates ? candidates->size() : 0;
+  const size_t pairs = features ? features->size() : 0;
+  // Lengths that disagree explain nothing rather than misattribute.
+  if (n > 0 && contributions && contributions->size() == pairs && pairs % n == 0) {
+    out.explain_bias = r->explain_bias();
+    out.explain_candidates.assign(candidates->begin(), candidates->end());
+    out.explain_features.assign(features->begin(), features->end());
+    out.explain_contributions.assign(contributions->begin(), contributions->end());
+  }
   return out;
 }
 

@@ -2,7 +2,8 @@
 // by PID): scores equal the Rust client's (`quiver score --json`) bit for
 // bit, 1,000 requests pipelined on one connection, typed errors, client-side
 // limits, a timeout against a server that never answers, failover past dead
-// and killed nodes.
+// and killed nodes, and reason codes (explain_top_k) equal to the Rust
+// client's.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -255,6 +256,63 @@ int main() {
     killer.join();
     CHECK(answers.size() == batch.size());
     for (const auto& a : answers) CHECK(a.status == quiver::Status::Ok);
+  }
+
+  {  // Reason codes: an MLP cannot be explained, and says so with its
+     // scores; the fraud example's LightGBM model explains, bit for bit
+     // what the Rust client (`quiver score --explain --json`) returns.
+    quiver::Client c({server.addr}, opts);
+    auto mlp = demo_request(3);
+    mlp.explain_top_k = 3;
+    mlp.explain_candidates_max = 2;
+    auto r = c.score(mlp);
+    CHECK(r.status == quiver::Status::Ok && r.scores.size() == 32, "scores despite no reasons");
+    CHECK(r.explain_skipped == quiver::ExplainSkipped::NotExplainable, quiver::explain_skipped_name(r.explain_skipped));
+    CHECK(r.explanations().empty());
+    auto too_many = demo_request(3);
+    too_many.explain_top_k = 33;
+    CHECK(throws<quiver::InvalidRequest>([&] { c.score(too_many); }), "explain_top_k 33");
+    too_many.explain_top_k = 1;
+    too_many.item_ids.resize(65, 1);
+    CHECK(throws<quiver::InvalidRequest>([&] { c.score(too_many); }), "65 candidates to explain");
+    too_many.explain_candidates_max = 64;
+    CHECK(c.score(too_many).explain_skipped == quiver::ExplainSkipped::NotExplainable, "64 of 65 asked");
+
+    const std::string fraud_data = data + "-fraud";
+    run(bin + " demo --workload fraud --data-dir " + fraud_data + " 2>/dev/null");
+    Server fraud(fraud_data, {"--demo", "--workload", "fraud"});
+    quiver::Client f({fraud.addr}, opts);
+    quiver::Request q;
+    q.groups = {{"card", {42}, {}},
+                {"account", {7}, {}},
+                {"device", {}, {"26c3cb25dcc2fec7"}},
+                {"ip", {}, {"27.191.142.146"}},
+                {"merchant", {5}, {}}};
+    q.context = {250.0f, 3.0f};
+    q.budget_us = 1000000;
+    q.explain_top_k = 5;
+    auto got = f.score(q);
+    CHECK(got.status == quiver::Status::Ok && got.tier == quiver::Tier::Primary, got.error);
+    CHECK(got.explain_skipped == quiver::ExplainSkipped::None, quiver::explain_skipped_name(got.explain_skipped));
+    auto out = run(bin + " score --addr " + fraud.addr +
+                   " --json --key card=42 --key account=7 --str-key device=26c3cb25dcc2fec7"
+                   " --key ip=27.191.142.146 --key merchant=5 --context 250,3 --budget-us 1000000 --explain 5"
+                   " --admin 127.0.0.1:1 2>/dev/null");
+    auto rust = nlohmann::json::parse(out);
+    auto explained = got.explanations();
+    CHECK(explained.size() == 1 && rust["explanations"].size() == 1, out);
+    if (explained.size() == 1 && rust["explanations"].size() == 1) {
+      const auto& want = rust["explanations"][0];
+      CHECK(explained[0].candidate == want["candidate"].get<uint32_t>());
+      CHECK(got.explain_bias == want["bias"].get<double>(), "bias");
+      CHECK(explained[0].top.size() == 5 && want["top"].size() == 5, out);
+      for (size_t j = 0; j < explained[0].top.size() && j < want["top"].size(); j++) {
+        CHECK(explained[0].top[j].first == want["top"][j]["index"].get<uint32_t>(), "feature " + std::to_string(j));
+        CHECK(explained[0].top[j].second == want["top"][j]["contribution"].get<double>(), "contribution");
+      }
+    }
+    fraud.kill(SIGTERM);
+    fs::remove_all(fraud_data);
   }
 
   fs::remove_all(data);

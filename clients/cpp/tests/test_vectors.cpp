@@ -1,7 +1,7 @@
 // The protocol's golden vectors (schemas/vectors/, written by the server's
-// own encoders): every response vector decodes to its JSON meaning, and
-// every request vector's meaning encodes to the very same bytes. A missing
-// folder fails.
+// own encoders): every response vector decodes to its JSON meaning (reason
+// codes included), and every request vector's meaning encodes to the very
+// same bytes (request_explain: the explain fields). A missing folder fails.
 
 #include <cstring>
 #include <filesystem>
@@ -32,6 +32,17 @@ static uint32_t bits(float f) {
   uint32_t b;
   std::memcpy(&b, &f, 4);
   return b;
+}
+
+static uint64_t bits64(double f) {
+  uint64_t b;
+  std::memcpy(&b, &f, 8);
+  return b;
+}
+
+template <typename T>
+static std::vector<T> list(const json& v) {
+  return v.is_null() ? std::vector<T>{} : v.get<std::vector<T>>();
 }
 
 int main() {
@@ -65,6 +76,28 @@ int main() {
         CHECK(r.features_missing == m["features_missing"].get<uint16_t>(), name);
         CHECK(r.error == (m["error"].is_null() ? "" : m["error"].get<std::string>()), name);
         CHECK(r.features_stale == m["features_stale"].get<bool>(), name);
+        // Reason codes: the vectors as they are, then per candidate.
+        CHECK(quiver::explain_skipped_name(r.explain_skipped) == m["explain_skipped"].get<std::string>(), name);
+        CHECK(bits64(r.explain_bias) == bits64(m["explain_bias"].get<double>()), name);
+        CHECK(r.explain_candidates == list<uint32_t>(m["explain_candidates"]), name);
+        CHECK(r.explain_features == list<uint32_t>(m["explain_features"]), name);
+        auto contributions = list<double>(m["explain_contributions"]);
+        CHECK(r.explain_contributions.size() == contributions.size(), name);
+        for (size_t k = 0; k < contributions.size() && k < r.explain_contributions.size(); k++)
+          CHECK(bits64(r.explain_contributions[k]) == bits64(contributions[k]), name);
+        auto explained = r.explanations();
+        const json none = json::array();
+        const json& want_explained = m.contains("explanations") ? m["explanations"] : none;
+        CHECK(explained.size() == want_explained.size(), name);
+        for (size_t c = 0; c < explained.size() && c < want_explained.size(); c++) {
+          const auto& w = want_explained[c];
+          CHECK(explained[c].candidate == w["candidate"].get<uint32_t>(), name);
+          CHECK(explained[c].top.size() == w["top"].size(), name);
+          for (size_t j = 0; j < explained[c].top.size() && j < w["top"].size(); j++) {
+            CHECK(explained[c].top[j].first == w["top"][j][0].get<uint32_t>(), name);
+            CHECK(bits64(explained[c].top[j].second) == bits64(w["top"][j][1].get<double>()), name);
+          }
+        }
       }
     } else {
       requests++;
@@ -88,6 +121,8 @@ int main() {
             r.groups.push_back(std::move(k));
           }
         }
+        r.explain_top_k = m["explain_top_k"];
+        r.explain_candidates_max = m["explain_candidates_max"];
         const uint64_t id = u64(m["request_id"]);
         if (m["server"].get<std::string>().rfind("refused", 0) == 0) {
           // The server refuses it; this client does not even send it.

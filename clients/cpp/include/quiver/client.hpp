@@ -22,10 +22,14 @@ namespace quiver {
 enum class Status : uint8_t { Ok = 0, DeadlineExceeded, Overloaded, RateLimited, BadRequest, ModelNotFound, Internal };
 enum class Tier : uint8_t { Primary = 0, Cached, Fallback, Default };
 enum class Reason : uint8_t { None = 0, Budget, BreakerOpen, Overload, ModelError };
+/// Why a request that asked for reason codes got none (docs/PROTOCOL.md,
+/// "Explanations").
+enum class ExplainSkipped : uint8_t { None = 0, Budget, NotExplainable, LowerRung, Unavailable };
 
 const char* status_name(Status s);
 const char* tier_name(Tier t);
 const char* reason_name(Reason r);
+const char* explain_skipped_name(ExplainSkipped e);
 
 /// One group's keys: `ids` for a u64-keyed group, `keys` for a
 /// string-keyed one (the other left empty); one key for a request-scope
@@ -47,6 +51,21 @@ struct Request {
   std::vector<float> context;
   std::vector<uint64_t> context_ids;
   std::vector<GroupKeys> groups;
+  /// Reason codes: each explained candidate's `explain_top_k` features with
+  /// the largest contribution to its margin (0: none asked; at most
+  /// kExplainTopKMax), of every candidate or of the
+  /// `explain_candidates_max` with the highest scores (at most
+  /// kExplainCandidatesMax explained).
+  uint16_t explain_top_k = 0;
+  uint16_t explain_candidates_max = 0;
+};
+
+/// One explained candidate: its index in the request and its features
+/// with the largest |contribution|, largest first, as (feature index,
+/// contribution); its margin is the bias plus every feature's contribution.
+struct Explanation {
+  uint32_t candidate = 0;
+  std::vector<std::pair<uint32_t, double>> top;
 };
 
 /// One ScoreResponse: exactly the schema's fields.
@@ -61,6 +80,19 @@ struct Response {
   std::string error;
   Reason reason = Reason::None;
   bool features_stale = false;
+  /// Reason codes (the `explain_*` fields): why none came although asked,
+  /// the bias (the margin with no feature known) and `k` (feature index,
+  /// contribution) pairs per explained candidate, in `explain_candidates`
+  /// order (ascending). Empty when none came; a response whose lengths
+  /// disagree reads as explaining nothing rather than misattributing.
+  ExplainSkipped explain_skipped = ExplainSkipped::None;
+  double explain_bias = 0.0;
+  std::vector<uint32_t> explain_candidates;
+  std::vector<uint32_t> explain_features;
+  std::vector<double> explain_contributions;
+
+  /// The explained candidates with their pairs.
+  std::vector<Explanation> explanations() const;
 };
 
 /// Limits checked before a request is sent, and on responses; the defaults
@@ -75,6 +107,10 @@ struct Limits {
 constexpr size_t kFramePrefixBytes = 4;
 constexpr size_t kGroupsMax = 16;
 constexpr size_t kKeyBytesMax = 64;
+/// Most features one explained candidate lists (`EXPLAIN_TOP_K_MAX`).
+constexpr size_t kExplainTopKMax = 32;
+/// Most candidates one request has explained (`EXPLAIN_CANDIDATES_MAX`).
+constexpr size_t kExplainCandidatesMax = 64;
 
 /// A request that breaks a limit or a rule before it is sent.
 struct InvalidRequest : std::invalid_argument {
@@ -125,7 +161,8 @@ std::vector<uint8_t> encode_request(const Request& request, uint64_t request_id,
 
 /// Verifies and decodes one response payload (without its prefix);
 /// ProtocolError when it does not verify. A status, tier or reason this
-/// client does not know reads as Internal, Default, None.
+/// client does not know reads as Internal, Default, None (and an unknown
+/// explain_skipped as None).
 Response decode_response(const uint8_t* payload, size_t size);
 
 /// Splits frames out of a byte stream; a length of 0 or over the bound is
