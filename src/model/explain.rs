@@ -24,14 +24,20 @@
 //!   multilinear extension). The integrand is a polynomial of degree below
 //!   the tree's depth D, so Gauss–Legendre quadrature at ⌈D/2⌉ points is
 //!   exact. At those points (the SIMD lanes) the leaves' products sum up the
-//!   tree, so one pass over each tree's nodes, depth first, yields every
-//!   contribution, as Linear TreeShap (Yu et al. 2022) does with
+//!   tree, so one pass down each tree's nodes, level by level, and one up
+//!   its splits yield every contribution, as Linear TreeShap (Yu et al.
+//!   2022) does with
 //!   polynomials: O(nodes × ⌈D/2⌉) per tree instead of O(leaves × D²). A
 //!   feature split on again lower down divides its earlier factor out at
 //!   the quadrature points and takes back, over that subtree, what the
 //!   earlier edge counted; the two terms cancel exactly, as the quadrature
-//!   is linear in the values. The per-node table is built once, when the
-//!   explainer is: `TABLE_NODE_BYTES` per tree node.
+//!   is linear in the values. Within a level the table holds the nodes by
+//!   class (splits, then leaves; a feature no edge above splits on, then
+//!   one that is), so each class runs in its own loop: the common nodes
+//!   skip the division that a repeated feature needs, and a leaf adds its
+//!   share on the way down and is never visited again. The per-node table
+//!   is built once, when the explainer is: `TABLE_NODE_BYTES` per tree
+//!   node.
 //! - **Classic**: Algorithm 2 of Lundberg et al. (path arrays, extend and
 //!   unwind), one recursive walk per tree: the reference the quadrature is
 //!   tested against, and benchmarked beside it.
@@ -63,7 +69,8 @@ pub fn path_len(depth: usize) -> usize {
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
 /// Bytes of the quadrature's table per tree node (leaves and splits): the
-/// table is this times the ensemble's nodes (and 4 bytes a tree), so
+/// table is this times the ensemble's nodes (and 8 bytes a tree and 10 a
+/// level of a tree), so
 /// `trees::ENSEMBLE_NODES_MAX` bounds it (384 MiB; the ensemble itself
 /// holds 28 bytes a node).
 pub const TABLE_NODE_BYTES: usize = 24;
@@ -240,9 +247,9 @@ impl Explainer {
     /// model).
     pub fn table_bytes(&self) -> usize {
         match &self.method {
-            Method::Trees(t) => {
-                t.quadrature.as_ref().map_or(0, |q| q.nodes.len() * TABLE_NODE_BYTES + 4 * q.starts.len())
-            }
+            Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| {
+                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 10 * q.levels.len()
+            }),
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
     }
@@ -575,6 +582,14 @@ struct Quadrature {
     nodes: Vec<TableNode>,
     /// Tree `t` is `nodes[starts[t]..starts[t + 1]]` (lone leaves left out).
     starts: Vec<u32>,
+    /// Tree `t`'s levels below the root are `levels[tree_levels[t]..
+    /// tree_levels[t + 1]]`, each the tree-relative bounds of its four
+    /// classes of node, in table order: splits whose feature no edge above
+    /// splits on, splits whose feature one does (`repeat`), then leaves of
+    /// each kind, and the level's end. The walk runs each class in its own
+    /// loop, so nothing branches on a node's class.
+    levels: Vec<[u16; 5]>,
+    tree_levels: Vec<u32>,
     /// Each slot's input column: the features the splits read, ascending.
     columns: Vec<u16>,
     /// The most nodes of one tree.
@@ -644,11 +659,14 @@ impl Quadrature {
         }
         let mut nodes: Vec<TableNode> = Vec::with_capacity(e.nodes.len());
         let mut starts = vec![0u32];
+        let (mut levels, mut tree_levels) = (Vec::new(), vec![0u32]);
         let mut tree_nodes_max = 0;
         // Per node of the tree at hand, in table order: the split feature
         // (`u32::MAX` for a leaf) and its index in the tree.
         let (mut split_feature, mut in_tree) = (Vec::new(), Vec::new());
-        let mut queue = std::collections::VecDeque::new();
+        // A level's nodes: index in the tree, parent (table order), left.
+        let (mut level, mut next) = (Vec::new(), Vec::new());
+        let mut built: Vec<(u8, TableNode, usize)> = Vec::new();
         for t in 0..e.trees() {
             let tree = e.tree(t);
             if matches!(tree[0].split, Split::Leaf { .. }) {
@@ -658,62 +676,88 @@ impl Quadrature {
             let first = nodes.len();
             split_feature.clear();
             in_tree.clear();
-            queue.push_back((0usize, 0usize, false));
-            while let Some((i, parent, is_left)) = queue.pop_front() {
-                let at = in_tree.len();
-                let (mut zero, mut repeat, mut slot) = (1.0f64, NO_NODE, 0);
-                if at > 0 {
-                    let feature = split_feature[parent];
-                    zero = covers[i] as f64 / covers[in_tree[parent]] as f64;
-                    // Up the path: the nearest edge into a node `q` whose
-                    // parent splits on the same feature.
-                    let mut q = parent;
-                    while q != 0 {
-                        let above = nodes[first + q].parent as usize;
-                        if split_feature[above] == feature {
-                            zero *= nodes[first + q].zero;
-                            repeat = q as u16;
-                            break;
+            level.clear();
+            level.push((0usize, 0usize, false));
+            while !level.is_empty() {
+                // Each node of the level, then the level sorted by class
+                // (a stable sort: within a class, breadth-first order).
+                built.clear();
+                for &(i, parent, is_left) in &level {
+                    let at = in_tree.len() + built.len();
+                    let (mut zero, mut repeat, mut slot) = (1.0f64, NO_NODE, 0);
+                    if at > 0 {
+                        let feature = split_feature[parent];
+                        zero = covers[i] as f64 / covers[in_tree[parent]] as f64;
+                        // Up the path: the nearest edge into a node `q`
+                        // whose parent splits on the same feature.
+                        let mut q = parent;
+                        while q != 0 {
+                            let above = nodes[first + q].parent as usize;
+                            if split_feature[above] == feature {
+                                zero *= nodes[first + q].zero;
+                                repeat = q as u16;
+                                break;
+                            }
+                            q = above;
                         }
-                        q = above;
+                        slot = slot_of[feature as usize];
                     }
-                    slot = slot_of[feature as usize];
+                    let n = &tree[i];
+                    let mut flags = if is_left { LEFT_CHILD } else { 0 };
+                    let (value, feature, words) = match n.split {
+                        Split::Leaf { value } => {
+                            flags |= LEAF;
+                            (value.to_bits(), 0, 0)
+                        }
+                        Split::Numeric { feature, threshold, missing_left, zero_missing } => {
+                            flags |= if missing_left { MISSING_LEFT } else { 0 };
+                            flags |= if zero_missing { ZERO_MISSING } else { 0 };
+                            (threshold.to_bits(), feature, 0)
+                        }
+                        Split::Categorical { feature, start, len } => {
+                            flags |= CATEGORICAL;
+                            (start, feature, len)
+                        }
+                    };
+                    let class = 2 * u8::from(flags & LEAF != 0) + u8::from(repeat != NO_NODE);
+                    let node = TableNode {
+                        zero,
+                        value,
+                        feature: feature as u16,
+                        words: words as u16,
+                        parent: parent as u16,
+                        repeat,
+                        slot,
+                        flags,
+                    };
+                    built.push((class, node, i));
                 }
-                let n = &tree[i];
-                let mut flags = if is_left { LEFT_CHILD } else { 0 };
-                let (value, feature, words) = match n.split {
-                    Split::Leaf { value } => {
-                        flags |= LEAF;
-                        (value.to_bits(), 0, 0)
+                built.sort_by_key(|(class, _, _)| *class);
+                let at = in_tree.len();
+                if at > 0 {
+                    // Where each class starts in the level, and its end.
+                    let mut bounds = [(at + built.len()) as u16; 5];
+                    for class in (0..4u8).rev() {
+                        let from = built.iter().position(|(c, _, _)| *c >= class).unwrap_or(built.len());
+                        bounds[class as usize] = (at + from) as u16;
                     }
-                    Split::Numeric { feature, threshold, missing_left, zero_missing } => {
-                        flags |= if missing_left { MISSING_LEFT } else { 0 };
-                        flags |= if zero_missing { ZERO_MISSING } else { 0 };
-                        (threshold.to_bits(), feature, 0)
-                    }
-                    Split::Categorical { feature, start, len } => {
-                        flags |= CATEGORICAL;
-                        (start, feature, len)
-                    }
-                };
-                split_feature.push(if flags & LEAF == 0 { feature } else { u32::MAX });
-                in_tree.push(i);
-                if flags & LEAF == 0 {
-                    queue.push_back((n.left as usize, at, true));
-                    queue.push_back((n.right as usize, at, false));
+                    levels.push(bounds);
                 }
-                nodes.push(TableNode {
-                    zero,
-                    value,
-                    feature: feature as u16,
-                    words: words as u16,
-                    parent: parent as u16,
-                    repeat,
-                    slot,
-                    flags,
-                });
+                next.clear();
+                for (k, &(_, node, i)) in built.iter().enumerate() {
+                    let is_leaf = node.flags & LEAF != 0;
+                    split_feature.push(if is_leaf { u32::MAX } else { node.feature as u32 });
+                    in_tree.push(i);
+                    nodes.push(node);
+                    if !is_leaf {
+                        next.push((tree[i].left as usize, at + k, true));
+                        next.push((tree[i].right as usize, at + k, false));
+                    }
+                }
+                std::mem::swap(&mut level, &mut next);
             }
             starts.push(nodes.len() as u32);
+            tree_levels.push(levels.len() as u32);
             tree_nodes_max = tree_nodes_max.max(nodes.len() - first);
         }
         let dummy = tree_nodes_max;
@@ -723,7 +767,7 @@ impl Quadrature {
         let lanes = lanes_for(depth_max);
         let (t, w) = gauss_legendre(lanes);
         let isa = *Isa::available().last().expect("the baseline always runs");
-        Quadrature { nodes, starts, columns, tree_nodes_max, dummy, t, w, lanes, isa }
+        Quadrature { nodes, starts, levels, tree_levels, columns, tree_nodes_max, dummy, t, w, lanes, isa }
     }
 
     /// Adds each column's contribution to `phi`.
@@ -764,21 +808,25 @@ impl Quadrature {
 
     /// Two passes over each tree, at `N` quadrature points at once.
     ///
-    /// Down, breadth first: at each node, from the edge into it (feature
+    /// Down, level by level: at each node, from the edge into it (feature
     /// i, merged zero `z`, merged one `o`), its factor `f = z (1 − t) + o
     /// t`; the product of the path's factors (each feature's latest; the
     /// weights at the root); `excl`, the parent's product without feature
     /// i's factor `f_a` from the nearest edge above that splits on i (the
     /// dummy's 1 when none does). The node keeps `scaled = excl · ((o − z)
-    /// − (o_a − z_a) f / f_a)` and `grow = f / f_a`.
+    /// − (o_a − z_a) f / f_a)` and `grow = f / f_a`. Where no edge above
+    /// splits on i, `f_a` is 1 and `o_a − z_a` 0: those nodes skip the
+    /// division (most nodes; their own loop, [`Quadrature::levels`]).
     ///
-    /// Up, in reverse (children before parents): a node's sum `S` (its
-    /// leaf value, or its children's sums grown into it) gives feature i
-    /// `Σ_t scaled · S` and the parent `grow · S`. The second term of
-    /// `scaled` takes back what the edge above counted for this subtree,
-    /// when i is split on again; a subtree whose factor is 0 (no row and no
-    /// training row reaches it) has `1 / f` read as 0, so it adds nothing.
-    /// No branch depends on the row or on the tree's shape.
+    /// Up, children before parents: a node's sum `S` (its leaf value, or
+    /// its children's sums grown into it) gives feature i `Σ_t scaled · S`
+    /// and the parent `grow · S`. A leaf's `S` is its value, known on the
+    /// way down, so a leaf adds both there and keeps nothing; the up pass
+    /// visits splits only. The second term of `scaled` takes back what the
+    /// edge above counted for this subtree, when i is split on again; a
+    /// subtree whose factor is 0 (no row and no training row reaches it)
+    /// has `1 / f` read as 0, so it adds nothing. No branch depends on the
+    /// row.
     #[inline(always)]
     fn walk<const N: usize>(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
         let t: [f64; N] = self.t[..N].try_into().expect("N points");
@@ -789,50 +837,145 @@ impl Quadrature {
         let lanes = &mut lanes.as_chunks_mut::<N>().0[..self.columns.len()];
         lanes.fill([0.0; N]);
         let dummy = self.dummy;
-        // Per node: product, factor, scaled, grow, sum.
-        let (product, factor, scaled, grow, sum) = (0, 1, 2, 3, 4);
-        node[5 * dummy + factor] = [1.0; N];
+        node[5 * dummy + FACTOR] = [1.0; N];
         (one[dummy], coef[dummy]) = (1.0, 0.0);
-        for bounds in self.starts.windows(2) {
+        let at = At { t, rest };
+        for (tree, bounds) in self.starts.windows(2).enumerate() {
             let nodes = &self.nodes[bounds[0] as usize..bounds[1] as usize];
-            node[product] = w;
+            let levels = &self.levels[self.tree_levels[tree] as usize..self.tree_levels[tree + 1] as usize];
+            node[PRODUCT] = w;
             left[0] = nodes[0].goes_left(x, words);
             // Index loops: an iterator adapter's closure may be compiled
             // apart, without the target features.
-            for i in 1..nodes.len() {
-                let n = &nodes[i];
-                let (p, a) = (n.parent as usize, n.repeat as usize);
-                let taken = ((n.flags & LEFT_CHILD != 0) == left[p]) as u8 as f64;
-                let (o, z, ca) = (taken * one[a], n.zero, coef[a]);
-                let fa = node[5 * a + factor];
-                let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
-                let r: [f64; N] = std::array::from_fn(|k| if fa[k] == 0.0 { 0.0 } else { 1.0 / fa[k] });
-                let excl: [f64; N] = std::array::from_fn(|k| node[5 * p + product][k] * r[k]);
-                let g: [f64; N] = std::array::from_fn(|k| f[k] * r[k]);
-                let value = if n.flags & LEAF != 0 { f32::from_bits(n.value) as f64 } else { 0.0 };
-                let at = 5 * i;
-                node[at + product] = std::array::from_fn(|k| excl[k] * f[k]);
-                node[at + factor] = f;
-                node[at + scaled] = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
-                node[at + grow] = g;
-                node[at + sum] = [value; N];
-                (one[i], coef[i]) = (o, o - z);
-                left[i] = n.goes_left(x, words);
+            for level in levels {
+                let [a, b, c, d, end] = level.map(usize::from);
+                for i in a..b {
+                    at.split::<false>(&nodes[i], i, x, words, node, one, coef, left);
+                }
+                for i in b..c {
+                    at.split::<true>(&nodes[i], i, x, words, node, one, coef, left);
+                }
+                for n in &nodes[c..d] {
+                    at.leaf::<false>(n, node, one, coef, left, lanes);
+                }
+                for n in &nodes[d..end] {
+                    at.leaf::<true>(n, node, one, coef, left, lanes);
+                }
             }
-            for i in (1..nodes.len()).rev() {
-                let n = &nodes[i];
-                let (at, to) = (n.slot as usize, 5 * n.parent as usize + sum);
-                let (s, g, total) = (node[5 * i + scaled], node[5 * i + grow], node[5 * i + sum]);
-                // Whole vectors in and out, which the compiler keeps in
-                // vector registers (a lane at a time, it did not).
-                let (into_lanes, into_parent) = (lanes[at], node[to]);
-                lanes[at] = std::array::from_fn(|k| into_lanes[k] + s[k] * total[k]);
-                node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * total[k]);
+            for level in levels.iter().rev() {
+                for i in (usize::from(level[0])..usize::from(level[2])).rev() {
+                    let n = &nodes[i];
+                    let (slot, to) = (n.slot as usize, 5 * n.parent as usize + SUM);
+                    let (s, g, total) = (node[5 * i + SCALED], node[5 * i + GROW], node[5 * i + SUM]);
+                    // Whole vectors in and out, which the compiler keeps in
+                    // vector registers (a lane at a time, it did not).
+                    let (into_lanes, into_parent) = (lanes[slot], node[to]);
+                    lanes[slot] = std::array::from_fn(|k| into_lanes[k] + s[k] * total[k]);
+                    node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * total[k]);
+                }
             }
         }
         for (l, &column) in lanes.iter().zip(&self.columns) {
             phi[column as usize] += l.iter().sum::<f64>();
         }
+    }
+}
+
+/// A node's vectors in the walk's memory, five per node.
+const PRODUCT: usize = 0;
+const FACTOR: usize = 1;
+const SCALED: usize = 2;
+const GROW: usize = 3;
+const SUM: usize = 4;
+
+/// The quadrature points of a walk: `t` and `1 − t`.
+struct At<const N: usize> {
+    t: [f64; N],
+    rest: [f64; N],
+}
+
+impl<const N: usize> At<N> {
+    /// The edge into `n` (module header, [`Quadrature::walk`]): the node's
+    /// `f`, `excl`, `grow` and `scaled` vectors and its merged one, `o`.
+    /// `REPEAT`: an edge above splits on the same feature (else `f_a` is
+    /// 1 and `o_a − z_a` is 0, and nothing is divided).
+    #[inline(always)]
+    #[allow(clippy::type_complexity)]
+    fn edge<const REPEAT: bool>(
+        &self,
+        n: &TableNode,
+        node: &[[f64; N]],
+        one: &[f64],
+        coef: &[f64],
+        left: &[bool],
+    ) -> ([f64; N], [f64; N], [f64; N], [f64; N], f64) {
+        let (t, rest) = (&self.t, &self.rest);
+        let p = n.parent as usize;
+        let taken = ((n.flags & LEFT_CHILD != 0) == left[p]) as u8 as f64;
+        let z = n.zero;
+        let product = node[5 * p + PRODUCT];
+        if REPEAT {
+            let a = n.repeat as usize;
+            let (o, ca) = (taken * one[a], coef[a]);
+            let fa = node[5 * a + FACTOR];
+            let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
+            let r: [f64; N] = std::array::from_fn(|k| if fa[k] == 0.0 { 0.0 } else { 1.0 / fa[k] });
+            let excl: [f64; N] = std::array::from_fn(|k| product[k] * r[k]);
+            let g: [f64; N] = std::array::from_fn(|k| f[k] * r[k]);
+            let scaled = std::array::from_fn(|k| excl[k] * ((o - z) - ca * g[k]));
+            (f, excl, g, scaled, o)
+        } else {
+            let o = taken;
+            let f: [f64; N] = std::array::from_fn(|k| z * rest[k] + o * t[k]);
+            let scaled = std::array::from_fn(|k| product[k] * (o - z));
+            (f, product, f, scaled, o)
+        }
+    }
+
+    /// A split node `i`: its vectors kept for its children and the up
+    /// pass, and which way the row goes.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn split<const REPEAT: bool>(
+        &self,
+        n: &TableNode,
+        i: usize,
+        x: &[f32],
+        words: &[u32],
+        node: &mut [[f64; N]],
+        one: &mut [f64],
+        coef: &mut [f64],
+        left: &mut [bool],
+    ) {
+        let (f, excl, g, scaled, o) = self.edge::<REPEAT>(n, node, one, coef, left);
+        let at = 5 * i;
+        node[at + PRODUCT] = std::array::from_fn(|k| excl[k] * f[k]);
+        node[at + FACTOR] = f;
+        node[at + SCALED] = scaled;
+        node[at + GROW] = g;
+        node[at + SUM] = [0.0; N];
+        (one[i], coef[i]) = (o, o - n.zero);
+        left[i] = n.goes_left(x, words);
+    }
+
+    /// A leaf: its value times `scaled` to its feature's lanes, times
+    /// `grow` to its parent's sum; nothing kept.
+    #[inline(always)]
+    fn leaf<const REPEAT: bool>(
+        &self,
+        n: &TableNode,
+        node: &mut [[f64; N]],
+        one: &[f64],
+        coef: &[f64],
+        left: &[bool],
+        lanes: &mut [[f64; N]],
+    ) {
+        let (_, _, g, scaled, _) = self.edge::<REPEAT>(n, node, one, coef, left);
+        let value = f32::from_bits(n.value) as f64;
+        let (slot, to) = (n.slot as usize, 5 * n.parent as usize + SUM);
+        let (into_lanes, into_parent) = (lanes[slot], node[to]);
+        lanes[slot] = std::array::from_fn(|k| into_lanes[k] + scaled[k] * value);
+        node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * value);
     }
 }
 
@@ -1510,7 +1653,17 @@ mod tests {
         );
         assert!(walk.phi.len() <= 4 * WIDTH);
         let trees = 4 - lone_leaves;
-        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 4 * (trees + 1));
+        // A level of each tree below its root: each tree's depth.
+        fn below(tree: &[crate::model::trees::TreeNode], i: usize) -> usize {
+            match tree[i].split {
+                Split::Leaf { .. } => 0,
+                _ => 1 + below(tree, tree[i].left as usize).max(below(tree, tree[i].right as usize)),
+            }
+        }
+        let e = t.ensemble();
+        let levels: usize = (0..e.trees()).map(|t| below(e.tree(t), 0)).sum();
+        assert_eq!(q.levels.len(), levels);
+        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 10 * levels);
     }
 
     /// The table's branch-free rule is `trees::goes_left`, missing values,
