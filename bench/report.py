@@ -30,7 +30,7 @@ import sys
 # A section's `_amd` twin holds the same script's figures from the other
 # machine kind (AMD EPYC beside Intel Xeon), rendered right after it.
 SECTIONS = ["zoo_side_by_side.md", "zoo_side_by_side_amd.md", "one_request.md", "trees_side_by_side.md",
-            "explain_side_by_side.md",
+            "explain_side_by_side.md", "explain_before_after.md",
             "tls_cost.md", "tls_flood.md", "ort_backend.md", "hedge.md", "int8_before_after.md",
             "ort_side_by_side.md", "f32_before_after.md", "bf16_accuracy.md", "lookups_before_after.md",
             "lookups_before_after_amd.md", "workloads_open_loop.md", "request_breakdown.md",
