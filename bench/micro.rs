@@ -695,6 +695,7 @@ fn auction_request_bench(c: &mut Criterion) {
             handle: Arc::new(ReplicaHandle::open(&dir.join(format!("{name}.qrep")), name).unwrap()),
             child: auction::PARENTS.iter().position(|p| p == &Some(*name)).map(|c| auction::GROUPS[c].into()),
             ttl_s: 0,
+            nulls_missing: false,
         })
         .collect();
     let fit = Fit { groups: groups.iter().map(SharedGroup::fit).collect(), context_len_max: 256 };

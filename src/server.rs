@@ -267,7 +267,15 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>, feast_ttl_s: Option<u64>) -> R
             return Err(Error::Setup(format!("Feast view '{}': its replica {path} links rows to a parent", g.name)));
         }
         let ttl_s = if timed { ttl_s } else { 0 };
-        return Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle, child: None, ttl_s });
+        return Ok(SharedGroup {
+            name: g.name.clone(),
+            scope: g.scope,
+            absent: g.absent,
+            handle,
+            child: None,
+            ttl_s,
+            nulls_missing: true,
+        });
     }
     let link = g.parent.as_ref().map(|(_, kind)| *kind);
     if handle.link_kind() != link {
@@ -283,7 +291,15 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>, feast_ttl_s: Option<u64>) -> R
             None => format!("group '{}' has no parent, its replica {path} holds {holds}", g.name),
         }));
     }
-    Ok(SharedGroup { name: g.name.clone(), scope: g.scope, absent: g.absent, handle, child: g.child.clone(), ttl_s: 0 })
+    Ok(SharedGroup {
+        name: g.name.clone(),
+        scope: g.scope,
+        absent: g.absent,
+        handle,
+        child: g.child.clone(),
+        ttl_s: 0,
+        nulls_missing: false,
+    })
 }
 
 /// Serves `config` until `stop` is set; `on_event` hears of each listener

@@ -148,7 +148,15 @@ fn shared(name: &str) -> Shared {
     );
     for (name, scope) in [("device", Scope::Request), ("ad", Scope::Candidate)] {
         let handle = Arc::new(ReplicaHandle::open(&dir.join(format!("{name}.qrep")), name).unwrap());
-        groups.push(SharedGroup { name: name.into(), scope, absent: Absent::Reject, handle, child: None, ttl_s: 0 });
+        groups.push(SharedGroup {
+            name: name.into(),
+            scope,
+            absent: Absent::Reject,
+            handle,
+            child: None,
+            ttl_s: 0,
+            nulls_missing: false,
+        });
     }
     let mut fit = Fit::user_item(2, 1, 256);
     fit.groups.extend(groups[2..].iter().map(|g| GroupFit {

@@ -10,9 +10,15 @@
 //! view, and an emptied Redis leaves the files as they were (held, exit 3).
 //! Freshness (1,000 users): `feast materialize-incremental` and a push are
 //! served within a deadline, a row past its view's ttl is missing, a change
-//! no notification announced is caught up after Redis restarts, a burst of
-//! deletions is held, and a Redis that refuses CONFIG fails start-up naming
-//! `notify-keyspace-events`.
+//! and deletions no notification announced are caught up after Redis
+//! restarts (the reconciliation's SCAN and its sweep of the replica's rows,
+//! in rounds bounded by `reconcile_keys_max`), `quiver feast sync` refuses
+//! to replace files the follower writes, a burst of deletions is held, and
+//! a Redis that refuses CONFIG fails start-up naming
+//! `notify-keyspace-events`. A model (LightGBM trained on the offline
+//! store's features) served on the views scores what LightGBM predicts on
+//! `get_online_features`' values, and `features_missing` counts each row
+//! with a null.
 //!
 //! Feast lives in its own virtual environment (its pins clash with other
 //! Python tools the tests use): `QUIVER_FEAST_VENV` names it, and the script
@@ -514,4 +520,110 @@ fn feast_writes_are_followed() {
     let why = failed.err().expect("start-up fails");
     let why = why.downcast_ref::<String>().unwrap();
     assert!(why.contains("notify-keyspace-events") && why.contains("Kghx"), "{why}");
+}
+
+/// A model served end to end on Feast's features, as a Feast user would:
+/// LightGBM trained on the offline store's features through the feature
+/// service (`feast_repo.py train`: `get_historical_features`), imported
+/// with `quiver import --inputs` naming the Feast views, served by a server
+/// whose only features are `[feast]`'s, scored with `quiver score`. Each
+/// score is LightGBM's own prediction on the values `get_online_features`
+/// returns for the same entities (null: NaN, which the trees send their
+/// missing way), and `features_missing` counts every row that is absent or
+/// holds a null (most rows hold one: 5% of each column is null).
+#[test]
+fn a_model_scores_on_feast_features_as_lightgbm_does_on_feasts_values() {
+    let users = 300;
+    let Some(Served { venv, redis: _redis, repo, config, .. }) =
+        served_as_feast_serves("feast-model", users, 3, RedisServer::start())
+    else {
+        return;
+    };
+    let dir = config.parent().unwrap().to_path_buf();
+    let (model_txt, want_path) = (dir.join("model.txt"), dir.join("train.json"));
+    feast_repo(
+        &dir.join("train.log"),
+        &[
+            "train",
+            "--venv",
+            &venv,
+            "--repo",
+            repo.to_str().unwrap(),
+            "--users",
+            &users.to_string(),
+            "--model",
+            model_txt.to_str().unwrap(),
+            "--out",
+            want_path.to_str().unwrap(),
+        ],
+    );
+    let want: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&want_path).unwrap()).unwrap();
+    let inputs = want["inputs"].as_str().unwrap();
+    assert_eq!(inputs, "user_stats:30,user_recent:20,merchant_risk:17,item_attrs@candidate:25");
+
+    // The README's walkthrough: import, a configuration of `[feast]` alone, serve, score.
+    let data = dir.join("model-data");
+    std::fs::create_dir_all(&data).unwrap();
+    let model = data.join("model.qm");
+    let (code, out, err) = run_quiver([
+        "import",
+        "--lightgbm",
+        model_txt.to_str().unwrap(),
+        "--out",
+        model.to_str().unwrap(),
+        "--name",
+        "feast_demo",
+        "--version",
+        "1",
+        "--inputs",
+        inputs,
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let served_config = dir.join("feast-only.toml");
+    std::fs::write(&served_config, format!("[feast]\nrepo = {repo:?}\ncandidate = [\"item_attrs\"]\n")).unwrap();
+    let server = Server::start_with(&data, &["--config", served_config.to_str().unwrap()]);
+    let requests = want["requests"].as_array().unwrap();
+    assert!(requests.len() >= 10);
+    let (mut nulls_counted, mut missing_total, mut compared) = (0u64, 0u64, 0usize);
+    for r in requests {
+        let user = r["user"].as_u64().unwrap();
+        let merchant = r["merchant"].as_str().unwrap();
+        let items: Vec<String> =
+            r["items"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap().to_string()).collect();
+        let (code, out, err) = run_quiver([
+            "score",
+            "--addr",
+            &server.addr,
+            "--key",
+            &format!("user_stats={user}"),
+            "--key",
+            &format!("user_recent={user}"),
+            "--str-key",
+            &format!("merchant_risk={merchant}"),
+            "--key",
+            &format!("item_attrs={}", items.join(",")),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{out}{err}");
+        let got: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!((got["status"].as_str(), got["error"].as_str()), (Some("ok"), Some("")), "{out}");
+        let scores = got["scores"].as_array().unwrap();
+        let expected = r["scores"].as_array().unwrap();
+        assert_eq!(scores.len(), expected.len());
+        for (i, (g, w)) in scores.iter().zip(expected).enumerate() {
+            let (g, w) = (g.as_f64().unwrap(), w.as_f64().unwrap());
+            assert!((g - w).abs() < 1e-5, "user {user} item {}: served {g}, lightgbm {w}", items[i]);
+            compared += 1;
+        }
+        // Each row with a null or absent feature counts once; more than
+        // the one absent item, so the nulls inside present rows count.
+        let missing = r["features_missing"].as_u64().unwrap();
+        assert_eq!(got["features_missing"].as_u64(), Some(missing), "user {user}: {out}");
+        nulls_counted += missing.saturating_sub(1);
+        missing_total += missing;
+    }
+    assert!(nulls_counted > 0);
+    assert_eq!(compared, requests.len() * 32);
+    // The server's counter adds them up the same.
+    assert_eq!(server.wait_metric("quiver_features_missing_total", missing_total), missing_total);
 }

@@ -5,10 +5,12 @@
         [--users N] [--seed S] [--entity-key-serialization-version 3]
     python3 bench/feast/feast_repo.py online --venv DIR --repo DIR --out FILE.json \
         [--users N]
+    python3 bench/feast/feast_repo.py train --venv DIR --repo DIR --model FILE.txt --out FILE.json \
+        [--users N] [--requests R]
     python3 bench/feast/feast_repo.py venv --venv DIR
 
 `build` makes the virtual environment DIR with the pinned feast (and its
-Redis extra) unless it already has that version, writes a fresh repository
+Redis extra, and the pinned lightgbm `train` uses) unless it already has that version, writes a fresh repository
 at --repo (repo/definitions.py beside this script, a feature_store.yaml
 naming a file registry and the Redis online store on 127.0.0.1:P, and one
 parquet file per feature view written from a seeded generator), then runs
@@ -29,6 +31,12 @@ rows for the first --count users of user_stats through the push source
 `get_online_features` returns for those users afterwards (--out): what
 tests/feast.rs waits for Quiver to serve.
 
+`train` fits a LightGBM model on the offline store's features
+(`get_historical_features` over the feature service) and writes, for a few
+requests of a user, a merchant and 32 items, what it predicts on the values
+`get_online_features` returns (see its docstring): what tests/feast.rs
+compares Quiver's scores with, and the README's walkthrough runs.
+
 `venv` only makes the virtual environment (what .ci/run does before the
 tests, which then find it through QUIVER_FEAST_VENV).
 
@@ -46,6 +54,9 @@ import venv
 from pathlib import Path
 
 FEAST_PIN = "0.67.0"
+# The model `train` fits on Feast's features: the pin .ci/run's tree
+# fixtures use, installed beside feast.
+LIGHTGBM_PIN = "4.7.0"
 HERE = Path(__file__).resolve().parent
 PROJECT = "quiver_feast"
 
@@ -65,14 +76,14 @@ def ensure_feast(venv_dir: Path) -> Path:
         print(f"feast_repo: creating {venv_dir}", file=sys.stderr)
         venv.create(venv_dir, with_pip=True)
     probe = subprocess.run(
-        [python, "-c", "import feast, redis; print(feast.__version__)"], capture_output=True, text=True
+        [python, "-c", "import feast, redis, lightgbm; print(feast.__version__, lightgbm.__version__)"],
+        capture_output=True,
+        text=True,
     )
-    if probe.returncode != 0 or probe.stdout.strip() != FEAST_PIN:
-        print(f"feast_repo: installing feast[redis]=={FEAST_PIN} into {venv_dir}", file=sys.stderr)
-        subprocess.run(
-            [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"feast[redis]=={FEAST_PIN}"],
-            check=True,
-        )
+    if probe.returncode != 0 or probe.stdout.strip() != f"{FEAST_PIN} {LIGHTGBM_PIN}":
+        pins = [f"feast[redis]=={FEAST_PIN}", f"lightgbm=={LIGHTGBM_PIN}"]
+        print(f"feast_repo: installing {' '.join(pins)} into {venv_dir}", file=sys.stderr)
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *pins], check=True)
     return python
 
 
@@ -305,6 +316,103 @@ def push(args: argparse.Namespace) -> None:
     write_online(store, view, join_key, ids, args.out)
 
 
+# The views in the order the model reads them: request-scope first, then
+# the candidates' (what `quiver import --inputs` lists, in this order).
+MODEL_VIEWS = ["user_stats", "user_recent", "merchant_risk", "item_attrs"]
+ITEMS_PER_REQUEST = 32
+
+
+def train(args: argparse.Namespace) -> None:
+    """A LightGBM model on Feast's features, as a Feast user trains one.
+
+    Training rows come from the offline store (`get_historical_features`
+    over the feature service, point in time), the label from a rule over a
+    few features; the model's features are the views of MODEL_VIEWS, each in
+    the service's order. Writes the model (LightGBM text) to --model, and to
+    --out, for --requests requests of one user, one merchant and
+    ITEMS_PER_REQUEST items (the last an item Feast does not hold), what the
+    model predicts on the values `get_online_features` returns for them
+    (null: NaN) and how many of their rows miss a feature."""
+    in_venv(args)
+    import lightgbm
+    import numpy as np
+    import pandas as pd
+
+    repo = Path(args.repo).resolve()
+    sys.path.insert(0, str(repo))
+    from feast import FeatureStore
+
+    store = FeatureStore(repo_path=str(repo))
+    service = store.get_feature_service("scoring")
+    names = {p.name: [f.name for f in p.features] for p in service.feature_view_projections}
+    columns = [n for view in MODEL_VIEWS for n in names[view]]
+    keys = entities(args.users)
+    rng = np.random.default_rng(args.seed)
+    n = 4 * args.users
+    entity_df = pd.DataFrame(
+        {
+            "user_id": rng.choice(keys["user_id"], n),
+            "item_id": rng.choice(keys["item_id"], n),
+            "merchant_id": rng.choice(keys["merchant_id"], n),
+            "event_timestamp": pd.Timestamp.now(tz="UTC"),
+        }
+    )
+    frame = store.get_historical_features(entity_df=entity_df, features=service).to_df()
+    x = np.stack([pd.to_numeric(frame[c], errors="coerce").astype("float32").to_numpy() for c in columns], axis=1)
+    signal = np.nan_to_num(x[:, columns.index("us_f32_0")]) + np.nan_to_num(x[:, columns.index("it_f32_1")])
+    y = (signal + rng.standard_normal(len(signal)) * 5 > 0).astype(int)
+    params = {
+        "objective": "binary",
+        "num_leaves": 8,
+        "min_data_in_leaf": 5,
+        "learning_rate": 0.3,
+        "num_threads": 1,
+        "deterministic": True,
+        "seed": args.seed,
+        "verbose": -1,
+    }
+    booster = lightgbm.train(params, lightgbm.Dataset(x, y, feature_name=columns), num_boost_round=20)
+    booster.save_model(args.model)
+
+    requests = []
+    items = keys["item_id"]
+    for r in range(args.requests):
+        user = keys["user_id"][r % len(keys["user_id"])]
+        merchant = keys["merchant_id"][r % len(keys["merchant_id"])]
+        asked = [items[(r * ITEMS_PER_REQUEST + i) % len(items)] for i in range(ITEMS_PER_REQUEST - 1)]
+        asked.append(1)  # no such item: missing whole
+        rows = {}
+        for view, join_key, ids in (
+            ("user_stats", "user_id", [user]),
+            ("user_recent", "user_id", [user]),
+            ("merchant_risk", "merchant_id", [merchant]),
+            ("item_attrs", "item_id", asked),
+        ):
+            got = store.get_online_features(
+                features=[f"{view}:{c}" for c in names[view]], entity_rows=[{join_key: k} for k in ids]
+            ).to_dict()
+            rows[view] = [[as_f32(got[c][i]) for c in names[view]] for i in range(len(ids))]
+        request_part = rows["user_stats"][0] + rows["user_recent"][0] + rows["merchant_risk"][0]
+        x = np.array(
+            [[np.nan if v is None else v for v in request_part + item] for item in rows["item_attrs"]],
+            dtype=np.float32,
+        )
+        missing = sum(any(v is None for v in row) for view_rows in rows.values() for row in view_rows)
+        requests.append(
+            {
+                "user": user,
+                "merchant": merchant,
+                "items": asked,
+                "scores": [float(p) for p in booster.predict(x.astype(np.float64))],
+                "features_missing": missing,
+            }
+        )
+    widths = ",".join(
+        f"{view}{'@candidate' if view == 'item_attrs' else ''}:{len(names[view])}" for view in MODEL_VIEWS
+    )
+    Path(args.out).write_text(json.dumps({"inputs": widths, "requests": requests}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -328,13 +436,21 @@ def main() -> None:
         u.add_argument("--users", type=int, default=10_000)
         u.add_argument("--count", type=int, default=100)
         u.add_argument("--seed", type=int, default=36)
+    t = sub.add_parser("train")
+    t.add_argument("--venv", required=True)
+    t.add_argument("--repo", required=True)
+    t.add_argument("--model", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--users", type=int, default=10_000)
+    t.add_argument("--requests", type=int, default=20)
+    t.add_argument("--seed", type=int, default=37)
     v = sub.add_parser("venv")
     v.add_argument("--venv", required=True)
     args = parser.parse_args()
     if args.command == "venv":
         ensure_feast(Path(args.venv).resolve())
         return
-    {"build": build, "online": online, "update": update, "push": push}[args.command](args)
+    {"build": build, "online": online, "update": update, "push": push, "train": train}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,10 @@ pub struct SharedGroup {
     /// A Feast view's `ttl` (0: none): a row whose event time (its link
     /// words, `features::feast::rows`) is older is served as missing.
     pub ttl_s: u64,
+    /// A Feast view: a row holding a null (NaN) feature counts in
+    /// `features_missing` like a missing row, as Feast reports the feature
+    /// missing.
+    pub nulls_missing: bool,
 }
 
 impl SharedGroup {
@@ -131,6 +135,7 @@ impl SharedGroup {
             handle,
             child: None,
             ttl_s: 0,
+            nulls_missing: false,
         };
         vec![group("user", Scope::Request, user), group("item", Scope::Candidate, item)]
     }
@@ -218,6 +223,8 @@ struct GroupView {
     child: Option<Box<str>>,
     /// [`SharedGroup::ttl_s`].
     ttl_s: u64,
+    /// [`SharedGroup::nulls_missing`].
+    nulls_missing: bool,
     view: ReplicaView,
 }
 
@@ -234,6 +241,7 @@ impl Replicas {
                     key: view.key_kind(),
                     child: g.child.as_deref().map(Into::into),
                     ttl_s: g.ttl_s,
+                    nulls_missing: g.nulls_missing,
                     view,
                 }
             })

@@ -293,6 +293,7 @@ pub(super) fn assemble(
         let kept_words = if step.keep_links || g.ttl_s > 0 { g.view.link_words() } else { 0 };
         let links_out = &mut links_next[..n * kept_words];
         let vectors = &mut vectors[..n * dim];
+        let missing_before = missing;
         if step.through_links {
             // Keyed by the links the step before read: no request key.
             let from = &links[..n * link_words];
@@ -355,6 +356,11 @@ pub(super) fn assemble(
         }
         if g.ttl_s > 0 {
             missing += expire_rows(vectors, dim, links_out, kept_words, clock.unix_s().saturating_sub(g.ttl_s));
+        }
+        if g.nulls_missing && dim > 0 {
+            // Absent and expired rows are all NaN: each row with a NaN
+            // counts once, whichever way it is missing.
+            missing = missing_before + (missing - missing_before).max(rows_with_nan(vectors, dim));
         }
         if let Some(off) = step.offset {
             match step.scope {
@@ -483,6 +489,11 @@ fn expire_rows(vectors: &mut [f32], dim: usize, links: &[u32], link_words: usize
         }
     }
     expired
+}
+
+/// How many rows of `vectors` (`dim` wide) hold a NaN (a Feast null).
+fn rows_with_nan(vectors: &[f32], dim: usize) -> u32 {
+    vectors.chunks_exact(dim).filter(|row| row.iter().fold(false, |nan, x| nan | x.is_nan())).count() as u32
 }
 
 /// Looks up the rows the `links` name (`link_words` per key, as the lookup

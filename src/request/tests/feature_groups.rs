@@ -40,6 +40,7 @@ fn shared_groups(dir: &std::path::Path) -> Shared {
         handle,
         child: None,
         ttl_s: 0,
+        nulls_missing: false,
     };
     base.groups.extend([
         group(
@@ -346,6 +347,7 @@ fn auction_groups(dir: &std::path::Path, inputs: &[(&str, Scope)]) -> Shared {
         handle,
         child: child.map(Into::into),
         ttl_s: 0,
+        nulls_missing: false,
     };
     base.groups.extend([
         group(
@@ -488,7 +490,8 @@ fn a_request_naming_a_group_keyed_through_links_gets_bad_request() {
 
 /// Feast views with a `ttl`: a row whose event time (its link words) is
 /// older is served as missing, NaN into the model and counted, at request
-/// scope and per candidate; a row without a time is served as it is.
+/// scope and per candidate; a row without a time is served as it is; a row
+/// with a null feature counts as missing too.
 #[test]
 fn a_feast_row_past_its_ttl_is_served_as_missing() {
     use crate::features::feast::rows::{row_time_link, ROW_TIME_LINK};
@@ -500,7 +503,9 @@ fn a_feast_row_past_its_ttl_is_served_as_missing() {
         let mut b = ReplicaBuilder::new(name, 1).links_to(ROW_TIME_LINK).unwrap();
         b.set_default(&[f32::NAN]).unwrap();
         for &(k, ts) in rows {
-            b.push_linked(EntityKey::Id(k), &[1.0], row_time_link(ts)).unwrap();
+            // Key 4's one feature is null in Feast.
+            let value = if k == 4 { f32::NAN } else { 1.0 };
+            b.push_linked(EntityKey::Id(k), &[value], row_time_link(ts)).unwrap();
         }
         let path = d.join(format!("{name}.qrep"));
         b.write(&path).unwrap();
@@ -513,9 +518,10 @@ fn a_feast_row_past_its_ttl_is_served_as_missing() {
         handle,
         child: None,
         ttl_s: 3_600,
+        nulls_missing: true,
     };
     base.groups.extend([
-        group("recent", Scope::Request, timed("recent", &[(1, fresh), (2, old), (3, 0)])),
+        group("recent", Scope::Request, timed("recent", &[(1, fresh), (2, old), (3, 0), (4, fresh)])),
         group("seen", Scope::Candidate, timed("seen", &[(10, fresh), (11, old)])),
     ]);
     let model = Model {
@@ -549,4 +555,9 @@ fn a_feast_row_past_its_ttl_is_served_as_missing() {
     assert_eq!(r.features_missing, 2, "the request's row and candidate 11");
     // A row with no time is not judged by it.
     assert_eq!(run(&mut path, &spec(3), 1_000).features_missing, 1);
+    // A null inside a fresh row: NaN into the model (read as 0), counted
+    // as missing like an absent row.
+    let r = run(&mut path, &spec(4), 1_000);
+    assert_eq!(r.scores[0], sigmoid(1.0));
+    assert_eq!(r.features_missing, 2, "the request's null and candidate 11");
 }

@@ -68,6 +68,7 @@ fn group(name: &str, scope: Scope, handle: Arc<ReplicaHandle>) -> SharedGroup {
         handle,
         child: None,
         ttl_s: 0,
+        nulls_missing: false,
     }
 }
 
