@@ -440,14 +440,33 @@ fn feast_writes_are_followed() {
     };
     let dir = config.parent().unwrap().to_path_buf();
     let (repo_s, users_s) = (repo.to_str().unwrap(), users.to_string());
-    // Only a reconnection starts a reconciliation pass within the test.
+    // Only a reconnection starts a reconciliation pass within the test, in
+    // rounds of 100 of the 1,600 keys.
     let mut text = std::fs::read_to_string(&config).unwrap();
-    text.push_str("reconcile_interval_ms = 3600000\n");
+    text.push_str("reconcile_interval_ms = 3600000\nreconcile_keys_max = 100\n");
     std::fs::write(&config, text).unwrap();
     let server = Server::start_with(&data, &["--config", config.to_str().unwrap()]);
     server.wait_scrape("quiver_feast_resumed{group=\"user_recent\"} 1");
     server.wait_scrape("quiver_feast_connected 1");
     let log = dir.join("fresh.log");
+
+    // The start-up's catch-up: a whole pass of the SCAN and of the sweep,
+    // in rounds that each compared at most reconcile_keys_max keys.
+    server.wait_metric("quiver_feast_reconcile_passes_total", 1);
+    server.wait_metric("quiver_feast_sweep_passes_total", 1);
+    let keys = (users + users / 2 + users / 10) as u64;
+    assert!(server.metric("quiver_feast_reconciled_keys_total") >= keys);
+    assert_eq!(server.metric("quiver_feast_reconcile_round_keys_max"), 100);
+    assert!(server.metric("quiver_feast_reconcile_rounds_total") >= keys / 100);
+    assert!(server.metric("quiver_feast_swept_rows_total") >= keys + users as u64);
+
+    // `quiver feast sync` will not swap files in under the running follower.
+    let data_s = data.to_str().unwrap();
+    let before = std::fs::metadata(data.join("user_stats.qrep")).unwrap().modified().unwrap();
+    let (code, out, err) = run_quiver(["feast", "sync", "--repo", repo_s, "--data-dir", data_s]);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(err.contains("being written by another process") && err.contains("user_stats"), "{err}");
+    assert_eq!(std::fs::metadata(data.join("user_stats.qrep")).unwrap().modified().unwrap(), before);
 
     // feast materialize-incremental, then a push: each served as Feast serves it.
     let out = dir.join("update.json");
@@ -484,17 +503,31 @@ fn feast_writes_are_followed() {
     // them again, and its reconciliation pass re-reads the change.
     let rereads = server.metric("quiver_feast_reconcile_rereads_total");
     let user = recent.keys().map(|k| k.parse::<u64>().unwrap()).min().unwrap();
+    // Ten users deleted unannounced too: SCAN cannot show them; the sweep does.
+    let mut by_id: Vec<u64> = recent.keys().map(|k| k.parse().unwrap()).filter(|&id| id != user).collect();
+    by_id.sort_unstable();
+    let deleted = &by_id[..10];
     let field = quiver::features::feast::redis_layout::field_name("user_stats", "us_f32_0");
     conn.command(&[b"CONFIG", b"SET", b"notify-keyspace-events", b""]).unwrap();
     // Value(float_val = 3.0), as Feast stores it.
     conn.command(&[b"HSET", &key_of(user), &field, b"\x35\x00\x00\x40\x40"]).unwrap();
     conn.command(&[b"HSET", &key_of(user), b"_ts:user_stats", &timestamp(now_s() + 3600)]).unwrap();
+    for &id in deleted {
+        conn.command(&[b"DEL", &key_of(id)]).unwrap();
+    }
     drop(conn);
     let mut redis = redis;
     redis.restart();
     wait_row(&server.admin, "user_stats", &user.to_string(), "caught up", |row| row["row"][0] == 3.0);
     assert!(server.metric("quiver_feast_reconcile_rereads_total") > rereads);
     assert!(server.metric("quiver_feast_connect_failures_total") >= 1);
+    let left = users - deleted.len();
+    server.wait_scrape(&format!("quiver_feast_rows{{group=\"user_stats\"}} {left}"));
+    server.wait_scrape(&format!("quiver_feast_rows{{group=\"user_recent\"}} {left}"));
+    for id in deleted {
+        assert!(!served_row(&server.admin, "user_stats", &id.to_string()).0, "user {id} was deleted");
+    }
+    assert!(server.metric("quiver_feast_sweep_rereads_total") >= deleted.len() as u64);
 
     // A burst of deletions: held at shrink_max (0.5) of the most rows.
     let mut conn = redis.conn();

@@ -446,7 +446,7 @@ fn encode_feast(
         return Ok(());
     }
     type GetAll = fn(&crate::features::feast::FeastStatus) -> u64;
-    let totals: [(&str, &str, GetAll); 6] = [
+    let totals: [(&str, &str, GetAll); 10] = [
         ("quiver_feast_events", "Keyspace events of the project's keys received.", |f| f.events_total.load(Relaxed)),
         (
             "quiver_feast_events_dropped",
@@ -463,6 +463,16 @@ fn encode_feast(
         ("quiver_feast_reconcile_passes", "Whole passes of the reconciliation over the project's keys.", |f| {
             f.reconcile_passes_total.load(Relaxed)
         }),
+        ("quiver_feast_reconcile_rounds", "Reconciliation rounds run.", |f| f.reconcile_rounds_total.load(Relaxed)),
+        ("quiver_feast_swept_rows", "Replica rows the sweep checked against Redis (keys deleted unannounced).", |f| {
+            f.swept_rows_total.load(Relaxed)
+        }),
+        ("quiver_feast_sweep_rereads", "Entities the sweep re-read because their view's _ts: field was gone.", |f| {
+            f.sweep_rereads_total.load(Relaxed)
+        }),
+        ("quiver_feast_sweep_passes", "Whole passes of the sweep over every view's replica rows.", |f| {
+            f.sweep_passes_total.load(Relaxed)
+        }),
         ("quiver_feast_connect_failures", "Sessions of the follower with Redis that failed.", |f| {
             f.connect_failures_total.load(Relaxed)
         }),
@@ -472,7 +482,12 @@ fn encode_feast(
             .encode_descriptor(name, help, None, MetricType::Counter)?
             .encode_counter::<NoLabelSet, _, u64>(&get(feast), None)?;
     }
-    let gauges: [(&str, &str, GetAll); 3] = [
+    let gauges: [(&str, &str, GetAll); 4] = [
+        (
+            "quiver_feast_reconcile_round_keys_max",
+            "The most keys one reconciliation round compared (at most feast.reconcile_keys_max).",
+            |f| f.reconcile_round_keys_max.load(Relaxed),
+        ),
         ("quiver_feast_connected", "1 while the follower is connected to Redis.", |f| {
             u64::from(f.connected.load(Relaxed))
         }),

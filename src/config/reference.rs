@@ -721,7 +721,11 @@ pub const SECTIONS: &[Section] = &[
             )
             .range(1, crate::features::feast::QUEUE_KEYS_MAX as i64),
             Key::new("reconcile_interval_ms", "30000", "How often a reconciliation round runs.").range(10, 86_400_000),
-            Key::new("reconcile_keys_max", "50000", "Keys one reconciliation round compares at most.")
+            Key::new(
+                "reconcile_keys_max",
+                "50000",
+                "Keys of Redis one reconciliation round compares at most, and replica rows its sweep checks at most.",
+            )
                 .range(1, 10_000_000),
         ],
     },

@@ -12,6 +12,12 @@
 //! replica. Such a view is held, as the Quiver contract's full sync holds
 //! one, until an operator accepts the shrink.
 //!
+//! A file a following server writes in place is never replaced under it:
+//! the copy first takes each existing file's writer lock (the `flock` every
+//! [`ReplicaWriter`] holds) and refuses, naming the file, when another
+//! process holds it; it keeps the locks until its files are renamed in, so
+//! a server starting meanwhile waits for none and fails naming the lock.
+//!
 //! Each row keeps its event time (see [`super::rows`]), and each file's
 //! checkpoint names a digest of the definitions it was written for, so a
 //! server that finds them all current resumes from the files instead of
@@ -30,7 +36,7 @@ use super::repo::{FeastRepo, Plan, ServedView};
 use super::rows::{self, Claim, Entities, Hash, Split};
 use super::FeastError;
 use crate::features::feed::{RedisConn, Reply};
-use crate::features::replica::{Cursor, EntityKeyBuf, ReplicaBuilder, ReplicaHandle};
+use crate::features::replica::{Cursor, EntityKeyBuf, ReplicaBuilder, ReplicaError, ReplicaHandle, ReplicaWriter};
 
 /// Lines logged per view and sync for skipped rows; the rest are counted.
 const SKIP_LOGS_PER_VIEW_MAX: u64 = 8;
@@ -131,6 +137,19 @@ pub fn first_sync(
     if plan.views.is_empty() {
         return Err(FeastError::Repo("no feature view to serve".into()));
     }
+    // Held to the end: no writer opens a file while it is being replaced.
+    let mut locks = Vec::with_capacity(plan.views.len());
+    for view in &plan.views {
+        let path = options.data_dir.join(format!("{}.qrep", view.name));
+        match ReplicaWriter::open_deferred(&path, &view.name) {
+            Ok(writer) => locks.push(writer),
+            Err(ReplicaError::Locked { .. }) => {
+                return Err(FeastError::Busy { view: view.name.clone(), path: path.display().to_string() })
+            }
+            // No file, or one that does not open: the copy replaces it.
+            Err(_) => {}
+        }
+    }
     let mut copies = Vec::with_capacity(plan.views.len());
     for view in &plan.views {
         let width = view.features.len() as u32;
@@ -202,6 +221,7 @@ pub fn first_sync(
         copy.builder.write_at(&path, cursor)?;
     }
     report.views = copies.into_iter().map(|c| c.report).collect();
+    drop(locks);
     Ok(report)
 }
 

@@ -23,8 +23,18 @@
 //!   their row holds (the replica row keeps its event time, so the only
 //!   side table is of rows skipped as bad data, with their time, at most
 //!   [`BAD_KEYS_MAX`] keys, so that they are not read again every pass).
-//!   After a (re)connect, rounds run back to back until a whole pass is
-//!   done.
+//!   A round compares exactly at most `reconcile_keys_max` keys: the keys a
+//!   SCAN returns past the round's share (COUNT is only a hint to Redis)
+//!   wait for the next round.
+//! - **The sweep**: SCAN cannot show a key deleted while no notification
+//!   could tell (it returns only the keys there), so each round also walks
+//!   at most `reconcile_keys_max` of the replica's own rows, view by view,
+//!   asks Redis whether each row's view still has its `_ts:` field (one
+//!   pipeline of HEXISTS) and re-reads the entities whose field is gone,
+//!   which removes their rows (through the guard below).
+//!
+//! After a (re)connect the SCAN and the sweep start again from the start,
+//! and rounds run back to back until both have made a whole pass.
 //!
 //! Deletions (a key gone, a view's fields gone, bad data where a row was)
 //! remove rows, but never past `shrink_max` of the most rows the view has
@@ -125,6 +135,16 @@ pub struct FeastStatus {
     pub reconciled_keys_total: AtomicU64,
     pub reconcile_rereads_total: AtomicU64,
     pub reconcile_passes_total: AtomicU64,
+    /// Reconciliation rounds run, and the most keys one of them compared
+    /// (at most `reconcile_keys_max`).
+    pub reconcile_rounds_total: AtomicU64,
+    pub reconcile_round_keys_max: AtomicU64,
+    /// Replica rows the sweep checked against Redis, the entities it
+    /// re-read because their view's `_ts:` field was gone, and its whole
+    /// passes over every view's rows.
+    pub swept_rows_total: AtomicU64,
+    pub sweep_rereads_total: AtomicU64,
+    pub sweep_passes_total: AtomicU64,
 }
 
 impl FeastStatus {
@@ -269,8 +289,21 @@ pub struct Follower {
     reconcile_keys_max: usize,
     digest: u64,
     scan_cursor: Vec<u8>,
-    /// Reconciliation rounds run back to back until a pass ends.
+    /// Keys the last SCAN returned past its round's share, compared first
+    /// in the next round.
+    scan_carry: Vec<Vec<u8>>,
+    /// The SCAN's cursor came back to 0: the pass ends with its carry.
+    scan_ended: bool,
+    /// The view and index slot the sweep goes on from.
+    sweep_view: usize,
+    sweep_slot: u64,
+    /// Each view's entity (an index into `entities.entities`).
+    entity_of_view: Vec<usize>,
+    /// Reconciliation rounds run back to back until a pass of the SCAN and
+    /// one of the sweep have ended since it was set.
     catch_up: bool,
+    scan_pass_done: bool,
+    sweep_pass_done: bool,
     next_round_ns: u64,
     split_rows: Vec<Vec<f32>>,
     split_out: Vec<Split>,
@@ -310,12 +343,16 @@ impl Follower {
                 }
             })
             .collect();
+        let entities = Entities::new(repo, plan);
+        let entity_of_view = (0..plan.views.len())
+            .map(|v| entities.entities.iter().position(|e| e.views.contains(&v)).unwrap_or(0))
+            .collect();
         Follower {
             redis,
             channels,
             channel_prefix,
             scan_pattern: format!("*{project}").into_bytes(),
-            entities: Entities::new(repo, plan),
+            entities,
             views,
             status,
             queue: Queue { order: VecDeque::new(), queued: HashSet::new(), keys_max: config.queue_keys_max },
@@ -326,7 +363,14 @@ impl Follower {
             reconcile_keys_max: config.reconcile_keys_max,
             digest: rows::plan_digest(repo, plan),
             scan_cursor: b"0".to_vec(),
+            scan_carry: Vec::new(),
+            scan_ended: false,
+            sweep_view: 0,
+            sweep_slot: 0,
+            entity_of_view,
             catch_up: true,
+            scan_pass_done: false,
+            sweep_pass_done: false,
             next_round_ns: 0,
             split_rows: plan.views.iter().map(|v| vec![f32::NAN; v.features.len()]).collect(),
             split_out: vec![Split::Absent; plan.views.len()],
@@ -383,7 +427,14 @@ impl Follower {
         sub.command(&[b"PSUBSCRIBE", &self.channels])?;
         self.status.connected.store(true, Relaxed);
         connected();
-        self.catch_up = true;
+        // Whatever changed while no notification reached us: both walks
+        // again from the start.
+        self.scan_cursor = b"0".to_vec();
+        self.scan_carry.clear();
+        self.scan_ended = false;
+        self.sweep_view = 0;
+        self.sweep_slot = 0;
+        self.start_catch_up();
         self.next_round_ns = 0;
         let mut last_checkpoint_ns = self.clock.now_ns();
         let mut wait_ms = 0;
@@ -442,7 +493,9 @@ impl Follower {
         if !self.queue.push(key, self.clock.now_ns()) {
             FeastStatus::bump(&self.status.events_dropped_total, 1);
             // The reconciliation finds the change this event was for.
-            self.catch_up = true;
+            if !self.catch_up {
+                self.start_catch_up();
+            }
         }
         self.status.queue_keys.store(self.queue.order.len() as u64, Relaxed);
     }
@@ -574,37 +627,123 @@ impl Follower {
         }
     }
 
-    /// One reconciliation round: SCAN on from the carried cursor over at
-    /// most `reconcile_keys_max` keys, and re-read the entities whose
-    /// `_ts:` field differs from their row's time.
+    /// Rounds run back to back from now until a pass of the SCAN and one
+    /// of the sweep have ended.
+    fn start_catch_up(&mut self) {
+        self.catch_up = true;
+        self.scan_pass_done = false;
+        self.sweep_pass_done = false;
+    }
+
+    /// One reconciliation round: at most `reconcile_keys_max` keys of
+    /// Redis compared (the carry first, then SCAN on from the carried
+    /// cursor), re-reading the entities whose `_ts:` field differs from
+    /// their row's time; then the sweep of at most as many replica rows.
     fn reconcile_round(&mut self, cmd: &mut RedisConn) -> Result<(), FeastError> {
-        let mut asked = 0usize;
-        while asked < self.reconcile_keys_max {
-            let count = self.batch_keys.min(self.reconcile_keys_max - asked);
-            asked += count;
-            let count_s = count.to_string().into_bytes();
-            let scan = cmd.command(&[b"SCAN", &self.scan_cursor, b"MATCH", &self.scan_pattern, b"COUNT", &count_s])?;
-            let shape = |what: &str| FeastError::Reply { command: "SCAN", what: what.into() };
-            let mut parts = scan.into_array().ok_or_else(|| shape("not an array"))?.into_iter();
-            let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(shape("not [cursor, keys]"));
-            };
-            self.scan_cursor = next.into_bytes().ok_or_else(|| shape("the cursor is not a string"))?;
-            let keys: Vec<Vec<u8>> =
-                keys.into_array().unwrap_or_default().into_iter().filter_map(Reply::into_bytes).collect();
-            FeastStatus::bump(&self.status.reconciled_keys_total, keys.len() as u64);
+        FeastStatus::bump(&self.status.reconcile_rounds_total, 1);
+        let max = self.reconcile_keys_max;
+        let mut compared = 0usize;
+        // A SCAN may return no key (a sparse keyspace): the calls are bounded too.
+        let mut scans_left = 2 * max.div_ceil(self.batch_keys) + 2;
+        while compared < max {
+            if self.scan_carry.is_empty() {
+                if self.scan_ended {
+                    self.scan_ended = false;
+                    self.scan_pass_done = true;
+                    FeastStatus::bump(&self.status.reconcile_passes_total, 1);
+                    break;
+                }
+                if scans_left == 0 {
+                    break;
+                }
+                scans_left -= 1;
+                let count_s = self.batch_keys.min(max - compared).to_string().into_bytes();
+                let scan =
+                    cmd.command(&[b"SCAN", &self.scan_cursor, b"MATCH", &self.scan_pattern, b"COUNT", &count_s])?;
+                let shape = |what: &str| FeastError::Reply { command: "SCAN", what: what.into() };
+                let mut parts = scan.into_array().ok_or_else(|| shape("not an array"))?.into_iter();
+                let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
+                    return Err(shape("not [cursor, keys]"));
+                };
+                self.scan_cursor = next.into_bytes().ok_or_else(|| shape("the cursor is not a string"))?;
+                self.scan_carry =
+                    keys.into_array().unwrap_or_default().into_iter().filter_map(Reply::into_bytes).collect();
+                self.scan_ended = self.scan_cursor == b"0";
+                continue;
+            }
+            let take = self.scan_carry.len().min(max - compared).min(self.batch_keys);
+            let keys: Vec<Vec<u8>> = self.scan_carry.drain(..take).collect();
+            compared += take;
+            FeastStatus::bump(&self.status.reconciled_keys_total, take as u64);
             let moved = self.moved(cmd, &keys)?;
             if !moved.is_empty() {
                 FeastStatus::bump(&self.status.reconcile_rereads_total, moved.len() as u64);
                 self.apply_keys(cmd, &moved)?;
             }
-            if self.scan_cursor == b"0" {
-                FeastStatus::bump(&self.status.reconcile_passes_total, 1);
-                if self.catch_up {
-                    tracing::info!("feast: reconciliation pass done: the replica is caught up with redis");
+        }
+        self.status.reconcile_round_keys_max.fetch_max(compared as u64, Relaxed);
+        self.sweep(cmd)?;
+        if self.catch_up && self.scan_pass_done && self.sweep_pass_done {
+            tracing::info!("feast: reconciliation pass done: the replica is caught up with redis");
+            self.catch_up = false;
+        }
+        Ok(())
+    }
+
+    /// The sweep's share of a round: at most `reconcile_keys_max` replica
+    /// rows (and four times as many index slots, at least half of which
+    /// are empty), view after view, each row's key asked whether its view's
+    /// `_ts:` field is still in Redis; the entities whose field is gone are
+    /// re-read, which removes their rows. Views start-up held are not
+    /// swept.
+    fn sweep(&mut self, cmd: &mut RedisConn) -> Result<(), FeastError> {
+        if self.views.is_empty() {
+            self.sweep_pass_done = true;
+            return Ok(());
+        }
+        let max = self.reconcile_keys_max as u64;
+        let (mut checked, mut slots_left) = (0u64, 4 * max);
+        let mut keys = Vec::new();
+        while checked < max && slots_left > 0 {
+            let v = self.sweep_view;
+            let walk = (self.batch_keys as u64).min(max - checked).min(slots_left);
+            keys.clear();
+            // A view start-up held (Redis came back emptied) is kept as it
+            // is until an operator accepts the loss.
+            let next = if self.status.views[v].held.load(Relaxed) {
+                0
+            } else {
+                self.views[v].writer.table().keys_in_slots(self.sweep_slot, walk, &mut keys)
+            };
+            slots_left -= walk;
+            self.sweep_slot = next;
+            if next == 0 {
+                self.sweep_view = (v + 1) % self.views.len();
+                if self.sweep_view == 0 {
+                    self.sweep_pass_done = true;
+                    FeastStatus::bump(&self.status.sweep_passes_total, 1);
                 }
-                self.catch_up = false;
-                break;
+            }
+            if keys.is_empty() {
+                continue;
+            }
+            checked += keys.len() as u64;
+            FeastStatus::bump(&self.status.swept_rows_total, keys.len() as u64);
+            let codec = &self.entities.entities[self.entity_of_view[v]].codec;
+            let redis_keys: Vec<Vec<u8>> = keys.iter().map(|k| codec.redis_key(k)).collect();
+            let ts_field = self.entities.ts_field(v).to_vec();
+            let commands: Vec<Vec<Vec<u8>>> =
+                redis_keys.iter().map(|k| vec![b"HEXISTS".to_vec(), k.clone(), ts_field.clone()]).collect();
+            let replies = cmd.pipeline(&commands)?;
+            let gone: Vec<Vec<u8>> = redis_keys
+                .into_iter()
+                .zip(replies)
+                .filter(|(_, r)| matches!(r, Reply::Int(0)))
+                .map(|(k, _)| k)
+                .collect();
+            if !gone.is_empty() {
+                FeastStatus::bump(&self.status.sweep_rereads_total, gone.len() as u64);
+                self.apply_keys(cmd, &gone)?;
             }
         }
         Ok(())

@@ -50,6 +50,10 @@ pub enum FeastError {
     /// The server will not send the keyspace events following needs.
     #[error("[feast]: Redis keyspace notifications: {0}")]
     Notifications(String),
+    /// Another process (a server following Redis) writes the file in
+    /// place: a copy renamed over it would be lost to that writer.
+    #[error("view '{view}': {path} is being written by another process (a server whose [feast] follower keeps it fresh): a copy would be swapped in under it, so nothing was copied. That server already follows Feast's writes; to copy anyway, stop it first")]
+    Busy { view: String, path: String },
     /// The copy would drop most of a populated replica (Redis emptied or
     /// flushed, the wrong project or database): the file is kept.
     #[error("view '{view}': the copy holds {copied} rows, {path} holds {served}; more than {shrink_max_percent}% fewer, so the file is kept (held). Run again with --accept-shrink if Redis really lost them")]

@@ -15,8 +15,8 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::format::{
     decode_checkpoint, decode_key, decode_superblock, encode_checkpoint, encode_key, key_hash, row_crc, slot_of,
-    Cursor, Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, KEY_WORDS_MAX, ROW_HEADER_BYTES,
-    SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
+    Cursor, EntityKeyBuf, Header, KeyKind, Layout, Storage, CHECKPOINT_OFFSETS, DEFAULT_OFFSET, KEY_WORDS_MAX,
+    ROW_HEADER_BYTES, SLOT_BYTES, SUPERBLOCK_BYTES, TAG_EMPTY, TAG_TOMBSTONE, TAG_USED,
 };
 use super::ReplicaError;
 
@@ -542,6 +542,47 @@ impl Replica {
     #[inline]
     pub fn find(&self, key: u64) -> Option<u32> {
         self.find_slot(key).map(|(_, row)| row)
+    }
+
+    /// The keys of the used index slots `from..from + slots_max` into `out`
+    /// (a string key read whole from its row), for a writer walking its own
+    /// rows a bounded stretch at a time (the Feast follower's sweep for
+    /// keys deleted while it was not listening); returns the slot to go on
+    /// from, 0 once the walk reached the end. A growth renumbers the slots,
+    /// so a walk across one may skip or repeat keys until its next pass.
+    pub fn keys_in_slots(&self, from: u64, slots_max: u64, out: &mut Vec<EntityKeyBuf>) -> u64 {
+        let count = self.header.slot_count;
+        let end = from.saturating_add(slots_max).min(count);
+        let mut bytes = Vec::new();
+        for slot in from.min(end)..end {
+            let (key, row, tag) = self.slot(slot);
+            if tag.load(Ordering::Acquire) != TAG_USED {
+                continue;
+            }
+            let key = key.load(Ordering::Relaxed);
+            match self.header.keys {
+                KeyKind::U64 => out.push(EntityKeyBuf::Id(key)),
+                KeyKind::Str { bytes_max } => {
+                    let row = row.load(Ordering::Relaxed);
+                    if u64::from(row) >= self.header.row_capacity {
+                        continue;
+                    }
+                    let words = self.u32s_at(self.row_base(row) + ROW_HEADER_BYTES, self.layout.key_words);
+                    let mut plain = [0u32; KEY_WORDS_MAX];
+                    for (p, w) in plain.iter_mut().zip(words) {
+                        *p = w.load(Ordering::Relaxed);
+                    }
+                    if decode_key(&plain[..words.len()], bytes_max, &mut bytes) {
+                        out.push(EntityKeyBuf::Str(bytes.clone()));
+                    }
+                }
+            }
+        }
+        if end >= count {
+            0
+        } else {
+            end
+        }
     }
 
     /// Copies row `row` into `out` (and its link words into `link`, when

@@ -1523,3 +1523,46 @@ fn malformed_link_words_name_no_parent() {
     encode_link(Some(EntityKey::Id(u64::MAX - 1)), &mut ids);
     assert_eq!(decode_link(&ids, KeyKind::U64, &mut buf), Some(EntityKey::Id(u64::MAX - 1)));
 }
+
+/// `keys_in_slots` walks a file's index a stretch at a time and, over a
+/// whole walk, names every key once (a string key read whole from its
+/// row), and no deleted one.
+#[test]
+fn a_walk_of_the_index_in_stretches_names_every_key_once() {
+    let d = tmpdir("keys-in-slots");
+    let walk = |table: &Replica, stretch: u64| {
+        let (mut keys, mut from, mut steps) = (Vec::new(), 0, 0);
+        loop {
+            from = table.keys_in_slots(from, stretch, &mut keys);
+            steps += 1;
+            if from == 0 {
+                return (keys, steps);
+            }
+        }
+    };
+    let path = d.join("item.qrep");
+    sample(300, 2).write(&path).unwrap();
+    let (mut writer, _) = ReplicaWriter::open(&path, "item").unwrap();
+    assert!(writer.delete(3));
+    let (keys, steps) = walk(writer.table(), 64);
+    assert!(steps > 1);
+    let mut ids: Vec<u64> =
+        keys.iter().map(|k| if let EntityKeyBuf::Id(id) = k { *id } else { panic!("{k:?}") }).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (1..300).map(|k| k * 7919 + 3).collect::<Vec<_>>());
+    // Past the end: nothing, and the walk starts over.
+    let mut none = Vec::new();
+    assert_eq!(writer.table().keys_in_slots(u64::MAX, 10, &mut none), 0);
+    assert!(none.is_empty());
+
+    let path = d.join("user.qrep");
+    str_sample(100, 1, 16).write(&path).unwrap();
+    let table = Replica::open(&path, "user").unwrap();
+    let (keys, _) = walk(&table, 7);
+    let mut got: Vec<Vec<u8>> =
+        keys.into_iter().map(|k| if let EntityKeyBuf::Str(b) = k { b } else { panic!("{k:?}") }).collect();
+    got.sort();
+    let mut want: Vec<Vec<u8>> = (0..100).map(str_key).collect();
+    want.sort();
+    assert_eq!(got, want);
+}
