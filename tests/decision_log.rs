@@ -1,15 +1,20 @@
 //! The decision log end to end against a real `quiver serve`: every
-//! decision at sample rate 1 comes back from the segments, read with
-//! `quiver log dump`, equal to its response; `kill -9` leaves only whole
-//! segments and `.tmp` ones the next start deletes; an unusable directory is
-//! counted and logged while serving goes on.
+//! decision at sample rate 1, scored on the shard or on the inference
+//! thread, comes back from the segments, read with `quiver log dump`, equal
+//! to its response, and `quiver log replay` scores the logged rows to the
+//! same bits; a decision is found by its request id; refusals before a
+//! model is chosen are logged by the errors rule; keyed sampling is sticky
+//! and near its rate; `POST /log` changes the rates while serving; a full
+//! ring drops and counts while every response arrives; `kill -9` leaves
+//! only whole segments and `.tmp` ones the next start deletes; an unusable
+//! directory is counted and logged while serving goes on.
 
 mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{demo_request, run_quiver, scratch, Server};
+use common::{demo_dir, demo_request, http_get, http_post, run_quiver, scratch, Server};
 use quiver::wire::{tier_name, RequestSpec, Status};
 
 const REQUESTS: u64 = 10_000;
@@ -38,33 +43,97 @@ fn specs() -> Vec<RequestSpec> {
         .collect()
 }
 
+/// The closed segments in `log_dir`, in name order.
+fn segments(log_dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(log_dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    files
+}
+
+/// Every row of `files` as `quiver log dump --json` prints it.
+fn dump(files: &[PathBuf]) -> Vec<serde_json::Value> {
+    let mut rows = Vec::new();
+    for f in files {
+        let (code, out, err) = run_quiver(["log".as_ref(), "dump".as_ref(), f.as_os_str(), "--json".as_ref()]);
+        assert_eq!(code, 0, "{err}");
+        rows.extend(out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()));
+    }
+    rows
+}
+
+/// `quiver log replay` of every segment with the demo model: all rows
+/// replayed come back bit for bit; returns the rows replayed.
+fn replay_all(files: &[PathBuf]) -> u64 {
+    let model = demo_dir().join("model.qm");
+    let mut rows = 0;
+    for f in files {
+        let (code, out, err) = run_quiver([
+            "log".as_ref(),
+            "replay".as_ref(),
+            f.as_os_str(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--json".as_ref(),
+        ]);
+        let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("{out}\n{err}"));
+        assert_eq!(code, 0, "{f:?}: {r}\n{err}");
+        assert_eq!((r["differing"].as_u64(), r["skipped_score_error"].as_u64()), (Some(0), Some(0)), "{r}");
+        assert_eq!(r["equal"], r["rows"], "{r}");
+        rows += r["rows"].as_u64().unwrap();
+    }
+    rows
+}
+
 #[test]
 fn every_decision_comes_back_equal_to_its_response() {
-    let dir = scratch("decision-log-all");
+    every_decision_comes_back("decision-log-all", "", REQUESTS);
+}
+
+/// The same on the inference thread: the record is begun at the hand-off
+/// and finished when the response is written.
+#[test]
+fn every_decision_scored_on_the_inference_thread_comes_back() {
+    every_decision_comes_back("decision-log-thread", "inference = \"thread\"\n", 3_000);
+}
+
+/// `requests` decisions at rate 1 come back equal to their responses;
+/// `top` is the config's top-level settings.
+fn every_decision_comes_back(name: &str, top: &str, requests: u64) {
+    let dir = scratch(name);
     let log_dir = dir.join("decisions");
     let config = config_file(&dir, &log_dir, "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{top}{text}")).unwrap();
     let mut server = Server::start(&["--shards", "2", "--config", config.to_str().unwrap()]);
-    let specs = specs();
+    let specs: Vec<RequestSpec> = specs().into_iter().take(requests as usize).collect();
     let mut c = server.client();
     let wall_ns = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as i64;
     let sent_ns = wall_ns();
     let mut responses = Vec::new();
+    // On the inference thread, fewer in flight than its job slots, so
+    // that requests are handed off rather than stepped down for want of a
+    // slot.
+    let window = if top.contains("thread") { 32 } else { 1000 };
     for chunk in specs.chunks(1000) {
-        responses.extend(c.pipeline(chunk, chunk.len()).unwrap());
+        responses.extend(c.pipeline(chunk, window).unwrap());
     }
     let answered_ns = wall_ns();
-    assert_eq!(responses.len() as u64, REQUESTS);
+    assert_eq!(responses.len() as u64, requests);
     assert!(responses.iter().all(|r| r.status == Status::Ok), "every request answered Ok");
-    assert_eq!(server.wait_metric("quiver_log_records_total", REQUESTS), REQUESTS);
+    assert_eq!(server.wait_metric("quiver_log_records_total", requests), requests);
     assert_eq!(server.metric("quiver_log_dropped_total{reason=\"ring_full\"}"), 0);
+    if top.contains("thread") {
+        // They were scored on the inference thread: each waited in its queue.
+        let queued = server.metric("quiver_stage_duration_seconds_count{stage=\"queue\"}");
+        assert!(queued >= requests / 2, "{queued} of {requests} handed off");
+    }
     // SIGTERM: the shards stop, the writer drains the rings and closes
     // every segment.
     assert_eq!(server.terminate(), 0, "{}", server.stderr());
 
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().path()).collect();
-    files.sort();
+    let files = segments(&log_dir);
     assert!(files.iter().all(|f| f.extension().is_some_and(|e| e == "arrow")), "only closed segments: {files:?}");
-    assert!(files.len() >= 2, "rotated by size: {files:?}");
+    assert!(files.len() >= 2 || requests < REQUESTS, "rotated by size: {files:?}");
     let mut logged: HashMap<u64, HashMap<u64, Logged>> = HashMap::new();
     for f in &files {
         let (code, out, err) = run_quiver(["log".as_ref(), "dump".as_ref(), f.as_os_str(), "--json".as_ref()]);
@@ -89,8 +158,9 @@ fn every_decision_comes_back_equal_to_its_response() {
         let (code, out, err) = run_quiver(["log".as_ref(), "inspect".as_ref(), f.as_os_str()]);
         assert_eq!(code, 0, "{err}");
         assert!(out.contains("user[0]: Float32") && out.contains("received: "), "{out}");
+        assert!(out.contains("user_position: UInt64") && out.contains("item_position: UInt64"), "{out}");
     }
-    assert_eq!(logged.len() as u64, REQUESTS, "every decision logged once");
+    assert_eq!(logged.len() as u64, requests, "every decision logged once");
     for (spec, r) in specs.iter().zip(&responses) {
         let rows = &logged[&r.request_id];
         assert_eq!(rows.len() as u64, CANDIDATES);
@@ -102,6 +172,27 @@ fn every_decision_comes_back_equal_to_its_response() {
             assert_eq!(*context0, spec.context[0]);
         }
     }
+    // The logged rows scored again give the logged scores, bit for bit:
+    // the log holds what the kernel saw.
+    let primary = responses.iter().filter(|r| r.tier == quiver::wire::Tier::Primary).count() as u64;
+    assert_eq!(replay_all(&files), primary * CANDIDATES);
+    // A decision is found by its request id, in the file that holds it.
+    let id = responses[requests as usize / 2].request_id;
+    let mut found = Vec::new();
+    for f in &files {
+        let (code, out, err) = run_quiver([
+            "log".as_ref(),
+            "dump".as_ref(),
+            f.as_os_str(),
+            "--json".as_ref(),
+            "--request-id".as_ref(),
+            id.to_string().as_ref(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        found.extend(out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()));
+    }
+    assert_eq!(found.len() as u64, CANDIDATES);
+    assert!(found.iter().all(|v| v["request_id"].as_u64() == Some(id)));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -173,5 +264,213 @@ fn kill_9_leaves_only_whole_segments() {
     let left: Vec<String> =
         std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(left.iter().all(|n| n.ends_with(".arrow")), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With only the errors rule, a refusal before any model is chosen is
+/// logged: a frame that does not verify, an unknown model; so is a bad
+/// request after the choice; `Ok` answers are not.
+#[test]
+fn refusals_before_a_model_is_chosen_are_logged_by_the_errors_rule() {
+    use std::io::{Read, Write};
+    let dir = scratch("decision-log-errors");
+    let log_dir = dir.join("decisions");
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, format!("[log]\ndir = \"{}\"\nalways = [\"errors\"]\n", log_dir.display())).unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let mut c = server.client();
+    let specs = specs();
+    assert!(c.pipeline(&specs[..100], 100).unwrap().iter().all(|r| r.status == Status::Ok));
+    let unknown = RequestSpec { model: "nope".into(), ..specs[100].clone() };
+    assert_eq!(c.score(&unknown).unwrap().status, Status::ModelNotFound);
+    let short = RequestSpec { context: vec![0.5; 3], ..specs[101].clone() };
+    assert_eq!(c.score(&short).unwrap().status, Status::BadRequest);
+    // A frame that is no FlatBuffer: answered bad_request, request id 0.
+    let mut raw = std::net::TcpStream::connect(&server.addr).unwrap();
+    raw.write_all(&[8, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4]).unwrap();
+    let mut len = [0u8; 4];
+    raw.read_exact(&mut len).unwrap();
+    assert_eq!(server.wait_metric("quiver_log_records_total", 3), 3);
+    assert_eq!(server.terminate(), 0);
+    let rows = dump(&segments(&log_dir));
+    let by_id = |id: u64| {
+        rows.iter().find(|v| v["request_id"].as_u64() == Some(id)).unwrap_or_else(|| panic!("{id}: {rows:?}"))
+    };
+    let v = by_id(unknown.request_id);
+    assert_eq!((v["status"].as_str(), v["model"].as_str()), (Some("model_not_found"), Some("nope")));
+    assert_eq!(v["user_key"].as_u64(), Some(unknown.user_id), "{v}");
+    assert!(v["score"].is_null() && v["tier"].is_null());
+    let v = by_id(short.request_id);
+    assert_eq!(v["status"].as_str(), Some("bad_request"));
+    let v = by_id(0);
+    assert_eq!(v["status"].as_str(), Some("bad_request"));
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Keyed by `user`: a user has all of their decisions logged or none, and
+/// the share of users logged is within 10% of the rate.
+#[test]
+fn keyed_sampling_is_sticky_and_near_its_rate() {
+    let dir = scratch("decision-log-keyed");
+    let log_dir = dir.join("decisions");
+    let config = config_file(&dir, &log_dir, "");
+    let text = std::fs::read_to_string(&config).unwrap().replace("sample_rate = 1.0", "sample_rate = 0.3");
+    std::fs::write(&config, format!("{text}key_group = \"user\"\n")).unwrap();
+    let mut server = Server::start(&["--shards", "2", "--config", config.to_str().unwrap()]);
+    let mut c = server.client();
+    let users = 4_000u64;
+    // Every user twice, on different request ids, items and contexts.
+    let specs: Vec<RequestSpec> =
+        (0..2 * users).map(|i| demo_request(50_000_000 + i, i % users, vec![i % 10_000, (i * 7) % 10_000])).collect();
+    for chunk in specs.chunks(1000) {
+        assert!(c.pipeline(chunk, chunk.len()).unwrap().iter().all(|r| r.status == Status::Ok));
+    }
+    let records = server.wait_metric("quiver_log_records_total", 1);
+    assert_eq!(server.terminate(), 0);
+    let rows = dump(&segments(&log_dir));
+    let mut per_user: HashMap<u64, std::collections::HashSet<u64>> = HashMap::new();
+    for v in &rows {
+        per_user.entry(v["user_key"].as_u64().unwrap()).or_default().insert(v["request_id"].as_u64().unwrap());
+    }
+    assert!(per_user.values().all(|ids| ids.len() == 2), "a sampled user has both decisions logged");
+    let share = per_user.len() as f64 / users as f64;
+    assert!((share - 0.3).abs() <= 0.03, "{} of {users} users sampled", per_user.len());
+    assert!(records >= 2 * per_user.len() as u64 - 2 * per_user.len() as u64 / 10);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `POST /log` changes the rates while serving: the default, a model's, a
+/// client's; a bad change is refused with why, and changes nothing.
+#[test]
+fn post_log_changes_the_rates_while_serving() {
+    let dir = scratch("decision-log-post");
+    let log_dir = dir.join("decisions");
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, format!("[log]\ndir = \"{}\"\n", log_dir.display())).unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let url = |q: &str| format!("http://{}/log{q}", server.admin);
+    let mut c = server.client();
+    let specs = specs();
+    let send = |c: &mut quiver::client::Client, from: usize, client_id: u32| {
+        let batch: Vec<RequestSpec> =
+            specs[from..from + 500].iter().map(|s| RequestSpec { client_id, ..s.clone() }).collect();
+        assert!(c.pipeline(&batch, 500).unwrap().iter().all(|r| r.status == Status::Ok));
+    };
+    send(&mut c, 0, 0);
+    let (code, body) = http_get(&url(""));
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["sample_rate"].as_f64(), Some(0.0));
+    let (code, body) = http_post(&url("?sample_rate=1"));
+    assert_eq!(code, 200, "{body}");
+    send(&mut c, 500, 0);
+    assert_eq!(server.wait_metric("quiver_log_records_total", 500), 500);
+    let (code, body) = http_post(&url("?client=9&sample_rate=0"));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"client_sample_rates\":{\"9\":0.0}"), "{body}");
+    send(&mut c, 1000, 9);
+    let (code, body) = http_post(&url("?sample_rate=1.5"));
+    assert_eq!(code, 400);
+    assert!(body.contains("sample_rate = 1.5 is outside 0..=1"), "{body}");
+    let (code, body) = http_post(&url("?model=&sample_rate=1"));
+    assert_eq!(code, 400, "{body}");
+    send(&mut c, 1500, 0);
+    assert_eq!(server.wait_metric("quiver_log_records_total", 1000), 1000);
+    assert_eq!(server.terminate(), 0);
+    let rows = dump(&segments(&log_dir));
+    let ids: std::collections::HashSet<u64> = rows.iter().map(|v| v["request_id"].as_u64().unwrap()).collect();
+    assert_eq!(ids.len(), 1000);
+    assert!(ids.iter().all(|id| (1_000_500..1_001_000).contains(id) || (1_001_500..1_002_000).contains(id)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A ring far too small for the load: records that do not fit are dropped
+/// and counted, and every request is still answered `Ok`; every decision
+/// is either in the files or counted dropped.
+#[test]
+fn a_full_ring_drops_and_counts_while_every_response_arrives() {
+    let dir = scratch("decision-log-full");
+    let log_dir = dir.join("decisions");
+    let config = dir.join("quiver.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[log]\ndir = \"{}\"\nsample_rate = 1.0\nring_bytes = 65536\nsegment_bytes_max = 65536\n",
+            log_dir.display()
+        ),
+    )
+    .unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let mut c = server.client();
+    // 64 candidates: a record of some 20 KB, three to a ring; segments of
+    // 64 KiB, each closed with two fsyncs.
+    let specs: Vec<RequestSpec> = (0..4_000u64)
+        .map(|i| demo_request(1 + i, i % 1000, (0..64).map(|k| (i + k * 13) % 10_000).collect()))
+        .collect();
+    let mut answered = 0;
+    for chunk in specs.chunks(500) {
+        let r = c.pipeline(chunk, chunk.len()).unwrap();
+        assert!(r.iter().all(|r| r.status == Status::Ok));
+        answered += r.len();
+    }
+    assert_eq!(answered, specs.len());
+    let dropped = "quiver_log_dropped_total{reason=\"ring_full\"}";
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (records, full) = loop {
+        let (records, full) = (server.metric("quiver_log_records_total"), server.metric(dropped));
+        if records + full == specs.len() as u64 || std::time::Instant::now() > until {
+            break (records, full);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(records + full, specs.len() as u64, "every decision logged or counted dropped");
+    assert!(full > 0, "a 64 KiB ring held {records} of {} records of 20 KB", specs.len());
+    assert_eq!(server.terminate(), 0);
+    let written: std::collections::HashSet<u64> =
+        dump(&segments(&log_dir)).iter().map(|v| v["request_id"].as_u64().unwrap()).collect();
+    assert_eq!(written.len() as u64, records, "every record in the ring was written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A full disk (a 1 MiB tmpfs, mounted here as root; the test says it is
+/// skipped where it cannot mount one) is counted and logged while serving
+/// goes on, every request answered `Ok`.
+#[test]
+fn a_full_disk_is_reported_and_serving_goes_on() {
+    let dir = scratch("decision-log-full-disk");
+    let small = dir.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "quiver-test-log"])
+        .arg(&small)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("SKIPPED a_full_disk_is_reported_and_serving_goes_on: cannot mount a 1 MiB tmpfs (needs root)");
+        return;
+    }
+    /// Unmounts the tmpfs however the test ends.
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let unmount = Unmount(small.clone());
+    let config = config_file(&dir, &small.join("decisions"), "");
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let mut c = server.client();
+    let specs = specs();
+    // Some 2 KB a decision: 4,000 of them fill 1 MiB several times over.
+    for chunk in specs[..4000].chunks(500) {
+        assert!(c.pipeline(chunk, chunk.len()).unwrap().iter().all(|r| r.status == Status::Ok));
+    }
+    server.wait_metric("quiver_log_write_errors_total", 1);
+    assert!(server.metric("quiver_log_dropped_total{reason=\"write_error\"}") > 0);
+    server.wait_stderr("decisions are dropped");
+    assert_eq!(c.score(&specs[5000]).unwrap().status, Status::Ok, "still serving");
+    assert_eq!(server.terminate(), 0, "{}", server.stderr());
+    drop(unmount);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -226,6 +226,9 @@ pub enum Route {
     /// may. `Err`: why the request is refused (400), answered only past
     /// the token check.
     FeatureRow(Result<feature_row::RowQuery, String>),
+    /// `GET /log` (`None`: the rates in force) or `POST /log?...` (a
+    /// change of the decision log's sampling; `Err`: why it is refused).
+    Log(Result<Option<crate::decision_log::RateChange>, String>),
     /// Answered with this status and text.
     Bad {
         code: u16,
@@ -246,7 +249,13 @@ impl Route {
     pub fn is_control(&self) -> bool {
         !matches!(
             self,
-            Route::Metrics | Route::Healthz | Route::Readyz | Route::Stats | Route::Models | Route::Bad { .. }
+            Route::Metrics
+                | Route::Healthz
+                | Route::Readyz
+                | Route::Stats
+                | Route::Models
+                | Route::Log(Ok(None))
+                | Route::Bad { .. }
         )
     }
 }
@@ -266,6 +275,8 @@ pub fn route(method: &str, url: &str) -> Route {
             group if group.contains('/') => Route::Bad { code: 404, why: feature_row::USAGE.into() },
             group => Route::FeatureRow(feature_row::parse(group, query)),
         },
+        ("GET" | "HEAD", "/log") => Route::Log(Ok(None)),
+        ("POST", "/log") => Route::Log(crate::decision_log::parse_change(query).map(Some)),
         ("POST", "/drain") => Route::Drain,
         ("POST", "/undrain") => Route::Undrain,
         ("POST", "/faults") => Route::Faults { stage_delay_us: param("stage_delay_us").and_then(|v| v.parse().ok()) },
@@ -397,6 +408,22 @@ impl http::Handler for Endpoint {
                     Err((code, why)) => Answer::text(code, format!("{why}\n")),
                 }
             }
+            Route::Log(change) => {
+                let Some(sampling) = self.state.decision_log.as_ref().and_then(|l| l.sampling.get()) else {
+                    return Answer::text(404, "no decision log: [log] sets no dir\n");
+                };
+                let rates = match change {
+                    Ok(None) => Ok(sampling.rates()),
+                    Ok(Some(change)) => sampling.change(change.clone()).inspect(|_| {
+                        tracing::info!(?change, "decision-log sampling changed on the admin endpoint");
+                    }),
+                    Err(why) => Err(why),
+                };
+                match rates {
+                    Ok(r) => Answer::json(200, format!("{}\n", serde_json::to_string(&r).expect("rates serialise"))),
+                    Err(why) => Answer::text(400, format!("{why}\n")),
+                }
+            }
             Route::Bad { code, why } => Answer::text(code, format!("{why}\n")),
         }
     }
@@ -432,5 +459,11 @@ mod tests {
         assert!(no_key.is_control(), "a malformed lookup is refused only past the token");
         assert!(matches!(route("GET", "/features/a/b?key=1"), Route::Bad { code: 404, .. }));
         assert!(matches!(route("POST", "/features/user?key=1"), Route::Bad { code: 404, .. }));
+        assert!(!route("GET", "/log").is_control());
+        let change = route("POST", "/log?model=m&sample_rate=0.5");
+        assert_eq!(change, Route::Log(Ok(Some(crate::decision_log::RateChange::Model("m".into(), Some(0.5))))));
+        assert!(change.is_control());
+        let bad = route("POST", "/log?sample_rate=7");
+        assert!(matches!(&bad, Route::Log(Err(why)) if why.contains("outside 0..=1")) && bad.is_control());
     }
 }

@@ -1,11 +1,16 @@
 //! `quiver log`: decision-log segments read back without a server: `dump`
-//! prints every row as JSON, `inspect` the schema, counts and time range.
+//! prints every row as JSON (or one request's), `inspect` the schema,
+//! counts and time range, `replay` scores the logged rows again with a
+//! model file and reports any score that differs (exit 1).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
-use quiver::decision_log::{read, writer::utc_stamp};
+use quiver::decision_log::{read, replay, writer::utc_stamp};
+use quiver::model::Model;
+use quiver::score::BackendKind;
 use quiver::Error;
 
 #[derive(clap::Subcommand)]
@@ -17,11 +22,34 @@ pub enum Command {
         /// One JSON object per line, columns by name; the only output form.
         #[arg(long, required = true)]
         json: bool,
+        /// Only the rows of this request id (a decision found by its id).
+        #[arg(long, value_name = "ID")]
+        request_id: Option<u64>,
     },
     /// Print a segment's columns, row and decision counts, and time range.
     Inspect {
         /// A closed segment (`decisions-*.arrow`).
         file: PathBuf,
+    },
+    /// Score the logged input rows again and compare with the logged
+    /// scores, bit for bit; exit 1 on any difference (or nothing to
+    /// compare).
+    Replay {
+        /// A closed segment (`decisions-*.arrow`).
+        file: PathBuf,
+        /// The model file that served them: only its name's and version's
+        /// primary answers are compared.
+        #[arg(long, value_name = "M.qm")]
+        model: PathBuf,
+        /// The backend the server ran (`backend` in its config).
+        #[arg(long, value_enum, default_value = "int8")]
+        backend: BackendKind,
+        /// Only the decision of this request id.
+        #[arg(long, value_name = "ID")]
+        request_id: Option<u64>,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -32,10 +60,10 @@ fn stamp(ns: i64) -> String {
 pub fn run(cmd: Command) -> Result<ExitCode, Error> {
     let failed = |e: read::ReadError| Error::Setup(e.to_string());
     match cmd {
-        Command::Dump { file, json: _ } => {
+        Command::Dump { file, json: _, request_id } => {
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
-            read::dump_json(&file, &mut out).map_err(failed)?;
+            read::dump_json_of(&file, request_id, &mut out).map_err(failed)?;
         }
         Command::Inspect { file } => {
             let s = read::inspect(&file).map_err(failed)?;
@@ -48,6 +76,39 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             println!("columns: {}", s.columns.len());
             for (name, kind) in &s.columns {
                 println!("  {name}: {kind}");
+            }
+        }
+        Command::Replay { file, model, backend, request_id, json } => {
+            let model = Arc::new(Model::load(&model)?);
+            let r = replay::replay(&file, &model, backend, request_id).map_err(|e| Error::Setup(e.to_string()))?;
+            if json {
+                println!("{}", serde_json::to_string(&r).map_err(|e| Error::Setup(e.to_string()))?);
+            } else {
+                println!("model: {} v{} on {backend:?}", model.name, model.version);
+                println!("decisions: {} (replayed {}, rows {})", r.decisions, r.replayed, r.rows);
+                println!("equal: {}, differing: {}", r.equal, r.differing);
+                println!(
+                    "skipped: failed {}, lower tier {}, other model or version {}, no rows {}, score error {}",
+                    r.skipped_failed,
+                    r.skipped_lower_tier,
+                    r.skipped_other_model,
+                    r.skipped_no_rows,
+                    r.skipped_score_error
+                );
+                for d in &r.differences {
+                    println!(
+                        "  request {} candidate {}: logged {} ({:#010x}), replayed {} ({:#010x})",
+                        d.request_id,
+                        d.candidate,
+                        d.logged,
+                        d.logged.to_bits(),
+                        d.replayed,
+                        d.replayed.to_bits()
+                    );
+                }
+            }
+            if !r.matched() {
+                return Ok(ExitCode::FAILURE);
             }
         }
     }

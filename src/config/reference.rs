@@ -766,7 +766,8 @@ pub const SECTIONS: &[Section] = &[
         path: "log",
         doc: "The decision log: a sample of decisions (keys, the input rows the kernel saw, scores, tier, \
               times) written off the request path as Arrow IPC segment files \
-              ([OPERATING.md](OPERATING.md#decision-logs)). Off unless `sample_rate` or `always` is set.",
+              ([OPERATING.md](OPERATING.md#decision-logs)). On when `dir` is set (at rate 0 too, so that \
+              `POST /log` can change the rates at run time).",
         optional: false,
         fields: fields::<LogConfig>,
         keys: &[
@@ -780,6 +781,17 @@ pub const SECTIONS: &[Section] = &[
                 "sample_rate",
                 "0.1",
                 "Share of decisions logged, 0 to 1, kept to a millionth; 0 logs none but those `always` names.",
+            ),
+            Key::new(
+                "model_sample_rates",
+                "{ ranker = 0.5 }",
+                "A model's own share, 0 to 1, in place of `sample_rate`, by model name (at most 256).",
+            ),
+            Key::new(
+                "client_sample_rates",
+                "{ \"7\" = 1.0 }",
+                "A client's own share, 0 to 1, by client id (quoted: TOML keys are strings), in place of the \
+                 model's and `sample_rate` (at most 256). `POST /log` changes all three at run time.",
             ),
             Key::new(
                 "key_group",
@@ -811,7 +823,8 @@ pub const SECTIONS: &[Section] = &[
                 "always",
                 "[\"non_primary\", \"errors\"]",
                 "Decisions logged whatever the sample: `non_primary` (answered by the cache, the fallback or the \
-                 static default), `errors` (any status but `Ok`, once the model was chosen).",
+                 static default), `errors` (any status but `Ok`: refused, timed out or failed, before or after a model \
+                 was chosen).",
             ),
         ],
     },

@@ -15,15 +15,24 @@
 //! housekeeping cores) drains every ring and writes rotating segment files;
 //! its failures (a full disk, an unwritable directory) are counted and
 //! logged, and never reach a shard. `read.rs` reads segments back for
-//! `quiver log dump` and `quiver log inspect`.
+//! `quiver log dump` and `quiver log inspect`; `replay.rs` scores their
+//! rows again for `quiver log replay`.
+//!
+//! The rates can change while serving (`POST /log`, [`Sampling`]): each
+//! shard loads the sampler in force per decision it may log.
 
 pub mod byte_ring;
 pub mod read;
 pub mod record;
+pub mod replay;
 pub mod writer;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +50,8 @@ pub const SEGMENT_BYTES_MAX: u64 = 16 << 30;
 pub const SEGMENT_AGE_S_MAX: u64 = 24 * 3600;
 /// The sampling hash is reduced modulo this: rates are kept to a millionth.
 pub const SAMPLE_BUCKETS: u64 = 1_000_000;
+/// Models, and clients, with a rate of their own.
+pub const RATES_MAX: usize = 256;
 
 /// Decisions logged whatever the sample says.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -65,6 +76,11 @@ pub struct LogConfig {
     /// A request-scope group whose key decides the sample (sticky: a key's
     /// decisions are all logged or none are); absent: the request id.
     pub key_group: Option<String>,
+    /// A model's own share, 0 to 1, in place of `sample_rate`, by model name.
+    pub model_sample_rates: BTreeMap<String, f64>,
+    /// A client's own share, 0 to 1, by client id (in quotes: TOML keys are
+    /// strings), in place of the model's and `sample_rate`.
+    pub client_sample_rates: BTreeMap<String, f64>,
     /// Bytes of each shard's ring, allocated at start-up.
     pub ring_bytes: usize,
     /// A segment is closed once it holds this many bytes.
@@ -83,6 +99,8 @@ impl Default for LogConfig {
             dir: None,
             sample_rate: 0.0,
             key_group: None,
+            model_sample_rates: BTreeMap::new(),
+            client_sample_rates: BTreeMap::new(),
             ring_bytes: 16 << 20,
             segment_bytes_max: 256 << 20,
             segment_age_s: 300,
@@ -93,14 +111,32 @@ impl Default for LogConfig {
 }
 
 impl LogConfig {
-    /// Whether any decision can be logged.
+    /// Whether the log runs: a directory is set (at rate 0 too, so that
+    /// `POST /log` can turn sampling on later).
+    pub fn runs(&self) -> bool {
+        self.dir.is_some()
+    }
+
+    /// Whether any decision can be logged as configured.
     pub fn enabled(&self) -> bool {
-        self.sample_rate > 0.0 || !self.always.is_empty()
+        self.sample_rate > 0.0
+            || !self.always.is_empty()
+            || self.model_sample_rates.values().chain(self.client_sample_rates.values()).any(|&r| r > 0.0)
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if !(0.0..=1.0).contains(&self.sample_rate) {
-            return Err(format!("log.sample_rate = {} is outside 0..=1", self.sample_rate));
+        check_rate("log.sample_rate", self.sample_rate)?;
+        for (name, rate) in &self.model_sample_rates {
+            check_rate(&format!("log.model_sample_rates.{name}"), *rate)?;
+        }
+        for (client, rate) in &self.client_sample_rates {
+            parse_client(client).map_err(|why| format!("log.client_sample_rates: {why}"))?;
+            check_rate(&format!("log.client_sample_rates.{client}"), *rate)?;
+        }
+        for (what, n) in [("model", self.model_sample_rates.len()), ("client", self.client_sample_rates.len())] {
+            if n > RATES_MAX {
+                return Err(format!("log.{what}_sample_rates has {n} entries, at most {RATES_MAX}"));
+            }
         }
         if self.enabled() && self.dir.is_none() {
             return Err("log.dir is required when log.sample_rate > 0 or log.always is set".into());
@@ -127,13 +163,34 @@ impl LogConfig {
     }
 }
 
+/// A rate outside 0..=1 (or not a number), named.
+pub fn check_rate(what: &str, rate: f64) -> Result<(), String> {
+    if (0.0..=1.0).contains(&rate) {
+        Ok(())
+    } else {
+        Err(format!("{what} = {rate} is outside 0..=1"))
+    }
+}
+
+/// A client id as `client_sample_rates` and `POST /log` name it.
+pub fn parse_client(text: &str) -> Result<u32, String> {
+    text.parse().map_err(|_| format!("client '{text}' is not a client id (0..=4294967295)"))
+}
+
+fn buckets(rate: f64) -> u64 {
+    (rate * SAMPLE_BUCKETS as f64).round() as u64
+}
+
 /// Which decisions a shard logs: a pure function of the key (or request
-/// id) and the configured rate, so every shard and every restart samples
-/// the same keys.
-#[derive(Clone, Debug)]
+/// id) and the rate that applies (the client's, else the model's, else
+/// `sample_rate`), so every shard and every restart samples the same keys.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Sampler {
     /// Buckets of [`SAMPLE_BUCKETS`] below which a hash is sampled.
     below: u64,
+    /// Models' and clients' own buckets (at most [`RATES_MAX`] each).
+    models: Vec<(Box<str>, u64)>,
+    clients: Vec<(u32, u64)>,
     pub key_group: Option<Box<str>>,
     always_errors: bool,
     always_non_primary: bool,
@@ -147,24 +204,43 @@ pub enum SampleKey<'a> {
 }
 
 impl Sampler {
+    /// The sampler of a validated config (a client id that does not parse
+    /// is left out: `validate` refuses it first).
     pub fn new(config: &LogConfig) -> Sampler {
         Sampler {
-            below: (config.sample_rate * SAMPLE_BUCKETS as f64).round() as u64,
+            below: buckets(config.sample_rate),
+            models: config.model_sample_rates.iter().map(|(m, &r)| (m.as_str().into(), buckets(r))).collect(),
+            clients: (config.client_sample_rates.iter())
+                .filter_map(|(c, &r)| Some((parse_client(c).ok()?, buckets(r))))
+                .collect(),
             key_group: config.key_group.as_deref().map(Into::into),
             always_errors: config.always.contains(&Always::Errors),
             always_non_primary: config.always.contains(&Always::NonPrimary),
         }
     }
 
-    /// Whether a decision keyed by `key` is in the sample.
-    pub fn sampled(&self, key: SampleKey<'_>) -> bool {
+    /// The buckets that apply to a decision of `model` for `client`.
+    fn below_for(&self, model: &str, client: u32) -> u64 {
+        if let Some(&(_, b)) = self.clients.iter().find(|(c, _)| *c == client) {
+            return b;
+        }
+        self.models.iter().find(|(m, _)| &**m == model).map_or(self.below, |&(_, b)| b)
+    }
+
+    /// Whether a decision of `model` for `client`, keyed by `key`, is in
+    /// the sample.
+    pub fn sampled(&self, model: &str, client: u32, key: SampleKey<'_>) -> bool {
+        let below = self.below_for(model, client);
         // The replicas' key hash (xxh3-64, seed 0): stable across
         // processes and releases, so a key stays in or out of the sample.
-        let hash = match key {
+        below > 0 && Self::hash(key) % SAMPLE_BUCKETS < below
+    }
+
+    fn hash(key: SampleKey<'_>) -> u64 {
+        match key {
             SampleKey::Id(id) => key_hash(&id.to_le_bytes()),
             SampleKey::Str(s) => key_hash(s.as_bytes()),
-        };
-        hash % SAMPLE_BUCKETS < self.below
+        }
     }
 
     /// Whether a decision is logged whatever the sample: an error
@@ -175,7 +251,137 @@ impl Sampler {
 
     /// Whether no decision is ever sampled (only `always` ones are logged).
     pub fn samples_none(&self) -> bool {
-        self.below == 0
+        self.below == 0 && self.models.iter().all(|(_, b)| *b == 0) && self.clients.iter().all(|(_, b)| *b == 0)
+    }
+
+    /// Whether some decision may be logged whatever the sample.
+    pub fn has_always(&self) -> bool {
+        self.always_errors || self.always_non_primary
+    }
+}
+
+/// What `POST /log` changes: one rate, for every decision, a model or a
+/// client; `None` removes a model's or a client's own rate.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RateChange {
+    Default(f64),
+    Model(String, Option<f64>),
+    Client(u32, Option<f64>),
+}
+
+/// How `POST /log` is used.
+pub const CHANGE_USAGE: &str =
+    "use POST /log?sample_rate=R, /log?model=NAME&sample_rate=R|none or /log?client=ID&sample_rate=R|none (R in 0..=1)";
+
+/// Reads `POST /log`'s query into a change; the error says what is wrong
+/// and how the route is used.
+pub fn parse_change(query: &str) -> Result<RateChange, String> {
+    let (mut rate, mut model, mut client) = (None, None, None);
+    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let slot = match k {
+            "sample_rate" => &mut rate,
+            "model" => &mut model,
+            "client" => &mut client,
+            _ => return Err(format!("unknown parameter '{k}': {CHANGE_USAGE}")),
+        };
+        if slot.replace(v).is_some() {
+            return Err(format!("'{k}' given twice: {CHANGE_USAGE}"));
+        }
+    }
+    let Some(rate) = rate else {
+        return Err(format!("no sample_rate: {CHANGE_USAGE}"));
+    };
+    let rate = match rate {
+        "none" => None,
+        r => {
+            let r: f64 = r.parse().map_err(|_| format!("sample_rate '{r}' is not a number: {CHANGE_USAGE}"))?;
+            check_rate("sample_rate", r)?;
+            Some(r)
+        }
+    };
+    match (model, client, rate) {
+        (Some(_), Some(_), _) => Err(format!("both model and client: {CHANGE_USAGE}")),
+        (Some(""), None, _) => Err(format!("an empty model name: {CHANGE_USAGE}")),
+        (Some(m), None, r) => Ok(RateChange::Model(m.into(), r)),
+        (None, Some(c), r) => Ok(RateChange::Client(parse_client(c)?, r)),
+        (None, None, Some(r)) => Ok(RateChange::Default(r)),
+        (None, None, None) => {
+            Err(format!("sample_rate=none only removes a model's or a client's rate: {CHANGE_USAGE}"))
+        }
+    }
+}
+
+/// The sampling every shard reads, changed at run time by `POST /log`:
+/// the admin side stores a new config's sampler, each shard loads the
+/// current one per decision (one atomic load, no lock, no allocation).
+#[derive(Debug)]
+pub struct Sampling {
+    config: std::sync::Mutex<LogConfig>,
+    current: ArcSwap<Sampler>,
+}
+
+impl Sampling {
+    pub fn new(config: &LogConfig) -> Sampling {
+        Sampling { config: std::sync::Mutex::new(config.clone()), current: ArcSwap::from_pointee(Sampler::new(config)) }
+    }
+
+    /// The sampler in force.
+    pub fn load(&self) -> arc_swap::Guard<Arc<Sampler>> {
+        self.current.load()
+    }
+
+    /// Applies `change`, checked like the config file; on an error nothing
+    /// changes. Returns the rates now in force.
+    pub fn change(&self, change: RateChange) -> Result<Rates, String> {
+        let mut config = self.config.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut next = config.clone();
+        match change {
+            RateChange::Default(r) => next.sample_rate = r,
+            RateChange::Model(m, Some(r)) => {
+                next.model_sample_rates.insert(m, r);
+            }
+            RateChange::Model(m, None) => {
+                next.model_sample_rates.remove(&m);
+            }
+            RateChange::Client(c, Some(r)) => {
+                next.client_sample_rates.insert(c.to_string(), r);
+            }
+            RateChange::Client(c, None) => {
+                next.client_sample_rates.remove(&c.to_string());
+            }
+        }
+        next.validate()?;
+        self.current.store(Arc::new(Sampler::new(&next)));
+        *config = next;
+        Ok(Rates::of(&config))
+    }
+
+    /// The rates in force.
+    pub fn rates(&self) -> Rates {
+        Rates::of(&self.config.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+}
+
+/// The rates in force, as `GET /log` and `POST /log` answer them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Rates {
+    pub sample_rate: f64,
+    pub model_sample_rates: BTreeMap<String, f64>,
+    pub client_sample_rates: BTreeMap<String, f64>,
+    pub key_group: Option<String>,
+    pub always: Vec<Always>,
+}
+
+impl Rates {
+    fn of(c: &LogConfig) -> Rates {
+        Rates {
+            sample_rate: c.sample_rate,
+            model_sample_rates: c.model_sample_rates.clone(),
+            client_sample_rates: c.client_sample_rates.clone(),
+            key_group: c.key_group.clone(),
+            always: c.always.clone(),
+        }
     }
 }
 
@@ -183,7 +389,7 @@ impl Sampler {
 /// `!Send` (through [`Producer`]): made and used on its shard.
 pub struct ShardLog {
     producer: Producer,
-    pub sampler: Sampler,
+    pub sampling: Arc<Sampling>,
     /// Wall-clock ns since the epoch at the shards' clock's zero
     /// ([`LogRings::new`]): a read time on that clock plus this is the
     /// receive time recorded, with no clock read on the shard.
@@ -213,13 +419,13 @@ impl ShardLog {
 #[derive(Clone)]
 pub struct LogRings {
     rings: Vec<Ring>,
-    sampler: Sampler,
+    pub sampling: Arc<Sampling>,
     wall_offset_ns: i64,
 }
 
 impl std::fmt::Debug for LogRings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LogRings").field("shards", &self.rings.len()).field("sampler", &self.sampler).finish()
+        f.debug_struct("LogRings").field("shards", &self.rings.len()).field("sampler", &*self.sampling.load()).finish()
     }
 }
 
@@ -234,7 +440,7 @@ impl LogRings {
         let mono_ns = i64::try_from(MonotonicClock::new().now_ns()).unwrap_or(i64::MAX);
         LogRings {
             rings: (0..shards).map(|_| Ring::new(config.ring_bytes)).collect(),
-            sampler: Sampler::new(config),
+            sampling: Arc::new(Sampling::new(config)),
             wall_offset_ns: wall_ns.saturating_sub(mono_ns),
         }
     }
@@ -245,7 +451,7 @@ impl LogRings {
         let producer = self.rings.get(shard)?.producer()?;
         Some(ShardLog {
             producer,
-            sampler: self.sampler.clone(),
+            sampling: self.sampling.clone(),
             wall_offset_ns: self.wall_offset_ns,
             records: 0,
             dropped_ring_full: 0,
@@ -277,6 +483,8 @@ pub struct LogStatus {
     pub dropped_bad_record: AtomicU64,
     /// Segments deleted by the retention limit.
     pub segments_deleted: AtomicU64,
+    /// The rates in force, which `POST /log` changes (set once at start-up).
+    pub sampling: std::sync::OnceLock<Arc<Sampling>>,
 }
 
 impl LogStatus {
@@ -329,8 +537,8 @@ mod tests {
         for rate in [0.01, 0.1, 0.5] {
             let s = sampler(rate);
             let keys = 200_000u64;
-            let ids = (0..keys).filter(|&k| s.sampled(SampleKey::Id(k))).count() as f64;
-            let strs = (0..keys).filter(|&k| s.sampled(SampleKey::Str(&format!("card-{k}")))).count() as f64;
+            let ids = (0..keys).filter(|&k| s.sampled("m", 0, SampleKey::Id(k))).count() as f64;
+            let strs = (0..keys).filter(|&k| s.sampled("m", 0, SampleKey::Str(&format!("card-{k}")))).count() as f64;
             for got in [ids, strs] {
                 let want = rate * keys as f64;
                 assert!((got - want).abs() <= 0.1 * want, "rate {rate}: {got} of {keys} sampled");
@@ -339,11 +547,92 @@ mod tests {
             // sampler built from the same config (another shard, a restart).
             let again = sampler(rate);
             for k in 0..10_000u64 {
-                assert_eq!(s.sampled(SampleKey::Id(k)), again.sampled(SampleKey::Id(k)));
+                assert_eq!(s.sampled("m", 0, SampleKey::Id(k)), again.sampled("m", 0, SampleKey::Id(k)));
             }
         }
-        assert!((0..100_000u64).all(|k| sampler(1.0).sampled(SampleKey::Id(k))));
-        assert!((0..100_000u64).all(|k| !sampler(0.0).sampled(SampleKey::Id(k))));
+        assert!((0..100_000u64).all(|k| sampler(1.0).sampled("m", 0, SampleKey::Id(k))));
+        assert!((0..100_000u64).all(|k| !sampler(0.0).sampled("m", 0, SampleKey::Id(k))));
+    }
+
+    #[test]
+    fn a_client_rate_comes_before_a_model_rate_before_the_default() {
+        let c = config(
+            "dir = \"d\"\nsample_rate = 0.1\n[model_sample_rates]\nranker = 0.5\nquiet = 0.0\n\
+             [client_sample_rates]\n\"7\" = 1.0\n\"8\" = 0.0\n",
+        )
+        .unwrap();
+        let s = Sampler::new(&c);
+        let share = |model: &str, client: u32| {
+            (0..100_000u64).filter(|&k| s.sampled(model, client, SampleKey::Id(k))).count() as f64 / 100_000.0
+        };
+        for (model, client, want) in
+            [("other", 0, 0.1), ("ranker", 0, 0.5), ("quiet", 0, 0.0), ("ranker", 7, 1.0), ("ranker", 8, 0.0)]
+        {
+            let got = share(model, client);
+            assert!((got - want).abs() <= 0.1 * want, "{model} client {client}: {got}, want {want}");
+        }
+        // A key sampled at a lower rate is sampled at every higher one: a
+        // raised rate adds keys, it does not trade them.
+        assert!((0..10_000u64).filter(|&k| s.sampled("other", 0, SampleKey::Id(k))).all(|k| s.sampled(
+            "ranker",
+            0,
+            SampleKey::Id(k)
+        )));
+        assert!(!s.samples_none());
+        for (text, want) in [
+            ("[client_sample_rates]\ncard = 1.0\n", "log.client_sample_rates: client 'card' is not a client id"),
+            ("[model_sample_rates]\nm = 2.0\n", "log.model_sample_rates.m = 2 is outside 0..=1"),
+            ("[client_sample_rates]\n\"3\" = -1.0\n", "log.client_sample_rates.3 = -1 is outside 0..=1"),
+        ] {
+            let got = config(&format!("dir = \"d\"\n{text}")).unwrap_err();
+            assert!(got.starts_with(want), "{got}");
+        }
+    }
+
+    #[test]
+    fn run_time_changes_are_checked_and_seen_by_every_shard() {
+        let c = LogConfig { dir: Some("d".into()), ..LogConfig::default() };
+        let rings = LogRings::new(&c, 2);
+        let (a, b) = (rings.shard(0).unwrap(), rings.shard(1).unwrap());
+        assert!(a.sampling.load().samples_none());
+        let rates = rings.sampling.change(RateChange::Model("ranker".into(), Some(1.0))).unwrap();
+        assert_eq!(rates.model_sample_rates.get("ranker"), Some(&1.0));
+        for log in [&a, &b] {
+            assert!(log.sampling.load().sampled("ranker", 0, SampleKey::Id(1)));
+            assert!(!log.sampling.load().sampled("other", 0, SampleKey::Id(1)));
+        }
+        // A bad change is refused whole, naming the key as the file would.
+        let bad = rings.sampling.change(RateChange::Default(1.5)).unwrap_err();
+        assert_eq!(bad, "log.sample_rate = 1.5 is outside 0..=1");
+        assert_eq!(rings.sampling.rates().sample_rate, 0.0);
+        rings.sampling.change(RateChange::Client(7, Some(0.0))).unwrap();
+        assert!(!a.sampling.load().sampled("ranker", 7, SampleKey::Id(1)));
+        rings.sampling.change(RateChange::Client(7, None)).unwrap();
+        rings.sampling.change(RateChange::Model("ranker".into(), None)).unwrap();
+        assert!(a.sampling.load().samples_none());
+        assert_eq!(rings.sampling.rates(), Rates::of(&c));
+    }
+
+    #[test]
+    fn post_log_queries_parse_or_say_why() {
+        assert_eq!(parse_change("sample_rate=0.25"), Ok(RateChange::Default(0.25)));
+        assert_eq!(parse_change("model=ranker&sample_rate=1"), Ok(RateChange::Model("ranker".into(), Some(1.0))));
+        assert_eq!(parse_change("client=7&sample_rate=none"), Ok(RateChange::Client(7, None)));
+        for (query, want) in [
+            ("", "no sample_rate"),
+            ("sample_rate=2", "sample_rate = 2 is outside 0..=1"),
+            ("sample_rate=NaN", "sample_rate = NaN is outside 0..=1"),
+            ("sample_rate=half", "sample_rate 'half' is not a number"),
+            ("sample_rate=none", "sample_rate=none only removes"),
+            ("client=x&sample_rate=1", "client 'x' is not a client id"),
+            ("client=1&model=m&sample_rate=1", "both model and client"),
+            ("model=&sample_rate=1", "an empty model name"),
+            ("rate=1", "unknown parameter 'rate'"),
+            ("sample_rate=1&sample_rate=0", "'sample_rate' given twice"),
+        ] {
+            let got = parse_change(query).unwrap_err();
+            assert!(got.starts_with(want), "{query}: {got}");
+        }
     }
 
     #[test]
@@ -379,8 +668,7 @@ mod tests {
             features_stale: false,
             rows: 16,
             row_dim: 64,
-            spans: &[],
-            keys: &[],
+            middle: record::Middle::Parts { spans: &[], keys: &[] },
             x: Some(&x),
             scores: None,
         };

@@ -4,13 +4,18 @@
 //!
 //! Little-endian, in this order: the format version, the fixed fields, the
 //! model's name, the spans of the input row (which group's floats start
-//! where: the feature columns' names), every group's keys, then the input
-//! rows and the scores, each present or not by a flag. The encoded length
-//! is computed first ([`DecisionRef::encoded_len`]) so the ring can reserve
-//! it.
+//! where: the feature columns' names, and the replica position each group
+//! was read at), every group's keys, then the input rows and the scores,
+//! each present or not by a flag. The encoded length is computed first
+//! ([`DecisionRef::encoded_len`]) so the ring can reserve it.
+//!
+//! The spans and keys (the record's middle, [`Middle`]) can be encoded ahead
+//! into a buffer of the shard's ([`encode_middle`]): a request handed to the
+//! inference thread keeps its keys that way, since its frame is gone by the
+//! time its scores come back.
 
 /// The layout written; a record of another version is refused.
-pub const RECORD_VERSION: u8 = 1;
+pub const RECORD_VERSION: u8 = 2;
 /// Spans of one input row: the groups a model reads, the context floats
 /// and the context ids.
 pub const SPANS_MAX: usize = crate::features::groups::GROUPS_MAX + 2;
@@ -35,10 +40,14 @@ pub struct Span<'a> {
     pub name: &'a str,
     pub offset: u32,
     pub dim: u32,
+    /// The group's replica position when it was read: the change-stream
+    /// sequence its refresher had applied, or its file's checkpoint; 0 for
+    /// the context spans and a group at no position.
+    pub position: u64,
 }
 
 impl Span<'_> {
-    pub const EMPTY: Span<'static> = Span { name: "", offset: 0, dim: 0 };
+    pub const EMPTY: Span<'static> = Span { name: "", offset: 0, dim: 0, position: 0 };
 }
 
 /// One group's keys, as the request carried them.
@@ -48,6 +57,47 @@ pub enum KeysRef<'a> {
     One(u64),
     Ids(flatbuffers::Vector<'a, u64>),
     Strs(flatbuffers::Vector<'a, flatbuffers::ForwardsUOffset<&'a str>>),
+}
+
+/// The spans and keys of a record: borrowed parts, or encoded ahead by
+/// [`encode_middle`].
+#[derive(Clone, Copy)]
+pub enum Middle<'a> {
+    Parts { spans: &'a [Span<'a>], keys: &'a [(&'a str, KeysRef<'a>)] },
+    Encoded(&'a [u8]),
+}
+
+impl Middle<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Middle::Parts { spans, keys } => middle_len(spans, keys),
+            Middle::Encoded(b) => b.len(),
+        }
+    }
+}
+
+/// Bytes [`encode_middle`] writes for `spans` and `keys`.
+pub fn middle_len(spans: &[Span<'_>], keys: &[(&str, KeysRef<'_>)]) -> usize {
+    let mut n = 1 + spans.iter().take(SPANS_MAX).map(|s| 1 + name_len(s.name) + 16).sum::<usize>();
+    n += 1;
+    for (name, keys) in keys.iter().take(KEY_GROUPS_MAX) {
+        n += 1 + name_len(name) + 1 + 4;
+        n += match keys {
+            KeysRef::None => 0,
+            KeysRef::One(_) => 8,
+            KeysRef::Ids(v) => 8 * v.len(),
+            KeysRef::Strs(v) => v.iter().map(|k| 2 + k.len().min(u16::MAX as usize)).sum(),
+        };
+    }
+    n
+}
+
+/// Writes the spans and keys into `out`, which is exactly
+/// [`middle_len`] bytes.
+pub fn encode_middle(spans: &[Span<'_>], keys: &[(&str, KeysRef<'_>)], out: &mut [u8]) {
+    let mut w = Put { out, at: 0 };
+    w.middle(spans, keys);
+    debug_assert_eq!(w.at, w.out.len(), "middle_len and encode_middle disagree");
 }
 
 /// A decision's parts, borrowed from the shard's request path.
@@ -67,8 +117,7 @@ pub struct DecisionRef<'a> {
     pub features_stale: bool,
     pub rows: u32,
     pub row_dim: u32,
-    pub spans: &'a [Span<'a>],
-    pub keys: &'a [(&'a str, KeysRef<'a>)],
+    pub middle: Middle<'a>,
     /// `rows × row_dim` floats, as the kernel saw them.
     pub x: Option<&'a [f32]>,
     /// `rows` scores, as answered.
@@ -82,17 +131,7 @@ fn name_len(s: &str) -> usize {
 impl DecisionRef<'_> {
     pub fn encoded_len(&self) -> usize {
         let mut n = FIXED_BYTES + 2 + self.model.len().min(u16::MAX as usize);
-        n += 1 + self.spans.iter().map(|s| 1 + name_len(s.name) + 8).sum::<usize>();
-        n += 1;
-        for (name, keys) in self.keys {
-            n += 1 + name_len(name) + 1 + 4;
-            n += match keys {
-                KeysRef::None => 0,
-                KeysRef::One(_) => 8,
-                KeysRef::Ids(v) => 8 * v.len(),
-                KeysRef::Strs(v) => v.iter().map(|k| 2 + k.len().min(u16::MAX as usize)).sum(),
-            };
-        }
+        n += self.middle.len();
         n += self.x.map_or(0, |x| 4 * x.len());
         n += self.scores.map_or(0, |s| 4 * s.len());
         n
@@ -122,42 +161,9 @@ impl DecisionRef<'_> {
         let model = &self.model.as_bytes()[..self.model.len().min(u16::MAX as usize)];
         w.u16(model.len() as u16);
         w.bytes(model);
-        w.u8(self.spans.len().min(SPANS_MAX) as u8);
-        for s in self.spans.iter().take(SPANS_MAX) {
-            w.name(s.name);
-            w.u32(s.offset);
-            w.u32(s.dim);
-        }
-        w.u8(self.keys.len().min(KEY_GROUPS_MAX) as u8);
-        for (name, keys) in self.keys.iter().take(KEY_GROUPS_MAX) {
-            w.name(name);
-            match keys {
-                KeysRef::None => {
-                    w.u8(0);
-                    w.u32(0);
-                }
-                KeysRef::One(id) => {
-                    w.u8(0);
-                    w.u32(1);
-                    w.u64(*id);
-                }
-                KeysRef::Ids(v) => {
-                    w.u8(0);
-                    w.u32(v.len() as u32);
-                    for id in v.iter() {
-                        w.u64(id);
-                    }
-                }
-                KeysRef::Strs(v) => {
-                    w.u8(1);
-                    w.u32(v.len() as u32);
-                    for k in v.iter() {
-                        let k = &k.as_bytes()[..k.len().min(u16::MAX as usize)];
-                        w.u16(k.len() as u16);
-                        w.bytes(k);
-                    }
-                }
-            }
+        match self.middle {
+            Middle::Parts { spans, keys } => w.middle(spans, keys),
+            Middle::Encoded(b) => w.bytes(b),
         }
         for f in self.x.into_iter().flatten().chain(self.scores.into_iter().flatten()) {
             w.u32(f.to_bits());
@@ -188,6 +194,46 @@ impl Put<'_> {
     }
     fn u64(&mut self, v: u64) {
         self.bytes(&v.to_le_bytes());
+    }
+    fn middle(&mut self, spans: &[Span<'_>], keys: &[(&str, KeysRef<'_>)]) {
+        self.u8(spans.len().min(SPANS_MAX) as u8);
+        for s in spans.iter().take(SPANS_MAX) {
+            self.name(s.name);
+            self.u32(s.offset);
+            self.u32(s.dim);
+            self.u64(s.position);
+        }
+        self.u8(keys.len().min(KEY_GROUPS_MAX) as u8);
+        for (name, keys) in keys.iter().take(KEY_GROUPS_MAX) {
+            self.name(name);
+            match keys {
+                KeysRef::None => {
+                    self.u8(0);
+                    self.u32(0);
+                }
+                KeysRef::One(id) => {
+                    self.u8(0);
+                    self.u32(1);
+                    self.u64(*id);
+                }
+                KeysRef::Ids(v) => {
+                    self.u8(0);
+                    self.u32(v.len() as u32);
+                    for id in v.iter() {
+                        self.u64(id);
+                    }
+                }
+                KeysRef::Strs(v) => {
+                    self.u8(1);
+                    self.u32(v.len() as u32);
+                    for k in v.iter() {
+                        let k = &k.as_bytes()[..k.len().min(u16::MAX as usize)];
+                        self.u16(k.len() as u16);
+                        self.bytes(k);
+                    }
+                }
+            }
+        }
     }
     fn name(&mut self, s: &str) {
         let b = &s.as_bytes()[..name_len(s)];
@@ -222,6 +268,8 @@ pub struct Decision {
     pub row_dim: u32,
     /// (name, offset, dim) of each span of the input row.
     pub spans: Vec<(String, u32, u32)>,
+    /// Each span's replica position ([`Span::position`]), in span order.
+    pub positions: Vec<u64>,
     pub keys: Vec<(String, Keys)>,
     pub x: Option<Vec<f32>>,
     pub scores: Option<Vec<f32>>,
@@ -294,9 +342,11 @@ impl Decision {
         let n = r.u16()? as usize;
         let model = r.str(n)?;
         let mut spans = Vec::new();
+        let mut positions = Vec::new();
         for _ in 0..r.u8()? {
             let n = r.u8()? as usize;
             spans.push((r.str(n)?, r.u32()?, r.u32()?));
+            positions.push(r.u64()?);
         }
         let mut keys = Vec::new();
         for _ in 0..r.u8()? {
@@ -347,6 +397,7 @@ impl Decision {
             rows,
             row_dim,
             spans,
+            positions,
             keys,
             x,
             scores,
@@ -394,7 +445,10 @@ mod tests {
         let strs = groups.get(1).keys().unwrap();
         let x: Vec<f32> = (0..3 * 5).map(|i| i as f32 * 0.5 - 1.0).collect();
         let scores = [0.25f32, f32::MIN_POSITIVE, -0.0];
-        let spans = [Span { name: "user", offset: 0, dim: 2 }, Span { name: "context", offset: 2, dim: 3 }];
+        let spans = [
+            Span { name: "user", offset: 0, dim: 2, position: 1_234 },
+            Span { name: "context", offset: 2, dim: 3, position: 0 },
+        ];
         let keys = [("user", KeysRef::One(42)), ("item", KeysRef::Ids(ids)), ("card", KeysRef::Strs(strs))];
         let d = DecisionRef {
             request_id: u64::MAX - 1,
@@ -411,8 +465,7 @@ mod tests {
             features_stale: true,
             rows: 3,
             row_dim: 5,
-            spans: &spans,
-            keys: &keys,
+            middle: Middle::Parts { spans: &spans, keys: &keys },
             x: Some(&x),
             scores: Some(&scores),
         };
@@ -430,6 +483,7 @@ mod tests {
             (0, 2, 1, 4, true)
         );
         assert_eq!(back.spans, vec![("user".into(), 0, 2), ("context".into(), 2, 3)]);
+        assert_eq!(back.positions, vec![1_234, 0]);
         assert_eq!(
             back.keys,
             vec![
@@ -442,6 +496,14 @@ mod tests {
         let bits = |s: &[f32]| s.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(back.scores.as_deref().unwrap()), bits(&scores));
 
+        // The middle encoded ahead (a handed-off request's) makes the same record.
+        let mut middle = vec![0u8; middle_len(&spans, &keys)];
+        encode_middle(&spans, &keys, &mut middle);
+        let ahead = DecisionRef { middle: Middle::Encoded(&middle), ..d };
+        let mut again = vec![0u8; ahead.encoded_len()];
+        ahead.encode(&mut again);
+        assert_eq!(again, out);
+
         // Every cut of it is refused with a typed error, never a panic.
         for cut in 0..out.len() {
             assert!(Decision::decode(&out[..cut]).is_err(), "cut at {cut}");
@@ -449,8 +511,8 @@ mod tests {
         let mut longer = out.clone();
         longer.push(0);
         assert_eq!(Decision::decode(&longer), Err(RecordError::Trailing(1)));
-        out[0] = 2;
-        assert_eq!(Decision::decode(&out), Err(RecordError::Version(2)));
+        out[0] = RECORD_VERSION - 1;
+        assert_eq!(Decision::decode(&out), Err(RecordError::Version(RECORD_VERSION - 1)));
     }
 
     #[test]
@@ -470,8 +532,7 @@ mod tests {
             features_stale: false,
             rows: 0,
             row_dim: 7,
-            spans: &[],
-            keys: &[("user", KeysRef::None)],
+            middle: Middle::Parts { spans: &[], keys: &[("user", KeysRef::None)] },
             x: None,
             scores: None,
         };

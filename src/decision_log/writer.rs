@@ -157,6 +157,26 @@ impl Layout {
         }
     }
 
+    /// Whether `d`, of another layout, can go in a segment of this one: it
+    /// has no input rows and reads no other spans (a request refused before
+    /// a model was chosen), and its keys are groups this layout has, of the
+    /// same kind. Its feature columns are then null, and so are the key
+    /// columns it lacks; an error between decisions does not close the
+    /// segment.
+    fn admits(&self, d: &Decision) -> bool {
+        d.x.is_none()
+            && (d.spans.is_empty() || d.spans == self.spans)
+            && d.keys
+                .iter()
+                .all(|(name, k)| self.keys.iter().any(|(n, strs)| n == name && *strs == matches!(k, Keys::Strs(_))))
+    }
+
+    /// The spans that are feature groups (not the context): each has a
+    /// `<group>_position` column.
+    fn groups(&self) -> impl Iterator<Item = &str> {
+        self.spans.iter().map(|(name, _, _)| name.as_str()).filter(|n| !matches!(*n, "context" | "context_id"))
+    }
+
     /// The feature columns' names: `<span>[i]` for each float of a span,
     /// `x[i]` for one no span names.
     fn feature_names(&self) -> Vec<String> {
@@ -192,6 +212,9 @@ impl Layout {
             let t = if *strs { DataType::Utf8 } else { DataType::UInt64 };
             fields.push(Field::new(format!("{name}_key"), t, true));
         }
+        for name in self.groups() {
+            fields.push(Field::new(format!("{name}_position"), DataType::UInt64, true));
+        }
         for name in self.feature_names() {
             fields.push(Field::new(name, DataType::Float32, true));
         }
@@ -222,6 +245,8 @@ struct Batch {
     candidate: UInt32Builder,
     score: Float32Builder,
     keys: Vec<KeyColumn>,
+    /// Each group span's replica position, by span index.
+    positions: Vec<(usize, UInt64Builder)>,
     features: Vec<Float32Builder>,
 }
 
@@ -256,13 +281,21 @@ impl Batch {
                     },
                 )
                 .collect(),
+            positions: (layout.spans.iter().enumerate())
+                .filter(|(_, (name, _, _))| !matches!(name.as_str(), "context" | "context_id"))
+                .map(|(i, _)| (i, UInt64Builder::new()))
+                .collect(),
             features: (0..layout.row_dim).map(|_| Float32Builder::new()).collect(),
         }
     }
 
     /// One row per candidate (one, without candidate or score, for a
-    /// decision that has none: a failure).
-    fn push(&mut self, d: &Decision) {
+    /// decision that has none: a failure), in the columns of `layout`.
+    fn push(&mut self, layout: &Layout, d: &Decision) {
+        // Each key column's keys in `d`, by group name.
+        let keys: Vec<Option<&Keys>> =
+            (layout.keys.iter()).map(|(name, _)| d.keys.iter().find(|(n, _)| n == name).map(|(_, k)| k)).collect();
+        let same_spans = d.spans == layout.spans;
         let ok = d.status == Status::Ok.0;
         let status = wire::status_name(Status(d.status));
         let tier = ok.then(|| wire::tier_name(Tier(d.tier)));
@@ -285,16 +318,19 @@ impl Batch {
             let candidate = (i < d.rows as usize).then_some(i as u32);
             self.candidate.append_option(candidate);
             self.score.append_option(d.scores.as_ref().and_then(|s| s.get(i)).copied());
-            for (column, (_, keys)) in self.keys.iter_mut().zip(&d.keys) {
+            for (column, keys) in self.keys.iter_mut().zip(&keys) {
                 // One key (a request-scope group) on every row; else the
                 // candidate's own.
                 let at = |len: usize| if len == 1 { Some(0) } else { (i < len).then_some(i) };
                 match (column, keys) {
-                    (KeyColumn::Ids(b), Keys::Ids(v)) => b.append_option(at(v.len()).map(|j| v[j])),
-                    (KeyColumn::Strs(b), Keys::Strs(v)) => b.append_option(at(v.len()).map(|j| v[j].as_str())),
-                    (KeyColumn::Ids(b), Keys::Strs(_)) => b.append_null(),
-                    (KeyColumn::Strs(b), Keys::Ids(_)) => b.append_null(),
+                    (KeyColumn::Ids(b), Some(Keys::Ids(v))) => b.append_option(at(v.len()).map(|j| v[j])),
+                    (KeyColumn::Strs(b), Some(Keys::Strs(v))) => b.append_option(at(v.len()).map(|j| v[j].as_str())),
+                    (KeyColumn::Ids(b), _) => b.append_null(),
+                    (KeyColumn::Strs(b), _) => b.append_null(),
                 }
+            }
+            for (span, column) in &mut self.positions {
+                column.append_option(d.positions.get(*span).copied().filter(|_| same_spans));
             }
             let row = d.x.as_ref().filter(|_| candidate.is_some()).and_then(|x| x.get(i * row_dim..(i + 1) * row_dim));
             for (j, column) in self.features.iter_mut().enumerate() {
@@ -326,6 +362,9 @@ impl Batch {
                 KeyColumn::Ids(b) => Arc::new(b.finish()),
                 KeyColumn::Strs(b) => Arc::new(b.finish()),
             });
+        }
+        for (_, p) in &mut self.positions {
+            columns.push(Arc::new(p.finish()));
         }
         for f in &mut self.features {
             columns.push(Arc::new(f.finish()));
@@ -458,7 +497,7 @@ impl Work {
             self.shards[at].blocked_until = None;
         }
         let layout = Layout::of(&d);
-        if self.shards[at].open.as_ref().is_some_and(|s| s.layout != layout) {
+        if self.shards[at].open.as_ref().is_some_and(|s| s.layout != layout && !s.layout.admits(&d)) {
             self.close(at);
         }
         if self.shards[at].open.is_none() {
@@ -472,7 +511,7 @@ impl Work {
             }
         }
         let Some(s) = self.shards[at].open.as_mut() else { return };
-        s.batch.push(&d);
+        s.batch.push(&s.layout, &d);
         s.decisions += 1;
         s.rows += u64::from(d.rows.max(1));
         // Batches of a quarter segment at most, so a segment closes near
@@ -650,7 +689,7 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision_log::record::{DecisionRef, KeysRef, Span};
+    use crate::decision_log::record::{DecisionRef, KeysRef, Middle, Span};
     use crate::decision_log::{LogRings, RING_BYTES_MIN, SEGMENT_BYTES_MIN};
 
     fn scratch(name: &str) -> PathBuf {
@@ -678,7 +717,10 @@ mod tests {
     /// test's producer may wait; a shard never does).
     fn put_all(rings: &LogRings, ids: std::ops::Range<u64>) {
         let mut log = rings.shard(0).unwrap();
-        let spans = [Span { name: "user", offset: 0, dim: 2 }, Span { name: "item", offset: 2, dim: 4 }];
+        let spans = [
+            Span { name: "user", offset: 0, dim: 2, position: 41 },
+            Span { name: "item", offset: 2, dim: 4, position: 42 },
+        ];
         for id in ids {
             let x: Vec<f32> = (0..ROWS * ROW_DIM).map(|i| (id as f32) * 0.001 + i as f32).collect();
             let scores: Vec<f32> = (0..ROWS).map(|i| 1.0 / (1.0 + id as f32 + i as f32)).collect();
@@ -698,8 +740,7 @@ mod tests {
                 features_stale: false,
                 rows: ROWS as u32,
                 row_dim: ROW_DIM as u32,
-                spans: &spans,
-                keys: &keys,
+                middle: Middle::Parts { spans: &spans, keys: &keys },
                 x: Some(&x),
                 scores: Some(&scores),
             };
@@ -742,7 +783,8 @@ mod tests {
         for f in &files {
             let summary = crate::decision_log::read::inspect(f).unwrap();
             let names: Vec<&str> = summary.columns.iter().map(|(n, _)| n.as_str()).collect();
-            assert!(names.ends_with(&["user_key", "user[0]", "user[1]", "item[0]", "item[1]", "item[2]", "item[3]"]));
+            let tail = ["user_key", "user_position", "item_position", "user[0]", "user[1]", "item[0]", "item[1]"];
+            assert!(names.ends_with(&[&tail[..], &["item[2]", "item[3]"]].concat()), "{names:?}");
             let mut out = Vec::new();
             let rows = crate::decision_log::read::dump_json(f, &mut out).unwrap();
             assert_eq!(rows, summary.rows);
@@ -755,6 +797,7 @@ mod tests {
                 assert_eq!(v["score"].as_f64().unwrap() as f32, 1.0 / (1.0 + id as f32 + i as f32));
                 assert_eq!(v["item[3]"].as_f64().unwrap() as f32, (id as f32) * 0.001 + (i * ROW_DIM + 5) as f32);
                 assert_eq!(v["user_key"].as_u64(), Some(id * 3));
+                assert_eq!((v["user_position"].as_u64(), v["item_position"].as_u64()), (Some(41), Some(42)));
                 assert_eq!((v["tier"].as_str(), v["status"].as_str()), (Some("primary"), Some("ok")));
                 assert_eq!(v["received"].as_i64(), Some(1_000_000_000 + id as i64));
                 seen += 1;
@@ -789,6 +832,69 @@ mod tests {
             .last()
             .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
         assert_eq!(last.unwrap()["request_id"].as_u64(), Some(5999));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A refusal (no rows, fewer keys) between decisions goes in the open
+    /// segment, its missing columns null: errors do not split segments.
+    #[test]
+    fn a_refusal_between_decisions_goes_in_the_open_segment() {
+        let dir = scratch("refusal");
+        let c = config(&dir, 1 << 40);
+        let rings = LogRings::new(&c, 1);
+        let status = Arc::new(LogStatus::default());
+        let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+        let mut log = rings.shard(0).unwrap();
+        let spans = [Span { name: "user", offset: 0, dim: 2, position: 5 }];
+        let (x, scores) = ([0.5f32, 1.5], [0.25f32]);
+        let user = [("user", KeysRef::One(3))];
+        let ok = DecisionRef {
+            request_id: 1,
+            client_id: 0,
+            received_unix_ns: 0,
+            budget_us: 0,
+            server_us: 0,
+            model: "m",
+            model_version: 1,
+            status: 0,
+            tier: 0,
+            reason: 0,
+            features_missing: 0,
+            features_stale: false,
+            rows: 1,
+            row_dim: 2,
+            middle: Middle::Parts { spans: &spans, keys: &user },
+            x: Some(&x),
+            scores: Some(&scores),
+        };
+        let refused = DecisionRef {
+            request_id: 2,
+            model_version: 0,
+            status: Status::ModelNotFound.0,
+            rows: 0,
+            row_dim: 0,
+            middle: Middle::Parts { spans: &[], keys: &user },
+            x: None,
+            scores: None,
+            ..ok
+        };
+        let unread = DecisionRef { request_id: 3, middle: Middle::Parts { spans: &[], keys: &[] }, ..refused };
+        for d in [&ok, &refused, &unread, &DecisionRef { request_id: 4, ..ok }] {
+            log.put(d);
+        }
+        writer.stop();
+        let files = segments(&dir);
+        assert_eq!(files.len(), 1, "{files:?}");
+        let mut out = Vec::new();
+        crate::decision_log::read::dump_json(&files[0], &mut out).unwrap();
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let ids: Vec<u64> = rows.iter().map(|v| v["request_id"].as_u64().unwrap()).collect();
+        assert_eq!(ids, [1, 2, 3, 4]);
+        assert_eq!((rows[1]["status"].as_str(), rows[1]["user_key"].as_u64()), (Some("model_not_found"), Some(3)));
+        assert!(rows[1]["user[0]"].is_null() && rows[1]["user_position"].is_null() && rows[1]["score"].is_null());
+        assert!(rows[2]["user_key"].is_null());
+        assert_eq!((rows[3]["user[1]"].as_f64(), rows[3]["user_position"].as_u64()), (Some(1.5), Some(5)));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

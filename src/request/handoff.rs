@@ -11,6 +11,10 @@
 //! completion, never after, so the slot (its kept rows and item ids) is
 //! still the request's when the give-up is answered.
 //!
+//! A request the decision log may record keeps, by slot, its record begun
+//! at the hand-off (`logged::Staged`) and the staging bytes of its spans and
+//! keys, until its response is written.
+//!
 //! The score cache works as it does inline: the stage's scores fill it when
 //! they are returned in time, and a request stepped down after its hand-off
 //! looks it up again (each slot keeps its request's item ids), since entries
@@ -18,6 +22,7 @@
 
 use std::sync::Arc;
 
+use super::logged::Staged;
 use super::policies::Policies;
 use super::scratch::{Answer, Inputs};
 use super::shadow::ShadowQueue;
@@ -94,6 +99,11 @@ pub(super) struct InFlight {
     owed: usize,
     next_give_up_ns: u64,
     turnaround: Turnaround,
+    /// By slot, the decision-log record begun at the hand-off, and its
+    /// staging bytes (`staged_bytes` each; empty while nothing is logged).
+    pub(super) log_staged: Vec<Option<Staged>>,
+    log_staging: Vec<u8>,
+    staged_bytes: usize,
 }
 
 /// Gives the rows to the inference stage; the response follows from
@@ -105,7 +115,7 @@ pub(super) fn hand_off(
     in_flight: &mut InFlight,
     served: &Served,
     inputs: &Inputs,
-) -> Result<(), Rejection> {
+) -> Result<u32, Rejection> {
     let reserve_us = policies.ladder.reserve_us;
     in_flight.submit(a, conn, &served.model, reserve_us, inputs).map_err(|(step, now_ns)| {
         policies.breaker.record(true, now_ns);
@@ -134,6 +144,33 @@ impl InFlight {
         self.items = vec![0; stage.slots() * rows_max];
         self.next_give_up_ns = u64::MAX;
         self.stage = Some(stage);
+    }
+
+    /// Keeps `bytes` of decision-log staging per slot (allocated now, once).
+    pub(super) fn keep_log(&mut self, bytes: usize) {
+        let slots = self.pending.len();
+        if self.staged_bytes != bytes || self.log_staged.len() != slots {
+            self.log_staged = vec![None; slots];
+            self.log_staging = vec![0; slots * bytes];
+            self.staged_bytes = bytes;
+        }
+    }
+
+    /// Slot `slot`'s staging bytes.
+    pub(super) fn staging_mut(&mut self, slot: u32) -> &mut [u8] {
+        let n = self.staged_bytes;
+        self.log_staging.get_mut(slot as usize * n..).map_or(&mut [], |s| &mut s[..n])
+    }
+
+    /// Slot `slot`'s record begun at its hand-off (taken: it is logged
+    /// once), its staging bytes and its input rows.
+    pub(super) fn take_staged(&mut self, slot: u32) -> Option<(Staged, &[u8], &[f32])> {
+        let staged = self.log_staged.get_mut(slot as usize)?.take()?;
+        let n = self.staged_bytes;
+        let bytes = self.log_staging.get(slot as usize * n..)?.get(..n)?;
+        // The stage never writes a slot's rows, and the shard writes them
+        // only when it takes the slot for another request, after this.
+        Some((staged, bytes, self.stage.as_ref()?.rows_of(slot)))
     }
 
     /// Takes a job slot for the current request's rows, when a stage is
@@ -180,6 +217,7 @@ impl InFlight {
     /// answered on connection `conn`; `model` scores it. On no slot taken or
     /// a full ring, the request's step-down and the time, to answer it at
     /// once (the slot then stays taken, for the step-down to read its rows).
+    /// Returns the slot it went in.
     pub(super) fn submit(
         &mut self,
         a: Assembled,
@@ -187,7 +225,7 @@ impl InFlight {
         model: &Arc<Model>,
         reserve_us: u64,
         inputs: &Inputs,
-    ) -> Result<(), (StepDown, u64)> {
+    ) -> Result<u32, (StepDown, u64)> {
         let step = a.step;
         let (rows, now_ns) = (step.rows, a.at_ns);
         let stage = self.stage.as_mut().expect("route hands off only to an attached stage");
@@ -207,8 +245,11 @@ impl InFlight {
         self.items[at..at + rows].copy_from_slice(&inputs.candidate_keys[..rows]);
         let pending = Pending { conn, assembled: a, submitted_ns: now_ns, give_up_ns, answered: false, routed: false };
         self.pending[slot] = Some(pending);
+        if let Some(staged) = self.log_staged.get_mut(slot) {
+            *staged = None;
+        }
         self.owed += 1;
-        Ok(())
+        Ok(slot as u32)
     }
 
     /// The next completion from the stage, with the connection it goes to.

@@ -1,15 +1,39 @@
 //! The request path's side of the decision log: after a response is
 //! encoded, whether its decision is logged (the always rules, then the
-//! sample by key or request id), and the record handed to the shard's ring,
-//! built from borrowed parts on the stack, so logging allocates nothing.
+//! sample by key or request id at the client's, model's or default rate),
+//! and the record handed to the shard's ring, built from borrowed parts on
+//! the stack, so logging allocates nothing.
+//!
+//! Three kinds of decision reach it:
+//!
+//! - answered on the shard once a model was chosen ([`log_answered`]): the
+//!   keys from the request, the rows from the shard's inputs or the
+//!   reserved job slot;
+//! - refused before a model was chosen ([`log_refused`]): a bad frame, an
+//!   admission refusal, a spent budget, an unknown model, a shed; the keys
+//!   when the frame is readable, no rows;
+//! - handed to the inference thread ([`stage`], then [`log_completed`]):
+//!   at the hand-off, while the frame is still there, the record's spans
+//!   and keys are encoded into the job slot's staging bytes ([`Staged`]);
+//!   when the response is written (by the stage's scores, a give-up or a
+//!   step-down), the record is finished from them, the slot's rows and the
+//!   answer.
 
 use super::scratch::Outcome;
 use super::versions::Served;
 use super::Replicas;
-use crate::decision_log::record::{DecisionRef, KeysRef, Span, KEY_GROUPS_MAX, SPANS_MAX};
+use crate::decision_log::record::{
+    encode_middle, middle_len, DecisionRef, KeysRef, Middle, Span, KEY_GROUPS_MAX, SPANS_MAX,
+};
 use crate::decision_log::{SampleKey, Sampler, ShardLog};
 use crate::features::groups::GROUPS_MAX;
-use crate::wire::{fb, Status, Tier};
+use crate::model::layout::InputLayout;
+use crate::wire::{fb, RequestLimits, Status, Tier};
+
+/// Bytes of spans and keys one handed-off request may stage: a request's
+/// keys take no more than its frame, up to this; a record with more is
+/// dropped and counted (too large).
+pub(super) const STAGED_BYTES_MAX: usize = 64 * 1024;
 
 /// The key `sampler` decides `raw` by: the first key of its key group
 /// (`user_id` for `user` when the request names no such group), else the
@@ -32,7 +56,138 @@ fn sample_key<'a>(sampler: &Sampler, raw: &fb::ScoreRequest<'a>) -> SampleKey<'a
     SampleKey::Id(raw.request_id())
 }
 
-/// What of one answered request the log may record.
+/// Whether the sample takes a decision of `model` on `raw`.
+fn in_sample(sampler: &Sampler, model: &str, raw: &fb::ScoreRequest<'_>) -> bool {
+    !sampler.samples_none() && sampler.sampled(model, raw.client_id(), sample_key(sampler, raw))
+}
+
+/// The spans and keys of a record, on the stack.
+struct Parts<'a> {
+    spans: [Span<'a>; SPANS_MAX],
+    n_spans: usize,
+    keys: [(&'a str, KeysRef<'a>); KEY_GROUPS_MAX],
+    n_keys: usize,
+}
+
+impl<'a> Parts<'a> {
+    fn middle(&'a self) -> Middle<'a> {
+        Middle::Parts { spans: &self.spans[..self.n_spans], keys: &self.keys[..self.n_keys] }
+    }
+}
+
+/// The replica position of group `group`: the change sequence its refresher
+/// last published (`quiver_replica_applied_seq`), read after the lookup, so
+/// no row read holds a later change; else its file's checkpoint.
+fn position(replicas: &Replicas, group: usize) -> u64 {
+    let Some(g) = replicas.groups.get(group) else {
+        return 0;
+    };
+    match replicas.feed.as_ref().and_then(|f| f.group(&g.name)) {
+        Some(status) => status.applied_seq.load(std::sync::atomic::Ordering::Relaxed),
+        None => g.view.handle().load().cursor_at_open().seq,
+    }
+}
+
+/// The spans of `layout` (none without one) and every group's keys in `raw`
+/// (none without it).
+fn parts<'a>(layout: Option<&'a InputLayout>, replicas: &'a Replicas, raw: Option<&fb::ScoreRequest<'a>>) -> Parts<'a> {
+    let mut p =
+        Parts { spans: [Span::EMPTY; SPANS_MAX], n_spans: 0, keys: [("", KeysRef::None); KEY_GROUPS_MAX], n_keys: 0 };
+    if let Some(layout) = layout {
+        for seg in layout.groups.iter().take(GROUPS_MAX) {
+            let name = replicas.groups.get(seg.group).map_or("", |g| &*g.name);
+            let position = position(replicas, seg.group);
+            p.spans[p.n_spans] = Span { name, offset: seg.offset as u32, dim: seg.dim as u32, position };
+            p.n_spans += 1;
+        }
+        for (name, part) in [("context", layout.context), ("context_id", layout.context_ids)] {
+            if let Some((offset, dim)) = part {
+                p.spans[p.n_spans] = Span { name, offset: offset as u32, dim: dim as u32, position: 0 };
+                p.n_spans += 1;
+            }
+        }
+    }
+    let Some(raw) = raw else {
+        return p;
+    };
+    let groups = raw.groups().unwrap_or_default();
+    for g in groups.iter().take(KEY_GROUPS_MAX - 2) {
+        let k = match (g.ids(), g.keys()) {
+            (Some(ids), _) => KeysRef::Ids(ids),
+            (None, Some(strs)) => KeysRef::Strs(strs),
+            (None, None) => KeysRef::None,
+        };
+        p.keys[p.n_keys] = (g.group().unwrap_or(""), k);
+        p.n_keys += 1;
+    }
+    let named = |name: &str| groups.iter().any(|g| g.group() == Some(name));
+    // The older fields key `user` and `item` when no group entry does.
+    if replicas.user.is_some() && !named("user") {
+        p.keys[p.n_keys] = ("user", KeysRef::One(raw.user_id()));
+        p.n_keys += 1;
+    }
+    if let Some(items) = raw.item_ids().filter(|v| !v.is_empty() && !named("item")) {
+        p.keys[p.n_keys] = ("item", KeysRef::Ids(items));
+        p.n_keys += 1;
+    }
+    p
+}
+
+/// What every record holds besides its middle, rows and outcome.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Head {
+    request_id: u64,
+    client_id: u32,
+    budget_us: u32,
+    received_unix_ns: i64,
+}
+
+impl Head {
+    fn of(raw: &fb::ScoreRequest<'_>, received_unix_ns: i64) -> Head {
+        Head { request_id: raw.request_id(), client_id: raw.client_id(), budget_us: raw.budget_us(), received_unix_ns }
+    }
+}
+
+/// Encodes one decision into the ring: the outcome's rows of `x` (when
+/// they were assembled at `row_dim`) and its scores.
+#[allow(clippy::too_many_arguments)]
+fn put(
+    log: &mut ShardLog,
+    head: Head,
+    model: &str,
+    version: u32,
+    row_dim: usize,
+    middle: Middle<'_>,
+    o: &Outcome,
+    x: &[f32],
+    scores: &[f32],
+) {
+    let ok = o.status == Status::Ok.0;
+    let rows = if ok { o.rows } else { 0 };
+    let assembled = ok && o.row_dim == row_dim && row_dim > 0;
+    log.put(&DecisionRef {
+        request_id: head.request_id,
+        client_id: head.client_id,
+        received_unix_ns: head.received_unix_ns,
+        budget_us: head.budget_us,
+        server_us: o.server_us,
+        model,
+        model_version: if ok { o.version } else { version },
+        status: o.status,
+        tier: o.tier,
+        reason: o.reason,
+        features_missing: o.missing,
+        features_stale: o.stale,
+        rows: rows as u32,
+        row_dim: row_dim as u32,
+        middle,
+        x: x.get(..rows * row_dim).filter(|_| assembled),
+        scores: scores.get(..rows).filter(|_| ok),
+    });
+}
+
+/// What of one request answered on the shard, its model chosen, the log
+/// may record.
 pub(super) struct Answered<'a> {
     pub(super) raw: fb::ScoreRequest<'a>,
     pub(super) served: &'a Served,
@@ -45,71 +200,135 @@ pub(super) struct Answered<'a> {
 }
 
 /// Logs `a` when the rules or the sample say so.
-pub(super) fn log_decision(log: &mut ShardLog, replicas: &Replicas, a: &Answered<'_>) {
+pub(super) fn log_answered(log: &mut ShardLog, replicas: &Replicas, a: &Answered<'_>) {
     let o = a.outcome;
-    let ok = o.status == Status::Ok.0;
-    if !log.sampler.always(ok, o.tier == Tier::Primary.0)
-        && (log.sampler.samples_none() || !log.sampler.sampled(sample_key(&log.sampler, &a.raw)))
-    {
+    let model = &*a.served.model.name;
+    let sampler = log.sampling.load();
+    if !sampler.always(o.status == Status::Ok.0, o.tier == Tier::Primary.0) && !in_sample(&sampler, model, &a.raw) {
         return;
     }
+    drop(sampler);
     let layout = &a.served.layout;
-    let mut spans = [Span::EMPTY; SPANS_MAX];
-    let mut n_spans = 0;
-    for seg in layout.groups.iter().take(GROUPS_MAX) {
-        let name = replicas.groups.get(seg.group).map_or("", |g| &*g.name);
-        spans[n_spans] = Span { name, offset: seg.offset as u32, dim: seg.dim as u32 };
-        n_spans += 1;
-    }
-    for (name, part) in [("context", layout.context), ("context_id", layout.context_ids)] {
-        if let Some((offset, dim)) = part {
-            spans[n_spans] = Span { name, offset: offset as u32, dim: dim as u32 };
-            n_spans += 1;
-        }
-    }
-    let mut keys = [("", KeysRef::None); KEY_GROUPS_MAX];
-    let mut n_keys = 0;
-    let groups = a.raw.groups().unwrap_or_default();
-    for g in groups.iter().take(KEY_GROUPS_MAX - 2) {
-        let k = match (g.ids(), g.keys()) {
-            (Some(ids), _) => KeysRef::Ids(ids),
-            (None, Some(strs)) => KeysRef::Strs(strs),
-            (None, None) => KeysRef::None,
-        };
-        keys[n_keys] = (g.group().unwrap_or(""), k);
-        n_keys += 1;
-    }
-    let named = |name: &str| groups.iter().any(|g| g.group() == Some(name));
-    // The older fields key `user` and `item` when no group entry does.
-    if replicas.user.is_some() && !named("user") {
-        keys[n_keys] = ("user", KeysRef::One(a.raw.user_id()));
-        n_keys += 1;
-    }
-    if let Some(items) = a.raw.item_ids().filter(|v| !v.is_empty() && !named("item")) {
-        keys[n_keys] = ("item", KeysRef::Ids(items));
-        n_keys += 1;
-    }
-    let rows = if ok { o.rows } else { 0 };
-    let assembled = ok && o.row_dim == layout.row_dim && o.row_dim > 0;
-    let decision = DecisionRef {
-        request_id: a.raw.request_id(),
-        client_id: a.raw.client_id(),
-        received_unix_ns: a.received_unix_ns,
-        budget_us: a.raw.budget_us(),
-        server_us: o.server_us,
-        model: &a.served.model.name,
-        model_version: if ok { o.version } else { a.served.model.version },
-        status: o.status,
-        tier: o.tier,
-        reason: o.reason,
-        features_missing: o.missing,
-        features_stale: o.stale,
-        rows: rows as u32,
-        row_dim: layout.row_dim as u32,
-        spans: &spans[..n_spans],
-        keys: &keys[..n_keys],
-        x: a.x.get(..rows * layout.row_dim).filter(|_| assembled),
-        scores: a.scores.get(..rows).filter(|_| ok),
+    let p = parts(Some(layout), replicas, Some(&a.raw));
+    let head = Head::of(&a.raw, a.received_unix_ns);
+    put(log, head, model, a.served.model.version, layout.row_dim, p.middle(), o, a.x, a.scores);
+}
+
+/// Logs a request answered before a model was chosen (`outcome`, and the
+/// static defaults in `scores` when it was shed), when the rules or the
+/// sample say so. `payload` is its frame: its keys are recorded when it
+/// decodes within the limits; `default_model` names the model when the
+/// request named none.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn log_refused(
+    log: &mut ShardLog,
+    replicas: &Replicas,
+    payload: &[u8],
+    limits: &RequestLimits,
+    default_model: &str,
+    outcome: &Outcome,
+    scores: &[f32],
+    received_unix_ns: i64,
+) {
+    let ok = outcome.status == Status::Ok.0;
+    // Verified again, with the same limits: only a refusal pays for it.
+    let raw = crate::wire::decode_request(payload, limits).ok().map(|r| r.raw);
+    let model = raw.as_ref().and_then(|r| r.model()).filter(|m| !m.is_empty()).unwrap_or(default_model);
+    let sampler = log.sampling.load();
+    let sampled = match &raw {
+        Some(r) => in_sample(&sampler, model, r),
+        None => false,
     };
-    log.put(&decision);
+    if !sampler.always(ok, outcome.tier == Tier::Primary.0) && !sampled {
+        return;
+    }
+    drop(sampler);
+    let p = parts(None, replicas, raw.as_ref());
+    let head = match &raw {
+        Some(r) => Head::of(r, received_unix_ns),
+        None => Head {
+            request_id: crate::wire::salvage_request_id(payload, limits),
+            client_id: 0,
+            budget_us: 0,
+            received_unix_ns,
+        },
+    };
+    // Shed with the static default: `Ok` without assembled rows.
+    put(log, head, model, 0, 0, p.middle(), outcome, &[], scores);
+}
+
+/// A handed-off request's record, begun at the hand-off: its head, the
+/// model it was handed to, and whether the sample took it (the always
+/// rules wait for its answer). Its spans and keys are the job slot's
+/// staging bytes, `staged` long.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Staged {
+    head: Head,
+    sampled: bool,
+    /// The model's name (`Served::name_hash`, found again among the served
+    /// versions when the answer comes) and version.
+    name_hash: u64,
+    version: u32,
+    row_dim: usize,
+    staged: usize,
+}
+
+/// Begins the record of a request handed off to `served`, when it may be
+/// logged: encodes its spans and keys into `staging` (a job slot's,
+/// [`STAGED_BYTES_MAX`]). `None` when it will not be logged, or does not
+/// fit (counted too large).
+pub(super) fn stage(
+    log: &mut ShardLog,
+    replicas: &Replicas,
+    raw: &fb::ScoreRequest<'_>,
+    served: &Served,
+    received_unix_ns: i64,
+    staging: &mut [u8],
+) -> Option<Staged> {
+    let sampler = log.sampling.load();
+    let sampled = in_sample(&sampler, &served.model.name, raw);
+    if !sampled && !sampler.has_always() {
+        return None;
+    }
+    drop(sampler);
+    let p = parts(Some(&served.layout), replicas, Some(raw));
+    let (spans, keys) = (&p.spans[..p.n_spans], &p.keys[..p.n_keys]);
+    let len = middle_len(spans, keys);
+    let Some(out) = staging.get_mut(..len) else {
+        log.dropped_too_large += 1;
+        return None;
+    };
+    encode_middle(spans, keys, out);
+    Some(Staged {
+        head: Head::of(raw, received_unix_ns),
+        sampled,
+        name_hash: served.name_hash,
+        version: served.model.version,
+        row_dim: served.layout.row_dim,
+        staged: len,
+    })
+}
+
+/// Logs a handed-off request answered as `outcome`, when it was sampled or
+/// the always rules say so: `staging` is its job slot's staging bytes,
+/// `x` the slot's rows, `scores` the answer's; its model's name is found
+/// in `served` (any version of it: a name outlives versions).
+pub(super) fn log_completed(
+    log: &mut ShardLog,
+    s: &Staged,
+    served: &[Served],
+    staging: &[u8],
+    outcome: &Outcome,
+    x: &[f32],
+    scores: &[f32],
+) {
+    let always = log.sampling.load().always(outcome.status == Status::Ok.0, outcome.tier == Tier::Primary.0);
+    if !s.sampled && !always {
+        return;
+    }
+    let Some(middle) = staging.get(..s.staged) else {
+        return;
+    };
+    let model = served.iter().find(|v| v.name_hash == s.name_hash).map_or("", |v| &*v.model.name);
+    put(log, s.head, model, s.version, s.row_dim, Middle::Encoded(middle), outcome, x, scores);
 }

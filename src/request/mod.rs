@@ -380,8 +380,10 @@ impl<C: Clock> RequestPath<C> {
         let clock = &*clock;
         let frame = Frame { payload, read_at_ns, peer };
         // The decoded request and its chosen version, once admitted: what
-        // the decision log reads after the response is encoded.
+        // the decision log reads after the response is encoded; and the job
+        // slot it was handed off in.
         let mut admitted_as = None;
+        let mut handed_to = None;
         let primary = (|| {
             let admitted = stages::admit(frame, clock, policies, versions, in_flight.slot_fill(), telemetry)?;
             admitted_as = Some((admitted.raw(), admitted.chosen));
@@ -394,9 +396,10 @@ impl<C: Clock> RequestPath<C> {
             let mut assembled = stages::assemble(admitted, clock, served, replicas, inputs, x, telemetry)?;
             stages::look_up_cache(&mut assembled, policies, cache, inputs, answer, telemetry)?;
             match stages::route(&assembled, policies, in_flight.stage_us(&assembled), served)? {
-                Route::HandOff => {
-                    handoff::hand_off(assembled, conn, policies, in_flight, served, inputs).map(|()| None)
-                }
+                Route::HandOff => handoff::hand_off(assembled, conn, policies, in_flight, served, inputs).map(|slot| {
+                    handed_to = Some(slot);
+                    None
+                }),
                 Route::Inline => {
                     let x = in_flight.reserved_rows().unwrap_or(&inputs.x);
                     stages::run(assembled, clock, policies, served, x, answer, telemetry).map(Some)
@@ -418,19 +421,38 @@ impl<C: Clock> RequestPath<C> {
                 stages::answer(rejection, x, clock, fallback, feed, answer, telemetry, out)
             }
         };
-        if let (Some(log), Handled::Answered, Some((raw, chosen))) = (log.as_mut(), handled, admitted_as) {
-            let answered = logged::Answered {
-                raw,
-                served: &versions.served[chosen],
-                outcome: &answer.last,
-                x: in_flight.reserved_rows().unwrap_or(&inputs.x),
-                scores: &answer.logits,
-                received_unix_ns: log.wall_offset_ns.saturating_add(i64::try_from(read_at_ns).unwrap_or(i64::MAX)),
-            };
-            logged::log_decision(log, replicas, &answered);
-            let c = &mut telemetry.counters;
-            (c.log_records, c.log_dropped_ring_full, c.log_dropped_too_large) =
-                (log.records, log.dropped_ring_full, log.dropped_too_large);
+        if let Some(log) = log.as_mut() {
+            let received_unix_ns = log.wall_offset_ns.saturating_add(i64::try_from(read_at_ns).unwrap_or(i64::MAX));
+            match (handled, admitted_as, handed_to) {
+                (Handled::Answered, Some((raw, chosen)), _) => {
+                    let answered = logged::Answered {
+                        raw,
+                        served: &versions.served[chosen],
+                        outcome: &answer.last,
+                        x: in_flight.reserved_rows().unwrap_or(&inputs.x),
+                        scores: &answer.logits,
+                        received_unix_ns,
+                    };
+                    logged::log_answered(log, replicas, &answered);
+                }
+                // The benchmark floor answers without a decision.
+                (Handled::Answered, None, _) if !policies.floor => {
+                    let default_model = versions.served.get(versions.default_model).map_or("", |s| &*s.model.name);
+                    let limits = &policies.request_limits;
+                    let (last, scores) = (&answer.last, &answer.logits);
+                    logged::log_refused(log, replicas, payload, limits, default_model, last, scores, received_unix_ns);
+                }
+                (Handled::Pending, Some((raw, chosen)), Some(slot)) => {
+                    let staging = in_flight.staging_mut(slot);
+                    let staged =
+                        logged::stage(log, replicas, &raw, &versions.served[chosen], received_unix_ns, staging);
+                    if let Some(s) = in_flight.log_staged.get_mut(slot as usize) {
+                        *s = staged;
+                    }
+                }
+                _ => {}
+            }
+            count_log(&mut telemetry.counters, log);
         }
         in_flight.unreserve();
         handled
@@ -449,6 +471,19 @@ impl<C: Clock> RequestPath<C> {
         self.versions.inbox = self.versions.registry.take_inbox(shard);
         // Made here, on the shard's thread: the producer is `!Send`.
         self.log = self.log_rings.take().and_then(|rings| rings.shard(shard));
+        self.keep_log_staging();
+    }
+
+    /// With the decision log and the inference stage both on, the staging
+    /// bytes of each job slot: a handed-off request's keys take at most
+    /// its frame (and a few bytes per group), up to `STAGED_BYTES_MAX`.
+    fn keep_log_staging(&mut self) {
+        if self.log.is_some() && self.in_flight.stage.is_some() {
+            let frame = self.policies.request_limits.frame_bytes_max.min(logged::STAGED_BYTES_MAX);
+            let spans = crate::decision_log::record::SPANS_MAX * (1 + 255 + 16);
+            let groups = crate::decision_log::record::KEY_GROUPS_MAX * (1 + 255 + 1 + 4 + 8);
+            self.in_flight.keep_log(frame + spans + groups);
+        }
     }
 
     /// Trades configured clients' demand with the other shards so each
@@ -500,6 +535,14 @@ impl<C: Clock> RequestPath<C> {
     /// Answers a frame the shard could not even split (bad length prefix).
     pub fn reject_stream(&mut self, error: &wire::FrameError, out: &mut Vec<u8>) {
         stages::fail(0, Status::BadRequest, &error.to_string(), &mut self.answer, &mut self.telemetry, out);
+        if let Some(log) = self.log.as_mut() {
+            let received_unix_ns = log.wall_offset_ns.saturating_add(self.clock.now_ns() as i64);
+            let default_model = self.versions.served.get(self.versions.default_model).map_or("", |s| &*s.model.name);
+            let limits = &self.policies.request_limits;
+            let (last, scores) = (&self.answer.last, &self.answer.logits);
+            logged::log_refused(log, &self.replicas, &[], limits, default_model, last, scores, received_unix_ns);
+            count_log(&mut self.telemetry.counters, log);
+        }
     }
 
     /// Requests answered per served version, and the drift counts of the
@@ -518,6 +561,7 @@ impl<C: Clock> RequestPath<C> {
     pub fn attach_stage(&mut self, stage: ShardEnd) {
         let rows_max = self.policies.limits.candidates_max;
         self.in_flight.attach(stage, rows_max);
+        self.keep_log_staging();
     }
 
     /// A stage completion, the slot it returns and the connection it goes
@@ -557,7 +601,25 @@ impl<C: Clock> RequestPath<C> {
             self;
         let parts =
             handoff::Parts { clock, policies, versions, feed: &replicas.feed, cache, shadows, answer, telemetry };
-        in_flight.complete(done, token, parts, out)
+        let slot = done.slot;
+        let answered = in_flight.complete(done, token, parts, out);
+        if answered {
+            self.log_handed_off(slot);
+        }
+        answered
+    }
+
+    /// Logs the handed-off request in job slot `slot`, just answered, when
+    /// its record was begun at the hand-off.
+    fn log_handed_off(&mut self, slot: u32) {
+        let RequestPath { versions, answer, in_flight, telemetry, log, .. } = self;
+        let Some(log) = log.as_mut() else {
+            return;
+        };
+        if let Some((staged, bytes, x)) = in_flight.take_staged(slot) {
+            logged::log_completed(log, &staged, &versions.served, bytes, &answer.last, x, &answer.logits);
+            count_log(&mut telemetry.counters, log);
+        }
     }
 
     /// Gives up on every handed-off request still waiting at its give-up
@@ -577,6 +639,7 @@ impl<C: Clock> RequestPath<C> {
         let parts =
             handoff::Parts { clock, policies, versions, feed: &replicas.feed, cache, shadows, answer, telemetry };
         in_flight.give_up(slot, parts, out);
+        self.log_handed_off(slot);
     }
 
     /// Sampled requests waiting for their shadow versions.
@@ -592,6 +655,12 @@ impl<C: Clock> RequestPath<C> {
     pub fn run_shadows(&mut self) {
         self.shadows.run(&self.clock, &mut self.versions.served, &mut self.telemetry);
     }
+}
+
+/// Copies the log's counts into the shard's counters, for publication.
+fn count_log(c: &mut Counters, log: &ShardLog) {
+    (c.log_records, c.log_dropped_ring_full, c.log_dropped_too_large) =
+        (log.records, log.dropped_ring_full, log.dropped_too_large);
 }
 
 #[cfg(test)]
