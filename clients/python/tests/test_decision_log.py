@@ -1,15 +1,19 @@
 """The decision log read without Quiver: a server logging every decision
 writes Arrow IPC segments that pyarrow opens, one row per candidate, the
-scores equal to the answers and the feature columns named.
+scores equal to the answers and the feature columns named; the README's
+pandas example joins them with labels by request id, run as written.
 
-pyarrow is not a dependency of the client: where it is missing the test
-skips, except in CI, which installs it and sets QUIVER_REQUIRE_PYARROW=1 so
-that there a missing pyarrow fails instead.
+pyarrow and pandas are not dependencies of the client: where one is missing
+its test skips, except in CI, which installs them and sets
+QUIVER_REQUIRE_PYARROW=1 and QUIVER_REQUIRE_PANDAS=1 so that there a
+missing one fails instead.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 
 import pytest
 
@@ -23,6 +27,64 @@ def pyarrow_or_skip():
 
         return pyarrow
     return pytest.importorskip("pyarrow")
+
+
+def pandas_or_skip():
+    if os.environ.get("QUIVER_REQUIRE_PANDAS") == "1":
+        import pandas
+
+        return pandas
+    return pytest.importorskip("pandas")
+
+
+def log_some(demo_dir, tmp_path, count, first_id):
+    """Serves `count` demo requests with every decision logged into
+    tmp_path/decisions; returns the answers by request id."""
+    log_dir = tmp_path / "decisions"
+    config = tmp_path / "quiver.toml"
+    config.write_text(f'[log]\ndir = "{log_dir}"\nsample_rate = 1.0\n')
+    server = QuiverServer(demo_dir, tmp_path / "serve.log", "--config", str(config))
+    try:
+        with q.Client(server.addr, timeout=30) as c:
+            requests = [demo_request(i, request_id=first_id + i) for i in range(count)]
+            answers = {r.request_id: r for r in c.score_many(requests)}
+    finally:
+        # SIGTERM: the writer closes its segment before the process exits.
+        server.stop()
+    assert server.proc.returncode == 0, server.log()
+    return answers
+
+
+README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
+
+
+def test_the_readme_joins_logged_decisions_with_labels(demo_dir, tmp_path, monkeypatch):
+    pyarrow_or_skip()
+    pandas_or_skip()
+    # Request ids above 2^63: a join that went through int64 or float64
+    # would lose or mangle them.
+    first = 2**63 + 11
+    answers = log_some(demo_dir, tmp_path, 60, first)
+    # A label for every other decision, by request id.
+    labelled = {rid: rid % 3 == 0 for rid in sorted(answers)[::2]}
+    (tmp_path / "labels.csv").write_text(
+        "request_id,label\n" + "".join(f"{rid},{int(label)}\n" for rid, label in labelled.items())
+    )
+    text = README.read_text()
+    marker = "<!-- run by clients/python/tests/test_decision_log.py -->"
+    assert marker in text, "the README's tested example lost its marker"
+    block = re.search(r"```python\n(.*?)```", text[text.index(marker):], re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    train, X, y = scope["train"], scope["X"], scope["y"]
+    assert sorted(set(int(r) for r in train["request_id"])) == sorted(labelled)
+    assert len(train) == len(labelled) * CANDIDATES and X.shape == (len(train), len(scope["features"]))
+    assert "user[0]" in scope["features"] and "context[15]" in scope["features"]
+    for row_id, label, candidate, score in zip(train["request_id"], y, train["candidate"], train["score"]):
+        rid = int(row_id)
+        assert label == int(labelled[rid])
+        assert f32_bits([score]) == f32_bits([answers[rid].scores[int(candidate)]])
 
 
 def test_segments_open_in_pyarrow_and_hold_the_answers(demo_dir, tmp_path):
