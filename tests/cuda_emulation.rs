@@ -28,11 +28,18 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+#[path = "common/zoo.rs"]
+#[allow(dead_code)]
+mod zoo;
 
 use quiver::loadgen::demo::SplitMix64;
-use quiver::model::Model;
-use quiver::score::gpu_cases::{check_inputs, check_models, pack_weights};
+use quiver::model::gbdt::{import_lightgbm_file, import_xgboost_file, GbdtOptions};
+use quiver::model::onnx::{import_file, ImportOptions};
+use quiver::model::{Model, Op, OutputKind};
+use quiver::score::gpu_cases::{check_graph_inputs, check_graph_models, check_inputs, check_models, pack_weights};
+use quiver::score::gpu_layout::{Arg, GraphPlan, Param, Precision};
 use quiver::score::{cpu, e4m3, kernels, Backend};
 
 type LaunchFn = unsafe extern "C" fn(
@@ -151,6 +158,26 @@ fn int8_lib() -> &'static Emulated {
 fn fp8_lib() -> &'static Emulated {
     static LIB: OnceLock<Emulated> = OnceLock::new();
     LIB.get_or_init(|| Emulated::build("fp8_dense.cpp"))
+}
+
+fn trees_lib() -> &'static Emulated {
+    static LIB: OnceLock<Emulated> = OnceLock::new();
+    LIB.get_or_init(|| Emulated::build("trees.cpp"))
+}
+
+fn graph_lib() -> &'static Emulated {
+    static LIB: OnceLock<Emulated> = OnceLock::new();
+    LIB.get_or_init(|| Emulated::build("graph_nodes.cpp"))
+}
+
+/// The emulated build of a kernel file.
+fn lib_of(file: &str) -> &'static Emulated {
+    match file {
+        "int8_dense.cu" => int8_lib(),
+        "trees.cu" => trees_lib(),
+        "graph_nodes.cu" => graph_lib(),
+        other => panic!("no emulation wrapper for {other}"),
+    }
 }
 
 /// A launch's parameters, each in an 8-byte slot, as cuLaunchKernel takes
@@ -437,12 +464,13 @@ fn emulated_integer_intrinsics_follow_the_cuda_definitions() {
     }
 }
 
-/// Builds `race_check.cpp` with the int8 wrapper under ThreadSanitizer,
-/// with `kernel` as the source when given; runs it and returns whether it
-/// exited 0, and its stderr.
-fn run_under_tsan(name: &str, kernel: Option<&Path>) -> (bool, String) {
+/// Builds `program` (a race check under `kernels/emulation/`) with the
+/// kernel file's `wrapper` under ThreadSanitizer, with `kernel` as the
+/// source when given; runs it and returns whether it exited 0, and its
+/// stderr.
+fn run_under_tsan(name: &str, wrapper: &str, program: &str, kernel: Option<&Path>) -> (bool, String) {
     let exe = scratch(name);
-    compile("int8_dense.cpp", kernel, &["race_check.cpp"], &["-fsanitize=thread", "-g", "-O1"], &exe);
+    compile(wrapper, kernel, &[program], &["-fsanitize=thread", "-g", "-O1"], &exe);
     let out = Command::new(&exe)
         .env("TSAN_OPTIONS", "halt_on_error=1 exitcode=66")
         .output()
@@ -451,24 +479,345 @@ fn run_under_tsan(name: &str, kernel: Option<&Path>) -> (bool, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-#[test]
-fn thread_sanitizer_finds_no_race_in_the_int8_kernels_and_finds_a_removed_barrier() {
-    let (ok, stderr) = run_under_tsan("tsan-shipped", None);
-    assert!(ok && !stderr.contains("ThreadSanitizer"), "the shipped kernels under TSan:\n{stderr}");
-
-    let source = kernels::INT8_DENSE.source;
-    let barriers: Vec<usize> = source.match_indices("__syncthreads();").map(|(i, _)| i).collect();
-    assert_eq!(barriers.len(), 2, "one barrier per entry of int8_dense.cu");
-    for (i, at) in barriers.iter().enumerate() {
-        let mutant = format!("{}{}", &source[..*at], &source[at + "__syncthreads();".len()..]);
-        let path = scratch(&format!("int8_dense_without_barrier_{i}.cu"));
+/// The shipped `source` runs clean under ThreadSanitizer, and every copy
+/// of it with one of its `barriers` `__syncthreads()` removed is reported
+/// as a data race.
+fn shipped_is_race_free_and_each_removed_barrier_is_caught(
+    source: &kernels::KernelSource,
+    wrapper: &str,
+    program: &str,
+    barriers: usize,
+) {
+    let stem = source.file.trim_end_matches(".cu");
+    let (ok, stderr) = run_under_tsan(&format!("tsan-{stem}-shipped"), wrapper, program, None);
+    assert!(ok && !stderr.contains("ThreadSanitizer"), "the shipped {} under TSan:\n{stderr}", source.file);
+    let at: Vec<usize> = source.source.match_indices("__syncthreads();").map(|(i, _)| i).collect();
+    assert_eq!(at.len(), barriers, "the barriers of {}", source.file);
+    for (i, at) in at.iter().enumerate() {
+        let mutant = format!("{}{}", &source.source[..*at], &source.source[at + "__syncthreads();".len()..]);
+        let path = scratch(&format!("{stem}_without_barrier_{i}.cu"));
         std::fs::write(&path, mutant).unwrap();
-        let (ok, stderr) = run_under_tsan(&format!("tsan-mutant-{i}"), Some(&path));
+        let (ok, stderr) = run_under_tsan(&format!("tsan-{stem}-mutant-{i}"), wrapper, program, Some(&path));
         let _ = std::fs::remove_file(&path);
         assert!(
             !ok && stderr.contains("WARNING: ThreadSanitizer: data race"),
-            "removing __syncthreads() #{i} went unreported:\n{stderr}"
+            "removing __syncthreads() #{i} of {} went unreported:\n{stderr}",
+            source.file
         );
     }
-    eprintln!("RAN ThreadSanitizer: the shipped kernels are race-free and both removed barriers are reported");
+}
+
+#[test]
+fn thread_sanitizer_finds_no_race_in_the_int8_kernels_and_finds_a_removed_barrier() {
+    // One barrier per entry of int8_dense.cu.
+    shipped_is_race_free_and_each_removed_barrier_is_caught(
+        &kernels::INT8_DENSE,
+        "int8_dense.cpp",
+        "race_check.cpp",
+        2,
+    );
+    eprintln!("RAN ThreadSanitizer: the shipped INT8 kernels are race-free and both removed barriers are reported");
+}
+
+#[test]
+fn thread_sanitizer_finds_no_race_in_the_tree_kernel_and_finds_a_removed_barrier() {
+    // Before the leaves of a chunk are summed, and before they are overwritten.
+    shipped_is_race_free_and_each_removed_barrier_is_caught(&kernels::TREES, "trees.cpp", "race_check_trees.cpp", 2);
+    eprintln!("RAN ThreadSanitizer: the shipped tree kernel is race-free and both removed barriers are reported");
+}
+
+/// What `CudaInt8` does with a graph model, on the emulation: `plan`'s
+/// parameters as host buffers (a tree ensemble's nodes 16-byte aligned, as
+/// `uint4` needs), one poisoned buffer per node, and every launch of the
+/// plan with its own geometry and arguments, in order. Returns the output
+/// node's first `rows` values.
+fn emulated_plan(plan: &GraphPlan, x: &[f32], rows: usize) -> Vec<f32> {
+    assert!(rows <= plan.rows_max && x.len() == rows * plan.input_dim);
+    enum Host {
+        Words(Vec<u32>),
+        Nodes(Vec<u128>),
+        Floats(Vec<f32>),
+    }
+    let params: Vec<Host> = plan
+        .params
+        .iter()
+        .map(|p| match p {
+            Param::F32(v) => Host::Floats(v.clone()),
+            Param::Table(t) => Host::Floats(t.to_vec()),
+            Param::I32(v) => Host::Words(v.iter().map(|w| *w as u32).collect()),
+            Param::U32(v) => Host::Words(v.clone()),
+            Param::TreeNodes(v) => Host::Nodes(
+                v.iter().map(|n| n.iter().rev().fold(0u128, |acc, w| (acc << 32) | u128::from(*w))).collect(),
+            ),
+        })
+        .collect();
+    let param_ptr = |i: usize| match &params[i] {
+        Host::Words(v) => v.as_ptr() as *const c_void,
+        Host::Nodes(v) => v.as_ptr() as *const c_void,
+        Host::Floats(v) => v.as_ptr() as *const c_void,
+    };
+    let mut nodes: Vec<Vec<f32>> = plan.widths.iter().map(|w| vec![3.0e38f32; plan.rows_max * w]).collect();
+    let node_ptrs: Vec<*mut f32> = nodes.iter_mut().map(|n| n.as_mut_ptr()).collect();
+    for l in &plan.launches {
+        let mut args = Args::default();
+        for a in &l.args {
+            args = match *a {
+                Arg::Input => args.ptr(x.as_ptr()),
+                Arg::Node(j) => args.ptr(node_ptrs[j]),
+                Arg::Param(j) => args.ptr(param_ptr(j)),
+                Arg::RowsTimes(m) => args.int((rows * m) as i32),
+                Arg::Int(v) => args.int(v),
+                Arg::Float(v) => args.float(v),
+            };
+        }
+        let d = l.geometry.dims(rows);
+        // SAFETY: the plan's arguments are the entry's parameters in order
+        // (`score::gpu_layout` builds them from the kernel's signature);
+        // every node buffer holds rows_max × width floats, the input rows ×
+        // input_dim, each parameter what the plan packed for that launch,
+        // and the geometry is the plan's for `rows` rows.
+        unsafe { lib_of(l.source.file).launch(l.entry, d.grid, d.block, d.shared_bytes, &mut args) };
+    }
+    nodes.swap_remove(plan.output())[..rows].to_vec()
+}
+
+/// The tree fixtures of `tests/fixtures/trees` (as `tests/trees.rs` reads
+/// them): each imported model and its held-out rows (NaN kept).
+fn tree_fixtures() -> Vec<(Model, Vec<f32>)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trees");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("trees.json")).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for (name, m) in index["models"].as_object().unwrap() {
+        let dim = m["dim"].as_u64().unwrap() as usize;
+        let file = dir.join(m["file"].as_str().unwrap());
+        let inputs = m["inputs"].as_str().unwrap();
+        let kind = if m["output_kind"] == "raw" { OutputKind::Raw } else { OutputKind::Logit };
+        let model = match m["format"].as_str().unwrap() {
+            "onnx" => {
+                let opts = ImportOptions {
+                    name: name.clone(),
+                    version: 1,
+                    inputs: inputs.parse().unwrap(),
+                    output: m["output"].as_str().map(str::to_string),
+                    output_kind: kind,
+                    base_dir: None,
+                };
+                import_file(&file, &opts).unwrap_or_else(|e| panic!("{name}: {e}")).model
+            }
+            format => {
+                let opts =
+                    GbdtOptions { name: name.clone(), version: 1, inputs: inputs.parse().unwrap(), output_kind: None };
+                let imported = if format == "lightgbm" {
+                    import_lightgbm_file(&file, &opts)
+                } else {
+                    import_xgboost_file(&file, &opts)
+                };
+                imported.unwrap_or_else(|e| panic!("{name}: {e}")).model
+            }
+        };
+        let t = quiver::model::calibrate::read_npy(&dir.join(m["data"].as_str().unwrap())).unwrap();
+        let x: Vec<f32> = t.data.chunks_exact(t.cols).flat_map(|row| row[..dim].to_vec()).collect();
+        out.push((model, x));
+    }
+    assert_eq!(out.len(), 11, "eleven tree fixtures");
+    out
+}
+
+/// `x`'s rows, then each again with three values replaced by a split
+/// rule's edge cases: NaN, ±0, values zero-as-missing reads as missing
+/// (±1e-36), just above (1e-30), negative categories (-0.5 truncates to
+/// category 0, -1 names none), categories past a bitset, and infinities.
+fn with_edge_rows(x: &[f32], dim: usize, seed: u64) -> Vec<f32> {
+    const EDGES: [f32; 12] =
+        [f32::NAN, 0.0, -0.0, 1e-36, -1e-36, 1e-30, -0.5, -1.0, 1e9, 31.0, f32::INFINITY, f32::NEG_INFINITY];
+    let mut rng = SplitMix64::new(seed);
+    let mut out = x.to_vec();
+    for row in x.chunks_exact(dim) {
+        let mut row = row.to_vec();
+        for _ in 0..3 {
+            row[rng.below(dim as u64) as usize] = EDGES[rng.below(EDGES.len() as u64) as usize];
+        }
+        out.extend(row);
+    }
+    out
+}
+
+/// Rows per call, in turn: one, ragged tails of the 32-row tree blocks and
+/// of the 128-thread node blocks, and a full batch.
+const GRAPH_BATCHES: [usize; 5] = [1, 33, 127, 200, 256];
+
+/// Runs `model` through both plans (f32 and INT8 dense layers) on the
+/// emulation against the CPU f32 backend and the CPU INT8 backend's scalar
+/// reference, bit for bit, over `x`'s rows in calls of `GRAPH_BATCHES` rows.
+/// Returns the rows compared.
+fn check_graph_model(model: &Arc<Model>, x: &[f32]) -> usize {
+    let dim = model.input_dim();
+    let rows_max = *GRAPH_BATCHES.iter().max().unwrap();
+    let mut cpu_f32 = cpu::CpuF32::new(model, rows_max);
+    let mut cpu_int8 = cpu::CpuInt8::with_kernel(model, rows_max, cpu::Int8Kernel::Scalar).unwrap();
+    let graph = model.graph.as_ref().unwrap();
+    let plans = [Precision::F32, Precision::Int8]
+        .map(|p| GraphPlan::new(graph, dim, p, rows_max).unwrap_or_else(|e| panic!("{}: {e}", model.name)));
+    let total = x.len() / dim;
+    let mut at = 0;
+    for &rows in GRAPH_BATCHES.iter().cycle() {
+        if at >= total {
+            break;
+        }
+        let rows = rows.min(total - at);
+        let chunk = &x[at * dim..(at + rows) * dim];
+        for (plan, cpu) in plans.iter().zip([&mut cpu_f32 as &mut dyn Backend, &mut cpu_int8]) {
+            let mut want = vec![0.0; rows];
+            cpu.score(chunk, rows, &mut want).unwrap();
+            let got = emulated_plan(plan, chunk, rows);
+            let bad = mismatches(&got, &want);
+            assert!(
+                bad.is_empty(),
+                "{} ({:?} plan), rows {at}..{}: {} rows differ, first row {}: emulated {:e}, CPU {} {:e}",
+                model.name,
+                plan.precision,
+                at + rows,
+                bad.len(),
+                at + bad[0],
+                got[bad[0]],
+                cpu.name(),
+                want[bad[0]]
+            );
+        }
+        at += rows;
+    }
+    total
+}
+
+#[test]
+fn tree_kernel_matches_the_cpu_evaluator_bit_for_bit_on_every_tree_fixture() {
+    let mut rows = 0;
+    let mut trees = Vec::new();
+    for (model, x) in tree_fixtures() {
+        let dim = model.input_dim();
+        // 512 held-out rows (NaN kept), then each again with edge cases.
+        let x = with_edge_rows(&x[..512 * dim], dim, 5);
+        let model = Arc::new(model);
+        rows += check_graph_model(&model, &x);
+        // The kernel's sum is the specification's, not only the evaluator's.
+        let graph = model.graph.as_ref().unwrap();
+        let e = graph.nodes.iter().find_map(|n| if let Op::Trees(e) = &n.op { Some(e) } else { None }).unwrap();
+        trees.push(format!("{} ({} trees)", model.name, e.trees()));
+        if let [input, _] = &graph.nodes[..] {
+            let Op::Input { offset } = input.op else { panic!("{}: a tree model reads its input", model.name) };
+            let plan = GraphPlan::new(graph, dim, Precision::F32, 256).unwrap();
+            let got = emulated_plan(&plan, &x[512 * dim..768 * dim], 256);
+            for (r, g) in got.iter().enumerate() {
+                let row = &x[(512 + r) * dim..(513 + r) * dim];
+                let want = e.predict_row(&row[offset..]);
+                assert_eq!(g.to_bits(), want.to_bits(), "{} row {r}: {g:e} vs predict_row {want:e}", model.name);
+            }
+        }
+    }
+    for (model, rows_max) in check_graph_models(256) {
+        if model.name == "check-trees" {
+            rows += check_graph_model(&model, &check_graph_inputs(&model, 3, rows_max));
+        }
+    }
+    eprintln!("RAN trees_predict on {rows} rows of the 11 tree fixtures and check-trees, bit for bit: {trees:?}");
+}
+
+#[test]
+fn graph_kernels_match_the_cpu_executors_bit_for_bit_on_every_zoo_model() {
+    let mut names = Vec::new();
+    for z in zoo::zoo() {
+        let model = Arc::new(import_file(&z.file, &z.import_options()).unwrap().model);
+        // 256 held-out rows, then each again with edge cases.
+        let x = with_edge_rows(&z.x[..256 * z.dim], z.dim, 7);
+        if model.graph.is_some() {
+            check_graph_model(&model, &x);
+            names.push(z.name.clone());
+        } else {
+            // A plain ReLU MLP: the INT8 layers the backend runs for it.
+            let mut cpu = cpu::CpuInt8::with_kernel(&model, 256, cpu::Int8Kernel::Scalar).unwrap();
+            let mut want = vec![0.0; 256];
+            cpu.score(&x[..256 * z.dim], 256, &mut want).unwrap();
+            let got = emulated_int8(&model, &x[..256 * z.dim], 256);
+            assert!(mismatches(&got, &want).is_empty(), "{}: dense_int8 differs from the CPU", z.name);
+        }
+    }
+    let mut kinds = Vec::new();
+    for (model, rows_max) in check_graph_models(256) {
+        check_graph_model(&model, &check_graph_inputs(&model, 4, rows_max));
+        kinds.push(model.name.clone());
+    }
+    assert!(names.len() >= 10, "the zoo's graph models: {names:?}");
+    eprintln!("RAN the graph kernels on the zoo's graph models {names:?} and {kinds:?}, bit for bit (f32 and INT8)");
+}
+
+/// Every activation, value by value, over a sweep that includes the
+/// clamps of `exp` (±87, 88), signed zeros, infinities and the extremes,
+/// against the CPU executor (a model of one Act node over one input).
+#[test]
+fn emulated_activations_are_the_cpu_executor_s() {
+    use quiver::model::graph::{Act, Graph, Node};
+    use quiver::model::{InputSegment, Source};
+    let mut xs: Vec<f32> = (-40 * 64..=40 * 64).map(|i| i as f32 / 64.0).collect();
+    xs.extend([
+        87.0,
+        87.5,
+        88.0,
+        88.5,
+        -87.0,
+        -87.5,
+        -88.0,
+        1e-30,
+        -1e-30,
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ]);
+    xs.extend([f32::MAX, f32::MIN, f32::MIN_POSITIVE, 1e10, -1e10, 0.044715, 0.7978846]);
+    let rows = xs.len();
+    let acts = [
+        Act::Relu,
+        Act::LeakyRelu(0.01),
+        Act::Tanh,
+        Act::Sigmoid,
+        Act::GeluErf,
+        Act::GeluTanh,
+        Act::Silu,
+        Act::Erf,
+        Act::Sqrt,
+    ];
+    for act in acts {
+        let model = Arc::new(Model {
+            name: format!("act-{}", act.name()),
+            version: 1,
+            inputs: vec![InputSegment { source: Source::Context, dim: 1 }],
+            layers: Vec::new(),
+            calibration: None,
+            graph: Some(Graph {
+                nodes: vec![
+                    Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 1 },
+                    Node { op: Op::Act(act), inputs: vec![0], width: 1 },
+                ],
+                output: OutputKind::Raw,
+            }),
+            onnx: None,
+        });
+        model.validate().unwrap();
+        let plan = GraphPlan::new(model.graph.as_ref().unwrap(), 1, Precision::F32, rows).unwrap();
+        let mut cpu = cpu::CpuF32::new(&model, rows);
+        let mut want = vec![0.0; rows];
+        cpu.score(&xs, rows, &mut want).unwrap();
+        let got = emulated_plan(&plan, &xs, rows);
+        let bad = mismatches(&got, &want);
+        assert!(
+            bad.is_empty(),
+            "{}: {} values differ, first {:e}: emulated {:e}, CPU {:e}",
+            act.name(),
+            bad.len(),
+            xs[bad[0]],
+            got[bad[0]],
+            want[bad[0]]
+        );
+    }
 }

@@ -267,6 +267,31 @@ fn the_static_int8_kernel_compiles_with_the_backends_options_without_spills() {
     }
 }
 
+/// The graph and tree kernels are what `--backend cuda` launches for graph
+/// models: compile them with the backend's float options, every entry held
+/// to the same spill and register limits.
+#[test]
+fn the_graph_and_tree_kernels_compile_with_the_backends_options_without_spills() {
+    let Some(nvrtc) = Nvrtc::load() else { return };
+    for kernel in [kernels::TREES, kernels::GRAPH_NODES] {
+        for arch in ARCHS {
+            let Some(mut opts) = options(arch, &kernel) else { return };
+            opts.extend(["--ftz=false", "--prec-div=true"].map(String::from));
+            let c = nvrtc.compile(kernel.file, kernel.source, &opts);
+            assert_eq!(c.code, 0, "{} for {arch}: {}\n{}", kernel.file, nvrtc.error(c.code), c.log);
+            let reports = parse_ptxas_log(&c.log);
+            for entry in kernel.entries {
+                let Some((_, r)) = reports.iter().find(|(n, _)| n == entry) else {
+                    panic!("{arch}: no ptxas report for {entry} in:\n{}", c.log);
+                };
+                assert_eq!((r.spill_store_bytes, r.spill_load_bytes), (Some(0), Some(0)), "{arch} {entry}:\n{}", c.log);
+                assert!(r.registers.is_some_and(|n| n <= REGISTERS_MAX), "{arch} {entry}: {:?} registers", r.registers);
+            }
+        }
+    }
+    eprintln!("RAN NVRTC on trees.cu and graph_nodes.cu with the backend's options for {ARCHS:?}");
+}
+
 #[test]
 fn a_broken_kernel_is_reported_as_a_compile_error() {
     let Some(nvrtc) = Nvrtc::load() else { return };

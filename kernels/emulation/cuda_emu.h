@@ -64,6 +64,10 @@ struct uint3 {
 struct dim3 {
     unsigned int x = 1, y = 1, z = 1;
 };
+// CUDA's vector type, 16-byte aligned as on the device.
+struct alignas(16) uint4 {
+    unsigned int x, y, z, w;
+};
 
 namespace quiver_emu {
 inline thread_local uint3 thread_idx{};
@@ -230,8 +234,11 @@ inline float max(float a, float b) { return std::fmax(a, b); }
 // IEEE single operations in round-to-nearest-even (the host's default mode;
 // compiled with -ffp-contract=off, so never fused).
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+// IEEE square root is correctly rounded on the host as on the device.
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 // One rounding, as the device's FMA (glibc's fmaf is correctly rounded).
 inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 
@@ -261,6 +268,17 @@ inline int __dp4a(int a, int b, int c) {
         sum += static_cast<std::uint32_t>(ai * bi);
     }
     return static_cast<int>(sum);
+}
+
+inline float __uint_as_float(unsigned v) {
+    float f;
+    std::memcpy(&f, &v, sizeof f);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    std::memcpy(&v, &f, sizeof v);
+    return v;
 }
 
 template <typename T>

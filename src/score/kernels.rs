@@ -36,8 +36,36 @@ pub const FP8_DENSE: KernelSource = KernelSource {
     needs_cuda_headers: true,
 };
 
+/// The tree-ensemble kernel: one thread per row × tree group, leaves
+/// summed in tree order (`Ensemble::predict_row`'s bits).
+pub const TREES: KernelSource = KernelSource {
+    file: "trees.cu",
+    entries: &["trees_predict"],
+    source: include_str!("../../kernels/trees.cu"),
+    needs_cuda_headers: false,
+};
+
+/// The graph models' other nodes, in the CPU graph executor's arithmetic.
+pub const GRAPH_NODES: KernelSource = KernelSource {
+    file: "graph_nodes.cu",
+    entries: &[
+        "graph_input",
+        "graph_activation",
+        "dense_f32",
+        "elementwise",
+        "copy_columns",
+        "affine",
+        "layer_norm",
+        "row_dot",
+        "row_sum",
+        "embedding",
+    ],
+    source: include_str!("../../kernels/graph_nodes.cu"),
+    needs_cuda_headers: false,
+};
+
 /// Every kernel source; `tests/nvrtc.rs` compiles each for every target.
-pub const ALL: [KernelSource; 2] = [INT8_DENSE, FP8_DENSE];
+pub const ALL: [KernelSource; 4] = [INT8_DENSE, FP8_DENSE, TREES, GRAPH_NODES];
 
 /// Launch geometry shared by both entries of `kernels/int8_dense.cu` and its
 /// host code: the values of its `DENSE_THREADS` and `DENSE_ROWS_MAX`.

@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod e4m3;
 pub mod explaining;
 pub mod gpu_cases;
+pub mod gpu_layout;
 pub mod kernels;
 #[cfg(feature = "onnxruntime")]
 pub mod ort;
