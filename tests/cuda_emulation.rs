@@ -802,6 +802,7 @@ fn emulated_activations_are_the_cpu_executor_s() {
                 output: OutputKind::Raw,
             }),
             onnx: None,
+            feature_names: Vec::new(),
         });
         model.validate().unwrap();
         let plan = GraphPlan::new(model.graph.as_ref().unwrap(), 1, Precision::F32, rows).unwrap();

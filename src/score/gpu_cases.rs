@@ -196,6 +196,7 @@ pub fn check_graph_models(rows_max: usize) -> Vec<(Arc<Model>, usize)> {
         calibration: None,
         graph: Some(Graph { nodes, output: OutputKind::Logit }),
         onnx: None,
+        feature_names: Vec::new(),
     };
     let trees = Model {
         name: "check-trees".into(),
