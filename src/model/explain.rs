@@ -35,7 +35,9 @@
 //!   class (splits, then leaves; a feature no edge above splits on, then
 //!   one that is), so each class runs in its own loop: the common nodes
 //!   skip the division that a repeated feature needs, and a leaf adds its
-//!   share on the way down and is never visited again. The per-node table
+//!   share on the way down and is never visited again (the two leaves of
+//!   a split whose feature is not repeated, both at once: one scalar each
+//!   for the lanes and the parent). The per-node table
 //!   is built once, when the explainer is: `TABLE_NODE_BYTES` per tree
 //!   node.
 //! - **Classic**: Algorithm 2 of Lundberg et al. (path arrays, extend and
@@ -69,7 +71,7 @@ pub fn path_len(depth: usize) -> usize {
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
 /// Bytes of the quadrature's table per tree node (leaves and splits): the
-/// table is this times the ensemble's nodes (and 8 bytes a tree and 10 a
+/// table is this times the ensemble's nodes (and 8 bytes a tree and 14 a
 /// level of a tree), so
 /// `trees::ENSEMBLE_NODES_MAX` bounds it (384 MiB; the ensemble itself
 /// holds 28 bytes a node).
@@ -248,7 +250,7 @@ impl Explainer {
     pub fn table_bytes(&self) -> usize {
         match &self.method {
             Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| {
-                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 10 * q.levels.len()
+                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 14 * q.levels.len()
             }),
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
@@ -583,12 +585,13 @@ struct Quadrature {
     /// Tree `t` is `nodes[starts[t]..starts[t + 1]]` (lone leaves left out).
     starts: Vec<u32>,
     /// Tree `t`'s levels below the root are `levels[tree_levels[t]..
-    /// tree_levels[t + 1]]`, each the tree-relative bounds of its four
+    /// tree_levels[t + 1]]`, each the tree-relative bounds of its six
     /// classes of node, in table order: splits whose feature no edge above
-    /// splits on, splits whose feature one does (`repeat`), then leaves of
-    /// each kind, and the level's end. The walk runs each class in its own
-    /// loop, so nothing branches on a node's class.
-    levels: Vec<[u16; 5]>,
+    /// splits on, splits whose feature one does (`repeat`), leaves whose
+    /// sibling is a leaf (side by side, a pair) of each kind, the other
+    /// leaves of each kind, and the level's end. The walk runs each class
+    /// in its own loop, so nothing branches on a node's class.
+    levels: Vec<[u16; 7]>,
     tree_levels: Vec<u32>,
     /// Each slot's input column: the features the splits read, ascending.
     columns: Vec<u16>,
@@ -663,7 +666,7 @@ impl Quadrature {
         let mut tree_nodes_max = 0;
         // Per node of the tree at hand, in table order: the split feature
         // (`u32::MAX` for a leaf) and its index in the tree.
-        let (mut split_feature, mut in_tree) = (Vec::new(), Vec::new());
+        let (mut split_feature, mut in_tree): (Vec<u32>, Vec<usize>) = (Vec::new(), Vec::new());
         // A level's nodes: index in the tree, parent (table order), left.
         let (mut level, mut next) = (Vec::new(), Vec::new());
         let mut built: Vec<(u8, TableNode, usize)> = Vec::new();
@@ -719,7 +722,19 @@ impl Quadrature {
                             (start, feature, len)
                         }
                     };
-                    let class = 2 * u8::from(flags & LEAF != 0) + u8::from(repeat != NO_NODE);
+                    // Splits; leaves whose sibling is a leaf too (handled
+                    // as a pair); other leaves: each plain, then repeated.
+                    let sibling_leaf = at > 0 && {
+                        let up = &tree[in_tree[parent]];
+                        let sibling = if is_left { up.right } else { up.left };
+                        matches!(tree[sibling as usize].split, Split::Leaf { .. })
+                    };
+                    let kind = match (flags & LEAF != 0, sibling_leaf) {
+                        (false, _) => 0,
+                        (true, true) => 2,
+                        (true, false) => 4,
+                    };
+                    let class = kind + u8::from(repeat != NO_NODE);
                     let node = TableNode {
                         zero,
                         value,
@@ -736,8 +751,8 @@ impl Quadrature {
                 let at = in_tree.len();
                 if at > 0 {
                     // Where each class starts in the level, and its end.
-                    let mut bounds = [(at + built.len()) as u16; 5];
-                    for class in (0..4u8).rev() {
+                    let mut bounds = [(at + built.len()) as u16; 7];
+                    for class in (0..6u8).rev() {
                         let from = built.iter().position(|(c, _, _)| *c >= class).unwrap_or(built.len());
                         bounds[class as usize] = (at + from) as u16;
                     }
@@ -848,17 +863,23 @@ impl Quadrature {
             // Index loops: an iterator adapter's closure may be compiled
             // apart, without the target features.
             for level in levels {
-                let [a, b, c, d, end] = level.map(usize::from);
-                for i in a..b {
-                    at.split::<false>(&nodes[i], i, x, words, node, one, coef, left);
+                let [a, b, c, d, e, f, end] = level.map(usize::from);
+                for (k, n) in nodes[a..b].iter().enumerate() {
+                    at.split::<false>(n, a + k, x, words, node, one, coef, left);
                 }
-                for i in b..c {
-                    at.split::<true>(&nodes[i], i, x, words, node, one, coef, left);
+                for (k, n) in nodes[b..c].iter().enumerate() {
+                    at.split::<true>(n, b + k, x, words, node, one, coef, left);
                 }
-                for n in &nodes[c..d] {
+                for pair in nodes[c..d].chunks_exact(2) {
+                    at.leaf_pair(&pair[0], &pair[1], node, left, lanes);
+                }
+                for n in &nodes[d..e] {
+                    at.leaf::<true>(n, node, one, coef, left, lanes);
+                }
+                for n in &nodes[e..f] {
                     at.leaf::<false>(n, node, one, coef, left, lanes);
                 }
-                for n in &nodes[d..end] {
+                for n in &nodes[f..end] {
                     at.leaf::<true>(n, node, one, coef, left, lanes);
                 }
             }
@@ -956,6 +977,27 @@ impl<const N: usize> At<N> {
         node[at + SUM] = [0.0; N];
         (one[i], coef[i]) = (o, o - n.zero);
         left[i] = n.goes_left(x, words);
+    }
+
+    /// Both leaves of a split whose feature no edge above splits on: for
+    /// each, `scaled` is the parent's product times the scalar `o − z` and
+    /// `grow` is its factor, so the pair adds the product times one scalar
+    /// to the feature's lanes and one factor-shaped vector to the parent's
+    /// sum, the sums of what each leaf would add alone ([`At::leaf`]).
+    #[inline(always)]
+    fn leaf_pair(&self, l: &TableNode, r: &TableNode, node: &mut [[f64; N]], left: &[bool], lanes: &mut [[f64; N]]) {
+        let (t, rest) = (&self.t, &self.rest);
+        let p = l.parent as usize;
+        let went_left = left[p];
+        let taken = |n: &TableNode| ((n.flags & LEFT_CHILD != 0) == went_left) as u8 as f64;
+        let (vl, vr) = (f32::from_bits(l.value) as f64, f32::from_bits(r.value) as f64);
+        let zero = l.zero * vl + r.zero * vr;
+        let one = taken(l) * vl + taken(r) * vr;
+        let product = node[5 * p + PRODUCT];
+        let (slot, to) = (l.slot as usize, 5 * p + SUM);
+        let (into_lanes, into_parent) = (lanes[slot], node[to]);
+        lanes[slot] = std::array::from_fn(|k| into_lanes[k] + product[k] * (one - zero));
+        node[to] = std::array::from_fn(|k| into_parent[k] + zero * rest[k] + one * t[k]);
     }
 
     /// A leaf: its value times `scaled` to its feature's lanes, times
@@ -1663,7 +1705,7 @@ mod tests {
         let e = t.ensemble();
         let levels: usize = (0..e.trees()).map(|t| below(e.tree(t), 0)).sum();
         assert_eq!(q.levels.len(), levels);
-        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 10 * levels);
+        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 14 * levels);
     }
 
     /// The table's branch-free rule is `trees::goes_left`, missing values,
