@@ -106,10 +106,12 @@ def main(argv):
         "their pressure on the caches and the memory bus is, and it differed between the runs.\n"
     )
     w.append(
-        "The change (`model::explain`, the quadrature's walk): each level of a tree runs its nodes in four "
-        "loops by class, so a node whose feature no edge above splits on skips the division, and a leaf adds "
-        "its share on the way down and is not visited again. Exactness is unchanged (the brute-force Shapley "
-        "and classic-algorithm tests in `model::explain`, and tests/explain.rs against LightGBM and XGBoost).\n"
+        "The change (`model::explain`, the quadrature's walk): each level of a tree runs its nodes in loops by "
+        "class, so a node whose feature no edge above splits on skips the division, a leaf adds its share on "
+        "the way down and is not visited again, and the two leaves of a split whose feature is not repeated "
+        "above are added as a pair (one scalar each for the lanes and the parent). Exactness is unchanged (the "
+        "brute-force Shapley and classic-algorithm tests in `model::explain`, and tests/explain.rs against "
+        "LightGBM and XGBoost).\n"
     )
     w.append("| ensemble | candidates per call | before µs / candidate | after µs / candidate | after / before |")
     w.append("|---|---:|---:|---:|---:|")
