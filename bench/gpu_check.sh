@@ -5,7 +5,10 @@
 # for bit, at batch 1, 31, 32, 33, 255, 1024 and 4096 (zero, saturating, inf
 # and NaN rows included) for uncalibrated models (dynamic semantics,
 # dense_int8) and calibrated ones (static semantics, dense_int8_static),
-# times each batch size after warm-up for the demo model in both semantics
+# and for a graph model with every node kind and a 70-tree model
+# (graph_nodes.cu, trees.cu and dense_int8, against the CPU INT8 backend's
+# graph executor), times each batch size after warm-up for the demo model in
+# both semantics and for those two
 # (p50/p99, host timing around the whole logits call: H2D, kernels, D2H,
 # synchronise), and writes it all as one JSON object. Exits non-zero, saying
 # why, when there is no GPU or a result differs from the CPU.

@@ -25,6 +25,21 @@
 //! allocated per call; cudarc's launch builder still keeps its argument
 //! list in a small heap vector per launch (one per layer).
 //!
+//! A graph model (file v2, tree ensembles included) runs as the fixed list
+//! of launches `score::gpu_layout::GraphPlan` makes of it: INT8 dense
+//! layers (`dense_int8`, dynamic per-row scales, as the CPU INT8 backend
+//! runs a graph), every other node on `kernels/graph_nodes.cu` and tree
+//! ensembles on `kernels/trees.cu`, in the CPU graph executor's arithmetic,
+//! so it is designed to give the CPU INT8 backend's numbers bit for bit
+//! (run on the CPU emulation by `tests/cuda_emulation.rs`; not yet verified
+//! on a GPU). Each kernel file the plan uses is compiled at construction,
+//! the plan's parameters are uploaded once and every node gets a
+//! `rows_max`-row device buffer; a call copies the input rows in (NaN
+//! kept: trees read missing values, Input nodes map them to 0), replays
+//! the launches and copies the last node's values out. A graph the kernels
+//! cannot hold is refused with `CudaError::GraphPlan` before any driver
+//! call, and `score::build` serves it on the CPU.
+//!
 //! If the device fails after start-up (an Xid, a reset), the backend logs
 //! the error once and scores on a CPU INT8 backend from then on, so a request
 //! never sees a panic from the GPU.
@@ -39,6 +54,7 @@ use cudarc::driver::{
 use cudarc::nvrtc;
 
 use super::gpu_cases;
+use super::gpu_layout::{Arg, GraphPlan, Param, Precision};
 use super::kernels::{self, DENSE_THREADS};
 use super::{cpu, Backend, BackendError, BackendInfo};
 use crate::model::Model;
@@ -69,11 +85,8 @@ pub enum CudaError {
     Compile { file: &'static str, arch: String, what: String, log: String },
     #[error("the model does not fit the INT8 kernel: {0}")]
     Model(String),
-    #[error(
-        "model '{0}' is a graph model (model file v2: layers beyond a ReLU chain, or tree ensembles), which the \
-         CUDA backend does not run yet"
-    )]
-    GraphModel(String),
+    #[error("graph model '{model}' does not fit the graph kernels: {why}")]
+    GraphPlan { model: String, why: String },
 }
 
 impl CudaError {
@@ -223,19 +236,21 @@ enum Epilogue {
     Static { bias_q: CudaSlice<i32>, scale: CudaSlice<f32>, requantize: i32, lo: i32, inv_s_in: f32 },
 }
 
-/// The CUDA INT8 backend.
-pub struct CudaInt8 {
-    backend: BackendInfo,
-    input_dim: usize,
-    info: DeviceInfo,
-    stream: Arc<CudaStream>,
+/// What runs a call: the fused INT8 layers of a plain MLP (file v1), or a
+/// graph model's plan.
+enum Engine {
+    Layers(DeviceMlp),
+    Graph(DeviceGraph),
+}
+
+/// A plain MLP's layers on the device.
+struct DeviceMlp {
     /// `dense_int8` for an uncalibrated model, `dense_int8_static` for a
     /// calibrated one.
     function: CudaFunction,
     /// Whether the model is calibrated, so the static semantics run.
     is_static: bool,
     layers: Vec<DeviceLayer>,
-    x_device: CudaSlice<f32>,
     /// Dynamic: ping-pong f32 activations, `rows_max × width_max` each.
     /// Static: `act_a` holds the output layer's logits, `act_b` is unused.
     act_a: CudaSlice<f32>,
@@ -244,6 +259,42 @@ pub struct CudaInt8 {
     /// width_max` bytes each; unused (one byte) for the dynamic semantics.
     act_q_a: CudaSlice<i8>,
     act_q_b: CudaSlice<i8>,
+}
+
+/// A graph model on the device (`gpu_layout::GraphPlan`, INT8 dense
+/// layers): its parameters uploaded once, one buffer per node, and the
+/// function of every launch, replayed in order on each call.
+struct DeviceGraph {
+    plan: GraphPlan,
+    functions: Vec<CudaFunction>,
+    params: Vec<DeviceParam>,
+    /// Node `i`'s `[rows_max][width]` output.
+    nodes: Vec<CudaSlice<f32>>,
+    /// Each launch's `int` and `float` arguments, by argument position,
+    /// rewritten on each call (the row count changes) in buffers allocated
+    /// here, so a call allocates none of its own.
+    ints: Vec<Vec<i32>>,
+    floats: Vec<Vec<f32>>,
+}
+
+/// One uploaded plan parameter.
+enum DeviceParam {
+    F32(CudaSlice<f32>),
+    I32(CudaSlice<i32>),
+    U32(CudaSlice<u32>),
+}
+
+/// The CUDA INT8 backend.
+pub struct CudaInt8 {
+    backend: BackendInfo,
+    input_dim: usize,
+    info: DeviceInfo,
+    stream: Arc<CudaStream>,
+    engine: Engine,
+    /// The call's input rows: NaN read as 0 for an MLP (as the CPU INT8
+    /// quantizer reads it), kept for a graph (its tree ensembles read
+    /// missing values; its Input nodes map them to 0 on the device).
+    x_device: CudaSlice<f32>,
     /// Write-combined: the host only writes it.
     x_pinned: PinnedHostSlice<f32>,
     /// Cached (not write-combined): the host reads it.
@@ -256,14 +307,22 @@ impl CudaInt8 {
     /// Builds the backend for `model` on device 0, with room for `rows_max`
     /// rows per call.
     pub fn new(model: &Arc<Model>, rows_max: usize) -> Result<CudaInt8, CudaError> {
-        if model.graph.is_some() {
-            return Err(CudaError::GraphModel(model.name.clone()));
-        }
+        // A graph the kernels cannot hold is refused before any driver call.
+        let plan = match &model.graph {
+            Some(g) => Some(
+                GraphPlan::new(g, model.input_dim(), Precision::Int8, rows_max)
+                    .map_err(|why| CudaError::GraphPlan { model: model.name.clone(), why })?,
+            ),
+            None => None,
+        };
         let started = Instant::now();
         let (ctx, info) = open()?;
         let (major, minor) = info.compute_capability;
         if (major, minor) < (6, 1) {
             return Err(CudaError::Unsupported { major, minor });
+        }
+        if let Some(plan) = plan {
+            return CudaInt8::with_plan(model, rows_max, plan, ctx, info, started);
         }
         if model.layers.iter().any(|l| l.out_dim > 65_535 * DENSE_THREADS as usize) || rows_max == 0 {
             return Err(CudaError::Model(format!("rows_max {rows_max} or a layer width is out of range")));
@@ -350,14 +409,86 @@ impl CudaInt8 {
             input_dim: model.input_dim(),
             info,
             stream,
-            function,
-            is_static,
-            layers,
+            engine: Engine::Layers(DeviceMlp { function, is_static, layers, act_a, act_b, act_q_a, act_q_b }),
             x_device,
-            act_a,
-            act_b,
-            act_q_a,
-            act_q_b,
+            x_pinned,
+            out_pinned,
+            failed_over: None,
+        })
+    }
+
+    /// The graph model's backend: each kernel file the plan launches
+    /// compiled for this device, the plan's parameters uploaded once, one
+    /// device buffer per node.
+    fn with_plan(
+        model: &Arc<Model>,
+        rows_max: usize,
+        plan: GraphPlan,
+        ctx: Arc<CudaContext>,
+        info: DeviceInfo,
+        started: Instant,
+    ) -> Result<CudaInt8, CudaError> {
+        let (major, minor) = info.compute_capability;
+        let arch = format!("sm_{major}{minor}");
+        // SAFETY: as in `new`: one stream, every buffer used only on it.
+        unsafe { ctx.disable_event_tracking() };
+        let mut modules = Vec::new();
+        for source in plan.sources() {
+            let cubin = compile_cubin(&source, &arch)?;
+            let module = ctx.load_module(nvrtc::Ptx::from_binary(cubin)).map_err(driver("loading the CUBIN"))?;
+            modules.push((source.file, module));
+        }
+        let mut functions = Vec::with_capacity(plan.launches.len());
+        for l in &plan.launches {
+            let (_, module) = modules.iter().find(|(file, _)| *file == l.source.file).expect("compiled above");
+            functions.push(module.load_function(l.entry).map_err(driver("cuModuleGetFunction"))?);
+        }
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let upload = |p: &Param| -> Result<DeviceParam, DriverError> {
+            Ok(match p {
+                Param::F32(v) => DeviceParam::F32(stream.clone_htod(v)?),
+                Param::Table(t) => DeviceParam::F32(stream.clone_htod(&t[..])?),
+                Param::I32(v) => DeviceParam::I32(stream.clone_htod(v)?),
+                Param::U32(v) => DeviceParam::U32(stream.clone_htod(v)?),
+                Param::TreeNodes(v) => DeviceParam::U32(stream.clone_htod(v.as_flattened())?),
+            })
+        };
+        let params =
+            plan.params.iter().map(upload).collect::<Result<Vec<_>, _>>().map_err(driver("uploading the model"))?;
+        let nodes = plan
+            .widths
+            .iter()
+            .map(|w| stream.alloc_zeros::<f32>(rows_max * w))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(driver("cuMemAlloc"))?;
+        let ints = plan.launches.iter().map(|l| vec![0i32; l.args.len()]).collect();
+        let floats = plan.launches.iter().map(|l| vec![0f32; l.args.len()]).collect();
+        let x_device = stream.alloc_zeros::<f32>(rows_max * model.input_dim()).map_err(driver("cuMemAlloc"))?;
+        // SAFETY: as in `new`: both written before any element is read.
+        let (x_pinned, out_pinned) = unsafe {
+            (
+                ctx.alloc_pinned::<f32>(rows_max * model.input_dim()).map_err(driver("cuMemHostAlloc"))?,
+                ctx.alloc_pinned_with_flags::<f32>(rows_max, 0).map_err(driver("cuMemHostAlloc"))?,
+            )
+        };
+        stream.synchronize().map_err(driver("uploading the model"))?;
+        tracing::info!(
+            device = info.name,
+            arch,
+            rows_max,
+            nodes = plan.widths.len(),
+            launches = plan.launches.len(),
+            parameter_bytes = plan.params.iter().map(Param::bytes).sum::<usize>(),
+            setup_ms = started.elapsed().as_millis() as u64,
+            "cuda-int8 backend ready (graph model)"
+        );
+        Ok(CudaInt8 {
+            backend: BackendInfo { name: "cuda-int8", rows_max, model: model.clone() },
+            input_dim: model.input_dim(),
+            info,
+            stream,
+            engine: Engine::Graph(DeviceGraph { plan, functions, params, nodes, ints, floats }),
+            x_device,
             x_pinned,
             out_pinned,
             failed_over: None,
@@ -372,12 +503,38 @@ impl CudaInt8 {
     fn run(&mut self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<(), DriverError> {
         let len = rows * self.input_dim;
         let host_x = self.x_pinned.as_mut_slice()?;
-        // A missing value (NaN) reads as 0, as the CPU INT8 reference's
-        // quantizer reads it.
-        for (d, v) in host_x[..len].iter_mut().zip(x) {
-            *d = if v.is_nan() { 0.0 } else { *v };
+        match self.engine {
+            // A missing value (NaN) reads as 0, as the CPU INT8 reference's
+            // quantizer reads it.
+            Engine::Layers(_) => {
+                for (d, v) in host_x[..len].iter_mut().zip(x) {
+                    *d = if v.is_nan() { 0.0 } else { *v };
+                }
+            }
+            Engine::Graph(_) => host_x[..len].copy_from_slice(&x[..len]),
         }
         self.stream.memcpy_htod(&host_x[..len], &mut self.x_device.slice_mut(..len))?;
+        let last = match &mut self.engine {
+            Engine::Layers(mlp) => mlp.run(&self.stream, &self.x_device, rows)?,
+            Engine::Graph(graph) => graph.run(&self.stream, &self.x_device, rows)?,
+        };
+        let host_out = self.out_pinned.as_mut_slice()?;
+        self.stream.memcpy_dtoh(&last.slice(..rows), &mut host_out[..rows])?;
+        self.stream.synchronize()?;
+        out.copy_from_slice(&host_out[..rows]);
+        Ok(())
+    }
+}
+
+impl DeviceMlp {
+    /// Launches every layer on `stream` over the input rows in `x_device`;
+    /// returns the buffer whose first `rows` values are the logits.
+    fn run(
+        &mut self,
+        stream: &CudaStream,
+        x_device: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<&CudaSlice<f32>, DriverError> {
         let rows_arg = rows as i32;
         let (a, b) = (&mut self.act_a, &mut self.act_b);
         let (qa, qb) = (&mut self.act_q_a, &mut self.act_q_b);
@@ -388,11 +545,11 @@ impl CudaInt8 {
                 shared_mem_bytes: (l.rows_per_block * l.k4 as usize) as u32,
             };
             let rows_per_block = l.rows_per_block as i32;
-            let mut launch = self.stream.launch_builder(&self.function);
+            let mut launch = stream.launch_builder(&self.function);
             match &l.epilogue {
                 Epilogue::Dynamic { scales, bias, relu } => {
                     let (src, dst): (&CudaSlice<f32>, &mut CudaSlice<f32>) = match i {
-                        0 => (&self.x_device, &mut *a),
+                        0 => (x_device, &mut *a),
                         _ if i % 2 == 1 => (&*a, &mut *b),
                         _ => (&*b, &mut *a),
                     };
@@ -427,7 +584,7 @@ impl CudaInt8 {
                         if i % 2 == 0 { (&*qb, &mut *qa) } else { (&*qa, &mut *qb) };
                     let input_f32 = i32::from(i == 0);
                     launch
-                        .arg(&self.x_device)
+                        .arg(x_device)
                         .arg(src_q)
                         .arg(&input_f32)
                         .arg(inv_s_in)
@@ -458,12 +615,66 @@ impl CudaInt8 {
                 }
             }
         }
-        let last = if self.is_static || self.layers.len() % 2 == 1 { &self.act_a } else { &self.act_b };
-        let host_out = self.out_pinned.as_mut_slice()?;
-        self.stream.memcpy_dtoh(&last.slice(..rows), &mut host_out[..rows])?;
-        self.stream.synchronize()?;
-        out.copy_from_slice(&host_out[..rows]);
-        Ok(())
+        Ok(if self.is_static || self.layers.len() % 2 == 1 { &self.act_a } else { &self.act_b })
+    }
+}
+
+impl DeviceGraph {
+    /// Replays the plan's launches on `stream` over the input rows in
+    /// `x_device`; returns the output node's buffer (one value per row).
+    fn run(
+        &mut self,
+        stream: &CudaStream,
+        x_device: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<&CudaSlice<f32>, DriverError> {
+        for (l, (ints, floats)) in self.plan.launches.iter().zip(self.ints.iter_mut().zip(&mut self.floats)) {
+            for (k, a) in l.args.iter().enumerate() {
+                match *a {
+                    Arg::RowsTimes(m) => ints[k] = (rows * m) as i32,
+                    Arg::Int(v) => ints[k] = v,
+                    Arg::Float(v) => floats[k] = v,
+                    _ => {}
+                }
+            }
+        }
+        for (i, l) in self.plan.launches.iter().enumerate() {
+            let d = l.geometry.dims(rows);
+            let cfg = LaunchConfig {
+                grid_dim: (d.grid[0], d.grid[1], d.grid[2]),
+                block_dim: (d.block[0], d.block[1], d.block[2]),
+                shared_mem_bytes: d.shared_bytes as u32,
+            };
+            let mut launch = stream.launch_builder(&self.functions[i]);
+            for (k, a) in l.args.iter().enumerate() {
+                match *a {
+                    Arg::Input => launch.arg(x_device),
+                    Arg::Node(j) => launch.arg(&self.nodes[j]),
+                    Arg::Param(j) => match &self.params[j] {
+                        DeviceParam::F32(p) => launch.arg(p),
+                        DeviceParam::I32(p) => launch.arg(p),
+                        DeviceParam::U32(p) => launch.arg(p),
+                    },
+                    Arg::RowsTimes(_) | Arg::Int(_) => launch.arg(&self.ints[i][k]),
+                    Arg::Float(_) => launch.arg(&self.floats[i][k]),
+                };
+            }
+            // SAFETY: `gpu_layout::GraphPlan` lists each entry's parameters
+            // in order and type (pointers as device pointers, `int` as i32,
+            // `float` as f32; tree nodes as u32 words, 4 per `uint4`, in an
+            // allocation the driver aligns to 256 bytes), which
+            // `tests/cuda_emulation.rs` runs on the kernels' host build. Every
+            // node buffer holds rows_max × width floats and `rows` ≤
+            // rows_max; the input holds rows × input_dim; the geometry is
+            // the plan's for `rows`. Buffers are passed by shared reference
+            // although the kernel writes its own node's: all work is on
+            // this one stream with event tracking off, so cudarc's
+            // read/write distinction orders nothing here, and a launch
+            // whose output is also its input (an activation in place) is
+            // the kernel's own contract (no `__restrict__` there).
+            unsafe { launch.launch(cfg) }?;
+        }
+        Ok(&self.nodes[self.plan.output()])
     }
 }
 
@@ -501,14 +712,18 @@ fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
 /// `quiver gpu-check`: device and NVRTC versions, INT8 parity with the CPU
 /// scalar reference (bit for bit; two NaNs count as equal, since their
 /// payloads are not specified) at each of `batches` rows on several models,
-/// uncalibrated (dynamic semantics) and calibrated (static), and host-timed
-/// latency percentiles of `logits` after warm-up for the demo model in both
-/// semantics. Returns the report, with `"ok": false` when any output
-/// differs; an error when there is no GPU to check.
+/// uncalibrated (dynamic semantics) and calibrated (static), and on graph
+/// models covering every node kind of the graph kernels and a tree model
+/// (`gpu_cases::check_graph_models`, against the CPU INT8 backend's graph
+/// executor), and host-timed latency percentiles of `logits` after warm-up
+/// for the demo model in both semantics and for those graph and tree
+/// models (`"activations": "graph"`). Returns the report, with `"ok":
+/// false` when any output differs; an error when there is no GPU to check.
 pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, CudaError> {
     let info = probe()?;
     let rows_max = batches.iter().copied().max().unwrap_or(1);
-    let models = gpu_cases::check_models(rows_max).map_err(|e| CudaError::Model(e.to_string()))?;
+    let mut models = gpu_cases::check_models(rows_max).map_err(|e| CudaError::Model(e.to_string()))?;
+    models.extend(gpu_cases::check_graph_models(rows_max.min(super::gpu_layout::GRAPH_ROWS_MAX)));
     let mut parity = Vec::new();
     let mut ok = true;
     for (model, model_rows_max) in &models {
@@ -516,7 +731,10 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
         let mut cpu = cpu::CpuInt8::with_kernel(model, *model_rows_max, cpu::Int8Kernel::Scalar)
             .map_err(|e| CudaError::Model(e.to_string()))?;
         for &rows in batches.iter().filter(|&&r| r <= *model_rows_max) {
-            let x = gpu_cases::check_inputs(rows as u64, rows, model.input_dim());
+            let x = match model.graph {
+                Some(_) => gpu_cases::check_graph_inputs(model, rows as u64, rows),
+                None => gpu_cases::check_inputs(rows as u64, rows, model.input_dim()),
+            };
             let (mut want, mut got) = (vec![0.0; rows], vec![0.0; rows]);
             cpu.score(&x, rows, &mut want).map_err(|e| CudaError::Model(e.to_string()))?;
             gpu.score(&x, rows, &mut got).map_err(|e| CudaError::Model(e.to_string()))?;
@@ -525,7 +743,7 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
             ok &= bad.is_empty() && gpu.failed_over.is_none();
             parity.push(serde_json::json!({
                 "model": model.name,
-                "activations": if model.calibration.is_some() { "static" } else { "dynamic" },
+                "activations": activations(model),
                 "rows": rows,
                 "mismatches": bad.len(),
                 "first_mismatch": bad.first().map(|&r| serde_json::json!({
@@ -541,7 +759,21 @@ pub fn gpu_check(batches: &[usize], iters: usize) -> Result<serde_json::Value, C
     for model in [crate::loadgen::demo::model(), calibrated] {
         timing.extend(time_model(&Arc::new(model), batches, iters, rows_max)?);
     }
+    for (model, model_rows_max) in gpu_cases::check_graph_models(rows_max.min(super::gpu_layout::GRAPH_ROWS_MAX)) {
+        let fits: Vec<usize> = batches.iter().copied().filter(|&r| r <= model_rows_max).collect();
+        timing.extend(time_model(&model, &fits, iters, model_rows_max)?);
+    }
     Ok(serde_json::json!({ "ok": ok, "device": info, "parity": parity, "timing": timing }))
+}
+
+/// The report's name for how `model` runs: `static` or `dynamic` INT8
+/// layers for an MLP, `graph` for a graph model (its dense nodes dynamic).
+fn activations(model: &Model) -> &'static str {
+    match (&model.graph, &model.calibration) {
+        (Some(_), _) => "graph",
+        (None, Some(_)) => "static",
+        (None, None) => "dynamic",
+    }
 }
 
 /// Host-timed p50/p99 of `logits` at each of `batches` rows, GPU and CPU
@@ -556,7 +788,10 @@ fn time_model(
     let mut cpu = cpu::CpuInt8::new(model, rows_max);
     let mut timing = Vec::new();
     for &rows in batches {
-        let x = gpu_cases::check_inputs(7, rows, model.input_dim());
+        let x = match model.graph {
+            Some(_) => gpu_cases::check_graph_inputs(model, 7, rows),
+            None => gpu_cases::check_inputs(7, rows, model.input_dim()),
+        };
         let mut out = vec![0.0; rows];
         let mut time = |b: &mut dyn Backend| -> Result<(f64, f64), CudaError> {
             let mut call = || b.score(&x, rows, &mut out).map_err(|e| CudaError::Model(e.to_string()));
@@ -576,7 +811,7 @@ fn time_model(
         let (cpu_p50, cpu_p99) = time(&mut cpu)?;
         timing.push(serde_json::json!({
             "model": model.name,
-            "activations": if model.calibration.is_some() { "static" } else { "dynamic" },
+            "activations": activations(model),
             "rows": rows, "iters": iters,
             "gpu_p50_us": p50, "gpu_p99_us": p99, "cpu_int8_p50_us": cpu_p50, "cpu_int8_p99_us": cpu_p99,
         }));
@@ -614,7 +849,7 @@ mod tests {
     use crate::model::Layer;
 
     #[test]
-    fn graph_models_are_refused_with_a_typed_error_and_served_on_the_cpu() {
+    fn graph_and_tree_models_are_served_where_a_gpu_is_and_on_the_cpu_where_none_is() {
         use crate::model::{Act, Graph, Node, Op, OutputKind};
         let mlp = crate::loadgen::demo::context_mlp("graph", 5, &[6, 4, 1]);
         let dense = |l: &Layer, input: usize, act: Act| Node {
@@ -629,17 +864,38 @@ mod tests {
         ];
         let g = Arc::new(Model { layers: Vec::new(), graph: Some(Graph { nodes, output: OutputKind::Logit }), ..mlp });
         g.validate().unwrap();
-        assert!(matches!(CudaInt8::new(&g, 8), Err(CudaError::GraphModel(name)) if name == "graph"));
-        let mut backend = crate::score::build(crate::score::BackendKind::Cuda, &g, 8);
-        assert_eq!(backend.name(), "cpu-int8");
-        let x = [0.5f32, -1.0, 0.25, 2.0, 0.0, -0.5];
-        let mut out = [0.0];
-        backend.score(&x, 1, &mut out).unwrap();
+        let x = [0.5f32, -1.0, 0.25, 2.0, f32::NAN, -0.5];
+        // The CUDA backend (or, without a GPU, its fallback) gives the CPU
+        // INT8 backend's numbers bit for bit, NaN inputs included.
+        let (gpu, why) = gpu_expected();
+        let served = |m: &Arc<Model>| {
+            match CudaInt8::new(m, 8) {
+                Ok(b) if gpu => assert_eq!(b.info().name, "cuda-int8"),
+                Ok(_) => panic!("{why}, yet the CUDA backend started for {}", m.name),
+                Err(e) if gpu => panic!("{why}, but {} did not start on the GPU: {e}", m.name),
+                Err(e) => assert!(e.is_absent() || matches!(e, CudaError::Driver { .. }), "{e}"),
+            }
+            let mut backend = crate::score::build(crate::score::BackendKind::Cuda, m, 8);
+            assert_eq!(backend.name(), if gpu { "cuda-int8" } else { "cpu-int8" });
+            let mut cpu = cpu::CpuInt8::with_kernel(m, 8, cpu::Int8Kernel::Scalar).unwrap();
+            let (mut out, mut want) = ([0.0], [0.0]);
+            backend.score(&x, 1, &mut out).unwrap();
+            cpu.score(&x, 1, &mut want).unwrap();
+            assert_eq!(out[0].to_bits(), want[0].to_bits(), "{}: {} vs {}", m.name, out[0], want[0]);
+            out[0]
+        };
+        let logit = served(&g);
         let mut reference = [0.0];
         g.forward_f32_reference(&x, 1, &mut reference);
-        assert!((out[0] - reference[0]).abs() < 0.05, "{} vs {}", out[0], reference[0]);
+        assert!((logit - reference[0]).abs() < 0.05, "{logit} vs {}", reference[0]);
+        // A graph the kernels cannot hold (more rows than dense_f32's grid)
+        // is refused before any driver call, and served on the CPU.
+        let rows_max = crate::score::gpu_layout::GRAPH_ROWS_MAX + 1;
+        assert!(matches!(CudaInt8::new(&g, rows_max), Err(CudaError::GraphPlan { model, why })
+            if model == "graph" && why.contains("rows_max")));
+        assert_eq!(crate::score::build(crate::score::BackendKind::Cuda, &g, rows_max).name(), "cpu-int8");
 
-        // A tree model likewise, scored on the CPU exactly.
+        // A tree model likewise; a NaN takes the split's missing branch (right).
         use crate::model::trees::{Ensemble, Split, TreeNode};
         let mut e = Ensemble { base: 0.25, ..Ensemble::default() };
         let split = Split::Numeric { feature: 3, threshold: 1.0, missing_left: false, zero_missing: false };
@@ -653,10 +909,20 @@ mod tests {
             graph: Some(Graph { nodes, output: OutputKind::Logit }),
             ..(*g).clone()
         });
-        assert!(matches!(CudaInt8::new(&t, 8), Err(CudaError::GraphModel(name)) if name == "trees"));
-        let mut backend = crate::score::build(crate::score::BackendKind::Cuda, &t, 8);
-        backend.score(&x, 1, &mut out).unwrap();
-        assert_eq!(out[0], 0.25 + 1.0);
+        assert_eq!(served(&t), 0.25 + 1.0);
+        let split = Split::Numeric { feature: 4, threshold: 1.0, missing_left: true, zero_missing: false };
+        let mut e = Ensemble { base: 0.25, ..Ensemble::default() };
+        e.push_tree(&[TreeNode { split, left: 1, right: 2 }, TreeNode::leaf(-1.0), TreeNode::leaf(1.0)]);
+        let nodes = vec![
+            Node { op: Op::Input { offset: 0 }, inputs: vec![], width: 6 },
+            Node { op: Op::Trees(e), inputs: vec![0], width: 1 },
+        ];
+        let missing = Arc::new(Model { graph: Some(Graph { nodes, output: OutputKind::Logit }), ..(*t).clone() });
+        assert_eq!(served(&missing), 0.25 - 1.0);
+        eprintln!(
+            "RAN graph and tree models on the CUDA backend {}",
+            if gpu { "on the GPU" } else { "(CPU fallback)" }
+        );
     }
 
     #[test]
