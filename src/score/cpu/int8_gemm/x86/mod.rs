@@ -80,7 +80,8 @@ fn mask16(lanes: usize) -> __mmask16 {
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL.
-#[cfg(test)]
+// Its one caller, the every-f32 test, runs only in optimized builds.
+#[cfg(all(test, not(debug_assertions)))]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn round_clamp_slice_avx512(v: &[f32], lo: f32, out: &mut [i8]) {
     assert_eq!(v.len(), out.len());
@@ -99,7 +100,8 @@ pub(super) unsafe fn round_clamp_slice_avx512(v: &[f32], lo: f32, out: &mut [i8]
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[cfg(test)]
+// Its one caller, the every-f32 test, runs only in optimized builds.
+#[cfg(all(test, not(debug_assertions)))]
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn round_clamp_slice_avx2(v: &[f32], lo: f32, out: &mut [i8]) {
     assert_eq!(v.len(), out.len());
