@@ -208,6 +208,7 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
         "user_recent: entity user by user_id (int64 key, group key u64), width 20, ttl 86400 s",
         "item_attrs: entity item by item_id (int64 key, group key u64), width 25",
         "merchant_risk: entity merchant by merchant_id (string key, group key string), width 17",
+        "user_stats:30,user_recent:20,item_attrs:25,merchant_risk:17\n",
         "refused: nothing",
     ] {
         assert!(out.contains(line), "no '{line}' in:\n{out}");

@@ -105,6 +105,15 @@ fn inspect(dir: &std::path::Path, serve: &[String], toml: bool) -> Result<ExitCo
             println!("    {i:>4}  {} ({})", f.name, f.kind.name());
         }
     }
+    if !plan.views.is_empty() {
+        // What a model trained on these views passes to `quiver import`.
+        let inputs: Vec<String> = plan.views.iter().map(|v| format!("{}:{}", v.name, v.features.len())).collect();
+        println!(
+            "model inputs (quiver import --inputs, in the order the model reads them; VIEW@candidate:WIDTH for a \
+             view keyed once per candidate): {}",
+            inputs.join(",")
+        );
+    }
     if plan.refused.is_empty() {
         println!("refused: nothing");
     } else {
