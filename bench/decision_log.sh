@@ -134,6 +134,12 @@ for mode, label in [("off", "off"), ("10", "10%"), ("100", "100%")]:
         f"| {label} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['p999_us']:.0f} | {m.get('p99_vs_off', 1.0)} | "
         f"{m['achieved_rate']:,.0f} | {m.get('records', '–')} | {m.get('dropped_ring_full', '–')} | "
         f"{m.get('bytes_per_decision') or '–'} |")
+short = [label for mode, label in [("off", "off"), ("10", "10%"), ("100", "100%")]
+         if servers[mode]["achieved_rate"] < 0.95 * rate]
+if short:
+    lines += ["", f"**Saturated**: the server with logging {', '.join(short)} answered below 95% of the "
+              f"{rate:,}/s offered, so its latencies measure a growing queue, not the log's cost; these p99s "
+              "say nothing about the within-5% target. Rerun on a quiet machine."]
 lines += [
     "",
     f"The writer alone (`cargo bench --bench decision_log`: {writer['decisions']:,} decisions of "
