@@ -316,10 +316,20 @@ fn handle_allocates_nothing_once_warm_logging_every_decision() {
     assert_eq!(ids, want);
 }
 
+/// In thread mode, with the decision log sampling every decision: the
+/// record begun at the hand-off and finished at the completion allocates
+/// nothing either, and every decision is in the ring with its rows.
 #[test]
 fn handle_and_complete_allocate_nothing_once_warm_in_thread_mode() {
     let _window = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
-    let shared = shared("thread");
+    let log = LogConfig {
+        dir: Some(std::env::temp_dir().join("quiver-alloc-declog-unused")),
+        sample_rate: 1.0,
+        ring_bytes: 8 << 20,
+        ..LogConfig::default()
+    };
+    let rings = LogRings::new(&log, 1);
+    let shared = Shared { decision_log: Some(rings.clone()), ..shared("thread") };
     let config = StageConfig {
         batch_rows_max: ROWS_MAX,
         batch_wait_us_max: 0,
@@ -334,8 +344,21 @@ fn handle_and_complete_allocate_nothing_once_warm_in_thread_mode() {
     };
     let (stage, mut ends) = infer::start(config, 1, shared.registry.clone(), BackendKind::F32, Arc::default()).unwrap();
     let mut path = RequestPath::new(shared, MonotonicClock::new()).unwrap();
+    path.set_shard(0);
     path.attach_stage(ends.remove(0));
     let handed_off = warm_then_count(&mut path, &frames(MEASURED));
     assert_eq!(handed_off, MEASURED, "every request went through the stage");
     stage.stop();
+    assert_eq!(path.telemetry.counters.log_records, WARM + MEASURED);
+    let mut consumer = rings.consumers().remove(0);
+    let mut ids = Vec::new();
+    while let Some(d) = consumer.pop(Decision::decode) {
+        let d = d.unwrap();
+        assert_eq!((d.status, d.tier), (Status::Ok.0, Tier::Primary.0));
+        assert_eq!(d.x.as_ref().map(Vec::len), Some(d.rows as usize * d.row_dim as usize));
+        assert!(!d.keys.is_empty() && !d.spans.is_empty(), "the spans and keys staged at the hand-off");
+        ids.push(d.request_id);
+    }
+    let want: Vec<u64> = (0..WARM).map(|i| i % MEASURED).chain(0..MEASURED).collect();
+    assert_eq!(ids, want);
 }
