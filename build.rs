@@ -6,6 +6,12 @@
 //! OUT_DIR (`src/features/feast/protos.rs` includes them): no protoc, and
 //! nothing generated is checked in.
 //!
+//! The Open Inference Protocol's gRPC service (`proto/oip/grpc_service.proto`)
+//! is compiled on every build too, by tonic-prost-build into OUT_DIR
+//! (`src/oip/grpc.rs` includes it), with the protoc binary the
+//! protoc-bin-vendored crate carries: no protoc installed, nothing
+//! generated checked in.
+//!
 //! The generated Rust files are checked in (`src/model/model_generated.rs`;
 //! the wire's, `clients/rust/src/wire/quiver_generated.rs`, belong to the
 //! client crate, which compiles its checked-in copy) so that a plain `cargo
@@ -53,6 +59,7 @@ const FEAST_PROTOS: &[&str] = &[
 
 fn main() {
     feast_protos();
+    oip_proto();
     flatbuffers();
 }
 
@@ -67,6 +74,22 @@ fn feast_protos() {
         .inputs(&inputs)
         .cargo_out_dir("feast_proto")
         .run_from_script();
+}
+
+fn oip_proto() {
+    let proto = "proto/oip/grpc_service.proto";
+    println!("cargo::rerun-if-changed={proto}");
+    let protoc = protoc_bin_vendored::protoc_bin_path().expect("protoc-bin-vendored carries protoc for this host");
+    let mut config = prost_build::Config::new();
+    config.protoc_executable(protoc);
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(true)
+        // Tensor bytes (raw_input_contents, BYTES elements) as `Bytes`:
+        // slices of the received message, not copies.
+        .bytes(".inference")
+        .compile_with_config(config, &[proto], &["proto/oip"])
+        .expect("proto/oip/grpc_service.proto compiles");
 }
 
 fn flatbuffers() {

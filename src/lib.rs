@@ -15,6 +15,7 @@ pub mod infer;
 pub mod loadgen;
 pub mod metrics;
 pub mod model;
+pub mod oip;
 pub mod registry;
 pub mod request;
 pub mod score;

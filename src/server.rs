@@ -302,9 +302,24 @@ fn checked(g: &Group, handle: Arc<ReplicaHandle>, feast_ttl_s: Option<u64>) -> R
     })
 }
 
+/// `addr` as a client reaches it: an unspecified address (0.0.0.0, ::)
+/// through loopback.
+fn loopback(addr: SocketAddr) -> SocketAddr {
+    match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::from(([127, 0, 0, 1], addr.port())),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => {
+            SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port()))
+        }
+        _ => addr,
+    }
+}
+
 /// Serves `config` until `stop` is set; `on_event` hears of each listener
 /// as it binds. Returns each shard's report once everything has stopped.
 pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event)) -> Result<Vec<ShardReport>, Error> {
+    if config.oip.enabled() && config.tls.is_some() {
+        return Err(Error::Config(crate::config::ConfigError::Invalid(crate::config::OIP_WITH_TLS.into())));
+    }
     // First, so a certificate problem is told before anything else starts.
     let tls = match &config.tls {
         None => None,
@@ -520,6 +535,31 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         decision_log: log_rings,
     };
     let listen = shard::resolve_listen(&config.listen)?;
+    // The v2 listeners are bound now, so an address in use fails start-up;
+    // they are served once the shards are, through the shards' own port.
+    let mut oip = if config.oip.enabled() {
+        config.oip.validate().map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e)))?;
+        let upstream = config.oip.upstream_connections_for(cores.len());
+        if upstream > config.limits.connections_per_source_max {
+            return Err(Error::Setup(format!(
+                "oip: {upstream} connections to the shards, over limits.connections_per_source_max ({}): \
+                 they all come from loopback",
+                config.limits.connections_per_source_max
+            )));
+        }
+        let bound = crate::oip::Bound::bind(&config.oip).map_err(|e| Error::Setup(e.to_string()))?;
+        for (what, addr) in [("oip-grpc", bound.grpc_addr()), ("oip-http", bound.http_addr())] {
+            if let Some(addr) = addr {
+                tracing::info!(%addr, "{what} endpoint");
+                on_event(Event::Listening { what, addr });
+            }
+        }
+        let context = (shared.registry.clone(), shared.groups.clone(), readiness.clone());
+        Some((bound, context))
+    } else {
+        None
+    };
+    let mut frontend = None;
 
     let shards = cores.len();
     let serves_tls = tls.is_some();
@@ -531,11 +571,31 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         stage_shares,
         tls,
     };
+    let limits = config.limits.clone();
     let reports = shard::serve(shared, placement, publishers, stage_ends, stop, |addr| {
+        if let Some((bound, (registry, groups, oip_readiness))) = oip.take() {
+            let context = crate::oip::Context {
+                registry,
+                readiness: oip_readiness,
+                groups,
+                scoring: loopback(addr),
+                shards,
+                candidates_max: limits.candidates_max,
+                budget_us_default: limits.budget_us_default,
+                budget_us_max: limits.budget_us_max,
+            };
+            match bound.serve(context) {
+                Ok(f) => frontend = Some(f),
+                Err(e) => tracing::error!(error = %e, "oip: the v2 front end did not start"),
+            }
+        }
         readiness.set(true);
         tracing::info!(%addr, shards, tls = serves_tls, "serving");
         on_event(Event::Serving { addr, shards, tls: serves_tls });
     })?;
+    if let Some(f) = frontend {
+        f.stop();
+    }
     collector.join();
     // The shards have stopped: the writer drains their rings and closes
     // its segments.

@@ -81,6 +81,12 @@ pub struct Args {
     /// The certificate's PEM private key; sets `[tls] key_file`.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// The Open Inference Protocol's gRPC listener; sets `[oip] grpc_listen`.
+    #[arg(long)]
+    oip_grpc_listen: Option<String>,
+    /// The Open Inference Protocol's HTTP/REST listener; sets `[oip] http_listen`.
+    #[arg(long)]
+    oip_http_listen: Option<String>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
@@ -130,6 +136,12 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
     }
     if let Some(v) = args.metrics_listen {
         config.metrics_listen = v;
+    }
+    if let Some(v) = args.oip_grpc_listen {
+        config.oip.grpc_listen = v;
+    }
+    if let Some(v) = args.oip_http_listen {
+        config.oip.http_listen = v;
     }
     if let Some(v) = args.admin {
         config.admin_listen = v;

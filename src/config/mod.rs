@@ -114,6 +114,10 @@ pub struct Config {
     /// The decision log: a sample of decisions written as Arrow IPC files
     /// (docs/OPERATING.md#decision-logs); off by default.
     pub log: crate::decision_log::LogConfig,
+    /// The Open Inference Protocol (KServe v2) listeners, gRPC and HTTP,
+    /// beside the FlatBuffers port (docs/PROTOCOL.md, "Open Inference
+    /// Protocol"); off by default.
+    pub oip: crate::oip::OipConfig,
 }
 
 impl Default for Config {
@@ -156,9 +160,15 @@ impl Default for Config {
             reactor: ReactorConfig::default(),
             tls: None,
             log: crate::decision_log::LogConfig::default(),
+            oip: crate::oip::OipConfig::default(),
         }
     }
 }
+
+/// Why `[oip]` is refused beside `[tls]` (by `server::run`: flags set
+/// either).
+pub const OIP_WITH_TLS: &str = "[oip] with [tls]: the v2 front end reaches the shards over the plain scoring port; \
+                                serve it from a server without [tls] for now";
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
@@ -264,6 +274,7 @@ impl Config {
         config.ladder.validate().map_err(ConfigError::Invalid)?;
         config.cache.validate().map_err(ConfigError::Invalid)?;
         config.log.validate().map_err(ConfigError::Invalid)?;
+        config.oip.validate().map_err(ConfigError::Invalid)?;
         if let Some(feed) = &config.feed {
             feed.validate().map_err(ConfigError::Invalid)?;
         }

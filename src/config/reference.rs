@@ -27,6 +27,7 @@ use crate::features::feed::FeedConfig;
 use crate::features::groups::{Absent, GroupConfig, KeyType, Scope};
 use crate::features::replica::Storage;
 use crate::features::replica::{DIM_MAX, KEY_BYTES_MAX};
+use crate::oip::OipConfig;
 use crate::request::admission::{AdmissionConfig, ClientEntry, ClientLimit, OnMismatch};
 use crate::request::cache::CacheConfig;
 use crate::request::ladder::{BreakerConfig, LadderConfig};
@@ -826,6 +827,49 @@ pub const SECTIONS: &[Section] = &[
                  static default), `errors` (any status but `Ok`: refused, timed out or failed, before or after a model \
                  was chosen).",
             ),
+        ],
+    },
+    Section {
+        path: "oip",
+        doc: "The Open Inference Protocol (KServe v2) over gRPC and HTTP/REST, beside the FlatBuffers port, for \
+              Triton's clients, perf_analyzer and KServe ([PROTOCOL.md](PROTOCOL.md#open-inference-protocol-kserve-v2)). \
+              Its own threads turn each request into a FlatBuffers one sent to the shards over the scoring port, \
+              so admission, deadlines and the ladder are the same. Off unless a listener is set; refused beside \
+              `[tls]`.",
+        optional: false,
+        fields: fields::<OipConfig>,
+        keys: &[
+            Key::new("grpc_listen", "\"127.0.0.1:8001\"", "The gRPC listener (`inference.GRPCInferenceService`); \"off\" disables it."),
+            Key::new("http_listen", "\"127.0.0.1:8000\"", "The HTTP/REST listener (`/v2/...`, JSON and binary tensors); \"off\" disables it."),
+            Key::new("threads", "2", "Worker threads of the front end, shared by both listeners, on the housekeeping cores.")
+                .range(1, crate::oip::THREADS_MAX as i64),
+            Key::new("connections_max", "512", "Connections each listener holds; one more is closed at once.")
+                .range(1, 1 << 16),
+            Key::new("streams_per_connection_max", "64", "Concurrent gRPC streams on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).")
+                .range(1, 1 << 16),
+            Key::new(
+                "message_bytes_max",
+                "8388608",
+                "The largest request: a gRPC message (RESOURCE_EXHAUSTED over it) or an HTTP body (413).",
+            )
+            .range(1024, crate::oip::MESSAGE_BYTES_LIMIT as i64),
+            Key::new("tensor_elements_max", "16384", "Most elements of one input tensor; more is INVALID_ARGUMENT (HTTP 400).")
+                .range(1, 1 << 24),
+            Key::new(
+                "upstream_connections",
+                "4",
+                "Connections from the front end to the shards (loopback, counted against \
+                 `limits.connections_per_source_max`); 0: two per shard.",
+            )
+            .range(0, crate::oip::UPSTREAM_CONNECTIONS_MAX as i64),
+            Key::new("in_flight_max", "1024", "Requests in flight to the shards; one more is UNAVAILABLE (HTTP 503) at once.")
+                .range(1, 1 << 20),
+            Key::new(
+                "grace_ms",
+                "50",
+                "How long a request waits for its shard beyond its budget before it is DEADLINE_EXCEEDED (HTTP 504).",
+            )
+            .range(0, 60_000),
         ],
     },
 ];

@@ -73,6 +73,9 @@ pub struct Server {
     pub admin: String,
     /// The read-only metrics listener's address, when `--metrics-listen` was given.
     pub metrics: String,
+    /// The Open Inference Protocol's listeners, when `--oip-*-listen` was given.
+    pub oip_grpc: String,
+    pub oip_http: String,
     pub stderr: std::sync::Arc<Mutex<String>>,
 }
 
@@ -119,6 +122,7 @@ impl Server {
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let mut admin = String::new();
         let mut metrics = String::new();
+        let (mut oip_grpc, mut oip_http) = (String::new(), String::new());
         let addr = loop {
             let line = lines.next().and_then(Result::ok).unwrap_or_else(|| {
                 let _ = child.wait();
@@ -133,13 +137,21 @@ impl Server {
                 metrics = a.trim().to_string();
                 continue;
             }
+            if let Some(a) = line.strip_prefix("quiver oip-grpc on ") {
+                oip_grpc = a.trim().to_string();
+                continue;
+            }
+            if let Some(a) = line.strip_prefix("quiver oip-http on ") {
+                oip_http = a.trim().to_string();
+                continue;
+            }
             break line
                 .strip_prefix("quiver listening on ")
                 .and_then(|rest| rest.split(' ').next())
                 .unwrap_or_else(|| panic!("unexpected line: {line}"))
                 .to_string();
         };
-        Server { child, addr, admin, metrics, stderr }
+        Server { child, addr, admin, metrics, oip_grpc, oip_http, stderr }
     }
 
     pub fn client(&self) -> Client {
