@@ -39,6 +39,7 @@ head="$(git rev-parse --short HEAD)"
 if [ -n "$(git status --porcelain -- src bench/oip_load.rs proto Cargo.toml Cargo.lock)" ]; then
     head="$head+dirty"
 fi
+load_start="$(cut -d' ' -f1-3 /proc/loadavg)"
 bench_setup
 load="$(cargo bench --bench oip_load --no-run --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -85,9 +86,10 @@ for r in $(seq "$RUNS"); do
     done
 done
 
-python3 - "$data/runs.jsonl" "$RESULTS" "$head" "$RUNS" "$DURATION" <<'PY'
+python3 - "$data/runs.jsonl" "$RESULTS" "$head" "$RUNS" "$DURATION" "$load_start" <<'PY'
 import json, os, statistics, sys
-runs_path, results, head, repeats, duration = sys.argv[1:]
+runs_path, results, head, repeats, duration, load_start = sys.argv[1:]
+load_end = " ".join(open("/proc/loadavg").read().split()[:3])
 runs = [json.loads(l) for l in open(runs_path)]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 rows = []
@@ -101,7 +103,8 @@ base = {r["inflight"]: r for r in rows if r["protocol"] == "flatbuffers"}
 for r in rows:
     r["rate_over_flatbuffers"] = r["rate"] / base[r["inflight"]]["rate"]
     r["p50_over_flatbuffers_us"] = r["p50_us"] - base[r["inflight"]]["p50_us"]
-res = {"machine": {"cpu": cpu, "cores": os.cpu_count()}, "commit": head, "runs": int(repeats),
+res = {"machine": {"cpu": cpu, "cores": os.cpu_count(), "loadavg_at_start": load_start,
+                   "loadavg_at_end": load_end}, "commit": head, "runs": int(repeats),
        "duration_s": float(duration), "rows": rows, "each_run": runs}
 json.dump(res, open(f"{results}/oip_side_by_side.json", "w"), indent=1, sort_keys=True)
 names = {"flatbuffers": "FlatBuffers (`quiver bench`)", "grpc": "v2 gRPC (`bench/oip_load.rs`)",
@@ -115,7 +118,8 @@ o.append(f"Measured by `bench/oip_side_by_side.sh` at `{head}` on {cpu} ({os.cpu
          "requests pipelined. v2 gRPC: one HTTP/2 connection with N streams (raw tensors, as tritonclient and "
          "perf_analyzer send them). v2 HTTP: N HTTP/1.1 connections, one request each (binary tensors, "
          "tritonclient.http's default). Each v2 request is parsed on the front end's thread and sent to the "
-         "shard as a FlatBuffers request over loopback, so its latency is FlatBuffers' plus the front end's.")
+         "shard as a FlatBuffers request over loopback, so its latency is FlatBuffers' plus the front end's. "
+         f"Load average (1, 5, 15 min) at start {load_start}, at end {load_end}.")
 o.append("")
 o.append("| protocol | in flight | requests/s | × FlatBuffers' rate | p50 µs | p50 over FlatBuffers µs | p99 µs | p99.9 µs |")
 o.append("|---|---:|---:|---:|---:|---:|---:|---:|")
