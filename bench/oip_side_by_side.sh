@@ -120,6 +120,10 @@ o.append(f"Measured by `bench/oip_side_by_side.sh` at `{head}` on {cpu} ({os.cpu
          "tritonclient.http's default). Each v2 request is parsed on the front end's thread and sent to the "
          "shard as a FlatBuffers request over loopback, so its latency is FlatBuffers' plus the front end's. "
          f"Load average (1, 5, 15 min) at start {load_start}, at end {load_end}.")
+if float(load_start.split()[0]) > os.cpu_count():
+    o[-1] += (" The load average was over the core count: other processes held the cores, so the absolute figures "
+              "are the contention's as much as Quiver's (the spinning FlatBuffers generator suffers most from it); "
+              "the differences within one run are what this table is for.")
 o.append("")
 o.append("| protocol | in flight | requests/s | × FlatBuffers' rate | p50 µs | p50 over FlatBuffers µs | p99 µs | p99.9 µs |")
 o.append("|---|---:|---:|---:|---:|---:|---:|---:|")
