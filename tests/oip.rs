@@ -286,3 +286,61 @@ fn oip_beside_tls_is_refused_at_start_up() {
     assert_ne!(code, 0);
     assert!(stderr.contains("[oip] with [tls]"), "{stderr}");
 }
+
+#[test]
+fn feature_group_inputs_score_the_fraud_example_as_the_flatbuffers_client_does() {
+    use quiver::loadgen::fraud::{self, Tables, TrainingRows};
+    use quiver::wire::GroupKeySpec;
+    let dir = common::scratch("oip-fraud");
+    let server = Server::start_with(
+        &dir,
+        &["--demo", "--workload", "fraud", "--shards", "1", "--oip-http-listen", "127.0.0.1:0"],
+    );
+    let model = fraud::model().unwrap().name;
+    let base = format!("http://{}/v2/models/{model}", server.oip_http);
+    // The metadata names one input per group, typed by its keys, and the context.
+    let (code, body) = common::http_get(&base);
+    assert_eq!(code, 200, "{body}");
+    let meta: Value = serde_json::from_str(&body).unwrap();
+    let inputs: Vec<(String, String, Value)> = meta["inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["name"].as_str().unwrap().into(), t["datatype"].as_str().unwrap().into(), t["shape"].clone()))
+        .collect();
+    let mut client = server.client();
+    let mut rows = TrainingRows::new(Tables::generate(), 11);
+    for n in 1..=12 {
+        let (t, _, _) = rows.next_row();
+        let mut spec = t.request(n);
+        spec.budget_us = 2_000_000;
+        let want = client.score(&spec).unwrap();
+        assert_eq!(want.status, quiver::wire::Status::Ok, "{}", want.error);
+        let mut tensors: Vec<Value> = spec
+            .groups
+            .iter()
+            .map(|(group, keys)| {
+                let (datatype, data) = match keys {
+                    GroupKeySpec::Ids(v) => ("INT64", json!(v)),
+                    GroupKeySpec::Strs(v) => ("BYTES", json!(v)),
+                };
+                assert!(
+                    inputs.contains(&(group.clone(), datatype.to_string(), json!([1]))),
+                    "{group} {datatype} [1] is not in the metadata: {inputs:?}"
+                );
+                json!({"name": group, "datatype": datatype, "shape": [1], "data": data})
+            })
+            .collect();
+        assert!(inputs.contains(&("context".into(), "FP32".into(), json!([spec.context.len()]))), "{inputs:?}");
+        tensors
+            .push(json!({"name": "context", "datatype": "FP32", "shape": [spec.context.len()], "data": spec.context}));
+        let body = json!({"inputs": tensors, "parameters": {"budget_us": 2_000_000}});
+        let (code, bytes, _) = post(&format!("{base}/infer"), &serde_json::to_vec(&body).unwrap(), &[]);
+        let r: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(code, 200, "{r}");
+        let got: Vec<f32> =
+            r["outputs"][0]["data"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        assert_eq!(got, want.scores, "transaction {n}");
+        assert_eq!(r["parameters"]["features_missing"], json!(want.features_missing));
+    }
+}
