@@ -8,7 +8,8 @@
 //! perf_analyzer send it. `--protocol http`: `--depth` HTTP/1.1
 //! connections, one request in flight on each, with the binary tensor
 //! extension (tritonclient.http's default). Every request is auction-32
-//! shaped (a user, 32 items, 16 context floats); every answer is checked
+//! shaped (a user, 32 items, 16 context floats) with a budget of 100 ms
+//! (`BUDGET_US`, as the side by side gives `quiver bench`); every answer is checked
 //! (status, 32 scores). Prints one JSON line: requests/s and latency
 //! percentiles in µs.
 //!
@@ -25,6 +26,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const ITEMS: usize = 32;
 const CONTEXT: usize = 16;
+/// Each request's budget: `quiver bench --budget-us` in the side by side.
+const BUDGET_US: i64 = 100_000;
 
 struct Args {
     protocol: String,
@@ -71,8 +74,12 @@ fn grpc_body(model: &str, i: u64) -> Bytes {
         shape,
         ..Default::default()
     };
+    let budget = proto::InferParameter {
+        parameter_choice: Some(proto::infer_parameter::ParameterChoice::Int64Param(BUDGET_US)),
+    };
     let request = proto::ModelInferRequest {
         model_name: model.into(),
+        parameters: [("budget_us".to_string(), budget)].into_iter().collect(),
         inputs: vec![
             tensor("user_id", "INT64", vec![1]),
             tensor("item_ids", "INT64", vec![ITEMS as i64]),
@@ -97,13 +104,15 @@ fn http_request(addr: &str, model: &str, i: u64) -> Vec<u8> {
             r#"{{"name":"user_id","datatype":"INT64","shape":[1],"parameters":{{"binary_data_size":{}}}}},"#,
             r#"{{"name":"item_ids","datatype":"INT64","shape":[{}],"parameters":{{"binary_data_size":{}}}}},"#,
             r#"{{"name":"context","datatype":"FP32","shape":[{}],"parameters":{{"binary_data_size":{}}}}}],"#,
-            r#""outputs":[{{"name":"scores","parameters":{{"binary_data":true}}}}]}}"#
+            r#""outputs":[{{"name":"scores","parameters":{{"binary_data":true}}}}],"#,
+            r#""parameters":{{"budget_us":{}}}}}"#
         ),
         user.len(),
         ITEMS,
         items.len(),
         CONTEXT,
-        context.len()
+        context.len(),
+        BUDGET_US
     );
     let length = head.len() + user.len() + items.len() + context.len();
     let mut out = format!(
