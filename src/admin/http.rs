@@ -390,15 +390,15 @@ impl Table {
 /// A stream whose every response must be written within a limit: the clock
 /// starts at the first write after the client last sent bytes, so a client
 /// that reads a large `/metrics` a byte at a time is cut off, not served
-/// for ever.
-struct WriteDeadline<S> {
+/// for ever. The v2 front end's listeners (`src/oip/`) use it too.
+pub struct WriteDeadline<S> {
     inner: S,
     limit: Duration,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> WriteDeadline<S> {
-    fn new(inner: S, limit: Duration) -> WriteDeadline<S> {
+    pub fn new(inner: S, limit: Duration) -> WriteDeadline<S> {
         WriteDeadline { inner, limit, deadline: None }
     }
 

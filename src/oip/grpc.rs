@@ -7,7 +7,8 @@
 //! connection (advertised in HTTP/2 SETTINGS and enforced per connection),
 //! `message_bytes_max` per request message (a larger one is refused with
 //! RESOURCE_EXHAUSTED before it is decoded), HTTP/2 header lists of
-//! [`HEADER_LIST_BYTES_MAX`]. Every error is the protocol's: a gRPC status
+//! [`HEADER_LIST_BYTES_MAX`], writes that wait on the client at most
+//! [`WRITE_TIMEOUT`]. Every error is the protocol's: a gRPC status
 //! whose code is the error's [`Code`] and whose message names the input.
 
 use std::collections::HashMap;
@@ -23,6 +24,7 @@ use tonic::{Request, Response, Status};
 
 use super::tensors::{self, Code, Data, InferError, InferRequest, InputTensor, Param, Params, Service, Signature};
 use super::{stopping, OipConfig, Stop};
+use crate::admin::http::WriteDeadline;
 
 /// The messages and service of `proto/oip/grpc_service.proto`.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
@@ -35,6 +37,9 @@ use proto::infer_parameter::ParameterChoice;
 
 /// HTTP/2 header list (metadata) of one request.
 pub const HEADER_LIST_BYTES_MAX: u32 = 16 * 1024;
+/// A connection whose writes have waited on the client this long (it
+/// stopped reading) is closed.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long accepting pauses after an error that more accepts would repeat.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
@@ -58,6 +63,7 @@ pub async fn serve(listener: std::net::TcpListener, service: Arc<Service>, confi
                 Ok((stream, remote)) => match permits.clone().try_acquire_owned() {
                     Ok(permit) => {
                         let _ = stream.set_nodelay(true);
+                        let stream = WriteDeadline::new(stream, WRITE_TIMEOUT);
                         return Some((Ok::<_, io::Error>(Held { stream, _permit: permit }), (listener, permits)));
                     }
                     Err(_) => tracing::debug!(%remote, "oip: gRPC connection refused: oip.connections_max held"),
@@ -87,7 +93,7 @@ pub async fn serve(listener: std::net::TcpListener, service: Arc<Service>, confi
 
 /// An accepted connection with its place among `connections_max`.
 struct Held {
-    stream: tokio::net::TcpStream,
+    stream: WriteDeadline<tokio::net::TcpStream>,
     _permit: OwnedSemaphorePermit,
 }
 

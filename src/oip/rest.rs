@@ -15,7 +15,9 @@
 //! request heads of [`HEADER_BYTES_MAX`] bytes in [`HEADERS_MAX`] fields
 //! within [`HEADER_READ_TIMEOUT`] (also the keep-alive idle limit); bodies
 //! of `message_bytes_max` bytes within [`BODY_READ_TIMEOUT`] (a larger
-//! declared length is answered 413 before a byte of it is read).
+//! declared length is answered 413 before a byte of it is read); each
+//! response written whole within [`WRITE_TIMEOUT`] (the admin listeners'
+//! `WriteDeadline`), or the connection closes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +32,7 @@ use tokio::sync::Semaphore;
 use super::grpc::{EXTENSIONS, SERVER_NAME};
 use super::tensors::{self, Code, Data, InferError, InferRequest, InferResponse, InputTensor, Param, Params, Service};
 use super::{stopping, OipConfig, Stop};
+use crate::admin::http::WriteDeadline;
 
 /// The request line and headers together.
 pub const HEADER_BYTES_MAX: usize = 16 * 1024;
@@ -38,8 +41,12 @@ pub const HEADERS_MAX: usize = 64;
 /// For a whole request head, and for the next one on a kept-alive connection.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// For a whole response, from its first byte written.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The binary extension's header naming the JSON part's length.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
+/// How the errors of a body not read whole begin.
+const BODY_UNREAD: &str = "the request body";
 /// How long accepting pauses after an error that more accepts would repeat.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
@@ -82,7 +89,7 @@ pub async fn serve(listener: std::net::TcpListener, service: Arc<Service>, confi
         let _ = stream.set_nodelay(true);
         let (builder, service, mut stop) = (builder.clone(), service.clone(), stop.clone());
         tokio::spawn(async move {
-            let io = hyper_util::rt::TokioIo::new(stream);
+            let io = hyper_util::rt::TokioIo::new(WriteDeadline::new(stream, WRITE_TIMEOUT));
             let handler = hyper::service::service_fn(move |request| {
                 let service = service.clone();
                 async move { Ok::<_, std::convert::Infallible>(respond(request, &service, body_max).await) }
@@ -167,7 +174,18 @@ async fn respond(request: Request<Incoming>, service: &Service, body_max: usize)
                 let (name, version) = (name.to_string(), version.to_string());
                 match infer(request, service, &name, &version, body_max).await {
                     Ok(r) => r,
-                    Err(e) => error_reply(&e),
+                    Err(e) => {
+                        let mut r = error_reply(&e);
+                        // The client may still be sending a body that will
+                        // not be read: the connection is not reused.
+                        let unread = matches!(&e, InferError::TooLarge { .. })
+                            || matches!(&e, InferError::Malformed(m) if m.starts_with(BODY_UNREAD));
+                        if unread {
+                            r.headers_mut()
+                                .insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
+                        }
+                        r
+                    }
                 }
             }
             _ => not_found(),
