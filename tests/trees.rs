@@ -268,8 +268,10 @@ fn import_summarises_trees_and_refuses_bad_files() {
     assert!(bad(&truncated, "--lightgbm", "context:12").contains("truncated"));
     let rank = write("rank.txt", &text.replace("objective=binary sigmoid:1", "objective=lambdarank"));
     assert!(bad(&rank, "--lightgbm", "context:12").contains("objective 'lambdarank' is not supported"));
-    // A split on a feature past the declared width.
-    let wide = write("wide.txt", &text.replace("max_feature_idx=11", "max_feature_idx=10"));
+    // A split on a feature past the declared width (the names list shortened
+    // with it, or the names' count is what is refused).
+    let narrowed = text.replace("max_feature_idx=11", "max_feature_idx=10").replace(" merchant_category\n", "\n");
+    let wide = write("wide.txt", &narrowed);
     assert!(bad(&wide, "--lightgbm", "context:11").contains("past the input's 11 features"));
     assert!(bad(&lgb, "--lightgbm", "user:4,item:4").contains("add up to 8 features but the model has 12"));
     let json = std::fs::read_to_string(dir().join("xgb_binary.json")).unwrap();
