@@ -153,6 +153,7 @@ def main():
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     in_venv(args)
+    load_start = os.getloadavg()
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "clients" / "python"))
     sys.path.insert(0, str(HERE))
@@ -342,7 +343,10 @@ def main():
         "latency": latency,
         "first_sync": sync,
         "lag": lag,
+        "load_average_start": list(load_start),
+        "load_average_end": list(os.getloadavg()),
     }
+    load = " ".join(f"{x:.2f}" for x in load_start), " ".join(f"{x:.2f}" for x in report["load_average_end"])
     med_rate = statistics.median(s["entities_per_s"] for s in sync)
     rows = [
         ("Feast SDK `get_online_features` (service, 32 entity rows)", "feast_sdk"),
@@ -360,8 +364,8 @@ def main():
     md = f"""## Feast's serving beside Quiver on the same Feast repository
 
 `python3 bench/feast/feast_side_by_side.py --users {args.users} --rate {args.rate:g} --duration {args.duration:g}`
-at `{commit}`, feast {feast.__version__}, on {cpu_model()} ({os.cpu_count()} vCPUs, shared with other
-work while it ran: a loaded machine, so read the figures as one run's, not as bounds). One request is a
+at `{commit}`, feast {feast.__version__}, on {cpu_model()} ({os.cpu_count()} vCPUs; load average
+(1, 5, 15 min) {load[0]} at start, {load[1]} at end: read the figures as one run's, not as bounds). One request is a
 user, a merchant and {ITEMS} items of the bench repository ({args.users} users, 92 features over four
 views, Redis online store on 127.0.0.1); each system is called by one caller at {args.rate:g} calls/s for
 {args.duration:g} s, a call's latency from the time it was due (so a system that cannot keep the rate
