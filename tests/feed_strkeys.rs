@@ -17,7 +17,7 @@ use common::redis::RedisServer;
 use common::BIN;
 use quiver::features::feed::contract::{self, ContractError, KeyKind, Layout};
 use quiver::features::feed::{self, FeedConfig, GroupSpec, PublishError, Publisher, RedisError, RefreshError, Reply};
-use quiver::features::replica::{ReplicaHandle, ReplicaWriter, Storage};
+use quiver::features::replica::{ReplicaError, ReplicaHandle, ReplicaWriter, Storage};
 
 const DIM: usize = 4;
 const DEVICE: KeyKind = KeyKind::Str { bytes_max: 64 };
@@ -74,10 +74,23 @@ struct Running {
 }
 
 impl Running {
+    /// Starts the feed; a file still locked by the previous `Running` is
+    /// tried again for a while. Its writer is gone once `drop` joined the
+    /// feed's thread, but a child that another test of this binary forked
+    /// at that moment shares the descriptor, and with it the flock, until
+    /// its exec closes it: under load that window can be long.
     fn start(config: &FeedConfig, spec: GroupSpec) -> Result<Running, RefreshError> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let feed = feed::start(config, &[spec], stop.clone())?;
-        Ok(Running { feed: Some(feed), stop })
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stop = Arc::new(AtomicBool::new(false));
+            match feed::start(config, std::slice::from_ref(&spec), stop.clone()) {
+                Ok(feed) => return Ok(Running { feed: Some(feed), stop }),
+                Err(RefreshError::Replica(ReplicaError::Locked { .. })) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     fn feed(&self) -> &feed::Feed {
