@@ -6,8 +6,8 @@
 //! OUT_DIR (`src/features/feast/protos.rs` includes them): no protoc, and
 //! nothing generated is checked in.
 //!
-//! The Open Inference Protocol's gRPC service (`proto/oip/grpc_service.proto`)
-//! is compiled on every build too, by tonic-prost-build into OUT_DIR
+//! The Open Inference Protocol's gRPC service (`proto/oip/grpc_service.proto`,
+//! with Triton's `model_config.proto` it imports) is compiled on every build too, by tonic-prost-build into OUT_DIR
 //! (`src/oip/grpc.rs` includes it), with the protoc binary the
 //! protoc-bin-vendored crate carries: no protoc installed, nothing
 //! generated checked in.
@@ -79,6 +79,8 @@ fn feast_protos() {
 fn oip_proto() {
     let proto = "proto/oip/grpc_service.proto";
     println!("cargo::rerun-if-changed={proto}");
+    // Triton's model configuration, which the service's ModelConfig returns.
+    println!("cargo::rerun-if-changed=proto/oip/model_config.proto");
     let protoc = protoc_bin_vendored::protoc_bin_path().expect("protoc-bin-vendored carries protoc for this host");
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc);

@@ -344,3 +344,120 @@ fn feature_group_inputs_score_the_fraud_example_as_the_flatbuffers_client_does()
         assert_eq!(r["parameters"]["features_missing"], json!(want.features_missing));
     }
 }
+
+/// perf_analyzer, Triton's own load generator: `QUIVER_PERF_ANALYZER`, or
+/// `perf_analyzer` on the PATH. None (after saying so) when it is missing;
+/// a failure instead under `QUIVER_REQUIRE_PERF_ANALYZER=1`, as in CI.
+fn perf_analyzer() -> Option<std::path::PathBuf> {
+    let named = std::env::var_os("QUIVER_PERF_ANALYZER").map(std::path::PathBuf::from);
+    let found = match &named {
+        Some(p) => p.is_file().then(|| p.clone()),
+        None => std::env::var_os("PATH")
+            .and_then(|path| std::env::split_paths(&path).map(|d| d.join("perf_analyzer")).find(|p| p.is_file())),
+    };
+    if found.is_none() {
+        let required = std::env::var("QUIVER_REQUIRE_PERF_ANALYZER").is_ok_and(|v| v == "1");
+        assert!(
+            !required,
+            "QUIVER_REQUIRE_PERF_ANALYZER=1 but perf_analyzer is missing (QUIVER_PERF_ANALYZER={named:?})"
+        );
+        eprintln!(
+            "SKIPPED: perf_analyzer not found: set QUIVER_PERF_ANALYZER to it (README, \"Triton's clients against Quiver\")"
+        );
+    }
+    found
+}
+
+/// One row of perf_analyzer's CSV report (`-f`): a concurrency's
+/// throughput and latencies.
+#[derive(Debug)]
+struct PerfRow {
+    concurrency: u64,
+    inferences_per_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+fn perf_rows(csv: &str) -> Vec<PerfRow> {
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+    let column = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name:?} in {csv}"));
+    let (c, t, p50, p99) =
+        (column("Concurrency"), column("Inferences/Second"), column("p50 latency"), column("p99 latency"));
+    lines
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            let n = |i: usize| f[i].trim().parse::<f64>().unwrap_or_else(|e| panic!("{e}: {l}"));
+            PerfRow { concurrency: n(c) as u64, inferences_per_s: n(t), p50_us: n(p50) as u64, p99_us: n(p99) as u64 }
+        })
+        .collect()
+}
+
+#[test]
+fn perf_analyzer_measures_the_v2_port_over_grpc_and_http() {
+    let Some(perf_analyzer) = perf_analyzer() else { return };
+    // perf_analyzer cannot send `budget_us` over HTTP (its
+    // --request-parameter is gRPC-only): a default budget a loaded CI
+    // machine meets.
+    let dir = common::scratch("oip-perf-analyzer");
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, "[limits]\nbudget_us_default = 2000000\n").unwrap();
+    let server = serve(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let mut scored = 0;
+    for (protocol, url) in [("grpc", &server.oip_grpc), ("http", &server.oip_http)] {
+        let csv = dir.join(format!("{protocol}.csv"));
+        // Short windows, and any spread counted as stable: this checks
+        // that perf_analyzer runs against Quiver and reports, not how fast
+        // a loaded CI machine is (bench/oip_side_by_side.sh measures that).
+        let out = Command::new(&perf_analyzer)
+            .args(["-m", demo::MODEL_NAME, "-u", url, "-i", protocol])
+            .args(["--shape", "item_ids:32", "--input-data", "zero", "--concurrency-range", "1:2"])
+            .args(["--measurement-interval", "400", "--stability-percentage", "1000", "--max-trials", "10"])
+            .arg("-f")
+            .arg(&csv)
+            .output()
+            .expect("perf_analyzer runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "perf_analyzer -i {protocol} failed ({}):\n{stdout}\n{stderr}\nserver:\n{}",
+            out.status,
+            server.stderr()
+        );
+        assert!(stdout.contains("Throughput:") && stdout.contains("p99 latency:"), "{stdout}");
+        assert!(!stdout.contains("error") && !stderr.contains("error"), "{stdout}\n{stderr}");
+        let report =
+            std::fs::read_to_string(&csv).unwrap_or_else(|e| panic!("no report {}: {e}\n{stdout}", csv.display()));
+        let rows = perf_rows(&report);
+        assert_eq!(rows.iter().map(|r| r.concurrency).collect::<Vec<_>>(), [1, 2], "{report}");
+        for r in &rows {
+            assert!(r.inferences_per_s > 0.0 && r.p50_us > 0 && r.p99_us >= r.p50_us, "{protocol}: {r:?}\n{report}");
+        }
+        scored += 1;
+    }
+    assert_eq!(scored, 2);
+    // Every request perf_analyzer sent took the FlatBuffers request path
+    // and was scored: the shard counted them (it publishes once a second),
+    // and answered none with an error.
+    let by_status = |text: &str| -> Vec<(String, u64)> {
+        text.lines()
+            .filter_map(|l| {
+                let (status, n) = l.strip_prefix("quiver_requests_total{status=\"")?.split_once("\"} ")?;
+                Some((status.to_string(), n.parse().ok()?))
+            })
+            .collect()
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
+        let counts = by_status(&text);
+        assert!(counts.iter().all(|(s, n)| s == "ok" || *n == 0), "{counts:?}");
+        if counts.iter().any(|(s, n)| s == "ok" && *n >= 12) {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "perf_analyzer's requests were not counted: {counts:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -22,6 +22,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status};
 
+use super::config::ModelConfig;
 use super::tensors::{self, Code, Data, InferError, InferRequest, InputTensor, Param, Params, Service, Signature};
 use super::{stopping, OipConfig, Stop};
 use crate::admin::http::WriteDeadline;
@@ -235,6 +236,39 @@ fn metadata(signature: &Signature) -> proto::ModelMetadataResponse {
     }
 }
 
+/// Triton's `ModelConfig` message for `config`.
+fn model_config(config: &ModelConfig) -> proto::ModelConfigResponse {
+    let data_type = |name: &str| proto::DataType::from_str_name(name).unwrap_or(proto::DataType::TypeInvalid) as i32;
+    let input = |t: &super::config::ConfigTensor| proto::ModelInput {
+        name: t.name.clone(),
+        data_type: data_type(t.data_type),
+        dims: t.dims.clone(),
+        optional: t.optional,
+        ..Default::default()
+    };
+    let output = |t: &super::config::ConfigTensor| proto::ModelOutput {
+        name: t.name.clone(),
+        data_type: data_type(t.data_type),
+        dims: t.dims.clone(),
+        ..Default::default()
+    };
+    let policy = proto::model_version_policy::PolicyChoice::Specific(proto::model_version_policy::Specific {
+        versions: vec![i64::from(config.version)],
+    });
+    proto::ModelConfigResponse {
+        config: Some(proto::ModelConfig {
+            name: config.name.clone(),
+            platform: config.platform.into(),
+            backend: config.platform.into(),
+            version_policy: Some(proto::ModelVersionPolicy { policy_choice: Some(policy) }),
+            max_batch_size: config.max_batch_size,
+            input: config.inputs.iter().map(input).collect(),
+            output: config.outputs.iter().map(output).collect(),
+            ..Default::default()
+        }),
+    }
+}
+
 struct Grpc {
     service: Arc<Service>,
 }
@@ -281,6 +315,15 @@ impl GrpcInferenceService for Grpc {
         let r = request.get_ref();
         let signature = self.service.signature(&r.name, &r.version).map_err(|e| status(&e))?;
         Ok(Response::new(metadata(&signature)))
+    }
+
+    async fn model_config(
+        &self,
+        request: Request<proto::ModelConfigRequest>,
+    ) -> Result<Response<proto::ModelConfigResponse>, Status> {
+        let r = request.get_ref();
+        let signature = self.service.signature(&r.name, &r.version).map_err(|e| status(&e))?;
+        Ok(Response::new(model_config(&ModelConfig::of(&signature, SERVER_NAME))))
     }
 
     async fn model_infer(

@@ -17,9 +17,12 @@
 //!
 //! `grpc.rs` is the gRPC service (tonic, over the protocol's own
 //! `proto/oip/grpc_service.proto`); `rest.rs` the HTTP/1 REST API with JSON
-//! and the binary tensor extension (hyper). Both bound what a client can
+//! and the binary tensor extension (hyper); `config.rs` the answer to
+//! Triton's `ModelConfig` call, which the protocol lacks and perf_analyzer
+//! needs, rendered by both. Both bound what a client can
 //! hold: connections, concurrent streams, message bytes, tensor elements.
 
+pub mod config;
 pub mod grpc;
 pub mod rest;
 pub mod tensors;

@@ -5,7 +5,9 @@
 //! Routes (the protocol's): `GET /v2/health/live`, `GET /v2/health/ready`,
 //! `GET /v2`, `GET /v2/models/{name}[/versions/{v}]`,
 //! `GET /v2/models/{name}[/versions/{v}]/ready` and
-//! `POST /v2/models/{name}[/versions/{v}]/infer`. An error is the
+//! `POST /v2/models/{name}[/versions/{v}]/infer`; and one of Triton's,
+//! `GET /v2/models/{name}[/versions/{v}]/config` (`config.rs`), which
+//! perf_analyzer reads. An error is the
 //! protocol's `{"error": "..."}` with a status by its [`Code`]: 400 for a
 //! bad request, 404 for an unknown model or route, 413 for a body over
 //! `[oip] message_bytes_max`, 429 when rate limited, 503 when overloaded or
@@ -29,6 +31,7 @@ use hyper::{Method, Request, Response};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
+use super::config::ModelConfig;
 use super::grpc::{EXTENSIONS, SERVER_NAME};
 use super::tensors::{self, Code, Data, InferError, InferRequest, InferResponse, InputTensor, Param, Params, Service};
 use super::{stopping, OipConfig, Stop};
@@ -164,6 +167,10 @@ async fn respond(request: Request<Incoming>, service: &Service, body_max: usize)
         _ => match (&method, model_path(&segments)) {
             (&Method::GET, Some((name, version, ""))) => match service.signature(name, version) {
                 Ok(s) => json_reply(200, &metadata(&s)),
+                Err(e) => error_reply(&e),
+            },
+            (&Method::GET, Some((name, version, "config"))) => match service.signature(name, version) {
+                Ok(s) => json_reply(200, &ModelConfig::of(&s, SERVER_NAME).to_json()),
                 Err(e) => error_reply(&e),
             },
             (&Method::GET, Some((name, version, "ready"))) => {
