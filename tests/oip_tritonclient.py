@@ -11,7 +11,7 @@ writes the cases file:
                 "score_bits": [..] (each score's f32 bits)}]}
 
 Checks, for each transport: health (live, ready, model ready), server and
-model metadata, every case scored exactly (bit for bit) with raw/binary and
+model metadata, Triton's model config (which perf_analyzer reads), every case scored exactly (bit for bit) with raw/binary and
 with JSON/contents tensors, the response parameters, and each bad input
 answered with the protocol's error, the server serving on afterwards.
 
@@ -87,6 +87,25 @@ def expect_error(name, call, want_status, want_text):
     check(name, False, "no error")
 
 
+def config_checks(transport, config, metadata, model, version):
+    """Triton's ModelConfig (what perf_analyzer reads) against the metadata:
+    the same inputs and output in Triton's types, no batch dimension."""
+    types = {"INT64": "TYPE_INT64", "FP32": "TYPE_FP32", "BYTES": "TYPE_STRING"}
+    want = [(t["name"], types[t["datatype"]], [int(d) for d in t["shape"]]) for t in metadata["inputs"]]
+    got = [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config.get("input", [])]
+    check(f"{transport} ModelConfig inputs are the metadata's", got == want, config)
+    outs = [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config.get("output", [])]
+    check(f"{transport} ModelConfig output", outs == [("scores", "TYPE_FP32", [-1])], config)
+    check(
+        f"{transport} ModelConfig name, no batching",
+        config.get("name") == model and int(config.get("max_batch_size", 0)) == 0
+        and not any(k in config for k in ("dynamic_batching", "sequence_batching", "ensemble_scheduling")),
+        config,
+    )
+    versions = [str(v) for v in config.get("version_policy", {}).get("specific", {}).get("versions", [])]
+    check(f"{transport} ModelConfig version", versions == [version], config)
+
+
 def grpc_checks(url, spec):
     model, version = spec["model"], spec["version"]
     c = grpcclient.InferenceServerClient(url=url)
@@ -108,6 +127,9 @@ def grpc_checks(url, spec):
     outs = {t["name"]: (t["datatype"], [int(d) for d in t["shape"]]) for t in mm.get("outputs", [])}
     check("grpc ModelMetadata outputs", outs == {"scores": ("FP32", [-1])}, mm)
     check("grpc ModelMetadata versions", mm.get("versions") == [version], mm)
+    config_checks("grpc", c.get_model_config(model, as_json=True)["config"], mm, model, version)
+    expect_error("grpc ModelConfig of an unknown model", lambda: c.get_model_config("no-such-model"), "NOT_FOUND", "no-such-model")
+    expect_error("grpc ModelConfig of an unserved version", lambda: c.get_model_config(model, "99"), "NOT_FOUND", "99")
 
     for i, case in enumerate(spec["cases"]):
         r = c.infer(
@@ -178,6 +200,8 @@ def http_checks(url, spec):
     names = {t["name"]: (t["datatype"], t["shape"]) for t in mm.get("inputs", [])}
     check("http model metadata", names.get("user_id") == ("INT64", [1]) and names.get("item_ids") == ("INT64", [-1]), mm)
     check("http model metadata versioned", c.get_model_metadata(model, version)["name"] == model)
+    config_checks("http", c.get_model_config(model, version), mm, model, version)
+    expect_error("http model config of an unknown model", lambda: c.get_model_config("no-such-model"), "404", "no-such-model")
 
     for i, case in enumerate(spec["cases"]):
         for binary in (True, False):
