@@ -32,10 +32,12 @@
 #
 # perf_analyzer: PERF_ANALYZER=path (default: perf_analyzer on the PATH;
 # README, "Triton's clients against Quiver", says how to get one that runs
-# on glibc 2.36); PERF_ANALYZER=off leaves its rows out. OPEN_RATE= (empty)
-# leaves the open-loop rows out.
+# on glibc 2.36); PERF_ANALYZER=off leaves its rows out. PA_STABILITY and
+# PA_MAX_TRIALS are its --stability-percentage (10: three windows within
+# 10%) and --max-trials (10); a run that does not stabilise fails. OPEN_RATE=
+# (empty) leaves the open-loop rows out.
 #
-# usage: bench/oip_side_by_side.sh     (RUNS=3 DURATION=3 DEPTHS="1 16" OPEN_RATE=10000)
+# usage: bench/oip_side_by_side.sh     (RUNS=3 DURATION=3 DEPTHS="1 16" OPEN_RATE=10000 RESULTS=bench/results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,9 +46,11 @@ DURATION="${DURATION:-3}"
 DEPTHS="${DEPTHS:-1 16}"
 OPEN_RATE="${OPEN_RATE-10000}"
 PERF_ANALYZER="${PERF_ANALYZER:-$(command -v perf_analyzer || true)}"
+PA_STABILITY="${PA_STABILITY:-10}"
+PA_MAX_TRIALS="${PA_MAX_TRIALS:-10}"
 SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
-RESULTS=bench/results
+RESULTS="${RESULTS:-bench/results}"
 
 BENCH_NAME=oip_side_by_side
 # shellcheck source=bench/lib.sh
@@ -75,8 +79,11 @@ for l in sys.stdin:
         print(m["executable"])')"
 [ -x "$load" ] || die "bench/oip_load.rs did not build"
 
+# perf_analyzer sends no budget over HTTP (its --request-parameter is
+# gRPC-only): the default budget is the 100 ms every other generator sends.
+printf '[limits]\nbudget_us_default = 100000\n' >"$data/oip.toml"
 "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 --cores "$SERVER_CORE" \
-    --oip-grpc-listen 127.0.0.1:0 --oip-http-listen 127.0.0.1:0 >"$data/serve.out" 2>"$data/serve.log" &
+    --config "$data/oip.toml" --oip-grpc-listen 127.0.0.1:0 --oip-http-listen 127.0.0.1:0 >"$data/serve.out" 2>"$data/serve.log" &
 pids+=("$!")
 wait_listening "$data/serve.out" "$data/serve.log"
 addr="$listen_addr"
@@ -109,6 +116,7 @@ perf_analyzer_row() {
     rm -f "$data/pa.csv" "$data/pa.json"
     taskset -c "$GEN_CORE" "$PERF_ANALYZER" -m auction-32 -u "$url" -i "$protocol" --shape item_ids:32 \
         --input-data zero "${range[@]}" --measurement-interval "$((DURATION * 1000))" \
+        --stability-percentage "$PA_STABILITY" --max-trials "$PA_MAX_TRIALS" \
         -f "$data/pa.csv" --profile-export-file "$data/pa.json" >"$data/pa.out" 2>&1 \
         || { tail -20 "$data/pa.out" >&2; return 1; }
     python3 - "$data/pa.csv" "$data/pa.json" "pa-$protocol" "$mode" "$n" <<'PY'
@@ -176,9 +184,9 @@ for r in $(seq "$RUNS"); do
     done
 done
 
-python3 - "$data/runs.jsonl" "$RESULTS" "$head" "$RUNS" "$DURATION" "$load_start" "$pa_version" <<'PY'
+python3 - "$data/runs.jsonl" "$RESULTS" "$head" "$RUNS" "$DURATION" "$load_start" "$pa_version" "$PA_STABILITY" <<'PY'
 import json, os, statistics, sys
-runs_path, results, head, repeats, duration, load_start, pa_version = sys.argv[1:]
+runs_path, results, head, repeats, duration, load_start, pa_version, pa_stability = sys.argv[1:]
 load_end = " ".join(open("/proc/loadavg").read().split()[:3])
 runs = [json.loads(l) for l in open(runs_path)]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
@@ -218,8 +226,9 @@ o.append(f"Measured by `bench/oip_side_by_side.sh` at `{head}` on {cpu} ({os.cpu
          "--rate` (latency from each request's intended send time) and perf_analyzer `--request-rate-range` with "
          "constant intervals (latency from each request's actual send, so a generator that falls behind hides "
          "queueing). perf_analyzer's rows are its own throughput, p50 and p99 over the stable windows it reports "
-         f"(at least three of {duration} s, inputs `--input-data zero`), with p99.9 from its profile export over the "
-         f"same windows ({pa_version}). Each v2 request is parsed on the front end's thread and sent to the "
+         f"(at least three of {duration} s within {pa_stability}% of each other, inputs `--input-data zero`), with "
+         f"p99.9 from its profile export over the same windows ({pa_version}). Every request has a budget of 100 ms "
+         "(perf_analyzer's through the server's `budget_us_default`). Each v2 request is parsed on the front end's thread and sent to the "
          "shard as a FlatBuffers request over loopback, so its latency is FlatBuffers' plus the front end's. "
          f"Load average (1, 5, 15 min) at start {load_start}, at end {load_end}.")
 if float(load_start.split()[0]) > os.cpu_count():
@@ -236,7 +245,9 @@ for r in rows:
 o.append("")
 if pa_version == "off":
     o.append("perf_analyzer was left out of this run (`PERF_ANALYZER=off`).")
-o.append("Triton server itself is not beside it: no Triton server binary runs on this machine (see the README).")
+o.append("Triton's own server is not in the table: the only tritonserver binary PyPI offers for this glibc (inside "
+         "`nvidia-pytriton` 0.7.0) carries the Python backend alone, so it cannot serve this model as Triton users "
+         "would.")
 open(f"{results}/oip_side_by_side.md", "w").write("\n".join(o) + "\n")
 print("\n".join(o))
 PY
