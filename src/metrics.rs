@@ -191,6 +191,38 @@ impl Publication {
     }
 }
 
+/// The transports of the v2 front end, as `quiver_oip_requests_total`
+/// labels them.
+pub const OIP_PROTOCOLS: [&str; 2] = ["grpc", "http"];
+/// The outcomes of a v2 inference request: "ok", or the protocol's status
+/// class of its error (gRPC's code names; HTTP maps them to 400, 404, 413 or
+/// 429, 503, 504, 500).
+pub const OIP_STATUSES: [&str; 7] =
+    ["ok", "invalid_argument", "not_found", "resource_exhausted", "unavailable", "deadline_exceeded", "internal"];
+
+/// The v2 front end's inference requests (`src/oip/`) by transport and
+/// outcome, for `quiver_oip_requests_total{protocol,status}`: the front
+/// end's threads count, `/metrics` reads. Only requests that reach the
+/// handler are counted (one tonic refuses for its size is not).
+#[derive(Debug, Default)]
+pub struct OipCounters {
+    by: [[std::sync::atomic::AtomicU64; OIP_STATUSES.len()]; OIP_PROTOCOLS.len()],
+}
+
+impl OipCounters {
+    /// Counts one request of `protocol` (an index of [`OIP_PROTOCOLS`]) that
+    /// ended with `status` (an index of [`OIP_STATUSES`]).
+    pub fn count(&self, protocol: usize, status: usize) {
+        if let Some(c) = self.by.get(protocol).and_then(|p| p.get(status)) {
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    pub fn get(&self, protocol: usize, status: usize) -> u64 {
+        self.by.get(protocol).and_then(|p| p.get(status)).map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
 /// Whether the server takes traffic. Set once every shard listens; an
 /// operator can take the server out of rotation (drain) and back through the
 /// admin endpoint. Read on the request path with one relaxed load: it

@@ -447,6 +447,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         Some(path) => Some(AdminToken::load(path).map_err(Error::Setup)?),
         None => None,
     };
+    let oip_counters = config.oip.enabled().then(|| Arc::new(crate::metrics::OipCounters::default()));
     let admin_state = Arc::new(AdminState {
         board: board.clone(),
         readiness: readiness.clone(),
@@ -460,6 +461,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
         groups: groups.clone(),
         decision_log: log_writer.is_some().then(|| log_status.clone()),
         feast: feast.status.clone(),
+        oip: oip_counters.clone(),
     });
     let mut admins = Vec::new();
     for (listen, surface, name) in
@@ -583,6 +585,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
                 candidates_max: limits.candidates_max,
                 budget_us_default: limits.budget_us_default,
                 budget_us_max: limits.budget_us_max,
+                counters: oip_counters.clone().unwrap_or_default(),
             };
             match bound.serve(context) {
                 Ok(f) => frontend = Some(f),

@@ -244,6 +244,19 @@ fn http_bad_requests_get_the_protocols_errors_and_the_server_serves_on() {
     // Still serving, over the same listener.
     let (code, bytes, _) = post(&url, &serde_json::to_vec(&json!({"inputs": [user, items]})).unwrap(), &[]);
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&bytes));
+    // Each inference request counted by its transport and outcome.
+    let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
+    for (protocol, status, want) in [
+        ("http", "ok", 1),
+        ("http", "invalid_argument", 10),
+        ("http", "resource_exhausted", 1),
+        ("http", "not_found", 1),
+        ("http", "unavailable", 0),
+        ("grpc", "ok", 0),
+    ] {
+        let line = format!("quiver_oip_requests_total{{protocol=\"{protocol}\",status=\"{status}\"}} {want}");
+        assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+    }
 }
 
 #[test]
@@ -459,5 +472,19 @@ fn perf_analyzer_measures_the_v2_port_over_grpc_and_http() {
         }
         assert!(std::time::Instant::now() < until, "perf_analyzer's requests were not counted: {counts:?}");
         std::thread::sleep(Duration::from_millis(100));
+    }
+    // And the front end counted them by transport, every one ok.
+    let (_, text) = common::http_get(&format!("http://{}/metrics", server.admin));
+    for protocol in ["grpc", "http"] {
+        let counts: Vec<(String, u64)> = text
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(&format!("quiver_oip_requests_total{{protocol=\"{protocol}\",status=\""))?;
+                let (status, n) = rest.split_once("\"} ")?;
+                Some((status.to_string(), n.parse().ok()?))
+            })
+            .collect();
+        assert!(counts.iter().any(|(s, n)| s == "ok" && *n >= 6), "{protocol}: {counts:?}");
+        assert!(counts.iter().all(|(s, n)| s == "ok" || *n == 0), "{protocol}: {counts:?}");
     }
 }

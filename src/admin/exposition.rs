@@ -297,6 +297,20 @@ impl prometheus_client::collector::Collector for QuiverCollector {
         if let Some(feast) = &self.state.feast {
             encode_feast(&mut encoder, feast)?;
         }
+        if let Some(oip) = &self.state.oip {
+            let mut e = encoder.encode_descriptor(
+                "quiver_oip_requests",
+                "v2 (Open Inference Protocol) inference requests, by transport and outcome.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (p, protocol) in crate::metrics::OIP_PROTOCOLS.iter().enumerate() {
+                for (s, status) in crate::metrics::OIP_STATUSES.iter().enumerate() {
+                    let labels = [("protocol", *protocol), ("status", *status)];
+                    e.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&oip.get(p, s), None)?;
+                }
+            }
+        }
         encode_drift(&mut encoder, &drift_reports(&m, registry.drift()))?;
         let mut e =
             encoder.encode_descriptor("quiver_model", "Model versions being served.", None, MetricType::Info)?;
@@ -814,6 +828,7 @@ mod tests {
             http: Default::default(),
             groups: Vec::new(),
             decision_log: None,
+            oip: None,
             feast: Some(Arc::new(crate::features::feast::FeastStatus {
                 views: vec![crate::features::feast::follow::ViewStatus {
                     name: "user_stats".into(),

@@ -62,6 +62,8 @@ pub struct AdminState {
     /// `[feast]`'s views: the first sync, the follower's counters (none
     /// without `[feast]`).
     pub feast: Option<Arc<crate::features::feast::FeastStatus>>,
+    /// The v2 front end's request counters (none without `[oip]`).
+    pub oip: Option<Arc<crate::metrics::OipCounters>>,
 }
 
 /// Which routes a listener serves.

@@ -36,6 +36,8 @@ pub mod proto {
 use proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use proto::infer_parameter::ParameterChoice;
 
+/// This transport in `metrics::OIP_PROTOCOLS`.
+const PROTOCOL: usize = 0;
 /// HTTP/2 header list (metadata) of one request.
 pub const HEADER_LIST_BYTES_MAX: u32 = 16 * 1024;
 /// A connection whose writes have waited on the client this long (it
@@ -331,8 +333,12 @@ impl GrpcInferenceService for Grpc {
         request: Request<proto::ModelInferRequest>,
     ) -> Result<Response<proto::ModelInferResponse>, Status> {
         let r = request.into_inner();
-        let infer = infer_request(&r).map_err(|e| status(&e))?;
-        let answer = self.service.infer(&infer).await.map_err(|e| status(&e))?;
+        let answer = match infer_request(&r) {
+            Ok(infer) => self.service.infer(&infer).await,
+            Err(e) => Err(e),
+        };
+        self.service.count(PROTOCOL, answer.as_ref().err());
+        let answer = answer.map_err(|e| status(&e))?;
         let raw: Vec<u8> = answer.scores.iter().flat_map(|s| s.to_le_bytes()).collect();
         let mut parameters = HashMap::with_capacity(6);
         parameters.insert("tier".to_string(), string_param(answer.tier));

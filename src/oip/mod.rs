@@ -152,6 +152,8 @@ pub struct Context {
     pub candidates_max: usize,
     pub budget_us_default: u32,
     pub budget_us_max: u32,
+    /// Where inference requests are counted, by transport and outcome.
+    pub counters: Arc<crate::metrics::OipCounters>,
 }
 
 /// The running front end: its thread and how to stop it.

@@ -37,6 +37,8 @@ use super::tensors::{self, Code, Data, InferError, InferRequest, InferResponse, 
 use super::{stopping, OipConfig, Stop};
 use crate::admin::http::WriteDeadline;
 
+/// This transport in `metrics::OIP_PROTOCOLS`.
+const PROTOCOL: usize = 1;
 /// The request line and headers together.
 pub const HEADER_BYTES_MAX: usize = 16 * 1024;
 /// Header fields in one request.
@@ -179,7 +181,9 @@ async fn respond(request: Request<Incoming>, service: &Service, body_max: usize)
             }
             (&Method::POST, Some((name, version, "infer"))) => {
                 let (name, version) = (name.to_string(), version.to_string());
-                match infer(request, service, &name, &version, body_max).await {
+                let answer = infer(request, service, &name, &version, body_max).await;
+                service.count(PROTOCOL, answer.as_ref().err());
+                match answer {
                     Ok(r) => r,
                     Err(e) => {
                         let mut r = error_reply(&e);

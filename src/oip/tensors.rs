@@ -423,6 +423,21 @@ impl Service {
         self.ready() && self.signature(name, version).is_ok()
     }
 
+    /// Counts an inference request of `protocol` (an index of
+    /// `metrics::OIP_PROTOCOLS`) that ended in `error`, or did not.
+    pub fn count(&self, protocol: usize, error: Option<&InferError>) {
+        let status = match error.map(InferError::code) {
+            None => 0,
+            Some(Code::InvalidArgument) => 1,
+            Some(Code::NotFound) => 2,
+            Some(Code::ResourceExhausted) => 3,
+            Some(Code::Unavailable) => 4,
+            Some(Code::DeadlineExceeded) => 5,
+            Some(Code::Internal) => 6,
+        };
+        self.context.counters.count(protocol, status);
+    }
+
     /// Checks `request` against its model, sends it to a shard and waits
     /// for the answer, within its budget and the grace.
     pub async fn infer(&self, request: &InferRequest<'_>) -> Result<InferResponse, InferError> {
