@@ -82,7 +82,7 @@ fn feast_start(config: &Config, feast: &crate::features::feast::FeastConfig) -> 
             return Err(Error::Setup("[feast]: feature_store.yaml names no online store; set feast.redis".into()))
         }
     };
-    let redis = feed::RedisConfig::from_url(&url).map_err(feed::FeedError::from)?;
+    let source = feed::redis_cluster::RedisSource::from_url(&url).map_err(feed::FeedError::from)?;
     let options = feast::SyncOptions {
         data_dir: config.data_dir.clone(),
         batch_keys: feast.batch_keys,
@@ -104,15 +104,18 @@ fn feast_start(config: &Config, feast: &crate::features::feast::FeastConfig) -> 
         })
         .collect();
     let resumable = resumable.filter(|_| feast.follow);
-    let synced = feed::RedisConn::connect(&redis).map_err(feast::FeastError::from).and_then(|mut conn| {
+    let synced = feast::Store::connect(&source).and_then(|mut conn| {
         if feast.follow {
-            follow::enable_notifications(&mut conn, feast.notify_config)?;
+            // On a cluster, each master sends its own keys' notifications.
+            for m in conn.masters() {
+                follow::enable_notifications(conn.node(&m)?, feast.notify_config)?;
+            }
         }
         match &resumable {
             Some(rows) => {
                 // Nothing is copied: a Redis holding far fewer keys than the
                 // files rows was emptied, and the files are held.
-                let keys = conn.command(&[b"DBSIZE"])?.as_int().unwrap_or(0).max(0) as u64;
+                let keys = conn.keys()?;
                 for ((v, s), &rows) in plan.views.iter().zip(&status.views).zip(rows) {
                     let held = rows > 0 && (keys as f64) < (1.0 - feast.shrink_max) * rows as f64;
                     s.resumed.store(true, Relaxed);
@@ -148,7 +151,7 @@ fn feast_start(config: &Config, feast: &crate::features::feast::FeastConfig) -> 
     });
     match synced {
         Ok(()) => {}
-        Err(feast::FeastError::Redis(e)) => {
+        Err(e @ (feast::FeastError::Redis(_) | feast::FeastError::Cluster(_))) => {
             tracing::error!(
                 "feast: redis cannot be read ({e}); serving the files already in {}",
                 config.data_dir.display()
@@ -167,7 +170,7 @@ fn feast_start(config: &Config, feast: &crate::features::feast::FeastConfig) -> 
             s.live_rows.store(writer.live_rows(), Relaxed);
             writers.push(writer);
         }
-        start.follower = Some(feast::Follower::new(feast, redis, &repo, &plan, writers, status));
+        start.follower = Some(feast::Follower::new(feast, source, &repo, &plan, writers, status));
     } else {
         for (v, s) in plan.views.iter().zip(&status.views) {
             if let Ok(file) = ReplicaHandle::open(&path_of(&v.name), &v.name) {

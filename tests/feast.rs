@@ -1,6 +1,7 @@
 //! Feast parity, against real Feast and a real Redis: bench/feast/feast_repo.py
-//! builds the test repository (pinned feast, 10,000 users, 5,000 items and
-//! 1,000 merchants over four views of 92 features) and materializes it into
+//! builds the test repository (pinned feast, 10,000 users, 5,000 items,
+//! 1,000 merchants and 10,000 (user, merchant) pairs over five views of 100
+//! features, one keyed by the pair: a composite key) and materializes it into
 //! a redis-server this test started; a server with `[feast]` copies it at
 //! start-up, and for every entity of every view the row it serves (its
 //! admin route, and `quiver features get` for a sample) equals what
@@ -8,8 +9,8 @@
 //! value, missing for missing. A restart resumes from the files without a
 //! copy; bad data written while it follows Redis is skipped and counted per
 //! view, and an emptied Redis leaves the files as they were (held, exit 3).
-//! Freshness (1,000 users): `feast materialize-incremental` and a push are
-//! served within a deadline, a row past its view's ttl is missing, a change
+//! Freshness (1,000 users): `feast materialize-incremental` and pushes (to a
+//! single-entity view and to the composite one) are served within a deadline, a row past its view's ttl is missing, a change
 //! and deletions no notification announced are caught up after Redis
 //! restarts (the reconciliation's SCAN and its sweep of the replica's rows,
 //! in rounds bounded by `reconcile_keys_max`), `quiver feast sync` refuses
@@ -19,6 +20,9 @@
 //! store's features) served on the views scores what LightGBM predicts on
 //! `get_online_features`' values, and `features_missing` counts each row
 //! with a null.
+//!
+//! The same repository on a Redis Cluster (`redis_type: redis_cluster`) is
+//! served value for value and followed through a master's failover.
 //!
 //! Feast lives in its own virtual environment (its pins clash with other
 //! Python tools the tests use): `QUIVER_FEAST_VENV` names it, and the script
@@ -33,6 +37,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::redis::RedisServer;
+use common::redis_cluster::RedisCluster;
 use common::{demo_dir, http_get, run_quiver, Server};
 use quiver::features::replica::ReplicaHandle;
 
@@ -169,9 +174,23 @@ struct Served {
 /// `[feast]`, and checks every entity of every view against Feast's own
 /// answer; `None` when the test is skipped (no feast).
 fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisServer) -> Option<Served> {
+    let port = redis.addr().rsplit(':').next().unwrap().to_string();
+    let (venv, repo, data, config, want) = served_from(name, users, version, &["--redis-port", &port])?;
+    Some(Served { venv, redis, repo, data, config, want })
+}
+
+/// [`served_as_feast_serves`] with the online store `store` names
+/// (`feast_repo.py build`'s `--redis-port P` or `--redis-cluster NODES`):
+/// the venv, repository, data directory, configuration and what Feast
+/// returned.
+fn served_from(
+    name: &str,
+    users: usize,
+    version: u32,
+    store: &[&str],
+) -> Option<(String, PathBuf, PathBuf, PathBuf, Expected)> {
     let venv = feast_venv()?;
     let venv = venv.to_str().unwrap().to_string();
-    let port = redis.addr().rsplit(':').next().unwrap().to_string();
     let dir = common::scratch(name);
     let repo = dir.join("feature_repo");
     let (users_s, version_s) = (users.to_string(), version.to_string());
@@ -185,8 +204,8 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
             &venv,
             "--repo",
             repo_s,
-            "--redis-port",
-            &port,
+            store[0],
+            store[1],
             "--users",
             &users_s,
             "--entity-key-serialization-version",
@@ -198,7 +217,7 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
         &["online", "--venv", &venv, "--repo", repo_s, "--out", json.to_str().unwrap(), "--users", &users_s],
     );
     let want = expected(&json);
-    assert_eq!(want.views.len(), 4);
+    assert_eq!(want.views.len(), 5);
 
     let (code, out, err) = run_quiver(["feast", "inspect", "--repo", repo_s]);
     assert_eq!(code, 0, "{out}{err}");
@@ -208,7 +227,9 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
         "user_recent: entity user by user_id (int64 key, group key u64), width 20, ttl 86400 s",
         "item_attrs: entity item by item_id (int64 key, group key u64), width 25",
         "merchant_risk: entity merchant by merchant_id (string key, group key string), width 17",
-        "user_stats:30,user_recent:20,item_attrs:25,merchant_risk:17\n",
+        "user_merchant: entities user, merchant by merchant_id,user_id (composite key of string, int64; group key \
+         string \"<merchant_id>|<user_id>\"",
+        "user_merchant:8,user_stats:30,user_recent:20,item_attrs:25,merchant_risk:17\n",
         "refused: nothing",
     ] {
         assert!(out.contains(line), "no '{line}' in:\n{out}");
@@ -239,6 +260,12 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
                 _ => users,
             }
         );
+        if view == "user_merchant" {
+            // Keyed by the canonical text, merchant (the first join key by
+            // name) then user; some merchants' ids are not ASCII.
+            assert!(rows.keys().all(|k| k.starts_with("m-") && k.split('|').count() == 2));
+            assert!(rows.keys().any(|k| k.contains("-éü|")));
+        }
         for (key, row) in rows {
             assert_eq!(row.len(), features.len());
             let (found, got) = served_row(&server.admin, view, key);
@@ -247,11 +274,15 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
             compared += 1;
         }
         // An entity Redis does not hold: missing whole, as Feast returns it.
-        let absent = if view == "merchant_risk" { "no-such-merchant" } else { "999" };
+        let absent = match view.as_str() {
+            "merchant_risk" => "no-such-merchant",
+            "user_merchant" => "m-00001|999",
+            _ => "999",
+        };
         let (found, got) = served_row(&server.admin, view, absent);
         assert!(!found && got.iter().all(Option::is_none), "{view} {absent}: {got:?}");
     }
-    assert_eq!(compared, users * 2 + users / 2 + users / 10);
+    assert_eq!(compared, users * 3 + users / 2 + users / 10);
     // Some values are missing and some present in every view: the
     // comparison above saw both.
     for ExpectedView(view, features, rows) in &want.views {
@@ -271,7 +302,7 @@ fn served_as_feast_serves(name: &str, users: usize, version: u32, redis: RedisSe
             assert!(same(&got, row), "features get {view} {key}: {got:?}, feast {row:?}");
         }
     }
-    Some(Served { venv, redis, repo, data, config: config_path, want })
+    Some((venv, repo, data, config_path, want))
 }
 
 /// Feast 0.67's default entity key serialization (version 3), at 10,000
@@ -305,7 +336,7 @@ fn a_feast_repository_is_served_value_for_value() {
         quiver::features::feast::redis_layout::KeyVersion::V3,
         "quiver_feast",
     );
-    let key = codec.redis_key(&quiver::features::replica::EntityKeyBuf::Id(first_user));
+    let key = codec.redis_key(&quiver::features::replica::EntityKeyBuf::Id(first_user)).unwrap();
     let field = quiver::features::feast::redis_layout::field_name("user_stats", "us_f32_0");
     conn.command(&[b"HSET", &key, &field, b"\xff\xff\xff"]).unwrap();
     let mut other = key[..key.len() - "quiver_feast".len()].to_vec();
@@ -455,7 +486,7 @@ fn feast_writes_are_followed() {
     // in rounds that each compared at most reconcile_keys_max keys.
     server.wait_metric("quiver_feast_reconcile_passes_total", 1);
     server.wait_metric("quiver_feast_sweep_passes_total", 1);
-    let keys = (users + users / 2 + users / 10) as u64;
+    let keys = (2 * users + users / 2 + users / 10) as u64;
     assert!(server.metric("quiver_feast_reconciled_keys_total") >= keys);
     assert_eq!(server.metric("quiver_feast_reconcile_round_keys_max"), 100);
     assert!(server.metric("quiver_feast_reconcile_rounds_total") >= keys / 100);
@@ -477,10 +508,15 @@ fn feast_writes_are_followed() {
     let out = dir.join("push.json");
     feast_repo(&log, &[&["push", "--out", out.to_str().unwrap()][..], &args[..]].concat());
     wait_served(&server.admin, &out);
+    // A push to the composite view: its rows are found by their canonical text.
+    let out = dir.join("push-pairs.json");
+    feast_repo(&log, &[&["push", "--view", "user_merchant", "--out", out.to_str().unwrap()][..], &args[..]].concat());
+    wait_served(&server.admin, &out);
     let text = server.wait_scrape("quiver_feast_events_dropped_total 0");
     assert!(labeled(&text, "quiver_feast_applied_total{group=\"user_stats\"}") >= 50, "{text}");
     assert!(labeled(&text, "quiver_feast_applied_total{group=\"user_recent\"}") >= 50, "{text}");
-    assert!(server.metric("quiver_feast_events_total") >= 100, "{text}");
+    assert!(labeled(&text, "quiver_feast_applied_total{group=\"user_merchant\"}") >= 50, "{text}");
+    assert!(server.metric("quiver_feast_events_total") >= 150, "{text}");
 
     // A row older than its view's ttl (user_recent: a day) is missing.
     let recent = &want.views.iter().find(|v| v.0 == "user_recent").unwrap().2;
@@ -491,7 +527,7 @@ fn feast_writes_are_followed() {
         quiver::features::feast::redis_layout::KeyVersion::V3,
         "quiver_feast",
     );
-    let key_of = |id: u64| user_codec.redis_key(&quiver::features::replica::EntityKeyBuf::Id(id));
+    let key_of = |id: u64| user_codec.redis_key(&quiver::features::replica::EntityKeyBuf::Id(id)).unwrap();
     let mut conn = redis.conn();
     conn.command(&[b"HSET", &key_of(old_user), b"_ts:user_recent", &timestamp(now_s() - 2 * 86_400)]).unwrap();
     wait_row(&server.admin, "user_recent", &old_user.to_string(), "expired", |row| {
@@ -660,4 +696,66 @@ fn a_model_scores_on_feast_features_as_lightgbm_does_on_feasts_values() {
     assert_eq!(compared, requests.len() * 32);
     // The server's counter adds them up the same.
     assert_eq!(server.wait_metric("quiver_features_missing_total", missing_total), missing_total);
+}
+
+/// Feast's online store on a Redis Cluster (`redis_type: redis_cluster`,
+/// three masters with a replica each): Feast materializes into it, the
+/// server's first sync SCANs every master and serves every entity as
+/// `get_online_features` returns it (1,000 users); a push is served through
+/// the masters' own keyspace notifications (node-local in a cluster); a
+/// master is killed, its replica promoted, and a push after it (a third of
+/// its keys on the promoted node) is served too, the follower having
+/// subscribed to the new master.
+#[test]
+fn a_feast_repository_on_a_redis_cluster_is_served_and_followed() {
+    if feast_venv().is_none() {
+        return;
+    }
+    let users = 1_000;
+    let mut cluster = RedisCluster::start(3, 1);
+    let nodes = cluster.seeds().join(",");
+    let Some((venv, repo, data, config, _)) = served_from("feast-cluster", users, 3, &["--redis-cluster", &nodes])
+    else {
+        return;
+    };
+    let dir = config.parent().unwrap().to_path_buf();
+    let (repo_s, users_s) = (repo.to_str().unwrap(), users.to_string());
+    let server = Server::start_with(&data, &["--config", config.to_str().unwrap()]);
+    server.wait_scrape("quiver_feast_resumed{group=\"user_stats\"} 1");
+    server.wait_scrape("quiver_feast_connected 1");
+    // Every master's keys were compared: one pass over all of them.
+    server.wait_metric("quiver_feast_reconcile_passes_total", 1);
+    let keys = (2 * users + users / 2 + users / 10) as u64;
+    assert!(server.metric("quiver_feast_reconciled_keys_total") >= keys);
+
+    let log = dir.join("fresh.log");
+    let out = dir.join("push.json");
+    let args = ["--venv", &venv, "--repo", repo_s, "--users", &users_s, "--count", "60"];
+    feast_repo(&log, &[&["push", "--out", out.to_str().unwrap()][..], &args[..]].concat());
+    wait_served(&server.admin, &out);
+    let out = dir.join("push-pairs.json");
+    feast_repo(&log, &[&["push", "--view", "user_merchant", "--out", out.to_str().unwrap()][..], &args[..]].concat());
+    wait_served(&server.admin, &out);
+
+    // A master dies; its replica takes over its slots.
+    let seeds = cluster.seeds();
+    let topology = quiver::features::feed::redis_cluster::ClusterConn::connect(&cluster.config(), &seeds).unwrap();
+    let victim = topology.topology().masters()[0].to_string();
+    drop(topology);
+    cluster.node(&victim).kill();
+    let began = Instant::now();
+    loop {
+        let alive: Vec<String> = cluster.seeds();
+        let promoted = quiver::features::feed::redis_cluster::ClusterConn::connect(&cluster.config(), &alive)
+            .is_ok_and(|c| c.topology().covers_all_slots() && !c.topology().masters().contains(&victim.as_str()));
+        if promoted {
+            break;
+        }
+        assert!(began.elapsed() < FRESH_WAIT, "no replica of {victim} was promoted");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = dir.join("push-after-failover.json");
+    feast_repo(&log, &[&["push", "--seed", "41", "--out", out.to_str().unwrap()][..], &args[..]].concat());
+    wait_served(&server.admin, &out);
+    server.wait_scrape("quiver_feast_connected 1");
 }

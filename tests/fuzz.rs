@@ -769,6 +769,11 @@ fn feast_bytes() {
                 EntityCodec::new("user_id", JoinKeyType::Int64, v, "p"),
                 EntityCodec::new("shop", JoinKeyType::Int32, v, "p"),
                 EntityCodec::new("merchant_id", JoinKeyType::String { bytes_max: 64 }, v, "p"),
+                EntityCodec::composite(
+                    &[("user_id".into(), JoinKeyType::Int64), ("merchant_id".into(), JoinKeyType::String { bytes_max: 64 })],
+                    v,
+                    "p",
+                ),
             ]
         })
         .collect();
@@ -781,10 +786,11 @@ fn feast_bytes() {
     ];
     for c in &codecs {
         let key = match c.key {
+            _ if c.is_composite() => EntityKeyBuf::Str(b"m-\\|1|-7".to_vec()),
             JoinKeyType::String { .. } => EntityKeyBuf::Str(b"m-1".to_vec()),
             _ => EntityKeyBuf::Id(7),
         };
-        seeds.push(c.redis_key(&key));
+        seeds.push(c.redis_key(&key).expect("a seed key"));
     }
     let repo = FeastRepo::from_registry("p", KeyVersion::V3, &seeds[0]).expect("the seed registry reads");
     assert_eq!(repo.plan(&[]).expect("the seed plan").views.len(), 1);
@@ -799,6 +805,8 @@ fn feast_bytes() {
             if c.claims(bytes) {
                 std::hint::black_box(c.parse(bytes).ok());
             }
+            // Any bytes as a group key: a Redis key or a typed refusal.
+            std::hint::black_box(c.redis_key(&EntityKeyBuf::Str(bytes.to_vec())).ok());
         }
     });
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Builds the Feast repository Quiver's Feast tests serve, and fills its Redis.
 
-    python3 bench/feast/feast_repo.py build --venv DIR --repo DIR --redis-port P \
+    python3 bench/feast/feast_repo.py build --venv DIR --repo DIR (--redis-port P | --redis-cluster H:P,H:P...) \
         [--users N] [--seed S] [--entity-key-serialization-version 3]
     python3 bench/feast/feast_repo.py online --venv DIR --repo DIR --out FILE.json \
         [--users N]
@@ -12,22 +12,27 @@
 `build` makes the virtual environment DIR with the pinned feast (and its
 Redis extra, and the pinned lightgbm `train` uses) unless it already has that version, writes a fresh repository
 at --repo (repo/definitions.py beside this script, a feature_store.yaml
-naming a file registry and the Redis online store on 127.0.0.1:P, and one
+naming a file registry and the Redis online store on 127.0.0.1:P (or, with
+--redis-cluster, a Redis Cluster through those nodes: `redis_type:
+redis_cluster`), and one
 parquet file per feature view written from a seeded generator), then runs
 `feast apply` and `feast materialize` over the window that holds every row.
 
 `online` asks that repository's `FeatureStore.get_online_features` for the
-feature service `scoring` and every entity `build` wrote, and writes what it
-returned converted to f32 (float, double, int32, int64 as the nearest f32;
-bool as 1 or 0; null or absent as null) as JSON: {"views": {view: {"key":
-join key, "features": [...], "rows": {key: [f32 or null, ...]}}}}. It is
-what tests/feast.rs compares Quiver's served rows with, value for value.
+feature services `scoring` and `pairs` and every entity `build` wrote, and
+writes what it returned converted to f32 (float, double, int32, int64 as the
+nearest f32; bool as 1 or 0; null or absent as null) as JSON: {"views":
+{view: {"key": join keys, "features": [...], "rows": {key: [f32 or null,
+...]}}}}, each row under the key Quiver serves it by (`key_text`: the
+join key's value, or for user_merchant's composite key the values' canonical
+text). It is what tests/feast.rs compares Quiver's served rows with, value
+for value.
 
 `update` writes new rows for the first --count users of user_recent into
 its parquet file (event times two minutes ahead, past what `build`
 materialized) and runs `feast materialize-incremental`; `push` pushes new
-rows for the first --count users of user_stats through the push source
-`user_stats_push` (online). Each then writes, as `online` does, what
+rows for the first --count entities of --view (user_stats, or the composite
+user_merchant) through its push source `<view>_push` (online). Each then writes, as `online` does, what
 `get_online_features` returns for those users afterwards (--out): what
 tests/feast.rs waits for Quiver to serve.
 
@@ -116,21 +121,52 @@ def entities(users: int) -> dict:
     }
 
 
+def pair_rows(users: int) -> list:
+    """The (user, merchant) pairs of user_merchant: `users` of them, two
+    merchants for each of the first half of the users."""
+    u, m = user_ids(users), merchant_ids(max(users // 10, 1))
+    pairs = dict.fromkeys((u[i // 2], m[(i * 7) % len(m)]) for i in range(users))
+    return [{"user_id": user, "merchant_id": merchant} for user, merchant in pairs]
+
+
+def entity_rows(view: str, users: int) -> list:
+    """Every entity of `view` `build` writes, as get_online_features' entity rows."""
+    from definitions import JOIN_KEYS
+
+    keys = JOIN_KEYS[view]
+    if len(keys) > 1:
+        return pair_rows(users)
+    return [{keys[0]: k} for k in entities(users)[keys[0]]]
+
+
+def key_text(row: dict) -> str:
+    """The key Quiver serves an entity row by: its one value as text, or for
+    several join keys the composite key's canonical text (docs/FEATURES.md,
+    "Feast"): the values in the order of their join keys' names, joined by
+    '|', an integer in decimal, '|' and '\\' in a string escaped by '\\'."""
+    if len(row) == 1:
+        return str(next(iter(row.values())))
+    parts = []
+    for name in sorted(row, key=lambda k: k.encode()):
+        v = row[name]
+        parts.append(str(v) if isinstance(v, int) else v.replace("\\", "\\\\").replace("|", "\\|"))
+    return "|".join(parts)
+
+
 def write_parquet(repo: Path, users: int, seed: int) -> None:
     import numpy as np
     import pandas as pd
 
     sys.path.insert(0, str(repo))
-    from definitions import COLUMNS, ENTITY_OF
+    from definitions import COLUMNS, JOIN_KEYS
 
     rng = np.random.default_rng(seed)
     now = pd.Timestamp.now(tz="UTC").floor("s")
-    keys = entities(users)
     (repo / "data").mkdir(exist_ok=True)
     for view, columns in COLUMNS.items():
-        ids = keys[ENTITY_OF[view]]
-        n = len(ids)
-        frame = {ENTITY_OF[view]: ids}
+        rows = entity_rows(view, users)
+        n = len(rows)
+        frame = {k: [r[k] for r in rows] for k in JOIN_KEYS[view]}
         for name, dtype in columns:
             kind = str(dtype)
             if "Float32" in kind:
@@ -169,13 +205,17 @@ def build(args: argparse.Namespace) -> None:
         shutil.rmtree(repo)
     repo.mkdir(parents=True)
     shutil.copy(HERE / "repo" / "definitions.py", repo / "definitions.py")
+    if args.redis_cluster:
+        online = f"  redis_type: redis_cluster\n  connection_string: {args.redis_cluster}\n"
+    else:
+        online = f"  connection_string: 127.0.0.1:{args.redis_port}\n"
     (repo / "feature_store.yaml").write_text(
         f"project: {PROJECT}\n"
         "provider: local\n"
         "registry: data/registry.db\n"
         "online_store:\n"
         "  type: redis\n"
-        f"  connection_string: 127.0.0.1:{args.redis_port}\n"
+        f"{online}"
         "offline_store:\n"
         "  type: file\n"
         f"entity_key_serialization_version: {args.entity_key_serialization_version}\n"
@@ -210,27 +250,25 @@ def online(args: argparse.Namespace) -> None:
     in_venv(args)
     repo = Path(args.repo).resolve()
     sys.path.insert(0, str(repo))
-    from definitions import ENTITY_OF
+    from definitions import JOIN_KEYS
     from feast import FeatureStore
 
     store = FeatureStore(repo_path=str(repo))
-    service = store.get_feature_service("scoring")
-    keys = entities(args.users)
     out = {"views": {}}
     batch = 1000
-    for projection in service.feature_view_projections:
-        view = projection.name
-        join_key = ENTITY_OF[view]
-        names = [f.name for f in projection.features]
-        refs = [f"{view}:{n}" for n in names]
-        rows = {}
-        ids = keys[join_key]
-        for at in range(0, len(ids), batch):
-            chunk = ids[at : at + batch]
-            got = store.get_online_features(features=refs, entity_rows=[{join_key: k} for k in chunk]).to_dict()
-            for i, k in enumerate(chunk):
-                rows[str(k)] = [as_f32(got[n][i]) for n in names]
-        out["views"][view] = {"key": join_key, "features": names, "rows": rows}
+    for service in ("scoring", "pairs"):
+        for projection in store.get_feature_service(service).feature_view_projections:
+            view = projection.name
+            names = [f.name for f in projection.features]
+            refs = [f"{view}:{n}" for n in names]
+            rows = {}
+            every = entity_rows(view, args.users)
+            for at in range(0, len(every), batch):
+                chunk = every[at : at + batch]
+                got = store.get_online_features(features=refs, entity_rows=chunk).to_dict()
+                for i, row in enumerate(chunk):
+                    rows[key_text(row)] = [as_f32(got[n][i]) for n in names]
+            out["views"][view] = {"key": JOIN_KEYS[view], "features": names, "rows": rows}
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -258,16 +296,22 @@ def changed_rows(columns, n: int, seed: int):
     return frame
 
 
-def write_online(store, view: str, join_key: str, ids: list, out: str) -> None:
-    """What get_online_features returns for `ids` of `view`, as `online` writes it."""
-    service = store.get_feature_service("scoring")
-    projection = next(p for p in service.feature_view_projections if p.name == view)
+def write_online(store, view: str, rows: list, out: str) -> None:
+    """What get_online_features returns for entity `rows` of `view`, as `online` writes it."""
+    from definitions import JOIN_KEYS
+
+    projection = next(
+        p
+        for service in ("scoring", "pairs")
+        for p in store.get_feature_service(service).feature_view_projections
+        if p.name == view
+    )
     names = [f.name for f in projection.features]
-    got = store.get_online_features(
-        features=[f"{view}:{n}" for n in names], entity_rows=[{join_key: k} for k in ids]
-    ).to_dict()
-    rows = {str(k): [as_f32(got[n][i]) for n in names] for i, k in enumerate(ids)}
-    Path(out).write_text(json.dumps({"views": {view: {"key": join_key, "features": names, "rows": rows}}}))
+    got = store.get_online_features(features=[f"{view}:{n}" for n in names], entity_rows=rows).to_dict()
+    served = {key_text(row): [as_f32(got[n][i]) for n in names] for i, row in enumerate(rows)}
+    Path(out).write_text(
+        json.dumps({"views": {view: {"key": JOIN_KEYS[view], "features": names, "rows": served}}})
+    )
 
 
 def update(args: argparse.Namespace) -> None:
@@ -292,7 +336,7 @@ def update(args: argparse.Namespace) -> None:
     end = (now + pd.Timedelta(minutes=3)).strftime("%Y-%m-%dT%H:%M:%S")
     env = dict(os.environ, FEAST_USAGE="False")
     subprocess.run([feast, "materialize-incremental", end], cwd=repo, check=True, env=env)
-    write_online(FeatureStore(repo_path=str(repo)), view, join_key, ids, args.out)
+    write_online(FeatureStore(repo_path=str(repo)), view, [{join_key: k} for k in ids], args.out)
 
 
 def push(args: argparse.Namespace) -> None:
@@ -305,15 +349,18 @@ def push(args: argparse.Namespace) -> None:
     from feast import FeatureStore
     from feast.data_source import PushMode
 
-    view, join_key = "user_stats", "user_id"
-    ids = user_ids(args.users)[: args.count]
-    df = pd.DataFrame({join_key: ids, **changed_rows(COLUMNS[view], len(ids), args.seed)})
+    from definitions import JOIN_KEYS
+
+    view = args.view
+    rows = entity_rows(view, args.users)[: args.count]
+    keys = {k: [r[k] for r in rows] for k in JOIN_KEYS[view]}
+    df = pd.DataFrame({**keys, **changed_rows(COLUMNS[view], len(rows), args.seed)})
     now = pd.Timestamp.now(tz="UTC").floor("s")
     df["event_timestamp"] = now + pd.Timedelta(minutes=5)
     df["created"] = now
     store = FeatureStore(repo_path=str(repo))
-    store.push("user_stats_push", df, to=PushMode.ONLINE)
-    write_online(store, view, join_key, ids, args.out)
+    store.push(f"{view}_push", df, to=PushMode.ONLINE)
+    write_online(store, view, rows, args.out)
 
 
 # The views in the order the model reads them: request-scope first, then
@@ -419,7 +466,9 @@ def main() -> None:
     b = sub.add_parser("build")
     b.add_argument("--venv", required=True)
     b.add_argument("--repo", required=True)
-    b.add_argument("--redis-port", type=int, required=True)
+    store = b.add_mutually_exclusive_group(required=True)
+    store.add_argument("--redis-port", type=int)
+    store.add_argument("--redis-cluster", help="host:port,host:port,... of a Redis Cluster's nodes")
     b.add_argument("--users", type=int, default=10_000)
     b.add_argument("--seed", type=int, default=35)
     b.add_argument("--entity-key-serialization-version", type=int, default=3, choices=[2, 3])
@@ -436,6 +485,8 @@ def main() -> None:
         u.add_argument("--users", type=int, default=10_000)
         u.add_argument("--count", type=int, default=100)
         u.add_argument("--seed", type=int, default=36)
+        if name == "push":
+            u.add_argument("--view", default="user_stats", choices=["user_stats", "user_merchant"])
     t = sub.add_parser("train")
     t.add_argument("--venv", required=True)
     t.add_argument("--repo", required=True)

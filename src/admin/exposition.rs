@@ -460,7 +460,7 @@ fn encode_feast(
         return Ok(());
     }
     type GetAll = fn(&crate::features::feast::FeastStatus) -> u64;
-    let totals: [(&str, &str, GetAll); 10] = [
+    let totals: [(&str, &str, GetAll); 11] = [
         ("quiver_feast_events", "Keyspace events of the project's keys received.", |f| f.events_total.load(Relaxed)),
         (
             "quiver_feast_events_dropped",
@@ -490,6 +490,11 @@ fn encode_feast(
         ("quiver_feast_connect_failures", "Sessions of the follower with Redis that failed.", |f| {
             f.connect_failures_total.load(Relaxed)
         }),
+        (
+            "quiver_feast_topology_changes",
+            "Times a Redis Cluster's topology changed and the follower subscribed to its masters again.",
+            |f| f.topology_changes_total.load(Relaxed),
+        ),
     ];
     for (name, help, get) in totals {
         encoder

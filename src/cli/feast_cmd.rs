@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use quiver::features::feast::{self, repo, FeastRepo};
-use quiver::features::feed::{RedisConfig, RedisConn};
+use quiver::features::feed::redis_cluster::RedisSource;
 use quiver::Error;
 
 #[derive(clap::Subcommand)]
@@ -37,8 +37,9 @@ pub enum Command {
         repo: PathBuf,
         #[arg(long)]
         serve: Vec<String>,
-        /// redis://host:port[/db]; default: the online store's
-        /// connection_string in feature_store.yaml.
+        /// redis://host:port[/db], or redis+cluster://host:port[,host:port...]
+        /// for a Redis Cluster; default: the online store's
+        /// connection_string (and redis_type) in feature_store.yaml.
         #[arg(long)]
         redis: Option<String>,
         #[arg(long)]
@@ -89,18 +90,33 @@ fn inspect(dir: &std::path::Path, serve: &[String], toml: bool) -> Result<ExitCo
     println!("{} groups:", plan.views.len());
     for v in &plan.views {
         let ttl = if v.ttl_s == 0 { "none".to_string() } else { format!("{} s", v.ttl_s) };
-        println!(
-            "  {}: entity {} by {} ({} key, group key {}), width {}, ttl {ttl}",
-            v.name,
-            v.entity,
-            v.join_key,
-            v.key.name(),
-            match v.key {
-                feast::redis_layout::JoinKeyType::String { .. } => "string",
-                _ => "u64",
-            },
-            v.features.len()
-        );
+        if v.join_keys.len() > 1 {
+            let types: Vec<&str> = v.join_keys.iter().map(|(_, t)| t.name()).collect();
+            let form: Vec<String> = v.join_keys.iter().map(|(k, _)| format!("<{k}>")).collect();
+            println!(
+                "  {}: entities {} by {} (composite key of {}; group key string \"{}\": the values in this order \
+                 joined by '|', an integer in decimal, '|' and '\\' in a string escaped by '\\'), width {}, ttl {ttl}",
+                v.name,
+                v.entity,
+                v.join_key,
+                types.join(", "),
+                form.join("|"),
+                v.features.len()
+            );
+        } else {
+            println!(
+                "  {}: entity {} by {} ({} key, group key {}), width {}, ttl {ttl}",
+                v.name,
+                v.entity,
+                v.join_key,
+                v.key.name(),
+                match v.key {
+                    feast::redis_layout::JoinKeyType::String { .. } => "string",
+                    _ => "u64",
+                },
+                v.features.len()
+            );
+        }
         for (i, f) in v.features.iter().enumerate() {
             println!("    {i:>4}  {} ({})", f.name, f.kind.name());
         }
@@ -166,8 +182,8 @@ fn sync(
         (None, Some(store)) => repo::redis_url(store)?,
         (None, None) => return Err(Error::Setup("feature_store.yaml names no online store: pass --redis".into())),
     };
-    let config = RedisConfig::from_url(&url).map_err(quiver::features::feed::FeedError::from)?;
-    let mut conn = RedisConn::connect(&config).map_err(quiver::features::feed::FeedError::from)?;
+    let source = RedisSource::from_url(&url).map_err(quiver::features::feed::FeedError::from)?;
+    let mut conn = feast::Store::connect(&source)?;
     std::fs::create_dir_all(&options.data_dir)
         .map_err(|e| Error::Setup(format!("{}: {e}", options.data_dir.display())))?;
     let report = feast::first_sync(&mut conn, &repo, &plan, options)?;

@@ -692,7 +692,8 @@ pub const SECTIONS: &[Section] = &[
             Key::new(
                 "redis",
                 "\"redis://10.0.0.5:6379/0\"",
-                "The online store as a `redis://` URL; absent: `feature_store.yaml`'s `connection_string`.",
+                "The online store as a `redis://` URL (`redis+cluster://host:port,...` for a Redis Cluster); absent: \
+                 `feature_store.yaml`'s `connection_string` and `redis_type`.",
             ),
             Key::new("batch_keys", "500", "Keys per SCAN and per pipeline of HGETALL in the first sync and the follower.")
                 .range(1, crate::features::feast::copy::BATCH_KEYS_MAX as i64),

@@ -1,8 +1,10 @@
 """The Feast repository Quiver's Feast tests and benchmark serve (issue 35).
 
-Three entity types (two int64 join keys, one string), four feature views of
-mixed types (92 features: Float32, Float64, Int64, Int32, Bool, some null),
-one view with a ttl, and the feature service `scoring` that names them all.
+Three entity types (two int64 join keys, one string), five feature views of
+mixed types (100 features: Float32, Float64, Int64, Int32, Bool, some null),
+one view with a ttl, one on two entities (user x merchant: a composite key),
+the feature service `scoring` that names the four single-entity views and
+the service `pairs` that names the composite one.
 bench/feast/feast_repo.py copies this file into a fresh repository beside a
 feature_store.yaml and the parquet files it writes, then runs `feast apply`
 and `feast materialize`. The column lists are shared with that script
@@ -31,6 +33,9 @@ COLUMNS = {
     "merchant_risk": [(f"mr_f32_{i}", Float32) for i in range(8)]
     + [(f"mr_i64_{i}", Int64) for i in range(5)]
     + [(f"mr_f64_{i}", Float64) for i in range(4)],
+    "user_merchant": [(f"um_f32_{i}", Float32) for i in range(4)]
+    + [(f"um_i64_{i}", Int64) for i in range(2)]
+    + [("um_bool_0", Bool), ("um_f64_0", Float64)],
 }
 
 ENTITY_OF = {
@@ -39,6 +44,9 @@ ENTITY_OF = {
     "item_attrs": "item_id",
     "merchant_risk": "merchant_id",
 }
+
+# Every view's join keys: user_merchant is keyed by a user and a merchant.
+JOIN_KEYS = {**{view: [key] for view, key in ENTITY_OF.items()}, "user_merchant": ["user_id", "merchant_id"]}
 
 user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.INT64)
 item = Entity(name="item", join_keys=["item_id"], value_type=ValueType.INT64)
@@ -58,7 +66,7 @@ def _source(view: str) -> FileSource:
 def _view(view: str, ttl: timedelta, source=None) -> FeatureView:
     return FeatureView(
         name=view,
-        entities=[ENTITIES[ENTITY_OF[view]]],
+        entities=[ENTITIES[k] for k in JOIN_KEYS[view]],
         ttl=ttl,
         schema=[Field(name=name, dtype=dtype) for name, dtype in COLUMNS[view]],
         online=True,
@@ -85,3 +93,8 @@ scoring = FeatureService(
     name="scoring",
     features=[user_stats, user_recent, item_attrs[_item_order], merchant_risk],
 )
+
+# Features of a (user, merchant) pair, also written by pushes.
+user_merchant_push = PushSource(name="user_merchant_push", batch_source=_source("user_merchant"))
+user_merchant = _view("user_merchant", timedelta(seconds=0), user_merchant_push)
+pairs = FeatureService(name="pairs", features=[user_merchant])

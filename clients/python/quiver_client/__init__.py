@@ -40,6 +40,7 @@ from .codec import (
     Response,
     decode_response,
     encode_request,
+    feast_key,
     response_request_id,
     split_frames,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "decode_response",
     "encode_request",
     "error_for",
+    "feast_key",
     "parse_address",
     "response_request_id",
     "split_frames",

@@ -263,6 +263,34 @@ def _str_key(group: str, key: Union[str, bytes]) -> str:
     return key
 
 
+def feast_key(entity_row: Mapping[str, Union[int, str]]) -> str:
+    """The string key of a Feast feature view keyed by several entities (a
+    composite key), from the entity row as Feast takes it
+    (``{"user_id": 23758, "merchant_id": "m-1"}`` is ``"m-1|23758"``): the
+    values in the order of their join keys' names (ascending, as Feast
+    serializes them), joined by ``|``, an integer in signed decimal, a string
+    with ``|`` and ``\\`` escaped by a ``\\`` (docs/FEATURES.md, "Feast").
+    A view of one entity is keyed by its value itself: ``ValueError``."""
+    if len(entity_row) < 2:
+        raise ValueError(
+            f"{len(entity_row)} join key(s): a composite key has two or more (a view of one entity is keyed by its value)"
+        )
+    parts = []
+    for name in sorted(entity_row, key=lambda k: k.encode("utf-8")):
+        value = entity_row[name]
+        if _is_int(value):
+            parts.append(str(operator.index(value)))
+        elif isinstance(value, str):
+            parts.append(value.replace("\\", "\\\\").replace("|", "\\|"))
+        else:
+            raise TypeError(f"join key '{name}': {type(value).__name__}; Feast join keys are int or str")
+    key = "|".join(parts)
+    n = len(key.encode("utf-8"))
+    if n > KEY_BYTES_MAX:
+        raise ValueError(f"the key is {n} bytes, past the {KEY_BYTES_MAX} a string key holds")
+    return key
+
+
 def _group_keys(group: str, keys: Any) -> Tuple[str, Any]:
     """One group's keys as ("ids", u64 list or array) or ("keys", list of str).
 

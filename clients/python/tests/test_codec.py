@@ -311,3 +311,19 @@ def test_without_numpy_lists_still_work_and_as_numpy_says_what_is_missing(monkey
         q.decode_response(payload, as_numpy=True)
     with pytest.raises(ImportError), q.Client("127.0.0.1:1") as c:
         c.score(user_id=1, item_ids=[1], as_numpy=True)
+
+
+def test_feast_key_is_the_servers_canonical_text():
+    # The same rows as the server's and the Rust client's tests (Feast's own
+    # keys for them are in src/features/feast/redis_layout.rs).
+    assert q.feast_key({"user_id": 23758, "merchant_id": "m-1"}) == "m-1|23758"
+    assert q.feast_key({"user_id": -5, "merchant_id": "m-é|x\\"}) == "m-é\\|x\\\\|-5"
+    assert q.feast_key({"shop": 7, "user_id": 23758, "b": ""}) == "|7|23758"
+    with pytest.raises(ValueError, match="composite key has two or more"):
+        q.feast_key({"user_id": 1})
+    with pytest.raises(TypeError, match="join key 'a'"):
+        q.feast_key({"a": 1.5, "b": 1})
+    with pytest.raises(TypeError, match="join key 'a'"):
+        q.feast_key({"a": True, "b": 1})
+    with pytest.raises(ValueError, match="65 bytes"):
+        q.feast_key({"a": "x" * 63, "b": 1})

@@ -8,9 +8,11 @@
 //! - [`client`]: a sans-IO [`client::Codec`] and a blocking, pipelining
 //!   [`client::Client`] over one connection; [`client::cluster`]: many
 //!   nodes from one thread, balanced, with failover and hedges;
+//! - [`feast`]: the string key of a Feast view keyed by several entities;
 //! - [`tls`] (feature `tls`): TLS to servers with `[tls]`.
 
 pub mod client;
+pub mod feast;
 pub mod stream;
 #[cfg(feature = "tls")]
 pub mod tls;

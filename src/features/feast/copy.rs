@@ -1,5 +1,6 @@
 //! The first sync of a Feast repository's served views: SCAN over the
-//! project's keys (every Feast key ends with the project's name) with
+//! project's keys (every Feast key ends with the project's name; on a Redis
+//! Cluster, every master's in turn) with
 //! pipelined HGETALL (one round trip reads a batch of entities, each whole:
 //! feast #6856 measured HGETALL far cheaper than HMGET for wide rows), each
 //! entity's hash split into one row per served view of its entity, into a
@@ -35,7 +36,8 @@ use super::redis_layout::JoinKeyType;
 use super::repo::{FeastRepo, Plan, ServedView};
 use super::rows::{self, Claim, Entities, Hash, Split};
 use super::FeastError;
-use crate::features::feed::{RedisConn, Reply};
+use super::store::Store;
+use crate::features::feed::Reply;
 use crate::features::replica::{Cursor, EntityKeyBuf, ReplicaBuilder, ReplicaError, ReplicaHandle, ReplicaWriter};
 
 /// Lines logged per view and sync for skipped rows; the rest are counted.
@@ -122,11 +124,11 @@ fn skip(copy: &mut ViewCopy<'_>, key: &[u8], why: &str) {
     }
 }
 
-/// Copies every entity of `plan`'s views from Redis (`conn`, the Feast
+/// Copies every entity of `plan`'s views from Redis (`store`, the Feast
 /// repository's online store) into fresh files under `options.data_dir`,
 /// swapping each in unless it is held (see the module's header).
 pub fn first_sync(
-    conn: &mut RedisConn,
+    store: &mut Store,
     repo: &FeastRepo,
     plan: &Plan,
     options: &SyncOptions,
@@ -179,26 +181,29 @@ pub fn first_sync(
     let pattern = format!("*{}", glob_escape(&repo.project)).into_bytes();
     let count = options.batch_keys.to_string().into_bytes();
     let mut seen: HashSet<Vec<u8>> = HashSet::new();
-    let mut cursor = b"0".to_vec();
-    loop {
-        let scan = conn.command(&[b"SCAN", &cursor, b"MATCH", &pattern, b"COUNT", &count])?;
-        let mut parts = scan.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
-        let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(shape("SCAN", "not [cursor, keys]"));
-        };
-        cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "the cursor is not a string"))?;
-        let keys: Vec<Vec<u8>> = keys
-            .into_array()
-            .ok_or_else(|| shape("SCAN", "the keys are not an array"))?
-            .into_iter()
-            .filter_map(Reply::into_bytes)
-            // SCAN may return a key twice (a rehash during the scan).
-            .filter(|k| seen.insert(k.clone()))
-            .collect();
-        report.keys_scanned += keys.len() as u64;
-        copy_batch(conn, &keys, &entities, &mut copies, &mut split, &mut report)?;
-        if cursor == b"0" {
-            break;
+    // Each master's keys in turn: a cluster's SCAN walks one node's.
+    for master in store.masters() {
+        let mut cursor = b"0".to_vec();
+        loop {
+            let scan = store.node(&master)?.command(&[b"SCAN", &cursor, b"MATCH", &pattern, b"COUNT", &count])?;
+            let mut parts = scan.into_array().ok_or_else(|| shape("SCAN", "not an array"))?.into_iter();
+            let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(shape("SCAN", "not [cursor, keys]"));
+            };
+            cursor = next.into_bytes().ok_or_else(|| shape("SCAN", "the cursor is not a string"))?;
+            let keys: Vec<Vec<u8>> = keys
+                .into_array()
+                .ok_or_else(|| shape("SCAN", "the keys are not an array"))?
+                .into_iter()
+                .filter_map(Reply::into_bytes)
+                // SCAN may return a key twice (a rehash during the scan).
+                .filter(|k| seen.insert(k.clone()))
+                .collect();
+            report.keys_scanned += keys.len() as u64;
+            copy_batch(store, &keys, &entities, &mut copies, &mut split, &mut report)?;
+            if cursor == b"0" {
+                break;
+            }
         }
     }
     for copy in &mut copies {
@@ -243,7 +248,7 @@ pub(super) fn unix_ms() -> u64 {
 
 /// Reads `keys` with one pipeline of HGETALL and adds each entity's rows.
 fn copy_batch(
-    conn: &mut RedisConn,
+    store: &mut Store,
     keys: &[Vec<u8>],
     entities: &Entities,
     copies: &mut [ViewCopy<'_>],
@@ -265,7 +270,7 @@ fn copy_batch(
         }
     }
     let names: Vec<&[u8]> = read.iter().map(|(k, _, _)| *k).collect();
-    let hashes = rows::read_hashes(conn, &names)?;
+    let hashes = rows::read_hashes(store, &names)?;
     for ((key, e, parsed), hash) in read.into_iter().zip(hashes) {
         let views = &entities.entities[e].views;
         let pairs = match hash {

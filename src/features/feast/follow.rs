@@ -36,6 +36,15 @@
 //! After a (re)connect the SCAN and the sweep start again from the start,
 //! and rounds run back to back until both have made a whole pass.
 //!
+//! On a Redis Cluster ([`super::store`]) a node sends the notifications of
+//! its own keys only, so the follower subscribes on every master, and the
+//! SCAN walks the masters one after another; reads are routed key by key
+//! (following `MOVED` and `ASK`). When the topology is read again (a
+//! failover promoted a replica, slots moved) the session ends and the next
+//! subscribes to the masters there are then, and reconciles, as after a
+//! reconnection: the notifications a failed master took with it are
+//! found again that way.
+//!
 //! Deletions (a key gone, a view's fields gone, bad data where a row was)
 //! remove rows, but never past `shrink_max` of the most rows the view has
 //! held: a burst of them (a FLUSHALL, an emptied database) is held,
@@ -55,8 +64,10 @@ use std::time::Duration;
 use super::copy::{glob_escape, unix_ms};
 use super::repo::{FeastRepo, Plan};
 use super::rows::{self, Claim, Entities, Hash, Split};
+use super::store::Store;
 use super::{FeastConfig, FeastError};
 use crate::deadline::{Clock, MonotonicClock};
+use crate::features::feed::redis_cluster::RedisSource;
 use crate::features::feed::{RedisConfig, RedisConn, RedisError, Reply, ReplyLimits};
 use crate::features::replica::{key_hash, Cursor, EntityKey, EntityKeyBuf, ReplicaWriter};
 
@@ -145,6 +156,9 @@ pub struct FeastStatus {
     pub swept_rows_total: AtomicU64,
     pub sweep_rereads_total: AtomicU64,
     pub sweep_passes_total: AtomicU64,
+    /// Times a Redis Cluster's topology was read again (a failover, a
+    /// resharding) and the follower subscribed to its masters anew.
+    pub topology_changes_total: AtomicU64,
 }
 
 impl FeastStatus {
@@ -272,7 +286,7 @@ struct ViewFollow {
 
 /// The follower, ready to run ([`Follower::spawn`]).
 pub struct Follower {
-    redis: RedisConfig,
+    source: RedisSource,
     /// The keyspace channel pattern of the project's keys, the channel's
     /// prefix before a key, and the SCAN pattern.
     channels: Vec<u8>,
@@ -288,6 +302,10 @@ pub struct Follower {
     reconcile_interval_ms: u64,
     reconcile_keys_max: usize,
     digest: u64,
+    /// The masters the reconciliation's SCAN walks (one node: itself), the
+    /// one it is on, and its cursor there.
+    scan_nodes: Vec<String>,
+    scan_node: usize,
     scan_cursor: Vec<u8>,
     /// Keys the last SCAN returned past its round's share, compared first
     /// in the next round.
@@ -318,14 +336,14 @@ impl Follower {
     /// opened on the files the first sync wrote or start-up resumed).
     pub fn new(
         config: &FeastConfig,
-        redis: RedisConfig,
+        source: RedisSource,
         repo: &FeastRepo,
         plan: &Plan,
         writers: Vec<ReplicaWriter>,
         status: Arc<FeastStatus>,
     ) -> Follower {
         let project = glob_escape(&repo.project);
-        let channel_prefix = format!("__keyspace@{}__:", redis.db).into_bytes();
+        let channel_prefix = format!("__keyspace@{}__:", source.config().db).into_bytes();
         let mut channels = channel_prefix.clone();
         channels.extend_from_slice(format!("*{project}").as_bytes());
         let views = writers
@@ -348,7 +366,7 @@ impl Follower {
             .map(|v| entities.entities.iter().position(|e| e.views.contains(&v)).unwrap_or(0))
             .collect();
         Follower {
-            redis,
+            source,
             channels,
             channel_prefix,
             scan_pattern: format!("*{project}").into_bytes(),
@@ -362,6 +380,8 @@ impl Follower {
             reconcile_interval_ms: config.reconcile_interval_ms,
             reconcile_keys_max: config.reconcile_keys_max,
             digest: rows::plan_digest(repo, plan),
+            scan_nodes: Vec::new(),
+            scan_node: 0,
             scan_cursor: b"0".to_vec(),
             scan_carry: Vec::new(),
             scan_ended: false,
@@ -414,21 +434,37 @@ impl Follower {
         self.checkpoint_all();
     }
 
-    /// One connected session: subscribe, then a reconciliation pass at once
+    /// One connected session: subscribe (on a cluster, to every master:
+    /// notifications are node-local), then a reconciliation pass at once
     /// (what was written while no subscription listened), and events,
-    /// batches and rounds until an error or `stop`.
+    /// batches and rounds until an error, `stop`, or (`Ok`) a cluster
+    /// topology read again (a failover, a resharding): the next session
+    /// subscribes to the masters there are then.
     fn session(&mut self, stop: &AtomicBool, connected: &mut dyn FnMut()) -> Result<(), FeastError> {
-        let mut cmd = RedisConn::connect(&self.redis)?;
+        let mut cmd = Store::connect(&self.source)?;
+        let masters = cmd.masters();
+        if masters.is_empty() {
+            return Err(FeastError::Reply { command: "CLUSTER SLOTS", what: "no master".into() });
+        }
         // A Redis restarted since has lost a CONFIG SET: set again.
         if self.notify_config {
-            enable_notifications(&mut cmd, true)?;
+            for m in &masters {
+                enable_notifications(cmd.node(m)?, true)?;
+            }
         }
-        let mut sub = RedisConn::connect(&self.redis)?;
-        sub.command(&[b"PSUBSCRIBE", &self.channels])?;
+        let mut subs = Vec::with_capacity(masters.len());
+        for m in &masters {
+            let mut sub = RedisConn::connect(&RedisConfig { addr: m.clone(), ..self.source.config().clone() })?;
+            sub.command(&[b"PSUBSCRIBE", &self.channels])?;
+            subs.push(sub);
+        }
+        let topology_reads = cmd.topology_reads();
         self.status.connected.store(true, Relaxed);
         connected();
         // Whatever changed while no notification reached us: both walks
         // again from the start.
+        self.scan_nodes = masters;
+        self.scan_node = 0;
         self.scan_cursor = b"0".to_vec();
         self.scan_carry.clear();
         self.scan_ended = false;
@@ -437,22 +473,26 @@ impl Follower {
         self.start_catch_up();
         self.next_round_ns = 0;
         let mut last_checkpoint_ns = self.clock.now_ns();
-        let mut wait_ms = 0;
+        let mut wait_ms = vec![0; subs.len()];
         while !stop.load(Relaxed) {
-            // Wait for the first event only when there is nothing else to do.
-            let first_wait = if self.queue.order.is_empty() && !self.catch_up { WAIT_IDLE_MS } else { 1 };
-            let mut events = 0;
-            while events < self.batch_keys {
-                let want = if events == 0 { first_wait } else { 1 };
-                if want != wait_ms {
-                    sub.set_read_timeout_ms(want)?;
-                    wait_ms = want;
+            // Wait for the first event only when there is nothing else to
+            // do, the wait shared between the masters' subscriptions.
+            let idle_ms = (WAIT_IDLE_MS / subs.len() as u64).max(1);
+            let first_wait = if self.queue.order.is_empty() && !self.catch_up { idle_ms } else { 1 };
+            for (sub, waiting_ms) in subs.iter_mut().zip(wait_ms.iter_mut()) {
+                let mut events = 0;
+                while events < self.batch_keys {
+                    let want = if events == 0 { first_wait } else { 1 };
+                    if want != *waiting_ms {
+                        sub.set_read_timeout_ms(want)?;
+                        *waiting_ms = want;
+                    }
+                    match sub.next_pushed(PUSHED_LIMITS)? {
+                        Some(message) => self.on_message(message),
+                        None => break,
+                    }
+                    events += 1;
                 }
-                match sub.next_pushed(PUSHED_LIMITS)? {
-                    Some(message) => self.on_message(message),
-                    None => break,
-                }
-                events += 1;
             }
             let batch = self.queue.take(self.batch_keys);
             if !batch.is_empty() {
@@ -475,6 +515,11 @@ impl Follower {
                 last_checkpoint_ns = self.clock.now_ns();
             }
             self.publish();
+            if cmd.topology_reads() != topology_reads {
+                tracing::info!("feast: the cluster's topology changed: subscribing to its masters again");
+                FeastStatus::bump(&self.status.topology_changes_total, 1);
+                return Ok(());
+            }
         }
         Ok(())
     }
@@ -502,7 +547,7 @@ impl Follower {
 
     /// Reads `keys` (one pipeline of HGETALL) and writes each entity's rows
     /// in place, or removes the rows Redis no longer holds.
-    fn apply_keys(&mut self, cmd: &mut RedisConn, keys: &[Vec<u8>]) -> Result<(), FeastError> {
+    fn apply_keys(&mut self, cmd: &mut Store, keys: &[Vec<u8>]) -> Result<(), FeastError> {
         let mut read: Vec<(&[u8], usize, EntityKeyBuf)> = Vec::with_capacity(keys.len());
         for key in keys {
             match self.entities.classify(key) {
@@ -639,7 +684,7 @@ impl Follower {
     /// Redis compared (the carry first, then SCAN on from the carried
     /// cursor), re-reading the entities whose `_ts:` field differs from
     /// their row's time; then the sweep of at most as many replica rows.
-    fn reconcile_round(&mut self, cmd: &mut RedisConn) -> Result<(), FeastError> {
+    fn reconcile_round(&mut self, cmd: &mut Store) -> Result<(), FeastError> {
         FeastStatus::bump(&self.status.reconcile_rounds_total, 1);
         let max = self.reconcile_keys_max;
         let mut compared = 0usize;
@@ -658,8 +703,15 @@ impl Follower {
                 }
                 scans_left -= 1;
                 let count_s = self.batch_keys.min(max - compared).to_string().into_bytes();
-                let scan =
-                    cmd.command(&[b"SCAN", &self.scan_cursor, b"MATCH", &self.scan_pattern, b"COUNT", &count_s])?;
+                let node = self.scan_nodes.get(self.scan_node).cloned().unwrap_or_default();
+                let scan = cmd.node(&node)?.command(&[
+                    b"SCAN",
+                    &self.scan_cursor,
+                    b"MATCH",
+                    &self.scan_pattern,
+                    b"COUNT",
+                    &count_s,
+                ])?;
                 let shape = |what: &str| FeastError::Reply { command: "SCAN", what: what.into() };
                 let mut parts = scan.into_array().ok_or_else(|| shape("not an array"))?.into_iter();
                 let (Some(next), Some(keys), None) = (parts.next(), parts.next(), parts.next()) else {
@@ -668,7 +720,14 @@ impl Follower {
                 self.scan_cursor = next.into_bytes().ok_or_else(|| shape("the cursor is not a string"))?;
                 self.scan_carry =
                     keys.into_array().unwrap_or_default().into_iter().filter_map(Reply::into_bytes).collect();
-                self.scan_ended = self.scan_cursor == b"0";
+                if self.scan_cursor == b"0" {
+                    // This master's keys are walked: the next one's, or the pass ends.
+                    self.scan_node += 1;
+                    if self.scan_node >= self.scan_nodes.len() {
+                        self.scan_node = 0;
+                        self.scan_ended = true;
+                    }
+                }
                 continue;
             }
             let take = self.scan_carry.len().min(max - compared).min(self.batch_keys);
@@ -696,7 +755,7 @@ impl Follower {
     /// `_ts:` field is still in Redis; the entities whose field is gone are
     /// re-read, which removes their rows. Views start-up held are not
     /// swept.
-    fn sweep(&mut self, cmd: &mut RedisConn) -> Result<(), FeastError> {
+    fn sweep(&mut self, cmd: &mut Store) -> Result<(), FeastError> {
         if self.views.is_empty() {
             self.sweep_pass_done = true;
             return Ok(());
@@ -730,10 +789,13 @@ impl Follower {
             checked += keys.len() as u64;
             FeastStatus::bump(&self.status.swept_rows_total, keys.len() as u64);
             let codec = &self.entities.entities[self.entity_of_view[v]].codec;
-            let redis_keys: Vec<Vec<u8>> = keys.iter().map(|k| codec.redis_key(k)).collect();
+            // Every row's key was parsed from a Redis key: each has one.
+            let redis_keys: Vec<Vec<u8>> = keys.iter().filter_map(|k| codec.redis_key(k).ok()).collect();
             let ts_field = self.entities.ts_field(v).to_vec();
-            let commands: Vec<Vec<Vec<u8>>> =
-                redis_keys.iter().map(|k| vec![b"HEXISTS".to_vec(), k.clone(), ts_field.clone()]).collect();
+            let commands: Vec<(Vec<u8>, Vec<Vec<u8>>)> = redis_keys
+                .iter()
+                .map(|k| (k.clone(), vec![b"HEXISTS".to_vec(), k.clone(), ts_field.clone()]))
+                .collect();
             let replies = cmd.pipeline(&commands)?;
             let gone: Vec<Vec<u8>> = redis_keys
                 .into_iter()
@@ -752,7 +814,7 @@ impl Follower {
     /// The keys among `keys` whose `_ts:` field of some view differs from
     /// the time that view's row holds (a row Redis has and the replica has
     /// not, too).
-    fn moved(&mut self, cmd: &mut RedisConn, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, FeastError> {
+    fn moved(&mut self, cmd: &mut Store, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, FeastError> {
         let claimed: Vec<(&Vec<u8>, usize, EntityKeyBuf)> = keys
             .iter()
             .filter_map(|k| match self.entities.classify(k) {
@@ -763,12 +825,12 @@ impl Follower {
         if claimed.is_empty() {
             return Ok(Vec::new());
         }
-        let commands: Vec<Vec<Vec<u8>>> = claimed
+        let commands: Vec<(Vec<u8>, Vec<Vec<u8>>)> = claimed
             .iter()
             .map(|(k, e, _)| {
                 let mut c = vec![b"HMGET".to_vec(), (*k).clone()];
                 c.extend(self.entities.entities[*e].views.iter().map(|&v| self.entities.ts_field(v).to_vec()));
-                c
+                ((*k).clone(), c)
             })
             .collect();
         let replies = cmd.pipeline(&commands)?;

@@ -15,7 +15,8 @@
 //!   from Redis into fresh replica files, swapped in only when the copy does
 //!   not shrink a populated replica past the bound;
 //! - [`follow`]: after it, keyspace notifications and a periodic
-//!   reconciliation keep the rows fresh in place.
+//!   reconciliation keep the rows fresh in place;
+//! - [`store`]: the online store both reach, one node or a Redis Cluster.
 
 pub mod copy;
 pub mod follow;
@@ -24,10 +25,12 @@ pub mod protos;
 pub mod redis_layout;
 pub mod repo;
 pub mod rows;
+pub mod store;
 
 pub use copy::{first_sync, SyncOptions, SyncReport, ViewReport};
 pub use follow::{FeastStatus, Follower};
 pub use repo::{FeastRepo, Plan, Refusal, ServedView};
+pub use store::Store;
 
 /// What reading a Feast repository or its Redis can fail with, each a line
 /// fit for stderr.
@@ -43,6 +46,9 @@ pub enum FeastError {
     Repo(String),
     #[error("redis: {0}")]
     Redis(#[from] crate::features::feed::RedisError),
+    /// The cluster's topology or routing (a node's own failure is `Redis`).
+    #[error("{0}")]
+    Cluster(crate::features::feed::redis_cluster::ClusterError),
     #[error("redis replied to {command} with an unexpected shape: {what}")]
     Reply { command: &'static str, what: String },
     #[error(transparent)]
@@ -60,6 +66,15 @@ pub enum FeastError {
     Held { view: String, path: String, copied: u64, served: u64, shrink_max_percent: u32 },
 }
 
+impl From<crate::features::feed::redis_cluster::ClusterError> for FeastError {
+    fn from(e: crate::features::feed::redis_cluster::ClusterError) -> FeastError {
+        match e {
+            crate::features::feed::redis_cluster::ClusterError::Redis(e) => FeastError::Redis(e),
+            e => FeastError::Cluster(e),
+        }
+    }
+}
+
 /// `[feast]`: serve a Feast repository's feature views (docs/FEATURES.md,
 /// "Feast").
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize, PartialEq)]
@@ -75,8 +90,9 @@ pub struct FeastConfig {
     /// candidate); the others are request-scope.
     #[serde(default)]
     pub candidate: Vec<String>,
-    /// The online store as a `redis://` URL; absent: `feature_store.yaml`'s
-    /// `connection_string`.
+    /// The online store as a `redis://` URL (`redis+cluster://host:port,...`
+    /// for a Redis Cluster); absent: `feature_store.yaml`'s
+    /// `connection_string` and `redis_type`.
     #[serde(default)]
     pub redis: Option<String>,
     /// Keys per SCAN and per pipeline of HGETALL in the first sync and the

@@ -5,8 +5,12 @@
 //! one group: keyed by its entity's join key, its features as columns in
 //! the order the feature service lists them.
 //!
+//! A view of several entities is keyed by all their join keys (a composite
+//! key), served as a string-keyed group whose key is the values' canonical
+//! text (`redis_layout::composite_text`).
+//!
 //! What cannot be served exactly is refused with its name and the reason
-//! (a view with several join keys or none, a join key of another type, a
+//! (a view with no join key, a join key of another type, a
 //! list, bytes or string feature, a view name that is no group name), so
 //! `quiver feast inspect` can say it and serving never guesses.
 
@@ -29,6 +33,11 @@ pub const STORE_YAML_BYTES_MAX: u64 = 1 << 20;
 /// object's definition, a few KB each; 256 MiB is far past any repository
 /// served from one Redis.
 pub const REGISTRY_BYTES_MAX: u64 = 256 << 20;
+
+/// The most entities (join keys) one served view may have: a composite
+/// key's canonical text is at most 64 bytes, so more parts than this could
+/// hardly fit.
+pub const JOIN_KEYS_MAX: usize = 8;
 
 /// The most features one served view may have: the replica format's row width.
 pub const VIEW_FEATURES_MAX: usize = crate::features::replica::DIM_MAX as usize;
@@ -119,10 +128,16 @@ pub struct ServedFeature {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServedView {
     pub name: String,
-    /// The entity's name and its join key.
+    /// The entity's name and its join key; for a view of several entities
+    /// (a composite key), their names and join keys, comma-separated, the
+    /// join keys in Feast's order (ascending).
     pub entity: String,
     pub join_key: String,
+    /// The group key: the join key's type, or for a composite key a string
+    /// (the values' canonical text, `redis_layout::composite_text`).
     pub key: JoinKeyType,
+    /// Each join key and its type, in Feast's order.
+    pub join_keys: Vec<(String, JoinKeyType)>,
     /// In the order the feature service (or the view) lists them.
     pub features: Vec<ServedFeature>,
     /// The view's ttl in seconds; 0: none.
@@ -339,52 +354,60 @@ impl FeastRepo {
             refuse(plan, name.into(), "online = False: Feast does not materialize it".into());
             return Ok(());
         }
-        let entity = match spec.entities.as_slice() {
-            [one] => one,
-            [] => {
-                refuse(
-                    plan,
-                    name.into(),
-                    "has no entity (Feast keys it by a dummy key): nothing to look it up by".into(),
-                );
-                return Ok(());
-            }
-            several => {
-                refuse(
-                    plan,
-                    name.into(),
-                    format!("has {} entities ({}): composite keys are not served", several.len(), several.join(", ")),
-                );
-                return Ok(());
-            }
-        };
-        let Some(entity_def) =
-            self.registry.entities.iter().find(|e| e.spec.project == self.project && &e.spec.name == entity)
-        else {
-            refuse(plan, name.into(), format!("its entity '{entity}' is not in the registry"));
+        if spec.entities.is_empty() {
+            refuse(plan, name.into(), "has no entity (Feast keys it by a dummy key): nothing to look it up by".into());
             return Ok(());
-        };
-        let join_key = entity_def.spec.join_key.clone();
-        // The entity column's type, as the view records it; the entity's own
-        // as a fallback for registries written before views recorded it.
-        let key_type = spec
-            .entity_columns
-            .iter()
-            .find(|c| c.name == join_key)
-            .map(|c| c.value_type.enum_value_or_default())
-            .unwrap_or(entity_def.spec.value_type.enum_value_or_default());
-        let key = match key_type {
-            ValueType::INT64 => JoinKeyType::Int64,
-            ValueType::INT32 => JoinKeyType::Int32,
-            ValueType::STRING => JoinKeyType::String { bytes_max: KEY_BYTES_MAX },
-            other => {
-                refuse(
-                    plan,
-                    name.into(),
-                    format!("its join key '{join_key}' is {other:?}: Quiver keys groups by int64, int32 or string"),
-                );
+        }
+        // Each entity's join key and type; several make a composite key.
+        let mut join_keys: Vec<(String, JoinKeyType)> = Vec::with_capacity(spec.entities.len());
+        for entity in &spec.entities {
+            let Some(entity_def) =
+                self.registry.entities.iter().find(|e| e.spec.project == self.project && &e.spec.name == entity)
+            else {
+                refuse(plan, name.into(), format!("its entity '{entity}' is not in the registry"));
+                return Ok(());
+            };
+            let join_key = entity_def.spec.join_key.clone();
+            // The entity column's type, as the view records it; the entity's
+            // own as a fallback for registries written before views recorded it.
+            let key_type = spec
+                .entity_columns
+                .iter()
+                .find(|c| c.name == join_key)
+                .map(|c| c.value_type.enum_value_or_default())
+                .unwrap_or(entity_def.spec.value_type.enum_value_or_default());
+            let key = match key_type {
+                ValueType::INT64 => JoinKeyType::Int64,
+                ValueType::INT32 => JoinKeyType::Int32,
+                ValueType::STRING => JoinKeyType::String { bytes_max: KEY_BYTES_MAX },
+                other => {
+                    refuse(
+                        plan,
+                        name.into(),
+                        format!("its join key '{join_key}' is {other:?}: Quiver keys groups by int64, int32 or string"),
+                    );
+                    return Ok(());
+                }
+            };
+            if join_keys.iter().any(|(k, _)| *k == join_key) {
+                refuse(plan, name.into(), format!("two of its entities have the join key '{join_key}'"));
                 return Ok(());
             }
+            join_keys.push((join_key, key));
+        }
+        if join_keys.len() > JOIN_KEYS_MAX {
+            refuse(
+                plan,
+                name.into(),
+                format!("has {} entities: a composite key has at most {JOIN_KEYS_MAX}", join_keys.len()),
+            );
+            return Ok(());
+        }
+        // Feast's order: by join key name.
+        join_keys.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        let key = match join_keys.as_slice() {
+            [(_, one)] => *one,
+            _ => JoinKeyType::String { bytes_max: KEY_BYTES_MAX },
         };
         let wanted: Vec<&str> = match columns {
             Some(c) if !c.is_empty() => c.iter().map(String::as_str).collect(),
@@ -432,9 +455,10 @@ impl FeastRepo {
         }
         plan.views.push(ServedView {
             name: name.into(),
-            entity: entity.clone(),
-            join_key,
+            entity: spec.entities.join(", "),
+            join_key: join_keys.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>().join(","),
             key,
+            join_keys,
             features,
             ttl_s,
             services: service.cloned().into_iter().collect(),
@@ -443,26 +467,43 @@ impl FeastRepo {
     }
 }
 
-/// Feast's connection string (`host:port[,db=N][,username=U][,password=P][,ssl=true]`)
-/// as Quiver's `redis://` URL form. Options Quiver has no use for are
-/// refused by name, so that none is silently dropped.
+/// Feast's connection string as Quiver's URL form: for `redis_type:
+/// redis`, `host:port[,db=N][,username=U][,password=P][,ssl=true]` becomes
+/// `redis://...`; for `redis_type: redis_cluster`, the nodes
+/// `host:port,host:port,...` (any of the cluster's, as Feast takes them)
+/// with the same options but `db` become `redis+cluster://...`. Options
+/// Quiver has no use for are refused by name, so that none is silently
+/// dropped; so is `redis_sentinel`.
 pub fn redis_url(store: &OnlineStore) -> Result<String, FeastError> {
-    if store.redis_type != "redis" {
-        return Err(FeastError::Repo(format!(
-            "online_store redis_type '{}': the first sync reads one Redis node (redis_type: redis)",
-            store.redis_type
-        )));
+    let cluster = match store.redis_type.as_str() {
+        "redis" => false,
+        "redis_cluster" => true,
+        other => {
+            return Err(FeastError::Repo(format!(
+                "online_store redis_type '{other}': Quiver reads redis and redis_cluster online stores"
+            )))
+        }
+    };
+    let (mut addrs, mut options) = (Vec::new(), Vec::new());
+    for part in store.connection_string.split(',').map(str::trim) {
+        match part.split_once('=') {
+            Some(kv) => options.push(kv),
+            None if !part.is_empty() => addrs.push(part),
+            None => {}
+        }
     }
-    let mut parts = store.connection_string.split(',');
-    let addr = parts.next().unwrap_or_default().trim();
-    if addr.is_empty() {
+    if addrs.is_empty() {
         return Err(FeastError::Repo("online_store connection_string names no host:port".into()));
     }
+    if !cluster && addrs.len() > 1 {
+        return Err(FeastError::Repo(format!(
+            "online_store connection_string names {} nodes, but redis_type is redis (one node): Feast would use \
+             the first only; name one, or set redis_type: redis_cluster",
+            addrs.len()
+        )));
+    }
     let (mut db, mut user, mut password, mut tls) = (None, None, None, false);
-    for part in parts {
-        let (k, v) = part.split_once('=').ok_or_else(|| {
-            FeastError::Repo(format!("online_store connection_string option '{part}' is not key=value"))
-        })?;
+    for (k, v) in options {
         match k.trim() {
             "db" => db = Some(v.trim().to_string()),
             "username" => user = Some(v.trim().to_string()),
@@ -493,8 +534,17 @@ pub fn redis_url(store: &OnlineStore) -> Result<String, FeastError> {
             return Err(FeastError::Repo("online_store connection_string has a username but no password".into()))
         }
     };
-    let scheme = if tls { "rediss" } else { "redis" };
-    Ok(format!("{scheme}://{auth}{addr}{}", db.map_or(String::new(), |d| format!("/{d}"))))
+    let scheme = match (tls, cluster) {
+        (false, false) => "redis",
+        (true, false) => "rediss",
+        (false, true) => "redis+cluster",
+        (true, true) => "rediss+cluster",
+    };
+    if cluster && db.as_deref().is_some_and(|d| d != "0") {
+        return Err(FeastError::Repo("online_store connection_string: db on a Redis Cluster (only db 0 exists)".into()));
+    }
+    let db = if cluster { None } else { db };
+    Ok(format!("{scheme}://{auth}{}{}", addrs.join(","), db.map_or(String::new(), |d| format!("/{d}"))))
 }
 
 #[cfg(test)]
@@ -513,8 +563,13 @@ mod tests {
         assert_eq!(redis_url(&store("r:1,username=u,password=p")).unwrap(), "redis://u:p@r:1");
         assert!(redis_url(&store("r:1,socket_timeout=3")).unwrap_err().to_string().contains("socket_timeout"));
         assert!(redis_url(&store("")).is_err());
-        let cluster = OnlineStore { redis_type: "redis_cluster".into(), ..store("r:1") };
-        assert!(redis_url(&cluster).unwrap_err().to_string().contains("redis_cluster"));
+        let cluster = |s: &str| OnlineStore { redis_type: "redis_cluster".into(), ..store(s) };
+        assert_eq!(redis_url(&cluster("a:1,b:2,password=p")).unwrap(), "redis+cluster://:p@a:1,b:2");
+        assert_eq!(redis_url(&cluster("a:1,ssl=true,db=0")).unwrap(), "rediss+cluster://a:1");
+        assert!(redis_url(&cluster("a:1,db=2")).unwrap_err().to_string().contains("only db 0"));
+        assert!(redis_url(&store("a:1,b:2")).unwrap_err().to_string().contains("redis_cluster"));
+        let sentinel = OnlineStore { redis_type: "redis_sentinel".into(), ..store("r:1") };
+        assert!(redis_url(&sentinel).unwrap_err().to_string().contains("redis_sentinel"));
     }
 
     #[test]

@@ -20,7 +20,8 @@ use std::collections::HashMap;
 use super::redis_layout::{self, EntityCodec, KeyError, HASH_FIELDS_MAX};
 use super::repo::{FeastRepo, Plan};
 use super::FeastError;
-use crate::features::feed::{RedisConn, RedisError, Reply};
+use super::store::Store;
+use crate::features::feed::{RedisError, Reply};
 use crate::features::replica::{EntityKey, EntityKeyBuf, KeyKind};
 
 /// The link kind a Feast view's file is written with: each row's link
@@ -50,7 +51,10 @@ pub fn row_time_s(link: &[u32]) -> u64 {
 pub fn plan_digest(repo: &FeastRepo, plan: &Plan) -> u64 {
     let mut text = format!("feast 1|{}|v{}", repo.project, repo.key_version.number());
     for v in &plan.views {
-        text.push_str(&format!("|{}:{}:{}", v.name, v.join_key, v.key.name()));
+        // One join key: `name:key:type`, as files written before composite
+        // keys name it; several: their names, then their types.
+        let types: Vec<&str> = v.join_keys.iter().map(|(_, t)| t.name()).collect();
+        text.push_str(&format!("|{}:{}:{}", v.name, v.join_key, types.join(",")));
         for f in &v.features {
             text.push_str(&format!(",{}:{}", f.name, f.kind.name()));
         }
@@ -58,8 +62,10 @@ pub fn plan_digest(repo: &FeastRepo, plan: &Plan) -> u64 {
     crate::features::replica::key_hash(text.as_bytes())
 }
 
-/// One served entity: how its keys read, the views it feeds (indices into
-/// the plan's views), and each hash field's (view, column).
+/// One served entity (or, for a composite key, one combination of
+/// entities: the views keyed by the same join keys share its hashes): how
+/// its keys read, the views it feeds (indices into the plan's views), and
+/// each hash field's (view, column).
 pub struct Entity {
     pub codec: EntityCodec,
     pub views: Vec<usize>,
@@ -102,7 +108,7 @@ impl Entities {
             let i = match entities.iter().position(|e| e.codec.join_key == view.join_key) {
                 Some(i) => i,
                 None => {
-                    let codec = EntityCodec::new(&view.join_key, view.key, repo.key_version, &repo.project);
+                    let codec = EntityCodec::composite(&view.join_keys, repo.key_version, &repo.project);
                     entities.push(Entity { codec, views: Vec::new(), fields: HashMap::new() });
                     entities.len() - 1
                 }
@@ -202,13 +208,14 @@ pub enum Hash {
     Bad(String),
 }
 
-/// Reads `keys` with one pipeline of HGETALL.
-pub fn read_hashes(conn: &mut RedisConn, keys: &[&[u8]]) -> Result<Vec<Hash>, FeastError> {
+/// Reads `keys` with one pipeline of HGETALL (per node, on a cluster).
+pub fn read_hashes(store: &mut Store, keys: &[&[u8]]) -> Result<Vec<Hash>, FeastError> {
     if keys.is_empty() {
         return Ok(Vec::new());
     }
-    let commands: Vec<Vec<Vec<u8>>> = keys.iter().map(|k| vec![b"HGETALL".to_vec(), k.to_vec()]).collect();
-    let replies = conn.pipeline(&commands)?;
+    let commands: Vec<(Vec<u8>, Vec<Vec<u8>>)> =
+        keys.iter().map(|k| (k.to_vec(), vec![b"HGETALL".to_vec(), k.to_vec()])).collect();
+    let replies = store.pipeline(&commands)?;
     if replies.len() != keys.len() {
         return Err(FeastError::Reply {
             command: "HGETALL",
@@ -223,9 +230,7 @@ pub fn read_hashes(conn: &mut RedisConn, keys: &[&[u8]]) -> Result<Vec<Hash>, Fe
             }
             Reply::Array(pairs) => Ok(Hash::Pairs(pairs)),
             Reply::Error(message) if message.starts_with("WRONGTYPE") => Ok(Hash::Bad("not a hash".into())),
-            Reply::Error(message) => {
-                Err(FeastError::Redis(RedisError::Server { addr: conn.addr().to_string(), message }))
-            }
+            Reply::Error(message) => Err(FeastError::Redis(RedisError::Server { addr: store.addr(), message })),
             other => Err(FeastError::Reply { command: "HGETALL", what: format!("{other:?}") }),
         })
         .collect()
