@@ -770,7 +770,10 @@ fn feast_bytes() {
                 EntityCodec::new("shop", JoinKeyType::Int32, v, "p"),
                 EntityCodec::new("merchant_id", JoinKeyType::String { bytes_max: 64 }, v, "p"),
                 EntityCodec::composite(
-                    &[("user_id".into(), JoinKeyType::Int64), ("merchant_id".into(), JoinKeyType::String { bytes_max: 64 })],
+                    &[
+                        ("user_id".into(), JoinKeyType::Int64),
+                        ("merchant_id".into(), JoinKeyType::String { bytes_max: 64 }),
+                    ],
                     v,
                     "p",
                 ),

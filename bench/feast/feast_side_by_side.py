@@ -3,8 +3,9 @@
 
 One run, one machine, the same entities: the repository tests/feast.rs
 serves (bench/feast/feast_repo.py build: pinned feast, a Redis online store
-on a redis-server this script starts, --users users, 92 features over four
-views) and the LightGBM model `feast_repo.py train` fits on it. Each request
+on a redis-server this script starts, --users users, 100 features over five
+views: the four of the service `scoring` the requests read, and a view of
+(user, merchant) pairs, which the first sync copies too) and the LightGBM model `feast_repo.py train` fits on it. Each request
 is one user, one merchant and 32 items, drawn with a fixed seed:
 
 - Feast's Python SDK: one `FeatureStore.get_online_features` call over the

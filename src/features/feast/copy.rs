@@ -35,8 +35,8 @@ use std::path::{Path, PathBuf};
 use super::redis_layout::JoinKeyType;
 use super::repo::{FeastRepo, Plan, ServedView};
 use super::rows::{self, Claim, Entities, Hash, Split};
-use super::FeastError;
 use super::store::Store;
+use super::FeastError;
 use crate::features::feed::Reply;
 use crate::features::replica::{Cursor, EntityKeyBuf, ReplicaBuilder, ReplicaError, ReplicaHandle, ReplicaWriter};
 

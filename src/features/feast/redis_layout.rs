@@ -232,9 +232,7 @@ impl EntityCodec {
         let mut value = |kind: JoinKeyType, key: &EntityKeyBuf| -> Result<(), KeyError> {
             let (t, bytes): (u32, Vec<u8>) = match (kind, key) {
                 (JoinKeyType::Int64, EntityKeyBuf::Id(id)) => (TYPE_INT64, id.to_le_bytes().to_vec()),
-                (JoinKeyType::Int32, EntityKeyBuf::Id(id)) => {
-                    (TYPE_INT32, (*id as i64 as i32).to_le_bytes().to_vec())
-                }
+                (JoinKeyType::Int32, EntityKeyBuf::Id(id)) => (TYPE_INT32, (*id as i64 as i32).to_le_bytes().to_vec()),
                 (JoinKeyType::String { .. }, EntityKeyBuf::Id(id)) => (TYPE_STRING, id.to_string().into_bytes()),
                 (JoinKeyType::String { .. }, EntityKeyBuf::Str(s)) => (TYPE_STRING, s.clone()),
                 (_, EntityKeyBuf::Str(_)) => return Err(KeyError::NotComposite("a string for an integer join key")),
@@ -247,7 +245,8 @@ impl EntityCodec {
         match (self.parts.as_slice(), key) {
             ([(_, kind)], key) => value(*kind, key)?,
             (parts, EntityKeyBuf::Str(text)) => {
-                let values = split_composite(text).ok_or(KeyError::NotComposite("an escape that is not \\\\ or \\|"))?;
+                let values =
+                    split_composite(text).ok_or(KeyError::NotComposite("an escape that is not \\\\ or \\|"))?;
                 if values.len() != parts.len() {
                     return Err(KeyError::NotComposite("another number of parts than the view has join keys"));
                 }
@@ -255,8 +254,10 @@ impl EntityCodec {
                     let part = match kind {
                         JoinKeyType::String { .. } => EntityKeyBuf::Str(v),
                         JoinKeyType::Int64 | JoinKeyType::Int32 => {
-                            let text = std::str::from_utf8(&v).map_err(|_| KeyError::NotComposite("a non-decimal integer part"))?;
-                            let n: i64 = text.parse().map_err(|_| KeyError::NotComposite("a non-decimal integer part"))?;
+                            let text = std::str::from_utf8(&v)
+                                .map_err(|_| KeyError::NotComposite("a non-decimal integer part"))?;
+                            let n: i64 =
+                                text.parse().map_err(|_| KeyError::NotComposite("a non-decimal integer part"))?;
                             if *kind == JoinKeyType::Int32 && i32::try_from(n).is_err() {
                                 return Err(KeyError::NotComposite("an int32 part out of its range"));
                             }
@@ -519,11 +520,8 @@ mod tests {
         assert_eq!(split_composite(b"a\\x"), None);
         assert_eq!(split_composite(b"a\\"), None);
         let s = JoinKeyType::String { bytes_max: 64 };
-        let codec = EntityCodec::composite(
-            &[("a".to_string(), s), ("b".to_string(), JoinKeyType::Int32)],
-            KeyVersion::V3,
-            "p",
-        );
+        let codec =
+            EntityCodec::composite(&[("a".to_string(), s), ("b".to_string(), JoinKeyType::Int32)], KeyVersion::V3, "p");
         let bad = |t: &str| codec.redis_key(&EntityKeyBuf::Str(t.as_bytes().to_vec())).unwrap_err();
         assert!(matches!(bad("x"), KeyError::NotComposite(_)));
         assert!(matches!(bad("x|1|2"), KeyError::NotComposite(_)));

@@ -541,7 +541,9 @@ pub fn redis_url(store: &OnlineStore) -> Result<String, FeastError> {
         (true, true) => "rediss+cluster",
     };
     if cluster && db.as_deref().is_some_and(|d| d != "0") {
-        return Err(FeastError::Repo("online_store connection_string: db on a Redis Cluster (only db 0 exists)".into()));
+        return Err(FeastError::Repo(
+            "online_store connection_string: db on a Redis Cluster (only db 0 exists)".into(),
+        ));
     }
     let db = if cluster { None } else { db };
     Ok(format!("{scheme}://{auth}{}{}", addrs.join(","), db.map_or(String::new(), |d| format!("/{d}"))))

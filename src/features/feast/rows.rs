@@ -19,8 +19,8 @@ use std::collections::HashMap;
 
 use super::redis_layout::{self, EntityCodec, KeyError, HASH_FIELDS_MAX};
 use super::repo::{FeastRepo, Plan};
-use super::FeastError;
 use super::store::Store;
+use super::FeastError;
 use crate::features::feed::{RedisError, Reply};
 use crate::features::replica::{EntityKey, EntityKeyBuf, KeyKind};
 
