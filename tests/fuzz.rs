@@ -361,6 +361,7 @@ fn request_frames() {
             // limits' checks.
             explain_top_k: if n >= 3 { 5 } else { 0 },
             explain_candidates_max: if n == 32 { 4 } else { 0 },
+            ..RequestSpec::default()
         };
         let mut frame = Vec::new();
         encoder.encode(&spec, &mut frame);
@@ -370,6 +371,17 @@ fn request_frames() {
         two.extend_from_slice(&frame);
         seeds.push(two);
     }
+    // A raw-rows request, so mutations reach its count checks.
+    let raw = RequestSpec {
+        request_id: 99,
+        rows: (0..12).map(|k| k as f32 - 3.5).collect(),
+        row_count: 3,
+        explain_top_k: 2,
+        ..RequestSpec::default()
+    };
+    let mut frame = Vec::new();
+    encoder.encode(&raw, &mut frame);
+    seeds.push(frame);
     fuzz("request_frames", seeds, 4 * MIB, &|bytes, _, _| {
         let mut rest = bytes;
         while let Ok(Some((payload, used))) = split_frame(rest, limits.frame_bytes_max) {
@@ -382,7 +394,11 @@ fn request_frames() {
                         ^ r.model().len() as u64
                         ^ r.item_ids().iter().fold(0, |a, x| a ^ x)
                         ^ r.context_ids().iter().fold(0, |a, x| a ^ x)
-                        ^ r.context().iter().fold(0u64, |a, x| a ^ u64::from(x.to_bits()));
+                        ^ r.context().iter().fold(0u64, |a, x| a ^ u64::from(x.to_bits()))
+                        ^ r.rows().unwrap_or_default().iter().fold(0u64, |a, x| a ^ u64::from(x.to_bits()));
+                    if let Some(rows) = r.rows() {
+                        assert!(r.candidates > 0 && rows.len() % r.candidates == 0, "raw rows passed their checks");
+                    }
                     std::hint::black_box(touched);
                 }
                 Err(_) => {

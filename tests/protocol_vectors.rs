@@ -140,6 +140,8 @@ fn vectors() -> Vec<Vector> {
         // defaults here, so every client's encoder still writes this frame.
         explain_top_k: 0,
         explain_candidates_max: 0,
+        rows: Vec::new(),
+        row_count: 0,
     };
     let explain = RequestSpec {
         request_id: 21,

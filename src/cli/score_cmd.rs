@@ -43,6 +43,13 @@ pub struct Args {
     /// (empty means none: the embeddings' default rows).
     #[arg(long, value_delimiter = ',')]
     context_ids: Vec<u64>,
+    /// Raw rows: one candidate's model input row, its floats
+    /// comma-separated (`nan` for a missing value); repeatable, one per
+    /// candidate, all of the model's input width. The rows are scored as
+    /// sent, with nothing looked up, so no `--user`, `--items`, `--key` or
+    /// context goes with them.
+    #[arg(long = "row", value_name = "FLOATS", value_parser = parse_row, allow_hyphen_values = true)]
+    rows: Vec<Vec<f32>>,
     /// Time budget in microseconds; 0 uses the server's default.
     #[arg(long, default_value_t = 0)]
     budget_us: u32,
@@ -76,6 +83,13 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, Error> {
+    if let Some(row) = args.rows.iter().find(|r| r.len() != args.rows[0].len()) {
+        let (first, other) = (args.rows[0].len(), row.len());
+        return Err(Error::Setup(format!(
+            "--row: every row has the same width; one has {first} floats, another {other}"
+        )));
+    }
+    let row_count = u32::try_from(args.rows.len()).map_err(|_| Error::Setup("--row: too many rows".into()))?;
     let spec = RequestSpec {
         request_id: 1,
         model: args.model,
@@ -89,6 +103,8 @@ pub fn run(args: Args) -> Result<ExitCode, Error> {
         groups: args.keys.into_iter().chain(args.str_keys).collect(),
         explain_top_k: args.explain,
         explain_candidates_max: args.explain_candidates,
+        rows: args.rows.into_iter().flatten().collect(),
+        row_count,
     };
     let started = Instant::now();
     let tls = args.tls.settings();
@@ -262,4 +278,13 @@ fn split_key(text: &str) -> Result<(String, Vec<String>), String> {
         return Err(format!("'{text}': expected GROUP=KEY[,KEY...]"));
     }
     Ok((group.to_string(), keys.split(',').map(str::to_string).collect()))
+}
+
+/// One `--row`: comma-separated floats, at least one.
+fn parse_row(s: &str) -> Result<Vec<f32>, String> {
+    let row = s
+        .split(',')
+        .map(|v| v.trim().parse::<f32>().map_err(|e| format!("'{v}' is not a float: {e}")))
+        .collect::<Result<Vec<f32>, String>>()?;
+    Ok(row)
 }

@@ -427,8 +427,7 @@ mod tests {
                 ("item".into(), GroupKeySpec::Ids(vec![7, u64::MAX, 0])),
                 ("card".into(), GroupKeySpec::Strs(vec!["card-1".into(), "ünïcode".into()])),
             ],
-            explain_top_k: 0,
-            explain_candidates_max: 0,
+            ..RequestSpec::default()
         };
         let mut out = Vec::new();
         RequestEncoder::new().encode(&spec, &mut out);

@@ -107,7 +107,9 @@ fn parts<'a>(layout: Option<&'a InputLayout>, replicas: &'a Replicas, raw: Optio
             }
         }
     }
-    let Some(raw) = raw else {
+    // A request that sent raw rows carries no keys: its record holds the
+    // rows alone.
+    let Some(raw) = raw.filter(|r| r.rows().is_none()) else {
         return p;
     };
     let groups = raw.groups().unwrap_or_default();

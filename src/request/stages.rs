@@ -1,7 +1,7 @@
 //! The stages of [`RequestPath::handle`], read top to bottom:
 //!
 //! admit (decode, budget, readiness, rate, model, canary, shed)
-//! → assemble (input shape, lookup, drift)
+//! → assemble (input shape, lookup, drift; or the raw rows a caller sent)
 //! → look up the cache (and answer from it first, if so configured)
 //! → route (budget, breaker: which rung answers, hand-off or inline)
 //! → run (the inline kernel and the check after it) or hand off
@@ -227,6 +227,9 @@ pub(super) fn assemble(
         None => &mut scratch[..],
     };
     let request = &a.request;
+    if let Some(sent) = request.rows() {
+        return assemble_raw(&a, sent, clock, served, candidate_keys, x, telemetry);
+    }
     let request_id = request.request_id();
     let bad = |why: String| Rejection::fail(request_id, Status::BadRequest, why);
     let layout = &served.layout;
@@ -390,24 +393,8 @@ pub(super) fn assemble(
             row[off..off + dim].copy_from_slice(context_floats);
         }
     }
-    // The inputs as the rows hold them now (the context, zeros when none
-    // was sent; each group's row, its default when missing), in the
-    // calibration's order: the per-request ones from the first row, the
-    // per-candidate ones from one candidate's row, which the request count
-    // picks, weighted by the candidates (an unbiased sample of the rows'
-    // moments at the cost of one row).
-    if let Some(d) = &mut served.drift {
-        let first = &x[..row_dim];
-        let pick = (served.requests as usize) % rows;
-        let picked = &x[pick * row_dim..(pick + 1) * row_dim];
-        let per_request = served.drift_request_segments;
-        let columns = served.drift_columns.iter().enumerate().flat_map(|(i, &(at, dim))| {
-            let row = if i < per_request { first } else { picked };
-            row[at..at + dim].iter().copied()
-        });
-        d.record_context(columns, rows);
-    }
-    if let Some((off, dim)) = layout.context_ids {
+    record_drift(served, x, rows);
+    if let Some((off, dim)) = served.layout.context_ids {
         missing += if context_ids.is_empty() {
             dim as u32
         } else {
@@ -425,16 +412,7 @@ pub(super) fn assemble(
             }
         }
     }
-    // Categorical ids in float columns that no embedding row matches
-    // read the default row: missing, like an unknown key.
-    for &(c, table_rows, per_request) in served.index_cols.iter() {
-        let bad = |row: &[f32]| embedding_index(row[c], table_rows).is_none();
-        missing += if per_request {
-            u32::from(bad(&x[..row_dim]))
-        } else {
-            x.chunks_exact(row_dim).filter(|r| bad(r)).count() as u32
-        };
-    }
+    missing += unknown_ids(served, x);
 
     let at_ns = clock.now_ns();
     telemetry.times.record_ns(Stage::Lookup, at_ns.saturating_sub(a.decoded_ns));
@@ -460,6 +438,100 @@ pub(super) fn assemble(
     };
     let (chosen, version, user_id) = (a.chosen, served.model.version, request.user_id());
     Ok(Assembled { step, cache_key, chosen, version, user_id, at_ns })
+}
+
+/// The cache-key word standing for the user of a request that sent raw
+/// rows: its candidates' keys are the rows' own hashes.
+const RAW_ROWS_KEY: u64 = 0x2A77_0F10_A75E_5EED;
+
+/// [`assemble`] for a request that sent the model's input rows itself:
+/// checks their width against the chosen version's and copies them into
+/// `x`. Nothing is looked up, so only categorical ids no embedding row
+/// matches count as missing; each candidate's cache key is its row's hash,
+/// so equal rows share a cached score.
+fn assemble_raw(
+    a: &Admitted<'_>,
+    sent: flatbuffers::Vector<'_, f32>,
+    clock: &impl Clock,
+    served: &mut Served,
+    candidate_keys: &mut Vec<u64>,
+    x: &mut [f32],
+    telemetry: &mut Telemetry,
+) -> Result<Assembled, Rejection> {
+    let request = &a.request;
+    let (rows, row_dim) = (request.candidates, served.layout.row_dim);
+    // `decode_request` checked `sent` holds `rows` rows of equal width.
+    if sent.len() != rows * row_dim {
+        let why = format!(
+            "raw rows: {rows} rows of {} floats; the model '{}' takes rows of {row_dim} (its input width)",
+            sent.len() / rows,
+            served.model.name
+        );
+        return Err(Rejection::fail(request.request_id(), Status::BadRequest, why));
+    }
+    let x = &mut x[..rows * row_dim];
+    for (dst, v) in x.iter_mut().zip(sent.iter()) {
+        *dst = v;
+    }
+    record_drift(served, x, rows);
+    let missing = unknown_ids(served, x);
+    candidate_keys.clear();
+    candidate_keys.extend(x.chunks_exact(row_dim).map(|row| hash_words(row.iter().map(|v| u64::from(v.to_bits())))));
+    let at_ns = clock.now_ns();
+    telemetry.times.record_ns(Stage::Lookup, at_ns.saturating_sub(a.decoded_ns));
+    let cache_key =
+        Key { model: served.name_hash, version: served.model.version, user: RAW_ROWS_KEY, item: 0, context: 0 };
+    let step = StepDown {
+        request_id: request.request_id(),
+        rows,
+        row_dim,
+        read_at_ns: a.read_at_ns,
+        deadline: a.deadline,
+        missing,
+        fallback: served.fallback_fits,
+        cached: false,
+        default_score: served.default_score,
+        explain_top_k: explain_top_k(request),
+        explained: explained_count(request),
+    };
+    Ok(Assembled { step, cache_key, chosen: a.chosen, version: served.model.version, user_id: 0, at_ns })
+}
+
+/// Records the inputs' drift as the rows `x` hold them (the context, zeros
+/// when none was sent; each group's row, its default when missing), in the
+/// calibration's order: the per-request ones from the first row, the
+/// per-candidate ones from one candidate's row, which the request count
+/// picks, weighted by the candidates (an unbiased sample of the rows'
+/// moments at the cost of one row).
+fn record_drift(served: &mut Served, x: &[f32], rows: usize) {
+    let row_dim = served.layout.row_dim;
+    if let Some(d) = &mut served.drift {
+        let first = &x[..row_dim];
+        let pick = (served.requests as usize) % rows;
+        let picked = &x[pick * row_dim..(pick + 1) * row_dim];
+        let per_request = served.drift_request_segments;
+        let columns = served.drift_columns.iter().enumerate().flat_map(|(i, &(at, dim))| {
+            let row = if i < per_request { first } else { picked };
+            row[at..at + dim].iter().copied()
+        });
+        d.record_context(columns, rows);
+    }
+}
+
+/// Categorical ids in float columns that no embedding row matches: they
+/// read the default row, so they count as missing, like an unknown key.
+fn unknown_ids(served: &Served, x: &[f32]) -> u32 {
+    let row_dim = served.layout.row_dim;
+    let mut missing = 0;
+    for &(c, table_rows, per_request) in served.index_cols.iter() {
+        let bad = |row: &[f32]| embedding_index(row[c], table_rows).is_none();
+        missing += if per_request {
+            u32::from(bad(&x[..row_dim]))
+        } else {
+            x.chunks_exact(row_dim).filter(|r| bad(r)).count() as u32
+        };
+    }
+    missing
 }
 
 /// The request's `explain_top_k`, within `EXPLAIN_TOP_K_MAX` (checked by

@@ -107,6 +107,14 @@ class Request:
     (0, the default: none; at most ``EXPLAIN_TOP_K_MAX``), of every
     candidate or, with ``explain_candidates_max``, of that many with the
     highest scores (at most ``EXPLAIN_CANDIDATES_MAX`` explained).
+
+    ``rows`` sends the model's input rows instead of keys, for a caller
+    that computes its features itself: one row per candidate, each of the
+    model's input width (``input_width`` in the server's ``GET /models``),
+    as a sequence of sequences of floats or a two-dimensional numpy array;
+    NaN is a missing value. The server scores them as sent and looks
+    nothing up, so such a request sets no ``user_id``, ``item_ids``,
+    ``context``, ``context_ids`` or ``groups``.
     """
 
     user_id: int = 0
@@ -121,6 +129,7 @@ class Request:
     groups: Optional[GroupsArg] = None
     explain_top_k: int = 0
     explain_candidates_max: int = 0
+    rows: Optional[Any] = None
 
 
 @dataclass
@@ -236,6 +245,27 @@ def _floats(name: str, values: Any) -> Any:
     except OverflowError:
         raise ValueError(f"{name} holds a value outside the float32 range") from None
     return out
+
+
+def _rows(values: Any, limits: Limits) -> Tuple[Any, int]:
+    """Raw rows as one flat float32 sequence and their count."""
+    if np is not None and isinstance(values, np.ndarray):
+        if values.ndim != 2:
+            raise ValueError(f"rows must be two-dimensional (candidates, width), got shape {values.shape}")
+        count, width = values.shape
+        flat = _floats("rows", np.ascontiguousarray(values).reshape(-1))
+    else:
+        rows = [list(r) for r in values]
+        count = len(rows)
+        width = len(rows[0]) if rows else 0
+        if any(len(r) != width for r in rows):
+            raise ValueError("rows must all have the same width")
+        flat = _floats("rows", [v for r in rows for v in r])
+    if count == 0 or width == 0:
+        raise ValueError("rows must hold at least one row of at least one float")
+    if count > limits.candidates_max:
+        raise ValueError(f"{count} candidates exceed the limit of {limits.candidates_max}")
+    return flat, count
 
 
 def _is_int(value: Any) -> bool:
@@ -404,7 +434,20 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     context = _floats("context", request.context)
     context_ids = _ids("context_ids", request.context_ids)
     groups = _groups(request.groups, limits)
-    if len(items) == 0 and not groups:
+    rows, row_count = (None, 0)
+    if request.rows is not None:
+        keyed = [
+            ("user_id", user_id != 0),
+            ("item_ids", len(items) > 0),
+            ("context", len(context) > 0),
+            ("context_ids", len(context_ids) > 0),
+            ("groups", bool(groups)),
+        ]
+        for field, present in keyed:
+            if present:
+                raise ValueError(f"a request with raw rows carries no {field}: the rows are the model's whole input")
+        rows, row_count = _rows(request.rows, limits)
+    elif len(items) == 0 and not groups:
         raise ValueError("a request needs at least one candidate: item_ids is empty and groups names none")
     if len(items) > limits.candidates_max:
         raise ValueError(f"{len(items)} candidates exceed the limit of {limits.candidates_max}")
@@ -417,7 +460,7 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
     if top_k > EXPLAIN_TOP_K_MAX:
         raise ValueError(f"explain_top_k {top_k} exceeds the limit of {EXPLAIN_TOP_K_MAX}")
     if top_k > 0:
-        candidates = len(items) if len(items) else max([1] + [len(keys) for _, _, keys in groups])
+        candidates = row_count or len(items) or max([1] + [len(keys) for _, _, keys in groups])
         explained = min(explain_candidates_max, candidates) if explain_candidates_max else candidates
         if explain_candidates_max > EXPLAIN_CANDIDATES_MAX or explained > EXPLAIN_CANDIDATES_MAX:
             raise ValueError(
@@ -430,19 +473,24 @@ def encode_request(request: Request, request_id: int, limits: Limits = DEFAULT_L
         32 + len(name) + (8 * len(keys) if kind == "ids" else sum(8 + len(k.encode()) for k in keys))
         for name, kind, keys in groups
     )
+    rows_bytes = 4 * len(rows) if rows is not None else 0
     b = flatbuffers.Builder(
-        128 + 8 * len(items) + 4 * len(context) + 8 * len(context_ids) + len(request.model) + group_bytes
+        128 + 8 * len(items) + 4 * len(context) + 8 * len(context_ids) + len(request.model) + group_bytes + rows_bytes
     )
     model = b.CreateString(request.model) if request.model else None
-    items_at = _vector(b, items, 8, b.PrependUint64) if len(items) or not groups else None
+    items_at = _vector(b, items, 8, b.PrependUint64) if len(items) or (not groups and rows is None) else None
     context_at = _vector(b, context, 4, b.PrependFloat32) if len(context) else None
     ids_at = _vector(b, context_ids, 8, b.PrependUint64) if len(context_ids) else None
     groups_at = _encode_groups(b, groups) if groups else None
+    rows_at = _vector(b, rows, 4, b.PrependFloat32) if rows is not None else None
     # Fields in the order the Rust encoder's generated `create` adds them
     # (widest first), so both write the same bytes (schemas/vectors).
     _req.Start(b)
     _req.AddUserId(b, user_id)
     _req.AddRequestId(b, request_id)
+    _req.AddRowCount(b, row_count)
+    if rows_at is not None:
+        _req.AddRows(b, rows_at)
     if groups_at is not None:
         _req.AddGroups(b, groups_at)
     if ids_at is not None:

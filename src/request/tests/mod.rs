@@ -119,6 +119,66 @@ fn scores_follow_the_input_layout() {
     assert_eq!(path.telemetry.counters.by_status[0], 2);
 }
 
+/// The rows `spec()` assembles, in the model's layout (item, context,
+/// user[0], user[1]), item 12 at its default.
+fn spec_rows() -> Vec<f32> {
+    vec![2.0, 0.25, 1.0, 0.0, 0.5, 0.25, 1.0, 0.0, -1.0, 0.25, 1.0, 0.0]
+}
+
+#[test]
+fn raw_rows_score_as_the_same_rows_looked_up() {
+    let clock = ManualClock::new(1_000);
+    let mut path = RequestPath::new(shared(&dir("raw")), &clock).unwrap();
+    let keyed = run(&mut path, &spec(), 1_000);
+    let raw =
+        RequestSpec { request_id: 78, budget_us: 1_000, rows: spec_rows(), row_count: 3, ..RequestSpec::default() };
+    let r = run(&mut path, &raw, 1_000);
+    assert_eq!((r.request_id, r.status, r.tier, r.model_version), (78, Status::Ok, Tier::Primary, 4));
+    let bits = |s: &[f32]| s.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&r.scores), bits(&keyed.scores));
+    // Nothing was looked up, so nothing is missing.
+    assert_eq!((keyed.features_missing, r.features_missing), (1, 0));
+    // A NaN is sent on to the kernel, which reads it as it reads a missing
+    // looked-up value; the other candidates are untouched.
+    let mut rows = spec_rows();
+    rows[4] = f32::NAN;
+    let r = run(&mut path, &RequestSpec { rows, ..raw.clone() }, 1_000);
+    assert_eq!(r.status, Status::Ok);
+    assert_eq!((r.scores[0], r.scores[2]), (keyed.scores[0], keyed.scores[2]));
+    assert_ne!(r.scores[1], keyed.scores[1]);
+    // Rows of another width than the model's: refused, saying both.
+    let narrow = RequestSpec { rows: vec![1.0; 9], ..raw.clone() };
+    let r = run(&mut path, &narrow, 1_000);
+    assert_eq!((r.status, r.request_id), (Status::BadRequest, 78));
+    assert!(r.error.contains("3 rows of 3 floats") && r.error.contains("rows of 4"), "{}", r.error);
+    // Keys beside rows: refused at decode.
+    let r = run(&mut path, &RequestSpec { user_id: 1, ..raw.clone() }, 1_000);
+    assert_eq!(r.status, Status::BadRequest);
+    assert!(r.error.contains("user_id"), "{}", r.error);
+}
+
+#[test]
+fn raw_rows_are_cached_by_their_values() {
+    let clock = ManualClock::new(1_000);
+    let mut shared = shared(&dir("raw-cache"));
+    shared.cache = CacheConfig { before_primary: true, ..CacheConfig::default() };
+    let mut path = RequestPath::new(shared, &clock).unwrap();
+    let raw = RequestSpec { budget_us: 1_000, rows: spec_rows(), row_count: 3, ..RequestSpec::default() };
+    assert_eq!(run(&mut path, &raw, 1_000).tier, Tier::Primary);
+    let again = run(&mut path, &raw, 1_000);
+    assert_eq!((again.tier, again.status), (Tier::Cached, Status::Ok));
+    // One float changed: that candidate is not cached, so the primary answers.
+    let mut rows = spec_rows();
+    rows[8] = -2.0;
+    let changed = run(&mut path, &RequestSpec { rows, ..raw.clone() }, 1_000);
+    assert_eq!(changed.tier, Tier::Primary);
+    assert_eq!(changed.scores[..2], again.scores[..2]);
+    assert_ne!(changed.scores[2], again.scores[2]);
+    // The keyed request whose rows these are does not read their entries:
+    // keys and rows hash apart.
+    assert_eq!(run(&mut path, &spec(), 1_000).tier, Tier::Primary);
+}
+
 #[test]
 fn each_stage_boundary_enforces_the_deadline() {
     // Every clock read advances time by `step`; the request's budget runs

@@ -73,15 +73,49 @@ pub fn push_frame(out: &mut Vec<u8>, payload: &[u8]) {
 #[derive(Debug, PartialEq)]
 pub enum DecodeError {
     Invalid(flatbuffers::InvalidFlatbuffer),
-    TooManyCandidates { count: usize, candidates_max: usize },
+    TooManyCandidates {
+        count: usize,
+        candidates_max: usize,
+    },
     NoCandidates,
-    ContextTooLong { count: usize, context_len_max: usize },
-    ContextIdsTooLong { count: usize, context_len_max: usize },
-    TooManyGroups { count: usize, groups_max: usize },
-    UnnamedGroup { at: usize },
-    TooManyKeys { group: String, count: usize, candidates_max: usize },
-    ExplainTopK { top_k: usize, top_k_max: usize },
-    ExplainCandidates { count: usize, explained_max: usize },
+    ContextTooLong {
+        count: usize,
+        context_len_max: usize,
+    },
+    ContextIdsTooLong {
+        count: usize,
+        context_len_max: usize,
+    },
+    TooManyGroups {
+        count: usize,
+        groups_max: usize,
+    },
+    UnnamedGroup {
+        at: usize,
+    },
+    TooManyKeys {
+        group: String,
+        count: usize,
+        candidates_max: usize,
+    },
+    ExplainTopK {
+        top_k: usize,
+        top_k_max: usize,
+    },
+    ExplainCandidates {
+        count: usize,
+        explained_max: usize,
+    },
+    /// `rows` beside keys or context, which raw rows replace.
+    RowsWithKeys {
+        field: &'static str,
+    },
+    /// `rows` and `row_count` disagree: no rows, a count of 0, or a float
+    /// count that is not a whole number of rows.
+    RowCount {
+        row_count: usize,
+        floats: usize,
+    },
 }
 
 impl std::fmt::Display for DecodeError {
@@ -113,6 +147,12 @@ impl std::fmt::Display for DecodeError {
                 "{count} candidates to explain exceed the limit of {explained_max} (EXPLAIN_CANDIDATES_MAX): \
                  set explain_candidates_max"
             ),
+            DecodeError::RowsWithKeys { field } => {
+                write!(f, "a request with raw rows carries no {field}: the rows are the model's whole input")
+            }
+            DecodeError::RowCount { row_count, floats } => {
+                write!(f, "raw rows: {floats} floats in `rows` are not {row_count} whole rows (row_count)")
+            }
         }
     }
 }
@@ -212,6 +252,12 @@ impl<'buf> Request<'buf> {
     pub fn groups(&self) -> flatbuffers::Vector<'buf, flatbuffers::ForwardsUOffset<fb::GroupKeys<'buf>>> {
         self.raw.groups().unwrap_or_default()
     }
+    /// The raw rows, when the caller sent the model's input rows itself:
+    /// `candidates` rows of equal width, checked by `decode_request`; the
+    /// request then carries no keys and no context.
+    pub fn rows(&self) -> Option<flatbuffers::Vector<'buf, f32>> {
+        self.raw.rows()
+    }
     /// Features to list per explained candidate; 0 explains nothing.
     pub fn explain_top_k(&self) -> usize {
         usize::from(self.raw.explain_top_k())
@@ -235,6 +281,9 @@ pub fn key_count(keys: &fb::GroupKeys<'_>) -> usize {
 /// Verifies `payload` and checks it against `limits`.
 pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Result<Request<'buf>, DecodeError> {
     let raw = flatbuffers::root_with_opts::<fb::ScoreRequest>(&limits.verifier_options(), payload)?;
+    if raw.rows().is_some() || raw.row_count() > 0 {
+        return decode_raw_rows(raw, limits);
+    }
     let mut count = raw.item_ids().map_or(0, |v| v.len());
     if count > limits.candidates_max {
         return Err(DecodeError::TooManyCandidates { count, candidates_max: limits.candidates_max });
@@ -268,7 +317,36 @@ pub fn decode_request<'buf>(payload: &'buf [u8], limits: &RequestLimits) -> Resu
     if ids > limits.context_len_max {
         return Err(DecodeError::ContextIdsTooLong { count: ids, context_len_max: limits.context_len_max });
     }
-    let request = Request { raw, candidates: count };
+    check_explain(Request { raw, candidates: count })
+}
+
+/// A request with raw rows: nothing to look up, so keys and context are
+/// refused rather than ignored; `row_count` rows within the candidate limit.
+fn decode_raw_rows<'buf>(raw: fb::ScoreRequest<'buf>, limits: &RequestLimits) -> Result<Request<'buf>, DecodeError> {
+    let keyed = [
+        ("user_id", raw.user_id() != 0),
+        ("item_ids", raw.item_ids().is_some()),
+        ("context", raw.context().is_some()),
+        ("context_ids", raw.context_ids().is_some()),
+        ("groups", raw.groups().is_some()),
+    ];
+    if let Some((field, _)) = keyed.iter().find(|(_, present)| *present) {
+        return Err(DecodeError::RowsWithKeys { field });
+    }
+    let row_count = raw.row_count() as usize;
+    let floats = raw.rows().map_or(0, |v| v.len());
+    if row_count > limits.candidates_max {
+        return Err(DecodeError::TooManyCandidates { count: row_count, candidates_max: limits.candidates_max });
+    }
+    if row_count == 0 || floats == 0 || floats % row_count != 0 {
+        return Err(DecodeError::RowCount { row_count, floats });
+    }
+    check_explain(Request { raw, candidates: row_count })
+}
+
+/// The explanation fields' bounds, common to keyed and raw requests.
+fn check_explain(request: Request<'_>) -> Result<Request<'_>, DecodeError> {
+    let raw = request.raw;
     let top_k = request.explain_top_k();
     if top_k > EXPLAIN_TOP_K_MAX {
         return Err(DecodeError::ExplainTopK { top_k, top_k_max: EXPLAIN_TOP_K_MAX });
@@ -438,6 +516,11 @@ pub struct RequestSpec {
     /// many of the top-scored candidates to explain (0: all).
     pub explain_top_k: u16,
     pub explain_candidates_max: u16,
+    /// Raw rows (`rows` and `row_count` on the wire): the model's input
+    /// rows, `row_count` of them one after another, scored as sent. Empty
+    /// for a keyed request; a raw one leaves the keys and context empty.
+    pub rows: Vec<f32>,
+    pub row_count: u32,
 }
 
 /// One group's keys in a [`RequestSpec`]: one for a request-scope group,
@@ -469,7 +552,9 @@ impl RequestEncoder {
         let b = &mut self.builder;
         b.reset();
         let model = (!spec.model.is_empty()).then(|| b.create_string(&spec.model));
-        let item_ids = (!spec.item_ids.is_empty() || spec.groups.is_empty()).then(|| b.create_vector(&spec.item_ids));
+        let raw = !spec.rows.is_empty() || spec.row_count > 0;
+        let item_ids =
+            (!spec.item_ids.is_empty() || (spec.groups.is_empty() && !raw)).then(|| b.create_vector(&spec.item_ids));
         let context = (!spec.context.is_empty()).then(|| b.create_vector(&spec.context));
         let context_ids = (!spec.context_ids.is_empty()).then(|| b.create_vector(&spec.context_ids));
         let groups = (!spec.groups.is_empty()).then(|| {
@@ -490,6 +575,7 @@ impl RequestEncoder {
                 .collect();
             b.create_vector(&entries)
         });
+        let rows = raw.then(|| b.create_vector(&spec.rows));
         let root = fb::ScoreRequest::create(
             b,
             &fb::ScoreRequestArgs {
@@ -505,6 +591,8 @@ impl RequestEncoder {
                 groups,
                 explain_top_k: spec.explain_top_k,
                 explain_candidates_max: spec.explain_candidates_max,
+                rows,
+                row_count: spec.row_count,
             },
         );
         b.finish_minimal(root);
@@ -668,7 +756,55 @@ mod tests {
             groups: Vec::new(),
             explain_top_k: 0,
             explain_candidates_max: 0,
+            rows: Vec::new(),
+            row_count: 0,
         }
+    }
+
+    fn encoded(spec: &RequestSpec) -> Vec<u8> {
+        let mut out = Vec::new();
+        RequestEncoder::new().encode(spec, &mut out);
+        out.split_off(FRAME_PREFIX_BYTES)
+    }
+
+    #[test]
+    fn raw_rows_round_trip_and_count_the_candidates() {
+        let rows: Vec<f32> = vec![0.5, -1.0, f32::NAN, 2.0, 0.0, -0.0];
+        let spec = RequestSpec { request_id: 5, rows: rows.clone(), row_count: 3, ..RequestSpec::default() };
+        let payload = encoded(&spec);
+        let r = decode_request(&payload, &LIMITS).unwrap();
+        assert_eq!(r.candidates, 3);
+        let got: Vec<u32> = r.rows().unwrap().iter().map(f32::to_bits).collect();
+        assert_eq!(got, rows.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        // A raw request sends no item_ids, not even an empty vector.
+        assert!(r.raw.item_ids().is_none());
+    }
+
+    #[test]
+    fn raw_rows_refuse_keys_context_and_bad_counts() {
+        let raw = |f: fn(&mut RequestSpec)| {
+            let mut s = RequestSpec { rows: vec![1.0; 6], row_count: 2, ..RequestSpec::default() };
+            f(&mut s);
+            decode_request(&encoded(&s), &LIMITS).err()
+        };
+        assert_eq!(raw(|_| ()), None);
+        assert_eq!(raw(|s| s.user_id = 4), Some(DecodeError::RowsWithKeys { field: "user_id" }));
+        assert_eq!(raw(|s| s.item_ids = vec![1, 2]), Some(DecodeError::RowsWithKeys { field: "item_ids" }));
+        assert_eq!(raw(|s| s.context = vec![1.0]), Some(DecodeError::RowsWithKeys { field: "context" }));
+        assert_eq!(raw(|s| s.context_ids = vec![1]), Some(DecodeError::RowsWithKeys { field: "context_ids" }));
+        let group = |s: &mut RequestSpec| s.groups = vec![("card".into(), GroupKeySpec::Ids(vec![1]))];
+        assert_eq!(raw(group), Some(DecodeError::RowsWithKeys { field: "groups" }));
+        assert_eq!(raw(|s| s.row_count = 4), Some(DecodeError::RowCount { row_count: 4, floats: 6 }));
+        assert_eq!(raw(|s| s.row_count = 0), Some(DecodeError::RowCount { row_count: 0, floats: 6 }));
+        assert_eq!(raw(|s| s.rows.clear()), Some(DecodeError::RowCount { row_count: 2, floats: 0 }));
+        let too_many = |s: &mut RequestSpec| {
+            s.rows = vec![0.0; 65];
+            s.row_count = 65;
+        };
+        assert_eq!(raw(too_many), Some(DecodeError::TooManyCandidates { count: 65, candidates_max: 64 }));
+        // The explanation limits hold for raw rows too.
+        let explain = |s: &mut RequestSpec| s.explain_top_k = 33;
+        assert_eq!(raw(explain), Some(DecodeError::ExplainTopK { top_k: 33, top_k_max: EXPLAIN_TOP_K_MAX }));
     }
 
     #[test]

@@ -556,6 +556,8 @@ impl<'a> ScoreRequest<'a> {
   pub const VT_GROUPS: ::flatbuffers::VOffsetT = 22;
   pub const VT_EXPLAIN_TOP_K: ::flatbuffers::VOffsetT = 24;
   pub const VT_EXPLAIN_CANDIDATES_MAX: ::flatbuffers::VOffsetT = 26;
+  pub const VT_ROWS: ::flatbuffers::VOffsetT = 28;
+  pub const VT_ROW_COUNT: ::flatbuffers::VOffsetT = 30;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -569,6 +571,8 @@ impl<'a> ScoreRequest<'a> {
     let mut builder = ScoreRequestBuilder::new(_fbb);
     builder.add_user_id(args.user_id);
     builder.add_request_id(args.request_id);
+    builder.add_row_count(args.row_count);
+    if let Some(x) = args.rows { builder.add_rows(x); }
     if let Some(x) = args.groups { builder.add_groups(x); }
     if let Some(x) = args.context_ids { builder.add_context_ids(x); }
     if let Some(x) = args.context { builder.add_context(x); }
@@ -667,6 +671,20 @@ impl<'a> ScoreRequest<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u16>(ScoreRequest::VT_EXPLAIN_CANDIDATES_MAX, Some(0)).unwrap()}
   }
+  #[inline]
+  pub fn rows(&self) -> Option<::flatbuffers::Vector<'a, f32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, f32>>>(ScoreRequest::VT_ROWS, None)}
+  }
+  #[inline]
+  pub fn row_count(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(ScoreRequest::VT_ROW_COUNT, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
@@ -687,6 +705,8 @@ impl ::flatbuffers::Verifiable for ScoreRequest<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<GroupKeys>>>>("groups", Self::VT_GROUPS, false)?
      .visit_field::<u16>("explain_top_k", Self::VT_EXPLAIN_TOP_K, false)?
      .visit_field::<u16>("explain_candidates_max", Self::VT_EXPLAIN_CANDIDATES_MAX, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, f32>>>("rows", Self::VT_ROWS, false)?
+     .visit_field::<u32>("row_count", Self::VT_ROW_COUNT, false)?
      .finish();
     Ok(())
   }
@@ -704,6 +724,8 @@ pub struct ScoreRequestArgs<'a> {
     pub groups: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<GroupKeys<'a>>>>>,
     pub explain_top_k: u16,
     pub explain_candidates_max: u16,
+    pub rows: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, f32>>>,
+    pub row_count: u32,
 }
 impl<'a> Default for ScoreRequestArgs<'a> {
   #[inline]
@@ -721,6 +743,8 @@ impl<'a> Default for ScoreRequestArgs<'a> {
       groups: None,
       explain_top_k: 0,
       explain_candidates_max: 0,
+      rows: None,
+      row_count: 0,
     }
   }
 }
@@ -779,6 +803,14 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ScoreRequestBuilder<'a, 'b, A
     self.fbb_.push_slot::<u16>(ScoreRequest::VT_EXPLAIN_CANDIDATES_MAX, explain_candidates_max, 0);
   }
   #[inline]
+  pub fn add_rows(&mut self, rows: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , f32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(ScoreRequest::VT_ROWS, rows);
+  }
+  #[inline]
+  pub fn add_row_count(&mut self, row_count: u32) {
+    self.fbb_.push_slot::<u32>(ScoreRequest::VT_ROW_COUNT, row_count, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ScoreRequestBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     ScoreRequestBuilder {
@@ -808,6 +840,8 @@ impl ::core::fmt::Debug for ScoreRequest<'_> {
       ds.field("groups", &self.groups());
       ds.field("explain_top_k", &self.explain_top_k());
       ds.field("explain_candidates_max", &self.explain_candidates_max());
+      ds.field("rows", &self.rows());
+      ds.field("row_count", &self.row_count());
       ds.finish()
   }
 }

@@ -112,8 +112,28 @@ explainCandidatesMax():number {
   return offset ? this.bb!.readUint16(this.bb_pos + offset) : 0;
 }
 
+rows(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? this.bb!.readFloat32(this.bb!.__vector(this.bb_pos + offset) + index * 4) : 0;
+}
+
+rowsLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+rowsArray():Float32Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? new Float32Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
+rowCount():number {
+  const offset = this.bb!.__offset(this.bb_pos, 30);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
 static startScoreRequest(builder:flatbuffers.Builder) {
-  builder.startObject(12);
+  builder.startObject(14);
 }
 
 static addRequestId(builder:flatbuffers.Builder, requestId:bigint) {
@@ -217,6 +237,31 @@ static addExplainCandidatesMax(builder:flatbuffers.Builder, explainCandidatesMax
   builder.addFieldInt16(11, explainCandidatesMax, 0);
 }
 
+static addRows(builder:flatbuffers.Builder, rowsOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(12, rowsOffset, 0);
+}
+
+static createRowsVector(builder:flatbuffers.Builder, data:number[]|Float32Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createRowsVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createRowsVector(builder:flatbuffers.Builder, data:number[]|Float32Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(4, data.length, 4);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addFloat32(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startRowsVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(4, numElems, 4);
+}
+
+static addRowCount(builder:flatbuffers.Builder, rowCount:number) {
+  builder.addFieldInt32(13, rowCount, 0);
+}
+
 static endScoreRequest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -230,7 +275,7 @@ static finishSizePrefixedScoreRequestBuffer(builder:flatbuffers.Builder, offset:
   builder.finish(offset, undefined, true);
 }
 
-static createScoreRequest(builder:flatbuffers.Builder, requestId:bigint, modelOffset:flatbuffers.Offset, budgetUs:number, priority:number, clientId:number, userId:bigint, itemIdsOffset:flatbuffers.Offset, contextOffset:flatbuffers.Offset, contextIdsOffset:flatbuffers.Offset, groupsOffset:flatbuffers.Offset, explainTopK:number, explainCandidatesMax:number):flatbuffers.Offset {
+static createScoreRequest(builder:flatbuffers.Builder, requestId:bigint, modelOffset:flatbuffers.Offset, budgetUs:number, priority:number, clientId:number, userId:bigint, itemIdsOffset:flatbuffers.Offset, contextOffset:flatbuffers.Offset, contextIdsOffset:flatbuffers.Offset, groupsOffset:flatbuffers.Offset, explainTopK:number, explainCandidatesMax:number, rowsOffset:flatbuffers.Offset, rowCount:number):flatbuffers.Offset {
   ScoreRequest.startScoreRequest(builder);
   ScoreRequest.addRequestId(builder, requestId);
   ScoreRequest.addModel(builder, modelOffset);
@@ -244,6 +289,8 @@ static createScoreRequest(builder:flatbuffers.Builder, requestId:bigint, modelOf
   ScoreRequest.addGroups(builder, groupsOffset);
   ScoreRequest.addExplainTopK(builder, explainTopK);
   ScoreRequest.addExplainCandidatesMax(builder, explainCandidatesMax);
+  ScoreRequest.addRows(builder, rowsOffset);
+  ScoreRequest.addRowCount(builder, rowCount);
   return ScoreRequest.endScoreRequest(builder);
 }
 }

@@ -186,8 +186,42 @@ class ScoreRequest(object):
             return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
         return 0
 
+    # ScoreRequest
+    def Rows(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # ScoreRequest
+    def RowsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Float32Flags, o)
+        return 0
+
+    # ScoreRequest
+    def RowsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ScoreRequest
+    def RowsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        return o == 0
+
+    # ScoreRequest
+    def RowCount(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
 def ScoreRequestStart(builder):
-    builder.StartObject(12)
+    builder.StartObject(14)
 
 def Start(builder):
     ScoreRequestStart(builder)
@@ -287,6 +321,24 @@ def ScoreRequestAddExplainCandidatesMax(builder, explainCandidatesMax):
 
 def AddExplainCandidatesMax(builder, explainCandidatesMax):
     ScoreRequestAddExplainCandidatesMax(builder, explainCandidatesMax)
+
+def ScoreRequestAddRows(builder, rows):
+    builder.PrependUOffsetTRelativeSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(rows), 0)
+
+def AddRows(builder, rows):
+    ScoreRequestAddRows(builder, rows)
+
+def ScoreRequestStartRowsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartRowsVector(builder, numElems):
+    return ScoreRequestStartRowsVector(builder, numElems)
+
+def ScoreRequestAddRowCount(builder, rowCount):
+    builder.PrependUint32Slot(13, rowCount, 0)
+
+def AddRowCount(builder, rowCount):
+    ScoreRequestAddRowCount(builder, rowCount)
 
 def ScoreRequestEnd(builder):
     return builder.EndObject()
