@@ -110,7 +110,7 @@ class Request:
 
     ``rows`` sends the model's input rows instead of keys, for a caller
     that computes its features itself: one row per candidate, each of the
-    model's input width (``input_width`` in the server's ``GET /models``),
+    model's input width (the length of ``features`` in the server's ``GET /models``),
     as a sequence of sequences of floats or a two-dimensional numpy array;
     NaN is a missing value. The server scores them as sent and looks
     nothing up, so such a request sets no ``user_id``, ``item_ids``,
