@@ -338,7 +338,7 @@ fn decode_raw_rows<'buf>(raw: fb::ScoreRequest<'buf>, limits: &RequestLimits) ->
     if row_count > limits.candidates_max {
         return Err(DecodeError::TooManyCandidates { count: row_count, candidates_max: limits.candidates_max });
     }
-    if row_count == 0 || floats == 0 || floats % row_count != 0 {
+    if row_count == 0 || floats == 0 || !floats.is_multiple_of(row_count) {
         return Err(DecodeError::RowCount { row_count, floats });
     }
     check_explain(Request { raw, candidates: row_count })
