@@ -397,7 +397,10 @@ fn request_frames() {
                         ^ r.context().iter().fold(0u64, |a, x| a ^ u64::from(x.to_bits()))
                         ^ r.rows().unwrap_or_default().iter().fold(0u64, |a, x| a ^ u64::from(x.to_bits()));
                     if let Some(rows) = r.rows() {
-                        assert!(r.candidates > 0 && rows.len().is_multiple_of(r.candidates), "raw rows passed their checks");
+                        assert!(
+                            r.candidates > 0 && rows.len().is_multiple_of(r.candidates),
+                            "raw rows passed their checks"
+                        );
                     }
                     std::hint::black_box(touched);
                 }

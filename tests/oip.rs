@@ -52,10 +52,35 @@ fn cases(server: &Server) -> Vec<(quiver::wire::RequestSpec, Vec<f32>)> {
         .collect()
 }
 
+/// Raw-rows requests (the model's input rows, seeded), with the
+/// FlatBuffers client's scores: (rows, width, scores).
+fn raw_cases(server: &Server) -> Vec<(Vec<f32>, usize, Vec<f32>)> {
+    let mut client = server.client();
+    let width = demo::model().inputs.iter().map(|s| s.dim).sum::<usize>();
+    [1usize, 7, 32]
+        .iter()
+        .map(|&n| {
+            let rows: Vec<f32> = (0..n * width).map(|k| ((k * 7 + n) as f32 * 0.37).sin()).collect();
+            let spec = quiver::wire::RequestSpec {
+                request_id: 500 + n as u64,
+                model: demo::MODEL_NAME.into(),
+                budget_us: 1_000_000,
+                rows: rows.clone(),
+                row_count: n as u32,
+                ..Default::default()
+            };
+            let r = client.score(&spec).unwrap();
+            assert_eq!(r.status, quiver::wire::Status::Ok, "{}", r.error);
+            (rows, width, r.scores)
+        })
+        .collect()
+}
+
 #[test]
 fn tritonclient_scores_exactly_what_the_flatbuffers_client_gets() {
     let server = serve(&[]);
     let cases = cases(&server);
+    let raw_cases = raw_cases(&server);
     let file = common::scratch("oip-cases").join("cases.json");
     let spec = json!({
         "model": demo::MODEL_NAME,
@@ -64,6 +89,10 @@ fn tritonclient_scores_exactly_what_the_flatbuffers_client_gets() {
             "user_id": spec.user_id,
             "item_ids": spec.item_ids,
             "context": spec.context,
+            "score_bits": scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "raw_cases": raw_cases.iter().map(|(rows, width, scores)| json!({
+            "rows": rows.chunks(*width).collect::<Vec<_>>(),
             "score_bits": scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     });

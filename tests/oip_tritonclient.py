@@ -8,11 +8,14 @@ writes the cases file:
 
     {"model": "auction-32", "version": "1",
      "cases": [{"user_id": 7, "item_ids": [..], "context": [..],
-                "score_bits": [..] (each score's f32 bits)}]}
+                "score_bits": [..] (each score's f32 bits)}],
+     "raw_cases": [{"rows": [[..], ..] (the model's input rows),
+                    "score_bits": [..]}]}
 
 Checks, for each transport: health (live, ready, model ready), server and
 model metadata, Triton's model config (which perf_analyzer reads), every case scored exactly (bit for bit) with raw/binary and
-with JSON/contents tensors, the response parameters, and each bad input
+with JSON/contents tensors, raw rows (one `rows` input, FP32 [N, width])
+scored as the FlatBuffers client's raw rows, the response parameters, and each bad input
 answered with the protocol's error, the server serving on afterwards.
 
 Exit status: 0 when every check passed, 1 when one failed, 77 when
@@ -70,6 +73,36 @@ def inputs_for(module, case, binary, with_context=True):
             t.set_data_from_numpy(arr)
         out.append(t)
     return out
+
+
+def raw_rows_checks(transport, module, c, spec, binaries):
+    """Each raw-rows case through `c`; a wrong width and keys beside rows refused."""
+    model = spec["model"]
+    bad = "StatusCode.INVALID_ARGUMENT" if module is grpcclient else "400"
+
+    def rows_input(arr, binary):
+        t = module.InferInput("rows", list(arr.shape), "FP32")
+        if module is httpclient:
+            t.set_data_from_numpy(arr, binary_data=binary)
+        else:
+            t.set_data_from_numpy(arr)
+        return t
+
+    for i, case in enumerate(spec["raw_cases"]):
+        arr = np.array(case["rows"], dtype=np.float32)
+        for binary in binaries:
+            r = c.infer(model, [rows_input(arr, binary)], parameters={"budget_us": 1_000_000})
+            how = "binary" if binary else "JSON"
+            check(f"{transport} {how} raw rows case {i} ({arr.shape[0]} rows): scores equal the FlatBuffers client's",
+                  bits(r.as_numpy("scores")) == case["score_bits"], f"{r.as_numpy('scores')}")
+    arr = np.array(spec["raw_cases"][0]["rows"], dtype=np.float32)
+    narrow = arr[:, :-1].copy()
+    expect_error(f"{transport} raw rows of the wrong width", lambda: c.infer(model, [rows_input(narrow, True)]), bad,
+                 "shape")
+    user = module.InferInput("user_id", [1], "INT64")
+    user.set_data_from_numpy(np.array([7], dtype=np.int64))
+    expect_error(f"{transport} raw rows beside a key", lambda: c.infer(model, [rows_input(arr, True), user]), bad,
+                 "whole input")
 
 
 def expect_error(name, call, want_status, want_text):
@@ -181,6 +214,7 @@ def grpc_checks(url, spec):
     expect_error("grpc message over the size limit",
                  infer_with([user, ("item_ids", "INT64", np.arange(1_000_000, dtype=np.int64))]),
                  "StatusCode.OUT_OF_RANGE", "too large")
+    raw_rows_checks("grpc", grpcclient, c, spec, [True])
     r = c.infer(model, inputs_for(grpcclient, case, True))
     check("grpc serves on after the bad inputs", bits(r.as_numpy("scores")) == case["score_bits"])
     c.close()
@@ -245,6 +279,7 @@ def http_checks(url, spec):
     expect_error("http unknown model", infer_with([user, items], model_name="no-such-model"), "404", "unknown model")
     expect_error("http body over the size limit",
                  infer_with([user, ("item_ids", "INT64", np.arange(1_000_000, dtype=np.int64))]), "413", "")
+    raw_rows_checks("http", httpclient, c, spec, [True, False])
     r = c.infer(model, inputs_for(httpclient, case, False))
     check("http serves on after the bad inputs", bits(r.as_numpy("scores")) == case["score_bits"])
     c.close()

@@ -122,6 +122,7 @@ mod tests {
                 spec("context", DataType::Fp32, &[16], Role::Context, true),
             ],
             outputs: vec![spec("scores", DataType::Fp32, &[-1], Role::Context, false)],
+            row_width: 48,
         }
     }
 

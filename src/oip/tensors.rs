@@ -14,6 +14,12 @@
 //! [1] at request scope and [-1] at candidate scope; `context` (FP32) and
 //! `context_ids` (INT64) carry the context the model reads. The output is
 //! `scores` (FP32 [-1]). UINT64 is taken wherever INT64 is.
+//!
+//! Raw rows: a caller that computes its features itself sends one input,
+//! `rows` (FP32 [N, width], the model's input rows), instead of all of the
+//! above; it becomes a FlatBuffers raw-rows request, scored with nothing
+//! looked up. It is not in the metadata, so tools that fill every listed
+//! input (perf_analyzer) keep sending keys; docs/PROTOCOL.md documents it.
 
 use std::time::Duration;
 
@@ -117,10 +123,15 @@ pub struct Signature {
     pub version: u32,
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<TensorSpec>,
+    /// Floats in one of the model's input rows: a raw `rows` input's width.
+    pub row_width: usize,
 }
 
 /// The name of the one output.
 pub const SCORES: &str = "scores";
+
+/// The input that carries raw rows in place of keys and context.
+pub const RAW_ROWS: &str = "rows";
 
 impl Signature {
     /// `model`'s inputs as requests key them: one per group the model reads
@@ -190,7 +201,8 @@ impl Signature {
             role: Role::Context,
             optional: false,
         }];
-        Signature { name: model.name.clone(), version: model.version, inputs, outputs }
+        let row_width = model.inputs.iter().map(|s| s.dim).sum();
+        Signature { name: model.name.clone(), version: model.version, inputs, outputs, row_width }
     }
 }
 
@@ -492,6 +504,9 @@ impl Checker {
             client_id: request.params.client_id,
             ..RequestSpec::default()
         };
+        if self.raw_rows(signature, request, &mut spec)? {
+            return Ok(spec);
+        }
         let mut seen: Vec<&str> = Vec::with_capacity(request.inputs.len());
         for input in &request.inputs {
             if seen.contains(&input.name) {
@@ -541,6 +556,43 @@ impl Checker {
             }
         }
         Ok(spec)
+    }
+
+    /// Takes a request whose input is `rows` into `spec` as raw rows:
+    /// FP32 [N, the model's row width], the only input. False when the
+    /// request keys its rows instead (or the model has a keyed input of
+    /// that name, which wins).
+    fn raw_rows(
+        &self,
+        signature: &Signature,
+        request: &InferRequest<'_>,
+        spec: &mut RequestSpec,
+    ) -> Result<bool, InferError> {
+        if signature.inputs.iter().any(|t| t.name == RAW_ROWS) {
+            return Ok(false);
+        }
+        let Some(input) = request.inputs.iter().find(|i| i.name == RAW_ROWS) else {
+            return Ok(false);
+        };
+        if let Some(other) = request.inputs.iter().find(|i| i.name != RAW_ROWS) {
+            let why = format!("raw rows are the model's whole input; the request also gives '{}'", other.name);
+            return Err(InferError::Data { name: RAW_ROWS.into(), why });
+        }
+        if request.inputs.len() > 1 {
+            return Err(InferError::DuplicateInput(RAW_ROWS.into()));
+        }
+        let want = TensorSpec {
+            name: RAW_ROWS.into(),
+            datatype: DataType::Fp32,
+            shape: vec![-1, signature.row_width as i64],
+            role: Role::Context,
+            optional: true,
+        };
+        let count = self.check(signature, &want, input)?;
+        spec.rows = floats(input, count)?;
+        // `check` bounded the first dimension by `candidates_max`.
+        spec.row_count = input.shape[0] as u32;
+        Ok(true)
     }
 
     /// `input`'s datatype, shape and element count against `want`; returns
@@ -783,7 +835,42 @@ mod tests {
                 spec("ad", DataType::Int64, &[-1], Role::Group { strings: false }, true),
             ],
             outputs: Vec::new(),
+            row_width: 3,
         }
+    }
+
+    #[test]
+    fn a_rows_input_alone_becomes_a_raw_rows_request() {
+        let sig = signature();
+        let rows = [0.5f32, -1.0, f32::NAN, 2.0, 0.0, 3.5];
+        let raw = le(&rows, |v| v.to_le_bytes().to_vec());
+        let json = serde_json::json!([[0.5, -1.0, 0.0], [2.0, 0.0, 3.5]]);
+        let spec = CHECKER.spec(&sig, &request(vec![input("rows", "FP32", &[2, 3], Data::Raw(&raw))])).unwrap();
+        assert_eq!((spec.row_count, spec.rows.len(), spec.model.as_str()), (2, 6, "demo"));
+        assert_eq!(spec.rows.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), rows.map(f32::to_bits));
+        assert!(spec.item_ids.is_empty() && spec.user_id == 0 && spec.groups.is_empty());
+        let spec = CHECKER.spec(&sig, &request(vec![input("rows", "FP32", &[2, 3], Data::Json(&json))])).unwrap();
+        assert_eq!(spec.rows, [0.5, -1.0, 0.0, 2.0, 0.0, 3.5]);
+        let err = |inputs| CHECKER.spec(&sig, &request(inputs)).unwrap_err();
+        let fp = [1.0f32; 6];
+        let rows_input = || input("rows", "FP32", &[2, 3], Data::Fp32(&fp));
+        assert!(matches!(err(vec![input("rows", "FP32", &[3, 2], Data::Fp32(&fp))]), InferError::Shape { .. }));
+        assert!(matches!(err(vec![input("rows", "FP32", &[6], Data::Fp32(&fp))]), InferError::Shape { .. }));
+        assert!(matches!(err(vec![input("rows", "FP64", &[2, 3], Data::Fp32(&fp))]), InferError::Datatype { .. }));
+        let many = [0.0f32; 27];
+        assert!(matches!(err(vec![input("rows", "FP32", &[9, 3], Data::Fp32(&many))]), InferError::Shape { .. }));
+        let one = [1i64];
+        match err(vec![rows_input(), input("user_id", "INT64", &[1], Data::Int64(&one))]) {
+            InferError::Data { name, why } => assert!(name == "rows" && why.contains("'user_id'"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(err(vec![rows_input(), rows_input()]), InferError::DuplicateInput("rows".into()));
+        // Five rows of three: 15 elements fit; the element limit (16) holds.
+        let five = [0.0f32; 15];
+        assert_eq!(
+            CHECKER.spec(&sig, &request(vec![input("rows", "FP32", &[5, 3], Data::Fp32(&five))])).unwrap().row_count,
+            5
+        );
     }
 
     const CHECKER: Checker = Checker { candidates_max: 8, tensor_elements_max: 16 };
