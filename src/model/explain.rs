@@ -71,7 +71,7 @@ pub fn path_len(depth: usize) -> usize {
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
 /// Bytes of the quadrature's table per tree node (leaves and splits): the
-/// table is this times the ensemble's nodes (and 8 bytes a tree and 14 a
+/// table is this times the ensemble's nodes (and 8 bytes a tree and 16 a
 /// level of a tree), so
 /// `trees::ENSEMBLE_NODES_MAX` bounds it (384 MiB; the ensemble itself
 /// holds 28 bytes a node).
@@ -250,7 +250,7 @@ impl Explainer {
     pub fn table_bytes(&self) -> usize {
         match &self.method {
             Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| {
-                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 14 * q.levels.len()
+                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 16 * q.levels.len()
             }),
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
@@ -522,6 +522,9 @@ const MISSING_LEFT: u8 = 4;
 const ZERO_MISSING: u8 = 8;
 /// The node is its parent's left child.
 const LEFT_CHILD: u8 = 16;
+/// A split below the root whose children are both leaves and whose
+/// feature no edge above splits on: it is finished on the way down.
+const TWIG: u8 = 32;
 
 impl TableNode {
     fn split(&self) -> Split {
@@ -591,7 +594,7 @@ struct Quadrature {
     /// sibling is a leaf (side by side, a pair) of each kind, the other
     /// leaves of each kind, and the level's end. The walk runs each class
     /// in its own loop, so nothing branches on a node's class.
-    levels: Vec<[u16; 7]>,
+    levels: Vec<[u16; 8]>,
     tree_levels: Vec<u32>,
     /// Each slot's input column: the features the splits read, ascending.
     columns: Vec<u16>,
@@ -722,19 +725,35 @@ impl Quadrature {
                             (start, feature, len)
                         }
                     };
-                    // Splits; leaves whose sibling is a leaf too (handled
-                    // as a pair); other leaves: each plain, then repeated.
-                    let sibling_leaf = at > 0 && {
-                        let up = &tree[in_tree[parent]];
-                        let sibling = if is_left { up.right } else { up.left };
-                        matches!(tree[sibling as usize].split, Split::Leaf { .. })
+                    // Splits, twigs (below the root, both children
+                    // leaves, a feature no edge above splits on), each
+                    // plain, then repeated; the twigs' leaves (a twig's
+                    // pair side by side, in its twig's order); other
+                    // leaves, plain, then repeated.
+                    let leaf = |c: u32| matches!(tree[c as usize].split, Split::Leaf { .. });
+                    let twig = at > 0 && flags & LEAF == 0 && leaf(n.left) && leaf(n.right) && {
+                        // Up the path from the parent: a split on the
+                        // twig's own feature above it.
+                        let mut q = parent;
+                        loop {
+                            if split_feature[q] == feature {
+                                break false;
+                            }
+                            if q == 0 {
+                                break true;
+                            }
+                            q = nodes[first + q].parent as usize;
+                        }
                     };
-                    let kind = match (flags & LEAF != 0, sibling_leaf) {
-                        (false, _) => 0,
-                        (true, true) => 2,
-                        (true, false) => 4,
+                    flags |= if twig { TWIG } else { 0 };
+                    let repeated = u8::from(repeat != NO_NODE);
+                    let class = if flags & LEAF == 0 {
+                        2 * u8::from(twig) + repeated
+                    } else if at > 0 && nodes[first + parent].flags & TWIG != 0 {
+                        4
+                    } else {
+                        5 + repeated
                     };
-                    let class = kind + u8::from(repeat != NO_NODE);
                     let node = TableNode {
                         zero,
                         value,
@@ -751,8 +770,8 @@ impl Quadrature {
                 let at = in_tree.len();
                 if at > 0 {
                     // Where each class starts in the level, and its end.
-                    let mut bounds = [(at + built.len()) as u16; 7];
-                    for class in (0..6u8).rev() {
+                    let mut bounds = [(at + built.len()) as u16; 8];
+                    for class in (0..7u8).rev() {
                         let from = built.iter().position(|(c, _, _)| *c >= class).unwrap_or(built.len());
                         bounds[class as usize] = (at + from) as u16;
                     }
@@ -862,24 +881,29 @@ impl Quadrature {
             left[0] = nodes[0].goes_left(x, words);
             // Index loops: an iterator adapter's closure may be compiled
             // apart, without the target features.
-            for level in levels {
-                let [a, b, c, d, e, f, end] = level.map(usize::from);
+            for (l, level) in levels.iter().enumerate() {
+                let [a, b, c, d, e, f, g, end] = level.map(usize::from);
                 for (k, n) in nodes[a..b].iter().enumerate() {
                     at.split::<false>(n, a + k, x, words, node, one, coef, left);
                 }
                 for (k, n) in nodes[b..c].iter().enumerate() {
                     at.split::<true>(n, b + k, x, words, node, one, coef, left);
                 }
-                for pair in nodes[c..d].chunks_exact(2) {
-                    at.leaf_pair(&pair[0], &pair[1], node, left, lanes);
+                // The twigs' leaves, two a twig, start the next level (a
+                // level of twigs has one).
+                let pairs = levels.get(l + 1).map_or(end, |next| usize::from(next[4]));
+                for (k, n) in nodes[c..d].iter().enumerate() {
+                    let pair = &nodes[pairs + 2 * k..pairs + 2 * k + 2];
+                    at.twig::<false>(n, pair, x, words, node, one, coef, left, lanes);
                 }
-                for n in &nodes[d..e] {
-                    at.leaf::<true>(n, node, one, coef, left, lanes);
+                for (k, n) in nodes[d..e].iter().enumerate() {
+                    let pair = &nodes[pairs + 2 * (d - c + k)..pairs + 2 * (d - c + k) + 2];
+                    at.twig::<true>(n, pair, x, words, node, one, coef, left, lanes);
                 }
-                for n in &nodes[e..f] {
+                for n in &nodes[f..g] {
                     at.leaf::<false>(n, node, one, coef, left, lanes);
                 }
-                for n in &nodes[f..end] {
+                for n in &nodes[g..end] {
                     at.leaf::<true>(n, node, one, coef, left, lanes);
                 }
             }
@@ -979,25 +1003,40 @@ impl<const N: usize> At<N> {
         left[i] = n.goes_left(x, words);
     }
 
-    /// Both leaves of a split whose feature no edge above splits on: for
-    /// each, `scaled` is the parent's product times the scalar `o − z` and
-    /// `grow` is its factor, so the pair adds the product times one scalar
-    /// to the feature's lanes and one factor-shaped vector to the parent's
-    /// sum, the sums of what each leaf would add alone ([`At::leaf`]).
+    /// A twig (its two leaves, left then right, in `pair`), finished here:
+    /// its leaves add, as [`At::leaf`] would, the twig's product times `o
+    /// − z` of each (one scalar for the pair: the twig's feature is split
+    /// on nowhere above) to its feature's lanes, and make its sum `S` (a
+    /// factor-shaped vector); the twig adds `S` times its `scaled` and
+    /// `grow` to its parent's feature and sum, as the up pass would.
     #[inline(always)]
-    fn leaf_pair(&self, l: &TableNode, r: &TableNode, node: &mut [[f64; N]], left: &[bool], lanes: &mut [[f64; N]]) {
+    #[allow(clippy::too_many_arguments)]
+    fn twig<const REPEAT: bool>(
+        &self,
+        n: &TableNode,
+        pair: &[TableNode],
+        x: &[f32],
+        words: &[u32],
+        node: &mut [[f64; N]],
+        one: &[f64],
+        coef: &[f64],
+        left: &[bool],
+        lanes: &mut [[f64; N]],
+    ) {
         let (t, rest) = (&self.t, &self.rest);
-        let p = l.parent as usize;
-        let went_left = left[p];
-        let taken = |n: &TableNode| ((n.flags & LEFT_CHILD != 0) == went_left) as u8 as f64;
+        let (f, excl, g, scaled, _) = self.edge::<REPEAT>(n, node, one, coef, left);
+        let (l, r) = (&pair[0], &pair[1]);
         let (vl, vr) = (f32::from_bits(l.value) as f64, f32::from_bits(r.value) as f64);
         let zero = l.zero * vl + r.zero * vr;
-        let one = taken(l) * vl + taken(r) * vr;
-        let product = node[5 * p + PRODUCT];
-        let (slot, to) = (l.slot as usize, 5 * p + SUM);
-        let (into_lanes, into_parent) = (lanes[slot], node[to]);
-        lanes[slot] = std::array::from_fn(|k| into_lanes[k] + product[k] * (one - zero));
-        node[to] = std::array::from_fn(|k| into_parent[k] + zero * rest[k] + one * t[k]);
+        let taken = if n.goes_left(x, words) { vl } else { vr };
+        let into_leaves = lanes[l.slot as usize];
+        lanes[l.slot as usize] = std::array::from_fn(|k| into_leaves[k] + excl[k] * f[k] * (taken - zero));
+        let sum: [f64; N] = std::array::from_fn(|k| zero * rest[k] + taken * t[k]);
+        let into_lanes = lanes[n.slot as usize];
+        lanes[n.slot as usize] = std::array::from_fn(|k| into_lanes[k] + scaled[k] * sum[k]);
+        let to = 5 * n.parent as usize + SUM;
+        let into_parent = node[to];
+        node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * sum[k]);
     }
 
     /// A leaf: its value times `scaled` to its feature's lanes, times
@@ -1705,7 +1744,7 @@ mod tests {
         let e = t.ensemble();
         let levels: usize = (0..e.trees()).map(|t| below(e.tree(t), 0)).sum();
         assert_eq!(q.levels.len(), levels);
-        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 14 * levels);
+        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 16 * levels);
     }
 
     /// The table's branch-free rule is `trees::goes_left`, missing values,
