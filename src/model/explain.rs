@@ -32,14 +32,15 @@
 //!   the quadrature points and takes back, over that subtree, what the
 //!   earlier edge counted; the two terms cancel exactly, as the quadrature
 //!   is linear in the values. Within a level the table holds the nodes by
-//!   class (splits, then leaves; a feature no edge above splits on, then
-//!   one that is), so each class runs in its own loop: the common nodes
-//!   skip the division that a repeated feature needs, and a leaf adds its
-//!   share on the way down and is never visited again (the two leaves of
-//!   a split whose feature is not repeated, both at once: one scalar each
-//!   for the lanes and the parent). The per-node table
-//!   is built once, when the explainer is: `TABLE_NODE_BYTES` per tree
-//!   node.
+//!   class (splits, twigs — splits over two leaves —, then leaves; a
+//!   feature no edge above splits on, then one that is), so each class
+//!   runs in its own loop: the common nodes skip the division that a
+//!   repeated feature needs, and a leaf adds its share on the way down and
+//!   is never visited again. A twig is finished on the way down with its
+//!   two leaves (their sum is known there), so the way up visits only the
+//!   splits above the twigs: about half of a full tree's. The per-node
+//!   table is built once, when the explainer is: `TABLE_NODE_BYTES` per
+//!   tree node.
 //! - **Classic**: Algorithm 2 of Lundberg et al. (path arrays, extend and
 //!   unwind), one recursive walk per tree: the reference the quadrature is
 //!   tested against, and benchmarked beside it.
@@ -71,7 +72,7 @@ pub fn path_len(depth: usize) -> usize {
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
 /// Bytes of the quadrature's table per tree node (leaves and splits): the
-/// table is this times the ensemble's nodes (and 8 bytes a tree and 16 a
+/// table is this times the ensemble's nodes (and 8 bytes a tree and 20 a
 /// level of a tree), so
 /// `trees::ENSEMBLE_NODES_MAX` bounds it (384 MiB; the ensemble itself
 /// holds 28 bytes a node).
@@ -250,7 +251,7 @@ impl Explainer {
     pub fn table_bytes(&self) -> usize {
         match &self.method {
             Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| {
-                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 16 * q.levels.len()
+                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 20 * q.levels.len()
             }),
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
@@ -522,8 +523,8 @@ const MISSING_LEFT: u8 = 4;
 const ZERO_MISSING: u8 = 8;
 /// The node is its parent's left child.
 const LEFT_CHILD: u8 = 16;
-/// A split below the root whose children are both leaves and whose
-/// feature no edge above splits on: it is finished on the way down.
+/// A split below the root whose children are both leaves: it is finished
+/// on the way down.
 const TWIG: u8 = 32;
 
 impl TableNode {
@@ -588,13 +589,15 @@ struct Quadrature {
     /// Tree `t` is `nodes[starts[t]..starts[t + 1]]` (lone leaves left out).
     starts: Vec<u32>,
     /// Tree `t`'s levels below the root are `levels[tree_levels[t]..
-    /// tree_levels[t + 1]]`, each the tree-relative bounds of its six
+    /// tree_levels[t + 1]]`, each the tree-relative bounds of its nine
     /// classes of node, in table order: splits whose feature no edge above
-    /// splits on, splits whose feature one does (`repeat`), leaves whose
-    /// sibling is a leaf (side by side, a pair) of each kind, the other
-    /// leaves of each kind, and the level's end. The walk runs each class
+    /// splits on, splits whose feature one does (`repeat`); twigs (splits
+    /// over two leaves) of each kind, first those whose own feature no
+    /// edge above splits on, then those whose one does; the twigs' leaves
+    /// of the level above (a pair each, in their twigs' order); the other
+    /// leaves of each kind; and the level's end. The walk runs each class
     /// in its own loop, so nothing branches on a node's class.
-    levels: Vec<[u16; 8]>,
+    levels: Vec<[u16; 10]>,
     tree_levels: Vec<u32>,
     /// Each slot's input column: the features the splits read, ascending.
     columns: Vec<u16>,
@@ -725,22 +728,23 @@ impl Quadrature {
                             (start, feature, len)
                         }
                     };
-                    // Splits, twigs (below the root, both children
-                    // leaves, a feature no edge above splits on), each
-                    // plain, then repeated; the twigs' leaves (a twig's
-                    // pair side by side, in its twig's order); other
-                    // leaves, plain, then repeated.
+                    // Splits, then twigs (below the root, both children
+                    // leaves), each plain, then repeated (the twigs' by
+                    // their own edge, then by their leaves'); the twigs'
+                    // leaves (a twig's pair side by side, in its twig's
+                    // order); other leaves, plain, then repeated.
                     let leaf = |c: u32| matches!(tree[c as usize].split, Split::Leaf { .. });
-                    let twig = at > 0 && flags & LEAF == 0 && leaf(n.left) && leaf(n.right) && {
-                        // Up the path from the parent: a split on the
-                        // twig's own feature above it.
+                    let twig = at > 0 && flags & LEAF == 0 && leaf(n.left) && leaf(n.right);
+                    // Up the path from the parent: a split on the twig's
+                    // own feature above it.
+                    let twig_repeated = twig && {
                         let mut q = parent;
                         loop {
                             if split_feature[q] == feature {
-                                break false;
+                                break true;
                             }
                             if q == 0 {
-                                break true;
+                                break false;
                             }
                             q = nodes[first + q].parent as usize;
                         }
@@ -748,11 +752,11 @@ impl Quadrature {
                     flags |= if twig { TWIG } else { 0 };
                     let repeated = u8::from(repeat != NO_NODE);
                     let class = if flags & LEAF == 0 {
-                        2 * u8::from(twig) + repeated
+                        2 * u8::from(twig) + 2 * u8::from(twig_repeated) + repeated
                     } else if at > 0 && nodes[first + parent].flags & TWIG != 0 {
-                        4
+                        6
                     } else {
-                        5 + repeated
+                        7 + repeated
                     };
                     let node = TableNode {
                         zero,
@@ -770,8 +774,8 @@ impl Quadrature {
                 let at = in_tree.len();
                 if at > 0 {
                     // Where each class starts in the level, and its end.
-                    let mut bounds = [(at + built.len()) as u16; 8];
-                    for class in (0..7u8).rev() {
+                    let mut bounds = [(at + built.len()) as u16; 10];
+                    for class in (0..9u8).rev() {
                         let from = built.iter().position(|(c, _, _)| *c >= class).unwrap_or(built.len());
                         bounds[class as usize] = (at + from) as u16;
                     }
@@ -847,16 +851,19 @@ impl Quadrature {
     /// t`; the product of the path's factors (each feature's latest; the
     /// weights at the root); `excl`, the parent's product without feature
     /// i's factor `f_a` from the nearest edge above that splits on i (the
-    /// dummy's 1 when none does). The node keeps `scaled = excl · ((o − z)
+    /// dummy's 1 when none does). The node has `scaled = excl · ((o − z)
     /// − (o_a − z_a) f / f_a)` and `grow = f / f_a`. Where no edge above
     /// splits on i, `f_a` is 1 and `o_a − z_a` 0: those nodes skip the
-    /// division (most nodes; their own loop, [`Quadrature::levels`]).
+    /// division (most nodes; their own loop, [`Quadrature::levels`]) and
+    /// keep neither, as the parent's product times `o − z` and the factor
+    /// are kept anyway.
     ///
     /// Up, children before parents: a node's sum `S` (its leaf value, or
     /// its children's sums grown into it) gives feature i `Σ_t scaled · S`
     /// and the parent `grow · S`. A leaf's `S` is its value, known on the
-    /// way down, so a leaf adds both there and keeps nothing; the up pass
-    /// visits splits only. The second term of `scaled` takes back what the
+    /// way down, so a leaf adds both there and keeps nothing; a twig's
+    /// `S` is its two leaves', so it too is finished there ([`At::twig`]);
+    /// the up pass visits the other splits only. The second term of `scaled` takes back what the
     /// edge above counted for this subtree, when i is split on again; a
     /// subtree whose factor is 0 (no row and no training row reaches it)
     /// has `1 / f` read as 0, so it adds nothing. No branch depends on the
@@ -882,7 +889,7 @@ impl Quadrature {
             // Index loops: an iterator adapter's closure may be compiled
             // apart, without the target features.
             for (l, level) in levels.iter().enumerate() {
-                let [a, b, c, d, e, f, g, end] = level.map(usize::from);
+                let [a, b, c, d, e, f, twigs_end, g, h, end] = level.map(usize::from);
                 for (k, n) in nodes[a..b].iter().enumerate() {
                     at.split::<false>(n, a + k, x, words, node, one, coef, left);
                 }
@@ -891,32 +898,34 @@ impl Quadrature {
                 }
                 // The twigs' leaves, two a twig, start the next level (a
                 // level of twigs has one).
-                let pairs = levels.get(l + 1).map_or(end, |next| usize::from(next[4]));
-                for (k, n) in nodes[c..d].iter().enumerate() {
-                    let pair = &nodes[pairs + 2 * k..pairs + 2 * k + 2];
-                    at.twig::<false>(n, pair, x, words, node, one, coef, left, lanes);
+                let pairs = levels.get(l + 1).map_or(end, |next| usize::from(next[6]));
+                let pair = |i: usize| &nodes[pairs + 2 * (i - c)..][..2];
+                for i in c..d {
+                    at.twig::<false, false>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
                 }
-                for (k, n) in nodes[d..e].iter().enumerate() {
-                    let pair = &nodes[pairs + 2 * (d - c + k)..pairs + 2 * (d - c + k) + 2];
-                    at.twig::<true>(n, pair, x, words, node, one, coef, left, lanes);
+                for i in d..e {
+                    at.twig::<true, false>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
                 }
-                for n in &nodes[f..g] {
+                for i in e..f {
+                    at.twig::<false, true>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
+                }
+                for i in f..twigs_end {
+                    at.twig::<true, true>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
+                }
+                for n in &nodes[g..h] {
                     at.leaf::<false>(n, node, one, coef, left, lanes);
                 }
-                for n in &nodes[g..end] {
+                for n in &nodes[h..end] {
                     at.leaf::<true>(n, node, one, coef, left, lanes);
                 }
             }
             for level in levels.iter().rev() {
-                for i in (usize::from(level[0])..usize::from(level[2])).rev() {
-                    let n = &nodes[i];
-                    let (slot, to) = (n.slot as usize, 5 * n.parent as usize + SUM);
-                    let (s, g, total) = (node[5 * i + SCALED], node[5 * i + GROW], node[5 * i + SUM]);
-                    // Whole vectors in and out, which the compiler keeps in
-                    // vector registers (a lane at a time, it did not).
-                    let (into_lanes, into_parent) = (lanes[slot], node[to]);
-                    lanes[slot] = std::array::from_fn(|k| into_lanes[k] + s[k] * total[k]);
-                    node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * total[k]);
+                let [a, b, c, ..] = level.map(usize::from);
+                for i in (a..b).rev() {
+                    at.up::<false>(&nodes[i], i, node, coef, lanes);
+                }
+                for i in (b..c).rev() {
+                    at.up::<true>(&nodes[i], i, node, coef, lanes);
                 }
             }
         }
@@ -996,42 +1005,90 @@ impl<const N: usize> At<N> {
         let at = 5 * i;
         node[at + PRODUCT] = std::array::from_fn(|k| excl[k] * f[k]);
         node[at + FACTOR] = f;
-        node[at + SCALED] = scaled;
-        node[at + GROW] = g;
+        if REPEAT {
+            node[at + SCALED] = scaled;
+            node[at + GROW] = g;
+        }
         node[at + SUM] = [0.0; N];
         (one[i], coef[i]) = (o, o - n.zero);
         left[i] = n.goes_left(x, words);
     }
 
-    /// A twig (its two leaves, left then right, in `pair`), finished here:
-    /// its leaves add, as [`At::leaf`] would, the twig's product times `o
-    /// − z` of each (one scalar for the pair: the twig's feature is split
-    /// on nowhere above) to its feature's lanes, and make its sum `S` (a
-    /// factor-shaped vector); the twig adds `S` times its `scaled` and
-    /// `grow` to its parent's feature and sum, as the up pass would.
+    /// A split `i` on the way up: its sum `S`, complete, times `scaled`
+    /// to its feature's lanes and times `grow` to its parent's sum. Where
+    /// no edge above splits on the feature, those are the parent's product
+    /// times `o − z` and the factor ([`At::edge`]), not stored on the way
+    /// down.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn twig<const REPEAT: bool>(
+    fn up<const REPEAT: bool>(
         &self,
         n: &TableNode,
+        i: usize,
+        node: &mut [[f64; N]],
+        coef: &[f64],
+        lanes: &mut [[f64; N]],
+    ) {
+        let (slot, to) = (n.slot as usize, 5 * n.parent as usize + SUM);
+        let total = node[5 * i + SUM];
+        let (s, g) = if REPEAT {
+            (node[5 * i + SCALED], node[5 * i + GROW])
+        } else {
+            let (product, c) = (node[5 * n.parent as usize + PRODUCT], coef[i]);
+            (std::array::from_fn(|k| product[k] * c), node[5 * i + FACTOR])
+        };
+        // Whole vectors in and out, which the compiler keeps in vector
+        // registers (a lane at a time, it did not).
+        let (into_lanes, into_parent) = (lanes[slot], node[to]);
+        lanes[slot] = std::array::from_fn(|k| into_lanes[k] + s[k] * total[k]);
+        node[to] = std::array::from_fn(|k| into_parent[k] + g[k] * total[k]);
+    }
+
+    /// A twig `i` (its two leaves, left then right, in `pair`), finished
+    /// here. Its leaves share their parent, so their edges share `excl`
+    /// and `1 / f_a` (`r`): with `Z` and `O` the sums over the pair of the
+    /// leaf value times its `z` and its `o`, they add `excl ((O − Z) −
+    /// (o_a − z_a) S)` to the twig's feature's lanes and make the twig's
+    /// sum `S = r (Z (1 − t) + O t)`, as [`At::leaf`] would one by one
+    /// (`CHILDREN`: an edge above the twig splits on its feature; else `r`
+    /// is 1 and `o_a − z_a` is 0). The twig adds `S` times its `scaled`
+    /// and `grow` to its parent's feature and sum, as the up pass would.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn twig<const REPEAT: bool, const CHILDREN: bool>(
+        &self,
+        n: &TableNode,
+        i: usize,
         pair: &[TableNode],
         x: &[f32],
         words: &[u32],
         node: &mut [[f64; N]],
-        one: &[f64],
-        coef: &[f64],
+        one: &mut [f64],
+        coef: &mut [f64],
         left: &[bool],
         lanes: &mut [[f64; N]],
     ) {
         let (t, rest) = (&self.t, &self.rest);
-        let (f, excl, g, scaled, _) = self.edge::<REPEAT>(n, node, one, coef, left);
+        let (f, excl, g, scaled, o) = self.edge::<REPEAT>(n, node, one, coef, left);
         let (l, r) = (&pair[0], &pair[1]);
         let (vl, vr) = (f32::from_bits(l.value) as f64, f32::from_bits(r.value) as f64);
         let zero = l.zero * vl + r.zero * vr;
         let taken = if n.goes_left(x, words) { vl } else { vr };
-        let into_leaves = lanes[l.slot as usize];
-        lanes[l.slot as usize] = std::array::from_fn(|k| into_leaves[k] + excl[k] * f[k] * (taken - zero));
-        let sum: [f64; N] = std::array::from_fn(|k| zero * rest[k] + taken * t[k]);
+        let product: [f64; N] = std::array::from_fn(|k| excl[k] * f[k]);
+        let (sum, into_leaves): ([f64; N], [f64; N]) = if CHILDREN {
+            // The leaves' `a` may be the twig itself: its edge first.
+            node[5 * i + FACTOR] = f;
+            (one[i], coef[i]) = (o, o - n.zero);
+            let a = l.repeat as usize;
+            let (taken, ca, fa) = (taken * one[a], coef[a], node[5 * a + FACTOR]);
+            let r: [f64; N] = std::array::from_fn(|k| if fa[k] == 0.0 { 0.0 } else { 1.0 / fa[k] });
+            let sum: [f64; N] = std::array::from_fn(|k| r[k] * (zero * rest[k] + taken * t[k]));
+            (sum, std::array::from_fn(|k| product[k] * r[k] * ((taken - zero) - ca * sum[k])))
+        } else {
+            let sum = std::array::from_fn(|k| zero * rest[k] + taken * t[k]);
+            (sum, std::array::from_fn(|k| product[k] * (taken - zero)))
+        };
+        let into_lanes = lanes[l.slot as usize];
+        lanes[l.slot as usize] = std::array::from_fn(|k| into_lanes[k] + into_leaves[k]);
         let into_lanes = lanes[n.slot as usize];
         lanes[n.slot as usize] = std::array::from_fn(|k| into_lanes[k] + scaled[k] * sum[k]);
         let to = 5 * n.parent as usize + SUM;
@@ -1744,7 +1801,7 @@ mod tests {
         let e = t.ensemble();
         let levels: usize = (0..e.trees()).map(|t| below(e.tree(t), 0)).sum();
         assert_eq!(q.levels.len(), levels);
-        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 16 * levels);
+        assert_eq!(fast.table_bytes(), (nodes - lone_leaves) * TABLE_NODE_BYTES + 8 * (trees + 1) + 20 * levels);
     }
 
     /// The table's branch-free rule is `trees::goes_left`, missing values,
