@@ -900,17 +900,17 @@ impl Quadrature {
                 // level of twigs has one).
                 let pairs = levels.get(l + 1).map_or(end, |next| usize::from(next[6]));
                 let pair = |i: usize| &nodes[pairs + 2 * (i - c)..][..2];
-                for i in c..d {
-                    at.twig::<false, false>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
+                for (k, n) in nodes[c..d].iter().enumerate() {
+                    at.twig::<false, false>(n, c + k, pair(c + k), x, words, node, one, coef, left, lanes);
                 }
-                for i in d..e {
-                    at.twig::<true, false>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
+                for (k, n) in nodes[d..e].iter().enumerate() {
+                    at.twig::<true, false>(n, d + k, pair(d + k), x, words, node, one, coef, left, lanes);
                 }
-                for i in e..f {
-                    at.twig::<false, true>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
+                for (k, n) in nodes[e..f].iter().enumerate() {
+                    at.twig::<false, true>(n, e + k, pair(e + k), x, words, node, one, coef, left, lanes);
                 }
-                for i in f..twigs_end {
-                    at.twig::<true, true>(&nodes[i], i, pair(i), x, words, node, one, coef, left, lanes);
+                for (k, n) in nodes[f..twigs_end].iter().enumerate() {
+                    at.twig::<true, true>(n, f + k, pair(f + k), x, words, node, one, coef, left, lanes);
                 }
                 for n in &nodes[g..h] {
                     at.leaf::<false>(n, node, one, coef, left, lanes);
