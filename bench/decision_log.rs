@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-use quiver::decision_log::record::{DecisionRef, KeysRef, Middle, Span};
+use quiver::decision_log::record::{why, DecisionRef, KeysRef, Middle, Span};
 use quiver::decision_log::writer::Writer;
 use quiver::decision_log::{LogConfig, LogRings, LogStatus};
 use quiver::seeded::SplitMix64;
@@ -108,6 +108,8 @@ fn main() {
                     middle: Middle::Parts { spans: &spans, keys: &keys },
                     x: Some(x),
                     scores: Some(&scores),
+                    why: why::SAMPLE,
+                    shadow: None,
                 };
                 let before = log.records;
                 while log.records == before {

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # The decision log's cost, in one run: auction-32 served by one shard on
-# core $SERVER_CORE with logging off, at 10% and at 100% (three servers, the
-# same binary and demo data), each driven open loop at $RATE requests/s by
-# `quiver bench` on core $GEN_CORE, $RUNS runs each, interleaved (run 1 of
-# every server, then run 2, ...) so a noisy minute of the machine falls on
-# all of them. Every thread of a server, the log's writer included, runs on
-# $SERVER_CORE (a 2-core machine has no housekeeping core to spare). Then,
-# from the logging servers: records put, dropped (ring full) and written,
-# and the bytes of closed segments per decision logged (`quiver log
-# inspect`); and the writer alone (`cargo bench --bench decision_log`):
-# decisions/s and MB/s one writer thread turns into segments.
+# core $SERVER_CORE with logging off, at 10% and at 100% (one server per
+# mode, the same binary and demo data), each driven open loop at $RATE
+# requests/s by `quiver bench` on core $GEN_CORE, $RUNS runs each,
+# interleaved (run 1 of every server, then run 2, ...) so a noisy minute of
+# the machine falls on all of them. Then, from the logging servers: records
+# put, dropped (ring full) and written, and the bytes of closed segments
+# per decision logged (`quiver log inspect`); and the writer alone (`cargo
+# bench --bench decision_log`): decisions/s and MB/s one writer thread
+# turns into segments.
 #
-# Writes bench/results/decision_log.json and decision_log.md (rendered into
+# MODES (default "off 10 100"): `off`, `N` (N% logged, the writer
+# SCHED_IDLE, the default) or `Nn` (N% logged, `writer_priority =
+# "normal"`: the writer before it was made SCHED_IDLE, for comparison).
+# PLACEMENT: `shared` (default: every thread of a server, the log's writer
+# included, on $SERVER_CORE, as on a machine with no housekeeping core to
+# spare: the writer only gets the time the shard leaves) or `housekeeping`
+# (the shard on $SERVER_CORE, the writer and the other housekeeping
+# threads on $GEN_CORE beside the load generator, as `quiver serve` places
+# them on a machine with a spare core).
+#
+# Writes $OUT/decision_log.json and decision_log.md (rendered into
 # docs/BENCHMARKS.md by bench/report.py).
 #
-# usage: bench/decision_log.sh     (RUNS=3 DURATION=5s RATE=30000)
+# usage: bench/decision_log.sh     (RUNS=3 DURATION=5s RATE=30000 MODES="off 10 100" PLACEMENT=shared)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +34,16 @@ CONNECTIONS="${CONNECTIONS:-4}"
 SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
 OUT="${OUT:-bench/results}"
+MODES="${MODES:-off 10 100}"
+PLACEMENT="${PLACEMENT:-shared}"
+case "$PLACEMENT" in
+    shared) server_cores="$SERVER_CORE" ;;
+    housekeeping) server_cores="$SERVER_CORE,$GEN_CORE" ;;
+    *) echo "decision_log: PLACEMENT is shared or housekeeping, not '$PLACEMENT'" >&2; exit 1 ;;
+esac
+for mode in $MODES; do
+    [[ "$mode" =~ ^(off|[0-9]+n?)$ ]] || { echo "decision_log: mode '$mode' is off, N or Nn" >&2; exit 1; }
+done
 
 BENCH_NAME=decision_log
 # shellcheck source=bench/lib.sh
@@ -38,13 +57,18 @@ raw="$data/runs"
 mkdir -p "$raw"
 
 declare -A addr admin
-for mode in off 10 100; do
+logging=()
+for mode in $MODES; do
     : >"$data/$mode.toml"
     if [ "$mode" != off ]; then
-        rate="$(python3 -c "print($mode / 100)")"
-        printf '[log]\ndir = "%s"\nsample_rate = %s\n' "$data/log-$mode" "$rate" >"$data/$mode.toml"
+        logging+=("$mode")
+        rate="$(python3 -c "print(${mode%n} / 100)")"
+        priority=idle
+        [[ "$mode" == *n ]] && priority=normal
+        printf '[log]\ndir = "%s"\nsample_rate = %s\nwriter_priority = "%s"\n' "$data/log-$mode" "$rate" "$priority" \
+            >"$data/$mode.toml"
     fi
-    taskset -c "$SERVER_CORE" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
+    taskset -c "$server_cores" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --cores "$SERVER_CORE" --config "$data/$mode.toml" >"$data/$mode.out" 2>"$data/$mode.log" &
     pids+=("$!")
     wait_listening "$data/$mode.out" "$data/$mode.log"
@@ -57,10 +81,10 @@ gen() {
     taskset -c "$GEN_CORE" "$bin" bench --addr "${addr[$mode]}" --connections "$CONNECTIONS" \
         --budget-us 1000000 "$@"
 }
-for mode in off 10 100; do gen "$mode" --duration 1s --rate 10000 --json >/dev/null; done   # warm up
+for mode in $MODES; do gen "$mode" --duration 1s --rate 10000 --json >/dev/null; done   # warm up
 
 for run in $(seq "$RUNS"); do
-    for mode in off 10 100; do
+    for mode in $MODES; do
         gen "$mode" --duration "$DURATION" --rate "$RATE" --json >"$raw/$mode-$run.json" || true
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); l=r['latency']; print(f'run {sys.argv[2]} logging {sys.argv[3]:>3}: p50 {l[\"p50_us\"]:>6} p99 {l[\"p99_us\"]:>7} p99.9 {l[\"p999_us\"]:>7} µs  achieved {r[\"achieved_rate\"]:.0f}/s', file=sys.stderr)" \
             "$raw/$mode-$run.json" "$run" "$mode"
@@ -70,15 +94,16 @@ done
 # The logging servers' counters, then SIGTERM: the writer closes every
 # segment before the process exits.
 metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
-for mode in 10 100; do
+for mode in "${logging[@]}"; do
     {
         echo "records $(metric "${admin[$mode]}" quiver_log_records_total)"
         echo "dropped_ring_full $(metric "${admin[$mode]}" 'quiver_log_dropped_total{reason="ring_full"}')"
+        echo "writer_idle $(metric "${admin[$mode]}" quiver_log_writer_idle)"
     } >"$raw/counters-$mode.txt"
 done
 for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
 pids=()
-for mode in 10 100; do
+for mode in "${logging[@]}"; do
     for f in "$data/log-$mode"/decisions-*.arrow; do
         printf '%s %s\n' "$(stat -c %s "$f")" "$("$bin" log inspect "$f" | awk '/^rows:/ {print $4}' | tr -d ',')"
     done >"$raw/segments-$mode.txt"
@@ -86,15 +111,16 @@ done
 
 cargo bench --quiet --bench decision_log -- --json >"$raw/writer.json"
 
-python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" <<'PY'
+python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" "$MODES" "$PLACEMENT" <<'PY'
 import json, os, statistics, subprocess, sys
 raw, out, runs, duration, rate, conns = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+modes, placement = sys.argv[7].split(), sys.argv[8]
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown")
 load = open("/proc/loadavg").read().split()[:3]
 keys = ["p50_us", "p99_us", "p999_us", "max_us"]
 servers = {}
-for mode in ["off", "10", "100"]:
+for mode in modes:
     rs = [json.load(open(os.path.join(raw, f"{mode}-{r}.json"))) for r in range(1, runs + 1)]
     med = {k: statistics.median(r["latency"][k] for r in rs) for k in keys}
     med["p99_us_runs"] = [r["latency"]["p99_us"] for r in rs]
@@ -105,36 +131,50 @@ for mode in ["off", "10", "100"]:
         segs = [tuple(map(int, l.split())) for l in open(os.path.join(raw, f"segments-{mode}.txt")) if l.strip()]
         bytes_, decisions = sum(s[0] for s in segs), sum(s[1] for s in segs)
         med["records"] = int(float(c.get("records") or 0))
+        med["writer_idle"] = int(float(c.get("writer_idle") or 0))
         med["dropped_ring_full"] = int(float(c.get("dropped_ring_full") or 0))
         med["decisions_in_segments"] = decisions
         med["segment_bytes"] = bytes_
         med["bytes_per_decision"] = round(bytes_ / decisions) if decisions else None
     servers[mode] = med
-off = servers["off"]["p99_us"]
-for mode in ["10", "100"]:
-    servers[mode]["p99_vs_off"] = round(servers[mode]["p99_us"] / max(off, 1), 3)
+off = servers["off"]["p99_us"] if "off" in servers else None
+for mode in modes:
+    if mode != "off" and off is not None:
+        servers[mode]["p99_vs_off"] = round(servers[mode]["p99_us"] / max(off, 1), 3)
 writer = json.load(open(os.path.join(raw, "writer.json")))
 summary = {"commit": commit, "cpu": cpu, "load_average_after": load, "runs": runs, "duration": duration,
-           "rate": rate, "connections": conns, "servers": servers, "writer": writer}
+           "rate": rate, "connections": conns, "placement": placement, "servers": servers, "writer": writer}
 json.dump(summary, open(os.path.join(out, "decision_log.json"), "w"), indent=1, sort_keys=True)
 lines = [
     "## Decision log: its cost on the shard, the writer's throughput, bytes per decision",
     "",
     f"`bench/decision_log.sh` at `{commit}` on {cpu} (2 vCPUs, shared with other builds while it ran: load average "
     f"{' '.join(load)} after it). Auction-32 (32 candidates, 80 floats a row), one shard, open loop at {rate:,} "
-    f"requests/s, {conns} connections, {runs} interleaved runs of {duration} per server; medians of runs. The "
-    "writer thread shares the shard's core.",
+    f"requests/s, {conns} connections, {runs} interleaved runs of {duration} per server; medians of runs. "
+    + ("Every thread of a server, the log's writer included, runs on the shard's core (`PLACEMENT=shared`)."
+       if placement == "shared" else
+       "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`).")
+    + " The writer runs as SCHED_IDLE unless the row says `normal`.",
     "",
-    "| logging | p50 µs | p99 µs | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| logging | writer | p50 µs | p99 µs | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
+    "|---|---|---|---|---|---|---|---|---|---|",
 ]
-for mode, label in [("off", "off"), ("10", "10%"), ("100", "100%")]:
+def label(mode):
+    return "off" if mode == "off" else f"{mode.rstrip('n')}%"
+def writer_kind(mode, m):
+    if mode == "off":
+        return "–"
+    if mode.endswith("n"):
+        return "normal"
+    return "SCHED_IDLE" if m.get("writer_idle") else "idle refused"
+for mode in modes:
     m = servers[mode]
     lines.append(
-        f"| {label} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['p999_us']:.0f} | {m.get('p99_vs_off', 1.0)} | "
+        f"| {label(mode)} | {writer_kind(mode, m)} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['p999_us']:.0f} | "
+        f"{m.get('p99_vs_off', '–') if mode != 'off' else 1.0} | "
         f"{m['achieved_rate']:,.0f} | {m.get('records', '–')} | {m.get('dropped_ring_full', '–')} | "
         f"{m.get('bytes_per_decision') or '–'} |")
-short = [label for mode, label in [("off", "off"), ("10", "10%"), ("100", "100%")]
+short = [label(mode) + ("" if not mode.endswith("n") else " (normal)") for mode in modes
          if servers[mode]["achieved_rate"] < 0.95 * rate]
 if short:
     lines += ["", f"**Saturated**: the server with logging {', '.join(short)} answered below 95% of the "

@@ -32,7 +32,7 @@ bench_cleanup() {
 
 bench_setup() {
     cargo build --release --quiet
-    bin=target/release/quiver
+    bin="${CARGO_TARGET_DIR:-target}/release/quiver"
     data="$(mktemp -d)"
     pids=()
     trap bench_cleanup EXIT

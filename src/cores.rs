@@ -1,5 +1,6 @@
-//! Which cores run what: the cores this process may use, and pinning the
-//! calling thread to a set of them.
+//! Which cores run what: the cores this process may use, pinning the
+//! calling thread to a set of them, and making it yield its core to every
+//! other thread there (`SCHED_IDLE`).
 //!
 //! Shards own their cores (glommio pins them), the inference stage pins
 //! itself to its own, and every other thread (admin, metrics collector,
@@ -49,6 +50,28 @@ pub fn pin_current_thread(cores: &[usize]) -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+/// `SCHED_IDLE` was refused for the calling thread (a seccomp filter, a
+/// kernel without it): it keeps the default policy.
+#[derive(Debug, thiserror::Error)]
+#[error("sched_setscheduler(SCHED_IDLE) was refused: {0}")]
+pub struct IdleRefused(#[source] pub std::io::Error);
+
+/// Makes the calling thread `SCHED_IDLE`: it runs only when no other
+/// thread of its core is runnable, and any thread that wakes there
+/// preempts it at once (the decision-log writer, which must never delay a
+/// shard sharing its core). Needs no privilege: it only lowers.
+pub fn make_current_thread_idle() -> Result<(), IdleRefused> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid `sched_param` for the call's duration;
+    // pid 0 names the calling thread (a task of its own on Linux), so only
+    // it changes.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0 {
+        Ok(())
+    } else {
+        Err(IdleRefused(std::io::Error::last_os_error()))
     }
 }
 

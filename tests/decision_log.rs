@@ -7,7 +7,9 @@
 //! and near its rate; `POST /log` changes the rates while serving; a full
 //! ring drops and counts while every response arrives; `kill -9` leaves
 //! only whole segments and `.tmp` ones the next start deletes; an unusable
-//! directory is counted and logged while serving goes on.
+//! directory is counted and logged while serving goes on; a shadow
+//! version's disagreement over `always_log_shadow_diff` logs the decision,
+//! with the shadow's scores.
 
 mod common;
 
@@ -101,7 +103,10 @@ fn every_decision_scored_on_the_inference_thread_comes_back() {
 fn every_decision_comes_back(name: &str, top: &str, requests: u64) {
     let dir = scratch(name);
     let log_dir = dir.join("decisions");
-    let config = config_file(&dir, &log_dir, "");
+    // Rings that hold every record: what is checked is that records equal
+    // the responses, not the writer's pace (it runs as SCHED_IDLE, and a
+    // loaded machine may leave it little time until the drain at exit).
+    let config = config_file(&dir, &log_dir, "ring_bytes = 67108864\n");
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, format!("{top}{text}")).unwrap();
     let mut server = Server::start(&["--shards", "2", "--config", config.to_str().unwrap()]);
@@ -268,15 +273,18 @@ fn kill_9_leaves_only_whole_segments() {
 }
 
 /// With only the errors rule, a refusal before any model is chosen is
-/// logged: a frame that does not verify, an unknown model; so is a bad
-/// request after the choice; `Ok` answers are not.
+/// logged: a frame that does not verify (no keys: nothing in it can be
+/// read safely), one that verifies but breaks a size limit (its keys read
+/// from the verified frame), an unknown model; so is a bad request after
+/// the choice; `Ok` answers are not.
 #[test]
 fn refusals_before_a_model_is_chosen_are_logged_by_the_errors_rule() {
     use std::io::{Read, Write};
     let dir = scratch("decision-log-errors");
     let log_dir = dir.join("decisions");
     let config = dir.join("quiver.toml");
-    std::fs::write(&config, format!("[log]\ndir = \"{}\"\nalways = [\"errors\"]\n", log_dir.display())).unwrap();
+    let text = format!("[limits]\ncandidates_max = 8\n[log]\ndir = \"{}\"\nalways = [\"errors\"]\n", log_dir.display());
+    std::fs::write(&config, text).unwrap();
     let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
     let mut c = server.client();
     let specs = specs();
@@ -285,12 +293,16 @@ fn refusals_before_a_model_is_chosen_are_logged_by_the_errors_rule() {
     assert_eq!(c.score(&unknown).unwrap().status, Status::ModelNotFound);
     let short = RequestSpec { context: vec![0.5; 3], ..specs[101].clone() };
     assert_eq!(c.score(&short).unwrap().status, Status::BadRequest);
+    // Over `candidates_max`: refused before a model is chosen, its keys
+    // still read from the verified frame.
+    let wide = demo_request(7_000_001, 4_242, (100..109).collect());
+    assert_eq!(c.score(&wide).unwrap().status, Status::BadRequest);
     // A frame that is no FlatBuffer: answered bad_request, request id 0.
     let mut raw = std::net::TcpStream::connect(&server.addr).unwrap();
     raw.write_all(&[8, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4]).unwrap();
     let mut len = [0u8; 4];
     raw.read_exact(&mut len).unwrap();
-    assert_eq!(server.wait_metric("quiver_log_records_total", 3), 3);
+    assert_eq!(server.wait_metric("quiver_log_records_total", 4), 4);
     assert_eq!(server.terminate(), 0);
     let rows = dump(&segments(&log_dir));
     let by_id = |id: u64| {
@@ -302,9 +314,16 @@ fn refusals_before_a_model_is_chosen_are_logged_by_the_errors_rule() {
     assert!(v["score"].is_null() && v["tier"].is_null());
     let v = by_id(short.request_id);
     assert_eq!(v["status"].as_str(), Some("bad_request"));
+    let v = by_id(wide.request_id);
+    assert_eq!((v["status"].as_str(), v["model"].as_str()), (Some("bad_request"), Some("auction-32")), "{v}");
+    assert_eq!((v["user_key"].as_u64(), v["item_key"].as_u64()), (Some(4_242), Some(100)), "{v}");
+    assert_eq!(v["client_id"].as_u64(), Some(u64::from(wide.client_id)));
     let v = by_id(0);
     assert_eq!(v["status"].as_str(), Some("bad_request"));
-    assert_eq!(rows.len(), 3, "{rows:?}");
+    assert!(v["user_key"].is_null() && v["item_key"].is_null(), "{v}");
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    // Each says why it was logged: the errors rule, not the sample.
+    assert!(rows.iter().all(|v| v["always"].as_str() == Some("errors") && v["sampled"] == false), "{rows:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -472,5 +491,134 @@ fn a_full_disk_is_reported_and_serving_goes_on() {
     assert_eq!(c.score(&specs[5000]).unwrap().status, Status::Ok, "still serving");
     assert_eq!(server.terminate(), 0, "{}", server.stderr());
     drop(unmount);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The demo model with its output bias shifted by `bias_shift`: the same
+/// inputs, other scores.
+fn demo_version(version: u32, bias_shift: f32) -> quiver::model::Model {
+    let mut m = quiver::loadgen::demo::model();
+    m.version = version;
+    m.layers.last_mut().unwrap().bias[0] += bias_shift;
+    m
+}
+
+/// The f32 reference scores of `model` for `spec` on the demo data.
+fn reference(model: &quiver::model::Model, spec: &RequestSpec) -> Vec<f32> {
+    use quiver::features::replica::Replica;
+    let user = Replica::open(&demo_dir().join("user.qrep"), "user").unwrap();
+    let item = Replica::open(&demo_dir().join("item.qrep"), "item").unwrap();
+    let mut u = vec![0.0; user.dim()];
+    user.read_into(spec.user_id, &mut u);
+    let mut x = Vec::new();
+    for &id in &spec.item_ids {
+        let mut v = vec![0.0; item.dim()];
+        item.read_into(id, &mut v);
+        x.extend_from_slice(&u);
+        x.extend_from_slice(&v);
+        x.extend_from_slice(&spec.context);
+    }
+    let mut logits = vec![0.0; spec.item_ids.len()];
+    model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
+    logits.into_iter().map(quiver::model::sigmoid).collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn shadow_disagreements_over_the_threshold_are_logged() {
+    shadow_disagreements("decision-log-shadow", "");
+}
+
+/// Scored on the inference thread, the shadow still runs on the shard
+/// after the response, and the record waits for it the same way.
+#[test]
+fn shadow_disagreements_on_the_inference_thread_are_logged() {
+    shadow_disagreements("decision-log-shadow-thread", "inference = \"thread\"\n");
+}
+
+/// Sample rate 0 and `always_log_shadow_diff` at the median of the
+/// requests' reference disagreements between version 1 (served) and
+/// version 2 (its shadow, the output bias shifted): exactly the decisions
+/// the shadow disagrees with by more are logged, each marked
+/// `always = "shadow_diff"`, with the returned and the shadow's scores;
+/// the others are not. Requests whose reference disagreement is within
+/// the INT8 tolerance of the threshold could go either way, and are not
+/// judged.
+fn shadow_disagreements(name: &str, top: &str) {
+    let dir = scratch(name);
+    let (v1, v2) = (demo_version(1, 0.0), demo_version(2, 1.0));
+    let models = dir.join("models");
+    for m in [&v1, &v2] {
+        quiver::registry::publish(&models, m).unwrap();
+    }
+    let specs: Vec<RequestSpec> = specs().into_iter().take(200).collect();
+    let want: Vec<f32> = specs.iter().map(|s| max_abs_diff(&reference(&v1, s), &reference(&v2, s))).collect();
+    let mut sorted = want.clone();
+    sorted.sort_by(f32::total_cmp);
+    let threshold = sorted[sorted.len() / 2];
+    let log_dir = dir.join("decisions");
+    let config = dir.join("quiver.toml");
+    let text = format!(
+        "{top}[log]\ndir = \"{}\"\nsample_rate = 0.0\nalways_log_shadow_diff = {threshold}\n",
+        log_dir.display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(&[
+        "--shards",
+        "1",
+        "--models-dir",
+        models.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let admin = server.admin.clone();
+    assert_eq!(http_post(&format!("http://{admin}/models/auction-32/load?version=1")).0, 200);
+    assert_eq!(http_post(&format!("http://{admin}/models/auction-32/shadow?version=2&fraction=1")).0, 200);
+    let mut c = server.client();
+    let mut returned = HashMap::new();
+    for spec in &specs {
+        let r = c.score(spec).unwrap();
+        assert_eq!((r.status, r.model_version), (Status::Ok, 1));
+        returned.insert(r.request_id, r.scores);
+    }
+    // Sequential requests leave the shard time after every write: all are
+    // shadowed, and each waiting record finished.
+    server.wait_metric("quiver_shadow_requests_total", specs.len() as u64);
+    assert_eq!(server.terminate(), 0, "{}", server.stderr());
+    let rows = dump(&segments(&log_dir));
+    let mut logged: HashMap<u64, Vec<&serde_json::Value>> = HashMap::new();
+    for v in &rows {
+        logged.entry(v["request_id"].as_u64().unwrap()).or_default().push(v);
+    }
+    let margin = 2.0 * common::INT8_SCORE_TOLERANCE;
+    let mut judged = (0, 0);
+    for (spec, want) in specs.iter().zip(&want) {
+        let Some(rows) = logged.get(&spec.request_id) else {
+            assert!(*want <= threshold + margin, "request {} not logged, disagreeing by {want}", spec.request_id);
+            judged.1 += (*want < threshold - margin) as u32;
+            continue;
+        };
+        assert!(*want >= threshold - margin, "request {} logged, disagreeing by {want}", spec.request_id);
+        judged.0 += (*want > threshold + margin) as u32;
+        assert_eq!(rows.len(), spec.item_ids.len());
+        let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap() as f32;
+        let scores: Vec<f32> = rows.iter().map(|v| f(v, "score")).collect();
+        let shadow: Vec<f32> = rows.iter().map(|v| f(v, "shadow_score")).collect();
+        // The returned scores, bit for bit, and the shadow's, over the
+        // threshold as the log holds them.
+        let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&scores), bits(&returned[&spec.request_id]));
+        assert!(max_abs_diff(&scores, &shadow) > threshold, "{rows:?}");
+        for v in rows {
+            assert_eq!((v["always"].as_str(), v["sampled"].as_bool()), (Some("shadow_diff"), Some(false)), "{v}");
+            assert_eq!((v["shadow_version"].as_u64(), v["model_version"].as_u64()), (Some(2), Some(1)), "{v}");
+            assert_eq!(v["user_key"].as_u64(), Some(spec.user_id));
+        }
+    }
+    // Some clearly over the threshold were logged, some clearly under not.
+    assert!(judged.0 > 10 && judged.1 > 10, "{judged:?} of {}", specs.len());
     let _ = std::fs::remove_dir_all(&dir);
 }

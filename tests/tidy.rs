@@ -487,7 +487,7 @@ fn only_the_binary_reads_the_environment() {
 /// The files that may hold `unsafe`, each for a stated reason (the
 /// architecture's `unsafe` lines).
 const UNSAFE_FILES: &[(&str, &str)] = &[
-    ("cores.rs", "sched_setaffinity / sched_getaffinity"),
+    ("cores.rs", "sched_setaffinity / sched_getaffinity / sched_setscheduler"),
     ("decision_log/byte_ring.rs", "the decision-log rings' bytes, written by a shard and read by the writer"),
     ("features/replica/table.rs", "the mapped replica file: seqlock reads, word stores, madvise/mlock, prefetch"),
     ("features/replica/writer/mod.rs", "fallocate, flock and the writer's stores into the mapping"),

@@ -702,6 +702,15 @@ fn encode_decision_log(
             .encode_descriptor(name, help, None, MetricType::Counter)?
             .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
     }
+    encoder
+        .encode_descriptor(
+            "quiver_log_writer_idle",
+            "1 while the decision-log writer runs as SCHED_IDLE (log.writer_priority = \"idle\"), so it never \
+             delays a thread of its core; 0 at the default priority (asked for, or SCHED_IDLE refused: see the log).",
+            None,
+            MetricType::Gauge,
+        )?
+        .encode_gauge(&i64::from(log.writer_idle.load(Relaxed)))?;
     Ok(())
 }
 

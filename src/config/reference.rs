@@ -828,6 +828,21 @@ pub const SECTIONS: &[Section] = &[
                  static default), `errors` (any status but `Ok`: refused, timed out or failed, before or after a model \
                  was chosen).",
             ),
+            Key::new(
+                "always_log_shadow_diff",
+                "0.1",
+                "A decision a shadow version scored is logged whatever the sample when, for some candidate, \
+                 |returned score − shadow score| exceeds this (`always = \"shadow_diff\"` in its record, with the \
+                 shadow's scores). Absent: no decision is logged for its shadow.",
+            ),
+            Key::new(
+                "writer_priority",
+                "\"idle\"",
+                "How the writer thread is scheduled: `idle` (`SCHED_IDLE`: it runs only on time no other thread of \
+                 its core wants, so it never delays a shard, and falls behind, dropping and counting, when there is \
+                 none) or `normal` (the default policy, competing as an equal: for housekeeping cores too busy to \
+                 leave it time).",
+            ),
         ],
     },
     Section {

@@ -29,7 +29,7 @@ pub mod writer;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -64,6 +64,21 @@ pub enum Always {
     Errors,
 }
 
+/// How the writer thread is scheduled (`writer_priority`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WriterPriority {
+    /// `SCHED_IDLE`: the writer runs only on time no other thread of its
+    /// core wants, and a waking shard (or any thread) preempts it at once.
+    #[default]
+    Idle,
+    /// The default policy, at the process's priority: the writer competes
+    /// for its core as an equal (for housekeeping cores so busy that an
+    /// idle writer would fall behind), and may hold a core a shard shares
+    /// for a scheduler slice, milliseconds.
+    Normal,
+}
+
 /// `[log]`: which decisions are logged, where, and the sizes that bound it.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -91,6 +106,14 @@ pub struct LogConfig {
     pub retention_bytes_max: u64,
     /// Decisions logged whatever the sample says.
     pub always: Vec<Always>,
+    /// A decision a shadow version also scored is logged whatever the
+    /// sample says when, for some candidate, |returned score − shadow
+    /// score| exceeds this (in the model's output units); absent, none is.
+    /// Such a decision's record waits for the shadow's scores and holds
+    /// them (`shadow_score`).
+    pub always_log_shadow_diff: Option<f64>,
+    /// How the writer thread is scheduled.
+    pub writer_priority: WriterPriority,
 }
 
 impl Default for LogConfig {
@@ -106,6 +129,8 @@ impl Default for LogConfig {
             segment_age_s: 300,
             retention_bytes_max: 16 << 30,
             always: Vec::new(),
+            always_log_shadow_diff: None,
+            writer_priority: WriterPriority::Idle,
         }
     }
 }
@@ -121,6 +146,7 @@ impl LogConfig {
     pub fn enabled(&self) -> bool {
         self.sample_rate > 0.0
             || !self.always.is_empty()
+            || self.always_log_shadow_diff.is_some()
             || self.model_sample_rates.values().chain(self.client_sample_rates.values()).any(|&r| r > 0.0)
     }
 
@@ -138,8 +164,15 @@ impl LogConfig {
                 return Err(format!("log.{what}_sample_rates has {n} entries, at most {RATES_MAX}"));
             }
         }
+        if let Some(diff) = self.always_log_shadow_diff {
+            if !(diff.is_finite() && diff >= 0.0) {
+                return Err(format!("log.always_log_shadow_diff = {diff} is not a finite number >= 0"));
+            }
+        }
         if self.enabled() && self.dir.is_none() {
-            return Err("log.dir is required when log.sample_rate > 0 or log.always is set".into());
+            return Err(
+                "log.dir is required when log.sample_rate > 0, log.always or log.always_log_shadow_diff is set".into(),
+            );
         }
         if !(RING_BYTES_MIN..=RING_BYTES_MAX).contains(&self.ring_bytes) {
             return Err(format!("log.ring_bytes = {} is outside {RING_BYTES_MIN}..={RING_BYTES_MAX}", self.ring_bytes));
@@ -194,6 +227,8 @@ pub struct Sampler {
     pub key_group: Option<Box<str>>,
     always_errors: bool,
     always_non_primary: bool,
+    /// `always_log_shadow_diff`.
+    pub shadow_diff: Option<f32>,
 }
 
 /// The key a sample is decided by.
@@ -216,6 +251,7 @@ impl Sampler {
             key_group: config.key_group.as_deref().map(Into::into),
             always_errors: config.always.contains(&Always::Errors),
             always_non_primary: config.always.contains(&Always::NonPrimary),
+            shadow_diff: config.always_log_shadow_diff.map(|d| d as f32),
         }
     }
 
@@ -246,7 +282,19 @@ impl Sampler {
     /// Whether a decision is logged whatever the sample: an error
     /// (`ok` false) or an answer from below the primary (`primary` false).
     pub fn always(&self, ok: bool, primary: bool) -> bool {
-        (!ok && self.always_errors) || (ok && !primary && self.always_non_primary)
+        self.always_rule(ok, primary) != 0
+    }
+
+    /// Which always rule takes a decision: [`record::why`]'s `ERRORS` or
+    /// `NON_PRIMARY`, or 0 for none.
+    pub fn always_rule(&self, ok: bool, primary: bool) -> u8 {
+        if !ok && self.always_errors {
+            record::why::ERRORS
+        } else if ok && !primary && self.always_non_primary {
+            record::why::NON_PRIMARY
+        } else {
+            0
+        }
     }
 
     /// Whether no decision is ever sampled (only `always` ones are logged).
@@ -256,7 +304,7 @@ impl Sampler {
 
     /// Whether some decision may be logged whatever the sample.
     pub fn has_always(&self) -> bool {
-        self.always_errors || self.always_non_primary
+        self.always_errors || self.always_non_primary || self.shadow_diff.is_some()
     }
 }
 
@@ -371,6 +419,7 @@ pub struct Rates {
     pub client_sample_rates: BTreeMap<String, f64>,
     pub key_group: Option<String>,
     pub always: Vec<Always>,
+    pub always_log_shadow_diff: Option<f64>,
 }
 
 impl Rates {
@@ -381,6 +430,7 @@ impl Rates {
             client_sample_rates: c.client_sample_rates.clone(),
             key_group: c.key_group.clone(),
             always: c.always.clone(),
+            always_log_shadow_diff: c.always_log_shadow_diff,
         }
     }
 }
@@ -483,6 +533,9 @@ pub struct LogStatus {
     pub dropped_bad_record: AtomicU64,
     /// Segments deleted by the retention limit.
     pub segments_deleted: AtomicU64,
+    /// Whether the writer thread runs as `SCHED_IDLE` (false while it
+    /// starts, under `writer_priority = "normal"`, or when it was refused).
+    pub writer_idle: AtomicBool,
     /// The rates in force, which `POST /log` changes (set once at start-up).
     pub sampling: std::sync::OnceLock<Arc<Sampling>>,
 }
@@ -514,8 +567,26 @@ mod tests {
         for (text, want) in [
             ("sample_rate = 1.5\ndir = \"d\"\n", "log.sample_rate = 1.5 is outside 0..=1"),
             ("sample_rate = -0.1\ndir = \"d\"\n", "log.sample_rate = -0.1 is outside 0..=1"),
-            ("sample_rate = 0.5\n", "log.dir is required when log.sample_rate > 0 or log.always is set"),
-            ("always = [\"errors\"]\n", "log.dir is required when log.sample_rate > 0 or log.always is set"),
+            (
+                "sample_rate = 0.5\n",
+                "log.dir is required when log.sample_rate > 0, log.always or log.always_log_shadow_diff is set",
+            ),
+            (
+                "always = [\"errors\"]\n",
+                "log.dir is required when log.sample_rate > 0, log.always or log.always_log_shadow_diff is set",
+            ),
+            (
+                "always_log_shadow_diff = 0.1\n",
+                "log.dir is required when log.sample_rate > 0, log.always or log.always_log_shadow_diff is set",
+            ),
+            (
+                "always_log_shadow_diff = -0.1\ndir = \"d\"\n",
+                "log.always_log_shadow_diff = -0.1 is not a finite number >= 0",
+            ),
+            (
+                "always_log_shadow_diff = nan\ndir = \"d\"\n",
+                "log.always_log_shadow_diff = NaN is not a finite number >= 0",
+            ),
             ("ring_bytes = 1024\n", "log.ring_bytes = 1024 is outside 65536..=1073741824"),
             ("segment_bytes_max = 0\n", "log.segment_bytes_max = 0 is outside 65536..=17179869184"),
             ("segment_age_s = 0\n", "log.segment_age_s = 0 is outside 1..=86400"),
@@ -644,6 +715,10 @@ mod tests {
         let s = Sampler::new(&LogConfig { always: vec![Always::Errors], ..LogConfig::default() });
         assert!(s.always(false, true));
         assert!(!s.always(true, false));
+        assert_eq!(s.always_rule(false, true), record::why::ERRORS);
+        assert_eq!(s.always_rule(true, true), 0);
+        let s = Sampler::new(&LogConfig { always_log_shadow_diff: Some(0.25), ..LogConfig::default() });
+        assert_eq!((s.shadow_diff, s.has_always(), s.always(true, true)), (Some(0.25), true, false));
     }
 
     #[test]
@@ -671,6 +746,8 @@ mod tests {
             middle: record::Middle::Parts { spans: &[], keys: &[] },
             x: Some(&x),
             scores: None,
+            why: record::why::SAMPLE,
+            shadow: None,
         };
         for _ in 0..100 {
             log.put(&d);

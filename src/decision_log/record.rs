@@ -2,11 +2,12 @@
 //! ([`DecisionRef::encode`], from borrowed parts, no allocation) and what
 //! the writer reads back ([`Decision::decode`], owned, typed errors).
 //!
-//! Little-endian, in this order: the format version, the fixed fields, the
-//! model's name, the spans of the input row (which group's floats start
-//! where: the feature columns' names, and the replica position each group
-//! was read at), every group's keys, then the input rows and the scores,
-//! each present or not by a flag. The encoded length is computed first
+//! Little-endian, in this order: the format version, the fixed fields (why
+//! the decision was logged among them, [`why`]), the model's name, the
+//! spans of the input row (which group's floats start where: the feature
+//! columns' names, and the replica position each group was read at), every
+//! group's keys, then the input rows, the scores and a shadow version's
+//! scores, each present or not by a flag. The encoded length is computed first
 //! ([`DecisionRef::encoded_len`]) so the ring can reserve it.
 //!
 //! The spans and keys (the record's middle, [`Middle`]) can be encoded ahead
@@ -15,7 +16,7 @@
 //! time its scores come back.
 
 /// The layout written; a record of another version is refused.
-pub const RECORD_VERSION: u8 = 2;
+pub const RECORD_VERSION: u8 = 3;
 /// Spans of one input row: the groups a model reads, the context floats
 /// and the context ids.
 pub const SPANS_MAX: usize = crate::features::groups::GROUPS_MAX + 2;
@@ -28,10 +29,49 @@ const NAME_BYTES_MAX: usize = u8::MAX as usize;
 const FLAG_STALE: u8 = 1;
 const FLAG_X: u8 = 2;
 const FLAG_SCORES: u8 = 4;
+const FLAG_SHADOW: u8 = 8;
+
+/// Why a decision was logged: a set of these bits. A decision the sample
+/// took and an always rule also took has both.
+pub mod why {
+    /// The sample (by key or request id, at the rate that applies).
+    pub const SAMPLE: u8 = 1;
+    /// `always = ["non_primary"]`.
+    pub const NON_PRIMARY: u8 = 2;
+    /// `always = ["errors"]`.
+    pub const ERRORS: u8 = 4;
+    /// `always_log_shadow_diff`: a shadow version's scores were that far
+    /// from the returned ones.
+    pub const SHADOW_DIFF: u8 = 8;
+
+    /// The always rules in `bits`, as the `always` column names them
+    /// (comma-separated); `None` for a decision only the sample took.
+    pub fn always_name(bits: u8) -> Option<&'static str> {
+        match bits & (NON_PRIMARY | ERRORS | SHADOW_DIFF) {
+            0 => None,
+            NON_PRIMARY => Some("non_primary"),
+            ERRORS => Some("errors"),
+            SHADOW_DIFF => Some("shadow_diff"),
+            b if b == NON_PRIMARY | ERRORS => Some("non_primary,errors"),
+            b if b == NON_PRIMARY | SHADOW_DIFF => Some("non_primary,shadow_diff"),
+            b if b == ERRORS | SHADOW_DIFF => Some("errors,shadow_diff"),
+            _ => Some("non_primary,errors,shadow_diff"),
+        }
+    }
+}
 
 /// Fixed fields: version, id, client, time, budget, server time, model
-/// version, status, tier, reason, flags, missing, rows, row width.
-const FIXED_BYTES: usize = 1 + 8 + 4 + 8 + 4 + 4 + 4 + 1 + 1 + 1 + 1 + 2 + 4 + 4;
+/// version, status, tier, reason, why logged, flags, missing, rows, row
+/// width.
+const FIXED_BYTES: usize = 1 + 8 + 4 + 8 + 4 + 4 + 4 + 1 + 1 + 1 + 1 + 1 + 2 + 4 + 4;
+
+/// A shadow version's scores of a logged decision (one per row), when the
+/// decision waited for them (`always_log_shadow_diff`).
+#[derive(Clone, Copy, Debug)]
+pub struct ShadowRef<'a> {
+    pub version: u32,
+    pub scores: &'a [f32],
+}
 
 /// Which part of the input row a span of floats holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,6 +162,10 @@ pub struct DecisionRef<'a> {
     pub x: Option<&'a [f32]>,
     /// `rows` scores, as answered.
     pub scores: Option<&'a [f32]>,
+    /// Why it is logged: bits of [`why`].
+    pub why: u8,
+    /// The shadow version's `rows` scores, when it waited for them.
+    pub shadow: Option<ShadowRef<'a>>,
 }
 
 fn name_len(s: &str) -> usize {
@@ -134,6 +178,7 @@ impl DecisionRef<'_> {
         n += self.middle.len();
         n += self.x.map_or(0, |x| 4 * x.len());
         n += self.scores.map_or(0, |s| 4 * s.len());
+        n += self.shadow.map_or(0, |s| 4 + 4 * s.scores.len());
         n
     }
 
@@ -150,10 +195,12 @@ impl DecisionRef<'_> {
         w.u8(self.status);
         w.u8(self.tier);
         w.u8(self.reason);
+        w.u8(self.why);
         let flag = |on: bool, bit: u8| if on { bit } else { 0 };
         let flags = flag(self.features_stale, FLAG_STALE)
             | flag(self.x.is_some(), FLAG_X)
-            | flag(self.scores.is_some(), FLAG_SCORES);
+            | flag(self.scores.is_some(), FLAG_SCORES)
+            | flag(self.shadow.is_some(), FLAG_SHADOW);
         w.u8(flags);
         w.u16(self.features_missing);
         w.u32(self.rows);
@@ -165,8 +212,12 @@ impl DecisionRef<'_> {
             Middle::Parts { spans, keys } => w.middle(spans, keys),
             Middle::Encoded(b) => w.bytes(b),
         }
-        for f in self.x.into_iter().flatten().chain(self.scores.into_iter().flatten()) {
-            w.u32(f.to_bits());
+        for part in [self.x, self.scores] {
+            w.floats(part.unwrap_or_default());
+        }
+        if let Some(s) = self.shadow {
+            w.u32(s.version);
+            w.floats(s.scores);
         }
         debug_assert_eq!(w.at, w.out.len(), "encoded_len and encode disagree");
     }
@@ -194,6 +245,15 @@ impl Put<'_> {
     }
     fn u64(&mut self, v: u64) {
         self.bytes(&v.to_le_bytes());
+    }
+    /// Floats as their little-endian bits, in one bounds check: the input
+    /// rows are most of a record's bytes, and the shard pays for them.
+    fn floats(&mut self, v: &[f32]) {
+        let out = &mut self.out[self.at..self.at + 4 * v.len()];
+        for (o, f) in out.chunks_exact_mut(4).zip(v) {
+            o.copy_from_slice(&f.to_le_bytes());
+        }
+        self.at += 4 * v.len();
     }
     fn middle(&mut self, spans: &[Span<'_>], keys: &[(&str, KeysRef<'_>)]) {
         self.u8(spans.len().min(SPANS_MAX) as u8);
@@ -273,6 +333,10 @@ pub struct Decision {
     pub keys: Vec<(String, Keys)>,
     pub x: Option<Vec<f32>>,
     pub scores: Option<Vec<f32>>,
+    /// Bits of [`why`].
+    pub why: u8,
+    /// The shadow version and its scores, when the decision waited for them.
+    pub shadow: Option<(u32, Vec<f32>)>,
 }
 
 /// A record the writer cannot read (never written by this version's shards).
@@ -335,7 +399,7 @@ impl Decision {
         let budget_us = r.u32()?;
         let server_us = r.u32()?;
         let model_version = r.u32()?;
-        let (status, tier, reason, flags) = (r.u8()?, r.u8()?, r.u8()?, r.u8()?);
+        let (status, tier, reason, why, flags) = (r.u8()?, r.u8()?, r.u8()?, r.u8()?, r.u8()?);
         let features_missing = r.u16()?;
         let rows = r.u32()?;
         let row_dim = r.u32()?;
@@ -378,6 +442,7 @@ impl Decision {
         let x_len = (rows as usize).checked_mul(row_dim as usize).ok_or(RecordError::Truncated { at: r.at })?;
         let x = if flags & FLAG_X != 0 { Some(r.floats(x_len)?) } else { None };
         let scores = if flags & FLAG_SCORES != 0 { Some(r.floats(rows as usize)?) } else { None };
+        let shadow = if flags & FLAG_SHADOW != 0 { Some((r.u32()?, r.floats(rows as usize)?)) } else { None };
         if r.at != b.len() {
             return Err(RecordError::Trailing(b.len() - r.at));
         }
@@ -401,6 +466,8 @@ impl Decision {
             keys,
             x,
             scores,
+            why,
+            shadow,
         })
     }
 }
@@ -467,6 +534,8 @@ mod tests {
             middle: Middle::Parts { spans: &spans, keys: &keys },
             x: Some(&x),
             scores: Some(&scores),
+            why: why::SAMPLE | why::SHADOW_DIFF,
+            shadow: Some(ShadowRef { version: 4, scores: &[0.5, 0.75, 1.0] }),
         };
         let mut out = vec![0u8; d.encoded_len()];
         d.encode(&mut out);
@@ -494,6 +563,9 @@ mod tests {
         assert_eq!(back.x.as_deref(), Some(&x[..]));
         let bits = |s: &[f32]| s.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(back.scores.as_deref().unwrap()), bits(&scores));
+        assert_eq!((back.why, back.shadow), (why::SAMPLE | why::SHADOW_DIFF, Some((4, vec![0.5, 0.75, 1.0]))));
+        assert_eq!(why::always_name(back.why), Some("shadow_diff"));
+        assert_eq!(why::always_name(why::SAMPLE), None);
 
         // The middle encoded ahead (a handed-off request's) makes the same record.
         let mut middle = vec![0u8; middle_len(&spans, &keys)];
@@ -534,11 +606,13 @@ mod tests {
             middle: Middle::Parts { spans: &[], keys: &[("user", KeysRef::None)] },
             x: None,
             scores: None,
+            why: why::ERRORS,
+            shadow: None,
         };
         let mut out = vec![0u8; d.encoded_len()];
         d.encode(&mut out);
         let back = Decision::decode(&out).unwrap();
-        assert_eq!((back.status, back.x, back.scores), (4, None, None));
+        assert_eq!((back.status, back.x, back.scores, back.shadow), (4, None, None, None));
         assert_eq!(back.keys, vec![("user".into(), Keys::Ids(vec![]))]);
     }
 }

@@ -18,6 +18,20 @@
 //! in [`LogStatus`] and logged at most every [`WARN_EVERY_S`]; the writer
 //! then waits [`RETRY_AFTER_MS`] (dropping, counted, what arrives) before
 //! it opens another. The shards never see it.
+//!
+//! The writer never delays a shard, even on a shard's core (a machine with
+//! no housekeeping core to spare): it runs as `SCHED_IDLE`
+//! (`writer_priority = "idle"`, the default), so it only gets the time
+//! every other thread of its core leaves, and a waking shard preempts it at
+//! once instead of waiting out its scheduler slice (milliseconds under
+//! CFS and EEVDF, which is what a writer of the default policy cost a
+//! shard's p99 on a shared core). What it cannot write in that time stays
+//! in the rings, and what no longer fits there is dropped and counted,
+//! never waited for. Its system calls are kept short for the same reason:
+//! a segment's bytes go to the kernel [`WRITE_BYTES`] at a time. A
+//! refused `SCHED_IDLE` is a warning (`cores::IdleRefused`) and
+//! `quiver_log_writer_idle` 0; the writer then runs at the default
+//! priority.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
@@ -28,15 +42,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arrow_array::builder::{
-    BooleanBuilder, Float32Builder, StringBuilder, TimestampNanosecondBuilder, UInt16Builder, UInt32Builder,
-    UInt64Builder,
+    BooleanBuilder, Float32Builder, NullBufferBuilder, StringBuilder, TimestampNanosecondBuilder, UInt16Builder,
+    UInt32Builder, UInt64Builder,
 };
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::{ArrayRef, Float32Array, RecordBatch};
 use arrow_ipc::writer::{FileWriter, IpcWriteOptions};
 use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef, TimeUnit};
 
-use super::record::{Decision, Keys};
-use super::{Consumer, LogConfig, LogStatus};
+use super::record::{why, Decision, Keys};
+use super::{Consumer, LogConfig, LogStatus, WriterPriority};
 use crate::wire::{self, Reason, Status, Tier};
 
 /// Rows buffered before a batch is written to the open segment.
@@ -49,6 +63,10 @@ const IDLE_SLEEP_MS: u64 = 5;
 pub const RETRY_AFTER_MS: u64 = 1000;
 /// At most one warning per this many seconds for write failures.
 pub const WARN_EVERY_S: u64 = 10;
+/// Bytes buffered before the open segment's bytes go to the kernel: one
+/// `write` copies this much into the page cache, a few tens of
+/// microseconds in which a shard sharing the core cannot preempt it.
+pub const WRITE_BYTES: usize = 128 * 1024;
 /// Segment file names: `<PREFIX><time>-shard<N>-<seq><SUFFIX>`.
 pub const PREFIX: &str = "decisions-";
 pub const SUFFIX: &str = ".arrow";
@@ -72,10 +90,21 @@ impl Writer {
             segment_age: Duration::from_secs(config.segment_age_s),
             retention_bytes_max: config.retention_bytes_max,
         };
+        let priority = config.writer_priority;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
             std::thread::Builder::new().name("quiver-declog".into()).spawn(move || {
+                if priority == WriterPriority::Idle {
+                    match crate::cores::make_current_thread_idle() {
+                        Ok(()) => status.writer_idle.store(true, Ordering::Relaxed),
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            "the decision-log writer runs at the default priority: on a core it shares with a \
+                             shard it can delay responses by a scheduler slice"
+                        ),
+                    }
+                }
                 let mut w = Work {
                     dir,
                     limits,
@@ -157,6 +186,19 @@ impl Layout {
         }
     }
 
+    /// Whether `d` is of this layout (what `Layout::of(d) == *self` says,
+    /// without building one per decision).
+    fn matches(&self, d: &Decision) -> bool {
+        self.row_dim == d.row_dim
+            && self.spans == d.spans
+            && self.keys.len() == d.keys.len()
+            && self
+                .keys
+                .iter()
+                .zip(&d.keys)
+                .all(|((n, strs), (name, k))| n == name && *strs == matches!(k, Keys::Strs(_)))
+    }
+
     /// Whether `d`, of another layout, can go in a segment of this one: it
     /// has no input rows and reads no other spans (a request refused before
     /// a model was chosen), and its keys are groups this layout has, of the
@@ -207,6 +249,10 @@ impl Layout {
             Field::new("features_stale", DataType::Boolean, false),
             Field::new("candidate", DataType::UInt32, true),
             Field::new("score", DataType::Float32, true),
+            Field::new("sampled", DataType::Boolean, false),
+            Field::new("always", DataType::Utf8, true),
+            Field::new("shadow_version", DataType::UInt32, true),
+            Field::new("shadow_score", DataType::Float32, true),
         ];
         for (name, strs) in &self.keys {
             let t = if *strs { DataType::Utf8 } else { DataType::UInt64 };
@@ -244,10 +290,18 @@ struct Batch {
     features_stale: BooleanBuilder,
     candidate: UInt32Builder,
     score: Float32Builder,
+    sampled: BooleanBuilder,
+    always: StringBuilder,
+    shadow_version: UInt32Builder,
+    shadow_score: Float32Builder,
     keys: Vec<KeyColumn>,
     /// Each group span's replica position, by span index.
     positions: Vec<(usize, UInt64Builder)>,
-    features: Vec<Float32Builder>,
+    /// The feature columns' values, column by column (most of a batch's
+    /// bytes: filled by a strided copy per column, not one append per
+    /// value), and which rows have them: a row has every feature or none.
+    features: Vec<Vec<f32>>,
+    features_valid: NullBufferBuilder,
 }
 
 impl Batch {
@@ -268,6 +322,10 @@ impl Batch {
             features_stale: BooleanBuilder::new(),
             candidate: UInt32Builder::new(),
             score: Float32Builder::new(),
+            sampled: BooleanBuilder::new(),
+            always: StringBuilder::new(),
+            shadow_version: UInt32Builder::new(),
+            shadow_score: Float32Builder::new(),
             keys: layout
                 .keys
                 .iter()
@@ -285,7 +343,8 @@ impl Batch {
                 .filter(|(_, (name, _, _))| !matches!(name.as_str(), "context" | "context_id"))
                 .map(|(i, _)| (i, UInt64Builder::new()))
                 .collect(),
-            features: (0..layout.row_dim).map(|_| Float32Builder::new()).collect(),
+            features: (0..layout.row_dim).map(|_| Vec::new()).collect(),
+            features_valid: NullBufferBuilder::new(0),
         }
     }
 
@@ -302,6 +361,7 @@ impl Batch {
         let reason = ok.then(|| wire::reason_name(Reason(d.reason)));
         let rows = (d.rows as usize).max(1);
         let row_dim = d.row_dim as usize;
+        let always = why::always_name(d.why);
         for i in 0..rows {
             self.request_id.append_value(d.request_id);
             self.client_id.append_value(d.client_id);
@@ -318,6 +378,10 @@ impl Batch {
             let candidate = (i < d.rows as usize).then_some(i as u32);
             self.candidate.append_option(candidate);
             self.score.append_option(d.scores.as_ref().and_then(|s| s.get(i)).copied());
+            self.sampled.append_value(d.why & why::SAMPLE != 0);
+            self.always.append_option(always);
+            self.shadow_version.append_option(d.shadow.as_ref().map(|(v, _)| *v));
+            self.shadow_score.append_option(d.shadow.as_ref().and_then(|(_, s)| s.get(i)).copied());
             for (column, keys) in self.keys.iter_mut().zip(&keys) {
                 // One key (a request-scope group) on every row; else the
                 // candidate's own.
@@ -332,9 +396,22 @@ impl Batch {
             for (span, column) in &mut self.positions {
                 column.append_option(d.positions.get(*span).copied().filter(|_| same_spans));
             }
-            let row = d.x.as_ref().filter(|_| candidate.is_some()).and_then(|x| x.get(i * row_dim..(i + 1) * row_dim));
-            for (j, column) in self.features.iter_mut().enumerate() {
-                column.append_option(row.map(|r| r[j]));
+        }
+        // The input rows, when the decision has all of them in this
+        // layout's width; else a null row per row written.
+        let x = d.x.as_deref().filter(|x| d.rows > 0 && row_dim == self.features.len() && x.len() >= rows * row_dim);
+        match x {
+            Some(x) => {
+                for (j, column) in self.features.iter_mut().enumerate() {
+                    column.extend(x[j..].iter().step_by(row_dim).take(rows));
+                }
+                self.features_valid.append_n_non_nulls(rows);
+            }
+            None => {
+                for column in &mut self.features {
+                    column.resize(column.len() + rows, 0.0);
+                }
+                self.features_valid.append_n_nulls(rows);
             }
         }
         self.rows += rows;
@@ -356,6 +433,10 @@ impl Batch {
             Arc::new(self.features_stale.finish()),
             Arc::new(self.candidate.finish()),
             Arc::new(self.score.finish()),
+            Arc::new(self.sampled.finish()),
+            Arc::new(self.always.finish()),
+            Arc::new(self.shadow_version.finish()),
+            Arc::new(self.shadow_score.finish()),
         ];
         for k in &mut self.keys {
             columns.push(match k {
@@ -366,8 +447,10 @@ impl Batch {
         for (_, p) in &mut self.positions {
             columns.push(Arc::new(p.finish()));
         }
+        let valid = self.features_valid.finish();
         for f in &mut self.features {
-            columns.push(Arc::new(f.finish()));
+            let values = std::mem::replace(f, Vec::with_capacity(self.rows));
+            columns.push(Arc::new(Float32Array::new(values.into(), valid.clone())));
         }
         self.rows = 0;
         RecordBatch::try_new(schema, columns)
@@ -496,12 +579,11 @@ impl Work {
             }
             self.shards[at].blocked_until = None;
         }
-        let layout = Layout::of(&d);
-        if self.shards[at].open.as_ref().is_some_and(|s| s.layout != layout && !s.layout.admits(&d)) {
+        if self.shards[at].open.as_ref().is_some_and(|s| !s.layout.matches(&d) && !s.layout.admits(&d)) {
             self.close(at);
         }
         if self.shards[at].open.is_none() {
-            match self.open(self.shards[at].shard, layout) {
+            match self.open(self.shards[at].shard, Layout::of(&d)) {
                 Ok(s) => self.shards[at].open = Some(s),
                 Err(e) => {
                     self.failed("opening a decision-log segment", &e, 1);
@@ -550,7 +632,7 @@ impl Work {
         let options = IpcWriteOptions::default()
             .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))
             .map_err(io_error)?;
-        let counted = Counted { file: BufWriter::with_capacity(1 << 20, file), bytes: 0 };
+        let counted = Counted { file: BufWriter::with_capacity(WRITE_BYTES, file), bytes: 0 };
         let writer = match FileWriter::try_new_with_options(counted, &schema, options) {
             Ok(w) => w,
             Err(e) => {
@@ -689,7 +771,7 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision_log::record::{DecisionRef, KeysRef, Middle, Span};
+    use crate::decision_log::record::{why, DecisionRef, KeysRef, Middle, Span};
     use crate::decision_log::{LogRings, RING_BYTES_MIN, SEGMENT_BYTES_MIN};
 
     fn scratch(name: &str) -> PathBuf {
@@ -743,6 +825,8 @@ mod tests {
                 middle: Middle::Parts { spans: &spans, keys: &keys },
                 x: Some(&x),
                 scores: Some(&scores),
+                why: why::SAMPLE,
+                shadow: None,
             };
             let before = log.records;
             while log.records == before {
@@ -866,6 +950,8 @@ mod tests {
             middle: Middle::Parts { spans: &spans, keys: &user },
             x: Some(&x),
             scores: Some(&scores),
+            why: why::SAMPLE,
+            shadow: None,
         };
         let refused = DecisionRef {
             request_id: 2,
@@ -876,6 +962,7 @@ mod tests {
             middle: Middle::Parts { spans: &[], keys: &user },
             x: None,
             scores: None,
+            why: why::ERRORS,
             ..ok
         };
         let unread = DecisionRef { request_id: 3, middle: Middle::Parts { spans: &[], keys: &[] }, ..refused };
@@ -915,6 +1002,47 @@ mod tests {
         assert_eq!(status.dropped_write_error.load(Ordering::Relaxed), 2000);
         assert_eq!(status.decisions_written.load(Ordering::Relaxed), 0);
         let _ = std::fs::remove_dir_all(&base);
+    }
+
+    /// The scheduling policy (`/proc/self/task/<tid>/stat`, field 41) of
+    /// every thread named `name` in this process.
+    fn policies_of(name: &str) -> Vec<i32> {
+        let mut out = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim_end() != name {
+                continue;
+            }
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            // Fields after the command's closing parenthesis start at 3.
+            let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+            if let Some(policy) = after.split_whitespace().nth(41 - 3).and_then(|p| p.parse().ok()) {
+                out.push(policy);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_writer_runs_as_sched_idle() {
+        let dir = scratch("sched");
+        let c = config(&dir, 1 << 40);
+        assert_eq!(c.writer_priority, WriterPriority::Idle, "the default");
+        let rings = LogRings::new(&c, 1);
+        let status = Arc::new(LogStatus::default());
+        let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !status.writer_idle.load(Ordering::Relaxed) {
+            assert!(Instant::now() < until, "the writer never reported SCHED_IDLE");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Every writer of this test binary (tests run side by side) is idle.
+        let policies = policies_of("quiver-declog");
+        assert!(!policies.is_empty() && policies.iter().all(|&p| p == libc::SCHED_IDLE), "{policies:?}");
+        put_all(&rings, 0..10);
+        writer.stop();
+        assert_eq!(status.decisions_written.load(Ordering::Relaxed), 10);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

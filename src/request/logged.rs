@@ -18,12 +18,19 @@
 //!   when the response is written (by the stage's scores, a give-up or a
 //!   step-down), the record is finished from them, the slot's rows and the
 //!   answer.
-
+//!
+//! With `always_log_shadow_diff`, a decision just queued for its shadow
+//! version (either kind) is not put yet: its record waits in the shadow
+//! slot ([`Held`], [`hold`]) and is finished by [`log_shadowed`] once the
+//! shadow scored it, logged when the sample or an always rule took it or
+//! the shadow disagrees by more than the threshold, and holding the
+//! shadow's scores. Each record says why it was logged
+//! (`decision_log::record::why`).
 use super::scratch::Outcome;
 use super::versions::Served;
 use super::Replicas;
 use crate::decision_log::record::{
-    encode_middle, middle_len, DecisionRef, KeysRef, Middle, Span, KEY_GROUPS_MAX, SPANS_MAX,
+    encode_middle, middle_len, why, DecisionRef, KeysRef, Middle, ShadowRef, Span, KEY_GROUPS_MAX, SPANS_MAX,
 };
 use crate::decision_log::{SampleKey, Sampler, ShardLog};
 use crate::features::groups::GROUPS_MAX;
@@ -151,7 +158,8 @@ impl Head {
 }
 
 /// Encodes one decision into the ring: the outcome's rows of `x` (when
-/// they were assembled at `row_dim`) and its scores.
+/// they were assembled at `row_dim`), its scores, why it is logged
+/// (`why` bits) and the shadow's scores when it waited for them.
 #[allow(clippy::too_many_arguments)]
 fn put(
     log: &mut ShardLog,
@@ -163,6 +171,8 @@ fn put(
     o: &Outcome,
     x: &[f32],
     scores: &[f32],
+    why: u8,
+    shadow: Option<ShadowRef<'_>>,
 ) {
     let ok = o.status == Status::Ok.0;
     let rows = if ok { o.rows } else { 0 };
@@ -185,7 +195,87 @@ fn put(
         middle,
         x: x.get(..rows * row_dim).filter(|_| assembled),
         scores: scores.get(..rows).filter(|_| ok),
+        why,
+        shadow: shadow.filter(|s| ok && s.scores.len() == rows),
     });
+}
+
+/// Why a decision would be logged now: the always rule that takes it and
+/// whether the sample does (bits of `why`; 0: not logged, unless its
+/// shadow disagrees).
+fn why_now(sampler: &Sampler, o: &Outcome, sampled: bool) -> u8 {
+    let rule = sampler.always_rule(o.status == Status::Ok.0, o.tier == Tier::Primary.0);
+    rule | if sampled { why::SAMPLE } else { 0 }
+}
+
+/// A decision's record waiting in a shadow slot for the shadow's scores
+/// (`always_log_shadow_diff`): what `put` needs besides the rows and the
+/// returned scores (the slot's) and the spans and keys (its staging
+/// bytes, `staged` long).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Held {
+    head: Head,
+    /// Why it is logged whatever the shadow says (bits of `why`; 0: only
+    /// if the shadow disagrees).
+    why: u8,
+    /// The model's name (`Served::name_hash`) and the version answered.
+    name_hash: u64,
+    version: u32,
+    row_dim: usize,
+    outcome: Outcome,
+    staged: usize,
+}
+
+/// Makes the record of a decision just queued for its shadow wait in the
+/// shadow slot (`held`, `staging`): its spans and keys are copied in
+/// (`middle`, at most the staging bytes). False when they do not fit: it
+/// is then logged now, as without the rule.
+#[allow(clippy::too_many_arguments)]
+fn hold(
+    (held, staging): (&mut Option<Held>, &mut [u8]),
+    head: Head,
+    why: u8,
+    (name_hash, version): (u64, u32),
+    row_dim: usize,
+    outcome: &Outcome,
+    middle_len: usize,
+    encode: impl FnOnce(&mut [u8]),
+) -> bool {
+    let Some(out) = staging.get_mut(..middle_len) else {
+        return false;
+    };
+    encode(out);
+    *held = Some(Held { head, why, name_hash, version, row_dim, outcome: *outcome, staged: middle_len });
+    true
+}
+
+/// Finishes a record that waited for its shadow: `x` and `returned` are
+/// the slot's rows and the scores answered, `shadow` the shadow's scores
+/// (`None` when it could not score, or its queue was dropped). Logged when
+/// the sample or an always rule took it, or when for some candidate
+/// |returned − shadow| exceeds `always_log_shadow_diff` (NaN counts as
+/// exceeding).
+pub(super) fn log_shadowed(
+    log: &mut ShardLog,
+    held: &Held,
+    served: &[Served],
+    staging: &[u8],
+    x: &[f32],
+    returned: &[f32],
+    shadow: Option<ShadowRef<'_>>,
+) {
+    let mut bits = held.why;
+    if let (Some(s), Some(limit)) = (shadow, log.sampling.load().shadow_diff) {
+        if returned.iter().zip(s.scores).any(|(a, b)| !((a - b).abs() <= limit)) {
+            bits |= why::SHADOW_DIFF;
+        }
+    }
+    let Some(middle) = staging.get(..held.staged).filter(|_| bits != 0) else {
+        return;
+    };
+    let model = served.iter().find(|v| v.name_hash == held.name_hash).map_or("", |v| &*v.model.name);
+    let o = &held.outcome;
+    put(log, held.head, model, held.version, held.row_dim, Middle::Encoded(middle), o, x, returned, bits, shadow);
 }
 
 /// What of one request answered on the shard, its model chosen, the log
@@ -201,25 +291,45 @@ pub(super) struct Answered<'a> {
     pub(super) received_unix_ns: i64,
 }
 
-/// Logs `a` when the rules or the sample say so.
-pub(super) fn log_answered(log: &mut ShardLog, replicas: &Replicas, a: &Answered<'_>) {
+/// Where a record waits for its shadow's scores: a shadow slot's held
+/// record and staging bytes (`ShadowQueue::holding`), when the decision
+/// was just queued for its shadow and records can wait.
+pub(super) type Waits<'a> = Option<(&'a mut Option<Held>, &'a mut [u8])>;
+
+/// Logs `a` when the rules or the sample say so; or, when it was just
+/// queued for its shadow (`waits`) and the shadow rule is on, makes its
+/// record wait there for the shadow's scores.
+pub(super) fn log_answered(log: &mut ShardLog, replicas: &Replicas, a: &Answered<'_>, waits: Waits<'_>) {
     let o = a.outcome;
     let model = &*a.served.model.name;
     let sampler = log.sampling.load();
-    if !sampler.always(o.status == Status::Ok.0, o.tier == Tier::Primary.0) && !in_sample(&sampler, model, &a.raw) {
+    let bits = why_now(&sampler, o, in_sample(&sampler, model, &a.raw));
+    let waits = waits.filter(|_| sampler.shadow_diff.is_some());
+    drop(sampler);
+    if bits == 0 && waits.is_none() {
         return;
     }
-    drop(sampler);
     let layout = &a.served.layout;
     let p = parts(Some(layout), replicas, Some(&a.raw));
     let head = Head::of(&a.raw, a.received_unix_ns);
-    put(log, head, model, a.served.model.version, layout.row_dim, p.middle(), o, a.x, a.scores);
+    if let Some(at) = waits {
+        let (spans, keys) = (&p.spans[..p.n_spans], &p.keys[..p.n_keys]);
+        let len = middle_len(spans, keys);
+        let model_at = (a.served.name_hash, a.served.model.version);
+        if hold(at, head, bits, model_at, layout.row_dim, o, len, |out| encode_middle(spans, keys, out)) {
+            return;
+        }
+    }
+    if bits != 0 {
+        put(log, head, model, a.served.model.version, layout.row_dim, p.middle(), o, a.x, a.scores, bits, None);
+    }
 }
 
 /// Logs a request answered before a model was chosen (`outcome`, and the
 /// static defaults in `scores` when it was shed), when the rules or the
 /// sample say so. `payload` is its frame: its keys are recorded when it
-/// decodes within the limits; `default_model` names the model when the
+/// verifies as a FlatBuffer, within the size limits or not
+/// (`wire::verify_request`); `default_model` names the model when the
 /// request named none.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn log_refused(
@@ -232,31 +342,29 @@ pub(super) fn log_refused(
     scores: &[f32],
     received_unix_ns: i64,
 ) {
-    let ok = outcome.status == Status::Ok.0;
-    // Verified again, with the same limits: only a refusal pays for it.
-    let raw = crate::wire::decode_request(payload, limits).ok().map(|r| r.raw);
+    // Verified again, without the size limits (a request refused for its
+    // sizes still has its keys read, each within the frame): only a
+    // refusal pays for it. A frame that does not verify has nothing that
+    // can be read safely (its offsets are unchecked): no keys, request id 0.
+    let raw = crate::wire::verify_request(payload, limits).ok();
     let model = raw.as_ref().and_then(|r| r.model()).filter(|m| !m.is_empty()).unwrap_or(default_model);
     let sampler = log.sampling.load();
     let sampled = match &raw {
         Some(r) => in_sample(&sampler, model, r),
         None => false,
     };
-    if !sampler.always(ok, outcome.tier == Tier::Primary.0) && !sampled {
+    let bits = why_now(&sampler, outcome, sampled);
+    if bits == 0 {
         return;
     }
     drop(sampler);
     let p = parts(None, replicas, raw.as_ref());
     let head = match &raw {
         Some(r) => Head::of(r, received_unix_ns),
-        None => Head {
-            request_id: crate::wire::salvage_request_id(payload, limits),
-            client_id: 0,
-            budget_us: 0,
-            received_unix_ns,
-        },
+        None => Head { request_id: 0, client_id: 0, budget_us: 0, received_unix_ns },
     };
     // Shed with the static default: `Ok` without assembled rows.
-    put(log, head, model, 0, 0, p.middle(), outcome, &[], scores);
+    put(log, head, model, 0, 0, p.middle(), outcome, &[], scores, bits, None);
 }
 
 /// A handed-off request's record, begun at the hand-off: its head, the
@@ -312,9 +420,11 @@ pub(super) fn stage(
 }
 
 /// Logs a handed-off request answered as `outcome`, when it was sampled or
-/// the always rules say so: `staging` is its job slot's staging bytes,
-/// `x` the slot's rows, `scores` the answer's; its model's name is found
-/// in `served` (any version of it: a name outlives versions).
+/// the always rules say so (or makes it wait for its shadow, as
+/// [`log_answered`]): `staging` is its job slot's staging bytes, `x` the
+/// slot's rows, `scores` the answer's; its model's name is found in
+/// `served` (any version of it: a name outlives versions).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn log_completed(
     log: &mut ShardLog,
     s: &Staged,
@@ -323,14 +433,23 @@ pub(super) fn log_completed(
     outcome: &Outcome,
     x: &[f32],
     scores: &[f32],
+    waits: Waits<'_>,
 ) {
-    let always = log.sampling.load().always(outcome.status == Status::Ok.0, outcome.tier == Tier::Primary.0);
-    if !s.sampled && !always {
-        return;
-    }
-    let Some(middle) = staging.get(..s.staged) else {
+    let sampler = log.sampling.load();
+    let bits = why_now(&sampler, outcome, s.sampled);
+    let waits = waits.filter(|_| sampler.shadow_diff.is_some());
+    drop(sampler);
+    let Some(middle) = staging.get(..s.staged).filter(|_| bits != 0 || waits.is_some()) else {
         return;
     };
-    let model = served.iter().find(|v| v.name_hash == s.name_hash).map_or("", |v| &*v.model.name);
-    put(log, s.head, model, s.version, s.row_dim, Middle::Encoded(middle), outcome, x, scores);
+    if let Some(at) = waits {
+        let model_at = (s.name_hash, s.version);
+        if hold(at, s.head, bits, model_at, s.row_dim, outcome, middle.len(), |out| out.copy_from_slice(middle)) {
+            return;
+        }
+    }
+    if bits != 0 {
+        let model = served.iter().find(|v| v.name_hash == s.name_hash).map_or("", |v| &*v.model.name);
+        put(log, s.head, model, s.version, s.row_dim, Middle::Encoded(middle), outcome, x, scores, bits, None);
+    }
 }

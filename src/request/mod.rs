@@ -378,6 +378,7 @@ impl<C: Clock> RequestPath<C> {
             ..
         } = self;
         let clock = &*clock;
+        shadows.queued_now = None;
         let frame = Frame { payload, read_at_ns, peer };
         // The decoded request and its chosen version, once admitted: what
         // the decision log reads after the response is encoded; and the job
@@ -433,7 +434,7 @@ impl<C: Clock> RequestPath<C> {
                         scores: &answer.logits,
                         received_unix_ns,
                     };
-                    logged::log_answered(log, replicas, &answered);
+                    logged::log_answered(log, replicas, &answered, shadows.holding());
                 }
                 // The benchmark floor answers without a decision.
                 (Handled::Answered, None, _) if !policies.floor => {
@@ -477,12 +478,20 @@ impl<C: Clock> RequestPath<C> {
     /// With the decision log and the inference stage both on, the staging
     /// bytes of each job slot: a handed-off request's keys take at most
     /// its frame (and a few bytes per group), up to `STAGED_BYTES_MAX`.
+    /// With `always_log_shadow_diff`, the same per shadow slot, where a
+    /// record waits for its shadow's scores.
     fn keep_log_staging(&mut self) {
-        if self.log.is_some() && self.in_flight.stage.is_some() {
-            let frame = self.policies.request_limits.frame_bytes_max.min(logged::STAGED_BYTES_MAX);
-            let spans = crate::decision_log::record::SPANS_MAX * (1 + 255 + 16);
-            let groups = crate::decision_log::record::KEY_GROUPS_MAX * (1 + 255 + 1 + 4 + 8);
+        let Some(log) = &self.log else {
+            return;
+        };
+        let frame = self.policies.request_limits.frame_bytes_max.min(logged::STAGED_BYTES_MAX);
+        let spans = crate::decision_log::record::SPANS_MAX * (1 + 255 + 16);
+        let groups = crate::decision_log::record::KEY_GROUPS_MAX * (1 + 255 + 1 + 4 + 8);
+        if self.in_flight.stage.is_some() {
             self.in_flight.keep_log(frame + spans + groups);
+        }
+        if log.sampling.load().shadow_diff.is_some() && self.shadows.held_bytes == 0 {
+            self.shadows.keep_log(frame + spans + groups);
         }
     }
 
@@ -507,6 +516,7 @@ impl<C: Clock> RequestPath<C> {
         let rows_max = self.policies.limits.candidates_max;
         let floats = rows_max * self.versions.row_dim_max();
         self.inputs.fit(floats);
+        self.shadows.release_held(self.log.as_mut(), &self.versions.served);
         self.shadows.items.clear();
         if self.versions.shadowing() {
             self.shadows.fit(rows_max, floats);
@@ -597,6 +607,7 @@ impl<C: Clock> RequestPath<C> {
     /// inline request when it was scored in time; nothing when the request
     /// was given up on. Returns whether it answered.
     pub fn complete(&mut self, done: Done, token: SlotToken, out: &mut Vec<u8>) -> bool {
+        self.shadows.queued_now = None;
         let RequestPath { clock, policies, versions, replicas, answer, cache, in_flight, shadows, telemetry, .. } =
             self;
         let parts =
@@ -612,12 +623,13 @@ impl<C: Clock> RequestPath<C> {
     /// Logs the handed-off request in job slot `slot`, just answered, when
     /// its record was begun at the hand-off.
     fn log_handed_off(&mut self, slot: u32) {
-        let RequestPath { versions, answer, in_flight, telemetry, log, .. } = self;
+        let RequestPath { versions, answer, in_flight, shadows, telemetry, log, .. } = self;
         let Some(log) = log.as_mut() else {
             return;
         };
         if let Some((staged, bytes, x)) = in_flight.take_staged(slot) {
-            logged::log_completed(log, &staged, &versions.served, bytes, &answer.last, x, &answer.logits);
+            let (served, last, scores) = (&versions.served, &answer.last, &answer.logits);
+            logged::log_completed(log, &staged, served, bytes, last, x, scores, shadows.holding());
             count_log(&mut telemetry.counters, log);
         }
     }
@@ -634,6 +646,7 @@ impl<C: Clock> RequestPath<C> {
     /// Answers the request in job slot `slot`, given up on, from the lower
     /// rungs into `out`.
     pub fn give_up(&mut self, slot: u32, out: &mut Vec<u8>) {
+        self.shadows.queued_now = None;
         let RequestPath { clock, policies, versions, replicas, answer, cache, in_flight, shadows, telemetry, .. } =
             self;
         let parts =
@@ -653,7 +666,10 @@ impl<C: Clock> RequestPath<C> {
     /// further frame is waiting: off the critical path, and only with time
     /// to spare.
     pub fn run_shadows(&mut self) {
-        self.shadows.run(&self.clock, &mut self.versions.served, &mut self.telemetry);
+        self.shadows.run(&self.clock, &mut self.versions.served, &mut self.telemetry, self.log.as_mut());
+        if let Some(log) = &self.log {
+            count_log(&mut self.telemetry.counters, log);
+        }
     }
 }
 

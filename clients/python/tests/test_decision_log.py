@@ -106,7 +106,8 @@ def test_segments_open_in_pyarrow_and_hold_the_answers(demo_dir, tmp_path):
     assert files, f"no segment in {log_dir}: {list(log_dir.iterdir())}"
     table = pa.concat_tables([pa.ipc.open_file(str(f)).read_all() for f in files])
     names = table.column_names
-    for column in ["request_id", "received", "model_version", "tier", "candidate", "score", "user_key", "item_key"]:
+    for column in ["request_id", "received", "model_version", "tier", "candidate", "score", "user_key", "item_key",
+                   "sampled", "always", "shadow_version", "shadow_score"]:
         assert column in names, names
     assert "user[0]" in names and "item[0]" in names and "context[15]" in names, names
     assert table.num_rows == 200 * CANDIDATES
@@ -114,11 +115,14 @@ def test_segments_open_in_pyarrow_and_hold_the_answers(demo_dir, tmp_path):
     assert table.schema.field("user[0]").type == pa.float32()
     # Nanosecond times become Python datetimes only through pandas: the
     # columns compared are read without them.
-    rows = table.select(["request_id", "candidate", "score", "tier", "status"]).to_pylist()
+    columns = ["request_id", "candidate", "score", "tier", "status", "sampled", "always", "shadow_score"]
+    rows = table.select(columns).to_pylist()
     scores = {}
     for row in rows:
         scores.setdefault(row["request_id"], {})[row["candidate"]] = row["score"]
         assert row["tier"] == "primary" and row["status"] == "ok"
+        # Taken by the sample (rate 1), no always rule, no shadow.
+        assert row["sampled"] is True and row["always"] is None and row["shadow_score"] is None
     assert sorted(scores) == sorted(answers)
     for rid, answer in answers.items():
         logged = [scores[rid][k] for k in range(CANDIDATES)]

@@ -359,6 +359,22 @@ fn check_explain(request: Request<'_>) -> Result<Request<'_>, DecodeError> {
     Ok(request)
 }
 
+/// Verifies `payload` as a `ScoreRequest` (every offset and length checked
+/// against its bytes, at most `frame_bytes_max` of them) without checking
+/// its sizes against `limits`: a request refused for too many candidates,
+/// groups or keys, or a context too long, can still be read safely, each
+/// field within the frame (what the decision log records of a refusal).
+/// Tables are bounded by what the frame's bytes can hold, not by
+/// [`REQUEST_GROUPS_MAX`], so a request with too many groups verifies too.
+pub fn verify_request<'buf>(
+    payload: &'buf [u8],
+    limits: &RequestLimits,
+) -> Result<fb::ScoreRequest<'buf>, flatbuffers::InvalidFlatbuffer> {
+    // A table takes at least its 4-byte offset to its vtable.
+    let opts = VerifierOptions { max_tables: limits.frame_bytes_max / 4 + 1, ..limits.verifier_options() };
+    flatbuffers::root_with_opts::<fb::ScoreRequest>(&opts, payload)
+}
+
 /// Reads the request_id of a payload that failed validation, if the bytes are
 /// a well-formed request at all, so the error response can carry it.
 pub fn salvage_request_id(payload: &[u8], limits: &RequestLimits) -> u64 {
