@@ -544,9 +544,9 @@ fn shadow_disagreements_on_the_inference_thread_are_logged() {
 /// version 2 (its shadow, the output bias shifted): exactly the decisions
 /// the shadow disagrees with by more are logged, each marked
 /// `always = "shadow_diff"`, with the returned and the shadow's scores;
-/// the others are not. Requests whose reference disagreement is within
-/// the INT8 tolerance of the threshold could go either way, and are not
-/// judged.
+/// the others are not. Served on the f32 backend; requests whose reference
+/// disagreement is within rounding of the threshold could go either way,
+/// and are not judged.
 fn shadow_disagreements(name: &str, top: &str) {
     let dir = scratch(name);
     let (v1, v2) = (demo_version(1, 0.0), demo_version(2, 1.0));
@@ -562,7 +562,7 @@ fn shadow_disagreements(name: &str, top: &str) {
     let log_dir = dir.join("decisions");
     let config = dir.join("quiver.toml");
     let text = format!(
-        "{top}[log]\ndir = \"{}\"\nsample_rate = 0.0\nalways_log_shadow_diff = {threshold}\n",
+        "{top}backend = \"f32\"\n[log]\ndir = \"{}\"\nsample_rate = 0.0\nalways_log_shadow_diff = {threshold}\n",
         log_dir.display()
     );
     std::fs::write(&config, text).unwrap();
@@ -593,7 +593,8 @@ fn shadow_disagreements(name: &str, top: &str) {
     for v in &rows {
         logged.entry(v["request_id"].as_u64().unwrap()).or_default().push(v);
     }
-    let margin = 2.0 * common::INT8_SCORE_TOLERANCE;
+    // The f32 backend: scores within rounding of the reference's.
+    let margin = 1e-3;
     let mut judged = (0, 0);
     for (spec, want) in specs.iter().zip(&want) {
         let Some(rows) = logged.get(&spec.request_id) else {
