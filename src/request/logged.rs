@@ -266,7 +266,8 @@ pub(super) fn log_shadowed(
 ) {
     let mut bits = held.why;
     if let (Some(s), Some(limit)) = (shadow, log.sampling.load().shadow_diff) {
-        if returned.iter().zip(s.scores).any(|(a, b)| !((a - b).abs() <= limit)) {
+        let exceeds = |d: f32| d.is_nan() || d > limit;
+        if returned.iter().zip(s.scores).any(|(a, b)| exceeds((a - b).abs())) {
             bits |= why::SHADOW_DIFF;
         }
     }
