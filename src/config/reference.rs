@@ -837,8 +837,8 @@ pub const SECTIONS: &[Section] = &[
             ),
             Key::new(
                 "writer_priority",
-                "\"idle\"",
-                "How the writer thread is scheduled: `idle` (`SCHED_IDLE`: it runs only on time no other thread of \
+                "\"normal\"",
+                "How the writer thread is scheduled: `idle` (the default; `SCHED_IDLE`: it runs only on time no other thread of \
                  its core wants, so it never delays a shard, and falls behind, dropping and counting, when there is \
                  none) or `normal` (the default policy, competing as an equal: for housekeeping cores too busy to \
                  leave it time).",
