@@ -413,20 +413,31 @@ pub(super) fn assemble(
         }
     }
     missing += unknown_ids(served, x);
+    let context_key = hash_words(context.iter().map(|c| u64::from(c.to_bits())).chain(context_ids.iter()));
+    Ok(assembled(&a, clock, served, telemetry, missing, (request_key, context_key), request.user_id()))
+}
 
+/// Closes the assemble stage: times the lookup and says what the lower
+/// rungs and the cache need, the cache key made of the request's
+/// (user, context) words.
+fn assembled(
+    a: &Admitted<'_>,
+    clock: &impl Clock,
+    served: &Served,
+    telemetry: &mut Telemetry,
+    missing: u32,
+    (user, context): (u64, u64),
+    user_id: u64,
+) -> Assembled {
+    let request = &a.request;
     let at_ns = clock.now_ns();
     telemetry.times.record_ns(Stage::Lookup, at_ns.saturating_sub(a.decoded_ns));
-    let cache_key = Key {
-        model: served.name_hash,
-        version: served.model.version,
-        user: request_key,
-        item: 0,
-        context: hash_words(context.iter().map(|c| u64::from(c.to_bits())).chain(context_ids.iter())),
-    };
+    let version = served.model.version;
+    let cache_key = Key { model: served.name_hash, version, user, item: 0, context };
     let step = StepDown {
-        request_id,
-        rows,
-        row_dim,
+        request_id: request.request_id(),
+        rows: request.candidates,
+        row_dim: served.layout.row_dim,
         read_at_ns: a.read_at_ns,
         deadline: a.deadline,
         missing,
@@ -436,8 +447,7 @@ pub(super) fn assemble(
         explain_top_k: explain_top_k(request),
         explained: explained_count(request),
     };
-    let (chosen, version, user_id) = (a.chosen, served.model.version, request.user_id());
-    Ok(Assembled { step, cache_key, chosen, version, user_id, at_ns })
+    Assembled { step, cache_key, chosen: a.chosen, version, user_id, at_ns }
 }
 
 /// The cache-key word standing for the user of a request that sent raw
@@ -477,24 +487,7 @@ fn assemble_raw(
     let missing = unknown_ids(served, x);
     candidate_keys.clear();
     candidate_keys.extend(x.chunks_exact(row_dim).map(|row| hash_words(row.iter().map(|v| u64::from(v.to_bits())))));
-    let at_ns = clock.now_ns();
-    telemetry.times.record_ns(Stage::Lookup, at_ns.saturating_sub(a.decoded_ns));
-    let cache_key =
-        Key { model: served.name_hash, version: served.model.version, user: RAW_ROWS_KEY, item: 0, context: 0 };
-    let step = StepDown {
-        request_id: request.request_id(),
-        rows,
-        row_dim,
-        read_at_ns: a.read_at_ns,
-        deadline: a.deadline,
-        missing,
-        fallback: served.fallback_fits,
-        cached: false,
-        default_score: served.default_score,
-        explain_top_k: explain_top_k(request),
-        explained: explained_count(request),
-    };
-    Ok(Assembled { step, cache_key, chosen: a.chosen, version: served.model.version, user_id: 0, at_ns })
+    Ok(assembled(a, clock, served, telemetry, missing, (RAW_ROWS_KEY, 0), 0))
 }
 
 /// Records the inputs' drift as the rows `x` hold them (the context, zeros
