@@ -13,7 +13,10 @@ writes the section and its results file.
 
     (uptime; taskset -c 1 cargo bench --bench explain -- quadrature) > before.txt   # at BEFORE
     (uptime; taskset -c 1 cargo bench --bench explain -- quadrature) > after.txt    # at AFTER
-    python3 bench/explain_before_after.py before.txt BEFORE after.txt AFTER
+    python3 bench/explain_before_after.py before.txt BEFORE after.txt AFTER "CHANGE"
+
+CHANGE is one paragraph saying what the after commit changed and why it is
+still exact; it is written under the table's caption.
 
 The two runs' outputs are kept beside it as
 bench/results/explain_before_after-COMMIT.txt. Writes
@@ -76,8 +79,8 @@ def per_candidate_us(name, e):
 
 
 def main(argv):
-    if len(argv) != 4:
-        sys.exit("usage: explain_before_after.py BEFORE.txt BEFORE_COMMIT AFTER.txt AFTER_COMMIT")
+    if len(argv) != 5 or not argv[4].strip():
+        sys.exit("usage: explain_before_after.py BEFORE.txt BEFORE_COMMIT AFTER.txt AFTER_COMMIT CHANGE")
     (before, before_load), (after, after_load) = parse(argv[0]), parse(argv[2])
     commits = (argv[1], argv[3])
     for c in commits:
@@ -90,6 +93,7 @@ def main(argv):
         "machine": m,
         "before": {"commit": commits[0], "load_average": before_load, "criterion": before},
         "after": {"commit": commits[1], "load_average": after_load, "criterion": after},
+        "change": argv[4].strip(),
     }
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "results", "explain_before_after.json"), "w") as f:
@@ -101,18 +105,11 @@ def main(argv):
         f"Written by `bench/explain_before_after.py` ({results['generated']}) from two runs of "
         f"`{results['command']}`: before at commit `{commits[0]}` (load average {before_load:.2f} as it "
         f"started), after at commit `{commits[1]}` (load average {after_load:.2f}). Machine: {m['cpu']}, "
-        f"{m['cpus']} CPUs, shared with other builds and benchmarks: a loaded machine. The figure is the "
-        "benchmark thread's CPU time (bench/explain.rs), so other processes' time slices are not counted, but "
-        "their pressure on the caches and the memory bus is, and it differed between the runs.\n"
+        f"{m['cpus']} CPUs. The figure is the benchmark thread's CPU time (bench/explain.rs), so other "
+        "processes' time slices are not counted, but their pressure on the caches and the memory bus is: "
+        "compare the load averages.\n"
     )
-    w.append(
-        "The change (`model::explain`, the quadrature's walk): each level of a tree runs its nodes in loops by "
-        "class, so a node whose feature no edge above splits on skips the division, a leaf adds its share on "
-        "the way down and is not visited again, and the two leaves of a split whose feature is not repeated "
-        "above are added as a pair (one scalar each for the lanes and the parent). Exactness is unchanged (the "
-        "brute-force Shapley and classic-algorithm tests in `model::explain`, and tests/explain.rs against "
-        "LightGBM and XGBoost).\n"
-    )
+    w.append(f"The change: {results['change']}\n")
     w.append("| ensemble | candidates per call | before µs / candidate | after µs / candidate | after / before |")
     w.append("|---|---:|---:|---:|---:|")
     for name in sorted(set(before) & set(after)):
