@@ -20,6 +20,12 @@
 # threads on $GEN_CORE beside the load generator, as `quiver serve` places
 # them on a machine with a spare core).
 #
+# The shard's own cost, beside the tails: each run reads the shard thread's
+# run time (`quiver-shard-0`'s /proc/PID/task/TID/schedstat: it parks when
+# idle, `spin_before_park_us = 0` by default, so this is its work) before
+# and after, over the responses received: CPU µs per request, which is
+# what logging adds to the shard whatever the machine's noise does to p99.
+#
 # Writes $OUT/decision_log.json and decision_log.md (rendered into
 # docs/BENCHMARKS.md by bench/report.py).
 #
@@ -56,7 +62,7 @@ bench_setup
 raw="$data/runs"
 mkdir -p "$raw"
 
-declare -A addr admin
+declare -A addr admin pid_of
 logging=()
 for mode in $MODES; do
     : >"$data/$mode.toml"
@@ -71,10 +77,23 @@ for mode in $MODES; do
     taskset -c "$server_cores" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --cores "$SERVER_CORE" --config "$data/$mode.toml" >"$data/$mode.out" 2>"$data/$mode.log" &
     pids+=("$!")
+    pid_of[$mode]="$!"
     wait_listening "$data/$mode.out" "$data/$mode.log"
+    tid[$mode]="$(shard_tid "$!")"
     addr[$mode]="$listen_addr"
     admin[$mode]="$admin_addr"
 done
+
+# The shard thread's run time so far, in ns.
+shard_tid() {
+    local t
+    for t in /proc/"$1"/task/*; do
+        [ "$(cat "$t/comm" 2>/dev/null)" = quiver-shard-0 ] && { basename "$t"; return; }
+    done
+    die "no quiver-shard-0 thread in process $1"
+}
+declare -A tid
+shard_ns() { awk '{print $1}' /proc/"${pid_of[$1]}"/task/"${tid[$1]}"/schedstat; }
 
 gen() {
     local mode="$1"; shift
@@ -85,7 +104,9 @@ for mode in $MODES; do gen "$mode" --duration 1s --rate 10000 --json >/dev/null;
 
 for run in $(seq "$RUNS"); do
     for mode in $MODES; do
+        before_ns="$(shard_ns "$mode")"
         gen "$mode" --duration "$DURATION" --rate "$RATE" --json >"$raw/$mode-$run.json" || true
+        echo "$(( $(shard_ns "$mode") - before_ns ))" >"$raw/$mode-$run.shard_ns"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); l=r['latency']; print(f'run {sys.argv[2]} logging {sys.argv[3]:>3}: p50 {l[\"p50_us\"]:>6} p99 {l[\"p99_us\"]:>7} p99.9 {l[\"p999_us\"]:>7} µs  achieved {r[\"achieved_rate\"]:.0f}/s', file=sys.stderr)" \
             "$raw/$mode-$run.json" "$run" "$mode"
     done
@@ -125,6 +146,10 @@ for mode in modes:
     med = {k: statistics.median(r["latency"][k] for r in rs) for k in keys}
     med["p99_us_runs"] = [r["latency"]["p99_us"] for r in rs]
     med["achieved_rate"] = statistics.median(r["achieved_rate"] for r in rs)
+    cpu = [int(open(os.path.join(raw, f"{mode}-{r}.shard_ns")).read()) / 1e3 / max(rs[r - 1]["received"], 1)
+           for r in range(1, runs + 1)]
+    med["shard_cpu_us_per_request"] = round(statistics.median(cpu), 3)
+    med["shard_cpu_us_per_request_runs"] = [round(c, 3) for c in cpu]
     med["lost"] = sum(r["lost"] for r in rs)
     if mode != "off":
         c = dict(l.split() for l in open(os.path.join(raw, f"counters-{mode}.txt")))
@@ -138,9 +163,11 @@ for mode in modes:
         med["bytes_per_decision"] = round(bytes_ / decisions) if decisions else None
     servers[mode] = med
 off = servers["off"]["p99_us"] if "off" in servers else None
+off_cpu = servers["off"]["shard_cpu_us_per_request"] if "off" in servers else None
 for mode in modes:
     if mode != "off" and off is not None:
         servers[mode]["p99_vs_off"] = round(servers[mode]["p99_us"] / max(off, 1), 3)
+        servers[mode]["shard_cpu_vs_off"] = round(servers[mode]["shard_cpu_us_per_request"] / max(off_cpu, 1e-9), 3)
 writer = json.load(open(os.path.join(raw, "writer.json")))
 summary = {"commit": commit, "cpu": cpu, "load_average_after": load, "runs": runs, "duration": duration,
            "rate": rate, "connections": conns, "placement": placement, "servers": servers, "writer": writer}
@@ -148,16 +175,18 @@ json.dump(summary, open(os.path.join(out, "decision_log.json"), "w"), indent=1, 
 lines = [
     "## Decision log: its cost on the shard, the writer's throughput, bytes per decision",
     "",
-    f"`bench/decision_log.sh` at `{commit}` on {cpu} (2 vCPUs, shared with other builds while it ran: load average "
+    f"`bench/decision_log.sh` at `{commit}` on {cpu} ({os.cpu_count()} vCPUs; load average "
     f"{' '.join(load)} after it). Auction-32 (32 candidates, 80 floats a row), one shard, open loop at {rate:,} "
     f"requests/s, {conns} connections, {runs} interleaved runs of {duration} per server; medians of runs. "
     + ("Every thread of a server, the log's writer included, runs on the shard's core (`PLACEMENT=shared`)."
        if placement == "shared" else
        "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`).")
-    + " The writer runs as SCHED_IDLE unless the row says `normal`.",
+    + " The writer runs as SCHED_IDLE unless the row says `normal`. Shard CPU is the shard thread's run time "
+    "(`/proc/PID/task/TID/schedstat`; it parks when idle) over the responses received: the work logging adds "
+    "to the shard itself, which the machine's noise moves far less than it moves p99.",
     "",
-    "| logging | writer | p50 µs | p99 µs | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| logging | writer | shard CPU µs / request (runs) | CPU / off | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 def label(mode):
     return "off" if mode == "off" else f"{mode.rstrip('n')}%"
@@ -170,7 +199,10 @@ def writer_kind(mode, m):
 for mode in modes:
     m = servers[mode]
     lines.append(
-        f"| {label(mode)} | {writer_kind(mode, m)} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['p999_us']:.0f} | "
+        f"| {label(mode)} | {writer_kind(mode, m)} | {m['shard_cpu_us_per_request']:.2f} "
+        f"({', '.join(f'{c:.2f}' for c in m['shard_cpu_us_per_request_runs'])}) | "
+        f"{m.get('shard_cpu_vs_off', '–') if mode != 'off' else 1.0} | "
+        f"{m['p50_us']:.0f} | {m['p99_us']:.0f} ({', '.join(f'{p:,}' for p in m['p99_us_runs'])}) | {m['p999_us']:.0f} | "
         f"{m.get('p99_vs_off', '–') if mode != 'off' else 1.0} | "
         f"{m['achieved_rate']:,.0f} | {m.get('records', '–')} | {m.get('dropped_ring_full', '–')} | "
         f"{m.get('bytes_per_decision') or '–'} |")
