@@ -62,6 +62,17 @@ bench_setup
 raw="$data/runs"
 mkdir -p "$raw"
 
+# The shard thread's run time so far, in ns.
+shard_tid() {
+    local t
+    for t in /proc/"$1"/task/*; do
+        [ "$(cat "$t/comm" 2>/dev/null)" = quiver-shard-0 ] && { basename "$t"; return; }
+    done
+    die "no quiver-shard-0 thread in process $1"
+}
+declare -A tid
+shard_ns() { awk '{print $1}' /proc/"${pid_of[$1]}"/task/"${tid[$1]}"/schedstat; }
+
 declare -A addr admin pid_of
 logging=()
 for mode in $MODES; do
@@ -83,17 +94,6 @@ for mode in $MODES; do
     addr[$mode]="$listen_addr"
     admin[$mode]="$admin_addr"
 done
-
-# The shard thread's run time so far, in ns.
-shard_tid() {
-    local t
-    for t in /proc/"$1"/task/*; do
-        [ "$(cat "$t/comm" 2>/dev/null)" = quiver-shard-0 ] && { basename "$t"; return; }
-    done
-    die "no quiver-shard-0 thread in process $1"
-}
-declare -A tid
-shard_ns() { awk '{print $1}' /proc/"${pid_of[$1]}"/task/"${tid[$1]}"/schedstat; }
 
 gen() {
     local mode="$1"; shift
