@@ -21,7 +21,7 @@
 # them on a machine with a spare core).
 #
 # The shard's own cost, beside the tails: each run reads the shard thread's
-# run time (`quiver-shard-0`'s /proc/PID/task/TID/schedstat: it parks when
+# run time (its threads' /proc/PID/task/TID/schedstat: it parks when
 # idle, `spin_before_park_us = 0` by default, so this is its work) before
 # and after, over the responses received: CPU µs per request, which is
 # what logging adds to the shard whatever the machine's noise does to p99.
@@ -62,16 +62,18 @@ bench_setup
 raw="$data/runs"
 mkdir -p "$raw"
 
-# The shard thread's run time so far, in ns.
-shard_tid() {
-    local t
+# The shard's run time so far, in ns: its executor's threads (glommio
+# names them `quiver-shard-0-<n>`, cut to 15 characters).
+shard_ns() {
+    local t sum=0
     for t in /proc/"$1"/task/*; do
-        [ "$(cat "$t/comm" 2>/dev/null)" = quiver-shard-0 ] && { basename "$t"; return; }
+        case "$(cat "$t/comm" 2>/dev/null)" in
+            quiver-shard-0-*) sum=$(( sum + $(awk '{print $1}' "$t/schedstat") )) ;;
+        esac
     done
-    die "no quiver-shard-0 thread in process $1"
+    [ "$sum" -gt 0 ] || die "no quiver-shard-0 thread in process $1"
+    echo "$sum"
 }
-declare -A tid
-shard_ns() { awk '{print $1}' /proc/"${pid_of[$1]}"/task/"${tid[$1]}"/schedstat; }
 
 declare -A addr admin pid_of
 logging=()
@@ -90,7 +92,7 @@ for mode in $MODES; do
     pids+=("$!")
     pid_of[$mode]="$!"
     wait_listening "$data/$mode.out" "$data/$mode.log"
-    tid[$mode]="$(shard_tid "$!")"
+    shard_ns "$!" >/dev/null
     addr[$mode]="$listen_addr"
     admin[$mode]="$admin_addr"
 done
@@ -104,9 +106,9 @@ for mode in $MODES; do gen "$mode" --duration 1s --rate 10000 --json >/dev/null;
 
 for run in $(seq "$RUNS"); do
     for mode in $MODES; do
-        before_ns="$(shard_ns "$mode")"
+        before_ns="$(shard_ns "${pid_of[$mode]}")"
         gen "$mode" --duration "$DURATION" --rate "$RATE" --json >"$raw/$mode-$run.json" || true
-        echo "$(( $(shard_ns "$mode") - before_ns ))" >"$raw/$mode-$run.shard_ns"
+        echo "$(( $(shard_ns "${pid_of[$mode]}") - before_ns ))" >"$raw/$mode-$run.shard_ns"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); l=r['latency']; print(f'run {sys.argv[2]} logging {sys.argv[3]:>3}: p50 {l[\"p50_us\"]:>6} p99 {l[\"p99_us\"]:>7} p99.9 {l[\"p999_us\"]:>7} µs  achieved {r[\"achieved_rate\"]:.0f}/s', file=sys.stderr)" \
             "$raw/$mode-$run.json" "$run" "$mode"
     done
