@@ -14,6 +14,10 @@
 //! bound (served features repeat; `bench/decision_log.sh` also measures the
 //! demo's real ones).
 //!
+//! Beside it, the shard's side: the mean time of a `ShardLog::put` that
+//! took its record (encoding the decision into the ring; what a logged
+//! decision costs a shard), timed around each call.
+//!
 //!     cargo bench --bench decision_log [-- --decisions N --candidates N --row-dim N --json --keep]
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -79,7 +83,7 @@ fn main() {
                 Span { name: "item", offset: third, dim: third, position: 9 },
                 Span { name: "context", offset: 2 * third, dim: row_dim as u32 - 2 * third, position: 0 },
             ];
-            let mut waits = 0u64;
+            let (mut waits, mut put_ns) = (0u64, 0u64);
             // Every decision's floats drawn afresh (a few ns each, beside
             // the writer's tens of µs a decision).
             let mut rng = SplitMix64::new(36);
@@ -113,17 +117,21 @@ fn main() {
                 };
                 let before = log.records;
                 while log.records == before {
+                    let t = Instant::now();
                     log.put(&d);
-                    if log.records == before {
+                    if log.records != before {
+                        put_ns += t.elapsed().as_nanos() as u64;
+                    } else {
                         waits += 1;
                         std::thread::yield_now();
                     }
                 }
             }
-            waits
+            (waits, put_ns)
         })
     };
-    let waits = producer.join().expect("the producer finishes");
+    let (waits, put_ns) = producer.join().expect("the producer finishes");
+    let put_ns_per_decision = put_ns as f64 / a.decisions as f64;
     // Stopping drains the ring and closes the open segment (decisions are
     // counted written as segments close).
     writer.stop();
@@ -157,13 +165,15 @@ fn main() {
                 "file_bytes_per_decision": bytes_per_decision,
                 "float_bytes_per_decision": raw_bytes_per_decision,
                 "producer_waits": waits,
+                "put_ns_per_decision": put_ns_per_decision,
             })
         );
     } else {
         println!(
             "{} decisions of {}x{} floats in {elapsed_s:.2} s: {per_s:.0} decisions/s, {mb_per_s:.1} MB/s of \
              segment files, {bytes_per_decision:.0} bytes per decision ({raw_bytes_per_decision:.0} bytes of \
-             floats and scores before compression), {segments} segments",
+             floats and scores before compression), {segments} segments; a put took \
+             {put_ns_per_decision:.0} ns",
             a.decisions, a.candidates, a.row_dim
         );
     }
