@@ -20,11 +20,16 @@
 # threads on $GEN_CORE beside the load generator, as `quiver serve` places
 # them on a machine with a spare core).
 #
-# The shard's own cost, beside the tails: each run reads the shard thread's
-# run time (its threads' /proc/PID/task/TID/schedstat: it parks when
-# idle, `spin_before_park_us = 0` by default, so this is its work) before
-# and after, over the responses received: CPU µs per request, which is
-# what logging adds to the shard whatever the machine's noise does to p99.
+# The shard's own cost, beside the tails: each run reads the shard's
+# threads' run time (/proc/PID/task/TID/schedstat) before and after, over
+# the responses received: CPU µs per request. With SPIN_US=0 the shard
+# parks when idle and this is its work, which the machine's noise moves
+# far less than it moves p99; with the default it counts the spinning too.
+#
+# SPIN_US: every server's `[reactor] spin_before_park_us` (unset: the
+# default, 50 µs). A shard that spins between requests leaves an idle
+# writer on its core no time, and its CPU per request then counts the
+# spinning; at 0 it parks at once, and its CPU is its work.
 #
 # Writes $OUT/decision_log.json and decision_log.md (rendered into
 # docs/BENCHMARKS.md by bench/report.py).
@@ -42,6 +47,7 @@ GEN_CORE="${GEN_CORE:-1}"
 OUT="${OUT:-bench/results}"
 MODES="${MODES:-off 10 100}"
 PLACEMENT="${PLACEMENT:-shared}"
+SPIN_US="${SPIN_US:-}"
 case "$PLACEMENT" in
     shared) server_cores="$SERVER_CORE" ;;
     housekeeping) server_cores="$SERVER_CORE,$GEN_CORE" ;;
@@ -85,8 +91,9 @@ for mode in $MODES; do
         priority=idle
         [[ "$mode" == *n ]] && priority=normal
         printf '[log]\ndir = "%s"\nsample_rate = %s\nwriter_priority = "%s"\n' "$data/log-$mode" "$rate" "$priority" \
-            >"$data/$mode.toml"
+            >>"$data/$mode.toml"
     fi
+    [ -z "$SPIN_US" ] || printf '[reactor]\nspin_before_park_us = %s\n' "$SPIN_US" >>"$data/$mode.toml"
     taskset -c "$server_cores" "$bin" serve --data-dir "$data" --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --cores "$SERVER_CORE" --config "$data/$mode.toml" >"$data/$mode.out" 2>"$data/$mode.log" &
     pids+=("$!")
@@ -134,10 +141,11 @@ done
 
 cargo bench --quiet --bench decision_log -- --json >"$raw/writer.json"
 
-python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" "$MODES" "$PLACEMENT" <<'PY'
+python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" "$MODES" "$PLACEMENT" "$SPIN_US" <<'PY'
 import json, os, statistics, subprocess, sys
 raw, out, runs, duration, rate, conns = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 modes, placement = sys.argv[7].split(), sys.argv[8]
+spin_us = int(sys.argv[9]) if sys.argv[9] else 50
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown")
 load = open("/proc/loadavg").read().split()[:3]
@@ -172,7 +180,7 @@ for mode in modes:
         servers[mode]["shard_cpu_vs_off"] = round(servers[mode]["shard_cpu_us_per_request"] / max(off_cpu, 1e-9), 3)
 writer = json.load(open(os.path.join(raw, "writer.json")))
 summary = {"commit": commit, "cpu": cpu, "load_average_after": load, "runs": runs, "duration": duration,
-           "rate": rate, "connections": conns, "placement": placement, "servers": servers, "writer": writer}
+           "rate": rate, "connections": conns, "placement": placement, "spin_before_park_us": spin_us, "servers": servers, "writer": writer}
 json.dump(summary, open(os.path.join(out, "decision_log.json"), "w"), indent=1, sort_keys=True)
 lines = [
     "## Decision log: its cost on the shard, the writer's throughput, bytes per decision",
@@ -183,9 +191,12 @@ lines = [
     + ("Every thread of a server, the log's writer included, runs on the shard's core (`PLACEMENT=shared`)."
        if placement == "shared" else
        "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`).")
-    + " The writer runs as SCHED_IDLE unless the row says `normal`. Shard CPU is the shard thread's run time "
-    "(`/proc/PID/task/TID/schedstat`; it parks when idle) over the responses received: the work logging adds "
-    "to the shard itself, which the machine's noise moves far less than it moves p99.",
+    + f" Shards spin {spin_us} µs before parking (`spin_before_park_us`"
+    + (", the default)." if spin_us == 50 else ").")
+    + " The writer runs as SCHED_IDLE unless the row says `normal`. Shard CPU is the shard's threads' run time "
+    "(`/proc/PID/task/TID/schedstat`) over the responses received: "
+    + ("its work (it parks when idle), the part of logging's cost the machine's noise hardly moves."
+       if spin_us == 0 else "its work and its spinning between requests, so it is not the work alone."),
     "",
     "| logging | writer | shard CPU µs / request (runs) | CPU / off | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
