@@ -156,10 +156,10 @@ for mode in modes:
     med = {k: statistics.median(r["latency"][k] for r in rs) for k in keys}
     med["p99_us_runs"] = [r["latency"]["p99_us"] for r in rs]
     med["achieved_rate"] = statistics.median(r["achieved_rate"] for r in rs)
-    cpu = [int(open(os.path.join(raw, f"{mode}-{r}.shard_ns")).read()) / 1e3 / max(rs[r - 1]["received"], 1)
+    cpu_us = [int(open(os.path.join(raw, f"{mode}-{r}.shard_ns")).read()) / 1e3 / max(rs[r - 1]["received"], 1)
            for r in range(1, runs + 1)]
-    med["shard_cpu_us_per_request"] = round(statistics.median(cpu), 3)
-    med["shard_cpu_us_per_request_runs"] = [round(c, 3) for c in cpu]
+    med["shard_cpu_us_per_request"] = round(statistics.median(cpu_us), 3)
+    med["shard_cpu_us_per_request_runs"] = [round(c, 3) for c in cpu_us]
     med["lost"] = sum(r["lost"] for r in rs)
     if mode != "off":
         c = dict(l.split() for l in open(os.path.join(raw, f"counters-{mode}.txt")))
