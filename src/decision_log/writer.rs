@@ -19,15 +19,16 @@
 //! then waits [`RETRY_AFTER_MS`] (dropping, counted, what arrives) before
 //! it opens another. The shards never see it.
 //!
-//! The writer never delays a shard, even on a shard's core (a machine with
+//! The writer yields to the shards, even on a shard's core (a machine with
 //! no housekeeping core to spare): it runs as `SCHED_IDLE`
 //! (`writer_priority = "idle"`, the default), so it only gets the time
-//! every other thread of its core leaves, and a waking shard preempts it at
-//! once instead of waiting out its scheduler slice (milliseconds under
-//! CFS and EEVDF, which is what a writer of the default policy cost a
-//! shard's p99 on a shared core). What it cannot write in that time stays
-//! in the rings, and what no longer fits there is dropped and counted,
-//! never waited for. Its system calls are kept short for the same reason:
+//! every other thread of its core leaves, and a waking shard preempts it
+//! instead of waiting out its scheduler slice (milliseconds under CFS and
+//! EEVDF, which is what a writer of the default policy cost a shard's p99
+//! on a shared core). What it cannot write in that time stays in the
+//! rings, and what no longer fits there is dropped and counted, never
+//! waited for. On a kernel without full preemption a waking shard still
+//! waits for the writer's system call in progress, so those are short:
 //! a segment's bytes go to the kernel [`WRITE_BYTES`] at a time. A
 //! refused `SCHED_IDLE` is a warning (`cores::IdleRefused`) and
 //! `quiver_log_writer_idle` 0; the writer then runs at the default
