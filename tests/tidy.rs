@@ -496,7 +496,7 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("infer/ring.rs", "the hand-off rings' slots"),
     ("model/embedding.rs", "mapping a model file and the checked slice cast of its tables"),
     ("model/codec/decode.rs", "the one call of ModelFile::map, under the rename rule"),
-    ("model/explain.rs", "calls of the TreeSHAP walk compiled with #[target_feature] after a runtime check"),
+    ("model/explain/quadrature.rs", "calls of the TreeSHAP walk compiled with #[target_feature] after a runtime check"),
     ("request/cache.rs", "the score cache's prefetch"),
     ("score/cpu/aligned.rs", "the aligned-slice cast"),
     ("score/cpu/executor.rs", "calls of safe code compiled with #[target_feature] after a runtime check"),
