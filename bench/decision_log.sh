@@ -15,10 +15,13 @@
 # "normal"`: the writer before it was made SCHED_IDLE, for comparison).
 # PLACEMENT: `shared` (default: every thread of a server, the log's writer
 # included, on $SERVER_CORE, as on a machine with no housekeeping core to
-# spare: the writer only gets the time the shard leaves) or `housekeeping`
+# spare: the writer only gets the time the shard leaves), `housekeeping`
 # (the shard on $SERVER_CORE, the writer and the other housekeeping
-# threads on $GEN_CORE beside the load generator, as `quiver serve` places
-# them on a machine with a spare core).
+# threads on $GEN_CORE beside the load generator, which spins: an idle
+# writer there gets almost no time) or `own` (the writer and the other
+# housekeeping threads on $HOUSEKEEPING_CORE, a core of their own, as
+# `quiver serve` places them on a machine with a spare core: the placement
+# the issue's cost target is for; needs 3 cores).
 #
 # The shard's own cost, beside the tails: each run reads the shard's
 # threads' run time (/proc/PID/task/TID/schedstat) before and after, over
@@ -44,6 +47,7 @@ RATE="${RATE:-30000}"
 CONNECTIONS="${CONNECTIONS:-4}"
 SERVER_CORE="${SERVER_CORE:-0}"
 GEN_CORE="${GEN_CORE:-1}"
+HOUSEKEEPING_CORE="${HOUSEKEEPING_CORE:-2}"
 OUT="${OUT:-bench/results}"
 MODES="${MODES:-off 10 100}"
 PLACEMENT="${PLACEMENT:-shared}"
@@ -51,7 +55,8 @@ SPIN_US="${SPIN_US:-}"
 case "$PLACEMENT" in
     shared) server_cores="$SERVER_CORE" ;;
     housekeeping) server_cores="$SERVER_CORE,$GEN_CORE" ;;
-    *) echo "decision_log: PLACEMENT is shared or housekeeping, not '$PLACEMENT'" >&2; exit 1 ;;
+    own) server_cores="$SERVER_CORE,$HOUSEKEEPING_CORE" ;;
+    *) echo "decision_log: PLACEMENT is shared, housekeeping or own, not '$PLACEMENT'" >&2; exit 1 ;;
 esac
 for mode in $MODES; do
     [[ "$mode" =~ ^(off|[0-9]+n?)$ ]] || { echo "decision_log: mode '$mode' is off, N or Nn" >&2; exit 1; }
@@ -64,6 +69,12 @@ need taskset util-linux
 need python3 python3
 need curl curl
 need_two_cores
+if [ "$PLACEMENT" = own ]; then
+    [ "$(nproc)" -ge 3 ] || die "PLACEMENT=own needs 3 cores (shard, generator, housekeeping); this machine has $(nproc)"
+    for c in "$SERVER_CORE" "$GEN_CORE"; do
+        [ "$c" != "$HOUSEKEEPING_CORE" ] || die "HOUSEKEEPING_CORE must differ from SERVER_CORE and GEN_CORE"
+    done
+fi
 bench_setup
 raw="$data/runs"
 mkdir -p "$raw"
@@ -190,7 +201,9 @@ lines = [
     f"requests/s, {conns} connections, {runs} interleaved runs of {duration} per server; medians of runs. "
     + ("Every thread of a server, the log's writer included, runs on the shard's core (`PLACEMENT=shared`)."
        if placement == "shared" else
-       "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`).")
+       "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`)."
+       if placement == "housekeeping" else
+       "The writer and the other housekeeping threads run on a core of their own (`PLACEMENT=own`).")
     + f" Shards spin {spin_us} µs before parking (`spin_before_park_us`"
     + (", the default)." if spin_us == 50 else ").")
     + " The writer runs as SCHED_IDLE unless the row says `normal`. Shard CPU is the shard's threads' run time "
