@@ -80,7 +80,6 @@ pub fn path_len(depth: usize) -> usize {
 /// The most path elements a scratch holds (trees of `DEPTH_MAX` splits).
 pub const PATH_LEN_MAX: usize = (DEPTH_MAX + 2) * (DEPTH_MAX + 3) / 2;
 
-
 /// Why a model or a row cannot be explained.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ExplainError {

@@ -2,10 +2,10 @@
 //! their definition, against each other, and every ISA build of the walk.
 
 use super::quadrature::{gauss_legendre, lanes_for, Isa, CATEGORICAL, LEAF, MISSING_LEFT, ZERO_MISSING};
-use crate::model::trees::goes_left;
 use super::*;
 use crate::model::graph::{Graph, Node, OutputKind};
 use crate::model::tests::tiny;
+use crate::model::trees::goes_left;
 use crate::model::trees::TreeNode;
 use crate::model::{InputSegment, Source};
 use crate::seeded::SplitMix64;
@@ -118,8 +118,7 @@ fn conditional(e: &Ensemble, t: usize, i: usize, x: &[f32], known: u32) -> f64 {
                 let left = goes_left(&n.split, x[feature as usize], &e.cat_words);
                 conditional(e, t, if left { l } else { r }, x, known)
             } else {
-                (conditional(e, t, l, x, known) * covers[l] as f64
-                    + conditional(e, t, r, x, known) * covers[r] as f64)
+                (conditional(e, t, l, x, known) * covers[l] as f64 + conditional(e, t, r, x, known) * covers[r] as f64)
                     / covers[i] as f64
             }
         }
@@ -373,11 +372,7 @@ fn a_scaler_pipeline_explains_against_the_scaler_center() {
             inputs: vec![1],
             width: 1,
         },
-        Node {
-            op: Op::Affine { center: vec![0.0], scale: vec![2.0], shift: vec![0.0] },
-            inputs: vec![2],
-            width: 1,
-        },
+        Node { op: Op::Affine { center: vec![0.0], scale: vec![2.0], shift: vec![0.0] }, inputs: vec![2], width: 1 },
     ];
     let graph = Graph { nodes, output: OutputKind::Logit };
     let model = Model {
@@ -456,10 +451,7 @@ fn a_model_served_only_through_onnxruntime_is_refused() {
     let err = Explainer::new(Arc::new(model)).unwrap_err();
     assert_eq!(
         err,
-        ExplainError::NotExplainable {
-            model: "tiny".into(),
-            kind: "a model served only through onnxruntime".into()
-        }
+        ExplainError::NotExplainable { model: "tiny".into(), kind: "a model served only through onnxruntime".into() }
     );
 }
 
@@ -480,10 +472,7 @@ fn the_scratch_is_bounded_by_the_deepest_tree_and_the_table_by_the_nodes() {
     let Method::Trees(t) = &fast.method else { unreachable!() };
     let q = t.quadrature.as_ref().unwrap();
     assert!(q.tree_nodes_max < 1 << (depth + 1));
-    assert_eq!(
-        (walk.lanes, walk.nodes, walk.node.len()),
-        (4, q.tree_nodes_max + 1, 5 * 4 * (q.tree_nodes_max + 1))
-    );
+    assert_eq!((walk.lanes, walk.nodes, walk.node.len()), (4, q.tree_nodes_max + 1, 5 * 4 * (q.tree_nodes_max + 1)));
     assert!(walk.phi.len() <= 4 * WIDTH);
     let trees = 4 - lone_leaves;
     // A level of each tree below its root: each tree's depth.
