@@ -37,6 +37,11 @@
 # Writes $OUT/decision_log.json and decision_log.md (rendered into
 # docs/BENCHMARKS.md by bench/report.py).
 #
+# On a machine without a Rust toolchain (a lent one, with cores to spare
+# for PLACEMENT=own), carry prebuilt executables: QUIVER_BIN (`quiver`,
+# bench/lib.sh) and QUIVER_WRITER_BENCH (the `decision_log` bench's, from
+# `cargo bench --bench decision_log --no-run`); both may be stripped.
+#
 # usage: bench/decision_log.sh     (RUNS=3 DURATION=5s RATE=30000 MODES="off 10 100" PLACEMENT=shared)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -150,7 +155,11 @@ for mode in "${logging[@]}"; do
     done >"$raw/segments-$mode.txt"
 done
 
-cargo bench --quiet --bench decision_log -- --json >"$raw/writer.json"
+if [ -n "${QUIVER_WRITER_BENCH:-}" ]; then
+    "$QUIVER_WRITER_BENCH" --json >"$raw/writer.json"
+else
+    cargo bench --quiet --bench decision_log -- --json >"$raw/writer.json"
+fi
 
 python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" "$MODES" "$PLACEMENT" "$SPIN_US" <<'PY'
 import json, os, statistics, subprocess, sys

@@ -30,9 +30,16 @@ bench_cleanup() {
     rm -rf "$data"
 }
 
+# QUIVER_BIN: a prebuilt `quiver` to run instead of building one (on a
+# lent machine without a Rust toolchain, carried there).
 bench_setup() {
-    cargo build --release --quiet
-    bin="${CARGO_TARGET_DIR:-target}/release/quiver"
+    if [ -n "${QUIVER_BIN:-}" ]; then
+        bin="$QUIVER_BIN"
+        [ -x "$bin" ] || die "QUIVER_BIN=$bin is not an executable"
+    else
+        cargo build --release --quiet
+        bin="${CARGO_TARGET_DIR:-target}/release/quiver"
+    fi
     data="$(mktemp -d)"
     pids=()
     trap bench_cleanup EXIT
