@@ -20,7 +20,6 @@ use std::path::Path;
 use std::process::Command;
 
 use common::{demo_dir, demo_request, Server};
-use quiver::features::replica::Replica;
 use quiver::model::{sigmoid, Model};
 use quiver::score::cuda::{self, CudaError};
 use quiver::score::{self, BackendKind};
@@ -30,19 +29,7 @@ use quiver::wire::{RequestSpec, Status};
 fn cpu_int8_scores(spec: &RequestSpec) -> Vec<f32> {
     let dir = demo_dir();
     let model = std::sync::Arc::new(Model::load(&dir.join("model.qm")).unwrap());
-    let user = Replica::open(&dir.join("user.qrep"), "user").unwrap();
-    let item = Replica::open(&dir.join("item.qrep"), "item").unwrap();
-    let mut u = vec![0.0; user.dim()];
-    user.read_into(spec.user_id, &mut u);
-    let mut x = Vec::new();
-    for &id in &spec.item_ids {
-        let mut v = vec![0.0; item.dim()];
-        item.read_into(id, &mut v);
-        // Demo layout: user, item, context.
-        x.extend_from_slice(&u);
-        x.extend_from_slice(&v);
-        x.extend_from_slice(&spec.context);
-    }
+    let (x, _) = common::demo_rows(spec);
     let rows = spec.item_ids.len();
     let mut logits = vec![0.0; rows];
     score::build(BackendKind::Int8, &model, rows).score(&x, rows, &mut logits).unwrap();

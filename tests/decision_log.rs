@@ -505,19 +505,7 @@ fn demo_version(version: u32, bias_shift: f32) -> quiver::model::Model {
 
 /// The f32 reference scores of `model` for `spec` on the demo data.
 fn reference(model: &quiver::model::Model, spec: &RequestSpec) -> Vec<f32> {
-    use quiver::features::replica::Replica;
-    let user = Replica::open(&demo_dir().join("user.qrep"), "user").unwrap();
-    let item = Replica::open(&demo_dir().join("item.qrep"), "item").unwrap();
-    let mut u = vec![0.0; user.dim()];
-    user.read_into(spec.user_id, &mut u);
-    let mut x = Vec::new();
-    for &id in &spec.item_ids {
-        let mut v = vec![0.0; item.dim()];
-        item.read_into(id, &mut v);
-        x.extend_from_slice(&u);
-        x.extend_from_slice(&v);
-        x.extend_from_slice(&spec.context);
-    }
+    let (x, _) = common::demo_rows(spec);
     let mut logits = vec![0.0; spec.item_ids.len()];
     model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
     logits.into_iter().map(quiver::model::sigmoid).collect()

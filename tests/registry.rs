@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{demo_dir, demo_request, Server, INT8_SCORE_TOLERANCE};
-use quiver::features::replica::Replica;
+use common::{demo_request, Server, INT8_SCORE_TOLERANCE};
 use quiver::model::{sigmoid, Layer, Model};
 use quiver::registry::{publish, ModelStatus};
 use quiver::wire::{RequestSpec, Status};
@@ -41,18 +40,7 @@ fn small_model(name: &str, version: u32) -> Model {
 }
 
 fn reference(model: &Model, spec: &RequestSpec) -> Vec<f32> {
-    let user = Replica::open(&demo_dir().join("user.qrep"), "user").unwrap();
-    let item = Replica::open(&demo_dir().join("item.qrep"), "item").unwrap();
-    let mut u = vec![0.0; 32];
-    user.read_into(spec.user_id, &mut u);
-    let mut x = Vec::new();
-    for &id in &spec.item_ids {
-        let mut v = vec![0.0; 32];
-        item.read_into(id, &mut v);
-        x.extend_from_slice(&u);
-        x.extend_from_slice(&v);
-        x.extend_from_slice(&spec.context);
-    }
+    let (x, _) = common::demo_rows(spec);
     let mut logits = vec![0.0; spec.item_ids.len()];
     model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
     logits.into_iter().map(sigmoid).collect()

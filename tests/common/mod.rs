@@ -366,17 +366,24 @@ pub fn demo_request(request_id: u64, user_id: u64, item_ids: Vec<u64>) -> Reques
     }
 }
 
-/// The f32 reference scores for `spec`, computed from the files directly.
-pub fn reference_scores(data_dir: &Path, spec: &RequestSpec) -> (Vec<f32>, u16) {
+/// The demo model and replicas of `demo_dir()`, opened once per test binary.
+fn demo_files() -> &'static (Model, Replica, Replica) {
     static CACHE: OnceLock<(Model, Replica, Replica)> = OnceLock::new();
-    assert_eq!(data_dir, demo_dir());
-    let (model, user, item) = CACHE.get_or_init(|| {
+    CACHE.get_or_init(|| {
+        let data_dir = demo_dir();
         (
             Model::load(&data_dir.join("model.qm")).unwrap(),
             Replica::open(&data_dir.join("user.qrep"), "user").unwrap(),
             Replica::open(&data_dir.join("item.qrep"), "item").unwrap(),
         )
-    });
+    })
+}
+
+/// The input rows the demo data gives `spec` (user, item, context per
+/// candidate; zeros for an empty context), read from the replica files
+/// directly, and how many of its keys the replicas miss.
+pub fn demo_rows(spec: &RequestSpec) -> (Vec<f32>, u16) {
+    let (_, user, item) = demo_files();
     let mut missing = 0u16;
     let mut u = vec![0.0; user.dim()];
     missing += u16::from(!user.read_into(spec.user_id, &mut u));
@@ -393,6 +400,14 @@ pub fn reference_scores(data_dir: &Path, spec: &RequestSpec) -> (Vec<f32>, u16) 
             x.extend_from_slice(&spec.context);
         }
     }
+    (x, missing)
+}
+
+/// The f32 reference scores for `spec`, computed from the files directly.
+pub fn reference_scores(data_dir: &Path, spec: &RequestSpec) -> (Vec<f32>, u16) {
+    assert_eq!(data_dir, demo_dir());
+    let (model, _, _) = demo_files();
+    let (x, missing) = demo_rows(spec);
     let mut logits = vec![0.0; spec.item_ids.len()];
     model.forward_f32_reference(&x, spec.item_ids.len(), &mut logits);
     (logits.into_iter().map(sigmoid).collect(), missing)
