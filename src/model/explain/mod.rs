@@ -234,9 +234,7 @@ impl Explainer {
     /// model).
     pub fn table_bytes(&self) -> usize {
         match &self.method {
-            Method::Trees(t) => t.quadrature.as_ref().map_or(0, |q| {
-                q.nodes.len() * TABLE_NODE_BYTES + 4 * (q.starts.len() + q.tree_levels.len()) + 20 * q.levels.len()
-            }),
+            Method::Trees(t) => t.quadrature.as_ref().map_or(0, Quadrature::table_bytes),
             Method::Linear(l) => (l.weights.len() + l.baseline.len()) * 8,
         }
     }

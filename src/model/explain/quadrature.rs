@@ -338,6 +338,13 @@ impl Quadrature {
         Quadrature { nodes, starts, levels, tree_levels, columns, tree_nodes_max, dummy, t, w, lanes, isa }
     }
 
+    /// Bytes of the table: its nodes, tree and level bounds.
+    pub(super) fn table_bytes(&self) -> usize {
+        self.nodes.len() * TABLE_NODE_BYTES
+            + 4 * (self.starts.len() + self.tree_levels.len())
+            + std::mem::size_of::<[u16; 10]>() * self.levels.len()
+    }
+
     /// Adds each column's contribution to `phi`.
     pub(super) fn explain(&self, words: &[u32], x: &[f32], walk: &mut Walk, phi: &mut [f64]) {
         match self.lanes {
