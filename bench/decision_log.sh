@@ -25,14 +25,11 @@
 #
 # The shard's own cost, beside the tails: each run reads the shard's
 # threads' run time (/proc/PID/task/TID/schedstat) before and after, over
-# the responses received: CPU µs per request. With SPIN_US=0 the shard
-# parks when idle and this is its work, which the machine's noise moves
-# far less than it moves p99; with the default it counts the spinning too.
-#
-# SPIN_US: every server's `[reactor] spin_before_park_us` (unset: the
-# default, 50 µs). A shard that spins between requests leaves an idle
-# writer on its core no time, and its CPU per request then counts the
-# spinning; at 0 it parks at once, and its CPU is its work.
+# the responses received: CPU µs per request, which the machine's noise
+# moves far less than it moves p99. SPIN_US sets every server's `[reactor]
+# spin_before_park_us` (unset: the server's default). A shard that spins
+# between requests leaves an idle writer on its core no time, and its CPU
+# counts the spinning; at 0 it parks at once, and its CPU is its work.
 #
 # Writes $OUT/decision_log.json and decision_log.md (rendered into
 # docs/BENCHMARKS.md by bench/report.py).
@@ -165,7 +162,7 @@ python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" "$MODES" "$PL
 import json, os, statistics, subprocess, sys
 raw, out, runs, duration, rate, conns = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 modes, placement = sys.argv[7].split(), sys.argv[8]
-spin_us = int(sys.argv[9]) if sys.argv[9] else 50
+spin_us = int(sys.argv[9]) if sys.argv[9] else None
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown")
 load = open("/proc/loadavg").read().split()[:3]
@@ -213,8 +210,8 @@ lines = [
        "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`)."
        if placement == "housekeeping" else
        "The writer and the other housekeeping threads run on a core of their own (`PLACEMENT=own`).")
-    + f" Shards spin {spin_us} µs before parking (`spin_before_park_us`"
-    + (", the default)." if spin_us == 50 else ").")
+    + (" Shards spin the default `spin_before_park_us` before parking." if spin_us is None
+       else f" Shards spin {spin_us} µs before parking (`spin_before_park_us`).")
     + " The writer runs as SCHED_IDLE unless the row says `normal`. Shard CPU is the shard's threads' run time "
     "(`/proc/PID/task/TID/schedstat`) over the responses received: "
     + ("its work (it parks when idle), the part of logging's cost the machine's noise hardly moves."
