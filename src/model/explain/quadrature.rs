@@ -610,11 +610,10 @@ impl<const N: usize> At<N> {
         let (vl, vr) = (f32::from_bits(l.value) as f64, f32::from_bits(r.value) as f64);
         let zero = l.zero * vl + r.zero * vr;
         // Which leaf the row takes is the row's: a branch on it is
-        // mispredicted half the time (on the 500 x 8 benchmark, 31% of the
-        // walk's time).
-        // The compiler turns a select after `goes_left`'s own branch
-        // (categorical or not) into a branch on the row, so the side is
-        // made opaque to it first.
+        // mispredicted half the time (31% of the walk's time on the 500 x 8
+        // benchmark). The compiler turns even an unpredictable select after
+        // `goes_left`'s own branch (categorical or not) back into a branch,
+        // so the side is made opaque to it first.
         let go_left = std::hint::black_box(n.goes_left(x, words));
         let taken = std::hint::select_unpredictable(go_left, vl, vr);
         let product: [f64; N] = std::array::from_fn(|k| excl[k] * f[k]);
