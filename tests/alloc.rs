@@ -306,11 +306,13 @@ fn handle_allocates_nothing_once_warm_logging_every_decision() {
     assert_eq!(path.telemetry.counters.log_dropped_ring_full, 0);
     let mut consumer = rings.consumers().remove(0);
     let mut ids = Vec::new();
-    while let Some(d) = consumer.pop(Decision::decode) {
-        let d = d.unwrap();
+    while let Some(d) = consumer.pop(|b| {
+        let d = Decision::decode(b).unwrap();
         assert_eq!((d.status, d.tier), (Status::Ok.0, Tier::Primary.0));
-        assert_eq!(d.x.as_ref().map(Vec::len), Some(d.rows as usize * d.row_dim as usize));
-        ids.push(d.request_id);
+        assert_eq!(d.x.map(|x| x.len()), Some(d.rows as usize * d.row_dim as usize));
+        d.request_id
+    }) {
+        ids.push(d);
     }
     let want: Vec<u64> = (0..WARM).map(|i| i % MEASURED).chain(0..MEASURED).collect();
     assert_eq!(ids, want);
@@ -352,12 +354,14 @@ fn handle_and_complete_allocate_nothing_once_warm_in_thread_mode() {
     assert_eq!(path.telemetry.counters.log_records, WARM + MEASURED);
     let mut consumer = rings.consumers().remove(0);
     let mut ids = Vec::new();
-    while let Some(d) = consumer.pop(Decision::decode) {
-        let d = d.unwrap();
+    while let Some(d) = consumer.pop(|b| {
+        let d = Decision::decode(b).unwrap();
         assert_eq!((d.status, d.tier), (Status::Ok.0, Tier::Primary.0));
-        assert_eq!(d.x.as_ref().map(Vec::len), Some(d.rows as usize * d.row_dim as usize));
+        assert_eq!(d.x.map(|x| x.len()), Some(d.rows as usize * d.row_dim as usize));
         assert!(!d.keys.is_empty() && !d.spans.is_empty(), "the spans and keys staged at the hand-off");
-        ids.push(d.request_id);
+        d.request_id
+    }) {
+        ids.push(d);
     }
     let want: Vec<u64> = (0..WARM).map(|i| i % MEASURED).chain(0..MEASURED).collect();
     assert_eq!(ids, want);

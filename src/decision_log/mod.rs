@@ -755,8 +755,9 @@ mod tests {
         // 4 KiB records: 15 fit in a 64 KiB ring, the rest are dropped.
         assert_eq!((log.records, log.dropped_ring_full), (15, 85));
         let mut consumers = rings.consumers();
-        let back = consumers[0].pop(record::Decision::decode).unwrap().unwrap();
-        assert_eq!((back.request_id, back.rows, back.x.unwrap().len()), (1, 16, 1024));
+        let back =
+            consumers[0].pop(|b| record::Decision::decode(b).map(|d| (d.request_id, d.rows, d.x.map(|x| x.len()))));
+        assert_eq!(back, Some(Ok((1, 16, Some(1024)))));
         log.put(&d);
         assert_eq!(log.records, 16);
         let big = vec![0.0f32; RING_BYTES_MIN / 4];

@@ -50,7 +50,7 @@ use arrow_array::{ArrayRef, Float32Array, RecordBatch};
 use arrow_ipc::writer::{FileWriter, IpcWriteOptions};
 use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef, TimeUnit};
 
-use super::record::{why, Decision, Keys};
+use super::record::{why, Decision, Floats, Keys};
 use super::{Consumer, LogConfig, LogStatus, WriterPriority};
 use crate::wire::{self, Reason, Status, Tier};
 
@@ -106,6 +106,7 @@ impl Writer {
                         ),
                     }
                 }
+                let mut rings = consumers;
                 let mut w = Work {
                     dir,
                     limits,
@@ -113,14 +114,10 @@ impl Writer {
                     last_warn: None,
                     warnings_held: 0,
                     seq: 0,
-                    shards: consumers
-                        .into_iter()
-                        .enumerate()
-                        .map(|(shard, consumer)| ShardOut { shard, consumer, open: None, blocked_until: None })
-                        .collect(),
+                    shards: (0..rings.len()).map(|shard| ShardOut { shard, open: None, blocked_until: None }).collect(),
                 };
                 w.prepare();
-                w.run(&stop);
+                w.run(&mut rings, &stop);
             })?
         };
         Ok(Writer { stop, thread: Some(thread) })
@@ -159,10 +156,9 @@ struct Work {
     shards: Vec<ShardOut>,
 }
 
-/// One shard's ring and open segment.
+/// One shard's open segment.
 struct ShardOut {
     shard: usize,
-    consumer: Consumer,
     open: Option<Segment>,
     /// Set after a failure: decisions arriving before it are dropped.
     blocked_until: Option<Instant>,
@@ -179,7 +175,7 @@ struct Layout {
 }
 
 impl Layout {
-    fn of(d: &Decision) -> Layout {
+    fn of(d: &Decision<'_>) -> Layout {
         Layout {
             row_dim: d.row_dim,
             spans: d.spans.clone(),
@@ -189,7 +185,7 @@ impl Layout {
 
     /// Whether `d` is of this layout (what `Layout::of(d) == *self` says,
     /// without building one per decision).
-    fn matches(&self, d: &Decision) -> bool {
+    fn matches(&self, d: &Decision<'_>) -> bool {
         self.row_dim == d.row_dim
             && self.spans == d.spans
             && self.keys.len() == d.keys.len()
@@ -206,7 +202,7 @@ impl Layout {
     /// same kind. Its feature columns are then null, and so are the key
     /// columns it lacks; an error between decisions does not close the
     /// segment.
-    fn admits(&self, d: &Decision) -> bool {
+    fn admits(&self, d: &Decision<'_>) -> bool {
         d.x.is_none()
             && (d.spans.is_empty() || d.spans == self.spans)
             && d.keys
@@ -350,61 +346,70 @@ impl Batch {
     }
 
     /// One row per candidate (one, without candidate or score, for a
-    /// decision that has none: a failure), in the columns of `layout`.
-    fn push(&mut self, layout: &Layout, d: &Decision) {
-        // Each key column's keys in `d`, by group name.
-        let keys: Vec<Option<&Keys>> =
-            (layout.keys.iter()).map(|(name, _)| d.keys.iter().find(|(n, _)| n == name).map(|(_, k)| k)).collect();
+    /// decision that has none: a failure), in the columns of `layout`. A
+    /// value the decision's rows share is appended once for all of them.
+    fn push(&mut self, layout: &Layout, d: &Decision<'_>) {
         let same_spans = d.spans == layout.spans;
         let ok = d.status == Status::Ok.0;
-        let status = wire::status_name(Status(d.status));
-        let tier = ok.then(|| wire::tier_name(Tier(d.tier)));
-        let reason = ok.then(|| wire::reason_name(Reason(d.reason)));
         let rows = (d.rows as usize).max(1);
         let row_dim = d.row_dim as usize;
-        let always = why::always_name(d.why);
-        for i in 0..rows {
-            self.request_id.append_value(d.request_id);
-            self.client_id.append_value(d.client_id);
-            self.received.append_value(d.received_unix_ns);
-            self.model.append_value(&d.model);
-            self.model_version.append_value(d.model_version);
-            self.status.append_value(status);
-            self.tier.append_option(tier);
-            self.reason.append_option(reason);
-            self.budget_us.append_value(d.budget_us);
-            self.server_us.append_value(d.server_us);
-            self.features_missing.append_value(d.features_missing);
-            self.features_stale.append_value(d.features_stale);
-            let candidate = (i < d.rows as usize).then_some(i as u32);
-            self.candidate.append_option(candidate);
-            self.score.append_option(d.scores.as_ref().and_then(|s| s.get(i)).copied());
-            self.sampled.append_value(d.why & why::SAMPLE != 0);
-            self.always.append_option(always);
-            self.shadow_version.append_option(d.shadow.as_ref().map(|(v, _)| *v));
-            self.shadow_score.append_option(d.shadow.as_ref().and_then(|(_, s)| s.get(i)).copied());
-            for (column, keys) in self.keys.iter_mut().zip(&keys) {
-                // One key (a request-scope group) on every row; else the
-                // candidate's own.
-                let at = |len: usize| if len == 1 { Some(0) } else { (i < len).then_some(i) };
-                match (column, keys) {
-                    (KeyColumn::Ids(b), Some(Keys::Ids(v))) => b.append_option(at(v.len()).map(|j| v[j])),
-                    (KeyColumn::Strs(b), Some(Keys::Strs(v))) => b.append_option(at(v.len()).map(|j| v[j].as_str())),
-                    (KeyColumn::Ids(b), _) => b.append_null(),
-                    (KeyColumn::Strs(b), _) => b.append_null(),
-                }
+        self.request_id.append_value_n(d.request_id, rows);
+        self.client_id.append_value_n(d.client_id, rows);
+        self.received.append_value_n(d.received_unix_ns, rows);
+        self.model.append_value_n(&d.model, rows);
+        self.model_version.append_value_n(d.model_version, rows);
+        self.status.append_value_n(wire::status_name(Status(d.status)), rows);
+        str_n(&mut self.tier, ok.then(|| wire::tier_name(Tier(d.tier))), rows);
+        str_n(&mut self.reason, ok.then(|| wire::reason_name(Reason(d.reason))), rows);
+        self.budget_us.append_value_n(d.budget_us, rows);
+        self.server_us.append_value_n(d.server_us, rows);
+        self.features_missing.append_value_n(d.features_missing, rows);
+        self.features_stale.append_n(rows, d.features_stale);
+        if d.rows == 0 {
+            self.candidate.append_null();
+        } else {
+            self.candidate.extend((0..d.rows).map(Some));
+        }
+        floats_n(&mut self.score, d.scores, rows);
+        self.sampled.append_n(rows, d.why & why::SAMPLE != 0);
+        str_n(&mut self.always, why::always_name(d.why), rows);
+        match d.shadow {
+            Some((version, scores)) => {
+                self.shadow_version.append_value_n(version, rows);
+                floats_n(&mut self.shadow_score, Some(scores), rows);
             }
-            for (span, column) in &mut self.positions {
-                column.append_option(d.positions.get(*span).copied().filter(|_| same_spans));
+            None => {
+                self.shadow_version.append_nulls(rows);
+                self.shadow_score.append_nulls(rows);
+            }
+        }
+        for (column, (name, _)) in self.keys.iter_mut().zip(&layout.keys) {
+            // One key (a request-scope group) on every row; else the
+            // candidate's own; none for a group the decision lacks.
+            let keys = d.keys.iter().find(|(n, _)| n == name).map(|(_, k)| k);
+            match (column, keys) {
+                (KeyColumn::Ids(b), Some(Keys::Ids(v))) if v.len() == 1 => b.append_value_n(v[0], rows),
+                (KeyColumn::Ids(b), Some(Keys::Ids(v))) => b.extend((0..rows).map(|i| v.get(i).copied())),
+                (KeyColumn::Strs(b), Some(Keys::Strs(v))) if v.len() == 1 => b.append_value_n(&v[0], rows),
+                (KeyColumn::Strs(b), Some(Keys::Strs(v))) => b.extend((0..rows).map(|i| v.get(i))),
+                (KeyColumn::Ids(b), _) => b.append_nulls(rows),
+                (KeyColumn::Strs(b), _) => b.append_nulls(rows),
+            }
+        }
+        for (span, column) in &mut self.positions {
+            match d.positions.get(*span).filter(|_| same_spans) {
+                Some(&p) => column.append_value_n(p, rows),
+                None => column.append_nulls(rows),
             }
         }
         // The input rows, when the decision has all of them in this
-        // layout's width; else a null row per row written.
-        let x = d.x.as_deref().filter(|x| d.rows > 0 && row_dim == self.features.len() && x.len() >= rows * row_dim);
+        // layout's width; else a null row per row written. Row-major in
+        // the record, a column each here: float `j` of every row.
+        let x = d.x.filter(|x| d.rows > 0 && row_dim == self.features.len() && x.len() >= rows * row_dim);
         match x {
             Some(x) => {
                 for (j, column) in self.features.iter_mut().enumerate() {
-                    column.extend(x[j..].iter().step_by(row_dim).take(rows));
+                    column.extend((0..rows).map(|r| x.get(r * row_dim + j).unwrap_or_default()));
                 }
                 self.features_valid.append_n_non_nulls(rows);
             }
@@ -455,6 +460,22 @@ impl Batch {
         }
         self.rows = 0;
         RecordBatch::try_new(schema, columns)
+    }
+}
+
+/// `value` (or null) on `n` rows.
+fn str_n(b: &mut StringBuilder, value: Option<&str>, n: usize) {
+    match value {
+        Some(v) => b.append_value_n(v, n),
+        None => b.append_nulls(n),
+    }
+}
+
+/// The first `n` of `floats` (null past their end), or `n` nulls.
+fn floats_n(b: &mut Float32Builder, floats: Option<Floats<'_>>, n: usize) {
+    match floats {
+        Some(f) => b.extend((0..n).map(|i| f.get(i))),
+        None => b.append_nulls(n),
     }
 }
 
@@ -539,23 +560,28 @@ impl Work {
         }
     }
 
-    fn run(&mut self, stop: &AtomicBool) {
+    /// Drains `rings` (one per shard, in shard order) until `stop`.
+    fn run(&mut self, rings: &mut [Consumer], stop: &AtomicBool) {
         loop {
             // Read before draining: once set, the shards have stopped and
             // a pass that finds the rings empty is the last.
             let stopping = stop.load(Ordering::Acquire);
             let mut took = 0;
-            for at in 0..self.shards.len() {
+            for (at, ring) in rings.iter_mut().enumerate() {
                 for _ in 0..DRAIN_RECORDS_MAX {
-                    let Some(decoded) = self.shards[at].consumer.pop(Decision::decode) else { break };
-                    took += 1;
-                    match decoded {
-                        Ok(d) => self.take(at, d),
+                    // The record is read in place: it leaves the ring once
+                    // its rows are in the batch.
+                    let taken = ring.pop(|b| match Decision::decode(b) {
+                        Ok(d) => self.take(at, &d),
                         Err(e) => {
                             LogStatus::add(&self.status.dropped_bad_record, 1);
                             tracing::warn!(error = %e, "unreadable decision-log record dropped");
                         }
+                    });
+                    if taken.is_none() {
+                        break;
                     }
+                    took += 1;
                 }
                 self.tick(at);
             }
@@ -571,7 +597,7 @@ impl Work {
         }
     }
 
-    fn take(&mut self, at: usize, d: Decision) {
+    fn take(&mut self, at: usize, d: &Decision<'_>) {
         let now = Instant::now();
         if let Some(until) = self.shards[at].blocked_until {
             if now < until {
@@ -580,11 +606,11 @@ impl Work {
             }
             self.shards[at].blocked_until = None;
         }
-        if self.shards[at].open.as_ref().is_some_and(|s| !s.layout.matches(&d) && !s.layout.admits(&d)) {
+        if self.shards[at].open.as_ref().is_some_and(|s| !s.layout.matches(d) && !s.layout.admits(d)) {
             self.close(at);
         }
         if self.shards[at].open.is_none() {
-            match self.open(self.shards[at].shard, Layout::of(&d)) {
+            match self.open(self.shards[at].shard, Layout::of(d)) {
                 Ok(s) => self.shards[at].open = Some(s),
                 Err(e) => {
                     self.failed("opening a decision-log segment", &e, 1);
@@ -594,7 +620,7 @@ impl Work {
             }
         }
         let Some(s) = self.shards[at].open.as_mut() else { return };
-        s.batch.push(&s.layout, &d);
+        s.batch.push(&s.layout, d);
         s.decisions += 1;
         s.rows += u64::from(d.rows.max(1));
         // Batches of a quarter segment at most, so a segment closes near
