@@ -14,6 +14,11 @@
 //! bound (served features repeat; `bench/decision_log.sh` also measures the
 //! demo's real ones).
 //!
+//! Its CPU, beside the rate: the process's CPU time (`getrusage`) less the
+//! producer thread's, per decision. The machine's noise moves it far less
+//! than the rate, which also waits on the producer. Likewise its page
+//! faults (memory malloc gave back to the kernel and took again).
+//!
 //! Beside it, the shard's side: the mean time of a `ShardLog::put` that
 //! took its record (encoding the decision into the ring; what a logged
 //! decision costs a shard), timed around each call.
@@ -74,6 +79,7 @@ fn main() {
     let scores: Vec<f32> = (0..a.candidates).map(|i| 1.0 / (2.0 + i as f32)).collect();
     let third = (a.row_dim / 3) as u32;
     let started = Instant::now();
+    let process_before = usage(libc::RUSAGE_SELF);
     let producer = {
         let (rings, decisions, candidates, row_dim) = (rings.clone(), a.decisions, a.candidates, a.row_dim);
         std::thread::spawn(move || {
@@ -127,16 +133,20 @@ fn main() {
                     }
                 }
             }
-            (waits, put_ns)
+            (waits, put_ns, usage(libc::RUSAGE_THREAD))
         })
     };
-    let (waits, put_ns) = producer.join().expect("the producer finishes");
+    let (waits, put_ns, producer) = producer.join().expect("the producer finishes");
     let put_ns_per_decision = put_ns as f64 / a.decisions as f64;
     // Stopping drains the ring and closes the open segment (decisions are
     // counted written as segments close).
     writer.stop();
     assert_eq!(status.decisions_written.load(Relaxed), a.decisions, "every decision written");
     let elapsed_s = started.elapsed().as_secs_f64();
+    // The main thread only waits meanwhile: the rest is the writer's.
+    let process = usage(libc::RUSAGE_SELF);
+    let writer_cpu_us_per_decision = (process.0 - process_before.0 - producer.0) * 1e6 / a.decisions as f64;
+    let writer_faults_per_decision = (process.1 - process_before.1 - producer.1) as f64 / a.decisions as f64;
     let bytes = status.bytes_closed.load(Relaxed);
     let rows = status.rows_written.load(Relaxed);
     let segments = status.segments_closed.load(Relaxed);
@@ -166,15 +176,27 @@ fn main() {
                 "float_bytes_per_decision": raw_bytes_per_decision,
                 "producer_waits": waits,
                 "put_ns_per_decision": put_ns_per_decision,
+                "writer_cpu_us_per_decision": writer_cpu_us_per_decision,
+                "writer_faults_per_decision": writer_faults_per_decision,
             })
         );
     } else {
         println!(
             "{} decisions of {}x{} floats in {elapsed_s:.2} s: {per_s:.0} decisions/s, {mb_per_s:.1} MB/s of \
              segment files, {bytes_per_decision:.0} bytes per decision ({raw_bytes_per_decision:.0} bytes of \
-             floats and scores before compression), {segments} segments; a put took \
-             {put_ns_per_decision:.0} ns",
+             floats and scores before compression), {segments} segments; the writer's CPU \
+             {writer_cpu_us_per_decision:.1} µs and {writer_faults_per_decision:.2} page faults per decision; a put \
+             took {put_ns_per_decision:.0} ns",
             a.decisions, a.candidates, a.row_dim
         );
     }
+}
+
+/// CPU time (user and system, in seconds) and page faults of `who` so far.
+fn usage(who: libc::c_int) -> (f64, i64) {
+    // SAFETY: getrusage writes into the struct it is given.
+    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::getrusage(who, &mut r) }, 0, "getrusage");
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    (tv(r.ru_utime) + tv(r.ru_stime), r.ru_minflt + r.ru_majflt)
 }

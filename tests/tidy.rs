@@ -489,6 +489,7 @@ fn only_the_binary_reads_the_environment() {
 const UNSAFE_FILES: &[(&str, &str)] = &[
     ("cores.rs", "sched_setaffinity / sched_getaffinity / sched_setscheduler"),
     ("decision_log/byte_ring.rs", "the decision-log rings' bytes, written by a shard and read by the writer"),
+    ("decision_log/writer.rs", "mallopt: malloc keeps the writer's freed batches"),
     ("features/replica/table.rs", "the mapped replica file: seqlock reads, word stores, madvise/mlock, prefetch"),
     ("features/replica/writer/mod.rs", "fallocate, flock and the writer's stores into the mapping"),
     ("features/replica/writer/growth.rs", "the growth copy's stores into the new mapping"),
