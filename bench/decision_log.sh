@@ -11,8 +11,12 @@
 # turns into segments.
 #
 # MODES (default "off 10 100"): `off`, `N` (N% logged, the writer
-# SCHED_IDLE, the default) or `Nn` (N% logged, `writer_priority =
-# "normal"`: the writer before it was made SCHED_IDLE, for comparison).
+# SCHED_IDLE, the default), `Nn` (N% logged, `writer_priority =
+# "normal"`: the writer before it was made SCHED_IDLE, for comparison) or
+# `busy` (the control: logging off, and during each of its runs a shell
+# busy loop under SCHED_IDLE on $SERVER_CORE, started before the run and
+# ended after it: what any idle-priority thread that never sleeps costs
+# the shard's tail, with none of the log's work).
 # PLACEMENT: `shared` (default: every thread of a server, the log's writer
 # included, on $SERVER_CORE, as on a machine with no housekeeping core to
 # spare: the writer only gets the time the shard leaves), `housekeeping`
@@ -62,7 +66,7 @@ case "$PLACEMENT" in
     *) echo "decision_log: PLACEMENT is shared, housekeeping or own, not '$PLACEMENT'" >&2; exit 1 ;;
 esac
 for mode in $MODES; do
-    [[ "$mode" =~ ^(off|[0-9]+n?)$ ]] || { echo "decision_log: mode '$mode' is off, N or Nn" >&2; exit 1; }
+    [[ "$mode" =~ ^(off|busy|[0-9]+n?)$ ]] || { echo "decision_log: mode '$mode' is off, busy, N or Nn" >&2; exit 1; }
 done
 
 BENCH_NAME=decision_log
@@ -71,6 +75,7 @@ BENCH_NAME=decision_log
 need taskset util-linux
 need python3 python3
 need curl curl
+case " $MODES " in *" busy "*) need chrt util-linux ;; esac
 need_two_cores
 if [ "$PLACEMENT" = own ]; then
     [ "$(nproc)" -ge 3 ] || die "PLACEMENT=own needs 3 cores (shard, generator, housekeeping); this machine has $(nproc)"
@@ -82,24 +87,26 @@ bench_setup
 raw="$data/runs"
 mkdir -p "$raw"
 
-# The shard's run time so far, in ns: its executor's threads (glommio
-# names them `quiver-shard-0-<n>`, cut to 15 characters).
+# The shard's run time and run-queue wait so far, in ns: its executor's
+# threads (glommio names them `quiver-shard-0-<n>`, cut to 15 characters).
 shard_ns() {
-    local t sum=0
+    local t run=0 wait=0 r w
     for t in /proc/"$1"/task/*; do
         case "$(cat "$t/comm" 2>/dev/null)" in
-            quiver-shard-0-*) sum=$(( sum + $(awk '{print $1}' "$t/schedstat") )) ;;
+            quiver-shard-0-*)
+                read -r r w _ <"$t/schedstat"
+                run=$(( run + r )) wait=$(( wait + w )) ;;
         esac
     done
-    [ "$sum" -gt 0 ] || die "no quiver-shard-0 thread in process $1"
-    echo "$sum"
+    [ "$run" -gt 0 ] || die "no quiver-shard-0 thread in process $1"
+    echo "$run $wait"
 }
 
 declare -A addr admin pid_of
 logging=()
 for mode in $MODES; do
     : >"$data/$mode.toml"
-    if [ "$mode" != off ]; then
+    if [ "$mode" != off ] && [ "$mode" != busy ]; then
         logging+=("$mode")
         rate="$(python3 -c "print(${mode%n} / 100)")"
         priority=idle
@@ -127,9 +134,19 @@ for mode in $MODES; do gen "$mode" --duration 1s --rate 10000 --json >/dev/null;
 
 for run in $(seq "$RUNS"); do
     for mode in $MODES; do
-        before_ns="$(shard_ns "${pid_of[$mode]}")"
+        before="$(shard_ns "${pid_of[$mode]}")"
+        read -r run_ns wait_ns <<<"$before"
+        busy_pid=
+        if [ "$mode" = busy ]; then
+            taskset -c "$SERVER_CORE" chrt -i 0 timeout 600 sh -c 'while :; do :; done' &
+            busy_pid="$!"
+            pids+=("$busy_pid")
+        fi
         gen "$mode" --duration "$DURATION" --rate "$RATE" --json >"$raw/$mode-$run.json" || true
-        echo "$(( $(shard_ns "${pid_of[$mode]}") - before_ns ))" >"$raw/$mode-$run.shard_ns"
+        [ -z "$busy_pid" ] || { kill "$busy_pid" 2>/dev/null || true; wait "$busy_pid" 2>/dev/null || true; }
+        after="$(shard_ns "${pid_of[$mode]}")"
+        read -r run_after wait_after <<<"$after"
+        echo "$(( run_after - run_ns )) $(( wait_after - wait_ns ))" >"$raw/$mode-$run.shard_ns"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); l=r['latency']; print(f'run {sys.argv[2]} logging {sys.argv[3]:>3}: p50 {l[\"p50_us\"]:>6} p99 {l[\"p99_us\"]:>7} p99.9 {l[\"p999_us\"]:>7} µs  achieved {r[\"achieved_rate\"]:.0f}/s', file=sys.stderr)" \
             "$raw/$mode-$run.json" "$run" "$mode"
     done
@@ -174,12 +191,15 @@ for mode in modes:
     med = {k: statistics.median(r["latency"][k] for r in rs) for k in keys}
     med["p99_us_runs"] = [r["latency"]["p99_us"] for r in rs]
     med["achieved_rate"] = statistics.median(r["achieved_rate"] for r in rs)
-    cpu_us = [int(open(os.path.join(raw, f"{mode}-{r}.shard_ns")).read()) / 1e3 / max(rs[r - 1]["received"], 1)
-           for r in range(1, runs + 1)]
+    ns = [list(map(int, open(os.path.join(raw, f"{mode}-{r}.shard_ns")).read().split())) for r in range(1, runs + 1)]
+    cpu_us = [n[0] / 1e3 / max(r["received"], 1) for n, r in zip(ns, rs)]
+    wait_us = [n[1] / 1e3 / max(r["received"], 1) for n, r in zip(ns, rs)]
     med["shard_cpu_us_per_request"] = round(statistics.median(cpu_us), 3)
     med["shard_cpu_us_per_request_runs"] = [round(c, 3) for c in cpu_us]
+    med["shard_wait_us_per_request"] = round(statistics.median(wait_us), 3)
+    med["shard_wait_us_per_request_runs"] = [round(w, 3) for w in wait_us]
     med["lost"] = sum(r["lost"] for r in rs)
-    if mode != "off":
+    if mode not in ("off", "busy"):
         c = dict(l.split() for l in open(os.path.join(raw, f"counters-{mode}.txt")))
         segs = [tuple(map(int, l.split())) for l in open(os.path.join(raw, f"segments-{mode}.txt")) if l.strip()]
         bytes_, decisions = sum(s[0] for s in segs), sum(s[1] for s in segs)
@@ -216,15 +236,17 @@ lines = [
     + " The writer runs as SCHED_IDLE unless the row says `normal`. Shard CPU is the shard's threads' run time "
     "(`/proc/PID/task/TID/schedstat`) over the responses received: "
     + ("its work (it parks when idle), the part of logging's cost the machine's noise hardly moves."
-       if spin_us == 0 else "its work and its spinning between requests, so it is not the work alone."),
+       if spin_us == 0 else "its work and its spinning between requests, so it is not the work alone.")
+    + " The shard's run-queue wait (the same file's second field) is the time it was ready to run and "
+    "another thread of its core ran instead: what the writer (or anything else) took from it.",
     "",
-    "| logging | writer | shard CPU µs / request (runs) | CPU / off | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| logging | writer | shard CPU µs / request (runs) | CPU / off | shard run-queue wait µs / request (runs) | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 def label(mode):
-    return "off" if mode == "off" else f"{mode.rstrip('n')}%"
+    return {"off": "off", "busy": "off, and a SCHED_IDLE busy loop on the shard's core"}.get(mode, f"{mode.rstrip('n')}%")
 def writer_kind(mode, m):
-    if mode == "off":
+    if mode in ("off", "busy"):
         return "–"
     if mode.endswith("n"):
         return "normal"
@@ -235,6 +257,7 @@ for mode in modes:
         f"| {label(mode)} | {writer_kind(mode, m)} | {m['shard_cpu_us_per_request']:.2f} "
         f"({', '.join(f'{c:.2f}' for c in m['shard_cpu_us_per_request_runs'])}) | "
         f"{m.get('shard_cpu_vs_off', '–') if mode != 'off' else 1.0} | "
+        f"{m['shard_wait_us_per_request']:.2f} ({', '.join(f'{w:.2f}' for w in m['shard_wait_us_per_request_runs'])}) | "
         f"{m['p50_us']:.0f} | {m['p99_us']:.0f} ({', '.join(f'{p:,}' for p in m['p99_us_runs'])}) | {m['p999_us']:.0f} | "
         f"{m.get('p99_vs_off', '–') if mode != 'off' else 1.0} | "
         f"{m['achieved_rate']:,.0f} | {m.get('records', '–')} | {m.get('dropped_ring_full', '–')} | "
@@ -252,6 +275,9 @@ lines += [
     f"{writer['decisions_per_s']:,.0f} decisions/s ({writer['rows_per_s']:,.0f} rows/s), "
     f"{writer['file_mb_per_s']:.1f} MB/s of LZ4 Arrow segments, {writer['file_bytes_per_decision']:,.0f} bytes per "
     f"decision ({writer['float_bytes_per_decision']:,.0f} bytes of floats and scores before compression). "
+    f"The writer's CPU: {writer['writer_cpu_us_per_decision']:.1f} µs and "
+    f"{writer['writer_faults_per_decision']:.2f} page faults per decision (the process's `getrusage` less the "
+    "producer thread's). "
     f"The shard's side of it, `ShardLog::put` (encoding one decision into the ring), took "
     f"{writer['put_ns_per_decision']:,.0f} ns a decision (mean over the puts that took their record).",
     "",
