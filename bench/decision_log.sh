@@ -147,6 +147,12 @@ for run in $(seq "$RUNS"); do
         after="$(shard_ns "${pid_of[$mode]}")"
         read -r run_after wait_after <<<"$after"
         echo "$(( run_after - run_ns )) $(( wait_after - wait_ns ))" >"$raw/$mode-$run.shard_ns"
+        # The server's own view of the run: its stage percentiles over the
+        # last 10 s, read once the shard has published the run's last
+        # interval (each second).
+        sleep 1.5
+        curl -s "http://${admin[$mode]}/metrics" | grep '^quiver_stage_duration_window_seconds{' \
+            >"$raw/$mode-$run.window" || true
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); l=r['latency']; print(f'run {sys.argv[2]} logging {sys.argv[3]:>3}: p50 {l[\"p50_us\"]:>6} p99 {l[\"p99_us\"]:>7} p99.9 {l[\"p999_us\"]:>7} µs  achieved {r[\"achieved_rate\"]:.0f}/s', file=sys.stderr)" \
             "$raw/$mode-$run.json" "$run" "$mode"
     done
@@ -199,6 +205,15 @@ for mode in modes:
     med["shard_wait_us_per_request"] = round(statistics.median(wait_us), 3)
     med["shard_wait_us_per_request_runs"] = [round(w, 3) for w in wait_us]
     med["lost"] = sum(r["lost"] for r in rs)
+    def window_us(run, stage):
+        for l in open(os.path.join(raw, f"{mode}-{run}.window")):
+            if f'stage="{stage}"' in l and 'quantile="0.99"' in l:
+                return round(float(l.split()[-1]) * 1e6)
+        return None
+    for stage in ("socket_wait", "end_to_end"):
+        vs = [window_us(r, stage) for r in range(1, runs + 1)]
+        med[f"server_{stage}_p99_us_runs"] = vs
+        med[f"server_{stage}_p99_us"] = statistics.median(v for v in vs if v is not None) if any(v is not None for v in vs) else None
     if mode not in ("off", "busy"):
         c = dict(l.split() for l in open(os.path.join(raw, f"counters-{mode}.txt")))
         segs = [tuple(map(int, l.split())) for l in open(os.path.join(raw, f"segments-{mode}.txt")) if l.strip()]
@@ -238,10 +253,13 @@ lines = [
     + ("its work (it parks when idle), the part of logging's cost the machine's noise hardly moves."
        if spin_us == 0 else "its work and its spinning between requests, so it is not the work alone.")
     + " The shard's run-queue wait (the same file's second field) is the time it was ready to run and "
-    "another thread of its core ran instead: what the writer (or anything else) took from it.",
+    "another thread of its core ran instead: what the writer (or anything else) took from it. "
+    "The server's p99s are its own `quiver_stage_duration_window` percentiles, read after each run (its last 10 s): "
+    "socket wait (from the kernel's receive of a request's bytes to the shard's read of them, every 8th read) "
+    "and read to response (the frame's read to its encoded response); the load generator's own delays are not in them.",
     "",
-    "| logging | writer | shard CPU µs / request (runs) | CPU / off | shard run-queue wait µs / request (runs) | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| logging | writer | shard CPU µs / request (runs) | CPU / off | shard run-queue wait µs / request (runs) | server p99 µs: socket wait (runs) | server p99 µs: read to response (runs) | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 def label(mode):
     return {"off": "off", "busy": "off, and a SCHED_IDLE busy loop on the shard's core"}.get(mode, f"{mode.rstrip('n')}%")
@@ -258,6 +276,8 @@ for mode in modes:
         f"({', '.join(f'{c:.2f}' for c in m['shard_cpu_us_per_request_runs'])}) | "
         f"{m.get('shard_cpu_vs_off', '–') if mode != 'off' else 1.0} | "
         f"{m['shard_wait_us_per_request']:.2f} ({', '.join(f'{w:.2f}' for w in m['shard_wait_us_per_request_runs'])}) | "
+        + " | ".join(f"{m[f'server_{st}_p99_us']} ({', '.join(f'{v:,}' if v is not None else '–' for v in m[f'server_{st}_p99_us_runs'])})"
+                     for st in ("socket_wait", "end_to_end")) + " | "
         f"{m['p50_us']:.0f} | {m['p99_us']:.0f} ({', '.join(f'{p:,}' for p in m['p99_us_runs'])}) | {m['p999_us']:.0f} | "
         f"{m.get('p99_vs_off', '–') if mode != 'off' else 1.0} | "
         f"{m['achieved_rate']:,.0f} | {m.get('records', '–')} | {m.get('dropped_ring_full', '–')} | "
