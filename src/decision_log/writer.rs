@@ -27,7 +27,11 @@
 //! EEVDF, which is what a writer of the default policy cost a shard's p99
 //! on a shared core). What it cannot write in that time stays in the
 //! rings, and what no longer fits there is dropped and counted, never
-//! waited for. On a kernel without full preemption a waking shard still
+//! waited for. Yielding is not vanishing: the kernel still gives an idle
+//! thread a sliver of a busy core, and on a core a shard keeps 93% busy
+//! that raised the shard's p99 as much as a busy loop under `SCHED_IDLE`
+//! did (docs/OPERATING.md, "Decision logs"): where logging matters, the
+//! writer belongs on a housekeeping core of its own. On a kernel without full preemption a waking shard still
 //! waits for the writer's system call in progress, so those are short:
 //! a segment's bytes go to the kernel [`WRITE_BYTES`] at a time. A
 //! refused `SCHED_IDLE` is a warning (`cores::IdleRefused`) and
