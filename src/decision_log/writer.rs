@@ -27,25 +27,26 @@
 //! EEVDF, which is what a writer of the default policy cost a shard's p99
 //! on a shared core). What it cannot write in that time stays in the
 //! rings, and what no longer fits there is dropped and counted, never
-//! waited for. Yielding is not vanishing: the kernel still gives an idle
-//! thread a sliver of a busy core, and on a core a shard keeps 93% busy
-//! that raised the shard's p99 as much as a busy loop under `SCHED_IDLE`
-//! did (docs/OPERATING.md, "Decision logs"): where logging matters, the
-//! writer belongs on a housekeeping core of its own. On a kernel without full preemption a waking shard still
+//! waited for. On a kernel without full preemption a waking shard still
 //! waits for the writer's system call in progress, so those are short:
 //! a segment's bytes go to the kernel [`WRITE_BYTES`] at a time. A
 //! refused `SCHED_IDLE` is a warning (`cores::IdleRefused`) and
 //! `quiver_log_writer_idle` 0; the writer then runs at the default
-//! priority.
+//! priority. Yielding is not vanishing: the kernel still gives an idle
+//! thread a sliver of a busy core, and on a core a shard kept 93% busy
+//! that raised the shard's p99 as much as a busy loop under `SCHED_IDLE`
+//! did (docs/OPERATING.md, "Decision logs"): where logging matters, the
+//! writer belongs on a housekeeping core of its own.
 //!
 //! Every batch's columns, and the Arrow IPC writer's compressed copy of
 //! them, are allocated and freed again (Arrow arrays own their buffers).
 //! glibc's malloc would hand those megabytes back to the kernel after each
-//! batch and fault them in afresh for the next: a quarter of the writer's
-//! CPU (`cargo bench --bench decision_log`). So starting a writer asks
-//! malloc, process-wide, to keep freed memory up to [`KEEP_FREED_BYTES`]
-//! and to serve requests below [`MMAP_BYTES_MIN`] from its heap (what a
-//! server that allocates at start-up never needed returned anyway).
+//! batch and fault them in afresh for the next (`cargo bench --bench
+//! decision_log` reports the writer's page faults per decision). So
+//! starting a writer asks malloc, process-wide, to keep freed memory up
+//! to [`KEEP_FREED_BYTES`] and to serve requests below [`MMAP_BYTES_MIN`]
+//! from its heap (what a server that allocates at start-up never needed
+//! returned anyway).
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
