@@ -35,8 +35,9 @@
 # between requests leaves an idle writer on its core no time, and its CPU
 # counts the spinning; at 0 it parks at once, and its CPU is its work.
 #
-# Writes $OUT/decision_log.json and decision_log.md (rendered into
-# docs/BENCHMARKS.md by bench/report.py).
+# Writes $OUT/decision_log.json and decision_log.md, or, with SPIN_US
+# unset (shards spinning their default), decision_log_spin.json and .md;
+# bench/report.py renders both into docs/BENCHMARKS.md.
 #
 # On a machine without a Rust toolchain (a lent one, with cores to spare
 # for PLACEMENT=own), carry prebuilt executables: QUIVER_BIN (`quiver`,
@@ -234,9 +235,11 @@ for mode in modes:
 writer = json.load(open(os.path.join(raw, "writer.json")))
 summary = {"commit": commit, "cpu": cpu, "load_average_after": load, "runs": runs, "duration": duration,
            "rate": rate, "connections": conns, "placement": placement, "spin_before_park_us": spin_us, "servers": servers, "writer": writer}
-json.dump(summary, open(os.path.join(out, "decision_log.json"), "w"), indent=1, sort_keys=True)
+name = "decision_log" if spin_us is not None else "decision_log_spin"
+json.dump(summary, open(os.path.join(out, f"{name}.json"), "w"), indent=1, sort_keys=True)
 lines = [
-    "## Decision log: its cost on the shard, the writer's throughput, bytes per decision",
+    "## Decision log: its cost on the shard, the writer's throughput, bytes per decision"
+    + ("" if spin_us is not None else " (shards spinning between requests, the default)"),
     "",
     f"`bench/decision_log.sh` at `{commit}` on {cpu} ({os.cpu_count()} vCPUs; load average "
     f"{' '.join(load)} after it). Auction-32 (32 candidates, 80 floats a row), one shard, open loop at {rate:,} "
@@ -302,6 +305,6 @@ lines += [
     f"{writer['put_ns_per_decision']:,.0f} ns a decision (mean over the puts that took their record).",
     "",
 ]
-open(os.path.join(out, "decision_log.md"), "w").write("\n".join(lines))
+open(os.path.join(out, f"{name}.md"), "w").write("\n".join(lines))
 print("\n".join(lines))
 PY
