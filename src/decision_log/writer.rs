@@ -1052,6 +1052,109 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A decision's rows share a value appended once for all of them, and
+    /// each takes its own where it has one: a request-scope key on every
+    /// row, a candidate's key on its row (null past the keys given), the
+    /// shadow's version on every row (null without a shadow).
+    #[test]
+    fn every_row_takes_its_own_value_or_the_one_its_decision_shares() {
+        use crate::wire::{GroupKeySpec, RequestEncoder, RequestSpec};
+        let spec = RequestSpec {
+            request_id: 1,
+            model: String::new(),
+            budget_us: 0,
+            priority: 0,
+            client_id: 0,
+            user_id: 0,
+            item_ids: Vec::new(),
+            context: Vec::new(),
+            context_ids: Vec::new(),
+            groups: vec![
+                ("item".into(), GroupKeySpec::Ids(vec![10, 11])),
+                ("card".into(), GroupKeySpec::Strs(vec!["c-1".into()])),
+            ],
+            ..RequestSpec::default()
+        };
+        let mut frame = Vec::new();
+        RequestEncoder::new().encode(&spec, &mut frame);
+        let payload = frame.split_off(crate::wire::FRAME_PREFIX_BYTES);
+        let limits = crate::wire::RequestLimits { frame_bytes_max: 1 << 16, candidates_max: 64, context_len_max: 64 };
+        let request = crate::wire::decode_request(&payload, &limits).unwrap();
+        let groups = request.groups();
+        let (items, cards) = (groups.get(0).ids().unwrap(), groups.get(1).keys().unwrap());
+
+        let dir = scratch("shared-values");
+        let c = config(&dir, 1 << 40);
+        let rings = LogRings::new(&c, 1);
+        let writer = Writer::start(&c, rings.consumers(), Arc::new(LogStatus::default())).unwrap();
+        let mut log = rings.shard(0).unwrap();
+        let spans = [Span { name: "item", offset: 0, dim: 2, position: 9 }];
+        let all = [("user", KeysRef::One(7)), ("item", KeysRef::Ids(items)), ("card", KeysRef::Strs(cards))];
+        let x = [0.5f32, 1.5, 2.5, 3.5, 4.5, 5.5];
+        let scores = [0.25f32, 0.5, 0.75];
+        let d = DecisionRef {
+            request_id: 1,
+            client_id: 2,
+            received_unix_ns: 3,
+            budget_us: 4,
+            server_us: 5,
+            model: "m",
+            model_version: 6,
+            status: 0,
+            tier: 0,
+            reason: 0,
+            features_missing: 1,
+            features_stale: true,
+            rows: 3,
+            row_dim: 2,
+            middle: Middle::Parts { spans: &spans, keys: &all },
+            x: Some(&x),
+            scores: Some(&scores),
+            why: why::SAMPLE | why::SHADOW_DIFF,
+            shadow: Some(crate::decision_log::record::ShadowRef { version: 8, scores: &[1.0, 2.0, 3.0] }),
+        };
+        log.put(&d);
+        // Without the card group or a shadow: another layout, so another
+        // segment, with no card column.
+        let no_card = [all[0], all[1]];
+        log.put(&DecisionRef {
+            request_id: 2,
+            middle: Middle::Parts { spans: &spans, keys: &no_card },
+            shadow: None,
+            ..d
+        });
+        writer.stop();
+        let files = segments(&dir);
+        assert_eq!(files.len(), 2, "{files:?}");
+        let mut out = Vec::new();
+        for f in &files {
+            crate::decision_log::read::dump_json(f, &mut out).unwrap();
+        }
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let column = |name: &str| rows.iter().map(|r| r[name].clone()).collect::<Vec<_>>();
+        let json = |v: serde_json::Value| v.as_array().unwrap().clone();
+        use serde_json::json;
+        assert_eq!(column("request_id"), json(json!([1, 1, 1, 2, 2, 2])));
+        assert_eq!(column("candidate"), json(json!([0, 1, 2, 0, 1, 2])));
+        assert_eq!(column("model_version"), json(json!([6, 6, 6, 6, 6, 6])));
+        assert_eq!(column("features_stale"), json(json!([true, true, true, true, true, true])));
+        assert_eq!(
+            column("always"),
+            json(json!(["shadow_diff", "shadow_diff", "shadow_diff", "shadow_diff", "shadow_diff", "shadow_diff"]))
+        );
+        assert_eq!(column("user_key"), json(json!([7, 7, 7, 7, 7, 7])));
+        assert_eq!(column("item_key"), json(json!([10, 11, null, 10, 11, null])));
+        assert_eq!(column("card_key"), json(json!(["c-1", "c-1", "c-1", null, null, null])));
+        assert_eq!(column("item_position"), json(json!([9, 9, 9, 9, 9, 9])));
+        assert_eq!(column("score"), json(json!([0.25, 0.5, 0.75, 0.25, 0.5, 0.75])));
+        assert_eq!(column("shadow_version"), json(json!([8, 8, 8, null, null, null])));
+        assert_eq!(column("shadow_score"), json(json!([1.0, 2.0, 3.0, null, null, null])));
+        assert_eq!(column("item[0]"), json(json!([0.5, 2.5, 4.5, 0.5, 2.5, 4.5])));
+        assert_eq!(column("item[1]"), json(json!([1.5, 3.5, 5.5, 1.5, 3.5, 5.5])));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn an_unwritable_directory_is_counted_and_never_blocks_the_ring() {
         let base = scratch("unwritable");
