@@ -508,40 +508,46 @@ impl Decision<'_> {
     }
 }
 
+/// A request's payload (its frame without the length prefix) with these
+/// key groups and nothing else: tests borrow the `KeysRef::Ids` and
+/// `KeysRef::Strs` keys of a record from it, as a shard does.
+#[cfg(test)]
+pub(crate) fn request_payload(groups: Vec<(String, crate::wire::GroupKeySpec)>) -> Vec<u8> {
+    let spec = crate::wire::RequestSpec {
+        request_id: 1,
+        model: String::new(),
+        budget_us: 0,
+        priority: 0,
+        client_id: 0,
+        user_id: 0,
+        item_ids: Vec::new(),
+        context: Vec::new(),
+        context_ids: Vec::new(),
+        groups,
+        ..crate::wire::RequestSpec::default()
+    };
+    let mut out = Vec::new();
+    crate::wire::RequestEncoder::new().encode(&spec, &mut out);
+    out.split_off(crate::wire::FRAME_PREFIX_BYTES)
+}
+
+/// Limits [`request_payload`]'s payloads decode within.
+#[cfg(test)]
+pub(crate) const PAYLOAD_LIMITS: crate::wire::RequestLimits =
+    crate::wire::RequestLimits { frame_bytes_max: 1 << 16, candidates_max: 64, context_len_max: 64 };
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A request frame with a u64 group and a string group, for the
-    /// borrowed key kinds.
-    fn frame() -> Vec<u8> {
-        use crate::wire::{GroupKeySpec, RequestEncoder, RequestSpec};
-        let spec = RequestSpec {
-            request_id: 1,
-            model: String::new(),
-            budget_us: 0,
-            priority: 0,
-            client_id: 0,
-            user_id: 0,
-            item_ids: Vec::new(),
-            context: Vec::new(),
-            context_ids: Vec::new(),
-            groups: vec![
-                ("item".into(), GroupKeySpec::Ids(vec![7, u64::MAX, 0])),
-                ("card".into(), GroupKeySpec::Strs(vec!["card-1".into(), "ünïcode".into()])),
-            ],
-            ..RequestSpec::default()
-        };
-        let mut out = Vec::new();
-        RequestEncoder::new().encode(&spec, &mut out);
-        out.split_off(crate::wire::FRAME_PREFIX_BYTES)
-    }
-
     #[test]
     fn a_record_round_trips() {
-        let payload = frame();
-        let limits = crate::wire::RequestLimits { frame_bytes_max: 1 << 16, candidates_max: 64, context_len_max: 64 };
-        let request = crate::wire::decode_request(&payload, &limits).unwrap();
+        use crate::wire::GroupKeySpec;
+        let payload = request_payload(vec![
+            ("item".into(), GroupKeySpec::Ids(vec![7, u64::MAX, 0])),
+            ("card".into(), GroupKeySpec::Strs(vec!["card-1".into(), "ünïcode".into()])),
+        ]);
+        let request = crate::wire::decode_request(&payload, &PAYLOAD_LIMITS).unwrap();
         let groups = request.groups();
         let ids = groups.get(0).ids().unwrap();
         let strs = groups.get(1).keys().unwrap();

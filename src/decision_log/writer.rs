@@ -1058,28 +1058,13 @@ mod tests {
     /// shadow's version on every row (null without a shadow).
     #[test]
     fn every_row_takes_its_own_value_or_the_one_its_decision_shares() {
-        use crate::wire::{GroupKeySpec, RequestEncoder, RequestSpec};
-        let spec = RequestSpec {
-            request_id: 1,
-            model: String::new(),
-            budget_us: 0,
-            priority: 0,
-            client_id: 0,
-            user_id: 0,
-            item_ids: Vec::new(),
-            context: Vec::new(),
-            context_ids: Vec::new(),
-            groups: vec![
-                ("item".into(), GroupKeySpec::Ids(vec![10, 11])),
-                ("card".into(), GroupKeySpec::Strs(vec!["c-1".into()])),
-            ],
-            ..RequestSpec::default()
-        };
-        let mut frame = Vec::new();
-        RequestEncoder::new().encode(&spec, &mut frame);
-        let payload = frame.split_off(crate::wire::FRAME_PREFIX_BYTES);
-        let limits = crate::wire::RequestLimits { frame_bytes_max: 1 << 16, candidates_max: 64, context_len_max: 64 };
-        let request = crate::wire::decode_request(&payload, &limits).unwrap();
+        use crate::decision_log::record::{request_payload, PAYLOAD_LIMITS};
+        use crate::wire::GroupKeySpec;
+        let payload = request_payload(vec![
+            ("item".into(), GroupKeySpec::Ids(vec![10, 11])),
+            ("card".into(), GroupKeySpec::Strs(vec!["c-1".into()])),
+        ]);
+        let request = crate::wire::decode_request(&payload, &PAYLOAD_LIMITS).unwrap();
         let groups = request.groups();
         let (items, cards) = (groups.get(0).ids().unwrap(), groups.get(1).keys().unwrap());
 
