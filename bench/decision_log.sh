@@ -213,8 +213,9 @@ for mode in modes:
         return None
     for stage in ("socket_wait", "end_to_end"):
         vs = [window_us(r, stage) for r in range(1, runs + 1)]
+        read = [v for v in vs if v is not None]
         med[f"server_{stage}_p99_us_runs"] = vs
-        med[f"server_{stage}_p99_us"] = statistics.median(v for v in vs if v is not None) if any(v is not None for v in vs) else None
+        med[f"server_{stage}_p99_us"] = statistics.median(read) if read else None
     if mode not in ("off", "busy"):
         c = dict(l.split() for l in open(os.path.join(raw, f"counters-{mode}.txt")))
         segs = [tuple(map(int, l.split())) for l in open(os.path.join(raw, f"segments-{mode}.txt")) if l.strip()]
@@ -264,6 +265,8 @@ lines = [
     "| logging | writer | shard CPU µs / request (runs) | CPU / off | shard run-queue wait µs / request (runs) | server p99 µs: socket wait (runs) | server p99 µs: read to response (runs) | p50 µs | p99 µs (runs) | p99.9 µs | p99 / off | achieved /s | records | dropped (ring full) | bytes per decision on disk |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
+def us(v):
+    return "–" if v is None else f"{v:,}"
 def label(mode):
     return {"off": "off", "busy": "off, and a SCHED_IDLE busy loop on the shard's core"}.get(mode, f"{mode.rstrip('n')}%")
 def writer_kind(mode, m):
@@ -279,7 +282,7 @@ for mode in modes:
         f"({', '.join(f'{c:.2f}' for c in m['shard_cpu_us_per_request_runs'])}) | "
         f"{m.get('shard_cpu_vs_off', '–') if mode != 'off' else 1.0} | "
         f"{m['shard_wait_us_per_request']:.2f} ({', '.join(f'{w:.2f}' for w in m['shard_wait_us_per_request_runs'])}) | "
-        + " | ".join(f"{m[f'server_{st}_p99_us']} ({', '.join(f'{v:,}' if v is not None else '–' for v in m[f'server_{st}_p99_us_runs'])})"
+        + " | ".join(f"{us(m[f'server_{st}_p99_us'])} ({', '.join(us(v) for v in m[f'server_{st}_p99_us_runs'])})"
                      for st in ("socket_wait", "end_to_end")) + " | "
         f"{m['p50_us']:.0f} | {m['p99_us']:.0f} ({', '.join(f'{p:,}' for p in m['p99_us_runs'])}) | {m['p999_us']:.0f} | "
         f"{m.get('p99_vs_off', '–') if mode != 'off' else 1.0} | "
