@@ -415,7 +415,7 @@ fn crates_are_imported_only_where_the_architecture_says() {
         (&["murmur3::"], &["features/feast/redis_layout.rs"]),
         (&["plotters::"], &["loadgen/plot.rs"]),
         (&["prometheus_client::"], &["admin/"]),
-        (&["arrow_array::", "arrow_ipc::", "arrow_schema::"], &["decision_log/writer.rs", "decision_log/read.rs"]),
+        (&["arrow_array::", "arrow_ipc::", "arrow_schema::"], &["decision_log/writer/mod.rs", "decision_log/read.rs"]),
         (&["signal_hook::", "tracing_subscriber::", "ureq::", "indicatif::"], &["main.rs", "cli/"]),
     ];
     let mut broken = Vec::new();
@@ -489,7 +489,7 @@ fn only_the_binary_reads_the_environment() {
 const UNSAFE_FILES: &[(&str, &str)] = &[
     ("cores.rs", "sched_setaffinity / sched_getaffinity / sched_setscheduler"),
     ("decision_log/byte_ring.rs", "the decision-log rings' bytes, written by a shard and read by the writer"),
-    ("decision_log/writer.rs", "mallopt: malloc keeps the writer's freed batches"),
+    ("decision_log/writer/mod.rs", "mallopt: malloc keeps the writer's freed batches"),
     ("features/replica/table.rs", "the mapped replica file: seqlock reads, word stores, madvise/mlock, prefetch"),
     ("features/replica/writer/mod.rs", "fallocate, flock and the writer's stores into the mapping"),
     ("features/replica/writer/growth.rs", "the growth copy's stores into the new mapping"),

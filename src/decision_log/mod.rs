@@ -11,7 +11,7 @@
 //! card has all its decisions logged, or by request id; always for the
 //! rules in `always`), encodes the record straight into its own bounded
 //! byte ring (`byte_ring.rs`, allocated at start-up) and goes on; a full ring
-//! drops the record and counts it. The writer thread (`writer.rs`, on the
+//! drops the record and counts it. The writer thread (`writer/`, on the
 //! housekeeping cores) drains every ring and writes rotating segment files;
 //! its failures (a full disk, an unwritable directory) are counted and
 //! logged, and never reach a shard. `read.rs` reads segments back for
