@@ -123,6 +123,17 @@ fn until(c: &mut Client, spec: &RequestSpec, what: &str, done: impl Fn(&Response
     }
 }
 
+/// Waits until every score is the one `want` names: rows written one by one
+/// (`features load`, a pipeline of puts) reach the replica one by one, so a
+/// wait on one score says nothing of the others.
+fn until_scores(c: &mut Client, spec: &RequestSpec, what: &str, want: &[f32]) -> Response {
+    let r = until(c, spec, what, |r| {
+        r.scores.len() == want.len() && r.scores.iter().zip(want).all(|(g, w)| (g - sigmoid(*w)).abs() < 1e-5)
+    });
+    assert_scores(&r, want);
+    r
+}
+
 #[test]
 fn every_group_is_synced_followed_and_kept_across_restarts_and_kill_9() {
     let mut redis = RedisServer::start();
@@ -385,11 +396,10 @@ fn parents_are_joined_through_links_synced_followed_and_kept_across_kill_9() {
     publish(&redis, "advertiser", &[(78, vec![0.5])]);
     let server = serve_chain(&dir, &redis);
     let mut c = server.client();
-    let r = until(&mut c, &spec, "the changes made while the server was down", |r| {
-        (r.scores[0] - sigmoid(logit(0.25, 0.125, 0.5))).abs() < 1e-5
-    });
-    assert_scores(
-        &r,
+    until_scores(
+        &mut c,
+        &spec,
+        "the changes made while the server was down",
         &[logit(0.25, 0.125, 0.5), logit(0.5, 0.125, 0.5), logit(0.75, -0.5, -0.25), logit(-1.0, -0.5, -0.25)],
     );
     // A request may not key a group that is reached through links.
@@ -417,8 +427,7 @@ fn parents_are_joined_through_links_synced_followed_and_kept_across_kill_9() {
     assert_eq!(code, 0, "{out}{err}");
     let loaded = ads(&[5, 6]);
     let want = [logit(0.125, -0.125, 0.5), logit(0.375, -0.5, -0.25)];
-    let r = until(&mut c, &loaded, "the loaded ads", |r| (r.scores[0] - sigmoid(want[0])).abs() < 1e-5);
-    assert_scores(&r, &want);
+    until_scores(&mut c, &loaded, "the loaded ads", &want);
     let built = dir.join("ad-built.qrep");
     let (code, out, err) = common::run_quiver([
         "replica",
