@@ -75,7 +75,8 @@ fn main() {
     };
     let rings = LogRings::new(&config, 1);
     let status = Arc::new(LogStatus::default());
-    let writer = Writer::start(&config, rings.consumers(), status.clone()).expect("the writer starts");
+    let writer =
+        Writer::start(&config, rings.consumers().expect("one writer"), status.clone()).expect("the writer starts");
     let scores: Vec<f32> = (0..a.candidates).map(|i| 1.0 / (2.0 + i as f32)).collect();
     let third = (a.row_dim / 3) as u32;
     let started = Instant::now();

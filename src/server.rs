@@ -432,7 +432,8 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let (log_rings, log_writer) = if config.log.runs() {
         let rings = crate::decision_log::LogRings::new(&config.log, cores.len());
         let _ = log_status.sampling.set(rings.sampling.clone());
-        let writer = crate::decision_log::writer::Writer::start(&config.log, rings.consumers(), log_status.clone())
+        let consumers = rings.consumers().expect("the rings were made just now: no consumer was taken");
+        let writer = crate::decision_log::writer::Writer::start(&config.log, consumers, log_status.clone())
             .map_err(|e| Error::Setup(format!("decision-log writer thread: {e}")))?;
         let dir = config.log.dir.as_deref().unwrap_or(std::path::Path::new("")).display().to_string();
         tracing::info!(

@@ -304,7 +304,7 @@ fn handle_allocates_nothing_once_warm_logging_every_decision() {
     warm_then_count(&mut path, &frames(MEASURED));
     assert_eq!(path.telemetry.counters.log_records, WARM + MEASURED);
     assert_eq!(path.telemetry.counters.log_dropped_ring_full, 0);
-    let mut consumer = rings.consumers().remove(0);
+    let mut consumer = rings.consumers().unwrap().remove(0);
     let mut ids = Vec::new();
     while let Some(d) = consumer.pop(|b| {
         let d = Decision::decode(b).unwrap();
@@ -352,7 +352,7 @@ fn handle_and_complete_allocate_nothing_once_warm_in_thread_mode() {
     assert_eq!(handed_off, MEASURED, "every request went through the stage");
     stage.stop();
     assert_eq!(path.telemetry.counters.log_records, WARM + MEASURED);
-    let mut consumer = rings.consumers().remove(0);
+    let mut consumer = rings.consumers().unwrap().remove(0);
     let mut ids = Vec::new();
     while let Some(d) = consumer.pop(|b| {
         let d = Decision::decode(b).unwrap();

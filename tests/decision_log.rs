@@ -259,6 +259,28 @@ fn kill_9_leaves_only_whole_segments() {
         assert_eq!(code, 0, "{n}: {err}");
         assert!(out.contains("rows: "), "{out}");
     }
+    // A torn file (the open segment, a copy cut short, a footer whose
+    // length is past the file) is one clear error from every reader.
+    let whole = std::fs::read(log_dir.join(closed[0])).unwrap();
+    let mut lying = whole.clone();
+    let at = lying.len() - 10;
+    lying[at..at + 4].copy_from_slice(&(whole.len() as i32).to_le_bytes());
+    let mut torn = vec![("cut.arrow", whole[..whole.len() / 2].to_vec()), ("lying.arrow", lying)];
+    if let Some(open) = names.iter().find(|n| n.ends_with(".tmp")) {
+        torn.push(("open.arrow.tmp", std::fs::read(log_dir.join(open)).unwrap()));
+    }
+    for (name, bytes) in torn {
+        let f = dir.join(name);
+        std::fs::write(&f, bytes).unwrap();
+        for cmd in [&["inspect"][..], &["dump", "--json"]] {
+            let mut args: Vec<&std::ffi::OsStr> = vec!["log".as_ref(), cmd[0].as_ref(), f.as_os_str()];
+            args.extend(cmd[1..].iter().map(std::ffi::OsStr::new));
+            let (code, out, err) = run_quiver(args);
+            assert_eq!(code, 1, "{name} {cmd:?}: {out}{err}");
+            assert!(err.contains("not a whole Arrow IPC file") && !err.contains("panicked"), "{name} {cmd:?}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        }
+    }
     // The next start deletes what the killed process left open.
     let had_tmp = names.iter().any(|n| n.ends_with(".tmp"));
     let mut again = Server::start(&["--shards", "1", "--config", config]);

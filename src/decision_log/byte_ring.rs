@@ -48,6 +48,9 @@ struct Inner {
     buf: Box<[UnsafeCell<u8>]>,
     /// Whether a producer was made ([`Ring::producer`]); there is one.
     producer_taken: AtomicBool,
+    /// Whether a consumer was made ([`Ring::consumer`]); there is one:
+    /// two would release each other's bytes.
+    consumer_taken: AtomicBool,
 }
 
 // SAFETY: the producer writes only bytes in `[head, tail + capacity)` and
@@ -91,6 +94,7 @@ impl Ring {
                 mask: capacity - 1,
                 buf,
                 producer_taken: AtomicBool::new(false),
+                consumer_taken: AtomicBool::new(false),
             }),
         }
     }
@@ -187,9 +191,12 @@ pub struct Consumer {
 }
 
 impl Ring {
-    /// The popping end. The caller makes one per ring (the writer's).
-    pub fn consumer(&self) -> Consumer {
-        Consumer { inner: self.inner.clone() }
+    /// The popping end (the writer's): `None` once one was made.
+    pub fn consumer(&self) -> Option<Consumer> {
+        if self.inner.consumer_taken.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        Some(Consumer { inner: self.inner.clone() })
     }
 }
 
@@ -251,7 +258,8 @@ mod tests {
         let ring = Ring::new(RING_BYTES_MIN);
         let p = ring.producer().unwrap();
         assert!(ring.producer().is_none(), "one producer per ring");
-        let mut c = ring.consumer();
+        let mut c = ring.consumer().unwrap();
+        assert!(ring.consumer().is_none(), "one consumer per ring");
         let mut next_out = 0u32;
         // Lengths that do not divide the ring, so records wrap at every
         // offset and pads are written.
@@ -275,7 +283,7 @@ mod tests {
     fn a_full_ring_refuses_without_waiting_and_takes_again_once_drained() {
         let ring = Ring::new(RING_BYTES_MIN);
         let p = ring.producer().unwrap();
-        let mut c = ring.consumer();
+        let mut c = ring.consumer().unwrap();
         let len = 1000;
         let mut pushed = 0;
         while p.push(len, record(pushed)).is_ok() {
@@ -299,7 +307,7 @@ mod tests {
     #[test]
     fn records_cross_threads_intact() {
         let ring = Ring::new(RING_BYTES_MIN);
-        let mut c = ring.consumer();
+        let mut c = ring.consumer().unwrap();
         let producer_ring = ring.clone();
         let t = std::thread::spawn(move || {
             let p = producer_ring.producer().unwrap();

@@ -509,8 +509,9 @@ impl LogRings {
         })
     }
 
-    /// The popping ends, in shard order, for the writer.
-    pub fn consumers(&self) -> Vec<Consumer> {
+    /// The popping ends, in shard order, for the writer: `None` once they
+    /// were taken (there is one writer).
+    pub fn consumers(&self) -> Option<Vec<Consumer>> {
         self.rings.iter().map(Ring::consumer).collect()
     }
 }
@@ -754,7 +755,7 @@ mod tests {
         }
         // 4 KiB records: 15 fit in a 64 KiB ring, the rest are dropped.
         assert_eq!((log.records, log.dropped_ring_full), (15, 85));
-        let mut consumers = rings.consumers();
+        let mut consumers = rings.consumers().unwrap();
         let back =
             consumers[0].pop(|b| record::Decision::decode(b).map(|d| (d.request_id, d.rows, d.x.map(|x| x.len()))));
         assert_eq!(back, Some(Ok((1, 16, Some(1024)))));

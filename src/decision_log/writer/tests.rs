@@ -81,7 +81,7 @@ fn decisions_come_back_whole_from_rotated_segments() {
     let c = config(&dir, 1 << 40);
     let rings = LogRings::new(&c, 1);
     let status = Arc::new(LogStatus::default());
-    let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+    let writer = Writer::start(&c, rings.consumers().unwrap(), status.clone()).unwrap();
     let n = 3000u64;
     put_all(&rings, 0..n);
     writer.stop();
@@ -128,7 +128,7 @@ fn retention_deletes_the_oldest_segments() {
     let c = config(&dir, 2 * SEGMENT_BYTES_MIN);
     let rings = LogRings::new(&c, 1);
     let status = Arc::new(LogStatus::default());
-    let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+    let writer = Writer::start(&c, rings.consumers().unwrap(), status.clone()).unwrap();
     put_all(&rings, 0..6000);
     writer.stop();
     let closed = status.segments_closed.load(Ordering::Relaxed);
@@ -155,7 +155,7 @@ fn a_refusal_between_decisions_goes_in_the_open_segment() {
     let c = config(&dir, 1 << 40);
     let rings = LogRings::new(&c, 1);
     let status = Arc::new(LogStatus::default());
-    let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+    let writer = Writer::start(&c, rings.consumers().unwrap(), status.clone()).unwrap();
     let mut log = rings.shard(0).unwrap();
     let spans = [Span { name: "user", offset: 0, dim: 2, position: 5 }];
     let (x, scores) = ([0.5f32, 1.5], [0.25f32]);
@@ -232,7 +232,7 @@ fn every_row_takes_its_own_value_or_the_one_its_decision_shares() {
     let dir = scratch("shared-values");
     let c = config(&dir, 1 << 40);
     let rings = LogRings::new(&c, 1);
-    let writer = Writer::start(&c, rings.consumers(), Arc::new(LogStatus::default())).unwrap();
+    let writer = Writer::start(&c, rings.consumers().unwrap(), Arc::new(LogStatus::default())).unwrap();
     let mut log = rings.shard(0).unwrap();
     let spans = [Span { name: "item", offset: 0, dim: 2, position: 9 }];
     let all = [("user", KeysRef::One(7)), ("item", KeysRef::Ids(items)), ("card", KeysRef::Strs(cards))];
@@ -306,7 +306,7 @@ fn an_unwritable_directory_is_counted_and_never_blocks_the_ring() {
     let c = config(&file.join("log"), 1 << 40);
     let rings = LogRings::new(&c, 1);
     let status = Arc::new(LogStatus::default());
-    let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+    let writer = Writer::start(&c, rings.consumers().unwrap(), status.clone()).unwrap();
     put_all(&rings, 0..2000);
     writer.stop();
     assert!(status.write_errors.load(Ordering::Relaxed) >= 1);
@@ -341,7 +341,7 @@ fn the_writer_runs_as_sched_idle() {
     assert_eq!(c.writer_priority, WriterPriority::Idle, "the default");
     let rings = LogRings::new(&c, 1);
     let status = Arc::new(LogStatus::default());
-    let writer = Writer::start(&c, rings.consumers(), status.clone()).unwrap();
+    let writer = Writer::start(&c, rings.consumers().unwrap(), status.clone()).unwrap();
     let until = Instant::now() + Duration::from_secs(10);
     while !status.writer_idle.load(Ordering::Relaxed) {
         assert!(Instant::now() < until, "the writer never reported SCHED_IDLE");
