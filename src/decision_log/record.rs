@@ -128,7 +128,7 @@ pub fn middle_len(spans: &[Span<'_>], keys: &[(&str, KeysRef<'_>)]) -> usize {
             KeysRef::None => 0,
             KeysRef::One(_) => 8,
             KeysRef::Ids(v) => 8 * v.len(),
-            KeysRef::Strs(v) => v.iter().map(|k| 2 + k.len().min(u16::MAX as usize)).sum(),
+            KeysRef::Strs(v) => v.iter().map(|k| 2 + cut(k, u16::MAX as usize).len()).sum(),
         };
     }
     n
@@ -171,12 +171,18 @@ pub struct DecisionRef<'a> {
 }
 
 fn name_len(s: &str) -> usize {
-    s.len().min(NAME_BYTES_MAX)
+    cut(s, NAME_BYTES_MAX).len()
+}
+
+/// `s` cut to at most `bytes_max` bytes at a character's start, so the
+/// record holds whole UTF-8 (the writer drops a record that does not).
+fn cut(s: &str, bytes_max: usize) -> &str {
+    &s[..s.floor_char_boundary(bytes_max)]
 }
 
 impl DecisionRef<'_> {
     pub fn encoded_len(&self) -> usize {
-        let mut n = FIXED_BYTES + 2 + self.model.len().min(u16::MAX as usize);
+        let mut n = FIXED_BYTES + 2 + cut(self.model, u16::MAX as usize).len();
         n += self.middle.len();
         n += self.x.map_or(0, |x| 4 * x.len());
         n += self.scores.map_or(0, |s| 4 * s.len());
@@ -207,7 +213,7 @@ impl DecisionRef<'_> {
         w.u16(self.features_missing);
         w.u32(self.rows);
         w.u32(self.row_dim);
-        let model = &self.model.as_bytes()[..self.model.len().min(u16::MAX as usize)];
+        let model = cut(self.model, u16::MAX as usize).as_bytes();
         w.u16(model.len() as u16);
         w.bytes(model);
         match self.middle {
@@ -289,7 +295,7 @@ impl Put<'_> {
                     self.u8(1);
                     self.u32(v.len() as u32);
                     for k in v.iter() {
-                        let k = &k.as_bytes()[..k.len().min(u16::MAX as usize)];
+                        let k = cut(k, u16::MAX as usize).as_bytes();
                         self.u16(k.len() as u16);
                         self.bytes(k);
                     }
@@ -298,7 +304,7 @@ impl Put<'_> {
         }
     }
     fn name(&mut self, s: &str) {
-        let b = &s.as_bytes()[..name_len(s)];
+        let b = cut(s, NAME_BYTES_MAX).as_bytes();
         self.u8(b.len() as u8);
         self.bytes(b);
     }
@@ -629,6 +635,43 @@ mod tests {
         assert_eq!(Decision::decode(&longer), Err(RecordError::Trailing(1)));
         out[0] = RECORD_VERSION - 1;
         assert_eq!(Decision::decode(&out), Err(RecordError::Version(RECORD_VERSION - 1)));
+    }
+
+    #[test]
+    fn names_too_long_are_cut_at_a_character_and_still_decode() {
+        // 'é' is two bytes, straddling each limit.
+        let span = format!("{}é", "s".repeat(NAME_BYTES_MAX - 1));
+        let group = format!("{}é", "g".repeat(NAME_BYTES_MAX - 1));
+        let model = format!("{}é", "m".repeat(u16::MAX as usize - 1));
+        let spans = [Span { name: &span, offset: 0, dim: 1, position: 0 }];
+        let keys = [(group.as_str(), KeysRef::One(1))];
+        let d = DecisionRef {
+            request_id: 1,
+            client_id: 0,
+            received_unix_ns: 0,
+            budget_us: 0,
+            server_us: 0,
+            model: &model,
+            model_version: 0,
+            status: 0,
+            tier: 0,
+            reason: 0,
+            features_missing: 0,
+            features_stale: false,
+            rows: 1,
+            row_dim: 1,
+            middle: Middle::Parts { spans: &spans, keys: &keys },
+            x: Some(&[0.5]),
+            scores: Some(&[0.25]),
+            why: why::SAMPLE,
+            shadow: None,
+        };
+        let mut out = vec![0u8; d.encoded_len()];
+        d.encode(&mut out);
+        let back = Decision::decode(&out).unwrap();
+        assert_eq!(back.model, model[..u16::MAX as usize - 1]);
+        assert_eq!(back.spans[0].0, span[..NAME_BYTES_MAX - 1]);
+        assert_eq!(back.keys[0].0, group[..NAME_BYTES_MAX - 1]);
     }
 
     #[test]
