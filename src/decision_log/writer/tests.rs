@@ -29,7 +29,11 @@ const ROW_DIM: usize = 6;
 /// Puts decisions `ids` through shard 0's ring, waiting for room (the
 /// test's producer may wait; a shard never does).
 fn put_all(rings: &LogRings, ids: std::ops::Range<u64>) {
-    let mut log = rings.shard(0).unwrap();
+    put_each(&mut rings.shard(0).unwrap(), ids);
+}
+
+/// As [`put_all`], through `log`.
+fn put_each(log: &mut crate::decision_log::ShardLog, ids: std::ops::Range<u64>) {
     let spans = [
         Span { name: "user", offset: 0, dim: 2, position: 41 },
         Span { name: "item", offset: 2, dim: 4, position: 42 },
@@ -119,6 +123,42 @@ fn decisions_come_back_whole_from_rotated_segments() {
         }
     }
     assert_eq!(seen, n * ROWS as u64);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits until `status` has closed `n` segments.
+fn wait_closed(status: &LogStatus, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while status.segments_closed.load(Ordering::Relaxed) < n {
+        assert!(Instant::now() < deadline, "{n} segments not closed by age");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_segment_is_closed_by_age_when_its_size_is_far_off() {
+    let dir = scratch("age");
+    let c = LogConfig { segment_age_s: 1, ..config(&dir, 1 << 40) };
+    let rings = LogRings::new(&c, 1);
+    let status = Arc::new(LogStatus::default());
+    let writer = Writer::start(&c, rings.consumers().unwrap(), status.clone()).unwrap();
+    let mut log = rings.shard(0).unwrap();
+    let opened = Instant::now();
+    put_each(&mut log, 0..10);
+    wait_closed(&status, 1);
+    assert!(opened.elapsed() >= Duration::from_secs(1), "closed before its age");
+    // Closed and renamed while the writer runs, with no more decisions.
+    let files = segments(&dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(files[0].to_string_lossy().ends_with(SUFFIX), "{files:?}");
+    assert_eq!(crate::decision_log::read::inspect(&files[0]).unwrap().decisions, 10);
+    put_each(&mut log, 10..20);
+    wait_closed(&status, 2);
+    writer.stop();
+    let files = segments(&dir);
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert!(files.iter().all(|f| f.metadata().unwrap().len() < SEGMENT_BYTES_MIN), "closed by age, not size");
+    assert_eq!(status.decisions_written.load(Ordering::Relaxed), 20);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
