@@ -177,7 +177,11 @@ fn name_len(s: &str) -> usize {
 /// `s` cut to at most `bytes_max` bytes at a character's start, so the
 /// record holds whole UTF-8 (the writer drops a record that does not).
 fn cut(s: &str, bytes_max: usize) -> &str {
-    &s[..s.floor_char_boundary(bytes_max)]
+    let mut end = s.len().min(bytes_max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 impl DecisionRef<'_> {
