@@ -9,7 +9,9 @@
 //! only whole segments and `.tmp` ones the next start deletes; an unusable
 //! directory is counted and logged while serving goes on; a shadow
 //! version's disagreement over `always_log_shadow_diff` logs the decision,
-//! with the shadow's scores.
+//! with the shadow's scores; the non_primary rule logs exactly the
+//! answers from a lower rung; a torn or corrupt segment is one clear error
+//! from every reader.
 
 mod common;
 
@@ -291,6 +293,57 @@ fn kill_9_leaves_only_whole_segments() {
     let left: Vec<String> =
         std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(left.iter().all(|n| n.ends_with(".arrow")), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With only the non_primary rule (sample rate 0), exactly the answers
+/// from a lower rung are logged, under that rule, with their tier and
+/// reason. On the inference thread a request must leave `reserve_us` for
+/// the stage, so a budget below it steps down and one far above it does
+/// not.
+#[test]
+fn answers_from_a_lower_rung_are_logged_by_the_non_primary_rule() {
+    use quiver::wire::{reason_name, Tier};
+    let dir = scratch("decision-log-non-primary");
+    let log_dir = dir.join("decisions");
+    let config = dir.join("quiver.toml");
+    let text = format!(
+        "inference = \"thread\"\n[ladder]\nreserve_us = 40000\n[log]\ndir = \"{}\"\nsample_rate = 0.0\n\
+         always = [\"non_primary\"]\n",
+        log_dir.display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let mut c = server.client();
+    let mut lower = HashMap::new();
+    let (mut primary, mut asked_short) = (0, 0);
+    for (i, spec) in specs()[..200].iter().enumerate() {
+        let budget_us = if i % 2 == 0 { 1_000_000 } else { 20_000 };
+        asked_short += usize::from(budget_us == 20_000);
+        let r = c.score(&RequestSpec { budget_us, ..spec.clone() }).unwrap();
+        match (r.status, r.tier) {
+            (Status::Ok, Tier::Primary) => primary += 1,
+            (Status::Ok, tier) => {
+                lower.insert(r.request_id, (tier_name(tier), reason_name(r.reason)));
+            }
+            // A pause of this VM past the short budget.
+            _ => {}
+        }
+    }
+    assert!(primary >= 90 && lower.len() >= asked_short / 2, "{primary} primary, {} lower", lower.len());
+    server.wait_metric("quiver_log_records_total", lower.len() as u64);
+    assert_eq!(server.terminate(), 0);
+    let rows = dump(&segments(&log_dir));
+    let mut logged = HashMap::new();
+    for v in &rows {
+        let id = v["request_id"].as_u64().unwrap();
+        assert_eq!((v["always"].as_str(), v["sampled"].as_bool()), (Some("non_primary"), Some(false)), "{v}");
+        let (tier, reason) = (v["tier"].as_str().unwrap(), v["reason"].as_str().unwrap());
+        assert_eq!(lower.get(&id), Some(&(tier, reason)), "{v}");
+        *logged.entry(id).or_insert(0) += 1;
+    }
+    assert_eq!(logged.len(), lower.len(), "every lower-rung answer, and nothing else");
+    assert!(logged.values().all(|&n| n == CANDIDATES), "{logged:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
