@@ -441,9 +441,21 @@ fn post_log_changes_the_rates_while_serving() {
     let dir = scratch("decision-log-post");
     let log_dir = dir.join("decisions");
     let config = dir.join("quiver.toml");
-    std::fs::write(&config, format!("[log]\ndir = \"{}\"\n", log_dir.display())).unwrap();
+    let text = format!("[log]\ndir = \"{}\"\nmodel_sample_rates = {{ typo = 0.5 }}\n", log_dir.display());
+    std::fs::write(&config, text).unwrap();
     let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    server.wait_stderr("log.model_sample_rates names a model that is not served");
     let url = |q: &str| format!("http://{}/log{q}", server.admin);
+    // A rate for a model of no such name is kept and said; values are
+    // percent-decoded.
+    let (code, body) = http_post(&url("?model=auction-32&sample_rate=0.5"));
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["models_not_served"], serde_json::json!(["typo"]), "{body}");
+    let (code, body) = http_post(&url("?model=auction%2D32&sample_rate=none"));
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["model_sample_rates"], serde_json::json!({ "typo": 0.5 }), "{body}");
     let mut c = server.client();
     let specs = specs();
     let send = |c: &mut quiver::client::Client, from: usize, client_id: u32| {

@@ -422,7 +422,16 @@ impl http::Handler for Endpoint {
                     Err(why) => Err(why),
                 };
                 match rates {
-                    Ok(r) => Answer::json(200, format!("{}\n", serde_json::to_string(&r).expect("rates serialise"))),
+                    Ok(r) => {
+                        // A rate for a model of no such name is kept (one
+                        // may be loaded later), and said.
+                        let served: Vec<String> = registry.status().into_iter().map(|m| m.name).collect();
+                        let not_served: Vec<&String> =
+                            r.model_sample_rates.keys().filter(|m| !served.contains(m)).collect();
+                        let mut body = serde_json::to_value(&r).expect("rates serialise");
+                        body["models_not_served"] = serde_json::json!(not_served);
+                        Answer::json(200, format!("{body}\n"))
+                    }
                     Err(why) => Answer::text(400, format!("{why}\n")),
                 }
             }

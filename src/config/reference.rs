@@ -787,7 +787,8 @@ pub const SECTIONS: &[Section] = &[
             Key::new(
                 "model_sample_rates",
                 "{ ranker = 0.5 }",
-                "A model's own share, 0 to 1, in place of `sample_rate`, by model name (at most 256).",
+                "A model's own share, 0 to 1, in place of `sample_rate`, by model name (at most 256); a name no model is \
+                 served under is a warning at start-up, and its rate applies once one is.",
             ),
             Key::new(
                 "client_sample_rates",

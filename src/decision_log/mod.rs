@@ -325,8 +325,17 @@ pub const CHANGE_USAGE: &str =
 /// and how the route is used.
 pub fn parse_change(query: &str) -> Result<RateChange, String> {
     let (mut rate, mut model, mut client) = (None, None, None);
-    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
-        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+    let decoded: Vec<(&str, std::borrow::Cow<'_, str>)> = (query.split('&').filter(|kv| !kv.is_empty()))
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            let v = percent_encoding::percent_decode_str(v)
+                .decode_utf8()
+                .map_err(|_| format!("'{k}' is not UTF-8 once percent-decoded: {CHANGE_USAGE}"))?;
+            Ok((k, v))
+        })
+        .collect::<Result<_, String>>()?;
+    for (k, v) in &decoded {
+        let (k, v) = (*k, v.as_ref());
         let slot = match k {
             "sample_rate" => &mut rate,
             "model" => &mut model,
@@ -690,6 +699,10 @@ mod tests {
         assert_eq!(parse_change("sample_rate=0.25"), Ok(RateChange::Default(0.25)));
         assert_eq!(parse_change("model=ranker&sample_rate=1"), Ok(RateChange::Model("ranker".into(), Some(1.0))));
         assert_eq!(parse_change("client=7&sample_rate=none"), Ok(RateChange::Client(7, None)));
+        assert_eq!(
+            parse_change("model=fraud%20v2%26x&sample_rate=0%2E5"),
+            Ok(RateChange::Model("fraud v2&x".into(), Some(0.5)))
+        );
         for (query, want) in [
             ("", "no sample_rate"),
             ("sample_rate=2", "sample_rate = 2 is outside 0..=1"),
@@ -699,6 +712,7 @@ mod tests {
             ("client=x&sample_rate=1", "client 'x' is not a client id"),
             ("client=1&model=m&sample_rate=1", "both model and client"),
             ("model=&sample_rate=1", "an empty model name"),
+            ("model=%FF&sample_rate=1", "'model' is not UTF-8"),
             ("rate=1", "unknown parameter 'rate'"),
             ("sample_rate=1&sample_rate=0", "'sample_rate' given twice"),
         ] {
