@@ -142,6 +142,8 @@ fn every_decision_comes_back(name: &str, top: &str, requests: u64) {
     assert!(files.iter().all(|f| f.extension().is_some_and(|e| e == "arrow")), "only closed segments: {files:?}");
     assert!(files.len() >= 2 || requests < REQUESTS, "rotated by size: {files:?}");
     let mut logged: HashMap<u64, HashMap<u64, Logged>> = HashMap::new();
+    // What every row of a decision repeats, by request id.
+    let mut shared: HashMap<u64, serde_json::Value> = HashMap::new();
     for f in &files {
         let (code, out, err) = run_quiver(["log".as_ref(), "dump".as_ref(), f.as_os_str(), "--json".as_ref()]);
         assert_eq!(code, 0, "{err}");
@@ -156,6 +158,18 @@ fn every_decision_comes_back(name: &str, top: &str, requests: u64) {
             );
             let fresh = logged.entry(id).or_default().insert(v["candidate"].as_u64().unwrap(), row);
             assert!(fresh.is_none(), "request {id} logged twice");
+            let repeated = serde_json::json!([
+                v["status"],
+                v["reason"],
+                v["client_id"],
+                v["budget_us"],
+                v["server_us"],
+                v["features_missing"],
+                v["features_stale"],
+                v["sampled"],
+                v["always"],
+            ]);
+            assert_eq!(shared.entry(id).or_insert_with(|| repeated.clone()), &repeated, "request {id}'s rows agree");
             assert_eq!(v["item_key"].as_u64().map(|k| k < 10_000), Some(true));
             // Received on the wall clock while the test sent (1 ms of slack
             // for the two clocks' readings).
@@ -171,6 +185,22 @@ fn every_decision_comes_back(name: &str, top: &str, requests: u64) {
     for (spec, r) in specs.iter().zip(&responses) {
         let rows = &logged[&r.request_id];
         assert_eq!(rows.len() as u64, CANDIDATES);
+        let want = serde_json::json!([
+            "ok",
+            quiver::wire::reason_name(r.reason),
+            spec.client_id,
+            spec.budget_us,
+            r.server_us,
+            r.features_missing,
+            r.features_stale,
+            true,
+            null,
+        ]);
+        assert_eq!(
+            shared[&r.request_id], want,
+            "request {}: status, reason, client, budget, server time, features missing and stale, why",
+            r.request_id
+        );
         for (k, score) in r.scores.iter().enumerate() {
             let (s, tier, version, context0) = &rows[&(k as u64)];
             assert_eq!(s.to_bits(), score.to_bits(), "request {} candidate {k}", r.request_id);
@@ -243,14 +273,30 @@ fn kill_9_leaves_only_whole_segments() {
     .unwrap();
     let config = config.to_str().unwrap();
     let mut server = Server::start(&["--shards", "1", "--config", config]);
+    // Traffic flows until the kill, so the writer is mid-segment when it
+    // comes; closed segments are there before it.
     let mut c = server.client();
-    let specs = specs();
-    c.pipeline(&specs[..3000], 500).unwrap();
-    // Closed segments are there before the kill.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sender = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let specs = specs();
+            let mut sent = 0usize;
+            for chunk in specs.chunks(500).cycle() {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) || c.pipeline(chunk, 500).is_err() {
+                    break;
+                }
+                sent += chunk.len();
+            }
+            sent
+        })
+    };
     server.wait_metric("quiver_log_segments_total", 2);
     let pid = server.child.id().to_string();
     assert!(std::process::Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
     let _ = server.child.wait();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(sender.join().unwrap() >= 500, "traffic flowed before the kill");
     let names: Vec<String> =
         std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     let closed: Vec<&String> = names.iter().filter(|n| n.ends_with(".arrow")).collect();
