@@ -484,6 +484,11 @@ impl Registry {
         Snapshot::clone(&self.published.load())
     }
 
+    /// Whether a model of this name is served now.
+    pub fn serves(&self, name: &str) -> bool {
+        self.published.load().models.iter().any(|m| m.name == name)
+    }
+
     /// Makes `slots` what is served, under the next generation. Called with
     /// the slots lock held, so publications do not cross; the snapshot is
     /// stored before the generation moves, so a shard that sees the new

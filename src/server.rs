@@ -443,11 +443,9 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
             always = ?config.log.always,
             "decision log on"
         );
-        let served: Vec<String> = registry.status().into_iter().map(|m| m.name).collect();
-        for model in config.log.model_sample_rates.keys().filter(|m| !served.contains(m)) {
+        for model in config.log.model_sample_rates.keys().filter(|m| !registry.serves(m)) {
             tracing::warn!(
                 %model,
-                ?served,
                 "log.model_sample_rates names a model that is not served: its rate applies once one of that name is"
             );
         }

@@ -276,26 +276,22 @@ fn kill_9_leaves_only_whole_segments() {
     // Traffic flows until the kill, so the writer is mid-segment when it
     // comes; closed segments are there before it.
     let mut c = server.client();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sender = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let specs = specs();
-            let mut sent = 0usize;
-            for chunk in specs.chunks(500).cycle() {
-                if stop.load(std::sync::atomic::Ordering::Relaxed) || c.pipeline(chunk, 500).is_err() {
-                    break;
-                }
-                sent += chunk.len();
+    // The kill ends it: the connection fails.
+    let sender = std::thread::spawn(move || {
+        let specs = specs();
+        let mut sent = 0usize;
+        for chunk in specs.chunks(500).cycle() {
+            if c.pipeline(chunk, 500).is_err() {
+                break;
             }
-            sent
-        })
-    };
+            sent += chunk.len();
+        }
+        sent
+    });
     server.wait_metric("quiver_log_segments_total", 2);
     let pid = server.child.id().to_string();
     assert!(std::process::Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
     let _ = server.child.wait();
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(sender.join().unwrap() >= 500, "traffic flowed before the kill");
     let names: Vec<String> =
         std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -362,10 +358,10 @@ fn answers_from_a_lower_rung_are_logged_by_the_non_primary_rule() {
     let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
     let mut c = server.client();
     let mut lower = HashMap::new();
-    let (mut primary, mut asked_short) = (0, 0);
+    let mut primary = 0;
+    // 100 of each budget.
     for (i, spec) in specs()[..200].iter().enumerate() {
         let budget_us = if i % 2 == 0 { 1_000_000 } else { 20_000 };
-        asked_short += usize::from(budget_us == 20_000);
         let r = c.score(&RequestSpec { budget_us, ..spec.clone() }).unwrap();
         match (r.status, r.tier) {
             (Status::Ok, Tier::Primary) => primary += 1,
@@ -376,7 +372,7 @@ fn answers_from_a_lower_rung_are_logged_by_the_non_primary_rule() {
             _ => {}
         }
     }
-    assert!(primary >= 90 && lower.len() >= asked_short / 2, "{primary} primary, {} lower", lower.len());
+    assert!(primary >= 90 && lower.len() >= 50, "of 100 each: {primary} primary, {} lower", lower.len());
     server.wait_metric("quiver_log_records_total", lower.len() as u64);
     assert_eq!(server.terminate(), 0);
     let rows = dump(&segments(&log_dir));

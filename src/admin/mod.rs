@@ -425,9 +425,8 @@ impl http::Handler for Endpoint {
                     Ok(r) => {
                         // A rate for a model of no such name is kept (one
                         // may be loaded later), and said.
-                        let served: Vec<String> = registry.status().into_iter().map(|m| m.name).collect();
                         let not_served: Vec<&String> =
-                            r.model_sample_rates.keys().filter(|m| !served.contains(m)).collect();
+                            r.model_sample_rates.keys().filter(|m| !registry.serves(m)).collect();
                         let mut body = serde_json::to_value(&r).expect("rates serialise");
                         body["models_not_served"] = serde_json::json!(not_served);
                         Answer::json(200, format!("{body}\n"))

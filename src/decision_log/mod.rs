@@ -325,17 +325,11 @@ pub const CHANGE_USAGE: &str =
 /// and how the route is used.
 pub fn parse_change(query: &str) -> Result<RateChange, String> {
     let (mut rate, mut model, mut client) = (None, None, None);
-    let decoded: Vec<(&str, std::borrow::Cow<'_, str>)> = (query.split('&').filter(|kv| !kv.is_empty()))
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            let v = percent_encoding::percent_decode_str(v)
-                .decode_utf8()
-                .map_err(|_| format!("'{k}' is not UTF-8 once percent-decoded: {CHANGE_USAGE}"))?;
-            Ok((k, v))
-        })
-        .collect::<Result<_, String>>()?;
-    for (k, v) in &decoded {
-        let (k, v) = (*k, v.as_ref());
+    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let v = percent_encoding::percent_decode_str(v)
+            .decode_utf8()
+            .map_err(|_| format!("'{k}' is not UTF-8 once percent-decoded: {CHANGE_USAGE}"))?;
         let slot = match k {
             "sample_rate" => &mut rate,
             "model" => &mut model,
@@ -346,6 +340,7 @@ pub fn parse_change(query: &str) -> Result<RateChange, String> {
             return Err(format!("'{k}' given twice: {CHANGE_USAGE}"));
         }
     }
+    let (rate, model, client) = (rate.as_deref(), model.as_deref(), client.as_deref());
     let Some(rate) = rate else {
         return Err(format!("no sample_rate: {CHANGE_USAGE}"));
     };

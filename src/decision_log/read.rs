@@ -158,19 +158,18 @@ fn check_layout<R: Read + Seek>(r: &mut R) -> Result<(), Failed> {
 }
 
 /// The bytes of one value in each buffer of a column of type `t` after its
-/// validity bitmap, for the types the decision log writes; `None` for any
-/// other. arrow-ipc's reader views a buffer as a slice of its values and
+/// validity bitmap, for the types the decision log writes and [`cell`]
+/// reads; `None` for any other. arrow-ipc's reader views a buffer as a slice of its values and
 /// panics on a length that is not a whole number of them.
 fn value_bytes(t: &DataType) -> Option<&'static [u64]> {
     Some(match t {
-        DataType::UInt64 | DataType::Int64 | DataType::Float64 | DataType::Timestamp(..) => &[8],
-        DataType::UInt32 | DataType::Int32 | DataType::Float32 => &[4],
-        DataType::UInt16 | DataType::Int16 => &[2],
-        DataType::UInt8 | DataType::Int8 => &[1],
+        DataType::UInt64 | DataType::Int64 | DataType::Float64 | DataType::Timestamp(TimeUnit::Nanosecond, _) => &[8],
+        DataType::UInt32 | DataType::Float32 => &[4],
+        DataType::UInt16 => &[2],
         // Bit-packed values.
         DataType::Boolean => &[1],
         // Offsets, then the bytes.
-        DataType::Utf8 | DataType::Binary => &[4, 1],
+        DataType::Utf8 => &[4, 1],
         _ => return None,
     })
 }
@@ -402,62 +401,53 @@ pub fn decisions(path: &Path, request_id: Option<u64>, each: &mut dyn FnMut(&Log
 impl Segment {
     /// As [`decisions`].
     pub fn decisions(&self, request_id: Option<u64>, each: &mut dyn FnMut(&Logged)) -> Result<usize, ReadError> {
-        decisions_of(self, request_id, each)
-    }
-
-    /// As [`inspect`].
-    pub fn summary(&self) -> Summary {
-        summary_of(self)
-    }
-}
-
-fn decisions_of(seg: &Segment, request_id: Option<u64>, each: &mut dyn FnMut(&Logged)) -> Result<usize, ReadError> {
-    let c = Columns::of(&seg.name, &seg.schema)?;
-    let mut open: Option<Logged> = None;
-    for b in &seg.batches {
-        let ids = b.column(c.request_id).as_primitive::<UInt64Type>();
-        let models = b.column(c.model).as_string::<i32>();
-        let versions = b.column(c.model_version).as_primitive::<UInt32Type>();
-        let statuses = b.column(c.status).as_string::<i32>();
-        let tiers = b.column(c.tier).as_string::<i32>();
-        let candidates = b.column(c.candidate).as_primitive::<UInt32Type>();
-        let scores = b.column(c.score).as_primitive::<Float32Type>();
-        let features: Vec<_> = c.features.iter().map(|&f| b.column(f).as_primitive::<Float32Type>()).collect();
-        for i in 0..b.num_rows() {
-            let id = ids.value(i);
-            if request_id.is_some_and(|want| want != id) {
-                continue;
-            }
-            // A decision starts at candidate 0, or is a failure's one row.
-            let first = candidates.is_null(i) || candidates.value(i) == 0;
-            if first || open.as_ref().is_none_or(|d| d.request_id != id) {
-                if let Some(d) = open.take() {
-                    each(&d);
+        let c = Columns::of(&self.name, &self.schema)?;
+        let mut open: Option<Logged> = None;
+        for b in &self.batches {
+            let ids = b.column(c.request_id).as_primitive::<UInt64Type>();
+            let models = b.column(c.model).as_string::<i32>();
+            let versions = b.column(c.model_version).as_primitive::<UInt32Type>();
+            let statuses = b.column(c.status).as_string::<i32>();
+            let tiers = b.column(c.tier).as_string::<i32>();
+            let candidates = b.column(c.candidate).as_primitive::<UInt32Type>();
+            let scores = b.column(c.score).as_primitive::<Float32Type>();
+            let features: Vec<_> = c.features.iter().map(|&f| b.column(f).as_primitive::<Float32Type>()).collect();
+            for i in 0..b.num_rows() {
+                let id = ids.value(i);
+                if request_id.is_some_and(|want| want != id) {
+                    continue;
                 }
-                open = Some(Logged {
-                    request_id: id,
-                    model: models.value(i).to_string(),
-                    model_version: versions.value(i),
-                    status: statuses.value(i).to_string(),
-                    tier: (!tiers.is_null(i)).then(|| tiers.value(i).to_string()),
-                    scores: Vec::new(),
-                    x: Vec::new(),
-                });
-            }
-            let d = open.as_mut().expect("opened above");
-            if candidates.is_null(i) || scores.is_null(i) {
-                continue;
-            }
-            d.scores.push(scores.value(i));
-            if features.iter().all(|f| !f.is_null(i)) {
-                d.x.extend(features.iter().map(|f| f.value(i)));
+                // A decision starts at candidate 0, or is a failure's one row.
+                let first = candidates.is_null(i) || candidates.value(i) == 0;
+                if first || open.as_ref().is_none_or(|d| d.request_id != id) {
+                    if let Some(d) = open.take() {
+                        each(&d);
+                    }
+                    open = Some(Logged {
+                        request_id: id,
+                        model: models.value(i).to_string(),
+                        model_version: versions.value(i),
+                        status: statuses.value(i).to_string(),
+                        tier: (!tiers.is_null(i)).then(|| tiers.value(i).to_string()),
+                        scores: Vec::new(),
+                        x: Vec::new(),
+                    });
+                }
+                let d = open.as_mut().expect("opened above");
+                if candidates.is_null(i) || scores.is_null(i) {
+                    continue;
+                }
+                d.scores.push(scores.value(i));
+                if features.iter().all(|f| !f.is_null(i)) {
+                    d.x.extend(features.iter().map(|f| f.value(i)));
+                }
             }
         }
+        if let Some(d) = open.take() {
+            each(&d);
+        }
+        Ok(c.features.len())
     }
-    if let Some(d) = open.take() {
-        each(&d);
-    }
-    Ok(c.features.len())
 }
 
 /// What `quiver log inspect` prints.
@@ -477,29 +467,32 @@ pub fn inspect(path: &Path) -> Result<Summary, ReadError> {
     Ok(Segment::open(path)?.summary())
 }
 
-fn summary_of(seg: &Segment) -> Summary {
-    let schema = &seg.schema;
-    let columns = schema.fields().iter().map(|f| (f.name().clone(), f.data_type().to_string())).collect();
-    let mut s = Summary { columns, batches: seg.batches.len(), rows: 0, decisions: 0, received_ns: None };
-    let at = |name: &str| schema.index_of(name).ok();
-    let mut last_id = None;
-    for b in &seg.batches {
-        s.rows += b.num_rows() as u64;
-        if let Some(c) = at("request_id").filter(|&c| b.column(c).data_type() == &DataType::UInt64) {
-            for id in b.column(c).as_primitive::<UInt64Type>().values().iter() {
-                if last_id != Some(*id) {
-                    s.decisions += 1;
-                    last_id = Some(*id);
+impl Segment {
+    /// As [`inspect`].
+    pub fn summary(&self) -> Summary {
+        let schema = &self.schema;
+        let columns = schema.fields().iter().map(|f| (f.name().clone(), f.data_type().to_string())).collect();
+        let mut s = Summary { columns, batches: self.batches.len(), rows: 0, decisions: 0, received_ns: None };
+        let at = |name: &str| schema.index_of(name).ok();
+        let mut last_id = None;
+        for b in &self.batches {
+            s.rows += b.num_rows() as u64;
+            if let Some(c) = at("request_id").filter(|&c| b.column(c).data_type() == &DataType::UInt64) {
+                for id in b.column(c).as_primitive::<UInt64Type>().values().iter() {
+                    if last_id != Some(*id) {
+                        s.decisions += 1;
+                        last_id = Some(*id);
+                    }
+                }
+            }
+            if let Some(c) = at("received")
+                .filter(|&c| matches!(b.column(c).data_type(), DataType::Timestamp(TimeUnit::Nanosecond, _)))
+            {
+                for &t in b.column(c).as_primitive::<TimestampNanosecondType>().values().iter() {
+                    s.received_ns = Some(s.received_ns.map_or((t, t), |(lo, hi)| (lo.min(t), hi.max(t))));
                 }
             }
         }
-        if let Some(c) =
-            at("received").filter(|&c| matches!(b.column(c).data_type(), DataType::Timestamp(TimeUnit::Nanosecond, _)))
-        {
-            for &t in b.column(c).as_primitive::<TimestampNanosecondType>().values().iter() {
-                s.received_ns = Some(s.received_ns.map_or((t, t), |(lo, hi)| (lo.min(t), hi.max(t))));
-            }
-        }
+        s
     }
-    s
 }
