@@ -431,6 +431,7 @@ pub fn run(config: Config, stop: Arc<AtomicBool>, mut on_event: impl FnMut(Event
     let log_status = Arc::new(crate::decision_log::LogStatus::default());
     let (log_rings, log_writer) = if config.log.runs() {
         let rings = crate::decision_log::LogRings::new(&config.log, cores.len());
+        rings.sampling.know_groups(groups.iter().map(|g| (g.name.as_str(), g.scope)));
         let _ = log_status.sampling.set(rings.sampling.clone());
         let consumers = rings.consumers().expect("the rings were made just now: no consumer was taken");
         let writer = crate::decision_log::writer::Writer::start(&config.log, consumers, log_status.clone())

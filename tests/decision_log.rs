@@ -4,7 +4,8 @@
 //! to its response, and `quiver log replay` scores the logged rows to the
 //! same bits; a decision is found by its request id; refusals before a
 //! model is chosen are logged by the errors rule; keyed sampling is sticky
-//! and near its rate; `POST /log` changes the rates while serving; a full
+//! and near its rate; `POST /log` changes the rates, the always rules, the
+//! shadow threshold and the key group while serving; a full
 //! ring drops and counts while every response arrives; `kill -9` leaves
 //! only whole segments and `.tmp` ones the next start deletes; an unusable
 //! directory is counted and logged while serving goes on; a shadow
@@ -539,6 +540,98 @@ fn post_log_changes_the_rates_while_serving() {
     let ids: std::collections::HashSet<u64> = rows.iter().map(|v| v["request_id"].as_u64().unwrap()).collect();
     assert_eq!(ids.len(), 1000);
     assert!(ids.iter().all(|id| (1_000_500..1_001_000).contains(id) || (1_001_500..1_002_000).contains(id)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `POST /log` changes the always rules, the shadow threshold and the key
+/// group while serving, several in one call: before it nothing is logged;
+/// after it refusals (errors) and shadow disagreements are; then, keyed by
+/// user, a user's decisions are all logged or none. A group that cannot
+/// key the sample, or a rule of no such name, is refused with why and
+/// changes nothing.
+#[test]
+fn post_log_changes_the_rules_and_the_key_group_while_serving() {
+    let dir = scratch("decision-log-post-rules");
+    let models = dir.join("models");
+    for m in [&demo_version(1, 0.0), &demo_version(2, 1.0)] {
+        quiver::registry::publish(&models, m).unwrap();
+    }
+    let log_dir = dir.join("decisions");
+    let config = dir.join("quiver.toml");
+    std::fs::write(&config, format!("[log]\ndir = \"{}\"\n", log_dir.display())).unwrap();
+    let mut server = Server::start(&[
+        "--shards",
+        "1",
+        "--models-dir",
+        models.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let url = |q: &str| format!("http://{}{q}", server.admin);
+    assert_eq!(http_post(&url("/models/auction-32/load?version=1")).0, 200);
+    assert_eq!(http_post(&url("/models/auction-32/shadow?version=2&fraction=1")).0, 200);
+    let mut c = server.client();
+    let specs = specs();
+    // Sequential, so that each shadow scores before the next request.
+    let mut send = |range: std::ops::Range<usize>| {
+        for s in &specs[range.clone()] {
+            assert_eq!(c.score(s).unwrap().status, Status::Ok);
+        }
+        let unknown = RequestSpec { model: "nope".into(), ..specs[range.end].clone() };
+        assert_eq!(c.score(&unknown).unwrap().status, Status::ModelNotFound);
+        unknown.request_id
+    };
+    let before = send(0..50);
+    let (code, body) = http_post(&url("/log?always=errors&always_log_shadow_diff=0"));
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((&v["always"], &v["always_log_shadow_diff"]), (&serde_json::json!(["errors"]), &serde_json::json!(0.0)));
+    let refused = send(100..150);
+    server.wait_metric("quiver_shadow_requests_total", 100);
+    assert_eq!(server.wait_metric("quiver_log_records_total", 51), 51);
+    let (code, body) = http_post(&url("/log?always=none&always_log_shadow_diff=none&key_group=user&sample_rate=0.5"));
+    assert_eq!(code, 200, "{body}");
+    for (query, want) in [
+        ("key_group=item", "log.key_group = \"item\" is a candidate-scope group"),
+        ("key_group=device&sample_rate=1", "log.key_group = \"device\" is not a configured group"),
+        ("always=errors,late", "always rule 'late' is not non_primary or errors"),
+    ] {
+        let (code, why) = http_post(&url(&format!("/log?{query}")));
+        assert_eq!(code, 400, "{query}: {why}");
+        assert!(why.starts_with(want), "{query}: {why}");
+    }
+    let (_, now) = http_get(&url("/log"));
+    let now: serde_json::Value = serde_json::from_str(&now).unwrap();
+    assert_eq!((now["key_group"].as_str(), now["sample_rate"].as_f64()), (Some("user"), Some(0.5)), "{now}");
+    // 200 users, each twice, on other request ids and items.
+    let users = 200u64;
+    let keyed: Vec<RequestSpec> =
+        (0..2 * users).map(|i| demo_request(60_000_000 + i, 7_000 + i % users, vec![i % 10_000])).collect();
+    assert!(c.pipeline(&keyed, 100).unwrap().iter().all(|r| r.status == Status::Ok));
+    assert_eq!(server.terminate(), 0, "{}", server.stderr());
+    let rows = dump(&segments(&log_dir));
+    let mut by_id: HashMap<u64, Vec<&serde_json::Value>> = HashMap::new();
+    for v in &rows {
+        by_id.entry(v["request_id"].as_u64().unwrap()).or_default().push(v);
+    }
+    // Before the change: nothing.
+    assert!(specs[..50].iter().all(|s| !by_id.contains_key(&s.request_id)) && !by_id.contains_key(&before));
+    // After it: every shadowed decision (the shadow's bias differs) and
+    // the refusal, each under its rule.
+    for s in &specs[100..150] {
+        let rows = by_id.get(&s.request_id).unwrap_or_else(|| panic!("{} not logged", s.request_id));
+        assert!(rows.iter().all(|v| v["always"] == "shadow_diff" && v["shadow_version"] == 2), "{rows:?}");
+    }
+    assert_eq!(by_id[&refused][0]["always"], "errors");
+    // Keyed by user: all of a user's decisions or none.
+    let mut per_user: HashMap<u64, usize> = HashMap::new();
+    for s in &keyed {
+        if by_id.contains_key(&s.request_id) {
+            *per_user.entry(s.user_id).or_default() += 1;
+        }
+    }
+    assert!(per_user.values().all(|&n| n == 2), "{per_user:?}");
+    assert!((40..=160).contains(&per_user.len()), "{} of {users} users sampled at 0.5", per_user.len());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -230,7 +230,7 @@ pub enum Route {
     FeatureRow(Result<feature_row::RowQuery, String>),
     /// `GET /log` (`None`: the rates in force) or `POST /log?...` (a
     /// change of the decision log's sampling; `Err`: why it is refused).
-    Log(Result<Option<crate::decision_log::RateChange>, String>),
+    Log(Result<Option<crate::decision_log::LogChange>, String>),
     /// Answered with this status and text.
     Bad {
         code: u16,
@@ -471,7 +471,8 @@ mod tests {
         assert!(matches!(route("POST", "/features/user?key=1"), Route::Bad { code: 404, .. }));
         assert!(!route("GET", "/log").is_control());
         let change = route("POST", "/log?model=m&sample_rate=0.5");
-        assert_eq!(change, Route::Log(Ok(Some(crate::decision_log::RateChange::Model("m".into(), Some(0.5))))));
+        let rate = Some(crate::decision_log::RateChange::Model("m".into(), Some(0.5)));
+        assert_eq!(change, Route::Log(Ok(Some(crate::decision_log::LogChange { rate, ..Default::default() }))));
         assert!(change.is_control());
         let bad = route("POST", "/log?sample_rate=7");
         assert!(matches!(&bad, Route::Log(Err(why)) if why.contains("outside 0..=1")) && bad.is_control());

@@ -352,14 +352,7 @@ impl Config {
     /// group, or `user` (then `user_id` when no such group is served).
     pub fn check_log_key_group(&self, groups: &[crate::features::groups::Group]) -> Result<(), String> {
         let Some(name) = &self.log.key_group else { return Ok(()) };
-        match groups.iter().find(|g| &g.name == name) {
-            Some(g) if g.scope == crate::features::groups::Scope::Candidate => {
-                Err(format!("log.key_group = \"{name}\" is a candidate-scope group; a decision is sampled per request"))
-            }
-            Some(_) => Ok(()),
-            None if name == "user" => Ok(()),
-            None => Err(format!("log.key_group = \"{name}\" is not a configured group")),
-        }
+        crate::decision_log::check_key_group("log.key_group", name, groups.iter().map(|g| (g.name.as_str(), g.scope)))
     }
 
     pub fn model_path(&self) -> PathBuf {

@@ -769,7 +769,8 @@ pub const SECTIONS: &[Section] = &[
         doc: "The decision log: a sample of decisions (keys, the input rows the kernel saw, scores, tier, \
               times) written off the request path as Arrow IPC segment files \
               ([OPERATING.md](OPERATING.md#decision-logs)). On when `dir` is set (at rate 0 too, so that \
-              `POST /log` can change the rates at run time).",
+              `POST /log` can change the sampling at run time: the rates, `key_group`, `always` and \
+              `always_log_shadow_diff`).",
         optional: false,
         fields: fields::<LogConfig>,
         keys: &[
@@ -794,7 +795,7 @@ pub const SECTIONS: &[Section] = &[
                 "client_sample_rates",
                 "{ \"7\" = 1.0 }",
                 "A client's own share, 0 to 1, by client id (quoted: TOML keys are strings), in place of the \
-                 model's and `sample_rate` (at most 256). `POST /log` changes all three at run time.",
+                 model's and `sample_rate` (at most 256).",
             ),
             Key::new(
                 "key_group",

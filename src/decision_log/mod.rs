@@ -37,6 +37,7 @@ use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
 
 use crate::deadline::{Clock, MonotonicClock};
+use crate::features::groups::Scope;
 use crate::features::replica::key_hash;
 
 pub use byte_ring::{Consumer, Producer, Refused, Ring, RING_BYTES_MAX, RING_BYTES_MIN};
@@ -308,8 +309,8 @@ impl Sampler {
     }
 }
 
-/// What `POST /log` changes: one rate, for every decision, a model or a
-/// client; `None` removes a model's or a client's own rate.
+/// A change of one rate: for every decision, a model or a client; `None`
+/// removes a model's or a client's own rate.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RateChange {
     Default(f64),
@@ -317,33 +318,91 @@ pub enum RateChange {
     Client(u32, Option<f64>),
 }
 
+/// What one `POST /log` changes: any of a rate, the always rules, the key
+/// group and the shadow threshold, applied together or not at all. `None`
+/// leaves a setting as it is; `Some(None)` unsets an optional one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogChange {
+    pub rate: Option<RateChange>,
+    pub always: Option<Vec<Always>>,
+    pub key_group: Option<Option<String>>,
+    pub always_log_shadow_diff: Option<Option<f64>>,
+}
+
 /// How `POST /log` is used.
-pub const CHANGE_USAGE: &str =
-    "use POST /log?sample_rate=R, /log?model=NAME&sample_rate=R|none or /log?client=ID&sample_rate=R|none (R in 0..=1)";
+pub const CHANGE_USAGE: &str = "use POST /log with one or more of sample_rate=R (with model=NAME or client=ID: that \
+                                one's own rate, R=none removes it; R in 0..=1), always=non_primary,errors|none, \
+                                key_group=NAME|none, always_log_shadow_diff=D|none (D >= 0)";
+
+/// The most parameters one `POST /log` takes (each at most once).
+const CHANGE_PARAMS_MAX: usize = 6;
 
 /// Reads `POST /log`'s query into a change; the error says what is wrong
 /// and how the route is used.
-pub fn parse_change(query: &str) -> Result<RateChange, String> {
-    let (mut rate, mut model, mut client) = (None, None, None);
+pub fn parse_change(query: &str) -> Result<LogChange, String> {
+    const KEYS: [&str; CHANGE_PARAMS_MAX] =
+        ["sample_rate", "model", "client", "always", "key_group", "always_log_shadow_diff"];
+    let mut given: [Option<String>; CHANGE_PARAMS_MAX] = Default::default();
     for kv in query.split('&').filter(|kv| !kv.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let Some(at) = KEYS.iter().position(|key| *key == k) else {
+            return Err(format!("unknown parameter '{k}': {CHANGE_USAGE}"));
+        };
         let v = percent_encoding::percent_decode_str(v)
             .decode_utf8()
             .map_err(|_| format!("'{k}' is not UTF-8 once percent-decoded: {CHANGE_USAGE}"))?;
-        let slot = match k {
-            "sample_rate" => &mut rate,
-            "model" => &mut model,
-            "client" => &mut client,
-            _ => return Err(format!("unknown parameter '{k}': {CHANGE_USAGE}")),
-        };
-        if slot.replace(v).is_some() {
+        if given[at].replace(v.into_owned()).is_some() {
             return Err(format!("'{k}' given twice: {CHANGE_USAGE}"));
         }
     }
-    let (rate, model, client) = (rate.as_deref(), model.as_deref(), client.as_deref());
-    let Some(rate) = rate else {
-        return Err(format!("no sample_rate: {CHANGE_USAGE}"));
+    let [rate, model, client, always, key_group, shadow_diff] = given;
+    let rate = match rate.as_deref() {
+        None if model.is_some() || client.is_some() => {
+            return Err(format!("model and client name whose rate changes: no sample_rate: {CHANGE_USAGE}"));
+        }
+        None => None,
+        Some(rate) => Some(parse_rate_change(rate, model.as_deref(), client.as_deref())?),
     };
+    let always = match always.as_deref() {
+        None => None,
+        Some("none" | "") => Some(Vec::new()),
+        Some(list) => {
+            let mut rules = Vec::new();
+            for name in list.split(',') {
+                let rule = match name {
+                    "non_primary" => Always::NonPrimary,
+                    "errors" => Always::Errors,
+                    _ => return Err(format!("always rule '{name}' is not non_primary or errors: {CHANGE_USAGE}")),
+                };
+                if !rules.contains(&rule) {
+                    rules.push(rule);
+                }
+            }
+            Some(rules)
+        }
+    };
+    let key_group = match key_group.as_deref() {
+        None => None,
+        Some("") => return Err(format!("an empty key_group: {CHANGE_USAGE}")),
+        Some("none") => Some(None),
+        Some(g) => Some(Some(g.to_string())),
+    };
+    let always_log_shadow_diff = match shadow_diff.as_deref() {
+        None => None,
+        Some("none") => Some(None),
+        Some(d) => Some(Some(
+            d.parse::<f64>().map_err(|_| format!("always_log_shadow_diff '{d}' is not a number: {CHANGE_USAGE}"))?,
+        )),
+    };
+    let change = LogChange { rate, always, key_group, always_log_shadow_diff };
+    if change == LogChange::default() {
+        return Err(format!("nothing to change: {CHANGE_USAGE}"));
+    }
+    Ok(change)
+}
+
+/// `sample_rate`, for `model` or `client` or every decision.
+fn parse_rate_change(rate: &str, model: Option<&str>, client: Option<&str>) -> Result<RateChange, String> {
     let rate = match rate {
         "none" => None,
         r => {
@@ -364,6 +423,24 @@ pub fn parse_change(query: &str) -> Result<RateChange, String> {
     }
 }
 
+/// Checks a key group against the served groups (`name`, `scope`): a
+/// request-scope group, or `user` (then `user_id` when no such group is
+/// served). `what` names the setting.
+pub fn check_key_group<'a>(
+    what: &str,
+    name: &str,
+    mut groups: impl Iterator<Item = (&'a str, Scope)>,
+) -> Result<(), String> {
+    match groups.find(|(g, _)| *g == name) {
+        Some((_, Scope::Candidate)) => {
+            Err(format!("{what} = \"{name}\" is a candidate-scope group; a decision is sampled per request"))
+        }
+        Some(_) => Ok(()),
+        None if name == "user" => Ok(()),
+        None => Err(format!("{what} = \"{name}\" is not a configured group")),
+    }
+}
+
 /// The sampling every shard reads, changed at run time by `POST /log`:
 /// the admin side stores a new config's sampler, each shard loads the
 /// current one per decision (one atomic load, no lock, no allocation).
@@ -371,11 +448,23 @@ pub fn parse_change(query: &str) -> Result<RateChange, String> {
 pub struct Sampling {
     config: std::sync::Mutex<LogConfig>,
     current: ArcSwap<Sampler>,
+    /// The served groups' names and scopes, which a key group is checked
+    /// against (set once at start-up; before, only `user` is known).
+    groups: std::sync::OnceLock<Vec<(Box<str>, Scope)>>,
 }
 
 impl Sampling {
     pub fn new(config: &LogConfig) -> Sampling {
-        Sampling { config: std::sync::Mutex::new(config.clone()), current: ArcSwap::from_pointee(Sampler::new(config)) }
+        Sampling {
+            config: std::sync::Mutex::new(config.clone()),
+            current: ArcSwap::from_pointee(Sampler::new(config)),
+            groups: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Names the served groups a run-time key group must be one of.
+    pub fn know_groups<'a>(&self, groups: impl Iterator<Item = (&'a str, Scope)>) {
+        let _ = self.groups.set(groups.map(|(name, scope)| (name.into(), scope)).collect());
     }
 
     /// The sampler in force.
@@ -384,24 +473,38 @@ impl Sampling {
     }
 
     /// Applies `change`, checked like the config file; on an error nothing
-    /// changes. Returns the rates now in force.
-    pub fn change(&self, change: RateChange) -> Result<Rates, String> {
+    /// changes. Returns the settings now in force.
+    pub fn change(&self, change: LogChange) -> Result<Rates, String> {
         let mut config = self.config.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut next = config.clone();
-        match change {
-            RateChange::Default(r) => next.sample_rate = r,
-            RateChange::Model(m, Some(r)) => {
+        match change.rate {
+            None => {}
+            Some(RateChange::Default(r)) => next.sample_rate = r,
+            Some(RateChange::Model(m, Some(r))) => {
                 next.model_sample_rates.insert(m, r);
             }
-            RateChange::Model(m, None) => {
+            Some(RateChange::Model(m, None)) => {
                 next.model_sample_rates.remove(&m);
             }
-            RateChange::Client(c, Some(r)) => {
+            Some(RateChange::Client(c, Some(r))) => {
                 next.client_sample_rates.insert(c.to_string(), r);
             }
-            RateChange::Client(c, None) => {
+            Some(RateChange::Client(c, None)) => {
                 next.client_sample_rates.remove(&c.to_string());
             }
+        }
+        if let Some(always) = change.always {
+            next.always = always;
+        }
+        if let Some(group) = change.key_group {
+            if let Some(name) = &group {
+                let groups = self.groups.get().map_or(&[][..], Vec::as_slice);
+                check_key_group("log.key_group", name, groups.iter().map(|(g, s)| (&**g, *s)))?;
+            }
+            next.key_group = group;
+        }
+        if let Some(diff) = change.always_log_shadow_diff {
+            next.always_log_shadow_diff = diff;
         }
         next.validate()?;
         self.current.store(Arc::new(Sampler::new(&next)));
@@ -415,7 +518,7 @@ impl Sampling {
     }
 }
 
-/// The rates in force, as `GET /log` and `POST /log` answer them.
+/// The sampling in force, as `GET /log` and `POST /log` answer it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Rates {
     pub sample_rate: f64,
@@ -671,35 +774,108 @@ mod tests {
         let rings = LogRings::new(&c, 2);
         let (a, b) = (rings.shard(0).unwrap(), rings.shard(1).unwrap());
         assert!(a.sampling.load().samples_none());
-        let rates = rings.sampling.change(RateChange::Model("ranker".into(), Some(1.0))).unwrap();
+        let rate = |r| LogChange { rate: Some(r), ..LogChange::default() };
+        let rates = rings.sampling.change(rate(RateChange::Model("ranker".into(), Some(1.0)))).unwrap();
         assert_eq!(rates.model_sample_rates.get("ranker"), Some(&1.0));
         for log in [&a, &b] {
             assert!(log.sampling.load().sampled("ranker", 0, SampleKey::Id(1)));
             assert!(!log.sampling.load().sampled("other", 0, SampleKey::Id(1)));
         }
         // A bad change is refused whole, naming the key as the file would.
-        let bad = rings.sampling.change(RateChange::Default(1.5)).unwrap_err();
+        let bad = rings.sampling.change(rate(RateChange::Default(1.5))).unwrap_err();
         assert_eq!(bad, "log.sample_rate = 1.5 is outside 0..=1");
         assert_eq!(rings.sampling.rates().sample_rate, 0.0);
-        rings.sampling.change(RateChange::Client(7, Some(0.0))).unwrap();
+        rings.sampling.change(rate(RateChange::Client(7, Some(0.0)))).unwrap();
         assert!(!a.sampling.load().sampled("ranker", 7, SampleKey::Id(1)));
-        rings.sampling.change(RateChange::Client(7, None)).unwrap();
-        rings.sampling.change(RateChange::Model("ranker".into(), None)).unwrap();
+        rings.sampling.change(rate(RateChange::Client(7, None))).unwrap();
+        rings.sampling.change(rate(RateChange::Model("ranker".into(), None))).unwrap();
         assert!(a.sampling.load().samples_none());
         assert_eq!(rings.sampling.rates(), Rates::of(&c));
     }
 
     #[test]
+    fn run_time_changes_of_the_rules_and_the_key_group_are_checked_and_applied_together() {
+        let c = LogConfig { dir: Some("d".into()), ..LogConfig::default() };
+        let rings = LogRings::new(&c, 1);
+        let log = rings.shard(0).unwrap();
+        rings.sampling.know_groups([("card", Scope::Request), ("ad", Scope::Candidate)].into_iter());
+        let change = LogChange {
+            rate: Some(RateChange::Default(0.5)),
+            always: Some(vec![Always::Errors]),
+            key_group: Some(Some("card".into())),
+            always_log_shadow_diff: Some(Some(0.25)),
+        };
+        let rates = rings.sampling.change(change).unwrap();
+        assert_eq!(
+            (rates.sample_rate, &rates.always[..], rates.key_group.as_deref(), rates.always_log_shadow_diff),
+            (0.5, &[Always::Errors][..], Some("card"), Some(0.25))
+        );
+        let s = log.sampling.load();
+        assert_eq!((s.key_group.as_deref(), s.shadow_diff, s.always(false, true)), (Some("card"), Some(0.25), true));
+        drop(s);
+        // A change with one bad part changes nothing.
+        for (bad, want) in [
+            (LogChange { key_group: Some(Some("ad".into())), ..LogChange::default() }, "is a candidate-scope group"),
+            (LogChange { key_group: Some(Some("device".into())), ..LogChange::default() }, "is not a configured group"),
+            (
+                LogChange {
+                    always: Some(Vec::new()),
+                    always_log_shadow_diff: Some(Some(-1.0)),
+                    ..LogChange::default()
+                },
+                "log.always_log_shadow_diff = -1 is not a finite number >= 0",
+            ),
+        ] {
+            let got = rings.sampling.change(bad).unwrap_err();
+            assert!(got.contains(want), "{got}");
+        }
+        assert_eq!(rings.sampling.rates(), rates);
+        // And each unsets.
+        let off = LogChange {
+            always: Some(Vec::new()),
+            key_group: Some(None),
+            always_log_shadow_diff: Some(None),
+            ..LogChange::default()
+        };
+        let rates = rings.sampling.change(off).unwrap();
+        assert_eq!((rates.always.len(), rates.key_group, rates.always_log_shadow_diff), (0, None, None));
+        assert!(!log.sampling.load().has_always());
+        // `user` is known with no group of that name (its key is `user_id`).
+        rings.sampling.change(LogChange { key_group: Some(Some("user".into())), ..LogChange::default() }).unwrap();
+    }
+
+    #[test]
     fn post_log_queries_parse_or_say_why() {
-        assert_eq!(parse_change("sample_rate=0.25"), Ok(RateChange::Default(0.25)));
-        assert_eq!(parse_change("model=ranker&sample_rate=1"), Ok(RateChange::Model("ranker".into(), Some(1.0))));
-        assert_eq!(parse_change("client=7&sample_rate=none"), Ok(RateChange::Client(7, None)));
+        let rate = |r| Ok(LogChange { rate: Some(r), ..LogChange::default() });
+        assert_eq!(parse_change("sample_rate=0.25"), rate(RateChange::Default(0.25)));
+        assert_eq!(parse_change("model=ranker&sample_rate=1"), rate(RateChange::Model("ranker".into(), Some(1.0))));
+        assert_eq!(parse_change("client=7&sample_rate=none"), rate(RateChange::Client(7, None)));
         assert_eq!(
             parse_change("model=fraud%20v2%26x&sample_rate=0%2E5"),
-            Ok(RateChange::Model("fraud v2&x".into(), Some(0.5)))
+            rate(RateChange::Model("fraud v2&x".into(), Some(0.5)))
         );
+        assert_eq!(
+            parse_change("always=errors%2Cnon_primary,errors&key_group=card&always_log_shadow_diff=0.5"),
+            Ok(LogChange {
+                rate: None,
+                always: Some(vec![Always::Errors, Always::NonPrimary]),
+                key_group: Some(Some("card".into())),
+                always_log_shadow_diff: Some(Some(0.5)),
+            })
+        );
+        assert_eq!(
+            parse_change("always=none&key_group=none&always_log_shadow_diff=none&sample_rate=0"),
+            Ok(LogChange {
+                rate: Some(RateChange::Default(0.0)),
+                always: Some(Vec::new()),
+                key_group: Some(None),
+                always_log_shadow_diff: Some(None),
+            })
+        );
+        assert_eq!(parse_change("always=").map(|c| c.always), Ok(Some(Vec::new())));
         for (query, want) in [
-            ("", "no sample_rate"),
+            ("", "nothing to change"),
+            ("model=m", "model and client name whose rate changes: no sample_rate"),
             ("sample_rate=2", "sample_rate = 2 is outside 0..=1"),
             ("sample_rate=NaN", "sample_rate = NaN is outside 0..=1"),
             ("sample_rate=half", "sample_rate 'half' is not a number"),
@@ -710,6 +886,9 @@ mod tests {
             ("model=%FF&sample_rate=1", "'model' is not UTF-8"),
             ("rate=1", "unknown parameter 'rate'"),
             ("sample_rate=1&sample_rate=0", "'sample_rate' given twice"),
+            ("always=errors,shadow", "always rule 'shadow' is not non_primary or errors"),
+            ("key_group=", "an empty key_group"),
+            ("always_log_shadow_diff=wide", "always_log_shadow_diff 'wide' is not a number"),
         ] {
             let got = parse_change(query).unwrap_err();
             assert!(got.starts_with(want), "{query}: {got}");

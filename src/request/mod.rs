@@ -478,19 +478,20 @@ impl<C: Clock> RequestPath<C> {
     /// With the decision log and the inference stage both on, the staging
     /// bytes of each job slot: a handed-off request's keys take at most
     /// its frame (and a few bytes per group), up to `STAGED_BYTES_MAX`.
-    /// With `always_log_shadow_diff`, the same per shadow slot, where a
-    /// record waits for its shadow's scores.
+    /// The same per shadow slot, where a record waits for its shadow's
+    /// scores under `always_log_shadow_diff`: kept whenever the log runs,
+    /// as `POST /log` may set the rule at any time.
     fn keep_log_staging(&mut self) {
-        let Some(log) = &self.log else {
+        if self.log.is_none() {
             return;
-        };
+        }
         let frame = self.policies.request_limits.frame_bytes_max.min(logged::STAGED_BYTES_MAX);
         let spans = crate::decision_log::record::SPANS_MAX * (1 + 255 + 16);
         let groups = crate::decision_log::record::KEY_GROUPS_MAX * (1 + 255 + 1 + 4 + 8);
         if self.in_flight.stage.is_some() {
             self.in_flight.keep_log(frame + spans + groups);
         }
-        if log.sampling.load().shadow_diff.is_some() && self.shadows.held_bytes == 0 {
+        if self.shadows.held_bytes == 0 {
             self.shadows.keep_log(frame + spans + groups);
         }
     }
