@@ -4,7 +4,9 @@
 # mode, the same binary and demo data), each driven open loop at $RATE
 # requests/s by `quiver bench` on core $GEN_CORE, $RUNS runs each,
 # interleaved (run 1 of every server, then run 2, ...) so a noisy minute of
-# the machine falls on all of them. Then, from the logging servers: records
+# the machine falls on all of them; the servers not measured are stopped
+# (SIGSTOP) during each run, so their timers do not wake on the shard's
+# core. Then, from the logging servers: records
 # put, dropped (ring full) and written, and the bytes of closed segments
 # per decision logged (`quiver log inspect`); and the writer alone (`cargo
 # bench --bench decision_log`): decisions/s and MB/s one writer thread
@@ -137,6 +139,13 @@ for run in $(seq "$RUNS"); do
     for mode in $MODES; do
         before="$(shard_ns "${pid_of[$mode]}")"
         read -r run_ns wait_ns <<<"$before"
+        # The other servers are stopped (SIGSTOP) for the run: an idle
+        # server on the shard's core still wakes about 200 times a second
+        # (its watcher's and adopter's timers), and any thread that wakes
+        # on that core moves the measured shard's p99 (the busy row).
+        for other in $MODES; do
+            [ "$other" = "$mode" ] || kill -STOP "${pid_of[$other]}"
+        done
         busy_pid=
         if [ "$mode" = busy ]; then
             taskset -c "$SERVER_CORE" chrt -i 0 timeout 600 sh -c 'while :; do :; done' &
@@ -154,6 +163,7 @@ for run in $(seq "$RUNS"); do
         sleep 1.5
         curl -s "http://${admin[$mode]}/metrics" | grep '^quiver_stage_duration_window_seconds{' \
             >"$raw/$mode-$run.window" || true
+        for other in $MODES; do kill -CONT "${pid_of[$other]}"; done
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); l=r['latency']; print(f'run {sys.argv[2]} logging {sys.argv[3]:>3}: p50 {l[\"p50_us\"]:>6} p99 {l[\"p99_us\"]:>7} p99.9 {l[\"p999_us\"]:>7} µs  achieved {r[\"achieved_rate\"]:.0f}/s', file=sys.stderr)" \
             "$raw/$mode-$run.json" "$run" "$mode"
     done
@@ -244,7 +254,8 @@ lines = [
     "",
     f"`bench/decision_log.sh` at `{commit}` on {cpu} ({os.cpu_count()} vCPUs; load average "
     f"{' '.join(load)} after it). Auction-32 (32 candidates, 80 floats a row), one shard, open loop at {rate:,} "
-    f"requests/s, {conns} connections, {runs} interleaved runs of {duration} per server; medians of runs. "
+    f"requests/s, {conns} connections, {runs} interleaved runs of {duration} per server, the other servers stopped "
+    "(SIGSTOP) during each; medians of runs. "
     + ("Every thread of a server, the log's writer included, runs on the shard's core (`PLACEMENT=shared`)."
        if placement == "shared" else
        "The writer and the other housekeeping threads run on the load generator's core (`PLACEMENT=housekeeping`)."

@@ -26,7 +26,9 @@ need_two_cores() {
 }
 
 bench_cleanup() {
-    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+    # CONT first: a bench may hold a server stopped (SIGSTOP) between runs,
+    # and a stopped process acts on TERM only once continued.
+    for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
     rm -rf "$data"
 }
 
