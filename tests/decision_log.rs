@@ -552,24 +552,11 @@ fn post_log_changes_the_rates_while_serving() {
 #[test]
 fn post_log_changes_the_rules_and_the_key_group_while_serving() {
     let dir = scratch("decision-log-post-rules");
-    let models = dir.join("models");
-    for m in [&demo_version(1, 0.0), &demo_version(2, 1.0)] {
-        quiver::registry::publish(&models, m).unwrap();
-    }
     let log_dir = dir.join("decisions");
     let config = dir.join("quiver.toml");
     std::fs::write(&config, format!("[log]\ndir = \"{}\"\n", log_dir.display())).unwrap();
-    let mut server = Server::start(&[
-        "--shards",
-        "1",
-        "--models-dir",
-        models.to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let mut server = serve_shadowed(&dir, [&demo_version(1, 0.0), &demo_version(2, 1.0)], &config);
     let url = |q: &str| format!("http://{}{q}", server.admin);
-    assert_eq!(http_post(&url("/models/auction-32/load?version=1")).0, 200);
-    assert_eq!(http_post(&url("/models/auction-32/shadow?version=2&fraction=1")).0, 200);
     let mut c = server.client();
     let specs = specs();
     // Sequential, so that each shadow scores before the next request.
@@ -735,6 +722,28 @@ fn demo_version(version: u32, bias_shift: f32) -> quiver::model::Model {
     m
 }
 
+/// One shard serving `versions` (published under `dir/models`) with
+/// `config`: the first answers, the second shadows every request.
+fn serve_shadowed(dir: &Path, versions: [&quiver::model::Model; 2], config: &Path) -> Server {
+    let models = dir.join("models");
+    for m in versions {
+        quiver::registry::publish(&models, m).unwrap();
+    }
+    let server = Server::start(&[
+        "--shards",
+        "1",
+        "--models-dir",
+        models.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let url = |q: String| format!("http://{}/models/auction-32/{q}", server.admin);
+    let [served, shadow] = versions.map(|m| m.version);
+    assert_eq!(http_post(&url(format!("load?version={served}"))).0, 200);
+    assert_eq!(http_post(&url(format!("shadow?version={shadow}&fraction=1"))).0, 200);
+    server
+}
+
 /// The f32 reference scores of `model` for `spec` on the demo data.
 fn reference(model: &quiver::model::Model, spec: &RequestSpec) -> Vec<f32> {
     let (x, _) = common::demo_rows(spec);
@@ -770,10 +779,6 @@ fn shadow_disagreements_on_the_inference_thread_are_logged() {
 fn shadow_disagreements(name: &str, top: &str) {
     let dir = scratch(name);
     let (v1, v2) = (demo_version(1, 0.0), demo_version(2, 1.0));
-    let models = dir.join("models");
-    for m in [&v1, &v2] {
-        quiver::registry::publish(&models, m).unwrap();
-    }
     let specs: Vec<RequestSpec> = specs().into_iter().take(200).collect();
     let want: Vec<f32> = specs.iter().map(|s| max_abs_diff(&reference(&v1, s), &reference(&v2, s))).collect();
     let mut sorted = want.clone();
@@ -786,17 +791,7 @@ fn shadow_disagreements(name: &str, top: &str) {
         log_dir.display()
     );
     std::fs::write(&config, text).unwrap();
-    let mut server = Server::start(&[
-        "--shards",
-        "1",
-        "--models-dir",
-        models.to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
-    let admin = server.admin.clone();
-    assert_eq!(http_post(&format!("http://{admin}/models/auction-32/load?version=1")).0, 200);
-    assert_eq!(http_post(&format!("http://{admin}/models/auction-32/shadow?version=2&fraction=1")).0, 200);
+    let mut server = serve_shadowed(&dir, [&v1, &v2], &config);
     let mut c = server.client();
     let mut returned = HashMap::new();
     for spec in &specs {
