@@ -11,8 +11,8 @@
 //! directory is counted and logged while serving goes on; a shadow
 //! version's disagreement over `always_log_shadow_diff` logs the decision,
 //! with the shadow's scores; the non_primary rule logs exactly the
-//! answers from a lower rung; a torn or corrupt segment is one clear error
-//! from every reader.
+//! answers from a lower rung; raw-row requests are logged with the rows
+//! sent; a torn or corrupt segment is one clear error from every reader.
 
 mod common;
 
@@ -346,6 +346,65 @@ fn kill_9_leaves_only_whole_segments() {
     let left: Vec<String> =
         std::fs::read_dir(&log_dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(left.iter().all(|n| n.ends_with(".arrow")), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Requests that send the model's input rows themselves (raw rows) are
+/// logged with those rows, value for value (a NaN, the missing value, as
+/// null in JSON), no keys, and replay to the same bits.
+#[test]
+fn raw_row_requests_are_logged_with_the_rows_sent() {
+    let dir = scratch("decision-log-raw-rows");
+    let log_dir = dir.join("decisions");
+    let config = config_file(&dir, &log_dir, "");
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let width = quiver::loadgen::demo::model().inputs.iter().map(|s| s.dim).sum::<usize>();
+    let sent: Vec<RequestSpec> = (0..100u64)
+        .map(|i| {
+            let n = 1 + i as usize % 8;
+            // Every 13th value missing.
+            let rows = (0..n * width)
+                .map(|k| if (k as u64 + i) % 13 == 0 { f32::NAN } else { ((k as u64 * 7 + i) as f32 * 0.37).sin() })
+                .collect();
+            RequestSpec {
+                request_id: 8_000_000 + i,
+                model: quiver::loadgen::demo::MODEL_NAME.into(),
+                budget_us: 1_000_000,
+                rows,
+                row_count: n as u32,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let mut c = server.client();
+    let responses = c.pipeline(&sent, 100).unwrap();
+    assert!(responses.iter().all(|r| r.status == Status::Ok), "{:?}", responses[0]);
+    assert_eq!(server.wait_metric("quiver_log_records_total", 100), 100);
+    assert_eq!(server.terminate(), 0, "{}", server.stderr());
+    let files = segments(&log_dir);
+    // The feature columns, in the file's order: the row's order.
+    let (code, out, err) = run_quiver(["log".as_ref(), "inspect".as_ref(), files[0].as_os_str()]);
+    assert_eq!(code, 0, "{err}");
+    let columns: Vec<&str> =
+        out.lines().filter_map(|l| l.trim().strip_suffix(": Float32")).filter(|n| n.contains('[')).collect();
+    assert_eq!(columns.len(), width, "{out}");
+    let rows = dump(&files);
+    assert_eq!(rows.len(), sent.iter().map(|s| s.row_count as usize).sum::<usize>());
+    for v in &rows {
+        let id = v["request_id"].as_u64().unwrap();
+        let (spec, r) = sent.iter().zip(&responses).find(|(s, _)| s.request_id == id).unwrap();
+        let k = v["candidate"].as_u64().unwrap() as usize;
+        assert_eq!(v["score"].as_f64().map(|s| (s as f32).to_bits()), Some(r.scores[k].to_bits()), "{v}");
+        for (j, name) in columns.iter().enumerate() {
+            let want = spec.rows[k * width + j];
+            match v[*name].as_f64() {
+                Some(got) => assert_eq!((got as f32).to_bits(), want.to_bits(), "request {id} row {k} {name}"),
+                None => assert!(want.is_nan() && v[*name].is_null(), "request {id} row {k} {name}: {}", v[*name]),
+            }
+        }
+        assert!(v["user_key"].is_null() && v["item_key"].is_null(), "no keys: {v}");
+    }
+    assert_eq!(replay_all(&files), rows.len() as u64);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
