@@ -1,16 +1,20 @@
 """The decision log read without Quiver: a server logging every decision
 writes Arrow IPC segments that pyarrow opens, one row per candidate, the
 scores equal to the answers and the feature columns named; the README's
-pandas example joins them with labels by request id, run as written.
+pandas and Polars examples join them with labels by request id, and its
+DuckDB example counts them by tier, each run as written.
 
-pyarrow and pandas are not dependencies of the client: where one is missing
-its test skips, except in CI, which installs them and sets
-QUIVER_REQUIRE_PYARROW=1 and QUIVER_REQUIRE_PANDAS=1 so that there a
-missing one fails instead.
+pyarrow, pandas, Polars and DuckDB are not dependencies of the client:
+where one is missing its test skips, except in CI, which installs them and
+sets QUIVER_REQUIRE_PYARROW=1, QUIVER_REQUIRE_PANDAS=1,
+QUIVER_REQUIRE_POLARS=1 and QUIVER_REQUIRE_DUCKDB=1 so that there a missing
+one fails instead.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib
 import os
 import pathlib
 import re
@@ -21,20 +25,20 @@ import quiver_client as q
 from helpers import CANDIDATES, QuiverServer, demo_request, f32_bits
 
 
-def pyarrow_or_skip():
-    if os.environ.get("QUIVER_REQUIRE_PYARROW") == "1":
-        import pyarrow
+def module_or_skip(name):
+    """`name` imported; skipped where it is missing, unless
+    QUIVER_REQUIRE_<NAME>=1 says it must be there."""
+    if os.environ.get(f"QUIVER_REQUIRE_{name.upper()}") == "1":
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
 
-        return pyarrow
-    return pytest.importorskip("pyarrow")
+
+def pyarrow_or_skip():
+    return module_or_skip("pyarrow")
 
 
 def pandas_or_skip():
-    if os.environ.get("QUIVER_REQUIRE_PANDAS") == "1":
-        import pandas
-
-        return pandas
-    return pytest.importorskip("pandas")
+    return module_or_skip("pandas")
 
 
 def log_some(demo_dir, tmp_path, count, first_id):
@@ -58,25 +62,38 @@ def log_some(demo_dir, tmp_path, count, first_id):
 README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
 
 
-def test_the_readme_joins_logged_decisions_with_labels(demo_dir, tmp_path, monkeypatch):
-    pyarrow_or_skip()
-    pandas_or_skip()
+def readme_block(which=""):
+    """The README's Python block after the marker naming this file (and
+    `which`, for the Polars and DuckDB ones)."""
+    text = README.read_text()
+    marker = "<!-- run by clients/python/tests/test_decision_log.py" + (f": {which}" if which else "") + " -->"
+    assert marker in text, f"the README's tested example lost its marker {marker}"
+    block = re.search(r"```python\n(.*?)```", text[text.index(marker):], re.S).group(1)
+    return compile(block, "README.md", "exec")
+
+
+def log_and_label(demo_dir, tmp_path, monkeypatch):
+    """60 decisions logged in tmp_path, the working directory, with a label
+    for every other one in labels.csv; returns the answers and the labels,
+    by request id."""
     # Request ids above 2^63: a join that went through int64 or float64
     # would lose or mangle them.
     first = 2**63 + 11
     answers = log_some(demo_dir, tmp_path, 60, first)
-    # A label for every other decision, by request id.
     labelled = {rid: rid % 3 == 0 for rid in sorted(answers)[::2]}
     (tmp_path / "labels.csv").write_text(
         "request_id,label\n" + "".join(f"{rid},{int(label)}\n" for rid, label in labelled.items())
     )
-    text = README.read_text()
-    marker = "<!-- run by clients/python/tests/test_decision_log.py -->"
-    assert marker in text, "the README's tested example lost its marker"
-    block = re.search(r"```python\n(.*?)```", text[text.index(marker):], re.S).group(1)
     monkeypatch.chdir(tmp_path)
+    return answers, labelled
+
+
+def test_the_readme_joins_logged_decisions_with_labels(demo_dir, tmp_path, monkeypatch):
+    pyarrow_or_skip()
+    pandas_or_skip()
+    answers, labelled = log_and_label(demo_dir, tmp_path, monkeypatch)
     scope = {}
-    exec(compile(block, "README.md", "exec"), scope)
+    exec(readme_block(), scope)
     train, X, y = scope["train"], scope["X"], scope["y"]
     assert sorted(set(int(r) for r in train["request_id"])) == sorted(labelled)
     assert len(train) == len(labelled) * CANDIDATES and X.shape == (len(train), len(scope["features"]))
@@ -85,6 +102,33 @@ def test_the_readme_joins_logged_decisions_with_labels(demo_dir, tmp_path, monke
         rid = int(row_id)
         assert label == int(labelled[rid])
         assert f32_bits([score]) == f32_bits([answers[rid].scores[int(candidate)]])
+
+
+def test_the_readme_joins_them_in_polars(demo_dir, tmp_path, monkeypatch):
+    pl = module_or_skip("polars")
+    answers, labelled = log_and_label(demo_dir, tmp_path, monkeypatch)
+    scope = {"files": sorted(glob.glob("decisions/decisions-*.arrow"))}
+    exec(readme_block("Polars"), scope)
+    log, train = scope["log"], scope["train"]
+    assert log.schema["request_id"] == pl.UInt64 and log.schema["user[0]"] == pl.Float32
+    assert log.schema["received"] == pl.Datetime("ns", "UTC")
+    assert sorted(set(train["request_id"].to_list())) == sorted(labelled)
+    assert train.height == len(labelled) * CANDIDATES
+    for rid, label, candidate, score in train.select("request_id", "label", "candidate", "score").iter_rows():
+        assert label == int(labelled[rid])
+        assert f32_bits([score]) == f32_bits([answers[rid].scores[candidate]])
+
+
+def test_the_readme_queries_them_in_duckdb(demo_dir, tmp_path, monkeypatch):
+    pyarrow_or_skip()
+    module_or_skip("duckdb")
+    answers, _ = log_and_label(demo_dir, tmp_path, monkeypatch)
+    scope = {"files": sorted(glob.glob("decisions/decisions-*.arrow"))}
+    exec(readme_block("DuckDB"), scope)
+    ((tier, rows, mean_score),) = scope["per_tier"]
+    assert (tier, rows) == ("primary", len(answers) * CANDIDATES)
+    scores = [s for a in answers.values() for s in a.scores]
+    assert abs(mean_score - sum(scores) / len(scores)) < 1e-6
 
 
 def test_segments_open_in_pyarrow_and_hold_the_answers(demo_dir, tmp_path):
