@@ -12,7 +12,8 @@
 //! version's disagreement over `always_log_shadow_diff` logs the decision,
 //! with the shadow's scores; the non_primary rule logs exactly the
 //! answers from a lower rung; raw-row requests are logged with the rows
-//! sent; a torn or corrupt segment is one clear error from every reader.
+//! sent; a torn or corrupt segment is one clear error from every reader,
+//! `quiver log parquet` among them.
 
 mod common;
 
@@ -324,10 +325,12 @@ fn kill_9_leaves_only_whole_segments() {
             torn.push(("open.arrow.tmp", bytes));
         }
     }
+    let parquet_dir = dir.join("parquet");
+    let parquet_dir = parquet_dir.to_str().unwrap();
     for (name, bytes) in torn {
         let f = dir.join(name);
         std::fs::write(&f, bytes).unwrap();
-        for cmd in [&["inspect"][..], &["dump", "--json"]] {
+        for cmd in [&["inspect"][..], &["dump", "--json"], &["parquet", "--out-dir", parquet_dir]] {
             let mut args: Vec<&std::ffi::OsStr> = vec!["log".as_ref(), cmd[0].as_ref(), f.as_os_str()];
             args.extend(cmd[1..].iter().map(std::ffi::OsStr::new));
             let (code, out, err) = run_quiver(args);
@@ -336,6 +339,20 @@ fn kill_9_leaves_only_whole_segments() {
             assert_eq!(err.trim_end().lines().count(), 1, "{err}");
         }
     }
+    // Nothing half written where Parquet copies go; a whole segment's copy
+    // is there once asked for.
+    assert_eq!(std::fs::read_dir(parquet_dir).unwrap().count(), 0);
+    let (code, out, err) = run_quiver([
+        "log".as_ref(),
+        "parquet".as_ref(),
+        log_dir.join(closed[0]).as_os_str(),
+        "--out-dir".as_ref(),
+        parquet_dir.as_ref(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(" rows)"), "{out}");
+    let copies: Vec<_> = std::fs::read_dir(parquet_dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(copies, [std::ffi::OsString::from(closed[0].replace(".arrow", ".parquet"))]);
     // The next start deletes what the killed process left open.
     let had_tmp = names.iter().any(|n| n.ends_with(".tmp"));
     let mut again = Server::start(&["--shards", "1", "--config", config]);
@@ -364,7 +381,13 @@ fn raw_row_requests_are_logged_with_the_rows_sent() {
             let n = 1 + i as usize % 8;
             // Every 13th value missing.
             let rows = (0..n * width)
-                .map(|k| if (k as u64 + i) % 13 == 0 { f32::NAN } else { ((k as u64 * 7 + i) as f32 * 0.37).sin() })
+                .map(|k| {
+                    if (k as u64 + i).is_multiple_of(13) {
+                        f32::NAN
+                    } else {
+                        ((k as u64 * 7 + i) as f32 * 0.37).sin()
+                    }
+                })
                 .collect();
             RequestSpec {
                 request_id: 8_000_000 + i,

@@ -415,7 +415,11 @@ fn crates_are_imported_only_where_the_architecture_says() {
         (&["murmur3::"], &["features/feast/redis_layout.rs"]),
         (&["plotters::"], &["loadgen/plot.rs"]),
         (&["prometheus_client::"], &["admin/"]),
-        (&["arrow_array::", "arrow_ipc::", "arrow_schema::"], &["decision_log/writer/mod.rs", "decision_log/read.rs"]),
+        (
+            &["arrow_array::", "arrow_ipc::", "arrow_schema::"],
+            &["decision_log/writer/mod.rs", "decision_log/read.rs", "decision_log/to_parquet.rs"],
+        ),
+        (&["parquet::"], &["decision_log/to_parquet.rs"]),
         (&["signal_hook::", "tracing_subscriber::", "ureq::", "indicatif::"], &["main.rs", "cli/"]),
     ];
     let mut broken = Vec::new();

@@ -1,14 +1,15 @@
 //! `quiver log`: decision-log segments read back without a server: `dump`
 //! prints every row as JSON (or one request's), `inspect` the schema,
 //! counts and time range, `replay` scores the logged rows again with a
-//! model file and reports any score that differs (exit 1).
+//! model file and reports any score that differs (exit 1), `parquet`
+//! rewrites segments as Parquet files for Spark and the warehouses.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use quiver::decision_log::{read, replay, writer::utc_stamp};
+use quiver::decision_log::{read, replay, to_parquet, writer::utc_stamp};
 use quiver::model::Model;
 use quiver::score::BackendKind;
 use quiver::Error;
@@ -50,6 +51,18 @@ pub enum Command {
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
+    },
+    /// Rewrite closed segments as Parquet files (Snappy; the receive time
+    /// in microseconds), one per segment, for readers of Parquet alone
+    /// (Spark, Hive, warehouse loaders).
+    Parquet {
+        /// Closed segments (`decisions-*.arrow`).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Where to write them, as `<segment name>.parquet` (created if
+        /// absent; a file of that name is replaced).
+        #[arg(long, value_name = "DIR")]
+        out_dir: PathBuf,
     },
 }
 
@@ -109,6 +122,16 @@ pub fn run(cmd: Command) -> Result<ExitCode, Error> {
             }
             if !r.matched() {
                 return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Parquet { files, out_dir } => {
+            std::fs::create_dir_all(&out_dir)
+                .map_err(|e| Error::Setup(format!("creating {}: {e}", out_dir.display())))?;
+            for file in &files {
+                let segment = read::Segment::open(file).map_err(failed)?;
+                let out = to_parquet::parquet_name(file, &out_dir);
+                let rows = to_parquet::write_parquet(&segment, &out).map_err(|e| Error::Setup(e.to_string()))?;
+                println!("{} -> {} ({rows} rows)", file.display(), out.display());
             }
         }
     }

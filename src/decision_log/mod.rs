@@ -25,6 +25,7 @@ pub mod byte_ring;
 pub mod read;
 pub mod record;
 pub mod replay;
+pub mod to_parquet;
 pub mod writer;
 
 use std::collections::BTreeMap;

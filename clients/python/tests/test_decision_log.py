@@ -2,13 +2,15 @@
 writes Arrow IPC segments that pyarrow opens, one row per candidate, the
 scores equal to the answers and the feature columns named; the README's
 pandas and Polars examples join them with labels by request id, and its
-DuckDB example counts them by tier, each run as written.
+DuckDB example counts them by tier, each run as written; `quiver log
+parquet` rewrites them as Parquet that pyarrow and Spark read, value for
+value.
 
-pyarrow, pandas, Polars and DuckDB are not dependencies of the client:
-where one is missing its test skips, except in CI, which installs them and
-sets QUIVER_REQUIRE_PYARROW=1, QUIVER_REQUIRE_PANDAS=1,
-QUIVER_REQUIRE_POLARS=1 and QUIVER_REQUIRE_DUCKDB=1 so that there a missing
-one fails instead.
+pyarrow, pandas, Polars, DuckDB and PySpark are not dependencies of the
+client: where one is missing its test skips, except in CI, which installs
+them and sets QUIVER_REQUIRE_PYARROW=1, QUIVER_REQUIRE_PANDAS=1,
+QUIVER_REQUIRE_POLARS=1, QUIVER_REQUIRE_DUCKDB=1 and QUIVER_REQUIRE_PYSPARK=1
+so that there a missing one fails instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import importlib
 import os
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -129,6 +132,49 @@ def test_the_readme_queries_them_in_duckdb(demo_dir, tmp_path, monkeypatch):
     assert (tier, rows) == ("primary", len(answers) * CANDIDATES)
     scores = [s for a in answers.values() for s in a.scores]
     assert abs(mean_score - sum(scores) / len(scores)) < 1e-6
+
+
+def test_segments_rewritten_as_parquet_read_in_pyarrow_and_spark(demo_dir, tmp_path, quiver_bin):
+    pa = pyarrow_or_skip()
+    import pyarrow.ipc  # noqa: F401  (the submodule, for pa.ipc)
+    import pyarrow.parquet as pq
+
+    # Request ids above 2^63: Spark reads an unsigned 64-bit column as a
+    # decimal, which must hold them whole.
+    first = 2**63 + 5
+    answers = log_some(demo_dir, tmp_path, 40, first)
+    segments = sorted((tmp_path / "decisions").glob("decisions-*.arrow"))
+    out_dir = tmp_path / "parquet"
+    run = subprocess.run([str(quiver_bin), "log", "parquet", *map(str, segments), "--out-dir", str(out_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(s.name[:-len(".arrow")] + ".parquet" for s in segments)
+    ipc = pa.concat_tables([pa.ipc.open_file(str(f)).read_all() for f in segments])
+    parquet = pa.concat_tables([pq.read_table(str(out_dir / (s.name[:-len(".arrow")] + ".parquet"))) for s in segments])
+    assert parquet.column_names == ipc.column_names and parquet.num_rows == len(answers) * CANDIDATES
+    # Every value but the receive time's unit (microseconds in Parquet).
+    assert parquet.drop_columns(["received"]).equals(ipc.drop_columns(["received"]))
+    assert parquet.schema.field("received").type == pa.timestamp("us", tz="UTC")
+    want = [t // 1000 for t in ipc.column("received").cast(pa.int64()).to_pylist()]
+    assert parquet.column("received").cast(pa.int64()).to_pylist() == want
+
+    module_or_skip("pyspark")
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[1]").appName("quiver-decision-log")
+             .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+    try:
+        df = spark.read.parquet(str(out_dir))
+        assert "user[0]" in df.columns and "context[15]" in df.columns
+        rows = df.select("request_id", "candidate", "score", "tier").collect()
+    finally:
+        spark.stop()
+    assert len(rows) == len(answers) * CANDIDATES
+    for row in rows:
+        rid = int(row["request_id"])
+        assert row["tier"] == "primary"
+        assert f32_bits([row["score"]]) == f32_bits([answers[rid].scores[row["candidate"]]]), rid
 
 
 def test_segments_open_in_pyarrow_and_hold_the_answers(demo_dir, tmp_path):
