@@ -36,7 +36,7 @@ SECTIONS = ["zoo_side_by_side.md", "zoo_side_by_side_amd.md", "one_request.md", 
             "lookups_before_after_amd.md", "workloads_open_loop.md", "request_breakdown.md",
             "request_breakdown_amd.md", "amx_tail_sweep.md", "amx_shapes.md",
             "clients_overhead.md", "feast_side_by_side.md", "decision_log.md",
-            "decision_log_spin.md", "oip_side_by_side.md"]
+            "decision_log_spin.md", "log_formats.md", "oip_side_by_side.md"]
 
 # A commit as the sections write it: a short hash in backticks, "+dirty" when
 # the tree had changes.
