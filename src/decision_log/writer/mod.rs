@@ -1,6 +1,9 @@
 //! The decision-log writer: one thread on the housekeeping cores that
 //! drains every shard's ring and writes segment files in the Arrow IPC
-//! file format, one row per candidate.
+//! file format, one row per candidate. Arrow IPC for its write cost: the
+//! same decisions took 3.7 times the CPU to encode as Parquet (for 0.46
+//! times the bytes; docs/BENCHMARKS.md, "the file format's cost"), and
+//! `quiver log parquet` makes the Parquet copy off the serving machine.
 //!
 //! A segment belongs to one shard and one layout (the input row's spans and
 //! the key groups: the schema's columns); it is written as
