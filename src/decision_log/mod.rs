@@ -359,7 +359,7 @@ pub fn parse_change(query: &str) -> Result<LogChange, String> {
     let [rate, model, client, always, key_group, shadow_diff] = given;
     let rate = match rate.as_deref() {
         None if model.is_some() || client.is_some() => {
-            return Err(format!("model and client name whose rate changes: no sample_rate: {CHANGE_USAGE}"));
+            return Err(format!("model= or client= without sample_rate=: {CHANGE_USAGE}"));
         }
         None => None,
         Some(rate) => Some(parse_rate_change(rate, model.as_deref(), client.as_deref())?),
@@ -876,7 +876,7 @@ mod tests {
         assert_eq!(parse_change("always=").map(|c| c.always), Ok(Some(Vec::new())));
         for (query, want) in [
             ("", "nothing to change"),
-            ("model=m", "model and client name whose rate changes: no sample_rate"),
+            ("model=m", "model= or client= without sample_rate="),
             ("sample_rate=2", "sample_rate = 2 is outside 0..=1"),
             ("sample_rate=NaN", "sample_rate = NaN is outside 0..=1"),
             ("sample_rate=half", "sample_rate 'half' is not a number"),
