@@ -390,24 +390,13 @@ mod tests {
         let x = vec![0.5f32; 16 * 64];
         let d = record::DecisionRef {
             request_id: 1,
-            client_id: 0,
-            received_unix_ns: 0,
-            budget_us: 0,
-            server_us: 0,
             model: "m",
             model_version: 1,
-            status: 0,
-            tier: 0,
-            reason: 0,
-            features_missing: 0,
-            features_stale: false,
             rows: 16,
             row_dim: 64,
-            middle: record::Middle::Parts { spans: &[], keys: &[] },
             x: Some(&x),
-            scores: None,
             why: record::why::SAMPLE,
-            shadow: None,
+            ..record::DecisionRef::BLANK
         };
         for _ in 0..100 {
             log.put(&d);

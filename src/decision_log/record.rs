@@ -170,6 +170,33 @@ pub struct DecisionRef<'a> {
     pub shadow: Option<ShadowRef<'a>>,
 }
 
+#[cfg(test)]
+impl DecisionRef<'static> {
+    /// A decision of zeros and nothing else, for a test to fill in the
+    /// fields it is about.
+    pub(crate) const BLANK: DecisionRef<'static> = DecisionRef {
+        request_id: 0,
+        client_id: 0,
+        received_unix_ns: 0,
+        budget_us: 0,
+        server_us: 0,
+        model: "",
+        model_version: 0,
+        status: 0,
+        tier: 0,
+        reason: 0,
+        features_missing: 0,
+        features_stale: false,
+        rows: 0,
+        row_dim: 0,
+        middle: Middle::Parts { spans: &[], keys: &[] },
+        x: None,
+        scores: None,
+        why: 0,
+        shadow: None,
+    };
+}
+
 fn name_len(s: &str) -> usize {
     cut(s, NAME_BYTES_MAX).len()
 }
@@ -651,24 +678,14 @@ mod tests {
         let keys = [(group.as_str(), KeysRef::One(1))];
         let d = DecisionRef {
             request_id: 1,
-            client_id: 0,
-            received_unix_ns: 0,
-            budget_us: 0,
-            server_us: 0,
             model: &model,
-            model_version: 0,
-            status: 0,
-            tier: 0,
-            reason: 0,
-            features_missing: 0,
-            features_stale: false,
             rows: 1,
             row_dim: 1,
             middle: Middle::Parts { spans: &spans, keys: &keys },
             x: Some(&[0.5]),
             scores: Some(&[0.25]),
             why: why::SAMPLE,
-            shadow: None,
+            ..DecisionRef::BLANK
         };
         let mut out = vec![0u8; d.encoded_len()];
         d.encode(&mut out);
@@ -682,24 +699,11 @@ mod tests {
     fn a_failure_without_rows_or_scores_round_trips() {
         let d = DecisionRef {
             request_id: 1,
-            client_id: 0,
-            received_unix_ns: 0,
-            budget_us: 0,
-            server_us: 0,
-            model: "",
-            model_version: 0,
             status: 4,
-            tier: 0,
-            reason: 0,
-            features_missing: 0,
-            features_stale: false,
-            rows: 0,
             row_dim: 7,
             middle: Middle::Parts { spans: &[], keys: &[("user", KeysRef::None)] },
-            x: None,
-            scores: None,
             why: why::ERRORS,
-            shadow: None,
+            ..DecisionRef::BLANK
         };
         let mut out = vec![0u8; d.encoded_len()];
         d.encode(&mut out);

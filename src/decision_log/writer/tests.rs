@@ -202,24 +202,15 @@ fn a_refusal_between_decisions_goes_in_the_open_segment() {
     let user = [("user", KeysRef::One(3))];
     let ok = DecisionRef {
         request_id: 1,
-        client_id: 0,
-        received_unix_ns: 0,
-        budget_us: 0,
-        server_us: 0,
         model: "m",
         model_version: 1,
-        status: 0,
-        tier: 0,
-        reason: 0,
-        features_missing: 0,
-        features_stale: false,
         rows: 1,
         row_dim: 2,
         middle: Middle::Parts { spans: &spans, keys: &user },
         x: Some(&x),
         scores: Some(&scores),
         why: why::SAMPLE,
-        shadow: None,
+        ..DecisionRef::BLANK
     };
     let refused = DecisionRef {
         request_id: 2,
