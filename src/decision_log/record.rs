@@ -289,6 +289,9 @@ impl Put<'_> {
     /// rows are most of a record's bytes, and the shard pays for them.
     fn floats(&mut self, v: &[f32]) {
         let out = &mut self.out[self.at..self.at + 4 * v.len()];
+        #[cfg(target_endian = "little")]
+        out.copy_from_slice(bytemuck::cast_slice(v));
+        #[cfg(not(target_endian = "little"))]
         for (o, f) in out.chunks_exact_mut(4).zip(v) {
             o.copy_from_slice(&f.to_le_bytes());
         }
