@@ -384,6 +384,19 @@ impl<'a> Floats<'a> {
     pub fn to_vec(&self) -> Vec<f32> {
         self.iter().collect()
     }
+
+    /// The floats into `out` (its length made theirs), in one copy on a
+    /// little-endian machine: the writer's way to the input rows, most of
+    /// a record's bytes.
+    pub fn copy_into(&self, out: &mut Vec<f32>) {
+        out.resize(self.len(), 0.0);
+        #[cfg(target_endian = "little")]
+        bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(self.0);
+        #[cfg(not(target_endian = "little"))]
+        for (o, f) in out.iter_mut().zip(self.iter()) {
+            *o = f;
+        }
+    }
 }
 
 /// A decoded decision, on the writer's side: its floats borrow the record.

@@ -342,6 +342,9 @@ struct Batch {
     /// value), and which rows have them: a row has every feature or none.
     features: Vec<Vec<f32>>,
     features_valid: NullBufferBuilder,
+    /// The decision being pushed's input rows as floats, row-major: the
+    /// record's bytes copied once, then read a column at a time.
+    x: Vec<f32>,
 }
 
 impl Batch {
@@ -385,6 +388,7 @@ impl Batch {
                 .collect(),
             features: (0..layout.row_dim).map(|_| Vec::new()).collect(),
             features_valid: NullBufferBuilder::new(0),
+            x: Vec::new(),
         }
     }
 
@@ -451,8 +455,10 @@ impl Batch {
         let x = d.x.filter(|x| d.rows > 0 && row_dim == self.features.len() && x.len() >= rows * row_dim);
         match x {
             Some(x) => {
+                x.copy_into(&mut self.x);
+                let x = &self.x[..rows * row_dim];
                 for (j, column) in self.features.iter_mut().enumerate() {
-                    column.extend((0..rows).map(|r| x.get(r * row_dim + j).unwrap_or_default()));
+                    column.extend(x[j..].iter().step_by(row_dim));
                 }
                 self.features_valid.append_n_non_nulls(rows);
             }
