@@ -9,8 +9,8 @@
 # core. Then, from the logging servers: records
 # put, dropped (ring full) and written, and the bytes of closed segments
 # per decision logged (`quiver log inspect`); and the writer alone (`cargo
-# bench --bench decision_log`): decisions/s and MB/s one writer thread
-# turns into segments.
+# bench --bench decision_log`), before the serving runs and after them:
+# decisions/s and MB/s one writer thread turns into segments.
 #
 # MODES (default "off 10 100"): `off`, `N` (N% logged, the writer
 # SCHED_IDLE, the default), `Nn` (N% logged, `writer_priority =
@@ -89,6 +89,20 @@ fi
 bench_setup
 raw="$data/runs"
 mkdir -p "$raw"
+
+# The writer alone (`cargo bench --bench decision_log`), before the serving
+# runs and again after them: on a 2-vCPU VM it took 1.5 to 3 times the CPU
+# per decision after minutes of them (15 to 29 µs against 10 µs before, in
+# three runs of this script; a one-second run of it, or minutes of shell
+# busy loops on both cores, did not slow it), so the report gives both.
+writer_bench() {
+    if [ -n "${QUIVER_WRITER_BENCH:-}" ]; then
+        "$QUIVER_WRITER_BENCH" --json >"$1"
+    else
+        cargo bench --quiet --bench decision_log -- --json >"$1"
+    fi
+}
+writer_bench "$raw/writer.json"
 
 # The shard's run time and run-queue wait so far, in ns: its executor's
 # threads (glommio names them `quiver-shard-0-<n>`, cut to 15 characters).
@@ -187,11 +201,10 @@ for mode in "${logging[@]}"; do
     done >"$raw/segments-$mode.txt"
 done
 
-if [ -n "${QUIVER_WRITER_BENCH:-}" ]; then
-    "$QUIVER_WRITER_BENCH" --json >"$raw/writer.json"
-else
-    cargo bench --quiet --bench decision_log -- --json >"$raw/writer.json"
-fi
+# The writer alone again, after the serving runs, their segments flushed
+# first (their writeback would otherwise run beside it).
+sync
+writer_bench "$raw/writer_after.json"
 
 python3 - "$raw" "$OUT" "$RUNS" "$DURATION" "$RATE" "$CONNECTIONS" "$MODES" "$PLACEMENT" "$SPIN_US" <<'PY'
 import json, os, statistics, subprocess, sys
@@ -244,8 +257,10 @@ for mode in modes:
         servers[mode]["p99_vs_off"] = round(servers[mode]["p99_us"] / max(off, 1), 3)
         servers[mode]["shard_cpu_vs_off"] = round(servers[mode]["shard_cpu_us_per_request"] / max(off_cpu, 1e-9), 3)
 writer = json.load(open(os.path.join(raw, "writer.json")))
+writer_after = json.load(open(os.path.join(raw, "writer_after.json")))
 summary = {"commit": commit, "cpu": cpu, "load_average_after": load, "runs": runs, "duration": duration,
-           "rate": rate, "connections": conns, "placement": placement, "spin_before_park_us": spin_us, "servers": servers, "writer": writer}
+           "rate": rate, "connections": conns, "placement": placement, "spin_before_park_us": spin_us, "servers": servers, "writer": writer,
+           "writer_after_serving": writer_after}
 name = "decision_log" if spin_us is not None else "decision_log_spin"
 json.dump(summary, open(os.path.join(out, f"{name}.json"), "w"), indent=1, sort_keys=True)
 lines = [
@@ -307,7 +322,7 @@ if short:
               "say nothing about the within-5% target. Rerun on a quiet machine."]
 lines += [
     "",
-    f"The writer alone (`cargo bench --bench decision_log`: {writer['decisions']:,} decisions of "
+    f"The writer alone, before the serving runs (`cargo bench --bench decision_log`: {writer['decisions']:,} decisions of "
     f"{writer['candidates']}x{writer['row_dim']} uniform floats with 24 random bits, drawn afresh per decision, through one ring): "
     f"{writer['decisions_per_s']:,.0f} decisions/s ({writer['rows_per_s']:,.0f} rows/s), "
     f"{writer['file_mb_per_s']:.1f} MB/s of LZ4 Arrow segments, {writer['file_bytes_per_decision']:,.0f} bytes per "
@@ -316,7 +331,10 @@ lines += [
     f"{writer['writer_faults_per_decision']:.2f} page faults per decision (the process's `getrusage` less the "
     "producer thread's). "
     f"The shard's side of it, `ShardLog::put` (encoding one decision into the ring), took "
-    f"{writer['put_ns_per_decision']:,.0f} ns a decision (mean over the puts that took their record).",
+    f"{writer['put_ns_per_decision']:,.0f} ns a decision (mean over the puts that took their record). "
+    f"The same bench after the serving runs: {writer_after['decisions_per_s']:,.0f} decisions/s, "
+    f"{writer_after['writer_cpu_us_per_decision']:.1f} µs of the writer's CPU and "
+    f"{writer_after['put_ns_per_decision']:,.0f} ns a put per decision.",
     "",
 ]
 open(os.path.join(out, f"{name}.md"), "w").write("\n".join(lines))

@@ -36,7 +36,7 @@
 //! refused `SCHED_IDLE` is a warning (`cores::IdleRefused`) and
 //! `quiver_log_writer_idle` 0; the writer then runs at the default
 //! priority. Yielding is not vanishing: the kernel still gives an idle
-//! thread a sliver of a busy core, and on a core a shard kept 98% busy
+//! thread a sliver of a busy core, and on a core a shard kept 95% busy
 //! that raised the shard's p99, as a busy loop under `SCHED_IDLE` did too
 //! (docs/OPERATING.md, "Decision logs"): where logging matters, the
 //! writer belongs on a housekeeping core of its own.
