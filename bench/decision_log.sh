@@ -94,8 +94,9 @@ mkdir -p "$raw"
 # runs and again after them: on a 2-vCPU VM it took 1.5 to 3 times the CPU
 # per decision after minutes of them (15 to 29 µs in four runs of this
 # script, against 9 to 10 µs before them or run alone; a one-second run of
-# the script, minutes of shell busy loops on both cores, or 1.2 GB written
-# and deleted did not slow it), so the report gives both.
+# the script, minutes of shell busy loops on both cores, 1.2 GB written
+# and deleted, or 180 s of one demo server serving 30k requests/s did not
+# slow it; the cause is not known), so the report gives both.
 writer_bench() {
     if [ -n "${QUIVER_WRITER_BENCH:-}" ]; then
         "$QUIVER_WRITER_BENCH" --json >"$1"
