@@ -8,7 +8,8 @@
 //! shadow threshold and the key group while serving; a full
 //! ring drops and counts while every response arrives; `kill -9` leaves
 //! only whole segments and `.tmp` ones the next start deletes; an unusable
-//! directory is counted and logged while serving goes on; a shadow
+//! directory is counted and logged while serving goes on; a disk that
+//! hangs blocks the writer, never a shard; a shadow
 //! version's disagreement over `always_log_shadow_diff` logs the decision,
 //! with the shadow's scores; the non_primary rule logs exactly the
 //! answers from a lower rung; raw-row requests are logged with the rows
@@ -791,6 +792,111 @@ fn a_full_disk_is_reported_and_serving_goes_on() {
     server.wait_stderr("decisions are dropped");
     assert_eq!(c.score(&specs[5000]).unwrap().status, Status::Ok, "still serving");
     assert_eq!(server.terminate(), 0, "{}", server.stderr());
+    drop(unmount);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A disk that hangs: the log's directory on a loop-mounted ext4 image
+/// frozen with `fsfreeze` (as root; the test says it is skipped where it
+/// cannot make one). The writer blocks in the kernel, the ring fills and
+/// drops, counted, and meanwhile every request is answered `Ok` and
+/// `/metrics` answers. Thawed, the writer goes on: every decision is in
+/// the segments or counted dropped, and the server stops cleanly.
+#[test]
+fn a_hung_disk_blocks_the_writer_and_never_a_shard() {
+    use std::process::{Command, Stdio};
+    let dir = scratch("decision-log-hung-disk");
+    let (image, mnt) = (dir.join("disk.img"), dir.join("mnt"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+    let quiet = |cmd: &mut Command| cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !quiet(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image))
+        || !quiet(Command::new("mount").args(["-o", "loop"]).arg(&image).arg(&mnt))
+    {
+        eprintln!(
+            "SKIPPED a_hung_disk_blocks_the_writer_and_never_a_shard: cannot make and loop-mount an ext4 image \
+             (needs root, mkfs.ext4 and a loop device)"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    /// Unmounts the image however the test ends, once the server is gone.
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let unmount = Unmount(mnt.clone());
+    let log_dir = mnt.join("decisions");
+    let config = dir.join("quiver.toml");
+    std::fs::write(
+        &config,
+        format!("[log]\ndir = \"{}\"\nsample_rate = 1.0\nring_bytes = 1048576\n", log_dir.display()),
+    )
+    .unwrap();
+    let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
+    let mut c = server.client();
+    // 64 candidates: records of some 20 KB, about 50 to the ring.
+    let specs: Vec<RequestSpec> = (0..4_000u64)
+        .map(|i| demo_request(1 + i, i % 1000, (0..64).map(|k| (i + k * 13) % 10_000).collect()))
+        .collect();
+    // Before the freeze: 20, which the ring holds whole.
+    assert!(c.pipeline(&specs[..20], 20).unwrap().iter().all(|r| r.status == Status::Ok));
+    server.wait_metric("quiver_log_records_total", 20);
+    /// Thaws the filesystem however the test ends, before the server is
+    /// killed: a process blocked on a frozen filesystem cannot exit.
+    struct Thaw(PathBuf);
+    impl Drop for Thaw {
+        fn drop(&mut self) {
+            let _ = Command::new("fsfreeze").arg("-u").arg(&self.0).status();
+        }
+    }
+    assert!(quiet(Command::new("fsfreeze").arg("-f").arg(&mnt)), "fsfreeze -f on a mounted ext4 image");
+    let thaw = Thaw(mnt.clone());
+    // The writer thread blocked in the kernel (state D), waiting on the
+    // frozen filesystem.
+    let pid = server.child.id();
+    let writer_blocked = || {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        tasks.flatten().any(|t| {
+            std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| stat.contains("(quiver-declog) D"))
+        })
+    };
+    let mut sent = 20;
+    while !writer_blocked() {
+        assert!(sent + 1000 <= specs.len(), "the writer never blocked on the frozen disk");
+        let chunk = &specs[sent..sent + 100];
+        assert!(c.pipeline(chunk, chunk.len()).unwrap().iter().all(|r| r.status == Status::Ok));
+        sent += 100;
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // The shard is not: a thousand requests or more, every one answered.
+    for chunk in specs[sent..].chunks(500) {
+        let r = c.pipeline(chunk, chunk.len()).unwrap();
+        assert!(r.iter().all(|r| r.status == Status::Ok), "answered while the disk hangs");
+    }
+    assert!(writer_blocked(), "the writer is still blocked: the disk is still frozen");
+    let dropped = "quiver_log_dropped_total{reason=\"ring_full\"}";
+    let full = server.wait_metric(dropped, 1);
+    assert!(full < specs.len() as u64);
+    drop(thaw);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (records, full) = loop {
+        let (records, full) = (server.metric("quiver_log_records_total"), server.metric(dropped));
+        if records + full == specs.len() as u64 || std::time::Instant::now() > until {
+            break (records, full);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(records + full, specs.len() as u64, "every decision logged or counted dropped");
+    assert_eq!(server.metric("quiver_log_write_errors_total"), 0, "a hung disk is slow, not failing");
+    assert_eq!(server.terminate(), 0, "{}", server.stderr());
+    let written: std::collections::HashSet<u64> =
+        dump(&segments(&log_dir)).iter().map(|v| v["request_id"].as_u64().unwrap()).collect();
+    assert_eq!(written.len() as u64, records, "every record the ring took was written after the thaw");
+    assert!((1..=20).all(|id| written.contains(&id)), "the decisions before the freeze");
+    drop(server);
     drop(unmount);
     let _ = std::fs::remove_dir_all(&dir);
 }
