@@ -705,6 +705,29 @@ fn post_log_changes_the_rules_and_the_key_group_while_serving() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Requests of 64 candidates each: decision records of some 20 KB.
+fn wide_specs(n: u64) -> Vec<RequestSpec> {
+    (0..n).map(|i| demo_request(1 + i, i % 1000, (0..64).map(|k| (i + k * 13) % 10_000).collect())).collect()
+}
+
+const RING_FULL: &str = "quiver_log_dropped_total{reason=\"ring_full\"}";
+
+/// Records put and records dropped for a full ring, once they account for
+/// all `decisions` (shards publish once a second); asserts they do within
+/// 20 s.
+fn logged_or_dropped(server: &Server, decisions: u64) -> (u64, u64) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (records, full) = loop {
+        let (records, full) = (server.metric("quiver_log_records_total"), server.metric(RING_FULL));
+        if records + full == decisions || std::time::Instant::now() > until {
+            break (records, full);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(records + full, decisions, "every decision logged or counted dropped");
+    (records, full)
+}
+
 /// A ring far too small for the load: records that do not fit are dropped
 /// and counted, and every request is still answered `Ok`; every decision
 /// is either in the files or counted dropped.
@@ -725,9 +748,7 @@ fn a_full_ring_drops_and_counts_while_every_response_arrives() {
     let mut c = server.client();
     // 64 candidates: a record of some 20 KB, three to a ring; segments of
     // 64 KiB, each closed with two fsyncs.
-    let specs: Vec<RequestSpec> = (0..4_000u64)
-        .map(|i| demo_request(1 + i, i % 1000, (0..64).map(|k| (i + k * 13) % 10_000).collect()))
-        .collect();
+    let specs = wide_specs(4_000);
     let mut answered = 0;
     for chunk in specs.chunks(500) {
         let r = c.pipeline(chunk, chunk.len()).unwrap();
@@ -735,16 +756,7 @@ fn a_full_ring_drops_and_counts_while_every_response_arrives() {
         answered += r.len();
     }
     assert_eq!(answered, specs.len());
-    let dropped = "quiver_log_dropped_total{reason=\"ring_full\"}";
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let (records, full) = loop {
-        let (records, full) = (server.metric("quiver_log_records_total"), server.metric(dropped));
-        if records + full == specs.len() as u64 || std::time::Instant::now() > until {
-            break (records, full);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
-    assert_eq!(records + full, specs.len() as u64, "every decision logged or counted dropped");
+    let (records, full) = logged_or_dropped(&server, specs.len() as u64);
     assert!(full > 0, "a 64 KiB ring held {records} of {} records of 20 KB", specs.len());
     assert_eq!(server.terminate(), 0);
     let written: std::collections::HashSet<u64> =
@@ -845,9 +857,7 @@ fn a_hung_disk_blocks_the_writer_and_never_a_shard() {
     let mut server = Server::start(&["--shards", "1", "--config", config.to_str().unwrap()]);
     let mut c = server.client();
     // 64 candidates: records of some 20 KB, about 50 to the ring.
-    let specs: Vec<RequestSpec> = (0..4_000u64)
-        .map(|i| demo_request(1 + i, i % 1000, (0..64).map(|k| (i + k * 13) % 10_000).collect()))
-        .collect();
+    let specs = wide_specs(4_000);
     // Before the freeze: 20, which the ring holds whole.
     assert!(c.pipeline(&specs[..20], 20).unwrap().iter().all(|r| r.status == Status::Ok));
     server.wait_metric("quiver_log_records_total", 20);
@@ -887,19 +897,9 @@ fn a_hung_disk_blocks_the_writer_and_never_a_shard() {
         assert!(r.iter().all(|r| r.status == Status::Ok), "answered while the disk hangs");
     }
     assert!(writer_blocked(), "the writer is still blocked: the disk is still frozen");
-    let dropped = "quiver_log_dropped_total{reason=\"ring_full\"}";
-    let full = server.wait_metric(dropped, 1);
-    assert!(full < specs.len() as u64);
+    assert!(server.wait_metric(RING_FULL, 1) < specs.len() as u64);
     drop(thaw);
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let (records, full) = loop {
-        let (records, full) = (server.metric("quiver_log_records_total"), server.metric(dropped));
-        if records + full == specs.len() as u64 || std::time::Instant::now() > until {
-            break (records, full);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
-    assert_eq!(records + full, specs.len() as u64, "every decision logged or counted dropped");
+    let (records, _) = logged_or_dropped(&server, specs.len() as u64);
     assert_eq!(server.metric("quiver_log_write_errors_total"), 0, "a hung disk is slow, not failing");
     assert_eq!(server.terminate(), 0, "{}", server.stderr());
     let written: std::collections::HashSet<u64> =
