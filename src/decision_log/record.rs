@@ -382,7 +382,9 @@ impl<'a> Floats<'a> {
     }
 
     pub fn to_vec(&self) -> Vec<f32> {
-        self.iter().collect()
+        let mut v = Vec::new();
+        self.copy_into(&mut v);
+        v
     }
 
     /// The floats into `out` (its length made theirs), in one copy on a
